@@ -1,0 +1,1 @@
+"""Packfeed client: PackStream for trainers (arrives with issue [2/4])."""

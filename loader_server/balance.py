@@ -1,0 +1,86 @@
+"""Which packs share a step, which rank gets which (MMScale Alg. 2), and lighter packs for the last step.
+
+A step is D ranks x M packs. Packs of similar vision load and similar token load are put in the same
+step (sort by a coarse vision bucket, then tokens), so the ranks of a step carry nearly equal work in
+both modules. Within a step, packs go to ranks by greedy LPT on the combined cost, at most M per rank.
+Step order across the epoch is a seeded shuffle elsewhere, so the epoch does not drift from small to
+large packs.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+
+# Vision loads are grouped into at most this many buckets before sorting by tokens. Integral units
+# (tiles, images) with fewer distinct values keep their exact values.
+VISION_BUCKETS = 64
+
+
+@numba.njit(cache=True, nogil=True)
+def lpt_assign(cost, n_bins, per_bin_limit):
+    """Greedy LPT: items largest first, each onto the least-loaded bin that still has room.
+
+    `per_bin_limit` <= 0 means unlimited. Ties go to the lowest bin index, so the result is deterministic.
+    Returns the bin of every item.
+    """
+    n = len(cost)
+    order = np.argsort(-cost, kind="mergesort")
+    load = np.zeros(n_bins)
+    count = np.zeros(n_bins, dtype=np.int64)
+    bin_of = np.empty(n, dtype=np.int64)
+    for k in range(n):
+        i = order[k]
+        best = -1
+        for r in range(n_bins):
+            if per_bin_limit > 0 and count[r] >= per_bin_limit:
+                continue
+            if best < 0 or load[r] < load[best]:
+                best = r
+        bin_of[i] = best
+        load[best] += cost[i]
+        count[best] += 1
+    return bin_of
+
+
+def vision_bucket(pack_vision: np.ndarray) -> np.ndarray:
+    """Coarse vision load used as the primary step-formation key."""
+    distinct = np.unique(pack_vision)
+    if len(distinct) <= VISION_BUCKETS:
+        return np.searchsorted(distinct, pack_vision)
+    edges = np.quantile(pack_vision, np.linspace(0, 1, VISION_BUCKETS + 1)[1:-1])
+    return np.searchsorted(edges, pack_vision, side="right")
+
+
+def form_steps(pack_vision: np.ndarray, pack_tokens: np.ndarray, pack_cost: np.ndarray,
+               slots: int) -> tuple[np.ndarray, np.ndarray]:
+    """Split packs into full steps of `slots` similar packs, and the rest.
+
+    Returns (full, rest): `full` is a (n_steps, slots) array of pack ids; `rest` holds the N mod slots
+    lightest packs, which form the epoch's last, partial step.
+    """
+    n = len(pack_cost)
+    n_rest = n % slots
+    ids = np.arange(n)
+    by_cost = np.lexsort((ids, pack_cost))
+    rest = np.sort(by_cost[:n_rest])
+    body = np.sort(by_cost[n_rest:])
+    order = np.lexsort((body, pack_tokens[body], vision_bucket(pack_vision[body])))
+    return body[order].reshape(-1, slots), rest
+
+
+def split_for_last_step(members: list[np.ndarray], sample_cost: np.ndarray, slots: int) -> list[np.ndarray]:
+    """Split the last step's packs into up to `slots` lighter packs, so every rank still gets work.
+
+    Repeatedly halves the pack holding the most samples (LPT into two), which keeps every piece within
+    the caps its parent respected. Stops when there are `slots` packs or every pack is a single sample.
+    """
+    packs = [np.asarray(m, dtype=np.int64) for m in members if len(m)]
+    while len(packs) < slots:
+        biggest = max(range(len(packs)), key=lambda k: (len(packs[k]), -k)) if packs else None
+        if biggest is None or len(packs[biggest]) < 2:
+            break
+        pack = packs.pop(biggest)
+        halves = lpt_assign(sample_cost[pack], 2, 0)
+        packs[biggest:biggest] = [pack[halves == 0], pack[halves == 1]]
+    return packs

@@ -1,0 +1,140 @@
+"""`packfeed` — the command line: index, plan, stats, demo."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+EXIT_OK, EXIT_SKIPPED, EXIT_USAGE = 0, 3, 2
+
+
+def _add_plan_options(parser: argparse.ArgumentParser) -> None:
+    from packfeed.server.plan import OVERSIZE_POLICIES, STRATEGIES
+
+    parser.add_argument("--dp", type=int, default=8, help="data-parallel ranks (default 8)")
+    parser.add_argument("--microbatches", type=int, default=1, help="packs per rank per step, M (default 1)")
+    parser.add_argument("--pipeline-stages", type=int, default=1, help="pipeline stages P for 1F1B ordering")
+    parser.add_argument("--vision-cap", type=int, help="max vision units per pack (automatic when omitted)")
+    parser.add_argument("--token-cap", type=int, help="max LLM tokens per pack (automatic when omitted)")
+    parser.add_argument("--vision-target", type=int, help="ISF keeps packs with at least this many vision units")
+    parser.add_argument("--token-target", type=int, help="... or at least this many tokens (default cap - 128)")
+    parser.add_argument("--isf-iterations", type=int, default=10, help="ISF sampling/filtering rounds (default 10)")
+    parser.add_argument("--samples-per-pack", type=float, default=4.0,
+                        help="average pack size the automatic caps aim for; batch size of the baselines")
+    parser.add_argument("--oversize", choices=OVERSIZE_POLICIES, default="alone",
+                        help="a sample larger than a cap: its own pack (alone), dropped (skip), or tokens cut to "
+                             "the cap (truncate); always reported")
+    parser.add_argument("--strategy", choices=STRATEGIES, default="isf+balance")
+
+
+def _plan_config(args: argparse.Namespace, **overrides):
+    from packfeed.server.plan import PlanConfig
+
+    values = dict(dp=args.dp, microbatches=args.microbatches, pipeline_stages=args.pipeline_stages,
+                  strategy=args.strategy, vision_cap=args.vision_cap, token_cap=args.token_cap,
+                  vision_target=args.vision_target, token_target=args.token_target,
+                  isf_iterations=args.isf_iterations, samples_per_pack=args.samples_per_pack,
+                  oversize=args.oversize)
+    values.update(overrides)
+    return PlanConfig(**values)
+
+
+def cmd_index(args: argparse.Namespace) -> int:
+    if args.from_lengths:
+        from packfeed.server.lengths import index_from_lengths
+
+        info = index_from_lengths(args.from_lengths, args.out)
+        print(json.dumps({"index": str(args.out), "fingerprint": info.fingerprint,
+                          "invalid_by_reason": info.invalid_by_reason}))
+        return EXIT_SKIPPED if info.invalid_by_reason else EXIT_OK
+    if not args.shards:
+        print("packfeed index: give shard paths/globs/brace patterns, or --from-lengths FILE.json", file=sys.stderr)
+        return EXIT_USAGE
+    from packfeed.server.indexer import IndexConfig, build_index
+
+    config = IndexConfig.from_args(args)
+    result = build_index(args.shards, args.out, config, workers=args.workers, progress=not args.quiet)
+    print(json.dumps(result.summary()))
+    return EXIT_SKIPPED if result.skipped_anything else EXIT_OK
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from packfeed.server.costs import load_sample_loads
+    from packfeed.server.plan import make_plan
+
+    loads, info = load_sample_loads(args.index)
+    plan = make_plan(loads, _plan_config(args), args.seed, args.epoch, info.fingerprint)
+    if args.out:
+        plan.write(args.out)
+    summary = plan.summary(loads)
+    summary["plan_fingerprint"] = plan.fingerprint()
+    if summary["oversize"]["count"]:
+        print(f"note: {summary['oversize']['count']} samples exceed a cap (policy: {args.oversize})", file=sys.stderr)
+    print(json.dumps(summary))
+    return EXIT_OK
+
+
+def cmd_stats(args: argparse.Namespace) -> int:
+    from packfeed.server.stats import write_report
+
+    paths = write_report(args.index, args.out, _plan_config(args), seed=args.seed)
+    print(json.dumps({k: str(v) for k, v in paths.items()}))
+    return EXIT_OK
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from packfeed.server.demo import run_demo
+
+    return run_demo(Path(args.out), samples=args.samples)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="packfeed", description="Balanced packs for vision-language training.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    index = sub.add_parser("index", help="build a Parquet index of a WebDataset (or import length files)")
+    index.add_argument("shards", nargs="*", help="tar shards: paths, globs, brace patterns, pipe:/URL sources")
+    index.add_argument("--from-lengths", nargs="+", metavar="FILE.json", help="import OmniBal/InternVL length files")
+    index.add_argument("--out", required=True, help="output INDEX.parquet")
+    index.add_argument("--workers", type=int, default=None, help="parallel shard readers (default: CPU count)")
+    index.add_argument("--quiet", action="store_true", help="no progress bar")
+    from packfeed.server.indexer import add_index_options
+
+    add_index_options(index)
+    index.set_defaults(func=cmd_index)
+
+    plan = sub.add_parser("plan", help="plan balanced packs for one epoch")
+    plan.add_argument("--index", required=True)
+    plan.add_argument("--seed", type=int, default=0)
+    plan.add_argument("--epoch", type=int, default=0)
+    plan.add_argument("--out", help="plan.parquet (one row per sample)")
+    _add_plan_options(plan)
+    plan.set_defaults(func=cmd_plan)
+
+    stats = sub.add_parser("stats", help="HTML/Markdown/JSON statistics report of an index")
+    stats.add_argument("--index", required=True)
+    stats.add_argument("--out", required=True, help="report directory")
+    stats.add_argument("--seed", type=int, default=0)
+    _add_plan_options(stats)
+    stats.set_defaults(func=cmd_stats)
+
+    demo = sub.add_parser("demo", help="build a demo dataset, index it, report and plan")
+    demo.add_argument("--out", default="demo-out")
+    demo.add_argument("--samples", type=int, default=240)
+    demo.set_defaults(func=cmd_demo)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError) as error:
+        print(f"packfeed {args.command}: error: {error}", file=sys.stderr)
+        return EXIT_USAGE
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,108 @@
+"""Per-sample loads and the compute cost model the planner balances on.
+
+Cost of a sample on a module = a * tokens + b * sum(sequence_length^2): linear layers plus attention.
+Packs use variable-length attention, so samples in a pack never attend to each other and pack costs
+are plain sums of sample costs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from packfeed.server.index_table import IndexInfo, read_index
+
+# InternVL tiles are 448 px with 14 px patches: 32 x 32 = 1024 ViT tokens per tile.
+DEFAULT_PATCHES_PER_UNIT = 1024
+
+
+@dataclass(frozen=True)
+class ModuleShape:
+    """Enough of a transformer's shape to estimate training FLOPs."""
+
+    params: float
+    layers: int
+    hidden: int
+    causal: bool
+
+    def coefficients(self) -> tuple[float, float]:
+        # fwd+bwd linear FLOPs ~ 6 * params per token; attention QK^T and AV cost 4*h*s^2 per layer forward,
+        # x3 with backward; causal masking halves it.
+        linear = 6.0 * self.params
+        quadratic = 12.0 * self.layers * self.hidden * (0.5 if self.causal else 1.0)
+        return linear, quadratic
+
+
+# Defaults: InternVL-Chat-1.5 (InternViT-6B + InternLM2-20B), the model OmniBal trains.
+INTERNVIT_6B = ModuleShape(params=5.9e9, layers=45, hidden=3200, causal=False)
+INTERNLM2_20B = ModuleShape(params=19.9e9, layers=48, hidden=6144, causal=True)
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Coefficients in arbitrary but shared units (FLOPs by default; a trainer may measure seconds)."""
+
+    vision_linear: float
+    vision_quadratic: float
+    llm_linear: float
+    llm_quadratic: float
+
+    @classmethod
+    def from_shapes(cls, vision: ModuleShape = INTERNVIT_6B, llm: ModuleShape = INTERNLM2_20B) -> "CostModel":
+        vl, vq = vision.coefficients()
+        ll, lq = llm.coefficients()
+        return cls(vl, vq, ll, lq)
+
+    def vision_cost(self, loads: "SampleLoads") -> np.ndarray:
+        return self.vision_linear * loads.vit_patches + self.vision_quadratic * loads.vit_attn_sq
+
+    def llm_cost(self, loads: "SampleLoads") -> np.ndarray:
+        tokens = loads.tokens.astype(np.float64)
+        return self.llm_linear * tokens + self.llm_quadratic * tokens * tokens
+
+
+@dataclass
+class SampleLoads:
+    """Columns of the index the planner needs, as numpy arrays (row i = sample_id i)."""
+
+    valid: np.ndarray  # bool
+    vision: np.ndarray  # int64 vision units (what the vision cap counts)
+    tokens: np.ndarray  # int64 LLM tokens (what the token cap counts)
+    vit_patches: np.ndarray  # float64
+    vit_attn_sq: np.ndarray  # float64
+
+    def __len__(self) -> int:
+        return len(self.valid)
+
+    @classmethod
+    def from_arrays(cls, vision, tokens, valid=None, patches_per_unit: int = DEFAULT_PATCHES_PER_UNIT) -> "SampleLoads":
+        """Loads from bare vision-unit and token counts, taking each unit as one ViT sequence (InternVL tiles)."""
+        vision = np.asarray(vision, dtype=np.int64)
+        tokens = np.asarray(tokens, dtype=np.int64)
+        valid = np.ones(len(vision), dtype=bool) if valid is None else np.asarray(valid, dtype=bool)
+        patches = vision.astype(np.float64) * patches_per_unit
+        return cls(valid, vision, tokens, patches, patches * patches_per_unit)
+
+
+PLANNER_COLUMNS = ["sample_id", "valid", "vision_units", "llm_tokens", "vit_patches", "vit_attn_sq"]
+
+
+def load_sample_loads(index_path: str | Path) -> tuple[SampleLoads, IndexInfo]:
+    table, info = read_index(index_path, columns=PLANNER_COLUMNS)
+    sample_id = table.column("sample_id").to_numpy()
+    if not np.array_equal(sample_id, np.arange(len(sample_id))):
+        raise ValueError(f"{index_path}: sample_id must equal the row number; rebuild the index with `packfeed index`")
+
+    def column(name, dtype):
+        return table.column(name).to_numpy(zero_copy_only=False).astype(dtype, copy=False)
+
+    loads = SampleLoads(
+        valid=column("valid", bool),
+        vision=column("vision_units", np.int64),
+        tokens=column("llm_tokens", np.int64),
+        vit_patches=column("vit_patches", np.float64),
+        vit_attn_sq=column("vit_attn_sq", np.float64),
+    )
+    return loads, info

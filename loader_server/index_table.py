@@ -1,0 +1,117 @@
+"""The sample index: one Parquet row per sample, plus a fingerprint in the file's metadata.
+
+Indexing shards (`packfeed index SHARDS`) and importing OmniBal/InternVL length files
+(`packfeed index --from-lengths`) both end here, so the planner and the report read one format.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from packfeed.server import __version__
+
+INDEX_FORMAT_VERSION = 1
+METADATA_KEY = b"packfeed.index"
+
+# Columns every index has. Shard-built indexes fill the member/image columns; imported length files leave
+# them null because the length files carry no per-member information.
+SCHEMA = pa.schema(
+    [
+        ("sample_id", pa.int64()),
+        ("shard", pa.dictionary(pa.int32(), pa.string())),
+        ("key", pa.string()),
+        ("valid", pa.bool_()),
+        ("reason", pa.string()),  # null when valid
+        ("json_offset", pa.int64()),  # byte offset of the member's data inside the (uncompressed) tar
+        ("json_size", pa.int64()),
+        ("image_names", pa.list_(pa.string())),  # member extension, e.g. "jpg", "0.png"
+        ("image_offsets", pa.list_(pa.int64())),
+        ("image_sizes", pa.list_(pa.int64())),
+        ("image_widths", pa.list_(pa.int32())),
+        ("image_heights", pa.list_(pa.int32())),
+        ("n_images", pa.int32()),
+        ("vision_units", pa.int32()),  # what the vision cap counts: tiles (InternVL), merged patches (Qwen2-VL), images
+        ("vision_tokens", pa.int32()),  # image placeholder tokens in the LLM sequence
+        ("vit_patches", pa.int64()),  # ViT sequence length summed over the sample's ViT sequences (cost model)
+        ("vit_attn_sq", pa.int64()),  # sum of squared ViT sequence lengths (attention term of the cost model)
+        ("text_tokens", pa.int32()),
+        ("llm_tokens", pa.int32()),  # text + image placeholder tokens: the packed sequence length
+        ("loss_tokens", pa.int32()),  # tokens with a label (assistant turns)
+    ]
+)
+
+
+@dataclass
+class IndexInfo:
+    """What the index's metadata records: where it came from and how costs were computed."""
+
+    fingerprint: str
+    source: str  # "shards" or "lengths"
+    inputs: list[str]
+    image_policy: dict[str, Any] | None = None
+    tokenizer: dict[str, Any] | None = None
+    chat_template: dict[str, Any] | None = None
+    skipped_shards: list[dict[str, str]] | None = None
+    invalid_by_reason: dict[str, int] | None = None
+    rows_per_second: float | None = None
+    format_version: int = INDEX_FORMAT_VERSION
+    packfeed_version: str = __version__
+
+
+def fingerprint_table(table: pa.Table, config: dict[str, Any]) -> str:
+    """A stable digest of the rows that matter for planning and serving, plus the indexing config.
+
+    Hashes column buffers in a fixed order, so it is independent of Parquet encoding, compression and
+    row-group layout, and equal for equal content.
+    """
+    digest = hashlib.sha256()
+    digest.update(json.dumps(config, sort_keys=True).encode())
+    for name in ("sample_id", "valid", "vision_units", "vision_tokens", "llm_tokens", "vit_patches", "vit_attn_sq"):
+        column = table.column(name).combine_chunks()
+        digest.update(name.encode())
+        digest.update(np.ascontiguousarray(column.to_numpy(zero_copy_only=False)).tobytes())
+    for name in ("shard", "key"):
+        column = table.column(name).cast(pa.string()).combine_chunks()
+        digest.update(name.encode())
+        for buffer in column.buffers():
+            if buffer is not None:
+                digest.update(buffer)
+    return digest.hexdigest()[:32]
+
+
+def write_index(table: pa.Table, path: str | Path, info: IndexInfo) -> None:
+    table = table.cast(SCHEMA) if table.schema != SCHEMA else table
+    metadata = {METADATA_KEY: json.dumps(info.__dict__, sort_keys=True).encode()}
+    table = table.replace_schema_metadata(metadata)
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(table, path, compression="zstd", row_group_size=1 << 20)
+
+
+def read_index_info(path: str | Path) -> IndexInfo:
+    metadata = pq.read_schema(path).metadata or {}
+    if METADATA_KEY not in metadata:
+        raise ValueError(f"{path} is not a Packfeed index (no '{METADATA_KEY.decode()}' metadata); "
+                         "build one with `packfeed index`")
+    raw = json.loads(metadata[METADATA_KEY])
+    return IndexInfo(**raw)
+
+
+def read_index(path: str | Path, columns: list[str] | None = None) -> tuple[pa.Table, IndexInfo]:
+    info = read_index_info(path)
+    if info.format_version != INDEX_FORMAT_VERSION:
+        raise ValueError(f"{path} has index format {info.format_version}; this Packfeed reads "
+                         f"{INDEX_FORMAT_VERSION}. Rebuild it with `packfeed index`.")
+    return pq.read_table(path, columns=columns), info
+
+
+def empty_rows(n: int) -> dict[str, Any]:
+    """Null-filled columns for `n` rows, to be overwritten by the builder."""
+    return {field.name: pa.nulls(n, field.type) for field in SCHEMA}

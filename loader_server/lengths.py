@@ -1,0 +1,75 @@
+"""Import OmniBal/InternVL length files (`[{"vit_num", "token_num", "image_flags"}, ...]`) as an index.
+
+`vit_num` -> vision units (448 px tiles), `token_num` -> LLM tokens; sample_id is the position, files
+concatenated in argument order. The files carry no member offsets, so such an index plans and reports
+but cannot be served.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+
+from packfeed.server.costs import DEFAULT_PATCHES_PER_UNIT
+from packfeed.server.index_table import SCHEMA, IndexInfo, empty_rows, fingerprint_table, write_index
+
+TOKENS_PER_TILE = 256  # InternVL: pixel-shuffled 448 px tile -> 256 LLM tokens
+
+
+def _load_records(path: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    try:
+        records = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as error:
+        raise ValueError(f"{path}: cannot read a length file ({error})") from error
+    if not isinstance(records, list):
+        raise ValueError(f"{path}: a length file is a JSON list of {{vit_num, token_num, image_flags}} records")
+    try:
+        vit = np.fromiter((r["vit_num"] for r in records), dtype=np.int64, count=len(records))
+        tok = np.fromiter((r["token_num"] for r in records), dtype=np.int64, count=len(records))
+        flags = np.fromiter((r.get("image_flags", r["vit_num"]) for r in records), dtype=np.int64,
+                            count=len(records))
+    except (KeyError, TypeError) as error:
+        raise ValueError(f"{path}: every record needs integer 'vit_num' and 'token_num' ({error!r})") from error
+    return vit, tok, flags
+
+
+def index_from_lengths(files: list[str | Path], out: str | Path) -> IndexInfo:
+    parts = [(_load_records(Path(f)), Path(f).name) for f in files]
+    n = sum(len(vit) for (vit, _, _), _ in parts)
+    vit = np.concatenate([p[0][0] for p in parts]) if parts else np.zeros(0, np.int64)
+    tok = np.concatenate([p[0][1] for p in parts]) if parts else np.zeros(0, np.int64)
+    flags = np.concatenate([p[0][2] for p in parts]) if parts else np.zeros(0, np.int64)
+    source = np.concatenate([np.full(len(p[0][0]), k, dtype=np.int32) for k, p in enumerate(parts)]) \
+        if parts else np.zeros(0, np.int32)
+    position = np.concatenate([np.arange(len(p[0][0])) for p in parts]) if parts else np.zeros(0, np.int64)
+
+    bad = (vit < 0) | (tok <= 0)
+    columns = empty_rows(n)
+    patches = vit * DEFAULT_PATCHES_PER_UNIT
+    columns.update({
+        "sample_id": pa.array(np.arange(n, dtype=np.int64)),
+        "shard": pa.DictionaryArray.from_arrays(pa.array(source), pa.array([name for _, name in parts],
+                                                                            type=pa.string())),
+        "key": pa.array([f"{i:09d}" for i in position], type=pa.string()),
+        "valid": pa.array(~bad),
+        "reason": pa.array(np.where(bad, "bad length record (vit_num < 0 or token_num <= 0)", None),
+                           type=pa.string()),
+        "vision_units": pa.array(vit.astype(np.int32)),
+        "vision_tokens": pa.array((flags * TOKENS_PER_TILE).astype(np.int32)),
+        "vit_patches": pa.array(patches),
+        "vit_attn_sq": pa.array(vit * DEFAULT_PATCHES_PER_UNIT * DEFAULT_PATCHES_PER_UNIT),
+        "llm_tokens": pa.array(tok.astype(np.int32)),
+    })
+    table = pa.table(columns, schema=SCHEMA)
+    config = {"source": "lengths", "files": [name for _, name in parts]}
+    invalid = int(bad.sum())
+    info = IndexInfo(
+        fingerprint=fingerprint_table(table, config), source="lengths", inputs=[str(f) for f in files],
+        invalid_by_reason={"bad length record (vit_num < 0 or token_num <= 0)": invalid} if invalid else {},
+        skipped_shards=[],
+    )
+    write_index(table, out, info)
+    return info

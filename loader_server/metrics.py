@@ -1,0 +1,32 @@
+"""Balance metrics exactly as DESIGN.md defines them (OmniBal eq. 1 and 2)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def dist_ratio(rank_loads: np.ndarray) -> float:
+    """Mean over steps of sum_d (T_max - T_d) / (T_max * D); rank_loads is (steps, D).
+
+    Steps where every rank is idle (T_max = 0) are not counted: there is nothing to wait for.
+    """
+    loads = np.asarray(rank_loads, dtype=np.float64)
+    if loads.size == 0:
+        return 0.0
+    t_max = loads.max(axis=1)
+    busy = t_max > 0
+    if not busy.any():
+        return 0.0
+    waste = (t_max[busy, None] - loads[busy]).sum(axis=1) / (t_max[busy] * loads.shape[1])
+    return float(waste.mean())
+
+
+def pad_ratio(batch_sizes: np.ndarray, batch_max: np.ndarray, batch_sum: np.ndarray) -> float:
+    """Padding tokens over padded tokens, summed over mini-batches (sum_i (L_max - L_i) / (L_max * B)).
+
+    Weighted by each mini-batch's padded size, as OmniBal's code reports it. Packed batches have 0.
+    """
+    padded = (np.asarray(batch_sizes, dtype=np.float64) * batch_max).sum()
+    if padded == 0:
+        return 0.0
+    return float((padded - np.sum(batch_sum, dtype=np.float64)) / padded)

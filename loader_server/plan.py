@@ -1,0 +1,433 @@
+"""The plan: a pure function of (index, config, seed, epoch) that says which samples every DP rank
+trains on in every microbatch of every step.
+
+Guarantees (tested):
+- every valid sample appears exactly once per epoch, except samples the `skip` oversize policy drops,
+  which are reported;
+- with the ISF strategies no pack of two or more samples exceeds a cap; a sample that alone exceeds a
+  cap travels alone (`alone`, default), is dropped (`skip`), or has its tokens cut to the cap (`truncate`);
+- every rank gets exactly M packs in every step; only the last step may hold lighter packs or empty
+  packs (flagged), so no rank waits on a collective that others skip;
+- same inputs give a byte-identical plan; nothing depends on process, thread count or hash seeds.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numba
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from packfeed.server import __version__
+from packfeed.server.balance import form_steps, lpt_assign, split_for_last_step
+from packfeed.server.caps import default_targets, search_caps
+from packfeed.server.costs import CostModel, SampleLoads
+from packfeed.server.isf import Caps, isf
+from packfeed.server.metrics import dist_ratio, pad_ratio
+from packfeed.server.pipeline_order import inter_reorder_many, stage_fractions, stage_times
+
+STRATEGIES = ("random", "length-group", "isf", "isf+balance")
+OVERSIZE_POLICIES = ("alone", "skip", "truncate")
+PLAN_METADATA_KEY = b"packfeed.plan"
+
+# Independent random streams per purpose, so changing one stage never shifts another's randomness.
+_STREAM_ISF, _STREAM_STEPS, _STREAM_RANKS, _STREAM_BATCHES = 1, 2, 3, 4
+
+
+@dataclass(frozen=True)
+class PlanConfig:
+    dp: int = 8
+    microbatches: int = 1
+    pipeline_stages: int = 1
+    strategy: str = "isf+balance"
+    vision_cap: int | None = None
+    token_cap: int | None = None
+    vision_target: int | None = None
+    token_target: int | None = None
+    isf_iterations: int = 10
+    samples_per_pack: float = 4.0  # automatic caps aim here; batch size of the random / length-group baselines
+    oversize: str = "alone"
+    cost_model: CostModel = field(default_factory=CostModel.from_shapes)
+
+    def __post_init__(self):
+        problems = []
+        if self.dp < 1 or self.microbatches < 1 or self.pipeline_stages < 1:
+            problems.append("dp, microbatches and pipeline_stages must be >= 1")
+        if self.strategy not in STRATEGIES:
+            problems.append(f"strategy must be one of {', '.join(STRATEGIES)}")
+        if self.oversize not in OVERSIZE_POLICIES:
+            problems.append(f"oversize must be one of {', '.join(OVERSIZE_POLICIES)}")
+        if self.isf_iterations < 1:
+            problems.append("isf_iterations must be >= 1")
+        if self.samples_per_pack < 1:
+            problems.append("samples_per_pack must be >= 1")
+        if (self.vision_cap is None) != (self.token_cap is None):
+            problems.append("give both --vision-cap and --token-cap, or neither (automatic)")
+        if problems:
+            raise ValueError("invalid plan config: " + "; ".join(problems))
+
+    @property
+    def slots(self) -> int:
+        return self.dp * self.microbatches
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> "PlanConfig":
+        raw = dict(raw)
+        if isinstance(raw.get("cost_model"), dict):
+            raw["cost_model"] = CostModel(**raw["cost_model"])
+        return cls(**raw)
+
+
+@dataclass
+class Plan:
+    """Packs in step-major order: pack p is (step, rank, microbatch) = (p // (D*M), p // M % D, p % M)."""
+
+    config: PlanConfig
+    seed: int
+    epoch: int
+    caps: Caps | None
+    offsets: np.ndarray  # n_packs + 1
+    members: np.ndarray  # sample ids
+    truncate_to: np.ndarray  # per member: token length to cut the sample to, 0 = keep whole
+    oversize: np.ndarray  # sample ids the oversize policy handled
+    index_fingerprint: str
+    seconds: float = 0.0
+
+    @property
+    def n_packs(self) -> int:
+        return len(self.offsets) - 1
+
+    @property
+    def n_steps(self) -> int:
+        return self.n_packs // self.config.slots
+
+    @property
+    def padded(self) -> bool:
+        return self.config.strategy in ("random", "length-group")
+
+    def pack_sizes(self) -> np.ndarray:
+        return np.diff(self.offsets)
+
+    def pack(self, step: int, rank: int, microbatch: int) -> np.ndarray:
+        p = (step * self.config.dp + rank) * self.config.microbatches + microbatch
+        return self.members[self.offsets[p]:self.offsets[p + 1]]
+
+    def pack_loads(self, loads: SampleLoads) -> tuple[np.ndarray, np.ndarray]:
+        """(vision, LLM) load of every pack; LLM load counts padding for padded strategies."""
+        tokens = _effective_tokens(loads.tokens[self.members], self.truncate_to)
+        vision = _segment_sum(loads.vision[self.members], self.offsets)
+        if self.padded:
+            llm = _segment_max(tokens, self.offsets) * self.pack_sizes()
+        else:
+            llm = _segment_sum(tokens, self.offsets)
+        return vision, llm
+
+    def summary(self, loads: SampleLoads) -> dict[str, Any]:
+        sizes = self.pack_sizes()
+        vision, llm = self.pack_loads(loads)
+        shape = (self.n_steps, self.config.dp, self.config.microbatches)
+        tokens = _effective_tokens(loads.tokens[self.members], self.truncate_to)
+        pad = 0.0
+        if self.padded:
+            pad = pad_ratio(sizes, _segment_max(tokens, self.offsets), _segment_sum(tokens, self.offsets))
+        non_empty = int((sizes > 0).sum())
+        return {
+            "strategy": self.config.strategy,
+            "samples": int(len(self.members)),
+            "valid_samples": int(loads.valid.sum()),
+            "invalid_samples": int((~loads.valid).sum()),
+            "packs": non_empty,
+            "empty_packs": int(len(sizes) - non_empty),
+            "steps": self.n_steps,
+            "samples_per_pack": round(len(self.members) / max(1, non_empty), 4),
+            "pad_ratio": round(pad, 6),
+            "vit_dist": round(dist_ratio(vision.reshape(shape).sum(axis=2)), 6),
+            "llm_dist": round(dist_ratio(llm.reshape(shape).sum(axis=2)), 6),
+            "oversize": {"policy": self.config.oversize, "count": int(len(self.oversize)),
+                         "sample_ids": self.oversize[:20].tolist()},
+            "caps": asdict(self.caps) if self.caps else None,
+            "planning_seconds": round(self.seconds, 4),
+        }
+
+    def fingerprint(self) -> str:
+        digest = hashlib.sha256()
+        digest.update(json.dumps({"config": self.config.to_dict(), "seed": self.seed, "epoch": self.epoch,
+                                  "index": self.index_fingerprint}, sort_keys=True).encode())
+        for array in (self.offsets, self.members, self.truncate_to):
+            digest.update(np.ascontiguousarray(array, dtype=np.int64).tobytes())
+        return digest.hexdigest()[:32]
+
+    def to_table(self) -> pa.Table:
+        """One row per sample; an empty pack is one row with sample_id -1 and empty = true."""
+        sizes = self.pack_sizes()
+        rows_per_pack = np.maximum(sizes, 1)
+        pack_of_row = np.repeat(np.arange(self.n_packs), rows_per_pack)
+        row_start = np.cumsum(rows_per_pack) - rows_per_pack
+        position = np.arange(len(pack_of_row)) - np.repeat(row_start, rows_per_pack)
+        empty = np.repeat(sizes == 0, rows_per_pack)
+        sample_id = np.full(len(pack_of_row), -1, dtype=np.int64)
+        sample_id[~empty] = self.members
+        truncate_to = np.zeros(len(pack_of_row), dtype=np.int32)
+        truncate_to[~empty] = self.truncate_to
+        dp, m = self.config.dp, self.config.microbatches
+        return pa.table({
+            "epoch": pa.array(np.full(len(pack_of_row), self.epoch, dtype=np.int32)),
+            "step": pa.array((pack_of_row // (dp * m)).astype(np.int32)),
+            "rank": pa.array((pack_of_row // m % dp).astype(np.int32)),
+            "microbatch": pa.array((pack_of_row % m).astype(np.int32)),
+            "position": pa.array(position.astype(np.int32)),
+            "sample_id": pa.array(sample_id),
+            "empty": pa.array(empty),
+            "truncate_to": pa.array(truncate_to),
+        })
+
+    def write(self, path: str | Path) -> None:
+        meta = {"config": self.config.to_dict(), "seed": self.seed, "epoch": self.epoch,
+                "caps": asdict(self.caps) if self.caps else None, "index_fingerprint": self.index_fingerprint,
+                "plan_fingerprint": self.fingerprint(), "oversize": self.oversize.tolist(),
+                "packfeed_version": __version__}
+        table = self.to_table().replace_schema_metadata({PLAN_METADATA_KEY: json.dumps(meta, sort_keys=True)})
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        pq.write_table(table, path, compression="zstd")
+
+
+def read_plan(path: str | Path) -> Plan:
+    table = pq.read_table(path)
+    meta = json.loads(table.schema.metadata[PLAN_METADATA_KEY])
+    config = PlanConfig.from_dict(meta["config"])
+    pack = (table.column("step").to_numpy().astype(np.int64) * config.dp
+            + table.column("rank").to_numpy()) * config.microbatches + table.column("microbatch").to_numpy()
+    empty = table.column("empty").to_numpy(zero_copy_only=False)
+    n_packs = int(pack.max()) + 1 if len(pack) else 0
+    offsets = np.zeros(n_packs + 1, dtype=np.int64)
+    np.cumsum(np.bincount(pack[~empty], minlength=n_packs), out=offsets[1:])
+    return Plan(config, meta["seed"], meta["epoch"], Caps(**meta["caps"]) if meta["caps"] else None, offsets,
+                table.column("sample_id").to_numpy()[~empty], table.column("truncate_to").to_numpy()[~empty]
+                .astype(np.int64), np.asarray(meta["oversize"], dtype=np.int64), meta["index_fingerprint"])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Building a plan
+
+
+def make_plan(loads: SampleLoads, config: PlanConfig, seed: int, epoch: int, index_fingerprint: str = "",
+              caps: Caps | None = None) -> Plan:
+    """Plan one epoch. `caps` short-circuits the automatic search (e.g. reuse it across epochs)."""
+    started = time.perf_counter()
+    seeds = np.random.SeedSequence([seed, epoch])
+    streams = {k: np.random.default_rng(s) for k, s in zip(
+        (_STREAM_ISF, _STREAM_STEPS, _STREAM_RANKS, _STREAM_BATCHES), seeds.spawn(4))}
+    valid_ids = np.flatnonzero(loads.valid)
+    truncate = np.zeros(len(loads), dtype=np.int64)
+    oversize = np.empty(0, dtype=np.int64)
+
+    if config.strategy in ("random", "length-group"):
+        caps = None
+        sequence, packs_m, packs_o = _padded_batches(loads, valid_ids, config, streams[_STREAM_BATCHES])
+    else:
+        caps = caps or resolve_caps(loads, config)
+        packs_m, packs_o, oversize = _isf_packs(loads, valid_ids, caps, config, streams[_STREAM_ISF], truncate)
+        sequence, packs_m, packs_o = _arrange_packs(loads, packs_m, packs_o, truncate, config, streams)
+
+    offsets, members = _gather(sequence, packs_m, packs_o)
+    plan = Plan(config, seed, epoch, caps, offsets, members, truncate[members], oversize, index_fingerprint)
+    plan.seconds = time.perf_counter() - started
+    return plan
+
+
+def resolve_caps(loads: SampleLoads, config: PlanConfig) -> Caps:
+    """Caps from the config, completed with default targets, or searched from the data."""
+    if config.vision_cap is not None:
+        vt, tt = default_targets(config.vision_cap, config.token_cap)
+        return Caps(config.vision_cap, config.token_cap,
+                    config.vision_target if config.vision_target is not None else vt,
+                    config.token_target if config.token_target is not None else tt)
+    valid = loads.valid
+    caps, _ = search_caps(loads.vision[valid], loads.tokens[valid], config.dp, config.samples_per_pack,
+                          config.isf_iterations)
+    if config.vision_target is not None or config.token_target is not None:
+        caps = Caps(caps.vision_cap, caps.token_cap,
+                    config.vision_target if config.vision_target is not None else caps.vision_target,
+                    config.token_target if config.token_target is not None else caps.token_target)
+    return caps
+
+
+def _isf_packs(loads, valid_ids, caps: Caps, config: PlanConfig, rng, truncate):
+    vision, tokens = loads.vision, loads.tokens
+    vision_over = vision[valid_ids] > caps.vision_cap
+    token_over = tokens[valid_ids] > caps.token_cap
+    oversize = valid_ids[vision_over | token_over]
+    alone = np.empty(0, dtype=np.int64)
+    if config.oversize == "alone":
+        alone = oversize
+    elif config.oversize == "truncate":
+        # Text can be cut to the token cap; too many vision units cannot, so those travel alone.
+        cut = valid_ids[token_over & ~vision_over]
+        truncate[cut] = caps.token_cap
+        alone = valid_ids[vision_over]
+    fits = valid_ids[~(vision_over | token_over)]
+    if config.oversize == "truncate":
+        fits = np.sort(np.concatenate([fits, valid_ids[token_over & ~vision_over]]))
+    effective_tokens = np.where(truncate > 0, np.minimum(tokens, truncate), tokens)
+    members, offsets = isf(fits, vision, effective_tokens, caps, config.isf_iterations, rng)
+    if len(alone):
+        members = np.concatenate([members, alone])
+        offsets = np.concatenate([offsets, offsets[-1] + np.arange(1, len(alone) + 1)])
+    return members, offsets, oversize
+
+
+def _arrange_packs(loads, members, offsets, truncate, config: PlanConfig, streams):
+    """Order packs into steps x ranks x microbatches; returns the pack sequence (-1 = empty pack)."""
+    slots, dp, m = config.slots, config.dp, config.microbatches
+    cost_v, cost_l = _sample_costs(loads, truncate, config.cost_model)
+    pack_cv, pack_cl = _segment_sum(cost_v[members], offsets), _segment_sum(cost_l[members], offsets)
+    pack_cost = pack_cv + pack_cl
+    tokens = _effective_tokens(loads.tokens[members], truncate[members])
+    pack_v, pack_t = _segment_sum(loads.vision[members], offsets), _segment_sum(tokens, offsets)
+
+    if config.strategy == "isf":
+        # OmniBal's published behaviour: packs go to steps and ranks in random order.
+        shuffled = streams[_STREAM_STEPS].permutation(len(pack_cost))
+        n_rest = len(shuffled) % slots
+        full, rest = shuffled[:len(shuffled) - n_rest].reshape(-1, slots), shuffled[len(shuffled) - n_rest:]
+    else:
+        full, rest = form_steps(pack_v, pack_t, pack_cost, slots)
+        full = full[streams[_STREAM_STEPS].permutation(len(full))]
+
+    # The last, partial step: split its packs so every rank still gets work where samples allow.
+    last_members = [members[offsets[p]:offsets[p + 1]] for p in rest]
+    sample_cost = cost_v + cost_l
+    pieces = split_for_last_step(last_members, sample_cost, slots) if len(rest) else []
+    if pieces:
+        extra_offsets = offsets[-1] + np.cumsum([len(piece) for piece in pieces])
+        members = np.concatenate([members, *pieces])
+        offsets = np.concatenate([offsets, extra_offsets])
+        first_new = len(pack_cost)
+        piece_cost = np.array([sample_cost[piece].sum() for piece in pieces])
+        pack_cost = np.concatenate([pack_cost, piece_cost])
+        pack_cv = np.concatenate([pack_cv, [cost_v[piece].sum() for piece in pieces]])
+        pack_cl = np.concatenate([pack_cl, [cost_l[piece].sum() for piece in pieces]])
+        last = np.full(slots, -1, dtype=np.int64)
+        last[:len(pieces)] = first_new + np.arange(len(pieces))
+        full = np.vstack([full, last[None, :]])
+
+    if config.strategy == "isf":
+        grid = full.reshape(-1, dp, m)
+    else:
+        grid = _assign_ranks(full, pack_cost, dp, m)
+        # Which rank gets the heaviest pack is arbitrary; rotate it so no rank is systematically heavier.
+        rank_perm = np.argsort(streams[_STREAM_RANKS].random((len(grid), dp)), axis=1)
+        grid = np.take_along_axis(grid, rank_perm[:, :, None], axis=1)
+        if config.pipeline_stages > 1 and m > 1:
+            grid = _order_for_pipeline(grid, pack_cv, pack_cl, config.pipeline_stages)
+    return grid.reshape(-1), members, offsets
+
+
+@numba.njit(cache=True, nogil=True)
+def _assign_ranks(steps, cost, dp, m):
+    """LPT per step with M packs per rank; each rank's packs by decreasing cost; -1 (empty) packs last."""
+    n_steps = steps.shape[0]
+    grid = np.full((n_steps, dp, m), -1, dtype=np.int64)
+    for st in range(n_steps):
+        packs = steps[st][steps[st] >= 0]
+        c = np.empty(len(packs))
+        for k in range(len(packs)):
+            c[k] = cost[packs[k]]
+        bins = lpt_assign(c, dp, m)
+        filled = np.zeros(dp, dtype=np.int64)
+        for k in np.argsort(-c, kind="mergesort"):
+            r = bins[k]
+            grid[st, r, filled[r]] = packs[k]
+            filled[r] += 1
+    return grid
+
+
+def _order_for_pipeline(grid, pack_cv, pack_cl, stages):
+    """MMScale inter-microbatch reordering of every rank's M packs for 1F1B."""
+    real = grid >= 0
+    safe = np.where(real, grid, 0)
+    cv = np.where(real, pack_cv[safe], 0.0)
+    cl = np.where(real, pack_cl[safe], 0.0)
+    fv, fl = stage_fractions(float(pack_cv.mean()), float(pack_cl.mean()), stages)
+    forward, backward = stage_times(cv.reshape(-1), cl.reshape(-1), fv, fl)
+    shape = (grid.shape[0] * grid.shape[1], grid.shape[2], stages)
+    order = inter_reorder_many(forward.reshape(shape), backward.reshape(shape))
+    flat = grid.reshape(-1, grid.shape[2])
+    return np.take_along_axis(flat, order, axis=1).reshape(grid.shape)
+
+
+def _padded_batches(loads, valid_ids, config: PlanConfig, rng):
+    """Baselines: fixed-size batches padded to their longest sample (random, or LLaVA length-grouped)."""
+    batch = max(1, int(round(config.samples_per_pack)))
+    order = valid_ids[rng.permutation(len(valid_ids))]
+    if config.strategy == "length-group":
+        order = _length_grouped(order, loads.tokens, config.slots, batch)
+    n_packs = -(-len(order) // batch)
+    offsets = np.minimum(np.arange(n_packs + 1) * batch, len(order))
+    n_slots = -(-n_packs // config.slots) * config.slots
+    sequence = np.full(n_slots, -1, dtype=np.int64)
+    sequence[:n_packs] = np.arange(n_packs)
+    return sequence, order, offsets
+
+
+def _length_grouped(order, tokens, slots, batch):
+    """LLaVA's length grouping: megabatches of slots x batch, split into even chunks of similar length."""
+    mega = slots * batch
+    out = []
+    for start in range(0, len(order), mega):
+        chunk = order[start:start + mega]
+        per = -(-len(chunk) // slots)
+        bins = lpt_assign(tokens[chunk].astype(np.float64), slots, per)
+        out.extend(chunk[bins == b] for b in range(slots))
+    return np.concatenate(out) if out else order
+
+
+def _sample_costs(loads: SampleLoads, truncate, model: CostModel):
+    effective = loads
+    if truncate.any():
+        effective = SampleLoads(loads.valid, loads.vision, _effective_tokens(loads.tokens, truncate),
+                                loads.vit_patches, loads.vit_attn_sq)
+    return model.vision_cost(effective), model.llm_cost(effective)
+
+
+def _effective_tokens(tokens, truncate_to):
+    return np.where(truncate_to > 0, np.minimum(tokens, truncate_to), tokens)
+
+
+def _gather(sequence, members, offsets):
+    """Re-lay packs out in `sequence` order (-1 = empty pack)."""
+    real = sequence >= 0
+    safe = np.where(real, sequence, 0)
+    sizes = np.where(real, offsets[safe + 1] - offsets[safe], 0)
+    new_offsets = np.zeros(len(sequence) + 1, dtype=np.int64)
+    np.cumsum(sizes, out=new_offsets[1:])
+    source_start = np.repeat(offsets[safe] - new_offsets[:-1], sizes)
+    return new_offsets, members[source_start + np.arange(new_offsets[-1])]
+
+
+def _segment_sum(values, offsets):
+    out = np.zeros(len(offsets) - 1, dtype=np.float64 if values.dtype.kind == "f" else np.int64)
+    sizes = np.diff(offsets)
+    nz = sizes > 0
+    if nz.any():
+        out[nz] = np.add.reduceat(values, offsets[:-1][nz])
+    return out
+
+
+def _segment_max(values, offsets):
+    out = np.zeros(len(offsets) - 1, dtype=values.dtype)
+    sizes = np.diff(offsets)
+    nz = sizes > 0
+    if nz.any():
+        out[nz] = np.maximum.reduceat(values, offsets[:-1][nz])
+    return out

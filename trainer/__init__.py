@@ -1,0 +1,1 @@
+"""Packfeed reference trainer (arrives with issue [3/4])."""
