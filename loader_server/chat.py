@@ -1,0 +1,145 @@
+"""Conversation -> token ids and labels: the one chat-template implementation the index and the server share.
+
+The index records `len(input_ids)` of exactly what the server will later produce for the same sample,
+so planned pack lengths are the lengths that reach the trainer.
+
+Template (ChatML, as InternVL-Chat uses with InternLM2): every turn is
+``<|im_start|>{role}\\n{content}<|im_end|>\\n``. Each ``<image>`` tag in a human turn becomes
+``<img>`` + ``<IMG_CONTEXT>`` x (that image's LLM tokens) + ``</img>``. Labels are -100 everywhere except
+the content and closing ``<|im_end|>`` of assistant turns.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+from tokenizers import Tokenizer
+
+IGNORE_INDEX = -100
+IMAGE_TAG = "<image>"
+ROLE_NAMES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
+
+
+class ConversationError(ValueError):
+    """A sample's conversation cannot be used; the message is the reason recorded in the index."""
+
+
+@dataclass(frozen=True)
+class ChatTemplate:
+    turn_start: str = "<|im_start|>"
+    turn_end: str = "<|im_end|>"
+    image_start: str = "<img>"
+    image_end: str = "</img>"
+    image_context: str = "<IMG_CONTEXT>"
+    system_prompt: str | None = None
+
+    @property
+    def special_tokens(self) -> list[str]:
+        return [self.turn_start, self.turn_end, self.image_start, self.image_end, self.image_context]
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def load_tokenizer(path: str | Path, template: ChatTemplate) -> Tokenizer:
+    """Any HF `tokenizers` tokenizer.json; the template's special tokens are added when missing.
+
+    Adding is deterministic (fixed order, appended ids), so every process gets the same ids.
+    """
+    tokenizer = Tokenizer.from_file(str(path))
+    missing = [t for t in template.special_tokens if tokenizer.token_to_id(t) is None]
+    if missing:
+        tokenizer.add_special_tokens(missing)
+    return tokenizer
+
+
+@lru_cache(maxsize=8)
+def cached_tokenizer(path: str, template: ChatTemplate) -> Tokenizer:
+    return load_tokenizer(path, template)
+
+
+def parse_conversation(raw: bytes) -> list[dict[str, str]]:
+    """Decode a sample's JSON member into a list of turns, or raise ConversationError with the reason."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise ConversationError(f"bad utf-8 in json: byte {error.start}") from None
+    try:
+        doc = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise ConversationError(f"invalid json: {error.msg} at line {error.lineno} column {error.colno}") from None
+    turns = doc.get("conversations") if isinstance(doc, dict) else None
+    if not isinstance(turns, list):
+        raise ConversationError("invalid json: no 'conversations' list")
+    if not turns:
+        raise ConversationError("empty conversation")
+    out = []
+    for k, turn in enumerate(turns):
+        if not isinstance(turn, dict) or not isinstance(turn.get("value"), str):
+            raise ConversationError(f"invalid json: turn {k} needs 'from' and a string 'value'")
+        role = ROLE_NAMES.get(turn.get("from"))
+        if role is None:
+            raise ConversationError(f"invalid json: turn {k} has unknown role {turn.get('from')!r}")
+        out.append({"role": role, "value": turn["value"]})
+    if not any(t["role"] == "assistant" and t["value"].strip() for t in out):
+        raise ConversationError("empty conversation: no assistant turn to learn from")
+    return out
+
+
+def attach_images(turns: list[dict[str, str]], n_images: int) -> list[dict[str, str]]:
+    """Check <image> tags against the images; with no tags, images go before the first user turn's text."""
+    tags = sum(t["value"].count(IMAGE_TAG) for t in turns)
+    if tags == n_images:
+        return turns
+    if tags == 0:
+        first_user = next((k for k, t in enumerate(turns) if t["role"] == "user"), None)
+        if first_user is None:
+            raise ConversationError("image tag mismatch: images but no user turn to attach them to")
+        turns = [dict(t) for t in turns]
+        turns[first_user]["value"] = (IMAGE_TAG + "\n") * n_images + turns[first_user]["value"]
+        return turns
+    raise ConversationError(f"image tag mismatch: {tags} <image> tags for {n_images} images")
+
+
+def encode_conversation(turns: Sequence[dict[str, str]], image_tokens: Sequence[int], tokenizer: Tokenizer,
+                        template: ChatTemplate) -> tuple[np.ndarray, np.ndarray]:
+    """Token ids and labels (int32) for one sample; `image_tokens[i]` = LLM tokens of the i-th image."""
+    pieces: list[tuple[str, bool]] = []  # (text, trained on)
+    placeholders: dict[int, int] = {}  # piece index -> image number
+    if template.system_prompt and not any(t["role"] == "system" for t in turns):
+        turns = [{"role": "system", "value": template.system_prompt}, *turns]
+    image_no = 0
+    for turn in turns:
+        learn = turn["role"] == "assistant"
+        pieces.append((f"{template.turn_start}{turn['role']}\n", False))
+        chunks = turn["value"].split(IMAGE_TAG)
+        for k, chunk in enumerate(chunks):
+            if k > 0:
+                placeholders[len(pieces)] = image_no
+                pieces.append(("", False))
+                image_no += 1
+            if chunk:
+                pieces.append((chunk, learn))
+        pieces.append((template.turn_end, learn))
+        pieces.append(("\n", False))
+
+    encodings = tokenizer.encode_batch([text for text, _ in pieces], add_special_tokens=False)
+    start = tokenizer.token_to_id(template.image_start)
+    end = tokenizer.token_to_id(template.image_end)
+    context = tokenizer.token_to_id(template.image_context)
+    ids: list[np.ndarray] = []
+    labels: list[np.ndarray] = []
+    for k, ((_, learn), encoding) in enumerate(zip(pieces, encodings)):
+        if k in placeholders:
+            n = image_tokens[placeholders[k]]
+            piece = np.concatenate([[start], np.full(n, context), [end]]).astype(np.int32)
+        else:
+            piece = np.asarray(encoding.ids, dtype=np.int32)
+        ids.append(piece)
+        labels.append(piece if learn else np.full(len(piece), IGNORE_INDEX, dtype=np.int32))
+    return np.concatenate(ids), np.concatenate(labels)

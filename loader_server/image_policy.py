@@ -1,0 +1,142 @@
+"""Image policies: how an image of a given size becomes ViT work and LLM placeholder tokens.
+
+Each policy answers, from width and height alone (read from the image header), what the server will
+produce when it pre-processes the image, so the index can cost a sample without decoding it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Any, Protocol
+
+
+@dataclass(frozen=True)
+class ImageCost:
+    units: int  # what the vision cap counts
+    llm_tokens: int  # placeholder tokens in the LLM sequence
+    vit_sequences: tuple[int, ...]  # ViT sequence length of each independent ViT pass (tiles or whole images)
+
+    @property
+    def vit_patches(self) -> int:
+        return sum(self.vit_sequences)
+
+    @property
+    def vit_attn_sq(self) -> int:
+        return sum(s * s for s in self.vit_sequences)
+
+
+class ImagePolicy(Protocol):
+    name: str
+
+    def cost(self, width: int, height: int, n_images: int) -> ImageCost: ...
+
+    def to_dict(self) -> dict[str, Any]: ...
+
+
+@dataclass(frozen=True)
+class InternVLTiling:
+    """InternVL dynamic high resolution: the image is resized to a grid of `image_size` tiles whose aspect
+    ratio is closest to the image's (at most `max_num` tiles), plus a thumbnail tile when the grid has
+    more than one tile. With several images in a sample each gets max(1, max_num // n_images) tiles.
+    """
+
+    image_size: int = 448
+    min_num: int = 1
+    max_num: int = 12
+    use_thumbnail: bool = True
+    tokens_per_tile: int = 256  # 1024 patches, pixel-shuffled 2x2 -> 256
+    patch_size: int = 14
+    name: str = "internvl"
+
+    def grid(self, width: int, height: int, n_images: int = 1) -> tuple[int, int]:
+        """(columns, rows) of tiles, exactly as InternVL's `dynamic_preprocess` chooses them."""
+        max_num = max(1, self.max_num // n_images) if n_images > 1 else self.max_num
+        min_num = min(self.min_num, max_num)
+        ratios = sorted({(i, j) for n in range(min_num, max_num + 1) for i in range(1, n + 1)
+                         for j in range(1, n + 1) if min_num <= i * j <= max_num}, key=lambda r: r[0] * r[1])
+        aspect = width / height
+        area = width * height
+        best, best_diff = (1, 1), float("inf")
+        for ratio in ratios:
+            diff = abs(aspect - ratio[0] / ratio[1])
+            if diff < best_diff:
+                best_diff, best = diff, ratio
+            elif diff == best_diff and area > 0.5 * self.image_size * self.image_size * ratio[0] * ratio[1]:
+                best = ratio
+        return best
+
+    def cost(self, width: int, height: int, n_images: int = 1) -> ImageCost:
+        cols, rows = self.grid(width, height, n_images)
+        tiles = cols * rows + (1 if self.use_thumbnail and cols * rows != 1 else 0)
+        patches = (self.image_size // self.patch_size) ** 2
+        return ImageCost(tiles, tiles * self.tokens_per_tile, (patches,) * tiles)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class Qwen2VLResize:
+    """Qwen2-VL `smart_resize`: both sides rounded to multiples of `factor` (28 = 14 px patch x 2 merge),
+    total pixels kept within [min_pixels, max_pixels]; LLM tokens = h * w / 784. Vision units are the
+    merged tokens too, since ViT work grows with them, and the whole image is one ViT sequence.
+    """
+
+    factor: int = 28
+    min_pixels: int = 56 * 56
+    max_pixels: int = 28 * 28 * 1280
+    patch_size: int = 14
+    name: str = "qwen2vl"
+
+    def resize(self, width: int, height: int) -> tuple[int, int]:
+        """(height, width) after smart_resize."""
+        if max(height, width) / min(height, width) > 200:
+            raise ValueError(f"aspect ratio of {width}x{height} exceeds 200, which Qwen2-VL rejects")
+        f = self.factor
+        h = max(f, round(height / f) * f)
+        w = max(f, round(width / f) * f)
+        if h * w > self.max_pixels:
+            beta = math.sqrt(height * width / self.max_pixels)
+            h = math.floor(height / beta / f) * f
+            w = math.floor(width / beta / f) * f
+        elif h * w < self.min_pixels:
+            beta = math.sqrt(self.min_pixels / (height * width))
+            h = math.ceil(height * beta / f) * f
+            w = math.ceil(width * beta / f) * f
+        return h, w
+
+    def cost(self, width: int, height: int, n_images: int = 1) -> ImageCost:
+        h, w = self.resize(width, height)
+        tokens = h * w // (self.factor * self.factor)
+        return ImageCost(tokens, tokens, (h * w // (self.patch_size * self.patch_size),))
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class FixedResolution:
+    """Every image resized to one square size (LLaVA-1.5: 336 px, 24 x 24 = 576 tokens)."""
+
+    size: int = 336
+    tokens: int = 576
+    patch_size: int = 14
+    name: str = "fixed"
+
+    def cost(self, width: int, height: int, n_images: int = 1) -> ImageCost:
+        return ImageCost(1, self.tokens, ((self.size // self.patch_size) ** 2,))
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+POLICIES = {"internvl": InternVLTiling, "qwen2vl": Qwen2VLResize, "fixed": FixedResolution}
+
+
+def policy_from_dict(raw: dict[str, Any]) -> ImagePolicy:
+    raw = dict(raw)
+    name = raw.pop("name", "internvl")
+    if name not in POLICIES:
+        raise ValueError(f"unknown image policy {name!r}; choose one of {', '.join(POLICIES)}")
+    return POLICIES[name](**raw)

@@ -1,0 +1,271 @@
+"""`packfeed index`: one pass over WebDataset shards -> a Parquet table of per-sample costs.
+
+Shards are read in parallel (one process per shard at a time) and the rows concatenated in shard order,
+so the index is the same whatever the worker count. Bad input never stops indexing and never passes
+silently: a bad sample becomes an invalid row with its reason, an unreadable shard (or the unreadable
+rest of one) is reported, and the CLI exits non-zero when anything was skipped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import io
+import os
+import time
+import warnings
+from collections import Counter
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+from PIL import Image, UnidentifiedImageError
+from tqdm import tqdm
+
+from packfeed.server.chat import (ChatTemplate, ConversationError, IGNORE_INDEX, attach_images, cached_tokenizer,
+                                  encode_conversation, parse_conversation)
+from packfeed.server.image_policy import POLICIES, ImagePolicy, policy_from_dict
+from packfeed.server.index_table import SCHEMA, IndexInfo, fingerprint_table, write_index
+from packfeed.server.shards import RawSample, ShardError, expand_shards, iter_samples
+
+VERIFY_MODES = ("decode", "header")
+
+
+@dataclass(frozen=True)
+class IndexConfig:
+    tokenizer: str
+    image_policy: dict[str, Any] = field(default_factory=lambda: {"name": "internvl"})
+    chat_template: dict[str, Any] = field(default_factory=lambda: ChatTemplate().to_dict())
+    # decode: decode every image (JPEG at 1/8 scale, which still reads every byte) to catch truncated or
+    # corrupt data; header: trust the header, several times faster.
+    verify_images: str = "decode"
+
+    def __post_init__(self):
+        if self.verify_images not in VERIFY_MODES:
+            raise ValueError(f"verify_images must be one of {VERIFY_MODES}")
+        if not Path(self.tokenizer).is_file():
+            raise FileNotFoundError(f"tokenizer {self.tokenizer!r} not found: pass a HF tokenizer.json with --tokenizer")
+        policy_from_dict(self.image_policy)  # fail early on a bad policy
+
+    @property
+    def policy(self) -> ImagePolicy:
+        return policy_from_dict(self.image_policy)
+
+    @property
+    def template(self) -> ChatTemplate:
+        return ChatTemplate(**self.chat_template)
+
+    def tokenizer_digest(self) -> str:
+        return hashlib.sha256(Path(self.tokenizer).read_bytes()).hexdigest()[:16]
+
+    def to_fingerprint_dict(self) -> dict[str, Any]:
+        return {"image_policy": self.image_policy, "chat_template": self.chat_template,
+                "tokenizer": self.tokenizer_digest(), "verify_images": self.verify_images}
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> "IndexConfig":
+        if not args.tokenizer:
+            raise ValueError("indexing shards needs --tokenizer TOKENIZER.json (the tokenizer the trainer uses)")
+        policy: dict[str, Any] = {"name": args.image_policy}
+        if args.image_policy == "internvl":
+            policy["max_num"] = args.max_tiles
+        elif args.image_policy == "qwen2vl":
+            policy.update(min_pixels=args.min_pixels, max_pixels=args.max_pixels)
+        elif args.image_policy == "fixed":
+            policy.update(size=args.image_size, tokens=args.image_tokens)
+        template = ChatTemplate(system_prompt=args.system_prompt).to_dict()
+        return cls(args.tokenizer, policy, template, args.verify_images)
+
+
+def add_index_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--tokenizer", help="HF tokenizers tokenizer.json")
+    parser.add_argument("--image-policy", choices=sorted(POLICIES), default="internvl")
+    parser.add_argument("--max-tiles", type=int, default=12, help="internvl: max tiles per sample (default 12)")
+    parser.add_argument("--min-pixels", type=int, default=56 * 56, help="qwen2vl: min pixels")
+    parser.add_argument("--max-pixels", type=int, default=28 * 28 * 1280, help="qwen2vl: max pixels")
+    parser.add_argument("--image-size", type=int, default=336, help="fixed: square side in px")
+    parser.add_argument("--image-tokens", type=int, default=576, help="fixed: LLM tokens per image")
+    parser.add_argument("--system-prompt", help="system turn prepended to every conversation")
+    parser.add_argument("--verify-images", choices=VERIFY_MODES, default="decode",
+                        help="decode (catch corrupt image data) or header (faster)")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# One sample
+
+
+class SampleError(ValueError):
+    pass
+
+
+def image_size(data: bytes, verify: str) -> tuple[int, int]:
+    """(width, height) from the header; with verify='decode' also decodes (JPEG at 1/8 scale)."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            with Image.open(io.BytesIO(data)) as image:
+                width, height = image.size
+                if verify == "decode":
+                    if image.format == "JPEG":
+                        image.draft("RGB", (max(1, width // 8), max(1, height // 8)))
+                    image.load()
+    except UnidentifiedImageError:
+        raise SampleError("not an image") from None
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as error:
+        raise SampleError(f"undecodable image: too many pixels ({error})") from None
+    except (OSError, SyntaxError, ValueError, EOFError) as error:
+        raise SampleError(f"undecodable image: {error}") from None
+    if width < 1 or height < 1:
+        raise SampleError(f"undecodable image: size {width}x{height}")
+    return width, height
+
+
+def cost_sample(raw: RawSample, config: IndexConfig) -> dict[str, Any]:
+    """One index row (without sample_id and shard)."""
+    images = raw.image_members()
+    doc = raw.json_member()
+    row: dict[str, Any] = {
+        "key": raw.key, "valid": False, "reason": None,
+        "json_offset": doc.offset if doc else None, "json_size": doc.size if doc else None,
+        "image_names": [m.suffix for m in images], "image_offsets": [m.offset for m in images],
+        "image_sizes": [m.size for m in images], "image_widths": [], "image_heights": [],
+        "n_images": len(images), "vision_units": 0, "vision_tokens": 0, "vit_patches": 0, "vit_attn_sq": 0,
+        "text_tokens": 0, "llm_tokens": 0, "loss_tokens": 0,
+    }
+    try:
+        if raw.error:
+            raise SampleError(raw.error)
+        if doc is None:
+            raise SampleError("missing json")
+        turns = attach_images(parse_conversation(doc.data), len(images))
+        policy = config.policy
+        costs = []
+        for member in images:
+            width, height = image_size(member.data, config.verify_images)
+            row["image_widths"].append(width)
+            row["image_heights"].append(height)
+            try:
+                costs.append(policy.cost(width, height, len(images)))
+            except ValueError as error:
+                raise SampleError(f"image rejected by policy: {error}") from None
+        template = config.template
+        tokenizer = cached_tokenizer(config.tokenizer, template)
+        ids, labels = encode_conversation(turns, [c.llm_tokens for c in costs], tokenizer, template)
+    except (SampleError, ConversationError) as error:
+        row["reason"] = str(error)
+        return row
+    vision_tokens = sum(c.llm_tokens for c in costs)
+    row.update(valid=True, vision_units=sum(c.units for c in costs), vision_tokens=vision_tokens,
+               vit_patches=sum(c.vit_patches for c in costs), vit_attn_sq=sum(c.vit_attn_sq for c in costs),
+               text_tokens=len(ids) - vision_tokens, llm_tokens=len(ids),
+               loss_tokens=int((labels != IGNORE_INDEX).sum()))
+    return row
+
+
+def reason_category(reason: str) -> str:
+    """'undecodable image: broken data stream' -> 'undecodable image' (what reports group by)."""
+    return reason.split(":", 1)[0]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# One shard, then all of them
+
+
+@dataclass
+class ShardResult:
+    url: str
+    rows: list[dict[str, Any]]
+    error: str | None
+    seconds: float
+
+
+def index_shard(url: str, config: IndexConfig) -> ShardResult:
+    started = time.perf_counter()
+    rows: list[dict[str, Any]] = []
+    seen: set[str] = set()
+    error = None
+    try:
+        for raw in iter_samples(url):
+            row = cost_sample(raw, config)
+            if raw.key in seen:
+                row.update(valid=False, reason="duplicate key: the key appears earlier in this shard")
+            seen.add(raw.key)
+            rows.append(row)
+    except ShardError as shard_error:
+        error = str(shard_error)
+    return ShardResult(url, rows, error, time.perf_counter() - started)
+
+
+@dataclass
+class IndexResult:
+    out: str
+    info: IndexInfo
+    rows: int
+    valid: int
+    seconds: float
+    core_seconds: float
+
+    @property
+    def skipped_anything(self) -> bool:
+        return bool(self.info.skipped_shards) or self.valid < self.rows
+
+    def summary(self) -> dict[str, Any]:
+        return {"index": self.out, "fingerprint": self.info.fingerprint, "rows": self.rows, "valid": self.valid,
+                "invalid": self.rows - self.valid, "invalid_by_reason": self.info.invalid_by_reason,
+                "shard_errors": self.info.skipped_shards, "seconds": round(self.seconds, 3),
+                "rows_per_second": round(self.rows / max(self.seconds, 1e-9), 1),
+                "rows_per_second_per_core": round(self.rows / max(self.core_seconds, 1e-9), 1)}
+
+
+def build_index(specs: list[str], out: str | Path, config: IndexConfig, workers: int | None = None,
+                progress: bool = True) -> IndexResult:
+    started = time.perf_counter()
+    urls = expand_shards(specs)
+    if not urls:
+        raise ValueError("no shards given")
+    workers = max(1, min(workers or os.cpu_count() or 1, len(urls)))
+    bar = tqdm(total=len(urls), unit="shard", desc="indexing", disable=not progress)
+    results: list[ShardResult] = []
+    if workers == 1:
+        for url in urls:
+            results.append(index_shard(url, config))
+            bar.update(1)
+    else:
+        with ProcessPoolExecutor(max_workers=workers) as pool:
+            for result in pool.map(index_shard, urls, [config] * len(urls)):
+                results.append(result)
+                bar.update(1)
+    bar.close()
+
+    table = _rows_to_table(results)
+    invalid = Counter(reason_category(r) for r in table.column("reason").to_pylist() if r is not None)
+    config_fp = config.to_fingerprint_dict()
+    info = IndexInfo(
+        fingerprint=fingerprint_table(table, config_fp), source="shards", inputs=urls,
+        image_policy=config.image_policy, tokenizer={"path": str(config.tokenizer), "sha256": config.tokenizer_digest()},
+        chat_template=config.chat_template,
+        skipped_shards=[{"shard": r.url, "error": r.error, "samples_read": len(r.rows)} for r in results if r.error],
+        invalid_by_reason=dict(sorted(invalid.items())),
+    )
+    seconds = time.perf_counter() - started
+    core_seconds = sum(r.seconds for r in results)
+    info.rows_per_second = round(table.num_rows / max(seconds, 1e-9), 1)
+    write_index(table, out, info)
+    valid = int(np.count_nonzero(table.column("valid").to_numpy(zero_copy_only=False)))
+    return IndexResult(str(out), info, table.num_rows, valid, seconds, core_seconds)
+
+
+def _rows_to_table(results: list[ShardResult]) -> pa.Table:
+    rows = [row for result in results for row in result.rows]
+    shard_index = np.concatenate([np.full(len(r.rows), k, dtype=np.int32) for k, r in enumerate(results)]) \
+        if results else np.zeros(0, np.int32)
+    columns: dict[str, Any] = {"sample_id": pa.array(np.arange(len(rows), dtype=np.int64))}
+    columns["shard"] = pa.DictionaryArray.from_arrays(pa.array(shard_index, type=pa.int32()),
+                                                      pa.array([r.url for r in results], type=pa.string()))
+    for field_ in SCHEMA:
+        if field_.name not in columns:
+            columns[field_.name] = pa.array([row[field_.name] for row in rows], type=field_.type)
+    return pa.table(columns, schema=SCHEMA)
