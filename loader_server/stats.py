@@ -1,0 +1,249 @@
+"""`packfeed stats`: a dataset statistics report from an index — HTML (self-contained), Markdown and JSON.
+
+Distributions of images, vision and LLM tokens and their joint shape; invalid samples by reason; pack
+fill; and an OmniBal Table 3-style comparison of random batches, length grouping, ISF and ISF+balance
+at the requested DP and M, planned on the real index.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import json
+from collections import Counter
+from dataclasses import asdict, replace
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")  # reports are written headless
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+
+from packfeed.server.costs import load_sample_loads  # noqa: E402
+from packfeed.server.index_table import read_index  # noqa: E402
+from packfeed.server.indexer import reason_category  # noqa: E402
+from packfeed.server.plan import STRATEGIES, Plan, PlanConfig, make_plan, resolve_caps  # noqa: E402
+
+REPORT_COLUMNS = ["valid", "reason", "n_images", "vision_units", "vision_tokens", "llm_tokens", "text_tokens",
+                  "loss_tokens", "shard"]
+
+
+def _describe(values: np.ndarray) -> dict[str, float]:
+    if len(values) == 0:
+        return {}
+    p50, p90, p99 = np.percentile(values, [50, 90, 99])
+    return {"mean": round(float(values.mean()), 2), "p50": float(p50), "p90": float(p90), "p99": float(p99),
+            "max": float(values.max()), "min": float(values.min())}
+
+
+def compare_strategies(loads, config: PlanConfig, seed: int, fingerprint: str) -> tuple[list[dict], Plan]:
+    """Plan the epoch with every strategy at the same DP, M and caps; returns rows and the ISF+balance plan."""
+    caps = resolve_caps(loads, config)
+    rows, balanced = [], None
+    for strategy in STRATEGIES:
+        plan = make_plan(loads, replace(config, strategy=strategy), seed, 0, fingerprint, caps=caps)
+        summary = plan.summary(loads)
+        _, llm = plan.pack_loads(loads)
+        rows.append({"strategy": strategy, "samples_per_pack": summary["samples_per_pack"],
+                     "max_pack_tokens": int(llm.max()) if len(llm) else 0, "pad_ratio": summary["pad_ratio"],
+                     "vit_dist": summary["vit_dist"], "llm_dist": summary["llm_dist"], "packs": summary["packs"],
+                     "steps": summary["steps"], "planning_seconds": summary["planning_seconds"]})
+        if strategy == "isf+balance":
+            balanced = plan
+    return rows, balanced
+
+
+def _figure_png(draw) -> bytes:
+    import io
+
+    fig, ax = plt.subplots(figsize=(6.4, 3.6), dpi=100)
+    draw(ax)
+    fig.tight_layout()
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png")
+    plt.close(fig)
+    return buffer.getvalue()
+
+
+def _hist(values, title, xlabel, bins=50, integer=False):
+    def draw(ax):
+        if len(values):
+            edges = np.arange(values.min(), values.max() + 2) - 0.5 if integer and values.max() - values.min() < 60 \
+                else bins
+            ax.hist(values, bins=edges, color="#3b6ea8")
+        ax.set_title(title)
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel("samples")
+    return draw
+
+
+def _joint(vision, tokens):
+    def draw(ax):
+        if len(vision):
+            h = ax.hist2d(vision, tokens, bins=(min(40, max(2, len(np.unique(vision)))), 50), cmap="viridis",
+                          cmin=1)
+            plt.colorbar(h[3], ax=ax, label="samples")
+        ax.set_title("Joint distribution")
+        ax.set_xlabel("vision units per sample")
+        ax.set_ylabel("LLM tokens per sample")
+    return draw
+
+
+def _fill(plan: Plan, loads):
+    vision, llm = plan.pack_loads(loads)
+    real = plan.pack_sizes() > 0
+
+    def draw(ax):
+        if plan.caps is not None and real.any():
+            ax.hist(100 * vision[real] / plan.caps.vision_cap, bins=40, alpha=0.6, label="vision units")
+            ax.hist(100 * llm[real] / plan.caps.token_cap, bins=40, alpha=0.6, label="LLM tokens")
+            ax.legend()
+        ax.set_title("Pack fill (ISF+balance), % of cap")
+        ax.set_xlabel("% of cap")
+        ax.set_ylabel("packs")
+    return draw
+
+
+def _reasons(counts: dict[str, int]):
+    def draw(ax):
+        if counts:
+            names = list(counts)
+            ax.barh(names, [counts[n] for n in names], color="#b5523b")
+        else:
+            ax.text(0.5, 0.5, "no invalid samples", ha="center", va="center")
+        ax.set_title("Invalid samples by reason")
+        ax.set_xlabel("samples")
+    return draw
+
+
+def build_report(index_path: str | Path, config: PlanConfig, seed: int = 0) -> tuple[dict[str, Any], dict[str, bytes]]:
+    table, info = read_index(index_path, columns=REPORT_COLUMNS)
+    loads, _ = load_sample_loads(index_path)
+    valid = loads.valid
+    n_images = table.column("n_images").to_numpy(zero_copy_only=False)
+    images_known = not np.all(np.isnan(n_images.astype(float))) if len(n_images) else False
+    vision_tokens = table.column("vision_tokens").to_numpy(zero_copy_only=False)[valid].astype(np.int64)
+    reasons = Counter(reason_category(r) for r in table.column("reason").to_pylist() if r is not None)
+
+    rows, balanced = compare_strategies(loads, config, seed, info.fingerprint) if valid.any() else ([], None)
+    data: dict[str, Any] = {
+        "index": str(index_path), "fingerprint": info.fingerprint, "source": info.source,
+        "samples": int(len(valid)), "valid": int(valid.sum()), "invalid": int((~valid).sum()),
+        "invalid_by_reason": dict(sorted(reasons.items())), "shard_errors": info.skipped_shards or [],
+        "image_policy": info.image_policy,
+        "distributions": {
+            "images_per_sample": _describe(n_images[valid].astype(np.int64)) if images_known else None,
+            "vision_units": _describe(loads.vision[valid]),
+            "vision_tokens": _describe(vision_tokens),
+            "llm_tokens": _describe(loads.tokens[valid]),
+        },
+        "plan_config": {"dp": config.dp, "microbatches": config.microbatches,
+                        "pipeline_stages": config.pipeline_stages, "seed": seed},
+        "caps": asdict(balanced.caps) if balanced is not None and balanced.caps else None,
+        "comparison": rows,
+    }
+    figures = {}
+    if images_known:
+        figures["images_per_sample"] = _figure_png(_hist(n_images[valid].astype(np.int64), "Images per sample",
+                                                         "images", integer=True))
+    figures["vision_units"] = _figure_png(_hist(loads.vision[valid], "Vision units per sample", "vision units",
+                                                integer=True))
+    figures["vision_tokens"] = _figure_png(_hist(vision_tokens, "Vision (placeholder) tokens per sample", "tokens"))
+    figures["llm_tokens"] = _figure_png(_hist(loads.tokens[valid], "LLM tokens per sample", "tokens"))
+    figures["joint"] = _figure_png(_joint(loads.vision[valid], loads.tokens[valid]))
+    if balanced is not None:
+        figures["pack_fill"] = _figure_png(_fill(balanced, loads))
+    figures["invalid_by_reason"] = _figure_png(_reasons(data["invalid_by_reason"]))
+    return data, figures
+
+
+def _comparison_markdown(rows: list[dict]) -> str:
+    head = "| strategy | samples/pack | max pack tokens (padded) | Pad Ratio | ViT Dist | LLM Dist | packs | steps | plan s |\n"
+    head += "|---|---|---|---|---|---|---|---|---|\n"
+    return head + "".join(
+        f"| {r['strategy']} | {r['samples_per_pack']:.2f} | {r['max_pack_tokens']} | {r['pad_ratio']:.4f} | "
+        f"{r['vit_dist']:.4f} | {r['llm_dist']:.4f} | {r['packs']} | {r['steps']} | {r['planning_seconds']:.3f} |\n"
+        for r in rows)
+
+
+def _markdown(data: dict[str, Any], figures: dict[str, bytes]) -> str:
+    lines = [f"# Packfeed dataset report", "", f"Index `{data['index']}` (fingerprint `{data['fingerprint']}`, "
+             f"source: {data['source']}).", "",
+             f"**{data['samples']}** samples: **{data['valid']}** valid, **{data['invalid']}** invalid.", ""]
+    if data["invalid_by_reason"]:
+        lines += ["## Invalid samples", "", "| reason | samples |", "|---|---|"]
+        lines += [f"| {k} | {v} |" for k, v in data["invalid_by_reason"].items()] + [""]
+    if data["shard_errors"]:
+        lines += ["## Shard errors", ""] + [f"- `{e['shard']}`: {e['error']}" for e in data["shard_errors"]] + [""]
+    lines += ["## Distributions (valid samples)", "", "| quantity | mean | p50 | p90 | p99 | max |", "|---|---|---|---|---|---|"]
+    for name, d in data["distributions"].items():
+        if d:
+            lines.append(f"| {name} | {d['mean']} | {d['p50']:g} | {d['p90']:g} | {d['p99']:g} | {d['max']:g} |")
+    cfg = data["plan_config"]
+    lines += ["", f"## Balance at DP {cfg['dp']}, M {cfg['microbatches']} (OmniBal Table 3 style)", ""]
+    if data["caps"]:
+        c = data["caps"]
+        lines.append(f"Caps: {c['vision_cap']} vision units / {c['token_cap']} tokens; targets {c['vision_target']} / "
+                     f"{c['token_target']}. Random and length-group use padded batches of the target size.")
+        lines.append("")
+    lines.append(_comparison_markdown(data["comparison"]))
+    lines += ["## Figures", ""] + [f"![{name}]({name}.png)" for name in figures]
+    return "\n".join(lines) + "\n"
+
+
+def _html(markdown_data: dict[str, Any], figures: dict[str, bytes]) -> str:
+    d = markdown_data
+    esc = html.escape
+
+    def table(header, rows):
+        return ("<table><tr>" + "".join(f"<th>{esc(str(h))}</th>" for h in header) + "</tr>" +
+                "".join("<tr>" + "".join(f"<td>{esc(str(c))}</td>" for c in row) + "</tr>" for row in rows) +
+                "</table>")
+
+    parts = [f"<h1>Packfeed dataset report</h1><p>Index <code>{esc(d['index'])}</code> — fingerprint "
+             f"<code>{esc(d['fingerprint'])}</code>, source {esc(d['source'])}.</p>",
+             f"<p class=big><b>{d['samples']}</b> samples · <b>{d['valid']}</b> valid · <b>{d['invalid']}</b> invalid</p>"]
+    if d["invalid_by_reason"]:
+        parts.append("<h2>Invalid samples by reason</h2>" + table(["reason", "samples"], d["invalid_by_reason"].items()))
+    if d["shard_errors"]:
+        parts.append("<h2>Shard errors</h2>" + table(["shard", "error", "samples read"],
+                                                      [(e["shard"], e["error"], e.get("samples_read", ""))
+                                                       for e in d["shard_errors"]]))
+    parts.append("<h2>Distributions (valid samples)</h2>" + table(
+        ["quantity", "mean", "p50", "p90", "p99", "max"],
+        [(k, v["mean"], v["p50"], v["p90"], v["p99"], v["max"]) for k, v in d["distributions"].items() if v]))
+    cfg = d["plan_config"]
+    parts.append(f"<h2>Balance at DP {cfg['dp']}, M {cfg['microbatches']}</h2>")
+    if d["caps"]:
+        c = d["caps"]
+        parts.append(f"<p>Caps {c['vision_cap']} vision units / {c['token_cap']} tokens, targets {c['vision_target']} / "
+                     f"{c['token_target']}. Random and length-group use padded batches of the target size.</p>")
+    parts.append(table(["strategy", "samples/pack", "max pack tokens (padded)", "Pad Ratio", "ViT Dist", "LLM Dist", "packs",
+                        "steps", "plan s"],
+                       [(r["strategy"], f"{r['samples_per_pack']:.2f}", r["max_pack_tokens"], f"{r['pad_ratio']:.4f}",
+                         f"{r['vit_dist']:.4f}", f"{r['llm_dist']:.4f}", r["packs"], r["steps"],
+                         f"{r['planning_seconds']:.3f}") for r in d["comparison"]]))
+    parts.append("<h2>Figures</h2><div class=figs>" + "".join(
+        f'<img alt="{name}" src="data:image/png;base64,{base64.b64encode(png).decode()}">'
+        for name, png in figures.items()) + "</div>")
+    style = ("body{font-family:system-ui,sans-serif;max-width:1320px;margin:2em auto;color:#222}"
+             "table{border-collapse:collapse;margin:1em 0}td,th{border:1px solid #ccc;padding:4px 10px;text-align:right}"
+             "th{background:#f3f3f3}td:first-child{text-align:left}.big{font-size:1.3em}"
+             ".figs img{width:640px;margin:4px;border:1px solid #eee}")
+    return f"<!doctype html><html><head><meta charset=utf-8><title>Packfeed report</title><style>{style}</style></head>" \
+           f"<body>{''.join(parts)}</body></html>\n"
+
+
+def write_report(index_path: str | Path, out_dir: str | Path, config: PlanConfig, seed: int = 0) -> dict[str, Path]:
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    data, figures = build_report(index_path, config, seed)
+    for name, png in figures.items():
+        (out / f"{name}.png").write_bytes(png)
+    paths = {"html": out / "report.html", "markdown": out / "report.md", "json": out / "report.json"}
+    paths["html"].write_text(_html(data, figures))
+    paths["markdown"].write_text(_markdown(data, figures))
+    paths["json"].write_text(json.dumps(data, indent=2))
+    return paths
