@@ -354,6 +354,8 @@ def _assign_ranks(steps, cost, dp, m):
 
 def _order_for_pipeline(grid, pack_cv, pack_cl, stages):
     """MMScale inter-microbatch reordering of every rank's M packs for 1F1B."""
+    if grid.size == 0:
+        return grid
     real = grid >= 0
     safe = np.where(real, grid, 0)
     cv = np.where(real, pack_cv[safe], 0.0)

@@ -62,6 +62,9 @@ class RawSample:
     members: list[Member] = field(default_factory=list)
     error: str | None = None  # set when the tar broke inside this sample
 
+    def has(self, suffix: str) -> bool:
+        return any(m.suffix == suffix for m in self.members)
+
     def json_member(self) -> Member | None:
         return next((m for m in self.members if m.suffix.lower() == "json"), None)
 
@@ -96,7 +99,8 @@ def iter_samples(url: str) -> Iterator[RawSample]:
                     key, suffix = base_plus_ext(info.name)
                     if key is None or not suffix:
                         continue
-                    if current is None or key != current.key:
+                    # A repeated member name means a second sample with the same key (reported as a duplicate).
+                    if current is None or key != current.key or current.has(suffix):
                         if current is not None:
                             yield current
                         current = RawSample(key)
