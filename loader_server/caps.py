@@ -21,6 +21,9 @@ from packfeed.server.metrics import dist_ratio
 SEARCH_SEED = 0x5EED  # caps are a property of the data and config, never of the run's seed or epoch
 TOKEN_SLACK = 128  # OmniBal Table 6: token target = token cap - 128
 MAX_CANDIDATES = 64
+# Candidates are scored on a seeded subsample: samples per pack and Dist are averages that a quarter
+# million samples estimate well, and the search stays fast on datasets of any size.
+SEARCH_SAMPLE = 1 << 18
 
 
 def default_targets(vision_cap: int, token_cap: int) -> tuple[int, int]:
@@ -71,6 +74,9 @@ def search_caps(vision: np.ndarray, tokens: np.ndarray, dp: int, samples_per_pac
     if len(tokens) == 0:
         raise ValueError("no valid samples to derive caps from")
     ratio = tokens_per_vision_unit(vision, tokens)
+    if len(tokens) > SEARCH_SAMPLE:
+        keep = np.sort(np.random.default_rng(SEARCH_SEED).choice(len(tokens), SEARCH_SAMPLE, replace=False))
+        vision, tokens = vision[keep], tokens[keep]
     text_only = ratio == 0
     if text_only:
         # No vision at all: only the token cap matters; step it by one average sample.

@@ -51,10 +51,69 @@ def next_fit_starts(vision, tokens, vision_cap, token_cap):
 
 
 @numba.njit(cache=True, nogil=True)
-def first_fit_decreasing(order, vision, tokens, vision_cap, token_cap):
-    """Pack samples (given in decreasing size order) into the first open bin they fit; returns bin per sample.
+def shuffled(ids, seed):
+    """A copy of `ids` in a random order: Fisher-Yates driven by splitmix64 from `seed`.
 
-    Quadratic in the number of bins in the worst case, which is fine: it only sees ISF's leftovers.
+    Our own generator, so the order is fixed by the seed alone, whatever numpy or numba version runs it.
+    """
+    out = ids.copy()
+    state = np.uint64(seed)
+    for k in range(len(out) - 1, 0, -1):
+        state += np.uint64(0x9E3779B97F4A7C15)
+        z = state
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        z = z ^ (z >> np.uint64(31))
+        j = np.int64((z >> np.uint64(11)) % np.uint64(k + 1))  # bias < (k+1) / 2^53: negligible
+        out[k], out[j] = out[j], out[k]
+    return out
+
+
+@numba.njit(cache=True, nogil=True)
+def sample_and_filter(order, vision, tokens, vision_cap, token_cap, vision_target, token_target):
+    """One ISF round over samples in `order`: next-fit groups, keep those reaching a target.
+
+    Returns (kept members in group order, kept group sizes, samples returned to the pool).
+    """
+    n = len(order)
+    kept = np.empty(n, dtype=np.int64)
+    sizes = np.empty(n, dtype=np.int64)
+    pool = np.empty(n, dtype=np.int64)
+    n_kept = n_groups = n_pool = 0
+    start = 0
+    v = t = 0
+    for k in range(n + 1):
+        i = order[k] if k < n else -1
+        if k == n or v + vision[i] > vision_cap or t + tokens[i] > token_cap:
+            if k > start:  # close the group [start, k)
+                if v >= vision_target or t >= token_target:
+                    for j in range(start, k):
+                        kept[n_kept] = order[j]
+                        n_kept += 1
+                    sizes[n_groups] = k - start
+                    n_groups += 1
+                else:
+                    for j in range(start, k):
+                        pool[n_pool] = order[j]
+                        n_pool += 1
+            start = k
+            v = t = 0
+        if k < n:
+            v += vision[i]
+            t += tokens[i]
+    return kept[:n_kept], sizes[:n_groups], pool[:n_pool]
+
+
+# First-fit looks only at the most recently opened bins. Items come largest first, so older bins are
+# nearly full; the window keeps packing O(n * window) instead of O(n * bins) with almost the same fill.
+FIRST_FIT_WINDOW = 256
+
+
+@numba.njit(cache=True, nogil=True)
+def first_fit_decreasing(order, vision, tokens, vision_cap, token_cap, window):
+    """Pack samples (given in decreasing size order) into the first of the last `window` bins they fit.
+
+    Returns the bin of every sample (in `order` positions) and the number of bins.
     """
     n = len(order)
     bin_of = np.empty(n, dtype=np.int64)
@@ -64,7 +123,7 @@ def first_fit_decreasing(order, vision, tokens, vision_cap, token_cap):
     for k in range(n):
         i = order[k]
         chosen = -1
-        for b in range(n_bins):
+        for b in range(max(0, n_bins - window), n_bins):
             if bin_v[b] + vision[i] <= vision_cap and bin_t[b] + tokens[i] <= token_cap:
                 chosen = b
                 break
@@ -101,23 +160,17 @@ def isf(
     for _ in range(iterations):
         if len(pool) == 0:
             break
-        order = pool[rng.permutation(len(pool))]
-        pv, pt = vision[order], tokens[order]
-        starts = next_fit_starts(pv, pt, caps.vision_cap, caps.token_cap)
-        group_v = np.add.reduceat(pv, starts)
-        group_t = np.add.reduceat(pt, starts)
-        keep = (group_v >= caps.vision_target) | (group_t >= caps.token_target)
-        sizes = np.diff(np.append(starts, len(order)))
-        in_kept = np.repeat(keep, sizes)
-        kept_members.append(order[in_kept])
-        kept_sizes.append(sizes[keep])
-        pool = order[~in_kept]
+        members, sizes, pool = sample_and_filter(shuffled(pool, _draw_seed(rng)), vision, tokens, caps.vision_cap,
+                                                 caps.token_cap, caps.vision_target, caps.token_target)
+        kept_members.append(members)
+        kept_sizes.append(sizes)
 
     if len(pool):
         # Largest first, ties broken by id so the result never depends on sort stability.
         size_key = pool_size_key(pool, vision, tokens, caps)
         order = pool[np.lexsort((pool, -size_key))]
-        bin_of, n_bins = first_fit_decreasing(order, vision, tokens, caps.vision_cap, caps.token_cap)
+        bin_of, n_bins = first_fit_decreasing(order, vision, tokens, caps.vision_cap, caps.token_cap,
+                                              FIRST_FIT_WINDOW)
         by_bin = np.argsort(bin_of, kind="stable")
         kept_members.append(order[by_bin])
         kept_sizes.append(np.bincount(bin_of, minlength=n_bins))
@@ -127,6 +180,10 @@ def isf(
     offsets = np.zeros(len(sizes) + 1, dtype=np.int64)
     np.cumsum(sizes, out=offsets[1:])
     return members, offsets
+
+
+def _draw_seed(rng: np.random.Generator) -> int:
+    return int(rng.integers(0, 2**63 - 1))
 
 
 def pool_size_key(ids: np.ndarray, vision: np.ndarray, tokens: np.ndarray, caps: Caps) -> np.ndarray:

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from packfeed.server.costs import DEFAULT_PATCHES_PER_UNIT
 from packfeed.server.index_table import SCHEMA, IndexInfo, empty_rows, fingerprint_table, write_index
@@ -37,39 +38,41 @@ def _load_records(path: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
 
 def index_from_lengths(files: list[str | Path], out: str | Path) -> IndexInfo:
-    parts = [(_load_records(Path(f)), Path(f).name) for f in files]
-    n = sum(len(vit) for (vit, _, _), _ in parts)
-    vit = np.concatenate([p[0][0] for p in parts]) if parts else np.zeros(0, np.int64)
-    tok = np.concatenate([p[0][1] for p in parts]) if parts else np.zeros(0, np.int64)
-    flags = np.concatenate([p[0][2] for p in parts]) if parts else np.zeros(0, np.int64)
-    source = np.concatenate([np.full(len(p[0][0]), k, dtype=np.int32) for k, p in enumerate(parts)]) \
+    parts = [_load_records(Path(f)) for f in files]
+    names = [Path(f).name for f in files]
+    source = np.concatenate([np.full(len(p[0]), k, dtype=np.int32) for k, p in enumerate(parts)]) \
         if parts else np.zeros(0, np.int32)
-    position = np.concatenate([np.arange(len(p[0][0])) for p in parts]) if parts else np.zeros(0, np.int64)
+    vit, tok, flags = (np.concatenate([p[k] for p in parts]) if parts else np.zeros(0, np.int64) for k in range(3))
+    return write_lengths_index(vit, tok, flags, out, names, source, inputs=[str(f) for f in files])
 
+
+def write_lengths_index(vit: np.ndarray, tok: np.ndarray, flags: np.ndarray, out: str | Path,
+                        source_names: list[str], source: np.ndarray, inputs: list[str] | None = None) -> IndexInfo:
+    """An index from per-sample (vit_num, token_num, image_flags); `source[i]` names row i's file."""
+    n = len(vit)
     bad = (vit < 0) | (tok <= 0)
+    reason = "bad length record (vit_num < 0 or token_num <= 0)"
+    starts = np.searchsorted(source, np.arange(len(source_names)))
+    position = np.arange(n) - starts[source] if n else np.zeros(0, np.int64)
     columns = empty_rows(n)
-    patches = vit * DEFAULT_PATCHES_PER_UNIT
     columns.update({
         "sample_id": pa.array(np.arange(n, dtype=np.int64)),
-        "shard": pa.DictionaryArray.from_arrays(pa.array(source), pa.array([name for _, name in parts],
-                                                                            type=pa.string())),
-        "key": pa.array([f"{i:09d}" for i in position], type=pa.string()),
+        "shard": pa.DictionaryArray.from_arrays(pa.array(source, type=pa.int32()),
+                                                pa.array(source_names, type=pa.string())),
+        "key": pc.cast(pa.array(position), pa.string()),  # the record's position in its file
         "valid": pa.array(~bad),
-        "reason": pa.array(np.where(bad, "bad length record (vit_num < 0 or token_num <= 0)", None),
-                           type=pa.string()),
+        "reason": pc.if_else(pa.array(bad), pa.scalar(reason), pa.scalar(None, pa.string())),
         "vision_units": pa.array(vit.astype(np.int32)),
         "vision_tokens": pa.array((flags * TOKENS_PER_TILE).astype(np.int32)),
-        "vit_patches": pa.array(patches),
+        "vit_patches": pa.array(vit * DEFAULT_PATCHES_PER_UNIT),
         "vit_attn_sq": pa.array(vit * DEFAULT_PATCHES_PER_UNIT * DEFAULT_PATCHES_PER_UNIT),
         "llm_tokens": pa.array(tok.astype(np.int32)),
     })
     table = pa.table(columns, schema=SCHEMA)
-    config = {"source": "lengths", "files": [name for _, name in parts]}
     invalid = int(bad.sum())
     info = IndexInfo(
-        fingerprint=fingerprint_table(table, config), source="lengths", inputs=[str(f) for f in files],
-        invalid_by_reason={"bad length record (vit_num < 0 or token_num <= 0)": invalid} if invalid else {},
-        skipped_shards=[],
+        fingerprint=fingerprint_table(table, {"source": "lengths", "files": source_names}), source="lengths",
+        inputs=inputs or source_names, invalid_by_reason={reason: invalid} if invalid else {}, skipped_shards=[],
     )
     write_index(table, out, info)
     return info

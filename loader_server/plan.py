@@ -253,6 +253,8 @@ def resolve_caps(loads: SampleLoads, config: PlanConfig) -> Caps:
                     config.vision_target if config.vision_target is not None else vt,
                     config.token_target if config.token_target is not None else tt)
     valid = loads.valid
+    if not valid.any():
+        return Caps(1, 1, 1, 1)  # nothing to pack: the plan is empty whatever the caps
     caps, _ = search_caps(loads.vision[valid], loads.tokens[valid], config.dp, config.samples_per_pack,
                           config.isf_iterations)
     if config.vision_target is not None or config.token_target is not None:
