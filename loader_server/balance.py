@@ -9,6 +9,8 @@ large packs.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import numba
 import numpy as np
 
@@ -65,11 +67,13 @@ def form_steps(pack_vision: np.ndarray, pack_tokens: np.ndarray, pack_cost: np.n
     by_cost = np.lexsort((ids, pack_cost))
     rest = np.sort(by_cost[:n_rest])
     body = np.sort(by_cost[n_rest:])
-    order = np.lexsort((body, pack_tokens[body], vision_bucket(pack_vision[body])))
-    return body[order].reshape(-1, slots), rest
+    # One composite key (bucket, tokens); the stable sort breaks ties by pack id, as `body` is sorted.
+    key = (vision_bucket(pack_vision[body]).astype(np.int64) << 40) | pack_tokens[body].astype(np.int64)
+    return body[np.argsort(key, kind="stable")].reshape(-1, slots), rest
 
 
-def split_for_last_step(members: list[np.ndarray], sample_cost: np.ndarray, slots: int) -> list[np.ndarray]:
+def split_for_last_step(members: list[np.ndarray], sample_cost: Callable[[np.ndarray], np.ndarray],
+                        slots: int) -> list[np.ndarray]:
     """Split the last step's packs into up to `slots` lighter packs, so every rank still gets work.
 
     Repeatedly halves the pack holding the most samples (LPT into two), which keeps every piece within
@@ -81,6 +85,6 @@ def split_for_last_step(members: list[np.ndarray], sample_cost: np.ndarray, slot
         if biggest is None or len(packs[biggest]) < 2:
             break
         pack = packs.pop(biggest)
-        halves = lpt_assign(sample_cost[pack], 2, 0)
+        halves = lpt_assign(sample_cost(pack), 2, 0)
         packs[biggest:biggest] = [pack[halves == 0], pack[halves == 1]]
     return packs

@@ -4,10 +4,26 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
+from packfeed.server.image_policy import POLICIES, VERIFY_MODES  # light: dataclasses only
+
 EXIT_OK, EXIT_SKIPPED, EXIT_USAGE = 0, 3, 2
+
+
+def add_index_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--tokenizer", help="HF tokenizers tokenizer.json")
+    parser.add_argument("--image-policy", choices=sorted(POLICIES), default="internvl")
+    parser.add_argument("--max-tiles", type=int, default=12, help="internvl: max tiles per sample (default 12)")
+    parser.add_argument("--min-pixels", type=int, default=56 * 56, help="qwen2vl: min pixels")
+    parser.add_argument("--max-pixels", type=int, default=28 * 28 * 1280, help="qwen2vl: max pixels")
+    parser.add_argument("--image-size", type=int, default=336, help="fixed: square side in px")
+    parser.add_argument("--image-tokens", type=int, default=576, help="fixed: LLM tokens per image")
+    parser.add_argument("--system-prompt", help="system turn prepended to every conversation")
+    parser.add_argument("--verify-images", choices=VERIFY_MODES, default="decode",
+                        help="decode (catch corrupt image data) or header (faster)")
 
 
 def _add_plan_options(parser: argparse.ArgumentParser) -> None:
@@ -100,8 +116,6 @@ def build_parser() -> argparse.ArgumentParser:
     index.add_argument("--out", required=True, help="output INDEX.parquet")
     index.add_argument("--workers", type=int, default=None, help="parallel shard readers (default: CPU count)")
     index.add_argument("--quiet", action="store_true", help="no progress bar")
-    from packfeed.server.indexer import add_index_options
-
     add_index_options(index)
     index.set_defaults(func=cmd_index)
 
@@ -136,5 +150,17 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_USAGE
 
 
+def entry() -> None:
+    """The `packfeed` console command: main(), then exit without interpreter teardown.
+
+    Every file is closed by then; skipping teardown saves the ~0.5 s numba's shutdown costs, a sixth of
+    planning 1.2M samples.
+    """
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

@@ -131,6 +131,9 @@ class FixedResolution:
         return asdict(self)
 
 
+# How the indexer checks image data: decode every image (JPEG at 1/8 scale) or trust the header.
+VERIFY_MODES = ("decode", "header")
+
 POLICIES = {"internvl": InternVLTiling, "qwen2vl": Qwen2VLResize, "fixed": FixedResolution}
 
 

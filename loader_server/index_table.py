@@ -100,16 +100,15 @@ def read_index_info(path: str | Path) -> IndexInfo:
     if METADATA_KEY not in metadata:
         raise ValueError(f"{path} is not a Packfeed index (no '{METADATA_KEY.decode()}' metadata); "
                          "build one with `packfeed index`")
-    raw = json.loads(metadata[METADATA_KEY])
-    return IndexInfo(**raw)
-
-
-def read_index(path: str | Path, columns: list[str] | None = None) -> tuple[pa.Table, IndexInfo]:
-    info = read_index_info(path)
+    info = IndexInfo(**json.loads(metadata[METADATA_KEY]))
     if info.format_version != INDEX_FORMAT_VERSION:
         raise ValueError(f"{path} has index format {info.format_version}; this Packfeed reads "
                          f"{INDEX_FORMAT_VERSION}. Rebuild it with `packfeed index`.")
-    return pq.read_table(path, columns=columns), info
+    return info
+
+
+def read_index(path: str | Path, columns: list[str] | None = None) -> tuple[pa.Table, IndexInfo]:
+    return pq.read_table(path, columns=columns), read_index_info(path)
 
 
 def empty_rows(n: int) -> dict[str, Any]:

@@ -27,11 +27,10 @@ from tqdm import tqdm
 
 from packfeed.server.chat import (ChatTemplate, ConversationError, IGNORE_INDEX, attach_images, cached_tokenizer,
                                   encode_conversation, parse_conversation)
-from packfeed.server.image_policy import POLICIES, ImagePolicy, policy_from_dict
+from packfeed.server.image_policy import VERIFY_MODES, ImagePolicy, policy_from_dict
 from packfeed.server.index_table import SCHEMA, IndexInfo, fingerprint_table, write_index
 from packfeed.server.shards import RawSample, ShardError, expand_shards, iter_samples
 
-VERIFY_MODES = ("decode", "header")
 
 
 @dataclass(frozen=True)
@@ -78,19 +77,6 @@ class IndexConfig:
             policy.update(size=args.image_size, tokens=args.image_tokens)
         template = ChatTemplate(system_prompt=args.system_prompt).to_dict()
         return cls(args.tokenizer, policy, template, args.verify_images)
-
-
-def add_index_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--tokenizer", help="HF tokenizers tokenizer.json")
-    parser.add_argument("--image-policy", choices=sorted(POLICIES), default="internvl")
-    parser.add_argument("--max-tiles", type=int, default=12, help="internvl: max tiles per sample (default 12)")
-    parser.add_argument("--min-pixels", type=int, default=56 * 56, help="qwen2vl: min pixels")
-    parser.add_argument("--max-pixels", type=int, default=28 * 28 * 1280, help="qwen2vl: max pixels")
-    parser.add_argument("--image-size", type=int, default=336, help="fixed: square side in px")
-    parser.add_argument("--image-tokens", type=int, default=576, help="fixed: LLM tokens per image")
-    parser.add_argument("--system-prompt", help="system turn prepended to every conversation")
-    parser.add_argument("--verify-images", choices=VERIFY_MODES, default="decode",
-                        help="decode (catch corrupt image data) or header (faster)")
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -32,76 +32,71 @@ class Caps:
 
 
 @numba.njit(cache=True, nogil=True)
-def next_fit_starts(vision, tokens, vision_cap, token_cap):
-    """Positions where a new group starts when filling groups greedily in the given order."""
-    n = len(vision)
-    starts = np.empty(n, dtype=np.int64)
-    n_groups = 0
-    v = vision_cap + 1  # forces a new group at position 0
-    t = 0
-    for i in range(n):
-        if v + vision[i] > vision_cap or t + tokens[i] > token_cap:
-            starts[n_groups] = i
-            n_groups += 1
-            v = 0
-            t = 0
-        v += vision[i]
-        t += tokens[i]
-    return starts[:n_groups]
-
-
-@numba.njit(cache=True, nogil=True)
-def shuffled(ids, seed):
-    """A copy of `ids` in a random order: Fisher-Yates driven by splitmix64 from `seed`.
+def shuffle_rows(out, n, seed):
+    """Shuffle the first `n` rows of `out` (n x 2) in place: Fisher-Yates driven by splitmix64 from `seed`.
 
     Our own generator, so the order is fixed by the seed alone, whatever numpy or numba version runs it.
     """
-    out = ids.copy()
     state = np.uint64(seed)
-    for k in range(len(out) - 1, 0, -1):
+    for k in range(n - 1, 0, -1):
         state += np.uint64(0x9E3779B97F4A7C15)
         z = state
         z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
         z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
         z = z ^ (z >> np.uint64(31))
         j = np.int64((z >> np.uint64(11)) % np.uint64(k + 1))  # bias < (k+1) / 2^53: negligible
-        out[k], out[j] = out[j], out[k]
-    return out
+        a0, a1 = out[k, 0], out[k, 1]
+        out[k, 0], out[k, 1] = out[j, 0], out[j, 1]
+        out[j, 0], out[j, 1] = a0, a1
 
 
 @numba.njit(cache=True, nogil=True)
-def sample_and_filter(order, vision, tokens, vision_cap, token_cap, vision_target, token_target):
-    """One ISF round over samples in `order`: next-fit groups, keep those reaching a target.
+def sample_and_filter(rows, n, kept, n_kept, sizes, group_v, group_t, n_groups, vision_cap, token_cap, vision_target,
+                      token_target):
+    """One ISF round over the first `n` rows = [sample id, vision << 32 | tokens], in order: next-fit groups,
+    keep those reaching a target.
 
-    Returns (kept members in group order, kept group sizes, samples returned to the pool).
+    Kept ids are appended to `kept`, their group sizes and loads to `sizes`, `group_v`, `group_t`; the rest are
+    compacted in place to the
+    front of `rows` (the pool). Returns the new (pool size, n_kept, n_groups). The loads travel with the
+    ids, so the walk reads memory in order, and nothing is allocated per round.
     """
-    n = len(order)
-    kept = np.empty(n, dtype=np.int64)
-    sizes = np.empty(n, dtype=np.int64)
-    pool = np.empty(n, dtype=np.int64)
-    n_kept = n_groups = n_pool = 0
+    n_pool = 0
     start = 0
     v = t = 0
     for k in range(n + 1):
-        i = order[k] if k < n else -1
-        if k == n or v + vision[i] > vision_cap or t + tokens[i] > token_cap:
+        sv = st = 0
+        if k < n:
+            sv = rows[k, 1] >> 32
+            st = rows[k, 1] & 0xFFFFFFFF
+        if k == n or v + sv > vision_cap or t + st > token_cap:
             if k > start:  # close the group [start, k)
                 if v >= vision_target or t >= token_target:
                     for j in range(start, k):
-                        kept[n_kept] = order[j]
+                        kept[n_kept] = rows[j, 0]
                         n_kept += 1
                     sizes[n_groups] = k - start
+                    group_v[n_groups] = v
+                    group_t[n_groups] = t
                     n_groups += 1
-                else:
+                else:  # n_pool <= start: compacting forward never overwrites an unread row
                     for j in range(start, k):
-                        pool[n_pool] = order[j]
+                        rows[n_pool, 0] = rows[j, 0]
+                        rows[n_pool, 1] = rows[j, 1]
                         n_pool += 1
             start = k
             v = t = 0
-        if k < n:
-            v += vision[i]
-            t += tokens[i]
-    return kept[:n_kept], sizes[:n_groups], pool[:n_pool]
+        v += sv
+        t += st
+    return n_pool, n_kept, n_groups
+
+
+@dataclass
+class IsfPacks:
+    members: np.ndarray  # sample ids, pack after pack
+    offsets: np.ndarray  # pack p is members[offsets[p]:offsets[p + 1]]
+    vision: np.ndarray  # vision units per pack
+    tokens: np.ndarray  # tokens per pack
 
 
 # First-fit looks only at the most recently opened bins. Items come largest first, so older bins are
@@ -133,7 +128,7 @@ def first_fit_decreasing(order, vision, tokens, vision_cap, token_cap, window):
         bin_v[chosen] += vision[i]
         bin_t[chosen] += tokens[i]
         bin_of[k] = chosen
-    return bin_of, n_bins
+    return bin_of, n_bins, bin_v[:n_bins], bin_t[:n_bins]
 
 
 def isf(
@@ -143,43 +138,58 @@ def isf(
     caps: Caps,
     iterations: int,
     rng: np.random.Generator,
-) -> tuple[np.ndarray, np.ndarray]:
+) -> "IsfPacks":
     """Pack every sample id in `candidates` exactly once; each must fit the caps on its own.
 
-    Returns (members, offsets). Packs kept by filtering come first, in the order they were formed,
-    then the first-fit-decreasing packs of the leftovers.
+    Packs kept by filtering come first, in the order they were formed, then the first-fit-decreasing packs
+    of the leftovers.
     """
     if iterations < 1:
         raise ValueError("ISF needs at least one iteration")
     if len(candidates) and (vision[candidates].max() > caps.vision_cap or tokens[candidates].max() > caps.token_cap):
         raise ValueError("ISF candidates must each fit the caps; route oversize samples through the oversize policy")
 
-    kept_members: list[np.ndarray] = []
-    kept_sizes: list[np.ndarray] = []
-    pool = np.asarray(candidates, dtype=np.int64)
+    n = len(candidates)
+    if n and (vision[candidates].min() < 0 or tokens[candidates].min() < 0 or vision[candidates].max() >= 2**31
+              or tokens[candidates].max() >= 2**32):
+        raise ValueError("vision units must be in [0, 2^31) and tokens in [0, 2^32)")
+    rows = np.empty((n, 2), dtype=np.int64)
+    rows[:, 0] = candidates
+    rows[:, 1] = vision[candidates]
+    rows[:, 1] <<= 32
+    rows[:, 1] |= tokens[candidates]
+    # Sample ids fit int32 up to 2^31 samples; per-pack arrays are sized for the worst case of one sample
+    # per pack, so they are int32 too.
+    id_type = np.int32 if n < 2**31 else np.int64
+    members = np.empty(n, dtype=id_type)
+    sizes = np.empty(n, dtype=np.int32)
+    pack_v = np.empty(n, dtype=np.int32)
+    pack_t = np.empty(n, dtype=np.int32)
+    n_pool, n_kept, n_groups = len(rows), 0, 0
     for _ in range(iterations):
-        if len(pool) == 0:
+        if n_pool == 0:
             break
-        members, sizes, pool = sample_and_filter(shuffled(pool, _draw_seed(rng)), vision, tokens, caps.vision_cap,
-                                                 caps.token_cap, caps.vision_target, caps.token_target)
-        kept_members.append(members)
-        kept_sizes.append(sizes)
+        shuffle_rows(rows, n_pool, _draw_seed(rng))
+        n_pool, n_kept, n_groups = sample_and_filter(rows, n_pool, members, n_kept, sizes, pack_v, pack_t, n_groups,
+                                                     caps.vision_cap, caps.token_cap, caps.vision_target,
+                                                     caps.token_target)
 
-    if len(pool):
+    if n_pool:
         # Largest first, ties broken by id so the result never depends on sort stability.
+        pool = rows[:n_pool, 0].copy()
         size_key = pool_size_key(pool, vision, tokens, caps)
         order = pool[np.lexsort((pool, -size_key))]
-        bin_of, n_bins = first_fit_decreasing(order, vision, tokens, caps.vision_cap, caps.token_cap,
-                                              FIRST_FIT_WINDOW)
-        by_bin = np.argsort(bin_of, kind="stable")
-        kept_members.append(order[by_bin])
-        kept_sizes.append(np.bincount(bin_of, minlength=n_bins))
-
-    members = np.concatenate(kept_members) if kept_members else np.empty(0, dtype=np.int64)
-    sizes = np.concatenate(kept_sizes) if kept_sizes else np.empty(0, dtype=np.int64)
-    offsets = np.zeros(len(sizes) + 1, dtype=np.int64)
-    np.cumsum(sizes, out=offsets[1:])
-    return members, offsets
+        bin_of, n_bins, bin_v, bin_t = first_fit_decreasing(order, vision, tokens, caps.vision_cap, caps.token_cap,
+                                                            FIRST_FIT_WINDOW)
+        members[n_kept:] = order[np.argsort(bin_of, kind="stable")]
+        sizes[n_groups:n_groups + n_bins] = np.bincount(bin_of, minlength=n_bins)
+        pack_v[n_groups:n_groups + n_bins] = bin_v
+        pack_t[n_groups:n_groups + n_bins] = bin_t
+        n_groups += n_bins
+    del rows
+    offsets = np.zeros(n_groups + 1, dtype=np.int64)
+    np.cumsum(sizes[:n_groups], out=offsets[1:])
+    return IsfPacks(members, offsets, pack_v[:n_groups].astype(np.int64), pack_t[:n_groups].astype(np.int64))
 
 
 def _draw_seed(rng: np.random.Generator) -> int:

@@ -92,6 +92,20 @@ def simulate_1f1b(f, b, order):
 
 
 @numba.njit(cache=True, nogil=True)
+def _closest_unused(f, used, target):
+    """The unplaced microbatch whose first-stage forward time is closest to `target`."""
+    best = -1
+    best_gap = np.inf
+    for m in range(f.shape[0]):
+        if not used[m]:
+            gap = abs(f[m, 0] - target)
+            if gap < best_gap:
+                best_gap = gap
+                best = m
+    return best
+
+
+@numba.njit(cache=True, nogil=True)
 def inter_reorder(f, b):
     """Order of microbatches (indices into f) for 1F1B with f.shape[1] stages."""
     l, p = f.shape
@@ -122,15 +136,7 @@ def inter_reorder(f, b):
         interval += f[first, s] + b[first, s]
     n_first = min(p - 1, n_middle)
     for k in range(n_first):
-        per_slot = interval / (n_first - k)
-        best = -1
-        best_gap = np.inf
-        for m in range(l):
-            if not used[m]:
-                gap = abs(f[m, 0] - per_slot)
-                if gap < best_gap:
-                    best_gap = gap
-                    best = m
+        best = _closest_unused(f, used, interval / (n_first - k))
         order[1 + k] = best
         used[best] = True
         interval -= f[best, 0]
@@ -144,15 +150,7 @@ def inter_reorder(f, b):
         _advance(f, b, order, kind, pos, end_f, end_b, stage_t, ptr)
         returning = k - p + 1  # the backward that follows F(k) on stage 0
         arrival = end_b[returning, 1] if returning >= 0 else -1.0
-        target = arrival - stage_t[0] if arrival >= 0 else 0.0
-        best = -1
-        best_gap = np.inf
-        for m in range(l):
-            if not used[m]:
-                gap = abs(f[m, 0] - target)
-                if gap < best_gap:
-                    best_gap = gap
-                    best = m
+        best = _closest_unused(f, used, arrival - stage_t[0] if arrival >= 0 else 0.0)
         order[k] = best
         used[best] = True
     return order

@@ -16,7 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +29,7 @@ from packfeed.server import __version__
 from packfeed.server.balance import form_steps, lpt_assign, split_for_last_step
 from packfeed.server.caps import default_targets, search_caps
 from packfeed.server.costs import CostModel, SampleLoads
-from packfeed.server.isf import Caps, isf
+from packfeed.server.isf import Caps, IsfPacks, isf
 from packfeed.server.metrics import dist_ratio, pad_ratio
 from packfeed.server.pipeline_order import inter_reorder_many, stage_fractions, stage_times
 
@@ -102,6 +102,8 @@ class Plan:
     oversize: np.ndarray  # sample ids the oversize policy handled
     index_fingerprint: str
     seconds: float = 0.0
+    pack_vision: np.ndarray | None = None  # per pack, kept from planning so summaries need no gathers
+    pack_tokens: np.ndarray | None = None
 
     @property
     def n_packs(self) -> int:
@@ -124,6 +126,8 @@ class Plan:
 
     def pack_loads(self, loads: SampleLoads) -> tuple[np.ndarray, np.ndarray]:
         """(vision, LLM) load of every pack; LLM load counts padding for padded strategies."""
+        if self.pack_vision is not None and not self.padded:
+            return self.pack_vision, self.pack_tokens
         tokens = _effective_tokens(loads.tokens[self.members], self.truncate_to)
         vision = _segment_sum(loads.vision[self.members], self.offsets)
         if self.padded:
@@ -169,16 +173,20 @@ class Plan:
 
     def to_table(self) -> pa.Table:
         """One row per sample; an empty pack is one row with sample_id -1 and empty = true."""
-        sizes = self.pack_sizes()
+        return self._table(0, self.n_packs)
+
+    def _table(self, first: int, stop: int) -> pa.Table:
+        """Rows of packs [first, stop)."""
+        sizes = self.pack_sizes()[first:stop]
         rows_per_pack = np.maximum(sizes, 1)
-        pack_of_row = np.repeat(np.arange(self.n_packs), rows_per_pack)
+        pack_of_row = np.repeat(np.arange(first, stop), rows_per_pack)
         row_start = np.cumsum(rows_per_pack) - rows_per_pack
         position = np.arange(len(pack_of_row)) - np.repeat(row_start, rows_per_pack)
         empty = np.repeat(sizes == 0, rows_per_pack)
         sample_id = np.full(len(pack_of_row), -1, dtype=np.int64)
-        sample_id[~empty] = self.members
+        sample_id[~empty] = self.members[self.offsets[first]:self.offsets[stop]]
         truncate_to = np.zeros(len(pack_of_row), dtype=np.int32)
-        truncate_to[~empty] = self.truncate_to
+        truncate_to[~empty] = self.truncate_to[self.offsets[first]:self.offsets[stop]]
         dp, m = self.config.dp, self.config.microbatches
         return pa.table({
             "epoch": pa.array(np.full(len(pack_of_row), self.epoch, dtype=np.int32)),
@@ -191,14 +199,24 @@ class Plan:
             "truncate_to": pa.array(truncate_to),
         })
 
-    def write(self, path: str | Path) -> None:
+    def write(self, path: str | Path, rows_per_chunk: int = 1 << 22) -> None:
+        """Write plan.parquet in chunks of about `rows_per_chunk` rows, so memory stays bounded."""
         meta = {"config": self.config.to_dict(), "seed": self.seed, "epoch": self.epoch,
                 "caps": asdict(self.caps) if self.caps else None, "index_fingerprint": self.index_fingerprint,
                 "plan_fingerprint": self.fingerprint(), "oversize": self.oversize.tolist(),
                 "packfeed_version": __version__}
-        table = self.to_table().replace_schema_metadata({PLAN_METADATA_KEY: json.dumps(meta, sort_keys=True)})
+        rows_before = np.cumsum(np.maximum(self.pack_sizes(), 1))
+        cuts = np.searchsorted(rows_before, np.arange(rows_per_chunk, rows_before[-1] if len(rows_before) else 0,
+                                                      rows_per_chunk), side="right")
+        bounds = [0, *sorted(set(cuts.tolist()) - {0, self.n_packs}), self.n_packs]
+        first = self._table(bounds[0], bounds[1])
+        schema = first.schema.with_metadata({PLAN_METADATA_KEY: json.dumps(meta, sort_keys=True)})
         Path(path).parent.mkdir(parents=True, exist_ok=True)
-        pq.write_table(table, path, compression="zstd")
+        # Dictionary encoding buys nothing on these integer columns and costs 40% of the write time.
+        with pq.ParquetWriter(path, schema, compression="zstd", use_dictionary=False) as writer:
+            writer.write_table(first.cast(schema))
+            for lo, hi in zip(bounds[1:-1], bounds[2:]):
+                writer.write_table(self._table(lo, hi).cast(schema))
 
 
 def read_plan(path: str | Path) -> Plan:
@@ -227,20 +245,35 @@ def make_plan(loads: SampleLoads, config: PlanConfig, seed: int, epoch: int, ind
     seeds = np.random.SeedSequence([seed, epoch])
     streams = {k: np.random.default_rng(s) for k, s in zip(
         (_STREAM_ISF, _STREAM_STEPS, _STREAM_RANKS, _STREAM_BATCHES), seeds.spawn(4))}
-    valid_ids = np.flatnonzero(loads.valid)
-    truncate = np.zeros(len(loads), dtype=np.int64)
     oversize = np.empty(0, dtype=np.int64)
+    cut = np.empty(0, dtype=np.int64)
 
     if config.strategy in ("random", "length-group"):
         caps = None
-        sequence, packs_m, packs_o = _padded_batches(loads, valid_ids, config, streams[_STREAM_BATCHES])
+        sequence, packs_m, packs_o = _padded_batches(loads, np.flatnonzero(loads.valid), config,
+                                                     streams[_STREAM_BATCHES])
     else:
         caps = caps or resolve_caps(loads, config)
-        packs_m, packs_o, oversize = _isf_packs(loads, valid_ids, caps, config, streams[_STREAM_ISF], truncate)
-        sequence, packs_m, packs_o = _arrange_packs(loads, packs_m, packs_o, truncate, config, streams)
+        packs, oversize, cut = _isf_packs(loads, caps, config, streams[_STREAM_ISF])
+        if len(cut):  # the planner sees truncated samples at their cut length
+            tokens = loads.tokens.copy()
+            tokens[cut] = caps.token_cap
+            loads = replace(loads, tokens=tokens)
+        sequence, packs = _arrange_packs(loads, packs, config, streams)
+        packs_m, packs_o = packs.members, packs.offsets
+        real = sequence >= 0
+        pack_vision = np.where(real, packs.vision[np.where(real, sequence, 0)], 0)
+        pack_tokens = np.where(real, packs.tokens[np.where(real, sequence, 0)], 0)
 
     offsets, members = _gather(sequence, packs_m, packs_o)
-    plan = Plan(config, seed, epoch, caps, offsets, members, truncate[members], oversize, index_fingerprint)
+    truncate_to = np.zeros(len(members), dtype=np.int32)
+    if len(cut):
+        is_cut = np.zeros(len(loads), dtype=bool)
+        is_cut[cut] = True
+        truncate_to[is_cut[members]] = caps.token_cap
+    plan = Plan(config, seed, epoch, caps, offsets, members, truncate_to, oversize, index_fingerprint)
+    if caps is not None:
+        plan.pack_vision, plan.pack_tokens = pack_vision, pack_tokens
     plan.seconds = time.perf_counter() - started
     return plan
 
@@ -255,7 +288,9 @@ def resolve_caps(loads: SampleLoads, config: PlanConfig) -> Caps:
     valid = loads.valid
     if not valid.any():
         return Caps(1, 1, 1, 1)  # nothing to pack: the plan is empty whatever the caps
-    caps, _ = search_caps(loads.vision[valid], loads.tokens[valid], config.dp, config.samples_per_pack,
+    everything = valid.all()
+    caps, _ = search_caps(loads.vision if everything else loads.vision[valid],
+                          loads.tokens if everything else loads.tokens[valid], config.dp, config.samples_per_pack,
                           config.isf_iterations)
     if config.vision_target is not None or config.token_target is not None:
         caps = Caps(caps.vision_cap, caps.token_cap,
@@ -264,38 +299,43 @@ def resolve_caps(loads: SampleLoads, config: PlanConfig) -> Caps:
     return caps
 
 
-def _isf_packs(loads, valid_ids, caps: Caps, config: PlanConfig, rng, truncate):
+def _isf_packs(loads, caps: Caps, config: PlanConfig, rng):
+    """ISF packs of the samples that fit, plus the oversize policy. Returns (packs, oversize, cut):
+    `cut` are the samples whose tokens the `truncate` policy cuts to the token cap."""
     vision, tokens = loads.vision, loads.tokens
+    valid_ids = np.flatnonzero(loads.valid)
+    if len(loads) < 2**31:
+        valid_ids = valid_ids.astype(np.int32)  # halves the largest arrays of planning
     vision_over = vision[valid_ids] > caps.vision_cap
     token_over = tokens[valid_ids] > caps.token_cap
-    oversize = valid_ids[vision_over | token_over]
-    alone = np.empty(0, dtype=np.int64)
-    if config.oversize == "alone":
-        alone = oversize
-    elif config.oversize == "truncate":
-        # Text can be cut to the token cap; too many vision units cannot, so those travel alone.
-        cut = valid_ids[token_over & ~vision_over]
-        truncate[cut] = caps.token_cap
-        alone = valid_ids[vision_over]
-    fits = valid_ids[~(vision_over | token_over)]
+    over = vision_over | token_over
+    oversize = valid_ids[over].astype(np.int64)
+    alone = oversize if config.oversize == "alone" else np.empty(0, dtype=np.int64)
+    cut = np.empty(0, dtype=np.int64)
     if config.oversize == "truncate":
-        fits = np.sort(np.concatenate([fits, valid_ids[token_over & ~vision_over]]))
-    effective_tokens = np.where(truncate > 0, np.minimum(tokens, truncate), tokens)
-    members, offsets = isf(fits, vision, effective_tokens, caps, config.isf_iterations, rng)
+        # Text can be cut to the token cap; too many vision units cannot, so those travel alone.
+        cut = valid_ids[token_over & ~vision_over].astype(np.int64)
+        alone = valid_ids[vision_over].astype(np.int64)
+        over = vision_over
+        tokens = np.minimum(tokens, caps.token_cap)
+    fits = valid_ids[~over]
+    del valid_ids, vision_over, token_over, over
+    packs = isf(fits, vision, tokens, caps, config.isf_iterations, rng)
     if len(alone):
-        members = np.concatenate([members, alone])
-        offsets = np.concatenate([offsets, offsets[-1] + np.arange(1, len(alone) + 1)])
-    return members, offsets, oversize
+        packs = IsfPacks(np.concatenate([packs.members, alone.astype(packs.members.dtype)]),
+                         np.concatenate([packs.offsets, packs.offsets[-1] + np.arange(1, len(alone) + 1)]),
+                         np.concatenate([packs.vision, vision[alone]]), np.concatenate([packs.tokens, tokens[alone]]))
+    return packs, oversize, cut
 
 
-def _arrange_packs(loads, members, offsets, truncate, config: PlanConfig, streams):
-    """Order packs into steps x ranks x microbatches; returns the pack sequence (-1 = empty pack)."""
+def _arrange_packs(loads, packs: IsfPacks, config: PlanConfig, streams):
+    """Order packs into steps x ranks x microbatches; returns the pack sequence (-1 = empty pack) and the
+    packs, extended by the pieces the last step was split into."""
     slots, dp, m = config.slots, config.dp, config.microbatches
-    cost_v, cost_l = _sample_costs(loads, truncate, config.cost_model)
-    pack_cv, pack_cl = _segment_sum(cost_v[members], offsets), _segment_sum(cost_l[members], offsets)
+    costs = sample_costs(loads, config.cost_model)
+    pack_cv, pack_cl = _pack_costs(packs.members, packs.offsets, costs)
     pack_cost = pack_cv + pack_cl
-    tokens = _effective_tokens(loads.tokens[members], truncate[members])
-    pack_v, pack_t = _segment_sum(loads.vision[members], offsets), _segment_sum(tokens, offsets)
+    members, offsets, pack_v, pack_t = packs.members, packs.offsets, packs.vision, packs.tokens
 
     if config.strategy == "isf":
         # OmniBal's published behaviour: packs go to steps and ranks in random order.
@@ -307,18 +347,17 @@ def _arrange_packs(loads, members, offsets, truncate, config: PlanConfig, stream
         full = full[streams[_STREAM_STEPS].permutation(len(full))]
 
     # The last, partial step: split its packs so every rank still gets work where samples allow.
-    last_members = [members[offsets[p]:offsets[p + 1]] for p in rest]
-    sample_cost = cost_v + cost_l
-    pieces = split_for_last_step(last_members, sample_cost, slots) if len(rest) else []
-    if pieces:
-        extra_offsets = offsets[-1] + np.cumsum([len(piece) for piece in pieces])
-        members = np.concatenate([members, *pieces])
-        offsets = np.concatenate([offsets, extra_offsets])
+    if len(rest):
+        pieces = split_for_last_step([members[offsets[p]:offsets[p + 1]] for p in rest],
+                                     lambda ids: costs[ids].sum(axis=1, dtype=np.float64), slots)
         first_new = len(pack_cost)
-        piece_cost = np.array([sample_cost[piece].sum() for piece in pieces])
-        pack_cost = np.concatenate([pack_cost, piece_cost])
-        pack_cv = np.concatenate([pack_cv, [cost_v[piece].sum() for piece in pieces]])
-        pack_cl = np.concatenate([pack_cl, [cost_l[piece].sum() for piece in pieces]])
+        members = np.concatenate([members, *pieces])
+        offsets = np.concatenate([offsets, offsets[-1] + np.cumsum([len(piece) for piece in pieces])])
+        pack_v = np.concatenate([pack_v, [loads.vision[piece].sum() for piece in pieces]])
+        pack_t = np.concatenate([pack_t, [loads.tokens[piece].sum() for piece in pieces]])
+        pack_cv = np.concatenate([pack_cv, [costs[piece, 0].sum(dtype=np.float64) for piece in pieces]])
+        pack_cl = np.concatenate([pack_cl, [costs[piece, 1].sum(dtype=np.float64) for piece in pieces]])
+        pack_cost = pack_cv + pack_cl
         last = np.full(slots, -1, dtype=np.int64)
         last[:len(pieces)] = first_new + np.arange(len(pieces))
         full = np.vstack([full, last[None, :]])
@@ -332,7 +371,7 @@ def _arrange_packs(loads, members, offsets, truncate, config: PlanConfig, stream
         grid = np.take_along_axis(grid, rank_perm[:, :, None], axis=1)
         if config.pipeline_stages > 1 and m > 1:
             grid = _order_for_pipeline(grid, pack_cv, pack_cl, config.pipeline_stages)
-    return grid.reshape(-1), members, offsets
+    return grid.reshape(-1), IsfPacks(members, offsets, pack_v, pack_t)
 
 
 @numba.njit(cache=True, nogil=True)
@@ -396,27 +435,54 @@ def _length_grouped(order, tokens, slots, batch):
     return np.concatenate(out) if out else order
 
 
-def _sample_costs(loads: SampleLoads, truncate, model: CostModel):
-    effective = loads
-    if truncate.any():
-        effective = SampleLoads(loads.valid, loads.vision, _effective_tokens(loads.tokens, truncate),
-                                loads.vit_patches, loads.vit_attn_sq)
-    return model.vision_cost(effective), model.llm_cost(effective)
+def sample_costs(loads: SampleLoads, model: CostModel) -> np.ndarray:
+    """(n, 2) float32: [vision cost, LLM cost] of every sample, one row per sample so that summing a pack
+    touches one cache line per member."""
+    return _cost_rows(loads.vit_patches, loads.vit_attn_sq, loads.tokens, model.vision_linear,
+                      model.vision_quadratic, model.llm_linear, model.llm_quadratic)
+
+
+@numba.njit(cache=True, nogil=True)
+def _cost_rows(patches, attn_sq, tokens, a_v, b_v, a_l, b_l):
+    out = np.empty((len(tokens), 2), dtype=np.float32)
+    for i in range(len(tokens)):
+        t = float(tokens[i])
+        out[i, 0] = a_v * patches[i] + b_v * attn_sq[i]
+        out[i, 1] = a_l * t + b_l * t * t
+    return out
+
+
+@numba.njit(cache=True, nogil=True)
+def _pack_costs(members, offsets, costs):
+    """Per pack: (vision cost, LLM cost), summed in float64."""
+    n = len(offsets) - 1
+    pack_cv = np.zeros(n)
+    pack_cl = np.zeros(n)
+    for p in range(n):
+        for k in range(offsets[p], offsets[p + 1]):
+            pack_cv[p] += costs[members[k], 0]
+            pack_cl[p] += costs[members[k], 1]
+    return pack_cv, pack_cl
 
 
 def _effective_tokens(tokens, truncate_to):
     return np.where(truncate_to > 0, np.minimum(tokens, truncate_to), tokens)
 
 
+@numba.njit(cache=True, nogil=True)
 def _gather(sequence, members, offsets):
-    """Re-lay packs out in `sequence` order (-1 = empty pack)."""
-    real = sequence >= 0
-    safe = np.where(real, sequence, 0)
-    sizes = np.where(real, offsets[safe + 1] - offsets[safe], 0)
+    """Re-lay packs out in `sequence` order (-1 = empty pack); returns (offsets, members)."""
     new_offsets = np.zeros(len(sequence) + 1, dtype=np.int64)
-    np.cumsum(sizes, out=new_offsets[1:])
-    source_start = np.repeat(offsets[safe] - new_offsets[:-1], sizes)
-    return new_offsets, members[source_start + np.arange(new_offsets[-1])]
+    for q in range(len(sequence)):
+        p = sequence[q]
+        size = offsets[p + 1] - offsets[p] if p >= 0 else 0
+        new_offsets[q + 1] = new_offsets[q] + size
+    out = np.empty(new_offsets[-1], dtype=members.dtype)
+    for q in range(len(sequence)):
+        p = sequence[q]
+        if p >= 0:
+            out[new_offsets[q]:new_offsets[q + 1]] = members[offsets[p]:offsets[p + 1]]
+    return new_offsets, out
 
 
 def _segment_sum(values, offsets):
