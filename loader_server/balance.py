@@ -68,8 +68,36 @@ def form_steps(pack_vision: np.ndarray, pack_tokens: np.ndarray, pack_cost: np.n
     rest = np.sort(by_cost[:n_rest])
     body = np.sort(by_cost[n_rest:])
     # One composite key (bucket, tokens); the stable sort breaks ties by pack id, as `body` is sorted.
-    key = (vision_bucket(pack_vision[body]).astype(np.int64) << 40) | pack_tokens[body].astype(np.int64)
-    return body[np.argsort(key, kind="stable")].reshape(-1, slots), rest
+    key = (vision_bucket(pack_vision[body]).astype(np.uint64) << np.uint64(40)) | pack_tokens[body].astype(np.uint64)
+    return body[radix_argsort(key)].reshape(-1, slots), rest
+
+
+@numba.njit(cache=True, nogil=True)
+def radix_argsort(keys):
+    """Stable argsort of uint64 keys: LSD radix sort on 16-bit digits, skipping digits no key uses.
+
+    Linear time (packs' keys use two or three digits), and stable, so ties keep their order on every CPU.
+    """
+    n = len(keys)
+    order = np.arange(n)
+    scratch = np.empty(n, dtype=np.int64)
+    used = np.uint64(0)
+    for i in range(n):
+        used |= keys[i]
+    for shift in range(0, 64, 16):
+        if (used >> np.uint64(shift)) & np.uint64(0xFFFF) == 0:
+            continue
+        count = np.zeros((1 << 16) + 1, dtype=np.int64)
+        for i in range(n):
+            count[((keys[order[i]] >> np.uint64(shift)) & np.uint64(0xFFFF)) + 1] += 1
+        for d in range(1 << 16):
+            count[d + 1] += count[d]
+        for i in range(n):
+            d = (keys[order[i]] >> np.uint64(shift)) & np.uint64(0xFFFF)
+            scratch[count[d]] = order[i]
+            count[d] += 1
+        order, scratch = scratch, order
+    return order
 
 
 def split_for_last_step(members: list[np.ndarray], sample_cost: Callable[[np.ndarray], np.ndarray],

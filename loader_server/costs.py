@@ -89,6 +89,22 @@ class SampleLoads:
         return cls(valid, vision, tokens, patches, patches * patches_per_unit)
 
 
+def _check_sample_ids(parquet: pq.ParquetFile, index_path) -> None:
+    """sample_id must run 0..n-1 in row order. Checked from row-group statistics, without reading the column:
+    each group must start where the previous one ended and span exactly its rows."""
+    expected = 0
+    column = parquet.schema_arrow.get_field_index("sample_id")
+    for g in range(parquet.metadata.num_row_groups):
+        group = parquet.metadata.row_group(g)
+        stats = group.column(column).statistics
+        rows = group.num_rows
+        if rows and (stats is None or not stats.has_min_max or stats.min != expected
+                     or stats.max != expected + rows - 1 or stats.null_count):
+            raise ValueError(f"{index_path}: sample_id must equal the row number; rebuild the index with "
+                             "`packfeed index`")
+        expected += rows
+
+
 def load_sample_loads(index_path: str | Path) -> tuple[SampleLoads, IndexInfo]:
     """The planner's columns as compact arrays (17 bytes per sample), read one column at a time to keep the
     peak low: at 100M samples the whole Arrow table alone would take 3.3 GB."""
@@ -98,10 +114,7 @@ def load_sample_loads(index_path: str | Path) -> tuple[SampleLoads, IndexInfo]:
     def column(name, dtype):
         return parquet.read(columns=[name]).column(0).to_numpy(zero_copy_only=False).astype(dtype, copy=False)
 
-    sample_id = column("sample_id", np.int64)
-    if len(sample_id) and (sample_id[0] != 0 or not (np.diff(sample_id) == 1).all()):
-        raise ValueError(f"{index_path}: sample_id must equal the row number; rebuild the index with `packfeed index`")
-    del sample_id
+    _check_sample_ids(parquet, index_path)
     loads = SampleLoads(valid=column("valid", bool), vision=column("vision_units", np.int32),
                         tokens=column("llm_tokens", np.int32), vit_patches=column("vit_patches", np.float32),
                         vit_attn_sq=column("vit_attn_sq", np.float32))

@@ -79,11 +79,14 @@ def fingerprint_table(table: pa.Table, config: dict[str, Any]) -> str:
         digest.update(name.encode())
         digest.update(np.ascontiguousarray(column.to_numpy(zero_copy_only=False)).tobytes())
     for name in ("shard", "key"):
-        column = table.column(name).cast(pa.string()).combine_chunks()
         digest.update(name.encode())
-        for buffer in column.buffers():
-            if buffer is not None:
-                digest.update(buffer)
+        # Chunk by chunk, dictionaries as indices + values: never materialise 100M copies of a shard name.
+        for chunk in table.column(name).chunks:
+            parts = [chunk.indices, chunk.dictionary] if pa.types.is_dictionary(chunk.type) else [chunk]
+            for part in parts:
+                for buffer in part.buffers():
+                    if buffer is not None:
+                        digest.update(buffer)
     return digest.hexdigest()[:32]
 
 

@@ -32,6 +32,17 @@ class Caps:
 
 
 @numba.njit(cache=True, nogil=True)
+def _make_rows(ids, vision, tokens):
+    """[sample id, vision << 32 | tokens] per candidate: the unit ISF shuffles and walks."""
+    rows = np.empty((len(ids), 2), dtype=np.int64)
+    for k in range(len(ids)):
+        i = ids[k]
+        rows[k, 0] = i
+        rows[k, 1] = (np.int64(vision[i]) << 32) | np.int64(tokens[i])
+    return rows
+
+
+@numba.njit(cache=True, nogil=True)
 def shuffle_rows(out, n, seed):
     """Shuffle the first `n` rows of `out` (n x 2) in place: Fisher-Yates driven by splitmix64 from `seed`.
 
@@ -153,11 +164,7 @@ def isf(
     if n and (vision[candidates].min() < 0 or tokens[candidates].min() < 0 or vision[candidates].max() >= 2**31
               or tokens[candidates].max() >= 2**32):
         raise ValueError("vision units must be in [0, 2^31) and tokens in [0, 2^32)")
-    rows = np.empty((n, 2), dtype=np.int64)
-    rows[:, 0] = candidates
-    rows[:, 1] = vision[candidates]
-    rows[:, 1] <<= 32
-    rows[:, 1] |= tokens[candidates]
+    rows = _make_rows(candidates, vision, tokens)
     # Sample ids fit int32 up to 2^31 samples; per-pack arrays are sized for the worst case of one sample
     # per pack, so they are int32 too.
     id_type = np.int32 if n < 2**31 else np.int64

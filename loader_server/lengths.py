@@ -17,7 +17,8 @@ import pyarrow.compute as pc
 from packfeed.server.costs import DEFAULT_PATCHES_PER_UNIT
 from packfeed.server.index_table import SCHEMA, IndexInfo, empty_rows, fingerprint_table, write_index
 
-TOKENS_PER_TILE = 256  # InternVL: pixel-shuffled 448 px tile -> 256 LLM tokens
+TOKENS_PER_TILE = 256
+KEY_CHUNK = 1 << 25  # InternVL: pixel-shuffled 448 px tile -> 256 LLM tokens
 
 
 def _load_records(path: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -59,9 +60,13 @@ def write_lengths_index(vit: np.ndarray, tok: np.ndarray, flags: np.ndarray, out
         "sample_id": pa.array(np.arange(n, dtype=np.int64)),
         "shard": pa.DictionaryArray.from_arrays(pa.array(source, type=pa.int32()),
                                                 pa.array(source_names, type=pa.string())),
-        "key": pc.cast(pa.array(position), pa.string()),  # the record's position in its file
+        # The record's position in its file, in chunks that each stay under Arrow's 2 GB string limit.
+        "key": pa.chunked_array([pc.cast(pa.array(position[i:i + KEY_CHUNK]), pa.string())
+                                 for i in range(0, n, KEY_CHUNK)], type=pa.string()),
         "valid": pa.array(~bad),
-        "reason": pc.if_else(pa.array(bad), pa.scalar(reason), pa.scalar(None, pa.string())),
+        # Only invalid rows carry the string: a per-row copy would overflow Arrow's 2 GB limit at 100M rows.
+        "reason": pa.DictionaryArray.from_arrays(pa.array(np.zeros(n, np.int32), mask=~bad),
+                                                 pa.array([reason])).cast(pa.string()),
         "vision_units": pa.array(vit.astype(np.int32)),
         "vision_tokens": pa.array((flags * TOKENS_PER_TILE).astype(np.int32)),
         "vit_patches": pa.array(vit * DEFAULT_PATCHES_PER_UNIT),

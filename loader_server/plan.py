@@ -177,25 +177,12 @@ class Plan:
 
     def _table(self, first: int, stop: int) -> pa.Table:
         """Rows of packs [first, stop)."""
-        sizes = self.pack_sizes()[first:stop]
-        rows_per_pack = np.maximum(sizes, 1)
-        pack_of_row = np.repeat(np.arange(first, stop), rows_per_pack)
-        row_start = np.cumsum(rows_per_pack) - rows_per_pack
-        position = np.arange(len(pack_of_row)) - np.repeat(row_start, rows_per_pack)
-        empty = np.repeat(sizes == 0, rows_per_pack)
-        sample_id = np.full(len(pack_of_row), -1, dtype=np.int64)
-        sample_id[~empty] = self.members[self.offsets[first]:self.offsets[stop]]
-        truncate_to = np.zeros(len(pack_of_row), dtype=np.int32)
-        truncate_to[~empty] = self.truncate_to[self.offsets[first]:self.offsets[stop]]
-        dp, m = self.config.dp, self.config.microbatches
+        step, rank, microbatch, position, sample_id, empty, truncate_to = _plan_rows(
+            self.offsets, self.members, self.truncate_to, first, stop, self.config.dp, self.config.microbatches)
         return pa.table({
-            "epoch": pa.array(np.full(len(pack_of_row), self.epoch, dtype=np.int32)),
-            "step": pa.array((pack_of_row // (dp * m)).astype(np.int32)),
-            "rank": pa.array((pack_of_row // m % dp).astype(np.int32)),
-            "microbatch": pa.array((pack_of_row % m).astype(np.int32)),
-            "position": pa.array(position.astype(np.int32)),
-            "sample_id": pa.array(sample_id),
-            "empty": pa.array(empty),
+            "epoch": pa.array(np.full(len(step), self.epoch, dtype=np.int32)),
+            "step": pa.array(step), "rank": pa.array(rank), "microbatch": pa.array(microbatch),
+            "position": pa.array(position), "sample_id": pa.array(sample_id), "empty": pa.array(empty),
             "truncate_to": pa.array(truncate_to),
         })
 
@@ -232,6 +219,37 @@ def read_plan(path: str | Path) -> Plan:
     return Plan(config, meta["seed"], meta["epoch"], Caps(**meta["caps"]) if meta["caps"] else None, offsets,
                 table.column("sample_id").to_numpy()[~empty], table.column("truncate_to").to_numpy()[~empty]
                 .astype(np.int64), np.asarray(meta["oversize"], dtype=np.int64), meta["index_fingerprint"])
+
+
+@numba.njit(cache=True, nogil=True)
+def _plan_rows(offsets, members, truncate, first, stop, dp, m):
+    """plan.parquet columns for packs [first, stop): one row per sample, one row for an empty pack."""
+    n = 0
+    for p in range(first, stop):
+        n += max(offsets[p + 1] - offsets[p], 1)
+    step = np.empty(n, dtype=np.int32)
+    rank = np.empty(n, dtype=np.int32)
+    microbatch = np.empty(n, dtype=np.int32)
+    position = np.empty(n, dtype=np.int32)
+    sample_id = np.empty(n, dtype=np.int64)
+    empty = np.zeros(n, dtype=np.bool_)
+    truncate_to = np.zeros(n, dtype=np.int32)
+    r = 0
+    for p in range(first, stop):
+        size = offsets[p + 1] - offsets[p]
+        for k in range(max(size, 1)):
+            step[r] = p // (dp * m)
+            rank[r] = p // m % dp
+            microbatch[r] = p % m
+            position[r] = k
+            if size == 0:
+                sample_id[r] = -1
+                empty[r] = True
+            else:
+                sample_id[r] = members[offsets[p] + k]
+                truncate_to[r] = truncate[offsets[p] + k]
+            r += 1
+    return step, rank, microbatch, position, sample_id, empty, truncate_to
 
 
 # ---------------------------------------------------------------------------------------------------------------

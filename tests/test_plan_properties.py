@@ -142,3 +142,12 @@ def test_config_errors_are_explicit():
         PlanConfig(strategy="greedy")
     with pytest.raises(ValueError, match="give both"):
         PlanConfig(vision_cap=8)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 63), st.integers(0, 2**33)), max_size=400))
+def test_radix_argsort_is_a_stable_sort(pairs):
+    from packfeed.server.balance import radix_argsort
+
+    keys = np.array([(b << 40) | t for b, t in pairs], dtype=np.uint64)
+    assert np.array_equal(radix_argsort(keys), np.argsort(keys, kind="stable"))
