@@ -140,9 +140,9 @@ class Plan:
         sizes = self.pack_sizes()
         vision, llm = self.pack_loads(loads)
         shape = (self.n_steps, self.config.dp, self.config.microbatches)
-        tokens = _effective_tokens(loads.tokens[self.members], self.truncate_to)
         pad = 0.0
         if self.padded:
+            tokens = _effective_tokens(loads.tokens[self.members], self.truncate_to)
             pad = pad_ratio(sizes, _segment_max(tokens, self.offsets), _segment_sum(tokens, self.offsets))
         non_empty = int((sizes > 0).sum())
         return {
