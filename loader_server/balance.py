@@ -47,11 +47,29 @@ def lpt_assign(cost, n_bins, per_bin_limit):
 
 def vision_bucket(pack_vision: np.ndarray) -> np.ndarray:
     """Coarse vision load used as the primary step-formation key."""
+    small_integers = pack_vision.dtype.kind in "iu" and len(pack_vision) and 0 <= pack_vision.min() \
+        and pack_vision.max() < 1 << 20
+    if small_integers:  # linear: which values occur, without sorting
+        present = np.flatnonzero(np.bincount(pack_vision))
+        if len(present) <= VISION_BUCKETS:
+            rank = np.zeros(int(present[-1]) + 1, dtype=np.int64)
+            rank[present] = np.arange(len(present))
+            return rank[pack_vision]
     distinct = np.unique(pack_vision)
     if len(distinct) <= VISION_BUCKETS:
         return np.searchsorted(distinct, pack_vision)
     edges = np.quantile(pack_vision, np.linspace(0, 1, VISION_BUCKETS + 1)[1:-1])
     return np.searchsorted(edges, pack_vision, side="right")
+
+
+def lightest(cost: np.ndarray, k: int) -> np.ndarray:
+    """Ids of the k lowest costs, ties broken by lower id, in linear time (sorted ids)."""
+    if k == 0:
+        return np.empty(0, dtype=np.int64)
+    threshold = np.partition(cost, k - 1)[k - 1]
+    below = np.flatnonzero(cost < threshold)
+    at = np.flatnonzero(cost == threshold)[: k - len(below)]
+    return np.sort(np.concatenate([below, at]))
 
 
 def form_steps(pack_vision: np.ndarray, pack_tokens: np.ndarray, pack_cost: np.ndarray,
@@ -61,12 +79,10 @@ def form_steps(pack_vision: np.ndarray, pack_tokens: np.ndarray, pack_cost: np.n
     Returns (full, rest): `full` is a (n_steps, slots) array of pack ids; `rest` holds the N mod slots
     lightest packs, which form the epoch's last, partial step.
     """
-    n = len(pack_cost)
-    n_rest = n % slots
-    ids = np.arange(n)
-    by_cost = np.lexsort((ids, pack_cost))
-    rest = np.sort(by_cost[:n_rest])
-    body = np.sort(by_cost[n_rest:])
+    rest = lightest(pack_cost, len(pack_cost) % slots)
+    in_body = np.ones(len(pack_cost), dtype=bool)
+    in_body[rest] = False
+    body = np.flatnonzero(in_body)
     # One composite key (bucket, tokens); the stable sort breaks ties by pack id, as `body` is sorted.
     key = (vision_bucket(pack_vision[body]).astype(np.uint64) << np.uint64(40)) | pack_tokens[body].astype(np.uint64)
     return body[radix_argsort(key)].reshape(-1, slots), rest
