@@ -109,6 +109,13 @@ def attach_images(turns: list[dict[str, str]], n_images: int) -> list[dict[str, 
 def encode_conversation(turns: Sequence[dict[str, str]], image_tokens: Sequence[int], tokenizer: Tokenizer,
                         template: ChatTemplate) -> tuple[np.ndarray, np.ndarray]:
     """Token ids and labels (int32) for one sample; `image_tokens[i]` = LLM tokens of the i-th image."""
+    ids, labels, _ = encode_with_image_starts(turns, image_tokens, tokenizer, template)
+    return ids, labels
+
+
+def encode_with_image_starts(turns: Sequence[dict[str, str]], image_tokens: Sequence[int], tokenizer: Tokenizer,
+                             template: ChatTemplate) -> tuple[np.ndarray, np.ndarray, list[int]]:
+    """encode_conversation, plus where each image's run of context tokens starts in the ids."""
     pieces: list[tuple[str, bool]] = []  # (text, trained on)
     placeholders: dict[int, int] = {}  # piece index -> image number
     if template.system_prompt and not any(t["role"] == "system" for t in turns):
@@ -134,12 +141,16 @@ def encode_conversation(turns: Sequence[dict[str, str]], image_tokens: Sequence[
     context = tokenizer.token_to_id(template.image_context)
     ids: list[np.ndarray] = []
     labels: list[np.ndarray] = []
+    image_starts: list[int] = []
+    length = 0
     for k, ((_, learn), encoding) in enumerate(zip(pieces, encodings)):
         if k in placeholders:
             n = image_tokens[placeholders[k]]
             piece = np.concatenate([[start], np.full(n, context), [end]]).astype(np.int32)
+            image_starts.append(length + 1)
         else:
             piece = np.asarray(encoding.ids, dtype=np.int32)
         ids.append(piece)
         labels.append(piece if learn else np.full(len(piece), IGNORE_INDEX, dtype=np.int32))
-    return np.concatenate(ids), np.concatenate(labels)
+        length += len(piece)
+    return np.concatenate(ids), np.concatenate(labels), image_starts

@@ -1,0 +1,139 @@
+"""Assembling a pack: the samples of one microbatch of one rank, concatenated without padding.
+
+LLM side: `input_ids`, `labels`, `position_ids` (restarting at 0 in every sample) and `cu_seqlens` (sample
+boundaries, for variable-length attention, so samples never attend to each other). Vision side: every tile
+of every image as one flat uint8 buffer with per-tile (C, H, W) shapes, the tile -> image and image ->
+sample maps, and each image's placeholder span in `input_ids`, where the projected vision features go.
+Tensors travel as raw little-endian bytes + dtype + shape (`WireTensor`), never as repeated numbers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from packfeed.server.chat import IGNORE_INDEX
+from packfeed.server.preprocess import SampleTensors
+
+
+@dataclass(frozen=True)
+class WireTensor:
+    dtype: str  # numpy dtype name, little-endian: "int32", "uint8", ...
+    shape: tuple[int, ...]
+    data: bytes
+
+    @classmethod
+    def of(cls, array: np.ndarray) -> "WireTensor":
+        array = np.ascontiguousarray(array)
+        little = array.astype(array.dtype.newbyteorder("<"), copy=False)
+        return cls(little.dtype.name, tuple(int(d) for d in array.shape), little.tobytes())
+
+    def to_numpy(self) -> np.ndarray:
+        """A read-only view of the bytes, without a copy."""
+        return np.frombuffer(self.data, dtype=np.dtype(self.dtype).newbyteorder("<")).reshape(self.shape)
+
+
+@dataclass
+class Pack:
+    epoch: int
+    step: int
+    rank: int
+    microbatch: int
+    sample_keys: list[str]
+    tensors: dict[str, np.ndarray]
+    loss_tokens: int
+    skipped: list[tuple[str, str]] = field(default_factory=list)  # (key, reason) of samples left out
+    step_loss_tokens: int = 0  # filled in once every pack of the step is known
+
+    @property
+    def empty(self) -> bool:
+        return not self.sample_keys
+
+    def wire(self) -> dict[str, WireTensor]:
+        return {name: WireTensor.of(array) for name, array in self.tensors.items()}
+
+
+def assemble_pack(samples: list[SampleTensors], epoch: int, step: int, rank: int, microbatch: int,
+                  skipped: list[tuple[str, str]] | None = None) -> Pack:
+    lengths = [len(s.input_ids) for s in samples]
+    cu_seqlens = np.zeros(len(samples) + 1, dtype=np.int32)
+    np.cumsum(lengths, out=cu_seqlens[1:])
+    input_ids = np.concatenate([s.input_ids for s in samples]) if samples else np.zeros(0, np.int32)
+    labels = np.concatenate([s.labels for s in samples]) if samples else np.zeros(0, np.int32)
+    position_ids = np.concatenate([np.arange(n, dtype=np.int32) for n in lengths]) if samples \
+        else np.zeros(0, np.int32)
+
+    tiles = [tile for s in samples for tile in s.tiles]
+    tile_shapes = np.array([t.shape for t in tiles], dtype=np.int32).reshape(-1, 3)
+    pixels = np.concatenate([t.reshape(-1) for t in tiles]) if tiles else np.zeros(0, np.uint8)
+    tile_image, image_sample, spans = [], [], []
+    image_no = 0
+    for k, sample in enumerate(samples):
+        for n_tiles, n_tokens, start in zip(sample.tiles_per_image, sample.image_tokens, sample.image_starts):
+            tile_image.extend([image_no] * n_tiles)
+            image_sample.append(k)
+            spans.append((int(cu_seqlens[k]) + start, n_tokens))
+            image_no += 1
+    tensors = {
+        "input_ids": input_ids.astype(np.int32),
+        "labels": labels.astype(np.int32),
+        "position_ids": position_ids,
+        "cu_seqlens": cu_seqlens,
+        "pixels": pixels,
+        "tile_shapes": tile_shapes,
+        "tile_image": np.asarray(tile_image, dtype=np.int32),
+        "image_sample": np.asarray(image_sample, dtype=np.int32),
+        "image_token_spans": np.asarray(spans, dtype=np.int32).reshape(-1, 2),
+    }
+    return Pack(epoch, step, rank, microbatch, [s.key for s in samples], tensors,
+                int((labels != IGNORE_INDEX).sum()), list(skipped or []))
+
+
+SERVE_COLUMNS = ["key", "shard", "valid", "reason", "json_offset", "json_size", "image_names", "image_offsets",
+                 "image_sizes", "image_widths", "image_heights", "n_images", "llm_tokens", "loss_tokens"]
+
+
+class IndexRows:
+    """The index columns serving needs, held as Arrow columns; rows come out as dicts."""
+
+    def __init__(self, index_path):
+        from packfeed.server.index_table import read_index
+
+        self.table, self.info = read_index(index_path, columns=SERVE_COLUMNS)
+        self.table = self.table.combine_chunks()
+
+    def row(self, sample_id: int) -> dict:
+        return self.table.slice(int(sample_id), 1).to_pylist()[0]
+
+    def loss_tokens(self, sample_ids: np.ndarray) -> int:
+        column = self.table.column("loss_tokens").to_numpy(zero_copy_only=False)
+        return int(column[np.asarray(sample_ids, dtype=np.int64)].sum())
+
+
+def build_rank_step(plan, rows: IndexRows, reader, step: int, rank: int) -> list[Pack]:
+    """The rank's M packs of one step, in the plan's (1F1B) order. A sample that fails at serve time is
+    left out and reported in its pack's `skipped`; the pack still goes out, flagged empty if nothing is left.
+
+    `step_loss_tokens` counts the planned loss tokens of the whole global step (from the index, which used
+    the same encoder), so every rank normalises by the same number without seeing the others' packs.
+    """
+    from packfeed.server.preprocess import SampleSkipped
+
+    config = plan.config
+    first = step * config.dp * config.microbatches
+    step_samples = plan.members[plan.offsets[first]:plan.offsets[first + config.dp * config.microbatches]]
+    step_loss = rows.loss_tokens(step_samples)
+    packs = []
+    for microbatch in range(config.microbatches):
+        samples, skipped = [], []
+        for sample_id in plan.pack(step, rank, microbatch):
+            row = rows.row(sample_id)
+            try:
+                samples.append(reader.load(row))
+            except SampleSkipped as error:
+                skipped.append((row["key"], str(error)))
+        pack = assemble_pack(samples, plan.epoch, step, rank, microbatch, skipped)
+        pack.step_loss_tokens = step_loss
+        packs.append(pack)
+    return packs

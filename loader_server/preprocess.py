@@ -1,0 +1,144 @@
+"""Serve-time pre-processing: one indexed sample -> token ids, labels and image tiles.
+
+A sample is read by the byte offsets the index recorded (no streaming of its shard), decoded, resized or
+tiled by the index's image policy, and tokenised with the same chat template the index counted with, so
+its token and tile counts match the plan. Pixels stay uint8 (C, H, W), RGB: four times smaller than
+float32 on the wire, and normalisation is one fused op on the GPU.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from PIL import Image
+
+from packfeed.server.chat import (ChatTemplate, ConversationError, attach_images, cached_tokenizer,
+                                  encode_with_image_starts, parse_conversation)
+from packfeed.server.image_policy import FixedResolution, ImagePolicy, InternVLTiling, Qwen2VLResize, policy_from_dict
+from packfeed.server.index_table import IndexInfo
+from packfeed.server.shards import is_compressed
+
+
+class SampleSkipped(Exception):
+    """The sample cannot be served any more (shard changed or vanished, image no longer decodes, ...)."""
+
+
+@dataclass
+class SampleTensors:
+    key: str
+    input_ids: np.ndarray  # int32 (L,)
+    labels: np.ndarray  # int32 (L,), -100 outside assistant turns
+    tiles: list[np.ndarray]  # uint8 (3, H, W) each, in order
+    tiles_per_image: list[int]
+    image_tokens: list[int]  # LLM placeholder tokens per image
+    image_starts: list[int]  # where each image's placeholder run starts in input_ids
+
+
+def image_tiles(image: Image.Image, policy: ImagePolicy, n_images: int) -> list[np.ndarray]:
+    """The pixel tiles the policy makes of one image, uint8 (3, H, W) RGB."""
+    image = image.convert("RGB")
+    if isinstance(policy, InternVLTiling):
+        cols, rows = policy.grid(image.width, image.height, n_images)
+        size = policy.image_size
+        resized = np.asarray(image.resize((cols * size, rows * size), Image.BICUBIC))
+        tiles = [resized[r * size:(r + 1) * size, c * size:(c + 1) * size] for r in range(rows) for c in range(cols)]
+        if policy.use_thumbnail and cols * rows != 1:
+            tiles.append(np.asarray(image.resize((size, size), Image.BICUBIC)))
+    elif isinstance(policy, Qwen2VLResize):
+        height, width = policy.resize(image.width, image.height)
+        tiles = [np.asarray(image.resize((width, height), Image.BICUBIC))]
+    elif isinstance(policy, FixedResolution):
+        tiles = [np.asarray(image.resize((policy.size, policy.size), Image.BICUBIC))]
+    else:
+        raise TypeError(f"no pixel pre-processing for image policy {policy!r}")
+    return [np.ascontiguousarray(tile.transpose(2, 0, 1)) for tile in tiles]
+
+
+class SampleReader:
+    """Random access to indexed samples. Thread-safe: reads use os.pread on shared descriptors."""
+
+    def __init__(self, info: IndexInfo, tokenizer_path: str | Path, shard_root: str | Path | None = None):
+        if info.source != "shards":
+            raise ValueError("this index was imported from length files; it has no shards to serve from")
+        digest = hashlib.sha256(Path(tokenizer_path).read_bytes()).hexdigest()[:16]
+        if info.tokenizer and info.tokenizer.get("sha256") != digest:
+            raise ValueError(f"tokenizer {tokenizer_path} differs from the one the index was built with "
+                             f"({info.tokenizer.get('path')}); token counts would not match the plan")
+        self.policy = policy_from_dict(info.image_policy or {"name": "internvl"})
+        self.template = ChatTemplate(**(info.chat_template or {}))
+        self.tokenizer_path = str(tokenizer_path)
+        self.shard_root = Path(shard_root) if shard_root else None
+        self._descriptors: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def _descriptor(self, shard: str) -> int:
+        """An open descriptor for the shard; a vanished shard raises, a replaced one is reopened."""
+        path = str(self.shard_root / Path(shard).name) if self.shard_root else shard
+        try:
+            current = os.stat(path)
+        except OSError as error:
+            raise SampleSkipped(f"shard unreadable: {error}") from None
+        with self._lock:
+            fd = self._descriptors.get(path)
+            if fd is not None and os.fstat(fd).st_ino != current.st_ino:
+                os.close(fd)  # replaced on disk: read the new file (its content is checked per sample)
+                fd = None
+            if fd is None:
+                try:
+                    if is_compressed(path):
+                        raise SampleSkipped(f"shard {path} is compressed: serving needs plain .tar shards")
+                    fd = os.open(path, os.O_RDONLY)
+                except OSError as error:
+                    raise SampleSkipped(f"shard unreadable: {error}") from None
+                self._descriptors[path] = fd
+            return fd
+
+    def _read(self, fd: int, offset: int, size: int, what: str) -> bytes:
+        data = os.pread(fd, size, offset)
+        if len(data) != size:
+            raise SampleSkipped(f"shard changed: {what} ends past the end of the file")
+        return data
+
+    def load(self, row: dict[str, Any]) -> SampleTensors:
+        """Pre-process one index row (as a dict of its columns). Raises SampleSkipped with the reason."""
+        if not row["valid"]:
+            raise SampleSkipped(f"invalid in the index: {row['reason']}")
+        fd = self._descriptor(row["shard"])
+        try:
+            turns = parse_conversation(self._read(fd, row["json_offset"], row["json_size"], "json"))
+            turns = attach_images(turns, row["n_images"])
+        except ConversationError as error:
+            raise SampleSkipped(f"shard changed: {error}") from None
+        tiles: list[np.ndarray] = []
+        tiles_per_image, image_tokens = [], []
+        for name, offset, size, width, height in zip(row["image_names"], row["image_offsets"], row["image_sizes"],
+                                                     row["image_widths"], row["image_heights"]):
+            try:
+                with Image.open(io.BytesIO(self._read(fd, offset, size, name))) as image:
+                    image.load()
+                    if image.size != (width, height):
+                        raise SampleSkipped(f"shard changed: {name} is {image.size}, index says {(width, height)}")
+                    made = image_tiles(image, self.policy, row["n_images"])
+            except (OSError, SyntaxError, ValueError) as error:
+                raise SampleSkipped(f"undecodable image ({name}): {error}") from None
+            tiles.extend(made)
+            tiles_per_image.append(len(made))
+            image_tokens.append(self.policy.cost(width, height, row["n_images"]).llm_tokens)
+        tokenizer = cached_tokenizer(self.tokenizer_path, self.template)
+        input_ids, labels, starts = encode_with_image_starts(turns, image_tokens, tokenizer, self.template)
+        if len(input_ids) != row["llm_tokens"]:
+            raise SampleSkipped(f"token count {len(input_ids)} differs from the index's {row['llm_tokens']}")
+        return SampleTensors(row["key"], input_ids, labels, tiles, tiles_per_image, image_tokens, starts)
+
+    def close(self) -> None:
+        with self._lock:
+            for fd in self._descriptors.values():
+                os.close(fd)
+            self._descriptors.clear()

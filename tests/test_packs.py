@@ -1,0 +1,134 @@
+"""Serve-time pre-processing and pack assembly on real shards: counts match the index and the plan."""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+
+import numpy as np
+import pytest
+
+from packfeed.server.chat import ChatTemplate, load_tokenizer
+from packfeed.server.costs import load_sample_loads
+from packfeed.server.index_table import read_index_info
+from packfeed.server.indexer import IndexConfig, build_index
+from packfeed.server.packs import IndexRows, WireTensor, build_rank_step
+from packfeed.server.plan import PlanConfig, make_plan
+from packfeed.server.preprocess import SampleReader
+
+TILE_BYTES = 3 * 448 * 448
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory, demo_dataset):
+    root = tmp_path_factory.mktemp("served")
+    shards = [shutil.copy(p, root / p.name) for p in demo_dataset.shards]
+    index = root / "index.parquet"
+    build_index([str(p) for p in shards], index, IndexConfig(tokenizer=str(demo_dataset.tokenizer)), workers=1,
+                progress=False)
+    loads, info = load_sample_loads(index)
+    plan = make_plan(loads, PlanConfig(dp=2, microbatches=2, pipeline_stages=2), 0, 0, info.fingerprint)
+    return root, index, plan, demo_dataset.tokenizer
+
+
+def _all_packs(plan, rows, reader):
+    return [pack for step in range(plan.n_steps) for rank in range(plan.config.dp)
+            for pack in build_rank_step(plan, rows, reader, step, rank)]
+
+
+def test_packs_match_the_index_and_the_plan(served):
+    _, index, plan, tokenizer = served
+    rows = IndexRows(index)
+    reader = SampleReader(rows.info, tokenizer)
+    context = load_tokenizer(tokenizer, ChatTemplate()).token_to_id("<IMG_CONTEXT>")
+    seen = []
+    for pack in _all_packs(plan, rows, reader):
+        ids = pack.sample_keys
+        planned = plan.pack(pack.step, pack.rank, pack.microbatch)
+        index_rows = [rows.row(s) for s in planned]
+        assert ids == [r["key"] for r in index_rows] and not pack.skipped
+        t = pack.tensors
+        assert len(t["input_ids"]) == sum(r["llm_tokens"] for r in index_rows)
+        assert pack.loss_tokens == sum(r["loss_tokens"] for r in index_rows) == int((t["labels"] != -100).sum())
+        assert t["cu_seqlens"][0] == 0 and t["cu_seqlens"][-1] == len(t["input_ids"])
+        starts = t["cu_seqlens"][:-1]
+        assert (t["position_ids"][starts] == 0).all() if len(starts) else True
+        assert len(t["tile_shapes"]) == sum(rows_vision(r) for r in index_rows)
+        assert len(t["pixels"]) == int(np.prod(t["tile_shapes"], axis=1).sum())
+        assert (t["tile_shapes"] == [3, 448, 448]).all()
+        for start, length in t["image_token_spans"]:
+            assert (t["input_ids"][start:start + length] == context).all()
+        assert len(t["image_sample"]) == sum(r["n_images"] for r in index_rows)
+        seen.extend(ids)
+        assert pack.step_loss_tokens >= pack.loss_tokens
+    valid = [rows.row(i)["key"] for i in range(rows.table.num_rows) if rows.row(i)["valid"]]
+    assert sorted(seen) == sorted(valid)  # every valid sample exactly once
+
+
+def rows_vision(row):
+    from packfeed.server.image_policy import InternVLTiling
+
+    return sum(InternVLTiling().cost(w, h, row["n_images"]).units for w, h in zip(row["image_widths"],
+                                                                                  row["image_heights"]))
+
+
+def test_same_plan_same_bytes(served):
+    _, index, plan, tokenizer = served
+
+    def digest():
+        rows = IndexRows(index)
+        reader = SampleReader(rows.info, tokenizer)
+        h = hashlib.sha256()
+        for pack in build_rank_step(plan, rows, reader, 1, 1):
+            for name, tensor in sorted(pack.wire().items()):
+                h.update(name.encode() + tensor.dtype.encode() + str(tensor.shape).encode() + tensor.data)
+        return h.hexdigest()
+
+    assert digest() == digest()
+
+
+def test_wire_tensor_round_trip():
+    array = np.arange(12, dtype=np.int32).reshape(3, 4)
+    wire = WireTensor.of(array)
+    assert wire.dtype == "int32" and wire.shape == (3, 4) and len(wire.data) == 48
+    back = wire.to_numpy()
+    assert np.array_equal(back, array) and not back.flags.writeable
+    big_endian = array.astype(">i4")
+    assert WireTensor.of(big_endian).data == wire.data  # always little-endian on the wire
+
+
+def test_broken_image_or_vanished_shard_is_skipped_and_reported(served, tmp_path):
+    root, index, plan, tokenizer = served
+    rows = IndexRows(index)
+    broken_dir = tmp_path / "shards"
+    broken_dir.mkdir()
+    for p in root.glob("*.tar"):
+        shutil.copy(p, broken_dir / p.name)
+    # Overwrite the first image of the first pack's first multimodal sample with zeros.
+    target = next(s for s in plan.pack(0, 0, 0).tolist() + plan.pack(0, 1, 0).tolist()
+                  if rows.row(s)["n_images"])
+    row = rows.row(target)
+    with open(broken_dir / row["shard"].rsplit("/", 1)[-1], "r+b") as f:
+        f.seek(row["image_offsets"][0])
+        f.write(b"\0" * row["image_sizes"][0])
+    reader = SampleReader(rows.info, tokenizer, shard_root=broken_dir)
+    packs = build_rank_step(plan, rows, reader, 0, 0) + build_rank_step(plan, rows, reader, 0, 1)
+    skipped = [(key, reason) for pack in packs for key, reason in pack.skipped]
+    assert skipped == [(row["key"], skipped[0][1])] and "undecodable image" in skipped[0][1]
+    assert sum(len(p.sample_keys) for p in packs) == sum(len(plan.pack(0, r, m)) for r in range(2)
+                                                         for m in range(2)) - 1
+    # A shard that vanished: its samples are skipped with the reason, the packs still go out.
+    for p in broken_dir.glob("*.tar"):
+        p.unlink()
+    packs = build_rank_step(plan, rows, reader, 0, 0)
+    assert all(p.empty for p in packs)
+    assert all("shard unreadable" in reason for p in packs for _, reason in p.skipped)
+
+
+def test_serving_with_another_tokenizer_is_refused(served, tmp_path):
+    _, index, _, _ = served
+    from packfeed.server.demo import train_tokenizer
+
+    other = train_tokenizer(tmp_path / "other.json", vocab_size=600)
+    with pytest.raises(ValueError, match="differs from the one the index was built with"):
+        SampleReader(read_index_info(index), other)
