@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -104,6 +105,7 @@ class Plan:
     seconds: float = 0.0
     pack_vision: np.ndarray | None = None  # per pack, kept from planning so summaries need no gathers
     pack_tokens: np.ndarray | None = None
+    _fingerprint: str | None = field(default=None, repr=False, compare=False)
 
     @property
     def n_packs(self) -> int:
@@ -164,12 +166,17 @@ class Plan:
         }
 
     def fingerprint(self) -> str:
-        digest = hashlib.sha256()
-        digest.update(json.dumps({"config": self.config.to_dict(), "seed": self.seed, "epoch": self.epoch,
-                                  "index": self.index_fingerprint}, sort_keys=True).encode())
-        for array in (self.offsets, self.members, self.truncate_to):
-            digest.update(np.ascontiguousarray(array, dtype=np.int64).tobytes())
-        return digest.hexdigest()[:32]
+        """Digest of config, seed, epoch, index and every pack; computed once. Arrays are hashed as int64 in
+        bounded chunks, so the digest does not depend on the dtype they are held in."""
+        if self._fingerprint is None:
+            digest = hashlib.sha256()
+            digest.update(json.dumps({"config": self.config.to_dict(), "seed": self.seed, "epoch": self.epoch,
+                                      "index": self.index_fingerprint}, sort_keys=True).encode())
+            for array in (self.offsets, self.members, self.truncate_to):
+                for start in range(0, len(array), 1 << 22):
+                    digest.update(np.ascontiguousarray(array[start:start + (1 << 22)], dtype=np.int64).tobytes())
+            self._fingerprint = digest.hexdigest()[:32]
+        return self._fingerprint
 
     def to_table(self) -> pa.Table:
         """One row per sample; an empty pack is one row with sample_id -1 and empty = true."""
@@ -200,10 +207,16 @@ class Plan:
         schema = first.schema.with_metadata({PLAN_METADATA_KEY: json.dumps(meta, sort_keys=True)})
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         # Dictionary encoding buys nothing on these integer columns and costs 40% of the write time.
-        with pq.ParquetWriter(path, schema, compression="zstd", use_dictionary=False) as writer:
+        # Build the next chunk's rows (compiled, GIL released) while Arrow encodes the current one.
+        with pq.ParquetWriter(path, schema, compression="zstd", use_dictionary=False) as writer, \
+                ThreadPoolExecutor(max_workers=1) as builder:
+            chunks = list(zip(bounds[1:-1], bounds[2:]))
+            pending = builder.submit(self._table, *chunks[0]) if chunks else None
             writer.write_table(first.cast(schema))
-            for lo, hi in zip(bounds[1:-1], bounds[2:]):
-                writer.write_table(self._table(lo, hi).cast(schema))
+            for k in range(len(chunks)):
+                table = pending.result()
+                pending = builder.submit(self._table, *chunks[k + 1]) if k + 1 < len(chunks) else None
+                writer.write_table(table.cast(schema))
 
 
 def read_plan(path: str | Path) -> Plan:
@@ -221,12 +234,16 @@ def read_plan(path: str | Path) -> Plan:
                 .astype(np.int64), np.asarray(meta["oversize"], dtype=np.int64), meta["index_fingerprint"])
 
 
-@numba.njit(cache=True, nogil=True)
+@numba.njit(cache=True, nogil=True, parallel=True)
 def _plan_rows(offsets, members, truncate, first, stop, dp, m):
-    """plan.parquet columns for packs [first, stop): one row per sample, one row for an empty pack."""
-    n = 0
+    """plan.parquet columns for packs [first, stop): one row per sample, one row for an empty pack.
+
+    Packs are filled in parallel, each into its own rows, so the result never depends on the thread count.
+    """
+    row_start = np.zeros(stop - first + 1, dtype=np.int64)
     for p in range(first, stop):
-        n += max(offsets[p + 1] - offsets[p], 1)
+        row_start[p - first + 1] = row_start[p - first] + max(offsets[p + 1] - offsets[p], 1)
+    n = row_start[-1]
     step = np.empty(n, dtype=np.int32)
     rank = np.empty(n, dtype=np.int32)
     microbatch = np.empty(n, dtype=np.int32)
@@ -234,21 +251,21 @@ def _plan_rows(offsets, members, truncate, first, stop, dp, m):
     sample_id = np.empty(n, dtype=np.int64)
     empty = np.zeros(n, dtype=np.bool_)
     truncate_to = np.zeros(n, dtype=np.int32)
-    r = 0
-    for p in range(first, stop):
+    for q in numba.prange(stop - first):
+        p = first + q
         size = offsets[p + 1] - offsets[p]
+        r = row_start[q]
         for k in range(max(size, 1)):
-            step[r] = p // (dp * m)
-            rank[r] = p // m % dp
-            microbatch[r] = p % m
-            position[r] = k
+            step[r + k] = p // (dp * m)
+            rank[r + k] = p // m % dp
+            microbatch[r + k] = p % m
+            position[r + k] = k
             if size == 0:
-                sample_id[r] = -1
-                empty[r] = True
+                sample_id[r + k] = -1
+                empty[r + k] = True
             else:
-                sample_id[r] = members[offsets[p] + k]
-                truncate_to[r] = truncate[offsets[p] + k]
-            r += 1
+                sample_id[r + k] = members[offsets[p] + k]
+                truncate_to[r + k] = truncate[offsets[p] + k]
     return step, rank, microbatch, position, sample_id, empty, truncate_to
 
 
@@ -392,12 +409,13 @@ def _arrange_packs(loads, packs: IsfPacks, config: PlanConfig, streams):
     return grid.reshape(-1), IsfPacks(members, offsets, pack_v, pack_t)
 
 
-@numba.njit(cache=True, nogil=True)
+@numba.njit(cache=True, nogil=True, parallel=True)
 def _assign_ranks(steps, cost, dp, m):
-    """LPT per step with M packs per rank; each rank's packs by decreasing cost; -1 (empty) packs last."""
+    """LPT per step with M packs per rank; each rank's packs by decreasing cost; -1 (empty) packs last.
+    Steps are independent, so they run in parallel."""
     n_steps = steps.shape[0]
     grid = np.full((n_steps, dp, m), -1, dtype=np.int64)
-    for st in range(n_steps):
+    for st in numba.prange(n_steps):
         packs = steps[st][steps[st] >= 0]
         c = np.empty(len(packs))
         for k in range(len(packs)):
@@ -460,23 +478,24 @@ def sample_costs(loads: SampleLoads, model: CostModel) -> np.ndarray:
                       model.vision_quadratic, model.llm_linear, model.llm_quadratic)
 
 
-@numba.njit(cache=True, nogil=True)
+@numba.njit(cache=True, nogil=True, parallel=True)
 def _cost_rows(patches, attn_sq, tokens, a_v, b_v, a_l, b_l):
     out = np.empty((len(tokens), 2), dtype=np.float32)
-    for i in range(len(tokens)):
+    for i in numba.prange(len(tokens)):
         t = float(tokens[i])
         out[i, 0] = a_v * patches[i] + b_v * attn_sq[i]
         out[i, 1] = a_l * t + b_l * t * t
     return out
 
 
-@numba.njit(cache=True, nogil=True)
+@numba.njit(cache=True, nogil=True, parallel=True)
 def _pack_costs(members, offsets, costs):
-    """Per pack: (vision cost, LLM cost), summed in float64."""
+    """Per pack: (vision cost, LLM cost), summed in float64, packs in parallel (each sums its own members
+    in order, so the sums do not depend on the thread count)."""
     n = len(offsets) - 1
     pack_cv = np.zeros(n)
     pack_cl = np.zeros(n)
-    for p in range(n):
+    for p in numba.prange(n):
         for k in range(offsets[p], offsets[p + 1]):
             pack_cv[p] += costs[members[k], 0]
             pack_cl[p] += costs[members[k], 1]
@@ -487,7 +506,7 @@ def _effective_tokens(tokens, truncate_to):
     return np.where(truncate_to > 0, np.minimum(tokens, truncate_to), tokens)
 
 
-@numba.njit(cache=True, nogil=True)
+@numba.njit(cache=True, nogil=True, parallel=True)
 def _gather(sequence, members, offsets):
     """Re-lay packs out in `sequence` order (-1 = empty pack); returns (offsets, members)."""
     new_offsets = np.zeros(len(sequence) + 1, dtype=np.int64)
@@ -496,7 +515,7 @@ def _gather(sequence, members, offsets):
         size = offsets[p + 1] - offsets[p] if p >= 0 else 0
         new_offsets[q + 1] = new_offsets[q] + size
     out = np.empty(new_offsets[-1], dtype=members.dtype)
-    for q in range(len(sequence)):
+    for q in numba.prange(len(sequence)):
         p = sequence[q]
         if p >= 0:
             out[new_offsets[q]:new_offsets[q + 1]] = members[offsets[p]:offsets[p + 1]]

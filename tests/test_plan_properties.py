@@ -151,3 +151,19 @@ def test_radix_argsort_is_a_stable_sort(pairs):
 
     keys = np.array([(b << 40) | t for b, t in pairs], dtype=np.uint64)
     assert np.array_equal(radix_argsort(keys), np.argsort(keys, kind="stable"))
+
+
+def test_plan_file_does_not_depend_on_thread_count(real_index, tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    digests = []
+    for threads in ("1", "2"):
+        out = tmp_path / f"plan-{threads}.parquet"
+        env = dict(os.environ, NUMBA_NUM_THREADS=threads, PYTHONHASHSEED=threads)
+        subprocess.run([sys.executable, "-m", "packfeed.server.cli", "plan", "--index", str(real_index), "--dp", "4",
+                        "--microbatches", "3", "--pipeline-stages", "2", "--out", str(out)], env=env, check=True,
+                       capture_output=True)
+        digests.append(_sha(out))
+    assert digests[0] == digests[1]
