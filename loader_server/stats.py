@@ -169,7 +169,7 @@ def _comparison_markdown(rows: list[dict]) -> str:
 
 
 def _markdown(data: dict[str, Any], figures: dict[str, bytes]) -> str:
-    lines = [f"# Packfeed dataset report", "", f"Index `{data['index']}` (fingerprint `{data['fingerprint']}`, "
+    lines = ["# Packfeed dataset report", "", f"Index `{data['index']}` (fingerprint `{data['fingerprint']}`, "
              f"source: {data['source']}).", "",
              f"**{data['samples']}** samples: **{data['valid']}** valid, **{data['invalid']}** invalid.", ""]
     if data["invalid_by_reason"]:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import numpy as np
 
 from packfeed.server.caps import search_caps
 from packfeed.server.costs import load_sample_loads
