@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+import numba
 import numpy as np
 
 import pyarrow.parquet as pq
@@ -57,13 +58,21 @@ class CostModel:
         ll, lq = llm.coefficients()
         return cls(vl, vq, ll, lq)
 
-    def vision_cost(self, loads: "SampleLoads") -> np.ndarray:
-        return (self.vision_linear * loads.vit_patches.astype(np.float64)
-                + self.vision_quadratic * loads.vit_attn_sq.astype(np.float64))
+    def sample_costs(self, loads: "SampleLoads") -> np.ndarray:
+        """(n, 2) float32: [vision cost, LLM cost] of every sample, one row per sample so that summing a pack
+        touches one cache line per member."""
+        return _cost_rows(loads.vit_patches, loads.vit_attn_sq, loads.tokens, self.vision_linear,
+                          self.vision_quadratic, self.llm_linear, self.llm_quadratic)
 
-    def llm_cost(self, loads: "SampleLoads") -> np.ndarray:
-        tokens = loads.tokens.astype(np.float64)
-        return self.llm_linear * tokens + self.llm_quadratic * tokens * tokens
+
+@numba.njit(cache=True, nogil=True, parallel=True)
+def _cost_rows(patches, attn_sq, tokens, a_v, b_v, a_l, b_l):
+    out = np.empty((len(tokens), 2), dtype=np.float32)
+    for i in numba.prange(len(tokens)):
+        t = float(tokens[i])
+        out[i, 0] = a_v * patches[i] + b_v * attn_sq[i]
+        out[i, 1] = a_l * t + b_l * t * t
+    return out
 
 
 @dataclass

@@ -102,13 +102,13 @@ class IndexRows:
 
         self.table, self.info = read_index(index_path, columns=SERVE_COLUMNS)
         self.table = self.table.combine_chunks()
+        self._loss_tokens = self.table.column("loss_tokens").to_numpy(zero_copy_only=False)
 
     def row(self, sample_id: int) -> dict:
         return self.table.slice(int(sample_id), 1).to_pylist()[0]
 
     def loss_tokens(self, sample_ids: np.ndarray) -> int:
-        column = self.table.column("loss_tokens").to_numpy(zero_copy_only=False)
-        return int(column[np.asarray(sample_ids, dtype=np.int64)].sum())
+        return int(self._loss_tokens[np.asarray(sample_ids, dtype=np.int64)].sum())
 
 
 def build_rank_step(plan, rows: IndexRows, reader, step: int, rank: int) -> list[Pack]:

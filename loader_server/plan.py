@@ -178,12 +178,9 @@ class Plan:
             self._fingerprint = digest.hexdigest()[:32]
         return self._fingerprint
 
-    def to_table(self) -> pa.Table:
-        """One row per sample; an empty pack is one row with sample_id -1 and empty = true."""
-        return self._table(0, self.n_packs)
-
     def _table(self, first: int, stop: int) -> pa.Table:
-        """Rows of packs [first, stop)."""
+        """Rows of packs [first, stop): one per sample; an empty pack is one row with sample_id -1 and
+        empty = true."""
         step, rank, microbatch, position, sample_id, empty, truncate_to = _plan_rows(
             self.offsets, self.members, self.truncate_to, first, stop, self.config.dp, self.config.microbatches)
         return pa.table({
@@ -292,11 +289,8 @@ def make_plan(loads: SampleLoads, config: PlanConfig, seed: int, epoch: int, ind
                                                      streams[_STREAM_BATCHES])
     else:
         caps = caps or resolve_caps(loads, config)
-        packs, oversize, cut = _isf_packs(loads, caps, config, streams[_STREAM_ISF])
-        if len(cut):  # the planner sees truncated samples at their cut length
-            tokens = loads.tokens.copy()
-            tokens[cut] = caps.token_cap
-            loads = replace(loads, tokens=tokens)
+        packs, oversize, cut, tokens = _isf_packs(loads, caps, config, streams[_STREAM_ISF])
+        loads = replace(loads, tokens=tokens)  # the planner sees truncated samples at their cut length
         sequence, packs = _arrange_packs(loads, packs, config, streams)
         packs_m, packs_o = packs.members, packs.offsets
         real = sequence >= 0
@@ -338,8 +332,9 @@ def resolve_caps(loads: SampleLoads, config: PlanConfig) -> Caps:
 
 
 def _isf_packs(loads, caps: Caps, config: PlanConfig, rng):
-    """ISF packs of the samples that fit, plus the oversize policy. Returns (packs, oversize, cut):
-    `cut` are the samples whose tokens the `truncate` policy cuts to the token cap."""
+    """ISF packs of the samples that fit, plus the oversize policy. Returns (packs, oversize, cut, tokens):
+    `cut` are the samples whose tokens the `truncate` policy cuts to the token cap, `tokens` every sample's
+    tokens as planned (cut ones at the cap; the index's own array when nothing is cut)."""
     vision, tokens = loads.vision, loads.tokens
     valid_ids = np.flatnonzero(loads.valid)
     if len(loads) < 2**31:
@@ -355,7 +350,9 @@ def _isf_packs(loads, caps: Caps, config: PlanConfig, rng):
         cut = valid_ids[token_over & ~vision_over].astype(np.int64)
         alone = valid_ids[vision_over].astype(np.int64)
         over = vision_over
-        tokens = np.minimum(tokens, caps.token_cap)
+        if len(cut):
+            tokens = tokens.copy()
+            tokens[cut] = caps.token_cap
     fits = valid_ids[~over]
     del valid_ids, vision_over, token_over, over
     packs = isf(fits, vision, tokens, caps, config.isf_iterations, rng)
@@ -363,14 +360,14 @@ def _isf_packs(loads, caps: Caps, config: PlanConfig, rng):
         packs = IsfPacks(np.concatenate([packs.members, alone.astype(packs.members.dtype)]),
                          np.concatenate([packs.offsets, packs.offsets[-1] + np.arange(1, len(alone) + 1)]),
                          np.concatenate([packs.vision, vision[alone]]), np.concatenate([packs.tokens, tokens[alone]]))
-    return packs, oversize, cut
+    return packs, oversize, cut, tokens
 
 
 def _arrange_packs(loads, packs: IsfPacks, config: PlanConfig, streams):
     """Order packs into steps x ranks x microbatches; returns the pack sequence (-1 = empty pack) and the
     packs, extended by the pieces the last step was split into."""
     slots, dp, m = config.slots, config.dp, config.microbatches
-    costs = sample_costs(loads, config.cost_model)
+    costs = config.cost_model.sample_costs(loads)
     pack_cv, pack_cl = _pack_costs(packs.members, packs.offsets, costs)
     pack_cost = pack_cv + pack_cl
     members, offsets, pack_v, pack_t = packs.members, packs.offsets, packs.vision, packs.tokens
@@ -472,23 +469,6 @@ def _length_grouped(order, tokens, slots, batch):
         bins = lpt_assign(tokens[chunk].astype(np.float64), slots, per)
         out.extend(chunk[bins == b] for b in range(slots))
     return np.concatenate(out) if out else order
-
-
-def sample_costs(loads: SampleLoads, model: CostModel) -> np.ndarray:
-    """(n, 2) float32: [vision cost, LLM cost] of every sample, one row per sample so that summing a pack
-    touches one cache line per member."""
-    return _cost_rows(loads.vit_patches, loads.vit_attn_sq, loads.tokens, model.vision_linear,
-                      model.vision_quadratic, model.llm_linear, model.llm_quadratic)
-
-
-@numba.njit(cache=True, nogil=True, parallel=True)
-def _cost_rows(patches, attn_sq, tokens, a_v, b_v, a_l, b_l):
-    out = np.empty((len(tokens), 2), dtype=np.float32)
-    for i in numba.prange(len(tokens)):
-        t = float(tokens[i])
-        out[i, 0] = a_v * patches[i] + b_v * attn_sq[i]
-        out[i, 1] = a_l * t + b_l * t * t
-    return out
 
 
 @numba.njit(cache=True, nogil=True, parallel=True)
