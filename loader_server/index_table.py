@@ -111,7 +111,7 @@ def read_index_info(path: str | Path) -> IndexInfo:
 
 
 def read_index(path: str | Path, columns: list[str] | None = None) -> tuple[pa.Table, IndexInfo]:
-    return pq.read_table(path, columns=columns), read_index_info(path)
+    return pq.read_table(path, columns=columns, memory_map=True), read_index_info(path)
 
 
 def empty_rows(n: int) -> dict[str, Any]:

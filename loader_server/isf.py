@@ -31,21 +31,45 @@ class Caps:
             raise ValueError(f"targets must not exceed caps: {self}")
 
 
+@dataclass(frozen=True)
+class RowLayout:
+    """How ISF rows hold [sample id, vision, tokens]: one int64 word when the three fit in 63 bits (always,
+    at realistic sizes: half the memory traffic of the random shuffle), else two words [id, vision << 32 |
+    tokens]. The walk order and the packs do not depend on the layout."""
+
+    width: int
+    id_shift: int
+    token_bits: int
+    vision_mask: int
+    token_mask: int
+
+    @classmethod
+    def fitting(cls, max_id: int, max_vision: int, max_tokens: int) -> RowLayout:
+        id_bits, vision_bits, token_bits = (max(1, int(x).bit_length()) for x in (max_id, max_vision, max_tokens))
+        if id_bits + vision_bits + token_bits <= 63:
+            return cls(1, vision_bits + token_bits, token_bits, (1 << vision_bits) - 1, (1 << token_bits) - 1)
+        return cls(2, 0, 32, 0xFFFFFFFF, 0xFFFFFFFF)
+
+
 @numba.njit(cache=True, nogil=True, parallel=True)
-def _make_rows(ids, vision, tokens):
-    """[sample id, vision << 32 | tokens] per candidate: the unit ISF shuffles and walks (rows filled in
-    parallel, which also spreads the first-touch page faults of a multi-GB buffer over the cores)."""
-    rows = np.empty((len(ids), 2), dtype=np.int64)
+def _make_rows(ids, vision, tokens, width, id_shift, token_bits):
+    """One row per candidate in the given layout: the unit ISF shuffles and walks (rows filled in parallel,
+    which also spreads the first-touch page faults of a multi-GB buffer over the cores)."""
+    rows = np.empty((len(ids), width), dtype=np.int64)
     for k in numba.prange(len(ids)):
         i = ids[k]
-        rows[k, 0] = i
-        rows[k, 1] = (np.int64(vision[i]) << 32) | np.int64(tokens[i])
+        loads = (np.int64(vision[i]) << token_bits) | np.int64(tokens[i])
+        if width == 1:
+            rows[k, 0] = (np.int64(i) << id_shift) | loads
+        else:
+            rows[k, 0] = i
+            rows[k, 1] = loads
     return rows
 
 
 @numba.njit(cache=True, nogil=True)
 def shuffle_rows(out, n, seed):
-    """Shuffle the first `n` rows of `out` (n x 2) in place: Fisher-Yates driven by splitmix64 from `seed`.
+    """Shuffle the first `n` rows of `out` (n x width) in place: Fisher-Yates driven by splitmix64 from `seed`.
 
     Our own generator, so the order is fixed by the seed alone, whatever numpy or numba version runs it.
     """
@@ -57,35 +81,41 @@ def shuffle_rows(out, n, seed):
         z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
         z = z ^ (z >> np.uint64(31))
         j = np.int64((z >> np.uint64(11)) % np.uint64(k + 1))  # bias < (k+1) / 2^53: negligible
-        a0, a1 = out[k, 0], out[k, 1]
-        out[k, 0], out[k, 1] = out[j, 0], out[j, 1]
-        out[j, 0], out[j, 1] = a0, a1
+        a = out[k, 0]
+        out[k, 0] = out[j, 0]
+        out[j, 0] = a
+        if out.shape[1] == 2:
+            a = out[k, 1]
+            out[k, 1] = out[j, 1]
+            out[j, 1] = a
 
 
 @numba.njit(cache=True, nogil=True)
-def sample_and_filter(rows, n, kept, n_kept, sizes, group_v, group_t, n_groups, vision_cap, token_cap, vision_target,
-                      token_target):
-    """One ISF round over the first `n` rows = [sample id, vision << 32 | tokens], in order: next-fit groups,
-    keep those reaching a target.
+def sample_and_filter(rows, n, layout, kept, n_kept, sizes, group_v, group_t, n_groups, vision_cap, token_cap,
+                      vision_target, token_target):
+    """One ISF round over the first `n` rows (`layout` = RowLayout fields after width), in order: next-fit
+    groups, keep those reaching a target.
 
     Kept ids are appended to `kept`, their group sizes and loads to `sizes`, `group_v`, `group_t`; the rest are
     compacted in place to the
     front of `rows` (the pool). Returns the new (pool size, n_kept, n_groups). The loads travel with the
     ids, so the walk reads memory in order, and nothing is allocated per round.
     """
+    id_shift, token_bits, vision_mask, token_mask = layout
+    last = rows.shape[1] - 1  # the word holding the loads
     n_pool = 0
     start = 0
     v = t = 0
     for k in range(n + 1):
         sv = st = 0
         if k < n:
-            sv = rows[k, 1] >> 32
-            st = rows[k, 1] & 0xFFFFFFFF
+            sv = (rows[k, last] >> token_bits) & vision_mask
+            st = rows[k, last] & token_mask
         if k == n or v + sv > vision_cap or t + st > token_cap:
             if k > start:  # close the group [start, k)
                 if v >= vision_target or t >= token_target:
                     for j in range(start, k):
-                        kept[n_kept] = rows[j, 0]
+                        kept[n_kept] = rows[j, 0] >> id_shift
                         n_kept += 1
                     sizes[n_groups] = k - start
                     group_v[n_groups] = v
@@ -94,7 +124,8 @@ def sample_and_filter(rows, n, kept, n_kept, sizes, group_v, group_t, n_groups, 
                 else:  # n_pool <= start: compacting forward never overwrites an unread row
                     for j in range(start, k):
                         rows[n_pool, 0] = rows[j, 0]
-                        rows[n_pool, 1] = rows[j, 1]
+                        if last:
+                            rows[n_pool, 1] = rows[j, 1]
                         n_pool += 1
             start = k
             v = t = 0
@@ -150,22 +181,24 @@ def isf(
     caps: Caps,
     iterations: int,
     rng: np.random.Generator,
-) -> "IsfPacks":
+    layout: RowLayout | None = None,
+) -> IsfPacks:
     """Pack every sample id in `candidates` exactly once; each must fit the caps on its own.
 
     Packs kept by filtering come first, in the order they were formed, then the first-fit-decreasing packs
-    of the leftovers.
+    of the leftovers. `layout` is chosen from the data unless given (tests force the two-word one).
     """
     if iterations < 1:
         raise ValueError("ISF needs at least one iteration")
-    if len(candidates) and (vision[candidates].max() > caps.vision_cap or tokens[candidates].max() > caps.token_cap):
-        raise ValueError("ISF candidates must each fit the caps; route oversize samples through the oversize policy")
-
     n = len(candidates)
-    if n and (vision[candidates].min() < 0 or tokens[candidates].min() < 0 or vision[candidates].max() >= 2**31
-              or tokens[candidates].max() >= 2**32):
+    v_min, v_max, t_min, t_max = _gathered_ranges(candidates, vision, tokens)
+    if n and (v_max > caps.vision_cap or t_max > caps.token_cap):
+        raise ValueError("ISF candidates must each fit the caps; route oversize samples through the oversize policy")
+    if n and (v_min < 0 or t_min < 0 or v_max >= 2**31 or t_max >= 2**32):
         raise ValueError("vision units must be in [0, 2^31) and tokens in [0, 2^32)")
-    rows = _make_rows(candidates, vision, tokens)
+    layout = layout or RowLayout.fitting(_max_or_zero(candidates), v_max, t_max)
+    rows = _make_rows(candidates, vision, tokens, layout.width, layout.id_shift, layout.token_bits)
+    walk_layout = (layout.id_shift, layout.token_bits, layout.vision_mask, layout.token_mask)
     # Sample ids fit int32 up to 2^31 samples; per-pack arrays are sized for the worst case of one sample
     # per pack, so they are int32 too.
     id_type = np.int32 if n < 2**31 else np.int64
@@ -178,15 +211,14 @@ def isf(
         if n_pool == 0:
             break
         shuffle_rows(rows, n_pool, _draw_seed(rng))
-        n_pool, n_kept, n_groups = sample_and_filter(rows, n_pool, members, n_kept, sizes, pack_v, pack_t, n_groups,
-                                                     caps.vision_cap, caps.token_cap, caps.vision_target,
-                                                     caps.token_target)
+        n_pool, n_kept, n_groups = sample_and_filter(rows, n_pool, walk_layout, members, n_kept, sizes, pack_v,
+                                                     pack_t, n_groups, caps.vision_cap, caps.token_cap,
+                                                     caps.vision_target, caps.token_target)
 
     if n_pool:
         # Largest first, ties broken by id so the result never depends on sort stability.
-        pool = rows[:n_pool, 0].copy()
-        size_key = pool_size_key(pool, vision, tokens, caps)
-        order = pool[np.lexsort((pool, -size_key))]
+        pool = np.sort(rows[:n_pool, 0] >> layout.id_shift)
+        order = pool[np.argsort(-pool_size_key(pool, vision, tokens, caps), kind="stable")]
         bin_of, n_bins, bin_v, bin_t = first_fit_decreasing(order, vision, tokens, caps.vision_cap, caps.token_cap,
                                                             FIRST_FIT_WINDOW)
         members[n_kept:] = order[np.argsort(bin_of, kind="stable")]
@@ -198,6 +230,23 @@ def isf(
     offsets = np.zeros(n_groups + 1, dtype=np.int64)
     np.cumsum(sizes[:n_groups], out=offsets[1:])
     return IsfPacks(members, offsets, pack_v[:n_groups].astype(np.int64), pack_t[:n_groups].astype(np.int64))
+
+
+@numba.njit(cache=True, nogil=True)
+def _gathered_ranges(ids, vision, tokens):
+    """(min, max) of vision[ids] and of tokens[ids] in one pass, without gathering copies."""
+    v_min = t_min = np.int64(2**62)
+    v_max = t_max = np.int64(0)
+    for i in ids:
+        v_min = min(v_min, np.int64(vision[i]))
+        v_max = max(v_max, np.int64(vision[i]))
+        t_min = min(t_min, np.int64(tokens[i]))
+        t_max = max(t_max, np.int64(tokens[i]))
+    return v_min, v_max, t_min, t_max
+
+
+def _max_or_zero(ids: np.ndarray) -> int:
+    return int(ids.max()) if len(ids) else 0
 
 
 def _draw_seed(rng: np.random.Generator) -> int:

@@ -205,10 +205,12 @@ class Plan:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         # Dictionary encoding buys nothing on these integer columns and costs 40% of the write time; delta
         # encoding (standard Parquet) makes the near-monotone ones nearly free and saves another quarter.
+        # Statistics only where a reader filters (steps): the others cost a fifth of the encoding time.
         # Build the next chunk's rows (compiled, GIL released) while Arrow encodes the current one.
         delta = {name: "DELTA_BINARY_PACKED" for name in ("epoch", "step", "rank", "microbatch", "position",
                                                           "sample_id", "truncate_to")}
-        with pq.ParquetWriter(path, schema, compression="zstd", use_dictionary=False, column_encoding=delta) as writer, \
+        with pq.ParquetWriter(path, schema, compression="zstd", use_dictionary=False, column_encoding=delta,
+                              write_statistics=["step"]) as writer, \
                 ThreadPoolExecutor(max_workers=1) as builder:
             chunks = list(zip(bounds[1:-1], bounds[2:]))
             pending = builder.submit(self._table, *chunks[0]) if chunks else None
@@ -220,7 +222,7 @@ class Plan:
 
 
 def read_plan(path: str | Path) -> Plan:
-    table = pq.read_table(path)
+    table = pq.read_table(path, memory_map=True)
     meta = json.loads(table.schema.metadata[PLAN_METADATA_KEY])
     config = PlanConfig.from_dict(meta["config"])
     pack = (table.column("step").to_numpy().astype(np.int64) * config.dp
@@ -282,6 +284,7 @@ def make_plan(loads: SampleLoads, config: PlanConfig, seed: int, epoch: int, ind
         (_STREAM_ISF, _STREAM_STEPS, _STREAM_RANKS, _STREAM_BATCHES), seeds.spawn(4))}
     oversize = np.empty(0, dtype=np.int64)
     cut = np.empty(0, dtype=np.int64)
+    pieces = []
 
     if config.strategy in ("random", "length-group"):
         caps = None
@@ -291,13 +294,13 @@ def make_plan(loads: SampleLoads, config: PlanConfig, seed: int, epoch: int, ind
         caps = caps or resolve_caps(loads, config)
         packs, oversize, cut, tokens = _isf_packs(loads, caps, config, streams[_STREAM_ISF])
         loads = replace(loads, tokens=tokens)  # the planner sees truncated samples at their cut length
-        sequence, packs = _arrange_packs(loads, packs, config, streams)
+        sequence, packs, pieces = _arrange_packs(loads, packs, config, streams)
         packs_m, packs_o = packs.members, packs.offsets
         real = sequence >= 0
         pack_vision = np.where(real, packs.vision[np.where(real, sequence, 0)], 0)
         pack_tokens = np.where(real, packs.tokens[np.where(real, sequence, 0)], 0)
 
-    offsets, members = _gather(sequence, packs_m, packs_o)
+    offsets, members = _gather(sequence, packs_m, packs_o, *_csr(pieces, packs_m.dtype))
     truncate_to = np.zeros(len(members), dtype=np.int32)
     if len(cut):
         is_cut = np.zeros(len(loads), dtype=bool)
@@ -336,9 +339,8 @@ def _isf_packs(loads, caps: Caps, config: PlanConfig, rng):
     `cut` are the samples whose tokens the `truncate` policy cuts to the token cap, `tokens` every sample's
     tokens as planned (cut ones at the cap; the index's own array when nothing is cut)."""
     vision, tokens = loads.vision, loads.tokens
-    valid_ids = np.flatnonzero(loads.valid)
-    if len(loads) < 2**31:
-        valid_ids = valid_ids.astype(np.int32)  # halves the largest arrays of planning
+    # int32 ids below 2^31 samples halve the largest arrays of planning.
+    valid_ids = _flatnonzero(loads.valid, np.int32 if len(loads) < 2**31 else np.int64)
     vision_over = vision[valid_ids] > caps.vision_cap
     token_over = tokens[valid_ids] > caps.token_cap
     over = vision_over | token_over
@@ -364,8 +366,9 @@ def _isf_packs(loads, caps: Caps, config: PlanConfig, rng):
 
 
 def _arrange_packs(loads, packs: IsfPacks, config: PlanConfig, streams):
-    """Order packs into steps x ranks x microbatches; returns the pack sequence (-1 = empty pack) and the
-    packs, extended by the pieces the last step was split into."""
+    """Order packs into steps x ranks x microbatches. Returns the pack sequence (-1 = empty pack), the packs'
+    loads extended by those of the pieces the last step was split into, and the pieces' members (pack
+    `len(packs) + k` is piece k: the members array is not copied for a handful of pieces)."""
     slots, dp, m = config.slots, config.dp, config.microbatches
     costs = config.cost_model.sample_costs(loads)
     pack_cv, pack_cl = _pack_costs(packs.members, packs.offsets, costs)
@@ -382,12 +385,11 @@ def _arrange_packs(loads, packs: IsfPacks, config: PlanConfig, streams):
         full = full[streams[_STREAM_STEPS].permutation(len(full))]
 
     # The last, partial step: split its packs so every rank still gets work where samples allow.
+    pieces = []
     if len(rest):
         pieces = split_for_last_step([members[offsets[p]:offsets[p + 1]] for p in rest],
                                      lambda ids: costs[ids].sum(axis=1, dtype=np.float64), slots)
         first_new = len(pack_cost)
-        members = np.concatenate([members, *pieces])
-        offsets = np.concatenate([offsets, offsets[-1] + np.cumsum([len(piece) for piece in pieces])])
         pack_v = np.concatenate([pack_v, [loads.vision[piece].sum() for piece in pieces]])
         pack_t = np.concatenate([pack_t, [loads.tokens[piece].sum() for piece in pieces]])
         pack_cv = np.concatenate([pack_cv, [costs[piece, 0].sum(dtype=np.float64) for piece in pieces]])
@@ -402,11 +404,10 @@ def _arrange_packs(loads, packs: IsfPacks, config: PlanConfig, streams):
     else:
         grid = _assign_ranks(full, pack_cost, dp, m)
         # Which rank gets the heaviest pack is arbitrary; rotate it so no rank is systematically heavier.
-        rank_perm = np.argsort(streams[_STREAM_RANKS].random((len(grid), dp)), axis=1)
-        grid = np.take_along_axis(grid, rank_perm[:, :, None], axis=1)
+        grid = _permute_ranks(grid, streams[_STREAM_RANKS].random((len(grid), dp)))
         if config.pipeline_stages > 1 and m > 1:
             grid = _order_for_pipeline(grid, pack_cv, pack_cl, config.pipeline_stages)
-    return grid.reshape(-1), IsfPacks(members, offsets, pack_v, pack_t)
+    return grid.reshape(-1), IsfPacks(members, offsets, pack_v, pack_t), pieces
 
 
 @numba.njit(cache=True, nogil=True, parallel=True)
@@ -427,6 +428,17 @@ def _assign_ranks(steps, cost, dp, m):
             grid[st, r, filled[r]] = packs[k]
             filled[r] += 1
     return grid
+
+
+@numba.njit(cache=True, nogil=True, parallel=True)
+def _permute_ranks(grid, keys):
+    """Each step's ranks in the order of their random keys (a per-step random permutation)."""
+    out = np.empty_like(grid)
+    for st in numba.prange(grid.shape[0]):
+        order = np.argsort(keys[st])
+        for r in range(grid.shape[1]):
+            out[st, r] = grid[st, order[r]]
+    return out
 
 
 def _order_for_pipeline(grid, pack_cv, pack_cl, stages):
@@ -471,6 +483,22 @@ def _length_grouped(order, tokens, slots, batch):
     return np.concatenate(out) if out else order
 
 
+def _flatnonzero(mask: np.ndarray, dtype) -> np.ndarray:
+    """np.flatnonzero straight into `dtype` (no int64 temporary of the whole index)."""
+    out = np.empty(int(np.count_nonzero(mask)), dtype=dtype)
+    _fill_nonzero(mask, out)
+    return out
+
+
+@numba.njit(cache=True, nogil=True)
+def _fill_nonzero(mask, out):
+    k = 0
+    for i in range(len(mask)):
+        if mask[i]:
+            out[k] = i
+            k += 1
+
+
 @numba.njit(cache=True, nogil=True, parallel=True)
 def _pack_costs(members, offsets, costs):
     """Per pack: (vision cost, LLM cost), summed in float64, packs in parallel (each sums its own members
@@ -489,18 +517,34 @@ def _effective_tokens(tokens, truncate_to):
     return np.where(truncate_to > 0, np.minimum(tokens, truncate_to), tokens)
 
 
+def _csr(pieces: list[np.ndarray], dtype) -> tuple[np.ndarray, np.ndarray]:
+    offsets = np.zeros(len(pieces) + 1, dtype=np.int64)
+    np.cumsum([len(piece) for piece in pieces], out=offsets[1:])
+    members = np.concatenate(pieces).astype(dtype) if pieces else np.empty(0, dtype=dtype)
+    return members, offsets
+
+
 @numba.njit(cache=True, nogil=True, parallel=True)
-def _gather(sequence, members, offsets):
-    """Re-lay packs out in `sequence` order (-1 = empty pack); returns (offsets, members)."""
+def _gather(sequence, members, offsets, extra_members, extra_offsets):
+    """Re-lay packs out in `sequence` order (-1 = empty pack; p >= len(offsets) - 1 = extra pack
+    p - (len(offsets) - 1)); returns (offsets, members)."""
+    n_base = len(offsets) - 1
     new_offsets = np.zeros(len(sequence) + 1, dtype=np.int64)
     for q in range(len(sequence)):
         p = sequence[q]
-        size = offsets[p + 1] - offsets[p] if p >= 0 else 0
+        size = 0
+        if p >= n_base:
+            size = extra_offsets[p - n_base + 1] - extra_offsets[p - n_base]
+        elif p >= 0:
+            size = offsets[p + 1] - offsets[p]
         new_offsets[q + 1] = new_offsets[q] + size
     out = np.empty(new_offsets[-1], dtype=members.dtype)
     for q in numba.prange(len(sequence)):
         p = sequence[q]
-        if p >= 0:
+        if p >= n_base:
+            out[new_offsets[q]:new_offsets[q + 1]] = extra_members[extra_offsets[p - n_base]:
+                                                                   extra_offsets[p - n_base + 1]]
+        elif p >= 0:
             out[new_offsets[q]:new_offsets[q + 1]] = members[offsets[p]:offsets[p + 1]]
     return new_offsets, out
 

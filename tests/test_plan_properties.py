@@ -9,6 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from packfeed.server.costs import SampleLoads
+from packfeed.server.isf import Caps, RowLayout, isf
 from packfeed.server.plan import OVERSIZE_POLICIES, STRATEGIES, PlanConfig, make_plan, read_plan
 
 ISF_STRATEGIES = ("isf", "isf+balance")
@@ -167,3 +168,19 @@ def test_plan_file_does_not_depend_on_thread_count(real_index, tmp_path):
                        capture_output=True)
         digests.append(_sha(out))
     assert digests[0] == digests[1]
+
+
+@SETTINGS
+@given(loads=datasets(), seed=st.integers(0, 2**31), iterations=st.integers(1, 6))
+def test_isf_packs_do_not_depend_on_the_row_layout(loads, seed, iterations):
+    fits = (loads.vision <= 8) & (loads.tokens <= 3000)
+    candidates = np.flatnonzero(fits)
+    caps = Caps(vision_cap=8, token_cap=3000, vision_target=6, token_target=2800)
+    one_word = RowLayout.fitting(len(loads.vision), 8, 3000)
+    two_words = RowLayout.fitting(2**40, 2**30, 2**31)
+    assert (one_word.width, two_words.width) == (1, 2)
+    packs = [isf(candidates, loads.vision, loads.tokens, caps, iterations, np.random.default_rng(seed), layout)
+             for layout in (one_word, two_words)]
+    assert np.array_equal(packs[0].members, packs[1].members)
+    assert np.array_equal(packs[0].offsets, packs[1].offsets)
+    assert sorted(packs[0].members.tolist()) == candidates.tolist()
