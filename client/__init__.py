@@ -1,1 +1,6 @@
-"""Packfeed client: PackStream for trainers (arrives with issue [2/4])."""
+"""Trainer-side Packfeed client: `PackStream` iterates a rank's balanced packs as torch tensors."""
+
+from packfeed.client.local import LocalServer
+from packfeed.client.stream import PackfeedError, PackStream, PackTensors, Step
+
+__all__ = ["LocalServer", "PackStream", "PackTensors", "PackfeedError", "Step"]

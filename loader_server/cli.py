@@ -106,6 +106,21 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(Path(args.out), samples=args.samples)
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from packfeed.server.config import load_config
+    from packfeed.server.service import serve, setup_logging
+
+    setup_logging(args.log_level)
+    config = load_config(args.config, index=args.index, tokenizer=args.tokenizer, shard_root=args.shard_root,
+                         dataset=args.dataset, listen=args.listen, metrics_port=args.metrics_port,
+                         workers=args.workers, prefetch_steps=args.prefetch_steps,
+                         memory_budget_mb=args.memory_budget_mb)
+    asyncio.run(serve(config))
+    return EXIT_OK
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="packfeed", description="Balanced packs for vision-language training.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -133,6 +148,21 @@ def build_parser() -> argparse.ArgumentParser:
     stats.add_argument("--seed", type=int, default=0)
     _add_plan_options(stats)
     stats.set_defaults(func=cmd_stats)
+
+    serve = sub.add_parser("serve", help="stream balanced packs to trainer ranks over gRPC")
+    serve.add_argument("--config", help="YAML/JSON server config (see packfeed.server.config); env PACKFEED_* "
+                                        "overrides it, flags override both")
+    serve.add_argument("--index", help="serve this index (a dataset named after its directory, or --dataset)")
+    serve.add_argument("--dataset", help="name for --index's dataset")
+    serve.add_argument("--tokenizer", help="tokenizer.json (default: the one recorded in the index)")
+    serve.add_argument("--shard-root", help="directory holding the shards (default: paths recorded in the index)")
+    serve.add_argument("--listen", help="host:port (default 127.0.0.1:50051)")
+    serve.add_argument("--metrics-port", type=int, help="Prometheus /metrics port (default: off)")
+    serve.add_argument("--workers", type=int, help="pre-processing processes (default: CPU count - 1)")
+    serve.add_argument("--prefetch-steps", type=int, help="steps prepared ahead per rank (default 4)")
+    serve.add_argument("--memory-budget-mb", type=int, help="prepared packs held in memory (default 2048)")
+    serve.add_argument("--log-level", default="INFO")
+    serve.set_defaults(func=cmd_serve)
 
     demo = sub.add_parser("demo", help="build a demo dataset, index it, report and plan")
     demo.add_argument("--out", default="demo-out")

@@ -90,6 +90,23 @@ def assemble_pack(samples: list[SampleTensors], epoch: int, step: int, rank: int
                 int((labels != IGNORE_INDEX).sum()), list(skipped or []))
 
 
+def truncate_sample(sample: SampleTensors, limit: int) -> SampleTensors:
+    """The sample cut to at most `limit` tokens (the `truncate` oversize policy). An image whose placeholder
+    run would be cut is dropped with everything after it, so every image kept has all its tokens."""
+    if len(sample.input_ids) <= limit:
+        return sample
+    keep_images = 0
+    for start, n_tokens in zip(sample.image_starts, sample.image_tokens):
+        if start + n_tokens > limit:
+            limit = min(limit, start)
+            break
+        keep_images += 1
+    n_tiles = sum(sample.tiles_per_image[:keep_images])
+    return SampleTensors(sample.key, sample.input_ids[:limit], sample.labels[:limit], sample.tiles[:n_tiles],
+                         sample.tiles_per_image[:keep_images], sample.image_tokens[:keep_images],
+                         sample.image_starts[:keep_images])
+
+
 SERVE_COLUMNS = ["key", "shard", "valid", "reason", "json_offset", "json_size", "image_names", "image_offsets",
                  "image_sizes", "image_widths", "image_heights", "n_images", "llm_tokens", "loss_tokens"]
 
@@ -102,38 +119,45 @@ class IndexRows:
 
         self.table, self.info = read_index(index_path, columns=SERVE_COLUMNS)
         self.table = self.table.combine_chunks()
-        self._loss_tokens = self.table.column("loss_tokens").to_numpy(zero_copy_only=False)
+        self.loss_tokens_per_sample = self.table.column("loss_tokens").to_numpy(zero_copy_only=False)
 
     def row(self, sample_id: int) -> dict:
         return self.table.slice(int(sample_id), 1).to_pylist()[0]
 
     def loss_tokens(self, sample_ids: np.ndarray) -> int:
-        return int(self._loss_tokens[np.asarray(sample_ids, dtype=np.int64)].sum())
+        return int(self.loss_tokens_per_sample[np.asarray(sample_ids, dtype=np.int64)].sum())
+
+
+def build_pack(rows: IndexRows, reader, members: np.ndarray, truncate_to: np.ndarray, epoch: int, step: int,
+               rank: int, microbatch: int) -> Pack:
+    """One pack from its planned members. A sample that fails at serve time is left out and reported in the
+    pack's `skipped`; the pack still goes out, flagged empty if nothing is left."""
+    from packfeed.server.preprocess import SampleSkipped
+
+    samples, skipped = [], []
+    for sample_id, limit in zip(members.tolist(), truncate_to.tolist()):
+        row = rows.row(sample_id)
+        try:
+            sample = reader.load(row)
+        except SampleSkipped as error:
+            skipped.append((row["key"], str(error)))
+            continue
+        samples.append(truncate_sample(sample, limit) if limit > 0 else sample)
+    return assemble_pack(samples, epoch, step, rank, microbatch, skipped)
 
 
 def build_rank_step(plan, rows: IndexRows, reader, step: int, rank: int) -> list[Pack]:
-    """The rank's M packs of one step, in the plan's (1F1B) order. A sample that fails at serve time is
-    left out and reported in its pack's `skipped`; the pack still goes out, flagged empty if nothing is left.
+    """The rank's M packs of one step, in the plan's (1F1B) order.
 
     `step_loss_tokens` counts the planned loss tokens of the whole global step (from the index, which used
     the same encoder), so every rank normalises by the same number without seeing the others' packs.
     """
-    from packfeed.server.preprocess import SampleSkipped
-
     config = plan.config
-    first = step * config.dp * config.microbatches
-    step_samples = plan.members[plan.offsets[first]:plan.offsets[first + config.dp * config.microbatches]]
-    step_loss = rows.loss_tokens(step_samples)
     packs = []
+    step_loss = rows.loss_tokens(plan.step_members(step))
     for microbatch in range(config.microbatches):
-        samples, skipped = [], []
-        for sample_id in plan.pack(step, rank, microbatch):
-            row = rows.row(sample_id)
-            try:
-                samples.append(reader.load(row))
-            except SampleSkipped as error:
-                skipped.append((row["key"], str(error)))
-        pack = assemble_pack(samples, plan.epoch, step, rank, microbatch, skipped)
+        members, truncate_to = plan.pack_with_truncation(step, rank, microbatch)
+        pack = build_pack(rows, reader, members, truncate_to, plan.epoch, step, rank, microbatch)
         pack.step_loss_tokens = step_loss
         packs.append(pack)
     return packs

@@ -123,8 +123,18 @@ class Plan:
         return np.diff(self.offsets)
 
     def pack(self, step: int, rank: int, microbatch: int) -> np.ndarray:
+        return self.pack_with_truncation(step, rank, microbatch)[0]
+
+    def pack_with_truncation(self, step: int, rank: int, microbatch: int) -> tuple[np.ndarray, np.ndarray]:
+        """(sample ids, token limits: 0 = whole) of one pack."""
         p = (step * self.config.dp + rank) * self.config.microbatches + microbatch
-        return self.members[self.offsets[p]:self.offsets[p + 1]]
+        span = slice(self.offsets[p], self.offsets[p + 1])
+        return self.members[span], self.truncate_to[span]
+
+    def step_members(self, step: int) -> np.ndarray:
+        """Every sample of one global step (all ranks and microbatches)."""
+        first = step * self.config.slots
+        return self.members[self.offsets[first]:self.offsets[first + self.config.slots]]
 
     def pack_loads(self, loads: SampleLoads) -> tuple[np.ndarray, np.ndarray]:
         """(vision, LLM) load of every pack; LLM load counts padding for padded strategies."""

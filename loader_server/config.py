@@ -1,0 +1,104 @@
+"""`packfeed serve` configuration: a YAML/JSON file, then environment overrides, then command-line flags.
+
+    listen: 0.0.0.0:50051
+    metrics_port: 9400          # Prometheus /metrics; 0 = off
+    workers: 4                  # pre-processing processes
+    prefetch_steps: 4           # steps prepared ahead per rank stream
+    memory_budget_mb: 2048      # prepared packs held in memory across all streams
+    max_message_mb: 256
+    auth_token: ""              # when set, calls must carry `authorization: Bearer <token>`
+    datasets:
+      demo:
+        index: /data/demo/index.parquet
+        tokenizer: /data/demo/tokenizer.json   # default: the path recorded in the index
+        shard_root: /data/demo/shards          # default: the shard paths recorded in the index
+
+Environment: PACKFEED_LISTEN, PACKFEED_METRICS_PORT, PACKFEED_WORKERS, PACKFEED_PREFETCH_STEPS,
+PACKFEED_MEMORY_BUDGET_MB, PACKFEED_MAX_MESSAGE_MB, PACKFEED_AUTH_TOKEN, and for a single dataset
+PACKFEED_INDEX / PACKFEED_TOKENIZER / PACKFEED_SHARD_ROOT. Image policy and chat template always come from
+the index: they decided the token counts the plan balances, so serving with others would break it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from packfeed.server.index_table import read_index_info
+from packfeed.server.workers import DatasetSource
+
+ENV_PREFIX = "PACKFEED_"
+
+
+@dataclass
+class ServerConfig:
+    listen: str = "127.0.0.1:50051"
+    metrics_port: int = 0
+    workers: int = max(1, (os.cpu_count() or 2) - 1)
+    prefetch_steps: int = 4
+    memory_budget_mb: int = 2048
+    max_message_mb: int = 256
+    auth_token: str = ""
+    datasets: dict[str, DatasetSource] = field(default_factory=dict)
+
+    def validate(self) -> "ServerConfig":
+        problems = []
+        if self.workers < 1:
+            problems.append("workers must be >= 1")
+        if self.prefetch_steps < 1:
+            problems.append("prefetch_steps must be >= 1")
+        if self.memory_budget_mb < 1:
+            problems.append("memory_budget_mb must be >= 1")
+        if not self.datasets:
+            problems.append("no dataset: give --index, PACKFEED_INDEX, or `datasets:` in the config file")
+        for name, source in self.datasets.items():
+            if not Path(source.index).exists():
+                problems.append(f"dataset {name}: index {source.index} not found")
+            elif not Path(source.tokenizer).exists():
+                problems.append(f"dataset {name}: tokenizer {source.tokenizer} not found (set `tokenizer:`)")
+        if problems:
+            raise ValueError("invalid server config: " + "; ".join(problems))
+        return self
+
+
+def dataset_source(index: str, tokenizer: str | None = None, shard_root: str | None = None) -> DatasetSource:
+    """A dataset entry; the tokenizer defaults to the one the index was built with."""
+    if tokenizer is None:
+        recorded = (read_index_info(index).tokenizer or {}) if Path(index).exists() else {}
+        tokenizer = recorded.get("path", "")
+    return DatasetSource(str(index), str(tokenizer), str(shard_root) if shard_root else None)
+
+
+def load_config(path: str | Path | None = None, environ: dict[str, str] | None = None, **flags) -> ServerConfig:
+    """File, then environment, then non-None keyword flags (the CLI's), each overriding the one before."""
+    environ = os.environ if environ is None else environ
+    raw = yaml.safe_load(Path(path).read_text()) if path else {}
+    raw = dict(raw or {})
+    datasets = {name: dataset_source(**entry) for name, entry in (raw.pop("datasets", None) or {}).items()}
+    known = {f.name: f for f in dataclasses.fields(ServerConfig) if f.name != "datasets"}
+    unknown = set(raw) - set(known)
+    if unknown:
+        raise ValueError(f"unknown server config keys: {', '.join(sorted(unknown))}")
+    values = dict(raw)
+    for name, spec in known.items():
+        env = environ.get(ENV_PREFIX + name.upper())
+        if env is not None:
+            values[name] = int(env) if spec.type in (int, "int") else env
+    values.update({k: v for k, v in flags.items() if v is not None and k in known})
+    index = flags.get("index") or environ.get(ENV_PREFIX + "INDEX")
+    if index:
+        datasets[flags.get("dataset") or Path(index).parent.name or "default"] = dataset_source(
+            index, flags.get("tokenizer") or environ.get(ENV_PREFIX + "TOKENIZER"),
+            flags.get("shard_root") or environ.get(ENV_PREFIX + "SHARD_ROOT"))
+    return ServerConfig(**values, datasets=datasets).validate()
+
+
+def describe(config: ServerConfig) -> str:
+    shown = dataclasses.asdict(config)
+    shown["auth_token"] = "***" if config.auth_token else ""
+    return json.dumps(shown, sort_keys=True)

@@ -1,0 +1,182 @@
+"""Jobs and their state: the embedded (in-process) coordination of one loader server.
+
+A job is (dataset, plan config, seed, epochs). Its plans are a pure function of those, so any server can
+serve any rank of it; the only mutable state is small: each rank's acknowledged step, and the samples
+skipped as bad. That state sits behind `JobRegistry` so that several servers can keep it in Redis instead
+(issue [4/4]) without touching the service.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import threading
+from dataclasses import asdict, dataclass, field, replace
+
+import numpy as np
+
+from packfeed.server.costs import SampleLoads, load_sample_loads
+from packfeed.server.index_table import IndexInfo
+from packfeed.server.isf import Caps
+from packfeed.server.packs import IndexRows
+from packfeed.server.plan import Plan, PlanConfig, make_plan, resolve_caps
+from packfeed.server.workers import DatasetSource, RankStepWork
+
+MAX_SKIPPED_LISTED = 1000  # per job; the count keeps going
+
+
+class JobError(Exception):
+    """A request the job cannot honour; `code` names the gRPC status it maps to."""
+
+    def __init__(self, code: str, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    job: str
+    dataset: str
+    plan: PlanConfig
+    seed: int
+    epochs: int = 1
+
+    def describe(self) -> str:
+        plan = {k: v for k, v in self.plan.to_dict().items() if k != "cost_model"}
+        return json.dumps({"dataset": self.dataset, "plan": plan, "seed": self.seed, "epochs": self.epochs},
+                          sort_keys=True)
+
+
+@dataclass
+class RankState:
+    acked: tuple[int, int] = (-1, -1)  # (epoch, step) of the last acknowledged step
+    streamed: tuple[int, int] = (-1, -1)  # last step sent
+    queued: int = 0  # steps prepared and waiting
+
+
+@dataclass
+class Dataset:
+    name: str
+    source: DatasetSource
+    loads: SampleLoads
+    info: IndexInfo
+    loss_tokens: np.ndarray  # per sample, from the index
+
+    @classmethod
+    def open(cls, name: str, source: DatasetSource) -> "Dataset":
+        loads, info = load_sample_loads(source.index)
+        if info.source != "shards":
+            raise ValueError(f"dataset {name}: {source.index} was imported from length files and has no shards "
+                             "to serve; index the WebDataset shards with `packfeed index`")
+        loss = IndexRows(source.index).loss_tokens_per_sample
+        return cls(name, source, loads, info, np.asarray(loss, dtype=np.int64))
+
+
+@dataclass
+class Job:
+    spec: JobSpec
+    dataset: Dataset
+    caps: Caps | None
+    ranks: list[RankState]
+    skipped: collections.deque = field(default_factory=lambda: collections.deque(maxlen=MAX_SKIPPED_LISTED))
+    skipped_count: int = 0
+    _plans: dict[int, Plan] = field(default_factory=dict)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def plan(self, epoch: int) -> Plan:
+        """The epoch's plan, computed once (thread-safe; the last two epochs stay cached)."""
+        if not 0 <= epoch < self.spec.epochs:
+            raise JobError("OUT_OF_RANGE", f"epoch {epoch} is outside job {self.spec.job!r} "
+                                           f"(epochs 0..{self.spec.epochs - 1})")
+        with self._lock:
+            if epoch not in self._plans:
+                self._plans[epoch] = make_plan(self.dataset.loads, self.spec.plan, self.spec.seed, epoch,
+                                               self.dataset.info.fingerprint, caps=self.caps)
+                for old in sorted(self._plans)[:-2]:
+                    del self._plans[old]
+            return self._plans[epoch]
+
+    def check_rank(self, rank: int) -> None:
+        if not 0 <= rank < self.spec.plan.dp:
+            raise JobError("OUT_OF_RANGE", f"rank {rank} is outside job {self.spec.job!r} (dp = {self.spec.plan.dp})")
+
+    def check_step(self, epoch: int, step: int) -> Plan:
+        plan = self.plan(epoch)
+        if not 0 <= step < plan.n_steps:
+            raise JobError("OUT_OF_RANGE", f"step {step} is past the plan of epoch {epoch} "
+                                           f"({plan.n_steps} steps)")
+        return plan
+
+    def work(self, epoch: int, step: int, rank: int) -> RankStepWork:
+        plan = self.plan(epoch)
+        packs = [tuple(np.array(a) for a in plan.pack_with_truncation(step, rank, mb))
+                 for mb in range(self.spec.plan.microbatches)]
+        step_loss = int(self.dataset.loss_tokens[plan.step_members(step)].sum())
+        return RankStepWork(self.dataset.name, epoch, step, rank, packs, step_loss, step == plan.n_steps - 1)
+
+    def next_step(self, epoch: int, step: int) -> tuple[int, int] | None:
+        """The step after (epoch, step), or None at the end of the job."""
+        if step + 1 < self.plan(epoch).n_steps:
+            return epoch, step + 1
+        return (epoch + 1, 0) if epoch + 1 < self.spec.epochs else None
+
+    def record_skipped(self, epoch: int, step: int, skipped: list[tuple[str, str]]) -> None:
+        with self._lock:
+            for key, reason in skipped:
+                self.skipped.append((key, reason, epoch, step))
+            self.skipped_count += len(skipped)
+
+    def ack(self, rank: int, epoch: int, step: int) -> None:
+        self.check_rank(rank)
+        self.check_step(epoch, step)
+        state = self.ranks[rank]
+        state.acked = max(state.acked, (epoch, step))  # acknowledgements never move a cursor backwards
+
+
+class JobRegistry:
+    """Datasets this server serves (from its configuration) and the jobs opened on them."""
+
+    def __init__(self, datasets: dict[str, Dataset]):
+        self.datasets = datasets
+        self.jobs: dict[str, Job] = {}
+        self._lock = threading.Lock()
+
+    def open_job(self, spec: JobSpec) -> Job:
+        """Open a job, or join it when it exists with the same settings (idempotent)."""
+        if not spec.job:
+            raise JobError("INVALID_ARGUMENT", "a job needs a non-empty id")
+        if spec.epochs < 1:
+            raise JobError("INVALID_ARGUMENT", "epochs must be >= 1")
+        dataset = self.dataset(spec.dataset)
+        spec = replace(spec, dataset=dataset.name)
+        with self._lock:
+            existing = self.jobs.get(spec.job)
+            if existing is not None:
+                if existing.spec.describe() != spec.describe():
+                    raise JobError("FAILED_PRECONDITION",
+                                   f"job {spec.job!r} exists with other settings: {existing.spec.describe()}; "
+                                   f"this request asks for {spec.describe()}. Use the same settings or a new job id")
+                return existing
+            caps = None if spec.plan.strategy in ("random", "length-group") else resolve_caps(dataset.loads, spec.plan)
+            job = Job(spec, dataset, caps, [RankState() for _ in range(spec.plan.dp)])
+            job.plan(0)  # plan epoch 0 now: a bad config fails the open, not the first stream
+            self.jobs[spec.job] = job
+            return job
+
+    def dataset(self, name: str) -> Dataset:
+        if not name and len(self.datasets) == 1:
+            return next(iter(self.datasets.values()))
+        if name not in self.datasets:
+            raise JobError("NOT_FOUND", f"no dataset {name!r} on this server; it serves: "
+                                        f"{', '.join(sorted(self.datasets))}")
+        return self.datasets[name]
+
+    def get(self, job: str) -> Job:
+        found = self.jobs.get(job)
+        if found is None:
+            raise JobError("NOT_FOUND", f"no job {job!r}: open it first (OpenJob)")
+        return found
+
+
+def caps_dict(caps: Caps | None) -> dict:
+    return asdict(caps) if caps else {}

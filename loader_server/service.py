@@ -1,0 +1,345 @@
+"""The gRPC loader service (`packfeed serve`): jobs, per-rank pack streams, health, reflection, metrics.
+
+Each StreamPacks call runs a producer that keeps up to `prefetch_steps` of its rank's steps being built
+in the worker pool and ready in a bounded queue. A slow consumer fills its own queue and stops its own
+producer, so it never holds the pool or grows memory; every stream also waits for room in the shared
+memory budget before preparing more than one step ahead. Packs are serialized in the workers and sent
+as ready bytes: the event loop never touches pixels.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import json
+import logging
+import signal
+import time
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+from packfeed.server.config import ServerConfig, describe
+from packfeed.server.jobs import Dataset, Job, JobError, JobRegistry, JobSpec
+from packfeed.server.plan import PlanConfig
+from packfeed.server.workers import RankStepResult, build_rank_step, start_pool
+from packfeed.v1 import packfeed_pb2 as pb
+
+SERVICE = "packfeed.v1.Packfeed"
+log = logging.getLogger("packfeed.server")
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line: time, level, event, and the structured fields passed in `extra`."""
+
+    _PLAIN = set(vars(logging.makeLogRecord({})))
+
+    def format(self, record: logging.LogRecord) -> str:
+        out = {"time": round(record.created, 3), "level": record.levelname.lower(), "event": record.getMessage()}
+        out.update({k: v for k, v in vars(record).items() if k not in self._PLAIN and k != "message"})
+        if record.exc_info:
+            out["error"] = self.formatException(record.exc_info)
+        return json.dumps(out, default=str)
+
+
+def setup_logging(level: str = "INFO") -> None:
+    handler = logging.StreamHandler()
+    handler.setFormatter(JsonFormatter())
+    root = logging.getLogger("packfeed")
+    root.handlers[:] = [handler]
+    root.setLevel(level)
+    root.propagate = False
+
+
+class Metrics:
+    def __init__(self):
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.packs = Counter("packfeed_packs", "Packs sent", ["job"], registry=r)
+        self.bytes = Counter("packfeed_bytes", "Pack payload bytes sent", ["job"], registry=r)
+        self.samples = Counter("packfeed_samples", "Samples pre-processed", ["job"], registry=r)
+        self.skipped = Counter("packfeed_skipped_samples", "Samples skipped at serve time", ["job", "reason"],
+                               registry=r)
+        self.queue_depth = Gauge("packfeed_queue_depth_steps", "Steps prepared and waiting, per rank stream",
+                                 ["job", "rank"], registry=r)
+        self.lag = Gauge("packfeed_rank_lag_steps", "Steps sent but not yet acknowledged, per rank",
+                         ["job", "rank"], registry=r)
+        self.held = Gauge("packfeed_memory_held_bytes", "Prepared pack bytes held in memory", registry=r)
+        self.preprocess = Histogram("packfeed_preprocess_seconds_per_sample",
+                                    "Worker time per sample (read, decode, tile, tokenize, assemble)",
+                                    registry=r, buckets=(.001, .003, .01, .03, .1, .3, 1, 3))
+
+
+class MemoryBudget:
+    """Bytes of prepared packs held across all streams. A stream holding nothing may always take one step,
+    so every stream progresses; beyond that it waits for room."""
+
+    def __init__(self, limit: int, metrics: Metrics):
+        self.limit, self.held, self.metrics = limit, 0, metrics
+        self._room = asyncio.Condition()
+
+    async def wait_for_room(self, held_by_stream: int) -> None:
+        async with self._room:
+            await self._room.wait_for(lambda: held_by_stream == 0 or self.held < self.limit)
+
+    async def add(self, nbytes: int) -> None:
+        async with self._room:
+            self.held += nbytes
+            self.metrics.held.set(self.held)
+
+    async def release(self, nbytes: int) -> None:
+        async with self._room:
+            self.held -= nbytes
+            self.metrics.held.set(self.held)
+            self._room.notify_all()
+
+
+def plan_config_of(spec: pb.PlanSpec) -> PlanConfig:
+    """PlanSpec -> PlanConfig; zero or empty fields keep the defaults. Raises JobError on a bad config."""
+    given = {"dp": spec.dp, "microbatches": spec.microbatches, "pipeline_stages": spec.pipeline_stages,
+             "strategy": spec.strategy, "oversize": spec.oversize, "isf_iterations": spec.isf_iterations,
+             "vision_cap": spec.vision_cap, "token_cap": spec.token_cap}
+    try:
+        return PlanConfig(**{k: v for k, v in given.items() if v})
+    except ValueError as error:
+        raise JobError("INVALID_ARGUMENT", str(error)) from None
+
+
+def plan_spec_of(config: PlanConfig) -> pb.PlanSpec:
+    return pb.PlanSpec(dp=config.dp, microbatches=config.microbatches, pipeline_stages=config.pipeline_stages,
+                       strategy=config.strategy, oversize=config.oversize, isf_iterations=config.isf_iterations,
+                       vision_cap=config.vision_cap or 0, token_cap=config.token_cap or 0)
+
+
+@dataclass
+class RankStream:
+    """Book-keeping of one rank: what was sent and not acknowledged (for the lag metric)."""
+
+    unacked: collections.deque
+
+
+class PackfeedService:
+    def __init__(self, config: ServerConfig, registry: JobRegistry, pool: ProcessPoolExecutor, metrics: Metrics):
+        self.config, self.registry, self.pool, self.metrics = config, registry, pool, metrics
+        self.budget = MemoryBudget(config.memory_budget_mb << 20, metrics)
+        self.sent: dict[tuple[str, int], collections.deque] = collections.defaultdict(collections.deque)
+
+    # -- unary calls ------------------------------------------------------------------------------------
+
+    async def open_job(self, request: pb.OpenJobRequest, context) -> pb.JobInfo:
+        spec = JobSpec(request.job, request.dataset, plan_config_of(request.plan), request.seed, request.epochs or 1)
+        job = await asyncio.to_thread(self.registry.open_job, spec)
+        log.info("job opened", extra={"job": spec.job, "spec": job.spec.describe()})
+        return self.job_info(job)
+
+    async def get_job(self, request: pb.GetJobRequest, context) -> pb.JobInfo:
+        return self.job_info(self.registry.get(request.job))
+
+    async def list_jobs(self, request: pb.ListJobsRequest, context) -> pb.ListJobsResponse:
+        return pb.ListJobsResponse(jobs=[self.job_info(job) for job in list(self.registry.jobs.values())])
+
+    async def ack_step(self, request: pb.AckStepRequest, context) -> pb.AckStepResponse:
+        job = self.registry.get(request.job)
+        await asyncio.to_thread(job.ack, request.rank, request.epoch, request.step)
+        unacked = self.sent[(request.job, request.rank)]
+        while unacked and unacked[0] <= (request.epoch, request.step):
+            unacked.popleft()
+        self.metrics.lag.labels(request.job, str(request.rank)).set(len(unacked))
+        return pb.AckStepResponse()
+
+    def job_info(self, job: Job) -> pb.JobInfo:
+        plan = job.plan(0)
+        info = pb.JobInfo(job=job.spec.job, dataset=job.spec.dataset, plan=plan_spec_of(job.spec.plan),
+                          seed=job.spec.seed, epochs=job.spec.epochs, steps_per_epoch=plan.n_steps,
+                          plan_fingerprint=plan.fingerprint(), index_fingerprint=job.dataset.info.fingerprint,
+                          skipped_count=job.skipped_count, vision_cap=job.caps.vision_cap if job.caps else 0,
+                          token_cap=job.caps.token_cap if job.caps else 0)
+        for rank, state in enumerate(job.ranks):
+            info.ranks.add(rank=rank, acked_epoch=state.acked[0], acked_step=state.acked[1], queued_steps=state.queued,
+                           streamed_epoch=state.streamed[0], streamed_step=state.streamed[1])
+        for key, reason, epoch, step in list(job.skipped):
+            info.skipped.add(key=key, reason=reason, epoch=epoch, step=step)
+        return info
+
+    # -- the stream -------------------------------------------------------------------------------------
+
+    async def stream_packs(self, request: pb.StreamPacksRequest, context):
+        job = self.registry.get(request.job)
+        job.check_rank(request.rank)
+        start = (request.first_epoch, request.first_step)
+        await asyncio.to_thread(job.check_step, *start)
+        labels = (job.spec.job, str(request.rank))
+        queue: asyncio.Queue = asyncio.Queue(maxsize=self.config.prefetch_steps)
+        held = [0]  # bytes this stream holds in the budget
+        producer = asyncio.create_task(self._produce(job, request.rank, start, queue, held))
+        log.info("stream started", extra={"job": job.spec.job, "rank": request.rank, "epoch": start[0],
+                                          "step": start[1], "peer": context.peer()})
+        sent_steps = 0
+        try:
+            while True:
+                item = await queue.get()
+                self.metrics.queue_depth.labels(*labels).set(queue.qsize())
+                job.ranks[request.rank].queued = queue.qsize()
+                if item is None:
+                    break
+                (epoch, step), result = item
+                for message in result.messages:
+                    yield message
+                held[0] -= result.nbytes
+                await self.budget.release(result.nbytes)
+                self._account(job, request.rank, epoch, step, result)
+                sent_steps += 1
+        finally:
+            producer.cancel()
+            while not queue.empty():  # give back what the cancelled stream still held
+                item = queue.get_nowait()
+                if item is not None:
+                    await self.budget.release(item[1].nbytes)
+            log.info("stream ended", extra={"job": job.spec.job, "rank": request.rank, "steps_sent": sent_steps})
+        if producer.done() and not producer.cancelled() and producer.exception():
+            await context.abort(grpc.StatusCode.INTERNAL, f"pack preparation failed: {producer.exception()!r}")
+
+    async def _produce(self, job: Job, rank: int, cursor, queue: asyncio.Queue, held: list[int]) -> None:
+        loop = asyncio.get_running_loop()
+        in_flight: collections.deque = collections.deque()
+        try:
+            while cursor is not None or in_flight:
+                while cursor is not None and len(in_flight) < self.config.prefetch_steps:
+                    if in_flight or held[0]:
+                        await self.budget.wait_for_room(held[0])
+                    work = await asyncio.to_thread(job.work, cursor[0], cursor[1], rank)
+                    in_flight.append((cursor, loop.run_in_executor(self.pool, build_rank_step, work)))
+                    cursor = await asyncio.to_thread(job.next_step, *cursor)
+                position, future = in_flight.popleft()
+                result: RankStepResult = await future
+                held[0] += result.nbytes
+                await self.budget.add(result.nbytes)
+                await queue.put((position, result))
+            await queue.put(None)
+        except asyncio.CancelledError:
+            for _, future in in_flight:
+                future.cancel()
+            raise
+        except Exception:
+            log.exception("pack preparation failed", extra={"job": job.spec.job, "rank": rank})
+            await queue.put(None)
+            raise
+
+    def _account(self, job: Job, rank: int, epoch: int, step: int, result: RankStepResult) -> None:
+        name = job.spec.job
+        self.metrics.packs.labels(name).inc(len(result.messages))
+        self.metrics.bytes.labels(name).inc(result.nbytes)
+        self.metrics.samples.labels(name).inc(result.samples)
+        if result.samples:
+            self.metrics.preprocess.observe(result.seconds / result.samples)
+        for key, reason in result.skipped:
+            self.metrics.skipped.labels(name, reason.split(":")[0]).inc()
+            log.warning("sample skipped", extra={"job": name, "rank": rank, "epoch": epoch, "step": step,
+                                                 "key": key, "reason": reason})
+        if result.skipped:
+            job.record_skipped(epoch, step, result.skipped)
+        job.ranks[rank].streamed = (epoch, step)
+        unacked = self.sent[(name, rank)]
+        unacked.append((epoch, step))
+        self.metrics.lag.labels(name, str(rank)).set(len(unacked))
+
+    # -- wiring -----------------------------------------------------------------------------------------
+
+    def handler(self) -> grpc.GenericRpcHandler:
+        def unary(method, request_type, response_type):
+            async def call(request, context):
+                try:
+                    return await method(request, context)
+                except JobError as error:
+                    await context.abort(grpc.StatusCode[error.code], str(error))
+
+            return grpc.unary_unary_rpc_method_handler(call, request_deserializer=request_type.FromString,
+                                                       response_serializer=response_type.SerializeToString)
+
+        async def stream(request, context):
+            try:
+                async for message in self.stream_packs(request, context):
+                    yield message
+            except JobError as error:
+                await context.abort(grpc.StatusCode[error.code], str(error))
+
+        return grpc.method_handlers_generic_handler(SERVICE, {
+            "OpenJob": unary(self.open_job, pb.OpenJobRequest, pb.JobInfo),
+            "GetJob": unary(self.get_job, pb.GetJobRequest, pb.JobInfo),
+            "ListJobs": unary(self.list_jobs, pb.ListJobsRequest, pb.ListJobsResponse),
+            "AckStep": unary(self.ack_step, pb.AckStepRequest, pb.AckStepResponse),
+            # Packs arrive serialized from the workers: no response serializer.
+            "StreamPacks": grpc.unary_stream_rpc_method_handler(
+                stream, request_deserializer=pb.StreamPacksRequest.FromString, response_serializer=None),
+        })
+
+
+class TokenAuth(grpc.aio.ServerInterceptor):
+    """Calls must carry `authorization: Bearer <token>`; health checks are open (for orchestrators)."""
+
+    def __init__(self, token: str):
+        self.expected = f"Bearer {token}"
+
+        async def deny(request, context):
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong token: send metadata "
+                                                                  "'authorization: Bearer <token>'")
+
+        self.deny = grpc.unary_unary_rpc_method_handler(deny)
+
+    async def intercept_service(self, continuation, details):
+        if details.method.startswith("/grpc.health.v1.Health/"):
+            return await continuation(details)
+        if dict(details.invocation_metadata or ()).get("authorization") == self.expected:
+            return await continuation(details)
+        return self.deny
+
+
+def grpc_options(config: ServerConfig) -> list[tuple[str, int]]:
+    size = config.max_message_mb << 20
+    return [("grpc.max_send_message_length", size), ("grpc.max_receive_message_length", size)]
+
+
+async def serve(config: ServerConfig, ready: asyncio.Event | None = None, stop: asyncio.Event | None = None) -> None:
+    """Run the server until SIGTERM/SIGINT (or `stop` is set)."""
+    started = time.perf_counter()
+    datasets = {name: await asyncio.to_thread(Dataset.open, name, source) for name, source in config.datasets.items()}
+    pool = start_pool(config.datasets, config.workers)
+    metrics = Metrics()
+    service = PackfeedService(config, JobRegistry(datasets), pool, metrics)
+    interceptors = [TokenAuth(config.auth_token)] if config.auth_token else []
+    server = grpc.aio.server(interceptors=interceptors, options=grpc_options(config))
+    server.add_generic_rpc_handlers((service.handler(),))
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection([SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
+    port = server.add_insecure_port(config.listen)
+    if port == 0:
+        raise OSError(f"cannot listen on {config.listen}")
+    await server.start()
+    if config.metrics_port:
+        start_http_server(config.metrics_port, addr=config.listen.rsplit(":", 1)[0].strip("[]") or "0.0.0.0",
+                          registry=metrics.registry)
+    for name in ("", SERVICE):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    log.info("serving", extra={"listen": config.listen, "port": port, "metrics_port": config.metrics_port,
+                               "datasets": sorted(datasets), "startup_seconds": round(time.perf_counter() - started, 2),
+                               "config": describe(config)})
+    stop = stop or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        try:
+            loop.add_signal_handler(sig, stop.set)
+        except (ValueError, RuntimeError):  # not the main thread (in-process use)
+            pass
+    if ready is not None:
+        ready.set()
+    await stop.wait()
+    log.info("stopping")
+    for name in ("", SERVICE):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+    await server.stop(grace=2)
+    pool.shutdown(cancel_futures=True)
