@@ -1,0 +1,241 @@
+"""The loader service end to end: real `packfeed serve` processes, real gRPC on loopback, real shards."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import socket
+import urllib.request
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from packfeed.client import LocalServer, PackfeedError, PackStream
+from packfeed.server.index_table import read_index
+from packfeed.server.indexer import IndexConfig, build_index
+from packfeed.v1 import packfeed_pb2 as pb
+from packfeed.v1 import packfeed_pb2_grpc as pb_grpc
+
+pytestmark = pytest.mark.slow
+PLAN = {"dp": 2, "microbatches": 2, "pipeline_stages": 2}
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory, demo_dataset):
+    root = tmp_path_factory.mktemp("service")
+    shards = [shutil.copy(p, root / p.name) for p in demo_dataset.shards]
+    index = root / "index.parquet"
+    build_index([str(p) for p in shards], index, IndexConfig(tokenizer=str(demo_dataset.tokenizer)), workers=1,
+                progress=False)
+    return index
+
+
+@pytest.fixture(scope="module")
+def server(dataset):
+    port = free_port()
+    with LocalServer(dataset, workers=2, metrics_port=port) as running:
+        running.metrics_port = port
+        yield running
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def valid_keys(index) -> list[str]:
+    table, _ = read_index(index, columns=["key", "valid"])
+    return [k for k, v in zip(table.column("key").to_pylist(), table.column("valid").to_pylist()) if v]
+
+
+def consume(target, job, rank, **kwargs):
+    """Every step of the rank: (keys, skipped, per-step digest of all tensor bytes)."""
+    keys, skipped, digests = [], [], []
+    with PackStream(target, job=job, rank=rank, **{**PLAN, **kwargs}) as stream:
+        for step in stream:
+            assert len(step.packs) == PLAN["microbatches"]
+            digest = hashlib.sha256()
+            for pack in step.packs:
+                keys += pack.sample_keys
+                skipped += pack.skipped
+                for name in sorted(pack.tensors):
+                    digest.update(name.encode() + pack.tensors[name].numpy().tobytes())
+            digests.append((step.epoch, step.step, digest.hexdigest()))
+    return keys, skipped, digests
+
+
+def test_every_valid_sample_exactly_once_and_counts_are_consistent(server, dataset):
+    delivered = []
+    with PackStream(server.target, job="once", rank=0, **PLAN) as stream:
+        steps = list(stream)
+        assert [s.step for s in steps] == list(range(stream.info.steps_per_epoch))
+    for step in steps:
+        for pack in step.packs:
+            delivered += pack.sample_keys
+            n = len(pack.sample_keys)
+            assert pack.cu_seqlens.tolist()[-1] == len(pack.input_ids) == len(pack.labels)
+            assert len(pack.cu_seqlens) == n + 1
+            assert pack.loss_tokens == int((pack.labels != -100).sum())
+            assert pack.empty == (n == 0)
+            assert sum(c * h * w for c, h, w in pack.tile_shapes.tolist()) == len(pack.pixels)
+            for start, length in pack.image_token_spans.tolist():
+                assert (pack.input_ids[start:start + length] == pack.input_ids[start]).all()
+    delivered += consume(server.target, "once", 1)[0]
+    assert sorted(delivered) == sorted(valid_keys(dataset))
+    # every rank normalises by the same planned global-step loss-token count
+    assert all(len({p.step_loss_tokens for p in s.packs}) == 1 for s in steps)
+
+
+def test_epochs_follow_each_other_with_new_orders(server, dataset):
+    by_epoch = {0: [], 1: []}
+    orders = []
+    for rank in range(2):
+        with PackStream(server.target, job="two-epochs", rank=rank, epochs=2, seed=3, **PLAN) as stream:
+            steps = list(stream)
+        orders.append([(s.epoch, s.step) for s in steps])
+        for step in steps:
+            by_epoch[step.epoch] += step.sample_keys
+    assert all(sorted(keys) == sorted(valid_keys(dataset)) for keys in by_epoch.values())
+    assert orders[0][0] == (0, 0) and orders[0][-1][0] == 1 and orders[0] == sorted(orders[0])
+    assert by_epoch[0] != by_epoch[1]
+
+
+def test_identical_bytes_across_runs_workers_and_prefetch(server, dataset):
+    first = [consume(server.target, "bytes-a", rank)[2] for rank in range(2)]
+    again = [consume(server.target, "bytes-b", rank)[2] for rank in range(2)]
+    with LocalServer(dataset, workers=1, prefetch_steps=1) as other:
+        restarted = [consume(other.target, "bytes-a", rank)[2] for rank in range(2)]
+    assert first == again == restarted
+    assert len({d for rank in first for _, _, d in rank}) == sum(len(rank) for rank in first)
+
+
+def test_resume_from_state_dict_continues_identically(server):
+    whole = consume(server.target, "resume-ref", 0)[2]
+    stream = PackStream(server.target, job="resume", rank=0, **PLAN)
+    next(stream)
+    state = stream.state_dict()
+    stream.close()
+    resumed = PackStream(server.target, job="resume", rank=0, **PLAN)
+    resumed.load_state_dict(state)
+    rest = []
+    for step in resumed:
+        digest = hashlib.sha256()
+        for pack in step.packs:
+            for name in sorted(pack.tensors):
+                digest.update(name.encode() + pack.tensors[name].numpy().tobytes())
+        rest.append((step.epoch, step.step, digest.hexdigest()))
+    resumed.close()
+    assert rest == whole[1:]
+    info = pb_grpc.PackfeedStub(grpc.insecure_channel(server.target)).GetJob(pb.GetJobRequest(job="resume"))
+    assert (info.ranks[0].acked_epoch, info.ranks[0].acked_step) == (0, len(whole) - 1)
+
+
+def test_corrupt_image_and_vanished_shard_are_skipped_and_reported(tmp_path, dataset):
+    root = tmp_path / "broken"
+    root.mkdir()
+    table, _ = read_index(dataset, columns=["key", "shard", "valid", "image_offsets"])
+    rows = [r for r in table.to_pylist() if r["valid"]]
+    shards = sorted({r["shard"] for r in rows})
+    for shard in shards:
+        shutil.copy(shard, root / os.path.basename(shard))
+    victim = next(r for r in rows if r["image_offsets"] and r["shard"] == shards[0])
+    with open(root / os.path.basename(victim["shard"]), "r+b") as f:  # same size, unreadable image header
+        f.seek(victim["image_offsets"][0])
+        f.write(b"\0" * 64)
+    os.remove(root / os.path.basename(shards[-1]))
+    gone = {r["key"] for r in rows if r["shard"] == shards[-1]}
+
+    with LocalServer(dataset, workers=1, extra_args=["--shard-root", str(root)]) as server:
+        keys, skipped = [], []
+        for rank in range(2):
+            k, s, digests = consume(server.target, "broken", rank)
+            keys += k
+            skipped += s
+            assert len(digests) > 0
+        info = pb_grpc.PackfeedStub(grpc.insecure_channel(server.target)).GetJob(pb.GetJobRequest(job="broken"))
+    reasons = dict(skipped)
+    assert "undecodable image" in reasons[victim["key"]]
+    assert all("shard unreadable" in reasons[key] for key in gone)
+    assert sorted(keys + list(reasons)) == sorted(r["key"] for r in rows)
+    assert info.skipped_count == len(skipped) == len(gone) + 1
+    assert any('"event": "sample skipped"' in line for line in server.log)
+
+
+def test_bad_requests_get_status_codes(server):
+    stub = pb_grpc.PackfeedStub(grpc.insecure_channel(server.target))
+    stub.OpenJob(pb.OpenJobRequest(job="codes", plan=pb.PlanSpec(**PLAN)))
+
+    def code_of(call):
+        with pytest.raises(grpc.RpcError) as raised:
+            result = call()
+            if hasattr(result, "__next__"):
+                next(result)
+        return raised.value.code()
+
+    assert code_of(lambda: stub.GetJob(pb.GetJobRequest(job="nope"))) == grpc.StatusCode.NOT_FOUND
+    assert code_of(lambda: stub.StreamPacks(pb.StreamPacksRequest(job="nope"))) == grpc.StatusCode.NOT_FOUND
+    assert code_of(lambda: stub.StreamPacks(pb.StreamPacksRequest(job="codes", rank=2))) == grpc.StatusCode.OUT_OF_RANGE
+    assert code_of(lambda: stub.StreamPacks(pb.StreamPacksRequest(job="codes", first_step=10**6))) \
+        == grpc.StatusCode.OUT_OF_RANGE
+    assert code_of(lambda: stub.StreamPacks(pb.StreamPacksRequest(job="codes", first_epoch=1))) \
+        == grpc.StatusCode.OUT_OF_RANGE
+    assert code_of(lambda: stub.OpenJob(pb.OpenJobRequest(job="codes", plan=pb.PlanSpec(dp=3)))) \
+        == grpc.StatusCode.FAILED_PRECONDITION
+    assert code_of(lambda: stub.OpenJob(pb.OpenJobRequest(job="x", plan=pb.PlanSpec(strategy="magic")))) \
+        == grpc.StatusCode.INVALID_ARGUMENT
+    assert code_of(lambda: stub.OpenJob(pb.OpenJobRequest(job="", plan=pb.PlanSpec()))) \
+        == grpc.StatusCode.INVALID_ARGUMENT
+    assert code_of(lambda: stub.OpenJob(pb.OpenJobRequest(job="y", dataset="other"))) == grpc.StatusCode.NOT_FOUND
+    assert code_of(lambda: stub.AckStep(pb.AckStepRequest(job="codes", rank=0, step=10**6))) \
+        == grpc.StatusCode.OUT_OF_RANGE
+    with pytest.raises(PackfeedError, match="FAILED_PRECONDITION"):
+        PackStream(server.target, job="codes", rank=0, dp=4)
+    # the server keeps serving after all of that
+    assert len(consume(server.target, "codes", 0)[2]) > 0
+
+
+def test_health_reflection_and_metrics(server):
+    channel = grpc.insecure_channel(server.target)
+    health = health_pb2_grpc.HealthStub(channel)
+    for service in ("", "packfeed.v1.Packfeed"):
+        assert health.Check(health_pb2.HealthCheckRequest(service=service)).status == \
+            health_pb2.HealthCheckResponse.SERVING
+    reflect = reflection_pb2_grpc.ServerReflectionStub(channel)
+    answers = list(reflect.ServerReflectionInfo(iter([
+        reflection_pb2.ServerReflectionRequest(list_services=""),
+        reflection_pb2.ServerReflectionRequest(file_containing_symbol="packfeed.v1.Packfeed")])))
+    names = {s.name for s in answers[0].list_services_response.service}
+    assert {"packfeed.v1.Packfeed", "grpc.health.v1.Health"} <= names
+    assert answers[1].file_descriptor_response.file_descriptor_proto
+
+    consume(server.target, "metrics", 0)
+    text = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=10).read().decode()
+    sent = [line for line in text.splitlines() if line.startswith('packfeed_packs_total{job="metrics"}')]
+    assert sent and float(sent[0].split()[-1]) > 0
+    assert "packfeed_preprocess_seconds_per_sample_count" in text
+    assert 'packfeed_rank_lag_steps{job="metrics",rank="0"} 0.0' in text
+
+
+def test_token_auth(dataset):
+    with LocalServer(dataset, workers=1, env={"PACKFEED_AUTH_TOKEN": "s3cret"}) as server:
+        with pytest.raises(PackfeedError, match="UNAUTHENTICATED"):
+            PackStream(server.target, job="auth", rank=0, **PLAN)
+        with pytest.raises(PackfeedError, match="UNAUTHENTICATED"):
+            PackStream(server.target, job="auth", rank=0, token="wrong", **PLAN)
+        keys = []
+        with PackStream(server.target, job="auth", rank=0, token="s3cret", **PLAN) as stream:
+            for step in stream:
+                keys += step.sample_keys
+        assert keys
+        health = health_pb2_grpc.HealthStub(grpc.insecure_channel(server.target))
+        assert health.Check(health_pb2.HealthCheckRequest()).status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_embedded_server_from_an_index(dataset):
+    with PackStream(job="embedded", rank=1, index=str(dataset), **PLAN) as stream:
+        steps = list(stream)
+    assert steps and all(len(s.packs) == PLAN["microbatches"] for s in steps)
