@@ -29,6 +29,7 @@ import grpc
 import numpy as np
 import torch
 
+from packfeed.client.wire import array_of, split_pack
 from packfeed.v1 import packfeed_pb2 as pb
 from packfeed.v1 import packfeed_pb2_grpc as pb_grpc
 
@@ -63,6 +64,8 @@ class PackTensors:
     skipped: list[tuple[str, str]]
     tensors: dict[str, torch.Tensor]
     nbytes: int = 0
+    microbatches: int = 1
+    last_in_epoch: bool = False
 
     def __getattr__(self, name: str) -> torch.Tensor:
         tensors = self.__dict__.get("tensors", {})
@@ -100,24 +103,22 @@ class Step:
         return sum(p.nbytes for p in self.packs)
 
 
-def tensor_of(message: pb.Tensor, pin_memory: bool = False) -> torch.Tensor:
-    """A torch view of the message's little-endian bytes (or one copy into pinned memory)."""
-    dtype = np.dtype(message.dtype).newbyteorder("<")
-    array = np.frombuffer(message.data, dtype=dtype).reshape(tuple(message.shape))
-    if not dtype.isnative:
-        array = array.astype(dtype.newbyteorder("="))
+def tensor_of(array: np.ndarray, pin_memory: bool = False) -> torch.Tensor:
+    """A torch view of a read-only numpy view of the message bytes (or one copy into pinned memory)."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
         tensor = torch.from_numpy(array)
     return tensor.pin_memory() if pin_memory else tensor
 
 
-def pack_of(message: pb.Pack, pin_memory: bool = False) -> PackTensors:
-    return PackTensors(message.epoch, message.step, message.rank, message.microbatch, message.empty,
-                       list(message.sample_keys), message.loss_tokens, message.step_loss_tokens,
-                       [(s.key, s.reason) for s in message.skipped],
-                       {name: tensor_of(t, pin_memory) for name, t in message.tensors.items()},
-                       sum(len(t.data) for t in message.tensors.values()))
+def pack_of(message: bytes, pin_memory: bool = False) -> PackTensors:
+    """A serialized `packfeed.v1.Pack` as torch tensors over the message's own bytes."""
+    fields, wires = split_pack(message)
+    tensors = {name: tensor_of(array_of(message, wire), pin_memory) for name, wire in wires.items()}
+    return PackTensors(fields.epoch, fields.step, fields.rank, fields.microbatch, fields.empty,
+                       list(fields.sample_keys), fields.loss_tokens, fields.step_loss_tokens,
+                       [(s.key, s.reason) for s in fields.skipped], tensors,
+                       sum(wire.nbytes for wire in wires.values()), fields.microbatches, fields.last_in_epoch)
 
 
 class PackStream:
@@ -151,6 +152,10 @@ class PackStream:
         self._channel = grpc.insecure_channel(target, options=[("grpc.max_receive_message_length", size),
                                                                ("grpc.max_send_message_length", size)])
         self._stub = pb_grpc.PackfeedStub(self._channel)
+        # Packs arrive as raw bytes: `pack_of` reads them without protobuf's copies of the tensor payload.
+        self._stream_packs = self._channel.unary_stream(
+            f"/{pb.DESCRIPTOR.services_by_name['Packfeed'].full_name}/StreamPacks",
+            request_serializer=pb.StreamPacksRequest.SerializeToString, response_deserializer=None)
         request = pb.OpenJobRequest(job=job, dataset=dataset, seed=seed, epochs=epochs, plan=pb.PlanSpec(
             dp=dp, microbatches=microbatches, pipeline_stages=pipeline_stages, strategy=strategy,
             vision_cap=vision_cap, token_cap=token_cap, oversize=oversize))
@@ -302,17 +307,18 @@ class _Receiver:
         while not self._stopped.is_set():
             request = pb.StreamPacksRequest(job=s.job, rank=s.rank, first_epoch=cursor[0], first_step=cursor[1])
             try:
-                self._call = s._stub.StreamPacks(request, metadata=s._metadata)
+                self._call = s._stream_packs(request, metadata=s._metadata)
                 packs: list[PackTensors] = []
                 for message in self._call:
-                    packs.append(pack_of(message, s.pin_memory))
-                    if len(packs) < message.microbatches:
+                    pack = pack_of(message, s.pin_memory)
+                    packs.append(pack)
+                    if len(packs) < pack.microbatches:
                         continue
-                    following = None if message.last_in_epoch and message.epoch + 1 >= s.info.epochs else (
-                        (message.epoch + 1, 0) if message.last_in_epoch else (message.epoch, message.step + 1))
-                    step = Step(message.epoch, message.step, message.rank, packs, message.last_in_epoch)
+                    following = None if pack.last_in_epoch and pack.epoch + 1 >= s.info.epochs else (
+                        (pack.epoch + 1, 0) if pack.last_in_epoch else (pack.epoch, pack.step + 1))
+                    step = Step(pack.epoch, pack.step, pack.rank, packs, pack.last_in_epoch)
                     packs, failures = [], 0
-                    if not self._put(_Received(step, message.epoch, message.step, following)):
+                    if not self._put(_Received(step, pack.epoch, pack.step, following)):
                         return
                     if following is None:
                         self._put(None)

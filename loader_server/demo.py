@@ -175,25 +175,37 @@ def _demo_sample(rng: np.random.Generator, photos, i: int, bad_samples: bool) ->
 
 
 def run_demo(out: Path, samples: int = 240) -> int:
-    """`make demo`: build the demo dataset, index it, write the statistics report, plan an epoch."""
+    """`make demo`: build the demo dataset, index it, write the statistics report, plan an epoch, then serve
+    it and consume the epoch with one client per DP rank."""
     from packfeed.server.costs import load_sample_loads
     from packfeed.server.indexer import IndexConfig, build_index
     from packfeed.server.plan import PlanConfig, make_plan
     from packfeed.server.stats import write_report
 
-    print(f"[1/4] writing {samples} demo samples (scikit-image photographs) to {out}/shards")
+    print(f"[1/5] writing {samples} demo samples (scikit-image photographs) to {out}/shards")
     paths = write_demo_dataset(out, samples=samples)
-    print(f"[2/4] indexing {len(paths.shards)} shards")
+    print(f"[2/5] indexing {len(paths.shards)} shards")
     config = IndexConfig(tokenizer=str(paths.tokenizer))
     result = build_index([str(p) for p in paths.shards], out / "index.parquet", config)
     print(json.dumps(result.summary(), indent=2))
     plan_config = PlanConfig(dp=2, microbatches=2, pipeline_stages=2, samples_per_pack=4)
-    print(f"[3/4] statistics report (DP {plan_config.dp}, M {plan_config.microbatches})")
+    print(f"[3/5] statistics report (DP {plan_config.dp}, M {plan_config.microbatches})")
     report = write_report(out / "index.parquet", out / "report", plan_config)
     print(f"      {report['html']}")
-    print("[4/4] plan for epoch 0")
+    print("[4/5] plan for epoch 0")
     loads, info = load_sample_loads(out / "index.parquet")
     plan = make_plan(loads, plan_config, seed=0, epoch=0, index_fingerprint=info.fingerprint)
     plan.write(out / "plan.parquet")
     print(json.dumps(plan.summary(loads)))
+    print(f"[5/5] serving over gRPC on loopback; {plan_config.dp} clients (one per DP rank, "
+          f"M = {plan_config.microbatches}) consume the epoch")
+    try:
+        from packfeed.client.demo import consume_epoch
+    except ImportError as error:  # the server side installs without torch
+        print(f"      skipped: the client needs torch ({error}); pip install 'packfeed[client]'")
+        return 0
+    print(json.dumps(consume_epoch(out / "index.parquet", plan_config.dp, plan_config.microbatches,
+                                   plan_config.pipeline_stages), indent=2))
+    print("      (these clients do no training, so they wait on pre-processing nearly all the time; with a\n"
+          "       training step the server prefetches ahead: see 'data wait' in BENCHMARKS.md)")
     return 0

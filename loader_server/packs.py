@@ -4,7 +4,7 @@ LLM side: `input_ids`, `labels`, `position_ids` (restarting at 0 in every sample
 boundaries, for variable-length attention, so samples never attend to each other). Vision side: every tile
 of every image as one flat uint8 buffer with per-tile (C, H, W) shapes, the tile -> image and image ->
 sample maps, and each image's placeholder span in `input_ids`, where the projected vision features go.
-Tensors travel as raw little-endian bytes + dtype + shape (`WireTensor`), never as repeated numbers.
+Tensors travel as raw little-endian bytes + dtype + shape (`packfeed.server.wire`), never as repeated numbers.
 """
 
 from __future__ import annotations
@@ -15,23 +15,6 @@ import numpy as np
 
 from packfeed.server.chat import IGNORE_INDEX
 from packfeed.server.preprocess import SampleTensors
-
-
-@dataclass(frozen=True)
-class WireTensor:
-    dtype: str  # numpy dtype name, little-endian: "int32", "uint8", ...
-    shape: tuple[int, ...]
-    data: bytes
-
-    @classmethod
-    def of(cls, array: np.ndarray) -> "WireTensor":
-        array = np.ascontiguousarray(array)
-        little = array.astype(array.dtype.newbyteorder("<"), copy=False)
-        return cls(little.dtype.name, tuple(int(d) for d in array.shape), little.tobytes())
-
-    def to_numpy(self) -> np.ndarray:
-        """A read-only view of the bytes, without a copy."""
-        return np.frombuffer(self.data, dtype=np.dtype(self.dtype).newbyteorder("<")).reshape(self.shape)
 
 
 @dataclass
@@ -49,9 +32,6 @@ class Pack:
     @property
     def empty(self) -> bool:
         return not self.sample_keys
-
-    def wire(self) -> dict[str, WireTensor]:
-        return {name: WireTensor.of(array) for name, array in self.tensors.items()}
 
 
 def assemble_pack(samples: list[SampleTensors], epoch: int, step: int, rank: int, microbatch: int,

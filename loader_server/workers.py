@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from packfeed.server.packs import IndexRows, Pack, build_pack
+from packfeed.server.packs import IndexRows, build_pack
 from packfeed.server.preprocess import SampleReader
-from packfeed.v1 import packfeed_pb2 as pb
+from packfeed.server.wire import encode_pack
 
 
 @dataclass(frozen=True)
@@ -68,18 +68,6 @@ def _dataset(name: str) -> tuple[IndexRows, SampleReader]:
     return _DATASETS[name]
 
 
-def pack_message(pack: Pack, microbatches: int, last_in_epoch: bool) -> pb.Pack:
-    message = pb.Pack(epoch=pack.epoch, step=pack.step, rank=pack.rank, microbatch=pack.microbatch,
-                      microbatches=microbatches, empty=pack.empty, last_in_epoch=last_in_epoch,
-                      sample_keys=pack.sample_keys, loss_tokens=pack.loss_tokens,
-                      step_loss_tokens=pack.step_loss_tokens)
-    for name, tensor in pack.wire().items():
-        message.tensors[name].CopyFrom(pb.Tensor(dtype=tensor.dtype, shape=tensor.shape, data=tensor.data))
-    for key, reason in pack.skipped:
-        message.skipped.add(key=key, reason=reason, epoch=pack.epoch, step=pack.step)
-    return message
-
-
 def build_rank_step(work: RankStepWork) -> RankStepResult:
     """Runs in a worker process (or inline, for tests and embedded use)."""
     started = time.perf_counter()
@@ -88,7 +76,7 @@ def build_rank_step(work: RankStepWork) -> RankStepResult:
     for microbatch, (members, truncate_to) in enumerate(work.packs):
         pack = build_pack(rows, reader, members, truncate_to, work.epoch, work.step, work.rank, microbatch)
         pack.step_loss_tokens = work.step_loss_tokens
-        messages.append(pack_message(pack, len(work.packs), work.last_in_epoch).SerializeToString())
+        messages.append(encode_pack(pack, len(work.packs), work.last_in_epoch))
         skipped.extend(pack.skipped)
         samples += len(members)
     return RankStepResult(messages, samples, skipped, time.perf_counter() - started)

@@ -12,9 +12,10 @@ from packfeed.server.chat import ChatTemplate, load_tokenizer
 from packfeed.server.costs import load_sample_loads
 from packfeed.server.index_table import read_index_info
 from packfeed.server.indexer import IndexConfig, build_index
-from packfeed.server.packs import IndexRows, WireTensor, build_rank_step
+from packfeed.server.packs import IndexRows, build_rank_step
 from packfeed.server.plan import PlanConfig, make_plan
 from packfeed.server.preprocess import SampleReader
+from packfeed.server.wire import encode_pack
 
 TILE_BYTES = 3 * 448 * 448
 
@@ -80,21 +81,10 @@ def test_same_plan_same_bytes(served):
         reader = SampleReader(rows.info, tokenizer)
         h = hashlib.sha256()
         for pack in build_rank_step(plan, rows, reader, 1, 1):
-            for name, tensor in sorted(pack.wire().items()):
-                h.update(name.encode() + tensor.dtype.encode() + str(tensor.shape).encode() + tensor.data)
+            h.update(encode_pack(pack, 2, False))
         return h.hexdigest()
 
     assert digest() == digest()
-
-
-def test_wire_tensor_round_trip():
-    array = np.arange(12, dtype=np.int32).reshape(3, 4)
-    wire = WireTensor.of(array)
-    assert wire.dtype == "int32" and wire.shape == (3, 4) and len(wire.data) == 48
-    back = wire.to_numpy()
-    assert np.array_equal(back, array) and not back.flags.writeable
-    big_endian = array.astype(">i4")
-    assert WireTensor.of(big_endian).data == wire.data  # always little-endian on the wire
 
 
 def test_broken_image_or_vanished_shard_is_skipped_and_reported(served, tmp_path):

@@ -1,0 +1,67 @@
+"""Serializing a `Pack` message with one copy of its tensor payload.
+
+Building the message through protobuf copies every tensor's bytes four times (ndarray -> bytes, into a
+`Tensor`, into the map, out again on `SerializeToString`), which costs a loader server more than a third
+of its time next to decoding and tiling. Protobuf messages concatenate: the fields without tensors are
+serialized by protobuf, and each `tensors` map entry is framed here by the wire format's rules (a
+length-delimited field is tag, varint length, payload), with the array's own buffer as the payload, so
+`bytes.join` copies the pixels once. Any protobuf parser reads the result as the same `Pack`.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from packfeed.server.packs import Pack
+from packfeed.v1 import packfeed_pb2 as pb
+
+_LENGTH_DELIMITED = 2
+_TENSORS = pb.Pack.DESCRIPTOR.fields_by_name["tensors"].number
+_DATA = pb.Tensor.DESCRIPTOR.fields_by_name["data"].number
+_MAP_KEY, _MAP_VALUE = 1, 2  # protobuf's map entry: message { K key = 1; V value = 2; }
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while value > 0x7F:
+        out.append(value & 0x7F | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+def _header(field_number: int, length: int) -> bytes:
+    return _varint(field_number << 3 | _LENGTH_DELIMITED) + _varint(length)
+
+
+def little_endian(array: np.ndarray) -> np.ndarray:
+    array = np.ascontiguousarray(array)
+    return array.astype(array.dtype.newbyteorder("<"), copy=False)
+
+
+def _tensor_entry(name: str, array: np.ndarray) -> list:
+    array = little_endian(array)
+    data = memoryview(array).cast("B") if array.size else b""
+    tensor_head = pb.Tensor(dtype=array.dtype.name, shape=array.shape).SerializeToString() \
+        + _header(_DATA, len(data))
+    key = name.encode()
+    key_field = _header(_MAP_KEY, len(key)) + key
+    value_length = len(tensor_head) + len(data)
+    value_head = _header(_MAP_VALUE, value_length)
+    entry_length = len(key_field) + len(value_head) + value_length
+    return [_header(_TENSORS, entry_length), key_field, value_head, tensor_head, data]
+
+
+def encode_pack(pack: Pack, microbatches: int, last_in_epoch: bool) -> bytes:
+    """The serialized `packfeed.v1.Pack` of `pack`; its tensors in `pack.tensors` order, so equal packs give
+    equal bytes."""
+    head = pb.Pack(epoch=pack.epoch, step=pack.step, rank=pack.rank, microbatch=pack.microbatch,
+                   microbatches=microbatches, empty=pack.empty, last_in_epoch=last_in_epoch,
+                   sample_keys=pack.sample_keys, loss_tokens=pack.loss_tokens,
+                   step_loss_tokens=pack.step_loss_tokens,
+                   skipped=[pb.SkippedSample(key=key, reason=reason, epoch=pack.epoch, step=pack.step)
+                            for key, reason in pack.skipped])
+    parts = [head.SerializeToString()]
+    for name, array in pack.tensors.items():
+        parts += _tensor_entry(name, array)
+    return b"".join(parts)

@@ -1,0 +1,69 @@
+"""The pack wire format: the server's one-copy encoder and the client's zero-copy reader agree with protobuf."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from packfeed.client.wire import WireFormatError, array_of, split_pack
+from packfeed.server.packs import Pack
+from packfeed.server.wire import encode_pack
+from packfeed.v1 import packfeed_pb2 as pb
+
+
+def _pack() -> Pack:
+    tensors = {"input_ids": np.arange(5, dtype=np.int32),
+               "pixels": np.arange(2 * 3 * 4, dtype=np.uint8).reshape(2, 3, 4),
+               "big_endian": np.arange(6, dtype=">i4").reshape(3, 2)[::2],
+               "nothing": np.zeros((0, 2), np.int32)}
+    return Pack(1, 7, 2, 1, ["a", "b"], tensors, loss_tokens=3, skipped=[("c", "undecodable image")],
+                step_loss_tokens=11)
+
+
+def _protobuf_message(pack: Pack) -> pb.Pack:
+    message = pb.Pack(epoch=1, step=7, rank=2, microbatch=1, microbatches=2, empty=False, last_in_epoch=True,
+                      sample_keys=["a", "b"], loss_tokens=3, step_loss_tokens=11,
+                      skipped=[pb.SkippedSample(key="c", reason="undecodable image", epoch=1, step=7)])
+    for name, array in pack.tensors.items():
+        little = np.ascontiguousarray(array).astype(array.dtype.newbyteorder("<"))
+        message.tensors[name].CopyFrom(pb.Tensor(dtype=little.dtype.name, shape=array.shape,
+                                                 data=little.tobytes()))
+    return message
+
+
+def test_encoded_pack_is_the_protobuf_message():
+    pack = _pack()
+    decoded = pb.Pack.FromString(encode_pack(pack, 2, True))
+    assert decoded == _protobuf_message(pack)
+    assert decoded.tensors["big_endian"].dtype == "int32"  # always little-endian on the wire
+    assert np.array_equal(np.frombuffer(decoded.tensors["big_endian"].data, "<i4").reshape(2, 2), [[0, 1], [4, 5]])
+
+
+@pytest.mark.parametrize("encoder", ["packfeed", "protobuf"])
+def test_reader_gives_views_of_the_message_bytes(encoder):
+    pack = _pack()
+    message = encode_pack(pack, 2, True) if encoder == "packfeed" else _protobuf_message(pack).SerializeToString()
+    fields, wires = split_pack(message)
+    assert (fields.epoch, fields.step, fields.microbatches, fields.last_in_epoch) == (1, 7, 2, True)
+    assert list(fields.sample_keys) == ["a", "b"] and fields.skipped[0].key == "c" and not fields.tensors
+    assert sorted(wires) == sorted(pack.tensors)
+    for name, expected in pack.tensors.items():
+        array = array_of(message, wires[name])
+        assert array.shape == expected.shape and np.array_equal(array, expected)
+        assert array.dtype.isnative
+    pixels = array_of(message, wires["pixels"])
+    assert not pixels.flags.writeable and np.shares_memory(pixels, np.frombuffer(message, np.uint8))
+
+
+def test_reader_refuses_malformed_messages():
+    message = encode_pack(_pack(), 2, True)
+    with pytest.raises(WireFormatError, match="past the end"):
+        split_pack(message[:-3])
+    with pytest.raises(WireFormatError, match="truncated varint"):
+        split_pack(b"\x08\x80")
+    bad_shape = pb.Pack(tensors={"x": pb.Tensor(dtype="int32", shape=[3], data=b"\0" * 8)}).SerializeToString()
+    with pytest.raises(WireFormatError, match="cannot hold 8 bytes"):
+        split_pack(bad_shape)
+    bad_dtype = pb.Pack(tensors={"x": pb.Tensor(dtype="float99", shape=[1], data=b"\0")}).SerializeToString()
+    with pytest.raises(WireFormatError, match="unknown tensor dtype"):
+        split_pack(bad_dtype)
