@@ -11,7 +11,9 @@
 A background thread receives and converts the next `prefetch` steps while the trainer computes. Tensors
 are built over the message bytes without a copy (read-only: clone before writing in place), or copied once
 into pinned memory with `pin_memory=True` for `.to("cuda", non_blocking=True)`. A broken connection is
-retried with exponential backoff from the first step not yet received; errors that retrying cannot fix
+retried with exponential backoff from the first step not yet received, and a server that restarted (jobs
+live in its memory) is asked to open the job again: plans are deterministic, so it streams the very same
+packs from there. Errors that retrying cannot fix
 (unknown job, bad rank, contradicting config, wrong token) raise `PackfeedError` at once.
 """
 
@@ -156,10 +158,10 @@ class PackStream:
         self._stream_packs = self._channel.unary_stream(
             f"/{pb.DESCRIPTOR.services_by_name['Packfeed'].full_name}/StreamPacks",
             request_serializer=pb.StreamPacksRequest.SerializeToString, response_deserializer=None)
-        request = pb.OpenJobRequest(job=job, dataset=dataset, seed=seed, epochs=epochs, plan=pb.PlanSpec(
+        self._open_request = pb.OpenJobRequest(job=job, dataset=dataset, seed=seed, epochs=epochs, plan=pb.PlanSpec(
             dp=dp, microbatches=microbatches, pipeline_stages=pipeline_stages, strategy=strategy,
             vision_cap=vision_cap, token_cap=token_cap, oversize=oversize))
-        self.info: pb.JobInfo = self._call(self._stub.OpenJob, request)
+        self.info: pb.JobInfo = self._call(self._stub.OpenJob, self._open_request)
         if not 0 <= rank < self.info.plan.dp:
             raise PackfeedError(f"rank {rank} is outside the job's {self.info.plan.dp} ranks")
         self.microbatches = self.info.plan.microbatches
@@ -227,6 +229,15 @@ class PackStream:
                     raise PackfeedError(f"{error.code().name}: {error.details()}", error.code()) from None
                 time.sleep(self.backoff * 2 ** attempt)
         raise AssertionError("unreachable")
+
+    def _reopen(self) -> None:
+        """After a server restart (it keeps jobs in memory): open the job again. Plans are a pure function of
+        the job's settings, so the new server streams the same packs, unless the dataset changed under it."""
+        info = self._call(self._stub.OpenJob, self._open_request)
+        if info.plan_fingerprint != self.info.plan_fingerprint:
+            raise PackfeedError(f"job {self.job!r} was re-opened after a server restart with another plan "
+                                f"({info.plan_fingerprint}, was {self.info.plan_fingerprint}): did the index change?",
+                                grpc.StatusCode.FAILED_PRECONDITION)
 
     def _stop_receiver(self) -> None:
         if self._receiver is not None:
@@ -331,6 +342,14 @@ class _Receiver:
                     return
                 code = error.code() if isinstance(error, grpc.RpcError) else grpc.StatusCode.UNAVAILABLE
                 details = error.details() if isinstance(error, grpc.RpcError) else str(error)
+                if code == grpc.StatusCode.NOT_FOUND and failures < s.retries:  # a restarted server forgot the job
+                    failures += 1
+                    try:
+                        s._reopen()
+                    except PackfeedError as reopen_error:
+                        self._put(reopen_error)
+                        return
+                    continue
                 if code not in RETRYABLE or failures >= s.retries:
                     self._put(PackfeedError(f"{code.name}: {details} (job {s.job!r}, rank {s.rank}, "
                                             f"step {cursor[0]}:{cursor[1]})", code))

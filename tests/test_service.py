@@ -58,13 +58,10 @@ def consume(target, job, rank, **kwargs):
     with PackStream(target, job=job, rank=rank, **{**PLAN, **kwargs}) as stream:
         for step in stream:
             assert len(step.packs) == PLAN["microbatches"]
-            digest = hashlib.sha256()
             for pack in step.packs:
                 keys += pack.sample_keys
                 skipped += pack.skipped
-                for name in sorted(pack.tensors):
-                    digest.update(name.encode() + pack.tensors[name].numpy().tobytes())
-            digests.append((step.epoch, step.step, digest.hexdigest()))
+            digests.append(step_digest(step))
     return keys, skipped, digests
 
 
@@ -121,17 +118,36 @@ def test_resume_from_state_dict_continues_identically(server):
     stream.close()
     resumed = PackStream(server.target, job="resume", rank=0, **PLAN)
     resumed.load_state_dict(state)
-    rest = []
-    for step in resumed:
-        digest = hashlib.sha256()
-        for pack in step.packs:
-            for name in sorted(pack.tensors):
-                digest.update(name.encode() + pack.tensors[name].numpy().tobytes())
-        rest.append((step.epoch, step.step, digest.hexdigest()))
+    rest = [step_digest(step) for step in resumed]
     resumed.close()
     assert rest == whole[1:]
     info = pb_grpc.PackfeedStub(grpc.insecure_channel(server.target)).GetJob(pb.GetJobRequest(job="resume"))
     assert (info.ranks[0].acked_epoch, info.ranks[0].acked_step) == (0, len(whole) - 1)
+
+
+def test_stream_survives_a_server_restart(server, dataset):
+    whole = consume(server.target, "restart-ref", 0)[2]
+    port = free_port()
+    listen = ["--listen", f"127.0.0.1:{port}"]
+    first = LocalServer(dataset, workers=1, prefetch_steps=1, extra_args=listen).start()
+    stream = PackStream(first.target, job="restart", rank=0, prefetch=1, backoff=0.5, retries=6, **PLAN)
+    try:
+        got = [step_digest(next(stream))]
+        first.stop()  # the job and every prepared pack are gone with it
+        with LocalServer(dataset, workers=1, extra_args=listen):
+            got += [step_digest(step) for step in stream]
+    finally:
+        stream.close()
+        first.stop()
+    assert got == whole
+
+
+def step_digest(step):
+    digest = hashlib.sha256()
+    for pack in step.packs:
+        for name in sorted(pack.tensors):
+            digest.update(name.encode() + pack.tensors[name].numpy().tobytes())
+    return step.epoch, step.step, digest.hexdigest()
 
 
 def test_corrupt_image_and_vanished_shard_are_skipped_and_reported(tmp_path, dataset):
