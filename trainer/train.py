@@ -1,0 +1,439 @@
+"""The reference training loop: `torchrun --nproc-per-node N -m packfeed.trainer --config train.yaml`.
+
+Read top to bottom: set up the (dp, pp) mesh -> size the model for the dataset -> open this replica's
+stream (first stage only) -> decide the partition (search, or the saved decision) -> decide recompute per
+stage (adaptive, or the saved decision) -> train: every step the first stage pads the rank's M packs to one
+shape, the pipeline runs 1F1B, the optimizer steps, rank 0 logs one line of metrics.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+
+from packfeed.trainer import partition as partitioning
+from packfeed.trainer.batch import Microbatches, StepShape, microbatches_of
+from packfeed.trainer.config import TrainConfig, dump_config, load_config
+from packfeed.trainer.model import VLMConfig, build_layers, layer_kinds
+from packfeed.trainer.pipeline import (Mesh, PipelineRunner, StageModule, make_mesh, share_step_shape,
+                                       validate_partition, wrap_data_parallel)
+from packfeed.trainer.profile import SavedBytes, profile_layers
+from packfeed.trainer.recompute import RecomputeDecision, adaptive_recompute
+
+ADAMW_BYTES_PER_PARAM = 16  # fp32 weight + gradient + two moments
+
+
+def log(mesh: Mesh | None, message: str, everyone: bool = False) -> None:
+    if mesh is None or everyone or mesh.rank == 0:
+        print(f"[packfeed train{'' if mesh is None else f' r{mesh.rank}'}] {message}", file=sys.stderr, flush=True)
+
+
+def sized_model(config: TrainConfig) -> VLMConfig:
+    """Tile size, tokens per tile and vocabulary come from the index when the trainer knows it."""
+    model = config.model
+    if not config.data.index:
+        return model
+    from packfeed.server.chat import ChatTemplate, load_tokenizer
+    from packfeed.server.image_policy import policy_from_dict
+    from packfeed.server.index_table import read_index_info
+
+    info = read_index_info(config.data.index)
+    policy = policy_from_dict(info.image_policy or {"name": "internvl"})
+    if policy.to_dict()["name"] == "internvl":
+        model.tile_size, model.tokens_per_tile = policy.image_size, policy.tokens_per_tile
+    elif policy.to_dict()["name"] == "fixed":
+        model.tile_size, model.tokens_per_tile = policy.size, policy.tokens
+    tokenizer_path = (info.tokenizer or {}).get("path")
+    if tokenizer_path and Path(tokenizer_path).is_file():
+        vocab = load_tokenizer(tokenizer_path, ChatTemplate(**(info.chat_template or {}))).get_vocab_size()
+        model.vocab_size = max(model.vocab_size, -(-vocab // 64) * 64)
+    return model
+
+
+@dataclass
+class StepSource:
+    """The first stage's steps, padded to microbatches; `peek(n)` buffers steps for trials without losing them."""
+
+    steps: Iterator
+    model: VLMConfig
+    token_multiple: int
+    buffer: list[Microbatches] = field(default_factory=list)
+    data_wait_s: float = 0.0
+
+    def _pull(self) -> Microbatches | None:
+        started = time.perf_counter()
+        step = next(self.steps, None)
+        self.data_wait_s += time.perf_counter() - started
+        return None if step is None else microbatches_of(step, self.model, self.token_multiple)
+
+    def peek(self, n: int) -> list[Microbatches]:
+        while len(self.buffer) < n:
+            item = self._pull()
+            if item is None:
+                break
+            self.buffer.append(item)
+        return self.buffer[:n]
+
+    def next(self) -> Microbatches | None:
+        return self.buffer.pop(0) if self.buffer else self._pull()
+
+
+def open_stream(config: TrainConfig, mesh: Mesh):
+    from packfeed.client import PackStream
+
+    d = config.data
+    options = dict(job=d.job, rank=mesh.replica, dp=mesh.dp, microbatches=d.microbatches, seed=d.seed,
+                   pipeline_stages=mesh.pp, strategy=d.strategy, epochs=d.epochs, vision_cap=d.vision_cap,
+                   token_cap=d.token_cap, prefetch=d.prefetch, token=d.token or None,
+                   pin_memory=mesh.device.type == "cuda")
+    return PackStream(d.target, **options)
+
+
+def decision_key(config: TrainConfig, mesh: Mesh) -> str:
+    """Decisions are reused only for the same model, mesh, microbatch count, schedule and memory budget."""
+    basis = {"model": config.model.__dict__, "pp": mesh.pp, "dp": mesh.dp, "m": config.data.microbatches,
+             "schedule": config.parallel.schedule, "budget": config.recompute.budget_mb,
+             "device": mesh.device.type}
+    return hashlib.sha256(json.dumps(basis, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def load_decision(path: Path, key: str) -> dict | None:
+    if path.is_file():
+        saved = json.loads(path.read_text())
+        if saved.get("key") == key:
+            return saved
+    return None
+
+
+def broadcast_object(value, mesh: Mesh, src: int = 0):
+    box = [value]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
+def max_over_world(value: float, mesh: Mesh) -> float:
+    tensor = torch.tensor([value], dtype=torch.float64, device=mesh.device if mesh.device.type == "cuda" else None)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return float(tensor.item())
+
+
+class Trainer:
+    """Holds this rank's stage and runs trial and training steps on it."""
+
+    def __init__(self, config: TrainConfig, mesh: Mesh, model: VLMConfig, source: StepSource | None):
+        self.config, self.mesh, self.model, self.source = config, mesh, model, source
+        self.kinds = layer_kinds(model)
+        self.layers = build_layers(model).to(mesh.device)
+        self.stage: StageModule | None = None
+        self.runner: PipelineRunner | None = None
+
+    def use(self, bounds: list[int], recompute: list[bool] | None = None) -> None:
+        lo, hi = bounds[self.mesh.stage], bounds[self.mesh.stage + 1]
+        self.stage = StageModule(list(self.layers[lo:hi]), recompute)
+        self.runner = PipelineRunner(self.mesh, wrap_data_parallel(self.stage, self.mesh),
+                                     self.config.data.microbatches, self.model, bounds,
+                                     self.config.parallel.schedule)
+
+    def stage_kinds(self, bounds: list[int]) -> list[str]:
+        return self.kinds[bounds[self.mesh.stage]:bounds[self.mesh.stage + 1]]
+
+    def run_step(self, batch: Microbatches | None) -> tuple[StepShape, list[torch.Tensor]]:
+        shape = share_step_shape(self.mesh, batch.shape if batch is not None else None)
+        losses = self.runner.run(shape, batch.args if batch is not None else None)
+        return shape, losses
+
+    def trial(self, batches: list[Microbatches | None]) -> float:
+        """Seconds for these steps (slowest rank), weights untouched."""
+        dist.barrier()
+        started = time.perf_counter()
+        for batch in batches:
+            self.run_step(batch)
+        self.sync()
+        elapsed = time.perf_counter() - started
+        self.stage.zero_grad(set_to_none=True)
+        return max_over_world(elapsed, self.mesh)
+
+    def peak_bytes(self, batch: Microbatches | None) -> int:
+        """Peak memory of one trial step on this stage (see packfeed.trainer.recompute)."""
+        params = list(self.stage.parameters())
+        if self.mesh.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.mesh.device)
+            self.run_step(batch)
+            self.sync()
+            peak = torch.cuda.max_memory_allocated(self.mesh.device) + \
+                sum(p.numel() for p in params) * 8  # AdamW moments, not yet allocated during trials
+        else:
+            with SavedBytes(params) as saved:
+                self.run_step(batch)
+            peak = saved.peak + sum(p.numel() * p.element_size() for p in params) // 4 * ADAMW_BYTES_PER_PARAM
+        self.stage.zero_grad(set_to_none=True)
+        return int(peak)
+
+    def sync(self) -> None:
+        if self.mesh.device.type == "cuda":
+            torch.cuda.synchronize(self.mesh.device)
+
+
+def trial_batches(trainer: Trainer, n: int) -> list[Microbatches | None]:
+    """The first stage's buffered steps for trials (others pass None and learn the shape by broadcast)."""
+    if trainer.source is None:
+        return [None] * n
+    batches = trainer.source.peek(n)
+    if len(batches) < n:
+        raise RuntimeError(f"the stream ended after {len(batches)} steps; trials need {n}: lower "
+                           f"partition.profile_steps / trial_steps or give the job more data")
+    return batches
+
+
+def decide_partition(trainer: Trainer, config: TrainConfig, mesh: Mesh, out: Path, key: str) -> list[int]:
+    p, n_layers = config.partition, len(trainer.kinds)
+    if p.bounds:
+        return validate_partition(p.bounds, n_layers, mesh.pp)
+    path = out / "partition.json"
+    saved = load_decision(path, key)
+    if saved:
+        log(mesh, f"partition {saved['bounds']} reused from {path}")
+        return validate_partition(saved["bounds"], n_layers, mesh.pp)
+    if p.mode in ("layers", "params") or mesh.pp == 1:
+        weights = [1.0] * n_layers if p.mode != "params" else \
+            [float(sum(q.numel() for q in layer.parameters())) for layer in trainer.layers]
+        return partitioning.split_by_weight(weights, mesh.pp)
+    if p.mode != "search":
+        raise ValueError(f"partition.mode {p.mode!r}: choose search, layers or params (or give partition.bounds)")
+    decision = None
+    if mesh.rank == 0:  # profile on the first replica's data, on one device
+        batches = trainer.source.peek(p.profile_steps)
+        microbatches = [tuple(a.tensor_split(config.data.microbatches)[m] for a in b.args)
+                        for b in batches for m in range(config.data.microbatches)]
+        profile = profile_layers(trainer.layers, trainer.kinds, microbatches, mesh.device, repeats=1)
+        decision = partitioning.search_partition(profile, mesh.pp, radius=p.radius, top_k=0,
+                                                 comm_gbps=p.comm_gbps or measure_bandwidth_gbps(mesh))
+        decision.profile = [q.to_dict() for q in profile]
+    decision = broadcast_object(decision, mesh)
+    shortlist = decision.candidates[:max(p.top_k, 1)]
+    batches = trial_batches(trainer, p.trial_steps)
+    for candidate in shortlist:  # every rank times every short-listed candidate together
+        trainer.use(candidate.bounds)
+        trainer.trial(batches[:1])  # warm-up: schedules, allocator
+        candidate.measured_s = trainer.trial(batches) / len(batches)
+    for baseline in decision.baselines:
+        if baseline.origin == "layer-count":
+            trainer.use(baseline.bounds)
+            trainer.trial(batches[:1])
+            baseline.measured_s = trainer.trial(batches) / len(batches)
+    best = min(shortlist, key=lambda c: (c.measured_s, c.metric))
+    decision.bounds = best.bounds
+    log(mesh, "partition search (stage times from the layer profile; measured = real pipeline step):\n"
+        + partitioning.format_table(decision))
+    if mesh.rank == 0:
+        record = {"key": key, **decision.to_dict(), "kinds": trainer.kinds}
+        path.write_text(json.dumps(record, indent=1))
+    return best.bounds
+
+
+def measure_bandwidth_gbps(mesh: Mesh) -> float:
+    """Stage-boundary bandwidth for the ranking metric; CPU gloo on loopback or NVLink/IB both differ by orders
+    of magnitude, so it is measured rather than assumed (rank 0 only: a local copy as the upper bound)."""
+    data = torch.empty(16 << 20, dtype=torch.uint8, device=mesh.device)
+    started = time.perf_counter()
+    for _ in range(4):
+        data.clone()
+    if mesh.device.type == "cuda":
+        torch.cuda.synchronize(mesh.device)
+    return 4 * data.numel() / (time.perf_counter() - started) / 1e9
+
+
+def decide_recompute(trainer: Trainer, config: TrainConfig, mesh: Mesh, bounds: list[int], out: Path,
+                     key: str) -> RecomputeDecision:
+    r, kinds = config.recompute, trainer.stage_kinds(bounds)
+    budget = int(r.budget_mb * 2**20)
+    if r.layers:
+        plan = list(r.layers[bounds[mesh.stage]:bounds[mesh.stage + 1]])
+        return RecomputeDecision(mesh.stage, plan, budget)
+    if r.mode in ("none", "all"):
+        return RecomputeDecision(mesh.stage, [r.mode == "all" and k in ("vit", "llm") for k in kinds], budget)
+    if r.mode != "adaptive":
+        raise ValueError(f"recompute.mode {r.mode!r}: choose adaptive, none or all (or give recompute.layers)")
+    path = out / f"recompute-stage{mesh.stage}.json"
+    saved = load_decision(path, key + str(bounds))
+    if saved:
+        return RecomputeDecision(**{k: v for k, v in saved.items() if k != "key"})
+    if budget <= 0 and mesh.device.type == "cuda":
+        budget = int(torch.cuda.mem_get_info(mesh.device)[1] * 0.9)
+    batch = trial_batches(trainer, 1)[0]
+    profile_path = out / "partition.json"
+    block_seconds = {"vit": 1.0, "llm": 1.0}
+    if profile_path.is_file():  # forward time per block kind from the partition profile
+        profile = json.loads(profile_path.read_text()).get("profile", [])
+        for kind in block_seconds:
+            times = [q["forward_s"] for q in profile if q["kind"] == kind]
+            block_seconds[kind] = sum(times) / len(times) if times else 0.0
+
+    def trial(plan: list[bool]) -> int:
+        trainer.use(bounds, plan)
+        return trainer.peak_bytes(batch)
+
+    def agree(done: bool) -> bool:
+        flag = torch.tensor([0 if done else 1], device=mesh.device if mesh.device.type == "cuda" else None)
+        dist.all_reduce(flag)
+        return int(flag.item()) == 0
+
+    decision = adaptive_recompute(mesh.stage, kinds, block_seconds, budget, trial, agree)
+    if mesh.dp == 1 or mesh.replica == 0:
+        path.write_text(json.dumps({"key": key + str(bounds), **decision.to_dict()}, indent=1))
+    return decision
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def train(config: TrainConfig) -> dict:
+    device = torch.device(config.parallel.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if not dist.is_initialized():
+        for name, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1"),
+                            ("MASTER_PORT", str(free_port()))):
+            os.environ.setdefault(name, value)  # a single process without torchrun
+        backend = config.parallel.backend or ("nccl" if device.type == "cuda" else "gloo")
+        dist.init_process_group(backend)
+    if device.type == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+    mesh = make_mesh(config.parallel.dp, config.parallel.pp, device)
+    out = Path(config.out)
+    out.mkdir(parents=True, exist_ok=True)
+    model = sized_model(config)
+    if mesh.rank == 0:
+        (out / "config.json").write_text(dump_config(config))
+    server = start_embedded_server(config, mesh)
+    try:
+        return train_on(config, mesh, model, out)
+    finally:
+        if server is not None:
+            server.stop()
+
+
+def start_embedded_server(config: TrainConfig, mesh: Mesh):
+    """Without `data.target`, rank 0 starts a Packfeed server on loopback for `data.index` and every first
+    stage streams from it (all ranks must then share one machine)."""
+    server = None
+    if not config.data.target:
+        if not config.data.index:
+            raise ValueError("set data.target (a Packfeed server, host:port) or data.index (start one here)")
+        if mesh.rank == 0:
+            from packfeed.client import LocalServer
+
+            server = LocalServer(config.data.index, workers=config.data.server_workers or None).start()
+        config.data.target = broadcast_object(server.target if server else "", mesh)
+    return server
+
+
+def train_on(config: TrainConfig, mesh: Mesh, model: VLMConfig, out: Path) -> dict:
+    source = StepSource(iter(open_stream(config, mesh)), model, config.data.token_multiple) if mesh.is_first else None
+    trainer = Trainer(config, mesh, model, source)
+    key = decision_key(config, mesh)
+
+    bounds = decide_partition(trainer, config, mesh, out, key)
+    recompute = decide_recompute(trainer, config, mesh, bounds, out, key)
+    log(mesh, f"stage {mesh.stage}: layers {bounds[mesh.stage]}:{bounds[mesh.stage + 1]} "
+        f"{trainer.stage_kinds(bounds)}, recompute {recompute.layers} "
+        f"(budget {recompute.budget_bytes / 2**20:.0f} MiB, measured {recompute.measured})",
+        everyone=mesh.replica == 0)
+
+    trainer.use(bounds, recompute.layers)
+    optimizer = torch.optim.AdamW(trainer.stage.parameters(), lr=config.optim.lr,
+                                  weight_decay=config.optim.weight_decay)
+    warmup = max(config.optim.warmup_steps, 1)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup))
+    history = run_training(trainer, optimizer, scheduler, config, mesh, out)
+    summary = {"bounds": bounds, "recompute": recompute.layers, "steps": len(history),
+               "final_loss": history[-1]["loss"] if history else None}
+    return {"summary": summary, "history": history}
+
+
+def run_training(trainer: Trainer, optimizer, scheduler, config: TrainConfig, mesh: Mesh, out: Path) -> list[dict]:
+    history, metrics = [], (out / "metrics.jsonl").open("a") if mesh.rank == 0 else None
+    step_limit = config.optim.steps or 1 << 62
+    while len(history) < step_limit:
+        started = time.perf_counter()
+        wait_before = trainer.source.data_wait_s if trainer.source else 0.0
+        batch = trainer.source.next() if trainer.source else None
+        if trainer.source is not None and batch is None:
+            batch_shape = StepShape(0, 0, 0, 0, stop=True)
+        else:
+            batch_shape = batch.shape if batch is not None else None
+        shape = share_step_shape(mesh, batch_shape)
+        if shape.stop:
+            break
+        optimizer.zero_grad(set_to_none=True)
+        losses = trainer.runner.run(shape, batch.args if batch is not None else None)
+        optimizer.step()
+        scheduler.step()
+        trainer.sync()
+        elapsed = time.perf_counter() - started
+        wait = (trainer.source.data_wait_s - wait_before) if trainer.source else 0.0
+        record = step_record(mesh, shape, batch, losses, elapsed, wait, config)
+        history.append(record)
+        if metrics is not None:
+            metrics.write(json.dumps(record) + "\n")
+            metrics.flush()
+            if len(history) % config.log_every == 0:
+                log(mesh, f"epoch {record['epoch']} step {record['step']}: loss {record['loss']:.4f}, "
+                    f"{record['step_s'] * 1e3:.0f} ms, data wait {record['data_wait_s'] * 1e3:.0f} ms, "
+                    f"{record['tokens_per_s']:.0f} tokens/s, padding {record['pad_fraction']:.1%}")
+    if metrics is not None:
+        metrics.close()
+    return history
+
+
+def step_record(mesh: Mesh, shape: StepShape, batch: Microbatches | None, losses: list[torch.Tensor],
+                elapsed: float, wait: float, config: TrainConfig) -> dict:
+    """One world all-reduce of what each rank knows: loss (last stages), tokens and tiles (first stages),
+    the slowest step time and data wait."""
+    first = batch is not None
+    sums = torch.tensor([float(sum(loss.item() for loss in losses)),
+                         float(batch.real_tokens) if first else 0.0,
+                         float(shape.tokens * config.data.microbatches) if first else 0.0,
+                         float(batch.real_tiles) if first else 0.0,
+                         float(shape.tiles * config.data.microbatches) if first else 0.0], dtype=torch.float64)
+    maxes = torch.tensor([elapsed, wait], dtype=torch.float64)
+    if mesh.device.type == "cuda":
+        sums, maxes = sums.to(mesh.device), maxes.to(mesh.device)
+    dist.all_reduce(sums)
+    dist.all_reduce(maxes, op=dist.ReduceOp.MAX)
+    loss, tokens, padded, tiles, padded_tiles = sums.tolist()
+    step_s, wait_s = maxes.tolist()
+    return {"epoch": shape.epoch, "step": shape.step, "loss": loss, "step_s": step_s, "data_wait_s": wait_s,
+            "tokens": int(tokens), "padded_tokens": int(padded), "tiles": int(tiles),
+            "padded_tiles": int(padded_tiles), "tokens_per_s": tokens / step_s if step_s else 0.0,
+            "pad_fraction": 1 - tokens / padded if padded else 0.0}
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="packfeed train", description="Reference pipeline trainer "
+                                     "(launch with torchrun: one process per stage x replica).")
+    parser.add_argument("--config", help="YAML/JSON TrainConfig")
+    parser.add_argument("overrides", nargs="*", help="section.key=value, e.g. parallel.pp=2 data.target=host:50051")
+    args = parser.parse_args(argv)
+    config = load_config(args.config, args.overrides)
+    try:
+        train(config)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return 0
