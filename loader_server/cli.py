@@ -121,6 +121,20 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_train(args: argparse.Namespace) -> int:
+    """The reference trainer (needs torch: `pip install packfeed[client]`). With --nproc it launches itself
+    under torchrun on this machine; otherwise it expects torchrun's environment (or runs one process)."""
+    forwarded = (["--config", args.config] if args.config else []) + args.overrides
+    if args.nproc:
+        import subprocess
+
+        return subprocess.call([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                f"--nproc-per-node={args.nproc}", "-m", "packfeed.trainer", *forwarded])
+    from packfeed.trainer.train import main as train_main
+
+    return train_main(forwarded)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="packfeed", description="Balanced packs for vision-language training.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -163,6 +177,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--memory-budget-mb", type=int, help="prepared packs held in memory (default 2048)")
     serve.add_argument("--log-level", default="INFO")
     serve.set_defaults(func=cmd_serve)
+
+    train = sub.add_parser("train", help="reference pipeline trainer fed by a Packfeed server (needs torch)")
+    train.add_argument("--config", help="YAML/JSON trainer config (see packfeed.trainer.config)")
+    train.add_argument("--nproc", type=int, default=0, help="launch this many processes (dp x pp) with torchrun")
+    train.add_argument("overrides", nargs="*", help="section.key=value, e.g. parallel.pp=2 data.index=INDEX")
+    train.set_defaults(func=cmd_train)
 
     demo = sub.add_parser("demo", help="build a demo dataset, index it, report and plan")
     demo.add_argument("--out", default="demo-out")

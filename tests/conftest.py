@@ -33,3 +33,40 @@ def demo_dataset(tmp_path_factory):
     from packfeed.server.demo import write_demo_dataset
 
     return write_demo_dataset(tmp_path_factory.mktemp("demo"), samples=60, shards=3, seed=1)
+
+
+# Small tiles keep the reference trainer's CPU tests fast: InternVL tiling at 112 px, 16 tokens per tile.
+SMALL_TILE_POLICY = {"name": "internvl", "image_size": 112, "tokens_per_tile": 16, "max_num": 4}
+
+
+@pytest.fixture(scope="session")
+def small_tile_index(tmp_path_factory) -> Path:
+    """40 demo samples (real photographs) over 2 shards, indexed with 112 px InternVL tiles."""
+    from packfeed.server.demo import write_demo_dataset
+    from packfeed.server.indexer import IndexConfig, build_index
+
+    root = tmp_path_factory.mktemp("small-tiles")
+    paths = write_demo_dataset(root, samples=40, shards=2, seed=3)
+    index = root / "index.parquet"
+    build_index([str(p) for p in paths.shards], index,
+                IndexConfig(tokenizer=str(paths.tokenizer), image_policy=SMALL_TILE_POLICY), workers=2,
+                progress=False)
+    return index
+
+
+@pytest.fixture(scope="session")
+def served_steps(small_tile_index):
+    """Every step of one epoch for both ranks of a DP 2, M 2 job, received over real gRPC from an embedded
+    server, with tensors copied out of the messages: {rank: [Step, ...]}."""
+    from packfeed.client import LocalServer, PackStream
+
+    steps = {}
+    with LocalServer(small_tile_index, workers=1) as server:
+        for rank in range(2):
+            stream = PackStream(server.target, job="trainer-tests", rank=rank, dp=2, microbatches=2,
+                                pipeline_stages=2, seed=0)
+            steps[rank] = list(stream)
+            for step in steps[rank]:
+                for pack in step.packs:
+                    pack.tensors = {name: tensor.clone() for name, tensor in pack.tensors.items()}
+    return steps

@@ -11,7 +11,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-
 from packfeed.trainer.model import IGNORE_INDEX, VLMConfig
 
 HEADER_FIELDS = ("tokens", "tiles", "samples", "step_loss_tokens", "epoch", "step", "last_in_epoch", "stop")
@@ -34,7 +33,7 @@ class StepShape:
         return torch.tensor([int(getattr(self, name)) for name in HEADER_FIELDS], dtype=torch.int64)
 
     @classmethod
-    def of_header(cls, header: torch.Tensor) -> "StepShape":
+    def of_header(cls, header: torch.Tensor) -> StepShape:
         values = dict(zip(HEADER_FIELDS, header.tolist()))
         return cls(**{k: (bool(v) if k in ("last_in_epoch", "stop") else int(v)) for k, v in values.items()})
 

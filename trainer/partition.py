@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import itertools
 import statistics
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Callable, Sequence
 
 from packfeed.trainer.profile import LayerProfile
 
@@ -130,6 +130,6 @@ def format_table(decision: PartitionDecision, limit: int = 12) -> str:
         times = " ".join(f"{t * 1e3:.1f}" for t in c.stage_s)
         measured = f"{c.measured_s * 1e3:.1f}ms" if c.measured_s is not None else "-"
         mark = " *" if c.bounds == decision.bounds and c.origin == "search" else ""
-        lines.append(f"{c.origin:<12} {str(c.bounds):<22} {times:<28} {c.comm_bytes / 1e6:>8.2f} "
+        lines.append(f"{c.origin:<12} {c.bounds!s:<22} {times:<28} {c.comm_bytes / 1e6:>8.2f} "
                      f"{c.metric * 1e3:>8.2f}m {measured:>9}{mark}")
     return "\n".join(lines)

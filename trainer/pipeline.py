@@ -19,13 +19,12 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+from packfeed.trainer.batch import HEADER_FIELDS, StepShape
+from packfeed.trainer.model import VLMConfig, example_carrier
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.checkpoint import checkpoint
-
-from packfeed.trainer.batch import HEADER_FIELDS, StepShape
-from packfeed.trainer.model import VLMConfig, example_carrier
 
 SCHEDULES = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}
 

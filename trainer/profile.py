@@ -52,7 +52,7 @@ class SavedBytes:
             self.live -= entry[1]
             del self._refs[pointer]
 
-    def __enter__(self) -> "SavedBytes":
+    def __enter__(self) -> SavedBytes:
         self._hooks.__enter__()
         return self
 
@@ -61,7 +61,7 @@ class SavedBytes:
 
 
 class _Held:
-    __slots__ = ("tensor", "__weakref__")
+    __slots__ = ("__weakref__", "tensor")
 
     def __init__(self, tensor: torch.Tensor):
         self.tensor = tensor

@@ -13,8 +13,8 @@ stage's parameter, gradient and AdamW state bytes plus the peak of activations s
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Callable, Sequence
 
 BLOCK_KINDS = ("vit", "llm")
 

@@ -13,19 +13,25 @@ import json
 import os
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
 
 import torch
 import torch.distributed as dist
-
 from packfeed.trainer import partition as partitioning
 from packfeed.trainer.batch import Microbatches, StepShape, microbatches_of
 from packfeed.trainer.config import TrainConfig, dump_config, load_config
 from packfeed.trainer.model import VLMConfig, build_layers, layer_kinds
-from packfeed.trainer.pipeline import (Mesh, PipelineRunner, StageModule, make_mesh, share_step_shape,
-                                       validate_partition, wrap_data_parallel)
+from packfeed.trainer.pipeline import (
+    Mesh,
+    PipelineRunner,
+    StageModule,
+    make_mesh,
+    share_step_shape,
+    validate_partition,
+    wrap_data_parallel,
+)
 from packfeed.trainer.profile import SavedBytes, profile_layers
 from packfeed.trainer.recompute import RecomputeDecision, adaptive_recompute
 

@@ -1,0 +1,109 @@
+"""The reference trainer's pipeline against single-process training on the same packs (real torch.distributed,
+gloo on CPU, packs received over real gRPC)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from packfeed.trainer.batch import microbatches_of
+from packfeed.trainer.model import VLMConfig, build_layers, run_layers
+from trainer_workers import SMALL_MODEL, pipeline_step
+
+
+def reference(steps) -> tuple[float, dict[str, torch.Tensor]]:
+    """Global-step loss and gradients in one process: every rank's microbatches, summed token losses / the
+    global step's loss tokens."""
+    model = VLMConfig(**SMALL_MODEL)
+    layers = build_layers(model)
+    total = 0.0
+    for step in steps:
+        batch = microbatches_of(step, model)
+        chunks = [a.tensor_split(len(step.packs)) for a in batch.args]
+        for m in range(len(step.packs)):
+            (loss_sum,) = run_layers(layers, tuple(c[m] for c in chunks))
+            loss = loss_sum.sum() / batch.shape.step_loss_tokens
+            loss.backward()
+            total += float(loss.detach())
+    grads = {f"{i}.{name}": p.grad for i, layer in enumerate(layers) for name, p in layer.named_parameters()
+             if p.grad is not None}
+    return total, grads
+
+
+def run_pipeline(tmp_path, steps, dp: int, pp: int, bounds: list[int], schedule: str = "1f1b",
+                 recompute: bool = False) -> list[dict]:
+    steps_file = tmp_path / "steps.pt"
+    torch.save(steps, steps_file)
+    world = dp * pp
+    mp.spawn(pipeline_step, args=(world, dp, pp, str(tmp_path / "init"), str(steps_file), str(tmp_path), bounds,
+                                  schedule, recompute), nprocs=world, join=True)
+    return [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
+
+
+def assert_matches(results, dp: int, pp: int, expected_loss: float, expected_grads: dict[str, torch.Tensor]):
+    last_stage = [results[replica * pp + pp - 1] for replica in range(dp)]
+    loss = sum(sum(r["losses"]) for r in last_stage)
+    assert loss == pytest.approx(expected_loss, rel=1e-5)
+    for replica in range(dp):
+        grads = {}
+        for stage in range(pp):
+            grads.update(results[replica * pp + stage]["grads"])
+        assert grads.keys() == expected_grads.keys()
+        for name, expected in expected_grads.items():
+            torch.testing.assert_close(grads[name], expected, rtol=1e-4, atol=1e-6, msg=name)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule, recompute", [("1f1b", False), ("gpipe", True)])
+def test_two_stage_pipeline_matches_single_process(tmp_path, served_steps, schedule, recompute):
+    step = served_steps[0][1]
+    expected_loss, expected_grads = reference([step])
+    n_layers = VLMConfig(**SMALL_MODEL).n_layers
+    results = run_pipeline(tmp_path, [step], dp=1, pp=2, bounds=[0, 5, n_layers], schedule=schedule,
+                           recompute=recompute)
+    # one replica holds half the global step: its share of the loss, and its share of the gradient
+    assert_matches(results, 1, 2, expected_loss, expected_grads)
+
+
+@pytest.mark.slow
+def test_data_parallel_pipelines_match_the_global_batch(tmp_path, served_steps):
+    """DP 2 x PP 2: DDP averages over replicas, the loss scaling undoes it, and the result is the gradient of
+    the whole global step's mean token loss — what one process gets from all 4 packs."""
+    steps = [served_steps[0][2], served_steps[1][2]]
+    assert steps[0].step_loss_tokens == steps[1].step_loss_tokens
+    expected_loss, expected_grads = reference(steps)
+    n_layers = VLMConfig(**SMALL_MODEL).n_layers
+    results = run_pipeline(tmp_path, steps, dp=2, pp=2, bounds=[0, 6, n_layers])
+    assert_matches(results, 2, 2, expected_loss, expected_grads)
+
+
+@pytest.mark.slow
+def test_server_and_trainer_run_end_to_end_and_reuse_their_decisions(tmp_path, small_tile_index):
+    """`packfeed train` under torchrun (2 stages, gloo) with an embedded server: N steps, the partition
+    search and adaptive recompute run once, then a restart reuses both decisions from disk."""
+    import json
+    import subprocess
+    import sys
+
+    out = tmp_path / "run"
+    overrides = [f"data.index={small_tile_index}", "data.microbatches=2", "data.server_workers=1",
+                 "optim.steps=3", f"out={out}", "partition.top_k=2", "partition.trial_steps=1",
+                 "recompute.budget_mb=40"] + [f"model.{k}={v}" for k, v in SMALL_MODEL.items()]
+    command = [sys.executable, "-m", "packfeed.server.cli", "train", "--nproc", "2", *overrides]
+    first = subprocess.run(command, capture_output=True, text=True, timeout=400)
+    assert first.returncode == 0, first.stderr[-4000:]
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [0, 1, 2]
+    assert all(0 < r["loss"] < 20 and r["tokens"] > 0 and r["step_s"] > 0 for r in records)
+    partition = json.loads((out / "partition.json").read_text())
+    assert len(partition["candidates"]) >= 2 and all(c["measured_s"] for c in partition["candidates"][:2])
+    recompute = [json.loads((out / f"recompute-stage{s}.json").read_text()) for s in range(2)]
+    for decision in recompute:
+        verified = [v for k, v in decision["measured"].items() if k.startswith("verify")]
+        assert decision["fits"] == (verified[-1] <= decision["budget_bytes"])
+    assert "partition search" in first.stderr
+
+    second = subprocess.run(command, capture_output=True, text=True, timeout=400)
+    assert second.returncode == 0, second.stderr[-4000:]
+    assert f"partition {partition['bounds']} reused" in second.stderr
+    assert "partition search" not in second.stderr

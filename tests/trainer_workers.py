@@ -1,0 +1,43 @@
+"""Process bodies for the distributed trainer tests (spawned: they must live in an importable module)."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from packfeed.trainer.batch import microbatches_of
+from packfeed.trainer.model import VLMConfig, build_layers
+from packfeed.trainer.pipeline import (
+    PipelineRunner,
+    StageModule,
+    make_mesh,
+    share_step_shape,
+    wrap_data_parallel,
+)
+
+SMALL_MODEL = dict(vocab_size=1024, tile_size=112, tokens_per_tile=16, vit_dim=32, llm_dim=64, vit_layers=2,
+                   llm_layers=2)
+
+
+def pipeline_step(rank: int, world: int, dp: int, pp: int, init_file: str, steps_file: str, out_dir: str,
+                  bounds: list[int], schedule: str, recompute: bool) -> None:
+    """One training step's forward + backward through a (dp, pp) pipeline; saves this rank's gradients
+    (named by global layer index) and the microbatch losses."""
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        torch.manual_seed(0)
+        mesh = make_mesh(dp, pp, torch.device("cpu"))
+        model = VLMConfig(**SMALL_MODEL)
+        layers = build_layers(model)
+        lo, hi = bounds[mesh.stage], bounds[mesh.stage + 1]
+        stage = StageModule(list(layers[lo:hi]), [recompute] * (hi - lo))
+        runner = PipelineRunner(mesh, wrap_data_parallel(stage, mesh), 2, model, bounds, schedule)
+        batch = None
+        if mesh.is_first:
+            batch = microbatches_of(torch.load(steps_file, weights_only=False)[mesh.replica], model)
+        shape = share_step_shape(mesh, batch.shape if batch is not None else None)
+        losses = runner.run(shape, batch.args if batch is not None else None)
+        grads = {f"{lo + int(name.split('.')[1])}.{name.split('.', 2)[2]}": p.grad.clone()
+                 for name, p in stage.named_parameters() if p.grad is not None}
+        torch.save({"grads": grads, "losses": [float(x) for x in losses]}, f"{out_dir}/rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
