@@ -7,7 +7,8 @@
 4. Rank by metric = std(stage time) + time to send the boundary activations. OmniBal sums VAR(fwd_time) and
    SUM(comm) without saying how the units meet; the standard deviation (seconds) and transfer seconds at
    the measured boundary bandwidth are commensurable, and order candidates the same way within one unit.
-5. Time the top K in the real pipeline for a few steps and keep the fastest.
+5. Time the top K in the real pipeline for a few steps and keep the fastest; the layer-count partition is
+   timed too and wins if it is faster (measurements on a busy machine can favour it).
 
 Layer-count and parameter-count partitions are computed alongside for comparison.
 """
@@ -129,7 +130,7 @@ def format_table(decision: PartitionDecision, limit: int = 12) -> str:
     for c in decision.candidates[:limit] + decision.baselines:
         times = " ".join(f"{t * 1e3:.1f}" for t in c.stage_s)
         measured = f"{c.measured_s * 1e3:.1f}ms" if c.measured_s is not None else "-"
-        mark = " *" if c.bounds == decision.bounds and c.origin == "search" else ""
+        mark = " *" if c.bounds == decision.bounds and c.measured_s is not None else ""
         lines.append(f"{c.origin:<12} {c.bounds!s:<22} {times:<28} {c.comm_bytes / 1e6:>8.2f} "
                      f"{c.metric * 1e3:>8.2f}m {measured:>9}{mark}")
     return "\n".join(lines)

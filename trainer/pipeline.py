@@ -54,7 +54,7 @@ class StageModule(nn.Module):
                 carrier = checkpoint(layer, *carrier, use_reentrant=False)
             else:
                 carrier = layer(*carrier)
-        return carrier
+        return tuple(t.contiguous() for t in carrier)  # point-to-point sends need contiguous tensors
 
 
 @dataclass

@@ -231,11 +231,12 @@ def decide_partition(trainer: Trainer, config: TrainConfig, mesh: Mesh, out: Pat
         trainer.use(candidate.bounds)
         trainer.trial(batches[:1])  # warm-up: schedules, allocator
         candidate.measured_s = trainer.trial(batches) / len(batches)
-    for baseline in decision.baselines:
-        if baseline.origin == "layer-count":
-            trainer.use(baseline.bounds)
-            trainer.trial(batches[:1])
-            baseline.measured_s = trainer.trial(batches) / len(batches)
+    layer_count = next(b for b in decision.baselines if b.origin == "layer-count")
+    if all(c.bounds != layer_count.bounds for c in shortlist):  # the safety net: never slower than layer count
+        trainer.use(layer_count.bounds)
+        trainer.trial(batches[:1])
+        layer_count.measured_s = trainer.trial(batches) / len(batches)
+        shortlist = shortlist + [layer_count]
     best = min(shortlist, key=lambda c: (c.measured_s, c.metric))
     decision.bounds = best.bounds
     log(mesh, "partition search (stage times from the layer profile; measured = real pipeline step):\n"
@@ -359,6 +360,10 @@ def train_on(config: TrainConfig, mesh: Mesh, model: VLMConfig, out: Path) -> di
         f"(budget {recompute.budget_bytes / 2**20:.0f} MiB, measured {recompute.measured})",
         everyone=mesh.replica == 0)
 
+    if not recompute.fits:
+        log(mesh, f"stage {mesh.stage} does not fit its {recompute.budget_bytes / 2**20:.0f} MiB budget even with every "
+            f"block recomputed ({max(recompute.measured.values()) / 2**20:.0f} MiB measured): raise "
+            f"recompute.budget_mb, use more pipeline stages or smaller packs", everyone=True)
     trainer.use(bounds, recompute.layers)
     optimizer = torch.optim.AdamW(trainer.stage.parameters(), lr=config.optim.lr,
                                   weight_decay=config.optim.weight_decay)
