@@ -129,7 +129,9 @@ class PackStream:
     `target` is "host:port"; with `index=` instead, an embedded server is started on loopback for this
     stream (see `packfeed.client.LocalServer` to share one between several ranks of one process).
     Plan settings (dp, microbatches, pipeline_stages, strategy, vision_cap/token_cap, oversize, seed,
-    epochs) must be the same on every rank: the server refuses a contradiction (FAILED_PRECONDITION).
+    epochs, cost_model) must be the same on every rank: the server refuses a contradiction
+    (FAILED_PRECONDITION). `cost_model` = {vision_linear, vision_quadratic, llm_linear, llm_quadratic}, e.g.
+    the coefficients `packfeed train` measured (OUT/cost_model.json); None = the server's default.
     """
 
     def __init__(self, target: str | None = None, *, job: str, rank: int, dp: int, microbatches: int = 1,
@@ -137,7 +139,7 @@ class PackStream:
                  epochs: int = 1, vision_cap: int = 0, token_cap: int = 0, oversize: str = "",
                  prefetch: int = 2, pin_memory: bool = False, timeout: float = 60.0, retries: int = 5,
                  backoff: float = 0.5, token: str | None = None, acknowledge: bool = True,
-                 index: str | None = None, max_message_mb: int = 256):
+                 index: str | None = None, max_message_mb: int = 256, cost_model: dict | None = None):
         if (target is None) == (index is None):
             raise ValueError("give a server target ('host:port') or an index for an embedded server, not both")
         self._local = None
@@ -160,7 +162,8 @@ class PackStream:
             request_serializer=pb.StreamPacksRequest.SerializeToString, response_deserializer=None)
         self._open_request = pb.OpenJobRequest(job=job, dataset=dataset, seed=seed, epochs=epochs, plan=pb.PlanSpec(
             dp=dp, microbatches=microbatches, pipeline_stages=pipeline_stages, strategy=strategy,
-            vision_cap=vision_cap, token_cap=token_cap, oversize=oversize))
+            vision_cap=vision_cap, token_cap=token_cap, oversize=oversize,
+            cost_model=pb.CostCoefficients(**cost_model) if cost_model else None))
         self.info: pb.JobInfo = self._call(self._stub.OpenJob, self._open_request)
         if not 0 <= rank < self.info.plan.dp:
             raise PackfeedError(f"rank {rank} is outside the job's {self.info.plan.dp} ranks")

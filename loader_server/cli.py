@@ -43,6 +43,8 @@ def _add_plan_options(parser: argparse.ArgumentParser) -> None:
                         help="a sample larger than a cap: its own pack (alone), dropped (skip), or tokens cut to "
                              "the cap (truncate); always reported")
     parser.add_argument("--strategy", choices=STRATEGIES, default="isf+balance")
+    parser.add_argument("--cost-model", metavar="FILE.json",
+                        help="per-sample cost coefficients to balance on (e.g. `packfeed train`'s OUT/cost_model.json)")
 
 
 def _plan_config(args: argparse.Namespace, **overrides):
@@ -53,6 +55,10 @@ def _plan_config(args: argparse.Namespace, **overrides):
                   vision_target=args.vision_target, token_target=args.token_target,
                   isf_iterations=args.isf_iterations, samples_per_pack=args.samples_per_pack,
                   oversize=args.oversize)
+    if getattr(args, "cost_model", None):
+        from packfeed.server.costs import CostModel
+
+        values["cost_model"] = CostModel(**json.loads(Path(args.cost_model).read_text()))
     values.update(overrides)
     return PlanConfig(**values)
 

@@ -42,7 +42,7 @@ class JobSpec:
     epochs: int = 1
 
     def describe(self) -> str:
-        plan = {k: v for k, v in self.plan.to_dict().items() if k != "cost_model"}
+        plan = self.plan.to_dict()  # the cost model included: other costs, other packs
         return json.dumps({"dataset": self.dataset, "plan": plan, "seed": self.seed, "epochs": self.epochs},
                           sort_keys=True)
 

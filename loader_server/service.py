@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import json
 import logging
 import signal
@@ -25,6 +26,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 
 from packfeed.server.config import ServerConfig, describe
 from packfeed.server.jobs import Dataset, Job, JobError, JobRegistry, JobSpec
+from packfeed.server.costs import CostModel
 from packfeed.server.plan import PlanConfig
 from packfeed.server.workers import RankStepResult, build_rank_step, start_pool
 from packfeed.v1 import packfeed_pb2 as pb
@@ -103,16 +105,30 @@ def plan_config_of(spec: pb.PlanSpec) -> PlanConfig:
     given = {"dp": spec.dp, "microbatches": spec.microbatches, "pipeline_stages": spec.pipeline_stages,
              "strategy": spec.strategy, "oversize": spec.oversize, "isf_iterations": spec.isf_iterations,
              "vision_cap": spec.vision_cap, "token_cap": spec.token_cap}
+    chosen = {k: v for k, v in given.items() if v}
+    if spec.HasField("cost_model"):
+        chosen["cost_model"] = cost_model_of(spec.cost_model)
     try:
-        return PlanConfig(**{k: v for k, v in given.items() if v})
+        return PlanConfig(**chosen)
     except ValueError as error:
         raise JobError("INVALID_ARGUMENT", str(error)) from None
 
 
+def cost_model_of(message: pb.CostCoefficients) -> CostModel:
+    values = {name: getattr(message, name) for name in ("vision_linear", "vision_quadratic", "llm_linear",
+                                                        "llm_quadratic")}
+    if any(v < 0 for v in values.values()) or not any(values.values()):
+        raise JobError("INVALID_ARGUMENT", f"cost_model {values}: coefficients must be >= 0 and not all zero")
+    return CostModel(**values)
+
+
 def plan_spec_of(config: PlanConfig) -> pb.PlanSpec:
-    return pb.PlanSpec(dp=config.dp, microbatches=config.microbatches, pipeline_stages=config.pipeline_stages,
+    spec = pb.PlanSpec(dp=config.dp, microbatches=config.microbatches, pipeline_stages=config.pipeline_stages,
                        strategy=config.strategy, oversize=config.oversize, isf_iterations=config.isf_iterations,
                        vision_cap=config.vision_cap or 0, token_cap=config.token_cap or 0)
+    if config.cost_model != CostModel.from_shapes():
+        spec.cost_model.CopyFrom(pb.CostCoefficients(**dataclasses.asdict(config.cost_model)))
+    return spec
 
 
 @dataclass

@@ -214,6 +214,31 @@ def test_bad_requests_get_status_codes(server):
     assert len(consume(server.target, "codes", 0)[2]) > 0
 
 
+def test_a_measured_cost_model_travels_with_the_job(server):
+    """A trainer's measured coefficients (PlanSpec.cost_model) change what the planner balances on; they are
+    part of the job's identity, and nonsense coefficients are refused."""
+    stub = pb_grpc.PackfeedStub(grpc.insecure_channel(server.target))
+    measured = {"vision_linear": 2e-6, "vision_quadratic": 0.0, "llm_linear": 3e-5, "llm_quadratic": 1e-9}
+    default = stub.OpenJob(pb.OpenJobRequest(job="costs-default", plan=pb.PlanSpec(**PLAN)))
+    custom = stub.OpenJob(pb.OpenJobRequest(job="costs-measured", plan=pb.PlanSpec(
+        **PLAN, cost_model=pb.CostCoefficients(**measured))))
+    assert custom.plan.cost_model.llm_linear == measured["llm_linear"]
+    assert not default.plan.HasField("cost_model")
+    assert custom.plan_fingerprint != default.plan_fingerprint
+    stream = PackStream(server.target, job="costs-measured", rank=0, dp=PLAN["dp"],
+                        microbatches=PLAN["microbatches"], pipeline_stages=PLAN["pipeline_stages"],
+                        cost_model=measured)  # joins: same settings
+    assert stream.info.plan_fingerprint == custom.plan_fingerprint
+    stream.close()
+    with pytest.raises(grpc.RpcError) as raised:
+        stub.OpenJob(pb.OpenJobRequest(job="costs-measured", plan=pb.PlanSpec(**PLAN)))
+    assert raised.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    with pytest.raises(grpc.RpcError) as raised:
+        stub.OpenJob(pb.OpenJobRequest(job="costs-bad", plan=pb.PlanSpec(
+            **PLAN, cost_model=pb.CostCoefficients(llm_linear=-1.0))))
+    assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
 def test_health_reflection_and_metrics(server):
     channel = grpc.insecure_channel(server.target)
     health = health_pb2_grpc.HealthStub(channel)

@@ -28,6 +28,7 @@ class DataConfig:
     prefetch: int = 2
     token: str = ""
     token_multiple: int = 64  # pad each step's microbatches to a multiple of this many tokens
+    cost_model: str = ""  # JSON of planner cost coefficients, e.g. an earlier run's OUT/cost_model.json
 
 
 @dataclass

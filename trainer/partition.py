@@ -43,6 +43,7 @@ class PartitionDecision:
     baselines: list[Candidate] = field(default_factory=list)
     comm_gbps: float = 0.0
     profile: list[dict] = field(default_factory=list)  # the layer profile the ranking used
+    profile_features: list[dict] = field(default_factory=list)  # the profiled microbatches' sizes
 
     def to_dict(self) -> dict:
         return {"bounds": self.bounds, "comm_gbps": self.comm_gbps,

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 import weakref
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import torch
 from torch import nn
@@ -76,6 +76,7 @@ class LayerProfile:
     output_bytes: int  # float activations this layer hands on: a boundary after it sends this much
     saved_bytes: int  # kept for backward without recomputation
     saved_bytes_recompute: int  # kept with this layer recomputed (its inputs only)
+    per_microbatch: list[tuple[float, float]] = field(default_factory=list)  # (forward_s, backward_s) each
 
     @property
     def time_s(self) -> float:
@@ -110,6 +111,7 @@ def profile_layers(layers: nn.ModuleList, kinds: list[str], microbatches: list[t
     n = len(layers)
     forward, backward = [0.0] * n, [0.0] * n
     output_bytes, saved, saved_recompute = [0] * n, [0] * n, [0] * n
+    per_microbatch: list[list[tuple[float, float]]] = [[] for _ in range(n)]
     timed = 0
     for round_ in range(repeats + 1):
         for carrier in microbatches:
@@ -136,6 +138,7 @@ def profile_layers(layers: nn.ModuleList, kinds: list[str], microbatches: list[t
                 if round_ > 0 or repeats == 0:
                     forward[i] += elapsed_forward
                     backward[i] += elapsed_backward
+                    per_microbatch[i].append((elapsed_forward, elapsed_backward))
                     output_bytes[i] += carrier_bytes(outputs)
                     saved[i] += kept.peak
                     saved_recompute[i] += kept_recompute.peak
@@ -149,4 +152,4 @@ def profile_layers(layers: nn.ModuleList, kinds: list[str], microbatches: list[t
     timed = max(timed, 1)
     return [LayerProfile(kinds[i], forward[i] / timed, backward[i] / timed,
                          sum(p.numel() for p in layers[i].parameters()), output_bytes[i] // timed,
-                         saved[i] // timed, saved_recompute[i] // timed) for i in range(n)]
+                         saved[i] // timed, saved_recompute[i] // timed, per_microbatch[i]) for i in range(n)]

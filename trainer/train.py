@@ -14,7 +14,7 @@ import os
 import sys
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -34,6 +34,7 @@ from packfeed.trainer.pipeline import (
 )
 from packfeed.trainer.profile import SavedBytes, profile_layers
 from packfeed.trainer.recompute import RecomputeDecision, adaptive_recompute
+from packfeed.trainer.simulate import features_of_carrier, fit_layer_costs, planner_cost_model
 
 ADAMW_BYTES_PER_PARAM = 16  # fp32 weight + gradient + two moments
 
@@ -100,7 +101,8 @@ def open_stream(config: TrainConfig, mesh: Mesh):
     options = dict(job=d.job, rank=mesh.replica, dp=mesh.dp, microbatches=d.microbatches, seed=d.seed,
                    pipeline_stages=mesh.pp, strategy=d.strategy, epochs=d.epochs, vision_cap=d.vision_cap,
                    token_cap=d.token_cap, prefetch=d.prefetch, token=d.token or None,
-                   pin_memory=mesh.device.type == "cuda")
+                   pin_memory=mesh.device.type == "cuda",
+                   cost_model=json.loads(Path(d.cost_model).read_text()) if d.cost_model else None)
     return PackStream(d.target, **options)
 
 
@@ -221,9 +223,12 @@ def decide_partition(trainer: Trainer, config: TrainConfig, mesh: Mesh, out: Pat
         microbatches = [tuple(a.tensor_split(config.data.microbatches)[m] for a in b.args)
                         for b in batches for m in range(config.data.microbatches)]
         profile = profile_layers(trainer.layers, trainer.kinds, microbatches, mesh.device, repeats=1)
+        features = [asdict(features_of_carrier(mb)) for mb in microbatches]
         decision = partitioning.search_partition(profile, mesh.pp, radius=p.radius, top_k=0,
                                                  comm_gbps=p.comm_gbps or measure_bandwidth_gbps(mesh))
         decision.profile = [q.to_dict() for q in profile]
+        decision.profile_features = features
+        export_cost_model(profile, microbatches, config, out)
     decision = broadcast_object(decision, mesh)
     shortlist = decision.candidates[:max(p.top_k, 1)]
     batches = trial_batches(trainer, p.trial_steps)
@@ -242,9 +247,25 @@ def decide_partition(trainer: Trainer, config: TrainConfig, mesh: Mesh, out: Pat
     log(mesh, "partition search (stage times from the layer profile; measured = real pipeline step):\n"
         + partitioning.format_table(decision))
     if mesh.rank == 0:
-        record = {"key": key, **decision.to_dict(), "kinds": trainer.kinds}
+        record = {"key": key, **decision.to_dict(), "kinds": trainer.kinds,
+                  "profile_features": decision.profile_features}
         path.write_text(json.dumps(record, indent=1))
     return best.bounds
+
+
+def export_cost_model(profile, microbatches, config: TrainConfig, out: Path) -> None:
+    """OUT/cost_model.json: the measured per-layer costs as the planner's per-sample cost model, so the loader
+    balances on what this model on this hardware actually costs (data.cost_model=OUT/cost_model.json)."""
+    if not config.data.index:
+        return  # the policy's patches per tile come from the index
+    from packfeed.server.image_policy import policy_from_dict
+    from packfeed.server.index_table import read_index_info
+
+    policy = policy_from_dict(read_index_info(config.data.index).image_policy or {"name": "internvl"})
+    one_tile = policy.cost(policy.to_dict().get("image_size", 448), policy.to_dict().get("image_size", 448), 1)
+    costs = fit_layer_costs(profile, [features_of_carrier(mb) for mb in microbatches])
+    model = planner_cost_model(costs, one_tile.vit_patches // max(one_tile.units, 1))
+    (out / "cost_model.json").write_text(json.dumps(model, indent=1))
 
 
 def measure_bandwidth_gbps(mesh: Mesh) -> float:
@@ -427,10 +448,15 @@ def step_record(mesh: Mesh, shape: StepShape, batch: Microbatches | None, losses
     dist.all_reduce(maxes, op=dist.ReduceOp.MAX)
     loss, tokens, padded, tiles, padded_tiles = sums.tolist()
     step_s, wait_s = maxes.tolist()
-    return {"epoch": shape.epoch, "step": shape.step, "loss": loss, "step_s": step_s, "data_wait_s": wait_s,
-            "tokens": int(tokens), "padded_tokens": int(padded), "tiles": int(tiles),
-            "padded_tiles": int(padded_tiles), "tokens_per_s": tokens / step_s if step_s else 0.0,
-            "pad_fraction": 1 - tokens / padded if padded else 0.0}
+    record = {"epoch": shape.epoch, "step": shape.step, "loss": loss, "step_s": step_s, "data_wait_s": wait_s,
+              "tokens": int(tokens), "padded_tokens": int(padded), "tiles": int(tiles),
+              "padded_tiles": int(padded_tiles), "tokens_per_s": tokens / step_s if step_s else 0.0,
+              "pad_fraction": 1 - tokens / padded if padded else 0.0}
+    if first and mesh.rank == 0:  # replica 0's padded microbatches, for the pipeline simulator
+        chunks = [a.tensor_split(config.data.microbatches) for a in batch.args]
+        record["microbatches"] = [asdict(features_of_carrier(tuple(c[m] for c in chunks)))
+                                  for m in range(config.data.microbatches)]
+    return record
 
 
 def main(argv: list[str] | None = None) -> int:
