@@ -4,10 +4,16 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 from packfeed.trainer.profile import LayerProfile
-from packfeed.trainer.simulate import (Features, fit_layer_costs, padded_features, schedule_order,
-                                       simulate_pipeline, simulate_step, stage_times)
+from packfeed.trainer.simulate import (
+    Features,
+    fit_layer_costs,
+    padded_features,
+    schedule_order,
+    simulate_pipeline,
+    simulate_step,
+    stage_times,
+)
 
 
 @pytest.mark.parametrize("stages, m", [(2, 2), (4, 8), (3, 1), (4, 16)])

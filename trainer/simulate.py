@@ -14,11 +14,10 @@ the DP all-reduce are not modelled (they are the same for every data strategy).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import numpy as np
-
 from packfeed.trainer.batch import round_up
 from packfeed.trainer.profile import LayerProfile
 

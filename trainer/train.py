@@ -34,7 +34,11 @@ from packfeed.trainer.pipeline import (
 )
 from packfeed.trainer.profile import SavedBytes, profile_layers
 from packfeed.trainer.recompute import RecomputeDecision, adaptive_recompute
-from packfeed.trainer.simulate import features_of_carrier, fit_layer_costs, planner_cost_model
+from packfeed.trainer.simulate import (
+    features_of_carrier,
+    fit_layer_costs,
+    planner_cost_model,
+)
 
 ADAMW_BYTES_PER_PARAM = 16  # fp32 weight + gradient + two moments
 

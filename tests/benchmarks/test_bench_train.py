@@ -23,10 +23,15 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from packfeed.trainer.profile import LayerProfile
-from packfeed.trainer.simulate import (Features, fit_layer_costs, padded_features, simulate_pipeline, simulate_step,
-                                       stage_times)
+from packfeed.trainer.simulate import (
+    Features,
+    fit_layer_costs,
+    padded_features,
+    simulate_pipeline,
+    simulate_step,
+    stage_times,
+)
 
 pytestmark = pytest.mark.benchmark
 
