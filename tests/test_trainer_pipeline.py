@@ -107,3 +107,29 @@ def test_server_and_trainer_run_end_to_end_and_reuse_their_decisions(tmp_path, s
     assert second.returncode == 0, second.stderr[-4000:]
     assert f"partition {partition['bounds']} reused" in second.stderr
     assert "partition search" not in second.stderr
+
+
+@pytest.mark.slow
+def test_checkpoint_resumes_at_exactly_the_next_step(tmp_path, small_tile_index):
+    """4 steps straight, against 2 steps + a restart that resumes from the checkpoint for 2 more: the same
+    steps of the stream and the same losses (weights, AdamW and LR state and stream position restored)."""
+    import json
+    import subprocess
+    import sys
+
+    def run(out, steps):
+        overrides = [f"data.index={small_tile_index}", "data.microbatches=2", "data.server_workers=1",
+                     f"optim.steps={steps}", f"out={out}", "partition.mode=layers", "recompute.mode=none",
+                     "checkpoint.every=2", "optim.warmup_steps=3"] + [f"model.{k}={v}" for k, v in SMALL_MODEL.items()]
+        done = subprocess.run([sys.executable, "-m", "packfeed.server.cli", "train", "--nproc", "2", *overrides],
+                              capture_output=True, text=True, timeout=400)
+        assert done.returncode == 0, done.stderr[-4000:]
+        return done.stderr, [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+    _, straight = run(tmp_path / "straight", 4)
+    run(tmp_path / "resumed", 2)
+    log, resumed = run(tmp_path / "resumed", 4)
+    assert "resuming from" in log and "after 2 steps" in log
+    assert [(r["epoch"], r["step"]) for r in resumed] == [(r["epoch"], r["step"]) for r in straight]
+    assert [r["loss"] for r in resumed] == pytest.approx([r["loss"] for r in straight], rel=1e-6)
+    assert (tmp_path / "resumed" / "checkpoints" / "latest").read_text() == "step-000004"

@@ -73,6 +73,16 @@ class OptimConfig:
 
 
 @dataclass
+class CheckpointConfig:
+    """OUT/checkpoints/: weights, optimizer and stream position every `every` steps; a restarted run
+    continues from the newest complete one at exactly the next step (see packfeed.trainer.checkpoint)."""
+
+    every: int = 0  # steps between checkpoints; 0 = none
+    keep: int = 2  # newest complete checkpoints kept
+    resume: bool = True
+
+
+@dataclass
 class TrainConfig:
     model: VLMConfig = field(default_factory=VLMConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -80,6 +90,7 @@ class TrainConfig:
     partition: PartitionConfig = field(default_factory=PartitionConfig)
     recompute: RecomputeConfig = field(default_factory=RecomputeConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     out: str = "train-out"  # decisions (partition.json, recompute.json) and metrics.jsonl
     log_every: int = 1
 

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from packfeed.trainer import checkpoint
 from packfeed.trainer import partition as partitioning
 from packfeed.trainer.batch import Microbatches, StepShape, microbatches_of
 from packfeed.trainer.config import TrainConfig, dump_config, load_config
@@ -96,6 +97,13 @@ class StepSource:
 
     def next(self) -> Microbatches | None:
         return self.buffer.pop(0) if self.buffer else self._pull()
+
+    def state_dict(self) -> dict:
+        """The stream position of the next step to train on (buffered steps are not trained yet)."""
+        state = self.steps.state_dict()
+        if self.buffer:
+            state["next"] = [self.buffer[0].shape.epoch, self.buffer[0].shape.step]
+        return state
 
 
 def open_stream(config: TrainConfig, mesh: Mesh):
@@ -374,7 +382,17 @@ def start_embedded_server(config: TrainConfig, mesh: Mesh):
 
 
 def train_on(config: TrainConfig, mesh: Mesh, model: VLMConfig, out: Path) -> dict:
-    source = StepSource(iter(open_stream(config, mesh)), model, config.data.token_multiple) if mesh.is_first else None
+    resume_from = checkpoint.latest(out / "checkpoints") if config.checkpoint.resume else None
+    resumed = checkpoint.read_meta(resume_from) if resume_from else None
+    if resumed:  # the checkpoint's weights belong to its partition
+        config.partition.bounds = resumed["bounds"]
+        log(mesh, f"resuming from {resume_from} after {resumed['steps_done']} steps")
+    source = None
+    if mesh.is_first:
+        stream = open_stream(config, mesh)
+        if resume_from:
+            stream.load_state_dict(checkpoint.stream_state(resume_from, mesh.replica))
+        source = StepSource(stream, model, config.data.token_multiple)
     trainer = Trainer(config, mesh, model, source)
     key = decision_key(config, mesh)
 
@@ -394,16 +412,22 @@ def train_on(config: TrainConfig, mesh: Mesh, model: VLMConfig, out: Path) -> di
                                   weight_decay=config.optim.weight_decay)
     warmup = max(config.optim.warmup_steps, 1)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup))
-    history = run_training(trainer, optimizer, scheduler, config, mesh, out)
+    if resume_from:
+        checkpoint.load_stage(resume_from, mesh, trainer.stage, optimizer, scheduler)
+    meta = {"bounds": bounds, "recompute": recompute.layers}
+    history = run_training(trainer, optimizer, scheduler, config, mesh, out, meta,
+                           resumed["steps_done"] if resumed else 0)
     summary = {"bounds": bounds, "recompute": recompute.layers, "steps": len(history),
                "final_loss": history[-1]["loss"] if history else None}
     return {"summary": summary, "history": history}
 
 
-def run_training(trainer: Trainer, optimizer, scheduler, config: TrainConfig, mesh: Mesh, out: Path) -> list[dict]:
+def run_training(trainer: Trainer, optimizer, scheduler, config: TrainConfig, mesh: Mesh, out: Path, meta: dict,
+                 steps_done: int = 0) -> list[dict]:
     history, metrics = [], (out / "metrics.jsonl").open("a") if mesh.rank == 0 else None
     step_limit = config.optim.steps or 1 << 62
-    while len(history) < step_limit:
+    every = config.checkpoint.every
+    while steps_done < step_limit:
         started = time.perf_counter()
         wait_before = trainer.source.data_wait_s if trainer.source else 0.0
         batch = trainer.source.next() if trainer.source else None
@@ -423,6 +447,10 @@ def run_training(trainer: Trainer, optimizer, scheduler, config: TrainConfig, me
         wait = (trainer.source.data_wait_s - wait_before) if trainer.source else 0.0
         record = step_record(mesh, shape, batch, losses, elapsed, wait, config)
         history.append(record)
+        steps_done += 1
+        if every and steps_done % every == 0:
+            checkpoint.save(out / "checkpoints", steps_done, mesh, trainer.stage, optimizer, scheduler,
+                            trainer.source.state_dict() if trainer.source else None, meta, config.checkpoint.keep)
         if metrics is not None:
             metrics.write(json.dumps(record) + "\n")
             metrics.flush()

@@ -1,0 +1,69 @@
+"""Checkpoints that resume training at exactly the next step.
+
+Layout under OUT/checkpoints/:
+
+    step-000120/stage0.pt           weights, AdamW and LR-schedule state of stage 0 (DP replicas are equal:
+    step-000120/stage1.pt           replica 0 writes them)
+    step-000120/stream-rank0.json   each replica's stream position (PackStream.state_dict of its first stage)
+    step-000120/meta.json           steps done, partition, recompute plan
+    latest                          name of the newest complete checkpoint (written last, after a barrier)
+
+A checkpoint directory is complete once `latest` names it, so a crash while saving leaves the previous one in
+use. Packfeed's plans are deterministic, so the stream position is all the data state there is.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+
+def latest(root: Path) -> Path | None:
+    pointer = root / "latest"
+    if not pointer.is_file():
+        return None
+    directory = root / pointer.read_text().strip()
+    return directory if (directory / "meta.json").is_file() else None
+
+
+def save(root: Path, steps_done: int, mesh, stage: torch.nn.Module, optimizer, scheduler,
+         stream_state: dict | None, meta: dict, keep: int = 2) -> Path:
+    """Collective: every rank calls it after the same step."""
+    directory = root / f"step-{steps_done:06d}"
+    if mesh.rank == 0:
+        directory.mkdir(parents=True, exist_ok=True)
+    dist.barrier()
+    if mesh.replica == 0:
+        torch.save({"model": stage.state_dict(), "optimizer": optimizer.state_dict(),
+                    "scheduler": scheduler.state_dict()}, directory / f"stage{mesh.stage}.pt")
+    if stream_state is not None:
+        (directory / f"stream-rank{mesh.replica}.json").write_text(json.dumps(stream_state))
+    dist.barrier()
+    if mesh.rank == 0:
+        (directory / "meta.json").write_text(json.dumps({"steps_done": steps_done, **meta}))
+        (root / "latest.tmp").write_text(directory.name)
+        (root / "latest.tmp").replace(root / "latest")
+        complete = sorted(p for p in root.glob("step-*") if (p / "meta.json").is_file())
+        for old in complete[:-keep] if keep > 0 else []:
+            shutil.rmtree(old, ignore_errors=True)
+    dist.barrier()
+    return directory
+
+
+def read_meta(directory: Path) -> dict:
+    return json.loads((directory / "meta.json").read_text())
+
+
+def load_stage(directory: Path, mesh, stage: torch.nn.Module, optimizer, scheduler) -> None:
+    state = torch.load(directory / f"stage{mesh.stage}.pt", map_location=mesh.device, weights_only=False)
+    stage.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    scheduler.load_state_dict(state["scheduler"])
+
+
+def stream_state(directory: Path, replica: int) -> dict:
+    return json.loads((directory / f"stream-rank{replica}.json").read_text())
