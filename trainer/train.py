@@ -439,13 +439,17 @@ def run_training(trainer: Trainer, optimizer, scheduler, config: TrainConfig, me
         if shape.stop:
             break
         optimizer.zero_grad(set_to_none=True)
+        pipeline_started, busy_started = time.perf_counter(), time.process_time()
         losses = trainer.runner.run(shape, batch.args if batch is not None else None)
+        # CPU time of this process while the schedule ran ~ its compute (a blocked receive sleeps)
+        busy = time.process_time() - busy_started if mesh.device.type == "cpu" else float("nan")
+        pipeline_s = time.perf_counter() - pipeline_started
         optimizer.step()
         scheduler.step()
         trainer.sync()
         elapsed = time.perf_counter() - started
         wait = (trainer.source.data_wait_s - wait_before) if trainer.source else 0.0
-        record = step_record(mesh, shape, batch, losses, elapsed, wait, config)
+        record = step_record(mesh, shape, batch, losses, elapsed, wait, config, busy, pipeline_s)
         history.append(record)
         steps_done += 1
         if every and steps_done % every == 0:
@@ -464,26 +468,29 @@ def run_training(trainer: Trainer, optimizer, scheduler, config: TrainConfig, me
 
 
 def step_record(mesh: Mesh, shape: StepShape, batch: Microbatches | None, losses: list[torch.Tensor],
-                elapsed: float, wait: float, config: TrainConfig) -> dict:
+                elapsed: float, wait: float, config: TrainConfig, busy: float, pipeline_s: float) -> dict:
     """One world all-reduce of what each rank knows: loss (last stages), tokens and tiles (first stages),
-    the slowest step time and data wait."""
+    the slowest step time and data wait, and each rank's busy time inside the schedule (CPU: process time)
+    for the measured bubble fraction = 1 - sum(busy) / (ranks x slowest schedule time)."""
     first = batch is not None
     sums = torch.tensor([float(sum(loss.item() for loss in losses)),
                          float(batch.real_tokens) if first else 0.0,
                          float(shape.tokens * config.data.microbatches) if first else 0.0,
                          float(batch.real_tiles) if first else 0.0,
-                         float(shape.tiles * config.data.microbatches) if first else 0.0], dtype=torch.float64)
-    maxes = torch.tensor([elapsed, wait], dtype=torch.float64)
+                         float(shape.tiles * config.data.microbatches) if first else 0.0, busy],
+                        dtype=torch.float64)
+    maxes = torch.tensor([elapsed, wait, pipeline_s], dtype=torch.float64)
     if mesh.device.type == "cuda":
         sums, maxes = sums.to(mesh.device), maxes.to(mesh.device)
     dist.all_reduce(sums)
     dist.all_reduce(maxes, op=dist.ReduceOp.MAX)
-    loss, tokens, padded, tiles, padded_tiles = sums.tolist()
-    step_s, wait_s = maxes.tolist()
+    loss, tokens, padded, tiles, padded_tiles, busy_sum = sums.tolist()
+    step_s, wait_s, pipeline_max = maxes.tolist()
     record = {"epoch": shape.epoch, "step": shape.step, "loss": loss, "step_s": step_s, "data_wait_s": wait_s,
               "tokens": int(tokens), "padded_tokens": int(padded), "tiles": int(tiles),
               "padded_tiles": int(padded_tiles), "tokens_per_s": tokens / step_s if step_s else 0.0,
-              "pad_fraction": 1 - tokens / padded if padded else 0.0}
+              "pad_fraction": 1 - tokens / padded if padded else 0.0,
+              "bubble_fraction": 1 - busy_sum / (mesh.dp * mesh.pp * pipeline_max) if pipeline_max else 0.0}
     if first and mesh.rank == 0:  # replica 0's padded microbatches, for the pipeline simulator
         chunks = [a.tensor_split(config.data.microbatches) for a in batch.args]
         record["microbatches"] = [asdict(features_of_carrier(tuple(c[m] for c in chunks)))

@@ -6,8 +6,9 @@ Run: .venv/bin/python -m pytest -q -s tests/benchmarks/test_bench_train.py -m be
 
 1. Measured: `packfeed train --nproc 2` (2 pipeline stages, gloo, M = 4) with an embedded server, one epoch of
    the same 200 demo samples per strategy — random packs of 4 samples, ISF, ISF + balance + 1F1B reordering;
-   partition search on each run's own data, no recompute. Epoch training time (sum of step times), tokens/s,
-   data wait, padding; the loss curves go to BENCHMARKS_loss.png.
+   no recompute. Round 1: each run searches its own partition (the whole system); round 2, in reverse order:
+   every strategy on round 1's ISF+balance partition (the data alone). Epoch training time (sum of step
+   times), tokens/s, data wait, padding, measured bubble; the loss curves go to BENCHMARKS_loss.png.
 2. Simulator check: the layer costs profiled by those runs, fitted per layer as c0 + c1 n + c2 q, predict every
    measured step from its padded microbatches; mean relative error against the measured compute time.
 3. Cluster scale: the same costs on the real length files (30,730 samples) at DP 8 x PP 4, M 8 — simulated step
@@ -54,16 +55,17 @@ def dataset(tmp_path_factory):
     return index
 
 
-def train_epoch(index: Path, strategy: str, out: Path) -> dict:
+def train_epoch(index: Path, strategy: str, out: Path, bounds: list[int] | None = None) -> dict:
+    partition = [f"partition.bounds=[{','.join(map(str, bounds))}]"] if bounds else \
+        ["partition.top_k=2", "partition.trial_steps=1"]
     overrides = [f"data.index={index}", f"data.strategy={strategy}", "data.microbatches=4", "data.job=bench",
                  "data.server_workers=1", "data.prefetch=4", "parallel.pp=2", "recompute.mode=none",
-                 "partition.top_k=2", "partition.trial_steps=1", "optim.steps=0", f"out={out}"] + \
-        [f"model.{k}={v}" for k, v in MODEL.items()]
+                 "optim.steps=0", f"out={out}", *partition] + [f"model.{k}={v}" for k, v in MODEL.items()]
     run = subprocess.run([sys.executable, "-m", "packfeed.server.cli", "train", "--nproc", "2", *overrides],
                          capture_output=True, text=True, timeout=1200)
     assert run.returncode == 0, run.stderr[-3000:]
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    partition = json.loads((out / "partition.json").read_text())
+    partition = json.loads((out / "partition.json").read_text()) if not bounds else {"bounds": bounds}
     return {"records": records, "partition": partition}
 
 
@@ -75,6 +77,7 @@ def summarise(strategy: str, run: dict) -> dict:
     padded = sum(r["padded_tokens"] for r in records)
     return {"strategy": strategy, "steps": len(records), "epoch_s": total, "wait_s": wait,
             "compute_s": total - wait, "tokens_per_s": tokens / total, "pad": 1 - tokens / padded,
+            "bubble": float(np.mean([r["bubble_fraction"] for r in records])),
             "bounds": run["partition"]["bounds"]}
 
 
@@ -92,33 +95,46 @@ def calibrate(runs: dict[str, dict]):
     return fit_layer_costs(profiles, features)
 
 
-def test_training_strategies_measured_and_simulated(dataset, tmp_path, real_index):
-    runs = {s: train_epoch(dataset, s, tmp_path / s.replace("+", "_")) for s in STRATEGIES}
+def print_measured(title: str, runs: dict[str, dict]) -> list[dict]:
     rows = [summarise(s, runs[s]) for s in STRATEGIES]
     base = rows[0]["epoch_s"]
-    print("\n[train] measured on CPU, PP 2 x DP 1, M 4, one epoch of 200 demo samples (2 cores shared by 2 stages "
-          "and the server's worker)")
-    print("[train] strategy | steps | epoch s | of which data wait | tokens/s | padding | speedup vs random | "
-          "partition")
+    print(f"[train] {title}")
+    print("[train] strategy | steps | epoch s | of which data wait | tokens/s | padding | bubble (measured) | "
+          "speedup vs random | partition")
     for r in rows:
         print(f"[train] {r['strategy']} | {r['steps']} | {r['epoch_s']:.1f} | {r['wait_s']:.1f} | "
-              f"{r['tokens_per_s']:.0f} | {r['pad']:.1%} | {base / r['epoch_s']:.2f}x | {r['bounds']}")
+              f"{r['tokens_per_s']:.0f} | {r['pad']:.1%} | {r['bubble']:.1%} | {base / r['epoch_s']:.2f}x | "
+              f"{r['bounds']}")
+    return rows
+
+
+def test_training_strategies_measured_and_simulated(dataset, tmp_path, real_index):
+    print("\n[train] measured on CPU, PP 2 x DP 1, M 4, one epoch of 200 demo samples (2 cores shared by 2 stages "
+          "and the server's worker)")
+    runs = {s: train_epoch(dataset, s, tmp_path / s.replace("+", "_")) for s in STRATEGIES}
+    rows = print_measured("round 1: each strategy with its own partition search", runs)
+    common = runs["isf+balance"]["partition"]["bounds"]
+    fixed = {s: train_epoch(dataset, s, tmp_path / f"fixed-{s.replace('+', '_')}", common)
+             for s in reversed(STRATEGIES)}
+    rows += print_measured(f"round 2 (reverse order): every strategy on partition {common}", fixed)
 
     costs = calibrate(runs)
     errors = []
     for strategy in STRATEGIES:
-        bounds = runs[strategy]["partition"]["bounds"]
-        for record in runs[strategy]["records"]:
-            predicted = simulate_pipeline(*stage_times(costs, bounds, [Features(**f) for f in
-                                                                       record["microbatches"]])).step_s
+        bubbles = []
+        measured_steps = [(runs[strategy]["partition"]["bounds"], r) for r in runs[strategy]["records"]] + \
+            [(common, r) for r in fixed[strategy]["records"]]
+        for bounds, record in measured_steps:
+            simulated = simulate_pipeline(*stage_times(costs, bounds, [Features(**f) for f in record["microbatches"]]))
             measured = record["step_s"] - record["data_wait_s"]
-            errors.append((predicted - measured) / measured)
+            errors.append((simulated.step_s - measured) / measured)
+            bubbles.append(simulated.bubble_fraction)
+        print(f"[train] {strategy}: simulated bubble of the measured steps {np.mean(bubbles):.1%}")
     errors = np.array(errors)
     print(f"[train] simulator vs measured compute per step ({len(errors)} steps): mean error {errors.mean():+.1%}, "
           f"mean |error| {np.abs(errors).mean():.1%}")
 
     cluster = simulate_cluster(costs, real_index)
-    base = cluster[0]["step_s"]
     print("[train] simulated at DP 8 x PP 4, M 8 on the real lengths (30,730 samples), this model's measured costs")
     print("[train] strategy | steps | mean step s | epoch s | bubble | speedup vs random")
     for c in cluster:
