@@ -31,12 +31,12 @@ def reference(steps) -> tuple[float, dict[str, torch.Tensor]]:
 
 
 def run_pipeline(tmp_path, steps, dp: int, pp: int, bounds: list[int], schedule: str = "1f1b",
-                 recompute: bool = False) -> list[dict]:
+                 recompute: bool = False, precision: str = "fp32") -> list[dict]:
     steps_file = tmp_path / "steps.pt"
     torch.save(steps, steps_file)
     world = dp * pp
     mp.spawn(pipeline_step, args=(world, dp, pp, str(tmp_path / "init"), str(steps_file), str(tmp_path), bounds,
-                                  schedule, recompute), nprocs=world, join=True)
+                                  schedule, recompute, precision), nprocs=world, join=True)
     return [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
 
 
@@ -63,6 +63,23 @@ def test_two_stage_pipeline_matches_single_process(tmp_path, served_steps, sched
                            recompute=recompute)
     # one replica holds half the global step: its share of the loss, and its share of the gradient
     assert_matches(results, 1, 2, expected_loss, expected_grads)
+
+
+@pytest.mark.slow
+def test_bf16_autocast_pipeline_tracks_fp32(tmp_path, served_steps):
+    """bf16 autocast with bf16 activations crossing the stage boundary: the same loss and gradient direction
+    as fp32 single-process training, within bf16's precision."""
+    step = served_steps[0][1]
+    expected_loss, expected_grads = reference([step])
+    n_layers = VLMConfig(**SMALL_MODEL).n_layers
+    results = run_pipeline(tmp_path, [step], dp=1, pp=2, bounds=[0, 3, n_layers], precision="bf16")
+    assert sum(results[1]["losses"]) == pytest.approx(expected_loss, rel=2e-2)
+    grads = {**results[0]["grads"], **results[1]["grads"]}
+    assert grads.keys() == expected_grads.keys()
+    ours = torch.cat([grads[name].float().flatten() for name in expected_grads])
+    theirs = torch.cat([g.flatten() for g in expected_grads.values()])
+    assert torch.nn.functional.cosine_similarity(ours, theirs, dim=0) > 0.99
+    assert float(ours.norm() / theirs.norm()) == pytest.approx(1.0, abs=0.05)
 
 
 @pytest.mark.slow

@@ -9,6 +9,7 @@ from packfeed.trainer.model import VLMConfig, build_layers
 from packfeed.trainer.pipeline import (
     PipelineRunner,
     StageModule,
+    autocast_dtype,
     make_mesh,
     share_step_shape,
     wrap_data_parallel,
@@ -19,7 +20,7 @@ SMALL_MODEL = dict(vocab_size=1024, tile_size=112, tokens_per_tile=16, vit_dim=3
 
 
 def pipeline_step(rank: int, world: int, dp: int, pp: int, init_file: str, steps_file: str, out_dir: str,
-                  bounds: list[int], schedule: str, recompute: bool) -> None:
+                  bounds: list[int], schedule: str, recompute: bool, precision: str = "fp32") -> None:
     """One training step's forward + backward through a (dp, pp) pipeline; saves this rank's gradients
     (named by global layer index) and the microbatch losses."""
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
@@ -29,8 +30,10 @@ def pipeline_step(rank: int, world: int, dp: int, pp: int, init_file: str, steps
         model = VLMConfig(**SMALL_MODEL)
         layers = build_layers(model)
         lo, hi = bounds[mesh.stage], bounds[mesh.stage + 1]
-        stage = StageModule(list(layers[lo:hi]), [recompute] * (hi - lo))
-        runner = PipelineRunner(mesh, wrap_data_parallel(stage, mesh), 2, model, bounds, schedule)
+        dtype = autocast_dtype(precision)
+        stage = StageModule(list(layers[lo:hi]), [recompute] * (hi - lo), dtype, hi == model.n_layers)
+        runner = PipelineRunner(mesh, wrap_data_parallel(stage, mesh), 2, model, bounds, schedule,
+                                dtype=dtype or torch.float32)
         batch = None
         if mesh.is_first:
             batch = microbatches_of(torch.load(steps_file, weights_only=False)[mesh.replica], model)

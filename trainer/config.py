@@ -37,6 +37,7 @@ class ParallelConfig:
     pp: int = 2
     schedule: str = "1f1b"  # or "gpipe"
     backend: str = ""  # "" = nccl on CUDA, gloo on CPU
+    precision: str = "fp32"  # or "bf16" / "fp16": autocast, and activations cross stages in that dtype
     device: str = ""  # "" = cuda when available
 
 
@@ -70,6 +71,7 @@ class OptimConfig:
     weight_decay: float = 0.01
     steps: int = 0  # 0 = until the stream ends
     warmup_steps: int = 10
+    clip_grad_norm: float = 1.0  # over the whole model across stages; 0 = no clipping
 
 
 @dataclass

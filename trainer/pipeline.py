@@ -43,17 +43,23 @@ class StageModule(nn.Module):
     """Layers bounds[s]:bounds[s+1] of the model; `recompute[i]` recomputes layer i's activations in backward
     instead of keeping them (activation checkpointing, chosen per layer by `packfeed.trainer.recompute`)."""
 
-    def __init__(self, layers: list[nn.Module], recompute: list[bool] | None = None):
+    def __init__(self, layers: list[nn.Module], recompute: list[bool] | None = None,
+                 autocast: torch.dtype | None = None, ends_model: bool = False):
         super().__init__()
         self.layers = nn.ModuleList(layers)
         self.recompute = list(recompute or [False] * len(layers))
+        self.autocast, self.ends_model = autocast, ends_model
 
     def forward(self, *carrier: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        for layer, again in zip(self.layers, self.recompute):
-            if again and torch.is_grad_enabled():
-                carrier = checkpoint(layer, *carrier, use_reentrant=False)
-            else:
-                carrier = layer(*carrier)
+        device = next((t.device.type for t in carrier), "cpu")
+        with torch.autocast(device, dtype=self.autocast or torch.float32, enabled=self.autocast is not None):
+            for layer, again in zip(self.layers, self.recompute):
+                if again and torch.is_grad_enabled():
+                    carrier = checkpoint(layer, *carrier, use_reentrant=False)
+                else:
+                    carrier = layer(*carrier)
+        if self.autocast is not None and not self.ends_model:  # one boundary dtype: half the bytes to send
+            carrier = tuple(t.to(self.autocast) if t.is_floating_point() else t for t in carrier)
         return tuple(t.contiguous() for t in carrier)  # point-to-point sends need contiguous tensors
 
 
@@ -128,7 +134,7 @@ class PipelineRunner:
     bounds: list[int]
     schedule: str = "1f1b"
     cache_size: int = 8
-    dtype: torch.dtype = torch.float32
+    dtype: torch.dtype = torch.float32  # of the float activations crossing stage boundaries
     _schedules: OrderedDict = field(default_factory=OrderedDict)
 
     def _schedule_for(self, shape: StepShape):
@@ -139,7 +145,8 @@ class PipelineRunner:
         first, last = self.bounds[self.mesh.stage], self.bounds[self.mesh.stage + 1]
         def example(layer: int) -> tuple[torch.Tensor, ...]:  # activations that carry gradients say so
             carrier = example_carrier(self.model, layer, shape.tokens, shape.tiles, shape.samples,
-                                      self.mesh.device, self.dtype)
+                                      self.mesh.device, self.dtype if 0 < layer < self.model.n_layers else
+                                      torch.float32)
             return tuple(t.requires_grad_(t.is_floating_point() and layer > 0) for t in carrier)
         stage = PipelineStage(self.module, self.mesh.stage, self.mesh.pp, self.mesh.device,
                               input_args=example(first), output_args=example(last), group=self.mesh.pp_group)
@@ -175,6 +182,30 @@ class PipelineRunner:
         else:
             schedule.step()
         return [loss.detach() / self.mesh.dp for loss in losses]
+
+
+PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def autocast_dtype(precision: str) -> torch.dtype | None:
+    if precision not in PRECISIONS:
+        raise ValueError(f"parallel.precision {precision!r}: choose one of {', '.join(PRECISIONS)}")
+    return PRECISIONS[precision]
+
+
+def clip_gradients(stage: nn.Module, mesh: Mesh, max_norm: float) -> float:
+    """Global gradient norm over the whole model (the pipeline's stages; DP replicas already hold the same
+    averaged gradients), and clipping to `max_norm` when it is > 0. Returns the norm before clipping."""
+    grads = [p.grad for p in stage.parameters() if p.grad is not None]
+    squares = torch.zeros((), dtype=torch.float64, device=mesh.device)
+    for grad in grads:
+        squares += grad.detach().double().pow(2).sum()
+    if mesh.pp > 1:
+        dist.all_reduce(squares, group=mesh.pp_group)
+    norm = float(squares.sqrt())
+    if max_norm > 0 and norm > max_norm:
+        torch._foreach_mul_(grads, max_norm / (norm + 1e-6))
+    return norm
 
 
 def wrap_data_parallel(module: nn.Module, mesh: Mesh) -> nn.Module:

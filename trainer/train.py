@@ -28,6 +28,8 @@ from packfeed.trainer.pipeline import (
     Mesh,
     PipelineRunner,
     StageModule,
+    autocast_dtype,
+    clip_gradients,
     make_mesh,
     share_step_shape,
     validate_partition,
@@ -158,10 +160,11 @@ class Trainer:
 
     def use(self, bounds: list[int], recompute: list[bool] | None = None) -> None:
         lo, hi = bounds[self.mesh.stage], bounds[self.mesh.stage + 1]
-        self.stage = StageModule(list(self.layers[lo:hi]), recompute)
+        precision = autocast_dtype(self.config.parallel.precision)
+        self.stage = StageModule(list(self.layers[lo:hi]), recompute, precision, hi == len(self.kinds))
         self.runner = PipelineRunner(self.mesh, wrap_data_parallel(self.stage, self.mesh),
                                      self.config.data.microbatches, self.model, bounds,
-                                     self.config.parallel.schedule)
+                                     self.config.parallel.schedule, dtype=precision or torch.float32)
 
     def stage_kinds(self, bounds: list[int]) -> list[str]:
         return self.kinds[bounds[self.mesh.stage]:bounds[self.mesh.stage + 1]]
@@ -234,7 +237,9 @@ def decide_partition(trainer: Trainer, config: TrainConfig, mesh: Mesh, out: Pat
         batches = trainer.source.peek(p.profile_steps)
         microbatches = [tuple(a.tensor_split(config.data.microbatches)[m] for a in b.args)
                         for b in batches for m in range(config.data.microbatches)]
-        profile = profile_layers(trainer.layers, trainer.kinds, microbatches, mesh.device, repeats=1)
+        precision = autocast_dtype(config.parallel.precision)
+        with torch.autocast(mesh.device.type, dtype=precision or torch.float32, enabled=precision is not None):
+            profile = profile_layers(trainer.layers, trainer.kinds, microbatches, mesh.device, repeats=1)
         features = [asdict(features_of_carrier(mb)) for mb in microbatches]
         decision = partitioning.search_partition(profile, mesh.pp, radius=p.radius, top_k=0,
                                                  comm_gbps=p.comm_gbps or measure_bandwidth_gbps(mesh))
@@ -444,12 +449,14 @@ def run_training(trainer: Trainer, optimizer, scheduler, config: TrainConfig, me
         # CPU time of this process while the schedule ran ~ its compute (a blocked receive sleeps)
         busy = time.process_time() - busy_started if mesh.device.type == "cpu" else float("nan")
         pipeline_s = time.perf_counter() - pipeline_started
+        grad_norm = clip_gradients(trainer.stage, mesh, config.optim.clip_grad_norm)
         optimizer.step()
         scheduler.step()
         trainer.sync()
         elapsed = time.perf_counter() - started
         wait = (trainer.source.data_wait_s - wait_before) if trainer.source else 0.0
         record = step_record(mesh, shape, batch, losses, elapsed, wait, config, busy, pipeline_s)
+        record["grad_norm"] = grad_norm
         history.append(record)
         steps_done += 1
         if every and steps_done % every == 0:
