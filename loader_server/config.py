@@ -7,6 +7,10 @@
     memory_budget_mb: 2048      # prepared packs held in memory across all streams
     max_message_mb: 256
     auth_token: ""              # when set, calls must carry `authorization: Bearer <token>`
+    redis_url: redis://redis:6379/0   # several servers share jobs through Redis (default: none, one server)
+    redis_password: ""
+    advertise: loader-1:50051   # address clients use to reach this server (listed in Redis for discovery)
+    lease_ttl_s: 10             # a rank whose server died is taken over by another after this long
     datasets:
       demo:
         index: /data/demo/index.parquet
@@ -14,7 +18,8 @@
         shard_root: /data/demo/shards          # default: the shard paths recorded in the index
 
 Environment: PACKFEED_LISTEN, PACKFEED_METRICS_PORT, PACKFEED_WORKERS, PACKFEED_PREFETCH_STEPS,
-PACKFEED_MEMORY_BUDGET_MB, PACKFEED_MAX_MESSAGE_MB, PACKFEED_AUTH_TOKEN, and for a single dataset
+PACKFEED_MEMORY_BUDGET_MB, PACKFEED_MAX_MESSAGE_MB, PACKFEED_AUTH_TOKEN, PACKFEED_REDIS_URL,
+PACKFEED_REDIS_PASSWORD, PACKFEED_ADVERTISE, PACKFEED_LEASE_TTL_S, and for a single dataset
 PACKFEED_INDEX / PACKFEED_TOKENIZER / PACKFEED_SHARD_ROOT. Image policy and chat template always come from
 the index: they decided the token counts the plan balances, so serving with others would break it.
 """
@@ -44,6 +49,11 @@ class ServerConfig:
     memory_budget_mb: int = 2048
     max_message_mb: int = 256
     auth_token: str = ""
+    # Several servers sharing jobs: coordination in Redis (empty = in this process, one server).
+    redis_url: str = ""  # redis://host:6379/0, or rediss:// for TLS
+    redis_password: str = ""
+    advertise: str = ""  # host:port clients reach this server at (default: the listen host and bound port)
+    lease_ttl_s: float = 10.0  # a rank whose server stops renewing is free for another after this long
     datasets: dict[str, DatasetSource] = field(default_factory=dict)
 
     def validate(self) -> "ServerConfig":
@@ -54,6 +64,8 @@ class ServerConfig:
             problems.append("prefetch_steps must be >= 1")
         if self.memory_budget_mb < 1:
             problems.append("memory_budget_mb must be >= 1")
+        if self.lease_ttl_s <= 0:
+            problems.append("lease_ttl_s must be > 0")
         if not self.datasets:
             problems.append("no dataset: give --index, PACKFEED_INDEX, or `datasets:` in the config file")
         for name, source in self.datasets.items():
@@ -88,7 +100,8 @@ def load_config(path: str | Path | None = None, environ: dict[str, str] | None =
     for name, spec in known.items():
         env = environ.get(ENV_PREFIX + name.upper())
         if env is not None:
-            values[name] = int(env) if spec.type in (int, "int") else env
+            values[name] = int(env) if spec.type in (int, "int") else float(env) if spec.type in (float, "float") \
+                else env
     values.update({k: v for k, v in flags.items() if v is not None and k in known})
     index = flags.get("index") or environ.get(ENV_PREFIX + "INDEX")
     if index:
@@ -101,4 +114,5 @@ def load_config(path: str | Path | None = None, environ: dict[str, str] | None =
 def describe(config: ServerConfig) -> str:
     shown = dataclasses.asdict(config)
     shown["auth_token"] = "***" if config.auth_token else ""
+    shown["redis_password"] = "***" if config.redis_password else ""
     return json.dumps(shown, sort_keys=True)

@@ -25,6 +25,14 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 from packfeed.server.config import ServerConfig, describe
+from packfeed.server.coord import (
+    CoordinationError,
+    CoordinationUnavailable,
+    Coordinator,
+    EmbeddedCoordinator,
+    JobRecord,
+    coordinator_from_url,
+)
 from packfeed.server.jobs import Dataset, Job, JobError, JobRegistry, JobSpec
 from packfeed.server.costs import CostModel
 from packfeed.server.plan import PlanConfig
@@ -139,16 +147,66 @@ class RankStream:
 
 
 class PackfeedService:
-    def __init__(self, config: ServerConfig, registry: JobRegistry, pool: ProcessPoolExecutor, metrics: Metrics):
+    def __init__(self, config: ServerConfig, registry: JobRegistry, pool: ProcessPoolExecutor, metrics: Metrics,
+                 coordinator: Coordinator | None = None, server_id: str = "local"):
         self.config, self.registry, self.pool, self.metrics = config, registry, pool, metrics
+        self.coordinator = coordinator or EmbeddedCoordinator()
+        self.server_id = server_id
         self.budget = MemoryBudget(config.memory_budget_mb << 20, metrics)
         self.sent: dict[tuple[str, int], collections.deque] = collections.defaultdict(collections.deque)
+        self.unsynced_acks: dict[tuple[str, int], tuple[int, int]] = {}  # acks Redis has not taken yet
+
+    # -- coordination -----------------------------------------------------------------------------------
+
+    def _register(self, job: Job) -> None:
+        """Every server serving a job must compute the same plan over the same index."""
+        record = JobRecord(job.spec.describe(), job.plan(0).fingerprint(), job.dataset.info.fingerprint)
+        try:
+            self.coordinator.register_job(job.spec.job, record)
+        except CoordinationError as error:
+            self.registry.jobs.pop(job.spec.job, None)
+            raise JobError(error.code, str(error)) from None
+        except CoordinationUnavailable as error:
+            self.registry.jobs.pop(job.spec.job, None)
+            raise JobError("UNAVAILABLE", f"cannot register job {job.spec.job!r}: {error}; retry") from None
+
+    def _hold_lease(self, job: str, rank: int) -> bool | None:
+        """Take or keep this rank's lease: True held, False another server holds it, None Redis unreachable."""
+        try:
+            return self.coordinator.acquire_lease(job, rank, self.server_id, self.config.lease_ttl_s)
+        except CoordinationUnavailable:
+            return None
+
+    def _sync_acks(self) -> None:
+        for (job, rank), (epoch, step) in list(self.unsynced_acks.items()):
+            try:
+                self.coordinator.ack(job, rank, epoch, step)
+            except CoordinationUnavailable:
+                return
+            if self.unsynced_acks.get((job, rank)) == (epoch, step):
+                del self.unsynced_acks[(job, rank)]
+
+    async def keep_lease(self, job: str, rank: int, lost: asyncio.Event) -> None:
+        """Renew the lease at a third of its TTL; while Redis is unreachable, keep streaming and retry. If
+        another server took the rank meanwhile (Redis thought this one dead), stop the stream."""
+        warned = False
+        while True:
+            await asyncio.sleep(self.config.lease_ttl_s / 3)
+            held = await asyncio.to_thread(self._hold_lease, job, rank)
+            if held is False:
+                lost.set()
+                return
+            if held is None and not warned:
+                log.warning("coordinator unreachable: streaming on, retrying", extra={"job": job, "rank": rank})
+            warned = held is None
+            await asyncio.to_thread(self._sync_acks)
 
     # -- unary calls ------------------------------------------------------------------------------------
 
     async def open_job(self, request: pb.OpenJobRequest, context) -> pb.JobInfo:
         spec = JobSpec(request.job, request.dataset, plan_config_of(request.plan), request.seed, request.epochs or 1)
         job = await asyncio.to_thread(self.registry.open_job, spec)
+        await asyncio.to_thread(self._register, job)
         log.info("job opened", extra={"job": spec.job, "spec": job.spec.describe()})
         return self.job_info(job)
 
@@ -161,6 +219,9 @@ class PackfeedService:
     async def ack_step(self, request: pb.AckStepRequest, context) -> pb.AckStepResponse:
         job = self.registry.get(request.job)
         await asyncio.to_thread(job.ack, request.rank, request.epoch, request.step)
+        key = (request.job, request.rank)
+        self.unsynced_acks[key] = max(self.unsynced_acks.get(key, (-1, -1)), (request.epoch, request.step))
+        await asyncio.to_thread(self._sync_acks)
         unacked = self.sent[(request.job, request.rank)]
         while unacked and unacked[0] <= (request.epoch, request.step):
             unacked.popleft()
@@ -189,6 +250,13 @@ class PackfeedService:
         start = (request.first_epoch, request.first_step)
         await asyncio.to_thread(job.check_step, *start)
         labels = (job.spec.job, str(request.rank))
+        if await asyncio.to_thread(self._hold_lease, job.spec.job, request.rank) is False:
+            owner = await asyncio.to_thread(self.coordinator.lease_owner, job.spec.job, request.rank)
+            raise JobError("UNAVAILABLE", f"rank {request.rank} of job {job.spec.job!r} is being served by {owner}; "
+                                          f"if that server is gone, its lease lapses within "
+                                          f"{self.config.lease_ttl_s:g} s: retry")
+        lost = asyncio.Event()
+        keeper = asyncio.create_task(self.keep_lease(job.spec.job, request.rank, lost))
         queue: asyncio.Queue = asyncio.Queue(maxsize=self.config.prefetch_steps)
         held = [0]  # bytes this stream holds in the budget
         producer = asyncio.create_task(self._produce(job, request.rank, start, queue, held))
@@ -202,6 +270,9 @@ class PackfeedService:
                 job.ranks[request.rank].queued = queue.qsize()
                 if item is None:
                     break
+                if lost.is_set():
+                    raise JobError("ABORTED", f"another server took rank {request.rank} of job "
+                                              f"{job.spec.job!r}: reconnect to continue")
                 (epoch, step), result = item
                 for message in result.messages:
                     yield message
@@ -210,7 +281,10 @@ class PackfeedService:
                 self._account(job, request.rank, epoch, step, result)
                 sent_steps += 1
         finally:
+            keeper.cancel()
             producer.cancel()
+            if not lost.is_set():
+                await asyncio.to_thread(self._let_go, job.spec.job, request.rank)
             while not queue.empty():  # give back what the cancelled stream still held
                 item = queue.get_nowait()
                 if item is not None:
@@ -218,6 +292,12 @@ class PackfeedService:
             log.info("stream ended", extra={"job": job.spec.job, "rank": request.rank, "steps_sent": sent_steps})
         if producer.done() and not producer.cancelled() and producer.exception():
             await context.abort(grpc.StatusCode.INTERNAL, f"pack preparation failed: {producer.exception()!r}")
+
+    def _let_go(self, job: str, rank: int) -> None:
+        try:
+            self.coordinator.release_lease(job, rank, self.server_id)
+        except CoordinationUnavailable:
+            pass  # it lapses by itself
 
     async def _produce(self, job: Job, rank: int, cursor, queue: asyncio.Queue, held: list[int]) -> None:
         loop = asyncio.get_running_loop()
@@ -258,10 +338,19 @@ class PackfeedService:
                                                  "key": key, "reason": reason})
         if result.skipped:
             job.record_skipped(epoch, step, result.skipped)
+            asyncio.get_running_loop().run_in_executor(None, self._share_skipped, name, result.skipped)
         job.ranks[rank].streamed = (epoch, step)
         unacked = self.sent[(name, rank)]
         unacked.append((epoch, step))
         self.metrics.lag.labels(name, str(rank)).set(len(unacked))
+
+    def _share_skipped(self, job: str, skipped: list[tuple[str, str]]) -> None:
+        try:
+            for key, reason in skipped:
+                self.coordinator.add_skipped(job, key, reason)
+        except CoordinationUnavailable:
+            log.warning("coordinator unreachable: skipped samples kept in this server's job status only",
+                        extra={"job": job})
 
     # -- wiring -----------------------------------------------------------------------------------------
 
@@ -319,13 +408,24 @@ def grpc_options(config: ServerConfig) -> list[tuple[str, int]]:
     return [("grpc.max_send_message_length", size), ("grpc.max_receive_message_length", size)]
 
 
+async def announce(coordinator: Coordinator, address: str, ttl_s: float) -> None:
+    """Keep this server in the coordinator's list of live servers (clients discover servers there)."""
+    while True:
+        try:
+            await asyncio.to_thread(coordinator.heartbeat_server, address, ttl_s)
+        except CoordinationUnavailable:
+            pass
+        await asyncio.sleep(ttl_s / 3)
+
+
 async def serve(config: ServerConfig, ready: asyncio.Event | None = None, stop: asyncio.Event | None = None) -> None:
     """Run the server until SIGTERM/SIGINT (or `stop` is set)."""
     started = time.perf_counter()
     datasets = {name: await asyncio.to_thread(Dataset.open, name, source) for name, source in config.datasets.items()}
     pool = start_pool(config.datasets, config.workers)
     metrics = Metrics()
-    service = PackfeedService(config, JobRegistry(datasets), pool, metrics)
+    coordinator = coordinator_from_url(config.redis_url, config.redis_password)
+    service = PackfeedService(config, JobRegistry(datasets), pool, metrics, coordinator)
     interceptors = [TokenAuth(config.auth_token)] if config.auth_token else []
     server = grpc.aio.server(interceptors=interceptors, options=grpc_options(config))
     server.add_generic_rpc_handlers((service.handler(),))
@@ -336,6 +436,9 @@ async def serve(config: ServerConfig, ready: asyncio.Event | None = None, stop: 
     if port == 0:
         raise OSError(f"cannot listen on {config.listen}")
     await server.start()
+    host = config.listen.rsplit(":", 1)[0].strip("[]")
+    service.server_id = config.advertise or f"{'127.0.0.1' if host in ('', '0.0.0.0', '::') else host}:{port}"
+    announcer = asyncio.create_task(announce(coordinator, service.server_id, config.lease_ttl_s))
     if config.metrics_port:
         start_http_server(config.metrics_port, addr=config.listen.rsplit(":", 1)[0].strip("[]") or "0.0.0.0",
                           registry=metrics.registry)
@@ -343,6 +446,7 @@ async def serve(config: ServerConfig, ready: asyncio.Event | None = None, stop: 
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     log.info("serving", extra={"listen": config.listen, "port": port, "metrics_port": config.metrics_port,
                                "datasets": sorted(datasets), "startup_seconds": round(time.perf_counter() - started, 2),
+                               "server_id": service.server_id,
                                "config": describe(config)})
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -355,6 +459,7 @@ async def serve(config: ServerConfig, ready: asyncio.Event | None = None, stop: 
         ready.set()
     await stop.wait()
     log.info("stopping")
+    announcer.cancel()
     for name in ("", SERVICE):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
     await server.stop(grace=2)
