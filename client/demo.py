@@ -7,11 +7,10 @@ import time
 from pathlib import Path
 
 import numpy as np
-from tqdm import tqdm
-
 from packfeed.client.local import LocalServer
 from packfeed.client.stream import PackStream
 from packfeed.server.metrics import dist_ratio
+from tqdm import tqdm
 
 
 def consume_epoch(index: Path, dp: int = 2, microbatches: int = 2, pipeline_stages: int = 2,

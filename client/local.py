@@ -34,7 +34,7 @@ class LocalServer:
         self.target = ""
         self.log: list[str] = []  # the server's structured log lines
 
-    def start(self) -> "LocalServer":
+    def start(self) -> LocalServer:
         self.process = subprocess.Popen(self.args, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
                                         env=self.env)
         ready = threading.Event()
@@ -67,7 +67,7 @@ class LocalServer:
                 self.process.kill()
                 self.process.wait()
 
-    def __enter__(self) -> "LocalServer":
+    def __enter__(self) -> LocalServer:
         return self.start()
 
     def __exit__(self, *exc) -> None:

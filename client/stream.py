@@ -23,14 +23,14 @@ import queue
 import threading
 import time
 import warnings
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any
 
 import grpc
 import numpy as np
 import torch
-
 from packfeed.client.wire import array_of, split_pack
 from packfeed.v1 import packfeed_pb2 as pb
 from packfeed.v1 import packfeed_pb2_grpc as pb_grpc
@@ -141,30 +141,30 @@ class PackStream:
                  backoff: float = 0.5, token: str | None = None, acknowledge: bool = True,
                  index: str | None = None, max_message_mb: int = 256, cost_model: dict | None = None):
         if (target is None) == (index is None):
-            raise ValueError("give a server target ('host:port') or an index for an embedded server, not both")
+            raise ValueError("give a server target ('host:port', or several for failover) or an index for an "
+                             "embedded server, not both")
         self._local = None
         if index is not None:
             from packfeed.client.local import LocalServer
 
             self._local = LocalServer(index).start()
             target = self._local.target
-        self.target, self.job, self.rank = target, job, rank
+        self.targets = [target] if isinstance(target, str) else list(target)
+        if not self.targets:
+            raise ValueError("no server target given")
+        self.job, self.rank = job, rank
         self.prefetch, self.pin_memory, self.timeout = max(1, prefetch), pin_memory, timeout
         self.retries, self.backoff, self.acknowledge = retries, backoff, acknowledge
         self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
-        size = max_message_mb << 20
-        self._channel = grpc.insecure_channel(target, options=[("grpc.max_receive_message_length", size),
-                                                               ("grpc.max_send_message_length", size)])
-        self._stub = pb_grpc.PackfeedStub(self._channel)
-        # Packs arrive as raw bytes: `pack_of` reads them without protobuf's copies of the tensor payload.
-        self._stream_packs = self._channel.unary_stream(
-            f"/{pb.DESCRIPTOR.services_by_name['Packfeed'].full_name}/StreamPacks",
-            request_serializer=pb.StreamPacksRequest.SerializeToString, response_deserializer=None)
+        self._message_size = max_message_mb << 20
+        self._switching = threading.Lock()
+        self._target_index = 0
+        self._connect()
         self._open_request = pb.OpenJobRequest(job=job, dataset=dataset, seed=seed, epochs=epochs, plan=pb.PlanSpec(
             dp=dp, microbatches=microbatches, pipeline_stages=pipeline_stages, strategy=strategy,
             vision_cap=vision_cap, token_cap=token_cap, oversize=oversize,
             cost_model=pb.CostCoefficients(**cost_model) if cost_model else None))
-        self.info: pb.JobInfo = self._call(self._stub.OpenJob, self._open_request)
+        self.info: pb.JobInfo = self._call("OpenJob", self._open_request)
         if not 0 <= rank < self.info.plan.dp:
             raise PackfeedError(f"rank {rank} is outside the job's {self.info.plan.dp} ranks")
         self.microbatches = self.info.plan.microbatches
@@ -223,20 +223,47 @@ class PackStream:
 
     # -- plumbing ---------------------------------------------------------------------------------------
 
-    def _call(self, method, request):
+    @property
+    def target(self) -> str:
+        """The server this stream talks to now."""
+        return self.targets[self._target_index]
+
+    def _connect(self) -> None:
+        size = self._message_size
+        self._channel = grpc.insecure_channel(self.target, options=[("grpc.max_receive_message_length", size),
+                                                                    ("grpc.max_send_message_length", size)])
+        self._stub = pb_grpc.PackfeedStub(self._channel)
+        # Packs arrive as raw bytes: `pack_of` reads them without protobuf's copies of the tensor payload.
+        self._stream_packs = self._channel.unary_stream(
+            f"/{pb.DESCRIPTOR.services_by_name['Packfeed'].full_name}/StreamPacks",
+            request_serializer=pb.StreamPacksRequest.SerializeToString, response_deserializer=None)
+
+    def _fail_over(self) -> None:
+        """Move on to the next known server (round robin); a no-op with one target."""
+        if len(self.targets) < 2:
+            return
+        with self._switching:
+            old = self._channel
+            self._target_index = (self._target_index + 1) % len(self.targets)
+            self._connect()
+        old.close()
+
+    def _call(self, name: str, request):
+        """A unary call by method name, retried with backoff, failing over between known servers."""
         for attempt in range(self.retries + 1):
             try:
-                return method(request, timeout=self.timeout, metadata=self._metadata)
+                return getattr(self._stub, name)(request, timeout=self.timeout, metadata=self._metadata)
             except grpc.RpcError as error:
                 if error.code() not in RETRYABLE or attempt == self.retries:
                     raise PackfeedError(f"{error.code().name}: {error.details()}", error.code()) from None
+                self._fail_over()
                 time.sleep(self.backoff * 2 ** attempt)
         raise AssertionError("unreachable")
 
     def _reopen(self) -> None:
         """After a server restart (it keeps jobs in memory): open the job again. Plans are a pure function of
         the job's settings, so the new server streams the same packs, unless the dataset changed under it."""
-        info = self._call(self._stub.OpenJob, self._open_request)
+        info = self._call("OpenJob", self._open_request)
         if info.plan_fingerprint != self.info.plan_fingerprint:
             raise PackfeedError(f"job {self.job!r} was re-opened after a server restart with another plan "
                                 f"({info.plan_fingerprint}, was {self.info.plan_fingerprint}): did the index change?",
@@ -257,7 +284,7 @@ class PackStream:
         if self._local is not None:
             self._local.stop()
 
-    def __enter__(self) -> "PackStream":
+    def __enter__(self) -> PackStream:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -355,8 +382,9 @@ class _Receiver:
                     continue
                 if code not in RETRYABLE or failures >= s.retries:
                     self._put(PackfeedError(f"{code.name}: {details} (job {s.job!r}, rank {s.rank}, "
-                                            f"step {cursor[0]}:{cursor[1]})", code))
+                                            f"step {cursor[0]}:{cursor[1]}, servers {s.targets})", code))
                     return
+                s._fail_over()  # another server (when several are known) continues from the same step
                 time.sleep(s.backoff * 2 ** failures)
                 failures += 1
             except Exception as error:  # never leave the trainer waiting on a dead thread

@@ -22,8 +22,6 @@ from dataclasses import dataclass
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
-
 from packfeed.server.config import ServerConfig, describe
 from packfeed.server.coord import (
     CoordinationError,
@@ -33,11 +31,18 @@ from packfeed.server.coord import (
     JobRecord,
     coordinator_from_url,
 )
-from packfeed.server.jobs import Dataset, Job, JobError, JobRegistry, JobSpec
 from packfeed.server.costs import CostModel
+from packfeed.server.jobs import Dataset, Job, JobError, JobRegistry, JobSpec
 from packfeed.server.plan import PlanConfig
 from packfeed.server.workers import RankStepResult, build_rank_step, start_pool
 from packfeed.v1 import packfeed_pb2 as pb
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    start_http_server,
+)
 
 SERVICE = "packfeed.v1.Packfeed"
 log = logging.getLogger("packfeed.server")
