@@ -130,7 +130,10 @@ class PackStream:
     stream (see `packfeed.client.LocalServer` to share one between several ranks of one process).
     Plan settings (dp, microbatches, pipeline_stages, strategy, vision_cap/token_cap, oversize, seed,
     epochs, cost_model) must be the same on every rank: the server refuses a contradiction
-    (FAILED_PRECONDITION). `cost_model` = {vision_linear, vision_quadratic, llm_linear, llm_quadratic}, e.g.
+    (FAILED_PRECONDITION). `target` may list several servers of one deployment: on failure the stream moves
+    to the next and continues from the first step it has not fully received (`servers_from_redis` lists the
+    live ones). TLS: `tls_ca` (PEM) verifies the server; `tls_cert` + `tls_key` add a client certificate for
+    mutual TLS. `cost_model` = {vision_linear, vision_quadratic, llm_linear, llm_quadratic}, e.g.
     the coefficients `packfeed train` measured (OUT/cost_model.json); None = the server's default.
     """
 
@@ -139,7 +142,8 @@ class PackStream:
                  epochs: int = 1, vision_cap: int = 0, token_cap: int = 0, oversize: str = "",
                  prefetch: int = 2, pin_memory: bool = False, timeout: float = 60.0, retries: int = 5,
                  backoff: float = 0.5, token: str | None = None, acknowledge: bool = True,
-                 index: str | None = None, max_message_mb: int = 256, cost_model: dict | None = None):
+                 index: str | None = None, max_message_mb: int = 256, cost_model: dict | None = None,
+                 tls_ca: str | None = None, tls_cert: str | None = None, tls_key: str | None = None):
         if (target is None) == (index is None):
             raise ValueError("give a server target ('host:port', or several for failover) or an index for an "
                              "embedded server, not both")
@@ -157,6 +161,10 @@ class PackStream:
         self.retries, self.backoff, self.acknowledge = retries, backoff, acknowledge
         self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
         self._message_size = max_message_mb << 20
+        self._credentials = None
+        if tls_ca or tls_cert:  # TLS: verify the server against tls_ca; present tls_cert/tls_key for mutual TLS
+            read = lambda path: open(path, "rb").read() if path else None  # noqa: E731
+            self._credentials = grpc.ssl_channel_credentials(read(tls_ca), read(tls_key), read(tls_cert))
         self._switching = threading.Lock()
         self._target_index = 0
         self._connect()
@@ -230,8 +238,9 @@ class PackStream:
 
     def _connect(self) -> None:
         size = self._message_size
-        self._channel = grpc.insecure_channel(self.target, options=[("grpc.max_receive_message_length", size),
-                                                                    ("grpc.max_send_message_length", size)])
+        options = [("grpc.max_receive_message_length", size), ("grpc.max_send_message_length", size)]
+        self._channel = grpc.secure_channel(self.target, self._credentials, options=options) \
+            if self._credentials else grpc.insecure_channel(self.target, options=options)
         self._stub = pb_grpc.PackfeedStub(self._channel)
         # Packs arrive as raw bytes: `pack_of` reads them without protobuf's copies of the tensor payload.
         self._stream_packs = self._channel.unary_stream(

@@ -11,6 +11,9 @@
     redis_password: ""
     advertise: loader-1:50051   # address clients use to reach this server (listed in Redis for discovery)
     lease_ttl_s: 10             # a rank whose server died is taken over by another after this long
+    tls_cert: /certs/server.pem # TLS (with tls_key); add tls_client_ca for mutual TLS
+    tls_key: /certs/server.key
+    max_streams_per_client: 64  # concurrent pack streams per client host
     datasets:
       demo:
         index: /data/demo/index.parquet
@@ -19,7 +22,8 @@
 
 Environment: PACKFEED_LISTEN, PACKFEED_METRICS_PORT, PACKFEED_WORKERS, PACKFEED_PREFETCH_STEPS,
 PACKFEED_MEMORY_BUDGET_MB, PACKFEED_MAX_MESSAGE_MB, PACKFEED_AUTH_TOKEN, PACKFEED_REDIS_URL,
-PACKFEED_REDIS_PASSWORD, PACKFEED_ADVERTISE, PACKFEED_LEASE_TTL_S, and for a single dataset
+PACKFEED_REDIS_PASSWORD, PACKFEED_ADVERTISE, PACKFEED_LEASE_TTL_S, PACKFEED_TLS_CERT, PACKFEED_TLS_KEY,
+PACKFEED_TLS_CLIENT_CA, PACKFEED_MAX_STREAMS_PER_CLIENT, and for a single dataset
 PACKFEED_INDEX / PACKFEED_TOKENIZER / PACKFEED_SHARD_ROOT. Image policy and chat template always come from
 the index: they decided the token counts the plan balances, so serving with others would break it.
 """
@@ -54,6 +58,12 @@ class ServerConfig:
     redis_password: str = ""
     advertise: str = ""  # host:port clients reach this server at (default: the listen host and bound port)
     lease_ttl_s: float = 10.0  # a rank whose server stops renewing is free for another after this long
+    # TLS: server certificate + key (PEM files); with tls_client_ca, clients must present a certificate it
+    # signed (mutual TLS). Empty = plaintext (loopback, or a trusted network).
+    tls_cert: str = ""
+    tls_key: str = ""
+    tls_client_ca: str = ""
+    max_streams_per_client: int = 64  # concurrent StreamPacks per client host; 0 = no limit
     datasets: dict[str, DatasetSource] = field(default_factory=dict)
 
     def validate(self) -> "ServerConfig":
@@ -66,6 +76,13 @@ class ServerConfig:
             problems.append("memory_budget_mb must be >= 1")
         if self.lease_ttl_s <= 0:
             problems.append("lease_ttl_s must be > 0")
+        if bool(self.tls_cert) != bool(self.tls_key):
+            problems.append("give both tls_cert and tls_key (PEM files), or neither")
+        if self.tls_client_ca and not self.tls_cert:
+            problems.append("tls_client_ca (mutual TLS) needs tls_cert and tls_key too")
+        for name in ("tls_cert", "tls_key", "tls_client_ca"):
+            if getattr(self, name) and not Path(getattr(self, name)).is_file():
+                problems.append(f"{name} {getattr(self, name)} not found")
         if not self.datasets:
             problems.append("no dataset: give --index, PACKFEED_INDEX, or `datasets:` in the config file")
         for name, source in self.datasets.items():

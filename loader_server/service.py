@@ -18,6 +18,7 @@ import signal
 import time
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -160,6 +161,7 @@ class PackfeedService:
         self.budget = MemoryBudget(config.memory_budget_mb << 20, metrics)
         self.sent: dict[tuple[str, int], collections.deque] = collections.defaultdict(collections.deque)
         self.unsynced_acks: dict[tuple[str, int], tuple[int, int]] = {}  # acks Redis has not taken yet
+        self.streams_per_client: collections.Counter = collections.Counter()
 
     # -- coordination -----------------------------------------------------------------------------------
 
@@ -250,6 +252,19 @@ class PackfeedService:
     # -- the stream -------------------------------------------------------------------------------------
 
     async def stream_packs(self, request: pb.StreamPacksRequest, context):
+        client = client_host(context.peer())
+        limit = self.config.max_streams_per_client
+        if limit and self.streams_per_client[client] >= limit:
+            raise JobError("RESOURCE_EXHAUSTED", f"{client} already has {limit} open pack streams "
+                                                 f"(max_streams_per_client); close some or raise the limit")
+        self.streams_per_client[client] += 1
+        try:
+            async for message in self._stream_packs(request, context):
+                yield message
+        finally:
+            self.streams_per_client[client] -= 1
+
+    async def _stream_packs(self, request: pb.StreamPacksRequest, context):
         job = self.registry.get(request.job)
         job.check_rank(request.rank)
         start = (request.first_epoch, request.first_step)
@@ -388,6 +403,12 @@ class PackfeedService:
         })
 
 
+def client_host(peer: str) -> str:
+    """'ipv4:10.0.0.7:51234' / 'ipv6:[::1]:51234' -> the host part: limits apply per client machine."""
+    address = peer.split(":", 1)[1] if ":" in peer else peer
+    return address.rsplit(":", 1)[0].strip("[]") if ":" in address else address
+
+
 class TokenAuth(grpc.aio.ServerInterceptor):
     """Calls must carry `authorization: Bearer <token>`; health checks are open (for orchestrators)."""
 
@@ -437,7 +458,14 @@ async def serve(config: ServerConfig, ready: asyncio.Event | None = None, stop: 
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection([SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
-    port = server.add_insecure_port(config.listen)
+    if config.tls_cert:
+        client_ca = Path(config.tls_client_ca).read_bytes() if config.tls_client_ca else None
+        credentials = grpc.ssl_server_credentials(
+            [(Path(config.tls_key).read_bytes(), Path(config.tls_cert).read_bytes())],
+            root_certificates=client_ca, require_client_auth=client_ca is not None)
+        port = server.add_secure_port(config.listen, credentials)
+    else:
+        port = server.add_insecure_port(config.listen)
     if port == 0:
         raise OSError(f"cannot listen on {config.listen}")
     await server.start()
