@@ -72,6 +72,9 @@ class Dataset:
         return cls(name, source, loads, info, np.asarray(loss, dtype=np.int64))
 
 
+PLANS_CACHED = 3
+
+
 @dataclass
 class Job:
     spec: JobSpec
@@ -80,11 +83,12 @@ class Job:
     ranks: list[RankState]
     skipped: collections.deque = field(default_factory=lambda: collections.deque(maxlen=MAX_SKIPPED_LISTED))
     skipped_count: int = 0
-    _plans: dict[int, Plan] = field(default_factory=dict)
+    _plans: collections.OrderedDict = field(default_factory=collections.OrderedDict)  # epoch -> Plan, LRU
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def plan(self, epoch: int) -> Plan:
-        """The epoch's plan, computed once (thread-safe; the last two epochs stay cached)."""
+        """The epoch's plan, computed once (thread-safe). The three most recently used epochs stay cached:
+        ranks may be an epoch apart, and a plan is recomputed (identically) if one was evicted."""
         if not 0 <= epoch < self.spec.epochs:
             raise JobError("OUT_OF_RANGE", f"epoch {epoch} is outside job {self.spec.job!r} "
                                            f"(epochs 0..{self.spec.epochs - 1})")
@@ -92,8 +96,9 @@ class Job:
             if epoch not in self._plans:
                 self._plans[epoch] = make_plan(self.dataset.loads, self.spec.plan, self.spec.seed, epoch,
                                                self.dataset.info.fingerprint, caps=self.caps)
-                for old in sorted(self._plans)[:-2]:
-                    del self._plans[old]
+            self._plans.move_to_end(epoch)
+            while len(self._plans) > PLANS_CACHED:
+                self._plans.popitem(last=False)  # never the one just asked for: it is the newest
             return self._plans[epoch]
 
     def check_rank(self, rank: int) -> None:

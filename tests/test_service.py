@@ -280,3 +280,26 @@ def test_embedded_server_from_an_index(dataset):
     with PackStream(job="embedded", rank=1, index=str(dataset), **PLAN) as stream:
         steps = list(stream)
     assert steps and all(len(s.packs) == PLAN["microbatches"] for s in steps)
+
+
+def test_plans_of_ranks_epochs_apart_are_served_from_a_bounded_cache(dataset):
+    """Ranks drift apart: asking for an old epoch after newer ones must not evict the plan being returned
+    (a bug 64 concurrent streams found), and a recomputed plan is the same plan."""
+    from packfeed.server.jobs import PLANS_CACHED, Dataset, JobRegistry, JobSpec
+    from packfeed.server.plan import PlanConfig
+    from packfeed.server.workers import DatasetSource
+
+    source = DatasetSource(str(dataset), str(read_index_info_tokenizer(dataset)))
+    registry = JobRegistry({"d": Dataset.open("d", source)})
+    job = registry.open_job(JobSpec("drift", "d", PlanConfig(dp=2, microbatches=1), 0, epochs=5))
+    first = job.plan(0).fingerprint()
+    for epoch in [1, 2, 3, 4, 0, 4, 1]:
+        assert job.plan(epoch).epoch == epoch
+        assert len(job._plans) <= PLANS_CACHED
+    assert job.plan(0).fingerprint() == first
+
+
+def read_index_info_tokenizer(index):
+    from packfeed.server.index_table import read_index_info
+
+    return read_index_info(index).tokenizer["path"]
