@@ -61,6 +61,20 @@ class Dataset:
     loads: SampleLoads
     info: IndexInfo
     loss_tokens: np.ndarray  # per sample, from the index
+    sample_bytes: np.ndarray | None = None  # per sample: estimated bytes of its tensors in a pack
+
+    def __post_init__(self):
+        if self.sample_bytes is None:
+            from packfeed.server.image_policy import policy_from_dict
+
+            patch = getattr(policy_from_dict(self.info.image_policy or {"name": "internvl"}), "patch_size", 14)
+            # uint8 pixels (3 channels per patch pixel) + int32 input_ids, labels, position_ids
+            self.sample_bytes = (self.loads.vit_patches.astype(np.int64) * patch * patch * 3
+                                 + self.loads.tokens.astype(np.int64) * 12 + 256)
+
+    def estimate_bytes(self, work) -> int:
+        """Bytes a rank-step will take once prepared, for reserving room in the memory budget up front."""
+        return int(sum(int(self.sample_bytes[np.asarray(ids, dtype=np.int64)].sum()) + 1024 for ids, _ in work.packs))
 
     @classmethod
     def open(cls, name: str, source: DatasetSource) -> "Dataset":

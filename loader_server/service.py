@@ -2,8 +2,8 @@
 
 Each StreamPacks call runs a producer that keeps up to `prefetch_steps` of its rank's steps being built
 in the worker pool and ready in a bounded queue. A slow consumer fills its own queue and stops its own
-producer, so it never holds the pool or grows memory; every stream also waits for room in the shared
-memory budget before preparing more than one step ahead. Packs are serialized in the workers and sent
+producer, so it never holds the pool or grows memory; every step also waits its turn for room in the
+shared memory budget, reserved when the step is submitted (estimated from the index) and freed when sent. Packs are serialized in the workers and sent
 as ready bytes: the event loop never touches pixels.
 """
 
@@ -91,27 +91,55 @@ class Metrics:
 
 
 class MemoryBudget:
-    """Bytes of prepared packs held across all streams. A stream holding nothing may always take one step,
-    so every stream progresses; beyond that it waits for room."""
+    """Bytes of prepared packs across all streams, counted from the moment a step is submitted for preparation
+    (by an estimate from the index, corrected once it is ready) until its messages are handed to gRPC.
+
+    Requests are granted in arrival order, each when it fits under the limit; when nothing at all is held the
+    first waiter is granted even beyond the limit, so a step larger than the budget still goes out, alone.
+    Every stream therefore progresses, and memory stays within the budget plus at most one step. A stream
+    whose client stops reading keeps what it holds, so size the budget for at least one step per rank stream
+    if no rank may ever wait for another's room.
+    """
 
     def __init__(self, limit: int, metrics: Metrics):
         self.limit, self.held, self.metrics = limit, 0, metrics
-        self._room = asyncio.Condition()
+        self._waiters: collections.deque[tuple[int, asyncio.Future]] = collections.deque()
 
-    async def wait_for_room(self, held_by_stream: int) -> None:
-        async with self._room:
-            await self._room.wait_for(lambda: held_by_stream == 0 or self.held < self.limit)
+    def _fits(self, nbytes: int) -> bool:
+        return self.held == 0 or self.held + nbytes <= self.limit
 
-    async def add(self, nbytes: int) -> None:
-        async with self._room:
-            self.held += nbytes
-            self.metrics.held.set(self.held)
+    def _change(self, delta: int) -> None:
+        self.held += delta
+        self.metrics.held.set(self.held)
+        while self._waiters and self._fits(self._waiters[0][0]):
+            nbytes, granted = self._waiters.popleft()
+            if not granted.done():
+                self.held += nbytes
+                self.metrics.held.set(self.held)
+                granted.set_result(None)
 
-    async def release(self, nbytes: int) -> None:
-        async with self._room:
-            self.held -= nbytes
-            self.metrics.held.set(self.held)
-            self._room.notify_all()
+    async def reserve(self, nbytes: int) -> None:
+        if not self._waiters and self._fits(nbytes):
+            self._change(nbytes)
+            return
+        granted = asyncio.get_running_loop().create_future()
+        entry = (nbytes, granted)
+        self._waiters.append(entry)
+        try:
+            await granted
+        except asyncio.CancelledError:
+            if granted.done() and not granted.cancelled():
+                self._change(-nbytes)  # granted just as the stream was cancelled: give it back
+            elif entry in self._waiters:
+                self._waiters.remove(entry)
+            raise
+
+    def adjust(self, delta: int) -> None:
+        """Correct a reservation to the bytes actually prepared."""
+        self._change(delta)
+
+    def release(self, nbytes: int) -> None:
+        self._change(-nbytes)
 
 
 def plan_config_of(spec: pb.PlanSpec) -> PlanConfig:
@@ -297,7 +325,7 @@ class PackfeedService:
                 for message in result.messages:
                     yield message
                 held[0] -= result.nbytes
-                await self.budget.release(result.nbytes)
+                self.budget.release(result.nbytes)
                 self._account(job, request.rank, epoch, step, result)
                 sent_steps += 1
         finally:
@@ -308,7 +336,7 @@ class PackfeedService:
             while not queue.empty():  # give back what the cancelled stream still held
                 item = queue.get_nowait()
                 if item is not None:
-                    await self.budget.release(item[1].nbytes)
+                    self.budget.release(item[1].nbytes)
             log.info("stream ended", extra={"job": job.spec.job, "rank": request.rank, "steps_sent": sent_steps})
         if producer.done() and not producer.cancelled() and producer.exception():
             await context.abort(grpc.StatusCode.INTERNAL, f"pack preparation failed: {producer.exception()!r}")
@@ -321,27 +349,36 @@ class PackfeedService:
 
     async def _produce(self, job: Job, rank: int, cursor, queue: asyncio.Queue, held: list[int]) -> None:
         loop = asyncio.get_running_loop()
-        in_flight: collections.deque = collections.deque()
+        in_flight: collections.deque = collections.deque()  # (position, reserved bytes, future)
+        owned = 0  # bytes of a prepared step counted in the budget but not yet in the queue
         try:
             while cursor is not None or in_flight:
                 while cursor is not None and len(in_flight) < self.config.prefetch_steps:
-                    if in_flight or held[0]:
-                        await self.budget.wait_for_room(held[0])
                     work = await asyncio.to_thread(job.work, cursor[0], cursor[1], rank)
-                    in_flight.append((cursor, loop.run_in_executor(self.pool, build_rank_step, work)))
+                    estimate = job.dataset.estimate_bytes(work)
+                    await self.budget.reserve(estimate)  # in line with every other stream's steps
+                    held[0] += estimate
+                    in_flight.append((cursor, estimate, loop.run_in_executor(self.pool, build_rank_step, work)))
                     cursor = await asyncio.to_thread(job.next_step, *cursor)
-                position, future = in_flight.popleft()
+                position, estimate, future = in_flight[0]
                 result: RankStepResult = await future
-                held[0] += result.nbytes
-                await self.budget.add(result.nbytes)
+                in_flight.popleft()
+                self.budget.adjust(result.nbytes - estimate)
+                held[0] += result.nbytes - estimate
+                owned = result.nbytes  # counted in the budget, not yet in the queue
                 await queue.put((position, result))
+                owned = 0
             await queue.put(None)
         except asyncio.CancelledError:
-            for _, future in in_flight:
+            for _, estimate, future in in_flight:
                 future.cancel()
+                self.budget.release(estimate)
+            self.budget.release(owned)
             raise
         except Exception:
             log.exception("pack preparation failed", extra={"job": job.spec.job, "rank": rank})
+            for _, estimate, _ in in_flight:
+                self.budget.release(estimate)
             await queue.put(None)
             raise
 
