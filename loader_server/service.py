@@ -118,6 +118,13 @@ class MemoryBudget:
                 self.metrics.held.set(self.held)
                 granted.set_result(None)
 
+    def try_reserve(self, nbytes: int) -> bool:
+        """Take room now if it is free and nobody is waiting in line; never blocks."""
+        if self._waiters or not self._fits(nbytes):
+            return False
+        self._change(nbytes)
+        return True
+
     async def reserve(self, nbytes: int) -> None:
         if not self._waiters and self._fits(nbytes):
             self._change(nbytes)
@@ -356,7 +363,10 @@ class PackfeedService:
                 while cursor is not None and len(in_flight) < self.config.prefetch_steps:
                     work = await asyncio.to_thread(job.work, cursor[0], cursor[1], rank)
                     estimate = job.dataset.estimate_bytes(work)
-                    await self.budget.reserve(estimate)  # in line with every other stream's steps
+                    if not in_flight:
+                        await self.budget.reserve(estimate)  # nothing of ours in preparation: wait in line
+                    elif not self.budget.try_reserve(estimate):
+                        break  # no room to prefetch: deliver what is in preparation first (it frees room)
                     held[0] += estimate
                     in_flight.append((cursor, estimate, loop.run_in_executor(self.pool, build_rank_step, work)))
                     cursor = await asyncio.to_thread(job.next_step, *cursor)

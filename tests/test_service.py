@@ -303,3 +303,23 @@ def read_index_info_tokenizer(index):
     from packfeed.server.index_table import read_index_info
 
     return read_index_info(index).tokenizer["path"]
+
+
+def test_many_streams_under_a_budget_smaller_than_one_step_all_finish(dataset):
+    """Every step must wait its turn for room, and no stream may sit on room it reserved for prefetching
+    while its prepared step waits: with a 1 MB budget (less than one step) four ranks finish three epochs."""
+    import threading
+
+    with LocalServer(dataset, workers=1, env={"PACKFEED_MEMORY_BUDGET_MB": "1"}) as tight:
+        results: dict[int, list] = {}
+
+        def run(rank):
+            results[rank] = consume(tight.target, "tight", rank, dp=4, epochs=3)[0]
+
+        threads = [threading.Thread(target=run, args=(rank,), daemon=True) for rank in range(4)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(180)
+        assert not any(t.is_alive() for t in threads), "streams stalled under a tight memory budget"
+    assert sorted(k for keys in results.values() for k in keys) == sorted(valid_keys(dataset) * 3)
