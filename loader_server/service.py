@@ -313,8 +313,7 @@ class PackfeedService:
         lost = asyncio.Event()
         keeper = asyncio.create_task(self.keep_lease(job.spec.job, request.rank, lost))
         queue: asyncio.Queue = asyncio.Queue(maxsize=self.config.prefetch_steps)
-        held = [0]  # bytes this stream holds in the budget
-        producer = asyncio.create_task(self._produce(job, request.rank, start, queue, held))
+        producer = asyncio.create_task(self._produce(job, request.rank, start, queue))
         log.info("stream started", extra={"job": job.spec.job, "rank": request.rank, "epoch": start[0],
                                           "step": start[1], "peer": context.peer()})
         sent_steps = 0
@@ -331,7 +330,6 @@ class PackfeedService:
                 (epoch, step), result = item
                 for message in result.messages:
                     yield message
-                held[0] -= result.nbytes
                 self.budget.release(result.nbytes)
                 self._account(job, request.rank, epoch, step, result)
                 sent_steps += 1
@@ -354,27 +352,29 @@ class PackfeedService:
         except CoordinationUnavailable:
             pass  # it lapses by itself
 
-    async def _produce(self, job: Job, rank: int, cursor, queue: asyncio.Queue, held: list[int]) -> None:
+    async def _produce(self, job: Job, rank: int, cursor, queue: asyncio.Queue) -> None:
         loop = asyncio.get_running_loop()
         in_flight: collections.deque = collections.deque()  # (position, reserved bytes, future)
         owned = 0  # bytes of a prepared step counted in the budget but not yet in the queue
+        pending = None  # (work, estimate) of the cursor's step when it could not be submitted yet
         try:
             while cursor is not None or in_flight:
                 while cursor is not None and len(in_flight) < self.config.prefetch_steps:
-                    work = await asyncio.to_thread(job.work, cursor[0], cursor[1], rank)
-                    estimate = job.dataset.estimate_bytes(work)
+                    if pending is None:
+                        work = await asyncio.to_thread(job.work, cursor[0], cursor[1], rank)
+                        pending = work, job.dataset.estimate_bytes(work)
+                    work, estimate = pending
                     if not in_flight:
                         await self.budget.reserve(estimate)  # nothing of ours in preparation: wait in line
                     elif not self.budget.try_reserve(estimate):
                         break  # no room to prefetch: deliver what is in preparation first (it frees room)
-                    held[0] += estimate
+                    pending = None
                     in_flight.append((cursor, estimate, loop.run_in_executor(self.pool, build_rank_step, work)))
                     cursor = await asyncio.to_thread(job.next_step, *cursor)
                 position, estimate, future = in_flight[0]
                 result: RankStepResult = await future
                 in_flight.popleft()
                 self.budget.adjust(result.nbytes - estimate)
-                held[0] += result.nbytes - estimate
                 owned = result.nbytes  # counted in the budget, not yet in the queue
                 await queue.put((position, result))
                 owned = 0

@@ -42,16 +42,9 @@ SMALL_TILE_POLICY = {"name": "internvl", "image_size": 112, "tokens_per_tile": 1
 @pytest.fixture(scope="session")
 def small_tile_index(tmp_path_factory) -> Path:
     """40 demo samples (real photographs) over 2 shards, indexed with 112 px InternVL tiles."""
-    from packfeed.server.demo import write_demo_dataset
-    from packfeed.server.indexer import IndexConfig, build_index
+    from demo_data import indexed_demo
 
-    root = tmp_path_factory.mktemp("small-tiles")
-    paths = write_demo_dataset(root, samples=40, shards=2, seed=3)
-    index = root / "index.parquet"
-    build_index([str(p) for p in paths.shards], index,
-                IndexConfig(tokenizer=str(paths.tokenizer), image_policy=SMALL_TILE_POLICY), workers=2,
-                progress=False)
-    return index
+    return indexed_demo(tmp_path_factory.mktemp("small-tiles"), 40, 2, 3, SMALL_TILE_POLICY)[1]
 
 
 @pytest.fixture(scope="session")

@@ -48,7 +48,8 @@ class PartitionDecision:
     def to_dict(self) -> dict:
         return {"bounds": self.bounds, "comm_gbps": self.comm_gbps,
                 "candidates": [c.to_dict() for c in self.candidates],
-                "baselines": [c.to_dict() for c in self.baselines], "profile": self.profile}
+                "baselines": [c.to_dict() for c in self.baselines], "profile": self.profile,
+                "profile_features": self.profile_features}
 
 
 def split_by_weight(weights: Sequence[float], stages: int) -> list[int]:
@@ -110,19 +111,25 @@ def baseline_partitions(profile: Sequence[LayerProfile], stages: int, comm_gbps:
 def search_partition(profile: Sequence[LayerProfile], stages: int, *, radius: int = 1, top_k: int = 4,
                      comm_gbps: float = 0.0,
                      measure: Callable[[list[int]], float] | None = None) -> PartitionDecision:
-    """The partition to train with. `measure(bounds)` times real pipeline steps with that partition; without
-    it (or with top_k 0) the best-ranked candidate wins."""
+    """The partition to train with. `measure(bounds)` times real pipeline steps with that partition: the top
+    `top_k` candidates are timed, and the layer-count split too (the safety net: never slower than it); the
+    fastest wins. Without `measure` (or with top_k 0) the best-ranked candidate wins. A pure function of the
+    profile apart from `measure`, so every rank that calls it with the same profile times the same list."""
     anchor = split_by_weight([p.time_s for p in profile], stages)
     ranked = sorted((evaluate(profile, b, comm_gbps) for b in candidates_around(anchor, radius, len(profile))),
                     key=lambda c: (c.metric, c.bounds))
+    baselines = baseline_partitions(profile, stages, comm_gbps)
     shortlist = ranked[:max(top_k, 1)]
     if measure is not None and top_k > 0:
+        layer_count = baselines[0]
+        if all(c.bounds != layer_count.bounds for c in shortlist):
+            shortlist = shortlist + [layer_count]
         for candidate in shortlist:
             candidate.measured_s = measure(candidate.bounds)
         best = min(shortlist, key=lambda c: (c.measured_s, c.metric))
     else:
         best = shortlist[0]
-    return PartitionDecision(best.bounds, ranked, baseline_partitions(profile, stages, comm_gbps), comm_gbps)
+    return PartitionDecision(best.bounds, ranked, baselines, comm_gbps)
 
 
 def format_table(decision: PartitionDecision, limit: int = 12) -> str:

@@ -91,7 +91,8 @@ def carrier_bytes(carrier: tuple[torch.Tensor, ...]) -> int:
     return sum(t.numel() * t.element_size() for t in carrier)
 
 
-def _synchronize(device: torch.device) -> None:
+def synchronize(device: torch.device) -> None:
+    """Wait for queued device work, so wall-clock timings cover it (a no-op on CPU)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -120,20 +121,20 @@ def profile_layers(layers: nn.ModuleList, kinds: list[str], microbatches: list[t
                 inputs = _detached(carrier)
                 params = list(layer.parameters())
                 with SavedBytes(params) as kept:
-                    _synchronize(device)
+                    synchronize(device)
                     started = time.perf_counter()
                     outputs = layer(*inputs)
-                    _synchronize(device)
+                    synchronize(device)
                     elapsed_forward = time.perf_counter() - started
                 with SavedBytes(params) as kept_recompute:
                     recomputed = checkpoint(layer, *inputs, use_reentrant=False)
                 del recomputed
                 grads = [torch.ones_like(t) for t in _float_outputs(outputs)]
-                _synchronize(device)
+                synchronize(device)
                 started = time.perf_counter()
                 if grads:
                     torch.autograd.backward(_float_outputs(outputs), grads)
-                _synchronize(device)
+                synchronize(device)
                 elapsed_backward = time.perf_counter() - started
                 if round_ > 0 or repeats == 0:
                     forward[i] += elapsed_forward

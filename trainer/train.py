@@ -35,7 +35,7 @@ from packfeed.trainer.pipeline import (
     validate_partition,
     wrap_data_parallel,
 )
-from packfeed.trainer.profile import SavedBytes, profile_layers
+from packfeed.trainer.profile import SavedBytes, profile_layers, synchronize
 from packfeed.trainer.recompute import RecomputeDecision, adaptive_recompute
 from packfeed.trainer.simulate import (
     features_of_carrier,
@@ -143,7 +143,7 @@ def broadcast_object(value, mesh: Mesh, src: int = 0):
 
 
 def max_over_world(value: float, mesh: Mesh) -> float:
-    tensor = torch.tensor([value], dtype=torch.float64, device=mesh.device if mesh.device.type == "cuda" else None)
+    tensor = torch.tensor([value], dtype=torch.float64, device=mesh.device)
     dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
     return float(tensor.item())
 
@@ -197,13 +197,12 @@ class Trainer:
         else:
             with SavedBytes(params) as saved:
                 self.run_step(batch)
-            peak = saved.peak + sum(p.numel() * p.element_size() for p in params) // 4 * ADAMW_BYTES_PER_PARAM
+            peak = saved.peak + sum(p.numel() for p in params) * ADAMW_BYTES_PER_PARAM
         self.stage.zero_grad(set_to_none=True)
         return int(peak)
 
     def sync(self) -> None:
-        if self.mesh.device.type == "cuda":
-            torch.cuda.synchronize(self.mesh.device)
+        synchronize(self.mesh.device)
 
 
 def trial_batches(trainer: Trainer, n: int) -> list[Microbatches | None]:
@@ -232,7 +231,7 @@ def decide_partition(trainer: Trainer, config: TrainConfig, mesh: Mesh, out: Pat
         return partitioning.split_by_weight(weights, mesh.pp)
     if p.mode != "search":
         raise ValueError(f"partition.mode {p.mode!r}: choose search, layers or params (or give partition.bounds)")
-    decision = None
+    profiled = None
     if mesh.rank == 0:  # profile on the first replica's data, on one device
         batches = trainer.source.peek(p.profile_steps)
         microbatches = [tuple(a.tensor_split(config.data.microbatches)[m] for a in b.args)
@@ -241,33 +240,26 @@ def decide_partition(trainer: Trainer, config: TrainConfig, mesh: Mesh, out: Pat
         with torch.autocast(mesh.device.type, dtype=precision or torch.float32, enabled=precision is not None):
             profile = profile_layers(trainer.layers, trainer.kinds, microbatches, mesh.device, repeats=1)
         features = [asdict(features_of_carrier(mb)) for mb in microbatches]
-        decision = partitioning.search_partition(profile, mesh.pp, radius=p.radius, top_k=0,
-                                                 comm_gbps=p.comm_gbps or measure_bandwidth_gbps(mesh))
-        decision.profile = [q.to_dict() for q in profile]
-        decision.profile_features = features
         export_cost_model(profile, microbatches, config, out)
-    decision = broadcast_object(decision, mesh)
-    shortlist = decision.candidates[:max(p.top_k, 1)]
+        profiled = profile, features, p.comm_gbps or measure_bandwidth_gbps(mesh)
+    profile, features, comm_gbps = broadcast_object(profiled, mesh)
     batches = trial_batches(trainer, p.trial_steps)
-    for candidate in shortlist:  # every rank times every short-listed candidate together
-        trainer.use(candidate.bounds)
+
+    def measure(bounds: list[int]) -> float:  # every rank times every short-listed candidate together
+        trainer.use(bounds)
         trainer.trial(batches[:1])  # warm-up: schedules, allocator
-        candidate.measured_s = trainer.trial(batches) / len(batches)
-    layer_count = next(b for b in decision.baselines if b.origin == "layer-count")
-    if all(c.bounds != layer_count.bounds for c in shortlist):  # the safety net: never slower than layer count
-        trainer.use(layer_count.bounds)
-        trainer.trial(batches[:1])
-        layer_count.measured_s = trainer.trial(batches) / len(batches)
-        shortlist = shortlist + [layer_count]
-    best = min(shortlist, key=lambda c: (c.measured_s, c.metric))
-    decision.bounds = best.bounds
+        return trainer.trial(batches) / len(batches)
+
+    decision = partitioning.search_partition(profile, mesh.pp, radius=p.radius, top_k=max(p.top_k, 1),
+                                             comm_gbps=comm_gbps, measure=measure)
+    decision.profile = [q.to_dict() for q in profile]
+    decision.profile_features = features
     log(mesh, "partition search (stage times from the layer profile; measured = real pipeline step):\n"
         + partitioning.format_table(decision))
     if mesh.rank == 0:
-        record = {"key": key, **decision.to_dict(), "kinds": trainer.kinds,
-                  "profile_features": decision.profile_features}
+        record = {"key": key, **decision.to_dict(), "kinds": trainer.kinds}
         path.write_text(json.dumps(record, indent=1))
-    return best.bounds
+    return decision.bounds
 
 
 def export_cost_model(profile, microbatches, config: TrainConfig, out: Path) -> None:
@@ -292,8 +284,7 @@ def measure_bandwidth_gbps(mesh: Mesh) -> float:
     started = time.perf_counter()
     for _ in range(4):
         data.clone()
-    if mesh.device.type == "cuda":
-        torch.cuda.synchronize(mesh.device)
+    synchronize(mesh.device)
     return 4 * data.numel() / (time.perf_counter() - started) / 1e9
 
 
@@ -328,7 +319,7 @@ def decide_recompute(trainer: Trainer, config: TrainConfig, mesh: Mesh, bounds: 
         return trainer.peak_bytes(batch)
 
     def agree(done: bool) -> bool:
-        flag = torch.tensor([0 if done else 1], device=mesh.device if mesh.device.type == "cuda" else None)
+        flag = torch.tensor([0 if done else 1], device=mesh.device)
         dist.all_reduce(flag)
         return int(flag.item()) == 0
 
@@ -485,10 +476,8 @@ def step_record(mesh: Mesh, shape: StepShape, batch: Microbatches | None, losses
                          float(shape.tokens * config.data.microbatches) if first else 0.0,
                          float(batch.real_tiles) if first else 0.0,
                          float(shape.tiles * config.data.microbatches) if first else 0.0, busy],
-                        dtype=torch.float64)
-    maxes = torch.tensor([elapsed, wait, pipeline_s], dtype=torch.float64)
-    if mesh.device.type == "cuda":
-        sums, maxes = sums.to(mesh.device), maxes.to(mesh.device)
+                        dtype=torch.float64, device=mesh.device)
+    maxes = torch.tensor([elapsed, wait, pipeline_s], dtype=torch.float64, device=mesh.device)
     dist.all_reduce(sums)
     dist.all_reduce(maxes, op=dist.ReduceOp.MAX)
     loss, tokens, padded, tiles, padded_tiles, busy_sum = sums.tolist()

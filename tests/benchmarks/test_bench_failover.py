@@ -19,25 +19,17 @@ import time
 from pathlib import Path
 
 import pytest
-
+from demo_data import indexed_demo
 from packfeed.client import LocalServer, PackStream
 from redis_server import RedisProcess
-from test_service import step_digest
+from test_service import step_digest, valid_keys
 
 pytestmark = pytest.mark.benchmark
 
 
 @pytest.fixture(scope="module")
 def index(tmp_path_factory):
-    from packfeed.server.demo import write_demo_dataset
-    from packfeed.server.indexer import IndexConfig, build_index
-
-    root = tmp_path_factory.mktemp("bench-failover")
-    paths = write_demo_dataset(root, samples=240, shards=4, seed=7)
-    out = root / "index.parquet"
-    build_index([str(p) for p in paths.shards], out, IndexConfig(tokenizer=str(paths.tokenizer)), workers=2,
-                progress=False)
-    return out
+    return indexed_demo(tmp_path_factory.mktemp("bench-failover"), 240, 4, 7)[1]
 
 
 def consume(targets, job, rank, dp, epochs, out, pace_s=0.0, **kwargs):
@@ -47,13 +39,6 @@ def consume(targets, job, rank, dp, epochs, out, pace_s=0.0, **kwargs):
         for step in stream:
             records.append((step.epoch, step.step, step.sample_keys, step_digest(step), time.monotonic()))
             time.sleep(pace_s)
-
-
-def valid_keys(index) -> list[str]:
-    from packfeed.server.index_table import read_index
-
-    table, _ = read_index(index, columns=["key", "valid"])
-    return [k for k, v in zip(table.column("key").to_pylist(), table.column("valid").to_pylist()) if v]
 
 
 def test_kill_one_of_three_servers_with_eight_ranks(index, tmp_path):

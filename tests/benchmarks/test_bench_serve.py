@@ -23,21 +23,14 @@ from pathlib import Path
 
 import grpc
 import pytest
-
-from packfeed.server.demo import write_demo_dataset
-from packfeed.server.indexer import IndexConfig, build_index
+from demo_data import indexed_demo
 
 pytestmark = pytest.mark.benchmark
 
 
 @pytest.fixture(scope="module")
 def demo(tmp_path_factory):
-    root = tmp_path_factory.mktemp("bench-serve")
-    paths = write_demo_dataset(root, samples=240, shards=4, seed=2)
-    index = root / "index.parquet"
-    build_index([str(p) for p in paths.shards], index, IndexConfig(tokenizer=str(paths.tokenizer)), workers=2,
-                progress=False)
-    return paths, index
+    return indexed_demo(tmp_path_factory.mktemp("bench-serve"), 240, 4, 2)
 
 
 def packfeed_preprocess(index: Path, keep: int = 0):
@@ -67,9 +60,13 @@ def dataloader_preprocess(shards: list[Path], tokenizer_path: Path):
     """The same decode + tile + tokenise with torch's DataLoader over webdataset, in this process."""
     import torch.utils.data
     import webdataset as wds
-
-    from packfeed.server.chat import (ChatTemplate, attach_images, cached_tokenizer, encode_with_image_starts,
-                                      parse_conversation)
+    from packfeed.server.chat import (
+        ChatTemplate,
+        attach_images,
+        cached_tokenizer,
+        encode_with_image_starts,
+        parse_conversation,
+    )
     from packfeed.server.image_policy import InternVLTiling
     from packfeed.server.preprocess import image_tiles
 

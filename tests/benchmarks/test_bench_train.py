@@ -24,6 +24,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from demo_data import indexed_demo
 from packfeed.trainer.profile import LayerProfile
 from packfeed.trainer.simulate import (
     Features,
@@ -44,15 +45,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 @pytest.fixture(scope="module")
 def dataset(tmp_path_factory):
-    from packfeed.server.demo import write_demo_dataset
-    from packfeed.server.indexer import IndexConfig, build_index
-
-    root = tmp_path_factory.mktemp("bench-train")
-    paths = write_demo_dataset(root, samples=200, shards=4, seed=5)
-    index = root / "index.parquet"
-    build_index([str(p) for p in paths.shards], index, IndexConfig(tokenizer=str(paths.tokenizer),
-                image_policy=POLICY), workers=2, progress=False)
-    return index
+    return indexed_demo(tmp_path_factory.mktemp("bench-train"), 200, 4, 5, POLICY)[1]
 
 
 def train_epoch(index: Path, strategy: str, out: Path, bounds: list[int] | None = None) -> dict:
