@@ -183,3 +183,15 @@ def test_adaptive_recompute_backs_off_when_the_estimate_is_wrong():
     assert decision.per_block_bytes == {"vit": 5.0, "llm": 5.0}
     assert decision.measured["verify_0"] == 160 and decision.measured["verify_1"] == 115
     assert decision.fits and sum(decision.layers) == 1
+
+
+def test_a_process_without_a_gpu_of_its_own_is_told_what_to_launch(monkeypatch):
+    import pytest
+    from packfeed.trainer.config import load_config
+    from packfeed.trainer.train import rank_device
+
+    config = load_config(None, ["parallel.device=cuda", "parallel.pp=2"])
+    monkeypatch.setenv("LOCAL_RANK", str(torch.cuda.device_count()))  # one process more than this node's GPUs
+    with pytest.raises(ValueError, match="no GPU of its own.*parallel.pp=1"):
+        rank_device(config)
+    assert rank_device(load_config(None, ["parallel.device=cpu"])) == torch.device("cpu")

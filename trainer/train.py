@@ -337,8 +337,22 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def train(config: TrainConfig) -> dict:
+def rank_device(config: TrainConfig) -> torch.device:
+    """CUDA: this process's own GPU (LOCAL_RANK). NCCL cannot put two ranks on one GPU, so a node must have a
+    GPU per process; on one GPU the whole model runs as one stage (parallel.pp=1)."""
     device = torch.device(config.parallel.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type != "cuda":
+        return device
+    local_rank, visible = int(os.environ.get("LOCAL_RANK", "0")), torch.cuda.device_count()
+    if local_rank >= visible:
+        raise ValueError(f"process {local_rank} on this node has no GPU of its own ({visible} visible): launch at "
+                         f"most {visible} processes per node (dp x pp = {config.parallel.dp * config.parallel.pp} "
+                         f"here; parallel.pp=1 runs all layers in one process), or train on parallel.device=cpu")
+    return torch.device("cuda", local_rank)
+
+
+def train(config: TrainConfig) -> dict:
+    device = rank_device(config)
     if not dist.is_initialized():
         for name, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1"),
                             ("MASTER_PORT", str(free_port()))):
@@ -346,7 +360,6 @@ def train(config: TrainConfig) -> dict:
         backend = config.parallel.backend or ("nccl" if device.type == "cuda" else "gloo")
         dist.init_process_group(backend)
     if device.type == "cuda":
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         torch.cuda.set_device(device)
     mesh = make_mesh(config.parallel.dp, config.parallel.pp, device)
     out = Path(config.out)
@@ -435,6 +448,8 @@ def run_training(trainer: Trainer, optimizer, scheduler, config: TrainConfig, me
         if shape.stop:
             break
         optimizer.zero_grad(set_to_none=True)
+        if mesh.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(mesh.device)
         pipeline_started, busy_started = time.perf_counter(), time.process_time()
         losses = trainer.runner.run(shape, batch.args if batch is not None else None)
         # CPU time of this process while the schedule ran ~ its compute (a blocked receive sleeps)
@@ -446,7 +461,8 @@ def run_training(trainer: Trainer, optimizer, scheduler, config: TrainConfig, me
         trainer.sync()
         elapsed = time.perf_counter() - started
         wait = (trainer.source.data_wait_s - wait_before) if trainer.source else 0.0
-        record = step_record(mesh, shape, batch, losses, elapsed, wait, config, busy, pipeline_s)
+        peak = torch.cuda.max_memory_allocated(mesh.device) if mesh.device.type == "cuda" else 0
+        record = step_record(mesh, shape, batch, losses, elapsed, wait, config, busy, pipeline_s, peak)
         record["grad_norm"] = grad_norm
         history.append(record)
         steps_done += 1
@@ -466,10 +482,12 @@ def run_training(trainer: Trainer, optimizer, scheduler, config: TrainConfig, me
 
 
 def step_record(mesh: Mesh, shape: StepShape, batch: Microbatches | None, losses: list[torch.Tensor],
-                elapsed: float, wait: float, config: TrainConfig, busy: float, pipeline_s: float) -> dict:
+                elapsed: float, wait: float, config: TrainConfig, busy: float, pipeline_s: float,
+                peak_bytes: int = 0) -> dict:
     """One world all-reduce of what each rank knows: loss (last stages), tokens and tiles (first stages),
-    the slowest step time and data wait, and each rank's busy time inside the schedule (CPU: process time)
-    for the measured bubble fraction = 1 - sum(busy) / (ranks x slowest schedule time)."""
+    the slowest step time and data wait, the largest CUDA memory peak (0 on CPU), and each rank's busy time
+    inside the schedule (CPU: process time) for the measured bubble fraction
+    = 1 - sum(busy) / (ranks x slowest schedule time)."""
     first = batch is not None
     sums = torch.tensor([float(sum(loss.item() for loss in losses)),
                          float(batch.real_tokens) if first else 0.0,
@@ -477,16 +495,17 @@ def step_record(mesh: Mesh, shape: StepShape, batch: Microbatches | None, losses
                          float(batch.real_tiles) if first else 0.0,
                          float(shape.tiles * config.data.microbatches) if first else 0.0, busy],
                         dtype=torch.float64, device=mesh.device)
-    maxes = torch.tensor([elapsed, wait, pipeline_s], dtype=torch.float64, device=mesh.device)
+    maxes = torch.tensor([elapsed, wait, pipeline_s, peak_bytes], dtype=torch.float64, device=mesh.device)
     dist.all_reduce(sums)
     dist.all_reduce(maxes, op=dist.ReduceOp.MAX)
     loss, tokens, padded, tiles, padded_tiles, busy_sum = sums.tolist()
-    step_s, wait_s, pipeline_max = maxes.tolist()
+    step_s, wait_s, pipeline_max, peak_max = maxes.tolist()
     record = {"epoch": shape.epoch, "step": shape.step, "loss": loss, "step_s": step_s, "data_wait_s": wait_s,
               "tokens": int(tokens), "padded_tokens": int(padded), "tiles": int(tiles),
               "padded_tiles": int(padded_tiles), "tokens_per_s": tokens / step_s if step_s else 0.0,
               "pad_fraction": 1 - tokens / padded if padded else 0.0,
-              "bubble_fraction": 1 - busy_sum / (mesh.dp * mesh.pp * pipeline_max) if pipeline_max else 0.0}
+              "bubble_fraction": 1 - busy_sum / (mesh.dp * mesh.pp * pipeline_max) if pipeline_max else 0.0,
+              "peak_memory_mib": peak_max / 2**20}
     if first and mesh.rank == 0:  # replica 0's padded microbatches, for the pipeline simulator
         chunks = [a.tensor_split(config.data.microbatches) for a in batch.args]
         record["microbatches"] = [asdict(features_of_carrier(tuple(c[m] for c in chunks)))
