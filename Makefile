@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 DEMO   := demo-out
 
-.PHONY: venv demo test bench clean
+.PHONY: venv demo test bench docker-test clean
 
 venv: $(STAMP)
 
@@ -20,6 +20,13 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests --ignore=tests/benchmarks
+
+# The docker/ integration test needs a daemon and a local base image: install both tools, then run it
+# (tests/test_docker.py starts dockerd without a bridge when none is running).
+docker-test: $(STAMP)
+	command -v dockerd >/dev/null && command -v debootstrap >/dev/null || \
+		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq docker.io debootstrap)
+	$(PY) -m pytest -q tests/test_docker.py
 
 bench: $(STAMP)
 	$(PY) -m pytest -q -s tests/benchmarks -m benchmark

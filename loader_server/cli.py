@@ -109,7 +109,7 @@ def cmd_stats(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     from packfeed.server.demo import run_demo
 
-    return run_demo(Path(args.out), samples=args.samples)
+    return run_demo(Path(args.out), samples=args.samples, dataset_only=args.dataset_only)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -125,6 +125,36 @@ def cmd_serve(args: argparse.Namespace) -> int:
                          memory_budget_mb=args.memory_budget_mb)
     asyncio.run(serve(config))
     return EXIT_OK
+
+
+def cmd_health(args: argparse.Namespace) -> int:
+    """Exit 0 when the server answers SERVING on the standard gRPC health service (container healthchecks)."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    target = args.target
+    if not target:
+        address_file = os.environ.get("PACKFEED_ADDRESS_FILE", "")
+        if not address_file or not Path(address_file).is_file():
+            raise ValueError("give TARGET (host:port), or set PACKFEED_ADDRESS_FILE to the file the server writes "
+                             "once serving (address_file in its config)")
+        target = Path(address_file).read_text().strip()
+    if args.tls_ca:
+        channel = grpc.secure_channel(target, grpc.ssl_channel_credentials(Path(args.tls_ca).read_bytes()),
+                                      options=[("grpc.ssl_target_name_override", args.tls_name)] if args.tls_name
+                                      else [])
+    else:
+        channel = grpc.insecure_channel(target)
+    with channel:
+        try:
+            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=args.service),
+                                                              timeout=args.timeout)
+        except grpc.RpcError as error:
+            print(f"{target}: {error.code().name}: {error.details()}", file=sys.stderr)
+            return 1
+    status = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+    print(f"{target}: {status}")
+    return EXIT_OK if reply.status == health_pb2.HealthCheckResponse.SERVING else 1
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -177,12 +207,20 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--tokenizer", help="tokenizer.json (default: the one recorded in the index)")
     serve.add_argument("--shard-root", help="directory holding the shards (default: paths recorded in the index)")
     serve.add_argument("--listen", help="host:port (default 127.0.0.1:50051)")
-    serve.add_argument("--metrics-port", type=int, help="Prometheus /metrics port (default: off)")
+    serve.add_argument("--metrics-port", help="Prometheus /metrics port or range FIRST-LAST (default: off)")
     serve.add_argument("--workers", type=int, help="pre-processing processes (default: CPU count - 1)")
     serve.add_argument("--prefetch-steps", type=int, help="steps prepared ahead per rank (default 4)")
     serve.add_argument("--memory-budget-mb", type=int, help="prepared packs held in memory (default 2048)")
     serve.add_argument("--log-level", default="INFO")
     serve.set_defaults(func=cmd_serve)
+
+    health = sub.add_parser("health", help="check a server's gRPC health service (exit 0 when SERVING)")
+    health.add_argument("target", nargs="?", help="host:port (default: the address in $PACKFEED_ADDRESS_FILE)")
+    health.add_argument("--service", default="", help="service name (default: the whole server)")
+    health.add_argument("--timeout", type=float, default=5.0, help="seconds")
+    health.add_argument("--tls-ca", help="PEM of the CA that signed the server's certificate (TLS servers)")
+    health.add_argument("--tls-name", help="name to check the certificate against (default: the target host)")
+    health.set_defaults(func=cmd_health)
 
     train = sub.add_parser("train", help="reference pipeline trainer fed by a Packfeed server (needs torch)")
     train.add_argument("--config", help="YAML/JSON trainer config (see packfeed.trainer.config)")
@@ -193,6 +231,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="build a demo dataset, index it, report and plan")
     demo.add_argument("--out", default="demo-out")
     demo.add_argument("--samples", type=int, default=240)
+    demo.add_argument("--dataset-only", action="store_true", help="write and index the dataset, then stop")
     demo.set_defaults(func=cmd_demo)
     return parser
 
@@ -201,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ValueError, FileNotFoundError) as error:
+    except (ValueError, OSError) as error:  # bad input or an address/file problem: a message, not a traceback
         print(f"packfeed {args.command}: error: {error}", file=sys.stderr)
         return EXIT_USAGE
 

@@ -1,7 +1,7 @@
 """`packfeed serve` configuration: a YAML/JSON file, then environment overrides, then command-line flags.
 
-    listen: 0.0.0.0:50051
-    metrics_port: 9400          # Prometheus /metrics; 0 = off
+    listen: 0.0.0.0:50051       # or a port range, 0.0.0.0:50051-50058: the first free one (scaled replicas on one host)
+    metrics_port: 9400          # Prometheus /metrics; 0 = off; a range (9400-9407) like listen
     workers: 4                  # pre-processing processes
     prefetch_steps: 4           # steps prepared ahead per rank stream
     memory_budget_mb: 2048      # prepared packs held in memory across all streams
@@ -9,11 +9,13 @@
     auth_token: ""              # when set, calls must carry `authorization: Bearer <token>`
     redis_url: redis://redis:6379/0   # several servers share jobs through Redis (default: none, one server)
     redis_password: ""
-    advertise: loader-1:50051   # address clients use to reach this server (listed in Redis for discovery)
+    advertise: loader-1:50051   # address clients use to reach this server (listed in Redis for discovery);
+                                # a host name alone gets the bound port
     lease_ttl_s: 10             # a rank whose server died is taken over by another after this long
     tls_cert: /certs/server.pem # TLS (with tls_key); add tls_client_ca for mutual TLS
     tls_key: /certs/server.key
     max_streams_per_client: 64  # concurrent pack streams per client host
+    address_file: /tmp/packfeed.address  # host:port written once serving; `packfeed health` checks it
     datasets:
       demo:
         index: /data/demo/index.parquet
@@ -23,7 +25,7 @@
 Environment: PACKFEED_LISTEN, PACKFEED_METRICS_PORT, PACKFEED_WORKERS, PACKFEED_PREFETCH_STEPS,
 PACKFEED_MEMORY_BUDGET_MB, PACKFEED_MAX_MESSAGE_MB, PACKFEED_AUTH_TOKEN, PACKFEED_REDIS_URL,
 PACKFEED_REDIS_PASSWORD, PACKFEED_ADVERTISE, PACKFEED_LEASE_TTL_S, PACKFEED_TLS_CERT, PACKFEED_TLS_KEY,
-PACKFEED_TLS_CLIENT_CA, PACKFEED_MAX_STREAMS_PER_CLIENT, and for a single dataset
+PACKFEED_TLS_CLIENT_CA, PACKFEED_MAX_STREAMS_PER_CLIENT, PACKFEED_ADDRESS_FILE, and for a single dataset
 PACKFEED_INDEX / PACKFEED_TOKENIZER / PACKFEED_SHARD_ROOT. Image policy and chat template always come from
 the index: they decided the token counts the plan balances, so serving with others would break it.
 """
@@ -46,8 +48,8 @@ ENV_PREFIX = "PACKFEED_"
 
 @dataclass
 class ServerConfig:
-    listen: str = "127.0.0.1:50051"
-    metrics_port: int = 0
+    listen: str = "127.0.0.1:50051"  # host:port or host:first-last (binds the first free port of the range)
+    metrics_port: int | str = 0  # a port, a range "first-last", or 0 = no metrics endpoint
     workers: int = max(1, (os.cpu_count() or 2) - 1)
     prefetch_steps: int = 4
     memory_budget_mb: int = 2048
@@ -64,10 +66,18 @@ class ServerConfig:
     tls_key: str = ""
     tls_client_ca: str = ""
     max_streams_per_client: int = 64  # concurrent StreamPacks per client host; 0 = no limit
+    address_file: str = ""  # written with this server's host:port once it serves (`packfeed health` reads it)
     datasets: dict[str, DatasetSource] = field(default_factory=dict)
 
     def validate(self) -> "ServerConfig":
         problems = []
+        for name, spec in (("listen", self.listen.rpartition(":")[2]), ("metrics_port", self.metrics_port)):
+            try:
+                port_candidates(spec)
+            except ValueError as error:
+                problems.append(f"{name}: {error}")
+        if ":" not in self.listen:
+            problems.append(f"listen {self.listen!r} is not host:port")
         if self.workers < 1:
             problems.append("workers must be >= 1")
         if self.prefetch_steps < 1:
@@ -93,6 +103,18 @@ class ServerConfig:
         if problems:
             raise ValueError("invalid server config: " + "; ".join(problems))
         return self
+
+
+def port_candidates(spec: int | str) -> list[int]:
+    """"50051" -> [50051]; "50051-50058" -> those 8 ports, tried in order; "0" -> [0] (any free port)."""
+    first, dash, last = str(spec).strip().partition("-")
+    try:
+        ports = list(range(int(first), int(last if dash else first) + 1))
+    except ValueError:
+        raise ValueError(f"{spec!r} is not a port or a range like 50051-50058") from None
+    if not ports or not all(0 <= p < 65536 for p in ports):
+        raise ValueError(f"{spec!r}: ports run from 0 to 65535, the first of a range no larger than the last")
+    return ports
 
 
 def dataset_source(index: str, tokenizer: str | None = None, shard_root: str | None = None) -> DatasetSource:

@@ -174,9 +174,10 @@ def _demo_sample(rng: np.random.Generator, photos, i: int, bad_samples: bool) ->
     return sample
 
 
-def run_demo(out: Path, samples: int = 240) -> int:
+def run_demo(out: Path, samples: int = 240, dataset_only: bool = False) -> int:
     """`make demo`: build the demo dataset, index it, write the statistics report, plan an epoch, then serve
-    it and consume the epoch with one client per DP rank."""
+    it and consume the epoch with one client per DP rank. `dataset_only`: stop after the index (the
+    docker-compose demo prepares its shared data volume this way)."""
     from packfeed.server.costs import load_sample_loads
     from packfeed.server.indexer import IndexConfig, build_index
     from packfeed.server.plan import PlanConfig, make_plan
@@ -188,6 +189,8 @@ def run_demo(out: Path, samples: int = 240) -> int:
     config = IndexConfig(tokenizer=str(paths.tokenizer))
     result = build_index([str(p) for p in paths.shards], out / "index.parquet", config)
     print(json.dumps(result.summary(), indent=2))
+    if dataset_only:
+        return 0
     plan_config = PlanConfig(dp=2, microbatches=2, pipeline_stages=2, samples_per_pack=4)
     print(f"[3/6] statistics report (DP {plan_config.dp}, M {plan_config.microbatches})")
     report = write_report(out / "index.parquet", out / "report", plan_config)

@@ -14,6 +14,7 @@ import collections
 import dataclasses
 import json
 import logging
+import re
 import signal
 import time
 from concurrent.futures import ProcessPoolExecutor
@@ -23,7 +24,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
-from packfeed.server.config import ServerConfig, describe
+from packfeed.server.config import ServerConfig, describe, port_candidates
 from packfeed.server.coord import (
     CoordinationError,
     CoordinationUnavailable,
@@ -478,7 +479,55 @@ class TokenAuth(grpc.aio.ServerInterceptor):
 
 def grpc_options(config: ServerConfig) -> list[tuple[str, int]]:
     size = config.max_message_mb << 20
-    return [("grpc.max_send_message_length", size), ("grpc.max_receive_message_length", size)]
+    # so_reuseport off: a second server on a taken port must fail to bind (and move on in its range), not
+    # silently share the port and have the kernel split clients between the two
+    return [("grpc.max_send_message_length", size), ("grpc.max_receive_message_length", size),
+            ("grpc.so_reuseport", 0)]
+
+
+def bind(server: grpc.aio.Server, config: ServerConfig) -> int:
+    """Listen on the first free port of `config.listen` (host:port or host:first-last); returns it."""
+    host, _, spec = config.listen.rpartition(":")
+    credentials = None
+    if config.tls_cert:
+        client_ca = Path(config.tls_client_ca).read_bytes() if config.tls_client_ca else None
+        credentials = grpc.ssl_server_credentials(
+            [(Path(config.tls_key).read_bytes(), Path(config.tls_cert).read_bytes())],
+            root_certificates=client_ca, require_client_auth=client_ca is not None)
+    for candidate in port_candidates(spec):
+        address = f"{host}:{candidate}"
+        try:
+            port = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
+        except RuntimeError:  # grpcio raises where older versions returned 0
+            port = 0
+        if port:
+            return port
+    raise OSError(f"cannot listen on {config.listen}: every port is taken, or {host} is not an address of this "
+                  "machine; free a port, give a range (host:50051-50058), or change listen")
+
+
+def start_metrics(config: ServerConfig, registry) -> int:
+    """Prometheus endpoint on the first free port of `metrics_port`; 0 when off."""
+    host = config.listen.rpartition(":")[0].strip("[]") or "0.0.0.0"
+    candidates = port_candidates(config.metrics_port)
+    if candidates == [0]:
+        return 0
+    for candidate in candidates:
+        try:
+            start_http_server(candidate, addr=host, registry=registry)
+            return candidate
+        except OSError:
+            continue
+    raise OSError(f"cannot serve metrics on {host}:{config.metrics_port}: every port is taken; give a free port "
+                  "or a range (metrics_port: 9400-9407), or 0 for no metrics")
+
+
+def advertised_address(config: ServerConfig, port: int) -> str:
+    """Where clients reach this server: `advertise` (a host alone gets the bound port), else the listen host."""
+    if config.advertise:
+        return config.advertise if re.search(r":\d+$", config.advertise) else f"{config.advertise}:{port}"
+    host = config.listen.rpartition(":")[0].strip("[]")
+    return f"{'127.0.0.1' if host in ('', '0.0.0.0', '::') else host}:{port}"
 
 
 async def announce(coordinator: Coordinator, address: str, ttl_s: float) -> None:
@@ -505,26 +554,16 @@ async def serve(config: ServerConfig, ready: asyncio.Event | None = None, stop: 
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection([SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
-    if config.tls_cert:
-        client_ca = Path(config.tls_client_ca).read_bytes() if config.tls_client_ca else None
-        credentials = grpc.ssl_server_credentials(
-            [(Path(config.tls_key).read_bytes(), Path(config.tls_cert).read_bytes())],
-            root_certificates=client_ca, require_client_auth=client_ca is not None)
-        port = server.add_secure_port(config.listen, credentials)
-    else:
-        port = server.add_insecure_port(config.listen)
-    if port == 0:
-        raise OSError(f"cannot listen on {config.listen}")
+    port = bind(server, config)
     await server.start()
-    host = config.listen.rsplit(":", 1)[0].strip("[]")
-    service.server_id = config.advertise or f"{'127.0.0.1' if host in ('', '0.0.0.0', '::') else host}:{port}"
+    service.server_id = advertised_address(config, port)
     announcer = asyncio.create_task(announce(coordinator, service.server_id, config.lease_ttl_s))
-    if config.metrics_port:
-        start_http_server(config.metrics_port, addr=config.listen.rsplit(":", 1)[0].strip("[]") or "0.0.0.0",
-                          registry=metrics.registry)
+    metrics_port = start_metrics(config, metrics.registry)
     for name in ("", SERVICE):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    log.info("serving", extra={"listen": config.listen, "port": port, "metrics_port": config.metrics_port,
+    if config.address_file:
+        Path(config.address_file).write_text(f"127.0.0.1:{port}\n")  # for a health probe on this machine
+    log.info("serving", extra={"listen": config.listen, "port": port, "metrics_port": metrics_port,
                                "datasets": sorted(datasets), "startup_seconds": round(time.perf_counter() - started, 2),
                                "server_id": service.server_id,
                                "config": describe(config)})

@@ -13,9 +13,10 @@ from packfeed.trainer.model import VLMConfig
 
 @dataclass
 class DataConfig:
-    """Where packs come from: a running server (`target`) or an embedded one started on `index`."""
+    """Where packs come from: running servers (`target`) or an embedded one started on `index` (with a
+    target too, the index only sizes the model: tile size, tokens per tile, vocabulary)."""
 
-    target: str = ""
+    target: str = ""  # host:port, host:port,host:port (failover), or redis://host:6379/0 (every live server)
     index: str = ""
     job: str = "train"
     seed: int = 0

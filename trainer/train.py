@@ -66,8 +66,10 @@ def sized_model(config: TrainConfig) -> VLMConfig:
         model.tile_size, model.tokens_per_tile = policy.image_size, policy.tokens_per_tile
     elif policy.to_dict()["name"] == "fixed":
         model.tile_size, model.tokens_per_tile = policy.size, policy.tokens
-    tokenizer_path = (info.tokenizer or {}).get("path")
-    if tokenizer_path and Path(tokenizer_path).is_file():
+    # the recorded path, else a tokenizer.json beside the index (the index was built on another machine)
+    candidates = [(info.tokenizer or {}).get("path"), Path(config.data.index).parent / "tokenizer.json"]
+    tokenizer_path = next((Path(c) for c in candidates if c and Path(c).is_file()), None)
+    if tokenizer_path:
         vocab = load_tokenizer(tokenizer_path, ChatTemplate(**(info.chat_template or {}))).get_vocab_size()
         model.vocab_size = max(model.vocab_size, -(-vocab // 64) * 64)
     return model
@@ -117,7 +119,20 @@ def open_stream(config: TrainConfig, mesh: Mesh):
                    token_cap=d.token_cap, prefetch=d.prefetch, token=d.token or None,
                    pin_memory=mesh.device.type == "cuda",
                    cost_model=json.loads(Path(d.cost_model).read_text()) if d.cost_model else None)
-    return PackStream(d.target, **options)
+    return PackStream(stream_targets(d.target), **options)
+
+
+def stream_targets(target: str) -> str | list[str]:
+    """`host:port`, a comma-separated list (failover in that order), or `redis://...`: every live server."""
+    if target.startswith(("redis://", "rediss://")):
+        from packfeed.client.discovery import servers_from_redis
+
+        servers = servers_from_redis(target)
+        if not servers:
+            raise ValueError(f"no live Packfeed server is listed in {target}: start `packfeed serve` with "
+                             "PACKFEED_REDIS_URL set to it, or give data.target=host:port")
+        return servers
+    return target.split(",") if "," in target else target
 
 
 def decision_key(config: TrainConfig, mesh: Mesh) -> str:

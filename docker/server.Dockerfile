@@ -1,0 +1,31 @@
+# Packfeed loader server: `packfeed serve` (plus index / plan / stats / health). No torch.
+# Build from the repository root:  docker build -f docker/server.Dockerfile -t packfeed/server .
+# BASE_IMAGE: any Debian-like image with python3 >= 3.11 and its venv module (offline builds: a local base).
+ARG BASE_IMAGE=python:3.11-slim
+FROM ${BASE_IMAGE}
+
+ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PYTHONUNBUFFERED=1 \
+    PATH=/opt/packfeed/bin:$PATH
+RUN python3 -m venv /opt/packfeed
+
+WORKDIR /src
+# Dependencies first, in their own layer (rebuilt only when pyproject.toml changes), then the source.
+COPY pyproject.toml docker/requirements.py ./
+RUN python3 requirements.py > requirements.txt && pip install -r requirements.txt
+COPY setup.py README.md ./
+COPY protos protos
+COPY loader_server loader_server
+COPY client client
+COPY trainer trainer
+# The server side installs without torch: packfeed.trainer / packfeed.client import it only when used.
+RUN pip install --no-deps --no-build-isolation . && cd / && rm -rf /src
+
+WORKDIR /data
+# Scaled replicas share the host network: each binds the first free port of the ranges and writes the one it
+# got to PACKFEED_ADDRESS_FILE, which the healthcheck reads.
+ENV PACKFEED_LISTEN=0.0.0.0:50051-50058 \
+    PACKFEED_METRICS_PORT=9400-9407 \
+    PACKFEED_ADDRESS_FILE=/tmp/packfeed.address
+HEALTHCHECK --interval=5s --timeout=5s --start-period=60s --retries=3 CMD ["packfeed", "health"]
+ENTRYPOINT ["packfeed"]
+CMD ["serve"]
