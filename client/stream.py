@@ -31,7 +31,7 @@ from typing import Any
 import grpc
 import numpy as np
 import torch
-from packfeed.client.wire import array_of, split_pack
+from packfeed.client.wire import PackAssembler, array_of, split_pack
 from packfeed.v1 import packfeed_pb2 as pb
 from packfeed.v1 import packfeed_pb2_grpc as pb_grpc
 
@@ -242,9 +242,10 @@ class PackStream:
         self._channel = grpc.secure_channel(self.target, self._credentials, options=options) \
             if self._credentials else grpc.insecure_channel(self.target, options=options)
         self._stub = pb_grpc.PackfeedStub(self._channel)
-        # Packs arrive as raw bytes: `pack_of` reads them without protobuf's copies of the tensor payload.
+        # Packs arrive as raw PackPart bytes (bounded messages, see packfeed.proto), joined by PackAssembler;
+        # `pack_of` reads a pack without protobuf's copies of the tensor payload.
         self._stream_packs = self._channel.unary_stream(
-            f"/{pb.DESCRIPTOR.services_by_name['Packfeed'].full_name}/StreamPacks",
+            f"/{pb.DESCRIPTOR.services_by_name['Packfeed'].full_name}/StreamPackParts",
             request_serializer=pb.StreamPacksRequest.SerializeToString, response_deserializer=None)
 
     def _fail_over(self) -> None:
@@ -359,7 +360,11 @@ class _Receiver:
             try:
                 self._call = s._stream_packs(request, metadata=s._metadata)
                 packs: list[PackTensors] = []
-                for message in self._call:
+                assembler = PackAssembler()
+                for part in self._call:
+                    message = assembler.add(part)
+                    if message is None:
+                        continue
                     pack = pack_of(message, s.pin_memory)
                     packs.append(pack)
                     if len(packs) < pack.microbatches:

@@ -17,6 +17,7 @@ from packfeed.v1 import packfeed_pb2 as pb
 _VARINT, _FIXED64, _LENGTH_DELIMITED, _FIXED32 = 0, 1, 2, 5
 _TENSORS = pb.Pack.DESCRIPTOR.fields_by_name["tensors"].number
 _DTYPE, _SHAPE, _DATA = (pb.Tensor.DESCRIPTOR.fields_by_name[n].number for n in ("dtype", "shape", "data"))
+_PART_DATA, _PART_LAST = (pb.PackPart.DESCRIPTOR.fields_by_name[n].number for n in ("data", "last"))
 
 
 class WireFormatError(ValueError):
@@ -117,3 +118,29 @@ def array_of(message: bytes, wire: WireArray) -> np.ndarray:
         return np.empty(wire.shape, dtype=wire.dtype.newbyteorder("="))
     array = np.frombuffer(message, dtype=wire.dtype, count=count, offset=wire.offset).reshape(wire.shape)
     return array if wire.dtype.isnative else array.astype(wire.dtype.newbyteorder("="))
+
+
+class PackAssembler:
+    """Joins the `PackPart` messages of StreamPackParts back into serialized `Pack`s: `add` returns a pack's
+    bytes when its last part arrives, else None."""
+
+    def __init__(self) -> None:
+        self._pieces: list[memoryview] = []
+
+    def add(self, part: bytes) -> bytes | None:
+        data, last = memoryview(b""), False
+        for number, wire_type, _, value, value_end in _fields(part, 0, len(part)):
+            if number == _PART_DATA and wire_type == _LENGTH_DELIMITED:
+                data = memoryview(part)[value:value_end]
+            elif number == _PART_LAST and wire_type == _VARINT:
+                last = bool(value)
+        self._pieces.append(data)
+        if not last:
+            return None
+        whole, self._pieces = b"".join(self._pieces), []
+        return whole
+
+    @property
+    def partial(self) -> bool:
+        """A pack has begun but not ended (a broken stream drops it and asks again)."""
+        return bool(self._pieces)

@@ -6,6 +6,7 @@
     prefetch_steps: 4           # steps prepared ahead per rank stream
     memory_budget_mb: 2048      # prepared packs held in memory across all streams
     max_message_mb: 256
+    pack_part_kb: 1024          # packs go out in pieces of this size (bounds what gRPC holds per slow stream)
     auth_token: ""              # when set, calls must carry `authorization: Bearer <token>`
     redis_url: redis://redis:6379/0   # several servers share jobs through Redis (default: none, one server)
     redis_password: ""
@@ -23,7 +24,7 @@
         shard_root: /data/demo/shards          # default: the shard paths recorded in the index
 
 Environment: PACKFEED_LISTEN, PACKFEED_METRICS_PORT, PACKFEED_WORKERS, PACKFEED_PREFETCH_STEPS,
-PACKFEED_MEMORY_BUDGET_MB, PACKFEED_MAX_MESSAGE_MB, PACKFEED_AUTH_TOKEN, PACKFEED_REDIS_URL,
+PACKFEED_MEMORY_BUDGET_MB, PACKFEED_MAX_MESSAGE_MB, PACKFEED_PACK_PART_KB, PACKFEED_AUTH_TOKEN, PACKFEED_REDIS_URL,
 PACKFEED_REDIS_PASSWORD, PACKFEED_ADVERTISE, PACKFEED_LEASE_TTL_S, PACKFEED_TLS_CERT, PACKFEED_TLS_KEY,
 PACKFEED_TLS_CLIENT_CA, PACKFEED_MAX_STREAMS_PER_CLIENT, PACKFEED_ADDRESS_FILE, and for a single dataset
 PACKFEED_INDEX / PACKFEED_TOKENIZER / PACKFEED_SHARD_ROOT. Image policy and chat template always come from
@@ -54,6 +55,7 @@ class ServerConfig:
     prefetch_steps: int = 4
     memory_budget_mb: int = 2048
     max_message_mb: int = 256
+    pack_part_kb: int = 1024  # StreamPackParts piece size: what gRPC may hold per slow stream
     auth_token: str = ""
     # Several servers sharing jobs: coordination in Redis (empty = in this process, one server).
     redis_url: str = ""  # redis://host:6379/0, or rediss:// for TLS
@@ -80,6 +82,8 @@ class ServerConfig:
             problems.append(f"listen {self.listen!r} is not host:port")
         if self.workers < 1:
             problems.append("workers must be >= 1")
+        if not 16 <= self.pack_part_kb <= self.max_message_mb << 10:
+            problems.append("pack_part_kb must be at least 16 and fit in max_message_mb")
         if self.prefetch_steps < 1:
             problems.append("prefetch_steps must be >= 1")
         if self.memory_budget_mb < 1:

@@ -36,6 +36,7 @@ from packfeed.server.coord import (
 from packfeed.server.costs import CostModel
 from packfeed.server.jobs import Dataset, Job, JobError, JobRegistry, JobSpec
 from packfeed.server.plan import PlanConfig
+from packfeed.server.wire import pack_parts
 from packfeed.server.workers import RankStepResult, build_rank_step, start_pool
 from packfeed.v1 import packfeed_pb2 as pb
 from prometheus_client import (
@@ -287,7 +288,8 @@ class PackfeedService:
 
     # -- the stream -------------------------------------------------------------------------------------
 
-    async def stream_packs(self, request: pb.StreamPacksRequest, context):
+    async def stream_packs(self, request: pb.StreamPacksRequest, context, part_bytes: int = 0):
+        """StreamPacks (whole packs, part_bytes 0) and StreamPackParts (packs cut into PackPart pieces)."""
         client = client_host(context.peer())
         limit = self.config.max_streams_per_client
         if limit and self.streams_per_client[client] >= limit:
@@ -295,12 +297,12 @@ class PackfeedService:
                                                  f"(max_streams_per_client); close some or raise the limit")
         self.streams_per_client[client] += 1
         try:
-            async for message in self._stream_packs(request, context):
+            async for message in self._stream_packs(request, context, part_bytes):
                 yield message
         finally:
             self.streams_per_client[client] -= 1
 
-    async def _stream_packs(self, request: pb.StreamPacksRequest, context):
+    async def _stream_packs(self, request: pb.StreamPacksRequest, context, part_bytes: int):
         job = self.registry.get(request.job)
         job.check_rank(request.rank)
         start = (request.first_epoch, request.first_step)
@@ -330,9 +332,16 @@ class PackfeedService:
                                               f"{job.spec.job!r}: reconnect to continue")
                 (epoch, step), result = item
                 for message in result.messages:
-                    yield message
+                    if part_bytes:
+                        for part in pack_parts(message, part_bytes):
+                            yield part
+                    else:
+                        yield message
+                # Only now: a yield returns once gRPC has taken the message, and a message it holds for a
+                # slow client is memory like any other (parts keep that to one part per stream)
                 self.budget.release(result.nbytes)
                 self._account(job, request.rank, epoch, step, result)
+                item = result = message = part = None  # no step outlives its release while we wait for the next
                 sent_steps += 1
         finally:
             keeper.cancel()
@@ -378,7 +387,7 @@ class PackfeedService:
                 self.budget.adjust(result.nbytes - estimate)
                 owned = result.nbytes  # counted in the budget, not yet in the queue
                 await queue.put((position, result))
-                owned = 0
+                owned, result, future = 0, None, None  # the stream frees it once sent: keep no reference here
             await queue.put(None)
         except asyncio.CancelledError:
             for _, estimate, future in in_flight:
@@ -433,21 +442,24 @@ class PackfeedService:
             return grpc.unary_unary_rpc_method_handler(call, request_deserializer=request_type.FromString,
                                                        response_serializer=response_type.SerializeToString)
 
-        async def stream(request, context):
-            try:
-                async for message in self.stream_packs(request, context):
-                    yield message
-            except JobError as error:
-                await context.abort(grpc.StatusCode[error.code], str(error))
+        def streaming(part_bytes: int):
+            async def stream(request, context):
+                try:
+                    async for message in self.stream_packs(request, context, part_bytes):
+                        yield message
+                except JobError as error:
+                    await context.abort(grpc.StatusCode[error.code], str(error))
+            # Packs arrive serialized from the workers: no response serializer.
+            return grpc.unary_stream_rpc_method_handler(
+                stream, request_deserializer=pb.StreamPacksRequest.FromString, response_serializer=None)
 
         return grpc.method_handlers_generic_handler(SERVICE, {
             "OpenJob": unary(self.open_job, pb.OpenJobRequest, pb.JobInfo),
             "GetJob": unary(self.get_job, pb.GetJobRequest, pb.JobInfo),
             "ListJobs": unary(self.list_jobs, pb.ListJobsRequest, pb.ListJobsResponse),
             "AckStep": unary(self.ack_step, pb.AckStepRequest, pb.AckStepResponse),
-            # Packs arrive serialized from the workers: no response serializer.
-            "StreamPacks": grpc.unary_stream_rpc_method_handler(
-                stream, request_deserializer=pb.StreamPacksRequest.FromString, response_serializer=None),
+            "StreamPacks": streaming(0),
+            "StreamPackParts": streaming(self.config.pack_part_kb << 10),
         })
 
 

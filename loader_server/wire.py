@@ -19,6 +19,8 @@ _LENGTH_DELIMITED = 2
 _TENSORS = pb.Pack.DESCRIPTOR.fields_by_name["tensors"].number
 _DATA = pb.Tensor.DESCRIPTOR.fields_by_name["data"].number
 _MAP_KEY, _MAP_VALUE = 1, 2  # protobuf's map entry: message { K key = 1; V value = 2; }
+_PART_DATA = pb.PackPart.DESCRIPTOR.fields_by_name["data"].number
+_PART_LAST = pb.PackPart.DESCRIPTOR.fields_by_name["last"].number
 
 
 def _varint(value: int) -> bytes:
@@ -65,3 +67,13 @@ def encode_pack(pack: Pack, microbatches: int, last_in_epoch: bool) -> bytes:
     for name, array in pack.tensors.items():
         parts += _tensor_entry(name, array)
     return b"".join(parts)
+
+
+def pack_parts(message: bytes, part_bytes: int):
+    """A serialized `Pack` as serialized `PackPart` messages carrying at most `part_bytes` of it each, in
+    order, the final one with `last` set. Yields them one at a time: a part is copied only when sent."""
+    view, last = memoryview(message), _varint(_PART_LAST << 3) + b"\x01"
+    for start in range(0, max(len(view), 1), part_bytes):
+        piece = view[start:start + part_bytes]
+        end = start + part_bytes >= len(view)
+        yield b"".join((_header(_PART_DATA, len(piece)), piece, last if end else b""))

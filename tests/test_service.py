@@ -214,6 +214,24 @@ def test_bad_requests_get_status_codes(server):
     assert len(consume(server.target, "codes", 0)[2]) > 0
 
 
+def test_pack_parts_carry_the_same_packs_in_bounded_messages(dataset):
+    with LocalServer(dataset, workers=1, env={"PACKFEED_PACK_PART_KB": "64"}) as running:
+        stub = pb_grpc.PackfeedStub(grpc.insecure_channel(running.target, options=[
+            ("grpc.max_receive_message_length", 256 << 20)]))
+        stub.OpenJob(pb.OpenJobRequest(job="parts", plan=pb.PlanSpec(**PLAN)))
+        request = pb.StreamPacksRequest(job="parts", rank=0)
+        whole = [pack.SerializeToString() for pack in stub.StreamPacks(request)]
+        parts = list(stub.StreamPackParts(request))
+    assert max(len(part.data) for part in parts) == 64 << 10  # the packs here are larger than one part
+    joined, pieces = [], []
+    for part in parts:
+        pieces.append(part.data)
+        if part.last:
+            joined.append(b"".join(pieces))
+            pieces = []
+    assert not pieces and [pb.Pack.FromString(j) for j in joined] == [pb.Pack.FromString(w) for w in whole]
+
+
 def test_a_measured_cost_model_travels_with_the_job(server):
     """A trainer's measured coefficients (PlanSpec.cost_model) change what the planner balances on; they are
     part of the job's identity, and nonsense coefficients are refused."""

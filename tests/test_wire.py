@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from packfeed.client.wire import WireFormatError, array_of, split_pack
+from packfeed.client.wire import PackAssembler, WireFormatError, array_of, split_pack
 from packfeed.server.packs import Pack
-from packfeed.server.wire import encode_pack
+from packfeed.server.wire import encode_pack, pack_parts
 from packfeed.v1 import packfeed_pb2 as pb
 
 
@@ -67,3 +67,24 @@ def test_reader_refuses_malformed_messages():
     bad_dtype = pb.Pack(tensors={"x": pb.Tensor(dtype="float99", shape=[1], data=b"\0")}).SerializeToString()
     with pytest.raises(WireFormatError, match="unknown tensor dtype"):
         split_pack(bad_dtype)
+
+
+@pytest.mark.parametrize("size", [0, 1, 63, 64, 65, 640])
+def test_pack_parts_are_bounded_protobuf_messages_that_join_back(size):
+    message = bytes(range(256)) * (size // 256) + bytes(size % 256)
+    parts = list(pack_parts(message, 64))
+    assert len(parts) == max(1, -(-size // 64))
+    decoded = [pb.PackPart.FromString(part) for part in parts]  # what any protobuf reader sees
+    assert all(len(d.data) <= 64 for d in decoded)
+    assert [d.last for d in decoded] == [False] * (len(parts) - 1) + [True]
+    assert b"".join(d.data for d in decoded) == message
+    assembler = PackAssembler()
+    joined = [assembler.add(part) for part in parts]
+    assert joined[:-1] == [None] * (len(parts) - 1) and joined[-1] == message and not assembler.partial
+
+
+def test_the_assembler_reads_parts_any_protobuf_writer_made():
+    assembler = PackAssembler()
+    assert assembler.add(pb.PackPart(data=b"abc").SerializeToString()) is None and assembler.partial
+    assert assembler.add(pb.PackPart(last=True).SerializeToString()) == b"abc"  # data unset: empty piece
+    assert assembler.add(pb.PackPart(data=b"xyz", last=True).SerializeToString()) == b"xyz"

@@ -121,6 +121,7 @@ def test_preprocessing_per_core_vs_dataloader(demo):
 def _replay_server(messages_path: str, port_queue, repeats: int) -> None:
     from packfeed.server.config import ServerConfig
     from packfeed.server.service import SERVICE, grpc_options
+    from packfeed.server.wire import pack_parts
 
     raw = Path(messages_path).read_bytes()
     messages, offset = [], 0
@@ -134,10 +135,17 @@ def _replay_server(messages_path: str, port_queue, repeats: int) -> None:
             for message in messages:
                 yield message
 
+    async def stream_parts(request, context):  # as the service sends StreamPackParts
+        for _ in range(repeats):
+            for message in messages:
+                for part in pack_parts(message, ServerConfig().pack_part_kb << 10):
+                    yield part
+
     async def main():
         server = grpc.aio.server(options=grpc_options(ServerConfig()))
         server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, {
-            "StreamPacks": grpc.unary_stream_rpc_method_handler(stream, response_serializer=None)}),))
+            "StreamPacks": grpc.unary_stream_rpc_method_handler(stream, response_serializer=None),
+            "StreamPackParts": grpc.unary_stream_rpc_method_handler(stream_parts, response_serializer=None)}),))
         port = server.add_insecure_port("127.0.0.1:0")
         await server.start()
         port_queue.put(port)
@@ -148,6 +156,7 @@ def _replay_server(messages_path: str, port_queue, repeats: int) -> None:
 
 def test_transport_gigabytes_per_second(demo, tmp_path):
     from packfeed.client.stream import pack_of
+    from packfeed.client.wire import PackAssembler
     from packfeed.server.service import SERVICE
     from packfeed.v1 import packfeed_pb2 as pb
 
@@ -161,30 +170,38 @@ def test_transport_gigabytes_per_second(demo, tmp_path):
     ports = ctx.Queue()
     server = ctx.Process(target=_replay_server, args=(str(path), ports, repeats), daemon=True)
     server.start()
-    rates = {"packfeed": [], "raw": []}
+    rates = {"packfeed": [], "whole": [], "raw": []}
     try:
         port = ports.get(timeout=60)
         channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=[("grpc.max_receive_message_length", 1 << 28)])
-        call = channel.unary_stream(f"/{SERVICE}/StreamPacks", response_deserializer=None,  # as PackStream does
-                                    request_serializer=pb.StreamPacksRequest.SerializeToString)
+        calls = {name: channel.unary_stream(f"/{SERVICE}/{name}", response_deserializer=None,
+                                            request_serializer=pb.StreamPacksRequest.SerializeToString)
+                 for name in ("StreamPacks", "StreamPackParts")}
         # The first stream of a fresh process runs at about half speed while it faults in pages for large
         # messages and glibc's allocator adapts its mmap threshold; a trainer holds its stream for the whole
         # run, so a warm-up stream goes first, unmeasured. Then the two modes, interleaved: the machine is noisy.
-        for mode in ("warm-up", "packfeed", "raw", "packfeed", "raw"):
-            received, started = 0, None
+        # "packfeed": PackStream's path (1 MiB PackParts joined, then tensors); "whole": one message per pack
+        for mode in ("warm-up", "packfeed", "whole", "raw", "packfeed", "whole", "raw"):
+            received, started, assembler = 0, None, PackAssembler()
+            call = calls["StreamPackParts" if mode in ("warm-up", "packfeed") else "StreamPacks"]
             for message in call(pb.StreamPacksRequest(job="replay")):
+                if mode in ("warm-up", "packfeed"):
+                    message = assembler.add(message)
+                    if message is None:
+                        continue
                 received += len(message) if mode == "raw" else pack_of(message).nbytes
                 started = started or (time.perf_counter(), received)  # from the first message: connection is up
             seconds = time.perf_counter() - started[0]
             if mode == "warm-up":
                 continue
-            if mode == "packfeed":
+            if mode != "raw":
                 assert received == payload * repeats
             rates[mode].append((received - started[1]) / seconds / 1e9)
             print(f"\n[transport] {mode}: {len(messages)} real packs (mean {payload / len(messages) / 1e6:.1f} MB)"
                   f" x {repeats} = {received / 1e9:.2f} GB to one client stream in {seconds:.2f} s = "
-                  f"{rates[mode][-1]:.2f} GB/s " + ("(pack payload, torch tensors built by the client)"
-                                                   if mode == "packfeed" else "(raw message bytes: plain gRPC)"))
+                  f"{rates[mode][-1]:.2f} GB/s " + {"packfeed": "(pack payload from 1 MiB parts, torch tensors)",
+                                                    "whole": "(pack payload from whole-pack messages, torch tensors)",
+                                                    "raw": "(raw message bytes: plain gRPC)"}[mode])
     finally:
         server.kill()
     print(json.dumps({f"{mode}_gbps": [round(r, 3) for r in values] for mode, values in rates.items()}))
