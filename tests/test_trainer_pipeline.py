@@ -8,7 +8,7 @@ import torch
 import torch.multiprocessing as mp
 from packfeed.trainer.batch import microbatches_of
 from packfeed.trainer.model import VLMConfig, build_layers, run_layers
-from trainer_workers import SMALL_MODEL, pipeline_step
+from trainer_workers import SMALL_MODEL, packfeed_train, pipeline_step
 
 
 def reference(steps) -> tuple[float, dict[str, torch.Tensor]]:
@@ -99,17 +99,12 @@ def test_server_and_trainer_run_end_to_end_and_reuse_their_decisions(tmp_path, s
     """`packfeed train` under torchrun (2 stages, gloo) with an embedded server: N steps, the partition
     search and adaptive recompute run once, then a restart reuses both decisions from disk."""
     import json
-    import subprocess
-    import sys
 
     out = tmp_path / "run"
     overrides = [f"data.index={small_tile_index}", "data.microbatches=2", "data.server_workers=1",
-                 "optim.steps=3", f"out={out}", "partition.top_k=2", "partition.trial_steps=1",
+                 "optim.steps=3", "partition.top_k=2", "partition.trial_steps=1",
                  "recompute.budget_mb=40"] + [f"model.{k}={v}" for k, v in SMALL_MODEL.items()]
-    command = [sys.executable, "-m", "packfeed.server.cli", "train", "--nproc", "2", *overrides]
-    first = subprocess.run(command, capture_output=True, text=True, timeout=400)
-    assert first.returncode == 0, first.stderr[-4000:]
-    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    first_log, records = packfeed_train(2, overrides, out)
     assert [r["step"] for r in records] == [0, 1, 2]
     assert all(0 < r["loss"] < 20 and r["tokens"] > 0 and r["step_s"] > 0 for r in records)
     partition = json.loads((out / "partition.json").read_text())
@@ -118,30 +113,22 @@ def test_server_and_trainer_run_end_to_end_and_reuse_their_decisions(tmp_path, s
     for decision in recompute:
         verified = [v for k, v in decision["measured"].items() if k.startswith("verify")]
         assert decision["fits"] == (verified[-1] <= decision["budget_bytes"])
-    assert "partition search" in first.stderr
+    assert "partition search" in first_log
 
-    second = subprocess.run(command, capture_output=True, text=True, timeout=400)
-    assert second.returncode == 0, second.stderr[-4000:]
-    assert f"partition {partition['bounds']} reused" in second.stderr
-    assert "partition search" not in second.stderr
+    second_log, _ = packfeed_train(2, overrides, out)
+    assert f"partition {partition['bounds']} reused" in second_log
+    assert "partition search" not in second_log
 
 
 @pytest.mark.slow
 def test_checkpoint_resumes_at_exactly_the_next_step(tmp_path, small_tile_index):
     """4 steps straight, against 2 steps + a restart that resumes from the checkpoint for 2 more: the same
     steps of the stream and the same losses (weights, AdamW and LR state and stream position restored)."""
-    import json
-    import subprocess
-    import sys
-
     def run(out, steps):
         overrides = [f"data.index={small_tile_index}", "data.microbatches=2", "data.server_workers=1",
-                     f"optim.steps={steps}", f"out={out}", "partition.mode=layers", "recompute.mode=none",
+                     f"optim.steps={steps}", "partition.mode=layers", "recompute.mode=none",
                      "checkpoint.every=2", "optim.warmup_steps=3"] + [f"model.{k}={v}" for k, v in SMALL_MODEL.items()]
-        done = subprocess.run([sys.executable, "-m", "packfeed.server.cli", "train", "--nproc", "2", *overrides],
-                              capture_output=True, text=True, timeout=400)
-        assert done.returncode == 0, done.stderr[-4000:]
-        return done.stderr, [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        return packfeed_train(2, overrides, out)
 
     _, straight = run(tmp_path / "straight", 4)
     run(tmp_path / "resumed", 2)

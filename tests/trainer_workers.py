@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+from pathlib import Path
+
 import torch
 import torch.distributed as dist
 from packfeed.trainer.batch import microbatches_of
@@ -17,6 +22,15 @@ from packfeed.trainer.pipeline import (
 
 SMALL_MODEL = dict(vocab_size=1024, tile_size=112, tokens_per_tile=16, vit_dim=32, llm_dim=64, vit_layers=2,
                    llm_layers=2)
+
+
+def packfeed_train(nproc: int, overrides: list[str], out: Path, timeout: float = 400) -> tuple[str, list[dict]]:
+    """`packfeed train --nproc N OVERRIDES` (writing to `out`) in a subprocess that must succeed; returns its
+    log and the records of out/metrics.jsonl."""
+    done = subprocess.run([sys.executable, "-m", "packfeed.server.cli", "train", "--nproc", str(nproc), *overrides,
+                           f"out={out}"], capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return done.stderr, [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
 def pipeline_step(rank: int, world: int, dp: int, pp: int, init_file: str, steps_file: str, out_dir: str,

@@ -18,8 +18,6 @@ Run: .venv/bin/python -m pytest -q -s tests/benchmarks/test_bench_train.py -m be
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -34,6 +32,7 @@ from packfeed.trainer.simulate import (
     simulate_step,
     stage_times,
 )
+from trainer_workers import packfeed_train
 
 pytestmark = pytest.mark.benchmark
 
@@ -53,11 +52,8 @@ def train_epoch(index: Path, strategy: str, out: Path, bounds: list[int] | None 
         ["partition.top_k=2", "partition.trial_steps=1"]
     overrides = [f"data.index={index}", f"data.strategy={strategy}", "data.microbatches=4", "data.job=bench",
                  "data.server_workers=1", "data.prefetch=4", "parallel.pp=2", "recompute.mode=none",
-                 "optim.steps=0", f"out={out}", *partition] + [f"model.{k}={v}" for k, v in MODEL.items()]
-    run = subprocess.run([sys.executable, "-m", "packfeed.server.cli", "train", "--nproc", "2", *overrides],
-                         capture_output=True, text=True, timeout=1200)
-    assert run.returncode == 0, run.stderr[-3000:]
-    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+                 "optim.steps=0", *partition] + [f"model.{k}={v}" for k, v in MODEL.items()]
+    _, records = packfeed_train(2, overrides, out, timeout=1200)
     partition = json.loads((out / "partition.json").read_text()) if not bounds else {"bounds": bounds}
     return {"records": records, "partition": partition}
 

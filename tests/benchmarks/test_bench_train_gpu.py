@@ -14,14 +14,13 @@ samples (real photographs) tiled the InternVL way (448 px tiles, 256 tokens each
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from demo_data import indexed_demo
+from trainer_workers import packfeed_train
 
 pytestmark = [pytest.mark.benchmark,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -47,12 +46,10 @@ def small_dataset(tmp_path_factory):
 def train_epoch(index: Path, out: Path, strategy: str, *extra: str) -> list[dict]:
     overrides = [f"data.index={index}", f"data.strategy={strategy}", "data.microbatches=4", "data.job=bench",
                  "data.server_workers=8", "data.prefetch=8", "parallel.pp=1", "parallel.precision=bf16",
-                 "optim.steps=0", f"out={out}", *extra] + [f"model.{k}={v}" for k, v in MODEL.items()]
-    run = subprocess.run([sys.executable, "-m", "packfeed.server.cli", "train", "--nproc", "1", *overrides],
-                         capture_output=True, text=True, timeout=1200)
-    assert run.returncode == 0, run.stderr[-3000:]
-    print("\n".join(line for line in run.stderr.splitlines() if "recompute" in line))
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+                 "optim.steps=0", *extra] + [f"model.{k}={v}" for k, v in MODEL.items()]
+    log, records = packfeed_train(1, overrides, out, timeout=1200)
+    print("\n".join(line for line in log.splitlines() if "recompute" in line))
+    return records
 
 
 def summary(records: list[dict]) -> dict:
