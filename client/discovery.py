@@ -1,12 +1,19 @@
-"""Finding loader servers: the live servers a Redis-coordinated deployment lists (each server announces its
-`advertise` address with a TTL)."""
+"""Finding loader servers: the live servers a Redis-coordinated deployment lists. Each server announces its
+`advertise` address with an expiry; this reads the `servers` key of `packfeed.v1.redis_keys` directly (no
+server code on the trainer's side)."""
 
 from __future__ import annotations
 
+from packfeed.v1 import redis_keys
 
-def servers_from_redis(url: str, password: str | None = None) -> list[str]:
-    """host:port of every server that announced itself within its lease TTL, sorted. Pass the list to
+
+def servers_from_redis(url: str, password: str | None = None, prefix: str = redis_keys.DEFAULT_PREFIX,
+                       timeout_s: float = 5.0) -> list[str]:
+    """host:port of every server whose announcement has not expired, sorted. Pass the list to
     `PackStream(targets, ...)`: it fails over between them."""
-    from packfeed.server.coord import RedisCoordinator
+    import redis
 
-    return RedisCoordinator(url, password).live_servers()
+    with redis.Redis.from_url(url, password=password or None, socket_timeout=timeout_s,
+                              socket_connect_timeout=timeout_s, decode_responses=True) as client:
+        now_ms = redis_keys.redis_time_ms(client)
+        return sorted(client.zrangebyscore(redis_keys.servers_key(prefix), now_ms, "+inf"))

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import enum
 import json
 import os
 import sys
 from pathlib import Path
 
-from packfeed.server.image_policy import POLICIES, VERIFY_MODES  # light: dataclasses only
+from packfeed.server.index.image_policy import POLICIES, VERIFY_MODES  # light: dataclasses only
+from packfeed.v1.options import Oversize, PlanConfig, Strategy
 
 EXIT_OK, EXIT_SKIPPED, EXIT_USAGE = 0, 3, 2
 
@@ -26,46 +29,38 @@ def add_index_options(parser: argparse.ArgumentParser) -> None:
                         help="decode (catch corrupt image data) or header (faster)")
 
 
-def _add_plan_options(parser: argparse.ArgumentParser) -> None:
-    from packfeed.server.plan import OVERSIZE_POLICIES, STRATEGIES
-
-    parser.add_argument("--dp", type=int, default=8, help="data-parallel ranks (default 8)")
-    parser.add_argument("--microbatches", type=int, default=1, help="packs per rank per step, M (default 1)")
-    parser.add_argument("--pipeline-stages", type=int, default=1, help="pipeline stages P for 1F1B ordering")
-    parser.add_argument("--vision-cap", type=int, help="max vision units per pack (automatic when omitted)")
-    parser.add_argument("--token-cap", type=int, help="max LLM tokens per pack (automatic when omitted)")
-    parser.add_argument("--vision-target", type=int, help="ISF keeps packs with at least this many vision units")
-    parser.add_argument("--token-target", type=int, help="... or at least this many tokens (default cap - 128)")
-    parser.add_argument("--isf-iterations", type=int, default=10, help="ISF sampling/filtering rounds (default 10)")
-    parser.add_argument("--samples-per-pack", type=float, default=4.0,
-                        help="average pack size the automatic caps aim for; batch size of the baselines")
-    parser.add_argument("--oversize", choices=OVERSIZE_POLICIES, default="alone",
-                        help="a sample larger than a cap: its own pack (alone), dropped (skip), or tokens cut to "
-                             "the cap (truncate); always reported")
-    parser.add_argument("--strategy", choices=STRATEGIES, default="isf+balance")
-    parser.add_argument("--cost-model", metavar="FILE.json",
-                        help="per-sample cost coefficients to balance on (e.g. `packfeed train`'s OUT/cost_model.json)")
+def add_plan_options(parser: argparse.ArgumentParser) -> None:
+    """One flag per field of the plan specification (`packfeed.v1.options.PlanConfig`): --dp, --strategy, ...
+    Defaults stay in the dataclass: an omitted flag is None and the field keeps its default."""
+    for spec in dataclasses.fields(PlanConfig):
+        flag, default = "--" + spec.name.replace("_", "-"), _field_default(spec)
+        help_text = spec.metadata["help"]
+        if spec.name == "cost_model":
+            parser.add_argument(flag, metavar="FILE.json", help=help_text)
+            continue
+        kind = {"int": int, "float": float, "int | None": int}.get(str(spec.type))
+        choices = {"Strategy": [s.value for s in Strategy], "Oversize": [o.value for o in Oversize]}.get(str(spec.type))
+        shown = f" (default {default})" if default is not None else ""
+        parser.add_argument(flag, type=kind, choices=choices, help=help_text + shown)
 
 
-def _plan_config(args: argparse.Namespace, **overrides):
-    from packfeed.server.plan import PlanConfig
+def _field_default(spec: dataclasses.Field):
+    return spec.default.value if isinstance(spec.default, enum.Enum) else \
+        None if spec.default is dataclasses.MISSING else spec.default
 
-    values = dict(dp=args.dp, microbatches=args.microbatches, pipeline_stages=args.pipeline_stages,
-                  strategy=args.strategy, vision_cap=args.vision_cap, token_cap=args.token_cap,
-                  vision_target=args.vision_target, token_target=args.token_target,
-                  isf_iterations=args.isf_iterations, samples_per_pack=args.samples_per_pack,
-                  oversize=args.oversize)
-    if getattr(args, "cost_model", None):
-        from packfeed.server.costs import CostModel
 
-        values["cost_model"] = CostModel(**json.loads(Path(args.cost_model).read_text()))
-    values.update(overrides)
-    return PlanConfig(**values)
+def plan_config_of(args: argparse.Namespace, **overrides) -> PlanConfig:
+    """The PlanConfig the plan flags give (omitted flags keep the dataclass defaults)."""
+    values = {spec.name: getattr(args, spec.name) for spec in dataclasses.fields(PlanConfig)}
+    values = {name: value for name, value in values.items() if value is not None}
+    if "cost_model" in values:
+        values["cost_model"] = json.loads(Path(values["cost_model"]).read_text())
+    return PlanConfig(**{**values, **overrides})
 
 
 def cmd_index(args: argparse.Namespace) -> int:
     if args.from_lengths:
-        from packfeed.server.lengths import index_from_lengths
+        from packfeed.server.index.lengths import index_from_lengths
 
         info = index_from_lengths(args.from_lengths, args.out)
         print(json.dumps({"index": str(args.out), "fingerprint": info.fingerprint,
@@ -74,7 +69,7 @@ def cmd_index(args: argparse.Namespace) -> int:
     if not args.shards:
         print("packfeed index: give shard paths/globs/brace patterns, or --from-lengths FILE.json", file=sys.stderr)
         return EXIT_USAGE
-    from packfeed.server.indexer import IndexConfig, build_index
+    from packfeed.server.index.indexer import IndexConfig, build_index
 
     config = IndexConfig.from_args(args)
     result = build_index(args.shards, args.out, config, workers=args.workers, progress=not args.quiet)
@@ -83,31 +78,31 @@ def cmd_index(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from packfeed.server.costs import load_sample_loads
-    from packfeed.server.plan import make_plan
+    from packfeed.server.plan.costs import load_sample_loads
+    from packfeed.server.plan.planner import make_plan
 
     loads, info = load_sample_loads(args.index)
-    plan = make_plan(loads, _plan_config(args), args.seed, args.epoch, info.fingerprint)
+    plan = make_plan(loads, plan_config_of(args), args.seed, args.epoch, info.fingerprint)
     if args.out:
         plan.write(args.out)
     summary = plan.summary(loads)
     summary["plan_fingerprint"] = plan.fingerprint()
     if summary["oversize"]["count"]:
-        print(f"note: {summary['oversize']['count']} samples exceed a cap (policy: {args.oversize})", file=sys.stderr)
+        print(f"note: {summary['oversize']['count']} samples exceed a cap (policy: {summary['oversize']['policy']})", file=sys.stderr)
     print(json.dumps(summary))
     return EXIT_OK
 
 
 def cmd_stats(args: argparse.Namespace) -> int:
-    from packfeed.server.stats import write_report
+    from packfeed.server.tools.stats import write_report
 
-    paths = write_report(args.index, args.out, _plan_config(args), seed=args.seed)
+    paths = write_report(args.index, args.out, plan_config_of(args), seed=args.seed)
     print(json.dumps({k: str(v) for k, v in paths.items()}))
     return EXIT_OK
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from packfeed.server.demo import run_demo
+    from packfeed.server.tools.demo import run_demo
 
     return run_demo(Path(args.out), samples=args.samples, dataset_only=args.dataset_only)
 
@@ -115,8 +110,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     import asyncio
 
-    from packfeed.server.config import load_config
-    from packfeed.server.service import serve, setup_logging
+    from packfeed.server.serve.config import load_config
+    from packfeed.server.serve.observe import setup_logging
+    from packfeed.server.serve.server import serve
 
     setup_logging(args.log_level)
     config = load_config(args.config, index=args.index, tokenizer=args.tokenizer, shard_root=args.shard_root,
@@ -189,18 +185,18 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--seed", type=int, default=0)
     plan.add_argument("--epoch", type=int, default=0)
     plan.add_argument("--out", help="plan.parquet (one row per sample)")
-    _add_plan_options(plan)
+    add_plan_options(plan)
     plan.set_defaults(func=cmd_plan)
 
     stats = sub.add_parser("stats", help="HTML/Markdown/JSON statistics report of an index")
     stats.add_argument("--index", required=True)
     stats.add_argument("--out", required=True, help="report directory")
     stats.add_argument("--seed", type=int, default=0)
-    _add_plan_options(stats)
+    add_plan_options(stats)
     stats.set_defaults(func=cmd_stats)
 
     serve = sub.add_parser("serve", help="stream balanced packs to trainer ranks over gRPC")
-    serve.add_argument("--config", help="YAML/JSON server config (see packfeed.server.config); env PACKFEED_* "
+    serve.add_argument("--config", help="YAML/JSON server config (see packfeed.server.serve.config); env PACKFEED_* "
                                         "overrides it, flags override both")
     serve.add_argument("--index", help="serve this index (a dataset named after its directory, or --dataset)")
     serve.add_argument("--dataset", help="name for --index's dataset")

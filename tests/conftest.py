@@ -20,7 +20,7 @@ def real_index(tmp_path_factory) -> Path:
     """Both InternVL-1.2M subsets (30,730 samples) imported as an index."""
     if not real_lengths_available():
         pytest.skip(f"real length files not found under {LENGTHS_DIR}")
-    from packfeed.server.lengths import index_from_lengths
+    from packfeed.server.index.lengths import index_from_lengths
 
     out = tmp_path_factory.mktemp("real") / "index.parquet"
     index_from_lengths(LENGTH_FILES, out)
@@ -30,7 +30,7 @@ def real_index(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def demo_dataset(tmp_path_factory):
     """60 demo samples over 3 shards, with the demo's deliberately broken samples."""
-    from packfeed.server.demo import write_demo_dataset
+    from packfeed.server.tools.demo import write_demo_dataset
 
     return write_demo_dataset(tmp_path_factory.mktemp("demo"), samples=60, shards=3, seed=1)
 

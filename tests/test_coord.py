@@ -5,13 +5,13 @@ from __future__ import annotations
 import time
 
 import pytest
-from packfeed.server.coord import (
+from packfeed.server.cluster.coordinator import (
     CoordinationError,
     CoordinationUnavailable,
     EmbeddedCoordinator,
     JobRecord,
-    RedisCoordinator,
 )
+from packfeed.server.cluster.redis_coordinator import RedisCoordinator
 from redis_server import RedisProcess
 
 RECORD = JobRecord(spec='{"plan": "a"}', plan_fingerprint="p1", index_fingerprint="i1")

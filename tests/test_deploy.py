@@ -10,7 +10,7 @@ import sys
 
 import pytest
 from packfeed.client import LocalServer
-from packfeed.server.config import port_candidates
+from packfeed.server.serve.config import port_candidates
 from packfeed.trainer.train import stream_targets
 from redis_server import RedisProcess
 from test_docker import free_port_range
@@ -64,7 +64,7 @@ def test_port_specs_and_health_usage_errors():
 def test_trainer_targets_from_a_list_or_redis(tmp_path):
     assert stream_targets("h:1") == "h:1"
     assert stream_targets("h:1,h:2") == ["h:1", "h:2"]
-    from packfeed.server.coord import RedisCoordinator
+    from packfeed.server.cluster.redis_coordinator import RedisCoordinator
 
     redis = RedisProcess(tmp_path / "redis").start()
     try:

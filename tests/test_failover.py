@@ -76,7 +76,7 @@ def test_kill_one_of_three_servers_mid_epoch(tmp_path, dataset):  # noqa: F811
 def test_streams_go_on_while_redis_is_down_and_state_catches_up(tmp_path, dataset):  # noqa: F811
     """Redis killed mid-stream: the server keeps streaming what the deterministic plan says; when Redis is
     back (same data directory), the lease is held again and the acknowledged cursor catches up, forward only."""
-    from packfeed.server.coord import RedisCoordinator
+    from packfeed.server.cluster.redis_coordinator import RedisCoordinator
 
     redis = RedisProcess(tmp_path / "redis").start()
     env = {"PACKFEED_REDIS_URL": redis.url, "PACKFEED_LEASE_TTL_S": "1.5"}

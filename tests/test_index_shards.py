@@ -13,10 +13,10 @@ import pytest
 import webdataset as wds
 from PIL import Image
 
-from packfeed.server.chat import ChatTemplate, attach_images, encode_conversation, load_tokenizer, parse_conversation
-from packfeed.server.image_policy import InternVLTiling
-from packfeed.server.indexer import IndexConfig, build_index
-from packfeed.server.shards import expand_shards
+from packfeed.server.index.chat import ChatTemplate, attach_images, encode_conversation, load_tokenizer, parse_conversation
+from packfeed.server.index.image_policy import InternVLTiling
+from packfeed.server.index.indexer import IndexConfig, build_index
+from packfeed.server.index.shards import expand_shards
 
 
 def _jpeg(w, h, color=(200, 60, 30)):

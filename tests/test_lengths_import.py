@@ -6,8 +6,8 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
-from packfeed.server.costs import load_sample_loads
-from packfeed.server.lengths import index_from_lengths
+from packfeed.server.plan.costs import load_sample_loads
+from packfeed.server.index.lengths import index_from_lengths
 
 
 def test_files_concatenate_in_argument_order_and_bad_records_are_reported(tmp_path):

@@ -7,7 +7,7 @@ import asyncio
 import numpy as np
 import pytest
 
-from packfeed.server.service import MemoryBudget, Metrics
+from packfeed.server.serve.budget import MemoryBudget
 
 
 def run(coroutine):
@@ -16,7 +16,7 @@ def run(coroutine):
 
 def test_requests_wait_their_turn_and_never_exceed_the_limit():
     async def scenario():
-        budget = MemoryBudget(100, Metrics())
+        budget = MemoryBudget(100)
         await budget.reserve(60)
         order = []
 
@@ -37,7 +37,7 @@ def test_requests_wait_their_turn_and_never_exceed_the_limit():
 
 def test_a_step_larger_than_the_budget_goes_out_alone():
     async def scenario():
-        budget = MemoryBudget(100, Metrics())
+        budget = MemoryBudget(100)
         await budget.reserve(250)  # nothing else held: granted, or that stream could never progress
         waiting = asyncio.create_task(budget.reserve(1))
         await asyncio.sleep(0.01)
@@ -51,7 +51,7 @@ def test_a_step_larger_than_the_budget_goes_out_alone():
 
 def test_a_cancelled_waiter_holds_nothing_and_blocks_no_one():
     async def scenario():
-        budget = MemoryBudget(100, Metrics())
+        budget = MemoryBudget(100)
         await budget.reserve(90)
         stalled = asyncio.create_task(budget.reserve(50))
         behind = asyncio.create_task(budget.reserve(5))
@@ -68,10 +68,10 @@ def test_a_cancelled_waiter_holds_nothing_and_blocks_no_one():
 
 def test_estimates_from_the_index_match_prepared_packs(small_tile_index):
     """Reservations are made before preparation; they should be close to what the workers produce."""
-    from packfeed.server import workers
-    from packfeed.server.jobs import Dataset, JobRegistry, JobSpec
-    from packfeed.server.plan import PlanConfig
-    from packfeed.server.index_table import read_index_info
+    from packfeed.server.serve import workers
+    from packfeed.server.serve.jobs import Dataset, JobRegistry, JobSpec
+    from packfeed.v1.options import PlanConfig
+    from packfeed.server.index.table import read_index_info
 
     source = workers.DatasetSource(str(small_tile_index), read_index_info(small_tile_index).tokenizer["path"])
     workers._init_worker({"d": source})

@@ -8,14 +8,15 @@ import shutil
 import numpy as np
 import pytest
 
-from packfeed.server.chat import ChatTemplate, load_tokenizer
-from packfeed.server.costs import load_sample_loads
-from packfeed.server.index_table import read_index_info
-from packfeed.server.indexer import IndexConfig, build_index
-from packfeed.server.packs import IndexRows, build_rank_step
-from packfeed.server.plan import PlanConfig, make_plan
-from packfeed.server.preprocess import SampleReader
-from packfeed.server.wire import encode_pack
+from packfeed.server.index.chat import ChatTemplate, load_tokenizer
+from packfeed.server.plan.costs import load_sample_loads
+from packfeed.server.index.table import read_index_info
+from packfeed.server.index.indexer import IndexConfig, build_index
+from packfeed.server.serve.packs import IndexRows, build_rank_step
+from packfeed.server.plan.planner import make_plan
+from packfeed.v1.options import PlanConfig
+from packfeed.server.serve.preprocess import SampleReader
+from packfeed.server.serve.wire import encode_pack
 
 TILE_BYTES = 3 * 448 * 448
 
@@ -67,7 +68,7 @@ def test_packs_match_the_index_and_the_plan(served):
 
 
 def rows_vision(row):
-    from packfeed.server.image_policy import InternVLTiling
+    from packfeed.server.index.image_policy import InternVLTiling
 
     return sum(InternVLTiling().cost(w, h, row["n_images"]).units for w, h in zip(row["image_widths"],
                                                                                   row["image_heights"]))
@@ -117,7 +118,7 @@ def test_broken_image_or_vanished_shard_is_skipped_and_reported(served, tmp_path
 
 def test_serving_with_another_tokenizer_is_refused(served, tmp_path):
     _, index, _, _ = served
-    from packfeed.server.demo import train_tokenizer
+    from packfeed.server.tools.demo import train_tokenizer
 
     other = train_tokenizer(tmp_path / "other.json", vocab_size=600)
     with pytest.raises(ValueError, match="differs from the one the index was built with"):

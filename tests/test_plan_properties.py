@@ -8,9 +8,11 @@ import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from packfeed.server.costs import SampleLoads
-from packfeed.server.isf import Caps, RowLayout, isf
-from packfeed.server.plan import OVERSIZE_POLICIES, STRATEGIES, PlanConfig, make_plan, read_plan
+from packfeed.server.plan.costs import SampleLoads
+from packfeed.server.plan.isf import Caps, RowLayout, isf
+from packfeed.server.plan.planner import make_plan
+from packfeed.server.plan.plan_file import read_plan
+from packfeed.v1.options import Oversize, PlanConfig, Strategy
 
 ISF_STRATEGIES = ("isf", "isf+balance")
 
@@ -29,7 +31,7 @@ def configs(draw):
     caps = draw(st.sampled_from([None, (8, 3000), (12, 5000), (3, 800)]))
     return PlanConfig(
         dp=draw(st.integers(1, 6)), microbatches=draw(st.integers(1, 4)), pipeline_stages=draw(st.integers(1, 3)),
-        strategy=draw(st.sampled_from(STRATEGIES)), oversize=draw(st.sampled_from(OVERSIZE_POLICIES)),
+        strategy=draw(st.sampled_from(list(Strategy))), oversize=draw(st.sampled_from(list(Oversize))),
         vision_cap=caps[0] if caps else None, token_cap=caps[1] if caps else None,
         isf_iterations=draw(st.integers(1, 6)), samples_per_pack=draw(st.sampled_from([2.0, 4.0])))
 
@@ -148,7 +150,7 @@ def test_config_errors_are_explicit():
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.tuples(st.integers(0, 63), st.integers(0, 2**33)), max_size=400))
 def test_radix_argsort_is_a_stable_sort(pairs):
-    from packfeed.server.balance import radix_argsort
+    from packfeed.server.plan.balance import radix_argsort
 
     keys = np.array([(b << 40) | t for b, t in pairs], dtype=np.uint64)
     assert np.array_equal(radix_argsort(keys), np.argsort(keys, kind="stable"))

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 
-from packfeed.server.caps import search_caps
-from packfeed.server.costs import load_sample_loads
-from packfeed.server.plan import PlanConfig, make_plan
+from packfeed.server.plan.caps import search_caps
+from packfeed.server.plan.costs import load_sample_loads
+from packfeed.server.plan.planner import make_plan
+from packfeed.v1.options import PlanConfig
 
 OMNIBAL_PACKS = 7394
 

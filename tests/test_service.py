@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
 import socket
@@ -14,8 +15,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from packfeed.client import LocalServer, PackfeedError, PackStream
-from packfeed.server.index_table import read_index
-from packfeed.server.indexer import IndexConfig, build_index
+from packfeed.server.index.table import read_index
+from packfeed.server.index.indexer import IndexConfig, build_index
 from packfeed.v1 import packfeed_pb2 as pb
 from packfeed.v1 import packfeed_pb2_grpc as pb_grpc
 
@@ -257,6 +258,46 @@ def test_a_measured_cost_model_travels_with_the_job(server):
     assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
 
 
+def test_job_info_carries_the_model_conventions(server, dataset):
+    """A remote trainer learns what its model must know of the dataset over gRPC, never from the index file."""
+    from packfeed.server.index.chat import ChatTemplate, load_tokenizer
+    from packfeed.server.index.table import read_index_info
+
+    info = read_index_info(dataset)
+    tokenizer = load_tokenizer(info.tokenizer["path"], ChatTemplate(**info.chat_template))
+    with PackStream(server.target, job="conventions", rank=0, **PLAN) as stream:
+        conventions = stream.conventions
+        keys = {key for step in stream for key in step.sample_keys}
+    assert keys
+    policy = conventions.image_policy
+    assert (policy.name, policy.tile_size, policy.tokens_per_tile, policy.patch_size, policy.patches_per_unit) == \
+        ("internvl", 448, 256, 14, 1024)
+    assert json.loads(policy.parameters_json) == {**info.image_policy, **json.loads(policy.parameters_json)}
+    assert conventions.vocab_size == tokenizer.get_vocab_size()
+    assert conventions.image_context_id == tokenizer.token_to_id("<IMG_CONTEXT>")
+    assert (conventions.image_start_id, conventions.image_end_id) == \
+        (tokenizer.token_to_id("<img>"), tokenizer.token_to_id("</img>"))
+    assert conventions.chat_template.turn_start == "<|im_start|>"
+
+
+def test_grouped_and_flat_stream_options_open_the_same_job(server):
+    """PackStream(plan=PlanConfig(...), connection=Connection(...)) and the flat keywords of earlier versions
+    mean the same job; mixing a group with its flat fields, or an unknown keyword, is refused."""
+    from packfeed.client import Connection, PlanConfig
+
+    grouped = PackStream(server.target, job="grouped", rank=0, plan=PlanConfig(**PLAN, strategy="isf"),
+                         connection=Connection(timeout=30, retries=2))
+    flat = PackStream(server.target, job="grouped", rank=1, **PLAN, strategy="isf", timeout=30, retries=2)
+    assert flat.info.plan_fingerprint == grouped.info.plan_fingerprint
+    assert (flat.plan, flat.connection) == (grouped.plan, grouped.connection)
+    grouped.close()
+    flat.close()
+    with pytest.raises(TypeError, match="not both"):
+        PackStream(server.target, job="grouped", rank=0, plan=PlanConfig(**PLAN), dp=2)
+    with pytest.raises(TypeError, match="unexpected keyword"):
+        PackStream(server.target, job="grouped", rank=0, **PLAN, prefech=3)
+
+
 def test_health_reflection_and_metrics(server):
     channel = grpc.insecure_channel(server.target)
     health = health_pb2_grpc.HealthStub(channel)
@@ -303,9 +344,9 @@ def test_embedded_server_from_an_index(dataset):
 def test_plans_of_ranks_epochs_apart_are_served_from_a_bounded_cache(dataset):
     """Ranks drift apart: asking for an old epoch after newer ones must not evict the plan being returned
     (a bug 64 concurrent streams found), and a recomputed plan is the same plan."""
-    from packfeed.server.jobs import PLANS_CACHED, Dataset, JobRegistry, JobSpec
-    from packfeed.server.plan import PlanConfig
-    from packfeed.server.workers import DatasetSource
+    from packfeed.server.serve.jobs import PLANS_CACHED, Dataset, JobRegistry, JobSpec
+    from packfeed.v1.options import PlanConfig
+    from packfeed.server.serve.workers import DatasetSource
 
     source = DatasetSource(str(dataset), str(read_index_info_tokenizer(dataset)))
     registry = JobRegistry({"d": Dataset.open("d", source)})
@@ -318,7 +359,7 @@ def test_plans_of_ranks_epochs_apart_are_served_from_a_bounded_cache(dataset):
 
 
 def read_index_info_tokenizer(index):
-    from packfeed.server.index_table import read_index_info
+    from packfeed.server.index.table import read_index_info
 
     return read_index_info(index).tokenizer["path"]
 

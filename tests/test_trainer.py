@@ -195,3 +195,32 @@ def test_a_process_without_a_gpu_of_its_own_is_told_what_to_launch(monkeypatch):
     with pytest.raises(ValueError, match="no GPU of its own.*parallel.pp=1"):
         rank_device(config)
     assert rank_device(load_config(None, ["parallel.device=cpu"])) == torch.device("cpu")
+
+
+def test_config_is_checked_at_start_and_never_changed(tmp_path):
+    """Bad choices fail when the config is loaded (not mid-run); sizing the model for the dataset makes a new
+    model config, so the config the run dumps is the one the user gave."""
+    import dataclasses
+
+    import pytest
+    from packfeed.trainer.config import load_config
+    from packfeed.trainer.train import sized_model
+    from packfeed.v1 import packfeed_pb2 as pb
+
+    for override, message in (("partition.mode=fastest", "PartitionConfig.mode"),
+                              ("recompute.mode=some", "RecomputeConfig.mode"),
+                              ("parallel.schedule=zb", "ParallelConfig.schedule"),
+                              ("data.strategy=greedy", "strategy must be one of"),
+                              ("data.cost_model=missing.json", "not found")):
+        with pytest.raises(ValueError, match=message):
+            load_config(None, [override])
+    config = load_config(None, ["data.index=x.parquet", "model.vocab_size=100"])
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.data.target = "elsewhere:1"
+    conventions = pb.ModelConventions(vocab_size=2001, image_policy=pb.ImagePolicy(
+        name="internvl", tile_size=112, tokens_per_tile=16))
+    sized = sized_model(config.model, conventions)
+    assert (sized.tile_size, sized.tokens_per_tile, sized.vocab_size) == (112, 16, 2048)
+    assert (config.model.tile_size, config.model.vocab_size) == (448, 100)
+    with pytest.raises(ValueError, match="square tiles"):
+        sized_model(config.model, pb.ModelConventions(image_policy=pb.ImagePolicy(name="qwen2vl")))

@@ -1,72 +1,116 @@
-"""Plain dataclass configs for `packfeed train`, loadable from YAML/JSON and overridable from the command line."""
+"""Plain dataclass configs for `packfeed train`, loadable from YAML/JSON and overridable from the command line.
+
+Every section is frozen and checked when it is made (`Literal` choices included), so a bad value fails at
+start, never mid-run, and the config the run dumps is the config the user gave. The plan settings in `data`
+are those of the contract's `PlanConfig` (same names and defaults; dp and pipeline stages come from the mesh).
+"""
 
 from __future__ import annotations
 
 import json
+import typing
 from dataclasses import asdict, dataclass, field, fields, is_dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 from packfeed.trainer.model import VLMConfig
+from packfeed.v1.options import Oversize, PlanConfig, Strategy
+
+# DataConfig fields that are PlanConfig's (the rest of PlanConfig comes from the mesh or keeps its default)
+PLAN_FIELDS = ("microbatches", "strategy", "vision_cap", "token_cap", "oversize")
 
 
-@dataclass
+def check_choices(config) -> None:
+    """Raise ValueError when a `Literal`-typed field holds a value outside its choices."""
+    for name, hint in typing.get_type_hints(type(config)).items():
+        if typing.get_origin(hint) is Literal and getattr(config, name) not in typing.get_args(hint):
+            raise ValueError(f"{type(config).__name__}.{name} = {getattr(config, name)!r}: choose one of "
+                             f"{', '.join(map(str, typing.get_args(hint)))}")
+
+
+@dataclass(frozen=True)
 class DataConfig:
-    """Where packs come from: running servers (`target`) or an embedded one started on `index` (with a
-    target too, the index only sizes the model: tile size, tokens per tile, vocabulary)."""
+    """Where packs come from: running servers (`target`) or an embedded one started on `index`. The model is
+    sized from what the server reports of the dataset (`JobInfo.conventions`), never from the index file."""
 
     target: str = ""  # host:port, host:port,host:port (failover), or redis://host:6379/0 (every live server)
-    index: str = ""
+    index: str = ""  # without a target: start a server for this index on rank 0 (all ranks on one machine)
     job: str = "train"
     seed: int = 0
     microbatches: int = 4
-    strategy: str = ""  # planner strategy; "" = server default (isf+balance)
+    strategy: str = Strategy.ISF_BALANCE.value  # see packfeed.v1.options.Strategy
+    oversize: str = Oversize.ALONE.value  # see packfeed.v1.options.Oversize
     epochs: int = 1
-    vision_cap: int = 0
-    token_cap: int = 0
+    vision_cap: int | None = None  # None = automatic caps
+    token_cap: int | None = None
     server_workers: int = 0  # embedded server's pre-processing processes; 0 = its default
     prefetch: int = 2
     token: str = ""
     token_multiple: int = 64  # pad each step's microbatches to a multiple of this many tokens
     cost_model: str = ""  # JSON of planner cost coefficients, e.g. an earlier run's OUT/cost_model.json
 
+    def __post_init__(self):
+        if self.cost_model and not Path(self.cost_model).is_file():
+            raise ValueError(f"data.cost_model {self.cost_model} not found (an earlier run's OUT/cost_model.json)")
+        self.plan(dp=1, pipeline_stages=1)  # a bad strategy or cap fails now, not at the first stream
 
-@dataclass
+    def plan(self, dp: int, pipeline_stages: int) -> PlanConfig:
+        """The job's plan specification on a (dp, pipeline_stages) mesh."""
+        values = {name: getattr(self, name) for name in PLAN_FIELDS}
+        if self.cost_model:
+            values["cost_model"] = json.loads(Path(self.cost_model).read_text())
+        return PlanConfig(dp=dp, pipeline_stages=pipeline_stages, **values)
+
+
+@dataclass(frozen=True)
 class ParallelConfig:
     dp: int = 1
     pp: int = 2
-    schedule: str = "1f1b"  # or "gpipe"
-    backend: str = ""  # "" = nccl on CUDA, gloo on CPU
-    precision: str = "fp32"  # or "bf16" / "fp16": autocast, and activations cross stages in that dtype
+    schedule: Literal["1f1b", "gpipe"] = "1f1b"
+    backend: Literal["", "nccl", "gloo"] = ""  # "" = nccl on CUDA, gloo on CPU
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"  # bf16/fp16: autocast, and activations cross stages in that dtype
     device: str = ""  # "" = cuda when available
 
+    def __post_init__(self):
+        check_choices(self)
+        if self.dp < 1 or self.pp < 1:
+            raise ValueError("parallel.dp and parallel.pp must be >= 1")
 
-@dataclass
+
+@dataclass(frozen=True)
 class PartitionConfig:
     """How layers are split across stages: 'search' (OmniBal §4.2), 'layers', 'params', or explicit
     `bounds`. A saved decision (`file`) is reused on restart when it matches the model and stage count."""
 
-    mode: str = "search"
-    bounds: list[int] = field(default_factory=list)
+    mode: Literal["search", "layers", "params"] = "search"
+    bounds: tuple[int, ...] = ()
     radius: int = 1
     top_k: int = 4
     profile_steps: int = 2
     trial_steps: int = 2
     comm_gbps: float = 0.0  # boundary bandwidth for the ranking metric; 0 = measure on this mesh
 
+    def __post_init__(self):
+        check_choices(self)
+        object.__setattr__(self, "bounds", tuple(self.bounds))
 
-@dataclass
+
+@dataclass(frozen=True)
 class RecomputeConfig:
     """'adaptive' (OmniBal §4.3: fewest recomputed layers that fit `budget_mb`), 'none', 'all' or explicit
     per-layer `layers`. CUDA measures with torch.cuda memory statistics; CPU with the bytes autograd saves."""
 
-    mode: str = "adaptive"
+    mode: Literal["adaptive", "none", "all"] = "adaptive"
     budget_mb: float = 0.0  # per stage; 0 = no limit (CUDA: free device memory)
-    layers: list[bool] = field(default_factory=list)
+    layers: tuple[bool, ...] = ()
+
+    def __post_init__(self):
+        check_choices(self)
+        object.__setattr__(self, "layers", tuple(self.layers))
 
 
-@dataclass
+@dataclass(frozen=True)
 class OptimConfig:
     lr: float = 3e-4
     weight_decay: float = 0.01
@@ -75,7 +119,7 @@ class OptimConfig:
     clip_grad_norm: float = 1.0  # over the whole model across stages; 0 = no clipping
 
 
-@dataclass
+@dataclass(frozen=True)
 class CheckpointConfig:
     """OUT/checkpoints/: weights, optimizer and stream position every `every` steps; a restarted run
     continues from the newest complete one at exactly the next step (see packfeed.trainer.checkpoint)."""
@@ -85,7 +129,7 @@ class CheckpointConfig:
     resume: bool = True
 
 
-@dataclass
+@dataclass(frozen=True)
 class TrainConfig:
     model: VLMConfig = field(default_factory=VLMConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -107,11 +151,18 @@ def _build(cls, raw: dict[str, Any], where: str):
     if unknown:
         raise ValueError(f"unknown setting(s) {', '.join(where + k for k in unknown)}; "
                          f"known: {', '.join(where + k for k in known)}")
+    sections = typing.get_type_hints(cls)
     values = {}
-    for name, value in raw.items():
-        default = getattr(cls(), name) if name in known else None
-        values[name] = _build(type(default), value, f"{where}{name}.") if is_dataclass(default) else value
-    return cls(**values)
+    for name, spec in known.items():
+        section = sections[name]
+        if is_dataclass(section):
+            values[name] = _build(section, raw.get(name) or {}, f"{where}{name}.")
+        elif name in raw:
+            values[name] = raw[name]
+    try:
+        return cls(**values)
+    except TypeError as error:  # a value of the wrong kind, e.g. a list where a number belongs
+        raise ValueError(f"{where or 'config'}: {error}") from None
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> TrainConfig:

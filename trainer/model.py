@@ -29,7 +29,7 @@ IMAGE_MEAN = (0.485, 0.456, 0.406)  # ImageNet statistics, as InternVL normalise
 IMAGE_STD = (0.229, 0.224, 0.225)
 
 
-@dataclass
+@dataclass(frozen=True)
 class VLMConfig:
     """Sizes of the model. `tile_size`/`tokens_per_tile` must match the image policy that indexed the data
     (InternVL: 448 px, 256 tokens; LLaVA fixed: 336 px, 576 tokens); the pixel-shuffle factor follows."""

@@ -1,13 +1,16 @@
 """The reference training loop: `torchrun --nproc-per-node N -m packfeed.trainer --config train.yaml`.
 
-Read top to bottom: set up the (dp, pp) mesh -> size the model for the dataset -> open this replica's
-stream (first stage only) -> decide the partition (search, or the saved decision) -> decide recompute per
-stage (adaptive, or the saved decision) -> train: every step the first stage pads the rank's M packs to one
-shape, the pipeline runs 1F1B, the optimizer steps, rank 0 logs one line of metrics.
+Read top to bottom: set up the (dp, pp) mesh -> open this replica's stream (first stage only) -> size
+the model from the dataset's conventions the server reports -> decide the partition (search, or the saved
+decision; a search also exports the measured cost model) -> decide recompute per stage (adaptive, or the
+saved decision) -> train: every step the first stage pads the rank's M packs to one shape, the pipeline
+runs 1F1B, the optimizer steps, rank 0 logs one line of metrics.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import hashlib
 import json
 import os
@@ -37,11 +40,8 @@ from packfeed.trainer.pipeline import (
 )
 from packfeed.trainer.profile import SavedBytes, profile_layers, synchronize
 from packfeed.trainer.recompute import RecomputeDecision, adaptive_recompute
-from packfeed.trainer.simulate import (
-    features_of_carrier,
-    fit_layer_costs,
-    planner_cost_model,
-)
+from packfeed.trainer.simulate import Features, features_of_carrier, fit_layer_costs, planner_cost_model
+from packfeed.v1 import packfeed_pb2 as pb
 
 ADAMW_BYTES_PER_PARAM = 16  # fp32 weight + gradient + two moments
 
@@ -51,28 +51,22 @@ def log(mesh: Mesh | None, message: str, everyone: bool = False) -> None:
         print(f"[packfeed train{'' if mesh is None else f' r{mesh.rank}'}] {message}", file=sys.stderr, flush=True)
 
 
-def sized_model(config: TrainConfig) -> VLMConfig:
-    """Tile size, tokens per tile and vocabulary come from the index when the trainer knows it."""
-    model = config.model
-    if not config.data.index:
-        return model
-    from packfeed.server.chat import ChatTemplate, load_tokenizer
-    from packfeed.server.image_policy import policy_from_dict
-    from packfeed.server.index_table import read_index_info
+def sized_model(model: VLMConfig, conventions: pb.ModelConventions) -> VLMConfig:
+    """`model` with the tile size, tokens per tile and vocabulary of the job's dataset (as its server reports
+    them): the packs decide these, not the user. A new config; the one given is not changed."""
+    policy = conventions.image_policy
+    if not policy.tile_size or not policy.tokens_per_tile:
+        raise ValueError(f"the dataset's image policy {policy.name!r} makes images of varying size; the reference "
+                         "trainer needs square tiles (index with --image-policy internvl or fixed)")
+    vocab = max(model.vocab_size, -(-conventions.vocab_size // 64) * 64)
+    return dataclasses.replace(model, tile_size=policy.tile_size, tokens_per_tile=policy.tokens_per_tile,
+                               vocab_size=vocab)
 
-    info = read_index_info(config.data.index)
-    policy = policy_from_dict(info.image_policy or {"name": "internvl"})
-    if policy.to_dict()["name"] == "internvl":
-        model.tile_size, model.tokens_per_tile = policy.image_size, policy.tokens_per_tile
-    elif policy.to_dict()["name"] == "fixed":
-        model.tile_size, model.tokens_per_tile = policy.size, policy.tokens
-    # the recorded path, else a tokenizer.json beside the index (the index was built on another machine)
-    candidates = [(info.tokenizer or {}).get("path"), Path(config.data.index).parent / "tokenizer.json"]
-    tokenizer_path = next((Path(c) for c in candidates if c and Path(c).is_file()), None)
-    if tokenizer_path:
-        vocab = load_tokenizer(tokenizer_path, ChatTemplate(**(info.chat_template or {}))).get_vocab_size()
-        model.vocab_size = max(model.vocab_size, -(-vocab // 64) * 64)
-    return model
+
+def job_conventions(stream, mesh: Mesh) -> pb.ModelConventions:
+    """The conventions rank 0's stream reported, on every rank (stages without a stream need them too)."""
+    raw = broadcast_object(stream.conventions.SerializeToString() if mesh.rank == 0 else None, mesh)
+    return pb.ModelConventions.FromString(raw)
 
 
 @dataclass
@@ -110,16 +104,14 @@ class StepSource:
         return state
 
 
-def open_stream(config: TrainConfig, mesh: Mesh):
-    from packfeed.client import PackStream
+def open_stream(config: TrainConfig, mesh: Mesh, target: str):
+    """This replica's stream (first stages only): the job's plan on this mesh, from `target`."""
+    from packfeed.client import Connection, PackStream
 
     d = config.data
-    options = dict(job=d.job, rank=mesh.replica, dp=mesh.dp, microbatches=d.microbatches, seed=d.seed,
-                   pipeline_stages=mesh.pp, strategy=d.strategy, epochs=d.epochs, vision_cap=d.vision_cap,
-                   token_cap=d.token_cap, prefetch=d.prefetch, token=d.token or None,
-                   pin_memory=mesh.device.type == "cuda",
-                   cost_model=json.loads(Path(d.cost_model).read_text()) if d.cost_model else None)
-    return PackStream(stream_targets(d.target), **options)
+    return PackStream(stream_targets(target), job=d.job, rank=mesh.replica, plan=d.plan(mesh.dp, mesh.pp),
+                      seed=d.seed, epochs=d.epochs, prefetch=d.prefetch, pin_memory=mesh.device.type == "cuda",
+                      connection=Connection(token=d.token or None))
 
 
 def stream_targets(target: str) -> str | list[str]:
@@ -135,9 +127,9 @@ def stream_targets(target: str) -> str | list[str]:
     return target.split(",") if "," in target else target
 
 
-def decision_key(config: TrainConfig, mesh: Mesh) -> str:
+def decision_key(config: TrainConfig, model: VLMConfig, mesh: Mesh) -> str:
     """Decisions are reused only for the same model, mesh, microbatch count, schedule and memory budget."""
-    basis = {"model": config.model.__dict__, "pp": mesh.pp, "dp": mesh.dp, "m": config.data.microbatches,
+    basis = {"model": model.__dict__, "pp": mesh.pp, "dp": mesh.dp, "m": config.data.microbatches,
              "schedule": config.parallel.schedule, "budget": config.recompute.budget_mb,
              "device": mesh.device.type}
     return hashlib.sha256(json.dumps(basis, sort_keys=True).encode()).hexdigest()[:16]
@@ -231,22 +223,31 @@ def trial_batches(trainer: Trainer, n: int) -> list[Microbatches | None]:
     return batches
 
 
-def decide_partition(trainer: Trainer, config: TrainConfig, mesh: Mesh, out: Path, key: str) -> list[int]:
+@dataclass
+class LayerMeasurements:
+    """What rank 0 measured of every layer while searching the partition, and the microbatches it timed."""
+
+    profile: list
+    features: list[Features]
+
+
+def decide_partition(trainer: Trainer, config: TrainConfig, mesh: Mesh, out: Path, key: str,
+                     given: list[int] | None = None) -> tuple[list[int], LayerMeasurements | None]:
+    """The stage bounds: `given` (a checkpoint's), partition.bounds, the saved decision, a split by layers or
+    parameters, or the search (OmniBal 4.2). Also what the search measured, on rank 0 (else None)."""
     p, n_layers = config.partition, len(trainer.kinds)
-    if p.bounds:
-        return validate_partition(p.bounds, n_layers, mesh.pp)
+    if given or p.bounds:
+        return validate_partition(list(given or p.bounds), n_layers, mesh.pp), None
     path = out / "partition.json"
     saved = load_decision(path, key)
     if saved:
         log(mesh, f"partition {saved['bounds']} reused from {path}")
-        return validate_partition(saved["bounds"], n_layers, mesh.pp)
-    if p.mode in ("layers", "params") or mesh.pp == 1:
+        return validate_partition(saved["bounds"], n_layers, mesh.pp), None
+    if p.mode != "search" or mesh.pp == 1:
         weights = [1.0] * n_layers if p.mode != "params" else \
             [float(sum(q.numel() for q in layer.parameters())) for layer in trainer.layers]
-        return partitioning.split_by_weight(weights, mesh.pp)
-    if p.mode != "search":
-        raise ValueError(f"partition.mode {p.mode!r}: choose search, layers or params (or give partition.bounds)")
-    profiled = None
+        return partitioning.split_by_weight(weights, mesh.pp), None
+    profiled, measured = None, None
     if mesh.rank == 0:  # profile on the first replica's data, on one device
         batches = trainer.source.peek(p.profile_steps)
         microbatches = [tuple(a.tensor_split(config.data.microbatches)[m] for a in b.args)
@@ -254,8 +255,8 @@ def decide_partition(trainer: Trainer, config: TrainConfig, mesh: Mesh, out: Pat
         precision = autocast_dtype(config.parallel.precision)
         with torch.autocast(mesh.device.type, dtype=precision or torch.float32, enabled=precision is not None):
             profile = profile_layers(trainer.layers, trainer.kinds, microbatches, mesh.device, repeats=1)
-        features = [asdict(features_of_carrier(mb)) for mb in microbatches]
-        export_cost_model(profile, microbatches, config, out)
+        measured = LayerMeasurements(profile, [features_of_carrier(mb) for mb in microbatches])
+        features = [asdict(f) for f in measured.features]
         profiled = profile, features, p.comm_gbps or measure_bandwidth_gbps(mesh)
     profile, features, comm_gbps = broadcast_object(profiled, mesh)
     batches = trial_batches(trainer, p.trial_steps)
@@ -274,22 +275,16 @@ def decide_partition(trainer: Trainer, config: TrainConfig, mesh: Mesh, out: Pat
     if mesh.rank == 0:
         record = {"key": key, **decision.to_dict(), "kinds": trainer.kinds}
         path.write_text(json.dumps(record, indent=1))
-    return decision.bounds
+    return decision.bounds, measured
 
 
-def export_cost_model(profile, microbatches, config: TrainConfig, out: Path) -> None:
-    """OUT/cost_model.json: the measured per-layer costs as the planner's per-sample cost model, so the loader
-    balances on what this model on this hardware actually costs (data.cost_model=OUT/cost_model.json)."""
-    if not config.data.index:
-        return  # the policy's patches per tile come from the index
-    from packfeed.server.image_policy import policy_from_dict
-    from packfeed.server.index_table import read_index_info
-
-    policy = policy_from_dict(read_index_info(config.data.index).image_policy or {"name": "internvl"})
-    one_tile = policy.cost(policy.to_dict().get("image_size", 448), policy.to_dict().get("image_size", 448), 1)
-    costs = fit_layer_costs(profile, [features_of_carrier(mb) for mb in microbatches])
-    model = planner_cost_model(costs, one_tile.vit_patches // max(one_tile.units, 1))
-    (out / "cost_model.json").write_text(json.dumps(model, indent=1))
+def export_cost_model(measured: LayerMeasurements, conventions: pb.ModelConventions, path: Path) -> dict:
+    """The measured per-layer costs as the planner's per-sample cost model, written to `path`, so the loader
+    balances on what this model costs on this hardware (data.cost_model=OUT/cost_model.json)."""
+    costs = fit_layer_costs(measured.profile, measured.features)
+    model = planner_cost_model(costs, conventions.image_policy.patches_per_unit)
+    path.write_text(json.dumps(model, indent=1))
+    return model
 
 
 def measure_bandwidth_gbps(mesh: Mesh) -> float:
@@ -310,10 +305,8 @@ def decide_recompute(trainer: Trainer, config: TrainConfig, mesh: Mesh, bounds: 
     if r.layers:
         plan = list(r.layers[bounds[mesh.stage]:bounds[mesh.stage + 1]])
         return RecomputeDecision(mesh.stage, plan, budget)
-    if r.mode in ("none", "all"):
-        return RecomputeDecision(mesh.stage, [r.mode == "all" and k in ("vit", "llm") for k in kinds], budget)
     if r.mode != "adaptive":
-        raise ValueError(f"recompute.mode {r.mode!r}: choose adaptive, none or all (or give recompute.layers)")
+        return RecomputeDecision(mesh.stage, [r.mode == "all" and k in ("vit", "llm") for k in kinds], budget)
     path = out / f"recompute-stage{mesh.stage}.json"
     saved = load_decision(path, key + str(bounds))
     if saved:
@@ -379,12 +372,11 @@ def train(config: TrainConfig) -> dict:
     mesh = make_mesh(config.parallel.dp, config.parallel.pp, device)
     out = Path(config.out)
     out.mkdir(parents=True, exist_ok=True)
-    model = sized_model(config)
     if mesh.rank == 0:
         (out / "config.json").write_text(dump_config(config))
-    server = start_embedded_server(config, mesh)
+    server, target = start_embedded_server(config, mesh)
     try:
-        return train_on(config, mesh, model, out)
+        return train_on(config, mesh, target, out)
     finally:
         if server is not None:
             server.stop()
@@ -392,63 +384,77 @@ def train(config: TrainConfig) -> dict:
 
 def start_embedded_server(config: TrainConfig, mesh: Mesh):
     """Without `data.target`, rank 0 starts a Packfeed server on loopback for `data.index` and every first
-    stage streams from it (all ranks must then share one machine)."""
+    stage streams from it (all ranks must then share one machine). Returns (server or None, target)."""
+    if config.data.target:
+        return None, config.data.target
+    if not config.data.index:
+        raise ValueError("set data.target (a Packfeed server, host:port) or data.index (start one here)")
     server = None
-    if not config.data.target:
-        if not config.data.index:
-            raise ValueError("set data.target (a Packfeed server, host:port) or data.index (start one here)")
-        if mesh.rank == 0:
-            from packfeed.client import LocalServer
+    if mesh.rank == 0:
+        from packfeed.client import LocalServer
 
-            server = LocalServer(config.data.index, workers=config.data.server_workers or None).start()
-        config.data.target = broadcast_object(server.target if server else "", mesh)
-    return server
+        server = LocalServer(config.data.index, workers=config.data.server_workers or None).start()
+    return server, broadcast_object(server.target if server else "", mesh)
 
 
-def train_on(config: TrainConfig, mesh: Mesh, model: VLMConfig, out: Path) -> dict:
+def train_on(config: TrainConfig, mesh: Mesh, target: str, out: Path) -> dict:
     resume_from = checkpoint.latest(out / "checkpoints") if config.checkpoint.resume else None
     resumed = checkpoint.read_meta(resume_from) if resume_from else None
-    if resumed:  # the checkpoint's weights belong to its partition
-        config.partition.bounds = resumed["bounds"]
+    if resumed:
         log(mesh, f"resuming from {resume_from} after {resumed['steps_done']} steps")
-    source = None
-    if mesh.is_first:
-        stream = open_stream(config, mesh)
-        if resume_from:
+    stream = open_stream(config, mesh, target) if mesh.is_first else None
+    with contextlib.closing(stream) if stream is not None else contextlib.nullcontext():
+        if stream is not None and resume_from:
             stream.load_state_dict(checkpoint.stream_state(resume_from, mesh.replica))
-        source = StepSource(stream, model, config.data.token_multiple)
-    trainer = Trainer(config, mesh, model, source)
-    key = decision_key(config, mesh)
+        conventions = job_conventions(stream, mesh)
+        model = sized_model(config.model, conventions)
+        log(mesh, f"model sized for the dataset: {model.tile_size} px tiles, {model.tokens_per_tile} tokens per tile, "
+            f"vocabulary {model.vocab_size} (image policy {conventions.image_policy.name})")
+        source = StepSource(stream, model, config.data.token_multiple) if stream is not None else None
+        trainer = Trainer(config, mesh, model, source)
+        key = decision_key(config, model, mesh)
 
-    bounds = decide_partition(trainer, config, mesh, out, key)
-    recompute = decide_recompute(trainer, config, mesh, bounds, out, key)
-    log(mesh, f"stage {mesh.stage}: layers {bounds[mesh.stage]}:{bounds[mesh.stage + 1]} "
-        f"{trainer.stage_kinds(bounds)}, recompute {recompute.layers} "
-        f"(budget {recompute.budget_bytes / 2**20:.0f} MiB, measured {recompute.measured})",
-        everyone=mesh.replica == 0)
+        # the checkpoint's weights belong to its partition
+        bounds, measured = decide_partition(trainer, config, mesh, out, key, resumed["bounds"] if resumed else None)
+        if measured is not None:
+            cost_model = export_cost_model(measured, conventions, out / "cost_model.json")
+            log(mesh, f"cost model measured on this hardware written to {out / 'cost_model.json'} {cost_model}: a later "
+                f"run balances packs on it with data.cost_model={out / 'cost_model.json'}")
+        recompute = decide_recompute(trainer, config, mesh, bounds, out, key)
+        log(mesh, f"stage {mesh.stage}: layers {bounds[mesh.stage]}:{bounds[mesh.stage + 1]} "
+            f"{trainer.stage_kinds(bounds)}, recompute {recompute.layers} "
+            f"(budget {recompute.budget_bytes / 2**20:.0f} MiB, measured {recompute.measured})",
+            everyone=mesh.replica == 0)
 
-    if not recompute.fits:
-        log(mesh, f"stage {mesh.stage} does not fit its {recompute.budget_bytes / 2**20:.0f} MiB budget even with every "
-            f"block recomputed ({max(recompute.measured.values()) / 2**20:.0f} MiB measured): raise "
-            f"recompute.budget_mb, use more pipeline stages or smaller packs", everyone=True)
-    trainer.use(bounds, recompute.layers)
-    optimizer = torch.optim.AdamW(trainer.stage.parameters(), lr=config.optim.lr,
-                                  weight_decay=config.optim.weight_decay)
-    warmup = max(config.optim.warmup_steps, 1)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup))
-    if resume_from:
-        checkpoint.load_stage(resume_from, mesh, trainer.stage, optimizer, scheduler)
-    meta = {"bounds": bounds, "recompute": recompute.layers}
-    history = run_training(trainer, optimizer, scheduler, config, mesh, out, meta,
-                           resumed["steps_done"] if resumed else 0)
-    summary = {"bounds": bounds, "recompute": recompute.layers, "steps": len(history),
-               "final_loss": history[-1]["loss"] if history else None}
-    return {"summary": summary, "history": history}
+        if not recompute.fits:
+            log(mesh, f"stage {mesh.stage} does not fit its {recompute.budget_bytes / 2**20:.0f} MiB budget even with every "
+                f"block recomputed ({max(recompute.measured.values()) / 2**20:.0f} MiB measured): raise "
+                f"recompute.budget_mb, use more pipeline stages or smaller packs", everyone=True)
+        trainer.use(bounds, recompute.layers)
+        optimizer = torch.optim.AdamW(trainer.stage.parameters(), lr=config.optim.lr,
+                                      weight_decay=config.optim.weight_decay)
+        warmup = max(config.optim.warmup_steps, 1)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup))
+        if resume_from:
+            checkpoint.load_stage(resume_from, mesh, trainer.stage, optimizer, scheduler)
+        meta = {"bounds": bounds, "recompute": recompute.layers}
+        history = run_training(trainer, optimizer, scheduler, config, mesh, out, meta,
+                               resumed["steps_done"] if resumed else 0)
+        summary = {"bounds": bounds, "recompute": recompute.layers, "steps": len(history),
+                   "final_loss": history[-1]["loss"] if history else None}
+        return {"summary": summary, "history": history}
 
 
 def run_training(trainer: Trainer, optimizer, scheduler, config: TrainConfig, mesh: Mesh, out: Path, meta: dict,
                  steps_done: int = 0) -> list[dict]:
-    history, metrics = [], (out / "metrics.jsonl").open("a") if mesh.rank == 0 else None
+    with (out / "metrics.jsonl").open("a") if mesh.rank == 0 else contextlib.nullcontext() as metrics:
+        return train_steps(trainer, optimizer, scheduler, config, mesh, meta, steps_done, metrics, out)
+
+
+def train_steps(trainer: Trainer, optimizer, scheduler, config: TrainConfig, mesh: Mesh, meta: dict, steps_done: int,
+                metrics, out: Path) -> list[dict]:
+    """Train until optim.steps or the end of the stream; rank 0 writes one metrics line per step."""
+    history = []
     step_limit = config.optim.steps or 1 << 62
     every = config.checkpoint.every
     while steps_done < step_limit:
@@ -491,8 +497,6 @@ def run_training(trainer: Trainer, optimizer, scheduler, config: TrainConfig, me
                 log(mesh, f"epoch {record['epoch']} step {record['step']}: loss {record['loss']:.4f}, "
                     f"{record['step_s'] * 1e3:.0f} ms, data wait {record['data_wait_s'] * 1e3:.0f} ms, "
                     f"{record['tokens_per_s']:.0f} tokens/s, padding {record['pad_fraction']:.1%}")
-    if metrics is not None:
-        metrics.close()
     return history
 
 

@@ -63,7 +63,7 @@ def internvl_like_mix(n: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
 
 
 def write_mix_index(n: int, out: Path, seed: int = 0) -> Path:
-    from packfeed.server.lengths import write_lengths_index
+    from packfeed.server.index.lengths import write_lengths_index
 
     vision, tokens = internvl_like_mix(n, seed)
     write_lengths_index(vision, tokens, vision, out, [f"internvl-like-mix-{n}"], np.zeros(n, np.int32))

@@ -10,9 +10,10 @@ import time
 
 import pytest
 
-from packfeed.server.caps import search_caps
-from packfeed.server.costs import load_sample_loads
-from packfeed.server.plan import STRATEGIES, PlanConfig, make_plan
+from packfeed.server.plan.caps import search_caps
+from packfeed.server.plan.costs import load_sample_loads
+from packfeed.server.plan.planner import make_plan
+from packfeed.v1.options import PlanConfig, Strategy
 
 pytestmark = pytest.mark.benchmark
 
@@ -24,7 +25,7 @@ def test_real_data_table(real_index):
     search_s = time.perf_counter() - started
     print(f"\n[balance] automatic caps: {caps} from {len(tried)} candidates in {search_s:.3f} s")
     print("[balance] strategy | samples/pack | packs | steps | Pad | ViT Dist | LLM Dist | plan s (best of 5)")
-    for strategy in STRATEGIES:
+    for strategy in Strategy:
         config = PlanConfig(dp=8, strategy=strategy, vision_cap=16, token_cap=5376, token_target=5248)
         runs = [make_plan(loads, config, seed, 0) for seed in range(5)]
         s = [r.summary(loads) for r in runs]

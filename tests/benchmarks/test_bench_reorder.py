@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 
 from internvl_mix import internvl_like_mix
-from packfeed.server.balance import lpt_assign
-from packfeed.server.costs import CostModel, SampleLoads
-from packfeed.server.pipeline_order import inter_reorder_many, simulate_1f1b, stage_fractions, stage_times
+from packfeed.server.plan.balance import lpt_assign
+from packfeed.server.plan.costs import CostModel, SampleLoads
+from packfeed.server.plan.pipeline_order import inter_reorder_many, simulate_1f1b, stage_fractions, stage_times
 
 pytestmark = pytest.mark.benchmark
 GLOBAL_BATCH, DP, STAGES, STEPS = 1920, 30, 4, 300

@@ -36,9 +36,9 @@ def demo(tmp_path_factory):
 def packfeed_preprocess(index: Path, keep: int = 0):
     """Every rank-step of one epoch (DP 2, M 2) through the worker function, in this process. Like a server,
     it lets go of each message once sent (here: measured), but for the first `keep`."""
-    from packfeed.server import workers
-    from packfeed.server.jobs import Dataset, JobRegistry, JobSpec
-    from packfeed.server.plan import PlanConfig
+    from packfeed.server.serve import workers
+    from packfeed.server.serve.jobs import Dataset, JobRegistry, JobSpec
+    from packfeed.v1.options import PlanConfig
 
     source = workers.DatasetSource(str(index), str(index.parent / "tokenizer.json"))
     workers._init_worker({"d": source})
@@ -60,15 +60,15 @@ def dataloader_preprocess(shards: list[Path], tokenizer_path: Path):
     """The same decode + tile + tokenise with torch's DataLoader over webdataset, in this process."""
     import torch.utils.data
     import webdataset as wds
-    from packfeed.server.chat import (
+    from packfeed.server.index.chat import (
         ChatTemplate,
         attach_images,
         cached_tokenizer,
         encode_with_image_starts,
         parse_conversation,
     )
-    from packfeed.server.image_policy import InternVLTiling
-    from packfeed.server.preprocess import image_tiles
+    from packfeed.server.index.image_policy import InternVLTiling
+    from packfeed.server.serve.preprocess import image_tiles
 
     policy, template = InternVLTiling(), ChatTemplate()
     tokenizer = cached_tokenizer(str(tokenizer_path), template)
@@ -119,9 +119,10 @@ def test_preprocessing_per_core_vs_dataloader(demo):
 
 
 def _replay_server(messages_path: str, port_queue, repeats: int) -> None:
-    from packfeed.server.config import ServerConfig
-    from packfeed.server.service import SERVICE, grpc_options
-    from packfeed.server.wire import pack_parts
+    from packfeed.server.serve.config import ServerConfig
+    from packfeed.server.serve.network import grpc_options
+    from packfeed.server.serve.service import SERVICE
+    from packfeed.server.serve.wire import pack_parts
 
     raw = Path(messages_path).read_bytes()
     messages, offset = [], 0
@@ -155,9 +156,9 @@ def _replay_server(messages_path: str, port_queue, repeats: int) -> None:
 
 
 def test_transport_gigabytes_per_second(demo, tmp_path):
-    from packfeed.client.stream import pack_of
+    from packfeed.client.tensors import pack_of
     from packfeed.client.wire import PackAssembler
-    from packfeed.server.service import SERVICE
+    from packfeed.server.serve.service import SERVICE
     from packfeed.v1 import packfeed_pb2 as pb
 
     _, index = demo

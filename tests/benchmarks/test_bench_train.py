@@ -135,8 +135,9 @@ def test_training_strategies_measured_and_simulated(dataset, tmp_path, real_inde
 
 
 def simulate_cluster(costs, real_index, dp: int = 8, stages: int = 4, m: int = 8) -> list[dict]:
-    from packfeed.server.costs import load_sample_loads
-    from packfeed.server.plan import PlanConfig, make_plan
+    from packfeed.server.plan.costs import load_sample_loads
+    from packfeed.server.plan.planner import make_plan
+    from packfeed.v1.options import PlanConfig
     from packfeed.trainer.partition import split_by_weight
 
     loads, _ = load_sample_loads(real_index)

@@ -25,18 +25,23 @@ import pyarrow as pa
 from PIL import Image, UnidentifiedImageError
 from tqdm import tqdm
 
-from packfeed.server.chat import (ChatTemplate, ConversationError, IGNORE_INDEX, attach_images, cached_tokenizer,
+from packfeed.server.index.chat import (ChatTemplate, ConversationError, IGNORE_INDEX, attach_images, cached_tokenizer,
                                   encode_conversation, parse_conversation)
-from packfeed.server.image_policy import VERIFY_MODES, ImagePolicy, policy_from_dict
-from packfeed.server.index_table import SCHEMA, IndexInfo, fingerprint_table, write_index
-from packfeed.server.shards import RawSample, ShardError, expand_shards, iter_samples
+from packfeed.server.index.image_policy import DEFAULT_POLICY, VERIFY_MODES, ImagePolicy, policy_from_dict
+from packfeed.server.index.table import SCHEMA, IndexInfo, fingerprint_table, reason_category, write_index
+from packfeed.server.index.shards import RawSample, ShardError, expand_shards, iter_samples
 
+
+
+# Per image policy: its parameter -> the `packfeed index` option (without dashes) that sets it.
+POLICY_FLAGS = {"internvl": {"max_num": "max_tiles"}, "qwen2vl": {"min_pixels": "min_pixels", "max_pixels": "max_pixels"},
+                "fixed": {"size": "image_size", "tokens": "image_tokens"}}
 
 
 @dataclass(frozen=True)
 class IndexConfig:
     tokenizer: str
-    image_policy: dict[str, Any] = field(default_factory=lambda: {"name": "internvl"})
+    image_policy: dict[str, Any] = field(default_factory=lambda: {"name": DEFAULT_POLICY})
     chat_template: dict[str, Any] = field(default_factory=lambda: ChatTemplate().to_dict())
     # decode: decode every image (JPEG at 1/8 scale, which still reads every byte) to catch truncated or
     # corrupt data; header: trust the header, several times faster.
@@ -68,13 +73,8 @@ class IndexConfig:
     def from_args(cls, args: argparse.Namespace) -> "IndexConfig":
         if not args.tokenizer:
             raise ValueError("indexing shards needs --tokenizer TOKENIZER.json (the tokenizer the trainer uses)")
-        policy: dict[str, Any] = {"name": args.image_policy}
-        if args.image_policy == "internvl":
-            policy["max_num"] = args.max_tiles
-        elif args.image_policy == "qwen2vl":
-            policy.update(min_pixels=args.min_pixels, max_pixels=args.max_pixels)
-        elif args.image_policy == "fixed":
-            policy.update(size=args.image_size, tokens=args.image_tokens)
+        policy = {"name": args.image_policy, **{parameter: getattr(args, flag) for parameter, flag
+                                                 in POLICY_FLAGS[args.image_policy].items()}}
         template = ChatTemplate(system_prompt=args.system_prompt).to_dict()
         return cls(args.tokenizer, policy, template, args.verify_images)
 
@@ -149,11 +149,6 @@ def cost_sample(raw: RawSample, config: IndexConfig) -> dict[str, Any]:
                text_tokens=len(ids) - vision_tokens, llm_tokens=len(ids),
                loss_tokens=int((labels != IGNORE_INDEX).sum()))
     return row
-
-
-def reason_category(reason: str) -> str:
-    """'undecodable image: broken data stream' -> 'undecodable image' (what reports group by)."""
-    return reason.split(":", 1)[0]
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -1,8 +1,9 @@
 """Per-sample loads and the compute cost model the planner balances on.
 
-Cost of a sample on a module = a * tokens + b * sum(sequence_length^2): linear layers plus attention.
-Packs use variable-length attention, so samples in a pack never attend to each other and pack costs
-are plain sums of sample costs.
+Cost of a sample on a module = a * tokens + b * sum(sequence_length^2): linear layers plus attention, with
+the coefficients of the job's `CostModel` (part of the plan settings, `packfeed.v1.options`). Packs use
+variable-length attention, so samples in a pack never attend to each other and pack costs are plain sums
+of sample costs.
 """
 
 from __future__ import annotations
@@ -15,54 +16,18 @@ import numpy as np
 
 import pyarrow.parquet as pq
 
-from packfeed.server.index_table import IndexInfo, read_index_info
+from packfeed.server.index.table import IndexInfo, read_index_info
+from packfeed.v1.options import CostModel
 
 # InternVL tiles are 448 px with 14 px patches: 32 x 32 = 1024 ViT tokens per tile.
 DEFAULT_PATCHES_PER_UNIT = 1024
 
 
-@dataclass(frozen=True)
-class ModuleShape:
-    """Enough of a transformer's shape to estimate training FLOPs."""
-
-    params: float
-    layers: int
-    hidden: int
-    causal: bool
-
-    def coefficients(self) -> tuple[float, float]:
-        # fwd+bwd linear FLOPs ~ 6 * params per token; attention QK^T and AV cost 4*h*s^2 per layer forward,
-        # x3 with backward; causal masking halves it.
-        linear = 6.0 * self.params
-        quadratic = 12.0 * self.layers * self.hidden * (0.5 if self.causal else 1.0)
-        return linear, quadratic
-
-
-# Defaults: InternVL-Chat-1.5 (InternViT-6B + InternLM2-20B), the model OmniBal trains.
-INTERNVIT_6B = ModuleShape(params=5.9e9, layers=45, hidden=3200, causal=False)
-INTERNLM2_20B = ModuleShape(params=19.9e9, layers=48, hidden=6144, causal=True)
-
-
-@dataclass(frozen=True)
-class CostModel:
-    """Coefficients in arbitrary but shared units (FLOPs by default; a trainer may measure seconds)."""
-
-    vision_linear: float
-    vision_quadratic: float
-    llm_linear: float
-    llm_quadratic: float
-
-    @classmethod
-    def from_shapes(cls, vision: ModuleShape = INTERNVIT_6B, llm: ModuleShape = INTERNLM2_20B) -> "CostModel":
-        vl, vq = vision.coefficients()
-        ll, lq = llm.coefficients()
-        return cls(vl, vq, ll, lq)
-
-    def sample_costs(self, loads: "SampleLoads") -> np.ndarray:
-        """(n, 2) float32: [vision cost, LLM cost] of every sample, one row per sample so that summing a pack
-        touches one cache line per member."""
-        return _cost_rows(loads.vit_patches, loads.vit_attn_sq, loads.tokens, self.vision_linear,
-                          self.vision_quadratic, self.llm_linear, self.llm_quadratic)
+def sample_costs(model: CostModel, loads: "SampleLoads") -> np.ndarray:
+    """(n, 2) float32: [vision cost, LLM cost] of every sample under `model`, one row per sample so that summing
+    a pack touches one cache line per member."""
+    return _cost_rows(loads.vit_patches, loads.vit_attn_sq, loads.tokens, model.vision_linear,
+                      model.vision_quadratic, model.llm_linear, model.llm_quadratic)
 
 
 @numba.njit(cache=True, nogil=True, parallel=True)

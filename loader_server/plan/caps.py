@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from packfeed.server.isf import Caps, isf
-from packfeed.server.metrics import dist_ratio
+from packfeed.server.plan.isf import Caps, isf
+from packfeed.server.plan.metrics import dist_ratio
 
 SEARCH_SEED = 0x5EED  # caps are a property of the data and config, never of the run's seed or epoch
 TOKEN_SLACK = 128  # OmniBal Table 6: token target = token cap - 128

@@ -66,6 +66,11 @@ class IndexInfo:
     packfeed_version: str = __version__
 
 
+def reason_category(reason: str) -> str:
+    """'undecodable image: broken data stream' -> 'undecodable image' (what reports and metrics group by)."""
+    return reason.split(":", 1)[0]
+
+
 def fingerprint_table(table: pa.Table, config: dict[str, Any]) -> str:
     """A stable digest of the rows that matter for planning and serving, plus the indexing config.
 

@@ -21,10 +21,11 @@ matplotlib.use("Agg")  # reports are written headless
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-from packfeed.server.costs import load_sample_loads  # noqa: E402
-from packfeed.server.index_table import read_index  # noqa: E402
-from packfeed.server.indexer import reason_category  # noqa: E402
-from packfeed.server.plan import STRATEGIES, Plan, PlanConfig, make_plan, resolve_caps  # noqa: E402
+from packfeed.server.plan.costs import load_sample_loads  # noqa: E402
+from packfeed.server.index.table import read_index, reason_category  # noqa: E402
+from packfeed.server.plan.planner import make_plan, resolve_caps  # noqa: E402
+from packfeed.server.plan.plan_file import Plan  # noqa: E402
+from packfeed.v1.options import PlanConfig, Strategy  # noqa: E402
 
 REPORT_COLUMNS = ["valid", "reason", "n_images", "vision_units", "vision_tokens", "llm_tokens", "text_tokens",
                   "loss_tokens", "shard"]
@@ -42,15 +43,15 @@ def compare_strategies(loads, config: PlanConfig, seed: int, fingerprint: str) -
     """Plan the epoch with every strategy at the same DP, M and caps; returns rows and the ISF+balance plan."""
     caps = resolve_caps(loads, config)
     rows, balanced = [], None
-    for strategy in STRATEGIES:
+    for strategy in Strategy:
         plan = make_plan(loads, replace(config, strategy=strategy), seed, 0, fingerprint, caps=caps)
         summary = plan.summary(loads)
         _, llm = plan.pack_loads(loads)
-        rows.append({"strategy": strategy, "samples_per_pack": summary["samples_per_pack"],
+        rows.append({"strategy": strategy.value, "samples_per_pack": summary["samples_per_pack"],
                      "max_pack_tokens": int(llm.max()) if len(llm) else 0, "pad_ratio": summary["pad_ratio"],
                      "vit_dist": summary["vit_dist"], "llm_dist": summary["llm_dist"], "packs": summary["packs"],
                      "steps": summary["steps"], "planning_seconds": summary["planning_seconds"]})
-        if strategy == "isf+balance":
+        if strategy is Strategy.ISF_BALANCE:
             balanced = plan
     return rows, balanced
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from packfeed.server.packs import Pack
+from packfeed.server.serve.packs import Pack
 from packfeed.v1 import packfeed_pb2 as pb
 
 _LENGTH_DELIMITED = 2

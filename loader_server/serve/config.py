@@ -41,8 +41,8 @@ from pathlib import Path
 
 import yaml
 
-from packfeed.server.index_table import read_index_info
-from packfeed.server.workers import DatasetSource
+from packfeed.server.index.table import read_index_info
+from packfeed.server.serve.workers import DatasetSource
 
 ENV_PREFIX = "PACKFEED_"
 

@@ -1,9 +1,9 @@
-"""Jobs and their state: the embedded (in-process) coordination of one loader server.
+"""The datasets a server serves and the jobs opened on them.
 
 A job is (dataset, plan config, seed, epochs). Its plans are a pure function of those, so any server can
-serve any rank of it; the only mutable state is small: each rank's acknowledged step, and the samples
-skipped as bad. That state sits behind `JobRegistry` so that several servers can keep it in Redis instead
-(issue [4/4]) without touching the service.
+serve any rank of it; what changes is small and lives here, in one place per rank (`RankState`): what was
+streamed, what the trainer acknowledged, and what of that the coordinator (`packfeed.server.cluster`, shared
+by several servers through Redis) has taken; plus the samples skipped at serve time.
 """
 
 from __future__ import annotations
@@ -11,16 +11,21 @@ from __future__ import annotations
 import collections
 import json
 import threading
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from packfeed.server.costs import SampleLoads, load_sample_loads
-from packfeed.server.index_table import IndexInfo
-from packfeed.server.isf import Caps
-from packfeed.server.packs import IndexRows
-from packfeed.server.plan import Plan, PlanConfig, make_plan, resolve_caps
-from packfeed.server.workers import DatasetSource, RankStepWork
+from packfeed.server.index.image_policy import policy_from_dict
+from packfeed.server.index.table import IndexInfo
+from packfeed.server.plan.costs import SampleLoads, load_sample_loads
+from packfeed.server.plan.isf import Caps
+from packfeed.server.plan.plan_file import Plan
+from packfeed.server.plan.planner import make_plan, resolve_caps
+from packfeed.server.serve.conventions import conventions_of
+from packfeed.server.serve.packs import IndexRows
+from packfeed.server.serve.workers import DatasetSource, RankStepWork
+from packfeed.v1 import packfeed_pb2 as pb
+from packfeed.v1.options import PlanConfig
 
 MAX_SKIPPED_LISTED = 1000  # per job; the count keeps going
 
@@ -49,9 +54,33 @@ class JobSpec:
 
 @dataclass
 class RankState:
-    acked: tuple[int, int] = (-1, -1)  # (epoch, step) of the last acknowledged step
+    """One rank's progress on this server: the one owner of its acknowledged position."""
+
+    acked: tuple[int, int] = (-1, -1)  # (epoch, step) of the last acknowledged step; never moves back
     streamed: tuple[int, int] = (-1, -1)  # last step sent
     queued: int = 0  # steps prepared and waiting
+    shared: tuple[int, int] = (-1, -1)  # the acknowledged position the coordinator has taken
+    unacked: collections.deque = field(default_factory=collections.deque)  # steps sent, not yet acknowledged
+
+    def sent(self, epoch: int, step: int) -> None:
+        self.streamed = (epoch, step)
+        self.unacked.append((epoch, step))
+
+    def acknowledge(self, epoch: int, step: int) -> None:
+        """Every step up to (epoch, step) was consumed; a late or repeated acknowledgement changes nothing."""
+        self.acked = max(self.acked, (epoch, step))
+        while self.unacked and self.unacked[0] <= self.acked:
+            self.unacked.popleft()
+
+    @property
+    def lag(self) -> int:
+        """Steps sent but not acknowledged."""
+        return len(self.unacked)
+
+    @property
+    def unshared(self) -> tuple[int, int] | None:
+        """The acknowledged position, when the coordinator has not taken it yet."""
+        return self.acked if self.acked > self.shared else None
 
 
 @dataclass
@@ -61,13 +90,12 @@ class Dataset:
     loads: SampleLoads
     info: IndexInfo
     loss_tokens: np.ndarray  # per sample, from the index
+    conventions: pb.ModelConventions  # what a trainer's model must know of these samples
     sample_bytes: np.ndarray | None = None  # per sample: estimated bytes of its tensors in a pack
 
     def __post_init__(self):
         if self.sample_bytes is None:
-            from packfeed.server.image_policy import policy_from_dict
-
-            patch = getattr(policy_from_dict(self.info.image_policy or {"name": "internvl"}), "patch_size", 14)
+            patch = policy_from_dict(self.info.image_policy).patch_size
             # uint8 pixels (3 channels per patch pixel) + int32 input_ids, labels, position_ids
             self.sample_bytes = (self.loads.vit_patches.astype(np.int64) * patch * patch * 3
                                  + self.loads.tokens.astype(np.int64) * 12 + 256)
@@ -83,7 +111,8 @@ class Dataset:
             raise ValueError(f"dataset {name}: {source.index} was imported from length files and has no shards "
                              "to serve; index the WebDataset shards with `packfeed index`")
         loss = IndexRows(source.index).loss_tokens_per_sample
-        return cls(name, source, loads, info, np.asarray(loss, dtype=np.int64))
+        return cls(name, source, loads, info, np.asarray(loss, dtype=np.int64),
+                   conventions_of(info, source.tokenizer))
 
 
 PLANS_CACHED = 3
@@ -148,8 +177,7 @@ class Job:
     def ack(self, rank: int, epoch: int, step: int) -> None:
         self.check_rank(rank)
         self.check_step(epoch, step)
-        state = self.ranks[rank]
-        state.acked = max(state.acked, (epoch, step))  # acknowledgements never move a cursor backwards
+        self.ranks[rank].acknowledge(epoch, step)
 
 
 class JobRegistry:
@@ -176,7 +204,7 @@ class JobRegistry:
                                    f"job {spec.job!r} exists with other settings: {existing.spec.describe()}; "
                                    f"this request asks for {spec.describe()}. Use the same settings or a new job id")
                 return existing
-            caps = None if spec.plan.strategy in ("random", "length-group") else resolve_caps(dataset.loads, spec.plan)
+            caps = None if spec.plan.strategy.padded else resolve_caps(dataset.loads, spec.plan)
             job = Job(spec, dataset, caps, [RankState() for _ in range(spec.plan.dp)])
             job.plan(0)  # plan epoch 0 now: a bad config fails the open, not the first stream
             self.jobs[spec.job] = job
@@ -195,7 +223,3 @@ class JobRegistry:
         if found is None:
             raise JobError("NOT_FOUND", f"no job {job!r}: open it first (OpenJob)")
         return found
-
-
-def caps_dict(caps: Caps | None) -> dict:
-    return asdict(caps) if caps else {}

@@ -19,11 +19,11 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
-from packfeed.server.chat import (ChatTemplate, ConversationError, attach_images, cached_tokenizer,
+from packfeed.server.index.chat import (ChatTemplate, ConversationError, attach_images, cached_tokenizer,
                                   encode_with_image_starts, parse_conversation)
-from packfeed.server.image_policy import FixedResolution, ImagePolicy, InternVLTiling, Qwen2VLResize, policy_from_dict
-from packfeed.server.index_table import IndexInfo
-from packfeed.server.shards import is_compressed
+from packfeed.server.index.image_policy import FixedResolution, ImagePolicy, InternVLTiling, Qwen2VLResize, policy_from_dict
+from packfeed.server.index.table import IndexInfo
+from packfeed.server.index.shards import is_compressed
 
 
 class SampleSkipped(Exception):
@@ -71,7 +71,7 @@ class SampleReader:
         if info.tokenizer and info.tokenizer.get("sha256") != digest:
             raise ValueError(f"tokenizer {tokenizer_path} differs from the one the index was built with "
                              f"({info.tokenizer.get('path')}); token counts would not match the plan")
-        self.policy = policy_from_dict(info.image_policy or {"name": "internvl"})
+        self.policy = policy_from_dict(info.image_policy)
         self.template = ChatTemplate(**(info.chat_template or {}))
         self.tokenizer_path = str(tokenizer_path)
         self.shard_root = Path(shard_root) if shard_root else None

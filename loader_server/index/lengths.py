@@ -14,8 +14,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from packfeed.server.costs import DEFAULT_PATCHES_PER_UNIT
-from packfeed.server.index_table import SCHEMA, IndexInfo, empty_rows, fingerprint_table, write_index
+from packfeed.server.plan.costs import DEFAULT_PATCHES_PER_UNIT
+from packfeed.server.index.table import SCHEMA, IndexInfo, empty_rows, fingerprint_table, write_index
 
 TOKENS_PER_TILE = 256
 KEY_CHUNK = 1 << 25  # InternVL: pixel-shuffled 448 px tile -> 256 LLM tokens

@@ -4,7 +4,7 @@ LLM side: `input_ids`, `labels`, `position_ids` (restarting at 0 in every sample
 boundaries, for variable-length attention, so samples never attend to each other). Vision side: every tile
 of every image as one flat uint8 buffer with per-tile (C, H, W) shapes, the tile -> image and image ->
 sample maps, and each image's placeholder span in `input_ids`, where the projected vision features go.
-Tensors travel as raw little-endian bytes + dtype + shape (`packfeed.server.wire`), never as repeated numbers.
+Tensors travel as raw little-endian bytes + dtype + shape (`packfeed.server.serve.wire`), never as repeated numbers.
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from packfeed.server.chat import IGNORE_INDEX
-from packfeed.server.preprocess import SampleTensors
+from packfeed.server.index.chat import IGNORE_INDEX
+from packfeed.server.serve.preprocess import SampleTensors
 
 
 @dataclass
@@ -95,7 +95,7 @@ class IndexRows:
     """The index columns serving needs, held as Arrow columns; rows come out as dicts."""
 
     def __init__(self, index_path):
-        from packfeed.server.index_table import read_index
+        from packfeed.server.index.table import read_index
 
         self.table, self.info = read_index(index_path, columns=SERVE_COLUMNS)
         self.table = self.table.combine_chunks()
@@ -112,7 +112,7 @@ def build_pack(rows: IndexRows, reader, members: np.ndarray, truncate_to: np.nda
                rank: int, microbatch: int) -> Pack:
     """One pack from its planned members. A sample that fails at serve time is left out and reported in the
     pack's `skipped`; the pack still goes out, flagged empty if nothing is left."""
-    from packfeed.server.preprocess import SampleSkipped
+    from packfeed.server.serve.preprocess import SampleSkipped
 
     samples, skipped = [], []
     for sample_id, limit in zip(members.tolist(), truncate_to.tolist()):

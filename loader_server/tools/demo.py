@@ -115,7 +115,7 @@ def train_tokenizer(path: Path, vocab_size: int = 2000) -> Path:
     """A small byte-level BPE trained on the demo corpus, with the chat template's special tokens."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    from packfeed.server.chat import ChatTemplate
+    from packfeed.server.index.chat import ChatTemplate
 
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -178,10 +178,11 @@ def run_demo(out: Path, samples: int = 240, dataset_only: bool = False) -> int:
     """`make demo`: build the demo dataset, index it, write the statistics report, plan an epoch, then serve
     it and consume the epoch with one client per DP rank. `dataset_only`: stop after the index (the
     docker-compose demo prepares its shared data volume this way)."""
-    from packfeed.server.costs import load_sample_loads
-    from packfeed.server.indexer import IndexConfig, build_index
-    from packfeed.server.plan import PlanConfig, make_plan
-    from packfeed.server.stats import write_report
+    from packfeed.server.plan.costs import load_sample_loads
+    from packfeed.server.index.indexer import IndexConfig, build_index
+    from packfeed.server.plan.planner import make_plan
+    from packfeed.v1.options import PlanConfig
+    from packfeed.server.tools.stats import write_report
 
     print(f"[1/6] writing {samples} demo samples (scikit-image photographs) to {out}/shards")
     paths = write_demo_dataset(out, samples=samples)
@@ -203,7 +204,7 @@ def run_demo(out: Path, samples: int = 240, dataset_only: bool = False) -> int:
     print(f"[5/6] serving over gRPC on loopback; {plan_config.dp} clients (one per DP rank, "
           f"M = {plan_config.microbatches}) consume the epoch")
     try:
-        from packfeed.client.demo import consume_epoch
+        from packfeed.server.tools.consume import consume_epoch
     except ImportError as error:  # the server side installs without torch
         print(f"      skipped: the client needs torch ({error}); pip install 'packfeed[client]'")
         return 0

@@ -1,4 +1,5 @@
-"""The demo's last part: serve the demo index and consume one epoch with one client per DP rank."""
+"""The demo's serving part: serve the demo index and consume one epoch with one client per DP rank, measuring
+the balance of what was delivered (a tool that uses the client, as any trainer would)."""
 
 from __future__ import annotations
 
@@ -7,9 +8,8 @@ import time
 from pathlib import Path
 
 import numpy as np
-from packfeed.client.local import LocalServer
-from packfeed.client.stream import PackStream
-from packfeed.server.metrics import dist_ratio
+from packfeed.client import LocalServer, PackStream
+from packfeed.server.plan.metrics import dist_ratio
 from tqdm import tqdm
 
 

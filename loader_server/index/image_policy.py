@@ -28,6 +28,15 @@ class ImageCost:
 
 class ImagePolicy(Protocol):
     name: str
+    patch_size: int
+
+    @property
+    def tile_size(self) -> int:
+        """Side of every square tile in px; 0 when images keep sizes of their own."""
+
+    @property
+    def patches_per_unit(self) -> int:
+        """ViT patches per vision unit (the unit vision caps count)."""
 
     def cost(self, width: int, height: int, n_images: int) -> ImageCost: ...
 
@@ -66,11 +75,18 @@ class InternVLTiling:
                 best = ratio
         return best
 
+    @property
+    def tile_size(self) -> int:
+        return self.image_size
+
+    @property
+    def patches_per_unit(self) -> int:
+        return (self.image_size // self.patch_size) ** 2
+
     def cost(self, width: int, height: int, n_images: int = 1) -> ImageCost:
         cols, rows = self.grid(width, height, n_images)
         tiles = cols * rows + (1 if self.use_thumbnail and cols * rows != 1 else 0)
-        patches = (self.image_size // self.patch_size) ** 2
-        return ImageCost(tiles, tiles * self.tokens_per_tile, (patches,) * tiles)
+        return ImageCost(tiles, tiles * self.tokens_per_tile, (self.patches_per_unit,) * tiles)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -88,6 +104,12 @@ class Qwen2VLResize:
     max_pixels: int = 28 * 28 * 1280
     patch_size: int = 14
     name: str = "qwen2vl"
+    tile_size = 0  # no tiles: every image keeps its own (resized) shape
+    tokens_per_tile = 0
+
+    @property
+    def patches_per_unit(self) -> int:
+        return (self.factor // self.patch_size) ** 2  # one unit = one merged token
 
     def resize(self, width: int, height: int) -> tuple[int, int]:
         """(height, width) after smart_resize."""
@@ -124,8 +146,20 @@ class FixedResolution:
     patch_size: int = 14
     name: str = "fixed"
 
+    @property
+    def tile_size(self) -> int:
+        return self.size
+
+    @property
+    def tokens_per_tile(self) -> int:
+        return self.tokens
+
+    @property
+    def patches_per_unit(self) -> int:
+        return (self.size // self.patch_size) ** 2
+
     def cost(self, width: int, height: int, n_images: int = 1) -> ImageCost:
-        return ImageCost(1, self.tokens, ((self.size // self.patch_size) ** 2,))
+        return ImageCost(1, self.tokens, (self.patches_per_unit,))
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -137,9 +171,13 @@ VERIFY_MODES = ("decode", "header")
 POLICIES = {"internvl": InternVLTiling, "qwen2vl": Qwen2VLResize, "fixed": FixedResolution}
 
 
-def policy_from_dict(raw: dict[str, Any]) -> ImagePolicy:
-    raw = dict(raw)
-    name = raw.pop("name", "internvl")
+DEFAULT_POLICY = "internvl"  # an index that records no policy (imported length files) counts InternVL tiles
+
+
+def policy_from_dict(raw: dict[str, Any] | None) -> ImagePolicy:
+    """The policy an index records (`IndexInfo.image_policy`); None or no name means InternVL's defaults."""
+    raw = dict(raw or {})
+    name = raw.pop("name", DEFAULT_POLICY)
     if name not in POLICIES:
         raise ValueError(f"unknown image policy {name!r}; choose one of {', '.join(POLICIES)}")
     return POLICIES[name](**raw)

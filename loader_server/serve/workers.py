@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from packfeed.server.packs import IndexRows, build_pack
-from packfeed.server.preprocess import SampleReader
-from packfeed.server.wire import encode_pack
+from packfeed.server.serve.packs import IndexRows, build_pack
+from packfeed.server.serve.preprocess import SampleReader
+from packfeed.server.serve.wire import encode_pack
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,128 @@
+"""How a client reaches Packfeed servers: `Connection` (timeouts, retries, token, TLS, message size) and
+`ServerChannel`, a gRPC channel to one of several known servers that retries with exponential backoff and
+fails over to the next server round robin."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+
+from packfeed.v1 import packfeed_pb2 as pb
+from packfeed.v1 import packfeed_pb2_grpc as pb_grpc
+
+RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED,
+             grpc.StatusCode.ABORTED, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN}
+_STREAM_PARTS = f"/{pb.DESCRIPTOR.services_by_name['Packfeed'].full_name}/StreamPackParts"
+
+
+class PackfeedError(RuntimeError):
+    """A request the server refused, or a stream that could not be restored within the retries."""
+
+    def __init__(self, message: str, code: grpc.StatusCode | None = None):
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass(frozen=True)
+class Connection:
+    """Client-side connection settings. TLS: `tls_ca` (PEM) verifies the server; `tls_cert` + `tls_key` add a
+    client certificate for mutual TLS. `token` is sent as `authorization: Bearer <token>`."""
+
+    timeout: float = 60.0  # seconds per unary call
+    retries: int = 5  # attempts after the first, with exponential backoff
+    backoff: float = 0.5  # seconds before the first retry, doubling
+    token: str | None = None
+    tls_ca: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    max_message_mb: int = 256
+
+    def __post_init__(self):
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ValueError("give both tls_cert and tls_key (mutual TLS), or neither")
+        if self.retries < 0 or self.timeout <= 0 or self.backoff < 0:
+            raise ValueError("retries and backoff must be >= 0 and timeout > 0")
+
+    @property
+    def metadata(self) -> tuple[tuple[str, str], ...]:
+        return (("authorization", f"Bearer {self.token}"),) if self.token else ()
+
+    def credentials(self) -> grpc.ChannelCredentials | None:
+        if not (self.tls_ca or self.tls_cert):
+            return None
+        read = lambda path: Path(path).read_bytes() if path else None  # noqa: E731
+        return grpc.ssl_channel_credentials(read(self.tls_ca), read(self.tls_key), read(self.tls_cert))
+
+    def channel(self, target: str) -> grpc.Channel:
+        size = self.max_message_mb << 20
+        options = [("grpc.max_receive_message_length", size), ("grpc.max_send_message_length", size)]
+        credentials = self.credentials()
+        return grpc.secure_channel(target, credentials, options=options) if credentials \
+            else grpc.insecure_channel(target, options=options)
+
+
+class ServerChannel:
+    """A channel to the current one of `targets`; `fail_over()` moves to the next."""
+
+    def __init__(self, targets: list[str], connection: Connection):
+        if not targets:
+            raise ValueError("no server target given")
+        self.targets, self.connection = list(targets), connection
+        self._index = 0
+        self._switching = threading.Lock()
+        self._connect()
+
+    @property
+    def target(self) -> str:
+        """The server this channel talks to now."""
+        return self.targets[self._index]
+
+    def _connect(self) -> None:
+        self._channel = self.connection.channel(self.target)
+        self._stub = pb_grpc.PackfeedStub(self._channel)
+        # Packs arrive as raw PackPart bytes (no deserializer): the client reads tensors without protobuf copies
+        self._parts = self._channel.unary_stream(_STREAM_PARTS, request_serializer=pb.StreamPacksRequest.SerializeToString,
+                                                 response_deserializer=None)
+
+    def fail_over(self) -> None:
+        """Move on to the next known server (round robin); a no-op with one target."""
+        if len(self.targets) < 2:
+            return
+        with self._switching:
+            old = self._channel
+            self._index = (self._index + 1) % len(self.targets)
+            self._connect()
+        old.close()
+
+    def call(self, name: str, request):
+        """A unary call by method name, retried with backoff, failing over between known servers."""
+        retries, backoff = self.connection.retries, self.connection.backoff
+        for attempt in range(retries + 1):
+            try:
+                return getattr(self._stub, name)(request, timeout=self.connection.timeout,
+                                                 metadata=self.connection.metadata)
+            except grpc.RpcError as error:
+                if error.code() not in RETRYABLE or attempt == retries:
+                    raise PackfeedError(f"{error.code().name}: {error.details()}", error.code()) from None
+                self.fail_over()
+                time.sleep(backoff * 2 ** attempt)
+        raise AssertionError("unreachable")
+
+    def send(self, name: str, request) -> None:
+        """A unary call whose answer nobody waits for (acknowledgements): no retry, errors ignored."""
+        try:
+            getattr(self._stub, name)(request, timeout=self.connection.timeout, metadata=self.connection.metadata)
+        except grpc.RpcError:
+            pass  # the next acknowledgement covers this one: cursors only move forward
+
+    def stream_parts(self, request: pb.StreamPacksRequest) -> Iterator[bytes]:
+        """StreamPackParts as raw serialized PackPart messages (a call object: `cancel()` ends it)."""
+        return self._parts(request, metadata=self.connection.metadata)
+
+    def close(self) -> None:
+        self._channel.close()

@@ -1,0 +1,136 @@
+"""The background thread behind `PackStream`: reads a rank's pack stream, joins PackPart pieces into packs,
+groups M packs into a `Step`, converts them to tensors and keeps up to `prefetch` steps ready.
+
+A broken connection is retried with exponential backoff from the first step not fully received, on the
+next known server when there are several; a server that forgot the job (it restarted) is asked to open it
+again through `reopen`. Errors retrying cannot fix are handed to the trainer as `PackfeedError`.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import grpc
+
+from packfeed.client.channel import RETRYABLE, PackfeedError, ServerChannel
+from packfeed.client.tensors import PackTensors, Step, pack_of
+from packfeed.client.wire import PackAssembler
+from packfeed.v1 import packfeed_pb2 as pb
+
+
+@dataclass
+class Received:
+    step: Step
+    following: tuple[int, int] | None  # the step after this one, None at the end of the job
+
+
+class _Retry(Exception):
+    """The server ended the stream before the job's last step: ask again from the cursor."""
+
+
+class Receiver:
+    def __init__(self, channel: ServerChannel, job: str, rank: int, epochs: int, start: tuple[int, int],
+                 prefetch: int, pin_memory: bool, reopen: Callable[[], None]):
+        self.channel, self.job, self.rank, self.epochs = channel, job, rank, epochs
+        self.pin_memory, self.reopen = pin_memory, reopen
+        self.ready: queue.Queue = queue.Queue(maxsize=prefetch)
+        self._stopped = threading.Event()
+        self._call = None
+        self.cursor, self.failures = start, 0  # the first step not yet received; consecutive failures
+        self._thread = threading.Thread(target=self._run, name=f"packfeed-rank{rank}", daemon=True)
+        self._thread.start()
+
+    def get(self) -> Received | BaseException | None:
+        """The next step, an error to raise, or None at the end of the job."""
+        while True:
+            try:
+                return self.ready.get(timeout=0.5)
+            except queue.Empty:
+                if not self._thread.is_alive() and self.ready.empty():
+                    return PackfeedError("the receiving thread ended unexpectedly")
+
+    def stop(self) -> None:
+        self._stopped.set()
+        if self._call is not None:
+            self._call.cancel()
+        while self._thread.is_alive():
+            try:
+                self.ready.get_nowait()
+            except queue.Empty:
+                self._thread.join(timeout=0.1)
+
+    def _put(self, item) -> bool:
+        while not self._stopped.is_set():
+            try:
+                self.ready.put(item, timeout=0.2)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def _following(self, pack: PackTensors) -> tuple[int, int] | None:
+        if not pack.last_in_epoch:
+            return pack.epoch, pack.step + 1
+        return (pack.epoch + 1, 0) if pack.epoch + 1 < self.epochs else None
+
+    def _receive(self) -> bool:
+        """Stream from `self.cursor`, handing out whole steps and moving the cursor past each; True when there
+        is nothing more to receive (the job is done, or the receiver was stopped)."""
+        request = pb.StreamPacksRequest(job=self.job, rank=self.rank, first_epoch=self.cursor[0],
+                                        first_step=self.cursor[1])
+        self._call = self.channel.stream_parts(request)
+        packs: list[PackTensors] = []
+        assembler = PackAssembler()
+        for part in self._call:
+            message = assembler.add(part)
+            if message is None:
+                continue
+            packs.append(pack_of(message, self.pin_memory))
+            if len(packs) < packs[-1].microbatches:
+                continue
+            pack = packs[-1]
+            received = Received(Step(pack.epoch, pack.step, pack.rank, packs, pack.last_in_epoch), self._following(pack))
+            packs, self.failures = [], 0
+            if not self._put(received):
+                return True
+            if received.following is None:
+                self._put(None)
+                return True
+            self.cursor = received.following
+        if self._stopped.is_set():
+            return True
+        raise _Retry("stream ended before the job's last step")
+
+    def _run(self) -> None:
+        retries, backoff = self.channel.connection.retries, self.channel.connection.backoff
+        while not self._stopped.is_set():
+            try:
+                if self._receive():
+                    return
+            except (grpc.RpcError, _Retry) as error:
+                if self._stopped.is_set():
+                    return
+                code = error.code() if isinstance(error, grpc.RpcError) else grpc.StatusCode.UNAVAILABLE
+                details = error.details() if isinstance(error, grpc.RpcError) else str(error)
+                if code == grpc.StatusCode.NOT_FOUND and self.failures < retries:  # a restarted server forgot the job
+                    self.failures += 1
+                    try:
+                        self.reopen()
+                    except PackfeedError as reopen_error:
+                        self._put(reopen_error)
+                        return
+                    continue
+                if code not in RETRYABLE or self.failures >= retries:
+                    self._put(PackfeedError(f"{code.name}: {details} (job {self.job!r}, rank {self.rank}, step "
+                                            f"{self.cursor[0]}:{self.cursor[1]}, servers {self.channel.targets})", code))
+                    return
+                self.channel.fail_over()  # another server (when several are known) continues from the same step
+                time.sleep(backoff * 2 ** self.failures)
+                self.failures += 1
+            except Exception as error:  # never leave the trainer waiting on a dead thread
+                self._put(PackfeedError(f"receiving packs failed: {error!r}"))
+                return

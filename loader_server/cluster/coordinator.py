@@ -1,0 +1,159 @@
+"""Shared job state for one or many loader servers: embedded (in this process) or in Redis.
+
+The plan is deterministic, so servers share very little: which jobs exist and with which fingerprints,
+which server currently feeds which rank (a lease with a TTL, renewed by heartbeats), each rank's
+acknowledged step (a cursor that only moves forward), the samples skipped as bad, and which servers are
+alive (so clients can find another one). Everything else — the plan, the packs — any server recomputes.
+
+    coordinator = coordinator_from_url(os.environ.get("PACKFEED_REDIS_URL"))   # None -> embedded
+    coordinator.register_job(job, record)           # refuses a different fingerprint for the same job id
+    coordinator.acquire_lease(job, rank, server_id, ttl_s=10)
+    coordinator.ack(job, rank, epoch, step)         # monotone: a late or repeated ack never moves it back
+
+In Redis (`packfeed.server.cluster.redis_coordinator`) the keys follow `packfeed.v1.redis_keys`, the one
+description of the layout; compare-and-set steps run as Lua scripts, so two servers never race.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from dataclasses import asdict, dataclass
+from typing import Protocol
+
+from packfeed.v1.redis_keys import position, unposition
+
+
+class CoordinationError(RuntimeError):
+    """The coordinator refused a request; `code` is the gRPC status name to answer with."""
+
+    def __init__(self, code: str, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+class CoordinationUnavailable(RuntimeError):
+    """The coordinator cannot be reached now; callers keep serving what they have and retry."""
+
+
+@dataclass(frozen=True)
+class JobRecord:
+    """What every server must agree on to serve a job."""
+
+    spec: str  # JobSpec.describe(): dataset, plan config, seed, epochs
+    plan_fingerprint: str
+    index_fingerprint: str
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
+
+
+def mismatch(job: str, existing: JobRecord, record: JobRecord) -> CoordinationError:
+    return CoordinationError("FAILED_PRECONDITION",
+                             f"job {job!r} is registered with plan {existing.plan_fingerprint} over index "
+                             f"{existing.index_fingerprint} ({existing.spec}); this server computes plan "
+                             f"{record.plan_fingerprint} over index {record.index_fingerprint} ({record.spec}). "
+                             f"Serve the same index and settings on every server, or use a new job id")
+
+
+class Coordinator(Protocol):
+    def register_job(self, job: str, record: JobRecord) -> JobRecord: ...
+    def job(self, job: str) -> JobRecord | None: ...
+    def acquire_lease(self, job: str, rank: int, owner: str, ttl_s: float) -> bool: ...
+    def renew_lease(self, job: str, rank: int, owner: str, ttl_s: float) -> bool: ...
+    def release_lease(self, job: str, rank: int, owner: str) -> bool: ...
+    def lease_owner(self, job: str, rank: int) -> str | None: ...
+    def ack(self, job: str, rank: int, epoch: int, step: int) -> tuple[int, int]: ...
+    def acked(self, job: str, rank: int) -> tuple[int, int] | None: ...
+    def add_skipped(self, job: str, key: str, reason: str) -> None: ...
+    def skipped(self, job: str) -> dict[str, str]: ...
+    def heartbeat_server(self, address: str, ttl_s: float) -> None: ...
+    def live_servers(self) -> list[str]: ...
+
+
+class EmbeddedCoordinator:
+    """The single-server default: the same semantics, in this process's memory."""
+
+    def __init__(self, clock=time.monotonic):
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._jobs: dict[str, JobRecord] = {}
+        self._leases: dict[tuple[str, int], tuple[str, float]] = {}
+        self._acked: dict[tuple[str, int], int] = {}
+        self._skipped: dict[str, dict[str, str]] = {}
+        self._servers: dict[str, float] = {}
+
+    def register_job(self, job: str, record: JobRecord) -> JobRecord:
+        with self._lock:
+            existing = self._jobs.setdefault(job, record)
+        if existing != record:
+            raise mismatch(job, existing, record)
+        return existing
+
+    def job(self, job: str) -> JobRecord | None:
+        return self._jobs.get(job)
+
+    def _holder(self, job: str, rank: int) -> str | None:
+        owner, expiry = self._leases.get((job, rank), (None, 0.0))
+        return owner if owner is not None and expiry > self._clock() else None
+
+    def acquire_lease(self, job: str, rank: int, owner: str, ttl_s: float) -> bool:
+        with self._lock:
+            holder = self._holder(job, rank)
+            if holder not in (None, owner):
+                return False
+            self._leases[(job, rank)] = (owner, self._clock() + ttl_s)
+            return True
+
+    def renew_lease(self, job: str, rank: int, owner: str, ttl_s: float) -> bool:
+        with self._lock:
+            if self._holder(job, rank) != owner:
+                return False
+            self._leases[(job, rank)] = (owner, self._clock() + ttl_s)
+            return True
+
+    def release_lease(self, job: str, rank: int, owner: str) -> bool:
+        with self._lock:
+            if self._holder(job, rank) != owner:
+                return False
+            del self._leases[(job, rank)]
+            return True
+
+    def lease_owner(self, job: str, rank: int) -> str | None:
+        with self._lock:
+            return self._holder(job, rank)
+
+    def ack(self, job: str, rank: int, epoch: int, step: int) -> tuple[int, int]:
+        with self._lock:
+            value = max(self._acked.get((job, rank), -1), position(epoch, step))
+            self._acked[(job, rank)] = value
+        return unposition(value)
+
+    def acked(self, job: str, rank: int) -> tuple[int, int] | None:
+        value = self._acked.get((job, rank))
+        return None if value is None else unposition(value)
+
+    def add_skipped(self, job: str, key: str, reason: str) -> None:
+        with self._lock:
+            self._skipped.setdefault(job, {})[key] = reason
+
+    def skipped(self, job: str) -> dict[str, str]:
+        return dict(self._skipped.get(job, {}))
+
+    def heartbeat_server(self, address: str, ttl_s: float) -> None:
+        with self._lock:
+            self._servers[address] = self._clock() + ttl_s
+
+    def live_servers(self) -> list[str]:
+        now = self._clock()
+        return sorted(a for a, expiry in self._servers.items() if expiry > now)
+
+
+def coordinator_from_url(url: str | None, password: str | None = None) -> Coordinator:
+    """`redis://host:port/db` (or `rediss://` for TLS) -> RedisCoordinator; empty -> EmbeddedCoordinator."""
+    if not url:
+        return EmbeddedCoordinator()
+    from packfeed.server.cluster.redis_coordinator import RedisCoordinator
+
+    return RedisCoordinator(url, password)

@@ -1,0 +1,303 @@
+"""The plan: a pure function of (index, config, seed, epoch) that says which samples every DP rank
+trains on in every microbatch of every step.
+
+Guarantees (tested):
+- every valid sample appears exactly once per epoch, except samples the `skip` oversize policy drops,
+  which are reported;
+- with the ISF strategies no pack of two or more samples exceeds a cap; a sample that alone exceeds a
+  cap travels alone (`alone`, default), is dropped (`skip`), or has its tokens cut to the cap (`truncate`);
+- every rank gets exactly M packs in every step; only the last step may hold lighter packs or empty
+  packs (flagged), so no rank waits on a collective that others skip;
+- same inputs give a byte-identical plan; nothing depends on process, thread count or hash seeds.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+
+import numba
+import numpy as np
+
+from packfeed.server.plan.balance import form_steps, lpt_assign, split_for_last_step
+from packfeed.server.plan.caps import default_targets, search_caps
+from packfeed.server.plan.costs import SampleLoads, sample_costs
+from packfeed.server.plan.isf import Caps, IsfPacks, isf
+from packfeed.server.plan.pipeline_order import inter_reorder_many, stage_fractions, stage_times
+from packfeed.server.plan.plan_file import Plan
+from packfeed.v1.options import Oversize, PlanConfig, Strategy
+
+# Independent random streams per purpose, so changing one stage never shifts another's randomness.
+_STREAM_ISF, _STREAM_STEPS, _STREAM_RANKS, _STREAM_BATCHES = 1, 2, 3, 4
+
+
+def make_plan(loads: SampleLoads, config: PlanConfig, seed: int, epoch: int, index_fingerprint: str = "",
+              caps: Caps | None = None) -> Plan:
+    """Plan one epoch. `caps` short-circuits the automatic search (e.g. reuse it across epochs)."""
+    started = time.perf_counter()
+    seeds = np.random.SeedSequence([seed, epoch])
+    streams = {k: np.random.default_rng(s) for k, s in zip(
+        (_STREAM_ISF, _STREAM_STEPS, _STREAM_RANKS, _STREAM_BATCHES), seeds.spawn(4))}
+    oversize = np.empty(0, dtype=np.int64)
+    cut = np.empty(0, dtype=np.int64)
+    pieces = []
+
+    if config.strategy.padded:
+        caps = None
+        sequence, packs_m, packs_o = _padded_batches(loads, np.flatnonzero(loads.valid), config,
+                                                     streams[_STREAM_BATCHES])
+    else:
+        caps = caps or resolve_caps(loads, config)
+        packs, oversize, cut, tokens = _isf_packs(loads, caps, config, streams[_STREAM_ISF])
+        loads = replace(loads, tokens=tokens)  # the planner sees truncated samples at their cut length
+        sequence, packs, pieces = _arrange_packs(loads, packs, config, streams)
+        packs_m, packs_o = packs.members, packs.offsets
+        real = sequence >= 0
+        pack_vision = np.where(real, packs.vision[np.where(real, sequence, 0)], 0)
+        pack_tokens = np.where(real, packs.tokens[np.where(real, sequence, 0)], 0)
+
+    offsets, members = _gather(sequence, packs_m, packs_o, *_csr(pieces, packs_m.dtype))
+    truncate_to = np.zeros(len(members), dtype=np.int32)
+    if len(cut):
+        is_cut = np.zeros(len(loads), dtype=bool)
+        is_cut[cut] = True
+        truncate_to[is_cut[members]] = caps.token_cap
+    plan = Plan(config, seed, epoch, caps, offsets, members, truncate_to, oversize, index_fingerprint)
+    if caps is not None:
+        plan.pack_vision, plan.pack_tokens = pack_vision, pack_tokens
+    plan.seconds = time.perf_counter() - started
+    return plan
+
+
+def resolve_caps(loads: SampleLoads, config: PlanConfig) -> Caps:
+    """Caps from the config, completed with default targets, or searched from the data."""
+    if config.vision_cap is not None:
+        vt, tt = default_targets(config.vision_cap, config.token_cap)
+        return Caps(config.vision_cap, config.token_cap,
+                    config.vision_target if config.vision_target is not None else vt,
+                    config.token_target if config.token_target is not None else tt)
+    valid = loads.valid
+    if not valid.any():
+        return Caps(1, 1, 1, 1)  # nothing to pack: the plan is empty whatever the caps
+    everything = valid.all()
+    caps, _ = search_caps(loads.vision if everything else loads.vision[valid],
+                          loads.tokens if everything else loads.tokens[valid], config.dp, config.samples_per_pack,
+                          config.isf_iterations)
+    if config.vision_target is not None or config.token_target is not None:
+        caps = Caps(caps.vision_cap, caps.token_cap,
+                    config.vision_target if config.vision_target is not None else caps.vision_target,
+                    config.token_target if config.token_target is not None else caps.token_target)
+    return caps
+
+
+def _isf_packs(loads, caps: Caps, config: PlanConfig, rng):
+    """ISF packs of the samples that fit, plus the oversize policy. Returns (packs, oversize, cut, tokens):
+    `cut` are the samples whose tokens the `truncate` policy cuts to the token cap, `tokens` every sample's
+    tokens as planned (cut ones at the cap; the index's own array when nothing is cut)."""
+    vision, tokens = loads.vision, loads.tokens
+    # int32 ids below 2^31 samples halve the largest arrays of planning.
+    valid_ids = _flatnonzero(loads.valid, np.int32 if len(loads) < 2**31 else np.int64)
+    vision_over = vision[valid_ids] > caps.vision_cap
+    token_over = tokens[valid_ids] > caps.token_cap
+    over = vision_over | token_over
+    oversize = valid_ids[over].astype(np.int64)
+    alone = oversize if config.oversize is Oversize.ALONE else np.empty(0, dtype=np.int64)
+    cut = np.empty(0, dtype=np.int64)
+    if config.oversize is Oversize.TRUNCATE:
+        # Text can be cut to the token cap; too many vision units cannot, so those travel alone.
+        cut = valid_ids[token_over & ~vision_over].astype(np.int64)
+        alone = valid_ids[vision_over].astype(np.int64)
+        over = vision_over
+        if len(cut):
+            tokens = tokens.copy()
+            tokens[cut] = caps.token_cap
+    fits = valid_ids[~over]
+    del valid_ids, vision_over, token_over, over
+    packs = isf(fits, vision, tokens, caps, config.isf_iterations, rng)
+    if len(alone):
+        packs = IsfPacks(np.concatenate([packs.members, alone.astype(packs.members.dtype)]),
+                         np.concatenate([packs.offsets, packs.offsets[-1] + np.arange(1, len(alone) + 1)]),
+                         np.concatenate([packs.vision, vision[alone]]), np.concatenate([packs.tokens, tokens[alone]]))
+    return packs, oversize, cut, tokens
+
+
+def _arrange_packs(loads, packs: IsfPacks, config: PlanConfig, streams):
+    """Order packs into steps x ranks x microbatches. Returns the pack sequence (-1 = empty pack), the packs'
+    loads extended by those of the pieces the last step was split into, and the pieces' members (pack
+    `len(packs) + k` is piece k: the members array is not copied for a handful of pieces)."""
+    slots, dp, m = config.slots, config.dp, config.microbatches
+    costs = sample_costs(config.cost_model, loads)
+    pack_cv, pack_cl = _pack_costs(packs.members, packs.offsets, costs)
+    pack_cost = pack_cv + pack_cl
+    members, offsets, pack_v, pack_t = packs.members, packs.offsets, packs.vision, packs.tokens
+
+    if config.strategy is Strategy.ISF:
+        # OmniBal's published behaviour: packs go to steps and ranks in random order.
+        shuffled = streams[_STREAM_STEPS].permutation(len(pack_cost))
+        n_rest = len(shuffled) % slots
+        full, rest = shuffled[:len(shuffled) - n_rest].reshape(-1, slots), shuffled[len(shuffled) - n_rest:]
+    else:
+        full, rest = form_steps(pack_v, pack_t, pack_cost, slots)
+        full = full[streams[_STREAM_STEPS].permutation(len(full))]
+
+    # The last, partial step: split its packs so every rank still gets work where samples allow.
+    pieces = []
+    if len(rest):
+        pieces = split_for_last_step([members[offsets[p]:offsets[p + 1]] for p in rest],
+                                     lambda ids: costs[ids].sum(axis=1, dtype=np.float64), slots)
+        first_new = len(pack_cost)
+        pack_v = np.concatenate([pack_v, [loads.vision[piece].sum() for piece in pieces]])
+        pack_t = np.concatenate([pack_t, [loads.tokens[piece].sum() for piece in pieces]])
+        pack_cv = np.concatenate([pack_cv, [costs[piece, 0].sum(dtype=np.float64) for piece in pieces]])
+        pack_cl = np.concatenate([pack_cl, [costs[piece, 1].sum(dtype=np.float64) for piece in pieces]])
+        pack_cost = pack_cv + pack_cl
+        last = np.full(slots, -1, dtype=np.int64)
+        last[:len(pieces)] = first_new + np.arange(len(pieces))
+        full = np.vstack([full, last[None, :]])
+
+    if config.strategy is Strategy.ISF:
+        grid = full.reshape(-1, dp, m)
+    else:
+        grid = _assign_ranks(full, pack_cost, dp, m)
+        # Which rank gets the heaviest pack is arbitrary; rotate it so no rank is systematically heavier.
+        grid = _permute_ranks(grid, streams[_STREAM_RANKS].random((len(grid), dp)))
+        if config.pipeline_stages > 1 and m > 1:
+            grid = _order_for_pipeline(grid, pack_cv, pack_cl, config.pipeline_stages)
+    return grid.reshape(-1), IsfPacks(members, offsets, pack_v, pack_t), pieces
+
+
+@numba.njit(cache=True, nogil=True, parallel=True)
+def _assign_ranks(steps, cost, dp, m):
+    """LPT per step with M packs per rank; each rank's packs by decreasing cost; -1 (empty) packs last.
+    Steps are independent, so they run in parallel."""
+    n_steps = steps.shape[0]
+    grid = np.full((n_steps, dp, m), -1, dtype=np.int64)
+    for st in numba.prange(n_steps):
+        packs = steps[st][steps[st] >= 0]
+        c = np.empty(len(packs))
+        for k in range(len(packs)):
+            c[k] = cost[packs[k]]
+        bins = lpt_assign(c, dp, m)
+        filled = np.zeros(dp, dtype=np.int64)
+        for k in np.argsort(-c, kind="mergesort"):
+            r = bins[k]
+            grid[st, r, filled[r]] = packs[k]
+            filled[r] += 1
+    return grid
+
+
+@numba.njit(cache=True, nogil=True, parallel=True)
+def _permute_ranks(grid, keys):
+    """Each step's ranks in the order of their random keys (a per-step random permutation)."""
+    out = np.empty_like(grid)
+    for st in numba.prange(grid.shape[0]):
+        order = np.argsort(keys[st])
+        for r in range(grid.shape[1]):
+            out[st, r] = grid[st, order[r]]
+    return out
+
+
+def _order_for_pipeline(grid, pack_cv, pack_cl, stages):
+    """MMScale inter-microbatch reordering of every rank's M packs for 1F1B."""
+    if grid.size == 0:
+        return grid
+    real = grid >= 0
+    safe = np.where(real, grid, 0)
+    cv = np.where(real, pack_cv[safe], 0.0)
+    cl = np.where(real, pack_cl[safe], 0.0)
+    fv, fl = stage_fractions(float(pack_cv.mean()), float(pack_cl.mean()), stages)
+    forward, backward = stage_times(cv.reshape(-1), cl.reshape(-1), fv, fl)
+    shape = (grid.shape[0] * grid.shape[1], grid.shape[2], stages)
+    order = inter_reorder_many(forward.reshape(shape), backward.reshape(shape))
+    flat = grid.reshape(-1, grid.shape[2])
+    return np.take_along_axis(flat, order, axis=1).reshape(grid.shape)
+
+
+def _padded_batches(loads, valid_ids, config: PlanConfig, rng):
+    """Baselines: fixed-size batches padded to their longest sample (random, or LLaVA length-grouped)."""
+    batch = max(1, int(round(config.samples_per_pack)))
+    order = valid_ids[rng.permutation(len(valid_ids))]
+    if config.strategy is Strategy.LENGTH_GROUP:
+        order = _length_grouped(order, loads.tokens, config.slots, batch)
+    n_packs = -(-len(order) // batch)
+    offsets = np.minimum(np.arange(n_packs + 1) * batch, len(order))
+    n_slots = -(-n_packs // config.slots) * config.slots
+    sequence = np.full(n_slots, -1, dtype=np.int64)
+    sequence[:n_packs] = np.arange(n_packs)
+    return sequence, order, offsets
+
+
+def _length_grouped(order, tokens, slots, batch):
+    """LLaVA's length grouping: megabatches of slots x batch, split into even chunks of similar length."""
+    mega = slots * batch
+    out = []
+    for start in range(0, len(order), mega):
+        chunk = order[start:start + mega]
+        per = -(-len(chunk) // slots)
+        bins = lpt_assign(tokens[chunk].astype(np.float64), slots, per)
+        out.extend(chunk[bins == b] for b in range(slots))
+    return np.concatenate(out) if out else order
+
+
+def _flatnonzero(mask: np.ndarray, dtype) -> np.ndarray:
+    """np.flatnonzero straight into `dtype` (no int64 temporary of the whole index)."""
+    out = np.empty(int(np.count_nonzero(mask)), dtype=dtype)
+    _fill_nonzero(mask, out)
+    return out
+
+
+@numba.njit(cache=True, nogil=True)
+def _fill_nonzero(mask, out):
+    k = 0
+    for i in range(len(mask)):
+        if mask[i]:
+            out[k] = i
+            k += 1
+
+
+@numba.njit(cache=True, nogil=True, parallel=True)
+def _pack_costs(members, offsets, costs):
+    """Per pack: (vision cost, LLM cost), summed in float64, packs in parallel (each sums its own members
+    in order, so the sums do not depend on the thread count)."""
+    n = len(offsets) - 1
+    pack_cv = np.zeros(n)
+    pack_cl = np.zeros(n)
+    for p in numba.prange(n):
+        for k in range(offsets[p], offsets[p + 1]):
+            pack_cv[p] += costs[members[k], 0]
+            pack_cl[p] += costs[members[k], 1]
+    return pack_cv, pack_cl
+
+
+def _csr(pieces: list[np.ndarray], dtype) -> tuple[np.ndarray, np.ndarray]:
+    offsets = np.zeros(len(pieces) + 1, dtype=np.int64)
+    np.cumsum([len(piece) for piece in pieces], out=offsets[1:])
+    members = np.concatenate(pieces).astype(dtype) if pieces else np.empty(0, dtype=dtype)
+    return members, offsets
+
+
+@numba.njit(cache=True, nogil=True, parallel=True)
+def _gather(sequence, members, offsets, extra_members, extra_offsets):
+    """Re-lay packs out in `sequence` order (-1 = empty pack; p >= len(offsets) - 1 = extra pack
+    p - (len(offsets) - 1)); returns (offsets, members)."""
+    n_base = len(offsets) - 1
+    new_offsets = np.zeros(len(sequence) + 1, dtype=np.int64)
+    for q in range(len(sequence)):
+        p = sequence[q]
+        size = 0
+        if p >= n_base:
+            size = extra_offsets[p - n_base + 1] - extra_offsets[p - n_base]
+        elif p >= 0:
+            size = offsets[p + 1] - offsets[p]
+        new_offsets[q + 1] = new_offsets[q] + size
+    out = np.empty(new_offsets[-1], dtype=members.dtype)
+    for q in numba.prange(len(sequence)):
+        p = sequence[q]
+        if p >= n_base:
+            out[new_offsets[q]:new_offsets[q + 1]] = extra_members[extra_offsets[p - n_base]:
+                                                                   extra_offsets[p - n_base + 1]]
+        elif p >= 0:
+            out[new_offsets[q]:new_offsets[q + 1]] = members[offsets[p]:offsets[p + 1]]
+    return new_offsets, out
+
+

@@ -1,0 +1,27 @@
+"""A dataset's model conventions as the contract carries them (`JobInfo.conventions`): what a trainer must know
+of the samples, image policy, chat template, vocabulary and image token ids, without reading the index."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from packfeed.server.index.chat import ChatTemplate, load_tokenizer
+from packfeed.server.index.image_policy import policy_from_dict
+from packfeed.server.index.table import IndexInfo
+from packfeed.v1 import packfeed_pb2 as pb
+
+
+def conventions_of(info: IndexInfo, tokenizer_path: str | Path) -> pb.ModelConventions:
+    policy = policy_from_dict(info.image_policy)
+    template = ChatTemplate(**(info.chat_template or {}))
+    tokenizer = load_tokenizer(tokenizer_path, template)
+    image_policy = pb.ImagePolicy(name=policy.name, tile_size=policy.tile_size, tokens_per_tile=policy.tokens_per_tile,
+                                  patch_size=policy.patch_size, patches_per_unit=policy.patches_per_unit,
+                                  parameters_json=json.dumps(policy.to_dict(), sort_keys=True))
+    chat = pb.ChatTemplate(**{name: value or "" for name, value in template.to_dict().items()})
+    return pb.ModelConventions(image_policy=image_policy, chat_template=chat,
+                               vocab_size=tokenizer.get_vocab_size(),
+                               image_start_id=tokenizer.token_to_id(template.image_start),
+                               image_end_id=tokenizer.token_to_id(template.image_end),
+                               image_context_id=tokenizer.token_to_id(template.image_context))

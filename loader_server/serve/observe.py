@@ -1,0 +1,55 @@
+"""What a running server tells its operators: structured JSON logs on stderr and Prometheus metrics."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+log = logging.getLogger("packfeed.server")
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line: time, level, event, and the structured fields passed in `extra`."""
+
+    _PLAIN = set(vars(logging.makeLogRecord({})))
+
+    def format(self, record: logging.LogRecord) -> str:
+        out = {"time": round(record.created, 3), "level": record.levelname.lower(), "event": record.getMessage()}
+        out.update({k: v for k, v in vars(record).items() if k not in self._PLAIN and k != "message"})
+        if record.exc_info:
+            out["error"] = self.formatException(record.exc_info)
+        return json.dumps(out, default=str)
+
+
+def setup_logging(level: str = "INFO") -> None:
+    """Every `packfeed.*` logger writes JSON lines to stderr at `level`."""
+    handler = logging.StreamHandler()
+    handler.setFormatter(JsonFormatter())
+    root = logging.getLogger("packfeed")
+    root.handlers[:] = [handler]
+    root.setLevel(level)
+    root.propagate = False
+
+
+class Metrics:
+    """The server's Prometheus metrics, in a registry of its own (several servers may share one process)."""
+
+    def __init__(self):
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.packs = Counter("packfeed_packs", "Packs sent", ["job"], registry=r)
+        self.bytes = Counter("packfeed_bytes", "Pack payload bytes sent", ["job"], registry=r)
+        self.samples = Counter("packfeed_samples", "Samples pre-processed", ["job"], registry=r)
+        self.skipped = Counter("packfeed_skipped_samples", "Samples skipped at serve time", ["job", "reason"],
+                               registry=r)
+        self.queue_depth = Gauge("packfeed_queue_depth_steps", "Steps prepared and waiting, per rank stream",
+                                 ["job", "rank"], registry=r)
+        self.lag = Gauge("packfeed_rank_lag_steps", "Steps sent but not yet acknowledged, per rank",
+                         ["job", "rank"], registry=r)
+        self.held = Gauge("packfeed_memory_held_bytes", "Prepared pack bytes held in memory", registry=r)
+        self.preprocess = Histogram("packfeed_preprocess_seconds_per_sample",
+                                    "Worker time per sample (read, decode, tile, tokenize, assemble)",
+                                    registry=r, buckets=(.001, .003, .01, .03, .1, .3, 1, 3))
+

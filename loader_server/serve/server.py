@@ -1,0 +1,76 @@
+"""`packfeed serve`: open the datasets, start the worker pool, the gRPC server (Packfeed service, health,
+reflection), the metrics endpoint and the coordinator, and run until SIGTERM/SIGINT."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from packfeed.server.cluster.coordinator import CoordinationUnavailable, Coordinator, coordinator_from_url
+from packfeed.server.serve.config import ServerConfig, describe
+from packfeed.server.serve.jobs import Dataset, JobRegistry
+from packfeed.server.serve.network import TokenAuth, advertised_address, bind, grpc_options, start_metrics
+from packfeed.server.serve.observe import Metrics, log
+from packfeed.server.serve.service import SERVICE, PackfeedService
+from packfeed.server.serve.workers import start_pool
+
+
+async def announce(coordinator: Coordinator, address: str, ttl_s: float) -> None:
+    """Keep this server in the coordinator's list of live servers (clients discover servers there)."""
+    while True:
+        try:
+            await asyncio.to_thread(coordinator.heartbeat_server, address, ttl_s)
+        except CoordinationUnavailable:
+            pass
+        await asyncio.sleep(ttl_s / 3)
+
+
+async def serve(config: ServerConfig, ready: asyncio.Event | None = None, stop: asyncio.Event | None = None) -> None:
+    """Run the server until SIGTERM/SIGINT (or `stop` is set)."""
+    started = time.perf_counter()
+    datasets = {name: await asyncio.to_thread(Dataset.open, name, source) for name, source in config.datasets.items()}
+    pool = start_pool(config.datasets, config.workers)
+    metrics = Metrics()
+    coordinator = coordinator_from_url(config.redis_url, config.redis_password)
+    service = PackfeedService(config, JobRegistry(datasets), pool, metrics, coordinator)
+    interceptors = [TokenAuth(config.auth_token)] if config.auth_token else []
+    server = grpc.aio.server(interceptors=interceptors, options=grpc_options(config))
+    server.add_generic_rpc_handlers((service.handler(),))
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection([SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
+    port = bind(server, config)
+    await server.start()
+    service.server_id = advertised_address(config, port)
+    announcer = asyncio.create_task(announce(coordinator, service.server_id, config.lease_ttl_s))
+    metrics_port = start_metrics(config, metrics.registry)
+    for name in ("", SERVICE):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    if config.address_file:
+        Path(config.address_file).write_text(f"127.0.0.1:{port}\n")  # for a health probe on this machine
+    log.info("serving", extra={"listen": config.listen, "port": port, "metrics_port": metrics_port,
+                               "datasets": sorted(datasets), "startup_seconds": round(time.perf_counter() - started, 2),
+                               "server_id": service.server_id,
+                               "config": describe(config)})
+    stop = stop or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        try:
+            loop.add_signal_handler(sig, stop.set)
+        except (ValueError, RuntimeError):  # not the main thread (in-process use)
+            pass
+    if ready is not None:
+        ready.set()
+    await stop.wait()
+    log.info("stopping")
+    announcer.cancel()
+    for name in ("", SERVICE):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+    await server.stop(grace=2)
+    pool.shutdown(cancel_futures=True)

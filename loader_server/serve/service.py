@@ -1,0 +1,264 @@
+"""The gRPC servicer of `packfeed.v1.Packfeed`: open, describe and list jobs, stream each rank its packs,
+take acknowledgements.
+
+Each pack stream runs a producer (`packfeed.server.serve.producer`) that prepares the rank's next steps in
+the worker pool within the shared memory budget; the stream sends finished bytes, so the event loop never
+touches pixels. A rank is streamed by one server at a time: the stream holds the rank's lease in the
+coordinator and renews it; acknowledgements go to the job's `RankState` and on to the coordinator.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+from concurrent.futures import Executor
+
+import grpc
+
+from packfeed.server.cluster.coordinator import (
+    CoordinationError,
+    CoordinationUnavailable,
+    Coordinator,
+    EmbeddedCoordinator,
+    JobRecord,
+)
+from packfeed.server.index.table import reason_category
+from packfeed.server.serve.budget import MemoryBudget
+from packfeed.server.serve.config import ServerConfig
+from packfeed.server.serve.jobs import Job, JobError, JobRegistry, JobSpec
+from packfeed.server.serve.network import client_host
+from packfeed.server.serve.observe import Metrics, log
+from packfeed.server.serve.producer import END, produce
+from packfeed.server.serve.wire import pack_parts
+from packfeed.server.serve.workers import RankStepResult
+from packfeed.v1 import packfeed_pb2 as pb
+from packfeed.v1.options import PlanConfig
+
+SERVICE = pb.DESCRIPTOR.services_by_name["Packfeed"].full_name
+
+
+class PackfeedService:
+    def __init__(self, config: ServerConfig, registry: JobRegistry, pool: Executor, metrics: Metrics,
+                 coordinator: Coordinator | None = None, server_id: str = "local"):
+        self.config, self.registry, self.pool, self.metrics = config, registry, pool, metrics
+        self.coordinator = coordinator or EmbeddedCoordinator()
+        self.server_id = server_id
+        self.budget = MemoryBudget(config.memory_budget_mb << 20, metrics.held.set)
+        self.streams_per_client: collections.Counter = collections.Counter()
+
+    # -- coordination -----------------------------------------------------------------------------------
+
+    def _register(self, job: Job) -> None:
+        """Every server serving a job must compute the same plan over the same index."""
+        record = JobRecord(job.spec.describe(), job.plan(0).fingerprint(), job.dataset.info.fingerprint)
+        try:
+            self.coordinator.register_job(job.spec.job, record)
+        except CoordinationError as error:
+            self.registry.jobs.pop(job.spec.job, None)
+            raise JobError(error.code, str(error)) from None
+        except CoordinationUnavailable as error:
+            self.registry.jobs.pop(job.spec.job, None)
+            raise JobError("UNAVAILABLE", f"cannot register job {job.spec.job!r}: {error}; retry") from None
+
+    def _hold_lease(self, job: str, rank: int) -> bool | None:
+        """Take or keep this rank's lease: True held, False another server holds it, None Redis unreachable."""
+        try:
+            return self.coordinator.acquire_lease(job, rank, self.server_id, self.config.lease_ttl_s)
+        except CoordinationUnavailable:
+            return None
+
+    def _share_acks(self) -> None:
+        """Hand the coordinator every acknowledged position it has not taken yet (it missed them while away)."""
+        for job in list(self.registry.jobs.values()):
+            for rank, state in enumerate(job.ranks):
+                position = state.unshared
+                if position is None:
+                    continue
+                try:
+                    self.coordinator.ack(job.spec.job, rank, *position)
+                except CoordinationUnavailable:
+                    return
+                state.shared = max(state.shared, position)
+
+    async def _keep_lease(self, job: str, rank: int, lost: asyncio.Event) -> None:
+        """Renew the lease at a third of its TTL; while Redis is unreachable, keep streaming and retry. If
+        another server took the rank meanwhile (Redis thought this one dead), stop the stream."""
+        warned = False
+        while True:
+            await asyncio.sleep(self.config.lease_ttl_s / 3)
+            held = await asyncio.to_thread(self._hold_lease, job, rank)
+            if held is False:
+                lost.set()
+                return
+            if held is None and not warned:
+                log.warning("coordinator unreachable: streaming on, retrying", extra={"job": job, "rank": rank})
+            warned = held is None
+            await asyncio.to_thread(self._share_acks)
+
+    def _let_go(self, job: str, rank: int) -> None:
+        try:
+            self.coordinator.release_lease(job, rank, self.server_id)
+        except CoordinationUnavailable:
+            pass  # it lapses by itself
+
+    def _share_skipped(self, job: str, skipped: list[tuple[str, str]]) -> None:
+        try:
+            for key, reason in skipped:
+                self.coordinator.add_skipped(job, key, reason)
+        except CoordinationUnavailable:
+            log.warning("coordinator unreachable: skipped samples kept in this server's job status only",
+                        extra={"job": job})
+
+    # -- unary calls ------------------------------------------------------------------------------------
+
+    async def open_job(self, request: pb.OpenJobRequest, context) -> pb.JobInfo:
+        try:
+            plan = PlanConfig.from_proto(request.plan)
+        except ValueError as error:
+            raise JobError("INVALID_ARGUMENT", str(error)) from None
+        spec = JobSpec(request.job, request.dataset, plan, request.seed, request.epochs or 1)
+        job = await asyncio.to_thread(self.registry.open_job, spec)
+        await asyncio.to_thread(self._register, job)
+        log.info("job opened", extra={"job": spec.job, "spec": job.spec.describe()})
+        return self.job_info(job)
+
+    async def get_job(self, request: pb.GetJobRequest, context) -> pb.JobInfo:
+        return self.job_info(self.registry.get(request.job))
+
+    async def list_jobs(self, request: pb.ListJobsRequest, context) -> pb.ListJobsResponse:
+        return pb.ListJobsResponse(jobs=[self.job_info(job) for job in list(self.registry.jobs.values())])
+
+    async def ack_step(self, request: pb.AckStepRequest, context) -> pb.AckStepResponse:
+        job = self.registry.get(request.job)
+        await asyncio.to_thread(job.ack, request.rank, request.epoch, request.step)
+        await asyncio.to_thread(self._share_acks)
+        self.metrics.lag.labels(request.job, str(request.rank)).set(job.ranks[request.rank].lag)
+        return pb.AckStepResponse()
+
+    def job_info(self, job: Job) -> pb.JobInfo:
+        plan = job.plan(0)
+        info = pb.JobInfo(job=job.spec.job, dataset=job.spec.dataset, plan=job.spec.plan.to_proto(),
+                          seed=job.spec.seed, epochs=job.spec.epochs, steps_per_epoch=plan.n_steps,
+                          plan_fingerprint=plan.fingerprint(), index_fingerprint=job.dataset.info.fingerprint,
+                          skipped_count=job.skipped_count, vision_cap=job.caps.vision_cap if job.caps else 0,
+                          token_cap=job.caps.token_cap if job.caps else 0, conventions=job.dataset.conventions)
+        for rank, state in enumerate(job.ranks):
+            info.ranks.add(rank=rank, acked_epoch=state.acked[0], acked_step=state.acked[1], queued_steps=state.queued,
+                           streamed_epoch=state.streamed[0], streamed_step=state.streamed[1])
+        for key, reason, epoch, step in list(job.skipped):
+            info.skipped.add(key=key, reason=reason, epoch=epoch, step=step)
+        return info
+
+    # -- the stream -------------------------------------------------------------------------------------
+
+    async def stream_packs(self, request: pb.StreamPacksRequest, context, part_bytes: int = 0):
+        """StreamPacks (whole packs, part_bytes 0) and StreamPackParts (packs cut into PackPart pieces)."""
+        client = client_host(context.peer())
+        limit = self.config.max_streams_per_client
+        if limit and self.streams_per_client[client] >= limit:
+            raise JobError("RESOURCE_EXHAUSTED", f"{client} already has {limit} open pack streams "
+                                                 f"(max_streams_per_client); close some or raise the limit")
+        self.streams_per_client[client] += 1
+        try:
+            async for message in self._stream_packs(request, context, part_bytes):
+                yield message
+        finally:
+            self.streams_per_client[client] -= 1
+
+    async def _stream_packs(self, request: pb.StreamPacksRequest, context, part_bytes: int):
+        job, rank = self.registry.get(request.job), request.rank
+        job.check_rank(rank)
+        start = (request.first_epoch, request.first_step)
+        await asyncio.to_thread(job.check_step, *start)
+        if await asyncio.to_thread(self._hold_lease, job.spec.job, rank) is False:
+            owner = await asyncio.to_thread(self.coordinator.lease_owner, job.spec.job, rank)
+            raise JobError("UNAVAILABLE", f"rank {rank} of job {job.spec.job!r} is being served by {owner}; "
+                                          f"if that server is gone, its lease lapses within "
+                                          f"{self.config.lease_ttl_s:g} s: retry")
+        lost = asyncio.Event()
+        keeper = asyncio.create_task(self._keep_lease(job.spec.job, rank, lost))
+        queue: asyncio.Queue = asyncio.Queue(maxsize=self.config.prefetch_steps)
+        producer = asyncio.create_task(produce(job, rank, start, queue, self.pool, self.budget,
+                                               self.config.prefetch_steps))
+        log.info("stream started", extra={"job": job.spec.job, "rank": rank, "epoch": start[0], "step": start[1],
+                                          "peer": context.peer()})
+        sent_steps = 0
+        try:
+            while (item := await queue.get()) is not END:
+                self.metrics.queue_depth.labels(job.spec.job, str(rank)).set(queue.qsize())
+                job.ranks[rank].queued = queue.qsize()
+                if lost.is_set():
+                    raise JobError("ABORTED", f"another server took rank {rank} of job {job.spec.job!r}: "
+                                              "reconnect to continue")
+                (epoch, step), result = item
+                for message in result.messages:
+                    for piece in (pack_parts(message, part_bytes) if part_bytes else (message,)):
+                        yield piece
+                # Only now: a yield returns once gRPC has taken the message, and a message it holds for a
+                # slow client is memory like any other (parts keep that to one part per stream)
+                self.budget.release(result.nbytes)
+                self._account(job, rank, epoch, step, result)
+                item = result = message = piece = None  # no step outlives its release while we wait for the next
+                sent_steps += 1
+        finally:
+            keeper.cancel()
+            producer.cancel()
+            if not lost.is_set():
+                await asyncio.to_thread(self._let_go, job.spec.job, rank)
+            while not queue.empty():  # give back what the cancelled stream still held
+                item = queue.get_nowait()
+                if item is not END:
+                    self.budget.release(item[1].nbytes)
+            log.info("stream ended", extra={"job": job.spec.job, "rank": rank, "steps_sent": sent_steps})
+        if producer.done() and not producer.cancelled() and producer.exception():
+            await context.abort(grpc.StatusCode.INTERNAL, f"pack preparation failed: {producer.exception()!r}")
+
+    def _account(self, job: Job, rank: int, epoch: int, step: int, result: RankStepResult) -> None:
+        name = job.spec.job
+        self.metrics.packs.labels(name).inc(len(result.messages))
+        self.metrics.bytes.labels(name).inc(result.nbytes)
+        self.metrics.samples.labels(name).inc(result.samples)
+        if result.samples:
+            self.metrics.preprocess.observe(result.seconds / result.samples)
+        for key, reason in result.skipped:
+            self.metrics.skipped.labels(name, reason_category(reason)).inc()
+            log.warning("sample skipped", extra={"job": name, "rank": rank, "epoch": epoch, "step": step,
+                                                 "key": key, "reason": reason})
+        if result.skipped:
+            job.record_skipped(epoch, step, result.skipped)
+            asyncio.get_running_loop().run_in_executor(None, self._share_skipped, name, result.skipped)
+        job.ranks[rank].sent(epoch, step)
+        self.metrics.lag.labels(name, str(rank)).set(job.ranks[rank].lag)
+
+    # -- wiring -----------------------------------------------------------------------------------------
+
+    def handler(self) -> grpc.GenericRpcHandler:
+        def unary(method, request_type, response_type):
+            async def call(request, context):
+                try:
+                    return await method(request, context)
+                except JobError as error:
+                    await context.abort(grpc.StatusCode[error.code], str(error))
+
+            return grpc.unary_unary_rpc_method_handler(call, request_deserializer=request_type.FromString,
+                                                       response_serializer=response_type.SerializeToString)
+
+        def streaming(part_bytes: int):
+            async def stream(request, context):
+                try:
+                    async for message in self.stream_packs(request, context, part_bytes):
+                        yield message
+                except JobError as error:
+                    await context.abort(grpc.StatusCode[error.code], str(error))
+            # Packs arrive serialized from the workers: no response serializer.
+            return grpc.unary_stream_rpc_method_handler(
+                stream, request_deserializer=pb.StreamPacksRequest.FromString, response_serializer=None)
+
+        return grpc.method_handlers_generic_handler(SERVICE, {
+            "OpenJob": unary(self.open_job, pb.OpenJobRequest, pb.JobInfo),
+            "GetJob": unary(self.get_job, pb.GetJobRequest, pb.JobInfo),
+            "ListJobs": unary(self.list_jobs, pb.ListJobsRequest, pb.ListJobsResponse),
+            "AckStep": unary(self.ack_step, pb.AckStepRequest, pb.AckStepResponse),
+            "StreamPacks": streaming(0),
+            "StreamPackParts": streaming(self.config.pack_part_kb << 10),
+        })

@@ -1,0 +1,185 @@
+"""The plan specification: the one definition of how a job's epochs are planned.
+
+`PlanConfig` is what `packfeed plan/stats` build from their flags, what the trainer builds from its `data`
+section, what `PackStream` sends, and what the server plans with; `to_proto` / `from_proto` convert it to and
+from the wire's `PlanSpec` (unset fields there mean the defaults here). Strategy and oversize policy are
+enums, checked when a config is made, so a bad name fails where it enters.
+
+This module is part of the contract (`packfeed.v1`): pure Python, no numpy, importable by servers and clients.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+from packfeed.v1 import packfeed_pb2 as pb
+
+
+class _Named(str, enum.Enum):
+    """An enum whose members are their names on the wire, in files and on the command line."""
+
+    def __str__(self) -> str:
+        return self.value
+
+    @classmethod
+    def parse(cls, value: str | _Named, what: str) -> _Named:
+        try:
+            return cls(value)
+        except ValueError:
+            raise ValueError(f"{what} must be one of {', '.join(m.value for m in cls)}, not {value!r}") from None
+
+
+class Strategy(_Named):
+    """How samples become packs and packs become steps."""
+
+    RANDOM = "random"  # baseline: random fixed-size batches, padded to their longest sample
+    LENGTH_GROUP = "length-group"  # baseline: LLaVA's length-grouped batches, padded
+    ISF = "isf"  # OmniBal's ISF packs, placed in random order (its published step formation)
+    ISF_BALANCE = "isf+balance"  # ISF packs, balanced steps, LPT over ranks, 1F1B microbatch order
+
+    @property
+    def padded(self) -> bool:
+        """Fixed-size batches padded to their longest sample (no caps, no packing)."""
+        return self in (Strategy.RANDOM, Strategy.LENGTH_GROUP)
+
+
+class Oversize(_Named):
+    """What happens to a sample that alone exceeds a pack cap (always reported)."""
+
+    ALONE = "alone"  # it travels as a pack of its own
+    SKIP = "skip"  # it is dropped
+    TRUNCATE = "truncate"  # its tokens are cut to the token cap (too many vision units still travel alone)
+
+
+@dataclass(frozen=True)
+class ModuleShape:
+    """Enough of a transformer's shape to estimate training FLOPs."""
+
+    params: float
+    layers: int
+    hidden: int
+    causal: bool
+
+    def coefficients(self) -> tuple[float, float]:
+        # fwd+bwd linear FLOPs ~ 6 * params per token; attention QK^T and AV cost 4*h*s^2 per layer forward,
+        # x3 with backward; causal masking halves it.
+        linear = 6.0 * self.params
+        quadratic = 12.0 * self.layers * self.hidden * (0.5 if self.causal else 1.0)
+        return linear, quadratic
+
+
+# Defaults: InternVL-Chat-1.5 (InternViT-6B + InternLM2-20B), the model OmniBal trains.
+INTERNVIT_6B = ModuleShape(params=5.9e9, layers=45, hidden=3200, causal=False)
+INTERNLM2_20B = ModuleShape(params=19.9e9, layers=48, hidden=6144, causal=True)
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Per-sample cost = linear * units + quadratic * units^2 on the vision side (ViT patches, squared per ViT
+    sequence) and the LLM side (tokens, squared per sample), in any shared unit: FLOPs by default, measured
+    seconds when a trainer exports them (`packfeed train` writes OUT/cost_model.json)."""
+
+    vision_linear: float
+    vision_quadratic: float
+    llm_linear: float
+    llm_quadratic: float
+
+    def __post_init__(self):
+        values = asdict(self)
+        if any(v < 0 for v in values.values()) or not any(values.values()):
+            raise ValueError(f"cost_model {values}: coefficients must be >= 0 and not all zero")
+
+    @classmethod
+    def from_shapes(cls, vision: ModuleShape = INTERNVIT_6B, llm: ModuleShape = INTERNLM2_20B) -> CostModel:
+        vl, vq = vision.coefficients()
+        ll, lq = llm.coefficients()
+        return cls(vl, vq, ll, lq)
+
+    def to_proto(self) -> pb.CostCoefficients:
+        return pb.CostCoefficients(**asdict(self))
+
+    @classmethod
+    def from_proto(cls, message: pb.CostCoefficients) -> CostModel:
+        return cls(**{f.name: getattr(message, f.name) for f in fields(cls)})
+
+
+def _help(text: str) -> dict[str, str]:
+    return {"help": text}
+
+
+@dataclass(frozen=True)
+class PlanConfig:
+    """How a job's epochs are planned (the `help` of each field is the CLI's). Frozen: validated once, when made."""
+
+    dp: int = field(default=8, metadata=_help("data-parallel ranks"))
+    microbatches: int = field(default=1, metadata=_help("packs per rank per step, M"))
+    pipeline_stages: int = field(default=1, metadata=_help("pipeline stages P, for the 1F1B microbatch order"))
+    strategy: Strategy = field(default=Strategy.ISF_BALANCE, metadata=_help("how samples become packs and steps"))
+    vision_cap: int | None = field(default=None, metadata=_help("max vision units per pack (automatic when omitted)"))
+    token_cap: int | None = field(default=None, metadata=_help("max LLM tokens per pack (automatic when omitted)"))
+    vision_target: int | None = field(default=None,
+                                      metadata=_help("ISF keeps packs with at least this many vision units"))
+    token_target: int | None = field(default=None,
+                                     metadata=_help("... or at least this many tokens (default: token cap - 128)"))
+    isf_iterations: int = field(default=10, metadata=_help("ISF sampling/filtering rounds"))
+    samples_per_pack: float = field(default=4.0, metadata=_help(
+        "average pack size the automatic caps aim for; batch size of the padded baselines"))
+    oversize: Oversize = field(default=Oversize.ALONE, metadata=_help(
+        "a sample larger than a cap: its own pack (alone), dropped (skip), or its tokens cut to the cap "
+        "(truncate); always reported"))
+    cost_model: CostModel = field(default_factory=CostModel.from_shapes, metadata=_help(
+        "per-sample cost coefficients to balance on (e.g. `packfeed train`'s OUT/cost_model.json)"))
+
+    def __post_init__(self):
+        problems = []
+        for name, kind in (("strategy", Strategy), ("oversize", Oversize)):
+            try:
+                object.__setattr__(self, name, kind.parse(getattr(self, name), name))
+            except ValueError as error:
+                problems.append(str(error))
+        if isinstance(self.cost_model, dict):
+            object.__setattr__(self, "cost_model", CostModel(**self.cost_model))
+        if self.dp < 1 or self.microbatches < 1 or self.pipeline_stages < 1:
+            problems.append("dp, microbatches and pipeline_stages must be >= 1")
+        if self.isf_iterations < 1:
+            problems.append("isf_iterations must be >= 1")
+        if self.samples_per_pack < 1:
+            problems.append("samples_per_pack must be >= 1")
+        if (self.vision_cap is None) != (self.token_cap is None):
+            problems.append("give both vision_cap and token_cap, or neither (automatic)")
+        if any(v is not None and v < 1 for v in (self.vision_cap, self.token_cap)):
+            problems.append("vision_cap and token_cap must be >= 1")
+        if problems:
+            raise ValueError("invalid plan config: " + "; ".join(problems))
+
+    @property
+    def slots(self) -> int:
+        """Packs per global step: dp x microbatches."""
+        return self.dp * self.microbatches
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain values (enums as their names): what plan files, fingerprints and job descriptions record."""
+        out = asdict(self)
+        out["strategy"], out["oversize"] = self.strategy.value, self.oversize.value
+        return out
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> PlanConfig:
+        return cls(**raw)
+
+    def to_proto(self) -> pb.PlanSpec:
+        spec = pb.PlanSpec(**{name: value or 0 for name, value in self.to_dict().items() if name != "cost_model"})
+        if self.cost_model != CostModel.from_shapes():
+            spec.cost_model.CopyFrom(self.cost_model.to_proto())
+        return spec
+
+    @classmethod
+    def from_proto(cls, spec: pb.PlanSpec) -> PlanConfig:
+        """Unset (zero or empty) fields keep the defaults. Raises ValueError on a bad config."""
+        chosen: dict[str, Any] = {f.name: getattr(spec, f.name) for f in fields(cls) if f.name != "cost_model"}
+        chosen = {name: value for name, value in chosen.items() if value}
+        if spec.HasField("cost_model"):
+            chosen["cost_model"] = CostModel.from_proto(spec.cost_model)
+        return cls(**chosen)

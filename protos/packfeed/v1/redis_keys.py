@@ -1,0 +1,59 @@
+"""The Redis key layout Packfeed servers share (the one place it is written down).
+
+Servers coordinated through one Redis (`redis_url`) keep there, under a prefix (`packfeed:` by default):
+
+| key | type | holds |
+|---|---|---|
+| `job:{job}` | hash, field `record` | JSON of what every server must agree on: `spec` (dataset, plan config, seed, epochs), `plan_fingerprint`, `index_fingerprint`; set once |
+| `lease:{job}:{rank}` | string with a TTL (ms) | the `advertise` address of the server streaming that rank |
+| `acked:{job}` | hash rank -> integer | the rank's acknowledged position `epoch << 32 | step`; it only grows |
+| `skipped:{job}` | hash sample key -> reason | samples skipped at serve time |
+| `servers` | sorted set address -> score | live servers; the score is when the entry expires, in ms on Redis's own clock (`TIME`) |
+
+Servers write these (`packfeed.server.cluster`); clients only read `servers` to discover servers
+(`packfeed.client.servers_from_redis`).
+"""
+
+from __future__ import annotations
+
+DEFAULT_PREFIX = "packfeed:"
+
+
+def key(prefix: str, *parts: object) -> str:
+    """`prefix` + the parts joined by ':' (e.g. key('packfeed:', 'lease', 'run-7', 3) -> 'packfeed:lease:run-7:3')."""
+    return prefix + ":".join(str(part) for part in parts)
+
+
+def job_key(job: str, prefix: str = DEFAULT_PREFIX) -> str:
+    return key(prefix, "job", job)
+
+
+def lease_key(job: str, rank: int, prefix: str = DEFAULT_PREFIX) -> str:
+    return key(prefix, "lease", job, rank)
+
+
+def acked_key(job: str, prefix: str = DEFAULT_PREFIX) -> str:
+    return key(prefix, "acked", job)
+
+
+def skipped_key(job: str, prefix: str = DEFAULT_PREFIX) -> str:
+    return key(prefix, "skipped", job)
+
+
+def servers_key(prefix: str = DEFAULT_PREFIX) -> str:
+    return key(prefix, "servers")
+
+
+def position(epoch: int, step: int) -> int:
+    """(epoch, step) as one integer that orders like the pair (steps fit in 32 bits)."""
+    return (epoch << 32) | step
+
+
+def unposition(value: int) -> tuple[int, int]:
+    return value >> 32, value & 0xFFFFFFFF
+
+
+def redis_time_ms(client) -> int:
+    """Redis's clock in ms, so that machines with skewed clocks agree on what has expired."""
+    seconds, micros = client.time()
+    return int(seconds) * 1000 + int(micros) // 1000

@@ -1,0 +1,107 @@
+"""The contract between loader and trainer: one plan specification (dataclass <-> proto <-> CLI <-> trainer
+config), model conventions over gRPC, Redis discovery without server code, and the import boundaries."""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from packfeed.v1 import packfeed_pb2 as pb
+from packfeed.v1.options import CostModel, Oversize, PlanConfig, Strategy
+
+plan_configs = st.builds(
+    lambda dp, m, p, strategy, caps, targets, iterations, per_pack, oversize, cost: PlanConfig(
+        dp=dp, microbatches=m, pipeline_stages=p, strategy=strategy, vision_cap=caps and caps[0],
+        token_cap=caps and caps[1], vision_target=targets[0], token_target=targets[1], isf_iterations=iterations,
+        samples_per_pack=per_pack, oversize=oversize, cost_model=cost),
+    st.integers(1, 4096), st.integers(1, 64), st.integers(1, 64), st.sampled_from(list(Strategy)),
+    st.none() | st.tuples(st.integers(1, 10**6), st.integers(1, 10**7)),
+    st.tuples(st.none() | st.integers(1, 10**6), st.none() | st.integers(1, 10**7)), st.integers(1, 100),
+    st.floats(1, 64, allow_nan=False), st.sampled_from(list(Oversize)),
+    st.just(CostModel.from_shapes()) | st.builds(CostModel, *[st.floats(0.001, 1e12)] * 4))
+
+
+@settings(max_examples=200, deadline=None)
+@given(plan_configs)
+def test_plan_config_survives_the_wire(config):
+    wire = pb.PlanSpec.FromString(config.to_proto().SerializeToString())
+    assert PlanConfig.from_proto(wire) == config
+    assert PlanConfig.from_dict(config.to_dict()) == config
+
+
+def test_an_empty_plan_spec_means_the_defaults_and_defaults_are_not_sent():
+    assert PlanConfig.from_proto(pb.PlanSpec()) == PlanConfig()
+    assert not PlanConfig().to_proto().HasField("cost_model")
+    assert PlanConfig.from_proto(pb.PlanSpec(strategy="isf")).strategy is Strategy.ISF
+
+
+@pytest.mark.parametrize("spec, message", [
+    (pb.PlanSpec(strategy="magic"), "strategy must be one of"),
+    (pb.PlanSpec(oversize="squash"), "oversize must be one of"),
+    (pb.PlanSpec(vision_cap=8), "give both vision_cap and token_cap"),
+    (pb.PlanSpec(cost_model=pb.CostCoefficients(llm_linear=-1)), "coefficients must be >= 0"),
+])
+def test_bad_plan_specs_fail_where_they_enter(spec, message):
+    with pytest.raises(ValueError, match=message):
+        PlanConfig.from_proto(spec)
+
+
+def test_cli_flags_are_the_plan_config_fields():
+    from packfeed.server.cli import build_parser, plan_config_of
+
+    parser = build_parser()
+    for command in ("plan", "stats"):
+        sub = parser._subparsers._group_actions[0].choices[command]
+        flags = {action.dest for action in sub._actions}
+        assert {f.name for f in dataclasses.fields(PlanConfig)} <= flags, command
+    args = parser.parse_args(["plan", "--index", "i.parquet", "--dp", "2", "--strategy", "isf", "--vision-cap", "8",
+                              "--token-cap", "4096", "--samples-per-pack", "3.5"])
+    assert plan_config_of(args) == PlanConfig(dp=2, strategy="isf", vision_cap=8, token_cap=4096, samples_per_pack=3.5)
+    assert plan_config_of(parser.parse_args(["plan", "--index", "i.parquet"])) == PlanConfig()
+
+
+def test_trainer_plan_fields_match_the_plan_config():
+    from packfeed.trainer.config import PLAN_FIELDS, DataConfig
+
+    data = DataConfig(target="localhost:1")
+    defaults = PlanConfig()
+    assert set(PLAN_FIELDS) <= {f.name for f in dataclasses.fields(PlanConfig)}
+    for name in set(PLAN_FIELDS) - {"microbatches"}:  # a pipeline wants M > 1: the trainer's default is 4
+        assert getattr(data, name) == getattr(defaults, name), name
+    assert data.plan(dp=4, pipeline_stages=2) == PlanConfig(dp=4, pipeline_stages=2, microbatches=data.microbatches)
+    with pytest.raises(ValueError, match="strategy must be one of"):
+        DataConfig(target="localhost:1", strategy="greedy")
+
+
+def test_client_and_trainer_import_no_server_code():
+    """The trainer side runs where no loader code is installed: importing it must not pull packfeed.server."""
+    code = ("import sys, packfeed.client, packfeed.trainer.train, packfeed.trainer.simulate; "
+            "print(sorted(m for m in sys.modules if m.startswith('packfeed.server')))")
+    loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert loaded.strip() == "[]"
+
+
+def test_redis_key_layout_is_what_servers_write_and_clients_read(tmp_path):
+    """Discovery reads the `servers` key of packfeed.v1.redis_keys directly, from a real redis-server that a
+    real RedisCoordinator wrote to."""
+    from redis_server import RedisProcess
+
+    from packfeed.client import servers_from_redis
+    from packfeed.server.cluster.redis_coordinator import RedisCoordinator
+
+    redis = RedisProcess(tmp_path).start()
+    try:
+        coordinator = RedisCoordinator(redis.url, prefix="custom:")
+        coordinator.heartbeat_server("10.0.0.2:50051", 30)
+        coordinator.heartbeat_server("10.0.0.1:50051", 30)
+        coordinator.acquire_lease("job", 3, "10.0.0.1:50051", 30)
+        assert servers_from_redis(redis.url, prefix="custom:") == ["10.0.0.1:50051", "10.0.0.2:50051"]
+        assert servers_from_redis(redis.url) == []  # another prefix, another deployment
+        assert coordinator.client.get("custom:lease:job:3") == "10.0.0.1:50051"
+    finally:
+        redis.stop()
