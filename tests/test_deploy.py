@@ -11,7 +11,7 @@ import sys
 import pytest
 from packfeed.client import LocalServer
 from packfeed.server.serve.config import port_candidates
-from packfeed.trainer.train import stream_targets
+from packfeed.trainer.data import stream_targets
 from redis_server import RedisProcess
 from test_docker import free_port_range
 from test_service import dataset  # noqa: F401  (the module's dataset fixture)

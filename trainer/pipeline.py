@@ -14,6 +14,7 @@ loss, whatever the packing, balancing or ordering.
 
 from __future__ import annotations
 
+import sys
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -213,3 +214,20 @@ def wrap_data_parallel(module: nn.Module, mesh: Mesh) -> nn.Module:
         return module
     device_ids = [mesh.device.index] if mesh.device.type == "cuda" else None
     return DistributedDataParallel(module, device_ids=device_ids, process_group=mesh.dp_group)
+
+
+def log(mesh: Mesh | None, message: str, everyone: bool = False) -> None:
+    if mesh is None or everyone or mesh.rank == 0:
+        print(f"[packfeed train{'' if mesh is None else f' r{mesh.rank}'}] {message}", file=sys.stderr, flush=True)
+
+
+def broadcast_object(value, mesh: Mesh, src: int = 0):
+    box = [value]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
+def max_over_world(value: float, mesh: Mesh) -> float:
+    tensor = torch.tensor([value], dtype=torch.float64, device=mesh.device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return float(tensor.item())

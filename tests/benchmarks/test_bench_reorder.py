@@ -17,7 +17,8 @@ import pytest
 
 from internvl_mix import internvl_like_mix
 from packfeed.server.plan.balance import lpt_assign
-from packfeed.server.plan.costs import CostModel, SampleLoads
+from packfeed.server.plan.costs import SampleLoads, sample_costs
+from packfeed.v1.options import CostModel
 from packfeed.server.plan.pipeline_order import inter_reorder_many, simulate_1f1b, stage_fractions, stage_times
 
 pytestmark = pytest.mark.benchmark
@@ -37,7 +38,7 @@ def python_lpt(cost, bins):
 def _costs():
     vision, tokens = internvl_like_mix(GLOBAL_BATCH * STEPS, seed=1)
     loads = SampleLoads.from_arrays(vision, tokens)
-    costs = CostModel.from_shapes().sample_costs(loads).astype(np.float64)
+    costs = sample_costs(CostModel.from_shapes(), loads).astype(np.float64)
     return costs[:, 0], costs[:, 1]
 
 

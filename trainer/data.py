@@ -1,0 +1,92 @@
+"""The data side of the trainer: this replica's `PackStream`, the model sized from the dataset's conventions
+the server reports, and `StepSource`, which pads each step's packs into the pipeline's fixed-shape
+microbatches and can buffer steps for trials without losing them."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from packfeed.trainer.batch import Microbatches, microbatches_of
+from packfeed.trainer.config import TrainConfig
+from packfeed.trainer.model import VLMConfig
+from packfeed.trainer.pipeline import Mesh, broadcast_object
+from packfeed.v1 import packfeed_pb2 as pb
+
+
+def sized_model(model: VLMConfig, conventions: pb.ModelConventions) -> VLMConfig:
+    """`model` with the tile size, tokens per tile and vocabulary of the job's dataset (as its server reports
+    them): the packs decide these, not the user. A new config; the one given is not changed."""
+    policy = conventions.image_policy
+    if not policy.tile_size or not policy.tokens_per_tile:
+        raise ValueError(f"the dataset's image policy {policy.name!r} makes images of varying size; the reference "
+                         "trainer needs square tiles (index with --image-policy internvl or fixed)")
+    vocab = max(model.vocab_size, -(-conventions.vocab_size // 64) * 64)
+    return dataclasses.replace(model, tile_size=policy.tile_size, tokens_per_tile=policy.tokens_per_tile,
+                               vocab_size=vocab)
+
+
+def job_conventions(stream, mesh: Mesh) -> pb.ModelConventions:
+    """The conventions rank 0's stream reported, on every rank (stages without a stream need them too)."""
+    raw = broadcast_object(stream.conventions.SerializeToString() if mesh.rank == 0 else None, mesh)
+    return pb.ModelConventions.FromString(raw)
+
+
+@dataclass
+class StepSource:
+    """The first stage's steps, padded to microbatches; `peek(n)` buffers steps for trials without losing them."""
+
+    steps: Iterator
+    model: VLMConfig
+    token_multiple: int
+    buffer: list[Microbatches] = field(default_factory=list)
+    data_wait_s: float = 0.0
+
+    def _pull(self) -> Microbatches | None:
+        started = time.perf_counter()
+        step = next(self.steps, None)
+        self.data_wait_s += time.perf_counter() - started
+        return None if step is None else microbatches_of(step, self.model, self.token_multiple)
+
+    def peek(self, n: int) -> list[Microbatches]:
+        while len(self.buffer) < n:
+            item = self._pull()
+            if item is None:
+                break
+            self.buffer.append(item)
+        return self.buffer[:n]
+
+    def next(self) -> Microbatches | None:
+        return self.buffer.pop(0) if self.buffer else self._pull()
+
+    def state_dict(self) -> dict:
+        """The stream position of the next step to train on (buffered steps are not trained yet)."""
+        state = self.steps.state_dict()
+        if self.buffer:
+            state["next"] = [self.buffer[0].shape.epoch, self.buffer[0].shape.step]
+        return state
+
+
+def open_stream(config: TrainConfig, mesh: Mesh, target: str):
+    """This replica's stream (first stages only): the job's plan on this mesh, from `target`."""
+    from packfeed.client import Connection, PackStream
+
+    d = config.data
+    return PackStream(stream_targets(target), job=d.job, rank=mesh.replica, plan=d.plan(mesh.dp, mesh.pp),
+                      seed=d.seed, epochs=d.epochs, prefetch=d.prefetch, pin_memory=mesh.device.type == "cuda",
+                      connection=Connection(token=d.token or None))
+
+
+def stream_targets(target: str) -> str | list[str]:
+    """`host:port`, a comma-separated list (failover in that order), or `redis://...`: every live server."""
+    if target.startswith(("redis://", "rediss://")):
+        from packfeed.client.discovery import servers_from_redis
+
+        servers = servers_from_redis(target)
+        if not servers:
+            raise ValueError(f"no live Packfeed server is listed in {target}: start `packfeed serve` with "
+                             "PACKFEED_REDIS_URL set to it, or give data.target=host:port")
+        return servers
+    return target.split(",") if "," in target else target
