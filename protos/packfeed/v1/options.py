@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import enum
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from packfeed.v1 import packfeed_pb2 as pb
+if TYPE_CHECKING:  # the messages are imported where converted: `packfeed plan` never pays for protobuf
+    from packfeed.v1 import packfeed_pb2 as pb
 
 
 class _Named(str, enum.Enum):
@@ -98,6 +99,8 @@ class CostModel:
         return cls(vl, vq, ll, lq)
 
     def to_proto(self) -> pb.CostCoefficients:
+        from packfeed.v1 import packfeed_pb2 as pb
+
         return pb.CostCoefficients(**asdict(self))
 
     @classmethod
@@ -170,6 +173,8 @@ class PlanConfig:
         return cls(**raw)
 
     def to_proto(self) -> pb.PlanSpec:
+        from packfeed.v1 import packfeed_pb2 as pb
+
         spec = pb.PlanSpec(**{name: value or 0 for name, value in self.to_dict().items() if name != "cost_model"})
         if self.cost_model != CostModel.from_shapes():
             spec.cost_model.CopyFrom(self.cost_model.to_proto())
