@@ -43,8 +43,23 @@ class ImagePolicy(Protocol):
     def to_dict(self) -> dict[str, Any]: ...
 
 
+class _Recorded:
+    """A policy records itself in the index as the dict of its fields (`policy_from_dict` reads it back)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class _SquareTiles(_Recorded):
+    """A policy whose images become square tiles of `tile_size` px, each one ViT sequence (one vision unit)."""
+
+    @property
+    def patches_per_unit(self) -> int:
+        return (self.tile_size // self.patch_size) ** 2
+
+
 @dataclass(frozen=True)
-class InternVLTiling:
+class InternVLTiling(_SquareTiles):
     """InternVL dynamic high resolution: the image is resized to a grid of `image_size` tiles whose aspect
     ratio is closest to the image's (at most `max_num` tiles), plus a thumbnail tile when the grid has
     more than one tile. With several images in a sample each gets max(1, max_num // n_images) tiles.
@@ -79,21 +94,14 @@ class InternVLTiling:
     def tile_size(self) -> int:
         return self.image_size
 
-    @property
-    def patches_per_unit(self) -> int:
-        return (self.image_size // self.patch_size) ** 2
-
     def cost(self, width: int, height: int, n_images: int = 1) -> ImageCost:
         cols, rows = self.grid(width, height, n_images)
         tiles = cols * rows + (1 if self.use_thumbnail and cols * rows != 1 else 0)
         return ImageCost(tiles, tiles * self.tokens_per_tile, (self.patches_per_unit,) * tiles)
 
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
 
 @dataclass(frozen=True)
-class Qwen2VLResize:
+class Qwen2VLResize(_Recorded):
     """Qwen2-VL `smart_resize`: both sides rounded to multiples of `factor` (28 = 14 px patch x 2 merge),
     total pixels kept within [min_pixels, max_pixels]; LLM tokens = h * w / 784. Vision units are the
     merged tokens too, since ViT work grows with them, and the whole image is one ViT sequence.
@@ -133,12 +141,9 @@ class Qwen2VLResize:
         tokens = h * w // (self.factor * self.factor)
         return ImageCost(tokens, tokens, (h * w // (self.patch_size * self.patch_size),))
 
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
 
 @dataclass(frozen=True)
-class FixedResolution:
+class FixedResolution(_SquareTiles):
     """Every image resized to one square size (LLaVA-1.5: 336 px, 24 x 24 = 576 tokens)."""
 
     size: int = 336
@@ -154,15 +159,8 @@ class FixedResolution:
     def tokens_per_tile(self) -> int:
         return self.tokens
 
-    @property
-    def patches_per_unit(self) -> int:
-        return (self.size // self.patch_size) ** 2
-
     def cost(self, width: int, height: int, n_images: int = 1) -> ImageCost:
         return ImageCost(1, self.tokens, (self.patches_per_unit,))
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 # How the indexer checks image data: decode every image (JPEG at 1/8 scale) or trust the header.
