@@ -65,6 +65,11 @@ class IndexInfo:
     format_version: int = INDEX_FORMAT_VERSION
     packfeed_version: str = __version__
 
+    @property
+    def has_shards(self) -> bool:
+        """Built from shards (servable), not imported from length files (plannable only)."""
+        return self.source == "shards"
+
 
 def reason_category(reason: str) -> str:
     """'undecodable image: broken data stream' -> 'undecodable image' (what reports and metrics group by)."""

@@ -107,7 +107,7 @@ class Dataset:
     @classmethod
     def open(cls, name: str, source: DatasetSource) -> "Dataset":
         loads, info = load_sample_loads(source.index)
-        if info.source != "shards":
+        if not info.has_shards:
             raise ValueError(f"dataset {name}: {source.index} was imported from length files and has no shards "
                              "to serve; index the WebDataset shards with `packfeed index`")
         loss = IndexRows(source.index).loss_tokens_per_sample

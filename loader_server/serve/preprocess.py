@@ -65,7 +65,7 @@ class SampleReader:
     """Random access to indexed samples. Thread-safe: reads use os.pread on shared descriptors."""
 
     def __init__(self, info: IndexInfo, tokenizer_path: str | Path, shard_root: str | Path | None = None):
-        if info.source != "shards":
+        if not info.has_shards:
             raise ValueError("this index was imported from length files; it has no shards to serve from")
         digest = hashlib.sha256(Path(tokenizer_path).read_bytes()).hexdigest()[:16]
         if info.tokenizer and info.tokenizer.get("sha256") != digest:

@@ -1,0 +1,36 @@
+"""The README's Layout section is the map of the tree: every package folder is on it, under its import name,
+and every folder on it exists."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+IMPORT_ROOTS = {"loader_server": "packfeed.server", "client": "packfeed.client", "trainer": "packfeed.trainer",
+                "protos/packfeed/v1": "packfeed.v1"}
+
+
+def layout_rows() -> dict[str, str]:
+    """folder -> import name ('' where none) from the README's Layout table."""
+    section = REPO.joinpath("README.md").read_text().split("## Layout", 1)[1].split("\n## ", 1)[0]
+    rows = re.findall(r"^\| `([^`]+)/` \| (?:`([^`]+)`)? \|", section, flags=re.M)
+    assert rows, "no Layout table in README.md"
+    return dict(rows)
+
+
+def import_name(folder: str) -> str:
+    for root, name in IMPORT_ROOTS.items():
+        if folder == root or folder.startswith(root + "/"):
+            return name + folder[len(root):].replace("/", ".")
+    return ""
+
+
+def test_every_package_is_on_the_map_under_its_import_name():
+    rows = layout_rows()
+    packages = {str(init.parent.relative_to(REPO)) for root in IMPORT_ROOTS if (REPO / root).is_dir()
+                for init in (REPO / root).rglob("__init__.py")} | {"protos/packfeed/v1"}
+    assert packages - set(rows) == set(), "packages missing from README's Layout"
+    for folder, name in rows.items():
+        assert (REPO / folder).is_dir(), f"README's Layout lists {folder}/, which does not exist"
+        assert name == import_name(folder), folder
