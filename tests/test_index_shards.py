@@ -35,6 +35,10 @@ def _conv(human="<image>\nWhat is this?", answer="A red square."):
     return json.dumps({"conversations": [{"from": "human", "value": human}, {"from": "gpt", "value": answer}]}).encode()
 
 
+def _renamed(samples, prefix):
+    return [{**sample, "__key__": prefix + sample["__key__"]} for sample in samples]
+
+
 def _write(path, samples):
     with wds.TarWriter(str(path)) as writer:
         for sample in samples:
@@ -59,19 +63,21 @@ def shards(tmp_path_factory, demo_dataset):
         {"__key__": "not_image", "jpg": b"this is plain text, not a JPEG", "json": _conv()},
         {"__key__": "cut_image", "jpg": _jpeg(800, 600)[:300], "json": _conv()},
         {"__key__": "tag_mismatch", "jpg": _jpeg(64, 64), "json": _conv("<image> <image> two?", "no")},
+        {"__key__": "from_list", "json": b'{"conversations": [{"from": ["human"], "value": "hi"}]}'},
+        {"__key__": "too_deep", "json": b'{"conversations": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"},
     ]
     _write(root / "good-000.tar", good)
     _write(root / "bad-samples-000.tar", bad + [{"__key__": "one_jpg", "jpg": _jpeg(32, 32), "json": _conv()},
                                                  {"__key__": "one_jpg", "json": _conv("dup?", "yes")}])
-    # A tar truncated inside its third sample's image.
-    _write(root / "whole.tar", good[:3])
+    # A tar truncated inside its third sample's image (keys of their own: a key names one sample in a dataset).
+    _write(root / "whole.tar", _renamed(good[:3], "t_"))
     data = (root / "whole.tar").read_bytes()
     (root / "truncated-000.tar").write_bytes(data[: len(data) * 2 // 3])
     (root / "whole.tar").unlink()
     # A corrupt header after the first sample: tarfile would stop quietly; the indexer must say so.
-    _write(root / "whole.tar", good[:2])
+    _write(root / "whole.tar", _renamed(good[:2], "c_"))
     data = bytearray((root / "whole.tar").read_bytes())
-    second_header = data.index(b"one_jpg.jpg")
+    second_header = data.index(b"c_one_jpg.jpg")
     data[second_header:second_header + 512] = b"\x7f" * 512
     (root / "corrupt-header-000.tar").write_bytes(bytes(data))
     # Two zeroed blocks read as the end of the archive: tarfile stops quietly, the data after them is unread.
@@ -105,11 +111,17 @@ def test_every_bad_input_is_marked_with_its_reason(built):
     assert bad["not_image"] == "not an image"
     assert bad["cut_image"].startswith("undecodable image")
     assert bad["tag_mismatch"].startswith("image tag mismatch")
+    # one malformed sample never stops the index: it is invalid, with its reason
+    assert bad["from_list"].startswith("invalid json: turn 0 needs a string 'from'")
+    assert bad["too_deep"] == "invalid json: nested too deeply"
+    # a key already in an earlier shard, then again in the same shard
     dup = [r for r in rows if r["key"] == "one_jpg" and "bad-samples" in r["shard"]]
-    assert dup[0]["valid"] and dup[1]["reason"].startswith("duplicate key")
+    assert dup[0]["reason"] == f"duplicate key: the key appears earlier in shard {_row(rows, 'one_jpg', 'good')['shard']}"
+    assert dup[1]["reason"].startswith("duplicate key: the key appears earlier in this shard")
+    assert _row(rows, "one_jpg", "good")["valid"]
     assert result.skipped_anything
     counts = result.info.invalid_by_reason
-    assert counts["missing json"] == 1 and counts["not an image"] == 1 and counts["duplicate key"] == 1
+    assert counts["missing json"] == 1 and counts["not an image"] == 1 and counts["duplicate key"] == 2
 
 
 def test_broken_shards_are_reported_and_their_readable_samples_kept(built):
@@ -196,7 +208,7 @@ def test_cli_index_plan_stats_end_to_end(shards, demo_dataset, tmp_path):
                                  "--tokenizer", str(demo_dataset.tokenizer), "--out", str(index), "--quiet"],
                           capture_output=True, text=True)
     assert done.returncode == 3, done.stderr
-    assert json.loads(done.stdout.strip().splitlines()[-1])["invalid"] == 8
+    assert json.loads(done.stdout.strip().splitlines()[-1])["invalid"] == 11
     clean = subprocess.run(cli + ["index", *map(str, demo_dataset.shards[:1]), "--tokenizer",
                                   str(demo_dataset.tokenizer), "--out", str(tmp_path / "clean.parquet"), "--quiet",
                                   "--verify-images", "header"], capture_output=True, text=True)

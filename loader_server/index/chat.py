@@ -49,12 +49,15 @@ class ChatTemplate:
 def load_tokenizer(path: str | Path, template: ChatTemplate) -> Tokenizer:
     """Any HF `tokenizers` tokenizer.json; the template's special tokens are added when missing.
 
-    Adding is deterministic (fixed order, appended ids), so every process gets the same ids.
+    Adding is deterministic (fixed order, appended ids), so every process gets the same ids. Text is encoded
+    with special tokens read as plain text: a sample that writes `<IMG_CONTEXT>` or `<|im_end|>` gets the ids
+    of those characters, never the template's ids, which only the template itself places.
     """
     tokenizer = Tokenizer.from_file(str(path))
     missing = [t for t in template.special_tokens if tokenizer.token_to_id(t) is None]
     if missing:
         tokenizer.add_special_tokens(missing)
+    tokenizer.encode_special_tokens = True
     return tokenizer
 
 
@@ -73,6 +76,8 @@ def parse_conversation(raw: bytes) -> list[dict[str, str]]:
         doc = json.loads(text)
     except json.JSONDecodeError as error:
         raise ConversationError(f"invalid json: {error.msg} at line {error.lineno} column {error.colno}") from None
+    except RecursionError:
+        raise ConversationError("invalid json: nested too deeply") from None
     turns = doc.get("conversations") if isinstance(doc, dict) else None
     if not isinstance(turns, list):
         raise ConversationError("invalid json: no 'conversations' list")
@@ -80,9 +85,9 @@ def parse_conversation(raw: bytes) -> list[dict[str, str]]:
         raise ConversationError("empty conversation")
     out = []
     for k, turn in enumerate(turns):
-        if not isinstance(turn, dict) or not isinstance(turn.get("value"), str):
-            raise ConversationError(f"invalid json: turn {k} needs 'from' and a string 'value'")
-        role = ROLE_NAMES.get(turn.get("from"))
+        if not isinstance(turn, dict) or not isinstance(turn.get("value"), str) or not isinstance(turn.get("from"), str):
+            raise ConversationError(f"invalid json: turn {k} needs a string 'from' and a string 'value'")
+        role = ROLE_NAMES.get(turn["from"])
         if role is None:
             raise ConversationError(f"invalid json: turn {k} has unknown role {turn.get('from')!r}")
         out.append({"role": role, "value": turn["value"]})
@@ -116,14 +121,15 @@ def encode_conversation(turns: Sequence[dict[str, str]], image_tokens: Sequence[
 def encode_with_image_starts(turns: Sequence[dict[str, str]], image_tokens: Sequence[int], tokenizer: Tokenizer,
                              template: ChatTemplate) -> tuple[np.ndarray, np.ndarray, list[int]]:
     """encode_conversation, plus where each image's run of context tokens starts in the ids."""
-    pieces: list[tuple[str, bool]] = []  # (text, trained on)
+    pieces: list[tuple[str | int, bool]] = []  # (text, or a special token's id; trained on)
     placeholders: dict[int, int] = {}  # piece index -> image number
     if template.system_prompt and not any(t["role"] == "system" for t in turns):
         turns = [{"role": "system", "value": template.system_prompt}, *turns]
+    special = {name: tokenizer.token_to_id(name) for name in template.special_tokens}
     image_no = 0
     for turn in turns:
         learn = turn["role"] == "assistant"
-        pieces.append((f"{template.turn_start}{turn['role']}\n", False))
+        pieces += [(special[template.turn_start], False), (f"{turn['role']}\n", False)]
         chunks = turn["value"].split(IMAGE_TAG)
         for k, chunk in enumerate(chunks):
             if k > 0:
@@ -132,25 +138,28 @@ def encode_with_image_starts(turns: Sequence[dict[str, str]], image_tokens: Sequ
                 image_no += 1
             if chunk:
                 pieces.append((chunk, learn))
-        pieces.append((template.turn_end, learn))
+        pieces.append((special[template.turn_end], learn))
         pieces.append(("\n", False))
 
-    encodings = tokenizer.encode_batch([text for text, _ in pieces], add_special_tokens=False)
-    start = tokenizer.token_to_id(template.image_start)
-    end = tokenizer.token_to_id(template.image_end)
-    context = tokenizer.token_to_id(template.image_context)
+    texts = [piece for piece, _ in pieces if isinstance(piece, str)]
+    encoded = iter(tokenizer.encode_batch(texts, add_special_tokens=False))
+    start, end, context = (special[template.image_start], special[template.image_end],
+                           special[template.image_context])
     ids: list[np.ndarray] = []
     labels: list[np.ndarray] = []
     image_starts: list[int] = []
     length = 0
-    for k, ((_, learn), encoding) in enumerate(zip(pieces, encodings)):
-        if k in placeholders:
+    for k, (piece, learn) in enumerate(pieces):
+        if isinstance(piece, int):
+            piece_ids = np.array([piece], dtype=np.int32)
+        elif k in placeholders:
+            next(encoded)
             n = image_tokens[placeholders[k]]
-            piece = np.concatenate([[start], np.full(n, context), [end]]).astype(np.int32)
+            piece_ids = np.concatenate([[start], np.full(n, context), [end]]).astype(np.int32)
             image_starts.append(length + 1)
         else:
-            piece = np.asarray(encoding.ids, dtype=np.int32)
-        ids.append(piece)
-        labels.append(piece if learn else np.full(len(piece), IGNORE_INDEX, dtype=np.int32))
-        length += len(piece)
+            piece_ids = np.asarray(next(encoded).ids, dtype=np.int32)
+        ids.append(piece_ids)
+        labels.append(piece_ids if learn else np.full(len(piece_ids), IGNORE_INDEX, dtype=np.int32))
+        length += len(piece_ids)
     return np.concatenate(ids), np.concatenate(labels), image_starts

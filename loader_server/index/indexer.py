@@ -28,8 +28,10 @@ from tqdm import tqdm
 from packfeed.server.index.chat import (ChatTemplate, ConversationError, IGNORE_INDEX, attach_images, cached_tokenizer,
                                   encode_conversation, parse_conversation)
 from packfeed.server.index.image_policy import DEFAULT_POLICY, VERIFY_MODES, ImagePolicy, policy_from_dict
-from packfeed.server.index.table import SCHEMA, IndexInfo, fingerprint_table, reason_category, write_index
-from packfeed.server.index.shards import RawSample, ShardError, expand_shards, iter_samples
+from packfeed.server.index.table import (SCHEMA, IndexInfo, describe_error, fingerprint_table, member_checksum,
+                                         reason_category, write_index)
+from packfeed.server.index.pixels import oriented_size
+from packfeed.server.index.shards import RawSample, ShardError, expand_shards, is_compressed, iter_samples
 
 
 
@@ -88,22 +90,23 @@ class SampleError(ValueError):
 
 
 def image_size(data: bytes, verify: str) -> tuple[int, int]:
-    """(width, height) from the header; with verify='decode' also decodes (JPEG at 1/8 scale)."""
+    """(width, height) upright (EXIF orientation applied) from the header; with verify='decode' also decodes
+    (JPEG at 1/8 scale)."""
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error", Image.DecompressionBombWarning)
             with Image.open(io.BytesIO(data)) as image:
-                width, height = image.size
+                width, height = oriented_size(image)
                 if verify == "decode":
                     if image.format == "JPEG":
-                        image.draft("RGB", (max(1, width // 8), max(1, height // 8)))
+                        image.draft("RGB", (max(1, image.width // 8), max(1, image.height // 8)))
                     image.load()
     except UnidentifiedImageError:
         raise SampleError("not an image") from None
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as error:
-        raise SampleError(f"undecodable image: too many pixels ({error})") from None
+        raise SampleError(f"undecodable image: too many pixels ({describe_error(error)})") from None
     except (OSError, SyntaxError, ValueError, EOFError) as error:
-        raise SampleError(f"undecodable image: {error}") from None
+        raise SampleError(f"undecodable image: {describe_error(error)}") from None
     if width < 1 or height < 1:
         raise SampleError(f"undecodable image: size {width}x{height}")
     return width, height
@@ -116,8 +119,10 @@ def cost_sample(raw: RawSample, config: IndexConfig) -> dict[str, Any]:
     row: dict[str, Any] = {
         "key": raw.key, "valid": False, "reason": None,
         "json_offset": doc.offset if doc else None, "json_size": doc.size if doc else None,
+        "json_checksum": member_checksum(doc.data) if doc else None,
         "image_names": [m.suffix for m in images], "image_offsets": [m.offset for m in images],
-        "image_sizes": [m.size for m in images], "image_widths": [], "image_heights": [],
+        "image_sizes": [m.size for m in images], "image_checksums": [member_checksum(m.data) for m in images],
+        "image_widths": [], "image_heights": [],
         "n_images": len(images), "vision_units": 0, "vision_tokens": 0, "vit_patches": 0, "vit_attn_sq": 0,
         "text_tokens": 0, "llm_tokens": 0, "loss_tokens": 0,
     }
@@ -143,6 +148,9 @@ def cost_sample(raw: RawSample, config: IndexConfig) -> dict[str, Any]:
     except (SampleError, ConversationError) as error:
         row["reason"] = str(error)
         return row
+    except Exception as error:  # anything else about one sample makes that sample invalid, never the index
+        row["reason"] = f"unreadable sample: {type(error).__name__}: {describe_error(error)}"
+        return row
     vision_tokens = sum(c.llm_tokens for c in costs)
     row.update(valid=True, vision_units=sum(c.units for c in costs), vision_tokens=vision_tokens,
                vit_patches=sum(c.vit_patches for c in costs), vit_attn_sq=sum(c.vit_attn_sq for c in costs),
@@ -163,16 +171,22 @@ class ShardResult:
     seconds: float
 
 
+COMPRESSED_REASON = "compressed shard: serving reads samples at their offsets; decompress it to a plain .tar"
+
+
 def index_shard(url: str, config: IndexConfig) -> ShardResult:
     started = time.perf_counter()
     rows: list[dict[str, Any]] = []
     seen: set[str] = set()
     error = None
+    compressed = is_compressed(url)
     try:
         for raw in iter_samples(url):
             row = cost_sample(raw, config)
             if raw.key in seen:
                 row.update(valid=False, reason="duplicate key: the key appears earlier in this shard")
+            elif compressed:
+                row.update(valid=False, reason=COMPRESSED_REASON)
             seen.add(raw.key)
             rows.append(row)
     except ShardError as shard_error:
@@ -221,6 +235,7 @@ def build_index(specs: list[str], out: str | Path, config: IndexConfig, workers:
                 bar.update(1)
     bar.close()
 
+    _mark_duplicates_across_shards(results)
     table = _rows_to_table(results)
     invalid = Counter(reason_category(r) for r in table.column("reason").to_pylist() if r is not None)
     config_fp = config.to_fingerprint_dict()
@@ -237,6 +252,16 @@ def build_index(specs: list[str], out: str | Path, config: IndexConfig, workers:
     write_index(table, out, info)
     valid = int(np.count_nonzero(table.column("valid").to_numpy(zero_copy_only=False)))
     return IndexResult(str(out), info, table.num_rows, valid, seconds, core_seconds)
+
+
+def _mark_duplicates_across_shards(results: list[ShardResult]) -> None:
+    """A key seen in an earlier shard makes the later sample invalid (keys name samples in packs and reports)."""
+    first_shard: dict[str, str] = {}
+    for result in results:
+        for row in result.rows:
+            earlier = first_shard.setdefault(row["key"], result.url)
+            if earlier != result.url and row["valid"]:
+                row.update(valid=False, reason=f"duplicate key: the key appears earlier in shard {earlier}")
 
 
 def _rows_to_table(results: list[ShardResult]) -> pa.Table:

@@ -32,7 +32,8 @@ REMOTE_PREFIXES = ("pipe:", "http://", "https://", "gs://", "s3://", "ais://")
 
 
 def expand_shards(specs: list[str]) -> list[str]:
-    """Brace patterns, then globs for local paths; remote and pipe: sources pass through unchanged."""
+    """Brace patterns, then globs for local paths; remote and pipe: sources pass through unchanged. Local
+    paths become absolute, so the index serves from any working directory."""
     out: list[str] = []
     for spec in specs:
         for item in braceexpand.braceexpand(spec):
@@ -42,9 +43,9 @@ def expand_shards(specs: list[str]) -> list[str]:
                 matches = sorted(glob.glob(item))
                 if not matches:
                     raise FileNotFoundError(f"no shard matches {item!r}")
-                out.extend(matches)
+                out.extend(os.path.abspath(match) for match in matches)
             else:
-                out.append(item)
+                out.append(os.path.abspath(item[5:] if item.startswith("file:") else item))
     return out
 
 
@@ -143,5 +144,8 @@ def _check_tail(url: str, end_offset: int, members_seen: int) -> None:
 
 
 def is_compressed(path: str) -> bool:
+    """A local file that starts like gzip, bzip2, xz or zstd (remote sources: False, they are not served)."""
+    if path.startswith(REMOTE_PREFIXES) or not os.path.isfile(path):
+        return False
     with open(path, "rb") as f:
         return f.read(6).startswith(COMPRESSED_MAGIC)

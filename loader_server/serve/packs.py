@@ -87,8 +87,9 @@ def truncate_sample(sample: SampleTensors, limit: int) -> SampleTensors:
                          sample.image_starts[:keep_images])
 
 
-SERVE_COLUMNS = ["key", "shard", "valid", "reason", "json_offset", "json_size", "image_names", "image_offsets",
-                 "image_sizes", "image_widths", "image_heights", "n_images", "llm_tokens", "loss_tokens"]
+SERVE_COLUMNS = ["key", "shard", "valid", "reason", "json_offset", "json_size", "json_checksum", "image_names",
+                 "image_offsets", "image_sizes", "image_checksums", "image_widths", "image_heights", "n_images",
+                 "llm_tokens", "loss_tokens"]
 
 
 class IndexRows:

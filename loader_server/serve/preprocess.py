@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import io
 import os
+import stat
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,8 +23,9 @@ from PIL import Image
 from packfeed.server.index.chat import (ChatTemplate, ConversationError, attach_images, cached_tokenizer,
                                   encode_with_image_starts, parse_conversation)
 from packfeed.server.index.image_policy import FixedResolution, ImagePolicy, InternVLTiling, Qwen2VLResize, policy_from_dict
-from packfeed.server.index.table import IndexInfo
+from packfeed.server.index.pixels import oriented_size, to_rgb
 from packfeed.server.index.shards import is_compressed
+from packfeed.server.index.table import IndexInfo, describe_error, member_checksum
 
 
 class SampleSkipped(Exception):
@@ -43,7 +45,7 @@ class SampleTensors:
 
 def image_tiles(image: Image.Image, policy: ImagePolicy, n_images: int) -> list[np.ndarray]:
     """The pixel tiles the policy makes of one image, uint8 (3, H, W) RGB."""
-    image = image.convert("RGB")
+    image = to_rgb(image)
     if isinstance(policy, InternVLTiling):
         cols, rows = policy.grid(image.width, image.height, n_images)
         size = policy.image_size
@@ -79,31 +81,40 @@ class SampleReader:
         self._lock = threading.Lock()
 
     def _descriptor(self, shard: str) -> int:
-        """An open descriptor for the shard; a vanished shard raises, a replaced one is reopened."""
+        """An open descriptor for the shard; a vanished shard raises, a replaced one is reopened. Only regular
+        files are opened: a FIFO or device could block the worker forever, a directory cannot be read."""
         path = str(self.shard_root / Path(shard).name) if self.shard_root else shard
         try:
             current = os.stat(path)
         except OSError as error:
-            raise SampleSkipped(f"shard unreadable: {error}") from None
+            raise SampleSkipped(f"shard unreadable: {error.strerror} ({path})") from None
         with self._lock:
             fd = self._descriptors.get(path)
             if fd is not None and os.fstat(fd).st_ino != current.st_ino:
-                os.close(fd)  # replaced on disk: read the new file (its content is checked per sample)
+                os.close(self._descriptors.pop(path))  # replaced on disk: read the new file (checked per member)
                 fd = None
             if fd is None:
+                if not stat.S_ISREG(current.st_mode):
+                    raise SampleSkipped(f"shard unreadable: {path} is not a regular file")
                 try:
                     if is_compressed(path):
                         raise SampleSkipped(f"shard {path} is compressed: serving needs plain .tar shards")
-                    fd = os.open(path, os.O_RDONLY)
+                    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
                 except OSError as error:
-                    raise SampleSkipped(f"shard unreadable: {error}") from None
+                    raise SampleSkipped(f"shard unreadable: {error.strerror} ({path})") from None
                 self._descriptors[path] = fd
             return fd
 
-    def _read(self, fd: int, offset: int, size: int, what: str) -> bytes:
-        data = os.pread(fd, size, offset)
+    def _member(self, fd: int, offset: int, size: int, checksum: int | None, what: str) -> bytes:
+        """A member's bytes, verified against the checksum the index recorded."""
+        try:
+            data = os.pread(fd, size, offset)
+        except OSError as error:
+            raise SampleSkipped(f"shard unreadable: {error.strerror} reading {what}") from None
         if len(data) != size:
             raise SampleSkipped(f"shard changed: {what} ends past the end of the file")
+        if checksum is not None and member_checksum(data) != checksum:
+            raise SampleSkipped(f"shard changed: {what} differs from the indexed content (checksum)")
         return data
 
     def load(self, row: dict[str, Any]) -> SampleTensors:
@@ -111,23 +122,27 @@ class SampleReader:
         if not row["valid"]:
             raise SampleSkipped(f"invalid in the index: {row['reason']}")
         fd = self._descriptor(row["shard"])
+        key = row["key"]
         try:
-            turns = parse_conversation(self._read(fd, row["json_offset"], row["json_size"], "json"))
-            turns = attach_images(turns, row["n_images"])
+            raw = self._member(fd, row["json_offset"], row["json_size"], row["json_checksum"], f"{key}.json")
+            turns = attach_images(parse_conversation(raw), row["n_images"])
         except ConversationError as error:
             raise SampleSkipped(f"shard changed: {error}") from None
         tiles: list[np.ndarray] = []
         tiles_per_image, image_tokens = [], []
-        for name, offset, size, width, height in zip(row["image_names"], row["image_offsets"], row["image_sizes"],
-                                                     row["image_widths"], row["image_heights"]):
+        for name, offset, size, checksum, width, height in zip(
+                row["image_names"], row["image_offsets"], row["image_sizes"], row["image_checksums"],
+                row["image_widths"], row["image_heights"]):
+            data = self._member(fd, offset, size, checksum, f"{key}.{name}")
             try:
-                with Image.open(io.BytesIO(self._read(fd, offset, size, name))) as image:
+                with Image.open(io.BytesIO(data)) as image:
+                    if oriented_size(image) != (width, height):
+                        raise SampleSkipped(f"shard changed: {key}.{name} is {oriented_size(image)}, index says "
+                                            f"{(width, height)}")
                     image.load()
-                    if image.size != (width, height):
-                        raise SampleSkipped(f"shard changed: {name} is {image.size}, index says {(width, height)}")
                     made = image_tiles(image, self.policy, row["n_images"])
             except (OSError, SyntaxError, ValueError) as error:
-                raise SampleSkipped(f"undecodable image ({name}): {error}") from None
+                raise SampleSkipped(f"undecodable image ({key}.{name}): {describe_error(error)}") from None
             tiles.extend(made)
             tiles_per_image.append(len(made))
             image_tokens.append(self.policy.cost(width, height, row["n_images"]).llm_tokens)
@@ -135,7 +150,7 @@ class SampleReader:
         input_ids, labels, starts = encode_with_image_starts(turns, image_tokens, tokenizer, self.template)
         if len(input_ids) != row["llm_tokens"]:
             raise SampleSkipped(f"token count {len(input_ids)} differs from the index's {row['llm_tokens']}")
-        return SampleTensors(row["key"], input_ids, labels, tiles, tiles_per_image, image_tokens, starts)
+        return SampleTensors(key, input_ids, labels, tiles, tiles_per_image, image_tokens, starts)
 
     def close(self) -> None:
         with self._lock:
