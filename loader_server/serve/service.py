@@ -151,8 +151,12 @@ class PackfeedService:
 
     # -- the stream -------------------------------------------------------------------------------------
 
-    async def stream_packs(self, request: pb.StreamPacksRequest, context, part_bytes: int = 0):
-        """StreamPacks (whole packs, part_bytes 0) and StreamPackParts (packs cut into PackPart pieces)."""
+    async def stream_packs(self, request: pb.StreamPacksRequest, context, part_bytes: int = 0) -> None:
+        """StreamPacks (whole packs, part_bytes 0) and StreamPackParts (packs cut into PackPart pieces).
+
+        Messages go out with `context.write`, so a client that cancels or disconnects interrupts this coroutine
+        where it waits, and everything it holds is released on the spot (an abandoned generator would keep
+        its step's room in the budget until garbage collection)."""
         client = client_host(context.peer())
         limit = self.config.max_streams_per_client
         if limit and self.streams_per_client[client] >= limit:
@@ -160,12 +164,11 @@ class PackfeedService:
                                                  f"(max_streams_per_client); close some or raise the limit")
         self.streams_per_client[client] += 1
         try:
-            async for message in self._stream_packs(request, context, part_bytes):
-                yield message
+            await self._stream_packs(request, context, part_bytes)
         finally:
             self.streams_per_client[client] -= 1
 
-    async def _stream_packs(self, request: pb.StreamPacksRequest, context, part_bytes: int):
+    async def _stream_packs(self, request: pb.StreamPacksRequest, context, part_bytes: int) -> None:
         job, rank = self.registry.get(request.job), request.rank
         job.check_rank(rank)
         start = (request.first_epoch, request.first_step)
@@ -182,33 +185,36 @@ class PackfeedService:
                                                self.config.prefetch_steps))
         log.info("stream started", extra={"job": job.spec.job, "rank": rank, "epoch": start[0], "step": start[1],
                                           "peer": context.peer()})
-        sent_steps = 0
+        sent_steps, sending = 0, None  # `sending`: the step being written, still counted in the budget
         try:
             while (item := await queue.get()) is not END:
                 self.metrics.queue_depth.labels(job.spec.job, str(rank)).set(queue.qsize())
                 job.ranks[rank].queued = queue.qsize()
+                (epoch, step), sending = item
+                item = None
                 if lost.is_set():
                     raise JobError("ABORTED", f"another server took rank {rank} of job {job.spec.job!r}: "
                                               "reconnect to continue")
-                (epoch, step), result = item
-                for message in result.messages:
+                for message in sending.messages:
                     for piece in (pack_parts(message, part_bytes) if part_bytes else (message,)):
-                        yield piece
-                # Only now: a yield returns once gRPC has taken the message, and a message it holds for a
+                        await context.write(piece)
+                # Only now: a write returns once gRPC has taken the message, and a message it holds for a
                 # slow client is memory like any other (parts keep that to one part per stream)
-                self.budget.release(result.nbytes)
-                self._account(job, rank, epoch, step, result)
-                item = result = message = piece = None  # no step outlives its release while we wait for the next
+                self.budget.release(sending.nbytes)
+                self._account(job, rank, epoch, step, sending)
+                sending = message = piece = None  # no step outlives its release while we wait for the next
                 sent_steps += 1
         finally:
             keeper.cancel()
             producer.cancel()
-            if not lost.is_set():
-                await asyncio.to_thread(self._let_go, job.spec.job, rank)
+            if sending is not None:
+                self.budget.release(sending.nbytes)
             while not queue.empty():  # give back what the cancelled stream still held
                 item = queue.get_nowait()
                 if item is not END:
                     self.budget.release(item[1].nbytes)
+            if not lost.is_set():
+                await asyncio.shield(asyncio.to_thread(self._let_go, job.spec.job, rank))
             log.info("stream ended", extra={"job": job.spec.job, "rank": rank, "steps_sent": sent_steps})
         if producer.done() and not producer.cancelled() and producer.exception():
             await context.abort(grpc.StatusCode.INTERNAL, f"pack preparation failed: {producer.exception()!r}")
@@ -246,8 +252,7 @@ class PackfeedService:
         def streaming(part_bytes: int):
             async def stream(request, context):
                 try:
-                    async for message in self.stream_packs(request, context, part_bytes):
-                        yield message
+                    await self.stream_packs(request, context, part_bytes)
                 except JobError as error:
                     await context.abort(grpc.StatusCode[error.code], str(error))
             # Packs arrive serialized from the workers: no response serializer.
