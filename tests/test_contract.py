@@ -34,17 +34,27 @@ def test_plan_config_survives_the_wire(config):
     assert PlanConfig.from_dict(config.to_dict()) == config
 
 
-def test_an_empty_plan_spec_means_the_defaults_and_defaults_are_not_sent():
-    assert PlanConfig.from_proto(pb.PlanSpec()) == PlanConfig()
+def test_an_unset_field_means_the_default_but_dp_must_be_stated():
+    assert PlanConfig.from_proto(pb.PlanSpec(dp=8)) == PlanConfig()
+    with pytest.raises(ValueError, match="is required"):
+        PlanConfig.from_proto(pb.PlanSpec(microbatches=2))
     assert not PlanConfig().to_proto().HasField("cost_model")
-    assert PlanConfig.from_proto(pb.PlanSpec(strategy="isf")).strategy is Strategy.ISF
+    assert PlanConfig.from_proto(pb.PlanSpec(dp=1, strategy="isf")).strategy is Strategy.ISF
 
 
 @pytest.mark.parametrize("spec, message", [
-    (pb.PlanSpec(strategy="magic"), "strategy must be one of"),
-    (pb.PlanSpec(oversize="squash"), "oversize must be one of"),
-    (pb.PlanSpec(vision_cap=8), "give both vision_cap and token_cap"),
-    (pb.PlanSpec(cost_model=pb.CostCoefficients(llm_linear=-1)), "coefficients must be >= 0"),
+    (pb.PlanSpec(dp=2, strategy="magic"), "strategy must be one of"),
+    (pb.PlanSpec(dp=2, oversize="squash"), "oversize must be one of"),
+    (pb.PlanSpec(dp=2, vision_cap=8), "give both vision_cap and token_cap"),
+    (pb.PlanSpec(dp=2, cost_model=pb.CostCoefficients(llm_linear=-1)), "finite, >= 0"),
+    (pb.PlanSpec(dp=2, cost_model=pb.CostCoefficients(llm_linear=float("nan"))), "finite, >= 0"),
+    (pb.PlanSpec(dp=2, cost_model=pb.CostCoefficients(llm_linear=float("inf"))), "finite, >= 0"),
+    (pb.PlanSpec(dp=2**32 - 1), "dp must be <= 65536"),
+    (pb.PlanSpec(dp=2, microbatches=10**6), "microbatches must be <= 1024"),
+    (pb.PlanSpec(dp=2, pipeline_stages=5000), "pipeline_stages must be <= 1024"),
+    (pb.PlanSpec(dp=2, isf_iterations=2**32 - 1), "isf_iterations must be <= 100"),
+    (pb.PlanSpec(dp=2, samples_per_pack=float("nan")), "samples_per_pack must be >= 1"),
+    (pb.PlanSpec(dp=2, samples_per_pack=1e9), "samples_per_pack must be <= 1024"),
 ])
 def test_bad_plan_specs_fail_where_they_enter(spec, message):
     with pytest.raises(ValueError, match=message):

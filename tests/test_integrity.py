@@ -189,3 +189,21 @@ def test_a_shard_replaced_under_the_reader_skips_and_recovers(tmp_path, demo_dat
     shard.write_bytes(original)
     assert reader.load(rows.row(0)).key == "a"
     reader.close()
+
+
+def test_unreachable_shards_fail_loudly(tmp_path, demo_dataset):
+    """No shard readable: the server refuses to start and says why. Most of a step's samples gone: the
+    stream fails with the reasons (max_skipped_fraction), rather than delivering empty packs as if all was well."""
+    shards = []
+    for k in range(3):
+        shards.append(tmp_path / f"part-{k}.tar")
+        write_tar(shards[-1], [{"__key__": f"k{k}-{i}", "json": conversation("Q?", "A." * (i + 1))} for i in range(8)])
+    path = index(shards, tmp_path / "index.parquet", demo_dataset.tokenizer)
+    empty = tmp_path / "elsewhere"
+    empty.mkdir()
+    with pytest.raises(RuntimeError, match="none of its 3 shards is readable"):
+        LocalServer(path, workers=1, extra_args=["--shard-root", str(empty)]).start()
+    shards[0].unlink()
+    shards[1].unlink()
+    with pytest.raises(Exception, match=r"FAILED_PRECONDITION: step 0:0 of rank 0: \d+ of \d+ samples skipped"):
+        every_sample(path)

@@ -69,7 +69,8 @@ def test_a_cancelled_waiter_holds_nothing_and_blocks_no_one():
 def test_estimates_from_the_index_match_prepared_packs(small_tile_index):
     """Reservations are made before preparation; they should be close to what the workers produce."""
     from packfeed.server.serve import workers
-    from packfeed.server.serve.jobs import Dataset, JobRegistry, JobSpec
+    from packfeed.server.serve.jobs import Dataset, JobSpec
+    from packfeed.server.serve.registry import JobRegistry
     from packfeed.v1.options import PlanConfig
     from packfeed.server.index.table import read_index_info
 

@@ -17,6 +17,10 @@
     tls_key: /certs/server.key
     max_streams_per_client: 64  # concurrent pack streams per client host
     address_file: /tmp/packfeed.address  # host:port written once serving; `packfeed health` checks it
+    max_jobs: 64                # jobs held at once (RESOURCE_EXHAUSTED beyond)
+    job_idle_s: 3600            # a job without streams or calls for this long is forgotten
+    prepare_timeout_s: 300      # a step stuck in preparation this long fails its stream (the client retries)
+    max_skipped_fraction: 0.5   # a step that loses more of its samples fails loudly (FAILED_PRECONDITION)
     datasets:
       demo:
         index: /data/demo/index.parquet
@@ -26,7 +30,8 @@
 Environment: PACKFEED_LISTEN, PACKFEED_METRICS_PORT, PACKFEED_WORKERS, PACKFEED_PREFETCH_STEPS,
 PACKFEED_MEMORY_BUDGET_MB, PACKFEED_MAX_MESSAGE_MB, PACKFEED_PACK_PART_KB, PACKFEED_AUTH_TOKEN, PACKFEED_REDIS_URL,
 PACKFEED_REDIS_PASSWORD, PACKFEED_ADVERTISE, PACKFEED_LEASE_TTL_S, PACKFEED_TLS_CERT, PACKFEED_TLS_KEY,
-PACKFEED_TLS_CLIENT_CA, PACKFEED_MAX_STREAMS_PER_CLIENT, PACKFEED_ADDRESS_FILE, and for a single dataset
+PACKFEED_TLS_CLIENT_CA, PACKFEED_MAX_STREAMS_PER_CLIENT, PACKFEED_ADDRESS_FILE, PACKFEED_MAX_JOBS,
+PACKFEED_JOB_IDLE_S, PACKFEED_PREPARE_TIMEOUT_S, PACKFEED_MAX_SKIPPED_FRACTION, and for a single dataset
 PACKFEED_INDEX / PACKFEED_TOKENIZER / PACKFEED_SHARD_ROOT. Image policy and chat template always come from
 the index: they decided the token counts the plan balances, so serving with others would break it.
 """
@@ -69,6 +74,10 @@ class ServerConfig:
     tls_client_ca: str = ""
     max_streams_per_client: int = 64  # concurrent StreamPacks per client host; 0 = no limit
     address_file: str = ""  # written with this server's host:port once it serves (`packfeed health` reads it)
+    max_jobs: int = 64  # jobs held at once; OpenJob of another is RESOURCE_EXHAUSTED
+    job_idle_s: float = 3600.0  # a job without streams or calls for this long is forgotten (re-opened on demand)
+    prepare_timeout_s: float = 300.0  # a step whose preparation takes longer fails its stream (UNAVAILABLE)
+    max_skipped_fraction: float = 0.5  # a step losing more of its samples than this fails loudly
     datasets: dict[str, DatasetSource] = field(default_factory=dict)
 
     def validate(self) -> "ServerConfig":
@@ -90,6 +99,10 @@ class ServerConfig:
             problems.append("memory_budget_mb must be >= 1")
         if self.lease_ttl_s <= 0:
             problems.append("lease_ttl_s must be > 0")
+        if self.max_jobs < 1 or self.job_idle_s <= 0 or self.prepare_timeout_s <= 0:
+            problems.append("max_jobs must be >= 1, job_idle_s and prepare_timeout_s > 0")
+        if not 0 <= self.max_skipped_fraction <= 1:
+            problems.append("max_skipped_fraction must be between 0 and 1")
         if bool(self.tls_cert) != bool(self.tls_key):
             problems.append("give both tls_cert and tls_key (PEM files), or neither")
         if self.tls_client_ca and not self.tls_cert:

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import collections
 import json
+import os
 import threading
-from dataclasses import dataclass, field, replace
+import time
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -22,6 +24,7 @@ from packfeed.server.plan.isf import Caps
 from packfeed.server.plan.plan_file import Plan
 from packfeed.server.plan.planner import make_plan, resolve_caps
 from packfeed.server.serve.conventions import conventions_of
+from packfeed.server.serve.observe import log
 from packfeed.server.serve.packs import IndexRows
 from packfeed.server.serve.workers import DatasetSource, RankStepWork
 from packfeed.v1 import packfeed_pb2 as pb
@@ -110,9 +113,23 @@ class Dataset:
         if not info.has_shards:
             raise ValueError(f"dataset {name}: {source.index} was imported from length files and has no shards "
                              "to serve; index the WebDataset shards with `packfeed index`")
+        check_shards_reachable(name, info, source)
         loss = IndexRows(source.index).loss_tokens_per_sample
         return cls(name, source, loads, info, np.asarray(loss, dtype=np.int64),
                    conventions_of(info, source.tokenizer))
+
+
+def check_shards_reachable(name: str, info: IndexInfo, source: DatasetSource) -> None:
+    """A dataset none of whose shards can be read is a configuration error, said when the server starts (not
+    an epoch of empty packs); some missing ones are logged, and their samples skipped as they come."""
+    paths = [os.path.join(source.shard_root, os.path.basename(url)) if source.shard_root else url for url in info.inputs]
+    missing = [path for path in paths if not os.path.isfile(path)]
+    if missing and len(missing) == len(paths):
+        raise ValueError(f"dataset {name}: none of its {len(paths)} shards is readable (e.g. {missing[0]}); set "
+                         "shard_root to the directory that holds them, or index them where they are")
+    if missing:
+        log.warning("shards missing: their samples will be skipped", extra={
+            "dataset": name, "missing": len(missing), "shards": len(paths), "first": missing[0]})
 
 
 PLANS_CACHED = 3
@@ -122,12 +139,33 @@ PLANS_CACHED = 3
 class Job:
     spec: JobSpec
     dataset: Dataset
-    caps: Caps | None
     ranks: list[RankState]
+    caps: Caps | None = None
     skipped: collections.deque = field(default_factory=lambda: collections.deque(maxlen=MAX_SKIPPED_LISTED))
     skipped_count: int = 0
     _plans: collections.OrderedDict = field(default_factory=collections.OrderedDict)  # epoch -> Plan, LRU
     _lock: threading.Lock = field(default_factory=threading.Lock)
+    ready: threading.Event = field(default_factory=threading.Event)  # epoch 0 planned (or planning failed)
+    failure: JobError | None = None  # why planning failed
+    open_streams: int = 0
+    last_used: float = field(default_factory=time.monotonic)  # for idle eviction
+
+    def prepare(self) -> None:
+        """Plan epoch 0 (caps included) now, so a bad config fails the open, not the first stream."""
+        try:
+            self.caps = None if self.spec.plan.strategy.padded else resolve_caps(self.dataset.loads, self.spec.plan)
+            self.plan(0)
+        except JobError as error:
+            self.failure = error
+        except (ValueError, MemoryError) as error:
+            self.failure = JobError("INVALID_ARGUMENT", f"job {self.spec.job!r} cannot be planned: {error}")
+        finally:
+            self.ready.set()
+        if self.failure:
+            raise self.failure
+
+    def touch(self) -> None:
+        self.last_used = time.monotonic()
 
     def plan(self, epoch: int) -> Plan:
         """The epoch's plan, computed once (thread-safe). The three most recently used epochs stay cached:
@@ -178,48 +216,3 @@ class Job:
         self.check_rank(rank)
         self.check_step(epoch, step)
         self.ranks[rank].acknowledge(epoch, step)
-
-
-class JobRegistry:
-    """Datasets this server serves (from its configuration) and the jobs opened on them."""
-
-    def __init__(self, datasets: dict[str, Dataset]):
-        self.datasets = datasets
-        self.jobs: dict[str, Job] = {}
-        self._lock = threading.Lock()
-
-    def open_job(self, spec: JobSpec) -> Job:
-        """Open a job, or join it when it exists with the same settings (idempotent)."""
-        if not spec.job:
-            raise JobError("INVALID_ARGUMENT", "a job needs a non-empty id")
-        if spec.epochs < 1:
-            raise JobError("INVALID_ARGUMENT", "epochs must be >= 1")
-        dataset = self.dataset(spec.dataset)
-        spec = replace(spec, dataset=dataset.name)
-        with self._lock:
-            existing = self.jobs.get(spec.job)
-            if existing is not None:
-                if existing.spec.describe() != spec.describe():
-                    raise JobError("FAILED_PRECONDITION",
-                                   f"job {spec.job!r} exists with other settings: {existing.spec.describe()}; "
-                                   f"this request asks for {spec.describe()}. Use the same settings or a new job id")
-                return existing
-            caps = None if spec.plan.strategy.padded else resolve_caps(dataset.loads, spec.plan)
-            job = Job(spec, dataset, caps, [RankState() for _ in range(spec.plan.dp)])
-            job.plan(0)  # plan epoch 0 now: a bad config fails the open, not the first stream
-            self.jobs[spec.job] = job
-            return job
-
-    def dataset(self, name: str) -> Dataset:
-        if not name and len(self.datasets) == 1:
-            return next(iter(self.datasets.values()))
-        if name not in self.datasets:
-            raise JobError("NOT_FOUND", f"no dataset {name!r} on this server; it serves: "
-                                        f"{', '.join(sorted(self.datasets))}")
-        return self.datasets[name]
-
-    def get(self, job: str) -> Job:
-        found = self.jobs.get(job)
-        if found is None:
-            raise JobError("NOT_FOUND", f"no job {job!r}: open it first (OpenJob)")
-        return found

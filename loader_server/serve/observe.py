@@ -49,6 +49,8 @@ class Metrics:
         self.lag = Gauge("packfeed_rank_lag_steps", "Steps sent but not yet acknowledged, per rank",
                          ["job", "rank"], registry=r)
         self.held = Gauge("packfeed_memory_held_bytes", "Prepared pack bytes held in memory", registry=r)
+        self.jobs = Gauge("packfeed_jobs", "Jobs this server holds", registry=r)
+        self.evicted = Counter("packfeed_jobs_evicted", "Jobs forgotten after job_idle_s without use", registry=r)
         self.preprocess = Histogram("packfeed_preprocess_seconds_per_sample",
                                     "Worker time per sample (read, decode, tile, tokenize, assemble)",
                                     registry=r, buckets=(.001, .003, .01, .03, .1, .3, 1, 3))

@@ -13,7 +13,8 @@ import collections
 from concurrent.futures import Executor
 
 from packfeed.server.serve.budget import MemoryBudget
-from packfeed.server.serve.jobs import Job
+from packfeed.server.serve.config import ServerConfig
+from packfeed.server.serve.jobs import Job, JobError
 from packfeed.server.serve.observe import log
 from packfeed.server.serve.workers import RankStepResult, build_rank_step
 
@@ -21,8 +22,11 @@ END = None  # put in the queue after the job's last step (or after a failure)
 
 
 async def produce(job: Job, rank: int, cursor: tuple[int, int] | None, queue: asyncio.Queue, pool: Executor,
-                  budget: MemoryBudget, prefetch_steps: int) -> None:
-    """Put ((epoch, step), RankStepResult) for every step from `cursor` to the end of the job, then END."""
+                  budget: MemoryBudget, config: ServerConfig) -> None:
+    """Put ((epoch, step), RankStepResult) for every step from `cursor` to the end of the job, then END.
+    Raises JobError when a step takes over `prepare_timeout_s` (a stalled read) or loses more than
+    `max_skipped_fraction` of its samples (the dataset is not what was indexed, or not reachable)."""
+    prefetch_steps = config.prefetch_steps
     loop = asyncio.get_running_loop()
     in_flight: collections.deque = collections.deque()  # (position, reserved bytes, future)
     owned = 0  # bytes of a prepared step counted in the budget but not yet in the queue
@@ -42,8 +46,14 @@ async def produce(job: Job, rank: int, cursor: tuple[int, int] | None, queue: as
                 in_flight.append((cursor, estimate, loop.run_in_executor(pool, build_rank_step, work)))
                 cursor = await asyncio.to_thread(job.next_step, *cursor)
             position, estimate, future = in_flight[0]
-            result: RankStepResult = await future
+            try:
+                result: RankStepResult = await asyncio.wait_for(asyncio.shield(future), config.prepare_timeout_s)
+            except asyncio.TimeoutError:
+                raise JobError("UNAVAILABLE", f"step {position[0]}:{position[1]} of rank {rank} took over "
+                                              f"{config.prepare_timeout_s:g} s to prepare (a stalled read?); "
+                                              "retry, or use another server") from None
             in_flight.popleft()
+            check_skipped(result, position, rank, config.max_skipped_fraction)
             budget.adjust(result.nbytes - estimate)
             owned = result.nbytes  # counted in the budget, not yet in the queue
             await queue.put((position, result))
@@ -55,9 +65,20 @@ async def produce(job: Job, rank: int, cursor: tuple[int, int] | None, queue: as
             budget.release(estimate)
         budget.release(owned)
         raise
-    except Exception:
-        log.exception("pack preparation failed", extra={"job": job.spec.job, "rank": rank})
+    except Exception as error:
+        log.error("pack preparation failed", exc_info=not isinstance(error, JobError),
+                  extra={"job": job.spec.job, "rank": rank, "error": str(error)})
         for _, estimate, _ in in_flight:
             budget.release(estimate)
         await queue.put(END)
         raise
+
+
+def check_skipped(result: RankStepResult, position: tuple[int, int], rank: int, tolerance: float) -> None:
+    """A step that lost most of its samples is not trained on in silence: its stream fails with the reasons."""
+    if result.samples and len(result.skipped) > tolerance * result.samples:
+        reasons = sorted({reason for _, reason in result.skipped})
+        raise JobError("FAILED_PRECONDITION", f"step {position[0]}:{position[1]} of rank {rank}: {len(result.skipped)} "
+                                              f"of {result.samples} samples skipped (max_skipped_fraction "
+                                              f"{tolerance:g}), e.g. {reasons[:3]}; fix the dataset, or raise "
+                                              "the tolerance")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
+from concurrent.futures import ProcessPoolExecutor
 import time
 from pathlib import Path
 
@@ -14,7 +15,8 @@ from grpc_reflection.v1alpha import reflection
 
 from packfeed.server.cluster.coordinator import CoordinationUnavailable, Coordinator, coordinator_from_url
 from packfeed.server.serve.config import ServerConfig, describe
-from packfeed.server.serve.jobs import Dataset, JobRegistry
+from packfeed.server.serve.jobs import Dataset
+from packfeed.server.serve.registry import JobRegistry
 from packfeed.server.serve.network import TokenAuth, advertised_address, bind, grpc_options, start_metrics
 from packfeed.server.serve.observe import Metrics, log
 from packfeed.server.serve.service import SERVICE, PackfeedService
@@ -31,6 +33,23 @@ async def announce(coordinator: Coordinator, address: str, ttl_s: float) -> None
         await asyncio.sleep(ttl_s / 3)
 
 
+async def evict_idle_jobs(service: PackfeedService, idle_s: float) -> None:
+    while True:
+        await asyncio.sleep(min(60.0, idle_s / 4))
+        service.evict_idle_jobs()
+
+
+def stop_workers(pool: ProcessPoolExecutor) -> None:
+    """Stop the pre-processing processes now, also one stuck in a read that never returns (a hung mount):
+    waiting for it would keep SIGTERM from stopping the server."""
+    processes = list(getattr(pool, "_processes", {}).values())  # the executor has no public handle on them
+    pool.shutdown(wait=False, cancel_futures=True)
+    for process in processes:
+        process.terminate()
+    for process in processes:
+        process.join(timeout=5)
+
+
 async def serve(config: ServerConfig, ready: asyncio.Event | None = None, stop: asyncio.Event | None = None) -> None:
     """Run the server until SIGTERM/SIGINT (or `stop` is set)."""
     started = time.perf_counter()
@@ -38,7 +57,8 @@ async def serve(config: ServerConfig, ready: asyncio.Event | None = None, stop: 
     pool = start_pool(config.datasets, config.workers)
     metrics = Metrics()
     coordinator = coordinator_from_url(config.redis_url, config.redis_password)
-    service = PackfeedService(config, JobRegistry(datasets), pool, metrics, coordinator)
+    registry = JobRegistry(datasets, max_jobs=config.max_jobs, idle_s=config.job_idle_s)
+    service = PackfeedService(config, registry, pool, metrics, coordinator)
     interceptors = [TokenAuth(config.auth_token)] if config.auth_token else []
     server = grpc.aio.server(interceptors=interceptors, options=grpc_options(config))
     server.add_generic_rpc_handlers((service.handler(),))
@@ -49,6 +69,7 @@ async def serve(config: ServerConfig, ready: asyncio.Event | None = None, stop: 
     await server.start()
     service.server_id = advertised_address(config, port)
     announcer = asyncio.create_task(announce(coordinator, service.server_id, config.lease_ttl_s))
+    evictor = asyncio.create_task(evict_idle_jobs(service, config.job_idle_s))
     metrics_port = start_metrics(config, metrics.registry)
     for name in ("", SERVICE):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
@@ -70,7 +91,9 @@ async def serve(config: ServerConfig, ready: asyncio.Event | None = None, stop: 
     await stop.wait()
     log.info("stopping")
     announcer.cancel()
+    evictor.cancel()
     for name in ("", SERVICE):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
     await server.stop(grace=2)
-    pool.shutdown(cancel_futures=True)
+    stop_workers(pool)
+    service.planning.shutdown(wait=False, cancel_futures=True)  # a plan still running dies with the process

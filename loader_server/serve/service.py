@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import asyncio
 import collections
-from concurrent.futures import Executor
+from concurrent.futures import Executor, ThreadPoolExecutor
+
+from google.protobuf.message import DecodeError
 
 import grpc
 
@@ -25,7 +27,8 @@ from packfeed.server.cluster.coordinator import (
 from packfeed.server.index.table import reason_category
 from packfeed.server.serve.budget import MemoryBudget
 from packfeed.server.serve.config import ServerConfig
-from packfeed.server.serve.jobs import Job, JobError, JobRegistry, JobSpec
+from packfeed.server.serve.jobs import Job, JobError, JobSpec
+from packfeed.server.serve.registry import JobRegistry
 from packfeed.server.serve.network import client_host
 from packfeed.server.serve.observe import Metrics, log
 from packfeed.server.serve.producer import END, produce
@@ -45,6 +48,8 @@ class PackfeedService:
         self.server_id = server_id
         self.budget = MemoryBudget(config.memory_budget_mb << 20, metrics.held.set)
         self.streams_per_client: collections.Counter = collections.Counter()
+        # Planning runs here, off the event loop and off the default executor (which shutdown waits for)
+        self.planning = ThreadPoolExecutor(max_workers=4, thread_name_prefix="packfeed-plan")
 
     # -- coordination -----------------------------------------------------------------------------------
 
@@ -117,19 +122,38 @@ class PackfeedService:
         except ValueError as error:
             raise JobError("INVALID_ARGUMENT", str(error)) from None
         spec = JobSpec(request.job, request.dataset, plan, request.seed, request.epochs or 1)
-        job = await asyncio.to_thread(self.registry.open_job, spec)
+        job = await asyncio.get_running_loop().run_in_executor(self.planning, self.registry.open_job, spec)
         await asyncio.to_thread(self._register, job)
+        self.metrics.jobs.set(len(self.registry.jobs))
         log.info("job opened", extra={"job": spec.job, "spec": job.spec.describe()})
         return self.job_info(job)
+
+    async def close_job(self, request: pb.CloseJobRequest, context) -> pb.CloseJobResponse:
+        job = self.registry.close(request.job)
+        self.metrics.jobs.set(len(self.registry.jobs))
+        log.info("job closed", extra={"job": job.spec.job})
+        return pb.CloseJobResponse()
+
+    def evict_idle_jobs(self) -> None:
+        for name in self.registry.evict_idle():
+            self.metrics.evicted.inc()
+            log.info("idle job forgotten", extra={"job": name, "idle_s": self.config.job_idle_s})
+        self.metrics.jobs.set(len(self.registry.jobs))
 
     async def get_job(self, request: pb.GetJobRequest, context) -> pb.JobInfo:
         return self.job_info(self.registry.get(request.job))
 
     async def list_jobs(self, request: pb.ListJobsRequest, context) -> pb.ListJobsResponse:
-        return pb.ListJobsResponse(jobs=[self.job_info(job) for job in list(self.registry.jobs.values())])
+        return pb.ListJobsResponse(jobs=[self.job_info(job) for job in list(self.registry.jobs.values())
+                                         if job.ready.is_set() and not job.failure])
 
     async def ack_step(self, request: pb.AckStepRequest, context) -> pb.AckStepResponse:
         job = self.registry.get(request.job)
+        job.check_rank(request.rank)
+        await asyncio.to_thread(job.check_step, request.epoch, request.step)
+        if (request.epoch, request.step) > job.ranks[request.rank].streamed:
+            raise JobError("FAILED_PRECONDITION", f"step {request.epoch}:{request.step} was not sent to rank "
+                                                  f"{request.rank} by this server: acknowledge only steps received")
         await asyncio.to_thread(job.ack, request.rank, request.epoch, request.step)
         await asyncio.to_thread(self._share_acks)
         self.metrics.lag.labels(request.job, str(request.rank)).set(job.ranks[request.rank].lag)
@@ -179,10 +203,10 @@ class PackfeedService:
                                           f"if that server is gone, its lease lapses within "
                                           f"{self.config.lease_ttl_s:g} s: retry")
         lost = asyncio.Event()
+        job.open_streams += 1
         keeper = asyncio.create_task(self._keep_lease(job.spec.job, rank, lost))
         queue: asyncio.Queue = asyncio.Queue(maxsize=self.config.prefetch_steps)
-        producer = asyncio.create_task(produce(job, rank, start, queue, self.pool, self.budget,
-                                               self.config.prefetch_steps))
+        producer = asyncio.create_task(produce(job, rank, start, queue, self.pool, self.budget, self.config))
         log.info("stream started", extra={"job": job.spec.job, "rank": rank, "epoch": start[0], "step": start[1],
                                           "peer": context.peer()})
         sent_steps, sending = 0, None  # `sending`: the step being written, still counted in the budget
@@ -205,6 +229,8 @@ class PackfeedService:
                 sending = message = piece = None  # no step outlives its release while we wait for the next
                 sent_steps += 1
         finally:
+            job.open_streams -= 1
+            job.touch()
             keeper.cancel()
             producer.cancel()
             if sending is not None:
@@ -216,8 +242,11 @@ class PackfeedService:
             if not lost.is_set():
                 await asyncio.shield(asyncio.to_thread(self._let_go, job.spec.job, rank))
             log.info("stream ended", extra={"job": job.spec.job, "rank": rank, "steps_sent": sent_steps})
-        if producer.done() and not producer.cancelled() and producer.exception():
-            await context.abort(grpc.StatusCode.INTERNAL, f"pack preparation failed: {producer.exception()!r}")
+        failure = producer.exception() if producer.done() and not producer.cancelled() else None
+        if isinstance(failure, JobError):
+            raise failure
+        if failure is not None:
+            await context.abort(grpc.StatusCode.INTERNAL, f"pack preparation failed: {failure!r}")
 
     def _account(self, job: Job, rank: int, epoch: int, step: int, result: RankStepResult) -> None:
         name = job.spec.job
@@ -239,31 +268,41 @@ class PackfeedService:
     # -- wiring -----------------------------------------------------------------------------------------
 
     def handler(self) -> grpc.GenericRpcHandler:
+        # Requests arrive as bytes and are parsed here, so a malformed message or invalid UTF-8 gets
+        # INVALID_ARGUMENT rather than gRPC's UNKNOWN with a Python exception in it.
         def unary(method, request_type, response_type):
-            async def call(request, context):
+            async def call(raw, context):
                 try:
-                    return await method(request, context)
+                    return await method(parse(request_type, raw), context)
                 except JobError as error:
                     await context.abort(grpc.StatusCode[error.code], str(error))
 
-            return grpc.unary_unary_rpc_method_handler(call, request_deserializer=request_type.FromString,
+            return grpc.unary_unary_rpc_method_handler(call, request_deserializer=None,
                                                        response_serializer=response_type.SerializeToString)
 
         def streaming(part_bytes: int):
-            async def stream(request, context):
+            async def stream(raw, context):
                 try:
-                    await self.stream_packs(request, context, part_bytes)
+                    await self.stream_packs(parse(pb.StreamPacksRequest, raw), context, part_bytes)
                 except JobError as error:
                     await context.abort(grpc.StatusCode[error.code], str(error))
             # Packs arrive serialized from the workers: no response serializer.
-            return grpc.unary_stream_rpc_method_handler(
-                stream, request_deserializer=pb.StreamPacksRequest.FromString, response_serializer=None)
+            return grpc.unary_stream_rpc_method_handler(stream, request_deserializer=None, response_serializer=None)
 
         return grpc.method_handlers_generic_handler(SERVICE, {
             "OpenJob": unary(self.open_job, pb.OpenJobRequest, pb.JobInfo),
             "GetJob": unary(self.get_job, pb.GetJobRequest, pb.JobInfo),
             "ListJobs": unary(self.list_jobs, pb.ListJobsRequest, pb.ListJobsResponse),
             "AckStep": unary(self.ack_step, pb.AckStepRequest, pb.AckStepResponse),
+            "CloseJob": unary(self.close_job, pb.CloseJobRequest, pb.CloseJobResponse),
             "StreamPacks": streaming(0),
             "StreamPackParts": streaming(self.config.pack_part_kb << 10),
         })
+
+
+def parse(message_type, raw: bytes):
+    try:
+        return message_type.FromString(raw)
+    except DecodeError:
+        raise JobError("INVALID_ARGUMENT", f"not a well-formed {message_type.DESCRIPTOR.full_name} (bad bytes or "
+                                           "invalid UTF-8 in a string field)") from None

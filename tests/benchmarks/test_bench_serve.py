@@ -37,7 +37,8 @@ def packfeed_preprocess(index: Path, keep: int = 0):
     """Every rank-step of one epoch (DP 2, M 2) through the worker function, in this process. Like a server,
     it lets go of each message once sent (here: measured), but for the first `keep`."""
     from packfeed.server.serve import workers
-    from packfeed.server.serve.jobs import Dataset, JobRegistry, JobSpec
+    from packfeed.server.serve.jobs import Dataset, JobSpec
+    from packfeed.server.serve.registry import JobRegistry
     from packfeed.v1.options import PlanConfig
 
     source = workers.DatasetSource(str(index), str(index.parent / "tokenizer.json"))

@@ -11,6 +11,7 @@ This module is part of the contract (`packfeed.v1`): pure Python, no numpy, impo
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import asdict, dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
@@ -89,8 +90,8 @@ class CostModel:
 
     def __post_init__(self):
         values = asdict(self)
-        if any(v < 0 for v in values.values()) or not any(values.values()):
-            raise ValueError(f"cost_model {values}: coefficients must be >= 0 and not all zero")
+        if not all(math.isfinite(v) and v >= 0 for v in values.values()) or not any(values.values()):
+            raise ValueError(f"cost_model {values}: coefficients must be finite, >= 0 and not all zero")
 
     @classmethod
     def from_shapes(cls, vision: ModuleShape = INTERNVIT_6B, llm: ModuleShape = INTERNLM2_20B) -> CostModel:
@@ -110,6 +111,12 @@ class CostModel:
 
 def _help(text: str) -> dict[str, str]:
     return {"help": text}
+
+
+# Bounds of every count a request may carry: a server plans and holds state in proportion to them.
+LIMITS = {"dp": 65536, "microbatches": 1024, "pipeline_stages": 1024, "isf_iterations": 100,
+          "samples_per_pack": 1024, "vision_cap": 2**31 - 1, "token_cap": 2**31 - 1, "vision_target": 2**31 - 1,
+          "token_target": 2**31 - 1}
 
 
 @dataclass(frozen=True)
@@ -148,8 +155,10 @@ class PlanConfig:
             problems.append("dp, microbatches and pipeline_stages must be >= 1")
         if self.isf_iterations < 1:
             problems.append("isf_iterations must be >= 1")
-        if self.samples_per_pack < 1:
+        if not self.samples_per_pack >= 1:  # NaN fails too
             problems.append("samples_per_pack must be >= 1")
+        problems += [f"{name} must be <= {limit}" for name, limit in LIMITS.items()
+                     if getattr(self, name) is not None and getattr(self, name) > limit]
         if (self.vision_cap is None) != (self.token_cap is None):
             problems.append("give both vision_cap and token_cap, or neither (automatic)")
         if any(v is not None and v < 1 for v in (self.vision_cap, self.token_cap)):
@@ -182,7 +191,10 @@ class PlanConfig:
 
     @classmethod
     def from_proto(cls, spec: pb.PlanSpec) -> PlanConfig:
-        """Unset (zero or empty) fields keep the defaults. Raises ValueError on a bad config."""
+        """Unset (zero or empty) fields keep the defaults, but for `dp`, which a request must state. Raises
+        ValueError on a bad config."""
+        if not spec.dp:
+            raise ValueError("invalid plan config: dp (data-parallel ranks) is required")
         chosen: dict[str, Any] = {f.name: getattr(spec, f.name) for f in fields(cls) if f.name != "cost_model"}
         chosen = {name: value for name, value in chosen.items() if value}
         if spec.HasField("cost_model"):

@@ -1,0 +1,113 @@
+"""The jobs a server holds, and their life: opened (planned once, off the registry lock, while ranks that join
+wait for that one planning run), used, closed (`CloseJob`) or evicted when idle, and bounded in number.
+
+Names a client sends are checked here before they are stored or repeated in a message.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import replace
+
+from packfeed.server.serve.jobs import Dataset, Job, JobError, JobSpec, RankState
+
+MAX_NAME = 256  # characters of a job id or dataset name
+MAX_EPOCHS = 1_000_000
+
+
+def check_name(value: str, what: str) -> str:
+    """A job id or dataset name: 1-256 printable characters (never echoed back when it is not)."""
+    if not value or len(value) > MAX_NAME or not value.isprintable():
+        raise JobError("INVALID_ARGUMENT", f"{what} must be 1 to {MAX_NAME} printable characters")
+    return value
+
+
+class JobRegistry:
+    """Datasets this server serves (from its configuration) and the jobs opened on them."""
+
+    def __init__(self, datasets: dict[str, Dataset], max_jobs: int = 64, idle_s: float = 3600.0,
+                 plan_wait_s: float = 60.0):
+        self.datasets = datasets
+        self.max_jobs, self.idle_s, self.plan_wait_s = max_jobs, idle_s, plan_wait_s
+        self.jobs: dict[str, Job] = {}
+        self._lock = threading.Lock()
+
+    def open_job(self, spec: JobSpec) -> Job:
+        """Open a job, or join it when it exists with the same settings (idempotent). The first request plans
+        epoch 0 outside the registry lock; others wait for that planning run (at most `plan_wait_s`, then
+        UNAVAILABLE: retry), and every other job goes on meanwhile."""
+        check_name(spec.job, "a job id")
+        if not 1 <= spec.epochs <= MAX_EPOCHS:
+            raise JobError("INVALID_ARGUMENT", f"epochs must be 1 to {MAX_EPOCHS}")
+        dataset = self.dataset(spec.dataset)
+        spec = replace(spec, dataset=dataset.name)
+        with self._lock:
+            job = self.jobs.get(spec.job)
+            if job is not None and job.spec.describe() != spec.describe():
+                raise JobError("FAILED_PRECONDITION",
+                               f"job {spec.job!r} exists with other settings: {job.spec.describe()}; "
+                               f"this request asks for {spec.describe()}. Use the same settings or a new job id")
+            planner = job is None
+            if planner:
+                if len(self.jobs) >= self.max_jobs:
+                    raise JobError("RESOURCE_EXHAUSTED", f"this server holds {self.max_jobs} jobs (max_jobs): close "
+                                                         "finished ones (CloseJob) or wait for idle ones to expire")
+                job = Job(spec, dataset, [RankState() for _ in range(spec.plan.dp)])
+                self.jobs[spec.job] = job
+        job.touch()
+        if planner:
+            try:
+                job.prepare()
+            except JobError:
+                self._forget(job)
+                raise
+        elif not job.ready.wait(self.plan_wait_s):
+            raise JobError("UNAVAILABLE", f"job {spec.job!r} is still being planned: retry")
+        if job.failure:
+            raise job.failure
+        return job
+
+    def dataset(self, name: str) -> Dataset:
+        if not name and len(self.datasets) == 1:
+            return next(iter(self.datasets.values()))
+        if name not in self.datasets:
+            check_name(name, "a dataset name")
+            raise JobError("NOT_FOUND", f"no dataset {name!r} on this server; it serves: "
+                                        f"{', '.join(sorted(self.datasets))}")
+        return self.datasets[name]
+
+    def get(self, name: str) -> Job:
+        """A job that is open and planned."""
+        job = self.jobs.get(name)
+        if job is None:
+            check_name(name, "a job id")
+            raise JobError("NOT_FOUND", f"no job {name!r}: open it first (OpenJob)")
+        if not job.ready.is_set():
+            raise JobError("UNAVAILABLE", f"job {name!r} is still being planned: retry")
+        job.touch()
+        return job
+
+    def close(self, name: str) -> Job:
+        """End a job on this server (its plans and progress are freed); refused while ranks stream from it."""
+        job = self.get(name)
+        if job.open_streams:
+            raise JobError("FAILED_PRECONDITION", f"job {name!r} has {job.open_streams} open pack streams: close "
+                                                  "them first")
+        self._forget(job)
+        return job
+
+    def evict_idle(self, now: float | None = None) -> list[str]:
+        """Forget jobs without open streams that nobody used for `idle_s`; returns their ids."""
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            idle = [name for name, job in self.jobs.items()
+                    if job.ready.is_set() and not job.open_streams and now - job.last_used > self.idle_s]
+            for name in idle:
+                del self.jobs[name]
+        return idle
+
+    def _forget(self, job: Job) -> None:
+        with self._lock:
+            if self.jobs.get(job.spec.job) is job:
+                del self.jobs[job.spec.job]
