@@ -71,3 +71,109 @@ def test_a_cancel_at_any_point_of_a_step_gives_back_its_memory(server, parts_rea
     with PackStream(server.target, job=job + "-after", rank=1, dp=2, microbatches=2, pipeline_stages=2) as stream:
         assert len(list(stream)) > 0
     channel.close()
+
+
+def code_and_message(call) -> tuple[grpc.StatusCode, str]:
+    try:
+        call()
+    except grpc.RpcError as error:
+        return error.code(), error.details()
+    return grpc.StatusCode.OK, ""
+
+
+def test_hostile_requests_get_quick_clear_refusals(server):
+    channel = grpc.insecure_channel(server.target)
+    stub = pb_grpc.PackfeedStub(channel)
+    raw_open = channel.unary_unary("/packfeed.v1.Packfeed/OpenJob", request_serializer=None,
+                                   response_deserializer=None)
+    long_id = "j" * (16 << 10)
+    refusals = {
+        "dp 2^32-1": lambda: stub.OpenJob(pb.OpenJobRequest(job="h", plan=pb.PlanSpec(dp=2**32 - 1))),
+        "dp unset": lambda: stub.OpenJob(pb.OpenJobRequest(job="h", plan=pb.PlanSpec(microbatches=2))),
+        "M 10^6": lambda: stub.OpenJob(pb.OpenJobRequest(job="h", plan=pb.PlanSpec(dp=2, microbatches=10**6))),
+        "ISF 2^32-1": lambda: stub.OpenJob(pb.OpenJobRequest(job="h", plan=pb.PlanSpec(dp=2, isf_iterations=2**32 - 1))),
+        "NaN cost": lambda: stub.OpenJob(pb.OpenJobRequest(job="h", plan=pb.PlanSpec(
+            dp=2, cost_model=pb.CostCoefficients(llm_linear=float("nan"))))),
+        "16 KiB id": lambda: stub.OpenJob(pb.OpenJobRequest(job=long_id, plan=PLAN)),
+        "16 KiB get": lambda: stub.GetJob(pb.GetJobRequest(job=long_id)),
+        "control chars": lambda: stub.OpenJob(pb.OpenJobRequest(job="a\nb", plan=PLAN)),
+        "garbage bytes": lambda: raw_open(b"\xff\xff\xff\xff\x0f garbage"),
+        "invalid utf-8": lambda: raw_open(b"\x0a\x02\xff\xfe"),  # field 1 (job), 2 bytes that are not UTF-8
+    }
+    for name, call in refusals.items():
+        started = time.monotonic()
+        code, message = code_and_message(call)
+        assert code == grpc.StatusCode.INVALID_ARGUMENT, (name, code, message)
+        assert time.monotonic() - started < 2, name
+        assert long_id not in message and len(message) < 1000, name
+    stub.OpenJob(pb.OpenJobRequest(job="acks", plan=PLAN))
+    code, message = code_and_message(lambda: stub.AckStep(pb.AckStepRequest(job="acks", rank=1, step=1)))
+    assert code == grpc.StatusCode.FAILED_PRECONDITION and "was not sent" in message
+    assert stub.GetJob(pb.GetJobRequest(job="acks")).ranks[1].acked_step == -1
+    with PackStream(server.target, job="acks", rank=0, dp=2, microbatches=2, pipeline_stages=2) as stream:
+        assert len(list(stream)) > 0  # the server keeps serving
+    channel.close()
+
+
+def test_jobs_are_closed_bounded_and_forgotten_when_idle(small_tile_index):
+    with LocalServer(small_tile_index, workers=1, env={"PACKFEED_MAX_JOBS": "2", "PACKFEED_JOB_IDLE_S": "2"}) as run:
+        stub = pb_grpc.PackfeedStub(grpc.insecure_channel(run.target))
+        for job in ("a", "b"):
+            stub.OpenJob(pb.OpenJobRequest(job=job, plan=PLAN))
+        assert code_and_message(lambda: stub.OpenJob(pb.OpenJobRequest(job="c", plan=PLAN)))[0] == \
+            grpc.StatusCode.RESOURCE_EXHAUSTED
+        stub.CloseJob(pb.CloseJobRequest(job="a"))
+        assert code_and_message(lambda: stub.GetJob(pb.GetJobRequest(job="a")))[0] == grpc.StatusCode.NOT_FOUND
+        stub.OpenJob(pb.OpenJobRequest(job="c", plan=PLAN))
+        assert sorted(job.job for job in stub.ListJobs(pb.ListJobsRequest()).jobs) == ["b", "c"]
+        parts = stub.StreamPackParts(pb.StreamPacksRequest(job="c", rank=0))
+        next(parts)  # a rank streams from c: it cannot be closed under it, nor forgotten
+        code, message = code_and_message(lambda: stub.CloseJob(pb.CloseJobRequest(job="c")))
+        assert code == grpc.StatusCode.FAILED_PRECONDITION and "open pack streams" in message
+        assert wait_for(lambda: [job.job for job in stub.ListJobs(pb.ListJobsRequest()).jobs] == ["c"], 30)
+        parts.cancel()
+        # a client whose job was forgotten opens it again and gets the very same plan
+        with PackStream(run.target, job="b", rank=0, dp=2, microbatches=2, pipeline_stages=2) as again:
+            assert again.info.job == "b" and len(list(again)) > 0
+
+
+def test_planning_one_job_never_blocks_another(small_tile_index):
+    """Planning runs off the registry lock: while a large job plans, a small one opens, and a rank joining the
+    large job waits for that one planning run (the same Job, planned once)."""
+    import dataclasses
+    import threading
+
+    import numpy as np
+
+    from packfeed.server.index.table import read_index_info
+    from packfeed.server.plan.costs import SampleLoads
+    from packfeed.server.serve.jobs import Dataset, JobError, JobSpec
+    from packfeed.server.serve.registry import JobRegistry
+    from packfeed.server.serve.workers import DatasetSource
+    from packfeed.v1.options import PlanConfig
+
+    source = DatasetSource(str(small_tile_index), read_index_info(small_tile_index).tokenizer["path"])
+    small = Dataset.open("small", source)
+    n, rng = 12_000_000, np.random.default_rng(0)
+    big = dataclasses.replace(small, name="big", loss_tokens=np.ones(n, np.int64), sample_bytes=None,
+                              loads=SampleLoads.from_arrays(rng.integers(1, 13, n), rng.integers(200, 6000, n)))
+    registry = JobRegistry({"small": small, "big": big})
+    opened: dict[str, object] = {}
+
+    def open_big(name):
+        opened[name] = registry.open_job(JobSpec("big-job", "big", PlanConfig(dp=8, isf_iterations=100), 0))
+
+    planner = threading.Thread(target=open_big, args=("first",))
+    planner.start()
+    assert wait_for(lambda: "big-job" in registry.jobs, 10)
+    joiner = threading.Thread(target=open_big, args=("joined",))
+    joiner.start()
+    with pytest.raises(JobError, match="still being planned"):
+        registry.get("big-job")
+    started = time.monotonic()
+    registry.open_job(JobSpec("small-job", "small", PlanConfig(dp=2, microbatches=2), 0))
+    assert planner.is_alive(), "the small job waited for the large one's planning"
+    assert time.monotonic() - started < 5
+    planner.join(120)
+    joiner.join(120)
+    assert opened["first"] is opened["joined"] is registry.get("big-job")

@@ -333,6 +333,13 @@ def test_token_auth(dataset):
             for step in stream:
                 keys += step.sample_keys
         assert keys
+        stub = pb_grpc.PackfeedStub(grpc.insecure_channel(server.target))
+        for header in ("bearer s3cret", "BEARER s3cret", "Bearer  s3cret"):  # the scheme is case-insensitive
+            assert stub.GetJob(pb.GetJobRequest(job="auth"), metadata=(("authorization", header),)).job == "auth"
+        for header in ("Basic s3cret", "s3cret", "Bearer S3CRET", "Bearer"):
+            with pytest.raises(grpc.RpcError) as refused:
+                stub.GetJob(pb.GetJobRequest(job="auth"), metadata=(("authorization", header),))
+            assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
         health = health_pb2_grpc.HealthStub(grpc.insecure_channel(server.target))
         assert health.Check(health_pb2.HealthCheckRequest()).status == health_pb2.HealthCheckResponse.SERVING
 

@@ -3,6 +3,7 @@ message limits, the Prometheus endpoint, and the address it advertises to client
 
 from __future__ import annotations
 
+import hmac
 import re
 from pathlib import Path
 
@@ -19,10 +20,11 @@ def client_host(peer: str) -> str:
 
 
 class TokenAuth(grpc.aio.ServerInterceptor):
-    """Calls must carry `authorization: Bearer <token>`; health checks are open (for orchestrators)."""
+    """Calls must carry `authorization: Bearer <token>` (the scheme in any case, as HTTP has it); health checks
+    are open (for orchestrators)."""
 
     def __init__(self, token: str):
-        self.expected = f"Bearer {token}"
+        self.expected = token.encode()
 
         async def deny(request, context):
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong token: send metadata "
@@ -33,7 +35,8 @@ class TokenAuth(grpc.aio.ServerInterceptor):
     async def intercept_service(self, continuation, details):
         if details.method.startswith("/grpc.health.v1.Health/"):
             return await continuation(details)
-        if dict(details.invocation_metadata or ()).get("authorization") == self.expected:
+        scheme, _, token = str(dict(details.invocation_metadata or ()).get("authorization", "")).partition(" ")
+        if scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), self.expected):
             return await continuation(details)
         return self.deny
 
