@@ -33,9 +33,10 @@ class _Retry(Exception):
 
 
 class Receiver:
-    def __init__(self, channel: ServerChannel, job: str, rank: int, epochs: int, start: tuple[int, int],
+    def __init__(self, channel: ServerChannel, job: str, rank: int, info: pb.JobInfo, start: tuple[int, int],
                  prefetch: int, pin_memory: bool, reopen: Callable[[], None]):
-        self.channel, self.job, self.rank, self.epochs = channel, job, rank, epochs
+        self.channel, self.job, self.rank = channel, job, rank
+        self.epochs, self.plan_fingerprint = info.epochs, info.plan_fingerprint
         self.pin_memory, self.reopen = pin_memory, reopen
         self.ready: queue.Queue = queue.Queue(maxsize=prefetch)
         self._stopped = threading.Event()
@@ -63,6 +64,11 @@ class Receiver:
             except queue.Empty:
                 self._thread.join(timeout=0.1)
 
+    def _elsewhere(self, code: grpc.StatusCode | None) -> bool:
+        """A server that holds another plan of the job (FAILED_PRECONDITION) is not the job's: with several
+        servers known, try the next."""
+        return code == grpc.StatusCode.FAILED_PRECONDITION and len(self.channel.targets) > 1
+
     def _put(self, item) -> bool:
         while not self._stopped.is_set():
             try:
@@ -81,7 +87,7 @@ class Receiver:
         """Stream from `self.cursor`, handing out whole steps and moving the cursor past each; True when there
         is nothing more to receive (the job is done, or the receiver was stopped)."""
         request = pb.StreamPacksRequest(job=self.job, rank=self.rank, first_epoch=self.cursor[0],
-                                        first_step=self.cursor[1])
+                                        first_step=self.cursor[1], plan_fingerprint=self.plan_fingerprint)
         self._call = self.channel.stream_parts(request)
         packs: list[PackTensors] = []
         assembler = PackAssembler()
@@ -120,11 +126,13 @@ class Receiver:
                     self.failures += 1
                     try:
                         self.reopen()
+                        continue
                     except PackfeedError as reopen_error:
-                        self._put(reopen_error)
-                        return
-                    continue
-                if code not in RETRYABLE or self.failures >= retries:
+                        if not self._elsewhere(reopen_error.code):
+                            self._put(reopen_error)
+                            return
+                        code, details = reopen_error.code, str(reopen_error)
+                if not (code in RETRYABLE or self._elsewhere(code)) or self.failures >= retries:
                     self._put(PackfeedError(f"{code.name}: {details} (job {self.job!r}, rank {self.rank}, step "
                                             f"{self.cursor[0]}:{self.cursor[1]}, servers {self.channel.targets})", code))
                     return

@@ -139,7 +139,7 @@ class PackStream:
         if self._next is None:
             raise StopIteration
         if self._receiver is None:
-            self._receiver = Receiver(self.channel, self.job, self.rank, self.info.epochs, self._next, self.prefetch,
+            self._receiver = Receiver(self.channel, self.job, self.rank, self.info, self._next, self.prefetch,
                                       self.pin_memory, self.reopen)
         started = time.perf_counter()
         item = self._receiver.get()
@@ -162,7 +162,9 @@ class PackStream:
     def reopen(self) -> None:
         """After a server restart (it keeps jobs in memory): open the job again. Plans are a pure function of
         the job's settings, so the new server streams the same packs, unless the dataset changed under it."""
-        info = self.channel.call("OpenJob", self._open_request)
+        request = pb.OpenJobRequest(plan_fingerprint=self.info.plan_fingerprint)
+        request.MergeFrom(self._open_request)  # a server that would plan otherwise refuses: it cannot capture the job
+        info = self.channel.call("OpenJob", request)
         if info.plan_fingerprint != self.info.plan_fingerprint:
             raise PackfeedError(f"job {self.job!r} was re-opened after a server restart with another plan "
                                 f"({info.plan_fingerprint}, was {self.info.plan_fingerprint}): did the index change?",

@@ -6,9 +6,12 @@ from __future__ import annotations
 import threading
 import time
 
+import grpc
 import pytest
 from packfeed.client import LocalServer, PackStream
 from packfeed.client.discovery import servers_from_redis
+from packfeed.v1 import packfeed_pb2 as pb
+from packfeed.v1 import packfeed_pb2_grpc as pb_grpc
 from redis_server import RedisProcess
 from test_service import dataset, step_digest, valid_keys  # noqa: F401  (the module's dataset fixture)
 
@@ -104,3 +107,44 @@ def test_streams_go_on_while_redis_is_down_and_state_catches_up(tmp_path, datase
     redis.stop()
     keys = [k for ks in records[0] for k in ks]
     assert sorted(keys) == sorted(valid_keys(dataset) * EPOCHS)
+
+
+def test_a_server_over_another_index_cannot_capture_a_job_after_a_redis_flush(tmp_path, dataset):  # noqa: F811
+    """Redis flushed, the job's server killed: a server over another index must refuse the clients that hold
+    the job's plan (and register nothing), so the job's other server takes over and the epoch completes."""
+    import redis as redis_client
+
+    from packfeed.server.cluster.redis_coordinator import RedisCoordinator
+    from packfeed.server.index.indexer import IndexConfig, build_index
+    from packfeed.server.index.table import read_index_info
+
+    info = read_index_info(dataset)
+    other = tmp_path / "other.parquet"  # the same shards, indexed with other tiles: another plan
+    build_index(info.inputs, other, IndexConfig(tokenizer=info.tokenizer["path"], image_policy={
+        "name": "internvl", "image_size": 224, "max_num": 4}), workers=1, progress=False)
+    redis = RedisProcess(tmp_path / "redis").start()
+    env = {"PACKFEED_REDIS_URL": redis.url, "PACKFEED_LEASE_TTL_S": TTL}
+    own, stranger, spare = (LocalServer(index, workers=1, env=env).start() for index in (dataset, other, dataset))
+    try:
+        keys = []
+        with PackStream([own.target, stranger.target, spare.target], job="captured", rank=0, dp=1,
+                        microbatches=1, prefetch=1, retries=8, backoff=0.25) as stream:
+            steps = iter(stream)
+            keys += next(steps).sample_keys
+            redis_client.Redis.from_url(redis.url).flushall()
+            own.process.kill()
+            for step in steps:
+                keys += step.sample_keys
+            fingerprint = stream.info.plan_fingerprint
+        record = RedisCoordinator(redis.url).job("captured")
+        assert record is not None and record.plan_fingerprint == fingerprint
+        assert record.index_fingerprint == info.fingerprint
+        stub = pb_grpc.PackfeedStub(grpc.insecure_channel(stranger.target))
+        with pytest.raises(grpc.RpcError) as absent:  # refused, and no trace of the job left behind
+            stub.GetJob(pb.GetJobRequest(job="captured"))
+        assert absent.value.code() == grpc.StatusCode.NOT_FOUND
+    finally:
+        for server in (own, stranger, spare):
+            server.stop()
+        redis.stop()
+    assert sorted(keys) == sorted(valid_keys(dataset))

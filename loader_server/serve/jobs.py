@@ -182,6 +182,14 @@ class Job:
                 self._plans.popitem(last=False)  # never the one just asked for: it is the newest
             return self._plans[epoch]
 
+    def check_plan(self, expected: str) -> None:
+        """A client holding another plan of this job id must not be served this one."""
+        if expected and expected != self.plan(0).fingerprint():
+            raise JobError("FAILED_PRECONDITION", f"job {self.spec.job!r} plans to {self.plan(0).fingerprint()} on "
+                                                  f"this server (index {self.dataset.info.fingerprint}); the client "
+                                                  f"holds plan {expected}: this server serves another dataset or "
+                                                  "settings; use one of the job's own servers")
+
     def check_rank(self, rank: int) -> None:
         if not 0 <= rank < self.spec.plan.dp:
             raise JobError("OUT_OF_RANGE", f"rank {rank} is outside job {self.spec.job!r} (dp = {self.spec.plan.dp})")

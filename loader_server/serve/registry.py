@@ -33,10 +33,11 @@ class JobRegistry:
         self.jobs: dict[str, Job] = {}
         self._lock = threading.Lock()
 
-    def open_job(self, spec: JobSpec) -> Job:
+    def open_job(self, spec: JobSpec, expected_plan: str = "") -> Job:
         """Open a job, or join it when it exists with the same settings (idempotent). The first request plans
         epoch 0 outside the registry lock; others wait for that planning run (at most `plan_wait_s`, then
-        UNAVAILABLE: retry), and every other job goes on meanwhile."""
+        UNAVAILABLE: retry), and every other job goes on meanwhile. With `expected_plan` (a client re-opening
+        the job it holds) a job planned otherwise here is refused, and forgotten if this request made it."""
         check_name(spec.job, "a job id")
         if not 1 <= spec.epochs <= MAX_EPOCHS:
             raise JobError("INVALID_ARGUMENT", f"epochs must be 1 to {MAX_EPOCHS}")
@@ -60,12 +61,16 @@ class JobRegistry:
             try:
                 job.prepare()
             except JobError:
-                self._forget(job)
+                self.forget(job)
                 raise
         elif not job.ready.wait(self.plan_wait_s):
             raise JobError("UNAVAILABLE", f"job {spec.job!r} is still being planned: retry")
         if job.failure:
             raise job.failure
+        if expected_plan and job.plan(0).fingerprint() != expected_plan:
+            if planner:
+                self.forget(job)
+            job.check_plan(expected_plan)
         return job
 
     def dataset(self, name: str) -> Dataset:
@@ -94,7 +99,7 @@ class JobRegistry:
         if job.open_streams:
             raise JobError("FAILED_PRECONDITION", f"job {name!r} has {job.open_streams} open pack streams: close "
                                                   "them first")
-        self._forget(job)
+        self.forget(job)
         return job
 
     def evict_idle(self, now: float | None = None) -> list[str]:
@@ -107,7 +112,8 @@ class JobRegistry:
                 del self.jobs[name]
         return idle
 
-    def _forget(self, job: Job) -> None:
+    def forget(self, job: Job) -> None:
+        """Drop `job` (if it is still the one held under its id)."""
         with self._lock:
             if self.jobs.get(job.spec.job) is job:
                 del self.jobs[job.spec.job]

@@ -122,7 +122,8 @@ class PackfeedService:
         except ValueError as error:
             raise JobError("INVALID_ARGUMENT", str(error)) from None
         spec = JobSpec(request.job, request.dataset, plan, request.seed, request.epochs or 1)
-        job = await asyncio.get_running_loop().run_in_executor(self.planning, self.registry.open_job, spec)
+        job = await asyncio.get_running_loop().run_in_executor(self.planning, self.registry.open_job, spec,
+                                                               request.plan_fingerprint)
         await asyncio.to_thread(self._register, job)
         self.metrics.jobs.set(len(self.registry.jobs))
         log.info("job opened", extra={"job": spec.job, "spec": job.spec.describe()})
@@ -194,6 +195,7 @@ class PackfeedService:
 
     async def _stream_packs(self, request: pb.StreamPacksRequest, context, part_bytes: int) -> None:
         job, rank = self.registry.get(request.job), request.rank
+        job.check_plan(request.plan_fingerprint)
         job.check_rank(rank)
         start = (request.first_epoch, request.first_step)
         await asyncio.to_thread(job.check_step, *start)
