@@ -41,12 +41,13 @@ class Connection:
     tls_cert: str | None = None
     tls_key: str | None = None
     max_message_mb: int = 256
+    stall_timeout: float = 120.0  # seconds without data on a pack stream before it is given up and retried
 
     def __post_init__(self):
         if bool(self.tls_cert) != bool(self.tls_key):
             raise ValueError("give both tls_cert and tls_key (mutual TLS), or neither")
-        if self.retries < 0 or self.timeout <= 0 or self.backoff < 0:
-            raise ValueError("retries and backoff must be >= 0 and timeout > 0")
+        if self.retries < 0 or self.timeout <= 0 or self.backoff < 0 or self.stall_timeout <= 0:
+            raise ValueError("retries and backoff must be >= 0, timeout and stall_timeout > 0")
 
     @property
     def metadata(self) -> tuple[tuple[str, str], ...]:

@@ -2,8 +2,10 @@
 groups M packs into a `Step`, converts them to tensors and keeps up to `prefetch` steps ready.
 
 A broken connection is retried with exponential backoff from the first step not fully received, on the
-next known server when there are several; a server that forgot the job (it restarted) is asked to open it
-again through `reopen`. Errors retrying cannot fix are handed to the trainer as `PackfeedError`.
+next known server when there are several; so is a stream that stays silent for `stall_timeout` seconds while
+the receiver waits for data (a hung server), which a watchdog cancels. A server that forgot the job (it
+restarted) is asked to open it again through `reopen`. Errors retrying cannot fix are handed to the trainer
+as `PackfeedError`.
 """
 
 from __future__ import annotations
@@ -42,8 +44,11 @@ class Receiver:
         self._stopped = threading.Event()
         self._call = None
         self.cursor, self.failures = start, 0  # the first step not yet received; consecutive failures
+        self._heard = time.monotonic()  # last sign of life from the server (or from the trainer taking a step)
+        self._stalled = False
         self._thread = threading.Thread(target=self._run, name=f"packfeed-rank{rank}", daemon=True)
         self._thread.start()
+        threading.Thread(target=self._watch, name=f"packfeed-watch{rank}", daemon=True).start()
 
     def get(self) -> Received | BaseException | None:
         """The next step, an error to raise, or None at the end of the job."""
@@ -75,8 +80,16 @@ class Receiver:
                 self.ready.put(item, timeout=0.2)
                 return True
             except queue.Full:
-                continue
+                self._heard = time.monotonic()  # waiting for the trainer, not for the server
         return False
+
+    def _watch(self) -> None:
+        """Cancel a stream that has been silent for `stall_timeout` while the receiver waits on it."""
+        stall = self.channel.connection.stall_timeout
+        while not self._stopped.wait(min(1.0, stall / 4)):
+            if self._call is not None and time.monotonic() - self._heard > stall:
+                self._stalled = True
+                self._call.cancel()
 
     def _following(self, pack: PackTensors) -> tuple[int, int] | None:
         if not pack.last_in_epoch:
@@ -88,10 +101,12 @@ class Receiver:
         is nothing more to receive (the job is done, or the receiver was stopped)."""
         request = pb.StreamPacksRequest(job=self.job, rank=self.rank, first_epoch=self.cursor[0],
                                         first_step=self.cursor[1], plan_fingerprint=self.plan_fingerprint)
+        self._heard = time.monotonic()
         self._call = self.channel.stream_parts(request)
         packs: list[PackTensors] = []
         assembler = PackAssembler()
         for part in self._call:
+            self._heard = time.monotonic()
             message = assembler.add(part)
             if message is None:
                 continue
@@ -118,10 +133,15 @@ class Receiver:
                 if self._receive():
                     return
             except (grpc.RpcError, _Retry) as error:
+                self._call = None
                 if self._stopped.is_set():
                     return
                 code = error.code() if isinstance(error, grpc.RpcError) else grpc.StatusCode.UNAVAILABLE
                 details = error.details() if isinstance(error, grpc.RpcError) else str(error)
+                if self._stalled:  # our watchdog cancelled a silent stream: a server problem, retry elsewhere
+                    self._stalled = False
+                    code, details = grpc.StatusCode.UNAVAILABLE, (f"no data for "
+                                                                  f"{self.channel.connection.stall_timeout:g} s")
                 if code == grpc.StatusCode.NOT_FOUND and self.failures < retries:  # a restarted server forgot the job
                     self.failures += 1
                     try:

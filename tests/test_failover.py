@@ -148,3 +148,33 @@ def test_a_server_over_another_index_cannot_capture_a_job_after_a_redis_flush(tm
             server.stop()
         redis.stop()
     assert sorted(keys) == sorted(valid_keys(dataset))
+
+
+def test_a_silent_server_is_left_for_another(dataset):  # noqa: F811
+    """A server that stops answering mid-stream (SIGSTOP: a hung process, its connection still open) is given
+    up after the client's stall timeout, and the epoch completes on the next server, exactly once."""
+    import os
+    import signal
+
+    from packfeed.client import Connection
+
+    hung, healthy = (LocalServer(dataset, workers=1).start() for _ in range(2))
+    try:
+        keys, gaps = [], []
+        with PackStream([hung.target, healthy.target], job="silent", rank=0, dp=1, microbatches=1, prefetch=1,
+                        connection=Connection(stall_timeout=3, retries=4, backoff=0.2)) as stream:
+            steps = iter(stream)
+            keys += next(steps).sample_keys
+            os.kill(hung.process.pid, signal.SIGSTOP)
+            last = time.monotonic()
+            for step in steps:
+                keys += step.sample_keys
+                gaps.append(time.monotonic() - last)
+                last = time.monotonic()
+            assert stream.target == healthy.target
+    finally:
+        os.kill(hung.process.pid, signal.SIGCONT)
+        hung.stop()
+        healthy.stop()
+    assert sorted(keys) == sorted(valid_keys(dataset))
+    assert 2 < max(gaps) < 30  # the stall was noticed after about stall_timeout, not never
