@@ -31,6 +31,8 @@ from packfeed.v1 import packfeed_pb2 as pb
 from packfeed.v1.options import PlanConfig
 
 MAX_SKIPPED_LISTED = 1000  # per job; the count keeps going
+# A decoded image held as RGBA (4 bytes a pixel), its RGB conversion (3) and resized copies (about 3 more)
+DECODE_BYTES_PER_PIXEL = 10
 
 
 class JobError(Exception):
@@ -94,6 +96,7 @@ class Dataset:
     info: IndexInfo
     loss_tokens: np.ndarray  # per sample, from the index
     conventions: pb.ModelConventions  # what a trainer's model must know of these samples
+    largest_image: np.ndarray | None = None  # per sample: pixels of its largest image (0 without images)
     sample_bytes: np.ndarray | None = None  # per sample: estimated bytes of its tensors in a pack
 
     def __post_init__(self):
@@ -107,6 +110,15 @@ class Dataset:
         """Bytes a rank-step will take once prepared, for reserving room in the memory budget up front."""
         return int(sum(int(self.sample_bytes[np.asarray(ids, dtype=np.int64)].sum()) + 1024 for ids, _ in work.packs))
 
+    def decode_bytes(self, work) -> int:
+        """Bytes a worker holds for a while preparing the rank-step: its largest image decoded, converted and
+        resized (a worker decodes one image at a time). Reserved in the budget until the step is ready, so
+        a 9,400 x 9,400 PNG of 200 KB cannot take a gigabyte behind the budget's back."""
+        if self.largest_image is None:
+            return 0
+        ids = [np.asarray(ids, dtype=np.int64) for ids, _ in work.packs if len(ids)]
+        return int(max((self.largest_image[i].max() for i in ids), default=0)) * DECODE_BYTES_PER_PIXEL
+
     @classmethod
     def open(cls, name: str, source: DatasetSource) -> "Dataset":
         loads, info = load_sample_loads(source.index)
@@ -114,9 +126,9 @@ class Dataset:
             raise ValueError(f"dataset {name}: {source.index} was imported from length files and has no shards "
                              "to serve; index the WebDataset shards with `packfeed index`")
         check_shards_reachable(name, info, source)
-        loss = IndexRows(source.index).loss_tokens_per_sample
-        return cls(name, source, loads, info, np.asarray(loss, dtype=np.int64),
-                   conventions_of(info, source.tokenizer))
+        rows = IndexRows(source.index)
+        return cls(name, source, loads, info, np.asarray(rows.loss_tokens_per_sample, dtype=np.int64),
+                   conventions_of(info, source.tokenizer), rows.largest_image_pixels())
 
 
 def check_shards_reachable(name: str, info: IndexInfo, source: DatasetSource) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import numpy as np
+import pyarrow.compute as pc
 
 from packfeed.server.index.chat import IGNORE_INDEX
 from packfeed.server.serve.preprocess import SampleTensors
@@ -104,6 +105,15 @@ class IndexRows:
 
     def row(self, sample_id: int) -> dict:
         return self.table.slice(int(sample_id), 1).to_pylist()[0]
+
+    def largest_image_pixels(self) -> np.ndarray:
+        """Per sample: width x height of its largest image, 0 for text-only samples."""
+        widths, heights = (self.table.column(name).combine_chunks() for name in ("image_widths", "image_heights"))
+        pixels = (widths.flatten().to_numpy(zero_copy_only=False).astype(np.int64)
+                  * heights.flatten().to_numpy(zero_copy_only=False).astype(np.int64))
+        largest = np.zeros(len(self.table), dtype=np.int64)
+        np.maximum.at(largest, pc.list_parent_indices(widths).to_numpy(), pixels)
+        return largest
 
     def loss_tokens(self, sample_ids: np.ndarray) -> int:
         return int(self.loss_tokens_per_sample[np.asarray(sample_ids, dtype=np.int64)].sum())
