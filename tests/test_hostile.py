@@ -177,3 +177,47 @@ def test_planning_one_job_never_blocks_another(small_tile_index):
     planner.join(120)
     joiner.join(120)
     assert opened["first"] is opened["joined"] is registry.get("big-job")
+
+
+def test_a_worker_killed_mid_epoch_is_replaced_and_the_epoch_completes(small_tile_index):
+    """The OOM killer takes a pre-processing worker: the pool is started afresh, health says NOT_SERVING only
+    meanwhile, and the client's retry finishes the epoch with every sample exactly once."""
+    import os
+    import signal
+
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from packfeed.server.index.table import read_index
+
+    table, _ = read_index(small_tile_index, columns=["key", "valid"])
+    valid = sorted(k for k, v in zip(table.column("key").to_pylist(), table.column("valid").to_pylist()) if v)
+
+    def workers(pid: int) -> list[int]:
+        with open(f"/proc/{pid}/task/{pid}/children") as children:
+            found = [int(child) for child in children.read().split()]
+        return [child for child in found if b"spawn_main" in open(f"/proc/{child}/cmdline", "rb").read()]
+
+    with LocalServer(small_tile_index, workers=1) as server:
+        keys = []
+        with PackStream(server.target, job="oom", rank=0, dp=1, microbatches=2, prefetch=1, retries=8,
+                        backoff=0.2) as stream:
+            steps = iter(stream)
+            keys += next(steps).sample_keys
+            os.kill(workers(server.process.pid)[0], signal.SIGKILL)
+            keys += [key for step in steps for key in step.sample_keys]
+        health = health_pb2_grpc.HealthStub(grpc.insecure_channel(server.target))
+        assert wait_for(lambda: health.Check(health_pb2.HealthCheckRequest()).status ==
+                        health_pb2.HealthCheckResponse.SERVING, 10)
+        assert any("worker pool restarted" in line for line in server.log)
+    assert sorted(keys) == valid
+
+
+def test_sigterm_stops_a_busy_server_within_seconds(small_tile_index):
+    with LocalServer(small_tile_index, workers=1) as server:
+        stream = PackStream(server.target, job="drain", rank=0, dp=1, microbatches=2, prefetch=2)
+        next(iter(stream))  # a stream with steps in preparation
+        started = time.monotonic()
+        server.process.terminate()
+        server.process.wait(20)
+        assert time.monotonic() - started < 10
+        stream.close()

@@ -10,24 +10,23 @@ from __future__ import annotations
 
 import asyncio
 import collections
-from concurrent.futures import Executor
+from concurrent.futures.process import BrokenProcessPool
 
 from packfeed.server.serve.budget import MemoryBudget
 from packfeed.server.serve.config import ServerConfig
 from packfeed.server.serve.jobs import Job, JobError
 from packfeed.server.serve.observe import log
-from packfeed.server.serve.workers import RankStepResult, build_rank_step
+from packfeed.server.serve.workers import RankStepResult, WorkerPool
 
 END = None  # put in the queue after the job's last step (or after a failure)
 
 
-async def produce(job: Job, rank: int, cursor: tuple[int, int] | None, queue: asyncio.Queue, pool: Executor,
+async def produce(job: Job, rank: int, cursor: tuple[int, int] | None, queue: asyncio.Queue, pool: WorkerPool,
                   budget: MemoryBudget, config: ServerConfig) -> None:
     """Put ((epoch, step), RankStepResult) for every step from `cursor` to the end of the job, then END.
     Raises JobError when a step takes over `prepare_timeout_s` (a stalled read) or loses more than
     `max_skipped_fraction` of its samples (the dataset is not what was indexed, or not reachable)."""
     prefetch_steps = config.prefetch_steps
-    loop = asyncio.get_running_loop()
     in_flight: collections.deque = collections.deque()  # (position, reserved bytes, future)
     owned = 0  # bytes of a prepared step counted in the budget but not yet in the queue
     pending = None  # (work, estimate) of the cursor's step when it could not be submitted yet
@@ -44,7 +43,7 @@ async def produce(job: Job, rank: int, cursor: tuple[int, int] | None, queue: as
                 elif not budget.try_reserve(estimate):
                     break  # no room to prefetch: deliver what is in preparation first (it frees room)
                 pending = None
-                in_flight.append((cursor, estimate, loop.run_in_executor(pool, build_rank_step, work)))
+                in_flight.append((cursor, estimate, pool.run(work)))
                 cursor = await asyncio.to_thread(job.next_step, *cursor)
             position, estimate, future = in_flight[0]
             try:
@@ -53,6 +52,10 @@ async def produce(job: Job, rank: int, cursor: tuple[int, int] | None, queue: as
                 raise JobError("UNAVAILABLE", f"step {position[0]}:{position[1]} of rank {rank} took over "
                                               f"{config.prepare_timeout_s:g} s to prepare (a stalled read?); "
                                               "retry, or use another server") from None
+            except BrokenProcessPool:
+                pool.restart()
+                raise JobError("UNAVAILABLE", "a pre-processing worker died (out of memory?); the pool was "
+                                              "restarted: retry") from None
             in_flight.popleft()
             check_skipped(result, position, rank, config.max_skipped_fraction)
             budget.adjust(result.nbytes - estimate)

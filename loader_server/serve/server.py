@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import signal
-from concurrent.futures import ProcessPoolExecutor
 import time
 from pathlib import Path
 
@@ -20,7 +19,7 @@ from packfeed.server.serve.registry import JobRegistry
 from packfeed.server.serve.network import TokenAuth, advertised_address, bind, grpc_options, start_metrics
 from packfeed.server.serve.observe import Metrics, log
 from packfeed.server.serve.service import SERVICE, PackfeedService
-from packfeed.server.serve.workers import start_pool
+from packfeed.server.serve.workers import WorkerPool
 
 
 async def announce(coordinator: Coordinator, address: str, ttl_s: float) -> None:
@@ -33,28 +32,30 @@ async def announce(coordinator: Coordinator, address: str, ttl_s: float) -> None
         await asyncio.sleep(ttl_s / 3)
 
 
+async def report_health(health_servicer, pool: WorkerPool) -> None:
+    """NOT_SERVING while the worker pool is broken (a worker died) and until it is started again."""
+    serving = True
+    while True:
+        await asyncio.sleep(0.5)
+        if pool.healthy != serving:
+            serving = pool.healthy
+            status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+            for name in ("", SERVICE):
+                await health_servicer.set(name, status)
+            log.warning("worker pool " + ("restarted: serving" if serving else "broken: not serving"))
+
+
 async def evict_idle_jobs(service: PackfeedService, idle_s: float) -> None:
     while True:
         await asyncio.sleep(min(60.0, idle_s / 4))
         service.evict_idle_jobs()
 
 
-def stop_workers(pool: ProcessPoolExecutor) -> None:
-    """Stop the pre-processing processes now, also one stuck in a read that never returns (a hung mount):
-    waiting for it would keep SIGTERM from stopping the server."""
-    processes = list(getattr(pool, "_processes", {}).values())  # the executor has no public handle on them
-    pool.shutdown(wait=False, cancel_futures=True)
-    for process in processes:
-        process.terminate()
-    for process in processes:
-        process.join(timeout=5)
-
-
 async def serve(config: ServerConfig, ready: asyncio.Event | None = None, stop: asyncio.Event | None = None) -> None:
     """Run the server until SIGTERM/SIGINT (or `stop` is set)."""
     started = time.perf_counter()
     datasets = {name: await asyncio.to_thread(Dataset.open, name, source) for name, source in config.datasets.items()}
-    pool = start_pool(config.datasets, config.workers)
+    pool = WorkerPool(config.datasets, config.workers)
     metrics = Metrics()
     coordinator = coordinator_from_url(config.redis_url, config.redis_password)
     registry = JobRegistry(datasets, max_jobs=config.max_jobs, idle_s=config.job_idle_s)
@@ -70,6 +71,7 @@ async def serve(config: ServerConfig, ready: asyncio.Event | None = None, stop: 
     service.server_id = advertised_address(config, port)
     announcer = asyncio.create_task(announce(coordinator, service.server_id, config.lease_ttl_s))
     evictor = asyncio.create_task(evict_idle_jobs(service, config.job_idle_s))
+    watcher = asyncio.create_task(report_health(health_servicer, pool))
     metrics_port = start_metrics(config, metrics.registry)
     for name in ("", SERVICE):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
@@ -92,8 +94,9 @@ async def serve(config: ServerConfig, ready: asyncio.Event | None = None, stop: 
     log.info("stopping")
     announcer.cancel()
     evictor.cancel()
+    watcher.cancel()
     for name in ("", SERVICE):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
     await server.stop(grace=2)
-    stop_workers(pool)
+    pool.stop()
     service.planning.shutdown(wait=False, cancel_futures=True)  # a plan still running dies with the process

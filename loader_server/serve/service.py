@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
-from concurrent.futures import Executor, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 
 from google.protobuf.message import DecodeError
 
@@ -33,7 +33,7 @@ from packfeed.server.serve.network import client_host
 from packfeed.server.serve.observe import Metrics, log
 from packfeed.server.serve.producer import END, produce
 from packfeed.server.serve.wire import pack_parts
-from packfeed.server.serve.workers import RankStepResult
+from packfeed.server.serve.workers import RankStepResult, WorkerPool
 from packfeed.v1 import packfeed_pb2 as pb
 from packfeed.v1.options import PlanConfig
 
@@ -41,7 +41,7 @@ SERVICE = pb.DESCRIPTOR.services_by_name["Packfeed"].full_name
 
 
 class PackfeedService:
-    def __init__(self, config: ServerConfig, registry: JobRegistry, pool: Executor, metrics: Metrics,
+    def __init__(self, config: ServerConfig, registry: JobRegistry, pool: WorkerPool, metrics: Metrics,
                  coordinator: Coordinator | None = None, server_id: str = "local"):
         self.config, self.registry, self.pool, self.metrics = config, registry, pool, metrics
         self.coordinator = coordinator or EmbeddedCoordinator()

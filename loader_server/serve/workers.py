@@ -8,6 +8,7 @@ threads is unsafe.
 
 from __future__ import annotations
 
+import asyncio
 import multiprocessing
 import time
 from concurrent.futures import ProcessPoolExecutor
@@ -17,6 +18,7 @@ import numpy as np
 
 from packfeed.server.serve.packs import IndexRows, build_pack
 from packfeed.server.serve.preprocess import SampleReader
+from packfeed.server.serve.observe import log
 from packfeed.server.serve.wire import encode_pack
 
 
@@ -82,6 +84,46 @@ def build_rank_step(work: RankStepWork) -> RankStepResult:
     return RankStepResult(messages, samples, skipped, time.perf_counter() - started)
 
 
-def start_pool(sources: dict[str, DatasetSource], workers: int) -> ProcessPoolExecutor:
-    return ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn"),
-                               initializer=_init_worker, initargs=(sources,))
+class WorkerPool:
+    """The pre-processing processes. A worker that dies (the OOM killer, a crash in a decoder) breaks a
+    ProcessPoolExecutor for good; here the pool is started afresh, the steps it held fail with a retryable
+    error, and `healthy` tells the health service meanwhile."""
+
+    def __init__(self, sources: dict[str, DatasetSource], workers: int):
+        self.sources, self.workers = sources, workers
+        self.executor = self._start()
+        self.restarts = 0
+
+    def _start(self) -> ProcessPoolExecutor:
+        return ProcessPoolExecutor(max_workers=self.workers, mp_context=multiprocessing.get_context("spawn"),
+                                   initializer=_init_worker, initargs=(self.sources,))
+
+    @property
+    def healthy(self) -> bool:
+        return not getattr(self.executor, "_broken", False)
+
+    def run(self, work: RankStepWork) -> asyncio.Future:
+        """build_rank_step(work) in a worker, as an asyncio future."""
+        if not self.healthy:
+            self.restart()
+        return asyncio.get_running_loop().run_in_executor(self.executor, build_rank_step, work)
+
+    def restart(self) -> None:
+        """A new pool in place of a broken one (once: callers racing here find it healthy)."""
+        if self.healthy:
+            return
+        broken, self.executor = self.executor, self._start()
+        self.restarts += 1
+        log.warning("a pre-processing worker died (out of memory?): worker pool restarted",
+                    extra={"restarts": self.restarts})
+        broken.shutdown(wait=False, cancel_futures=True)
+
+    def stop(self) -> None:
+        """Stop the processes now, also one stuck in a read that never returns (a hung mount): waiting for it
+        would keep SIGTERM from stopping the server."""
+        processes = list(getattr(self.executor, "_processes", {}).values())  # no public handle on them
+        self.executor.shutdown(wait=False, cancel_futures=True)
+        for process in processes:
+            process.terminate()
+        for process in processes:
+            process.join(timeout=5)
