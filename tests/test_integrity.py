@@ -58,10 +58,10 @@ def index(shards, out, tokenizer, **config) -> pq.ParquetFile:
     return out
 
 
-def every_sample(index_path, **plan) -> tuple[dict[str, object], list[tuple[str, str]]]:
+def every_sample(index_path, env=None, **plan) -> tuple[dict[str, object], list[tuple[str, str]]]:
     """{key: PackTensors holding it} and the skipped (key, reason) of one epoch at DP 1, from a real server."""
     packs, skipped = {}, []
-    with LocalServer(index_path, workers=1) as server, \
+    with LocalServer(index_path, workers=1, env=env) as server, \
             PackStream(server.target, job="integrity", rank=0, dp=1, **plan) as stream:
         for step in stream:
             for pack in step.packs:
@@ -80,7 +80,9 @@ def test_a_shard_rewritten_with_two_samples_swapped_is_caught(tmp_path, demo_dat
     packs, skipped = every_sample(path)
     assert set(packs) == {"s1", "s2"} and not skipped
     write_tar(shard, [{**s2, "__key__": "s1"}, {**s1, "__key__": "s2"}])
-    packs, skipped = every_sample(path)
+    with pytest.raises(Exception, match=r"FAILED_PRECONDITION: .* 2 of 2 samples skipped .*shard changed"):
+        every_sample(path)  # by default a step that lost most of its samples fails loudly
+    packs, skipped = every_sample(path, env={"PACKFEED_MAX_SKIPPED_FRACTION": "1"})
     assert not packs
     assert sorted(key for key, _ in skipped) == ["s1", "s2"]
     assert all(reason.startswith("shard changed") and "checksum" in reason for _, reason in skipped)
