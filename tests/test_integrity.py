@@ -253,3 +253,17 @@ def test_decoding_a_huge_image_is_counted_in_the_memory_budget(tmp_path, demo_da
         watcher.join()
     assert sorted(keys) == sorted(s["__key__"] for s in samples)
     assert peak[0] >= 9400 * 9400 * DECODE_BYTES_PER_PIXEL  # counted while it was being prepared
+
+
+def test_skip_reasons_read_the_same_on_every_server():
+    """Reasons travel inside packs: an exception's object address would make two servers' bytes differ."""
+    from packfeed.server.index.table import describe_error
+
+    reasons = set()
+    for _ in range(2):
+        try:
+            Image.open(io.BytesIO(b"not an image at all"))
+        except OSError as error:
+            assert " at 0x" in str(error)  # what Pillow says, with the buffer's address
+            reasons.add(describe_error(error))
+    assert len(reasons) == 1 and "0x" not in next(iter(reasons))
