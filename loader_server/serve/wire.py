@@ -5,7 +5,9 @@ Building the message through protobuf copies every tensor's bytes four times (nd
 of its time next to decoding and tiling. Protobuf messages concatenate: the fields without tensors are
 serialized by protobuf, and each `tensors` map entry is framed here by the wire format's rules (a
 length-delimited field is tag, varint length, payload), with the array's own buffer as the payload, so
-`bytes.join` copies the pixels once. Any protobuf parser reads the result as the same `Pack`.
+`bytes.join` copies the pixels once. Any protobuf parser reads the result as the same `Pack`. Each payload
+starts at a multiple of 64 bytes within the message (the Tensor's `align` padding), so readers in any
+language can view it in place.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from packfeed.v1 import packfeed_pb2 as pb
 _LENGTH_DELIMITED = 2
 _TENSORS = pb.Pack.DESCRIPTOR.fields_by_name["tensors"].number
 _DATA = pb.Tensor.DESCRIPTOR.fields_by_name["data"].number
+_ALIGN = pb.Tensor.DESCRIPTOR.fields_by_name["align"].number
+ALIGNMENT = 64  # bytes: tensor payloads start at multiples of this within the Pack message
 _MAP_KEY, _MAP_VALUE = 1, 2  # protobuf's map entry: message { K key = 1; V value = 2; }
 _PART_DATA = pb.PackPart.DESCRIPTOR.fields_by_name["data"].number
 _PART_LAST = pb.PackPart.DESCRIPTOR.fields_by_name["last"].number
@@ -41,20 +45,29 @@ def little_endian(array: np.ndarray) -> np.ndarray:
     return array.astype(array.dtype.newbyteorder("<"), copy=False)
 
 
-def _tensor_entry(name: str, array: np.ndarray) -> list:
+def _tensor_entry(name: str, array: np.ndarray, offset: int, alignment: int) -> list:
+    """The map entry of one tensor, to be written at `offset` of the message: its payload padded (the Tensor's
+    `align` field, before `data`) to start at a multiple of `alignment` (1: no padding)."""
     array = little_endian(array)
     data = memoryview(array).cast("B") if array.size else b""
-    tensor_head = pb.Tensor(dtype=array.dtype.name, shape=array.shape).SerializeToString() \
-        + _header(_DATA, len(data))
     key = name.encode()
     key_field = _header(_MAP_KEY, len(key)) + key
-    value_length = len(tensor_head) + len(data)
-    value_head = _header(_MAP_VALUE, value_length)
-    entry_length = len(key_field) + len(value_head) + value_length
-    return [_header(_TENSORS, entry_length), key_field, value_head, tensor_head, data]
+    shape = pb.Tensor(dtype=array.dtype.name, shape=array.shape).SerializeToString()
+    padded, pad = len(data) and alignment > 1, 0
+    while True:  # grow the pad by what is missing; a varint growing with it may ask for one more round
+        padding = _header(_ALIGN, pad) + bytes(pad) if padded else b""
+        tensor_head = shape + padding + _header(_DATA, len(data))
+        value_length = len(tensor_head) + len(data)
+        value_head = _header(_MAP_VALUE, value_length)
+        entry_head = _header(_TENSORS, len(key_field) + len(value_head) + value_length)
+        missing = -(offset + len(entry_head) + len(key_field) + len(value_head) + len(tensor_head)) % alignment
+        if not padded or not missing:
+            break
+        pad += missing
+    return [entry_head, key_field, value_head, tensor_head, data]
 
 
-def encode_pack(pack: Pack, microbatches: int, last_in_epoch: bool) -> bytes:
+def encode_pack(pack: Pack, microbatches: int, last_in_epoch: bool, alignment: int = ALIGNMENT) -> bytes:
     """The serialized `packfeed.v1.Pack` of `pack`; its tensors in `pack.tensors` order, so equal packs give
     equal bytes."""
     head = pb.Pack(epoch=pack.epoch, step=pack.step, rank=pack.rank, microbatch=pack.microbatch,
@@ -64,8 +77,11 @@ def encode_pack(pack: Pack, microbatches: int, last_in_epoch: bool) -> bytes:
                    skipped=[pb.SkippedSample(key=key, reason=reason, epoch=pack.epoch, step=pack.step)
                             for key, reason in pack.skipped])
     parts = [head.SerializeToString()]
+    offset = len(parts[0])
     for name, array in pack.tensors.items():
-        parts += _tensor_entry(name, array)
+        entry = _tensor_entry(name, array, offset, alignment)
+        offset += sum(len(piece) for piece in entry)
+        parts += entry
     return b"".join(parts)
 
 
