@@ -81,12 +81,23 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from packfeed.server.plan.costs import load_sample_loads
     from packfeed.server.plan.planner import make_plan
 
-    loads, info = load_sample_loads(args.index)
-    plan = make_plan(loads, plan_config_of(args), args.seed, args.epoch, info.fingerprint)
+    if bool(args.index) == bool(args.mixture):
+        raise ValueError("give --index INDEX or --mixture MIXTURE.yaml")
+    if args.mixture:
+        from packfeed.server.plan.mixture import Mixture, MixtureLoads, make_mixture_plan
+
+        mixture = MixtureLoads(Mixture.load(args.mixture))
+        plan = make_mixture_plan(mixture, plan_config_of(args), args.seed, args.epoch)
+        loads = plan.rows.loads
+    else:
+        loads, info = load_sample_loads(args.index)
+        plan = make_plan(loads, plan_config_of(args), args.seed, args.epoch, info.fingerprint)
     if args.out:
         plan.write(args.out)
     summary = plan.summary(loads)
     summary["plan_fingerprint"] = plan.fingerprint()
+    if plan.rows is not None:
+        summary["datasets"] = plan.rows.counts(plan.members)
     if summary["oversize"]["count"]:
         print(f"note: {summary['oversize']['count']} samples exceed a cap (policy: {summary['oversize']['policy']})", file=sys.stderr)
     print(json.dumps(summary))
@@ -181,7 +192,9 @@ def build_parser() -> argparse.ArgumentParser:
     index.set_defaults(func=cmd_index)
 
     plan = sub.add_parser("plan", help="plan balanced packs for one epoch")
-    plan.add_argument("--index", required=True)
+    plan.add_argument("--index", help="the dataset's index (or --mixture)")
+    plan.add_argument("--mixture", metavar="MIXTURE.yaml", help="plan a mixture of datasets (name, datasets: "
+                                                                "{NAME: {index, repeat}}); plan rows get a dataset column")
     plan.add_argument("--seed", type=int, default=0)
     plan.add_argument("--epoch", type=int, default=0)
     plan.add_argument("--out", help="plan.parquet (one row per sample)")

@@ -44,6 +44,7 @@ class Plan:
     seconds: float = 0.0
     pack_vision: np.ndarray | None = None  # per pack, kept from planning so summaries need no gathers
     pack_tokens: np.ndarray | None = None
+    rows: Any = field(default=None, repr=False, compare=False)  # MixtureRows: sample ids are rows of a mixture
     _fingerprint: str | None = field(default=None, repr=False, compare=False)
 
     @property
@@ -132,19 +133,25 @@ class Plan:
         empty = true."""
         step, rank, microbatch, position, sample_id, empty, truncate_to = _plan_rows(
             self.offsets, self.members, self.truncate_to, first, stop, self.config.dp, self.config.microbatches)
-        return pa.table({
+        columns = {
             "epoch": pa.array(np.full(len(step), self.epoch, dtype=np.int32)),
             "step": pa.array(step), "rank": pa.array(rank), "microbatch": pa.array(microbatch),
             "position": pa.array(position), "sample_id": pa.array(sample_id), "empty": pa.array(empty),
             "truncate_to": pa.array(truncate_to),
-        })
+        }
+        if self.rows is not None:  # a mixture: each row's dataset, and its sample id in that dataset's index
+            real = np.where(empty, 0, sample_id)
+            columns["dataset"] = pa.DictionaryArray.from_arrays(
+                pa.array(self.rows.datasets[real], mask=empty, type=pa.int32()), pa.array(self.rows.names))
+            columns["sample_id"] = pa.array(np.where(empty, -1, self.rows.sample_ids[real]))
+        return pa.table(columns)
 
     def write(self, path: str | Path, rows_per_chunk: int = 1 << 22) -> None:
         """Write plan.parquet in chunks of about `rows_per_chunk` rows, so memory stays bounded."""
         meta = {"config": self.config.to_dict(), "seed": self.seed, "epoch": self.epoch,
                 "caps": asdict(self.caps) if self.caps else None, "index_fingerprint": self.index_fingerprint,
                 "plan_fingerprint": self.fingerprint(), "oversize": self.oversize.tolist(),
-                "packfeed_version": __version__}
+                "packfeed_version": __version__, "mixture": self.rows.names if self.rows is not None else None}
         rows_before = np.cumsum(np.maximum(self.pack_sizes(), 1))
         cuts = np.searchsorted(rows_before, np.arange(rows_per_chunk, rows_before[-1] if len(rows_before) else 0,
                                                       rows_per_chunk), side="right")
@@ -158,7 +165,7 @@ class Plan:
         # Build the next chunk's rows (compiled, GIL released) while Arrow encodes the current one.
         delta = {name: "DELTA_BINARY_PACKED" for name in ("epoch", "step", "rank", "microbatch", "position",
                                                           "sample_id", "truncate_to")}
-        with pq.ParquetWriter(path, schema, compression="zstd", use_dictionary=False, column_encoding=delta,
+        with pq.ParquetWriter(path, schema, compression="zstd", use_dictionary=["dataset"], column_encoding=delta,
                               write_statistics=["step"]) as writer, \
                 ThreadPoolExecutor(max_workers=1) as builder:
             chunks = list(zip(bounds[1:-1], bounds[2:]))
@@ -173,6 +180,9 @@ class Plan:
 def read_plan(path: str | Path) -> Plan:
     table = pq.read_table(path, memory_map=True)
     meta = json.loads(table.schema.metadata[PLAN_METADATA_KEY])
+    if meta.get("mixture"):
+        raise ValueError(f"{path} is the plan of a mixture: its rows name a dataset and a sample id within it; "
+                         "read them as a table (e.g. pyarrow.parquet.read_table)")
     config = PlanConfig.from_dict(meta["config"])
     pack = (table.column("step").to_numpy().astype(np.int64) * config.dp
             + table.column("rank").to_numpy()) * config.microbatches + table.column("microbatch").to_numpy()

@@ -1,0 +1,161 @@
+"""Dataset mixtures: several indexes planned as one, each with a repeat weight (InternVL's `repeat_time`).
+
+    name: sft-mix
+    datasets:
+      chartqa: {index: chartqa/index.parquet, repeat: 2}     # every valid sample twice per epoch
+      ai2d:    {index: ai2d/index.parquet, repeat: 1}
+      docvqa:  {index: docvqa/index.parquet, repeat: 0.4}    # a seeded subset of round(0.4 n), new each epoch
+
+A repeat r gives every valid sample floor(r) times plus a subset of round((r - floor(r)) n) distinct valid
+samples drawn from (seed, epoch, dataset), so counts are exact and deterministic. The epoch's rows are the
+union of all datasets: ISF and balancing run over it, so packs mix datasets. A plan's row `k` is sample
+`sample_ids[k]` of dataset `datasets[k]` (`MixtureRows`). Relative index paths count from the mixture file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import yaml
+
+from packfeed.server.index.image_policy import policy_from_dict
+from packfeed.server.index.table import IndexInfo
+from packfeed.server.plan.costs import SampleLoads, load_sample_loads
+from packfeed.server.plan.isf import Caps
+from packfeed.server.plan.plan_file import Plan
+from packfeed.server.plan.planner import make_plan, resolve_caps
+from packfeed.v1.options import PlanConfig
+
+_SUBSET_STREAM = 0x5B5E7  # random stream of the subsets, apart from the planner's own
+
+
+@dataclass(frozen=True)
+class MixtureEntry:
+    name: str
+    index: str
+    repeat: float
+
+
+@dataclass(frozen=True)
+class Mixture:
+    name: str
+    datasets: tuple[MixtureEntry, ...]
+
+    @classmethod
+    def load(cls, path: str | Path) -> Mixture:
+        """Read and check a mixture file (YAML)."""
+        path = Path(path)
+        raw = yaml.safe_load(path.read_text()) or {}
+        if not isinstance(raw, dict) or not isinstance(raw.get("datasets"), dict) or not raw["datasets"]:
+            raise ValueError(f"{path}: a mixture file needs `name:` and `datasets: {{NAME: {{index: PATH, "
+                             "repeat: FLOAT}}}`")
+        name = str(raw.get("name") or path.stem)
+        entries = []
+        for dataset, spec in raw["datasets"].items():
+            if not isinstance(spec, dict) or "index" not in spec or set(spec) - {"index", "repeat"}:
+                raise ValueError(f"{path}: dataset {dataset!r} needs `index:` (and optionally `repeat:`), nothing else")
+            repeat = float(spec.get("repeat", 1))
+            if not math.isfinite(repeat) or repeat <= 0:
+                raise ValueError(f"{path}: dataset {dataset!r} has repeat {spec.get('repeat')!r}; give a number > 0")
+            index = Path(spec["index"])
+            index = index if index.is_absolute() else path.parent / index
+            if not index.is_file():
+                raise ValueError(f"{path}: dataset {dataset!r}: index {index} not found")
+            entries.append(MixtureEntry(str(dataset), str(index), repeat))
+        return cls(name, tuple(entries))
+
+
+@dataclass
+class MixtureRows:
+    """One epoch of a mixture: the union's loads and, per row, its dataset and its sample id there."""
+
+    loads: SampleLoads
+    datasets: np.ndarray  # int32: position in `names`
+    sample_ids: np.ndarray  # int64: row of that dataset's index
+    names: list[str]
+
+    def counts(self, members: np.ndarray) -> dict[str, int]:
+        """How many of `members` (row ids) come from each dataset."""
+        counted = np.bincount(self.datasets[members], minlength=len(self.names))
+        return {name: int(count) for name, count in zip(self.names, counted)}
+
+
+class MixtureLoads:
+    """The indexes of a mixture, read once; `epoch(seed, epoch)` gives each epoch's rows."""
+
+    def __init__(self, mixture: Mixture):
+        self.mixture = mixture
+        read = [load_sample_loads(entry.index) for entry in mixture.datasets]
+        self.loads = [loads for loads, _ in read]
+        self.infos = [info for _, info in read]
+        check_conventions(mixture, self.infos)
+        self.valid = [np.flatnonzero(loads.valid) for loads in self.loads]
+
+    @property
+    def fingerprint(self) -> str:
+        """Covers every dataset's name, index fingerprint and repeat."""
+        basis = [{"name": e.name, "index": info.fingerprint, "repeat": e.repeat}
+                 for e, info in zip(self.mixture.datasets, self.infos)]
+        return hashlib.sha256(json.dumps({"mixture": basis}, sort_keys=True).encode()).hexdigest()[:32]
+
+    def epoch(self, seed: int, epoch: int) -> MixtureRows:
+        datasets, sample_ids = [], []
+        for k, (entry, valid) in enumerate(zip(self.mixture.datasets, self.valid)):
+            whole, fraction = divmod(entry.repeat, 1.0)
+            picked = [valid] * int(whole)
+            subset = int(round(fraction * len(valid)))
+            if subset:
+                rng = np.random.default_rng(np.random.SeedSequence([seed, epoch, _SUBSET_STREAM, k]))
+                picked.append(np.sort(rng.choice(valid, size=subset, replace=False)))
+            rows = np.concatenate(picked) if picked else np.empty(0, np.int64)
+            datasets.append(np.full(len(rows), k, dtype=np.int32))
+            sample_ids.append(rows.astype(np.int64))
+        return self._rows(np.concatenate(datasets), np.concatenate(sample_ids))
+
+    def once(self) -> MixtureRows:
+        """Every valid sample of every dataset once: what the automatic caps are searched on (stable across
+        epochs, whatever the subsets)."""
+        datasets = np.concatenate([np.full(len(v), k, dtype=np.int32) for k, v in enumerate(self.valid)])
+        return self._rows(datasets, np.concatenate(self.valid).astype(np.int64))
+
+    def _rows(self, datasets: np.ndarray, sample_ids: np.ndarray) -> MixtureRows:
+        def gather(column: str) -> np.ndarray:
+            parts = [getattr(loads, column)[sample_ids[datasets == k]] for k, loads in enumerate(self.loads)]
+            return np.concatenate(parts) if parts else np.empty(0)
+
+        loads = SampleLoads(valid=np.ones(len(sample_ids), dtype=bool), vision=gather("vision"),
+                            tokens=gather("tokens"), vit_patches=gather("vit_patches"),
+                            vit_attn_sq=gather("vit_attn_sq"))
+        return MixtureRows(loads, datasets, sample_ids, [e.name for e in self.mixture.datasets])
+
+
+def check_conventions(mixture: Mixture, infos: list[IndexInfo]) -> None:
+    """Every dataset of a mixture feeds one model: same tokenizer, chat template and image policy family
+    (per-dataset limits such as max tiles may differ)."""
+    def conventions(info: IndexInfo) -> dict:
+        return {"tokenizer": (info.tokenizer or {}).get("sha256"), "chat template": info.chat_template,
+                "image policy": policy_from_dict(info.image_policy).name}
+
+    first, reference = mixture.datasets[0], conventions(infos[0])
+    for entry, info in zip(mixture.datasets[1:], infos[1:]):
+        for what, value in conventions(info).items():
+            if value != reference[what]:
+                raise ValueError(f"mixture {mixture.name}: datasets {first.name!r} and {entry.name!r} disagree on the "
+                                 f"{what} ({reference[what]!r} vs {value!r}); index them with the same conventions")
+
+
+def make_mixture_plan(mixture: MixtureLoads, config: PlanConfig, seed: int, epoch: int,
+                      caps: Caps | None = None) -> Plan:
+    """Plan one epoch of a mixture over the union of its datasets. Caps (automatic unless given) are searched
+    on every valid sample once, so they are the same in every epoch."""
+    if caps is None and not config.strategy.padded:
+        caps = resolve_caps(mixture.once().loads, config)
+    rows = mixture.epoch(seed, epoch)
+    plan = make_plan(rows.loads, config, seed, epoch, mixture.fingerprint, caps=caps)
+    plan.rows = rows
+    return plan

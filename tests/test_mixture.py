@@ -1,0 +1,122 @@
+"""Dataset mixtures: exact repeat counts and subset sizes, deterministic in (seed, epoch), planned over the
+union so packs mix datasets; the plan file names each row's dataset; mismatched conventions are refused."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections import Counter
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+import yaml
+
+from packfeed.server.index.lengths import write_lengths_index
+from packfeed.server.plan.mixture import Mixture, MixtureLoads, make_mixture_plan
+from packfeed.v1.options import PlanConfig
+
+CLI = [sys.executable, "-m", "packfeed.server.cli"]
+REPEATS = {"charts": 2, "diagrams": 1, "documents": 0.4}
+
+
+def lengths_index(path, n: int, seed: int, invalid: int = 0):
+    rng = np.random.default_rng(seed)
+    vision = rng.integers(0, 13, n)
+    tokens = rng.integers(64, 4000, n)
+    tokens[:invalid] = 0  # length records that cannot be planned: invalid rows
+    write_lengths_index(vision, tokens, (vision > 0).astype(np.int64), path, [path.name], np.zeros(n, np.int32))
+    return path
+
+
+@pytest.fixture
+def mixture_file(tmp_path):
+    sizes = {"charts": (400, 0), "diagrams": (300, 7), "documents": (250, 0)}
+    datasets = {}
+    for k, (name, (n, invalid)) in enumerate(sizes.items()):
+        lengths_index(tmp_path / name / "index.parquet", n, k, invalid)
+        datasets[name] = {"index": f"{name}/index.parquet", "repeat": REPEATS[name]}
+    path = tmp_path / "mix.yaml"
+    path.write_text(yaml.safe_dump({"name": "sft-mix", "datasets": datasets}))
+    return path
+
+
+def plan_rows(mixture_file, out, epoch: int, seed: int = 0) -> tuple[list[dict], dict]:
+    done = subprocess.run(CLI + ["plan", "--mixture", str(mixture_file), "--dp", "4", "--microbatches", "2",
+                                 "--seed", str(seed), "--epoch", str(epoch), "--out", str(out)],
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    return pq.read_table(out).to_pylist(), json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_every_sample_arrives_exactly_its_repeat_count(mixture_file, tmp_path):
+    mixture = MixtureLoads(Mixture.load(mixture_file))
+    valid = {entry.name: set(np.flatnonzero(loads.valid).tolist())
+             for entry, loads in zip(mixture.mixture.datasets, mixture.loads)}
+    rows, summary = plan_rows(mixture_file, tmp_path / "plan0.parquet", epoch=0)
+    counts = {name: Counter() for name in REPEATS}
+    for row in rows:
+        if not row["empty"]:
+            counts[row["dataset"]][row["sample_id"]] += 1
+    assert set(counts["charts"]) == valid["charts"] and set(counts["charts"].values()) == {2}
+    assert set(counts["diagrams"]) == valid["diagrams"] and set(counts["diagrams"].values()) == {1}
+    assert len(valid["diagrams"]) == 293  # the invalid rows stay out
+    subset = set(counts["documents"])
+    assert subset <= valid["documents"] and set(counts["documents"].values()) == {1}
+    assert len(subset) == round(0.4 * len(valid["documents"]))
+    assert summary["datasets"] == {"charts": 800, "diagrams": 293, "documents": len(subset)}
+    # ISF and balancing run over the union: packs mix datasets
+    packs: dict[tuple, set] = {}
+    for row in rows:
+        if not row["empty"]:
+            packs.setdefault((row["step"], row["rank"], row["microbatch"]), set()).add(row["dataset"])
+    assert any(len(sources) > 1 for sources in packs.values())
+    # another epoch draws another subset; the same epoch again is the same plan
+    rows1, _ = plan_rows(mixture_file, tmp_path / "plan1.parquet", epoch=1)
+    assert {r["sample_id"] for r in rows1 if r["dataset"] == "documents"} != subset
+    again, summary_again = plan_rows(mixture_file, tmp_path / "again.parquet", epoch=0)
+    assert again == rows and summary_again["plan_fingerprint"] == summary["plan_fingerprint"]
+
+
+def test_the_fingerprint_covers_every_index_and_weight(mixture_file, tmp_path):
+    base = MixtureLoads(Mixture.load(mixture_file))
+    config = PlanConfig(dp=4)
+    plan = make_mixture_plan(base, config, 0, 0)
+    raw = yaml.safe_load(mixture_file.read_text())
+    raw["datasets"]["diagrams"]["repeat"] = 1.5
+    reweighted = tmp_path / "reweighted.yaml"
+    reweighted.write_text(yaml.safe_dump(raw))
+    other = MixtureLoads(Mixture.load(reweighted))
+    assert other.fingerprint != base.fingerprint
+    assert make_mixture_plan(other, config, 0, 0).fingerprint() != plan.fingerprint()
+    lengths_index(tmp_path / "charts" / "index.parquet", 400, 99)  # the same name, other content
+    assert MixtureLoads(Mixture.load(mixture_file)).fingerprint != base.fingerprint
+
+
+@pytest.mark.parametrize("datasets, message", [
+    ({"a": {"index": "missing.parquet"}}, "not found"),
+    ({"a": {"index": "charts/index.parquet", "repeat": 0}}, "give a number > 0"),
+    ({"a": {"index": "charts/index.parquet", "weight": 2}}, "nothing else"),
+    ({}, "needs `name:` and `datasets:"),
+])
+def test_bad_mixture_files_are_refused_with_the_reason(mixture_file, tmp_path, datasets, message):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump({"name": "bad", "datasets": datasets}))
+    with pytest.raises(ValueError, match=message):
+        Mixture.load(bad)
+
+
+def test_datasets_with_other_conventions_cannot_be_mixed(tmp_path, demo_dataset):
+    from test_integrity import conversation, index, write_tar
+
+    write_tar(tmp_path / "one.tar", [{"__key__": "q", "json": conversation("Q?", "A.")}])
+    index([tmp_path / "one.tar"], tmp_path / "tiles.parquet", demo_dataset.tokenizer)
+    index([tmp_path / "one.tar"], tmp_path / "resized.parquet", demo_dataset.tokenizer,
+          image_policy={"name": "qwen2vl"})
+    mix = tmp_path / "mix.yaml"
+    mix.write_text(yaml.safe_dump({"name": "m", "datasets": {"tiles": {"index": "tiles.parquet"},
+                                                             "resized": {"index": "resized.parquet"}}},
+                                  sort_keys=False))
+    with pytest.raises(ValueError, match="datasets 'tiles' and 'resized' disagree on the image policy"):
+        MixtureLoads(Mixture.load(mix))
