@@ -112,6 +112,17 @@ def cmd_stats(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_info(args: argparse.Namespace) -> int:
+    from packfeed.server.tools.info import describe_path, format_info
+
+    reports = [describe_path(path) for path in args.paths]
+    if args.json:
+        print(json.dumps(reports if len(reports) > 1 else reports[0], indent=1))
+    else:
+        print("\n\n".join(format_info(report) for report in reports))
+    return EXIT_OK
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from packfeed.server.tools.demo import run_demo
 
@@ -207,6 +218,11 @@ def build_parser() -> argparse.ArgumentParser:
     stats.add_argument("--seed", type=int, default=0)
     add_plan_options(stats)
     stats.set_defaults(func=cmd_stats)
+
+    info = sub.add_parser("info", help="a quick look at an index, a mixture, a directory or shards before training")
+    info.add_argument("paths", nargs="+", metavar="PATH", help="INDEX.parquet, MIXTURE.yaml, a directory, or shards")
+    info.add_argument("--json", action="store_true", help="machine-readable output")
+    info.set_defaults(func=cmd_info)
 
     serve = sub.add_parser("serve", help="stream balanced packs to trainer ranks over gRPC")
     serve.add_argument("--config", help="YAML/JSON server config (see packfeed.server.serve.config); env PACKFEED_* "

@@ -120,3 +120,28 @@ def test_datasets_with_other_conventions_cannot_be_mixed(tmp_path, demo_dataset)
                                   sort_keys=False))
     with pytest.raises(ValueError, match="datasets 'tiles' and 'resized' disagree on the image policy"):
         MixtureLoads(Mixture.load(mix))
+
+
+def test_info_gives_the_quick_look_before_training(mixture_file, tmp_path, demo_dataset):
+    """`packfeed info` on a mixture (per dataset, with repeats), an index, a directory and raw shards."""
+    done = subprocess.run(CLI + ["info", str(mixture_file), "--json"], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    mixture = json.loads(done.stdout)
+    assert mixture["kind"] == "mixture" and set(mixture["datasets"]) == set(REPEATS)
+    diagrams = mixture["datasets"]["diagrams"]
+    assert (diagrams["samples"], diagrams["valid"], diagrams["invalid"]) == (300, 293, 7)
+    assert diagrams["invalid_by_reason"] == {"bad length record (vit_num < 0 or token_num <= 0)": 7}
+    assert mixture["datasets"]["charts"]["samples_per_epoch"] == 800
+    assert mixture["datasets"]["documents"]["samples_per_epoch"] == round(0.4 * 250)
+    assert mixture["samples_per_epoch"] == 800 + 293 + 100
+    assert mixture["datasets"]["charts"]["distributions"]["llm_tokens"]["max"] < 4000
+    text = subprocess.run(CLI + ["info", str(mixture_file)], capture_output=True, text=True, check=True).stdout
+    assert "diagrams: repeat 1 -> 293 per epoch" in text and "7 bad length record" in text
+
+    directory = json.loads(subprocess.run(CLI + ["info", str(mixture_file.parent / "charts"), "--json"],
+                                          capture_output=True, text=True, check=True).stdout)
+    assert directory["kind"] == "index" and directory["samples"] == 400
+    shards = subprocess.run(CLI + ["info", str(demo_dataset.shards[0].parent), "--json"], capture_output=True,
+                            text=True, check=True)
+    seen = json.loads(shards.stdout)
+    assert seen["kind"] == "shards" and seen["shards"] == len(demo_dataset.shards) and seen["samples"] == 60

@@ -22,6 +22,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
 from packfeed.server.plan.costs import load_sample_loads  # noqa: E402
+from packfeed.server.tools.info import describe  # noqa: E402
 from packfeed.server.index.table import read_index, reason_category  # noqa: E402
 from packfeed.server.plan.planner import make_plan, resolve_caps  # noqa: E402
 from packfeed.server.plan.plan_file import Plan  # noqa: E402
@@ -29,14 +30,6 @@ from packfeed.v1.options import PlanConfig, Strategy  # noqa: E402
 
 REPORT_COLUMNS = ["valid", "reason", "n_images", "vision_units", "vision_tokens", "llm_tokens", "text_tokens",
                   "loss_tokens", "shard"]
-
-
-def _describe(values: np.ndarray) -> dict[str, float]:
-    if len(values) == 0:
-        return {}
-    p50, p90, p99 = np.percentile(values, [50, 90, 99])
-    return {"mean": round(float(values.mean()), 2), "p50": float(p50), "p90": float(p90), "p99": float(p99),
-            "max": float(values.max()), "min": float(values.min())}
 
 
 def compare_strategies(loads, config: PlanConfig, seed: int, fingerprint: str) -> tuple[list[dict], Plan]:
@@ -135,10 +128,10 @@ def build_report(index_path: str | Path, config: PlanConfig, seed: int = 0) -> t
         "invalid_by_reason": dict(sorted(reasons.items())), "shard_errors": info.skipped_shards or [],
         "image_policy": info.image_policy,
         "distributions": {
-            "images_per_sample": _describe(n_images[valid].astype(np.int64)) if images_known else None,
-            "vision_units": _describe(loads.vision[valid]),
-            "vision_tokens": _describe(vision_tokens),
-            "llm_tokens": _describe(loads.tokens[valid]),
+            "images_per_sample": describe(n_images[valid].astype(np.int64)) if images_known else None,
+            "vision_units": describe(loads.vision[valid]),
+            "vision_tokens": describe(vision_tokens),
+            "llm_tokens": describe(loads.tokens[valid]),
         },
         "plan_config": {"dp": config.dp, "microbatches": config.microbatches,
                         "pipeline_stages": config.pipeline_stages, "seed": seed},

@@ -1,0 +1,132 @@
+"""`packfeed info PATH`: the quick look a person takes before training, like `energon info`.
+
+PATH is an index (counts, valid and invalid samples by reason, distributions of images, vision units, LLM and
+loss tokens, the conventions it was built with), a mixture file (the same per dataset, with its repeat and
+samples per epoch), a directory (its `index.parquet`, else its tar shards) or shards (what can be seen
+without a tokenizer: samples, members, images per sample, problems).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from packfeed.server.index.table import read_index, reason_category
+
+INDEX_COLUMNS = ["valid", "reason", "n_images", "vision_units", "llm_tokens", "loss_tokens", "shard"]
+
+
+def describe(values: np.ndarray) -> dict[str, float]:
+    """min, mean, p50, p90, p99, max of `values` ({} when empty)."""
+    if len(values) == 0:
+        return {}
+    p50, p90, p99 = np.percentile(values, [50, 90, 99])
+    return {"mean": round(float(values.mean()), 2), "p50": float(p50), "p90": float(p90), "p99": float(p99),
+            "max": float(values.max()), "min": float(values.min())}
+
+
+def index_info(path: str | Path) -> dict[str, Any]:
+    table, info = read_index(path, columns=INDEX_COLUMNS)
+    column = {name: table.column(name).to_numpy(zero_copy_only=False) for name in INDEX_COLUMNS
+              if name not in ("reason", "shard")}
+    valid = column["valid"].astype(bool)
+    reasons = Counter(reason_category(r) for r in table.column("reason").to_pylist() if r is not None)
+    distributions = {name: describe(column[name][valid].astype(np.int64))
+                     for name in ("vision_units", "llm_tokens", "loss_tokens")}
+    if info.has_shards:
+        distributions = {"images_per_sample": describe(column["n_images"][valid].astype(np.int64)), **distributions}
+    return {"kind": "index", "path": str(path), "fingerprint": info.fingerprint, "source": info.source,
+            "samples": int(len(valid)), "valid": int(valid.sum()), "invalid": int((~valid).sum()),
+            "invalid_by_reason": dict(sorted(reasons.items())), "shards": len(info.inputs),
+            "shard_errors": info.skipped_shards or [], "distributions": distributions,
+            "conventions": {"image_policy": info.image_policy, "chat_template": info.chat_template,
+                            "tokenizer": (info.tokenizer or {}).get("path")}}
+
+
+def mixture_info(path: str | Path) -> dict[str, Any]:
+    from packfeed.server.plan.mixture import Mixture, MixtureLoads
+
+    mixture = Mixture.load(path)
+    loads = MixtureLoads(mixture)
+    datasets = {}
+    for entry in mixture.datasets:
+        one = index_info(entry.index)
+        whole, fraction = divmod(entry.repeat, 1.0)
+        one.update(repeat=entry.repeat, samples_per_epoch=int(whole) * one["valid"] + round(fraction * one["valid"]))
+        datasets[entry.name] = one
+    return {"kind": "mixture", "path": str(path), "name": mixture.name, "fingerprint": loads.fingerprint,
+            "samples_per_epoch": sum(d["samples_per_epoch"] for d in datasets.values()), "datasets": datasets}
+
+
+def shards_info(specs: list[str]) -> dict[str, Any]:
+    from packfeed.server.index.shards import ShardError, expand_shards, is_compressed, iter_samples
+
+    urls = expand_shards(specs)
+    samples, members, without_json, images, problems, seen, duplicates = 0, 0, 0, [], [], set(), 0
+    for url in urls:
+        if is_compressed(url):
+            problems.append({"shard": url, "problem": "compressed: serving needs plain .tar shards"})
+        try:
+            for raw in iter_samples(url):
+                samples += 1
+                members += len(raw.members)
+                images.append(len(raw.image_members()))
+                without_json += raw.json_member() is None
+                duplicates += raw.key in seen
+                seen.add(raw.key)
+        except ShardError as error:
+            problems.append({"shard": url, "problem": str(error)})
+    return {"kind": "shards", "shards": len(urls), "samples": samples, "members": members,
+            "without_json": without_json, "duplicate_keys": duplicates,
+            "distributions": {"images_per_sample": describe(np.asarray(images, dtype=np.int64))},
+            "problems": problems, "note": "index the shards (`packfeed index`) for tokens, tiles and validity"}
+
+
+def describe_path(path: str) -> dict[str, Any]:
+    """What `packfeed info` reports of PATH (an index, a mixture file, a directory, or shards)."""
+    target = Path(path)
+    if target.suffix in (".yaml", ".yml"):
+        return mixture_info(target)
+    if target.is_dir():
+        if (target / "index.parquet").is_file():
+            return index_info(target / "index.parquet")
+        shards = sorted(str(p) for p in target.glob("*.tar"))
+        if not shards:
+            raise ValueError(f"{path} holds neither index.parquet nor .tar shards")
+        return shards_info(shards)
+    if target.suffix == ".parquet":
+        return index_info(target)
+    return shards_info([path])
+
+
+def format_info(data: dict[str, Any], indent: str = "") -> str:
+    """The report as a person reads it."""
+    lines = []
+    if data["kind"] == "mixture":
+        lines.append(f"{indent}mixture {data['name']} ({data['path']}), fingerprint {data['fingerprint']}: "
+                     f"{data['samples_per_epoch']:,} samples per epoch")
+        for name, one in data["datasets"].items():
+            lines.append(f"{indent}  {name}: repeat {one['repeat']:g} -> {one['samples_per_epoch']:,} per epoch")
+            lines.append(format_info(one, indent + "    "))
+        return "\n".join(lines)
+    if data["kind"] == "shards":
+        lines.append(f"{indent}{data['shards']} shards, {data['samples']:,} samples, {data['members']:,} members; "
+                     f"{data['without_json']} without json, {data['duplicate_keys']} duplicate keys")
+    else:
+        lines.append(f"{indent}index {data['path']} ({data['source']}, {data['shards']} inputs), fingerprint "
+                     f"{data['fingerprint']}")
+        lines.append(f"{indent}{data['samples']:,} samples: {data['valid']:,} valid, {data['invalid']:,} invalid")
+        lines += [f"{indent}  {count:,} {reason}" for reason, count in data["invalid_by_reason"].items()]
+    for name, stats in data["distributions"].items():
+        if stats:
+            lines.append(f"{indent}{name}: min {stats['min']:g}, p50 {stats['p50']:g}, p90 {stats['p90']:g}, "
+                         f"p99 {stats['p99']:g}, max {stats['max']:g} (mean {stats['mean']:g})")
+    for problem in data.get("problems", []) + data.get("shard_errors", []):
+        lines.append(f"{indent}problem: {problem}")
+    if data["kind"] == "index" and data["conventions"]["image_policy"]:
+        policy = data["conventions"]["image_policy"]
+        lines.append(f"{indent}image policy {policy.get('name')}; tokenizer {data['conventions']['tokenizer']}")
+    return "\n".join(lines)
