@@ -86,7 +86,7 @@ class Receiver:
     def _watch(self) -> None:
         """Cancel a stream that has been silent for `stall_timeout` while the receiver waits on it."""
         stall = self.channel.connection.stall_timeout
-        while not self._stopped.wait(min(1.0, stall / 4)):
+        while not self._stopped.wait(min(1.0, stall / 4)) and self._thread.is_alive():
             if self._call is not None and time.monotonic() - self._heard > stall:
                 self._stalled = True
                 self._call.cancel()
