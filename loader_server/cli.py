@@ -105,9 +105,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def cmd_stats(args: argparse.Namespace) -> int:
-    from packfeed.server.tools.stats import write_report
+    from packfeed.server.tools.stats import mixture_input, write_report
 
-    paths = write_report(args.index, args.out, plan_config_of(args), seed=args.seed)
+    if bool(args.index) == bool(args.mixture):
+        raise ValueError("give --index INDEX or --mixture MIXTURE.yaml")
+    config = plan_config_of(args)
+    source = mixture_input(args.mixture, config, args.seed) if args.mixture else args.index
+    paths = write_report(source, args.out, config, seed=args.seed)
     print(json.dumps({k: str(v) for k, v in paths.items()}))
     return EXIT_OK
 
@@ -212,8 +216,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_plan_options(plan)
     plan.set_defaults(func=cmd_plan)
 
-    stats = sub.add_parser("stats", help="HTML/Markdown/JSON statistics report of an index")
-    stats.add_argument("--index", required=True)
+    stats = sub.add_parser("stats", help="HTML/Markdown/JSON statistics report of an index or a mixture")
+    stats.add_argument("--index", help="the dataset's index (or --mixture)")
+    stats.add_argument("--mixture", metavar="MIXTURE.yaml", help="report on a mixture's first epoch, per dataset")
     stats.add_argument("--out", required=True, help="report directory")
     stats.add_argument("--seed", type=int, default=0)
     add_plan_options(stats)

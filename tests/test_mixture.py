@@ -145,3 +145,17 @@ def test_info_gives_the_quick_look_before_training(mixture_file, tmp_path, demo_
                             text=True, check=True)
     seen = json.loads(shards.stdout)
     assert seen["kind"] == "shards" and seen["shards"] == len(demo_dataset.shards) and seen["samples"] == 60
+
+
+def test_stats_report_on_a_mixture(mixture_file, tmp_path):
+    done = subprocess.run(CLI + ["stats", "--mixture", str(mixture_file), "--dp", "4", "--out", str(tmp_path / "r")],
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    report = json.loads((tmp_path / "r" / "report.json").read_text())
+    assert {name: d["in_epoch_0"] for name, d in report["datasets"].items()} == \
+        {"charts": 800, "diagrams": 293, "documents": 100}
+    assert report["datasets"]["diagrams"]["invalid"] == 7 and report["invalid"] == 7
+    assert report["samples"] == 1193 and [row["strategy"] for row in report["comparison"]] == \
+        ["random", "length-group", "isf", "isf+balance"]
+    assert "Datasets of the mixture" in (tmp_path / "r" / "report.md").read_text()
+    assert (tmp_path / "r" / "report.html").stat().st_size > 0

@@ -11,7 +11,7 @@ import base64
 import html
 import json
 from collections import Counter
-from dataclasses import asdict, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +21,8 @@ matplotlib.use("Agg")  # reports are written headless
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-from packfeed.server.plan.costs import load_sample_loads  # noqa: E402
+from packfeed.server.plan.costs import SampleLoads, load_sample_loads  # noqa: E402
+from packfeed.server.plan.isf import Caps  # noqa: E402
 from packfeed.server.tools.info import describe  # noqa: E402
 from packfeed.server.index.table import read_index, reason_category  # noqa: E402
 from packfeed.server.plan.planner import make_plan, resolve_caps  # noqa: E402
@@ -32,9 +33,10 @@ REPORT_COLUMNS = ["valid", "reason", "n_images", "vision_units", "vision_tokens"
                   "loss_tokens", "shard"]
 
 
-def compare_strategies(loads, config: PlanConfig, seed: int, fingerprint: str) -> tuple[list[dict], Plan]:
+def compare_strategies(loads, config: PlanConfig, seed: int, fingerprint: str,
+                       caps: Caps | None = None) -> tuple[list[dict], Plan]:
     """Plan the epoch with every strategy at the same DP, M and caps; returns rows and the ISF+balance plan."""
-    caps = resolve_caps(loads, config)
+    caps = caps or resolve_caps(loads, config)
     rows, balanced = [], None
     for strategy in Strategy:
         plan = make_plan(loads, replace(config, strategy=strategy), seed, 0, fingerprint, caps=caps)
@@ -112,23 +114,77 @@ def _reasons(counts: dict[str, int]):
     return draw
 
 
-def build_report(index_path: str | Path, config: PlanConfig, seed: int = 0) -> tuple[dict[str, Any], dict[str, bytes]]:
+@dataclass
+class ReportInput:
+    """What a report describes: one index, or the first epoch of a mixture (rows of several indexes)."""
+
+    label: str  # what the report is of: the index path, or "mixture NAME (path)"
+    fingerprint: str
+    source: str
+    loads: SampleLoads  # rows; invalid ones too for an index
+    n_images: np.ndarray | None  # per row, None when the index does not know (imported lengths)
+    vision_tokens: np.ndarray
+    reasons: Counter
+    shard_errors: list
+    image_policy: dict | None
+    caps: Caps | None = None  # given for a mixture: searched on every sample once
+    datasets: dict | None = None  # a mixture's per-dataset counts
+
+
+def index_input(index_path: str | Path) -> ReportInput:
     table, info = read_index(index_path, columns=REPORT_COLUMNS)
     loads, _ = load_sample_loads(index_path)
-    valid = loads.valid
     n_images = table.column("n_images").to_numpy(zero_copy_only=False)
-    images_known = not np.all(np.isnan(n_images.astype(float))) if len(n_images) else False
-    vision_tokens = table.column("vision_tokens").to_numpy(zero_copy_only=False)[valid].astype(np.int64)
-    reasons = Counter(reason_category(r) for r in table.column("reason").to_pylist() if r is not None)
+    known = bool(len(n_images)) and not np.all(np.isnan(n_images.astype(float)))
+    return ReportInput(str(index_path), info.fingerprint, info.source, loads,
+                       n_images.astype(np.int64) if known else None,
+                       table.column("vision_tokens").to_numpy(zero_copy_only=False).astype(np.int64),
+                       Counter(reason_category(r) for r in table.column("reason").to_pylist() if r is not None),
+                       info.skipped_shards or [], info.image_policy)
 
-    rows, balanced = compare_strategies(loads, config, seed, info.fingerprint) if valid.any() else ([], None)
+
+def mixture_input(mixture_path: str | Path, config: PlanConfig, seed: int) -> ReportInput:
+    """Epoch 0 of a mixture, repeats and subsets applied; invalid samples and shard errors of every dataset."""
+    from packfeed.server.plan.mixture import Mixture, MixtureLoads, make_mixture_plan
+
+    mixture = MixtureLoads(Mixture.load(mixture_path))
+    plan = make_mixture_plan(mixture, config, seed, 0)
+    rows = plan.rows
+    parts = [index_input(entry.index) for entry in mixture.mixture.datasets]
+
+    def gather(column: str) -> np.ndarray | None:
+        arrays = [getattr(part, column) for part in parts]
+        if any(a is None for a in arrays):
+            return None
+        return np.concatenate([arrays[k][rows.sample_ids[rows.datasets == k]] for k in range(len(parts))])
+
+    reasons = Counter({f"{entry.name}: {reason}": count for entry, part in zip(mixture.mixture.datasets, parts)
+                       for reason, count in part.reasons.items()})
+    datasets = {entry.name: {"repeat": entry.repeat, "valid": int(part.loads.valid.sum()),
+                             "invalid": int((~part.loads.valid).sum()), "in_epoch_0": count}
+                for (entry, part), count in zip(zip(mixture.mixture.datasets, parts),
+                                                rows.counts(np.arange(len(rows.datasets))).values())}
+    return ReportInput(f"mixture {mixture.mixture.name} ({mixture_path})", mixture.fingerprint, "mixture", rows.loads,
+                       gather("n_images"), gather("vision_tokens"), reasons,
+                       [e for part in parts for e in part.shard_errors], parts[0].image_policy, plan.caps, datasets)
+
+
+def build_report(source: str | Path | ReportInput, config: PlanConfig,
+                 seed: int = 0) -> tuple[dict[str, Any], dict[str, bytes]]:
+    report = source if isinstance(source, ReportInput) else index_input(source)
+    loads = report.loads
+    valid = loads.valid
+    n_images = report.n_images
+    vision_tokens = report.vision_tokens[valid]
+    rows, balanced = compare_strategies(loads, config, seed, report.fingerprint, report.caps) if valid.any() \
+        else ([], None)
     data: dict[str, Any] = {
-        "index": str(index_path), "fingerprint": info.fingerprint, "source": info.source,
-        "samples": int(len(valid)), "valid": int(valid.sum()), "invalid": int((~valid).sum()),
-        "invalid_by_reason": dict(sorted(reasons.items())), "shard_errors": info.skipped_shards or [],
-        "image_policy": info.image_policy,
+        "index": report.label, "fingerprint": report.fingerprint, "source": report.source,
+        "samples": int(len(valid)), "valid": int(valid.sum()), "invalid": sum(report.reasons.values()),
+        "invalid_by_reason": dict(sorted(report.reasons.items())), "shard_errors": report.shard_errors,
+        "image_policy": report.image_policy,
         "distributions": {
-            "images_per_sample": describe(n_images[valid].astype(np.int64)) if images_known else None,
+            "images_per_sample": describe(n_images[valid]) if n_images is not None else None,
             "vision_units": describe(loads.vision[valid]),
             "vision_tokens": describe(vision_tokens),
             "llm_tokens": describe(loads.tokens[valid]),
@@ -138,10 +194,12 @@ def build_report(index_path: str | Path, config: PlanConfig, seed: int = 0) -> t
         "caps": asdict(balanced.caps) if balanced is not None and balanced.caps else None,
         "comparison": rows,
     }
+    if report.datasets is not None:
+        data["datasets"] = report.datasets
     figures = {}
-    if images_known:
-        figures["images_per_sample"] = _figure_png(_hist(n_images[valid].astype(np.int64), "Images per sample",
-                                                         "images", integer=True))
+    if n_images is not None:
+        figures["images_per_sample"] = _figure_png(_hist(n_images[valid], "Images per sample", "images",
+                                                         integer=True))
     figures["vision_units"] = _figure_png(_hist(loads.vision[valid], "Vision units per sample", "vision units",
                                                 integer=True))
     figures["vision_tokens"] = _figure_png(_hist(vision_tokens, "Vision (placeholder) tokens per sample", "tokens"))
@@ -163,12 +221,17 @@ def _comparison_markdown(rows: list[dict]) -> str:
 
 
 def _markdown(data: dict[str, Any], figures: dict[str, bytes]) -> str:
-    lines = ["# Packfeed dataset report", "", f"Index `{data['index']}` (fingerprint `{data['fingerprint']}`, "
+    lines = ["# Packfeed dataset report", "", f"`{data['index']}` (fingerprint `{data['fingerprint']}`, "
              f"source: {data['source']}).", "",
              f"**{data['samples']}** samples: **{data['valid']}** valid, **{data['invalid']}** invalid.", ""]
     if data["invalid_by_reason"]:
         lines += ["## Invalid samples", "", "| reason | samples |", "|---|---|"]
         lines += [f"| {k} | {v} |" for k, v in data["invalid_by_reason"].items()] + [""]
+    if data.get("datasets"):
+        lines += ["## Datasets of the mixture", "", "| dataset | repeat | valid | invalid | samples in epoch 0 |",
+                  "|---|---|---|---|---|"]
+        lines += [f"| {name} | {d['repeat']:g} | {d['valid']} | {d['invalid']} | {d['in_epoch_0']} |"
+                  for name, d in data["datasets"].items()] + [""]
     if data["shard_errors"]:
         lines += ["## Shard errors", ""] + [f"- `{e['shard']}`: {e['error']}" for e in data["shard_errors"]] + [""]
     lines += ["## Distributions (valid samples)", "", "| quantity | mean | p50 | p90 | p99 | max |", "|---|---|---|---|---|---|"]
@@ -230,10 +293,11 @@ def _html(markdown_data: dict[str, Any], figures: dict[str, bytes]) -> str:
            f"<body>{''.join(parts)}</body></html>\n"
 
 
-def write_report(index_path: str | Path, out_dir: str | Path, config: PlanConfig, seed: int = 0) -> dict[str, Path]:
+def write_report(source: str | Path | ReportInput, out_dir: str | Path, config: PlanConfig,
+                 seed: int = 0) -> dict[str, Path]:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    data, figures = build_report(index_path, config, seed)
+    data, figures = build_report(source, config, seed)
     for name, png in figures.items():
         (out / f"{name}.png").write_bytes(png)
     paths = {"html": out / "report.html", "markdown": out / "report.md", "json": out / "report.json"}
