@@ -4,7 +4,7 @@ received message bytes without a copy (`pack_of`)."""
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -31,6 +31,7 @@ class PackTensors:
     nbytes: int = 0
     microbatches: int = 1
     last_in_epoch: bool = False
+    sample_sources: list[str] = field(default_factory=list)  # each sample's dataset (a mixture's name for it)
 
     def __getattr__(self, name: str) -> torch.Tensor:
         tensors = self.__dict__.get("tensors", {})
@@ -60,6 +61,10 @@ class Step:
         return [key for pack in self.packs for key in pack.sample_keys]
 
     @property
+    def sample_sources(self) -> list[str]:
+        return [source for pack in self.packs for source in pack.sample_sources]
+
+    @property
     def step_loss_tokens(self) -> int:
         return self.packs[0].step_loss_tokens if self.packs else 0
 
@@ -83,4 +88,5 @@ def pack_of(message: bytes, pin_memory: bool = False) -> PackTensors:
     return PackTensors(fields.epoch, fields.step, fields.rank, fields.microbatch, fields.empty,
                        list(fields.sample_keys), fields.loss_tokens, fields.step_loss_tokens,
                        [(s.key, s.reason) for s in fields.skipped], tensors,
-                       sum(wire.nbytes for wire in wires.values()), fields.microbatches, fields.last_in_epoch)
+                       sum(wire.nbytes for wire in wires.values()), fields.microbatches, fields.last_in_epoch,
+                       list(fields.sample_sources))

@@ -141,7 +141,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from packfeed.server.serve.server import serve
 
     setup_logging(args.log_level)
-    config = load_config(args.config, index=args.index, tokenizer=args.tokenizer, shard_root=args.shard_root,
+    config = load_config(args.config, index=args.index, mixture=args.mixture, tokenizer=args.tokenizer,
+                         shard_root=args.shard_root,
                          dataset=args.dataset, listen=args.listen, metrics_port=args.metrics_port,
                          workers=args.workers, prefetch_steps=args.prefetch_steps,
                          memory_budget_mb=args.memory_budget_mb)
@@ -234,6 +235,7 @@ def build_parser() -> argparse.ArgumentParser:
                                         "overrides it, flags override both")
     serve.add_argument("--index", help="serve this index (a dataset named after its directory, or --dataset)")
     serve.add_argument("--dataset", help="name for --index's dataset")
+    serve.add_argument("--mixture", metavar="MIXTURE.yaml", help="serve a mixture of indexes, named by its `name:`")
     serve.add_argument("--tokenizer", help="tokenizer.json (default: the one recorded in the index)")
     serve.add_argument("--shard-root", help="directory holding the shards (default: paths recorded in the index)")
     serve.add_argument("--listen", help="host:port (default 127.0.0.1:50051)")

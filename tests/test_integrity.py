@@ -231,7 +231,8 @@ def test_decoding_a_huge_image_is_counted_in_the_memory_budget(tmp_path, demo_da
     path = index([tmp_path / "huge.tar"], tmp_path / "index.parquet", demo_dataset.tokenizer,
                  image_policy={"name": "internvl", "image_size": 112, "tokens_per_tile": 16, "max_num": 4})
     dataset = Dataset.open("d", DatasetSource(str(path), str(demo_dataset.tokenizer)))
-    work = RankStepWork("d", 0, 0, 0, [(np.array([0, 1]), np.zeros(2, np.int32))], 0, False)
+    work = RankStepWork(("d",), ("d",), 0, 0, 0, [(np.array([0, 1]), np.zeros(2, np.int32), np.zeros(2, np.int32))], 0,
+                        False)
     assert dataset.decode_bytes(work) == 9400 * 9400 * DECODE_BYTES_PER_PIXEL
     port, peak = free_port(), [0.0]
     with LocalServer(path, workers=1, metrics_port=port, env={"PACKFEED_MEMORY_BUDGET_MB": "64"}) as server:

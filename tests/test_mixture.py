@@ -159,3 +159,42 @@ def test_stats_report_on_a_mixture(mixture_file, tmp_path):
         ["random", "length-group", "isf", "isf+balance"]
     assert "Datasets of the mixture" in (tmp_path / "r" / "report.md").read_text()
     assert (tmp_path / "r" / "report.html").stat().st_size > 0
+
+
+def test_a_mixture_is_served_as_one_dataset(tmp_path, demo_dataset):
+    """Three shard datasets mixed 2 / 1 / 0.4 and served over gRPC under the mixture's name: per epoch every
+    sample arrives exactly its repeat count (the subset exactly round(0.4 n)), packs say where each sample
+    came from, two epochs draw other subsets, GetJob counts per dataset."""
+    import grpc
+
+    from packfeed.client import LocalServer, PackStream
+    from packfeed.v1 import packfeed_pb2 as pb
+    from packfeed.v1 import packfeed_pb2_grpc as pb_grpc
+    from test_integrity import conversation, index, write_tar
+
+    sizes = {"charts": 12, "diagrams": 9, "documents": 10}
+    datasets = {}
+    for name, n in sizes.items():
+        write_tar(tmp_path / f"{name}.tar", [{"__key__": f"{name}-{i}", "json": conversation(f"Q{i}?", "A." * (i + 1))}
+                                             for i in range(n)])
+        index([tmp_path / f"{name}.tar"], tmp_path / f"{name}.parquet", demo_dataset.tokenizer)
+        datasets[name] = {"index": f"{name}.parquet", "repeat": REPEATS[name]}
+    mix = tmp_path / "mix.yaml"
+    mix.write_text(yaml.safe_dump({"name": "sft-mix", "datasets": datasets}))
+    epochs = {}
+    with LocalServer(None, workers=1, extra_args=["--mixture", str(mix)]) as server:
+        for rank in range(2):
+            with PackStream(server.target, job="mixed", rank=rank, dataset="sft-mix", dp=2, microbatches=2,
+                            epochs=2) as stream:
+                for step in stream:
+                    for key, source in zip(step.sample_keys, step.sample_sources):
+                        assert key.startswith(source + "-")
+                        epochs.setdefault(step.epoch, Counter())[key] += 1
+        info = pb_grpc.PackfeedStub(grpc.insecure_channel(server.target)).GetJob(pb.GetJobRequest(job="mixed"))
+    for epoch, counts in epochs.items():
+        assert all(counts[f"charts-{i}"] == 2 for i in range(12))
+        assert all(counts[f"diagrams-{i}"] == 1 for i in range(9))
+        documents = {key for key in counts if key.startswith("documents-")}
+        assert len(documents) == 4 and all(counts[key] == 1 for key in documents)  # round(0.4 * 10)
+    assert {k for k in epochs[0] if k.startswith("documents")} != {k for k in epochs[1] if k.startswith("documents")}
+    assert dict(info.samples_by_dataset) == {"charts": 48, "diagrams": 18, "documents": 8}

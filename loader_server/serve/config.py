@@ -26,6 +26,8 @@
         index: /data/demo/index.parquet
         tokenizer: /data/demo/tokenizer.json   # default: the path recorded in the index
         shard_root: /data/demo/shards          # default: the shard paths recorded in the index
+      sft-mix:
+        mixture: /data/sft-mix.yaml            # a mixture of indexes, served under this name
 
 Environment: PACKFEED_LISTEN, PACKFEED_METRICS_PORT, PACKFEED_WORKERS, PACKFEED_PREFETCH_STEPS,
 PACKFEED_MEMORY_BUDGET_MB, PACKFEED_MAX_MESSAGE_MB, PACKFEED_PACK_PART_KB, PACKFEED_AUTH_TOKEN, PACKFEED_REDIS_URL,
@@ -48,6 +50,13 @@ import yaml
 
 from packfeed.server.index.table import read_index_info
 from packfeed.server.serve.workers import DatasetSource
+
+
+@dataclass(frozen=True)
+class MixtureSource:
+    """A dataset that is a mixture of indexes (`packfeed.server.plan.mixture`), served under one name."""
+
+    mixture: str
 
 ENV_PREFIX = "PACKFEED_"
 
@@ -78,7 +87,7 @@ class ServerConfig:
     job_idle_s: float = 3600.0  # a job without streams or calls for this long is forgotten (re-opened on demand)
     prepare_timeout_s: float = 300.0  # a step whose preparation takes longer fails its stream (UNAVAILABLE)
     max_skipped_fraction: float = 0.5  # a step losing more of its samples than this fails loudly
-    datasets: dict[str, DatasetSource] = field(default_factory=dict)
+    datasets: dict[str, DatasetSource | MixtureSource] = field(default_factory=dict)
 
     def validate(self) -> "ServerConfig":
         problems = []
@@ -113,7 +122,10 @@ class ServerConfig:
         if not self.datasets:
             problems.append("no dataset: give --index, PACKFEED_INDEX, or `datasets:` in the config file")
         for name, source in self.datasets.items():
-            if not Path(source.index).exists():
+            if isinstance(source, MixtureSource):
+                if not Path(source.mixture).is_file():
+                    problems.append(f"dataset {name}: mixture file {source.mixture} not found")
+            elif not Path(source.index).exists():
                 problems.append(f"dataset {name}: index {source.index} not found")
             elif not Path(source.tokenizer).exists():
                 problems.append(f"dataset {name}: tokenizer {source.tokenizer} not found (set `tokenizer:`)")
@@ -147,7 +159,8 @@ def load_config(path: str | Path | None = None, environ: dict[str, str] | None =
     environ = os.environ if environ is None else environ
     raw = yaml.safe_load(Path(path).read_text()) if path else {}
     raw = dict(raw or {})
-    datasets = {name: dataset_source(**entry) for name, entry in (raw.pop("datasets", None) or {}).items()}
+    datasets = {name: MixtureSource(str(entry["mixture"])) if "mixture" in entry else dataset_source(**entry)
+                for name, entry in (raw.pop("datasets", None) or {}).items()}
     known = {f.name: f for f in dataclasses.fields(ServerConfig) if f.name != "datasets"}
     unknown = set(raw) - set(known)
     if unknown:
@@ -159,6 +172,10 @@ def load_config(path: str | Path | None = None, environ: dict[str, str] | None =
             values[name] = int(env) if spec.type in (int, "int") else float(env) if spec.type in (float, "float") \
                 else env
     values.update({k: v for k, v in flags.items() if v is not None and k in known})
+    if flags.get("mixture"):
+        from packfeed.server.plan.mixture import Mixture
+
+        datasets[Mixture.load(flags["mixture"]).name] = MixtureSource(str(flags["mixture"]))
     index = flags.get("index") or environ.get(ENV_PREFIX + "INDEX")
     if index:
         datasets[flags.get("dataset") or Path(index).parent.name or "default"] = dataset_source(

@@ -98,26 +98,64 @@ class Dataset:
     conventions: pb.ModelConventions  # what a trainer's model must know of these samples
     largest_image: np.ndarray | None = None  # per sample: pixels of its largest image (0 without images)
     sample_bytes: np.ndarray | None = None  # per sample: estimated bytes of its tensors in a pack
+    label: str = ""  # the name packs carry for its samples (`sample_sources`); default: its name
 
     def __post_init__(self):
+        self.label = self.label or self.name
         if self.sample_bytes is None:
             patch = policy_from_dict(self.info.image_policy).patch_size
             # uint8 pixels (3 channels per patch pixel) + int32 input_ids, labels, position_ids
             self.sample_bytes = (self.loads.vit_patches.astype(np.int64) * patch * patch * 3
                                  + self.loads.tokens.astype(np.int64) * 12 + 256)
 
-    def estimate_bytes(self, work) -> int:
-        """Bytes a rank-step will take once prepared, for reserving room in the memory budget up front."""
-        return int(sum(int(self.sample_bytes[np.asarray(ids, dtype=np.int64)].sum()) + 1024 for ids, _ in work.packs))
+    @property
+    def fingerprint(self) -> str:
+        return self.info.fingerprint
 
-    def decode_bytes(self, work) -> int:
+    @property
+    def parts(self) -> list[Dataset]:
+        """The indexes a pack member's source counts in (one here; a mixture's several)."""
+        return [self]
+
+    def caps(self, config: PlanConfig) -> Caps | None:
+        return None if config.strategy.padded else resolve_caps(self.loads, config)
+
+    def plan(self, config: PlanConfig, seed: int, epoch: int, caps: Caps | None) -> Plan:
+        return make_plan(self.loads, config, seed, epoch, self.info.fingerprint, caps=caps)
+
+    def members(self, plan: Plan, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(source part, sample id there) of plan members `ids`."""
+        return np.zeros(len(ids), dtype=np.int32), np.asarray(ids, dtype=np.int64)
+
+    def work(self, plan: Plan, step: int, rank: int) -> RankStepWork:
+        """What a worker needs to prepare one rank's packs of one step."""
+        packs = []
+        for microbatch in range(plan.config.microbatches):
+            ids, limits = plan.pack_with_truncation(step, rank, microbatch)
+            sources, sample_ids = self.members(plan, ids)
+            packs.append((sample_ids, np.array(limits), sources))
+        parts_, sources, sample_ids = self.parts, *self.members(plan, plan.step_members(step))
+        step_loss = sum(int(part.loss_tokens[sample_ids[sources == k]].sum()) for k, part in enumerate(parts_))
+        return RankStepWork(tuple(part.name for part in parts_), tuple(part.label for part in parts_),
+                            plan.epoch, step, rank, packs, step_loss, step == plan.n_steps - 1)
+
+    def estimate_bytes(self, work: RankStepWork) -> int:
+        """Bytes a rank-step will take once prepared, for reserving room in the memory budget up front."""
+        parts_ = self.parts
+        return int(sum(sum(int(part.sample_bytes[ids[sources == k]].sum()) for k, part in enumerate(parts_)) + 1024
+                       for ids, _, sources in work.packs))
+
+    def decode_bytes(self, work: RankStepWork) -> int:
         """Bytes a worker holds for a while preparing the rank-step: its largest image decoded, converted and
         resized (a worker decodes one image at a time). Reserved in the budget until the step is ready, so
         a 9,400 x 9,400 PNG of 200 KB cannot take a gigabyte behind the budget's back."""
-        if self.largest_image is None:
-            return 0
-        ids = [np.asarray(ids, dtype=np.int64) for ids, _ in work.packs if len(ids)]
-        return int(max((self.largest_image[i].max() for i in ids), default=0)) * DECODE_BYTES_PER_PIXEL
+        largest = 0
+        for ids, _, sources in work.packs:
+            for k, part in enumerate(self.parts):
+                chosen = ids[sources == k]
+                if part.largest_image is not None and len(chosen):
+                    largest = max(largest, int(part.largest_image[chosen].max()))
+        return largest * DECODE_BYTES_PER_PIXEL
 
     @classmethod
     def open(cls, name: str, source: DatasetSource) -> "Dataset":
@@ -161,11 +199,12 @@ class Job:
     failure: JobError | None = None  # why planning failed
     open_streams: int = 0
     last_used: float = field(default_factory=time.monotonic)  # for idle eviction
+    delivered: collections.Counter = field(default_factory=collections.Counter)  # samples sent, per dataset
 
     def prepare(self) -> None:
         """Plan epoch 0 (caps included) now, so a bad config fails the open, not the first stream."""
         try:
-            self.caps = None if self.spec.plan.strategy.padded else resolve_caps(self.dataset.loads, self.spec.plan)
+            self.caps = self.dataset.caps(self.spec.plan)
             self.plan(0)
         except JobError as error:
             self.failure = error
@@ -187,8 +226,7 @@ class Job:
                                            f"(epochs 0..{self.spec.epochs - 1})")
         with self._lock:
             if epoch not in self._plans:
-                self._plans[epoch] = make_plan(self.dataset.loads, self.spec.plan, self.spec.seed, epoch,
-                                               self.dataset.info.fingerprint, caps=self.caps)
+                self._plans[epoch] = self.dataset.plan(self.spec.plan, self.spec.seed, epoch, self.caps)
             self._plans.move_to_end(epoch)
             while len(self._plans) > PLANS_CACHED:
                 self._plans.popitem(last=False)  # never the one just asked for: it is the newest
@@ -198,7 +236,7 @@ class Job:
         """A client holding another plan of this job id must not be served this one."""
         if expected and expected != self.plan(0).fingerprint():
             raise JobError("FAILED_PRECONDITION", f"job {self.spec.job!r} plans to {self.plan(0).fingerprint()} on "
-                                                  f"this server (index {self.dataset.info.fingerprint}); the client "
+                                                  f"this server (dataset {self.dataset.fingerprint}); the client "
                                                   f"holds plan {expected}: this server serves another dataset or "
                                                   "settings; use one of the job's own servers")
 
@@ -214,11 +252,7 @@ class Job:
         return plan
 
     def work(self, epoch: int, step: int, rank: int) -> RankStepWork:
-        plan = self.plan(epoch)
-        packs = [tuple(np.array(a) for a in plan.pack_with_truncation(step, rank, mb))
-                 for mb in range(self.spec.plan.microbatches)]
-        step_loss = int(self.dataset.loss_tokens[plan.step_members(step)].sum())
-        return RankStepWork(self.dataset.name, epoch, step, rank, packs, step_loss, step == plan.n_steps - 1)
+        return self.dataset.work(self.plan(epoch), step, rank)
 
     def next_step(self, epoch: int, step: int) -> tuple[int, int] | None:
         """The step after (epoch, step), or None at the end of the job."""

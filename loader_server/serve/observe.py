@@ -42,6 +42,8 @@ class Metrics:
         self.packs = Counter("packfeed_packs", "Packs sent", ["job"], registry=r)
         self.bytes = Counter("packfeed_bytes", "Pack payload bytes sent", ["job"], registry=r)
         self.samples = Counter("packfeed_samples", "Samples pre-processed", ["job"], registry=r)
+        self.dataset_samples = Counter("packfeed_dataset_samples", "Samples delivered, per dataset of a job",
+                                       ["job", "dataset"], registry=r)
         self.skipped = Counter("packfeed_skipped_samples", "Samples skipped at serve time", ["job", "reason"],
                                registry=r)
         self.queue_depth = Gauge("packfeed_queue_depth_steps", "Steps prepared and waiting, per rank stream",

@@ -9,7 +9,8 @@ Tensors travel as raw little-endian bytes + dtype + shape (`packfeed.server.serv
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 import numpy as np
 import pyarrow.compute as pc
@@ -29,6 +30,7 @@ class Pack:
     loss_tokens: int
     skipped: list[tuple[str, str]] = field(default_factory=list)  # (key, reason) of samples left out
     step_loss_tokens: int = 0  # filled in once every pack of the step is known
+    sample_sources: list[str] = field(default_factory=list)  # the dataset of each sample (mixtures mix them)
 
     @property
     def empty(self) -> bool:
@@ -68,7 +70,7 @@ def assemble_pack(samples: list[SampleTensors], epoch: int, step: int, rank: int
         "image_token_spans": np.asarray(spans, dtype=np.int32).reshape(-1, 2),
     }
     return Pack(epoch, step, rank, microbatch, [s.key for s in samples], tensors,
-                int((labels != IGNORE_INDEX).sum()), list(skipped or []))
+                int((labels != IGNORE_INDEX).sum()), list(skipped or []), sample_sources=[s.source for s in samples])
 
 
 def truncate_sample(sample: SampleTensors, limit: int) -> SampleTensors:
@@ -85,7 +87,7 @@ def truncate_sample(sample: SampleTensors, limit: int) -> SampleTensors:
     n_tiles = sum(sample.tiles_per_image[:keep_images])
     return SampleTensors(sample.key, sample.input_ids[:limit], sample.labels[:limit], sample.tiles[:n_tiles],
                          sample.tiles_per_image[:keep_images], sample.image_tokens[:keep_images],
-                         sample.image_starts[:keep_images])
+                         sample.image_starts[:keep_images], sample.source)
 
 
 SERVE_COLUMNS = ["key", "shard", "valid", "reason", "json_offset", "json_size", "json_checksum", "image_names",
@@ -119,17 +121,19 @@ class IndexRows:
         return int(self.loss_tokens_per_sample[np.asarray(sample_ids, dtype=np.int64)].sum())
 
 
-def build_pack(rows: IndexRows, reader, members: np.ndarray, truncate_to: np.ndarray, epoch: int, step: int,
-               rank: int, microbatch: int) -> Pack:
-    """One pack from its planned members. A sample that fails at serve time is left out and reported in the
-    pack's `skipped`; the pack still goes out, flagged empty if nothing is left."""
+def build_pack(parts: list[tuple[IndexRows, Any, str]], members: np.ndarray, truncate_to: np.ndarray,
+               sources: np.ndarray, epoch: int, step: int, rank: int, microbatch: int) -> Pack:
+    """One pack from its planned members; member k is sample `members[k]` of `parts[sources[k]]` (rows, reader,
+    dataset label). A sample that fails at serve time is left out and reported in the pack's `skipped`; the
+    pack still goes out, flagged empty if nothing is left."""
     from packfeed.server.serve.preprocess import SampleSkipped
 
     samples, skipped = [], []
-    for sample_id, limit in zip(members.tolist(), truncate_to.tolist()):
+    for sample_id, limit, source in zip(members.tolist(), truncate_to.tolist(), np.asarray(sources).tolist()):
+        rows, reader, label = parts[source]
         row = rows.row(sample_id)
         try:
-            sample = reader.load(row)
+            sample = replace(reader.load(row), source=label)
         except SampleSkipped as error:
             skipped.append((row["key"], str(error)))
             continue
@@ -148,7 +152,8 @@ def build_rank_step(plan, rows: IndexRows, reader, step: int, rank: int) -> list
     step_loss = rows.loss_tokens(plan.step_members(step))
     for microbatch in range(config.microbatches):
         members, truncate_to = plan.pack_with_truncation(step, rank, microbatch)
-        pack = build_pack(rows, reader, members, truncate_to, plan.epoch, step, rank, microbatch)
+        pack = build_pack([(rows, reader, "")], members, truncate_to, np.zeros(len(members), np.int32), plan.epoch,
+                          step, rank, microbatch)
         pack.step_loss_tokens = step_loss
         packs.append(pack)
     return packs

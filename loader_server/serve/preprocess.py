@@ -41,6 +41,7 @@ class SampleTensors:
     tiles_per_image: list[int]
     image_tokens: list[int]  # LLM placeholder tokens per image
     image_starts: list[int]  # where each image's placeholder run starts in input_ids
+    source: str = ""  # the dataset it comes from (set by the pack builder)
 
 
 def image_tiles(image: Image.Image, policy: ImagePolicy, n_images: int) -> list[np.ndarray]:

@@ -13,13 +13,14 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from packfeed.server.cluster.coordinator import CoordinationUnavailable, Coordinator, coordinator_from_url
-from packfeed.server.serve.config import ServerConfig, describe
+from packfeed.server.serve.config import MixtureSource, ServerConfig, describe
 from packfeed.server.serve.jobs import Dataset
+from packfeed.server.serve.mixture_dataset import MixtureDataset, mixture_sources
 from packfeed.server.serve.registry import JobRegistry
 from packfeed.server.serve.network import TokenAuth, advertised_address, bind, grpc_options, start_metrics
 from packfeed.server.serve.observe import Metrics, log
 from packfeed.server.serve.service import SERVICE, PackfeedService
-from packfeed.server.serve.workers import WorkerPool
+from packfeed.server.serve.workers import DatasetSource, WorkerPool
 
 
 async def announce(coordinator: Coordinator, address: str, ttl_s: float) -> None:
@@ -30,6 +31,20 @@ async def announce(coordinator: Coordinator, address: str, ttl_s: float) -> None
         except CoordinationUnavailable:
             pass
         await asyncio.sleep(ttl_s / 3)
+
+
+def open_dataset(name: str, source: DatasetSource | MixtureSource) -> Dataset:
+    if isinstance(source, MixtureSource):
+        return MixtureDataset.open(name, source.mixture)
+    return Dataset.open(name, source)
+
+
+def worker_sources(config: ServerConfig) -> dict[str, DatasetSource]:
+    """What the workers read: every index, a mixture's one by one."""
+    sources: dict[str, DatasetSource] = {}
+    for name, source in config.datasets.items():
+        sources.update(mixture_sources(name, source.mixture) if isinstance(source, MixtureSource) else {name: source})
+    return sources
 
 
 async def report_health(health_servicer, pool: WorkerPool) -> None:
@@ -54,8 +69,8 @@ async def evict_idle_jobs(service: PackfeedService, idle_s: float) -> None:
 async def serve(config: ServerConfig, ready: asyncio.Event | None = None, stop: asyncio.Event | None = None) -> None:
     """Run the server until SIGTERM/SIGINT (or `stop` is set)."""
     started = time.perf_counter()
-    datasets = {name: await asyncio.to_thread(Dataset.open, name, source) for name, source in config.datasets.items()}
-    pool = WorkerPool(config.datasets, config.workers)
+    datasets = {name: await asyncio.to_thread(open_dataset, name, source) for name, source in config.datasets.items()}
+    pool = WorkerPool(worker_sources(config), config.workers)
     metrics = Metrics()
     coordinator = coordinator_from_url(config.redis_url, config.redis_password)
     registry = JobRegistry(datasets, max_jobs=config.max_jobs, idle_s=config.job_idle_s)

@@ -55,7 +55,7 @@ class PackfeedService:
 
     def _register(self, job: Job) -> None:
         """Every server serving a job must compute the same plan over the same index."""
-        record = JobRecord(job.spec.describe(), job.plan(0).fingerprint(), job.dataset.info.fingerprint)
+        record = JobRecord(job.spec.describe(), job.plan(0).fingerprint(), job.dataset.fingerprint)
         try:
             self.coordinator.register_job(job.spec.job, record)
         except CoordinationError as error:
@@ -164,7 +164,7 @@ class PackfeedService:
         plan = job.plan(0)
         info = pb.JobInfo(job=job.spec.job, dataset=job.spec.dataset, plan=job.spec.plan.to_proto(),
                           seed=job.spec.seed, epochs=job.spec.epochs, steps_per_epoch=plan.n_steps,
-                          plan_fingerprint=plan.fingerprint(), index_fingerprint=job.dataset.info.fingerprint,
+                          plan_fingerprint=plan.fingerprint(), index_fingerprint=job.dataset.fingerprint,
                           skipped_count=job.skipped_count, vision_cap=job.caps.vision_cap if job.caps else 0,
                           token_cap=job.caps.token_cap if job.caps else 0, conventions=job.dataset.conventions)
         for rank, state in enumerate(job.ranks):
@@ -172,6 +172,7 @@ class PackfeedService:
                            streamed_epoch=state.streamed[0], streamed_step=state.streamed[1])
         for key, reason, epoch, step in list(job.skipped):
             info.skipped.add(key=key, reason=reason, epoch=epoch, step=step)
+        info.samples_by_dataset.update(job.delivered)
         return info
 
     # -- the stream -------------------------------------------------------------------------------------
@@ -255,6 +256,9 @@ class PackfeedService:
         self.metrics.packs.labels(name).inc(len(result.messages))
         self.metrics.bytes.labels(name).inc(result.nbytes)
         self.metrics.samples.labels(name).inc(result.samples)
+        for dataset, count in result.by_dataset.items():
+            self.metrics.dataset_samples.labels(name, dataset).inc(count)
+        job.delivered.update(result.by_dataset)
         if result.samples:
             self.metrics.preprocess.observe(result.seconds / result.samples)
         for key, reason in result.skipped:

@@ -9,6 +9,7 @@ threads is unsafe.
 from __future__ import annotations
 
 import asyncio
+import collections
 import multiprocessing
 import time
 from concurrent.futures import ProcessPoolExecutor
@@ -33,11 +34,12 @@ class DatasetSource:
 
 @dataclass
 class RankStepWork:
-    dataset: str
+    datasets: tuple[str, ...]  # the worker's names of the indexes a member's source counts in
+    labels: tuple[str, ...]  # the dataset names the packs carry (`sample_sources`), one per index
     epoch: int
     step: int
     rank: int
-    packs: list[tuple[np.ndarray, np.ndarray]]  # per microbatch: (sample ids, token limits)
+    packs: list[tuple[np.ndarray, np.ndarray, np.ndarray]]  # per microbatch: (sample ids, token limits, sources)
     step_loss_tokens: int
     last_in_epoch: bool
 
@@ -48,6 +50,7 @@ class RankStepResult:
     samples: int
     skipped: list[tuple[str, str]] = field(default_factory=list)
     seconds: float = 0.0
+    by_dataset: dict[str, int] = field(default_factory=dict)  # samples delivered per dataset
 
     @property
     def nbytes(self) -> int:
@@ -73,15 +76,16 @@ def _dataset(name: str) -> tuple[IndexRows, SampleReader]:
 def build_rank_step(work: RankStepWork) -> RankStepResult:
     """Runs in a worker process (or inline, for tests and embedded use)."""
     started = time.perf_counter()
-    rows, reader = _dataset(work.dataset)
-    messages, skipped, samples = [], [], 0
-    for microbatch, (members, truncate_to) in enumerate(work.packs):
-        pack = build_pack(rows, reader, members, truncate_to, work.epoch, work.step, work.rank, microbatch)
+    parts = [(*_dataset(name), label) for name, label in zip(work.datasets, work.labels)]
+    messages, skipped, samples, by_dataset = [], [], 0, collections.Counter()
+    for microbatch, (members, truncate_to, sources) in enumerate(work.packs):
+        pack = build_pack(parts, members, truncate_to, sources, work.epoch, work.step, work.rank, microbatch)
         pack.step_loss_tokens = work.step_loss_tokens
         messages.append(encode_pack(pack, len(work.packs), work.last_in_epoch))
         skipped.extend(pack.skipped)
         samples += len(members)
-    return RankStepResult(messages, samples, skipped, time.perf_counter() - started)
+        by_dataset.update(pack.sample_sources)
+    return RankStepResult(messages, samples, skipped, time.perf_counter() - started, dict(by_dataset))
 
 
 class WorkerPool:

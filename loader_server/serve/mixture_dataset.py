@@ -1,0 +1,65 @@
+"""A mixture served as one dataset: clients ask for it by name (`PackStream(dataset="sft-mix")`), the server
+plans each epoch over the union of its datasets (`packfeed.server.plan.mixture`) and every pack member is
+read from its own dataset's shards; packs say which dataset each sample came from (`sample_sources`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from packfeed.server.plan.isf import Caps
+from packfeed.server.plan.mixture import Mixture, MixtureLoads, make_mixture_plan
+from packfeed.server.plan.planner import resolve_caps
+from packfeed.server.plan.plan_file import Plan
+from packfeed.server.serve.jobs import Dataset
+from packfeed.server.serve.workers import DatasetSource
+from packfeed.v1.options import PlanConfig
+
+
+def part_key(mixture: str, dataset: str) -> str:
+    """The worker's name for one dataset of a mixture."""
+    return f"{mixture}/{dataset}"
+
+
+def mixture_sources(name: str, path: str | Path) -> dict[str, DatasetSource]:
+    """The worker sources of a mixture's datasets (each read with the tokenizer its index records)."""
+    from packfeed.server.serve.config import dataset_source
+
+    return {part_key(name, entry.name): dataset_source(entry.index) for entry in Mixture.load(path).datasets}
+
+
+class MixtureDataset(Dataset):
+    """Quacks like `Dataset` for jobs and the service; its parts are the mixture's datasets."""
+
+    def __init__(self, name: str, mixture: MixtureLoads, parts: list[Dataset]):
+        self.name, self.mixture, self._parts = name, mixture, parts
+        self.conventions = parts[0].conventions  # the mixture checked that they agree
+
+    @classmethod
+    def open(cls, name: str, path: str | Path) -> MixtureDataset:
+        mixture = MixtureLoads(Mixture.load(path))
+        parts = []
+        for entry, (key, source) in zip(mixture.mixture.datasets, mixture_sources(name, path).items()):
+            part = Dataset.open(key, source)
+            part.label = entry.name
+            parts.append(part)
+        return cls(name, mixture, parts)
+
+    @property
+    def fingerprint(self) -> str:
+        return self.mixture.fingerprint
+
+    @property
+    def parts(self) -> list[Dataset]:
+        return self._parts
+
+    def caps(self, config: PlanConfig) -> Caps | None:
+        return None if config.strategy.padded else resolve_caps(self.mixture.once().loads, config)
+
+    def plan(self, config: PlanConfig, seed: int, epoch: int, caps: Caps | None) -> Plan:
+        return make_mixture_plan(self.mixture, config, seed, epoch, caps)
+
+    def members(self, plan: Plan, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        ids = np.asarray(ids, dtype=np.int64)
+        return plan.rows.datasets[ids], plan.rows.sample_ids[ids]
