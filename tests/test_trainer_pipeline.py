@@ -107,6 +107,9 @@ def test_server_and_trainer_run_end_to_end_and_reuse_their_decisions(tmp_path, s
     first_log, records = packfeed_train(2, overrides, out)
     assert [r["step"] for r in records] == [0, 1, 2]
     assert all(0 < r["loss"] < 20 and r["tokens"] > 0 and r["step_s"] > 0 for r in records)
+    dataset = small_tile_index.parent.name  # what an embedded server calls an index's dataset
+    assert all(list(r["samples_by_dataset"]) == [dataset] and r["samples_by_dataset"][dataset] > 0 for r in records)
+    assert "cost model measured on this hardware written to" in first_log
     partition = json.loads((out / "partition.json").read_text())
     assert len(partition["candidates"]) >= 2 and all(c["measured_s"] for c in partition["candidates"][:2])
     recompute = [json.loads((out / f"recompute-stage{s}.json").read_text()) for s in range(2)]

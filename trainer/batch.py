@@ -8,7 +8,8 @@ is the small slack ISF leaves under its caps; with random batches it is the padd
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections import Counter
+from dataclasses import dataclass, field
 
 import torch
 from packfeed.trainer.model import IGNORE_INDEX, VLMConfig
@@ -50,6 +51,7 @@ class Microbatches:
     args: tuple[torch.Tensor, ...]  # pixels, input_ids, position_ids, cu_seqlens, vision_positions, labels
     real_tokens: int
     real_tiles: int
+    samples_by_dataset: dict[str, int] = field(default_factory=dict)  # of this replica's packs
 
 
 def round_up(value: int, multiple: int) -> int:
@@ -116,4 +118,5 @@ def microbatches_of(step, config: VLMConfig, token_multiple: int = 64) -> Microb
     padded = [pad_pack(pack, shape, config) for pack in step.packs]
     args = tuple(torch.cat(parts) for parts in zip(*padded))
     return Microbatches(shape, args, sum(int(p.input_ids.numel()) for p in step.packs),
-                        sum(int(p.tile_shapes.view(-1, 3).shape[0]) for p in step.packs))
+                        sum(int(p.tile_shapes.view(-1, 3).shape[0]) for p in step.packs),
+                        dict(Counter(source for p in step.packs for source in getattr(p, "sample_sources", ()))))

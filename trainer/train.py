@@ -9,6 +9,7 @@ runs 1F1B, the optimizer steps, rank 0 logs one line of metrics.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import json
 import os
@@ -288,6 +289,9 @@ def step_record(mesh: Mesh, shape: StepShape, batch: Microbatches | None, losses
               "pad_fraction": 1 - tokens / padded if padded else 0.0,
               "bubble_fraction": 1 - busy_sum / (mesh.dp * mesh.pp * pipeline_max) if pipeline_max else 0.0,
               "peak_memory_mib": peak_max / 2**20}
+    counts = [None] * dist.get_world_size()  # samples per dataset over every replica (mixtures)
+    dist.all_gather_object(counts, batch.samples_by_dataset if first else {})
+    record["samples_by_dataset"] = dict(sum((collections.Counter(c) for c in counts), collections.Counter()))
     if first and mesh.rank == 0:  # replica 0's padded microbatches, for the pipeline simulator
         chunks = [a.tensor_split(config.data.microbatches) for a in batch.args]
         record["microbatches"] = [asdict(features_of_carrier(tuple(c[m] for c in chunks)))

@@ -222,14 +222,14 @@ class PackfeedService:
                 if lost.is_set():
                     raise JobError("ABORTED", f"another server took rank {rank} of job {job.spec.job!r}: "
                                               "reconnect to continue")
-                for message in sending.messages:
-                    for piece in (pack_parts(message, part_bytes) if part_bytes else (message,)):
-                        await context.write(piece)
+                for piece, last in with_last(pieces_of(sending.messages, part_bytes)):
+                    if last:  # counted as sent when its final piece is handed over: a client that has all of
+                        self._account(job, rank, epoch, step, sending)  # it may close before the write returns
+                    await context.write(piece)
                 # Only now: a write returns once gRPC has taken the message, and a message it holds for a
                 # slow client is memory like any other (parts keep that to one part per stream)
                 self.budget.release(sending.nbytes)
-                self._account(job, rank, epoch, step, sending)
-                sending = message = piece = None  # no step outlives its release while we wait for the next
+                sending = piece = None  # no step outlives its release while we wait for the next
                 sent_steps += 1
         finally:
             job.open_streams -= 1
@@ -304,6 +304,22 @@ class PackfeedService:
             "StreamPacks": streaming(0),
             "StreamPackParts": streaming(self.config.pack_part_kb << 10),
         })
+
+
+def pieces_of(messages: list[bytes], part_bytes: int):
+    """The messages as written: whole, or cut into PackPart pieces of `part_bytes` (made one at a time)."""
+    for message in messages:
+        yield from (pack_parts(message, part_bytes) if part_bytes else (message,))
+
+
+def with_last(items):
+    """(item, is it the last one) of an iterator, looking one ahead."""
+    iterator = iter(items)
+    current = next(iterator, None)
+    while current is not None:
+        following = next(iterator, None)
+        yield current, following is None
+        current = following
 
 
 def parse(message_type, raw: bytes):
