@@ -55,7 +55,7 @@ def test_planning_a_twenty_dataset_mixture(tmp_path):
     s = single.summary(loads)
     for epoch, (seconds, summary) in enumerate(rows):
         print(f"\n[mixture] epoch {epoch}: {summary['samples']:,} rows (repeats applied) planned in {seconds:.2f} s "
-              f"(caps searched in epoch 0 only); packs {summary['packs']:,}, ViT Dist {summary['vit_dist']}, "
+              f"(automatic caps included; epoch 0 also warms up); packs {summary['packs']:,}, ViT Dist {summary['vit_dist']}, "
               f"LLM Dist {summary['llm_dist']}")
     print(f"[mixture] reading 20 indexes: {read_s:.2f} s; one index of the same {len(loads):,} samples: planned in "
           f"{single_s:.2f} s (read + caps + plan), ViT Dist {s['vit_dist']}, LLM Dist {s['llm_dist']}")
