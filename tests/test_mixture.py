@@ -161,15 +161,7 @@ def test_stats_report_on_a_mixture(mixture_file, tmp_path):
     assert (tmp_path / "r" / "report.html").stat().st_size > 0
 
 
-def test_a_mixture_is_served_as_one_dataset(tmp_path, demo_dataset):
-    """Three shard datasets mixed 2 / 1 / 0.4 and served over gRPC under the mixture's name: per epoch every
-    sample arrives exactly its repeat count (the subset exactly round(0.4 n)), packs say where each sample
-    came from, two epochs draw other subsets, GetJob counts per dataset."""
-    import grpc
-
-    from packfeed.client import LocalServer, PackStream
-    from packfeed.v1 import packfeed_pb2 as pb
-    from packfeed.v1 import packfeed_pb2_grpc as pb_grpc
+def served_mixture(tmp_path, demo_dataset):
     from test_integrity import conversation, index, write_tar
 
     sizes = {"charts": 12, "diagrams": 9, "documents": 10}
@@ -181,6 +173,40 @@ def test_a_mixture_is_served_as_one_dataset(tmp_path, demo_dataset):
         datasets[name] = {"index": f"{name}.parquet", "repeat": REPEATS[name]}
     mix = tmp_path / "mix.yaml"
     mix.write_text(yaml.safe_dump({"name": "sft-mix", "datasets": datasets}))
+    return mix
+
+
+def test_a_mixture_stream_resumes_on_a_restarted_server_exactly_where_it_was(tmp_path, demo_dataset):
+    """Resume works as for one dataset: half an epoch, state_dict, a new server process, load_state_dict, the
+    rest: together exactly the epoch one uninterrupted stream gets."""
+    from packfeed.client import LocalServer, PackStream
+
+    mix = served_mixture(tmp_path, demo_dataset)
+    options = dict(job="resumed", rank=0, dataset="sft-mix", dp=1, microbatches=2)
+    with LocalServer(None, workers=1, extra_args=["--mixture", str(mix)]) as server:
+        with PackStream(server.target, **options) as stream:
+            straight = [(step.step, step.sample_keys) for step in stream]
+        with PackStream(server.target, **{**options, "job": "interrupted"}) as stream:
+            steps = iter(stream)
+            first = [(step.step, step.sample_keys) for step in (next(steps) for _ in range(len(straight) // 2))]
+            state = stream.state_dict()
+    with LocalServer(None, workers=1, extra_args=["--mixture", str(mix)]) as restarted:
+        with PackStream(restarted.target, **{**options, "job": "interrupted"}) as stream:
+            stream.load_state_dict(state)
+            rest = [(step.step, step.sample_keys) for step in stream]
+    assert first + rest == straight
+
+
+def test_a_mixture_is_served_as_one_dataset(tmp_path, demo_dataset):
+    """Three shard datasets mixed 2 / 1 / 0.4 and served over gRPC under the mixture's name: per epoch every
+    sample arrives exactly its repeat count (the subset exactly round(0.4 n)), packs say where each sample
+    came from, two epochs draw other subsets, GetJob counts per dataset."""
+    import grpc
+
+    from packfeed.client import LocalServer, PackStream
+    from packfeed.v1 import packfeed_pb2 as pb
+    from packfeed.v1 import packfeed_pb2_grpc as pb_grpc
+    mix = served_mixture(tmp_path, demo_dataset)
     epochs = {}
     with LocalServer(None, workers=1, extra_args=["--mixture", str(mix)]) as server:
         for rank in range(2):
