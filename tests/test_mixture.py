@@ -224,3 +224,25 @@ def test_a_mixture_is_served_as_one_dataset(tmp_path, demo_dataset):
         assert len(documents) == 4 and all(counts[key] == 1 for key in documents)  # round(0.4 * 10)
     assert {k for k in epochs[0] if k.startswith("documents")} != {k for k in epochs[1] if k.startswith("documents")}
     assert dict(info.samples_by_dataset) == {"charts": 48, "diagrams": 18, "documents": 8}
+
+
+def test_a_mixture_stream_fails_over_to_another_server(tmp_path, demo_dataset):
+    """Failover works as for one dataset: the server feeding the stream is killed mid-epoch and the next one
+    continues from the first step not received, with the same samples as an uninterrupted stream."""
+    from packfeed.client import LocalServer, PackStream
+
+    mix = served_mixture(tmp_path, demo_dataset)
+    options = dict(rank=0, dataset="sft-mix", dp=1, microbatches=2, prefetch=1, retries=8, backoff=0.2)
+    first, second = (LocalServer(None, workers=1, extra_args=["--mixture", str(mix)]).start() for _ in range(2))
+    try:
+        with PackStream(second.target, job="reference", **options) as stream:
+            straight = [step.sample_keys for step in stream]
+        with PackStream([first.target, second.target], job="moved", **options) as stream:
+            steps = iter(stream)
+            received = [next(steps).sample_keys]
+            first.process.kill()
+            received += [step.sample_keys for step in steps]
+    finally:
+        first.stop()
+        second.stop()
+    assert received == straight
