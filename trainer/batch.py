@@ -119,4 +119,4 @@ def microbatches_of(step, config: VLMConfig, token_multiple: int = 64) -> Microb
     args = tuple(torch.cat(parts) for parts in zip(*padded))
     return Microbatches(shape, args, sum(int(p.input_ids.numel()) for p in step.packs),
                         sum(int(p.tile_shapes.view(-1, 3).shape[0]) for p in step.packs),
-                        dict(Counter(source for p in step.packs for source in getattr(p, "sample_sources", ()))))
+                        dict(Counter(step.sample_sources)))

@@ -88,9 +88,10 @@ class MixtureRows:
 class MixtureLoads:
     """The indexes of a mixture, read once; `epoch(seed, epoch)` gives each epoch's rows."""
 
-    def __init__(self, mixture: Mixture):
+    def __init__(self, mixture: Mixture, read: list[tuple[SampleLoads, IndexInfo]] | None = None):
+        """`read`: each dataset's (loads, index info) when the caller has them already."""
         self.mixture = mixture
-        read = [load_sample_loads(entry.index) for entry in mixture.datasets]
+        read = read or [load_sample_loads(entry.index) for entry in mixture.datasets]
         self.loads = [loads for loads, _ in read]
         self.infos = [info for _, info in read]
         check_conventions(mixture, self.infos)

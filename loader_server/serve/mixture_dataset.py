@@ -13,20 +13,7 @@ from packfeed.server.plan.mixture import Mixture, MixtureLoads, make_mixture_pla
 from packfeed.server.plan.planner import resolve_caps
 from packfeed.server.plan.plan_file import Plan
 from packfeed.server.serve.jobs import Dataset
-from packfeed.server.serve.workers import DatasetSource
 from packfeed.v1.options import PlanConfig
-
-
-def part_key(mixture: str, dataset: str) -> str:
-    """The worker's name for one dataset of a mixture."""
-    return f"{mixture}/{dataset}"
-
-
-def mixture_sources(name: str, path: str | Path) -> dict[str, DatasetSource]:
-    """The worker sources of a mixture's datasets (each read with the tokenizer its index records)."""
-    from packfeed.server.serve.config import dataset_source
-
-    return {part_key(name, entry.name): dataset_source(entry.index) for entry in Mixture.load(path).datasets}
 
 
 class MixtureDataset(Dataset):
@@ -38,13 +25,17 @@ class MixtureDataset(Dataset):
 
     @classmethod
     def open(cls, name: str, path: str | Path) -> MixtureDataset:
-        mixture = MixtureLoads(Mixture.load(path))
+        """Each dataset opened as the workers will name it (`MIXTURE/DATASET`, read with the tokenizer its index
+        records); the mixture planned on the loads they read."""
+        from packfeed.server.serve.config import dataset_source
+
+        mixture = Mixture.load(path)
         parts = []
-        for entry, (key, source) in zip(mixture.mixture.datasets, mixture_sources(name, path).items()):
-            part = Dataset.open(key, source)
+        for entry in mixture.datasets:
+            part = Dataset.open(f"{name}/{entry.name}", dataset_source(entry.index))
             part.label = entry.name
             parts.append(part)
-        return cls(name, mixture, parts)
+        return cls(name, MixtureLoads(mixture, [(part.loads, part.info) for part in parts]), parts)
 
     @property
     def fingerprint(self) -> str:

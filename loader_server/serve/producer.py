@@ -56,8 +56,8 @@ async def produce(job: Job, rank: int, cursor: tuple[int, int] | None, queue: as
                 pool.restart()
                 raise JobError("UNAVAILABLE", "a pre-processing worker died (out of memory?); the pool was "
                                               "restarted: retry") from None
+            check_skipped(result, position, rank, config.max_skipped_fraction)  # still in flight: released if so
             in_flight.popleft()
-            check_skipped(result, position, rank, config.max_skipped_fraction)
             budget.adjust(result.nbytes - estimate)
             owned = result.nbytes  # counted in the budget, not yet in the queue
             await queue.put((position, result))

@@ -67,10 +67,12 @@ class JobRegistry:
             raise JobError("UNAVAILABLE", f"job {spec.job!r} is still being planned: retry")
         if job.failure:
             raise job.failure
-        if expected_plan and job.plan(0).fingerprint() != expected_plan:
+        try:
+            job.check_plan(expected_plan)
+        except JobError:
             if planner:
                 self.forget(job)
-            job.check_plan(expected_plan)
+            raise
         return job
 
     def dataset(self, name: str) -> Dataset:

@@ -15,7 +15,7 @@ from grpc_reflection.v1alpha import reflection
 from packfeed.server.cluster.coordinator import CoordinationUnavailable, Coordinator, coordinator_from_url
 from packfeed.server.serve.config import MixtureSource, ServerConfig, describe
 from packfeed.server.serve.jobs import Dataset
-from packfeed.server.serve.mixture_dataset import MixtureDataset, mixture_sources
+from packfeed.server.serve.mixture_dataset import MixtureDataset
 from packfeed.server.serve.registry import JobRegistry
 from packfeed.server.serve.network import TokenAuth, advertised_address, bind, grpc_options, start_metrics
 from packfeed.server.serve.observe import Metrics, log
@@ -39,12 +39,9 @@ def open_dataset(name: str, source: DatasetSource | MixtureSource) -> Dataset:
     return Dataset.open(name, source)
 
 
-def worker_sources(config: ServerConfig) -> dict[str, DatasetSource]:
-    """What the workers read: every index, a mixture's one by one."""
-    sources: dict[str, DatasetSource] = {}
-    for name, source in config.datasets.items():
-        sources.update(mixture_sources(name, source.mixture) if isinstance(source, MixtureSource) else {name: source})
-    return sources
+def worker_sources(datasets: dict[str, Dataset]) -> dict[str, DatasetSource]:
+    """What the workers read: every index by the name its packs ask for (a mixture's datasets one by one)."""
+    return {part.name: part.source for dataset in datasets.values() for part in dataset.parts}
 
 
 async def report_health(health_servicer, pool: WorkerPool) -> None:
@@ -70,7 +67,7 @@ async def serve(config: ServerConfig, ready: asyncio.Event | None = None, stop: 
     """Run the server until SIGTERM/SIGINT (or `stop` is set)."""
     started = time.perf_counter()
     datasets = {name: await asyncio.to_thread(open_dataset, name, source) for name, source in config.datasets.items()}
-    pool = WorkerPool(worker_sources(config), config.workers)
+    pool = WorkerPool(worker_sources(datasets), config.workers)
     metrics = Metrics()
     coordinator = coordinator_from_url(config.redis_url, config.redis_password)
     registry = JobRegistry(datasets, max_jobs=config.max_jobs, idle_s=config.job_idle_s)

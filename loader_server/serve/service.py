@@ -72,37 +72,38 @@ class PackfeedService:
         except CoordinationUnavailable:
             return None
 
-    def _share_acks(self) -> None:
-        """Hand the coordinator every acknowledged position it has not taken yet (it missed them while away)."""
-        for job in list(self.registry.jobs.values()):
-            for rank, state in enumerate(job.ranks):
-                position = state.unshared
-                if position is None:
-                    continue
-                try:
-                    self.coordinator.ack(job.spec.job, rank, *position)
-                except CoordinationUnavailable:
-                    return
-                state.shared = max(state.shared, position)
+    def _share_ack(self, job: Job, rank: int) -> None:
+        """Hand the coordinator the rank's acknowledged position if it has not taken it yet (it may have missed
+        it while away): on every acknowledgement, lease renewal and stream end of that rank."""
+        position = job.ranks[rank].unshared
+        if position is None:
+            return
+        try:
+            self.coordinator.ack(job.spec.job, rank, *position)
+        except CoordinationUnavailable:
+            return
+        job.ranks[rank].shared = max(job.ranks[rank].shared, position)
 
-    async def _keep_lease(self, job: str, rank: int, lost: asyncio.Event) -> None:
+    async def _keep_lease(self, job: Job, rank: int, lost: asyncio.Event) -> None:
         """Renew the lease at a third of its TTL; while Redis is unreachable, keep streaming and retry. If
         another server took the rank meanwhile (Redis thought this one dead), stop the stream."""
         warned = False
         while True:
             await asyncio.sleep(self.config.lease_ttl_s / 3)
-            held = await asyncio.to_thread(self._hold_lease, job, rank)
+            held = await asyncio.to_thread(self._hold_lease, job.spec.job, rank)
             if held is False:
                 lost.set()
                 return
             if held is None and not warned:
-                log.warning("coordinator unreachable: streaming on, retrying", extra={"job": job, "rank": rank})
+                log.warning("coordinator unreachable: streaming on, retrying",
+                            extra={"job": job.spec.job, "rank": rank})
             warned = held is None
-            await asyncio.to_thread(self._share_acks)
+            await asyncio.to_thread(self._share_ack, job, rank)
 
-    def _let_go(self, job: str, rank: int) -> None:
+    def _let_go(self, job: Job, rank: int) -> None:
+        self._share_ack(job, rank)
         try:
-            self.coordinator.release_lease(job, rank, self.server_id)
+            self.coordinator.release_lease(job.spec.job, rank, self.server_id)
         except CoordinationUnavailable:
             pass  # it lapses by itself
 
@@ -156,7 +157,7 @@ class PackfeedService:
             raise JobError("FAILED_PRECONDITION", f"step {request.epoch}:{request.step} was not sent to rank "
                                                   f"{request.rank} by this server: acknowledge only steps received")
         await asyncio.to_thread(job.ack, request.rank, request.epoch, request.step)
-        await asyncio.to_thread(self._share_acks)
+        await asyncio.to_thread(self._share_ack, job, request.rank)
         self.metrics.lag.labels(request.job, str(request.rank)).set(job.ranks[request.rank].lag)
         return pb.AckStepResponse()
 
@@ -207,7 +208,7 @@ class PackfeedService:
                                           f"{self.config.lease_ttl_s:g} s: retry")
         lost = asyncio.Event()
         job.open_streams += 1
-        keeper = asyncio.create_task(self._keep_lease(job.spec.job, rank, lost))
+        keeper = asyncio.create_task(self._keep_lease(job, rank, lost))
         queue: asyncio.Queue = asyncio.Queue(maxsize=self.config.prefetch_steps)
         producer = asyncio.create_task(produce(job, rank, start, queue, self.pool, self.budget, self.config))
         log.info("stream started", extra={"job": job.spec.job, "rank": rank, "epoch": start[0], "step": start[1],
@@ -243,7 +244,7 @@ class PackfeedService:
                 if item is not END:
                     self.budget.release(item[1].nbytes)
             if not lost.is_set():
-                await asyncio.shield(asyncio.to_thread(self._let_go, job.spec.job, rank))
+                await asyncio.shield(asyncio.to_thread(self._let_go, job, rank))
             log.info("stream ended", extra={"job": job.spec.job, "rank": rank, "steps_sent": sent_steps})
         failure = producer.exception() if producer.done() and not producer.cancelled() else None
         if isinstance(failure, JobError):

@@ -145,11 +145,11 @@ def index_input(index_path: str | Path) -> ReportInput:
 
 def mixture_input(mixture_path: str | Path, config: PlanConfig, seed: int) -> ReportInput:
     """Epoch 0 of a mixture, repeats and subsets applied; invalid samples and shard errors of every dataset."""
-    from packfeed.server.plan.mixture import Mixture, MixtureLoads, make_mixture_plan
+    from packfeed.server.plan.mixture import Mixture, MixtureLoads
 
     mixture = MixtureLoads(Mixture.load(mixture_path))
-    plan = make_mixture_plan(mixture, config, seed, 0)
-    rows = plan.rows
+    rows = mixture.epoch(seed, 0)  # the strategies are compared on it below, with the caps every epoch uses
+    caps = resolve_caps(mixture.once().loads, config)
     parts = [index_input(entry.index) for entry in mixture.mixture.datasets]
 
     def gather(column: str) -> np.ndarray | None:
@@ -166,7 +166,7 @@ def mixture_input(mixture_path: str | Path, config: PlanConfig, seed: int) -> Re
                                                 rows.counts(np.arange(len(rows.datasets))).values())}
     return ReportInput(f"mixture {mixture.mixture.name} ({mixture_path})", mixture.fingerprint, "mixture", rows.loads,
                        gather("n_images"), gather("vision_tokens"), reasons,
-                       [e for part in parts for e in part.shard_errors], parts[0].image_policy, plan.caps, datasets)
+                       [e for part in parts for e in part.shard_errors], parts[0].image_policy, caps, datasets)
 
 
 def build_report(source: str | Path | ReportInput, config: PlanConfig,
