@@ -1,9 +1,8 @@
 """Soak: one client sends hostile requests (huge counts and strings, garbage bytes, thousands of job ids,
 cancels mid-step) while eight ranks stream an epoch from the same server. The ranks get every sample exactly
-once, their steps stay within 2x of a quiet run, and the server's memory returns to where it was once the
-hostile jobs are closed or evicted. Prints its figures (BENCHMARKS.md "Reliability"):
-
-    .venv/bin/python -m pytest -q -s tests/test_soak.py
+once and the memory budget is all returned once the hostile jobs are closed or evicted. The speed and memory
+goals (steps within 2x of a quiet run, resident memory back where it was) are checked by
+tests/benchmarks/test_bench_soak.py on the same run, not here: a shared CI machine is too noisy for them.
 """
 
 from __future__ import annotations
@@ -12,6 +11,7 @@ import statistics
 import threading
 import time
 import urllib.request
+from dataclasses import dataclass
 
 import grpc
 import pytest
@@ -110,7 +110,25 @@ def hostile(target: str, stop: threading.Event, counts: dict[str, int]) -> None:
     counts["rounds"] = k
 
 
-def test_eight_ranks_stream_an_epoch_through_a_hostile_client(tmp_path):
+@dataclass(frozen=True)
+class Soak:
+    """What one soak run saw: every rank's keys quiet and under attack, the waits, the attacker's counts, the
+    server's memory (MiB) before, at the peak and after the hostile jobs were gone, and the budget still held."""
+
+    valid: list[str]
+    quiet_keys: dict[int, list[str]]
+    keys: dict[int, list[str]]
+    quiet_waits: list[float]
+    waits: list[float]
+    counts: dict[str, int]
+    elapsed: float
+    baseline_mib: float
+    peak_mib: float
+    after_mib: float
+    held_bytes: float
+
+
+def run_soak(tmp_path) -> Soak:
     _, index = indexed_demo(tmp_path, 320, 4, 7, SMALL_TILE_POLICY)
     table, _ = read_index(index, columns=["key", "valid"])
     valid = sorted(k for k, v in zip(table.column("key").to_pylist(), table.column("valid").to_pylist()) if v)
@@ -139,19 +157,29 @@ def test_eight_ranks_stream_an_epoch_through_a_hostile_client(tmp_path):
         assert wait_for(lambda: gauge("packfeed_jobs") == 0, 60), gauge("packfeed_jobs")
         after = tree_rss_mib(server.process.pid)
         held = gauge("packfeed_memory_held_bytes")
+    return Soak(valid, quiet_keys, keys, quiet_waits, waits, counts, elapsed, baseline, peak, after, held)
 
-    for ledger in (quiet_keys, keys):
-        assert sorted(k for rank_keys in ledger.values() for k in rank_keys) == sorted(valid * EPOCHS)
-    quiet_median, median = statistics.median(quiet_waits), statistics.median(waits)
-    quiet_step, step = COMPUTE_S + quiet_median, COMPUTE_S + median
-    print(f"\n[soak] {len(valid)} samples x {EPOCHS} epochs, DP {DP}, {counts['rounds']} hostile rounds in {elapsed:.1f} s: {counts}")
+
+def print_soak(soak: Soak) -> tuple[float, float]:
+    """Prints the run's figures; returns the median step (compute + data wait) quiet and under attack, s."""
+    quiet_step = COMPUTE_S + statistics.median(soak.quiet_waits)
+    step = COMPUTE_S + statistics.median(soak.waits)
+    print(f"\n[soak] {len(soak.valid)} samples x {EPOCHS} epochs, DP {DP}, {soak.counts['rounds']} hostile rounds "
+          f"in {soak.elapsed:.1f} s: {soak.counts}")
     print(f"[soak] median step (compute {COMPUTE_S * 1e3:.0f} ms + data wait): quiet {quiet_step * 1e3:.1f} ms, "
           f"under attack {step * 1e3:.1f} ms ({step / quiet_step:.2f}x); p90 wait quiet "
-          f"{statistics.quantiles(quiet_waits, n=10)[-1] * 1e3:.1f} ms, under attack "
-          f"{statistics.quantiles(waits, n=10)[-1] * 1e3:.1f} ms")
-    print(f"[soak] server + workers RSS: baseline {baseline:.0f} MiB, peak under attack {peak:.0f} MiB, after "
-          f"the hostile jobs were closed or evicted {after:.0f} MiB; budget held {held:.0f} B")
-    assert counts.get("INVALID_ARGUMENT", 0) > 0 and counts.get("RESOURCE_EXHAUSTED", 0) > 0
-    assert step <= 2 * quiet_step
-    assert held == 0
-    assert after <= baseline * 1.15 + 30
+          f"{statistics.quantiles(soak.quiet_waits, n=10)[-1] * 1e3:.1f} ms, under attack "
+          f"{statistics.quantiles(soak.waits, n=10)[-1] * 1e3:.1f} ms")
+    print(f"[soak] server + workers RSS: baseline {soak.baseline_mib:.0f} MiB, peak under attack "
+          f"{soak.peak_mib:.0f} MiB, after the hostile jobs were closed or evicted {soak.after_mib:.0f} MiB; "
+          f"budget held {soak.held_bytes:.0f} B")
+    return quiet_step, step
+
+
+def test_eight_ranks_stream_an_epoch_through_a_hostile_client(tmp_path):
+    soak = run_soak(tmp_path)
+    print_soak(soak)
+    for ledger in (soak.quiet_keys, soak.keys):
+        assert sorted(k for rank_keys in ledger.values() for k in rank_keys) == sorted(soak.valid * EPOCHS)
+    assert soak.counts.get("INVALID_ARGUMENT", 0) > 0 and soak.counts.get("RESOURCE_EXHAUSTED", 0) > 0
+    assert soak.held_bytes == 0  # every hostile job's reservation came back
