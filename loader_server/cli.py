@@ -10,21 +10,17 @@ import os
 import sys
 from pathlib import Path
 
-from packfeed.server.index.image_policy import POLICIES, VERIFY_MODES  # light: dataclasses only
+from packfeed.server.index.image_policy import VERIFY_MODES  # light: dataclasses only
 from packfeed.v1.options import Oversize, PlanConfig, Strategy
 
 EXIT_OK, EXIT_SKIPPED, EXIT_USAGE = 0, 3, 2
 
 
 def add_index_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--tokenizer", help="HF tokenizers tokenizer.json")
-    parser.add_argument("--image-policy", choices=sorted(POLICIES), default="internvl")
-    parser.add_argument("--max-tiles", type=int, default=12, help="internvl: max tiles per sample (default 12)")
-    parser.add_argument("--min-pixels", type=int, default=56 * 56, help="qwen2vl: min pixels")
-    parser.add_argument("--max-pixels", type=int, default=28 * 28 * 1280, help="qwen2vl: max pixels")
-    parser.add_argument("--image-size", type=int, default=336, help="fixed: square side in px")
-    parser.add_argument("--image-tokens", type=int, default=576, help="fixed: LLM tokens per image")
-    parser.add_argument("--system-prompt", help="system turn prepended to every conversation")
+    from packfeed.server.index.conventions import add_convention_options
+
+    parser.add_argument("--tokenizer", help="HF tokenizers tokenizer.json (the tokenizer the trainer uses)")
+    add_convention_options(parser)
     parser.add_argument("--verify-images", choices=VERIFY_MODES, default="decode",
                         help="decode (catch corrupt image data) or header (faster)")
 

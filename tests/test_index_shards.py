@@ -144,7 +144,7 @@ def test_broken_shards_are_reported_and_their_readable_samples_kept(built):
 def test_valid_samples_costs_match_what_serving_produces(built, shards):
     """Read each valid sample back by its recorded offsets and re-encode it: same sizes, same token count."""
     _, rows, config = built
-    template = ChatTemplate(**config.chat_template)
+    template = ChatTemplate.from_dict(config.chat_template)
     tokenizer = load_tokenizer(config.tokenizer, template)
     policy = InternVLTiling()
     checked = 0

@@ -266,7 +266,7 @@ def test_job_info_carries_the_model_conventions(server, dataset):
     from packfeed.server.index.table import read_index_info
 
     info = read_index_info(dataset)
-    tokenizer = load_tokenizer(info.tokenizer["path"], ChatTemplate(**info.chat_template))
+    tokenizer = load_tokenizer(info.tokenizer["path"], ChatTemplate.from_dict(info.chat_template))
     with PackStream(server.target, job="conventions", rank=0, **PLAN) as stream:
         conventions = stream.conventions
         keys = {key for step in stream for key in step.sample_keys}
@@ -279,7 +279,7 @@ def test_job_info_carries_the_model_conventions(server, dataset):
     assert conventions.image_context_id == tokenizer.token_to_id("<IMG_CONTEXT>")
     assert (conventions.image_start_id, conventions.image_end_id) == \
         (tokenizer.token_to_id("<img>"), tokenizer.token_to_id("</img>"))
-    assert conventions.chat_template.turn_start == "<|im_start|>"
+    assert conventions.chat_template.user_prefix == "<|im_start|>user\n"
 
 
 def test_grouped_and_flat_stream_options_open_the_same_job(server):

@@ -3,16 +3,24 @@
 The index records `len(input_ids)` of exactly what the server will later produce for the same sample,
 so planned pack lengths are the lengths that reach the trainer.
 
-Template (ChatML, as InternVL-Chat uses with InternLM2): every turn is
-``<|im_start|>{role}\\n{content}<|im_end|>\\n``. Each ``<image>`` tag in a human turn becomes
-``<img>`` + ``<IMG_CONTEXT>`` x (that image's LLM tokens) + ``</img>``. Labels are -100 everywhere except
-the content and closing ``<|im_end|>`` of assistant turns.
+A sample renders as ``bos`` then, per turn, ``{role}_prefix`` + content + ``{role}_suffix`` + ``separator``.
+Each ``<image>`` tag in a turn becomes ``image_start`` + ``image_context`` x (that image's LLM tokens) +
+``image_end``; LLaVA's bare run leaves start and end empty. Labels are -100 everywhere except the content and
+``assistant_suffix`` of assistant turns. Presets (`PRESETS`) give InternVL's ChatML, Qwen2-VL, LLaVA-1.5
+(Vicuna v1) and Llama-3; every field can be set on its own.
+
+Special tokens: in the markers (bos, prefixes, suffixes, separator) every ``<...>`` without spaces is one
+special token, and so are the three image strings. They are placed by id, never parsed out of text, and the
+tokenizer must know every one of them: `load_tokenizer` refuses a tokenizer that lacks any (naming them) rather
+than adding them in memory, where the trainer's tokenizer would never see them; `extend_tokenizer` writes a
+tokenizer.json that has them, for `packfeed index --extend-tokenizer`.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+import re
+from dataclasses import asdict, dataclass, field, fields, replace
 from functools import lru_cache
 from pathlib import Path
 from typing import Any, Sequence
@@ -21,49 +29,209 @@ import numpy as np
 from tokenizers import Tokenizer
 
 IGNORE_INDEX = -100
-IMAGE_TAG = "<image>"
+IMAGE_TAG = "<image>"  # the image placeholder of LLaVA/InternVL annotations (the converters write it too)
 ROLE_NAMES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
+_SPECIAL_IN_MARKER = re.compile(r"(<[^<>\s]+>)")
+MARKERS = ("bos", "system_prefix", "system_suffix", "user_prefix", "user_suffix", "assistant_prefix",
+           "assistant_suffix", "separator")
 
 
 class ConversationError(ValueError):
     """A sample's conversation cannot be used; the message is the reason recorded in the index."""
 
 
+class MissingTokensError(ValueError):
+    """The tokenizer lacks special tokens the chat template places."""
+
+
+def _help(text: str) -> dict[str, str]:
+    return {"help": text}
+
+
 @dataclass(frozen=True)
 class ChatTemplate:
-    turn_start: str = "<|im_start|>"
-    turn_end: str = "<|im_end|>"
-    image_start: str = "<img>"
-    image_end: str = "</img>"
-    image_context: str = "<IMG_CONTEXT>"
-    system_prompt: str | None = None
+    """How turns and images become text; the defaults are InternVL-Chat's ChatML (preset `internvl`)."""
+
+    bos: str = field(default="", metadata=_help("token at the start of every sample, e.g. <s> (default: none)"))
+    system_prefix: str = field(default="<|im_start|>system\n", metadata=_help("text before a system turn"))
+    system_suffix: str = field(default="<|im_end|>", metadata=_help("text after a system turn"))
+    user_prefix: str = field(default="<|im_start|>user\n", metadata=_help("text before a user turn"))
+    user_suffix: str = field(default="<|im_end|>", metadata=_help("text after a user turn"))
+    assistant_prefix: str = field(default="<|im_start|>assistant\n", metadata=_help("text before an assistant turn"))
+    assistant_suffix: str = field(default="<|im_end|>",
+                                  metadata=_help("text after an assistant turn; trained on, like the turn"))
+    separator: str = field(default="\n", metadata=_help("text after every turn's suffix, not trained on"))
+    image_start: str = field(default="<img>", metadata=_help("token before an image's placeholders (may be empty)"))
+    image_end: str = field(default="</img>", metadata=_help("token after an image's placeholders (may be empty)"))
+    image_context: str = field(default="<IMG_CONTEXT>",
+                               metadata=_help("the placeholder token vision features replace, once per LLM token"))
+    system_prompt: str | None = field(default=None,
+                                      metadata=_help("system turn prepended to conversations that have none"))
+
+    def __post_init__(self):
+        for spec in fields(self):
+            value = getattr(self, spec.name)
+            if not (isinstance(value, str) or (value is None and spec.name == "system_prompt")):
+                raise ValueError(f"chat template field {spec.name} must be a string, not {value!r}")
+        if not self.image_context:
+            raise ValueError("chat template needs an image_context token (the placeholder vision features replace)")
+        for name in ("bos", "image_start", "image_end", "image_context"):
+            value = getattr(self, name)
+            if value and not _SPECIAL_IN_MARKER.fullmatch(value):
+                raise ValueError(f"chat template {name} {value!r} must be one special token written <...> "
+                                 f"(no spaces)")
 
     @property
     def special_tokens(self) -> list[str]:
-        return [self.turn_start, self.turn_end, self.image_start, self.image_end, self.image_context]
+        """Every token the template places by id, in a fixed order (the order `extend_tokenizer` appends)."""
+        found = [token for name in MARKERS for token in _SPECIAL_IN_MARKER.findall(getattr(self, name))]
+        found += [self.image_start, self.image_end, self.image_context]
+        return list(dict.fromkeys(token for token in found if token))
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any] | None) -> "ChatTemplate":
+        """The template an index records, or a config file's `chat_template:` section, which may name a
+        `preset` and override any field. Indexes written before per-role markers recorded `turn_start` and
+        `turn_end` (ChatML); they read back as the same template."""
+        raw = dict(raw or {})
+        preset = raw.pop("preset", None)
+        if "turn_start" in raw or "turn_end" in raw:
+            start, end = raw.pop("turn_start", "<|im_start|>"), raw.pop("turn_end", "<|im_end|>")
+            raw = {**{f"{role}_prefix": f"{start}{role}\n" for role in ("system", "user", "assistant")},
+                   **{f"{role}_suffix": end for role in ("system", "user", "assistant")}, **raw}
+        known = {spec.name for spec in fields(cls)}
+        unknown = sorted(set(raw) - known)
+        if unknown:
+            raise ValueError(f"unknown chat template field(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+        if preset is not None and preset not in PRESETS:
+            raise ValueError(f"unknown chat template preset {preset!r}; choose one of {', '.join(PRESETS)}")
+        return replace(PRESETS[preset] if preset else cls(), **raw)
+
+
+_VICUNA_SYSTEM = ("A chat between a curious human and an artificial intelligence assistant. The assistant gives "
+                  "helpful, detailed, and polite answers to the human's questions.")
+_LLAMA3_HEADER = "<|start_header_id|>{}<|end_header_id|>\n\n"
+
+PRESETS: dict[str, ChatTemplate] = {
+    "internvl": ChatTemplate(),  # InternVL-Chat with InternLM2 / Qwen2 LLMs: ChatML, <img><IMG_CONTEXT>...</img>
+    "qwen2vl": ChatTemplate(image_start="<|vision_start|>", image_end="<|vision_end|>", image_context="<|image_pad|>",
+                            system_prompt="You are a helpful assistant."),
+    "llava": ChatTemplate(  # LLaVA-1.5 (Vicuna v1): bare run of <image> tokens, as the llava-hf processors expand
+        bos="<s>", system_prefix="", system_suffix=" ", user_prefix="USER: ", user_suffix=" ",
+        assistant_prefix="ASSISTANT: ", assistant_suffix="</s>", separator="", image_start="", image_end="",
+        image_context="<image>", system_prompt=_VICUNA_SYSTEM),
+    "llama3": ChatTemplate(  # Llama-3 headers (LLaVA-NeXT / LLaMA-3 recipes): bare <image> run
+        bos="<|begin_of_text|>", system_prefix=_LLAMA3_HEADER.format("system"), system_suffix="<|eot_id|>",
+        user_prefix=_LLAMA3_HEADER.format("user"), user_suffix="<|eot_id|>",
+        assistant_prefix=_LLAMA3_HEADER.format("assistant"), assistant_suffix="<|eot_id|>", separator="",
+        image_start="", image_end="", image_context="<image>"),
+}
+
+
+def missing_tokens(tokenizer: Tokenizer, template: ChatTemplate) -> list[str]:
+    return [token for token in template.special_tokens if tokenizer.token_to_id(token) is None]
+
+
+def check_tokens(tokenizer: Tokenizer, template: ChatTemplate, path: str | Path) -> None:
+    """Raise MissingTokensError naming the special tokens of the template the tokenizer lacks, if any."""
+    missing = missing_tokens(tokenizer, template)
+    if missing:
+        raise MissingTokensError(
+            f"tokenizer {path} lacks the special token(s) {', '.join(missing)} that the chat template places "
+            f"(its image placeholder is {template.image_context!r}); pick the template of the tokenizer's model "
+            f"(--chat-template {' | '.join(PRESETS)}, or the marker and image token flags), or index with "
+            f"--extend-tokenizer to write a tokenizer.json that has them beside the index (the trainer then "
+            f"uses that one)")
+
 
 def load_tokenizer(path: str | Path, template: ChatTemplate) -> Tokenizer:
-    """Any HF `tokenizers` tokenizer.json; the template's special tokens are added when missing.
+    """Any HF `tokenizers` tokenizer.json that knows every special token of the template.
 
-    Adding is deterministic (fixed order, appended ids), so every process gets the same ids. Text is encoded
-    with special tokens read as plain text: a sample that writes `<IMG_CONTEXT>` or `<|im_end|>` gets the ids
-    of those characters, never the template's ids, which only the template itself places.
+    Text is encoded with special tokens read as plain text: a sample that writes `<IMG_CONTEXT>` or `<|im_end|>`
+    gets the ids of those characters, never the template's ids, which only the template itself places.
     """
     tokenizer = Tokenizer.from_file(str(path))
-    missing = [t for t in template.special_tokens if tokenizer.token_to_id(t) is None]
-    if missing:
-        tokenizer.add_special_tokens(missing)
+    check_tokens(tokenizer, template, path)
     tokenizer.encode_special_tokens = True
     return tokenizer
 
 
+def extend_tokenizer(path: str | Path, template: ChatTemplate, out: str | Path) -> list[str]:
+    """Write `out`: the tokenizer at `path` plus the template's missing special tokens (appended in a fixed
+    order, so the same inputs give the same ids). Returns the tokens added."""
+    tokenizer = Tokenizer.from_file(str(path))
+    missing = missing_tokens(tokenizer, template)
+    tokenizer.add_special_tokens(missing)
+    tokenizer.save(str(out))
+    return missing
+
+
+class ChatEncoder:
+    """A tokenizer and a template, with every marker's ids computed once."""
+
+    def __init__(self, tokenizer: Tokenizer, template: ChatTemplate):
+        self.tokenizer, self.template = tokenizer, template
+        self.markers = {name: self._marker_ids(getattr(template, name)) for name in MARKERS}
+        self.image_start = self._marker_ids(template.image_start)
+        self.image_end = self._marker_ids(template.image_end)
+        self.image_context = tokenizer.token_to_id(template.image_context)
+
+    def _marker_ids(self, text: str) -> np.ndarray:
+        ids: list[int] = []
+        for k, piece in enumerate(_SPECIAL_IN_MARKER.split(text)):
+            if k % 2:  # a special token, placed by id
+                ids.append(self.tokenizer.token_to_id(piece))
+            elif piece:
+                ids += self.tokenizer.encode(piece, add_special_tokens=False).ids
+        return np.asarray(ids, dtype=np.int32)
+
+    def encode(self, turns: Sequence[dict[str, str]],
+               image_tokens: Sequence[int]) -> tuple[np.ndarray, np.ndarray, list[int]]:
+        """Token ids and labels (int32) for one sample (`image_tokens[i]` = LLM tokens of the i-th image), and
+        where each image's run of context tokens starts in the ids."""
+        template, markers = self.template, self.markers
+        if template.system_prompt and not any(t["role"] == "system" for t in turns):
+            turns = [{"role": "system", "value": template.system_prompt}, *turns]
+        pieces: list[tuple[np.ndarray | str | int, bool]] = [(markers["bos"], False)]  # (ids, text or image no; learn)
+        image_no = 0
+        for turn in turns:
+            role, learn = turn["role"], turn["role"] == "assistant"
+            pieces.append((markers[f"{role}_prefix"], False))
+            for k, chunk in enumerate(turn["value"].split(IMAGE_TAG)):
+                if k > 0:
+                    pieces.append((image_no, False))
+                    image_no += 1
+                if chunk:
+                    pieces.append((chunk, learn))
+            pieces += [(markers[f"{role}_suffix"], learn), (markers["separator"], False)]
+
+        encoded = iter(self.tokenizer.encode_batch([p for p, _ in pieces if isinstance(p, str)],
+                                                   add_special_tokens=False))
+        ids: list[np.ndarray] = []
+        labels: list[np.ndarray] = []
+        image_starts: list[int] = []
+        length = 0
+        for piece, learn in pieces:
+            if isinstance(piece, np.ndarray):
+                piece_ids = piece
+            elif isinstance(piece, int):
+                image_starts.append(length + len(self.image_start))
+                context = np.full(image_tokens[piece], self.image_context, dtype=np.int32)
+                piece_ids = np.concatenate([self.image_start, context, self.image_end])
+            else:
+                piece_ids = np.asarray(next(encoded).ids, dtype=np.int32)
+            ids.append(piece_ids)
+            labels.append(piece_ids if learn else np.full(len(piece_ids), IGNORE_INDEX, dtype=np.int32))
+            length += len(piece_ids)
+        return np.concatenate(ids).astype(np.int32), np.concatenate(labels).astype(np.int32), image_starts
+
+
 @lru_cache(maxsize=8)
-def cached_tokenizer(path: str, template: ChatTemplate) -> Tokenizer:
-    return load_tokenizer(path, template)
+def cached_encoder(path: str, template: ChatTemplate) -> ChatEncoder:
+    return ChatEncoder(load_tokenizer(path, template), template)
 
 
 def parse_conversation(raw: bytes) -> list[dict[str, str]]:
@@ -78,7 +246,12 @@ def parse_conversation(raw: bytes) -> list[dict[str, str]]:
         raise ConversationError(f"invalid json: {error.msg} at line {error.lineno} column {error.colno}") from None
     except RecursionError:
         raise ConversationError("invalid json: nested too deeply") from None
-    turns = doc.get("conversations") if isinstance(doc, dict) else None
+    return conversation_turns(doc.get("conversations") if isinstance(doc, dict) else None)
+
+
+def conversation_turns(turns: Any) -> list[dict[str, str]]:
+    """LLaVA-style `conversations` ([{"from": "human", "value": ...}, ...]) as [{"role", "value"}], or raise
+    ConversationError with what is wrong with their shape."""
     if not isinstance(turns, list):
         raise ConversationError("invalid json: no 'conversations' list")
     if not turns:
@@ -114,52 +287,5 @@ def attach_images(turns: list[dict[str, str]], n_images: int) -> list[dict[str, 
 def encode_conversation(turns: Sequence[dict[str, str]], image_tokens: Sequence[int], tokenizer: Tokenizer,
                         template: ChatTemplate) -> tuple[np.ndarray, np.ndarray]:
     """Token ids and labels (int32) for one sample; `image_tokens[i]` = LLM tokens of the i-th image."""
-    ids, labels, _ = encode_with_image_starts(turns, image_tokens, tokenizer, template)
+    ids, labels, _ = ChatEncoder(tokenizer, template).encode(turns, image_tokens)
     return ids, labels
-
-
-def encode_with_image_starts(turns: Sequence[dict[str, str]], image_tokens: Sequence[int], tokenizer: Tokenizer,
-                             template: ChatTemplate) -> tuple[np.ndarray, np.ndarray, list[int]]:
-    """encode_conversation, plus where each image's run of context tokens starts in the ids."""
-    pieces: list[tuple[str | int, bool]] = []  # (text, or a special token's id; trained on)
-    placeholders: dict[int, int] = {}  # piece index -> image number
-    if template.system_prompt and not any(t["role"] == "system" for t in turns):
-        turns = [{"role": "system", "value": template.system_prompt}, *turns]
-    special = {name: tokenizer.token_to_id(name) for name in template.special_tokens}
-    image_no = 0
-    for turn in turns:
-        learn = turn["role"] == "assistant"
-        pieces += [(special[template.turn_start], False), (f"{turn['role']}\n", False)]
-        chunks = turn["value"].split(IMAGE_TAG)
-        for k, chunk in enumerate(chunks):
-            if k > 0:
-                placeholders[len(pieces)] = image_no
-                pieces.append(("", False))
-                image_no += 1
-            if chunk:
-                pieces.append((chunk, learn))
-        pieces.append((special[template.turn_end], learn))
-        pieces.append(("\n", False))
-
-    texts = [piece for piece, _ in pieces if isinstance(piece, str)]
-    encoded = iter(tokenizer.encode_batch(texts, add_special_tokens=False))
-    start, end, context = (special[template.image_start], special[template.image_end],
-                           special[template.image_context])
-    ids: list[np.ndarray] = []
-    labels: list[np.ndarray] = []
-    image_starts: list[int] = []
-    length = 0
-    for k, (piece, learn) in enumerate(pieces):
-        if isinstance(piece, int):
-            piece_ids = np.array([piece], dtype=np.int32)
-        elif k in placeholders:
-            next(encoded)
-            n = image_tokens[placeholders[k]]
-            piece_ids = np.concatenate([[start], np.full(n, context), [end]]).astype(np.int32)
-            image_starts.append(length + 1)
-        else:
-            piece_ids = np.asarray(next(encoded).ids, dtype=np.int32)
-        ids.append(piece_ids)
-        labels.append(piece_ids if learn else np.full(len(piece_ids), IGNORE_INDEX, dtype=np.int32))
-        length += len(piece_ids)
-    return np.concatenate(ids), np.concatenate(labels), image_starts

@@ -9,6 +9,7 @@ rest of one) is reported, and the CLI exits non-zero when anything was skipped.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import io
 import os
@@ -25,19 +26,14 @@ import pyarrow as pa
 from PIL import Image, UnidentifiedImageError
 from tqdm import tqdm
 
-from packfeed.server.index.chat import (ChatTemplate, ConversationError, IGNORE_INDEX, attach_images, cached_tokenizer,
-                                  encode_conversation, parse_conversation)
+from packfeed.server.index.chat import (ChatTemplate, ConversationError, IGNORE_INDEX, attach_images, check_tokens,
+                                        cached_encoder, extend_tokenizer, missing_tokens, parse_conversation)
 from packfeed.server.index.image_policy import DEFAULT_POLICY, VERIFY_MODES, ImagePolicy, policy_from_dict
 from packfeed.server.index.table import (SCHEMA, IndexInfo, describe_error, fingerprint_table, member_checksum,
                                          reason_category, write_index)
 from packfeed.server.index.pixels import oriented_size
 from packfeed.server.index.shards import RawSample, ShardError, expand_shards, is_compressed, iter_samples
 
-
-
-# Per image policy: its parameter -> the `packfeed index` option (without dashes) that sets it.
-POLICY_FLAGS = {"internvl": {"max_num": "max_tiles"}, "qwen2vl": {"min_pixels": "min_pixels", "max_pixels": "max_pixels"},
-                "fixed": {"size": "image_size", "tokens": "image_tokens"}}
 
 
 @dataclass(frozen=True)
@@ -48,6 +44,9 @@ class IndexConfig:
     # decode: decode every image (JPEG at 1/8 scale, which still reads every byte) to catch truncated or
     # corrupt data; header: trust the header, several times faster.
     verify_images: str = "decode"
+    # When the tokenizer lacks the template's special tokens: refuse (False) or write an extended tokenizer.json
+    # beside the index and record it (True).
+    extend_tokenizer: bool = False
 
     def __post_init__(self):
         if self.verify_images not in VERIFY_MODES:
@@ -62,7 +61,7 @@ class IndexConfig:
 
     @property
     def template(self) -> ChatTemplate:
-        return ChatTemplate(**self.chat_template)
+        return ChatTemplate.from_dict(self.chat_template)
 
     def tokenizer_digest(self) -> str:
         return hashlib.sha256(Path(self.tokenizer).read_bytes()).hexdigest()[:16]
@@ -72,13 +71,35 @@ class IndexConfig:
                 "tokenizer": self.tokenizer_digest(), "verify_images": self.verify_images}
 
     @classmethod
-    def from_args(cls, args: argparse.Namespace) -> "IndexConfig":
+    def from_args(cls, args: argparse.Namespace, **policy_overrides: Any) -> "IndexConfig":
+        from packfeed.server.index.conventions import conventions_of
+
         if not args.tokenizer:
             raise ValueError("indexing shards needs --tokenizer TOKENIZER.json (the tokenizer the trainer uses)")
-        policy = {"name": args.image_policy, **{parameter: getattr(args, flag) for parameter, flag
-                                                 in POLICY_FLAGS[args.image_policy].items()}}
-        template = ChatTemplate(system_prompt=args.system_prompt).to_dict()
-        return cls(args.tokenizer, policy, template, args.verify_images)
+        policy, template = conventions_of(args, **policy_overrides)
+        return cls(args.tokenizer, policy, template, args.verify_images, args.extend_tokenizer)
+
+    def with_tokenizer_for(self, out: str | Path) -> tuple["IndexConfig", dict[str, Any]]:
+        """This config with a tokenizer that knows every special token of the template, and the index's record
+        of it. Missing tokens are an error, unless `extend_tokenizer`: then a tokenizer.json with them appended
+        is written beside the index, and the index records it (and the one it extends)."""
+        from tokenizers import Tokenizer
+
+        tokenizer = Tokenizer.from_file(self.tokenizer)
+        if not missing_tokens(tokenizer, self.template):
+            return self, {"path": str(Path(self.tokenizer).resolve()), "sha256": self.tokenizer_digest()}
+        if not self.extend_tokenizer:
+            check_tokens(tokenizer, self.template, self.tokenizer)
+        extended = (Path(out).parent / "tokenizer.json").resolve()
+        if extended == Path(self.tokenizer).resolve():
+            raise ValueError(f"--extend-tokenizer would overwrite the tokenizer {self.tokenizer}; write the index "
+                             f"to another folder")
+        original = {"path": str(Path(self.tokenizer).resolve()), "sha256": self.tokenizer_digest()}
+        extended.parent.mkdir(parents=True, exist_ok=True)
+        added = extend_tokenizer(self.tokenizer, self.template, extended)
+        config = dataclasses.replace(self, tokenizer=str(extended))
+        return config, {"path": str(extended), "sha256": config.tokenizer_digest(), "extended_from": original,
+                        "added_tokens": added}
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -142,9 +163,7 @@ def cost_sample(raw: RawSample, config: IndexConfig) -> dict[str, Any]:
                 costs.append(policy.cost(width, height, len(images)))
             except ValueError as error:
                 raise SampleError(f"image rejected by policy: {error}") from None
-        template = config.template
-        tokenizer = cached_tokenizer(config.tokenizer, template)
-        ids, labels = encode_conversation(turns, [c.llm_tokens for c in costs], tokenizer, template)
+        ids, labels, _ = cached_encoder(config.tokenizer, config.template).encode(turns, [c.llm_tokens for c in costs])
     except (SampleError, ConversationError) as error:
         row["reason"] = str(error)
         return row
@@ -221,6 +240,7 @@ def build_index(specs: list[str], out: str | Path, config: IndexConfig, workers:
     urls = expand_shards(specs)
     if not urls:
         raise ValueError("no shards given")
+    config, tokenizer_record = config.with_tokenizer_for(out)
     workers = max(1, min(workers or os.cpu_count() or 1, len(urls)))
     bar = tqdm(total=len(urls), unit="shard", desc="indexing", disable=not progress)
     results: list[ShardResult] = []
@@ -241,7 +261,7 @@ def build_index(specs: list[str], out: str | Path, config: IndexConfig, workers:
     config_fp = config.to_fingerprint_dict()
     info = IndexInfo(
         fingerprint=fingerprint_table(table, config_fp), source="shards", inputs=urls,
-        image_policy=config.image_policy, tokenizer={"path": str(config.tokenizer), "sha256": config.tokenizer_digest()},
+        image_policy=config.image_policy, tokenizer=tokenizer_record,
         chat_template=config.chat_template,
         skipped_shards=[{"shard": r.url, "error": r.error, "samples_read": len(r.rows)} for r in results if r.error],
         invalid_by_reason=dict(sorted(invalid.items())),

@@ -14,7 +14,7 @@ from packfeed.v1 import packfeed_pb2 as pb
 
 def conventions_of(info: IndexInfo, tokenizer_path: str | Path) -> pb.ModelConventions:
     policy = policy_from_dict(info.image_policy)
-    template = ChatTemplate(**(info.chat_template or {}))
+    template = ChatTemplate.from_dict(info.chat_template)
     tokenizer = load_tokenizer(tokenizer_path, template)
     image_policy = pb.ImagePolicy(name=policy.name, tile_size=policy.tile_size, tokens_per_tile=policy.tokens_per_tile,
                                   patch_size=policy.patch_size, patches_per_unit=policy.patches_per_unit,
@@ -22,6 +22,6 @@ def conventions_of(info: IndexInfo, tokenizer_path: str | Path) -> pb.ModelConve
     chat = pb.ChatTemplate(**{name: value or "" for name, value in template.to_dict().items()})
     return pb.ModelConventions(image_policy=image_policy, chat_template=chat,
                                vocab_size=tokenizer.get_vocab_size(),
-                               image_start_id=tokenizer.token_to_id(template.image_start),
-                               image_end_id=tokenizer.token_to_id(template.image_end),
+                               image_start_id=tokenizer.token_to_id(template.image_start) if template.image_start else None,
+                               image_end_id=tokenizer.token_to_id(template.image_end) if template.image_end else None,
                                image_context_id=tokenizer.token_to_id(template.image_context))

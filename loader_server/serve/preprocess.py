@@ -20,8 +20,7 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
-from packfeed.server.index.chat import (ChatTemplate, ConversationError, attach_images, cached_tokenizer,
-                                  encode_with_image_starts, parse_conversation)
+from packfeed.server.index.chat import ChatTemplate, ConversationError, attach_images, cached_encoder, parse_conversation
 from packfeed.server.index.image_policy import FixedResolution, ImagePolicy, InternVLTiling, Qwen2VLResize, policy_from_dict
 from packfeed.server.index.pixels import oriented_size, to_rgb
 from packfeed.server.index.shards import is_compressed
@@ -75,7 +74,7 @@ class SampleReader:
             raise ValueError(f"tokenizer {tokenizer_path} differs from the one the index was built with "
                              f"({info.tokenizer.get('path')}); token counts would not match the plan")
         self.policy = policy_from_dict(info.image_policy)
-        self.template = ChatTemplate(**(info.chat_template or {}))
+        self.template = ChatTemplate.from_dict(info.chat_template)
         self.tokenizer_path = str(tokenizer_path)
         self.shard_root = Path(shard_root) if shard_root else None
         self._descriptors: dict[str, int] = {}
@@ -147,8 +146,7 @@ class SampleReader:
             tiles.extend(made)
             tiles_per_image.append(len(made))
             image_tokens.append(self.policy.cost(width, height, row["n_images"]).llm_tokens)
-        tokenizer = cached_tokenizer(self.tokenizer_path, self.template)
-        input_ids, labels, starts = encode_with_image_starts(turns, image_tokens, tokenizer, self.template)
+        input_ids, labels, starts = cached_encoder(self.tokenizer_path, self.template).encode(turns, image_tokens)
         if len(input_ids) != row["llm_tokens"]:
             raise SampleSkipped(f"token count {len(input_ids)} differs from the index's {row['llm_tokens']}")
         return SampleTensors(key, input_ids, labels, tiles, tiles_per_image, image_tokens, starts)

@@ -64,15 +64,14 @@ def dataloader_preprocess(shards: list[Path], tokenizer_path: Path):
     from packfeed.server.index.chat import (
         ChatTemplate,
         attach_images,
-        cached_tokenizer,
-        encode_with_image_starts,
+        cached_encoder,
         parse_conversation,
     )
     from packfeed.server.index.image_policy import InternVLTiling
     from packfeed.server.serve.preprocess import image_tiles
 
     policy, template = InternVLTiling(), ChatTemplate()
-    tokenizer = cached_tokenizer(str(tokenizer_path), template)
+    encoder = cached_encoder(str(tokenizer_path), template)
 
     def image_keys(sample):
         keys = [k for k in sample if k.rsplit(".", 1)[-1] in ("jpg", "jpeg", "png", "webp")]
@@ -91,7 +90,7 @@ def dataloader_preprocess(shards: list[Path], tokenizer_path: Path):
                 made = image_tiles(image, policy, len(keys))
                 tiles += made
                 tokens.append(policy.cost(image.width, image.height, len(keys)).llm_tokens)
-            ids, labels, _ = encode_with_image_starts(turns, tokens, tokenizer, template)
+            ids, labels, _ = encoder.encode(turns, tokens)
             return {"input_ids": torch.from_numpy(ids), "labels": torch.from_numpy(labels),
                     "pixels": [torch.from_numpy(t) for t in tiles]}
         except Exception:
