@@ -73,6 +73,14 @@ def cmd_index(args: argparse.Namespace) -> int:
     return EXIT_SKIPPED if result.skipped_anything else EXIT_OK
 
 
+def cmd_convert(args: argparse.Namespace) -> int:
+    from packfeed.server.convert.command import print_summary, run
+
+    summary, skipped = run(args)
+    print_summary(summary)
+    return EXIT_SKIPPED if skipped else EXIT_OK
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     from packfeed.server.plan.costs import load_sample_loads
     from packfeed.server.plan.planner import make_plan
@@ -202,6 +210,14 @@ def build_parser() -> argparse.ArgumentParser:
     index.add_argument("--quiet", action="store_true", help="no progress bar")
     add_index_options(index)
     index.set_defaults(func=cmd_index)
+
+    convert = sub.add_parser("convert", help="LLaVA / InternVL / ShareGPT annotations or HF Parquet -> shards "
+                                             "(+ index with --index; internvl-meta: + mixture.yaml)")
+    from packfeed.server.convert.command import add_arguments  # light: argparse only until run
+
+    add_arguments(convert)
+    add_index_options(convert)
+    convert.set_defaults(func=cmd_convert)
 
     plan = sub.add_parser("plan", help="plan balanced packs for one epoch")
     plan.add_argument("--index", help="the dataset's index (or --mixture)")

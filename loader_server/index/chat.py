@@ -23,10 +23,12 @@ import re
 from dataclasses import asdict, dataclass, field, fields, replace
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
-from tokenizers import Tokenizer
+
+if TYPE_CHECKING:  # imported where used: the CLI's parser reads the presets without loading tokenizers
+    from tokenizers import Tokenizer
 
 IGNORE_INDEX = -100
 IMAGE_TAG = "<image>"  # the image placeholder of LLaVA/InternVL annotations (the converters write it too)
@@ -153,6 +155,8 @@ def load_tokenizer(path: str | Path, template: ChatTemplate) -> Tokenizer:
     Text is encoded with special tokens read as plain text: a sample that writes `<IMG_CONTEXT>` or `<|im_end|>`
     gets the ids of those characters, never the template's ids, which only the template itself places.
     """
+    from tokenizers import Tokenizer
+
     tokenizer = Tokenizer.from_file(str(path))
     check_tokens(tokenizer, template, path)
     tokenizer.encode_special_tokens = True
@@ -162,6 +166,8 @@ def load_tokenizer(path: str | Path, template: ChatTemplate) -> Tokenizer:
 def extend_tokenizer(path: str | Path, template: ChatTemplate, out: str | Path) -> list[str]:
     """Write `out`: the tokenizer at `path` plus the template's missing special tokens (appended in a fixed
     order, so the same inputs give the same ids). Returns the tokens added."""
+    from tokenizers import Tokenizer
+
     tokenizer = Tokenizer.from_file(str(path))
     missing = missing_tokens(tokenizer, template)
     tokenizer.add_special_tokens(missing)

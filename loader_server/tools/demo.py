@@ -111,8 +111,9 @@ def corpus_lines() -> list[str]:
     return list(SENTENCES) + list(QUESTIONS) + list(TEXT_QUESTIONS) + [f"Image-{k}: " for k in range(1, 9)]
 
 
-def train_tokenizer(path: Path, vocab_size: int = 2000) -> Path:
-    """A small byte-level BPE trained on the demo corpus, with the chat template's special tokens."""
+def train_tokenizer(path: Path, vocab_size: int = 2000, special_tokens: list[str] | None = None) -> Path:
+    """A small byte-level BPE trained on the demo corpus, with `special_tokens` (default: those of the default
+    chat template)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     from packfeed.server.index.chat import ChatTemplate
@@ -120,7 +121,7 @@ def train_tokenizer(path: Path, vocab_size: int = 2000) -> Path:
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=ChatTemplate().special_tokens,
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=special_tokens or ChatTemplate().special_tokens,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tokenizer.train_from_iterator(corpus_lines() * 4 + ["user", "assistant", "system"], trainer=trainer)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,1 @@
+"""Bringing datasets in: annotation formats and Parquet -> WebDataset shards (`packfeed convert`)."""

@@ -1,0 +1,268 @@
+"""`packfeed convert`: annotations + images (or Parquet with image bytes) -> WebDataset shards, a report, an index.
+
+Rows are prepared in parallel (read each image, decode it to prove it is an image, check the conversation's
+shape) and written in source order by one writer, so the shards are the same whatever the worker count, and
+the same bytes on a rerun. Keys derive from the source ids (characters other than letters, digits, `_` and `-`
+become `_`; a repeated id gets `_dupN`; a row without id is `row-POSITION`), so a sample keeps its key across
+conversions. A row that cannot be converted is never dropped silently: `convert-report.json` counts it and
+lists its id, position and reason, and the conversion goes on.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import re
+import time
+from collections import Counter, deque
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Iterator, Literal
+
+from PIL import Image
+from tqdm import tqdm
+
+from packfeed.server.convert.shard_writer import SHARD_PATTERN, ShardWriter
+from packfeed.server.convert.sources import FORMATS, SourceImage, SourceRow, normalize_turns
+from packfeed.server.index.chat import ConversationError, attach_images, conversation_turns
+from packfeed.server.index.indexer import SampleError, image_size
+from packfeed.server.index.table import describe_error, reason_category
+
+Format = Literal["llava", "internvl", "sharegpt", "hf-parquet"]
+REPORT = "convert-report.json"
+CHUNK_ROWS, CHUNK_BYTES = 64, 32 << 20  # rows per task for a worker; fewer when they carry image bytes
+# PIL's format -> the member extension the indexer reads
+EXTENSIONS = {"JPEG": "jpg", "MPO": "jpg", "PNG": "png", "WEBP": "webp", "GIF": "gif", "BMP": "bmp", "TIFF": "tif"}
+
+
+@dataclass(frozen=True)
+class ConvertOptions:
+    format: Format
+    source: str
+    out: str
+    image_root: str | None = None  # relative image paths count from here (default: the source's folder)
+    shard_size_mb: int = 1024
+    workers: int | None = None  # default: every core
+    conversation_column: str | None = None  # hf-parquet: default the first of conversations, messages, texts
+    overwrite: bool = False  # replace shards and report a previous conversion left in `out`
+    progress: bool = True
+
+    def __post_init__(self):
+        if self.format not in FORMATS:
+            raise ValueError(f"unknown format {self.format!r}; choose one of {', '.join(FORMATS)}")
+        if self.shard_size_mb < 1:
+            raise ValueError("--shard-size-mb must be at least 1")
+
+    @property
+    def root(self) -> Path:
+        if self.image_root:
+            return Path(self.image_root).resolve()
+        source = Path(self.source)
+        return (source if source.is_dir() else source.parent).resolve()
+
+
+@dataclass
+class Prepared:
+    """One source row, ready to write (`members`) or rejected (`reason`)."""
+
+    position: int
+    id: str | None
+    members: list[tuple[str, bytes]] = field(default_factory=list)  # (suffix after the key, bytes)
+    reason: str | None = None
+
+
+@dataclass
+class ConvertReport:
+    format: str
+    source: str
+    image_root: str
+    out: str
+    rows: int = 0
+    converted: int = 0
+    rejected: int = 0
+    rejected_by_reason: dict[str, int] = field(default_factory=dict)
+    rejected_rows: list[dict[str, Any]] = field(default_factory=list)  # {id, position, reason}
+    renamed_keys: list[dict[str, Any]] = field(default_factory=list)  # {id, position, key}: ids repeated or unusable
+    shards: list[dict[str, Any]] = field(default_factory=list)
+    seconds: float = 0.0
+    core_seconds: float = 0.0
+    samples_per_second: float = 0.0
+    samples_per_second_per_core: float = 0.0
+    index: dict[str, Any] | None = None  # `packfeed index`'s summary, with --index
+
+    def write(self, out: Path) -> None:
+        partial = out / (REPORT + ".partial")
+        partial.write_text(json.dumps(asdict(self), indent=1, ensure_ascii=False) + "\n")
+        os.replace(partial, out / REPORT)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# One row (in a worker)
+
+
+def _image_bytes(image: SourceImage, root: Path) -> bytes:
+    if image.data is not None:
+        return image.data
+    if not image.path:
+        raise SampleError("missing image: neither bytes nor a path")
+    path = Path(image.path)
+    if not path.is_absolute():
+        path = Path(os.path.normpath(root / path))
+        if os.path.commonpath([root, path]) != str(root):
+            raise SampleError(f"image outside the image root: {image.path}")
+    try:
+        return path.read_bytes()
+    except FileNotFoundError:
+        raise SampleError(f"missing image: {image.path}") from None
+    except OSError as error:
+        raise SampleError(f"unreadable image: {image.path}: {error.strerror}") from None
+
+
+def _extension(data: bytes, name: str) -> str:
+    image_size(data, "decode")  # raises SampleError: not an image, undecodable, too many pixels
+    with Image.open(io.BytesIO(data)) as image:
+        extension = EXTENSIONS.get(image.format or "")
+    if extension is None:
+        raise SampleError(f"undecodable image: {name} is {image.format}, which the server does not read")
+    return extension
+
+
+def prepare_row(row: SourceRow, root: Path) -> Prepared:
+    prepared = Prepared(row.position, row.id)
+    try:
+        if row.error:
+            raise SampleError(f"unreadable row: {row.error}")
+        turns = normalize_turns(row.turns)
+        attach_images(conversation_turns(turns), len(row.images))  # the shape the indexer will accept
+        members: list[tuple[str, bytes]] = []
+        for k, image in enumerate(row.images):
+            data = _image_bytes(image, root)
+            extension = _extension(data, image.path or f"image {k}")
+            members.append((f"{k}.{extension}" if len(row.images) > 1 else extension, data))
+        doc = {"id": row.id, "conversations": turns, "source_images": [image.path for image in row.images]}
+        prepared.members = [("json", json.dumps(doc, ensure_ascii=False).encode()), *members]
+    except ConversationError as error:
+        prepared.reason = f"bad conversation: {error}"
+    except SampleError as error:
+        prepared.reason = str(error)
+    except Exception as error:  # anything else about one row rejects that row, never the conversion
+        prepared.reason = f"unreadable row: {type(error).__name__}: {describe_error(error)}"
+    return prepared
+
+
+def prepare_chunk(rows: list[SourceRow], root: Path) -> tuple[list[Prepared], float]:
+    started = time.process_time()
+    prepared = [prepare_row(row, root) for row in rows]
+    return prepared, time.process_time() - started
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# All rows
+
+
+def _chunks(rows: Iterable[SourceRow]) -> Iterator[list[SourceRow]]:
+    chunk: list[SourceRow] = []
+    carried = 0
+    for row in rows:
+        chunk.append(row)
+        carried += sum(len(image.data or b"") for image in row.images)
+        if len(chunk) >= CHUNK_ROWS or carried >= CHUNK_BYTES:
+            yield chunk
+            chunk, carried = [], 0
+    if chunk:
+        yield chunk
+
+
+def _prepared(rows: Iterable[SourceRow], root: Path, workers: int) -> Iterator[tuple[list[Prepared], float]]:
+    """Chunks prepared in source order, with a bounded number in flight (memory stays flat on huge sources)."""
+    if workers == 1:
+        yield from (prepare_chunk(chunk, root) for chunk in _chunks(rows))
+        return
+    with ProcessPoolExecutor(max_workers=workers) as pool:
+        pending: deque = deque()
+        for chunk in _chunks(rows):
+            pending.append(pool.submit(prepare_chunk, chunk, root))
+            if len(pending) >= 3 * workers:
+                yield pending.popleft().result()
+        while pending:
+            yield pending.popleft().result()
+
+
+class _Keys:
+    """Stable keys from source ids."""
+
+    def __init__(self):
+        self.used: set[str] = set()
+
+    def key(self, source_id: str | None, position: int) -> tuple[str, bool]:
+        """(key, whether it differs from the id)."""
+        key = re.sub(r"[^0-9A-Za-z_-]+", "_", source_id) if source_id else f"row-{position:09d}"
+        if len(key) > 120:
+            key = key[:100] + "_" + hashlib.sha256(key.encode()).hexdigest()[:12]
+        base, n = key, 0
+        while key in self.used:
+            n += 1
+            key = f"{base}_dup{n}"
+        self.used.add(key)
+        return key, key != source_id
+
+
+def prepare_out(out: Path, overwrite: bool) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    previous = sorted(out.glob("shard-*.tar")) + sorted(out.glob("*.partial")) + \
+        [p for p in (out / REPORT,) if p.exists()]
+    if previous and not overwrite:
+        raise FileExistsError(f"{out} holds a previous conversion ({previous[0].name}, ...); pass --overwrite to "
+                              f"replace it, or choose another --out")
+    for path in previous:
+        path.unlink()
+
+
+def convert(options: ConvertOptions) -> ConvertReport:
+    """Convert `options.source` into shards and `convert-report.json` under `options.out`."""
+    started = time.perf_counter()
+    out, root = Path(options.out), options.root
+    rows = FORMATS[options.format](options.source, conversation_column=options.conversation_column)
+    prepare_out(out, options.overwrite)
+    report = ConvertReport(options.format, str(Path(options.source).resolve()), str(root), str(out.resolve()))
+    writer, keys = ShardWriter(out, options.shard_size_mb << 20), _Keys()
+    workers = max(1, options.workers or os.cpu_count() or 1)
+    reasons: Counter = Counter()
+    bar = tqdm(unit="sample", desc=f"converting {Path(options.source).name}", disable=not options.progress)
+    try:
+        for prepared, core_seconds in _prepared(rows, root, workers):
+            report.core_seconds += core_seconds
+            for sample in prepared:
+                report.rows += 1
+                if sample.reason:
+                    reasons[reason_category(sample.reason)] += 1
+                    report.rejected_rows.append({"id": sample.id, "position": sample.position, "reason": sample.reason})
+                    continue
+                key, renamed = keys.key(sample.id, sample.position)
+                if renamed and sample.id is not None:
+                    report.renamed_keys.append({"id": sample.id, "position": sample.position, "key": key})
+                writer.add([(f"{key}.{suffix}", data) for suffix, data in sample.members])
+                report.converted += 1
+            bar.update(len(prepared))
+    except BaseException:
+        writer.abort()
+        raise
+    finally:
+        bar.close()
+    report.shards = [asdict(shard) for shard in writer.close()]
+    report.rejected = report.rows - report.converted
+    report.rejected_by_reason = dict(sorted(reasons.items()))
+    report.seconds = round(time.perf_counter() - started, 3)
+    report.samples_per_second = round(report.rows / max(report.seconds, 1e-9), 1)
+    report.samples_per_second_per_core = round(report.rows / max(report.core_seconds, 1e-9), 1)
+    report.core_seconds = round(report.core_seconds, 3)
+    report.write(out)
+    return report
+
+
+def shard_paths(out: str | Path) -> list[str]:
+    """The shards a conversion wrote into `out`, in order."""
+    return [str(p) for p in sorted(Path(out).glob(SHARD_PATTERN.replace("{:06d}", "*")))]
