@@ -127,6 +127,7 @@ def format_info(data: dict[str, Any], indent: str = "") -> str:
     for problem in data.get("problems", []) + data.get("shard_errors", []):
         lines.append(f"{indent}problem: {problem}")
     if data["kind"] == "index" and data["conventions"]["image_policy"]:
-        policy = data["conventions"]["image_policy"]
-        lines.append(f"{indent}image policy {policy.get('name')}; tokenizer {data['conventions']['tokenizer']}")
+        policy = dict(data["conventions"]["image_policy"])
+        settings = ", ".join(f"{k} {v}" for k, v in policy.items() if k != "name")
+        lines.append(f"{indent}image policy {policy.get('name')} ({settings}); tokenizer {data['conventions']['tokenizer']}")
     return "\n".join(lines)
