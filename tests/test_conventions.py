@@ -158,6 +158,7 @@ def test_missing_special_tokens_are_refused_or_written_to_an_extended_tokenizer(
     conventions = served_conventions(info, extended)
     assert conventions.vocab_size == original + 3
     assert not conventions.HasField("image_start_id")  # LLaVA's bare run has no wrapper token
+    assert conventions.chat_template.turn_start == ""  # not ChatML-shaped
     assert conventions.image_context_id == Tokenizer.from_file(str(extended)).token_to_id("<image>")
     assert json.loads(extended.read_text())["added_tokens"][-1]["content"] == "<image>"
 

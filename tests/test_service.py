@@ -280,6 +280,7 @@ def test_job_info_carries_the_model_conventions(server, dataset):
     assert (conventions.image_start_id, conventions.image_end_id) == \
         (tokenizer.token_to_id("<img>"), tokenizer.token_to_id("</img>"))
     assert conventions.chat_template.user_prefix == "<|im_start|>user\n"
+    assert conventions.chat_template.turn_start == "<|im_start|>"  # deprecated, kept for older clients
 
 
 def test_grouped_and_flat_stream_options_open_the_same_job(server):

@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 import yaml
 
+from packfeed.server.index.chat import ChatTemplate
 from packfeed.server.index.image_policy import policy_from_dict
 from packfeed.server.index.table import IndexInfo
 from packfeed.server.plan.costs import SampleLoads, load_sample_loads
@@ -139,7 +140,8 @@ def check_conventions(mixture: Mixture, infos: list[IndexInfo]) -> None:
     """Every dataset of a mixture feeds one model: same tokenizer, chat template and image policy family
     (per-dataset limits such as max tiles may differ)."""
     def conventions(info: IndexInfo) -> dict:
-        return {"tokenizer": (info.tokenizer or {}).get("sha256"), "chat template": info.chat_template,
+        template = ChatTemplate.from_dict(info.chat_template).to_dict() if info.chat_template else None
+        return {"tokenizer": (info.tokenizer or {}).get("sha256"), "chat template": template,
                 "image policy": policy_from_dict(info.image_policy).name}
 
     first, reference = mixture.datasets[0], conventions(infos[0])

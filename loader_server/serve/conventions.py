@@ -19,9 +19,20 @@ def conventions_of(info: IndexInfo, tokenizer_path: str | Path) -> pb.ModelConve
     image_policy = pb.ImagePolicy(name=policy.name, tile_size=policy.tile_size, tokens_per_tile=policy.tokens_per_tile,
                                   patch_size=policy.patch_size, patches_per_unit=policy.patches_per_unit,
                                   parameters_json=json.dumps(policy.to_dict(), sort_keys=True))
-    chat = pb.ChatTemplate(**{name: value or "" for name, value in template.to_dict().items()})
+    chat = pb.ChatTemplate(**{name: value or "" for name, value in template.to_dict().items()},
+                           **_chatml_turn_markers(template))
     return pb.ModelConventions(image_policy=image_policy, chat_template=chat,
                                vocab_size=tokenizer.get_vocab_size(),
                                image_start_id=tokenizer.token_to_id(template.image_start) if template.image_start else None,
                                image_end_id=tokenizer.token_to_id(template.image_end) if template.image_end else None,
                                image_context_id=tokenizer.token_to_id(template.image_context))
+
+
+def _chatml_turn_markers(template: ChatTemplate) -> dict[str, str]:
+    """The deprecated turn_start / turn_end of contract clients written before per-role markers."""
+    start = template.user_prefix.removesuffix("user\n")
+    roles = ("system", "user", "assistant")
+    if all(getattr(template, f"{role}_prefix") == f"{start}{role}\n" for role in roles) and \
+            len({getattr(template, f"{role}_suffix") for role in roles}) == 1:
+        return {"turn_start": start, "turn_end": template.user_suffix}
+    return {"turn_start": "", "turn_end": ""}
