@@ -109,6 +109,15 @@ def test_templates_recorded_before_per_role_markers_read_back_the_same():
     assert ChatTemplate.from_dict(old) == ChatTemplate()
 
 
+def test_impossible_templates_are_refused():
+    with pytest.raises(ValueError, match="system prompt cannot hold <image>"):
+        ChatTemplate(system_prompt="Look at <image> first.")
+    with pytest.raises(ValueError, match="image_context 'IMG' must be one special token"):
+        ChatTemplate(image_context="IMG")
+    with pytest.raises(ValueError, match="needs an image_context"):
+        ChatTemplate(image_context="")
+
+
 def index(shards, out: Path, tokenizer: Path, *flags: str) -> subprocess.CompletedProcess:
     return subprocess.run(CLI + ["index", *map(str, shards), "--out", str(out), "--tokenizer", str(tokenizer),
                                  "--quiet", "--workers", "1", *flags], capture_output=True, text=True, timeout=300)

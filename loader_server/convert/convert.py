@@ -213,7 +213,7 @@ class _Keys:
 def prepare_out(out: Path, overwrite: bool) -> None:
     out.mkdir(parents=True, exist_ok=True)
     previous = sorted(out.glob("shard-*.tar")) + sorted(out.glob("*.partial")) + \
-        [p for p in (out / REPORT,) if p.exists()]
+        [p for p in (out / REPORT, out / "index.parquet") if p.exists()]  # a stale index would not match
     if previous and not overwrite:
         raise FileExistsError(f"{out} holds a previous conversion ({previous[0].name}, ...); pass --overwrite to "
                               f"replace it, or choose another --out")

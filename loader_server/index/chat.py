@@ -77,6 +77,8 @@ class ChatTemplate:
                 raise ValueError(f"chat template field {spec.name} must be a string, not {value!r}")
         if not self.image_context:
             raise ValueError("chat template needs an image_context token (the placeholder vision features replace)")
+        if self.system_prompt and IMAGE_TAG in self.system_prompt:
+            raise ValueError(f"the system prompt cannot hold {IMAGE_TAG}: image tags take the sample's images")
         for name in ("bos", "image_start", "image_end", "image_context"):
             value = getattr(self, name)
             if value and not _SPECIAL_IN_MARKER.fullmatch(value):
