@@ -1,8 +1,8 @@
 """A model's conventions from the command line and a config file: every field of the image policy and the chat
 template, for `packfeed index` and `packfeed convert --index`.
 
-Precedence: dataclass defaults < the chat template preset < the `--conventions FILE.yaml` file < single flags.
-The file holds the two sections an index records:
+Precedence: dataclass defaults < the model `--preset` < the `--conventions FILE.yaml` file < single flags.
+The file holds the two sections an index records, and is how to write a preset of your own:
 
     image_policy: {name: internvl, max_num: 6}
     chat_template: {preset: llava, system_prompt: "..."}
@@ -21,37 +21,73 @@ from typing import Any
 import yaml
 
 from packfeed.server.index.chat import PRESETS, ChatTemplate
-from packfeed.server.index.image_policy import DEFAULT_POLICY, POLICIES
+from packfeed.server.index.image_policy import DEFAULT_POLICY, HALF_MEAN, HALF_STD, POLICIES
 
 # Per image policy: its field -> the option (without dashes) that sets it. Options shared by policies mean the
 # same thing in each (the tile or square side, placeholder tokens per tile or image, the ViT patch side).
+_COMMON = {"patch_size": "patch_size", "image_mean": "image_mean", "image_std": "image_std"}
 POLICY_FLAGS: dict[str, dict[str, str]] = {
     "internvl": {"image_size": "image_size", "min_num": "min_tiles", "max_num": "max_tiles",
-                 "use_thumbnail": "thumbnail", "tokens_per_tile": "image_tokens", "patch_size": "patch_size"},
-    "qwen2vl": {"factor": "resize_factor", "min_pixels": "min_pixels", "max_pixels": "max_pixels",
-                "patch_size": "patch_size"},
-    "fixed": {"size": "image_size", "tokens": "image_tokens", "patch_size": "patch_size"},
+                 "use_thumbnail": "thumbnail", "tokens_per_tile": "image_tokens", "multi_image": "multi_image",
+                 **_COMMON},
+    "qwen2vl": {"factor": "resize_factor", "min_pixels": "min_pixels", "max_pixels": "max_pixels", **_COMMON},
+    "fixed": {"size": "image_size", "tokens": "image_tokens", "resize": "resize", **_COMMON},
 }
-_POLICY_HELP = {
-    "image_size": "internvl: tile side; fixed: square side, px", "min_tiles": "internvl: min tiles per image",
-    "max_tiles": "internvl: max tiles per sample", "thumbnail": "internvl: add a thumbnail tile to multi-tile grids",
-    "image_tokens": "internvl: LLM tokens per tile; fixed: per image", "patch_size": "ViT patch side, px",
-    "resize_factor": "qwen2vl: sides rounded to multiples of this (patch x merge)",
-    "min_pixels": "qwen2vl: min pixels", "max_pixels": "qwen2vl: max pixels",
+
+
+def _floats(text: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(v) for v in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected numbers R,G,B, got {text!r}") from None
+
+
+# option -> (help, argparse keywords)
+_POLICY_OPTIONS: dict[str, tuple[str, dict[str, Any]]] = {
+    "image_size": ("internvl: tile side; fixed: square side, px", {"type": int}),
+    "min_tiles": ("internvl: min tiles per image", {"type": int}),
+    "max_tiles": ("internvl: max tiles per sample", {"type": int}),
+    "thumbnail": ("internvl: add a thumbnail tile to multi-tile grids", {"action": argparse.BooleanOptionalAction}),
+    "multi_image": ("internvl: several images split the tile budget (split: InternVL's training code) or each get "
+                    "all of it (each: the HF processor)", {"choices": ("split", "each")}),
+    "image_tokens": ("internvl: LLM tokens per tile; fixed: per image", {"type": int}),
+    "resize": ("fixed: squash to the square, or crop (short side to the size, then the centre: CLIP/LLaVA)",
+               {"choices": ("squash", "crop")}),
+    "resize_factor": ("qwen2vl: sides rounded to multiples of this (patch x merge)", {"type": int}),
+    "min_pixels": ("qwen2vl: min pixels", {"type": int}),
+    "max_pixels": ("qwen2vl: max pixels", {"type": int}),
+    "patch_size": ("ViT patch side, px", {"type": int}),
+    "image_mean": ("normalisation mean R,G,B (pixels / 255)", {"type": _floats, "metavar": "R,G,B"}),
+    "image_std": ("normalisation std R,G,B", {"type": _floats, "metavar": "R,G,B"}),
 }
 _TEMPLATE_FIELDS = [spec for spec in dataclasses.fields(ChatTemplate)]
+
+# A model's published conventions: image policy (geometry, tokens, normalisation) and chat template (turns, image
+# tokens). `--preset NAME` starts from one; a conventions file with the same two sections is a preset of your own.
+MODEL_PRESETS: dict[str, dict[str, dict[str, Any]]] = {
+    "internvl2_5": {"image_policy": {"name": "internvl"}, "chat_template": {"preset": "internvl"}},
+    "internvl3": {"image_policy": {"name": "internvl"}, "chat_template": {"preset": "internvl"}},
+    "qwen2_vl": {"image_policy": {"name": "qwen2vl", "max_pixels": 12845056},
+                 "chat_template": {"preset": "qwen2vl"}},
+    "qwen2_5_vl": {"image_policy": {"name": "qwen2vl", "max_pixels": 12845056},
+                   "chat_template": {"preset": "qwen2vl"}},
+    "qwen3_vl": {"image_policy": {"name": "qwen2vl", "factor": 32, "patch_size": 16, "min_pixels": 65536,
+                                  "max_pixels": 16777216, "image_mean": list(HALF_MEAN), "image_std": list(HALF_STD)},
+                 "chat_template": {"preset": "qwen2vl", "system_prompt": None}},
+    "llava_1_5": {"image_policy": {"name": "fixed", "size": 336, "tokens": 576, "resize": "crop"},
+                  "chat_template": {"preset": "llava"}},
+}
 
 
 def add_convention_options(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("model conventions (image policy and chat template)")
+    group.add_argument("--preset", choices=sorted(MODEL_PRESETS),
+                       help="a model's published conventions (image policy, normalisation, chat template)")
     group.add_argument("--conventions", metavar="FILE.yaml",
-                       help="image_policy: and chat_template: sections; single flags override it")
+                       help="image_policy: and chat_template: sections (your own preset); single flags override it")
     group.add_argument("--image-policy", choices=sorted(POLICIES), help=f"default {DEFAULT_POLICY}")
-    for flag, help_text in _POLICY_HELP.items():
-        if flag == "thumbnail":
-            group.add_argument("--thumbnail", action=argparse.BooleanOptionalAction, help=help_text)
-        else:
-            group.add_argument("--" + flag.replace("_", "-"), type=int, help=help_text)
+    for option, (help_text, keywords) in _POLICY_OPTIONS.items():
+        group.add_argument("--" + option.replace("_", "-"), help=help_text, **keywords)
     group.add_argument("--chat-template", choices=sorted(PRESETS),
                        help="template preset: internvl (ChatML, the default), qwen2vl, llava (Vicuna v1), llama3")
     for spec in _TEMPLATE_FIELDS:
@@ -62,30 +98,32 @@ def add_convention_options(parser: argparse.ArgumentParser) -> None:
 
 
 def conventions_of(args: argparse.Namespace, **policy_overrides: Any) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(image policy dict, chat template dict) as the index records them."""
+    """(image policy dict, chat template dict) as the index records them: the preset, then the file's sections,
+    then single flags."""
+    preset = MODEL_PRESETS[args.preset] if getattr(args, "preset", None) else {}
     sections = _read_file(args.conventions) if args.conventions else {}
-    policy = dict(sections.get("image_policy") or {})
+    policy = _layered(preset.get("image_policy"), sections.get("image_policy"))
     if args.image_policy:
         if policy.get("name", args.image_policy) != args.image_policy:
-            policy = {}  # another policy than the file's: its fields do not apply
+            policy = {}  # another policy than the preset's or the file's: their fields do not apply
         policy["name"] = args.image_policy
     name = policy.setdefault("name", DEFAULT_POLICY)
     flags = POLICY_FLAGS.get(name)
     if flags is None:
         raise ValueError(f"unknown image policy {name!r}; choose one of {', '.join(POLICIES)}")
-    for flag in _POLICY_HELP:
-        value = getattr(args, flag)
+    for option in _POLICY_OPTIONS:
+        value = getattr(args, option)
         if value is None:
             continue
-        field_name = next((f for f, option in flags.items() if option == flag), None)
+        field_name = next((f for f, o in flags.items() if o == option), None)
         if field_name is None:
-            raise ValueError(f"--{flag.replace('_', '-')} does not apply to image policy {name}; its options are "
+            raise ValueError(f"--{option.replace('_', '-')} does not apply to image policy {name}; its options are "
                              + ", ".join("--" + o.replace("_", "-") for o in flags.values()))
-        policy[field_name] = value
+        policy[field_name] = list(value) if isinstance(value, tuple) else value
     policy.update(policy_overrides)
     POLICIES[name](**{k: v for k, v in policy.items() if k != "name"})  # fail early on a bad field or value
 
-    template = dict(sections.get("chat_template") or {})
+    template = _layered(preset.get("chat_template"), sections.get("chat_template"))
     if args.chat_template:
         template = {"preset": args.chat_template, **{k: v for k, v in template.items() if k != "preset"}}
     for spec in _TEMPLATE_FIELDS:
@@ -93,6 +131,15 @@ def conventions_of(args: argparse.Namespace, **policy_overrides: Any) -> tuple[d
         if value is not None:
             template[spec.name] = _unescape(value) if spec.name != "system_prompt" else value
     return policy, ChatTemplate.from_dict(template).to_dict()
+
+
+def _layered(base: dict[str, Any] | None, over: dict[str, Any] | None) -> dict[str, Any]:
+    """`over` on top of `base`; an `over` naming another image policy or template preset replaces `base`."""
+    base, over = dict(base or {}), dict(over or {})
+    for key in ("name", "preset"):
+        if key in over and base.get(key, over[key]) != over[key]:
+            return over
+    return {**base, **over}
 
 
 def _unescape(text: str) -> str:

@@ -43,11 +43,31 @@ class ImagePolicy(Protocol):
     def to_dict(self) -> dict[str, Any]: ...
 
 
+# Normalisation constants the model families publish (the same values as transformers.image_utils).
+IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+CLIP_MEAN, CLIP_STD = (0.48145466, 0.4578275, 0.40821073), (0.26862954, 0.26130258, 0.27577711)
+HALF_MEAN, HALF_STD = (0.5, 0.5, 0.5), (0.5, 0.5, 0.5)
+
+
 class _Recorded:
-    """A policy records itself in the index as the dict of its fields (`policy_from_dict` reads it back)."""
+    """A policy records itself in the index as the dict of its fields (`policy_from_dict` reads it back).
+
+    Every policy also names the normalisation its model expects of pixel values, `(x / 255 - mean) / std` per
+    channel: the server sends uint8 pixels and the trainer side applies it (`JobInfo.conventions`)."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    def _check(self, choices: dict[str, tuple[str, ...]]) -> None:
+        for name in ("image_mean", "image_std"):
+            value = tuple(float(v) for v in getattr(self, name))
+            if len(value) != 3 or (name == "image_std" and min(value) <= 0):
+                raise ValueError(f"{name} must be three numbers (R, G, B){', each > 0' if name == 'image_std' else ''}")
+            object.__setattr__(self, name, value)  # a JSON list read back from the index becomes a tuple again
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{self.name} policy: {name} must be one of {', '.join(allowed)}, not "
+                                 f"{getattr(self, name)!r}")
 
 
 class _SquareTiles(_Recorded):
@@ -62,7 +82,9 @@ class _SquareTiles(_Recorded):
 class InternVLTiling(_SquareTiles):
     """InternVL dynamic high resolution: the image is resized to a grid of `image_size` tiles whose aspect
     ratio is closest to the image's (at most `max_num` tiles), plus a thumbnail tile when the grid has
-    more than one tile. With several images in a sample each gets max(1, max_num // n_images) tiles.
+    more than one tile. With several images in a sample, `multi_image` says how the tile budget is shared:
+    "split" gives each max(1, max_num // n_images) tiles (InternVL's own training code), "each" gives every
+    image the whole budget (the Hugging Face processor).
     """
 
     image_size: int = 448
@@ -71,11 +93,18 @@ class InternVLTiling(_SquareTiles):
     use_thumbnail: bool = True
     tokens_per_tile: int = 256  # 1024 patches, pixel-shuffled 2x2 -> 256
     patch_size: int = 14
+    multi_image: str = "split"
+    image_mean: tuple[float, ...] = IMAGENET_MEAN
+    image_std: tuple[float, ...] = IMAGENET_STD
     name: str = "internvl"
+
+    def __post_init__(self):
+        self._check({"multi_image": ("split", "each")})
 
     def grid(self, width: int, height: int, n_images: int = 1) -> tuple[int, int]:
         """(columns, rows) of tiles, exactly as InternVL's `dynamic_preprocess` chooses them."""
-        max_num = max(1, self.max_num // n_images) if n_images > 1 else self.max_num
+        split = n_images > 1 and self.multi_image == "split"
+        max_num = max(1, self.max_num // n_images) if split else self.max_num
         min_num = min(self.min_num, max_num)
         ratios = sorted({(i, j) for n in range(min_num, max_num + 1) for i in range(1, n + 1)
                          for j in range(1, n + 1) if min_num <= i * j <= max_num}, key=lambda r: r[0] * r[1])
@@ -103,33 +132,41 @@ class InternVLTiling(_SquareTiles):
 @dataclass(frozen=True)
 class Qwen2VLResize(_Recorded):
     """Qwen2-VL `smart_resize`: both sides rounded to multiples of `factor` (28 = 14 px patch x 2 merge),
-    total pixels kept within [min_pixels, max_pixels]; LLM tokens = h * w / 784. Vision units are the
-    merged tokens too, since ViT work grows with them, and the whole image is one ViT sequence.
+    total pixels kept within [min_pixels, max_pixels]; LLM tokens = h * w / factor². Vision units are the
+    merged tokens too, since ViT work grows with them, and the whole image is one ViT sequence. Qwen2.5-VL
+    is the same; Qwen3-VL uses 16 px patches (factor 32) and mean = std = 0.5.
     """
 
     factor: int = 28
     min_pixels: int = 56 * 56
     max_pixels: int = 28 * 28 * 1280
     patch_size: int = 14
+    image_mean: tuple[float, ...] = CLIP_MEAN
+    image_std: tuple[float, ...] = CLIP_STD
     name: str = "qwen2vl"
     tile_size = 0  # no tiles: every image keeps its own (resized) shape
     tokens_per_tile = 0
+
+    def __post_init__(self):
+        if self.factor % self.patch_size:
+            raise ValueError(f"qwen2vl policy: factor {self.factor} must be a multiple of patch_size {self.patch_size}")
+        self._check({})
 
     @property
     def patches_per_unit(self) -> int:
         return (self.factor // self.patch_size) ** 2  # one unit = one merged token
 
     def resize(self, width: int, height: int) -> tuple[int, int]:
-        """(height, width) after smart_resize."""
+        """(height, width) after smart_resize, exactly as the Qwen2-VL image processor computes it."""
         if max(height, width) / min(height, width) > 200:
             raise ValueError(f"aspect ratio of {width}x{height} exceeds 200, which Qwen2-VL rejects")
         f = self.factor
-        h = max(f, round(height / f) * f)
-        w = max(f, round(width / f) * f)
+        h = round(height / f) * f
+        w = round(width / f) * f
         if h * w > self.max_pixels:
             beta = math.sqrt(height * width / self.max_pixels)
-            h = math.floor(height / beta / f) * f
-            w = math.floor(width / beta / f) * f
+            h = max(f, math.floor(height / beta / f) * f)
+            w = max(f, math.floor(width / beta / f) * f)
         elif h * w < self.min_pixels:
             beta = math.sqrt(self.min_pixels / (height * width))
             h = math.ceil(height * beta / f) * f
@@ -144,12 +181,26 @@ class Qwen2VLResize(_Recorded):
 
 @dataclass(frozen=True)
 class FixedResolution(_SquareTiles):
-    """Every image resized to one square size (LLaVA-1.5: 336 px, 24 x 24 = 576 tokens)."""
+    """Every image made one square of `size` px (LLaVA-1.5: 336 px, 24 x 24 = 576 tokens). `resize`: "squash"
+    resizes to the square whatever the aspect ratio; "crop" resizes the short side to `size` and crops the
+    centre (the CLIP / LLaVA processor)."""
 
     size: int = 336
     tokens: int = 576
     patch_size: int = 14
+    resize: str = "squash"
+    image_mean: tuple[float, ...] = CLIP_MEAN
+    image_std: tuple[float, ...] = CLIP_STD
     name: str = "fixed"
+
+    def __post_init__(self):
+        self._check({"resize": ("squash", "crop")})
+
+    def crop_resize(self, width: int, height: int) -> tuple[int, int]:
+        """(width, height) before the centre crop: the short side at `size`, as transformers computes it."""
+        short, long = min(width, height), max(width, height)
+        new_long = int(self.size * long / short)
+        return (self.size, new_long) if width <= height else (new_long, self.size)
 
     @property
     def tile_size(self) -> int:

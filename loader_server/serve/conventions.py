@@ -18,7 +18,8 @@ def conventions_of(info: IndexInfo, tokenizer_path: str | Path) -> pb.ModelConve
     tokenizer = load_tokenizer(tokenizer_path, template)
     image_policy = pb.ImagePolicy(name=policy.name, tile_size=policy.tile_size, tokens_per_tile=policy.tokens_per_tile,
                                   patch_size=policy.patch_size, patches_per_unit=policy.patches_per_unit,
-                                  parameters_json=json.dumps(policy.to_dict(), sort_keys=True))
+                                  parameters_json=json.dumps(policy.to_dict(), sort_keys=True),
+                                  image_mean=policy.image_mean, image_std=policy.image_std)
     chat = pb.ChatTemplate(**{name: value or "" for name, value in template.to_dict().items()},
                            **_chatml_turn_markers(template))
     return pb.ModelConventions(image_policy=image_policy, chat_template=chat,

@@ -56,6 +56,10 @@ def image_tiles(image: Image.Image, policy: ImagePolicy, n_images: int) -> list[
     elif isinstance(policy, Qwen2VLResize):
         height, width = policy.resize(image.width, image.height)
         tiles = [np.asarray(image.resize((width, height), Image.BICUBIC))]
+    elif isinstance(policy, FixedResolution) and policy.resize == "crop":
+        resized = np.asarray(image.resize(policy.crop_resize(image.width, image.height), Image.BICUBIC))
+        top, left = (resized.shape[0] - policy.size) // 2, (resized.shape[1] - policy.size) // 2
+        tiles = [resized[top:top + policy.size, left:left + policy.size]]
     elif isinstance(policy, FixedResolution):
         tiles = [np.asarray(image.resize((policy.size, policy.size), Image.BICUBIC))]
     else:
