@@ -1,0 +1,199 @@
+"""Packs as Hugging Face VLM inputs: `to_hf_inputs(pack, model_family, dp=...)` returns the keyword arguments of
+the model's `forward` for one pack, so a `transformers` VLM trains on packs with the loss and gradients of running
+each sample alone.
+
+    for step in stream:
+        for pack in step.packs:
+            loss = model(**to_hf_inputs(pack, "qwen2_vl", dp=world_size, conventions=stream.conventions)).loss
+            loss.backward()
+        optimizer.step(); optimizer.zero_grad()
+
+Families (`FAMILIES`): internvl (InternVLForConditionalGeneration: InternVL 2.5 / 3 "-hf"), qwen2_vl, qwen2_5_vl,
+qwen3_vl (Qwen*VLForConditionalGeneration), llava (LlavaForConditionalGeneration). The traps it handles, each of
+which leaves the loss slightly wrong without an error:
+
+- `use_cache=False`: with a cache, HF does not build the packed (block-diagonal) mask from `position_ids`.
+- Positions restart at every sample and no `attention_mask` is passed: HF derives the packed mask from them.
+  Qwen's M-RoPE positions go as 4 rows, the text row first: with 3 rows HF builds no packed mask. They are
+  computed per sample exactly as the model's `get_rope_index` does (3-D positions for image tokens).
+- Labels are int64 and -100 at every sample's first token: HF shifts labels inside the loss, so the last token
+  of one sample would otherwise be trained to predict the first token of the next.
+- `num_items_in_batch` = the step's loss tokens (all ranks, all microbatches) / `dp`: DDP and FSDP average
+  gradients over the DP ranks, so dividing by the global count alone would make the gradient `dp` times too small.
+- `pixel_values` is left out of text-only packs (InternVL fails on an empty tensor).
+- Placeholder tokens are counted against the image features each image will give; a mismatch is an error here,
+  not a shape error deep in the model.
+- `attention="flash"` adds the variable-length kwargs (`cu_seq_lens_q/k`, `max_length_q/k`) flash-attention
+  kernels read on CUDA; sdpa and eager ignore them, so on CPU the packed mask from positions is what isolates
+  samples (`attention="sdpa"`, the default).
+
+Pixels travel as uint8; they are normalised here as the family's processor does: `(x / 255 - mean) / std`, with
+the mean and std of the dataset's conventions (`JobInfo.conventions.image_policy`), or the family's published
+values when no conventions are given.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+
+from packfeed.client.tensors import PackTensors
+
+IGNORE_INDEX = -100
+IMAGENET = ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))
+CLIP = ((0.48145466, 0.4578275, 0.40821073), (0.26862954, 0.26130258, 0.27577711))
+HALF = ((0.5, 0.5, 0.5), (0.5, 0.5, 0.5))
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    image_policy: str  # the packfeed image policy whose pixels this model reads
+    normalisation: tuple[tuple[float, ...], tuple[float, ...]]  # published (mean, std)
+    patch_size: int = 14  # qwen: ViT patch side
+    merge_size: int = 2  # qwen: patches merged per side into one LLM token
+    temporal_patch_size: int = 2  # qwen: an image is repeated over this many frames
+
+
+FAMILIES: dict[str, Family] = {
+    "internvl": Family("internvl", "internvl", IMAGENET),
+    "qwen2_vl": Family("qwen2_vl", "qwen2vl", CLIP),
+    "qwen2_5_vl": Family("qwen2_5_vl", "qwen2vl", CLIP),
+    "qwen3_vl": Family("qwen3_vl", "qwen2vl", HALF, patch_size=16),
+    "llava": Family("llava", "fixed", CLIP),
+}
+
+
+def family_of(model_family: str | Family) -> Family:
+    if isinstance(model_family, Family):
+        return model_family
+    if model_family not in FAMILIES:
+        raise ValueError(f"unknown model family {model_family!r}; choose one of {', '.join(FAMILIES)}")
+    return FAMILIES[model_family]
+
+
+def normalised(tiles: list[torch.Tensor], mean: tuple[float, ...], std: tuple[float, ...],
+               dtype: torch.dtype = torch.float32) -> list[torch.Tensor]:
+    """uint8 (3, H, W) tiles -> `(x / 255 - mean) / std` per channel, as the HF image processors compute it."""
+    mean_t = torch.tensor(mean, dtype=torch.float32).view(3, 1, 1)
+    std_t = torch.tensor(std, dtype=torch.float32).view(3, 1, 1)
+    return [((tile.to(torch.float32) * (1 / 255) - mean_t) / std_t).to(dtype) for tile in tiles]
+
+
+def qwen_patches(image: torch.Tensor, family: Family) -> tuple[torch.Tensor, tuple[int, int, int]]:
+    """One normalised (3, H, W) image in Qwen-VL's flattened patch layout, (patches, C * T * P * P), in 2 x 2
+    merge-window order with the image repeated over T frames; and its (t, h, w) grid in patches."""
+    p, m, t = family.patch_size, family.merge_size, family.temporal_patch_size
+    channels, height, width = image.shape
+    grid_h, grid_w = height // p, width // p
+    if grid_h * p != height or grid_w * p != width or grid_h % m or grid_w % m:
+        raise ValueError(f"image of {width}x{height} px does not fall into {p * m} px merge windows; index the "
+                         f"dataset with the {family.name} preset (image policy qwen2vl, factor {p * m})")
+    patches = image.reshape(channels, grid_h // m, m, p, grid_w // m, m, p).permute(1, 4, 2, 5, 0, 3, 6)
+    patches = patches.unsqueeze(5).expand(*patches.shape[:5], t, p, p)
+    return patches.reshape(grid_h * grid_w, channels * t * p * p), (1, grid_h, grid_w)
+
+
+def mrope_positions(pack: PackTensors, grids: list[tuple[int, int, int]], merge_size: int) -> torch.Tensor:
+    """(3, L) M-RoPE positions, per sample as the model's `get_rope_index`: text tokens count up; an image's
+    tokens take (start, start + row, start + column); text after it resumes at start + max(rows, columns)."""
+    length = pack.input_ids.shape[0]
+    positions = torch.empty(3, length, dtype=torch.long)
+    bounds = pack.cu_seqlens.tolist()
+    spans = pack.image_token_spans.tolist() if len(grids) else []
+    image_no = 0
+    for sample in range(len(bounds) - 1):
+        cursor, current = bounds[sample], 0
+        end = bounds[sample + 1]
+        while image_no < len(spans) and spans[image_no][0] < end:
+            start, count = spans[image_no]
+            text = start - cursor
+            positions[:, cursor:start] = torch.arange(current, current + text)
+            current += text
+            _, grid_h, grid_w = grids[image_no]
+            rows, cols = grid_h // merge_size, grid_w // merge_size
+            if rows * cols != count:
+                raise ValueError(f"image {image_no} of pack {pack.sample_keys}: {count} placeholder tokens for a "
+                                 f"{rows} x {cols} grid of merged patches")
+            positions[0, start:start + count] = current
+            positions[1, start:start + count] = (torch.arange(rows) + current).repeat_interleave(cols)
+            positions[2, start:start + count] = (torch.arange(cols) + current).repeat(rows)
+            current += max(rows, cols)
+            cursor = start + count
+            image_no += 1
+        positions[:, cursor:end] = torch.arange(current, current + end - cursor)
+    return positions
+
+
+def to_hf_inputs(pack: PackTensors, model_family: str | Family, dp: int = 1, *,
+                 conventions: Any = None, dtype: torch.dtype = torch.float32,
+                 attention: Literal["sdpa", "flash"] = "sdpa", device: torch.device | str | None = None,
+                 image_token_id: int | None = None) -> dict[str, Any]:
+    """The keyword arguments of the family's `ForConditionalGeneration.forward` for one pack (batch of one
+    packed row). `dp`: the data-parallel world size the gradients are averaged over. `conventions`: the job's
+    `ModelConventions` (normalisation and the placeholder id come from it). `dtype`: the pixels' dtype (the
+    vision tower's). `image_token_id`: the placeholder's id when no conventions are given, to check counts."""
+    family = family_of(model_family)
+    if dp < 1:
+        raise ValueError("dp must be at least 1")
+    mean, std = family.normalisation
+    if conventions is not None:
+        policy = conventions.image_policy
+        if policy.name and policy.name != family.image_policy:
+            raise ValueError(f"the dataset was indexed with image policy {policy.name!r}; the {family.name} family "
+                             f"reads {family.image_policy!r} pixels: index it with the matching --preset")
+        if len(policy.image_mean) == 3:
+            mean, std = tuple(policy.image_mean), tuple(policy.image_std)
+        image_token_id = conventions.image_context_id
+    input_ids = pack.input_ids.to(torch.long)
+    labels = pack.labels.to(torch.long).clone()
+    labels[pack.cu_seqlens[:-1].to(torch.long)] = IGNORE_INDEX  # no sample learns from the one before it
+    inputs: dict[str, Any] = {"input_ids": input_ids.unsqueeze(0), "labels": labels.unsqueeze(0),
+                              "use_cache": False,
+                              "num_items_in_batch": torch.tensor(pack.step_loss_tokens / dp, dtype=torch.float32)}
+    tiles = pack.tiles() if pack.tile_shapes.shape[0] else []
+    features = normalised(tiles, mean, std, dtype)
+    text_positions = pack.position_ids.to(torch.long)
+    if family.image_policy == "qwen2vl":
+        flattened = [qwen_patches(image, family) for image in features]
+        grids = [grid for _, grid in flattened]
+        positions = mrope_positions(pack, grids, family.merge_size)
+        inputs["position_ids"] = torch.cat([text_positions.unsqueeze(0), positions]).unsqueeze(1)  # (4, 1, L)
+        if flattened:
+            inputs["pixel_values"] = torch.cat([patches for patches, _ in flattened])
+            inputs["image_grid_thw"] = torch.tensor(grids, dtype=torch.long)
+            inputs["mm_token_type_ids"] = _token_types(pack).unsqueeze(0)
+        expected = sum(h * w for _, h, w in grids) // family.merge_size ** 2
+    else:
+        inputs["position_ids"] = text_positions.unsqueeze(0)
+        if features:
+            inputs["pixel_values"] = torch.stack(features)
+        expected = int(pack.image_token_spans[:, 1].sum()) if len(features) else 0
+    if image_token_id is not None:
+        placeholders = int((input_ids == image_token_id).sum())
+        if placeholders != expected:
+            raise ValueError(f"pack {pack.sample_keys}: {placeholders} image placeholder tokens for {expected} image "
+                             f"features; the model's image_token_id must be the dataset's image_context token")
+    if attention == "flash":
+        bounds = pack.cu_seqlens.to(torch.int32)
+        longest = int((bounds[1:] - bounds[:-1]).max()) if len(bounds) > 1 else 0
+        inputs.update(cu_seq_lens_q=bounds, cu_seq_lens_k=bounds, max_length_q=longest, max_length_k=longest)
+    if device is not None:
+        inputs = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
+    return inputs
+
+
+def _token_types(pack: PackTensors) -> torch.Tensor:
+    """0 for text, 1 for image placeholder tokens (Qwen's `mm_token_type_ids`)."""
+    types = torch.zeros(pack.input_ids.shape[0], dtype=torch.int32)
+    for start, count in pack.image_token_spans.tolist():
+        types[start:start + count] = 1
+    return types
+
+
+def policy_parameters(conventions: Any) -> dict[str, Any]:
+    """Every parameter of the dataset's image policy (as the index recorded it)."""
+    return json.loads(conventions.image_policy.parameters_json or "{}")
