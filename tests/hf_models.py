@@ -1,0 +1,139 @@
+"""Tiny random `transformers` VLMs of each supported family, built offline from configs, and a dataset indexed
+with each family's conventions (tiny images so the tests run on CPU in seconds)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from recipe_data import write_image
+
+HIDDEN, LAYERS = 32, 2
+
+# family -> (chat template preset, image policy at tiny sizes)
+CONVENTIONS = {
+    "internvl": ("internvl", {"name": "internvl", "image_size": 56, "max_num": 4, "tokens_per_tile": 4}),
+    "qwen2_vl": ("qwen2vl", {"name": "qwen2vl", "min_pixels": 28 * 28, "max_pixels": 28 * 28 * 9}),
+    "qwen2_5_vl": ("qwen2vl", {"name": "qwen2vl", "min_pixels": 28 * 28, "max_pixels": 28 * 28 * 9}),
+    "qwen3_vl": ("qwen2vl", {"name": "qwen2vl", "factor": 32, "patch_size": 16, "min_pixels": 32 * 32,
+                             "max_pixels": 32 * 32 * 9, "image_mean": [0.5] * 3, "image_std": [0.5] * 3}),
+    "llava": ("llava", {"name": "fixed", "size": 56, "tokens": 16, "resize": "crop"}),
+}
+
+
+def _text(vocab: int, **extra) -> dict:
+    return dict(vocab_size=vocab, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN, num_hidden_layers=LAYERS,
+                num_attention_heads=4, num_key_value_heads=2, bos_token_id=None, eos_token_id=None,
+                pad_token_id=None, **extra)
+
+
+def tiny_model(family: str, vocab: int, image_token_id: int, attention: str = "sdpa"):
+    """A randomly initialised model of the family (seeded), in eval mode (no dropout)."""
+    import torch
+    import transformers as tf
+
+    mrope = {"type": "mrope", "mrope_section": [2, 1, 1]}
+    if family == "internvl":
+        config = tf.InternVLConfig(
+            vision_config=dict(hidden_size=HIDDEN, intermediate_size=2 * HIDDEN, num_hidden_layers=1,
+                               num_attention_heads=2, image_size=[56, 56], patch_size=[14, 14]),
+            text_config=dict(model_type="qwen2", **_text(vocab)), image_token_id=image_token_id, downsample_ratio=0.5)
+        cls = tf.InternVLForConditionalGeneration
+    elif family == "qwen2_vl":
+        config = tf.Qwen2VLConfig(
+            vision_config=dict(depth=1, embed_dim=HIDDEN, hidden_size=HIDDEN, num_heads=2, mlp_ratio=2, patch_size=14,
+                               spatial_merge_size=2, temporal_patch_size=2),
+            text_config=_text(vocab, rope_scaling=mrope), image_token_id=image_token_id)
+        cls = tf.Qwen2VLForConditionalGeneration
+    elif family == "qwen2_5_vl":
+        config = tf.Qwen2_5_VLConfig(
+            vision_config=dict(depth=1, hidden_size=HIDDEN, out_hidden_size=HIDDEN, intermediate_size=2 * HIDDEN,
+                               num_heads=2, patch_size=14, spatial_merge_size=2, temporal_patch_size=2,
+                               fullatt_block_indexes=[0], window_size=56),
+            text_config=_text(vocab, rope_scaling=mrope), image_token_id=image_token_id)
+        cls = tf.Qwen2_5_VLForConditionalGeneration
+    elif family == "qwen3_vl":
+        config = tf.Qwen3VLConfig(
+            vision_config=dict(depth=1, hidden_size=HIDDEN, out_hidden_size=HIDDEN, intermediate_size=2 * HIDDEN,
+                               num_heads=2, patch_size=16, spatial_merge_size=2, temporal_patch_size=2,
+                               num_position_embeddings=64, deepstack_visual_indexes=[]),
+            text_config=_text(vocab, head_dim=8, rope_scaling={"rope_type": "default", "mrope_section": [2, 1, 1],
+                                                               "mrope_interleaved": True}),
+            image_token_id=image_token_id)
+        cls = tf.Qwen3VLForConditionalGeneration
+    elif family == "llava":
+        config = tf.LlavaConfig(
+            vision_config=dict(model_type="clip_vision_model", hidden_size=HIDDEN, intermediate_size=2 * HIDDEN,
+                               num_hidden_layers=1, num_attention_heads=2, image_size=56, patch_size=14,
+                               projection_dim=HIDDEN),
+            text_config=dict(model_type="llama", **_text(vocab)), image_token_id=image_token_id, image_seq_length=16)
+        cls = tf.LlavaForConditionalGeneration
+    else:
+        raise ValueError(family)
+    torch.manual_seed(0)
+    return cls._from_config(config, attn_implementation=attention).eval()
+
+
+@dataclass
+class FamilyData:
+    index: Path
+    tokenizer: Path
+    vocab: int
+    image_token_id: int
+
+
+def family_dataset(root: Path, family: str, seed: int = 0) -> FamilyData:
+    """Ten samples (text-only, one image, two images; answers of several lengths) converted and indexed with
+    the family's conventions."""
+    from packfeed.server.convert.convert import ConvertOptions, convert, shard_paths
+    from packfeed.server.index.chat import PRESETS
+    from packfeed.server.index.indexer import IndexConfig, build_index
+    from packfeed.server.tools.demo import train_tokenizer
+    from tokenizers import Tokenizer
+
+    template_preset, policy = CONVENTIONS[family]
+    template = PRESETS[template_preset]
+    rng = np.random.default_rng(seed)
+    images = root / "images"
+    rows = []
+    for k in range(10):
+        n = [0, 1, 2, 1, 0, 1, 2, 1, 1, 0][k]
+        names = [f"s{k}-{j}.jpg" for j in range(n)]
+        for name in names:
+            write_image(images / name, rng)
+        question = "<image>\n" * n + ["What is shown?", "Describe it.", "Which colour?"][k % 3]
+        answer = " ".join(["A small photograph of a scene."] * (1 + k % 4))
+        turns = [{"from": "human", "value": question}, {"from": "gpt", "value": answer}]
+        if k % 5 == 4:
+            turns += [{"from": "human", "value": "And more?"}, {"from": "gpt", "value": "Nothing else."}]
+        rows.append({"id": f"s{k}", "images": names, "conversations": turns})
+    (root / "a.json").write_text(json.dumps(rows))
+    convert(ConvertOptions("llava", str(root / "a.json"), str(root / "shards"), str(images), workers=1, progress=False))
+    tokenizer = train_tokenizer(root / "tokenizer.json", vocab_size=400, special_tokens=template.special_tokens)
+    config = IndexConfig(str(tokenizer), policy, template.to_dict())
+    build_index(shard_paths(root / "shards"), root / "index.parquet", config, workers=1, progress=False)
+    loaded = Tokenizer.from_file(str(tokenizer))
+    return FamilyData(root / "index.parquet", tokenizer, loaded.get_vocab_size(),
+                      loaded.token_to_id(template.image_context))
+
+
+def packs_of(data: FamilyData, groups: list[list[int]]):
+    """PackTensors of the given groups of sample ids (as the server builds and sends them), each with the
+    step's loss tokens = all groups together."""
+    from packfeed.client.tensors import pack_of
+    from packfeed.server.index.table import read_index
+    from packfeed.server.serve.packs import assemble_pack
+    from packfeed.server.serve.preprocess import SampleReader
+    from packfeed.server.serve.wire import encode_pack
+
+    table, info = read_index(data.index)
+    rows = table.to_pylist()
+    reader = SampleReader(info, data.tokenizer)
+    packs = [assemble_pack([reader.load(rows[i]) for i in group], 0, 0, 0, m) for m, group in enumerate(groups)]
+    step_loss = sum(p.loss_tokens for p in packs)
+    for pack in packs:
+        pack.step_loss_tokens = step_loss
+    return [pack_of(encode_pack(pack, len(packs), False)) for pack in packs]
