@@ -11,7 +11,7 @@ import numpy as np
 
 from recipe_data import write_image
 
-HIDDEN, LAYERS = 32, 2
+HIDDEN, LAYERS = 32, 2  # the LLM; the vision towers keep packfeed.trainer.hf_model's small defaults
 
 # family -> (chat template preset, image policy at tiny sizes)
 CONVENTIONS = {
@@ -24,57 +24,13 @@ CONVENTIONS = {
 }
 
 
-def _text(vocab: int, **extra) -> dict:
-    return dict(vocab_size=vocab, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN, num_hidden_layers=LAYERS,
-                num_attention_heads=4, num_key_value_heads=2, bos_token_id=None, eos_token_id=None,
-                pad_token_id=None, **extra)
+def tiny_model(family: str, data: "FamilyData", attention: str = "sdpa"):
+    """A randomly initialised model of the family (seeded) sized from the dataset's served conventions, in eval
+    mode (no dropout)."""
+    from packfeed.trainer.hf_model import build_hf_model
 
-
-def tiny_model(family: str, vocab: int, image_token_id: int, attention: str = "sdpa"):
-    """A randomly initialised model of the family (seeded), in eval mode (no dropout)."""
-    import torch
-    import transformers as tf
-
-    mrope = {"type": "mrope", "mrope_section": [2, 1, 1]}
-    if family == "internvl":
-        config = tf.InternVLConfig(
-            vision_config=dict(hidden_size=HIDDEN, intermediate_size=2 * HIDDEN, num_hidden_layers=1,
-                               num_attention_heads=2, image_size=[56, 56], patch_size=[14, 14]),
-            text_config=dict(model_type="qwen2", **_text(vocab)), image_token_id=image_token_id, downsample_ratio=0.5)
-        cls = tf.InternVLForConditionalGeneration
-    elif family == "qwen2_vl":
-        config = tf.Qwen2VLConfig(
-            vision_config=dict(depth=1, embed_dim=HIDDEN, hidden_size=HIDDEN, num_heads=2, mlp_ratio=2, patch_size=14,
-                               spatial_merge_size=2, temporal_patch_size=2),
-            text_config=_text(vocab, rope_scaling=mrope), image_token_id=image_token_id)
-        cls = tf.Qwen2VLForConditionalGeneration
-    elif family == "qwen2_5_vl":
-        config = tf.Qwen2_5_VLConfig(
-            vision_config=dict(depth=1, hidden_size=HIDDEN, out_hidden_size=HIDDEN, intermediate_size=2 * HIDDEN,
-                               num_heads=2, patch_size=14, spatial_merge_size=2, temporal_patch_size=2,
-                               fullatt_block_indexes=[0], window_size=56),
-            text_config=_text(vocab, rope_scaling=mrope), image_token_id=image_token_id)
-        cls = tf.Qwen2_5_VLForConditionalGeneration
-    elif family == "qwen3_vl":
-        config = tf.Qwen3VLConfig(
-            vision_config=dict(depth=1, hidden_size=HIDDEN, out_hidden_size=HIDDEN, intermediate_size=2 * HIDDEN,
-                               num_heads=2, patch_size=16, spatial_merge_size=2, temporal_patch_size=2,
-                               num_position_embeddings=64, deepstack_visual_indexes=[]),
-            text_config=_text(vocab, head_dim=8, rope_scaling={"rope_type": "default", "mrope_section": [2, 1, 1],
-                                                               "mrope_interleaved": True}),
-            image_token_id=image_token_id)
-        cls = tf.Qwen3VLForConditionalGeneration
-    elif family == "llava":
-        config = tf.LlavaConfig(
-            vision_config=dict(model_type="clip_vision_model", hidden_size=HIDDEN, intermediate_size=2 * HIDDEN,
-                               num_hidden_layers=1, num_attention_heads=2, image_size=56, patch_size=14,
-                               projection_dim=HIDDEN),
-            text_config=dict(model_type="llama", **_text(vocab)), image_token_id=image_token_id, image_seq_length=16)
-        cls = tf.LlavaForConditionalGeneration
-    else:
-        raise ValueError(family)
-    torch.manual_seed(0)
-    return cls._from_config(config, attn_implementation=attention).eval()
+    sizes = {"text": {"hidden_size": HIDDEN, "intermediate_size": 2 * HIDDEN, "num_hidden_layers": LAYERS}}
+    return build_hf_model(family, data.conventions, sizes, attention).eval()
 
 
 @dataclass
@@ -83,6 +39,7 @@ class FamilyData:
     tokenizer: Path
     vocab: int
     image_token_id: int
+    conventions: object  # the ModelConventions a server reports for this dataset
 
 
 def family_dataset(root: Path, family: str, seed: int = 0) -> FamilyData:
@@ -91,6 +48,8 @@ def family_dataset(root: Path, family: str, seed: int = 0) -> FamilyData:
     from packfeed.server.convert.convert import ConvertOptions, convert, shard_paths
     from packfeed.server.index.chat import PRESETS
     from packfeed.server.index.indexer import IndexConfig, build_index
+    from packfeed.server.index.table import read_index_info
+    from packfeed.server.serve.conventions import conventions_of
     from packfeed.server.tools.demo import train_tokenizer
     from tokenizers import Tokenizer
 
@@ -116,8 +75,9 @@ def family_dataset(root: Path, family: str, seed: int = 0) -> FamilyData:
     config = IndexConfig(str(tokenizer), policy, template.to_dict())
     build_index(shard_paths(root / "shards"), root / "index.parquet", config, workers=1, progress=False)
     loaded = Tokenizer.from_file(str(tokenizer))
+    conventions = conventions_of(read_index_info(root / "index.parquet"), tokenizer)
     return FamilyData(root / "index.parquet", tokenizer, loaded.get_vocab_size(),
-                      loaded.token_to_id(template.image_context))
+                      loaded.token_to_id(template.image_context), conventions)
 
 
 def packs_of(data: FamilyData, groups: list[list[int]]):

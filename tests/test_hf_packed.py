@@ -35,7 +35,7 @@ def summed(results) -> tuple[float, dict[str, torch.Tensor]]:
 @pytest.fixture(scope="module", params=sorted(CONVENTIONS))
 def family(request, tmp_path_factory):
     data = family_dataset(tmp_path_factory.mktemp(request.param), request.param)
-    return request.param, data, tiny_model(request.param, data.vocab, data.image_token_id)
+    return request.param, data, tiny_model(request.param, data)
 
 
 def test_packed_loss_and_gradients_equal_each_sample_alone(family):
