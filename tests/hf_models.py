@@ -42,9 +42,9 @@ class FamilyData:
     conventions: object  # the ModelConventions a server reports for this dataset
 
 
-def family_dataset(root: Path, family: str, seed: int = 0) -> FamilyData:
-    """Ten samples (text-only, one image, two images; answers of several lengths) converted and indexed with
-    the family's conventions."""
+def family_dataset(root: Path, family: str, seed: int = 0, samples: int = 10) -> FamilyData:
+    """`samples` samples (text-only, one image, two images; answers of several lengths) converted and indexed
+    with the family's conventions."""
     from packfeed.server.convert.convert import ConvertOptions, convert, shard_paths
     from packfeed.server.index.chat import PRESETS
     from packfeed.server.index.indexer import IndexConfig, build_index
@@ -58,8 +58,8 @@ def family_dataset(root: Path, family: str, seed: int = 0) -> FamilyData:
     rng = np.random.default_rng(seed)
     images = root / "images"
     rows = []
-    for k in range(10):
-        n = [0, 1, 2, 1, 0, 1, 2, 1, 1, 0][k]
+    for k in range(samples):
+        n = [0, 1, 2, 1, 0, 1, 2, 1, 1, 0][k % 10]
         names = [f"s{k}-{j}.jpg" for j in range(n)]
         for name in names:
             write_image(images / name, rng)

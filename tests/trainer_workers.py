@@ -58,3 +58,30 @@ def pipeline_step(rank: int, world: int, dp: int, pp: int, init_file: str, steps
         torch.save({"grads": grads, "losses": [float(x) for x in losses]}, f"{out_dir}/rank{rank}.pt")
     finally:
         dist.destroy_process_group()
+
+
+def hf_step_grads(rank: int, world: int, family: str, data_file: str, init_file: str, out_dir: str) -> None:
+    """One global step of a Hugging Face model sharded with FSDP2 over `world` ranks: rank r trains on its share
+    of the step's packs (to_hf_inputs with dp=world); saves the full gradients and the summed loss."""
+    from packfeed.client.hf import to_hf_inputs
+    from packfeed.trainer.hf_train import shard
+    from packfeed.trainer.pipeline import make_mesh
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        from hf_models import tiny_model
+
+        saved = torch.load(data_file, weights_only=False)
+        model = tiny_model(family, saved["data"])
+        mesh = make_mesh(world, 1, torch.device("cpu"))
+        model = shard(model, mesh, "fp32")
+        share = len(saved["packs"]) // world
+        loss_sum = 0.0
+        for pack in saved["packs"][rank * share:(rank + 1) * share]:
+            loss = model(**to_hf_inputs(pack, family, dp=world)).loss
+            loss.backward()
+            loss_sum += float(loss.detach())
+        grads = {name: p.grad.full_tensor() for name, p in model.named_parameters() if p.grad is not None}
+        torch.save({"grads": grads, "loss": loss_sum}, f"{out_dir}/rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()

@@ -44,14 +44,19 @@ def save(root: Path, steps_done: int, mesh, stage: torch.nn.Module, optimizer, s
         (directory / f"stream-rank{mesh.replica}.json").write_text(json.dumps(stream_state))
     dist.barrier()
     if mesh.rank == 0:
-        (directory / "meta.json").write_text(json.dumps({"steps_done": steps_done, **meta}))
-        (root / "latest.tmp").write_text(directory.name)
-        (root / "latest.tmp").replace(root / "latest")
-        complete = sorted(p for p in root.glob("step-*") if (p / "meta.json").is_file())
-        for old in complete[:-keep] if keep > 0 else []:
-            shutil.rmtree(old, ignore_errors=True)
+        _publish(root, directory, {"steps_done": steps_done, **meta}, keep)
     dist.barrier()
     return directory
+
+
+def _publish(root: Path, directory: Path, meta: dict, keep: int) -> None:
+    """Mark `directory` complete (meta.json, then `latest`), and drop all but the newest `keep`."""
+    (directory / "meta.json").write_text(json.dumps(meta))
+    (root / "latest.tmp").write_text(directory.name)
+    (root / "latest.tmp").replace(root / "latest")
+    complete = sorted(p for p in root.glob("step-*") if (p / "meta.json").is_file())
+    for old in complete[:-keep] if keep > 0 else []:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def read_meta(directory: Path) -> dict:
@@ -67,3 +72,39 @@ def load_stage(directory: Path, mesh, stage: torch.nn.Module, optimizer, schedul
 
 def stream_state(directory: Path, replica: int) -> dict:
     return json.loads((directory / f"stream-rank{replica}.json").read_text())
+
+
+def save_sharded(root: Path, steps_done: int, mesh, model: torch.nn.Module, optimizer, scheduler,
+                 stream_state: dict | None, meta: dict, keep: int = 2) -> Path:
+    """Collective, for FSDP2-sharded models: every rank writes its shards of the model and optimizer with
+    `torch.distributed.checkpoint` (step-N/sharded/), its stream position, and rank 0 the LR schedule; complete
+    once `latest` names it, as `save`."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    directory = root / f"step-{steps_done:06d}"
+    if mesh.rank == 0:
+        directory.mkdir(parents=True, exist_ok=True)
+    dist.barrier()
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=str(directory / "sharded"))
+    if stream_state is not None:
+        (directory / f"stream-rank{mesh.replica}.json").write_text(json.dumps(stream_state))
+    if mesh.rank == 0:
+        torch.save(scheduler.state_dict(), directory / "scheduler.pt")
+    dist.barrier()
+    if mesh.rank == 0:
+        _publish(root, directory, {"steps_done": steps_done, **meta}, keep)
+    dist.barrier()
+    return directory
+
+
+def load_sharded(directory: Path, model: torch.nn.Module, optimizer, scheduler) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    state = {"model": model_state, "optimizer": optimizer_state}
+    dcp.load(state, checkpoint_id=str(directory / "sharded"))
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    scheduler.load_state_dict(torch.load(directory / "scheduler.pt", weights_only=False))

@@ -18,7 +18,9 @@ padded tokens sit after cu_seqlens' last real boundary with labels -100.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+import typing
+from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -47,6 +49,16 @@ class VLMConfig:
     mlp_ratio: float = 4.0
     rope_theta: float = 10000.0
     seed: int = 0
+    # A Hugging Face VLM instead of the reference model (packfeed.trainer.hf_model, trained by hf_train): its
+    # family, its sizes ({text: {...}, vision: {...}, top-level fields}) and attention implementation.
+    hf: Literal["", "internvl", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava"] = ""
+    hf_config: dict = field(default_factory=dict)
+    hf_attention: str = "sdpa"
+
+    def __post_init__(self):
+        families = typing.get_args(typing.get_type_hints(type(self))["hf"])
+        if self.hf not in families:
+            raise ValueError(f"model.hf = {self.hf!r}: choose one of {', '.join(f for f in families if f)}")
 
     @property
     def grid(self) -> int:

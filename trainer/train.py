@@ -162,6 +162,10 @@ def start_embedded_server(config: TrainConfig, mesh: Mesh):
 
 
 def train_on(config: TrainConfig, mesh: Mesh, target: str, out: Path) -> dict:
+    if config.model.hf:
+        from packfeed.trainer.hf_train import train_hf
+
+        return train_hf(config, mesh, target, out)
     resume_from = checkpoint.latest(out / "checkpoints") if config.checkpoint.resume else None
     resumed = checkpoint.read_meta(resume_from) if resume_from else None
     if resumed:

@@ -1,0 +1,57 @@
+"""Hugging Face models trained on packs across processes: FSDP2 at DP 2 gives the gradients of one process
+training on the whole global step; `packfeed train model.hf=FAMILY` trains under torchrun and resumes from a
+checkpoint at exactly the next step."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+import torch.multiprocessing as mp  # noqa: E402
+
+from hf_models import family_dataset, packs_of, tiny_model  # noqa: E402
+from packfeed.client.hf import to_hf_inputs  # noqa: E402
+from trainer_workers import hf_step_grads, packfeed_train  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.mark.parametrize("family", ["qwen2_vl", "internvl"])
+def test_fsdp_at_dp_2_matches_one_process_on_the_global_step(tmp_path, family):
+    data = family_dataset(tmp_path / "data", family)
+    packs = packs_of(data, [[0, 1, 2], [3, 4], [5, 6, 7], [8, 9]])  # one global step: 2 ranks x 2 microbatches
+    torch.save({"data": data, "packs": packs}, tmp_path / "step.pt")
+    mp.spawn(hf_step_grads, args=(2, family, str(tmp_path / "step.pt"), str(tmp_path / "init"), str(tmp_path)),
+             nprocs=2, join=True)
+
+    model = tiny_model(family, data)
+    reference_loss = 0.0
+    for pack in packs:
+        loss = model(**to_hf_inputs(pack, family, dp=1)).loss
+        loss.backward()
+        reference_loss += float(loss.detach())
+    reference = {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    assert sum(r["loss"] for r in ranks) / 2 == pytest.approx(reference_loss, rel=1e-5)
+    for rank in ranks:
+        assert rank["grads"].keys() == reference.keys()
+        for name, grad in reference.items():
+            torch.testing.assert_close(rank["grads"][name], grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_packfeed_train_trains_a_hf_model_and_resumes_exactly(tmp_path):
+    data = family_dataset(tmp_path / "data", "qwen2_vl", samples=60)
+    common = ["model.hf=qwen2_vl", f"data.index={data.index}", "parallel.pp=1", "parallel.dp=2",
+              "data.microbatches=2", "data.epochs=3", "checkpoint.every=2", "optim.warmup_steps=1",
+              "model.hf_config={text: {hidden_size: 32, num_hidden_layers: 2}}"]
+    _, straight = packfeed_train(2, common + ["optim.steps=6"], tmp_path / "straight")
+    _, first = packfeed_train(2, common + ["optim.steps=4"], tmp_path / "resumed")
+    log, rest = packfeed_train(2, common + ["optim.steps=6"], tmp_path / "resumed")
+    assert "resuming from" in log and "after 4 steps" in log
+    assert len(straight) == 6 and len(rest) == 6  # metrics.jsonl is appended: 4 lines, then 2 more
+    assert [(r["epoch"], r["step"]) for r in rest] == [(r["epoch"], r["step"]) for r in straight]
+    assert [r["loss"] for r in rest] == pytest.approx([r["loss"] for r in straight], rel=1e-6)
+    assert straight[-1]["loss"] < straight[0]["loss"]  # it learns
+    assert all(r["tokens"] > 0 and r["samples_by_dataset"] for r in straight)
