@@ -23,9 +23,11 @@ which leaves the loss slightly wrong without an error:
 - `pixel_values` is left out of text-only packs (InternVL fails on an empty tensor).
 - Placeholder tokens are counted against the image features each image will give; a mismatch is an error here,
   not a shape error deep in the model.
-- `attention="flash"` adds the variable-length kwargs (`cu_seq_lens_q/k`, `max_length_q/k`) flash-attention
-  kernels read on CUDA; sdpa and eager ignore them, so on CPU the packed mask from positions is what isolates
-  samples (`attention="sdpa"`, the default).
+- `attention="varlen"` adds the variable-length kwargs (`cu_seq_lens_q/k`, `max_length_q/k`): flash-attention
+  kernels read them on CUDA (`attn_implementation="flash_attention_2"`), and so does Packfeed's CPU kernel
+  (`attn_implementation=register_varlen_attention()`), which runs sdpa per sample instead of building HF's dense
+  L x L packed mask (BENCHMARKS.md "Packed attention on CPU"). sdpa and eager ignore them: there the packed mask
+  from positions isolates the samples (`attention="sdpa"`, the default).
 
 Pixels travel as uint8; they are normalised here as the family's processor does: `(x / 255 - mean) / std`, with
 the mean and std of the dataset's conventions (`JobInfo.conventions.image_policy`), or the family's published
@@ -34,7 +36,6 @@ values when no conventions are given.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -130,7 +131,7 @@ def mrope_positions(pack: PackTensors, grids: list[tuple[int, int, int]], merge_
 
 def to_hf_inputs(pack: PackTensors, model_family: str | Family, dp: int = 1, *,
                  conventions: Any = None, dtype: torch.dtype = torch.float32,
-                 attention: Literal["sdpa", "flash"] = "sdpa", device: torch.device | str | None = None,
+                 attention: Literal["sdpa", "varlen"] = "sdpa", device: torch.device | str | None = None,
                  image_token_id: int | None = None) -> dict[str, Any]:
     """The keyword arguments of the family's `ForConditionalGeneration.forward` for one pack (batch of one
     packed row). `dp`: the data-parallel world size the gradients are averaged over. `conventions`: the job's
@@ -147,6 +148,9 @@ def to_hf_inputs(pack: PackTensors, model_family: str | Family, dp: int = 1, *,
                              f"reads {family.image_policy!r} pixels: index it with the matching --preset")
         if len(policy.image_mean) == 3:
             mean, std = tuple(policy.image_mean), tuple(policy.image_std)
+        if family.image_policy == "qwen2vl" and policy.patch_size and policy.patch_size != family.patch_size:
+            raise ValueError(f"the dataset's patches are {policy.patch_size} px, {family.name} uses "
+                             f"{family.patch_size} px: index it with the {family.name} preset")
         image_token_id = conventions.image_context_id
     input_ids = pack.input_ids.to(torch.long)
     labels = pack.labels.to(torch.long).clone()
@@ -177,7 +181,9 @@ def to_hf_inputs(pack: PackTensors, model_family: str | Family, dp: int = 1, *,
         if placeholders != expected:
             raise ValueError(f"pack {pack.sample_keys}: {placeholders} image placeholder tokens for {expected} image "
                              f"features; the model's image_token_id must be the dataset's image_context token")
-    if attention == "flash":
+    if attention not in ("sdpa", "varlen"):
+        raise ValueError(f"attention must be 'sdpa' or 'varlen', not {attention!r}")
+    if attention == "varlen":
         bounds = pack.cu_seqlens.to(torch.int32)
         longest = int((bounds[1:] - bounds[:-1]).max()) if len(bounds) > 1 else 0
         inputs.update(cu_seq_lens_q=bounds, cu_seq_lens_k=bounds, max_length_q=longest, max_length_k=longest)
@@ -194,6 +200,40 @@ def _token_types(pack: PackTensors) -> torch.Tensor:
     return types
 
 
-def policy_parameters(conventions: Any) -> dict[str, Any]:
-    """Every parameter of the dataset's image policy (as the index recorded it)."""
-    return json.loads(conventions.image_policy.parameters_json or "{}")
+VARLEN_ATTENTION = "packfeed_varlen"
+
+
+def register_varlen_attention() -> str:
+    """Register Packfeed's variable-length attention with `transformers` and return its name, for
+    `from_config(..., attn_implementation=name)`; feed it `to_hf_inputs(..., attention="varlen")`."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(VARLEN_ATTENTION, varlen_attention)
+    return VARLEN_ATTENTION
+
+
+def varlen_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
+                     **kwargs) -> tuple[torch.Tensor, None]:
+    """Attention of (batch, heads, L, dim) tensors, one sample at a time when `cu_seq_lens_q` splits L: each
+    sample attends only to itself (causal for the LLM, full for vision towers), with no L x L mask. Without
+    them (or for a call they do not describe), plain sdpa with the mask given."""
+    import torch.nn.functional as F
+
+    causal = kwargs.get("is_causal", getattr(module, "is_causal", True))
+    groups = query.shape[1] // key.shape[1]
+    if groups > 1:  # grouped-query attention: every query head group shares a key/value head
+        key, value = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)
+    dropout = dropout if module.training else 0.0
+    bounds = kwargs.get("cu_seq_lens_q")
+    length = query.shape[2]
+    if bounds is None or int(bounds[-1]) != length or attention_mask is not None:
+        out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, dropout_p=dropout,
+                                             is_causal=bool(causal and attention_mask is None and length > 1),
+                                             scale=scaling)
+    else:
+        edges = bounds.tolist()
+        out = torch.cat([F.scaled_dot_product_attention(query[:, :, a:b], key[:, :, a:b], value[:, :, a:b],
+                                                        dropout_p=dropout, is_causal=bool(causal), scale=scaling)
+                         for a, b in zip(edges[:-1], edges[1:]) if b > a], dim=2)
+    return out.transpose(1, 2).contiguous(), None

@@ -57,6 +57,24 @@ def test_packed_loss_and_gradients_equal_each_sample_alone(family):
         assert groups is not GROUPS or any(g.abs().sum() > 0 for g in vision)  # the vision tower trains too
 
 
+def test_varlen_attention_equals_each_sample_alone(family):
+    """Packfeed's variable-length CPU attention (sdpa per sample, no L x L mask) gives the per-sample loss and
+    gradients too."""
+    from packfeed.client.hf import register_varlen_attention
+
+    name, data, model = family
+    varlen = tiny_model(name, data, attention=register_varlen_attention())
+    packs = packs_of(data, GROUPS)
+    alone = packs_of(data, [[i] for group in GROUPS for i in group])
+    for single in alone:
+        single.step_loss_tokens = packs[0].step_loss_tokens
+    packed = summed(loss_and_grads(varlen, to_hf_inputs(p, name, attention="varlen")) for p in packs)
+    reference = summed(loss_and_grads(model, to_hf_inputs(p, name)) for p in alone)
+    assert packed[0] == pytest.approx(reference[0], rel=1e-5, abs=1e-6)
+    for key in reference[1]:
+        torch.testing.assert_close(packed[1][key], reference[1][key], rtol=1e-4, atol=1e-5, msg=key)
+
+
 def test_a_control_that_breaks_isolation_differs(family):
     """The packed logits equal each sample's own; with positions counted across the whole pack (not restarting
     per sample) HF attends across samples and they differ by far more than the tolerance."""

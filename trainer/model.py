@@ -53,12 +53,16 @@ class VLMConfig:
     # family, its sizes ({text: {...}, vision: {...}, top-level fields}) and attention implementation.
     hf: Literal["", "internvl", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava"] = ""
     hf_config: dict = field(default_factory=dict)
-    hf_attention: str = "sdpa"
+    # auto: flash_attention_2 on CUDA when installed, else Packfeed's varlen kernel (packfeed.client.hf)
+    hf_attention: Literal["auto", "varlen", "sdpa", "flash_attention_2"] = "auto"
 
     def __post_init__(self):
-        families = typing.get_args(typing.get_type_hints(type(self))["hf"])
-        if self.hf not in families:
-            raise ValueError(f"model.hf = {self.hf!r}: choose one of {', '.join(f for f in families if f)}")
+        hints = typing.get_type_hints(type(self))
+        for name in ("hf", "hf_attention"):
+            choices = typing.get_args(hints[name])
+            if getattr(self, name) not in choices:
+                raise ValueError(f"model.{name} = {getattr(self, name)!r}: choose one of "
+                                 f"{', '.join(c for c in choices if c)}")
 
     @property
     def grid(self) -> int:
