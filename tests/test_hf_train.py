@@ -18,12 +18,14 @@ from trainer_workers import hf_step_grads, packfeed_train  # noqa: E402
 pytestmark = pytest.mark.slow
 
 
-@pytest.mark.parametrize("family", ["qwen2_vl", "internvl"])
-def test_fsdp_at_dp_2_matches_one_process_on_the_global_step(tmp_path, family):
+@pytest.mark.parametrize("family,wrap", [("qwen2_vl", "fsdp"), ("internvl", "fsdp"), ("llava", "ddp")])
+def test_dp_2_matches_one_process_on_the_global_step(tmp_path, family, wrap):
+    """FSDP2 (what `packfeed train model.hf` uses) or DDP at DP 2: both average gradients over the ranks, and
+    with num_items_in_batch = step tokens / dp they equal one process training on the whole global step."""
     data = family_dataset(tmp_path / "data", family)
     packs = packs_of(data, [[0, 1, 2], [3, 4], [5, 6, 7], [8, 9]])  # one global step: 2 ranks x 2 microbatches
     torch.save({"data": data, "packs": packs}, tmp_path / "step.pt")
-    mp.spawn(hf_step_grads, args=(2, family, str(tmp_path / "step.pt"), str(tmp_path / "init"), str(tmp_path)),
+    mp.spawn(hf_step_grads, args=(2, family, str(tmp_path / "step.pt"), str(tmp_path / "init"), str(tmp_path), wrap),
              nprocs=2, join=True)
 
     model = tiny_model(family, data)

@@ -60,9 +60,11 @@ def pipeline_step(rank: int, world: int, dp: int, pp: int, init_file: str, steps
         dist.destroy_process_group()
 
 
-def hf_step_grads(rank: int, world: int, family: str, data_file: str, init_file: str, out_dir: str) -> None:
-    """One global step of a Hugging Face model sharded with FSDP2 over `world` ranks: rank r trains on its share
-    of the step's packs (to_hf_inputs with dp=world); saves the full gradients and the summed loss."""
+def hf_step_grads(rank: int, world: int, family: str, data_file: str, init_file: str, out_dir: str,
+                  wrap: str = "fsdp") -> None:
+    """One global step of a Hugging Face model over `world` ranks, sharded with FSDP2 (`wrap="fsdp"`) or
+    replicated with DDP (`"ddp"`): rank r trains on its share of the step's packs (to_hf_inputs with dp=world);
+    saves the full gradients and the summed loss."""
     from packfeed.client.hf import to_hf_inputs
     from packfeed.trainer.hf_train import shard
     from packfeed.trainer.pipeline import make_mesh
@@ -74,14 +76,19 @@ def hf_step_grads(rank: int, world: int, family: str, data_file: str, init_file:
         saved = torch.load(data_file, weights_only=False)
         model = tiny_model(family, saved["data"])
         mesh = make_mesh(world, 1, torch.device("cpu"))
-        model = shard(model, mesh, "fp32")
+        if wrap == "fsdp":
+            model = shard(model, mesh, "fp32")
+        else:
+            model = torch.nn.parallel.DistributedDataParallel(model, find_unused_parameters=True)
         share = len(saved["packs"]) // world
         loss_sum = 0.0
         for pack in saved["packs"][rank * share:(rank + 1) * share]:
             loss = model(**to_hf_inputs(pack, family, dp=world)).loss
             loss.backward()
             loss_sum += float(loss.detach())
-        grads = {name: p.grad.full_tensor() for name, p in model.named_parameters() if p.grad is not None}
+        named = model.module.named_parameters() if wrap == "ddp" else model.named_parameters()
+        grads = {name: p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+                 for name, p in named if p.grad is not None}
         torch.save({"grads": grads, "loss": loss_sum}, f"{out_dir}/rank{rank}.pt")
     finally:
         dist.destroy_process_group()
