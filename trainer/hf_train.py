@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import json
 import time
 from pathlib import Path
 
@@ -27,6 +26,7 @@ from packfeed.trainer.config import TrainConfig
 from packfeed.trainer.data import job_conventions, open_stream
 from packfeed.trainer.hf_model import build_hf_model
 from packfeed.trainer.pipeline import Mesh, log
+from packfeed.trainer.train import write_record
 
 
 def language_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -147,13 +147,7 @@ class HFTrainer:
                     checkpoint.save_sharded(out / "checkpoints", steps_done, mesh, self.model, self.optimizer,
                                             self.scheduler, self.stream.state_dict(), {"hf": self.family},
                                             config.checkpoint.keep)
-                if metrics is not None:
-                    metrics.write(json.dumps(record) + "\n")
-                    metrics.flush()
-                    if len(history) % config.log_every == 0:
-                        log(mesh, f"epoch {record['epoch']} step {record['step']}: loss {record['loss']:.4f}, "
-                            f"{record['step_s'] * 1e3:.0f} ms, data wait {record['data_wait_s'] * 1e3:.0f} ms, "
-                            f"{record['tokens_per_s']:.0f} tokens/s")
+                write_record(metrics, record, len(history), config.log_every, mesh)
         return history
 
 

@@ -258,14 +258,21 @@ def train_steps(trainer: Trainer, optimizer, scheduler, config: TrainConfig, mes
         if every and steps_done % every == 0:
             checkpoint.save(out / "checkpoints", steps_done, mesh, trainer.stage, optimizer, scheduler,
                             trainer.source.state_dict() if trainer.source else None, meta, config.checkpoint.keep)
-        if metrics is not None:
-            metrics.write(json.dumps(record) + "\n")
-            metrics.flush()
-            if len(history) % config.log_every == 0:
-                log(mesh, f"epoch {record['epoch']} step {record['step']}: loss {record['loss']:.4f}, "
-                    f"{record['step_s'] * 1e3:.0f} ms, data wait {record['data_wait_s'] * 1e3:.0f} ms, "
-                    f"{record['tokens_per_s']:.0f} tokens/s, padding {record['pad_fraction']:.1%}")
+        write_record(metrics, record, len(history), config.log_every, mesh)
     return history
+
+
+def write_record(metrics, record: dict, count: int, log_every: int, mesh: Mesh) -> None:
+    """Rank 0: append the step's metrics line, and log it every `log_every` steps."""
+    if metrics is None:
+        return
+    metrics.write(json.dumps(record) + "\n")
+    metrics.flush()
+    if count % log_every == 0:
+        padding = f", padding {record['pad_fraction']:.1%}" if "pad_fraction" in record else ""
+        log(mesh, f"epoch {record['epoch']} step {record['step']}: loss {record['loss']:.4f}, "
+            f"{record['step_s'] * 1e3:.0f} ms, data wait {record['data_wait_s'] * 1e3:.0f} ms, "
+            f"{record['tokens_per_s']:.0f} tokens/s{padding}")
 
 
 def step_record(mesh: Mesh, shape: StepShape, batch: Microbatches | None, losses: list[torch.Tensor],
