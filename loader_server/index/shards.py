@@ -21,9 +21,9 @@ import tarfile
 from dataclasses import dataclass, field
 from typing import Iterator
 
+import subprocess
+
 import braceexpand
-from webdataset.gopen import gopen
-from webdataset.tariterators import base_plus_ext
 
 IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp", "gif", "bmp", "tif", "tiff")
 _IMAGE_SUFFIX = re.compile(r"^(?:(\d+)\.)?(" + "|".join(IMAGE_EXTENSIONS) + r")$", re.IGNORECASE)
@@ -83,11 +83,56 @@ class ShardError(Exception):
     """The shard could not be read (at all, or past some point); the message says why."""
 
 
+_KEY_AND_SUFFIX = re.compile(r"^((?:.*/|)[^./]+)[.]([^/]*)$")
+
+
+def key_and_suffix(name: str) -> tuple[str | None, str | None]:
+    """A tar member name split at the first dot of its file name (webdataset's rule): 'a/b.0.jpg' -> ('a/b',
+    '0.jpg'); (None, None) for a name without one."""
+    match = _KEY_AND_SUFFIX.match(name)
+    return (match.group(1), match.group(2)) if match else (None, None)
+
+
+class _PipeStream:
+    """stdout of `pipe:COMMAND`; closing it reaps the command and reports a failure."""
+
+    def __init__(self, command: str):
+        self.command = command
+        self.process = subprocess.Popen(command, shell=True, stdout=subprocess.PIPE)
+
+    def read(self, size: int = -1) -> bytes:
+        return self.process.stdout.read(size)
+
+    def close(self) -> None:
+        self.process.stdout.close()
+        if self.process.wait() != 0:
+            raise OSError(f"{self.command!r} exited with status {self.process.returncode}")
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def open_shard(url: str):
+    """A binary stream of the shard: local files and `file:` paths, `pipe:COMMAND` (the command's stdout), and
+    http(s)/cloud URLs through webdataset's gopen, imported only then (it imports torch, which the server and its
+    workers otherwise never load)."""
+    if url.startswith("pipe:"):
+        return _PipeStream(url[5:])
+    if not url.startswith(REMOTE_PREFIXES):
+        return open(url[5:] if url.startswith("file:") else url, "rb")
+    from webdataset.gopen import gopen
+
+    return gopen(url, "rb")
+
+
 def iter_samples(url: str) -> Iterator[RawSample]:
     """Samples of one shard in tar order. Raises ShardError after the last readable sample on corruption."""
     try:
-        stream = gopen(url, "rb")
-    except Exception as error:  # gopen raises many types: OSError, ValueError, subprocess errors
+        stream = open_shard(url)
+    except Exception as error:  # opening raises many types: OSError, ValueError, subprocess errors
         raise ShardError(f"cannot open: {error}") from None
     current: RawSample | None = None
     members_seen = 0
@@ -97,7 +142,7 @@ def iter_samples(url: str) -> Iterator[RawSample]:
                 for info in tar:
                     if not info.isfile():
                         continue
-                    key, suffix = base_plus_ext(info.name)
+                    key, suffix = key_and_suffix(info.name)
                     if key is None or not suffix:
                         continue
                     # A repeated member name means a second sample with the same key (reported as a duplicate).

@@ -1,0 +1,46 @@
+"""Memory per server process: resident memory of `packfeed serve` before its first job, and of it and each
+pre-processing worker idle after serving; in the same run, a process that only imports `webdataset` (what
+every server process paid when the shard reader imported it, and with it torch).
+
+Run: .venv/bin/python -m pytest -q -s tests/benchmarks/test_bench_footprint.py -m benchmark
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from packfeed.client import LocalServer, PackStream
+
+pytestmark = pytest.mark.benchmark
+
+
+def rss_mib(pid: int) -> float:
+    status = Path(f"/proc/{pid}/status").read_text()
+    return int(next(line.split()[1] for line in status.splitlines() if line.startswith("VmRSS:"))) / 1024
+
+
+def children(pid: int) -> list[int]:
+    return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+
+
+def test_server_and_worker_memory(small_tile_index):
+    probe = "import os, webdataset; print(open(f'/proc/{os.getpid()}/status').read())"
+    status = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True).stdout
+    webdataset_rss = int(next(line.split()[1] for line in status.splitlines() if line.startswith("VmRSS:"))) / 1024
+    with LocalServer(small_tile_index, workers=2) as server:
+        time.sleep(2)
+        idle_server = rss_mib(server.process.pid)
+        with PackStream(server.target, job="footprint", rank=0, dp=1, microbatches=2, epochs=1) as stream:
+            steps = sum(1 for _ in stream)
+        time.sleep(1)
+        busy_server, busy_workers = rss_mib(server.process.pid), [rss_mib(w) for w in children(server.process.pid)]
+    print(f"\n[footprint] a process importing webdataset (and so torch): {webdataset_rss:.0f} MiB")
+    print(f"[footprint] server before its first job: {idle_server:.0f} MiB (workers start with the first job)")
+    print(f"[footprint] idle after serving {steps} steps: server {busy_server:.0f} MiB, child processes "
+          f"(workers, multiprocessing's resource tracker) {', '.join(f'{w:.0f}' for w in busy_workers)} MiB")
+    assert idle_server <= 400 and max(busy_workers) <= 250
