@@ -1,0 +1,115 @@
+"""CPU seconds per delivered sample of the whole `packfeed serve` process tree (main process and workers), against
+InternVL's training-time pre-processing written here (PIL decode, `dynamic_preprocess`'s grid + resize + crop
++ thumbnail, uint8 CHW tiles, tokenising the conversation) on the same samples, interleaved in one run.
+
+Run: .venv/bin/python -m pytest -q -s tests/benchmarks/test_bench_cpu_per_sample.py -m benchmark
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from demo_data import indexed_demo
+
+pytestmark = pytest.mark.benchmark
+TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def tree_cpu_seconds(pid: int) -> float:
+    """user + system CPU of a process and its live descendants (and their reaped children)."""
+    total, pids = 0.0, [pid]
+    while pids:
+        current = pids.pop()
+        try:
+            fields = Path(f"/proc/{current}/stat").read_text().rsplit(")", 1)[1].split()
+            total += sum(int(v) for v in fields[11:15]) / TICKS  # utime, stime, cutime, cstime
+            pids += [int(c) for c in Path(f"/proc/{current}/task/{current}/children").read_text().split()]
+        except OSError:
+            continue
+    return total
+
+
+def dynamic_preprocess(image: Image.Image, image_size: int = 448, max_num: int = 12) -> list[np.ndarray]:
+    """InternVL's tiling (closest aspect ratio grid, resize, crop, thumbnail), as its training code does it."""
+    width, height = image.size
+    aspect, area = width / height, width * height
+    ratios = sorted({(i, j) for n in range(1, max_num + 1) for i in range(1, n + 1) for j in range(1, n + 1)
+                     if 1 <= i * j <= max_num}, key=lambda r: r[0] * r[1])
+    best, best_diff = (1, 1), float("inf")
+    for ratio in ratios:
+        diff = abs(aspect - ratio[0] / ratio[1])
+        if diff < best_diff:
+            best_diff, best = diff, ratio
+        elif diff == best_diff and area > 0.5 * image_size * image_size * ratio[0] * ratio[1]:
+            best = ratio
+    cols, rows = best
+    resized = image.resize((cols * image_size, rows * image_size), Image.BICUBIC)
+    tiles = [resized.crop((c * image_size, r * image_size, (c + 1) * image_size, (r + 1) * image_size))
+             for r in range(rows) for c in range(cols)]
+    if cols * rows != 1:
+        tiles.append(image.resize((image_size, image_size), Image.BICUBIC))
+    return [np.asarray(tile).transpose(2, 0, 1).copy() for tile in tiles]
+
+
+def baseline_cpu_seconds(shards: list[Path], tokenizer_path: Path) -> tuple[int, float]:
+    import tarfile
+
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(tokenizer_path))
+    samples, started = 0, time.process_time()
+    for shard in shards:
+        with tarfile.open(shard) as tar:
+            members: dict[str, dict[str, bytes]] = {}
+            for member in tar:
+                key, suffix = member.name.split(".", 1)
+                members.setdefault(key, {})[suffix] = tar.extractfile(member).read()
+        for sample in members.values():
+            try:
+                turns = json.loads(sample["json"])["conversations"]
+                images = [Image.open(io.BytesIO(sample[s])).convert("RGB") for s in sorted(sample) if s != "json"]
+                for image in images:
+                    dynamic_preprocess(image, max_num=max(1, 12 // len(images)) if len(images) > 1 else 12)
+                tokenizer.encode_batch([t["value"] for t in turns])
+                samples += 1
+            except Exception:
+                continue  # the demo's deliberately broken samples
+    return samples, time.process_time() - started
+
+
+def served_cpu_seconds(index: Path) -> tuple[int, float]:
+    from packfeed.client import LocalServer, PackStream
+
+    with LocalServer(index, workers=1) as server:
+        with PackStream(server.target, job="warm", rank=0, dp=1, microbatches=2, epochs=1) as stream:
+            next(iter(stream))  # workers started, index and tokenizer open
+        time.sleep(1)
+        before = tree_cpu_seconds(server.process.pid)
+        samples = 0
+        with PackStream(server.target, job="measured", rank=0, dp=1, microbatches=2, epochs=1, prefetch=4) as stream:
+            for step in stream:
+                samples += len(step.sample_keys)
+        time.sleep(0.5)
+        return samples, tree_cpu_seconds(server.process.pid) - before
+
+
+def test_cpu_per_delivered_sample(tmp_path):
+    paths, index = indexed_demo(tmp_path, 240, 4, 2)
+    baseline_cpu_seconds(paths.shards[:1], paths.tokenizer)  # page cache and imports
+    rounds = []
+    for _ in range(2):
+        served_n, served_s = served_cpu_seconds(index)
+        base_n, base_s = baseline_cpu_seconds(paths.shards, paths.tokenizer)
+        rounds.append((served_s / served_n, base_s / base_n))
+        print(f"\n[cpu/sample] packfeed serve tree: {served_n} samples, {served_s:.2f} CPU s = "
+              f"{served_s / served_n * 1e3:.1f} ms per sample; InternVL's pre-processing: {base_n} samples, "
+              f"{base_s:.2f} CPU s = {base_s / base_n * 1e3:.1f} ms per sample; ratio {served_s / served_n / (base_s / base_n):.2f}")
+    assert served_n == base_n
