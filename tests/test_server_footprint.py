@@ -5,6 +5,7 @@ Torch alone costs a process ~500 MB of resident memory (BENCHMARKS.md "Memory pe
 from __future__ import annotations
 
 import pkgutil
+import time
 import subprocess
 import sys
 from pathlib import Path
@@ -50,3 +51,55 @@ def test_a_running_server_and_its_workers_never_load_torch(small_tile_index):
         maps = {pid: Path(f"/proc/{pid}/maps").read_text() for pid in tree if Path(f"/proc/{pid}/maps").exists()}
     assert len(maps) >= 3  # the server and its two workers
     assert not [pid for pid, text in maps.items() if "libtorch" in text]
+
+
+def shared_files(pid: int) -> list[Path]:
+    from packfeed.server.serve.workers import SHARED_PREFIX, shared_directory
+
+    return list(Path(shared_directory()).glob(f"{SHARED_PREFIX}{pid}-*"))
+
+
+def test_prepared_steps_travel_in_shared_memory_and_leave_nothing_behind(small_tile_index):
+    """Workers hand steps over in files in shared memory (no pickling of the pixels); every file is gone once its
+    step was sent, also for a stream cancelled mid-step, and the server's stop removes any rest."""
+    import grpc
+
+    from packfeed.client import PackStream
+    from packfeed.v1 import packfeed_pb2 as pb
+
+    with LocalServer(small_tile_index, workers=2) as server:
+        with PackStream(server.target, job="whole", rank=0, dp=1, microbatches=2, prefetch=1) as stream:
+            keys = [key for step in stream for key in step.sample_keys]
+        channel = grpc.insecure_channel(server.target)
+        parts = channel.unary_stream("/packfeed.v1.Packfeed/StreamPackParts",
+                                     request_serializer=pb.StreamPacksRequest.SerializeToString,
+                                     response_deserializer=None)
+        with PackStream(server.target, job="cancelled", rank=0, dp=1, microbatches=2) as stream:
+            next(iter(stream))
+        call = parts(pb.StreamPacksRequest(job="cancelled", rank=0))
+        next(call)
+        call.cancel()  # mid-step, with more steps in preparation
+        channel.close()
+        deadline = time.monotonic() + 30
+        while shared_files(server.process.pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        left = shared_files(server.process.pid)
+        pid = server.process.pid
+    assert keys and not left
+    assert not shared_files(pid)
+
+
+def test_a_step_falls_back_to_the_pipe_when_shared_memory_is_unusable(small_tile_index, tmp_path):
+    from packfeed.server.serve import workers
+    from packfeed.server.serve.jobs import Dataset, JobSpec
+    from packfeed.server.serve.registry import JobRegistry
+    from packfeed.v1.options import PlanConfig
+
+    source = workers.DatasetSource(str(small_tile_index), str(Path(small_tile_index).parent / "tokenizer.json"))
+    workers._init_worker({"d": source})
+    registry = JobRegistry({"d": Dataset.open("d", source)})
+    job = registry.open_job(JobSpec("fallback", "d", PlanConfig(dp=1, microbatches=2), 0))
+    work = job.work(0, 0, 0)
+    inline = workers.build_rank_step(work)
+    fallback = workers.build_rank_step(work, shared_dir=str(tmp_path / "missing"))
+    assert fallback.shared is None and fallback.messages == inline.messages and inline.messages

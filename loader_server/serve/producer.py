@@ -16,7 +16,7 @@ from packfeed.server.serve.budget import MemoryBudget
 from packfeed.server.serve.config import ServerConfig
 from packfeed.server.serve.jobs import Job, JobError
 from packfeed.server.serve.observe import log
-from packfeed.server.serve.workers import RankStepResult, WorkerPool
+from packfeed.server.serve.workers import RankStepResult, WorkerPool, abandon
 
 END = None  # put in the queue after the job's last step (or after a failure)
 
@@ -48,6 +48,7 @@ async def produce(job: Job, rank: int, cursor: tuple[int, int] | None, queue: as
             position, estimate, future = in_flight[0]
             try:
                 result: RankStepResult = await asyncio.wait_for(asyncio.shield(future), config.prepare_timeout_s)
+                result.attach()  # the worker's shared file, mapped: from here dropping the result frees it
             except asyncio.TimeoutError:
                 raise JobError("UNAVAILABLE", f"step {position[0]}:{position[1]} of rank {rank} took over "
                                               f"{config.prepare_timeout_s:g} s to prepare (a stalled read?); "
@@ -65,14 +66,15 @@ async def produce(job: Job, rank: int, cursor: tuple[int, int] | None, queue: as
         await queue.put(END)
     except asyncio.CancelledError:
         for _, estimate, future in in_flight:
-            future.cancel()
+            abandon(future)
             budget.release(estimate)
         budget.release(owned)
         raise
     except Exception as error:
         log.error("pack preparation failed", exc_info=not isinstance(error, JobError),
                   extra={"job": job.spec.job, "rank": rank, "error": str(error)})
-        for _, estimate, _ in in_flight:
+        for _, estimate, future in in_flight:
+            abandon(future)  # a step its worker still finishes is discarded then
             budget.release(estimate)
         await queue.put(END)
         raise

@@ -310,7 +310,7 @@ class PackfeedService:
 def pieces_of(messages: list[bytes], part_bytes: int):
     """The messages as written: whole, or cut into PackPart pieces of `part_bytes` (made one at a time)."""
     for message in messages:
-        yield from (pack_parts(message, part_bytes) if part_bytes else (message,))
+        yield from (pack_parts(message, part_bytes) if part_bytes else (bytes(message),))  # gRPC takes bytes
 
 
 def with_last(items):

@@ -70,6 +70,12 @@ def _tensor_entry(name: str, array: np.ndarray, offset: int, alignment: int) -> 
 def encode_pack(pack: Pack, microbatches: int, last_in_epoch: bool, alignment: int = ALIGNMENT) -> bytes:
     """The serialized `packfeed.v1.Pack` of `pack`; its tensors in `pack.tensors` order, so equal packs give
     equal bytes."""
+    return b"".join(pack_pieces(pack, microbatches, last_in_epoch, alignment))
+
+
+def pack_pieces(pack: Pack, microbatches: int, last_in_epoch: bool, alignment: int = ALIGNMENT) -> list:
+    """The serialized `Pack` as pieces (bytes, and views of the tensors' own buffers) that concatenate to it:
+    written one after another into any buffer, the pixels are copied once."""
     head = pb.Pack(epoch=pack.epoch, step=pack.step, rank=pack.rank, microbatch=pack.microbatch,
                    microbatches=microbatches, empty=pack.empty, last_in_epoch=last_in_epoch,
                    sample_keys=pack.sample_keys, sample_sources=pack.sample_sources, loss_tokens=pack.loss_tokens,
@@ -82,7 +88,7 @@ def encode_pack(pack: Pack, microbatches: int, last_in_epoch: bool, alignment: i
         entry = _tensor_entry(name, array, offset, alignment)
         offset += sum(len(piece) for piece in entry)
         parts += entry
-    return b"".join(parts)
+    return parts
 
 
 def pack_parts(message: bytes, part_bytes: int):

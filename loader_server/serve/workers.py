@@ -10,8 +10,13 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import glob
+import mmap
 import multiprocessing
+import os
+import tempfile
 import time
+import uuid
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 
@@ -20,7 +25,9 @@ import numpy as np
 from packfeed.server.serve.packs import IndexRows, build_pack
 from packfeed.server.serve.preprocess import SampleReader
 from packfeed.server.serve.observe import log
-from packfeed.server.serve.wire import encode_pack
+from packfeed.server.serve.wire import pack_pieces
+
+SHARED_PREFIX = "packfeed-step-"  # + the server's pid + a random name: files of prepared steps in shared memory
 
 
 @dataclass(frozen=True)
@@ -46,18 +53,115 @@ class RankStepWork:
 
 @dataclass
 class RankStepResult:
-    messages: list[bytes]  # serialized Pack, one per microbatch
+    """A prepared rank-step. From a worker process the messages travel in a file in shared memory (`shared`,
+    their `lengths`), not through pickling: `attach()` maps the file and removes its name, and the messages are
+    then views of the mapping, unmapped when the last of them is dropped."""
+
+    messages: list  # serialized Pack, one per microbatch: bytes, or views of the attached mapping
     samples: int
     skipped: list[tuple[str, str]] = field(default_factory=list)
     seconds: float = 0.0
     by_dataset: dict[str, int] = field(default_factory=dict)  # samples delivered per dataset
+    shared: str | None = None  # the file holding the messages back to back, until attached
+    lengths: list[int] = field(default_factory=list)
 
     @property
     def nbytes(self) -> int:
-        return sum(len(m) for m in self.messages)
+        return sum(self.lengths) if self.lengths else sum(len(m) for m in self.messages)
+
+    def attach(self) -> "RankStepResult":
+        if self.shared is None:
+            return self
+        fd = os.open(self.shared, os.O_RDONLY)
+        try:
+            os.unlink(self.shared)
+            self.shared = None
+            total = sum(self.lengths)
+            view = memoryview(mmap.mmap(fd, total, prot=mmap.PROT_READ)) if total else memoryview(b"")
+        finally:
+            os.close(fd)
+        offsets = [0]
+        for length in self.lengths:
+            offsets.append(offsets[-1] + length)
+        self.messages = [view[a:b] for a, b in zip(offsets[:-1], offsets[1:])]
+        return self
+
+    def discard(self) -> None:
+        """Remove the file of a result nobody will attach (its step was abandoned)."""
+        if self.shared is not None:
+            try:
+                os.unlink(self.shared)
+            except FileNotFoundError:
+                pass
+            self.shared = None
+
+
+def abandon(future: asyncio.Future) -> None:
+    """Give up a step: cancel its preparation, or, if it is ready already, remove its shared file."""
+    if not future.cancel() and not future.cancelled() and future.exception() is None:
+        future.result().discard()
+
+
+def shared_directory() -> str:
+    """Where workers put prepared steps: /dev/shm (memory) when there is one, else the temporary directory."""
+    return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
+
+
+def _write_shared(directory: str, messages: list[list]) -> tuple[str, list[int]]:
+    """The messages' pieces written back to back into a new file named after the server process; its space is
+    reserved first, so a full /dev/shm is an OSError here (the caller sends the bytes instead), never a SIGBUS
+    on a write. A worker whose server is gone (it is then a child of init) writes nothing."""
+    server = os.getppid()
+    if server == 1:
+        raise OSError("the server process is gone")
+    path = os.path.join(directory, f"{SHARED_PREFIX}{server}-{uuid.uuid4().hex}")
+    lengths = [sum(len(piece) for piece in pieces) for pieces in messages]
+    total = sum(lengths)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        if total:
+            os.posix_fallocate(fd, 0, total)
+            with mmap.mmap(fd, total) as mapped:
+                position = 0
+                for pieces in messages:
+                    for piece in pieces:
+                        mapped[position:position + len(piece)] = piece
+                        position += len(piece)
+    except BaseException:
+        os.unlink(path)
+        raise
+    finally:
+        os.close(fd)
+    return path, lengths
+
+
+def remove_shared_files(directory: str, server_pid: int | None = None) -> None:
+    """Files workers wrote that nobody will attach: this server's (a worker killed mid-step, a stop), or with
+    `server_pid` None those of every server process that no longer runs (one killed before it could clean up)."""
+    for path in glob.glob(os.path.join(directory, f"{SHARED_PREFIX}*-*")):
+        owner = os.path.basename(path)[len(SHARED_PREFIX):].split("-", 1)[0]
+        if server_pid is not None and owner != str(server_pid):
+            continue
+        if server_pid is None and owner.isdigit() and _running(int(owner)):
+            continue
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's live process
+    return True
 
 
 _DATASETS: dict[str, tuple[IndexRows, SampleReader]] = {}
+_WARNED: list[bool] = []  # this worker said once that shared memory is full
 _SOURCES: dict[str, DatasetSource] = {}
 
 
@@ -73,19 +177,33 @@ def _dataset(name: str) -> tuple[IndexRows, SampleReader]:
     return _DATASETS[name]
 
 
-def build_rank_step(work: RankStepWork) -> RankStepResult:
-    """Runs in a worker process (or inline, for tests and embedded use)."""
+def build_rank_step(work: RankStepWork, shared_dir: str | None = None) -> RankStepResult:
+    """Runs in a worker process (messages in a shared-memory file under `shared_dir`), or inline for tests and
+    embedded use (`shared_dir` None: the messages as bytes)."""
     started = time.perf_counter()
     parts = [(*_dataset(name), label) for name, label in zip(work.datasets, work.labels)]
-    messages, skipped, samples, by_dataset = [], [], 0, collections.Counter()
+    pieces, skipped, samples, by_dataset = [], [], 0, collections.Counter()
     for microbatch, (members, truncate_to, sources) in enumerate(work.packs):
         pack = build_pack(parts, members, truncate_to, sources, work.epoch, work.step, work.rank, microbatch)
         pack.step_loss_tokens = work.step_loss_tokens
-        messages.append(encode_pack(pack, len(work.packs), work.last_in_epoch))
+        pieces.append(pack_pieces(pack, len(work.packs), work.last_in_epoch))
         skipped.extend(pack.skipped)
         samples += len(members)
         by_dataset.update(pack.sample_sources)
-    return RankStepResult(messages, samples, skipped, time.perf_counter() - started, dict(by_dataset))
+    result = RankStepResult([], samples, skipped, 0.0, dict(by_dataset))
+    if shared_dir is not None:
+        try:
+            result.shared, result.lengths = _write_shared(shared_dir, pieces)
+        except OSError as error:  # no room in shared memory: the bytes travel through the pipe instead
+            if not _WARNED:
+                _WARNED.append(True)
+                log.warning("prepared steps go through a pipe (more CPU per sample): no room in shared memory; "
+                            "give the server a larger /dev/shm (docker: shm_size)",
+                            extra={"directory": shared_dir, "error": str(error)})
+    if result.shared is None:
+        result.messages = [b"".join(message) for message in pieces]
+    result.seconds = time.perf_counter() - started
+    return result
 
 
 class WorkerPool:
@@ -95,6 +213,8 @@ class WorkerPool:
 
     def __init__(self, sources: dict[str, DatasetSource], workers: int):
         self.sources, self.workers = sources, workers
+        self.shared_dir = shared_directory()
+        remove_shared_files(self.shared_dir)  # left by servers that were killed
         self.executor = self._start()
         self.restarts = 0
 
@@ -107,10 +227,20 @@ class WorkerPool:
         return not getattr(self.executor, "_broken", False)
 
     def run(self, work: RankStepWork) -> asyncio.Future:
-        """build_rank_step(work) in a worker, as an asyncio future."""
+        """build_rank_step(work) in a worker, as an asyncio future, its result attached (messages readable).
+        Cancelling the future abandons the step: its shared file is removed whenever the worker finishes."""
         if not self.healthy:
             self.restart()
-        return asyncio.get_running_loop().run_in_executor(self.executor, build_rank_step, work)
+        running = self.executor.submit(build_rank_step, work, self.shared_dir)
+        future = asyncio.wrap_future(running)
+
+        def abandon(_) -> None:  # either may finish first: the worker, or the cancellation
+            if future.cancelled() and running.done() and not running.cancelled() and running.exception() is None:
+                running.result().discard()
+
+        running.add_done_callback(abandon)
+        future.add_done_callback(abandon)
+        return future
 
     def restart(self) -> None:
         """A new pool in place of a broken one (once: callers racing here find it healthy)."""
@@ -118,6 +248,7 @@ class WorkerPool:
             return
         broken, self.executor = self.executor, self._start()
         self.restarts += 1
+        remove_shared_files(self.shared_dir, os.getpid())  # what the dead worker left (steps in flight fail)
         log.warning("a pre-processing worker died (out of memory?): worker pool restarted",
                     extra={"restarts": self.restarts})
         broken.shutdown(wait=False, cancel_futures=True)
@@ -131,3 +262,4 @@ class WorkerPool:
             process.terminate()
         for process in processes:
             process.join(timeout=5)
+        remove_shared_files(self.shared_dir, os.getpid())
