@@ -1,0 +1,92 @@
+"""Candidates for a fast pixel path (issue [5/7], measure and choose): decode + InternVL tiling (the grid resize
+and the thumbnail) of the demo photographs per core, and each candidate's error against the exact path
+(PIL bicubic, bit-identical to the HF processors): mean absolute error in 1/255 units and PSNR.
+
+Candidates: PIL bicubic with `reducing_gap` (box-reduce by an integer factor first), JPEG DCT-domain
+downscaling (`draft`) before the exact resize, both, and OpenCV (`INTER_AREA`, `INTER_CUBIC`) when installed.
+
+Run: .venv/bin/python -m pytest -q -s tests/benchmarks/test_bench_resize.py -m benchmark
+"""
+
+from __future__ import annotations
+
+import io
+import tarfile
+import time
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from packfeed.server.index.image_policy import InternVLTiling
+from packfeed.server.index.pixels import to_rgb
+from packfeed.server.tools.demo import write_demo_dataset
+
+pytestmark = pytest.mark.benchmark
+POLICY = InternVLTiling()
+
+
+def targets(width: int, height: int) -> list[tuple[int, int]]:
+    cols, rows = POLICY.grid(width, height)
+    size = POLICY.image_size
+    return [(cols * size, rows * size)] + ([(size, size)] if cols * rows > 1 else [])
+
+
+def pil(data: bytes, reducing_gap: float | None = None, draft: bool = False) -> list[np.ndarray]:
+    with Image.open(io.BytesIO(data)) as image:
+        full = image.size
+        if draft and image.format == "JPEG":
+            smallest = min(t[0] / full[0] for t in targets(*full)), min(t[1] / full[1] for t in targets(*full))
+            image.draft("RGB", (int(full[0] * smallest[0] * 2), int(full[1] * smallest[1] * 2)))
+        image = to_rgb(image)
+        return [np.asarray(image.resize(t, Image.BICUBIC, reducing_gap=reducing_gap)) for t in targets(*full)]
+
+
+def opencv(data: bytes, interpolation: int) -> list[np.ndarray]:
+    import cv2
+
+    image = cv2.cvtColor(cv2.imdecode(np.frombuffer(data, np.uint8), cv2.IMREAD_COLOR), cv2.COLOR_BGR2RGB)
+    height, width = image.shape[:2]
+    return [cv2.resize(image, t, interpolation=interpolation) for t in targets(width, height)]
+
+
+def error(candidate: list[np.ndarray], exact: list[np.ndarray]) -> tuple[float, float]:
+    diff = np.concatenate([(c.astype(np.int16) - e.astype(np.int16)).ravel() for c, e in zip(candidate, exact)])
+    mse = float(np.mean(diff.astype(np.float64) ** 2))
+    return float(np.mean(np.abs(diff))), (10 * np.log10(255 ** 2 / mse) if mse else float("inf"))
+
+
+def test_fast_resize_candidates(tmp_path):
+    demo = write_demo_dataset(tmp_path / "demo", samples=160, shards=2, seed=5, bad_samples=False)
+    images = []
+    for shard in demo.shards:
+        with tarfile.open(shard) as tar:
+            images += [tar.extractfile(m).read() for m in tar if m.name.rsplit(".", 1)[-1] in ("jpg", "png")]
+    exact = [pil(data) for data in images]
+    candidates = {"PIL bicubic (exact)": pil, "PIL bicubic, reducing_gap 3": lambda d: pil(d, 3.0),
+                  "JPEG draft + PIL bicubic": lambda d: pil(d, draft=True),
+                  "JPEG draft + PIL reducing_gap 3": lambda d: pil(d, 3.0, draft=True)}
+    try:
+        import cv2
+
+        cv2.setNumThreads(1)  # per core, like one worker
+        candidates["OpenCV INTER_AREA"] = lambda d: opencv(d, cv2.INTER_AREA)
+        candidates["OpenCV INTER_CUBIC"] = lambda d: opencv(d, cv2.INTER_CUBIC)
+    except ImportError:
+        pass
+    print(f"\n[resize] {len(images)} demo images (JPEG and PNG, 160-1600 px), InternVL 448 px tiling, one core")
+    timings: dict[str, float] = {}
+    for _ in range(2):  # interleaved rounds, best kept
+        for name, fn in candidates.items():
+            started = time.process_time()
+            for data in images:
+                fn(data)
+            timings[name] = min(timings.get(name, float("inf")), time.process_time() - started)
+    for name, fn in candidates.items():
+        errors = [error(fn(data), e) for data, e in zip(images, exact)]
+        mae = float(np.mean([e[0] for e in errors]))
+        psnr = float(np.min([e[1] for e in errors]))
+        print(f"[resize] {name}: {timings[name] / len(images) * 1e3:.1f} ms per image "
+              f"({timings['PIL bicubic (exact)'] / timings[name]:.2f}x the exact path); mean abs error "
+              f"{mae:.3f}/255, worst-image PSNR {psnr:.1f} dB")
+    assert error(pil(images[0]), exact[0])[0] == 0
