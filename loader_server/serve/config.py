@@ -26,8 +26,10 @@
         index: /data/demo/index.parquet
         tokenizer: /data/demo/tokenizer.json   # default: the path recorded in the index
         shard_root: /data/demo/shards          # default: the shard paths recorded in the index
+        pixels: exact                          # exact (as the HF processors) or fast (OpenCV, bounded error)
       sft-mix:
         mixture: /data/sft-mix.yaml            # a mixture of indexes, served under this name
+        pixels: fast
 
 Environment: PACKFEED_LISTEN, PACKFEED_METRICS_PORT, PACKFEED_WORKERS, PACKFEED_PREFETCH_STEPS,
 PACKFEED_MEMORY_BUDGET_MB, PACKFEED_MAX_MESSAGE_MB, PACKFEED_PACK_PART_KB, PACKFEED_AUTH_TOKEN, PACKFEED_REDIS_URL,
@@ -57,6 +59,7 @@ class MixtureSource:
     """A dataset that is a mixture of indexes (`packfeed.server.plan.mixture`), served under one name."""
 
     mixture: str
+    pixels: str = "exact"
 
 ENV_PREFIX = "PACKFEED_"
 
@@ -146,12 +149,31 @@ def port_candidates(spec: int | str) -> list[int]:
     return ports
 
 
-def dataset_source(index: str, tokenizer: str | None = None, shard_root: str | None = None) -> DatasetSource:
+def dataset_source(index: str, tokenizer: str | None = None, shard_root: str | None = None,
+                   pixels: str = "exact") -> DatasetSource:
     """A dataset entry; the tokenizer defaults to the one the index was built with."""
+    check_pixels(pixels)
     if tokenizer is None:
         recorded = (read_index_info(index).tokenizer or {}) if Path(index).exists() else {}
         tokenizer = recorded.get("path", "")
-    return DatasetSource(str(index), str(tokenizer), str(shard_root) if shard_root else None)
+    return DatasetSource(str(index), str(tokenizer), str(shard_root) if shard_root else None, pixels)
+
+
+def mixture_source(mixture: str, pixels: str = "exact") -> MixtureSource:
+    check_pixels(pixels)
+    return MixtureSource(str(mixture), pixels)
+
+
+def check_pixels(pixels: str) -> None:
+    from packfeed.server.serve.preprocess import PIXEL_MODES
+
+    if pixels not in PIXEL_MODES:
+        raise ValueError(f"pixels: {pixels!r} is not one of {', '.join(PIXEL_MODES)}")
+    if pixels == "fast":
+        try:
+            import cv2  # noqa: F401
+        except ImportError:
+            raise ValueError("pixels: fast resizes with OpenCV: pip install 'packfeed[fast]'") from None
 
 
 def load_config(path: str | Path | None = None, environ: dict[str, str] | None = None, **flags) -> ServerConfig:
@@ -159,7 +181,7 @@ def load_config(path: str | Path | None = None, environ: dict[str, str] | None =
     environ = os.environ if environ is None else environ
     raw = yaml.safe_load(Path(path).read_text()) if path else {}
     raw = dict(raw or {})
-    datasets = {name: MixtureSource(str(entry["mixture"])) if "mixture" in entry else dataset_source(**entry)
+    datasets = {name: mixture_source(**entry) if "mixture" in entry else dataset_source(**entry)
                 for name, entry in (raw.pop("datasets", None) or {}).items()}
     known = {f.name: f for f in dataclasses.fields(ServerConfig) if f.name != "datasets"}
     unknown = set(raw) - set(known)

@@ -24,7 +24,7 @@ class MixtureDataset(Dataset):
         self.conventions = parts[0].conventions  # the mixture checked that they agree
 
     @classmethod
-    def open(cls, name: str, path: str | Path) -> MixtureDataset:
+    def open(cls, name: str, path: str | Path, pixels: str = "exact") -> MixtureDataset:
         """Each dataset opened as the workers will name it (`MIXTURE/DATASET`, read with the tokenizer its index
         records); the mixture planned on the loads they read."""
         from packfeed.server.serve.config import dataset_source
@@ -32,7 +32,7 @@ class MixtureDataset(Dataset):
         mixture = Mixture.load(path)
         parts = []
         for entry in mixture.datasets:
-            part = Dataset.open(f"{name}/{entry.name}", dataset_source(entry.index))
+            part = Dataset.open(f"{name}/{entry.name}", dataset_source(entry.index, pixels=pixels))
             part.label = entry.name
             parts.append(part)
         return cls(name, MixtureLoads(mixture, [(part.loads, part.info) for part in parts]), parts)

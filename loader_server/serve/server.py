@@ -35,7 +35,7 @@ async def announce(coordinator: Coordinator, address: str, ttl_s: float) -> None
 
 def open_dataset(name: str, source: DatasetSource | MixtureSource) -> Dataset:
     if isinstance(source, MixtureSource):
-        return MixtureDataset.open(name, source.mixture)
+        return MixtureDataset.open(name, source.mixture, source.pixels)
     return Dataset.open(name, source)
 
 

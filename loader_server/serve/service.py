@@ -167,7 +167,8 @@ class PackfeedService:
                           seed=job.spec.seed, epochs=job.spec.epochs, steps_per_epoch=plan.n_steps,
                           plan_fingerprint=plan.fingerprint(), index_fingerprint=job.dataset.fingerprint,
                           skipped_count=job.skipped_count, vision_cap=job.caps.vision_cap if job.caps else 0,
-                          token_cap=job.caps.token_cap if job.caps else 0, conventions=job.dataset.conventions)
+                          token_cap=job.caps.token_cap if job.caps else 0, conventions=job.dataset.conventions,
+                          pixels=job.dataset.parts[0].source.pixels)
         for rank, state in enumerate(job.ranks):
             info.ranks.add(rank=rank, acked_epoch=state.acked[0], acked_step=state.acked[1], queued_steps=state.queued,
                            streamed_epoch=state.streamed[0], streamed_step=state.streamed[1])

@@ -37,6 +37,7 @@ class DatasetSource:
     index: str
     tokenizer: str
     shard_root: str | None = None
+    pixels: str = "exact"  # how images become tiles (packfeed.server.serve.preprocess.PIXEL_MODES)
 
 
 @dataclass
@@ -173,7 +174,8 @@ def _dataset(name: str) -> tuple[IndexRows, SampleReader]:
     if name not in _DATASETS:  # opened lazily: a worker pays only for the datasets it serves
         source = _SOURCES[name]
         rows = IndexRows(source.index)
-        _DATASETS[name] = rows, SampleReader(rows.info, source.tokenizer, source.shard_root)
+        _DATASETS[name] = rows, SampleReader(rows.info, source.tokenizer, source.shard_root,
+                                             source.pixels)
     return _DATASETS[name]
 
 
