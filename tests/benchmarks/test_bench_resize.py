@@ -90,3 +90,63 @@ def test_fast_resize_candidates(tmp_path):
               f"({timings['PIL bicubic (exact)'] / timings[name]:.2f}x the exact path); mean abs error "
               f"{mae:.3f}/255, worst-image PSNR {psnr:.1f} dB")
     assert error(pil(images[0]), exact[0])[0] == 0
+
+
+def document_scan(seed: int, size: tuple[int, int] = (1700, 2200)) -> bytes:
+    """A page of text at scanning resolution (a 1700 x 2200 letter page at 200 dpi), as a JPEG."""
+    from PIL import ImageDraw, ImageFont
+
+    rng = np.random.default_rng(seed)
+    page = Image.new("RGB", size, (250, 250, 246))
+    draw = ImageDraw.Draw(page)
+    font = ImageFont.load_default(size=28)
+    words = ["packing", "balanced", "vision", "language", "model", "training", "pipeline", "tokens", "tiles"]
+    y = 120
+    while y < size[1] - 150:
+        line = " ".join(rng.choice(words, size=int(rng.integers(6, 11))))
+        draw.text((130, y), line, fill=(20, 20, 20), font=font)
+        y += 44
+    buffer = io.BytesIO()
+    page.save(buffer, format="JPEG", quality=90)
+    return buffer.getvalue()
+
+
+def test_document_scans_exact_and_fast(tmp_path):
+    """Large pages shrink (InternVL picks a 3 x 4 grid of 448 px tiles for 1700 x 2200, plus a thumbnail; the
+    fixed 336 px policy shrinks 5-6x): the exact path against Packfeed's fast path (OpenCV) and against JPEG
+    draft before the exact resize, per core, with each one's error."""
+    from packfeed.server.index.image_policy import policy_from_dict
+    from packfeed.server.serve.preprocess import image_tiles
+
+    pytest.importorskip("cv2")
+    pages = [document_scan(seed) for seed in range(12)]
+    print(f"\n[scans] {len(pages)} pages 1700x2200 JPEG, {sum(map(len, pages)) / len(pages) / 1024:.0f} KiB each")
+    for policy in (policy_from_dict({"name": "internvl"}), policy_from_dict({"name": "fixed", "resize": "crop"})):
+        def tiles(data: bytes, pixels: str, draft: bool = False) -> list[np.ndarray]:
+            with Image.open(io.BytesIO(data)) as image:
+                if draft:
+                    image.draft("RGB", (image.width // 2, image.height // 2))
+                image.load()
+                return image_tiles(image, policy, 1, pixels)
+
+        modes = {"exact": lambda d: tiles(d, "exact"), "fast": lambda d: tiles(d, "fast"),
+                 "draft 1/2 + exact": lambda d: tiles(d, "exact", draft=True)}
+        exact = [modes["exact"](data) for data in pages]
+        timings: dict[str, float] = {}
+        for _ in range(2):
+            for name, fn in modes.items():
+                started = time.process_time()
+                for data in pages:
+                    fn(data)
+                timings[name] = min(timings.get(name, float("inf")), time.process_time() - started)
+        for name, fn in modes.items():
+            results = [fn(data) for data in pages]
+            if any([t.shape for t in r] != [t.shape for t in e] for r, e in zip(results, exact)):
+                print(f"[scans] {policy.name}: {name}: other tile shapes (draft changes the size the grid is chosen "
+                      f"from)")
+                continue
+            errors = [error([t.transpose(1, 2, 0) for t in r], [t.transpose(1, 2, 0) for t in e])
+                      for r, e in zip(results, exact)]
+            print(f"[scans] {policy.name}: {name}: {timings[name] / len(pages) * 1e3:.1f} ms per page "
+                  f"({timings['exact'] / timings[name]:.2f}x exact); mean abs error "
+                  f"{np.mean([e[0] for e in errors]):.3f}/255, worst PSNR {min(e[1] for e in errors):.1f} dB")
