@@ -274,3 +274,11 @@ def test_converted_images_keep_their_format(tmp_path):
     packfeed("convert", "llava", tmp_path / "a.json", "--out", tmp_path / "o", "--quiet")
     assert set(shard_samples(tmp_path / "o")["w"]) == {"json", "webp"}
     assert os.path.getsize(tmp_path / "o" / "shard-000000.tar") > 0
+
+
+def test_the_cli_offers_every_source_format():
+    """The parser lists formats without importing the converters; the two lists stay in step."""
+    from packfeed.server.convert.command import FORMATS as OFFERED
+    from packfeed.server.convert.sources import FORMATS
+
+    assert set(OFFERED) == set(FORMATS) | {"internvl-meta"}

@@ -19,10 +19,11 @@ from typing import Any
 
 import torch
 
+from packfeed.client.hf import FAMILIES
+
 DEFAULT_TEXT = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
                 "num_key_value_heads": 2, "bos_token_id": None, "eos_token_id": None, "pad_token_id": None}
 DEFAULT_VISION = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2}
-HF_FAMILIES = ("internvl", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava")
 
 
 def _merge(base: dict[str, Any], override: dict[str, Any] | None) -> dict[str, Any]:
@@ -52,7 +53,7 @@ def hf_config(family: str, conventions: Any, sizes: dict[str, Any] | None = None
         return tf.LlavaConfig(vision_config=vision_config, text_config={"model_type": "llama", **text_config},
                               image_token_id=image_token, image_seq_length=policy.tokens_per_tile, **sizes)
     if family not in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl"):
-        raise ValueError(f"unknown Hugging Face family {family!r}; choose one of {', '.join(HF_FAMILIES)}")
+        raise ValueError(f"unknown Hugging Face family {family!r}; choose one of {', '.join(FAMILIES)}")
     patch, merge = policy.patch_size, parameters.get("factor", 28) // policy.patch_size
     head_dim = text_config["hidden_size"] // text_config["num_attention_heads"]
     quarter = head_dim // 2 // 4  # M-RoPE sections (temporal, height, width) over half the head dimension
@@ -91,14 +92,3 @@ def build_hf_model(family: str, conventions: Any, sizes: dict[str, Any] | None =
     config = hf_config(family, conventions, sizes)
     torch.manual_seed(seed)
     return classes[family]._from_config(config, attn_implementation=attention)
-
-
-def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The LLM's and the vision tower's repeated blocks: the units FSDP shards one at a time."""
-    blocks = []
-    for module in model.modules():
-        if isinstance(module, torch.nn.ModuleList) and len(module) and \
-                all(type(child) is type(module[0]) for child in module) and \
-                any(p.requires_grad for p in module[0].parameters()):
-            blocks.extend(module)
-    return blocks

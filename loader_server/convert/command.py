@@ -7,11 +7,9 @@ import dataclasses
 import json
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:  # the parser imports this module: the converters (PIL, webdataset, torch) load only in run()
+if TYPE_CHECKING:  # the parser imports this module: the converters (PIL, pyarrow, tokenizers) load only in run()
     from packfeed.server.convert.convert import ConvertReport
     from packfeed.server.convert.internvl_meta import MetaDataset
     from packfeed.server.index.indexer import IndexConfig
@@ -48,8 +46,7 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], bool]:
             return index_converted(report.out, report, per_dataset, args.workers, not args.quiet)
 
         summary = convert_meta(args.source, args.out, shared, index if config else None, base=args.image_root)
-        skipped = any(d["rejected"] or (d.get("index") or {}).get("invalid") or (d.get("index") or {}).get("shard_errors")
-                      for d in summary["datasets"].values())
+        skipped = any(d["rejected"] or _index_skipped(d.get("index")) for d in summary["datasets"].values())
         return summary, skipped
     report = convert(ConvertOptions(args.format, args.source, args.out, args.image_root,
                                     conversation_column=args.conversation_column, **shared))
@@ -60,11 +57,16 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], bool]:
                "report": str(Path(report.out) / "convert-report.json"),
                "samples_per_second": report.samples_per_second,
                "samples_per_second_per_core": report.samples_per_second_per_core, "index": report.index}
-    skipped = bool(report.rejected or (report.index and (report.index["invalid"] or report.index["shard_errors"])))
+    skipped = bool(report.rejected or _index_skipped(report.index))
     if report.rejected:
         print(f"note: {report.rejected} rows rejected; every one is listed with its reason in {summary['report']}",
               file=sys.stderr)
     return summary, skipped
+
+
+def _index_skipped(summary: dict[str, Any] | None) -> bool:
+    """Whether indexing (its `packfeed index` summary, if it ran) left samples or shards out."""
+    return bool(summary and (summary["invalid"] or summary["shard_errors"]))
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -97,7 +97,7 @@ def add_convention_options(parser: argparse.ArgumentParser) -> None:
                             "them beside the index (and record it) instead of refusing")
 
 
-def conventions_of(args: argparse.Namespace, **policy_overrides: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+def conventions_of(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]]:
     """(image policy dict, chat template dict) as the index records them: the preset, then the file's sections,
     then single flags."""
     preset = MODEL_PRESETS[args.preset] if getattr(args, "preset", None) else {}
@@ -120,7 +120,6 @@ def conventions_of(args: argparse.Namespace, **policy_overrides: Any) -> tuple[d
             raise ValueError(f"--{option.replace('_', '-')} does not apply to image policy {name}; its options are "
                              + ", ".join("--" + o.replace("_", "-") for o in flags.values()))
         policy[field_name] = list(value) if isinstance(value, tuple) else value
-    policy.update(policy_overrides)
     POLICIES[name](**{k: v for k, v in policy.items() if k != "name"})  # fail early on a bad field or value
 
     template = _layered(preset.get("chat_template"), sections.get("chat_template"))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import hashlib
 import io
 import os
@@ -55,11 +56,12 @@ class IndexConfig:
             raise FileNotFoundError(f"tokenizer {self.tokenizer!r} not found: pass a HF tokenizer.json with --tokenizer")
         policy_from_dict(self.image_policy)  # fail early on a bad policy
 
-    @property
+    # Built once per config, not once per sample (costing reads both for every row).
+    @functools.cached_property
     def policy(self) -> ImagePolicy:
         return policy_from_dict(self.image_policy)
 
-    @property
+    @functools.cached_property
     def template(self) -> ChatTemplate:
         return ChatTemplate.from_dict(self.chat_template)
 
@@ -71,12 +73,12 @@ class IndexConfig:
                 "tokenizer": self.tokenizer_digest(), "verify_images": self.verify_images}
 
     @classmethod
-    def from_args(cls, args: argparse.Namespace, **policy_overrides: Any) -> "IndexConfig":
+    def from_args(cls, args: argparse.Namespace) -> "IndexConfig":
         from packfeed.server.index.conventions import conventions_of
 
         if not args.tokenizer:
             raise ValueError("indexing shards needs --tokenizer TOKENIZER.json (the tokenizer the trainer uses)")
-        policy, template = conventions_of(args, **policy_overrides)
+        policy, template = conventions_of(args)
         return cls(args.tokenizer, policy, template, args.verify_images, args.extend_tokenizer)
 
     def with_tokenizer_for(self, out: str | Path) -> tuple["IndexConfig", dict[str, Any]]:

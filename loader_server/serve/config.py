@@ -51,6 +51,7 @@ from pathlib import Path
 import yaml
 
 from packfeed.server.index.table import read_index_info
+from packfeed.server.serve.preprocess import check_pixels
 from packfeed.server.serve.workers import DatasetSource
 
 
@@ -162,18 +163,6 @@ def dataset_source(index: str, tokenizer: str | None = None, shard_root: str | N
 def mixture_source(mixture: str, pixels: str = "exact") -> MixtureSource:
     check_pixels(pixels)
     return MixtureSource(str(mixture), pixels)
-
-
-def check_pixels(pixels: str) -> None:
-    from packfeed.server.serve.preprocess import PIXEL_MODES
-
-    if pixels not in PIXEL_MODES:
-        raise ValueError(f"pixels: {pixels!r} is not one of {', '.join(PIXEL_MODES)}")
-    if pixels == "fast":
-        try:
-            import cv2  # noqa: F401
-        except ImportError:
-            raise ValueError("pixels: fast resizes with OpenCV: pip install 'packfeed[fast]'") from None
 
 
 def load_config(path: str | Path | None = None, environ: dict[str, str] | None = None, **flags) -> ServerConfig:

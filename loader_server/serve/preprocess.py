@@ -49,6 +49,17 @@ class SampleTensors:
 PIXEL_MODES = ("exact", "fast")
 
 
+def check_pixels(pixels: str) -> None:
+    """A clear error for an unknown mode, or for `fast` without OpenCV installed (at start, not per image)."""
+    if pixels not in PIXEL_MODES:
+        raise ValueError(f"pixels: {pixels!r} is not one of {', '.join(PIXEL_MODES)}")
+    if pixels == "fast":
+        try:
+            import cv2  # noqa: F401
+        except ImportError:
+            raise ValueError("pixels: fast resizes with OpenCV: pip install 'packfeed[fast]'") from None
+
+
 def _resizer(image: Image.Image, pixels: str):
     """resize((width, height)) -> uint8 (H, W, 3) of one decoded RGB image, by the mode's method."""
     if pixels == "exact":
@@ -95,10 +106,7 @@ class SampleReader:
 
     def __init__(self, info: IndexInfo, tokenizer_path: str | Path, shard_root: str | Path | None = None,
                  pixels: str = "exact"):
-        if pixels not in PIXEL_MODES:
-            raise ValueError(f"pixels: {pixels!r} is not one of {', '.join(PIXEL_MODES)}")
-        if pixels == "fast":
-            import cv2  # noqa: F401  fail at start, not at the first image
+        check_pixels(pixels)
         self.pixels = pixels
         if not info.has_shards:
             raise ValueError("this index was imported from length files; it has no shards to serve from")

@@ -50,6 +50,18 @@ def opencv(data: bytes, interpolation: int) -> list[np.ndarray]:
     return [cv2.resize(image, t, interpolation=interpolation) for t in targets(width, height)]
 
 
+def best_cpu_seconds(candidates: dict, inputs: list[bytes], rounds: int = 2) -> dict[str, float]:
+    """Each candidate's CPU seconds over all inputs, best of interleaved rounds (the machine is noisy)."""
+    timings: dict[str, float] = {}
+    for _ in range(rounds):
+        for name, fn in candidates.items():
+            started = time.process_time()
+            for data in inputs:
+                fn(data)
+            timings[name] = min(timings.get(name, float("inf")), time.process_time() - started)
+    return timings
+
+
 def error(candidate: list[np.ndarray], exact: list[np.ndarray]) -> tuple[float, float]:
     diff = np.concatenate([(c.astype(np.int16) - e.astype(np.int16)).ravel() for c, e in zip(candidate, exact)])
     mse = float(np.mean(diff.astype(np.float64) ** 2))
@@ -75,13 +87,7 @@ def test_fast_resize_candidates(tmp_path):
     except ImportError:
         pass
     print(f"\n[resize] {len(images)} demo images (JPEG and PNG, 160-1600 px), InternVL 448 px tiling, one core")
-    timings: dict[str, float] = {}
-    for _ in range(2):  # interleaved rounds, best kept
-        for name, fn in candidates.items():
-            started = time.process_time()
-            for data in images:
-                fn(data)
-            timings[name] = min(timings.get(name, float("inf")), time.process_time() - started)
+    timings = best_cpu_seconds(candidates, images)
     for name, fn in candidates.items():
         errors = [error(fn(data), e) for data, e in zip(images, exact)]
         mae = float(np.mean([e[0] for e in errors]))
@@ -132,13 +138,7 @@ def test_document_scans_exact_and_fast(tmp_path):
         modes = {"exact": lambda d: tiles(d, "exact"), "fast": lambda d: tiles(d, "fast"),
                  "draft 1/2 + exact": lambda d: tiles(d, "exact", draft=True)}
         exact = [modes["exact"](data) for data in pages]
-        timings: dict[str, float] = {}
-        for _ in range(2):
-            for name, fn in modes.items():
-                started = time.process_time()
-                for data in pages:
-                    fn(data)
-                timings[name] = min(timings.get(name, float("inf")), time.process_time() - started)
+        timings = best_cpu_seconds(modes, pages)
         for name, fn in modes.items():
             results = [fn(data) for data in pages]
             if any([t.shape for t in r] != [t.shape for t in e] for r, e in zip(results, exact)):
