@@ -16,7 +16,7 @@ from packfeed.server.index.image_policy import policy_from_dict
 from packfeed.server.serve.preprocess import image_tiles
 
 # The presets' resolutions; much smaller tiles (e.g. 112 px) shrink photographs more than the bound holds for
-# (BENCHMARKS.md: mean abs error 1.06-1.30/255 there).
+# (BENCHMARKS.md: mean abs error 1.013/255 there).
 POLICIES = [{"name": "internvl"}, {"name": "qwen2vl"}, {"name": "qwen2vl", "factor": 32, "patch_size": 16},
             {"name": "fixed"}, {"name": "fixed", "resize": "crop"}]
 

@@ -150,3 +150,31 @@ def test_document_scans_exact_and_fast(tmp_path):
             print(f"[scans] {policy.name}: {name}: {timings[name] / len(pages) * 1e3:.1f} ms per page "
                   f"({timings['exact'] / timings[name]:.2f}x exact); mean abs error "
                   f"{np.mean([e[0] for e in errors]):.3f}/255, worst PSNR {min(e[1] for e in errors):.1f} dB")
+
+
+def test_fast_path_error_per_policy(tmp_path):
+    """`pixels: fast` against `exact` on the demo photographs, per image policy: mean and worst-image error."""
+    from packfeed.server.index.image_policy import policy_from_dict
+    from packfeed.server.serve.preprocess import image_tiles
+
+    pytest.importorskip("cv2")
+    demo = write_demo_dataset(tmp_path / "demo", samples=160, shards=2, seed=5, bad_samples=False)
+    images = []
+    for shard in demo.shards:
+        with tarfile.open(shard) as tar:
+            for member in tar:
+                if member.name.rsplit(".", 1)[-1] in ("jpg", "png"):
+                    image = Image.open(io.BytesIO(tar.extractfile(member).read()))
+                    image.load()
+                    images.append(image)
+    print(f"\n[fast error] {len(images)} demo photographs")
+    for raw in ({"name": "internvl"}, {"name": "qwen2vl"}, {"name": "qwen2vl", "factor": 32, "patch_size": 16},
+                {"name": "fixed"}, {"name": "fixed", "resize": "crop"},
+                {"name": "internvl", "image_size": 112, "max_num": 4, "tokens_per_tile": 16}):
+        policy = policy_from_dict(raw)
+        errors = [error([t.transpose(1, 2, 0) for t in image_tiles(image, policy, 1, "fast")],
+                        [t.transpose(1, 2, 0) for t in image_tiles(image, policy, 1, "exact")]) for image in images]
+        maes, psnrs = [e[0] for e in errors], [min(e[1], 99.0) for e in errors]
+        print(f"[fast error] {raw}: mean abs error {np.mean(maes):.3f}/255 (worst image {max(maes):.3f}), "
+              f"mean PSNR {np.mean(psnrs):.1f} dB (worst image {min(psnrs):.1f})")
+        assert max(maes) > 0
