@@ -41,9 +41,8 @@ from typing import Any, Literal
 
 import torch
 
-from packfeed.client.tensors import PackTensors
+from packfeed.client.tensors import IGNORE_INDEX, PackTensors
 
-IGNORE_INDEX = -100
 IMAGENET = ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))
 CLIP = ((0.48145466, 0.4578275, 0.40821073), (0.26862954, 0.26130258, 0.27577711))
 HALF = ((0.5, 0.5, 0.5), (0.5, 0.5, 0.5))

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import grpc
 
 from packfeed.client.channel import RETRYABLE, PackfeedError, ServerChannel
+from packfeed.client.decode import PackDecoder
 from packfeed.client.tensors import PackTensors, Step, pack_of
 from packfeed.client.wire import PackAssembler
 from packfeed.v1 import packfeed_pb2 as pb
@@ -36,8 +37,9 @@ class _Retry(Exception):
 
 class Receiver:
     def __init__(self, channel: ServerChannel, job: str, rank: int, info: pb.JobInfo, start: tuple[int, int],
-                 prefetch: int, pin_memory: bool, reopen: Callable[[], None]):
+                 prefetch: int, pin_memory: bool, reopen: Callable[[], None], decoder: PackDecoder | None = None):
         self.channel, self.job, self.rank = channel, job, rank
+        self.decoder = decoder  # pixels: encoded: images become tiles here, while the trainer computes
         self.epochs, self.plan_fingerprint = info.epochs, info.plan_fingerprint
         self.pin_memory, self.reopen = pin_memory, reopen
         self.ready: queue.Queue = queue.Queue(maxsize=prefetch)
@@ -114,7 +116,10 @@ class Receiver:
             if len(packs) < packs[-1].microbatches:
                 continue
             pack = packs[-1]
-            received = Received(Step(pack.epoch, pack.step, pack.rank, packs, pack.last_in_epoch), self._following(pack))
+            step = Step(pack.epoch, pack.step, pack.rank, packs, pack.last_in_epoch)
+            if self.decoder is not None:
+                step.client_skipped = [skip for each in packs for skip in self.decoder.decode(each)]
+            received = Received(step, self._following(pack))
             packs, self.failures = [], 0
             if not self._put(received):
                 return True

@@ -30,6 +30,7 @@ from typing import Any
 import grpc
 
 from packfeed.client.channel import Connection, PackfeedError, ServerChannel
+from packfeed.client.decode import DecodeOptions, PackDecoder
 from packfeed.client.receiver import Receiver
 from packfeed.client.tensors import Step
 from packfeed.v1 import packfeed_pb2 as pb
@@ -71,7 +72,7 @@ class PackStream:
     def __init__(self, target: str | list[str] | None = None, *, job: str, rank: int, plan: PlanConfig | None = None,
                  seed: int = 0, epochs: int = 1, dataset: str = "", connection: Connection | None = None,
                  prefetch: int = 2, pin_memory: bool = False, acknowledge: bool = True, index: str | None = None,
-                 **flat: Any):
+                 decode: DecodeOptions | None = None, **flat: Any):
         if (target is None) == (index is None):
             raise ValueError("give a server target ('host:port', or several for failover) or an index for an "
                              "embedded server, not both")
@@ -91,8 +92,9 @@ class PackStream:
         if not 0 <= rank < self.info.plan.dp:
             raise PackfeedError(f"rank {rank} is outside the job's {self.info.plan.dp} ranks")
         self.microbatches = self.info.plan.microbatches
+        self.decoder = PackDecoder(decode, pin_memory) if self.info.pixels == "encoded" else None
         self._next: tuple[int, int] | None = (0, 0)  # the next step the trainer will get
-        self._consumed: tuple[int, int] | None = None
+        self._consumed: tuple[int, int, list] | None = None  # (epoch, step, client skips): not the tensors
         self._acks = ThreadPoolExecutor(max_workers=1, thread_name_prefix="packfeed-ack")
         self._receiver: Receiver | None = None
         self.wait_seconds = 0.0  # time the trainer spent blocked in next()
@@ -140,7 +142,7 @@ class PackStream:
             raise StopIteration
         if self._receiver is None:
             self._receiver = Receiver(self.channel, self.job, self.rank, self.info, self._next, self.prefetch,
-                                      self.pin_memory, self.reopen)
+                                      self.pin_memory, self.reopen, self.decoder)
         started = time.perf_counter()
         item = self._receiver.get()
         self.wait_seconds += time.perf_counter() - started
@@ -150,13 +152,16 @@ class PackStream:
         if item is None:
             self._next = None
             raise StopIteration
-        self._consumed = (item.step.epoch, item.step.step)
+        self._consumed = (item.step.epoch, item.step.step, item.step.client_skipped)
         self._next = item.following
         return item.step
 
-    def _ack(self, epoch: int, step: int) -> None:
+    def _ack(self, epoch: int, step: int, skipped: list[tuple[str, str]]) -> None:
+        """Acknowledge a consumed step, with the samples this client left out of it (the server records them)."""
         if self.acknowledge:
-            request = pb.AckStepRequest(job=self.job, rank=self.rank, epoch=epoch, step=step)
+            request = pb.AckStepRequest(job=self.job, rank=self.rank, epoch=epoch, step=step,
+                                        skipped=[pb.SkippedSample(key=key, reason=reason, epoch=epoch, step=step)
+                                                 for key, reason in skipped])
             self._acks.submit(self.channel.send, "AckStep", request)
 
     def reopen(self) -> None:
@@ -180,6 +185,8 @@ class PackStream:
             self._ack(*self._consumed)
             self._consumed = None
         self._stop_receiver()
+        if self.decoder is not None:
+            self.decoder.close()
         self._acks.shutdown(wait=True)
         self.channel.close()
         if self._local is not None:

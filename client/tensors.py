@@ -11,6 +11,8 @@ import torch
 
 from packfeed.client.wire import array_of, split_pack
 
+IGNORE_INDEX = -100  # labels of tokens outside the loss
+
 
 @dataclass
 class PackTensors:
@@ -55,6 +57,7 @@ class Step:
     rank: int
     packs: list[PackTensors]
     last_in_epoch: bool = False
+    client_skipped: list[tuple[str, str]] = field(default_factory=list)  # samples left out here (encoded images)
 
     @property
     def sample_keys(self) -> list[str]:

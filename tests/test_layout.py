@@ -34,3 +34,13 @@ def test_every_package_is_on_the_map_under_its_import_name():
     for folder, name in rows.items():
         assert (REPO / folder).is_dir(), f"README's Layout lists {folder}/, which does not exist"
         assert name == import_name(folder), folder
+
+
+def test_every_package_is_installed():
+    """pyproject's package list names every package: a wheel (the Docker image) would leave out one it missed."""
+    import tomllib
+
+    listed = set(tomllib.loads(REPO.joinpath("pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    packages = {import_name(str(init.parent.relative_to(REPO))) for root in IMPORT_ROOTS if (REPO / root).is_dir()
+                for init in (REPO / root).rglob("__init__.py")} | {"packfeed.v1"}
+    assert packages - listed == set()

@@ -83,6 +83,6 @@ def test_unknown_pixel_modes_are_refused(tmp_path, small_tile_index):
     from packfeed.server.serve.config import load_config
 
     config = tmp_path / "server.yaml"
-    config.write_text(yaml.safe_dump({"datasets": {"d": {"index": str(small_tile_index), "pixels": "encoded"}}}))
-    with pytest.raises(ValueError, match="pixels: 'encoded' is not one of exact, fast"):
+    config.write_text(yaml.safe_dump({"datasets": {"d": {"index": str(small_tile_index), "pixels": "lossy"}}}))
+    with pytest.raises(ValueError, match="pixels: 'lossy' is not one of exact, fast, encoded"):
         load_config(config, environ={})

@@ -10,6 +10,8 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any, Protocol
 
+from packfeed.v1.pixels import Geometry
+
 
 @dataclass(frozen=True)
 class ImageCost:
@@ -39,6 +41,9 @@ class ImagePolicy(Protocol):
         """ViT patches per vision unit (the unit vision caps count)."""
 
     def cost(self, width: int, height: int, n_images: int) -> ImageCost: ...
+
+    def geometry(self, width: int, height: int, n_images: int) -> Geometry:
+        """How the server (or, for encoded images, the client) cuts an image of this upright size into tiles."""
 
     def to_dict(self) -> dict[str, Any]: ...
 
@@ -128,6 +133,12 @@ class InternVLTiling(_SquareTiles):
         tiles = cols * rows + (1 if self.use_thumbnail and cols * rows != 1 else 0)
         return ImageCost(tiles, tiles * self.tokens_per_tile, (self.patches_per_unit,) * tiles)
 
+    def geometry(self, width: int, height: int, n_images: int = 1) -> Geometry:
+        cols, rows = self.grid(width, height, n_images)
+        size = self.image_size
+        thumbnail = size if self.use_thumbnail and cols * rows != 1 else 0
+        return Geometry(width, height, cols * size, rows * size, 0, 0, cols * size, rows * size, size, thumbnail)
+
 
 @dataclass(frozen=True)
 class Qwen2VLResize(_Recorded):
@@ -178,6 +189,10 @@ class Qwen2VLResize(_Recorded):
         tokens = h * w // (self.factor * self.factor)
         return ImageCost(tokens, tokens, (h * w // (self.patch_size * self.patch_size),))
 
+    def geometry(self, width: int, height: int, n_images: int = 1) -> Geometry:
+        h, w = self.resize(width, height)
+        return Geometry(width, height, w, h, 0, 0, w, h, 0, 0)
+
 
 @dataclass(frozen=True)
 class FixedResolution(_SquareTiles):
@@ -212,6 +227,14 @@ class FixedResolution(_SquareTiles):
 
     def cost(self, width: int, height: int, n_images: int = 1) -> ImageCost:
         return ImageCost(1, self.tokens, (self.patches_per_unit,))
+
+    def geometry(self, width: int, height: int, n_images: int = 1) -> Geometry:
+        size = self.size
+        if self.resize == "squash":
+            return Geometry(width, height, size, size, 0, 0, size, size, 0, 0)
+        resize_width, resize_height = self.crop_resize(width, height)
+        left, top = (resize_width - size) // 2, (resize_height - size) // 2
+        return Geometry(width, height, resize_width, resize_height, left, top, size, size, 0, 0)
 
 
 # How the indexer checks image data: decode every image (JPEG at 1/8 scale) or trust the header.

@@ -32,7 +32,7 @@ from packfeed.server.index.chat import (ChatTemplate, ConversationError, IGNORE_
 from packfeed.server.index.image_policy import DEFAULT_POLICY, VERIFY_MODES, ImagePolicy, policy_from_dict
 from packfeed.server.index.table import (SCHEMA, IndexInfo, describe_error, fingerprint_table, member_checksum,
                                          reason_category, write_index)
-from packfeed.server.index.pixels import oriented_size
+from packfeed.v1.pixels import oriented_size
 from packfeed.server.index.shards import RawSample, ShardError, expand_shards, is_compressed, iter_samples
 
 

@@ -17,6 +17,7 @@ import pyarrow.compute as pc
 
 from packfeed.server.index.chat import IGNORE_INDEX
 from packfeed.server.serve.preprocess import SampleTensors
+from packfeed.v1.pixels import GEOMETRY_COLUMNS
 
 
 @dataclass
@@ -48,7 +49,9 @@ def assemble_pack(samples: list[SampleTensors], epoch: int, step: int, rank: int
         else np.zeros(0, np.int32)
 
     tiles = [tile for s in samples for tile in s.tiles]
-    tile_shapes = np.array([t.shape for t in tiles], dtype=np.int32).reshape(-1, 3)
+    geometry = [g for s in samples for g in s.geometry]
+    shapes = [t.shape for t in tiles] or [shape for g in geometry for shape in g.tile_shapes()]
+    tile_shapes = np.array(shapes, dtype=np.int32).reshape(-1, 3)
     pixels = np.concatenate([t.reshape(-1) for t in tiles]) if tiles else np.zeros(0, np.uint8)
     tile_image, image_sample, spans = [], [], []
     image_no = 0
@@ -69,6 +72,11 @@ def assemble_pack(samples: list[SampleTensors], epoch: int, step: int, rank: int
         "image_sample": np.asarray(image_sample, dtype=np.int32),
         "image_token_spans": np.asarray(spans, dtype=np.int32).reshape(-1, 2),
     }
+    if geometry:  # pixels: encoded: the client decodes these into `pixels` (packfeed.client.decode)
+        files = [data for s in samples for data in s.encoded]
+        tensors["encoded"] = np.frombuffer(b"".join(files), dtype=np.uint8)
+        tensors["encoded_sizes"] = np.array([len(data) for data in files], dtype=np.int64)
+        tensors["image_geometry"] = np.array([g.row() for g in geometry], dtype=np.int32).reshape(-1, GEOMETRY_COLUMNS)
     return Pack(epoch, step, rank, microbatch, [s.key for s in samples], tensors,
                 int((labels != IGNORE_INDEX).sum()), list(skipped or []), sample_sources=[s.source for s in samples])
 
@@ -87,7 +95,8 @@ def truncate_sample(sample: SampleTensors, limit: int) -> SampleTensors:
     n_tiles = sum(sample.tiles_per_image[:keep_images])
     return SampleTensors(sample.key, sample.input_ids[:limit], sample.labels[:limit], sample.tiles[:n_tiles],
                          sample.tiles_per_image[:keep_images], sample.image_tokens[:keep_images],
-                         sample.image_starts[:keep_images], sample.source)
+                         sample.image_starts[:keep_images], sample.source, sample.encoded[:keep_images],
+                         sample.geometry[:keep_images])
 
 
 SERVE_COLUMNS = ["key", "shard", "valid", "reason", "json_offset", "json_size", "json_checksum", "image_names",

@@ -13,7 +13,7 @@ import io
 import os
 import stat
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -21,10 +21,10 @@ import numpy as np
 from PIL import Image
 
 from packfeed.server.index.chat import ChatTemplate, ConversationError, attach_images, cached_encoder, parse_conversation
-from packfeed.server.index.image_policy import FixedResolution, ImagePolicy, InternVLTiling, Qwen2VLResize, policy_from_dict
-from packfeed.server.index.pixels import oriented_size, to_rgb
+from packfeed.server.index.image_policy import ImagePolicy, policy_from_dict
 from packfeed.server.index.shards import is_compressed
 from packfeed.server.index.table import IndexInfo, describe_error, member_checksum
+from packfeed.v1.pixels import Geometry, Resize, cut_tiles, oriented_size, pil_resizer, to_rgb
 
 
 class SampleSkipped(Exception):
@@ -41,12 +41,16 @@ class SampleTensors:
     image_tokens: list[int]  # LLM placeholder tokens per image
     image_starts: list[int]  # where each image's placeholder run starts in input_ids
     source: str = ""  # the dataset it comes from (set by the pack builder)
+    encoded: list[bytes] = field(default_factory=list)  # pixels: encoded: each image file's bytes (no tiles)
+    geometry: list[Geometry] = field(default_factory=list)  # ... and how the client cuts each into tiles
 
 
 # How images become tiles. exact: PIL bicubic, pixel for pixel what the Hugging Face / InternVL processors give.
 # fast: OpenCV (SIMD) bicubic, area averaging when shrinking by 2x or more; within 1/255 mean absolute error and
 # above 40 dB PSNR of exact on photographs (BENCHMARKS.md "Fast-path candidates for resizing").
-PIXEL_MODES = ("exact", "fast")
+# encoded: the image files' own bytes and each one's `Geometry`; the client decodes and cuts them
+# (packfeed.client.decode), exactly on its CPU threads or within the fast path's bounds on a GPU.
+PIXEL_MODES = ("exact", "fast", "encoded")
 
 
 def check_pixels(pixels: str) -> None:
@@ -60,10 +64,10 @@ def check_pixels(pixels: str) -> None:
             raise ValueError("pixels: fast resizes with OpenCV: pip install 'packfeed[fast]'") from None
 
 
-def _resizer(image: Image.Image, pixels: str):
-    """resize((width, height)) -> uint8 (H, W, 3) of one decoded RGB image, by the mode's method."""
+def _resizer(image: Image.Image, pixels: str) -> Resize:
+    """How the mode resizes one decoded upright RGB image."""
     if pixels == "exact":
-        return lambda size: np.asarray(image.resize(size, Image.BICUBIC))
+        return pil_resizer(image)
     import cv2  # the fast path's dependency (pip install 'packfeed[fast]')
 
     cv2.setNumThreads(1)  # one worker is one core
@@ -79,26 +83,7 @@ def _resizer(image: Image.Image, pixels: str):
 def image_tiles(image: Image.Image, policy: ImagePolicy, n_images: int, pixels: str = "exact") -> list[np.ndarray]:
     """The pixel tiles the policy makes of one image, uint8 (3, H, W) RGB; `pixels` picks the resampling."""
     image = to_rgb(image)
-    resize = _resizer(image, pixels)
-    if isinstance(policy, InternVLTiling):
-        cols, rows = policy.grid(image.width, image.height, n_images)
-        size = policy.image_size
-        resized = resize((cols * size, rows * size))
-        tiles = [resized[r * size:(r + 1) * size, c * size:(c + 1) * size] for r in range(rows) for c in range(cols)]
-        if policy.use_thumbnail and cols * rows != 1:
-            tiles.append(resize((size, size)))
-    elif isinstance(policy, Qwen2VLResize):
-        height, width = policy.resize(image.width, image.height)
-        tiles = [resize((width, height))]
-    elif isinstance(policy, FixedResolution) and policy.resize == "crop":
-        resized = resize(policy.crop_resize(image.width, image.height))
-        top, left = (resized.shape[0] - policy.size) // 2, (resized.shape[1] - policy.size) // 2
-        tiles = [resized[top:top + policy.size, left:left + policy.size]]
-    elif isinstance(policy, FixedResolution):
-        tiles = [resize((policy.size, policy.size))]
-    else:
-        raise TypeError(f"no pixel pre-processing for image policy {policy!r}")
-    return [np.ascontiguousarray(tile.transpose(2, 0, 1)) for tile in tiles]
+    return cut_tiles(_resizer(image, pixels), policy.geometry(image.width, image.height, n_images))
 
 
 class SampleReader:
@@ -170,27 +155,36 @@ class SampleReader:
         except ConversationError as error:
             raise SampleSkipped(f"shard changed: {error}") from None
         tiles: list[np.ndarray] = []
-        tiles_per_image, image_tokens = [], []
+        tiles_per_image, image_tokens, encoded, geometry = [], [], [], []
         for name, offset, size, checksum, width, height in zip(
                 row["image_names"], row["image_offsets"], row["image_sizes"], row["image_checksums"],
                 row["image_widths"], row["image_heights"]):
             data = self._member(fd, offset, size, checksum, f"{key}.{name}")
-            try:
-                with Image.open(io.BytesIO(data)) as image:
-                    if oriented_size(image) != (width, height):
-                        raise SampleSkipped(f"shard changed: {key}.{name} is {oriented_size(image)}, index says "
-                                            f"{(width, height)}")
-                    image.load()
-                    made = image_tiles(image, self.policy, row["n_images"], self.pixels)
-            except (OSError, SyntaxError, ValueError) as error:
-                raise SampleSkipped(f"undecodable image ({key}.{name}): {describe_error(error)}") from None
-            tiles.extend(made)
+            if self.pixels == "encoded":  # the client decodes, and checks the size against the geometry
+                geometry.append(self.policy.geometry(width, height, row["n_images"]))
+                encoded.append(data)
+                made = geometry[-1].tile_shapes()
+            else:
+                made = self._tiles(data, width, height, row["n_images"], f"{key}.{name}")
+                tiles.extend(made)
             tiles_per_image.append(len(made))
             image_tokens.append(self.policy.cost(width, height, row["n_images"]).llm_tokens)
         input_ids, labels, starts = cached_encoder(self.tokenizer_path, self.template).encode(turns, image_tokens)
         if len(input_ids) != row["llm_tokens"]:
             raise SampleSkipped(f"token count {len(input_ids)} differs from the index's {row['llm_tokens']}")
-        return SampleTensors(key, input_ids, labels, tiles, tiles_per_image, image_tokens, starts)
+        return SampleTensors(key, input_ids, labels, tiles, tiles_per_image, image_tokens, starts, encoded=encoded,
+                             geometry=geometry)
+
+    def _tiles(self, data: bytes, width: int, height: int, n_images: int, what: str) -> list[np.ndarray]:
+        try:
+            with Image.open(io.BytesIO(data)) as image:
+                if oriented_size(image) != (width, height):
+                    raise SampleSkipped(f"shard changed: {what} is {oriented_size(image)}, index says "
+                                        f"{(width, height)}")
+                image.load()
+                return image_tiles(image, self.policy, n_images, self.pixels)
+        except (OSError, SyntaxError, ValueError) as error:
+            raise SampleSkipped(f"undecodable image ({what}): {describe_error(error)}") from None
 
     def close(self) -> None:
         with self._lock:

@@ -28,7 +28,7 @@ from packfeed.server.index.table import reason_category
 from packfeed.server.serve.budget import MemoryBudget
 from packfeed.server.serve.config import ServerConfig
 from packfeed.server.serve.jobs import Job, JobError, JobSpec
-from packfeed.server.serve.registry import JobRegistry
+from packfeed.server.serve.registry import JobRegistry, check_name
 from packfeed.server.serve.network import client_host
 from packfeed.server.serve.observe import Metrics, log
 from packfeed.server.serve.producer import END, produce
@@ -156,8 +156,10 @@ class PackfeedService:
         if (request.epoch, request.step) > job.ranks[request.rank].streamed:
             raise JobError("FAILED_PRECONDITION", f"step {request.epoch}:{request.step} was not sent to rank "
                                                   f"{request.rank} by this server: acknowledge only steps received")
+        skipped = client_skipped(request)
         await asyncio.to_thread(job.ack, request.rank, request.epoch, request.step)
         await asyncio.to_thread(self._share_ack, job, request.rank)
+        self._record_skipped(job, request.rank, request.epoch, request.step, skipped, "client")
         self.metrics.lag.labels(request.job, str(request.rank)).set(job.ranks[request.rank].lag)
         return pb.AckStepResponse()
 
@@ -263,17 +265,26 @@ class PackfeedService:
         job.delivered.update(result.by_dataset)
         if result.samples:
             self.metrics.preprocess.observe(result.seconds / result.samples)
-        for key, reason in result.skipped:
-            self.metrics.skipped.labels(name, reason_category(reason)).inc()
-            log.warning("sample skipped", extra={"job": name, "rank": rank, "epoch": epoch, "step": step,
-                                                 "key": key, "reason": reason})
-        if result.skipped:
-            job.record_skipped(epoch, step, result.skipped)
-            asyncio.get_running_loop().run_in_executor(None, self._share_skipped, name, result.skipped)
+        self._record_skipped(job, rank, epoch, step, result.skipped, "server")
         job.ranks[rank].sent(epoch, step)
         self.metrics.lag.labels(name, str(rank)).set(job.ranks[rank].lag)
 
     # -- wiring -----------------------------------------------------------------------------------------
+
+    def _record_skipped(self, job: Job, rank: int, epoch: int, step: int, skipped: list[tuple[str, str]],
+                        where: str) -> None:
+        """Samples left out (by this server's workers, or by the client that decoded a pack): metrics, a log line
+        each, the job's list and the coordinator's, alike for both."""
+        name = job.spec.job
+        for key, reason in skipped:
+            # a client's reason is free text: one metric label for all of them keeps the series bounded
+            category = reason_category(reason) if where == "server" else "left out by the client"
+            self.metrics.skipped.labels(name, category).inc()
+            log.warning("sample skipped", extra={"job": name, "rank": rank, "epoch": epoch, "step": step,
+                                                 "key": key, "reason": reason, "where": where})
+        if skipped:
+            job.record_skipped(epoch, step, skipped)
+            asyncio.get_running_loop().run_in_executor(None, self._share_skipped, name, skipped)
 
     def handler(self) -> grpc.GenericRpcHandler:
         # Requests arrive as bytes and are parsed here, so a malformed message or invalid UTF-8 gets
@@ -306,6 +317,22 @@ class PackfeedService:
             "StreamPacks": streaming(0),
             "StreamPackParts": streaming(self.config.pack_part_kb << 10),
         })
+
+
+MAX_CLIENT_SKIPPED = 4096  # samples one acknowledgement may report as left out by the client
+MAX_REASON = 1024  # characters of a client's reason kept
+
+
+def client_skipped(request: pb.AckStepRequest) -> list[tuple[str, str]]:
+    """The samples an acknowledgement reports as left out by the client, checked before anything is recorded."""
+    if len(request.skipped) > MAX_CLIENT_SKIPPED:
+        raise JobError("INVALID_ARGUMENT", f"an acknowledgement may report at most {MAX_CLIENT_SKIPPED} skipped samples")
+    for entry in request.skipped:
+        check_name(entry.key, "a skipped sample's key")
+        if (entry.epoch, entry.step) != (request.epoch, request.step):
+            raise JobError("INVALID_ARGUMENT", "skipped samples are reported with the acknowledgement of their own step")
+    return [(entry.key, "".join(c if c.isprintable() else " " for c in entry.reason[:MAX_REASON]) or "no reason given")
+            for entry in request.skipped]
 
 
 def pieces_of(messages: list[bytes], part_bytes: int):

@@ -19,7 +19,7 @@ import pytest
 from PIL import Image
 
 from packfeed.server.index.image_policy import InternVLTiling
-from packfeed.server.index.pixels import to_rgb
+from packfeed.v1.pixels import to_rgb
 from packfeed.server.tools.demo import write_demo_dataset
 
 pytestmark = pytest.mark.benchmark

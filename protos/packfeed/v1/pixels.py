@@ -1,0 +1,130 @@
+"""How an image file becomes the tiles a pack carries: the one recipe the server (`pixels: exact | fast`) and
+the client (`pixels: encoded`, where the server sends the file's bytes) both follow.
+
+1. Decode and convert to 8-bit RGB as Hugging Face `transformers` loads images (`to_rgb`): EXIF orientation
+   applied, high bit depths scaled (not clipped) to 8 bits, transparency composited on white.
+2. Cut by a `Geometry`, which the server's image policy chooses from the image's size alone: resize the
+   upright image to (resize_width, resize_height), crop a window of it, cut the window into square tiles of
+   side `tile` (row-major; 0 keeps the window as one tile), and add a `thumbnail` square of the whole image.
+
+Each tile is uint8 (3, H, W). With Pillow's bicubic resampling (`pil_resizer`) the tiles are pixel for pixel
+what the Hugging Face / InternVL processors give. Part of the contract (`packfeed.v1`): numpy and Pillow
+only, so servers and clients import it alike.
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Callable
+from dataclasses import astuple, dataclass, fields
+
+import numpy as np
+from PIL import Image, ImageOps
+
+EXIF_ORIENTATION = 0x0112
+_SWAPS_SIDES = {5, 6, 7, 8}  # transpose, rotate 270, transverse, rotate 90
+_HIGH_DEPTH = {"I;16", "I;16L", "I;16B", "I;16N", "I"}  # 16-bit (and 32-bit integer) grey
+_BACKGROUND = (255, 255, 255)  # transformers composites transparent pixels on white
+
+
+def oriented_size(image: Image.Image) -> tuple[int, int]:
+    """(width, height) once the EXIF orientation is applied (read from the header, no decoding)."""
+    width, height = image.size
+    orientation = image.getexif().get(EXIF_ORIENTATION, 1)
+    return (height, width) if orientation in _SWAPS_SIDES else (width, height)
+
+
+def to_rgb(image: Image.Image) -> Image.Image:
+    """The image upright, in 8-bit RGB (the orientation is applied to `image` itself: no copy when upright)."""
+    ImageOps.exif_transpose(image, in_place=True)
+    if image.mode in _HIGH_DEPTH:
+        # Pillow's own conversion clips 16-bit values at 255: scale the full range instead (v / 257, rounded)
+        values = np.clip(np.asarray(image, dtype=np.int64), 0, 65535)
+        image = Image.fromarray(((values * 255 + 32767) // 65535).astype(np.uint8), "L")
+    elif image.mode == "F":
+        image = Image.fromarray(np.clip(np.asarray(image), 0, 255).round().astype(np.uint8), "L")
+    if image.mode in ("RGBA", "LA", "PA", "RGBa", "La") or "transparency" in image.info:
+        rgba = image.convert("RGBA")
+        return Image.alpha_composite(Image.new("RGBA", rgba.size, _BACKGROUND + (255,)), rgba).convert("RGB")
+    return image.convert("RGB")
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """What becomes of one image, as the image policy chose it from the image's upright size. On the wire one
+    int32 row per image (`image_geometry`, columns in field order)."""
+
+    width: int  # upright size of the image file, as indexed: a decoded image of another size is refused
+    height: int
+    resize_width: int
+    resize_height: int
+    crop_left: int  # the window of the resized image the tiles are cut from
+    crop_top: int
+    crop_width: int
+    crop_height: int
+    tile: int  # side of the square tiles cut from the window, row-major; 0: the window is one tile
+    thumbnail: int  # side of one more square tile, the whole image resized; 0: none
+
+    @classmethod
+    def of_row(cls, row) -> Geometry:
+        return cls(*(int(v) for v in row))
+
+    def row(self) -> tuple[int, ...]:
+        return astuple(self)
+
+    def tile_shapes(self) -> list[tuple[int, int, int]]:
+        """(C, H, W) of every tile, in order."""
+        if self.tile:
+            count = (self.crop_width // self.tile) * (self.crop_height // self.tile)
+            shapes = [(3, self.tile, self.tile)] * count
+        else:
+            shapes = [(3, self.crop_height, self.crop_width)]
+        return shapes + ([(3, self.thumbnail, self.thumbnail)] if self.thumbnail else [])
+
+    def check(self) -> None:
+        """Refuse a geometry no image policy makes (a client must not trust the wire blindly)."""
+        if min(self.row()) < 0 or min(self.width, self.height, self.resize_width, self.resize_height,
+                                      self.crop_width, self.crop_height) < 1:
+            raise ValueError(f"image geometry {self.row()} has an empty or negative side")
+        if self.crop_left + self.crop_width > self.resize_width or self.crop_top + self.crop_height > self.resize_height:
+            raise ValueError(f"image geometry {self.row()}: the window leaves the resized image")
+        if self.tile and (self.crop_width % self.tile or self.crop_height % self.tile):
+            raise ValueError(f"image geometry {self.row()}: the window is not a whole number of tiles")
+
+
+GEOMETRY_COLUMNS = len(fields(Geometry))
+
+Resize = Callable[[tuple[int, int]], np.ndarray]  # (width, height) -> uint8 (H, W, 3) of the image resized
+
+
+def pil_resizer(image: Image.Image) -> Resize:
+    """Pillow bicubic: the exact path, as the Hugging Face processors resize."""
+    return lambda size: np.asarray(image.resize(size, Image.BICUBIC))
+
+
+def cut_tiles(resize: Resize, geometry: Geometry) -> list[np.ndarray]:
+    """The tiles of one upright RGB image, uint8 (3, H, W) each, given how to resize it."""
+    g = geometry
+    resized = resize((g.resize_width, g.resize_height))
+    window = resized[g.crop_top:g.crop_top + g.crop_height, g.crop_left:g.crop_left + g.crop_width]
+    if g.tile:
+        tiles = [window[r:r + g.tile, c:c + g.tile] for r in range(0, g.crop_height, g.tile)
+                 for c in range(0, g.crop_width, g.tile)]
+    else:
+        tiles = [window]
+    if g.thumbnail:
+        tiles.append(resize((g.thumbnail, g.thumbnail)))
+    return [np.ascontiguousarray(tile.transpose(2, 0, 1)) for tile in tiles]
+
+
+def decode_tiles(data: bytes, geometry: Geometry) -> list[np.ndarray]:
+    """The exact tiles of one image file. Raises ValueError when the file does not decode or is not the size
+    the geometry was chosen for."""
+    try:
+        with Image.open(io.BytesIO(data)) as image:
+            if oriented_size(image) != (geometry.width, geometry.height):
+                raise ValueError(f"image is {oriented_size(image)}, the index says {(geometry.width, geometry.height)}")
+            image.load()
+            return cut_tiles(pil_resizer(to_rgb(image)), geometry)
+    except (OSError, SyntaxError, Image.DecompressionBombError) as error:
+        raise ValueError(f"{type(error).__name__}: {error}") from None
