@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import io
+import json
+import tarfile
 from pathlib import Path
+
+import numpy as np
+from PIL import Image
 
 
 def indexed_demo(root: Path, samples: int, shards: int, seed: int, image_policy: dict | None = None):
@@ -16,3 +22,44 @@ def indexed_demo(root: Path, samples: int, shards: int, seed: int, image_policy:
     config = IndexConfig(tokenizer=str(paths.tokenizer), **({"image_policy": image_policy} if image_policy else {}))
     build_index([str(p) for p in paths.shards], index, config, workers=2, progress=False)
     return paths, index
+
+
+def document_scan(seed: int, size: tuple[int, int] = (1700, 2200)) -> bytes:
+    """A page of text at scanning resolution (a 1700 x 2200 letter page at 200 dpi), as a JPEG."""
+    from PIL import ImageDraw, ImageFont
+
+    rng = np.random.default_rng(seed)
+    page = Image.new("RGB", size, (250, 250, 246))
+    draw = ImageDraw.Draw(page)
+    font = ImageFont.load_default(size=28)
+    words = ["packing", "balanced", "vision", "language", "model", "training", "pipeline", "tokens", "tiles"]
+    y = 120
+    while y < size[1] - 150:
+        line = " ".join(rng.choice(words, size=int(rng.integers(6, 11))))
+        draw.text((130, y), line, fill=(20, 20, 20), font=font)
+        y += 44
+    buffer = io.BytesIO()
+    page.save(buffer, format="JPEG", quality=90)
+    return buffer.getvalue()
+
+
+def indexed_scans(root: Path, pages: int, tokenizer: Path, image_policy: dict | None = None) -> tuple[list[Path], Path]:
+    """`pages` document scans, each asked about in a short conversation, in one shard, indexed (InternVL tiling
+    at 448 px unless `image_policy` says otherwise). Returns (shards, index path)."""
+    from packfeed.server.index.indexer import IndexConfig, build_index
+
+    root.mkdir(parents=True, exist_ok=True)
+    shard = root / "scans-0.tar"
+    with tarfile.open(shard, "w") as tar:
+        for page in range(pages):
+            conversation = {"conversations": [
+                {"from": "human", "value": "<image>\nTranscribe the first line of this page."},
+                {"from": "gpt", "value": "The page is about balanced vision language model training."}]}
+            for suffix, data in (("jpg", document_scan(page)), ("json", json.dumps(conversation).encode())):
+                member = tarfile.TarInfo(f"scan{page:05d}.{suffix}")
+                member.size = len(data)
+                tar.addfile(member, io.BytesIO(data))
+    index = root / "index.parquet"
+    config = IndexConfig(tokenizer=str(tokenizer), **({"image_policy": image_policy} if image_policy else {}))
+    build_index([str(shard)], index, config, workers=2, progress=False)
+    return [shard], index

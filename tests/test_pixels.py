@@ -86,3 +86,38 @@ def test_unknown_pixel_modes_are_refused(tmp_path, small_tile_index):
     config.write_text(yaml.safe_dump({"datasets": {"d": {"index": str(small_tile_index), "pixels": "lossy"}}}))
     with pytest.raises(ValueError, match="pixels: 'lossy' is not one of exact, fast, encoded"):
         load_config(config, environ={})
+
+
+def test_fast_path_decodes_large_jpegs_at_reduced_scale_within_its_bound(demo_dataset):
+    """A photograph at least twice the size of every target is decoded at 1/2..1/8 scale (JPEG draft); the
+    tiles stay within the fast bound of exact, and a target too large for it keeps the full decode."""
+    from packfeed.server.serve.preprocess import draft
+    from packfeed.v1.pixels import cut_tiles, pil_resizer, to_rgb
+    from packfeed.server.serve.preprocess import _resizer
+
+    policy = policy_from_dict({"name": "fixed"})  # 336 px squares
+    drafted, errors, psnrs = 0, [], []
+    for image in demo_images(demo_dataset)[:12]:
+        buffer = io.BytesIO()
+        scale = max(2, -(-720 // min(image.size)))  # both sides at least twice 336
+        image.convert("RGB").resize((image.width * scale, image.height * scale), Image.BICUBIC).save(buffer, "JPEG",
+                                                                                                     quality=92)
+        data = buffer.getvalue()
+        with Image.open(io.BytesIO(data)) as large:
+            geometry = policy.geometry(large.width, large.height, 1)
+            draft(large, geometry)
+            large.load()
+            drafted += large.width < geometry.width
+            fast = cut_tiles(_resizer(to_rgb(large), "fast"), geometry)
+        with Image.open(io.BytesIO(data)) as large:
+            large.load()
+            exact = cut_tiles(pil_resizer(to_rgb(large)), geometry)
+        diff = (fast[0].astype(np.int16) - exact[0].astype(np.int16)).astype(np.float64)
+        errors.append(np.abs(diff).mean())
+        psnrs.append(10 * np.log10(255 ** 2 / max((diff ** 2).mean(), 1e-9)))
+    assert drafted == 12
+    assert np.mean(errors) < 1.0 and np.mean(psnrs) > 40
+    with Image.open(io.BytesIO(data)) as large:  # a target over half the image: no draft
+        draft(large, policy_from_dict({"name": "internvl"}).geometry(large.width, large.height, 1))
+        large.load()
+        assert large.size == (geometry.width, geometry.height)

@@ -80,6 +80,17 @@ def _resizer(image: Image.Image, pixels: str) -> Resize:
     return resize
 
 
+def draft(image: Image.Image, geometry: Geometry) -> None:
+    """The fast path's JPEG DCT-domain downscaling: when every size the image is resized to is at most half the
+    image's, decode it at 1/2, 1/4 or 1/8 scale (the smallest that still covers them)."""
+    widest = max(geometry.resize_width, geometry.thumbnail)
+    tallest = max(geometry.resize_height, geometry.thumbnail)
+    if image.format != "JPEG" or geometry.width < 2 * widest or geometry.height < 2 * tallest:
+        return
+    swapped = image.size != (geometry.width, geometry.height)  # EXIF turns it by 90 degrees after decoding
+    image.draft("RGB", (tallest, widest) if swapped else (widest, tallest))
+
+
 def image_tiles(image: Image.Image, policy: ImagePolicy, n_images: int, pixels: str = "exact") -> list[np.ndarray]:
     """The pixel tiles the policy makes of one image, uint8 (3, H, W) RGB; `pixels` picks the resampling."""
     image = to_rgb(image)
@@ -176,13 +187,16 @@ class SampleReader:
                              geometry=geometry)
 
     def _tiles(self, data: bytes, width: int, height: int, n_images: int, what: str) -> list[np.ndarray]:
+        geometry = self.policy.geometry(width, height, n_images)
         try:
             with Image.open(io.BytesIO(data)) as image:
                 if oriented_size(image) != (width, height):
                     raise SampleSkipped(f"shard changed: {what} is {oriented_size(image)}, index says "
                                         f"{(width, height)}")
+                if self.pixels == "fast":
+                    draft(image, geometry)
                 image.load()
-                return image_tiles(image, self.policy, n_images, self.pixels)
+                return cut_tiles(_resizer(to_rgb(image), self.pixels), geometry)
         except (OSError, SyntaxError, ValueError) as error:
             raise SampleSkipped(f"undecodable image ({what}): {describe_error(error)}") from None
 

@@ -1,6 +1,8 @@
 """CPU seconds per delivered sample of the whole `packfeed serve` process tree (main process and workers), against
 InternVL's training-time pre-processing written here (PIL decode, `dynamic_preprocess`'s grid + resize + crop
-+ thumbnail, uint8 CHW tiles, tokenising the conversation) on the same samples, interleaved in one run.
++ thumbnail, uint8 CHW tiles, tokenising the conversation) on the same samples, interleaved in one run, for
+each pixel mode (exact, fast, encoded: the client decodes, outside the measured tree) and the bytes each puts
+on the wire; on the demo photographs and on generated document scans (1700 x 2200 text pages).
 
 Run: .venv/bin/python -m pytest -q -s tests/benchmarks/test_bench_cpu_per_sample.py -m benchmark
 """
@@ -91,8 +93,9 @@ def baseline_cpu_seconds(shards: list[Path], tokenizer_path: Path) -> tuple[int,
     return samples, time.process_time() - started
 
 
-def served_cpu_seconds(index: Path, pixels: str = "exact") -> tuple[int, float, float]:
-    """(samples, CPU of the whole tree, CPU of the main process alone: gRPC, planning, cutting PackParts)."""
+def served_cpu_seconds(index: Path, pixels: str = "exact") -> tuple[int, float, float, int]:
+    """(samples, CPU of the whole tree, CPU of the main process alone: gRPC, planning, cutting PackParts, bytes of
+    the packs' tensors as received)."""
     import yaml
 
     from packfeed.client import LocalServer, PackStream
@@ -104,25 +107,40 @@ def served_cpu_seconds(index: Path, pixels: str = "exact") -> tuple[int, float, 
             next(iter(stream))  # workers started, index and tokenizer open
         time.sleep(1)
         before, main_before = tree_cpu_seconds(server.process.pid), process_cpu_seconds(server.process.pid)
-        samples = 0
+        samples = wire = 0
         with PackStream(server.target, job="measured", rank=0, dp=1, microbatches=2, epochs=1, prefetch=4) as stream:
             for step in stream:
                 samples += len(step.sample_keys)
+                wire += step.nbytes
         time.sleep(0.5)
         return (samples, tree_cpu_seconds(server.process.pid) - before,
-                process_cpu_seconds(server.process.pid) - main_before)
+                process_cpu_seconds(server.process.pid) - main_before, wire)
 
 
-def test_cpu_per_delivered_sample(tmp_path):
-    paths, index = indexed_demo(tmp_path, 240, 4, 2)
-    baseline_cpu_seconds(paths.shards[:1], paths.tokenizer)  # page cache and imports
+@pytest.mark.parametrize("images", ["photographs", "scans"])
+def test_cpu_per_delivered_sample(tmp_path, images):
+    if images == "photographs":
+        paths, index = indexed_demo(tmp_path, 240, 4, 2)
+        shards, tokenizer = paths.shards, paths.tokenizer
+    else:
+        from demo_data import indexed_scans
+        from packfeed.server.tools.demo import train_tokenizer
+
+        tokenizer = train_tokenizer(tmp_path / "tokenizer.json")
+        shards, index = indexed_scans(tmp_path / "scans", 40, tokenizer)
+    pytest.importorskip("cv2")
+    baseline_cpu_seconds(shards[:1], tokenizer)  # page cache and imports
     for _ in range(2):
-        base_n, base_s = baseline_cpu_seconds(paths.shards, paths.tokenizer)
-        print(f"\n[cpu/sample] InternVL's pre-processing: {base_n} samples, {base_s:.2f} CPU s = "
-              f"{base_s / base_n * 1e3:.1f} ms per sample")
-        for pixels in ("exact", "fast"):
-            served_n, served_s, main_s = served_cpu_seconds(index, pixels)
-            print(f"[cpu/sample] packfeed serve tree, pixels {pixels}: {served_n} samples, {served_s:.2f} CPU s = "
-                  f"{served_s / served_n * 1e3:.1f} ms per sample (main process {main_s / served_n * 1e3:.1f}); "
-                  f"{served_s / served_n / (base_s / base_n):.2f}x the baseline")
+        base_n, base_s = baseline_cpu_seconds(shards, tokenizer)
+        base = base_s / base_n
+        print(f"\n[cpu/sample] {images}: InternVL's pre-processing: {base_n} samples, {base_s:.2f} CPU s = "
+              f"{base * 1e3:.1f} ms per sample")
+        wire = {}
+        for pixels in ("exact", "fast", "encoded"):
+            served_n, served_s, main_s, wire[pixels] = served_cpu_seconds(index, pixels)
+            print(f"[cpu/sample] {images}: packfeed serve tree, pixels {pixels}: {served_n} samples, {served_s:.2f} CPU "
+                  f"s = {served_s / served_n * 1e3:.1f} ms per sample (main process {main_s / served_n * 1e3:.1f}); "
+                  f"{served_s / served_n / base:.2f}x the baseline ({base / (served_s / served_n):.1f}x less); wire "
+                  f"{wire[pixels] / served_n / 1e6:.2f} MB per sample")
             assert served_n == base_n
+        print(f"[cpu/sample] {images}: wire bytes, uint8 tiles / encoded files: {wire['exact'] / wire['encoded']:.1f}x")

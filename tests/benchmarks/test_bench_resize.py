@@ -20,6 +20,8 @@ from PIL import Image
 
 from packfeed.server.index.image_policy import InternVLTiling
 from packfeed.v1.pixels import to_rgb
+
+from demo_data import document_scan
 from packfeed.server.tools.demo import write_demo_dataset
 
 pytestmark = pytest.mark.benchmark
@@ -96,25 +98,6 @@ def test_fast_resize_candidates(tmp_path):
               f"({timings['PIL bicubic (exact)'] / timings[name]:.2f}x the exact path); mean abs error "
               f"{mae:.3f}/255, worst-image PSNR {psnr:.1f} dB")
     assert error(pil(images[0]), exact[0])[0] == 0
-
-
-def document_scan(seed: int, size: tuple[int, int] = (1700, 2200)) -> bytes:
-    """A page of text at scanning resolution (a 1700 x 2200 letter page at 200 dpi), as a JPEG."""
-    from PIL import ImageDraw, ImageFont
-
-    rng = np.random.default_rng(seed)
-    page = Image.new("RGB", size, (250, 250, 246))
-    draw = ImageDraw.Draw(page)
-    font = ImageFont.load_default(size=28)
-    words = ["packing", "balanced", "vision", "language", "model", "training", "pipeline", "tokens", "tiles"]
-    y = 120
-    while y < size[1] - 150:
-        line = " ".join(rng.choice(words, size=int(rng.integers(6, 11))))
-        draw.text((130, y), line, fill=(20, 20, 20), font=font)
-        y += 44
-    buffer = io.BytesIO()
-    page.save(buffer, format="JPEG", quality=90)
-    return buffer.getvalue()
 
 
 def test_document_scans_exact_and_fast(tmp_path):

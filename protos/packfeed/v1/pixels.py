@@ -46,7 +46,7 @@ def to_rgb(image: Image.Image) -> Image.Image:
     if image.mode in ("RGBA", "LA", "PA", "RGBa", "La") or "transparency" in image.info:
         rgba = image.convert("RGBA")
         return Image.alpha_composite(Image.new("RGBA", rgba.size, _BACKGROUND + (255,)), rgba).convert("RGB")
-    return image.convert("RGB")
+    return image if image.mode == "RGB" else image.convert("RGB")  # convert would copy an RGB image whole
 
 
 @dataclass(frozen=True)
