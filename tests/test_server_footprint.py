@@ -103,3 +103,44 @@ def test_a_step_falls_back_to_the_pipe_when_shared_memory_is_unusable(small_tile
     inline = workers.build_rank_step(work)
     fallback = workers.build_rank_step(work, shared_dir=str(tmp_path / "missing"))
     assert fallback.shared is None and fallback.messages == inline.messages and inline.messages
+
+
+def test_a_full_shared_memory_falls_back_to_the_pipe_and_leaves_no_file(small_tile_index, tmp_path):
+    """A write that runs out of room (here: a file size limit, as a full tmpfs would) sends the step through the
+    pipe instead, and the partial file is removed."""
+    import subprocess
+    import sys
+
+    script = f"""
+import resource, signal, sys
+from pathlib import Path
+from packfeed.server.serve import workers
+from packfeed.server.serve.jobs import Dataset, JobSpec
+from packfeed.server.serve.registry import JobRegistry
+from packfeed.v1.options import PlanConfig
+source = workers.DatasetSource({str(small_tile_index)!r}, {str(Path(small_tile_index).parent / "tokenizer.json")!r})
+workers._init_worker({{"d": source}})
+job = JobRegistry({{"d": Dataset.open("d", source)}}).open_job(JobSpec("full", "d", PlanConfig(dp=1, microbatches=2), 0))
+work = job.work(0, 0, 0)
+inline = workers.build_rank_step(work)
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # writes past the limit fail with EFBIG instead of killing us
+resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, resource.RLIM_INFINITY))
+full = workers.build_rank_step(work, shared_dir={str(tmp_path)!r})
+assert inline.nbytes > 100_000, inline.nbytes
+assert full.shared is None and full.messages == inline.messages
+assert list(Path({str(tmp_path)!r}).iterdir()) == []
+print("fell back")
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and "fell back" in done.stdout, done.stderr[-2000:]
+
+
+def test_partial_writes_resume_where_they_stopped():
+    from packfeed.server.serve.workers import _advance
+
+    pieces = [b"abc", memoryview(b"defg"), b"h"]
+    assert [bytes(p) for p in _advance(pieces, 0)] == [b"abc", b"defg", b"h"]
+    assert [bytes(p) for p in _advance(pieces, 2)] == [b"c", b"defg", b"h"]
+    assert [bytes(p) for p in _advance(pieces, 3)] == [b"defg", b"h"]
+    assert [bytes(p) for p in _advance(pieces, 5)] == [b"fg", b"h"]
+    assert _advance(pieces, 8) == []
