@@ -144,3 +144,49 @@ def test_cpu_per_delivered_sample(tmp_path, images):
                   f"{wire[pixels] / served_n / 1e6:.2f} MB per sample")
             assert served_n == base_n
         print(f"[cpu/sample] {images}: wire bytes, uint8 tiles / encoded files: {wire['exact'] / wire['encoded']:.1f}x")
+
+
+def worker_cpu_seconds(index: Path, tokenizer: Path, pixels: str) -> tuple[int, float]:
+    """(samples, CPU s) of the worker's own function over one epoch, in this process: read, decode, tile,
+    tokenise, assemble, serialize, write to /dev/shm and map back; no gRPC, no other process."""
+    from packfeed.server.serve import workers
+    from packfeed.server.serve.jobs import Dataset, JobSpec
+    from packfeed.server.serve.registry import JobRegistry
+    from packfeed.v1.options import PlanConfig
+
+    name = f"{index}:{pixels}"  # workers keep each dataset they opened under its name
+    source = workers.DatasetSource(str(index), str(tokenizer), pixels=pixels)
+    workers._init_worker({name: source})
+    job = JobRegistry({name: Dataset.open(name, source)}).open_job(JobSpec(f"inline-{pixels}", name,
+                                                                           PlanConfig(dp=1, microbatches=2), 0))
+    samples, started = 0, time.process_time()
+    for step in range(job.plan(0).n_steps):
+        result = workers.build_rank_step(job.work(0, step, 0), shared_dir=workers.shared_directory()).attach()
+        samples += result.samples
+        result.messages = []
+    return samples, time.process_time() - started
+
+
+@pytest.mark.parametrize("images", ["photographs", "scans"])
+def test_worker_function_against_the_baseline(tmp_path, images):
+    """Where the serve tree's cost above the baseline lies: the worker function alone, in this process,
+    interleaved with the baseline (the rest is the main process and running as separate processes)."""
+    if images == "photographs":
+        paths, index = indexed_demo(tmp_path, 240, 4, 2)
+        shards, tokenizer = paths.shards, paths.tokenizer
+    else:
+        from demo_data import indexed_scans
+        from packfeed.server.tools.demo import train_tokenizer
+
+        tokenizer = train_tokenizer(tmp_path / "tokenizer.json")
+        shards, index = indexed_scans(tmp_path / "scans", 40, tokenizer)
+    pytest.importorskip("cv2")
+    worker_cpu_seconds(index, tokenizer, "exact")  # imports, page cache, the tokenizer
+    for _ in range(2):
+        base_n, base_s = baseline_cpu_seconds(shards, tokenizer)
+        line = [f"baseline {base_s / base_n * 1e3:.1f} ms"]
+        for pixels in ("exact", "fast", "encoded"):
+            n, seconds = worker_cpu_seconds(index, tokenizer, pixels)
+            assert n == base_n
+            line.append(f"{pixels} {seconds / n * 1e3:.1f} ms ({seconds / n / (base_s / base_n):.2f}x)")
+        print(f"\n[worker fn] {images}: " + ", ".join(line), end="")
