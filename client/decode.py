@@ -28,7 +28,7 @@ from typing import Literal
 import numpy as np
 import torch
 
-from packfeed.client.tensors import IGNORE_INDEX, PackTensors
+from packfeed.client.tensors import IGNORE_INDEX, PackTensors, tensor_of
 from packfeed.v1.pixels import GEOMETRY_COLUMNS, Geometry, decode_tiles
 
 BACKENDS = ("auto", "pil", "torchvision")
@@ -81,13 +81,25 @@ class PackDecoder:
             warnings.filterwarnings("ignore", message="The image decoding and encoding capabilities of TorchVision",
                                     category=DeprecationWarning)
 
-    def decode(self, pack: PackTensors) -> list[tuple[str, str]]:
-        """Decode the pack's images into `pack.pixels`; returns the (key, reason) of samples taken out."""
-        if "encoded" not in pack.tensors:
-            return []
-        files, geometry = _files_and_geometry(pack)
+    def decode(self, packs: list[PackTensors]) -> list[tuple[str, str]]:
+        """Decode the images of a step's packs into each one's `pixels`, all of them at once (one pool map, one
+        batched nvJPEG call); returns the (key, reason) of samples taken out."""
+        packs = [pack for pack in packs if "encoded" in pack.tensors]
+        files, geometry, owners = [], [], []
+        for number, pack in enumerate(packs):
+            pack_files, pack_geometry = _files_and_geometry(pack)
+            files += pack_files
+            geometry += pack_geometry
+            owners += [number] * len(pack_files)
         results = (self._torchvision(files, geometry) if self.options.backend == "torchvision"
                    else list(self._pool.map(_pil_tiles, files, geometry)))
+        skipped = []
+        for number, pack in enumerate(packs):
+            mine = [k for k, owner in enumerate(owners) if owner == number]
+            skipped += self._fill(pack, [results[k] for k in mine], [geometry[k] for k in mine])
+        return skipped
+
+    def _fill(self, pack: PackTensors, results: list, geometry: list[Geometry]) -> list[tuple[str, str]]:
         failed: dict[int, str] = {}
         image_sample = pack.image_sample.tolist()
         for image, result in enumerate(results):
@@ -122,7 +134,7 @@ class PackDecoder:
         device = torch.device(self.options.device)
         for i, tiles in zip(others, self._pool.map(_pil_tiles, [files[i] for i in others], [geometry[i] for i in others])):
             results[i] = tiles if isinstance(tiles, str) else [t.to(device) for t in tiles]
-        inputs = [torch.from_numpy(files[i]) for i in jpegs]
+        inputs = [tensor_of(files[i]) for i in jpegs]
         try:
             decoded = decode_jpeg(inputs, mode=ImageReadMode.RGB, device=device, apply_exif_orientation=True) \
                 if inputs else []

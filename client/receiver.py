@@ -118,7 +118,7 @@ class Receiver:
             pack = packs[-1]
             step = Step(pack.epoch, pack.step, pack.rank, packs, pack.last_in_epoch)
             if self.decoder is not None:
-                step.client_skipped = [skip for each in packs for skip in self.decoder.decode(each)]
+                step.client_skipped = self.decoder.decode(packs)
             received = Received(step, self._following(pack))
             packs, self.failures = [], 0
             if not self._put(received):
