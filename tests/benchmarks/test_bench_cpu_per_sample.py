@@ -117,17 +117,22 @@ def served_cpu_seconds(index: Path, pixels: str = "exact") -> tuple[int, float, 
                 process_cpu_seconds(server.process.pid) - main_before, wire)
 
 
-@pytest.mark.parametrize("images", ["photographs", "scans"])
-def test_cpu_per_delivered_sample(tmp_path, images):
+def dataset(tmp_path: Path, images: str) -> tuple[list[Path], Path, Path]:
+    """(shards, tokenizer, index) of 237 usable demo photographs or of 40 document scans."""
     if images == "photographs":
         paths, index = indexed_demo(tmp_path, 240, 4, 2)
-        shards, tokenizer = paths.shards, paths.tokenizer
-    else:
-        from demo_data import indexed_scans
-        from packfeed.server.tools.demo import train_tokenizer
+        return paths.shards, paths.tokenizer, index
+    from demo_data import indexed_scans
+    from packfeed.server.tools.demo import train_tokenizer
 
-        tokenizer = train_tokenizer(tmp_path / "tokenizer.json")
-        shards, index = indexed_scans(tmp_path / "scans", 40, tokenizer)
+    tokenizer = train_tokenizer(tmp_path / "tokenizer.json")
+    shards, index = indexed_scans(tmp_path / "scans", 40, tokenizer)
+    return shards, tokenizer, index
+
+
+@pytest.mark.parametrize("images", ["photographs", "scans"])
+def test_cpu_per_delivered_sample(tmp_path, images):
+    shards, tokenizer, index = dataset(tmp_path, images)
     pytest.importorskip("cv2")
     baseline_cpu_seconds(shards[:1], tokenizer)  # page cache and imports
     for _ in range(2):
@@ -171,15 +176,7 @@ def worker_cpu_seconds(index: Path, tokenizer: Path, pixels: str) -> tuple[int, 
 def test_worker_function_against_the_baseline(tmp_path, images):
     """Where the serve tree's cost above the baseline lies: the worker function alone, in this process,
     interleaved with the baseline (the rest is the main process and running as separate processes)."""
-    if images == "photographs":
-        paths, index = indexed_demo(tmp_path, 240, 4, 2)
-        shards, tokenizer = paths.shards, paths.tokenizer
-    else:
-        from demo_data import indexed_scans
-        from packfeed.server.tools.demo import train_tokenizer
-
-        tokenizer = train_tokenizer(tmp_path / "tokenizer.json")
-        shards, index = indexed_scans(tmp_path / "scans", 40, tokenizer)
+    shards, tokenizer, index = dataset(tmp_path, images)
     pytest.importorskip("cv2")
     worker_cpu_seconds(index, tokenizer, "exact")  # imports, page cache, the tokenizer
     for _ in range(2):
