@@ -34,6 +34,7 @@ from packfeed.server.index.table import (SCHEMA, IndexInfo, describe_error, fing
                                          reason_category, write_index)
 from packfeed.v1.pixels import oriented_size
 from packfeed.server.index.shards import RawSample, ShardError, expand_shards, is_compressed, iter_samples
+from packfeed.server.index.storage import ObjectError, Stamp, is_object_url, stamp
 
 
 
@@ -190,6 +191,7 @@ class ShardResult:
     rows: list[dict[str, Any]]
     error: str | None
     seconds: float
+    stamp: Stamp | None = None  # an object's size and ETag as indexed
 
 
 COMPRESSED_REASON = "compressed shard: serving reads samples at their offsets; decompress it to a plain .tar"
@@ -199,9 +201,10 @@ def index_shard(url: str, config: IndexConfig) -> ShardResult:
     started = time.perf_counter()
     rows: list[dict[str, Any]] = []
     seen: set[str] = set()
-    error = None
-    compressed = is_compressed(url)
+    error, before = None, None
     try:
+        before = stamp(url) if is_object_url(url) else None
+        compressed = is_compressed(url)
         for raw in iter_samples(url):
             row = cost_sample(raw, config)
             if raw.key in seen:
@@ -210,9 +213,15 @@ def index_shard(url: str, config: IndexConfig) -> ShardResult:
                 row.update(valid=False, reason=COMPRESSED_REASON)
             seen.add(raw.key)
             rows.append(row)
+        if before is not None and stamp(url) != before:
+            error = "object changed while it was indexed: index it again"
+            for row in rows:
+                row.update(valid=False, reason="shard changed: the object changed while it was indexed")
     except ShardError as shard_error:
         error = str(shard_error)
-    return ShardResult(url, rows, error, time.perf_counter() - started)
+    except ObjectError as object_error:
+        error = f"cannot open: {object_error}"
+    return ShardResult(url, rows, error, time.perf_counter() - started, before)
 
 
 @dataclass
@@ -267,6 +276,7 @@ def build_index(specs: list[str], out: str | Path, config: IndexConfig, workers:
         chat_template=config.chat_template,
         skipped_shards=[{"shard": r.url, "error": r.error, "samples_read": len(r.rows)} for r in results if r.error],
         invalid_by_reason=dict(sorted(invalid.items())),
+        objects={r.url: r.stamp.to_dict() for r in results if r.stamp} or None,
     )
     seconds = time.perf_counter() - started
     core_seconds = sum(r.seconds for r in results)

@@ -25,19 +25,24 @@ import subprocess
 
 import braceexpand
 
+from packfeed.server.index.storage import OBJECT_SCHEMES, expand_object_glob, is_object_url, open_object, read_range
+
 IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp", "gif", "bmp", "tif", "tiff")
 _IMAGE_SUFFIX = re.compile(r"^(?:(\d+)\.)?(" + "|".join(IMAGE_EXTENSIONS) + r")$", re.IGNORECASE)
 COMPRESSED_MAGIC = (b"\x1f\x8b", b"BZh", b"\xfd7zXZ", b"\x28\xb5\x2f\xfd")
-REMOTE_PREFIXES = ("pipe:", "http://", "https://", "gs://", "s3://", "ais://")
+REMOTE_PREFIXES = ("pipe:", "ais://", *OBJECT_SCHEMES)
 
 
 def expand_shards(specs: list[str]) -> list[str]:
-    """Brace patterns, then globs for local paths; remote and pipe: sources pass through unchanged. Local
-    paths become absolute, so the index serves from any working directory."""
+    """Brace patterns, then globs, for local paths and object-store URLs ('s3://bucket/shards/*.tar'); other
+    remote and pipe: sources pass through unchanged. Local paths become absolute, so the index serves from any
+    working directory."""
     out: list[str] = []
     for spec in specs:
         for item in braceexpand.braceexpand(spec):
-            if item.startswith(REMOTE_PREFIXES):
+            if is_object_url(item) and glob.has_magic(item.split("://", 1)[1]):
+                out.extend(expand_object_glob(item))
+            elif item.startswith(REMOTE_PREFIXES):
                 out.append(item)
             elif glob.has_magic(item):
                 matches = sorted(glob.glob(item))
@@ -116,11 +121,14 @@ class _PipeStream:
 
 
 def open_shard(url: str):
-    """A binary stream of the shard: local files and `file:` paths, `pipe:COMMAND` (the command's stdout), and
-    http(s)/cloud URLs through webdataset's gopen, imported only then (it imports torch, which the server and its
-    workers otherwise never load)."""
+    """A binary stream of the shard: local files and `file:` paths, `pipe:COMMAND` (the command's stdout),
+    object-store and http(s) URLs through fsspec (`packfeed.server.index.storage`), and other URLs through
+    webdataset's gopen, imported only then (it imports torch, which the server and its workers otherwise never
+    load)."""
     if url.startswith("pipe:"):
         return _PipeStream(url[5:])
+    if is_object_url(url):
+        return open_object(url)
     if not url.startswith(REMOTE_PREFIXES):
         return open(url[5:] if url.startswith("file:") else url, "rb")
     from webdataset.gopen import gopen
@@ -189,7 +197,10 @@ def _check_tail(url: str, end_offset: int, members_seen: int) -> None:
 
 
 def is_compressed(path: str) -> bool:
-    """A local file that starts like gzip, bzip2, xz or zstd (remote sources: False, they are not served)."""
+    """A local file or an object that starts like gzip, bzip2, xz or zstd (other remote sources: False, they are
+    not served)."""
+    if is_object_url(path):
+        return read_range(path, 0, 6).startswith(COMPRESSED_MAGIC)
     if path.startswith(REMOTE_PREFIXES) or not os.path.isfile(path):
         return False
     with open(path, "rb") as f:

@@ -66,6 +66,7 @@ class IndexInfo:
     skipped_shards: list[dict[str, str]] | None = None
     invalid_by_reason: dict[str, int] | None = None
     rows_per_second: float | None = None
+    objects: dict[str, dict[str, Any]] | None = None  # object-store shards: {url: {size, etag}} when indexed
     format_version: int = INDEX_FORMAT_VERSION
     packfeed_version: str = __version__
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from packfeed.server.index.image_policy import policy_from_dict
+from packfeed.server.index.storage import ObjectError, is_object_url, missing_objects, relocate
 from packfeed.server.index.table import IndexInfo
 from packfeed.server.plan.costs import SampleLoads, load_sample_loads
 from packfeed.server.plan.isf import Caps
@@ -172,8 +173,13 @@ class Dataset:
 def check_shards_reachable(name: str, info: IndexInfo, source: DatasetSource) -> None:
     """A dataset none of whose shards can be read is a configuration error, said when the server starts (not
     an epoch of empty packs); some missing ones are logged, and their samples skipped as they come."""
-    paths = [os.path.join(source.shard_root, os.path.basename(url)) if source.shard_root else url for url in info.inputs]
-    missing = [path for path in paths if not os.path.isfile(path)]
+    paths = [relocate(url, source.shard_root) for url in info.inputs]
+    objects = [path for path in paths if is_object_url(path)]
+    missing = [path for path in paths if not is_object_url(path) and not os.path.isfile(path)]
+    try:
+        missing += missing_objects(objects)
+    except ObjectError as error:
+        raise ValueError(f"dataset {name}: its shards cannot be listed: {error}") from None
     if missing and len(missing) == len(paths):
         raise ValueError(f"dataset {name}: none of its {len(paths)} shards is readable (e.g. {missing[0]}); set "
                          "shard_root to the directory that holds them, or index them where they are")

@@ -23,6 +23,7 @@ from PIL import Image
 from packfeed.server.index.chat import ChatTemplate, ConversationError, attach_images, cached_encoder, parse_conversation
 from packfeed.server.index.image_policy import ImagePolicy, policy_from_dict
 from packfeed.server.index.shards import is_compressed
+from packfeed.server.index.storage import ObjectError, StampCache, is_object_url, read_range, relocate
 from packfeed.server.index.table import IndexInfo, describe_error, member_checksum
 from packfeed.v1.pixels import Geometry, Resize, cut_tiles, oriented_size, pil_resizer, to_rgb
 
@@ -113,14 +114,38 @@ class SampleReader:
         self.policy = policy_from_dict(info.image_policy)
         self.template = ChatTemplate.from_dict(info.chat_template)
         self.tokenizer_path = str(tokenizer_path)
-        self.shard_root = Path(shard_root) if shard_root else None
+        self.shard_root = str(shard_root) if shard_root else None
+        self.objects = info.objects or {}  # object-store shards: {url: {size, etag}} as indexed
+        self._stamps = StampCache()
         self._descriptors: dict[str, int] = {}
         self._lock = threading.Lock()
 
-    def _descriptor(self, shard: str) -> int:
+    def _reader(self, shard: str, row: dict[str, Any]):
+        """read(offset, size) -> bytes for the sample's members: pread on a local shard; on an object, one range
+        request for all of them (they lie together in the tar), after checking the object is the one indexed."""
+        path = relocate(shard, self.shard_root)
+        if not is_object_url(path):
+            fd = self._descriptor(path)
+            return lambda offset, size: os.pread(fd, size, offset)
+        try:
+            current = self._stamps.get(path)
+        except ObjectError as error:
+            raise SampleSkipped(f"shard unreadable: {error}") from None
+        indexed = self.objects.get(shard)
+        if path == shard and indexed and (current.size, current.etag) != (indexed["size"], indexed["etag"]):
+            raise SampleSkipped(f"shard changed: {path} is now {current.size} bytes, ETag {current.etag!r} (indexed: "
+                                f"{indexed['size']} bytes, ETag {indexed['etag']!r})")
+        spans = [(row["json_offset"], row["json_size"])] + list(zip(row["image_offsets"], row["image_sizes"]))
+        start, end = min(o for o, _ in spans), max(o + n for o, n in spans)
+        try:
+            data = read_range(path, start, end - start)
+        except ObjectError as error:
+            raise SampleSkipped(f"shard unreadable: {error}") from None
+        return lambda offset, size: data[offset - start:offset - start + size]
+
+    def _descriptor(self, path: str) -> int:
         """An open descriptor for the shard; a vanished shard raises, a replaced one is reopened. Only regular
         files are opened: a FIFO or device could block the worker forever, a directory cannot be read."""
-        path = str(self.shard_root / Path(shard).name) if self.shard_root else shard
         try:
             current = os.stat(path)
         except OSError as error:
@@ -142,10 +167,10 @@ class SampleReader:
                 self._descriptors[path] = fd
             return fd
 
-    def _member(self, fd: int, offset: int, size: int, checksum: int | None, what: str) -> bytes:
+    def _member(self, read, offset: int, size: int, checksum: int | None, what: str) -> bytes:
         """A member's bytes, verified against the checksum the index recorded."""
         try:
-            data = os.pread(fd, size, offset)
+            data = read(offset, size)
         except OSError as error:
             raise SampleSkipped(f"shard unreadable: {error.strerror} reading {what}") from None
         if len(data) != size:
@@ -158,10 +183,10 @@ class SampleReader:
         """Pre-process one index row (as a dict of its columns). Raises SampleSkipped with the reason."""
         if not row["valid"]:
             raise SampleSkipped(f"invalid in the index: {row['reason']}")
-        fd = self._descriptor(row["shard"])
+        read = self._reader(row["shard"], row)
         key = row["key"]
         try:
-            raw = self._member(fd, row["json_offset"], row["json_size"], row["json_checksum"], f"{key}.json")
+            raw = self._member(read, row["json_offset"], row["json_size"], row["json_checksum"], f"{key}.json")
             turns = attach_images(parse_conversation(raw), row["n_images"])
         except ConversationError as error:
             raise SampleSkipped(f"shard changed: {error}") from None
@@ -170,7 +195,7 @@ class SampleReader:
         for name, offset, size, checksum, width, height in zip(
                 row["image_names"], row["image_offsets"], row["image_sizes"], row["image_checksums"],
                 row["image_widths"], row["image_heights"]):
-            data = self._member(fd, offset, size, checksum, f"{key}.{name}")
+            data = self._member(read, offset, size, checksum, f"{key}.{name}")
             if self.pixels == "encoded":  # the client decodes, and checks the size against the geometry
                 geometry.append(self.policy.geometry(width, height, row["n_images"]))
                 encoded.append(data)

@@ -1,0 +1,183 @@
+"""Where shards live: local files, or objects in S3, Google Cloud Storage, Azure or behind HTTP(S), read
+through fsspec (`pip install 'packfeed[s3]'`, `[gcs]`, `[azure]`; http(s) needs only aiohttp).
+
+Indexing streams each object once (`open_object`); serving reads each sample with one HTTP range request at
+the offsets the index recorded (`read_range`), never whole shards. The object's size and ETag are recorded at
+indexing (`Stamp`) and checked when serving, so a changed or vanished object is detected and its samples
+skipped, as for local shards.
+
+Credentials come from each cloud's standard environment and configuration (AWS_* variables and
+~/.aws, GOOGLE_APPLICATION_CREDENTIALS, AZURE_STORAGE_*); `AWS_ENDPOINT_URL` points S3 at an S3-compatible
+store. Every request is retried with exponential backoff and full jitter (0.1 s doubling, at most 5 s) on
+throttling (429, 503 SlowDown), timeouts and dropped connections, `PACKFEED_OBJECT_ATTEMPTS` times (default 6);
+S3 requests also go through botocore's standard retries (`PACKFEED_S3_ATTEMPTS`, default 3) over a pool of
+`PACKFEED_S3_CONNECTIONS` connections (default 64).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import random
+import threading
+import time
+from dataclasses import asdict, dataclass
+
+OBJECT_SCHEMES = ("s3://", "gs://", "gcs://", "az://", "abfs://", "http://", "https://")
+_EXTRAS = {"s3": "s3", "gs": "gcs", "gcs": "gcs", "az": "azure", "abfs": "azure", "http": "http", "https": "http"}
+
+
+class ObjectError(OSError):
+    """An object cannot be read (missing, forbidden, unreachable after retries); the message says which."""
+
+
+def is_object_url(url: str) -> bool:
+    return url.startswith(OBJECT_SCHEMES)
+
+
+def _scheme(url: str) -> str:
+    return url.split("://", 1)[0]
+
+
+@functools.lru_cache(maxsize=None)
+def _filesystem(scheme: str, settings: tuple):
+    try:
+        import fsspec
+
+        if scheme == "s3":
+            endpoint, attempts, connections = settings
+            return fsspec.filesystem("s3", skip_instance_cache=True, endpoint_url=endpoint or None, config_kwargs={
+                "retries": {"max_attempts": int(attempts), "mode": "standard"},
+                "connect_timeout": 10, "read_timeout": 60, "max_pool_connections": int(connections)})
+        return fsspec.filesystem(scheme, skip_instance_cache=True)
+    except ImportError as error:
+        raise ObjectError(f"reading {scheme}:// needs its fsspec backend: pip install 'packfeed[{_EXTRAS[scheme]}]' "
+                          f"({error})") from None
+
+
+# A forked process (the indexer's pool) must not use its parent's clients: their event loop and connections
+# stayed with the parent (s3fs refuses: "This class is not fork-safe").
+os.register_at_fork(after_in_child=_filesystem.cache_clear)
+
+
+def filesystem(url: str):
+    """The fsspec filesystem of an object URL (one per scheme and settings in a process: its connection pool is
+    shared)."""
+    scheme = _scheme(url)
+    settings = (os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL", ""),
+                os.environ.get("PACKFEED_S3_ATTEMPTS", "3"), os.environ.get("PACKFEED_S3_CONNECTIONS", "64")) \
+        if scheme == "s3" else ()
+    return _filesystem(scheme, settings)
+
+
+def _call(url: str, what: str, function, *args, **kwargs):
+    """function(*args, **kwargs), retried with exponential backoff and full jitter on any failure but a missing
+    or forbidden object: throttling (429, 503 SlowDown), timeouts and dropped connections of every backend
+    (botocore's own retries classify a 429 without an error body, as on a HEAD, as final)."""
+    attempts = max(1, int(os.environ.get("PACKFEED_OBJECT_ATTEMPTS", "6")))
+    for attempt in range(attempts):
+        try:
+            return function(*args, **kwargs)
+        except FileNotFoundError:
+            raise ObjectError(f"object not found: {url}") from None
+        except PermissionError as error:
+            raise ObjectError(f"access denied to {url}: {error}") from None
+        except Exception as error:  # botocore, aiohttp and fsspec raise many types
+            if attempt + 1 == attempts:
+                raise ObjectError(f"{what} {url} failed after {attempts} attempts: {type(error).__name__}: "
+                                  f"{error}") from None
+            time.sleep(random.uniform(0, min(_BACKOFF_CAP_S, _BACKOFF_S * 2 ** attempt)))
+
+
+_BACKOFF_S, _BACKOFF_CAP_S = 0.1, 5.0
+
+
+def expand_object_glob(pattern: str) -> list[str]:
+    """The object URLs a glob over a bucket or container matches, sorted; an error when none does."""
+    scheme = _scheme(pattern)
+    fs = filesystem(pattern)
+    matches = sorted(_call(pattern, "listing", fs.glob, pattern))
+    if not matches:
+        raise FileNotFoundError(f"no shard matches {pattern!r}")
+    return [match if "://" in match else f"{scheme}://{match}" for match in matches]
+
+
+@dataclass(frozen=True)
+class Stamp:
+    """What identifies one version of an object: its size and ETag (empty where the store gives none)."""
+
+    size: int
+    etag: str
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def stamp(url: str) -> Stamp:
+    info = _call(url, "reading the metadata of", filesystem(url).info, url)
+    etag = info.get("ETag") or info.get("etag") or info.get("md5Hash") or ""
+    return Stamp(int(info.get("size") or 0), str(etag).strip('"'))
+
+
+def open_object(url: str, block_size: int = 8 << 20):
+    """A binary stream of the whole object, read ahead in `block_size` requests (indexing reads it once)."""
+    return _call(url, "opening", filesystem(url).open, url, "rb", block_size=block_size, cache_type="readahead")
+
+
+def read_range(url: str, offset: int, size: int) -> bytes:
+    """`size` bytes at `offset`: one range request (retried by the backend)."""
+    return _call(url, "reading", filesystem(url).cat_file, url, start=offset, end=offset + size)
+
+
+def relocate(shard: str, root: str | None) -> str:
+    """Where a shard is read from: as indexed, or its file name under `root` (a folder or an object URL
+    prefix: shards copied or moved since indexing)."""
+    if not root:
+        return shard
+    name = shard.rstrip("/").rsplit("/", 1)[-1]
+    return f"{root.rstrip('/')}/{name}" if is_object_url(root) else os.path.join(root, name)
+
+
+def missing_objects(urls: list[str]) -> list[str]:
+    """The URLs that name no object, found with one listing per folder (not a request per object)."""
+    by_folder: dict[str, list[str]] = {}
+    for url in urls:
+        by_folder.setdefault(url.rsplit("/", 1)[0], []).append(url)
+    missing = []
+    for folder, members in by_folder.items():
+        scheme = _scheme(folder)
+        try:
+            listed = {entry if "://" in entry else f"{scheme}://{entry}"
+                      for entry in filesystem(folder).ls(folder, detail=False)}
+        except (FileNotFoundError, ObjectError):
+            listed = set()
+        except Exception as error:  # unreachable or forbidden after retries: name the folder
+            raise ObjectError(f"listing {folder} failed: {type(error).__name__}: {error}") from None
+        missing += [url for url in members if url.rstrip("/") not in listed]
+    return missing
+
+
+class StampCache:
+    """Current stamps of the objects a server reads from, looked up again at most every `ttl` seconds: a
+    changed object is noticed within `ttl` (a changed range fails its member checksum at once)."""
+
+    def __init__(self, ttl: float = 30.0):
+        self.ttl = ttl
+        self._stamps: dict[str, tuple[float, Stamp | ObjectError]] = {}
+        self._lock = threading.Lock()
+
+    def get(self, url: str) -> Stamp:
+        now = time.monotonic()
+        with self._lock:
+            cached = self._stamps.get(url)
+        if cached is None or now - cached[0] > self.ttl:
+            try:
+                current: Stamp | ObjectError = stamp(url)
+            except ObjectError as error:
+                current = error
+            cached = (now, current)
+            with self._lock:
+                self._stamps[url] = cached
+        if isinstance(cached[1], ObjectError):
+            raise cached[1]
+        return cached[1]

@@ -1,0 +1,138 @@
+"""Shards in object storage: a real S3-protocol server (moto's, its own process on 127.0.0.1). Indexing streams
+`s3://` shards (globs included) and records each object's size and ETag; serving reads each sample with one
+range request, exactly once per epoch as from local files; a throttling, connection-dropping store is
+retried through; an overwritten or deleted object is detected and its samples skipped."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+pytest.importorskip("s3fs")
+pytest.importorskip("moto")
+
+from packfeed.client import LocalServer, PackStream  # noqa: E402
+from packfeed.server.index.indexer import IndexConfig, build_index  # noqa: E402
+from packfeed.server.index.table import read_index  # noqa: E402
+from s3_server import FaultyProxy, S3Server, restore_env, set_env  # noqa: E402
+
+TENSORS = ("input_ids", "labels", "cu_seqlens", "pixels", "tile_shapes", "image_token_spans")
+
+
+@pytest.fixture(scope="module")
+def s3(tmp_path_factory):
+    server = S3Server().start()
+    previous = set_env(server.env)
+    try:
+        yield server
+    finally:
+        restore_env(previous)
+        server.stop()
+
+
+def upload(s3, shards, prefix: str) -> list[str]:
+    import s3fs
+
+    fs = s3fs.S3FileSystem(endpoint_url=s3.endpoint, skip_instance_cache=True)
+    bucket = prefix.split("/", 1)[0]
+    if not fs.exists(bucket):
+        fs.mkdir(bucket)
+    urls = []
+    for shard in shards:
+        url = f"s3://{prefix}/{shard.name}"
+        fs.put_file(str(shard), url)
+        urls.append(url)
+    return urls
+
+
+def index_config(paths):
+    from conftest import SMALL_TILE_POLICY
+
+    return IndexConfig(tokenizer=str(paths.tokenizer), image_policy=SMALL_TILE_POLICY)
+
+
+def epoch(target: str, job: str, dp: int = 2) -> dict[str, list]:
+    """{sample key: its pack tensors} over every rank of one epoch, plus the skipped samples under ''."""
+    seen: dict[str, list] = {"": []}
+    for rank in range(dp):
+        with PackStream(target, job=job, rank=rank, dp=dp, microbatches=2) as stream:
+            for step in stream:
+                for pack in step.packs:
+                    seen[""] += pack.skipped
+                    for key in pack.sample_keys:
+                        assert key not in seen, f"{key} delivered twice"
+                        seen[key] = [pack.tensors[name].clone() for name in TENSORS]
+    return seen
+
+
+def test_index_and_serve_from_s3_as_from_local_files(s3, demo_dataset, tmp_path):
+    urls = upload(s3, demo_dataset.shards, "data/demo")
+    local = tmp_path / "local.parquet"
+    remote = tmp_path / "s3.parquet"
+    build_index([str(p) for p in demo_dataset.shards], local, index_config(demo_dataset), workers=1, progress=False)
+    result = build_index(["s3://data/demo/*.tar"], remote, index_config(demo_dataset), workers=2, progress=False)
+    (local_table, _), (remote_table, remote_info) = read_index(local), read_index(remote)
+    assert remote_info.inputs == urls  # the fingerprint covers shard locations, so only the rows are compared
+    assert local_table.drop(["shard"]).equals(remote_table.drop(["shard"]))
+    assert set(remote_info.objects) == set(urls) and all(o["etag"] and o["size"] > 0 for o in remote_info.objects.values())
+    assert result.valid > 0
+
+    with LocalServer(local, workers=1) as server:
+        from_files = epoch(server.target, "local")
+    with LocalServer(remote, workers=1, env=s3.env) as server:
+        from_s3 = epoch(server.target, "s3")
+    assert set(from_s3) == set(from_files) and len(from_s3) > 40
+    for key, tensors in from_files.items():
+        if key:
+            assert all(torch.equal(a, b) for a, b in zip(tensors, from_s3[key])), key
+
+
+def test_throttling_and_dropped_connections_are_retried(s3, demo_dataset, tmp_path):
+    upload(s3, demo_dataset.shards, "flaky/demo")
+    proxy = FaultyProxy(s3.endpoint, tmp_path, every=5).start()
+    previous = set_env(proxy.env)
+    try:
+        index = tmp_path / "flaky.parquet"
+        build_index(["s3://flaky/demo/*.tar"], index, index_config(demo_dataset), workers=1, progress=False)
+        with LocalServer(index, workers=1, env=proxy.env) as server:
+            served = epoch(server.target, "flaky")
+        faults = proxy.count()
+    finally:
+        restore_env(previous)
+        proxy.stop()
+    reference = tmp_path / "reference.parquet"
+    build_index([str(p) for p in demo_dataset.shards], reference, index_config(demo_dataset), workers=1,
+                progress=False)
+    valid = sum(read_index(reference, ["valid"])[0].column("valid").to_pylist())
+    assert served[""] == [] and len(served) - 1 == valid  # every sample, none lost to a fault
+    assert read_index(index)[0].drop(["shard"]).equals(read_index(reference)[0].drop(["shard"]))
+    assert faults.get("503", 0) and faults.get("429", 0) and faults.get("drop", 0), faults
+
+
+def test_an_overwritten_or_deleted_object_is_detected(s3, demo_dataset, tmp_path):
+    import s3fs
+
+    urls = upload(s3, demo_dataset.shards, "changing/demo")
+    index = tmp_path / "changing.parquet"
+    build_index(["s3://changing/demo/*.tar"], index, index_config(demo_dataset), workers=1, progress=False)
+    table, _ = read_index(index, ["key", "shard", "valid"])
+    rows = [r for r in table.to_pylist() if r["valid"]]
+    fs = s3fs.S3FileSystem(endpoint_url=s3.endpoint, skip_instance_cache=True)
+    changed = tmp_path / "changed.tar"
+    shutil.copy(demo_dataset.shards[0], changed)
+    with open(changed, "ab") as out:
+        out.write(b"\0" * 10240)  # same members, another object: a new size and ETag
+    fs.put_file(str(changed), urls[0])
+    fs.rm(urls[-1])
+
+    with LocalServer(index, workers=1, env={**s3.env, "PACKFEED_MAX_SKIPPED_FRACTION": "1"}) as server:
+        served = epoch(server.target, "changing")
+    reasons = dict(served[""])
+    on_first = {r["key"] for r in rows if r["shard"] == urls[0]}
+    on_last = {r["key"] for r in rows if r["shard"] == urls[-1]}
+    assert on_first and on_last
+    assert all(reasons[key].startswith("shard changed") and "ETag" in reasons[key] for key in on_first)
+    assert all(reasons[key].startswith("shard unreadable") and "not found" in reasons[key] for key in on_last)
+    assert set(served) - {""} == {r["key"] for r in rows} - on_first - on_last
