@@ -13,6 +13,7 @@ $(STAMP): pyproject.toml setup.py $(wildcard protos/packfeed/v1/*.proto)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip setuptools wheel
 	$(PY) -m pip install -q -e '.[dev]'
+	$(VENV)/bin/packfeed warmup  # the planner's kernels compiled and cached once, not by the first plan
 	touch $(STAMP)
 
 demo: $(STAMP)

@@ -19,6 +19,12 @@ COPY client client
 COPY trainer trainer
 # The server side installs without torch: packfeed.trainer / packfeed.client import it only when used.
 RUN pip install --no-deps --no-build-isolation . && cd / && rm -rf /src
+# The planner's kernels compiled into the image once (packfeed.server.plan.warmup), so a new container plans
+# its first job at once. The cache is keyed to a CPU baseline, not to the build machine's CPU, so it stays
+# valid on every host that has it (x86-64-v3: AVX2, every x86 server since 2013; arm64 builds: e.g. generic).
+ARG NUMBA_CPU_NAME=x86-64-v3
+ENV NUMBA_CACHE_DIR=/opt/packfeed/numba-cache NUMBA_CPU_NAME=${NUMBA_CPU_NAME} NUMBA_CPU_FEATURES=
+RUN packfeed warmup
 
 WORKDIR /data
 # Scaled replicas share the host network: each binds the first free port of the ranges and writes the one it

@@ -137,6 +137,13 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(Path(args.out), samples=args.samples, dataset_only=args.dataset_only)
 
 
+def cmd_warmup(args: argparse.Namespace) -> int:
+    from packfeed.server.plan.warmup import warm_up
+
+    print(json.dumps({"warmup_seconds": round(warm_up(), 2)}))
+    return 0
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     import asyncio
 
@@ -271,6 +278,10 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--nproc", type=int, default=0, help="launch this many processes (dp x pp) with torchrun")
     train.add_argument("overrides", nargs="*", help="section.key=value, e.g. parallel.pp=2 data.index=INDEX")
     train.set_defaults(func=cmd_train)
+
+    warmup = sub.add_parser("warmup", help="compile and cache the planner's kernels (run where an image is built or "
+                                           "a venv installed, so a fresh server plans at once)")
+    warmup.set_defaults(func=cmd_warmup)
 
     demo = sub.add_parser("demo", help="build a demo dataset, index it, report and plan")
     demo.add_argument("--out", default="demo-out")

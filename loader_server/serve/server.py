@@ -13,6 +13,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from packfeed.server.cluster.coordinator import CoordinationUnavailable, Coordinator, coordinator_from_url
+from packfeed.server.plan.warmup import warm_up_in_background
 from packfeed.server.serve.config import MixtureSource, ServerConfig, describe
 from packfeed.server.serve.jobs import Dataset
 from packfeed.server.serve.mixture_dataset import MixtureDataset
@@ -66,6 +67,8 @@ async def evict_idle_jobs(service: PackfeedService, idle_s: float) -> None:
 async def serve(config: ServerConfig, ready: asyncio.Event | None = None, stop: asyncio.Event | None = None) -> None:
     """Run the server until SIGTERM/SIGINT (or `stop` is set)."""
     started = time.perf_counter()
+    # The planner's kernels compile (or load from the cache) while the datasets open and clients connect.
+    warm_up_in_background(lambda seconds: log.info("planner ready", extra={"warmup_seconds": round(seconds, 2)}))
     datasets = {name: await asyncio.to_thread(open_dataset, name, source) for name, source in config.datasets.items()}
     pool = WorkerPool(worker_sources(datasets), config.workers)
     metrics = Metrics()

@@ -1,0 +1,60 @@
+"""Compiling the planner's kernels ahead of the first job.
+
+The planner's kernels are numba functions compiled on first use (about 15 CPU seconds) and cached on disk
+(`cache=True`: beside the package, or under NUMBA_CACHE_DIR). A fresh container would pay that before its
+first pack. `warm_up()` plans a small synthetic epoch through every code path, so every kernel is compiled,
+and cached, once: `packfeed warmup` runs it where an image is built or a virtual environment installed, and
+`packfeed serve` runs it in the background at start, so a cold cache costs no job more than what is left.
+
+The cache is valid for the CPU it was compiled for. An image built on one machine and run on others keeps
+it valid with NUMBA_CPU_NAME (e.g. x86-64-v3) and an empty NUMBA_CPU_FEATURES at build and run time
+(docker/server.Dockerfile does).
+"""
+
+from __future__ import annotations
+
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+from packfeed.server.plan.costs import SampleLoads
+from packfeed.server.plan.planner import make_plan
+from packfeed.v1.options import Oversize, PlanConfig, Strategy
+
+# Configurations that reach every kernel: each strategy (the default first: a job arriving during a server's
+# warm-up most likely needs it), pipeline reordering, and each oversize policy.
+_CONFIGS = [PlanConfig(dp=2, microbatches=2, pipeline_stages=2, strategy=strategy)
+            for strategy in (Strategy.ISF_BALANCE, Strategy.ISF, Strategy.RANDOM, Strategy.LENGTH_GROUP)] + \
+           [PlanConfig(dp=2, microbatches=2, strategy=Strategy.ISF_BALANCE, vision_cap=8, token_cap=2048, oversize=oversize)
+            for oversize in (Oversize.SKIP, Oversize.TRUNCATE)]
+
+
+def warm_up() -> float:
+    """Plan a small synthetic dataset with every configuration above; returns the seconds it took."""
+    started = time.perf_counter()
+    rng = np.random.default_rng(0)
+    loads = SampleLoads.from_arrays(rng.integers(0, 13, 512), rng.integers(64, 4096, 512))
+    # An index's columns arrive read-only (views of Arrow memory), which numba compiles for apart
+    read_only = SampleLoads(loads.valid, loads.vision.copy(), loads.tokens.copy(), loads.vit_patches, loads.vit_attn_sq)
+    for column in (read_only.vision, read_only.tokens):
+        column.setflags(write=False)
+    with tempfile.TemporaryDirectory(prefix="packfeed-warmup-") as directory:
+        for config in _CONFIGS:
+            for each in (loads, read_only):
+                make_plan(each, config, seed=0, epoch=0).write(Path(directory) / "plan.parquet")
+    return time.perf_counter() - started
+
+
+def warm_up_in_background(done=None) -> threading.Thread:
+    """warm_up() in a daemon thread; `done(seconds)` is called when it finished."""
+    def run() -> None:
+        seconds = warm_up()
+        if done is not None:
+            done(seconds)
+
+    thread = threading.Thread(target=run, name="packfeed-warmup", daemon=True)
+    thread.start()
+    return thread

@@ -1,0 +1,42 @@
+"""`packfeed warmup` compiles and caches every planner kernel, so a fresh process plans without compiling, and
+`packfeed serve` warms them in the background at start."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+from packfeed.client import LocalServer, PackStream
+
+
+def packfeed(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "packfeed.server.cli", *args], capture_output=True, text=True,
+                          env={**os.environ, **env}, timeout=600)
+
+
+def test_a_warmed_cache_lets_a_fresh_process_plan_without_compiling(tmp_path, small_tile_index):
+    env = {"NUMBA_CACHE_DIR": str(tmp_path / "numba-cache")}
+    assert packfeed("warmup", env=env).returncode == 0
+    for extra in (["--pipeline-stages", "2"], ["--strategy", "length-group"], ["--oversize", "truncate"]):
+        done = packfeed("plan", "--index", str(small_tile_index), "--dp", "2", "--microbatches", "2", *extra,
+                        "--out", str(tmp_path / "plan.parquet"), env={**env, "NUMBA_DEBUG_CACHE": "1"})
+        assert done.returncode in (0, 3), done.stderr[-2000:]
+        log = done.stdout + done.stderr
+        assert "[cache] data loaded" in log and "[cache] data saved" not in log, (extra, log[-3000:])
+
+
+def test_a_cold_cache_compiles_and_the_server_warms_up_at_start(tmp_path, small_tile_index):
+    cold = {"NUMBA_CACHE_DIR": str(tmp_path / "cold"), "NUMBA_DEBUG_CACHE": "1"}
+    done = packfeed("plan", "--index", str(small_tile_index), "--dp", "2", "--out", str(tmp_path / "plan.parquet"),
+                    env=cold)
+    assert "[cache] data saved" in done.stdout + done.stderr  # the control: without warmup it compiles
+    with LocalServer(small_tile_index, workers=1, env={"NUMBA_CACHE_DIR": str(tmp_path / "server")}) as server:
+        with PackStream(server.target, job="warm", rank=0, dp=1, microbatches=1) as stream:
+            assert next(iter(stream)).sample_keys  # a job while the warm-up runs waits for no more than it
+        deadline = time.monotonic() + 300
+        while not any('"planner ready"' in line for line in server.log) and time.monotonic() < deadline:
+            time.sleep(0.5)
+    assert any('"planner ready"' in line for line in server.log), server.log[-5:]
+    assert any(path.suffix == ".nbc" for path in (tmp_path / "server").rglob("*"))
