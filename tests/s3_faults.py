@@ -1,10 +1,10 @@
 """A fault-injecting HTTP proxy for the object-storage tests (run as its own process by tests/s3_server.py):
 
-    python tests/s3_faults.py PORT UPSTREAM EVERY COUNTER_FILE
+    python tests/s3_faults.py PORT UPSTREAM EVERY COUNTER_FILE [DELAY_MS]
 
-Every EVERY-th request gets, in turn: 503 SlowDown, 429 Too Many Requests, or a connection dropped after a
-partial answer. Other requests are forwarded to UPSTREAM unchanged. Each injected fault appends its kind to
-COUNTER_FILE."""
+Every EVERY-th request (none with 0) gets, in turn: 503 SlowDown, 429 Too Many Requests, or a connection
+dropped after a partial answer. Other requests are forwarded to UPSTREAM unchanged, after DELAY_MS (a distant
+store's latency). Each injected fault appends its kind to COUNTER_FILE."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import http.client
 import itertools
 import sys
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import urlsplit
 
@@ -21,6 +22,7 @@ SLOW_DOWN = (b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>SlowDown</Code
 
 def main() -> None:
     port, upstream, every, counter = int(sys.argv[1]), urlsplit(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+    delay = float(sys.argv[5]) / 1000 if len(sys.argv) > 5 else 0.0
     numbers, lock = itertools.count(1), threading.Lock()
     faults = itertools.cycle(["503", "429", "drop"])
 
@@ -32,7 +34,7 @@ def main() -> None:
 
         def _fault(self) -> str | None:
             with lock:
-                if next(numbers) % every:
+                if not every or next(numbers) % every:
                     return None
                 kind = next(faults)
                 with open(counter, "a") as out:
@@ -49,6 +51,7 @@ def main() -> None:
                 self.end_headers()
                 self.wfile.write(SLOW_DOWN)
                 return
+            time.sleep(delay)
             connection = http.client.HTTPConnection(upstream.hostname, upstream.port, timeout=30)
             headers = {k: v for k, v in self.headers.items() if k.lower() not in ("connection", "keep-alive")}
             connection.request(self.command, self.path, body=body if body or self.command in ("PUT", "POST") else None,

@@ -58,11 +58,12 @@ class S3Server:
 
 
 class FaultyProxy:
-    """tests/s3_faults.py in its own process: every `every`-th request is answered 503 SlowDown, 429, or its
-    connection is dropped mid-answer, in turn; the rest go to `upstream`. `count()` says how many were hit."""
+    """tests/s3_faults.py in its own process: every `every`-th request (none with 0) is answered 503 SlowDown,
+    429, or its connection is dropped mid-answer, in turn; the rest go to `upstream` after `delay_ms`.
+    `count()` says how many were hit."""
 
-    def __init__(self, upstream: str, directory: Path, every: int = 4):
-        self.port, self.upstream, self.every = free_port(), upstream, every
+    def __init__(self, upstream: str, directory: Path, every: int = 4, delay_ms: float = 0):
+        self.port, self.upstream, self.every, self.delay_ms = free_port(), upstream, every, delay_ms
         self.counter = Path(directory) / "faults.txt"
         self.process: subprocess.Popen | None = None
 
@@ -73,7 +74,7 @@ class FaultyProxy:
     def start(self) -> FaultyProxy:
         script = Path(__file__).with_name("s3_faults.py")
         self.process = subprocess.Popen([sys.executable, str(script), str(self.port), self.upstream, str(self.every),
-                                         str(self.counter)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                                         str(self.counter), str(self.delay_ms)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         wait_for_port(self.port, self.process)
         return self
 

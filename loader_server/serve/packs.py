@@ -138,9 +138,11 @@ def build_pack(parts: list[tuple[IndexRows, Any, str]], members: np.ndarray, tru
     from packfeed.server.serve.preprocess import SampleSkipped
 
     samples, skipped = [], []
-    for sample_id, limit, source in zip(members.tolist(), truncate_to.tolist(), np.asarray(sources).tolist()):
-        rows, reader, label = parts[source]
-        row = rows.row(sample_id)
+    chosen = [(parts[source], parts[source][0].row(sample_id), limit) for sample_id, limit, source in
+              zip(members.tolist(), truncate_to.tolist(), np.asarray(sources).tolist())]
+    for part in {id(part): part for part, _, _ in chosen}.values():  # object stores: all ranges at once
+        part[1].prefetch([row for other, row, _ in chosen if other is part])
+    for (_, reader, label), row, limit in chosen:
         try:
             sample = replace(reader.load(row), source=label)
         except SampleSkipped as error:

@@ -13,6 +13,7 @@ import io
 import os
 import stat
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -98,6 +99,15 @@ def image_tiles(image: Image.Image, policy: ImagePolicy, n_images: int, pixels: 
     return cut_tiles(_resizer(image, pixels), policy.geometry(image.width, image.height, n_images))
 
 
+# Range requests in flight per worker while a pack's samples are read from an object store (1: one at a time).
+PREFETCH_THREADS = int(os.environ.get("PACKFEED_RANGE_THREADS", "16"))
+
+
+def _spans(row: dict[str, Any]) -> list[tuple[int, int]]:
+    """(offset, size) of the sample's members: its JSON and its images."""
+    return [(row["json_offset"], row["json_size"])] + list(zip(row["image_offsets"], row["image_sizes"]))
+
+
 class SampleReader:
     """Random access to indexed samples. Thread-safe: reads use os.pread on shared descriptors."""
 
@@ -117,8 +127,28 @@ class SampleReader:
         self.shard_root = str(shard_root) if shard_root else None
         self.objects = info.objects or {}  # object-store shards: {url: {size, etag}} as indexed
         self._stamps = StampCache()
+        self._prefetched: dict[str, bytes | SampleSkipped] = {}  # key -> its members' span, read ahead
+        self._fetchers: ThreadPoolExecutor | None = None
         self._descriptors: dict[str, int] = {}
         self._lock = threading.Lock()
+
+    def prefetch(self, rows: list[dict[str, Any]]) -> None:
+        """Read the spans of these samples' members concurrently where they lie in an object store (a range
+        request's latency, tens of ms, would otherwise be paid once per sample in turn); `load` takes them."""
+        self._prefetched.clear()  # what an earlier pack left (a sample it never loaded) goes
+        remote = [row for row in rows if row["valid"] and is_object_url(relocate(row["shard"], self.shard_root))]
+        if len(remote) < 2 or PREFETCH_THREADS < 2:
+            return
+        if self._fetchers is None:
+            self._fetchers = ThreadPoolExecutor(max_workers=PREFETCH_THREADS, thread_name_prefix="packfeed-range")
+
+        def fetch(row: dict[str, Any]) -> bytes | SampleSkipped:
+            try:
+                return self._object_span(row)
+            except SampleSkipped as error:
+                return error
+
+        self._prefetched.update(zip((row["key"] for row in remote), self._fetchers.map(fetch, remote)))
 
     def _reader(self, shard: str, row: dict[str, Any]):
         """read(offset, size) -> bytes for the sample's members: pread on a local shard; on an object, one range
@@ -127,6 +157,17 @@ class SampleReader:
         if not is_object_url(path):
             fd = self._descriptor(path)
             return lambda offset, size: os.pread(fd, size, offset)
+        start = min(_spans(row))[0]
+        data = self._prefetched.pop(row["key"], None) or self._object_span(row)
+        if isinstance(data, SampleSkipped):
+            raise data
+        return lambda offset, size: data[offset - start:offset - start + size]
+
+    def _object_span(self, row: dict[str, Any]) -> bytes:
+        """The bytes from the sample's first member to the end of its last, in one range request, after
+        checking that the object is the one indexed."""
+        shard = row["shard"]
+        path = relocate(shard, self.shard_root)
         try:
             current = self._stamps.get(path)
         except ObjectError as error:
@@ -135,13 +176,12 @@ class SampleReader:
         if path == shard and indexed and (current.size, current.etag) != (indexed["size"], indexed["etag"]):
             raise SampleSkipped(f"shard changed: {path} is now {current.size} bytes, ETag {current.etag!r} (indexed: "
                                 f"{indexed['size']} bytes, ETag {indexed['etag']!r})")
-        spans = [(row["json_offset"], row["json_size"])] + list(zip(row["image_offsets"], row["image_sizes"]))
+        spans = _spans(row)
         start, end = min(o for o, _ in spans), max(o + n for o, n in spans)
         try:
-            data = read_range(path, start, end - start)
+            return read_range(path, start, end - start)
         except ObjectError as error:
             raise SampleSkipped(f"shard unreadable: {error}") from None
-        return lambda offset, size: data[offset - start:offset - start + size]
 
     def _descriptor(self, path: str) -> int:
         """An open descriptor for the shard; a vanished shard raises, a replaced one is reopened. Only regular
@@ -226,6 +266,8 @@ class SampleReader:
             raise SampleSkipped(f"undecodable image ({what}): {describe_error(error)}") from None
 
     def close(self) -> None:
+        if self._fetchers is not None:
+            self._fetchers.shutdown(wait=False)
         with self._lock:
             for fd in self._descriptors.values():
                 os.close(fd)
