@@ -17,7 +17,7 @@ import os
 import time
 import warnings
 from collections import Counter
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -33,6 +33,7 @@ from packfeed.server.index.image_policy import DEFAULT_POLICY, VERIFY_MODES, Ima
 from packfeed.server.index.table import (SCHEMA, IndexInfo, describe_error, fingerprint_table, member_checksum,
                                          reason_category, write_index)
 from packfeed.v1.pixels import oriented_size
+from packfeed.server.index.parts import config_digest, load_part, parts_directory, remove_stale_parts, save_part, shard_version
 from packfeed.server.index.shards import RawSample, ShardError, expand_shards, is_compressed, iter_samples
 from packfeed.server.index.storage import ObjectError, Stamp, is_object_url, stamp
 
@@ -232,6 +233,7 @@ class IndexResult:
     valid: int
     seconds: float
     core_seconds: float
+    reused: int = 0  # shards whose kept part was taken as it was (unchanged since an earlier run)
 
     @property
     def skipped_anything(self) -> bool:
@@ -240,7 +242,8 @@ class IndexResult:
     def summary(self) -> dict[str, Any]:
         return {"index": self.out, "fingerprint": self.info.fingerprint, "rows": self.rows, "valid": self.valid,
                 "invalid": self.rows - self.valid, "invalid_by_reason": self.info.invalid_by_reason,
-                "shard_errors": self.info.skipped_shards, "seconds": round(self.seconds, 3),
+                "shard_errors": self.info.skipped_shards, "shards_reused": self.reused,
+                "seconds": round(self.seconds, 3),
                 "rows_per_second": round(self.rows / max(self.seconds, 1e-9), 1),
                 "rows_per_second_per_core": round(self.rows / max(self.core_seconds, 1e-9), 1)}
 
@@ -252,19 +255,18 @@ def build_index(specs: list[str], out: str | Path, config: IndexConfig, workers:
     if not urls:
         raise ValueError("no shards given")
     config, tokenizer_record = config.with_tokenizer_for(out)
-    workers = max(1, min(workers or os.cpu_count() or 1, len(urls)))
-    bar = tqdm(total=len(urls), unit="shard", desc="indexing", disable=not progress)
-    results: list[ShardResult] = []
-    if workers == 1:
-        for url in urls:
-            results.append(index_shard(url, config))
-            bar.update(1)
-    else:
-        with ProcessPoolExecutor(max_workers=workers) as pool:
-            for result in pool.map(index_shard, urls, [config] * len(urls)):
-                results.append(result)
-                bar.update(1)
+    parts, digest = parts_directory(out), config_digest(config.to_fingerprint_dict())
+    with ThreadPoolExecutor(max_workers=16) as pool:  # a HEAD per object: many at once
+        versions = dict(zip(urls, pool.map(shard_version, urls)))
+    kept = {url: load_part(parts, url, versions[url], digest) for url in urls}
+    pending = [url for url in urls if kept[url] is None]
+    bar = tqdm(total=len(urls), initial=len(urls) - len(pending), unit="shard", desc="indexing", disable=not progress)
+    fresh = _index_shards(pending, config, workers, bar)
     bar.close()
+    for url, result in fresh.items():  # kept before duplicates across shards are marked: those depend on the others
+        save_part(parts, result, versions[url], digest)
+    remove_stale_parts(parts, urls)
+    results = [kept[url] or fresh[url] for url in urls]
 
     _mark_duplicates_across_shards(results)
     table = _rows_to_table(results)
@@ -279,11 +281,27 @@ def build_index(specs: list[str], out: str | Path, config: IndexConfig, workers:
         objects={r.url: r.stamp.to_dict() for r in results if r.stamp} or None,
     )
     seconds = time.perf_counter() - started
-    core_seconds = sum(r.seconds for r in results)
+    core_seconds = sum(r.seconds for r in fresh.values())
     info.rows_per_second = round(table.num_rows / max(seconds, 1e-9), 1)
     write_index(table, out, info)
     valid = int(np.count_nonzero(table.column("valid").to_numpy(zero_copy_only=False)))
-    return IndexResult(str(out), info, table.num_rows, valid, seconds, core_seconds)
+    return IndexResult(str(out), info, table.num_rows, valid, seconds, core_seconds, len(urls) - len(pending))
+
+
+def _index_shards(urls: list[str], config: IndexConfig, workers: int | None, bar) -> dict[str, ShardResult]:
+    """Index these shards, in parallel processes; {url: result}."""
+    results: dict[str, ShardResult] = {}
+    workers = max(1, min(workers or os.cpu_count() or 1, len(urls) or 1))
+    if workers == 1:
+        for url in urls:
+            results[url] = index_shard(url, config)
+            bar.update(1)
+        return results
+    with ProcessPoolExecutor(max_workers=workers) as pool:
+        for url, result in zip(urls, pool.map(index_shard, urls, [config] * len(urls))):
+            results[url] = result
+            bar.update(1)
+    return results
 
 
 def _mark_duplicates_across_shards(results: list[ShardResult]) -> None:
