@@ -68,7 +68,7 @@ def cmd_index(args: argparse.Namespace) -> int:
     from packfeed.server.index.indexer import IndexConfig, build_index
 
     config = IndexConfig.from_args(args)
-    result = build_index(args.shards, args.out, config, workers=args.workers, progress=not args.quiet)
+    result = build_index(args.shards, args.out, config, workers=args.workers, progress=not args.quiet, ray=args.ray)
     print(json.dumps(result.summary()))
     return EXIT_SKIPPED if result.skipped_anything else EXIT_OK
 
@@ -215,6 +215,8 @@ def build_parser() -> argparse.ArgumentParser:
     index.add_argument("--out", required=True, help="output INDEX.parquet")
     index.add_argument("--workers", type=int, default=None, help="parallel shard readers (default: CPU count)")
     index.add_argument("--quiet", action="store_true", help="no progress bar")
+    index.add_argument("--ray", metavar="ADDRESS", help="index shards as tasks on the Ray cluster at ADDRESS "
+                                                        "(host:port), or 'local' for a Ray instance of this run")
     add_index_options(index)
     index.set_defaults(func=cmd_index)
 

@@ -249,7 +249,10 @@ class IndexResult:
 
 
 def build_index(specs: list[str], out: str | Path, config: IndexConfig, workers: int | None = None,
-                progress: bool = True) -> IndexResult:
+                progress: bool = True, ray: str | None = None) -> IndexResult:
+    """Index the shards `specs` names into `out`. `ray`: run the per-shard work as tasks on the Ray cluster at
+    this address ("local": a Ray instance started for this run) instead of local processes; the index is the
+    same either way."""
     started = time.perf_counter()
     urls = expand_shards(specs)
     if not urls:
@@ -261,7 +264,7 @@ def build_index(specs: list[str], out: str | Path, config: IndexConfig, workers:
     kept = {url: load_part(parts, url, versions[url], digest) for url in urls}
     pending = [url for url in urls if kept[url] is None]
     bar = tqdm(total=len(urls), initial=len(urls) - len(pending), unit="shard", desc="indexing", disable=not progress)
-    fresh = _index_shards(pending, config, workers, bar)
+    fresh = _index_shards_on_ray(pending, config, ray, bar) if ray else _index_shards(pending, config, workers, bar)
     bar.close()
     for url, result in fresh.items():  # kept before duplicates across shards are marked: those depend on the others
         save_part(parts, result, versions[url], digest)
@@ -302,6 +305,40 @@ def _index_shards(urls: list[str], config: IndexConfig, workers: int | None, bar
             results[url] = result
             bar.update(1)
     return results
+
+
+RAY_TASK_RETRIES = 3  # a task whose worker died (killed, out of memory, a crashing decoder) runs again
+
+
+def _index_shards_on_ray(urls: list[str], config: IndexConfig, address: str, bar) -> dict[str, ShardResult]:
+    """Index these shards as Ray tasks, one per shard; {url: result}. The cluster's workers must be able to
+    import Packfeed (the same environment, or a runtime_env that installs it) and to read the shards."""
+    try:
+        import ray
+    except ImportError:
+        raise ValueError("--ray needs Ray: pip install 'packfeed[ray]'") from None
+    if not urls:
+        return {}
+    # "local" starts a Ray instance of our own (None would join any cluster `ray start` left on this machine)
+    ray.init(address=address, ignore_reinit_error=True, log_to_driver=False, include_dashboard=False)
+    try:
+        task = ray.remote(max_retries=RAY_TASK_RETRIES)(index_shard)
+        config_ref = ray.put(config)
+        running = {task.remote(url, config_ref): url for url in urls}
+        results: dict[str, ShardResult] = {}
+        while running:
+            done, _ = ray.wait(list(running), num_returns=1)
+            for ref in done:
+                url = running.pop(ref)
+                try:
+                    results[url] = ray.get(ref)
+                except ray.exceptions.RayError as error:  # retries spent: report the shard, keep the others
+                    results[url] = ShardResult(url, [], f"the Ray task failed: {type(error).__name__}: "
+                                                         f"{str(error).splitlines()[0]}", 0.0)
+                bar.update(1)
+        return results
+    finally:
+        ray.shutdown()
 
 
 def _mark_duplicates_across_shards(results: list[ShardResult]) -> None:
