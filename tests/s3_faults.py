@@ -3,7 +3,7 @@
     python tests/s3_faults.py PORT UPSTREAM EVERY COUNTER_FILE [DELAY_MS]
 
 Every EVERY-th request (none with 0) gets, in turn: 503 SlowDown, 429 Too Many Requests, or a connection
-dropped after a partial answer. Other requests are forwarded to UPSTREAM unchanged, after DELAY_MS (a distant
+dropped after a partial answer (and each range GET appends "range"). Other requests are forwarded to UPSTREAM unchanged, after DELAY_MS (a distant
 store's latency). Each injected fault appends its kind to COUNTER_FILE."""
 
 from __future__ import annotations
@@ -43,6 +43,9 @@ def main() -> None:
 
         def _handle(self) -> None:
             body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            if self.command == "GET" and self.headers.get("Range"):
+                with lock, open(counter, "a") as out:
+                    out.write("range\n")  # every range request, to count what a cache saves
             kind = self._fault()
             if kind in ("503", "429"):
                 self.send_response(int(kind))

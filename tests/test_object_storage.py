@@ -136,3 +136,28 @@ def test_an_overwritten_or_deleted_object_is_detected(s3, demo_dataset, tmp_path
     assert all(reasons[key].startswith("shard changed") and "ETag" in reasons[key] for key in on_first)
     assert all(reasons[key].startswith("shard unreadable") and "not found" in reasons[key] for key in on_last)
     assert set(served) - {""} == {r["key"] for r in rows} - on_first - on_last
+
+
+def test_a_range_cache_serves_later_epochs_from_local_disk_within_its_limit(s3, demo_dataset, tmp_path):
+    upload(s3, demo_dataset.shards, "cached/demo")
+    index = tmp_path / "cached.parquet"
+    build_index(["s3://cached/demo/*.tar"], index, index_config(demo_dataset), workers=1, progress=False)
+    proxy = FaultyProxy(s3.endpoint, tmp_path, every=0).start()  # counts range requests, injects nothing
+    cache, small = tmp_path / "ranges", tmp_path / "small-ranges"
+    try:
+        with LocalServer(index, workers=1, env={**proxy.env, "PACKFEED_RANGE_CACHE_DIR": str(cache)}) as server:
+            first = epoch(server.target, "first", dp=1)
+            after_first = proxy.count().get("range", 0)
+            second = epoch(server.target, "second", dp=1)  # the same plan: the same samples again
+            after_second = proxy.count().get("range", 0)
+        with LocalServer(index, workers=1, env={**proxy.env, "PACKFEED_RANGE_CACHE_DIR": str(small),
+                                                "PACKFEED_RANGE_CACHE_MB": "1"}) as server:
+            epoch(server.target, "limited", dp=1)
+    finally:
+        proxy.stop()
+    assert after_first > 40 and after_second == after_first  # the second epoch made no range request
+    assert set(first) == set(second) and all(
+        all(torch.equal(a, b) for a, b in zip(first[key], second[key])) for key in first if key)
+    assert any(cache.rglob("*"))
+    held = sum(path.stat().st_size for path in small.rglob("*") if path.is_file())
+    assert 0 < held <= 1.2 * (1 << 20)  # the least recently used ranges went

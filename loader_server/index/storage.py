@@ -11,17 +11,20 @@ Credentials come from each cloud's standard environment and configuration (AWS_*
 store. Every request is retried with exponential backoff and full jitter (0.1 s doubling, at most 5 s) on
 throttling (429, 503 SlowDown), timeouts and dropped connections, `PACKFEED_OBJECT_ATTEMPTS` times (default 6);
 S3 requests also go through botocore's standard retries (`PACKFEED_S3_ATTEMPTS`, default 3) over a pool of
-`PACKFEED_S3_CONNECTIONS` connections (default 64).
+`PACKFEED_S3_CONNECTIONS` connections (default 64). With `PACKFEED_RANGE_CACHE_DIR` set, ranges read are kept
+on local disk (`RangeCache`, at most `PACKFEED_RANGE_CACHE_MB`) for later epochs.
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
 import os
 import random
 import threading
 import time
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 OBJECT_SCHEMES = ("s3://", "gs://", "gcs://", "az://", "abfs://", "http://", "https://")
 _EXTRAS = {"s3": "s3", "gs": "gcs", "gcs": "gcs", "az": "azure", "abfs": "azure", "http": "http", "https": "http"}
@@ -114,7 +117,10 @@ class Stamp:
 
 
 def stamp(url: str) -> Stamp:
-    info = _call(url, "reading the metadata of", filesystem(url).info, url)
+    """The object's current size and ETag, asked of the store (never a listing cached earlier)."""
+    fs = filesystem(url)
+    fs.invalidate_cache(url)
+    info = _call(url, "reading the metadata of", fs.info, url)
     etag = info.get("ETag") or info.get("etag") or info.get("md5Hash") or ""
     return Stamp(int(info.get("size") or 0), str(etag).strip('"'))
 
@@ -124,9 +130,87 @@ def open_object(url: str, block_size: int = 8 << 20):
     return _call(url, "opening", filesystem(url).open, url, "rb", block_size=block_size, cache_type="readahead")
 
 
-def read_range(url: str, offset: int, size: int) -> bytes:
-    """`size` bytes at `offset`: one range request (retried by the backend)."""
-    return _call(url, "reading", filesystem(url).cat_file, url, start=offset, end=offset + size)
+def read_range(url: str, offset: int, size: int, version: str = "") -> bytes:
+    """`size` bytes at `offset`: one range request, or the local range cache when one is configured and holds
+    them for this `version` (the object's ETag) of the object."""
+    cache = range_cache()
+    if cache is not None and version:
+        cached = cache.get(url, version, offset, size)
+        if cached is not None:
+            return cached
+    data = _call(url, "reading", filesystem(url).cat_file, url, start=offset, end=offset + size)
+    if cache is not None and version and len(data) == size:
+        cache.put(url, version, offset, data)
+    return data
+
+
+class RangeCache:
+    """Byte ranges of objects kept on local disk, at most `max_bytes` (the least recently used go first), for
+    the epochs after the first. Shared by the processes of a server (files written under a temporary name, then
+    renamed); keyed by the object's version, so a changed object is read afresh."""
+
+    def __init__(self, directory: str | os.PathLike, max_bytes: int):
+        self.directory, self.max_bytes = Path(directory), max_bytes
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self._written = 0  # bytes this process added since it last counted the directory
+        self._lock = threading.Lock()
+
+    def _path(self, url: str, version: str, offset: int, size: int) -> Path:
+        key = hashlib.sha256(f"{url}\0{version}\0{offset}\0{size}".encode()).hexdigest()[:40]
+        return self.directory / key[:2] / key
+
+    def get(self, url: str, version: str, offset: int, size: int) -> bytes | None:
+        path = self._path(url, version, offset, size)
+        try:
+            data = path.read_bytes()
+            os.utime(path)  # recently used
+        except OSError:
+            return None
+        return data if len(data) == size else None
+
+    def put(self, url: str, version: str, offset: int, data: bytes) -> None:
+        if len(data) > self.max_bytes:
+            return
+        path = self._path(url, version, offset, len(data))
+        try:
+            path.parent.mkdir(exist_ok=True)
+            partial = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.partial")
+            partial.write_bytes(data)
+            os.replace(partial, path)
+        except OSError:
+            return  # a full or read-only disk: the cache is an optimisation, reading goes on without it
+        with self._lock:
+            self._written += len(data)
+            if self._written < self.max_bytes // 10:
+                return
+            self._written = 0
+        self.trim()
+
+    def trim(self) -> None:
+        """Remove the least recently used ranges until the cache holds at most 90% of its limit."""
+        entries = []
+        for path in self.directory.glob("*/*"):
+            try:
+                status = path.stat()
+            except OSError:
+                continue
+            entries.append((status.st_mtime_ns, status.st_size, path))
+        total = sum(size for _, size, _ in entries)
+        for _, size, path in sorted(entries):
+            if total <= self.max_bytes * 0.9:
+                break
+            path.unlink(missing_ok=True)
+            total -= size
+
+
+@functools.lru_cache(maxsize=None)
+def _range_cache(directory: str, megabytes: str) -> RangeCache | None:
+    return RangeCache(directory, int(megabytes) << 20) if directory else None
+
+
+def range_cache() -> RangeCache | None:
+    """The cache `PACKFEED_RANGE_CACHE_DIR` names (limit `PACKFEED_RANGE_CACHE_MB`, default 10240), or None."""
+    return _range_cache(os.environ.get("PACKFEED_RANGE_CACHE_DIR", ""), os.environ.get("PACKFEED_RANGE_CACHE_MB", "10240"))
 
 
 def relocate(shard: str, root: str | None) -> str:

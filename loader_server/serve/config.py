@@ -21,12 +21,14 @@
     job_idle_s: 3600            # a job without streams or calls for this long is forgotten
     prepare_timeout_s: 300      # a step stuck in preparation this long fails its stream (the client retries)
     max_skipped_fraction: 0.5   # a step that loses more of its samples fails loudly (FAILED_PRECONDITION)
+    range_cache_dir: /cache/ranges  # object-store shards: ranges kept on local disk for later epochs
+    range_cache_mb: 10240
     datasets:
       demo:
         index: /data/demo/index.parquet
         tokenizer: /data/demo/tokenizer.json   # default: the path recorded in the index
         shard_root: /data/demo/shards          # default: the shard paths recorded in the index
-        pixels: exact                          # exact (as the HF processors) or fast (OpenCV, bounded error)
+        pixels: exact                          # exact (as the HF processors), fast (OpenCV) or encoded
       sft-mix:
         mixture: /data/sft-mix.yaml            # a mixture of indexes, served under this name
         pixels: fast
@@ -35,7 +37,8 @@ Environment: PACKFEED_LISTEN, PACKFEED_METRICS_PORT, PACKFEED_WORKERS, PACKFEED_
 PACKFEED_MEMORY_BUDGET_MB, PACKFEED_MAX_MESSAGE_MB, PACKFEED_PACK_PART_KB, PACKFEED_AUTH_TOKEN, PACKFEED_REDIS_URL,
 PACKFEED_REDIS_PASSWORD, PACKFEED_ADVERTISE, PACKFEED_LEASE_TTL_S, PACKFEED_TLS_CERT, PACKFEED_TLS_KEY,
 PACKFEED_TLS_CLIENT_CA, PACKFEED_MAX_STREAMS_PER_CLIENT, PACKFEED_ADDRESS_FILE, PACKFEED_MAX_JOBS,
-PACKFEED_JOB_IDLE_S, PACKFEED_PREPARE_TIMEOUT_S, PACKFEED_MAX_SKIPPED_FRACTION, and for a single dataset
+PACKFEED_JOB_IDLE_S, PACKFEED_PREPARE_TIMEOUT_S, PACKFEED_MAX_SKIPPED_FRACTION, PACKFEED_RANGE_CACHE_DIR,
+PACKFEED_RANGE_CACHE_MB, and for a single dataset
 PACKFEED_INDEX / PACKFEED_TOKENIZER / PACKFEED_SHARD_ROOT. Image policy and chat template always come from
 the index: they decided the token counts the plan balances, so serving with others would break it.
 """
@@ -91,6 +94,9 @@ class ServerConfig:
     job_idle_s: float = 3600.0  # a job without streams or calls for this long is forgotten (re-opened on demand)
     prepare_timeout_s: float = 300.0  # a step whose preparation takes longer fails its stream (UNAVAILABLE)
     max_skipped_fraction: float = 0.5  # a step losing more of its samples than this fails loudly
+    # Object-store shards: ranges read kept on local disk for later epochs ("" = no cache), at most this much.
+    range_cache_dir: str = ""
+    range_cache_mb: int = 10240
     datasets: dict[str, DatasetSource | MixtureSource] = field(default_factory=dict)
 
     def validate(self) -> "ServerConfig":

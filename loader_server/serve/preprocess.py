@@ -179,7 +179,7 @@ class SampleReader:
         spans = _spans(row)
         start, end = min(o for o, _ in spans), max(o + n for o, n in spans)
         try:
-            return read_range(path, start, end - start)
+            return read_range(path, start, end - start, current.etag)
         except ObjectError as error:
             raise SampleSkipped(f"shard unreadable: {error}") from None
 

@@ -4,6 +4,7 @@ reflection), the metrics endpoint and the coordinator, and run until SIGTERM/SIG
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 import time
 from pathlib import Path
@@ -69,6 +70,8 @@ async def serve(config: ServerConfig, ready: asyncio.Event | None = None, stop: 
     started = time.perf_counter()
     # The planner's kernels compile (or load from the cache) while the datasets open and clients connect.
     warm_up_in_background(lambda seconds: log.info("planner ready", extra={"warmup_seconds": round(seconds, 2)}))
+    if config.range_cache_dir:  # read by the storage layer of this process and of the workers it starts
+        os.environ.update(PACKFEED_RANGE_CACHE_DIR=config.range_cache_dir, PACKFEED_RANGE_CACHE_MB=str(config.range_cache_mb))
     datasets = {name: await asyncio.to_thread(open_dataset, name, source) for name, source in config.datasets.items()}
     pool = WorkerPool(worker_sources(datasets), config.workers)
     metrics = Metrics()
