@@ -32,10 +32,12 @@ _STREAM_ISF, _STREAM_STEPS, _STREAM_RANKS, _STREAM_BATCHES = 1, 2, 3, 4
 
 
 def make_plan(loads: SampleLoads, config: PlanConfig, seed: int, epoch: int, index_fingerprint: str = "",
-              caps: Caps | None = None) -> Plan:
-    """Plan one epoch. `caps` short-circuits the automatic search (e.g. reuse it across epochs)."""
+              caps: Caps | None = None, window: int | None = None) -> Plan:
+    """Plan one epoch. `caps` short-circuits the automatic search (e.g. reuse it across epochs). `window`: these
+    loads are one window of an epoch planned window by window (`packfeed.server.plan.windows`), which draws
+    randomness of its own."""
     started = time.perf_counter()
-    seeds = np.random.SeedSequence([seed, epoch])
+    seeds = np.random.SeedSequence([seed, epoch] + ([] if window is None else [window]))
     streams = {k: np.random.default_rng(s) for k, s in zip(
         (_STREAM_ISF, _STREAM_STEPS, _STREAM_RANKS, _STREAM_BATCHES), seeds.spawn(4))}
     oversize = np.empty(0, dtype=np.int64)

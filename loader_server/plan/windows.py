@@ -1,0 +1,160 @@
+"""Windowed planning: an epoch planned window by window, so planning starts at once and holds a window, not the
+epoch, whatever the dataset's size.
+
+The epoch's order is an affine permutation of the sample ids, `i -> (a*i + b) mod n` with `a` coprime to `n`,
+both drawn from (seed, epoch): window `w` is the samples at positions `[w*W, (w+1)*W)` of it, computed without
+materialising the permutation (a window spreads evenly over the whole dataset, so each mixes every part of
+it). Each window is planned by `make_plan` on its own samples (ISF, balanced steps, LPT over ranks, 1F1B
+order), with caps searched once per epoch on window 0 and randomness of its own; its steps follow the steps
+of the window before.
+
+Guarantees: every valid sample is in exactly one window, so exactly once per epoch (as in whole-epoch
+planning, save what the `skip` policy drops); window `w`'s plan is a pure function of (index, config, seed,
+epoch, window size, w), so every server computes the same plan. The cost: each window's last step may hold
+lighter (or empty, flagged) packs, as the epoch's last step does in whole-epoch planning; BENCHMARKS
+"Windowed planning" measures the balance.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import replace
+
+import numpy as np
+
+from packfeed.server.plan.costs import SampleLoads
+from packfeed.server.plan.isf import Caps
+from packfeed.server.plan.plan_file import Plan
+from packfeed.server.plan.planner import make_plan, resolve_caps
+from packfeed.v1.options import PlanConfig
+
+DEFAULT_WINDOW = 4_000_000  # samples per window: planned in a few seconds, held in a few hundred MB
+
+
+def affine_order(n: int, seed: int, epoch: int) -> tuple[int, int]:
+    """(a, b) of the epoch's permutation `i -> (a*i + b) mod n`, `a` coprime to n."""
+    if n <= 1:
+        return 1, 0
+    rng = np.random.default_rng(np.random.SeedSequence([seed, epoch, 0x57A1D]))
+    while True:
+        a = int(rng.integers(1, n))
+        if math.gcd(a, n) == 1:
+            return a, int(rng.integers(0, n))
+
+
+def window_members(valid: np.ndarray, seed: int, epoch: int, window: int, size: int) -> np.ndarray:
+    """The valid sample ids of one window, in the epoch's order (int64)."""
+    n = len(valid)
+    a, b = affine_order(n, seed, epoch)
+    positions = np.arange(window * size, min((window + 1) * size, n), dtype=np.int64)
+    ids = (positions * a + b) % n  # a * position < 2^63 for n below about 3e9
+    return ids[valid[ids]]
+
+
+class WindowedPlan:
+    """An epoch's plan, window by window: steps are global (window 0's first, then window 1's, ...). A window
+    is planned when a step of it is first asked for, and the next one in the background meanwhile; at most
+    `keep` windows are held."""
+
+    def __init__(self, loads: SampleLoads, config: PlanConfig, seed: int, epoch: int, size: int = DEFAULT_WINDOW,
+                 index_fingerprint: str = "", caps: Caps | None = None, keep: int = 2):
+        if size < 1:
+            raise ValueError("window size must be at least one sample")
+        self.loads, self.config, self.seed, self.epoch, self.size = loads, config, seed, epoch, size
+        self.index_fingerprint, self.keep = index_fingerprint, max(2, keep)
+        self.n_windows = max(1, math.ceil(len(loads) / size))
+        self._caps = caps
+        self._plans: dict[int, Plan] = {}
+        self._first_steps = [0]  # first global step of each window planned so far, then where the next starts
+        self._lock = threading.RLock()
+        self._ahead = ThreadPoolExecutor(max_workers=1, thread_name_prefix="packfeed-window")
+        self._next: tuple[int, Future] | None = None
+
+    @property
+    def caps(self) -> Caps | None:
+        """Searched once per epoch, on window 0's samples (padded strategies: none)."""
+        if self._caps is None and not self.config.strategy.padded:
+            first = self._subset(0)[1]
+            self._caps = resolve_caps(first, self.config)
+        return self._caps
+
+    def _subset(self, window: int) -> tuple[np.ndarray, SampleLoads]:
+        ids = window_members(self.loads.valid, self.seed, self.epoch, window, self.size)
+        subset = SampleLoads(np.ones(len(ids), dtype=bool), self.loads.vision[ids], self.loads.tokens[ids],
+                             self.loads.vit_patches[ids], self.loads.vit_attn_sq[ids])
+        return ids, subset
+
+    def _plan_window(self, window: int) -> Plan:
+        ids, subset = self._subset(window)
+        local = make_plan(subset, self.config, self.seed, self.epoch, self.index_fingerprint, self.caps, window)
+        return replace(local, members=ids[local.members], oversize=ids[local.oversize])
+
+    def window(self, window: int) -> Plan:
+        """Window `window`'s plan (sample ids global, steps local). Windows are first planned in order (a
+        window's first step is where the one before ends); one dropped from memory is planned again."""
+        with self._lock:
+            while len(self._first_steps) - 1 <= window:
+                planned = len(self._first_steps) - 1
+                plan = self._take_ahead(planned) or self._plan_window(planned)
+                self._first_steps.append(self._first_steps[-1] + plan.n_steps)
+                self._remember(planned, plan)
+            if window not in self._plans:
+                self._remember(window, self._take_ahead(window) or self._plan_window(window))
+            plan = self._plans.pop(window)
+            self._plans[window] = plan  # most recently used last
+            following = window + 1
+            if following < self.n_windows and following not in self._plans and self._next is None:
+                self._next = (following, self._ahead.submit(self._plan_window, following))
+            return plan
+
+    def _remember(self, window: int, plan: Plan) -> None:
+        self._plans[window] = plan
+        while len(self._plans) > self.keep:
+            del self._plans[next(iter(self._plans))]  # the least recently used
+
+    def _take_ahead(self, window: int) -> Plan | None:
+        if self._next is not None and self._next[0] == window:
+            future, self._next = self._next[1], None
+            return future.result()
+        return None
+
+    def locate(self, step: int) -> tuple[int, Plan, int]:
+        """(window, its plan, step within it) of a global step; IndexError past the epoch's last step."""
+        if step < 0:
+            raise IndexError(f"step {step} is negative")
+        with self._lock:
+            for window in range(self.n_windows):
+                if window + 1 >= len(self._first_steps):
+                    self.window(window)
+                if step < self._first_steps[window + 1]:
+                    return window, self.window(window), step - self._first_steps[window]
+        raise IndexError(f"step {step} is past the epoch's last step")
+
+    def is_last_step(self, step: int) -> bool:
+        window, plan, local = self.locate(step)
+        if local != plan.n_steps - 1:
+            return False
+        return all(self.window(later).n_steps == 0 for later in range(window + 1, self.n_windows))
+
+    def pack_with_truncation(self, step: int, rank: int, microbatch: int) -> tuple[np.ndarray, np.ndarray]:
+        _, plan, local = self.locate(step)
+        return plan.pack_with_truncation(local, rank, microbatch)
+
+    def step_members(self, step: int) -> np.ndarray:
+        _, plan, local = self.locate(step)
+        return plan.step_members(local)
+
+    @property
+    def n_steps(self) -> int:
+        """Steps of the whole epoch: known once every window is planned (this plans them)."""
+        self.locate_all()
+        return self._first_steps[-1]
+
+    def locate_all(self) -> None:
+        for window in range(self.n_windows):
+            self.window(window)
+
+    def close(self) -> None:
+        self._ahead.shutdown(wait=False, cancel_futures=True)

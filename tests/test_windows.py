@@ -1,0 +1,64 @@
+"""Windowed planning: exactly once per epoch, the same plan however it is walked (and on every server), each
+window from its own part of the epoch's permutation."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from packfeed.server.plan.costs import SampleLoads
+from packfeed.server.plan.windows import WindowedPlan, affine_order, window_members
+from packfeed.v1.options import PlanConfig, Strategy
+
+
+def synthetic_loads(n: int, seed: int = 0) -> SampleLoads:
+    rng = np.random.default_rng(seed)
+    valid = rng.random(n) > 0.03
+    return SampleLoads.from_arrays(rng.integers(0, 13, n), rng.integers(64, 4096, n), valid)
+
+
+def walk(plan: WindowedPlan) -> list[list[np.ndarray]]:
+    """Every step's packs, in order, until the epoch ends."""
+    steps, step = [], 0
+    while True:
+        try:
+            steps.append([plan.pack_with_truncation(step, r, m)[0].copy() for r in range(plan.config.dp)
+                          for m in range(plan.config.microbatches)])
+        except IndexError:
+            return steps
+        step += 1
+
+
+@pytest.mark.parametrize("strategy", [Strategy.ISF_BALANCE, Strategy.RANDOM])
+def test_every_valid_sample_exactly_once(strategy):
+    loads = synthetic_loads(10_000)
+    plan = WindowedPlan(loads, PlanConfig(dp=2, microbatches=2, strategy=strategy), seed=3, epoch=1, size=1_500)
+    steps = walk(plan)
+    members = np.concatenate([pack for step in steps for pack in step])
+    assert np.array_equal(np.sort(members), np.flatnonzero(loads.valid))
+    assert plan.n_windows == 7 and len(steps) == plan.n_steps
+    assert plan.is_last_step(len(steps) - 1) and not plan.is_last_step(len(steps) - 2)
+
+
+def test_the_same_plan_however_it_is_walked():
+    loads = synthetic_loads(8_000, seed=1)
+    config = PlanConfig(dp=4, microbatches=2, pipeline_stages=2)
+    in_order = walk(WindowedPlan(loads, config, seed=5, epoch=0, size=1_000))
+    other = WindowedPlan(loads, config, seed=5, epoch=0, size=1_000, keep=2)  # another server, jumping about
+    last = len(in_order) - 1
+    for step in (last, 0, last // 2, 1, last):
+        assert all(np.array_equal(a, other.pack_with_truncation(step, r, m)[0])
+                   for (r, m), a in zip(((r, m) for r in range(4) for m in range(2)), in_order[step]))
+    another_epoch = walk(WindowedPlan(loads, config, seed=5, epoch=1, size=1_000))
+    assert not all(np.array_equal(a, b) for a, b in zip(in_order[0], another_epoch[0]))
+
+
+def test_windows_partition_the_epoch():
+    valid = synthetic_loads(9_973).valid  # a prime: every a in [1, n) is coprime
+    windows = [window_members(valid, 7, 2, w, 1_000) for w in range(10)]
+    together = np.concatenate(windows)
+    assert len(together) == len(np.unique(together)) == valid.sum()
+    a, b = affine_order(len(valid), 7, 2)
+    assert (a, b) != affine_order(len(valid), 7, 3)  # each epoch its own order
+    spread = [np.ptp(w) for w in windows[:-1]]
+    assert min(spread) > 0.9 * len(valid)  # a window spans the whole dataset, not a slice of it
