@@ -87,12 +87,16 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     if bool(args.index) == bool(args.mixture):
         raise ValueError("give --index INDEX or --mixture MIXTURE.yaml")
+    if args.mixture and plan_config_of(args).window:
+        raise ValueError("--window is not available for mixtures yet")
     if args.mixture:
         from packfeed.server.plan.mixture import Mixture, MixtureLoads, make_mixture_plan
 
         mixture = MixtureLoads(Mixture.load(args.mixture))
         plan = make_mixture_plan(mixture, plan_config_of(args), args.seed, args.epoch)
         loads = plan.rows.loads
+    elif plan_config_of(args).window:
+        return _plan_windows(args)
     else:
         loads, info = load_sample_loads(args.index)
         plan = make_plan(loads, plan_config_of(args), args.seed, args.epoch, info.fingerprint)
@@ -108,12 +112,50 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _plan_windows(args: argparse.Namespace) -> int:
+    """`packfeed plan --window N`: plan every window (as a server would, one after another) and summarise the
+    epoch: steps, balance over all of them, the time to the first window. No plan file: a windowed plan is
+    made window by window where it is served."""
+    import time
+
+    import numpy as np
+
+    from packfeed.server.plan.costs import load_sample_loads
+    from packfeed.server.plan.metrics import dist_ratio
+    from packfeed.server.plan.windows import WindowedPlan
+
+    if args.out:
+        raise ValueError("--out writes whole-epoch plans; a windowed plan (--window) is planned where it is served")
+    loads, info = load_sample_loads(args.index)
+    config = plan_config_of(args)
+    started = time.perf_counter()
+    plan = WindowedPlan(loads, config, args.seed, args.epoch, config.window, info.fingerprint)
+    first = plan.window(0)
+    first_seconds = time.perf_counter() - started
+    windows = [first] + [plan.window(w) for w in range(1, plan.n_windows)]
+    shape = (-1, config.dp, config.microbatches)
+    vit = np.concatenate([w.pack_loads(loads)[0].reshape(shape).sum(axis=2) for w in windows])
+    llm = np.concatenate([w.pack_loads(loads)[1].reshape(shape).sum(axis=2) for w in windows])
+    print(json.dumps({"strategy": config.strategy.value, "window": config.window, "windows": plan.n_windows,
+                      "samples": int(sum(len(w.members) for w in windows)), "steps": plan.steps_known,
+                      "vit_dist": round(dist_ratio(vit), 6), "llm_dist": round(dist_ratio(llm), 6),
+                      "caps": dataclasses.asdict(plan.caps) if plan.caps else None,
+                      "first_window_seconds": round(first_seconds, 3),
+                      "planning_seconds": round(time.perf_counter() - started, 3),
+                      "plan_fingerprint": plan.fingerprint()}))
+    plan.close()
+    return EXIT_OK
+
+
 def cmd_stats(args: argparse.Namespace) -> int:
     from packfeed.server.tools.stats import mixture_input, write_report
 
     if bool(args.index) == bool(args.mixture):
         raise ValueError("give --index INDEX or --mixture MIXTURE.yaml")
     config = plan_config_of(args)
+    if config.window:
+        raise ValueError("the report compares whole-epoch plans; for a windowed plan's balance run "
+                         "`packfeed plan --window N`")
     source = mixture_input(args.mixture, config, args.seed) if args.mixture else args.index
     paths = write_report(source, args.out, config, seed=args.seed)
     print(json.dumps({k: str(v) for k, v in paths.items()}))

@@ -4,6 +4,7 @@ window from its own part of the epoch's permutation."""
 from __future__ import annotations
 
 import numpy as np
+import torch
 import pytest
 
 from packfeed.server.plan.costs import SampleLoads
@@ -62,3 +63,35 @@ def test_windows_partition_the_epoch():
     assert (a, b) != affine_order(len(valid), 7, 3)  # each epoch its own order
     spread = [np.ptp(w) for w in windows[:-1]]
     assert min(spread) > 0.9 * len(valid)  # a window spans the whole dataset, not a slice of it
+
+
+def test_a_windowed_job_is_served_exactly_once_and_alike_by_two_servers(small_tile_index):
+    """Over real gRPC: every sample once per epoch across the ranks, and two servers planning on their own
+    stream the same packs (a windowed plan is a pure function of the job)."""
+    import grpc
+
+    from packfeed.client import LocalServer, PackStream
+    from packfeed.server.index.table import read_index
+    from packfeed.v1 import packfeed_pb2 as pb
+    from packfeed.v1 import packfeed_pb2_grpc as pb_grpc
+
+    valid = read_index(small_tile_index, ["key", "valid"])[0].to_pylist()
+    served = []
+    for _ in range(2):
+        with LocalServer(small_tile_index, workers=1) as server:
+            steps = {}
+            for rank in range(2):
+                with PackStream(server.target, job="windowed", rank=rank, dp=2, microbatches=2, window=12) as stream:
+                    steps[rank] = [(step.step, [(p.sample_keys, p.input_ids.clone()) for p in step.packs])
+                                   for step in stream]
+            info = pb_grpc.PackfeedStub(grpc.insecure_channel(server.target)).GetJob(pb.GetJobRequest(job="windowed"))
+        served.append((steps, info))
+    (steps, info), (again, info_again) = served
+    keys = [key for rank in steps.values() for _, packs in rank for pack_keys, _ in packs for key in pack_keys]
+    assert sorted(keys) == sorted(r["key"] for r in valid if r["valid"])
+    assert info.plan.window == 12 and info.steps_per_epoch == len(steps[0]) > 0
+    assert info.plan_fingerprint == info_again.plan_fingerprint
+    for rank in steps:
+        assert [s for s, _ in steps[rank]] == [s for s, _ in again[rank]]
+        for (_, packs), (_, other) in zip(steps[rank], again[rank]):
+            assert all(a[0] == b[0] and torch.equal(a[1], b[1]) for a, b in zip(packs, other))

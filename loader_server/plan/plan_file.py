@@ -59,6 +59,19 @@ class Plan:
     def padded(self) -> bool:
         return self.config.strategy.padded
 
+    # What serving asks of any plan, whole-epoch or windowed (`packfeed.server.plan.windows.WindowedPlan`).
+
+    def has_step(self, step: int) -> bool:
+        return 0 <= step < self.n_steps
+
+    def is_last_step(self, step: int) -> bool:
+        return step == self.n_steps - 1
+
+    @property
+    def steps_known(self) -> int:
+        """Steps of the epoch (0 while unknown: a windowed plan before its last window)."""
+        return self.n_steps
+
     def pack_sizes(self) -> np.ndarray:
         return np.diff(self.offsets)
 

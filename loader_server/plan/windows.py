@@ -17,6 +17,8 @@ lighter (or empty, flagged) packs, as the epoch's last step does in whole-epoch 
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -145,6 +147,27 @@ class WindowedPlan:
     def step_members(self, step: int) -> np.ndarray:
         _, plan, local = self.locate(step)
         return plan.step_members(local)
+
+    def has_step(self, step: int) -> bool:
+        try:
+            self.locate(step)
+        except IndexError:
+            return False
+        return True
+
+    @property
+    def steps_known(self) -> int:
+        """Steps of the epoch once every window is planned; 0 before."""
+        return self._first_steps[-1] if len(self._first_steps) - 1 == self.n_windows else 0
+
+    def fingerprint(self) -> str:
+        """Digest of what the plan is a function of, and of window 0's packs (which a different planner would
+        change): every server of a job gets the same without planning the whole epoch."""
+        digest = hashlib.sha256(json.dumps({"config": self.config.to_dict(), "seed": self.seed, "epoch": self.epoch,
+                                            "index": self.index_fingerprint, "windows": self.n_windows},
+                                           sort_keys=True).encode())
+        digest.update(self.window(0).fingerprint().encode())
+        return digest.hexdigest()[:32]
 
     @property
     def n_steps(self) -> int:

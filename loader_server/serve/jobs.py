@@ -23,6 +23,7 @@ from packfeed.server.index.table import IndexInfo
 from packfeed.server.plan.costs import SampleLoads, load_sample_loads
 from packfeed.server.plan.isf import Caps
 from packfeed.server.plan.plan_file import Plan
+from packfeed.server.plan.windows import WindowedPlan
 from packfeed.server.plan.planner import make_plan, resolve_caps
 from packfeed.server.serve.conventions import conventions_of
 from packfeed.server.serve.observe import log
@@ -119,9 +120,12 @@ class Dataset:
         return [self]
 
     def caps(self, config: PlanConfig) -> Caps | None:
-        return None if config.strategy.padded else resolve_caps(self.loads, config)
+        # a windowed plan searches its caps on its first window: the whole dataset would take as long as planning
+        return None if config.strategy.padded or config.window else resolve_caps(self.loads, config)
 
-    def plan(self, config: PlanConfig, seed: int, epoch: int, caps: Caps | None) -> Plan:
+    def plan(self, config: PlanConfig, seed: int, epoch: int, caps: Caps | None) -> Plan | WindowedPlan:
+        if config.window:
+            return WindowedPlan(self.loads, config, seed, epoch, config.window, self.info.fingerprint, caps)
         return make_plan(self.loads, config, seed, epoch, self.info.fingerprint, caps=caps)
 
     def members(self, plan: Plan, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -138,7 +142,7 @@ class Dataset:
         parts_, sources, sample_ids = self.parts, *self.members(plan, plan.step_members(step))
         step_loss = sum(int(part.loss_tokens[sample_ids[sources == k]].sum()) for k, part in enumerate(parts_))
         return RankStepWork(tuple(part.name for part in parts_), tuple(part.label for part in parts_),
-                            plan.epoch, step, rank, packs, step_loss, step == plan.n_steps - 1)
+                            plan.epoch, step, rank, packs, step_loss, plan.is_last_step(step))
 
     def estimate_bytes(self, work: RankStepWork) -> int:
         """Bytes a rank-step will take once prepared, for reserving room in the memory budget up front."""
@@ -211,7 +215,7 @@ class Job:
         """Plan epoch 0 (caps included) now, so a bad config fails the open, not the first stream."""
         try:
             self.caps = self.dataset.caps(self.spec.plan)
-            self.plan(0)
+            self.caps = self.caps or getattr(self.plan(0), "caps", None)  # a windowed plan's, searched on window 0
         except JobError as error:
             self.failure = error
         except (ValueError, MemoryError) as error:
@@ -235,7 +239,9 @@ class Job:
                 self._plans[epoch] = self.dataset.plan(self.spec.plan, self.spec.seed, epoch, self.caps)
             self._plans.move_to_end(epoch)
             while len(self._plans) > PLANS_CACHED:
-                self._plans.popitem(last=False)  # never the one just asked for: it is the newest
+                _, evicted = self._plans.popitem(last=False)  # never the one just asked for: it is the newest
+                if isinstance(evicted, WindowedPlan):
+                    evicted.close()
             return self._plans[epoch]
 
     def check_plan(self, expected: str) -> None:
@@ -252,9 +258,9 @@ class Job:
 
     def check_step(self, epoch: int, step: int) -> Plan:
         plan = self.plan(epoch)
-        if not 0 <= step < plan.n_steps:
-            raise JobError("OUT_OF_RANGE", f"step {step} is past the plan of epoch {epoch} "
-                                           f"({plan.n_steps} steps)")
+        if not plan.has_step(step):
+            known = f"{plan.steps_known} steps" if plan.steps_known else "past its last window"
+            raise JobError("OUT_OF_RANGE", f"step {step} is past the plan of epoch {epoch} ({known})")
         return plan
 
     def work(self, epoch: int, step: int, rank: int) -> RankStepWork:
@@ -262,7 +268,7 @@ class Job:
 
     def next_step(self, epoch: int, step: int) -> tuple[int, int] | None:
         """The step after (epoch, step), or None at the end of the job."""
-        if step + 1 < self.plan(epoch).n_steps:
+        if not self.plan(epoch).is_last_step(step):
             return epoch, step + 1
         return (epoch + 1, 0) if epoch + 1 < self.spec.epochs else None
 

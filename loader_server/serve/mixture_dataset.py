@@ -46,6 +46,9 @@ class MixtureDataset(Dataset):
         return self._parts
 
     def caps(self, config: PlanConfig) -> Caps | None:
+        if config.window:
+            raise ValueError("windowed planning (window) is not available for mixtures yet: plan a mixture's "
+                             "epoch whole (window 0)")
         return None if config.strategy.padded else resolve_caps(self.mixture.once().loads, config)
 
     def plan(self, config: PlanConfig, seed: int, epoch: int, caps: Caps | None) -> Plan:

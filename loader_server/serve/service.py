@@ -166,7 +166,7 @@ class PackfeedService:
     def job_info(self, job: Job) -> pb.JobInfo:
         plan = job.plan(0)
         info = pb.JobInfo(job=job.spec.job, dataset=job.spec.dataset, plan=job.spec.plan.to_proto(),
-                          seed=job.spec.seed, epochs=job.spec.epochs, steps_per_epoch=plan.n_steps,
+                          seed=job.spec.seed, epochs=job.spec.epochs, steps_per_epoch=plan.steps_known,
                           plan_fingerprint=plan.fingerprint(), index_fingerprint=job.dataset.fingerprint,
                           skipped_count=job.skipped_count, vision_cap=job.caps.vision_cap if job.caps else 0,
                           token_cap=job.caps.token_cap if job.caps else 0, conventions=job.dataset.conventions,

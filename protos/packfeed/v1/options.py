@@ -116,7 +116,7 @@ def _help(text: str) -> dict[str, str]:
 # Bounds of every count a request may carry: a server plans and holds state in proportion to them.
 LIMITS = {"dp": 65536, "microbatches": 1024, "pipeline_stages": 1024, "isf_iterations": 100,
           "samples_per_pack": 1024, "vision_cap": 2**31 - 1, "token_cap": 2**31 - 1, "vision_target": 2**31 - 1,
-          "token_target": 2**31 - 1}
+          "token_target": 2**31 - 1, "window": 2**40}
 
 
 @dataclass(frozen=True)
@@ -141,6 +141,9 @@ class PlanConfig:
         "(truncate); always reported"))
     cost_model: CostModel = field(default_factory=CostModel.from_shapes, metadata=_help(
         "per-sample cost coefficients to balance on (e.g. `packfeed train`'s OUT/cost_model.json)"))
+    window: int = field(default=0, metadata=_help(
+        "plan the epoch in windows of this many samples (0: all at once): the first step within seconds at any "
+        "size; each window's last step may be lighter"))
 
     def __post_init__(self):
         problems = []
@@ -153,6 +156,8 @@ class PlanConfig:
             object.__setattr__(self, "cost_model", CostModel(**self.cost_model))
         if self.dp < 1 or self.microbatches < 1 or self.pipeline_stages < 1:
             problems.append("dp, microbatches and pipeline_stages must be >= 1")
+        if self.window < 0:
+            problems.append("window must be >= 0 (0: the whole epoch at once)")
         if self.isf_iterations < 1:
             problems.append("isf_iterations must be >= 1")
         if not self.samples_per_pack >= 1:  # NaN fails too
@@ -175,6 +180,8 @@ class PlanConfig:
         """Plain values (enums as their names): what plan files, fingerprints and job descriptions record."""
         out = asdict(self)
         out["strategy"], out["oversize"] = self.strategy.value, self.oversize.value
+        if not self.window:
+            del out["window"]  # whole-epoch plans record what they recorded before windows existed
         return out
 
     @classmethod
