@@ -12,7 +12,7 @@ from packfeed.server.index.chat import ChatTemplate, load_tokenizer
 from packfeed.server.plan.costs import load_sample_loads
 from packfeed.server.index.table import read_index_info
 from packfeed.server.index.indexer import IndexConfig, build_index
-from packfeed.server.serve.packs import IndexRows, build_rank_step
+from packfeed.server.serve.packs import SERVE_COLUMNS, IndexRows, build_rank_step
 from packfeed.server.plan.planner import make_plan
 from packfeed.v1.options import PlanConfig
 from packfeed.server.serve.preprocess import SampleReader
@@ -123,3 +123,22 @@ def test_serving_with_another_tokenizer_is_refused(served, tmp_path):
     other = train_tokenizer(tmp_path / "other.json", vocab_size=600)
     with pytest.raises(ValueError, match="differs from the one the index was built with"):
         SampleReader(read_index_info(index), other)
+
+
+def test_serving_columns_are_memory_mapped_from_one_arrow_file(tmp_path, small_tile_index):
+    """The first IndexRows writes the columns serving reads as an uncompressed Arrow file beside the index;
+    later ones (the workers) map it; its rows are the index's."""
+    from packfeed.server.index.table import read_index
+
+    index = tmp_path / "index.parquet"
+    shutil.copy(small_tile_index, index)
+    rows = IndexRows(index)
+    mapped = list(tmp_path.glob("index.*.serve.arrow"))
+    assert len(mapped) == 1 and rows.info.fingerprint[:16] in mapped[0].name
+    written = mapped[0].stat().st_mtime_ns
+    again = IndexRows(index)
+    assert mapped[0].stat().st_mtime_ns == written  # mapped, not written again
+    table = read_index(index, columns=SERVE_COLUMNS)[0]
+    for sample_id in (0, len(table) // 2, len(table) - 1):
+        assert again.row(sample_id) == table.slice(sample_id, 1).to_pylist()[0]
+    assert np.array_equal(again.loss_tokens_per_sample, table.column("loss_tokens").to_numpy())

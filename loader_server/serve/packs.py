@@ -9,10 +9,13 @@ Tensors travel as raw little-endian bytes + dtype + shape (`packfeed.server.serv
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pyarrow as pa
 import pyarrow.compute as pc
 
 from packfeed.server.index.chat import IGNORE_INDEX
@@ -99,19 +102,42 @@ def truncate_sample(sample: SampleTensors, limit: int) -> SampleTensors:
                          sample.geometry[:keep_images])
 
 
+def _mapped_columns(index: Path, fingerprint: str) -> pa.Table:
+    """SERVE_COLUMNS of the index, memory-mapped from their Arrow file (made first when missing)."""
+    from packfeed.server.index.table import read_index
+
+    mapped = index.with_name(f"{index.stem}.{fingerprint[:16]}.serve.arrow")
+    if not mapped.exists():
+        table = read_index(index, columns=SERVE_COLUMNS)[0].combine_chunks()
+        partial = mapped.with_name(f"{mapped.name}.{os.getpid()}.partial")
+        try:
+            with pa.OSFile(str(partial), "wb") as sink, pa.ipc.new_file(sink, table.schema) as writer:
+                writer.write_table(table, max_chunksize=1 << 20)
+            os.replace(partial, mapped)
+        except OSError:  # a read-only folder: keep the columns in memory
+            partial.unlink(missing_ok=True)
+            return table
+    return pa.ipc.open_file(pa.memory_map(str(mapped))).read_all()  # chunks of 1M rows, left as they lie
+
+
 SERVE_COLUMNS = ["key", "shard", "valid", "reason", "json_offset", "json_size", "json_checksum", "image_names",
                  "image_offsets", "image_sizes", "image_checksums", "image_widths", "image_heights", "n_images",
                  "llm_tokens", "loss_tokens"]
 
 
 class IndexRows:
-    """The index columns serving needs, held as Arrow columns; rows come out as dicts."""
+    """The index columns serving needs, as Arrow columns; rows come out as dicts.
+
+    They are read from an uncompressed Arrow file beside the index (`INDEX.<fingerprint>.serve.arrow`, written
+    once by whichever process needs it first), memory-mapped: the server and every worker share one copy in the
+    page cache instead of each decompressing the Parquet columns into memory of its own. Where the index's
+    folder is not writable, the columns are read into memory as before."""
 
     def __init__(self, index_path):
-        from packfeed.server.index.table import read_index
+        from packfeed.server.index.table import read_index_info
 
-        self.table, self.info = read_index(index_path, columns=SERVE_COLUMNS)
-        self.table = self.table.combine_chunks()
+        self.info = read_index_info(index_path)
+        self.table = _mapped_columns(Path(index_path), self.info.fingerprint)
         self.loss_tokens_per_sample = self.table.column("loss_tokens").to_numpy(zero_copy_only=False)
 
     def row(self, sample_id: int) -> dict:
