@@ -10,8 +10,11 @@ RUN python3 -m venv /opt/packfeed
 
 WORKDIR /src
 # Dependencies first, in their own layer (rebuilt only when pyproject.toml changes), then the source.
+# EXTRAS: optional features from pyproject's extras, e.g. --build-arg EXTRAS="s3 fast" for shards in S3 and
+# `pixels: fast` (the default image has neither).
+ARG EXTRAS=""
 COPY pyproject.toml docker/requirements.py ./
-RUN python3 requirements.py > requirements.txt && pip install -r requirements.txt
+RUN python3 requirements.py ${EXTRAS} > requirements.txt && pip install -r requirements.txt
 COPY setup.py README.md ./
 COPY protos protos
 COPY loader_server loader_server
