@@ -8,11 +8,13 @@ it). Each window is planned by `make_plan` on its own samples (ISF, balanced ste
 order), with caps searched once per epoch on window 0 and randomness of its own; its steps follow the steps
 of the window before.
 
-Guarantees: every valid sample is in exactly one window, so exactly once per epoch (as in whole-epoch
+A window's final step, the one that may be lighter, is not served with it: its samples are carried into the
+next window and packed there, so only the epoch's last step is partial, as in whole-epoch planning.
+
+Guarantees: every valid sample is in exactly one served step, so exactly once per epoch (as in whole-epoch
 planning, save what the `skip` policy drops); window `w`'s plan is a pure function of (index, config, seed,
-epoch, window size, w), so every server computes the same plan. The cost: each window's last step may hold
-lighter (or empty, flagged) packs, as the epoch's last step does in whole-epoch planning; BENCHMARKS
-"Windowed planning" measures the balance.
+epoch, window size, w), so every server computes the same plan. BENCHMARKS "Windowed planning" measures the
+balance against whole-epoch planning.
 """
 
 from __future__ import annotations
@@ -69,6 +71,7 @@ class WindowedPlan:
         self.n_windows = max(1, math.ceil(len(loads) / size))
         self._caps = caps
         self._plans: dict[int, Plan] = {}
+        self._carried: dict[int, np.ndarray] = {0: np.empty(0, dtype=np.int64)}  # samples a window takes over
         self._first_steps = [0]  # first global step of each window planned so far, then where the next starts
         self._lock = threading.RLock()
         self._ahead = ThreadPoolExecutor(max_workers=1, thread_name_prefix="packfeed-window")
@@ -84,14 +87,30 @@ class WindowedPlan:
 
     def _subset(self, window: int) -> tuple[np.ndarray, SampleLoads]:
         ids = window_members(self.loads.valid, self.seed, self.epoch, window, self.size)
+        if window in self._carried:
+            ids = np.concatenate([self._carried[window], ids])
         subset = SampleLoads(np.ones(len(ids), dtype=bool), self.loads.vision[ids], self.loads.tokens[ids],
                              self.loads.vit_patches[ids], self.loads.vit_attn_sq[ids])
         return ids, subset
 
     def _plan_window(self, window: int) -> Plan:
+        """The window's plan, over its own samples and those the window before carried over. But for the last
+        window, its final step (the one that may be lighter) is not served here: its samples go to the next
+        window, so only the epoch's last step is ever partial, as in whole-epoch planning."""
         ids, subset = self._subset(window)
         local = make_plan(subset, self.config, self.seed, self.epoch, self.index_fingerprint, self.caps, window)
-        return replace(local, members=ids[local.members], oversize=ids[local.oversize])
+        plan = replace(local, members=ids[local.members], oversize=ids[local.oversize])
+        if window + 1 == self.n_windows or plan.n_steps == 0:
+            if window + 1 < self.n_windows:
+                self._carried[window + 1] = np.empty(0, dtype=np.int64)
+            return plan
+        kept = (plan.n_steps - 1) * self.config.slots
+        end = plan.offsets[kept]
+        self._carried[window + 1] = np.asarray(plan.members[end:], dtype=np.int64)
+        return replace(plan, offsets=plan.offsets[:kept + 1], members=plan.members[:end],
+                       truncate_to=plan.truncate_to[:end],
+                       pack_vision=None if plan.pack_vision is None else plan.pack_vision[:kept],
+                       pack_tokens=None if plan.pack_tokens is None else plan.pack_tokens[:kept])
 
     def window(self, window: int) -> Plan:
         """Window `window`'s plan (sample ids global, steps local). Windows are first planned in order (a

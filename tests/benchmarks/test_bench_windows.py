@@ -63,6 +63,6 @@ def test_windowed_against_whole_epoch_planning(n):
         r = results[windowed]
         print(f"\n[windows] n={n:,} {'windowed (4M)' if windowed else 'whole epoch'}: first step after "
               f"{r['first']:.1f} s, peak RSS {r['rss']:.2f} GiB (loads alone {r['loaded_rss']:.2f}), steps "
-              f"{r['steps']:,}, ViT Dist {r['vit']:.5f}, LLM Dist {r['llm']:.5f}, whole epoch planned in "
+              f"{r['steps']:,}, ViT Dist {r['vit']:.2e}, LLM Dist {r['llm']:.2e}, whole epoch planned in "
               f"{r['total']:.1f} s", end="")
     assert results[True]["first"] > 0 and results[False]["steps"] > 0
