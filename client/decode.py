@@ -27,9 +27,10 @@ from typing import Literal
 
 import numpy as np
 import torch
+from PIL import Image
 
 from packfeed.client.tensors import IGNORE_INDEX, PackTensors, tensor_of
-from packfeed.v1.pixels import GEOMETRY_COLUMNS, Geometry, decode_tiles
+from packfeed.v1.pixels import GEOMETRY_COLUMNS, Geometry, ImageSizeMismatch, decode_tiles
 
 BACKENDS = ("auto", "pil", "torchvision")
 _JPEG_MAGIC = b"\xff\xd8\xff"
@@ -85,19 +86,16 @@ class PackDecoder:
         """Decode the images of a step's packs into each one's `pixels`, all of them at once (one pool map, one
         batched nvJPEG call); returns the (key, reason) of samples taken out."""
         packs = [pack for pack in packs if "encoded" in pack.tensors]
-        files, geometry, owners = [], [], []
-        for number, pack in enumerate(packs):
+        files, geometry, bounds = [], [], [0]
+        for pack in packs:
             pack_files, pack_geometry = _files_and_geometry(pack)
             files += pack_files
             geometry += pack_geometry
-            owners += [number] * len(pack_files)
+            bounds.append(len(files))
         results = (self._torchvision(files, geometry) if self.options.backend == "torchvision"
                    else list(self._pool.map(_pil_tiles, files, geometry)))
-        skipped = []
-        for number, pack in enumerate(packs):
-            mine = [k for k, owner in enumerate(owners) if owner == number]
-            skipped += self._fill(pack, [results[k] for k in mine], [geometry[k] for k in mine])
-        return skipped
+        return [skip for pack, start, end in zip(packs, bounds, bounds[1:])
+                for skip in self._fill(pack, results[start:end], geometry[start:end])]
 
     def _fill(self, pack: PackTensors, results: list, geometry: list[Geometry]) -> list[tuple[str, str]]:
         failed: dict[int, str] = {}
@@ -157,7 +155,9 @@ def _files_and_geometry(pack: PackTensors) -> tuple[list[np.ndarray], list[Geome
         raise MalformedPack(f"pack {pack.epoch}:{pack.step}:{pack.microbatch}: encoded images and their sizes, "
                             f"geometry and samples do not agree")
     geometry = [Geometry.of_row(row) for row in rows]
-    shapes = [shape for g in geometry for shape in (g.check() or g.tile_shapes())]
+    for g in geometry:
+        g.check()
+    shapes = [shape for g in geometry for shape in g.tile_shapes()]
     if shapes != [tuple(s) for s in pack.tile_shapes.tolist()]:
         raise MalformedPack(f"pack {pack.epoch}:{pack.step}:{pack.microbatch}: the images' geometry makes other "
                             f"tiles than tile_shapes lists")
@@ -168,8 +168,10 @@ def _files_and_geometry(pack: PackTensors) -> tuple[list[np.ndarray], list[Geome
 def _pil_tiles(data: np.ndarray, geometry: Geometry) -> list[torch.Tensor] | str:
     try:
         return [torch.from_numpy(tile) for tile in decode_tiles(data.tobytes(), geometry)]
-    except ValueError as error:
+    except ImageSizeMismatch as error:
         return str(error)
+    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as error:
+        return f"{type(error).__name__}: {error}"
 
 
 def _one_jpeg(data: torch.Tensor, device: torch.device) -> torch.Tensor | str:
@@ -184,7 +186,7 @@ def _one_jpeg(data: torch.Tensor, device: torch.device) -> torch.Tensor | str:
 def torch_tiles(image: torch.Tensor, g: Geometry) -> list[torch.Tensor] | str:
     """The tiles of one decoded (3, H, W) uint8 image by its geometry, resized where it lies."""
     if tuple(image.shape[1:]) != (g.height, g.width):
-        return f"image is {(image.shape[2], image.shape[1])}, the index says {(g.width, g.height)}"
+        return str(ImageSizeMismatch((image.shape[2], image.shape[1]), (g.width, g.height)))
 
     def resize(size: tuple[int, int]) -> torch.Tensor:
         if size == (g.width, g.height):
@@ -194,9 +196,7 @@ def torch_tiles(image: torch.Tensor, g: Geometry) -> list[torch.Tensor] | str:
         return scaled[0].round_().clamp_(0, 255).to(torch.uint8)
 
     resized = resize((g.resize_width, g.resize_height))
-    window = resized[:, g.crop_top:g.crop_top + g.crop_height, g.crop_left:g.crop_left + g.crop_width]
-    tiles = [window[:, r:r + g.tile, c:c + g.tile] for r in range(0, g.crop_height, g.tile)
-             for c in range(0, g.crop_width, g.tile)] if g.tile else [window]
+    tiles = [resized[:, top:top + height, left:left + width] for top, left, height, width in g.boxes()]
     if g.thumbnail:
         tiles.append(resize((g.thumbnail, g.thumbnail)))
     return tiles

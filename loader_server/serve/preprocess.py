@@ -9,7 +9,6 @@ float32 on the wire, and normalisation is one fused op on the GPU.
 from __future__ import annotations
 
 import hashlib
-import io
 import os
 import stat
 import threading
@@ -26,7 +25,7 @@ from packfeed.server.index.image_policy import ImagePolicy, policy_from_dict
 from packfeed.server.index.shards import is_compressed
 from packfeed.server.index.storage import ObjectError, StampCache, is_object_url, read_range, relocate
 from packfeed.server.index.table import IndexInfo, describe_error, member_checksum
-from packfeed.v1.pixels import Geometry, Resize, cut_tiles, oriented_size, pil_resizer, to_rgb
+from packfeed.v1.pixels import Geometry, ImageSizeMismatch, Resize, cut_tiles, decode_tiles, pil_resizer, to_rgb
 
 
 class SampleSkipped(Exception):
@@ -103,9 +102,10 @@ def image_tiles(image: Image.Image, policy: ImagePolicy, n_images: int, pixels: 
 PREFETCH_THREADS = int(os.environ.get("PACKFEED_RANGE_THREADS", "16"))
 
 
-def _spans(row: dict[str, Any]) -> list[tuple[int, int]]:
-    """(offset, size) of the sample's members: its JSON and its images."""
-    return [(row["json_offset"], row["json_size"])] + list(zip(row["image_offsets"], row["image_sizes"]))
+def _span(row: dict[str, Any]) -> tuple[int, int]:
+    """(start, end) of the bytes holding the sample's members, its JSON and its images (together in the tar)."""
+    spans = [(row["json_offset"], row["json_size"])] + list(zip(row["image_offsets"], row["image_sizes"]))
+    return min(offset for offset, _ in spans), max(offset + size for offset, size in spans)
 
 
 class SampleReader:
@@ -150,14 +150,14 @@ class SampleReader:
 
         self._prefetched.update(zip((row["key"] for row in remote), self._fetchers.map(fetch, remote)))
 
-    def _reader(self, shard: str, row: dict[str, Any]):
+    def _reader(self, row: dict[str, Any]):
         """read(offset, size) -> bytes for the sample's members: pread on a local shard; on an object, one range
         request for all of them (they lie together in the tar), after checking the object is the one indexed."""
-        path = relocate(shard, self.shard_root)
+        path = relocate(row["shard"], self.shard_root)
         if not is_object_url(path):
             fd = self._descriptor(path)
             return lambda offset, size: os.pread(fd, size, offset)
-        start = min(_spans(row))[0]
+        start = _span(row)[0]
         data = self._prefetched.pop(row["key"], None) or self._object_span(row)
         if isinstance(data, SampleSkipped):
             raise data
@@ -176,8 +176,7 @@ class SampleReader:
         if path == shard and indexed and (current.size, current.etag) != (indexed["size"], indexed["etag"]):
             raise SampleSkipped(f"shard changed: {path} is now {current.size} bytes, ETag {current.etag!r} (indexed: "
                                 f"{indexed['size']} bytes, ETag {indexed['etag']!r})")
-        spans = _spans(row)
-        start, end = min(o for o, _ in spans), max(o + n for o, n in spans)
+        start, end = _span(row)
         try:
             return read_range(path, start, end - start, current.etag)
         except ObjectError as error:
@@ -223,7 +222,7 @@ class SampleReader:
         """Pre-process one index row (as a dict of its columns). Raises SampleSkipped with the reason."""
         if not row["valid"]:
             raise SampleSkipped(f"invalid in the index: {row['reason']}")
-        read = self._reader(row["shard"], row)
+        read = self._reader(row)
         key = row["key"]
         try:
             raw = self._member(read, row["json_offset"], row["json_size"], row["json_checksum"], f"{key}.json")
@@ -253,15 +252,11 @@ class SampleReader:
 
     def _tiles(self, data: bytes, width: int, height: int, n_images: int, what: str) -> list[np.ndarray]:
         geometry = self.policy.geometry(width, height, n_images)
+        prepare = (lambda image: draft(image, geometry)) if self.pixels == "fast" else None
         try:
-            with Image.open(io.BytesIO(data)) as image:
-                if oriented_size(image) != (width, height):
-                    raise SampleSkipped(f"shard changed: {what} is {oriented_size(image)}, index says "
-                                        f"{(width, height)}")
-                if self.pixels == "fast":
-                    draft(image, geometry)
-                image.load()
-                return cut_tiles(_resizer(to_rgb(image), self.pixels), geometry)
+            return decode_tiles(data, geometry, lambda image: _resizer(image, self.pixels), prepare)
+        except ImageSizeMismatch as error:
+            raise SampleSkipped(f"shard changed: {what} is {error.found}, index says {error.expected}") from None
         except (OSError, SyntaxError, ValueError) as error:
             raise SampleSkipped(f"undecodable image ({what}): {describe_error(error)}") from None
 

@@ -72,13 +72,16 @@ class Geometry:
     def row(self) -> tuple[int, ...]:
         return astuple(self)
 
+    def boxes(self) -> list[tuple[int, int, int, int]]:
+        """(top, left, height, width) of every tile cut from the resized image, in order (the thumbnail apart)."""
+        if not self.tile:
+            return [(self.crop_top, self.crop_left, self.crop_height, self.crop_width)]
+        return [(self.crop_top + r, self.crop_left + c, self.tile, self.tile)
+                for r in range(0, self.crop_height, self.tile) for c in range(0, self.crop_width, self.tile)]
+
     def tile_shapes(self) -> list[tuple[int, int, int]]:
         """(C, H, W) of every tile, in order."""
-        if self.tile:
-            count = (self.crop_width // self.tile) * (self.crop_height // self.tile)
-            shapes = [(3, self.tile, self.tile)] * count
-        else:
-            shapes = [(3, self.crop_height, self.crop_width)]
+        shapes = [(3, height, width) for _, _, height, width in self.boxes()]
         return shapes + ([(3, self.thumbnail, self.thumbnail)] if self.thumbnail else [])
 
     def check(self) -> None:
@@ -106,25 +109,30 @@ def cut_tiles(resize: Resize, geometry: Geometry) -> list[np.ndarray]:
     """The tiles of one upright RGB image, uint8 (3, H, W) each, given how to resize it."""
     g = geometry
     resized = resize((g.resize_width, g.resize_height))
-    window = resized[g.crop_top:g.crop_top + g.crop_height, g.crop_left:g.crop_left + g.crop_width]
-    if g.tile:
-        tiles = [window[r:r + g.tile, c:c + g.tile] for r in range(0, g.crop_height, g.tile)
-                 for c in range(0, g.crop_width, g.tile)]
-    else:
-        tiles = [window]
+    tiles = [resized[top:top + height, left:left + width] for top, left, height, width in g.boxes()]
     if g.thumbnail:
         tiles.append(resize((g.thumbnail, g.thumbnail)))
     return [np.ascontiguousarray(tile.transpose(2, 0, 1)) for tile in tiles]
 
 
-def decode_tiles(data: bytes, geometry: Geometry) -> list[np.ndarray]:
-    """The exact tiles of one image file. Raises ValueError when the file does not decode or is not the size
-    the geometry was chosen for."""
-    try:
-        with Image.open(io.BytesIO(data)) as image:
-            if oriented_size(image) != (geometry.width, geometry.height):
-                raise ValueError(f"image is {oriented_size(image)}, the index says {(geometry.width, geometry.height)}")
-            image.load()
-            return cut_tiles(pil_resizer(to_rgb(image)), geometry)
-    except (OSError, SyntaxError, Image.DecompressionBombError) as error:
-        raise ValueError(f"{type(error).__name__}: {error}") from None
+class ImageSizeMismatch(ValueError):
+    """The image file is not the size its geometry was chosen for (the file changed since it was indexed)."""
+
+    def __init__(self, found: tuple[int, int], expected: tuple[int, int]):
+        super().__init__(f"image is {found}, the index says {expected}")
+        self.found, self.expected = found, expected
+
+
+def decode_tiles(data: bytes, geometry: Geometry, resizer: Callable[[Image.Image], Resize] = pil_resizer,
+                 prepare: Callable[[Image.Image], None] | None = None) -> list[np.ndarray]:
+    """The tiles of one image file: decoded, made upright RGB and cut by `geometry`, resized by `resizer` (Pillow
+    bicubic: the exact path). `prepare` sees the opened image before it is decoded (e.g. to draft a JPEG).
+    Raises ImageSizeMismatch, or what Pillow raises for a file that does not decode (OSError, SyntaxError,
+    ValueError, DecompressionBombError)."""
+    with Image.open(io.BytesIO(data)) as image:
+        if oriented_size(image) != (geometry.width, geometry.height):
+            raise ImageSizeMismatch(oriented_size(image), (geometry.width, geometry.height))
+        if prepare is not None:
+            prepare(image)
+        image.load()
+        return cut_tiles(resizer(to_rgb(image)), geometry)
