@@ -118,8 +118,6 @@ def _plan_windows(args: argparse.Namespace) -> int:
     made window by window where it is served."""
     import time
 
-    import numpy as np
-
     from packfeed.server.plan.costs import load_sample_loads
     from packfeed.server.plan.metrics import dist_ratio
     from packfeed.server.plan.windows import WindowedPlan
@@ -130,14 +128,11 @@ def _plan_windows(args: argparse.Namespace) -> int:
     config = plan_config_of(args)
     started = time.perf_counter()
     plan = WindowedPlan(loads, config, args.seed, args.epoch, config.window, info.fingerprint)
-    first = plan.window(0)
+    plan.window(0)
     first_seconds = time.perf_counter() - started
-    windows = [first] + [plan.window(w) for w in range(1, plan.n_windows)]
-    shape = (-1, config.dp, config.microbatches)
-    vit = np.concatenate([w.pack_loads(loads)[0].reshape(shape).sum(axis=2) for w in windows])
-    llm = np.concatenate([w.pack_loads(loads)[1].reshape(shape).sum(axis=2) for w in windows])
+    vit, llm, samples = plan.epoch_loads()
     print(json.dumps({"strategy": config.strategy.value, "window": config.window, "windows": plan.n_windows,
-                      "samples": int(sum(len(w.members) for w in windows)), "steps": plan.steps_known,
+                      "samples": samples, "steps": plan.steps_known,
                       "vit_dist": round(dist_ratio(vit), 6), "llm_dist": round(dist_ratio(llm), 6),
                       "caps": dataclasses.asdict(plan.caps) if plan.caps else None,
                       "first_window_seconds": round(first_seconds, 3),

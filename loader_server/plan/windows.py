@@ -76,6 +76,7 @@ class WindowedPlan:
         self._lock = threading.RLock()
         self._ahead = ThreadPoolExecutor(max_workers=1, thread_name_prefix="packfeed-window")
         self._next: tuple[int, Future] | None = None
+        self._fingerprint: str | None = None
 
     @property
     def caps(self) -> Caps | None:
@@ -94,7 +95,7 @@ class WindowedPlan:
         return ids, subset
 
     def _plan_window(self, window: int) -> Plan:
-        """The window's plan, over its own samples and those the window before carried over. But for the last
+        """The window's plan, over its own samples and those the window before carried over. Except in the last
         window, its final step (the one that may be lighter) is not served here: its samples go to the next
         window, so only the epoch's last step is ever partial, as in whole-epoch planning."""
         ids, subset = self._subset(window)
@@ -181,22 +182,35 @@ class WindowedPlan:
 
     def fingerprint(self) -> str:
         """Digest of what the plan is a function of, and of window 0's packs (which a different planner would
-        change): every server of a job gets the same without planning the whole epoch."""
-        digest = hashlib.sha256(json.dumps({"config": self.config.to_dict(), "seed": self.seed, "epoch": self.epoch,
-                                            "index": self.index_fingerprint, "windows": self.n_windows},
-                                           sort_keys=True).encode())
-        digest.update(self.window(0).fingerprint().encode())
-        return digest.hexdigest()[:32]
+        change): every server of a job gets the same without planning the whole epoch. Computed once (window 0
+        may have left memory by the time a stream asks again)."""
+        if self._fingerprint is None:
+            digest = hashlib.sha256(json.dumps({"config": self.config.to_dict(), "seed": self.seed,
+                                                "epoch": self.epoch, "index": self.index_fingerprint,
+                                                "windows": self.n_windows}, sort_keys=True).encode())
+            digest.update(self.window(0).fingerprint().encode())
+            self._fingerprint = digest.hexdigest()[:32]
+        return self._fingerprint
 
     @property
     def n_steps(self) -> int:
         """Steps of the whole epoch: known once every window is planned (this plans them)."""
-        self.locate_all()
-        return self._first_steps[-1]
-
-    def locate_all(self) -> None:
         for window in range(self.n_windows):
             self.window(window)
+        return self._first_steps[-1]
+
+    def epoch_loads(self) -> tuple[np.ndarray, np.ndarray, int]:
+        """(ViT, LLM) load of every rank in every step of the epoch, (steps, dp) each, and the samples planned,
+        planning every window once: what Dist is measured on."""
+        shape = (-1, self.config.dp, self.config.microbatches)
+        vit, llm, samples = [], [], 0
+        for window in range(self.n_windows):
+            plan = self.window(window)
+            vision, tokens = plan.pack_loads(self.loads)
+            vit.append(vision.reshape(shape).sum(axis=2))
+            llm.append(tokens.reshape(shape).sum(axis=2))
+            samples += len(plan.members)
+        return np.concatenate(vit), np.concatenate(llm), samples
 
     def close(self) -> None:
         self._ahead.shutdown(wait=False, cancel_futures=True)

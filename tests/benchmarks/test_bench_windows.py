@@ -20,7 +20,6 @@ SIZES = [10_000_000] + ([100_000_000] if os.environ.get("PACKFEED_BENCH_100M") e
 
 SCRIPT = """
 import json, resource, sys, time
-import numpy as np
 sys.path.insert(0, {benchmarks!r})
 from internvl_mix import internvl_like_mix
 from packfeed.server.plan.costs import SampleLoads
@@ -39,13 +38,11 @@ if {windowed!r}:
     plan = WindowedPlan(loads, config, 0, 0, size=4_000_000)
     plan.pack_with_truncation(0, 0, 0)
     first, rss = time.perf_counter() - started, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
-    windows = [plan.window(w) for w in range(plan.n_windows)]
+    vit, llm, _ = plan.epoch_loads()
 else:
     whole = make_plan(loads, config, 0, 0)
     first, rss = time.perf_counter() - started, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
-    windows = [whole]
-vit = np.concatenate([w.pack_loads(loads)[0].reshape(w.n_steps, 8, 1).sum(axis=2) for w in windows])
-llm = np.concatenate([w.pack_loads(loads)[1].reshape(w.n_steps, 8, 1).sum(axis=2) for w in windows])
+    vit, llm = (side.reshape(whole.n_steps, 8) for side in whole.pack_loads(loads))
 print(json.dumps(dict(first=first, rss=rss, loaded_rss=loaded_rss, steps=len(vit), vit=dist_ratio(vit),
                       llm=dist_ratio(llm), total=time.perf_counter() - started)))
 """
