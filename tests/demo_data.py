@@ -11,6 +11,27 @@ import numpy as np
 from PIL import Image
 
 
+# The presets' image policies (tests hold the fast path and the GPU decoder to their bound at these sizes).
+PRESET_POLICIES = [{"name": "internvl"}, {"name": "qwen2vl"}, {"name": "qwen2vl", "factor": 32, "patch_size": 16},
+                   {"name": "fixed"}, {"name": "fixed", "resize": "crop"}]
+
+
+def demo_image_files(demo_dataset, suffixes: tuple[str, ...] = ("jpg", "jpeg", "png")) -> list[bytes]:
+    """Every demo image file with one of these suffixes that decodes (the demo breaks a few on purpose)."""
+    files = []
+    for shard in demo_dataset.shards:
+        with tarfile.open(shard) as tar:
+            for member in tar:
+                if member.name.rsplit(".", 1)[-1] in suffixes:
+                    data = tar.extractfile(member).read()
+                    try:
+                        Image.open(io.BytesIO(data)).load()
+                    except OSError:
+                        continue
+                    files.append(data)
+    return files
+
+
 def indexed_demo(root: Path, samples: int, shards: int, seed: int, image_policy: dict | None = None):
     """Write `samples` demo samples over `shards` tar files under `root` and index them (InternVL tiling at
     448 px unless `image_policy` says otherwise). Returns (DemoPaths, index path)."""

@@ -18,6 +18,7 @@ import torch
 import yaml
 from PIL import Image
 
+from demo_data import PRESET_POLICIES, demo_image_files
 from packfeed.client import LocalServer, PackStream
 from packfeed.client.decode import DecodeOptions, torch_tiles
 from packfeed.server.index.image_policy import policy_from_dict
@@ -27,8 +28,6 @@ from packfeed.v1.pixels import decode_tiles, oriented_size
 
 pytestmark = pytest.mark.filterwarnings("ignore:The image decoding and encoding capabilities of TorchVision")
 
-POLICIES = [{"name": "internvl"}, {"name": "qwen2vl"}, {"name": "qwen2vl", "factor": 32, "patch_size": 16},
-            {"name": "fixed"}, {"name": "fixed", "resize": "crop"}]
 TENSORS = ("input_ids", "labels", "position_ids", "cu_seqlens", "pixels", "tile_shapes", "tile_image",
            "image_sample", "image_token_spans")
 
@@ -114,29 +113,13 @@ def test_encoded_packs_equal_exact_packs_and_client_skips_are_reported(tmp_path,
         assert 0 < sum(differences) / pixels < 3.0
 
 
-def demo_files(demo_dataset) -> list[bytes]:
-    """Every demo image file that decodes, as its bytes."""
-    files = []
-    for shard in demo_dataset.shards:
-        with tarfile.open(shard) as tar:
-            for member in tar:
-                if member.name.rsplit(".", 1)[-1] in ("jpg", "jpeg"):
-                    data = tar.extractfile(member).read()
-                    try:
-                        Image.open(io.BytesIO(data)).load()
-                    except OSError:
-                        continue
-                    files.append(data)
-    return files
-
-
-@pytest.mark.parametrize("policy", POLICIES, ids=lambda p: "-".join(str(v) for v in p.values()))
+@pytest.mark.parametrize("policy", PRESET_POLICIES, ids=lambda p: "-".join(str(v) for v in p.values()))
 def test_torchvision_tiles_stay_within_the_fast_bound_of_exact(demo_dataset, policy):
     from torchvision.io import ImageReadMode, decode_jpeg
 
     policy = policy_from_dict(policy)
     errors, psnrs = [], []
-    for data in demo_files(demo_dataset):
+    for data in demo_image_files(demo_dataset, ("jpg", "jpeg")):
         width, height = oriented_size(Image.open(io.BytesIO(data)))
         geometry = policy.geometry(width, height, 1)
         exact = decode_tiles(data, geometry)

@@ -5,38 +5,26 @@ demo photograph, for every image policy."""
 from __future__ import annotations
 
 import io
-import tarfile
 
 import numpy as np
 import pytest
 import yaml
 from PIL import Image
 
+from demo_data import PRESET_POLICIES, demo_image_files
 from packfeed.server.index.image_policy import policy_from_dict
 from packfeed.server.serve.preprocess import image_tiles
 
-# The presets' resolutions; much smaller tiles (e.g. 112 px) shrink photographs more than the bound holds for
-# (BENCHMARKS.md: mean abs error 1.013/255 there).
-POLICIES = [{"name": "internvl"}, {"name": "qwen2vl"}, {"name": "qwen2vl", "factor": 32, "patch_size": 16},
-            {"name": "fixed"}, {"name": "fixed", "resize": "crop"}]
-
-
 def demo_images(demo_dataset) -> list[Image.Image]:
-    images = []
-    for shard in demo_dataset.shards:
-        with tarfile.open(shard) as tar:
-            for member in tar:
-                if member.name.rsplit(".", 1)[-1] in ("jpg", "jpeg", "png"):
-                    try:
-                        image = Image.open(io.BytesIO(tar.extractfile(member).read()))
-                        image.load()
-                    except OSError:
-                        continue  # the demo's deliberately corrupt images
-                    images.append(image)
+    images = [Image.open(io.BytesIO(data)) for data in demo_image_files(demo_dataset)]
+    for image in images:
+        image.load()
     return images
 
 
-@pytest.mark.parametrize("policy", POLICIES, ids=lambda p: "-".join(str(v) for v in p.values()))
+# The presets' resolutions; much smaller tiles (e.g. 112 px) shrink photographs more than the bound holds for
+# (BENCHMARKS.md: mean abs error 1.013/255 there).
+@pytest.mark.parametrize("policy", PRESET_POLICIES, ids=lambda p: "-".join(str(v) for v in p.values()))
 def test_fast_tiles_stay_within_their_bound_of_exact(demo_dataset, policy):
     """Mean absolute error under 1/255 and PSNR above 40 dB over the demo photographs (the bound documented
     for `pixels: fast`); every tile has the exact path's shape."""
