@@ -1,9 +1,10 @@
-"""Compiling the planner's kernels ahead of the first job.
+"""Compiling the planner's and the exact resizer's kernels ahead of the first job.
 
-The planner's kernels are numba functions compiled on first use (about 15 CPU seconds) and cached on disk
-(`cache=True`: beside the package, or under NUMBA_CACHE_DIR). A fresh container would pay that before its
-first pack. `warm_up()` plans a small synthetic epoch through every code path, so every kernel is compiled,
-and cached, once: `packfeed warmup` runs it where an image is built or a virtual environment installed, and
+The planner's kernels and the exact path's bicubic resize are numba functions compiled on first use (about 15
+CPU seconds) and cached on disk (`cache=True`: beside the package, or under NUMBA_CACHE_DIR). A fresh container
+would pay that before its first pack. `warm_up()` plans a small synthetic epoch through every code path and
+resizes a small image every way the resizer can (packfeed.server.serve.resample.compile_kernels), so every
+kernel is compiled, and cached, once: `packfeed warmup` runs it where an image is built or a virtual environment installed, and
 `packfeed serve` runs it in the background at start, so a cold cache costs no job more than what is left.
 
 The cache is valid for the CPU it was compiled for. An image built on one machine and run on others keeps
@@ -22,6 +23,7 @@ import numpy as np
 
 from packfeed.server.plan.costs import SampleLoads
 from packfeed.server.plan.planner import make_plan
+from packfeed.server.serve.resample import compile_kernels
 from packfeed.v1.options import Oversize, PlanConfig, Strategy
 
 # Configurations that reach every kernel: each strategy (the default first: a job arriving during a server's
@@ -33,8 +35,10 @@ _CONFIGS = [PlanConfig(dp=2, microbatches=2, pipeline_stages=2, strategy=strateg
 
 
 def warm_up() -> float:
-    """Plan a small synthetic dataset with every configuration above; returns the seconds it took."""
+    """Plan a small synthetic dataset with every configuration above and compile the exact resizer; returns the
+    seconds it took."""
     started = time.perf_counter()
+    compile_kernels()
     rng = np.random.default_rng(0)
     loads = SampleLoads.from_arrays(rng.integers(0, 13, 512), rng.integers(64, 4096, 512))
     # An index's columns arrive read-only (views of Arrow memory), which numba compiles for apart

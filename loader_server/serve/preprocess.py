@@ -25,7 +25,8 @@ from packfeed.server.index.image_policy import ImagePolicy, policy_from_dict
 from packfeed.server.index.shards import is_compressed
 from packfeed.server.index.storage import ObjectError, StampCache, is_object_url, read_range, relocate
 from packfeed.server.index.table import IndexInfo, describe_error, member_checksum
-from packfeed.v1.pixels import Geometry, ImageSizeMismatch, Resize, cut_tiles, decode_tiles, pil_resizer, to_rgb
+from packfeed.server.serve.resample import exact_resizer
+from packfeed.v1.pixels import Geometry, ImageSizeMismatch, Resize, cut_tiles, decode_tiles, to_rgb
 
 
 class SampleSkipped(Exception):
@@ -46,7 +47,8 @@ class SampleTensors:
     geometry: list[Geometry] = field(default_factory=list)  # ... and how the client cuts each into tiles
 
 
-# How images become tiles. exact: PIL bicubic, pixel for pixel what the Hugging Face / InternVL processors give.
+# How images become tiles. exact: PIL bicubic, pixel for pixel what the Hugging Face / InternVL processors give
+# (computed by packfeed.server.serve.resample, which equals Pillow's bicubic byte for byte at a third of its CPU).
 # fast: OpenCV (SIMD) bicubic, area averaging when shrinking by 2x or more; within 1/255 mean absolute error and
 # above 40 dB PSNR of exact on photographs (BENCHMARKS.md "Fast-path candidates for resizing").
 # encoded: the image files' own bytes and each one's `Geometry`; the client decodes and cuts them
@@ -68,7 +70,7 @@ def check_pixels(pixels: str) -> None:
 def _resizer(image: Image.Image, pixels: str) -> Resize:
     """How the mode resizes one decoded upright RGB image."""
     if pixels == "exact":
-        return pil_resizer(image)
+        return exact_resizer(image)
     import cv2  # the fast path's dependency (pip install 'packfeed[fast]')
 
     cv2.setNumThreads(1)  # one worker is one core
