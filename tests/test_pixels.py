@@ -11,9 +11,10 @@ import pytest
 import yaml
 from PIL import Image
 
-from demo_data import PRESET_POLICIES, demo_image_files
+from demo_data import PRESET_POLICIES, demo_image_files, document_scan
 from packfeed.server.index.image_policy import policy_from_dict
 from packfeed.server.serve.preprocess import image_tiles
+from packfeed.v1.pixels import decode_tiles, pil_resizer
 
 def demo_images(demo_dataset) -> list[Image.Image]:
     images = [Image.open(io.BytesIO(data)) for data in demo_image_files(demo_dataset)]
@@ -40,6 +41,27 @@ def test_fast_tiles_stay_within_their_bound_of_exact(demo_dataset, policy):
     assert len(errors) > 20
     assert np.mean(errors) < 1.0 and np.mean(psnrs) > 40
     assert max(errors) > 0  # it is another resampler, not the exact path again
+
+
+@pytest.mark.parametrize("policy", PRESET_POLICIES, ids=lambda p: "-".join(str(v) for v in p.values()))
+def test_fast_tiles_of_document_scans_stay_within_their_bound(policy):
+    """Text pages, decoded as the server decodes them (JPEG draft where every target is at most half the page):
+    shrinking stays exact, so the fast path keeps its bound on sharp edges too."""
+    from packfeed.server.serve.preprocess import file_tiles
+
+    policy = policy_from_dict(policy)
+    errors, psnrs = [], []
+    for seed in range(3):
+        data = document_scan(seed)
+        geometry = policy.geometry(1700, 2200, 1)
+        exact = decode_tiles(data, geometry, pil_resizer)
+        fast = file_tiles(data, geometry, "fast")
+        assert [t.shape for t in fast] == [t.shape for t in exact]
+        diff = np.concatenate([(f.astype(np.int16) - e.astype(np.int16)).ravel() for f, e in zip(fast, exact)])
+        mse = float(np.mean(diff.astype(np.float64) ** 2))
+        errors.append(float(np.mean(np.abs(diff))))
+        psnrs.append(10 * np.log10(255 ** 2 / mse) if mse else 99.0)
+    assert np.mean(errors) < 1.0 and np.mean(psnrs) > 40, (errors, psnrs)
 
 
 def test_a_dataset_is_served_with_the_pixels_its_config_names(tmp_path, small_tile_index):
@@ -77,7 +99,7 @@ def test_unknown_pixel_modes_are_refused(tmp_path, small_tile_index):
 
 
 def test_fast_path_decodes_large_jpegs_at_reduced_scale_within_its_bound(demo_dataset):
-    """A photograph at least twice the size of every target is decoded at 1/2..1/8 scale (JPEG draft); the
+    """A photograph at least 4x the size of every target is decoded at 1/2..1/8 scale (JPEG draft); the
     tiles stay within the fast bound of exact, and a target too large for it keeps the full decode."""
     from packfeed.server.serve.preprocess import draft
     from packfeed.v1.pixels import cut_tiles, pil_resizer, to_rgb
@@ -87,7 +109,7 @@ def test_fast_path_decodes_large_jpegs_at_reduced_scale_within_its_bound(demo_da
     drafted, errors, psnrs = 0, [], []
     for image in demo_images(demo_dataset)[:12]:
         buffer = io.BytesIO()
-        scale = max(2, -(-720 // min(image.size)))  # both sides at least twice 336
+        scale = max(2, -(-1400 // min(image.size)))  # both sides at least 4x 336
         image.convert("RGB").resize((image.width * scale, image.height * scale), Image.BICUBIC).save(buffer, "JPEG",
                                                                                                      quality=92)
         data = buffer.getvalue()
@@ -105,7 +127,7 @@ def test_fast_path_decodes_large_jpegs_at_reduced_scale_within_its_bound(demo_da
         psnrs.append(10 * np.log10(255 ** 2 / max((diff ** 2).mean(), 1e-9)))
     assert drafted == 12
     assert np.mean(errors) < 1.0 and np.mean(psnrs) > 40
-    with Image.open(io.BytesIO(data)) as large:  # a target over half the image: no draft
+    with Image.open(io.BytesIO(data)) as large:  # a target over a quarter of the image: no draft
         draft(large, policy_from_dict({"name": "internvl"}).geometry(large.width, large.height, 1))
         large.load()
         assert large.size == (geometry.width, geometry.height)

@@ -49,8 +49,9 @@ class SampleTensors:
 
 # How images become tiles. exact: PIL bicubic, pixel for pixel what the Hugging Face / InternVL processors give
 # (computed by packfeed.server.serve.resample, which equals Pillow's bicubic byte for byte at a third of its CPU).
-# fast: OpenCV (SIMD) bicubic, area averaging when shrinking by 2x or more; within 1/255 mean absolute error and
-# above 40 dB PSNR of exact on photographs (BENCHMARKS.md "Fast-path candidates for resizing").
+# fast: OpenCV's (SIMD) bicubic where an image is enlarged, exact where it shrinks, and JPEGs at least 4x every
+# target decoded at 1/2..1/8 scale; within 1/255 mean absolute error and above 40 dB PSNR of exact
+# (BENCHMARKS.md "Fast-path candidates for resizing").
 # encoded: the image files' own bytes and each one's `Geometry`; the client decodes and cuts them
 # (packfeed.client.decode), exactly on its CPU threads or within the fast path's bounds on a GPU.
 PIXEL_MODES = ("exact", "fast", "encoded")
@@ -69,29 +70,40 @@ def check_pixels(pixels: str) -> None:
 
 def _resizer(image: Image.Image, pixels: str) -> Resize:
     """How the mode resizes one decoded upright RGB image."""
+    exact = exact_resizer(image)
     if pixels == "exact":
-        return exact_resizer(image)
+        return exact
     import cv2  # the fast path's dependency (pip install 'packfeed[fast]')
 
     cv2.setNumThreads(1)  # one worker is one core
-    source = np.asarray(image)
 
     def resize(size: tuple[int, int]) -> np.ndarray:
-        shrink = image.width >= 2 * size[0] and image.height >= 2 * size[1]
-        return cv2.resize(source, size, interpolation=cv2.INTER_AREA if shrink else cv2.INTER_CUBIC)
+        # OpenCV's cubic (a = -0.75, no widening) is close to Pillow's only when enlarging: shrinking stays exact
+        if size[0] >= image.width and size[1] >= image.height:
+            return cv2.resize(np.asarray(image), size, interpolation=cv2.INTER_CUBIC)
+        return exact(size)
 
     return resize
 
 
 def draft(image: Image.Image, geometry: Geometry) -> None:
-    """The fast path's JPEG DCT-domain downscaling: when every size the image is resized to is at most half the
-    image's, decode it at 1/2, 1/4 or 1/8 scale (the smallest that still covers them)."""
+    """The fast path's JPEG DCT-domain downscaling: when every size the image is resized to is at most a quarter
+    of the image's, decode it at 1/2, 1/4 or 1/8 scale, the smallest that stays at least twice every target.
+    The resize after it still shrinks 2x or more (as Pillow's reducing_gap=2), which keeps text within the
+    fast bound; decoding at the target's own scale blurs it (2.2/255 mean error on document scans)."""
     widest = max(geometry.resize_width, geometry.thumbnail)
     tallest = max(geometry.resize_height, geometry.thumbnail)
-    if image.format != "JPEG" or geometry.width < 2 * widest or geometry.height < 2 * tallest:
+    if image.format != "JPEG" or geometry.width < 4 * widest or geometry.height < 4 * tallest:
         return
     swapped = image.size != (geometry.width, geometry.height)  # EXIF turns it by 90 degrees after decoding
-    image.draft("RGB", (tallest, widest) if swapped else (widest, tallest))
+    image.draft("RGB", (2 * tallest, 2 * widest) if swapped else (2 * widest, 2 * tallest))
+
+
+def file_tiles(data: bytes, geometry: Geometry, pixels: str = "exact") -> list[np.ndarray]:
+    """The tiles of one image file as the server makes them in mode `pixels` (exact or fast). Raises what
+    decode_tiles raises."""
+    prepare = (lambda image: draft(image, geometry)) if pixels == "fast" else None
+    return decode_tiles(data, geometry, lambda image: _resizer(image, pixels), prepare)
 
 
 def image_tiles(image: Image.Image, policy: ImagePolicy, n_images: int, pixels: str = "exact") -> list[np.ndarray]:
@@ -253,10 +265,8 @@ class SampleReader:
                              geometry=geometry)
 
     def _tiles(self, data: bytes, width: int, height: int, n_images: int, what: str) -> list[np.ndarray]:
-        geometry = self.policy.geometry(width, height, n_images)
-        prepare = (lambda image: draft(image, geometry)) if self.pixels == "fast" else None
         try:
-            return decode_tiles(data, geometry, lambda image: _resizer(image, self.pixels), prepare)
+            return file_tiles(data, self.policy.geometry(width, height, n_images), self.pixels)
         except ImageSizeMismatch as error:
             raise SampleSkipped(f"shard changed: {what} is {error.found}, index says {error.expected}") from None
         except (OSError, SyntaxError, ValueError) as error:

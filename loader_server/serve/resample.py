@@ -191,5 +191,5 @@ def exact_resizer(image: Image.Image) -> Resize:
     """The exact path's resizer for one upright RGB image: this module where it matches Pillow, else Pillow."""
     if not matches_pillow():
         return pil_resizer(image)
-    pixels = np.ascontiguousarray(np.asarray(image))
-    return lambda size: resize_bicubic(pixels, size)
+    pixels = functools.cache(lambda: np.ascontiguousarray(np.asarray(image)))  # copied out of Pillow once, if used
+    return lambda size: resize_bicubic(pixels(), size)

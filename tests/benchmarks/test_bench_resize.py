@@ -44,6 +44,15 @@ def pil(data: bytes, reducing_gap: float | None = None, draft: bool = False) -> 
         return [np.asarray(image.resize(t, Image.BICUBIC, reducing_gap=reducing_gap)) for t in targets(*full)]
 
 
+def packfeed_exact(data: bytes) -> list[np.ndarray]:
+    from packfeed.server.serve.resample import resize_bicubic
+
+    with Image.open(io.BytesIO(data)) as image:
+        full = image.size
+        pixels = np.asarray(to_rgb(image))
+        return [resize_bicubic(pixels, t) for t in targets(*full)]
+
+
 def opencv(data: bytes, interpolation: int) -> list[np.ndarray]:
     import cv2
 
@@ -77,7 +86,8 @@ def test_fast_resize_candidates(tmp_path):
         with tarfile.open(shard) as tar:
             images += [tar.extractfile(m).read() for m in tar if m.name.rsplit(".", 1)[-1] in ("jpg", "png")]
     exact = [pil(data) for data in images]
-    candidates = {"PIL bicubic (exact)": pil, "PIL bicubic, reducing_gap 3": lambda d: pil(d, 3.0),
+    candidates = {"PIL bicubic (exact)": pil, "Packfeed's bicubic (numba, the exact path)": packfeed_exact,
+                  "PIL bicubic, reducing_gap 3": lambda d: pil(d, 3.0),
                   "JPEG draft + PIL bicubic": lambda d: pil(d, draft=True),
                   "JPEG draft + PIL reducing_gap 3": lambda d: pil(d, 3.0, draft=True)}
     try:
@@ -98,41 +108,36 @@ def test_fast_resize_candidates(tmp_path):
               f"({timings['PIL bicubic (exact)'] / timings[name]:.2f}x the exact path); mean abs error "
               f"{mae:.3f}/255, worst-image PSNR {psnr:.1f} dB")
     assert error(pil(images[0]), exact[0])[0] == 0
+    assert all(error(packfeed_exact(data), e)[0] == 0 for data, e in zip(images, exact))
 
 
 def test_document_scans_exact_and_fast(tmp_path):
     """Large pages shrink (InternVL picks a 3 x 4 grid of 448 px tiles for 1700 x 2200, plus a thumbnail; the
-    fixed 336 px policy shrinks 5-6x): the exact path against Packfeed's fast path (OpenCV) and against JPEG
-    draft before the exact resize, per core, with each one's error."""
+    fixed 336 px policy shrinks 5-6x): Pillow's bicubic against Packfeed's exact and fast paths as the server
+    runs them (file_tiles: decode, draft where fast allows it, resize, cut), per core, with each one's error."""
     from packfeed.server.index.image_policy import policy_from_dict
-    from packfeed.server.serve.preprocess import image_tiles
+    from packfeed.server.serve.preprocess import file_tiles
+    from packfeed.v1.pixels import decode_tiles
 
     pytest.importorskip("cv2")
     pages = [document_scan(seed) for seed in range(12)]
     print(f"\n[scans] {len(pages)} pages 1700x2200 JPEG, {sum(map(len, pages)) / len(pages) / 1024:.0f} KiB each")
-    for policy in (policy_from_dict({"name": "internvl"}), policy_from_dict({"name": "fixed", "resize": "crop"})):
-        def tiles(data: bytes, pixels: str, draft: bool = False) -> list[np.ndarray]:
-            with Image.open(io.BytesIO(data)) as image:
-                if draft:
-                    image.draft("RGB", (image.width // 2, image.height // 2))
-                image.load()
-                return image_tiles(image, policy, 1, pixels)
-
-        modes = {"exact": lambda d: tiles(d, "exact"), "fast": lambda d: tiles(d, "fast"),
-                 "draft 1/2 + exact": lambda d: tiles(d, "exact", draft=True)}
-        exact = [modes["exact"](data) for data in pages]
+    for policy in (policy_from_dict({"name": "internvl"}), policy_from_dict({"name": "fixed"}),
+                   policy_from_dict({"name": "fixed", "resize": "crop"})):
+        geometry = policy.geometry(1700, 2200, 1)
+        modes = {"Pillow": lambda d: decode_tiles(d, geometry), "exact": lambda d: file_tiles(d, geometry, "exact"),
+                 "fast": lambda d: file_tiles(d, geometry, "fast")}
+        exact = [modes["Pillow"](data) for data in pages]
         timings = best_cpu_seconds(modes, pages)
         for name, fn in modes.items():
-            results = [fn(data) for data in pages]
-            if any([t.shape for t in r] != [t.shape for t in e] for r, e in zip(results, exact)):
-                print(f"[scans] {policy.name}: {name}: other tile shapes (draft changes the size the grid is chosen "
-                      f"from)")
-                continue
-            errors = [error([t.transpose(1, 2, 0) for t in r], [t.transpose(1, 2, 0) for t in e])
-                      for r, e in zip(results, exact)]
-            print(f"[scans] {policy.name}: {name}: {timings[name] / len(pages) * 1e3:.1f} ms per page "
-                  f"({timings['exact'] / timings[name]:.2f}x exact); mean abs error "
-                  f"{np.mean([e[0] for e in errors]):.3f}/255, worst PSNR {min(e[1] for e in errors):.1f} dB")
+            errors = [error([t.transpose(1, 2, 0) for t in fn(data)], [t.transpose(1, 2, 0) for t in e])
+                      for data, e in zip(pages, exact)]
+            print(f"[scans] {policy.name} {getattr(policy, 'resize', '')}: {name}: "
+                  f"{timings[name] / len(pages) * 1e3:.1f} ms per page ({timings['Pillow'] / timings[name]:.2f}x "
+                  f"Pillow); mean abs error {np.mean([e[0] for e in errors]):.3f}/255, worst PSNR "
+                  f"{min(e[1] for e in errors):.1f} dB")
+            if name == "exact":
+                assert all(e[0] == 0 for e in errors)
 
 
 def test_fast_path_error_per_policy(tmp_path):
