@@ -4,8 +4,9 @@ The server sends each image as its file's bytes with the `Geometry` its image po
 (`packfeed.v1.pixels`); here they become the tiles the server would have sent, in `pack.pixels`, so the
 trainer sees the same `PackTensors` in every mode. Two backends:
 
-- `pil`: Pillow on a pool of CPU threads (decoding and resizing release the GIL). Pixel for pixel the
-  server's exact path.
+- `pil`: Pillow's decoding and bicubic on a pool of CPU threads (both release the GIL), the resize computed
+  by the server's exact-path kernels (`packfeed.server.serve.resample`, a third of Pillow's CPU). Pixel for
+  pixel the server's exact path.
 - `torchvision`: JPEG files decoded by `torchvision.io.decode_jpeg` on `device` (nvJPEG on a GPU, batched per
   step) and resized there by bicubic interpolation with antialiasing; other formats go through Pillow.
   Within the fast path's bounds of exact (mean absolute error < 1/255, PSNR > 40 dB); `pack.pixels` is then
@@ -30,6 +31,7 @@ import torch
 from PIL import Image
 
 from packfeed.client.tensors import IGNORE_INDEX, PackTensors, tensor_of
+from packfeed.server.serve.resample import exact_resizer  # the same kernels as the server's exact path
 from packfeed.v1.pixels import GEOMETRY_COLUMNS, Geometry, ImageSizeMismatch, decode_tiles
 
 BACKENDS = ("auto", "pil", "torchvision")
@@ -167,7 +169,7 @@ def _files_and_geometry(pack: PackTensors) -> tuple[list[np.ndarray], list[Geome
 
 def _pil_tiles(data: np.ndarray, geometry: Geometry) -> list[torch.Tensor] | str:
     try:
-        return [torch.from_numpy(tile) for tile in decode_tiles(data.tobytes(), geometry)]
+        return [torch.from_numpy(tile) for tile in decode_tiles(data.tobytes(), geometry, exact_resizer)]
     except ImageSizeMismatch as error:
         return str(error)
     except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as error:
