@@ -118,22 +118,21 @@ def _plan_windows(args: argparse.Namespace) -> int:
     made window by window where it is served."""
     import time
 
-    from packfeed.server.plan.costs import load_sample_loads
-    from packfeed.server.plan.metrics import dist_ratio
+    from packfeed.server.plan.mapped_loads import map_sample_loads
     from packfeed.server.plan.windows import WindowedPlan
 
     if args.out:
         raise ValueError("--out writes whole-epoch plans; a windowed plan (--window) is planned where it is served")
-    loads, info = load_sample_loads(args.index)
+    loads, info = map_sample_loads(args.index)
     config = plan_config_of(args)
     started = time.perf_counter()
     plan = WindowedPlan(loads, config, args.seed, args.epoch, config.window, info.fingerprint)
     plan.window(0)
     first_seconds = time.perf_counter() - started
-    vit, llm, samples = plan.epoch_loads()
+    balance = plan.epoch_balance()
     print(json.dumps({"strategy": config.strategy.value, "window": config.window, "windows": plan.n_windows,
-                      "samples": samples, "steps": plan.steps_known,
-                      "vit_dist": round(dist_ratio(vit), 6), "llm_dist": round(dist_ratio(llm), 6),
+                      "samples": balance["samples"], "steps": balance["steps"],
+                      "vit_dist": round(balance["vit_dist"], 6), "llm_dist": round(balance["llm_dist"], 6),
                       "caps": dataclasses.asdict(plan.caps) if plan.caps else None,
                       "first_window_seconds": round(first_seconds, 3),
                       "planning_seconds": round(time.perf_counter() - started, 3),

@@ -141,4 +141,8 @@ def test_serving_columns_are_memory_mapped_from_one_arrow_file(tmp_path, small_t
     table = read_index(index, columns=SERVE_COLUMNS)[0]
     for sample_id in (0, len(table) // 2, len(table) - 1):
         assert again.row(sample_id) == table.slice(sample_id, 1).to_pylist()[0]
-    assert np.array_equal(again.loss_tokens_per_sample, table.column("loss_tokens").to_numpy())
+    ids = np.random.default_rng(0).choice(len(table), size=min(40, len(table)), replace=False)
+    assert again.loss_tokens(ids) == int(table.column("loss_tokens").to_numpy()[ids].sum())
+    widths, heights = table.column("image_widths").to_pylist(), table.column("image_heights").to_pylist()
+    largest = [max([w * h for w, h in zip(widths[i], heights[i])], default=0) for i in ids]
+    assert again.largest_image_pixels(ids).tolist() == largest and max(largest) > 0

@@ -53,6 +53,11 @@ class SampleLoads:
     def __len__(self) -> int:
         return len(self.valid)
 
+    def subset(self, ids: np.ndarray) -> "SampleLoads":
+        """The loads of samples `ids`, in that order (as MappedLoads.subset, for loads in memory)."""
+        return SampleLoads(self.valid[ids], self.vision[ids], self.tokens[ids], self.vit_patches[ids],
+                           self.vit_attn_sq[ids])
+
     @classmethod
     def from_arrays(cls, vision, tokens, valid=None, patches_per_unit: int = DEFAULT_PATCHES_PER_UNIT) -> "SampleLoads":
         """Loads from bare vision-unit and token counts, taking each unit as one ViT sequence (InternVL tiles)."""
@@ -63,7 +68,7 @@ class SampleLoads:
         return cls(valid, vision, tokens, patches, patches * patches_per_unit)
 
 
-def _check_sample_ids(parquet: pq.ParquetFile, index_path) -> None:
+def check_sample_ids(parquet: pq.ParquetFile, index_path) -> None:
     """sample_id must run 0..n-1 in row order. Checked from row-group statistics, without reading the column:
     each group must start where the previous one ended and span exactly its rows."""
     expected = 0
@@ -89,7 +94,7 @@ def load_sample_loads(index_path: str | Path) -> tuple[SampleLoads, IndexInfo]:
     def column(name, dtype):
         return parquet.read(columns=[name]).column(0).to_numpy(zero_copy_only=False).astype(dtype, copy=False)
 
-    _check_sample_ids(parquet, index_path)
+    check_sample_ids(parquet, index_path)
     loads = SampleLoads(valid=column("valid", bool), vision=column("vision_units", np.int32),
                         tokens=column("llm_tokens", np.int32), vit_patches=column("vit_patches", np.float32),
                         vit_attn_sq=column("vit_attn_sq", np.float32))

@@ -10,15 +10,20 @@ def dist_ratio(rank_loads: np.ndarray) -> float:
 
     Steps where every rank is idle (T_max = 0) are not counted: there is nothing to wait for.
     """
+    waste, busy = dist_terms(rank_loads)
+    return waste / busy if busy else 0.0
+
+
+def dist_terms(rank_loads: np.ndarray) -> tuple[float, int]:
+    """dist_ratio's sum of per-step waste and its count of busy steps, to add up over parts of an epoch (a
+    windowed plan's windows) without holding every step's loads at once."""
     loads = np.asarray(rank_loads, dtype=np.float64)
     if loads.size == 0:
-        return 0.0
+        return 0.0, 0
     t_max = loads.max(axis=1)
     busy = t_max > 0
-    if not busy.any():
-        return 0.0
     waste = (t_max[busy, None] - loads[busy]).sum(axis=1) / (t_max[busy] * loads.shape[1])
-    return float(waste.mean())
+    return float(waste.sum()), int(busy.sum())
 
 
 def pad_ratio(batch_sizes: np.ndarray, batch_max: np.ndarray, batch_sum: np.ndarray) -> float:

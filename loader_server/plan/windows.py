@@ -30,6 +30,8 @@ import numpy as np
 
 from packfeed.server.plan.costs import SampleLoads
 from packfeed.server.plan.isf import Caps
+from packfeed.server.plan.mapped_loads import MappedLoads
+from packfeed.server.plan.metrics import dist_terms
 from packfeed.server.plan.plan_file import Plan
 from packfeed.server.plan.planner import make_plan, resolve_caps
 from packfeed.v1.options import PlanConfig
@@ -48,8 +50,9 @@ def affine_order(n: int, seed: int, epoch: int) -> tuple[int, int]:
             return a, int(rng.integers(0, n))
 
 
-def window_members(valid: np.ndarray, seed: int, epoch: int, window: int, size: int) -> np.ndarray:
-    """The valid sample ids of one window, in the epoch's order (int64)."""
+def window_members(valid, seed: int, epoch: int, window: int, size: int) -> np.ndarray:
+    """The valid sample ids of one window, in the epoch's order (int64). `valid`: a bool column, in memory or
+    mapped (MappedColumn)."""
     n = len(valid)
     a, b = affine_order(n, seed, epoch)
     positions = np.arange(window * size, min((window + 1) * size, n), dtype=np.int64)
@@ -62,7 +65,7 @@ class WindowedPlan:
     is planned when a step of it is first asked for, and the next one in the background meanwhile; at most
     `keep` windows are held."""
 
-    def __init__(self, loads: SampleLoads, config: PlanConfig, seed: int, epoch: int, size: int = DEFAULT_WINDOW,
+    def __init__(self, loads: SampleLoads | MappedLoads, config: PlanConfig, seed: int, epoch: int, size: int = DEFAULT_WINDOW,
                  index_fingerprint: str = "", caps: Caps | None = None, keep: int = 2):
         if size < 1:
             raise ValueError("window size must be at least one sample")
@@ -90,9 +93,7 @@ class WindowedPlan:
         ids = window_members(self.loads.valid, self.seed, self.epoch, window, self.size)
         if window in self._carried:
             ids = np.concatenate([self._carried[window], ids])
-        subset = SampleLoads(np.ones(len(ids), dtype=bool), self.loads.vision[ids], self.loads.tokens[ids],
-                             self.loads.vit_patches[ids], self.loads.vit_attn_sq[ids])
-        return ids, subset
+        return ids, self.loads.subset(ids)
 
     def _plan_window(self, window: int) -> Plan:
         """The window's plan, over its own samples and those the window before carried over. Except in the last
@@ -199,18 +200,21 @@ class WindowedPlan:
             self.window(window)
         return self._first_steps[-1]
 
-    def epoch_loads(self) -> tuple[np.ndarray, np.ndarray, int]:
-        """(ViT, LLM) load of every rank in every step of the epoch, (steps, dp) each, and the samples planned,
-        planning every window once: what Dist is measured on."""
+    def epoch_balance(self) -> dict[str, float | int]:
+        """ViT and LLM Dist over every step of the epoch, and the samples planned, planning every window once
+        and holding one window's per-step loads at a time (the epoch's would be 50 bytes a step)."""
         shape = (-1, self.config.dp, self.config.microbatches)
-        vit, llm, samples = [], [], 0
+        totals = {"vit": [0.0, 0], "llm": [0.0, 0]}
+        samples = 0
         for window in range(self.n_windows):
             plan = self.window(window)
-            vision, tokens = plan.pack_loads(self.loads)
-            vit.append(vision.reshape(shape).sum(axis=2))
-            llm.append(tokens.reshape(shape).sum(axis=2))
+            for side, loads in zip(("vit", "llm"), plan.pack_loads(self.loads)):
+                waste, busy = dist_terms(loads.reshape(shape).sum(axis=2))
+                totals[side][0] += waste
+                totals[side][1] += busy
             samples += len(plan.members)
-        return np.concatenate(vit), np.concatenate(llm), samples
+        dist = {f"{side}_dist": waste / busy if busy else 0.0 for side, (waste, busy) in totals.items()}
+        return {**dist, "samples": samples, "steps": self.steps_known}
 
     def close(self) -> None:
         self._ahead.shutdown(wait=False, cancel_futures=True)

@@ -20,7 +20,8 @@ import numpy as np
 from packfeed.server.index.image_policy import policy_from_dict
 from packfeed.server.index.storage import ObjectError, is_object_url, missing_objects, relocate
 from packfeed.server.index.table import IndexInfo
-from packfeed.server.plan.costs import SampleLoads, load_sample_loads
+from packfeed.server.plan.costs import SampleLoads
+from packfeed.server.plan.mapped_loads import MappedLoads, map_sample_loads
 from packfeed.server.plan.isf import Caps
 from packfeed.server.plan.plan_file import Plan
 from packfeed.server.plan.windows import WindowedPlan
@@ -92,23 +93,35 @@ class RankState:
 
 @dataclass
 class Dataset:
+    """One indexed dataset as a server holds it. Nothing per sample lives in memory: the planner's columns are
+    memory-mapped (MappedLoads, read into memory only while a whole epoch is planned) and the serving columns
+    too (IndexRows), read per step for what a step needs (loss tokens, bytes, largest image)."""
+
     name: str
     source: DatasetSource
-    loads: SampleLoads
+    loads: SampleLoads | MappedLoads
     info: IndexInfo
-    loss_tokens: np.ndarray  # per sample, from the index
+    rows: IndexRows
     conventions: pb.ModelConventions  # what a trainer's model must know of these samples
-    largest_image: np.ndarray | None = None  # per sample: pixels of its largest image (0 without images)
-    sample_bytes: np.ndarray | None = None  # per sample: estimated bytes of its tensors in a pack
     label: str = ""  # the name packs carry for its samples (`sample_sources`); default: its name
 
     def __post_init__(self):
         self.label = self.label or self.name
-        if self.sample_bytes is None:
-            patch = policy_from_dict(self.info.image_policy).patch_size
-            # uint8 pixels (3 channels per patch pixel) + int32 input_ids, labels, position_ids
-            self.sample_bytes = (self.loads.vit_patches.astype(np.int64) * patch * patch * 3
-                                 + self.loads.tokens.astype(np.int64) * 12 + 256)
+        self._patch = policy_from_dict(self.info.image_policy).patch_size
+
+    def in_memory_loads(self) -> SampleLoads:
+        """Every sample's loads in memory, for planning a whole epoch (17 bytes a sample while it runs)."""
+        if isinstance(self.loads, SampleLoads):
+            return self.loads
+        return self.loads.subset(np.arange(len(self.loads)))
+
+    def sample_bytes(self, ids: np.ndarray) -> int:
+        """Estimated bytes of samples `ids`' tensors in packs: uint8 pixels (3 channels per patch pixel) and
+        int32 input_ids, labels and position_ids."""
+        ids = np.asarray(ids, dtype=np.int64)
+        patches, tokens = self.loads.vit_patches[ids], self.loads.tokens[ids]
+        return int((patches.astype(np.int64) * self._patch * self._patch * 3 + tokens.astype(np.int64) * 12
+                    + 256).sum())
 
     @property
     def fingerprint(self) -> str:
@@ -121,12 +134,12 @@ class Dataset:
 
     def caps(self, config: PlanConfig) -> Caps | None:
         # a windowed plan searches its caps on its first window: the whole dataset would take as long as planning
-        return None if config.strategy.padded or config.window else resolve_caps(self.loads, config)
+        return None if config.strategy.padded or config.window else resolve_caps(self.in_memory_loads(), config)
 
     def plan(self, config: PlanConfig, seed: int, epoch: int, caps: Caps | None) -> Plan | WindowedPlan:
         if config.window:
             return WindowedPlan(self.loads, config, seed, epoch, config.window, self.info.fingerprint, caps)
-        return make_plan(self.loads, config, seed, epoch, self.info.fingerprint, caps=caps)
+        return make_plan(self.in_memory_loads(), config, seed, epoch, self.info.fingerprint, caps=caps)
 
     def members(self, plan: Plan, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(source part, sample id there) of plan members `ids`."""
@@ -140,14 +153,14 @@ class Dataset:
             sources, sample_ids = self.members(plan, ids)
             packs.append((sample_ids, np.array(limits), sources))
         parts_, sources, sample_ids = self.parts, *self.members(plan, plan.step_members(step))
-        step_loss = sum(int(part.loss_tokens[sample_ids[sources == k]].sum()) for k, part in enumerate(parts_))
+        step_loss = sum(part.rows.loss_tokens(sample_ids[sources == k]) for k, part in enumerate(parts_))
         return RankStepWork(tuple(part.name for part in parts_), tuple(part.label for part in parts_),
                             plan.epoch, step, rank, packs, step_loss, plan.is_last_step(step))
 
     def estimate_bytes(self, work: RankStepWork) -> int:
         """Bytes a rank-step will take once prepared, for reserving room in the memory budget up front."""
         parts_ = self.parts
-        return int(sum(sum(int(part.sample_bytes[ids[sources == k]].sum()) for k, part in enumerate(parts_)) + 1024
+        return int(sum(sum(part.sample_bytes(ids[sources == k]) for k, part in enumerate(parts_)) + 1024
                        for ids, _, sources in work.packs))
 
     def decode_bytes(self, work: RankStepWork) -> int:
@@ -158,20 +171,18 @@ class Dataset:
         for ids, _, sources in work.packs:
             for k, part in enumerate(self.parts):
                 chosen = ids[sources == k]
-                if part.largest_image is not None and len(chosen):
-                    largest = max(largest, int(part.largest_image[chosen].max()))
+                if len(chosen):
+                    largest = max(largest, int(part.rows.largest_image_pixels(chosen).max()))
         return largest * DECODE_BYTES_PER_PIXEL
 
     @classmethod
     def open(cls, name: str, source: DatasetSource) -> "Dataset":
-        loads, info = load_sample_loads(source.index)
+        loads, info = map_sample_loads(source.index)
         if not info.has_shards:
             raise ValueError(f"dataset {name}: {source.index} was imported from length files and has no shards "
                              "to serve; index the WebDataset shards with `packfeed index`")
         check_shards_reachable(name, info, source)
-        rows = IndexRows(source.index)
-        return cls(name, source, loads, info, np.asarray(rows.loss_tokens_per_sample, dtype=np.int64),
-                   conventions_of(info, source.tokenizer), rows.largest_image_pixels())
+        return cls(name, source, loads, info, IndexRows(source.index), conventions_of(info, source.tokenizer))
 
 
 def check_shards_reachable(name: str, info: IndexInfo, source: DatasetSource) -> None:

@@ -35,7 +35,7 @@ class MixtureDataset(Dataset):
             part = Dataset.open(f"{name}/{entry.name}", dataset_source(entry.index, pixels=pixels))
             part.label = entry.name
             parts.append(part)
-        return cls(name, MixtureLoads(mixture, [(part.loads, part.info) for part in parts]), parts)
+        return cls(name, MixtureLoads(mixture, [(part.in_memory_loads(), part.info) for part in parts]), parts)
 
     @property
     def fingerprint(self) -> str:
