@@ -108,7 +108,8 @@ class WindowedPlan:
             return plan
         kept = (plan.n_steps - 1) * self.config.slots
         end = plan.offsets[kept]
-        self._carried[window + 1] = np.asarray(plan.members[end:], dtype=np.int64)
+        # a copy: a view would keep this window's whole members array alive for the rest of the epoch
+        self._carried[window + 1] = np.array(plan.members[end:], dtype=np.int64)
         return replace(plan, offsets=plan.offsets[:kept + 1], members=plan.members[:end],
                        truncate_to=plan.truncate_to[:end],
                        pack_vision=None if plan.pack_vision is None else plan.pack_vision[:kept],
