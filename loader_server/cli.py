@@ -87,16 +87,14 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     if bool(args.index) == bool(args.mixture):
         raise ValueError("give --index INDEX or --mixture MIXTURE.yaml")
-    if args.mixture and plan_config_of(args).window:
-        raise ValueError("--window is not available for mixtures yet")
+    if plan_config_of(args).window:
+        return _plan_windows(args)
     if args.mixture:
         from packfeed.server.plan.mixture import Mixture, MixtureLoads, make_mixture_plan
 
         mixture = MixtureLoads(Mixture.load(args.mixture))
         plan = make_mixture_plan(mixture, plan_config_of(args), args.seed, args.epoch)
         loads = plan.rows.loads
-    elif plan_config_of(args).window:
-        return _plan_windows(args)
     else:
         loads, info = load_sample_loads(args.index)
         plan = make_plan(loads, plan_config_of(args), args.seed, args.epoch, info.fingerprint)
@@ -123,10 +121,16 @@ def _plan_windows(args: argparse.Namespace) -> int:
 
     if args.out:
         raise ValueError("--out writes whole-epoch plans; a windowed plan (--window) is planned where it is served")
-    loads, info = map_sample_loads(args.index)
     config = plan_config_of(args)
     started = time.perf_counter()
-    plan = WindowedPlan(loads, config, args.seed, args.epoch, config.window, info.fingerprint)
+    if args.mixture:
+        from packfeed.server.plan.mixture import Mixture, MixtureLoads
+
+        mixture = MixtureLoads(Mixture.load(args.mixture), None, mapped=True)
+        plan = mixture.windowed(config, args.seed, args.epoch)
+    else:
+        loads, info = map_sample_loads(args.index)
+        plan = WindowedPlan(loads, config, args.seed, args.epoch, config.window, info.fingerprint)
     plan.window(0)
     first_seconds = time.perf_counter() - started
     balance = plan.epoch_balance()

@@ -79,6 +79,30 @@ def test_every_sample_arrives_exactly_its_repeat_count(mixture_file, tmp_path):
     assert again == rows and summary_again["plan_fingerprint"] == summary["plan_fingerprint"]
 
 
+def test_a_windowed_mixture_plan_delivers_every_repeat_and_mixes_its_windows(mixture_file, tmp_path):
+    """Windows over the epoch's rows: each sample its repeat count (the same subset as whole-epoch planning
+    draws), windows mixing datasets, the same plan computed twice, and `packfeed plan --window` on it."""
+    from packfeed.server.plan.windows import WindowedPlan
+
+    mixture = MixtureLoads(Mixture.load(mixture_file), mapped=True)
+    config = PlanConfig(dp=4, microbatches=2, window=300)
+    plan = mixture.windowed(config, seed=0, epoch=0)
+    assert isinstance(plan, WindowedPlan) and plan.n_windows == 4
+    rows = [ids for step in range(plan.n_steps) for ids in (plan.step_members(step),)]
+    counts = Counter(zip(plan.rows.datasets[np.concatenate(rows)].tolist(),
+                         plan.rows.sample_ids[np.concatenate(rows)].tolist()))
+    whole = mixture.epoch(0, 0)
+    assert counts == Counter(zip(whole.datasets.tolist(), whole.sample_ids.tolist()))
+    assert set(plan.rows.datasets[plan.window(1).members].tolist()) == {0, 1, 2}
+    again = mixture.windowed(config, seed=0, epoch=0)
+    assert all(np.array_equal(plan.step_members(s), again.step_members(s)) for s in range(plan.n_steps))
+    done = subprocess.run(CLI + ["plan", "--mixture", str(mixture_file), "--dp", "4", "--microbatches", "2",
+                                 "--window", "300"], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    summary = json.loads(done.stdout.strip().splitlines()[-1])
+    assert summary["windows"] == 4 and summary["samples"] == len(whole.datasets) and summary["steps"] == plan.n_steps
+
+
 def test_the_fingerprint_covers_every_index_and_weight(mixture_file, tmp_path):
     base = MixtureLoads(Mixture.load(mixture_file))
     config = PlanConfig(dp=4)
@@ -197,10 +221,12 @@ def test_a_mixture_stream_resumes_on_a_restarted_server_exactly_where_it_was(tmp
     assert first + rest == straight
 
 
-def test_a_mixture_is_served_as_one_dataset(tmp_path, demo_dataset):
+@pytest.mark.parametrize("window", [0, 10])
+def test_a_mixture_is_served_as_one_dataset(tmp_path, demo_dataset, window):
     """Three shard datasets mixed 2 / 1 / 0.4 and served over gRPC under the mixture's name: per epoch every
     sample arrives exactly its repeat count (the subset exactly round(0.4 n)), packs say where each sample
-    came from, two epochs draw other subsets, GetJob counts per dataset."""
+    came from, two epochs draw other subsets, GetJob counts per dataset; planned whole or in windows of 10
+    rows."""
     import grpc
 
     from packfeed.client import LocalServer, PackStream
@@ -211,7 +237,7 @@ def test_a_mixture_is_served_as_one_dataset(tmp_path, demo_dataset):
     with LocalServer(None, workers=1, extra_args=["--mixture", str(mix)]) as server:
         for rank in range(2):
             with PackStream(server.target, job="mixed", rank=rank, dataset="sft-mix", dp=2, microbatches=2,
-                            epochs=2) as stream:
+                            epochs=2, window=window) as stream:
                 for step in stream:
                     for key, source in zip(step.sample_keys, step.sample_sources):
                         assert key.startswith(source + "-")
@@ -224,6 +250,7 @@ def test_a_mixture_is_served_as_one_dataset(tmp_path, demo_dataset):
         assert len(documents) == 4 and all(counts[key] == 1 for key in documents)  # round(0.4 * 10)
     assert {k for k in epochs[0] if k.startswith("documents")} != {k for k in epochs[1] if k.startswith("documents")}
     assert dict(info.samples_by_dataset) == {"charts": 48, "diagrams": 18, "documents": 8}
+    assert info.plan.window == window
 
 
 def test_a_mixture_stream_fails_over_to_another_server(tmp_path, demo_dataset):

@@ -30,6 +30,7 @@ from packfeed.server.plan.costs import SampleLoads, load_sample_loads
 from packfeed.server.plan.isf import Caps
 from packfeed.server.plan.plan_file import Plan
 from packfeed.server.plan.planner import make_plan, resolve_caps
+from packfeed.server.plan.windows import WindowedPlan
 from packfeed.v1.options import PlanConfig
 
 _SUBSET_STREAM = 0x5B5E7  # random stream of the subsets, apart from the planner's own
@@ -89,14 +90,19 @@ class MixtureRows:
 class MixtureLoads:
     """The indexes of a mixture, read once; `epoch(seed, epoch)` gives each epoch's rows."""
 
-    def __init__(self, mixture: Mixture, read: list[tuple[SampleLoads, IndexInfo]] | None = None):
-        """`read`: each dataset's (loads, index info) when the caller has them already."""
+    def __init__(self, mixture: Mixture, read: list[tuple[SampleLoads, IndexInfo]] | None = None,
+                 mapped: bool = False):
+        """`read`: each dataset's (loads, index info) when the caller has them already; else they are read,
+        into memory or (`mapped`) memory-mapped beside each index."""
+        from packfeed.server.plan.mapped_loads import map_sample_loads
+
         self.mixture = mixture
-        read = read or [load_sample_loads(entry.index) for entry in mixture.datasets]
+        read = read or [(map_sample_loads if mapped else load_sample_loads)(entry.index) for entry in mixture.datasets]
         self.loads = [loads for loads, _ in read]
         self.infos = [info for _, info in read]
         check_conventions(mixture, self.infos)
-        self.valid = [np.flatnonzero(loads.valid) for loads in self.loads]
+        self.valid = [np.flatnonzero(loads.valid if isinstance(loads.valid, np.ndarray) else
+                                     loads.valid[np.arange(len(loads))]) for loads in self.loads]
 
     @property
     def fingerprint(self) -> str:
@@ -106,6 +112,10 @@ class MixtureLoads:
         return hashlib.sha256(json.dumps({"mixture": basis}, sort_keys=True).encode()).hexdigest()[:32]
 
     def epoch(self, seed: int, epoch: int) -> MixtureRows:
+        return self._rows(*self.epoch_rows(seed, epoch))
+
+    def epoch_rows(self, seed: int, epoch: int) -> tuple[np.ndarray, np.ndarray]:
+        """(dataset, sample id there) of every row of the epoch, in dataset order."""
         datasets, sample_ids = [], []
         for k, (entry, valid) in enumerate(zip(self.mixture.datasets, self.valid)):
             whole, fraction = divmod(entry.repeat, 1.0)
@@ -117,7 +127,18 @@ class MixtureLoads:
             rows = np.concatenate(picked) if picked else np.empty(0, np.int64)
             datasets.append(np.full(len(rows), k, dtype=np.int32))
             sample_ids.append(rows.astype(np.int64))
-        return self._rows(np.concatenate(datasets), np.concatenate(sample_ids))
+        return np.concatenate(datasets), np.concatenate(sample_ids)
+
+    def windowed(self, config: PlanConfig, seed: int, epoch: int, caps: Caps | None = None) -> WindowedPlan:
+        """The epoch planned window by window (`config.window` rows each) over its rows: as for one dataset,
+        the rows' order is an affine permutation, so each window mixes every dataset in its share. Loads are
+        read from each dataset's (memory-mapped) columns as a window needs them; the epoch's rows themselves
+        are held (12 bytes a row)."""
+        datasets, sample_ids = self.epoch_rows(seed, epoch)
+        rows = RowLoads(self.loads, datasets, sample_ids)
+        plan = WindowedPlan(rows, config, seed, epoch, config.window, self.fingerprint, caps)
+        plan.rows = MixtureRows(rows, datasets, sample_ids, [e.name for e in self.mixture.datasets])
+        return plan
 
     def once(self) -> MixtureRows:
         """Every valid sample of every dataset once: what the automatic caps are searched on (stable across
@@ -134,6 +155,51 @@ class MixtureLoads:
                             tokens=gather("tokens"), vit_patches=gather("vit_patches"),
                             vit_attn_sq=gather("vit_attn_sq"))
         return MixtureRows(loads, datasets, sample_ids, [e.name for e in self.mixture.datasets])
+
+
+_LOAD_DTYPES = {"valid": bool, "vision": np.int32, "tokens": np.int32, "vit_patches": np.float32,
+                "vit_attn_sq": np.float32}
+
+
+class RowLoads:
+    """An epoch's mixture rows as the loads a windowed plan reads (row k: sample `sample_ids[k]` of dataset
+    `datasets[k]`), gathered from each dataset's loads, mapped or in memory, only for the rows asked for."""
+
+    def __init__(self, parts: list, datasets: np.ndarray, sample_ids: np.ndarray):
+        self.parts, self.datasets, self.sample_ids = parts, datasets, sample_ids
+        for name in _LOAD_DTYPES:
+            setattr(self, name, _RowColumn(self, name))
+
+    def __len__(self) -> int:
+        return len(self.datasets)
+
+    def gather(self, rows: np.ndarray, names=tuple(_LOAD_DTYPES)) -> dict[str, np.ndarray]:
+        rows = np.asarray(rows, dtype=np.int64)
+        out = {name: np.empty(len(rows), dtype=_LOAD_DTYPES[name]) for name in names}
+        if "valid" in out:
+            out["valid"][:] = True  # an epoch's rows are valid samples only
+        of_dataset = self.datasets[rows]
+        for k, part in enumerate(self.parts):
+            chosen = np.flatnonzero(of_dataset == k)
+            if len(chosen):
+                ids = self.sample_ids[rows[chosen]]
+                for name in set(names) - {"valid"}:
+                    out[name][chosen] = getattr(part, name)[ids]
+        return out
+
+    def subset(self, rows: np.ndarray) -> SampleLoads:
+        return SampleLoads(**self.gather(rows))
+
+
+class _RowColumn:
+    def __init__(self, rows: RowLoads, name: str):
+        self.rows, self.name = rows, name
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, rows) -> np.ndarray:
+        return self.rows.gather(rows, (self.name,))[self.name]
 
 
 def check_conventions(mixture: Mixture, infos: list[IndexInfo]) -> None:

@@ -12,6 +12,7 @@ from packfeed.server.plan.isf import Caps
 from packfeed.server.plan.mixture import Mixture, MixtureLoads, make_mixture_plan
 from packfeed.server.plan.planner import resolve_caps
 from packfeed.server.plan.plan_file import Plan
+from packfeed.server.plan.windows import WindowedPlan
 from packfeed.server.serve.jobs import Dataset
 from packfeed.v1.options import PlanConfig
 
@@ -35,7 +36,7 @@ class MixtureDataset(Dataset):
             part = Dataset.open(f"{name}/{entry.name}", dataset_source(entry.index, pixels=pixels))
             part.label = entry.name
             parts.append(part)
-        return cls(name, MixtureLoads(mixture, [(part.in_memory_loads(), part.info) for part in parts]), parts)
+        return cls(name, MixtureLoads(mixture, [(part.loads, part.info) for part in parts]), parts)
 
     @property
     def fingerprint(self) -> str:
@@ -46,12 +47,12 @@ class MixtureDataset(Dataset):
         return self._parts
 
     def caps(self, config: PlanConfig) -> Caps | None:
-        if config.window:
-            raise ValueError("windowed planning (window) is not available for mixtures yet: plan a mixture's "
-                             "epoch whole (window 0)")
-        return None if config.strategy.padded else resolve_caps(self.mixture.once().loads, config)
+        # a windowed plan searches its caps on its first window
+        return None if config.strategy.padded or config.window else resolve_caps(self.mixture.once().loads, config)
 
-    def plan(self, config: PlanConfig, seed: int, epoch: int, caps: Caps | None) -> Plan:
+    def plan(self, config: PlanConfig, seed: int, epoch: int, caps: Caps | None) -> Plan | WindowedPlan:
+        if config.window:
+            return self.mixture.windowed(config, seed, epoch, caps)
         return make_mixture_plan(self.mixture, config, seed, epoch, caps)
 
     def members(self, plan: Plan, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
