@@ -62,3 +62,21 @@ def test_ray_indexing_writes_the_local_index_and_reruns_killed_tasks(ray_cluster
     assert ray_table.equals(local_table) and ray_info.fingerprint == local_info.fingerprint
     assert not ray_info.skipped_shards and on_ray.rows == local.rows > 50
 
+
+
+def test_ray_local_starts_its_own_instance_and_writes_the_same_index(demo_dataset, tmp_path):
+    """`packfeed index --ray local` from the command line: a Ray instance of its own on this machine (its token
+    file goes to the HOME of that process, here a temporary one, so no other Ray is disturbed)."""
+    home = tmp_path / "home"
+    home.mkdir()
+    shards = [str(shard) for shard in demo_dataset.shards[:2]]
+    env = {key: value for key, value in os.environ.items() if not key.startswith("RAY_")}
+    done = subprocess.run([sys.executable, "-m", "packfeed.server.cli", "index", *shards, "--out",
+                           str(tmp_path / "ray" / "index.parquet"), "--tokenizer", str(demo_dataset.tokenizer),
+                           "--ray", "local", "--quiet"],
+                          capture_output=True, text=True, timeout=600, env={**env, "HOME": str(home)})
+    assert done.returncode in (0, 3), done.stderr[-3000:]
+    local = build_index(shards, tmp_path / "local" / "index.parquet", IndexConfig(tokenizer=str(demo_dataset.tokenizer)),
+                        workers=2, progress=False)
+    (ray_table, ray_info), (local_table, local_info) = read_index(tmp_path / "ray" / "index.parquet"), read_index(local.out)
+    assert ray_table.equals(local_table) and ray_info.fingerprint == local_info.fingerprint and len(local_table) > 20
