@@ -198,13 +198,16 @@ class ShardResult:
 COMPRESSED_REASON = "compressed shard: serving reads samples at their offsets; decompress it to a plain .tar"
 
 
-def index_shard(url: str, config: IndexConfig) -> ShardResult:
+def index_shard(url: str, config: IndexConfig, version: dict[str, Any] | None = None) -> ShardResult:
+    """Index one shard. `version`: the object's stamp as build_index just asked it (saves asking the store
+    again); the object is stamped once more after reading, and a change in between invalidates its rows."""
     started = time.perf_counter()
     rows: list[dict[str, Any]] = []
     seen: set[str] = set()
     error, before = None, None
     try:
-        before = stamp(url) if is_object_url(url) else None
+        if is_object_url(url):
+            before = Stamp(**version) if version else stamp(url)
         compressed = is_compressed(url)
         for raw in iter_samples(url):
             row = cost_sample(raw, config)
@@ -264,7 +267,9 @@ def build_index(specs: list[str], out: str | Path, config: IndexConfig, workers:
     kept = {url: load_part(parts, url, versions[url], digest) for url in urls}
     pending = [url for url in urls if kept[url] is None]
     bar = tqdm(total=len(urls), initial=len(urls) - len(pending), unit="shard", desc="indexing", disable=not progress)
-    fresh = _index_shards_on_ray(pending, config, ray, bar) if ray else _index_shards(pending, config, workers, bar)
+    pending_versions = [versions[url] for url in pending]
+    fresh = (_index_shards_on_ray(pending, pending_versions, config, ray, bar) if ray
+             else _index_shards(pending, pending_versions, config, workers, bar))
     bar.close()
     for url, result in fresh.items():  # kept before duplicates across shards are marked: those depend on the others
         save_part(parts, result, versions[url], digest)
@@ -291,17 +296,18 @@ def build_index(specs: list[str], out: str | Path, config: IndexConfig, workers:
     return IndexResult(str(out), info, table.num_rows, valid, seconds, core_seconds, len(urls) - len(pending))
 
 
-def _index_shards(urls: list[str], config: IndexConfig, workers: int | None, bar) -> dict[str, ShardResult]:
-    """Index these shards, in parallel processes; {url: result}."""
+def _index_shards(urls: list[str], versions: list, config: IndexConfig, workers: int | None,
+                  bar) -> dict[str, ShardResult]:
+    """Index these shards (at these versions), in parallel processes; {url: result}."""
     results: dict[str, ShardResult] = {}
     workers = max(1, min(workers or os.cpu_count() or 1, len(urls) or 1))
     if workers == 1:
-        for url in urls:
-            results[url] = index_shard(url, config)
+        for url, version in zip(urls, versions):
+            results[url] = index_shard(url, config, version)
             bar.update(1)
         return results
     with ProcessPoolExecutor(max_workers=workers) as pool:
-        for url, result in zip(urls, pool.map(index_shard, urls, [config] * len(urls))):
+        for url, result in zip(urls, pool.map(index_shard, urls, [config] * len(urls), versions)):
             results[url] = result
             bar.update(1)
     return results
@@ -310,7 +316,8 @@ def _index_shards(urls: list[str], config: IndexConfig, workers: int | None, bar
 RAY_TASK_RETRIES = 3  # a task whose worker died (killed, out of memory, a crashing decoder) runs again
 
 
-def _index_shards_on_ray(urls: list[str], config: IndexConfig, address: str, bar) -> dict[str, ShardResult]:
+def _index_shards_on_ray(urls: list[str], versions: list, config: IndexConfig, address: str,
+                         bar) -> dict[str, ShardResult]:
     """Index these shards as Ray tasks, one per shard; {url: result}. The cluster's workers must be able to
     import Packfeed (the same environment, or a runtime_env that installs it) and to read the shards."""
     try:
@@ -324,7 +331,7 @@ def _index_shards_on_ray(urls: list[str], config: IndexConfig, address: str, bar
     try:
         task = ray.remote(max_retries=RAY_TASK_RETRIES)(index_shard)
         config_ref = ray.put(config)
-        running = {task.remote(url, config_ref): url for url in urls}
+        running = {task.remote(url, config_ref, version): url for url, version in zip(urls, versions)}
         results: dict[str, ShardResult] = {}
         while running:
             done, _ = ray.wait(list(running), num_returns=1)
