@@ -161,3 +161,41 @@ def test_a_range_cache_serves_later_epochs_from_local_disk_within_its_limit(s3, 
     assert any(cache.rglob("*"))
     held = sum(path.stat().st_size for path in small.rglob("*") if path.is_file())
     assert 0 < held <= 1.2 * (1 << 20)  # the least recently used ranges went
+
+
+def test_index_and_serve_over_http_range_requests(demo_dataset, tmp_path):
+    """Shards behind plain HTTP (a real server process answering byte ranges): indexed from their URLs, served
+    sample by sample with range requests, the same as from local files; an overwritten file is detected by its
+    ETag."""
+    from http_server import HttpServer
+
+    folder = tmp_path / "www"
+    folder.mkdir()
+    for shard in demo_dataset.shards:
+        shutil.copy(shard, folder / shard.name)
+    server = HttpServer(folder).start()
+    try:
+        urls = [server.url(shard.name) for shard in demo_dataset.shards]
+        local, remote = tmp_path / "local.parquet", tmp_path / "http.parquet"
+        build_index([str(p) for p in demo_dataset.shards], local, index_config(demo_dataset), workers=1,
+                    progress=False)
+        build_index(urls, remote, index_config(demo_dataset), workers=2, progress=False)
+        (local_table, _), (remote_table, remote_info) = read_index(local), read_index(remote)
+        assert local_table.drop(["shard"]).equals(remote_table.drop(["shard"]))
+        assert set(remote_info.objects) == set(urls) and all(o["etag"] for o in remote_info.objects.values())
+        with LocalServer(local, workers=1) as files:
+            from_files = epoch(files.target, "local")
+        with LocalServer(remote, workers=1) as http:
+            from_http = epoch(http.target, "http")
+        assert set(from_http) == set(from_files) and len(from_http) > 40
+        assert all(torch.equal(a, b) for key, tensors in from_files.items() if key
+                   for a, b in zip(tensors, from_http[key]))
+
+        with open(folder / demo_dataset.shards[0].name, "ab") as out:
+            out.write(b"\0" * 10240)  # the same members, another file: a new size and ETag
+        with LocalServer(remote, workers=1, env={"PACKFEED_MAX_SKIPPED_FRACTION": "1"}) as http:
+            changed = dict(epoch(http.target, "changed")[""])
+        on_first = [r["key"] for r in remote_table.to_pylist() if r["shard"] == urls[0] and r["valid"]]
+        assert on_first and all(changed[key].startswith("shard changed") for key in on_first)
+    finally:
+        server.stop()

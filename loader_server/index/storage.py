@@ -23,6 +23,7 @@ import os
 import random
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -223,11 +224,13 @@ def relocate(shard: str, root: str | None) -> str:
 
 
 def missing_objects(urls: list[str]) -> list[str]:
-    """The URLs that name no object, found with one listing per folder (not a request per object)."""
+    """The URLs that name no object, found with one listing per folder (not a request per object); over plain
+    HTTP, which lists nothing, with a HEAD per object, many at once."""
+    web = [url for url in urls if _scheme(url) in ("http", "https")]
+    missing = _missing_on_the_web(web) if web else []
     by_folder: dict[str, list[str]] = {}
-    for url in urls:
+    for url in dict.fromkeys(urls).keys() - set(web):
         by_folder.setdefault(url.rsplit("/", 1)[0], []).append(url)
-    missing = []
     for folder, members in by_folder.items():
         scheme = _scheme(folder)
         try:
@@ -238,7 +241,22 @@ def missing_objects(urls: list[str]) -> list[str]:
         except Exception as error:  # unreachable or forbidden after retries: name the folder
             raise ObjectError(f"listing {folder} failed: {type(error).__name__}: {error}") from None
         missing += [url for url in members if url.rstrip("/") not in listed]
-    return missing
+    position = {url: i for i, url in enumerate(urls)}
+    return sorted(missing, key=position.__getitem__)
+
+
+def _missing_on_the_web(urls: list[str]) -> list[str]:
+    def absent(url: str) -> bool:
+        try:
+            stamp(url)
+            return False
+        except ObjectError as error:
+            if str(error).startswith("object not found"):
+                return True
+            raise
+
+    with ThreadPoolExecutor(max_workers=16) as pool:
+        return [url for url, gone in zip(urls, pool.map(absent, urls)) if gone]
 
 
 class StampCache:
