@@ -1,10 +1,11 @@
 """A fault-injecting HTTP proxy for the object-storage tests (run as its own process by tests/s3_server.py):
 
-    python tests/s3_faults.py PORT UPSTREAM EVERY COUNTER_FILE [DELAY_MS]
+    python tests/s3_faults.py PORT UPSTREAM EVERY COUNTER_FILE [DELAY_MS [ranges]]
 
 Every EVERY-th request (none with 0) gets, in turn: 503 SlowDown, 429 Too Many Requests, or a connection
 dropped after a partial answer (and each range GET appends "range"). Other requests are forwarded to UPSTREAM unchanged, after DELAY_MS (a distant
-store's latency). Each injected fault appends its kind to COUNTER_FILE."""
+store's latency; with `ranges`, only range GETs wait: a store slow to serve data, quick with metadata). Each
+injected fault appends its kind to COUNTER_FILE."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ SLOW_DOWN = (b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>SlowDown</Code
 def main() -> None:
     port, upstream, every, counter = int(sys.argv[1]), urlsplit(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
     delay = float(sys.argv[5]) / 1000 if len(sys.argv) > 5 else 0.0
+    only_ranges = len(sys.argv) > 6 and sys.argv[6] == "ranges"
     numbers, lock = itertools.count(1), threading.Lock()
     faults = itertools.cycle(["503", "429", "drop"])
 
@@ -54,7 +56,8 @@ def main() -> None:
                 self.end_headers()
                 self.wfile.write(SLOW_DOWN)
                 return
-            time.sleep(delay)
+            if not only_ranges or (self.command == "GET" and self.headers.get("Range")):
+                time.sleep(delay)
             connection = http.client.HTTPConnection(upstream.hostname, upstream.port, timeout=30)
             headers = {k: v for k, v in self.headers.items() if k.lower() not in ("connection", "keep-alive")}
             connection.request(self.command, self.path, body=body if body or self.command in ("PUT", "POST") else None,

@@ -62,8 +62,9 @@ class FaultyProxy:
     429, or its connection is dropped mid-answer, in turn; the rest go to `upstream` after `delay_ms`.
     `count()` says how many were hit."""
 
-    def __init__(self, upstream: str, directory: Path, every: int = 4, delay_ms: float = 0):
+    def __init__(self, upstream: str, directory: Path, every: int = 4, delay_ms: float = 0, only_ranges: bool = False):
         self.port, self.upstream, self.every, self.delay_ms = free_port(), upstream, every, delay_ms
+        self.only_ranges = only_ranges  # delay range GETs only
         self.counter = Path(directory) / "faults.txt"
         self.process: subprocess.Popen | None = None
 
@@ -74,7 +75,8 @@ class FaultyProxy:
     def start(self) -> FaultyProxy:
         script = Path(__file__).with_name("s3_faults.py")
         self.process = subprocess.Popen([sys.executable, str(script), str(self.port), self.upstream, str(self.every),
-                                         str(self.counter), str(self.delay_ms)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                                         str(self.counter), str(self.delay_ms)] + (["ranges"] if self.only_ranges else []),
+                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         wait_for_port(self.port, self.process)
         return self
 

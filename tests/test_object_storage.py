@@ -199,3 +199,25 @@ def test_index_and_serve_over_http_range_requests(demo_dataset, tmp_path):
         assert on_first and all(changed[key].startswith("shard changed") for key in on_first)
     finally:
         server.stop()
+
+
+def test_a_stalling_store_costs_each_sample_at_most_the_deadline(s3, demo_dataset, tmp_path):
+    """A store that answers metadata but lets range reads hang: each read times out
+    (PACKFEED_OBJECT_TIMEOUT_S) and is retried until the range deadline (PACKFEED_RANGE_DEADLINE_S), then its
+    sample is skipped and reported; every rank's stream still comes to the end of the epoch."""
+    upload(s3, demo_dataset.shards[:1], "stalling/demo")
+    index = tmp_path / "stalling.parquet"
+    build_index(["s3://stalling/demo/*.tar"], index, index_config(demo_dataset), workers=1, progress=False)
+    keys = {r["key"] for r in read_index(index, ["key", "valid"])[0].to_pylist() if r["valid"]}
+    proxy = FaultyProxy(s3.endpoint, tmp_path, every=0, delay_ms=4000, only_ranges=True).start()
+    env = {**proxy.env, "PACKFEED_OBJECT_TIMEOUT_S": "0.5", "PACKFEED_RANGE_DEADLINE_S": "1.5",
+           "PACKFEED_S3_ATTEMPTS": "1", "PACKFEED_MAX_SKIPPED_FRACTION": "1"}
+    try:
+        with LocalServer(index, workers=2, env=env) as server:
+            served = epoch(server.target, "stalling")
+    finally:
+        proxy.stop()
+    reasons = dict(served[""])
+    assert set(served) == {""} and set(reasons) == keys and len(keys) > 10  # every sample reported, none lost
+    assert all(reason.startswith("shard unreadable") and "past the deadline of 1.5 s" in reason
+               for reason in reasons.values()), next(iter(reasons.values()))

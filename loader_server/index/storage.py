@@ -11,8 +11,12 @@ Credentials come from each cloud's standard environment and configuration (AWS_*
 store. Every request is retried with exponential backoff and full jitter (0.1 s doubling, at most 5 s) on
 throttling (429, 503 SlowDown), timeouts and dropped connections, `PACKFEED_OBJECT_ATTEMPTS` times (default 6);
 S3 requests also go through botocore's standard retries (`PACKFEED_S3_ATTEMPTS`, default 3) over a pool of
-`PACKFEED_S3_CONNECTIONS` connections (default 64). With `PACKFEED_RANGE_CACHE_DIR` set, ranges read are kept
-on local disk (`RangeCache`, at most `PACKFEED_RANGE_CACHE_MB`) for later epochs.
+`PACKFEED_S3_CONNECTIONS` connections (default 64). A request that gets no answer within
+`PACKFEED_OBJECT_TIMEOUT_S` (default 60) counts as failed, and a sample's range stops being retried after
+`PACKFEED_RANGE_DEADLINE_S` (default 120): the sample is skipped and reported ("shard unreadable ... past the
+deadline"), so a store that stalls holds a worker, and the ranks waiting on it, for a bounded time. With
+`PACKFEED_RANGE_CACHE_DIR` set, ranges read are kept on local disk (`RangeCache`, at most
+`PACKFEED_RANGE_CACHE_MB`) for later epochs.
 """
 
 from __future__ import annotations
@@ -48,11 +52,21 @@ def _filesystem(scheme: str, settings: tuple):
     try:
         import fsspec
 
+        timeout = float(settings[0])
         if scheme == "s3":
-            endpoint, attempts, connections = settings
-            return fsspec.filesystem("s3", skip_instance_cache=True, endpoint_url=endpoint or None, config_kwargs={
+            _, endpoint, attempts, connections = settings
+            fs = fsspec.filesystem("s3", skip_instance_cache=True, endpoint_url=endpoint or None, config_kwargs={
                 "retries": {"max_attempts": int(attempts), "mode": "standard"},
-                "connect_timeout": 10, "read_timeout": 60, "max_pool_connections": int(connections)})
+                "connect_timeout": min(10.0, timeout), "read_timeout": timeout,
+                "max_pool_connections": int(connections)})
+            fs.retries = 1  # s3fs's own loop (5 tries, on timeouts too) would hide time from the deadline: _call retries
+            return fs
+        if scheme in ("http", "https"):
+            import aiohttp
+
+            return fsspec.filesystem(scheme, skip_instance_cache=True,
+                                     client_kwargs={"timeout": aiohttp.ClientTimeout(sock_read=timeout,
+                                                                                     sock_connect=min(10.0, timeout))})
         return fsspec.filesystem(scheme, skip_instance_cache=True)
     except ImportError as error:
         raise ObjectError(f"reading {scheme}:// needs its fsspec backend: pip install 'packfeed[{_EXTRAS[scheme]}]' "
@@ -68,17 +82,20 @@ def filesystem(url: str):
     """The fsspec filesystem of an object URL (one per scheme and settings in a process: its connection pool is
     shared)."""
     scheme = _scheme(url)
-    settings = (os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL", ""),
-                os.environ.get("PACKFEED_S3_ATTEMPTS", "3"), os.environ.get("PACKFEED_S3_CONNECTIONS", "64")) \
-        if scheme == "s3" else ()
+    settings = (os.environ.get("PACKFEED_OBJECT_TIMEOUT_S", "60"),)
+    if scheme == "s3":
+        settings += (os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL", ""),
+                     os.environ.get("PACKFEED_S3_ATTEMPTS", "3"), os.environ.get("PACKFEED_S3_CONNECTIONS", "64"))
     return _filesystem(scheme, settings)
 
 
-def _call(url: str, what: str, function, *args, **kwargs):
+def _call(url: str, what: str, function, *args, deadline_s: float | None = None, **kwargs):
     """function(*args, **kwargs), retried with exponential backoff and full jitter on any failure but a missing
     or forbidden object: throttling (429, 503 SlowDown), timeouts and dropped connections of every backend
-    (botocore's own retries classify a 429 without an error body, as on a HEAD, as final)."""
+    (botocore's own retries classify a 429 without an error body, as on a HEAD, as final). With `deadline_s`,
+    no attempt starts after that many seconds."""
     attempts = max(1, int(os.environ.get("PACKFEED_OBJECT_ATTEMPTS", "6")))
+    started = time.monotonic()
     for attempt in range(attempts):
         try:
             return function(*args, **kwargs)
@@ -87,10 +104,13 @@ def _call(url: str, what: str, function, *args, **kwargs):
         except PermissionError as error:
             raise ObjectError(f"access denied to {url}: {error}") from None
         except Exception as error:  # botocore, aiohttp and fsspec raise many types
-            if attempt + 1 == attempts:
-                raise ObjectError(f"{what} {url} failed after {attempts} attempts: {type(error).__name__}: "
-                                  f"{error}") from None
-            time.sleep(random.uniform(0, min(_BACKOFF_CAP_S, _BACKOFF_S * 2 ** attempt)))
+            pause = random.uniform(0, min(_BACKOFF_CAP_S, _BACKOFF_S * 2 ** attempt))
+            late = deadline_s is not None and time.monotonic() + pause - started > deadline_s
+            if attempt + 1 == attempts or late:
+                spent = f"{attempt + 1} attempts" + (f" in {time.monotonic() - started:.1f} s, past the deadline "
+                                                     f"of {deadline_s:g} s" if late else "")
+                raise ObjectError(f"{what} {url} failed after {spent}: {type(error).__name__}: {error}") from None
+            time.sleep(pause)
 
 
 _BACKOFF_S, _BACKOFF_CAP_S = 0.1, 5.0
@@ -139,7 +159,8 @@ def read_range(url: str, offset: int, size: int, version: str = "") -> bytes:
         cached = cache.get(url, version, offset, size)
         if cached is not None:
             return cached
-    data = _call(url, "reading", filesystem(url).cat_file, url, start=offset, end=offset + size)
+    data = _call(url, "reading", filesystem(url).cat_file, url, start=offset, end=offset + size,
+                 deadline_s=float(os.environ.get("PACKFEED_RANGE_DEADLINE_S", "120")))
     if cache is not None and version and len(data) == size:
         cache.put(url, version, offset, data)
     return data
