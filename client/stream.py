@@ -64,7 +64,10 @@ class PackStream:
     With `index=` instead, an embedded server is started on loopback for this stream (`LocalServer` shares
     one between several ranks of a process). `plan` (dp, microbatches, strategy, caps, cost model, ...),
     `seed` and `epochs` must be the same on every rank: the server refuses a contradiction
-    (FAILED_PRECONDITION). `connection` holds timeouts, retries, token and TLS. The flat keyword arguments
+    (FAILED_PRECONDITION). `replica` / `replicas`: the consumers of one DP rank (the ranks of a tensor, context
+    or sequence parallel group) each open a stream with their own replica number and receive identical packs;
+    replica 0's acknowledgements count for the rank, the others' are answered and not counted, and each
+    holds a lease of its own. `connection` holds timeouts, retries, token and TLS. The flat keyword arguments
     of earlier versions (`dp=`, `microbatches=`, `strategy=`, `token=`, `tls_ca=`, `timeout=`, ...) still
     work: they fill `plan` and `connection`.
     """
@@ -72,12 +75,14 @@ class PackStream:
     def __init__(self, target: str | list[str] | None = None, *, job: str, rank: int, plan: PlanConfig | None = None,
                  seed: int = 0, epochs: int = 1, dataset: str = "", connection: Connection | None = None,
                  prefetch: int = 2, pin_memory: bool = False, acknowledge: bool = True, index: str | None = None,
-                 decode: DecodeOptions | None = None, **flat: Any):
+                 decode: DecodeOptions | None = None, replica: int = 0, replicas: int = 1, **flat: Any):
         if (target is None) == (index is None):
             raise ValueError("give a server target ('host:port', or several for failover) or an index for an "
                              "embedded server, not both")
         self.plan, self.connection = _grouped(plan, connection, flat)
-        self.job, self.rank = job, rank
+        if not 0 <= replica < replicas:
+            raise ValueError(f"replica {replica} of {replicas}: give 0 <= replica < replicas")
+        self.job, self.rank, self.replica, self.replicas = job, rank, replica, replicas
         self.prefetch, self.pin_memory, self.acknowledge = max(1, prefetch), pin_memory, acknowledge
         self._local = None
         if index is not None:
@@ -142,7 +147,7 @@ class PackStream:
             raise StopIteration
         if self._receiver is None:
             self._receiver = Receiver(self.channel, self.job, self.rank, self.info, self._next, self.prefetch,
-                                      self.pin_memory, self.reopen, self.decoder)
+                                      self.pin_memory, self.reopen, self.decoder, (self.replica, self.replicas))
         started = time.perf_counter()
         item = self._receiver.get()
         self.wait_seconds += time.perf_counter() - started
@@ -159,7 +164,7 @@ class PackStream:
     def _ack(self, epoch: int, step: int, skipped: list[tuple[str, str]]) -> None:
         """Acknowledge a consumed step, with the samples this client left out of it (the server records them)."""
         if self.acknowledge:
-            request = pb.AckStepRequest(job=self.job, rank=self.rank, epoch=epoch, step=step,
+            request = pb.AckStepRequest(job=self.job, rank=self.rank, epoch=epoch, step=step, replica=self.replica,
                                         skipped=[pb.SkippedSample(key=key, reason=reason, epoch=epoch, step=step)
                                                  for key, reason in skipped])
             self._acks.submit(self.channel.send, "AckStep", request)

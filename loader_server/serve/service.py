@@ -38,6 +38,16 @@ from packfeed.v1 import packfeed_pb2 as pb
 from packfeed.v1.options import PlanConfig
 
 SERVICE = pb.DESCRIPTOR.services_by_name["Packfeed"].full_name
+MAX_REPLICAS = 1024  # consumers of one DP rank (a TP x CP x SP group beyond this is not a real deployment)
+
+
+def replica_lease(rank: int, replica: int, replicas: int, dp: int) -> int:
+    """The lease a replica holds: the rank's own for replica 0, one apart for each other (numbered past every
+    rank, so no two replicas or ranks share one)."""
+    if replicas > MAX_REPLICAS or replica >= replicas:
+        raise JobError("INVALID_ARGUMENT", f"replica {replica} of {replicas}: give 0 <= replica < replicas <= "
+                                           f"{MAX_REPLICAS}")
+    return rank + replica * dp
 
 
 class PackfeedService:
@@ -84,13 +94,13 @@ class PackfeedService:
             return
         job.ranks[rank].shared = max(job.ranks[rank].shared, position)
 
-    async def _keep_lease(self, job: Job, rank: int, lost: asyncio.Event) -> None:
+    async def _keep_lease(self, job: Job, rank: int, lease: int, lost: asyncio.Event) -> None:
         """Renew the lease at a third of its TTL; while Redis is unreachable, keep streaming and retry. If
         another server took the rank meanwhile (Redis thought this one dead), stop the stream."""
         warned = False
         while True:
             await asyncio.sleep(self.config.lease_ttl_s / 3)
-            held = await asyncio.to_thread(self._hold_lease, job.spec.job, rank)
+            held = await asyncio.to_thread(self._hold_lease, job.spec.job, lease)
             if held is False:
                 lost.set()
                 return
@@ -100,10 +110,10 @@ class PackfeedService:
             warned = held is None
             await asyncio.to_thread(self._share_ack, job, rank)
 
-    def _let_go(self, job: Job, rank: int) -> None:
+    def _let_go(self, job: Job, rank: int, lease: int) -> None:
         self._share_ack(job, rank)
         try:
-            self.coordinator.release_lease(job.spec.job, rank, self.server_id)
+            self.coordinator.release_lease(job.spec.job, lease, self.server_id)
         except CoordinationUnavailable:
             pass  # it lapses by itself
 
@@ -153,6 +163,8 @@ class PackfeedService:
         job = self.registry.get(request.job)
         job.check_rank(request.rank)
         await asyncio.to_thread(job.check_step, request.epoch, request.step)
+        if request.replica:  # the rank's replica 0 acknowledges for the rank: counted once per DP rank
+            return pb.AckStepResponse()
         if (request.epoch, request.step) > job.ranks[request.rank].streamed:
             raise JobError("FAILED_PRECONDITION", f"step {request.epoch}:{request.step} was not sent to rank "
                                                   f"{request.rank} by this server: acknowledge only steps received")
@@ -202,16 +214,19 @@ class PackfeedService:
         job, rank = self.registry.get(request.job), request.rank
         job.check_plan(request.plan_fingerprint)
         job.check_rank(rank)
+        replica, primary = request.replica, request.replica == 0
+        lease = replica_lease(rank, replica, max(1, request.replicas), job.spec.plan.dp)
         start = (request.first_epoch, request.first_step)
         await asyncio.to_thread(job.check_step, *start)
-        if await asyncio.to_thread(self._hold_lease, job.spec.job, rank) is False:
-            owner = await asyncio.to_thread(self.coordinator.lease_owner, job.spec.job, rank)
-            raise JobError("UNAVAILABLE", f"rank {rank} of job {job.spec.job!r} is being served by {owner}; "
+        if await asyncio.to_thread(self._hold_lease, job.spec.job, lease) is False:
+            owner = await asyncio.to_thread(self.coordinator.lease_owner, job.spec.job, lease)
+            who = f"rank {rank}" + (f" replica {replica}" if replica else "")
+            raise JobError("UNAVAILABLE", f"{who} of job {job.spec.job!r} is being served by {owner}; "
                                           f"if that server is gone, its lease lapses within "
                                           f"{self.config.lease_ttl_s:g} s: retry")
         lost = asyncio.Event()
         job.open_streams += 1
-        keeper = asyncio.create_task(self._keep_lease(job, rank, lost))
+        keeper = asyncio.create_task(self._keep_lease(job, rank, lease, lost))
         queue: asyncio.Queue = asyncio.Queue(maxsize=self.config.prefetch_steps)
         producer = asyncio.create_task(produce(job, rank, start, queue, self.pool, self.budget, self.config))
         log.info("stream started", extra={"job": job.spec.job, "rank": rank, "epoch": start[0], "step": start[1],
@@ -219,8 +234,9 @@ class PackfeedService:
         sent_steps, sending = 0, None  # `sending`: the step being written, still counted in the budget
         try:
             while (item := await queue.get()) is not END:
-                self.metrics.queue_depth.labels(job.spec.job, str(rank)).set(queue.qsize())
-                job.ranks[rank].queued = queue.qsize()
+                if primary:
+                    self.metrics.queue_depth.labels(job.spec.job, str(rank)).set(queue.qsize())
+                    job.ranks[rank].queued = queue.qsize()
                 (epoch, step), sending = item
                 item = None
                 if lost.is_set():
@@ -228,7 +244,8 @@ class PackfeedService:
                                               "reconnect to continue")
                 for piece, last in with_last(pieces_of(sending.messages, part_bytes)):
                     if last:  # counted as sent when its final piece is handed over: a client that has all of
-                        self._account(job, rank, epoch, step, sending)  # it may close before the write returns
+                        # it may close before the write returns
+                        self._account(job, rank, epoch, step, sending, primary)
                     await context.write(piece)
                 # Only now: a write returns once gRPC has taken the message, and a message it holds for a
                 # slow client is memory like any other (parts keep that to one part per stream)
@@ -247,7 +264,7 @@ class PackfeedService:
                 if item is not END:
                     self.budget.release(item[1].nbytes)
             if not lost.is_set():
-                await asyncio.shield(asyncio.to_thread(self._let_go, job, rank))
+                await asyncio.shield(asyncio.to_thread(self._let_go, job, rank, lease))
             log.info("stream ended", extra={"job": job.spec.job, "rank": rank, "steps_sent": sent_steps})
         failure = producer.exception() if producer.done() and not producer.cancelled() else None
         if isinstance(failure, JobError):
@@ -255,10 +272,14 @@ class PackfeedService:
         if failure is not None:
             await context.abort(grpc.StatusCode.INTERNAL, f"pack preparation failed: {failure!r}")
 
-    def _account(self, job: Job, rank: int, epoch: int, step: int, result: RankStepResult) -> None:
+    def _account(self, job: Job, rank: int, epoch: int, step: int, result: RankStepResult, primary: bool) -> None:
+        """Metrics and the rank's progress for a step sent; a replica above 0 counts its packs and bytes only
+        (its samples are the rank's, counted once)."""
         name = job.spec.job
         self.metrics.packs.labels(name).inc(len(result.messages))
         self.metrics.bytes.labels(name).inc(result.nbytes)
+        if not primary:
+            return
         self.metrics.samples.labels(name).inc(result.samples)
         for dataset, count in result.by_dataset.items():
             self.metrics.dataset_samples.labels(name, dataset).inc(count)
