@@ -14,7 +14,7 @@ from pathlib import Path
 from urllib.parse import unquote, urlparse
 
 from redis_server import free_port
-from s3_server import wait_for_port
+from s3_server import start_process, stop_process
 
 _RANGE = re.compile(r"bytes=(\d+)-(\d*)$")
 
@@ -70,15 +70,11 @@ class HttpServer:
         return f"http://127.0.0.1:{self.port}/{name}"
 
     def start(self) -> HttpServer:
-        self.process = subprocess.Popen([sys.executable, __file__, str(self.folder), str(self.port)],
-                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        wait_for_port(self.port, self.process)
+        self.process = start_process([sys.executable, __file__, str(self.folder), str(self.port)], self.port)
         return self
 
     def stop(self) -> None:
-        if self.process and self.process.poll() is None:
-            self.process.terminate()
-            self.process.wait(10)
+        stop_process(self.process)
 
 
 if __name__ == "__main__":

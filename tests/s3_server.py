@@ -30,6 +30,19 @@ def wait_for_port(port: int, process: subprocess.Popen, timeout_s: float = 30.0)
     raise RuntimeError(f"nothing listens on 127.0.0.1:{port} after {timeout_s} s")
 
 
+def start_process(command: list[str], port: int) -> subprocess.Popen:
+    """A server process, quiet, once something listens on its port."""
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    wait_for_port(port, process)
+    return process
+
+
+def stop_process(process: subprocess.Popen | None) -> None:
+    if process and process.poll() is None:
+        process.terminate()
+        process.wait(10)
+
+
 class S3Server:
     """moto_server on a free port; `env` points boto3/s3fs at it."""
 
@@ -46,15 +59,12 @@ class S3Server:
         return {**CREDENTIALS, "AWS_ENDPOINT_URL": self.endpoint}
 
     def start(self) -> S3Server:
-        self.process = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
-                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        wait_for_port(self.port, self.process)
+        self.process = start_process([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
+                                     self.port)
         return self
 
     def stop(self) -> None:
-        if self.process and self.process.poll() is None:
-            self.process.terminate()
-            self.process.wait(10)
+        stop_process(self.process)
 
 
 class FaultyProxy:
@@ -74,10 +84,9 @@ class FaultyProxy:
 
     def start(self) -> FaultyProxy:
         script = Path(__file__).with_name("s3_faults.py")
-        self.process = subprocess.Popen([sys.executable, str(script), str(self.port), self.upstream, str(self.every),
-                                         str(self.counter), str(self.delay_ms)] + (["ranges"] if self.only_ranges else []),
-                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        wait_for_port(self.port, self.process)
+        self.process = start_process([sys.executable, str(script), str(self.port), self.upstream, str(self.every),
+                                      str(self.counter), str(self.delay_ms)] + (["ranges"] if self.only_ranges else []),
+                                     self.port)
         return self
 
     def count(self) -> dict[str, int]:
@@ -88,9 +97,7 @@ class FaultyProxy:
         return kinds
 
     def stop(self) -> None:
-        if self.process and self.process.poll() is None:
-            self.process.terminate()
-            self.process.wait(10)
+        stop_process(self.process)
 
 
 def set_env(env: dict[str, str]) -> dict[str, str | None]:

@@ -56,10 +56,11 @@ def _index_batches(index: Path):
                for name, (column, _) in PLAN_COLUMNS.items()}
 
 
-class MappedColumn:
-    """One planner column across the file's batches; `column[ids]` gathers by sample id, batch by batch."""
+class GatheredColumn:
+    """One column of loads that are gathered, not held (MappedLoads, a mixture's RowLoads): `column[ids]` is
+    `loads.gather(ids, (name,))[name]`, as indexing a numpy column would give."""
 
-    def __init__(self, loads: MappedLoads, name: str):
+    def __init__(self, loads, name: str):
         self.loads, self.name = loads, name
 
     def __len__(self) -> int:
@@ -84,7 +85,7 @@ class MappedLoads:
         sizes = np.array([batch.num_rows for batch in self._batches], dtype=np.int64)
         self._starts = np.concatenate([[0], np.cumsum(sizes)])
         for name in PLAN_COLUMNS:
-            setattr(self, name, MappedColumn(self, name))
+            setattr(self, name, GatheredColumn(self, name))
 
     def __len__(self) -> int:
         return int(self._starts[-1])

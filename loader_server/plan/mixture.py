@@ -28,6 +28,7 @@ from packfeed.server.index.image_policy import policy_from_dict
 from packfeed.server.index.table import IndexInfo
 from packfeed.server.plan.costs import SampleLoads, load_sample_loads
 from packfeed.server.plan.isf import Caps
+from packfeed.server.plan.mapped_loads import GatheredColumn, map_sample_loads
 from packfeed.server.plan.plan_file import Plan
 from packfeed.server.plan.planner import make_plan, resolve_caps
 from packfeed.server.plan.windows import WindowedPlan
@@ -94,8 +95,6 @@ class MixtureLoads:
                  mapped: bool = False):
         """`read`: each dataset's (loads, index info) when the caller has them already; else they are read,
         into memory or (`mapped`) memory-mapped beside each index."""
-        from packfeed.server.plan.mapped_loads import map_sample_loads
-
         self.mixture = mixture
         read = read or [(map_sample_loads if mapped else load_sample_loads)(entry.index) for entry in mixture.datasets]
         self.loads = [loads for loads, _ in read]
@@ -168,7 +167,7 @@ class RowLoads:
     def __init__(self, parts: list, datasets: np.ndarray, sample_ids: np.ndarray):
         self.parts, self.datasets, self.sample_ids = parts, datasets, sample_ids
         for name in _LOAD_DTYPES:
-            setattr(self, name, _RowColumn(self, name))
+            setattr(self, name, GatheredColumn(self, name))
 
     def __len__(self) -> int:
         return len(self.datasets)
@@ -189,17 +188,6 @@ class RowLoads:
 
     def subset(self, rows: np.ndarray) -> SampleLoads:
         return SampleLoads(**self.gather(rows))
-
-
-class _RowColumn:
-    def __init__(self, rows: RowLoads, name: str):
-        self.rows, self.name = rows, name
-
-    def __len__(self) -> int:
-        return len(self.rows)
-
-    def __getitem__(self, rows) -> np.ndarray:
-        return self.rows.gather(rows, (self.name,))[self.name]
 
 
 def check_conventions(mixture: Mixture, infos: list[IndexInfo]) -> None:

@@ -52,7 +52,7 @@ def affine_order(n: int, seed: int, epoch: int) -> tuple[int, int]:
 
 def window_members(valid, seed: int, epoch: int, window: int, size: int) -> np.ndarray:
     """The valid sample ids of one window, in the epoch's order (int64). `valid`: a bool column, in memory or
-    mapped (MappedColumn)."""
+    gathered (GatheredColumn)."""
     n = len(valid)
     a, b = affine_order(n, seed, epoch)
     positions = np.arange(window * size, min((window + 1) * size, n), dtype=np.int64)
