@@ -5,8 +5,8 @@ The server sends each image as its file's bytes with the `Geometry` its image po
 trainer sees the same `PackTensors` in every mode. Two backends:
 
 - `pil`: Pillow's decoding and bicubic on a pool of CPU threads (both release the GIL), the resize computed
-  by the server's exact-path kernels (`packfeed.server.serve.resample`, a third of Pillow's CPU). Pixel for
-  pixel the server's exact path.
+  by the exact path's kernels (`packfeed.v1.resample`, a third of Pillow's CPU, where numba is installed).
+  Pixel for pixel the server's exact path.
 - `torchvision`: JPEG files decoded by `torchvision.io.decode_jpeg` on `device` (nvJPEG on a GPU, batched per
   step) and resized there by bicubic interpolation with antialiasing; other formats go through Pillow.
   Within the fast path's bounds of exact (mean absolute error < 1/255, PSNR > 40 dB); `pack.pixels` is then
@@ -20,6 +20,7 @@ count, as for server-side skips, so every rank still divides by the same number.
 
 from __future__ import annotations
 
+import functools
 import os
 import warnings
 from concurrent.futures import ThreadPoolExecutor
@@ -31,8 +32,7 @@ import torch
 from PIL import Image
 
 from packfeed.client.tensors import IGNORE_INDEX, PackTensors, tensor_of
-from packfeed.server.serve.resample import exact_resizer  # the same kernels as the server's exact path
-from packfeed.v1.pixels import GEOMETRY_COLUMNS, Geometry, ImageSizeMismatch, decode_tiles
+from packfeed.v1.pixels import GEOMETRY_COLUMNS, Geometry, ImageSizeMismatch, decode_tiles, pil_resizer
 
 BACKENDS = ("auto", "pil", "torchvision")
 _JPEG_MAGIC = b"\xff\xd8\xff"
@@ -167,9 +167,20 @@ def _files_and_geometry(pack: PackTensors) -> tuple[list[np.ndarray], list[Geome
     return [data[offsets[i]:offsets[i + 1]] for i in range(len(sizes))], geometry
 
 
+@functools.cache
+def _exact_resizer():
+    """The server's exact kernels (packfeed.v1.resample) where numba is installed, else Pillow itself: the same
+    pixels, at about twice the CPU. Imported on first use: a trainer that never decodes does not load numba."""
+    try:
+        from packfeed.v1.resample import exact_resizer
+    except ImportError:
+        return pil_resizer
+    return exact_resizer
+
+
 def _pil_tiles(data: np.ndarray, geometry: Geometry) -> list[torch.Tensor] | str:
     try:
-        return [torch.from_numpy(tile) for tile in decode_tiles(data.tobytes(), geometry, exact_resizer)]
+        return [torch.from_numpy(tile) for tile in decode_tiles(data.tobytes(), geometry, _exact_resizer())]
     except ImageSizeMismatch as error:
         return str(error)
     except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as error:

@@ -25,7 +25,7 @@ from packfeed.server.index.image_policy import ImagePolicy, policy_from_dict
 from packfeed.server.index.shards import is_compressed
 from packfeed.server.index.storage import ObjectError, StampCache, is_object_url, read_range, relocate
 from packfeed.server.index.table import IndexInfo, describe_error, member_checksum
-from packfeed.server.serve.resample import exact_resizer
+from packfeed.v1.resample import exact_resizer
 from packfeed.v1.pixels import Geometry, ImageSizeMismatch, Resize, cut_tiles, decode_tiles, to_rgb
 
 
@@ -48,7 +48,7 @@ class SampleTensors:
 
 
 # How images become tiles. exact: PIL bicubic, pixel for pixel what the Hugging Face / InternVL processors give
-# (computed by packfeed.server.serve.resample, which equals Pillow's bicubic byte for byte at a third of its CPU).
+# (computed by packfeed.v1.resample, which equals Pillow's bicubic byte for byte at a third of its CPU).
 # fast: OpenCV's (SIMD) bicubic where an image is enlarged, exact where it shrinks, and JPEGs at least 4x every
 # target decoded at 1/2..1/8 scale; within 1/255 mean absolute error and above 40 dB PSNR of exact
 # (BENCHMARKS.md "Fast-path candidates for resizing").

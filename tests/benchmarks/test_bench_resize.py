@@ -45,7 +45,7 @@ def pil(data: bytes, reducing_gap: float | None = None, draft: bool = False) -> 
 
 
 def packfeed_exact(data: bytes) -> list[np.ndarray]:
-    from packfeed.server.serve.resample import resize_bicubic
+    from packfeed.v1.resample import resize_bicubic
 
     with Image.open(io.BytesIO(data)) as image:
         full = image.size
