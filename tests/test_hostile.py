@@ -155,7 +155,7 @@ def test_planning_one_job_never_blocks_another(small_tile_index):
     source = DatasetSource(str(small_tile_index), read_index_info(small_tile_index).tokenizer["path"])
     small = Dataset.open("small", source)
     n, rng = 12_000_000, np.random.default_rng(0)
-    big = dataclasses.replace(small, name="big", loss_tokens=np.ones(n, np.int64), sample_bytes=None,
+    big = dataclasses.replace(small, name="big",
                               loads=SampleLoads.from_arrays(rng.integers(1, 13, n), rng.integers(200, 6000, n)))
     registry = JobRegistry({"small": small, "big": big})
     opened: dict[str, object] = {}
