@@ -56,6 +56,40 @@ def _grouped(plan: PlanConfig | None, connection: Connection | None, flat: dict[
     return plan, connection or Connection(**connection_fields)
 
 
+def resume_from(states: list[dict[str, Any]], job: str, seed: int) -> pb.ResumeFrom:
+    """The elastic resume that the old job's ranks' state_dicts (one per rank, all of them) describe. Every old
+    rank must have stopped at the same step: a checkpoint of a synchronous job is taken between global steps."""
+    if not states:
+        raise PackfeedError("resume: give the state_dict of every rank of the old job")
+    first = states[0]
+    if "plan" not in first:
+        raise PackfeedError("resume: these states were saved by a Packfeed that did not record the plan settings; "
+                            "they can resume only at the same DP and microbatches (load_state_dict)")
+    if any(state["job"] != first["job"] or state["plan_fingerprint"] != first["plan_fingerprint"] for state in states):
+        raise PackfeedError("resume: the states are of different jobs or plans: "
+                            f"{sorted({(state['job'], state['plan_fingerprint']) for state in states})}")
+    if first["job"] == job:
+        raise PackfeedError(f"resume: give the resumed job an id of its own (the old job is {job!r})")
+    if first["seed"] != seed:
+        raise PackfeedError(f"resume: the old job ran with seed {first['seed']}, this one asks for {seed}")
+    dp = first["plan"]["dp"]
+    ranks = sorted(state["rank"] for state in states)
+    if ranks != list(range(dp)):
+        missing = sorted(set(range(dp)) - set(ranks))
+        raise PackfeedError(f"resume: the old job had {dp} ranks; the states cover ranks {ranks} (missing {missing}, "
+                            "or some twice): give one state_dict per old rank")
+    positions = {tuple(state["next"]) if state["next"] else None for state in states}
+    if len(positions) != 1:
+        where = {state["rank"]: state["next"] for state in states}
+        raise PackfeedError(f"resume: the old ranks stopped at different steps ({where}); resume from a checkpoint "
+                            "taken at one global step")
+    position = positions.pop()
+    if position is None:
+        raise PackfeedError("resume: the old job had finished every epoch; open a new job instead")
+    epoch, step = position
+    return pb.ResumeFrom(plan=PlanConfig.from_dict(first["plan"]).to_proto(), epoch=epoch, step=step)
+
+
 class PackStream:
     """Iterate this rank's steps of a job, opening (or joining) it on the server first.
 
@@ -67,7 +101,10 @@ class PackStream:
     (FAILED_PRECONDITION). `replica` / `replicas`: the consumers of one DP rank (the ranks of a tensor, context
     or sequence parallel group) each open a stream with their own replica number and receive identical packs;
     replica 0's acknowledgements count for the rank, the others' are answered and not counted, and each
-    holds a lease of its own. `connection` holds timeouts, retries, token and TLS. The flat keyword arguments
+    holds a lease of its own. `resume`: the state_dicts of every rank of another job of the same dataset and
+    seed, which ran with other plan settings (another DP or M): this job then plans what that job left of its
+    epoch with its own settings and starts there (elastic resume; every sample still once per epoch).
+    `connection` holds timeouts, retries, token and TLS. The flat keyword arguments
     of earlier versions (`dp=`, `microbatches=`, `strategy=`, `token=`, `tls_ca=`, `timeout=`, ...) still
     work: they fill `plan` and `connection`.
     """
@@ -75,7 +112,8 @@ class PackStream:
     def __init__(self, target: str | list[str] | None = None, *, job: str, rank: int, plan: PlanConfig | None = None,
                  seed: int = 0, epochs: int = 1, dataset: str = "", connection: Connection | None = None,
                  prefetch: int = 2, pin_memory: bool = False, acknowledge: bool = True, index: str | None = None,
-                 decode: DecodeOptions | None = None, replica: int = 0, replicas: int = 1, **flat: Any):
+                 decode: DecodeOptions | None = None, replica: int = 0, replicas: int = 1,
+                 resume: list[dict[str, Any]] | None = None, **flat: Any):
         if (target is None) == (index is None):
             raise ValueError("give a server target ('host:port', or several for failover) or an index for an "
                              "embedded server, not both")
@@ -93,12 +131,15 @@ class PackStream:
         self.channel = ServerChannel([target] if isinstance(target, str) else list(target), self.connection)
         self._open_request = pb.OpenJobRequest(job=job, dataset=dataset, seed=seed, epochs=epochs,
                                                plan=self.plan.to_proto())
+        if resume is not None:
+            self._open_request.resume.CopyFrom(resume_from(resume, job, seed))
         self.info: pb.JobInfo = self.channel.call("OpenJob", self._open_request)
         if not 0 <= rank < self.info.plan.dp:
             raise PackfeedError(f"rank {rank} is outside the job's {self.info.plan.dp} ranks")
         self.microbatches = self.info.plan.microbatches
         self.decoder = PackDecoder(decode, pin_memory) if self.info.pixels == "encoded" else None
-        self._next: tuple[int, int] | None = (0, 0)  # the next step the trainer will get
+        # the next step the trainer will get: a resumed job starts in the epoch its old job stopped in
+        self._next: tuple[int, int] | None = (self.info.resume.epoch, 0) if resume is not None else (0, 0)
         self._consumed: tuple[int, int, list] | None = None  # (epoch, step, client skips): not the tensors
         self._acks = ThreadPoolExecutor(max_workers=1, thread_name_prefix="packfeed-ack")
         self._receiver: Receiver | None = None
@@ -121,8 +162,10 @@ class PackStream:
     # -- resumption -------------------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
+        """Where this rank is, and what an elastic resume needs of its job (its plan settings and seed)."""
         return {"job": self.job, "rank": self.rank, "plan_fingerprint": self.info.plan_fingerprint,
-                "next": list(self._next) if self._next else None}
+                "next": list(self._next) if self._next else None, "seed": self.info.seed,
+                "plan": PlanConfig.from_proto(self.info.plan).to_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue at exactly the step after the last one delivered when `state` was taken."""

@@ -24,6 +24,7 @@ from packfeed.server.plan.costs import SampleLoads
 from packfeed.server.plan.mapped_loads import MappedLoads, map_sample_loads
 from packfeed.server.plan.isf import Caps
 from packfeed.server.plan.plan_file import Plan
+from packfeed.server.plan.resume import resume_plan
 from packfeed.server.plan.windows import WindowedPlan
 from packfeed.server.plan.planner import make_plan, resolve_caps
 from packfeed.server.serve.conventions import conventions_of
@@ -47,17 +48,36 @@ class JobError(Exception):
 
 
 @dataclass(frozen=True)
+class Resume:
+    """Elastic resume (packfeed.v1 ResumeFrom): an old job with plan settings `plan` consumed the steps before
+    `step` of epoch `epoch` on every rank."""
+
+    plan: PlanConfig
+    epoch: int
+    step: int
+
+    def to_dict(self) -> dict:
+        return {"plan": self.plan.to_dict(), "epoch": self.epoch, "step": self.step}
+
+    def to_proto(self) -> pb.ResumeFrom:
+        return pb.ResumeFrom(plan=self.plan.to_proto(), epoch=self.epoch, step=self.step)
+
+
+@dataclass(frozen=True)
 class JobSpec:
     job: str
     dataset: str
     plan: PlanConfig
     seed: int
     epochs: int = 1
+    resume: Resume | None = None
 
     def describe(self) -> str:
         plan = self.plan.to_dict()  # the cost model included: other costs, other packs
-        return json.dumps({"dataset": self.dataset, "plan": plan, "seed": self.seed, "epochs": self.epochs},
-                          sort_keys=True)
+        described = {"dataset": self.dataset, "plan": plan, "seed": self.seed, "epochs": self.epochs}
+        if self.resume is not None:
+            described["resume"] = self.resume.to_dict()
+        return json.dumps(described, sort_keys=True)
 
 
 @dataclass
@@ -140,6 +160,19 @@ class Dataset:
         if config.window:
             return WindowedPlan(self.loads, config, seed, epoch, config.window, self.info.fingerprint, caps)
         return make_plan(self.in_memory_loads(), config, seed, epoch, self.info.fingerprint, caps=caps)
+
+    def resume(self, resume: Resume, config: PlanConfig, seed: int, caps: Caps | None) -> Plan:
+        """Epoch `resume.epoch` re-planned with `config` over what the old job left of it (plan.resume)."""
+        if config.window:
+            raise JobError("INVALID_ARGUMENT", "a resumed epoch is planned whole: resume with window 0 (later "
+                                               "epochs may not differ from it either)")
+        old_caps = self.caps(resume.plan)
+        old = self.plan(resume.plan, seed, resume.epoch, old_caps)
+        if resume.step > old.n_steps:
+            raise JobError("OUT_OF_RANGE", f"the old job's epoch {resume.epoch} has {old.n_steps} steps; its ranks "
+                                           f"cannot have consumed {resume.step}")
+        return resume_plan(self.in_memory_loads(), old, resume.step, config, seed, resume.epoch, self.fingerprint,
+                           caps or old_caps)
 
     def members(self, plan: Plan, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(source part, sample id there) of plan members `ids`."""
@@ -247,7 +280,10 @@ class Job:
                                            f"(epochs 0..{self.spec.epochs - 1})")
         with self._lock:
             if epoch not in self._plans:
-                self._plans[epoch] = self.dataset.plan(self.spec.plan, self.spec.seed, epoch, self.caps)
+                resume = self.spec.resume
+                self._plans[epoch] = (self.dataset.resume(resume, self.spec.plan, self.spec.seed, self.caps)
+                                      if resume is not None and resume.epoch == epoch else
+                                      self.dataset.plan(self.spec.plan, self.spec.seed, epoch, self.caps))
             self._plans.move_to_end(epoch)
             while len(self._plans) > PLANS_CACHED:
                 _, evicted = self._plans.popitem(last=False)  # never the one just asked for: it is the newest

@@ -13,7 +13,7 @@ from packfeed.server.plan.mixture import Mixture, MixtureLoads, make_mixture_pla
 from packfeed.server.plan.planner import resolve_caps
 from packfeed.server.plan.plan_file import Plan
 from packfeed.server.plan.windows import WindowedPlan
-from packfeed.server.serve.jobs import Dataset
+from packfeed.server.serve.jobs import Dataset, JobError
 from packfeed.v1.options import PlanConfig
 
 
@@ -54,6 +54,10 @@ class MixtureDataset(Dataset):
         if config.window:
             return self.mixture.windowed(config, seed, epoch, caps)
         return make_mixture_plan(self.mixture, config, seed, epoch, caps)
+
+    def resume(self, resume, config: PlanConfig, seed: int, caps: Caps | None) -> Plan:
+        raise JobError("INVALID_ARGUMENT", "elastic resume is not available for mixtures yet: resume a mixture's "
+                                           "job at its own DP and microbatches")
 
     def members(self, plan: Plan, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         ids = np.asarray(ids, dtype=np.int64)

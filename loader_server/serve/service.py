@@ -27,7 +27,7 @@ from packfeed.server.cluster.coordinator import (
 from packfeed.server.index.table import reason_category
 from packfeed.server.serve.budget import MemoryBudget
 from packfeed.server.serve.config import ServerConfig
-from packfeed.server.serve.jobs import Job, JobError, JobSpec
+from packfeed.server.serve.jobs import Job, JobError, JobSpec, Resume
 from packfeed.server.serve.registry import JobRegistry, check_name
 from packfeed.server.serve.network import client_host
 from packfeed.server.serve.observe import Metrics, log
@@ -39,6 +39,16 @@ from packfeed.v1.options import PlanConfig
 
 SERVICE = pb.DESCRIPTOR.services_by_name["Packfeed"].full_name
 MAX_REPLICAS = 1024  # consumers of one DP rank (a TP x CP x SP group beyond this is not a real deployment)
+
+
+def resume_of(request: pb.OpenJobRequest, plan: PlanConfig) -> Resume:
+    """The job's elastic resume, checked: an old plan of its own, an epoch of this job."""
+    old = PlanConfig.from_proto(request.resume.plan)
+    if request.resume.epoch >= (request.epochs or 1):
+        raise ValueError(f"resume.epoch {request.resume.epoch} is not an epoch of this job ({request.epochs or 1})")
+    if old.window:
+        raise ValueError("resume.plan: a windowed old job cannot be resumed yet (window 0 only)")
+    return Resume(old, request.resume.epoch, request.resume.step)
 
 
 def replica_lease(rank: int, replica: int, replicas: int, dp: int) -> int:
@@ -130,9 +140,10 @@ class PackfeedService:
     async def open_job(self, request: pb.OpenJobRequest, context) -> pb.JobInfo:
         try:
             plan = PlanConfig.from_proto(request.plan)
+            resume = resume_of(request, plan) if request.HasField("resume") else None
         except ValueError as error:
             raise JobError("INVALID_ARGUMENT", str(error)) from None
-        spec = JobSpec(request.job, request.dataset, plan, request.seed, request.epochs or 1)
+        spec = JobSpec(request.job, request.dataset, plan, request.seed, request.epochs or 1, resume)
         job = await asyncio.get_running_loop().run_in_executor(self.planning, self.registry.open_job, spec,
                                                                request.plan_fingerprint)
         await asyncio.to_thread(self._register, job)
@@ -182,7 +193,8 @@ class PackfeedService:
                           plan_fingerprint=plan.fingerprint(), index_fingerprint=job.dataset.fingerprint,
                           skipped_count=job.skipped_count, vision_cap=job.caps.vision_cap if job.caps else 0,
                           token_cap=job.caps.token_cap if job.caps else 0, conventions=job.dataset.conventions,
-                          pixels=job.dataset.parts[0].source.pixels)
+                          pixels=job.dataset.parts[0].source.pixels,
+                          resume=job.spec.resume.to_proto() if job.spec.resume else None)
         for rank, state in enumerate(job.ranks):
             info.ranks.add(rank=rank, acked_epoch=state.acked[0], acked_step=state.acked[1], queued_steps=state.queued,
                            streamed_epoch=state.streamed[0], streamed_step=state.streamed[1])

@@ -1,0 +1,110 @@
+"""Elastic resume over real gRPC: a job at DP 4 stops after k steps, every rank's state_dict saved; a new job
+resumes from them at DP 2 and at DP 8. The ledger over the epoch: every valid sample exactly once (the old
+steps before k, then the re-plan), the re-plan the same on two servers, later epochs whole, and a mismatched
+or incomplete set of states refused with the reason."""
+
+from __future__ import annotations
+
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from packfeed.client import LocalServer, PackfeedError, PackStream
+from packfeed.server.index.table import read_index
+
+OLD = dict(job="old", dp=4, microbatches=1, epochs=2, seed=3)
+STEPS_DONE = 1
+
+
+def consume(target: str, rank: int, steps: int | None = None, **options) -> tuple[list[str], dict, list]:
+    """(sample keys, state_dict, (epoch, step) of each step) after `steps` steps (all when None)."""
+    with PackStream(target, rank=rank, **options) as stream:
+        keys, positions = [], []
+        for step in stream:
+            keys += step.sample_keys
+            positions.append((step.epoch, step.step))
+            if steps is not None and len(positions) == steps:
+                break
+        return keys, stream.state_dict(), positions
+
+
+def run_ranks(target: str, steps: int | None = None, **options) -> list[tuple[list[str], dict, list]]:
+    with ThreadPoolExecutor(options["dp"]) as pool:
+        return list(pool.map(lambda rank: consume(target, rank, steps, **options), range(options["dp"])))
+
+
+@pytest.fixture(scope="module")
+def old_job(small_tile_index):
+    """The old job's first STEPS_DONE steps on every rank: (keys consumed, the four state_dicts)."""
+    with LocalServer(small_tile_index, workers=1) as server:
+        ranks = run_ranks(server.target, STEPS_DONE, **OLD)
+    return [key for keys, _, _ in ranks for key in keys], [state for _, state, _ in ranks]
+
+
+def epoch_records(target: str, rank: int, **options) -> list[tuple[int, int, list[str]]]:
+    """(epoch, step, sample keys) of every step the rank gets."""
+    with PackStream(target, rank=rank, **options) as stream:
+        return [(step.epoch, step.step, list(step.sample_keys)) for step in stream]
+
+
+@pytest.mark.parametrize("dp", [2, 8])
+def test_resuming_at_another_dp_delivers_the_epoch_exactly_once(small_tile_index, old_job, dp):
+    consumed, states = old_job
+    valid = Counter(r["key"] for r in read_index(small_tile_index, ["key", "valid"])[0].to_pylist() if r["valid"])
+    new = dict(job=f"new-{dp}", dp=dp, microbatches=2, epochs=2, seed=3, resume=states)
+    per_epoch = {0: Counter(consumed), 1: Counter()}
+    with LocalServer(small_tile_index, workers=1) as server, LocalServer(small_tile_index, workers=1) as other:
+        with ThreadPoolExecutor(dp) as pool:
+            ranks = list(pool.map(lambda rank: epoch_records(server.target, rank, **new), range(dp)))
+        infos = [PackStream(target, rank=0, **new).info for target in (server.target, other.target)]
+    for records in ranks:
+        assert records[0][:2] == (0, 0)  # the resumed epoch, its steps counted from 0
+        for epoch, _, keys in records:
+            per_epoch[epoch].update(keys)
+    assert per_epoch[0] == valid  # 0 lost, 0 repeated: the old job's first steps, then the re-plan
+    assert per_epoch[1] == valid  # the next epoch, planned whole at the new DP
+    assert infos[0].plan_fingerprint == infos[1].plan_fingerprint  # the same re-plan on two servers
+    assert infos[0].resume.step == STEPS_DONE and infos[0].resume.plan.dp == 4 and infos[0].plan.dp == dp
+
+
+def test_mismatched_or_incomplete_states_are_refused(small_tile_index, old_job):
+    _, states = old_job
+    new = dict(job="refused", dp=2, microbatches=1, epochs=2, seed=3)
+    with LocalServer(small_tile_index, workers=1) as server:
+        with pytest.raises(PackfeedError, match=r"missing \[3\]"):
+            PackStream(server.target, rank=0, resume=states[:3], **new)
+        behind = [dict(states[0], next=[0, STEPS_DONE - 1])] + states[1:]
+        with pytest.raises(PackfeedError, match="stopped at different steps"):
+            PackStream(server.target, rank=0, resume=behind, **new)
+        with pytest.raises(PackfeedError, match="seed 3, this one asks for 4"):
+            PackStream(server.target, rank=0, resume=states, **{**new, "seed": 4})
+        with pytest.raises(PackfeedError, match="an id of its own"):
+            PackStream(server.target, rank=0, resume=states, **{**new, "job": "old"})
+        beyond = [dict(state, next=[0, 10_000]) for state in states]
+        with pytest.raises(PackfeedError, match="cannot have consumed 10000"):
+            PackStream(server.target, rank=0, resume=beyond, **new)
+
+
+@pytest.mark.parametrize("steps", [0, 7, 40])
+def test_the_re_plan_covers_what_the_old_plan_left_exactly_once(steps):
+    """At the planner: 20,000 samples planned at DP 4 x M 2; after `steps` steps the rest re-planned at DP 8 x
+    M 3: together every valid sample once, and the same re-plan computed twice."""
+    import numpy as np
+
+    from packfeed.server.plan.costs import SampleLoads
+    from packfeed.server.plan.planner import make_plan
+    from packfeed.server.plan.resume import consumed_samples, resume_plan
+    from packfeed.v1.options import PlanConfig
+
+    rng = np.random.default_rng(steps)
+    loads = SampleLoads.from_arrays(rng.integers(0, 13, 20_000), rng.integers(64, 4096, 20_000),
+                                    rng.random(20_000) > 0.02)
+    old = make_plan(loads, PlanConfig(dp=4, microbatches=2), seed=1, epoch=0)
+    new_config = PlanConfig(dp=8, microbatches=3)
+    resumed = resume_plan(loads, old, steps, new_config, seed=1, epoch=0)
+    again = resume_plan(loads, old, steps, new_config, seed=1, epoch=0)
+    together = np.concatenate([consumed_samples(old, steps), resumed.members])
+    assert np.array_equal(np.sort(together), np.flatnonzero(loads.valid))
+    assert np.array_equal(resumed.members, again.members) and resumed.fingerprint() == again.fingerprint()
+    assert resumed.config.dp == 8 and resumed.n_steps > 0
