@@ -3,6 +3,8 @@ gloo on CPU, packs received over real gRPC)."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 import torch.multiprocessing as mp
@@ -140,3 +142,24 @@ def test_checkpoint_resumes_at_exactly_the_next_step(tmp_path, small_tile_index)
     assert [(r["epoch"], r["step"]) for r in resumed] == [(r["epoch"], r["step"]) for r in straight]
     assert [r["loss"] for r in resumed] == pytest.approx([r["loss"] for r in straight], rel=1e-6)
     assert (tmp_path / "resumed" / "checkpoints" / "latest").read_text() == "step-000004"
+
+
+@pytest.mark.slow
+def test_a_checkpoint_taken_at_dp4_restarts_the_trainer_at_dp2(tmp_path, small_tile_index):
+    """Elastic resume in the reference trainer: 4 ranks train a step and checkpoint; 2 ranks restart from it,
+    open a job that re-plans the rest of the epoch for DP 2 from the four saved stream positions, and train on."""
+    overrides = [f"data.index={small_tile_index}", "data.microbatches=2", "data.server_workers=1",
+                 "partition.mode=layers", "recompute.mode=none", "checkpoint.every=1", "optim.warmup_steps=1",
+                 "data.epochs=3"] + [f"model.{k}={v}" for k, v in SMALL_MODEL.items()]
+    out = tmp_path / "elastic"
+    _, first = packfeed_train(4, overrides + ["optim.steps=1", "parallel.dp=4", "parallel.pp=1"], out, timeout=900)
+    saved = sorted((out / "checkpoints" / "step-000001").glob("stream-rank*.json"))
+    assert len(saved) == 4
+    stopped_in = json.loads(saved[0].read_text())["next"][0]  # the epoch the old job stopped in
+    log, records = packfeed_train(2, overrides + ["optim.steps=3", "parallel.dp=2", "parallel.pp=1"], out, timeout=900)
+    assert "elastic resume" in log and "after 1 steps" in log
+    resumed = records[len(first):]
+    assert len(resumed) == 2 and (resumed[0]["epoch"], resumed[0]["step"]) == (stopped_in, 0)
+    assert all(r["loss"] > 0 for r in resumed)
+    assert (out / "checkpoints" / "latest").read_text() == "step-000003"
+    assert len(list((out / "checkpoints" / "step-000003").glob("stream-rank*.json"))) == 2

@@ -9,7 +9,8 @@ Layout under OUT/checkpoints/:
     latest                          name of the newest complete checkpoint (written last, after a barrier)
 
 A checkpoint directory is complete once `latest` names it, so a crash while saving leaves the previous one in
-use. Packfeed's plans are deterministic, so the stream position is all the data state there is.
+use. Packfeed's plans are deterministic, so the stream position is all the data state there is; a checkpoint
+restarted at another DP hands every saved position to an elastic resume (packfeed.trainer.data.open_stream).
 """
 
 from __future__ import annotations
@@ -72,6 +73,12 @@ def load_stage(directory: Path, mesh, stage: torch.nn.Module, optimizer, schedul
 
 def stream_state(directory: Path, replica: int) -> dict:
     return json.loads((directory / f"stream-rank{replica}.json").read_text())
+
+
+def stream_states(directory: Path) -> list[dict]:
+    """Every replica's stream position in the checkpoint, in rank order (as many as the DP it was taken at)."""
+    paths = sorted(directory.glob("stream-rank*.json"), key=lambda p: int(p.stem.removeprefix("stream-rank")))
+    return [json.loads(path.read_text()) for path in paths]
 
 
 def save_sharded(root: Path, steps_done: int, mesh, model: torch.nn.Module, optimizer, scheduler,

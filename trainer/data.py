@@ -69,14 +69,26 @@ class StepSource:
         return state
 
 
-def open_stream(config: TrainConfig, mesh: Mesh, target: str):
-    """This replica's stream (first stages only): the job's plan on this mesh, from `target`."""
+def open_stream(config: TrainConfig, mesh: Mesh, target: str, checkpoint_dir=None):
+    """This replica's stream (first stages only): the job's plan on this mesh, from `target`. With a checkpoint:
+    taken at this DP, the stream continues its job at this rank's position; taken at another DP, it opens a job
+    of its own that re-plans what the checkpointed job left of its epoch for this DP (elastic resume)."""
     from packfeed.client import Connection, PackStream
+    from packfeed.trainer import checkpoint
 
     d = config.data
-    return PackStream(stream_targets(target), job=d.job, rank=mesh.replica, plan=d.plan(mesh.dp, mesh.pp),
-                      seed=d.seed, epochs=d.epochs, prefetch=d.prefetch, pin_memory=mesh.device.type == "cuda",
-                      connection=Connection(token=d.token or None))
+    options = dict(rank=mesh.replica, plan=d.plan(mesh.dp, mesh.pp), seed=d.seed, epochs=d.epochs,
+                   prefetch=d.prefetch, pin_memory=mesh.device.type == "cuda", connection=Connection(token=d.token or None))
+    states = checkpoint.stream_states(checkpoint_dir) if checkpoint_dir is not None else []
+    if not states:
+        return PackStream(stream_targets(target), job=d.job, **options)
+    if len(states) == mesh.dp:
+        stream = PackStream(stream_targets(target), job=states[0]["job"], **options)
+        stream.load_state_dict(states[mesh.replica])
+        return stream
+    steps = checkpoint.read_meta(checkpoint_dir)["steps_done"]
+    job = f"{states[0]['job']}.dp{mesh.dp}.from{steps}"  # every rank derives the same id
+    return PackStream(stream_targets(target), job=job, resume=states, **options)
 
 
 def stream_targets(target: str) -> str | list[str]:

@@ -161,11 +161,11 @@ def _everyone(has_step: bool, mesh: Mesh) -> bool:
 def train_hf(config: TrainConfig, mesh: Mesh, target: str, out: Path) -> dict:
     resume_from = checkpoint.latest(out / "checkpoints") if config.checkpoint.resume else None
     resumed = checkpoint.read_meta(resume_from) if resume_from else None
-    stream = open_stream(config, mesh, target)
+    stream = open_stream(config, mesh, target, resume_from)
     with contextlib.closing(stream):
         if resume_from:
-            log(mesh, f"resuming from {resume_from} after {resumed['steps_done']} steps")
-            stream.load_state_dict(checkpoint.stream_state(resume_from, mesh.replica))
+            log(mesh, f"resuming from {resume_from} after {resumed['steps_done']} steps"
+                + (" at another DP (elastic resume)" if stream.info.HasField("resume") else ""))
         conventions = job_conventions(stream, mesh)
         trainer = HFTrainer(config, mesh, stream, conventions)
         log(mesh, f"{config.model.hf}: {sum(p.numel() for p in trainer.model.parameters()):,} parameters, FSDP2 over "

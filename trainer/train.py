@@ -170,10 +170,11 @@ def train_on(config: TrainConfig, mesh: Mesh, target: str, out: Path) -> dict:
     resumed = checkpoint.read_meta(resume_from) if resume_from else None
     if resumed:
         log(mesh, f"resuming from {resume_from} after {resumed['steps_done']} steps")
-    stream = open_stream(config, mesh, target) if mesh.is_first else None
+    stream = open_stream(config, mesh, target, resume_from) if mesh.is_first else None
     with contextlib.closing(stream) if stream is not None else contextlib.nullcontext():
-        if stream is not None and resume_from:
-            stream.load_state_dict(checkpoint.stream_state(resume_from, mesh.replica))
+        if stream is not None and stream.info.HasField("resume"):
+            log(mesh, f"the checkpoint was taken at another DP: job {stream.job!r} re-plans the rest of epoch "
+                f"{stream.info.resume.epoch} for DP {mesh.dp} (elastic resume)")
         conventions = job_conventions(stream, mesh)
         model = sized_model(config.model, conventions)
         log(mesh, f"model sized for the dataset: {model.tile_size} px tiles, {model.tokens_per_tile} tokens per tile, "
