@@ -108,3 +108,42 @@ def test_the_re_plan_covers_what_the_old_plan_left_exactly_once(steps):
     assert np.array_equal(np.sort(together), np.flatnonzero(loads.valid))
     assert np.array_equal(resumed.members, again.members) and resumed.fingerprint() == again.fingerprint()
     assert resumed.config.dp == 8 and resumed.n_steps > 0
+
+
+def test_a_windowed_old_plan_is_resumed_exactly_once():
+    import numpy as np
+
+    from packfeed.server.plan.costs import SampleLoads
+    from packfeed.server.plan.resume import consumed_samples, resume_plan
+    from packfeed.server.plan.windows import WindowedPlan
+    from packfeed.v1.options import PlanConfig
+
+    rng = np.random.default_rng(9)
+    loads = SampleLoads.from_arrays(rng.integers(0, 13, 9_000), rng.integers(64, 4096, 9_000), rng.random(9_000) > 0.02)
+    old = WindowedPlan(loads, PlanConfig(dp=4, microbatches=2, window=2_000), seed=2, epoch=1, size=2_000)
+    steps = old.n_steps // 2  # well into the third window
+    resumed = resume_plan(loads, old, steps, PlanConfig(dp=2, microbatches=4), seed=2, epoch=1)
+    together = np.concatenate([consumed_samples(old, steps), resumed.members])
+    assert np.array_equal(np.sort(together), np.flatnonzero(loads.valid))
+
+
+def test_a_mixture_job_resumes_at_another_dp_with_the_same_rows(tmp_path, demo_dataset):
+    """A mixture's epoch resumed: each sample its repeat count over the epoch, the fractional dataset's subset
+    the one the old job drew."""
+    from test_mixture import served_mixture
+
+    mix = served_mixture(tmp_path, demo_dataset)
+    # padded batches of 2: short text samples would all fit one ISF step
+    old = dict(job="mix-old", dataset="sft-mix", dp=2, microbatches=1, epochs=1, seed=5, strategy="random",
+               samples_per_pack=2)
+    with LocalServer(None, workers=1, extra_args=["--mixture", str(mix)]) as server:
+        ranks = run_ranks(server.target, 1, **old)
+        consumed = Counter(key for keys, _, _ in ranks for key in keys)
+        states = [state for _, state, _ in ranks]
+        assert all(state["next"] == [0, 1] for state in states), states  # stopped mid-epoch
+        new = dict(old, job="mix-new", dp=1, microbatches=2, resume=states)
+        rest = Counter(key for _, _, keys in epoch_records(server.target, 0, **new) for key in keys)
+        straight = Counter(key for rank in range(2) for _, _, keys in epoch_records(server.target, rank, **{
+            **old, "job": "mix-straight"}) for key in keys)
+    assert consumed + rest == straight  # the same rows, repeats and subset: only the topology changed
+    assert all(straight[f"charts-{i}"] == 2 for i in range(12))

@@ -56,6 +56,12 @@ def _index_batches(index: Path):
                for name, (column, _) in PLAN_COLUMNS.items()}
 
 
+def valid_mask(loads) -> np.ndarray:
+    """Every sample's validity as a bool array, whether the loads hold it or gather it."""
+    valid = loads.valid
+    return valid if isinstance(valid, np.ndarray) else valid[np.arange(len(loads))]
+
+
 class GatheredColumn:
     """One column of loads that are gathered, not held (MappedLoads, a mixture's RowLoads): `column[ids]` is
     `loads.gather(ids, (name,))[name]`, as indexing a numpy column would give."""

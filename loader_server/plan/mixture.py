@@ -28,7 +28,7 @@ from packfeed.server.index.image_policy import policy_from_dict
 from packfeed.server.index.table import IndexInfo
 from packfeed.server.plan.costs import SampleLoads, load_sample_loads
 from packfeed.server.plan.isf import Caps
-from packfeed.server.plan.mapped_loads import GatheredColumn, map_sample_loads
+from packfeed.server.plan.mapped_loads import GatheredColumn, map_sample_loads, valid_mask
 from packfeed.server.plan.plan_file import Plan
 from packfeed.server.plan.planner import make_plan, resolve_caps
 from packfeed.server.plan.windows import WindowedPlan
@@ -100,8 +100,7 @@ class MixtureLoads:
         self.loads = [loads for loads, _ in read]
         self.infos = [info for _, info in read]
         check_conventions(mixture, self.infos)
-        self.valid = [np.flatnonzero(loads.valid if isinstance(loads.valid, np.ndarray) else
-                                     loads.valid[np.arange(len(loads))]) for loads in self.loads]
+        self.valid = [np.flatnonzero(valid_mask(loads)) for loads in self.loads]
 
     @property
     def fingerprint(self) -> str:

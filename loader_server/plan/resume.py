@@ -14,8 +14,8 @@ from dataclasses import replace
 
 import numpy as np
 
-from packfeed.server.plan.costs import SampleLoads
 from packfeed.server.plan.isf import Caps
+from packfeed.server.plan.mapped_loads import valid_mask
 from packfeed.server.plan.plan_file import Plan
 from packfeed.server.plan.planner import make_plan
 from packfeed.v1.options import PlanConfig
@@ -30,13 +30,13 @@ def consumed_samples(plan, steps: int) -> np.ndarray:
     return np.concatenate([np.asarray(plan.step_members(step), dtype=np.int64) for step in range(steps)])
 
 
-def resume_plan(loads: SampleLoads, old_plan, steps: int, config: PlanConfig, seed: int, epoch: int,
+def resume_plan(loads, old_plan, steps: int, config: PlanConfig, seed: int, epoch: int,
                 index_fingerprint: str = "", caps: Caps | None = None) -> Plan:
-    """The epoch's samples left after `old_plan`'s first `steps` steps, planned with `config`. Sample ids in
-    the result are the dataset's; its steps count from 0."""
+    """The epoch's samples left after `old_plan`'s first `steps` steps, planned with `config`. `loads`: the
+    dataset's (in memory or gathered: a mixture's rows); sample ids in the result are its; steps count from 0."""
     consumed = consumed_samples(old_plan, steps)
     left = np.ones(len(loads), dtype=bool)
     left[consumed] = False
-    ids = np.flatnonzero(left & np.asarray(loads.valid, dtype=bool))
+    ids = np.flatnonzero(left & valid_mask(loads))
     local = make_plan(loads.subset(ids), config, seed, epoch, index_fingerprint, caps, _RESUME_STREAM + steps)
     return replace(local, members=ids[local.members], oversize=ids[local.oversize])

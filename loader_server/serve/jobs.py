@@ -164,8 +164,8 @@ class Dataset:
     def resume(self, resume: Resume, config: PlanConfig, seed: int, caps: Caps | None) -> Plan:
         """Epoch `resume.epoch` re-planned with `config` over what the old job left of it (plan.resume)."""
         if config.window:
-            raise JobError("INVALID_ARGUMENT", "a resumed epoch is planned whole: resume with window 0 (later "
-                                               "epochs may not differ from it either)")
+            raise JobError("INVALID_ARGUMENT", "a resuming job plans whole epochs: give it window 0 (the job it "
+                                               "resumes may be windowed)")
         old_caps = self.caps(resume.plan)
         old = self.plan(resume.plan, seed, resume.epoch, old_caps)
         if resume.step > old.n_steps:

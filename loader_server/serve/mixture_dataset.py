@@ -11,6 +11,7 @@ import numpy as np
 from packfeed.server.plan.isf import Caps
 from packfeed.server.plan.mixture import Mixture, MixtureLoads, make_mixture_plan
 from packfeed.server.plan.planner import resolve_caps
+from packfeed.server.plan.resume import resume_plan
 from packfeed.server.plan.plan_file import Plan
 from packfeed.server.plan.windows import WindowedPlan
 from packfeed.server.serve.jobs import Dataset, JobError
@@ -56,8 +57,18 @@ class MixtureDataset(Dataset):
         return make_mixture_plan(self.mixture, config, seed, epoch, caps)
 
     def resume(self, resume, config: PlanConfig, seed: int, caps: Caps | None) -> Plan:
-        raise JobError("INVALID_ARGUMENT", "elastic resume is not available for mixtures yet: resume a mixture's "
-                                           "job at its own DP and microbatches")
+        """The old job's epoch rows (the same repeats and subset) that its first steps left, planned with
+        `config`; rows keep their positions, so packs name the same datasets and samples."""
+        if config.window:
+            raise JobError("INVALID_ARGUMENT", "a resuming job plans whole epochs: give it window 0 (the job it "
+                                               "resumes may be windowed)")
+        old = self.plan(resume.plan, seed, resume.epoch, self.caps(resume.plan))
+        if resume.step > old.n_steps:
+            raise JobError("OUT_OF_RANGE", f"the old job's epoch {resume.epoch} has {old.n_steps} steps; its ranks "
+                                           f"cannot have consumed {resume.step}")
+        plan = resume_plan(old.rows.loads, old, resume.step, config, seed, resume.epoch, self.fingerprint, caps)
+        plan.rows = old.rows
+        return plan
 
     def members(self, plan: Plan, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         ids = np.asarray(ids, dtype=np.int64)

@@ -42,12 +42,10 @@ MAX_REPLICAS = 1024  # consumers of one DP rank (a TP x CP x SP group beyond thi
 
 
 def resume_of(request: pb.OpenJobRequest, plan: PlanConfig) -> Resume:
-    """The job's elastic resume, checked: an old plan of its own, an epoch of this job."""
+    """The job's elastic resume, checked: an old plan that parses, an epoch of this job."""
     old = PlanConfig.from_proto(request.resume.plan)
     if request.resume.epoch >= (request.epochs or 1):
         raise ValueError(f"resume.epoch {request.resume.epoch} is not an epoch of this job ({request.epochs or 1})")
-    if old.window:
-        raise ValueError("resume.plan: a windowed old job cannot be resumed yet (window 0 only)")
     return Resume(old, request.resume.epoch, request.resume.step)
 
 
