@@ -104,3 +104,22 @@ def test_carried_samples_do_not_keep_their_windows_alive():
     walk(plan)
     carried = [ids for ids in plan._carried.values() if len(ids)]
     assert len(carried) >= 3 and all(ids.base is None for ids in carried)
+
+
+def test_packfeed_plan_window_summarises_the_epoch_from_the_mapped_columns(small_tile_index, tmp_path):
+    import json
+    import shutil
+    import subprocess
+    import sys
+
+    from packfeed.server.index.table import read_index
+
+    index = tmp_path / "index.parquet"
+    shutil.copy(small_tile_index, index)
+    done = subprocess.run([sys.executable, "-m", "packfeed.server.cli", "plan", "--index", str(index), "--dp", "2",
+                           "--window", "12"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    summary = json.loads(done.stdout.strip().splitlines()[-1])
+    valid = sum(read_index(index, ["valid"])[0].column("valid").to_pylist())
+    assert summary["samples"] == valid and summary["windows"] >= 3 and summary["steps"] > 0
+    assert 0 <= summary["vit_dist"] < 1 and list(tmp_path.glob("index.*.plan.arrow"))  # mapped beside the index
