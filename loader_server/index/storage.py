@@ -39,6 +39,10 @@ class ObjectError(OSError):
     """An object cannot be read (missing, forbidden, unreachable after retries); the message says which."""
 
 
+class ObjectNotFound(ObjectError):
+    """The store says there is no such object."""
+
+
 def is_object_url(url: str) -> bool:
     return url.startswith(OBJECT_SCHEMES)
 
@@ -100,7 +104,7 @@ def _call(url: str, what: str, function, *args, deadline_s: float | None = None,
         try:
             return function(*args, **kwargs)
         except FileNotFoundError:
-            raise ObjectError(f"object not found: {url}") from None
+            raise ObjectNotFound(f"object not found: {url}") from None
         except PermissionError as error:
             raise ObjectError(f"access denied to {url}: {error}") from None
         except Exception as error:  # botocore, aiohttp and fsspec raise many types
@@ -250,7 +254,7 @@ def missing_objects(urls: list[str]) -> list[str]:
     web = [url for url in urls if _scheme(url) in ("http", "https")]
     missing = _missing_on_the_web(web) if web else []
     by_folder: dict[str, list[str]] = {}
-    for url in dict.fromkeys(urls).keys() - set(web):
+    for url in set(urls).difference(web):
         by_folder.setdefault(url.rsplit("/", 1)[0], []).append(url)
     for folder, members in by_folder.items():
         scheme = _scheme(folder)
@@ -271,10 +275,8 @@ def _missing_on_the_web(urls: list[str]) -> list[str]:
         try:
             stamp(url)
             return False
-        except ObjectError as error:
-            if str(error).startswith("object not found"):
-                return True
-            raise
+        except ObjectNotFound:
+            return True
 
     with ThreadPoolExecutor(max_workers=16) as pool:
         return [url for url, gone in zip(urls, pool.map(absent, urls)) if gone]
