@@ -71,10 +71,6 @@ def load_stage(directory: Path, mesh, stage: torch.nn.Module, optimizer, schedul
     scheduler.load_state_dict(state["scheduler"])
 
 
-def stream_state(directory: Path, replica: int) -> dict:
-    return json.loads((directory / f"stream-rank{replica}.json").read_text())
-
-
 def stream_states(directory: Path) -> list[dict]:
     """Every replica's stream position in the checkpoint, in rank order (as many as the DP it was taken at)."""
     paths = sorted(directory.glob("stream-rank*.json"), key=lambda p: int(p.stem.removeprefix("stream-rank")))

@@ -41,7 +41,7 @@ SERVICE = pb.DESCRIPTOR.services_by_name["Packfeed"].full_name
 MAX_REPLICAS = 1024  # consumers of one DP rank (a TP x CP x SP group beyond this is not a real deployment)
 
 
-def resume_of(request: pb.OpenJobRequest, plan: PlanConfig) -> Resume:
+def resume_of(request: pb.OpenJobRequest) -> Resume:
     """The job's elastic resume, checked: an old plan that parses, an epoch of this job."""
     old = PlanConfig.from_proto(request.resume.plan)
     if request.resume.epoch >= (request.epochs or 1):
@@ -138,7 +138,7 @@ class PackfeedService:
     async def open_job(self, request: pb.OpenJobRequest, context) -> pb.JobInfo:
         try:
             plan = PlanConfig.from_proto(request.plan)
-            resume = resume_of(request, plan) if request.HasField("resume") else None
+            resume = resume_of(request) if request.HasField("resume") else None
         except ValueError as error:
             raise JobError("INVALID_ARGUMENT", str(error)) from None
         spec = JobSpec(request.job, request.dataset, plan, request.seed, request.epochs or 1, resume)
