@@ -53,10 +53,13 @@ class SampleLoads:
     def __len__(self) -> int:
         return len(self.valid)
 
+    def gather(self, ids: np.ndarray, names=("valid", "vision", "tokens", "vit_patches", "vit_attn_sq")) -> dict:
+        """Columns `names` at samples `ids`, in that order (as MappedLoads.gather, for loads in memory)."""
+        return {name: getattr(self, name)[ids] for name in names}
+
     def subset(self, ids: np.ndarray) -> "SampleLoads":
-        """The loads of samples `ids`, in that order (as MappedLoads.subset, for loads in memory)."""
-        return SampleLoads(self.valid[ids], self.vision[ids], self.tokens[ids], self.vit_patches[ids],
-                           self.vit_attn_sq[ids])
+        """The loads of samples `ids`, in that order."""
+        return SampleLoads(**self.gather(ids))
 
     @classmethod
     def from_arrays(cls, vision, tokens, valid=None, patches_per_unit: int = DEFAULT_PATCHES_PER_UNIT) -> "SampleLoads":

@@ -145,13 +145,8 @@ class MixtureLoads:
         return self._rows(datasets, np.concatenate(self.valid).astype(np.int64))
 
     def _rows(self, datasets: np.ndarray, sample_ids: np.ndarray) -> MixtureRows:
-        def gather(column: str) -> np.ndarray:
-            parts = [getattr(loads, column)[sample_ids[datasets == k]] for k, loads in enumerate(self.loads)]
-            return np.concatenate(parts) if parts else np.empty(0)
-
-        loads = SampleLoads(valid=np.ones(len(sample_ids), dtype=bool), vision=gather("vision"),
-                            tokens=gather("tokens"), vit_patches=gather("vit_patches"),
-                            vit_attn_sq=gather("vit_attn_sq"))
+        """The rows with every row's loads in memory (for planning the epoch whole)."""
+        loads = RowLoads(self.loads, datasets, sample_ids).subset(np.arange(len(datasets)))
         return MixtureRows(loads, datasets, sample_ids, [e.name for e in self.mixture.datasets])
 
 
@@ -177,12 +172,12 @@ class RowLoads:
         if "valid" in out:
             out["valid"][:] = True  # an epoch's rows are valid samples only
         of_dataset = self.datasets[rows]
+        wanted = tuple(name for name in names if name != "valid")
         for k, part in enumerate(self.parts):
             chosen = np.flatnonzero(of_dataset == k)
-            if len(chosen):
-                ids = self.sample_ids[rows[chosen]]
-                for name in set(names) - {"valid"}:
-                    out[name][chosen] = getattr(part, name)[ids]
+            if len(chosen) and wanted:  # one gather per dataset: a mapped one reads each batch once
+                for name, values in part.gather(self.sample_ids[rows[chosen]], wanted).items():
+                    out[name][chosen] = values
         return out
 
     def subset(self, rows: np.ndarray) -> SampleLoads:
