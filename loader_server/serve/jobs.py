@@ -152,27 +152,37 @@ class Dataset:
         """The indexes a pack member's source counts in (one here; a mixture's several)."""
         return [self]
 
-    def caps(self, config: PlanConfig) -> Caps | None:
-        # a windowed plan searches its caps on its first window: the whole dataset would take as long as planning
-        return None if config.strategy.padded or config.window else resolve_caps(self.in_memory_loads(), config)
+    def caps(self, config: PlanConfig, loads: SampleLoads | None = None) -> Caps | None:
+        """`loads`: the loads in memory, when the caller has them already."""
+        if config.strategy.padded or config.window:
+            return None  # a windowed plan searches its caps on its first window
+        return resolve_caps(self.in_memory_loads() if loads is None else loads, config)
 
-    def plan(self, config: PlanConfig, seed: int, epoch: int, caps: Caps | None) -> Plan | WindowedPlan:
+    def plan(self, config: PlanConfig, seed: int, epoch: int, caps: Caps | None,
+             loads: SampleLoads | None = None) -> Plan | WindowedPlan:
         if config.window:
             return WindowedPlan(self.loads, config, seed, epoch, config.window, self.info.fingerprint, caps)
-        return make_plan(self.in_memory_loads(), config, seed, epoch, self.info.fingerprint, caps=caps)
+        loads = self.in_memory_loads() if loads is None else loads
+        return make_plan(loads, config, seed, epoch, self.info.fingerprint, caps=caps)
 
     def resume(self, resume: Resume, config: PlanConfig, seed: int, caps: Caps | None) -> Plan:
         """Epoch `resume.epoch` re-planned with `config` over what the old job left of it (plan.resume)."""
+        loads = self.in_memory_loads()  # once, for the old plan, its caps and the re-plan
+        old_caps = self.caps(resume.plan, loads)
+        old = self.old_plan(resume, config, seed, old_caps, loads)
+        return resume_plan(loads, old, resume.step, config, seed, resume.epoch, self.fingerprint, caps or old_caps)
+
+    def old_plan(self, resume: Resume, config: PlanConfig, seed: int, caps: Caps | None,
+                 loads: SampleLoads | None = None) -> Plan | WindowedPlan:
+        """The resumed job's epoch as its old job planned it, checked against the resume and the new `config`."""
         if config.window:
             raise JobError("INVALID_ARGUMENT", "a resuming job plans whole epochs: give it window 0 (the job it "
                                                "resumes may be windowed)")
-        old_caps = self.caps(resume.plan)
-        old = self.plan(resume.plan, seed, resume.epoch, old_caps)
+        old = self.plan(resume.plan, seed, resume.epoch, caps, loads)
         if resume.step > old.n_steps:
             raise JobError("OUT_OF_RANGE", f"the old job's epoch {resume.epoch} has {old.n_steps} steps; its ranks "
                                            f"cannot have consumed {resume.step}")
-        return resume_plan(self.in_memory_loads(), old, resume.step, config, seed, resume.epoch, self.fingerprint,
-                           caps or old_caps)
+        return old
 
     def members(self, plan: Plan, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(source part, sample id there) of plan members `ids`."""

@@ -14,7 +14,7 @@ from packfeed.server.plan.planner import resolve_caps
 from packfeed.server.plan.resume import resume_plan
 from packfeed.server.plan.plan_file import Plan
 from packfeed.server.plan.windows import WindowedPlan
-from packfeed.server.serve.jobs import Dataset, JobError
+from packfeed.server.serve.jobs import Dataset
 from packfeed.v1.options import PlanConfig
 
 
@@ -51,7 +51,8 @@ class MixtureDataset(Dataset):
         # a windowed plan searches its caps on its first window
         return None if config.strategy.padded or config.window else resolve_caps(self.mixture.once().loads, config)
 
-    def plan(self, config: PlanConfig, seed: int, epoch: int, caps: Caps | None) -> Plan | WindowedPlan:
+    def plan(self, config: PlanConfig, seed: int, epoch: int, caps: Caps | None,
+             loads=None) -> Plan | WindowedPlan:  # loads: a dataset's, not a mixture's (unused here)
         if config.window:
             return self.mixture.windowed(config, seed, epoch, caps)
         return make_mixture_plan(self.mixture, config, seed, epoch, caps)
@@ -59,13 +60,7 @@ class MixtureDataset(Dataset):
     def resume(self, resume, config: PlanConfig, seed: int, caps: Caps | None) -> Plan:
         """The old job's epoch rows (the same repeats and subset) that its first steps left, planned with
         `config`; rows keep their positions, so packs name the same datasets and samples."""
-        if config.window:
-            raise JobError("INVALID_ARGUMENT", "a resuming job plans whole epochs: give it window 0 (the job it "
-                                               "resumes may be windowed)")
-        old = self.plan(resume.plan, seed, resume.epoch, self.caps(resume.plan))
-        if resume.step > old.n_steps:
-            raise JobError("OUT_OF_RANGE", f"the old job's epoch {resume.epoch} has {old.n_steps} steps; its ranks "
-                                           f"cannot have consumed {resume.step}")
+        old = self.old_plan(resume, config, seed, self.caps(resume.plan))
         plan = resume_plan(old.rows.loads, old, resume.step, config, seed, resume.epoch, self.fingerprint, caps)
         plan.rows = old.rows
         return plan
