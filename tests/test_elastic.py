@@ -48,6 +48,12 @@ def epoch_records(target: str, rank: int, **options) -> list[tuple[int, int, lis
         return [(step.epoch, step.step, list(step.sample_keys)) for step in stream]
 
 
+def opened(target: str, **options):
+    """The JobInfo a stream gets on opening its job (the stream closed again)."""
+    with PackStream(target, rank=0, **options) as stream:
+        return stream.info
+
+
 @pytest.mark.parametrize("dp", [2, 8])
 def test_resuming_at_another_dp_delivers_the_epoch_exactly_once(small_tile_index, old_job, dp):
     consumed, states = old_job
@@ -57,7 +63,7 @@ def test_resuming_at_another_dp_delivers_the_epoch_exactly_once(small_tile_index
     with LocalServer(small_tile_index, workers=1) as server, LocalServer(small_tile_index, workers=1) as other:
         with ThreadPoolExecutor(dp) as pool:
             ranks = list(pool.map(lambda rank: epoch_records(server.target, rank, **new), range(dp)))
-        infos = [PackStream(target, rank=0, **new).info for target in (server.target, other.target)]
+        infos = [opened(target, **new) for target in (server.target, other.target)]
     for records in ranks:
         assert records[0][:2] == (0, 0)  # the resumed epoch, its steps counted from 0
         for epoch, _, keys in records:
