@@ -5,7 +5,7 @@ The server sends each image as its file's bytes with the `Geometry` its image po
 trainer sees the same `PackTensors` in every mode. Two backends:
 
 - `pil`: Pillow's decoding and bicubic on a pool of CPU threads (both release the GIL), the resize computed
-  by the exact path's kernels (`packfeed.v1.resample`, a third of Pillow's CPU, where numba is installed).
+  by the exact path's kernels (`packfeed.v1.resample`, under half of Pillow's CPU, where numba is installed).
   Pixel for pixel the server's exact path.
 - `torchvision`: JPEG files decoded by `torchvision.io.decode_jpeg` on `device` (nvJPEG on a GPU, batched per
   step) and resized there by bicubic interpolation with antialiasing; other formats go through Pillow.

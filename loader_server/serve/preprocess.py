@@ -48,7 +48,7 @@ class SampleTensors:
 
 
 # How images become tiles. exact: PIL bicubic, pixel for pixel what the Hugging Face / InternVL processors give
-# (computed by packfeed.v1.resample, which equals Pillow's bicubic byte for byte at a third of its CPU).
+# (computed by packfeed.v1.resample, which equals Pillow's bicubic byte for byte with under half its CPU).
 # fast: OpenCV's (SIMD) bicubic where an image is enlarged, exact where it shrinks, and JPEGs at least 4x every
 # target decoded at 1/2..1/8 scale; within 1/255 mean absolute error and above 40 dB PSNR of exact
 # (BENCHMARKS.md "Fast-path candidates for resizing").

@@ -8,8 +8,9 @@ the client (`pixels: encoded`, where the server sends the file's bytes) both fol
    side `tile` (row-major; 0 keeps the window as one tile), and add a `thumbnail` square of the whole image.
 
 Each tile is uint8 (3, H, W). With Pillow's bicubic resampling (`pil_resizer`) the tiles are pixel for pixel
-what the Hugging Face / InternVL processors give; `packfeed.v1.resample` computes the same at a third of
-the CPU. Part of the contract (`packfeed.v1`): numpy and Pillow only, so servers and clients import it alike.
+what the Hugging Face / InternVL processors give; `packfeed.v1.resample` computes the same with less than
+half the CPU (BENCHMARKS.md). Part of the contract (`packfeed.v1`): numpy and Pillow only, so servers and
+clients import it alike.
 """
 
 from __future__ import annotations
