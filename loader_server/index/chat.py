@@ -5,7 +5,10 @@ so planned pack lengths are the lengths that reach the trainer.
 
 A sample renders as ``bos`` then, per turn, ``{role}_prefix`` + content + ``{role}_suffix`` + ``separator``.
 Each ``<image>`` tag in a turn becomes ``image_start`` + ``image_context`` x (that image's LLM tokens) +
-``image_end``; LLaVA's bare run leaves start and end empty. Labels are -100 everywhere except the content and
+``image_end``; LLaVA's bare run leaves start and end empty. Each ``<video>`` tag becomes, with a
+``video_context`` token (Qwen-VL), ``image_start`` + ``video_context`` x (the video's LLM tokens) + ``image_end``;
+without one (InternVL), its frames as images, each after ``frame_prompt`` (numbered from 1), joined by newlines:
+``Frame1: <img>...</img>\nFrame2: <img>...</img>``, as the Hugging Face InternVL processor writes them. Labels are -100 everywhere except the content and
 ``assistant_suffix`` of assistant turns. Presets (`PRESETS`) give InternVL's ChatML, Qwen2-VL, LLaVA-1.5
 (Vicuna v1) and Llama-3; every field can be set on its own.
 
@@ -32,6 +35,8 @@ if TYPE_CHECKING:  # imported where used: the CLI's parser reads the presets wit
 
 IGNORE_INDEX = -100
 IMAGE_TAG = "<image>"  # the image placeholder of LLaVA/InternVL annotations (the converters write it too)
+VIDEO_TAG = "<video>"  # a video's place in a turn (InternVL and LLaVA-Video annotations)
+_VISUAL_TAGS = re.compile(f"({re.escape(IMAGE_TAG)}|{re.escape(VIDEO_TAG)})")
 ROLE_NAMES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
 _SPECIAL_IN_MARKER = re.compile(r"(<[^<>\s]+>)")
 MARKERS = ("bos", "system_prefix", "system_suffix", "user_prefix", "user_suffix", "assistant_prefix",
@@ -69,6 +74,10 @@ class ChatTemplate:
                                metadata=_help("the placeholder token vision features replace, once per LLM token"))
     system_prompt: str | None = field(default=None,
                                       metadata=_help("system turn prepended to conversations that have none"))
+    video_context: str = field(default="", metadata=_help(
+        "the placeholder token video features replace (Qwen-VL: <|video_pad|>); empty: a video's frames are images"))
+    frame_prompt: str = field(default="Frame{}: ", metadata=_help(
+        "text before each frame of a video whose frames are images; {} is the frame's number from 1"))
 
     def __post_init__(self):
         for spec in fields(self):
@@ -79,7 +88,10 @@ class ChatTemplate:
             raise ValueError("chat template needs an image_context token (the placeholder vision features replace)")
         if self.system_prompt and IMAGE_TAG in self.system_prompt:
             raise ValueError(f"the system prompt cannot hold {IMAGE_TAG}: image tags take the sample's images")
-        for name in ("bos", "image_start", "image_end", "image_context"):
+        if self.frame_prompt.count("{}") > 1 or re.search(r"\{(?!\})|(?<!\{)\}", self.frame_prompt):
+            raise ValueError(f"chat template frame_prompt {self.frame_prompt!r}: at most one {{}} (the frame number) "
+                             f"and no other braces")
+        for name in ("bos", "image_start", "image_end", "image_context", "video_context"):
             value = getattr(self, name)
             if value and not _SPECIAL_IN_MARKER.fullmatch(value):
                 raise ValueError(f"chat template {name} {value!r} must be one special token written <...> "
@@ -89,7 +101,7 @@ class ChatTemplate:
     def special_tokens(self) -> list[str]:
         """Every token the template places by id, in a fixed order (the order `extend_tokenizer` appends)."""
         found = [token for name in MARKERS for token in _SPECIAL_IN_MARKER.findall(getattr(self, name))]
-        found += [self.image_start, self.image_end, self.image_context]
+        found += [self.image_start, self.image_end, self.image_context, self.video_context]
         return list(dict.fromkeys(token for token in found if token))
 
     def to_dict(self) -> dict[str, Any]:
@@ -122,7 +134,7 @@ _LLAMA3_HEADER = "<|start_header_id|>{}<|end_header_id|>\n\n"
 PRESETS: dict[str, ChatTemplate] = {
     "internvl": ChatTemplate(),  # InternVL-Chat with InternLM2 / Qwen2 LLMs: ChatML, <img><IMG_CONTEXT>...</img>
     "qwen2vl": ChatTemplate(image_start="<|vision_start|>", image_end="<|vision_end|>", image_context="<|image_pad|>",
-                            system_prompt="You are a helpful assistant."),
+                            video_context="<|video_pad|>", system_prompt="You are a helpful assistant."),
     "llava": ChatTemplate(  # LLaVA-1.5 (Vicuna v1): bare run of <image> tokens, as the llava-hf processors expand
         bos="<s>", system_prefix="", system_suffix=" ", user_prefix="USER: ", user_suffix=" ",
         assistant_prefix="ASSISTANT: ", assistant_suffix="</s>", separator="", image_start="", image_end="",
@@ -186,6 +198,7 @@ class ChatEncoder:
         self.image_start = self._marker_ids(template.image_start)
         self.image_end = self._marker_ids(template.image_end)
         self.image_context = tokenizer.token_to_id(template.image_context)
+        self.video_context = tokenizer.token_to_id(template.video_context) if template.video_context else None
 
     def _marker_ids(self, text: str) -> np.ndarray:
         ids: list[int] = []
@@ -196,23 +209,27 @@ class ChatEncoder:
                 ids += self.tokenizer.encode(piece, add_special_tokens=False).ids
         return np.asarray(ids, dtype=np.int32)
 
-    def encode(self, turns: Sequence[dict[str, str]],
-               image_tokens: Sequence[int]) -> tuple[np.ndarray, np.ndarray, list[int]]:
-        """Token ids and labels (int32) for one sample (`image_tokens[i]` = LLM tokens of the i-th image), and
-        where each image's run of context tokens starts in the ids."""
+    def encode(self, turns: Sequence[dict[str, str]], image_tokens: Sequence[int],
+               video_tokens: Sequence[Sequence[int]] = ()) -> tuple[np.ndarray, np.ndarray, list[int]]:
+        """Token ids and labels (int32) for one sample, and where each visual item's run of placeholder tokens
+        starts in the ids, in the order they occur (`visual_items` says which items those are).
+        `image_tokens[i]`: LLM tokens of the i-th image; `video_tokens[j]`: of each of the j-th video's items (one
+        with a `video_context` token, one per frame otherwise)."""
         template, markers = self.template, self.markers
         if template.system_prompt and not any(t["role"] == "system" for t in turns):
             turns = [{"role": "system", "value": template.system_prompt}, *turns]
-        pieces: list[tuple[np.ndarray | str | int, bool]] = [(markers["bos"], False)]  # (ids, text or image no; learn)
-        image_no = 0
+        # (ids, text, or a (placeholder id, count) run; learn)
+        pieces: list[tuple[np.ndarray | str | tuple[int, int], bool]] = [(markers["bos"], False)]
+        images, videos = iter(image_tokens), iter(video_tokens)
         for turn in turns:
             role, learn = turn["role"], turn["role"] == "assistant"
             pieces.append((markers[f"{role}_prefix"], False))
-            for k, chunk in enumerate(turn["value"].split(IMAGE_TAG)):
-                if k > 0:
-                    pieces.append((image_no, False))
-                    image_no += 1
-                if chunk:
+            for chunk in _VISUAL_TAGS.split(turn["value"]):
+                if chunk == IMAGE_TAG:
+                    pieces.append(((self.image_context, next(images)), False))
+                elif chunk == VIDEO_TAG:
+                    pieces += self._video_pieces(next(videos))
+                elif chunk:
                     pieces.append((chunk, learn))
             pieces += [(markers[f"{role}_suffix"], learn), (markers["separator"], False)]
 
@@ -220,21 +237,48 @@ class ChatEncoder:
                                                    add_special_tokens=False))
         ids: list[np.ndarray] = []
         labels: list[np.ndarray] = []
-        image_starts: list[int] = []
+        starts: list[int] = []
         length = 0
         for piece, learn in pieces:
             if isinstance(piece, np.ndarray):
                 piece_ids = piece
-            elif isinstance(piece, int):
-                image_starts.append(length + len(self.image_start))
-                context = np.full(image_tokens[piece], self.image_context, dtype=np.int32)
+            elif isinstance(piece, tuple):
+                starts.append(length + len(self.image_start))
+                context = np.full(piece[1], piece[0], dtype=np.int32)
                 piece_ids = np.concatenate([self.image_start, context, self.image_end])
             else:
                 piece_ids = np.asarray(next(encoded).ids, dtype=np.int32)
             ids.append(piece_ids)
             labels.append(piece_ids if learn else np.full(len(piece_ids), IGNORE_INDEX, dtype=np.int32))
             length += len(piece_ids)
-        return np.concatenate(ids).astype(np.int32), np.concatenate(labels).astype(np.int32), image_starts
+        return np.concatenate(ids).astype(np.int32), np.concatenate(labels).astype(np.int32), starts
+
+    def _video_pieces(self, items: Sequence[int]) -> list[tuple[str | tuple[int, int], bool]]:
+        if self.video_context is not None:
+            return [((self.video_context, sum(items)), False)]
+        pieces: list[tuple[str | tuple[int, int], bool]] = []
+        for number, tokens in enumerate(items, 1):
+            prompt = ("\n" if number > 1 else "") + self.template.frame_prompt.replace("{}", str(number))
+            if prompt:
+                pieces.append((prompt, False))
+            pieces.append(((self.image_context, tokens), False))
+        return pieces
+
+
+def visual_items(turns: Sequence[dict[str, str]], video_items: Sequence[int]) -> list[tuple[str, int]]:
+    """The visual items of a sample in the order their placeholder runs occur: ("image", i) for its i-th image,
+    ("video", j) once per item of its j-th video (`video_items[j]` of them: 1, or its frames)."""
+    order: list[tuple[str, int]] = []
+    image_no = video_no = 0
+    for turn in turns:
+        for tag in _VISUAL_TAGS.findall(turn["value"]):
+            if tag == IMAGE_TAG:
+                order.append(("image", image_no))
+                image_no += 1
+            else:
+                order += [("video", video_no)] * video_items[video_no]
+                video_no += 1
+    return order
 
 
 @lru_cache(maxsize=8)
@@ -242,18 +286,23 @@ def cached_encoder(path: str, template: ChatTemplate) -> ChatEncoder:
     return ChatEncoder(load_tokenizer(path, template), template)
 
 
-def parse_conversation(raw: bytes) -> list[dict[str, str]]:
-    """Decode a sample's JSON member into a list of turns, or raise ConversationError with the reason."""
+def parse_json(raw: bytes) -> Any:
+    """A sample's JSON member, or raise ConversationError with the reason."""
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as error:
         raise ConversationError(f"bad utf-8 in json: byte {error.start}") from None
     try:
-        doc = json.loads(text)
+        return json.loads(text)
     except json.JSONDecodeError as error:
         raise ConversationError(f"invalid json: {error.msg} at line {error.lineno} column {error.colno}") from None
     except RecursionError:
         raise ConversationError("invalid json: nested too deeply") from None
+
+
+def parse_conversation(raw: bytes) -> list[dict[str, str]]:
+    """Decode a sample's JSON member into a list of turns, or raise ConversationError with the reason."""
+    doc = parse_json(raw)
     return conversation_turns(doc.get("conversations") if isinstance(doc, dict) else None)
 
 
@@ -277,19 +326,26 @@ def conversation_turns(turns: Any) -> list[dict[str, str]]:
     return out
 
 
-def attach_images(turns: list[dict[str, str]], n_images: int) -> list[dict[str, str]]:
-    """Check <image> tags against the images; with no tags, images go before the first user turn's text."""
-    tags = sum(t["value"].count(IMAGE_TAG) for t in turns)
-    if tags == n_images:
+def attach_images(turns: list[dict[str, str]], n_images: int, n_videos: int = 0) -> list[dict[str, str]]:
+    """Check <image> and <video> tags against the images and videos; a kind with no tags goes before the first
+    user turn's text (images first)."""
+    missing = ""
+    for tag, count in ((IMAGE_TAG, n_images), (VIDEO_TAG, n_videos)):
+        tags = sum(t["value"].count(tag) for t in turns)
+        if tags == count:
+            continue
+        if tags:
+            kind = "image" if tag == IMAGE_TAG else "video"
+            raise ConversationError(f"{kind} tag mismatch: {tags} {tag} tags for {count} {kind}s")
+        missing += (tag + "\n") * count
+    if not missing:
         return turns
-    if tags == 0:
-        first_user = next((k for k, t in enumerate(turns) if t["role"] == "user"), None)
-        if first_user is None:
-            raise ConversationError("image tag mismatch: images but no user turn to attach them to")
-        turns = [dict(t) for t in turns]
-        turns[first_user]["value"] = (IMAGE_TAG + "\n") * n_images + turns[first_user]["value"]
-        return turns
-    raise ConversationError(f"image tag mismatch: {tags} <image> tags for {n_images} images")
+    first_user = next((k for k, t in enumerate(turns) if t["role"] == "user"), None)
+    if first_user is None:
+        raise ConversationError("image tag mismatch: images or videos but no user turn to attach them to")
+    turns = [dict(t) for t in turns]
+    turns[first_user]["value"] = missing + turns[first_user]["value"]
+    return turns
 
 
 def encode_conversation(turns: Sequence[dict[str, str]], image_tokens: Sequence[int], tokenizer: Tokenizer,

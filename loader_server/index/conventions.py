@@ -6,6 +6,7 @@ The file holds the two sections an index records, and is how to write a preset o
 
     image_policy: {name: internvl, max_num: 6}
     chat_template: {preset: llava, system_prompt: "..."}
+    video_policy: {fps: 1, max_frames: 16, sampling: random}
 
 Marker flags take backslash escapes (`--user-prefix '<|im_start|>user\\n'`), since shells do not.
 """
@@ -22,6 +23,7 @@ import yaml
 
 from packfeed.server.index.chat import PRESETS, ChatTemplate
 from packfeed.server.index.image_policy import DEFAULT_POLICY, HALF_MEAN, HALF_STD, POLICIES
+from packfeed.server.index.video import SAMPLINGS, VideoSampling
 
 # Per image policy: its field -> the option (without dashes) that sets it. Options shared by policies mean the
 # same thing in each (the tile or square side, placeholder tokens per tile or image, the ViT patch side).
@@ -30,7 +32,9 @@ POLICY_FLAGS: dict[str, dict[str, str]] = {
     "internvl": {"image_size": "image_size", "min_num": "min_tiles", "max_num": "max_tiles",
                  "use_thumbnail": "thumbnail", "tokens_per_tile": "image_tokens", "multi_image": "multi_image",
                  **_COMMON},
-    "qwen2vl": {"factor": "resize_factor", "min_pixels": "min_pixels", "max_pixels": "max_pixels", **_COMMON},
+    "qwen2vl": {"factor": "resize_factor", "min_pixels": "min_pixels", "max_pixels": "max_pixels",
+                "video_min_pixels": "video_min_pixels", "video_max_pixels": "video_max_pixels",
+                "temporal_patch_size": "temporal_patch_size", **_COMMON},
     "fixed": {"size": "image_size", "tokens": "image_tokens", "resize": "resize", **_COMMON},
 }
 
@@ -56,21 +60,41 @@ _POLICY_OPTIONS: dict[str, tuple[str, dict[str, Any]]] = {
     "resize_factor": ("qwen2vl: sides rounded to multiples of this (patch x merge)", {"type": int}),
     "min_pixels": ("qwen2vl: min pixels", {"type": int}),
     "max_pixels": ("qwen2vl: max pixels", {"type": int}),
+    "video_min_pixels": ("qwen2vl: min pixels of a video frame", {"type": int}),
+    "video_max_pixels": ("qwen2vl: max pixels of a video frame", {"type": int}),
+    "temporal_patch_size": ("qwen2vl: video frames per ViT patch in time", {"type": int}),
     "patch_size": ("ViT patch side, px", {"type": int}),
     "image_mean": ("normalisation mean R,G,B (pixels / 255)", {"type": _floats, "metavar": "R,G,B"}),
     "image_std": ("normalisation std R,G,B", {"type": _floats, "metavar": "R,G,B"}),
 }
 _TEMPLATE_FIELDS = [spec for spec in dataclasses.fields(ChatTemplate)]
+# VideoSampling field -> (option, help, argparse keywords)
+_VIDEO_OPTIONS: dict[str, tuple[str, str, dict[str, Any]]] = {
+    "fps": ("video_fps", "frames sampled per second of video (0: always --max-frames)", {"type": float}),
+    "min_frames": ("min_frames", "fewest frames sampled from a video (when it has them)", {"type": int}),
+    "max_frames": ("max_frames", "most frames sampled from a video", {"type": int}),
+    "sampling": ("frame_sampling", "which frames: uniform (Qwen-VL), segment (the middle of equal segments: "
+                                   "InternVL's evaluation) or random (a random frame per segment, from seed, epoch "
+                                   "and sample: InternVL's training)", {"choices": SAMPLINGS}),
+}
+
+# Video sampling as the model families train: InternVL a fixed number of frames, one drawn at random from each
+# equal segment (its fine-tuning script: 8 to 32 frames; the count is fixed here so that a video's cost is known
+# when planning); Qwen-VL 2 frames a second, 4 to 768 of them (the Hugging Face video processor's defaults).
+_INTERNVL_VIDEO = {"fps": 0, "min_frames": 1, "max_frames": 16, "sampling": "random"}
+_QWEN_VIDEO = {"fps": 2.0, "min_frames": 4, "max_frames": 768, "sampling": "uniform"}
 
 # A model's published conventions: image policy (geometry, tokens, normalisation) and chat template (turns, image
 # tokens). `--preset NAME` starts from one; a conventions file with the same two sections is a preset of your own.
 MODEL_PRESETS: dict[str, dict[str, dict[str, Any]]] = {
-    "internvl2_5": {"image_policy": {"name": "internvl"}, "chat_template": {"preset": "internvl"}},
-    "internvl3": {"image_policy": {"name": "internvl"}, "chat_template": {"preset": "internvl"}},
+    "internvl2_5": {"image_policy": {"name": "internvl"}, "chat_template": {"preset": "internvl"},
+                    "video_policy": _INTERNVL_VIDEO},
+    "internvl3": {"image_policy": {"name": "internvl"}, "chat_template": {"preset": "internvl"},
+                  "video_policy": _INTERNVL_VIDEO},
     "qwen2_vl": {"image_policy": {"name": "qwen2vl", "max_pixels": 12845056},
-                 "chat_template": {"preset": "qwen2vl"}},
+                 "chat_template": {"preset": "qwen2vl"}, "video_policy": _QWEN_VIDEO},
     "qwen2_5_vl": {"image_policy": {"name": "qwen2vl", "max_pixels": 12845056},
-                   "chat_template": {"preset": "qwen2vl"}},
+                   "chat_template": {"preset": "qwen2vl"}, "video_policy": _QWEN_VIDEO},
     "qwen3_vl": {"image_policy": {"name": "qwen2vl", "factor": 32, "patch_size": 16, "min_pixels": 65536,
                                   "max_pixels": 16777216, "image_mean": list(HALF_MEAN), "image_std": list(HALF_STD)},
                  "chat_template": {"preset": "qwen2vl", "system_prompt": None}},
@@ -92,6 +116,8 @@ def add_convention_options(parser: argparse.ArgumentParser) -> None:
                        help="template preset: internvl (ChatML, the default), qwen2vl, llava (Vicuna v1), llama3")
     for spec in _TEMPLATE_FIELDS:
         group.add_argument("--" + spec.name.replace("_", "-"), help=spec.metadata["help"])
+    for name, (option, help_text, keywords) in _VIDEO_OPTIONS.items():
+        group.add_argument("--" + option.replace("_", "-"), help=help_text, **keywords)
     group.add_argument("--extend-tokenizer", action="store_true",
                        help="when the tokenizer lacks the template's special tokens, write a tokenizer.json that has "
                             "them beside the index (and record it) instead of refusing")
@@ -132,6 +158,17 @@ def conventions_of(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, 
     return policy, ChatTemplate.from_dict(template).to_dict()
 
 
+def video_policy_of(args: argparse.Namespace) -> dict[str, Any]:
+    """The video policy as the index records it: the preset's, then the file's section, then single flags."""
+    preset = MODEL_PRESETS[args.preset] if getattr(args, "preset", None) else {}
+    sections = _read_file(args.conventions) if getattr(args, "conventions", None) else {}
+    policy = {**VideoSampling().to_dict(), **preset.get("video_policy", {}), **(sections.get("video_policy") or {})}
+    for name, (option, _, _) in _VIDEO_OPTIONS.items():
+        if getattr(args, option, None) is not None:
+            policy[name] = getattr(args, option)
+    return VideoSampling.from_dict(policy).to_dict()  # fails early on a bad field or value
+
+
 def _layered(base: dict[str, Any] | None, over: dict[str, Any] | None) -> dict[str, Any]:
     """`over` on top of `base`; an `over` naming another image policy or template preset replaces `base`."""
     base, over = dict(base or {}), dict(over or {})
@@ -150,6 +187,7 @@ def _read_file(path: str) -> dict[str, Any]:
         sections = yaml.safe_load(Path(path).read_text())
     except yaml.YAMLError as error:
         raise ValueError(f"conventions file {path}: not valid YAML: {error}") from None
-    if not isinstance(sections, dict) or set(sections) - {"image_policy", "chat_template"}:
-        raise ValueError(f"conventions file {path}: expected only the sections image_policy: and chat_template:")
+    if not isinstance(sections, dict) or set(sections) - {"image_policy", "chat_template", "video_policy"}:
+        raise ValueError(f"conventions file {path}: expected only the sections image_policy:, chat_template: and "
+                         f"video_policy:")
     return sections

@@ -45,6 +45,16 @@ class ImagePolicy(Protocol):
     def geometry(self, width: int, height: int, n_images: int) -> Geometry:
         """How the server (or, for encoded images, the client) cuts an image of this upright size into tiles."""
 
+    @property
+    def temporal_patch(self) -> int:
+        """Frames one ViT patch spans in time: a video's frame count is a multiple of it (1: frames as images)."""
+
+    def frame_geometry(self, width: int, height: int) -> Geometry:
+        """How every frame of a video of this size becomes exactly one tile."""
+
+    def video_cost(self, width: int, height: int, frames: int) -> ImageCost:
+        """The cost of `frames` frames of a video of this size; llm_tokens are the frames' placeholders alone."""
+
     def to_dict(self) -> dict[str, Any]: ...
 
 
@@ -76,11 +86,21 @@ class _Recorded:
 
 
 class _SquareTiles(_Recorded):
-    """A policy whose images become square tiles of `tile_size` px, each one ViT sequence (one vision unit)."""
+    """A policy whose images become square tiles of `tile_size` px, each one ViT sequence (one vision unit).
+    A video's frames are images of one square tile each (InternVL's `load_video`: one tile per frame)."""
+
+    temporal_patch = 1
 
     @property
     def patches_per_unit(self) -> int:
         return (self.tile_size // self.patch_size) ** 2
+
+    def frame_geometry(self, width: int, height: int) -> Geometry:
+        size = self.tile_size
+        return Geometry(width, height, size, size, 0, 0, size, size, 0, 0)
+
+    def video_cost(self, width: int, height: int, frames: int) -> ImageCost:
+        return ImageCost(frames, frames * self.tokens_per_tile, (self.patches_per_unit,) * frames)
 
 
 @dataclass(frozen=True)
@@ -152,6 +172,11 @@ class Qwen2VLResize(_Recorded):
     min_pixels: int = 56 * 56
     max_pixels: int = 28 * 28 * 1280
     patch_size: int = 14
+    # Video frames: smart_resize within these bounds (the Qwen2-VL video processor's), and `temporal_patch_size`
+    # frames per ViT patch in time, so a video of n frames gives n / temporal_patch_size grids of merged tokens.
+    video_min_pixels: int = 128 * 28 * 28
+    video_max_pixels: int = 768 * 28 * 28
+    temporal_patch_size: int = 2
     image_mean: tuple[float, ...] = CLIP_MEAN
     image_std: tuple[float, ...] = CLIP_STD
     name: str = "qwen2vl"
@@ -161,25 +186,32 @@ class Qwen2VLResize(_Recorded):
     def __post_init__(self):
         if self.factor % self.patch_size:
             raise ValueError(f"qwen2vl policy: factor {self.factor} must be a multiple of patch_size {self.patch_size}")
+        if not 1 <= self.temporal_patch_size <= 16:
+            raise ValueError(f"qwen2vl policy: temporal_patch_size must be 1-16, not {self.temporal_patch_size}")
         self._check({})
 
     @property
     def patches_per_unit(self) -> int:
         return (self.factor // self.patch_size) ** 2  # one unit = one merged token
 
-    def resize(self, width: int, height: int) -> tuple[int, int]:
-        """(height, width) after smart_resize, exactly as the Qwen2-VL image processor computes it."""
+    @property
+    def temporal_patch(self) -> int:
+        return self.temporal_patch_size
+
+    def resize(self, width: int, height: int, video: bool = False) -> tuple[int, int]:
+        """(height, width) after smart_resize, exactly as the Qwen2-VL image (or `video`) processor computes it."""
         if max(height, width) / min(height, width) > 200:
             raise ValueError(f"aspect ratio of {width}x{height} exceeds 200, which Qwen2-VL rejects")
+        least, most = (self.video_min_pixels, self.video_max_pixels) if video else (self.min_pixels, self.max_pixels)
         f = self.factor
         h = round(height / f) * f
         w = round(width / f) * f
-        if h * w > self.max_pixels:
-            beta = math.sqrt(height * width / self.max_pixels)
+        if h * w > most:
+            beta = math.sqrt(height * width / most)
             h = max(f, math.floor(height / beta / f) * f)
             w = max(f, math.floor(width / beta / f) * f)
-        elif h * w < self.min_pixels:
-            beta = math.sqrt(self.min_pixels / (height * width))
+        elif h * w < least:
+            beta = math.sqrt(least / (height * width))
             h = math.ceil(height * beta / f) * f
             w = math.ceil(width * beta / f) * f
         return h, w
@@ -192,6 +224,17 @@ class Qwen2VLResize(_Recorded):
     def geometry(self, width: int, height: int, n_images: int = 1) -> Geometry:
         h, w = self.resize(width, height)
         return Geometry(width, height, w, h, 0, 0, w, h, 0, 0)
+
+    def frame_geometry(self, width: int, height: int) -> Geometry:
+        h, w = self.resize(width, height, video=True)
+        return Geometry(width, height, w, h, 0, 0, w, h, 0, 0)
+
+    def video_cost(self, width: int, height: int, frames: int) -> ImageCost:
+        """One ViT sequence per temporal patch (the vision tower attends within each), its merged tokens each."""
+        h, w = self.resize(width, height, video=True)
+        grids = frames // self.temporal_patch_size
+        tokens = grids * h * w // (self.factor * self.factor)
+        return ImageCost(tokens, tokens, (h * w // (self.patch_size * self.patch_size),) * grids)
 
 
 @dataclass(frozen=True)

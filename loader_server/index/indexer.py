@@ -28,13 +28,15 @@ from PIL import Image, UnidentifiedImageError
 from tqdm import tqdm
 
 from packfeed.server.index.chat import (ChatTemplate, ConversationError, IGNORE_INDEX, attach_images, check_tokens,
-                                        cached_encoder, extend_tokenizer, missing_tokens, parse_conversation)
+                                        cached_encoder, conversation_turns, extend_tokenizer, missing_tokens,
+                                        parse_json)
 from packfeed.server.index.image_policy import DEFAULT_POLICY, VERIFY_MODES, ImagePolicy, policy_from_dict
 from packfeed.server.index.table import (SCHEMA, IndexInfo, describe_error, fingerprint_table, member_checksum,
                                          reason_category, write_index)
 from packfeed.v1.pixels import oriented_size
 from packfeed.server.index.parts import config_digest, load_part, parts_directory, remove_stale_parts, save_part, shard_version
-from packfeed.server.index.shards import RawSample, ShardError, expand_shards, is_compressed, iter_samples
+from packfeed.server.index.shards import Member, RawSample, ShardError, expand_shards, is_compressed, iter_samples
+from packfeed.server.index.video import VideoError, VideoInfo, VideoSampling, frames_fps, probe_video
 from packfeed.server.index.storage import ObjectError, Stamp, is_object_url, stamp
 
 
@@ -44,6 +46,7 @@ class IndexConfig:
     tokenizer: str
     image_policy: dict[str, Any] = field(default_factory=lambda: {"name": DEFAULT_POLICY})
     chat_template: dict[str, Any] = field(default_factory=lambda: ChatTemplate().to_dict())
+    video_policy: dict[str, Any] = field(default_factory=lambda: VideoSampling().to_dict())
     # decode: decode every image (JPEG at 1/8 scale, which still reads every byte) to catch truncated or
     # corrupt data; header: trust the header, several times faster.
     verify_images: str = "decode"
@@ -57,11 +60,16 @@ class IndexConfig:
         if not Path(self.tokenizer).is_file():
             raise FileNotFoundError(f"tokenizer {self.tokenizer!r} not found: pass a HF tokenizer.json with --tokenizer")
         policy_from_dict(self.image_policy)  # fail early on a bad policy
+        VideoSampling.from_dict(self.video_policy)
 
     # Built once per config, not once per sample (costing reads both for every row).
     @functools.cached_property
     def policy(self) -> ImagePolicy:
         return policy_from_dict(self.image_policy)
+
+    @functools.cached_property
+    def video_sampling(self) -> VideoSampling:
+        return VideoSampling.from_dict(self.video_policy)
 
     @functools.cached_property
     def template(self) -> ChatTemplate:
@@ -71,17 +79,17 @@ class IndexConfig:
         return hashlib.sha256(Path(self.tokenizer).read_bytes()).hexdigest()[:16]
 
     def to_fingerprint_dict(self) -> dict[str, Any]:
-        return {"image_policy": self.image_policy, "chat_template": self.chat_template,
+        return {"image_policy": self.image_policy, "chat_template": self.chat_template, "video_policy": self.video_policy,
                 "tokenizer": self.tokenizer_digest(), "verify_images": self.verify_images}
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "IndexConfig":
-        from packfeed.server.index.conventions import conventions_of
+        from packfeed.server.index.conventions import conventions_of, video_policy_of
 
         if not args.tokenizer:
             raise ValueError("indexing shards needs --tokenizer TOKENIZER.json (the tokenizer the trainer uses)")
         policy, template = conventions_of(args)
-        return cls(args.tokenizer, policy, template, args.verify_images, args.extend_tokenizer)
+        return cls(args.tokenizer, policy, template, video_policy_of(args), args.verify_images, args.extend_tokenizer)
 
     def with_tokenizer_for(self, out: str | Path) -> tuple["IndexConfig", dict[str, Any]]:
         """This config with a tokenizer that knows every special token of the template, and the index's record
@@ -137,9 +145,27 @@ def image_size(data: bytes, verify: str) -> tuple[int, int]:
     return width, height
 
 
+def _video_infos(raw: RawSample, images: list[Member], videos: list[Member], doc: Any,
+                 verify: str) -> tuple[list[VideoInfo], float | None]:
+    """The sample's videos as the container (or, for a frame sequence, its JSON and frames) describes them, and
+    the frame sequence's rate (None when its images are images)."""
+    rate = frames_fps(doc)
+    if rate is None:
+        return [probe_video(member.data, decode=verify == "decode") for member in videos], None
+    if videos:
+        raise SampleError("frame sequence and video files in one sample: give the frames or the files")
+    if not images:
+        raise SampleError('frame sequence without frames: "frames" needs numbered images KEY.0.jpg, KEY.1.jpg, ...')
+    sizes = {image_size(member.data, verify) for member in images}
+    if len(sizes) > 1:
+        raise SampleError(f"frame sequence: frames differ in size ({', '.join(f'{w}x{h}' for w, h in sorted(sizes))})")
+    (width, height), = sizes
+    return [VideoInfo(width, height, len(images), rate)], rate
+
+
 def cost_sample(raw: RawSample, config: IndexConfig) -> dict[str, Any]:
     """One index row (without sample_id and shard)."""
-    images = raw.image_members()
+    images, videos = raw.image_members(), raw.video_members()
     doc = raw.json_member()
     row: dict[str, Any] = {
         "key": raw.key, "valid": False, "reason": None,
@@ -150,14 +176,26 @@ def cost_sample(raw: RawSample, config: IndexConfig) -> dict[str, Any]:
         "image_widths": [], "image_heights": [],
         "n_images": len(images), "vision_units": 0, "vision_tokens": 0, "vit_patches": 0, "vit_attn_sq": 0,
         "text_tokens": 0, "llm_tokens": 0, "loss_tokens": 0,
+        "n_videos": len(videos), "video_names": [m.suffix for m in videos], "video_offsets": [m.offset for m in videos],
+        "video_sizes": [m.size for m in videos], "video_checksums": [member_checksum(m.data) for m in videos],
+        "video_widths": [], "video_heights": [], "video_frames": [], "video_rates": [], "video_sampled": [],
+        "frames_fps": None,
     }
     try:
         if raw.error:
             raise SampleError(raw.error)
         if doc is None:
             raise SampleError("missing json")
-        turns = attach_images(parse_conversation(doc.data), len(images))
+        document = parse_json(doc.data)
+        turns = conversation_turns(document.get("conversations") if isinstance(document, dict) else None)
         policy = config.policy
+        infos, sequence_rate = _video_infos(raw, images, videos, document, config.verify_images)
+        if sequence_rate is not None:  # the images are one video's frames
+            row.update(n_images=0, n_videos=1, video_names=["frames"], video_offsets=[0], video_sizes=[0],
+                       video_checksums=[0], frames_fps=sequence_rate)
+            row["image_widths"], row["image_heights"] = [infos[0].width] * len(images), [infos[0].height] * len(images)
+            images = []
+        turns = attach_images(turns, len(images), len(infos))
         costs = []
         for member in images:
             width, height = image_size(member.data, config.verify_images)
@@ -167,8 +205,25 @@ def cost_sample(raw: RawSample, config: IndexConfig) -> dict[str, Any]:
                 costs.append(policy.cost(width, height, len(images)))
             except ValueError as error:
                 raise SampleError(f"image rejected by policy: {error}") from None
-        ids, labels, _ = cached_encoder(config.tokenizer, config.template).encode(turns, [c.llm_tokens for c in costs])
-    except (SampleError, ConversationError) as error:
+        video_items = []
+        for info in infos:
+            frames = config.video_sampling.frame_count(info.frames, info.rate, policy.temporal_patch)
+            if frames < 1:
+                raise SampleError(f"video too short: {info.frames} frames, the image policy takes them "
+                                  f"{policy.temporal_patch} at a time")
+            try:
+                cost = policy.video_cost(info.width, info.height, frames)
+            except ValueError as error:
+                raise SampleError(f"video rejected by policy: {error}") from None
+            costs.append(cost)
+            video_items.append([cost.llm_tokens] if config.template.video_context else
+                               [cost.llm_tokens // frames] * frames)
+            for name, value in (("widths", info.width), ("heights", info.height), ("frames", info.frames),
+                                ("rates", info.rate), ("sampled", frames)):
+                row[f"video_{name}"].append(value)
+        ids, labels, _ = cached_encoder(config.tokenizer, config.template).encode(
+            turns, [c.llm_tokens for c in costs[:len(images)]], video_items)
+    except (SampleError, ConversationError, VideoError) as error:
         row["reason"] = str(error)
         return row
     except Exception as error:  # anything else about one sample makes that sample invalid, never the index
@@ -282,7 +337,7 @@ def build_index(specs: list[str], out: str | Path, config: IndexConfig, workers:
     config_fp = config.to_fingerprint_dict()
     info = IndexInfo(
         fingerprint=fingerprint_table(table, config_fp), source="shards", inputs=urls,
-        image_policy=config.image_policy, tokenizer=tokenizer_record,
+        image_policy=config.image_policy, video_policy=config.video_policy, tokenizer=tokenizer_record,
         chat_template=config.chat_template,
         skipped_shards=[{"shard": r.url, "error": r.error, "samples_read": len(r.rows)} for r in results if r.error],
         invalid_by_reason=dict(sorted(invalid.items())),

@@ -25,10 +25,12 @@ import subprocess
 
 import braceexpand
 
+from packfeed.server.index.video import VIDEO_EXTENSIONS
 from packfeed.server.index.storage import OBJECT_SCHEMES, expand_object_glob, is_object_url, open_object, read_range
 
 IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp", "gif", "bmp", "tif", "tiff")
 _IMAGE_SUFFIX = re.compile(r"^(?:(\d+)\.)?(" + "|".join(IMAGE_EXTENSIONS) + r")$", re.IGNORECASE)
+_VIDEO_SUFFIX = re.compile(r"^(?:(\d+)\.)?(" + "|".join(VIDEO_EXTENSIONS) + r")$", re.IGNORECASE)
 COMPRESSED_MAGIC = (b"\x1f\x8b", b"BZh", b"\xfd7zXZ", b"\x28\xb5\x2f\xfd")
 REMOTE_PREFIXES = ("pipe:", "ais://", *OBJECT_SCHEMES)
 
@@ -76,9 +78,16 @@ class RawSample:
 
     def image_members(self) -> list[Member]:
         """Image members ordered by their number (an un-numbered image counts as number 0)."""
+        return self._numbered(_IMAGE_SUFFIX)
+
+    def video_members(self) -> list[Member]:
+        """Video files (`KEY.mp4`, `KEY.0.webm`, ...) ordered as images are."""
+        return self._numbered(_VIDEO_SUFFIX)
+
+    def _numbered(self, suffixes: re.Pattern) -> list[Member]:
         found = []
         for m in self.members:
-            match = _IMAGE_SUFFIX.match(m.suffix)
+            match = suffixes.match(m.suffix)
             if match:
                 found.append((int(match.group(1) or 0), m.suffix, m))
         return [m for _, _, m in sorted(found, key=lambda x: (x[0], x[1]))]

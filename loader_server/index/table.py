@@ -20,7 +20,7 @@ import xxhash
 
 from packfeed.server import __version__
 
-INDEX_FORMAT_VERSION = 2  # 2: member checksums
+INDEX_FORMAT_VERSION = 3  # 2: member checksums; 3: videos
 METADATA_KEY = b"packfeed.index"
 
 # Columns every index has. Shard-built indexes fill the member/image columns; imported length files leave
@@ -49,6 +49,20 @@ SCHEMA = pa.schema(
         ("text_tokens", pa.int32()),
         ("llm_tokens", pa.int32()),  # text + image placeholder tokens: the packed sequence length
         ("loss_tokens", pa.int32()),  # tokens with a label (assistant turns)
+        # Videos, in the order of the sample's <video> tags. Costs above count their sampled frames.
+        ("n_videos", pa.int32()),
+        ("video_names", pa.list_(pa.string())),  # member extension, e.g. "mp4"; "frames" for a frame sequence
+        ("video_offsets", pa.list_(pa.int64())),
+        ("video_sizes", pa.list_(pa.int64())),
+        ("video_checksums", pa.list_(pa.uint64())),
+        ("video_widths", pa.list_(pa.int32())),
+        ("video_heights", pa.list_(pa.int32())),
+        ("video_frames", pa.list_(pa.int32())),  # frames in the video
+        ("video_rates", pa.list_(pa.float64())),  # its frames per second
+        ("video_sampled", pa.list_(pa.int32())),  # frames the video policy takes from it
+        # Set when the sample's numbered images are the frames of one video (its JSON's "frames": {"fps": F}):
+        # the image columns then list every frame, and the video columns describe the sequence.
+        ("frames_fps", pa.float64()),
     ]
 )
 
@@ -61,6 +75,7 @@ class IndexInfo:
     source: str  # "shards" or "lengths"
     inputs: list[str]
     image_policy: dict[str, Any] | None = None
+    video_policy: dict[str, Any] | None = None  # VideoSampling's fields; None: the defaults
     tokenizer: dict[str, Any] | None = None
     chat_template: dict[str, Any] | None = None
     skipped_shards: list[dict[str, str]] | None = None
@@ -106,7 +121,7 @@ def fingerprint_table(table: pa.Table, config: dict[str, Any]) -> str:
         column = table.column(name).combine_chunks()
         digest.update(name.encode())
         digest.update(np.ascontiguousarray(column.to_numpy(zero_copy_only=False)).tobytes())
-    for name in ("json_checksum", "image_checksums"):  # content: a rewritten dataset is another dataset
+    for name in ("json_checksum", "image_checksums", "video_checksums"):  # content: a rewritten dataset is another dataset
         column = table.column(name).combine_chunks()
         values = column.flatten() if pa.types.is_list(column.type) else column
         digest.update(name.encode())

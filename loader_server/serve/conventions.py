@@ -9,6 +9,7 @@ from pathlib import Path
 from packfeed.server.index.chat import ChatTemplate, load_tokenizer
 from packfeed.server.index.image_policy import policy_from_dict
 from packfeed.server.index.table import IndexInfo
+from packfeed.server.index.video import VideoSampling
 from packfeed.v1 import packfeed_pb2 as pb
 
 
@@ -19,14 +20,18 @@ def conventions_of(info: IndexInfo, tokenizer_path: str | Path) -> pb.ModelConve
     image_policy = pb.ImagePolicy(name=policy.name, tile_size=policy.tile_size, tokens_per_tile=policy.tokens_per_tile,
                                   patch_size=policy.patch_size, patches_per_unit=policy.patches_per_unit,
                                   parameters_json=json.dumps(policy.to_dict(), sort_keys=True),
-                                  image_mean=policy.image_mean, image_std=policy.image_std)
+                                  image_mean=policy.image_mean, image_std=policy.image_std,
+                                  temporal_patch_size=policy.temporal_patch)
     chat = pb.ChatTemplate(**{name: value or "" for name, value in template.to_dict().items()},
                            **_chatml_turn_markers(template))
     return pb.ModelConventions(image_policy=image_policy, chat_template=chat,
                                vocab_size=tokenizer.get_vocab_size(),
                                image_start_id=tokenizer.token_to_id(template.image_start) if template.image_start else None,
                                image_end_id=tokenizer.token_to_id(template.image_end) if template.image_end else None,
-                               image_context_id=tokenizer.token_to_id(template.image_context))
+                               image_context_id=tokenizer.token_to_id(template.image_context),
+                               video_context_id=(tokenizer.token_to_id(template.video_context)
+                                                 if template.video_context else None),
+                               video_policy=pb.VideoPolicy(**VideoSampling.from_dict(info.video_policy).to_dict()))
 
 
 def _chatml_turn_markers(template: ChatTemplate) -> dict[str, str]:

@@ -198,7 +198,7 @@ class Dataset:
         parts_, sources, sample_ids = self.parts, *self.members(plan, plan.step_members(step))
         step_loss = sum(part.rows.loss_tokens(sample_ids[sources == k]) for k, part in enumerate(parts_))
         return RankStepWork(tuple(part.name for part in parts_), tuple(part.label for part in parts_),
-                            plan.epoch, step, rank, packs, step_loss, plan.is_last_step(step))
+                            plan.epoch, step, rank, packs, step_loss, plan.is_last_step(step), plan.seed)
 
     def estimate_bytes(self, work: RankStepWork) -> int:
         """Bytes a rank-step will take once prepared, for reserving room in the memory budget up front."""

@@ -19,7 +19,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from packfeed.server.index.chat import IGNORE_INDEX
-from packfeed.server.serve.preprocess import SampleTensors
+from packfeed.server.serve.preprocess import IMAGE, SampleTensors
 from packfeed.v1.pixels import GEOMETRY_COLUMNS
 
 
@@ -74,6 +74,8 @@ def assemble_pack(samples: list[SampleTensors], epoch: int, step: int, rank: int
         "tile_image": np.asarray(tile_image, dtype=np.int32),
         "image_sample": np.asarray(image_sample, dtype=np.int32),
         "image_token_spans": np.asarray(spans, dtype=np.int32).reshape(-1, 2),
+        "visual_kind": np.asarray([kind for s in samples for kind in s.kinds], dtype=np.int32),
+        "frame_seconds": np.asarray([seconds for s in samples for seconds in s.frame_seconds], dtype=np.float32),
     }
     if geometry:  # pixels: encoded: the client decodes these into `pixels` (packfeed.client.decode)
         files = [data for s in samples for data in s.encoded]
@@ -96,10 +98,11 @@ def truncate_sample(sample: SampleTensors, limit: int) -> SampleTensors:
             break
         keep_images += 1
     n_tiles = sum(sample.tiles_per_image[:keep_images])
+    n_encoded = sum(kind == IMAGE for kind in sample.kinds[:keep_images]) if sample.encoded else 0
     return SampleTensors(sample.key, sample.input_ids[:limit], sample.labels[:limit], sample.tiles[:n_tiles],
                          sample.tiles_per_image[:keep_images], sample.image_tokens[:keep_images],
-                         sample.image_starts[:keep_images], sample.source, sample.encoded[:keep_images],
-                         sample.geometry[:keep_images])
+                         sample.image_starts[:keep_images], sample.source, sample.encoded[:n_encoded],
+                         sample.geometry[:n_encoded], sample.kinds[:keep_images], sample.frame_seconds[:keep_images])
 
 
 def _mapped_columns(index: Path, fingerprint: str) -> pa.Table:
@@ -122,7 +125,9 @@ def _mapped_columns(index: Path, fingerprint: str) -> pa.Table:
 
 SERVE_COLUMNS = ["key", "shard", "valid", "reason", "json_offset", "json_size", "json_checksum", "image_names",
                  "image_offsets", "image_sizes", "image_checksums", "image_widths", "image_heights", "n_images",
-                 "llm_tokens", "loss_tokens"]
+                 "llm_tokens", "loss_tokens", "n_videos", "video_names", "video_offsets", "video_sizes",
+                 "video_checksums", "video_widths", "video_heights", "video_frames", "video_rates", "video_sampled",
+                 "frames_fps"]
 
 
 class IndexRows:
@@ -162,9 +167,9 @@ class IndexRows:
 
 
 def build_pack(parts: list[tuple[IndexRows, Any, str]], members: np.ndarray, truncate_to: np.ndarray,
-               sources: np.ndarray, epoch: int, step: int, rank: int, microbatch: int) -> Pack:
+               sources: np.ndarray, epoch: int, step: int, rank: int, microbatch: int, seed: int = 0) -> Pack:
     """One pack from its planned members; member k is sample `members[k]` of `parts[sources[k]]` (rows, reader,
-    dataset label). A sample that fails at serve time is left out and reported in the pack's `skipped`; the
+    dataset label); `seed` is the job's (random video frames are drawn from it). A sample that fails at serve time is left out and reported in the pack's `skipped`; the
     pack still goes out, flagged empty if nothing is left."""
     from packfeed.server.serve.preprocess import SampleSkipped
 
@@ -175,7 +180,7 @@ def build_pack(parts: list[tuple[IndexRows, Any, str]], members: np.ndarray, tru
         part[1].prefetch([row for other, row, _ in chosen if other is part])
     for (_, reader, label), row, limit in chosen:
         try:
-            sample = replace(reader.load(row), source=label)
+            sample = replace(reader.load(row, seed, epoch), source=label)
         except SampleSkipped as error:
             skipped.append((row["key"], str(error)))
             continue
@@ -195,7 +200,7 @@ def build_rank_step(plan, rows: IndexRows, reader, step: int, rank: int) -> list
     for microbatch in range(config.microbatches):
         members, truncate_to = plan.pack_with_truncation(step, rank, microbatch)
         pack = build_pack([(rows, reader, "")], members, truncate_to, np.zeros(len(members), np.int32), plan.epoch,
-                          step, rank, microbatch)
+                          step, rank, microbatch, plan.seed)
         pack.step_loss_tokens = step_loss
         packs.append(pack)
     return packs

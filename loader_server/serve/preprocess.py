@@ -20,8 +20,10 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
-from packfeed.server.index.chat import ChatTemplate, ConversationError, attach_images, cached_encoder, parse_conversation
+from packfeed.server.index.chat import (ChatTemplate, ConversationError, attach_images, cached_encoder,
+                                        parse_conversation, visual_items)
 from packfeed.server.index.image_policy import ImagePolicy, policy_from_dict
+from packfeed.server.index.video import VideoError, VideoInfo, VideoSampling, read_frames
 from packfeed.server.index.shards import is_compressed
 from packfeed.server.index.storage import ObjectError, StampCache, is_object_url, read_range, relocate
 from packfeed.server.index.table import IndexInfo, describe_error, member_checksum
@@ -39,12 +41,18 @@ class SampleTensors:
     input_ids: np.ndarray  # int32 (L,)
     labels: np.ndarray  # int32 (L,), -100 outside assistant turns
     tiles: list[np.ndarray]  # uint8 (3, H, W) each, in order
+    # Per visual item (an image; a video, or with frames as images each of its frames), in input_ids order:
     tiles_per_image: list[int]
-    image_tokens: list[int]  # LLM placeholder tokens per image
-    image_starts: list[int]  # where each image's placeholder run starts in input_ids
+    image_tokens: list[int]  # LLM placeholder tokens
+    image_starts: list[int]  # where its placeholder run starts in input_ids
     source: str = ""  # the dataset it comes from (set by the pack builder)
     encoded: list[bytes] = field(default_factory=list)  # pixels: encoded: each image file's bytes (no tiles)
     geometry: list[Geometry] = field(default_factory=list)  # ... and how the client cuts each into tiles
+    kinds: list[int] = field(default_factory=list)  # per item: IMAGE, or VIDEO (a video or one of its frames)
+    frame_seconds: list[float] = field(default_factory=list)  # per item: seconds between its frames (0: an image)
+
+
+IMAGE, VIDEO = 0, 1  # what a visual item is (`visual_kind` on the wire)
 
 
 # How images become tiles. exact: PIL bicubic, pixel for pixel what the Hugging Face / InternVL processors give
@@ -117,9 +125,23 @@ PREFETCH_THREADS = int(os.environ.get("PACKFEED_RANGE_THREADS", "16"))
 
 
 def _span(row: dict[str, Any]) -> tuple[int, int]:
-    """(start, end) of the bytes holding the sample's members, its JSON and its images (together in the tar)."""
+    """(start, end) of the bytes holding the sample's members, its JSON, images and videos (together in the tar)."""
     spans = [(row["json_offset"], row["json_size"])] + list(zip(row["image_offsets"], row["image_sizes"]))
+    spans += [(offset, size) for offset, size in zip(row["video_offsets"] or [], row["video_sizes"] or []) if size]
     return min(offset for offset, _ in spans), max(offset + size for offset, size in spans)
+
+
+@dataclass
+class _Item:
+    """One visual item of a sample while it is prepared."""
+
+    kind: int
+    tiles: list[np.ndarray]
+    n_tiles: int
+    tokens: int
+    encoded: bytes | None = None
+    geometry: Geometry | None = None
+    seconds: float = 0.0
 
 
 class SampleReader:
@@ -136,6 +158,7 @@ class SampleReader:
             raise ValueError(f"tokenizer {tokenizer_path} differs from the one the index was built with "
                              f"({info.tokenizer.get('path')}); token counts would not match the plan")
         self.policy = policy_from_dict(info.image_policy)
+        self.video_sampling = VideoSampling.from_dict(info.video_policy)
         self.template = ChatTemplate.from_dict(info.chat_template)
         self.tokenizer_path = str(tokenizer_path)
         self.shard_root = str(shard_root) if shard_root else None
@@ -232,45 +255,84 @@ class SampleReader:
             raise SampleSkipped(f"shard changed: {what} differs from the indexed content (checksum)")
         return data
 
-    def load(self, row: dict[str, Any]) -> SampleTensors:
-        """Pre-process one index row (as a dict of its columns). Raises SampleSkipped with the reason."""
+    def load(self, row: dict[str, Any], seed: int = 0, epoch: int = 0) -> SampleTensors:
+        """Pre-process one index row (as a dict of its columns); `seed` and `epoch` draw a random video policy's
+        frames. Raises SampleSkipped with the reason."""
         if not row["valid"]:
             raise SampleSkipped(f"invalid in the index: {row['reason']}")
         read = self._reader(row)
         key = row["key"]
         try:
             raw = self._member(read, row["json_offset"], row["json_size"], row["json_checksum"], f"{key}.json")
-            turns = attach_images(parse_conversation(raw), row["n_images"])
+            turns = attach_images(parse_conversation(raw), row["n_images"], row["n_videos"] or 0)
         except ConversationError as error:
             raise SampleSkipped(f"shard changed: {error}") from None
-        tiles: list[np.ndarray] = []
-        tiles_per_image, image_tokens, encoded, geometry = [], [], [], []
-        for name, offset, size, checksum, width, height in zip(
-                row["image_names"], row["image_offsets"], row["image_sizes"], row["image_checksums"],
-                row["image_widths"], row["image_heights"]):
-            data = self._member(read, offset, size, checksum, f"{key}.{name}")
-            if self.pixels == "encoded":  # the client decodes, and checks the size against the geometry
-                geometry.append(self.policy.geometry(width, height, row["n_images"]))
-                encoded.append(data)
-                made = geometry[-1].tile_shapes()
-            else:
-                made = self._tiles(data, width, height, row["n_images"], f"{key}.{name}")
-                tiles.extend(made)
-            tiles_per_image.append(len(made))
-            image_tokens.append(self.policy.cost(width, height, row["n_images"]).llm_tokens)
-        input_ids, labels, starts = cached_encoder(self.tokenizer_path, self.template).encode(turns, image_tokens)
+        images = [] if row["frames_fps"] is not None else [self._image(read, row, k) for k in range(row["n_images"])]
+        videos = [self._video(read, row, k, seed, epoch) for k in range(row["n_videos"] or 0)]
+        input_ids, labels, starts = cached_encoder(self.tokenizer_path, self.template).encode(
+            turns, [item.tokens for item in images], [[item.tokens for item in video] for video in videos])
+        items = [images[number] if kind == "image" else videos[number].pop(0)
+                 for kind, number in visual_items(turns, [len(video) for video in videos])]
         if len(input_ids) != row["llm_tokens"]:
             raise SampleSkipped(f"token count {len(input_ids)} differs from the index's {row['llm_tokens']}")
-        return SampleTensors(key, input_ids, labels, tiles, tiles_per_image, image_tokens, starts, encoded=encoded,
-                             geometry=geometry)
+        return SampleTensors(key, input_ids, labels, [tile for item in items for tile in item.tiles],
+                             [item.n_tiles for item in items], [item.tokens for item in items], starts,
+                             encoded=[item.encoded for item in items if item.encoded is not None],
+                             geometry=[item.geometry for item in items if item.encoded is not None],
+                             kinds=[item.kind for item in items], frame_seconds=[item.seconds for item in items])
 
-    def _tiles(self, data: bytes, width: int, height: int, n_images: int, what: str) -> list[np.ndarray]:
+    def _image(self, read, row: dict[str, Any], k: int) -> "_Item":
+        """The k-th image of the sample (its file's bytes and geometry, with pixels: encoded)."""
+        name, width, height, n_images = row["image_names"][k], row["image_widths"][k], row["image_heights"][k], row["n_images"]
+        data = self._member(read, row["image_offsets"][k], row["image_sizes"][k], row["image_checksums"][k],
+                            f"{row['key']}.{name}")
+        tokens = self.policy.cost(width, height, n_images).llm_tokens
+        if self.pixels == "encoded":  # the client decodes, and checks the size against the geometry
+            geometry = self.policy.geometry(width, height, n_images)
+            return _Item(IMAGE, [], len(geometry.tile_shapes()), tokens, encoded=data, geometry=geometry)
+        tiles = self._tiles(data, width, height, n_images, f"{row['key']}.{name}")
+        return _Item(IMAGE, tiles, len(tiles), tokens)
+
+    def _video(self, read, row: dict[str, Any], k: int, seed: int, epoch: int) -> list["_Item"]:
+        """The k-th video of the sample as its visual items: one holding every sampled frame, or with frames as
+        images one per frame. Only the sampled frames are decoded (a container seeks to them)."""
+        key, name = row["key"], row["video_names"][k]
+        if self.pixels == "encoded":
+            raise SampleSkipped(f"video {key}.{name}: pixels: encoded sends image files only; serve a dataset "
+                                f"with videos with pixels: exact or fast")
+        info = VideoInfo(row["video_widths"][k], row["video_heights"][k], row["video_frames"][k], row["video_rates"][k])
+        sampled = row["video_sampled"][k]
+        indices = self.video_sampling.frame_indices(info.frames, sampled, seed, epoch, key)
+        geometry = self.policy.frame_geometry(info.width, info.height)
+        what = f"{key}.{name}"
+        if row["frames_fps"] is not None:  # a frame sequence: read only the sampled frames' files
+            frames = [self._tiles_of(self._member(read, row["image_offsets"][i], row["image_sizes"][i],
+                                                  row["image_checksums"][i], f"{key}.{row['image_names'][i]}"),
+                                     geometry, f"{key}.{row['image_names'][i]}") for i in indices.tolist()]
+        else:
+            data = self._member(read, row["video_offsets"][k], row["video_sizes"][k], row["video_checksums"][k], what)
+            try:
+                decoded = read_frames(data, info, indices)
+            except VideoError as error:
+                raise SampleSkipped(f"{error} ({what})") from None
+            frames = [cut_tiles(_resizer(Image.fromarray(frame), self.pixels), geometry) for frame in decoded]
+        cost = self.policy.video_cost(info.width, info.height, sampled)
+        seconds = info.seconds / sampled
+        if self.template.video_context:
+            return [_Item(VIDEO, [tile for tiles in frames for tile in tiles], sampled, cost.llm_tokens,
+                          seconds=seconds)]
+        return [_Item(VIDEO, tiles, len(tiles), cost.llm_tokens // sampled, seconds=seconds) for tiles in frames]
+
+    def _tiles_of(self, data: bytes, geometry: Geometry, what: str) -> list[np.ndarray]:
         try:
-            return file_tiles(data, self.policy.geometry(width, height, n_images), self.pixels)
+            return file_tiles(data, geometry, self.pixels)
         except ImageSizeMismatch as error:
             raise SampleSkipped(f"shard changed: {what} is {error.found}, index says {error.expected}") from None
         except (OSError, SyntaxError, ValueError) as error:
             raise SampleSkipped(f"undecodable image ({what}): {describe_error(error)}") from None
+
+    def _tiles(self, data: bytes, width: int, height: int, n_images: int, what: str) -> list[np.ndarray]:
+        return self._tiles_of(data, self.policy.geometry(width, height, n_images), what)
 
     def close(self) -> None:
         if self._fetchers is not None:

@@ -50,6 +50,7 @@ class RankStepWork:
     packs: list[tuple[np.ndarray, np.ndarray, np.ndarray]]  # per microbatch: (sample ids, token limits, sources)
     step_loss_tokens: int
     last_in_epoch: bool
+    seed: int = 0  # the job's: random video frames are drawn from (seed, epoch, sample key)
 
 
 @dataclass
@@ -197,7 +198,8 @@ def build_rank_step(work: RankStepWork, shared_dir: str | None = None) -> RankSt
     parts = [(*_dataset(name), label) for name, label in zip(work.datasets, work.labels)]
     pieces, skipped, samples, by_dataset = [], [], 0, collections.Counter()
     for microbatch, (members, truncate_to, sources) in enumerate(work.packs):
-        pack = build_pack(parts, members, truncate_to, sources, work.epoch, work.step, work.rank, microbatch)
+        pack = build_pack(parts, members, truncate_to, sources, work.epoch, work.step, work.rank, microbatch,
+                          work.seed)
         pack.step_loss_tokens = work.step_loss_tokens
         pieces.append(pack_pieces(pack, len(work.packs), work.last_in_epoch))
         skipped.extend(pack.skipped)
