@@ -56,13 +56,16 @@ class Family:
     patch_size: int = 14  # qwen: ViT patch side
     merge_size: int = 2  # qwen: patches merged per side into one LLM token
     temporal_patch_size: int = 2  # qwen: an image is repeated over this many frames
+    tokens_per_second: float = 0.0  # qwen2.5: M-RoPE time positions per second of video; 0: one per temporal patch
+    videos: bool = True  # whether packs with videos can be turned into this family's inputs
 
 
 FAMILIES: dict[str, Family] = {
     "internvl": Family("internvl", "internvl", IMAGENET),
     "qwen2_vl": Family("qwen2_vl", "qwen2vl", CLIP),
-    "qwen2_5_vl": Family("qwen2_5_vl", "qwen2vl", CLIP),
-    "qwen3_vl": Family("qwen3_vl", "qwen2vl", HALF, patch_size=16),
+    "qwen2_5_vl": Family("qwen2_5_vl", "qwen2vl", CLIP, tokens_per_second=2.0),  # the released checkpoints' config
+    # Qwen3-VL writes each temporal patch's timestamp as text between them: not what the index counted.
+    "qwen3_vl": Family("qwen3_vl", "qwen2vl", HALF, patch_size=16, videos=False),
     "llava": Family("llava", "fixed", CLIP),
 }
 
@@ -97,9 +100,29 @@ def qwen_patches(image: torch.Tensor, family: Family) -> tuple[torch.Tensor, tup
     return patches.reshape(grid_h * grid_w, channels * t * p * p), (1, grid_h, grid_w)
 
 
-def mrope_positions(pack: PackTensors, grids: list[tuple[int, int, int]], merge_size: int) -> torch.Tensor:
+def qwen_video_patches(frames: list[torch.Tensor], family: Family) -> tuple[torch.Tensor, tuple[int, int, int]]:
+    """A video's normalised (3, H, W) frames in Qwen-VL's flattened patch layout, (patches, C * T * P * P), each
+    patch spanning T consecutive frames (the last frame repeated to a multiple of T), as the Hugging Face video
+    processor's `patchify`; and its (t, h, w) grid."""
+    p, m, t = family.patch_size, family.merge_size, family.temporal_patch_size
+    video = torch.stack(frames)
+    if video.shape[0] % t:
+        video = torch.cat([video, video[-1:].expand(t - video.shape[0] % t, -1, -1, -1)])
+    count, channels, height, width = video.shape
+    grid_t, grid_h, grid_w = count // t, height // p, width // p
+    if grid_h * p != height or grid_w * p != width or grid_h % m or grid_w % m:
+        raise ValueError(f"video frames of {width}x{height} px do not fall into {p * m} px merge windows; index the "
+                         f"dataset with the {family.name} preset")
+    patches = video.reshape(grid_t, t, channels, grid_h // m, m, p, grid_w // m, m, p).permute(0, 3, 6, 4, 7, 2, 1, 5, 8)
+    return patches.reshape(grid_t * grid_h * grid_w, channels * t * p * p), (grid_t, grid_h, grid_w)
+
+
+def mrope_positions(pack: PackTensors, grids: list[tuple[int, int, int]], merge_size: int,
+                    intervals: list[float] | None = None) -> torch.Tensor:
     """(3, L) M-RoPE positions, per sample as the model's `get_rope_index`: text tokens count up; an image's
-    tokens take (start, start + row, start + column); text after it resumes at start + max(rows, columns)."""
+    tokens take (start, start + row, start + column), a video's (start + frame time, start + row, start +
+    column) with frame time = (temporal patch number x `intervals[k]`) rounded down; text after either resumes
+    at start + max(rows, columns)."""
     length = pack.input_ids.shape[0]
     positions = torch.empty(3, length, dtype=torch.long)
     bounds = pack.cu_seqlens.tolist()
@@ -113,14 +136,16 @@ def mrope_positions(pack: PackTensors, grids: list[tuple[int, int, int]], merge_
             text = start - cursor
             positions[:, cursor:start] = torch.arange(current, current + text)
             current += text
-            _, grid_h, grid_w = grids[image_no]
+            grid_t, grid_h, grid_w = grids[image_no]
             rows, cols = grid_h // merge_size, grid_w // merge_size
-            if rows * cols != count:
+            if grid_t * rows * cols != count:
                 raise ValueError(f"image {image_no} of pack {pack.sample_keys}: {count} placeholder tokens for a "
-                                 f"{rows} x {cols} grid of merged patches")
-            positions[0, start:start + count] = current
-            positions[1, start:start + count] = (torch.arange(rows) + current).repeat_interleave(cols)
-            positions[2, start:start + count] = (torch.arange(cols) + current).repeat(rows)
+                                 f"{grid_t} x {rows} x {cols} grid of merged patches")
+            interval = intervals[image_no] if intervals else 1
+            times = (torch.arange(grid_t) * interval).long() + current
+            positions[0, start:start + count] = times.repeat_interleave(rows * cols)
+            positions[1, start:start + count] = (torch.arange(rows) + current).repeat_interleave(cols).repeat(grid_t)
+            positions[2, start:start + count] = (torch.arange(cols) + current).repeat(rows * grid_t)
             current += max(rows, cols)
             cursor = start + count
             image_no += 1
@@ -131,11 +156,13 @@ def mrope_positions(pack: PackTensors, grids: list[tuple[int, int, int]], merge_
 def to_hf_inputs(pack: PackTensors, model_family: str | Family, dp: int = 1, *,
                  conventions: Any = None, dtype: torch.dtype = torch.float32,
                  attention: Literal["sdpa", "varlen"] = "sdpa", device: torch.device | str | None = None,
-                 image_token_id: int | None = None) -> dict[str, Any]:
+                 image_token_id: int | None = None, tokens_per_second: float | None = None) -> dict[str, Any]:
     """The keyword arguments of the family's `ForConditionalGeneration.forward` for one pack (batch of one
     packed row). `dp`: the data-parallel world size the gradients are averaged over. `conventions`: the job's
     `ModelConventions` (normalisation and the placeholder id come from it). `dtype`: the pixels' dtype (the
-    vision tower's). `image_token_id`: the placeholder's id when no conventions are given, to check counts."""
+    vision tower's). `image_token_id`: the placeholder's id when no conventions are given, to check counts.
+    `tokens_per_second`: Qwen2.5-VL's `config.vision_config.tokens_per_second` (the family's default: 2, as the
+    released checkpoints), which spaces a video's temporal positions by its frames' time."""
     family = family_of(model_family)
     if dp < 1:
         raise ValueError("dp must be at least 1")
@@ -159,27 +186,45 @@ def to_hf_inputs(pack: PackTensors, model_family: str | Family, dp: int = 1, *,
                               "num_items_in_batch": torch.tensor(pack.step_loss_tokens / dp, dtype=torch.float32)}
     tiles = pack.tiles() if pack.tile_shapes.shape[0] else []
     features = normalised(tiles, mean, std, dtype)
+    kinds = _visual_kinds(pack)
+    if VIDEO in kinds and not family.videos:
+        raise ValueError(f"pack {pack.sample_keys} holds videos, which Packfeed cannot give the {family.name} family "
+                         f"yet: its processor writes each temporal patch's timestamp as text between them")
     text_positions = pack.position_ids.to(torch.long)
     if family.image_policy == "qwen2vl":
-        flattened = [qwen_patches(image, family) for image in features]
+        items = _tiles_per_item(pack, features)
+        flattened = [qwen_video_patches(frames, family) if kind == VIDEO else qwen_patches(frames[0], family)
+                     for frames, kind in zip(items, kinds)]
         grids = [grid for _, grid in flattened]
-        positions = mrope_positions(pack, grids, family.merge_size)
+        intervals = _time_intervals(pack, kinds, family, tokens_per_second)
+        positions = mrope_positions(pack, grids, family.merge_size, intervals)
         inputs["position_ids"] = torch.cat([text_positions.unsqueeze(0), positions]).unsqueeze(1)  # (4, 1, L)
+        for kind, pixels_name, grid_name in ((IMAGE, "pixel_values", "image_grid_thw"),
+                                             (VIDEO, "pixel_values_videos", "video_grid_thw")):
+            chosen = [k for k, item_kind in enumerate(kinds) if item_kind == kind]
+            if chosen:
+                inputs[pixels_name] = torch.cat([flattened[k][0] for k in chosen])
+                inputs[grid_name] = torch.tensor([grids[k] for k in chosen], dtype=torch.long)
         if flattened:
-            inputs["pixel_values"] = torch.cat([patches for patches, _ in flattened])
-            inputs["image_grid_thw"] = torch.tensor(grids, dtype=torch.long)
-            inputs["mm_token_type_ids"] = _token_types(pack).unsqueeze(0)
-        expected = sum(h * w for _, h, w in grids) // family.merge_size ** 2
-    else:
+            inputs["mm_token_type_ids"] = _token_types(pack, kinds).unsqueeze(0)
+        expected = {kind: sum(t * h * w for (t, h, w), item_kind in zip(grids, kinds) if item_kind == kind)
+                    // family.merge_size ** 2 for kind in (IMAGE, VIDEO)}
+    else:  # a video's frames are images
         inputs["position_ids"] = text_positions.unsqueeze(0)
         if features:
             inputs["pixel_values"] = torch.stack(features)
-        expected = int(pack.image_token_spans[:, 1].sum()) if len(features) else 0
-    if image_token_id is not None:
-        placeholders = int((input_ids == image_token_id).sum())
-        if placeholders != expected:
-            raise ValueError(f"pack {pack.sample_keys}: {placeholders} image placeholder tokens for {expected} image "
-                             f"features; the model's image_token_id must be the dataset's image_context token")
+        expected = {IMAGE: int(pack.image_token_spans[:, 1].sum()) if len(features) else 0, VIDEO: 0}
+    video_token_id = None
+    if conventions is not None and conventions.HasField("video_context_id"):
+        video_token_id = conventions.video_context_id
+    for kind, token_id, name in ((IMAGE, image_token_id, "image_token_id"), (VIDEO, video_token_id, "video_token_id")):
+        if token_id is None:
+            continue
+        placeholders = int((input_ids == token_id).sum())
+        if placeholders != expected[kind]:
+            what = "image" if kind == IMAGE else "video"
+            raise ValueError(f"pack {pack.sample_keys}: {placeholders} {what} placeholder tokens for {expected[kind]} "
+                             f"{what} features; the model's {name} must be the dataset's {what} context token")
     if attention not in ("sdpa", "varlen"):
         raise ValueError(f"attention must be 'sdpa' or 'varlen', not {attention!r}")
     if attention == "varlen":
@@ -191,11 +236,39 @@ def to_hf_inputs(pack: PackTensors, model_family: str | Family, dp: int = 1, *,
     return inputs
 
 
-def _token_types(pack: PackTensors) -> torch.Tensor:
-    """0 for text, 1 for image placeholder tokens (Qwen's `mm_token_type_ids`)."""
+IMAGE, VIDEO = 0, 1  # `visual_kind` of a pack's items
+
+
+def _visual_kinds(pack: PackTensors) -> list[int]:
+    """Each visual item's kind (servers before videos send no `visual_kind`: every item is an image)."""
+    if "visual_kind" in pack.tensors:
+        return pack.visual_kind.tolist()
+    return [IMAGE] * int(pack.image_token_spans.shape[0])
+
+
+def _tiles_per_item(pack: PackTensors, tiles: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    items: list[list[torch.Tensor]] = [[] for _ in range(int(pack.image_token_spans.shape[0]))]
+    for tile, item in zip(tiles, pack.tile_image.tolist()):
+        items[item].append(tile)
+    return items
+
+
+def _time_intervals(pack: PackTensors, kinds: list[int], family: Family,
+                    tokens_per_second: float | None) -> list[float]:
+    """Per item, M-RoPE time positions per temporal patch: Qwen2.5-VL's tokens_per_second x seconds a temporal
+    patch spans (`second_per_grid_ts`); 1 for images and for Qwen2-VL."""
+    rate = family.tokens_per_second if tokens_per_second is None else tokens_per_second
+    if not rate or "frame_seconds" not in pack.tensors:
+        return [1.0] * len(kinds)
+    seconds = pack.frame_seconds.tolist()
+    return [rate * family.temporal_patch_size * seconds[k] if kind == VIDEO else 1.0 for k, kind in enumerate(kinds)]
+
+
+def _token_types(pack: PackTensors, kinds: list[int]) -> torch.Tensor:
+    """0 for text, 1 for image and 2 for video placeholder tokens (Qwen's `mm_token_type_ids`)."""
     types = torch.zeros(pack.input_ids.shape[0], dtype=torch.int32)
-    for start, count in pack.image_token_spans.tolist():
-        types[start:start + count] = 1
+    for (start, count), kind in zip(pack.image_token_spans.tolist(), kinds):
+        types[start:start + count] = 2 if kind == VIDEO else 1
     return types
 
 

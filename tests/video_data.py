@@ -76,15 +76,15 @@ def write_shard(path: Path, samples: list[tuple[str, dict[str, bytes]]]) -> Path
 
 
 def mixed_samples(n: int, seed: int = 0, image: bytes | None = None) -> list[tuple[str, dict[str, bytes]]]:
-    """`n` samples cycling through: an image, an mp4, a webm, an mkv, a frame sequence, text only. Video lengths
-    vary (1 to 6 seconds), so frame counts and costs differ."""
+    """`n` samples cycling through: an image, an mp4, a webm, an mkv, a frame sequence, text only, an image and an
+    mp4. Video lengths vary (1 to 6 seconds), so frame counts and costs differ."""
     rng = np.random.default_rng(seed)
     picture = image or jpeg(frame_picture(3, 320, 240))
     samples = []
     for k in range(n):
         key = f"s{k:05d}"
         seconds = int(rng.integers(1, 7))
-        kind = k % 6
+        kind = k % 7
         if kind == 0:
             samples.append((key, {"jpg": picture, "json": conversation("<image>\nWhat is shown?", "A test card.")}))
         elif kind in (1, 2, 3):
@@ -95,6 +95,26 @@ def mixed_samples(n: int, seed: int = 0, image: bytes | None = None) -> list[tup
             frames = {f"{i}.jpg": jpeg(frame_picture(i, 160, 96)) for i in range(4 * seconds)}
             samples.append((key, {**frames, "json": conversation("<video>\nWhat changes?", "The colour.",
                                                                   frames={"fps": 4})}))
-        else:
+        elif kind == 5:
             samples.append((key, {"json": conversation("Say hi.", "Hi " * int(rng.integers(2, 40)))}))
+        else:
+            video = encode_video("mp4", frames=12 * seconds, rate=12, width=160, height=96)
+            samples.append((key, {"jpg": picture, "mp4": video,
+                                  "json": conversation("<image>\nFirst this.\n<video>\nThen?", "A bar moves.")}))
     return samples
+
+
+def indexed_videos(root: Path, template_preset: str, image_policy: dict, video_policy: dict, samples: int = 12,
+                   seed: int = 0, verify: str = "decode"):
+    """`mixed_samples` in one shard, indexed with these conventions. Returns (index, tokenizer, IndexResult)."""
+    from packfeed.server.index.chat import PRESETS
+    from packfeed.server.index.indexer import IndexConfig, build_index
+    from packfeed.server.tools.demo import train_tokenizer
+
+    template = PRESETS[template_preset]
+    root.mkdir(parents=True, exist_ok=True)
+    shard = write_shard(root / "videos.tar", mixed_samples(samples, seed))
+    tokenizer = train_tokenizer(root / "tokenizer.json", vocab_size=400, special_tokens=template.special_tokens)
+    config = IndexConfig(str(tokenizer), image_policy, template.to_dict(), video_policy, verify_images=verify)
+    result = build_index([str(shard)], root / "index.parquet", config, workers=1, progress=False)
+    return root / "index.parquet", tokenizer, result

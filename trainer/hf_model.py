@@ -59,7 +59,10 @@ def hf_config(family: str, conventions: Any, sizes: dict[str, Any] | None = None
     quarter = head_dim // 2 // 4  # M-RoPE sections (temporal, height, width) over half the head dimension
     sections = [head_dim // 2 - 2 * quarter, quarter, quarter]
     vision_common = {"depth": DEFAULT_VISION["num_hidden_layers"], "num_heads": DEFAULT_VISION["num_attention_heads"],
-                     "patch_size": patch, "spatial_merge_size": merge, "temporal_patch_size": 2}
+                     "patch_size": patch, "spatial_merge_size": merge,
+                     "temporal_patch_size": policy.temporal_patch_size or 2}
+    if conventions.HasField("video_context_id"):  # the dataset's video placeholder (Qwen's <|video_pad|>)
+        sizes = {**sizes, "video_token_id": conventions.video_context_id}
     if family == "qwen2_vl":
         vision_config = _merge({**vision_common, "embed_dim": DEFAULT_VISION["hidden_size"],
                                 "hidden_size": text_config["hidden_size"], "mlp_ratio": 2}, vision)
@@ -70,8 +73,8 @@ def hf_config(family: str, conventions: Any, sizes: dict[str, Any] | None = None
                      "intermediate_size": DEFAULT_VISION["intermediate_size"],
                      "out_hidden_size": text_config["hidden_size"]}
     if family == "qwen2_5_vl":
-        vision_config = _merge({**vision_config, "fullatt_block_indexes": [0], "window_size": patch * merge * 2},
-                               vision)
+        vision_config = _merge({**vision_config, "fullatt_block_indexes": [0], "window_size": patch * merge * 2,
+                                "tokens_per_second": 2}, vision)  # as the released checkpoints (and the client)
         text_config = _merge(text_config, {"rope_scaling": {"type": "mrope", "mrope_section": sections}})
         return tf.Qwen2_5_VLConfig(vision_config=vision_config, text_config=text_config, image_token_id=image_token,
                                    **sizes)

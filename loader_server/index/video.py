@@ -138,7 +138,7 @@ def probe_video(data: bytes, decode: bool = True) -> VideoInfo:
         if not frames and rate:
             duration = (float(stream.duration * stream.time_base) if stream.duration is not None
                         else (container.duration or 0) / av.time_base)
-            frames = int(duration * rate + 1e-6)
+            frames = int(round(duration * rate))
         width, height = stream.codec_context.width, stream.codec_context.height
         if decode:
             first = next(container.decode(stream), None)

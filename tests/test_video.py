@@ -1,0 +1,253 @@
+"""Video samples with real videos PyAV encodes: frame counts and choices as the model families sample them, seeking
+decode equal to decoding everything, costs in the index, `<video>` placeholders as each family writes them, bad
+videos skipped with their reason, and Qwen-VL video inputs equal to the Hugging Face processor's and model's."""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import pytest
+from PIL import Image
+
+pytest.importorskip("av")
+
+from packfeed.server.index.table import read_index  # noqa: E402
+from packfeed.server.index.video import VideoError, VideoSampling, probe_video, read_frames  # noqa: E402
+from packfeed.server.serve.packs import IndexRows, build_pack  # noqa: E402
+from packfeed.server.serve.preprocess import IMAGE, VIDEO, SampleReader, SampleSkipped  # noqa: E402
+from video_data import (all_frames, conversation, encode_video, indexed_videos, jpeg, frame_picture,  # noqa: E402
+                        write_shard)
+
+INTERNVL = ("internvl", {"name": "internvl", "image_size": 56, "max_num": 4, "tokens_per_tile": 4},
+            {"fps": 0, "min_frames": 1, "max_frames": 3, "sampling": "random"})
+QWEN = ("qwen2vl", {"name": "qwen2vl", "min_pixels": 784, "max_pixels": 784 * 9, "video_min_pixels": 784,
+                    "video_max_pixels": 784 * 4}, {"fps": 2.0, "min_frames": 2, "max_frames": 6})
+
+
+@pytest.mark.parametrize("extension", ["mp4", "webm", "mkv"])
+@pytest.mark.parametrize("sampling", ["uniform", "segment", "random"])
+def test_seeking_decode_gives_the_frames_a_full_decode_gives(extension, sampling):
+    data = encode_video(extension, frames=120, rate=24, gop=24)  # seeks: samples lie more than a GOP apart
+    info = probe_video(data)
+    assert (info.frames, info.rate, info.width, info.height) == (120, 24.0, 192, 128)
+    reference = all_frames(data)
+    indices = VideoSampling(sampling=sampling).frame_indices(info.frames, 7, seed=3, epoch=1, key="k")
+    assert np.all(np.diff(indices) > 0) and indices[-1] < 120
+    for got, index in zip(read_frames(data, info, indices), indices.tolist()):
+        np.testing.assert_array_equal(got, reference[index])
+
+
+def test_frame_counts_and_uniform_choices_match_the_hf_qwen_video_processor():
+    transformers = pytest.importorskip("transformers")
+    from transformers.video_utils import VideoMetadata
+
+    processor = transformers.Qwen2VLVideoProcessor()
+    policy = VideoSampling(fps=2.0, min_frames=4, max_frames=768, sampling="uniform")
+    for total, rate in [(48, 12), (24, 12), (60, 12), (300, 30), (9, 30), (100, 25), (1001, 29.97), (7, 24),
+                        (3000, 60), (77, 7.5)]:
+        expected = processor.sample_frames(metadata=VideoMetadata(total_num_frames=total, fps=rate), fps=2).tolist()
+        count = policy.frame_count(total, rate, multiple=2)
+        assert count == len(expected), (total, rate)
+        assert policy.frame_indices(total, count).tolist() == expected, (total, rate)
+
+
+def test_random_frames_are_a_pure_function_of_seed_epoch_and_key():
+    policy = VideoSampling(sampling="random")
+    first = policy.frame_indices(300, 8, seed=1, epoch=0, key="a")
+    assert policy.frame_indices(300, 8, seed=1, epoch=0, key="a").tolist() == first.tolist()
+    others = [policy.frame_indices(300, 8, seed=s, epoch=e, key=k).tolist()
+              for s, e, k in [(2, 0, "a"), (1, 1, "a"), (1, 0, "b")]]
+    assert all(other != first.tolist() for other in others)
+    segments = np.floor(np.arange(9) * 300 / 8).astype(int)
+    assert np.all((first >= segments[:-1]) & (first < segments[1:]))  # one frame from each segment
+    assert VideoSampling(sampling="segment").frame_indices(10, 2).tolist() == [2, 7]
+
+
+def test_frame_counts_follow_the_policy():
+    policy = VideoSampling(fps=1.0, min_frames=2, max_frames=5)
+    assert policy.frame_count(24 * 3, 24) == 3  # 3 seconds at 1 fps
+    assert policy.frame_count(24, 24) == 2  # min_frames
+    assert policy.frame_count(24 * 60, 24) == 5  # max_frames
+    assert policy.frame_count(1, 24) == 1  # never more than the video has
+    assert policy.frame_count(1, 24, multiple=2) == 0  # too short for a temporal patch
+    assert VideoSampling(fps=0, max_frames=8).frame_count(1000, 30) == 8
+    for bad in ({"fps": -1}, {"min_frames": 0}, {"min_frames": 5, "max_frames": 4}, {"sampling": "every"}):
+        with pytest.raises(ValueError):
+            VideoSampling(**bad)
+
+
+@pytest.fixture(scope="module")
+def internvl_videos(tmp_path_factory):
+    return indexed_videos(tmp_path_factory.mktemp("internvl"), *INTERNVL)
+
+
+@pytest.fixture(scope="module")
+def qwen_videos(tmp_path_factory):
+    return indexed_videos(tmp_path_factory.mktemp("qwen"), *QWEN)
+
+
+def rows_by_key(index) -> dict:
+    return {row["key"]: row for row in read_index(index)[0].to_pylist()}
+
+
+def test_the_index_costs_videos_by_their_sampled_frames(internvl_videos, qwen_videos):
+    internvl, qwen = rows_by_key(internvl_videos[0]), rows_by_key(qwen_videos[0])
+    assert internvl_videos[2].valid == internvl_videos[2].rows == 12
+    for key, row in internvl.items():
+        if row["n_videos"] and not row["n_images"]:
+            assert row["video_sampled"] == [3] and row["vision_units"] == 3 and row["vision_tokens"] == 12
+            assert row["vit_patches"] == 3 * 16 and row["vit_attn_sq"] == 3 * 16 * 16  # three 4x4-patch tiles
+    mp4 = qwen["s00001"]  # 12 fps: 1-6 s, 2 fps -> 2 frames a second, within [2, 6]
+    seconds = mp4["video_frames"][0] / 12
+    frames = min(max(int(seconds * 2) // 2 * 2, 2), 6)
+    assert mp4["video_names"] == ["mp4"] and mp4["video_sampled"] == [frames]
+    # 160x96 frames within 784..3136 px -> 56x28 (smart_resize), 2 merged tokens per temporal patch
+    assert mp4["vision_units"] == mp4["vision_tokens"] == frames // 2 * 2
+    assert mp4["vit_patches"] == frames // 2 * 8
+    sequence = qwen["s00004"]
+    assert sequence["frames_fps"] == 4.0 and sequence["n_images"] == 0 and sequence["video_names"] == ["frames"]
+    assert sequence["video_frames"] == [len(sequence["image_names"])]
+
+
+def test_internvl_writes_frames_as_images_with_frame_prompts(internvl_videos):
+    from tokenizers import Tokenizer
+
+    index, tokenizer_path, _ = internvl_videos
+    rows = IndexRows(index)
+    reader = SampleReader(rows.info, tokenizer_path)
+    sample = reader.load(rows.row(1), seed=0, epoch=0)
+    tokenizer = Tokenizer.from_file(str(tokenizer_path))
+    text = tokenizer.decode(sample.input_ids.tolist(), skip_special_tokens=False)
+    run = "<img>" + "<IMG_CONTEXT>" * 4 + "</img>"
+    assert f"<|im_start|>user\nFrame1: {run}\nFrame2: {run}\nFrame3: {run}\nWhat moves?<|im_end|>" in text
+    assert sample.kinds == [VIDEO] * 3 and sample.tiles_per_image == [1, 1, 1] and sample.image_tokens == [4] * 3
+    assert all(tile.shape == (3, 56, 56) for tile in sample.tiles)
+
+
+def test_served_frames_are_the_sampled_frames_resized(internvl_videos):
+    """The tiles are the frames (seed, epoch, key) choose, resized exactly as Pillow's bicubic; another epoch draws
+    other frames."""
+    from packfeed.server.index.shards import iter_samples
+
+    index, tokenizer, _ = internvl_videos
+    rows = IndexRows(index)
+    reader = SampleReader(rows.info, tokenizer)
+    row = rows.row(2)  # a webm
+    data = next(raw for raw in iter_samples(row["shard"]) if raw.key == row["key"]).video_members()[0].data
+    reference = all_frames(data)
+    policy = VideoSampling(**rows.info.video_policy)
+    for epoch in (0, 1):
+        indices = policy.frame_indices(row["video_frames"][0], 3, seed=7, epoch=epoch, key=row["key"])
+        tiles = reader.load(row, seed=7, epoch=epoch).tiles
+        for tile, index in zip(tiles, indices.tolist()):
+            expected = np.asarray(Image.fromarray(reference[index]).resize((56, 56), Image.BICUBIC))
+            np.testing.assert_array_equal(tile.transpose(1, 2, 0), expected)
+    assert [t.tobytes() for t in reader.load(row, 7, 0).tiles] != [t.tobytes() for t in reader.load(row, 7, 1).tiles]
+    assert [t.tobytes() for t in reader.load(row, 7, 0).tiles] == [t.tobytes() for t in reader.load(row, 7, 0).tiles]
+
+
+def test_qwen_writes_one_run_of_video_tokens_and_a_pack_carries_kinds(qwen_videos):
+    from tokenizers import Tokenizer
+
+    index, tokenizer_path, _ = qwen_videos
+    rows = IndexRows(index)
+    reader = SampleReader(rows.info, tokenizer_path)
+    tokenizer = Tokenizer.from_file(str(tokenizer_path))
+    row = rows.row(1)
+    sample = reader.load(row)
+    start, count = sample.image_starts[0], sample.image_tokens[0]
+    names = [tokenizer.id_to_token(int(i)) for i in sample.input_ids[start - 1:start + count + 1]]
+    assert names == ["<|vision_start|>"] + ["<|video_pad|>"] * count + ["<|vision_end|>"]
+    assert sample.tiles_per_image == row["video_sampled"] and len(sample.tiles) == row["video_sampled"][0]
+    assert sample.frame_seconds == [pytest.approx(row["video_frames"][0] / 12 / row["video_sampled"][0])]
+    pack = build_pack([(rows, reader, "")], np.arange(6), np.zeros(6, np.int32), np.zeros(6, np.int32), 0, 0, 0, 0)
+    assert pack.tensors["visual_kind"].tolist() == [IMAGE, VIDEO, VIDEO, VIDEO, VIDEO]
+    assert pack.tensors["frame_seconds"][0] == 0 and (pack.tensors["frame_seconds"][1:] > 0).all()
+    assert len(pack.tensors["tile_image"]) == 1 + sum(rows.row(i)["video_sampled"][0] for i in range(1, 5))
+
+
+def bad_video_samples() -> list[tuple[str, dict[str, bytes]]]:
+    good = encode_video("mkv", frames=48, rate=12, width=64, height=64)
+    mp4 = encode_video("mp4", frames=24, rate=12, width=64, height=64)
+    ask = conversation("<video>\nWhat moves?", "A bar.")
+    frames = {f"{i}.jpg": jpeg(frame_picture(i, 64, 64 if i else 48)) for i in range(4)}
+    return [
+        ("garbage", {"mp4": b"\x00\x00\x00\x18ftypmp42" + bytes(500), "json": ask}),
+        ("truncated-mp4", {"mp4": mp4[:len(mp4) // 2], "json": ask}),
+        ("two-tags", {"mkv": good, "json": conversation("<video><video> twice?", "No.")}),
+        ("mixed-sizes", {**frames, "json": conversation("<video>\nWhat?", "Frames.", frames={"fps": 2})}),
+        ("bad-fps", {**frames, "json": conversation("<video>\nWhat?", "Frames.", frames={"fps": "fast"})}),
+        ("short", {"mkv": encode_video("mkv", frames=1, rate=12, width=64, height=64), "json": ask}),
+        ("late-end", {"mkv": good[:len(good) * 2 // 3], "json": ask}),
+        ("fine", {"mkv": good, "json": ask}),
+    ]
+
+
+def test_bad_videos_are_invalid_or_skipped_with_their_reason(tmp_path):
+    from packfeed.server.index.chat import PRESETS
+    from packfeed.server.index.indexer import IndexConfig, build_index
+    from packfeed.server.tools.demo import train_tokenizer
+
+    shard = write_shard(tmp_path / "bad.tar", bad_video_samples())
+    tokenizer = train_tokenizer(tmp_path / "tokenizer.json", vocab_size=400,
+                                special_tokens=PRESETS["qwen2vl"].special_tokens)
+    config = IndexConfig(str(tokenizer), QWEN[1], PRESETS["qwen2vl"].to_dict(), {"fps": 0, "max_frames": 4},
+                         verify_images="header")
+    build_index([str(shard)], tmp_path / "index.parquet", config, workers=1, progress=False)
+    rows = rows_by_key(tmp_path / "index.parquet")
+    reasons = {key: row["reason"] for key, row in rows.items()}
+    assert reasons["garbage"].startswith("undecodable video")
+    assert reasons["truncated-mp4"].startswith("undecodable video")
+    assert reasons["two-tags"] == "video tag mismatch: 2 <video> tags for 1 videos"
+    assert reasons["mixed-sizes"].startswith("frame sequence: frames differ in size (64x48, 64x64)")
+    assert reasons["bad-fps"].startswith('invalid json: "frames" must be')
+    assert reasons["short"].startswith("video too short: 1 frames")
+    assert reasons["late-end"] is None and reasons["fine"] is None  # the header alone looks whole
+    # Served: the cut-off video is skipped with the reason, the good one next to it is not.
+    mapped = IndexRows(tmp_path / "index.parquet")
+    reader = SampleReader(mapped.info, tokenizer)
+    ids = [k for k in range(mapped.table.num_rows) if mapped.row(k)["key"] in ("late-end", "fine")]
+    pack = build_pack([(mapped, reader, "")], np.array(ids), np.zeros(2, np.int32), np.zeros(2, np.int32), 0, 0, 0, 0)
+    assert pack.sample_keys == ["fine"]
+    assert len(pack.skipped) == 1 and pack.skipped[0][0] == "late-end"
+    assert pack.skipped[0][1].startswith("undecodable video: ends at frame") and "late-end.mkv" in pack.skipped[0][1]
+
+
+def test_pixels_encoded_skips_videos_with_the_reason(qwen_videos):
+    index, tokenizer, _ = qwen_videos
+    rows = IndexRows(index)
+    reader = SampleReader(rows.info, tokenizer, pixels="encoded")
+    assert reader.load(rows.row(0)).encoded  # an image still travels as its file
+    with pytest.raises(SampleSkipped, match="pixels: encoded sends image files only"):
+        reader.load(rows.row(1))
+
+
+def test_a_changed_video_is_detected_by_its_checksum(tmp_path):
+    from packfeed.server.index.chat import PRESETS
+    from packfeed.server.index.indexer import IndexConfig, build_index
+    from packfeed.server.tools.demo import train_tokenizer
+
+    video = encode_video("mkv", frames=24, rate=12, width=64, height=64)
+    shard = write_shard(tmp_path / "a.tar", [("v", {"mkv": video, "json": conversation("<video>\nWhat?", "A bar.")})])
+    tokenizer = train_tokenizer(tmp_path / "tokenizer.json", vocab_size=400,
+                                special_tokens=PRESETS["internvl"].special_tokens)
+    config = IndexConfig(str(tokenizer), INTERNVL[1], PRESETS["internvl"].to_dict(), INTERNVL[2])
+    build_index([str(shard)], tmp_path / "index.parquet", config, workers=1, progress=False)
+    changed = bytearray(video)
+    changed[len(changed) // 2] ^= 0xFF
+    write_shard(shard, [("v", {"mkv": bytes(changed), "json": conversation("<video>\nWhat?", "A bar.")})])
+    rows = IndexRows(tmp_path / "index.parquet")
+    with pytest.raises(SampleSkipped, match="shard changed: v.mkv differs from the indexed content"):
+        SampleReader(rows.info, tokenizer).load(rows.row(0))
+
+
+def test_probe_refuses_what_is_not_a_video():
+    with pytest.raises(VideoError, match="undecodable video"):
+        probe_video(jpeg(frame_picture(0, 32, 32)))
+    with pytest.raises(VideoError, match="undecodable video"):
+        probe_video(b"")
+    out = io.BytesIO()
+    Image.new("RGB", (8, 8)).save(out, "PNG")
+    with pytest.raises(VideoError):
+        probe_video(out.getvalue())
