@@ -214,8 +214,14 @@ def test_bad_videos_are_invalid_or_skipped_with_their_reason(tmp_path):
     assert pack.skipped[0][1].startswith("undecodable video: ends at frame") and "late-end.mkv" in pack.skipped[0][1]
 
 
-def test_pixels_encoded_skips_videos_with_the_reason(qwen_videos):
+def test_pixels_encoded_refuses_a_dataset_with_videos_and_skips_any_with_the_reason(qwen_videos):
+    from packfeed.server.serve.config import dataset_source
+    from packfeed.server.serve.jobs import Dataset
+
     index, tokenizer, _ = qwen_videos
+    with pytest.raises(ValueError, match="dataset v: 9 samples hold videos, which pixels: encoded cannot carry"):
+        Dataset.open("v", dataset_source(index, tokenizer, pixels="encoded"))
+    assert Dataset.open("v", dataset_source(index, tokenizer, pixels="exact")).info.fingerprint
     rows = IndexRows(index)
     reader = SampleReader(rows.info, tokenizer, pixels="encoded")
     assert reader.load(rows.row(0)).encoded  # an image still travels as its file
@@ -251,3 +257,56 @@ def test_probe_refuses_what_is_not_a_video():
     Image.new("RGB", (8, 8)).save(out, "PNG")
     with pytest.raises(VideoError):
         probe_video(out.getvalue())
+
+
+@pytest.mark.slow
+def test_a_video_dataset_served_over_grpc_delivers_every_sample_once_and_the_same_frames_on_two_servers(
+        internvl_videos):
+    """Real servers, real clients: each epoch every sample once; two servers send byte-identical packs (random
+    frames come from seed, epoch and key, not from the process); the next epoch draws other frames."""
+    import torch
+
+    from packfeed.client import LocalServer, PackStream
+    from packfeed.client.hf import to_hf_inputs
+
+    index, _, _ = internvl_videos
+
+    def epochs(target: str) -> dict[tuple[int, int], list]:
+        received = {}
+        for rank in range(2):
+            with PackStream(target, job="video", rank=rank, dp=2, microbatches=2, seed=5, epochs=2) as stream:
+                for step in stream:
+                    for pack in step.packs:
+                        received.setdefault((step.epoch, rank), []).append(
+                            (pack.sample_keys, {name: t.clone() for name, t in pack.tensors.items()}))
+                        if not pack.empty:
+                            to_hf_inputs(pack, "internvl", dp=2, conventions=stream.conventions)
+        return received
+
+    with LocalServer(index, workers=2) as one, LocalServer(index, workers=1) as two:
+        first, second = epochs(one.target), epochs(two.target)
+    for epoch in (0, 1):
+        keys = [key for rank in range(2) for keys, _ in first[(epoch, rank)] for key in keys]
+        assert sorted(keys) == [f"s{k:05d}" for k in range(12)]
+    for position in first:
+        for (keys, tensors), (same_keys, same) in zip(first[position], second[position]):
+            assert keys == same_keys and all(torch.equal(tensors[n], same[n]) for n in tensors)
+
+    def video_pixels(epoch: int) -> dict[str, bytes]:
+        out = {}
+        for rank in range(2):
+            for keys, tensors in first[(epoch, rank)]:
+                kinds, tile_item = tensors["visual_kind"].tolist(), tensors["tile_image"].tolist()
+                samples = tensors["image_sample"].tolist()
+                shapes = tensors["tile_shapes"].tolist()
+                offset = 0
+                for (c, h, w), item in zip(shapes, tile_item):
+                    if kinds[item] == 1:
+                        key = keys[samples[item]]
+                        out[key] = out.get(key, b"") + tensors["pixels"][offset:offset + c * h * w].numpy().tobytes()
+                    offset += c * h * w
+        return out
+
+    zero, one_ = video_pixels(0), video_pixels(1)
+    assert zero.keys() == one_.keys() and len(zero) == 9
+    assert sum(zero[key] != one_[key] for key in zero) >= 7  # other frames drawn (a short video may repeat)

@@ -163,7 +163,7 @@ class FrameReader:
     def __init__(self, data: bytes, info: VideoInfo):
         self.container = _open(data)
         self.stream = self.container.streams.video[0]
-        self.stream.thread_type = "SLICE"  # one worker is one core: no frame threads, and no reordering delay
+        self.stream.codec_context.thread_count = 1  # one worker is one core (FFmpeg would start a thread per core)
         self.info = info
         base = self.stream.time_base or Fraction(1, 1_000_000)
         self.ticks_per_frame = 1 / (float(base) * info.rate)

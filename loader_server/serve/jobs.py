@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass, field
 
 import numpy as np
+import pyarrow.compute as pc
 
 from packfeed.server.index.image_policy import policy_from_dict
 from packfeed.server.index.storage import ObjectError, is_object_url, missing_objects, relocate
@@ -225,7 +226,19 @@ class Dataset:
             raise ValueError(f"dataset {name}: {source.index} was imported from length files and has no shards "
                              "to serve; index the WebDataset shards with `packfeed index`")
         check_shards_reachable(name, info, source)
-        return cls(name, source, loads, info, IndexRows(source.index), conventions_of(info, source.tokenizer))
+        rows = IndexRows(source.index)
+        check_pixels_carry_videos(name, rows, source.pixels)
+        return cls(name, source, loads, info, rows, conventions_of(info, source.tokenizer))
+
+
+def check_pixels_carry_videos(name: str, rows: IndexRows, pixels: str) -> None:
+    """`pixels: encoded` sends image files for the client to decode; videos are decoded on the server only."""
+    if pixels != "encoded":
+        return
+    videos = int(pc.sum(pc.greater(rows.table.column("n_videos"), 0)).as_py() or 0)
+    if videos:
+        raise ValueError(f"dataset {name}: {videos} samples hold videos, which pixels: encoded cannot carry (it sends "
+                         f"image files); serve this dataset with pixels: exact or fast")
 
 
 def check_shards_reachable(name: str, info: IndexInfo, source: DatasetSource) -> None:
