@@ -12,6 +12,7 @@ JSON says `"frames": {"fps": F}` (F frames per second of the original; 1 when le
 
 from __future__ import annotations
 
+import bisect
 import io
 import math
 from dataclasses import asdict, dataclass
@@ -155,10 +156,9 @@ def probe_video(data: bytes, decode: bool = True) -> VideoInfo:
 
 
 class FrameReader:
-    """Decodes chosen frames of one video file, seeking to the keyframe before each one that lies further ahead
-    than `SEEK_AHEAD` frames instead of decoding everything in between."""
-
-    SEEK_AHEAD = 16  # decoding on through this many frames is cheaper than a seek and a new GOP
+    """Decodes chosen frames of one video file. The container's packets are scanned first (no decoding) for its
+    keyframes; a frame is then reached by decoding on from where the reader is, unless a keyframe lies between
+    the two: then the reader seeks to the keyframe before the frame, skipping whole groups of pictures."""
 
     def __init__(self, data: bytes, info: VideoInfo):
         self.container = _open(data)
@@ -168,12 +168,28 @@ class FrameReader:
         base = self.stream.time_base or Fraction(1, 1_000_000)
         self.ticks_per_frame = 1 / (float(base) * info.rate)
         self.start = self.stream.start_time or 0
+        self.keyframes = self._keyframes()
         self.position = -1  # index of the last frame decoded
         self._frames = None
 
+    def _keyframes(self) -> list[int]:
+        """Frame indices of the keyframes, from the packets alone (ascending; [0] when the container marks none)."""
+        found = {self._index_of_pts(packet.pts) for packet in self.container.demux(self.stream)
+                 if packet.is_keyframe and packet.pts is not None}
+        return sorted(found) or [0]
+
+    def _index_of_pts(self, pts: int) -> int:
+        return int(round((pts - self.start) / self.ticks_per_frame))
+
     def _index_of(self, frame) -> int:
         pts = frame.pts if frame.pts is not None else frame.dts
-        return self.position + 1 if pts is None else int(round((pts - self.start) / self.ticks_per_frame))
+        return self.position + 1 if pts is None else self._index_of_pts(pts)
+
+    def _must_seek(self, target: int) -> bool:
+        if self._frames is None or target <= self.position - 1:
+            return True
+        keyframe = self.keyframes[max(0, bisect.bisect_right(self.keyframes, target) - 1)]
+        return keyframe > self.position + 1  # decoding on would decode a whole group of pictures for nothing
 
     def frames(self, indices: np.ndarray) -> list[np.ndarray]:
         """uint8 (H, W, 3) RGB of each frame in `indices` (ascending)."""
@@ -183,7 +199,7 @@ class FrameReader:
         last = None
         try:
             for target in indices.tolist():
-                if self._frames is None or target - self.position > self.SEEK_AHEAD or target <= self.position - 1:
+                if self._must_seek(target):
                     self.container.seek(self.start + int(target * self.ticks_per_frame), stream=self.stream,
                                         backward=True, any_frame=False)
                     self._frames = self.container.decode(self.stream)
