@@ -123,3 +123,45 @@ def test_video_frames_per_second_per_core():
             print(f"[video] {name} | {width}x{height} | {seconds} | {gop} | {preset} | {count} | {count / fast:.1f} | "
                   f"{count / slow:.1f} | {slow / fast:.2f}x | {same}")
             assert same
+
+
+def mixed_loads(real_index, policy: VideoSampling, videos: int, seed: int = 0):
+    """The real InternVL-1.2M image samples' loads plus `videos` video samples costed as the indexer costs them
+    (InternVL tiles at 448 px: one tile and 256 tokens a frame, plus the `FrameN: ` prompt's tokens). Durations
+    are log-normal, median 30 s (2 s to 10 min), at 30 fps; each video's question and answer take the text
+    length of a real sample drawn at random."""
+    from packfeed.server.plan.costs import SampleLoads, load_sample_loads
+
+    images, _ = load_sample_loads(real_index)
+    rng = np.random.default_rng(seed)
+    seconds = np.clip(rng.lognormal(np.log(30), 1.0, videos), 2, 600)
+    tiling = InternVLTiling()
+    frames = np.array([policy.frame_count(int(s * 30), 30.0, tiling.temporal_patch) for s in seconds])
+    valid_images = np.flatnonzero(images.valid)
+    text = (images.tokens - images.vision * tiling.tokens_per_tile)[rng.choice(valid_images, videos)]
+    prompt = 5  # "FrameN: " and the newline between frames, in a Qwen2/InternLM2-size vocabulary
+    video_tokens = frames * (tiling.tokens_per_tile + prompt) + np.maximum(text, 8)
+    vision = np.concatenate([images.vision, frames]).astype(np.int32)
+    tokens = np.concatenate([images.tokens, video_tokens]).astype(np.int32)
+    valid = np.concatenate([images.valid, np.ones(videos, bool)])
+    return SampleLoads.from_arrays(vision, tokens, valid), frames
+
+
+def test_balance_on_a_mixed_image_and_video_dataset(real_index):
+    from packfeed.server.plan.planner import make_plan
+    from packfeed.v1.options import PlanConfig, Strategy
+
+    print("\n[video-balance] videos | frames per video (min/median/max) | strategy | caps | packs | steps | Pad | "
+          "ViT Dist | LLM Dist (DP 8, automatic caps; mean over seeds 0-2)")
+    for label, policy in (("InternVL preset: 16 frames", PRESETS["internvl"][1]),
+                          ("1 fps, 4-32 frames", VideoSampling(fps=1.0, min_frames=4, max_frames=32))):
+        for videos in (0, 10_000):
+            loads, frames = mixed_loads(real_index, policy, videos)
+            spread = (f"{frames.min()}/{int(np.median(frames))}/{frames.max()}" if videos else "-")
+            for strategy in Strategy:
+                runs = [make_plan(loads, PlanConfig(dp=8, strategy=strategy), seed, 0) for seed in range(3)]
+                s = [r.summary(loads) for r in runs]
+                mean = {k: sum(x[k] for x in s) / len(s) for k in ("vit_dist", "llm_dist", "pad_ratio")}
+                caps = f"{runs[0].caps.vision_cap}/{runs[0].caps.token_cap}" if runs[0].caps else "-"
+                print(f"[video-balance] {label} | {videos} | {spread} | {strategy} | {caps} | {s[0]['packs']} | "
+                      f"{s[0]['steps']} | {mean['pad_ratio']:.3f} | {mean['vit_dist']:.5f} | {mean['llm_dist']:.5f}")
