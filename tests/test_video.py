@@ -310,3 +310,52 @@ def test_a_video_dataset_served_over_grpc_delivers_every_sample_once_and_the_sam
     zero, one_ = video_pixels(0), video_pixels(1)
     assert zero.keys() == one_.keys() and len(zero) == 9
     assert sum(zero[key] != one_[key] for key in zero) >= 7  # other frames drawn (a short video may repeat)
+
+
+def test_video_policy_comes_from_the_preset_then_the_file_then_flags(tmp_path):
+    from test_conventions import cli_args
+
+    from packfeed.server.index.conventions import video_policy_of
+
+    assert video_policy_of(cli_args()) == VideoSampling().to_dict()
+    assert video_policy_of(cli_args("--preset", "internvl3")) == {"fps": 0.0, "min_frames": 1, "max_frames": 16,
+                                                                  "sampling": "random"}
+    path = tmp_path / "conventions.yaml"
+    path.write_text("video_policy: {fps: 1, max_frames: 64}\n")
+    assert video_policy_of(cli_args("--preset", "qwen2_vl", "--conventions", str(path), "--min-frames", "8",
+                                    "--frame-sampling", "segment")) == {"fps": 1.0, "min_frames": 8, "max_frames": 64,
+                                                                        "sampling": "segment"}
+    with pytest.raises(ValueError, match="min_frames"):
+        video_policy_of(cli_args("--min-frames", "40", "--max-frames", "8"))
+    path.write_text("video_policy: {fps: 1, frames_per_clip: 3}\n")
+    with pytest.raises(ValueError, match="unknown video policy field"):
+        video_policy_of(cli_args("--conventions", str(path)))
+
+
+def test_packfeed_index_and_info_on_videos_from_the_command_line(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    from packfeed.server.index.chat import PRESETS
+    from packfeed.server.tools.demo import train_tokenizer
+
+    shard = write_shard(tmp_path / "v.tar", [("a", {"mp4": encode_video("mp4", frames=60, rate=12, width=64,
+                                                                                   height=64),
+                                                    "json": conversation("<video>\nWhat?", "A bar.")})])
+    tokenizer = train_tokenizer(tmp_path / "tokenizer.json", vocab_size=400,
+                                special_tokens=PRESETS["qwen2vl"].special_tokens)
+    cli = [sys.executable, "-m", "packfeed.server.cli"]
+    done = subprocess.run([*cli, "index", str(shard), "--tokenizer", str(tokenizer), "--out",
+                           str(tmp_path / "index.parquet"), "--preset", "qwen2_vl", "--video-fps", "1",
+                           "--max-frames", "4", "--video-min-pixels", "3136", "--workers", "1"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    row = read_index(tmp_path / "index.parquet")[0].to_pylist()[0]
+    assert row["valid"] and row["video_sampled"] == [4]  # 5 s at 1 fps, at most 4
+    assert row["vision_tokens"] == 2 * 4  # 2 temporal patches of 56x56 px frames: 2 x 2 merged tokens each
+    shown = subprocess.run([*cli, "info", str(tmp_path / "index.parquet"), "--json"], capture_output=True, text=True,
+                           timeout=60)
+    info = json.loads(shown.stdout)
+    assert info["conventions"]["video_policy"] == {"fps": 1.0, "min_frames": 4, "max_frames": 4, "sampling": "uniform"}
+    assert info["distributions"]["videos_per_sample"]["max"] == 1

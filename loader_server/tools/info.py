@@ -16,7 +16,7 @@ import numpy as np
 
 from packfeed.server.index.table import read_index, reason_category
 
-INDEX_COLUMNS = ["valid", "reason", "n_images", "vision_units", "llm_tokens", "loss_tokens", "shard"]
+INDEX_COLUMNS = ["valid", "reason", "n_images", "n_videos", "vision_units", "llm_tokens", "loss_tokens", "shard"]
 
 
 def describe(values: np.ndarray) -> dict[str, float]:
@@ -37,12 +37,14 @@ def index_info(path: str | Path) -> dict[str, Any]:
     distributions = {name: describe(column[name][valid].astype(np.int64))
                      for name in ("vision_units", "llm_tokens", "loss_tokens")}
     if info.has_shards:
-        distributions = {"images_per_sample": describe(column["n_images"][valid].astype(np.int64)), **distributions}
+        distributions = {"images_per_sample": describe(column["n_images"][valid].astype(np.int64)),
+                         "videos_per_sample": describe(column["n_videos"][valid].astype(np.int64)), **distributions}
     return {"kind": "index", "path": str(path), "fingerprint": info.fingerprint, "source": info.source,
             "samples": int(len(valid)), "valid": int(valid.sum()), "invalid": int((~valid).sum()),
             "invalid_by_reason": dict(sorted(reasons.items())), "shards": len(info.inputs),
             "shard_errors": info.skipped_shards or [], "distributions": distributions,
-            "conventions": {"image_policy": info.image_policy, "chat_template": info.chat_template,
+            "conventions": {"image_policy": info.image_policy, "video_policy": info.video_policy,
+                            "chat_template": info.chat_template,
                             "tokenizer": (info.tokenizer or {}).get("path")}}
 
 
@@ -130,4 +132,7 @@ def format_info(data: dict[str, Any], indent: str = "") -> str:
         policy = dict(data["conventions"]["image_policy"])
         settings = ", ".join(f"{k} {v}" for k, v in policy.items() if k != "name")
         lines.append(f"{indent}image policy {policy.get('name')} ({settings}); tokenizer {data['conventions']['tokenizer']}")
+        if data["conventions"].get("video_policy") and data["distributions"].get("videos_per_sample", {}).get("max"):
+            video = ", ".join(f"{k} {v}" for k, v in data["conventions"]["video_policy"].items())
+            lines.append(f"{indent}video policy ({video})")
     return "\n".join(lines)
