@@ -32,6 +32,17 @@ def summed(results) -> tuple[float, dict[str, torch.Tensor]]:
     return total, grads
 
 
+def assert_packed_equals_alone(model, name: str, packs, alone, **kwargs) -> tuple[float, dict[str, torch.Tensor]]:
+    """Packed loss and gradients (summed over `packs`) equal the samples' run alone (`alone`); returns them."""
+    packed = summed(loss_and_grads(model, to_hf_inputs(p, name, **kwargs)) for p in packs)
+    reference = summed(loss_and_grads(model, to_hf_inputs(p, name, **kwargs)) for p in alone)
+    assert packed[0] == pytest.approx(reference[0], rel=1e-5, abs=1e-6)
+    assert packed[1].keys() == reference[1].keys()
+    for key in reference[1]:
+        torch.testing.assert_close(packed[1][key], reference[1][key], rtol=1e-4, atol=1e-5, msg=key)
+    return packed
+
+
 @pytest.fixture(scope="module", params=sorted(CONVENTIONS))
 def family(request, tmp_path_factory):
     data = family_dataset(tmp_path_factory.mktemp(request.param), request.param)
@@ -45,13 +56,7 @@ def test_packed_loss_and_gradients_equal_each_sample_alone(family):
         alone = packs_of(data, [[i] for group in groups for i in group])
         for single in alone:
             single.step_loss_tokens = packs[0].step_loss_tokens  # the same normalisation: the step's tokens
-        kwargs = dict(image_token_id=data.image_token_id)
-        packed = summed(loss_and_grads(model, to_hf_inputs(p, name, **kwargs)) for p in packs)
-        reference = summed(loss_and_grads(model, to_hf_inputs(p, name, **kwargs)) for p in alone)
-        assert packed[0] == pytest.approx(reference[0], rel=1e-5, abs=1e-6)
-        assert packed[1].keys() == reference[1].keys()
-        for key in reference[1]:
-            torch.testing.assert_close(packed[1][key], reference[1][key], rtol=1e-4, atol=1e-5, msg=key)
+        packed = assert_packed_equals_alone(model, name, packs, alone, image_token_id=data.image_token_id)
         vision = [g for k, g in packed[1].items() if "vision" in k or "visual" in k]
         assert bool(vision) == (groups is GROUPS)
         assert groups is not GROUPS or any(g.abs().sum() > 0 for g in vision)  # the vision tower trains too
