@@ -359,3 +359,46 @@ def test_packfeed_index_and_info_on_videos_from_the_command_line(tmp_path):
     info = json.loads(shown.stdout)
     assert info["conventions"]["video_policy"] == {"fps": 1.0, "min_frames": 4, "max_frames": 4, "sampling": "uniform"}
     assert info["distributions"]["videos_per_sample"]["max"] == 1
+
+
+def test_packfeed_convert_takes_videos_from_llava_and_sharegpt_annotations(tmp_path):
+    import json
+    import subprocess
+    import sys
+    import tarfile
+
+    (tmp_path / "clips").mkdir()
+    (tmp_path / "clips" / "a.mp4").write_bytes(encode_video("mp4", frames=24, rate=12, width=64, height=64))
+    (tmp_path / "clips" / "b.webm").write_bytes(encode_video("webm", frames=24, rate=12, width=64, height=64))
+    (tmp_path / "clips" / "broken.mkv").write_bytes(b"\x1aE\xdf\xa3" + bytes(300))
+    (tmp_path / "clips" / "c.gif").write_bytes(encode_video("mkv", frames=24, rate=12, width=64, height=64))
+    ask = [{"from": "human", "value": "<video>\nWhat moves?"}, {"from": "gpt", "value": "A bar."}]
+    rows = [{"id": "a", "video": "clips/a.mp4", "conversations": ask},
+            {"id": "b", "videos": ["clips/b.webm"], "conversations": ask},
+            {"id": "missing", "video": "clips/none.mp4", "conversations": ask},
+            {"id": "broken", "video": "clips/broken.mkv", "conversations": ask},
+            {"id": "no-video", "conversations": ask},
+            {"id": "odd-name", "video": "clips/c.gif", "conversations": ask}]
+    (tmp_path / "data.json").write_text(json.dumps(rows))
+    chat = [{"id": "m", "videos": ["clips/a.mp4"], "messages": [
+        {"role": "user", "content": [{"type": "video"}, {"type": "text", "text": "What moves?"}]},
+        {"role": "assistant", "content": "A bar."}]}]
+    (tmp_path / "chat.json").write_text(json.dumps(chat))
+    cli = [sys.executable, "-m", "packfeed.server.cli", "convert"]
+    for source, out in (("llava", "data.json"), ("sharegpt", "chat.json")):
+        done = subprocess.run([*cli, source, str(tmp_path / out), "--out", str(tmp_path / source), "--image-root",
+                               str(tmp_path), "--quiet"], capture_output=True, text=True, timeout=120)
+        assert done.returncode in (0, 3), done.stderr
+    report = json.loads((tmp_path / "llava" / "convert-report.json").read_text())
+    reasons = {row["id"]: row["reason"] for row in report["rejected_rows"]}
+    assert reasons["missing"] == "missing video: clips/none.mp4"
+    assert reasons["broken"].startswith("undecodable video") and "broken.mkv" in reasons["broken"]
+    assert reasons["no-video"].startswith("bad conversation: video tag mismatch: 1 <video> tags for 0 videos")
+    assert reasons["odd-name"].startswith("unsupported video: clips/c.gif")
+    members = {}
+    for name in ("llava", "sharegpt"):
+        for shard in (tmp_path / name).glob("shard-*.tar"):
+            with tarfile.open(shard) as tar:
+                members.update({m.name: tar.extractfile(m).read() for m in tar})
+    assert members["a.mp4"] == (tmp_path / "clips" / "a.mp4").read_bytes() and "b.webm" in members
+    assert json.loads(members["m.json"])["conversations"][0]["value"] == "<video>\nWhat moves?"

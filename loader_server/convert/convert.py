@@ -30,6 +30,7 @@ from packfeed.server.convert.sources import FORMATS, SourceImage, SourceRow, nor
 from packfeed.server.index.chat import ConversationError, attach_images, conversation_turns
 from packfeed.server.index.indexer import SampleError, image_size
 from packfeed.server.index.table import describe_error, reason_category
+from packfeed.server.index.video import VIDEO_EXTENSIONS, VideoError, probe_video
 
 Format = Literal["llava", "internvl", "sharegpt", "hf-parquet"]
 REPORT = "convert-report.json"
@@ -103,22 +104,35 @@ class ConvertReport:
 # One row (in a worker)
 
 
-def _image_bytes(image: SourceImage, root: Path) -> bytes:
+def _file_bytes(image: SourceImage, root: Path, kind: str = "image") -> bytes:
+    """The bytes of an image (or video) the source stores or names, relative to the image root."""
     if image.data is not None:
         return image.data
     if not image.path:
-        raise SampleError("missing image: neither bytes nor a path")
+        raise SampleError(f"missing {kind}: neither bytes nor a path")
     path = Path(image.path)
     if not path.is_absolute():
         path = Path(os.path.normpath(root / path))
         if os.path.commonpath([root, path]) != str(root):
-            raise SampleError(f"image outside the image root: {image.path}")
+            raise SampleError(f"{kind} outside the image root: {image.path}")
     try:
         return path.read_bytes()
     except FileNotFoundError:
-        raise SampleError(f"missing image: {image.path}") from None
+        raise SampleError(f"missing {kind}: {image.path}") from None
     except OSError as error:
-        raise SampleError(f"unreadable image: {image.path}: {error.strerror}") from None
+        raise SampleError(f"unreadable {kind}: {image.path}: {error.strerror}") from None
+
+
+def _video_extension(data: bytes, name: str) -> str:
+    """The member extension of a video file (its own, when the server reads it), after checking it decodes."""
+    try:
+        probe_video(data)
+    except VideoError as error:
+        raise SampleError(f"{error} ({name})") from None
+    extension = Path(name).suffix.lower().lstrip(".")
+    if extension not in VIDEO_EXTENSIONS:
+        raise SampleError(f"unsupported video: {name}; the server reads {', '.join(VIDEO_EXTENSIONS)} files")
+    return extension
 
 
 def _extension(data: bytes, name: str) -> str:
@@ -136,13 +150,19 @@ def prepare_row(row: SourceRow, root: Path) -> Prepared:
         if row.error:
             raise SampleError(f"unreadable row: {row.error}")
         turns = normalize_turns(row.turns)
-        attach_images(conversation_turns(turns), len(row.images))  # the shape the indexer will accept
+        attach_images(conversation_turns(turns), len(row.images), len(row.videos))  # as the indexer will accept
         members: list[tuple[str, bytes]] = []
         for k, image in enumerate(row.images):
-            data = _image_bytes(image, root)
+            data = _file_bytes(image, root)
             extension = _extension(data, image.path or f"image {k}")
             members.append((f"{k}.{extension}" if len(row.images) > 1 else extension, data))
+        for k, video in enumerate(row.videos):
+            data = _file_bytes(video, root, "video")
+            extension = _video_extension(data, video.path)
+            members.append((f"{k}.{extension}" if len(row.videos) > 1 else extension, data))
         doc = {"id": row.id, "conversations": turns, "source_images": [image.path for image in row.images]}
+        if row.videos:
+            doc["source_videos"] = [video.path for video in row.videos]
         prepared.members = [("json", json.dumps(doc, ensure_ascii=False).encode()), *members]
     except ConversationError as error:
         prepared.reason = f"bad conversation: {error}"

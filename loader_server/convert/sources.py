@@ -1,9 +1,11 @@
 """Reading the annotation formats VLM teams keep: each yields `SourceRow`s in source order.
 
-- llava:      a JSON list of {id, image | images, conversations: [{from, value}]}
+- llava:      a JSON list of {id, image | images, video | videos, conversations: [{from, value}]} (videos: files
+              `<video>` tags take, as LLaVA-Video and InternVL's video annotations write them)
 - internvl:   JSONL, one such object per line (InternVL's annotation files)
 - sharegpt:   a JSON list or JSONL of {id?, images?, messages: [{role, content}]}, content a string or a list of
-              parts ({"type": "text", "text": ...} / {"type": "image"}); `conversations` of {from, value} too
+              parts ({"type": "text", "text": ...} / {"type": "image"} / {"type": "video"}); `conversations` of
+              {from, value} too
 - hf-parquet: Parquet files as Hugging Face datasets store them: `images: list<struct<bytes, path>>` plus a
               conversation column (`conversations`, `messages`, or the_cauldron's `texts` of {user, assistant})
 
@@ -20,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from packfeed.server.index.chat import IMAGE_TAG, ConversationError
+from packfeed.server.index.chat import IMAGE_TAG, VIDEO_TAG, ConversationError
 
 CONVERSATION_COLUMNS = ("conversations", "messages", "texts")
 
@@ -37,6 +39,7 @@ class SourceRow:
     id: str | None
     turns: Any = None  # the conversation as the source has it; normalized by `normalize_turns`
     images: list[SourceImage] = field(default_factory=list)
+    videos: list[SourceImage] = field(default_factory=list)  # video files, by path
     error: str | None = None
 
 
@@ -66,23 +69,24 @@ def _content_text(content: Any, k: int) -> Any:
     parts = []
     for part in content:
         kind = part.get("type") if isinstance(part, dict) else None
-        if kind == "image":
-            parts.append(IMAGE_TAG)
+        if kind in ("image", "video"):
+            parts.append(IMAGE_TAG if kind == "image" else VIDEO_TAG)
         elif kind == "text" and isinstance(part.get("text"), str):
             parts.append(part["text"])
         else:
-            raise ConversationError(f"turn {k}: content part {part!r:.80} is neither text nor image")
+            raise ConversationError(f"turn {k}: content part {part!r:.80} is neither text, image nor video")
     return "\n".join(parts)
 
 
-def _image_list(entry: dict[str, Any]) -> list[SourceImage] | str:
-    """`image` (one path) or `images` (a list of paths) of an annotation entry; a string error when malformed."""
-    raw = entry.get("images", entry.get("image"))
+def _path_list(entry: dict[str, Any], kind: str) -> list[SourceImage] | str:
+    """`image` (one path) or `images` (a list of paths) of an annotation entry, or `video` / `videos`; a string
+    error when malformed."""
+    raw = entry.get(f"{kind}s", entry.get(kind))
     if raw is None:
         return []
     paths = [raw] if isinstance(raw, str) else raw
     if not isinstance(paths, list) or not all(isinstance(p, str) and p for p in paths):
-        return "image field is neither a path nor a list of paths"
+        return f"{kind} field is neither a path nor a list of paths"
     return [SourceImage(path=p) for p in paths]
 
 
@@ -92,11 +96,12 @@ def _annotation_row(position: int, entry: Any, turns_keys: tuple[str, ...]) -> S
     raw_id = entry.get("id")
     turns = next((entry[key] for key in turns_keys if key in entry), None)
     row = SourceRow(position, None if raw_id is None else str(raw_id), turns=turns)
-    images = _image_list(entry)
-    if isinstance(images, str):
-        row.error = images
-    else:
-        row.images = images
+    images, videos = _path_list(entry, "image"), _path_list(entry, "video")
+    for found in (images, videos):
+        if isinstance(found, str):
+            row.error = found
+    if row.error is None:
+        row.images, row.videos = images, videos
     return row
 
 

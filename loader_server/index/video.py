@@ -110,7 +110,10 @@ class VideoError(ValueError):
 
 
 def _open(data: bytes):
-    import av  # PyAV: pip install 'packfeed[video]'
+    try:
+        import av
+    except ImportError:
+        raise VideoError("undecodable video: reading videos needs PyAV: pip install 'packfeed[video]'") from None
 
     try:
         container = av.open(io.BytesIO(data), mode="r")
