@@ -91,3 +91,37 @@ def test_replicas_of_one_rank_on_two_servers_do_not_fight_over_a_lease(small_til
                         next(iter(intruder))
     finally:
         redis.stop()
+
+
+def test_replicas_running_together_share_each_step_instead_of_preparing_it_twice(small_tile_index):
+    """Two replicas of one rank consumed in lockstep (as a TP group's ranks do): the server prepares each step
+    about once (`packfeed_steps_shared` counts the steps one replica took from the other's preparation), every
+    stream still takes every step (prepared + shared = steps x replicas), and the packs are identical."""
+    import threading
+
+    from redis_server import free_port
+    from test_hostile import metric
+
+    lockstep = threading.Barrier(2, timeout=60)
+
+    def consume(target: str, replica: int) -> list:
+        out = []
+        with PackStream(target, job="tp-shared", rank=0, dp=1, microbatches=2, replica=replica, replicas=2) as stream:
+            for step in stream:
+                out.append([(pack.sample_keys, pack.pixels.clone()) for pack in step.packs])
+                lockstep.wait()
+        return out
+
+    port = free_port()
+    with LocalServer(small_tile_index, workers=2, metrics_port=port) as server:
+        server.metrics_port = port
+        with ThreadPoolExecutor(2) as pool:
+            first, second = pool.map(lambda replica: consume(server.target, replica), range(2))
+        prepared, shared = metric(server, "packfeed_steps_prepared_total"), metric(server, "packfeed_steps_shared_total")
+    steps = len(first)
+    assert steps > 4 and len(second) == steps
+    for packs, same in zip(first, second):
+        assert [keys for keys, _ in packs] == [keys for keys, _ in same]
+        assert all(torch.equal(a, b) for (_, a), (_, b) in zip(packs, same))
+    assert prepared + shared == 2 * steps
+    assert shared >= steps // 2, (prepared, shared, steps)

@@ -402,3 +402,26 @@ def test_packfeed_convert_takes_videos_from_llava_and_sharegpt_annotations(tmp_p
                 members.update({m.name: tar.extractfile(m).read() for m in tar})
     assert members["a.mp4"] == (tmp_path / "clips" / "a.mp4").read_bytes() and "b.webm" in members
     assert json.loads(members["m.json"])["conversations"][0]["value"] == "<video>\nWhat moves?"
+
+
+def test_fast_pixels_keep_video_frames_within_the_fast_bound(tmp_path):
+    """Frames enlarged (160x96 to InternVL's 224 px tile, and Qwen's video minimum) go through OpenCV in fast mode:
+    within the fast path's 1/255 mean error of exact, and not identical to it (the fast path did run)."""
+    pytest.importorskip("cv2")
+    internvl = ("internvl", {**INTERNVL[1], "image_size": 224, "tokens_per_tile": 64}, INTERNVL[2])
+    qwen = ("qwen2vl", {**QWEN[1], "video_min_pixels": 128 * 28 * 28, "video_max_pixels": 768 * 28 * 28}, QWEN[2])
+    for name, conventions in (("internvl", internvl), ("qwen", qwen)):
+        index, tokenizer, _ = indexed_videos(tmp_path / name, *conventions, samples=6)
+        rows = IndexRows(index)
+        exact, fast = (SampleReader(rows.info, tokenizer, pixels=mode) for mode in ("exact", "fast"))
+        compared = differ = 0
+        for k in range(rows.table.num_rows):
+            row = rows.row(k)
+            if not row["n_videos"]:
+                continue
+            for a, b in zip(exact.load(row, 1, 0).tiles, fast.load(row, 1, 0).tiles):
+                assert a.shape == b.shape
+                error = np.abs(a.astype(int) - b.astype(int)).mean()
+                assert error <= 1.0, (name, error)  # 1/255, the fast path's bound
+                compared, differ = compared + 1, differ + (error > 0)
+        assert compared >= 10 and differ > 0, (name, compared, differ)

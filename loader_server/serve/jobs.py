@@ -31,7 +31,7 @@ from packfeed.server.plan.planner import make_plan, resolve_caps
 from packfeed.server.serve.conventions import conventions_of
 from packfeed.server.serve.observe import log
 from packfeed.server.serve.packs import IndexRows
-from packfeed.server.serve.workers import DatasetSource, RankStepWork
+from packfeed.server.serve.workers import DatasetSource, RankStepWork, SharedSteps
 from packfeed.v1 import packfeed_pb2 as pb
 from packfeed.v1.options import PlanConfig
 
@@ -277,6 +277,7 @@ class Job:
     open_streams: int = 0
     last_used: float = field(default_factory=time.monotonic)  # for idle eviction
     delivered: collections.Counter = field(default_factory=collections.Counter)  # samples sent, per dataset
+    steps: SharedSteps = field(default_factory=SharedSteps)  # steps in preparation or held, shared by replicas
 
     def prepare(self) -> None:
         """Plan epoch 0 (caps included) now, so a bad config fails the open, not the first stream."""

@@ -52,6 +52,10 @@ class Metrics:
                          ["job", "rank"], registry=r)
         self.held = Gauge("packfeed_memory_held_bytes", "Prepared pack bytes held in memory", registry=r)
         self.jobs = Gauge("packfeed_jobs", "Jobs this server holds", registry=r)
+        self.steps_prepared = Counter("packfeed_steps_prepared", "Rank-steps prepared by the workers", ["job"],
+                                      registry=r)
+        self.steps_shared = Counter("packfeed_steps_shared", "Rank-steps a replica took from another replica's "
+                                    "preparation instead of preparing them again", ["job"], registry=r)
         self.evicted = Counter("packfeed_jobs_evicted", "Jobs forgotten after job_idle_s without use", registry=r)
         self.preprocess = Histogram("packfeed_preprocess_seconds_per_sample",
                                     "Worker time per sample (read, decode, tile, tokenize, assemble)",

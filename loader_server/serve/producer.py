@@ -3,7 +3,10 @@ pool, each within the shared memory budget, and puts them in order into the stre
 
 A slow consumer fills its own queue and so stops its own producer: it never holds the pool or grows memory.
 Room for a step is reserved when it is submitted (estimated from the index) and corrected once it is ready;
-the stream releases it once gRPC has taken the step's bytes.
+the stream releases it once gRPC has taken the step's bytes. The replicas of a rank share steps (`Job.steps`):
+a producer takes a step another replica's producer is preparing or holding rather than preparing it again,
+and gives it back once its stream has sent it. Each taker still reserves room for it (the budget counts a
+shared step once per taker: more than it takes, never less).
 """
 
 from __future__ import annotations
@@ -15,20 +18,20 @@ from concurrent.futures.process import BrokenProcessPool
 from packfeed.server.serve.budget import MemoryBudget
 from packfeed.server.serve.config import ServerConfig
 from packfeed.server.serve.jobs import Job, JobError
-from packfeed.server.serve.observe import log
-from packfeed.server.serve.workers import RankStepResult, WorkerPool, abandon
+from packfeed.server.serve.observe import Metrics, log
+from packfeed.server.serve.workers import RankStepResult, WorkerPool
 
 END = None  # put in the queue after the job's last step (or after a failure)
 
 
 async def produce(job: Job, rank: int, cursor: tuple[int, int] | None, queue: asyncio.Queue, pool: WorkerPool,
-                  budget: MemoryBudget, config: ServerConfig) -> None:
+                  budget: MemoryBudget, config: ServerConfig, metrics: Metrics | None = None) -> None:
     """Put ((epoch, step), RankStepResult) for every step from `cursor` to the end of the job, then END.
     Raises JobError when a step takes over `prepare_timeout_s` (a stalled read) or loses more than
     `max_skipped_fraction` of its samples (the dataset is not what was indexed, or not reachable)."""
     prefetch_steps = config.prefetch_steps
     in_flight: collections.deque = collections.deque()  # (position, reserved bytes, future)
-    owned = 0  # bytes of a prepared step counted in the budget but not yet in the queue
+    owned, owned_position = 0, None  # a prepared step counted in the budget but not yet in the queue
     pending = None  # (work, estimate) of the cursor's step when it could not be submitted yet
     try:
         while cursor is not None or in_flight:
@@ -43,7 +46,10 @@ async def produce(job: Job, rank: int, cursor: tuple[int, int] | None, queue: as
                 elif not budget.try_reserve(estimate):
                     break  # no room to prefetch: deliver what is in preparation first (it frees room)
                 pending = None
-                in_flight.append((cursor, estimate, pool.run(work)))
+                future, started = job.steps.take((rank, *cursor), lambda: pool.run(work))
+                if metrics is not None:
+                    (metrics.steps_prepared if started else metrics.steps_shared).labels(job.spec.job).inc()
+                in_flight.append((cursor, estimate, future))
                 cursor = await asyncio.to_thread(job.next_step, *cursor)
             position, estimate, future = in_flight[0]
             try:
@@ -60,24 +66,30 @@ async def produce(job: Job, rank: int, cursor: tuple[int, int] | None, queue: as
             check_skipped(result, position, rank, config.max_skipped_fraction)  # still in flight: released if so
             in_flight.popleft()
             budget.adjust(result.nbytes - estimate)
-            owned = result.nbytes  # counted in the budget, not yet in the queue
+            owned, owned_position = result.nbytes, position  # counted in the budget, not yet in the queue
             await queue.put((position, result))
-            owned, result, future = 0, None, None  # the stream frees it once sent: keep no reference here
+            owned, owned_position, result, future = 0, None, None, None  # the stream frees it once sent
         await queue.put(END)
     except asyncio.CancelledError:
-        for _, estimate, future in in_flight:
-            abandon(future)
-            budget.release(estimate)
-        budget.release(owned)
+        give_back(job, rank, in_flight, budget, owned, owned_position)
         raise
     except Exception as error:
         log.error("pack preparation failed", exc_info=not isinstance(error, JobError),
                   extra={"job": job.spec.job, "rank": rank, "error": str(error)})
-        for _, estimate, future in in_flight:
-            abandon(future)  # a step its worker still finishes is discarded then
-            budget.release(estimate)
+        give_back(job, rank, in_flight, budget, owned, owned_position)  # a step a worker finishes is discarded
         await queue.put(END)
         raise
+
+
+def give_back(job: Job, rank: int, in_flight, budget: MemoryBudget, owned: int, owned_position) -> None:
+    """What a stopped producer holds: its steps in preparation (abandoned unless another replica holds them)
+    and their room in the budget."""
+    for position, estimate, _ in in_flight:
+        job.steps.give_back((rank, *position))
+        budget.release(estimate)
+    if owned_position is not None:
+        job.steps.give_back((rank, *owned_position))
+    budget.release(owned)
 
 
 def check_skipped(result: RankStepResult, position: tuple[int, int], rank: int, tolerance: float) -> None:

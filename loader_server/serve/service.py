@@ -238,7 +238,8 @@ class PackfeedService:
         job.open_streams += 1
         keeper = asyncio.create_task(self._keep_lease(job, rank, lease, lost))
         queue: asyncio.Queue = asyncio.Queue(maxsize=self.config.prefetch_steps)
-        producer = asyncio.create_task(produce(job, rank, start, queue, self.pool, self.budget, self.config))
+        producer = asyncio.create_task(produce(job, rank, start, queue, self.pool, self.budget, self.config,
+                                               self.metrics))
         log.info("stream started", extra={"job": job.spec.job, "rank": rank, "epoch": start[0], "step": start[1],
                                           "peer": context.peer()})
         sent_steps, sending = 0, None  # `sending`: the step being written, still counted in the budget
@@ -260,6 +261,7 @@ class PackfeedService:
                 # Only now: a write returns once gRPC has taken the message, and a message it holds for a
                 # slow client is memory like any other (parts keep that to one part per stream)
                 self.budget.release(sending.nbytes)
+                job.steps.give_back((rank, epoch, step))
                 sending = piece = None  # no step outlives its release while we wait for the next
                 sent_steps += 1
         finally:
@@ -269,10 +271,12 @@ class PackfeedService:
             producer.cancel()
             if sending is not None:
                 self.budget.release(sending.nbytes)
+                job.steps.give_back((rank, epoch, step))
             while not queue.empty():  # give back what the cancelled stream still held
                 item = queue.get_nowait()
                 if item is not END:
                     self.budget.release(item[1].nbytes)
+                    job.steps.give_back((rank, *item[0]))
             if not lost.is_set():
                 await asyncio.shield(asyncio.to_thread(self._let_go, job, rank, lease))
             log.info("stream ended", extra={"job": job.spec.job, "rank": rank, "steps_sent": sent_steps})

@@ -19,6 +19,7 @@ import time
 import uuid
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
+from typing import Callable
 
 import numpy as np
 
@@ -104,6 +105,40 @@ def abandon(future: asyncio.Future) -> None:
     """Give up a step: cancel its preparation, or, if it is ready already, remove its shared file."""
     if not future.cancel() and not future.cancelled() and future.exception() is None:
         future.result().discard()
+
+
+class SharedSteps:
+    """A job's rank-steps in preparation or on their way out, shared by the streams that want the same one: the
+    replicas of a DP rank (tensor / context parallel groups) get identical packs, so while one replica's step
+    is prepared or held, another's producer takes it instead of preparing it again. Each taker gives it back
+    once sent (or abandoned); the last one lets it go, so nothing is kept for a replica that lags further
+    behind than the others hold their steps (that one prepares its own). Event-loop only (not thread-safe)."""
+
+    def __init__(self):
+        self._steps: dict[tuple[int, int, int], list] = {}  # (rank, epoch, step) -> [future, takers]
+
+    def take(self, key: tuple[int, int, int],
+             start: Callable[[], asyncio.Future]) -> tuple[asyncio.Future, bool]:
+        """The step's preparation, and whether this call started it (`start()`): it does unless another taker
+        holds one that has not failed."""
+        entry = self._steps.get(key)
+        started = entry is None or (entry[0].done() and (entry[0].cancelled() or entry[0].exception() is not None))
+        if started:
+            entry = self._steps[key] = [start(), entry[1] if entry else 0]
+        entry[1] += 1
+        return entry[0], started
+
+    def give_back(self, key: tuple[int, int, int]) -> None:
+        entry = self._steps.get(key)
+        if entry is None:
+            return
+        entry[1] -= 1
+        if entry[1] <= 0:
+            del self._steps[key]
+            abandon(entry[0])  # unfinished: cancelled; finished but never attached: its file removed
+
+    def __len__(self) -> int:
+        return len(self._steps)
 
 
 def shared_directory() -> str:
