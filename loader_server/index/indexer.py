@@ -60,7 +60,8 @@ class IndexConfig:
         if not Path(self.tokenizer).is_file():
             raise FileNotFoundError(f"tokenizer {self.tokenizer!r} not found: pass a HF tokenizer.json with --tokenizer")
         policy_from_dict(self.image_policy)  # fail early on a bad policy
-        VideoSampling.from_dict(self.video_policy)
+        # recorded whole (every field, defaults filled in), whatever subset was given
+        object.__setattr__(self, "video_policy", VideoSampling.from_dict(self.video_policy).to_dict())
 
     # Built once per config, not once per sample (costing reads both for every row).
     @functools.cached_property
@@ -163,6 +164,10 @@ def _video_infos(raw: RawSample, images: list[Member], videos: list[Member], doc
     return [VideoInfo(width, height, len(images), rate)], rate
 
 
+def _tile_bytes(geometry) -> int:
+    return sum(c * h * w for c, h, w in geometry.tile_shapes())
+
+
 def cost_sample(raw: RawSample, config: IndexConfig) -> dict[str, Any]:
     """One index row (without sample_id and shard)."""
     images, videos = raw.image_members(), raw.video_members()
@@ -179,7 +184,7 @@ def cost_sample(raw: RawSample, config: IndexConfig) -> dict[str, Any]:
         "n_videos": len(videos), "video_names": [m.suffix for m in videos], "video_offsets": [m.offset for m in videos],
         "video_sizes": [m.size for m in videos], "video_checksums": [member_checksum(m.data) for m in videos],
         "video_widths": [], "video_heights": [], "video_frames": [], "video_rates": [], "video_sampled": [],
-        "frames_fps": None,
+        "frames_fps": None, "pixel_bytes": 0,
     }
     try:
         if raw.error:
@@ -203,6 +208,7 @@ def cost_sample(raw: RawSample, config: IndexConfig) -> dict[str, Any]:
             row["image_heights"].append(height)
             try:
                 costs.append(policy.cost(width, height, len(images)))
+                row["pixel_bytes"] += _tile_bytes(policy.geometry(width, height, len(images)))
             except ValueError as error:
                 raise SampleError(f"image rejected by policy: {error}") from None
         video_items = []
@@ -213,6 +219,7 @@ def cost_sample(raw: RawSample, config: IndexConfig) -> dict[str, Any]:
                                   f"{policy.temporal_patch} at a time")
             try:
                 cost = policy.video_cost(info.width, info.height, frames)
+                row["pixel_bytes"] += frames * _tile_bytes(policy.frame_geometry(info.width, info.height))
             except ValueError as error:
                 raise SampleError(f"video rejected by policy: {error}") from None
             costs.append(cost)

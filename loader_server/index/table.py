@@ -63,6 +63,7 @@ SCHEMA = pa.schema(
         # Set when the sample's numbered images are the frames of one video (its JSON's "frames": {"fps": F}):
         # the image columns then list every frame, and the video columns describe the sequence.
         ("frames_fps", pa.float64()),
+        ("pixel_bytes", pa.int64()),  # uint8 bytes of every tile its images and sampled frames become (C x H x W)
     ]
 )
 

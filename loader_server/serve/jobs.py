@@ -18,7 +18,6 @@ from dataclasses import dataclass, field
 import numpy as np
 import pyarrow.compute as pc
 
-from packfeed.server.index.image_policy import policy_from_dict
 from packfeed.server.index.storage import ObjectError, is_object_url, missing_objects, relocate
 from packfeed.server.index.table import IndexInfo
 from packfeed.server.plan.costs import SampleLoads
@@ -128,7 +127,6 @@ class Dataset:
 
     def __post_init__(self):
         self.label = self.label or self.name
-        self._patch = policy_from_dict(self.info.image_policy).patch_size
 
     def in_memory_loads(self) -> SampleLoads:
         """Every sample's loads in memory, for planning a whole epoch (17 bytes a sample while it runs)."""
@@ -137,12 +135,11 @@ class Dataset:
         return self.loads.subset(np.arange(len(self.loads)))
 
     def sample_bytes(self, ids: np.ndarray) -> int:
-        """Estimated bytes of samples `ids`' tensors in packs: uint8 pixels (3 channels per patch pixel) and
-        int32 input_ids, labels and position_ids."""
+        """Estimated bytes of samples `ids`' tensors in packs: their uint8 tiles (as the index computed them: a
+        video's sampled frames included) and int32 input_ids, labels and position_ids."""
         ids = np.asarray(ids, dtype=np.int64)
-        patches, tokens = self.loads.vit_patches[ids], self.loads.tokens[ids]
-        return int((patches.astype(np.int64) * self._patch * self._patch * 3 + tokens.astype(np.int64) * 12
-                    + 256).sum())
+        tokens = self.loads.tokens[ids]
+        return self.rows.pixel_bytes(ids) + int((tokens.astype(np.int64) * 12 + 256).sum())
 
     @property
     def fingerprint(self) -> str:

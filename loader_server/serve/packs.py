@@ -127,7 +127,7 @@ SERVE_COLUMNS = ["key", "shard", "valid", "reason", "json_offset", "json_size", 
                  "image_offsets", "image_sizes", "image_checksums", "image_widths", "image_heights", "n_images",
                  "llm_tokens", "loss_tokens", "n_videos", "video_names", "video_offsets", "video_sizes",
                  "video_checksums", "video_widths", "video_heights", "video_frames", "video_rates", "video_sampled",
-                 "frames_fps"]
+                 "frames_fps", "pixel_bytes"]
 
 
 class IndexRows:
@@ -167,6 +167,10 @@ class IndexRows:
         largest = np.zeros(len(columns[0]), dtype=np.int64)
         np.maximum.at(largest, pc.list_parent_indices(columns[0]).to_numpy(), pixels)
         return largest
+
+    def pixel_bytes(self, sample_ids) -> int:
+        """uint8 bytes of the tiles of `sample_ids` together, as the index computed them."""
+        return int(pc.sum(self._take("pixel_bytes", sample_ids)).as_py() or 0)
 
     def loss_tokens(self, sample_ids) -> int:
         """Loss tokens of `sample_ids` together."""
