@@ -5,6 +5,10 @@ container's frame count and frame rate), so a video's cost is known to the plann
 and is then a pure function of (seed, epoch, sample key), so every server samples the same frames and a resumed
 job the frames it would have. The policy (`VideoSampling`) is recorded in the index beside the image policy.
 
+Frames are numbered by their presentation time (time x average frame rate), which is exact for constant frame
+rate video and close for variable. Rotation metadata (a phone video's display matrix) is not applied: frames are
+used as they are stored.
+
 Two forms of video are indexed: a container member (`KEY.mp4`, `KEY.webm`, `KEY.mkv`, `KEY.mov`, `KEY.avi`),
 probed with PyAV, and a frame sequence: the sample's numbered images (`KEY.0.jpg`, `KEY.1.jpg`, ...) when its
 JSON says `"frames": {"fps": F}` (F frames per second of the original; 1 when left out).
@@ -132,9 +136,9 @@ def _message(error: BaseException) -> str:
 def probe_video(data: bytes, decode: bool = True) -> VideoInfo:
     """Size, frame count and rate of the first video stream. With `decode`, its first frame is decoded too, so
     a stream of garbage behind a good header is caught when indexing rather than when serving."""
-    import av
-
     container = _open(data)
+    import av  # installed: _open has opened the container with it
+
     try:
         stream = container.streams.video[0]
         rate = float(stream.average_rate or stream.guessed_rate or 0)
