@@ -21,6 +21,10 @@ which leaves the loss slightly wrong without an error:
 - `num_items_in_batch` = the step's loss tokens (all ranks, all microbatches) / `dp`: DDP and FSDP average
   gradients over the DP ranks, so dividing by the global count alone would make the gradient `dp` times too small.
 - `pixel_values` is left out of text-only packs (InternVL fails on an empty tensor).
+- Videos: InternVL's frames are images; Qwen's go as `pixel_values_videos` / `video_grid_thw` with
+  `mm_token_type_ids` 2, and their M-RoPE time positions as the model's own (Qwen2.5-VL spaces them by
+  `tokens_per_second` x the seconds a temporal patch spans; Qwen3-VL sends each temporal patch as a row of its
+  own, grid t = 1, as its `get_rope_index` splits them).
 - Placeholder tokens are counted against the image features each image will give; a mismatch is an error here,
   not a shape error deep in the model.
 - `attention="varlen"` adds the variable-length kwargs (`cu_seq_lens_q/k`, `max_length_q/k`): flash-attention
@@ -57,15 +61,14 @@ class Family:
     merge_size: int = 2  # qwen: patches merged per side into one LLM token
     temporal_patch_size: int = 2  # qwen: an image is repeated over this many frames
     tokens_per_second: float = 0.0  # qwen2.5: M-RoPE time positions per second of video; 0: one per temporal patch
-    videos: bool = True  # whether packs with videos can be turned into this family's inputs
 
 
 FAMILIES: dict[str, Family] = {
     "internvl": Family("internvl", "internvl", IMAGENET),
     "qwen2_vl": Family("qwen2_vl", "qwen2vl", CLIP),
     "qwen2_5_vl": Family("qwen2_5_vl", "qwen2vl", CLIP, tokens_per_second=2.0),  # the released checkpoints' config
-    # Qwen3-VL writes each temporal patch's timestamp as text between them: not what the index counted.
-    "qwen3_vl": Family("qwen3_vl", "qwen2vl", HALF, patch_size=16, videos=False),
+    # Qwen3-VL: each temporal patch of a video is an item of its own, after its timestamp (the qwen3_vl preset)
+    "qwen3_vl": Family("qwen3_vl", "qwen2vl", HALF, patch_size=16),
     "llava": Family("llava", "fixed", CLIP),
 }
 
@@ -187,9 +190,6 @@ def to_hf_inputs(pack: PackTensors, model_family: str | Family, dp: int = 1, *,
     tiles = pack.tiles() if pack.tile_shapes.shape[0] else []
     features = normalised(tiles, mean, std, dtype)
     kinds = _visual_kinds(pack)
-    if VIDEO in kinds and not family.videos:
-        raise ValueError(f"pack {pack.sample_keys} holds videos, which Packfeed cannot give the {family.name} family "
-                         f"yet: its processor writes each temporal patch's timestamp as text between them")
     text_positions = pack.position_ids.to(torch.long)
     if family.image_policy == "qwen2vl":
         items = _tiles_per_item(pack, features)

@@ -22,6 +22,11 @@ VIDEO_CONVENTIONS = {
                              "video_max_pixels": 784 * 4}, {"fps": 2.0, "min_frames": 2, "max_frames": 6}),
 }
 VIDEO_CONVENTIONS["qwen2_5_vl"] = VIDEO_CONVENTIONS["qwen2_vl"]
+VIDEO_CONVENTIONS["qwen3_vl"] = (  # the qwen3_vl preset at tiny sizes: timestamps, odd frame counts padded
+    {"preset": "qwen2vl", "system_prompt": None, "video_timestamps": "<{:.1f} seconds>"},
+    {"name": "qwen2vl", "factor": 32, "patch_size": 16, "min_pixels": 1024, "max_pixels": 1024 * 9,
+     "video_min_pixels": 1024, "video_max_pixels": 1024 * 4, "pad_frames": True, "image_mean": [0.5] * 3,
+     "image_std": [0.5] * 3}, {"fps": 1.5, "min_frames": 2, "max_frames": 5, "sampling": "linspace"})
 GROUPS = [[0, 1, 2, 3], [4, 5, 6, 7]]  # images, videos of each container, a frame sequence, text, image + video
 
 
@@ -56,6 +61,13 @@ def served_packs(data: FamilyData, groups: list[list[int]], seed: int = 0, epoch
     return [pack_of(encode_pack(pack, len(packs), False)) for pack in packs]
 
 
+def frame_counts(data: FamilyData, samples: list[int]) -> list[int]:
+    from packfeed.server.serve.packs import IndexRows
+
+    rows = IndexRows(data.index)
+    return [rows.row(k)["video_sampled"][0] for k in samples]
+
+
 @pytest.mark.parametrize("name", sorted(VIDEO_CONVENTIONS))
 def test_packed_videos_train_as_each_sample_alone(tmp_path, name):
     data = video_family(tmp_path, name)
@@ -70,7 +82,8 @@ def test_packed_videos_train_as_each_sample_alone(tmp_path, name):
     assert_packed_equals_alone(model, name, packs, alone, **kwargs)
     inputs = to_hf_inputs(packs[0], name, **kwargs)  # an image, then an mp4, a webm and an mkv
     if name.startswith("qwen"):
-        assert inputs["video_grid_thw"].shape[0] == 3 and inputs["image_grid_thw"].shape[0] == 1
+        videos = 3 if name != "qwen3_vl" else sum(-(-n // 2) for n in frame_counts(data, [1, 2, 3]))  # patches
+        assert inputs["video_grid_thw"].shape[0] == videos and inputs["image_grid_thw"].shape[0] == 1
         assert set(inputs["mm_token_type_ids"].unique().tolist()) == {0, 1, 2}
     else:  # every frame an image of one tile: 3 frames of each video
         assert packs[0].visual_kind.tolist().count(1) == 9
@@ -107,8 +120,50 @@ def test_qwen_video_inputs_equal_the_hf_processor_and_rope_index(tmp_path, name)
     assert len(set(positions[0, 0].tolist())) < positions.shape[-1]  # vision tokens share positions: a real check
 
 
-def test_qwen3_vl_refuses_videos_clearly(tmp_path):
-    data = video_family(tmp_path, "qwen2_vl")
-    (pack,) = served_packs(data, [[1]])
-    with pytest.raises(ValueError, match="holds videos, which Packfeed cannot give the qwen3_vl family"):
-        to_hf_inputs(pack, "qwen3_vl")
+def test_qwen3_vl_videos_equal_the_hf_processor_vision_tower_and_rope_index(tmp_path):
+    """Qwen3-VL: the text (timestamps and nested vision markers, as transformers 5's processor writes them), the
+    video patches, the vision tower's features and the positions equal what transformers computes for the same
+    frames; Packfeed sends each temporal patch as an item of its own (grid t = 1), which the model treats alike."""
+    import transformers
+    from tokenizers import Tokenizer
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+    from transformers.video_utils import VideoMetadata
+
+    from packfeed.server.index.video import VideoSampling
+    from packfeed.server.serve.packs import IndexRows
+
+    data = video_family(tmp_path, "qwen3_vl")
+    model = tiny_model("qwen3_vl", data)
+    rows = IndexRows(data.index)
+    for sample in (1, 4):  # an mp4 (odd frame counts padded), a frame sequence
+        row = rows.row(sample)
+        (pack,) = served_packs(data, [[sample]])
+        inputs = to_hf_inputs(pack, "qwen3_vl", conventions=data.conventions)
+        frames = torch.stack(pack.tiles())
+        total, rate, count = row["video_frames"][0], row["video_rates"][0], row["video_sampled"][0]
+        assert count % 2 == 1  # the last temporal patch is filled up with the last frame
+        indices = VideoSampling(**rows.info.video_policy).frame_indices(total, count).tolist()
+        processor = transformers.Qwen3VLProcessor(
+            image_processor=Qwen2VLImageProcessorPil(patch_size=16),
+            tokenizer=transformers.PreTrainedTokenizerFast(tokenizer_file=str(data.tokenizer)),
+            video_processor=transformers.Qwen3VLVideoProcessor(size={"shortest_edge": 1024, "longest_edge": 4096},
+                                                               patch_size=16))
+        question = "What moves?" if sample == 1 else "What changes?"
+        text = f"<|im_start|>user\n<|vision_start|><|video_pad|><|vision_end|>\n{question}<|im_end|>\n"
+        expected = processor(text=[text], videos=[frames], do_resize=False, do_sample_frames=False,
+                             video_metadata=[VideoMetadata(total_num_frames=total, fps=rate, frames_indices=indices)],
+                             return_tensors="pt")
+        prompt = expected["input_ids"][0].tolist()
+        assert inputs["input_ids"][0, :len(prompt)].tolist() == prompt  # then the answer follows
+        assert "seconds>" in Tokenizer.from_file(str(data.tokenizer)).decode(prompt, skip_special_tokens=False)
+        torch.testing.assert_close(inputs["pixel_values_videos"], expected["pixel_values_videos"], rtol=0, atol=1e-6)
+        grid = expected["video_grid_thw"]
+        assert inputs["video_grid_thw"].tolist() == [[1, *grid[0, 1:].tolist()]] * int(grid[0, 0])
+        with torch.no_grad():
+            theirs = model.model.get_video_features(expected["pixel_values_videos"], grid).pooler_output
+            mine = model.model.get_video_features(inputs["pixel_values_videos"], inputs["video_grid_thw"]).pooler_output
+        torch.testing.assert_close(torch.cat(list(mine)), torch.cat(list(theirs)))
+        length = len(prompt)
+        positions, _ = model.model.get_rope_index(inputs["input_ids"][:, :length],
+                                                  inputs["mm_token_type_ids"][:, :length], None, grid)
+        torch.testing.assert_close(inputs["position_ids"][1:, :, :length], positions)

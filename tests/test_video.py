@@ -52,6 +52,25 @@ def test_frame_counts_and_uniform_choices_match_the_hf_qwen_video_processor():
         assert policy.frame_indices(total, count).tolist() == expected, (total, rate)
 
 
+def test_qwen3_frame_counts_and_choices_match_the_hf_qwen3_video_processor():
+    transformers = pytest.importorskip("transformers")
+    from transformers.video_utils import VideoMetadata
+
+    from packfeed.server.index.conventions import MODEL_PRESETS
+    from packfeed.server.index.image_policy import policy_from_dict
+
+    processor = transformers.Qwen3VLVideoProcessor()
+    preset = MODEL_PRESETS["qwen3_vl"]
+    policy = VideoSampling(**preset["video_policy"])
+    multiple = policy_from_dict(preset["image_policy"]).frame_multiple
+    for total, rate in [(48, 12), (25, 12), (61, 12), (300, 30), (9, 30), (3, 30), (100, 25), (1001, 29.97),
+                        (7, 24), (3000, 60)]:
+        expected = processor.sample_frames(metadata=VideoMetadata(total_num_frames=total, fps=rate)).tolist()
+        count = policy.frame_count(total, rate, multiple)
+        assert count == len(expected), (total, rate)
+        assert policy.frame_indices(total, count).tolist() == expected, (total, rate)
+
+
 def test_random_frames_are_a_pure_function_of_seed_epoch_and_key():
     policy = VideoSampling(sampling="random")
     first = policy.frame_indices(300, 8, seed=1, epoch=0, key="a")
@@ -449,3 +468,19 @@ def test_memory_estimates_count_every_sampled_frame(qwen_videos):
                 ratios.append(workers.build_rank_step(work).nbytes / dataset.estimate_bytes(work))
     assert ratios and 0.9 < min(ratios) and max(ratios) < 1.15, ratios
     assert read_index_info(index).video_policy == QWEN[2] | {"sampling": "uniform"}
+
+
+def test_timestamps_need_frames_known_when_indexing(tmp_path):
+    from packfeed.server.index.chat import ChatTemplate
+    from packfeed.server.index.indexer import IndexConfig
+    from packfeed.server.tools.demo import train_tokenizer
+
+    template = ChatTemplate.from_dict({"preset": "qwen2vl", "video_timestamps": "<{:.1f} seconds>"})
+    tokenizer = train_tokenizer(tmp_path / "tokenizer.json", vocab_size=300, special_tokens=template.special_tokens)
+    with pytest.raises(ValueError, match="not random"):
+        IndexConfig(str(tokenizer), QWEN[1], template.to_dict(), {"sampling": "random"})
+    assert IndexConfig(str(tokenizer), QWEN[1], template.to_dict(), {"sampling": "segment"}).video_policy
+    with pytest.raises(ValueError, match="must format one number"):
+        ChatTemplate.from_dict({"preset": "qwen2vl", "video_timestamps": "<{1} seconds>"})
+    with pytest.raises(ValueError, match="needs a video_context token"):
+        ChatTemplate.from_dict({"preset": "internvl", "video_timestamps": "<{:.1f} s>"})

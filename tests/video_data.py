@@ -104,14 +104,15 @@ def mixed_samples(n: int, seed: int = 0, image: bytes | None = None) -> list[tup
     return samples
 
 
-def indexed_videos(root: Path, template_preset: str, image_policy: dict, video_policy: dict, samples: int = 12,
+def indexed_videos(root: Path, template: str | dict, image_policy: dict, video_policy: dict, samples: int = 12,
                    seed: int = 0, verify: str = "decode"):
-    """`mixed_samples` in one shard, indexed with these conventions. Returns (index, tokenizer, IndexResult)."""
-    from packfeed.server.index.chat import PRESETS
+    """`mixed_samples` in one shard, indexed with these conventions (`template`: a chat template preset's name,
+    or a chat_template section). Returns (index, tokenizer, IndexResult)."""
+    from packfeed.server.index.chat import ChatTemplate
     from packfeed.server.index.indexer import IndexConfig, build_index
     from packfeed.server.tools.demo import train_tokenizer
 
-    template = PRESETS[template_preset]
+    template = ChatTemplate.from_dict({"preset": template} if isinstance(template, str) else template)
     root.mkdir(parents=True, exist_ok=True)
     shard = write_shard(root / "videos.tar", mixed_samples(samples, seed))
     tokenizer = train_tokenizer(root / "tokenizer.json", vocab_size=400, special_tokens=template.special_tokens)

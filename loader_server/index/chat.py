@@ -8,7 +8,10 @@ Each ``<image>`` tag in a turn becomes ``image_start`` + ``image_context`` x (th
 ``image_end``; LLaVA's bare run leaves start and end empty. Each ``<video>`` tag becomes, with a
 ``video_context`` token (Qwen-VL), ``image_start`` + ``video_context`` x (the video's LLM tokens) + ``image_end``;
 without one (InternVL), its frames as images, each after ``frame_prompt`` (numbered from 1), joined by newlines:
-``Frame1: <img>...</img>\nFrame2: <img>...</img>``, as the Hugging Face InternVL processor writes them. Labels are -100 everywhere except the content and
+``Frame1: <img>...</img>\nFrame2: <img>...</img>``, as the Hugging Face InternVL processor writes them. With
+``video_timestamps`` (Qwen3-VL), each temporal patch is a run of its own after its time: ``image_start`` +
+(``<0.5 seconds>`` + ``image_start`` + ``video_context`` x n + ``image_end``) per patch + ``image_end``, as
+`transformers` 5's Qwen3-VL processor writes it into its chat template's video placeholder. Labels are -100 everywhere except the content and
 ``assistant_suffix`` of assistant turns. Presets (`PRESETS`) give InternVL's ChatML, Qwen2-VL, LLaVA-1.5
 (Vicuna v1) and Llama-3; every field can be set on its own.
 
@@ -78,6 +81,9 @@ class ChatTemplate:
         "the placeholder token video features replace (Qwen-VL: <|video_pad|>); empty: a video's frames are images"))
     frame_prompt: str = field(default="Frame{}: ", metadata=_help(
         "text before each frame of a video whose frames are images; {} is the frame's number from 1"))
+    video_timestamps: str = field(default="", metadata=_help(
+        "text before each temporal patch of a video, formatted with its time in seconds, e.g. <{:.1f} seconds> "
+        "(Qwen3-VL); empty: one run of video_context tokens"))
 
     def __post_init__(self):
         for spec in fields(self):
@@ -91,6 +97,14 @@ class ChatTemplate:
         if self.frame_prompt.count("{}") > 1 or re.search(r"\{(?!\})|(?<!\{)\}", self.frame_prompt):
             raise ValueError(f"chat template frame_prompt {self.frame_prompt!r}: at most one {{}} (the frame number) "
                              f"and no other braces")
+        if self.video_timestamps:
+            try:
+                self.video_timestamps.format(1.25)
+            except (IndexError, KeyError, ValueError) as error:
+                raise ValueError(f"chat template video_timestamps {self.video_timestamps!r} must format one number "
+                                 f"(the seconds), e.g. <{{:.1f}} seconds>: {error}") from None
+            if not self.video_context:
+                raise ValueError("chat template video_timestamps needs a video_context token")
         for name in ("bos", "image_start", "image_end", "image_context", "video_context"):
             value = getattr(self, name)
             if value and not _SPECIAL_IN_MARKER.fullmatch(value):
@@ -210,17 +224,19 @@ class ChatEncoder:
         return np.asarray(ids, dtype=np.int32)
 
     def encode(self, turns: Sequence[dict[str, str]], image_tokens: Sequence[int],
-               video_tokens: Sequence[Sequence[int]] = ()) -> tuple[np.ndarray, np.ndarray, list[int]]:
+               video_tokens: Sequence[Sequence[int]] = (),
+               video_times: Sequence[Sequence[float]] = ()) -> tuple[np.ndarray, np.ndarray, list[int]]:
         """Token ids and labels (int32) for one sample, and where each visual item's run of placeholder tokens
         starts in the ids, in the order they occur (`visual_items` says which items those are).
         `image_tokens[i]`: LLM tokens of the i-th image; `video_tokens[j]`: of each of the j-th video's items (one
-        with a `video_context` token, one per frame otherwise)."""
+        with a `video_context` token, one per temporal patch with `video_timestamps`, whose seconds
+        `video_times[j]` gives, one per frame otherwise)."""
         template, markers = self.template, self.markers
         if template.system_prompt and not any(t["role"] == "system" for t in turns):
             turns = [{"role": "system", "value": template.system_prompt}, *turns]
         # (ids, text, or a (placeholder id, count) run; learn)
         pieces: list[tuple[np.ndarray | str | tuple[int, int], bool]] = [(markers["bos"], False)]
-        images, videos = iter(image_tokens), iter(video_tokens)
+        images, videos, times = iter(image_tokens), iter(video_tokens), iter(video_times)
         for turn in turns:
             role, learn = turn["role"], turn["role"] == "assistant"
             pieces.append((markers[f"{role}_prefix"], False))
@@ -228,7 +244,7 @@ class ChatEncoder:
                 if chunk == IMAGE_TAG:
                     pieces.append(((self.image_context, next(images)), False))
                 elif chunk == VIDEO_TAG:
-                    pieces += self._video_pieces(next(videos))
+                    pieces += self._video_pieces(next(videos), next(times, ()))
                 elif chunk:
                     pieces.append((chunk, learn))
             pieces += [(markers[f"{role}_suffix"], learn), (markers["separator"], False)]
@@ -253,10 +269,19 @@ class ChatEncoder:
             length += len(piece_ids)
         return np.concatenate(ids).astype(np.int32), np.concatenate(labels).astype(np.int32), starts
 
-    def _video_pieces(self, items: Sequence[int]) -> list[tuple[str | tuple[int, int], bool]]:
+    def _video_pieces(self, items: Sequence[int],
+                      times: Sequence[float]) -> list[tuple[np.ndarray | str | tuple[int, int], bool]]:
+        if self.template.video_timestamps:
+            if len(times) != len(items):
+                raise ValueError(f"a video of {len(items)} temporal patches needs as many times, not {len(times)}")
+            pieces: list[tuple[np.ndarray | str | tuple[int, int], bool]] = [(self.image_start, False)]
+            for tokens, seconds in zip(items, times):
+                pieces += [(self.template.video_timestamps.format(seconds), False),
+                           ((self.video_context, tokens), False)]
+            return pieces + [(self.image_end, False)]
         if self.video_context is not None:
             return [((self.video_context, sum(items)), False)]
-        pieces: list[tuple[str | tuple[int, int], bool]] = []
+        pieces = []
         for number, tokens in enumerate(items, 1):
             prompt = ("\n" if number > 1 else "") + self.template.frame_prompt.replace("{}", str(number))
             if prompt:

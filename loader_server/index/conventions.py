@@ -34,7 +34,7 @@ POLICY_FLAGS: dict[str, dict[str, str]] = {
                  **_COMMON},
     "qwen2vl": {"factor": "resize_factor", "min_pixels": "min_pixels", "max_pixels": "max_pixels",
                 "video_min_pixels": "video_min_pixels", "video_max_pixels": "video_max_pixels",
-                "temporal_patch_size": "temporal_patch_size", **_COMMON},
+                "temporal_patch_size": "temporal_patch_size", "pad_frames": "pad_frames", **_COMMON},
     "fixed": {"size": "image_size", "tokens": "image_tokens", "resize": "resize", **_COMMON},
 }
 
@@ -63,6 +63,8 @@ _POLICY_OPTIONS: dict[str, tuple[str, dict[str, Any]]] = {
     "video_min_pixels": ("qwen2vl: min pixels of a video frame", {"type": int}),
     "video_max_pixels": ("qwen2vl: max pixels of a video frame", {"type": int}),
     "temporal_patch_size": ("qwen2vl: video frames per ViT patch in time", {"type": int}),
+    "pad_frames": ("qwen2vl: any video frame count, the last temporal patch filled up with the last frame "
+                   "(Qwen3-VL); off: counts rounded down to whole patches", {"action": argparse.BooleanOptionalAction}),
     "patch_size": ("ViT patch side, px", {"type": int}),
     "image_mean": ("normalisation mean R,G,B (pixels / 255)", {"type": _floats, "metavar": "R,G,B"}),
     "image_std": ("normalisation std R,G,B", {"type": _floats, "metavar": "R,G,B"}),
@@ -82,7 +84,7 @@ _VIDEO_OPTIONS: dict[str, tuple[str, str, dict[str, Any]]] = {
 # equal segment (its fine-tuning script: 8 to 32 frames; the count is fixed here so that a video's cost is known
 # when planning); Qwen-VL 2 frames a second, 4 to 768 of them (the Hugging Face video processor's defaults).
 _INTERNVL_VIDEO = {"fps": 0, "min_frames": 1, "max_frames": 16, "sampling": "random"}
-_QWEN_VIDEO = {"fps": 2.0, "min_frames": 4, "max_frames": 768, "sampling": "uniform"}
+_QWEN_VIDEO = {"fps": 2.0, "min_frames": 4, "max_frames": 768, "sampling": "uniform"}  # Qwen3-VL: linspace
 
 # A model's published conventions: image policy (geometry, tokens, normalisation) and chat template (turns, image
 # tokens). `--preset NAME` starts from one; a conventions file with the same two sections is a preset of your own.
@@ -96,8 +98,11 @@ MODEL_PRESETS: dict[str, dict[str, dict[str, Any]]] = {
     "qwen2_5_vl": {"image_policy": {"name": "qwen2vl", "max_pixels": 12845056},
                    "chat_template": {"preset": "qwen2vl"}, "video_policy": _QWEN_VIDEO},
     "qwen3_vl": {"image_policy": {"name": "qwen2vl", "factor": 32, "patch_size": 16, "min_pixels": 65536,
-                                  "max_pixels": 16777216, "image_mean": list(HALF_MEAN), "image_std": list(HALF_STD)},
-                 "chat_template": {"preset": "qwen2vl", "system_prompt": None}},
+                                  "max_pixels": 16777216, "image_mean": list(HALF_MEAN), "image_std": list(HALF_STD),
+                                  "video_min_pixels": 128 * 32 * 32, "video_max_pixels": 768 * 32 * 32,
+                                  "pad_frames": True},
+                 "chat_template": {"preset": "qwen2vl", "system_prompt": None, "video_timestamps": "<{:.1f} seconds>"},
+                 "video_policy": {**_QWEN_VIDEO, "sampling": "linspace"}},
     "llava_1_5": {"image_policy": {"name": "fixed", "size": 336, "tokens": 576, "resize": "crop"},
                   "chat_template": {"preset": "llava"}},
 }

@@ -47,7 +47,11 @@ class ImagePolicy(Protocol):
 
     @property
     def temporal_patch(self) -> int:
-        """Frames one ViT patch spans in time: a video's frame count is a multiple of it (1: frames as images)."""
+        """Frames one ViT patch spans in time (1: frames as images)."""
+
+    @property
+    def frame_multiple(self) -> int:
+        """A video's sampled frame count is rounded down to a multiple of this (1: any count)."""
 
     def frame_geometry(self, width: int, height: int) -> Geometry:
         """How every frame of a video of this size becomes exactly one tile."""
@@ -90,6 +94,7 @@ class _SquareTiles(_Recorded):
     A video's frames are images of one square tile each (InternVL's `load_video`: one tile per frame)."""
 
     temporal_patch = 1
+    frame_multiple = 1
 
     @property
     def patches_per_unit(self) -> int:
@@ -174,9 +179,12 @@ class Qwen2VLResize(_Recorded):
     patch_size: int = 14
     # Video frames: smart_resize within these bounds (the Qwen2-VL video processor's), and `temporal_patch_size`
     # frames per ViT patch in time, so a video of n frames gives n / temporal_patch_size grids of merged tokens.
+    # pad_frames: any frame count, the last patch filled up with the last frame (Qwen3-VL); otherwise counts are
+    # rounded down to whole patches (Qwen2-VL, Qwen2.5-VL).
     video_min_pixels: int = 128 * 28 * 28
     video_max_pixels: int = 768 * 28 * 28
     temporal_patch_size: int = 2
+    pad_frames: bool = False
     image_mean: tuple[float, ...] = CLIP_MEAN
     image_std: tuple[float, ...] = CLIP_STD
     name: str = "qwen2vl"
@@ -197,6 +205,10 @@ class Qwen2VLResize(_Recorded):
     @property
     def temporal_patch(self) -> int:
         return self.temporal_patch_size
+
+    @property
+    def frame_multiple(self) -> int:
+        return 1 if self.pad_frames else self.temporal_patch_size
 
     def resize(self, width: int, height: int, video: bool = False) -> tuple[int, int]:
         """(height, width) after smart_resize, exactly as the Qwen2-VL image (or `video`) processor computes it."""
@@ -232,7 +244,7 @@ class Qwen2VLResize(_Recorded):
     def video_cost(self, width: int, height: int, frames: int) -> ImageCost:
         """One ViT sequence per temporal patch (the vision tower attends within each), its merged tokens each."""
         h, w = self.resize(width, height, video=True)
-        grids = frames // self.temporal_patch_size
+        grids = -(-frames // self.temporal_patch_size)
         tokens = grids * h * w // (self.factor * self.factor)
         return ImageCost(tokens, tokens, (h * w // (self.patch_size * self.patch_size),) * grids)
 

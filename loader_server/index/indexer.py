@@ -36,7 +36,8 @@ from packfeed.server.index.table import (SCHEMA, IndexInfo, describe_error, fing
 from packfeed.v1.pixels import oriented_size
 from packfeed.server.index.parts import config_digest, load_part, parts_directory, remove_stale_parts, save_part, shard_version
 from packfeed.server.index.shards import Member, RawSample, ShardError, expand_shards, is_compressed, iter_samples
-from packfeed.server.index.video import VideoError, VideoInfo, VideoSampling, frames_fps, probe_video
+from packfeed.server.index.video import (VideoError, VideoInfo, VideoSampling, frames_fps, probe_video,
+                                         video_placeholders)
 from packfeed.server.index.storage import ObjectError, Stamp, is_object_url, stamp
 
 
@@ -62,6 +63,10 @@ class IndexConfig:
         policy_from_dict(self.image_policy)  # fail early on a bad policy
         # recorded whole (every field, defaults filled in), whatever subset was given
         object.__setattr__(self, "video_policy", VideoSampling.from_dict(self.video_policy).to_dict())
+        if self.template.video_timestamps and self.video_sampling.is_random:
+            raise ValueError("a chat template with video_timestamps writes each temporal patch's time into the text, "
+                             "so its frames must be known when indexing: use --frame-sampling uniform, linspace or "
+                             "segment, not random")
 
     # Built once per config, not once per sample (costing reads both for every row).
     @functools.cached_property
@@ -211,25 +216,26 @@ def cost_sample(raw: RawSample, config: IndexConfig) -> dict[str, Any]:
                 row["pixel_bytes"] += _tile_bytes(policy.geometry(width, height, len(images)))
             except ValueError as error:
                 raise SampleError(f"image rejected by policy: {error}") from None
-        video_items = []
+        video_items, video_times = [], []
         for info in infos:
-            frames = config.video_sampling.frame_count(info.frames, info.rate, policy.temporal_patch)
+            frames = config.video_sampling.frame_count(info.frames, info.rate, policy.frame_multiple)
             if frames < 1:
                 raise SampleError(f"video too short: {info.frames} frames, the image policy takes them "
-                                  f"{policy.temporal_patch} at a time")
+                                  f"{policy.frame_multiple} at a time")
             try:
                 cost = policy.video_cost(info.width, info.height, frames)
                 row["pixel_bytes"] += frames * _tile_bytes(policy.frame_geometry(info.width, info.height))
             except ValueError as error:
                 raise SampleError(f"video rejected by policy: {error}") from None
             costs.append(cost)
-            video_items.append([cost.llm_tokens] if config.template.video_context else
-                               [cost.llm_tokens // frames] * frames)
+            items, times = video_placeholders(config.template, config.video_sampling, policy, info, frames, cost)
+            video_items.append(items)
+            video_times.append(times)
             for name, value in (("widths", info.width), ("heights", info.height), ("frames", info.frames),
                                 ("rates", info.rate), ("sampled", frames)):
                 row[f"video_{name}"].append(value)
         ids, labels, _ = cached_encoder(config.tokenizer, config.template).encode(
-            turns, [c.llm_tokens for c in costs[:len(images)]], video_items)
+            turns, [c.llm_tokens for c in costs[:len(images)]], video_items, video_times)
     except (SampleError, ConversationError, VideoError) as error:
         row["reason"] = str(error)
         return row

@@ -21,13 +21,17 @@ import io
 import math
 from dataclasses import asdict, dataclass
 from fractions import Fraction
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 import xxhash
 
+if TYPE_CHECKING:
+    from packfeed.server.index.chat import ChatTemplate
+    from packfeed.server.index.image_policy import ImageCost, ImagePolicy
+
 VIDEO_EXTENSIONS = ("mp4", "webm", "mkv", "mov", "avi")
-SAMPLINGS = ("uniform", "segment", "random")
+SAMPLINGS = ("uniform", "linspace", "segment", "random")
 
 
 @dataclass(frozen=True)
@@ -38,14 +42,15 @@ class VideoSampling:
     `max_frames`), kept within [min_frames, max_frames] and the video's own frames, then rounded down to a
     multiple of the model's temporal patch (2 for Qwen-VL: `multiple`), as the Qwen-VL video processors count.
 
-    Which (`sampling`): uniform: frame floor(k * total / n), as the Hugging Face Qwen-VL video processor samples;
-    segment: the middle frame of each of n equal segments (InternVL's evaluation); random: a random frame within
-    each segment (InternVL's training), drawn from (seed, epoch, sample key)."""
+    Which (`sampling`): uniform: frame floor(k * total / n), as the Hugging Face Qwen2-VL video processor samples;
+    linspace: n frames evenly from the first to the last, rounded (the Qwen3-VL video processor); segment: the
+    middle frame of each of n equal segments (InternVL's evaluation); random: a random frame within each segment
+    (InternVL's training), drawn from (seed, epoch, sample key)."""
 
     fps: float = 2.0
     min_frames: int = 4
     max_frames: int = 32
-    sampling: Literal["uniform", "segment", "random"] = "uniform"
+    sampling: Literal["uniform", "linspace", "segment", "random"] = "uniform"
 
     def __post_init__(self):
         object.__setattr__(self, "fps", float(self.fps))
@@ -81,12 +86,15 @@ class VideoSampling:
         return int(count // multiple * multiple)
 
     def frame_indices(self, total: int, count: int, seed: int = 0, epoch: int = 0, key: str = "") -> np.ndarray:
-        """Which `count` of the video's `total` frames, ascending (int64)."""
+        """Which `count` of the video's `total` frames, ascending (int64; linspace may repeat one when `count` is
+        close to `total`, as the Qwen3-VL processor does)."""
         if not 1 <= count <= total:
             raise ValueError(f"cannot sample {count} of {total} frames")
         k = np.arange(count, dtype=np.float64)
         if self.sampling == "uniform":
             return np.floor(k * total / count).astype(np.int64)
+        if self.sampling == "linspace":
+            return np.linspace(0, total - 1, count).round().astype(np.int64)
         starts = np.floor(k * total / count).astype(np.int64)
         ends = np.maximum(np.floor((k + 1) * total / count).astype(np.int64), starts + 1)
         if self.sampling == "segment":
@@ -241,6 +249,25 @@ def read_frames(data: bytes, info: VideoInfo, indices: np.ndarray) -> list[np.nd
             raise VideoError(f"shard changed: a frame is {frame.shape[1]}x{frame.shape[0]} px, the index says "
                              f"{info.width}x{info.height}")
     return frames
+
+
+def patch_times(indices: np.ndarray, rate: float, temporal_patch: int) -> list[float]:
+    """Seconds of each temporal patch: the mean time of its first and last frame, the last patch filled up with
+    the last frame (the Qwen3-VL processor's timestamps)."""
+    padded = list(indices.tolist()) + [int(indices[-1])] * (-len(indices) % temporal_patch)
+    return [(padded[i] + padded[i + temporal_patch - 1]) / 2 / rate for i in range(0, len(padded), temporal_patch)]
+
+
+def video_placeholders(template: ChatTemplate, sampling: VideoSampling, policy: ImagePolicy, info: VideoInfo,
+                       frames: int, cost: ImageCost) -> tuple[list[int], list[float]]:
+    """A video's placeholder runs (LLM tokens of each visual item) and, with timestamps, each run's seconds: one
+    run with a video_context token, one per temporal patch with video_timestamps, one per frame otherwise."""
+    if template.video_timestamps:  # needs the frames, so sampling is not random (IndexConfig checks it)
+        times = patch_times(sampling.frame_indices(info.frames, frames), info.rate, policy.temporal_patch)
+        return [cost.llm_tokens // len(times)] * len(times), times
+    if template.video_context:
+        return [cost.llm_tokens], []
+    return [cost.llm_tokens // frames] * frames, []
 
 
 def frames_fps(doc: Any) -> float | None:

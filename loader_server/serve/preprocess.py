@@ -23,7 +23,7 @@ from PIL import Image
 from packfeed.server.index.chat import (ChatTemplate, ConversationError, attach_images, cached_encoder,
                                         parse_conversation, visual_items)
 from packfeed.server.index.image_policy import ImagePolicy, policy_from_dict
-from packfeed.server.index.video import VideoError, VideoInfo, VideoSampling, read_frames
+from packfeed.server.index.video import VideoError, VideoInfo, VideoSampling, read_frames, video_placeholders
 from packfeed.server.index.shards import is_compressed
 from packfeed.server.index.storage import ObjectError, StampCache, is_object_url, read_range, relocate
 from packfeed.server.index.table import IndexInfo, describe_error, member_checksum
@@ -141,7 +141,8 @@ class _Item:
     tokens: int
     encoded: bytes | None = None
     geometry: Geometry | None = None
-    seconds: float = 0.0
+    seconds: float = 0.0  # between a video's sampled frames
+    time: float = 0.0  # of a temporal patch, in its video (timestamps)
 
 
 class SampleReader:
@@ -270,7 +271,8 @@ class SampleReader:
         images = [] if row["frames_fps"] is not None else [self._image(read, row, k) for k in range(row["n_images"])]
         videos = [self._video(read, row, k, seed, epoch) for k in range(row["n_videos"] or 0)]
         input_ids, labels, starts = cached_encoder(self.tokenizer_path, self.template).encode(
-            turns, [item.tokens for item in images], [[item.tokens for item in video] for video in videos])
+            turns, [item.tokens for item in images], [[item.tokens for item in video] for video in videos],
+            [[item.time for item in video] for video in videos])
         items = [images[number] if kind == "image" else videos[number].pop(0)
                  for kind, number in visual_items(turns, [len(video) for video in videos])]
         if len(input_ids) != row["llm_tokens"]:
@@ -318,10 +320,15 @@ class SampleReader:
             frames = [cut_tiles(_resizer(Image.fromarray(frame), self.pixels), geometry) for frame in decoded]
         cost = self.policy.video_cost(info.width, info.height, sampled)
         seconds = info.seconds / sampled
-        if self.template.video_context:
-            return [_Item(VIDEO, [tile for tiles in frames for tile in tiles], sampled, cost.llm_tokens,
-                          seconds=seconds)]
-        return [_Item(VIDEO, tiles, len(tiles), cost.llm_tokens // sampled, seconds=seconds) for tiles in frames]
+        tokens, times = video_placeholders(self.template, self.video_sampling, self.policy, info, sampled, cost)
+        tiles = [tile for frame in frames for tile in frame]
+        if times:  # one item per temporal patch (its last may hold fewer frames: the client fills it up)
+            patch = self.policy.temporal_patch
+            return [_Item(VIDEO, tiles[k * patch:(k + 1) * patch], len(tiles[k * patch:(k + 1) * patch]), n,
+                          seconds=seconds, time=t) for k, (n, t) in enumerate(zip(tokens, times))]
+        if len(tokens) == 1:
+            return [_Item(VIDEO, tiles, sampled, tokens[0], seconds=seconds)]
+        return [_Item(VIDEO, frame, len(frame), n, seconds=seconds) for frame, n in zip(frames, tokens)]
 
     def _tiles_of(self, data: bytes, geometry: Geometry, what: str) -> list[np.ndarray]:
         try:
