@@ -450,22 +450,10 @@ def test_memory_estimates_count_every_sampled_frame(qwen_videos):
     """A Qwen video item carries twice the frames its ViT patches count (2 frames per temporal patch): the budget's
     reservation comes from the index's pixel bytes, so it matches what the workers make."""
     from packfeed.server.index.table import read_index_info
-    from packfeed.server.serve import workers
-    from packfeed.server.serve.jobs import Dataset, JobSpec
-    from packfeed.server.serve.registry import JobRegistry
-    from packfeed.v1.options import PlanConfig
+    from test_memory_budget import estimate_ratios
 
     index, tokenizer, _ = qwen_videos
-    source = workers.DatasetSource(str(index), str(tokenizer))
-    workers._init_worker({"q": source})
-    dataset = Dataset.open("q", source)
-    job = JobRegistry({"q": dataset}).open_job(JobSpec("estimate", "q", PlanConfig(dp=2, microbatches=1), 0))
-    ratios = []
-    for step in range(job.plan(0).n_steps):
-        for rank in range(2):
-            work = job.work(0, step, rank)
-            if len(work.packs[0][0]):
-                ratios.append(workers.build_rank_step(work).nbytes / dataset.estimate_bytes(work))
+    ratios = estimate_ratios(index, tokenizer, microbatches=1)
     assert ratios and 0.9 < min(ratios) and max(ratios) < 1.15, ratios
     assert read_index_info(index).video_policy == QWEN[2] | {"sampling": "uniform"}
 
