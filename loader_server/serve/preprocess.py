@@ -285,7 +285,8 @@ class SampleReader:
 
     def _image(self, read, row: dict[str, Any], k: int) -> "_Item":
         """The k-th image of the sample (its file's bytes and geometry, with pixels: encoded)."""
-        name, width, height, n_images = row["image_names"][k], row["image_widths"][k], row["image_heights"][k], row["n_images"]
+        name, n_images = row["image_names"][k], row["n_images"]
+        width, height = row["image_widths"][k], row["image_heights"][k]
         data = self._member(read, row["image_offsets"][k], row["image_sizes"][k], row["image_checksums"][k],
                             f"{row['key']}.{name}")
         tokens = self.policy.cost(width, height, n_images).llm_tokens
@@ -296,8 +297,9 @@ class SampleReader:
         return _Item(IMAGE, tiles, len(tiles), tokens)
 
     def _video(self, read, row: dict[str, Any], k: int, seed: int, epoch: int) -> list["_Item"]:
-        """The k-th video of the sample as its visual items: one holding every sampled frame, or with frames as
-        images one per frame. Only the sampled frames are decoded (a container seeks to them)."""
+        """The k-th video of the sample as its visual items (`video_placeholders`: one holding every sampled frame,
+        one per temporal patch with timestamps, or one per frame with frames as images). Only the sampled frames are
+        decoded (a container seeks to them)."""
         key, name = row["key"], row["video_names"][k]
         if self.pixels == "encoded":
             raise SampleSkipped(f"video {key}.{name}: pixels: encoded sends image files only; serve a dataset "
