@@ -378,6 +378,12 @@ def test_packfeed_index_and_info_on_videos_from_the_command_line(tmp_path):
     info = json.loads(shown.stdout)
     assert info["conventions"]["video_policy"] == {"fps": 1.0, "min_frames": 4, "max_frames": 4, "sampling": "uniform"}
     assert info["distributions"]["videos_per_sample"]["max"] == 1
+    report = tmp_path / "report"
+    done = subprocess.run([*cli, "stats", "--index", str(tmp_path / "index.parquet"), "--out", str(report)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert json.loads((report / "report.json").read_text())["distributions"]["videos_per_sample"]["mean"] == 1
+    assert (report / "videos_per_sample.png").stat().st_size > 1000
 
 
 def test_packfeed_convert_takes_videos_from_llava_and_sharegpt_annotations(tmp_path):

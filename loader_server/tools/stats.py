@@ -29,7 +29,7 @@ from packfeed.server.plan.planner import make_plan, resolve_caps  # noqa: E402
 from packfeed.server.plan.plan_file import Plan  # noqa: E402
 from packfeed.v1.options import PlanConfig, Strategy  # noqa: E402
 
-REPORT_COLUMNS = ["valid", "reason", "n_images", "vision_units", "vision_tokens", "llm_tokens", "text_tokens",
+REPORT_COLUMNS = ["valid", "reason", "n_images", "n_videos", "vision_units", "vision_tokens", "llm_tokens", "text_tokens",
                   "loss_tokens", "shard"]
 
 
@@ -129,18 +129,19 @@ class ReportInput:
     image_policy: dict | None
     caps: Caps | None = None  # given for a mixture: searched on every sample once
     datasets: dict | None = None  # a mixture's per-dataset counts
+    n_videos: np.ndarray | None = None  # per row, None when the index does not know
 
 
 def index_input(index_path: str | Path) -> ReportInput:
     table, info = read_index(index_path, columns=REPORT_COLUMNS)
     loads, _ = load_sample_loads(index_path)
-    n_images = table.column("n_images").to_numpy(zero_copy_only=False)
+    n_images, n_videos = (table.column(name).to_numpy(zero_copy_only=False) for name in ("n_images", "n_videos"))
     known = bool(len(n_images)) and not np.all(np.isnan(n_images.astype(float)))
     return ReportInput(str(index_path), info.fingerprint, info.source, loads,
                        n_images.astype(np.int64) if known else None,
                        table.column("vision_tokens").to_numpy(zero_copy_only=False).astype(np.int64),
                        Counter(reason_category(r) for r in table.column("reason").to_pylist() if r is not None),
-                       info.skipped_shards or [], info.image_policy)
+                       info.skipped_shards or [], info.image_policy, n_videos=n_videos.astype(np.int64) if known else None)
 
 
 def mixture_input(mixture_path: str | Path, config: PlanConfig, seed: int) -> ReportInput:
@@ -166,7 +167,8 @@ def mixture_input(mixture_path: str | Path, config: PlanConfig, seed: int) -> Re
                                                 rows.counts(np.arange(len(rows.datasets))).values())}
     return ReportInput(f"mixture {mixture.mixture.name} ({mixture_path})", mixture.fingerprint, "mixture", rows.loads,
                        gather("n_images"), gather("vision_tokens"), reasons,
-                       [e for part in parts for e in part.shard_errors], parts[0].image_policy, caps, datasets)
+                       [e for part in parts for e in part.shard_errors], parts[0].image_policy, caps, datasets,
+                       gather("n_videos"))
 
 
 def build_report(source: str | Path | ReportInput, config: PlanConfig,
@@ -174,7 +176,7 @@ def build_report(source: str | Path | ReportInput, config: PlanConfig,
     report = source if isinstance(source, ReportInput) else index_input(source)
     loads = report.loads
     valid = loads.valid
-    n_images = report.n_images
+    n_images, n_videos = report.n_images, report.n_videos
     vision_tokens = report.vision_tokens[valid]
     rows, balanced = compare_strategies(loads, config, seed, report.fingerprint, report.caps) if valid.any() \
         else ([], None)
@@ -185,6 +187,7 @@ def build_report(source: str | Path | ReportInput, config: PlanConfig,
         "image_policy": report.image_policy,
         "distributions": {
             "images_per_sample": describe(n_images[valid]) if n_images is not None else None,
+            "videos_per_sample": describe(n_videos[valid]) if n_videos is not None else None,
             "vision_units": describe(loads.vision[valid]),
             "vision_tokens": describe(vision_tokens),
             "llm_tokens": describe(loads.tokens[valid]),
@@ -200,6 +203,8 @@ def build_report(source: str | Path | ReportInput, config: PlanConfig,
     if n_images is not None:
         figures["images_per_sample"] = _figure_png(_hist(n_images[valid], "Images per sample", "images",
                                                          integer=True))
+    if n_videos is not None and n_videos[valid].any():
+        figures["videos_per_sample"] = _figure_png(_hist(n_videos[valid], "Videos per sample", "videos", integer=True))
     figures["vision_units"] = _figure_png(_hist(loads.vision[valid], "Vision units per sample", "vision units",
                                                 integer=True))
     figures["vision_tokens"] = _figure_png(_hist(vision_tokens, "Vision (placeholder) tokens per sample", "tokens"))
