@@ -4,6 +4,7 @@ or 429 and drops some connections mid-answer, as a throttling or flaky store doe
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import subprocess
@@ -105,6 +106,18 @@ def set_env(env: dict[str, str]) -> dict[str, str | None]:
     previous = {name: os.environ.get(name) for name in env}
     os.environ.update(env)
     return previous
+
+
+@contextlib.contextmanager
+def running(server):
+    """`server` started and this process's environment pointing at it; both undone afterwards."""
+    server.start()
+    previous = set_env(server.env)
+    try:
+        yield server
+    finally:
+        restore_env(previous)
+        server.stop()
 
 
 def restore_env(previous: dict[str, str | None]) -> None:

@@ -16,20 +16,15 @@ pytest.importorskip("moto")
 from packfeed.client import LocalServer, PackStream  # noqa: E402
 from packfeed.server.index.indexer import IndexConfig, build_index  # noqa: E402
 from packfeed.server.index.table import read_index  # noqa: E402
-from s3_server import FaultyProxy, S3Server, restore_env, set_env  # noqa: E402
+from s3_server import FaultyProxy, S3Server, restore_env, running, set_env  # noqa: E402
 
 TENSORS = ("input_ids", "labels", "cu_seqlens", "pixels", "tile_shapes", "image_token_spans")
 
 
 @pytest.fixture(scope="module")
 def s3(tmp_path_factory):
-    server = S3Server().start()
-    previous = set_env(server.env)
-    try:
+    with running(S3Server()) as server:
         yield server
-    finally:
-        restore_env(previous)
-        server.stop()
 
 
 def upload(s3, shards, prefix: str) -> list[str]:
@@ -65,6 +60,18 @@ def epoch(target: str, job: str, dp: int = 2) -> dict[str, list]:
                         assert key not in seen, f"{key} delivered twice"
                         seen[key] = [pack.tensors[name].clone() for name in TENSORS]
     return seen
+
+
+def check_changed_and_deleted(served: dict[str, list], rows: list[dict], changed: str, deleted: str) -> None:
+    """The samples of the overwritten object are skipped as changed (ETag), those of the deleted one as unreadable,
+    and every other valid sample is served."""
+    reasons = dict(served[""])
+    on_changed = {r["key"] for r in rows if r["shard"] == changed}
+    on_deleted = {r["key"] for r in rows if r["shard"] == deleted}
+    assert on_changed and on_deleted
+    assert all(reasons[key].startswith("shard changed") and "ETag" in reasons[key] for key in on_changed)
+    assert all(reasons[key].startswith("shard unreadable") and "not found" in reasons[key] for key in on_deleted)
+    assert set(served) - {""} == {r["key"] for r in rows} - on_changed - on_deleted
 
 
 def test_index_and_serve_from_s3_as_from_local_files(s3, demo_dataset, tmp_path):
@@ -129,13 +136,7 @@ def test_an_overwritten_or_deleted_object_is_detected(s3, demo_dataset, tmp_path
 
     with LocalServer(index, workers=1, env={**s3.env, "PACKFEED_MAX_SKIPPED_FRACTION": "1"}) as server:
         served = epoch(server.target, "changing")
-    reasons = dict(served[""])
-    on_first = {r["key"] for r in rows if r["shard"] == urls[0]}
-    on_last = {r["key"] for r in rows if r["shard"] == urls[-1]}
-    assert on_first and on_last
-    assert all(reasons[key].startswith("shard changed") and "ETag" in reasons[key] for key in on_first)
-    assert all(reasons[key].startswith("shard unreadable") and "not found" in reasons[key] for key in on_last)
-    assert set(served) - {""} == {r["key"] for r in rows} - on_first - on_last
+    check_changed_and_deleted(served, rows, urls[0], urls[-1])
 
 
 def test_a_range_cache_serves_later_epochs_from_local_disk_within_its_limit(s3, demo_dataset, tmp_path):
