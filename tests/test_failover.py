@@ -178,3 +178,31 @@ def test_a_silent_server_is_left_for_another(dataset):  # noqa: F811
         healthy.stop()
     assert sorted(keys) == sorted(valid_keys(dataset))
     assert 2 < max(gaps) < 30  # the stall was noticed after about stall_timeout, not never
+
+
+def test_a_killed_server_takes_its_pre_processing_workers_with_it(small_tile_index):
+    """SIGKILL (or the OOM killer) gives a server no chance to stop its workers: the kernel stops them (Linux), so
+    none lives on holding its memory."""
+    import os
+    import signal
+    import sys
+
+    if sys.platform != "linux":
+        pytest.skip("parent-death signals are Linux's")
+    server = LocalServer(small_tile_index, workers=2).start()
+    try:
+        with PackStream(server.target, job="orphans", rank=0, dp=1) as stream:
+            next(iter(stream))  # the workers are running
+        children = [int(pid) for pid in open(f"/proc/{server.process.pid}/task/{server.process.pid}/children")
+                    .read().split()]
+        assert len(children) >= 2
+    finally:
+        os.kill(server.process.pid, signal.SIGKILL)
+        server.process.wait(10)
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline and any(os.path.exists(f"/proc/{pid}") for pid in children):
+        time.sleep(0.1)
+    alive = [pid for pid in children if os.path.exists(f"/proc/{pid}")]
+    for pid in alive:
+        os.kill(pid, signal.SIGKILL)
+    assert not alive

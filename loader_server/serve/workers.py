@@ -10,10 +10,13 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import ctypes
 import glob
 import mmap
 import multiprocessing
 import os
+import signal
+import sys
 import tempfile
 import time
 import uuid
@@ -213,8 +216,23 @@ _WARNED: list[bool] = []  # this worker said once that shared memory is full
 _SOURCES: dict[str, DatasetSource] = {}
 
 
-def _init_worker(sources: dict[str, DatasetSource]) -> None:
+def _init_worker(sources: dict[str, DatasetSource], server_pid: int | None = None) -> None:
     _SOURCES.update(sources)
+    if server_pid is not None:
+        _die_with(server_pid)
+
+
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def _die_with(server_pid: int) -> None:
+    """Have the kernel stop this worker when its server goes (Linux): a server killed outright (SIGKILL, the OOM
+    killer) cannot stop its workers, which would otherwise live on with their memory, waiting for work."""
+    if sys.platform != "linux":
+        return
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() != server_pid:  # the server went before the request was made
+        os._exit(0)
 
 
 def _dataset(name: str) -> tuple[IndexRows, SampleReader]:
@@ -270,7 +288,7 @@ class WorkerPool:
 
     def _start(self) -> ProcessPoolExecutor:
         return ProcessPoolExecutor(max_workers=self.workers, mp_context=multiprocessing.get_context("spawn"),
-                                   initializer=_init_worker, initargs=(self.sources,))
+                                   initializer=_init_worker, initargs=(self.sources, os.getpid()))
 
     @property
     def healthy(self) -> bool:
