@@ -9,7 +9,9 @@ order), with caps searched once per epoch on window 0 and randomness of its own;
 of the window before.
 
 A window's final step, the one that may be lighter, is not served with it: its samples are carried into the
-next window and packed there, so only the epoch's last step is partial, as in whole-epoch planning.
+next window and packed there, so only the epoch's last step is partial, as in whole-epoch planning. Nor are its
+least balanced steps (`CARRIED_FRACTION` of them): their samples are carried too and meet peers of their size in
+the next window, which brings windowed Dist to whole-epoch planning's; those samples are served a window later.
 
 Guarantees: every valid sample is in exactly one served step, so exactly once per epoch (as in whole-epoch
 planning, save what the `skip` policy drops); window `w`'s plan is a pure function of (index, config, seed,
@@ -122,8 +124,8 @@ class WindowedPlan:
 
     def _plan_window(self, window: int) -> Plan:
         """The window's plan, over its own samples and those the window before carried over. Except in the last
-        window, its final step (the one that may be lighter) is not served here: its samples go to the next
-        window, so only the epoch's last step is ever partial, as in whole-epoch planning."""
+        window, its final step (the one that may be lighter) and its least balanced steps are not served here:
+        their samples go to the next window (`least_balanced_steps`)."""
         ids, subset = self._subset(window)
         local = make_plan(subset, self.config, self.seed, self.epoch, self.index_fingerprint, self.caps, window)
         plan = replace(local, members=ids[local.members], oversize=ids[local.oversize])
