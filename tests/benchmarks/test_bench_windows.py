@@ -93,3 +93,41 @@ def test_windowed_against_whole_epoch_planning(n, tmp_path):
               f"{r['loaded_rss']:.2f}), over the whole epoch {r['final_rss']:.2f}, steps {r['steps']:,}, ViT Dist "
               f"{r['vit']:.2e}, LLM Dist {r['llm']:.2e}, whole epoch planned in {r['total']:.1f} s", end="")
     assert results[True]["first"] > 0 and results[False]["steps"] > 0
+
+
+def test_how_many_least_balanced_steps_to_carry():
+    """The choice of `CARRIED_FRACTION`: windowed Dist (10M samples, windows of 4M, DP 8) against whole-epoch
+    planning's for several fractions of each window's steps carried into the next, seeds 0-2."""
+    import numpy as np
+
+    from internvl_mix import internvl_like_mix
+    from packfeed.server.plan import windows
+    from packfeed.server.plan.costs import SampleLoads
+    from packfeed.server.plan.metrics import dist_ratio
+    from packfeed.server.plan.planner import make_plan
+    from packfeed.v1.options import PlanConfig
+
+    loads = SampleLoads.from_arrays(*internvl_like_mix(10_000_000))
+    config = PlanConfig(dp=8)
+    kept = windows.CARRIED_FRACTION
+    results: dict[str, list] = {}
+    try:
+        for seed in range(3):
+            whole = make_plan(loads, config, seed, 0)
+            results.setdefault("whole epoch", []).append(
+                [dist_ratio(side.reshape(-1, 8, config.microbatches).sum(axis=2)) for side in whole.pack_loads(loads)])
+            del whole
+            for label, fraction in (("windows, nothing carried", 0.0), ("windows, a 32nd carried", 1 / 32),
+                                    ("windows, a 28th carried", 1 / 28), ("windows, a 16th carried", 1 / 16)):
+                windows.CARRIED_FRACTION = fraction
+                plan = windows.WindowedPlan(loads, config, seed, 0, size=4_000_000)
+                balance = plan.epoch_balance()
+                plan.close()
+                results.setdefault(label, []).append([balance["vit_dist"], balance["llm_dist"]])
+    finally:
+        windows.CARRIED_FRACTION = kept
+    print("\n[carry] plan | mean ViT Dist | mean LLM Dist | per seed (ViT, LLM) x 1e6")
+    for label, values in results.items():
+        mean = np.mean(values, axis=0)
+        print(f"[carry] {label} | {mean[0]:.3g} | {mean[1]:.3g} | {np.round(np.array(values) * 1e6, 2).tolist()}")
+    assert len(results) == 5
