@@ -478,3 +478,18 @@ def test_timestamps_need_frames_known_when_indexing(tmp_path):
         ChatTemplate.from_dict({"preset": "qwen2vl", "video_timestamps": "<{1} seconds>"})
     with pytest.raises(ValueError, match="needs a video_context token"):
         ChatTemplate.from_dict({"preset": "internvl", "video_timestamps": "<{:.1f} s>"})
+
+
+def test_frames_are_decoded_and_resized_one_at_a_time(qwen_videos):
+    """A worker holds one decoded frame, not a video's every sampled frame: frames come from a generator, and the
+    decode budget counts one frame's pixels (the resized tiles count in the pack's estimate)."""
+    import inspect
+
+    index, _, _ = qwen_videos
+    rows = IndexRows(index)
+    data = encode_video("mkv", frames=24, rate=12, width=64, height=48)
+    frames = read_frames(data, probe_video(data), np.array([0, 5, 11]))
+    assert inspect.isgenerator(frames) and next(frames).shape == (48, 64, 3)
+    frames.close()
+    largest = rows.largest_image_pixels(np.arange(7)).tolist()
+    assert largest == [320 * 240, 160 * 96, 160 * 96, 160 * 96, 160 * 96, 0, 320 * 240]

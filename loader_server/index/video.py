@@ -21,7 +21,7 @@ import io
 import math
 from dataclasses import asdict, dataclass
 from fractions import Fraction
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Iterator, Literal
 
 import numpy as np
 import xxhash
@@ -206,11 +206,11 @@ class FrameReader:
         keyframe = self.keyframes[max(0, bisect.bisect_right(self.keyframes, target) - 1)]
         return keyframe > self.position + 1  # decoding on would decode a whole group of pictures for nothing
 
-    def frames(self, indices: np.ndarray) -> list[np.ndarray]:
-        """uint8 (H, W, 3) RGB of each frame in `indices` (ascending)."""
+    def frames(self, indices: np.ndarray) -> Iterator[np.ndarray]:
+        """uint8 (H, W, 3) RGB of each frame in `indices` (ascending), one at a time: a caller that resizes each
+        before taking the next holds one decoded frame, not all of them."""
         import av
 
-        out = []
         last = None
         try:
             for target in indices.tolist():
@@ -228,27 +228,26 @@ class FrameReader:
                 if last is None or target - self.position > 1:  # the stream ended well before the frame
                     raise VideoError(f"undecodable video: ends at frame {self.position}, before sampled frame "
                                      f"{target} of {self.info.frames}")
-                out.append(last.to_ndarray(format="rgb24"))
+                yield last.to_ndarray(format="rgb24")
         except av.error.FFmpegError as error:
             raise VideoError(f"undecodable video: {_message(error)}") from None
-        return out
 
     def close(self) -> None:
         self.container.close()
 
 
-def read_frames(data: bytes, info: VideoInfo, indices: np.ndarray) -> list[np.ndarray]:
-    """uint8 (H, W, 3) RGB frames `indices` of a video file; raises VideoError (the reason) when it fails."""
+def read_frames(data: bytes, info: VideoInfo, indices: np.ndarray) -> Iterator[np.ndarray]:
+    """uint8 (H, W, 3) RGB frames `indices` of a video file, decoded one at a time as they are taken; raises
+    VideoError (the reason) when it fails."""
     reader = FrameReader(data, info)
     try:
-        frames = reader.frames(indices)
+        for frame in reader.frames(indices):
+            if frame.shape[:2] != (info.height, info.width):
+                raise VideoError(f"shard changed: a frame is {frame.shape[1]}x{frame.shape[0]} px, the index says "
+                                 f"{info.width}x{info.height}")
+            yield frame
     finally:
         reader.close()
-    for frame in frames:
-        if frame.shape[:2] != (info.height, info.width):
-            raise VideoError(f"shard changed: a frame is {frame.shape[1]}x{frame.shape[0]} px, the index says "
-                             f"{info.width}x{info.height}")
-    return frames
 
 
 def patch_times(indices: np.ndarray, rate: float, temporal_patch: int) -> list[float]:

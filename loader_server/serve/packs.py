@@ -153,19 +153,17 @@ class IndexRows:
         return self.table.column(name).take(pa.array(np.asarray(sample_ids, dtype=np.int64)))
 
     def largest_image_pixels(self, sample_ids) -> np.ndarray:
-        """Per sample of `sample_ids`: the most pixels a worker holds decoded at once for it: width x height of
-        its largest image, or all sampled frames of its largest video (decoded together); 0 for text-only."""
-        largest = self._largest("image_widths", "image_heights", None, sample_ids)
-        return np.maximum(largest, self._largest("video_widths", "video_heights", "video_sampled", sample_ids))
+        """Per sample of `sample_ids`: the most pixels a worker holds decoded at once for it, width x height of
+        its largest image or video frame (frames are decoded and resized one at a time); 0 for text-only."""
+        largest = self._largest("image_widths", "image_heights", sample_ids)
+        return np.maximum(largest, self._largest("video_widths", "video_heights", sample_ids))
 
-    def _largest(self, widths_name: str, heights_name: str, count_name: str | None, sample_ids) -> np.ndarray:
-        columns = [self._take(name, sample_ids).combine_chunks() for name in (widths_name, heights_name, count_name)
-                   if name]
-        pixels = np.ones(len(columns[0].flatten()), dtype=np.int64)
-        for column in columns:
-            pixels *= column.flatten().to_numpy(zero_copy_only=False).astype(np.int64)
-        largest = np.zeros(len(columns[0]), dtype=np.int64)
-        np.maximum.at(largest, pc.list_parent_indices(columns[0]).to_numpy(), pixels)
+    def _largest(self, widths_name: str, heights_name: str, sample_ids) -> np.ndarray:
+        widths, heights = (self._take(name, sample_ids).combine_chunks() for name in (widths_name, heights_name))
+        pixels = (widths.flatten().to_numpy(zero_copy_only=False).astype(np.int64)
+                  * heights.flatten().to_numpy(zero_copy_only=False).astype(np.int64))
+        largest = np.zeros(len(widths), dtype=np.int64)
+        np.maximum.at(largest, pc.list_parent_indices(widths).to_numpy(), pixels)
         return largest
 
     def pixel_bytes(self, sample_ids) -> int:

@@ -315,11 +315,11 @@ class SampleReader:
                                      geometry, f"{key}.{row['image_names'][i]}") for i in indices.tolist()]
         else:
             data = self._member(read, row["video_offsets"][k], row["video_sizes"][k], row["video_checksums"][k], what)
-            try:
-                decoded = read_frames(data, info, indices)
+            try:  # each frame resized as it comes: one decoded frame held at a time
+                frames = [cut_tiles(_resizer(Image.fromarray(frame), self.pixels), geometry)
+                          for frame in read_frames(data, info, indices)]
             except VideoError as error:
                 raise SampleSkipped(f"{error} ({what})") from None
-            frames = [cut_tiles(_resizer(Image.fromarray(frame), self.pixels), geometry) for frame in decoded]
         cost = self.policy.video_cost(info.width, info.height, sampled)
         seconds = info.seconds / sampled
         tokens, times = video_placeholders(self.template, self.video_sampling, self.policy, info, sampled, cost)
