@@ -64,22 +64,28 @@ def document_scan(seed: int, size: tuple[int, int] = (1700, 2200)) -> bytes:
     return buffer.getvalue()
 
 
+def write_shard(path: Path, samples: list[tuple[str, dict[str, bytes]]]) -> Path:
+    """A plain tar of samples: (key, {suffix: bytes}), members in that order."""
+    with tarfile.open(path, "w") as tar:
+        for key, members in samples:
+            for suffix, data in members.items():
+                info = tarfile.TarInfo(f"{key}.{suffix}")
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+    return path
+
+
 def indexed_scans(root: Path, pages: int, tokenizer: Path, image_policy: dict | None = None) -> tuple[list[Path], Path]:
     """`pages` document scans, each asked about in a short conversation, in one shard, indexed (InternVL tiling
     at 448 px unless `image_policy` says otherwise). Returns (shards, index path)."""
     from packfeed.server.index.indexer import IndexConfig, build_index
 
     root.mkdir(parents=True, exist_ok=True)
-    shard = root / "scans-0.tar"
-    with tarfile.open(shard, "w") as tar:
-        for page in range(pages):
-            conversation = {"conversations": [
-                {"from": "human", "value": "<image>\nTranscribe the first line of this page."},
-                {"from": "gpt", "value": "The page is about balanced vision language model training."}]}
-            for suffix, data in (("jpg", document_scan(page)), ("json", json.dumps(conversation).encode())):
-                member = tarfile.TarInfo(f"scan{page:05d}.{suffix}")
-                member.size = len(data)
-                tar.addfile(member, io.BytesIO(data))
+    conversation = json.dumps({"conversations": [
+        {"from": "human", "value": "<image>\nTranscribe the first line of this page."},
+        {"from": "gpt", "value": "The page is about balanced vision language model training."}]}).encode()
+    shard = write_shard(root / "scans-0.tar", [(f"scan{page:05d}", {"jpg": document_scan(page), "json": conversation})
+                                               for page in range(pages)])
     index = root / "index.parquet"
     config = IndexConfig(tokenizer=str(tokenizer), **({"image_policy": image_policy} if image_policy else {}))
     build_index([str(shard)], index, config, workers=2, progress=False)

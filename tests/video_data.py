@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import io
 import json
-import tarfile
 from pathlib import Path
 
 import numpy as np
 from PIL import Image
+
+from demo_data import write_shard  # noqa: F401  (the tests write their shards with it)
 
 # container format -> (PyAV muxer, codec)
 FORMATS = {"mp4": ("mp4", "libx264"), "webm": ("webm", "libvpx"), "mkv": ("matroska", "libx264")}
@@ -62,17 +63,6 @@ def jpeg(picture: np.ndarray, quality: int = 95) -> bytes:
 def conversation(question: str, answer: str, **extra) -> bytes:
     return json.dumps({"conversations": [{"from": "human", "value": question}, {"from": "gpt", "value": answer}],
                        **extra}).encode()
-
-
-def write_shard(path: Path, samples: list[tuple[str, dict[str, bytes]]]) -> Path:
-    """A plain tar of samples: (key, {suffix: bytes})."""
-    with tarfile.open(path, "w") as tar:
-        for key, members in samples:
-            for suffix, data in members.items():
-                info = tarfile.TarInfo(f"{key}.{suffix}")
-                info.size = len(data)
-                tar.addfile(info, io.BytesIO(data))
-    return path
 
 
 def mixed_samples(n: int, seed: int = 0, image: bytes | None = None) -> list[tuple[str, dict[str, bytes]]]:

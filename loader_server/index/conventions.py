@@ -75,9 +75,10 @@ _VIDEO_OPTIONS: dict[str, tuple[str, str, dict[str, Any]]] = {
     "fps": ("video_fps", "frames sampled per second of video (0: always --max-frames)", {"type": float}),
     "min_frames": ("min_frames", "fewest frames sampled from a video (when it has them)", {"type": int}),
     "max_frames": ("max_frames", "most frames sampled from a video", {"type": int}),
-    "sampling": ("frame_sampling", "which frames: uniform (Qwen-VL), segment (the middle of equal segments: "
-                                   "InternVL's evaluation) or random (a random frame per segment, from seed, epoch "
-                                   "and sample: InternVL's training)", {"choices": SAMPLINGS}),
+    "sampling": ("frame_sampling", "which frames: uniform (Qwen2-VL), linspace (the first to the last: Qwen3-VL), "
+                                   "segment (the middle of equal segments: InternVL's evaluation) or random (a "
+                                   "random frame per segment, from seed, epoch and sample: InternVL's training)",
+                 {"choices": SAMPLINGS}),
 }
 
 # Video sampling as the model families train: InternVL a fixed number of frames, one drawn at random from each

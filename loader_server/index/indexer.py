@@ -151,7 +151,7 @@ def image_size(data: bytes, verify: str) -> tuple[int, int]:
     return width, height
 
 
-def _video_infos(raw: RawSample, images: list[Member], videos: list[Member], doc: Any,
+def _video_infos(images: list[Member], videos: list[Member], doc: Any,
                  verify: str) -> tuple[list[VideoInfo], float | None]:
     """The sample's videos as the container (or, for a frame sequence, its JSON and frames) describes them, and
     the frame sequence's rate (None when its images are images)."""
@@ -199,7 +199,7 @@ def cost_sample(raw: RawSample, config: IndexConfig) -> dict[str, Any]:
         document = parse_json(doc.data)
         turns = conversation_turns(document.get("conversations") if isinstance(document, dict) else None)
         policy = config.policy
-        infos, sequence_rate = _video_infos(raw, images, videos, document, config.verify_images)
+        infos, sequence_rate = _video_infos(images, videos, document, config.verify_images)
         if sequence_rate is not None:  # the images are one video's frames
             row.update(n_images=0, n_videos=1, video_names=["frames"], video_offsets=[0], video_sizes=[0],
                        video_checksums=[0], frames_fps=sequence_rate)

@@ -14,15 +14,23 @@ def dist_ratio(rank_loads: np.ndarray) -> float:
     return waste / busy if busy else 0.0
 
 
+def step_waste(rank_loads: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per step of rank_loads (steps, D): its waste sum_d (T_max - T_d) / (T_max * D) (0 where every rank is
+    idle), and whether it is busy (T_max > 0)."""
+    loads = np.asarray(rank_loads, dtype=np.float64)
+    waste = np.zeros(len(loads))
+    if loads.size == 0:
+        return waste, waste > 0
+    t_max = loads.max(axis=1)
+    busy = t_max > 0
+    waste[busy] = (t_max[busy, None] - loads[busy]).sum(axis=1) / (t_max[busy] * loads.shape[1])
+    return waste, busy
+
+
 def dist_terms(rank_loads: np.ndarray) -> tuple[float, int]:
     """dist_ratio's sum of per-step waste and its count of busy steps, to add up over parts of an epoch (a
     windowed plan's windows) without holding every step's loads at once."""
-    loads = np.asarray(rank_loads, dtype=np.float64)
-    if loads.size == 0:
-        return 0.0, 0
-    t_max = loads.max(axis=1)
-    busy = t_max > 0
-    waste = (t_max[busy, None] - loads[busy]).sum(axis=1) / (t_max[busy] * loads.shape[1])
+    waste, busy = step_waste(rank_loads)
     return float(waste.sum()), int(busy.sum())
 
 

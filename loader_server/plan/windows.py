@@ -33,7 +33,7 @@ import numpy as np
 from packfeed.server.plan.costs import SampleLoads
 from packfeed.server.plan.isf import Caps
 from packfeed.server.plan.mapped_loads import MappedLoads
-from packfeed.server.plan.metrics import dist_terms
+from packfeed.server.plan.metrics import dist_terms, step_waste
 from packfeed.server.plan.plan_file import Plan
 from packfeed.server.plan.planner import make_plan, resolve_caps
 from packfeed.v1.options import PlanConfig
@@ -66,12 +66,9 @@ def least_balanced_steps(plan: Plan, config: PlanConfig, count: int) -> np.ndarr
     carried = np.zeros(steps, dtype=bool)
     carried[-1] = True
     if count > 0 and plan.pack_vision is not None:
-        waste = np.zeros(steps)
-        for side in (plan.pack_vision, plan.pack_tokens):
-            ranks = np.asarray(side, dtype=np.float64).reshape(steps, config.dp, config.microbatches).sum(axis=2)
-            t_max = ranks.max(axis=1)
-            busy = t_max > 0
-            waste[busy] += (t_max[busy, None] - ranks[busy]).sum(axis=1) / (t_max[busy] * config.dp)
+        vit, llm = (np.asarray(side, dtype=np.float64).reshape(steps, config.dp, config.microbatches).sum(axis=2)
+                    for side in (plan.pack_vision, plan.pack_tokens))
+        waste = step_waste(vit)[0] + step_waste(llm)[0]
         worst = np.argsort(-waste, kind="stable")[:min(count, steps - 1)]
         carried[worst[waste[worst] > 0]] = True
     return carried
@@ -135,10 +132,11 @@ class WindowedPlan:
             return plan
         carried = least_balanced_steps(plan, self.config, int(plan.n_steps * CARRIED_FRACTION))
         served_packs = np.repeat(~carried, self.config.slots)
-        served = np.repeat(served_packs, np.diff(plan.offsets))
+        sizes = np.diff(plan.offsets)
+        served = np.repeat(served_packs, sizes)
         # a copy (fancy indexing): a view would keep this window's whole members array alive for the epoch
         self._carried[window + 1] = plan.members[~served]
-        sizes = np.diff(plan.offsets)[served_packs]
+        sizes = sizes[served_packs]
         return replace(plan, offsets=np.concatenate([[0], np.cumsum(sizes)]).astype(plan.offsets.dtype),
                        members=plan.members[served], truncate_to=plan.truncate_to[served],
                        pack_vision=None if plan.pack_vision is None else plan.pack_vision[served_packs],

@@ -178,8 +178,9 @@ class IndexRows:
 def build_pack(parts: list[tuple[IndexRows, Any, str]], members: np.ndarray, truncate_to: np.ndarray,
                sources: np.ndarray, epoch: int, step: int, rank: int, microbatch: int, seed: int = 0) -> Pack:
     """One pack from its planned members; member k is sample `members[k]` of `parts[sources[k]]` (rows, reader,
-    dataset label); `seed` is the job's (random video frames are drawn from it). A sample that fails at serve time is left out and reported in the pack's `skipped`; the
-    pack still goes out, flagged empty if nothing is left."""
+    dataset label); `seed` is the job's (random video frames are drawn from it). A sample that fails at serve
+    time is left out and reported in the pack's `skipped`; the pack still goes out, flagged empty if nothing is
+    left."""
     from packfeed.server.serve.preprocess import SampleSkipped
 
     samples, skipped = [], []

@@ -290,10 +290,10 @@ class SampleReader:
         data = self._member(read, row["image_offsets"][k], row["image_sizes"][k], row["image_checksums"][k],
                             f"{row['key']}.{name}")
         tokens = self.policy.cost(width, height, n_images).llm_tokens
+        geometry = self.policy.geometry(width, height, n_images)
         if self.pixels == "encoded":  # the client decodes, and checks the size against the geometry
-            geometry = self.policy.geometry(width, height, n_images)
             return _Item(IMAGE, [], len(geometry.tile_shapes()), tokens, encoded=data, geometry=geometry)
-        tiles = self._tiles(data, width, height, n_images, f"{row['key']}.{name}")
+        tiles = self._tiles(data, geometry, f"{row['key']}.{name}")
         return _Item(IMAGE, tiles, len(tiles), tokens)
 
     def _video(self, read, row: dict[str, Any], k: int, seed: int, epoch: int) -> list["_Item"]:
@@ -310,7 +310,7 @@ class SampleReader:
         geometry = self.policy.frame_geometry(info.width, info.height)
         what = f"{key}.{name}"
         if row["frames_fps"] is not None:  # a frame sequence: read only the sampled frames' files
-            frames = [self._tiles_of(self._member(read, row["image_offsets"][i], row["image_sizes"][i],
+            frames = [self._tiles(self._member(read, row["image_offsets"][i], row["image_sizes"][i],
                                                   row["image_checksums"][i], f"{key}.{row['image_names'][i]}"),
                                      geometry, f"{key}.{row['image_names'][i]}") for i in indices.tolist()]
         else:
@@ -326,22 +326,20 @@ class SampleReader:
         tiles = [tile for frame in frames for tile in frame]
         if times:  # one item per temporal patch (its last may hold fewer frames: the client fills it up)
             patch = self.policy.temporal_patch
-            return [_Item(VIDEO, tiles[k * patch:(k + 1) * patch], len(tiles[k * patch:(k + 1) * patch]), n,
-                          seconds=seconds, time=t) for k, (n, t) in enumerate(zip(tokens, times))]
+            patches = [tiles[start:start + patch] for start in range(0, len(tiles), patch)]
+            return [_Item(VIDEO, patch_tiles, len(patch_tiles), n, seconds=seconds, time=t)
+                    for patch_tiles, n, t in zip(patches, tokens, times)]
         if len(tokens) == 1:
             return [_Item(VIDEO, tiles, sampled, tokens[0], seconds=seconds)]
         return [_Item(VIDEO, frame, len(frame), n, seconds=seconds) for frame, n in zip(frames, tokens)]
 
-    def _tiles_of(self, data: bytes, geometry: Geometry, what: str) -> list[np.ndarray]:
+    def _tiles(self, data: bytes, geometry: Geometry, what: str) -> list[np.ndarray]:
         try:
             return file_tiles(data, geometry, self.pixels)
         except ImageSizeMismatch as error:
             raise SampleSkipped(f"shard changed: {what} is {error.found}, index says {error.expected}") from None
         except (OSError, SyntaxError, ValueError) as error:
             raise SampleSkipped(f"undecodable image ({what}): {describe_error(error)}") from None
-
-    def _tiles(self, data: bytes, width: int, height: int, n_images: int, what: str) -> list[np.ndarray]:
-        return self._tiles_of(data, self.policy.geometry(width, height, n_images), what)
 
     def close(self) -> None:
         if self._fetchers is not None:

@@ -140,9 +140,6 @@ class SharedSteps:
             del self._steps[key]
             abandon(entry[0])  # unfinished: cancelled; finished but never attached: its file removed
 
-    def __len__(self) -> int:
-        return len(self._steps)
-
 
 def shared_directory() -> str:
     """Where workers put prepared steps: /dev/shm (memory) when there is one, else the temporary directory."""
