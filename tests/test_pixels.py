@@ -101,33 +101,67 @@ def test_unknown_pixel_modes_are_refused(tmp_path, small_tile_index):
 def test_fast_path_decodes_large_jpegs_at_reduced_scale_within_its_bound(demo_dataset):
     """A photograph at least 4x the size of every target is decoded at 1/2..1/8 scale (JPEG draft); the
     tiles stay within the fast bound of exact, and a target too large for it keeps the full decode."""
-    from packfeed.server.serve.preprocess import draft
-    from packfeed.v1.pixels import cut_tiles, pil_resizer, to_rgb
-    from packfeed.server.serve.preprocess import _resizer
+    from packfeed.server.serve.preprocess import draft_scale, fast_pixels, file_tiles
 
     policy = policy_from_dict({"name": "fixed"})  # 336 px squares
-    drafted, errors, psnrs = 0, [], []
+    errors, psnrs = [], []
     for image in demo_images(demo_dataset)[:12]:
         buffer = io.BytesIO()
         scale = max(2, -(-1400 // min(image.size)))  # both sides at least 4x 336
         image.convert("RGB").resize((image.width * scale, image.height * scale), Image.BICUBIC).save(buffer, "JPEG",
                                                                                                      quality=92)
         data = buffer.getvalue()
-        with Image.open(io.BytesIO(data)) as large:
-            geometry = policy.geometry(large.width, large.height, 1)
-            draft(large, geometry)
-            large.load()
-            drafted += large.width < geometry.width
-            fast = cut_tiles(_resizer(to_rgb(large), "fast"), geometry)
-        with Image.open(io.BytesIO(data)) as large:
-            large.load()
-            exact = cut_tiles(pil_resizer(to_rgb(large)), geometry)
+        width, height = image.width * scale, image.height * scale
+        geometry = policy.geometry(width, height, 1)
+        reduced = draft_scale(geometry)
+        assert reduced >= 2 and fast_pixels(data, geometry).shape == (-(-height // reduced), -(-width // reduced), 3)
+        fast, exact = file_tiles(data, geometry, "fast"), decode_tiles(data, geometry, pil_resizer)
         diff = (fast[0].astype(np.int16) - exact[0].astype(np.int16)).astype(np.float64)
         errors.append(np.abs(diff).mean())
         psnrs.append(10 * np.log10(255 ** 2 / max((diff ** 2).mean(), 1e-9)))
-    assert drafted == 12
     assert np.mean(errors) < 1.0 and np.mean(psnrs) > 40
-    with Image.open(io.BytesIO(data)) as large:  # a target over a quarter of the image: no draft
-        draft(large, policy_from_dict({"name": "internvl"}).geometry(large.width, large.height, 1))
-        large.load()
-        assert large.size == (geometry.width, geometry.height)
+    geometry = policy_from_dict({"name": "internvl"}).geometry(width, height, 1)  # a target over a quarter
+    assert draft_scale(geometry) == 1 and fast_pixels(data, geometry).shape == (height, width, 3)
+
+
+def _encoded(image: Image.Image, format: str, **options) -> bytes:
+    buffer = io.BytesIO()
+    image.save(buffer, format, **options)
+    return buffer.getvalue()
+
+
+def test_fast_decoding_gives_pillows_pixels_whichever_decoder_runs(demo_dataset):
+    """The fast path decodes with OpenCV what OpenCV decodes as Pillow does (8-bit RGB and grey JPEGs and PNGs,
+    upright, whole), and leaves the rest to Pillow: both give what the exact path decodes, pixel for pixel; a
+    truncated file fails as it does with Pillow."""
+    from packfeed.server.serve.preprocess import _opencv_decodes, fast_pixels
+    from packfeed.v1.pixels import oriented_size, to_rgb
+
+    photo = Image.fromarray(np.asarray(demo_images(demo_dataset)[0].convert("RGB")))  # no info carried over
+    exif = Image.Exif()
+    exif[0x0112] = 6  # turned: OpenCV would apply it differently from Pillow's exif_transpose
+    rgba = photo.convert("RGBA")
+    rgba.putalpha(Image.linear_gradient("L").resize(photo.size))
+    wide = Image.fromarray((np.asarray(photo.convert("L"), dtype=np.uint16) * 257).astype(np.uint16))
+    files = {"jpeg": (_encoded(photo, "JPEG", quality=90), True),
+             "progressive jpeg": (_encoded(photo, "JPEG", progressive=True), True),
+             "grey jpeg": (_encoded(photo.convert("L"), "JPEG"), True),
+             "png": (_encoded(photo, "PNG"), True),
+             "grey png": (_encoded(photo.convert("L"), "PNG"), True),
+             "turned jpeg": (_encoded(photo, "JPEG", exif=exif), False),
+             "cmyk jpeg": (_encoded(photo.convert("CMYK"), "JPEG"), False),
+             "rgba png": (_encoded(rgba, "PNG"), False),
+             "palette png with transparency": (_encoded(photo.convert("P"), "PNG", transparency=0), False),
+             "16-bit png": (_encoded(wide, "PNG"), False),
+             "jpeg with bytes after its end": (_encoded(photo, "JPEG") + b"\0" * 16, False)}
+    policy = policy_from_dict({"name": "internvl"})
+    for name, (data, by_opencv) in files.items():
+        with Image.open(io.BytesIO(data)) as image:
+            geometry = policy.geometry(*oriented_size(image, data), 1)
+            assert _opencv_decodes(image, data) == by_opencv, name
+            image.load()
+            expected = np.asarray(to_rgb(image))
+        assert np.array_equal(fast_pixels(data, geometry), expected), name
+    truncated = files["jpeg"][0][:len(files["jpeg"][0]) // 2]
+    with pytest.raises(OSError, match="truncated"):
+        fast_pixels(truncated, policy.geometry(*photo.size, 1))

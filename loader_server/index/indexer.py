@@ -135,7 +135,7 @@ def image_size(data: bytes, verify: str) -> tuple[int, int]:
         with warnings.catch_warnings():
             warnings.simplefilter("error", Image.DecompressionBombWarning)
             with Image.open(io.BytesIO(data)) as image:
-                width, height = oriented_size(image)
+                width, height = oriented_size(image, data)  # a PNG is not decoded to look for its EXIF
                 if verify == "decode":
                     if image.format == "JPEG":
                         image.draft("RGB", (max(1, image.width // 8), max(1, image.height // 8)))

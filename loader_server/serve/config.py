@@ -4,7 +4,8 @@
     metrics_port: 9400          # Prometheus /metrics; 0 = off; a range (9400-9407) like listen
     workers: 4                  # pre-processing processes
     prefetch_steps: 4           # steps prepared ahead per rank stream
-    memory_budget_mb: 2048      # prepared packs held in memory across all streams
+    memory_budget_mb: 2048      # prepared packs held in memory across all streams (and a quarter of that of
+                                # shared-memory files kept between steps, to write the next ones into)
     max_message_mb: 256
     pack_part_kb: 1024          # packs go out in pieces of this size (bounds what gRPC holds per slow stream)
     auth_token: ""              # when set, calls must carry `authorization: Bearer <token>`

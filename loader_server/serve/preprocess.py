@@ -28,7 +28,8 @@ from packfeed.server.index.shards import is_compressed
 from packfeed.server.index.storage import ObjectError, StampCache, is_object_url, read_range, relocate
 from packfeed.server.index.table import IndexInfo, describe_error, member_checksum
 from packfeed.v1.resample import exact_resizer
-from packfeed.v1.pixels import Geometry, ImageSizeMismatch, Resize, cut_tiles, decode_tiles, to_rgb
+from packfeed.v1.pixels import (Geometry, ImageSizeMismatch, Resize, cut_tiles, decode_tiles,
+                                opened, orientation, to_rgb)
 
 
 class SampleSkipped(Exception):
@@ -76,42 +77,86 @@ def check_pixels(pixels: str) -> None:
             raise ValueError("pixels: fast resizes with OpenCV: pip install 'packfeed[fast]'") from None
 
 
-def _resizer(image: Image.Image, pixels: str) -> Resize:
-    """How the mode resizes one decoded upright RGB image."""
+def _resizer(image: Image.Image | np.ndarray, pixels: str) -> Resize:
+    """How the mode resizes one upright RGB image (a Pillow image or its pixels, uint8 (H, W, 3))."""
     exact = exact_resizer(image)
     if pixels == "exact":
         return exact
     import cv2  # the fast path's dependency (pip install 'packfeed[fast]')
 
     cv2.setNumThreads(1)  # one worker is one core
+    width, height = image.size if isinstance(image, Image.Image) else (image.shape[1], image.shape[0])
 
     def resize(size: tuple[int, int]) -> np.ndarray:
         # OpenCV's cubic (a = -0.75, no widening) is close to Pillow's only when enlarging: shrinking stays exact
-        if size[0] >= image.width and size[1] >= image.height:
+        if size[0] >= width and size[1] >= height:
             return cv2.resize(np.asarray(image), size, interpolation=cv2.INTER_CUBIC)
         return exact(size)
 
     return resize
 
 
-def draft(image: Image.Image, geometry: Geometry) -> None:
+def draft_scale(geometry: Geometry) -> int:
     """The fast path's JPEG DCT-domain downscaling: when every size the image is resized to is at most a quarter
-    of the image's, decode it at 1/2, 1/4 or 1/8 scale, the smallest that stays at least twice every target.
-    The resize after it still shrinks 2x or more (as Pillow's reducing_gap=2), which keeps text within the
-    fast bound; decoding at the target's own scale blurs it (2.2/255 mean error on document scans)."""
+    of the image's, it is decoded at 1/2, 1/4 or 1/8 scale, the smallest that stays at least twice every target
+    (Pillow's `draft` rule). The resize after it still shrinks 2x or more (as Pillow's reducing_gap=2), which
+    keeps text within the fast bound; decoding at the target's own scale blurs it (2.2/255 mean error on
+    document scans). 1: decode at full size."""
     widest = max(geometry.resize_width, geometry.thumbnail)
     tallest = max(geometry.resize_height, geometry.thumbnail)
-    if image.format != "JPEG" or geometry.width < 4 * widest or geometry.height < 4 * tallest:
-        return
-    swapped = image.size != (geometry.width, geometry.height)  # EXIF turns it by 90 degrees after decoding
-    image.draft("RGB", (2 * tallest, 2 * widest) if swapped else (2 * widest, 2 * tallest))
+    if geometry.width < 4 * widest or geometry.height < 4 * tallest:
+        return 1
+    fits = min(geometry.width // (2 * widest), geometry.height // (2 * tallest))
+    return next(scale for scale in (8, 4, 2) if fits >= scale)
+
+
+def _draft(image: Image.Image, scale: int) -> None:
+    """Pillow's JPEG decoder set to decode at 1/scale (the upright sides mapped back to the file's)."""
+    if scale > 1 and image.format == "JPEG":
+        image.draft("RGB", (image.width // scale, image.height // scale))
+
+
+def _opencv_decodes(image: Image.Image, data: bytes) -> bool:
+    """Whether OpenCV's decoder gives the pixels Pillow and `to_rgb` give: an 8-bit RGB or grey JPEG or PNG, upright
+    (no EXIF turn), without transparency, and whole (its end marker present: a truncated file is left to Pillow,
+    which reports it). Both use libjpeg-turbo and libpng; tests/test_pixels.py checks they agree."""
+    if image.mode not in ("RGB", "L") or "transparency" in image.info or len(image.tile) != 1:
+        return False
+    if image.format == "JPEG":
+        whole = data[-2:] == b"\xff\xd9"
+    else:  # a PNG's raw mode names its depth: 8 bits per sample are "RGB" or "L"
+        whole = image.format == "PNG" and image.tile[0].args == image.mode and data[-8:-4] == b"IEND"
+    return whole and orientation(image, data) == 1
+
+
+_REDUCED = {1: 0, 2: 16, 4: 32, 8: 64}  # OpenCV's IMREAD_REDUCED_* bit for each JPEG draft scale
+
+
+def fast_pixels(data: bytes, geometry: Geometry) -> np.ndarray:
+    """The fast path's decoding: uint8 (H, W, 3) upright RGB, drafted where `draft_scale` allows. OpenCV decodes
+    what it decodes as Pillow does, straight into an array in 3-byte pixels (Pillow holds 4 and repacks them
+    when copied out: together 1.7x the CPU, BENCHMARKS.md); Pillow decodes the rest. Raises what decode_tiles
+    raises."""
+    import cv2
+
+    with opened(data, geometry) as image:
+        scale = draft_scale(geometry) if image.format == "JPEG" else 1
+        if _opencv_decodes(image, data):
+            flags = cv2.IMREAD_COLOR_RGB | cv2.IMREAD_IGNORE_ORIENTATION | _REDUCED[scale]
+            pixels = cv2.imdecode(np.frombuffer(data, np.uint8), flags)
+            if pixels is not None and pixels.shape == (-(-image.height // scale), -(-image.width // scale), 3):
+                return pixels
+        _draft(image, scale)  # what OpenCV did not decode, Pillow does (and raises what is wrong with it)
+        image.load()
+        return np.asarray(to_rgb(image))
 
 
 def file_tiles(data: bytes, geometry: Geometry, pixels: str = "exact") -> list[np.ndarray]:
     """The tiles of one image file as the server makes them in mode `pixels` (exact or fast). Raises what
     decode_tiles raises."""
-    prepare = (lambda image: draft(image, geometry)) if pixels == "fast" else None
-    return decode_tiles(data, geometry, lambda image: _resizer(image, pixels), prepare)
+    if pixels == "fast":
+        return cut_tiles(_resizer(fast_pixels(data, geometry), pixels), geometry)
+    return decode_tiles(data, geometry, lambda image: _resizer(image, pixels))
 
 
 def image_tiles(image: Image.Image, policy: ImagePolicy, n_images: int, pixels: str = "exact") -> list[np.ndarray]:
@@ -316,7 +361,7 @@ class SampleReader:
         else:
             data = self._member(read, row["video_offsets"][k], row["video_sizes"][k], row["video_checksums"][k], what)
             try:  # each frame resized as it comes: one decoded frame held at a time
-                frames = [cut_tiles(_resizer(Image.fromarray(frame), self.pixels), geometry)
+                frames = [cut_tiles(_resizer(frame, self.pixels), geometry)
                           for frame in read_frames(data, info, indices)]
             except VideoError as error:
                 raise SampleSkipped(f"{error} ({what})") from None

@@ -73,7 +73,7 @@ async def serve(config: ServerConfig, ready: asyncio.Event | None = None, stop: 
     if config.range_cache_dir:  # read by the storage layer of this process and of the workers it starts
         os.environ.update(PACKFEED_RANGE_CACHE_DIR=config.range_cache_dir, PACKFEED_RANGE_CACHE_MB=str(config.range_cache_mb))
     datasets = {name: await asyncio.to_thread(open_dataset, name, source) for name, source in config.datasets.items()}
-    pool = WorkerPool(worker_sources(datasets), config.workers)
+    pool = WorkerPool(worker_sources(datasets), config.workers, config.memory_budget_mb << 18)
     metrics = Metrics()
     coordinator = coordinator_from_url(config.redis_url, config.redis_password)
     registry = JobRegistry(datasets, max_jobs=config.max_jobs, idle_s=config.job_idle_s)

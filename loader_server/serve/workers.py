@@ -18,8 +18,10 @@ import os
 import signal
 import sys
 import tempfile
+import threading
 import time
 import uuid
+import weakref
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable
@@ -60,8 +62,9 @@ class RankStepWork:
 @dataclass
 class RankStepResult:
     """A prepared rank-step. From a worker process the messages travel in a file in shared memory (`shared`,
-    their `lengths`), not through pickling: `attach()` maps the file and removes its name, and the messages are
-    then views of the mapping, unmapped when the last of them is dropped."""
+    their `lengths`), not through pickling: `attach()` maps the file, and the messages are then views of the
+    mapping; once the last of them is dropped the mapping goes and the file is given back (`release`) to be
+    written again."""
 
     messages: list  # serialized Pack, one per microbatch: bytes, or views of the attached mapping
     samples: int
@@ -70,6 +73,10 @@ class RankStepResult:
     by_dataset: dict[str, int] = field(default_factory=dict)  # samples delivered per dataset
     shared: str | None = None  # the file holding the messages back to back, until attached
     lengths: list[int] = field(default_factory=list)
+    release: Callable[[str], None] | None = field(default=None, repr=False)  # where the file goes back (server)
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "release": None}  # the server's pool never travels to or from a worker
 
     @property
     def nbytes(self) -> int:
@@ -78,16 +85,25 @@ class RankStepResult:
     def attach(self) -> "RankStepResult":
         if self.shared is None:
             return self
-        fd = os.open(self.shared, os.O_RDONLY)
+        path, self.shared = self.shared, None
+        total = sum(self.lengths)
         try:
-            os.unlink(self.shared)
-            self.shared = None
-            total = sum(self.lengths)
+            fd = os.open(path, os.O_RDONLY)
+        except OSError:
+            _give_back(self.release, path)
+            raise
+        try:
             # MAP_POPULATE maps every page at once instead of faulting them in one by one as they are read
             flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-            view = memoryview(mmap.mmap(fd, total, flags=flags, prot=mmap.PROT_READ)) if total else memoryview(b"")
+            mapping = mmap.mmap(fd, total, flags=flags, prot=mmap.PROT_READ) if total else None
         finally:
             os.close(fd)
+        if mapping is None:
+            _give_back(self.release, path)
+            view = memoryview(b"")
+        else:  # once no message views it any more (the callback must not hold the result: it holds the views)
+            weakref.finalize(mapping, _give_back, self.release, path)
+            view = memoryview(mapping)
         offsets = [0]
         for length in self.lengths:
             offsets.append(offsets[-1] + length)
@@ -95,13 +111,17 @@ class RankStepResult:
         return self
 
     def discard(self) -> None:
-        """Remove the file of a result nobody will attach (its step was abandoned)."""
+        """Give back the file of a result nobody will attach (its step was abandoned)."""
         if self.shared is not None:
-            try:
-                os.unlink(self.shared)
-            except FileNotFoundError:
-                pass
-            self.shared = None
+            path, self.shared = self.shared, None
+            _give_back(self.release, path)
+
+
+def _give_back(release: Callable[[str], None] | None, path: str) -> None:
+    if release is not None:
+        release(path)
+    else:  # not from a pool (inline use): the file was this result's alone
+        _unlink(path)
 
 
 def abandon(future: asyncio.Future) -> None:
@@ -146,28 +166,81 @@ def shared_directory() -> str:
     return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
 
 
-def _write_shared(directory: str, messages: list[list]) -> tuple[str, list[int]]:
-    """The messages' pieces written back to back into a new file named after the server process. Written with
-    writev, not through a mapping: the kernel copies straight into the file's pages (no page faults, no zeroing
-    ahead), and a full /dev/shm is an OSError here (the caller sends the bytes instead), never a SIGBUS. A
-    worker whose server is gone (it is then a child of init) writes nothing."""
-    server = os.getppid()
-    if server == 1:
+class SharedFiles:
+    """The files in shared memory that carry prepared steps from the workers to the server, used again and again.
+
+    Writing a step into a new file costs the kernel a fresh page for every 4 KiB (allocated, charged, zeroed or
+    copied into cold memory): 4.2 ms per 8 MB here, against 1.0 ms into the pages of a file written before
+    (BENCHMARKS.md "CPU per delivered sample"). So the server gives each step a file from this pool; once the step
+    is sent (its mapping dropped) the file comes back, pages and all, for another step. Files come back while
+    the pool holds under `keep_bytes` (a quarter of the server's memory budget) of free ones; past that they are
+    removed. A file keeps at most twice the bytes of the step it carries (the worker cuts it), so shared memory
+    holds at most twice the budget's steps in flight, plus `keep_bytes`.
+    Files are named after the server process, so a stop (or the next start, after a kill) removes them all.
+    Thread-safe: files come back from whichever thread drops a step's last view."""
+
+    def __init__(self, directory: str, keep_bytes: int):
+        self.directory, self.keep_bytes = directory, keep_bytes
+        self._free: list[tuple[str, int]] = []  # (path, bytes)
+        self._lock = threading.Lock()
+        self.created = 0
+
+    def take(self) -> str:
+        """A file for one step: the free one given back last (its pages the likeliest in the CPU's caches)."""
+        with self._lock:
+            if self._free:
+                return self._free.pop()[0]
+            self.created += 1
+        return os.path.join(self.directory, f"{SHARED_PREFIX}{os.getpid()}-{uuid.uuid4().hex}")
+
+    def give_back(self, path: str) -> None:
+        try:
+            size = os.stat(path).st_size
+        except OSError:
+            return  # never written (the worker fell back to the pipe), or removed by a pool restart
+        with self._lock:
+            if sum(nbytes for _, nbytes in self._free) + size <= self.keep_bytes:
+                self._free.append((path, size))
+                return
+        _unlink(path)
+
+    def clear(self) -> None:
+        """Forget the free files (their owner removes them)."""
+        with self._lock:
+            self._free.clear()
+
+
+def _write_shared(path: str, messages: list[list]) -> list[int]:
+    """The messages' pieces written back to back from the start of the file at `path` (made if missing; a longer
+    file keeps its tail, unread). Written with pwritev, not through a mapping: the kernel copies straight into
+    the file's pages (no page faults), and a full /dev/shm is an OSError here (the caller sends the bytes
+    instead, and the file is emptied), never a SIGBUS. A worker whose server is gone (it is then a child of init)
+    writes nothing."""
+    if os.getppid() == 1:
         raise OSError("the server process is gone")
-    path = os.path.join(directory, f"{SHARED_PREFIX}{server}-{uuid.uuid4().hex}")
     lengths = [sum(len(piece) for piece in pieces) for pieces in messages]
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
     try:
-        pieces = [piece for message in messages for piece in message if len(piece)]
+        pieces, offset = [piece for message in messages for piece in message if len(piece)], 0
         while pieces:
-            written = os.writev(fd, pieces[:_IOV_MAX])
+            written = os.pwritev(fd, pieces[:_IOV_MAX], offset)
+            offset += written
             pieces = _advance(pieces, written)
+        if os.fstat(fd).st_size > 2 * offset:  # a file an earlier, larger step grew holds no more than twice this one
+            os.ftruncate(fd, offset)
     except BaseException:
-        os.unlink(path)
+        os.ftruncate(fd, 0)  # what a full /dev/shm let through is freed at once
         raise
     finally:
         os.close(fd)
-    return path, lengths
+    return lengths
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
 
 
 _IOV_MAX = 1024  # pieces per writev call (the Linux limit)
@@ -192,10 +265,7 @@ def remove_shared_files(directory: str, server_pid: int | None = None) -> None:
             continue
         if server_pid is None and owner.isdigit() and _running(int(owner)):
             continue
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            pass
+        _unlink(path)
 
 
 def _running(pid: int) -> bool:
@@ -241,9 +311,9 @@ def _dataset(name: str) -> tuple[IndexRows, SampleReader]:
     return _DATASETS[name]
 
 
-def build_rank_step(work: RankStepWork, shared_dir: str | None = None) -> RankStepResult:
-    """Runs in a worker process (messages in a shared-memory file under `shared_dir`), or inline for tests and
-    embedded use (`shared_dir` None: the messages as bytes)."""
+def build_rank_step(work: RankStepWork, shared: str | None = None) -> RankStepResult:
+    """Runs in a worker process (messages written into the shared-memory file `shared`), or inline for tests and
+    embedded use (`shared` None: the messages as bytes)."""
     started = time.perf_counter()
     parts = [(*_dataset(name), label) for name, label in zip(work.datasets, work.labels)]
     pieces, skipped, samples, by_dataset = [], [], 0, collections.Counter()
@@ -256,15 +326,16 @@ def build_rank_step(work: RankStepWork, shared_dir: str | None = None) -> RankSt
         samples += len(members)
         by_dataset.update(pack.sample_sources)
     result = RankStepResult([], samples, skipped, 0.0, dict(by_dataset))
-    if shared_dir is not None:
+    if shared is not None:
         try:
-            result.shared, result.lengths = _write_shared(shared_dir, pieces)
+            result.lengths = _write_shared(shared, pieces)
+            result.shared = shared
         except OSError as error:  # no room in shared memory: the bytes travel through the pipe instead
             if not _WARNED:
                 _WARNED.append(True)
                 log.warning("prepared steps go through a pipe (more CPU per sample): no room in shared memory; "
                             "give the server a larger /dev/shm (docker: shm_size)",
-                            extra={"directory": shared_dir, "error": str(error)})
+                            extra={"file": shared, "error": str(error)})
     if result.shared is None:
         result.messages = [b"".join(message) for message in pieces]
     result.seconds = time.perf_counter() - started
@@ -276,10 +347,11 @@ class WorkerPool:
     ProcessPoolExecutor for good; here the pool is started afresh, the steps it held fail with a retryable
     error, and `healthy` tells the health service meanwhile."""
 
-    def __init__(self, sources: dict[str, DatasetSource], workers: int):
+    def __init__(self, sources: dict[str, DatasetSource], workers: int, keep_shared_bytes: int = 1 << 30):
         self.sources, self.workers = sources, workers
         self.shared_dir = shared_directory()
         remove_shared_files(self.shared_dir)  # left by servers that were killed
+        self.files = SharedFiles(self.shared_dir, keep_shared_bytes)
         self.executor = self._start()
         self.restarts = 0
 
@@ -296,15 +368,30 @@ class WorkerPool:
         Cancelling the future abandons the step: its shared file is removed whenever the worker finishes."""
         if not self.healthy:
             self.restart()
-        running = self.executor.submit(build_rank_step, work, self.shared_dir)
+        shared, files = self.files.take(), self.files
+        running = self.executor.submit(build_rank_step, work, shared)
+        # The callbacks on `running` take it as their argument: one that held it would make a reference cycle,
+        # and the step's mapping (so its file) would wait for the garbage collector instead of going when sent.
+
+        def finished(done) -> None:  # before the asyncio future sees the result: how its file goes back
+            if done.cancelled() or done.exception() is not None or done.result().shared is None:
+                files.give_back(shared)  # nobody writes it any more (a dead worker's was removed)
+            else:
+                done.result().release = files.give_back
+
+        running.add_done_callback(finished)
         future = asyncio.wrap_future(running)
 
-        def abandon(_) -> None:  # either may finish first: the worker, or the cancellation
-            if future.cancelled() and running.done() and not running.cancelled() and running.exception() is None:
+        def abandon_result(done) -> None:  # the worker finished after the step was given up
+            if future.cancelled() and not done.cancelled() and done.exception() is None:
+                done.result().discard()
+
+        def abandon_future(given_up) -> None:  # the step was given up after the worker finished
+            if given_up.cancelled() and running.done() and not running.cancelled() and running.exception() is None:
                 running.result().discard()
 
-        running.add_done_callback(abandon)
-        future.add_done_callback(abandon)
+        running.add_done_callback(abandon_result)
+        future.add_done_callback(abandon_future)
         return future
 
     def restart(self) -> None:
@@ -313,6 +400,7 @@ class WorkerPool:
             return
         broken, self.executor = self.executor, self._start()
         self.restarts += 1
+        self.files.clear()
         remove_shared_files(self.shared_dir, os.getpid())  # what the dead worker left (steps in flight fail)
         log.warning("a pre-processing worker died (out of memory?): worker pool restarted",
                     extra={"restarts": self.restarts})
@@ -327,4 +415,5 @@ class WorkerPool:
             process.terminate()
         for process in processes:
             process.join(timeout=5)
+        self.files.clear()
         remove_shared_files(self.shared_dir, os.getpid())

@@ -9,14 +9,15 @@ the client (`pixels: encoded`, where the server sends the file's bytes) both fol
 
 Each tile is uint8 (3, H, W). With Pillow's bicubic resampling (`pil_resizer`) the tiles are pixel for pixel
 what the Hugging Face / InternVL processors give; `packfeed.v1.resample` computes the same with less than
-half the CPU (BENCHMARKS.md). Part of the contract (`packfeed.v1`): numpy and Pillow only, so servers and
-clients import it alike.
+half the CPU (BENCHMARKS.md), and `packfeed.v1.chw` cuts the tiles channels first. Part of the contract
+(`packfeed.v1`): numpy, Pillow and numba only, so servers and clients import it alike.
 """
 
 from __future__ import annotations
 
 import io
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import astuple, dataclass, fields
 
 import numpy as np
@@ -28,11 +29,19 @@ _HIGH_DEPTH = {"I;16", "I;16L", "I;16B", "I;16N", "I"}  # 16-bit (and 32-bit int
 _BACKGROUND = (255, 255, 255)  # transformers composites transparent pixels on white
 
 
-def oriented_size(image: Image.Image) -> tuple[int, int]:
-    """(width, height) once the EXIF orientation is applied (read from the header, no decoding)."""
+def orientation(image: Image.Image, data: bytes | None = None) -> int:
+    """The image's EXIF orientation (1: upright). A PNG may keep its EXIF after its pixels, where Pillow looks only
+    by decoding the whole image: given the file's bytes, a PNG with no EXIF chunk (nor the older text one) is
+    known to be upright without that."""
+    if data is not None and image.format == "PNG" and b"eXIf" not in data and b"Raw profile type exif" not in data:
+        return 1
+    return image.getexif().get(EXIF_ORIENTATION, 1)
+
+
+def oriented_size(image: Image.Image, data: bytes | None = None) -> tuple[int, int]:
+    """(width, height) once the EXIF orientation is applied (read from the header; see `orientation`)."""
     width, height = image.size
-    orientation = image.getexif().get(EXIF_ORIENTATION, 1)
-    return (height, width) if orientation in _SWAPS_SIDES else (width, height)
+    return (height, width) if orientation(image, data) in _SWAPS_SIDES else (width, height)
 
 
 def to_rgb(image: Image.Image) -> Image.Image:
@@ -108,12 +117,13 @@ def pil_resizer(image: Image.Image) -> Resize:
 
 def cut_tiles(resize: Resize, geometry: Geometry) -> list[np.ndarray]:
     """The tiles of one upright RGB image, uint8 (3, H, W) each, given how to resize it."""
+    from packfeed.v1.chw import chw_tiles  # numba: compiled on first use, not on import
+
     g = geometry
-    resized = resize((g.resize_width, g.resize_height))
-    tiles = [resized[top:top + height, left:left + width] for top, left, height, width in g.boxes()]
+    tiles = chw_tiles(resize((g.resize_width, g.resize_height)), g.boxes())
     if g.thumbnail:
-        tiles.append(resize((g.thumbnail, g.thumbnail)))
-    return [np.ascontiguousarray(tile.transpose(2, 0, 1)) for tile in tiles]
+        tiles += chw_tiles(resize((g.thumbnail, g.thumbnail)), [(0, 0, g.thumbnail, g.thumbnail)])
+    return tiles
 
 
 class ImageSizeMismatch(ValueError):
@@ -130,10 +140,19 @@ def decode_tiles(data: bytes, geometry: Geometry, resizer: Callable[[Image.Image
     bicubic: the exact path). `prepare` sees the opened image before it is decoded (e.g. to draft a JPEG).
     Raises ImageSizeMismatch, or what Pillow raises for a file that does not decode (OSError, SyntaxError,
     ValueError, DecompressionBombError)."""
-    with Image.open(io.BytesIO(data)) as image:
-        if oriented_size(image) != (geometry.width, geometry.height):
-            raise ImageSizeMismatch(oriented_size(image), (geometry.width, geometry.height))
+    with opened(data, geometry) as image:
         if prepare is not None:
             prepare(image)
         image.load()
         return cut_tiles(resizer(to_rgb(image)), geometry)
+
+
+@contextmanager
+def opened(data: bytes, geometry: Geometry) -> Iterator[Image.Image]:
+    """The image file opened (its header read, nothing decoded), refused with ImageSizeMismatch where it is not
+    the size `geometry` was chosen for."""
+    with Image.open(io.BytesIO(data)) as image:
+        size = oriented_size(image, data)
+        if size != (geometry.width, geometry.height):
+            raise ImageSizeMismatch(size, (geometry.width, geometry.height))
+        yield image

@@ -28,6 +28,7 @@ import numpy as np
 import PIL
 from PIL import Image
 
+from packfeed.v1.chw import compile_kernel as compile_chw_kernel
 from packfeed.v1.pixels import Resize, pil_resizer
 
 log = logging.getLogger(__name__)
@@ -48,9 +49,11 @@ def _bicubic(x: np.ndarray) -> np.ndarray:
     return np.where(x < 1.0, near, np.where(x < 2.0, far, 0.0))
 
 
+@functools.lru_cache(maxsize=1024)
 def filter_weights(in_size: int, out_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """For each output pixel: the first source pixel it reads, how many it reads, and their fixed-point weights
-    (int32, zero past the count). Pillow's `precompute_coeffs` and `normalize_coeffs_8bpc`, over all outputs."""
+    (int32, zero past the count). Pillow's `precompute_coeffs` and `normalize_coeffs_8bpc`, over all outputs.
+    Cached (read-only): sizes repeat, a video's frames and a policy's thumbnails share them."""
     scale = in_size / out_size
     filter_scale = max(scale, 1.0)  # shrinking widens the filter, so every source pixel contributes
     support = _SUPPORT * filter_scale
@@ -67,7 +70,10 @@ def filter_weights(in_size: int, out_size: int) -> tuple[np.ndarray, np.ndarray,
     weights = np.where(total[:, None] != 0.0, weights / np.where(total == 0.0, 1.0, total)[:, None], weights)
     unit = float(1 << PRECISION_BITS)
     fixed = np.where(weights < 0, np.trunc(-0.5 + weights * unit), np.trunc(0.5 + weights * unit))
-    return first.astype(np.int32), count.astype(np.int32), fixed.astype(np.int32)
+    arrays = first.astype(np.int32), count.astype(np.int32), fixed.astype(np.int32)
+    for array in arrays:
+        array.setflags(write=False)
+    return arrays
 
 
 @nb.njit(cache=True, nogil=True, boundscheck=False)
@@ -178,18 +184,23 @@ def matches_pillow() -> bool:
 
 
 def compile_kernels() -> bool:
-    """Compile (and cache on disk) both kernels for every array they meet: Pillow's read-only pixels and this
-    module's own buffers. Returns matches_pillow()."""
-    pixels = np.zeros((8, 8, 3), np.uint8)
-    pixels.setflags(write=False)  # np.asarray of a Pillow image is read-only: numba compiles it apart
-    for size in ((12, 5), (5, 12), (8, 5), (5, 8)):  # both orders, and each pass alone, from the source
-        resize_bicubic(pixels, size)
+    """Compile (and cache on disk) both kernels for every array they meet: Pillow's read-only pixels, writable
+    ones (OpenCV's, a video frame's) and this module's own buffers; and packfeed.v1.chw's. Returns
+    matches_pillow()."""
+    writable = np.zeros((8, 8, 3), np.uint8)
+    read_only = writable.copy()
+    read_only.setflags(write=False)  # np.asarray of a Pillow image is read-only: numba compiles it apart
+    for pixels in (read_only, writable):
+        for size in ((12, 5), (5, 12), (8, 5), (5, 8)):  # both orders, and each pass alone, from the source
+            resize_bicubic(pixels, size)
+    compile_chw_kernel()  # cutting tiles channels first, after any resizer
     return matches_pillow()
 
 
-def exact_resizer(image: Image.Image) -> Resize:
-    """The exact path's resizer for one upright RGB image: this module where it matches Pillow, else Pillow."""
+def exact_resizer(image: Image.Image | np.ndarray) -> Resize:
+    """The exact path's resizer for one upright RGB image (a Pillow image, or its pixels uint8 (H, W, 3)): this
+    module where it matches Pillow, else Pillow."""
     if not matches_pillow():
-        return pil_resizer(image)
+        return pil_resizer(image if isinstance(image, Image.Image) else Image.fromarray(image))
     pixels = functools.cache(lambda: np.ascontiguousarray(np.asarray(image)))  # copied out of Pillow once, if used
     return lambda size: resize_bicubic(pixels(), size)
