@@ -58,9 +58,10 @@ IMAGE, VIDEO = 0, 1  # what a visual item is (`visual_kind` on the wire)
 
 # How images become tiles. exact: PIL bicubic, pixel for pixel what the Hugging Face / InternVL processors give
 # (computed by packfeed.v1.resample, which equals Pillow's bicubic byte for byte with under half its CPU).
-# fast: OpenCV's (SIMD) bicubic where an image is enlarged, exact where it shrinks, and JPEGs at least 4x every
-# target decoded at 1/2..1/8 scale; within 1/255 mean absolute error and above 40 dB PSNR of exact
-# (BENCHMARKS.md "Fast-path candidates for resizing").
+# fast: OpenCV's (SIMD) bicubic where an image is enlarged, the exact kernels where it shrinks (the height first),
+# and JPEGs at least 4x every target decoded at 1/2..1/8 scale, by OpenCV where it decodes as Pillow does;
+# within 1/255 mean absolute error and above 40 dB PSNR of exact (BENCHMARKS.md "Fast-path candidates for
+# resizing").
 # encoded: the image files' own bytes and each one's `Geometry`; the client decodes and cuts them
 # (packfeed.client.decode), exactly on its CPU threads or within the fast path's bounds on a GPU.
 PIXEL_MODES = ("exact", "fast", "encoded")
@@ -79,9 +80,9 @@ def check_pixels(pixels: str) -> None:
 
 def _resizer(image: Image.Image | np.ndarray, pixels: str) -> Resize:
     """How the mode resizes one upright RGB image (a Pillow image or its pixels, uint8 (H, W, 3))."""
-    exact = exact_resizer(image)
     if pixels == "exact":
-        return exact
+        return exact_resizer(image)
+    shrink = exact_resizer(image, pillow_order=False)  # the exact kernels, the height shrunk first
     import cv2  # the fast path's dependency (pip install 'packfeed[fast]')
 
     cv2.setNumThreads(1)  # one worker is one core
@@ -91,7 +92,7 @@ def _resizer(image: Image.Image | np.ndarray, pixels: str) -> Resize:
         # OpenCV's cubic (a = -0.75, no widening) is close to Pillow's only when enlarging: shrinking stays exact
         if size[0] >= width and size[1] >= height:
             return cv2.resize(np.asarray(image), size, interpolation=cv2.INTER_CUBIC)
-        return exact(size)
+        return shrink(size)
 
     return resize
 

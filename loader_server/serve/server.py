@@ -22,7 +22,7 @@ from packfeed.server.serve.registry import JobRegistry
 from packfeed.server.serve.network import TokenAuth, advertised_address, bind, grpc_options, start_metrics
 from packfeed.server.serve.observe import Metrics, log
 from packfeed.server.serve.service import SERVICE, PackfeedService
-from packfeed.server.serve.workers import DatasetSource, WorkerPool
+from packfeed.server.serve.workers import DatasetSource, WorkerPool, keep_freed_memory
 
 
 async def announce(coordinator: Coordinator, address: str, ttl_s: float) -> None:
@@ -68,6 +68,7 @@ async def evict_idle_jobs(service: PackfeedService, idle_s: float) -> None:
 async def serve(config: ServerConfig, ready: asyncio.Event | None = None, stop: asyncio.Event | None = None) -> None:
     """Run the server until SIGTERM/SIGINT (or `stop` is set)."""
     started = time.perf_counter()
+    keep_freed_memory()
     # The planner's kernels compile (or load from the cache) while the datasets open and clients connect.
     warm_up_in_background(lambda seconds: log.info("planner ready", extra={"warmup_seconds": round(seconds, 2)}))
     if config.range_cache_dir:  # read by the storage layer of this process and of the workers it starts

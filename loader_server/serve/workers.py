@@ -285,8 +285,27 @@ _SOURCES: dict[str, DatasetSource] = {}
 
 def _init_worker(sources: dict[str, DatasetSource], server_pid: int | None = None) -> None:
     _SOURCES.update(sources)
+    keep_freed_memory()
     if server_pid is not None:
         _die_with(server_pid)
+
+
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's malloc.h
+KEEP_FREED_BYTES = 128 << 20
+
+
+def keep_freed_memory() -> None:
+    """Have glibc's malloc keep freed memory for the next allocation, up to KEEP_FREED_BYTES: a server process
+    allocates and frees megabytes per step (pixels, message parts, gRPC's buffers), and by default glibc gives
+    large blocks back to the kernel at once, so every step pays again for fresh pages, zeroed (in the server
+    process a tenth of its CPU, BENCHMARKS.md "CPU per delivered sample"). The price: a process's resident
+    memory stays up to that much above what it holds. No-op without glibc (musl has no mallopt)."""
+    if sys.platform != "linux":
+        return
+    libc = ctypes.CDLL(None)
+    if hasattr(libc, "mallopt"):
+        libc.mallopt(M_MMAP_THRESHOLD, 64 << 20)  # blocks under 64 MiB come from (and go back to) the heap
+        libc.mallopt(M_TRIM_THRESHOLD, KEEP_FREED_BYTES)
 
 
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
