@@ -150,3 +150,23 @@ def test_partial_writes_resume_where_they_stopped():
     assert [bytes(p) for p in _advance(pieces, 3)] == [b"defg", b"h"]
     assert [bytes(p) for p in _advance(pieces, 5)] == [b"fg", b"h"]
     assert _advance(pieces, 8) == []
+
+
+def test_shared_files_kept_for_reuse_are_bounded(tmp_path):
+    """Free files come back up to `keep_bytes`, the ones past it are removed; a file an earlier, larger step
+    grew is cut to the step it carries when that is under half its size."""
+    from packfeed.server.serve.workers import SharedFiles, _write_shared
+
+    files = SharedFiles(str(tmp_path), keep_bytes=3000)
+    first, second = files.take(), files.take()
+    assert first != second and files.created == 2
+    _write_shared(first, [[b"x" * 2000]])
+    _write_shared(second, [[b"y" * 2000]])
+    files.give_back(first)  # 2000 free: kept
+    files.give_back(second)  # 4000 free would be over 3000: removed
+    assert Path(first).exists() and not Path(second).exists()
+    assert files.take() == first and files.created == 2  # used again, not made anew
+    assert _write_shared(first, [[b"z" * 1500]]) == [1500] and Path(first).stat().st_size == 2000  # kept whole
+    assert _write_shared(first, [[b"w" * 500]]) == [500] and Path(first).stat().st_size == 500  # cut
+    files.give_back(str(tmp_path / "never-written"))  # a worker that fell back to the pipe: nothing to keep
+    assert files.take() != str(tmp_path / "never-written")

@@ -74,9 +74,12 @@ def check_pixels(pixels: str) -> None:
         raise ValueError(f"pixels: {pixels!r} is not one of {', '.join(PIXEL_MODES)}")
     if pixels == "fast":
         try:
-            import cv2  # noqa: F401
+            import cv2
         except ImportError:
             raise ValueError("pixels: fast resizes with OpenCV: pip install 'packfeed[fast]'") from None
+        if not hasattr(cv2, "IMREAD_COLOR_RGB"):
+            raise ValueError(f"pixels: fast needs OpenCV 4.10 or later (installed: {cv2.__version__}): "
+                             "pip install -U 'packfeed[fast]'")
 
 
 def _resizer(image: Image.Image | np.ndarray, pixels: str) -> Resize:

@@ -169,9 +169,9 @@ def shared_directory() -> str:
 class SharedFiles:
     """The files in shared memory that carry prepared steps from the workers to the server, used again and again.
 
-    Writing a step into a new file costs the kernel a fresh page for every 4 KiB (allocated, charged, zeroed or
-    copied into cold memory): 4.2 ms per 8 MB here, against 1.0 ms into the pages of a file written before
-    (BENCHMARKS.md "CPU per delivered sample"). So the server gives each step a file from this pool; once the step
+    Writing a step into a new file costs the kernel a fresh page for every 4 KiB (allocated, charged, copied
+    into cold memory), and the server's mapping faults them in anew: 7.4 ms of CPU per 8 MB step here, written,
+    mapped and read, against 2.8 ms with the pages of a file written before (BENCHMARKS.md "Handing steps over"). So the server gives each step a file from this pool; once the step
     is sent (its mapping dropped) the file comes back, pages and all, for another step. Files come back while
     the pool holds under `keep_bytes` (a quarter of the server's memory budget) of free ones; past that they are
     removed. A file keeps at most twice the bytes of the step it carries (the worker cuts it), so shared memory
@@ -297,8 +297,8 @@ KEEP_FREED_BYTES = 128 << 20
 def keep_freed_memory() -> None:
     """Have glibc's malloc keep freed memory for the next allocation, up to KEEP_FREED_BYTES: a server process
     allocates and frees megabytes per step (pixels, message parts, gRPC's buffers), and by default glibc gives
-    large blocks back to the kernel at once, so every step pays again for fresh pages, zeroed (in the server
-    process a tenth of its CPU, BENCHMARKS.md "CPU per delivered sample"). The price: a process's resident
+    large blocks back to the kernel at once, so every step pays again for fresh pages, zeroed (a tenth of the
+    server process's CPU in a `perf` profile of the CPU-per-sample benchmark). The price: a process's resident
     memory stays up to that much above what it holds. No-op without glibc (musl has no mallopt)."""
     if sys.platform != "linux":
         return

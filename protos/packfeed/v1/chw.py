@@ -1,9 +1,9 @@
 """Tiles cut from a resized image, channels first: uint8 (H, W, 3) windows -> contiguous (3, h, w).
 
 numpy's copy of a transposed view (`np.ascontiguousarray(window.transpose(2, 0, 1))`) moves one byte at a time
-with the strides worked out per element: 2.3 ms per 7 MB here, as much as the fast path's whole resize. This
-kernel reads each window row as a contiguous run of the image's rows and splits its interleaved channels,
-which LLVM vectorises (0.4 ms per 7 MB, BENCHMARKS.md "CPU per delivered sample").
+with the strides worked out per element: 2.7 ms for the 12 tiles of a 4 x 3 InternVL grid (7.2 MB) here, as
+much as the fast path's whole resize. This kernel reads each window row as a contiguous run of the image's
+rows and splits its interleaved channels, which LLVM vectorises: 0.4 ms (BENCHMARKS.md "Handing steps over").
 """
 
 from __future__ import annotations

@@ -1,0 +1,87 @@
+"""What moving a prepared step costs after its pixels exist, each way against the one it replaced, interleaved:
+
+- handing a step to the server in shared memory: a new file per step (as before) against the pool's files
+  used again (`SharedFiles`), written as a worker writes (`_write_shared`) and mapped as the server maps
+  (`RankStepResult.attach`); CPU of this process, user + system;
+- cutting tiles channels first: numpy's copy of a transposed view against `packfeed.v1.chw`.
+
+Run: .venv/bin/python -m pytest -q -s tests/benchmarks/test_bench_handover.py -m benchmark
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import time
+import uuid
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.benchmark
+STEP_BYTES = 8 << 20  # about two photographs' tiles (4.3 MB per sample)
+ROUNDS, STEPS = 3, 40
+
+
+def cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def hand_over(pieces: list, files, directory: str) -> None:
+    """One step written into a file as a worker does, mapped and read as the server does, then let go."""
+    from packfeed.server.serve.workers import SHARED_PREFIX, RankStepResult, _write_shared
+
+    path = files.take() if files else os.path.join(directory, f"{SHARED_PREFIX}{os.getpid()}-{uuid.uuid4().hex}")
+    result = RankStepResult([], 1, shared=path, lengths=_write_shared(path, [pieces]),
+                            release=files.give_back if files else None)
+    result.attach()
+    assert len(result.messages[0]) == STEP_BYTES
+    result.messages = []  # the mapping goes: a pool's file comes back, a lone one is removed
+
+
+def test_shared_memory_files_new_or_used_again():
+    from packfeed.server.serve.workers import SHARED_PREFIX, SharedFiles, shared_directory
+
+    directory = shared_directory()
+    pieces = [np.random.default_rng(0).integers(0, 256, STEP_BYTES, dtype=np.uint8)]
+    files = SharedFiles(directory, 1 << 30)
+    fresh, reused = "a new file per step", "the pool's files used again"
+    best = {fresh: float("inf"), reused: float("inf")}
+    try:
+        for _ in range(ROUNDS):
+            for name, pool in ((fresh, None), (reused, files)):
+                started = cpu_seconds()
+                for _ in range(STEPS):
+                    hand_over(pieces, pool, directory)
+                best[name] = min(best[name], (cpu_seconds() - started) / STEPS)
+    finally:
+        files.clear()
+        for path in Path(directory).glob(f"{SHARED_PREFIX}{os.getpid()}-*"):
+            path.unlink()
+    for name, seconds in best.items():
+        print(f"\n[handover] {STEP_BYTES >> 20} MB step, {name}: {seconds * 1e3:.2f} ms CPU (write + map + read)", end="")
+    print(f"\n[handover] used again: {best[fresh] / best[reused]:.1f}x less CPU")
+    assert files.created == 1  # every step after the first wrote into the same file
+
+
+def test_cutting_tiles_channels_first():
+    from packfeed.v1.chw import chw_tiles
+
+    image = np.random.default_rng(0).integers(0, 256, (1344, 1792, 3), dtype=np.uint8)  # a 4 x 3 InternVL grid
+    boxes = [(top, left, 448, 448) for top in range(0, 1344, 448) for left in range(0, 1792, 448)]
+    ways = {"numpy (transposed view copied)": lambda: [np.ascontiguousarray(image[t:t + h, l:l + w].transpose(2, 0, 1))
+                                                       for t, l, h, w in boxes],
+            "packfeed.v1.chw": lambda: chw_tiles(image, boxes)}
+    assert all(np.array_equal(a, b) for a, b in zip(*(way() for way in ways.values())))
+    best = {name: float("inf") for name in ways}
+    for _ in range(ROUNDS):
+        for name, way in ways.items():
+            started = time.process_time()
+            for _ in range(10):
+                way()
+            best[name] = min(best[name], (time.process_time() - started) / 10)
+    for name, seconds in best.items():
+        print(f"\n[chw] 12 tiles of 448 px (7.2 MB), {name}: {seconds * 1e3:.2f} ms", end="")
+    print()
