@@ -166,3 +166,35 @@ def test_fast_path_error_per_policy(tmp_path):
         print(f"[fast error] {raw}: mean abs error {np.mean(maes):.3f}/255 (worst image {max(maes):.3f}), "
               f"mean PSNR {np.mean(psnrs):.1f} dB (worst image {min(psnrs):.1f})")
         assert max(maes) > 0
+
+
+def test_fast_path_decoding(tmp_path):
+    """Decoding alone, to uint8 (H, W, 3) upright RGB: Pillow as the exact path decodes (`to_rgb`, copied out of
+    Pillow's 4-byte pixels) against the fast path's `fast_pixels` (OpenCV where it decodes as Pillow does), on the
+    demo photographs at full size; the benchmark checks that both give the same pixels."""
+    from packfeed.server.index.image_policy import policy_from_dict
+    from packfeed.server.serve.preprocess import fast_pixels
+    from packfeed.v1.pixels import oriented_size
+
+    pytest.importorskip("cv2")
+    demo = write_demo_dataset(tmp_path / "demo", samples=160, shards=2, seed=5, bad_samples=False)
+    images = []
+    for shard in demo.shards:
+        with tarfile.open(shard) as tar:
+            images += [tar.extractfile(m).read() for m in tar if m.name.rsplit(".", 1)[-1] in ("jpg", "png")]
+    policy = policy_from_dict({"name": "internvl"})  # targets over a quarter of the image: no draft
+    geometries = [policy.geometry(*oriented_size(Image.open(io.BytesIO(data)), data), 1) for data in images]
+
+    def pillow(data: bytes) -> np.ndarray:
+        with Image.open(io.BytesIO(data)) as image:
+            return np.asarray(to_rgb(image))
+
+    assert all(np.array_equal(pillow(data), fast_pixels(data, g)) for data, g in zip(images, geometries))
+    geometry_of = {id(data): g for data, g in zip(images, geometries)}
+    decoders = {"Pillow + to_rgb + copy out": pillow,
+                "fast_pixels": lambda data: fast_pixels(data, geometry_of[id(data)])}
+    timings = best_cpu_seconds(decoders, images, rounds=3)
+    for name, seconds in timings.items():
+        print(f"\n[decode] {len(images)} demo images, {name}: {seconds / len(images) * 1e3:.2f} ms per image "
+              f"({timings['Pillow + to_rgb + copy out'] / seconds:.2f}x)", end="")
+    print()
