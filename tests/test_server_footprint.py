@@ -170,3 +170,24 @@ def test_shared_files_kept_for_reuse_are_bounded(tmp_path):
     assert _write_shared(first, [[b"w" * 500]]) == [500] and Path(first).stat().st_size == 500  # cut
     files.give_back(str(tmp_path / "never-written"))  # a worker that fell back to the pipe: nothing to keep
     assert files.take() != str(tmp_path / "never-written")
+
+
+def test_the_servers_mapping_of_a_file_is_kept_and_follows_what_the_worker_wrote(tmp_path):
+    """A step's messages are views of a mapping the pool keeps per file: a later step in the same file reads its
+    own bytes, also once the file grew past the mapping or was cut short; the file comes back to the pool when
+    the last view goes."""
+    import gc
+
+    from packfeed.server.serve.workers import RankStepResult, SharedFiles, _write_shared
+
+    files = SharedFiles(str(tmp_path), keep_bytes=1 << 20)
+    path = files.take()
+    for size, byte in ((3000, b"a"), (2000, b"b"), (9000, b"c"), (100, b"d")):  # same, smaller, grown, cut
+        lengths = _write_shared(path, [[byte * (size // 2)], [byte * (size - size // 2)]])
+        result = RankStepResult([], 1, shared=path, lengths=lengths, files=files).attach()
+        assert [bytes(m) for m in result.messages] == [byte * (size // 2), byte * (size - size // 2)]
+        assert files.take() != path  # in use while viewed (the other file, never written, is not kept)
+        del result
+        gc.collect()
+        assert files.take() == path  # back once nothing views it, and handed out again
+    assert Path(path).stat().st_size == 100

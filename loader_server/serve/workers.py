@@ -63,8 +63,8 @@ class RankStepWork:
 class RankStepResult:
     """A prepared rank-step. From a worker process the messages travel in a file in shared memory (`shared`,
     their `lengths`), not through pickling: `attach()` maps the file, and the messages are then views of the
-    mapping; once the last of them is dropped the mapping goes and the file is given back (`release`) to be
-    written again."""
+    mapping; once the last of them is dropped the file goes back to the server's pool (`files`) to carry
+    another step (without a pool it is removed)."""
 
     messages: list  # serialized Pack, one per microbatch: bytes, or views of the attached mapping
     samples: int
@@ -73,10 +73,10 @@ class RankStepResult:
     by_dataset: dict[str, int] = field(default_factory=dict)  # samples delivered per dataset
     shared: str | None = None  # the file holding the messages back to back, until attached
     lengths: list[int] = field(default_factory=list)
-    release: Callable[[str], None] | None = field(default=None, repr=False)  # where the file goes back (server)
+    files: "SharedFiles | None" = field(default=None, repr=False)  # the server's pool the file comes from
 
     def __getstate__(self) -> dict:
-        return {**self.__dict__, "release": None}  # the server's pool never travels to or from a worker
+        return {**self.__dict__, "files": None}  # the server's pool never travels to or from a worker
 
     @property
     def nbytes(self) -> int:
@@ -87,41 +87,46 @@ class RankStepResult:
             return self
         path, self.shared = self.shared, None
         total = sum(self.lengths)
+        if not total:
+            _give_back(self.files, path)
+            self.messages = [b"" for _ in self.lengths]
+            return self
         try:
-            fd = os.open(path, os.O_RDONLY)
+            view = self.files.view(path, total) if self.files else np.frombuffer(_map_file(path), np.uint8, total)
         except OSError:
-            _give_back(self.release, path)
+            _give_back(self.files, path)
             raise
-        try:
-            # MAP_POPULATE maps every page at once instead of faulting them in one by one as they are read
-            flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-            mapping = mmap.mmap(fd, total, flags=flags, prot=mmap.PROT_READ) if total else None
-        finally:
-            os.close(fd)
-        if mapping is None:
-            _give_back(self.release, path)
-            view = memoryview(b"")
-        else:  # once no message views it any more (the callback must not hold the result: it holds the views)
-            weakref.finalize(mapping, _give_back, self.release, path)
-            view = memoryview(mapping)
+        # once no message views it any more (the callback must not hold the result: it holds the views)
+        weakref.finalize(view, _give_back, self.files, path)
         offsets = [0]
         for length in self.lengths:
             offsets.append(offsets[-1] + length)
-        self.messages = [view[a:b] for a, b in zip(offsets[:-1], offsets[1:])]
+        self.messages = [memoryview(view[a:b]) for a, b in zip(offsets[:-1], offsets[1:])]
         return self
 
     def discard(self) -> None:
         """Give back the file of a result nobody will attach (its step was abandoned)."""
         if self.shared is not None:
             path, self.shared = self.shared, None
-            _give_back(self.release, path)
+            _give_back(self.files, path)
 
 
-def _give_back(release: Callable[[str], None] | None, path: str) -> None:
-    if release is not None:
-        release(path)
+def _give_back(files: "SharedFiles | None", path: str) -> None:
+    if files is not None:
+        files.give_back(path)
     else:  # not from a pool (inline use): the file was this result's alone
         _unlink(path)
+
+
+def _map_file(path: str) -> mmap.mmap:
+    """The whole file, mapped read-only. MAP_POPULATE maps every page at once instead of faulting them in one
+    by one as they are read."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+        return mmap.mmap(fd, os.fstat(fd).st_size, flags=flags, prot=mmap.PROT_READ)
+    finally:
+        os.close(fd)
 
 
 def abandon(future: asyncio.Future) -> None:
@@ -182,6 +187,7 @@ class SharedFiles:
     def __init__(self, directory: str, keep_bytes: int):
         self.directory, self.keep_bytes = directory, keep_bytes
         self._free: list[tuple[str, int]] = []  # (path, bytes)
+        self._maps: dict[str, mmap.mmap] = {}  # the server's mapping of each file, kept from step to step
         self._lock = threading.Lock()
         self.created = 0
 
@@ -193,21 +199,33 @@ class SharedFiles:
             self.created += 1
         return os.path.join(self.directory, f"{SHARED_PREFIX}{os.getpid()}-{uuid.uuid4().hex}")
 
+    def view(self, path: str, nbytes: int) -> np.ndarray:
+        """The first `nbytes` of the file at `path`, read-only, through a mapping kept for the file (made again
+        only when the file outgrew it): the server maps and unmaps nothing per step. Raises OSError."""
+        with self._lock:
+            mapping = self._maps.get(path)
+            if mapping is None or len(mapping) < nbytes:
+                mapping = self._maps[path] = _map_file(path)  # the old one goes once nothing views it
+        return np.frombuffer(mapping, np.uint8, nbytes)
+
     def give_back(self, path: str) -> None:
         try:
             size = os.stat(path).st_size
         except OSError:
-            return  # never written (the worker fell back to the pipe), or removed by a pool restart
+            size = None  # never written (the worker fell back to the pipe), or removed by a pool restart
         with self._lock:
-            if sum(nbytes for _, nbytes in self._free) + size <= self.keep_bytes:
+            if size is not None and sum(nbytes for _, nbytes in self._free) + size <= self.keep_bytes:
                 self._free.append((path, size))
                 return
-        _unlink(path)
+            self._maps.pop(path, None)  # unmapped once nothing views it
+        if size is not None:
+            _unlink(path)
 
     def clear(self) -> None:
-        """Forget the free files (their owner removes them)."""
+        """Forget the files (their owner removes them) and drop their mappings."""
         with self._lock:
             self._free.clear()
+            self._maps.clear()
 
 
 def _write_shared(path: str, messages: list[list]) -> list[int]:
@@ -396,7 +414,7 @@ class WorkerPool:
             if done.cancelled() or done.exception() is not None or done.result().shared is None:
                 files.give_back(shared)  # nobody writes it any more (a dead worker's was removed)
             else:
-                done.result().release = files.give_back
+                done.result().files = files
 
         running.add_done_callback(finished)
         future = asyncio.wrap_future(running)

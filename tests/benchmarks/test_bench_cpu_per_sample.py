@@ -168,7 +168,7 @@ def worker_cpu_seconds(index: Path, tokenizer: Path, pixels: str) -> tuple[int, 
     samples, started = 0, time.process_time()
     for step in range(job.plan(0).n_steps):
         result = workers.build_rank_step(job.work(0, step, 0), files.take())
-        result.release = files.give_back
+        result.files = files
         samples += result.attach().samples
         result.messages = []
     seconds = time.process_time() - started
