@@ -175,9 +175,11 @@ class SharedFiles:
     """The files in shared memory that carry prepared steps from the workers to the server, used again and again.
 
     Writing a step into a new file costs the kernel a fresh page for every 4 KiB (allocated, charged, copied
-    into cold memory), and the server's mapping faults them in anew: 7.4 ms of CPU per 8 MB step here, written,
-    mapped and read, against 2.8 ms with the pages of a file written before (BENCHMARKS.md "Handing steps over"). So the server gives each step a file from this pool; once the step
-    is sent (its mapping dropped) the file comes back, pages and all, for another step. Files come back while
+    into cold memory), and the server's new mapping faults them in again: 5.4 ms of CPU per 8 MB step here,
+    written, mapped and copied out, against 1.3 ms into the pages of a file written before, through a mapping
+    the server keeps (`view`; BENCHMARKS.md "Handing steps over"). So the server gives each step a file from
+    this pool; once the step is sent (its last view dropped) the file comes back, pages and mapping and all,
+    for another step. Files come back while
     the pool holds under `keep_bytes` (a quarter of the server's memory budget) of free ones; past that they are
     removed. A file keeps at most twice the bytes of the step it carries (the worker cuts it), so shared memory
     holds at most twice the budget's steps in flight, plus `keep_bytes`.
