@@ -179,12 +179,11 @@ class SharedFiles:
     written, mapped and copied out, against 1.3 ms into the pages of a file written before, through a mapping
     the server keeps (`view`; BENCHMARKS.md "Handing steps over"). So the server gives each step a file from
     this pool; once the step is sent (its last view dropped) the file comes back, pages and mapping and all,
-    for another step. Files come back while
-    the pool holds under `keep_bytes` (a quarter of the server's memory budget) of free ones; past that they are
-    removed. A file keeps at most twice the bytes of the step it carries (the worker cuts it), so shared memory
-    holds at most twice the budget's steps in flight, plus `keep_bytes`.
-    Files are named after the server process, so a stop (or the next start, after a kill) removes them all.
-    Thread-safe: files come back from whichever thread drops a step's last view."""
+    for another step. Files come back while the pool holds under `keep_bytes` (a quarter of the server's memory
+    budget) of free ones; past that they are removed. A file keeps at most twice the bytes of the step it
+    carries (the worker cuts it), so shared memory holds at most twice the budget's steps in flight, plus
+    `keep_bytes`. Files are named after the server process, so a stop (or the next start, after a kill)
+    removes them all. Thread-safe: files come back from whichever thread drops a step's last view."""
 
     def __init__(self, directory: str, keep_bytes: int):
         self.directory, self.keep_bytes = directory, keep_bytes
