@@ -173,8 +173,7 @@ def worker_cpu_seconds(index: Path, tokenizer: Path, pixels: str) -> tuple[int, 
         result.messages = []
     seconds = time.process_time() - started
     files.clear()
-    for path in Path(workers.shared_directory()).glob(f"{workers.SHARED_PREFIX}{os.getpid()}-*"):
-        path.unlink()
+    workers.remove_shared_files(workers.shared_directory(), os.getpid())
     return samples, seconds
 
 

@@ -15,7 +15,6 @@ import os
 import resource
 import time
 import uuid
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -43,7 +42,7 @@ def hand_over(pieces: list, files, directory: str) -> None:
 
 
 def test_shared_memory_files_new_or_used_again():
-    from packfeed.server.serve.workers import SHARED_PREFIX, SharedFiles, shared_directory
+    from packfeed.server.serve.workers import SharedFiles, remove_shared_files, shared_directory
 
     directory = shared_directory()
     pieces = [np.random.default_rng(0).integers(0, 256, STEP_BYTES, dtype=np.uint8)]
@@ -59,8 +58,7 @@ def test_shared_memory_files_new_or_used_again():
                 best[name] = min(best[name], (cpu_seconds() - started) / STEPS)
     finally:
         files.clear()
-        for path in Path(directory).glob(f"{SHARED_PREFIX}{os.getpid()}-*"):
-            path.unlink()
+        remove_shared_files(directory, os.getpid())
     for name, seconds in best.items():
         print(f"\n[handover] {STEP_BYTES >> 20} MB step, {name}: {seconds * 1e3:.2f} ms CPU (write, map, copy out)", end="")
     print(f"\n[handover] used again: {best[fresh] / best[reused]:.1f}x less CPU")

@@ -36,11 +36,3 @@ def chw_tiles(image: np.ndarray, boxes: list[tuple[int, int, int, int]]) -> list
         tiles.append(tile)
     return tiles
 
-
-def compile_kernel() -> None:
-    """Compile (and cache on disk) the kernel for the images it meets: read-only (Pillow's) and writable."""
-    writable = np.zeros((4, 4, 3), np.uint8)
-    read_only = writable.copy()
-    read_only.setflags(write=False)
-    for image in (read_only, writable):
-        chw_tiles(image, [(1, 1, 2, 2)])

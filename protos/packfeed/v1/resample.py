@@ -28,7 +28,7 @@ import numpy as np
 import PIL
 from PIL import Image
 
-from packfeed.v1.chw import compile_kernel as compile_chw_kernel
+from packfeed.v1.chw import chw_tiles
 from packfeed.v1.pixels import Resize, pil_resizer
 
 log = logging.getLogger(__name__)
@@ -204,7 +204,7 @@ def compile_kernels() -> bool:
     for pixels in (read_only, writable):
         for size in ((12, 5), (5, 12), (8, 5), (5, 8)):  # both orders, and each pass alone, from the source
             resize_bicubic(pixels, size)
-    compile_chw_kernel()  # cutting tiles channels first, after any resizer
+        chw_tiles(pixels, [(1, 1, 2, 2)])  # tiles are cut channels first from any resizer's output
     return matches_pillow()
 
 
