@@ -316,8 +316,8 @@ KEEP_FREED_BYTES = 128 << 20
 def keep_freed_memory() -> None:
     """Have glibc's malloc keep freed memory for the next allocation, up to KEEP_FREED_BYTES: a server process
     allocates and frees megabytes per step (pixels, message parts, gRPC's buffers), and by default glibc gives
-    large blocks back to the kernel at once, so every step pays again for fresh pages, zeroed (a tenth of the
-    server process's CPU in a `perf` profile of the CPU-per-sample benchmark). The price: a process's resident
+    large blocks back to the kernel at once, so every step pays again for fresh pages, zeroed (seen in a one-off
+    `perf` profile of the server process during the CPU-per-sample benchmark). The price: a process's resident
     memory stays up to that much above what it holds. No-op without glibc (musl has no mallopt)."""
     if sys.platform != "linux":
         return
