@@ -191,3 +191,20 @@ def test_the_servers_mapping_of_a_file_is_kept_and_follows_what_the_worker_wrote
         gc.collect()
         assert files.take() == path  # back once nothing views it, and handed out again
     assert Path(path).stat().st_size == 100
+
+
+def test_a_worker_drops_its_mapping_of_a_file_the_server_removed(tmp_path):
+    """A worker keeps a writable mapping of each file it wrote in place; once the server removes a file, the next
+    write lets that mapping go (kept, it would hold the removed file's memory)."""
+    from packfeed.server.serve import workers
+
+    first, second = str(tmp_path / "first"), str(tmp_path / "second")
+    for path in (first, second):
+        workers._write_shared(path, [[b"a" * 4096]])  # made (written with pwritev)
+        workers._write_shared(path, [[b"b" * 3000]])  # written in place, through the worker's mapping
+        assert Path(path).read_bytes()[:3000] == b"b" * 3000 and path in workers._MAPPED
+    Path(first).unlink()
+    workers._write_shared(second, [[b"c" * 4096]])
+    assert first not in workers._MAPPED and second in workers._MAPPED
+    assert Path(second).read_bytes() == b"c" * 4096
+    workers._forget_mapping(second)

@@ -23,6 +23,24 @@ from packfeed.server.serve.preprocess import IMAGE, SampleTensors
 from packfeed.v1.pixels import GEOMETRY_COLUMNS
 
 
+@dataclass(frozen=True)
+class Chunks:
+    """A 1-D tensor kept as the arrays it is made of, in order: a pack's pixels, each tile as cut. The wire writes
+    them one after another into the step's shared file (`packfeed.server.serve.wire`), so the pixels are never
+    joined into one array on the way. `np.asarray` joins them (for readers that want one array)."""
+
+    arrays: tuple[np.ndarray, ...]
+    dtype: np.dtype
+
+    def __len__(self) -> int:
+        return sum(array.size for array in self.arrays)
+
+    def __array__(self, dtype=None, copy=None) -> np.ndarray:
+        joined = np.concatenate([array.reshape(-1) for array in self.arrays]) if self.arrays \
+            else np.zeros(0, self.dtype)
+        return joined if dtype is None else joined.astype(dtype)
+
+
 @dataclass
 class Pack:
     epoch: int
@@ -30,7 +48,7 @@ class Pack:
     rank: int
     microbatch: int
     sample_keys: list[str]
-    tensors: dict[str, np.ndarray]
+    tensors: dict[str, np.ndarray | Chunks]
     loss_tokens: int
     skipped: list[tuple[str, str]] = field(default_factory=list)  # (key, reason) of samples left out
     step_loss_tokens: int = 0  # filled in once every pack of the step is known
@@ -55,7 +73,7 @@ def assemble_pack(samples: list[SampleTensors], epoch: int, step: int, rank: int
     geometry = [g for s in samples for g in s.geometry]
     shapes = [t.shape for t in tiles] or [shape for g in geometry for shape in g.tile_shapes()]
     tile_shapes = np.array(shapes, dtype=np.int32).reshape(-1, 3)
-    pixels = np.concatenate([t.reshape(-1) for t in tiles]) if tiles else np.zeros(0, np.uint8)
+    pixels = Chunks(tuple(tiles), np.dtype(np.uint8))
     tile_image, image_sample, spans = [], [], []
     image_no = 0
     for k, sample in enumerate(samples):

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from packfeed.server.serve.packs import Pack
+from packfeed.server.serve.packs import Chunks, Pack
 from packfeed.v1 import packfeed_pb2 as pb
 
 _LENGTH_DELIMITED = 2
@@ -45,26 +45,29 @@ def little_endian(array: np.ndarray) -> np.ndarray:
     return array.astype(array.dtype.newbyteorder("<"), copy=False)
 
 
-def _tensor_entry(name: str, array: np.ndarray, offset: int, alignment: int) -> list:
+def _tensor_entry(name: str, array: np.ndarray | Chunks, offset: int, alignment: int) -> list:
     """The map entry of one tensor, to be written at `offset` of the message: its payload padded (the Tensor's
-    `align` field, before `data`) to start at a multiple of `alignment` (1: no padding)."""
-    array = little_endian(array)
-    data = memoryview(array).cast("B") if array.size else b""
+    `align` field, before `data`) to start at a multiple of `alignment` (1: no padding). The payload is the
+    array's own buffer (each of its arrays' in turn, for `Chunks`)."""
+    arrays = [little_endian(part) for part in (array.arrays if isinstance(array, Chunks) else (array,))]
+    data = [memoryview(part).cast("B") for part in arrays if part.size]
+    size = sum(len(part) for part in data)
+    dtype, shape = (array.dtype, (len(array),)) if isinstance(array, Chunks) else (arrays[0].dtype, arrays[0].shape)
     key = name.encode()
     key_field = _header(_MAP_KEY, len(key)) + key
-    shape = pb.Tensor(dtype=array.dtype.name, shape=array.shape).SerializeToString()
-    padded, pad = len(data) and alignment > 1, 0
+    shape = pb.Tensor(dtype=dtype.name, shape=shape).SerializeToString()
+    padded, pad = size and alignment > 1, 0
     while True:  # grow the pad by what is missing; a varint growing with it may ask for one more round
         padding = _header(_ALIGN, pad) + bytes(pad) if padded else b""
-        tensor_head = shape + padding + _header(_DATA, len(data))
-        value_length = len(tensor_head) + len(data)
+        tensor_head = shape + padding + _header(_DATA, size)
+        value_length = len(tensor_head) + size
         value_head = _header(_MAP_VALUE, value_length)
         entry_head = _header(_TENSORS, len(key_field) + len(value_head) + value_length)
         missing = -(offset + len(entry_head) + len(key_field) + len(value_head) + len(tensor_head)) % alignment
         if not padded or not missing:
             break
         pad += missing
-    return [entry_head, key_field, value_head, tensor_head, data]
+    return [entry_head, key_field, value_head, tensor_head, *data]
 
 
 def encode_pack(pack: Pack, microbatches: int, last_in_epoch: bool, alignment: int = ALIGNMENT) -> bytes:
