@@ -6,6 +6,7 @@ produce when it pre-processes the image, so the index can cost a sample without 
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import asdict, dataclass
 from typing import Any, Protocol
@@ -108,6 +109,14 @@ class _SquareTiles(_Recorded):
         return ImageCost(frames, frames * self.tokens_per_tile, (self.patches_per_unit,) * frames)
 
 
+@functools.lru_cache(maxsize=64)
+def _grids(min_num: int, max_num: int) -> tuple[tuple[int, int], ...]:
+    """Every (columns, rows) grid of min_num..max_num tiles, fewest tiles first (InternVL's `target_ratios`).
+    Cached: a policy asks for the same few lists for every image."""
+    return tuple(sorted({(i, j) for n in range(min_num, max_num + 1) for i in range(1, n + 1)
+                         for j in range(1, n + 1) if min_num <= i * j <= max_num}, key=lambda r: r[0] * r[1]))
+
+
 @dataclass(frozen=True)
 class InternVLTiling(_SquareTiles):
     """InternVL dynamic high resolution: the image is resized to a grid of `image_size` tiles whose aspect
@@ -136,8 +145,7 @@ class InternVLTiling(_SquareTiles):
         split = n_images > 1 and self.multi_image == "split"
         max_num = max(1, self.max_num // n_images) if split else self.max_num
         min_num = min(self.min_num, max_num)
-        ratios = sorted({(i, j) for n in range(min_num, max_num + 1) for i in range(1, n + 1)
-                         for j in range(1, n + 1) if min_num <= i * j <= max_num}, key=lambda r: r[0] * r[1])
+        ratios = _grids(min_num, max_num)
         aspect = width / height
         area = width * height
         best, best_diff = (1, 1), float("inf")
