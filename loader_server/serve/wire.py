@@ -4,8 +4,9 @@ Building the message through protobuf copies every tensor's bytes four times (nd
 `Tensor`, into the map, out again on `SerializeToString`), which costs a loader server more than a third
 of its time next to decoding and tiling. Protobuf messages concatenate: the fields without tensors are
 serialized by protobuf, and each `tensors` map entry is framed here by the wire format's rules (a
-length-delimited field is tag, varint length, payload), with the array's own buffer as the payload, so
-`bytes.join` copies the pixels once. Any protobuf parser reads the result as the same `Pack`. Each payload
+length-delimited field is tag, varint length, payload), with the array's own buffer as the payload (for a
+pack's pixels, `Chunks`: each tile's buffer in turn, never joined), so writing the pieces into a step's file
+copies the pixels once. Any protobuf parser reads the result as the same `Pack`. Each payload
 starts at a multiple of 64 bytes within the message (the Tensor's `align` padding), so readers in any
 language can view it in place.
 """

@@ -130,25 +130,34 @@ def dataset(tmp_path: Path, images: str) -> tuple[list[Path], Path, Path]:
     return shards, tokenizer, index
 
 
+ROUNDS = 3  # interleaved; the best of each is compared too, as this shared machine's noise only ever adds CPU
+
+
 @pytest.mark.parametrize("images", ["photographs", "scans"])
 def test_cpu_per_delivered_sample(tmp_path, images):
     shards, tokenizer, index = dataset(tmp_path, images)
     pytest.importorskip("cv2")
     baseline_cpu_seconds(shards[:1], tokenizer)  # page cache and imports
-    for _ in range(2):
+    best = {name: float("inf") for name in ("baseline", "exact", "fast", "encoded")}
+    for _ in range(ROUNDS):
         base_n, base_s = baseline_cpu_seconds(shards, tokenizer)
         base = base_s / base_n
+        best["baseline"] = min(best["baseline"], base)
         print(f"\n[cpu/sample] {images}: InternVL's pre-processing: {base_n} samples, {base_s:.2f} CPU s = "
               f"{base * 1e3:.1f} ms per sample")
         wire = {}
         for pixels in ("exact", "fast", "encoded"):
             served_n, served_s, main_s, wire[pixels] = served_cpu_seconds(index, pixels)
+            best[pixels] = min(best[pixels], served_s / served_n)
             print(f"[cpu/sample] {images}: packfeed serve tree, pixels {pixels}: {served_n} samples, {served_s:.2f} CPU "
                   f"s = {served_s / served_n * 1e3:.1f} ms per sample (main process {main_s / served_n * 1e3:.1f}); "
                   f"{served_s / served_n / base:.2f}x the baseline ({base / (served_s / served_n):.1f}x less); wire "
                   f"{wire[pixels] / served_n / 1e6:.2f} MB per sample")
             assert served_n == base_n
         print(f"[cpu/sample] {images}: wire bytes, uint8 tiles / encoded files: {wire['exact'] / wire['encoded']:.1f}x")
+    print(f"[cpu/sample] {images}: best of {ROUNDS}: baseline {best['baseline'] * 1e3:.1f} ms, " + ", ".join(
+        f"{pixels} {best[pixels] * 1e3:.1f} ms ({best[pixels] / best['baseline']:.2f}x, "
+        f"{best['baseline'] / best[pixels]:.1f}x less)" for pixels in ("exact", "fast", "encoded")))
 
 
 def worker_cpu_seconds(index: Path, tokenizer: Path, pixels: str) -> tuple[int, float]:
@@ -184,11 +193,16 @@ def test_worker_function_against_the_baseline(tmp_path, images):
     shards, tokenizer, index = dataset(tmp_path, images)
     pytest.importorskip("cv2")
     worker_cpu_seconds(index, tokenizer, "exact")  # imports, page cache, the tokenizer
-    for _ in range(2):
+    best = {name: float("inf") for name in ("baseline", "exact", "fast", "encoded")}
+    for _ in range(ROUNDS):
         base_n, base_s = baseline_cpu_seconds(shards, tokenizer)
+        best["baseline"] = min(best["baseline"], base_s / base_n)
         line = [f"baseline {base_s / base_n * 1e3:.1f} ms"]
         for pixels in ("exact", "fast", "encoded"):
             n, seconds = worker_cpu_seconds(index, tokenizer, pixels)
             assert n == base_n
+            best[pixels] = min(best[pixels], seconds / n)
             line.append(f"{pixels} {seconds / n * 1e3:.1f} ms ({seconds / n / (base_s / base_n):.2f}x)")
         print(f"\n[worker fn] {images}: " + ", ".join(line), end="")
+    print(f"\n[worker fn] {images}: best of {ROUNDS}: " + ", ".join(
+        f"{name} {seconds * 1e3:.1f} ms ({seconds / best['baseline']:.2f}x)" for name, seconds in best.items()))
