@@ -232,11 +232,12 @@ class SharedFiles:
 def _write_shared(path: str, messages: list[list]) -> list[int]:
     """The messages' pieces written back to back from the start of the file at `path` (made if missing; a longer
     file keeps its tail, unread). Into a file that holds them already, through this worker's mapping of it
-    (`_writable_mapping`): a plain copy into pages that are there, where pwritev costs the kernel 2.7x as much per
-    byte. A file that must grow is written with pwritev, which allocates its pages as it copies (growing it
-    first and writing through a mapping would clear every new page before the copy, and a full /dev/shm would
-    be a SIGBUS, not an error): a full /dev/shm is an OSError here (the caller sends the bytes instead, and
-    the file is emptied). A worker whose server is gone (it is then a child of init) writes nothing."""
+    (`_writable_mapping`): a plain copy into pages that are there, a third of the CPU of pwritev, which spends it
+    in the kernel's work per page (BENCHMARKS.md "Handing steps over"). A file that must grow is written with
+    pwritev, which allocates its pages as it copies (growing it first and writing through a mapping would clear
+    every new page before the copy, and a full /dev/shm would be a SIGBUS, not an error): a full /dev/shm is an
+    OSError here (the caller sends the bytes instead, and the file is emptied). A worker whose server is gone
+    (it is then a child of init) writes nothing."""
     if os.getppid() == 1:
         raise OSError("the server process is gone")
     lengths = [sum(len(piece) for piece in pieces) for pieces in messages]
@@ -247,10 +248,10 @@ def _write_shared(path: str, messages: list[list]) -> list[int]:
         if size < total:
             _forget_mapping(path)
             _pwrite_all(fd, pieces)
-        elif total:
+        else:
             if size > 2 * total:  # a file an earlier, larger step grew holds no more than twice this one
                 os.ftruncate(fd, total)
-            mapping, offset = _writable_mapping(path, fd), 0
+            mapping, offset = _writable_mapping(path, fd) if total else None, 0
             for piece in pieces:
                 mapping[offset:offset + len(piece)] = piece
                 offset += len(piece)

@@ -90,7 +90,8 @@ def _vertical(source, first, count, weights, out):  # pragma: no cover - compile
             w0, w1, w2, w3 = weights[y, t], weights[y, t + 1], weights[y, t + 2], weights[y, t + 3]
             r0, r1, r2, r3 = source[start + t], source[start + t + 1], source[start + t + 2], source[start + t + 3]
             for i in range(lanes):
-                total[i] += (np.int32(r0[i]) * w0 + np.int32(r1[i]) * w1) + (np.int32(r2[i]) * w2 + np.int32(r3[i]) * w3)
+                total[i] += ((np.int32(r0[i]) * w0 + np.int32(r1[i]) * w1)
+                             + (np.int32(r2[i]) * w2 + np.int32(r3[i]) * w3))
             t += 4
         while t < taps:
             weight, row = weights[y, t], source[start + t]
