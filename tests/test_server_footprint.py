@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from packfeed.client import LocalServer
 
 CLIENT_SIDE = {"packfeed.server.tools.consume"}  # the demo's trainer-side clients
@@ -208,3 +210,38 @@ def test_a_worker_drops_its_mapping_of_a_file_the_server_removed(tmp_path):
     assert first not in workers._MAPPED and second in workers._MAPPED
     assert Path(second).read_bytes() == b"c" * 4096
     workers._forget_mapping(second)
+
+
+GIVE_BACK_SCRIPT = """
+import time
+import numpy as np
+from packfeed.server.serve import workers
+
+def anon_mib():
+    return int(next(line.split()[1] for line in open('/proc/self/status') if line.startswith('RssAnon:'))) // 1024
+
+workers.keep_freed_memory(give_back_after={after})
+base = anon_mib()
+blocks = [np.ones(8 << 20, np.uint8) for _ in range(10)]  # 80 MiB in blocks under 64 MiB: from the heap
+del blocks
+kept = anon_mib()
+workers._ACTIVITY.update(busy=False, since=time.monotonic(), given_back=False)  # as a step leaves it
+{give_back}
+for _ in range(100):  # bounded: 10 s at most
+    if anon_mib() < base + 40:
+        break
+    time.sleep(0.1)
+print(base, kept, anon_mib())
+"""
+
+
+@pytest.mark.parametrize("how", ["asked", "idle"])
+def test_kept_memory_is_given_back(how):
+    """A worker keeps what it frees for its next step (glibc's malloc), and gives it back to the kernel once it has
+    prepared no step for a while (here 0.3 s), or when asked."""
+    script = GIVE_BACK_SCRIPT.format(after=0.3 if how == "idle" else None,
+                                     give_back="workers.give_back_freed_memory()" if how == "asked" else "")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    base, kept, after = (int(v) for v in done.stdout.split())
+    assert kept >= base + 70 and after < base + 40, (base, kept, after)

@@ -345,7 +345,7 @@ _SOURCES: dict[str, DatasetSource] = {}
 
 def _init_worker(sources: dict[str, DatasetSource], server_pid: int | None = None) -> None:
     _SOURCES.update(sources)
-    keep_freed_memory()
+    keep_freed_memory(give_back_after=GIVE_BACK_AFTER_S)
     # A worker is one core. The tokenizer's own thread pool would spin between a sample's few short encodes:
     # a twentieth of a worker's CPU, seen in a one-off `perf` profile during the CPU-per-sample benchmark.
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
@@ -355,20 +355,44 @@ def _init_worker(sources: dict[str, DatasetSource], server_pid: int | None = Non
 
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's malloc.h
 KEEP_FREED_BYTES = 128 << 20
+_ACTIVITY = {"busy": False, "since": 0.0, "given_back": True, "watched": False}  # for _give_back_when_idle
+GIVE_BACK_AFTER_S = 5.0  # a worker that has prepared no step for this long gives its kept memory back
 
 
-def keep_freed_memory() -> None:
+def keep_freed_memory(give_back_after: float | None = None) -> None:
     """Have glibc's malloc keep freed memory for the next allocation, up to KEEP_FREED_BYTES: a server process
     allocates and frees megabytes per step (pixels, message parts, gRPC's buffers), and by default glibc gives
     large blocks back to the kernel at once, so every step pays again for fresh pages, zeroed (seen in a one-off
     `perf` profile of the server process during the CPU-per-sample benchmark). The price: a process's resident
-    memory stays up to that much above what it holds. No-op without glibc (musl has no mallopt)."""
+    memory stays up to that much above what it holds, while it is busy. With `give_back_after` (a worker), a
+    thread gives the kept memory back once no step has been prepared for that many seconds, so an idle worker
+    holds only what it uses. No-op without glibc (musl has no mallopt)."""
     if sys.platform != "linux":
         return
     libc = ctypes.CDLL(None)
     if hasattr(libc, "mallopt"):
         libc.mallopt(M_MMAP_THRESHOLD, 64 << 20)  # blocks under 64 MiB come from (and go back to) the heap
         libc.mallopt(M_TRIM_THRESHOLD, KEEP_FREED_BYTES)
+    if give_back_after is not None and hasattr(libc, "malloc_trim") and not _ACTIVITY["watched"]:
+        _ACTIVITY["watched"] = True  # one thread per process, however often a worker is set up
+        threading.Thread(target=_give_back_when_idle, args=(give_back_after,), daemon=True,
+                         name="packfeed-give-back").start()
+
+
+def give_back_freed_memory() -> None:
+    """Return the memory malloc keeps free to the kernel now (glibc's malloc_trim; no-op elsewhere)."""
+    libc = ctypes.CDLL(None) if sys.platform == "linux" else None
+    if libc is not None and hasattr(libc, "malloc_trim"):
+        libc.malloc_trim(0)
+
+
+def _give_back_when_idle(after: float) -> None:
+    """A worker's thread: give the kept memory back once `after` seconds have passed since the last step ended."""
+    while True:
+        time.sleep(after / 4)
+        if not _ACTIVITY["busy"] and not _ACTIVITY["given_back"] and time.monotonic() - _ACTIVITY["since"] >= after:
+            give_back_freed_memory()
+            _ACTIVITY["given_back"] = True
 
 
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
@@ -396,6 +420,14 @@ def _dataset(name: str) -> tuple[IndexRows, SampleReader]:
 def build_rank_step(work: RankStepWork, shared: str | None = None) -> RankStepResult:
     """Runs in a worker process (messages written into the shared-memory file `shared`), or inline for tests and
     embedded use (`shared` None: the messages as bytes)."""
+    _ACTIVITY["busy"] = True
+    try:
+        return _build_rank_step(work, shared)
+    finally:
+        _ACTIVITY.update(busy=False, since=time.monotonic(), given_back=False)
+
+
+def _build_rank_step(work: RankStepWork, shared: str | None) -> RankStepResult:
     started = time.perf_counter()
     parts = [(*_dataset(name), label) for name, label in zip(work.datasets, work.labels)]
     pieces, skipped, samples, by_dataset = [], [], 0, collections.Counter()

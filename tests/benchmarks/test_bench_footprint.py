@@ -1,6 +1,7 @@
 """Memory per server process: resident memory of `packfeed serve` before its first job, and of it and each
-pre-processing worker idle after serving; in the same run, a process that only imports `webdataset` (what
-every server process paid when the shard reader imported it, and with it torch).
+pre-processing worker idle after serving (once the workers have given back what they keep while busy); in the
+same run, a process that only imports `webdataset` (what every server process paid when the shard reader
+imported it, and with it torch).
 
 Run: .venv/bin/python -m pytest -q -s tests/benchmarks/test_bench_footprint.py -m benchmark
 """
@@ -15,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from packfeed.client import LocalServer, PackStream
+from packfeed.server.serve.workers import GIVE_BACK_AFTER_S
 
 pytestmark = pytest.mark.benchmark
 
@@ -37,7 +39,7 @@ def test_server_and_worker_memory(small_tile_index):
         idle_server = rss_mib(server.process.pid)
         with PackStream(server.target, job="footprint", rank=0, dp=1, microbatches=2, epochs=1) as stream:
             steps = sum(1 for _ in stream)
-        time.sleep(1)
+        time.sleep(GIVE_BACK_AFTER_S + 1.5)  # idle: the workers have given back the memory they kept for steps
         busy_server, busy_workers = rss_mib(server.process.pid), [rss_mib(w) for w in children(server.process.pid)]
     print(f"\n[footprint] a process importing webdataset (and so torch): {webdataset_rss:.0f} MiB")
     print(f"[footprint] server before its first job: {idle_server:.0f} MiB (workers start with the first job)")
