@@ -119,14 +119,19 @@ def _give_back(files: "SharedFiles | None", path: str) -> None:
 
 
 def _map_file(path: str) -> mmap.mmap:
-    """The whole file, mapped read-only. MAP_POPULATE maps every page at once instead of faulting them in one
-    by one as they are read."""
+    """The whole file, mapped read-only."""
     fd = os.open(path, os.O_RDONLY)
     try:
-        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-        return mmap.mmap(fd, os.fstat(fd).st_size, flags=flags, prot=mmap.PROT_READ)
+        return _map(fd, os.fstat(fd).st_size)
     finally:
         os.close(fd)
+
+
+def _map(fd: int, size: int, writable: bool = False) -> mmap.mmap:
+    """The first `size` bytes of an open file, mapped shared. MAP_POPULATE maps every page at once instead of
+    faulting them in one by one as they are used."""
+    flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+    return mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0))
 
 
 def abandon(future: asyncio.Future) -> None:
@@ -251,10 +256,12 @@ def _write_shared(path: str, messages: list[list]) -> list[int]:
         else:
             if size > 2 * total:  # a file an earlier, larger step grew holds no more than twice this one
                 os.ftruncate(fd, total)
-            mapping, offset = _writable_mapping(path, fd) if total else None, 0
-            for piece in pieces:
-                mapping[offset:offset + len(piece)] = piece
-                offset += len(piece)
+                size = total
+            if total:
+                mapping, offset = _writable_mapping(path, fd, size), 0
+                for piece in pieces:
+                    mapping[offset:offset + len(piece)] = piece
+                    offset += len(piece)
     except BaseException:
         _forget_mapping(path)
         os.ftruncate(fd, 0)  # what a full /dev/shm let through is freed at once
@@ -288,16 +295,14 @@ def _advance(pieces: list, written: int) -> list:
 _MAPPED: dict[str, mmap.mmap] = {}  # a worker's writable mapping of each shared file it wrote, kept between steps
 
 
-def _writable_mapping(path: str, fd: int) -> mmap.mmap:
-    """The whole file, mapped for writing, kept while the file lives: its pages stay mapped, so a later step
-    written into it faults none in. Mappings of files the server has removed since are dropped here (a mapping
-    would keep their memory)."""
-    size = os.fstat(fd).st_size
+def _writable_mapping(path: str, fd: int, size: int) -> mmap.mmap:
+    """The whole file (`size` bytes), mapped for writing, kept while the file lives: its pages stay mapped, so a
+    later step written into it faults none in. Mappings of files the server has removed since are dropped here
+    (a mapping would keep their memory)."""
     mapping = _MAPPED.get(path)
     if mapping is None or len(mapping) != size:
         _forget_mapping(path)
-        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-        mapping = _MAPPED[path] = mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        mapping = _MAPPED[path] = _map(fd, size, writable=True)
     for gone in [other for other in _MAPPED if other != path and not os.path.exists(other)]:
         _forget_mapping(gone)
     return mapping
