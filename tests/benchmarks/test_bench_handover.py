@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import os
 import resource
-import time
 import uuid
 
 import numpy as np
@@ -29,6 +28,20 @@ ROUNDS, STEPS = 3, 40
 def cpu_seconds() -> float:
     usage = resource.getrusage(resource.RUSAGE_SELF)
     return usage.ru_utime + usage.ru_stime
+
+
+def best_seconds(ways: dict, repeat: int, check=lambda: None) -> dict[str, float]:
+    """CPU seconds per call of each way, the best of ROUNDS interleaved rounds of `repeat` calls; `check()` after
+    each way's calls."""
+    best = {name: float("inf") for name in ways}
+    for _ in range(ROUNDS):
+        for name, way in ways.items():
+            started = cpu_seconds()
+            for _ in range(repeat):
+                way()
+            best[name] = min(best[name], (cpu_seconds() - started) / repeat)
+            check()
+    return best
 
 
 def hand_over(pieces: list, files, directory: str) -> None:
@@ -50,14 +63,9 @@ def test_shared_memory_files_new_or_used_again():
     pieces = [np.random.default_rng(0).integers(0, 256, STEP_BYTES, dtype=np.uint8)]
     files = SharedFiles(directory, 1 << 30)
     fresh, reused = "a new file per step", "the pool's files used again"
-    best = {fresh: float("inf"), reused: float("inf")}
     try:
-        for _ in range(ROUNDS):
-            for name, pool in ((fresh, None), (reused, files)):
-                started = cpu_seconds()
-                for _ in range(STEPS):
-                    hand_over(pieces, pool, directory)
-                best[name] = min(best[name], (cpu_seconds() - started) / STEPS)
+        best = best_seconds({fresh: lambda: hand_over(pieces, None, directory),
+                             reused: lambda: hand_over(pieces, files, directory)}, STEPS)
     finally:
         files.clear()
         remove_shared_files(directory, os.getpid())
@@ -83,18 +91,14 @@ def test_writing_a_step_into_a_file_used_again():
         finally:
             os.close(fd)
 
+    def check() -> None:
+        with open(path, "rb") as written:
+            assert written.read(len(expected)) == expected
+
     ways = {"pwritev": pwritev, "the worker's kept mapping": lambda: workers._write_shared(path, [pieces])}
-    best = {name: float("inf") for name in ways}
     try:
         workers._write_shared(path, [pieces])  # the file exists, its pages allocated, as a pool's file is
-        for _ in range(ROUNDS):
-            for name, way in ways.items():
-                started = cpu_seconds()
-                for _ in range(STEPS):
-                    way()
-                best[name] = min(best[name], (cpu_seconds() - started) / STEPS)
-                with open(path, "rb") as written:
-                    assert written.read(len(expected)) == expected
+        best = best_seconds(ways, STEPS, check)
     finally:
         workers._forget_mapping(path)
         workers.remove_shared_files(directory, os.getpid())
@@ -114,13 +118,6 @@ def test_cutting_tiles_channels_first():
                                                        for t, l, h, w in boxes],
             "packfeed.v1.chw": lambda: chw_tiles(image, boxes)}
     assert all(np.array_equal(a, b) for a, b in zip(*(way() for way in ways.values())))
-    best = {name: float("inf") for name in ways}
-    for _ in range(ROUNDS):
-        for name, way in ways.items():
-            started = time.process_time()
-            for _ in range(10):
-                way()
-            best[name] = min(best[name], (time.process_time() - started) / 10)
-    for name, seconds in best.items():
+    for name, seconds in best_seconds(ways, 10).items():
         print(f"\n[chw] 12 tiles of 448 px (7.2 MB), {name}: {seconds * 1e3:.2f} ms", end="")
     print()
