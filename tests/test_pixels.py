@@ -101,7 +101,8 @@ def test_unknown_pixel_modes_are_refused(tmp_path, small_tile_index):
 def test_fast_path_decodes_large_jpegs_at_reduced_scale_within_its_bound(demo_dataset):
     """A photograph at least 4x the size of every target is decoded at 1/2..1/8 scale (JPEG draft); the
     tiles stay within the fast bound of exact, and a target too large for it keeps the full decode."""
-    from packfeed.server.serve.preprocess import draft_scale, fast_pixels, file_tiles
+    from packfeed.server.serve.fast import decode as fast_pixels, draft_scale
+    from packfeed.server.serve.preprocess import file_tiles
 
     policy = policy_from_dict({"name": "fixed"})  # 336 px squares
     errors, psnrs = [], []
@@ -134,7 +135,7 @@ def test_fast_decoding_gives_pillows_pixels_whichever_decoder_runs(demo_dataset)
     """The fast path decodes with OpenCV what OpenCV decodes as Pillow does (8-bit RGB and grey JPEGs and PNGs,
     upright, whole), and leaves the rest to Pillow: both give what the exact path decodes, pixel for pixel; a
     truncated file fails as it does with Pillow."""
-    from packfeed.server.serve.preprocess import _opencv_decodes, fast_pixels
+    from packfeed.server.serve.fast import decode as fast_pixels, opencv_decodes
     from packfeed.v1.pixels import oriented_size, to_rgb
 
     photo = Image.fromarray(np.asarray(demo_images(demo_dataset)[0].convert("RGB")))  # no info carried over
@@ -158,10 +159,47 @@ def test_fast_decoding_gives_pillows_pixels_whichever_decoder_runs(demo_dataset)
     for name, (data, by_opencv) in files.items():
         with Image.open(io.BytesIO(data)) as image:
             geometry = policy.geometry(*oriented_size(image, data), 1)
-            assert _opencv_decodes(image, data) == by_opencv, name
+            assert opencv_decodes(image, data) == by_opencv, name
             image.load()
             expected = np.asarray(to_rgb(image))
         assert np.array_equal(fast_pixels(data, geometry), expected), name
     truncated = files["jpeg"][0][:len(files["jpeg"][0]) // 2]
     with pytest.raises(OSError, match="truncated"):
         fast_pixels(truncated, policy.geometry(*photo.size, 1))
+
+
+# (width, height) -> target: both shrink, one shrinks as the other grows (both ways), one side kept, a shrink
+# large enough to box-average first, and enlarging
+_FAST_SHAPES = [((300, 200), (130, 90)), ((300, 200), (130, 260)), ((200, 300), (260, 130)), ((300, 200), (130, 200)),
+                ((300, 200), (300, 70)), ((900, 700), (100, 80)), ((90, 60), (200, 150)), ((301, 7), (5, 3))]
+
+
+@pytest.mark.parametrize("shape", _FAST_SHAPES, ids=lambda s: f"{s[0][0]}x{s[0][1]}-{s[1][0]}x{s[1][1]}")
+def test_fast_tiles_on_colour_planes_equal_the_kernels_on_interleaved_pixels(shape):
+    """The fast path shrinks each colour plane apart (the horizontal pass between OpenCV's transposes): the
+    same bytes as `packfeed.v1.resample`'s kernels on the interleaved image, the height first (box-averaged
+    first by OpenCV where the target is at most a quarter of it), and OpenCV's bicubic where it enlarges."""
+    cv2 = pytest.importorskip("cv2")
+    from packfeed.server.serve import fast
+    from packfeed.v1.chw import chw_tiles
+    from packfeed.v1.pixels import Geometry
+    from packfeed.v1.resample import resize_bicubic
+
+    (width, height), (out_width, out_height) = shape
+    pixels = np.random.default_rng(width * height).integers(0, 256, (height, width, 3), dtype=np.uint8)
+
+    def interleaved(size: tuple[int, int]) -> np.ndarray:
+        if size[0] >= width and size[1] >= height:
+            return cv2.resize(pixels, size, interpolation=cv2.INTER_CUBIC)
+        factor = min(width // size[0], height // size[1]) // 2
+        reduced = cv2.resize(pixels, (-(-width // factor), -(-height // factor)), interpolation=cv2.INTER_AREA) \
+            if factor >= 2 else pixels
+        return resize_bicubic(reduced, size, pillow_order=False)
+
+    half = out_width // 2
+    geometry = Geometry(width, height, out_width, out_height, half, 0, out_width - half, out_height, 0, 17)
+    expected = chw_tiles(interleaved((out_width, out_height)), geometry.boxes()) + \
+        chw_tiles(interleaved((17, 17)), [(0, 0, 17, 17)])
+    tiles = fast.tiles(pixels, geometry)
+    assert [t.shape for t in tiles] == [t.shape for t in expected]
+    assert all(np.array_equal(t, e) for t, e in zip(tiles, expected))

@@ -27,9 +27,9 @@ from packfeed.server.index.video import VideoError, VideoInfo, VideoSampling, re
 from packfeed.server.index.shards import is_compressed
 from packfeed.server.index.storage import ObjectError, StampCache, is_object_url, read_range, relocate
 from packfeed.server.index.table import IndexInfo, describe_error, member_checksum
+from packfeed.server.serve import fast
 from packfeed.v1.resample import exact_resizer
-from packfeed.v1.pixels import (Geometry, ImageSizeMismatch, Resize, cut_tiles, decode_tiles,
-                                opened, orientation, to_rgb)
+from packfeed.v1.pixels import Geometry, ImageSizeMismatch, cut_tiles, decode_tiles, to_rgb
 
 
 class SampleSkipped(Exception):
@@ -58,11 +58,9 @@ IMAGE, VIDEO = 0, 1  # what a visual item is (`visual_kind` on the wire)
 
 # How images become tiles. exact: PIL bicubic, pixel for pixel what the Hugging Face / InternVL processors give
 # (computed by packfeed.v1.resample, which equals Pillow's bicubic byte for byte with under half its CPU).
-# fast: OpenCV's (SIMD) bicubic where an image is enlarged, the exact kernels where it shrinks (the height first;
-# box-averaged first where a target is at most a quarter of the image), and JPEGs at least 4x every target
-# decoded at 1/2..1/8 scale, by OpenCV where it decodes as Pillow does;
-# within 1/255 mean absolute error and above 40 dB PSNR of exact (BENCHMARKS.md "Fast-path candidates for
-# resizing").
+# fast: within 1/255 mean absolute error and above 40 dB PSNR of exact, for a fraction of its CPU (`fast`: OpenCV's
+# decoders and bicubic where it enlarges, the exact kernels on colour planes where it shrinks; BENCHMARKS.md
+# "Fast-path candidates for resizing").
 # encoded: the image files' own bytes and each one's `Geometry`; the client decodes and cuts them
 # (packfeed.client.decode), exactly on its CPU threads or within the fast path's bounds on a GPU.
 PIXEL_MODES = ("exact", "fast", "encoded")
@@ -73,108 +71,28 @@ def check_pixels(pixels: str) -> None:
     if pixels not in PIXEL_MODES:
         raise ValueError(f"pixels: {pixels!r} is not one of {', '.join(PIXEL_MODES)}")
     if pixels == "fast":
-        try:
-            import cv2
-        except ImportError:
-            raise ValueError("pixels: fast resizes with OpenCV: pip install 'packfeed[fast]'") from None
-        if not hasattr(cv2, "IMREAD_COLOR_RGB"):
-            raise ValueError(f"pixels: fast needs OpenCV 4.10 or later (installed: {cv2.__version__}): "
-                             "pip install -U 'packfeed[fast]'")
-
-
-def _resizer(image: Image.Image | np.ndarray, pixels: str) -> Resize:
-    """How the mode resizes one upright RGB image (a Pillow image or its pixels, uint8 (H, W, 3))."""
-    if pixels == "exact":
-        return exact_resizer(image)
-    shrink = exact_resizer(image, pillow_order=False)  # the exact kernels, the height shrunk first
-    import cv2  # the fast path's dependency (pip install 'packfeed[fast]')
-
-    cv2.setNumThreads(1)  # one worker is one core
-    width, height = image.size if isinstance(image, Image.Image) else (image.shape[1], image.shape[0])
-
-    def resize(size: tuple[int, int]) -> np.ndarray:
-        # OpenCV's cubic (a = -0.75, no widening) is close to Pillow's only when enlarging: shrinking stays exact
-        if size[0] >= width and size[1] >= height:
-            return cv2.resize(np.asarray(image), size, interpolation=cv2.INTER_CUBIC)
-        # A large shrink (a target at most a quarter of the image) box-averages by `factor` first, as Pillow's
-        # reducing_gap=2: the bicubic after it still shrinks 2x or more, over a fraction of the pixels
-        factor = min(width // size[0], height // size[1]) // 2
-        if factor >= 2:
-            reduced = cv2.resize(np.asarray(image), (-(-width // factor), -(-height // factor)),
-                                 interpolation=cv2.INTER_AREA)
-            return exact_resizer(reduced, pillow_order=False)(size)
-        return shrink(size)
-
-    return resize
-
-
-def draft_scale(geometry: Geometry) -> int:
-    """The fast path's JPEG DCT-domain downscaling: when every size the image is resized to is at most a quarter
-    of the image's, it is decoded at 1/2, 1/4 or 1/8 scale, the smallest that stays at least twice every target
-    (Pillow's `draft` rule). The resize after it still shrinks 2x or more (as Pillow's reducing_gap=2), which
-    keeps text within the fast bound; decoding at the target's own scale blurs it (2.2/255 mean error on
-    document scans). 1: decode at full size."""
-    widest = max(geometry.resize_width, geometry.thumbnail)
-    tallest = max(geometry.resize_height, geometry.thumbnail)
-    if geometry.width < 4 * widest or geometry.height < 4 * tallest:
-        return 1
-    fits = min(geometry.width // (2 * widest), geometry.height // (2 * tallest))
-    return next(scale for scale in (8, 4, 2) if fits >= scale)
-
-
-def _draft(image: Image.Image, scale: int) -> None:
-    """Pillow's JPEG decoder set to decode at 1/scale (the upright sides mapped back to the file's)."""
-    if scale > 1 and image.format == "JPEG":
-        image.draft("RGB", (image.width // scale, image.height // scale))
-
-
-def _opencv_decodes(image: Image.Image, data: bytes) -> bool:
-    """Whether OpenCV's decoder gives the pixels Pillow and `to_rgb` give: an 8-bit RGB or grey JPEG or PNG, upright
-    (no EXIF turn), without transparency, and whole (its end marker present: a truncated file is left to Pillow,
-    which reports it). Both use libjpeg-turbo and libpng; tests/test_pixels.py checks they agree."""
-    if image.mode not in ("RGB", "L") or "transparency" in image.info or len(image.tile) != 1:
-        return False
-    if image.format == "JPEG":
-        whole = data[-2:] == b"\xff\xd9"
-    else:  # a PNG's raw mode names its depth: 8 bits per sample are "RGB" or "L"
-        whole = image.format == "PNG" and image.tile[0].args == image.mode and data[-8:-4] == b"IEND"
-    return whole and orientation(image, data) == 1
-
-
-_REDUCED = {1: 0, 2: 16, 4: 32, 8: 64}  # OpenCV's IMREAD_REDUCED_* bit for each JPEG draft scale
-
-
-def fast_pixels(data: bytes, geometry: Geometry) -> np.ndarray:
-    """The fast path's decoding: uint8 (H, W, 3) upright RGB, drafted where `draft_scale` allows. OpenCV decodes
-    what it decodes as Pillow does, straight into an array in 3-byte pixels (Pillow holds 4 and repacks them
-    when copied out: together 1.7x the CPU, BENCHMARKS.md); Pillow decodes the rest. Raises what decode_tiles
-    raises."""
-    import cv2
-
-    with opened(data, geometry) as image:
-        scale = draft_scale(geometry) if image.format == "JPEG" else 1
-        if _opencv_decodes(image, data):
-            flags = cv2.IMREAD_COLOR_RGB | cv2.IMREAD_IGNORE_ORIENTATION | _REDUCED[scale]
-            pixels = cv2.imdecode(np.frombuffer(data, np.uint8), flags)
-            if pixels is not None and pixels.shape == (-(-image.height // scale), -(-image.width // scale), 3):
-                return pixels
-        _draft(image, scale)  # what OpenCV did not decode, Pillow does (and raises what is wrong with it)
-        image.load()
-        return np.asarray(to_rgb(image))
+        fast.check_available()
 
 
 def file_tiles(data: bytes, geometry: Geometry, pixels: str = "exact") -> list[np.ndarray]:
     """The tiles of one image file as the server makes them in mode `pixels` (exact or fast). Raises what
     decode_tiles raises."""
     if pixels == "fast":
-        return cut_tiles(_resizer(fast_pixels(data, geometry), pixels), geometry)
-    return decode_tiles(data, geometry, lambda image: _resizer(image, pixels))
+        return fast.file_tiles(data, geometry)
+    return decode_tiles(data, geometry, exact_resizer)
+
+
+def pixel_tiles(image: Image.Image | np.ndarray, geometry: Geometry, pixels: str = "exact") -> list[np.ndarray]:
+    """The tiles of one upright RGB image (a Pillow image, or uint8 (H, W, 3): a video frame) in mode `pixels`."""
+    if pixels == "fast":
+        return fast.tiles(np.asarray(image), geometry)
+    return cut_tiles(exact_resizer(image), geometry)
 
 
 def image_tiles(image: Image.Image, policy: ImagePolicy, n_images: int, pixels: str = "exact") -> list[np.ndarray]:
     """The pixel tiles the policy makes of one image, uint8 (3, H, W) RGB; `pixels` picks the resampling."""
     image = to_rgb(image)
-    return cut_tiles(_resizer(image, pixels), policy.geometry(image.width, image.height, n_images))
+    return pixel_tiles(image, policy.geometry(image.width, image.height, n_images), pixels)
 
 
 # Range requests in flight per worker while a pack's samples are read from an object store (1: one at a time).
@@ -373,8 +291,7 @@ class SampleReader:
         else:
             data = self._member(read, row["video_offsets"][k], row["video_sizes"][k], row["video_checksums"][k], what)
             try:  # each frame resized as it comes: one decoded frame held at a time
-                frames = [cut_tiles(_resizer(frame, self.pixels), geometry)
-                          for frame in read_frames(data, info, indices)]
+                frames = [pixel_tiles(frame, geometry, self.pixels) for frame in read_frames(data, info, indices)]
             except VideoError as error:
                 raise SampleSkipped(f"{error} ({what})") from None
         cost = self.policy.video_cost(info.width, info.height, sampled)

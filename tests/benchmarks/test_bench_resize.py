@@ -173,7 +173,7 @@ def test_fast_path_decoding(tmp_path):
     Pillow's 4-byte pixels) against the fast path's `fast_pixels` (OpenCV where it decodes as Pillow does), on the
     demo photographs at full size; the benchmark checks that both give the same pixels."""
     from packfeed.server.index.image_policy import policy_from_dict
-    from packfeed.server.serve.preprocess import fast_pixels
+    from packfeed.server.serve.fast import decode as fast_pixels
     from packfeed.v1.pixels import oriented_size
 
     pytest.importorskip("cv2")

@@ -162,13 +162,13 @@ def resize_bicubic(pixels: np.ndarray, size: tuple[int, int], pillow_order: bool
         return _horizontal_pass(rows, 0, height, out_width).reshape(height, out_width, 3)
     first, count, weights = filter_weights(height, out_height)
     if out_width == width:
-        return _vertical_pass(rows, first, count, weights, out_width)
+        return vertical_pass(rows, first, count, weights).reshape(out_height, out_width, 3)
     if vertical_first(width, height, size) if pillow_order else out_height < height:
-        shrunk = _vertical_pass(rows, first, count, weights, width).reshape(out_height, width * 3)
+        shrunk = vertical_pass(rows, first, count, weights)
         return _horizontal_pass(shrunk, 0, out_height, out_width).reshape(out_height, out_width, 3)
     top, bottom = int(first[0]), int(first[-1] + count[-1])  # only the source rows the vertical pass reads
     widened = _horizontal_pass(rows, top, bottom - top, out_width)
-    return _vertical_pass(widened, first - top, count, weights, out_width)
+    return vertical_pass(widened, first - top, count, weights).reshape(out_height, out_width, 3)
 
 
 def _horizontal_pass(rows: np.ndarray, row0: int, n_rows: int, out_width: int) -> np.ndarray:
@@ -178,11 +178,12 @@ def _horizontal_pass(rows: np.ndarray, row0: int, n_rows: int, out_width: int) -
     return out
 
 
-def _vertical_pass(rows: np.ndarray, first: np.ndarray, count: np.ndarray, weights: np.ndarray,
-                   width: int) -> np.ndarray:
+def vertical_pass(rows: np.ndarray, first: np.ndarray, count: np.ndarray, weights: np.ndarray) -> np.ndarray:
+    """`rows` (uint8 (H, lanes), C-contiguous: an image's rows of interleaved pixels, or one colour plane)
+    resampled along H by `filter_weights`: uint8 (len(first), lanes)."""
     out = np.empty((len(first), rows.shape[1]), np.uint8)
     _vertical(rows, first, count, weights, out)
-    return out.reshape(len(first), width, 3)
+    return out
 
 
 # (source width, height) -> (width, height): enlarging, shrinking, each pass alone, both orders, 1-pixel sides

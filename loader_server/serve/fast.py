@@ -1,0 +1,154 @@
+"""`pixels: fast`: an image file's tiles within a stated bound of the exact path (mean absolute error under
+1/255 and PSNR above 40 dB per preset, BENCHMARKS.md "Fast-path candidates for resizing"), for a fraction of
+its CPU.
+
+- Decoding: OpenCV decodes what it decodes as Pillow does (8-bit RGB and grey JPEGs and PNGs, upright,
+  whole), straight into 3-byte pixels; Pillow decodes the rest. A JPEG at least 4x every target is decoded at
+  1/2..1/8 scale in the DCT domain (Pillow's `draft` rule), stopping at twice the targets.
+- Enlarging (both sides): OpenCV's SIMD bicubic on the interleaved pixels. Its kernel is not Pillow's
+  (a = -0.75), which shows little when enlarging.
+- Shrinking (either side): Pillow's own bicubic arithmetic (`packfeed.v1.resample`'s kernels, which widen the
+  filter as Pillow does: OpenCV's does not, which blurs text out of the bound), the height first, on the
+  image's three colour planes apart. A plane is one byte per pixel, so the horizontal pass is the vertical
+  kernel between two transposes that OpenCV does with SIMD, where the interleaved image needs a transpose of
+  3-byte pixels that no compiler vectorises. A target at most a quarter of the image is box-averaged
+  first (Pillow's reducing_gap=2).
+
+The tiles are the same bytes however the work is laid out: tests/test_pixels.py holds both layouts equal.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from packfeed.v1.chw import chw_tiles
+from packfeed.v1.pixels import Geometry, opened, orientation, to_rgb
+from packfeed.v1.resample import filter_weights, vertical_pass
+
+
+def check_available() -> None:
+    """A clear error, at start, where OpenCV is missing or too old for the fast path."""
+    try:
+        import cv2
+    except ImportError:
+        raise ValueError("pixels: fast resizes with OpenCV: pip install 'packfeed[fast]'") from None
+    if not hasattr(cv2, "IMREAD_COLOR_RGB"):
+        raise ValueError(f"pixels: fast needs OpenCV 4.10 or later (installed: {cv2.__version__}): "
+                         "pip install -U 'packfeed[fast]'")
+
+
+def file_tiles(data: bytes, geometry: Geometry) -> list[np.ndarray]:
+    """The tiles of one image file, uint8 (3, H, W) each. Raises what `packfeed.v1.pixels.decode_tiles` raises."""
+    return tiles(decode(data, geometry), geometry)
+
+
+def tiles(pixels: np.ndarray, geometry: Geometry) -> list[np.ndarray]:
+    """The tiles of one upright RGB image (uint8 (H, W, 3)) cut by `geometry`, uint8 (3, H, W) each."""
+    source = _Source(pixels)
+    out = source.tiles((geometry.resize_width, geometry.resize_height), geometry.boxes())
+    if geometry.thumbnail:
+        side = geometry.thumbnail
+        out += source.tiles((side, side), [(0, 0, side, side)])
+    return out
+
+
+class _Source:
+    """One image, resized to each size its tiles need."""
+
+    def __init__(self, pixels: np.ndarray):
+        import cv2  # the fast path's dependency (pip install 'packfeed[fast]')
+
+        cv2.setNumThreads(1)  # one worker is one core
+        self.cv2, self.pixels = cv2, np.ascontiguousarray(pixels)
+
+    def tiles(self, size: tuple[int, int], boxes: list[tuple[int, int, int, int]]) -> list[np.ndarray]:
+        cv2, pixels = self.cv2, self.pixels
+        height, width = pixels.shape[:2]
+        if size[0] >= width and size[1] >= height:
+            return chw_tiles(cv2.resize(pixels, size, interpolation=cv2.INTER_CUBIC), boxes)
+        factor = min(width // size[0], height // size[1]) // 2
+        if factor >= 2:  # the bicubic after it still shrinks 2x or more, over a fraction of the pixels
+            pixels = cv2.resize(pixels, (-(-width // factor), -(-height // factor)), interpolation=cv2.INTER_AREA)
+        planes = self.shrink(pixels, size)
+        return [np.stack([plane[top:top + h, left:left + w] for plane in planes]) for top, left, h, w in boxes]
+
+    def shrink(self, pixels: np.ndarray, size: tuple[int, int]) -> list[np.ndarray]:
+        """`pixels` resized to size = (width, height) with Pillow's bicubic arithmetic, the height first where it
+        shrinks (rounding between the passes then differs from Pillow's by a unit here and there), as its three
+        colour planes. The vertical pass runs on the interleaved rows, and the planes are split from what it
+        leaves (fewer rows than the image where it shrinks)."""
+        height, width = pixels.shape[:2]
+        out_width, out_height = size
+        rows = pixels.reshape(height, width * 3)
+        if out_height == height:
+            return [self.columns(plane, out_width) for plane in self.cv2.split(pixels)]
+        first, count, weights = filter_weights(height, out_height)
+        if out_height < height:
+            shrunk = vertical_pass(rows, first, count, weights).reshape(out_height, width, 3)
+            planes = self.cv2.split(shrunk)
+            return list(planes) if out_width == width else [self.columns(plane, out_width) for plane in planes]
+        top, bottom = int(first[0]), int(first[-1] + count[-1])  # only the rows the vertical pass reads
+        return [vertical_pass(self.columns(plane, out_width), first - top, count, weights)
+                for plane in self.cv2.split(pixels[top:bottom])]
+
+    def columns(self, plane: np.ndarray, out_width: int) -> np.ndarray:
+        """The horizontal pass of one plane: the vertical one between two transposes (OpenCV's, SIMD on one-byte
+        pixels)."""
+        turned = self.cv2.transpose(plane)
+        return self.cv2.transpose(vertical_pass(turned, *filter_weights(plane.shape[1], out_width)))
+
+
+# -- decoding --------------------------------------------------------------------------------------------------
+
+def draft_scale(geometry: Geometry) -> int:
+    """The fast path's JPEG DCT-domain downscaling: when every size the image is resized to is at most a quarter
+    of the image's, it is decoded at 1/2, 1/4 or 1/8 scale, the smallest that stays at least twice every target
+    (Pillow's `draft` rule). The resize after it still shrinks 2x or more (as Pillow's reducing_gap=2), which
+    keeps text within the fast bound; decoding at the target's own scale blurs it (2.2/255 mean error on
+    document scans). 1: decode at full size."""
+    widest = max(geometry.resize_width, geometry.thumbnail)
+    tallest = max(geometry.resize_height, geometry.thumbnail)
+    if geometry.width < 4 * widest or geometry.height < 4 * tallest:
+        return 1
+    fits = min(geometry.width // (2 * widest), geometry.height // (2 * tallest))
+    return next(scale for scale in (8, 4, 2) if fits >= scale)
+
+
+def _draft(image, scale: int) -> None:
+    """Pillow's JPEG decoder set to decode at 1/scale (the upright sides mapped back to the file's)."""
+    if scale > 1 and image.format == "JPEG":
+        image.draft("RGB", (image.width // scale, image.height // scale))
+
+
+def opencv_decodes(image, data: bytes) -> bool:
+    """Whether OpenCV's decoder gives the pixels Pillow and `to_rgb` give: an 8-bit RGB or grey JPEG or PNG, upright
+    (no EXIF turn), without transparency, and whole (its end marker present: a truncated file is left to Pillow,
+    which reports it). Both use libjpeg-turbo and libpng; tests/test_pixels.py checks they agree."""
+    if image.mode not in ("RGB", "L") or "transparency" in image.info or len(image.tile) != 1:
+        return False
+    if image.format == "JPEG":
+        whole = data[-2:] == b"\xff\xd9"
+    else:  # a PNG's raw mode names its depth: 8 bits per sample are "RGB" or "L"
+        whole = image.format == "PNG" and image.tile[0].args == image.mode and data[-8:-4] == b"IEND"
+    return whole and orientation(image, data) == 1
+
+
+_REDUCED = {1: 0, 2: 16, 4: 32, 8: 64}  # OpenCV's IMREAD_REDUCED_* bit for each JPEG draft scale
+
+
+def decode(data: bytes, geometry: Geometry) -> np.ndarray:
+    """uint8 (H, W, 3) upright RGB, drafted where `draft_scale` allows. OpenCV decodes what it decodes as Pillow
+    does, straight into an array in 3-byte pixels (Pillow holds 4 and repacks them when copied out: together
+    1.7x the CPU, BENCHMARKS.md); Pillow decodes the rest. Raises what `decode_tiles` raises."""
+    import cv2
+
+    with opened(data, geometry) as image:
+        scale = draft_scale(geometry) if image.format == "JPEG" else 1
+        if opencv_decodes(image, data):
+            flags = cv2.IMREAD_COLOR_RGB | cv2.IMREAD_IGNORE_ORIENTATION | _REDUCED[scale]
+            pixels = cv2.imdecode(np.frombuffer(data, np.uint8), flags)
+            if pixels is not None and pixels.shape == (-(-image.height // scale), -(-image.width // scale), 3):
+                return pixels
+        _draft(image, scale)  # what OpenCV did not decode, Pillow does (and raises what is wrong with it)
+        image.load()
+        return np.asarray(to_rgb(image))
