@@ -1,4 +1,4 @@
-"""Pixel modes per dataset: `exact` (PIL bicubic, as the HF processors) and `fast` (OpenCV), chosen in the
+"""Pixel modes per dataset: `exact` (PIL bicubic, as the HF processors) and `fast` (serve/fast.py), chosen in the
 server config and shown in JobInfo; the fast path stays within its stated error of the exact one on every
 demo photograph, for every image policy."""
 
@@ -99,8 +99,8 @@ def test_unknown_pixel_modes_are_refused(tmp_path, small_tile_index):
 
 
 def test_fast_path_decodes_large_jpegs_at_reduced_scale_within_its_bound(demo_dataset):
-    """A photograph at least 4x the size of every target is decoded at 1/2..1/8 scale (JPEG draft); the
-    tiles stay within the fast bound of exact, and a target too large for it keeps the full decode."""
+    """A photograph at least 4x the size of every target is decoded at 1/2..1/8 scale (JPEG draft: the pixels of
+    Pillow's draft); the tiles stay within the fast bound of exact, and a target too large for it keeps the full decode."""
     from packfeed.server.serve.fast import decode as fast_pixels, draft_scale
     from packfeed.server.serve.preprocess import file_tiles
 
@@ -115,7 +115,10 @@ def test_fast_path_decodes_large_jpegs_at_reduced_scale_within_its_bound(demo_da
         width, height = image.width * scale, image.height * scale
         geometry = policy.geometry(width, height, 1)
         reduced = draft_scale(geometry)
-        assert reduced >= 2 and fast_pixels(data, geometry).shape == (-(-height // reduced), -(-width // reduced), 3)
+        drafted = Image.open(io.BytesIO(data))
+        drafted.draft("RGB", (width // reduced, height // reduced))
+        assert reduced >= 2 and np.array_equal(fast_pixels(data, geometry), np.asarray(drafted.convert("RGB")))
+        assert drafted.size == (-(-width // reduced), -(-height // reduced))
         fast, exact = file_tiles(data, geometry, "fast"), decode_tiles(data, geometry, pil_resizer)
         diff = (fast[0].astype(np.int16) - exact[0].astype(np.int16)).astype(np.float64)
         errors.append(np.abs(diff).mean())
@@ -132,15 +135,15 @@ def _encoded(image: Image.Image, format: str, **options) -> bytes:
 
 
 def test_fast_decoding_gives_pillows_pixels_whichever_decoder_runs(demo_dataset):
-    """The fast path decodes with OpenCV what OpenCV decodes as Pillow does (8-bit RGB and grey JPEGs and PNGs,
-    upright, whole), and leaves the rest to Pillow: both give what the exact path decodes, pixel for pixel; a
+    """The fast path decodes with simplejpeg and pyspng what they decode as Pillow does (8-bit RGB and grey JPEGs
+    and PNGs, upright, whole), and leaves the rest to Pillow: both give what the exact path decodes, pixel for pixel; a
     truncated file fails as it does with Pillow."""
-    from packfeed.server.serve.fast import decode as fast_pixels, opencv_decodes
+    from packfeed.server.serve.fast import decode as fast_pixels, decodes_as_pillow
     from packfeed.v1.pixels import oriented_size, to_rgb
 
     photo = Image.fromarray(np.asarray(demo_images(demo_dataset)[0].convert("RGB")))  # no info carried over
     exif = Image.Exif()
-    exif[0x0112] = 6  # turned: OpenCV would apply it differently from Pillow's exif_transpose
+    exif[0x0112] = 6  # turned: the fast decoders do not apply it
     rgba = photo.convert("RGBA")
     rgba.putalpha(Image.linear_gradient("L").resize(photo.size))
     wide = Image.fromarray((np.asarray(photo.convert("L"), dtype=np.uint16) * 257).astype(np.uint16))
@@ -156,10 +159,10 @@ def test_fast_decoding_gives_pillows_pixels_whichever_decoder_runs(demo_dataset)
              "16-bit png": (_encoded(wide, "PNG"), False),
              "jpeg with bytes after its end": (_encoded(photo, "JPEG") + b"\0" * 16, False)}
     policy = policy_from_dict({"name": "internvl"})
-    for name, (data, by_opencv) in files.items():
+    for name, (data, by_fast_decoders) in files.items():
         with Image.open(io.BytesIO(data)) as image:
             geometry = policy.geometry(*oriented_size(image, data), 1)
-            assert opencv_decodes(image, data) == by_opencv, name
+            assert decodes_as_pillow(image, data) == by_fast_decoders, name
             image.load()
             expected = np.asarray(to_rgb(image))
         assert np.array_equal(fast_pixels(data, geometry), expected), name

@@ -2,8 +2,8 @@
 1/255 and PSNR above 40 dB per preset, BENCHMARKS.md "Fast-path candidates for resizing"), for a fraction of
 its CPU.
 
-- Decoding: OpenCV decodes what it decodes as Pillow does (8-bit RGB and grey JPEGs and PNGs, upright,
-  whole), straight into 3-byte pixels; Pillow decodes the rest. A JPEG at least 4x every target is decoded at
+- Decoding: simplejpeg (libjpeg-turbo) and pyspng (libspng) decode what they decode as Pillow does (8-bit RGB
+  and grey JPEGs and PNGs, upright, whole), straight into 3-byte pixels; Pillow decodes the rest. A JPEG at least 4x every target is decoded at
   1/2..1/8 scale in the DCT domain (Pillow's `draft` rule), stopping at twice the targets.
 - Enlarging (both sides): OpenCV's SIMD bicubic on the interleaved pixels. Its kernel is not Pillow's
   (a = -0.75), which shows little when enlarging.
@@ -27,11 +27,13 @@ from packfeed.v1.resample import filter_weights, vertical_pass
 
 
 def check_available() -> None:
-    """A clear error, at start, where OpenCV is missing or too old for the fast path."""
+    """A clear error, at start, where a library of the fast path is missing, or OpenCV too old for it."""
     try:
         import cv2
-    except ImportError:
-        raise ValueError("pixels: fast resizes with OpenCV: pip install 'packfeed[fast]'") from None
+        import pyspng  # noqa: F401
+        import simplejpeg  # noqa: F401
+    except ImportError as error:
+        raise ValueError(f"pixels: fast needs {error.name}: pip install 'packfeed[fast]'") from None
     if not hasattr(cv2, "IMREAD_COLOR_RGB"):
         raise ValueError(f"pixels: fast needs OpenCV 4.10 or later (installed: {cv2.__version__}): "
                          "pip install -U 'packfeed[fast]'")
@@ -120,10 +122,10 @@ def _draft(image, scale: int) -> None:
         image.draft("RGB", (image.width // scale, image.height // scale))
 
 
-def opencv_decodes(image, data: bytes) -> bool:
-    """Whether OpenCV's decoder gives the pixels Pillow and `to_rgb` give: an 8-bit RGB or grey JPEG or PNG, upright
+def decodes_as_pillow(image, data: bytes) -> bool:
+    """Whether the fast decoders give the pixels Pillow and `to_rgb` give: an 8-bit RGB or grey JPEG or PNG, upright
     (no EXIF turn), without transparency, and whole (its end marker present: a truncated file is left to Pillow,
-    which reports it). Both use libjpeg-turbo and libpng; tests/test_pixels.py checks they agree."""
+    which reports it). libjpeg-turbo decodes JPEGs for both; tests/test_pixels.py checks they agree."""
     if image.mode not in ("RGB", "L") or "transparency" in image.info or len(image.tile) != 1:
         return False
     if image.format == "JPEG":
@@ -133,22 +135,34 @@ def opencv_decodes(image, data: bytes) -> bool:
     return whole and orientation(image, data) == 1
 
 
-_REDUCED = {1: 0, 2: 16, 4: 32, 8: 64}  # OpenCV's IMREAD_REDUCED_* bit for each JPEG draft scale
-
-
 def decode(data: bytes, geometry: Geometry) -> np.ndarray:
-    """uint8 (H, W, 3) upright RGB, drafted where `draft_scale` allows. OpenCV decodes what it decodes as Pillow
-    does, straight into an array in 3-byte pixels (Pillow holds 4 and repacks them when copied out: together
-    1.7x the CPU, BENCHMARKS.md); Pillow decodes the rest. Raises what `decode_tiles` raises."""
-    import cv2
-
+    """uint8 (H, W, 3) upright RGB, drafted where `draft_scale` allows. simplejpeg (libjpeg-turbo's TurboJPEG
+    API) and pyspng (libspng) decode what they decode as Pillow does, straight into arrays of 3-byte pixels
+    (Pillow holds 4 and repacks them when copied out), for less CPU than OpenCV's decoders too (BENCHMARKS.md
+    "Decoding"); Pillow decodes the rest. Raises what `decode_tiles` raises."""
     with opened(data, geometry) as image:
         scale = draft_scale(geometry) if image.format == "JPEG" else 1
-        if opencv_decodes(image, data):
-            flags = cv2.IMREAD_COLOR_RGB | cv2.IMREAD_IGNORE_ORIENTATION | _REDUCED[scale]
-            pixels = cv2.imdecode(np.frombuffer(data, np.uint8), flags)
-            if pixels is not None and pixels.shape == (-(-image.height // scale), -(-image.width // scale), 3):
+        if decodes_as_pillow(image, data):
+            pixels = _decode_plain(data, image.format, image.size, scale)
+            if pixels is not None:
                 return pixels
-        _draft(image, scale)  # what OpenCV did not decode, Pillow does (and raises what is wrong with it)
+        _draft(image, scale)  # what the fast decoders did not decode, Pillow does (and raises what is wrong)
         image.load()
         return np.asarray(to_rgb(image))
+
+
+def _decode_plain(data: bytes, format: str, size: tuple[int, int], scale: int) -> np.ndarray | None:
+    """A JPEG (at 1/scale: TurboJPEG picks the scale that keeps these sides, Pillow's draft sizes) or a PNG, as
+    uint8 (H, W, 3) RGB; None where the decoder refuses the file (Pillow then says what is wrong with it)."""
+    import pyspng
+    import simplejpeg
+
+    width, height = -(-size[0] // scale), -(-size[1] // scale)
+    try:
+        if format == "JPEG":
+            pixels = simplejpeg.decode_jpeg(data, colorspace="RGB", min_width=width, min_height=height)
+        else:
+            pixels = pyspng.load(data, format="RGB")
+    except (ValueError, RuntimeError):
+        return None
+    return pixels if pixels.shape == (height, width, 3) else None
