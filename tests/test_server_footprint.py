@@ -5,6 +5,7 @@ Torch alone costs a process ~500 MB of resident memory (BENCHMARKS.md "Memory pe
 from __future__ import annotations
 
 import pkgutil
+import random
 import subprocess
 import sys
 from pathlib import Path
@@ -210,6 +211,21 @@ def test_a_worker_drops_its_mapping_of_a_file_the_server_removed(tmp_path):
     assert first not in workers._MAPPED and second in workers._MAPPED
     assert Path(second).read_bytes() == b"c" * 4096
     workers._forget_mapping(second)
+
+
+def test_a_step_larger_than_its_file_is_written_in_place_up_to_the_end_and_appended_past_it(tmp_path):
+    """What fits in a used file goes through the worker's mapping (kept), what goes past its end is appended;
+    the file then holds the step's bytes exactly, also where a piece straddles the old end."""
+    from packfeed.server.serve import workers
+
+    path = str(tmp_path / "step")
+    workers._write_shared(path, [[b"a" * 3000]])
+    rng = random.Random(0)
+    step = [[rng.randbytes(1000), memoryview(rng.randbytes(2500)), rng.randbytes(10)], [rng.randbytes(4000)]]
+    assert workers._write_shared(path, step) == [3510, 4000]
+    assert path in workers._MAPPED and len(workers._MAPPED[path]) == 3000  # the mapping written through
+    assert Path(path).read_bytes() == b"".join(bytes(piece) for pieces in step for piece in pieces)
+    workers._forget_mapping(path)
 
 
 GIVE_BACK_SCRIPT = """

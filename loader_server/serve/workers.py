@@ -236,13 +236,13 @@ class SharedFiles:
 
 def _write_shared(path: str, messages: list[list]) -> list[int]:
     """The messages' pieces written back to back from the start of the file at `path` (made if missing; a longer
-    file keeps its tail, unread). Into a file that holds them already, through this worker's mapping of it
+    file keeps its tail, unread). What fits in the file as it is goes through this worker's mapping of it
     (`_writable_mapping`): a plain copy into pages that are there, a third of the CPU of pwritev, which spends it
-    in the kernel's work per page (BENCHMARKS.md "Handing steps over"). A file that must grow is written with
-    pwritev, which allocates its pages as it copies (growing it first and writing through a mapping would clear
-    every new page before the copy, and a full /dev/shm would be a SIGBUS, not an error): a full /dev/shm is an
-    OSError here (the caller sends the bytes instead, and the file is emptied). A worker whose server is gone
-    (it is then a child of init) writes nothing."""
+    in the kernel's work per page (BENCHMARKS.md "Handing steps over"). What goes past its end is written with
+    pwritev, which allocates the new pages as it copies (growing the file first and writing through a mapping
+    would clear every new page before the copy, and a full /dev/shm would be a SIGBUS, not an error): a full
+    /dev/shm is an OSError here (the caller sends the bytes instead, and the file is emptied). A worker whose
+    server is gone (it is then a child of init) writes nothing."""
     if os.getppid() == 1:
         raise OSError("the server process is gone")
     lengths = [sum(len(piece) for piece in pieces) for pieces in messages]
@@ -250,18 +250,14 @@ def _write_shared(path: str, messages: list[list]) -> list[int]:
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
     try:
         size = os.fstat(fd).st_size
-        if size < total:
-            _forget_mapping(path)
-            _pwrite_all(fd, pieces)
-        else:
-            if size > 2 * total:  # a file an earlier, larger step grew holds no more than twice this one
-                os.ftruncate(fd, total)
-                size = total
-            if total:
-                mapping, offset = _writable_mapping(path, fd, size), 0
-                for piece in pieces:
-                    mapping[offset:offset + len(piece)] = piece
-                    offset += len(piece)
+        if size > 2 * total:  # a file an earlier, larger step grew holds no more than twice this one
+            os.ftruncate(fd, total)
+            size = total
+        fits = min(size, total)
+        if fits:
+            _copy_into(_writable_mapping(path, fd, size), pieces, fits)
+        if total > fits:
+            _pwrite_all(fd, _advance(pieces, fits), fits)
     except BaseException:
         _forget_mapping(path)
         os.ftruncate(fd, 0)  # what a full /dev/shm let through is freed at once
@@ -271,8 +267,18 @@ def _write_shared(path: str, messages: list[list]) -> list[int]:
     return lengths
 
 
-def _pwrite_all(fd: int, pieces: list) -> None:
+def _copy_into(mapping: mmap.mmap, pieces: list, nbytes: int) -> None:
+    """The first `nbytes` of the pieces, back to back, copied to the start of `mapping`."""
     offset = 0
+    for piece in pieces:
+        count = min(len(piece), nbytes - offset)
+        if count <= 0:
+            return
+        mapping[offset:offset + count] = piece if count == len(piece) else memoryview(piece)[:count]
+        offset += count
+
+
+def _pwrite_all(fd: int, pieces: list, offset: int = 0) -> None:
     while pieces:
         written = os.pwritev(fd, pieces[:_IOV_MAX], offset)
         offset += written
