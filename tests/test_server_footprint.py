@@ -169,8 +169,8 @@ def test_shared_files_kept_for_reuse_are_bounded(tmp_path):
     files.give_back(second)  # 4000 free would be over 3000: removed
     assert Path(first).exists() and not Path(second).exists()
     assert files.take() == first and files.created == 2  # used again, not made anew
-    assert _write_shared(first, [[b"z" * 1500]]) == [1500] and Path(first).stat().st_size == 2000  # kept whole
-    assert _write_shared(first, [[b"w" * 500]]) == [500] and Path(first).stat().st_size == 500  # cut
+    assert _write_shared(first, [[b"z" * 1500]]) == [[(0, 1500)]] and Path(first).stat().st_size == 2000  # kept whole
+    assert _write_shared(first, [[b"w" * 500]]) == [[(0, 500)]] and Path(first).stat().st_size == 500  # cut
     files.give_back(str(tmp_path / "never-written"))  # a worker that fell back to the pipe: nothing to keep
     assert files.take() != str(tmp_path / "never-written")
 
@@ -186,8 +186,8 @@ def test_the_servers_mapping_of_a_file_is_kept_and_follows_what_the_worker_wrote
     files = SharedFiles(str(tmp_path), keep_bytes=1 << 20)
     path = files.take()
     for size, byte in ((3000, b"a"), (2000, b"b"), (9000, b"c"), (100, b"d")):  # same, smaller, grown, cut
-        lengths = _write_shared(path, [[byte * (size // 2)], [byte * (size - size // 2)]])
-        result = RankStepResult([], 1, shared=path, lengths=lengths, files=files).attach()
+        segments = _write_shared(path, [[byte * (size // 2)], [byte * (size - size // 2)]])
+        result = RankStepResult([], 1, shared=path, segments=segments, files=files).attach()
         assert [bytes(m) for m in result.messages] == [byte * (size // 2), byte * (size - size // 2)]
         assert files.take() != path  # in use while viewed (the other file, never written, is not kept)
         del result
@@ -222,9 +222,55 @@ def test_a_step_larger_than_its_file_is_written_in_place_up_to_the_end_and_appen
     workers._write_shared(path, [[b"a" * 3000]])
     rng = random.Random(0)
     step = [[rng.randbytes(1000), memoryview(rng.randbytes(2500)), rng.randbytes(10)], [rng.randbytes(4000)]]
-    assert workers._write_shared(path, step) == [3510, 4000]
+    assert workers._write_shared(path, step) == [[(0, 3510)], [(3510, 4000)]]
     assert path in workers._MAPPED and len(workers._MAPPED[path]) == 3000  # the mapping written through
     assert Path(path).read_bytes() == b"".join(bytes(piece) for pieces in step for piece in pieces)
+    workers._forget_mapping(path)
+
+
+def test_a_worker_cuts_tiles_straight_into_the_steps_file(small_tile_index, tmp_path):
+    """Tiles are written where the server reads them, in the step's shared file, not copied there: each message
+    lies in several pieces of the file (its tiles among the first bytes), and reads back as the very bytes of
+    the packs built in memory."""
+    from packfeed.server.serve import workers
+    from packfeed.server.serve.jobs import Dataset, JobSpec
+    from packfeed.server.serve.registry import JobRegistry
+    from packfeed.server.serve.wire import SplitMessage
+    from packfeed.v1.options import PlanConfig
+
+    source = workers.DatasetSource(str(small_tile_index), str(Path(small_tile_index).parent / "tokenizer.json"))
+    workers._init_worker({"d": source})
+    job = JobRegistry({"d": Dataset.open("d", source)}).open_job(JobSpec("arena", "d", PlanConfig(dp=1, microbatches=2), 0))
+    path = str(tmp_path / "step")
+    for step in range(3):
+        work = job.work(0, step, 0)
+        inline = workers.build_rank_step(work)
+        shared = workers.build_rank_step(work, path)
+        assert shared.shared == path and any(offset == 0 for spans in shared.segments for offset, _ in spans)
+        assert any(isinstance(message, SplitMessage) for message in shared.attach().messages)
+        assert [bytes(message) for message in shared.messages] == inline.messages
+        assert shared.nbytes == sum(len(message) for message in inline.messages)
+        shared.messages = []
+        workers._forget_mapping(path)
+
+
+def test_pieces_cut_in_the_arena_stay_where_they_are_and_the_rest_follows_them(tmp_path):
+    """`_write_shared` leaves what was cut in the step's arena in place (also past a hole: a sample left out
+    after its first tiles were cut) and writes the other pieces after the arena's tiles."""
+    from packfeed.server.serve import workers
+
+    path = str(tmp_path / "step")
+    arena = workers._TileArena.open(path, 150)
+    first, hole, second = arena.empty((3, 5, 4)), arena.empty((10,)), arena.empty((2, 7))
+    first[:], hole[:], second[:] = 1, 9, 2
+    message = [b"head", memoryview(first).cast("B"), memoryview(second).cast("B"), b"tail"]
+    segments = workers._write_shared(path, [message, [b"next"]], arena)
+    assert segments == [[(84, 4), (0, 60), (70, 14), (88, 4)], [(92, 4)]]
+    data = Path(path).read_bytes()
+    assert b"".join(data[offset:offset + length] for offset, length in segments[0]) == \
+        b"head" + b"\x01" * 60 + b"\x02" * 14 + b"tail"
+    assert Path(path).stat().st_size == 150  # the arena's room, kept (under twice the step)
+    del first, hole, second, message, arena
     workers._forget_mapping(path)
 
 

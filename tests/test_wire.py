@@ -88,6 +88,20 @@ def test_pack_parts_are_bounded_protobuf_messages_that_join_back(size):
     assert joined[:-1] == [None] * (len(parts) - 1) and joined[-1] == message and not assembler.partial
 
 
+@pytest.mark.parametrize("cuts", [(), (0,), (5,), (64,), (63, 64, 65), (1, 2, 3, 200, 639)])
+def test_pack_parts_of_a_message_held_in_pieces_are_those_of_the_joined_message(cuts):
+    """A worker leaves a pack's tiles where it cut them in the step's file, so a message may lie in several
+    views (`SplitMessage`): its parts are the same bytes as the joined message's, parts spanning pieces."""
+    from packfeed.server.serve.wire import SplitMessage
+
+    message = bytes(range(256)) * 2 + bytes(128)
+    bounds = [0, *cuts, len(message)]
+    split = SplitMessage(tuple(memoryview(message)[a:b] for a, b in zip(bounds[:-1], bounds[1:])))
+    assert len(split) == len(message) and bytes(split) == message
+    for part_bytes in (1, 64, 100, 1 << 20):
+        assert list(pack_parts(split, part_bytes)) == list(pack_parts(message, part_bytes))
+
+
 def test_the_assembler_reads_parts_any_protobuf_writer_made():
     assembler = PackAssembler()
     assert assembler.add(pb.PackPart(data=b"abc").SerializeToString()) is None and assembler.partial

@@ -19,6 +19,8 @@ The tiles are the same bytes however the work is laid out: tests/test_pixels.py 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 
 from packfeed.v1.chw import chw_tiles
@@ -39,14 +41,16 @@ def check_available() -> None:
                          "pip install -U 'packfeed[fast]'")
 
 
-def file_tiles(data: bytes, geometry: Geometry) -> list[np.ndarray]:
-    """The tiles of one image file, uint8 (3, H, W) each. Raises what `packfeed.v1.pixels.decode_tiles` raises."""
-    return tiles(decode(data, geometry), geometry)
+def file_tiles(data: bytes, geometry: Geometry, empty: Callable = np.empty) -> list[np.ndarray]:
+    """The tiles of one image file, uint8 (3, H, W) each (made by `empty(shape, dtype)`). Raises what
+    `packfeed.v1.pixels.decode_tiles` raises."""
+    return tiles(decode(data, geometry), geometry, empty)
 
 
-def tiles(pixels: np.ndarray, geometry: Geometry) -> list[np.ndarray]:
-    """The tiles of one upright RGB image (uint8 (H, W, 3)) cut by `geometry`, uint8 (3, H, W) each."""
-    source = _Source(pixels)
+def tiles(pixels: np.ndarray, geometry: Geometry, empty: Callable = np.empty) -> list[np.ndarray]:
+    """The tiles of one upright RGB image (uint8 (H, W, 3)) cut by `geometry`, uint8 (3, H, W) each (made by
+    `empty(shape, dtype)`)."""
+    source = _Source(pixels, empty)
     out = source.tiles((geometry.resize_width, geometry.resize_height), geometry.boxes())
     if geometry.thumbnail:
         side = geometry.thumbnail
@@ -57,22 +61,23 @@ def tiles(pixels: np.ndarray, geometry: Geometry) -> list[np.ndarray]:
 class _Source:
     """One image, resized to each size its tiles need."""
 
-    def __init__(self, pixels: np.ndarray):
+    def __init__(self, pixels: np.ndarray, empty: Callable):
         import cv2  # the fast path's dependency (pip install 'packfeed[fast]')
 
         cv2.setNumThreads(1)  # one worker is one core
-        self.cv2, self.pixels = cv2, np.ascontiguousarray(pixels)
+        self.cv2, self.pixels, self.empty = cv2, np.ascontiguousarray(pixels), empty
 
     def tiles(self, size: tuple[int, int], boxes: list[tuple[int, int, int, int]]) -> list[np.ndarray]:
         cv2, pixels = self.cv2, self.pixels
         height, width = pixels.shape[:2]
         if size[0] >= width and size[1] >= height:
-            return chw_tiles(cv2.resize(pixels, size, interpolation=cv2.INTER_CUBIC), boxes)
+            return chw_tiles(cv2.resize(pixels, size, interpolation=cv2.INTER_CUBIC), boxes, self.empty)
         factor = min(width // size[0], height // size[1]) // 2
         if factor >= 2:  # the bicubic after it still shrinks 2x or more, over a fraction of the pixels
             pixels = cv2.resize(pixels, (-(-width // factor), -(-height // factor)), interpolation=cv2.INTER_AREA)
         planes = self.shrink(pixels, size)
-        return [np.stack([plane[top:top + h, left:left + w] for plane in planes]) for top, left, h, w in boxes]
+        return [np.stack([plane[top:top + h, left:left + w] for plane in planes], out=self.empty((3, h, w), np.uint8))
+                for top, left, h, w in boxes]
 
     def shrink(self, pixels: np.ndarray, size: tuple[int, int]) -> list[np.ndarray]:
         """`pixels` resized to size = (width, height) with Pillow's bicubic arithmetic, the height first where it

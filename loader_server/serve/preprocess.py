@@ -12,6 +12,7 @@ import hashlib
 import os
 import stat
 import threading
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -74,19 +75,20 @@ def check_pixels(pixels: str) -> None:
         fast.check_available()
 
 
-def file_tiles(data: bytes, geometry: Geometry, pixels: str = "exact") -> list[np.ndarray]:
-    """The tiles of one image file as the server makes them in mode `pixels` (exact or fast). Raises what
-    decode_tiles raises."""
+def file_tiles(data: bytes, geometry: Geometry, pixels: str = "exact", empty: Callable = np.empty) -> list[np.ndarray]:
+    """The tiles of one image file as the server makes them in mode `pixels` (exact or fast), each array made by
+    `empty(shape, dtype)`. Raises what decode_tiles raises."""
     if pixels == "fast":
-        return fast.file_tiles(data, geometry)
-    return decode_tiles(data, geometry, exact_resizer)
+        return fast.file_tiles(data, geometry, empty)
+    return decode_tiles(data, geometry, exact_resizer, empty=empty)
 
 
-def pixel_tiles(image: Image.Image | np.ndarray, geometry: Geometry, pixels: str = "exact") -> list[np.ndarray]:
+def pixel_tiles(image: Image.Image | np.ndarray, geometry: Geometry, pixels: str = "exact",
+                empty: Callable = np.empty) -> list[np.ndarray]:
     """The tiles of one upright RGB image (a Pillow image, or uint8 (H, W, 3): a video frame) in mode `pixels`."""
     if pixels == "fast":
-        return fast.tiles(np.asarray(image), geometry)
-    return cut_tiles(exact_resizer(image), geometry)
+        return fast.tiles(np.asarray(image), geometry, empty)
+    return cut_tiles(exact_resizer(image), geometry, empty)
 
 
 def image_tiles(image: Image.Image, policy: ImagePolicy, n_images: int, pixels: str = "exact") -> list[np.ndarray]:
@@ -127,6 +129,7 @@ class SampleReader:
                  pixels: str = "exact"):
         check_pixels(pixels)
         self.pixels = pixels
+        self.empty: Callable = np.empty  # makes each tile's array; a worker cuts tiles into the step's shared file
         if not info.has_shards:
             raise ValueError("this index was imported from length files; it has no shards to serve from")
         digest = hashlib.sha256(Path(tokenizer_path).read_bytes()).hexdigest()[:16]
@@ -291,7 +294,8 @@ class SampleReader:
         else:
             data = self._member(read, row["video_offsets"][k], row["video_sizes"][k], row["video_checksums"][k], what)
             try:  # each frame resized as it comes: one decoded frame held at a time
-                frames = [pixel_tiles(frame, geometry, self.pixels) for frame in read_frames(data, info, indices)]
+                frames = [pixel_tiles(frame, geometry, self.pixels, self.empty)
+                          for frame in read_frames(data, info, indices)]
             except VideoError as error:
                 raise SampleSkipped(f"{error} ({what})") from None
         cost = self.policy.video_cost(info.width, info.height, sampled)
@@ -309,7 +313,7 @@ class SampleReader:
 
     def _tiles(self, data: bytes, geometry: Geometry, what: str) -> list[np.ndarray]:
         try:
-            return file_tiles(data, geometry, self.pixels)
+            return file_tiles(data, geometry, self.pixels, self.empty)
         except ImageSizeMismatch as error:
             raise SampleSkipped(f"shard changed: {what} is {error.found}, index says {error.expected}") from None
         except (OSError, SyntaxError, ValueError) as error:

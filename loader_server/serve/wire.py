@@ -13,6 +13,8 @@ language can view it in place.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 from packfeed.server.serve.packs import Chunks, Pack
@@ -95,11 +97,40 @@ def pack_pieces(pack: Pack, microbatches: int, last_in_epoch: bool, alignment: i
     return parts
 
 
-def pack_parts(message: bytes, part_bytes: int):
+@dataclass(frozen=True)
+class SplitMessage:
+    """A serialized message held as the buffers it lies in, in order (a worker cuts a pack's tiles straight into
+    the step's shared file, away from the rest of the message): `bytes()` joins them, `pack_parts` cuts parts
+    across them."""
+
+    views: tuple[memoryview, ...]
+
+    def __len__(self) -> int:
+        return sum(len(view) for view in self.views)
+
+    def __bytes__(self) -> bytes:
+        return b"".join(self.views)
+
+
+def pack_parts(message: bytes | memoryview | SplitMessage, part_bytes: int):
     """A serialized `Pack` as serialized `PackPart` messages carrying at most `part_bytes` of it each, in
     order, the final one with `last` set. Yields them one at a time: a part is copied only when sent."""
-    view, last = memoryview(message), _varint(_PART_LAST << 3) + b"\x01"
-    for start in range(0, max(len(view), 1), part_bytes):
-        piece = view[start:start + part_bytes]
-        end = start + part_bytes >= len(view)
-        yield b"".join((_header(_PART_DATA, len(piece)), piece, last if end else b""))
+    views = [view for view in message.views if len(view)] if isinstance(message, SplitMessage) \
+        else [memoryview(message)]
+    total, last = sum(len(view) for view in views), _varint(_PART_LAST << 3) + b"\x01"
+    start = 0
+    while True:
+        size = min(part_bytes, total - start)
+        taken, missing = [], size
+        while missing:  # the part's bytes, from as many views as it spans
+            piece = views[0][:missing]
+            taken.append(piece)
+            missing -= len(piece)
+            views[0] = views[0][len(piece):]
+            if not len(views[0]):
+                views.pop(0)
+        start += size
+        end = start >= total
+        yield b"".join((_header(_PART_DATA, size), *taken, last if end else b""))
+        if end:
+            return

@@ -31,7 +31,7 @@ import numpy as np
 from packfeed.server.serve.packs import IndexRows, build_pack
 from packfeed.server.serve.preprocess import SampleReader
 from packfeed.server.serve.observe import log
-from packfeed.server.serve.wire import pack_pieces
+from packfeed.server.serve.wire import SplitMessage, pack_pieces
 
 SHARED_PREFIX = "packfeed-step-"  # + the server's pid + a random name: files of prepared steps in shared memory
 
@@ -62,17 +62,17 @@ class RankStepWork:
 @dataclass
 class RankStepResult:
     """A prepared rank-step. From a worker process the messages travel in a file in shared memory (`shared`,
-    their `lengths`), not through pickling: `attach()` maps the file, and the messages are then views of the
-    mapping; once the last of them is dropped the file goes back to the server's pool (`files`) to carry
-    another step (without a pool it is removed)."""
+    where each lies: its `segments`), not through pickling: `attach()` maps the file, and the messages are then
+    views of the mapping; once the last of them is dropped the file goes back to the server's pool (`files`)
+    to carry another step (without a pool it is removed)."""
 
-    messages: list  # serialized Pack, one per microbatch: bytes, or views of the attached mapping
+    messages: list  # serialized Pack, one per microbatch: bytes, or views of the attached mapping (SplitMessage)
     samples: int
     skipped: list[tuple[str, str]] = field(default_factory=list)
     seconds: float = 0.0
     by_dataset: dict[str, int] = field(default_factory=dict)  # samples delivered per dataset
-    shared: str | None = None  # the file holding the messages back to back, until attached
-    lengths: list[int] = field(default_factory=list)
+    shared: str | None = None  # the file holding the messages, until attached
+    segments: list[list[tuple[int, int]]] = field(default_factory=list)  # per message: (offset, bytes) in order
     files: "SharedFiles | None" = field(default=None, repr=False)  # the server's pool the file comes from
 
     def __getstate__(self) -> dict:
@@ -80,28 +80,29 @@ class RankStepResult:
 
     @property
     def nbytes(self) -> int:
-        return sum(self.lengths) if self.lengths else sum(len(m) for m in self.messages)
+        if self.segments:
+            return sum(length for spans in self.segments for _, length in spans)
+        return sum(len(m) for m in self.messages)
 
     def attach(self) -> "RankStepResult":
         if self.shared is None:
             return self
         path, self.shared = self.shared, None
-        total = sum(self.lengths)
-        if not total:
+        end = max((offset + length for spans in self.segments for offset, length in spans), default=0)
+        if not end:
             _give_back(self.files, path)
-            self.messages = [b"" for _ in self.lengths]
+            self.messages = [b"" for _ in self.segments]
             return self
         try:
-            view = self.files.view(path, total) if self.files else np.frombuffer(_map_file(path), np.uint8, total)
+            view = self.files.view(path, end) if self.files else np.frombuffer(_map_file(path), np.uint8, end)
         except OSError:
             _give_back(self.files, path)
             raise
         # once no message views it any more (the callback must not hold the result: it holds the views)
         weakref.finalize(view, _give_back, self.files, path)
-        offsets = [0]
-        for length in self.lengths:
-            offsets.append(offsets[-1] + length)
-        self.messages = [memoryview(view[a:b]) for a, b in zip(offsets[:-1], offsets[1:])]
+        views = [[memoryview(view[offset:offset + length]) for offset, length in spans] for spans in self.segments]
+        self.messages = [spans[0] if len(spans) == 1 else SplitMessage(tuple(spans)) if spans else b""
+                         for spans in views]
         return self
 
     def discard(self) -> None:
@@ -234,44 +235,107 @@ class SharedFiles:
             self._maps.clear()
 
 
-def _write_shared(path: str, messages: list[list]) -> list[int]:
-    """The messages' pieces written back to back from the start of the file at `path` (made if missing; a longer
-    file keeps its tail, unread). What fits in the file as it is goes through this worker's mapping of it
-    (`_writable_mapping`): a plain copy into pages that are there, a third of the CPU of pwritev, which spends it
-    in the kernel's work per page (BENCHMARKS.md "Handing steps over"). What goes past its end is written with
-    pwritev, which allocates the new pages as it copies (growing the file first and writing through a mapping
-    would clear every new page before the copy, and a full /dev/shm would be a SIGBUS, not an error): a full
-    /dev/shm is an OSError here (the caller sends the bytes instead, and the file is emptied). A worker whose
-    server is gone (it is then a child of init) writes nothing."""
+class _TileArena:
+    """Tiles cut straight into the step's shared file: `empty` hands out the file's next bytes, through this
+    worker's mapping of it, while there is room (then the worker's own memory), so a tile is written once,
+    where the server reads it, instead of into the worker's memory and then copied into the file. The file is
+    made to hold the step's tiles (as the index counts them) before the first is cut, with fallocate: its pages
+    exist, so a write through the mapping cannot meet a full /dev/shm (a SIGBUS), the fallocate meets it (an
+    OSError: no arena, the tiles go to the worker's memory as before)."""
+
+    def __init__(self, mapping: mmap.mmap, capacity: int):
+        self.mapping = mapping
+        self.buffer = np.frombuffer(mapping, np.uint8, capacity)
+        self.address = self.buffer.ctypes.data
+        self.used = 0
+
+    @classmethod
+    def open(cls, path: str, capacity: int) -> "_TileArena | None":
+        if not capacity:
+            return None
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        except OSError:
+            return None
+        try:
+            size = os.fstat(fd).st_size
+            if size < capacity:
+                os.posix_fallocate(fd, size, capacity - size)
+                size = capacity
+            return cls(_writable_mapping(path, fd, size), capacity)
+        except OSError:
+            return None
+        finally:
+            os.close(fd)
+
+    def empty(self, shape: tuple[int, ...], dtype=np.uint8) -> np.ndarray:
+        nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
+        if self.used + nbytes > len(self.buffer):
+            return np.empty(shape, dtype)
+        array = self.buffer[self.used:self.used + nbytes].view(dtype).reshape(shape)
+        self.used += nbytes
+        return array
+
+    def offset(self, piece) -> int | None:
+        """Where `piece` (a buffer) lies in the file, if it is a tile cut here."""
+        offset = np.frombuffer(piece, np.uint8).ctypes.data - self.address
+        return offset if 0 <= offset and offset + len(piece) <= self.used else None
+
+
+def _write_shared(path: str, messages: list[list], arena: _TileArena | None = None) -> list[list[tuple[int, int]]]:
+    """Each message's pieces laid out in the file at `path` (made if missing; a longer file keeps its tail,
+    unread): a piece cut in `arena` stays where it is, the others are written back to back after the arena's
+    tiles. Returns each message's segments, (offset, bytes) in order. What fits in the file as it is goes
+    through this worker's mapping of it (`_writable_mapping`): a plain copy into pages that are there, a third of
+    the CPU of pwritev, which spends it in the kernel's work per page (BENCHMARKS.md "Handing steps over").
+    What goes past its end is written with pwritev, which allocates the new pages as it copies (growing the file
+    first and writing through a mapping would clear every new page before the copy, and a full /dev/shm would
+    be a SIGBUS, not an error): a full /dev/shm is an OSError here (the caller sends the bytes instead, and
+    empties the file). A worker whose server is gone (it is then a child of init) writes nothing."""
     if os.getppid() == 1:
         raise OSError("the server process is gone")
-    lengths = [sum(len(piece) for piece in pieces) for pieces in messages]
-    pieces, total = [piece for message in messages for piece in message if len(piece)], sum(lengths)
+    start = arena.used if arena is not None else 0
+    segments, loose, end = [], [], start
+    for pieces in messages:
+        spans: list[tuple[int, int]] = []
+        for piece in pieces:
+            if not len(piece):
+                continue
+            at = arena.offset(piece) if arena is not None else None
+            if at is None:
+                loose.append(piece)
+                at, end = end, end + len(piece)
+            if spans and sum(spans[-1]) == at:
+                spans[-1] = (spans[-1][0], spans[-1][1] + len(piece))
+            else:
+                spans.append((at, len(piece)))
+        segments.append(spans)
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
     try:
         size = os.fstat(fd).st_size
-        if size > 2 * total:  # a file an earlier, larger step grew holds no more than twice this one
-            os.ftruncate(fd, total)
-            size = total
-        fits = min(size, total)
+        if size > 2 * end:  # a file an earlier, larger step grew holds no more than twice this one
+            os.ftruncate(fd, end)
+            size = end
+        fits = max(0, min(size, end) - start)
         if fits:
-            _copy_into(_writable_mapping(path, fd, size), pieces, fits)
-        if total > fits:
-            _pwrite_all(fd, _advance(pieces, fits), fits)
+            mapping = arena.mapping if arena is not None and len(arena.mapping) >= start + fits \
+                else _writable_mapping(path, fd, size)
+            _copy_into(mapping, start, loose, fits)
+        if end > start + fits:
+            _pwrite_all(fd, _advance(loose, fits), start + fits)
     except BaseException:
         _forget_mapping(path)
-        os.ftruncate(fd, 0)  # what a full /dev/shm let through is freed at once
         raise
     finally:
         os.close(fd)
-    return lengths
+    return segments
 
 
-def _copy_into(mapping: mmap.mmap, pieces: list, nbytes: int) -> None:
-    """The first `nbytes` of the pieces, back to back, copied to the start of `mapping`."""
-    offset = 0
+def _copy_into(mapping: mmap.mmap, start: int, pieces: list, nbytes: int) -> None:
+    """The first `nbytes` of the pieces, back to back, copied into `mapping` from `start`."""
+    offset = start
     for piece in pieces:
-        count = min(len(piece), nbytes - offset)
+        count = min(len(piece), start + nbytes - offset)
         if count <= 0:
             return
         mapping[offset:offset + count] = piece if count == len(piece) else memoryview(piece)[:count]
@@ -317,7 +381,10 @@ def _writable_mapping(path: str, fd: int, size: int) -> mmap.mmap:
 def _forget_mapping(path: str) -> None:
     mapping = _MAPPED.pop(path, None)
     if mapping is not None:
-        mapping.close()
+        try:
+            mapping.close()
+        except BufferError:
+            pass  # tiles cut into it are still viewed: it is unmapped when the last of them goes
 
 
 def _unlink(path: str) -> None:
@@ -441,30 +508,58 @@ def build_rank_step(work: RankStepWork, shared: str | None = None) -> RankStepRe
 def _build_rank_step(work: RankStepWork, shared: str | None) -> RankStepResult:
     started = time.perf_counter()
     parts = [(*_dataset(name), label) for name, label in zip(work.datasets, work.labels)]
-    pieces, skipped, samples, by_dataset = [], [], 0, collections.Counter()
-    for microbatch, (members, truncate_to, sources) in enumerate(work.packs):
-        pack = build_pack(parts, members, truncate_to, sources, work.epoch, work.step, work.rank, microbatch,
-                          work.seed)
-        pack.step_loss_tokens = work.step_loss_tokens
-        pieces.append(pack_pieces(pack, len(work.packs), work.last_in_epoch))
-        skipped.extend(pack.skipped)
-        samples += len(members)
-        by_dataset.update(pack.sample_sources)
-    result = RankStepResult([], samples, skipped, 0.0, dict(by_dataset))
-    if shared is not None:
-        try:
-            result.lengths = _write_shared(shared, pieces)
-            result.shared = shared
-        except OSError as error:  # no room in shared memory: the bytes travel through the pipe instead
-            if not _WARNED:
-                _WARNED.append(True)
-                log.warning("prepared steps go through a pipe (more CPU per sample): no room in shared memory; "
-                            "give the server a larger /dev/shm (docker: shm_size)",
-                            extra={"file": shared, "error": str(error)})
-    if result.shared is None:
-        result.messages = [b"".join(message) for message in pieces]
+    arena = _TileArena.open(shared, _tile_bytes(parts, work)) if shared is not None else None
+    for _, reader, _ in parts:
+        reader.empty = arena.empty if arena is not None else np.empty
+    try:
+        pieces, skipped, samples, by_dataset = [], [], 0, collections.Counter()
+        for microbatch, (members, truncate_to, sources) in enumerate(work.packs):
+            pack = build_pack(parts, members, truncate_to, sources, work.epoch, work.step, work.rank, microbatch,
+                              work.seed)
+            pack.step_loss_tokens = work.step_loss_tokens
+            pieces.append(pack_pieces(pack, len(work.packs), work.last_in_epoch))
+            skipped.extend(pack.skipped)
+            samples += len(members)
+            by_dataset.update(pack.sample_sources)
+        result = RankStepResult([], samples, skipped, 0.0, dict(by_dataset))
+        if shared is not None:
+            try:
+                result.segments = _write_shared(shared, pieces, arena)
+                result.shared = shared
+            except OSError as error:  # no room in shared memory: the bytes travel through the pipe instead
+                if not _WARNED:
+                    _WARNED.append(True)
+                    log.warning("prepared steps go through a pipe (more CPU per sample): no room in shared memory; "
+                                "give the server a larger /dev/shm (docker: shm_size)",
+                                extra={"file": shared, "error": str(error)})
+        if result.shared is None:
+            result.messages = [b"".join(message) for message in pieces]
+            if shared is not None:
+                _empty(shared)  # what a full /dev/shm let through, and the tiles cut into it, freed at once
+    finally:
+        for _, reader, _ in parts:
+            reader.empty = np.empty
     result.seconds = time.perf_counter() - started
     return result
+
+
+def _tile_bytes(parts: list, work: RankStepWork) -> int:
+    """Bytes of the step's tiles as the index counts them (none where a dataset sends encoded images)."""
+    total = 0
+    for ids, _, sources in work.packs:
+        for k, (rows, reader, _) in enumerate(parts):
+            chosen = ids[np.asarray(sources) == k]
+            if len(chosen) and reader.pixels != "encoded":
+                total += rows.pixel_bytes(chosen)
+    return total
+
+
+def _empty(path: str) -> None:
+    _forget_mapping(path)
+    try:
+        os.truncate(path, 0)
+    except OSError:
+        pass
 
 
 class WorkerPool:

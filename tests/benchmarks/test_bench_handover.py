@@ -49,7 +49,7 @@ def hand_over(pieces: list, files, directory: str) -> None:
     from packfeed.server.serve.workers import SHARED_PREFIX, RankStepResult, _write_shared
 
     path = files.take() if files else os.path.join(directory, f"{SHARED_PREFIX}{os.getpid()}-{uuid.uuid4().hex}")
-    result = RankStepResult([], 1, shared=path, lengths=_write_shared(path, [pieces]),
+    result = RankStepResult([], 1, shared=path, segments=_write_shared(path, [pieces]),
                             files=files)
     result.attach()
     assert len(bytes(result.messages[0])) == STEP_BYTES  # copied out, as the server hands it to gRPC

@@ -26,12 +26,13 @@ def _split_channels(rows, top, left, out):  # pragma: no cover - compiled
             blue[x] = row[3 * x + 2]
 
 
-def chw_tiles(image: np.ndarray, boxes: list[tuple[int, int, int, int]]) -> list[np.ndarray]:
-    """The windows (top, left, height, width) of `image` (uint8 (H, W, 3)) as contiguous uint8 (3, h, w) arrays."""
+def chw_tiles(image: np.ndarray, boxes: list[tuple[int, int, int, int]], empty=np.empty) -> list[np.ndarray]:
+    """The windows (top, left, height, width) of `image` (uint8 (H, W, 3)) as contiguous uint8 (3, h, w) arrays,
+    each made by `empty(shape, dtype)` (a server cuts them straight into the step's shared file)."""
     rows = np.ascontiguousarray(image).reshape(image.shape[0], -1)
     tiles = []
     for top, left, height, width in boxes:
-        tile = np.empty((3, height, width), np.uint8)
+        tile = empty((3, height, width), np.uint8)
         _split_channels(rows, top, left, tile)
         tiles.append(tile)
     return tiles

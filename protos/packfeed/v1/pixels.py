@@ -115,14 +115,15 @@ def pil_resizer(image: Image.Image) -> Resize:
     return lambda size: np.asarray(image.resize(size, Image.BICUBIC))
 
 
-def cut_tiles(resize: Resize, geometry: Geometry) -> list[np.ndarray]:
-    """The tiles of one upright RGB image, uint8 (3, H, W) each, given how to resize it."""
+def cut_tiles(resize: Resize, geometry: Geometry, empty: Callable = np.empty) -> list[np.ndarray]:
+    """The tiles of one upright RGB image, uint8 (3, H, W) each (made by `empty(shape, dtype)`), given how to
+    resize it."""
     from packfeed.v1.chw import chw_tiles  # numba: compiled on first use, not on import
 
     g = geometry
-    tiles = chw_tiles(resize((g.resize_width, g.resize_height)), g.boxes())
+    tiles = chw_tiles(resize((g.resize_width, g.resize_height)), g.boxes(), empty)
     if g.thumbnail:
-        tiles += chw_tiles(resize((g.thumbnail, g.thumbnail)), [(0, 0, g.thumbnail, g.thumbnail)])
+        tiles += chw_tiles(resize((g.thumbnail, g.thumbnail)), [(0, 0, g.thumbnail, g.thumbnail)], empty)
     return tiles
 
 
@@ -135,16 +136,17 @@ class ImageSizeMismatch(ValueError):
 
 
 def decode_tiles(data: bytes, geometry: Geometry, resizer: Callable[[Image.Image], Resize] = pil_resizer,
-                 prepare: Callable[[Image.Image], None] | None = None) -> list[np.ndarray]:
+                 prepare: Callable[[Image.Image], None] | None = None, empty: Callable = np.empty) -> list[np.ndarray]:
     """The tiles of one image file: decoded, made upright RGB and cut by `geometry`, resized by `resizer` (Pillow
-    bicubic: the exact path). `prepare` sees the opened image before it is decoded (e.g. to draft a JPEG).
+    bicubic: the exact path). `prepare` sees the opened image before it is decoded (e.g. to draft a JPEG);
+    `empty(shape, dtype)` makes each tile's array.
     Raises ImageSizeMismatch, or what Pillow raises for a file that does not decode (OSError, SyntaxError,
     ValueError, DecompressionBombError)."""
     with opened(data, geometry) as image:
         if prepare is not None:
             prepare(image)
         image.load()
-        return cut_tiles(resizer(to_rgb(image)), geometry)
+        return cut_tiles(resizer(to_rgb(image)), geometry, empty)
 
 
 @contextmanager
