@@ -157,20 +157,21 @@ def test_partial_writes_resume_where_they_stopped():
 
 def test_shared_files_kept_for_reuse_are_bounded(tmp_path):
     """Free files come back up to `keep_bytes`, the ones past it are removed; a file an earlier, larger step
-    grew is cut to the step it carries when that is under half its size."""
+    grew is cut to twice the step it carries and 1 MiB when it holds more."""
     from packfeed.server.serve.workers import SharedFiles, _write_shared
 
-    files = SharedFiles(str(tmp_path), keep_bytes=3000)
+    files = SharedFiles(str(tmp_path), keep_bytes=3 << 20)
     first, second = files.take(), files.take()
     assert first != second and files.created == 2
-    _write_shared(first, [[b"x" * 2000]])
-    _write_shared(second, [[b"y" * 2000]])
-    files.give_back(first)  # 2000 free: kept
-    files.give_back(second)  # 4000 free would be over 3000: removed
+    _write_shared(first, [[b"x" * (2 << 20)]])
+    _write_shared(second, [[b"y" * (2 << 20)]])
+    files.give_back(first)  # 2.5 MiB free (the step, and a quarter spare): kept
+    files.give_back(second)  # 5 MiB free would be over 3 MiB: removed
     assert Path(first).exists() and not Path(second).exists()
     assert files.take() == first and files.created == 2  # used again, not made anew
-    assert _write_shared(first, [[b"z" * 1500]]) == [[(0, 1500)]] and Path(first).stat().st_size == 2000  # kept whole
-    assert _write_shared(first, [[b"w" * 500]]) == [[(0, 500)]] and Path(first).stat().st_size == 500  # cut
+    half = 1 << 20
+    assert _write_shared(first, [[b"z" * half]]) == [[(0, half)]] and Path(first).stat().st_size == 5 * half // 2
+    assert _write_shared(first, [[b"w" * 500]]) == [[(0, 500)]] and Path(first).stat().st_size == half + 1000  # cut
     files.give_back(str(tmp_path / "never-written"))  # a worker that fell back to the pipe: nothing to keep
     assert files.take() != str(tmp_path / "never-written")
 
@@ -183,9 +184,9 @@ def test_the_servers_mapping_of_a_file_is_kept_and_follows_what_the_worker_wrote
 
     from packfeed.server.serve.workers import RankStepResult, SharedFiles, _write_shared
 
-    files = SharedFiles(str(tmp_path), keep_bytes=1 << 20)
+    files = SharedFiles(str(tmp_path), keep_bytes=8 << 20)
     path = files.take()
-    for size, byte in ((3000, b"a"), (2000, b"b"), (9000, b"c"), (100, b"d")):  # same, smaller, grown, cut
+    for size, byte in ((3000, b"a"), (2000, b"b"), (3 << 20, b"c"), (100, b"d")):  # same, smaller, grown, cut
         segments = _write_shared(path, [[byte * (size // 2)], [byte * (size - size // 2)]])
         result = RankStepResult([], 1, shared=path, segments=segments, files=files).attach()
         assert [bytes(m) for m in result.messages] == [byte * (size // 2), byte * (size - size // 2)]
@@ -193,7 +194,7 @@ def test_the_servers_mapping_of_a_file_is_kept_and_follows_what_the_worker_wrote
         del result
         gc.collect()
         assert files.take() == path  # back once nothing views it, and handed out again
-    assert Path(path).stat().st_size == 100
+    assert Path(path).stat().st_size == (1 << 20) + 200
 
 
 def test_a_worker_drops_its_mapping_of_a_file_the_server_removed(tmp_path):
@@ -209,7 +210,7 @@ def test_a_worker_drops_its_mapping_of_a_file_the_server_removed(tmp_path):
     Path(first).unlink()
     workers._write_shared(second, [[b"c" * 4096]])
     assert first not in workers._MAPPED and second in workers._MAPPED
-    assert Path(second).read_bytes() == b"c" * 4096
+    assert Path(second).read_bytes()[:4096] == b"c" * 4096
     workers._forget_mapping(second)
 
 
@@ -223,8 +224,9 @@ def test_a_step_larger_than_its_file_is_written_in_place_up_to_the_end_and_appen
     rng = random.Random(0)
     step = [[rng.randbytes(1000), memoryview(rng.randbytes(2500)), rng.randbytes(10)], [rng.randbytes(4000)]]
     assert workers._write_shared(path, step) == [[(0, 3510)], [(3510, 4000)]]
-    assert path in workers._MAPPED and len(workers._MAPPED[path]) == 3000  # the mapping written through
-    assert Path(path).read_bytes() == b"".join(bytes(piece) for pieces in step for piece in pieces)
+    assert path in workers._MAPPED and len(workers._MAPPED[path]) == 3750  # through the mapping (the file and its spare)
+    written = b"".join(bytes(piece) for pieces in step for piece in pieces)
+    assert Path(path).read_bytes() == written + bytes(len(written) // 4)  # and a quarter spare, for later steps
     workers._forget_mapping(path)
 
 
@@ -241,17 +243,20 @@ def test_a_worker_cuts_tiles_straight_into_the_steps_file(small_tile_index, tmp_
     source = workers.DatasetSource(str(small_tile_index), str(Path(small_tile_index).parent / "tokenizer.json"))
     workers._init_worker({"d": source})
     job = JobRegistry({"d": Dataset.open("d", source)}).open_job(JobSpec("arena", "d", PlanConfig(dp=1, microbatches=2), 0))
-    path = str(tmp_path / "step")
-    for step in range(3):
+    files, in_place = workers.SharedFiles(str(tmp_path), keep_bytes=1 << 30), []
+    for step in [0, 1, 2, 0, 1, 2]:  # the pool's file is made by the first step, then holds the others' tiles
         work = job.work(0, step, 0)
         inline = workers.build_rank_step(work)
+        path = files.take()
         shared = workers.build_rank_step(work, path)
-        assert shared.shared == path and any(offset == 0 for spans in shared.segments for offset, _ in spans)
-        assert any(isinstance(message, SplitMessage) for message in shared.attach().messages)
+        assert shared.shared == path
+        shared.files = files
+        in_place.append(any(isinstance(message, SplitMessage) for message in shared.attach().messages))
         assert [bytes(message) for message in shared.messages] == inline.messages
         assert shared.nbytes == sum(len(message) for message in inline.messages)
         shared.messages = []
-        workers._forget_mapping(path)
+    assert not in_place[0] and sum(in_place) >= 3 and files.created == 1
+    workers._forget_mapping(path)
 
 
 def test_pieces_cut_in_the_arena_stay_where_they_are_and_the_rest_follows_them(tmp_path):
@@ -260,6 +265,8 @@ def test_pieces_cut_in_the_arena_stay_where_they_are_and_the_rest_follows_them(t
     from packfeed.server.serve import workers
 
     path = str(tmp_path / "step")
+    assert workers._TileArena.open(path, 150) is None  # a new file is written as before
+    workers._write_shared(path, [[bytes(150 + (1 << 20))]])
     arena = workers._TileArena.open(path, 150)
     first, hole, second = arena.empty((3, 5, 4)), arena.empty((10,)), arena.empty((2, 7))
     first[:], hole[:], second[:] = 1, 9, 2
@@ -269,7 +276,7 @@ def test_pieces_cut_in_the_arena_stay_where_they_are_and_the_rest_follows_them(t
     data = Path(path).read_bytes()
     assert b"".join(data[offset:offset + length] for offset, length in segments[0]) == \
         b"head" + b"\x01" * 60 + b"\x02" * 14 + b"tail"
-    assert Path(path).stat().st_size == 150  # the arena's room, kept (under twice the step)
+    assert Path(path).stat().st_size == 2 * 96 + (1 << 20)  # cut: no more than twice the step, and 1 MiB
     del first, hole, second, message, arena
     workers._forget_mapping(path)
 

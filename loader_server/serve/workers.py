@@ -187,7 +187,7 @@ class SharedFiles:
     this pool; once the step is sent (its last view dropped) the file comes back, pages and mapping and all,
     for another step. Files come back while the pool holds under `keep_bytes` (a quarter of the server's memory
     budget) of free ones; past that they are removed. A file keeps at most twice the bytes of the step it
-    carries (the worker cuts it), so shared memory holds at most twice the budget's steps in flight, plus
+    carries and 1 MiB (the worker cuts it), so shared memory holds at most twice the budget's steps in flight, plus
     `keep_bytes`. Files are named after the server process, so a stop (or the next start, after a kill)
     removes them all. Thread-safe: files come back from whichever thread drops a step's last view."""
 
@@ -235,13 +235,19 @@ class SharedFiles:
             self._maps.clear()
 
 
+# A file holds at most twice the step it carries and this much (the worker cuts it): a small step's file keeps
+# room for its spare.
+_SLACK = 1 << 20
+
+
 class _TileArena:
     """Tiles cut straight into the step's shared file: `empty` hands out the file's next bytes, through this
     worker's mapping of it, while there is room (then the worker's own memory), so a tile is written once,
-    where the server reads it, instead of into the worker's memory and then copied into the file. The file is
-    made to hold the step's tiles (as the index counts them) before the first is cut, with fallocate: its pages
-    exist, so a write through the mapping cannot meet a full /dev/shm (a SIGBUS), the fallocate meets it (an
-    OSError: no arena, the tiles go to the worker's memory as before)."""
+    where the server reads it, instead of into the worker's memory and then copied into the file. Only a file
+    that holds the step's tiles already (as the index counts them) gets an arena: its pages exist, so a write
+    through the mapping cannot meet a full /dev/shm (a SIGBUS). A new or smaller file is written as before
+    (pwritev allocates its pages as it copies, and meets a full /dev/shm as an OSError), and grown with a
+    quarter to spare for the steps after it."""
 
     def __init__(self, mapping: mmap.mmap, capacity: int):
         self.mapping = mapping
@@ -251,20 +257,15 @@ class _TileArena:
 
     @classmethod
     def open(cls, path: str, capacity: int) -> "_TileArena | None":
-        if not capacity:
-            return None
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+            fd = os.open(path, os.O_RDWR)
         except OSError:
-            return None
+            return None  # a new file
         try:
             size = os.fstat(fd).st_size
-            if size < capacity:
-                os.posix_fallocate(fd, size, capacity - size)
-                size = capacity
+            if not capacity or size < capacity:
+                return None
             return cls(_writable_mapping(path, fd, size), capacity)
-        except OSError:
-            return None
         finally:
             os.close(fd)
 
@@ -313,9 +314,9 @@ def _write_shared(path: str, messages: list[list], arena: _TileArena | None = No
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
     try:
         size = os.fstat(fd).st_size
-        if size > 2 * end:  # a file an earlier, larger step grew holds no more than twice this one
-            os.ftruncate(fd, end)
-            size = end
+        if size > 2 * end + _SLACK:  # a file an earlier, larger step grew holds no more than twice this one
+            size = 2 * end + _SLACK
+            os.ftruncate(fd, size)
         fits = max(0, min(size, end) - start)
         if fits:
             mapping = arena.mapping if arena is not None and len(arena.mapping) >= start + fits \
@@ -323,12 +324,22 @@ def _write_shared(path: str, messages: list[list], arena: _TileArena | None = No
             _copy_into(mapping, start, loose, fits)
         if end > start + fits:
             _pwrite_all(fd, _advance(loose, fits), start + fits)
+            _spare(fd, end, end // 4)
     except BaseException:
         _forget_mapping(path)
         raise
     finally:
         os.close(fd)
     return segments
+
+
+def _spare(fd: int, end: int, nbytes: int) -> None:
+    """Room allocated past a grown file's end, so that the next, larger steps fit it (through the mapping, tiles
+    cut in place) without growing it again; none where shared memory has no room for it."""
+    try:
+        os.posix_fallocate(fd, end, nbytes)
+    except OSError:
+        pass
 
 
 def _copy_into(mapping: mmap.mmap, start: int, pieces: list, nbytes: int) -> None:
