@@ -6,7 +6,9 @@
   system;
 - a worker writing a step into a file that holds one already: pwritev (as it wrote every step before) against
   its kept mapping of the file (`_write_shared`); the step as a pack's pieces, one per tile;
-- cutting tiles channels first: numpy's copy of a transposed view against `packfeed.v1.chw`.
+- cutting tiles channels first: numpy's copy of a transposed view against `packfeed.v1.chw`;
+- a worker cutting a step's tiles into its memory and copying them into the step's file, against cutting them
+  straight into the file (`_TileArena`).
 
 Run: .venv/bin/python -m pytest -q -s tests/benchmarks/test_bench_handover.py -m benchmark
 """
@@ -121,3 +123,47 @@ def test_cutting_tiles_channels_first():
     for name, seconds in best_seconds(ways, 10).items():
         print(f"\n[chw] 12 tiles of 448 px (7.2 MB), {name}: {seconds * 1e3:.2f} ms", end="")
     print()
+
+
+def test_cutting_tiles_into_the_steps_file():
+    """A worker cutting a step's tiles (two 4 x 3 InternVL grids and their thumbnails, 15.7 MB) and writing the step
+    into a file that holds one already: tiles cut into the worker's memory, then copied into the file through its
+    kept mapping (as before), against tiles cut straight into the file (`_TileArena`), the rest of the step
+    written after them."""
+    from packfeed.server.serve import workers
+    from packfeed.v1.chw import chw_tiles
+
+    workers.keep_freed_memory()  # as a worker: tiles cut into its memory reuse freed blocks, not fresh pages
+    directory = workers.shared_directory()
+    path = os.path.join(directory, f"{workers.SHARED_PREFIX}{os.getpid()}-{uuid.uuid4().hex}")
+    image = np.random.default_rng(0).integers(0, 256, (1344, 1792, 3), dtype=np.uint8)
+    boxes = [(top, left, 448, 448) for top in range(0, 1344, 448) for left in range(0, 1792, 448)] + [(0, 0, 448, 448)]
+    capacity = 2 * len(boxes) * 3 * 448 * 448
+    head = b"\1" * 60_000  # tokens, labels, positions and the rest of the messages
+
+    def cut(empty) -> list:
+        return [head, *(memoryview(tile).cast("B") for _ in range(2) for tile in chw_tiles(image, boxes, empty))]
+
+    def copied() -> None:
+        workers._write_shared(path, [cut(np.empty)])
+
+    def in_place() -> list:
+        arena = workers._TileArena.open(path, capacity)
+        assert arena is not None
+        return workers._write_shared(path, [cut(arena.empty)], arena)
+
+    try:
+        copied()  # the file exists with room for the step, its pages allocated, as a pool's file is
+        segments = in_place()[0]
+        with open(path, "rb") as written:
+            data = written.read()
+        assert len(segments) > 1 and b"".join(data[at:at + n] for at, n in segments) == b"".join(cut(np.empty))
+        best = best_seconds({"cut into memory, then copied into the file": copied,
+                             "cut straight into the file": in_place}, STEPS // 4)
+    finally:
+        workers._forget_mapping(path)
+        workers.remove_shared_files(directory, os.getpid())
+    for name, seconds in best.items():
+        print(f"\n[arena] {capacity / 1e6:.1f} MB of tiles, {name}: {seconds * 1e3:.2f} ms CPU", end="")
+    ratio = best["cut into memory, then copied into the file"] / best["cut straight into the file"]
+    print(f"\n[arena] cut straight into the file: {ratio:.2f}x less CPU")
