@@ -100,7 +100,8 @@ def test_unknown_pixel_modes_are_refused(tmp_path, small_tile_index):
 
 def test_fast_path_decodes_large_jpegs_at_reduced_scale_within_its_bound(demo_dataset):
     """A photograph at least 4x the size of every target is decoded at 1/2..1/8 scale (JPEG draft: the pixels of
-    Pillow's draft); the tiles stay within the fast bound of exact, and a target too large for it keeps the full decode."""
+    Pillow's draft); the tiles stay within the fast bound of exact, and a target too large for it keeps the full
+    decode."""
     from packfeed.server.serve.fast import decode as fast_pixels, draft_scale
     from packfeed.server.serve.preprocess import file_tiles
 

@@ -224,7 +224,7 @@ def test_a_step_larger_than_its_file_is_written_in_place_up_to_the_end_and_appen
     rng = random.Random(0)
     step = [[rng.randbytes(1000), memoryview(rng.randbytes(2500)), rng.randbytes(10)], [rng.randbytes(4000)]]
     assert workers._write_shared(path, step) == [[(0, 3510)], [(3510, 4000)]]
-    assert path in workers._MAPPED and len(workers._MAPPED[path]) == 3750  # through the mapping (the file and its spare)
+    assert path in workers._MAPPED and len(workers._MAPPED[path]) == 3750  # the mapping: the file and its spare
     written = b"".join(bytes(piece) for pieces in step for piece in pieces)
     assert Path(path).read_bytes() == written + bytes(len(written) // 4)  # and a quarter spare, for later steps
     workers._forget_mapping(path)
@@ -242,7 +242,8 @@ def test_a_worker_cuts_tiles_straight_into_the_steps_file(small_tile_index, tmp_
 
     source = workers.DatasetSource(str(small_tile_index), str(Path(small_tile_index).parent / "tokenizer.json"))
     workers._init_worker({"d": source})
-    job = JobRegistry({"d": Dataset.open("d", source)}).open_job(JobSpec("arena", "d", PlanConfig(dp=1, microbatches=2), 0))
+    registry = JobRegistry({"d": Dataset.open("d", source)})
+    job = registry.open_job(JobSpec("arena", "d", PlanConfig(dp=1, microbatches=2), 0))
     files, in_place = workers.SharedFiles(str(tmp_path), keep_bytes=1 << 30), []
     for step in [0, 1, 2, 0, 1, 2]:  # the pool's file is made by the first step, then holds the others' tiles
         work = job.work(0, step, 0)

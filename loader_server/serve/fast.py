@@ -3,8 +3,9 @@
 its CPU.
 
 - Decoding: simplejpeg (libjpeg-turbo) and pyspng (libspng) decode what they decode as Pillow does (8-bit RGB
-  and grey JPEGs and PNGs, upright, whole), straight into 3-byte pixels; Pillow decodes the rest. A JPEG at least 4x every target is decoded at
-  1/2..1/8 scale in the DCT domain (Pillow's `draft` rule), stopping at twice the targets.
+  and grey JPEGs and PNGs, upright, whole), straight into 3-byte pixels; Pillow decodes the rest. A JPEG at
+  least 4x every target is decoded at 1/2..1/8 scale in the DCT domain (Pillow's `draft` rule), stopping at
+  twice the targets.
 - Enlarging (both sides): OpenCV's SIMD bicubic on the interleaved pixels. Its kernel is not Pillow's
   (a = -0.75), which shows little when enlarging.
 - Shrinking (either side): Pillow's own bicubic arithmetic (`packfeed.v1.resample`'s kernels, which widen the
@@ -76,8 +77,8 @@ class _Source:
         if factor >= 2:  # the bicubic after it still shrinks 2x or more, over a fraction of the pixels
             pixels = cv2.resize(pixels, (-(-width // factor), -(-height // factor)), interpolation=cv2.INTER_AREA)
         planes = self.shrink(pixels, size)
-        return [np.stack([plane[top:top + h, left:left + w] for plane in planes], out=self.empty((3, h, w), np.uint8))
-                for top, left, h, w in boxes]
+        return [np.stack([plane[top:top + h, left:left + w] for plane in planes],
+                         out=self.empty((3, h, w), np.uint8)) for top, left, h, w in boxes]
 
     def shrink(self, pixels: np.ndarray, size: tuple[int, int]) -> list[np.ndarray]:
         """`pixels` resized to size = (width, height) with Pillow's bicubic arithmetic, the height first where it
