@@ -198,22 +198,24 @@ class Dataset:
         return RankStepWork(tuple(part.name for part in parts_), tuple(part.label for part in parts_),
                             plan.epoch, step, rank, packs, step_loss, plan.is_last_step(step), plan.seed)
 
+    def _step_samples(self, work: RankStepWork) -> list[tuple["Dataset", np.ndarray]]:
+        """Each index the step reads with its samples there, every pack's together: one read of a column per
+        step, not one per pack (these run in the event loop, for every step)."""
+        ids = np.concatenate([np.asarray(ids, dtype=np.int64) for ids, _, _ in work.packs])
+        sources = np.concatenate([np.asarray(sources) for _, _, sources in work.packs])
+        chosen = [(part, ids[sources == k]) for k, part in enumerate(self.parts)]
+        return [(part, part_ids) for part, part_ids in chosen if len(part_ids)]
+
     def estimate_bytes(self, work: RankStepWork) -> int:
         """Bytes a rank-step will take once prepared, for reserving room in the memory budget up front."""
-        parts_ = self.parts
-        return int(sum(sum(part.sample_bytes(ids[sources == k]) for k, part in enumerate(parts_)) + 1024
-                       for ids, _, sources in work.packs))
+        return int(sum(part.sample_bytes(ids) for part, ids in self._step_samples(work)) + 1024 * len(work.packs))
 
     def decode_bytes(self, work: RankStepWork) -> int:
         """Bytes a worker holds for a while preparing the rank-step: its largest image decoded, converted and
         resized (a worker decodes one image at a time). Reserved in the budget until the step is ready, so
         a 9,400 x 9,400 PNG of 200 KB cannot take a gigabyte behind the budget's back."""
-        largest = 0
-        for ids, _, sources in work.packs:
-            for k, part in enumerate(self.parts):
-                chosen = ids[sources == k]
-                if len(chosen):
-                    largest = max(largest, int(part.rows.largest_image_pixels(chosen).max()))
+        largest = max((int(part.rows.largest_image_pixels(ids).max()) for part, ids in self._step_samples(work)),
+                      default=0)
         return largest * DECODE_BYTES_PER_PIXEL
 
     @classmethod
