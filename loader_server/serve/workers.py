@@ -318,9 +318,8 @@ def _write_shared(path: str, messages: list[list], arena: _TileArena | None = No
             size = 2 * end + _SLACK
             os.ftruncate(fd, size)
         fits = max(0, min(size, end) - start)
-        if fits:
-            mapping = arena.mapping if arena is not None and len(arena.mapping) >= start + fits \
-                else _writable_mapping(path, fd, size)
+        if fits:  # the arena's mapping covers the file as it was when the step began (a cut only shortens it)
+            mapping = arena.mapping if arena is not None else _writable_mapping(path, fd, size)
             _copy_into(mapping, start, loose, fits)
         if end > start + fits:
             _pwrite_all(fd, _advance(loose, fits), start + fits)

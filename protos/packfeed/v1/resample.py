@@ -219,10 +219,10 @@ def compile_kernels() -> bool:
     return matches_pillow()
 
 
-def exact_resizer(image: Image.Image | np.ndarray, pillow_order: bool = True) -> Resize:
+def exact_resizer(image: Image.Image | np.ndarray) -> Resize:
     """The exact path's resizer for one upright RGB image (a Pillow image, or its pixels uint8 (H, W, 3)): this
-    module where it matches Pillow, else Pillow. `pillow_order` False: see resize_bicubic."""
+    module where it matches Pillow, else Pillow."""
     if not matches_pillow():
         return pil_resizer(image if isinstance(image, Image.Image) else Image.fromarray(image))
     pixels = functools.cache(lambda: np.ascontiguousarray(np.asarray(image)))  # copied out of Pillow once, if used
-    return lambda size: resize_bicubic(pixels(), size, pillow_order)
+    return lambda size: resize_bicubic(pixels(), size)
