@@ -491,5 +491,6 @@ def test_frames_are_decoded_and_resized_one_at_a_time(qwen_videos):
     frames = read_frames(data, probe_video(data), np.array([0, 5, 11]))
     assert inspect.isgenerator(frames) and next(frames).shape == (48, 64, 3)
     frames.close()
-    largest = rows.largest_image_pixels(np.arange(7)).tolist()
-    assert largest == [320 * 240, 160 * 96, 160 * 96, 160 * 96, 160 * 96, 0, 320 * 240]
+    each = [rows.largest_image_pixels([sample]) for sample in range(7)]
+    assert each == [320 * 240, 160 * 96, 160 * 96, 160 * 96, 160 * 96, 0, 320 * 240]
+    assert rows.largest_image_pixels(np.arange(1, 6)) == 160 * 96

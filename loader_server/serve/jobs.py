@@ -214,8 +214,7 @@ class Dataset:
         """Bytes a worker holds for a while preparing the rank-step: its largest image decoded, converted and
         resized (a worker decodes one image at a time). Reserved in the budget until the step is ready, so
         a 9,400 x 9,400 PNG of 200 KB cannot take a gigabyte behind the budget's back."""
-        largest = max((int(part.rows.largest_image_pixels(ids).max()) for part, ids in self._step_samples(work)),
-                      default=0)
+        largest = max((part.rows.largest_image_pixels(ids) for part, ids in self._step_samples(work)), default=0)
         return largest * DECODE_BYTES_PER_PIXEL
 
     @classmethod

@@ -170,19 +170,17 @@ class IndexRows:
         (a per-sample array in each process would be 4-8 bytes a sample, 400-800 MB at 100M samples)."""
         return self.table.column(name).take(pa.array(np.asarray(sample_ids, dtype=np.int64)))
 
-    def largest_image_pixels(self, sample_ids) -> np.ndarray:
-        """Per sample of `sample_ids`: the most pixels a worker holds decoded at once for it, width x height of
-        its largest image or video frame (frames are decoded and resized one at a time); 0 for text-only."""
-        largest = self._largest("image_widths", "image_heights", sample_ids)
-        return np.maximum(largest, self._largest("video_widths", "video_heights", sample_ids))
+    def largest_image_pixels(self, sample_ids) -> int:
+        """The most pixels a worker holds decoded at once for any of `sample_ids`: width x height of their largest
+        image or video frame (frames are decoded and resized one at a time); 0 for text only."""
+        return max(self._largest("image_widths", "image_heights", sample_ids),
+                   self._largest("video_widths", "video_heights", sample_ids))
 
-    def _largest(self, widths_name: str, heights_name: str, sample_ids) -> np.ndarray:
-        widths, heights = (self._take(name, sample_ids).combine_chunks() for name in (widths_name, heights_name))
-        pixels = (widths.flatten().to_numpy(zero_copy_only=False).astype(np.int64)
-                  * heights.flatten().to_numpy(zero_copy_only=False).astype(np.int64))
-        largest = np.zeros(len(widths), dtype=np.int64)
-        np.maximum.at(largest, pc.list_parent_indices(widths).to_numpy(), pixels)
-        return largest
+    def _largest(self, widths_name: str, heights_name: str, sample_ids) -> int:
+        widths, heights = (pc.list_flatten(self._take(name, sample_ids)) for name in (widths_name, heights_name))
+        if not len(widths):
+            return 0
+        return int(pc.max(pc.multiply(pc.cast(widths, pa.int64()), pc.cast(heights, pa.int64()))).as_py() or 0)
 
     def pixel_bytes(self, sample_ids) -> int:
         """uint8 bytes of the tiles of `sample_ids` together, as the index computed them."""
