@@ -176,22 +176,6 @@ def test_shared_files_kept_for_reuse_are_bounded(tmp_path):
     assert files.take() != str(tmp_path / "never-written")
 
 
-def test_a_step_gets_the_smallest_free_file_that_holds_it_else_the_largest(tmp_path):
-    """Neither grown (a copy through the kernel into new pages) nor cut where a free file fits the step."""
-    from packfeed.server.serve.workers import SharedFiles, _write_shared
-
-    files = SharedFiles(str(tmp_path), keep_bytes=1 << 30)
-    paths = [files.take() for _ in range(3)]
-    for path, size in zip(paths, (4000, 1000, 2000)):
-        _write_shared(path, [[b"x" * size]])  # files of 5000, 1250 and 2500 bytes (each with a quarter spare)
-        files.give_back(path)
-    assert files.take(2400) == paths[2] and files.take(1) == paths[1]  # the best fit, not the last given back
-    files.give_back(paths[1])
-    files.give_back(paths[2])
-    assert files.take(9000) == paths[0]  # none holds it: the largest, which grows least
-    assert files.take(0) == paths[1] and files.created == 3
-
-
 def test_the_servers_mapping_of_a_file_is_kept_and_follows_what_the_worker_wrote(tmp_path):
     """A step's messages are views of a mapping the pool keeps per file: a later step in the same file reads its
     own bytes, also once the file grew past the mapping or was cut short; the file comes back to the pool when

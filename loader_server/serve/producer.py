@@ -39,15 +39,14 @@ async def produce(job: Job, rank: int, cursor: tuple[int, int] | None, queue: as
                 if pending is None:
                     work = await asyncio.to_thread(job.work, cursor[0], cursor[1], rank)
                     # room for the packs, and meanwhile for decoding the step's largest image
-                    size = job.dataset.estimate_bytes(work)
-                    pending = work, size, size + job.dataset.decode_bytes(work)
-                work, size, estimate = pending
+                    pending = work, job.dataset.estimate_bytes(work) + job.dataset.decode_bytes(work)
+                work, estimate = pending
                 if not in_flight:
                     await budget.reserve(estimate)  # nothing of ours in preparation: wait in line
                 elif not budget.try_reserve(estimate):
                     break  # no room to prefetch: deliver what is in preparation first (it frees room)
                 pending = None
-                future, started = job.steps.take((rank, *cursor), lambda: pool.run(work, size))
+                future, started = job.steps.take((rank, *cursor), lambda: pool.run(work))
                 if metrics is not None:
                     (metrics.steps_prepared if started else metrics.steps_shared).labels(job.spec.job).inc()
                 in_flight.append((cursor, estimate, future))

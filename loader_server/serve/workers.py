@@ -198,17 +198,11 @@ class SharedFiles:
         self._lock = threading.Lock()
         self.created = 0
 
-    def take(self, nbytes: int = 0) -> str:
-        """A file for a step of about `nbytes`: of the free ones, the smallest that holds it, else the largest.
-        Steps differ in size, and a file that is too small is grown (the worker copies what goes past its end
-        through the kernel, into new pages), one more than twice too large is cut (and grown again by a later,
-        larger step): handed out in turn, files did both now and then, steady state or not."""
+    def take(self) -> str:
+        """A file for one step: the free one given back last (its pages the likeliest in the CPU's caches)."""
         with self._lock:
             if self._free:
-                holding = [k for k, (_, size) in enumerate(self._free) if size >= nbytes]
-                pick = (min(holding, key=lambda k: self._free[k][1]) if holding
-                        else max(range(len(self._free)), key=lambda k: self._free[k][1]))
-                return self._free.pop(pick)[0]
+                return self._free.pop()[0]
             self.created += 1
         return os.path.join(self.directory, f"{SHARED_PREFIX}{os.getpid()}-{uuid.uuid4().hex}")
 
@@ -599,13 +593,12 @@ class WorkerPool:
     def healthy(self) -> bool:
         return not getattr(self.executor, "_broken", False)
 
-    def run(self, work: RankStepWork, nbytes: int = 0) -> asyncio.Future:
-        """build_rank_step(work) in a worker, as an asyncio future, its result attached (messages readable);
-        `nbytes`: about what its messages will take (a shared file that holds them is picked for it).
+    def run(self, work: RankStepWork) -> asyncio.Future:
+        """build_rank_step(work) in a worker, as an asyncio future, its result attached (messages readable).
         Cancelling the future abandons the step: its shared file is removed whenever the worker finishes."""
         if not self.healthy:
             self.restart()
-        shared, files = self.files.take(nbytes), self.files
+        shared, files = self.files.take(), self.files
         running = self.executor.submit(build_rank_step, work, shared)
         # The callbacks on `running` take it as their argument: one that held it would make a reference cycle,
         # and the step's mapping (so its file) would wait for the garbage collector instead of going when sent.
