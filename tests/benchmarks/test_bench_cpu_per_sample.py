@@ -142,7 +142,7 @@ def dataset(tmp_path: Path, images: str) -> tuple[list[Path], Path, Path]:
     return shards, tokenizer, index
 
 
-ROUNDS = 3  # interleaved; the best of each is compared too, as this shared machine's noise only ever adds CPU
+ROUNDS = 5  # interleaved; the best of each is compared too, as this shared machine's noise only ever adds CPU
 
 
 @pytest.mark.parametrize("images", ["photographs", "scans"])
