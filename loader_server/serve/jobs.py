@@ -199,12 +199,9 @@ class Dataset:
                             plan.epoch, step, rank, packs, step_loss, plan.is_last_step(step), plan.seed)
 
     def _step_samples(self, work: RankStepWork) -> list[tuple["Dataset", np.ndarray]]:
-        """Each index the step reads with its samples there, every pack's together: one read of a column per
-        step, not one per pack (these run in the event loop, for every step)."""
-        ids = np.concatenate([np.asarray(ids, dtype=np.int64) for ids, _, _ in work.packs])
-        sources = np.concatenate([np.asarray(sources) for _, _, sources in work.packs])
-        chosen = [(part, ids[sources == k]) for k, part in enumerate(self.parts)]
-        return [(part, part_ids) for part, part_ids in chosen if len(part_ids)]
+        """Each index the step reads with its samples there (these run in the event loop, for every step)."""
+        parts_ = self.parts
+        return [(parts_[k], ids) for k, ids in work.samples_by_source()]
 
     def estimate_bytes(self, work: RankStepWork) -> int:
         """Bytes a rank-step will take once prepared, for reserving room in the memory budget up front."""

@@ -58,6 +58,14 @@ class RankStepWork:
     last_in_epoch: bool
     seed: int = 0  # the job's: random video frames are drawn from (seed, epoch, sample key)
 
+    def samples_by_source(self) -> list[tuple[int, np.ndarray]]:
+        """(source k, its sample ids) for each index the step reads, every pack's samples together: a step's
+        per-index reads (budget estimates, tile bytes) read each column once per step, not once per pack."""
+        ids = np.concatenate([np.asarray(ids, dtype=np.int64) for ids, _, _ in self.packs])
+        sources = np.concatenate([np.asarray(sources) for _, _, sources in self.packs])
+        chosen = [(k, ids[sources == k]) for k in range(len(self.datasets))]
+        return [(k, source_ids) for k, source_ids in chosen if len(source_ids)]
+
 
 @dataclass
 class RankStepResult:
@@ -555,13 +563,7 @@ def _build_rank_step(work: RankStepWork, shared: str | None) -> RankStepResult:
 
 def _tile_bytes(parts: list, work: RankStepWork) -> int:
     """Bytes of the step's tiles as the index counts them (none where a dataset sends encoded images)."""
-    total = 0
-    for ids, _, sources in work.packs:
-        for k, (rows, reader, _) in enumerate(parts):
-            chosen = ids[np.asarray(sources) == k]
-            if len(chosen) and reader.pixels != "encoded":
-                total += rows.pixel_bytes(chosen)
-    return total
+    return sum(parts[k][0].pixel_bytes(ids) for k, ids in work.samples_by_source() if parts[k][1].pixels != "encoded")
 
 
 def _empty(path: str) -> None:
