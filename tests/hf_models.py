@@ -11,7 +11,7 @@ import numpy as np
 
 from recipe_data import write_image
 
-HIDDEN, LAYERS = 32, 2  # the LLM; the vision towers keep packfeed.trainer.hf_model's small defaults
+HIDDEN, LAYERS = 32, 2  # the LLM; the vision towers keep packfeed.trainer.models.hf.build's small defaults
 
 # family -> (chat template preset, image policy at tiny sizes)
 CONVENTIONS = {
@@ -27,7 +27,7 @@ CONVENTIONS = {
 def tiny_model(family: str, data: "FamilyData", attention: str = "sdpa"):
     """A randomly initialised model of the family (seeded) sized from the dataset's served conventions, in eval
     mode (no dropout)."""
-    from packfeed.trainer.hf_model import build_hf_model
+    from packfeed.trainer.models.hf.build import build_hf_model
 
     sizes = {"text": {"hidden_size": HIDDEN, "intermediate_size": 2 * HIDDEN, "num_hidden_layers": LAYERS}}
     return build_hf_model(family, data.conventions, sizes, attention).eval()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from packfeed.trainer.profile import LayerProfile
+from packfeed.trainer.parallel.profile import LayerProfile
 from packfeed.trainer.simulate import (
     Features,
     fit_layer_costs,

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import torch
-from packfeed.trainer.batch import microbatches_of
-from packfeed.trainer.model import (
+from packfeed.trainer.models.reference_inputs import microbatches_of
+from packfeed.trainer.models.reference import (
     IGNORE_INDEX,
     VLMConfig,
     build_layers,
@@ -12,15 +12,15 @@ from packfeed.trainer.model import (
     next_token_targets,
     run_layers,
 )
-from packfeed.trainer.partition import (
+from packfeed.trainer.parallel.partition import (
     candidates_around,
     evaluate,
     search_partition,
     split_by_weight,
 )
-from packfeed.trainer.pipeline import StageModule
-from packfeed.trainer.profile import SavedBytes, profile_layers
-from packfeed.trainer.recompute import adaptive_recompute, choose_keep
+from packfeed.trainer.parallel.pipeline import StageModule
+from packfeed.trainer.parallel.profile import SavedBytes, profile_layers
+from packfeed.trainer.parallel.recompute import adaptive_recompute, choose_keep
 from trainer_workers import SMALL_MODEL
 
 
@@ -111,7 +111,7 @@ def test_partition_search_beats_layer_count_on_a_heterogeneous_model(served_step
 
 
 def test_partition_search_keeps_the_fastest_measured_candidate():
-    from packfeed.trainer.profile import LayerProfile
+    from packfeed.trainer.parallel.profile import LayerProfile
 
     profile = [LayerProfile("vit", 1.0, 1.0, 10, 100, 0, 0) for _ in range(6)]
     timings = {}
@@ -151,7 +151,7 @@ def test_adaptive_recompute_respects_its_budget_on_measured_memory(served_steps)
     carrier = microbatch(served_steps[0][0], model)
 
     def peak(plan):
-        stage = StageModule(list(layers), plan)
+        stage = StageModule(layers, 0, len(layers), plan)
         with SavedBytes(list(stage.parameters())) as saved:
             (loss,) = stage(*carrier)
             loss.backward()

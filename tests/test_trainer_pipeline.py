@@ -8,8 +8,8 @@ import json
 import pytest
 import torch
 import torch.multiprocessing as mp
-from packfeed.trainer.batch import microbatches_of
-from packfeed.trainer.model import VLMConfig, build_layers, run_layers
+from packfeed.trainer.models.reference_inputs import microbatches_of
+from packfeed.trainer.models.reference import VLMConfig, build_layers, run_layers
 from trainer_workers import SMALL_MODEL, packfeed_train, pipeline_step
 
 

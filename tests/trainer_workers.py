@@ -9,16 +9,12 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from packfeed.trainer.batch import microbatches_of
-from packfeed.trainer.model import VLMConfig, build_layers
-from packfeed.trainer.pipeline import (
-    PipelineRunner,
-    StageModule,
-    autocast_dtype,
-    make_mesh,
-    share_step_shape,
-    wrap_data_parallel,
-)
+from packfeed.trainer.models.reference_inputs import microbatches_of
+from packfeed.trainer.models.reference import VLMConfig
+from packfeed.trainer.models import ReferenceModel
+from packfeed.trainer.parallel.data_parallel import wrap_data_parallel
+from packfeed.trainer.parallel.mesh import make_mesh
+from packfeed.trainer.parallel.pipeline import PipelineRunner, StageModule, autocast_dtype, share_step_shape
 
 SMALL_MODEL = dict(vocab_size=1024, tile_size=112, tokens_per_tile=16, vit_dim=32, llm_dim=64, vit_layers=2,
                    llm_layers=2)
@@ -41,19 +37,19 @@ def pipeline_step(rank: int, world: int, dp: int, pp: int, init_file: str, steps
     try:
         torch.manual_seed(0)
         mesh = make_mesh(dp, pp, torch.device("cpu"))
-        model = VLMConfig(**SMALL_MODEL)
-        layers = build_layers(model)
+        model = ReferenceModel(VLMConfig(**SMALL_MODEL))
+        layers = model.layers
         lo, hi = bounds[mesh.stage], bounds[mesh.stage + 1]
         dtype = autocast_dtype(precision)
-        stage = StageModule(list(layers[lo:hi]), [recompute] * (hi - lo), dtype, hi == model.n_layers)
-        runner = PipelineRunner(mesh, wrap_data_parallel(stage, mesh), 2, model, bounds, schedule,
+        stage = StageModule(layers, lo, hi, [recompute] * (hi - lo), dtype, hi == model.n_layers)
+        runner = PipelineRunner(mesh, [wrap_data_parallel(stage, mesh)], [mesh.stage], 2, model, bounds, schedule,
                                 dtype=dtype or torch.float32)
         batch = None
         if mesh.is_first:
-            batch = microbatches_of(torch.load(steps_file, weights_only=False)[mesh.replica], model)
+            batch = microbatches_of(torch.load(steps_file, weights_only=False)[mesh.replica], model.config)
         shape = share_step_shape(mesh, batch.shape if batch is not None else None)
         losses = runner.run(shape, batch.args if batch is not None else None)
-        grads = {f"{lo + int(name.split('.')[1])}.{name.split('.', 2)[2]}": p.grad.clone()
+        grads = {name.split(".", 1)[1]: p.grad.clone()  # layers.<index in the model>.<name>
                  for name, p in stage.named_parameters() if p.grad is not None}
         torch.save({"grads": grads, "losses": [float(x) for x in losses]}, f"{out_dir}/rank{rank}.pt")
     finally:
@@ -67,7 +63,7 @@ def hf_step_grads(rank: int, world: int, family: str, data_file: str, init_file:
     saves the full gradients and the summed loss."""
     from packfeed.client.hf import to_hf_inputs
     from packfeed.trainer.hf_train import shard
-    from packfeed.trainer.pipeline import make_mesh
+    from packfeed.trainer.parallel.mesh import make_mesh
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:

@@ -1,25 +1,26 @@
-"""A rank's step (M packs from `PackStream`) -> fixed-shape microbatch tensors for the pipeline.
+"""A rank's step as the pipeline sees it: fixed-shape microbatches and the shape the other stages must know.
 
-torch.distributed.pipelining sends activations of one shape for every microbatch of a schedule, so the M
-packs of a step are padded to the step's largest (tokens rounded up to `token_multiple`, tiles, samples) and
-concatenated along dim 0; the schedule splits them back into M equal chunks. With balanced packs the padding
-is the small slack ISF leaves under its caps; with random batches it is the padding a padded batch pays.
+torch.distributed.pipelining sends activations of one shape for every microbatch of a schedule, so a model's
+input builder (`packfeed.trainer.models`) pads the M packs of a step to the step's largest (tokens rounded up to
+`token_multiple`, tiles or patches, samples, vision tokens...) and concatenates them along dim 0; the schedule
+splits them back into M equal chunks. With balanced packs the padding is the small slack ISF leaves under its
+caps; with random batches it is the padding a padded batch pays.
 """
 
 from __future__ import annotations
 
-from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
-from packfeed.trainer.model import IGNORE_INDEX, VLMConfig
 
-HEADER_FIELDS = ("tokens", "tiles", "samples", "step_loss_tokens", "epoch", "step", "last_in_epoch", "stop")
+SIZE_FIELDS = ("tokens", "tiles", "samples", "vision_tokens", "vision_segments", "window_segments")
+HEADER_FIELDS = SIZE_FIELDS + ("step_loss_tokens", "epoch", "step", "last_in_epoch", "stop")
 
 
 @dataclass(frozen=True)
 class StepShape:
-    """Per-microbatch padded sizes of one step, plus what the other stages must know about it."""
+    """Per-microbatch padded sizes of one step, plus what the other stages must know about it. `tiles` counts
+    the vision tower's input units (tiles, or Qwen's patches); the sizes after it are 0 where a model has none."""
 
     tokens: int
     tiles: int
@@ -29,6 +30,9 @@ class StepShape:
     step: int = 0
     last_in_epoch: bool = False
     stop: bool = False
+    vision_tokens: int = 0  # LLM positions the vision features fill
+    vision_segments: int = 0  # Qwen: the vision tower's attention bounds (frames + 1)
+    window_segments: int = 0  # Qwen2.5-VL: its window-attention bounds
 
     def header(self) -> torch.Tensor:
         return torch.tensor([int(getattr(self, name)) for name in HEADER_FIELDS], dtype=torch.int64)
@@ -39,8 +43,8 @@ class StepShape:
         return cls(**{k: (bool(v) if k in ("last_in_epoch", "stop") else int(v)) for k, v in values.items()})
 
     @property
-    def key(self) -> tuple[int, int, int]:
-        return self.tokens, self.tiles, self.samples
+    def key(self) -> tuple[int, ...]:
+        return tuple(int(getattr(self, name)) for name in SIZE_FIELDS)
 
 
 @dataclass
@@ -48,75 +52,15 @@ class Microbatches:
     """The step's M microbatches concatenated along dim 0 (the first stage's inputs) and its shape."""
 
     shape: StepShape
-    args: tuple[torch.Tensor, ...]  # pixels, input_ids, position_ids, cu_seqlens, vision_positions, labels
+    args: tuple[torch.Tensor, ...]
     real_tokens: int
     real_tiles: int
     samples_by_dataset: dict[str, int] = field(default_factory=dict)  # of this replica's packs
 
+    def microbatch(self, m: int, count: int) -> tuple[torch.Tensor, ...]:
+        """Microbatch m of `count`, as the schedule splits it."""
+        return tuple(a.tensor_split(count)[m] for a in self.args)
+
 
 def round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple if multiple > 1 else value
-
-
-def step_shape(packs, token_multiple: int = 64, epoch: int = 0, step: int = 0,
-               last_in_epoch: bool = False) -> StepShape:
-    tokens = max([int(p.input_ids.numel()) for p in packs] + [1])
-    tiles = max([int(p.tile_shapes.shape[0]) for p in packs] + [1])
-    samples = max([int(p.cu_seqlens.numel()) - 1 for p in packs] + [1])
-    return StepShape(round_up(tokens, token_multiple), tiles, samples, int(packs[0].step_loss_tokens),
-                     epoch, step, last_in_epoch)
-
-
-def vision_positions_of(pack, config: VLMConfig) -> torch.Tensor:
-    """For every vision token of every tile (in tile order), its position in input_ids."""
-    spans = pack.image_token_spans.view(-1, 2).long()
-    tiles_per_image = torch.bincount(pack.tile_image.long(), minlength=spans.shape[0])
-    if spans.shape[0] and not torch.equal(spans[:, 1], tiles_per_image * config.tokens_per_tile):
-        raise ValueError(f"pack {pack.sample_keys}: image placeholder spans {spans[:, 1].tolist()} do not hold "
-                         f"{config.tokens_per_tile} tokens per tile for tiles {tiles_per_image.tolist()}; set the "
-                         f"model's tokens_per_tile to the image policy's")
-    if spans.shape[0] == 0:
-        return torch.zeros(0, dtype=torch.int64)
-    return torch.cat([torch.arange(int(s), int(s) + int(n)) for s, n in spans.tolist()])
-
-
-def pack_tiles(pack, config: VLMConfig) -> torch.Tensor:
-    shapes = pack.tile_shapes.view(-1, 3)
-    expected = torch.tensor([3, config.tile_size, config.tile_size], dtype=shapes.dtype)
-    if shapes.shape[0] and not bool((shapes == expected).all()):
-        raise ValueError(f"pack {pack.sample_keys}: tiles of shape {shapes.unique(dim=0).tolist()}, the model takes "
-                         f"3x{config.tile_size}x{config.tile_size}; the reference trainer needs a tiling image "
-                         f"policy (internvl or fixed) with that tile size")
-    return pack.pixels.view(-1, 3, config.tile_size, config.tile_size)
-
-
-def pad_pack(pack, shape: StepShape, config: VLMConfig) -> tuple[torch.Tensor, ...]:
-    length, n_tiles = int(pack.input_ids.numel()), int(pack.tile_shapes.view(-1, 3).shape[0])
-    if length and int(pack.input_ids.max()) >= config.vocab_size:
-        raise ValueError(f"pack {pack.sample_keys}: token id {int(pack.input_ids.max())} >= the model's vocab_size "
-                         f"{config.vocab_size}; size the model for the dataset's tokenizer")
-    pixels = torch.zeros(shape.tiles, 3, config.tile_size, config.tile_size, dtype=torch.uint8)
-    pixels[:n_tiles] = pack_tiles(pack, config)
-    input_ids = torch.zeros(shape.tokens, dtype=torch.int64)
-    input_ids[:length] = pack.input_ids
-    position_ids = torch.zeros(shape.tokens, dtype=torch.int64)
-    position_ids[:length] = pack.position_ids
-    labels = torch.full((shape.tokens,), IGNORE_INDEX, dtype=torch.int64)
-    labels[:length] = pack.labels
-    bounds = pack.cu_seqlens.long()
-    cu_seqlens = torch.full((shape.samples + 1,), int(bounds[-1]) if bounds.numel() else 0, dtype=torch.int64)
-    cu_seqlens[:bounds.numel()] = bounds
-    vision_positions = torch.full((shape.tiles * config.tokens_per_tile,), -1, dtype=torch.int64)
-    positions = vision_positions_of(pack, config)
-    vision_positions[:positions.numel()] = positions
-    return pixels, input_ids, position_ids, cu_seqlens, vision_positions, labels
-
-
-def microbatches_of(step, config: VLMConfig, token_multiple: int = 64) -> Microbatches:
-    """`step` is a `packfeed.client.Step` (or anything with `.packs`, `.epoch`, `.step`)."""
-    shape = step_shape(step.packs, token_multiple, step.epoch, step.step, step.last_in_epoch)
-    padded = [pad_pack(pack, shape, config) for pack in step.packs]
-    args = tuple(torch.cat(parts) for parts in zip(*padded))
-    return Microbatches(shape, args, sum(int(p.input_ids.numel()) for p in step.packs),
-                        sum(int(p.tile_shapes.view(-1, 3).shape[0]) for p in step.packs),
-                        dict(Counter(step.sample_sources)))

@@ -2,8 +2,11 @@
 
 Layout under OUT/checkpoints/:
 
-    step-000120/stage0.pt           weights, AdamW and LR-schedule state of stage 0 (DP replicas are equal:
-    step-000120/stage1.pt           replica 0 writes them)
+    step-000120/sharded/            weights and AdamW state, written by every rank with
+                                    `torch.distributed.checkpoint`: each pipeline stage its layers (named by
+                                    their index in the model, so the keys do not depend on the partition), each
+                                    FSDP rank its shards; replicated tensors once
+    step-000120/scheduler.pt        the LR schedule (the same on every rank)
     step-000120/stream-rank0.json   each replica's stream position (PackStream.state_dict of its first stage)
     step-000120/meta.json           steps done, partition, recompute plan
     latest                          name of the newest complete checkpoint (written last, after a barrier)
@@ -23,31 +26,20 @@ import torch
 import torch.distributed as dist
 
 
+def _flat():
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    # every optimizer entry under its parameter's name: pipeline ranks hold different parameters, and an
+    # unflattened `param_groups` list would be one object that the last rank's copy overwrites
+    return StateDictOptions(flatten_optimizer_state_dict=True)
+
+
 def latest(root: Path) -> Path | None:
     pointer = root / "latest"
     if not pointer.is_file():
         return None
     directory = root / pointer.read_text().strip()
     return directory if (directory / "meta.json").is_file() else None
-
-
-def save(root: Path, steps_done: int, mesh, stage: torch.nn.Module, optimizer, scheduler,
-         stream_state: dict | None, meta: dict, keep: int = 2) -> Path:
-    """Collective: every rank calls it after the same step."""
-    directory = root / f"step-{steps_done:06d}"
-    if mesh.rank == 0:
-        directory.mkdir(parents=True, exist_ok=True)
-    dist.barrier()
-    if mesh.replica == 0:
-        torch.save({"model": stage.state_dict(), "optimizer": optimizer.state_dict(),
-                    "scheduler": scheduler.state_dict()}, directory / f"stage{mesh.stage}.pt")
-    if stream_state is not None:
-        (directory / f"stream-rank{mesh.replica}.json").write_text(json.dumps(stream_state))
-    dist.barrier()
-    if mesh.rank == 0:
-        _publish(root, directory, {"steps_done": steps_done, **meta}, keep)
-    dist.barrier()
-    return directory
 
 
 def _publish(root: Path, directory: Path, meta: dict, keep: int) -> None:
@@ -64,17 +56,18 @@ def read_meta(directory: Path) -> dict:
     return json.loads((directory / "meta.json").read_text())
 
 
-def load_stage(directory: Path, mesh, stage: torch.nn.Module, optimizer, scheduler) -> None:
-    state = torch.load(directory / f"stage{mesh.stage}.pt", map_location=mesh.device, weights_only=False)
-    stage.load_state_dict(state["model"])
-    optimizer.load_state_dict(state["optimizer"])
-    scheduler.load_state_dict(state["scheduler"])
-
-
 def stream_states(directory: Path) -> list[dict]:
     """Every replica's stream position in the checkpoint, in rank order (as many as the DP it was taken at)."""
     paths = sorted(directory.glob("stream-rank*.json"), key=lambda p: int(p.stem.removeprefix("stream-rank")))
     return [json.loads(path.read_text()) for path in paths]
+
+
+def rank_layers(stages) -> torch.nn.Module:
+    """A module holding this rank's layers of the model under their index in it (`packfeed.trainer.parallel.
+    stages.RankStages`), whose state-dict keys a checkpoint uses whatever the partition."""
+    holder = torch.nn.Module()
+    holder.layers = torch.nn.ModuleDict({str(i): stages.layers[i] for i in stages.layer_ids(stages.bounds)})
+    return holder
 
 
 def save_sharded(root: Path, steps_done: int, mesh, model: torch.nn.Module, optimizer, scheduler,
@@ -89,7 +82,7 @@ def save_sharded(root: Path, steps_done: int, mesh, model: torch.nn.Module, opti
     if mesh.rank == 0:
         directory.mkdir(parents=True, exist_ok=True)
     dist.barrier()
-    model_state, optimizer_state = get_state_dict(model, optimizer)
+    model_state, optimizer_state = get_state_dict(model, optimizer, options=_flat())
     dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=str(directory / "sharded"))
     if stream_state is not None:
         (directory / f"stream-rank{mesh.replica}.json").write_text(json.dumps(stream_state))
@@ -106,8 +99,9 @@ def load_sharded(directory: Path, model: torch.nn.Module, optimizer, scheduler) 
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-    model_state, optimizer_state = get_state_dict(model, optimizer)
+    model_state, optimizer_state = get_state_dict(model, optimizer, options=_flat())
     state = {"model": model_state, "optimizer": optimizer_state}
     dcp.load(state, checkpoint_id=str(directory / "sharded"))
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
+                   options=_flat())
     scheduler.load_state_dict(torch.load(directory / "scheduler.pt", weights_only=False))

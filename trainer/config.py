@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from packfeed.trainer.model import VLMConfig
+from packfeed.trainer.models.reference import VLMConfig
 from packfeed.v1.options import Oversize, PlanConfig, Strategy
 
 # DataConfig fields that are PlanConfig's (the rest of PlanConfig comes from the mesh or keeps its default)
@@ -67,7 +67,9 @@ class DataConfig:
 class ParallelConfig:
     dp: int = 1
     pp: int = 2
-    schedule: Literal["1f1b", "gpipe"] = "1f1b"
+    # interleaved_1f1b: each rank runs `virtual_stages` stages (smaller warm-up bubbles; P x V partition runs)
+    schedule: Literal["1f1b", "gpipe", "interleaved_1f1b"] = "1f1b"
+    virtual_stages: int = 2  # stages per rank with interleaved_1f1b
     backend: Literal["", "nccl", "gloo"] = ""  # "" = nccl on CUDA, gloo on CPU
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"  # bf16/fp16: autocast, and activations cross stages in that dtype
     device: str = ""  # "" = cuda when available
@@ -76,6 +78,9 @@ class ParallelConfig:
         check_choices(self)
         if self.dp < 1 or self.pp < 1:
             raise ValueError("parallel.dp and parallel.pp must be >= 1")
+        if self.schedule == "interleaved_1f1b" and (self.pp < 2 or self.virtual_stages < 2):
+            raise ValueError("parallel.schedule=interleaved_1f1b needs parallel.pp >= 2 and parallel.virtual_stages "
+                             ">= 2 (each rank runs that many stages); use 1f1b otherwise")
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
-"""The data side of the trainer: this replica's `PackStream`, the model sized from the dataset's conventions
-the server reports, and `StepSource`, which pads each step's packs into the pipeline's fixed-shape
-microbatches and can buffer steps for trials without losing them."""
+"""The data side of the trainer: this replica's `PackStream`, the reference model sized from the dataset's
+conventions the server reports, and `StepSource`, which has the model pad each step's packs into the
+pipeline's fixed-shape microbatches and can buffer steps for trials without losing them."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from packfeed.trainer.batch import Microbatches, microbatches_of
+from packfeed.trainer.batch import Microbatches
 from packfeed.trainer.config import TrainConfig
-from packfeed.trainer.model import VLMConfig
-from packfeed.trainer.pipeline import Mesh, broadcast_object
+from packfeed.trainer.models.reference import VLMConfig
+from packfeed.trainer.parallel.mesh import Mesh, broadcast_object
 from packfeed.v1 import packfeed_pb2 as pb
 
 
@@ -39,8 +39,9 @@ class StepSource:
     """The first stage's steps, padded to microbatches; `peek(n)` buffers steps for trials without losing them."""
 
     steps: Iterator
-    model: VLMConfig
+    model: object  # the LayerModel, whose `inputs` pads a step
     token_multiple: int
+    dp: int = 1
     buffer: list[Microbatches] = field(default_factory=list)
     data_wait_s: float = 0.0
 
@@ -48,7 +49,7 @@ class StepSource:
         started = time.perf_counter()
         step = next(self.steps, None)
         self.data_wait_s += time.perf_counter() - started
-        return None if step is None else microbatches_of(step, self.model, self.token_multiple)
+        return None if step is None else self.model.inputs(step, self.token_multiple, self.dp)
 
     def peek(self, n: int) -> list[Microbatches]:
         while len(self.buffer) < n:

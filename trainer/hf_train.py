@@ -1,7 +1,7 @@
 """Training a Hugging Face VLM on packs: `packfeed train model.hf=FAMILY` (with `parallel.pp=1`).
 
 Read top to bottom: open this rank's stream -> build the family's `transformers` model sized from the dataset's
-conventions (`packfeed.trainer.hf_model`) -> shard it with FSDP2 (`fully_shard`) over the DP ranks: every LLM
+conventions (`packfeed.trainer.models.hf.build`) -> shard it with FSDP2 (`fully_shard`) over the DP ranks: every LLM
 decoder layer, then the root (the vision tower stays in the root's group, so a rank whose packs hold no image
 never leaves the others waiting in a collective) -> every step, each of the rank's M packs goes through
 `packfeed.client.hf.to_hf_inputs(pack, family, dp)` and forward/backward (gradients accumulate; the loss is
@@ -24,9 +24,9 @@ import torch.distributed as dist
 from packfeed.trainer import checkpoint
 from packfeed.trainer.config import TrainConfig
 from packfeed.trainer.data import job_conventions, open_stream
-from packfeed.trainer.hf_model import build_hf_model
-from packfeed.trainer.pipeline import Mesh, log
-from packfeed.trainer.train import write_record
+from packfeed.trainer.models.hf.build import attention_implementation, build_hf_model
+from packfeed.trainer.parallel.mesh import Mesh, log
+from packfeed.trainer.metrics import write_record
 
 
 def language_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -50,19 +50,6 @@ def shard(model: torch.nn.Module, mesh: Mesh, precision: str) -> torch.nn.Module
     return model
 
 
-def attention_implementation(choice: str, device: torch.device) -> str:
-    """The `attn_implementation` to build the model with. auto: flash-attention 2 on CUDA when installed,
-    otherwise Packfeed's variable-length kernel (sdpa per sample; on CPU 2.5x faster than HF's packed sdpa with
-    its dense mask, BENCHMARKS.md)."""
-    from packfeed.client.hf import register_varlen_attention
-
-    if choice == "auto" and device.type == "cuda":
-        import importlib.util
-
-        choice = "flash_attention_2" if importlib.util.find_spec("flash_attn") else "varlen"
-    return register_varlen_attention() if choice in ("auto", "varlen") else choice
-
-
 def empty_inputs(device: torch.device) -> dict:
     """One ignored token: a rank with an empty pack still joins the step's collectives, adding nothing."""
     return {"input_ids": torch.zeros(1, 1, dtype=torch.long, device=device),
@@ -80,7 +67,7 @@ class HFTrainer:
         implementation = attention_implementation(config.model.hf_attention, mesh.device)
         self.attention = "sdpa" if implementation == "sdpa" else "varlen"  # the others read cu_seq_lens
         model = build_hf_model(self.family, conventions, dict(config.model.hf_config), attention=implementation,
-                               seed=config.data.seed).to(mesh.device)
+                               seed=config.model.seed).to(mesh.device)
         self.model = shard(model, mesh, config.parallel.precision)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=config.optim.lr,
                                            weight_decay=config.optim.weight_decay)

@@ -1,104 +1,42 @@
-"""The reference training loop: `torchrun --nproc-per-node N -m packfeed.trainer --config train.yaml`.
+"""The training loop: `torchrun --nproc-per-node N -m packfeed.trainer --config train.yaml`.
 
-Read top to bottom: set up the (dp, pp) mesh -> open this replica's stream (first stage only) -> size
-the model from the dataset's conventions the server reports -> decide the partition (search, or the saved
-decision; a search also exports the measured cost model) -> decide recompute per stage (adaptive, or the
-saved decision) -> train: every step the first stage pads the rank's M packs to one shape, the pipeline
-runs 1F1B, the optimizer steps, rank 0 logs one line of metrics.
+Read top to bottom: set up the (dp, pp) mesh -> open this replica's stream (the rank with stage 0 only) ->
+build the model (the reference VLM, or a `transformers` VLM: `packfeed.trainer.models`) sized from the
+dataset's conventions the server reports -> decide the partition (search, or the saved decision; a search also
+exports the measured cost model) -> decide recompute per rank (adaptive, or the saved decision) and print the
+per-stage table -> train: every step the rank with stage 0 pads its M packs to one shape, the pipeline runs its
+schedule, gradients of weights tied across stages are summed, the optimizer steps, rank 0 logs one line of
+metrics. A `transformers` model at parallel.pp=1 trains data-parallel with FSDP2 instead
+(`packfeed.trainer.hf_train`).
 """
 
 from __future__ import annotations
 
-import collections
 import contextlib
-import json
 import os
 import time
-from dataclasses import asdict
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+
 from packfeed.trainer import checkpoint
-from packfeed.trainer.batch import Microbatches, StepShape
+from packfeed.trainer.batch import StepShape
 from packfeed.trainer.config import TrainConfig, dump_config, load_config
-from packfeed.trainer.data import StepSource, job_conventions, open_stream, sized_model
-from packfeed.trainer.decisions import decide_partition, decide_recompute, decision_key, export_cost_model
-from packfeed.trainer.model import VLMConfig, build_layers, layer_kinds
-from packfeed.trainer.pipeline import (
-    Mesh,
-    PipelineRunner,
-    StageModule,
-    autocast_dtype,
-    broadcast_object,
-    clip_gradients,
-    log,
-    make_mesh,
-    max_over_world,
-    share_step_shape,
-    wrap_data_parallel,
+from packfeed.trainer.data import StepSource, job_conventions, open_stream
+from packfeed.trainer.metrics import step_record, write_record
+from packfeed.trainer.models import build_model
+from packfeed.trainer.parallel.decisions import (
+    decide_partition,
+    decide_recompute,
+    decision_key,
+    export_cost_model,
+    stage_table,
 )
-from packfeed.trainer.profile import SavedBytes, synchronize
-from packfeed.trainer.simulate import features_of_carrier
-
-ADAMW_BYTES_PER_PARAM = 16  # fp32 weight + gradient + two moments
-
-
-class Trainer:
-    """Holds this rank's stage and runs trial and training steps on it."""
-
-    def __init__(self, config: TrainConfig, mesh: Mesh, model: VLMConfig, source: StepSource | None):
-        self.config, self.mesh, self.model, self.source = config, mesh, model, source
-        self.kinds = layer_kinds(model)
-        self.layers = build_layers(model).to(mesh.device)
-        self.stage: StageModule | None = None
-        self.runner: PipelineRunner | None = None
-
-    def use(self, bounds: list[int], recompute: list[bool] | None = None) -> None:
-        lo, hi = bounds[self.mesh.stage], bounds[self.mesh.stage + 1]
-        precision = autocast_dtype(self.config.parallel.precision)
-        self.stage = StageModule(list(self.layers[lo:hi]), recompute, precision, hi == len(self.kinds))
-        self.runner = PipelineRunner(self.mesh, wrap_data_parallel(self.stage, self.mesh),
-                                     self.config.data.microbatches, self.model, bounds,
-                                     self.config.parallel.schedule, dtype=precision or torch.float32)
-
-    def stage_kinds(self, bounds: list[int]) -> list[str]:
-        return self.kinds[bounds[self.mesh.stage]:bounds[self.mesh.stage + 1]]
-
-    def run_step(self, batch: Microbatches | None) -> tuple[StepShape, list[torch.Tensor]]:
-        shape = share_step_shape(self.mesh, batch.shape if batch is not None else None)
-        losses = self.runner.run(shape, batch.args if batch is not None else None)
-        return shape, losses
-
-    def trial(self, batches: list[Microbatches | None]) -> float:
-        """Seconds for these steps (slowest rank), weights untouched."""
-        dist.barrier()
-        started = time.perf_counter()
-        for batch in batches:
-            self.run_step(batch)
-        self.sync()
-        elapsed = time.perf_counter() - started
-        self.stage.zero_grad(set_to_none=True)
-        return max_over_world(elapsed, self.mesh)
-
-    def peak_bytes(self, batch: Microbatches | None) -> int:
-        """Peak memory of one trial step on this stage (see packfeed.trainer.recompute)."""
-        params = list(self.stage.parameters())
-        if self.mesh.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(self.mesh.device)
-            self.run_step(batch)
-            self.sync()
-            peak = torch.cuda.max_memory_allocated(self.mesh.device) + \
-                sum(p.numel() for p in params) * 8  # AdamW moments, not yet allocated during trials
-        else:
-            with SavedBytes(params) as saved:
-                self.run_step(batch)
-            peak = saved.peak + sum(p.numel() for p in params) * ADAMW_BYTES_PER_PARAM
-        self.stage.zero_grad(set_to_none=True)
-        return int(peak)
-
-    def sync(self) -> None:
-        synchronize(self.mesh.device)
+from packfeed.trainer.parallel.mesh import Mesh, broadcast_object, log, make_mesh
+from packfeed.trainer.parallel.pipeline import clip_gradients, share_step_shape
+from packfeed.trainer.parallel.stages import RankStages
+from packfeed.trainer.parallel.tied import TiedParameters
 
 
 def free_port() -> int:
@@ -162,7 +100,7 @@ def start_embedded_server(config: TrainConfig, mesh: Mesh):
 
 
 def train_on(config: TrainConfig, mesh: Mesh, target: str, out: Path) -> dict:
-    if config.model.hf:
+    if config.model.hf and config.parallel.pp == 1:
         from packfeed.trainer.hf_train import train_hf
 
         return train_hf(config, mesh, target, out)
@@ -176,11 +114,11 @@ def train_on(config: TrainConfig, mesh: Mesh, target: str, out: Path) -> dict:
             log(mesh, f"the checkpoint was taken at another DP: job {stream.job!r} re-plans the rest of epoch "
                 f"{stream.info.resume.epoch} for DP {mesh.dp} (elastic resume)")
         conventions = job_conventions(stream, mesh)
-        model = sized_model(config.model, conventions)
-        log(mesh, f"model sized for the dataset: {model.tile_size} px tiles, {model.tokens_per_tile} tokens per tile, "
-            f"vocabulary {model.vocab_size} (image policy {conventions.image_policy.name})")
-        source = StepSource(stream, model, config.data.token_multiple) if stream is not None else None
-        trainer = Trainer(config, mesh, model, source)
+        model = build_model(config.model, conventions, mesh.device)
+        log(mesh, f"model for the dataset (image policy {conventions.image_policy.name}, vocabulary "
+            f"{conventions.vocab_size}): {model.describe()}")
+        source = StepSource(stream, model, config.data.token_multiple, mesh.dp) if stream is not None else None
+        trainer = RankStages(config, mesh, model, source)
         key = decision_key(config, model, mesh)
 
         # the checkpoint's weights belong to its partition
@@ -190,54 +128,73 @@ def train_on(config: TrainConfig, mesh: Mesh, target: str, out: Path) -> dict:
             log(mesh, f"cost model measured on this hardware written to {out / 'cost_model.json'} {cost_model}: a later "
                 f"run balances packs on it with data.cost_model={out / 'cost_model.json'}")
         recompute = decide_recompute(trainer, config, mesh, bounds, out, key)
-        log(mesh, f"stage {mesh.stage}: layers {bounds[mesh.stage]}:{bounds[mesh.stage + 1]} "
-            f"{trainer.stage_kinds(bounds)}, recompute {recompute.layers} "
+        log(mesh, f"rank {mesh.stage}: stages {trainer.stage_ids}, layers {trainer.layer_ids(bounds)} "
+            f"{trainer.rank_kinds(bounds)}, recompute {recompute.layers} "
             f"(budget {recompute.budget_bytes / 2**20:.0f} MiB, measured {recompute.measured})",
             everyone=mesh.replica == 0)
-
         if not recompute.fits:
-            log(mesh, f"stage {mesh.stage} does not fit its {recompute.budget_bytes / 2**20:.0f} MiB budget even with every "
-                f"block recomputed ({max(recompute.measured.values()) / 2**20:.0f} MiB measured): raise "
+            log(mesh, f"rank {mesh.stage} does not fit its {recompute.budget_bytes / 2**20:.0f} MiB budget even with "
+                f"every block recomputed ({max(recompute.measured.values()) / 2**20:.0f} MiB measured): raise "
                 f"recompute.budget_mb, use more pipeline stages or smaller packs", everyone=True)
-        trainer.use(bounds, recompute.layers)
-        optimizer = torch.optim.AdamW(trainer.stage.parameters(), lr=config.optim.lr,
-                                      weight_decay=config.optim.weight_decay)
+        stage_table(trainer, mesh, bounds, recompute, out)
+        tied = TiedParameters(trainer.layers, layer_ranks(trainer, bounds), mesh)
+        optimizer = torch.optim.AdamW(trainer.parameters(), lr=config.optim.lr, weight_decay=config.optim.weight_decay)
         warmup = max(config.optim.warmup_steps, 1)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup))
+        holder = checkpoint.rank_layers(trainer)
         if resume_from:
-            checkpoint.load_stage(resume_from, mesh, trainer.stage, optimizer, scheduler)
+            checkpoint.load_sharded(resume_from, holder, optimizer, scheduler)
         meta = {"bounds": bounds, "recompute": recompute.layers}
-        history = run_training(trainer, optimizer, scheduler, config, mesh, out, meta,
-                               resumed["steps_done"] if resumed else 0)
+        loop = Loop(trainer, optimizer, scheduler, tied, holder, config, mesh, out, meta)
+        history = loop.run(resumed["steps_done"] if resumed else 0)
         summary = {"bounds": bounds, "recompute": recompute.layers, "steps": len(history),
                    "final_loss": history[-1]["loss"] if history else None}
         return {"summary": summary, "history": history}
 
 
-def run_training(trainer: Trainer, optimizer, scheduler, config: TrainConfig, mesh: Mesh, out: Path, meta: dict,
-                 steps_done: int = 0) -> list[dict]:
-    with (out / "metrics.jsonl").open("a") if mesh.rank == 0 else contextlib.nullcontext() as metrics:
-        return train_steps(trainer, optimizer, scheduler, config, mesh, meta, steps_done, metrics, out)
+def layer_ranks(trainer: RankStages, bounds: list[int]) -> list[int]:
+    """The pipeline rank running each layer (stage s runs on rank s mod P)."""
+    return [next(s for s in range(len(bounds) - 1) if bounds[s] <= i < bounds[s + 1]) % trainer.mesh.pp
+            for i in range(len(trainer.kinds))]
 
 
-def train_steps(trainer: Trainer, optimizer, scheduler, config: TrainConfig, mesh: Mesh, meta: dict, steps_done: int,
-                metrics, out: Path) -> list[dict]:
-    """Train until optim.steps or the end of the stream; rank 0 writes one metrics line per step."""
-    history = []
-    step_limit = config.optim.steps or 1 << 62
-    every = config.checkpoint.every
-    while steps_done < step_limit:
+class Loop:
+    """Trains until optim.steps or the end of the stream; rank 0 writes one metrics line per step."""
+
+    def __init__(self, trainer: RankStages, optimizer, scheduler, tied: TiedParameters, holder, config: TrainConfig,
+                 mesh: Mesh, out: Path, meta: dict):
+        self.trainer, self.optimizer, self.scheduler, self.tied = trainer, optimizer, scheduler, tied
+        self.holder, self.config, self.mesh, self.out, self.meta = holder, config, mesh, out, meta
+
+    def run(self, steps_done: int) -> list[dict]:
+        with (self.out / "metrics.jsonl").open("a") if self.mesh.rank == 0 else contextlib.nullcontext() as metrics:
+            history = []
+            limit, every = self.config.optim.steps or 1 << 62, self.config.checkpoint.every
+            while steps_done < limit:
+                record = self.step()
+                if record is None:
+                    break
+                history.append(record)
+                steps_done += 1
+                if every and steps_done % every == 0:
+                    self.save(steps_done)
+                write_record(metrics, record, len(history), self.config.log_every, self.mesh)
+        return history
+
+    def step(self) -> dict | None:
+        trainer, mesh, config = self.trainer, self.mesh, self.config
+        source = trainer.source
         started = time.perf_counter()
-        wait_before = trainer.source.data_wait_s if trainer.source else 0.0
-        batch = trainer.source.next() if trainer.source else None
-        if trainer.source is not None and batch is None:
+        wait_before = source.data_wait_s if source else 0.0
+        batch = source.next() if source else None
+        if source is not None and batch is None:
             batch_shape = StepShape(0, 0, 0, 0, stop=True)
         else:
             batch_shape = batch.shape if batch is not None else None
         shape = share_step_shape(mesh, batch_shape)
         if shape.stop:
-            break
-        optimizer.zero_grad(set_to_none=True)
+            return None
+        self.optimizer.zero_grad(set_to_none=True)
         if mesh.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(mesh.device)
         pipeline_started, busy_started = time.perf_counter(), time.process_time()
@@ -245,70 +202,23 @@ def train_steps(trainer: Trainer, optimizer, scheduler, config: TrainConfig, mes
         # CPU time of this process while the schedule ran ~ its compute (a blocked receive sleeps)
         busy = time.process_time() - busy_started if mesh.device.type == "cpu" else float("nan")
         pipeline_s = time.perf_counter() - pipeline_started
-        grad_norm = clip_gradients(trainer.stage, mesh, config.optim.clip_grad_norm)
-        optimizer.step()
-        scheduler.step()
+        self.tied.sync_gradients()
+        grad_norm = clip_gradients(self.tied.counted(trainer.parameters()), mesh, config.optim.clip_grad_norm)
+        self.optimizer.step()
+        self.scheduler.step()
         trainer.sync()
         elapsed = time.perf_counter() - started
-        wait = (trainer.source.data_wait_s - wait_before) if trainer.source else 0.0
+        wait = (source.data_wait_s - wait_before) if source else 0.0
         peak = torch.cuda.max_memory_allocated(mesh.device) if mesh.device.type == "cuda" else 0
-        record = step_record(mesh, shape, batch, losses, elapsed, wait, config, busy, pipeline_s, peak)
+        record = step_record(mesh, shape, batch, losses, elapsed, wait, config, busy, pipeline_s, peak, trainer.model)
         record["grad_norm"] = grad_norm
-        history.append(record)
-        steps_done += 1
-        if every and steps_done % every == 0:
-            checkpoint.save(out / "checkpoints", steps_done, mesh, trainer.stage, optimizer, scheduler,
-                            trainer.source.state_dict() if trainer.source else None, meta, config.checkpoint.keep)
-        write_record(metrics, record, len(history), config.log_every, mesh)
-    return history
+        return record
 
-
-def write_record(metrics, record: dict, count: int, log_every: int, mesh: Mesh) -> None:
-    """Rank 0: append the step's metrics line, and log it every `log_every` steps."""
-    if metrics is None:
-        return
-    metrics.write(json.dumps(record) + "\n")
-    metrics.flush()
-    if count % log_every == 0:
-        padding = f", padding {record['pad_fraction']:.1%}" if "pad_fraction" in record else ""
-        log(mesh, f"epoch {record['epoch']} step {record['step']}: loss {record['loss']:.4f}, "
-            f"{record['step_s'] * 1e3:.0f} ms, data wait {record['data_wait_s'] * 1e3:.0f} ms, "
-            f"{record['tokens_per_s']:.0f} tokens/s{padding}")
-
-
-def step_record(mesh: Mesh, shape: StepShape, batch: Microbatches | None, losses: list[torch.Tensor],
-                elapsed: float, wait: float, config: TrainConfig, busy: float, pipeline_s: float,
-                peak_bytes: int = 0) -> dict:
-    """One world all-reduce of what each rank knows: loss (last stages), tokens and tiles (first stages),
-    the slowest step time and data wait, the largest CUDA memory peak (0 on CPU), and each rank's busy time
-    inside the schedule (CPU: process time) for the measured bubble fraction
-    = 1 - sum(busy) / (ranks x slowest schedule time)."""
-    first = batch is not None
-    sums = torch.tensor([float(sum(loss.item() for loss in losses)),
-                         float(batch.real_tokens) if first else 0.0,
-                         float(shape.tokens * config.data.microbatches) if first else 0.0,
-                         float(batch.real_tiles) if first else 0.0,
-                         float(shape.tiles * config.data.microbatches) if first else 0.0, busy],
-                        dtype=torch.float64, device=mesh.device)
-    maxes = torch.tensor([elapsed, wait, pipeline_s, peak_bytes], dtype=torch.float64, device=mesh.device)
-    dist.all_reduce(sums)
-    dist.all_reduce(maxes, op=dist.ReduceOp.MAX)
-    loss, tokens, padded, tiles, padded_tiles, busy_sum = sums.tolist()
-    step_s, wait_s, pipeline_max, peak_max = maxes.tolist()
-    record = {"epoch": shape.epoch, "step": shape.step, "loss": loss, "step_s": step_s, "data_wait_s": wait_s,
-              "tokens": int(tokens), "padded_tokens": int(padded), "tiles": int(tiles),
-              "padded_tiles": int(padded_tiles), "tokens_per_s": tokens / step_s if step_s else 0.0,
-              "pad_fraction": 1 - tokens / padded if padded else 0.0,
-              "bubble_fraction": 1 - busy_sum / (mesh.dp * mesh.pp * pipeline_max) if pipeline_max else 0.0,
-              "peak_memory_mib": peak_max / 2**20}
-    counts = [None] * dist.get_world_size()  # samples per dataset over every replica (mixtures)
-    dist.all_gather_object(counts, batch.samples_by_dataset if first else {})
-    record["samples_by_dataset"] = dict(sum((collections.Counter(c) for c in counts), collections.Counter()))
-    if first and mesh.rank == 0:  # replica 0's padded microbatches, for the pipeline simulator
-        chunks = [a.tensor_split(config.data.microbatches) for a in batch.args]
-        record["microbatches"] = [asdict(features_of_carrier(tuple(c[m] for c in chunks)))
-                                  for m in range(config.data.microbatches)]
-    return record
+    def save(self, steps_done: int) -> None:
+        source = self.trainer.source
+        checkpoint.save_sharded(self.out / "checkpoints", steps_done, self.mesh, self.holder, self.optimizer,
+                                self.scheduler, source.state_dict() if source else None, self.meta,
+                                self.config.checkpoint.keep)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -21,7 +21,7 @@ from packfeed.client.tensors import pack_of  # noqa: E402
 from packfeed.server.serve.packs import assemble_pack  # noqa: E402
 from packfeed.server.serve.preprocess import SampleTensors  # noqa: E402
 from packfeed.server.serve.wire import encode_pack  # noqa: E402
-from packfeed.trainer.hf_model import build_hf_model  # noqa: E402
+from packfeed.trainer.models.hf.build import build_hf_model  # noqa: E402
 from packfeed.v1 import packfeed_pb2 as pb  # noqa: E402
 
 pytestmark = pytest.mark.benchmark

@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from demo_data import indexed_demo
-from packfeed.trainer.profile import LayerProfile
+from packfeed.trainer.parallel.profile import LayerProfile
 from packfeed.trainer.simulate import (
     Features,
     fit_layer_costs,
@@ -138,7 +138,7 @@ def simulate_cluster(costs, real_index, dp: int = 8, stages: int = 4, m: int = 8
     from packfeed.server.plan.costs import load_sample_loads
     from packfeed.server.plan.planner import make_plan
     from packfeed.v1.options import PlanConfig
-    from packfeed.trainer.partition import split_by_weight
+    from packfeed.trainer.parallel.partition import split_by_weight
 
     loads, _ = load_sample_loads(real_index)
     typical = Features(8, 5000, 5 * 1000.0 ** 2)

@@ -14,25 +14,26 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from packfeed.trainer import partition as partitioning
+from packfeed.trainer.parallel import partition as partitioning
 from packfeed.trainer.batch import Microbatches
 from packfeed.trainer.config import TrainConfig
-from packfeed.trainer.model import VLMConfig
-from packfeed.trainer.pipeline import Mesh, autocast_dtype, broadcast_object, log, validate_partition
-from packfeed.trainer.profile import profile_layers, synchronize
-from packfeed.trainer.recompute import RecomputeDecision, adaptive_recompute
-from packfeed.trainer.simulate import Features, features_of_carrier, fit_layer_costs, planner_cost_model
+from packfeed.trainer.parallel.mesh import Mesh, broadcast_object, log
+from packfeed.trainer.parallel.pipeline import autocast_dtype, validate_partition
+from packfeed.trainer.parallel.profile import profile_layers, synchronize
+from packfeed.trainer.parallel.recompute import RecomputeDecision, adaptive_recompute
+from packfeed.trainer.simulate import Features, fit_layer_costs, planner_cost_model
 from packfeed.v1 import packfeed_pb2 as pb
 
 if TYPE_CHECKING:
-    from packfeed.trainer.train import Trainer
+    from packfeed.trainer.parallel.stages import RankStages as Trainer
 
 
-def decision_key(config: TrainConfig, model: VLMConfig, mesh: Mesh) -> str:
+def decision_key(config: TrainConfig, model, mesh: Mesh) -> str:
     """Decisions are reused only for the same model, mesh, microbatch count, schedule and memory budget."""
-    basis = {"model": model.__dict__, "pp": mesh.pp, "dp": mesh.dp, "m": config.data.microbatches,
-             "schedule": config.parallel.schedule, "budget": config.recompute.budget_mb,
-             "device": mesh.device.type}
+    basis = {"model": model.describe(), "settings": asdict(config.model), "pp": mesh.pp, "dp": mesh.dp,
+             "m": config.data.microbatches, "schedule": config.parallel.schedule,
+             "virtual": config.parallel.virtual_stages, "budget": config.recompute.budget_mb,
+             "precision": config.parallel.precision, "device": mesh.device.type}
     return hashlib.sha256(json.dumps(basis, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -67,18 +68,18 @@ def decide_partition(trainer: Trainer, config: TrainConfig, mesh: Mesh, out: Pat
                      given: list[int] | None = None) -> tuple[list[int], LayerMeasurements | None]:
     """The stage bounds: `given` (a checkpoint's), partition.bounds, the saved decision, a split by layers or
     parameters, or the search (OmniBal 4.2). Also what the search measured, on rank 0 (else None)."""
-    p, n_layers = config.partition, len(trainer.kinds)
+    p, n_layers, stages = config.partition, len(trainer.kinds), trainer.n_stages
     if given or p.bounds:
-        return validate_partition(list(given or p.bounds), n_layers, mesh.pp), None
+        return validate_partition(list(given or p.bounds), n_layers, stages), None
     path = out / "partition.json"
     saved = load_decision(path, key)
     if saved:
         log(mesh, f"partition {saved['bounds']} reused from {path}")
-        return validate_partition(saved["bounds"], n_layers, mesh.pp), None
-    if p.mode != "search" or mesh.pp == 1:
+        return validate_partition(saved["bounds"], n_layers, stages), None
+    if p.mode != "search" or stages == 1:
         weights = [1.0] * n_layers if p.mode != "params" else \
             [float(sum(q.numel() for q in layer.parameters())) for layer in trainer.layers]
-        return partitioning.split_by_weight(weights, mesh.pp), None
+        return partitioning.split_by_weight(weights, stages), None
     profiled, measured = None, None
     if mesh.rank == 0:  # profile on the first replica's data, on one device
         batches = trainer.source.peek(p.profile_steps)
@@ -87,7 +88,7 @@ def decide_partition(trainer: Trainer, config: TrainConfig, mesh: Mesh, out: Pat
         precision = autocast_dtype(config.parallel.precision)
         with torch.autocast(mesh.device.type, dtype=precision or torch.float32, enabled=precision is not None):
             profile = profile_layers(trainer.layers, trainer.kinds, microbatches, mesh.device, repeats=1)
-        measured = LayerMeasurements(profile, [features_of_carrier(mb) for mb in microbatches])
+        measured = LayerMeasurements(profile, [trainer.model.features(mb) for mb in microbatches])
         features = [asdict(f) for f in measured.features]
         profiled = profile, features, p.comm_gbps or measure_bandwidth_gbps(mesh)
     profile, features, comm_gbps = broadcast_object(profiled, mesh)
@@ -98,7 +99,7 @@ def decide_partition(trainer: Trainer, config: TrainConfig, mesh: Mesh, out: Pat
         trainer.trial(batches[:1])  # warm-up: schedules, allocator
         return trainer.trial(batches) / len(batches)
 
-    decision = partitioning.search_partition(profile, mesh.pp, radius=p.radius, top_k=max(p.top_k, 1),
+    decision = partitioning.search_partition(profile, stages, radius=p.radius, top_k=max(p.top_k, 1),
                                              comm_gbps=comm_gbps, measure=measure)
     decision.profile = [q.to_dict() for q in profile]
     decision.profile_features = features
@@ -132,17 +133,29 @@ def measure_bandwidth_gbps(mesh: Mesh) -> float:
 
 def decide_recompute(trainer: Trainer, config: TrainConfig, mesh: Mesh, bounds: list[int], out: Path,
                      key: str) -> RecomputeDecision:
-    r, kinds = config.recompute, trainer.stage_kinds(bounds)
+    """This rank's recompute plan (per layer it runs): recompute.layers, none / all, the saved decision, or
+    adaptive (OmniBal 4.3) on trial steps. Leaves the rank's stages built for `bounds` with that plan."""
+    r, kinds, ids = config.recompute, trainer.rank_kinds(bounds), trainer.layer_ids(bounds)
     budget = int(r.budget_mb * 2**20)
+    trainer.use(bounds)
+    decision = None
     if r.layers:
-        plan = list(r.layers[bounds[mesh.stage]:bounds[mesh.stage + 1]])
-        return RecomputeDecision(mesh.stage, plan, budget)
-    if r.mode != "adaptive":
-        return RecomputeDecision(mesh.stage, [r.mode == "all" and k in ("vit", "llm") for k in kinds], budget)
+        decision = RecomputeDecision(mesh.stage, [bool(r.layers[i]) for i in ids], budget)
+    elif r.mode != "adaptive":
+        decision = RecomputeDecision(mesh.stage, [r.mode == "all" and k in ("vit", "llm") for k in kinds], budget)
     path = out / f"recompute-stage{mesh.stage}.json"
-    saved = load_decision(path, key + str(bounds))
+    saved = load_decision(path, key + str(bounds)) if decision is None else None
     if saved:
-        return RecomputeDecision(**{k: v for k, v in saved.items() if k != "key"})
+        decision = RecomputeDecision(**{k: v for k, v in saved.items() if k != "key"})
+    if decision is None:
+        decision = search_recompute(trainer, mesh, kinds, budget, out)
+        if mesh.dp == 1 or mesh.replica == 0:
+            path.write_text(json.dumps({"key": key + str(bounds), **decision.to_dict()}, indent=1))
+    trainer.set_recompute(decision.layers)
+    return decision
+
+
+def search_recompute(trainer: Trainer, mesh: Mesh, kinds: list[str], budget: int, out: Path) -> RecomputeDecision:
     if budget <= 0 and mesh.device.type == "cuda":
         budget = int(torch.cuda.mem_get_info(mesh.device)[1] * 0.9)
     batch = trial_batches(trainer, 1)[0]
@@ -152,10 +165,10 @@ def decide_recompute(trainer: Trainer, config: TrainConfig, mesh: Mesh, bounds: 
         profile = json.loads(profile_path.read_text()).get("profile", [])
         for kind in block_seconds:
             times = [q["forward_s"] for q in profile if q["kind"] == kind]
-            block_seconds[kind] = sum(times) / len(times) if times else 0.0
+            block_seconds[kind] = sum(times) / len(times) if times else block_seconds[kind]
 
     def trial(plan: list[bool]) -> int:
-        trainer.use(bounds, plan)
+        trainer.set_recompute(plan)
         return trainer.peak_bytes(batch)
 
     def agree(done: bool) -> bool:
@@ -163,7 +176,46 @@ def decide_recompute(trainer: Trainer, config: TrainConfig, mesh: Mesh, bounds: 
         dist.all_reduce(flag)
         return int(flag.item()) == 0
 
-    decision = adaptive_recompute(mesh.stage, kinds, block_seconds, budget, trial, agree)
-    if mesh.dp == 1 or mesh.replica == 0:
-        path.write_text(json.dumps({"key": key + str(bounds), **decision.to_dict()}, indent=1))
-    return decision
+    return adaptive_recompute(mesh.stage, kinds, block_seconds, budget, trial, agree)
+
+
+def stage_table(trainer: Trainer, mesh: Mesh, bounds: list[int], decision: RecomputeDecision, out: Path) -> list[dict]:
+    """OmniBal's appendix Table 1 for this run: per stage, its layers (vision / LLM), recomputed blocks, and the
+    peak memory and seconds of one trial step with the chosen plan, measured on each rank (replica 0's).
+    Printed and added to OUT/partition.json by rank 0."""
+    batch = trial_batches(trainer, 1)[0]
+    trainer.trial([batch])  # warm-up: the schedule for this shape, the allocator
+    dist.barrier()
+    seconds, peak = trainer.timed_trial(batch)
+    rows = []
+    for s in trainer.stage_ids:
+        lo, hi = bounds[s], bounds[s + 1]
+        kinds = trainer.kinds[lo:hi]
+        plan = decision.layers[trainer.layer_ids(bounds).index(lo):][:hi - lo]
+        rows.append({"stage": s, "rank": mesh.stage, "layers": [lo, hi],
+                     "vision_layers": sum(k in ("vision_embed", "vit", "projector") for k in kinds),
+                     "llm_layers": sum(k in ("text_embed", "llm", "head") for k in kinds),
+                     "recomputed_vision": sum(a and k == "vit" for a, k in zip(plan, kinds)),
+                     "recomputed_llm": sum(a and k == "llm" for a, k in zip(plan, kinds)),
+                     "rank_peak_mib": peak / 2**20, "rank_step_ms": seconds * 1e3})
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, rows if mesh.replica == 0 else [])
+    table = sorted((row for rank_rows in gathered for row in rank_rows), key=lambda row: row["stage"])
+    if mesh.rank == 0:
+        path = out / "partition.json"
+        record = json.loads(path.read_text()) if path.is_file() else {"bounds": bounds}
+        record["stages"] = table
+        path.write_text(json.dumps(record, indent=1))
+        log(mesh, "stages (layers vision/LLM, recomputed blocks vision/LLM, peak memory and one trial step, "
+            "measured on each rank):\n" + format_stage_table(table))
+    return table
+
+
+def format_stage_table(table: list[dict]) -> str:
+    lines = [f"{'stage':>5} {'rank':>4} {'layers':>9} {'vision':>6} {'LLM':>4} {'rc vis':>6} {'rc LLM':>6} "
+             f"{'peak MiB':>9} {'step ms':>8}"]
+    for row in table:
+        lines.append(f"{row['stage']:>5} {row['rank']:>4} {row['layers'][0]:>4}:{row['layers'][1]:<4} "
+                     f"{row['vision_layers']:>6} {row['llm_layers']:>4} {row['recomputed_vision']:>6} "
+                     f"{row['recomputed_llm']:>6} {row['rank_peak_mib']:>9.1f} {row['rank_step_ms']:>8.1f}")
+    return "\n".join(lines)

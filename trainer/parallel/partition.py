@@ -1,6 +1,6 @@
 """Balanced model partition search (OmniBal §4.2).
 
-1. Profile every layer (forward + backward time, activations it hands on) — `packfeed.trainer.profile`.
+1. Profile every layer (forward + backward time, activations it hands on) — `packfeed.trainer.parallel.profile`.
 2. Anchor: cut the layer list where the cumulative time crosses k/P of the total (greedy), so stage times
    are close.
 3. Candidates: every interior boundary jittered within `radius` layers of the anchor's (valid ones only).
@@ -20,7 +20,7 @@ import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 
-from packfeed.trainer.profile import LayerProfile
+from packfeed.trainer.parallel.profile import LayerProfile
 
 
 @dataclass

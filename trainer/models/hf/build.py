@@ -95,3 +95,20 @@ def build_hf_model(family: str, conventions: Any, sizes: dict[str, Any] | None =
     config = hf_config(family, conventions, sizes)
     torch.manual_seed(seed)
     return classes[family]._from_config(config, attn_implementation=attention)
+
+
+def attention_implementation(choice: str, device: torch.device, packed: bool = False) -> str:
+    """The `attn_implementation` to build the model with. auto: flash-attention 2 on CUDA when installed,
+    otherwise Packfeed's variable-length kernel (sdpa per sample; on CPU 2.5x faster than HF's packed sdpa with
+    its dense mask, BENCHMARKS.md). `packed`: for the pipeline's layers, which give attention the packed
+    samples' bounds and no mask, so sdpa (which needs HF's mask) would let samples see each other."""
+    from packfeed.client.hf import register_varlen_attention
+
+    if choice == "auto" and device.type == "cuda":
+        import importlib.util
+
+        choice = "flash_attention_2" if importlib.util.find_spec("flash_attn") else "varlen"
+    if packed and choice == "sdpa":
+        raise ValueError("model.hf_attention=sdpa needs the dense mask HF builds inside its forward, which pipeline "
+                         "stages do not run: use auto, varlen (CPU or GPU) or flash_attention_2 (CUDA)")
+    return register_varlen_attention() if choice in ("auto", "varlen") else choice

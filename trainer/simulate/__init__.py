@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 from packfeed.trainer.batch import round_up
-from packfeed.trainer.profile import LayerProfile
+from packfeed.trainer.parallel.profile import LayerProfile
 
 VISION_KINDS = ("vision_embed", "vit", "projector")
 

@@ -49,7 +49,7 @@ class VLMConfig:
     mlp_ratio: float = 4.0
     rope_theta: float = 10000.0
     seed: int = 0
-    # A Hugging Face VLM instead of the reference model (packfeed.trainer.hf_model, trained by hf_train): its
+    # A Hugging Face VLM instead of the reference model (packfeed.trainer.models.hf.build, trained by hf_train): its
     # family, its sizes ({text: {...}, vision: {...}, top-level fields}) and attention implementation.
     hf: Literal["", "internvl", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava"] = ""
     hf_config: dict = field(default_factory=dict)

@@ -1,0 +1,75 @@
+"""The reference model's inputs: a step's packs padded into its fixed-shape microbatches (see
+`packfeed.trainer.batch`)."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import torch
+
+from packfeed.trainer.batch import Microbatches, StepShape, round_up
+from packfeed.trainer.models.reference import IGNORE_INDEX, VLMConfig
+
+
+def step_shape(packs, token_multiple: int = 64, epoch: int = 0, step: int = 0,
+               last_in_epoch: bool = False) -> StepShape:
+    tokens = max([int(p.input_ids.numel()) for p in packs] + [1])
+    tiles = max([int(p.tile_shapes.shape[0]) for p in packs] + [1])
+    samples = max([int(p.cu_seqlens.numel()) - 1 for p in packs] + [1])
+    return StepShape(round_up(tokens, token_multiple), tiles, samples, int(packs[0].step_loss_tokens),
+                     epoch, step, last_in_epoch)
+
+
+def vision_positions_of(pack, config: VLMConfig) -> torch.Tensor:
+    """For every vision token of every tile (in tile order), its position in input_ids."""
+    spans = pack.image_token_spans.view(-1, 2).long()
+    tiles_per_image = torch.bincount(pack.tile_image.long(), minlength=spans.shape[0])
+    if spans.shape[0] and not torch.equal(spans[:, 1], tiles_per_image * config.tokens_per_tile):
+        raise ValueError(f"pack {pack.sample_keys}: image placeholder spans {spans[:, 1].tolist()} do not hold "
+                         f"{config.tokens_per_tile} tokens per tile for tiles {tiles_per_image.tolist()}; set the "
+                         f"model's tokens_per_tile to the image policy's")
+    if spans.shape[0] == 0:
+        return torch.zeros(0, dtype=torch.int64)
+    return torch.cat([torch.arange(int(s), int(s) + int(n)) for s, n in spans.tolist()])
+
+
+def pack_tiles(pack, config: VLMConfig) -> torch.Tensor:
+    shapes = pack.tile_shapes.view(-1, 3)
+    expected = torch.tensor([3, config.tile_size, config.tile_size], dtype=shapes.dtype)
+    if shapes.shape[0] and not bool((shapes == expected).all()):
+        raise ValueError(f"pack {pack.sample_keys}: tiles of shape {shapes.unique(dim=0).tolist()}, the model takes "
+                         f"3x{config.tile_size}x{config.tile_size}; the reference trainer needs a tiling image "
+                         f"policy (internvl or fixed) with that tile size")
+    return pack.pixels.view(-1, 3, config.tile_size, config.tile_size)
+
+
+def pad_pack(pack, shape: StepShape, config: VLMConfig) -> tuple[torch.Tensor, ...]:
+    length, n_tiles = int(pack.input_ids.numel()), int(pack.tile_shapes.view(-1, 3).shape[0])
+    if length and int(pack.input_ids.max()) >= config.vocab_size:
+        raise ValueError(f"pack {pack.sample_keys}: token id {int(pack.input_ids.max())} >= the model's vocab_size "
+                         f"{config.vocab_size}; size the model for the dataset's tokenizer")
+    pixels = torch.zeros(shape.tiles, 3, config.tile_size, config.tile_size, dtype=torch.uint8)
+    pixels[:n_tiles] = pack_tiles(pack, config)
+    input_ids = torch.zeros(shape.tokens, dtype=torch.int64)
+    input_ids[:length] = pack.input_ids
+    position_ids = torch.zeros(shape.tokens, dtype=torch.int64)
+    position_ids[:length] = pack.position_ids
+    labels = torch.full((shape.tokens,), IGNORE_INDEX, dtype=torch.int64)
+    labels[:length] = pack.labels
+    bounds = pack.cu_seqlens.long()
+    cu_seqlens = torch.full((shape.samples + 1,), int(bounds[-1]) if bounds.numel() else 0, dtype=torch.int64)
+    cu_seqlens[:bounds.numel()] = bounds
+    vision_positions = torch.full((shape.tiles * config.tokens_per_tile,), -1, dtype=torch.int64)
+    positions = vision_positions_of(pack, config)
+    vision_positions[:positions.numel()] = positions
+    return pixels, input_ids, position_ids, cu_seqlens, vision_positions, labels
+
+
+def microbatches_of(step, config: VLMConfig, token_multiple: int = 64) -> Microbatches:
+    """`step` is a `packfeed.client.Step` (or anything with `.packs`, `.epoch`, `.step`)."""
+    shape = step_shape(step.packs, token_multiple, step.epoch, step.step, step.last_in_epoch)
+    padded = [pad_pack(pack, shape, config) for pack in step.packs]
+    args = tuple(torch.cat(parts) for parts in zip(*padded))
+    return Microbatches(shape, args, sum(int(p.input_ids.numel()) for p in step.packs),
+                        sum(int(p.tile_shapes.view(-1, 3).shape[0]) for p in step.packs),
+                        dict(Counter(step.sample_sources)))

@@ -1,0 +1,80 @@
+"""The (dp, pp) process grid: ranks, their process groups, and the small collectives every room uses.
+
+Global rank = replica * P + stage. Every rank creates every group in the same order, as torch.distributed
+requires.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class Mesh:
+    """This process's place in the (dp, pp) grid and the process groups that go with it."""
+
+    dp: int
+    pp: int
+    rank: int
+    device: torch.device
+    pp_group: dist.ProcessGroup | None = None
+    dp_group: dist.ProcessGroup | None = None
+
+    @property
+    def replica(self) -> int:
+        return self.rank // self.pp
+
+    @property
+    def stage(self) -> int:
+        return self.rank % self.pp
+
+    @property
+    def first_stage_rank(self) -> int:
+        return self.replica * self.pp
+
+    @property
+    def is_first(self) -> bool:
+        return self.stage == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.stage == self.pp - 1
+
+
+def make_mesh(dp: int, pp: int, device: torch.device) -> Mesh:
+    """Groups for an initialised default process group of dp * pp ranks (every rank creates every group,
+    in the same order, as torch.distributed requires)."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if world != dp * pp:
+        raise ValueError(f"world size {world} != dp {dp} x pp {pp}: launch dp * pp processes")
+    mesh = Mesh(dp, pp, rank, device)
+    for replica in range(dp):
+        group = dist.new_group([replica * pp + s for s in range(pp)])
+        if replica == mesh.replica:
+            mesh.pp_group = group
+    for stage in range(pp):
+        group = dist.new_group([r * pp + stage for r in range(dp)])
+        if stage == mesh.stage:
+            mesh.dp_group = group
+    return mesh
+
+
+def log(mesh: Mesh | None, message: str, everyone: bool = False) -> None:
+    if mesh is None or everyone or mesh.rank == 0:
+        print(f"[packfeed train{'' if mesh is None else f' r{mesh.rank}'}] {message}", file=sys.stderr, flush=True)
+
+
+def broadcast_object(value, mesh: Mesh, src: int = 0):
+    box = [value]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
+def max_over_world(value: float, mesh: Mesh) -> float:
+    tensor = torch.tensor([value], dtype=torch.float64, device=mesh.device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return float(tensor.item())

@@ -1,0 +1,129 @@
+"""This rank's part of a model (`LayerModel`) under a partition: its stage modules, their data-parallel
+wrapping, the pipeline runner, and the trial steps that partition search and adaptive recompute time and
+measure. Trials run forward and backward on buffered steps and then drop the gradients: the weights, the
+optimizer state (not yet made) and the stream position stay as they were, so a run with the search trains
+exactly as a run given its chosen partition."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+
+from packfeed.trainer.batch import Microbatches, StepShape
+from packfeed.trainer.parallel.data_parallel import wrap_data_parallel
+from packfeed.trainer.parallel.mesh import Mesh, max_over_world
+from packfeed.trainer.parallel.pipeline import PipelineRunner, StageModule, autocast_dtype, rank_stages, \
+    share_step_shape
+from packfeed.trainer.parallel.profile import SavedBytes, synchronize
+
+ADAMW_BYTES_PER_PARAM = 16  # fp32 weight + gradient + two moments
+
+
+class RankStages:
+    """Holds this rank's stages of the model and runs trial and training steps on them."""
+
+    def __init__(self, config, mesh: Mesh, model, source):
+        self.config, self.mesh, self.model, self.source = config, mesh, model, source
+        self.kinds: list[str] = list(model.kinds)
+        self.layers = model.layers.to(mesh.device)
+        parallel = config.parallel
+        self.virtual = parallel.virtual_stages if parallel.schedule == "interleaved_1f1b" else 1
+        self.stage_ids = rank_stages(mesh, self.virtual)
+        self.modules: list[StageModule] = []
+        self.runner: PipelineRunner | None = None
+        self.bounds: list[int] = []
+
+    @property
+    def n_stages(self) -> int:
+        """Pipeline stages in all: P, or P x V with virtual stages."""
+        return self.mesh.pp * self.virtual
+
+    def layer_ids(self, bounds: list[int]) -> list[int]:
+        """The model's layers this rank runs under `bounds`, in stage order."""
+        return [i for s in self.stage_ids for i in range(bounds[s], bounds[s + 1])]
+
+    def rank_kinds(self, bounds: list[int]) -> list[str]:
+        return [self.kinds[i] for i in self.layer_ids(bounds)]
+
+    def use(self, bounds: list[int], recompute: list[bool] | None = None) -> None:
+        """Build this rank's stages for `bounds` (recompute: per layer of `layer_ids(bounds)`)."""
+        precision = autocast_dtype(self.config.parallel.precision)
+        plan = list(recompute) if recompute is not None else [False] * len(self.layer_ids(bounds))
+        self.modules, offset = [], 0
+        for s in self.stage_ids:
+            lo, hi = bounds[s], bounds[s + 1]
+            self.modules.append(StageModule(self.layers, lo, hi, plan[offset:offset + hi - lo], precision,
+                                            hi == len(self.kinds)))
+            offset += hi - lo
+        self.bounds = list(bounds)
+        wrapped = [wrap_data_parallel(m, self.mesh) for m in self.modules]
+        self.runner = PipelineRunner(self.mesh, wrapped, self.stage_ids, self.config.data.microbatches, self.model,
+                                     self.bounds, self.config.parallel.schedule, dtype=precision or torch.float32)
+
+    def set_recompute(self, plan: list[bool]) -> None:
+        """Change which layers recompute without rebuilding the stages (the schedules hold the same modules)."""
+        offset = 0
+        for module in self.modules:
+            module.recompute = list(plan[offset:offset + len(module.recompute)])
+            offset += len(module.recompute)
+
+    @property
+    def recompute(self) -> list[bool]:
+        return [again for module in self.modules for again in module.recompute]
+
+    def parameters(self) -> list[torch.nn.Parameter]:
+        seen, out = set(), []
+        for module in self.modules:
+            for p in module.parameters():
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    out.append(p)
+        return out
+
+    def zero_grad(self) -> None:
+        for module in self.modules:
+            module.zero_grad(set_to_none=True)
+
+    def run_step(self, batch: Microbatches | None) -> tuple[StepShape, list[torch.Tensor]]:
+        shape = share_step_shape(self.mesh, batch.shape if batch is not None else None)
+        return shape, self.runner.run(shape, batch.args if batch is not None else None)
+
+    def trial(self, batches: list[Microbatches | None]) -> float:
+        """Seconds for these steps (slowest rank), weights untouched."""
+        dist.barrier()
+        started = time.perf_counter()
+        for batch in batches:
+            self.run_step(batch)
+        self.sync()
+        elapsed = time.perf_counter() - started
+        self.zero_grad()
+        return max_over_world(elapsed, self.mesh)
+
+    def timed_trial(self, batch: Microbatches | None) -> tuple[float, int]:
+        """One trial step: this rank's seconds (not the slowest rank's) and its peak bytes (see `peak_bytes`)."""
+        started = time.perf_counter()
+        peak = self.peak_bytes(batch)
+        return time.perf_counter() - started, peak
+
+    def peak_bytes(self, batch: Microbatches | None) -> int:
+        """Peak memory of one trial step on this rank. CUDA: the allocator's peak plus AdamW's moments, not yet
+        allocated during trials. CPU: the weights, gradients and AdamW state plus the peak bytes autograd keeps
+        for backward (counted by saved-tensor hooks), because torch keeps no CPU allocator statistics."""
+        params = self.parameters()
+        local = sum((p.to_local() if hasattr(p, "to_local") else p).numel() for p in params)
+        if self.mesh.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.mesh.device)
+            self.run_step(batch)
+            self.sync()
+            peak = torch.cuda.max_memory_allocated(self.mesh.device) + local * 8
+        else:
+            with SavedBytes(params) as saved:
+                self.run_step(batch)
+            peak = saved.peak + local * ADAMW_BYTES_PER_PARAM
+        self.zero_grad()
+        return int(peak)
+
+    def sync(self) -> None:
+        synchronize(self.mesh.device)
