@@ -24,13 +24,29 @@ CONVENTIONS = {
 }
 
 
-def tiny_model(family: str, data: "FamilyData", attention: str = "sdpa"):
+# Deeper towers for pipeline tests: several vision blocks per family, Qwen2.5-VL's window and full attention,
+# Qwen3-VL's DeepStack (features of two vision blocks added after the first two decoder layers), and LLaVA
+# reading its penultimate CLIP layer (the last one is computed and thrown away, as the model does)
+PIPELINE_SIZES = {
+    "internvl": {"vision": {"num_hidden_layers": 2}},
+    "qwen2_vl": {"vision": {"depth": 2}},
+    "qwen2_5_vl": {"vision": {"depth": 3, "fullatt_block_indexes": [1]}},
+    "qwen3_vl": {"vision": {"depth": 3, "deepstack_visual_indexes": [0, 2]}},
+    "llava": {"vision": {"num_hidden_layers": 3}},
+}
+
+
+def tiny_sizes(family: str, deep: bool = False, layers: int = LAYERS) -> dict:
+    sizes = {"text": {"hidden_size": HIDDEN, "intermediate_size": 2 * HIDDEN, "num_hidden_layers": layers}}
+    return {**sizes, **PIPELINE_SIZES[family]} if deep else sizes
+
+
+def tiny_model(family: str, data: "FamilyData", attention: str = "sdpa", deep: bool = False, layers: int = LAYERS):
     """A randomly initialised model of the family (seeded) sized from the dataset's served conventions, in eval
-    mode (no dropout)."""
+    mode (no dropout); `deep`: the pipeline tests' deeper vision towers."""
     from packfeed.trainer.models.hf.build import build_hf_model
 
-    sizes = {"text": {"hidden_size": HIDDEN, "intermediate_size": 2 * HIDDEN, "num_hidden_layers": LAYERS}}
-    return build_hf_model(family, data.conventions, sizes, attention).eval()
+    return build_hf_model(family, data.conventions, tiny_sizes(family, deep, layers), attention).eval()
 
 
 @dataclass

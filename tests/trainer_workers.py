@@ -88,3 +88,51 @@ def hf_step_grads(rank: int, world: int, family: str, data_file: str, init_file:
         torch.save({"grads": grads, "loss": loss_sum}, f"{out_dir}/rank{rank}.pt")
     finally:
         dist.destroy_process_group()
+
+
+def hf_pipeline_step(rank: int, world: int, dp: int, pp: int, family: str, data_file: str, init_file: str,
+                     out_dir: str, bounds: list[int], schedule: str = "1f1b", virtual: int = 1,
+                     break_positions: bool = False) -> None:
+    """One global step of a `transformers` VLM cut into pipeline stages (`packfeed train`'s own RankStages,
+    TiedParameters): replica r trains on its M packs of the saved step; saves the gradients of this rank's layers
+    under the model's own parameter names (weights tied across stages summed first) and the losses.
+    `break_positions`: the control: ranks after the first receive zeroed positions."""
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        from hf_models import tiny_model
+        from packfeed.client.hf import register_varlen_attention
+        from packfeed.client.tensors import Step
+        from packfeed.trainer.config import load_config
+        from packfeed.trainer.models.hf.model import HFLayerModel
+        from packfeed.trainer.parallel.stages import RankStages
+        from packfeed.trainer.parallel.tied import TiedParameters
+        from packfeed.trainer.train import layer_ranks
+
+        saved = torch.load(data_file, weights_only=False)
+        data, packs = saved["data"], saved["packs"]
+        m = len(packs) // dp
+        mesh = make_mesh(dp, pp, torch.device("cpu"))
+        model = HFLayerModel(family, data.conventions,
+                             model=tiny_model(family, data, register_varlen_attention(), deep=True))
+        config = load_config(None, [f"model.hf={family}", f"data.microbatches={m}", f"parallel.pp={pp}",
+                                    f"parallel.dp={dp}", f"parallel.schedule={schedule}",
+                                    f"parallel.virtual_stages={max(virtual, 2)}"])
+        stages = RankStages(config, mesh, model, None)
+        stages.use(bounds)
+        if break_positions and mesh.stage > 0:
+            for module, stage in zip(stages.runner.modules, stages.stage_ids):
+                names = model.names[bounds[stage]]
+                if "positions" in names:
+                    at = names.index("positions")
+                    module.forward = lambda *c, f=module.forward, at=at: f(*[torch.zeros_like(t) if i == at else t
+                                                                           for i, t in enumerate(c)])
+        batch = None
+        if 0 in stages.stage_ids:
+            batch = model.inputs(Step(0, 0, mesh.replica, packs[mesh.replica * m:(mesh.replica + 1) * m]), 64, dp)
+        _, losses = stages.run_step(batch)
+        TiedParameters(model.layers, layer_ranks(stages, bounds), mesh).sync_gradients()
+        grads = {model.parameter_names[i][local]: p.grad.clone() for i in stages.layer_ids(bounds)
+                 for local, p in model.layers[i].named_parameters(remove_duplicate=False) if p.grad is not None}
+        torch.save({"grads": grads, "losses": [float(x) for x in losses]}, f"{out_dir}/rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
