@@ -238,8 +238,15 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.nproc:
         import subprocess
 
+        from packfeed.trainer.config import load_config
+
+        parallel = load_config(args.config, args.overrides).parallel
+        world = parallel.dp * parallel.pp  # the mesh decides how many processes train
+        if world != args.nproc:
+            print(f"packfeed train: parallel.dp x parallel.pp = {parallel.dp} x {parallel.pp} trains on {world} "
+                  f"process(es); launching {world}, not --nproc {args.nproc}", file=sys.stderr)
         return subprocess.call([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                                f"--nproc-per-node={args.nproc}", "-m", "packfeed.trainer", *forwarded])
+                                f"--nproc-per-node={world}", "-m", "packfeed.trainer", *forwarded])
     from packfeed.trainer.train import main as train_main
 
     return train_main(forwarded)
@@ -317,7 +324,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     train = sub.add_parser("train", help="reference pipeline trainer fed by a Packfeed server (needs torch)")
     train.add_argument("--config", help="YAML/JSON trainer config (see packfeed.trainer.config)")
-    train.add_argument("--nproc", type=int, default=0, help="launch this many processes (dp x pp) with torchrun")
+    train.add_argument("--nproc", type=int, default=0, help="launch under torchrun on this machine: dp x pp processes "
+                       "(the mesh's size; a different count is corrected, with a note)")
     train.add_argument("overrides", nargs="*", help="section.key=value, e.g. parallel.pp=2 data.index=INDEX")
     train.set_defaults(func=cmd_train)
 

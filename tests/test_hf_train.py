@@ -13,7 +13,7 @@ import torch.multiprocessing as mp  # noqa: E402
 
 from hf_models import family_dataset, packs_of, tiny_model  # noqa: E402
 from packfeed.client.hf import to_hf_inputs  # noqa: E402
-from trainer_workers import hf_step_grads, packfeed_train  # noqa: E402
+from trainer_workers import fsdp_output_views, hf_step_grads, packfeed_train  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -57,3 +57,17 @@ def test_packfeed_train_trains_a_hf_model_and_resumes_exactly(tmp_path):
     assert [r["loss"] for r in rest] == pytest.approx([r["loss"] for r in straight], rel=1e-6)
     assert straight[-1]["loss"] < straight[0]["loss"]  # it learns
     assert all(r["tokens"] > 0 and r["samples_by_dataset"] for r in straight)
+
+
+@pytest.mark.parametrize("family", ["qwen2_vl", "internvl"])
+def test_the_views_fsdp2_warns_about_are_the_per_image_features_alone(tmp_path, family):
+    """FSDP2 warns that the wrapped model "returned a view tensor": an in-place op on it would drop its
+    pre-backward hook. The views are the per-image features in `image_outputs` (a split of the merged
+    features); the loss and logits are not views, the loop reads only `.loss` and writes no output in place, and
+    the DP 2 gradients above equal one process's: harmless."""
+    data = family_dataset(tmp_path / "data", family)
+    torch.save({"data": data, "packs": packs_of(data, [[1, 2]])}, tmp_path / "step.pt")
+    mp.spawn(fsdp_output_views, args=(1, family, str(tmp_path / "step.pt"), str(tmp_path / "init"), str(tmp_path)),
+             nprocs=1, join=True)
+    views = torch.load(tmp_path / "rank0.pt")["views"]
+    assert views == ["image_outputs"]

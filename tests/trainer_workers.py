@@ -136,3 +136,19 @@ def hf_pipeline_step(rank: int, world: int, dp: int, pp: int, family: str, data_
         torch.save({"grads": grads, "losses": [float(x) for x in losses]}, f"{out_dir}/rank{rank}.pt")
     finally:
         dist.destroy_process_group()
+
+
+def fsdp_output_views(rank: int, world: int, family: str, data_file: str, init_file: str, out_dir: str) -> None:
+    """The FSDP2-wrapped model's forward on one pack: which of its outputs are views (FSDP2's warning)."""
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        from hf_models import tiny_model
+        from packfeed.client.hf import to_hf_inputs
+        from packfeed.trainer.hf_train import output_views, shard
+
+        saved = torch.load(data_file, weights_only=False)
+        model = shard(tiny_model(family, saved["data"]), make_mesh(world, 1, torch.device("cpu")), "fp32")
+        output = model(**to_hf_inputs(saved["packs"][0], family, dp=world))
+        torch.save({"views": output_views(output)}, f"{out_dir}/rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()

@@ -47,7 +47,28 @@ def shard(model: torch.nn.Module, mesh: Mesh, precision: str) -> torch.nn.Module
     for layer in language_layers(model):
         fully_shard(layer, mesh=device_mesh, mp_policy=policy)
     fully_shard(model, mesh=device_mesh, mp_policy=policy)
+    quiet_view_warning()
     return model
+
+
+def output_views(output) -> list[str]:
+    """Names of the grad-requiring tensors in a model's output that are views (FSDP2 warns about each)."""
+    from torch.distributed.fsdp._fully_shard._fsdp_state import collect_grad_tensors
+
+    return [name for name, value in output.items()
+            if any(t._base is not None for t in collect_grad_tensors(value))]
+
+
+def quiet_view_warning() -> None:
+    """FSDP2 warns when a wrapped module returns a view: an in-place op on it would drop the pre-backward hook.
+    The views the VLMs return are their per-image features in `image_outputs` (a split of the merged
+    features), which this loop never touches: it reads `.loss` and never writes an output in place, and the hook
+    on every other output (the loss included) still fires. Gradients equal a single process's (tests), so the
+    warning is filtered, for this message only."""
+    import warnings
+
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(FSDP\w+ForConditionalGeneration\) returned "
+                                              r"a view tensor")
 
 
 def empty_inputs(device: torch.device) -> dict:
