@@ -90,15 +90,21 @@ class PartitionConfig:
 
     mode: Literal["search", "layers", "params"] = "search"
     bounds: tuple[int, ...] = ()
-    radius: int = 1
-    top_k: int = 4
+    # OmniBal's reach: radius 3, 10-15 candidates timed 3 steps each; smaller defaults keep start-up short
+    radius: int = 1  # boundaries jittered up to this many layers from the anchor's (0-3)
+    top_k: int = 4  # best-ranked candidates timed in the real pipeline (and the layer-count split)
     profile_steps: int = 2
-    trial_steps: int = 2
+    trial_steps: int = 2  # steps each timed candidate runs
     comm_gbps: float = 0.0  # boundary bandwidth for the ranking metric; 0 = measure on this mesh
 
     def __post_init__(self):
         check_choices(self)
         object.__setattr__(self, "bounds", tuple(self.bounds))
+        if not 0 <= self.radius <= 3:
+            raise ValueError(f"partition.radius = {self.radius}: choose 0 to 3 (OmniBal jitters boundaries by up to 3 "
+                             f"layers; the candidates grow as (2 x radius + 1)^(stages - 1))")
+        if self.top_k < 0 or self.trial_steps < 1 or self.profile_steps < 1:
+            raise ValueError("partition.top_k must be >= 0, partition.trial_steps and profile_steps >= 1")
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import statistics
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -86,6 +87,7 @@ def decide_partition(trainer: Trainer, config: TrainConfig, mesh: Mesh, out: Pat
         microbatches = [tuple(a.tensor_split(config.data.microbatches)[m] for a in b.args)
                         for b in batches for m in range(config.data.microbatches)]
         precision = autocast_dtype(config.parallel.precision)
+        trainer.place(list(range(n_layers)))  # rank 0 profiles every layer on its device
         with torch.autocast(mesh.device.type, dtype=precision or torch.float32, enabled=precision is not None):
             profile = profile_layers(trainer.layers, trainer.kinds, microbatches, mesh.device, repeats=1)
         measured = LayerMeasurements(profile, [trainer.model.features(mb) for mb in microbatches])
@@ -97,7 +99,8 @@ def decide_partition(trainer: Trainer, config: TrainConfig, mesh: Mesh, out: Pat
     def measure(bounds: list[int]) -> float:  # every rank times every short-listed candidate together
         trainer.use(bounds)
         trainer.trial(batches[:1])  # warm-up: schedules, allocator
-        return trainer.trial(batches) / len(batches)
+        # the median step (slowest rank each): one step disturbed by the machine does not decide the partition
+        return statistics.median(trainer.trial([batch]) for batch in batches)
 
     decision = partitioning.search_partition(profile, stages, radius=p.radius, top_k=max(p.top_k, 1),
                                              comm_gbps=comm_gbps, measure=measure)
@@ -181,12 +184,16 @@ def search_recompute(trainer: Trainer, mesh: Mesh, kinds: list[str], budget: int
 
 def stage_table(trainer: Trainer, mesh: Mesh, bounds: list[int], decision: RecomputeDecision, out: Path) -> list[dict]:
     """OmniBal's appendix Table 1 for this run: per stage, its layers (vision / LLM), recomputed blocks, and the
-    peak memory and seconds of one trial step with the chosen plan, measured on each rank (replica 0's).
+    peak memory and seconds (median of 3) of a trial step with the chosen plan, measured on each rank (replica
+    0's).
     Printed and added to OUT/partition.json by rank 0."""
     batch = trial_batches(trainer, 1)[0]
     trainer.trial([batch])  # warm-up: the schedule for this shape, the allocator
-    dist.barrier()
-    seconds, peak = trainer.timed_trial(batch)
+    trials = []
+    for _ in range(3):  # the median of three: one trial step on a busy machine can be far off
+        dist.barrier()
+        trials.append(trainer.timed_trial(batch))
+    seconds, peak = statistics.median(t for t, _ in trials), max(p for _, p in trials)
     rows = []
     for s in trainer.stage_ids:
         lo, hi = bounds[s], bounds[s + 1]

@@ -72,7 +72,13 @@ def split_by_weight(weights: Sequence[float], stages: int) -> list[int]:
 
 
 def stage_times(profile: Sequence[LayerProfile], bounds: Sequence[int]) -> list[float]:
-    return [sum(p.time_s for p in profile[a:b]) for a, b in zip(bounds, bounds[1:])]
+    prefix = _prefix(profile)
+    return [prefix[b] - prefix[a] for a, b in zip(bounds, bounds[1:])]
+
+
+def _prefix(profile: Sequence[LayerProfile]) -> list[float]:
+    """Cumulative layer time: a stage's time is a difference, so ranking (2r+1)^(S-1) candidates stays cheap."""
+    return [0.0, *itertools.accumulate(p.time_s for p in profile)]
 
 
 def boundary_bytes(profile: Sequence[LayerProfile], bounds: Sequence[int]) -> int:
@@ -116,8 +122,17 @@ def search_partition(profile: Sequence[LayerProfile], stages: int, *, radius: in
     fastest wins. Without `measure` (or with top_k 0) the best-ranked candidate wins. A pure function of the
     profile apart from `measure`, so every rank that calls it with the same profile times the same list."""
     anchor = split_by_weight([p.time_s for p in profile], stages)
-    ranked = sorted((evaluate(profile, b, comm_gbps) for b in candidates_around(anchor, radius, len(profile))),
-                    key=lambda c: (c.metric, c.bounds))
+    prefix, sent = _prefix(profile), [p.output_bytes for p in profile]
+
+    def metric(bounds: list[int]) -> float:
+        times = [prefix[b] - prefix[a] for a, b in zip(bounds, bounds[1:])]
+        transfer = sum(sent[b - 1] for b in bounds[1:-1]) / (comm_gbps * 1e9) if comm_gbps > 0 else 0.0
+        return (statistics.pstdev(times) if len(times) > 1 else 0.0) + transfer
+
+    # rank every candidate by the cheap metric, then build full records only for those worth showing
+    scored = sorted(((metric(b), b) for b in candidates_around(anchor, radius, len(profile))))
+    ranked = [evaluate(profile, b, comm_gbps) for _, b in scored[:max(top_k, 1) + 32]]
+    ranked.sort(key=lambda c: (c.metric, c.bounds))
     baselines = baseline_partitions(profile, stages, comm_gbps)
     shortlist = ranked[:max(top_k, 1)]
     if measure is not None and top_k > 0:

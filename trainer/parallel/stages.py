@@ -27,7 +27,7 @@ class RankStages:
     def __init__(self, config, mesh: Mesh, model, source):
         self.config, self.mesh, self.model, self.source = config, mesh, model, source
         self.kinds: list[str] = list(model.kinds)
-        self.layers = model.layers.to(mesh.device)
+        self.layers = model.layers  # on the CPU until a partition places this rank's layers on its device
         parallel = config.parallel
         self.virtual = parallel.virtual_stages if parallel.schedule == "interleaved_1f1b" else 1
         self.stage_ids = rank_stages(mesh, self.virtual)
@@ -51,6 +51,7 @@ class RankStages:
         """Build this rank's stages for `bounds` (recompute: per layer of `layer_ids(bounds)`)."""
         precision = autocast_dtype(self.config.parallel.precision)
         plan = list(recompute) if recompute is not None else [False] * len(self.layer_ids(bounds))
+        self.place(self.layer_ids(bounds))
         self.modules, offset = [], 0
         for s in self.stage_ids:
             lo, hi = bounds[s], bounds[s + 1]
@@ -61,6 +62,16 @@ class RankStages:
         wrapped = [wrap_data_parallel(m, self.mesh) for m in self.modules]
         self.runner = PipelineRunner(self.mesh, wrapped, self.stage_ids, self.config.data.microbatches, self.model,
                                      self.bounds, self.config.parallel.schedule, dtype=precision or torch.float32)
+
+    def place(self, layer_ids: list[int]) -> None:
+        """This rank's layers on its device, the others on the CPU (a weight two layers share follows the
+        layer this rank runs: moved last)."""
+        mine = set(layer_ids)
+        for i, layer in enumerate(self.layers):
+            if i not in mine:
+                layer.to("cpu")
+        for i in layer_ids:
+            self.layers[i].to(self.mesh.device)
 
     def set_recompute(self, plan: list[bool]) -> None:
         """Change which layers recompute without rebuilding the stages (the schedules hold the same modules)."""
