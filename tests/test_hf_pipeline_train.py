@@ -98,3 +98,45 @@ def test_adaptive_recompute_fits_where_keeping_everything_does_not_and_beats_rec
     assert 0 < recomputed < sum(r["recomputed_vision"] + r["recomputed_llm"] for r in every)
     assert max(r["rank_step_ms"] for r in adaptive) < max(r["rank_step_ms"] for r in every)
     assert records and records[0]["loss"] > 0
+
+
+def readme_commands() -> list[str]:
+    """The README's two commands for a pipelined Hugging Face model, as written there."""
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    block = text.split("<!-- pipelined-hf-commands -->", 2)[1]
+    lines = [line.strip() for line in block.splitlines() if line.startswith("    ")]
+    commands, current = [], ""
+    for line in lines:
+        current += line.rstrip("\\").strip() + " "
+        if not line.endswith("\\"):
+            commands.append(current.strip())
+            current = ""
+    return commands
+
+
+def test_the_readme_commands_train_a_pipelined_qwen2_vl_as_written(tmp_path):
+    """On the demo dataset: index with the qwen2_vl preset, then train at pp=2 with the partition search; the
+    first step's loss equals the data-parallel (pp=1) trainer's on the same seed and data."""
+    import math
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    subprocess.run(["packfeed", "demo", "--out", "demo-out", "--dataset-only"], cwd=tmp_path, env=env, check=True,
+                   capture_output=True)
+    index, train = readme_commands()
+    assert index.startswith("packfeed index") and train.startswith("packfeed train") and "parallel.pp=2" in train
+    for command in (index, train, train.replace("parallel.pp=2", "parallel.pp=1").replace("out=OUT", "out=OUT1")):
+        done = subprocess.run(command, shell=True, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
+        assert done.returncode == 0, done.stderr[-3000:]
+    partition = json.loads((tmp_path / "OUT" / "partition.json").read_text())
+    assert len(partition["bounds"]) == 3 and [row["stage"] for row in partition["stages"]] == [0, 1]
+    records = [json.loads(line) for line in (tmp_path / "OUT" / "metrics.jsonl").read_text().splitlines()]
+    assert len(records) == 3 and all(math.isfinite(r["loss"]) and r["loss"] > 0 for r in records)
+    data_parallel = json.loads((tmp_path / "OUT1" / "metrics.jsonl").read_text().splitlines()[0])
+    assert (data_parallel["epoch"], data_parallel["step"]) == (records[0]["epoch"], records[0]["step"])
+    assert records[0]["loss"] == pytest.approx(data_parallel["loss"], rel=1e-4)

@@ -1,10 +1,10 @@
-"""Packfeed's reference trainer (`packfeed train`): a small vision-language model trained with pipeline
-parallelism on the packs a Packfeed server streams, with balanced partition search and adaptive recompute.
+"""Packfeed's trainer (`packfeed train`): the reference VLM or a `transformers` VLM trained on the packs a
+Packfeed server streams, with pipeline parallelism, balanced partition search and adaptive recompute.
 
 It depends only on `packfeed.client` and the contract (`packfeed.v1`): the model is sized from what the
-server reports of the dataset, so a trainer on another machine needs no index file. `config` holds the
-settings, `data` the stream and the model's sizes, `model` the layers, `batch` turns a step's packs into
-fixed-shape microbatches, `pipeline` the mesh, stages and schedule, `profile`/`partition`/`recompute` the
-OmniBal measurements and choices that `decisions` makes and saves, `simulate` the pipeline simulator,
-`checkpoint` saving and resuming, and `train` the loop that ties them together.
+server reports of the dataset, so a trainer on another machine needs no index file. Rooms: `config` (the
+settings), `data` and `batch` (the stream and its padded steps), `models` (each model as a flat list of layers),
+`parallel` (the mesh, pipeline stages and schedules, and OmniBal's measured decisions), `simulate` (the
+pipeline simulator), `checkpoint`, `metrics`, and `train` (the loop that ties them together); `hf_train` trains
+a `transformers` model data-parallel with FSDP2 at pp=1.
 """

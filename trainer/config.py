@@ -113,7 +113,7 @@ class RecomputeConfig:
     per-layer `layers`. CUDA measures with torch.cuda memory statistics; CPU with the bytes autograd saves."""
 
     mode: Literal["adaptive", "none", "all"] = "adaptive"
-    budget_mb: float = 0.0  # per stage; 0 = no limit (CUDA: free device memory)
+    budget_mb: float = 0.0  # per pipeline rank; 0 = CUDA: 90% of the device's memory; CPU: no limit (no trials)
     layers: tuple[bool, ...] = ()
 
     def __post_init__(self):

@@ -144,6 +144,8 @@ def decide_recompute(trainer: Trainer, config: TrainConfig, mesh: Mesh, bounds: 
     decision = None
     if r.layers:
         decision = RecomputeDecision(mesh.stage, [bool(r.layers[i]) for i in ids], budget)
+    elif r.mode == "adaptive" and budget <= 0 and mesh.device.type != "cuda":
+        decision = RecomputeDecision(mesh.stage, [False] * len(ids), budget)  # no budget on a CPU: keep everything
     elif r.mode != "adaptive":
         decision = RecomputeDecision(mesh.stage, [r.mode == "all" and k in ("vit", "llm") for k in kinds], budget)
     path = out / f"recompute-stage{mesh.stage}.json"
