@@ -130,9 +130,11 @@ def test_the_readme_commands_train_a_pipelined_qwen2_vl_as_written(tmp_path):
                    capture_output=True)
     index, train = readme_commands()
     assert index.startswith("packfeed index") and train.startswith("packfeed train") and "parallel.pp=2" in train
-    for command in (index, train, train.replace("parallel.pp=2", "parallel.pp=1").replace("out=OUT", "out=OUT1")):
+    # indexing exits 3: the demo holds three broken samples on purpose, skipped and reported
+    for command, ok in ((index, (0, 3)), (train, (0,)),
+                        (train.replace("parallel.pp=2", "parallel.pp=1").replace("out=OUT", "out=OUT1"), (0,))):
         done = subprocess.run(command, shell=True, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
-        assert done.returncode == 0, done.stderr[-3000:]
+        assert done.returncode in ok, done.stderr[-3000:]
     partition = json.loads((tmp_path / "OUT" / "partition.json").read_text())
     assert len(partition["bounds"]) == 3 and [row["stage"] for row in partition["stages"]] == [0, 1]
     records = [json.loads(line) for line in (tmp_path / "OUT" / "metrics.jsonl").read_text().splitlines()]
