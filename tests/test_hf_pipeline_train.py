@@ -53,7 +53,7 @@ def test_searched_partition_is_faster_than_the_layer_count_split(tmp_path, qwen_
     stage 0; the searched partition, timed in the same run, is at least 15% faster."""
     # 6 microbatches: with few, the pipeline's fill and drain hide any split's imbalance
     overrides = ["model.hf=qwen2_vl", f"data.index={qwen_data.index}", "parallel.pp=2", "data.microbatches=6",
-                 "data.epochs=4", "optim.steps=1", "partition.radius=2", "partition.top_k=2",
+                 "data.epochs=4", "optim.steps=2", "partition.radius=2", "partition.top_k=2",
                  "partition.trial_steps=3", "recompute.mode=none", HEAVY_VISION]
     log, records = packfeed_train(2, overrides, tmp_path / "search")
     decision = json.loads((tmp_path / "search" / "partition.json").read_text())
@@ -65,7 +65,13 @@ def test_searched_partition_is_faster_than_the_layer_count_split(tmp_path, qwen_
     kinds = decision["kinds"]
     assert kinds[:decision["bounds"][1]].count("vit") < kinds.count("vit")  # vision blocks on both stages
     assert [row["stage"] for row in decision["stages"]] == [0, 1]
-    assert len(records) == 1 and records[0]["loss"] > 0
+    assert len(records) == 2 and records[0]["loss"] > 0
+
+    # the trials left weights, optimizer and stream as they were: the run trains as one given the partition
+    bounds = ",".join(map(str, decision["bounds"]))
+    _, given = packfeed_train(2, overrides + [f"partition.bounds=[{bounds}]"], tmp_path / "given")
+    assert [(r["epoch"], r["step"]) for r in given] == [(r["epoch"], r["step"]) for r in records]
+    assert [r["loss"] for r in given] == pytest.approx([r["loss"] for r in records], rel=1e-6)
 
     again, _ = packfeed_train(2, overrides, tmp_path / "search")
     assert f"partition {decision['bounds']} reused" in again and "partition search" not in again
