@@ -35,7 +35,8 @@ def run(tmp_path, family: str, data, packs, dp: int, pp: int, bounds: list[int],
     world = dp * pp
     mp.spawn(hf_pipeline_step, args=(world, dp, pp, family, str(tmp_path / "step.pt"), str(tmp_path / "init"),
                                      str(tmp_path), bounds, options.get("schedule", "1f1b"),
-                                     options.get("virtual", 1), options.get("break_positions", False)),
+                                     options.get("virtual", 1), options.get("break_positions", False),
+                                     options.get("data_parallel", "ddp")),
              nprocs=world, join=True)
     return [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(world)]
 
@@ -105,6 +106,16 @@ def test_data_parallel_pipelines_give_the_global_steps_gradients(tmp_path):
     packs = packs_of(data, GROUPS)
     expected_loss, expected = reference(data, "qwen2_5_vl", packs)
     results = run(tmp_path, "qwen2_5_vl", data, packs, dp=2, pp=2, bounds=[0, 3, 9])
+    assert_same_step(results, 2, 2, expected_loss, expected)
+
+
+def test_fsdp2_within_each_stage_with_the_embedding_tied_across_stages(tmp_path):
+    """DP 2 x PP 2 with FSDP2 over each stage's replicas (blocks and stage sharded): InternVL's embedding on stage
+    0 and its tied head on stage 1 sum their gradient shards, which equal the model's."""
+    data = family_dataset(tmp_path / "data", "internvl")
+    packs = packs_of(data, GROUPS)
+    expected_loss, expected = reference(data, "internvl", packs)
+    results = run(tmp_path, "internvl", data, packs, dp=2, pp=2, bounds=TWO_STAGES["internvl"], data_parallel="fsdp")
     assert_same_step(results, 2, 2, expected_loss, expected)
 
 

@@ -211,9 +211,12 @@ def test_config_is_checked_at_start_and_never_changed(tmp_path):
                               ("recompute.mode=some", "RecomputeConfig.mode"),
                               ("parallel.schedule=zb", "ParallelConfig.schedule"),
                               ("data.strategy=greedy", "strategy must be one of"),
-                              ("data.cost_model=missing.json", "not found")):
+                              ("data.cost_model=missing.json", "not found"),
+                              ("parallel.schedule=interleaved_1f1b parallel.pp=1", "needs parallel.pp >= 2"),
+                              ("partition.radius=4", "choose 0 to 3"),
+                              ("model.hf=qwen2_vl model.hf_attention=sdpa parallel.pp=2", "pipeline stages")):
         with pytest.raises(ValueError, match=message):
-            load_config(None, [override])
+            load_config(None, override.split())
     config = load_config(None, ["data.index=x.parquet", "model.vocab_size=100"])
     with pytest.raises(dataclasses.FrozenInstanceError):
         config.data.target = "elsewhere:1"

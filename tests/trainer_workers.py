@@ -92,7 +92,7 @@ def hf_step_grads(rank: int, world: int, family: str, data_file: str, init_file:
 
 def hf_pipeline_step(rank: int, world: int, dp: int, pp: int, family: str, data_file: str, init_file: str,
                      out_dir: str, bounds: list[int], schedule: str = "1f1b", virtual: int = 1,
-                     break_positions: bool = False) -> None:
+                     break_positions: bool = False, data_parallel: str = "ddp") -> None:
     """One global step of a `transformers` VLM cut into pipeline stages (`packfeed train`'s own RankStages,
     TiedParameters): replica r trains on its M packs of the saved step; saves the gradients of this rank's layers
     under the model's own parameter names (weights tied across stages summed first) and the losses.
@@ -105,8 +105,6 @@ def hf_pipeline_step(rank: int, world: int, dp: int, pp: int, family: str, data_
         from packfeed.trainer.config import load_config
         from packfeed.trainer.models.hf.model import HFLayerModel
         from packfeed.trainer.parallel.stages import RankStages
-        from packfeed.trainer.parallel.tied import TiedParameters
-        from packfeed.trainer.train import layer_ranks
 
         saved = torch.load(data_file, weights_only=False)
         data, packs = saved["data"], saved["packs"]
@@ -116,9 +114,10 @@ def hf_pipeline_step(rank: int, world: int, dp: int, pp: int, family: str, data_
                              model=tiny_model(family, data, register_varlen_attention(), deep=True))
         config = load_config(None, [f"model.hf={family}", f"data.microbatches={m}", f"parallel.pp={pp}",
                                     f"parallel.dp={dp}", f"parallel.schedule={schedule}",
-                                    f"parallel.virtual_stages={max(virtual, 2)}"])
+                                    f"parallel.virtual_stages={max(virtual, 2)}",
+                                    f"parallel.data_parallel={data_parallel}"])
         stages = RankStages(config, mesh, model, None)
-        stages.use(bounds)
+        stages.use(bounds, final=True)
         if break_positions and mesh.stage > 0:
             for module, stage in zip(stages.runner.modules, stages.stage_ids):
                 names = model.names[bounds[stage]]
@@ -130,8 +129,8 @@ def hf_pipeline_step(rank: int, world: int, dp: int, pp: int, family: str, data_
         if 0 in stages.stage_ids:
             batch = model.inputs(Step(0, 0, mesh.replica, packs[mesh.replica * m:(mesh.replica + 1) * m]), 64, dp)
         _, losses = stages.run_step(batch)
-        TiedParameters(model.layers, layer_ranks(stages, bounds), mesh).sync_gradients()
-        grads = {model.parameter_names[i][local]: p.grad.clone() for i in stages.layer_ids(bounds)
+        stages.tied.sync_gradients()
+        grads = {model.parameter_names[i][local]: full(p.grad) for i in stages.layer_ids(bounds)
                  for local, p in model.layers[i].named_parameters(remove_duplicate=False) if p.grad is not None}
         torch.save({"grads": grads, "losses": [float(x) for x in losses]}, f"{out_dir}/rank{rank}.pt")
     finally:
@@ -152,3 +151,8 @@ def fsdp_output_views(rank: int, world: int, family: str, data_file: str, init_f
         torch.save({"views": output_views(output)}, f"{out_dir}/rank{rank}.pt")
     finally:
         dist.destroy_process_group()
+
+
+def full(tensor: torch.Tensor) -> torch.Tensor:
+    """A whole tensor (an FSDP2 DTensor gathered over its shards)."""
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor.clone()

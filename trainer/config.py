@@ -70,6 +70,9 @@ class ParallelConfig:
     # interleaved_1f1b: each rank runs `virtual_stages` stages (smaller warm-up bubbles; P x V partition runs)
     schedule: Literal["1f1b", "gpipe", "interleaved_1f1b"] = "1f1b"
     virtual_stages: int = 2  # stages per rank with interleaved_1f1b
+    # within a pipeline stage, over its replicas: ddp (replicated weights) or fsdp (FSDP2: sharded weights,
+    # gradients and optimizer state; after the partition search, whose trials run with DDP)
+    data_parallel: Literal["ddp", "fsdp"] = "ddp"
     backend: Literal["", "nccl", "gloo"] = ""  # "" = nccl on CUDA, gloo on CPU
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"  # bf16/fp16: autocast, and activations cross stages in that dtype
     device: str = ""  # "" = cuda when available
@@ -151,6 +154,11 @@ class TrainConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     out: str = "train-out"  # decisions (partition.json, recompute.json) and metrics.jsonl
     log_every: int = 1
+
+    def __post_init__(self):
+        if self.model.hf and self.parallel.pp > 1 and self.model.hf_attention == "sdpa":
+            raise ValueError("model.hf_attention=sdpa needs the dense mask HF builds inside its forward, which "
+                             "pipeline stages do not run: use auto, varlen or flash_attention_2 with parallel.pp > 1")
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

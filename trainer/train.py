@@ -137,7 +137,7 @@ def train_on(config: TrainConfig, mesh: Mesh, target: str, out: Path) -> dict:
                 f"every block recomputed ({max(recompute.measured.values()) / 2**20:.0f} MiB measured): raise "
                 f"recompute.budget_mb, use more pipeline stages or smaller packs", everyone=True)
         stage_table(trainer, mesh, bounds, recompute, out)
-        tied = TiedParameters(trainer.layers, layer_ranks(trainer, bounds), mesh)
+        tied = trainer.tied
         optimizer = torch.optim.AdamW(trainer.parameters(), lr=config.optim.lr, weight_decay=config.optim.weight_decay)
         warmup = max(config.optim.warmup_steps, 1)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup))
@@ -150,12 +150,6 @@ def train_on(config: TrainConfig, mesh: Mesh, target: str, out: Path) -> dict:
         summary = {"bounds": bounds, "recompute": recompute.layers, "steps": len(history),
                    "final_loss": history[-1]["loss"] if history else None}
         return {"summary": summary, "history": history}
-
-
-def layer_ranks(trainer: RankStages, bounds: list[int]) -> list[int]:
-    """The pipeline rank running each layer (stage s runs on rank s mod P)."""
-    return [next(s for s in range(len(bounds) - 1) if bounds[s] <= i < bounds[s + 1]) % trainer.mesh.pp
-            for i in range(len(trainer.kinds))]
 
 
 class Loop:

@@ -49,8 +49,8 @@ class VLMConfig:
     mlp_ratio: float = 4.0
     rope_theta: float = 10000.0
     seed: int = 0
-    # A Hugging Face VLM instead of the reference model (packfeed.trainer.models.hf.build, trained by hf_train): its
-    # family, its sizes ({text: {...}, vision: {...}, top-level fields}) and attention implementation.
+    # A Hugging Face VLM instead of the reference model (packfeed.trainer.models.hf: pipelined at pp > 1, FSDP2 by
+    # hf_train at pp = 1): its family, sizes ({text: {...}, vision: {...}, top-level fields}) and attention.
     hf: Literal["", "internvl", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava"] = ""
     hf_config: dict = field(default_factory=dict)
     # auto: flash_attention_2 on CUDA when installed, else Packfeed's varlen kernel (packfeed.client.hf)

@@ -1,4 +1,6 @@
-"""Data parallelism within a pipeline stage: DDP over the replicas of one stage (the mesh's dp group)."""
+"""Data parallelism within a pipeline stage, over the replicas of that stage (the mesh's dp group): DDP
+(replicated weights, gradients all-reduced), or FSDP2 (`fully_shard` on every vision block and decoder layer,
+then the stage: weights, gradients and AdamW state sharded over the replicas, gathered per block as it runs)."""
 
 from __future__ import annotations
 
@@ -7,9 +9,30 @@ from torch.nn.parallel import DistributedDataParallel
 
 from packfeed.trainer.parallel.mesh import Mesh
 
+BLOCK_KINDS = ("vit", "llm")
 
-def wrap_data_parallel(module: nn.Module, mesh: Mesh) -> nn.Module:
+
+def wrap_data_parallel(module: nn.Module, mesh: Mesh, kind: str = "ddp", kinds: list[str] | None = None,
+                       precision: str = "fp32", ignored: set | None = None) -> nn.Module:
+    """`module` (a StageModule) wrapped for its dp group; `kinds`: its layers' kinds (FSDP2 shards blocks);
+    `ignored`: weights FSDP2 leaves whole (tied across stages: `packfeed.trainer.parallel.tied` averages them)."""
     if mesh.dp == 1:
         return module
+    if kind == "fsdp":
+        return shard_stage(module, mesh, kinds or [], precision, ignored or set())
     device_ids = [mesh.device.index] if mesh.device.type == "cuda" else None
     return DistributedDataParallel(module, device_ids=device_ids, process_group=mesh.dp_group)
+
+
+def shard_stage(module: nn.Module, mesh: Mesh, kinds: list[str], precision: str, ignored: set) -> nn.Module:
+    import torch
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
+        if precision == "bf16" else MixedPrecisionPolicy()
+    device_mesh = mesh.dp_mesh()
+    for layer, kind in zip(module.layers.values(), kinds):
+        if kind in BLOCK_KINDS:
+            fully_shard(layer, mesh=device_mesh, mp_policy=policy)
+    fully_shard(module, mesh=device_mesh, mp_policy=policy, ignored_params=ignored & set(module.parameters()))
+    return module

@@ -140,7 +140,7 @@ def decide_recompute(trainer: Trainer, config: TrainConfig, mesh: Mesh, bounds: 
     adaptive (OmniBal 4.3) on trial steps. Leaves the rank's stages built for `bounds` with that plan."""
     r, kinds, ids = config.recompute, trainer.rank_kinds(bounds), trainer.layer_ids(bounds)
     budget = int(r.budget_mb * 2**20)
-    trainer.use(bounds)
+    trainer.use(bounds, final=True)
     decision = None
     if r.layers:
         decision = RecomputeDecision(mesh.stage, [bool(r.layers[i]) for i in ids], budget)

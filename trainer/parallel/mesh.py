@@ -24,6 +24,16 @@ class Mesh:
     pp_group: dist.ProcessGroup | None = None
     dp_group: dist.ProcessGroup | None = None
 
+    _device_mesh: object = None
+
+    def dp_mesh(self):
+        """This rank's data-parallel DeviceMesh (FSDP2), from the (dp, pp) grid: made once, collectively."""
+        if self._device_mesh is None:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            self._device_mesh = init_device_mesh(self.device.type, (self.dp, self.pp), mesh_dim_names=("dp", "pp"))
+        return self._device_mesh["dp"]
+
     @property
     def replica(self) -> int:
         return self.rank // self.pp

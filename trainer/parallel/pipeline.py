@@ -163,11 +163,15 @@ def clip_gradients(parameters: list[torch.Tensor], mesh: Mesh, max_norm: float) 
     same averaged gradients), and clipping to `max_norm` when it is > 0. Returns the norm before clipping."""
     grads = [p.grad for p in parameters if p.grad is not None]
     squares = torch.zeros((), dtype=torch.float64, device=mesh.device)
+    shards = torch.zeros((), dtype=torch.float64, device=mesh.device)  # FSDP2: this replica's shard of each
     for grad in grads:
-        local = grad.to_local() if hasattr(grad, "to_local") else grad  # FSDP2: this rank's shard
-        squares += local.detach().double().pow(2).sum()
-    if hasattr(grads[0] if grads else None, "to_local") and mesh.dp > 1:
-        dist.all_reduce(squares, group=mesh.dp_group)  # shards of one stage's gradients
+        if hasattr(grad, "to_local"):
+            shards += grad.to_local().detach().double().pow(2).sum()
+        else:
+            squares += grad.detach().double().pow(2).sum()
+    if mesh.dp > 1:
+        dist.all_reduce(shards, group=mesh.dp_group)
+    squares += shards
     if mesh.pp > 1:
         dist.all_reduce(squares, group=mesh.pp_group)
     norm = float(squares.sqrt())

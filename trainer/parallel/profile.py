@@ -30,8 +30,8 @@ class SavedBytes:
     def _pack(self, tensor: torch.Tensor):
         storage = tensor.untyped_storage()
         pointer = storage.data_ptr()
-        if pointer in self.exclude or storage.nbytes() == 0:
-            return tensor
+        if pointer in self.exclude or storage.nbytes() == 0 or isinstance(tensor, torch.nn.Parameter):
+            return tensor  # weights (FSDP2's gathered ones too) are counted as weights, not activations
         holder = _Held(tensor)
         entry = self._refs.setdefault(pointer, [0, storage.nbytes()])
         if entry[0] == 0:

@@ -17,6 +17,7 @@ from packfeed.trainer.parallel.mesh import Mesh, max_over_world
 from packfeed.trainer.parallel.pipeline import PipelineRunner, StageModule, autocast_dtype, rank_stages, \
     share_step_shape
 from packfeed.trainer.parallel.profile import SavedBytes, synchronize
+from packfeed.trainer.parallel.tied import TiedParameters
 
 ADAMW_BYTES_PER_PARAM = 16  # fp32 weight + gradient + two moments
 
@@ -34,6 +35,8 @@ class RankStages:
         self.modules: list[StageModule] = []
         self.runner: PipelineRunner | None = None
         self.bounds: list[int] = []
+        self.sharded = False
+        self.tied: TiedParameters | None = None  # made with the final partition
 
     @property
     def n_stages(self) -> int:
@@ -47,8 +50,12 @@ class RankStages:
     def rank_kinds(self, bounds: list[int]) -> list[str]:
         return [self.kinds[i] for i in self.layer_ids(bounds)]
 
-    def use(self, bounds: list[int], recompute: list[bool] | None = None) -> None:
-        """Build this rank's stages for `bounds` (recompute: per layer of `layer_ids(bounds)`)."""
+    def use(self, bounds: list[int], recompute: list[bool] | None = None, final: bool = False) -> None:
+        """Build this rank's stages for `bounds` (recompute: per layer of `layer_ids(bounds)`). `final`: the
+        partition to train with, wrapped as `parallel.data_parallel` says (FSDP2 shards the layers in place, so
+        trials of other partitions run with DDP before it)."""
+        if self.sharded:
+            raise RuntimeError("the stages are sharded with FSDP2 already: a partition is final once chosen")
         precision = autocast_dtype(self.config.parallel.precision)
         plan = list(recompute) if recompute is not None else [False] * len(self.layer_ids(bounds))
         self.place(self.layer_ids(bounds))
@@ -59,9 +66,20 @@ class RankStages:
                                             hi == len(self.kinds)))
             offset += hi - lo
         self.bounds = list(bounds)
-        wrapped = [wrap_data_parallel(m, self.mesh) for m in self.modules]
+        kind = self.config.parallel.data_parallel if final else "ddp"
+        if final:  # collective: the groups that sum the gradients of weights tied across ranks
+            self.tied = TiedParameters(self.layers, self.layer_ranks(bounds), self.mesh, kind == "fsdp")
+        ignored = self.tied.parameters if final else set()
+        wrapped = [wrap_data_parallel(m, self.mesh, kind, self.kinds[m.lo:m.hi], self.config.parallel.precision,
+                                      ignored) for m in self.modules]
+        self.sharded = kind == "fsdp" and self.mesh.dp > 1
         self.runner = PipelineRunner(self.mesh, wrapped, self.stage_ids, self.config.data.microbatches, self.model,
                                      self.bounds, self.config.parallel.schedule, dtype=precision or torch.float32)
+
+    def layer_ranks(self, bounds: list[int]) -> list[int]:
+        """The pipeline rank running each layer (stage s runs on rank s mod P)."""
+        return [next(s for s in range(len(bounds) - 1) if bounds[s] <= i < bounds[s + 1]) % self.mesh.pp
+                for i in range(len(self.kinds))]
 
     def place(self, layer_ids: list[int]) -> None:
         """This rank's layers on its device, the others on the CPU (a weight two layers share follows the
