@@ -128,3 +128,45 @@ def test_a_broken_hand_off_is_caught(tmp_path):
     results = run(tmp_path, "qwen2_vl", data, packs, dp=1, pp=2, bounds=[0, 6, 8], break_positions=True)
     with pytest.raises(AssertionError):
         assert_same_step(results, 1, 2, expected_loss, expected)
+
+
+def sequential_step(model, batch, m: int) -> tuple[float, dict[str, torch.Tensor]]:
+    """Every microbatch through the whole layer list in one process: the summed loss and the gradients."""
+    total = 0.0
+    for k in range(m):
+        carrier = batch.microbatch(k, m)
+        for layer in model.layers:
+            carrier = layer(*carrier)
+        loss = carrier[0].sum() / batch.shape.step_loss_tokens
+        loss.backward()
+        total += float(loss.detach())
+    grads = {names[local]: p.grad.clone() for layer, names in zip(model.layers, model.parameter_names)
+             for local, p in layer.named_parameters(remove_duplicate=False) if p.grad is not None}
+    model.hf.zero_grad(set_to_none=True)
+    return total, grads
+
+
+@pytest.mark.parametrize("family", ["qwen2_vl", "internvl"])
+def test_a_padded_batch_gives_the_packs_loss_and_gradients_at_more_tokens(tmp_path, family):
+    """`data.collate=padded` (the benchmarks' baseline): every sample padded to its pack's longest, positions,
+    labels and image places moved with it; the loss and gradients stay the pack's, the tokens grow."""
+    from packfeed.client.tensors import Step
+    from packfeed.trainer.models.hf.model import HFLayerModel
+
+    data = family_dataset(tmp_path / "data", family)
+    packs = packs_of(data, GROUPS)
+    model = HFLayerModel(family, data.conventions,
+                         model=tiny_model(family, data, register_varlen_attention(), deep=True))
+    packed = model.inputs(Step(0, 0, 0, packs), 64, 1)
+    padded = model.inputs(Step(0, 0, 0, packs), 64, 1, collate="padded")
+    from packfeed.trainer.models.hf.inputs import padded_batch
+
+    rows = [model.builder.pack(p, 1) for p in packs]
+    assert sum(padded_batch(r).input_ids.numel() for r in rows) > sum(r.input_ids.numel() for r in rows)
+    assert padded.shape.tokens >= packed.shape.tokens
+    loss, grads = sequential_step(model, packed, len(packs))
+    padded_loss, padded_grads = sequential_step(model, padded, len(packs))
+    assert padded_loss == pytest.approx(loss, rel=1e-5)
+    assert grads.keys() == padded_grads.keys()
+    for name, grad in grads.items():
+        torch.testing.assert_close(padded_grads[name], grad, rtol=1e-5, atol=1e-6, msg=name)

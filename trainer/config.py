@@ -49,8 +49,12 @@ class DataConfig:
     token: str = ""
     token_multiple: int = 64  # pad each step's microbatches to a multiple of this many tokens
     cost_model: str = ""  # JSON of planner cost coefficients, e.g. an earlier run's OUT/cost_model.json
+    # packed, or padded: a pipelined HF model sees each pack's samples as a padded batch (every sample padded to
+    # the pack's longest; the same loss): the baseline that packing is measured against
+    collate: Literal["packed", "padded"] = "packed"
 
     def __post_init__(self):
+        check_choices(self)
         if self.cost_model and not Path(self.cost_model).is_file():
             raise ValueError(f"data.cost_model {self.cost_model} not found (an earlier run's OUT/cost_model.json)")
         self.plan(dp=1, pipeline_stages=1)  # a bad strategy or cap fails now, not at the first stream

@@ -42,6 +42,7 @@ class StepSource:
     model: object  # the LayerModel, whose `inputs` pads a step
     token_multiple: int
     dp: int = 1
+    collate: str = "packed"
     buffer: list[Microbatches] = field(default_factory=list)
     data_wait_s: float = 0.0
 
@@ -49,7 +50,7 @@ class StepSource:
         started = time.perf_counter()
         step = next(self.steps, None)
         self.data_wait_s += time.perf_counter() - started
-        return None if step is None else self.model.inputs(step, self.token_multiple, self.dp)
+        return None if step is None else self.model.inputs(step, self.token_multiple, self.dp, self.collate)
 
     def peek(self, n: int) -> list[Microbatches]:
         while len(self.buffer) < n:

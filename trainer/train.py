@@ -117,7 +117,8 @@ def train_on(config: TrainConfig, mesh: Mesh, target: str, out: Path) -> dict:
         model = build_model(config.model, conventions, mesh.device)
         log(mesh, f"model for the dataset (image policy {conventions.image_policy.name}, vocabulary "
             f"{conventions.vocab_size}): {model.describe()}")
-        source = StepSource(stream, model, config.data.token_multiple, mesh.dp) if stream is not None else None
+        source = StepSource(stream, model, config.data.token_multiple, mesh.dp, config.data.collate) \
+            if stream is not None else None
         trainer = RankStages(config, mesh, model, source)
         key = decision_key(config, model, mesh)
 

@@ -10,7 +10,9 @@ Run: .venv/bin/python -m pytest -q -s tests/benchmarks/test_bench_hf_pipeline.py
 2. Recompute (qwen2_vl, pp=2, the searched partition): none, all, and adaptive under a budget between them
    (the step time and each rank's measured peak).
 3. Data (qwen2_vl, pp=2, the searched partition, one epoch): isf+balance packs against random packs (the
-   pipeline pads a step's microbatches to its largest, so random packs pay padding) and length-grouped packs.
+   pipeline pads a step's microbatches to its largest, so random packs pay padding), length-grouped packs, and
+   padded batches of the random packs' samples (`data.collate=padded`: every sample padded to its batch's
+   longest, as HF's usual collation).
 """
 
 from __future__ import annotations
@@ -150,13 +152,17 @@ def test_balanced_packs_against_random_and_length_grouped_packs(indexes, tmp_pat
     _, searched = train(index, "qwen2_vl", 2, tmp_path / "search", "optim.steps=1", "partition.radius=2",
                         "partition.top_k=3", "partition.trial_steps=2", "recompute.mode=none")
     bounds = "partition.bounds=[" + ",".join(map(str, searched["bounds"])) + "]"
-    epochs: dict[str, list[list[dict]]] = {"isf+balance": [], "random": [], "length-group": []}
+    settings = {"isf+balance": ("isf+balance", "packed"), "random": ("random", "packed"),
+                "length-group": ("length-group", "packed"), "padded batches": ("random", "padded")}
+    epochs: dict[str, list[list[dict]]] = {name: [] for name in settings}
     for round_ in range(ROUNDS):
         order = list(epochs) if round_ % 2 == 0 else list(reversed(epochs))
-        for strategy in order:
-            records, _ = train(index, "qwen2_vl", 2, tmp_path / f"{round_}-{strategy}", bounds, "data.epochs=1",
-                               "optim.steps=0", f"data.strategy={strategy}", "recompute.mode=none")
-            epochs[strategy].append(records)
+        for name in order:
+            strategy, collate = settings[name]
+            records, _ = train(index, "qwen2_vl", 2, tmp_path / f"{round_}-{name.replace(' ', '-')}", bounds,
+                               "data.epochs=1", "optim.steps=0", f"data.strategy={strategy}",
+                               f"data.collate={collate}", "recompute.mode=none")
+            epochs[name].append(records)
     print(f"\nqwen2_vl pp=2 {searched['bounds']}: one epoch of the same samples per data strategy")
     summary = {}
     for strategy, runs in epochs.items():
@@ -164,7 +170,7 @@ def test_balanced_packs_against_random_and_length_grouped_packs(indexes, tmp_pat
         tokens = [sum(r["tokens"] for r in run) / sum(r["step_s"] for r in run) for run in runs]
         pad = [1 - sum(r["tokens"] for r in run) / sum(r["padded_tokens"] for r in run) for run in runs]
         summary[strategy] = statistics.median(seconds)
-        print(f"  {strategy:<13} epoch {statistics.median(seconds):6.1f} s (runs {', '.join(f'{s:.1f}' for s in seconds)}),"
+        print(f"  {strategy:<15} epoch {statistics.median(seconds):6.1f} s (runs {', '.join(f'{s:.1f}' for s in seconds)}),"
               f" {len(runs[0])} steps, {statistics.median(tokens):7.0f} tokens/s, padding {statistics.median(pad):.1%}")
     for strategy, value in summary.items():
-        print(f"  {strategy:<13} {value / summary['isf+balance']:.2f}x the isf+balance epoch time")
+        print(f"  {strategy:<15} {value / summary['isf+balance']:.2f}x the isf+balance epoch time")

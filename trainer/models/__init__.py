@@ -25,8 +25,9 @@ class LayerModel(Protocol):
 
     def describe(self) -> str: ...
 
-    def inputs(self, step, token_multiple: int = 64, dp: int = 1) -> Microbatches:
-        """A step's packs padded into the first stage's fixed-shape microbatches."""
+    def inputs(self, step, token_multiple: int = 64, dp: int = 1, collate: str = "packed") -> Microbatches:
+        """A step's packs padded into the first stage's fixed-shape microbatches (`collate="padded"`: each
+        pack's samples as a padded batch, the baseline packing is measured against)."""
 
     def carrier(self, before_layer: int, shape: StepShape, device: torch.device | str = "meta",
                 dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, ...]:
@@ -55,8 +56,11 @@ class ReferenceModel:
         return (f"reference VLM: {c.tile_size} px tiles, {c.tokens_per_tile} tokens per tile, vocabulary "
                 f"{c.vocab_size}, {c.vit_layers} ViT + {c.llm_layers} LLM blocks")
 
-    def inputs(self, step, token_multiple: int = 64, dp: int = 1) -> Microbatches:
+    def inputs(self, step, token_multiple: int = 64, dp: int = 1, collate: str = "packed") -> Microbatches:
         from packfeed.trainer.models.reference_inputs import microbatches_of
+
+        if collate != "packed":
+            raise ValueError("data.collate=padded is for Hugging Face models (model.hf); the reference model packs")
 
         return microbatches_of(step, self.config, token_multiple)
 

@@ -78,9 +78,12 @@ class InputBuilder:
         return PackInputs(ids, kwargs["labels"][0], positions, pack.cu_seqlens.long(), pixels, grids,
                           torch.cat(places))
 
-    def microbatches(self, step, token_multiple: int = 64, dp: int = 1) -> Microbatches:
-        """`step`: a `packfeed.client.Step` (its M packs)."""
+    def microbatches(self, step, token_multiple: int = 64, dp: int = 1, collate: str = "packed") -> Microbatches:
+        """`step`: a `packfeed.client.Step` (its M packs). `collate="padded"`: each pack's samples laid out as a
+        padded batch (see `padded_batch`)."""
         packs = [self.pack(p, dp) for p in step.packs]
+        if collate == "padded":
+            packs = [padded_batch(p) for p in packs]
         tokens = round_up(max([int(p.input_ids.numel()) for p in packs] + [1]), token_multiple)
         samples = max([int(p.bounds.numel()) - 1 for p in packs] + [1])
         unit = self.model.merge_unit
@@ -146,3 +149,23 @@ class InputBuilder:
                 tensor = torch.cat([tensor, tensor[-1:].expand(size - tensor.numel())]).to(torch.int32)
             out[name] = tensor
         return {name: tensor.unsqueeze(0) for name, tensor in out.items()}
+
+
+def padded_batch(pack: PackInputs) -> PackInputs:
+    """The pack's samples as a padded batch in one row: each sample padded to the longest (labels -100, a segment
+    of its own), as HF's usual collation computes them; the same loss and gradients as the pack, more tokens."""
+    bounds = pack.bounds.tolist()
+    lengths = [b - a for a, b in zip(bounds, bounds[1:])]
+    longest = max(lengths + [1])
+    where = torch.cat([torch.arange(n) + k * longest for k, n in enumerate(lengths)]) if lengths else \
+        torch.zeros(0, dtype=torch.long)  # new place of every token
+    size = longest * len(lengths)
+    ids = torch.zeros(size, dtype=pack.input_ids.dtype)
+    ids[where] = pack.input_ids
+    labels = torch.full((size,), -100, dtype=pack.labels.dtype)
+    labels[where] = pack.labels
+    positions = torch.zeros(pack.positions.shape[0], size, dtype=pack.positions.dtype)
+    positions[:, where] = pack.positions
+    ends = sorted({0, *(k * longest + n for k, n in enumerate(lengths)), *(k * longest for k in range(1, len(lengths) + 1))})
+    return PackInputs(ids, labels, positions, torch.tensor(ends, dtype=torch.long), pack.pixels, pack.grids,
+                      where[pack.vision_positions])

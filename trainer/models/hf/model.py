@@ -135,8 +135,8 @@ class HFLayerModel:
         return (f"{self.family}: {len(self.layers)} layers ({self.kinds.count('vit')} vision blocks, "
                 f"{self.kinds.count('llm')} decoder layers), {total:,} parameters ({vision:,} in vision)")
 
-    def inputs(self, step, token_multiple: int = 64, dp: int = 1) -> Microbatches:
-        return self.builder.microbatches(step, token_multiple, dp)
+    def inputs(self, step, token_multiple: int = 64, dp: int = 1, collate: str = "packed") -> Microbatches:
+        return self.builder.microbatches(step, token_multiple, dp, collate)
 
     def carrier(self, before_layer: int, shape: StepShape, device: torch.device | str = "meta",
                 dtype: torch.dtype = FLOAT) -> tuple[torch.Tensor, ...]:
