@@ -148,3 +148,22 @@ def test_the_readme_commands_train_a_pipelined_qwen2_vl_as_written(tmp_path):
     data_parallel = json.loads((tmp_path / "OUT1" / "metrics.jsonl").read_text().splitlines()[0])
     assert (data_parallel["epoch"], data_parallel["step"]) == (records[0]["epoch"], records[0]["step"])
     assert records[0]["loss"] == pytest.approx(data_parallel["loss"], rel=1e-4)
+
+
+def test_fsdp2_inside_stages_trains_and_resumes_at_exactly_the_next_step(tmp_path, internvl_data):
+    """DP 2 x PP 2 with FSDP2 within each stage (InternVL's tied embedding and head left whole and averaged):
+    the per-stage table's measured trial, clipping over shards and whole weights, and a sharded checkpoint that
+    resumes at exactly the next step."""
+    common = ["model.hf=internvl", f"data.index={internvl_data.index}", "parallel.pp=2", "parallel.dp=2",
+              "parallel.data_parallel=fsdp", "data.microbatches=2", "data.epochs=3", "checkpoint.every=2",
+              "optim.warmup_steps=1", "optim.clip_grad_norm=0.01", "partition.bounds=[0,5,8]", "recompute.mode=none",
+              "model.hf_config={text: {hidden_size: 32, num_hidden_layers: 2}, vision: {num_hidden_layers: 2}}"]
+    _, straight = packfeed_train(4, common + ["optim.steps=3"], tmp_path / "straight")
+    packfeed_train(4, common + ["optim.steps=2"], tmp_path / "resumed")
+    log, resumed = packfeed_train(4, common + ["optim.steps=3"], tmp_path / "resumed")
+    assert "resuming from" in log and "after 2 steps" in log
+    assert len(straight) == 3 and all(r["grad_norm"] > 0.01 for r in straight)  # every step clipped
+    assert [(r["epoch"], r["step"]) for r in resumed] == [(r["epoch"], r["step"]) for r in straight]
+    assert [r["loss"] for r in resumed] == pytest.approx([r["loss"] for r in straight], rel=1e-6)
+    assert [row["stage"] for row in json.loads((tmp_path / "straight" / "partition.json").read_text())["stages"]] \
+        == [0, 1]

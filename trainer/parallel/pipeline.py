@@ -176,5 +176,9 @@ def clip_gradients(parameters: list[torch.Tensor], mesh: Mesh, max_norm: float) 
         dist.all_reduce(squares, group=mesh.pp_group)
     norm = float(squares.sqrt())
     if max_norm > 0 and norm > max_norm:
-        torch._foreach_mul_(grads, max_norm / (norm + 1e-6))
+        scale = max_norm / (norm + 1e-6)
+        for kind in (True, False):  # DTensors and whole tensors apart: foreach ops take one kind at a time
+            group = [g for g in grads if hasattr(g, "to_local") == kind]
+            if group:
+                torch._foreach_mul_(group, scale)
     return norm

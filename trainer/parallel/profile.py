@@ -22,7 +22,8 @@ class SavedBytes:
     """Context manager: live and peak bytes of tensors saved for backward (each storage counted once)."""
 
     def __init__(self, exclude: list[torch.Tensor] | tuple = ()):
-        self.exclude = {p.untyped_storage().data_ptr() for p in exclude}
+        # FSDP2's weights are DTensors: their storage is this rank's shard
+        self.exclude = {(p.to_local() if hasattr(p, "to_local") else p).untyped_storage().data_ptr() for p in exclude}
         self.live = self.peak = 0
         self._refs: dict[int, list[int]] = {}  # storage pointer -> [holders, bytes]
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
