@@ -38,6 +38,13 @@ def decision_key(config: TrainConfig, model, mesh: Mesh) -> str:
     return hashlib.sha256(json.dumps(basis, sort_keys=True).encode()).hexdigest()[:16]
 
 
+def write_json(path: Path, record: dict) -> None:
+    """Whole or not at all: other ranks read these files, and a reader must never see half of one."""
+    partial = path.with_name(path.name + ".tmp")
+    partial.write_text(json.dumps(record, indent=1))
+    partial.replace(path)
+
+
 def load_decision(path: Path, key: str) -> dict | None:
     if path.is_file():
         saved = json.loads(path.read_text())
@@ -110,7 +117,7 @@ def decide_partition(trainer: Trainer, config: TrainConfig, mesh: Mesh, out: Pat
         + partitioning.format_table(decision))
     if mesh.rank == 0:
         record = {"key": key, **decision.to_dict(), "kinds": trainer.kinds}
-        path.write_text(json.dumps(record, indent=1))
+        write_json(path, record)
     return decision.bounds, measured
 
 
@@ -155,7 +162,7 @@ def decide_recompute(trainer: Trainer, config: TrainConfig, mesh: Mesh, bounds: 
     if decision is None:
         decision = search_recompute(trainer, mesh, kinds, budget, out)
         if mesh.dp == 1 or mesh.replica == 0:
-            path.write_text(json.dumps({"key": key + str(bounds), **decision.to_dict()}, indent=1))
+            write_json(path, {"key": key + str(bounds), **decision.to_dict()})
     trainer.set_recompute(decision.layers)
     return decision
 
@@ -164,13 +171,7 @@ def search_recompute(trainer: Trainer, mesh: Mesh, kinds: list[str], budget: int
     if budget <= 0 and mesh.device.type == "cuda":
         budget = int(torch.cuda.mem_get_info(mesh.device)[1] * 0.9)
     batch = trial_batches(trainer, 1)[0]
-    profile_path = out / "partition.json"
-    block_seconds = {"vit": 1.0, "llm": 1.0}
-    if profile_path.is_file():  # forward time per block kind from the partition profile
-        profile = json.loads(profile_path.read_text()).get("profile", [])
-        for kind in block_seconds:
-            times = [q["forward_s"] for q in profile if q["kind"] == kind]
-            block_seconds[kind] = sum(times) / len(times) if times else block_seconds[kind]
+    block_seconds = broadcast_object(profiled_block_seconds(out) if mesh.rank == 0 else None, mesh)
 
     def trial(plan: list[bool]) -> int:
         trainer.set_recompute(plan)
@@ -182,6 +183,19 @@ def search_recompute(trainer: Trainer, mesh: Mesh, kinds: list[str], budget: int
         return int(flag.item()) == 0
 
     return adaptive_recompute(mesh.stage, kinds, block_seconds, budget, trial, agree)
+
+
+def profiled_block_seconds(out: Path) -> dict[str, float]:
+    """Forward time per block kind from the partition profile rank 0 saved (1 s each when there is none): what
+    keeping a block of that kind saves. Read on rank 0 and sent, so ranks on other machines need no shared OUT."""
+    block_seconds = {"vit": 1.0, "llm": 1.0}
+    path = out / "partition.json"
+    if path.is_file():
+        profile = json.loads(path.read_text()).get("profile", [])
+        for kind in block_seconds:
+            times = [q["forward_s"] for q in profile if q["kind"] == kind]
+            block_seconds[kind] = sum(times) / len(times) if times else block_seconds[kind]
+    return block_seconds
 
 
 def stage_table(trainer: Trainer, mesh: Mesh, bounds: list[int], decision: RecomputeDecision, out: Path) -> list[dict]:
@@ -214,7 +228,7 @@ def stage_table(trainer: Trainer, mesh: Mesh, bounds: list[int], decision: Recom
         path = out / "partition.json"
         record = json.loads(path.read_text()) if path.is_file() else {"bounds": bounds}
         record["stages"] = table
-        path.write_text(json.dumps(record, indent=1))
+        write_json(path, record)
         log(mesh, "stages (layers vision/LLM, recomputed blocks vision/LLM, peak memory and one trial step, "
             "measured on each rank):\n" + format_stage_table(table))
     return table
