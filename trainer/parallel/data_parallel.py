@@ -8,8 +8,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from packfeed.trainer.parallel.mesh import Mesh
-
-BLOCK_KINDS = ("vit", "llm")
+from packfeed.trainer.parallel.recompute import BLOCK_KINDS
 
 
 def wrap_data_parallel(module: nn.Module, mesh: Mesh, kind: str = "ddp", kinds: list[str] | None = None,

@@ -55,6 +55,13 @@ def varlen_kwargs(bounds: torch.Tensor) -> dict:
     return {"cu_seq_lens_q": bounds, "cu_seq_lens_k": bounds, "max_length_q": longest, "max_length_k": longest}
 
 
+def vision_places(c: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Which vision features are real (not padding), and where in the row each real one goes."""
+    places = c["vision_positions"][0]
+    real = places >= 0
+    return real, places[real]
+
+
 def first(output):
     return output[0] if isinstance(output, tuple) else output
 
@@ -183,9 +190,7 @@ class TextEmbed(CarrierLayer):
 
     def run(self, c):
         hidden = self.embed_tokens(c["input_ids"])
-        places = c["vision_positions"][0]
-        real = places >= 0
-        where = places[real]
+        real, where = vision_places(c)
         hidden = hidden.index_put((torch.zeros_like(where), where), c["features"][0][real].to(hidden.dtype))
         return {**c, "hidden": hidden}
 
@@ -209,9 +214,7 @@ class DecoderLayer(CarrierLayer):
         out = {**c, "hidden": hidden}
         if self.takes_deepstack:
             stack = c["deepstack"]
-            places = c["vision_positions"][0]
-            real = places >= 0
-            where = places[real]
+            real, where = vision_places(c)
             added = hidden[0, where] + stack[0, 0][real].to(hidden.dtype)
             out["hidden"] = hidden.index_put((torch.zeros_like(where), where), added)
             out["deepstack"] = stack[:, 1:]
