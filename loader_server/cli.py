@@ -252,6 +252,12 @@ def cmd_train(args: argparse.Namespace) -> int:
     return train_main(forwarded)
 
 
+def cmd_simulate(args: argparse.Namespace) -> int:
+    from packfeed.trainer.simulate.command import run
+
+    return run(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="packfeed", description="Balanced packs for vision-language training.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -328,6 +334,13 @@ def build_parser() -> argparse.ArgumentParser:
                        "(the mesh's size; a different count is corrected, with a note)")
     train.add_argument("overrides", nargs="*", help="section.key=value, e.g. parallel.pp=2 data.index=INDEX")
     train.set_defaults(func=cmd_train)
+
+    simulate = sub.add_parser("simulate", help="predict step and epoch time, bubbles and MFU of a plan on a "
+                              "cluster, for each data strategy and encoder placement (no GPU needed)")
+    from packfeed.trainer.simulate.command import add_arguments
+
+    add_arguments(simulate)
+    simulate.set_defaults(func=cmd_simulate)
 
     warmup = sub.add_parser("warmup", help="compile and cache the planner's kernels (run where an image is built or "
                                            "a venv installed, so a fresh server plans at once)")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from packfeed.trainer.parallel.profile import LayerProfile
-from packfeed.trainer.simulate import (
+from packfeed.trainer.simulate.calibrated import (
     Features,
     fit_layer_costs,
     padded_features,

@@ -21,7 +21,7 @@ TOKENS_PER_TILE = 256
 KEY_CHUNK = 1 << 25  # InternVL: pixel-shuffled 448 px tile -> 256 LLM tokens
 
 
-def _load_records(path: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def read_length_file(path: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     try:
         records = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as error:
@@ -39,7 +39,7 @@ def _load_records(path: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
 
 def index_from_lengths(files: list[str | Path], out: str | Path) -> IndexInfo:
-    parts = [_load_records(Path(f)) for f in files]
+    parts = [read_length_file(Path(f)) for f in files]
     names = [Path(f).name for f in files]
     source = np.concatenate([np.full(len(p[0]), k, dtype=np.int32) for k, p in enumerate(parts)]) \
         if parts else np.zeros(0, np.int32)

@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 from demo_data import indexed_demo
 from packfeed.trainer.parallel.profile import LayerProfile
-from packfeed.trainer.simulate import (
+from packfeed.trainer.simulate.calibrated import (
     Features,
     fit_layer_costs,
     padded_features,

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from packfeed.trainer.batch import Microbatches, StepShape
-from packfeed.trainer.simulate import Features
+from packfeed.trainer.simulate.calibrated import Features
 
 
 class LayerModel(Protocol):
@@ -71,7 +71,7 @@ class ReferenceModel:
         return example_carrier(self.config, before_layer, shape.tokens, shape.tiles, shape.samples, device, dtype)
 
     def features(self, carrier: tuple[torch.Tensor, ...]) -> Features:
-        from packfeed.trainer.simulate import features_of_carrier
+        from packfeed.trainer.simulate.calibrated import features_of_carrier
 
         return features_of_carrier(carrier)
 

@@ -22,7 +22,7 @@ from packfeed.trainer.parallel.mesh import Mesh, broadcast_object, log
 from packfeed.trainer.parallel.pipeline import autocast_dtype, validate_partition
 from packfeed.trainer.parallel.profile import profile_layers, synchronize
 from packfeed.trainer.parallel.recompute import RecomputeDecision, adaptive_recompute
-from packfeed.trainer.simulate import Features, fit_layer_costs, planner_cost_model
+from packfeed.trainer.simulate.calibrated import Features, fit_layer_costs, planner_cost_model
 from packfeed.v1 import packfeed_pb2 as pb
 
 if TYPE_CHECKING:

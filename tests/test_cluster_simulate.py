@@ -1,0 +1,333 @@
+"""The cluster simulator (`packfeed simulate`): schedules respect every dependency, hand-computed cases, the
+encoder placements against each other, the disaggregated split search against an exhaustive sweep, and the
+command on length files, index/plan files and a trainer's measured costs."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+from packfeed.server.plan.costs import SampleLoads
+from packfeed.trainer.simulate.cluster import Cluster
+from packfeed.trainer.simulate.model_shape import (
+    PRESETS,
+    TILES,
+    TOKENS,
+    LayerTable,
+    Transformer,
+    load_model,
+)
+from packfeed.trainer.simulate.placement import Layout, simulate_step, split_tiles, step_costs
+from packfeed.trainer.simulate.predict import Settings, search_allocation, simulate_plan
+from packfeed.trainer.simulate.schedule import pipeline_order
+from packfeed.trainer.simulate.workload import make_workload, planner_cost_model
+
+LENGTHS = Path(__file__).resolve().parents[2] / "shared" / "data" / "lengths"
+
+
+def table_of(encoder: list[tuple[float, float]], llm: list[tuple[float, float]], out_bytes: float = 0.0,
+             per: int = TILES) -> LayerTable:
+    """Layers with given (forward, backward) seconds per tile (encoder) and per token (LLM)."""
+    rows = [("vision", f, b, TILES) for f, b in encoder] + [("llm", f, b, TOKENS) for f, b in llm]
+    seconds = np.zeros((len(rows), 2, 5))
+    out = np.zeros((len(rows), 5))
+    for i, (_, f, b, unit) in enumerate(rows):
+        seconds[i, :, unit] = f, b
+        out[i, unit] = out_bytes
+    return LayerTable("test", [r[0] for r in rows], None, seconds, np.ones(len(rows)), out, "measured")
+
+
+def loads_of(rows: list[list[tuple[int, int]]]) -> np.ndarray:
+    """(replicas, microbatches, terms) from (tiles, tokens) per microbatch."""
+    out = np.zeros((len(rows), len(rows[0]), 5))
+    for r, replica in enumerate(rows):
+        for j, (tiles, tokens) in enumerate(replica):
+            out[r, j, 0], out[r, j, TILES], out[r, j, TOKENS] = 1, tiles, tokens
+    return out
+
+
+def check_dependencies(step) -> None:
+    """Every task ran whole, after what it needs (plus the transfer), and no GPU ran two tasks at once."""
+    run, tasks = step.run, step.tasks
+    starts: dict[int, float] = {}
+    spent: dict[int, float] = {}
+    for device, intervals in run.intervals.items():
+        for (s0, e0, _), (s1, _, _) in zip(intervals, intervals[1:]):
+            assert s1 >= e0 - 1e-9, f"device {device} overlaps"
+        for s, e, i in intervals:
+            assert tasks[i].device == device
+            starts[i] = min(starts.get(i, math.inf), s)
+            spent[i] = spent.get(i, 0.0) + e - s
+    for i, task in enumerate(tasks):
+        assert spent.get(i, 0.0) == pytest.approx(task.seconds, abs=1e-9)
+        if task.seconds == 0:
+            continue
+        assert starts[i] >= task.release - 1e-9
+        for j, delay in task.needs:
+            assert starts[i] >= run.end[j] + delay - 1e-9, f"{task} started before {tasks[j]} arrived"
+
+
+def test_two_stages_by_hand():
+    # 1F1B, 2 stages, 2 microbatches, F = 1 s and B = 2 s per stage, every boundary crossing costs c:
+    # s0 F0 [0,1] F1 [1,2]; s1 F0 [1+c,2+c] B0 [2+c,4+c] F1 [4+c,5+c] B1 [5+c,7+c]; s0 B0 [4+2c,6+2c] B1 [7+2c,9+2c]
+    bandwidth = Cluster(2, gpus_per_node=1, inter_gbs=1.0, latency_s=0.0)
+    table = table_of([], [(1.0, 2.0), (1.0, 2.0)], out_bytes=0.25e9)  # 0.25 GB per token at 1 GB/s: c = 0.25 s
+    layout = Layout("stages", dp=1, pp=2)
+    costs = step_costs(table, bandwidth, layout, [0, 1, 2])
+    step = simulate_step(costs, layout, loads_of([[(0, 1), (0, 1)]]), bandwidth, keep_run=True)
+    assert step.step_s == pytest.approx(9 + 2 * 0.25)
+    check_dependencies(step)
+    assert step.bubble_fractions()["stage 1"] == pytest.approx(1 - 6 / 9.5)
+
+
+def test_bubbles_by_hand():
+    # 2 stages, 1 microbatch of 2 tiles: each GPU encodes 1 tile (EF 1 s, EB 2 s). Stage 0's forward waits for
+    # both halves (they run first, urgently); the encoder backwards wait for stage 0's backward:
+    # EF [0,1]; s0 F [1,2]; s1 F [2,3] B [3,5]; s0 B [5,7]; EB on both [7,9].
+    cluster = Cluster(2, latency_s=0.0)
+    table = table_of([(1.0, 2.0)], [(1.0, 2.0), (1.0, 2.0)])
+    layout = Layout("bubbles", dp=1, pp=2)
+    costs = step_costs(table, cluster, layout, [0, 1, 2])
+    step = simulate_step(costs, layout, loads_of([[(2, 1)]]), cluster, keep_run=True)
+    assert step.step_s == pytest.approx(9.0)
+    check_dependencies(step)
+    stages = Layout("stages", dp=1, pp=2)
+    alone = simulate_step(step_costs(table, cluster, stages, [0, 1, 3]), stages, loads_of([[(2, 1)]]), cluster)
+    # the encoder as stage 0 (2 tiles: F 2 s, B 4 s), both LLM layers as stage 1 (F 2 s, B 4 s), in sequence
+    assert alone.step_s == pytest.approx(2 + 2 + 4 + 4)
+
+
+@pytest.mark.parametrize("schedule, chunks", [("1f1b", 1), ("gpipe", 1), ("interleaved_1f1b", 2)])
+def test_every_schedule_runs_each_operation_once(schedule, chunks):
+    for stage in range(4):
+        order = pipeline_order(schedule, stage, 4, 8, chunks)
+        expected = [(k, c, j) for k in "FB" for c in range(chunks) for j in range(8)]
+        assert sorted(order) == sorted(expected)
+
+
+@pytest.mark.parametrize("stages, chunks, m", [(2, 2, 4), (4, 2, 8), (4, 3, 8)])
+def test_uniform_interleaved_1f1b_matches_megatron_closed_form(stages, chunks, m):
+    # Megatron's interleaved bubble: (P - 1) / v of one microbatch's full time.
+    cluster = Cluster(stages, latency_s=0.0)
+    table = table_of([], [(1.0, 2.0)] * (stages * chunks))
+    layout = Layout("stages", dp=1, pp=stages, chunks=chunks, schedule="interleaved_1f1b")
+    costs = step_costs(table, cluster, layout, list(range(stages * chunks + 1)))
+    step = simulate_step(costs, layout, loads_of([[(0, 1)] * m]), cluster, keep_run=True)
+    check_dependencies(step)
+    assert step.step_s == pytest.approx((m * chunks + stages - 1) * 3.0)
+
+
+def synthetic_samples(n: int, seed: int) -> SampleLoads:
+    rng = np.random.default_rng(seed)
+    tiles = rng.choice([1, 1, 2, 3, 5, 7], n)
+    tokens = tiles * 256 + rng.integers(20, 900, n)
+    return SampleLoads.from_arrays(tiles, tokens)
+
+
+@pytest.mark.parametrize("encoder", ["stages", "bubbles", "disaggregated"])
+@pytest.mark.parametrize("schedule, chunks", [("1f1b", 1), ("interleaved_1f1b", 2), ("gpipe", 1)])
+def test_real_model_steps_respect_every_dependency(encoder, schedule, chunks):
+    table, shape = load_model("internvl-chat-1.5")
+    workload = make_workload(synthetic_samples(400, 1), "isf+balance", 2, 4, 2, shape.patches_per_tile,
+                             planner_cost_model(table, shape.patches_per_tile))
+    cluster = Cluster(4 if encoder != "disaggregated" else 6, gpus_per_node=2)
+    layout = Layout(encoder, dp=2, pp=2, chunks=chunks, schedule=schedule,
+                    encoder_groups=2 if encoder == "disaggregated" else 0)
+    from packfeed.trainer.simulate.predict import pipeline_costs
+
+    costs, _ = pipeline_costs(table, cluster, layout, workload, "balanced")
+    step = simulate_step(costs, layout, workload.loads[0], cluster, keep_run=True)
+    check_dependencies(step)
+    assert step.step_s >= max(step.run.last_end(d, step.tasks) for d in step.run.intervals)
+
+
+def test_the_tiles_of_a_step_are_shared_evenly():
+    shares = split_tiles([5, 3, 1, 7, 2], 3)
+    assert (shares.sum(axis=1) == [5, 3, 1, 7, 2]).all()
+    assert shares.sum(axis=0).max() - shares.sum(axis=0).min() <= 1
+
+
+def optimus_like_samples(n: int, images: int) -> SampleLoads:
+    return SampleLoads.from_arrays(np.full(n, images), np.full(n, 2048))
+
+
+def optimus_regime(images: int, schedule: str = "1f1b", chunks: int = 1):
+    """Optimus's regime: ViT-22B + GPT-175B, TP 8, 32 microbatches per pipeline of 2 samples of 2048 tokens."""
+    table, shape = load_model("vit22b-gpt175b")
+    workload = make_workload(optimus_like_samples(2 * 32 * 2, images), "isf+balance", 2, 32, 4,
+                             shape.patches_per_tile, planner_cost_model(table, shape.patches_per_tile), 0, 0, 2.0)
+    cluster = Cluster(64)
+    common = dict(pp=4, tp=8, schedule=schedule, virtual_stages=chunks)
+    stages = simulate_plan(workload, table, cluster, Settings("stages", **common))
+    bubbles = simulate_plan(workload, table, cluster, Settings("bubbles", **common))
+    # the encoder fits: its compute vanishes into the bubbles (only its gradient reduction remains)
+    no_compute = replace(table, forward_flops=table.forward_flops * ~table.encoder[:, None])
+    hidden = simulate_plan(workload, no_compute, cluster, Settings("bubbles", **common))
+    return stages, bubbles, hidden
+
+
+@pytest.mark.parametrize("images, schedule, chunks", [(1, "1f1b", 1), (2, "1f1b", 1), (1, "interleaved_1f1b", 2),
+                                                      (2, "gpipe", 1)])
+def test_bubbles_never_exceed_stages_when_the_encoder_fits(images, schedule, chunks):
+    stages, bubbles, hidden = optimus_regime(images, schedule, chunks)
+    # the encoder fits: its compute vanished into the bubbles, but for the first microbatch's forward and the
+    # last one's backward, which nothing can overlap
+    assert bubbles.step_s <= hidden.step_s * 1.02
+    assert bubbles.step_s <= stages.step_s
+    assert bubbles.bubble_fraction < stages.bubble_fraction
+
+
+def test_an_encoder_too_large_for_the_bubbles_shows():
+    """The control: 8 images of 256 patches per sample fill its 2048 tokens; the 1F1B bubbles (3 / 35) are too
+    small for that encoder, and its time shows in the step."""
+    _, bubbles, hidden = optimus_regime(8)
+    assert bubbles.step_s > hidden.step_s * 1.04
+
+
+def test_bubbles_help_less_than_nothing_when_the_encoder_is_the_whole_job():
+    """A control: when encoder work dwarfs the bubbles, placing it there cannot hide it."""
+    table = table_of([(1.0, 2.0)] * 4, [(1e-4, 2e-4)] * 2)
+    cluster = Cluster(2)
+    loads = make_workload(SampleLoads.from_arrays(np.full(64, 4), np.full(64, 100)), "isf", 1, 4, 2, 1,
+                          planner_cost_model(table, 1), 0, 0, 4.0)
+    stages = simulate_plan(loads, table, cluster, Settings("stages", pp=2))
+    bubbles = simulate_plan(loads, table, cluster, Settings("bubbles", pp=2))
+    llm_only = replace(table, measured_seconds=table.measured_seconds * np.array([0, 0, 0, 0, 1, 1])[:, None, None])
+    bare = simulate_plan(loads, llm_only, cluster, Settings("bubbles", pp=2))
+    assert bubbles.step_s > 10 * bare.step_s  # the encoder's time shows: it did not vanish into bubbles
+    assert bubbles.step_s <= stages.step_s * 1.05
+
+
+@pytest.mark.parametrize("gpus, pp, tp, m", [(12, 2, 1, 4), (16, 2, 1, 8), (20, 2, 2, 4), (24, 4, 1, 8)])
+def test_split_search_finds_the_exhaustive_optimum(gpus, pp, tp, m):
+    table, shape = load_model("internvl-chat-1.5")
+    workload = make_workload(synthetic_samples(600, gpus), "isf+balance", 4, m, pp, shape.patches_per_tile,
+                             planner_cost_model(table, shape.patches_per_tile))
+    cluster = Cluster(gpus, gpus_per_node=4)
+    settings = Settings("disaggregated", pp=pp, tp=tp, search_steps=3)
+    searched = search_allocation(workload, table, cluster, settings)
+    sweep = search_allocation(workload, table, cluster, settings, exhaustive=True)
+    assert sweep["simulated"] == sweep["candidates"] >= 2
+    best = min(sweep["trials"], key=lambda t: t["step_s"])
+    assert searched["objective_s"] == pytest.approx(best["step_s"])
+    assert (searched["encoder_gpus"], searched["llm_dp"]) == (best["encoder_gpus"], best["llm_dp"])
+    for trial in sweep["trials"]:
+        assert trial["bound_s"] <= trial["step_s"] + 1e-9  # the pruning bound is a lower bound
+
+
+def test_shapes_count_parameters_like_the_papers():
+    internvl, optimus = PRESETS["internvl-chat-1.5"](), PRESETS["vit22b-gpt175b"]()
+    assert internvl.layer_table().describe()["encoder_params"] == pytest.approx(5.9e9, rel=0.1)
+    assert internvl.layer_table().describe()["llm_params"] == pytest.approx(19.9e9, rel=0.1)
+    assert optimus.layer_table().describe()["encoder_params"] == pytest.approx(22e9, rel=0.05)
+    assert optimus.layer_table().describe()["llm_params"] == pytest.approx(175e9, rel=0.05)
+    gqa = Transformer(hidden=4096, layers=1, heads=32, kv_heads=8, ffn=14336, gated=True)
+    assert gqa.layer_params == pytest.approx(218e6, rel=0.01)  # Llama-3-8B's layer
+
+
+def write_lengths(path: Path, n: int, seed: int) -> Path:
+    samples = synthetic_samples(n, seed)
+    path.write_text(json.dumps([{"vit_num": int(v), "token_num": int(t), "image_flags": int(v)}
+                                for v, t in zip(samples.vision, samples.tokens)]))
+    return path
+
+
+def packfeed(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    done = subprocess.run([sys.executable, "-m", "packfeed.server.cli", *args], capture_output=True, text=True,
+                          timeout=300)
+    if check:
+        assert done.returncode == 0, done.stderr
+    return done
+
+
+ISSUE_COMMAND = ["--model", "internvl-chat-1.5", "--dp", "8", "--pp", "4", "--microbatches", "8"]
+
+
+@pytest.mark.parametrize("strategy, encoder", [("isf+balance", "bubbles"), ("random-padded", "stages"),
+                                               ("random", "disaggregated")])
+def test_the_command_prints_the_json_line(tmp_path, strategy, encoder):
+    lengths = write_lengths(tmp_path / "lengths.json", 3000, 0)
+    args = ["--lengths", str(lengths), *ISSUE_COMMAND, "--strategy", strategy, "--encoder", encoder, "--json"]
+    if encoder == "disaggregated":
+        args += ["--gpus", "48"]
+    done = packfeed("simulate", *args, "--timeline", str(tmp_path / "step.png"))
+    record = json.loads(done.stdout.strip().splitlines()[-1])
+    for key in ("step_s", "epoch_s", "bubble_fraction", "mfu", "bubble_per_stage"):
+        assert key in record
+    assert 0 < record["mfu"] < 1 and 0 <= record["bubble_fraction"] < 1
+    assert record["epoch_s"] == pytest.approx(record["step_s"] * record["steps"])
+    assert record["samples"] == 3000 and record["strategy"] == strategy
+    assert (tmp_path / "step.png").read_bytes()[:4] == b"\x89PNG"
+    assert "bubble fraction" in done.stderr
+
+
+@pytest.mark.skipif(not LENGTHS.is_dir(), reason="needs ../shared/data/lengths")
+def test_the_issue_command_on_the_real_lengths():
+    files = [str(LENGTHS / "ai2d_train_12k.json"), str(LENGTHS / "chartqa_train_18k.json")]
+    records = {}
+    for strategy, encoder in [("isf+balance", "bubbles"), ("random-padded", "stages")]:
+        done = packfeed("simulate", "--lengths", *files, *ISSUE_COMMAND, "--strategy", strategy, "--encoder",
+                        encoder, "--json")
+        records[strategy] = json.loads(done.stdout)
+    assert records["isf+balance"]["epoch_s"] < records["random-padded"]["epoch_s"]
+    assert records["isf+balance"]["mfu"] > records["random-padded"]["mfu"]
+
+
+def test_a_plan_file_simulates_like_its_strategy(tmp_path):
+    lengths = write_lengths(tmp_path / "lengths.json", 2000, 3)
+    packfeed("index", "--from-lengths", str(lengths), "--out", str(tmp_path / "index"))
+    packfeed("plan", "--index", str(tmp_path / "index"), "--dp", "4", "--microbatches", "4", "--pipeline-stages", "2",
+             "--out", str(tmp_path / "plan.parquet"))
+    from_plan = json.loads(packfeed("simulate", "--plan", str(tmp_path / "plan.parquet"), "--index",
+                                    str(tmp_path / "index"), "--pp", "2", "--json").stdout)
+    direct = json.loads(packfeed("simulate", "--lengths", str(lengths), "--dp", "4", "--microbatches", "4", "--pp",
+                                 "2", "--json").stdout)
+    assert from_plan["layout"]["dp"] == 4 and from_plan["steps"] > 0
+    assert from_plan["samples"] == direct["samples"] == 2000
+    # the command plans with the model's FLOPs as costs, `packfeed plan` with its default cost model: the same
+    # model (InternVL-Chat-1.5), so the two plans balance alike
+    assert from_plan["step_s"] == pytest.approx(direct["step_s"], rel=0.05)
+
+
+def test_a_measured_cost_model_and_a_shape_description_are_models(tmp_path):
+    lengths = write_lengths(tmp_path / "lengths.json", 800, 4)
+    measured = {"vision_linear": 1e-6, "vision_quadratic": 0, "llm_linear": 1e-6, "llm_quadratic": 0,
+                "layers": [{"kind": kind, "forward": [1e-4, 1e-3 if kind == "vit" else 1e-5, 0],
+                            "backward": [2e-4, 2e-3 if kind == "vit" else 2e-5, 1e-9], "params": 1000,
+                            "output_bytes_per_unit": 512} for kind in ["vit"] * 2 + ["projector"] + ["llm"] * 4]}
+    (tmp_path / "cost_model.json").write_text(json.dumps(measured))
+    record = json.loads(packfeed("simulate", "--lengths", str(lengths), "--model", str(tmp_path / "cost_model.json"),
+                                 "--dp", "2", "--pp", "2", "--microbatches", "2", "--encoder", "bubbles",
+                                 "--json").stdout)
+    assert record["mfu"] is None and record["step_s"] > 0
+    shape = {"vision": {"hidden": 1024, "layers": 24, "heads": 16, "ffn": 4096},
+             "llm": {"hidden": 4096, "layers": 32, "heads": 32, "kv_heads": 8, "ffn": 14336, "gated": True,
+                     "vocab": 128256},
+             "patches_per_tile": 577, "tokens_per_tile": 576, "projector_params": 1024 * 4096 + 4096 * 4096}
+    (tmp_path / "llava.json").write_text(json.dumps(shape))
+    record = json.loads(packfeed("simulate", "--lengths", str(lengths), "--model", str(tmp_path / "llava.json"),
+                                 "--dp", "2", "--pp", "2", "--microbatches", "2", "--json").stdout)
+    assert 0 < record["mfu"] < 1
+
+
+def test_bad_inputs_get_clear_errors(tmp_path):
+    lengths = write_lengths(tmp_path / "lengths.json", 100, 5)
+    done = packfeed("simulate", "--lengths", str(lengths), "--model", "gpt-9", check=False)
+    assert done.returncode == 2 and "preset" in done.stderr
+    done = packfeed("simulate", "--lengths", str(lengths), "--dp", "2", "--pp", "2", "--gpus", "6", check=False)
+    assert done.returncode == 2 and "disaggregated" in done.stderr
+    done = packfeed("simulate", "--lengths", str(lengths), "--dp", "2", "--pp", "2", "--microbatches", "3",
+                    "--schedule", "interleaved_1f1b", "--virtual-stages", "2", check=False)
+    assert done.returncode == 2 and "multiple of the stages" in done.stderr
+    (tmp_path / "old.json").write_text(json.dumps({"vision_linear": 1, "vision_quadratic": 0, "llm_linear": 1,
+                                                   "llm_quadratic": 0}))
+    done = packfeed("simulate", "--lengths", str(lengths), "--model", str(tmp_path / "old.json"), check=False)
+    assert done.returncode == 2 and "per-layer" in done.stderr
+    done = packfeed("simulate", check=False)
+    assert done.returncode == 2 and "--lengths" in done.stderr

@@ -1,0 +1,122 @@
+"""`packfeed simulate`: predict a plan's step and epoch time, bubbles and MFU on a cluster, for a data strategy
+and an encoder placement. Reads length files, an index or a plan file; needs no GPU and no torch."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from packfeed.trainer.simulate.cluster import Cluster
+from packfeed.trainer.simulate.model_shape import PRESETS, load_model
+from packfeed.trainer.simulate.partition import PARTITIONS
+from packfeed.trainer.simulate.placement import ENCODERS, Layout, simulate_step
+from packfeed.trainer.simulate.predict import Prediction, Settings, pipeline_costs, simulate_plan
+from packfeed.trainer.simulate.report import draw_timeline, table
+from packfeed.trainer.simulate.schedule import SCHEDULES
+from packfeed.trainer.simulate.workload import STRATEGIES, Workload, make_workload, planner_cost_model, workload_of_plan
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    source = parser.add_argument_group("data (one of)")
+    source.add_argument("--lengths", nargs="+", metavar="FILE.json", help="OmniBal/InternVL length files")
+    source.add_argument("--index", help="a Packfeed index")
+    source.add_argument("--plan", help="a plan file (`packfeed plan --out`), with the --index or --lengths it was "
+                                       "planned from; its dp, microbatches and strategy are used")
+    model = parser.add_argument_group("model")
+    model.add_argument("--model", default="internvl-chat-1.5", help=f"a preset ({', '.join(PRESETS)}), a JSON "
+                       "shape description, or a trainer's OUT/cost_model.json (default internvl-chat-1.5)")
+    plan = parser.add_argument_group("plan and parallelism")
+    plan.add_argument("--strategy", default="isf+balance", choices=STRATEGIES)
+    plan.add_argument("--encoder", default="stages", choices=ENCODERS, help="where the vision encoder runs")
+    plan.add_argument("--dp", type=int, default=8, help="data-parallel replicas the plan feeds (default 8)")
+    plan.add_argument("--pp", type=int, default=4, help="pipeline stages (default 4)")
+    plan.add_argument("--tp", type=int, default=1, help="tensor-parallel GPUs per stage (default 1)")
+    plan.add_argument("--microbatches", type=int, default=8, help="packs per replica per step, M (default 8)")
+    plan.add_argument("--schedule", default="1f1b", choices=SCHEDULES)
+    plan.add_argument("--virtual-stages", type=int, default=1, help="chunks per stage (interleaved_1f1b)")
+    plan.add_argument("--partition", default="balanced", choices=PARTITIONS, help="how layers become stages")
+    plan.add_argument("--encoder-gpus", type=int, default=0,
+                      help="disaggregated: encoder GPUs (default 0: searched)")
+    plan.add_argument("--samples-per-pack", type=float, default=4.0,
+                      help="packs' average size / the padded baseline's batch (default 4)")
+    plan.add_argument("--seed", type=int, default=0)
+    plan.add_argument("--epoch", type=int, default=0)
+    cluster = parser.add_argument_group("cluster")
+    cluster.add_argument("--gpus", type=int, default=0, help="GPUs (default dp x pp x tp)")
+    defaults = Cluster(1)
+    cluster.add_argument("--gpus-per-node", type=int, default=defaults.gpus_per_node)
+    cluster.add_argument("--peak-tflops", type=float, default=defaults.peak_tflops, help="per GPU, dense bf16")
+    cluster.add_argument("--achievable", type=float, default=defaults.achievable,
+                         help="fraction of peak a layer's kernels reach")
+    cluster.add_argument("--intra-gbs", type=float, default=defaults.intra_gbs, help="GB/s per GPU within a node")
+    cluster.add_argument("--inter-gbs", type=float, default=defaults.inter_gbs, help="GB/s per GPU across nodes")
+    out = parser.add_argument_group("output")
+    out.add_argument("--json", action="store_true", help="print one JSON line (the table goes to stderr)")
+    out.add_argument("--timeline", metavar="FILE.png", help="draw the median step's schedule per GPU")
+
+
+def _samples(args: argparse.Namespace):
+    from packfeed.server.plan.costs import SampleLoads, load_sample_loads
+
+    if bool(args.lengths) == bool(args.index):
+        raise ValueError("give --lengths FILE.json ... or --index INDEX (with --plan: the one it was planned from)")
+    if args.index:
+        return load_sample_loads(args.index)[0]
+    from packfeed.server.index.lengths import read_length_file
+
+    parts = [read_length_file(Path(f)) for f in args.lengths]
+    vit = np.concatenate([p[0] for p in parts])
+    tokens = np.concatenate([p[1] for p in parts])
+    return SampleLoads.from_arrays(np.maximum(vit, 0), np.maximum(tokens, 0), valid=(vit >= 0) & (tokens > 0))
+
+
+def _workload(args, table, shape) -> Workload:
+    samples = _samples(args)
+    patches = shape.patches_per_tile if shape else 1
+    if args.plan:
+        from packfeed.server.plan.plan_file import read_plan
+
+        plan = read_plan(args.plan)
+        args.dp, args.microbatches = plan.config.dp, plan.config.microbatches
+        return workload_of_plan(plan, samples, patches)
+    return make_workload(samples, args.strategy, args.dp, args.microbatches, args.pp, patches,
+                         planner_cost_model(table, patches), args.seed, args.epoch, args.samples_per_pack)
+
+
+def run(args: argparse.Namespace) -> int:
+    table_, shape = load_model(args.model)
+    workload = _workload(args, table_, shape)
+    gpus = args.gpus or args.dp * args.pp * args.tp
+    cluster = Cluster(gpus, args.gpus_per_node, args.peak_tflops, args.achievable, args.intra_gbs, args.inter_gbs)
+    settings = Settings(args.encoder, args.pp, args.tp, args.schedule, args.virtual_stages, args.partition,
+                        args.encoder_gpus)
+    prediction = simulate_plan(workload, table_, cluster, settings)
+    title = (f"packfeed simulate: {table_.name}, {workload.strategy}, encoder {args.encoder}, "
+             f"{cluster.gpus} GPUs")
+    if args.timeline:
+        step = median_step(prediction, workload, table_, cluster, settings)
+        draw_timeline(step, args.timeline, f"{title}: one step ({step.step_s:.3f} s)")
+    record = {"model": table_.name, "strategy": workload.strategy, "encoder": args.encoder, **prediction.to_json()}
+    if args.json:
+        print(table(prediction, title), file=sys.stderr)
+        print(json.dumps(record))
+    else:
+        print(table(prediction, title))
+    return 0
+
+
+def median_step(prediction: Prediction, workload: Workload, table_, cluster: Cluster, settings: Settings):
+    """The step whose time is the median, simulated again with its schedule kept (replica 0, or the whole job
+    when the encoder has GPUs of its own)."""
+    layout = Layout(**{k: prediction.layout[k] for k in ("encoder", "dp", "pp", "tp", "chunks", "schedule",
+                                                          "encoder_groups")})
+    if layout.dp != workload.loads.shape[1]:
+        workload = workload.regrouped(layout.dp)
+    order = np.argsort(prediction.step_times, kind="stable")
+    k = int(order[len(order) // 2])
+    costs, _ = pipeline_costs(table_, cluster, layout, workload, settings.partition)
+    return simulate_step(costs, layout, workload.loads[k], cluster, keep_run=True)
