@@ -10,7 +10,8 @@ import torch
 import torch.multiprocessing as mp
 from packfeed.trainer.models.reference_inputs import microbatches_of
 from packfeed.trainer.models.reference import VLMConfig, build_layers, run_layers
-from trainer_workers import SMALL_MODEL, packfeed_train, pipeline_step
+from packfeed.trainer.models import ReferenceModel
+from trainer_workers import SMALL_MODEL, bubble_step, packfeed_train, pipeline_step
 
 
 def reference(steps) -> tuple[float, dict[str, torch.Tensor]]:
@@ -163,3 +164,49 @@ def test_a_checkpoint_taken_at_dp4_restarts_the_trainer_at_dp2(tmp_path, small_t
     assert all(r["loss"] > 0 for r in resumed)
     assert (out / "checkpoints" / "latest").read_text() == "step-000003"
     assert len(list((out / "checkpoints" / "step-000003").glob("stream-rank*.json"))) == 2
+
+
+def run_bubbles(tmp_path, steps, dp: int, pp: int, schedule: str = "1f1b", control: bool = False) -> list[dict]:
+    steps_file = tmp_path / "steps.pt"
+    torch.save(steps, steps_file)
+    world = dp * pp
+    mp.spawn(bubble_step, args=(world, dp, pp, str(tmp_path / "init"), str(steps_file), str(tmp_path), schedule,
+                                control), nprocs=world, join=True)
+    return [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dp, pp, schedule", [(1, 2, "1f1b"), (1, 4, "gpipe"), (2, 2, "1f1b")])
+def test_encoder_in_the_bubbles_trains_like_the_encoder_in_the_stages(tmp_path, served_steps, dp, pp, schedule):
+    """parallel.encoder=bubbles: every rank encodes its share of the tiles in its idle time; the loss and every
+    gradient (the encoder's summed over the ranks' shares) equal one process training on the same packs, as
+    parallel.encoder=stages does (the tests above)."""
+    steps = [served_steps[r][0] for r in range(dp)]
+    expected_loss, expected_grads = reference(steps)
+    results = run_bubbles(tmp_path, steps, dp, pp, schedule)
+    assert sum(sum(results[r * pp + pp - 1]["losses"]) for r in range(dp)) == pytest.approx(expected_loss, rel=1e-5)
+    encoder_layers = ReferenceModel(VLMConfig(**SMALL_MODEL)).vision.encoder_layers
+    for rank, result in enumerate(results):  # every rank holds the same, whole encoder gradient
+        encoder = {k: v for k, v in result["grads"].items() if int(k.split(".")[0]) < encoder_layers}
+        assert encoder.keys() == {k for k in expected_grads if int(k.split(".")[0]) < encoder_layers}
+        for name, grad in encoder.items():
+            torch.testing.assert_close(grad, expected_grads[name], rtol=1e-4, atol=1e-6, msg=f"rank {rank} {name}")
+    for replica in range(dp):
+        grads = {}
+        for stage in range(pp):
+            grads.update(results[replica * pp + stage]["grads"])
+        assert grads.keys() == expected_grads.keys()
+        for name, expected in expected_grads.items():
+            torch.testing.assert_close(grads[name], expected, rtol=1e-4, atol=1e-6, msg=name)
+
+
+@pytest.mark.slow
+def test_a_misplaced_feature_in_the_bubbles_is_caught(tmp_path, served_steps):
+    """The control: features put one tile off at the first stage change the loss and the gradients."""
+    step = served_steps[0][0]
+    expected_loss, expected_grads = reference([step])
+    results = run_bubbles(tmp_path, [step], 1, 2, control=True)
+    grads = {**results[0]["grads"], **results[1]["grads"]}
+    assert sum(results[1]["losses"]) != pytest.approx(expected_loss, rel=1e-5)
+    assert any(not torch.allclose(grads[name], expected, rtol=1e-4, atol=1e-6)
+               for name, expected in expected_grads.items())

@@ -56,6 +56,39 @@ def pipeline_step(rank: int, world: int, dp: int, pp: int, init_file: str, steps
         dist.destroy_process_group()
 
 
+def bubble_step(rank: int, world: int, dp: int, pp: int, init_file: str, steps_file: str, out_dir: str,
+                schedule: str = "1f1b", control: bool = False) -> None:
+    """One step with the encoder in the bubbles (parallel.encoder=bubbles): the LLM layers split evenly over
+    the pipeline, the encoder on every rank. Saves every gradient this rank holds and the microbatch losses.
+    `control`: the first stage puts the encoder's features one tile off (the test must see the difference)."""
+    from packfeed.trainer.parallel.bubbles import BubbleRunner
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        mesh = make_mesh(dp, pp, torch.device("cpu"))
+        model = ReferenceModel(VLMConfig(**SMALL_MODEL))
+        first = model.vision.encoder_layers
+        share = (model.n_layers - first) // pp
+        bounds = [first + k * share for k in range(pp)] + [model.n_layers]
+        lo, hi = bounds[mesh.stage], bounds[mesh.stage + 1]
+        if control:
+            join = model.llm_carrier
+            model.llm_carrier = lambda mb, features, shape: join(mb, features.roll(1, dims=0), shape)
+        encoder = StageModule(model.layers, 0, first)
+        stage = StageModule(model.layers, lo, hi, ends_model=hi == model.n_layers)
+        runner = BubbleRunner(mesh, encoder, stage, model, bounds, 2, schedule)
+        batch = None
+        if mesh.is_first:
+            batch = microbatches_of(torch.load(steps_file, weights_only=False)[mesh.replica], model.config)
+        shape = share_step_shape(mesh, batch.shape if batch is not None else None)
+        losses = runner.run(shape, batch.args if batch is not None else None)
+        grads = {name.split(".", 1)[1]: p.grad.clone() for module in (encoder, stage)
+                 for name, p in module.named_parameters() if p.grad is not None}
+        torch.save({"grads": grads, "losses": [float(x) for x in losses]}, f"{out_dir}/rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
 def hf_step_grads(rank: int, world: int, family: str, data_file: str, init_file: str, out_dir: str,
                   wrap: str = "fsdp") -> None:
     """One global step of a Hugging Face model over `world` ranks, sharded with FSDP2 (`wrap="fsdp"`) or

@@ -66,7 +66,7 @@ def rank_layers(stages) -> torch.nn.Module:
     """A module holding this rank's layers of the model under their index in it (`packfeed.trainer.parallel.
     stages.RankStages`), whose state-dict keys a checkpoint uses whatever the partition."""
     holder = torch.nn.Module()
-    holder.layers = torch.nn.ModuleDict({str(i): stages.layers[i] for i in stages.layer_ids(stages.bounds)})
+    holder.layers = torch.nn.ModuleDict({str(i): stages.layers[i] for i in stages.held_layer_ids(stages.bounds)})
     return holder
 
 

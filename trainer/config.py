@@ -77,6 +77,9 @@ class ParallelConfig:
     # within a pipeline stage, over its replicas: ddp (replicated weights) or fsdp (FSDP2: sharded weights,
     # gradients and optimizer state; after the partition search, whose trials run with DDP)
     data_parallel: Literal["ddp", "fsdp"] = "ddp"
+    # where the vision encoder runs: in the first pipeline stages (stages), or on every pipeline rank in the
+    # schedule's idle time with the stages holding only the LLM (bubbles: Optimus; packfeed.trainer.parallel.bubbles)
+    encoder: Literal["stages", "bubbles"] = "stages"
     backend: Literal["", "nccl", "gloo"] = ""  # "" = nccl on CUDA, gloo on CPU
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"  # bf16/fp16: autocast, and activations cross stages in that dtype
     device: str = ""  # "" = cuda when available
@@ -85,6 +88,9 @@ class ParallelConfig:
         check_choices(self)
         if self.dp < 1 or self.pp < 1:
             raise ValueError("parallel.dp and parallel.pp must be >= 1")
+        if self.encoder == "bubbles" and (self.schedule == "interleaved_1f1b" or self.data_parallel == "fsdp"):
+            raise ValueError("parallel.encoder=bubbles runs the 1f1b or gpipe schedule with ddp-style replicas: set "
+                             "parallel.schedule=1f1b (or gpipe) and parallel.data_parallel=ddp")
         if self.schedule == "interleaved_1f1b" and (self.pp < 2 or self.virtual_stages < 2):
             raise ValueError("parallel.schedule=interleaved_1f1b needs parallel.pp >= 2 and parallel.virtual_stages "
                              ">= 2 (each rank runs that many stages); use 1f1b otherwise")

@@ -198,7 +198,7 @@ class Loop:
         busy = time.process_time() - busy_started if mesh.device.type == "cpu" else float("nan")
         pipeline_s = time.perf_counter() - pipeline_started
         self.tied.sync_gradients()
-        grad_norm = clip_gradients(self.tied.counted(trainer.parameters()), mesh, config.optim.clip_grad_norm)
+        grad_norm = clip_gradients(trainer.norm_parameters(), mesh, config.optim.clip_grad_norm)
         self.optimizer.step()
         self.scheduler.step()
         trainer.sync()

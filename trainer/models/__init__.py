@@ -5,6 +5,7 @@ this interface, so the same code trains both."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -35,6 +36,43 @@ class LayerModel(Protocol):
 
     def features(self, carrier: tuple[torch.Tensor, ...]) -> Features:
         """What one first-stage microbatch's cost depends on (for the simulator and the cost model)."""
+
+
+@dataclass(frozen=True)
+class VisionSplit:
+    """How a model's vision encoder separates from its LLM (`parallel.encoder=bubbles`): the encoder is layers
+    0:encoder_layers; its input (pixels) and output (features) divide by vision unit (tile) along an axis, with a
+    fixed number of entries per unit."""
+
+    encoder_layers: int
+    input_axis: int
+    output_axis: int
+    output_per_unit: int
+
+
+class SeparableEncoder(Protocol):
+    """What a LayerModel adds to train with its encoder in the pipeline's bubbles."""
+
+    vision: VisionSplit
+
+    def vision_units(self, microbatch: tuple[torch.Tensor, ...]) -> int:
+        """Real (not padding) vision units of one first-stage microbatch; they come first."""
+
+    def vision_input(self, microbatch: tuple[torch.Tensor, ...]) -> torch.Tensor: ...
+
+    def vision_input_like(self, units: int, device: torch.device) -> torch.Tensor: ...
+
+    def vision_output_like(self, units: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor: ...
+
+    def encoder_carrier(self, pixels: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The carrier entering layer 0 for these units alone."""
+
+    def encoder_output(self, carrier: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        """The features in the carrier the encoder's last layer returns."""
+
+    def llm_carrier(self, microbatch: tuple[torch.Tensor, ...], features: torch.Tensor,
+                    shape: StepShape) -> tuple[torch.Tensor, ...]:
+        """The carrier entering the first LLM layer: the microbatch's real units' features, padded."""
 
 
 class ReferenceModel:
@@ -74,6 +112,36 @@ class ReferenceModel:
         from packfeed.trainer.simulate.calibrated import features_of_carrier
 
         return features_of_carrier(carrier)
+
+    # --- SeparableEncoder: pixels (tiles, 3, S, S) -> features (tiles, tokens_per_tile, D) -------------------
+    @property
+    def vision(self) -> VisionSplit:
+        return VisionSplit(self.kinds.index("text_embed"), 0, 0, 1)
+
+    def vision_units(self, microbatch: tuple[torch.Tensor, ...]) -> int:
+        return int((microbatch[4] >= 0).sum()) // self.config.tokens_per_tile
+
+    def vision_input(self, microbatch: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        return microbatch[0]
+
+    def vision_input_like(self, units: int, device: torch.device) -> torch.Tensor:
+        c = self.config
+        return torch.empty(units, 3, c.tile_size, c.tile_size, dtype=torch.uint8, device=device)
+
+    def vision_output_like(self, units: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty(units, self.config.tokens_per_tile, self.config.llm_dim, dtype=dtype, device=device)
+
+    def encoder_carrier(self, pixels: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        unused = torch.zeros(0, dtype=torch.int64, device=pixels.device)  # the vision layers pass these on
+        return (pixels,) + (unused,) * 5
+
+    def encoder_output(self, carrier: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        return carrier[0]
+
+    def llm_carrier(self, microbatch: tuple[torch.Tensor, ...], features: torch.Tensor,
+                    shape: StepShape) -> tuple[torch.Tensor, ...]:
+        padding = features.new_zeros(shape.tiles - features.shape[0], *features.shape[1:])
+        return (torch.cat([features, padding]), *microbatch[1:])
 
 
 def build_model(config, conventions: Any, device: torch.device) -> LayerModel:

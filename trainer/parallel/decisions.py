@@ -35,6 +35,8 @@ def decision_key(config: TrainConfig, model, mesh: Mesh) -> str:
              "m": config.data.microbatches, "schedule": config.parallel.schedule,
              "virtual": config.parallel.virtual_stages, "budget": config.recompute.budget_mb,
              "precision": config.parallel.precision, "device": mesh.device.type}
+    if config.parallel.encoder != "stages":  # (keys of earlier runs, all with the encoder in the stages, stay valid)
+        basis["encoder"] = config.parallel.encoder
     return hashlib.sha256(json.dumps(basis, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -77,17 +79,18 @@ def decide_partition(trainer: Trainer, config: TrainConfig, mesh: Mesh, out: Pat
     """The stage bounds: `given` (a checkpoint's), partition.bounds, the saved decision, a split by layers or
     parameters, or the search (OmniBal 4.2). Also what the search measured, on rank 0 (else None)."""
     p, n_layers, stages = config.partition, len(trainer.kinds), trainer.n_stages
+    first = trainer.first_layer  # > 0: the encoder runs in the bubbles, outside the partition
     if given or p.bounds:
-        return validate_partition(list(given or p.bounds), n_layers, stages), None
+        return validate_partition(list(given or p.bounds), n_layers, stages, first), None
     path = out / "partition.json"
     saved = load_decision(path, key)
     if saved:
         log(mesh, f"partition {saved['bounds']} reused from {path}")
-        return validate_partition(saved["bounds"], n_layers, stages), None
+        return validate_partition(saved["bounds"], n_layers, stages, first), None
     if p.mode != "search" or stages == 1:
         weights = [1.0] * n_layers if p.mode != "params" else \
             [float(sum(q.numel() for q in layer.parameters())) for layer in trainer.layers]
-        return partitioning.split_by_weight(weights, stages), None
+        return [first + b for b in partitioning.split_by_weight(weights[first:], stages)], None
     profiled, measured = None, None
     if mesh.rank == 0:  # profile on the first replica's data, on one device
         batches = trainer.source.peek(p.profile_steps)
@@ -109,8 +112,9 @@ def decide_partition(trainer: Trainer, config: TrainConfig, mesh: Mesh, out: Pat
         # the median step (slowest rank each): one step disturbed by the machine does not decide the partition
         return statistics.median(trainer.trial([batch]) for batch in batches)
 
-    decision = partitioning.search_partition(profile, stages, radius=p.radius, top_k=max(p.top_k, 1),
-                                             comm_gbps=comm_gbps, measure=measure)
+    decision = partitioning.search_partition(profile[first:], stages, radius=p.radius, top_k=max(p.top_k, 1),
+                                             comm_gbps=comm_gbps, measure=lambda b: measure([first + x for x in b]))
+    decision.shift(first)
     decision.profile = [q.to_dict() for q in profile]
     decision.profile_features = features
     log(mesh, "partition search (stage times from the layer profile; measured = real pipeline step):\n"

@@ -45,6 +45,12 @@ class PartitionDecision:
     profile: list[dict] = field(default_factory=list)  # the layer profile the ranking used
     profile_features: list[dict] = field(default_factory=list)  # the profiled microbatches' sizes
 
+    def shift(self, first: int) -> None:
+        """Bounds searched over the layers from `first` on, made the whole model's."""
+        self.bounds = [first + b for b in self.bounds]
+        for candidate in self.candidates + self.baselines:
+            candidate.bounds = [first + b for b in candidate.bounds]
+
     def to_dict(self) -> dict:
         return {"bounds": self.bounds, "comm_gbps": self.comm_gbps,
                 "candidates": [c.to_dict() for c in self.candidates],

@@ -32,13 +32,14 @@ from packfeed.trainer.parallel.mesh import Mesh
 SCHEDULES = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe, "interleaved_1f1b": ScheduleInterleaved1F1B}
 
 
-def validate_partition(bounds: list[int], n_layers: int, stages: int) -> list[int]:
-    """`bounds` = [0, b1, ..., n_layers]: stage s runs layers bounds[s]:bounds[s+1], at least one each."""
+def validate_partition(bounds: list[int], n_layers: int, stages: int, first: int = 0) -> list[int]:
+    """`bounds` = [first, b1, ..., n_layers]: stage s runs layers bounds[s]:bounds[s+1], at least one each
+    (`first` > 0: the layers before it are not in the pipeline, as the encoder with parallel.encoder=bubbles)."""
     bounds = [int(b) for b in bounds]
-    if len(bounds) != stages + 1 or bounds[0] != 0 or bounds[-1] != n_layers or \
+    if len(bounds) != stages + 1 or bounds[0] != first or bounds[-1] != n_layers or \
             any(b >= c for b, c in zip(bounds, bounds[1:])):
-        raise ValueError(f"partition {bounds} is not {stages} non-empty runs covering layers 0..{n_layers}: "
-                         f"give {stages + 1} increasing boundaries from 0 to {n_layers}")
+        raise ValueError(f"partition {bounds} is not {stages} non-empty runs covering layers {first}..{n_layers}: "
+                         f"give {stages + 1} increasing boundaries from {first} to {n_layers}")
     return bounds
 
 

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from packfeed.trainer.batch import Microbatches, StepShape
+from packfeed.trainer.parallel.bubbles import BubbleRunner, Channel
 from packfeed.trainer.parallel.data_parallel import wrap_data_parallel
 from packfeed.trainer.parallel.mesh import Mesh, max_over_world
 from packfeed.trainer.parallel.pipeline import PipelineRunner, StageModule, autocast_dtype, rank_stages, \
@@ -37,6 +38,19 @@ class RankStages:
         self.bounds: list[int] = []
         self.sharded = False
         self.tied: TiedParameters | None = None  # made with the final partition
+        # parallel.encoder=bubbles: the encoder (layers 0:first_layer) on every rank, the partition over the rest
+        self.bubbles = parallel.encoder == "bubbles"
+        self.first_layer = self._encoder_layers(model) if self.bubbles else 0
+        self.encoder: StageModule | None = None
+        self.channel = Channel(mesh) if self.bubbles else None  # collective on CUDA: made once, here
+
+    @staticmethod
+    def _encoder_layers(model) -> int:
+        vision = getattr(model, "vision", None)
+        if vision is None:
+            raise ValueError(f"parallel.encoder=bubbles needs a model whose vision encoder separates from its LLM; "
+                             f"{model.describe()} does not: use parallel.encoder=stages")
+        return vision.encoder_layers
 
     @property
     def n_stages(self) -> int:
@@ -44,8 +58,12 @@ class RankStages:
         return self.mesh.pp * self.virtual
 
     def layer_ids(self, bounds: list[int]) -> list[int]:
-        """The model's layers this rank runs under `bounds`, in stage order."""
+        """The model's layers this rank's pipeline stages run under `bounds`, in stage order."""
         return [i for s in self.stage_ids for i in range(bounds[s], bounds[s + 1])]
+
+    def held_layer_ids(self, bounds: list[int]) -> list[int]:
+        """Every layer this rank holds: its stages', and the encoder's with parallel.encoder=bubbles."""
+        return list(range(self.first_layer)) + self.layer_ids(bounds)
 
     def rank_kinds(self, bounds: list[int]) -> list[str]:
         return [self.kinds[i] for i in self.layer_ids(bounds)]
@@ -58,7 +76,7 @@ class RankStages:
             raise RuntimeError("the stages are sharded with FSDP2 already: a partition is final once chosen")
         precision = autocast_dtype(self.config.parallel.precision)
         plan = list(recompute) if recompute is not None else [False] * len(self.layer_ids(bounds))
-        self.place(self.layer_ids(bounds))
+        self.place(self.held_layer_ids(bounds))
         self.modules, offset = [], 0
         for s in self.stage_ids:
             lo, hi = bounds[s], bounds[s + 1]
@@ -69,6 +87,9 @@ class RankStages:
         kind = self.config.parallel.data_parallel if final else "ddp"
         if final:  # collective: the groups that sum the gradients of weights tied across ranks
             self.tied = TiedParameters(self.layers, self.layer_ranks(bounds), self.mesh, kind == "fsdp")
+        if self.bubbles:
+            self._use_bubbles(precision)
+            return
         ignored = self.tied.parameters if final else set()
         wrapped = [wrap_data_parallel(m, self.mesh, kind, self.kinds[m.lo:m.hi], self.config.parallel.precision,
                                       ignored) for m in self.modules]
@@ -76,9 +97,20 @@ class RankStages:
         self.runner = PipelineRunner(self.mesh, wrapped, self.stage_ids, self.config.data.microbatches, self.model,
                                      self.bounds, self.config.parallel.schedule, dtype=precision or torch.float32)
 
+    def _use_bubbles(self, precision) -> None:
+        """The encoder on this rank and a runner that schedules it into the bubbles (gradients synchronised by
+        the runner, so the modules are not wrapped for data parallelism)."""
+        self.encoder = StageModule(self.layers, 0, self.first_layer, None, precision)
+        (stage,) = self.modules
+        self.runner = BubbleRunner(self.mesh, self.encoder, stage, self.model, self.bounds,
+                                   self.config.data.microbatches, self.config.parallel.schedule,
+                                   precision or torch.float32, self.channel)
+
     def layer_ranks(self, bounds: list[int]) -> list[int]:
-        """The pipeline rank running each layer (stage s runs on rank s mod P)."""
-        return [next(s for s in range(len(bounds) - 1) if bounds[s] <= i < bounds[s + 1]) % self.mesh.pp
+        """The pipeline rank running each layer (stage s runs on rank s mod P; with the encoder in the bubbles,
+        every rank runs the encoder: counted as the first stage's)."""
+        return [0 if i < bounds[0] else
+                next(s for s in range(len(bounds) - 1) if bounds[s] <= i < bounds[s + 1]) % self.mesh.pp
                 for i in range(len(self.kinds))]
 
     def place(self, layer_ids: list[int]) -> None:
@@ -104,15 +136,24 @@ class RankStages:
 
     def parameters(self) -> list[torch.nn.Parameter]:
         seen, out = set(), []
-        for module in self.modules:
+        for module in self.modules + ([self.encoder] if self.encoder is not None else []):
             for p in module.parameters():
                 if id(p) not in seen:
                     seen.add(id(p))
                     out.append(p)
         return out
 
+    def norm_parameters(self) -> list[torch.nn.Parameter]:
+        """The parameters whose gradients this rank adds to the global norm: each weight counted once (a tied
+        copy by one rank; the encoder in the bubbles, which every rank holds, by the first stage)."""
+        counted = self.tied.counted(self.parameters()) if self.tied is not None else self.parameters()
+        if self.encoder is not None and not self.mesh.is_first:
+            encoder = {id(p) for p in self.encoder.parameters()}
+            counted = [p for p in counted if id(p) not in encoder]
+        return counted
+
     def zero_grad(self) -> None:
-        for module in self.modules:
+        for module in self.modules + ([self.encoder] if self.encoder is not None else []):
             module.zero_grad(set_to_none=True)
 
     def run_step(self, batch: Microbatches | None) -> tuple[StepShape, list[torch.Tensor]]:
