@@ -36,7 +36,7 @@ def run(tmp_path, family: str, data, packs, dp: int, pp: int, bounds: list[int],
     mp.spawn(hf_pipeline_step, args=(world, dp, pp, family, str(tmp_path / "step.pt"), str(tmp_path / "init"),
                                      str(tmp_path), bounds, options.get("schedule", "1f1b"),
                                      options.get("virtual", 1), options.get("break_positions", False),
-                                     options.get("data_parallel", "ddp")),
+                                     options.get("data_parallel", "ddp"), options.get("encoder", "stages")),
              nprocs=world, join=True)
     return [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(world)]
 
@@ -170,3 +170,19 @@ def test_a_padded_batch_gives_the_packs_loss_and_gradients_at_more_tokens(tmp_pa
     assert grads.keys() == padded_grads.keys()
     for name, grad in grads.items():
         torch.testing.assert_close(padded_grads[name], grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("family, dp, pp", [("internvl", 1, 2), ("llava", 2, 2)])
+def test_the_vision_tower_in_the_bubbles_gives_the_models_own_loss_and_gradients(tmp_path, family, dp, pp):
+    """parallel.encoder=bubbles on a `transformers` tile family: the vision tower on every rank, encoding its
+    share of each microbatch's tiles in the schedule's idle time; the same loss and gradients as the model."""
+    data = family_dataset(tmp_path / "data", family)
+    packs = packs_of(data, GROUPS)
+    expected_loss, expected = reference(data, family, packs)
+    from packfeed.trainer.models.hf.model import HFLayerModel
+
+    layered = HFLayerModel(family, data.conventions, model=tiny_model(family, data, register_varlen_attention()))
+    first, n = layered.vision.encoder_layers, layered.n_layers
+    results = run(tmp_path, family, data, packs, dp=dp, pp=pp, bounds=[first, (first + n) // 2, n], encoder="bubbles")
+    assert_same_step(results, dp, pp, expected_loss, expected)
+    assert all(len(r["grads"]) > 0 for r in results)

@@ -210,3 +210,20 @@ def test_a_misplaced_feature_in_the_bubbles_is_caught(tmp_path, served_steps):
     assert sum(results[1]["losses"]) != pytest.approx(expected_loss, rel=1e-5)
     assert any(not torch.allclose(grads[name], expected, rtol=1e-4, atol=1e-6)
                for name, expected in expected_grads.items())
+
+
+@pytest.mark.slow
+def test_packfeed_train_with_the_encoder_in_the_bubbles_resumes_and_trains_like_stages(tmp_path, small_tile_index):
+    """`packfeed train parallel.encoder=bubbles`: 2 steps, a checkpoint and a restart for a third give the losses
+    and gradient norms of 3 steps with the encoder in the stages."""
+    overrides = [f"data.index={small_tile_index}", "data.microbatches=2", "data.server_workers=1",
+                 "partition.mode=layers", "recompute.mode=none", "checkpoint.every=2",
+                 "optim.warmup_steps=3"] + [f"model.{k}={v}" for k, v in SMALL_MODEL.items()]
+    _, stages = packfeed_train(2, overrides + ["optim.steps=3"], tmp_path / "stages")
+    bubbles = overrides + ["parallel.encoder=bubbles"]
+    packfeed_train(2, bubbles + ["optim.steps=2"], tmp_path / "bubbles")
+    log, resumed = packfeed_train(2, bubbles + ["optim.steps=3"], tmp_path / "bubbles")
+    assert "after 2 steps" in log and "in the bubbles" in log
+    assert [r["loss"] for r in resumed] == pytest.approx([r["loss"] for r in stages], rel=1e-5)
+    assert [r["grad_norm"] for r in resumed] == pytest.approx([r["grad_norm"] for r in stages], rel=1e-5)
+    assert all(r["encoder_s"] > 0 for r in resumed[2:])

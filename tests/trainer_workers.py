@@ -125,11 +125,12 @@ def hf_step_grads(rank: int, world: int, family: str, data_file: str, init_file:
 
 def hf_pipeline_step(rank: int, world: int, dp: int, pp: int, family: str, data_file: str, init_file: str,
                      out_dir: str, bounds: list[int], schedule: str = "1f1b", virtual: int = 1,
-                     break_positions: bool = False, data_parallel: str = "ddp") -> None:
+                     break_positions: bool = False, data_parallel: str = "ddp", encoder: str = "stages") -> None:
     """One global step of a `transformers` VLM cut into pipeline stages (`packfeed train`'s own RankStages,
     TiedParameters): replica r trains on its M packs of the saved step; saves the gradients of this rank's layers
     under the model's own parameter names (weights tied across stages summed first) and the losses.
-    `break_positions`: the control: ranks after the first receive zeroed positions."""
+    `break_positions`: the control: ranks after the first receive zeroed positions. `encoder="bubbles"`: the
+    vision encoder on every rank in the schedule's idle time (bounds then cover the LLM's layers only)."""
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
         from hf_models import tiny_model
@@ -148,7 +149,7 @@ def hf_pipeline_step(rank: int, world: int, dp: int, pp: int, family: str, data_
         config = load_config(None, [f"model.hf={family}", f"data.microbatches={m}", f"parallel.pp={pp}",
                                     f"parallel.dp={dp}", f"parallel.schedule={schedule}",
                                     f"parallel.virtual_stages={max(virtual, 2)}",
-                                    f"parallel.data_parallel={data_parallel}"])
+                                    f"parallel.data_parallel={data_parallel}", f"parallel.encoder={encoder}"])
         stages = RankStages(config, mesh, model, None)
         stages.use(bounds, final=True)
         if break_positions and mesh.stage > 0:
@@ -163,7 +164,7 @@ def hf_pipeline_step(rank: int, world: int, dp: int, pp: int, family: str, data_
             batch = model.inputs(Step(0, 0, mesh.replica, packs[mesh.replica * m:(mesh.replica + 1) * m]), 64, dp)
         _, losses = stages.run_step(batch)
         stages.tied.sync_gradients()
-        grads = {model.parameter_names[i][local]: full(p.grad) for i in stages.layer_ids(bounds)
+        grads = {model.parameter_names[i][local]: full(p.grad) for i in stages.held_layer_ids(bounds)
                  for local, p in model.layers[i].named_parameters(remove_duplicate=False) if p.grad is not None}
         torch.save({"grads": grads, "losses": [float(x) for x in losses]}, f"{out_dir}/rank{rank}.pt")
     finally:

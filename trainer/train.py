@@ -138,6 +138,9 @@ def train_on(config: TrainConfig, mesh: Mesh, target: str, out: Path) -> dict:
                 f"every block recomputed ({max(recompute.measured.values()) / 2**20:.0f} MiB measured): raise "
                 f"recompute.budget_mb, use more pipeline stages or smaller packs", everyone=True)
         stage_table(trainer, mesh, bounds, recompute, out)
+        if trainer.bubbles:
+            log(mesh, f"the encoder (layers 0:{trainer.first_layer}) runs on every pipeline rank in the bubbles of "
+                f"the {config.parallel.schedule} schedule; the stages hold layers {bounds[0]}:{bounds[-1]}")
         tied = trainer.tied
         optimizer = torch.optim.AdamW(trainer.parameters(), lr=config.optim.lr, weight_decay=config.optim.weight_decay)
         warmup = max(config.optim.warmup_steps, 1)
@@ -207,6 +210,7 @@ class Loop:
         peak = torch.cuda.max_memory_allocated(mesh.device) if mesh.device.type == "cuda" else 0
         record = step_record(mesh, shape, batch, losses, elapsed, wait, config, busy, pipeline_s, peak, trainer.model)
         record["grad_norm"] = grad_norm
+        record.update(getattr(trainer.runner, "last_stats", {}))  # the encoder in the bubbles: its seconds
         return record
 
     def save(self, steps_done: int) -> None:

@@ -27,6 +27,7 @@ posting order, which filler work changes from step to step).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -102,6 +103,7 @@ class BubbleRunner:
     dtype: torch.dtype = torch.float32
     channel: Channel | None = None
     modules: list[nn.Module] = field(default_factory=list)
+    last_stats: dict[str, float] = field(default_factory=dict)  # this rank's encoder seconds in the last step
 
     def __post_init__(self):
         self.modules = [self.stage]
@@ -111,6 +113,7 @@ class BubbleRunner:
     def run(self, shape: StepShape, args: tuple[torch.Tensor, ...] | None) -> list[torch.Tensor]:
         step = BubbleStep(self, shape, args)
         step.execute()
+        self.last_stats = {"encoder_s": step.encoder_s, "encoder_in_bubbles_s": step.filled_s}
         self.sync_gradients()
         return [loss / self.mesh.dp for loss in step.losses]
 
@@ -163,6 +166,8 @@ class BubbleStep:
         self.local_grads: dict[int, torch.Tensor] = {}
         self.features_in = self._recv_features() if self.me == 0 else {}
         self.saved: dict[int, tuple] = {}
+        self.encoder_s = 0.0  # encoder work on this rank
+        self.filled_s = 0.0  # ... of it while the next LLM operation waited for a message
 
     # --- set-up ------------------------------------------------------------------------------------------
     def _shares(self):
@@ -237,10 +242,12 @@ class BubbleStep:
                 return False
             j = self.to_encode.pop(0)
             self.encoding = (j, self._encode(j))
+        started = time.perf_counter()
         try:
             next(self.encoding[1])
         except StopIteration:
             self.encoding = None
+        self.encoder_s += time.perf_counter() - started
         return True
 
     def _finish_forward(self, j: int) -> None:
@@ -258,15 +265,17 @@ class BubbleStep:
             return False
         j = min(ready)
         grad = self.local_grads.pop(j) if j in self.local_grads else self.feature_grads.pop(j).take()
+        started = time.perf_counter()
         torch.autograd.backward(self.encoded.pop(j), grad)
+        self.encoder_s += time.perf_counter() - started
         return True
 
-    def _fill_once(self) -> bool:
-        return self._forward_unit() or self._backward_unit()
-
     def _wait(self, pending: Pending) -> torch.Tensor:
-        while not pending.ready() and self._fill_once():
+        """The message, running encoder work (one layer at a time) until it is here."""
+        before = self.encoder_s
+        while not pending.ready() and (self._forward_unit() or self._backward_unit()):
             pass
+        self.filled_s += self.encoder_s - before
         return pending.take()
 
     # --- LLM operations ------------------------------------------------------------------------------------

@@ -165,10 +165,24 @@ def _share_load(load: np.ndarray, share: float, tiles: float) -> np.ndarray:
     return row
 
 
+def encoder_deadlines(schedule: str, stages: int, m: int, chunks: int = 1) -> dict[int, list[tuple[int, int]]]:
+    """Microbatch j -> the backwards (chunk, i) right before which the first stage's order runs F(j): no rank
+    can let the first stage reach F(j) before passing its own B(i), so a colocated encoder that finishes its
+    share of j before its B(i) never makes the first stage wait (the rule `parallel.encoder=bubbles` runs)."""
+    first = pipeline_order(schedule, 0, stages, m, chunks)
+    due: dict[int, list[tuple[int, int]]] = {}
+    for (kind, chunk, i), (next_kind, next_chunk, j) in zip(first, first[1:]):
+        if next_kind == "F" and next_chunk == 0 and kind == "B":
+            due.setdefault(j, []).append((chunk, i))
+    return due
+
+
 def _encoder_tasks(costs: StepCosts, loads: np.ndarray, devices: Sequence[int], ranks: Sequence[int],
-                   first_rank: int, index: dict, cluster: Cluster, tasks: list[Task]) -> None:
+                   first_rank: int, index: dict, cluster: Cluster, tasks: list[Task],
+                   deadlines: dict[int, list[tuple[int, int]]] | None = None) -> None:
     """Filler encoder tasks for one replica's microbatches on `devices` (one balanced share each), wired to the
-    replica's first stage (at rank `first_rank`), whose forward and backward tasks `index` holds."""
+    replica's first stage (at rank `first_rank`), whose forward and backward tasks `index` holds. `deadlines`
+    (colocated encoders: device k is pipeline rank k) makes each share due before the rank's own backward."""
     shares = split_tiles(loads[:, TILES], len(devices))
     for j in range(loads.shape[0]):
         tiles = float(loads[j, TILES])
@@ -183,6 +197,9 @@ def _encoder_tasks(costs: StepCosts, loads: np.ndarray, devices: Sequence[int], 
             tasks[index[("F", 0, j)]].needs.append((forward, delay))
             tasks.append(Task(device, float(costs.encoder_seconds[1] @ row), "EB", j, filler=True,
                               priority=j + 0.5, needs=[(forward, 0.0), (index[("B", 0, j)], delay)]))
+            if deadlines is not None:  # colocated: done before this GPU's own backward that precedes F(j)
+                for chunk, i in deadlines.get(j, []):
+                    tasks[index[("B", chunk * len(devices) + k, i)]].needs.append((forward, 0.0))
 
 
 @dataclass(frozen=True)
@@ -274,7 +291,8 @@ def simulate_replica(costs: StepCosts, layout: Layout, loads: np.ndarray, cluste
     index, orders = _pipeline_tasks(costs, layout, loads, cluster, 0, lambda r, s: s, tasks)
     if layout.encoder == "bubbles" and costs.encoder_seconds.any():
         ranks = [megatron_rank(s, 0, 0, layout.dp, layout.tp) for s in range(layout.pp)]
-        _encoder_tasks(costs, loads, list(range(layout.pp)), ranks, ranks[0], index, cluster, tasks)
+        _encoder_tasks(costs, loads, list(range(layout.pp)), ranks, ranks[0], index, cluster, tasks,
+                       encoder_deadlines(layout.schedule, layout.pp, loads.shape[0], layout.chunks))
     llm = llm or [Collective()] * layout.pp
     _release(tasks, orders, lambda d: d, llm, encoder, llm[0].first_gather_s, layout.encoder == "bubbles")
     return run_tasks(tasks, orders), tasks

@@ -93,7 +93,7 @@ class InputBuilder:
         window_segments = max([int(g["window_bounds"].numel()) for g in geometry if "window_bounds" in g] + [0])
         shape = StepShape(tokens, tiles, samples, int(step.packs[0].step_loss_tokens), step.epoch, step.step,
                           step.last_in_epoch, vision_tokens=tiles // unit if self.qwen else
-                          tiles * self._tokens_per_tile(), vision_segments=vision_segments,
+                          tiles * self.tokens_per_tile, vision_segments=vision_segments,
                           window_segments=window_segments)
         padded = [self.pad(p, g, shape) for p, g in zip(packs, geometry)]
         names = self.model.names[0]
@@ -101,7 +101,8 @@ class InputBuilder:
         return Microbatches(shape, args, sum(int(p.input_ids.numel()) for p in packs),
                             sum(int(p.pixels.shape[0]) for p in packs), dict(Counter(step.sample_sources)))
 
-    def _tokens_per_tile(self) -> int:
+    @property
+    def tokens_per_tile(self) -> int:
         return int(self.model.conventions.image_policy.tokens_per_tile)
 
     def patch_geometry(self, pack: PackInputs, patches: int) -> dict[str, torch.Tensor]:

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from packfeed.trainer.batch import Microbatches, StepShape
+from packfeed.trainer.models import VisionSplit
 from packfeed.trainer.models.hf import layers as L
 from packfeed.trainer.models.hf.build import build_hf_model
 from packfeed.trainer.simulate.calibrated import Features
@@ -192,6 +193,44 @@ class HFLayerModel:
     @property
     def merge_unit(self) -> int:
         return self.vision_config.spatial_merge_size ** 2 if self.family in QWEN else 1
+
+    # --- SeparableEncoder (tile families): pixels (1, tiles, 3, S, S) -> features (1, tiles x tokens, D) ---------
+    @property
+    def vision(self) -> VisionSplit | None:
+        """Tile families only: a Qwen tower's patches attend within their image under per-image geometry, so its
+        work does not divide by patch."""
+        if self.family in QWEN:
+            return None
+        return VisionSplit(self.kinds.index("text_embed"), 1, 1, self.builder.tokens_per_tile)
+
+    def vision_units(self, microbatch: tuple[torch.Tensor, ...]) -> int:
+        named = dict(zip(self.names[0], microbatch))
+        return int((named["vision_positions"] >= 0).sum()) // self.builder.tokens_per_tile
+
+    def vision_input(self, microbatch: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        return dict(zip(self.names[0], microbatch))["pixels"]
+
+    def vision_input_like(self, units: int, device: torch.device) -> torch.Tensor:
+        size = self.builder.tile_size
+        return torch.empty(1, units, 3, size, size, dtype=FLOAT, device=device)
+
+    def vision_output_like(self, units: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+        tokens = units * self.builder.tokens_per_tile
+        return torch.empty(1, tokens, self.text_config.hidden_size, dtype=dtype, device=device)
+
+    def encoder_carrier(self, pixels: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        unused = torch.zeros(1, 0, dtype=torch.int64, device=pixels.device)  # the vision layers pass these on
+        return (pixels,) + (unused,) * len(META)
+
+    def encoder_output(self, carrier: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        return carrier[0]
+
+    def llm_carrier(self, microbatch: tuple[torch.Tensor, ...], features: torch.Tensor,
+                    shape: StepShape) -> tuple[torch.Tensor, ...]:
+        named = dict(zip(self.names[0], microbatch))
+        padding = features.new_zeros(1, shape.vision_tokens - features.shape[1], features.shape[2])
+        named["features"] = torch.cat([features, padding], dim=1)
+        return tuple(named[name] for name in self.names[self.vision.encoder_layers])
 
     def features(self, carrier: tuple[torch.Tensor, ...]) -> Features:
         """What a first-stage microbatch costs depend on (tiles or patches, tokens, squared sample lengths)."""
