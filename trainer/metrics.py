@@ -51,7 +51,7 @@ def step_record(mesh: Mesh, shape: StepShape, batch: Microbatches | None, losses
               "padded_tiles": int(padded_tiles), "tokens_per_s": tokens / step_s if step_s else 0.0,
               "pad_fraction": 1 - tokens / padded if padded else 0.0,
               "bubble_fraction": 1 - busy_sum / (mesh.dp * mesh.pp * pipeline_max) if pipeline_max else 0.0,
-              "peak_memory_mib": peak_max / 2**20}
+              "peak_memory_mib": peak_max / 2**20, "pipeline_s": pipeline_max}
     counts = [None] * dist.get_world_size()  # samples per dataset over every replica (mixtures)
     dist.all_gather_object(counts, batch.samples_by_dataset if first else {})
     record["samples_by_dataset"] = dict(sum((collections.Counter(c) for c in counts), collections.Counter()))

@@ -13,6 +13,7 @@ metrics. A `transformers` model at parallel.pp=1 trains data-parallel with FSDP2
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import time
 from pathlib import Path
@@ -76,6 +77,10 @@ def train(config: TrainConfig) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     if mesh.rank == 0:
         (out / "config.json").write_text(dump_config(config))
+        # what the ranks ran on: `packfeed simulate --run OUT` shares a CPU host's cores among them as they were
+        host = {"device": device.type, "cpus": os.cpu_count(), "threads": torch.get_num_threads(),
+                "ranks": dist.get_world_size()}
+        (out / "host.json").write_text(json.dumps(host))
     server, target = start_embedded_server(config, mesh)
     try:
         return train_on(config, mesh, target, out)

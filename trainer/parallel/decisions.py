@@ -22,7 +22,7 @@ from packfeed.trainer.parallel.mesh import Mesh, broadcast_object, log
 from packfeed.trainer.parallel.pipeline import autocast_dtype, validate_partition
 from packfeed.trainer.parallel.profile import profile_layers, synchronize
 from packfeed.trainer.parallel.recompute import RecomputeDecision, adaptive_recompute
-from packfeed.trainer.simulate.calibrated import Features, fit_layer_costs, planner_cost_model
+from packfeed.trainer.simulate.calibrated import VISION_KINDS, Features, fit_layer_costs, planner_cost_model
 from packfeed.v1 import packfeed_pb2 as pb
 
 if TYPE_CHECKING:
@@ -130,8 +130,18 @@ def export_cost_model(measured: LayerMeasurements, conventions: pb.ModelConventi
     balances on what this model costs on this hardware (data.cost_model=OUT/cost_model.json)."""
     costs = fit_layer_costs(measured.profile, measured.features)
     model = planner_cost_model(costs, conventions.image_policy.patches_per_unit)
-    path.write_text(json.dumps(model, indent=1))
+    path.write_text(json.dumps({**model, "layers": layer_records(measured, costs)}, indent=1))
     return model
+
+
+def layer_records(measured: LayerMeasurements, costs) -> list[dict]:
+    """Every layer's fitted seconds, parameters and boundary bytes per unit (tiles for vision layers, tokens for
+    the others): what `packfeed simulate --model OUT/cost_model.json` and `--run OUT` simulate with."""
+    tiles = max(statistics.mean(f.tiles for f in measured.features), 1e-9)
+    tokens = max(statistics.mean(f.tokens for f in measured.features), 1e-9)
+    return [{"kind": cost.kind, "forward": list(cost.forward), "backward": list(cost.backward), "params": q.params,
+             "output_bytes_per_unit": q.output_bytes / (tiles if cost.kind in VISION_KINDS else tokens)}
+            for q, cost in zip(measured.profile, costs)]
 
 
 def measure_bandwidth_gbps(mesh: Mesh) -> float:

@@ -26,6 +26,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     source.add_argument("--index", help="a Packfeed index")
     source.add_argument("--plan", help="a plan file (`packfeed plan --out`), with the --index or --lengths it was "
                                        "planned from; its dp, microbatches and strategy are used")
+    source.add_argument("--run", metavar="OUT", help="check the simulator against a `packfeed train` run: predict "
+                        "each step it measured from its own costs, partition and microbatches")
     model = parser.add_argument_group("model")
     model.add_argument("--model", default="internvl-chat-1.5", help=f"a preset ({', '.join(PRESETS)}), a JSON "
                        "shape description, or a trainer's OUT/cost_model.json (default internvl-chat-1.5)")
@@ -88,6 +90,8 @@ def _workload(args, table, shape) -> Workload:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.run:
+        return check_run(args)
     table_, shape = load_model(args.model)
     workload = _workload(args, table_, shape)
     gpus = args.gpus or args.dp * args.pp * args.tp
@@ -106,6 +110,28 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(record))
     else:
         print(table(prediction, title))
+    return 0
+
+
+def check_run(args: argparse.Namespace) -> int:
+    from packfeed.trainer.simulate.measured import compare_run
+
+    model = args.model if args.model != "internvl-chat-1.5" else None  # the default preset: the run's own costs
+    result = compare_run(args.run, model)
+    lines = [f"packfeed simulate --run {args.run}: encoder {result['encoder']}, pp {result['pp']}, "
+             f"{result['schedule']}, partition {result['bounds']}, ranks sharing "
+             + (f"{result['cores']:g} cores" if result["cores"] else "nothing"),
+             "  overhead factor from the search's timed steps: " + (f"{result['overhead_factor']:.3f}" if result['overhead_factor'] else "none timed"),
+             "  epoch step  simulated ms  predicted ms  measured ms   error"]
+    lines += [f"  {s['epoch']:>5} {s['step']:>4} {s['simulated_s'] * 1e3:>13.1f} {s['predicted_s'] * 1e3:>13.1f} "
+              f"{s['measured_s'] * 1e3:>12.1f} {s['predicted_s'] / s['measured_s'] - 1:>+7.1%}"
+              for s in result["steps"]]
+    lines.append(f"  {len(result['steps'])} steps: mean error {result['mean_error']:+.1%}, mean absolute error "
+                 f"{result['mean_abs_error']:.1%} (raw simulation: {result['mean_error_raw']:+.1%}, "
+                 f"{result['mean_abs_error_raw']:.1%})")
+    print("\n".join(lines), file=sys.stderr if args.json else sys.stdout)
+    if args.json:
+        print(json.dumps(result))
     return 0
 
 

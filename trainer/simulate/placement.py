@@ -254,8 +254,9 @@ def _release(tasks: list[Task], orders: dict[int, list[int]], stage_of: Callable
 
 
 def simulate_step(costs: StepCosts, layout: Layout, loads: np.ndarray, cluster: Cluster,
-                  keep_run: bool = False) -> StepResult:
-    """`loads`: (replicas, microbatches, terms) load rows of one global step."""
+                  keep_run: bool = False, cores: float | None = None) -> StepResult:
+    """`loads`: (replicas, microbatches, terms) load rows of one global step. `cores`: a replica's ranks share
+    that many processors (a CPU run; see `run_tasks`)."""
     if layout.encoder == "disaggregated":
         return _simulate_disaggregated(costs, layout, loads, cluster, keep_run)
     llm, encoder = _collectives(costs, layout, cluster)
@@ -264,7 +265,7 @@ def simulate_step(costs: StepCosts, layout: Layout, loads: np.ndarray, cluster: 
     for r in range(layout.dp):
         key = loads[r].tobytes()
         if key not in runs:  # replicas with the same loads run the same schedule
-            runs[key] = simulate_replica(costs, layout, loads[r], cluster, llm, encoder)
+            runs[key] = simulate_replica(costs, layout, loads[r], cluster, llm, encoder, cores)
         per_replica.append(runs[key])
     pp = layout.pp
     step = 0.0
@@ -284,8 +285,8 @@ def simulate_step(costs: StepCosts, layout: Layout, loads: np.ndarray, cluster: 
 
 
 def simulate_replica(costs: StepCosts, layout: Layout, loads: np.ndarray, cluster: Cluster,
-                     llm: list[Collective] | None = None, encoder: Collective = Collective()
-                     ) -> tuple[Run, list[Task]]:
+                     llm: list[Collective] | None = None, encoder: Collective = Collective(),
+                     cores: float | None = None) -> tuple[Run, list[Task]]:
     """One replica's step (stages / bubbles), devices numbered by stage, started by the DP gathers."""
     tasks: list[Task] = []
     index, orders = _pipeline_tasks(costs, layout, loads, cluster, 0, lambda r, s: s, tasks)
@@ -295,7 +296,7 @@ def simulate_replica(costs: StepCosts, layout: Layout, loads: np.ndarray, cluste
                        encoder_deadlines(layout.schedule, layout.pp, loads.shape[0], layout.chunks))
     llm = llm or [Collective()] * layout.pp
     _release(tasks, orders, lambda d: d, llm, encoder, llm[0].first_gather_s, layout.encoder == "bubbles")
-    return run_tasks(tasks, orders), tasks
+    return run_tasks(tasks, orders, cores), tasks
 
 
 def encoder_groups(replicas: int, encoder_gpus: int) -> list[list[int]]:

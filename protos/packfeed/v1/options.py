@@ -94,6 +94,17 @@ class CostModel:
             raise ValueError(f"cost_model {values}: coefficients must be finite, >= 0 and not all zero")
 
     @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> CostModel:
+        """The four coefficients of a dict (a trainer's OUT/cost_model.json also holds its per-layer costs under
+        "layers", for `packfeed simulate`); any other key is a mistake and is refused."""
+        names = {f.name for f in fields(cls)}
+        unknown, missing = set(values) - names - {"layers"}, names - set(values)
+        if unknown or missing:
+            raise ValueError(f"cost_model: unknown keys {sorted(unknown)}, missing {sorted(missing)}; it holds "
+                             f"{', '.join(f.name for f in fields(cls))} (and a trainer's per-layer \"layers\")")
+        return cls(**{f.name: values[f.name] for f in fields(cls) if f.name in values})
+
+    @classmethod
     def from_shapes(cls, vision: ModuleShape = INTERNVIT_6B, llm: ModuleShape = INTERNLM2_20B) -> CostModel:
         vl, vq = vision.coefficients()
         ll, lq = llm.coefficients()
@@ -153,7 +164,7 @@ class PlanConfig:
             except ValueError as error:
                 problems.append(str(error))
         if isinstance(self.cost_model, dict):
-            object.__setattr__(self, "cost_model", CostModel(**self.cost_model))
+            object.__setattr__(self, "cost_model", CostModel.from_dict(self.cost_model))
         if self.dp < 1 or self.microbatches < 1 or self.pipeline_stages < 1:
             problems.append("dp, microbatches and pipeline_stages must be >= 1")
         if self.window < 0:

@@ -1,0 +1,109 @@
+"""The simulator against a real run (`packfeed simulate --run OUT`): every step a `packfeed train` run measured,
+predicted from what that run wrote — its per-layer costs (OUT/cost_model.json, fitted on the partition search's
+profile), its partition and boundary bandwidth (OUT/partition.json), its settings (OUT/config.json) and each
+step's padded microbatches (OUT/metrics.jsonl, replica 0's) — against the step's measured pipeline time (the
+slowest rank's schedule, gradient synchronisation included; the optimizer step is not simulated). A CPU run's
+processes share the host's cores (OUT/host.json), and so do the simulated ranks: with more ranks than cores
+a task's work drains at cores / busy ranks.
+
+The layer profile times each layer alone; a real step also pays the runtime between layers and stages (the
+schedule, point-to-point messages, autograd across stages) and the host's contention. The search measured real
+pipeline steps before training (its timed candidates, on the first step's microbatches): the median ratio of
+those to their simulation is the run's overhead factor, and the calibrated prediction of every later step is
+the simulation times that factor. Both errors are reported, raw and calibrated; the steps compared never
+include the candidates' step.
+
+The run must have searched its partition (that profile is what the costs are fitted on): a run with
+partition.mode=layers or given bounds writes no per-layer costs, so `--model` must name another run's.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from packfeed.trainer.simulate.cluster import Cluster
+from packfeed.trainer.simulate.model_shape import TILES, TOKEN_SQUARE, TOKENS, measured_table
+from packfeed.trainer.simulate.placement import Layout, simulate_step, step_costs
+
+
+def _read(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as error:
+        raise ValueError(f"{path}: cannot read it ({error}); --run takes the OUT directory of a `packfeed train` "
+                         "run") from error
+
+
+def load_rows(microbatches: list[dict]) -> np.ndarray:
+    """(1, M, terms) load rows of one replica's padded microbatches (tiles, tokens, sum of squared lengths)."""
+    rows = np.zeros((1, len(microbatches), 5))
+    for j, f in enumerate(microbatches):
+        rows[0, j, 0], rows[0, j, TILES], rows[0, j, TOKENS], rows[0, j, TOKEN_SQUARE] = \
+            1.0, f["tiles"], f["tokens"], f["square"]
+    return rows
+
+
+def host_cores(out: Path) -> float | None:
+    """Processors the run's ranks shared (OUT/host.json): a CPU run's cores over each process's threads; None
+    for GPUs (one each)."""
+    path = out / "host.json"
+    if not path.is_file():
+        return None
+    host = _read(path)
+    return host["cpus"] / max(host["threads"], 1) if host["device"] == "cpu" else None
+
+
+def compare_run(out: str | Path, model: str | Path | None = None, skip: int = 1) -> dict:
+    """Predicted and measured pipeline seconds of every step after the first `skip` (the first builds the
+    schedules), and the errors. A CPU run's ranks share the host's cores, and the simulation shares them too."""
+    out = Path(out)
+    config = _read(out / "config.json")
+    cores = host_cores(out)
+    partition = _read(out / "partition.json")
+    table = measured_table(model or out / "cost_model.json")
+    parallel = config["parallel"]
+    if parallel["dp"] != 1:
+        raise ValueError("--run compares DP 1 runs: metrics.jsonl keeps replica 0's microbatches only")
+    chunks = parallel["virtual_stages"] if parallel["schedule"] == "interleaved_1f1b" else 1
+    layout = Layout(parallel.get("encoder", "stages"), 1, parallel["pp"], 1, chunks, parallel["schedule"])
+    first = int(table.encoder.sum()) if layout.encoder == "bubbles" else 0
+    bounds = [b - first for b in partition["bounds"]]
+    bandwidth = partition.get("comm_gbps") or Cluster(1).intra_gbs
+    cluster = Cluster(layout.pp, gpus_per_node=layout.pp, intra_gbs=bandwidth, inter_gbs=bandwidth)
+    costs = step_costs(table, cluster, layout, bounds)
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    factor = overhead_factor(table, layout, cluster, partition, config["data"]["microbatches"], cores, first)
+    steps = []
+    for record in records[skip:]:
+        if "microbatches" not in record or "pipeline_s" not in record:
+            continue
+        predicted = simulate_step(costs, layout, load_rows(record["microbatches"]), cluster, cores=cores).step_s
+        steps.append({"epoch": record["epoch"], "step": record["step"], "simulated_s": predicted,
+                      "predicted_s": predicted * (factor or 1.0), "measured_s": record["pipeline_s"]})
+    if not steps:
+        raise ValueError(f"{out}/metrics.jsonl holds no measured steps after the first {skip}")
+    measured = np.array([s["measured_s"] for s in steps])
+    raw = np.array([s["simulated_s"] for s in steps]) / measured - 1
+    calibrated = np.array([s["predicted_s"] for s in steps]) / measured - 1
+    return {"run": str(out), "encoder": layout.encoder, "pp": layout.pp, "schedule": layout.schedule, "cores": cores,
+            "bounds": partition["bounds"], "overhead_factor": factor, "steps": steps,
+            "mean_error_raw": float(raw.mean()), "mean_abs_error_raw": float(np.abs(raw).mean()),
+            "mean_error": float(calibrated.mean()), "mean_abs_error": float(np.abs(calibrated).mean())}
+
+
+def overhead_factor(table, layout: Layout, cluster: Cluster, partition: dict, microbatches: int,
+                    cores: float | None, first: int) -> float | None:
+    """Median of measured / simulated over the partition search's timed candidates (None when none was timed)."""
+    features = partition.get("profile_features", [])[:microbatches]
+    timed = [c for c in partition.get("candidates", []) + partition.get("baselines", []) if c.get("measured_s")]
+    if len(features) < microbatches or not timed:
+        return None
+    ratios = []
+    for candidate in timed:
+        costs = step_costs(table, cluster, layout, [b - first for b in candidate["bounds"]])
+        simulated = simulate_step(costs, layout, load_rows(features), cluster, cores=cores).step_s
+        ratios.append(candidate["measured_s"] / simulated)
+    return float(np.median(ratios))
