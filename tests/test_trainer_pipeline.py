@@ -4,7 +4,11 @@ gloo on CPU, packs received over real gRPC)."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
+import numpy as np
 import pytest
 import torch
 import torch.multiprocessing as mp
@@ -124,6 +128,17 @@ def test_server_and_trainer_run_end_to_end_and_reuse_their_decisions(tmp_path, s
     second_log, _ = packfeed_train(2, overrides, out)
     assert f"partition {partition['bounds']} reused" in second_log
     assert "partition search" not in second_log
+
+    # the cluster simulator predicts every measured step from what the run wrote (per-layer costs included)
+    costs = json.loads((out / "cost_model.json").read_text())
+    assert len(costs["layers"]) == VLMConfig(**SMALL_MODEL).n_layers
+    done = subprocess.run([sys.executable, "-m", "packfeed.server.cli", "simulate", "--run", str(out), "--json"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    check = json.loads(done.stdout)
+    assert len(check["steps"]) == 5 and check["overhead_factor"] > 0 and check["cores"] == os.cpu_count()
+    assert all(s["predicted_s"] > 0 and s["measured_s"] > 0 for s in check["steps"])
+    assert np.isfinite(check["mean_abs_error"]) and "mean absolute error" in done.stderr
 
 
 @pytest.mark.slow
