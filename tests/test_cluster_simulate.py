@@ -111,16 +111,69 @@ def test_every_schedule_runs_each_operation_once(schedule, chunks):
         assert sorted(order) == sorted(expected)
 
 
-@pytest.mark.parametrize("stages, chunks, m", [(2, 2, 4), (4, 2, 8), (4, 3, 8)])
-def test_uniform_interleaved_1f1b_matches_megatron_closed_form(stages, chunks, m):
-    # Megatron's interleaved bubble: (P - 1) / v of one microbatch's full time.
+@pytest.mark.parametrize("schedule, stages, chunks, m", [("1f1b", 2, 1, 2), ("1f1b", 4, 1, 8), ("1f1b", 3, 1, 1),
+                                                       ("interleaved_1f1b", 2, 2, 4), ("interleaved_1f1b", 4, 2, 8),
+                                                       ("interleaved_1f1b", 4, 3, 8)])
+def test_uniform_pipelines_match_the_closed_form(schedule, stages, chunks, m):
+    # 1F1B: (M + P - 1) microbatch times; Megatron's interleaving cuts the bubble to (P - 1) / v of one
     cluster = Cluster(stages, latency_s=0.0)
     table = table_of([], [(1.0, 2.0)] * (stages * chunks))
-    layout = Layout("stages", dp=1, pp=stages, chunks=chunks, schedule="interleaved_1f1b")
+    layout = Layout("stages", dp=1, pp=stages, chunks=chunks, schedule=schedule)
     costs = step_costs(table, cluster, layout, list(range(stages * chunks + 1)))
     step = simulate_step(costs, layout, loads_of([[(0, 1)] * m]), cluster, keep_run=True)
     check_dependencies(step)
     assert step.step_s == pytest.approx((m * chunks + stages - 1) * 3.0)
+    bubble = (stages - 1) / (m * chunks + stages - 1)
+    assert np.mean(list(step.bubble_fractions().values())) == pytest.approx(bubble)
+
+
+def test_1f1b_keeps_fewer_microbatches_in_flight_than_gpipe():
+    for stage in range(4):
+        for schedule, most in (("1f1b", 4 - stage), ("gpipe", 8)):
+            in_flight = peak = 0
+            for kind, _, _ in pipeline_order(schedule, stage, 4, 8):
+                in_flight += 1 if kind == "F" else -1
+                peak = max(peak, in_flight)
+            assert peak == most  # what makes 1F1B's activation memory lower
+
+
+def test_an_unbalanced_microbatch_costs_more_than_its_share():
+    cluster = Cluster(4, latency_s=0.0)
+    table = table_of([], [(1.0, 2.0)] * 4)
+    layout = Layout("stages", dp=1, pp=4)
+    costs = step_costs(table, cluster, layout, [0, 1, 2, 3, 4])
+    even = simulate_step(costs, layout, loads_of([[(0, 1)] * 8]), cluster)
+    skewed = simulate_step(costs, layout, loads_of([[(0, 1)] * 3 + [(0, 3)] + [(0, 1)] * 4]), cluster)
+    assert skewed.step_s > even.step_s + 2 * 3.0  # same work as 2 extra microbatches, all in one, costs more
+
+
+def test_the_slowest_replica_sets_the_step():
+    cluster = Cluster(4, latency_s=0.0)
+    table = table_of([], [(1e-3, 2e-3)] * 2)
+    layout = Layout("stages", dp=2, pp=2)
+    costs = step_costs(table, cluster, layout, [0, 1, 2])
+    small, large = [(0, 100)] * 2, [(0, 300)] * 2
+    both = simulate_step(costs, layout, loads_of([small, large]), cluster)
+    alone = simulate_step(costs, Layout("stages", dp=1, pp=2), loads_of([large]), Cluster(2, latency_s=0.0))
+    assert both.step_s == pytest.approx(alone.step_s)
+
+
+def test_ranks_sharing_cores_slow_down_only_when_more_are_busy_than_cores():
+    """A CPU host: 4 ranks of a uniform 1F1B pipeline on 2 cores run slower than on 4, never more than 2x."""
+    table = table_of([], [(1.0, 2.0)] * 4)
+    layout = Layout("stages", dp=1, pp=4)
+    cluster = Cluster(4, latency_s=0.0)
+    costs = step_costs(table, cluster, layout, [0, 1, 2, 3, 4])
+    loads = loads_of([[(0, 1)] * 8])
+    alone = simulate_step(costs, layout, loads, cluster)
+    shared = simulate_step(costs, layout, loads, cluster, keep_run=True, cores=2)
+    plenty = simulate_step(costs, layout, loads, cluster, cores=4)
+    assert plenty.step_s == pytest.approx(alone.step_s)
+    assert alone.step_s < shared.step_s < 2 * alone.step_s
+    run = shared.run  # every task's work was done: its intervals, at half speed at most, cover it
+    for i, task in enumerate(shared.tasks):
+        spent = sum(e - s for d in run.intervals for s, e, k in run.intervals[d] if k == i)
+        assert task.seconds - 1e-9 <= spent <= 2 * task.seconds + 1e-9
 
 
 def synthetic_samples(n: int, seed: int) -> SampleLoads:
