@@ -181,7 +181,8 @@ def test_the_vision_tower_in_the_bubbles_gives_the_models_own_loss_and_gradients
     expected_loss, expected = reference(data, family, packs)
     from packfeed.trainer.models.hf.model import HFLayerModel
 
-    layered = HFLayerModel(family, data.conventions, model=tiny_model(family, data, register_varlen_attention()))
+    layered = HFLayerModel(family, data.conventions,
+                           model=tiny_model(family, data, register_varlen_attention(), deep=True))
     first, n = layered.vision.encoder_layers, layered.n_layers
     results = run(tmp_path, family, data, packs, dp=dp, pp=pp, bounds=[first, (first + n) // 2, n], encoder="bubbles")
     assert_same_step(results, dp, pp, expected_loss, expected)

@@ -10,9 +10,10 @@ One step on one rank:
    simulator's). Whenever the next operation waits for a message, the rank runs encoder work instead, one
    encoder layer at a time: the forward of its next share (in microbatch order), else the backward of a share
    whose embedding gradients have come back.
-3. Deadlines keep the first stage fed: where the first stage's order runs F(j) right after B(i), every rank
-   finishes its share of microbatch j's encoder forward before its own B(i) — the first stage cannot reach F(j)
-   before every rank has passed B(i). The first stage encodes its own share of j at the latest right before F(j).
+3. Deadlines keep the first stage fed (`encoder_deadlines`, the simulator's rule): where the first stage's order
+   runs F(j) right after B(i), every rank finishes its share of microbatch j's encoder forward before its own
+   B(i) — the first stage cannot reach F(j) before every rank has passed B(i). The first stage encodes its own
+   share of j at the latest right before F(j).
 4. A share's embeddings go to the first stage, which pads them into the microbatch's vision features (a leaf
    that collects their gradient) and runs the LLM; after its backward of the microbatch it sends each rank the
    gradient of its share, and the rank runs that share's encoder backward.
@@ -37,7 +38,7 @@ from torch import nn
 
 from packfeed.trainer.batch import StepShape
 from packfeed.trainer.parallel.mesh import Mesh
-from packfeed.trainer.simulate.placement import split_tiles
+from packfeed.trainer.simulate.placement import encoder_deadlines, split_tiles
 from packfeed.trainer.simulate.schedule import pipeline_order
 
 PIXELS, FEATURES, FEATURE_GRADS, ACTIVATIONS, GRADS = range(1, 6)
@@ -202,13 +203,13 @@ class BubbleStep:
         pixels = self.channel.recv(like, 0, message_tag(PIXELS, 0)).take()
         return dict(zip(mine, pixels.split([int(self.shares[j, self.me]) for j in mine], dim=axis)))
 
-    def _deadlines(self) -> dict[int, int]:
-        """Microbatch i -> the encoder forwards (their microbatches) to finish before this rank's B(i)."""
-        first = pipeline_order(self.runner.schedule, 0, self.pp, self.m)
+    def _deadlines(self) -> dict[int, list[int]]:
+        """Microbatch i -> the encoder forwards (their microbatches) to finish before this rank's B(i): the
+        simulator's rule (`encoder_deadlines`), turned round."""
         due: dict[int, list[int]] = {}
-        for before, (kind, _, j) in zip(first, first[1:]):
-            if kind == "F" and before[0] == "B":
-                due.setdefault(before[2], []).append(j)
+        for j, backwards in encoder_deadlines(self.runner.schedule, self.pp, self.m).items():
+            for _, i in backwards:
+                due.setdefault(i, []).append(j)
         return due
 
     def _recv_feature_grads(self, j: int) -> Pending:
