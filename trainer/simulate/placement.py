@@ -25,7 +25,7 @@ from typing import Literal
 import numpy as np
 
 from packfeed.trainer.simulate.cluster import Cluster, megatron_rank
-from packfeed.trainer.simulate.model_shape import TILES, TOKENS, VISION_SQUARE, LayerTable
+from packfeed.trainer.simulate.model_shape import TILES, VISION_SQUARE, LayerTable
 from packfeed.trainer.simulate.schedule import Run, Task, pipeline_order, run_tasks
 
 Encoder = Literal["stages", "bubbles", "disaggregated"]
