@@ -23,7 +23,7 @@ from packfeed.trainer.simulate.model_shape import (
     Transformer,
     load_model,
 )
-from packfeed.trainer.simulate.placement import Layout, simulate_step, split_tiles, step_costs
+from packfeed.trainer.simulate.placement import Layout, encoder_deadlines, simulate_step, split_tiles, step_costs
 from packfeed.trainer.simulate.predict import Settings, search_allocation, simulate_plan
 from packfeed.trainer.simulate.schedule import pipeline_order
 from packfeed.trainer.simulate.workload import make_workload, planner_cost_model
@@ -272,6 +272,17 @@ def test_split_search_finds_the_exhaustive_optimum(gpus, pp, tp, m):
     assert (searched["encoder_gpus"], searched["llm_dp"]) == (best["encoder_gpus"], best["llm_dp"])
     for trial in sweep["trials"]:
         assert trial["bound_s"] <= trial["step_s"] + 1e-9  # the pruning bound is a lower bound
+    fixed = search_allocation(workload, table, cluster, replace(settings, encoder_gpus=sweep["trials"][0]
+                                                                ["encoder_gpus"]))
+    assert fixed["encoder_gpus"] == sweep["trials"][0]["encoder_gpus"] and fixed["candidates"] == 1
+
+
+def test_encoder_deadlines_follow_the_first_stages_order():
+    # 1F1B over 4 stages: the first stage runs F(j) right after B(j - 4) from j = 4 on; GPipe never does
+    assert encoder_deadlines("1f1b", 4, 8) == {j: [(0, j - 4)] for j in range(4, 8)}
+    assert encoder_deadlines("gpipe", 4, 8) == {}
+    interleaved = encoder_deadlines("interleaved_1f1b", 2, 4, 2)
+    assert all(chunk in (0, 1) and i < j for j, due in interleaved.items() for chunk, i in due)
 
 
 def test_shapes_count_parameters_like_the_papers():

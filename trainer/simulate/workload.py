@@ -86,8 +86,9 @@ def workload_of_plan(plan: Plan, samples: SampleLoads, patches_per_tile: int) ->
         tokens = tokens.copy()
         cut = plan.truncate_to > 0
         tokens[plan.members[cut]] = plan.truncate_to[cut]
+    name = {Strategy.RANDOM: "random-padded"}.get(plan.config.strategy, str(plan.config.strategy))
     return workload_of(plan.offsets, plan.members, replace(samples, tokens=tokens), plan.config, patches_per_tile,
-                       str(plan.config.strategy))
+                       name)
 
 
 def random_packs(samples: SampleLoads, config: PlanConfig, seed: int, epoch: int) -> tuple[np.ndarray, np.ndarray]:
