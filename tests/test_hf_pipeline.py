@@ -187,3 +187,16 @@ def test_the_vision_tower_in_the_bubbles_gives_the_models_own_loss_and_gradients
     results = run(tmp_path, family, data, packs, dp=dp, pp=pp, bounds=[first, (first + n) // 2, n], encoder="bubbles")
     assert_same_step(results, dp, pp, expected_loss, expected)
     assert all(len(r["grads"]) > 0 for r in results)
+
+
+def test_a_qwen_vision_tower_is_refused_for_the_bubbles(tmp_path):
+    """Qwen towers attend across an image's patches under per-image geometry: their work does not divide by tile,
+    and parallel.encoder=bubbles says so at start."""
+    from packfeed.trainer.models.hf.model import HFLayerModel
+    from packfeed.trainer.parallel.stages import RankStages
+
+    data = family_dataset(tmp_path / "data", "qwen2_vl")
+    model = HFLayerModel("qwen2_vl", data.conventions, model=tiny_model("qwen2_vl", data))
+    assert model.vision is None
+    with pytest.raises(ValueError, match="parallel.encoder=stages"):
+        RankStages._encoder_layers(model)

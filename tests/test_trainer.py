@@ -214,6 +214,10 @@ def test_config_is_checked_at_start_and_never_changed(tmp_path):
                               ("data.cost_model=missing.json", "not found"),
                               ("parallel.schedule=interleaved_1f1b parallel.pp=1", "needs parallel.pp >= 2"),
                               ("partition.radius=4", "choose 0 to 3"),
+                              ("parallel.encoder=bubbles parallel.pp=1", "no bubbles"),
+                              ("parallel.encoder=bubbles parallel.data_parallel=fsdp", "ddp-style"),
+                              ("parallel.encoder=bubbles parallel.schedule=interleaved_1f1b", "1f1b or gpipe"),
+                              ("parallel.encoder=anywhere", "ParallelConfig.encoder"),
                               ("model.hf=qwen2_vl model.hf_attention=sdpa parallel.pp=2", "pipeline stages")):
         with pytest.raises(ValueError, match=message):
             load_config(None, override.split())

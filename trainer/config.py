@@ -88,6 +88,9 @@ class ParallelConfig:
         check_choices(self)
         if self.dp < 1 or self.pp < 1:
             raise ValueError("parallel.dp and parallel.pp must be >= 1")
+        if self.encoder == "bubbles" and self.pp < 2:
+            raise ValueError("parallel.encoder=bubbles fills a pipeline's idle time: it needs parallel.pp >= 2 (one "
+                             "stage has no bubbles; use parallel.encoder=stages)")
         if self.encoder == "bubbles" and (self.schedule == "interleaved_1f1b" or self.data_parallel == "fsdp"):
             raise ValueError("parallel.encoder=bubbles runs the 1f1b or gpipe schedule with ddp-style replicas: set "
                              "parallel.schedule=1f1b (or gpipe) and parallel.data_parallel=ddp")
