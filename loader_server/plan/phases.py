@@ -1,0 +1,139 @@
+"""Every phase balanced on its own (OrchMLLM's batch post-balancing), for one step: the step's encoder work is
+assigned to ranks apart from the LLM's packs, and each encoder output is routed to the rank whose pack
+consumes it.
+
+- `assign_phase`: items of one encoder phase to ranks by greedy LPT, largest first onto the least-loaded rank
+  (OrchMLLM Alg. 1, a 4/3-approximation of the best makespan, for encoders that do not pad).
+- `assign_padded_phase`: for encoders that pad a rank's items to the longest (cost = items x longest length),
+  the smallest makespan found by bisection with an exact greedy feasibility test (OrchMLLM Alg. 2).
+- `route`: the balanced bins are interchangeable, so which rank runs which bin is free: choose it to move as
+  few bytes between nodes as possible, then as few between ranks (OrchMLLM's node-wise rearrangement, Alg. 3).
+  Up to `EXACT_RANKS` ranks this is one linear assignment, exact for the total inter-node bytes; beyond, bins
+  go to nodes greedily by bytes kept, and the gap to a lower bound (every bin on its best node, capacity
+  ignored) is reported.
+
+Pure functions of their inputs: the plan stays a function of (index, config, seed, epoch).
+
+Not yet wired: the `isf+phases` strategy, the plan file's `encoder_rank`, the wire and the trainer's
+all-to-all (issue [3/6] of the third wave) build on these.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from packfeed.server.plan.balance import lpt_assign
+
+EXACT_RANKS = 512  # a linear assignment of R bins to R ranks costs O(R^3)
+
+
+def assign_phase(costs: np.ndarray, ranks: int) -> np.ndarray:
+    """The rank of every item: LPT without a per-rank limit (deterministic: ties to the lowest rank)."""
+    if ranks < 1:
+        raise ValueError(f"ranks must be >= 1, not {ranks}")
+    return lpt_assign(np.asarray(costs, dtype=np.float64), ranks, 0)
+
+
+def padded_cost(lengths: np.ndarray) -> float:
+    return float(len(lengths) * lengths.max()) if len(lengths) else 0.0
+
+
+def assign_padded_phase(lengths: np.ndarray, ranks: int) -> np.ndarray:
+    """The rank of every item minimising the largest (items x longest length) over ranks.
+
+    Items sorted longest first can be cut into consecutive runs without loss (moving a shorter item into a run
+    of longer ones never raises its cost), and filling each run as far as a limit allows needs the fewest
+    runs: so a limit is feasible exactly when that greedy needs at most `ranks` runs. The smallest feasible
+    limit is one of the values n x length, found by bisection over them."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    if ranks < 1:
+        raise ValueError(f"ranks must be >= 1, not {ranks}")
+    order = np.argsort(-lengths, kind="stable")
+    ordered = lengths[order]
+    candidates = np.unique((np.arange(1, len(lengths) + 1)[None, :] * ordered[:, None]).ravel()) \
+        if len(lengths) else np.zeros(1, dtype=np.int64)
+    low, high = 0, len(candidates) - 1
+    while low < high:
+        middle = (low + high) // 2
+        if len(_runs(ordered, int(candidates[middle]))) <= ranks:
+            high = middle
+        else:
+            low = middle + 1
+    runs = _runs(ordered, int(candidates[low]))
+    rank_of = np.empty(len(lengths), dtype=np.int64)
+    for r, (start, stop) in enumerate(runs):
+        rank_of[order[start:stop]] = r
+    return rank_of
+
+
+def _runs(ordered: np.ndarray, limit: int) -> list[tuple[int, int]]:
+    runs, start = [], 0
+    while start < len(ordered):
+        size = max(1, limit // max(int(ordered[start]), 1))
+        runs.append((start, min(start + size, len(ordered))))
+        start = runs[-1][1]
+    return runs
+
+
+@dataclass(frozen=True)
+class Routing:
+    """Where each bin runs, and the bytes its outputs move to their consumers."""
+
+    rank_of_bin: np.ndarray
+    total_bytes: float  # every output not consumed on its own rank
+    inter_node_bytes: float
+    inter_node_bound: float  # no placement moves fewer bytes between nodes
+    exact: bool
+
+
+def route(bin_of_item: np.ndarray, consumer_of_item: np.ndarray, item_bytes: np.ndarray, ranks: int,
+          ranks_per_node: int) -> Routing:
+    """The rank of every bin: fewest bytes between nodes first, then fewest between ranks."""
+    if ranks % ranks_per_node:
+        raise ValueError(f"{ranks} ranks do not fill nodes of {ranks_per_node}")
+    volume = np.zeros((ranks, ranks))  # bin -> consumer rank: bytes
+    np.add.at(volume, (np.asarray(bin_of_item), np.asarray(consumer_of_item)), np.asarray(item_bytes, float))
+    nodes = ranks // ranks_per_node
+    node_of_rank = np.arange(ranks) // ranks_per_node
+    per_node = volume.reshape(ranks, nodes, ranks_per_node).sum(axis=2)  # bin -> bytes consumed on each node
+    total = volume.sum()
+    bound = total - per_node.max(axis=1).sum()
+    if ranks <= EXACT_RANKS:
+        from scipy.optimize import linear_sum_assignment
+
+        # lexicographic: bytes leaving the node dominate; bytes leaving the rank break ties
+        leaving_node = total - per_node[:, node_of_rank]
+        leaving_rank = total - volume
+        bins, chosen = linear_sum_assignment(leaving_node * (total + 1.0) + leaving_rank)
+        rank_of_bin = np.empty(ranks, dtype=np.int64)
+        rank_of_bin[bins] = chosen
+        exact = True
+    else:
+        rank_of_bin = _greedy_route(volume, per_node, ranks_per_node)
+        exact = False
+    kept_rank = volume[np.arange(ranks), rank_of_bin].sum()
+    kept_node = per_node[np.arange(ranks), node_of_rank[rank_of_bin]].sum()
+    return Routing(rank_of_bin, float(total - kept_rank), float(total - kept_node), float(bound), exact)
+
+
+def _greedy_route(volume: np.ndarray, per_node: np.ndarray, ranks_per_node: int) -> np.ndarray:
+    """Bins to nodes by bytes kept (largest first, while the node has room), then within each node bins to
+    ranks by bytes kept on the rank."""
+    ranks, nodes = per_node.shape
+    room = np.full(nodes, ranks_per_node)
+    node_of_bin = np.full(ranks, -1)
+    for flat in np.argsort(-per_node, axis=None, kind="stable"):
+        b, n = divmod(int(flat), nodes)
+        if node_of_bin[b] < 0 and room[n] > 0:
+            node_of_bin[b], room[n] = n, room[n] - 1
+    rank_of_bin = np.empty(ranks, dtype=np.int64)
+    for n in range(nodes):
+        members = np.flatnonzero(node_of_bin == n)
+        free = list(range(n * ranks_per_node, (n + 1) * ranks_per_node))
+        for b in members[np.argsort(-volume[members][:, free].max(axis=1), kind="stable")]:
+            best = max(free, key=lambda r: (volume[b, r], -r))
+            rank_of_bin[b] = best
+            free.remove(best)
+    return rank_of_bin

@@ -1,0 +1,93 @@
+"""Per-phase balancing (packfeed.server.plan.phases) against brute force on small cases: LPT within 4/3 of the
+best makespan, the padded assignment exactly optimal, the routing exactly the fewest inter-node bytes (then the
+fewest between ranks), and the large-cluster heuristic a valid placement above its bound."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+from packfeed.server.plan import phases
+from packfeed.server.plan.phases import assign_padded_phase, assign_phase, padded_cost, route
+
+
+def best_makespan(costs, ranks, cost_of) -> float:
+    best = np.inf
+    for assignment in itertools.product(range(ranks), repeat=len(costs)):
+        loads = [cost_of(np.array([c for c, r in zip(costs, assignment) if r == k])) for k in range(ranks)]
+        best = min(best, max(loads))
+    return best
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_lpt_is_within_four_thirds_of_the_best(seed):
+    rng = np.random.default_rng(seed)
+    costs = rng.integers(1, 40, 8).astype(float)
+    rank_of = assign_phase(costs, 3)
+    assert rank_of.min() >= 0 and rank_of.max() < 3 and len(rank_of) == len(costs)
+    makespan = max(costs[rank_of == k].sum() for k in range(3))
+    assert makespan <= 4 / 3 * best_makespan(costs, 3, lambda c: c.sum()) + 1e-9
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_padded_assignment_is_optimal(seed):
+    rng = np.random.default_rng(100 + seed)
+    lengths = rng.integers(1, 30, 8)
+    rank_of = assign_padded_phase(lengths, 3)
+    assert sorted(set(rank_of.tolist())) <= [0, 1, 2] and len(rank_of) == len(lengths)
+    makespan = max(padded_cost(lengths[rank_of == k]) for k in range(3))
+    assert makespan == best_makespan(lengths, 3, padded_cost)
+
+
+def brute_force_route(volume: np.ndarray, ranks_per_node: int) -> tuple[float, float]:
+    """(fewest inter-node bytes, then fewest bytes leaving their rank) over every placement of bins on ranks."""
+    ranks = len(volume)
+    best = (np.inf, np.inf)
+    for placement in itertools.permutations(range(ranks)):
+        inter = sum(volume[b, r] for b in range(ranks) for r in range(ranks)
+                    if placement[b] // ranks_per_node != r // ranks_per_node)
+        moved = volume.sum() - sum(volume[b, placement[b]] for b in range(ranks))
+        best = min(best, (inter, moved))
+    return best
+
+
+def random_step(rng, ranks: int, items: int = 40):
+    bins = rng.integers(0, ranks, items)
+    consumers = rng.integers(0, ranks, items)
+    sizes = rng.integers(1, 100, items).astype(float)
+    volume = np.zeros((ranks, ranks))
+    np.add.at(volume, (bins, consumers), sizes)
+    return bins, consumers, sizes, volume
+
+
+@pytest.mark.parametrize("ranks, per_node, seed", [(6, 2, 0), (6, 3, 1), (6, 2, 2), (4, 2, 3)])
+def test_routing_moves_the_fewest_bytes_between_nodes(ranks, per_node, seed):
+    bins, consumers, sizes, volume = random_step(np.random.default_rng(seed), ranks)
+    routing = route(bins, consumers, sizes, ranks, per_node)
+    assert sorted(routing.rank_of_bin.tolist()) == list(range(ranks)) and routing.exact
+    inter, moved = brute_force_route(volume, per_node)
+    assert routing.inter_node_bytes == pytest.approx(inter)
+    assert routing.total_bytes == pytest.approx(moved)
+    assert routing.inter_node_bound <= routing.inter_node_bytes + 1e-9
+    naive = route(np.arange(ranks)[bins], consumers, sizes, ranks, ranks)  # one node: nothing crosses nodes
+    assert naive.inter_node_bytes == 0
+
+
+def test_beyond_the_exact_size_the_heuristic_is_a_valid_placement_above_its_bound(monkeypatch):
+    rng = np.random.default_rng(7)
+    bins, consumers, sizes, _ = random_step(rng, 16, 400)
+    exact = route(bins, consumers, sizes, 16, 4)
+    monkeypatch.setattr(phases, "EXACT_RANKS", 8)
+    greedy = route(bins, consumers, sizes, 16, 4)
+    assert not greedy.exact and sorted(greedy.rank_of_bin.tolist()) == list(range(16))
+    assert greedy.inter_node_bound <= exact.inter_node_bytes <= greedy.inter_node_bytes
+    identity = sizes[bins // 4 != consumers // 4].sum()  # bins left where LPT put them
+    assert greedy.inter_node_bytes <= identity
+
+
+def test_bad_shapes_are_refused():
+    with pytest.raises(ValueError, match="ranks must be"):
+        assign_phase(np.ones(3), 0)
+    with pytest.raises(ValueError, match="do not fill nodes"):
+        route(np.zeros(2, int), np.zeros(2, int), np.ones(2), 6, 4)
