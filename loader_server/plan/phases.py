@@ -3,7 +3,8 @@ assigned to ranks apart from the LLM's packs, and each encoder output is routed 
 consumes it.
 
 - `assign_phase`: items of one encoder phase to ranks by greedy LPT, largest first onto the least-loaded rank
-  (OrchMLLM Alg. 1, a 4/3-approximation of the best makespan, for encoders that do not pad).
+  (OrchMLLM Alg. 1, a 4/3-approximation of the best makespan, for encoders that do not pad), then narrowed by
+  moves and swaps between the busiest and the idlest rank.
 - `assign_padded_phase`: for encoders that pad a rank's items to the longest (cost = items x longest length),
   the smallest makespan found by bisection with an exact greedy feasibility test (OrchMLLM Alg. 2).
 - `route`: the balanced bins are interchangeable, so which rank runs which bin is free: choose it to move as
@@ -11,6 +12,9 @@ consumes it.
   Up to `EXACT_RANKS` ranks this is one linear assignment, exact for the total inter-node bytes; beyond, bins
   go to nodes greedily by bytes kept, and the gap to a lower bound (every bin on its best node, capacity
   ignored) is reported.
+
+- `phase_plan`: all of it over a plan's steps: per step, its samples' encoder work over the ranks, routed;
+  each phase's Dist on its own assignment, and the all-to-all's volume.
 
 Pure functions of their inputs: the plan stays a function of (index, config, seed, epoch).
 
@@ -22,18 +26,62 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numba
 import numpy as np
 
 from packfeed.server.plan.balance import lpt_assign
+from packfeed.server.plan.metrics import dist_ratio
 
 EXACT_RANKS = 512  # a linear assignment of R bins to R ranks costs O(R^3)
 
 
-def assign_phase(costs: np.ndarray, ranks: int) -> np.ndarray:
-    """The rank of every item: LPT without a per-rank limit (deterministic: ties to the lowest rank)."""
+def assign_phase(costs: np.ndarray, ranks: int, rounds: int = 256) -> np.ndarray:
+    """The rank of every item: LPT without a per-rank limit (deterministic: ties to the lowest rank), then
+    moves and swaps between the busiest and the idlest rank while they narrow the gap (never raising the
+    makespan, so LPT's 4/3 bound holds)."""
     if ranks < 1:
         raise ValueError(f"ranks must be >= 1, not {ranks}")
-    return lpt_assign(np.asarray(costs, dtype=np.float64), ranks, 0)
+    costs = np.asarray(costs, dtype=np.float64)
+    rank_of = lpt_assign(costs, ranks, 0)
+    _refine(costs, rank_of, ranks, rounds)
+    return rank_of
+
+
+@numba.njit(cache=True, nogil=True)
+def _refine(costs, rank_of, ranks, rounds):
+    """In place: the move (an item of the busiest rank to the idlest) or swap (one item each way) whose transfer
+    comes closest to half their gap, while one narrows it."""
+    load = np.zeros(ranks)
+    for i in range(len(costs)):
+        load[rank_of[i]] += costs[i]
+    for _ in range(rounds):
+        high, low = np.argmax(load), np.argmin(load)
+        gap = load[high] - load[low]
+        if gap <= 0:
+            return
+        best, best_i, best_j = gap, -1, -1  # |transfer - gap / 2| to beat: any transfer in (0, gap) narrows
+        for i in range(len(costs)):
+            if rank_of[i] != high:
+                continue
+            shift = abs(costs[i] - gap / 2)
+            if 0 < costs[i] < gap and shift < best - 1e-12:
+                best, best_i, best_j = shift, i, -1
+            for j in range(len(costs)):
+                if rank_of[j] != low:
+                    continue
+                transfer = costs[i] - costs[j]
+                shift = abs(transfer - gap / 2)
+                if 0 < transfer < gap and shift < best - 1e-12:
+                    best, best_i, best_j = shift, i, j
+        if best_i < 0:
+            return
+        rank_of[best_i] = low
+        load[high] -= costs[best_i]
+        load[low] += costs[best_i]
+        if best_j >= 0:
+            rank_of[best_j] = high
+            load[low] -= costs[best_j]
+            load[high] += costs[best_j]
 
 
 def padded_cost(lengths: np.ndarray) -> float:
@@ -137,3 +185,59 @@ def _greedy_route(volume: np.ndarray, per_node: np.ndarray, ranks_per_node: int)
             rank_of_bin[b] = best
             free.remove(best)
     return rank_of_bin
+
+
+@dataclass
+class PhasePlan:
+    """A plan's encoder phase on its own: the rank that encodes each member's vision units (in member order)."""
+
+    encoder_rank: np.ndarray
+    vision_dist: float  # the encoder phase's Dist on its own assignment
+    llm_dist: float  # the LLM phase's Dist (the packs' ranks, LLM cost only)
+    joint_vision_dist: float  # the encoder phase's Dist had each rank encoded its own packs' samples
+    moved_units: float  # vision units whose output leaves the rank that encoded them (the all-to-all)
+    inter_node_units: float  # ... and leaves its node
+    inter_node_bound: float  # no routing of the same bins moves fewer between nodes
+    unrouted_inter_node_units: float  # bins left on the ranks LPT numbered them: what routing saves
+    exact: bool
+
+
+def phase_plan(offsets: np.ndarray, members: np.ndarray, costs: np.ndarray, units: np.ndarray, dp: int,
+               microbatches: int, ranks_per_node: int) -> PhasePlan:
+    """`offsets`/`members`: packs in step-major order (step, rank, microbatch), as a Plan holds them;
+    `costs`: each sample's (vision, LLM) cost; `units`: each sample's vision units (what its output weighs).
+    Each step's samples are encoded apart from their packs, balanced over the ranks, and routed: a rank encodes
+    its share of every microbatch of the step, and one all-to-all per step hands each output to its consumer.
+    (Balancing each microbatch apart leaves too few, too coarse items: a document of many tiles alone would
+    set a microbatch's makespan.)"""
+    slots = dp * microbatches
+    n_packs = len(offsets) - 1
+    steps = n_packs // slots
+    sizes = np.diff(offsets)
+    pack_rank = (np.arange(n_packs) // microbatches) % dp
+    consumer = np.repeat(pack_rank, sizes)
+    encoder_rank = consumer.copy()
+    vision = costs[members, 0].astype(np.float64)
+    llm = costs[members, 1].astype(np.float64)
+    weight = units[members].astype(np.float64)
+    step_of = np.repeat(np.arange(n_packs) // slots, sizes)
+    phase_loads = np.zeros((steps, dp))
+    moved = inter = bound = unrouted = 0.0
+    exact = True
+    cuts = np.flatnonzero(np.diff(step_of)) + 1  # members are in step order already
+    for group in np.split(np.arange(len(members)), cuts) if len(members) else []:
+        bins = assign_phase(vision[group], dp)
+        routing = route(bins, consumer[group], weight[group], dp, ranks_per_node)
+        encoder_rank[group] = routing.rank_of_bin[bins]
+        np.add.at(phase_loads[step_of[group[0]]], encoder_rank[group], vision[group])
+        moved += routing.total_bytes
+        inter += routing.inter_node_bytes
+        bound += routing.inter_node_bound
+        unrouted += float(weight[group][bins // ranks_per_node != consumer[group] // ranks_per_node].sum())
+        exact = exact and routing.exact
+    llm_loads = np.zeros((steps, dp))
+    joint = np.zeros((steps, dp))
+    np.add.at(llm_loads, (step_of, consumer), llm)
+    np.add.at(joint, (step_of, consumer), vision)
+    return PhasePlan(encoder_rank, dist_ratio(phase_loads), dist_ratio(llm_loads), dist_ratio(joint), moved, inter,
+                     bound, unrouted, exact)
