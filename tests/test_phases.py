@@ -86,11 +86,14 @@ def test_beyond_the_exact_size_the_heuristic_is_a_valid_placement_above_its_boun
     assert greedy.inter_node_bytes <= identity
 
 
-def test_bad_shapes_are_refused():
+def test_bad_shapes_are_refused_and_a_partial_last_node_is_routed():
     with pytest.raises(ValueError, match="ranks must be"):
         assign_phase(np.ones(3), 0)
-    with pytest.raises(ValueError, match="do not fill nodes"):
-        route(np.zeros(2, int), np.zeros(2, int), np.ones(2), 6, 4)
+    with pytest.raises(ValueError, match="ranks_per_node must be"):
+        route(np.zeros(2, int), np.zeros(2, int), np.ones(2), 6, 0)
+    bins, consumers, sizes, volume = random_step(np.random.default_rng(11), 5)
+    routing = route(bins, consumers, sizes, 5, 2)  # nodes of 2, 2 and 1 ranks
+    assert routing.inter_node_bytes == pytest.approx(brute_force_route(volume, 2)[0])
 
 
 @pytest.mark.parametrize("strategy, better", [("isf", 5.0), ("isf+balance", 1.0)])
@@ -132,3 +135,66 @@ def test_refinement_never_raises_the_makespan_and_narrows_what_lpt_leaves():
     before = np.bincount(lpt_assign(costs, 3, 0), costs, minlength=3)
     after = np.bincount(assign_phase(costs, 3), costs, minlength=3)
     assert after.max() <= before.max() and after.max() - after.min() < before.max() - before.min()
+
+
+def packfeed_cli(*args: str):
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "packfeed.server.cli", *args], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def test_packfeed_plan_isf_phases_writes_encoder_rank(tmp_path):
+    """The issue's command: `packfeed plan --index INDEX --dp 8 --microbatches 4 --strategy isf+phases --out
+    plan.parquet`; the plan file holds encoder_rank (equal to rank under the other strategies), read back with
+    the plan; the summary reports each phase's Dist and the all-to-all."""
+    import json
+
+    import pyarrow.parquet as pq
+    from packfeed.server.plan.plan_file import read_plan
+
+    rng = np.random.default_rng(5)
+    n = 3000
+    tiles = rng.choice([0, 1, 2, 3, 5, 24], n, p=[0.25, 0.2, 0.2, 0.15, 0.15, 0.05])
+    records = [{"vit_num": int(t), "token_num": int(t * 256 + rng.integers(30, 1500)), "image_flags": int(t)}
+               for t in tiles]
+    (tmp_path / "mix.json").write_text(json.dumps(records))
+    packfeed_cli("index", "--from-lengths", str(tmp_path / "mix.json"), "--out", str(tmp_path / "index.parquet"))
+    outputs = {}
+    for strategy in ("isf+phases", "isf+balance"):
+        path = tmp_path / f"{strategy}.parquet"
+        summary = json.loads(packfeed_cli("plan", "--index", str(tmp_path / "index.parquet"), "--dp", "8",
+                                          "--microbatches", "4", "--strategy", strategy, "--ranks-per-node", "4",
+                                          "--out", str(path)))
+        table = pq.read_table(path)
+        outputs[strategy] = (summary, table, read_plan(path))
+    summary, table, plan = outputs["isf+phases"]
+    real = ~table.column("empty").to_numpy(zero_copy_only=False)
+    encoder, rank = table.column("encoder_rank").to_numpy()[real], table.column("rank").to_numpy()[real]
+    assert sorted(table.column("sample_id").to_numpy()[real].tolist()) == list(range(n))  # each encoded once
+    assert encoder.min() >= 0 and encoder.max() < 8 and (encoder != rank).any()
+    assert np.array_equal(plan.encoder_rank, encoder) and plan.config.ranks_per_node == 4
+    phases_ = summary["phases"]
+    assert phases_["vit_cost_dist"] <= phases_["vit_cost_dist_colocated"]
+    assert phases_["inter_node_bound"] <= phases_["inter_node_units"] <= phases_["all_to_all_units"]
+    _, balanced, balanced_plan = outputs["isf+balance"]
+    assert np.array_equal(balanced.column("encoder_rank").to_numpy(), balanced.column("rank").to_numpy())
+    assert balanced_plan.encoder_rank is None and "phases" not in outputs["isf+balance"][0]
+
+
+def test_a_server_refuses_isf_phases_until_packs_carry_the_routing(small_tile_index):
+    import grpc
+    from packfeed.client import LocalServer
+    from packfeed.v1 import packfeed_pb2 as pb
+    from packfeed.v1 import packfeed_pb2_grpc as pb_grpc
+
+    with LocalServer(small_tile_index, workers=1) as server:
+        stub = pb_grpc.PackfeedStub(grpc.insecure_channel(server.target))
+        with pytest.raises(grpc.RpcError) as refused:
+            stub.OpenJob(pb.OpenJobRequest(job="phases", plan=pb.PlanSpec(dp=2, strategy="isf+phases")))
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "not served yet" in refused.value.details()
+        stub.OpenJob(pb.OpenJobRequest(job="balanced", plan=pb.PlanSpec(dp=2)))  # other jobs are unaffected

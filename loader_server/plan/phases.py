@@ -13,6 +13,8 @@ consumes it.
   go to nodes greedily by bytes kept, and the gap to a lower bound (every bin on its best node, capacity
   ignored) is reported.
 
+- `balance_from`: an assignment narrowed from where each item's pack trains (so nothing moves without cause),
+  or LPT's when that is better.
 - `phase_plan`: all of it over a plan's steps: per step, its samples' encoder work over the ranks, routed;
   each phase's Dist on its own assignment, and the all-to-all's volume.
 
@@ -59,16 +61,14 @@ def _refine(costs, rank_of, ranks, rounds):
         gap = load[high] - load[low]
         if gap <= 0:
             return
-        best, best_i, best_j = gap, -1, -1  # |transfer - gap / 2| to beat: any transfer in (0, gap) narrows
-        for i in range(len(costs)):
-            if rank_of[i] != high:
-                continue
+        on_high = np.flatnonzero(rank_of == high)
+        on_low = np.flatnonzero(rank_of == low)
+        best, best_i, best_j = gap / 2, -1, -1  # |transfer - gap / 2| to beat: any transfer in (0, gap) narrows
+        for i in on_high:
             shift = abs(costs[i] - gap / 2)
             if 0 < costs[i] < gap and shift < best - 1e-12:
                 best, best_i, best_j = shift, i, -1
-            for j in range(len(costs)):
-                if rank_of[j] != low:
-                    continue
+            for j in on_low:
                 transfer = costs[i] - costs[j]
                 shift = abs(transfer - gap / 2)
                 if 0 < transfer < gap and shift < best - 1e-12:
@@ -82,6 +82,17 @@ def _refine(costs, rank_of, ranks, rounds):
             rank_of[best_j] = high
             load[low] -= costs[best_j]
             load[high] += costs[best_j]
+
+
+def balance_from(start: np.ndarray, costs: np.ndarray, ranks: int, rounds: int = 256) -> np.ndarray:
+    """The better (smaller makespan; on a tie, the start) of two: the start narrowed by moves and swaps, and LPT
+    narrowed the same way. Starting from where each item's pack trains, no item moves unless it helps."""
+    costs = np.asarray(costs, dtype=np.float64)
+    kept = np.asarray(start, dtype=np.int64).copy()
+    _refine(costs, kept, ranks, rounds)
+    fresh = assign_phase(costs, ranks, rounds)
+    makespan = [np.bincount(r, costs, minlength=ranks).max() if len(costs) else 0.0 for r in (kept, fresh)]
+    return fresh if makespan[1] < makespan[0] - 1e-9 * max(makespan[0], 1.0) else kept
 
 
 def padded_cost(lengths: np.ndarray) -> float:
@@ -139,13 +150,13 @@ class Routing:
 def route(bin_of_item: np.ndarray, consumer_of_item: np.ndarray, item_bytes: np.ndarray, ranks: int,
           ranks_per_node: int) -> Routing:
     """The rank of every bin: fewest bytes between nodes first, then fewest between ranks."""
-    if ranks % ranks_per_node:
-        raise ValueError(f"{ranks} ranks do not fill nodes of {ranks_per_node}")
+    if ranks_per_node < 1:
+        raise ValueError(f"ranks_per_node must be >= 1, not {ranks_per_node}")
     volume = np.zeros((ranks, ranks))  # bin -> consumer rank: bytes
     np.add.at(volume, (np.asarray(bin_of_item), np.asarray(consumer_of_item)), np.asarray(item_bytes, float))
-    nodes = ranks // ranks_per_node
-    node_of_rank = np.arange(ranks) // ranks_per_node
-    per_node = volume.reshape(ranks, nodes, ranks_per_node).sum(axis=2)  # bin -> bytes consumed on each node
+    node_of_rank = np.arange(ranks) // ranks_per_node  # the last node may hold fewer ranks
+    nodes = int(node_of_rank[-1]) + 1 if ranks else 0
+    per_node = volume @ np.eye(nodes)[node_of_rank]  # bin -> bytes consumed on each node
     total = volume.sum()
     bound = total - per_node.max(axis=1).sum()
     if ranks <= EXACT_RANKS:
@@ -159,18 +170,18 @@ def route(bin_of_item: np.ndarray, consumer_of_item: np.ndarray, item_bytes: np.
         rank_of_bin[bins] = chosen
         exact = True
     else:
-        rank_of_bin = _greedy_route(volume, per_node, ranks_per_node)
+        rank_of_bin = _greedy_route(volume, per_node, node_of_rank)
         exact = False
     kept_rank = volume[np.arange(ranks), rank_of_bin].sum()
     kept_node = per_node[np.arange(ranks), node_of_rank[rank_of_bin]].sum()
     return Routing(rank_of_bin, float(total - kept_rank), float(total - kept_node), float(bound), exact)
 
 
-def _greedy_route(volume: np.ndarray, per_node: np.ndarray, ranks_per_node: int) -> np.ndarray:
+def _greedy_route(volume: np.ndarray, per_node: np.ndarray, node_of_rank: np.ndarray) -> np.ndarray:
     """Bins to nodes by bytes kept (largest first, while the node has room), then within each node bins to
     ranks by bytes kept on the rank."""
     ranks, nodes = per_node.shape
-    room = np.full(nodes, ranks_per_node)
+    room = np.bincount(node_of_rank, minlength=nodes)
     node_of_bin = np.full(ranks, -1)
     for flat in np.argsort(-per_node, axis=None, kind="stable"):
         b, n = divmod(int(flat), nodes)
@@ -179,7 +190,7 @@ def _greedy_route(volume: np.ndarray, per_node: np.ndarray, ranks_per_node: int)
     rank_of_bin = np.empty(ranks, dtype=np.int64)
     for n in range(nodes):
         members = np.flatnonzero(node_of_bin == n)
-        free = list(range(n * ranks_per_node, (n + 1) * ranks_per_node))
+        free = np.flatnonzero(node_of_rank == n).tolist()
         for b in members[np.argsort(-volume[members][:, free].max(axis=1), kind="stable")]:
             best = max(free, key=lambda r: (volume[b, r], -r))
             rank_of_bin[b] = best
@@ -226,7 +237,7 @@ def phase_plan(offsets: np.ndarray, members: np.ndarray, costs: np.ndarray, unit
     exact = True
     cuts = np.flatnonzero(np.diff(step_of)) + 1  # members are in step order already
     for group in np.split(np.arange(len(members)), cuts) if len(members) else []:
-        bins = assign_phase(vision[group], dp)
+        bins = balance_from(consumer[group], vision[group], dp)
         routing = route(bins, consumer[group], weight[group], dp, ranks_per_node)
         encoder_rank[group] = routing.rank_of_bin[bins]
         np.add.at(phase_loads[step_of[group[0]]], encoder_rank[group], vision[group])

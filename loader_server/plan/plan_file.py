@@ -23,7 +23,7 @@ from packfeed.server import __version__
 from packfeed.server.plan.costs import SampleLoads
 from packfeed.server.plan.isf import Caps
 from packfeed.server.plan.metrics import dist_ratio, pad_ratio
-from packfeed.v1.options import PlanConfig
+from packfeed.v1.options import PlanConfig, Strategy
 
 PLAN_METADATA_KEY = b"packfeed.plan"
 
@@ -45,6 +45,8 @@ class Plan:
     pack_vision: np.ndarray | None = None  # per pack, kept from planning so summaries need no gathers
     pack_tokens: np.ndarray | None = None
     rows: Any = field(default=None, repr=False, compare=False)  # MixtureRows: sample ids are rows of a mixture
+    encoder_rank: np.ndarray | None = None  # isf+phases: per member, the rank encoding its vision units
+    phases: Any = field(default=None, repr=False, compare=False)  # isf+phases: its PhasePlan (metrics)
     _fingerprint: str | None = field(default=None, repr=False, compare=False)
 
     @property
@@ -126,7 +128,19 @@ class Plan:
                          "sample_ids": self.oversize[:20].tolist()},
             "caps": asdict(self.caps) if self.caps else None,
             "planning_seconds": round(self.seconds, 4),
+            **({"phases": self.phase_summary()} if self.phases is not None else {}),
         }
+
+    def phase_summary(self) -> dict[str, Any]:
+        """isf+phases: each phase's Dist of its cost model's costs on its own assignment (the encoder's also as it
+        would be colocated), and the all-to-all of encoder outputs in vision units: in all, between nodes, its
+        bound, and without the routing."""
+        p = self.phases
+        return {"vit_cost_dist": round(p.vision_dist, 6), "llm_cost_dist": round(p.llm_dist, 6),
+                "vit_cost_dist_colocated": round(p.joint_vision_dist, 6), "ranks_per_node": self.config.ranks_per_node,
+                "all_to_all_units": p.moved_units, "inter_node_units": p.inter_node_units,
+                "inter_node_bound": p.inter_node_bound, "inter_node_units_unrouted": p.unrouted_inter_node_units,
+                "routing_exact": p.exact}
 
     def fingerprint(self) -> str:
         """Digest of config, seed, epoch, index and every pack; computed once. Arrays are hashed as int64 in
@@ -135,7 +149,9 @@ class Plan:
             digest = hashlib.sha256()
             digest.update(json.dumps({"config": self.config.to_dict(), "seed": self.seed, "epoch": self.epoch,
                                       "index": self.index_fingerprint}, sort_keys=True).encode())
-            for array in (self.offsets, self.members, self.truncate_to):
+            arrays = (self.offsets, self.members, self.truncate_to) + \
+                ((self.encoder_rank,) if self.encoder_rank is not None else ())
+            for array in arrays:
                 for start in range(0, len(array), 1 << 22):
                     digest.update(np.ascontiguousarray(array[start:start + (1 << 22)], dtype=np.int64).tobytes())
             self._fingerprint = digest.hexdigest()[:32]
@@ -146,11 +162,14 @@ class Plan:
         empty = true."""
         step, rank, microbatch, position, sample_id, empty, truncate_to = _plan_rows(
             self.offsets, self.members, self.truncate_to, first, stop, self.config.dp, self.config.microbatches)
+        encoder_rank = rank.copy()  # every strategy but isf+phases encodes a sample where its pack trains
+        if self.encoder_rank is not None:
+            encoder_rank[~empty] = self.encoder_rank[self.offsets[first]:self.offsets[stop]]
         columns = {
             "epoch": pa.array(np.full(len(step), self.epoch, dtype=np.int32)),
             "step": pa.array(step), "rank": pa.array(rank), "microbatch": pa.array(microbatch),
             "position": pa.array(position), "sample_id": pa.array(sample_id), "empty": pa.array(empty),
-            "truncate_to": pa.array(truncate_to),
+            "truncate_to": pa.array(truncate_to), "encoder_rank": pa.array(encoder_rank),
         }
         if self.rows is not None:  # a mixture: each row's dataset, and its sample id in that dataset's index
             real = np.where(empty, 0, sample_id)
@@ -177,7 +196,7 @@ class Plan:
         # Statistics only where a reader filters (steps): the others cost a fifth of the encoding time.
         # Build the next chunk's rows (compiled, GIL released) while Arrow encodes the current one.
         delta = {name: "DELTA_BINARY_PACKED" for name in ("epoch", "step", "rank", "microbatch", "position",
-                                                          "sample_id", "truncate_to")}
+                                                          "sample_id", "truncate_to", "encoder_rank")}
         with pq.ParquetWriter(path, schema, compression="zstd", use_dictionary=["dataset"], column_encoding=delta,
                               write_statistics=["step"]) as writer, \
                 ThreadPoolExecutor(max_workers=1) as builder:
@@ -203,9 +222,12 @@ def read_plan(path: str | Path) -> Plan:
     n_packs = int(pack.max()) + 1 if len(pack) else 0
     offsets = np.zeros(n_packs + 1, dtype=np.int64)
     np.cumsum(np.bincount(pack[~empty], minlength=n_packs), out=offsets[1:])
-    return Plan(config, meta["seed"], meta["epoch"], Caps(**meta["caps"]) if meta["caps"] else None, offsets,
+    plan = Plan(config, meta["seed"], meta["epoch"], Caps(**meta["caps"]) if meta["caps"] else None, offsets,
                 table.column("sample_id").to_numpy()[~empty], table.column("truncate_to").to_numpy()[~empty]
                 .astype(np.int64), np.asarray(meta["oversize"], dtype=np.int64), meta["index_fingerprint"])
+    if config.strategy is Strategy.ISF_PHASES and "encoder_rank" in table.column_names:
+        plan.encoder_rank = table.column("encoder_rank").to_numpy()[~empty]
+    return plan
 
 
 @numba.njit(cache=True, nogil=True, parallel=True)

@@ -24,6 +24,7 @@ from packfeed.server.plan.caps import default_targets, search_caps
 from packfeed.server.plan.costs import SampleLoads, sample_costs
 from packfeed.server.plan.isf import Caps, IsfPacks, isf
 from packfeed.server.plan.pipeline_order import inter_reorder_many, stage_fractions, stage_times
+from packfeed.server.plan.phases import phase_plan
 from packfeed.server.plan.plan_file import Plan
 from packfeed.v1.options import Oversize, PlanConfig, Strategy
 
@@ -67,6 +68,10 @@ def make_plan(loads: SampleLoads, config: PlanConfig, seed: int, epoch: int, ind
     plan = Plan(config, seed, epoch, caps, offsets, members, truncate_to, oversize, index_fingerprint)
     if caps is not None:
         plan.pack_vision, plan.pack_tokens = pack_vision, pack_tokens
+    if config.strategy is Strategy.ISF_PHASES:
+        plan.phases = phase_plan(offsets, members, sample_costs(config.cost_model, loads), loads.vision, config.dp,
+                                 config.microbatches, min(config.ranks_per_node, config.dp))
+        plan.encoder_rank = plan.phases.encoder_rank
     plan.seconds = time.perf_counter() - started
     return plan
 
@@ -131,6 +136,8 @@ def _arrange_packs(loads, packs: IsfPacks, config: PlanConfig, streams):
     costs = sample_costs(config.cost_model, loads)
     pack_cv, pack_cl = _pack_costs(packs.members, packs.offsets, costs)
     pack_cost = pack_cv + pack_cl
+    # isf+phases encodes apart from the packs: the LLM's ranks are balanced on its cost alone
+    rank_cost = pack_cl if config.strategy is Strategy.ISF_PHASES else pack_cost
     members, offsets, pack_v, pack_t = packs.members, packs.offsets, packs.vision, packs.tokens
 
     if config.strategy is Strategy.ISF:
@@ -153,6 +160,7 @@ def _arrange_packs(loads, packs: IsfPacks, config: PlanConfig, streams):
         pack_cv = np.concatenate([pack_cv, [costs[piece, 0].sum(dtype=np.float64) for piece in pieces]])
         pack_cl = np.concatenate([pack_cl, [costs[piece, 1].sum(dtype=np.float64) for piece in pieces]])
         pack_cost = pack_cv + pack_cl
+        rank_cost = pack_cl if config.strategy is Strategy.ISF_PHASES else pack_cost
         last = np.full(slots, -1, dtype=np.int64)
         last[:len(pieces)] = first_new + np.arange(len(pieces))
         full = np.vstack([full, last[None, :]])
@@ -160,7 +168,7 @@ def _arrange_packs(loads, packs: IsfPacks, config: PlanConfig, streams):
     if config.strategy is Strategy.ISF:
         grid = full.reshape(-1, dp, m)
     else:
-        grid = _assign_ranks(full, pack_cost, dp, m)
+        grid = _assign_ranks(full, rank_cost, dp, m)
         # Which rank gets the heaviest pack is arbitrary; rotate it so no rank is systematically heavier.
         grid = _permute_ranks(grid, streams[_STREAM_RANKS].random((len(grid), dp)))
         if config.pipeline_stages > 1 and m > 1:

@@ -39,6 +39,8 @@ def compare_strategies(loads, config: PlanConfig, seed: int, fingerprint: str,
     caps = caps or resolve_caps(loads, config)
     rows, balanced = [], None
     for strategy in Strategy:
+        if strategy is Strategy.ISF_PHASES:  # its encoder phase has Dist figures of its own (`packfeed plan`)
+            continue
         plan = make_plan(loads, replace(config, strategy=strategy), seed, 0, fingerprint, caps=caps)
         summary = plan.summary(loads)
         _, llm = plan.pack_loads(loads)

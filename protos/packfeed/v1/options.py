@@ -40,6 +40,9 @@ class Strategy(_Named):
     LENGTH_GROUP = "length-group"  # baseline: LLaVA's length-grouped batches, padded
     ISF = "isf"  # OmniBal's ISF packs, placed in random order (its published step formation)
     ISF_BALANCE = "isf+balance"  # ISF packs, balanced steps, LPT over ranks, 1F1B microbatch order
+    # isf+balance with the LLM's ranks balanced on its own cost, and each step's encoder work assigned to ranks
+    # apart, balanced on its own, its outputs routed to their packs' ranks (OrchMLLM; plan/phases.py)
+    ISF_PHASES = "isf+phases"
 
     @property
     def padded(self) -> bool:
@@ -125,7 +128,7 @@ def _help(text: str) -> dict[str, str]:
 
 
 # Bounds of every count a request may carry: a server plans and holds state in proportion to them.
-LIMITS = {"dp": 65536, "microbatches": 1024, "pipeline_stages": 1024, "isf_iterations": 100,
+LIMITS = {"dp": 65536, "microbatches": 1024, "ranks_per_node": 65536, "pipeline_stages": 1024, "isf_iterations": 100,
           "samples_per_pack": 1024, "vision_cap": 2**31 - 1, "token_cap": 2**31 - 1, "vision_target": 2**31 - 1,
           "token_target": 2**31 - 1, "window": 2**40}
 
@@ -152,6 +155,8 @@ class PlanConfig:
         "(truncate); always reported"))
     cost_model: CostModel = field(default_factory=CostModel.from_shapes, metadata=_help(
         "per-sample cost coefficients to balance on (e.g. `packfeed train`'s OUT/cost_model.json)"))
+    ranks_per_node: int = field(default=8, metadata=_help(
+        "ranks per node: isf+phases routes encoder outputs to keep bytes within nodes"))
     window: int = field(default=0, metadata=_help(
         "plan the epoch in windows of this many samples (0: all at once): the first step within seconds at any "
         "size; each window's last step may be lighter"))
@@ -169,6 +174,8 @@ class PlanConfig:
             problems.append("dp, microbatches and pipeline_stages must be >= 1")
         if self.window < 0:
             problems.append("window must be >= 0 (0: the whole epoch at once)")
+        if self.ranks_per_node < 1:
+            problems.append("ranks_per_node must be >= 1")
         if self.isf_iterations < 1:
             problems.append("isf_iterations must be >= 1")
         if not self.samples_per_pack >= 1:  # NaN fails too
@@ -193,6 +200,8 @@ class PlanConfig:
         out["strategy"], out["oversize"] = self.strategy.value, self.oversize.value
         if not self.window:
             del out["window"]  # whole-epoch plans record what they recorded before windows existed
+        if self.strategy is not Strategy.ISF_PHASES:
+            del out["ranks_per_node"]  # ... and plans of the other strategies, what they did before phases
         return out
 
     @classmethod
