@@ -14,7 +14,7 @@ from packfeed.server.plan.planner import make_plan
 from packfeed.server.plan.plan_file import read_plan
 from packfeed.v1.options import Oversize, PlanConfig, Strategy
 
-ISF_STRATEGIES = ("isf", "isf+balance")
+ISF_STRATEGIES = tuple(s.value for s in Strategy if not s.padded)  # every strategy that packs under caps
 
 
 @st.composite

@@ -1,6 +1,6 @@
-"""Every phase balanced on its own (OrchMLLM's batch post-balancing), for one step: the step's encoder work is
-assigned to ranks apart from the LLM's packs, and each encoder output is routed to the rank whose pack
-consumes it.
+"""Every phase balanced on its own (OrchMLLM's batch post-balancing; the `isf+phases` strategy): each step's
+encoder work is assigned to ranks apart from the LLM's packs, and each encoder output is routed to the rank
+whose pack consumes it.
 
 - `assign_phase`: items of one encoder phase to ranks by greedy LPT, largest first onto the least-loaded rank
   (OrchMLLM Alg. 1, a 4/3-approximation of the best makespan, for encoders that do not pad), then narrowed by
@@ -12,7 +12,6 @@ consumes it.
   Up to `EXACT_RANKS` ranks this is one linear assignment, exact for the total inter-node bytes; beyond, bins
   go to nodes greedily by bytes kept, and the gap to a lower bound (every bin on its best node, capacity
   ignored) is reported.
-
 - `balance_from`: an assignment narrowed from where each item's pack trains (so nothing moves without cause),
   or LPT's when that is better.
 - `phase_plan`: all of it over a plan's steps: per step, its samples' encoder work over the ranks, routed;
@@ -20,8 +19,8 @@ consumes it.
 
 Pure functions of their inputs: the plan stays a function of (index, config, seed, epoch).
 
-Not yet wired: the `isf+phases` strategy, the plan file's `encoder_rank`, the wire and the trainer's
-all-to-all (issue [3/6] of the third wave) build on these.
+The planner runs `phase_plan` for `isf+phases` and the plan file records its `encoder_rank`; the wire that tells
+a rank what to encode for others, and the trainer's all-to-all, come next (issue [3/6] of the third wave).
 """
 
 from __future__ import annotations
