@@ -197,7 +197,7 @@ def test_real_model_steps_respect_every_dependency(encoder, schedule, chunks):
     costs, _ = pipeline_costs(table, cluster, layout, workload, "balanced")
     step = simulate_step(costs, layout, workload.loads[0], cluster, keep_run=True)
     check_dependencies(step)
-    assert step.step_s >= max(step.run.last_end(d, step.tasks) for d in step.run.intervals)
+    assert step.step_s >= max(step.run.last_task(d, step.tasks)[1] for d in step.run.intervals)
 
 
 def test_the_tiles_of_a_step_are_shared_evenly():

@@ -53,7 +53,8 @@ def make_plan(loads: SampleLoads, config: PlanConfig, seed: int, epoch: int, ind
         caps = caps or resolve_caps(loads, config)
         packs, oversize, cut, tokens = _isf_packs(loads, caps, config, streams[_STREAM_ISF])
         loads = replace(loads, tokens=tokens)  # the planner sees truncated samples at their cut length
-        sequence, packs, pieces = _arrange_packs(loads, packs, config, streams)
+        costs = sample_costs(config.cost_model, loads)
+        sequence, packs, pieces = _arrange_packs(loads, costs, packs, config, streams)
         packs_m, packs_o = packs.members, packs.offsets
         real = sequence >= 0
         pack_vision = np.where(real, packs.vision[np.where(real, sequence, 0)], 0)
@@ -69,8 +70,8 @@ def make_plan(loads: SampleLoads, config: PlanConfig, seed: int, epoch: int, ind
     if caps is not None:
         plan.pack_vision, plan.pack_tokens = pack_vision, pack_tokens
     if config.strategy is Strategy.ISF_PHASES:
-        plan.phases = phase_plan(offsets, members, sample_costs(config.cost_model, loads), loads.vision, config.dp,
-                                 config.microbatches, min(config.ranks_per_node, config.dp))
+        plan.phases = phase_plan(offsets, members, costs, loads.vision, config.dp, config.microbatches,
+                                 min(config.ranks_per_node, config.dp))
         plan.encoder_rank = plan.phases.encoder_rank
     plan.seconds = time.perf_counter() - started
     return plan
@@ -128,16 +129,14 @@ def _isf_packs(loads, caps: Caps, config: PlanConfig, rng):
     return packs, oversize, cut, tokens
 
 
-def _arrange_packs(loads, packs: IsfPacks, config: PlanConfig, streams):
-    """Order packs into steps x ranks x microbatches. Returns the pack sequence (-1 = empty pack), the packs'
-    loads extended by those of the pieces the last step was split into, and the pieces' members (pack
-    `len(packs) + k` is piece k: the members array is not copied for a handful of pieces)."""
+def _arrange_packs(loads, costs, packs: IsfPacks, config: PlanConfig, streams):
+    """Order packs into steps x ranks x microbatches (`costs`: every sample's, `sample_costs`). Returns the pack
+    sequence (-1 = empty pack), the packs' loads extended by those of the pieces the last step was split into,
+    and the pieces' members (pack `len(packs) + k` is piece k: the members array is not copied for a handful of
+    pieces)."""
     slots, dp, m = config.slots, config.dp, config.microbatches
-    costs = sample_costs(config.cost_model, loads)
     pack_cv, pack_cl = _pack_costs(packs.members, packs.offsets, costs)
     pack_cost = pack_cv + pack_cl
-    # isf+phases encodes apart from the packs: the LLM's ranks are balanced on its cost alone
-    rank_cost = pack_cl if config.strategy is Strategy.ISF_PHASES else pack_cost
     members, offsets, pack_v, pack_t = packs.members, packs.offsets, packs.vision, packs.tokens
 
     if config.strategy is Strategy.ISF:
@@ -160,7 +159,6 @@ def _arrange_packs(loads, packs: IsfPacks, config: PlanConfig, streams):
         pack_cv = np.concatenate([pack_cv, [costs[piece, 0].sum(dtype=np.float64) for piece in pieces]])
         pack_cl = np.concatenate([pack_cl, [costs[piece, 1].sum(dtype=np.float64) for piece in pieces]])
         pack_cost = pack_cv + pack_cl
-        rank_cost = pack_cl if config.strategy is Strategy.ISF_PHASES else pack_cost
         last = np.full(slots, -1, dtype=np.int64)
         last[:len(pieces)] = first_new + np.arange(len(pieces))
         full = np.vstack([full, last[None, :]])
@@ -168,7 +166,8 @@ def _arrange_packs(loads, packs: IsfPacks, config: PlanConfig, streams):
     if config.strategy is Strategy.ISF:
         grid = full.reshape(-1, dp, m)
     else:
-        grid = _assign_ranks(full, rank_cost, dp, m)
+        # isf+phases encodes apart from the packs: the LLM's ranks are balanced on its cost alone
+        grid = _assign_ranks(full, pack_cl if config.strategy is Strategy.ISF_PHASES else pack_cost, dp, m)
         # Which rank gets the heaviest pack is arbitrary; rotate it so no rank is systematically heavier.
         grid = _permute_ranks(grid, streams[_STREAM_RANKS].random((len(grid), dp)))
         if config.pipeline_stages > 1 and m > 1:

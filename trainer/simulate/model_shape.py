@@ -175,14 +175,15 @@ MEASURED_KINDS = {"vision_embed": "vision", "vit": "vision", "projector": "proje
                   "llm": "llm", "head": "head"}
 
 
-def measured_table(path: str | Path) -> LayerTable:
-    """A trainer's OUT/cost_model.json: its "layers" list holds every layer's fitted forward and backward
-    seconds (c0 + c1 * n + c2 * q, n = tiles for vision layers and tokens for the others) and its boundary
-    activation bytes per unit, measured on the trainer's hardware."""
-    try:
-        record = json.loads(Path(path).read_text())
-    except (OSError, json.JSONDecodeError) as error:
-        raise ValueError(f"--model {path}: cannot read a cost model ({error})") from error
+def measured_table(path: str | Path, record: dict | None = None) -> LayerTable:
+    """A trainer's OUT/cost_model.json (`record`: its contents, when read already): its "layers" list holds every
+    layer's fitted forward and backward seconds (c0 + c1 * n + c2 * q, n = tiles for vision layers and tokens
+    for the others) and its boundary activation bytes per unit, measured on the trainer's hardware."""
+    if record is None:
+        try:
+            record = json.loads(Path(path).read_text())
+        except (OSError, json.JSONDecodeError) as error:
+            raise ValueError(f"--model {path}: cannot read a cost model ({error})") from error
     layers = record.get("layers") if isinstance(record, dict) else None
     if not layers:
         raise ValueError(f"--model {path}: no per-layer costs in it; a `packfeed train` run of this version writes "
@@ -230,6 +231,6 @@ def load_model(name_or_path: str) -> tuple[LayerTable, ModelShape | None]:
         if isinstance(record, dict) and "vision" in record and "llm" in record:
             shape = shape_from_description(record, name_or_path)
             return shape.layer_table(), shape
-        return measured_table(name_or_path), None
+        return measured_table(name_or_path, record), None
     raise ValueError(f"--model {name_or_path!r}: give a preset ({', '.join(PRESETS)}) or a trainer's "
                      "OUT/cost_model.json")

@@ -175,7 +175,8 @@ def search_allocation(workload: Workload, table: LayerTable, cluster: Cluster, s
             break
         layout = Layout("disaggregated", replicas, settings.pp, settings.tp, settings.virtual_stages,
                         settings.schedule, encoder_gpus)
-        sampled = replace(workload.regrouped(replicas), loads=workload.regrouped(replicas).loads[sample])
+        regrouped = workload.regrouped(replicas)
+        sampled = replace(regrouped, loads=regrouped.loads[sample])
         results, _ = simulate_steps(table, cluster, layout, sampled, settings.partition)
         mean = float(np.mean([r.step_s for r in results]))
         simulated.append({"encoder_gpus": encoder_gpus * settings.tp, "llm_dp": replicas, "step_s": mean,

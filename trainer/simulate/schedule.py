@@ -90,9 +90,6 @@ class Run:
     def busy(self, device: int) -> float:
         return sum(e - s for s, e, _ in self.intervals.get(device, []))
 
-    def last_end(self, device: int, tasks: Sequence[Task], filler: bool | None = None) -> float:
-        return self.last_task(device, tasks, filler)[1]
-
     def last_task(self, device: int, tasks: Sequence[Task], filler: bool | None = None) -> tuple[float, float]:
         """(start, end) of the device's task that ended last (of one kind when `filler` is given)."""
         kept = [(e, i) for _, e, i in self.intervals.get(device, []) if filler is None or tasks[i].filler == filler]
