@@ -8,6 +8,7 @@ import itertools
 
 import numpy as np
 import pytest
+import torch
 from packfeed.server.plan import phases
 from packfeed.server.plan.phases import assign_padded_phase, assign_phase, padded_cost, route
 
@@ -185,16 +186,110 @@ def test_packfeed_plan_isf_phases_writes_encoder_rank(tmp_path):
     assert balanced_plan.encoder_rank is None and "phases" not in outputs["isf+balance"][0]
 
 
-def test_a_server_refuses_isf_phases_until_packs_carry_the_routing(small_tile_index):
+def phase_steps(index, job: str, dp: int, **plan) -> dict:
+    """Every step of one epoch for every rank of a DP `dp`, M 2 isf+phases job, over real gRPC from an embedded
+    server, tensors copied out of the messages: {rank: [Step, ...]}."""
+    from packfeed.client import LocalServer, PackStream
+
+    steps = {}
+    with LocalServer(index, workers=1) as server:
+        for rank in range(dp):
+            stream = PackStream(server.target, job=job, rank=rank, dp=dp, microbatches=2, seed=0,
+                                strategy="isf+phases", ranks_per_node=2, **plan)
+            steps[rank] = list(stream)
+            for step in steps[rank]:
+                for pack in step.packs:
+                    pack.tensors = {name: tensor.clone() for name, tensor in pack.tensors.items()}
+    return steps
+
+
+def images_of(pack) -> dict:
+    """(consumer rank, microbatch, position, image number) -> this pack's tiles of that image: the images it
+    encodes (`encode_target`) with their pixels, keyed as their consumers key them."""
+    rows = pack.encode_target.view(-1, 3).tolist()
+    tiles = pack.tiles()
+    tile_image = pack.tile_image.tolist()
+    out = {}
+    for i, (rank, position, k) in enumerate(rows):
+        out[(rank, pack.microbatch, position, k)] = [t for t, image in zip(tiles, tile_image) if image == i]
+    return out
+
+
+@pytest.mark.parametrize("dp", [2, 4])
+def test_served_routed_packs_encode_every_image_once_and_name_its_consumer(small_tile_index, dp):
+    """A real server serving isf+phases (routed) and the same plan colocated: the same LLM packs (keys, tokens)
+    and M packs per rank per step; every image a pack consumes is encoded by exactly the rank its `image_encoder`
+    names, once, with the pixels the colocated pack carries for it and its placeholder length; some images are
+    encoded by another rank than their consumer."""
+    routed = phase_steps(small_tile_index, f"routed-{dp}", dp)
+    colocated = phase_steps(small_tile_index, f"colocated-{dp}", dp, colocate_encoder=True)
+    moved = 0
+    for position in range(len(routed[0])):
+        encoded = {}  # image -> (encoder rank, tiles, placeholder tokens)
+        for rank in range(dp):
+            step = routed[rank][position]
+            assert len(step.packs) == 2 and step.step == colocated[rank][position].step
+            for pack in step.packs:
+                for image, tiles in images_of(pack).items():
+                    assert image not in encoded, f"{image} encoded twice"
+                    encoded[image] = (rank, tiles)
+        for rank in range(dp):
+            for pack, plain in zip(routed[rank][position].packs, colocated[rank][position].packs):
+                assert pack.sample_keys == plain.sample_keys
+                assert torch.equal(pack.input_ids, plain.input_ids) and torch.equal(pack.labels, plain.labels)
+                assert "image_encoder" not in plain.tensors and "encode_target" not in plain.tensors
+                rows = pack.image_encoder.view(-1, 3).tolist()
+                assert len(rows) == len(pack.image_token_spans.view(-1, 2)) == len(plain.image_token_spans.view(-1, 2))
+                plain_tiles = plain.tiles()
+                plain_image = plain.tile_image.tolist()
+                for i, (encoder, member, k) in enumerate(rows):
+                    by, tiles = encoded.pop((rank, pack.microbatch, member, k))
+                    assert by == encoder
+                    moved += by != rank
+                    expected = [t for t, image in zip(plain_tiles, plain_image) if image == i]
+                    assert len(tiles) == len(expected) and all(torch.equal(a, b) for a, b in zip(tiles, expected))
+        assert not encoded, f"images encoded for no consumer: {sorted(encoded)}"
+    assert moved > 0
+
+
+def test_encode_tokens_are_each_encoded_images_placeholders(small_tile_index):
+    routed = phase_steps(small_tile_index, "tokens", 2)
+    spans = {}
+    for rank, steps in routed.items():
+        for step in steps:
+            for pack in step.packs:
+                for (encoder, member, k), (_, length) in zip(pack.image_encoder.view(-1, 3).tolist(),
+                                                             pack.image_token_spans.view(-1, 2).tolist()):
+                    spans[(step.step, rank, pack.microbatch, member, k)] = length
+    checked = 0
+    for rank, steps in routed.items():
+        for step in steps:
+            for pack in step.packs:
+                for (consumer, member, k), tokens in zip(pack.encode_target.view(-1, 3).tolist(),
+                                                         pack.encode_tokens.tolist()):
+                    assert spans[(step.step, consumer, pack.microbatch, member, k)] == tokens
+                    checked += 1
+    assert checked == len(spans) > 0
+
+
+def test_a_server_refuses_to_route_what_it_cannot(tmp_path, small_tile_index):
+    """Encoded image files are cut by the client of the consuming pack: a routed job on such a dataset is refused
+    with what to do, other jobs go on."""
     import grpc
     from packfeed.client import LocalServer
     from packfeed.v1 import packfeed_pb2 as pb
     from packfeed.v1 import packfeed_pb2_grpc as pb_grpc
 
-    with LocalServer(small_tile_index, workers=1) as server:
+    import yaml
+
+    config = tmp_path / "server.yaml"
+    config.write_text(yaml.safe_dump({"datasets": {"files": {"index": str(small_tile_index), "pixels": "encoded"}}}))
+    with LocalServer(config=config, workers=1) as server:
         stub = pb_grpc.PackfeedStub(grpc.insecure_channel(server.target))
         with pytest.raises(grpc.RpcError) as refused:
             stub.OpenJob(pb.OpenJobRequest(job="phases", plan=pb.PlanSpec(dp=2, strategy="isf+phases")))
         assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-        assert "not served yet" in refused.value.details()
+        assert "colocate_encoder" in refused.value.details()
+        stub.OpenJob(pb.OpenJobRequest(job="colocated", plan=pb.PlanSpec(dp=2, strategy="isf+phases",
+                                                                         colocate_encoder=True)))
         stub.OpenJob(pb.OpenJobRequest(job="balanced", plan=pb.PlanSpec(dp=2)))  # other jobs are unaffected

@@ -86,6 +86,13 @@ class Plan:
         span = slice(self.offsets[p], self.offsets[p + 1])
         return self.members[span], self.truncate_to[span]
 
+    def pack_encoders(self, step: int, rank: int, microbatch: int) -> np.ndarray:
+        """The rank encoding each member of one pack (`rank` itself for every strategy but isf+phases)."""
+        p = (step * self.config.dp + rank) * self.config.microbatches + microbatch
+        if self.encoder_rank is None:
+            return np.full(self.offsets[p + 1] - self.offsets[p], rank, dtype=np.int64)
+        return np.asarray(self.encoder_rank[self.offsets[p]:self.offsets[p + 1]], dtype=np.int64)
+
     def step_members(self, step: int) -> np.ndarray:
         """Every sample of one global step (all ranks and microbatches)."""
         first = step * self.config.slots

@@ -72,9 +72,16 @@ def make_plan(loads: SampleLoads, config: PlanConfig, seed: int, epoch: int, ind
     if config.strategy is Strategy.ISF_PHASES:
         plan.phases = phase_plan(offsets, members, costs, loads.vision, config.dp, config.microbatches,
                                  min(config.ranks_per_node, config.dp))
-        plan.encoder_rank = plan.phases.encoder_rank
+        # colocated: the same packs, each encoded where it trains (the phase plan still says what routing saves)
+        plan.encoder_rank = _pack_ranks(offsets, config) if config.colocate_encoder else plan.phases.encoder_rank
     plan.seconds = time.perf_counter() - started
     return plan
+
+
+def _pack_ranks(offsets: np.ndarray, config: PlanConfig) -> np.ndarray:
+    """Per member, the rank whose pack holds it (packs are in step-major (step, rank, microbatch) order)."""
+    pack_rank = (np.arange(len(offsets) - 1) // config.microbatches) % config.dp
+    return np.repeat(pack_rank, np.diff(offsets)).astype(np.int64)
 
 
 def resolve_caps(loads: SampleLoads, config: PlanConfig) -> Caps:

@@ -139,6 +139,7 @@ class WindowedPlan:
         sizes = sizes[served_packs]
         return replace(plan, offsets=np.concatenate([[0], np.cumsum(sizes)]).astype(plan.offsets.dtype),
                        members=plan.members[served], truncate_to=plan.truncate_to[served],
+                       encoder_rank=None if plan.encoder_rank is None else plan.encoder_rank[served],
                        pack_vision=None if plan.pack_vision is None else plan.pack_vision[served_packs],
                        pack_tokens=None if plan.pack_tokens is None else plan.pack_tokens[served_packs])
 
@@ -196,6 +197,10 @@ class WindowedPlan:
     def step_members(self, step: int) -> np.ndarray:
         _, plan, local = self.locate(step)
         return plan.step_members(local)
+
+    def pack_encoders(self, step: int, rank: int, microbatch: int) -> np.ndarray:
+        _, plan, local = self.locate(step)
+        return plan.pack_encoders(local, rank, microbatch)
 
     def has_step(self, step: int) -> bool:
         try:

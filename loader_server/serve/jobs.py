@@ -30,9 +30,10 @@ from packfeed.server.plan.planner import make_plan, resolve_caps
 from packfeed.server.serve.conventions import conventions_of
 from packfeed.server.serve.observe import log
 from packfeed.server.serve.packs import IndexRows
+from packfeed.server.serve.routed import routed_encodes
 from packfeed.server.serve.workers import DatasetSource, RankStepWork, SharedSteps
 from packfeed.v1 import packfeed_pb2 as pb
-from packfeed.v1.options import PlanConfig
+from packfeed.v1.options import PlanConfig, Strategy
 
 MAX_SKIPPED_LISTED = 1000  # per job; the count keeps going
 # A decoded image held as RGBA (4 bytes a pixel), its RGB conversion (3) and resized copies (about 3 more)
@@ -196,7 +197,18 @@ class Dataset:
         parts_, sources, sample_ids = self.parts, *self.members(plan, plan.step_members(step))
         step_loss = sum(part.rows.loss_tokens(sample_ids[sources == k]) for k, part in enumerate(parts_))
         return RankStepWork(tuple(part.name for part in parts_), tuple(part.label for part in parts_),
-                            plan.epoch, step, rank, packs, step_loss, plan.is_last_step(step), plan.seed)
+                            plan.epoch, step, rank, packs, step_loss, plan.is_last_step(step), plan.seed,
+                            self._routing(plan, step, rank))
+
+    def _routing(self, plan: Plan, step: int, rank: int) -> list | None:
+        """isf+phases with the encoder routed: per microbatch, who encodes each member, and what `rank` encodes."""
+        if plan.config.strategy is not Strategy.ISF_PHASES or plan.config.colocate_encoder:
+            return None
+        routed = []
+        for microbatch, (ids, targets) in enumerate(routed_encodes(plan, step, rank)):
+            sources, sample_ids = self.members(plan, ids)
+            routed.append((plan.pack_encoders(step, rank, microbatch), (sample_ids, sources, targets)))
+        return routed
 
     def _step_samples(self, work: RankStepWork) -> list[tuple["Dataset", np.ndarray]]:
         """Each index the step reads with its samples there (these run in the event loop, for every step)."""

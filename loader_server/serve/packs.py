@@ -197,21 +197,31 @@ def build_pack(parts: list[tuple[IndexRows, Any, str]], members: np.ndarray, tru
     dataset label); `seed` is the job's (random video frames are drawn from it). A sample that fails at serve
     time is left out and reported in the pack's `skipped`; the pack still goes out, flagged empty if nothing is
     left."""
+    loaded, skipped = load_members(parts, members, truncate_to, sources, epoch, seed)
+    return assemble_pack([sample for _, sample in loaded], epoch, step, rank, microbatch, skipped)
+
+
+def load_members(parts: list[tuple[IndexRows, Any, str]], members: np.ndarray, truncate_to: np.ndarray,
+                 sources: np.ndarray, epoch: int, seed: int = 0, pixels: np.ndarray | None = None
+                 ) -> tuple[list[tuple[int, SampleTensors]], list[tuple[str, str]]]:
+    """(position, sample) of every member that loads, and (key, reason) of those that do not. `pixels`: per
+    member, whether to read its images (False: text and placeholder counts only); all when None."""
     from packfeed.server.serve.preprocess import SampleSkipped
 
-    samples, skipped = [], []
+    loaded, skipped = [], []
+    with_pixels = np.ones(len(members), dtype=bool) if pixels is None else np.asarray(pixels, dtype=bool)
     chosen = [(parts[source], parts[source][0].row(sample_id), limit) for sample_id, limit, source in
-              zip(members.tolist(), truncate_to.tolist(), np.asarray(sources).tolist())]
+              zip(members.tolist(), np.asarray(truncate_to).tolist(), np.asarray(sources).tolist())]
     for part in {id(part): part for part, _, _ in chosen}.values():  # object stores: all ranges at once
-        part[1].prefetch([row for other, row, _ in chosen if other is part])
-    for (_, reader, label), row, limit in chosen:
+        part[1].prefetch([row for (other, row, _), read in zip(chosen, with_pixels) if other is part and read])
+    for position, ((_, reader, label), row, limit) in enumerate(chosen):
         try:
-            sample = replace(reader.load(row, seed, epoch), source=label)
+            sample = replace(reader.load(row, seed, epoch, pixels=bool(with_pixels[position])), source=label)
         except SampleSkipped as error:
             skipped.append((row["key"], str(error)))
             continue
-        samples.append(truncate_sample(sample, limit) if limit > 0 else sample)
-    return assemble_pack(samples, epoch, step, rank, microbatch, skipped)
+        loaded.append((position, truncate_sample(sample, limit) if limit > 0 else sample))
+    return loaded, skipped
 
 
 def build_rank_step(plan, rows: IndexRows, reader, step: int, rank: int) -> list[Pack]:

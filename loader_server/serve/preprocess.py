@@ -234,9 +234,10 @@ class SampleReader:
             raise SampleSkipped(f"shard changed: {what} differs from the indexed content (checksum)")
         return data
 
-    def load(self, row: dict[str, Any], seed: int = 0, epoch: int = 0) -> SampleTensors:
+    def load(self, row: dict[str, Any], seed: int = 0, epoch: int = 0, pixels: bool = True) -> SampleTensors:
         """Pre-process one index row (as a dict of its columns); `seed` and `epoch` draw a random video policy's
-        frames. Raises SampleSkipped with the reason."""
+        frames; `pixels` False: its images are not read (no tiles; their placeholders and tile counts as the
+        index recorded them: another rank encodes them). Raises SampleSkipped with the reason."""
         if not row["valid"]:
             raise SampleSkipped(f"invalid in the index: {row['reason']}")
         read = self._reader(row)
@@ -246,7 +247,8 @@ class SampleReader:
             turns = attach_images(parse_conversation(raw), row["n_images"], row["n_videos"] or 0)
         except ConversationError as error:
             raise SampleSkipped(f"shard changed: {error}") from None
-        images = [] if row["frames_fps"] is not None else [self._image(read, row, k) for k in range(row["n_images"])]
+        images = [] if row["frames_fps"] is not None else [self._image(read, row, k, pixels)
+                                                            for k in range(row["n_images"])]
         videos = [self._video(read, row, k, seed, epoch) for k in range(row["n_videos"] or 0)]
         input_ids, labels, starts = cached_encoder(self.tokenizer_path, self.template).encode(
             turns, [item.tokens for item in images], [[item.tokens for item in video] for video in videos],
@@ -261,14 +263,17 @@ class SampleReader:
                              geometry=[item.geometry for item in items if item.encoded is not None],
                              kinds=[item.kind for item in items], frame_seconds=[item.seconds for item in items])
 
-    def _image(self, read, row: dict[str, Any], k: int) -> "_Item":
-        """The k-th image of the sample (its file's bytes and geometry, with pixels: encoded)."""
+    def _image(self, read, row: dict[str, Any], k: int, pixels: bool = True) -> "_Item":
+        """The k-th image of the sample (its file's bytes and geometry, with pixels: encoded; without `pixels`,
+        only its placeholder tokens and tile count)."""
         name, n_images = row["image_names"][k], row["n_images"]
         width, height = row["image_widths"][k], row["image_heights"][k]
-        data = self._member(read, row["image_offsets"][k], row["image_sizes"][k], row["image_checksums"][k],
-                            f"{row['key']}.{name}")
         tokens = self.policy.cost(width, height, n_images).llm_tokens
         geometry = self.policy.geometry(width, height, n_images)
+        if not pixels:
+            return _Item(IMAGE, [], len(geometry.tile_shapes()), tokens)
+        data = self._member(read, row["image_offsets"][k], row["image_sizes"][k], row["image_checksums"][k],
+                            f"{row['key']}.{name}")
         if self.pixels == "encoded":  # the client decodes, and checks the size against the geometry
             return _Item(IMAGE, [], len(geometry.tile_shapes()), tokens, encoded=data, geometry=geometry)
         tiles = self._tiles(data, geometry, f"{row['key']}.{name}")

@@ -10,7 +10,10 @@ import threading
 import time
 from dataclasses import replace
 
+import pyarrow.compute as pc
+
 from packfeed.server.serve.jobs import Dataset, Job, JobError, JobSpec, RankState
+from packfeed.v1.options import PlanConfig, Strategy
 
 MAX_NAME = 256  # characters of a job id or dataset name
 MAX_EPOCHS = 1_000_000
@@ -43,6 +46,7 @@ class JobRegistry:
             raise JobError("INVALID_ARGUMENT", f"epochs must be 1 to {MAX_EPOCHS}")
         dataset = self.dataset(spec.dataset)
         spec = replace(spec, dataset=dataset.name)
+        check_routable(spec.plan, dataset)
         with self._lock:
             job = self.jobs.get(spec.job)
             if job is not None and job.spec.describe() != spec.describe():
@@ -119,3 +123,20 @@ class JobRegistry:
         with self._lock:
             if self.jobs.get(job.spec.job) is job:
                 del self.jobs[job.spec.job]
+
+
+def check_routable(plan: PlanConfig, dataset) -> None:
+    """isf+phases routes images between ranks. A video's frames are sampled and encoded with its sample (its
+    tiles and placeholders are decided together), and encoded image files are cut by the client of the pack that
+    consumes them: datasets with either are served colocated only."""
+    if plan.strategy is not Strategy.ISF_PHASES or plan.colocate_encoder:
+        return
+    if any(part.source.pixels == "encoded" for part in dataset.parts):
+        raise JobError("INVALID_ARGUMENT", f"dataset {dataset.name} sends image files (pixels: encoded), which the "
+                                           "client decodes per consumed sample; isf+phases routes images to other "
+                                           "ranks: serve it with pixels: exact or fast, or set colocate_encoder")
+    videos = sum(int(pc.sum(pc.greater(part.rows.table.column("n_videos"), 0)).as_py() or 0) for part in dataset.parts)
+    if videos:
+        raise JobError("INVALID_ARGUMENT", f"dataset {dataset.name}: {videos} samples hold videos, which isf+phases "
+                                           "does not route between ranks (images only): set colocate_encoder, or "
+                                           "use isf+balance")

@@ -35,7 +35,7 @@ from packfeed.server.serve.producer import END, produce
 from packfeed.server.serve.wire import pack_parts
 from packfeed.server.serve.workers import RankStepResult, WorkerPool
 from packfeed.v1 import packfeed_pb2 as pb
-from packfeed.v1.options import PlanConfig, Strategy
+from packfeed.v1.options import PlanConfig
 
 SERVICE = pb.DESCRIPTOR.services_by_name["Packfeed"].full_name
 MAX_REPLICAS = 1024  # consumers of one DP rank (a TP x CP x SP group beyond this is not a real deployment)
@@ -141,9 +141,6 @@ class PackfeedService:
             resume = resume_of(request) if request.HasField("resume") else None
         except ValueError as error:
             raise JobError("INVALID_ARGUMENT", str(error)) from None
-        if plan.strategy is Strategy.ISF_PHASES:
-            raise JobError("INVALID_ARGUMENT", "strategy isf+phases is planned (`packfeed plan`) but not served yet: "
-                           "packs do not yet tell a rank which other ranks' samples to encode; use isf+balance")
         spec = JobSpec(request.job, request.dataset, plan, request.seed, request.epochs or 1, resume)
         job = await asyncio.get_running_loop().run_in_executor(self.planning, self.registry.open_job, spec,
                                                                request.plan_fingerprint)

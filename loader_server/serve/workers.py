@@ -29,6 +29,7 @@ from typing import Callable
 import numpy as np
 
 from packfeed.server.serve.packs import IndexRows, build_pack
+from packfeed.server.serve.routed import build_routed_pack
 from packfeed.server.serve.preprocess import SampleReader
 from packfeed.server.serve.observe import log
 from packfeed.server.serve.wire import SplitMessage, pack_pieces
@@ -57,12 +58,18 @@ class RankStepWork:
     step_loss_tokens: int
     last_in_epoch: bool
     seed: int = 0  # the job's: random video frames are drawn from (seed, epoch, sample key)
+    # isf+phases (`packfeed.server.serve.routed`), per microbatch: the rank encoding each member of the pack, and
+    # what this rank encodes there (sample ids, sources, targets: consumer rank and planned position)
+    routed: list[tuple[np.ndarray, tuple[np.ndarray, np.ndarray, np.ndarray]]] | None = None
 
-    def samples_by_source(self) -> list[tuple[int, np.ndarray]]:
+    def samples_by_source(self, pixels_only: bool = False) -> list[tuple[int, np.ndarray]]:
         """(source k, its sample ids) for each index the step reads, every pack's samples together: a step's
-        per-index reads (budget estimates, tile bytes) read each column once per step, not once per pack."""
-        ids = np.concatenate([np.asarray(ids, dtype=np.int64) for ids, _, _ in self.packs])
-        sources = np.concatenate([np.asarray(sources) for _, _, sources in self.packs])
+        per-index reads (budget estimates, tile bytes) read each column once per step, not once per pack.
+        `pixels_only`: the samples whose images this rank reads (routed: those it encodes)."""
+        groups = [(ids, sources) for ids, _, sources in self.packs] if not (pixels_only and self.routed) else []
+        groups += [(ids, sources) for _, (ids, sources, _) in self.routed or ()]
+        ids = np.concatenate([np.asarray(ids, dtype=np.int64) for ids, _ in groups] or [np.zeros(0, np.int64)])
+        sources = np.concatenate([np.asarray(sources) for _, sources in groups] or [np.zeros(0, np.int32)])
         chosen = [(k, ids[sources == k]) for k in range(len(self.datasets))]
         return [(k, source_ids) for k, source_ids in chosen if len(source_ids)]
 
@@ -532,8 +539,13 @@ def _build_rank_step(work: RankStepWork, shared: str | None) -> RankStepResult:
     try:
         pieces, skipped, samples, by_dataset = [], [], 0, collections.Counter()
         for microbatch, (members, truncate_to, sources) in enumerate(work.packs):
-            pack = build_pack(parts, members, truncate_to, sources, work.epoch, work.step, work.rank, microbatch,
-                              work.seed)
+            if work.routed is not None:
+                encoders, encode = work.routed[microbatch]
+                pack = build_routed_pack(parts, (members, truncate_to, sources), encoders, encode, work.epoch,
+                                         work.step, work.rank, microbatch, work.seed)
+            else:
+                pack = build_pack(parts, members, truncate_to, sources, work.epoch, work.step, work.rank,
+                                  microbatch, work.seed)
             pack.step_loss_tokens = work.step_loss_tokens
             pieces.append(pack_pieces(pack, len(work.packs), work.last_in_epoch))
             skipped.extend(pack.skipped)
@@ -563,7 +575,8 @@ def _build_rank_step(work: RankStepWork, shared: str | None) -> RankStepResult:
 
 def _tile_bytes(parts: list, work: RankStepWork) -> int:
     """Bytes of the step's tiles as the index counts them (none where a dataset sends encoded images)."""
-    return sum(parts[k][0].pixel_bytes(ids) for k, ids in work.samples_by_source() if parts[k][1].pixels != "encoded")
+    return sum(parts[k][0].pixel_bytes(ids) for k, ids in work.samples_by_source(pixels_only=True)
+               if parts[k][1].pixels != "encoded")
 
 
 def _empty(path: str) -> None:

@@ -157,6 +157,9 @@ class PlanConfig:
         "per-sample cost coefficients to balance on (e.g. `packfeed train`'s OUT/cost_model.json)"))
     ranks_per_node: int = field(default=8, metadata=_help(
         "ranks per node: isf+phases routes encoder outputs to keep bytes within nodes"))
+    colocate_encoder: bool = field(default=False, metadata=_help(
+        "isf+phases: the same packs, but every rank encodes its own packs' images (no all-to-all): the baseline "
+        "for the routed encoder, and for trainers that cannot exchange encoder outputs"))
     window: int = field(default=0, metadata=_help(
         "plan the epoch in windows of this many samples (0: all at once): the first step within seconds at any "
         "size; each window's last step may be lighter"))
@@ -176,6 +179,8 @@ class PlanConfig:
             problems.append("window must be >= 0 (0: the whole epoch at once)")
         if self.ranks_per_node < 1:
             problems.append("ranks_per_node must be >= 1")
+        if self.colocate_encoder and self.strategy is not Strategy.ISF_PHASES:
+            problems.append("colocate_encoder applies to strategy isf+phases only (the others always colocate)")
         if self.isf_iterations < 1:
             problems.append("isf_iterations must be >= 1")
         if not self.samples_per_pack >= 1:  # NaN fails too
@@ -202,6 +207,8 @@ class PlanConfig:
             del out["window"]  # whole-epoch plans record what they recorded before windows existed
         if self.strategy is not Strategy.ISF_PHASES:
             del out["ranks_per_node"]  # ... and plans of the other strategies, what they did before phases
+        if not self.colocate_encoder:
+            del out["colocate_encoder"]
         return out
 
     @classmethod
