@@ -48,6 +48,32 @@ def small_tile_index(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def routed_steps(small_tile_index):
+    """routed_steps(dp, colocate=False): every step of one epoch for every rank of a DP `dp`, M 2 isf+phases job
+    (ranks_per_node 2), served over real gRPC by an embedded server, routed or colocated, tensors copied out of
+    the messages: {rank: [Step, ...]}. Served once per (dp, colocate) in a session."""
+    from packfeed.client import LocalServer, PackStream
+
+    served = {}
+
+    def steps_of(dp: int, colocate: bool = False) -> dict:
+        if (dp, colocate) not in served:
+            steps = {}
+            with LocalServer(small_tile_index, workers=1) as server:
+                for rank in range(dp):
+                    stream = PackStream(server.target, job="phases", rank=rank, dp=dp, microbatches=2, seed=0,
+                                        strategy="isf+phases", ranks_per_node=2, colocate_encoder=colocate)
+                    steps[rank] = list(stream)
+                    for step in steps[rank]:
+                        for pack in step.packs:
+                            pack.tensors = {name: tensor.clone() for name, tensor in pack.tensors.items()}
+            served[(dp, colocate)] = steps
+        return served[(dp, colocate)]
+
+    return steps_of
+
+
+@pytest.fixture(scope="session")
 def served_steps(small_tile_index):
     """Every step of one epoch for both ranks of a DP 2, M 2 job, received over real gRPC from an embedded
     server, with tensors copied out of the messages: {rank: [Step, ...]}."""

@@ -186,90 +186,32 @@ def test_packfeed_plan_isf_phases_writes_encoder_rank(tmp_path):
     assert balanced_plan.encoder_rank is None and "phases" not in outputs["isf+balance"][0]
 
 
-def phase_steps(index, job: str, dp: int, **plan) -> dict:
-    """Every step of one epoch for every rank of a DP `dp`, M 2 isf+phases job, over real gRPC from an embedded
-    server, tensors copied out of the messages: {rank: [Step, ...]}."""
-    from packfeed.client import LocalServer, PackStream
-
-    steps = {}
-    with LocalServer(index, workers=1) as server:
-        for rank in range(dp):
-            stream = PackStream(server.target, job=job, rank=rank, dp=dp, microbatches=2, seed=0,
-                                strategy="isf+phases", ranks_per_node=2, **plan)
-            steps[rank] = list(stream)
-            for step in steps[rank]:
-                for pack in step.packs:
-                    pack.tensors = {name: tensor.clone() for name, tensor in pack.tensors.items()}
-    return steps
-
-
-def images_of(pack) -> dict:
-    """(consumer rank, microbatch, position, image number) -> this pack's tiles of that image: the images it
-    encodes (`encode_target`) with their pixels, keyed as their consumers key them."""
-    rows = pack.encode_target.view(-1, 3).tolist()
-    tiles = pack.tiles()
-    tile_image = pack.tile_image.tolist()
-    out = {}
-    for i, (rank, position, k) in enumerate(rows):
-        out[(rank, pack.microbatch, position, k)] = [t for t, image in zip(tiles, tile_image) if image == i]
-    return out
-
-
 @pytest.mark.parametrize("dp", [2, 4])
-def test_served_routed_packs_encode_every_image_once_and_name_its_consumer(small_tile_index, dp):
-    """A real server serving isf+phases (routed) and the same plan colocated: the same LLM packs (keys, tokens)
-    and M packs per rank per step; every image a pack consumes is encoded by exactly the rank its `image_encoder`
-    names, once, with the pixels the colocated pack carries for it and its placeholder length; some images are
+def test_served_routed_packs_encode_every_image_once_and_name_its_consumer(routed_steps, dp):
+    """A real server serving isf+phases routed and the same plan colocated: the same LLM packs, M packs per rank
+    per step; every image a pack consumes is encoded once, by the rank its `image_encoder` names, with its
+    placeholder length (`assert_routed`) and the very pixels the colocated pack carries for it; some images are
     encoded by another rank than their consumer."""
-    routed = phase_steps(small_tile_index, f"routed-{dp}", dp)
-    colocated = phase_steps(small_tile_index, f"colocated-{dp}", dp, colocate_encoder=True)
-    moved = 0
+    routed, colocated = routed_steps(dp), routed_steps(dp, colocate=True)
+    assert assert_routed(routed, dp) > 0
     for position in range(len(routed[0])):
-        encoded = {}  # image -> (encoder rank, tiles, placeholder tokens)
+        pixels = {}  # image -> its tiles, as the rank encoding it got them
         for rank in range(dp):
-            step = routed[rank][position]
-            assert len(step.packs) == 2 and step.step == colocated[rank][position].step
-            for pack in step.packs:
-                for image, tiles in images_of(pack).items():
-                    assert image not in encoded, f"{image} encoded twice"
-                    encoded[image] = (rank, tiles)
+            for pack in routed[rank][position].packs:
+                tile_image = pack.tile_image.tolist()
+                for i, (consumer, member, k) in enumerate(pack.encode_target.view(-1, 3).tolist()):
+                    pixels[(consumer, pack.microbatch, member, k)] = [
+                        t for t, image in zip(pack.tiles(), tile_image) if image == i]
         for rank in range(dp):
             for pack, plain in zip(routed[rank][position].packs, colocated[rank][position].packs):
                 assert pack.sample_keys == plain.sample_keys
                 assert torch.equal(pack.input_ids, plain.input_ids) and torch.equal(pack.labels, plain.labels)
                 assert "image_encoder" not in plain.tensors and "encode_target" not in plain.tensors
-                rows = pack.image_encoder.view(-1, 3).tolist()
-                assert len(rows) == len(pack.image_token_spans.view(-1, 2)) == len(plain.image_token_spans.view(-1, 2))
-                plain_tiles = plain.tiles()
                 plain_image = plain.tile_image.tolist()
-                for i, (encoder, member, k) in enumerate(rows):
-                    by, tiles = encoded.pop((rank, pack.microbatch, member, k))
-                    assert by == encoder
-                    moved += by != rank
-                    expected = [t for t, image in zip(plain_tiles, plain_image) if image == i]
-                    assert len(tiles) == len(expected) and all(torch.equal(a, b) for a, b in zip(tiles, expected))
-        assert not encoded, f"images encoded for no consumer: {sorted(encoded)}"
-    assert moved > 0
-
-
-def test_encode_tokens_are_each_encoded_images_placeholders(small_tile_index):
-    routed = phase_steps(small_tile_index, "tokens", 2)
-    spans = {}
-    for rank, steps in routed.items():
-        for step in steps:
-            for pack in step.packs:
-                for (encoder, member, k), (_, length) in zip(pack.image_encoder.view(-1, 3).tolist(),
-                                                             pack.image_token_spans.view(-1, 2).tolist()):
-                    spans[(step.step, rank, pack.microbatch, member, k)] = length
-    checked = 0
-    for rank, steps in routed.items():
-        for step in steps:
-            for pack in step.packs:
-                for (consumer, member, k), tokens in zip(pack.encode_target.view(-1, 3).tolist(),
-                                                         pack.encode_tokens.tolist()):
-                    assert spans[(step.step, consumer, pack.microbatch, member, k)] == tokens
-                    checked += 1
-    assert checked == len(spans) > 0
+                for i, (_, member, k) in enumerate(pack.image_encoder.view(-1, 3).tolist()):
+                    expected = [t for t, image in zip(plain.tiles(), plain_image) if image == i]
+                    got = pixels[(rank, pack.microbatch, member, k)]
+                    assert len(got) == len(expected) > 0 and all(torch.equal(a, b) for a, b in zip(got, expected))
 
 
 def test_a_server_refuses_to_route_what_it_cannot(tmp_path, small_tile_index):
@@ -293,3 +235,73 @@ def test_a_server_refuses_to_route_what_it_cannot(tmp_path, small_tile_index):
         stub.OpenJob(pb.OpenJobRequest(job="colocated", plan=pb.PlanSpec(dp=2, strategy="isf+phases",
                                                                          colocate_encoder=True)))
         stub.OpenJob(pb.OpenJobRequest(job="balanced", plan=pb.PlanSpec(dp=2)))  # other jobs are unaffected
+
+
+def assert_routed(steps: dict, dp: int) -> int:
+    """Every image each rank's packs consume is encoded exactly once, by the rank its `image_encoder` names, with
+    as many placeholder tokens as its span; nothing is encoded for no consumer. Returns the images moved."""
+    moved = 0
+    for position in range(len(steps[0])):
+        encoded = {}
+        for rank in range(dp):
+            step = steps[rank][position]
+            assert len(step.packs) == 2
+            for pack in step.packs:
+                for (consumer, member, k), tokens in zip(pack.encode_target.view(-1, 3).tolist(),
+                                                         pack.encode_tokens.tolist()):
+                    image = (consumer, pack.microbatch, member, k)
+                    assert image not in encoded, f"{image} encoded twice"
+                    encoded[image] = (rank, tokens)
+        for rank in range(dp):
+            for pack in steps[rank][position].packs:
+                for (encoder, member, k), (_, length) in zip(pack.image_encoder.view(-1, 3).tolist(),
+                                                             pack.image_token_spans.view(-1, 2).tolist()):
+                    assert encoded.pop((rank, pack.microbatch, member, k)) == (encoder, length)
+                    moved += encoder != rank
+        assert not encoded, f"images encoded for no consumer: {sorted(encoded)}"
+    return moved
+
+
+def stream_all(target: str, dp: int, **options) -> dict:
+    from packfeed.client import PackStream
+
+    steps = {}
+    for rank in range(dp):
+        with PackStream(target, rank=rank, dp=dp, microbatches=2, strategy="isf+phases", ranks_per_node=2,
+                        **options) as stream:
+            steps[rank] = list(stream)
+    return steps
+
+
+@pytest.mark.slow
+def test_routing_holds_in_windows_mixtures_replicas_and_elastic_resume(tmp_path, small_tile_index):
+    """A routed job planned in windows of 12 samples, over a mixture of two image datasets, read by a second
+    replica, and resumed elastically at another DP: every image encoded once by the rank its consumer names;
+    a replica gets its rank's very packs."""
+    import yaml
+
+    from packfeed.client import LocalServer, PackStream
+
+    mix = tmp_path / "mix.yaml"
+    mix.write_text(yaml.safe_dump({"name": "mix", "datasets": {"a": {"index": str(small_tile_index), "repeat": 1},
+                                                               "b": {"index": str(small_tile_index), "repeat": 0.5}}}))
+    with LocalServer(None, workers=1, extra_args=["--mixture", str(mix)]) as server:
+        windowed = stream_all(server.target, 2, job="windowed", dataset="mix", window=12)
+        assert assert_routed(windowed, 2) > 0
+        assert len({source for steps in windowed.values() for step in steps for source in step.sample_sources}) == 2
+        with PackStream(server.target, job="windowed", rank=1, dataset="mix", dp=2, microbatches=2,
+                        strategy="isf+phases", ranks_per_node=2, window=12, replica=1, replicas=2) as replica:
+            copies = list(replica)
+        assert [s.sample_keys for s in copies] == [s.sample_keys for s in windowed[1]]
+        assert all(torch.equal(a.encode_target, b.encode_target) and torch.equal(a.pixels, b.pixels)
+                   for s, t in zip(copies, windowed[1]) for a, b in zip(s.packs, t.packs))
+
+        states = []
+        for rank in range(2):  # the old job: DP 2, every rank one step in
+            stream = PackStream(server.target, job="old", rank=rank, dataset="mix", dp=2, microbatches=2,
+                                strategy="isf+phases", ranks_per_node=2)
+            next(iter(stream))
+            states.append(stream.state_dict())
+            stream.close()
+        resumed = stream_all(server.target, 4, job="new", dataset="mix", resume=states)
+        assert assert_routed(resumed, 4) > 0

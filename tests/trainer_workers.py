@@ -89,6 +89,47 @@ def bubble_step(rank: int, world: int, dp: int, pp: int, init_file: str, steps_f
         dist.destroy_process_group()
 
 
+def phase_step(rank: int, world: int, init_file: str, steps_file: str, out_dir: str, control: bool = False) -> None:
+    """One step with the encoder's work routed (parallel.encoder=phases) at DP `world`, pp 1. Saves every
+    gradient and the microbatch losses. `control`: each rank sends its encoder outputs under one another's names
+    (rotated among images of the same size), a wrong route the test must see."""
+    from dataclasses import replace
+
+    from packfeed.trainer.parallel.phases import PhaseRunner
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        mesh = make_mesh(world, 1, torch.device("cpu"))
+        model = ReferenceModel(VLMConfig(**SMALL_MODEL))
+        first = model.vision.encoder_layers
+        encoder = StageModule(model.layers, 0, first)
+        stage = StageModule(model.layers, first, model.n_layers, ends_model=True)
+        runner = PhaseRunner(mesh, encoder, stage, model, 2)
+        batch = microbatches_of(torch.load(steps_file, weights_only=False)[rank], model.config)
+        if control:
+            batch.routed = [replace(images, encoded=misrouted(images.encoded)) for images in batch.routed]
+        shape = share_step_shape(mesh, batch.shape)
+        losses = runner.run(shape, batch)
+        grads = {name.split(".", 1)[1]: p.grad.clone() for module in (encoder, stage)
+                 for name, p in module.named_parameters() if p.grad is not None}
+        torch.save({"grads": grads, "losses": [float(x) for x in losses], "stats": runner.last_stats},
+                   f"{out_dir}/rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def misrouted(encoded: list[tuple]) -> list[tuple]:
+    """Each image's name given to the next image of the same size (a route that delivers every output, wrongly)."""
+    out = list(encoded)
+    by_units: dict[int, list[int]] = {}
+    for i, row in enumerate(encoded):
+        by_units.setdefault(row[3], []).append(i)
+    for members in by_units.values():
+        for i, j in zip(members, members[1:] + members[:1]):
+            out[j] = encoded[i]
+    return out
+
+
 def hf_step_grads(rank: int, world: int, family: str, data_file: str, init_file: str, out_dir: str,
                   wrap: str = "fsdp") -> None:
     """One global step of a Hugging Face model over `world` ranks, sharded with FSDP2 (`wrap="fsdp"`) or

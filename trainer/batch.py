@@ -47,6 +47,18 @@ class StepShape:
         return tuple(int(getattr(self, name)) for name in SIZE_FIELDS)
 
 
+@dataclass(frozen=True)
+class RoutedImages:
+    """One microbatch of a routed step (plan strategy isf+phases, `packfeed.server.serve.routed`): the images this
+    rank encodes for microbatch m of any rank, and where the images of its own pack m are encoded. An image is
+    named by (consumer rank, microbatch, planned position of its sample, its number in the sample) on both sides."""
+
+    encode_input: torch.Tensor  # the encoder's input units (tiles) of the images encoded here, image after image
+    encoded: list[tuple[int, int, int, int]]  # per image encoded here: (consumer rank, position, number, units)
+    consumed: list[tuple[int, int, int, int, int]]  # per image of the pack: (encoder rank, position, number,
+    # units, sample index in the pack)
+
+
 @dataclass
 class Microbatches:
     """The step's M microbatches concatenated along dim 0 (the first stage's inputs) and its shape."""
@@ -56,6 +68,7 @@ class Microbatches:
     real_tokens: int
     real_tiles: int
     samples_by_dataset: dict[str, int] = field(default_factory=dict)  # of this replica's packs
+    routed: list[RoutedImages] | None = None  # per microbatch, when the step's images are routed (isf+phases)
 
     def microbatch(self, m: int, count: int) -> tuple[torch.Tensor, ...]:
         """Microbatch m of `count`, as the schedule splits it."""

@@ -59,11 +59,14 @@ class DataConfig:
             raise ValueError(f"data.cost_model {self.cost_model} not found (an earlier run's OUT/cost_model.json)")
         self.plan(dp=1, pipeline_stages=1)  # a bad strategy or cap fails now, not at the first stream
 
-    def plan(self, dp: int, pipeline_stages: int) -> PlanConfig:
-        """The job's plan specification on a (dp, pipeline_stages) mesh."""
+    def plan(self, dp: int, pipeline_stages: int, routed: bool = False) -> PlanConfig:
+        """The job's plan specification on a (dp, pipeline_stages) mesh. isf+phases is served routed only to a
+        trainer that exchanges encoder outputs (`routed`, parallel.encoder=phases); to the others, colocated."""
         values = {name: getattr(self, name) for name in PLAN_FIELDS}
         if self.cost_model:
             values["cost_model"] = json.loads(Path(self.cost_model).read_text())
+        if Strategy.parse(self.strategy, "data.strategy") is Strategy.ISF_PHASES and not routed:
+            values["colocate_encoder"] = True
         return PlanConfig(dp=dp, pipeline_stages=pipeline_stages, **values)
 
 
@@ -78,8 +81,10 @@ class ParallelConfig:
     # gradients and optimizer state; after the partition search, whose trials run with DDP)
     data_parallel: Literal["ddp", "fsdp"] = "ddp"
     # where the vision encoder runs: in the first pipeline stages (stages), or on every pipeline rank in the
-    # schedule's idle time with the stages holding only the LLM (bubbles: Optimus; packfeed.trainer.parallel.bubbles)
-    encoder: Literal["stages", "bubbles"] = "stages"
+    # schedule's idle time with the stages holding only the LLM (bubbles: Optimus; packfeed.trainer.parallel.bubbles),
+    # or on every DP rank over the images the plan routes to it, joined to the LLM by an all-to-all (phases:
+    # OrchMLLM, plan strategy isf+phases; packfeed.trainer.parallel.phases)
+    encoder: Literal["stages", "bubbles", "phases"] = "stages"
     backend: Literal["", "nccl", "gloo"] = ""  # "" = nccl on CUDA, gloo on CPU
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"  # bf16/fp16: autocast, and activations cross stages in that dtype
     device: str = ""  # "" = cuda when available
@@ -94,6 +99,10 @@ class ParallelConfig:
         if self.encoder == "bubbles" and (self.schedule == "interleaved_1f1b" or self.data_parallel == "fsdp"):
             raise ValueError("parallel.encoder=bubbles runs the 1f1b or gpipe schedule with ddp-style replicas: set "
                              "parallel.schedule=1f1b (or gpipe) and parallel.data_parallel=ddp")
+        if self.encoder == "phases" and (self.pp != 1 or self.data_parallel != "ddp"):
+            raise ValueError("parallel.encoder=phases routes encoder outputs between data-parallel ranks that each "
+                             "hold the whole model: set parallel.pp=1 and parallel.data_parallel=ddp (pipelines "
+                             "encode in their stages or bubbles)")
         if self.schedule == "interleaved_1f1b" and (self.pp < 2 or self.virtual_stages < 2):
             raise ValueError("parallel.schedule=interleaved_1f1b needs parallel.pp >= 2 and parallel.virtual_stages "
                              ">= 2 (each rank runs that many stages); use 1f1b otherwise")
@@ -169,6 +178,11 @@ class TrainConfig:
     log_every: int = 1
 
     def __post_init__(self):
+        if self.parallel.encoder == "phases" and (self.model.hf or Strategy.parse(
+                self.data.strategy, "data.strategy") is not Strategy.ISF_PHASES):
+            raise ValueError("parallel.encoder=phases trains the reference model on routed packs: set "
+                             "data.strategy=isf+phases, and leave model.hf unset (Hugging Face models encode "
+                             "colocated: data.strategy=isf+phases with parallel.encoder=stages)")
         if self.model.hf and self.parallel.pp > 1 and self.model.hf_attention == "sdpa":
             raise ValueError("model.hf_attention=sdpa needs the dense mask HF builds inside its forward, which "
                              "pipeline stages do not run: use auto, varlen or flash_attention_2 with parallel.pp > 1")

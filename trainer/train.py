@@ -143,6 +143,9 @@ def train_on(config: TrainConfig, mesh: Mesh, target: str, out: Path) -> dict:
                 f"every block recomputed ({max(recompute.measured.values()) / 2**20:.0f} MiB measured): raise "
                 f"recompute.budget_mb, use more pipeline stages or smaller packs", everyone=True)
         stage_table(trainer, mesh, bounds, recompute, out)
+        if trainer.phases:
+            log(mesh, f"the encoder (layers 0:{trainer.first_layer}) runs on every rank over the images the plan "
+                "routes to it; an all-to-all hands each output to the rank whose pack consumes it")
         if trainer.bubbles:
             log(mesh, f"the encoder (layers 0:{trainer.first_layer}) runs on every pipeline rank in the bubbles of "
                 f"the {config.parallel.schedule} schedule; the stages hold layers {bounds[0]}:{bounds[-1]}")
@@ -201,7 +204,7 @@ class Loop:
         if mesh.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(mesh.device)
         pipeline_started, busy_started = time.perf_counter(), time.process_time()
-        losses = trainer.runner.run(shape, batch.args if batch is not None else None)
+        losses = trainer.run_schedule(shape, batch)
         # CPU time of this process while the schedule ran ~ its compute (a blocked receive sleeps)
         busy = time.process_time() - busy_started if mesh.device.type == "cpu" else float("nan")
         pipeline_s = time.perf_counter() - pipeline_started
@@ -215,7 +218,7 @@ class Loop:
         peak = torch.cuda.max_memory_allocated(mesh.device) if mesh.device.type == "cuda" else 0
         record = step_record(mesh, shape, batch, losses, elapsed, wait, config, busy, pipeline_s, peak, trainer.model)
         record["grad_norm"] = grad_norm
-        record.update(getattr(trainer.runner, "last_stats", {}))  # the encoder in the bubbles: its seconds
+        record.update(getattr(trainer.runner, "last_stats", {}))  # the encoder apart: its seconds, the all-to-all
         return record
 
     def save(self, steps_done: int) -> None:

@@ -74,6 +74,9 @@ class SeparableEncoder(Protocol):
                     shape: StepShape) -> tuple[torch.Tensor, ...]:
         """The carrier entering the first LLM layer: the microbatch's real units' features, padded."""
 
+    def without_samples(self, microbatch: tuple[torch.Tensor, ...], samples: set[int]) -> tuple[torch.Tensor, ...]:
+        """parallel.encoder=phases: the microbatch with these samples left out of the loss."""
+
 
 class ReferenceModel:
     """The reference VLM (`packfeed.trainer.models.reference`) behind the `LayerModel` interface."""
@@ -142,6 +145,15 @@ class ReferenceModel:
                     shape: StepShape) -> tuple[torch.Tensor, ...]:
         padding = features.new_zeros(shape.tiles - features.shape[0], *features.shape[1:])
         return (torch.cat([features, padding]), *microbatch[1:])
+
+    def without_samples(self, microbatch: tuple[torch.Tensor, ...], samples: set[int]) -> tuple[torch.Tensor, ...]:
+        """The microbatch with the labels of its samples `samples` ignored (routed images that never came)."""
+        from packfeed.trainer.models.reference import IGNORE_INDEX
+
+        labels, bounds = microbatch[5].clone(), microbatch[3].tolist()
+        for sample in samples:
+            labels[bounds[sample]:bounds[sample + 1]] = IGNORE_INDEX
+        return (*microbatch[:5], labels)
 
 
 def build_model(config, conventions: Any, device: torch.device) -> LayerModel:

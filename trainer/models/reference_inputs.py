@@ -7,14 +7,32 @@ from collections import Counter
 
 import torch
 
-from packfeed.trainer.batch import Microbatches, StepShape, round_up
+from packfeed.trainer.batch import Microbatches, RoutedImages, StepShape, round_up
 from packfeed.trainer.models.reference import IGNORE_INDEX, VLMConfig
 
 
+def is_routed(pack) -> bool:
+    """The pack's images are encoded where the plan routes them (isf+phases), not all on this rank."""
+    return "image_encoder" in pack.tensors
+
+
+def consumed_tiles(pack, config: VLMConfig) -> torch.Tensor:
+    """Tiles of each image the pack consumes, from its placeholder spans (its pixels may be other ranks')."""
+    spans = pack.image_token_spans.view(-1, 2).long()
+    if bool((spans[:, 1] % config.tokens_per_tile).any()):
+        raise ValueError(f"pack {pack.sample_keys}: image placeholder spans {spans[:, 1].tolist()} are not whole "
+                         f"tiles of {config.tokens_per_tile} tokens; set the model's tokens_per_tile to the image "
+                         "policy's")
+    return spans[:, 1] // config.tokens_per_tile
+
+
 def step_shape(packs, token_multiple: int = 64, epoch: int = 0, step: int = 0,
-               last_in_epoch: bool = False) -> StepShape:
+               last_in_epoch: bool = False, config: VLMConfig | None = None) -> StepShape:
     tokens = max([int(p.input_ids.numel()) for p in packs] + [1])
-    tiles = max([int(p.tile_shapes.shape[0]) for p in packs] + [1])
+    if config is not None and packs and is_routed(packs[0]):
+        tiles = max([int(consumed_tiles(p, config).sum()) for p in packs] + [1])
+    else:
+        tiles = max([int(p.tile_shapes.shape[0]) for p in packs] + [1])
     samples = max([int(p.cu_seqlens.numel()) - 1 for p in packs] + [1])
     return StepShape(round_up(tokens, token_multiple), tiles, samples, int(packs[0].step_loss_tokens),
                      epoch, step, last_in_epoch)
@@ -23,7 +41,8 @@ def step_shape(packs, token_multiple: int = 64, epoch: int = 0, step: int = 0,
 def vision_positions_of(pack, config: VLMConfig) -> torch.Tensor:
     """For every vision token of every tile (in tile order), its position in input_ids."""
     spans = pack.image_token_spans.view(-1, 2).long()
-    tiles_per_image = torch.bincount(pack.tile_image.long(), minlength=spans.shape[0])
+    tiles_per_image = consumed_tiles(pack, config) if is_routed(pack) else \
+        torch.bincount(pack.tile_image.long(), minlength=spans.shape[0])
     if spans.shape[0] and not torch.equal(spans[:, 1], tiles_per_image * config.tokens_per_tile):
         raise ValueError(f"pack {pack.sample_keys}: image placeholder spans {spans[:, 1].tolist()} do not hold "
                          f"{config.tokens_per_tile} tokens per tile for tiles {tiles_per_image.tolist()}; set the "
@@ -48,8 +67,11 @@ def pad_pack(pack, shape: StepShape, config: VLMConfig) -> tuple[torch.Tensor, .
     if length and int(pack.input_ids.max()) >= config.vocab_size:
         raise ValueError(f"pack {pack.sample_keys}: token id {int(pack.input_ids.max())} >= the model's vocab_size "
                          f"{config.vocab_size}; size the model for the dataset's tokenizer")
-    pixels = torch.zeros(shape.tiles, 3, config.tile_size, config.tile_size, dtype=torch.uint8)
-    pixels[:n_tiles] = pack_tiles(pack, config)
+    if is_routed(pack):  # the features come from the all-to-all: no pixels of its own enter the LLM
+        pixels = torch.zeros(shape.tiles, 0, dtype=torch.uint8)
+    else:
+        pixels = torch.zeros(shape.tiles, 3, config.tile_size, config.tile_size, dtype=torch.uint8)
+        pixels[:n_tiles] = pack_tiles(pack, config)
     input_ids = torch.zeros(shape.tokens, dtype=torch.int64)
     input_ids[:length] = pack.input_ids
     position_ids = torch.zeros(shape.tokens, dtype=torch.int64)
@@ -67,9 +89,22 @@ def pad_pack(pack, shape: StepShape, config: VLMConfig) -> tuple[torch.Tensor, .
 
 def microbatches_of(step, config: VLMConfig, token_multiple: int = 64) -> Microbatches:
     """`step` is a `packfeed.client.Step` (or anything with `.packs`, `.epoch`, `.step`)."""
-    shape = step_shape(step.packs, token_multiple, step.epoch, step.step, step.last_in_epoch)
+    shape = step_shape(step.packs, token_multiple, step.epoch, step.step, step.last_in_epoch, config)
     padded = [pad_pack(pack, shape, config) for pack in step.packs]
     args = tuple(torch.cat(parts) for parts in zip(*padded))
+    routed = [routed_images(pack, config) for pack in step.packs] if step.packs and is_routed(step.packs[0]) \
+        else None
     return Microbatches(shape, args, sum(int(p.input_ids.numel()) for p in step.packs),
                         sum(int(p.tile_shapes.view(-1, 3).shape[0]) for p in step.packs),
-                        dict(Counter(step.sample_sources)))
+                        dict(Counter(step.sample_sources)), routed)
+
+
+def routed_images(pack, config: VLMConfig) -> RoutedImages:
+    """What the pack's rank encodes (its pixels, `encode_target`) and where its own images come from."""
+    targets = pack.encode_target.view(-1, 3).tolist()
+    units = torch.bincount(pack.tile_image.long(), minlength=len(targets)).tolist()
+    consumed = pack.image_encoder.view(-1, 3).tolist()
+    samples = pack.image_sample.tolist()
+    return RoutedImages(pack_tiles(pack, config), [(c, p, k, u) for (c, p, k), u in zip(targets, units)],
+                        [(e, p, k, u, s) for (e, p, k), u, s in
+                         zip(consumed, consumed_tiles(pack, config).tolist(), samples)])

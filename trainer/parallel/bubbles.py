@@ -122,12 +122,13 @@ class BubbleRunner:
         """LLM gradients averaged over the stage's DP group; the encoder's summed over every rank / DP."""
         mesh = self.mesh
         if mesh.dp > 1:
-            _all_reduce([p for p in self.stage.parameters()], mesh.dp_group, 1.0 / mesh.dp)
+            all_reduce_gradients([p for p in self.stage.parameters()], mesh.dp_group, 1.0 / mesh.dp)
         if mesh.dp * mesh.pp > 1:
-            _all_reduce(list(self.encoder.parameters()), None, 1.0 / mesh.dp)
+            all_reduce_gradients(list(self.encoder.parameters()), None, 1.0 / mesh.dp)
 
 
-def _all_reduce(parameters: list[nn.Parameter], group, scale: float) -> None:
+def all_reduce_gradients(parameters: list[nn.Parameter], group, scale: float) -> None:
+    """Gradients summed over `group` and scaled (zeros where a parameter got none), in one flat collective."""
     grads = []
     for p in parameters:
         if p.grad is None:

@@ -14,6 +14,7 @@ import torch.distributed as dist
 from packfeed.trainer.batch import Microbatches, StepShape
 from packfeed.trainer.parallel.bubbles import BubbleRunner, Channel
 from packfeed.trainer.parallel.data_parallel import wrap_data_parallel
+from packfeed.trainer.parallel.phases import PhaseRunner
 from packfeed.trainer.parallel.mesh import Mesh, max_over_world
 from packfeed.trainer.parallel.pipeline import PipelineRunner, StageModule, autocast_dtype, rank_stages, \
     share_step_shape
@@ -38,18 +39,20 @@ class RankStages:
         self.bounds: list[int] = []
         self.sharded = False
         self.tied: TiedParameters | None = None  # made with the final partition
-        # parallel.encoder=bubbles: the encoder (layers 0:first_layer) on every rank, the partition over the rest
+        # parallel.encoder=bubbles or phases: the encoder (layers 0:first_layer) on every rank, apart from the
+        # partition, which covers the rest
         self.bubbles = parallel.encoder == "bubbles"
-        self.first_layer = self._encoder_layers(model) if self.bubbles else 0
+        self.phases = parallel.encoder == "phases"
+        self.first_layer = self._encoder_layers(model, parallel.encoder) if self.bubbles or self.phases else 0
         self.encoder: StageModule | None = None
         self.channel = Channel(mesh) if self.bubbles else None  # collective on CUDA: made once, here
 
     @staticmethod
-    def _encoder_layers(model) -> int:
+    def _encoder_layers(model, placement: str) -> int:
         vision = getattr(model, "vision", None)
         if vision is None:
-            raise ValueError(f"parallel.encoder=bubbles needs a model whose vision encoder separates from its LLM; "
-                             f"{model.describe()} does not: use parallel.encoder=stages")
+            raise ValueError(f"parallel.encoder={placement} needs a model whose vision encoder separates from its "
+                             f"LLM; {model.describe()} does not: use parallel.encoder=stages")
         return vision.encoder_layers
 
     @property
@@ -87,8 +90,8 @@ class RankStages:
         kind = self.config.parallel.data_parallel if final else "ddp"
         if final:  # collective: the groups that sum the gradients of weights tied across ranks
             self.tied = TiedParameters(self.layers, self.layer_ranks(bounds), self.mesh, kind == "fsdp")
-        if self.bubbles:
-            self._use_bubbles(precision)
+        if self.bubbles or self.phases:
+            self._use_separate_encoder(precision)
             return
         ignored = self.tied.parameters if final else set()
         wrapped = [wrap_data_parallel(m, self.mesh, kind, self.kinds[m.lo:m.hi], self.config.parallel.precision,
@@ -97,11 +100,15 @@ class RankStages:
         self.runner = PipelineRunner(self.mesh, wrapped, self.stage_ids, self.config.data.microbatches, self.model,
                                      self.bounds, self.config.parallel.schedule, dtype=precision or torch.float32)
 
-    def _use_bubbles(self, precision) -> None:
-        """The encoder on this rank and a runner that schedules it into the bubbles (gradients synchronised by
-        the runner, so the modules are not wrapped for data parallelism)."""
+    def _use_separate_encoder(self, precision) -> None:
+        """The encoder on this rank and a runner that schedules it into the bubbles, or routes its work (gradients
+        synchronised by the runner, so the modules are not wrapped for data parallelism)."""
         self.encoder = StageModule(self.layers, 0, self.first_layer, None, precision)
         (stage,) = self.modules
+        if self.phases:
+            self.runner = PhaseRunner(self.mesh, self.encoder, stage, self.model, self.config.data.microbatches,
+                                      precision or torch.float32)
+            return
         self.runner = BubbleRunner(self.mesh, self.encoder, stage, self.model, self.bounds,
                                    self.config.data.microbatches, self.config.parallel.schedule,
                                    precision or torch.float32, self.channel)
@@ -158,7 +165,13 @@ class RankStages:
 
     def run_step(self, batch: Microbatches | None) -> tuple[StepShape, list[torch.Tensor]]:
         shape = share_step_shape(self.mesh, batch.shape if batch is not None else None)
-        return shape, self.runner.run(shape, batch.args if batch is not None else None)
+        return shape, self.run_schedule(shape, batch)
+
+    def run_schedule(self, shape: StepShape, batch: Microbatches | None) -> list[torch.Tensor]:
+        """One step of the runner on this rank's part of `batch` (the step's shape agreed by every rank)."""
+        if self.phases:
+            return self.runner.run(shape, batch)
+        return self.runner.run(shape, batch.args if batch is not None else None)
 
     def trial(self, batches: list[Microbatches | None]) -> float:
         """Seconds for these steps (slowest rank), weights untouched."""
