@@ -34,6 +34,9 @@ def add_plan_options(parser: argparse.ArgumentParser) -> None:
         if spec.name == "cost_model":
             parser.add_argument(flag, metavar="FILE.json", help=help_text)
             continue
+        if str(spec.type) == "bool":
+            parser.add_argument(flag, action="store_true", default=None, help=help_text)
+            continue
         kind = {"int": int, "float": float, "int | None": int}.get(str(spec.type))
         choices = {"Strategy": [s.value for s in Strategy], "Oversize": [o.value for o in Oversize]}.get(str(spec.type))
         shown = f" (default {default})" if default is not None else ""
@@ -54,11 +57,22 @@ def plan_config_of(args: argparse.Namespace, **overrides) -> PlanConfig:
     return PlanConfig(**{**values, **overrides})
 
 
+def parse_encoders(values: list[str]) -> dict[str, bool]:
+    """--encoder NAME[:padded] flags as {name: padded}."""
+    encoders = {}
+    for value in values:
+        name, _, mode = value.partition(":")
+        if mode not in ("", "padded") or name in encoders:
+            raise ValueError(f"--encoder {value!r}: give NAME or NAME:padded, each name once")
+        encoders[name] = mode == "padded"
+    return encoders
+
+
 def cmd_index(args: argparse.Namespace) -> int:
     if args.from_lengths:
         from packfeed.server.index.lengths import index_from_lengths
 
-        info = index_from_lengths(args.from_lengths, args.out)
+        info = index_from_lengths(args.from_lengths, args.out, parse_encoders(args.encoder or []))
         print(json.dumps({"index": str(args.out), "fingerprint": info.fingerprint,
                           "invalid_by_reason": info.invalid_by_reason}))
         return EXIT_SKIPPED if info.invalid_by_reason else EXIT_OK
@@ -265,6 +279,9 @@ def build_parser() -> argparse.ArgumentParser:
     index = sub.add_parser("index", help="build a Parquet index of a WebDataset (or import length files)")
     index.add_argument("shards", nargs="*", help="tar shards: paths, globs, brace patterns, pipe:/URL sources")
     index.add_argument("--from-lengths", nargs="+", metavar="FILE.json", help="import OmniBal/InternVL length files")
+    index.add_argument("--encoder", action="append", metavar="NAME[:padded]",
+                       help="with --from-lengths: a further encoder whose costs the records give as NAME_tokens "
+                            "(and NAME_items, default 1); :padded when it pads each batch to its longest sequence")
     index.add_argument("--out", required=True, help="output INDEX.parquet")
     index.add_argument("--workers", type=int, default=None, help="parallel shard readers (default: CPU count)")
     index.add_argument("--quiet", action="store_true", help="no progress bar")

@@ -106,7 +106,7 @@ def test_a_plans_encoder_phase_is_balanced_on_its_own_and_routed_to_its_consumer
     nor less than its bound."""
     from packfeed.server.plan.costs import SampleLoads, sample_costs
     from packfeed.server.plan.planner import make_plan
-    from packfeed.server.plan.phases import phase_plan
+    from packfeed.server.plan.phases import Phase, phase_plan
     from packfeed.v1.options import PlanConfig
 
     rng = np.random.default_rng(3)
@@ -119,13 +119,14 @@ def test_a_plans_encoder_phase_is_balanced_on_its_own_and_routed_to_its_consumer
     config = PlanConfig(dp=8, microbatches=4, pipeline_stages=2, strategy=strategy)
     plan = make_plan(loads, config, seed=0, epoch=0)
     costs = sample_costs(config.cost_model, loads)
-    phases_ = phase_plan(plan.offsets, plan.members, costs, loads.vision, 8, 4, ranks_per_node=4)
+    vision = [Phase("vision", 0, loads.vision)]
+    phases_ = phase_plan(plan.offsets, plan.members, costs, vision, 8, 4, ranks_per_node=4).vision
     assert len(phases_.encoder_rank) == len(plan.members)
     assert phases_.encoder_rank.min() >= 0 and phases_.encoder_rank.max() < 8
-    assert phases_.vision_dist * better <= phases_.joint_vision_dist
+    assert phases_.dist * better <= phases_.colocated_dist
     assert phases_.inter_node_bound <= phases_.inter_node_units <= phases_.unrouted_inter_node_units
     assert phases_.inter_node_units <= phases_.moved_units and phases_.exact
-    again = phase_plan(plan.offsets, plan.members, costs, loads.vision, 8, 4, ranks_per_node=4)
+    again = phase_plan(plan.offsets, plan.members, costs, vision, 8, 4, ranks_per_node=4).vision
     assert np.array_equal(again.encoder_rank, phases_.encoder_rank)  # a pure function of the plan
 
 
@@ -305,3 +306,91 @@ def test_routing_holds_in_windows_mixtures_replicas_and_elastic_resume(tmp_path,
             stream.close()
         resumed = stream_all(server.target, 4, job="new", dataset="mix", resume=states)
         assert assert_routed(resumed, 4) > 0
+
+
+def mixed_encoder_lengths(path, n: int = 4000, seed: int = 9) -> None:
+    """A length file of a model with a vision encoder, an audio tower (a third of samples, unpadded) and a padded
+    speech encoder (a fifth of samples, one clip each), unrelated to each other and to the text."""
+    import json
+
+    rng = np.random.default_rng(seed)
+    tiles = rng.choice([0, 1, 2, 5, 12], n, p=[0.3, 0.3, 0.2, 0.15, 0.05])
+    records = []
+    for t in tiles.tolist():
+        record = {"vit_num": t, "token_num": int(t * 256 + rng.integers(30, 2000)), "image_flags": t}
+        if rng.random() < 0.33:
+            record.update(audio_tokens=int(rng.integers(100, 3000)), audio_items=int(rng.integers(1, 4)))
+        if rng.random() < 0.2:
+            record["speech_tokens"] = int(rng.integers(50, 1500))
+        records.append(record)
+    path.write_text(json.dumps(records))
+
+
+def test_further_encoders_are_indexed_priced_and_balanced_each_on_its_own(tmp_path):
+    """`packfeed index --from-lengths --encoder audio --encoder speech:padded` and `packfeed plan --strategy
+    isf+phases` with a cost model naming audio's coefficients: the index carries each encoder's columns, the plan
+    file an `encoder_rank_<name>` column per further encoder (every sample encoded once, within its step), and
+    the summary each phase's Dist on its own assignment — better than colocated for all three — and its
+    all-to-all; the padded encoder's Dist counts padding."""
+    import json
+
+    import pyarrow.parquet as pq
+    from packfeed.server.index.table import read_index_info
+    from packfeed.server.plan.plan_file import read_plan
+    from packfeed.v1.options import CostModel
+
+    mixed_encoder_lengths(tmp_path / "lengths.json")
+    packfeed_cli("index", "--from-lengths", str(tmp_path / "lengths.json"), "--encoder", "audio", "--encoder",
+                 "speech:padded", "--out", str(tmp_path / "index.parquet"))
+    info = read_index_info(tmp_path / "index.parquet")
+    assert info.encoders == {"audio": {"padded": False}, "speech": {"padded": True}}
+    columns = pq.read_schema(tmp_path / "index.parquet").names
+    assert {"encoder_audio_tokens", "encoder_audio_attn_sq", "encoder_speech_tokens"} <= set(columns)
+    model = CostModel.from_shapes().to_dict()
+    model["encoders"] = {"audio": [2e9, 5e5]}
+    (tmp_path / "costs.json").write_text(json.dumps(model))
+    summary = json.loads(packfeed_cli("plan", "--index", str(tmp_path / "index.parquet"), "--dp", "8",
+                                      "--microbatches", "4", "--strategy", "isf+phases", "--cost-model",
+                                      str(tmp_path / "costs.json"), "--out", str(tmp_path / "plan.parquet")))
+    encoders = summary["phases"]["encoders"]
+    assert list(encoders) == ["vision", "audio", "speech"] and encoders["speech"]["padded"]
+    for name, phase in encoders.items():
+        assert phase["cost_dist"] < phase["cost_dist_colocated"], name
+        assert phase["inter_node_bound"] <= phase["inter_node_units"] <= phase["all_to_all_units"]
+    table = pq.read_table(tmp_path / "plan.parquet")
+    real = ~table.column("empty").to_numpy(zero_copy_only=False)
+    plan = read_plan(tmp_path / "plan.parquet")
+    assert sorted(plan.further_encoder_ranks) == ["audio", "speech"]
+    for name in ("audio", "speech"):
+        ranks = table.column(f"encoder_rank_{name}").to_numpy()[real]
+        assert np.array_equal(plan.further_encoder_ranks[name], ranks) and 0 <= ranks.min() and ranks.max() < 8
+        assert (ranks != table.column("rank").to_numpy()[real]).any()
+    assert plan.config.cost_model.encoder("audio") == (2e9, 5e5)
+    vision = plan.config.cost_model
+    assert vision.encoder("speech") == (vision.vision_linear, vision.vision_quadratic)  # not named: the ViT's
+
+
+def test_padded_phases_balance_what_padding_costs():
+    """The padded assignment over any increasing per-sequence cost (floats) stays optimal: brute force."""
+    rng = np.random.default_rng(4)
+    for _ in range(4):
+        lengths = rng.random(7) * 10
+        rank_of = assign_padded_phase(lengths, 3)
+        makespan = max(padded_cost(lengths[rank_of == k]) for k in range(3))
+        assert makespan == pytest.approx(best_makespan(lengths, 3, padded_cost))
+
+
+def test_bad_encoder_records_and_names_are_refused_with_their_reason(tmp_path):
+    import json
+
+    from packfeed.server.index.lengths import index_from_lengths
+
+    (tmp_path / "l.json").write_text(json.dumps([{"vit_num": 1, "token_num": 300, "speech_tokens": 90,
+                                                  "speech_items": 2}]))
+    with pytest.raises(ValueError, match="record 0: encoder speech.*at most 1 sequence"):
+        index_from_lengths([tmp_path / "l.json"], tmp_path / "i.parquet", {"speech": True})
+    with pytest.raises(ValueError, match="encoder name 'Vision!'"):
+        index_from_lengths([tmp_path / "l.json"], tmp_path / "i.parquet", {"Vision!": False})
+    (tmp_path / "m.json").write_text(json.dumps([{"vit_num": 1, "token_num": 300, "audio_tokens": "many"}]))
+    with pytest.raises(ValueError, match="audio_tokens"):
+        index_from_lengths([tmp_path / "m.json"], tmp_path / "i.parquet", {"audio": False})

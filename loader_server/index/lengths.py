@@ -3,6 +3,11 @@
 `vit_num` -> vision units (448 px tiles), `token_num` -> LLM tokens; sample_id is the position, files
 concatenated in argument order. The files carry no member offsets, so such an index plans and reports
 but cannot be served.
+
+Further encoders (`--encoder audio`, `--encoder speech:padded`): each record may give `<name>_tokens`, that
+encoder's sequence tokens for the sample (0 or absent: none), and `<name>_items`, how many sequences they make
+(default 1; each of equal length for the attention cost). A padded encoder pads every sequence of a batch to
+the longest, so it takes at most one sequence per sample.
 """
 
 from __future__ import annotations
@@ -15,13 +20,16 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from packfeed.server.plan.costs import DEFAULT_PATCHES_PER_UNIT
-from packfeed.server.index.table import SCHEMA, IndexInfo, empty_rows, fingerprint_table, write_index
+from packfeed.server.index.table import (IndexInfo, check_encoder_name, empty_rows, encoder_columns,
+                                         fingerprint_table, index_schema, write_index)
 
 TOKENS_PER_TILE = 256
 KEY_CHUNK = 1 << 25  # InternVL: pixel-shuffled 448 px tile -> 256 LLM tokens
 
 
-def read_length_file(path: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def read_length_file(path: Path, encoders: dict[str, bool] | None = None) -> tuple[np.ndarray, ...]:
+    """(vit_num, token_num, image_flags) of every record, then (tokens, attention squares) of each further encoder
+    in `encoders` ({name: padded}) in name order."""
     try:
         records = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as error:
@@ -35,21 +43,50 @@ def read_length_file(path: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
                             count=len(records))
     except (KeyError, TypeError) as error:
         raise ValueError(f"{path}: every record needs integer 'vit_num' and 'token_num' ({error!r})") from error
-    return vit, tok, flags
+    extra = []
+    for name, padded in sorted((encoders or {}).items()):
+        extra += _encoder_lengths(path, records, name, padded)
+    return (vit, tok, flags, *extra)
 
 
-def index_from_lengths(files: list[str | Path], out: str | Path) -> IndexInfo:
-    parts = [read_length_file(Path(f)) for f in files]
+def _encoder_lengths(path: Path, records: list, name: str, padded: bool) -> list[np.ndarray]:
+    """(tokens, sum of squared sequence lengths) of encoder `name` per record."""
+    try:
+        tokens = np.fromiter((r.get(f"{name}_tokens", 0) for r in records), dtype=np.int64, count=len(records))
+        items = np.fromiter((r.get(f"{name}_items", 1 if r.get(f"{name}_tokens", 0) else 0) for r in records),
+                            dtype=np.int64, count=len(records))
+    except (TypeError, ValueError, AttributeError) as error:
+        raise ValueError(f"{path}: '{name}_tokens' and '{name}_items' must be integers ({error})") from None
+    bad = (tokens < 0) | (items < 0) | ((tokens > 0) & (items == 0)) | (padded & (items > 1))
+    if bad.any():
+        k = int(np.flatnonzero(bad)[0])
+        rule = "at most 1 sequence (a padded encoder pads each to the batch's longest)" if padded else \
+            "tokens >= 0 in >= 1 sequence"
+        raise ValueError(f"{path}: record {k}: encoder {name}: {tokens[k]} tokens in {items[k]} sequences; each "
+                         f"record needs {rule}")
+    return [tokens, (tokens * tokens) // np.maximum(items, 1)]
+
+
+def index_from_lengths(files: list[str | Path], out: str | Path, encoders: dict[str, bool] | None = None
+                       ) -> IndexInfo:
+    """An index of the length files; `encoders`: further encoders ({name: padded}) their records describe."""
+    encoders = {check_encoder_name(name): padded for name, padded in (encoders or {}).items()}
+    parts = [read_length_file(Path(f), encoders) for f in files]
     names = [Path(f).name for f in files]
     source = np.concatenate([np.full(len(p[0]), k, dtype=np.int32) for k, p in enumerate(parts)]) \
         if parts else np.zeros(0, np.int32)
-    vit, tok, flags = (np.concatenate([p[k] for p in parts]) if parts else np.zeros(0, np.int64) for k in range(3))
-    return write_lengths_index(vit, tok, flags, out, names, source, inputs=[str(f) for f in files])
+    columns = [np.concatenate([p[k] for p in parts]) if parts else np.zeros(0, np.int64)
+               for k in range(3 + 2 * len(encoders))]
+    extra = {name: (columns[3 + 2 * k], columns[4 + 2 * k]) for k, name in enumerate(sorted(encoders))}
+    return write_lengths_index(*columns[:3], out, names, source, inputs=[str(f) for f in files],
+                               encoders={name: (*extra[name], encoders[name]) for name in encoders})
 
 
 def write_lengths_index(vit: np.ndarray, tok: np.ndarray, flags: np.ndarray, out: str | Path,
-                        source_names: list[str], source: np.ndarray, inputs: list[str] | None = None) -> IndexInfo:
-    """An index from per-sample (vit_num, token_num, image_flags); `source[i]` names row i's file."""
+                        source_names: list[str], source: np.ndarray, inputs: list[str] | None = None,
+                        encoders: dict[str, tuple[np.ndarray, np.ndarray, bool]] | None = None) -> IndexInfo:
+    """An index from per-sample (vit_num, token_num, image_flags); `source[i]` names row i's file; `encoders`:
+    {name: (tokens, attention squares, padded)} of further encoders."""
     n = len(vit)
     bad = (vit < 0) | (tok <= 0)
     reason = "bad length record (vit_num < 0 or token_num <= 0)"
@@ -73,11 +110,16 @@ def write_lengths_index(vit: np.ndarray, tok: np.ndarray, flags: np.ndarray, out
         "vit_attn_sq": pa.array(vit * DEFAULT_PATCHES_PER_UNIT * DEFAULT_PATCHES_PER_UNIT),
         "llm_tokens": pa.array(tok.astype(np.int32)),
     })
-    table = pa.table(columns, schema=SCHEMA)
+    described = {name: {"padded": bool(padded)} for name, (_, _, padded) in sorted((encoders or {}).items())}
+    for name, (tokens, squares, _) in sorted((encoders or {}).items()):
+        for column, values in zip(encoder_columns(name), (tokens, squares)):
+            columns[column] = pa.array(np.asarray(values, dtype=np.int64))
+    info = IndexInfo(fingerprint="", source="lengths", inputs=inputs or source_names,
+                     invalid_by_reason={}, skipped_shards=[], encoders=described or None)
+    table = pa.table(columns, schema=index_schema(info))
     invalid = int(bad.sum())
-    info = IndexInfo(
-        fingerprint=fingerprint_table(table, {"source": "lengths", "files": source_names}), source="lengths",
-        inputs=inputs or source_names, invalid_by_reason={reason: invalid} if invalid else {}, skipped_shards=[],
-    )
+    config = {"source": "lengths", "files": source_names, **({"encoders": described} if described else {})}
+    info.fingerprint = fingerprint_table(table, config)
+    info.invalid_by_reason = {reason: invalid} if invalid else {}
     write_index(table, out, info)
     return info

@@ -83,6 +83,9 @@ class IndexInfo:
     invalid_by_reason: dict[str, int] | None = None
     rows_per_second: float | None = None
     objects: dict[str, dict[str, Any]] | None = None  # object-store shards: {url: {size, etag}} when indexed
+    # further encoders beside the vision encoder (an audio tower, a video tower...): {name: {"padded": bool}};
+    # each has the columns `encoder_columns(name)`
+    encoders: dict[str, dict[str, Any]] | None = None
     format_version: int = INDEX_FORMAT_VERSION
     packfeed_version: str = __version__
 
@@ -90,6 +93,29 @@ class IndexInfo:
     def has_shards(self) -> bool:
         """Built from shards (servable), not imported from length files (plannable only)."""
         return self.source == "shards"
+
+
+ENCODER_NAME = re.compile(r"[a-z][a-z0-9]{0,31}")
+
+
+def check_encoder_name(name: str) -> str:
+    """A further encoder's name: 1-32 lowercase letters and digits, a letter first; not vision or llm."""
+    if not ENCODER_NAME.fullmatch(name) or name in ("vision", "llm"):
+        raise ValueError(f"encoder name {name!r}: use 1-32 lowercase letters and digits, a letter first, other than "
+                         "vision and llm")
+    return name
+
+
+def encoder_columns(name: str) -> tuple[str, str]:
+    """A further encoder's index columns: its tokens (what its output weighs; its linear cost) and the sum of its
+    sequences' squared lengths (its attention cost)."""
+    return f"encoder_{name}_tokens", f"encoder_{name}_attn_sq"
+
+
+def index_schema(info: IndexInfo) -> pa.Schema:
+    """SCHEMA, then the columns of the index's further encoders."""
+    extra = [pa.field(column, pa.int64()) for name in sorted(info.encoders or {}) for column in encoder_columns(name)]
+    return pa.schema(list(SCHEMA) + extra)
 
 
 def member_checksum(data: bytes) -> int:
@@ -118,7 +144,9 @@ def fingerprint_table(table: pa.Table, config: dict[str, Any]) -> str:
     """
     digest = hashlib.sha256()
     digest.update(json.dumps(config, sort_keys=True).encode())
-    for name in ("sample_id", "valid", "vision_units", "vision_tokens", "llm_tokens", "vit_patches", "vit_attn_sq"):
+    encoders = [column for column in table.column_names if column.startswith("encoder_")]
+    for name in ("sample_id", "valid", "vision_units", "vision_tokens", "llm_tokens", "vit_patches", "vit_attn_sq",
+                 *encoders):
         column = table.column(name).combine_chunks()
         digest.update(name.encode())
         digest.update(np.ascontiguousarray(column.to_numpy(zero_copy_only=False)).tobytes())
@@ -140,7 +168,8 @@ def fingerprint_table(table: pa.Table, config: dict[str, Any]) -> str:
 
 
 def write_index(table: pa.Table, path: str | Path, info: IndexInfo) -> None:
-    table = table.cast(SCHEMA) if table.schema != SCHEMA else table
+    schema = index_schema(info)
+    table = table.cast(schema) if table.schema != schema else table
     metadata = {METADATA_KEY: json.dumps(info.__dict__, sort_keys=True).encode()}
     table = table.replace_schema_metadata(metadata)
     Path(path).parent.mkdir(parents=True, exist_ok=True)

@@ -8,7 +8,7 @@ of sample costs.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numba
@@ -16,7 +16,7 @@ import numpy as np
 
 import pyarrow.parquet as pq
 
-from packfeed.server.index.table import IndexInfo, read_index_info
+from packfeed.server.index.table import IndexInfo, encoder_columns, read_index_info
 from packfeed.v1.options import CostModel
 
 # InternVL tiles are 448 px with 14 px patches: 32 x 32 = 1024 ViT tokens per tile.
@@ -24,10 +24,27 @@ DEFAULT_PATCHES_PER_UNIT = 1024
 
 
 def sample_costs(model: CostModel, loads: "SampleLoads") -> np.ndarray:
-    """(n, 2) float32: [vision cost, LLM cost] of every sample under `model`, one row per sample so that summing
-    a pack touches one cache line per member."""
-    return _cost_rows(loads.vit_patches, loads.vit_attn_sq, loads.tokens, model.vision_linear,
-                      model.vision_quadratic, model.llm_linear, model.llm_quadratic)
+    """(n, 2 + E) float32: [vision cost, LLM cost, then each further encoder's cost in name order] of every
+    sample under `model`, one row per sample so that summing a pack touches one cache line per member."""
+    costs = _cost_rows(loads.vit_patches, loads.vit_attn_sq, loads.tokens, model.vision_linear,
+                       model.vision_quadratic, model.llm_linear, model.llm_quadratic)
+    encoders = getattr(loads, "encoders", None) or {}
+    if not encoders:
+        return costs
+    extra = [np.float32(model.encoder(name)[0]) * encoders[name].tokens
+             + np.float32(model.encoder(name)[1]) * encoders[name].attn_sq for name in sorted(encoders)]
+    return np.column_stack([costs, *extra]).astype(np.float32, copy=False)
+
+
+def encoder_costs(costs: np.ndarray) -> np.ndarray:
+    """Every encoder's cost together per row of `sample_costs` (all columns but the LLM's): what runs before the
+    LLM when each sample is encoded where it trains."""
+    return costs[:, 0] if costs.shape[1] == 2 else costs.sum(axis=1) - costs[:, 1]
+
+
+def encoder_names(loads) -> list[str]:
+    """The further encoders of `loads`, in the order of `sample_costs`' columns 2, 3, ..."""
+    return sorted(getattr(loads, "encoders", None) or {})
 
 
 @numba.njit(cache=True, nogil=True, parallel=True)
@@ -40,6 +57,18 @@ def _cost_rows(patches, attn_sq, tokens, a_v, b_v, a_l, b_l):
     return out
 
 
+@dataclass(frozen=True)
+class EncoderLoads:
+    """A further encoder's columns (an audio or video tower beside the vision encoder), float32 per sample."""
+
+    tokens: np.ndarray  # its sequence tokens: its linear cost, and what its output weighs
+    attn_sq: np.ndarray  # the sum of its sequences' squared lengths: its attention cost
+    padded: bool = False  # it pads a batch's sequences (one per sample) to the longest
+
+    def subset(self, ids: np.ndarray) -> "EncoderLoads":
+        return EncoderLoads(self.tokens[ids], self.attn_sq[ids], self.padded)
+
+
 @dataclass
 class SampleLoads:
     """Columns of the index the planner needs, as numpy arrays (row i = sample_id i)."""
@@ -49,6 +78,7 @@ class SampleLoads:
     tokens: np.ndarray  # int32 LLM tokens (what the token cap counts)
     vit_patches: np.ndarray  # float32, cost model only
     vit_attn_sq: np.ndarray  # float32, cost model only
+    encoders: dict[str, EncoderLoads] = field(default_factory=dict)  # further encoders, by name (cost model only)
 
     def __len__(self) -> int:
         return len(self.valid)
@@ -59,7 +89,7 @@ class SampleLoads:
 
     def subset(self, ids: np.ndarray) -> "SampleLoads":
         """The loads of samples `ids`, in that order."""
-        return SampleLoads(**self.gather(ids))
+        return SampleLoads(**self.gather(ids), encoders={name: e.subset(ids) for name, e in self.encoders.items()})
 
     @classmethod
     def from_arrays(cls, vision, tokens, valid=None, patches_per_unit: int = DEFAULT_PATCHES_PER_UNIT) -> "SampleLoads":
@@ -98,7 +128,9 @@ def load_sample_loads(index_path: str | Path) -> tuple[SampleLoads, IndexInfo]:
         return parquet.read(columns=[name]).column(0).to_numpy(zero_copy_only=False).astype(dtype, copy=False)
 
     check_sample_ids(parquet, index_path)
+    encoders = {name: EncoderLoads(*(column(c, np.float32) for c in encoder_columns(name)), bool(spec["padded"]))
+                for name, spec in (info.encoders or {}).items()}
     loads = SampleLoads(valid=column("valid", bool), vision=column("vision_units", np.int32),
                         tokens=column("llm_tokens", np.int32), vit_patches=column("vit_patches", np.float32),
-                        vit_attn_sq=column("vit_attn_sq", np.float32))
+                        vit_attn_sq=column("vit_attn_sq", np.float32), encoders=encoders)
     return loads, info

@@ -100,6 +100,11 @@ class MixtureLoads:
         self.loads = [loads for loads, _ in read]
         self.infos = [info for _, info in read]
         check_conventions(mixture, self.infos)
+        for entry, info in zip(mixture.datasets, self.infos):
+            if info.encoders:
+                raise ValueError(f"mixture {mixture.name}: dataset {entry.name}'s index names further encoders "
+                                 f"({', '.join(sorted(info.encoders))}); a mixture plans the vision encoder and the "
+                                 "LLM only: plan that index on its own")
         self.valid = [np.flatnonzero(valid_mask(loads)) for loads in self.loads]
 
     @property

@@ -99,37 +99,38 @@ def padded_cost(lengths: np.ndarray) -> float:
 
 
 def assign_padded_phase(lengths: np.ndarray, ranks: int) -> np.ndarray:
-    """The rank of every item minimising the largest (items x longest length) over ranks.
+    """The rank of every item minimising the largest (items x longest length) over ranks. `lengths` may be any
+    cost that grows with the length (an encoder's cost of one padded sequence): the argument below holds.
 
     Items sorted longest first can be cut into consecutive runs without loss (moving a shorter item into a run
     of longer ones never raises its cost), and filling each run as far as a limit allows needs the fewest
     runs: so a limit is feasible exactly when that greedy needs at most `ranks` runs. The smallest feasible
     limit is one of the values n x length, found by bisection over them."""
-    lengths = np.asarray(lengths, dtype=np.int64)
+    lengths = np.asarray(lengths, dtype=np.float64)
     if ranks < 1:
         raise ValueError(f"ranks must be >= 1, not {ranks}")
     order = np.argsort(-lengths, kind="stable")
     ordered = lengths[order]
     candidates = np.unique((np.arange(1, len(lengths) + 1)[None, :] * ordered[:, None]).ravel()) \
-        if len(lengths) else np.zeros(1, dtype=np.int64)
+        if len(lengths) else np.zeros(1)
     low, high = 0, len(candidates) - 1
     while low < high:
         middle = (low + high) // 2
-        if len(_runs(ordered, int(candidates[middle]))) <= ranks:
+        if len(_runs(ordered, candidates[middle])) <= ranks:
             high = middle
         else:
             low = middle + 1
-    runs = _runs(ordered, int(candidates[low]))
+    runs = _runs(ordered, candidates[low])
     rank_of = np.empty(len(lengths), dtype=np.int64)
     for r, (start, stop) in enumerate(runs):
         rank_of[order[start:stop]] = r
     return rank_of
 
 
-def _runs(ordered: np.ndarray, limit: int) -> list[tuple[int, int]]:
+def _runs(ordered: np.ndarray, limit: float) -> list[tuple[int, int]]:
     runs, start = [], 0
     while start < len(ordered):
-        size = max(1, limit // max(int(ordered[start]), 1))
+        size = max(1, int(limit * (1 + 1e-12) // ordered[start])) if ordered[start] > 0 else len(ordered)
         runs.append((start, min(start + size, len(ordered))))
         start = runs[-1][1]
     return runs
@@ -197,57 +198,111 @@ def _greedy_route(volume: np.ndarray, per_node: np.ndarray, node_of_rank: np.nda
     return rank_of_bin
 
 
+@dataclass(frozen=True)
+class Phase:
+    """One encoder of the plan: its column of `sample_costs`, the units its output weighs per sample (what the
+    all-to-all moves), and whether it pads each batch to its longest sequence (one per sample)."""
+
+    name: str
+    column: int
+    units: np.ndarray
+    padded: bool = False
+
+
 @dataclass
-class PhasePlan:
-    """A plan's encoder phase on its own: the rank that encodes each member's vision units (in member order)."""
+class EncoderPhase:
+    """One encoder's phase of a plan: the rank that encodes each member (in member order), its Dist, and the
+    all-to-all of its outputs in its units."""
 
     encoder_rank: np.ndarray
-    vision_dist: float  # the encoder phase's Dist on its own assignment
-    llm_dist: float  # the LLM phase's Dist (the packs' ranks, LLM cost only)
-    joint_vision_dist: float  # the encoder phase's Dist had each rank encoded its own packs' samples
-    moved_units: float  # vision units whose output leaves the rank that encoded them (the all-to-all)
+    dist: float  # on its own assignment
+    colocated_dist: float  # had each rank encoded its own packs' samples
+    moved_units: float  # units whose output leaves the rank that encoded them
     inter_node_units: float  # ... and leaves its node
     inter_node_bound: float  # no routing of the same bins moves fewer between nodes
     unrouted_inter_node_units: float  # bins left on the ranks LPT numbered them: what routing saves
     exact: bool
+    padded: bool
+
+    def summary(self) -> dict:
+        return {"cost_dist": round(self.dist, 6), "cost_dist_colocated": round(self.colocated_dist, 6),
+                "padded": self.padded, "all_to_all_units": self.moved_units, "inter_node_units": self.inter_node_units,
+                "inter_node_bound": self.inter_node_bound, "inter_node_units_unrouted": self.unrouted_inter_node_units,
+                "routing_exact": self.exact}
 
 
-def phase_plan(offsets: np.ndarray, members: np.ndarray, costs: np.ndarray, units: np.ndarray, dp: int,
+@dataclass
+class PhasePlan:
+    """A plan's phases: each encoder's own assignment (vision first, then further encoders by name), and the
+    LLM's Dist on the packs' ranks."""
+
+    encoders: dict[str, EncoderPhase]
+    llm_dist: float
+
+    @property
+    def vision(self) -> EncoderPhase:
+        return self.encoders["vision"]
+
+
+def phase_plan(offsets: np.ndarray, members: np.ndarray, costs: np.ndarray, phases: list[Phase], dp: int,
                microbatches: int, ranks_per_node: int) -> PhasePlan:
     """`offsets`/`members`: packs in step-major order (step, rank, microbatch), as a Plan holds them;
-    `costs`: each sample's (vision, LLM) cost; `units`: each sample's vision units (what its output weighs).
-    Each step's samples are encoded apart from their packs, balanced over the ranks, and routed: a rank encodes
-    its share of every microbatch of the step, and one all-to-all per step hands each output to its consumer.
-    (Balancing each microbatch apart leaves too few, too coarse items: a document of many tiles alone would
-    set a microbatch's makespan.)"""
+    `costs`: `sample_costs`' rows; `phases`: the encoders. Each step's samples are encoded apart from their
+    packs, each encoder's work balanced over the ranks on its own and routed: a rank encodes its share of every
+    microbatch of the step, and one all-to-all per step hands each output to its consumer. (Balancing each
+    microbatch apart leaves too few, too coarse items: a document of many tiles alone would set a microbatch's
+    makespan.)"""
     slots = dp * microbatches
     n_packs = len(offsets) - 1
-    steps = n_packs // slots
     sizes = np.diff(offsets)
-    pack_rank = (np.arange(n_packs) // microbatches) % dp
-    consumer = np.repeat(pack_rank, sizes)
-    encoder_rank = consumer.copy()
-    vision = costs[members, 0].astype(np.float64)
-    llm = costs[members, 1].astype(np.float64)
-    weight = units[members].astype(np.float64)
+    consumer = np.repeat((np.arange(n_packs) // microbatches) % dp, sizes)
     step_of = np.repeat(np.arange(n_packs) // slots, sizes)
-    phase_loads = np.zeros((steps, dp))
+    steps = n_packs // slots
+    cuts = np.flatnonzero(np.diff(step_of)) + 1  # members are in step order already
+    groups = np.split(np.arange(len(members)), cuts) if len(members) else []
+    llm_loads = np.zeros((steps, dp))
+    np.add.at(llm_loads, (step_of, consumer), costs[members, 1].astype(np.float64))
+    encoders = {phase.name: _encoder_phase(phase, groups, consumer, step_of, costs[members, phase.column]
+                                           .astype(np.float64), phase.units[members].astype(np.float64), dp, steps,
+                                           ranks_per_node) for phase in phases}
+    return PhasePlan(encoders, dist_ratio(llm_loads))
+
+
+def _encoder_phase(phase: Phase, groups: list[np.ndarray], consumer: np.ndarray, step_of: np.ndarray,
+                   cost: np.ndarray, weight: np.ndarray, dp: int, steps: int, ranks_per_node: int) -> EncoderPhase:
+    """One encoder over every step: balanced (LPT and moves, or the padded assignment), then routed."""
+    encoder_rank = consumer.copy()
+    loads = np.zeros((steps, dp))
+    colocated = np.zeros((steps, dp))
     moved = inter = bound = unrouted = 0.0
     exact = True
-    cuts = np.flatnonzero(np.diff(step_of)) + 1  # members are in step order already
-    for group in np.split(np.arange(len(members)), cuts) if len(members) else []:
-        bins = balance_from(consumer[group], vision[group], dp)
+    for group in groups:
+        bins = consumer[group].copy()
+        if phase.padded:  # only samples with a sequence for this encoder enter its batches
+            active = np.flatnonzero(weight[group] > 0)
+            bins[active] = assign_padded_phase(cost[group][active], dp)
+        else:
+            bins = balance_from(bins, cost[group], dp)
         routing = route(bins, consumer[group], weight[group], dp, ranks_per_node)
         encoder_rank[group] = routing.rank_of_bin[bins]
-        np.add.at(phase_loads[step_of[group[0]]], encoder_rank[group], vision[group])
+        step = step_of[group[0]]
+        loads[step] = _rank_costs(encoder_rank[group], cost[group], weight[group], dp, phase.padded)
+        colocated[step] = _rank_costs(consumer[group], cost[group], weight[group], dp, phase.padded)
         moved += routing.total_bytes
         inter += routing.inter_node_bytes
         bound += routing.inter_node_bound
         unrouted += float(weight[group][bins // ranks_per_node != consumer[group] // ranks_per_node].sum())
         exact = exact and routing.exact
-    llm_loads = np.zeros((steps, dp))
-    joint = np.zeros((steps, dp))
-    np.add.at(llm_loads, (step_of, consumer), llm)
-    np.add.at(joint, (step_of, consumer), vision)
-    return PhasePlan(encoder_rank, dist_ratio(phase_loads), dist_ratio(llm_loads), dist_ratio(joint), moved, inter,
-                     bound, unrouted, exact)
+    return EncoderPhase(encoder_rank, dist_ratio(loads), dist_ratio(colocated), moved, inter, bound, unrouted, exact,
+                        phase.padded)
+
+
+def _rank_costs(rank_of: np.ndarray, cost: np.ndarray, weight: np.ndarray, dp: int, padded: bool) -> np.ndarray:
+    """Each rank's cost: the sum of its items', or padded, (its items with a sequence) x the costliest."""
+    if not padded:
+        return np.bincount(rank_of, cost, minlength=dp)
+    active = weight > 0
+    counts = np.bincount(rank_of[active], minlength=dp)
+    longest = np.zeros(dp)
+    np.maximum.at(longest, rank_of[active], cost[active])
+    return counts * longest

@@ -46,6 +46,8 @@ class Plan:
     pack_tokens: np.ndarray | None = None
     rows: Any = field(default=None, repr=False, compare=False)  # MixtureRows: sample ids are rows of a mixture
     encoder_rank: np.ndarray | None = None  # isf+phases: per member, the rank encoding its vision units
+    # isf+phases: per further encoder (`packfeed index --encoder`), the rank encoding each member's share of it
+    further_encoder_ranks: dict[str, np.ndarray] = field(default_factory=dict)
     phases: Any = field(default=None, repr=False, compare=False)  # isf+phases: its PhasePlan (metrics)
     _fingerprint: str | None = field(default=None, repr=False, compare=False)
 
@@ -139,15 +141,18 @@ class Plan:
         }
 
     def phase_summary(self) -> dict[str, Any]:
-        """isf+phases: each phase's Dist of its cost model's costs on its own assignment (the encoder's also as it
-        would be colocated), and the all-to-all of encoder outputs in vision units: in all, between nodes, its
-        bound, and without the routing."""
+        """isf+phases: each phase's Dist of its cost model's costs on its own assignment (each encoder's also as
+        it would be colocated), and the all-to-all of encoder outputs in their units (vision units, a further
+        encoder's tokens): in all, between nodes, its bound, and without the routing. The vision encoder's
+        figures also stand at the top level; every encoder's under "encoders"."""
         p = self.phases
-        return {"vit_cost_dist": round(p.vision_dist, 6), "llm_cost_dist": round(p.llm_dist, 6),
-                "vit_cost_dist_colocated": round(p.joint_vision_dist, 6), "ranks_per_node": self.config.ranks_per_node,
-                "all_to_all_units": p.moved_units, "inter_node_units": p.inter_node_units,
-                "inter_node_bound": p.inter_node_bound, "inter_node_units_unrouted": p.unrouted_inter_node_units,
-                "routing_exact": p.exact}
+        vision = p.vision
+        return {"vit_cost_dist": round(vision.dist, 6), "llm_cost_dist": round(p.llm_dist, 6),
+                "vit_cost_dist_colocated": round(vision.colocated_dist, 6), "ranks_per_node": self.config.ranks_per_node,
+                "all_to_all_units": vision.moved_units, "inter_node_units": vision.inter_node_units,
+                "inter_node_bound": vision.inter_node_bound,
+                "inter_node_units_unrouted": vision.unrouted_inter_node_units, "routing_exact": vision.exact,
+                "encoders": {name: phase.summary() for name, phase in p.encoders.items()}}
 
     def fingerprint(self) -> str:
         """Digest of config, seed, epoch, index and every pack; computed once. Arrays are hashed as int64 in
@@ -157,7 +162,8 @@ class Plan:
             digest.update(json.dumps({"config": self.config.to_dict(), "seed": self.seed, "epoch": self.epoch,
                                       "index": self.index_fingerprint}, sort_keys=True).encode())
             arrays = (self.offsets, self.members, self.truncate_to) + \
-                ((self.encoder_rank,) if self.encoder_rank is not None else ())
+                ((self.encoder_rank,) if self.encoder_rank is not None else ()) + \
+                tuple(self.further_encoder_ranks[name] for name in sorted(self.further_encoder_ranks))
             for array in arrays:
                 for start in range(0, len(array), 1 << 22):
                     digest.update(np.ascontiguousarray(array[start:start + (1 << 22)], dtype=np.int64).tobytes())
@@ -178,6 +184,10 @@ class Plan:
             "position": pa.array(position), "sample_id": pa.array(sample_id), "empty": pa.array(empty),
             "truncate_to": pa.array(truncate_to), "encoder_rank": pa.array(encoder_rank),
         }
+        for name, ranks in sorted(self.further_encoder_ranks.items()):  # encoder_rank_audio, ...
+            further = rank.copy()
+            further[~empty] = ranks[self.offsets[first]:self.offsets[stop]]
+            columns[f"encoder_rank_{name}"] = pa.array(further)
         if self.rows is not None:  # a mixture: each row's dataset, and its sample id in that dataset's index
             real = np.where(empty, 0, sample_id)
             columns["dataset"] = pa.DictionaryArray.from_arrays(
@@ -234,6 +244,8 @@ def read_plan(path: str | Path) -> Plan:
                 .astype(np.int64), np.asarray(meta["oversize"], dtype=np.int64), meta["index_fingerprint"])
     if config.strategy is Strategy.ISF_PHASES and "encoder_rank" in table.column_names:
         plan.encoder_rank = table.column("encoder_rank").to_numpy()[~empty]
+        plan.further_encoder_ranks = {name.removeprefix("encoder_rank_"): table.column(name).to_numpy()[~empty]
+                                      for name in table.column_names if name.startswith("encoder_rank_")}
     return plan
 
 

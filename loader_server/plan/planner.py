@@ -21,10 +21,10 @@ import numpy as np
 
 from packfeed.server.plan.balance import form_steps, lpt_assign, split_for_last_step
 from packfeed.server.plan.caps import default_targets, search_caps
-from packfeed.server.plan.costs import SampleLoads, sample_costs
+from packfeed.server.plan.costs import SampleLoads, encoder_costs, encoder_names, sample_costs
 from packfeed.server.plan.isf import Caps, IsfPacks, isf
 from packfeed.server.plan.pipeline_order import inter_reorder_many, stage_fractions, stage_times
-from packfeed.server.plan.phases import phase_plan
+from packfeed.server.plan.phases import Phase, phase_plan
 from packfeed.server.plan.plan_file import Plan
 from packfeed.v1.options import Oversize, PlanConfig, Strategy
 
@@ -70,10 +70,16 @@ def make_plan(loads: SampleLoads, config: PlanConfig, seed: int, epoch: int, ind
     if caps is not None:
         plan.pack_vision, plan.pack_tokens = pack_vision, pack_tokens
     if config.strategy is Strategy.ISF_PHASES:
-        plan.phases = phase_plan(offsets, members, costs, loads.vision, config.dp, config.microbatches,
+        phases = [Phase("vision", 0, loads.vision)] + [
+            Phase(name, 2 + k, loads.encoders[name].tokens, loads.encoders[name].padded)
+            for k, name in enumerate(encoder_names(loads))]
+        plan.phases = phase_plan(offsets, members, costs, phases, config.dp, config.microbatches,
                                  min(config.ranks_per_node, config.dp))
         # colocated: the same packs, each encoded where it trains (the phase plan still says what routing saves)
-        plan.encoder_rank = _pack_ranks(offsets, config) if config.colocate_encoder else plan.phases.encoder_rank
+        colocated = _pack_ranks(offsets, config) if config.colocate_encoder else None
+        plan.encoder_rank = plan.phases.vision.encoder_rank if colocated is None else colocated
+        plan.further_encoder_ranks = {name: phase.encoder_rank if colocated is None else colocated
+                                      for name, phase in plan.phases.encoders.items() if name != "vision"}
     plan.seconds = time.perf_counter() - started
     return plan
 
@@ -163,7 +169,7 @@ def _arrange_packs(loads, costs, packs: IsfPacks, config: PlanConfig, streams):
         first_new = len(pack_cost)
         pack_v = np.concatenate([pack_v, [loads.vision[piece].sum() for piece in pieces]])
         pack_t = np.concatenate([pack_t, [loads.tokens[piece].sum() for piece in pieces]])
-        pack_cv = np.concatenate([pack_cv, [costs[piece, 0].sum(dtype=np.float64) for piece in pieces]])
+        pack_cv = np.concatenate([pack_cv, [encoder_costs(costs[piece]).sum(dtype=np.float64) for piece in pieces]])
         pack_cl = np.concatenate([pack_cl, [costs[piece, 1].sum(dtype=np.float64) for piece in pieces]])
         pack_cost = pack_cv + pack_cl
         last = np.full(slots, -1, dtype=np.int64)
@@ -273,15 +279,17 @@ def _fill_nonzero(mask, out):
 
 @numba.njit(cache=True, nogil=True, parallel=True)
 def _pack_costs(members, offsets, costs):
-    """Per pack: (vision cost, LLM cost), summed in float64, packs in parallel (each sums its own members
+    """Per pack: (every encoder's cost, LLM cost), summed in float64, packs in parallel (each sums its own members
     in order, so the sums do not depend on the thread count)."""
     n = len(offsets) - 1
     pack_cv = np.zeros(n)
     pack_cl = np.zeros(n)
     for p in numba.prange(n):
         for k in range(offsets[p], offsets[p + 1]):
-            pack_cv[p] += costs[members[k], 0]
             pack_cl[p] += costs[members[k], 1]
+            pack_cv[p] += costs[members[k], 0]
+            for j in range(2, costs.shape[1]):  # further encoders run before the LLM too
+                pack_cv[p] += costs[members[k], j]
     return pack_cv, pack_cl
 
 
