@@ -199,4 +199,4 @@ def test_a_qwen_vision_tower_is_refused_for_the_bubbles(tmp_path):
     model = HFLayerModel("qwen2_vl", data.conventions, model=tiny_model("qwen2_vl", data))
     assert model.vision is None
     with pytest.raises(ValueError, match="parallel.encoder=stages"):
-        RankStages._encoder_layers(model)
+        RankStages._encoder_layers(model, "bubbles")
