@@ -103,6 +103,47 @@ def test_bubbles_by_hand():
     assert alone.step_s == pytest.approx(2 + 2 + 4 + 4)
 
 
+def test_routed_encoder_by_hand():
+    # 2 replicas, 1 stage each (the LLM: F 1 s, B 2 s per token), the encoder (F 1 s, B 2 s per tile); replica 0
+    # consumes 4 tiles and 1 token, replica 1 none and 1 token. Routed 2 / 2: each encodes 2 tiles (F 2 s); the
+    # all-to-all moves 2 tiles of 1 GB each at 1 GB/s across nodes: 2 s; LLM F+B 3 s; back 2 s; encoder B 4 s:
+    # 2 + 2 + 3 + 2 + 4 = 13 s. Colocated (stages): replica 0 runs 4 tiles (F 4, B 8) and its token (3): 15 s.
+    cluster = Cluster(2, gpus_per_node=1, inter_gbs=1.0, latency_s=0.0)
+    table = table_of([(1.0, 2.0)], [(1.0, 2.0)], out_bytes=1e9)
+    loads = loads_of([[(4, 1)], [(0, 1)]])
+    routed = Layout("phases", dp=2, pp=1)
+    from packfeed.trainer.simulate.routed import Routing
+
+    routing = Routing.of_plan(np.array([0, 4, 5]), np.array([0, 1, 2, 3, 4]), np.array([0, 0, 1, 1, 1]),
+                              np.array([1, 1, 1, 1, 0]), dp=2, microbatches=1, patches_per_tile=1)
+    assert routing.moved[0].tolist() == [[2.0, 0.0], [2.0, 0.0]]
+    step = simulate_step(step_costs(table, cluster, routed, [0, 1]), routed, loads, cluster,
+                         routing=(routing.encoder_loads[0], routing.moved[0]))
+    assert step.step_s == pytest.approx(13.0)
+    stages = Layout("stages", dp=2, pp=1)
+    assert simulate_step(step_costs(table, cluster, stages, [0, 2]), stages, loads, cluster).step_s == \
+        pytest.approx(15.0)
+    nothing_moved = Routing.of_plan(np.array([0, 4, 5]), np.array([0, 1, 2, 3, 4]), np.array([0, 0, 0, 0, 1]),
+                                    np.array([1, 1, 1, 1, 0]), dp=2, microbatches=1, patches_per_tile=1)
+    alone = simulate_step(step_costs(table, cluster, routed, [0, 1]), routed, loads, cluster,
+                          routing=(nothing_moved.encoder_loads[0], nothing_moved.moved[0]))
+    assert alone.step_s == pytest.approx(4 + 3 + 8)  # no all-to-all; the phases still run one after the other
+
+
+def test_routed_simulation_needs_a_routed_plan_and_one_stage(tmp_path):
+    lengths = write_lengths(tmp_path / "lengths.json", 1500, 6)
+    record = json.loads(packfeed("simulate", "--lengths", str(lengths), "--dp", "8", "--pp", "1", "--tp", "2",
+                                 "--microbatches", "4", "--strategy", "isf+phases", "--encoder", "phases",
+                                 "--json").stdout)
+    assert record["step_s"] > 0 and record["layout"]["encoder"] == "phases" and record["gpus"] == 16
+    done = packfeed("simulate", "--lengths", str(lengths), "--dp", "8", "--pp", "1", "--encoder", "phases",
+                    "--strategy", "isf+balance", check=False)
+    assert done.returncode == 2 and "isf+phases" in done.stderr
+    done = packfeed("simulate", "--lengths", str(lengths), "--dp", "8", "--pp", "2", "--encoder", "phases",
+                    "--strategy", "isf+phases", check=False)
+    assert done.returncode == 2 and "--pp 1" in done.stderr
+
+
 @pytest.mark.parametrize("schedule, chunks", [("1f1b", 1), ("gpipe", 1), ("interleaved_1f1b", 2)])
 def test_every_schedule_runs_each_operation_once(schedule, chunks):
     for stage in range(4):

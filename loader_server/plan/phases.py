@@ -19,12 +19,15 @@ whose pack consumes it.
 
 Pure functions of their inputs: the plan stays a function of (index, config, seed, epoch).
 
-The planner runs `phase_plan` for `isf+phases` and the plan file records its `encoder_rank`; the wire that tells
-a rank what to encode for others, and the trainer's all-to-all, come next (issue [3/6] of the third wave).
+The planner runs `phase_plan` for `isf+phases` (the vision encoder, and every further encoder an index names,
+each a phase of its own); the plan file records each `encoder_rank`; servers send each rank the images it
+encodes (`packfeed.server.serve.routed`), and `parallel.encoder=phases` runs the all-to-all
+(`packfeed.trainer.parallel.phases`).
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numba
@@ -88,10 +91,14 @@ def balance_from(start: np.ndarray, costs: np.ndarray, ranks: int, rounds: int =
     narrowed the same way. Starting from where each item's pack trains, no item moves unless it helps."""
     costs = np.asarray(costs, dtype=np.float64)
     kept = np.asarray(start, dtype=np.int64).copy()
+    if not len(costs):
+        return kept
     _refine(costs, kept, ranks, rounds)
+    makespan = np.bincount(kept, costs, minlength=ranks).max()
+    if makespan <= max(costs.sum() / ranks, costs.max()) * (1 + 1e-9):  # no assignment does better
+        return kept
     fresh = assign_phase(costs, ranks, rounds)
-    makespan = [np.bincount(r, costs, minlength=ranks).max() if len(costs) else 0.0 for r in (kept, fresh)]
-    return fresh if makespan[1] < makespan[0] - 1e-9 * max(makespan[0], 1.0) else kept
+    return fresh if np.bincount(fresh, costs, minlength=ranks).max() < makespan - 1e-9 * max(makespan, 1.0) else kept
 
 
 def padded_cost(lengths: np.ndarray) -> float:
@@ -152,12 +159,18 @@ def route(bin_of_item: np.ndarray, consumer_of_item: np.ndarray, item_bytes: np.
     """The rank of every bin: fewest bytes between nodes first, then fewest between ranks."""
     if ranks_per_node < 1:
         raise ValueError(f"ranks_per_node must be >= 1, not {ranks_per_node}")
-    volume = np.zeros((ranks, ranks))  # bin -> consumer rank: bytes
-    np.add.at(volume, (np.asarray(bin_of_item), np.asarray(consumer_of_item)), np.asarray(item_bytes, float))
-    node_of_rank = np.arange(ranks) // ranks_per_node  # the last node may hold fewer ranks
-    nodes = int(node_of_rank[-1]) + 1 if ranks else 0
-    per_node = volume @ np.eye(nodes)[node_of_rank]  # bin -> bytes consumed on each node
+    volume = np.bincount(np.asarray(bin_of_item) * ranks + np.asarray(consumer_of_item),
+                         np.asarray(item_bytes, float), minlength=ranks * ranks).reshape(ranks, ranks)  # bin -> rank
+    node_of_rank, projection = _nodes(ranks, ranks_per_node)
     total = volume.sum()
+    if projection.shape[1] == 1 and ranks <= EXACT_RANKS:  # one node: only bytes between ranks to save
+        from scipy.optimize import linear_sum_assignment
+
+        bins, chosen = linear_sum_assignment(volume, maximize=True)
+        rank_of_bin = np.empty(ranks, dtype=np.int64)
+        rank_of_bin[bins] = chosen
+        return Routing(rank_of_bin, float(total - volume[bins, chosen].sum()), 0.0, 0.0, True)
+    per_node = volume @ projection  # bin -> bytes consumed on each node
     bound = total - per_node.max(axis=1).sum()
     if ranks <= EXACT_RANKS:
         from scipy.optimize import linear_sum_assignment
@@ -175,6 +188,14 @@ def route(bin_of_item: np.ndarray, consumer_of_item: np.ndarray, item_bytes: np.
     kept_rank = volume[np.arange(ranks), rank_of_bin].sum()
     kept_node = per_node[np.arange(ranks), node_of_rank[rank_of_bin]].sum()
     return Routing(rank_of_bin, float(total - kept_rank), float(total - kept_node), float(bound), exact)
+
+
+@functools.lru_cache(maxsize=16)
+def _nodes(ranks: int, ranks_per_node: int) -> tuple[np.ndarray, np.ndarray]:
+    """Each rank's node (the last node may hold fewer ranks), and the rank -> node 0/1 matrix."""
+    node_of_rank = np.arange(ranks) // ranks_per_node
+    nodes = int(node_of_rank[-1]) + 1 if ranks else 0
+    return node_of_rank, np.eye(nodes)[node_of_rank]
 
 
 def _greedy_route(volume: np.ndarray, per_node: np.ndarray, node_of_rank: np.ndarray) -> np.ndarray:
@@ -223,12 +244,13 @@ class EncoderPhase:
     unrouted_inter_node_units: float  # bins left on the ranks LPT numbered them: what routing saves
     exact: bool
     padded: bool
+    unrouted_moved_units: float = 0.0  # ... and what those bins move in all
 
     def summary(self) -> dict:
         return {"cost_dist": round(self.dist, 6), "cost_dist_colocated": round(self.colocated_dist, 6),
                 "padded": self.padded, "all_to_all_units": self.moved_units, "inter_node_units": self.inter_node_units,
                 "inter_node_bound": self.inter_node_bound, "inter_node_units_unrouted": self.unrouted_inter_node_units,
-                "routing_exact": self.exact}
+                "all_to_all_units_unrouted": self.unrouted_moved_units, "routing_exact": self.exact}
 
 
 @dataclass
@@ -272,37 +294,38 @@ def _encoder_phase(phase: Phase, groups: list[np.ndarray], consumer: np.ndarray,
                    cost: np.ndarray, weight: np.ndarray, dp: int, steps: int, ranks_per_node: int) -> EncoderPhase:
     """One encoder over every step: balanced (LPT and moves, or the padded assignment), then routed."""
     encoder_rank = consumer.copy()
-    loads = np.zeros((steps, dp))
-    colocated = np.zeros((steps, dp))
-    moved = inter = bound = unrouted = 0.0
+    bins = consumer.copy()
+    moved = inter = bound = 0.0
     exact = True
     for group in groups:
-        bins = consumer[group].copy()
         if phase.padded:  # only samples with a sequence for this encoder enter its batches
-            active = np.flatnonzero(weight[group] > 0)
-            bins[active] = assign_padded_phase(cost[group][active], dp)
+            active = group[weight[group] > 0]
+            bins[active] = assign_padded_phase(cost[active], dp)
         else:
-            bins = balance_from(bins, cost[group], dp)
-        routing = route(bins, consumer[group], weight[group], dp, ranks_per_node)
-        encoder_rank[group] = routing.rank_of_bin[bins]
-        step = step_of[group[0]]
-        loads[step] = _rank_costs(encoder_rank[group], cost[group], weight[group], dp, phase.padded)
-        colocated[step] = _rank_costs(consumer[group], cost[group], weight[group], dp, phase.padded)
+            bins[group] = balance_from(consumer[group], cost[group], dp)
+        routing = route(bins[group], consumer[group], weight[group], dp, ranks_per_node)
+        encoder_rank[group] = routing.rank_of_bin[bins[group]]
         moved += routing.total_bytes
         inter += routing.inter_node_bytes
         bound += routing.inter_node_bound
-        unrouted += float(weight[group][bins // ranks_per_node != consumer[group] // ranks_per_node].sum())
         exact = exact and routing.exact
+    unrouted = float(weight[bins // ranks_per_node != consumer // ranks_per_node].sum())
+    unrouted_moved = float(weight[bins != consumer].sum())
+    loads = _rank_costs(step_of, encoder_rank, cost, weight, dp, steps, phase.padded)
+    colocated = _rank_costs(step_of, consumer, cost, weight, dp, steps, phase.padded)
     return EncoderPhase(encoder_rank, dist_ratio(loads), dist_ratio(colocated), moved, inter, bound, unrouted, exact,
-                        phase.padded)
+                        phase.padded, unrouted_moved)
 
 
-def _rank_costs(rank_of: np.ndarray, cost: np.ndarray, weight: np.ndarray, dp: int, padded: bool) -> np.ndarray:
-    """Each rank's cost: the sum of its items', or padded, (its items with a sequence) x the costliest."""
+def _rank_costs(step_of: np.ndarray, rank_of: np.ndarray, cost: np.ndarray, weight: np.ndarray, dp: int,
+                steps: int, padded: bool) -> np.ndarray:
+    """(steps, dp): each rank's cost per step: the sum of its items', or padded, (its items with a sequence)
+    x the costliest."""
+    slot = step_of * dp + rank_of
     if not padded:
-        return np.bincount(rank_of, cost, minlength=dp)
+        return np.bincount(slot, cost, minlength=steps * dp).reshape(steps, dp)
     active = weight > 0
-    counts = np.bincount(rank_of[active], minlength=dp)
-    longest = np.zeros(dp)
-    np.maximum.at(longest, rank_of[active], cost[active])
-    return counts * longest
+    counts = np.bincount(slot[active], minlength=steps * dp)
+    longest = np.zeros(steps * dp)
+    np.maximum.at(longest, slot[active], cost[active])
+    return (counts * longest).reshape(steps, dp)

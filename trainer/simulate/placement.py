@@ -8,6 +8,9 @@
 - `disaggregated` (DistTrain): the encoder runs on GPUs of its own with its own DP; each LLM replica's
   microbatches are encoded by its group of encoder GPUs (or a GPU serves several replicas), embeddings and
   their gradients cross the network.
+- `phases` (OrchMLLM; plan strategy isf+phases): the pipeline holds only LLM layers; each replica's first-stage
+  GPUs encode the tiles the plan routes to them, and all-to-alls over the replicas join the encoder to the
+  LLM (`packfeed.trainer.simulate.routed`).
 
 Data parallelism (Megatron's distributed optimizer with overlapped gathers and reductions): each GPU
 all-gathers its bf16 parameters bucket by bucket while it computes — its first operation waits for the first
@@ -26,10 +29,11 @@ import numpy as np
 
 from packfeed.trainer.simulate.cluster import Cluster, megatron_rank
 from packfeed.trainer.simulate.model_shape import TILES, VISION_SQUARE, LayerTable
+from packfeed.trainer.simulate.routed import routed_step
 from packfeed.trainer.simulate.schedule import Run, Task, pipeline_order, run_tasks
 
-Encoder = Literal["stages", "bubbles", "disaggregated"]
-ENCODERS: tuple[str, ...] = ("stages", "bubbles", "disaggregated")
+Encoder = Literal["stages", "bubbles", "disaggregated", "phases"]
+ENCODERS: tuple[str, ...] = ("stages", "bubbles", "disaggregated", "phases")
 PARAM_BYTES, GRAD_BYTES = 2, 4  # bf16 weights gathered, fp32 gradients reduced
 BUCKET_PARAMS = 40e6  # Megatron DDP's bucket (parameters per GPU)
 
@@ -233,6 +237,8 @@ def _collectives(costs: StepCosts, layout: Layout, cluster: Cluster) -> tuple[li
 def _encoder_ranks(layout: Layout) -> list[int]:
     if layout.encoder == "bubbles":
         return list(range(0, layout.llm_gpus, layout.tp))
+    if layout.encoder == "phases":  # the first stage's GPUs of every replica
+        return [megatron_rank(0, r, 0, layout.dp, layout.tp) for r in range(layout.dp)]
     if layout.encoder == "disaggregated":
         return [layout.llm_gpus + e * layout.tp for e in range(layout.encoder_groups)]
     return []
@@ -254,9 +260,11 @@ def _release(tasks: list[Task], orders: dict[int, list[int]], stage_of: Callable
 
 
 def simulate_step(costs: StepCosts, layout: Layout, loads: np.ndarray, cluster: Cluster,
-                  keep_run: bool = False, cores: float | None = None) -> StepResult:
+                  keep_run: bool = False, cores: float | None = None,
+                  routing: tuple[np.ndarray, np.ndarray] | None = None) -> StepResult:
     """`loads`: (replicas, microbatches, terms) load rows of one global step. `cores`: a replica's ranks share
-    that many processors (a CPU run; see `run_tasks`)."""
+    that many processors (a CPU run; see `run_tasks`). `routing`: `phases` only, the step's (encoder load row
+    per replica, tiles moved encoder -> consumer) (`packfeed.trainer.simulate.routed`)."""
     if layout.encoder == "disaggregated":
         return _simulate_disaggregated(costs, layout, loads, cluster, keep_run)
     llm, encoder = _collectives(costs, layout, cluster)
@@ -268,6 +276,14 @@ def simulate_step(costs: StepCosts, layout: Layout, loads: np.ndarray, cluster: 
             runs[key] = simulate_replica(costs, layout, loads[r], cluster, llm, encoder, cores)
         per_replica.append(runs[key])
     pp = layout.pp
+    first_run, first_tasks = per_replica[0]
+    names = {s: f"stage {s}" for s in range(pp)}
+    if layout.encoder == "phases":
+        if routing is None:
+            raise ValueError("--encoder phases needs the plan's routing: --strategy isf+phases (or its plan file)")
+        step, busy = routed_step(per_replica, llm, encoder, costs.encoder_seconds, routing[0], routing[1],
+                                 float(costs.embedding_bytes[TILES]), cluster, layout.dp, layout.tp)
+        return StepResult(step, busy, first_run if keep_run else None, first_tasks if keep_run else None, names)
     step = 0.0
     encoder_last = [run.last_task(s, tasks, filler=True) for run, tasks in per_replica for s in range(pp)]
     encoder_start, encoder_end = max(s for s, _ in encoder_last), max(e for _, e in encoder_last)
@@ -279,8 +295,6 @@ def simulate_step(costs: StepCosts, layout: Layout, loads: np.ndarray, cluster: 
             step = max(step, encoder.reduced(encoder_start, encoder_end),
                        min(start, encoder_start) + llm[s].reduce_s + encoder.reduce_s)
     busy = {f"stage {s}": [run.busy(s) for run, _ in per_replica] for s in range(pp)}
-    first_run, first_tasks = per_replica[0]
-    names = {s: f"stage {s}" for s in range(pp)}
     return StepResult(step, busy, first_run if keep_run else None, first_tasks if keep_run else None, names)
 
 

@@ -75,12 +75,17 @@ def simulate_steps(table: LayerTable, cluster: Cluster, layout: Layout, workload
                    steps: list[int] | None = None) -> tuple[list[StepResult], list[int]]:
     costs, bounds = pipeline_costs(table, cluster, layout, workload, partition)
     chosen = range(workload.steps) if steps is None else steps
+    routed = layout.encoder == "phases"
+    if routed and workload.routing is None:
+        raise ValueError("--encoder phases runs the encoder where an isf+phases plan routes it: give --strategy "
+                         "isf+phases (or a plan file of that strategy)")
     cache: dict[bytes, StepResult] = {}
     results = []
     for k in chosen:
-        key = workload.loads[k].tobytes()
+        routing = (workload.routing.encoder_loads[k], workload.routing.moved[k]) if routed else None
+        key = workload.loads[k].tobytes() + (routing[1].tobytes() if routed else b"")
         if key not in cache:  # identical steps (fixed-size samples) are simulated once
-            cache[key] = simulate_step(costs, layout, workload.loads[k], cluster)
+            cache[key] = simulate_step(costs, layout, workload.loads[k], cluster, routing=routing)
         results.append(cache[key])
     return results, bounds
 
@@ -102,6 +107,9 @@ def simulate_plan(workload: Workload, table: LayerTable, cluster: Cluster, setti
                         settings.schedule, search["encoder_gpus"] // settings.tp)
         workload = workload.regrouped(layout.dp)
     else:
+        if settings.encoder == "phases" and settings.pp != 1:
+            raise ValueError("--encoder phases joins data-parallel ranks that each hold the whole model (as "
+                             "`parallel.encoder=phases` trains): give --pp 1 (with --tp for large models)")
         layout = Layout(settings.encoder, dp, settings.pp, settings.tp, settings.virtual_stages, settings.schedule)
         if layout.gpus != cluster.gpus:
             raise ValueError(f"--encoder {settings.encoder} runs on dp x pp x tp = {layout.gpus} GPUs; --gpus is "

@@ -5,7 +5,8 @@
 - `random`: random samples concatenated into packs under the same caps as ISF (next fit), packs in random
   order;
 - `isf`: OmniBal's ISF packs in random order; `isf+balance`: ISF packs with Packfeed's balanced steps, LPT over
-  ranks and the 1F1B microbatch order.
+  ranks and the 1F1B microbatch order; `isf+phases`: the same with the LLM's ranks balanced on its own cost and
+  each step's encoder work balanced and routed apart (`Workload.routing`, for `--encoder phases`).
 The planner (`packfeed.server.plan`) makes every plan but `random`'s packing; the same seed gives the same
 workload. A microbatch's load row is (1, tiles, sum of squared ViT sequences, tokens, sum of squared LLM
 spans); packs attend per sample (varlen attention), padded batches over each padded row.
@@ -21,11 +22,12 @@ from packfeed.server.plan.costs import SampleLoads
 from packfeed.server.plan.plan_file import Plan
 from packfeed.server.plan.planner import make_plan, resolve_caps
 from packfeed.trainer.simulate.model_shape import TILES, TOKEN_SQUARE, TOKENS, VISION_SQUARE, LayerTable
+from packfeed.trainer.simulate.routed import Routing
 from packfeed.v1.options import CostModel, PlanConfig, Strategy
 
-STRATEGIES: tuple[str, ...] = ("random-padded", "random", "isf", "isf+balance")
+STRATEGIES: tuple[str, ...] = ("random-padded", "random", "isf", "isf+balance", "isf+phases")
 PLANNER_STRATEGY = {"random-padded": Strategy.RANDOM, "random": Strategy.ISF, "isf": Strategy.ISF,
-                    "isf+balance": Strategy.ISF_BALANCE}
+                    "isf+balance": Strategy.ISF_BALANCE, "isf+phases": Strategy.ISF_PHASES}
 
 
 @dataclass
@@ -34,6 +36,7 @@ class Workload:
     useful: np.ndarray  # the same without padding (what MFU counts)
     samples: int
     strategy: str
+    routing: Routing | None = None  # isf+phases: where each step's tiles are encoded (`--encoder phases`)
 
     @property
     def steps(self) -> int:
@@ -46,7 +49,7 @@ class Workload:
         if (dp * m) % replicas:
             raise ValueError(f"{dp * m} packs per step do not divide over {replicas} replicas")
         shape = (steps, replicas, dp * m // replicas, terms)
-        return replace(self, loads=self.loads.reshape(shape), useful=self.useful.reshape(shape))
+        return replace(self, loads=self.loads.reshape(shape), useful=self.useful.reshape(shape), routing=None)
 
 
 def planner_cost_model(table: LayerTable, patches_per_tile: int) -> CostModel:
@@ -70,10 +73,18 @@ def make_workload(samples: SampleLoads, strategy: str, dp: int, microbatches: in
                         cost_model=cost_model)
     if strategy == "random":
         offsets, members = random_packs(samples, config, seed, epoch)
-    else:
-        plan = make_plan(samples, config, seed, epoch)
-        offsets, members = plan.offsets, plan.members
-    return workload_of(offsets, members, samples, config, patches_per_tile, strategy)
+        return workload_of(offsets, members, samples, config, patches_per_tile, strategy)
+    plan = make_plan(samples, config, seed, epoch)
+    return replace(workload_of(plan.offsets, plan.members, samples, config, patches_per_tile, strategy),
+                   routing=routing_of(plan, samples, patches_per_tile))
+
+
+def routing_of(plan: Plan, samples: SampleLoads, patches_per_tile: int) -> Routing | None:
+    """isf+phases: each step's encoder work as the plan routes it (None for the other strategies)."""
+    if plan.encoder_rank is None:
+        return None
+    return Routing.of_plan(plan.offsets, plan.members, plan.encoder_rank, samples.vision, plan.config.dp,
+                           plan.config.microbatches, patches_per_tile)
 
 
 def workload_of_plan(plan: Plan, samples: SampleLoads, patches_per_tile: int) -> Workload:
@@ -86,9 +97,9 @@ def workload_of_plan(plan: Plan, samples: SampleLoads, patches_per_tile: int) ->
         tokens = tokens.copy()
         cut = plan.truncate_to > 0
         tokens[plan.members[cut]] = plan.truncate_to[cut]
-    name = {Strategy.RANDOM: "random-padded"}.get(plan.config.strategy, str(plan.config.strategy))
-    return workload_of(plan.offsets, plan.members, replace(samples, tokens=tokens), plan.config, patches_per_tile,
-                       name)
+    name = {Strategy.RANDOM: "random-padded"}.get(plan.config.strategy, plan.config.strategy.value)
+    return replace(workload_of(plan.offsets, plan.members, replace(samples, tokens=tokens), plan.config,
+                               patches_per_tile, name), routing=routing_of(plan, samples, patches_per_tile))
 
 
 def random_packs(samples: SampleLoads, config: PlanConfig, seed: int, epoch: int) -> tuple[np.ndarray, np.ndarray]:
