@@ -11,9 +11,10 @@ Run: .venv/bin/python -m pytest -q -s tests/benchmarks/test_bench_phases.py -m b
    - the all-to-all per step: vision units (and bytes: 256 LLM tokens x 6,144 x bf16 per tile, InternLM2-20B's
      input) moved naive (the balanced bins left on the ranks LPT numbered them) and solved (routed), the share
      that crosses nodes, and the lower bound on it.
-2. The reference trainer on CPU (`packfeed train --nproc 4`, DP 4, pp 1, M 4, 200 demo samples): step time with
+2. The reference trainer on CPU (`packfeed train --nproc 4`, DP 4, pp 1, M 4, 200 demo samples, 3 epochs): step time with
    the encoder routed (all-to-all) against the same plan encoded colocated, alternating, 3 runs each.
-3. `packfeed simulate` at cluster scale (InternVL-Chat-1.5, DP 64, TP 8... see the test) for both.
+3. `packfeed simulate` at cluster scale (InternVL-Chat-1.5 on 512 GPUs: DP 64 x TP 8, pp 1, M 4) for both, and
+   for isf+balance.
 """
 
 from __future__ import annotations
@@ -148,7 +149,7 @@ def step_times(out) -> list[float]:
 def test_reference_trainer_all_to_all_against_colocated_on_cpu(tmp_path):
     _, index = indexed_demo(tmp_path / "data", 200, 4, 5, POLICY)
     common = [f"data.index={index}", "data.microbatches=4", "data.server_workers=1", "data.strategy=isf+phases",
-              "parallel.pp=1", "parallel.dp=4", "recompute.mode=none", "data.epochs=1"] + \
+              "parallel.pp=1", "parallel.dp=4", "recompute.mode=none", "data.epochs=3"] + \
         [f"model.{k}={v}" for k, v in MODEL.items()]
     times = {"colocated": [], "routed": []}
     moved = []
