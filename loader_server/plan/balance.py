@@ -45,6 +45,54 @@ def lpt_assign(cost, n_bins, per_bin_limit):
     return bin_of
 
 
+@numba.njit(cache=True, nogil=True)
+def refine_by_swaps(cost, bin_of, n_bins, rounds):
+    """In place: while one lowers the busiest bin's load, swap one of its items with one of another bin (the
+    idlest that admits a swap first) whose transfer comes closest to half their gap. Every bin keeps its count
+    (M packs per rank), and the makespan never rises: both bins end below the busiest's old load."""
+    n = len(cost)
+    load = np.zeros(n_bins)
+    count = np.zeros(n_bins, dtype=np.int64)
+    for k in range(n):
+        load[bin_of[k]] += cost[k]
+        count[bin_of[k]] += 1
+    width = count.max() if n else 0
+    items = np.full((n_bins, max(width, 1)), -1, dtype=np.int64)  # each bin's items, kept as swaps happen
+    filled = np.zeros(n_bins, dtype=np.int64)
+    for k in range(n):
+        b = bin_of[k]
+        items[b, filled[b]] = k
+        filled[b] += 1
+    floor = load.sum() / n_bins
+    for _ in range(rounds):
+        high = np.argmax(load)
+        if load[high] <= floor * (1 + 1e-9):
+            return
+        best_a, best_b, target = -1, -1, -1
+        for low in np.argsort(load):
+            gap = load[high] - load[low]
+            if low == high or gap <= 0:
+                continue
+            best = gap / 2
+            for a in range(count[high]):
+                for b in range(count[low]):
+                    transfer = cost[items[high, a]] - cost[items[low, b]]
+                    shift = abs(transfer - gap / 2)
+                    if 0 < transfer < gap and shift < best - 1e-12:
+                        best, best_a, best_b = shift, a, b
+            if best_a >= 0:
+                target = low
+                break
+        if best_a < 0:
+            return
+        i, j = items[high, best_a], items[target, best_b]
+        items[high, best_a], items[target, best_b] = j, i
+        bin_of[i], bin_of[j] = target, high
+        transfer = cost[i] - cost[j]
+        load[high] -= transfer
+        load[target] += transfer
+
+
 def vision_bucket(pack_vision: np.ndarray) -> np.ndarray:
     """Coarse vision load used as the primary step-formation key."""
     small_integers = pack_vision.dtype.kind in "iu" and len(pack_vision) and 0 <= pack_vision.min() \

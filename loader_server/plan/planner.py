@@ -19,7 +19,7 @@ from dataclasses import replace
 import numba
 import numpy as np
 
-from packfeed.server.plan.balance import form_steps, lpt_assign, split_for_last_step
+from packfeed.server.plan.balance import form_steps, lpt_assign, refine_by_swaps, split_for_last_step
 from packfeed.server.plan.caps import default_targets, search_caps
 from packfeed.server.plan.costs import SampleLoads, encoder_costs, encoder_names, sample_costs
 from packfeed.server.plan.isf import Caps, IsfPacks, isf
@@ -180,7 +180,8 @@ def _arrange_packs(loads, costs, packs: IsfPacks, config: PlanConfig, streams):
         grid = full.reshape(-1, dp, m)
     else:
         # isf+phases encodes apart from the packs: the LLM's ranks are balanced on its cost alone
-        grid = _assign_ranks(full, pack_cl if config.strategy is Strategy.ISF_PHASES else pack_cost, dp, m)
+        phases = config.strategy is Strategy.ISF_PHASES
+        grid = _assign_ranks(full, pack_cl if phases else pack_cost, dp, m, phases)
         # Which rank gets the heaviest pack is arbitrary; rotate it so no rank is systematically heavier.
         grid = _permute_ranks(grid, streams[_STREAM_RANKS].random((len(grid), dp)))
         if config.pipeline_stages > 1 and m > 1:
@@ -189,8 +190,9 @@ def _arrange_packs(loads, costs, packs: IsfPacks, config: PlanConfig, streams):
 
 
 @numba.njit(cache=True, nogil=True, parallel=True)
-def _assign_ranks(steps, cost, dp, m):
-    """LPT per step with M packs per rank; each rank's packs by decreasing cost; -1 (empty) packs last.
+def _assign_ranks(steps, cost, dp, m, refine):
+    """LPT per step with M packs per rank, then (`refine`: isf+phases, whose LLM phase is balanced apart) swaps
+    between ranks while they lower the busiest; each rank's packs by decreasing cost; -1 (empty) packs last.
     Steps are independent, so they run in parallel."""
     n_steps = steps.shape[0]
     grid = np.full((n_steps, dp, m), -1, dtype=np.int64)
@@ -200,6 +202,8 @@ def _assign_ranks(steps, cost, dp, m):
         for k in range(len(packs)):
             c[k] = cost[packs[k]]
         bins = lpt_assign(c, dp, m)
+        if refine:
+            refine_by_swaps(c, bins, dp, dp)
         filled = np.zeros(dp, dtype=np.int64)
         for k in np.argsort(-c, kind="mergesort"):
             r = bins[k]
