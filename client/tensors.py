@@ -18,7 +18,10 @@ IGNORE_INDEX = -100  # labels of tokens outside the loss
 class PackTensors:
     """One pack. Tensors (all int32 except `pixels`, uint8): input_ids, labels, position_ids (L); cu_seqlens
     (samples + 1); pixels (every tile's C*H*W bytes); tile_shapes (tiles x 3); tile_image (tiles);
-    image_sample (images); image_token_spans (images x 2: start in input_ids, length)."""
+    image_sample (images); image_token_spans (images x 2: start in input_ids, length). A routed pack (plan
+    strategy isf+phases; `routed`) adds image_encoder (images x 3: the rank encoding each image it consumes),
+    and its pixels are the images its rank encodes, one row each in encode_target (x 3: consuming rank,
+    planned position, image number) with encode_tokens; README "Packs on the wire"."""
 
     epoch: int
     step: int
@@ -40,6 +43,11 @@ class PackTensors:
         if name in tensors:
             return tensors[name]
         raise AttributeError(name)
+
+    @property
+    def routed(self) -> bool:
+        """Its images are encoded where the plan routes them (isf+phases), not all by this rank."""
+        return "image_encoder" in self.tensors
 
     def tiles(self) -> list[torch.Tensor]:
         """Every tile as a (C, H, W) uint8 view of `pixels`."""

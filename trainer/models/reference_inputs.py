@@ -11,11 +11,6 @@ from packfeed.trainer.batch import Microbatches, RoutedImages, StepShape, round_
 from packfeed.trainer.models.reference import IGNORE_INDEX, VLMConfig
 
 
-def is_routed(pack) -> bool:
-    """The pack's images are encoded where the plan routes them (isf+phases), not all on this rank."""
-    return "image_encoder" in pack.tensors
-
-
 def consumed_tiles(pack, config: VLMConfig) -> torch.Tensor:
     """Tiles of each image the pack consumes, from its placeholder spans (its pixels may be other ranks')."""
     spans = pack.image_token_spans.view(-1, 2).long()
@@ -29,7 +24,7 @@ def consumed_tiles(pack, config: VLMConfig) -> torch.Tensor:
 def step_shape(packs, token_multiple: int = 64, epoch: int = 0, step: int = 0,
                last_in_epoch: bool = False, config: VLMConfig | None = None) -> StepShape:
     tokens = max([int(p.input_ids.numel()) for p in packs] + [1])
-    if config is not None and packs and is_routed(packs[0]):
+    if config is not None and packs and packs[0].routed:
         tiles = max([int(consumed_tiles(p, config).sum()) for p in packs] + [1])
     else:
         tiles = max([int(p.tile_shapes.shape[0]) for p in packs] + [1])
@@ -41,7 +36,7 @@ def step_shape(packs, token_multiple: int = 64, epoch: int = 0, step: int = 0,
 def vision_positions_of(pack, config: VLMConfig) -> torch.Tensor:
     """For every vision token of every tile (in tile order), its position in input_ids."""
     spans = pack.image_token_spans.view(-1, 2).long()
-    tiles_per_image = consumed_tiles(pack, config) if is_routed(pack) else \
+    tiles_per_image = consumed_tiles(pack, config) if pack.routed else \
         torch.bincount(pack.tile_image.long(), minlength=spans.shape[0])
     if spans.shape[0] and not torch.equal(spans[:, 1], tiles_per_image * config.tokens_per_tile):
         raise ValueError(f"pack {pack.sample_keys}: image placeholder spans {spans[:, 1].tolist()} do not hold "
@@ -67,7 +62,7 @@ def pad_pack(pack, shape: StepShape, config: VLMConfig) -> tuple[torch.Tensor, .
     if length and int(pack.input_ids.max()) >= config.vocab_size:
         raise ValueError(f"pack {pack.sample_keys}: token id {int(pack.input_ids.max())} >= the model's vocab_size "
                          f"{config.vocab_size}; size the model for the dataset's tokenizer")
-    if is_routed(pack):  # the features come from the all-to-all: no pixels of its own enter the LLM
+    if pack.routed:  # the features come from the all-to-all: no pixels of its own enter the LLM
         pixels = torch.zeros(shape.tiles, 0, dtype=torch.uint8)
     else:
         pixels = torch.zeros(shape.tiles, 3, config.tile_size, config.tile_size, dtype=torch.uint8)
@@ -92,7 +87,7 @@ def microbatches_of(step, config: VLMConfig, token_multiple: int = 64) -> Microb
     shape = step_shape(step.packs, token_multiple, step.epoch, step.step, step.last_in_epoch, config)
     padded = [pad_pack(pack, shape, config) for pack in step.packs]
     args = tuple(torch.cat(parts) for parts in zip(*padded))
-    routed = [routed_images(pack, config) for pack in step.packs] if step.packs and is_routed(step.packs[0]) \
+    routed = [routed_images(pack, config) for pack in step.packs] if step.packs and step.packs[0].routed \
         else None
     return Microbatches(shape, args, sum(int(p.input_ids.numel()) for p in step.packs),
                         sum(int(p.tile_shapes.view(-1, 3).shape[0]) for p in step.packs),
