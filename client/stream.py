@@ -208,6 +208,7 @@ class PackStream:
         """Acknowledge a consumed step, with the samples this client left out of it (the server records them)."""
         if self.acknowledge:
             request = pb.AckStepRequest(job=self.job, rank=self.rank, epoch=epoch, step=step, replica=self.replica,
+                                        data_wait_s=self.wait_seconds,
                                         skipped=[pb.SkippedSample(key=key, reason=reason, epoch=epoch, step=step)
                                                  for key, reason in skipped])
             self._acks.submit(self.channel.send, "AckStep", request)

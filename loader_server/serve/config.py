@@ -1,7 +1,7 @@
 """`packfeed serve` configuration: a YAML/JSON file, then environment overrides, then command-line flags.
 
     listen: 0.0.0.0:50051       # or a port range, 0.0.0.0:50051-50058: the first free one (scaled replicas on one host)
-    metrics_port: 9400          # Prometheus /metrics; 0 = off; a range (9400-9407) like listen
+    metrics_port: 9400          # Prometheus /metrics and /status; 0 = off; a range (9400-9407) like listen
     workers: 4                  # pre-processing processes
     prefetch_steps: 4           # steps prepared ahead per rank stream
     memory_budget_mb: 2048      # prepared packs held in memory across all streams (and a quarter of that of

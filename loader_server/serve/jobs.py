@@ -90,6 +90,7 @@ class RankState:
     queued: int = 0  # steps prepared and waiting
     shared: tuple[int, int] = (-1, -1)  # the acknowledged position the coordinator has taken
     unacked: collections.deque = field(default_factory=collections.deque)  # steps sent, not yet acknowledged
+    data_wait_s: float = 0.0  # what its trainer reports having waited for packs, in all (AckStep)
 
     def sent(self, epoch: int, step: int) -> None:
         self.streamed = (epoch, step)

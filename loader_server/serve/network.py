@@ -8,9 +8,9 @@ import re
 from pathlib import Path
 
 import grpc
-from prometheus_client import start_http_server
 
 from packfeed.server.serve.config import ServerConfig, port_candidates
+from packfeed.server.serve.status import start_status_server
 
 
 def client_host(peer: str) -> str:
@@ -70,15 +70,16 @@ def bind(server: grpc.aio.Server, config: ServerConfig) -> int:
                   "machine; free a port, give a range (host:50051-50058), or change listen")
 
 
-def start_metrics(config: ServerConfig, registry) -> int:
-    """Prometheus endpoint on the first free port of `metrics_port`; 0 when off."""
+def start_metrics(config: ServerConfig, registry, report) -> int:
+    """Prometheus `/metrics` and the status page (`packfeed.server.serve.status`) on the first free port of
+    `metrics_port`; 0 when off."""
     host = config.listen.rpartition(":")[0].strip("[]") or "0.0.0.0"
     candidates = port_candidates(config.metrics_port)
     if candidates == [0]:
         return 0
     for candidate in candidates:
         try:
-            start_http_server(candidate, addr=host, registry=registry)
+            start_status_server(host, candidate, registry, report, config.auth_token)
             return candidate
         except OSError:
             continue

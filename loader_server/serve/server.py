@@ -22,6 +22,7 @@ from packfeed.server.serve.registry import JobRegistry
 from packfeed.server.serve.network import TokenAuth, advertised_address, bind, grpc_options, start_metrics
 from packfeed.server.serve.observe import Metrics, log
 from packfeed.server.serve.service import SERVICE, PackfeedService
+from packfeed.server.serve.status import StatusReport
 from packfeed.server.serve.workers import DatasetSource, WorkerPool, keep_freed_memory
 
 
@@ -91,7 +92,7 @@ async def serve(config: ServerConfig, ready: asyncio.Event | None = None, stop: 
     announcer = asyncio.create_task(announce(coordinator, service.server_id, config.lease_ttl_s))
     evictor = asyncio.create_task(evict_idle_jobs(service, config.job_idle_s))
     watcher = asyncio.create_task(report_health(health_servicer, pool))
-    metrics_port = start_metrics(config, metrics.registry)
+    metrics_port = start_metrics(config, metrics.registry, StatusReport(service))
     for name in ("", SERVICE):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     if config.address_file:

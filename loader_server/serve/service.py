@@ -178,6 +178,7 @@ class PackfeedService:
             raise JobError("FAILED_PRECONDITION", f"step {request.epoch}:{request.step} was not sent to rank "
                                                   f"{request.rank} by this server: acknowledge only steps received")
         skipped = client_skipped(request)
+        job.ranks[request.rank].data_wait_s = max(0.0, request.data_wait_s)  # a report, for the status page
         await asyncio.to_thread(job.ack, request.rank, request.epoch, request.step)
         await asyncio.to_thread(self._share_ack, job, request.rank)
         self._record_skipped(job, request.rank, request.epoch, request.step, skipped, "client")
