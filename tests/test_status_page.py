@@ -1,6 +1,6 @@
 """`/status` and `/status.json` on a real `packfeed serve`'s metrics port while a job streams: the job, its plan
 and balance, every rank's position and the data wait its trainer reports, figures that change between two
-looks; with a token set, refused without it. (The page's rendering in a headless browser is not tested yet.)"""
+looks; with a token set, refused without it. (The page in a headless browser: test_status_browser.)"""
 
 from __future__ import annotations
 
