@@ -9,7 +9,8 @@
   as `DataLoader(dataset, batch_size=None, num_workers=0)`: a step is already a batch (M packs, never collated
   or padded again), and the stream already receives in a background thread. What it costs: the DataLoader's
   per-item bookkeeping, microseconds a step; `num_workers > 0` is refused (each worker process would open the
-  rank's stream again and deliver its steps twice), and so is a `batch_size` (collating packs would pad them).
+  rank's stream again and deliver its steps twice); give `batch_size=None` (`pack_dataloader` does): a step is
+  already a batch, and torch's collation would try to batch steps again.
   `DataLoader(pin_memory=True)` does not pin `Step`s: give `PackStream(pin_memory=True)` instead.
 
 Neither re-shards anything: the server already sends each DP rank exactly its packs, so a framework's own

@@ -112,10 +112,15 @@ class Plan:
             llm = _segment_sum(tokens, self.offsets)
         return vision, llm
 
-    def summary(self, loads: SampleLoads) -> dict[str, Any]:
-        sizes = self.pack_sizes()
+    def dists(self, loads: SampleLoads) -> tuple[float, float]:
+        """(ViT Dist, LLM Dist) of the packs' loads summed per rank and step (the LLM's counting padding)."""
         vision, llm = self.pack_loads(loads)
         shape = (self.n_steps, self.config.dp, self.config.microbatches)
+        return dist_ratio(vision.reshape(shape).sum(axis=2)), dist_ratio(llm.reshape(shape).sum(axis=2))
+
+    def summary(self, loads: SampleLoads) -> dict[str, Any]:
+        sizes = self.pack_sizes()
+        vit_dist, llm_dist = self.dists(loads)
         pad = 0.0
         if self.padded:
             tokens = _effective_tokens(loads.tokens[self.members], self.truncate_to)
@@ -131,8 +136,8 @@ class Plan:
             "steps": self.n_steps,
             "samples_per_pack": round(len(self.members) / max(1, non_empty), 4),
             "pad_ratio": round(pad, 6),
-            "vit_dist": round(dist_ratio(vision.reshape(shape).sum(axis=2)), 6),
-            "llm_dist": round(dist_ratio(llm.reshape(shape).sum(axis=2)), 6),
+            "vit_dist": round(vit_dist, 6),
+            "llm_dist": round(llm_dist, 6),
             "oversize": {"policy": self.config.oversize.value, "count": int(len(self.oversize)),
                          "sample_ids": self.oversize[:20].tolist()},
             "caps": asdict(self.caps) if self.caps else None,

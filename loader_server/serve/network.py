@@ -19,6 +19,13 @@ def client_host(peer: str) -> str:
     return address.rsplit(":", 1)[0].strip("[]") if ":" in address else address
 
 
+def bearer_matches(authorization: str, expected: bytes) -> bool:
+    """`Bearer <token>` (the scheme in any case, as HTTP has it) naming the expected token, compared in constant
+    time."""
+    scheme, _, token = authorization.partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), expected)
+
+
 class TokenAuth(grpc.aio.ServerInterceptor):
     """Calls must carry `authorization: Bearer <token>` (the scheme in any case, as HTTP has it); health checks
     are open (for orchestrators)."""
@@ -35,8 +42,7 @@ class TokenAuth(grpc.aio.ServerInterceptor):
     async def intercept_service(self, continuation, details):
         if details.method.startswith("/grpc.health.v1.Health/"):
             return await continuation(details)
-        scheme, _, token = str(dict(details.invocation_metadata or ()).get("authorization", "")).partition(" ")
-        if scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), self.expected):
+        if bearer_matches(str(dict(details.invocation_metadata or ()).get("authorization", "")), self.expected):
             return await continuation(details)
         return self.deny
 
@@ -79,7 +85,9 @@ def start_metrics(config: ServerConfig, registry, report) -> int:
         return 0
     for candidate in candidates:
         try:
-            start_status_server(host, candidate, registry, report, config.auth_token)
+            token = config.auth_token.encode()
+            start_status_server(host, candidate, registry, report,
+                                (lambda header: bearer_matches(header, token)) if config.auth_token else None)
             return candidate
         except OSError:
             continue

@@ -13,17 +13,16 @@ reads the service's state as it stands (plain values, copied); it never blocks t
 
 from __future__ import annotations
 
-import hmac
 import json
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from collections.abc import Callable
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from packfeed.server.plan.metrics import dist_ratio
 from packfeed.server.serve.observe import log
 from packfeed.server.plan.windows import WindowedPlan
 
@@ -43,7 +42,12 @@ class StatusReport:
     def snapshot(self) -> dict[str, Any]:
         service = self.service
         budget = service.budget
-        jobs = [self._job(job) for job in list(service.registry.jobs.values()) if job.ready.is_set()]
+        held = list(service.registry.jobs.values())
+        with self._lock:  # jobs closed or evicted since: forget their figures
+            names = {job.spec.job for job in held}
+            self._balance = {name: value for name, value in self._balance.items() if name in names}
+            self._last = {name: value for name, value in self._last.items() if name in names}
+        jobs = [self._job(job) for job in held if job.ready.is_set()]
         return {"server": service.server_id, "uptime_s": round(time.time() - self.started, 1),
                 "memory": {"held_bytes": budget.held, "budget_bytes": budget.limit},
                 "refresh_s": REFRESH_S, "jobs": jobs}
@@ -87,17 +91,16 @@ class StatusReport:
             plan = job.plan(0) if job.failure is None else None
             if plan is None or isinstance(plan, WindowedPlan):
                 return {"known": False}
-            vision, llm = plan.pack_loads(job.dataset.loads)  # the LLM's counting padding, for padded strategies
-            shape = (plan.n_steps, plan.config.dp, plan.config.microbatches)
-            self._balance[name] = {"known": True, "steps": plan.n_steps,
-                                   "vit_dist": round(dist_ratio(vision.reshape(shape).sum(axis=2)), 6),
-                                   "llm_dist": round(dist_ratio(llm.reshape(shape).sum(axis=2)), 6)}
+            vit_dist, llm_dist = plan.dists(job.dataset.loads)
+            self._balance[name] = {"known": True, "steps": plan.n_steps, "vit_dist": round(vit_dist, 6),
+                                   "llm_dist": round(llm_dist, 6)}
         return self._balance[name]
 
 
-def start_status_server(host: str, port: int, registry, report: StatusReport, token: str = "") -> ThreadingHTTPServer:
-    """Serve /metrics, /status and /status.json on (host, port) in a daemon thread. Raises OSError when the
-    port is taken."""
+def start_status_server(host: str, port: int, registry, report: StatusReport,
+                        authorized: Callable[[str], bool] | None = None) -> ThreadingHTTPServer:
+    """Serve /metrics, /status and /status.json on (host, port) in a daemon thread; `authorized(header)` checks
+    an `Authorization` value for the status (None: open). Raises OSError when the port is taken."""
 
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self):
@@ -106,7 +109,7 @@ def start_status_server(host: str, port: int, registry, report: StatusReport, to
                 return self._send(200, CONTENT_TYPE_LATEST, generate_latest(registry))
             if url.path not in ("/status", "/status.json"):
                 return self._send(404, "text/plain", b"not found: /metrics, /status or /status.json\n")
-            if token and not self._authorized(parse_qs(url.query)):
+            if authorized is not None and not self._authorized(parse_qs(url.query)):
                 return self._send(401, "text/plain", b"unauthenticated: give Authorization: Bearer <token> "
                                                      b"or ?token=<token>\n")
             if url.path == "/status.json":
@@ -120,8 +123,9 @@ def start_status_server(host: str, port: int, registry, report: StatusReport, to
 
         def _authorized(self, query: dict[str, list[str]]) -> bool:
             header = self.headers.get("Authorization", "")
-            given = header[7:] if header.lower().startswith("bearer ") else (query.get("token") or [""])[0]
-            return hmac.compare_digest(given.encode(), token.encode())
+            if not header.lower().startswith("bearer "):  # a browser's address carries the token as ?token=
+                header = f"Bearer {(query.get('token') or [''])[0]}"
+            return authorized(header)
 
         def _send(self, code: int, kind: str, body: bytes) -> None:
             self.send_response(code)

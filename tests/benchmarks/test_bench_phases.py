@@ -27,13 +27,12 @@ import numpy as np
 import pytest
 from conftest import LENGTH_FILES, real_lengths_available
 from demo_data import indexed_demo
+from test_bench_simulate import MODEL, POLICY, simulate  # the simulator benchmark's model, data and command
 from trainer_workers import packfeed_train
 
 pytestmark = pytest.mark.benchmark
 
 TILE_BYTES = 256 * 6144 * 2  # one tile's encoder output as the LLM takes it (InternLM2-20B, bf16)
-POLICY = {"name": "internvl", "image_size": 224, "tokens_per_tile": 64, "max_num": 6}
-MODEL = {"vit_dim": 48, "vit_layers": 3, "llm_dim": 96, "llm_layers": 3, "patch_size": 14, "seed": 0}
 
 
 def internvl_lengths() -> tuple[np.ndarray, np.ndarray]:
@@ -169,16 +168,6 @@ def test_reference_trainer_all_to_all_against_colocated_on_cpu(tmp_path):
           f" all-to-all per step on rank 0: {statistics.median(b for b, _ in moved) / 1e6:.2f} MB in "
           f"{statistics.median(s for _, s in moved) * 1e3:.1f} ms (median)")
     assert times["colocated"] and times["routed"]
-
-
-def simulate(*args: str) -> dict:
-    import subprocess
-    import sys
-
-    done = subprocess.run([sys.executable, "-m", "packfeed.server.cli", "simulate", *args, "--json"],
-                          capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, done.stderr
-    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 @pytest.mark.skipif(not real_lengths_available(), reason="needs ../shared/data/lengths")

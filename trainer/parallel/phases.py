@@ -135,6 +135,7 @@ class Exchange:
         self.send_units: list[int] = []
         self.recv_units: list[int] = []
         self.received_keys: list[tuple[int, int, int, int, int]] = []  # (source, microbatch, position, number, units)
+        self.received_at: dict[tuple[int, int, int, int], tuple[int, int]] = {}  # key -> (first unit, units)
         self.unit_shape: tuple[int, ...] = ()
 
     def _all_to_all(self, send: torch.Tensor, send_rows: list[int], recv_rows: list[int]) -> torch.Tensor:
@@ -163,8 +164,11 @@ class Exchange:
         self.sent = [(first, units) for r in rows for _, first, units in r]
         self.send_units = [sum(units for _, _, units in r) for r in rows]
         self.recv_units = [0] * dp
-        for source, *_, units in self.received_keys:
+        offset = 0
+        for source, microbatch, position, number, units in self.received_keys:
             self.recv_units[source] += units
+            self.received_at[(source, microbatch, position, number)] = (offset, units)
+            offset += units
         payload = torch.cat([features.narrow(0, first, units) for first, units in self.sent]) if self.sent else \
             features.new_zeros((0, *self.unit_shape))
         return self._all_to_all(payload.detach(), self.send_units, self.recv_units)
@@ -172,13 +176,9 @@ class Exchange:
     def features_of(self, m: int, images: RoutedImages, received: torch.Tensor):
         """Microbatch m's vision features (a leaf, in its images' order), where each received image lies in it,
         and the samples whose images did not come (left out of the loss)."""
-        where, offset = {}, 0
-        for source, microbatch, position, number, units in self.received_keys:
-            where[(source, microbatch, position, number)] = (offset, units)
-            offset += units
         parts, pieces, missing, start = [], {}, set(), 0
         for encoder, position, number, units, sample in images.consumed:
-            found = where.get((encoder, m, position, number))
+            found = self.received_at.get((encoder, m, position, number))
             if found is None or found[1] != units:
                 parts.append(received.new_zeros((units, *self.unit_shape)))
                 missing.add(sample)
