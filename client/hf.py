@@ -159,14 +159,21 @@ def mrope_positions(pack: PackTensors, grids: list[tuple[int, int, int]], merge_
 def to_hf_inputs(pack: PackTensors, model_family: str | Family, dp: int = 1, *,
                  conventions: Any = None, dtype: torch.dtype = torch.float32,
                  attention: Literal["sdpa", "varlen"] = "sdpa", device: torch.device | str | None = None,
-                 image_token_id: int | None = None, tokens_per_second: float | None = None) -> dict[str, Any]:
+                 image_token_id: int | None = None, tokens_per_second: float | None = None,
+                 layout: Literal["packed", "padded"] = "packed") -> dict[str, Any]:
     """The keyword arguments of the family's `ForConditionalGeneration.forward` for one pack (batch of one
     packed row). `dp`: the data-parallel world size the gradients are averaged over. `conventions`: the job's
     `ModelConventions` (normalisation and the placeholder id come from it). `dtype`: the pixels' dtype (the
     vision tower's). `image_token_id`: the placeholder's id when no conventions are given, to check counts.
     `tokens_per_second`: Qwen2.5-VL's `config.vision_config.tokens_per_second` (the family's default: 2, as the
-    released checkpoints), which spaces a video's temporal positions by its frames' time."""
+    released checkpoints), which spaces a video's temporal positions by its frames' time. `layout="padded"`:
+    the pack's samples as HF's usual padded batch instead (one row each, right-padded to the longest, with an
+    `attention_mask`; sdpa or eager attention), the same loss: what packing saves is measured against it."""
     family = family_of(model_family)
+    if layout not in ("packed", "padded"):
+        raise ValueError(f"layout must be 'packed' or 'padded', not {layout!r}")
+    if layout == "padded" and attention != "sdpa":
+        raise ValueError("a padded batch is masked by its attention_mask: use attention='sdpa' with layout='padded'")
     if dp < 1:
         raise ValueError("dp must be at least 1")
     mean, std = family.normalisation
@@ -231,12 +238,38 @@ def to_hf_inputs(pack: PackTensors, model_family: str | Family, dp: int = 1, *,
         bounds = pack.cu_seqlens.to(torch.int32)
         longest = int((bounds[1:] - bounds[:-1]).max()) if len(bounds) > 1 else 0
         inputs.update(cu_seq_lens_q=bounds, cu_seq_lens_k=bounds, max_length_q=longest, max_length_k=longest)
+    if layout == "padded":
+        inputs = padded_rows(inputs, pack.cu_seqlens.tolist())
     if device is not None:
         inputs = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
     return inputs
 
 
 IMAGE, VIDEO = 0, 1  # `visual_kind` of a pack's items
+ROW_TENSORS = {"input_ids": 0, "labels": IGNORE_INDEX, "mm_token_type_ids": 0}  # per-token tensors, padding value
+
+
+def padded_rows(inputs: dict[str, Any], bounds: list[int]) -> dict[str, Any]:
+    """One packed row's inputs as a padded batch: each sample a row, right-padded to the longest. Padding sits
+    outside the loss (labels -100) and outside attention (`attention_mask` 0); its positions are 1, as the
+    families' own `get_rope_index` gives padding. Pixels stay as they are: images keep their order."""
+    spans = [(a, b) for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
+    longest = max(b - a for a, b in spans)
+    out = dict(inputs)
+
+    def rows(row: torch.Tensor, fill: int) -> torch.Tensor:  # (..., L) -> (..., samples, longest)
+        padded = row.new_full((*row.shape[:-1], len(spans), longest), fill)
+        for k, (a, b) in enumerate(spans):
+            padded[..., k, : b - a] = row[..., a:b]
+        return padded
+
+    for name, fill in ROW_TENSORS.items():
+        if name in inputs:
+            out[name] = rows(inputs[name][0], fill)
+    positions = inputs["position_ids"]
+    out["position_ids"] = rows(positions[:, 0], 1) if positions.dim() == 3 else rows(positions[0], 1)
+    out["attention_mask"] = rows(torch.ones(bounds[-1], dtype=torch.long), 0)
+    return out
 
 
 def _visual_kinds(pack: PackTensors) -> list[int]:
@@ -288,24 +321,65 @@ def varlen_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
                      attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
                      **kwargs) -> tuple[torch.Tensor, None]:
     """Attention of (batch, heads, L, dim) tensors, one sample at a time when `cu_seq_lens_q` splits L: each
-    sample attends only to itself (causal for the LLM, full for vision towers), with no L x L mask. Without
-    them (or for a call they do not describe), plain sdpa with the mask given."""
+    sample attends only to itself (causal for the LLM, full for vision towers), with no L x L mask. On CUDA in
+    bf16 / fp16 that is one flash-attention call over the whole pack (torch's `varlen_attn`); elsewhere sdpa per
+    sample. Without them (or for a call they do not describe), plain sdpa with the mask given."""
     import torch.nn.functional as F
 
-    causal = kwargs.get("is_causal", getattr(module, "is_causal", True))
+    causal = bool(kwargs.get("is_causal", getattr(module, "is_causal", True)))
     groups = query.shape[1] // key.shape[1]
     if groups > 1:  # grouped-query attention: every query head group shares a key/value head
         key, value = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)
     dropout = dropout if module.training else 0.0
     bounds = kwargs.get("cu_seq_lens_q")
     length = query.shape[2]
-    if bounds is None or int(bounds[-1]) != length or attention_mask is not None:
-        out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, dropout_p=dropout,
-                                             is_causal=bool(causal and attention_mask is None and length > 1),
-                                             scale=scaling)
-    else:
+    with _fixed_plan_backends(query):
+        if bounds is None or int(bounds[-1]) != length or attention_mask is not None:
+            out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, dropout_p=dropout,
+                                                 is_causal=causal and attention_mask is None and length > 1,
+                                                 scale=scaling)
+            return out.transpose(1, 2).contiguous(), None
+        if dropout == 0.0 and (flash := _flash_varlen(query, key, value, bounds, causal, scaling)) is not None:
+            return flash, None
         edges = bounds.tolist()
         out = torch.cat([F.scaled_dot_product_attention(query[:, :, a:b], key[:, :, a:b], value[:, :, a:b],
-                                                        dropout_p=dropout, is_causal=bool(causal), scale=scaling)
+                                                        dropout_p=dropout, is_causal=causal, scale=scaling)
                          for a, b in zip(edges[:-1], edges[1:]) if b > a], dim=2)
     return out.transpose(1, 2).contiguous(), None
+
+
+def _fixed_plan_backends(query: torch.Tensor):
+    """On CUDA, sdpa without its cuDNN backend: cuDNN builds an execution plan for every new sequence length,
+    and in packed training nearly every call has a new one; flash and memory-efficient kernels need none."""
+    from contextlib import nullcontext
+
+    if query.device.type != "cuda":
+        return nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
+
+
+def _flash_varlen(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, bounds: torch.Tensor, causal: bool,
+                  scaling: float | None) -> torch.Tensor | None:
+    """The pack's attention as one call of torch's flash-attention `varlen_attn` (CUDA, bf16 / fp16, a batch of
+    one packed row), as (1, L, heads, dim); None where it does not apply, so the caller runs sdpa per sample."""
+    if query.device.type != "cuda" or query.dtype not in (torch.float16, torch.bfloat16) or query.shape[0] != 1:
+        return None
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:  # torch before 2.10
+        return None
+    import inspect
+
+    params = inspect.signature(varlen_attn).parameters
+    # torch 2.10-2.11 take is_causal; later versions a window, (-1, 0) being causal; the first had no scale
+    options = {"window_size": (-1, 0) if causal else (-1, -1)} if "window_size" in params else {"is_causal": causal}
+    if "scale" in params:
+        options["scale"] = scaling
+    elif scaling is not None and abs(scaling * query.shape[-1] ** 0.5 - 1) > 1e-6:
+        return None
+    q, k, v = (t[0].transpose(0, 1).contiguous() for t in (query, key, value))  # (L, heads, dim)
+    cu = bounds.to(device=query.device, dtype=torch.int32)
+    longest = int((cu[1:] - cu[:-1]).max())
+    return varlen_attn(q, k, v, cu, cu, longest, longest, **options).unsqueeze(0)

@@ -80,6 +80,26 @@ def test_varlen_attention_equals_each_sample_alone(family):
         torch.testing.assert_close(packed[1][key], reference[1][key], rtol=1e-4, atol=1e-5, msg=key)
 
 
+def test_padded_layout_equals_each_sample_alone(family):
+    """`layout="padded"` (HF's usual collation: a row per sample, an attention mask) trains the same as the pack:
+    the baseline packing is measured against learns the same thing per step."""
+    name, data, model = family
+    packs = packs_of(data, GROUPS)
+    alone = packs_of(data, [[i] for group in GROUPS for i in group])
+    for single in alone:
+        single.step_loss_tokens = packs[0].step_loss_tokens
+    padded = [to_hf_inputs(p, name, layout="padded") for p in packs]
+    assert padded[1]["input_ids"].shape[0] == len(GROUPS[1]) and int(padded[1]["attention_mask"].sum()) == \
+        len(packs[1].input_ids)
+    batched = summed(loss_and_grads(model, inputs) for inputs in padded)
+    reference = summed(loss_and_grads(model, to_hf_inputs(p, name)) for p in alone)
+    assert batched[0] == pytest.approx(reference[0], rel=1e-5, abs=1e-6)
+    for key in reference[1]:
+        torch.testing.assert_close(batched[1][key], reference[1][key], rtol=1e-4, atol=1e-5, msg=key)
+    with pytest.raises(ValueError, match="attention='sdpa'"):
+        to_hf_inputs(packs[0], name, layout="padded", attention="varlen")
+
+
 def test_a_control_that_breaks_isolation_differs(family):
     """The packed logits equal each sample's own; with positions counted across the whole pack (not restarting
     per sample) HF attends across samples and they differ by far more than the tolerance."""

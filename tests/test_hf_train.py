@@ -4,6 +4,8 @@ checkpoint at exactly the next step."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -57,6 +59,22 @@ def test_packfeed_train_trains_a_hf_model_and_resumes_exactly(tmp_path):
     assert [r["loss"] for r in rest] == pytest.approx([r["loss"] for r in straight], rel=1e-6)
     assert straight[-1]["loss"] < straight[0]["loss"]  # it learns
     assert all(r["tokens"] > 0 and r["samples_by_dataset"] for r in straight)
+
+
+def test_padded_batches_train_as_the_packs_do(tmp_path):
+    """`data.collate=padded` at pp=1: HF's usual padded batches of the same samples give the same losses, and
+    their padding is counted; every step's loss is finite, the last step's empty microbatch included."""
+    data = family_dataset(tmp_path / "data", "qwen2_vl", samples=22)  # random packs of 4: 6 packs, 2 steps of M 4
+    common = ["model.hf=qwen2_vl", f"data.index={data.index}", "parallel.pp=1", "data.microbatches=4",
+              "data.strategy=random",
+              "data.epochs=1", "optim.warmup_steps=1", "model.hf_config={text: {hidden_size: 32, num_hidden_layers: 2}}"]
+    _, packed = packfeed_train(1, common, tmp_path / "packed")
+    _, padded = packfeed_train(1, common + ["data.collate=padded"], tmp_path / "padded")
+    assert [r["tokens"] for r in padded] == [r["tokens"] for r in packed]
+    assert [r["loss"] for r in padded] == pytest.approx([r["loss"] for r in packed], rel=1e-4)
+    assert all(r["padded_tokens"] == r["tokens"] for r in packed)
+    assert sum(r["padded_tokens"] for r in padded) > sum(r["tokens"] for r in padded)
+    assert len(packed) == 2 and all(math.isfinite(r["loss"]) for r in packed + padded)
 
 
 @pytest.mark.parametrize("family", ["qwen2_vl", "internvl"])

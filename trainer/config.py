@@ -49,8 +49,9 @@ class DataConfig:
     token: str = ""
     token_multiple: int = 64  # pad each step's microbatches to a multiple of this many tokens
     cost_model: str = ""  # JSON of planner cost coefficients, e.g. an earlier run's OUT/cost_model.json
-    # packed, or padded: a pipelined HF model sees each pack's samples as a padded batch (every sample padded to
-    # the pack's longest; the same loss): the baseline that packing is measured against
+    # packed, or padded: an HF model sees each pack's samples as a padded batch (every sample padded to the
+    # pack's longest; the same loss; at pp=1 HF's own collation with an attention mask and sdpa): the baseline
+    # that packing is measured against
     collate: Literal["packed", "padded"] = "packed"
 
     def __post_init__(self):

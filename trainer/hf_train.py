@@ -74,7 +74,8 @@ def quiet_view_warning() -> None:
 def empty_inputs(device: torch.device) -> dict:
     """One ignored token: a rank with an empty pack still joins the step's collectives, adding nothing."""
     return {"input_ids": torch.zeros(1, 1, dtype=torch.long, device=device),
-            "labels": torch.full((1, 1), -100, dtype=torch.long, device=device), "use_cache": False}
+            "labels": torch.full((1, 1), -100, dtype=torch.long, device=device), "use_cache": False,
+            "num_items_in_batch": torch.tensor(1.0, device=device)}  # a loss of 0 (a mean over no token is NaN)
 
 
 class HFTrainer:
@@ -85,7 +86,9 @@ class HFTrainer:
             raise ValueError("Hugging Face models train data-parallel with FSDP2: set parallel.pp=1")
         self.config, self.mesh, self.stream, self.conventions = config, mesh, stream, conventions
         self.family = config.model.hf
-        implementation = attention_implementation(config.model.hf_attention, mesh.device)
+        self.layout = config.data.collate  # padded: HF's usual padded batches, masked by sdpa (the baseline)
+        choice = "sdpa" if self.layout == "padded" else config.model.hf_attention
+        implementation = attention_implementation(choice, mesh.device)
         self.attention = "sdpa" if implementation == "sdpa" else "varlen"  # the others read cu_seq_lens
         model = build_hf_model(self.family, conventions, dict(config.model.hf_config), attention=implementation,
                                seed=config.model.seed).to(mesh.device)
@@ -101,15 +104,19 @@ class HFTrainer:
 
         started = time.perf_counter()
         self.optimizer.zero_grad(set_to_none=True)
-        loss_sum, tokens = 0.0, 0
+        loss_sum, tokens, slots = 0.0, 0, 0
+        if self.mesh.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.mesh.device)
         dtype = torch.bfloat16 if self.config.parallel.precision == "bf16" else torch.float32
         for pack in step.packs:
             if pack.empty:
                 inputs = empty_inputs(self.mesh.device)
             else:
                 inputs = to_hf_inputs(pack, self.family, dp=self.mesh.dp, conventions=self.conventions,
-                                      dtype=dtype, device=self.mesh.device, attention=self.attention)
+                                      dtype=dtype, device=self.mesh.device, attention=self.attention,
+                                      layout=self.layout)
                 tokens += int(pack.input_ids.shape[0])
+                slots += inputs["input_ids"].numel()  # a padded batch's rows x its longest sample
             loss = self.model(**inputs).loss
             loss.backward()
             loss_sum += float(loss.detach())
@@ -118,23 +125,27 @@ class HFTrainer:
         norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
         self.optimizer.step()
         self.scheduler.step()
-        return {"loss_sum": loss_sum, "tokens": tokens, "seconds": time.perf_counter() - started,
-                "grad_norm": float(norm)}
+        peak = torch.cuda.max_memory_allocated(self.mesh.device) if self.mesh.device.type == "cuda" else 0
+        return {"loss_sum": loss_sum, "tokens": tokens, "slots": slots, "seconds": time.perf_counter() - started,
+                "grad_norm": float(norm), "peak_bytes": peak}
 
     def record(self, step, result: dict, wait: float) -> dict:
         """One metrics line: the global step's token-mean loss (each rank's loss is normalised by the step's
         tokens / dp, so the sum over ranks is dp times the mean), tokens, the slowest rank's time."""
-        sums = torch.tensor([result["loss_sum"], result["tokens"]], dtype=torch.float64, device=self.mesh.device)
-        maxes = torch.tensor([result["seconds"], wait], dtype=torch.float64, device=self.mesh.device)
+        sums = torch.tensor([result["loss_sum"], result["tokens"], result["slots"]], dtype=torch.float64,
+                            device=self.mesh.device)
+        maxes = torch.tensor([result["seconds"], wait, result["peak_bytes"]], dtype=torch.float64,
+                             device=self.mesh.device)
         dist.all_reduce(sums)
         dist.all_reduce(maxes, op=dist.ReduceOp.MAX)
-        loss, tokens = sums.tolist()
-        seconds, wait_s = maxes.tolist()
+        loss, tokens, slots = sums.tolist()
+        seconds, wait_s, peak = maxes.tolist()
         counts = [None] * dist.get_world_size()
         dist.all_gather_object(counts, dict(collections.Counter(step.sample_sources)))
         return {"epoch": step.epoch, "step": step.step, "loss": loss / self.mesh.dp, "step_s": seconds,
-                "data_wait_s": wait_s, "tokens": int(tokens), "tokens_per_s": tokens / seconds if seconds else 0.0,
-                "grad_norm": result["grad_norm"],
+                "data_wait_s": wait_s, "tokens": int(tokens), "padded_tokens": int(slots),
+                "pad_fraction": 1 - tokens / slots if slots else 0.0, "peak_memory_mib": peak / 2**20,
+                "tokens_per_s": tokens / seconds if seconds else 0.0, "grad_norm": result["grad_norm"],
                 "samples_by_dataset": dict(sum((collections.Counter(c) for c in counts), collections.Counter()))}
 
     def run(self, out: Path, steps_done: int) -> list[dict]:
