@@ -1,0 +1,172 @@
+"""`transformers.Trainer` (and TRL's `SFTTrainer`) fed by a `PackStream`: `pip install packfeed[hf-trainer]`.
+
+    stream = PackStream("loader:50051", job="sft", rank=rank, dp=world, microbatches=4, epochs=2)
+    args = packfeed_training_arguments(stream, output_dir="out", learning_rate=1e-5, save_steps=500)
+    trainer = PackfeedTrainer(model=model, args=args, stream=stream, family="qwen2_vl")
+    trainer.train(resume_from_checkpoint=True)  # or None on the first run
+
+What it takes care of, each of which a hand-made integration gets silently wrong:
+
+- One optimizer step per Packfeed step: each pack is one batch of the Trainer and
+  `gradient_accumulation_steps` is the job's M, so the step's packs accumulate into one update.
+- The loss is normalised by the global step's loss tokens: `num_items_in_batch` is the step's
+  `step_loss_tokens` (every rank, every microbatch), not a count of this rank's labels. With
+  `average_tokens_across_devices` (the default) the Trainer scales the loss by the world size and DDP averages
+  the gradients, so the update is the token mean over the whole step.
+- No re-sharding: the Trainer's own dataloader (a sampler over a dataset, then Accelerate's sharding) is
+  replaced by this rank's packs as the server sends them. Packs are never collated or padded again.
+- The stream's position is saved in every Trainer checkpoint (`packfeed_stream_rank<r>.json` beside
+  `rng_state_<r>.pth`), and `train(resume_from_checkpoint=...)` loads it before training: a resume lands on
+  exactly the next step. The Trainer's own data skipping is off (`ignore_data_skip`), since the stream
+  already continues where it was.
+- The model's weights come back on resume: transformers 5's Trainer saves VLMs under legacy key names and loads
+  them back renaming nothing, so its own resume silently restarts from the initial weights (Qwen2-VL, 5.24);
+  here they load through the model class's `from_pretrained`, strictly.
+
+`PackfeedTrainerMixin` gives the same to any Trainer subclass: `class MySFT(PackfeedTrainerMixin, SFTTrainer)`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import transformers
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
+from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME
+
+from packfeed.client.channel import PackfeedError
+from packfeed.client.hf import to_hf_inputs
+from packfeed.client.stream import PackStream
+
+STATE_FILE = "packfeed_stream_rank{rank}.json"
+
+
+def job_steps(stream: PackStream) -> int:
+    """The job's optimizer steps over all its epochs, or 0 while a windowed plan has not planned its last window."""
+    return int(stream.info.steps_per_epoch) * int(stream.info.epochs)
+
+
+def packfeed_training_arguments(stream: PackStream, arguments_class: type | None = None,
+                                **kwargs: Any) -> transformers.TrainingArguments:
+    """`TrainingArguments` (or `arguments_class`, e.g. TRL's `SFTConfig`) for training on `stream`: one
+    optimizer step per Packfeed step, the stream's own resumption, and `max_steps` the job's steps unless given.
+    Settings that contradict these are refused with what to do instead."""
+    fixed = {"gradient_accumulation_steps": stream.info.plan.microbatches, "ignore_data_skip": True,
+             "per_device_train_batch_size": 1, "dataloader_num_workers": 0, "remove_unused_columns": False}
+    for name, value in fixed.items():
+        if name in kwargs and kwargs[name] != value:
+            raise PackfeedError(f"{name}={kwargs[name]!r} contradicts training on Packfeed steps: it must be "
+                                f"{value!r} (a step is {fixed['gradient_accumulation_steps']} packs, each one batch, "
+                                "and the stream itself resumes); leave it out")
+    settings = {**kwargs, **fixed}
+    if settings.get("max_steps", -1) <= 0:
+        steps = job_steps(stream)
+        if not steps:
+            raise PackfeedError("the job's step count is not known yet (a windowed plan): give max_steps")
+        settings["max_steps"] = steps
+    return (arguments_class or transformers.TrainingArguments)(**settings)
+
+
+class PackBatches:
+    """This rank's packs, one Trainer batch each, as the model's keyword arguments (`to_hf_inputs`). Its length
+    is the job's batches (steps x M) where the job knows its steps."""
+
+    def __init__(self, stream: PackStream, family: str, attention: str = "sdpa", dtype: torch.dtype = torch.float32):
+        self.stream, self.family, self.attention, self.dtype = stream, family, attention, dtype
+        self.dp = stream.info.plan.dp
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        for step in self.stream:
+            for pack in step.packs:
+                yield to_hf_inputs(pack, self.family, dp=self.dp, conventions=self.stream.conventions,
+                                   dtype=self.dtype, attention=self.attention)
+
+    def __len__(self) -> int:
+        steps = job_steps(self.stream)
+        if not steps:
+            raise TypeError("the job's step count is not known yet")  # the Trainer then relies on max_steps
+        return steps * self.stream.info.plan.microbatches
+
+
+class PackfeedTrainerMixin:
+    """Trainer methods that feed it a `PackStream` (see the module's docstring)."""
+
+    def __init__(self, *args: Any, stream: PackStream, family: str, attention: str = "sdpa",
+                 dtype: torch.dtype = torch.float32, **kwargs: Any):
+        self.packfeed_batches = PackBatches(stream, family, attention, dtype)
+        super().__init__(*args, **kwargs)
+        self._check_arguments(stream)
+
+    def _check_arguments(self, stream: PackStream) -> None:
+        args, plan = self.args, stream.info.plan
+        problems = []
+        if args.gradient_accumulation_steps != plan.microbatches:
+            problems.append(f"gradient_accumulation_steps is {args.gradient_accumulation_steps}, the job's M is "
+                            f"{plan.microbatches}")
+        if not args.ignore_data_skip:
+            problems.append("ignore_data_skip is off: on resume the Trainer would skip steps the stream already skips")
+        if args.world_size != plan.dp or args.process_index != stream.rank:
+            problems.append(f"this process is rank {args.process_index} of {args.world_size}, the stream is rank "
+                            f"{stream.rank} of DP {plan.dp}")
+        if problems:
+            raise PackfeedError("the Trainer's arguments do not match the Packfeed job: " + "; ".join(problems)
+                                + ". Build them with packfeed_training_arguments(stream, ...)")
+
+    def get_train_dataloader(self) -> PackBatches:
+        """This rank's packs as the server sends them: no sampler, no Accelerate sharding, no collation."""
+        return self.packfeed_batches
+
+    def _get_num_items_in_batch(self, batch_samples: list, device: torch.device) -> torch.Tensor | None:
+        """The step's loss tokens over every rank (what the Trainer would gather), or this rank's share of them
+        without `average_tokens_across_devices` (DDP's gradient average then restores the global mean)."""
+        if not batch_samples:
+            return None
+        share = batch_samples[0]["num_items_in_batch"]  # step_loss_tokens / dp, the same in every pack of the step
+        count = share * self.packfeed_batches.dp if self.args.average_tokens_across_devices else share
+        return count.to(device)
+
+    def _save_checkpoint(self, model: torch.nn.Module, trial: Any) -> None:
+        super()._save_checkpoint(model, trial)
+        folder = os.path.join(self._get_output_dir(trial=trial),
+                              f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+        os.makedirs(folder, exist_ok=True)
+        path = os.path.join(folder, STATE_FILE.format(rank=self.packfeed_batches.stream.rank))
+        with open(path, "w") as out:
+            json.dump(self.packfeed_batches.stream.state_dict(), out)
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: torch.nn.Module | None = None) -> None:
+        """The checkpoint's weights through the model class's own loader. transformers 5 saves VLMs under their
+        legacy key names (`visual.*`, `model.layers.*`) and its Trainer loads them back with a non-strict
+        `load_state_dict` that renames nothing: every weight keeps its initial value, silently. `from_pretrained`
+        renames them; the copy it makes is loaded strictly into the model, then dropped."""
+        target = self.model if model is None else model
+        saved = [os.path.join(resume_from_checkpoint, name) for name in (SAFE_WEIGHTS_NAME, SAFE_WEIGHTS_INDEX_NAME)]
+        if not isinstance(target, transformers.PreTrainedModel) or not any(map(os.path.isfile, saved)):
+            return super()._load_from_checkpoint(resume_from_checkpoint, model)
+        dtype = next(target.parameters()).dtype
+        loaded = type(target).from_pretrained(resume_from_checkpoint, attn_implementation="sdpa", dtype=dtype)
+        target.load_state_dict(loaded.state_dict(), strict=True)
+        del loaded
+
+    def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any):
+        """`Trainer.train`, the stream first moved to the step after the checkpoint's."""
+        if resume_from_checkpoint is True:
+            resume_from_checkpoint = get_last_checkpoint(self.args.output_dir)
+            if resume_from_checkpoint is None:
+                raise ValueError(f"no valid checkpoint found in output directory ({self.args.output_dir})")
+        if resume_from_checkpoint:
+            path = os.path.join(resume_from_checkpoint, STATE_FILE.format(rank=self.packfeed_batches.stream.rank))
+            if not os.path.isfile(path):
+                raise PackfeedError(f"{path} is missing: this checkpoint was not saved by a PackfeedTrainer, so where "
+                                    "the stream stood is unknown; resume from one that was, or start the job afresh")
+            with open(path) as state:
+                self.packfeed_batches.stream.load_state_dict(json.load(state))
+        return super().train(resume_from_checkpoint, *args, **kwargs)
+
+
+class PackfeedTrainer(PackfeedTrainerMixin, transformers.Trainer):
+    """`transformers.Trainer` trained on a `PackStream`'s packs."""
