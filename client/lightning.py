@@ -1,0 +1,118 @@
+"""PyTorch Lightning fed by Packfeed: `PackDataModule`, a `LightningDataModule` whose stream position goes into
+Lightning's checkpoints. `pip install packfeed[lightning]`.
+
+    data = PackDataModule("loader:50051", job="sft", family="qwen2_vl", microbatches=4, epochs=2)
+    trainer = lightning.Trainer(accumulate_grad_batches=4, max_epochs=1, strategy="ddp_find_unused_parameters_true")
+    trainer.fit(module, datamodule=data, ckpt_path="last")
+
+    class Module(lightning.LightningModule):
+        def training_step(self, batch, batch_idx):
+            # Lightning divides the loss by accumulate_grad_batches; the batch is already normalised by the step's
+            # loss tokens (num_items_in_batch), so undo that division
+            return self.model(**batch).loss * self.trainer.accumulate_grad_batches
+
+- One Lightning epoch is the whole job (`max_epochs=1`): the job's own epochs are the stream's (`epochs=`).
+- The stream opens in `setup()`, on every process, as rank `trainer.global_rank` of DP `trainer.world_size`.
+- Each batch is one pack (with `family`, the model's keyword arguments from `to_hf_inputs`; without, the
+  `PackTensors`), never collated, padded or re-sharded: Lightning's distributed sampler only wraps DataLoaders,
+  and none is made. `accumulate_grad_batches` must be the job's M: one optimizer step per Packfeed step.
+- `state_dict()` gathers every rank's stream position (Lightning writes the checkpoint from rank 0 alone), and
+  `load_state_dict()` gives each rank its own: `fit(ckpt_path=...)` continues at exactly the next step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import lightning
+import torch
+import torch.distributed as dist
+
+from packfeed.client.channel import PackfeedError
+from packfeed.client.hf import to_hf_inputs
+from packfeed.client.stream import PackStream
+
+
+class PackBatchIterable:
+    """This rank's packs, one batch each. No `state_dict`: the data module owns the position, for every rank. Its
+    length is the job's batches (all its epochs: one Lightning epoch is the whole job), where the job knows its
+    steps; Lightning needs it to resume mid-epoch (without one it takes every batch for the last)."""
+
+    def __init__(self, stream: PackStream, family: str | None):
+        self.stream, self.family = stream, family
+
+    def __iter__(self) -> Iterator[Any]:
+        dp = self.stream.info.plan.dp
+        for step in self.stream:
+            for pack in step.packs:
+                yield to_hf_inputs(pack, self.family, dp=dp, conventions=self.stream.conventions) if self.family \
+                    else pack
+
+    def __len__(self) -> int:
+        steps = int(self.stream.info.steps_per_epoch) * int(self.stream.info.epochs)
+        if not steps:
+            raise TypeError("the job's step count is not known yet (a windowed plan)")
+        return steps * self.stream.info.plan.microbatches
+
+
+class PackDataModule(lightning.LightningDataModule):
+    """A Packfeed job as Lightning's training data. `target`, `job` and `stream_options` go to `PackStream`
+    (rank and dp come from the Lightning trainer); `family`: batches as that HF family's model inputs."""
+
+    def __init__(self, target: str | list[str], *, job: str, family: str | None = None, **stream_options: Any):
+        super().__init__()
+        self.target, self.job, self.family, self.stream_options = target, job, family, stream_options
+        self.stream: PackStream | None = None
+        self._pending: dict[str, Any] | None = None  # a state loaded before setup() opened the stream
+
+    def setup(self, stage: str) -> None:
+        if self.stream is not None:
+            return
+        trainer = self.trainer
+        self.stream = PackStream(self.target, job=self.job, rank=trainer.global_rank, dp=trainer.world_size,
+                                 **self.stream_options)
+        microbatches = self.stream.info.plan.microbatches
+        if trainer.accumulate_grad_batches != microbatches:
+            raise PackfeedError(f"accumulate_grad_batches is {trainer.accumulate_grad_batches}, the job's M is "
+                                f"{microbatches}: give lightning.Trainer(accumulate_grad_batches={microbatches}), "
+                                "one optimizer step per Packfeed step")
+        if self._pending is not None:
+            self._restore(self._pending)
+
+    def train_dataloader(self) -> PackBatchIterable:
+        return PackBatchIterable(self.stream, self.family)
+
+    def teardown(self, stage: str) -> None:
+        if self.stream is not None:
+            self.stream.close()
+            self.stream = None
+
+    def state_dict(self) -> dict[str, Any]:
+        """{"dp_rank_<r>": rank r's stream position for every rank, "world_size": DP}. A collective: Lightning
+        calls it on every rank when it saves."""
+        if self.stream is None:
+            return {}
+        state = self.stream.state_dict()
+        states = [state]
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            states = [None] * dist.get_world_size()
+            dist.all_gather_object(states, state)
+        return {**{f"dp_rank_{s['rank']}": s for s in states}, "world_size": len(states)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue every rank at exactly the step after the checkpoint's."""
+        if not state:
+            return
+        if self.stream is None:
+            self._pending = state
+        else:
+            self._restore(state)
+
+    def _restore(self, state: dict[str, Any]) -> None:
+        dp = self.stream.info.plan.dp
+        if state["world_size"] != dp:
+            raise PackfeedError(f"this checkpoint was saved at DP {state['world_size']}, the job runs at DP {dp}: "
+                                "to continue at another DP, open the stream with PackStream(resume=<every old "
+                                "rank's state>) (elastic resume)")
+        self.stream.load_state_dict(state[f"dp_rank_{self.stream.rank}"])

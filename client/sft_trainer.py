@@ -1,0 +1,41 @@
+"""TRL's `SFTTrainer` fed by a `PackStream`: `pip install packfeed[trl]`.
+
+    config = packfeed_sft_config(stream, output_dir="out", learning_rate=1e-5, save_steps=500)
+    trainer = PackfeedSFTTrainer(model=model, args=config, stream=stream, family="qwen2_vl")
+    trainer.train(resume_from_checkpoint=True)
+
+Everything `PackfeedTrainer` does (packfeed.client.hf_trainer), where SFTTrainer differs:
+- It requires a dataset and prepares (tokenizes, truncates, packs) it in its constructor. Packfeed's packs are
+  already tokenized and packed with their images, so preparation is skipped (`skip_prepare_dataset`) and the
+  dataset is a one-row placeholder the Trainer never reads: the packs come from `get_train_dataloader`.
+- Its loss comes from its fused LM head (log-probabilities of the labels, summed over the microbatch and
+  divided by `num_items_in_batch`), so the step's loss tokens normalise it exactly as they do the Trainer's.
+- Its `max_length` truncation and `packing` options do not apply: packs arrive planned and never longer than the
+  job's token cap.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from datasets import Dataset
+from trl import SFTConfig, SFTTrainer
+
+from packfeed.client.hf_trainer import PackfeedTrainerMixin, packfeed_training_arguments
+from packfeed.client.stream import PackStream
+
+
+def packfeed_sft_config(stream: PackStream, **kwargs: Any) -> SFTConfig:
+    """`SFTConfig` for training on `stream` (see `packfeed_training_arguments`), dataset preparation skipped."""
+    kwargs["dataset_kwargs"] = {**kwargs.get("dataset_kwargs", {}), "skip_prepare_dataset": True}
+    return packfeed_training_arguments(stream, SFTConfig, **kwargs)
+
+
+class PackfeedSFTTrainer(PackfeedTrainerMixin, SFTTrainer):
+    """TRL's `SFTTrainer` trained on a `PackStream`'s packs."""
+
+    def __init__(self, *args: Any, stream: PackStream, family: str, **kwargs: Any):
+        if kwargs.get("train_dataset") is not None:
+            raise ValueError("the packs come from the stream: leave train_dataset out")
+        kwargs["train_dataset"] = Dataset.from_dict({"input_ids": [[0]], "labels": [[0]]})  # never read
+        super().__init__(*args, stream=stream, family=family, **kwargs)
