@@ -20,7 +20,7 @@ demo: $(STAMP)
 	$(VENV)/bin/packfeed demo --out $(DEMO)
 
 test: $(STAMP)
-	$(PY) -m pytest -q tests --ignore=tests/benchmarks
+	$(PY) -m pytest -q tests --ignore=tests/benchmarks --durations=30
 
 # The docker/ integration test needs a daemon and a local base image: install both tools, then run it
 # (tests/test_docker.py starts dockerd without a bridge when none is running).

@@ -26,7 +26,6 @@ from collections.abc import Iterator
 from typing import Any
 
 import lightning
-import torch
 import torch.distributed as dist
 
 from packfeed.client.channel import PackfeedError

@@ -98,6 +98,20 @@ def test_lightning_trains_as_the_plain_loop_and_resumes_at_the_next_step(tmp_pat
     check_resume(plain, runs["train"], runs["resume"], runs["control"], logged_before=0)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("example,extra", [("hf_trainer.py", ["--trl"]), ("lightning_fit.py", [])])
+def test_the_examples_run(tmp_path, server, qwen_data, example, extra):
+    """The README's examples, as a user runs them (one process), for two optimizer steps."""
+    pytest.importorskip("trl" if extra else "lightning")
+    script = Path(__file__).resolve().parents[1] / "examples" / example
+    done = subprocess.run([sys.executable, str(script), server.target, str(tmp_path / "out"), "--steps", "2",
+                           *extra, *(["--tokenizer", str(qwen_data.tokenizer)] if extra else [])],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    saved = tmp_path / "out" / ("checkpoint-2/packfeed_stream_rank0.json" if extra else "last.ckpt")
+    assert saved.is_file()
+
+
 def test_arguments_that_contradict_packfeed_steps_are_refused(server, tmp_path):
     import transformers
 

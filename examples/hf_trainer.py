@@ -1,0 +1,57 @@
+"""Train a Hugging Face VLM with `transformers.Trainer` (or TRL's `SFTTrainer`, `--trl`) on a Packfeed job.
+
+    packfeed demo --out demo-out --dataset-only --samples 64
+    packfeed index 'demo-out/shards/*.tar' --tokenizer demo-out/tokenizer.json --preset qwen2_vl \\
+        --extend-tokenizer --out demo-out/qwen2_vl.parquet
+    packfeed serve --index demo-out/qwen2_vl.parquet --listen 127.0.0.1:50051 &
+    torchrun --nproc-per-node 2 examples/hf_trainer.py 127.0.0.1:50051 trainer-out --steps 4
+    torchrun --nproc-per-node 2 examples/hf_trainer.py 127.0.0.1:50051 trainer-out --steps 6 --resume
+
+The model here is a small randomly initialised Qwen2-VL sized from the job's conventions, so the example runs on
+a CPU; for a real one, load it with `from_pretrained` (its vocabulary and image token must be the dataset's:
+index with the model's preset and tokenizer).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from packfeed.client import PackStream
+from packfeed.client.hf_trainer import PackfeedTrainer, packfeed_training_arguments
+from packfeed.trainer.models.hf.build import build_hf_model
+
+SIZES = {"text": {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2}}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("target", help="the Packfeed server, host:port")
+    parser.add_argument("output_dir")
+    parser.add_argument("--steps", type=int, default=0, help="optimizer steps (default: the whole job)")
+    parser.add_argument("--resume", action="store_true", help="continue from the last checkpoint in output_dir")
+    parser.add_argument("--trl", action="store_true", help="TRL's SFTTrainer instead of transformers.Trainer")
+    parser.add_argument("--tokenizer", default="demo-out/tokenizer.json", help="with --trl: the dataset's tokenizer")
+    options = parser.parse_args()
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    with PackStream(options.target, job="hf-trainer-example", rank=rank, dp=world, microbatches=2,
+                    epochs=2) as stream:
+        model = build_hf_model("qwen2_vl", stream.conventions, SIZES)
+        settings = dict(output_dir=options.output_dir, learning_rate=1e-3, save_steps=2, logging_steps=1,
+                        report_to=[], use_cpu=True, **({"max_steps": options.steps} if options.steps else {}))
+        if options.trl:
+            from transformers import PreTrainedTokenizerFast
+
+            from packfeed.client.sft_trainer import PackfeedSFTTrainer, packfeed_sft_config
+
+            tokenizer = PreTrainedTokenizerFast(tokenizer_file=options.tokenizer, pad_token="<|im_end|>")
+            trainer = PackfeedSFTTrainer(model=model, args=packfeed_sft_config(stream, **settings), stream=stream,
+                                         family="qwen2_vl", processing_class=tokenizer)
+        else:
+            trainer = PackfeedTrainer(model=model, args=packfeed_training_arguments(stream, **settings),
+                                      stream=stream, family="qwen2_vl")
+        trainer.train(resume_from_checkpoint=True if options.resume else None)
+
+
+if __name__ == "__main__":
+    main()
