@@ -44,3 +44,16 @@ def test_every_package_is_installed():
     packages = {import_name(str(init.parent.relative_to(REPO))) for root in IMPORT_ROOTS if (REPO / root).is_dir()
                 for init in (REPO / root).rglob("__init__.py")} | {"packfeed.v1"}
     assert packages - listed == set()
+
+
+def test_integrations_stay_optional_extras():
+    """`pip install packfeed` installs no training framework and no browser: they come with the extras."""
+    import tomllib
+
+    project = tomllib.loads(REPO.joinpath("pyproject.toml").read_text())["project"]
+    required = {re.split(r"[<>=\[ ;]", spec, maxsplit=1)[0].lower() for spec in project["dependencies"]}
+    assert required & {"torch", "transformers", "accelerate", "trl", "lightning", "playwright", "selenium"} == set()
+    extras = project["optional-dependencies"]
+    assert any(spec.startswith("accelerate") for spec in extras["hf-trainer"])
+    assert any(spec.startswith("trl") for spec in extras["trl"])
+    assert any(spec.startswith("lightning") for spec in extras["lightning"])

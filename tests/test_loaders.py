@@ -88,3 +88,22 @@ def test_a_dataloader_over_the_dataset_face_gives_the_plain_loops_steps_and_loss
                 next(iter(torch.utils.data.DataLoader(PackIterableDataset(stream), batch_size=None, num_workers=1)))
     assert [s.sample_keys for s in loaded] == [s.sample_keys for s in plain] and plain
     assert losses(loaded) == pytest.approx(losses(plain), rel=1e-5)
+
+
+def test_the_stateful_loader_example_resumes_at_the_next_step(tmp_path, small_tile_index):
+    """examples/stateful_loader.py as a user runs it (one process): a DCP checkpoint after 2 steps, then a run
+    with --resume reads steps 2 and 3."""
+    from packfeed.client import LocalServer
+
+    script = Path(__file__).resolve().parents[1] / "examples" / "stateful_loader.py"
+
+    def run(*flags: str) -> list[str]:
+        done = subprocess.run([sys.executable, str(script), server.target, str(tmp_path / "dcp"), *flags],
+                              capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return [line.split(",")[0] for line in done.stdout.splitlines()]
+
+    with LocalServer(small_tile_index, workers=1) as server:
+        first, resumed = run("--steps", "2"), run("--steps", "2", "--resume")
+    assert first == ["rank 0: epoch 0 step 0", "rank 0: epoch 0 step 1"]
+    assert resumed == ["rank 0: epoch 0 step 2", "rank 0: epoch 0 step 3"]
