@@ -68,8 +68,10 @@ def stage_rows(out) -> list[dict]:
     return json.loads((out / "partition.json").read_text())["stages"]
 
 
-def test_adaptive_recompute_fits_where_keeping_everything_does_not_and_beats_recomputing_everything(
+def test_adaptive_recompute_fits_where_keeping_everything_does_not_and_recomputes_less_than_everything(
         tmp_path, qwen_data):
+    """The speed this buys is a benchmark's figure (tests/benchmarks/test_bench_hf_pipeline.py), not a unit test's:
+    on a shared machine two step times a few percent apart can come out either way."""
     common = ["model.hf=qwen2_vl", f"data.index={qwen_data.index}", "parallel.pp=2", "data.microbatches=2",
               "data.epochs=3", "optim.steps=1", "partition.bounds=[0,8,13]",
               "model.hf_config={text: {hidden_size: 128, intermediate_size: 512, num_hidden_layers: 6}, "
@@ -89,7 +91,6 @@ def test_adaptive_recompute_fits_where_keeping_everything_does_not_and_beats_rec
     assert all(row["rank_peak_mib"] <= budget for row in adaptive)
     recomputed = sum(r["recomputed_vision"] + r["recomputed_llm"] for r in adaptive)
     assert 0 < recomputed < sum(r["recomputed_vision"] + r["recomputed_llm"] for r in every)
-    assert max(r["rank_step_ms"] for r in adaptive) < max(r["rank_step_ms"] for r in every)
     assert records and records[0]["loss"] > 0
 
 
