@@ -40,6 +40,7 @@ values when no conventions are given.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -360,19 +361,28 @@ def _fixed_plan_backends(query: torch.Tensor):
     return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
 
 
+@functools.cache
+def _torch_varlen_attn() -> tuple[Any, frozenset[str]]:
+    """torch's flash-attention `varlen_attn` and the names of its parameters (their set changed between
+    versions), looked up once rather than in every layer's call; (None, {}) before torch 2.10."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None, frozenset()
+    import inspect
+
+    return varlen_attn, frozenset(inspect.signature(varlen_attn).parameters)
+
+
 def _flash_varlen(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, bounds: torch.Tensor, causal: bool,
                   scaling: float | None) -> torch.Tensor | None:
     """The pack's attention as one call of torch's flash-attention `varlen_attn` (CUDA, bf16 / fp16, a batch of
     one packed row), as (1, L, heads, dim); None where it does not apply, so the caller runs sdpa per sample."""
     if query.device.type != "cuda" or query.dtype not in (torch.float16, torch.bfloat16) or query.shape[0] != 1:
         return None
-    try:
-        from torch.nn.attention.varlen import varlen_attn
-    except ImportError:  # torch before 2.10
+    varlen_attn, params = _torch_varlen_attn()
+    if varlen_attn is None:
         return None
-    import inspect
-
-    params = inspect.signature(varlen_attn).parameters
     # torch 2.10-2.11 take is_causal; later versions a window, (-1, 0) being causal; the first had no scale
     options = {"window_size": (-1, 0) if causal else (-1, -1)} if "window_size" in params else {"is_causal": causal}
     if "scale" in params:

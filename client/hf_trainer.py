@@ -40,14 +40,10 @@ from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME
 
 from packfeed.client.channel import PackfeedError
 from packfeed.client.hf import to_hf_inputs
+from packfeed.client.loaders import job_batches, job_steps
 from packfeed.client.stream import PackStream
 
 STATE_FILE = "packfeed_stream_rank{rank}.json"
-
-
-def job_steps(stream: PackStream) -> int:
-    """The job's optimizer steps over all its epochs, or 0 while a windowed plan has not planned its last window."""
-    return int(stream.info.steps_per_epoch) * int(stream.info.epochs)
 
 
 def packfeed_training_arguments(stream: PackStream, arguments_class: type | None = None,
@@ -86,10 +82,7 @@ class PackBatches:
                                    dtype=self.dtype, attention=self.attention)
 
     def __len__(self) -> int:
-        steps = job_steps(self.stream)
-        if not steps:
-            raise TypeError("the job's step count is not known yet")  # the Trainer then relies on max_steps
-        return steps * self.stream.info.plan.microbatches
+        return job_batches(self.stream)  # unknown: the Trainer relies on max_steps
 
 
 class PackfeedTrainerMixin:

@@ -30,6 +30,7 @@ import torch.distributed as dist
 
 from packfeed.client.channel import PackfeedError
 from packfeed.client.hf import to_hf_inputs
+from packfeed.client.loaders import StatefulPackLoader, job_batches
 from packfeed.client.stream import PackStream
 
 
@@ -49,10 +50,7 @@ class PackBatchIterable:
                     else pack
 
     def __len__(self) -> int:
-        steps = int(self.stream.info.steps_per_epoch) * int(self.stream.info.epochs)
-        if not steps:
-            raise TypeError("the job's step count is not known yet (a windowed plan)")
-        return steps * self.stream.info.plan.microbatches
+        return job_batches(self.stream)
 
 
 class PackDataModule(lightning.LightningDataModule):
@@ -77,7 +75,7 @@ class PackDataModule(lightning.LightningDataModule):
                                 f"{microbatches}: give lightning.Trainer(accumulate_grad_batches={microbatches}), "
                                 "one optimizer step per Packfeed step")
         if self._pending is not None:
-            self._restore(self._pending)
+            StatefulPackLoader(self.stream).load_state_dict(self._pending)
 
     def train_dataloader(self) -> PackBatchIterable:
         return PackBatchIterable(self.stream, self.family)
@@ -88,16 +86,16 @@ class PackDataModule(lightning.LightningDataModule):
             self.stream = None
 
     def state_dict(self) -> dict[str, Any]:
-        """{"dp_rank_<r>": rank r's stream position for every rank, "world_size": DP}. A collective: Lightning
-        calls it on every rank when it saves."""
+        """Every rank's `StatefulPackLoader` state merged: {"dp_rank_<r>": rank r's position, ..., "world_size":
+        DP}. A collective: Lightning calls it on every rank when it saves."""
         if self.stream is None:
             return {}
-        state = self.stream.state_dict()
+        state = StatefulPackLoader(self.stream).state_dict()
         states = [state]
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             states = [None] * dist.get_world_size()
             dist.all_gather_object(states, state)
-        return {**{f"dp_rank_{s['rank']}": s for s in states}, "world_size": len(states)}
+        return {key: value for entry in states for key, value in entry.items()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue every rank at exactly the step after the checkpoint's."""
@@ -106,12 +104,4 @@ class PackDataModule(lightning.LightningDataModule):
         if self.stream is None:
             self._pending = state
         else:
-            self._restore(state)
-
-    def _restore(self, state: dict[str, Any]) -> None:
-        dp = self.stream.info.plan.dp
-        if state["world_size"] != dp:
-            raise PackfeedError(f"this checkpoint was saved at DP {state['world_size']}, the job runs at DP {dp}: "
-                                "to continue at another DP, open the stream with PackStream(resume=<every old "
-                                "rank's state>) (elastic resume)")
-        self.stream.load_state_dict(state[f"dp_rank_{self.stream.rank}"])
+            StatefulPackLoader(self.stream).load_state_dict(state)

@@ -30,6 +30,20 @@ from packfeed.client.stream import PackStream
 from packfeed.client.tensors import Step
 
 
+def job_steps(stream: PackStream) -> int:
+    """The job's optimizer steps over all its epochs, or 0 while a windowed plan has not planned its last window."""
+    return int(stream.info.steps_per_epoch) * int(stream.info.epochs)
+
+
+def job_batches(stream: PackStream) -> int:
+    """The job's packs for one rank (steps x M): the length of a loader that hands out a pack per batch. A
+    TypeError while the step count is unknown, which is how frameworks learn an iterable has no length."""
+    steps = job_steps(stream)
+    if not steps:
+        raise TypeError("the job's step count is not known yet (a windowed plan)")
+    return steps * stream.info.plan.microbatches
+
+
 class StatefulPackLoader:
     """Iterate this DP rank's steps; save and restore its position with any Stateful-aware checkpointer."""
 

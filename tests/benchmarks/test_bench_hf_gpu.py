@@ -25,6 +25,7 @@ import torch
 
 pytest.importorskip("transformers")
 
+from test_bench_packed_attention import text_pack  # noqa: E402
 from trainer_workers import packfeed_train  # noqa: E402
 
 pytestmark = [pytest.mark.benchmark, pytest.mark.timeout(3600),
@@ -46,28 +47,10 @@ def conventions():
     return pb.ModelConventions(image_policy=policy, vocab_size=VOCAB, image_context_id=VOCAB - 1)
 
 
-def samples_of(lengths: list[int], seed: int):
-    from packfeed.server.serve.preprocess import SampleTensors
-
-    rng = np.random.default_rng(seed)
-    samples = []
-    for k, n in enumerate(lengths):
-        ids = rng.integers(5, VOCAB - 5, n).astype(np.int32)
-        labels = ids.copy()
-        labels[: n // 3] = -100  # the prompt
-        samples.append(SampleTensors(f"s{k}", ids, labels, [], [], [], []))
-    return samples
-
-
-def packed_inputs(samples, attention: str, device) -> dict:
+def packed_inputs(pack, attention: str, device) -> dict:
     from packfeed.client.hf import to_hf_inputs
-    from packfeed.client.tensors import pack_of
-    from packfeed.server.serve.packs import assemble_pack
-    from packfeed.server.serve.wire import encode_pack
 
-    pack = assemble_pack(samples, 0, 0, 0, 0)
-    pack.step_loss_tokens = pack.loss_tokens
-    inputs = to_hf_inputs(pack_of(encode_pack(pack, 1, False)), "qwen2_vl", attention=attention)
+    inputs = to_hf_inputs(pack, "qwen2_vl", attention=attention)
     return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
 
 
@@ -124,11 +107,11 @@ def test_packs_against_padded_batches_attention_on_gpu(device: torch.device = to
     print(f"\n[gpu attention] {name}, torch {torch.__version__}; Qwen2-VL LLM {TEXT}, "
           f"{params:.2f} B parameters, bf16 autocast, median of {REPEATS} (min-max)")
     for name, lengths in LENGTH_SETS.items():
-        samples = samples_of(lengths, len(lengths))
+        pack, samples = text_pack(lengths, len(lengths), VOCAB)
         ways = {"per-sample loop": (models["sdpa"], [padded_inputs([s], device) for s in samples]),
                 "padded batch (sdpa, mask)": (models["sdpa"], [padded_inputs(samples, device)]),
-                "pack, HF sdpa (dense mask)": (models["sdpa"], [packed_inputs(samples, "sdpa", device)]),
-                "pack, Packfeed varlen (flash)": (models[varlen], [packed_inputs(samples, "varlen", device)])}
+                "pack, HF sdpa (dense mask)": (models["sdpa"], [packed_inputs(pack, "sdpa", device)]),
+                "pack, Packfeed varlen (flash)": (models[varlen], [packed_inputs(pack, "varlen", device)])}
         tokens = sum(lengths)
         results = {way: timed(model, batches, device) for way, (model, batches) in ways.items()}
         base = results["padded batch (sdpa, mask)"][0]

@@ -36,11 +36,13 @@ def conventions(family: str) -> pb.ModelConventions:
     return pb.ModelConventions(image_policy=policy, vocab_size=VOCAB, image_context_id=VOCAB - 1)
 
 
-def text_pack(lengths: list[int], seed: int):
+def text_pack(lengths: list[int], seed: int, vocab: int = VOCAB):
+    """A pack of text samples of these lengths (random tokens, the first third of each a prompt), as the client
+    receives it, and the samples."""
     rng = np.random.default_rng(seed)
     samples = []
     for k, n in enumerate(lengths):
-        ids = rng.integers(5, VOCAB - 5, n).astype(np.int32)
+        ids = rng.integers(5, vocab - 5, n).astype(np.int32)
         labels = ids.copy()
         labels[: n // 3] = -100  # the prompt
         samples.append(SampleTensors(f"s{k}", ids, labels, [], [], [], []))
