@@ -247,6 +247,17 @@ def to_hf_inputs(pack: PackTensors, model_family: str | Family, dp: int = 1, *,
 
 
 IMAGE, VIDEO = 0, 1  # `visual_kind` of a pack's items
+
+
+def empty_hf_inputs(pack: PackTensors, dp: int = 1, device: torch.device | str | None = None) -> dict[str, Any]:
+    """A model's inputs for an empty pack (a rank with no samples in this microbatch, which must still join the
+    step's collectives): one ignored token, a loss of 0 that adds nothing to the gradients. It carries the step's
+    `num_items_in_batch` like any pack (a Trainer reads it from a step's first batch); 1 where that is 0, since a
+    mean over no token is NaN."""
+    share = pack.step_loss_tokens / dp
+    return {"input_ids": torch.zeros(1, 1, dtype=torch.long, device=device),
+            "labels": torch.full((1, 1), IGNORE_INDEX, dtype=torch.long, device=device), "use_cache": False,
+            "num_items_in_batch": torch.tensor(share if share > 0 else 1.0, dtype=torch.float32, device=device)}
 ROW_TENSORS = {"input_ids": 0, "labels": IGNORE_INDEX, "mm_token_type_ids": 0}  # per-token tensors, padding value
 
 

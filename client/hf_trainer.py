@@ -39,7 +39,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoin
 from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME
 
 from packfeed.client.channel import PackfeedError
-from packfeed.client.hf import to_hf_inputs
+from packfeed.client.hf import empty_hf_inputs, to_hf_inputs
 from packfeed.client.loaders import job_batches, job_steps
 from packfeed.client.stream import PackStream
 
@@ -78,8 +78,9 @@ class PackBatches:
     def __iter__(self) -> Iterator[dict[str, Any]]:
         for step in self.stream:
             for pack in step.packs:
-                yield to_hf_inputs(pack, self.family, dp=self.dp, conventions=self.stream.conventions,
-                                   dtype=self.dtype, attention=self.attention)
+                yield empty_hf_inputs(pack, self.dp) if pack.empty else \
+                    to_hf_inputs(pack, self.family, dp=self.dp, conventions=self.stream.conventions,
+                                 dtype=self.dtype, attention=self.attention)
 
     def __len__(self) -> int:
         return job_batches(self.stream)  # unknown: the Trainer relies on max_steps

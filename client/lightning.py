@@ -29,7 +29,7 @@ import lightning
 import torch.distributed as dist
 
 from packfeed.client.channel import PackfeedError
-from packfeed.client.hf import to_hf_inputs
+from packfeed.client.hf import empty_hf_inputs, to_hf_inputs
 from packfeed.client.loaders import StatefulPackLoader, job_batches
 from packfeed.client.stream import PackStream
 
@@ -46,8 +46,11 @@ class PackBatchIterable:
         dp = self.stream.info.plan.dp
         for step in self.stream:
             for pack in step.packs:
-                yield to_hf_inputs(pack, self.family, dp=dp, conventions=self.stream.conventions) if self.family \
-                    else pack
+                if not self.family:
+                    yield pack
+                else:
+                    yield empty_hf_inputs(pack, dp) if pack.empty else \
+                        to_hf_inputs(pack, self.family, dp=dp, conventions=self.stream.conventions)
 
     def __len__(self) -> int:
         return job_batches(self.stream)

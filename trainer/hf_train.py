@@ -71,13 +71,6 @@ def quiet_view_warning() -> None:
                                               r"a view tensor")
 
 
-def empty_inputs(device: torch.device) -> dict:
-    """One ignored token: a rank with an empty pack still joins the step's collectives, adding nothing."""
-    return {"input_ids": torch.zeros(1, 1, dtype=torch.long, device=device),
-            "labels": torch.full((1, 1), -100, dtype=torch.long, device=device), "use_cache": False,
-            "num_items_in_batch": torch.tensor(1.0, device=device)}  # a loss of 0 (a mean over no token is NaN)
-
-
 class HFTrainer:
     """Owns the sharded model, the optimizer and the loop."""
 
@@ -100,7 +93,7 @@ class HFTrainer:
         self.data_wait_s = 0.0
 
     def train_step(self, step) -> dict:
-        from packfeed.client.hf import to_hf_inputs
+        from packfeed.client.hf import empty_hf_inputs, to_hf_inputs
 
         started = time.perf_counter()
         self.optimizer.zero_grad(set_to_none=True)
@@ -110,7 +103,7 @@ class HFTrainer:
         dtype = torch.bfloat16 if self.config.parallel.precision == "bf16" else torch.float32
         for pack in step.packs:
             if pack.empty:
-                inputs = empty_inputs(self.mesh.device)
+                inputs = empty_hf_inputs(pack, self.mesh.dp, self.mesh.device)
             else:
                 inputs = to_hf_inputs(pack, self.family, dp=self.mesh.dp, conventions=self.conventions,
                                       dtype=dtype, device=self.mesh.device, attention=self.attention,
