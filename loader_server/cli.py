@@ -23,6 +23,8 @@ def add_index_options(parser: argparse.ArgumentParser) -> None:
     add_convention_options(parser)
     parser.add_argument("--verify-images", choices=VERIFY_MODES, default="decode",
                         help="decode (catch corrupt image data) or header (faster)")
+    parser.add_argument("--max-sample-tokens", type=int, metavar="N",
+                        help="samples of more LLM tokens (text and placeholders) are invalid (default 262,144)")
 
 
 def add_plan_options(parser: argparse.ArgumentParser) -> None:

@@ -7,6 +7,7 @@ import json
 import subprocess
 import sys
 from collections import Counter
+from dataclasses import replace
 
 import numpy as np
 import pyarrow.parquet as pq
@@ -14,7 +15,7 @@ import pytest
 import yaml
 
 from packfeed.server.index.lengths import write_lengths_index
-from packfeed.server.plan.mixture import Mixture, MixtureLoads, make_mixture_plan
+from packfeed.server.plan.mixture import Mixture, MixtureLoads, check_epoch_rows, make_mixture_plan
 from packfeed.v1.options import PlanConfig
 
 CLI = [sys.executable, "-m", "packfeed.server.cli"]
@@ -123,12 +124,33 @@ def test_the_fingerprint_covers_every_index_and_weight(mixture_file, tmp_path):
     ({"a": {"index": "charts/index.parquet", "repeat": 0}}, "give a number > 0"),
     ({"a": {"index": "charts/index.parquet", "weight": 2}}, "nothing else"),
     ({}, "needs `name:` and `datasets:"),
+    ({"a": {"index": "charts/index.parquet", "repeat": "two"}}, "dataset 'a' has repeat 'two'; give a number"),
+    ({"a": {"index": "charts/index.parquet", "repeat": 1e12}}, "dataset 'a' has repeat 1000000000000.0; .* at most 1000"),
+    ({"a": {"index": "charts/index.parquet", "repeat": True}}, "dataset 'a' has repeat True"),
+    ({"a": {"index": 3}}, "dataset 'a' has index 3"),
 ])
 def test_bad_mixture_files_are_refused_with_the_reason(mixture_file, tmp_path, datasets, message):
     bad = tmp_path / "bad.yaml"
     bad.write_text(yaml.safe_dump({"name": "bad", "datasets": datasets}))
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(ValueError, match=message) as refused:
         Mixture.load(bad)
+    assert str(bad) in str(refused.value)  # every error names the file
+
+
+def test_a_mixture_too_large_to_hold_is_refused_by_the_command_naming_file_and_dataset(mixture_file, tmp_path):
+    raw = yaml.safe_load(mixture_file.read_text())
+    raw["datasets"]["charts"]["repeat"] = 1e12
+    bad = tmp_path / "huge.yaml"
+    bad.write_text(yaml.safe_dump(raw))
+    done = subprocess.run(CLI + ["plan", "--mixture", str(bad), "--dp", "4", "--out", str(tmp_path / "p.parquet")],
+                          capture_output=True, text=True)
+    assert done.returncode != 0 and "MemoryError" not in done.stderr and "Traceback" not in done.stderr
+    assert f"mixture file {bad}: dataset 'charts' has repeat" in done.stderr
+    # within the per-dataset bound, an epoch too large to hold is refused before anything is allocated
+    mixture = Mixture.load(mixture_file)
+    with pytest.raises(ValueError, match=f"mixture file {mixture_file}: dataset 'charts': repeat 1000 x 3,000,000"):
+        check_epoch_rows(replace(mixture, datasets=(replace(mixture.datasets[0], repeat=1000),)),
+                         [np.arange(3_000_000)])
 
 
 def test_datasets_with_other_conventions_cannot_be_mixed(tmp_path, demo_dataset):

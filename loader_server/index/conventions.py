@@ -27,7 +27,8 @@ from packfeed.server.index.video import SAMPLINGS, VideoSampling
 
 # Per image policy: its field -> the option (without dashes) that sets it. Options shared by policies mean the
 # same thing in each (the tile or square side, placeholder tokens per tile or image, the ViT patch side).
-_COMMON = {"patch_size": "patch_size", "image_mean": "image_mean", "image_std": "image_std"}
+_COMMON = {"patch_size": "patch_size", "image_mean": "image_mean", "image_std": "image_std",
+           "max_image_pixels": "max_image_pixels"}
 POLICY_FLAGS: dict[str, dict[str, str]] = {
     "internvl": {"image_size": "image_size", "min_num": "min_tiles", "max_num": "max_tiles",
                  "use_thumbnail": "thumbnail", "tokens_per_tile": "image_tokens", "multi_image": "multi_image",
@@ -66,6 +67,8 @@ _POLICY_OPTIONS: dict[str, tuple[str, dict[str, Any]]] = {
     "pad_frames": ("qwen2vl: any video frame count, the last temporal patch filled up with the last frame "
                    "(Qwen3-VL); off: counts rounded down to whole patches", {"action": argparse.BooleanOptionalAction}),
     "patch_size": ("ViT patch side, px", {"type": int}),
+    "max_image_pixels": ("images (and video frames) of more pixels are invalid, refused before decoding "
+                         "(default 50,000,000; decoding costs the server ~10 bytes a pixel)", {"type": int}),
     "image_mean": ("normalisation mean R,G,B (pixels / 255)", {"type": _floats, "metavar": "R,G,B"}),
     "image_std": ("normalisation std R,G,B", {"type": _floats, "metavar": "R,G,B"}),
 }

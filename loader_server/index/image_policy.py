@@ -14,6 +14,10 @@ from typing import Any, Protocol
 from packfeed.v1.pixels import Geometry
 
 
+class TooManyPixels(ValueError):
+    """An image over its policy's `max_image_pixels`."""
+
+
 @dataclass(frozen=True)
 class ImageCost:
     units: int  # what the vision cap counts
@@ -63,6 +67,11 @@ class ImagePolicy(Protocol):
     def to_dict(self) -> dict[str, Any]: ...
 
 
+# Images of more pixels than this are invalid at index time (`max_image_pixels`, `--max-image-pixels`): decoding
+# one costs the server about 10 bytes a pixel for a moment (`packfeed.server.serve.preprocess.DECODE_BYTES_PER_PIXEL`),
+# so 50 MP (an 8,660 x 5,770 photograph) is ~500 MB; a 200 KB PNG can declare 89 MP and still pass Pillow's check.
+DEFAULT_MAX_IMAGE_PIXELS = 50_000_000
+
 # Normalisation constants the model families publish (the same values as transformers.image_utils).
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 CLIP_MEAN, CLIP_STD = (0.48145466, 0.4578275, 0.40821073), (0.26862954, 0.26130258, 0.27577711)
@@ -84,10 +93,22 @@ class _Recorded:
             if len(value) != 3 or (name == "image_std" and min(value) <= 0):
                 raise ValueError(f"{name} must be three numbers (R, G, B){', each > 0' if name == 'image_std' else ''}")
             object.__setattr__(self, name, value)  # a JSON list read back from the index becomes a tuple again
+        if isinstance(self.max_image_pixels, bool) or not isinstance(self.max_image_pixels, int) \
+                or self.max_image_pixels < 1:
+            raise ValueError(f"{self.name} policy: max_image_pixels must be a whole number >= 1, not "
+                             f"{self.max_image_pixels!r}")
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{self.name} policy: {name} must be one of {', '.join(allowed)}, not "
                                  f"{getattr(self, name)!r}")
+
+
+    def check_pixels(self, width: int, height: int, what: str = "image") -> None:
+        """Refuse an image (or a video's frames) of more pixels than `max_image_pixels`, before anything decodes it."""
+        if width * height > self.max_image_pixels:
+            raise TooManyPixels(f"{what} of {width}x{height} has {width * height:,} pixels, over max_image_pixels "
+                             f"{self.max_image_pixels:,} (decoding it would take ~{width * height * 10 >> 20:,} MiB); "
+                             "raise the limit with --max-image-pixels if the server's memory budget allows it")
 
 
 class _SquareTiles(_Recorded):
@@ -135,6 +156,7 @@ class InternVLTiling(_SquareTiles):
     multi_image: str = "split"
     image_mean: tuple[float, ...] = IMAGENET_MEAN
     image_std: tuple[float, ...] = IMAGENET_STD
+    max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
     name: str = "internvl"
 
     def __post_init__(self):
@@ -195,6 +217,7 @@ class Qwen2VLResize(_Recorded):
     pad_frames: bool = False
     image_mean: tuple[float, ...] = CLIP_MEAN
     image_std: tuple[float, ...] = CLIP_STD
+    max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
     name: str = "qwen2vl"
     tile_size = 0  # no tiles: every image keeps its own (resized) shape
     tokens_per_tile = 0
@@ -269,6 +292,7 @@ class FixedResolution(_SquareTiles):
     resize: str = "squash"
     image_mean: tuple[float, ...] = CLIP_MEAN
     image_std: tuple[float, ...] = CLIP_STD
+    max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
     name: str = "fixed"
 
     def __post_init__(self):

@@ -30,7 +30,8 @@ from tqdm import tqdm
 from packfeed.server.index.chat import (ChatTemplate, ConversationError, IGNORE_INDEX, attach_images, check_tokens,
                                         cached_encoder, conversation_turns, extend_tokenizer, missing_tokens,
                                         parse_json)
-from packfeed.server.index.image_policy import DEFAULT_POLICY, VERIFY_MODES, ImagePolicy, policy_from_dict
+from packfeed.server.index.image_policy import (DEFAULT_POLICY, VERIFY_MODES, ImagePolicy, TooManyPixels,
+                                                policy_from_dict)
 from packfeed.server.index.table import (SCHEMA, IndexInfo, describe_error, fingerprint_table, member_checksum,
                                          reason_category, write_index)
 from packfeed.v1.pixels import oriented_size
@@ -40,6 +41,9 @@ from packfeed.server.index.video import (VideoError, VideoInfo, VideoSampling, f
                                          video_placeholders)
 from packfeed.server.index.storage import ObjectError, Stamp, is_object_url, stamp
 
+
+
+DEFAULT_MAX_SAMPLE_TOKENS = 262_144  # the longest contexts trained today, with room for long videos
 
 
 @dataclass(frozen=True)
@@ -54,13 +58,21 @@ class IndexConfig:
     # When the tokenizer lacks the template's special tokens: refuse (False) or write an extended tokenizer.json
     # beside the index and record it (True).
     extend_tokenizer: bool = False
+    # A sample of more LLM tokens (text and placeholders) is invalid: it could never train, and would be
+    # tokenised again each time it is served.
+    max_sample_tokens: int = DEFAULT_MAX_SAMPLE_TOKENS
 
     def __post_init__(self):
         if self.verify_images not in VERIFY_MODES:
             raise ValueError(f"verify_images must be one of {VERIFY_MODES}")
         if not Path(self.tokenizer).is_file():
             raise FileNotFoundError(f"tokenizer {self.tokenizer!r} not found: pass a HF tokenizer.json with --tokenizer")
-        policy_from_dict(self.image_policy)  # fail early on a bad policy
+        if isinstance(self.max_sample_tokens, bool) or not isinstance(self.max_sample_tokens, int) \
+                or self.max_sample_tokens < 1:
+            raise ValueError(f"max_sample_tokens must be a whole number >= 1, not {self.max_sample_tokens!r}")
+        # the pixel limit recorded even when left at its default, so the index says which limit it applied
+        policy = policy_from_dict(self.image_policy)  # fails early on a bad policy
+        object.__setattr__(self, "image_policy", {**self.image_policy, "max_image_pixels": policy.max_image_pixels})
         # recorded whole (every field, defaults filled in), whatever subset was given
         object.__setattr__(self, "video_policy", VideoSampling.from_dict(self.video_policy).to_dict())
         if self.template.video_timestamps and self.video_sampling.is_random:
@@ -86,7 +98,8 @@ class IndexConfig:
 
     def to_fingerprint_dict(self) -> dict[str, Any]:
         return {"image_policy": self.image_policy, "chat_template": self.chat_template, "video_policy": self.video_policy,
-                "tokenizer": self.tokenizer_digest(), "verify_images": self.verify_images}
+                "tokenizer": self.tokenizer_digest(), "verify_images": self.verify_images,
+                "max_sample_tokens": self.max_sample_tokens}
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "IndexConfig":
@@ -95,7 +108,8 @@ class IndexConfig:
         if not args.tokenizer:
             raise ValueError("indexing shards needs --tokenizer TOKENIZER.json (the tokenizer the trainer uses)")
         policy, template = conventions_of(args)
-        return cls(args.tokenizer, policy, template, video_policy_of(args), args.verify_images, args.extend_tokenizer)
+        return cls(args.tokenizer, policy, template, video_policy_of(args), args.verify_images, args.extend_tokenizer,
+                   **({"max_sample_tokens": args.max_sample_tokens} if args.max_sample_tokens is not None else {}))
 
     def with_tokenizer_for(self, out: str | Path) -> tuple["IndexConfig", dict[str, Any]]:
         """This config with a tokenizer that knows every special token of the template, and the index's record
@@ -128,20 +142,24 @@ class SampleError(ValueError):
     pass
 
 
-def image_size(data: bytes, verify: str) -> tuple[int, int]:
+def image_size(data: bytes, verify: str, policy: ImagePolicy | None = None) -> tuple[int, int]:
     """(width, height) upright (EXIF orientation applied) from the header; with verify='decode' also decodes
-    (JPEG at 1/8 scale)."""
+    (JPEG at 1/8 scale), unless the `policy`'s pixel limit refuses the image first."""
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error", Image.DecompressionBombWarning)
             with Image.open(io.BytesIO(data)) as image:
                 width, height = oriented_size(image, data)  # a PNG is not decoded to look for its EXIF
+                if policy is not None:
+                    policy.check_pixels(width, height)  # before decoding: verifying it would cost its memory
                 if verify == "decode":
                     if image.format == "JPEG":
                         image.draft("RGB", (max(1, image.width // 8), max(1, image.height // 8)))
                     image.load()
     except UnidentifiedImageError:
         raise SampleError("not an image") from None
+    except TooManyPixels as error:
+        raise SampleError(f"image rejected by policy: {error}") from None
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as error:
         raise SampleError(f"undecodable image: too many pixels ({describe_error(error)})") from None
     except (OSError, SyntaxError, ValueError, EOFError) as error:
@@ -152,7 +170,7 @@ def image_size(data: bytes, verify: str) -> tuple[int, int]:
 
 
 def _video_infos(images: list[Member], videos: list[Member], doc: Any,
-                 verify: str) -> tuple[list[VideoInfo], float | None]:
+                 verify: str, policy: ImagePolicy) -> tuple[list[VideoInfo], float | None]:
     """The sample's videos as the container (or, for a frame sequence, its JSON and frames) describes them, and
     the frame sequence's rate (None when its images are images)."""
     rate = frames_fps(doc)
@@ -162,7 +180,7 @@ def _video_infos(images: list[Member], videos: list[Member], doc: Any,
         raise SampleError("frame sequence and video files in one sample: give the frames or the files")
     if not images:
         raise SampleError('frame sequence without frames: "frames" needs numbered images KEY.0.jpg, KEY.1.jpg, ...')
-    sizes = {image_size(member.data, verify) for member in images}
+    sizes = {image_size(member.data, verify, policy) for member in images}
     if len(sizes) > 1:
         raise SampleError(f"frame sequence: frames differ in size ({', '.join(f'{w}x{h}' for w, h in sorted(sizes))})")
     (width, height), = sizes
@@ -199,7 +217,7 @@ def cost_sample(raw: RawSample, config: IndexConfig) -> dict[str, Any]:
         document = parse_json(doc.data)
         turns = conversation_turns(document.get("conversations") if isinstance(document, dict) else None)
         policy = config.policy
-        infos, sequence_rate = _video_infos(images, videos, document, config.verify_images)
+        infos, sequence_rate = _video_infos(images, videos, document, config.verify_images, policy)
         if sequence_rate is not None:  # the images are one video's frames
             row.update(n_images=0, n_videos=1, video_names=["frames"], video_offsets=[0], video_sizes=[0],
                        video_checksums=[0], frames_fps=sequence_rate)
@@ -208,7 +226,7 @@ def cost_sample(raw: RawSample, config: IndexConfig) -> dict[str, Any]:
         turns = attach_images(turns, len(images), len(infos))
         costs = []
         for member in images:
-            width, height = image_size(member.data, config.verify_images)
+            width, height = image_size(member.data, config.verify_images, policy)
             row["image_widths"].append(width)
             row["image_heights"].append(height)
             try:
@@ -223,6 +241,7 @@ def cost_sample(raw: RawSample, config: IndexConfig) -> dict[str, Any]:
                 raise SampleError(f"video too short: {info.frames} frames, the image policy takes them "
                                   f"{policy.frame_multiple} at a time")
             try:
+                policy.check_pixels(info.width, info.height, "video frame")
                 cost = policy.video_cost(info.width, info.height, frames)
                 row["pixel_bytes"] += frames * _tile_bytes(policy.frame_geometry(info.width, info.height))
             except ValueError as error:
@@ -234,8 +253,13 @@ def cost_sample(raw: RawSample, config: IndexConfig) -> dict[str, Any]:
             for name, value in (("widths", info.width), ("heights", info.height), ("frames", info.frames),
                                 ("rates", info.rate), ("sampled", frames)):
                 row[f"video_{name}"].append(value)
-        ids, labels, _ = cached_encoder(config.tokenizer, config.template).encode(
+        encoder = cached_encoder(config.tokenizer, config.template)
+        check_text_length(turns, config.max_sample_tokens, encoder.tokenizer)
+        ids, labels, _ = encoder.encode(
             turns, [c.llm_tokens for c in costs[:len(images)]], video_items, video_times)
+        if len(ids) > config.max_sample_tokens:
+            raise SampleError(f"too long: {len(ids):,} tokens, over max_sample_tokens {config.max_sample_tokens:,}; "
+                              "raise it with --max-sample-tokens")
     except (SampleError, ConversationError, VideoError) as error:
         row["reason"] = str(error)
         return row
@@ -248,6 +272,36 @@ def cost_sample(raw: RawSample, config: IndexConfig) -> dict[str, Any]:
                text_tokens=len(ids) - vision_tokens, llm_tokens=len(ids),
                loss_tokens=int((labels != IGNORE_INDEX).sum()))
     return row
+
+
+def check_text_length(turns: list[dict[str, str]], max_tokens: int, tokenizer) -> None:
+    """Refuse text far over `max_tokens` after tokenising only about `max_tokens` of it: tokenising 10 MB in one
+    call costs seconds and gigabytes (the tokenizer keeps every token's string and offsets). The text is counted in
+    pieces cut just before a space that follows a word, where byte-level and sentencepiece pre-tokenizers cut too,
+    less one token per cut for safety: a lower bound, so nothing within the limit is refused here (the exact
+    count after encoding decides)."""
+    text = "".join(turn["value"] for turn in turns)
+    if len(text.encode("utf-8", "surrogatepass")) <= max_tokens:  # a token holds at least a byte
+        return
+    counted, start = 0, 0
+    while start < len(text) and counted <= max_tokens:
+        end = _word_boundary(text, start + TEXT_PIECE_CHARS)
+        counted += len(tokenizer.encode(text[start:end], add_special_tokens=False).ids) - 1
+        start = end
+    if counted > max_tokens:
+        raise SampleError(f"too long: over {max_tokens:,} tokens of text (counted {counted:,} before stopping), over "
+                          f"max_sample_tokens; raise it with --max-sample-tokens")
+
+
+TEXT_PIECE_CHARS = 1 << 16
+
+
+def _word_boundary(text: str, at: int) -> int:
+    """The first position from `at` just before a space that follows a non-space (the text's end if none)."""
+    found = text.find(" ", max(at, 1))
+    while found != -1 and text[found - 1].isspace():
+        found = text.find(" ", found + 1)
+    return len(text) if found == -1 else found
 
 
 # ---------------------------------------------------------------------------------------------------------------

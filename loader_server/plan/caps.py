@@ -100,7 +100,10 @@ def search_caps(vision: np.ndarray, tokens: np.ndarray, dp: int, samples_per_pac
     lowest = max(0 if text_only else 1 - vision_start, -((start_tokens - 1) // ratio))
     first = evaluate(0)
     guess = int(round(((samples_per_pack + 0.5) / max(first.samples_per_pack, 1e-9) - 1) * start_tokens / ratio))
-    k = max(lowest, guess)
+    # Past caps that hold every sample at once nothing changes: a first candidate that packs nothing (a few, very
+    # long samples) must not send the guess to caps no wire field holds
+    every_sample = max(-(-(int(tokens.sum()) - start_tokens) // ratio), int(vision.sum()) - vision_start)
+    k = min(max(lowest, guess), max(every_sample, lowest + MAX_CANDIDATES))
     while len(tried) < MAX_CANDIDATES and k > lowest and evaluate(k).samples_per_pack >= samples_per_pack:
         k -= 1
     while len(tried) < MAX_CANDIDATES and evaluate(k).samples_per_pack <= samples_per_pack + 1:

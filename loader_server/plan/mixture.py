@@ -35,6 +35,8 @@ from packfeed.server.plan.windows import WindowedPlan
 from packfeed.v1.options import PlanConfig
 
 _SUBSET_STREAM = 0x5B5E7  # random stream of the subsets, apart from the planner's own
+MAX_REPEAT = 1000  # a dataset seen more often than this per epoch is a typo, not a weight (InternVL's go to ~4)
+MAX_EPOCH_ROWS = 1 << 31  # rows of one epoch: each costs 12 bytes held, and the planner counts them in int32
 
 
 @dataclass(frozen=True)
@@ -48,29 +50,52 @@ class MixtureEntry:
 class Mixture:
     name: str
     datasets: tuple[MixtureEntry, ...]
+    path: str = ""  # the file it was read from, for errors
 
     @classmethod
     def load(cls, path: str | Path) -> Mixture:
         """Read and check a mixture file (YAML)."""
         path = Path(path)
-        raw = yaml.safe_load(path.read_text()) or {}
+        try:
+            raw = yaml.safe_load(path.read_text()) or {}
+        except (OSError, yaml.YAMLError) as error:
+            raise ValueError(f"mixture file {path}: cannot be read as YAML ({error})") from None
         if not isinstance(raw, dict) or not isinstance(raw.get("datasets"), dict) or not raw["datasets"]:
             raise ValueError(f"{path}: a mixture file needs `name:` and `datasets: {{NAME: {{index: PATH, "
                              "repeat: FLOAT}}}`")
         name = str(raw.get("name") or path.stem)
-        entries = []
-        for dataset, spec in raw["datasets"].items():
-            if not isinstance(spec, dict) or "index" not in spec or set(spec) - {"index", "repeat"}:
-                raise ValueError(f"{path}: dataset {dataset!r} needs `index:` (and optionally `repeat:`), nothing else")
-            repeat = float(spec.get("repeat", 1))
-            if not math.isfinite(repeat) or repeat <= 0:
-                raise ValueError(f"{path}: dataset {dataset!r} has repeat {spec.get('repeat')!r}; give a number > 0")
-            index = Path(spec["index"])
-            index = index if index.is_absolute() else path.parent / index
-            if not index.is_file():
-                raise ValueError(f"{path}: dataset {dataset!r}: index {index} not found")
-            entries.append(MixtureEntry(str(dataset), str(index), repeat))
-        return cls(name, tuple(entries))
+        entries = [MixtureEntry(str(dataset), str(_index_path(path, dataset, spec)), _repeat(path, dataset, spec))
+                   for dataset, spec in raw["datasets"].items()]
+        return cls(name, tuple(entries), str(path))
+
+    def where(self, dataset: str | None = None) -> str:
+        """How errors name the mixture (its file when read from one) and the dataset."""
+        named = f"mixture file {self.path}" if self.path else f"mixture {self.name}"
+        return f"{named}: dataset {dataset!r}" if dataset is not None else named
+
+
+def _index_path(path: Path, dataset, spec) -> Path:
+    if not isinstance(spec, dict) or "index" not in spec or set(spec) - {"index", "repeat"}:
+        raise ValueError(f"mixture file {path}: dataset {dataset!r} needs `index:` (and optionally `repeat:`), "
+                         "nothing else")
+    if not isinstance(spec["index"], str) or not spec["index"]:
+        raise ValueError(f"mixture file {path}: dataset {dataset!r} has index {spec['index']!r}; give the path of "
+                         "its index.parquet")
+    index = Path(spec["index"])
+    index = index if index.is_absolute() else path.parent / index
+    if not index.is_file():
+        raise ValueError(f"mixture file {path}: dataset {dataset!r}: index {index} not found")
+    return index
+
+
+def _repeat(path: Path, dataset, spec: dict) -> float:
+    """The dataset's repeat weight: a plain number in (0, MAX_REPEAT] (YAML's true or "two" are refused)."""
+    given = spec.get("repeat", 1)
+    repeat = float(given) if isinstance(given, (int, float)) and not isinstance(given, bool) else math.nan
+    if not math.isfinite(repeat) or not 0 < repeat <= MAX_REPEAT:
+        raise ValueError(f"mixture file {path}: dataset {dataset!r} has repeat {given!r}; give a number > 0 and "
+                         f"at most {MAX_REPEAT} (times each sample is seen per epoch)")
+    return repeat
 
 
 @dataclass
@@ -102,10 +127,11 @@ class MixtureLoads:
         check_conventions(mixture, self.infos)
         for entry, info in zip(mixture.datasets, self.infos):
             if info.encoders:
-                raise ValueError(f"mixture {mixture.name}: dataset {entry.name}'s index names further encoders "
+                raise ValueError(f"{mixture.where(entry.name)}: its index names further encoders "
                                  f"({', '.join(sorted(info.encoders))}); a mixture plans the vision encoder and the "
                                  "LLM only: plan that index on its own")
         self.valid = [np.flatnonzero(valid_mask(loads)) for loads in self.loads]
+        check_epoch_rows(mixture, self.valid)
 
     @property
     def fingerprint(self) -> str:
@@ -189,6 +215,17 @@ class RowLoads:
         return SampleLoads(**self.gather(rows))
 
 
+def check_epoch_rows(mixture: Mixture, valid: list[np.ndarray]) -> None:
+    """An epoch whose rows cannot be held is refused before anything is allocated, naming its largest part."""
+    rows = [entry.repeat * len(ids) for entry, ids in zip(mixture.datasets, valid)]
+    if sum(rows) > MAX_EPOCH_ROWS:
+        largest = max(range(len(rows)), key=rows.__getitem__)
+        entry = mixture.datasets[largest]
+        raise ValueError(f"{mixture.where(entry.name)}: repeat {entry.repeat:g} x {len(valid[largest]):,} valid "
+                         f"samples makes an epoch of {sum(rows):,.0f} rows with the others, over the "
+                         f"{MAX_EPOCH_ROWS:,} one epoch can hold; lower the repeats")
+
+
 def check_conventions(mixture: Mixture, infos: list[IndexInfo]) -> None:
     """Every dataset of a mixture feeds one model: same tokenizer, chat template and image policy family
     (per-dataset limits such as max tiles may differ)."""
@@ -201,7 +238,7 @@ def check_conventions(mixture: Mixture, infos: list[IndexInfo]) -> None:
     for entry, info in zip(mixture.datasets[1:], infos[1:]):
         for what, value in conventions(info).items():
             if value != reference[what]:
-                raise ValueError(f"mixture {mixture.name}: datasets {first.name!r} and {entry.name!r} disagree on the "
+                raise ValueError(f"{mixture.where()}: datasets {first.name!r} and {entry.name!r} disagree on the "
                                  f"{what} ({reference[what]!r} vs {value!r}); index them with the same conventions")
 
 

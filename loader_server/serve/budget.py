@@ -18,9 +18,18 @@ class MemoryBudget:
     if no rank may ever wait for another's room.
     """
 
+    # What one sample's preparation (an image decoded, a text tokenised) may take even under a smaller budget,
+    # so that a budget smaller than one step still prepares ordinary samples (their step alone, as above)
+    WORKING_FLOOR = 64 << 20
+
     def __init__(self, limit: int, on_change: Callable[[int], None] = lambda held: None):
         self.limit, self.held, self._on_change = limit, 0, on_change  # on_change(held): e.g. a gauge
         self._waiters: collections.deque[tuple[int, asyncio.Future]] = collections.deque()
+
+    @property
+    def working_limit(self) -> int:
+        """Bytes preparing one sample may take: a sample needing more is skipped with its reason, not prepared."""
+        return max(self.limit, self.WORKING_FLOOR)
 
     def _fits(self, nbytes: int) -> bool:
         return self.held == 0 or self.held + nbytes <= self.limit

@@ -30,14 +30,13 @@ from packfeed.server.plan.planner import make_plan, resolve_caps
 from packfeed.server.serve.conventions import conventions_of
 from packfeed.server.serve.observe import log
 from packfeed.server.serve.packs import IndexRows
+from packfeed.server.serve.preprocess import DECODE_BYTES_PER_PIXEL, TOKENIZE_BYTES_PER_TOKEN
 from packfeed.server.serve.routed import routed_encodes
 from packfeed.server.serve.workers import DatasetSource, RankStepWork, SharedSteps
 from packfeed.v1 import packfeed_pb2 as pb
 from packfeed.v1.options import PlanConfig, Strategy
 
 MAX_SKIPPED_LISTED = 1000  # per job; the count keeps going
-# A decoded image held as RGBA (4 bytes a pixel), its RGB conversion (3) and resized copies (about 3 more)
-DECODE_BYTES_PER_PIXEL = 10
 
 
 class JobError(Exception):
@@ -220,12 +219,20 @@ class Dataset:
         """Bytes a rank-step will take once prepared, for reserving room in the memory budget up front."""
         return int(sum(part.sample_bytes(ids) for part, ids in self._step_samples(work)) + 1024 * len(work.packs))
 
-    def decode_bytes(self, work: RankStepWork) -> int:
-        """Bytes a worker holds for a while preparing the rank-step: its largest image decoded, converted and
-        resized (a worker decodes one image at a time). Reserved in the budget until the step is ready, so
-        a 9,400 x 9,400 PNG of 200 KB cannot take a gigabyte behind the budget's back."""
-        largest = max((part.rows.largest_image_pixels(ids) for part, ids in self._step_samples(work)), default=0)
-        return largest * DECODE_BYTES_PER_PIXEL
+    def working_bytes(self, work: RankStepWork) -> int:
+        """Bytes a worker holds for a while preparing the rank-step, one sample at a time: its largest image decoded,
+        converted and resized (in its dataset's pixel mode), or its longest sample tokenised, whichever is more.
+        Reserved in the budget until the step is ready, so a 9,400 x 9,400 PNG of 200 KB cannot take a gigabyte
+        behind the budget's back; never more than `work.decode_budget`, since a worker skips (does not decode or
+        tokenise) a sample that needs more."""
+        need = max((max(part.rows.largest_image_pixels(ids) * DECODE_BYTES_PER_PIXEL[part.source.pixels],
+                        part.longest_sample(ids) * TOKENIZE_BYTES_PER_TOKEN)
+                    for part, ids in self._step_samples(work)), default=0)
+        return min(need, work.decode_budget) if work.decode_budget else need
+
+    def longest_sample(self, ids: np.ndarray) -> int:
+        """LLM tokens of the longest of samples `ids`."""
+        return int(self.loads.tokens[np.asarray(ids, dtype=np.int64)].max(initial=0))
 
     @classmethod
     def open(cls, name: str, source: DatasetSource) -> "Dataset":

@@ -38,8 +38,10 @@ async def produce(job: Job, rank: int, cursor: tuple[int, int] | None, queue: as
             while cursor is not None and len(in_flight) < prefetch_steps:
                 if pending is None:
                     work = await asyncio.to_thread(job.work, cursor[0], cursor[1], rank)
-                    # room for the packs, and meanwhile for decoding the step's largest image
-                    pending = work, job.dataset.estimate_bytes(work) + job.dataset.decode_bytes(work)
+                    work.decode_budget = budget.working_limit  # a sample needing more is skipped, not prepared
+                    # room for the packs, and meanwhile for decoding the step's largest image (or tokenising its
+                    # longest sample)
+                    pending = work, job.dataset.estimate_bytes(work) + job.dataset.working_bytes(work)
                 work, estimate = pending
                 if not in_flight:
                     await budget.reserve(estimate)  # nothing of ours in preparation: wait in line

@@ -61,6 +61,9 @@ class RankStepWork:
     # isf+phases (`packfeed.server.serve.routed`), per microbatch: the rank encoding each member of the pack, and
     # what this rank encodes there (sample ids, sources, targets: consumer rank and planned position)
     routed: list[tuple[np.ndarray, tuple[np.ndarray, np.ndarray, np.ndarray]]] | None = None
+    # bytes decoding one image or tokenising one sample may take (MemoryBudget.working_limit): a sample needing
+    # more is skipped, with its reason, instead of prepared; 0: no limit
+    decode_budget: int = 0
 
     def samples_by_source(self, pixels_only: bool = False) -> list[tuple[int, np.ndarray]]:
         """(source k, its sample ids) for each index the step reads, every pack's samples together: a step's
@@ -536,6 +539,7 @@ def _build_rank_step(work: RankStepWork, shared: str | None) -> RankStepResult:
     arena = _TileArena.open(shared, _tile_bytes(parts, work)) if shared is not None else None
     for _, reader, _ in parts:
         reader.empty = arena.empty if arena is not None else np.empty
+        reader.decode_budget = work.decode_budget
     try:
         pieces, skipped, samples, by_dataset = [], [], 0, collections.Counter()
         for microbatch, (members, truncate_to, sources) in enumerate(work.packs):
