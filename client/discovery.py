@@ -10,10 +10,7 @@ from packfeed.v1 import redis_keys
 def servers_from_redis(url: str, password: str | None = None, prefix: str = redis_keys.DEFAULT_PREFIX,
                        timeout_s: float = 5.0) -> list[str]:
     """host:port of every server whose announcement has not expired, sorted. Pass the list to
-    `PackStream(targets, ...)`: it fails over between them."""
-    import redis
-
-    with redis.Redis.from_url(url, password=password or None, socket_timeout=timeout_s,
-                              socket_connect_timeout=timeout_s, decode_responses=True) as client:
+    `PackStream(targets, ...)`: it fails over between them. `url`: redis://... or redis+sentinel://..."""
+    with redis_keys.redis_client(url, password, timeout_s) as client:
         now_ms = redis_keys.redis_time_ms(client)
         return sorted(client.zrangebyscore(redis_keys.servers_key(prefix), now_ms, "+inf"))

@@ -28,8 +28,10 @@ def free_port() -> int:
 
 
 class RedisProcess:
-    def __init__(self, directory: Path, port: int | None = None, password: str | None = None):
+    def __init__(self, directory: Path, port: int | None = None, password: str | None = None,
+                 replica_of: int | None = None):
         self.directory, self.port, self.password = Path(directory), port or free_port(), password
+        self.replica_of = replica_of  # the master's port, for a replica
         self.process: subprocess.Popen | None = None
 
     @property
@@ -42,6 +44,8 @@ class RedisProcess:
                 "--appendonly", "yes", "--appendfsync", "always", "--save", "", "--daemonize", "no"]
         if self.password:
             args += ["--requirepass", self.password]
+        if self.replica_of:
+            args += ["--replicaof", "127.0.0.1", str(self.replica_of)]
         self.process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
@@ -67,3 +71,47 @@ class RedisProcess:
                 self.process.wait(10)
             except subprocess.TimeoutExpired:
                 self.kill()
+
+
+class SentinelProcess:
+    """A real Redis Sentinel (redis-server in sentinel mode) watching the master `service` on `master_port`;
+    it declares the master down after `down_after_ms` and promotes a replica (quorum 1: one sentinel decides)."""
+
+    def __init__(self, directory: Path, master_port: int, service: str = "packfeed", down_after_ms: int = 500):
+        self.directory, self.port, self.service = Path(directory), free_port(), service
+        self.master_port, self.down_after_ms = master_port, down_after_ms
+        self.process: subprocess.Popen | None = None
+
+    def start(self, timeout_s: float = 20.0) -> SentinelProcess:
+        self.directory.mkdir(parents=True, exist_ok=True)
+        config = self.directory / "sentinel.conf"  # sentinels rewrite their config file as they learn
+        config.write_text(f"port {self.port}\nbind 127.0.0.1\ndir {self.directory}\n"
+                          f"sentinel monitor {self.service} 127.0.0.1 {self.master_port} 1\n"
+                          f"sentinel down-after-milliseconds {self.service} {self.down_after_ms}\n"
+                          f"sentinel failover-timeout {self.service} 2000\n"
+                          f"sentinel parallel-syncs {self.service} 1\n")
+        self.process = subprocess.Popen([redis_binary(), str(config), "--sentinel"], stdout=subprocess.DEVNULL,
+                                        stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"redis sentinel exited with {self.process.returncode}")
+            try:
+                if redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=0.5).ping():
+                    return self
+            except redis.RedisError:
+                time.sleep(0.05)
+        raise RuntimeError(f"redis sentinel did not answer on port {self.port} within {timeout_s} s")
+
+    def master_port_now(self) -> int:
+        host, port = redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=1).sentinel_get_master_addr_by_name(
+            self.service)
+        return int(port)
+
+    def stop(self) -> None:
+        if self.process and self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()

@@ -10,7 +10,9 @@ from packfeed.server.cluster.coordinator import (
     CoordinationUnavailable,
     EmbeddedCoordinator,
     JobRecord,
+    Reassertion,
 )
+from dataclasses import replace
 from packfeed.server.cluster.redis_coordinator import RedisCoordinator
 from redis_server import RedisProcess
 
@@ -42,6 +44,29 @@ def test_a_job_is_registered_once_and_a_different_fingerprint_is_refused(coordin
         coordinator.register_job("j", other)
     assert refused.value.code == "FAILED_PRECONDITION" and "p2" in str(refused.value)
     assert coordinator.job("j") == RECORD and coordinator.job("nope") is None
+
+
+def test_a_job_reasserted_after_data_loss_is_restored_and_the_older_registration_wins(coordinator):
+    """What servers serving a job do every second: restore a record the coordinator lost, keep an equal one
+    (a joining server's, registered later, is the same job), take the id back from a younger registration of
+    another plan, and give it up to an older one."""
+    ours = replace(RECORD, registered_ms=1_000)
+    assert coordinator.reassert_job("j", ours) == (Reassertion.RESTORED, None)  # nothing there: restored
+    assert coordinator.job("j") == ours
+    assert coordinator.register_job("j", replace(RECORD, registered_ms=5_000)) == ours  # a later joiner adopts it
+    assert coordinator.reassert_job("j", ours) == (Reassertion.HELD, ours)
+    younger = JobRecord(RECORD.spec, "foreign", "other-index", registered_ms=2_000)
+    if isinstance(coordinator, EmbeddedCoordinator):
+        coordinator._jobs["j"] = younger  # as if the data were lost and another index registered the id first
+    else:
+        coordinator.client.flushall()
+        coordinator.register_job("j", younger)
+    assert coordinator.reassert_job("j", ours) == (Reassertion.RECLAIMED, younger)
+    assert coordinator.job("j") == ours
+    with pytest.raises(CoordinationError) as older:  # the younger one must give the id up
+        coordinator.reassert_job("j", younger)
+    assert older.value.code == "FAILED_PRECONDITION" and "foreign" in str(older.value)
+    assert coordinator.job("j") == ours
 
 
 def test_leases_are_exclusive_renewable_and_expire(coordinator):

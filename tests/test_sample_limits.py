@@ -5,7 +5,6 @@ within the memory budget, or skipped with its reason where one sample alone woul
 from __future__ import annotations
 
 import io
-import json
 import subprocess
 import sys
 import threading

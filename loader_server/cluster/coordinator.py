@@ -7,6 +7,7 @@ alive (so clients can find another one). Everything else — the plan, the packs
 
     coordinator = coordinator_from_url(os.environ.get("PACKFEED_REDIS_URL"))   # None -> embedded
     coordinator.register_job(job, record)           # refuses a different fingerprint for the same job id
+    coordinator.reassert_job(job, record)           # what a server serving the job re-registers now and then
     coordinator.acquire_lease(job, rank, server_id, ttl_s=10)
     coordinator.ack(job, rank, epoch, step)         # monotone: a late or repeated ack never moves it back
 
@@ -16,10 +17,11 @@ description of the layout; compare-and-set steps run as Lua scripts, so two serv
 
 from __future__ import annotations
 
+import enum
 import json
 import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Protocol
 
 from packfeed.v1.redis_keys import position, unposition
@@ -39,14 +41,34 @@ class CoordinationUnavailable(RuntimeError):
 
 @dataclass(frozen=True)
 class JobRecord:
-    """What every server must agree on to serve a job."""
+    """What every server must agree on to serve a job, and when it was first registered."""
 
     spec: str  # JobSpec.describe(): dataset, plan config, seed, epochs
     plan_fingerprint: str
     index_fingerprint: str
+    # ms since the epoch (the first registering server's clock), kept by every server that joins: when the
+    # coordinator lost its data and another server registered the id anew, the older registration wins
+    registered_ms: int = 0
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> "JobRecord":
+        return cls(**json.loads(text))
+
+    def same_job(self, other: "JobRecord") -> bool:
+        """The same settings, plan and index (whenever each was registered)."""
+        return replace(self, registered_ms=0) == replace(other, registered_ms=0)
+
+
+class Reassertion(enum.Enum):
+    """What `reassert_job` found: the job's record as it was, missing (restored), or another, younger
+    registration of the id (reclaimed: replaced by the older one)."""
+
+    HELD = "held"
+    RESTORED = "restored"
+    RECLAIMED = "reclaimed"
 
 
 def mismatch(job: str, existing: JobRecord, record: JobRecord) -> CoordinationError:
@@ -59,6 +81,7 @@ def mismatch(job: str, existing: JobRecord, record: JobRecord) -> CoordinationEr
 
 class Coordinator(Protocol):
     def register_job(self, job: str, record: JobRecord) -> JobRecord: ...
+    def reassert_job(self, job: str, record: JobRecord) -> tuple[Reassertion, JobRecord | None]: ...
     def job(self, job: str) -> JobRecord | None: ...
     def acquire_lease(self, job: str, rank: int, owner: str, ttl_s: float) -> bool: ...
     def renew_lease(self, job: str, rank: int, owner: str, ttl_s: float) -> bool: ...
@@ -87,9 +110,18 @@ class EmbeddedCoordinator:
     def register_job(self, job: str, record: JobRecord) -> JobRecord:
         with self._lock:
             existing = self._jobs.setdefault(job, record)
-        if existing != record:
+        if not existing.same_job(record):
             raise mismatch(job, existing, record)
         return existing
+
+    def reassert_job(self, job: str, record: JobRecord) -> tuple[Reassertion, JobRecord | None]:
+        with self._lock:
+            outcome, stored = reassertion(self._jobs.get(job), record)
+            if outcome in (Reassertion.RESTORED, Reassertion.RECLAIMED):
+                self._jobs[job] = record
+        if outcome is None:
+            raise mismatch(job, stored, record)
+        return outcome, stored
 
     def job(self, job: str) -> JobRecord | None:
         return self._jobs.get(job)
@@ -150,8 +182,21 @@ class EmbeddedCoordinator:
         return sorted(a for a, expiry in self._servers.items() if expiry > now)
 
 
+def reassertion(stored: JobRecord | None, record: JobRecord) -> tuple[Reassertion | None, JobRecord | None]:
+    """What re-asserting `record` over the `stored` one does: None when the stored one is another, older
+    registration (this server must give the job up). The Redis script follows the same rule."""
+    if stored is None:
+        return Reassertion.RESTORED, None
+    if stored.same_job(record):
+        return Reassertion.HELD, stored
+    if stored.registered_ms > record.registered_ms:
+        return Reassertion.RECLAIMED, stored
+    return None, stored
+
+
 def coordinator_from_url(url: str | None, password: str | None = None) -> Coordinator:
-    """`redis://host:port/db` (or `rediss://` for TLS) -> RedisCoordinator; empty -> EmbeddedCoordinator."""
+    """`redis://host:port/db` (or `rediss://` for TLS), or a replicated Redis through its sentinels,
+    `redis+sentinel://host:port[,host:port...]/SERVICE[/db]` -> RedisCoordinator; empty -> EmbeddedCoordinator."""
     if not url:
         return EmbeddedCoordinator()
     from packfeed.server.cluster.redis_coordinator import RedisCoordinator

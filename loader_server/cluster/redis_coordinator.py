@@ -7,9 +7,8 @@ callers keep serving what they have.
 
 from __future__ import annotations
 
-import json
-
-from packfeed.server.cluster.coordinator import CoordinationError, CoordinationUnavailable, JobRecord, mismatch
+from packfeed.server.cluster.coordinator import (CoordinationError, CoordinationUnavailable, JobRecord, Reassertion,
+                                                 mismatch)
 from packfeed.v1 import redis_keys
 from packfeed.v1.redis_keys import position, unposition
 
@@ -42,6 +41,25 @@ _REGISTER = """
 if redis.call('HSETNX', KEYS[1], 'record', ARGV[1]) == 1 then return ARGV[1] end
 return redis.call('HGET', KEYS[1], 'record')
 """
+# KEYS[1] = job hash; ARGV[1] = record JSON. `coordinator.reassertion` as one step: restore a missing record,
+# replace a younger registration of another job, keep an equal one; returns {outcome, the record found}.
+_REASSERT = """
+local raw = redis.call('HGET', KEYS[1], 'record')
+if raw == false then
+  redis.call('HSET', KEYS[1], 'record', ARGV[1])
+  return {'restored', ''}
+end
+local stored, ours = cjson.decode(raw), cjson.decode(ARGV[1])
+if stored.spec == ours.spec and stored.plan_fingerprint == ours.plan_fingerprint
+    and stored.index_fingerprint == ours.index_fingerprint then
+  return {'held', raw}
+end
+if (tonumber(stored.registered_ms) or 0) > tonumber(ours.registered_ms) then
+  redis.call('HSET', KEYS[1], 'record', ARGV[1])
+  return {'reclaimed', raw}
+end
+return {'conflict', raw}
+"""
 
 
 class RedisCoordinator:
@@ -53,13 +71,13 @@ class RedisCoordinator:
         import redis
 
         self._auth_errors = (redis.AuthenticationError, redis.AuthenticationWrongNumberOfArgsError)
-        self._redis_errors = (redis.ConnectionError, redis.TimeoutError)
-        self.client = redis.Redis.from_url(url, password=password or None, socket_timeout=timeout_s,
-                                           socket_connect_timeout=timeout_s, decode_responses=True,
-                                           health_check_interval=5)
+        # ReadOnlyError: a master demoted to a replica by a failover, until the client finds the new master
+        self._redis_errors = (redis.ConnectionError, redis.TimeoutError, redis.ReadOnlyError)
+        self.client = redis_keys.redis_client(url, password, timeout_s)
         self.prefix = prefix
         self._scripts = {name: self.client.register_script(source) for name, source in
-                         (("acquire", _ACQUIRE), ("renew", _RENEW), ("ack", _ACK), ("register", _REGISTER))}
+                         (("acquire", _ACQUIRE), ("renew", _RENEW), ("ack", _ACK), ("register", _REGISTER),
+                          ("reassert", _REASSERT))}
 
     def _call(self, function, *args, **kwargs):
         try:
@@ -75,14 +93,22 @@ class RedisCoordinator:
 
     def register_job(self, job: str, record: JobRecord) -> JobRecord:
         stored = self._call(self._scripts["register"], keys=[redis_keys.job_key(job, self.prefix)], args=[record.to_json()])
-        existing = JobRecord(**json.loads(stored))
-        if existing != record:
+        existing = JobRecord.from_json(stored)
+        if not existing.same_job(record):
             raise mismatch(job, existing, record)
         return existing
 
+    def reassert_job(self, job: str, record: JobRecord) -> tuple[Reassertion, JobRecord | None]:
+        outcome, stored = self._call(self._scripts["reassert"], keys=[redis_keys.job_key(job, self.prefix)],
+                                     args=[record.to_json()])
+        found = JobRecord.from_json(stored) if stored else None
+        if outcome == "conflict":
+            raise mismatch(job, found, record)
+        return Reassertion(outcome), found
+
     def job(self, job: str) -> JobRecord | None:
         stored = self._call(self.client.hget, redis_keys.job_key(job, self.prefix), "record")
-        return JobRecord(**json.loads(stored)) if stored else None
+        return JobRecord.from_json(stored) if stored else None
 
     def acquire_lease(self, job: str, rank: int, owner: str, ttl_s: float) -> bool:
         return bool(self._call(self._scripts["acquire"], keys=[redis_keys.lease_key(job, rank, self.prefix)],

@@ -57,6 +57,7 @@ import yaml
 from packfeed.server.index.table import read_index_info
 from packfeed.server.serve.preprocess import check_pixels
 from packfeed.server.serve.workers import DatasetSource
+from packfeed.v1 import redis_keys
 
 
 @dataclass(frozen=True)
@@ -80,7 +81,9 @@ class ServerConfig:
     pack_part_kb: int = 1024  # StreamPackParts piece size: what gRPC may hold per slow stream
     auth_token: str = ""
     # Several servers sharing jobs: coordination in Redis (empty = in this process, one server).
-    redis_url: str = ""  # redis://host:6379/0, or rediss:// for TLS
+    # redis://host:6379/0, rediss:// for TLS, or redis+sentinel://host:26379[,host:26379...]/SERVICE[/db] for a
+    # replicated Redis found through its sentinels
+    redis_url: str = ""
     redis_password: str = ""
     advertise: str = ""  # host:port clients reach this server at (default: the listen host and bound port)
     lease_ttl_s: float = 10.0  # a rank whose server stops renewing is free for another after this long
@@ -130,6 +133,11 @@ class ServerConfig:
         for name in ("tls_cert", "tls_key", "tls_client_ca"):
             if getattr(self, name) and not Path(getattr(self, name)).is_file():
                 problems.append(f"{name} {getattr(self, name)} not found")
+        if self.redis_url.startswith(redis_keys.SENTINEL_SCHEME):
+            try:
+                redis_keys.parse_sentinel_url(self.redis_url)
+            except ValueError as error:
+                problems.append(f"redis_url: {error}")
         if not self.datasets:
             problems.append("no dataset: give --index, PACKFEED_INDEX, or `datasets:` in the config file")
         for name, source in self.datasets.items():

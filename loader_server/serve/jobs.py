@@ -22,6 +22,7 @@ from packfeed.server.index.storage import ObjectError, is_object_url, missing_ob
 from packfeed.server.index.table import IndexInfo
 from packfeed.server.plan.costs import SampleLoads
 from packfeed.server.plan.mapped_loads import MappedLoads, map_sample_loads
+from packfeed.server.cluster.coordinator import JobRecord
 from packfeed.server.plan.isf import Caps
 from packfeed.server.plan.plan_file import Plan
 from packfeed.server.plan.resume import resume_plan
@@ -293,6 +294,8 @@ class Job:
     last_used: float = field(default_factory=time.monotonic)  # for idle eviction
     delivered: collections.Counter = field(default_factory=collections.Counter)  # samples sent, per dataset
     steps: SharedSteps = field(default_factory=SharedSteps)  # steps in preparation or held, shared by replicas
+    record: JobRecord | None = None  # as the coordinator holds it (its first registration's time included)
+    revoked: JobError | None = None  # set when an older registration of the id holds another plan: streams stop
 
     def prepare(self) -> None:
         """Plan epoch 0 (caps included) now, so a bad config fails the open, not the first stream."""

@@ -56,6 +56,10 @@ class Metrics:
                                       registry=r)
         self.steps_shared = Counter("packfeed_steps_shared", "Rank-steps a replica took from another replica's "
                                     "preparation instead of preparing them again", ["job"], registry=r)
+        self.reassertions = Counter("packfeed_job_reassertions", "Jobs this server registered again in the "
+                                    "coordinator (restored: it had lost them; reclaimed: a server over another "
+                                    "index had registered the id; gave_up: an older registration holds another "
+                                    "plan)", ["job", "outcome"], registry=r)
         self.evicted = Counter("packfeed_jobs_evicted", "Jobs forgotten after job_idle_s without use", registry=r)
         self.preprocess = Histogram("packfeed_preprocess_seconds_per_sample",
                                     "Worker time per sample (read, decode, tile, tokenize, assemble)",

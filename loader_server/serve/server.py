@@ -36,6 +36,16 @@ async def announce(coordinator: Coordinator, address: str, ttl_s: float) -> None
         await asyncio.sleep(ttl_s / 3)
 
 
+REASSERT_EVERY_S = 1.0  # how soon a Redis restarted empty learns again the jobs its servers serve
+
+
+async def reassert_jobs(service: PackfeedService, every_s: float) -> None:
+    """Keep the coordinator knowing the jobs this server serves (`PackfeedService.reassert_jobs`)."""
+    while True:
+        await asyncio.sleep(every_s)
+        await asyncio.to_thread(service.reassert_jobs)
+
+
 def open_dataset(name: str, source: DatasetSource | MixtureSource) -> Dataset:
     if isinstance(source, MixtureSource):
         return MixtureDataset.open(name, source.mixture, source.pixels)
@@ -91,6 +101,7 @@ async def serve(config: ServerConfig, ready: asyncio.Event | None = None, stop: 
     service.server_id = advertised_address(config, port)
     announcer = asyncio.create_task(announce(coordinator, service.server_id, config.lease_ttl_s))
     evictor = asyncio.create_task(evict_idle_jobs(service, config.job_idle_s))
+    reasserter = asyncio.create_task(reassert_jobs(service, min(REASSERT_EVERY_S, config.lease_ttl_s / 3)))
     watcher = asyncio.create_task(report_health(health_servicer, pool))
     metrics_port = start_metrics(config, metrics.registry, StatusReport(service))
     for name in ("", SERVICE):
@@ -114,6 +125,7 @@ async def serve(config: ServerConfig, ready: asyncio.Event | None = None, stop: 
     log.info("stopping")
     announcer.cancel()
     evictor.cancel()
+    reasserter.cancel()
     watcher.cancel()
     for name in ("", SERVICE):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 from google.protobuf.message import DecodeError
@@ -23,6 +24,7 @@ from packfeed.server.cluster.coordinator import (
     Coordinator,
     EmbeddedCoordinator,
     JobRecord,
+    Reassertion,
 )
 from packfeed.server.index.table import reason_category
 from packfeed.server.serve.budget import MemoryBudget
@@ -72,16 +74,65 @@ class PackfeedService:
     # -- coordination -----------------------------------------------------------------------------------
 
     def _register(self, job: Job) -> None:
-        """Every server serving a job must compute the same plan over the same index."""
-        record = JobRecord(job.spec.describe(), job.plan(0).fingerprint(), job.dataset.fingerprint)
+        """Every server serving a job must compute the same plan over the same index. A job this server holds
+        already is re-asserted instead (the coordinator may have lost it meanwhile)."""
+        if job.record is not None:
+            self._reassert(job)
+            if job.revoked:
+                raise job.revoked
+            return
+        record = JobRecord(job.spec.describe(), job.plan(0).fingerprint(), job.dataset.fingerprint,
+                           registered_ms=int(time.time() * 1000))
         try:
-            self.coordinator.register_job(job.spec.job, record)
+            job.record = self.coordinator.register_job(job.spec.job, record)  # the first registration's time
         except CoordinationError as error:
             self.registry.jobs.pop(job.spec.job, None)
             raise JobError(error.code, str(error)) from None
         except CoordinationUnavailable as error:
             self.registry.jobs.pop(job.spec.job, None)
             raise JobError("UNAVAILABLE", f"cannot register job {job.spec.job!r}: {error}; retry") from None
+
+    def reassert_jobs(self) -> None:
+        """Re-register every job this server serves, every `REASSERT_EVERY_S`: a Redis restarted empty, or a
+        replica promoted before it had the latest writes, learns them again (the streams renew their leases;
+        acknowledged positions and skipped samples are sent again), and a server over another index that
+        registered the id meanwhile loses it to the older registration."""
+        for job in list(self.registry.jobs.values()):
+            if job.record is not None and not job.revoked:
+                if not self._reassert(job):
+                    return  # the coordinator is unreachable: next time
+
+    def _reassert(self, job: Job) -> bool:
+        """Re-register `job`; False when the coordinator cannot be reached."""
+        name = job.spec.job
+        try:
+            outcome, found = self.coordinator.reassert_job(name, job.record)
+        except CoordinationUnavailable:
+            return False
+        except CoordinationError as error:  # another, older registration: this server must give the job up
+            self.metrics.reassertions.labels(name, "gave_up").inc()
+            log.error("job registration conflict: an older registration of this job id holds another plan or "
+                      "index; this server stops serving it", extra={"job": name, "error": str(error)})
+            job.revoked = JobError(error.code, str(error))
+            self.registry.forget(job)
+            self.metrics.jobs.set(len(self.registry.jobs))
+            return True
+        if outcome is Reassertion.HELD:
+            return True
+        self.metrics.reassertions.labels(name, outcome.value).inc()
+        if outcome is Reassertion.RECLAIMED:
+            log.warning("job registration conflict: a server over another index registered this job id after "
+                        "the coordinator lost it; the older registration (this server's) is restored",
+                        extra={"job": name, "other": found.to_json() if found else ""})
+        else:
+            log.warning("the coordinator had lost this job (Redis restarted empty or failed over): registered "
+                        "again", extra={"job": name})
+        for state in job.ranks:
+            state.shared = (-1, -1)  # what it had taken may be lost too: acknowledged positions are sent again
+        for rank in range(len(job.ranks)):
+            self._share_ack(job, rank)
+        self._share_skipped(name, [(key, reason) for key, reason, _, _ in list(job.skipped)])
+        return True
 
     def _hold_lease(self, job: str, rank: int) -> bool | None:
         """Take or keep this rank's lease: True held, False another server holds it, None Redis unreachable."""
@@ -254,6 +305,8 @@ class PackfeedService:
                 if lost.is_set():
                     raise JobError("ABORTED", f"another server took rank {rank} of job {job.spec.job!r}: "
                                               "reconnect to continue")
+                if job.revoked:  # an older registration of the job id holds another plan
+                    raise job.revoked
                 for piece, last in with_last(pieces_of(sending.messages, part_bytes)):
                     if last:  # counted as sent when its final piece is handed over: a client that has all of
                         # it may close before the write returns
