@@ -5,8 +5,6 @@ from __future__ import annotations
 import json
 import logging
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-
 log = logging.getLogger("packfeed.server")
 
 
@@ -37,6 +35,10 @@ class Metrics:
     """The server's Prometheus metrics, in a registry of its own (several servers may share one process)."""
 
     def __init__(self):
+        # imported here: the pre-processing workers import this module for `log` only (prometheus_client and
+        # the http and email modules it brings cost each worker 10 MiB)
+        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
         self.registry = CollectorRegistry()
         r = self.registry
         self.packs = Counter("packfeed_packs", "Packs sent", ["job"], registry=r)

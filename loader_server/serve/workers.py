@@ -390,13 +390,15 @@ def _advance(pieces: list, written: int) -> list:
     return pieces
 
 
-_MAPPED: dict[str, mmap.mmap] = {}  # a worker's writable mapping of each shared file it wrote, kept between steps
+_MAPPED: dict[str, mmap.mmap] = {}  # a worker's writable mapping of the shared file of the step it prepares
 
 
 def _writable_mapping(path: str, fd: int, size: int) -> mmap.mmap:
-    """The whole file (`size` bytes), mapped for writing, kept while the file lives: its pages stay mapped, so a
-    later step written into it faults none in. Mappings of files the server has removed since are dropped here
-    (a mapping would keep their memory)."""
+    """The whole file (`size` bytes), mapped for writing (MAP_POPULATE: its pages, there already, are mapped in
+    one go), for the step being prepared: dropped when it is done, since a mapping kept between steps counts the
+    file's pages in the worker's resident memory as well as in the server's (38 MiB a file with 448 px tiles;
+    the steps' bytes are the budget's and the server's). Mappings of files the server has removed are dropped
+    here too."""
     mapping = _MAPPED.get(path)
     if mapping is None or len(mapping) != size:
         _forget_mapping(path)
@@ -449,8 +451,15 @@ _WARNED: list[bool] = []  # this worker said once that shared memory is full
 _SOURCES: dict[str, DatasetSource] = {}
 
 
+# Imported in no worker: pyarrow imports pandas (about 45 MiB resident) the first time it builds an array, to check
+# whether the values are pandas objects, and carries on without it where it is not installed
+NOT_IN_WORKERS = ("pandas",)
+
+
 def _init_worker(sources: dict[str, DatasetSource], server_pid: int | None = None) -> None:
     _SOURCES.update(sources)
+    for name in NOT_IN_WORKERS:
+        sys.modules.setdefault(name, None)  # `import pandas` now raises ImportError here, as if not installed
     keep_freed_memory(give_back_after=GIVE_BACK_AFTER_S)
     # A worker is one core. The tokenizer's own thread pool would spin between a sample's few short encodes:
     # a twentieth of a worker's CPU, seen in a one-off `perf` profile during the CPU-per-sample benchmark.
@@ -573,6 +582,8 @@ def _build_rank_step(work: RankStepWork, shared: str | None) -> RankStepResult:
     finally:
         for _, reader, _ in parts:
             reader.empty = np.empty
+        if shared is not None:  # unmapped once this step's tiles are dropped: see _writable_mapping
+            _forget_mapping(shared)
     result.seconds = time.perf_counter() - started
     return result
 
