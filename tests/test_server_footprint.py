@@ -43,7 +43,9 @@ def process_tree(pid: int) -> list[int]:
     return found
 
 
-def test_a_running_server_and_its_workers_never_load_torch(small_tile_index):
+def test_a_running_server_and_its_workers_never_load_torch_nor_the_workers_pandas(small_tile_index):
+    """Torch would cost every server process 500 MiB; pandas, which pyarrow imports when it builds an array,
+    45 MiB per worker (the server itself may use it)."""
     from packfeed.client import PackStream
 
     with LocalServer(small_tile_index, workers=2) as server:
@@ -53,6 +55,8 @@ def test_a_running_server_and_its_workers_never_load_torch(small_tile_index):
         maps = {pid: Path(f"/proc/{pid}/maps").read_text() for pid in tree if Path(f"/proc/{pid}/maps").exists()}
     assert len(maps) >= 3  # the server and its two workers
     assert not [pid for pid, text in maps.items() if "libtorch" in text]
+    workers = [pid for pid, text in maps.items() if pid != server.process.pid and "tokenizers" in text]
+    assert len(workers) == 2 and not [pid for pid in workers if "site-packages/pandas" in maps[pid]]
 
 
 def shared_files(pid: int) -> list[Path]:

@@ -12,6 +12,7 @@ import asyncio
 import collections
 import ctypes
 import glob
+import importlib.abc
 import mmap
 import multiprocessing
 import os
@@ -451,15 +452,24 @@ _WARNED: list[bool] = []  # this worker said once that shared memory is full
 _SOURCES: dict[str, DatasetSource] = {}
 
 
-# Imported in no worker: pyarrow imports pandas (about 45 MiB resident) the first time it builds an array, to check
-# whether the values are pandas objects, and carries on without it where it is not installed
-NOT_IN_WORKERS = ("pandas",)
+class _NotInWorkers(importlib.abc.MetaPathFinder):
+    """Refuses to import pandas in a worker, as if it were not installed: pyarrow imports it (about 45 MiB
+    resident) the first time it builds an array, only to check whether the values are pandas objects, and
+    carries on without it where it is missing."""
+
+    REFUSED = ("pandas",)
+
+    def find_spec(self, name, path=None, target=None):
+        if name.partition(".")[0] in self.REFUSED:
+            raise ModuleNotFoundError(f"{name} is not imported in Packfeed's pre-processing workers", name=name)
+        return None
 
 
 def _init_worker(sources: dict[str, DatasetSource], server_pid: int | None = None) -> None:
+    """Set up a pool's worker process (`server_pid`: the server's), or this process for inline use."""
     _SOURCES.update(sources)
-    for name in NOT_IN_WORKERS:
-        sys.modules.setdefault(name, None)  # `import pandas` now raises ImportError here, as if not installed
+    if server_pid is not None and not any(isinstance(finder, _NotInWorkers) for finder in sys.meta_path):
+        sys.meta_path.insert(0, _NotInWorkers())
     keep_freed_memory(give_back_after=GIVE_BACK_AFTER_S)
     # A worker is one core. The tokenizer's own thread pool would spin between a sample's few short encodes:
     # a twentieth of a worker's CPU, seen in a one-off `perf` profile during the CPU-per-sample benchmark.
