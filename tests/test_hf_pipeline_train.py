@@ -1,7 +1,7 @@
 """`packfeed train model.hf=FAMILY parallel.pp=2` end to end (torchrun, gloo, an embedded server over real
 gRPC): it resumes from a sharded checkpoint at exactly the next step, the partition search beats the layer-count
 split on a model whose vision blocks cost several decoder blocks, adaptive recompute fits a budget that keeping
-everything exceeds and runs faster than recomputing everything, and saved decisions are reused."""
+everything exceeds and recomputes less than everything."""
 
 from __future__ import annotations
 
@@ -59,9 +59,7 @@ def test_searched_partition_is_faster_than_the_layer_count_split(tmp_path, qwen_
     _, given = packfeed_train(2, overrides + [f"partition.bounds=[{bounds}]"], tmp_path / "given")
     assert [(r["epoch"], r["step"]) for r in given] == [(r["epoch"], r["step"]) for r in records]
     assert [r["loss"] for r in given] == pytest.approx([r["loss"] for r in records], rel=1e-6)
-
-    again, _ = packfeed_train(2, overrides, tmp_path / "search")
-    assert f"partition {decision['bounds']} reused" in again and "partition search" not in again
+    # (a saved decision reused by the next run: tests/test_trainer_pipeline.py, the same code for every model)
 
 
 def stage_rows(out) -> list[dict]:

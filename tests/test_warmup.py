@@ -16,27 +16,28 @@ def packfeed(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess:
                           env={**os.environ, **env}, timeout=600)
 
 
-def test_a_warmed_cache_lets_a_fresh_process_plan_without_compiling(tmp_path, small_tile_index):
+def test_a_cold_cache_compiles_and_a_warmed_one_lets_fresh_processes_and_servers_start_without_compiling(
+        tmp_path, small_tile_index):
+    """The control (a plan on a cold cache compiles), `packfeed warmup` on a cold cache, then fresh processes that
+    plan every way without compiling, and a server that warms up at start (the same `warm_up`) without blocking a
+    job. One cold warm-up: each costs the suite half a minute."""
+    cold = {"NUMBA_CACHE_DIR": str(tmp_path / "cold"), "NUMBA_DEBUG_CACHE": "1"}
+    done = packfeed("plan", "--index", str(small_tile_index), "--dp", "2", "--out", str(tmp_path / "plan.parquet"),
+                    env=cold)
+    assert "[cache] data saved" in done.stdout + done.stderr  # the control: without warmup it compiles
     env = {"NUMBA_CACHE_DIR": str(tmp_path / "numba-cache")}
     assert packfeed("warmup", env=env).returncode == 0
+    assert any(path.suffix == ".nbc" for path in (tmp_path / "numba-cache").rglob("*"))
     for extra in (["--pipeline-stages", "2"], ["--strategy", "length-group"], ["--oversize", "truncate"]):
         done = packfeed("plan", "--index", str(small_tile_index), "--dp", "2", "--microbatches", "2", *extra,
                         "--out", str(tmp_path / "plan.parquet"), env={**env, "NUMBA_DEBUG_CACHE": "1"})
         assert done.returncode in (0, 3), done.stderr[-2000:]
         log = done.stdout + done.stderr
         assert "[cache] data loaded" in log and "[cache] data saved" not in log, (extra, log[-3000:])
-
-
-def test_a_cold_cache_compiles_and_the_server_warms_up_at_start(tmp_path, small_tile_index):
-    cold = {"NUMBA_CACHE_DIR": str(tmp_path / "cold"), "NUMBA_DEBUG_CACHE": "1"}
-    done = packfeed("plan", "--index", str(small_tile_index), "--dp", "2", "--out", str(tmp_path / "plan.parquet"),
-                    env=cold)
-    assert "[cache] data saved" in done.stdout + done.stderr  # the control: without warmup it compiles
-    with LocalServer(small_tile_index, workers=1, env={"NUMBA_CACHE_DIR": str(tmp_path / "server")}) as server:
+    with LocalServer(small_tile_index, workers=1, env=env) as server:
         with PackStream(server.target, job="warm", rank=0, dp=1, microbatches=1) as stream:
             assert next(iter(stream)).sample_keys  # a job while the warm-up runs waits for no more than it
         deadline = time.monotonic() + 300
         while not any('"planner ready"' in line for line in server.log) and time.monotonic() < deadline:
             time.sleep(0.5)
     assert any('"planner ready"' in line for line in server.log), server.log[-5:]
-    assert any(path.suffix == ".nbc" for path in (tmp_path / "server").rglob("*"))
