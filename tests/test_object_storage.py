@@ -139,6 +139,30 @@ def test_an_overwritten_or_deleted_object_is_detected(s3, demo_dataset, tmp_path
     check_changed_and_deleted(served, rows, urls[0], urls[-1])
 
 
+def test_an_object_cut_short_while_served_is_reported_as_changed(s3, demo_dataset, tmp_path):
+    """Within the TTL of a worker's cached stamps, a read that fails (a range past the end of an object cut short)
+    looks the object up again and reports the sample's shard as changed, not as unreadable; what still reads
+    the same (checksums) is served."""
+    import s3fs
+
+    urls = upload(s3, demo_dataset.shards, "cut/demo")
+    index = tmp_path / "cut.parquet"
+    build_index(["s3://cut/demo/*.tar"], index, index_config(demo_dataset), workers=1, progress=False)
+    rows = [r for r in read_index(index, ["key", "shard", "valid"])[0].to_pylist() if r["valid"]]
+    cut = tmp_path / "cut.tar"
+    data = demo_dataset.shards[0].read_bytes()
+    cut.write_bytes(data[:len(data) // 2])
+    with LocalServer(index, workers=1, env={**s3.env, "PACKFEED_MAX_SKIPPED_FRACTION": "1"}) as server:
+        assert epoch(server.target, "before")[""] == []  # every object's stamp is now cached by the worker
+        s3fs.S3FileSystem(endpoint_url=s3.endpoint, skip_instance_cache=True).put_file(str(cut), urls[0])
+        served = epoch(server.target, "after")
+    reasons = dict(served[""])
+    on_cut = {r["key"] for r in rows if r["shard"] == urls[0]}
+    assert reasons and set(reasons) <= on_cut
+    assert all(reason.startswith("shard changed") and "ETag" in reason for reason in reasons.values()), reasons
+    assert set(served) - {""} == {r["key"] for r in rows} - set(reasons)
+
+
 def test_a_range_cache_serves_later_epochs_from_local_disk_within_its_limit(s3, demo_dataset, tmp_path):
     upload(s3, demo_dataset.shards, "cached/demo")
     index = tmp_path / "cached.parquet"

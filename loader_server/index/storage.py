@@ -291,11 +291,12 @@ class StampCache:
         self._stamps: dict[str, tuple[float, Stamp | ObjectError]] = {}
         self._lock = threading.Lock()
 
-    def get(self, url: str) -> Stamp:
+    def get(self, url: str, fresh: bool = False) -> Stamp:
+        """The object's stamp, looked up again when older than `ttl` (or `fresh`: now)."""
         now = time.monotonic()
         with self._lock:
             cached = self._stamps.get(url)
-        if cached is None or now - cached[0] > self.ttl:
+        if fresh or cached is None or now - cached[0] > self.ttl:
             try:
                 current: Stamp | ObjectError = stamp(url)
             except ObjectError as error:

@@ -192,19 +192,26 @@ class SampleReader:
         checking that the object is the one indexed."""
         shard = row["shard"]
         path = relocate(shard, self.shard_root)
+        self._check_object(shard, path)
+        start, end = _span(row)
         try:
-            current = self._stamps.get(path)
+            return read_range(path, start, end - start, self._stamps.get(path).etag)
+        except ObjectError as error:
+            # a read that fails may have met an object changed since its stamp was cached: say so when it is
+            self._check_object(shard, path, fresh=True)
+            raise SampleSkipped(f"shard unreadable: {error}") from None
+
+    def _check_object(self, shard: str, path: str, fresh: bool = False) -> None:
+        """Skip a sample whose object is gone or is not the one indexed (its stamp looked up within the cache's
+        TTL, or now with `fresh`)."""
+        try:
+            current = self._stamps.get(path, fresh)
         except ObjectError as error:
             raise SampleSkipped(f"shard unreadable: {error}") from None
         indexed = self.objects.get(shard)
         if path == shard and indexed and (current.size, current.etag) != (indexed["size"], indexed["etag"]):
             raise SampleSkipped(f"shard changed: {path} is now {current.size} bytes, ETag {current.etag!r} (indexed: "
                                 f"{indexed['size']} bytes, ETag {indexed['etag']!r})")
-        start, end = _span(row)
-        try:
-            return read_range(path, start, end - start, current.etag)
-        except ObjectError as error:
-            raise SampleSkipped(f"shard unreadable: {error}") from None
 
     def _descriptor(self, path: str) -> int:
         """An open descriptor for the shard; a vanished shard raises, a replaced one is reopened. Only regular

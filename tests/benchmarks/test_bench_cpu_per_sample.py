@@ -1,6 +1,8 @@
 """CPU seconds per delivered sample of the whole `packfeed serve` process tree (main process and workers), against
-InternVL's training-time pre-processing written here (PIL decode, `dynamic_preprocess`'s grid + resize + crop
-+ thumbnail, uint8 CHW tiles, tokenising the conversation) on the same samples, interleaved in one run, for
+InternVL's training-time pre-processing written here as its loader runs it (each member read at its offset as
+a file-per-image loader reads files, PIL decode, `dynamic_preprocess`'s grid + resize + crop + thumbnail, its
+transform: ToTensor and ImageNet normalisation per tile, tokenising the conversation) on the same samples,
+interleaved in one run, for
 each pixel mode (exact, fast, encoded: the client decodes, outside the measured tree) and the bytes each puts
 on the wire; on the demo photographs and on generated document scans (1700 x 2200 text pages). Each mode is
 measured over two epochs of one server: its first (the shared-memory files that carry steps to the server are
@@ -47,7 +49,7 @@ def tree_cpu_seconds(pid: int) -> float:
     return total
 
 
-def dynamic_preprocess(image: Image.Image, image_size: int = 448, max_num: int = 12) -> list[np.ndarray]:
+def dynamic_preprocess(image: Image.Image, image_size: int = 448, max_num: int = 12) -> list[Image.Image]:
     """InternVL's tiling (closest aspect ratio grid, resize, crop, thumbnail), as its training code does it."""
     width, height = image.size
     aspect, area = width / height, width * height
@@ -66,33 +68,51 @@ def dynamic_preprocess(image: Image.Image, image_size: int = 448, max_num: int =
              for r in range(rows) for c in range(cols)]
     if cols * rows != 1:
         tiles.append(image.resize((image_size, image_size), Image.BICUBIC))
-    return [np.asarray(tile).transpose(2, 0, 1).copy() for tile in tiles]
+    return tiles
 
 
-def baseline_cpu_seconds(shards: list[Path], tokenizer_path: Path) -> tuple[int, float]:
-    import tarfile
+def internvl_transform(image_size: int = 448):
+    """InternVL's `build_transform` without its random JPEG re-encoding (an augmentation Packfeed does not do):
+    RGB, resize to the tile, ToTensor, ImageNet normalisation; float32 CHW per tile, stacked per sample."""
+    import torchvision.transforms as T
+    from torchvision.transforms import InterpolationMode
 
+    return T.Compose([T.Lambda(lambda img: img.convert("RGB") if img.mode != "RGB" else img),
+                      T.Resize((image_size, image_size), interpolation=InterpolationMode.BICUBIC), T.ToTensor(),
+                      T.Normalize(mean=(0.485, 0.456, 0.406), std=(0.229, 0.224, 0.225))])
+
+
+def read_at(path: str, offset: int, size: int) -> bytes:
+    """A member's bytes as a file-per-image loader reads an image file: open, seek, read, close."""
+    with open(path, "rb") as file:
+        file.seek(offset)
+        return file.read(size)
+
+
+def baseline_cpu_seconds(index: Path, tokenizer_path: Path) -> tuple[int, float]:
+    """InternVL's training-time pre-processing, as its loader runs in a DataLoader worker (one torch thread), on
+    the index's valid samples: each sample's JSON and images read at their offsets as files (`read_at`),
+    `pil_loader` (open, RGB), `dynamic_preprocess`, its transform per tile, stacked, and the tokenizer."""
+    import torch
     from tokenizers import Tokenizer
 
-    tokenizer = Tokenizer.from_file(str(tokenizer_path))
-    samples, started = 0, time.process_time()
-    for shard in shards:
-        with tarfile.open(shard) as tar:
-            members: dict[str, dict[str, bytes]] = {}
-            for member in tar:
-                key, suffix = member.name.split(".", 1)
-                members.setdefault(key, {})[suffix] = tar.extractfile(member).read()
-        for sample in members.values():
-            try:
-                turns = json.loads(sample["json"])["conversations"]
-                images = [Image.open(io.BytesIO(sample[s])).convert("RGB") for s in sorted(sample) if s != "json"]
-                for image in images:
-                    dynamic_preprocess(image, max_num=max(1, 12 // len(images)) if len(images) > 1 else 12)
-                tokenizer.encode_batch([t["value"] for t in turns])
-                samples += 1
-            except Exception:
-                continue  # the demo's deliberately broken samples
-    return samples, time.process_time() - started
+    from packfeed.server.index.table import read_index
+
+    torch.set_num_threads(1)  # what PyTorch's DataLoader sets in its workers
+    tokenizer, transform = Tokenizer.from_file(str(tokenizer_path)), internvl_transform()
+    table, _ = read_index(index, columns=["shard", "valid", "json_offset", "json_size", "image_offsets",
+                                          "image_sizes"])
+    rows = [row for row in table.to_pylist() if row["valid"]]
+    started = time.process_time()
+    for row in rows:
+        turns = json.loads(read_at(row["shard"], row["json_offset"], row["json_size"]))["conversations"]
+        images = [Image.open(io.BytesIO(read_at(row["shard"], offset, size))).convert("RGB")
+                  for offset, size in zip(row["image_offsets"], row["image_sizes"])]
+        for image in images:
+            tiles = dynamic_preprocess(image, max_num=max(1, 12 // len(images)) if len(images) > 1 else 12)
+            torch.stack([transform(tile) for tile in tiles])
+        tokenizer.encode_batch([t["value"] for t in turns])
+    return len(rows), time.process_time() - started
 
 
 EPOCHS = ("first", "steady")  # a fresh server's first epoch, then the next one on the same server
@@ -142,18 +162,18 @@ def dataset(tmp_path: Path, images: str) -> tuple[list[Path], Path, Path]:
     return shards, tokenizer, index
 
 
-ROUNDS = 5  # interleaved; the best of each is compared too, as this shared machine's noise only ever adds CPU
+ROUNDS = int(os.environ.get("PACKFEED_BENCH_ROUNDS", "5"))  # interleaved; the best of each is compared too, as this shared machine's noise only ever adds CPU
 
 
 @pytest.mark.parametrize("images", ["photographs", "scans"])
 def test_cpu_per_delivered_sample(tmp_path, images):
     shards, tokenizer, index = dataset(tmp_path, images)
     pytest.importorskip("cv2")
-    baseline_cpu_seconds(shards[:1], tokenizer)  # page cache and imports
+    baseline_cpu_seconds(index, tokenizer)  # page cache and imports
     modes = ("exact", "fast", "encoded")
     best = {"baseline": float("inf")} | {(pixels, epoch): float("inf") for pixels in modes for epoch in EPOCHS}
     for _ in range(ROUNDS):
-        base_n, base_s = baseline_cpu_seconds(shards, tokenizer)
+        base_n, base_s = baseline_cpu_seconds(index, tokenizer)
         base = base_s / base_n
         best["baseline"] = min(best["baseline"], base)
         print(f"\n[cpu/sample] {images}: InternVL's pre-processing: {base_n} samples, {base_s:.2f} CPU s = "
@@ -210,7 +230,7 @@ def test_worker_function_against_the_baseline(tmp_path, images):
     worker_cpu_seconds(index, tokenizer, "exact")  # imports, page cache, the tokenizer
     best = {name: float("inf") for name in ("baseline", "exact", "fast", "encoded")}
     for _ in range(ROUNDS):
-        base_n, base_s = baseline_cpu_seconds(shards, tokenizer)
+        base_n, base_s = baseline_cpu_seconds(index, tokenizer)
         best["baseline"] = min(best["baseline"], base_s / base_n)
         line = [f"baseline {base_s / base_n * 1e3:.1f} ms"]
         for pixels in ("exact", "fast", "encoded"):
