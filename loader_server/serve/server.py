@@ -40,10 +40,10 @@ REASSERT_EVERY_S = 1.0  # how soon a Redis restarted empty learns again the jobs
 
 
 async def reassert_jobs(service: PackfeedService, every_s: float) -> None:
-    """Keep the coordinator knowing the jobs this server serves (`PackfeedService.reassert_jobs`)."""
+    """Keep the coordinator knowing the jobs this server serves (`Coordination.reassert_jobs`)."""
     while True:
         await asyncio.sleep(every_s)
-        await asyncio.to_thread(service.reassert_jobs)
+        await asyncio.to_thread(service.coordination.reassert_jobs)
 
 
 def open_dataset(name: str, source: DatasetSource | MixtureSource) -> Dataset:

@@ -11,21 +11,14 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 from google.protobuf.message import DecodeError
 
 import grpc
 
-from packfeed.server.cluster.coordinator import (
-    CoordinationError,
-    CoordinationUnavailable,
-    Coordinator,
-    EmbeddedCoordinator,
-    JobRecord,
-    Reassertion,
-)
+from packfeed.server.cluster.coordinator import Coordinator
+from packfeed.server.serve.coordination import Coordination
 from packfeed.server.index.table import reason_category
 from packfeed.server.serve.budget import MemoryBudget
 from packfeed.server.serve.config import ServerConfig
@@ -64,125 +57,20 @@ class PackfeedService:
     def __init__(self, config: ServerConfig, registry: JobRegistry, pool: WorkerPool, metrics: Metrics,
                  coordinator: Coordinator | None = None, server_id: str = "local"):
         self.config, self.registry, self.pool, self.metrics = config, registry, pool, metrics
-        self.coordinator = coordinator or EmbeddedCoordinator()
-        self.server_id = server_id
+        self.coordination = Coordination(config, registry, metrics, coordinator, server_id)
         self.budget = MemoryBudget(config.memory_budget_mb << 20, metrics.held.set)
         self.streams_per_client: collections.Counter = collections.Counter()
         # Planning runs here, off the event loop and off the default executor (which shutdown waits for)
         self.planning = ThreadPoolExecutor(max_workers=4, thread_name_prefix="packfeed-plan")
 
-    # -- coordination -----------------------------------------------------------------------------------
+    @property
+    def server_id(self) -> str:
+        """The address this server advertises (its leases' owner)."""
+        return self.coordination.server_id
 
-    def _register(self, job: Job) -> None:
-        """Every server serving a job must compute the same plan over the same index. A job this server holds
-        already is re-asserted instead (the coordinator may have lost it meanwhile)."""
-        if job.record is not None:
-            self._reassert(job)
-            if job.revoked:
-                raise job.revoked
-            return
-        record = JobRecord(job.spec.describe(), job.plan(0).fingerprint(), job.dataset.fingerprint,
-                           registered_ms=int(time.time() * 1000))
-        try:
-            job.record = self.coordinator.register_job(job.spec.job, record)  # the first registration's time
-        except CoordinationError as error:
-            self.registry.jobs.pop(job.spec.job, None)
-            raise JobError(error.code, str(error)) from None
-        except CoordinationUnavailable as error:
-            self.registry.jobs.pop(job.spec.job, None)
-            raise JobError("UNAVAILABLE", f"cannot register job {job.spec.job!r}: {error}; retry") from None
-
-    def reassert_jobs(self) -> None:
-        """Re-register every job this server serves, every `REASSERT_EVERY_S`: a Redis restarted empty, or a
-        replica promoted before it had the latest writes, learns them again (the streams renew their leases;
-        acknowledged positions and skipped samples are sent again), and a server over another index that
-        registered the id meanwhile loses it to the older registration."""
-        for job in list(self.registry.jobs.values()):
-            if job.record is not None and not job.revoked:
-                if not self._reassert(job):
-                    return  # the coordinator is unreachable: next time
-
-    def _reassert(self, job: Job) -> bool:
-        """Re-register `job`; False when the coordinator cannot be reached."""
-        name = job.spec.job
-        try:
-            outcome, found = self.coordinator.reassert_job(name, job.record)
-        except CoordinationUnavailable:
-            return False
-        except CoordinationError as error:  # another, older registration: this server must give the job up
-            self.metrics.reassertions.labels(name, "gave_up").inc()
-            log.error("job registration conflict: an older registration of this job id holds another plan or "
-                      "index; this server stops serving it", extra={"job": name, "error": str(error)})
-            job.revoked = JobError(error.code, str(error))
-            self.registry.forget(job)
-            self.metrics.jobs.set(len(self.registry.jobs))
-            return True
-        if outcome is Reassertion.HELD:
-            return True
-        self.metrics.reassertions.labels(name, outcome.value).inc()
-        if outcome is Reassertion.RECLAIMED:
-            log.warning("job registration conflict: a server over another index registered this job id after "
-                        "the coordinator lost it; the older registration (this server's) is restored",
-                        extra={"job": name, "other": found.to_json() if found else ""})
-        else:
-            log.warning("the coordinator had lost this job (Redis restarted empty or failed over): registered "
-                        "again", extra={"job": name})
-        for state in job.ranks:
-            state.shared = (-1, -1)  # what it had taken may be lost too: acknowledged positions are sent again
-        for rank in range(len(job.ranks)):
-            self._share_ack(job, rank)
-        self._share_skipped(name, [(key, reason) for key, reason, _, _ in list(job.skipped)])
-        return True
-
-    def _hold_lease(self, job: str, rank: int) -> bool | None:
-        """Take or keep this rank's lease: True held, False another server holds it, None Redis unreachable."""
-        try:
-            return self.coordinator.acquire_lease(job, rank, self.server_id, self.config.lease_ttl_s)
-        except CoordinationUnavailable:
-            return None
-
-    def _share_ack(self, job: Job, rank: int) -> None:
-        """Hand the coordinator the rank's acknowledged position if it has not taken it yet (it may have missed
-        it while away): on every acknowledgement, lease renewal and stream end of that rank."""
-        position = job.ranks[rank].unshared
-        if position is None:
-            return
-        try:
-            self.coordinator.ack(job.spec.job, rank, *position)
-        except CoordinationUnavailable:
-            return
-        job.ranks[rank].shared = max(job.ranks[rank].shared, position)
-
-    async def _keep_lease(self, job: Job, rank: int, lease: int, lost: asyncio.Event) -> None:
-        """Renew the lease at a third of its TTL; while Redis is unreachable, keep streaming and retry. If
-        another server took the rank meanwhile (Redis thought this one dead), stop the stream."""
-        warned = False
-        while True:
-            await asyncio.sleep(self.config.lease_ttl_s / 3)
-            held = await asyncio.to_thread(self._hold_lease, job.spec.job, lease)
-            if held is False:
-                lost.set()
-                return
-            if held is None and not warned:
-                log.warning("coordinator unreachable: streaming on, retrying",
-                            extra={"job": job.spec.job, "rank": rank})
-            warned = held is None
-            await asyncio.to_thread(self._share_ack, job, rank)
-
-    def _let_go(self, job: Job, rank: int, lease: int) -> None:
-        self._share_ack(job, rank)
-        try:
-            self.coordinator.release_lease(job.spec.job, lease, self.server_id)
-        except CoordinationUnavailable:
-            pass  # it lapses by itself
-
-    def _share_skipped(self, job: str, skipped: list[tuple[str, str]]) -> None:
-        try:
-            for key, reason in skipped:
-                self.coordinator.add_skipped(job, key, reason)
-        except CoordinationUnavailable:
-            log.warning("coordinator unreachable: skipped samples kept in this server's job status only",
-                        extra={"job": job})
+    @server_id.setter
+    def server_id(self, address: str) -> None:
+        self.coordination.server_id = address
 
     # -- unary calls ------------------------------------------------------------------------------------
 
@@ -195,7 +83,7 @@ class PackfeedService:
         spec = JobSpec(request.job, request.dataset, plan, request.seed, request.epochs or 1, resume)
         job = await asyncio.get_running_loop().run_in_executor(self.planning, self.registry.open_job, spec,
                                                                request.plan_fingerprint)
-        await asyncio.to_thread(self._register, job)
+        await asyncio.to_thread(self.coordination.register, job)
         self.metrics.jobs.set(len(self.registry.jobs))
         log.info("job opened", extra={"job": spec.job, "spec": job.spec.describe()})
         return self.job_info(job)
@@ -231,7 +119,7 @@ class PackfeedService:
         skipped = client_skipped(request)
         job.ranks[request.rank].data_wait_s = max(0.0, request.data_wait_s)  # a report, for the status page
         await asyncio.to_thread(job.ack, request.rank, request.epoch, request.step)
-        await asyncio.to_thread(self._share_ack, job, request.rank)
+        await asyncio.to_thread(self.coordination.share_ack, job, request.rank)
         self._record_skipped(job, request.rank, request.epoch, request.step, skipped, "client")
         self.metrics.lag.labels(request.job, str(request.rank)).set(job.ranks[request.rank].lag)
         return pb.AckStepResponse()
@@ -280,15 +168,15 @@ class PackfeedService:
         lease = replica_lease(rank, replica, max(1, request.replicas), job.spec.plan.dp)
         start = (request.first_epoch, request.first_step)
         await asyncio.to_thread(job.check_step, *start)
-        if await asyncio.to_thread(self._hold_lease, job.spec.job, lease) is False:
-            owner = await asyncio.to_thread(self.coordinator.lease_owner, job.spec.job, lease)
+        if await asyncio.to_thread(self.coordination.hold_lease, job.spec.job, lease) is False:
+            owner = await asyncio.to_thread(self.coordination.coordinator.lease_owner, job.spec.job, lease)
             who = f"rank {rank}" + (f" replica {replica}" if replica else "")
             raise JobError("UNAVAILABLE", f"{who} of job {job.spec.job!r} is being served by {owner}; "
                                           f"if that server is gone, its lease lapses within "
                                           f"{self.config.lease_ttl_s:g} s: retry")
         lost = asyncio.Event()
         job.open_streams += 1
-        keeper = asyncio.create_task(self._keep_lease(job, rank, lease, lost))
+        keeper = asyncio.create_task(self.coordination.keep_lease(job, rank, lease, lost))
         queue: asyncio.Queue = asyncio.Queue(maxsize=self.config.prefetch_steps)
         producer = asyncio.create_task(produce(job, rank, start, queue, self.pool, self.budget, self.config,
                                                self.metrics))
@@ -332,7 +220,7 @@ class PackfeedService:
                     self.budget.release(item[1].nbytes)
                     job.steps.give_back((rank, *item[0]))
             if not lost.is_set():
-                await asyncio.shield(asyncio.to_thread(self._let_go, job, rank, lease))
+                await asyncio.shield(asyncio.to_thread(self.coordination.let_go, job, rank, lease))
             log.info("stream ended", extra={"job": job.spec.job, "rank": rank, "steps_sent": sent_steps})
         failure = producer.exception() if producer.done() and not producer.cancelled() else None
         if isinstance(failure, JobError):
@@ -373,7 +261,7 @@ class PackfeedService:
                                                  "key": key, "reason": reason, "where": where})
         if skipped:
             job.record_skipped(epoch, step, skipped)
-            asyncio.get_running_loop().run_in_executor(None, self._share_skipped, name, skipped)
+            asyncio.get_running_loop().run_in_executor(None, self.coordination.share_skipped, name, skipped)
 
     def handler(self) -> grpc.GenericRpcHandler:
         # Requests arrive as bytes and are parsed here, so a malformed message or invalid UTF-8 gets

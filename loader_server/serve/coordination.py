@@ -1,0 +1,137 @@
+"""What one server shares with the others serving its jobs, through the coordinator (`packfeed.server.cluster`):
+each job's registration (and its re-assertion when the coordinator lost it), each rank stream's lease, each
+rank's acknowledged position and the skipped samples. Redis being unreachable never stops a stream: these
+calls keep what they have and try again."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from packfeed.server.cluster.coordinator import (CoordinationError, CoordinationUnavailable, Coordinator,
+                                                 EmbeddedCoordinator, JobRecord, Reassertion)
+from packfeed.server.serve.config import ServerConfig
+from packfeed.server.serve.jobs import Job, JobError
+from packfeed.server.serve.observe import Metrics, log
+from packfeed.server.serve.registry import JobRegistry
+
+
+class Coordination:
+    """The one owner of a server's coordinator calls; `server_id` is its advertised address once it serves."""
+
+    def __init__(self, config: ServerConfig, registry: JobRegistry, metrics: Metrics,
+                 coordinator: Coordinator | None = None, server_id: str = "local"):
+        self.config, self.registry, self.metrics = config, registry, metrics
+        self.coordinator = coordinator or EmbeddedCoordinator()
+        self.server_id = server_id
+
+    def register(self, job: Job) -> None:
+        """Every server serving a job must compute the same plan over the same index. A job this server holds
+        already is re-asserted instead (the coordinator may have lost it meanwhile)."""
+        if job.record is not None:
+            self.reassert(job)
+            if job.revoked:
+                raise job.revoked
+            return
+        record = JobRecord(job.spec.describe(), job.plan(0).fingerprint(), job.dataset.fingerprint,
+                           registered_ms=int(time.time() * 1000))
+        try:
+            job.record = self.coordinator.register_job(job.spec.job, record)  # the first registration's time
+        except CoordinationError as error:
+            self.registry.jobs.pop(job.spec.job, None)
+            raise JobError(error.code, str(error)) from None
+        except CoordinationUnavailable as error:
+            self.registry.jobs.pop(job.spec.job, None)
+            raise JobError("UNAVAILABLE", f"cannot register job {job.spec.job!r}: {error}; retry") from None
+
+    def reassert_jobs(self) -> None:
+        """Re-register every job this server serves, every `REASSERT_EVERY_S`: a Redis restarted empty, or a
+        replica promoted before it had the latest writes, learns them again (the streams renew their leases;
+        acknowledged positions and skipped samples are sent again), and a server over another index that
+        registered the id meanwhile loses it to the older registration."""
+        for job in list(self.registry.jobs.values()):
+            if job.record is not None and not job.revoked:
+                if not self.reassert(job):
+                    return  # the coordinator is unreachable: next time
+
+    def reassert(self, job: Job) -> bool:
+        """Re-register `job`; False when the coordinator cannot be reached."""
+        name = job.spec.job
+        try:
+            outcome, found = self.coordinator.reassert_job(name, job.record)
+        except CoordinationUnavailable:
+            return False
+        except CoordinationError as error:  # another, older registration: this server must give the job up
+            self.metrics.reassertions.labels(name, "gave_up").inc()
+            log.error("job registration conflict: an older registration of this job id holds another plan or "
+                      "index; this server stops serving it", extra={"job": name, "error": str(error)})
+            job.revoked = JobError(error.code, str(error))
+            self.registry.forget(job)
+            self.metrics.jobs.set(len(self.registry.jobs))
+            return True
+        if outcome is Reassertion.HELD:
+            return True
+        self.metrics.reassertions.labels(name, outcome.value).inc()
+        if outcome is Reassertion.RECLAIMED:
+            log.warning("job registration conflict: a server over another index registered this job id after "
+                        "the coordinator lost it; the older registration (this server's) is restored",
+                        extra={"job": name, "other": found.to_json() if found else ""})
+        else:
+            log.warning("the coordinator had lost this job (Redis restarted empty or failed over): registered "
+                        "again", extra={"job": name})
+        for state in job.ranks:
+            state.shared = (-1, -1)  # what it had taken may be lost too: acknowledged positions are sent again
+        for rank in range(len(job.ranks)):
+            self.share_ack(job, rank)
+        self.share_skipped(name, [(key, reason) for key, reason, _, _ in list(job.skipped)])
+        return True
+
+    def hold_lease(self, job: str, rank: int) -> bool | None:
+        """Take or keep this rank's lease: True held, False another server holds it, None Redis unreachable."""
+        try:
+            return self.coordinator.acquire_lease(job, rank, self.server_id, self.config.lease_ttl_s)
+        except CoordinationUnavailable:
+            return None
+
+    def share_ack(self, job: Job, rank: int) -> None:
+        """Hand the coordinator the rank's acknowledged position if it has not taken it yet (it may have missed
+        it while away): on every acknowledgement, lease renewal and stream end of that rank."""
+        position = job.ranks[rank].unshared
+        if position is None:
+            return
+        try:
+            self.coordinator.ack(job.spec.job, rank, *position)
+        except CoordinationUnavailable:
+            return
+        job.ranks[rank].shared = max(job.ranks[rank].shared, position)
+
+    async def keep_lease(self, job: Job, rank: int, lease: int, lost: asyncio.Event) -> None:
+        """Renew the lease at a third of its TTL; while Redis is unreachable, keep streaming and retry. If
+        another server took the rank meanwhile (Redis thought this one dead), stop the stream."""
+        warned = False
+        while True:
+            await asyncio.sleep(self.config.lease_ttl_s / 3)
+            held = await asyncio.to_thread(self.hold_lease, job.spec.job, lease)
+            if held is False:
+                lost.set()
+                return
+            if held is None and not warned:
+                log.warning("coordinator unreachable: streaming on, retrying",
+                            extra={"job": job.spec.job, "rank": rank})
+            warned = held is None
+            await asyncio.to_thread(self.share_ack, job, rank)
+
+    def let_go(self, job: Job, rank: int, lease: int) -> None:
+        self.share_ack(job, rank)
+        try:
+            self.coordinator.release_lease(job.spec.job, lease, self.server_id)
+        except CoordinationUnavailable:
+            pass  # it lapses by itself
+
+    def share_skipped(self, job: str, skipped: list[tuple[str, str]]) -> None:
+        try:
+            for key, reason in skipped:
+                self.coordinator.add_skipped(job, key, reason)
+        except CoordinationUnavailable:
+            log.warning("coordinator unreachable: skipped samples kept in this server's job status only",
+                        extra={"job": job})
