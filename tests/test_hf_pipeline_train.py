@@ -12,7 +12,7 @@ import pytest
 pytest.importorskip("transformers")
 
 from hf_models import family_dataset  # noqa: E402
-from trainer_workers import packfeed_train  # noqa: E402
+from trainer_workers import packfeed_train, restart_from  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -145,7 +145,7 @@ def test_fsdp2_inside_stages_trains_and_resumes_at_exactly_the_next_step(tmp_pat
               "optim.warmup_steps=1", "optim.clip_grad_norm=0.01", "partition.bounds=[0,5,8]", "recompute.mode=none",
               "model.hf_config={text: {hidden_size: 32, num_hidden_layers: 2}, vision: {num_hidden_layers: 2}}"]
     _, straight = packfeed_train(4, common + ["optim.steps=3"], tmp_path / "straight")
-    packfeed_train(4, common + ["optim.steps=2"], tmp_path / "resumed")
+    restart_from(tmp_path / "straight", tmp_path / "resumed", 2)  # as if stopped after its checkpoint at step 2
     log, resumed = packfeed_train(4, common + ["optim.steps=3"], tmp_path / "resumed")
     assert "resuming from" in log and "after 2 steps" in log
     assert len(straight) == 3 and all(r["grad_norm"] > 0.01 for r in straight)  # every step clipped

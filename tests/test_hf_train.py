@@ -15,7 +15,7 @@ import torch.multiprocessing as mp  # noqa: E402
 
 from hf_models import family_dataset, packs_of, tiny_model  # noqa: E402
 from packfeed.client.hf import to_hf_inputs  # noqa: E402
-from trainer_workers import fsdp_output_views, hf_step_grads, packfeed_train  # noqa: E402
+from trainer_workers import fsdp_output_views, hf_step_grads, packfeed_train, restart_from  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -51,7 +51,7 @@ def test_packfeed_train_trains_a_hf_model_and_resumes_exactly(tmp_path):
               "data.microbatches=2", "data.epochs=3", "checkpoint.every=2", "optim.warmup_steps=1",
               "model.hf_config={text: {hidden_size: 32, num_hidden_layers: 2}}"]
     _, straight = packfeed_train(2, common + ["optim.steps=6"], tmp_path / "straight")
-    _, first = packfeed_train(2, common + ["optim.steps=4"], tmp_path / "resumed")
+    restart_from(tmp_path / "straight", tmp_path / "resumed", 4)  # as if stopped after its checkpoint at step 4
     log, rest = packfeed_train(2, common + ["optim.steps=6"], tmp_path / "resumed")
     assert "resuming from" in log and "after 4 steps" in log
     assert len(straight) == 6 and len(rest) == 6  # metrics.jsonl is appended: 4 lines, then 2 more

@@ -29,6 +29,24 @@ def packfeed_train(nproc: int, overrides: list[str], out: Path, timeout: float =
     return done.stderr, [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
+def restart_from(straight: Path, out: Path, steps_done: int) -> None:
+    """`out` as a run that stopped after `steps_done` steps would have left it, made from a longer run's output
+    (one run instead of two): its checkpoint after `steps_done` steps the latest, later ones and their metrics
+    lines gone. A run on `out` then resumes from that checkpoint, as a restarted job does."""
+    import shutil
+
+    shutil.copytree(straight, out)
+    kept = f"step-{steps_done:06d}"
+    checkpoints = out / "checkpoints"
+    assert (checkpoints / kept / "meta.json").is_file(), f"{straight} kept no checkpoint after {steps_done} steps"
+    for directory in checkpoints.glob("step-*"):
+        if directory.name > kept:
+            shutil.rmtree(directory)
+    (checkpoints / "latest").write_text(kept)
+    lines = (out / "metrics.jsonl").read_text().splitlines(keepends=True)
+    (out / "metrics.jsonl").write_text("".join(lines[:steps_done]))
+
+
 def pipeline_step(rank: int, world: int, dp: int, pp: int, init_file: str, steps_file: str, out_dir: str,
                   bounds: list[int], schedule: str, recompute: bool, precision: str = "fp32") -> None:
     """One training step's forward + backward through a (dp, pp) pipeline; saves this rank's gradients
