@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -16,18 +17,21 @@ def packfeed(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess:
                           env={**os.environ, **env}, timeout=600)
 
 
-def test_a_cold_cache_compiles_and_a_warmed_one_lets_fresh_processes_and_servers_start_without_compiling(
+def test_a_warmed_cache_lets_fresh_processes_and_servers_start_without_compiling(
         tmp_path, small_tile_index):
-    """The control (a plan on a cold cache compiles), `packfeed warmup` on a cold cache, then fresh processes that
-    plan every way without compiling, and a server that warms up at start (the same `warm_up`) without blocking a
-    job. One cold warm-up: each costs the suite half a minute."""
-    cold = {"NUMBA_CACHE_DIR": str(tmp_path / "cold"), "NUMBA_DEBUG_CACHE": "1"}
-    done = packfeed("plan", "--index", str(small_tile_index), "--dp", "2", "--out", str(tmp_path / "plan.parquet"),
-                    env=cold)
-    assert "[cache] data saved" in done.stdout + done.stderr  # the control: without warmup it compiles
+    """`packfeed warmup` on a cold cache, then fresh processes that plan every way without compiling (the control:
+    with one kernel's cache removed, a plan compiles it), and a server that warms up at start (the same
+    `warm_up`) without blocking a job. One cold warm-up: each costs the suite half a minute."""
     env = {"NUMBA_CACHE_DIR": str(tmp_path / "numba-cache")}
     assert packfeed("warmup", env=env).returncode == 0
     assert any(path.suffix == ".nbc" for path in (tmp_path / "numba-cache").rglob("*"))
+    # the control: the same cache less one kernel, which a plan then compiles (and says so)
+    shutil.copytree(tmp_path / "numba-cache", tmp_path / "less-one")
+    removed = [path.unlink() or path for path in (tmp_path / "less-one").rglob("*first_fit_decreasing*")]
+    assert removed
+    done = packfeed("plan", "--index", str(small_tile_index), "--dp", "2", "--out", str(tmp_path / "plan.parquet"),
+                    env={"NUMBA_CACHE_DIR": str(tmp_path / "less-one"), "NUMBA_DEBUG_CACHE": "1"})
+    assert "[cache] data saved" in done.stdout + done.stderr
     for extra in (["--pipeline-stages", "2"], ["--strategy", "length-group"], ["--oversize", "truncate"]):
         done = packfeed("plan", "--index", str(small_tile_index), "--dp", "2", "--microbatches", "2", *extra,
                         "--out", str(tmp_path / "plan.parquet"), env={**env, "NUMBA_DEBUG_CACHE": "1"})

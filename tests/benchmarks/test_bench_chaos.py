@@ -106,7 +106,7 @@ def test_chaos_soak(tmp_path, demo_dataset):
     events: collections.Counter = collections.Counter()
     peaks = [0] * SERVERS
     try:
-        urls = upload(s3, demo_dataset.shards, "chaos/demo")
+        upload(s3, demo_dataset.shards, "chaos/demo")
         index = tmp_path / "index.parquet"
         build_index(["s3://chaos/demo/*.tar"], index, index_config(demo_dataset), workers=1, progress=False)
         rows = read_index(index, ["key", "valid", "shard"])[0].to_pylist()

@@ -19,7 +19,6 @@ import os
 import time
 from pathlib import Path
 
-import numpy as np
 import pytest
 from PIL import Image
 
