@@ -29,25 +29,25 @@ pytestmark = pytest.mark.slow
 TTL = "2"  # lease TTL (s): jobs are re-asserted every min(1 s, TTL / 3)
 
 
-def run_rank(targets, job, rank, dp, out, pace_s=0.0, started=None):
-    """Consume the rank's whole job: (epoch, step, keys, digest) per step."""
+def run_rank(targets, job, rank, dp, out, pace_s=0.0, started=None, epochs=1):
+    """Consume the rank's whole job: (epoch, step, keys, digest, arrival time) per step."""
     records = out.setdefault(rank, [])
     with PackStream(targets, job=job, rank=rank, dp=dp, microbatches=1, prefetch=1, retries=12,
-                    backoff=0.25) as stream:
+                    backoff=0.25, epochs=epochs) as stream:
         for step in stream:
-            records.append((step.epoch, step.step, step.sample_keys, step_digest(step)))
+            records.append((step.epoch, step.step, step.sample_keys, step_digest(step), time.monotonic()))
             if started is not None:
                 started.set()
             time.sleep(pace_s)
 
 
-def run_ranks(servers, job, dp, pace_s, disrupt) -> dict[int, list]:
+def run_ranks(servers, job, dp, pace_s, disrupt, epochs=1) -> dict[int, list]:
     """Every rank in its own thread, rank r on server r % len(servers) first; `disrupt()` once a step arrived."""
     out: dict[int, list] = {}
     started = threading.Event()
     threads = [threading.Thread(target=run_rank, args=(
         [servers[(rank + k) % len(servers)].target for k in range(len(servers))], job, rank, dp, out, pace_s,
-        started if rank == 0 else None)) for rank in range(dp)]
+        started if rank == 0 else None, epochs)) for rank in range(dp)]
     for thread in threads:
         thread.start()
     assert started.wait(60)
@@ -58,20 +58,21 @@ def run_ranks(servers, job, dp, pace_s, disrupt) -> dict[int, list]:
     return out
 
 
-def reference(index, job, dp) -> dict[int, list]:
+def reference(index, job, dp, epochs=1) -> dict[int, list]:
     """Each rank's steps from one server alone, without Redis: the plan the shared job must deliver."""
     out: dict[int, list] = {}
     with LocalServer(index, workers=1) as server:
         for rank in range(dp):
-            run_rank([server.target], job, rank, dp, out)
+            run_rank([server.target], job, rank, dp, out, epochs=epochs)
     return out
 
 
-def assert_exactly_the_plan(received, expected, index) -> None:
+def assert_exactly_the_plan(received, expected, index, epochs=1) -> None:
     for rank in expected:
-        assert [(e, s, d) for e, s, _, d in received[rank]] == [(e, s, d) for e, s, _, d in expected[rank]]
-    keys = [key for steps in received.values() for _, _, ks, _ in steps for key in ks]
-    assert sorted(keys) == sorted(valid_keys(index))  # 0 lost, 0 repeated
+        assert [(e, s, d) for e, s, _, d, _ in received[rank]] == [(e, s, d) for e, s, _, d, _ in expected[rank]]
+    for epoch in range(epochs):  # 0 lost, 0 repeated
+        keys = [key for steps in received.values() for e, _, ks, _, _ in steps if e == epoch for key in ks]
+        assert sorted(keys) == sorted(valid_keys(index))
 
 
 def metric(port: int, name: str, **labels) -> float:
@@ -137,7 +138,7 @@ def test_a_sentinel_failover_mid_epoch_loses_and_repeats_nothing(tmp_path, datas
     """A master, its replica and a sentinel (real redis-server processes). Mid-epoch at DP 4 over 2 servers the
     master is killed; the sentinel promotes the replica, the servers follow it (redis+sentinel://) and every
     rank receives exactly its plan."""
-    expected = reference(dataset, "sentinel", 4)
+    expected = reference(dataset, "sentinel", 4, epochs=6)  # long enough for the failover to land mid-job
     master = RedisProcess(tmp_path / "master").start()
     replica = RedisProcess(tmp_path / "replica", replica_of=master.port).start()
     deadline = time.monotonic() + 20
@@ -148,15 +149,24 @@ def test_a_sentinel_failover_mid_epoch_loses_and_repeats_nothing(tmp_path, datas
     url = f"redis+sentinel://127.0.0.1:{sentinel.port}/{sentinel.service}"
     env = {"PACKFEED_REDIS_URL": url, "PACKFEED_LEASE_TTL_S": TTL}
     servers = [LocalServer(dataset, workers=1, env=env).start() for _ in range(2)]
+    promoted_at = []
+
+    def fail_over():  # the ranks stream on meanwhile
+        master.kill()
+        deadline = time.monotonic() + 60
+        while sentinel.master_port_now() != replica.port:
+            assert time.monotonic() < deadline, "the sentinel promoted no replica"
+            time.sleep(0.1)
+        promoted_at.append(time.monotonic())
+
     try:
-        received = run_ranks(servers, "sentinel", 4, 0.3, master.kill)
-        promoted = sentinel.master_port_now()
+        received = run_ranks(servers, "sentinel", 4, 0.3, fail_over, epochs=6)
         record = RedisCoordinator(url).job("sentinel")
     finally:
         for server in servers:
             server.stop()
         for process in (sentinel, replica, master):
             process.stop()
-    assert promoted == replica.port
     assert record is not None and record.index_fingerprint == read_index_info(dataset).fingerprint
-    assert_exactly_the_plan(received, expected, dataset)
+    assert any(arrived > promoted_at[0] for steps in received.values() for *_, arrived in steps)  # mid-job
+    assert_exactly_the_plan(received, expected, dataset, epochs=6)
