@@ -27,6 +27,20 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def wait_for_ping(process: subprocess.Popen, port: int, password: str | None, timeout_s: float, what: str) -> None:
+    """Until the server process on `port` answers PING (raises if it exits or stays silent for `timeout_s`)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"{what} exited with {process.returncode}")
+        try:
+            if redis.Redis(host="127.0.0.1", port=port, password=password, socket_timeout=0.5).ping():
+                return
+        except redis.RedisError:
+            time.sleep(0.05)
+    raise RuntimeError(f"{what} did not answer on port {port} within {timeout_s} s")
+
+
 class RedisProcess:
     def __init__(self, directory: Path, port: int | None = None, password: str | None = None,
                  replica_of: int | None = None):
@@ -47,16 +61,8 @@ class RedisProcess:
         if self.replica_of:
             args += ["--replicaof", "127.0.0.1", str(self.replica_of)]
         self.process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"redis-server exited with {self.process.returncode}")
-            try:
-                if redis.Redis(host="127.0.0.1", port=self.port, password=self.password, socket_timeout=0.5).ping():
-                    return self
-            except redis.RedisError:
-                time.sleep(0.05)
-        raise RuntimeError(f"redis-server did not answer on port {self.port} within {timeout_s} s")
+        wait_for_ping(self.process, self.port, self.password, timeout_s, "redis-server")
+        return self
 
     def kill(self) -> None:
         """kill -9: no shutdown save; what survives is what the append-only file already holds."""
@@ -92,16 +98,8 @@ class SentinelProcess:
                           f"sentinel parallel-syncs {self.service} 1\n")
         self.process = subprocess.Popen([redis_binary(), str(config), "--sentinel"], stdout=subprocess.DEVNULL,
                                         stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"redis sentinel exited with {self.process.returncode}")
-            try:
-                if redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=0.5).ping():
-                    return self
-            except redis.RedisError:
-                time.sleep(0.05)
-        raise RuntimeError(f"redis sentinel did not answer on port {self.port} within {timeout_s} s")
+        wait_for_ping(self.process, self.port, None, timeout_s, "redis sentinel")
+        return self
 
     def master_port_now(self) -> int:
         host, port = redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=1).sentinel_get_master_addr_by_name(
