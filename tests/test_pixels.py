@@ -180,7 +180,7 @@ _FAST_SHAPES = [((300, 200), (130, 90)), ((300, 200), (130, 260)), ((200, 300), 
 
 @pytest.mark.parametrize("shape", _FAST_SHAPES, ids=lambda s: f"{s[0][0]}x{s[0][1]}-{s[1][0]}x{s[1][1]}")
 def test_fast_tiles_on_colour_planes_equal_the_kernels_on_interleaved_pixels(shape):
-    """The fast path shrinks each colour plane apart (the horizontal pass between OpenCV's transposes): the
+    """The fast path shrinks the interleaved pixels (the horizontal pass between OpenCV's transposes): the
     same bytes as `packfeed.v1.resample`'s kernels on the interleaved image, the height first (box-averaged
     first by OpenCV where the target is at most a quarter of it), and OpenCV's bicubic where it enlarges."""
     cv2 = pytest.importorskip("cv2")

@@ -60,7 +60,7 @@ IMAGE, VIDEO = 0, 1  # what a visual item is (`visual_kind` on the wire)
 # How images become tiles. exact: PIL bicubic, pixel for pixel what the Hugging Face / InternVL processors give
 # (computed by packfeed.v1.resample, which equals Pillow's bicubic byte for byte with under half its CPU).
 # fast: within 1/255 mean absolute error and above 40 dB PSNR of exact, for a fraction of its CPU (`fast`:
-# simplejpeg and pyspng decode, OpenCV's bicubic where it enlarges, the exact kernels on colour planes where it
+# simplejpeg and pyspng decode, OpenCV's bicubic where it enlarges, the exact kernels where it
 # shrinks; BENCHMARKS.md "Fast-path candidates for resizing").
 # encoded: the image files' own bytes and each one's `Geometry`; the client decodes and cuts them
 # (packfeed.client.decode), exactly on its CPU threads or within the fast path's bounds on a GPU.
