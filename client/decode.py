@@ -1,11 +1,11 @@
 """Decoding the packs of a `pixels: encoded` job on the trainer side.
 
 The server sends each image as its file's bytes with the `Geometry` its image policy chose
-(`packfeed.v1.pixels`); here they become the tiles the server would have sent, in `pack.pixels`, so the
+(`packfeed.media.pixels`); here they become the tiles the server would have sent, in `pack.pixels`, so the
 trainer sees the same `PackTensors` in every mode. Two backends:
 
 - `pil`: Pillow's decoding and bicubic on a pool of CPU threads (both release the GIL), the resize computed
-  by the exact path's kernels (`packfeed.v1.resample`, under half of Pillow's CPU, where numba is installed).
+  by the exact path's kernels (`packfeed.media.resample`, under half of Pillow's CPU, where numba is installed).
   Pixel for pixel the server's exact path.
 - `torchvision`: JPEG files decoded by `torchvision.io.decode_jpeg` on `device` (nvJPEG on a GPU, batched per
   step) and resized there by bicubic interpolation with antialiasing; other formats go through Pillow.
@@ -32,7 +32,7 @@ import torch
 from PIL import Image
 
 from packfeed.client.tensors import IGNORE_INDEX, PackTensors, tensor_of
-from packfeed.v1.pixels import GEOMETRY_COLUMNS, Geometry, ImageSizeMismatch, decode_tiles, pil_resizer
+from packfeed.media.pixels import GEOMETRY_COLUMNS, Geometry, ImageSizeMismatch, decode_tiles, pil_resizer
 
 BACKENDS = ("auto", "pil", "torchvision")
 _JPEG_MAGIC = b"\xff\xd8\xff"
@@ -169,10 +169,10 @@ def _files_and_geometry(pack: PackTensors) -> tuple[list[np.ndarray], list[Geome
 
 @functools.cache
 def _exact_resizer():
-    """The server's exact kernels (packfeed.v1.resample) where numba is installed, else Pillow itself: the same
+    """The server's exact kernels (packfeed.media.resample) where numba is installed, else Pillow itself: the same
     pixels, at about twice the CPU. Imported on first use: a trainer that never decodes does not load numba."""
     try:
-        from packfeed.v1.resample import exact_resizer
+        from packfeed.media.resample import exact_resizer
     except ImportError:
         return pil_resizer
     return exact_resizer

@@ -17,6 +17,7 @@ COPY pyproject.toml docker/requirements.py ./
 RUN python3 requirements.py ${EXTRAS} > requirements.txt && pip install -r requirements.txt
 COPY setup.py README.md ./
 COPY protos protos
+COPY media media
 COPY loader_server loader_server
 COPY client client
 COPY trainer trainer

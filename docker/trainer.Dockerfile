@@ -21,6 +21,7 @@ COPY pyproject.toml docker/requirements.py ./
 RUN python3 requirements.py client demo > requirements.txt && pip install --find-links /wheels -r requirements.txt
 COPY setup.py README.md ./
 COPY protos protos
+COPY media media
 COPY loader_server loader_server
 COPY client client
 COPY trainer trainer

@@ -10,7 +10,7 @@ import os
 import sys
 from pathlib import Path
 
-from packfeed.server.index.image_policy import VERIFY_MODES  # light: dataclasses only
+from packfeed.media.image_policy import VERIFY_MODES  # light: dataclasses only
 from packfeed.v1.options import Oversize, PlanConfig, Strategy
 
 EXIT_OK, EXIT_SKIPPED, EXIT_USAGE = 0, 3, 2

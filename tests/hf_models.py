@@ -62,7 +62,7 @@ def family_dataset(root: Path, family: str, seed: int = 0, samples: int = 10) ->
     """`samples` samples (text-only, one image, two images; answers of several lengths) converted and indexed
     with the family's conventions."""
     from packfeed.server.convert.convert import ConvertOptions, convert, shard_paths
-    from packfeed.server.index.chat import PRESETS
+    from packfeed.media.chat import PRESETS
     from packfeed.server.index.indexer import IndexConfig, build_index
     from packfeed.server.index.table import read_index_info
     from packfeed.server.serve.conventions import conventions_of

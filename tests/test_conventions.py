@@ -13,10 +13,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from packfeed.server.index.chat import (IGNORE_INDEX, PRESETS, ChatEncoder, ChatTemplate, MissingTokensError,
+from packfeed.media.chat import (IGNORE_INDEX, PRESETS, ChatEncoder, ChatTemplate, MissingTokensError,
                                         load_tokenizer)
 from packfeed.server.index.conventions import POLICY_FLAGS, add_convention_options, conventions_of
-from packfeed.server.index.image_policy import POLICIES
+from packfeed.media.image_policy import POLICIES
 from packfeed.server.tools.demo import train_tokenizer
 
 CLI = [sys.executable, "-m", "packfeed.server.cli"]

@@ -129,7 +129,7 @@ def test_qwen3_vl_videos_equal_the_hf_processor_vision_tower_and_rope_index(tmp_
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
     from transformers.video_utils import VideoMetadata
 
-    from packfeed.server.index.video import VideoSampling
+    from packfeed.media.video import VideoSampling
     from packfeed.server.serve.packs import IndexRows
 
     data = video_family(tmp_path, "qwen3_vl")

@@ -2,7 +2,7 @@
 
 import pytest
 
-from packfeed.server.index.image_policy import FixedResolution, InternVLTiling, Qwen2VLResize, policy_from_dict
+from packfeed.media.image_policy import FixedResolution, InternVLTiling, Qwen2VLResize, policy_from_dict
 
 
 def test_internvl_1024x768_at_12_tiles_is_4x3_plus_thumbnail():

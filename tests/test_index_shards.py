@@ -13,8 +13,8 @@ import pytest
 import webdataset as wds
 from PIL import Image
 
-from packfeed.server.index.chat import ChatTemplate, attach_images, encode_conversation, load_tokenizer, parse_conversation
-from packfeed.server.index.image_policy import InternVLTiling
+from packfeed.media.chat import ChatTemplate, attach_images, encode_conversation, load_tokenizer, parse_conversation
+from packfeed.media.image_policy import InternVLTiling
 from packfeed.server.index.indexer import IndexConfig, build_index
 from packfeed.server.index.shards import expand_shards
 

@@ -19,9 +19,9 @@ import webdataset as wds
 from PIL import Image
 
 from packfeed.client import LocalServer, PackStream
-from packfeed.server.index.chat import ChatTemplate, load_tokenizer
+from packfeed.media.chat import ChatTemplate, load_tokenizer
 from packfeed.server.index.indexer import IndexConfig, build_index
-from packfeed.v1.pixels import oriented_size, to_rgb
+from packfeed.media.pixels import oriented_size, to_rgb
 from packfeed.server.index.table import read_index_info
 from packfeed.server.serve.packs import IndexRows
 from packfeed.server.serve.preprocess import SampleReader, SampleSkipped

@@ -8,7 +8,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 IMPORT_ROOTS = {"loader_server": "packfeed.server", "client": "packfeed.client", "trainer": "packfeed.trainer",
-                "protos/packfeed/v1": "packfeed.v1"}
+                "media": "packfeed.media", "protos/packfeed/v1": "packfeed.v1"}
 
 
 def layout_rows() -> dict[str, str]:

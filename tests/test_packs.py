@@ -8,7 +8,7 @@ import shutil
 import numpy as np
 import pytest
 
-from packfeed.server.index.chat import ChatTemplate, load_tokenizer
+from packfeed.media.chat import ChatTemplate, load_tokenizer
 from packfeed.server.plan.costs import load_sample_loads
 from packfeed.server.index.table import read_index_info
 from packfeed.server.index.indexer import IndexConfig, build_index
@@ -68,7 +68,7 @@ def test_packs_match_the_index_and_the_plan(served):
 
 
 def rows_vision(row):
-    from packfeed.server.index.image_policy import InternVLTiling
+    from packfeed.media.image_policy import InternVLTiling
 
     return sum(InternVLTiling().cost(w, h, row["n_images"]).units for w, h in zip(row["image_widths"],
                                                                                   row["image_heights"]))

@@ -41,7 +41,7 @@ def pinned_dataset(root: Path) -> tuple[list[Path], Path]:
     """Two shards of 24 samples (none, one or three images of 96-700 px, one or two turns) and a tokenizer."""
     from tokenizers import Tokenizer, models, pre_tokenizers
 
-    from packfeed.server.index.chat import ChatTemplate
+    from packfeed.media.chat import ChatTemplate
 
     rng = np.random.default_rng(20261126)
     samples = []

@@ -1,4 +1,4 @@
-"""Pixel modes per dataset: `exact` (PIL bicubic, as the HF processors) and `fast` (serve/fast.py), chosen in the
+"""Pixel modes per dataset: `exact` (PIL bicubic, as the HF processors) and `fast` (media/fast.py), chosen in the
 server config and shown in JobInfo; the fast path stays within its stated error of the exact one on every
 demo photograph, for every image policy."""
 
@@ -12,9 +12,9 @@ import yaml
 from PIL import Image
 
 from demo_data import PRESET_POLICIES, demo_image_files, document_scan
-from packfeed.server.index.image_policy import policy_from_dict
+from packfeed.media.image_policy import policy_from_dict
 from packfeed.server.serve.preprocess import image_tiles
-from packfeed.v1.pixels import decode_tiles, pil_resizer
+from packfeed.media.pixels import decode_tiles, pil_resizer
 
 def demo_images(demo_dataset) -> list[Image.Image]:
     images = [Image.open(io.BytesIO(data)) for data in demo_image_files(demo_dataset)]
@@ -102,7 +102,7 @@ def test_fast_path_decodes_large_jpegs_at_reduced_scale_within_its_bound(demo_da
     """A photograph at least 4x the size of every target is decoded at 1/2..1/8 scale (JPEG draft: the pixels of
     Pillow's draft); the tiles stay within the fast bound of exact, and a target too large for it keeps the full
     decode."""
-    from packfeed.server.serve.fast import decode as fast_pixels, draft_scale
+    from packfeed.media.fast import decode as fast_pixels, draft_scale
     from packfeed.server.serve.preprocess import file_tiles
 
     policy = policy_from_dict({"name": "fixed"})  # 336 px squares
@@ -139,8 +139,8 @@ def test_fast_decoding_gives_pillows_pixels_whichever_decoder_runs(demo_dataset)
     """The fast path decodes with simplejpeg and pyspng what they decode as Pillow does (8-bit RGB and grey JPEGs
     and PNGs, upright, whole), and leaves the rest to Pillow: both give what the exact path decodes, pixel for pixel; a
     truncated file fails as it does with Pillow."""
-    from packfeed.server.serve.fast import decode as fast_pixels, decodes_as_pillow
-    from packfeed.v1.pixels import oriented_size, to_rgb
+    from packfeed.media.fast import decode as fast_pixels, decodes_as_pillow
+    from packfeed.media.pixels import oriented_size, to_rgb
 
     photo = Image.fromarray(np.asarray(demo_images(demo_dataset)[0].convert("RGB")))  # no info carried over
     exif = Image.Exif()
@@ -181,13 +181,13 @@ _FAST_SHAPES = [((300, 200), (130, 90)), ((300, 200), (130, 260)), ((200, 300), 
 @pytest.mark.parametrize("shape", _FAST_SHAPES, ids=lambda s: f"{s[0][0]}x{s[0][1]}-{s[1][0]}x{s[1][1]}")
 def test_fast_tiles_on_colour_planes_equal_the_kernels_on_interleaved_pixels(shape):
     """The fast path shrinks the interleaved pixels (the horizontal pass between OpenCV's transposes): the
-    same bytes as `packfeed.v1.resample`'s kernels on the interleaved image, the height first (box-averaged
+    same bytes as `packfeed.media.resample`'s kernels on the interleaved image, the height first (box-averaged
     first by OpenCV where the target is at most a quarter of it), and OpenCV's bicubic where it enlarges."""
     cv2 = pytest.importorskip("cv2")
-    from packfeed.server.serve import fast
-    from packfeed.v1.chw import chw_tiles
-    from packfeed.v1.pixels import Geometry
-    from packfeed.v1.resample import resize_bicubic
+    from packfeed.media import fast
+    from packfeed.media.chw import chw_tiles
+    from packfeed.media.pixels import Geometry
+    from packfeed.media.resample import resize_bicubic
 
     (width, height), (out_width, out_height) = shape
     pixels = np.random.default_rng(width * height).integers(0, 256, (height, width, 3), dtype=np.uint8)

@@ -1,4 +1,4 @@
-"""The exact path's bicubic resize (packfeed.v1.resample) equals Pillow's byte for byte: on random
+"""The exact path's bicubic resize (packfeed.media.resample) equals Pillow's byte for byte: on random
 shapes that take every branch (enlarging, shrinking, one pass, both passes in either order, 1-pixel sides), on
 every demo photograph and document scan under every preset policy, and it gives way to Pillow itself where
 the installed Pillow computes otherwise."""
@@ -12,9 +12,9 @@ import pytest
 from PIL import Image
 
 from demo_data import PRESET_POLICIES, demo_image_files, document_scan
-from packfeed.server.index.image_policy import policy_from_dict
-from packfeed.v1 import resample
-from packfeed.v1.pixels import cut_tiles, decode_tiles, pil_resizer, to_rgb
+from packfeed.media.image_policy import policy_from_dict
+from packfeed.media import resample
+from packfeed.media.pixels import cut_tiles, decode_tiles, pil_resizer, to_rgb
 
 
 def pillow(pixels: np.ndarray, size: tuple[int, int]) -> np.ndarray:

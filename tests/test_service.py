@@ -262,7 +262,7 @@ def test_a_measured_cost_model_travels_with_the_job(server):
 
 def test_job_info_carries_the_model_conventions(server, dataset):
     """A remote trainer learns what its model must know of the dataset over gRPC, never from the index file."""
-    from packfeed.server.index.chat import ChatTemplate, load_tokenizer
+    from packfeed.media.chat import ChatTemplate, load_tokenizer
     from packfeed.server.index.table import read_index_info
 
     info = read_index_info(dataset)

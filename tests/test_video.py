@@ -13,7 +13,7 @@ from PIL import Image
 pytest.importorskip("av")
 
 from packfeed.server.index.table import read_index  # noqa: E402
-from packfeed.server.index.video import VideoError, VideoSampling, probe_video, read_frames  # noqa: E402
+from packfeed.media.video import VideoError, VideoSampling, probe_video, read_frames  # noqa: E402
 from packfeed.server.serve.packs import IndexRows, build_pack  # noqa: E402
 from packfeed.server.serve.preprocess import IMAGE, VIDEO, SampleReader, SampleSkipped  # noqa: E402
 from video_data import (all_frames, conversation, encode_video, indexed_videos, jpeg, frame_picture,  # noqa: E402
@@ -57,7 +57,7 @@ def test_qwen3_frame_counts_and_choices_match_the_hf_qwen3_video_processor():
     from transformers.video_utils import VideoMetadata
 
     from packfeed.server.index.conventions import MODEL_PRESETS
-    from packfeed.server.index.image_policy import policy_from_dict
+    from packfeed.media.image_policy import policy_from_dict
 
     processor = transformers.Qwen3VLVideoProcessor()
     preset = MODEL_PRESETS["qwen3_vl"]
@@ -204,7 +204,7 @@ def bad_video_samples() -> list[tuple[str, dict[str, bytes]]]:
 
 
 def test_bad_videos_are_invalid_or_skipped_with_their_reason(tmp_path):
-    from packfeed.server.index.chat import PRESETS
+    from packfeed.media.chat import PRESETS
     from packfeed.server.index.indexer import IndexConfig, build_index
     from packfeed.server.tools.demo import train_tokenizer
 
@@ -249,7 +249,7 @@ def test_pixels_encoded_refuses_a_dataset_with_videos_and_skips_any_with_the_rea
 
 
 def test_a_changed_video_is_detected_by_its_checksum(tmp_path):
-    from packfeed.server.index.chat import PRESETS
+    from packfeed.media.chat import PRESETS
     from packfeed.server.index.indexer import IndexConfig, build_index
     from packfeed.server.tools.demo import train_tokenizer
 
@@ -356,7 +356,7 @@ def test_packfeed_index_and_info_on_videos_from_the_command_line(tmp_path):
     import subprocess
     import sys
 
-    from packfeed.server.index.chat import PRESETS
+    from packfeed.media.chat import PRESETS
     from packfeed.server.tools.demo import train_tokenizer
 
     shard = write_shard(tmp_path / "v.tar", [("a", {"mp4": encode_video("mp4", frames=60, rate=12, width=64,
@@ -465,7 +465,7 @@ def test_memory_estimates_count_every_sampled_frame(qwen_videos):
 
 
 def test_timestamps_need_frames_known_when_indexing(tmp_path):
-    from packfeed.server.index.chat import ChatTemplate
+    from packfeed.media.chat import ChatTemplate
     from packfeed.server.index.indexer import IndexConfig
     from packfeed.server.tools.demo import train_tokenizer
 

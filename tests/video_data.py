@@ -98,7 +98,7 @@ def indexed_videos(root: Path, template: str | dict, image_policy: dict, video_p
                    seed: int = 0, verify: str = "decode"):
     """`mixed_samples` in one shard, indexed with these conventions (`template`: a chat template preset's name,
     or a chat_template section). Returns (index, tokenizer, IndexResult)."""
-    from packfeed.server.index.chat import ChatTemplate
+    from packfeed.media.chat import ChatTemplate
     from packfeed.server.index.indexer import IndexConfig, build_index
     from packfeed.server.tools.demo import train_tokenizer
 

@@ -21,9 +21,9 @@ from typing import Any
 
 import yaml
 
-from packfeed.server.index.chat import PRESETS, ChatTemplate
-from packfeed.server.index.image_policy import DEFAULT_POLICY, HALF_MEAN, HALF_STD, POLICIES
-from packfeed.server.index.video import SAMPLINGS, VideoSampling
+from packfeed.media.chat import PRESETS, ChatTemplate
+from packfeed.media.image_policy import DEFAULT_POLICY, HALF_MEAN, HALF_STD, POLICIES
+from packfeed.media.video import SAMPLINGS, VideoSampling
 
 # Per image policy: its field -> the option (without dashes) that sets it. Options shared by policies mean the
 # same thing in each (the tile or square side, placeholder tokens per tile or image, the ViT patch side).

@@ -27,19 +27,19 @@ import pyarrow as pa
 from PIL import Image, UnidentifiedImageError
 from tqdm import tqdm
 
-from packfeed.server.index.chat import (ChatTemplate, ConversationError, IGNORE_INDEX, attach_images, check_tokens,
+from packfeed.media.chat import (ChatTemplate, ConversationError, IGNORE_INDEX, attach_images, check_tokens,
                                         cached_encoder, conversation_turns, extend_tokenizer, missing_tokens,
                                         parse_json)
-from packfeed.server.index.image_policy import (DEFAULT_POLICY, VERIFY_MODES, ImagePolicy, TooManyPixels,
+from packfeed.media.image_policy import (DEFAULT_POLICY, VERIFY_MODES, ImagePolicy, TooManyPixels,
                                                 policy_from_dict)
 from packfeed.server.index.table import (SCHEMA, IndexInfo, describe_error, fingerprint_table, member_checksum,
                                          reason_category, write_index)
-from packfeed.v1.pixels import oriented_size
+from packfeed.media.pixels import oriented_size
 from packfeed.server.index.parts import config_digest, load_part, parts_directory, remove_stale_parts, save_part, shard_version
 from packfeed.server.index.shards import Member, RawSample, ShardError, expand_shards, is_compressed, iter_samples
-from packfeed.server.index.video import (VideoError, VideoInfo, VideoSampling, frames_fps, probe_video,
+from packfeed.media.video import (VideoError, VideoInfo, VideoSampling, frames_fps, probe_video,
                                          video_placeholders)
-from packfeed.server.index.storage import ObjectError, Stamp, is_object_url, stamp
+from packfeed.media.storage import ObjectError, Stamp, is_object_url, stamp
 
 
 

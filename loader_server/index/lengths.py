@@ -19,7 +19,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from packfeed.server.plan.costs import DEFAULT_PATCHES_PER_UNIT
+from packfeed.media.image_policy import DEFAULT_PATCHES_PER_UNIT
 from packfeed.server.index.table import (IndexInfo, check_encoder_name, empty_rows, encoder_columns,
                                          fingerprint_table, index_schema, write_index)
 

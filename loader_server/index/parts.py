@@ -19,7 +19,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from packfeed.server.index.storage import ObjectError, is_object_url, stamp
+from packfeed.media.storage import ObjectError, is_object_url, stamp
 from packfeed.server.index.table import SCHEMA
 
 _PART_SCHEMA = pa.schema([field for field in SCHEMA if field.name not in ("sample_id", "shard")])
@@ -99,6 +99,6 @@ def remove_stale_parts(directory: Path, urls: list[str]) -> None:
 
 
 def _stamp_of(raw: dict[str, Any] | None):
-    from packfeed.server.index.storage import Stamp
+    from packfeed.media.storage import Stamp
 
     return Stamp(**raw) if raw else None

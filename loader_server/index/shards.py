@@ -25,8 +25,8 @@ import subprocess
 
 import braceexpand
 
-from packfeed.server.index.video import VIDEO_EXTENSIONS
-from packfeed.server.index.storage import OBJECT_SCHEMES, expand_object_glob, is_object_url, open_object, read_range
+from packfeed.media.video import VIDEO_EXTENSIONS
+from packfeed.media.storage import OBJECT_SCHEMES, expand_object_glob, is_object_url, open_object, read_range
 
 IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp", "gif", "bmp", "tif", "tiff")
 _IMAGE_SUFFIX = re.compile(r"^(?:(\d+)\.)?(" + "|".join(IMAGE_EXTENSIONS) + r")$", re.IGNORECASE)
@@ -131,7 +131,7 @@ class _PipeStream:
 
 def open_shard(url: str):
     """A binary stream of the shard: local files and `file:` paths, `pipe:COMMAND` (the command's stdout),
-    object-store and http(s) URLs through fsspec (`packfeed.server.index.storage`), and other URLs through
+    object-store and http(s) URLs through fsspec (`packfeed.media.storage`), and other URLs through
     webdataset's gopen, imported only then (it imports torch, which the server and its workers otherwise never
     load)."""
     if url.startswith("pipe:"):

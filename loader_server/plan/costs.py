@@ -17,10 +17,8 @@ import numpy as np
 import pyarrow.parquet as pq
 
 from packfeed.server.index.table import IndexInfo, encoder_columns, read_index_info
+from packfeed.media.image_policy import DEFAULT_PATCHES_PER_UNIT
 from packfeed.v1.options import CostModel
-
-# InternVL tiles are 448 px with 14 px patches: 32 x 32 = 1024 ViT tokens per tile.
-DEFAULT_PATCHES_PER_UNIT = 1024
 
 
 def sample_costs(model: CostModel, loads: "SampleLoads") -> np.ndarray:

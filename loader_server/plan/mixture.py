@@ -23,8 +23,8 @@ from pathlib import Path
 import numpy as np
 import yaml
 
-from packfeed.server.index.chat import ChatTemplate
-from packfeed.server.index.image_policy import policy_from_dict
+from packfeed.media.chat import ChatTemplate
+from packfeed.media.image_policy import policy_from_dict
 from packfeed.server.index.table import IndexInfo
 from packfeed.server.plan.costs import SampleLoads, load_sample_loads
 from packfeed.server.plan.isf import Caps

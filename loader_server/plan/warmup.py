@@ -3,7 +3,7 @@
 The planner's kernels and the exact path's bicubic resize are numba functions compiled on first use (about 15
 CPU seconds) and cached on disk (`cache=True`: beside the package, or under NUMBA_CACHE_DIR). A fresh container
 would pay that before its first pack. `warm_up()` plans a small synthetic epoch through every code path and
-resizes a small image every way the resizer can (packfeed.v1.resample.compile_kernels), so every
+resizes a small image every way the resizer can (packfeed.media.resample.compile_kernels), so every
 kernel is compiled, and cached, once: `packfeed warmup` runs it where an image is built or a virtual environment installed, and
 `packfeed serve` runs it in the background at start, so a cold cache costs no job more than what is left.
 
@@ -23,7 +23,7 @@ import numpy as np
 
 from packfeed.server.plan.costs import SampleLoads
 from packfeed.server.plan.planner import make_plan
-from packfeed.v1.resample import compile_kernels
+from packfeed.media.resample import compile_kernels
 from packfeed.v1.options import Oversize, PlanConfig, Strategy
 
 # Configurations that reach every kernel: each strategy (the default first: a job arriving during a server's

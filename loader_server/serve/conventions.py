@@ -6,10 +6,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from packfeed.server.index.chat import ChatTemplate, load_tokenizer
-from packfeed.server.index.image_policy import policy_from_dict
+from packfeed.media.chat import ChatTemplate, load_tokenizer
+from packfeed.media.image_policy import policy_from_dict
 from packfeed.server.index.table import IndexInfo
-from packfeed.server.index.video import VideoSampling
+from packfeed.media.video import VideoSampling
 from packfeed.v1 import packfeed_pb2 as pb
 
 

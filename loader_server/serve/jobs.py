@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import pyarrow.compute as pc
 
-from packfeed.server.index.storage import ObjectError, is_object_url, missing_objects, relocate
+from packfeed.media.storage import ObjectError, is_object_url, missing_objects, relocate
 from packfeed.server.index.table import IndexInfo
 from packfeed.server.plan.costs import SampleLoads
 from packfeed.server.plan.mapped_loads import MappedLoads, map_sample_loads

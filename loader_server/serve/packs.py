@@ -18,9 +18,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from packfeed.server.index.chat import IGNORE_INDEX
+from packfeed.media.chat import IGNORE_INDEX
 from packfeed.server.serve.preprocess import IMAGE, SampleTensors
-from packfeed.v1.pixels import GEOMETRY_COLUMNS
+from packfeed.media.pixels import GEOMETRY_COLUMNS
 
 
 @dataclass(frozen=True)

@@ -21,16 +21,16 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
-from packfeed.server.index.chat import (ChatTemplate, ConversationError, attach_images, cached_encoder,
+from packfeed.media.chat import (ChatTemplate, ConversationError, attach_images, cached_encoder,
                                         parse_conversation, visual_items)
-from packfeed.server.index.image_policy import ImagePolicy, policy_from_dict
-from packfeed.server.index.video import VideoError, VideoInfo, VideoSampling, read_frames, video_placeholders
+from packfeed.media.image_policy import ImagePolicy, policy_from_dict
+from packfeed.media.video import VideoError, VideoInfo, VideoSampling, read_frames, video_placeholders
 from packfeed.server.index.shards import is_compressed
-from packfeed.server.index.storage import ObjectError, StampCache, is_object_url, read_range, relocate
+from packfeed.media.storage import ObjectError, StampCache, is_object_url, read_range, relocate
 from packfeed.server.index.table import IndexInfo, describe_error, member_checksum
-from packfeed.server.serve import fast
-from packfeed.v1.resample import exact_resizer
-from packfeed.v1.pixels import Geometry, ImageSizeMismatch, cut_tiles, decode_tiles, to_rgb
+from packfeed.media import fast
+from packfeed.media.resample import exact_resizer
+from packfeed.media.pixels import Geometry, ImageSizeMismatch, cut_tiles, decode_tiles, to_rgb
 
 
 class SampleSkipped(Exception):
@@ -58,7 +58,7 @@ IMAGE, VIDEO = 0, 1  # what a visual item is (`visual_kind` on the wire)
 
 
 # How images become tiles. exact: PIL bicubic, pixel for pixel what the Hugging Face / InternVL processors give
-# (computed by packfeed.v1.resample, which equals Pillow's bicubic byte for byte with under half its CPU).
+# (computed by packfeed.media.resample, which equals Pillow's bicubic byte for byte with under half its CPU).
 # fast: within 1/255 mean absolute error and above 40 dB PSNR of exact, for a fraction of its CPU (`fast`:
 # simplejpeg and pyspng decode, OpenCV's bicubic where it enlarges, the exact kernels where it
 # shrinks; BENCHMARKS.md "Fast-path candidates for resizing").

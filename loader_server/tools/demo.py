@@ -116,7 +116,7 @@ def train_tokenizer(path: Path, vocab_size: int = 2000, special_tokens: list[str
     chat template)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    from packfeed.server.index.chat import ChatTemplate
+    from packfeed.media.chat import ChatTemplate
 
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)

@@ -6,7 +6,7 @@
   system;
 - a worker writing a step into a file that holds one already: pwritev (as it wrote every step before) against
   its kept mapping of the file (`_write_shared`); the step as a pack's pieces, one per tile;
-- cutting tiles channels first: numpy's copy of a transposed view against `packfeed.v1.chw`;
+- cutting tiles channels first: numpy's copy of a transposed view against `packfeed.media.chw`;
 - a worker cutting a step's tiles into its memory and copying them into the step's file, against cutting them
   straight into the file (`_TileArena`).
 
@@ -112,13 +112,13 @@ def test_writing_a_step_into_a_file_used_again():
 
 
 def test_cutting_tiles_channels_first():
-    from packfeed.v1.chw import chw_tiles
+    from packfeed.media.chw import chw_tiles
 
     image = np.random.default_rng(0).integers(0, 256, (1344, 1792, 3), dtype=np.uint8)  # a 4 x 3 InternVL grid
     boxes = [(top, left, 448, 448) for top in range(0, 1344, 448) for left in range(0, 1792, 448)]
     ways = {"numpy (transposed view copied)": lambda: [np.ascontiguousarray(image[t:t + h, l:l + w].transpose(2, 0, 1))
                                                        for t, l, h, w in boxes],
-            "packfeed.v1.chw": lambda: chw_tiles(image, boxes)}
+            "packfeed.media.chw": lambda: chw_tiles(image, boxes)}
     assert all(np.array_equal(a, b) for a, b in zip(*(way() for way in ways.values())))
     for name, seconds in best_seconds(ways, 10).items():
         print(f"\n[chw] 12 tiles of 448 px (7.2 MB), {name}: {seconds * 1e3:.2f} ms", end="")
@@ -131,7 +131,7 @@ def test_cutting_tiles_into_the_steps_file():
     kept mapping (as before), against tiles cut straight into the file (`_TileArena`), the rest of the step
     written after them."""
     from packfeed.server.serve import workers
-    from packfeed.v1.chw import chw_tiles
+    from packfeed.media.chw import chw_tiles
 
     workers.keep_freed_memory()  # as a worker: tiles cut into its memory reuse freed blocks, not fresh pages
     directory = workers.shared_directory()

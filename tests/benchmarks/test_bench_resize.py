@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from packfeed.server.index.image_policy import InternVLTiling
-from packfeed.v1.pixels import to_rgb
+from packfeed.media.image_policy import InternVLTiling
+from packfeed.media.pixels import to_rgb
 
 from demo_data import document_scan
 from packfeed.server.tools.demo import write_demo_dataset
@@ -45,7 +45,7 @@ def pil(data: bytes, reducing_gap: float | None = None, draft: bool = False) -> 
 
 
 def packfeed_exact(data: bytes) -> list[np.ndarray]:
-    from packfeed.v1.resample import resize_bicubic
+    from packfeed.media.resample import resize_bicubic
 
     with Image.open(io.BytesIO(data)) as image:
         full = image.size
@@ -115,9 +115,9 @@ def test_document_scans_exact_and_fast(tmp_path):
     """Large pages shrink (InternVL picks a 3 x 4 grid of 448 px tiles for 1700 x 2200, plus a thumbnail; the
     fixed 336 px policy shrinks 5-6x): Pillow's bicubic against Packfeed's exact and fast paths as the server
     runs them (file_tiles: decode, draft where fast allows it, resize, cut), per core, with each one's error."""
-    from packfeed.server.index.image_policy import policy_from_dict
+    from packfeed.media.image_policy import policy_from_dict
     from packfeed.server.serve.preprocess import file_tiles
-    from packfeed.v1.pixels import decode_tiles
+    from packfeed.media.pixels import decode_tiles
 
     pytest.importorskip("cv2")
     pages = [document_scan(seed) for seed in range(12)]
@@ -142,7 +142,7 @@ def test_document_scans_exact_and_fast(tmp_path):
 
 def test_fast_path_error_per_policy(tmp_path):
     """`pixels: fast` against `exact` on the demo photographs, per image policy: mean and worst-image error."""
-    from packfeed.server.index.image_policy import policy_from_dict
+    from packfeed.media.image_policy import policy_from_dict
     from packfeed.server.serve.preprocess import image_tiles
 
     pytest.importorskip("cv2")
@@ -174,10 +174,10 @@ def test_fast_path_decoding(tmp_path):
     (simplejpeg and pyspng where they decode as Pillow does), on the demo photographs at full size, with freed
     memory kept as a server process keeps it; the benchmark checks that all give the same pixels."""
     cv2 = pytest.importorskip("cv2")
-    from packfeed.server.index.image_policy import policy_from_dict
-    from packfeed.server.serve.fast import decode as fast_pixels
+    from packfeed.media.image_policy import policy_from_dict
+    from packfeed.media.fast import decode as fast_pixels
     from packfeed.server.serve.workers import keep_freed_memory
-    from packfeed.v1.pixels import oriented_size
+    from packfeed.media.pixels import oriented_size
 
     keep_freed_memory()  # as a worker: large outputs come from kept memory, not fresh pages
     demo = write_demo_dataset(tmp_path / "demo", samples=160, shards=2, seed=5, bad_samples=False)

@@ -61,13 +61,13 @@ def dataloader_preprocess(shards: list[Path], tokenizer_path: Path):
     """The same decode + tile + tokenise with torch's DataLoader over webdataset, in this process."""
     import torch.utils.data
     import webdataset as wds
-    from packfeed.server.index.chat import (
+    from packfeed.media.chat import (
         ChatTemplate,
         attach_images,
         cached_encoder,
         parse_conversation,
     )
-    from packfeed.server.index.image_policy import InternVLTiling
+    from packfeed.media.image_policy import InternVLTiling
     from packfeed.server.serve.preprocess import image_tiles
 
     policy, template = InternVLTiling(), ChatTemplate()

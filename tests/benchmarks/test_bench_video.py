@@ -1,5 +1,5 @@
 """Video frames per second per core, decode + resize (issue [7/7]): Packfeed's seeking reader (only the sampled
-frames decoded, `packfeed.server.index.video.read_frames`) against decoding every frame in order and keeping the
+frames decoded, `packfeed.media.video.read_frames`) against decoding every frame in order and keeping the
 sampled ones (what a loader without seeking does: torchvision's `read_video`, a plain PyAV loop). Both decode on one
 thread and resize with the server's exact path (Pillow bicubic, byte for byte), to InternVL's 448 px frame tile
 and to Qwen2-VL's video frame size.
@@ -23,10 +23,10 @@ from PIL import Image
 
 pytest.importorskip("av")
 
-from packfeed.server.index.image_policy import InternVLTiling, Qwen2VLResize  # noqa: E402
-from packfeed.server.index.video import VideoSampling, probe_video, read_frames  # noqa: E402
-from packfeed.v1.pixels import cut_tiles  # noqa: E402
-from packfeed.v1.resample import exact_resizer  # noqa: E402
+from packfeed.media.image_policy import InternVLTiling, Qwen2VLResize  # noqa: E402
+from packfeed.media.video import VideoSampling, probe_video, read_frames  # noqa: E402
+from packfeed.media.pixels import cut_tiles  # noqa: E402
+from packfeed.media.resample import exact_resizer  # noqa: E402
 
 pytestmark = pytest.mark.benchmark
 

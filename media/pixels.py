@@ -8,8 +8,8 @@ the client (`pixels: encoded`, where the server sends the file's bytes) both fol
    side `tile` (row-major; 0 keeps the window as one tile), and add a `thumbnail` square of the whole image.
 
 Each tile is uint8 (3, H, W). With Pillow's bicubic resampling (`pil_resizer`) the tiles are pixel for pixel
-what the Hugging Face / InternVL processors give; `packfeed.v1.resample` computes the same with less than
-half the CPU (BENCHMARKS.md), and `packfeed.v1.chw` cuts the tiles channels first. Part of the contract
+what the Hugging Face / InternVL processors give; `packfeed.media.resample` computes the same with less than
+half the CPU (BENCHMARKS.md), and `packfeed.media.chw` cuts the tiles channels first. Part of the contract
 (`packfeed.v1`): numpy, Pillow and numba only, so servers and clients import it alike.
 """
 
@@ -118,7 +118,7 @@ def pil_resizer(image: Image.Image) -> Resize:
 def cut_tiles(resize: Resize, geometry: Geometry, empty: Callable = np.empty) -> list[np.ndarray]:
     """The tiles of one upright RGB image, uint8 (3, H, W) each (made by `empty(shape, dtype)`), given how to
     resize it."""
-    from packfeed.v1.chw import chw_tiles  # numba: compiled on first use, not on import
+    from packfeed.media.chw import chw_tiles  # numba: compiled on first use, not on import
 
     g = geometry
     tiles = chw_tiles(resize((g.resize_width, g.resize_height)), g.boxes(), empty)

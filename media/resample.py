@@ -28,8 +28,8 @@ import numpy as np
 import PIL
 from PIL import Image
 
-from packfeed.v1.chw import chw_tiles
-from packfeed.v1.pixels import Resize, pil_resizer
+from packfeed.media.chw import chw_tiles
+from packfeed.media.pixels import Resize, pil_resizer
 
 log = logging.getLogger(__name__)
 
@@ -207,7 +207,7 @@ def matches_pillow() -> bool:
 
 def compile_kernels() -> bool:
     """Compile (and cache on disk) both kernels for every array they meet: Pillow's read-only pixels, writable
-    ones (OpenCV's, a video frame's) and this module's own buffers; and packfeed.v1.chw's. Returns
+    ones (OpenCV's, a video frame's) and this module's own buffers; and packfeed.media.chw's. Returns
     matches_pillow()."""
     writable = np.zeros((8, 8, 3), np.uint8)
     read_only = writable.copy()

@@ -27,8 +27,8 @@ import numpy as np
 import xxhash
 
 if TYPE_CHECKING:
-    from packfeed.server.index.chat import ChatTemplate
-    from packfeed.server.index.image_policy import ImageCost, ImagePolicy
+    from packfeed.media.chat import ChatTemplate
+    from packfeed.media.image_policy import ImageCost, ImagePolicy
 
 VIDEO_EXTENSIONS = ("mp4", "webm", "mkv", "mov", "avi")
 SAMPLINGS = ("uniform", "linspace", "segment", "random")

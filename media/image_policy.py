@@ -11,7 +11,7 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any, Protocol
 
-from packfeed.v1.pixels import Geometry
+from packfeed.media.pixels import Geometry
 
 
 class TooManyPixels(ValueError):
@@ -331,6 +331,8 @@ POLICIES = {"internvl": InternVLTiling, "qwen2vl": Qwen2VLResize, "fixed": Fixed
 
 
 DEFAULT_POLICY = "internvl"  # an index that records no policy (imported length files) counts InternVL tiles
+# ... of 448 px with 14 px patches: 32 x 32 = 1024 ViT tokens per tile.
+DEFAULT_PATCHES_PER_UNIT = 1024
 
 
 def policy_from_dict(raw: dict[str, Any] | None) -> ImagePolicy:

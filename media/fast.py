@@ -8,7 +8,7 @@ its CPU.
   twice the targets.
 - Enlarging (both sides): OpenCV's SIMD bicubic on the interleaved pixels. Its kernel is not Pillow's
   (a = -0.75), which shows little when enlarging.
-- Shrinking (either side): Pillow's own bicubic arithmetic (`packfeed.v1.resample`'s kernels, which widen the
+- Shrinking (either side): Pillow's own bicubic arithmetic (`packfeed.media.resample`'s kernels, which widen the
   filter as Pillow does: OpenCV's does not, which blurs text out of the bound), the height first, on the
   interleaved pixels. The horizontal pass is the vertical kernel between two OpenCV transposes of the 3-byte
   pixels, so its lanes run along contiguous bytes too. (Before, it ran on the three colour planes apart: the
@@ -25,9 +25,9 @@ from collections.abc import Callable
 
 import numpy as np
 
-from packfeed.v1.chw import chw_tiles
-from packfeed.v1.pixels import Geometry, opened, orientation, to_rgb
-from packfeed.v1.resample import filter_weights, vertical_pass
+from packfeed.media.chw import chw_tiles
+from packfeed.media.pixels import Geometry, opened, orientation, to_rgb
+from packfeed.media.resample import filter_weights, vertical_pass
 
 
 def check_available() -> None:
@@ -45,7 +45,7 @@ def check_available() -> None:
 
 def file_tiles(data: bytes, geometry: Geometry, empty: Callable = np.empty) -> list[np.ndarray]:
     """The tiles of one image file, uint8 (3, H, W) each (made by `empty(shape, dtype)`). Raises what
-    `packfeed.v1.pixels.decode_tiles` raises."""
+    `packfeed.media.pixels.decode_tiles` raises."""
     return tiles(decode(data, geometry), geometry, empty)
 
 
