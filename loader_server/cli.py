@@ -81,7 +81,8 @@ def cmd_index(args: argparse.Namespace) -> int:
     if not args.shards:
         print("packfeed index: give shard paths/globs/brace patterns, or --from-lengths FILE.json", file=sys.stderr)
         return EXIT_USAGE
-    from packfeed.server.index.indexer import IndexConfig, build_index
+    from packfeed.server.index.config import IndexConfig
+    from packfeed.server.index.indexer import build_index
 
     config = IndexConfig.from_args(args)
     result = build_index(args.shards, args.out, config, workers=args.workers, progress=not args.quiet, ray=args.ray)

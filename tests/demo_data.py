@@ -36,7 +36,8 @@ def indexed_demo(root: Path, samples: int, shards: int, seed: int, image_policy:
     """Write `samples` demo samples over `shards` tar files under `root` and index them (InternVL tiling at
     448 px unless `image_policy` says otherwise). Returns (DemoPaths, index path)."""
     from packfeed.server.tools.demo import write_demo_dataset
-    from packfeed.server.index.indexer import IndexConfig, build_index
+    from packfeed.server.index.config import IndexConfig
+    from packfeed.server.index.indexer import build_index
 
     paths = write_demo_dataset(root, samples=samples, shards=shards, seed=seed)
     index = root / "index.parquet"
@@ -78,7 +79,8 @@ def write_shard(path: Path, samples: list[tuple[str, dict[str, bytes]]]) -> Path
 def indexed_scans(root: Path, pages: int, tokenizer: Path, image_policy: dict | None = None) -> tuple[list[Path], Path]:
     """`pages` document scans, each asked about in a short conversation, in one shard, indexed (InternVL tiling
     at 448 px unless `image_policy` says otherwise). Returns (shards, index path)."""
-    from packfeed.server.index.indexer import IndexConfig, build_index
+    from packfeed.server.index.config import IndexConfig
+    from packfeed.server.index.indexer import build_index
 
     root.mkdir(parents=True, exist_ok=True)
     conversation = json.dumps({"conversations": [

@@ -63,7 +63,8 @@ def family_dataset(root: Path, family: str, seed: int = 0, samples: int = 10) ->
     with the family's conventions."""
     from packfeed.server.convert.convert import ConvertOptions, convert, shard_paths
     from packfeed.media.chat import PRESETS
-    from packfeed.server.index.indexer import IndexConfig, build_index
+    from packfeed.server.index.config import IndexConfig
+    from packfeed.server.index.indexer import build_index
     from packfeed.server.index.table import read_index_info
     from packfeed.server.serve.conventions import conventions_of
     from packfeed.server.tools.demo import train_tokenizer

@@ -16,10 +16,10 @@ import redis as redis_py
 
 from packfeed.client import LocalServer, PackStream
 from packfeed.server.cluster.redis_coordinator import RedisCoordinator
-from packfeed.server.index.indexer import IndexConfig, build_index
+from packfeed.server.index.config import IndexConfig
+from packfeed.server.index.indexer import build_index
 from packfeed.server.index.table import read_index_info
-from packfeed.v1 import packfeed_pb2 as pb
-from packfeed.v1 import packfeed_pb2_grpc as pb_grpc
+from packfeed.v1 import packfeed_pb2 as pb, packfeed_pb2_grpc as pb_grpc
 from packfeed.v1.options import PlanConfig
 from redis_server import RedisProcess, SentinelProcess
 from test_hostile import free_port

@@ -22,8 +22,7 @@ from demo_data import PRESET_POLICIES, demo_image_files
 from packfeed.client import LocalServer, PackStream
 from packfeed.client.decode import DecodeOptions, torch_tiles
 from packfeed.media.image_policy import policy_from_dict
-from packfeed.v1 import packfeed_pb2 as pb
-from packfeed.v1 import packfeed_pb2_grpc as pb_grpc
+from packfeed.v1 import packfeed_pb2 as pb, packfeed_pb2_grpc as pb_grpc
 from packfeed.media.pixels import decode_tiles, oriented_size
 
 pytestmark = pytest.mark.filterwarnings("ignore:The image decoding and encoding capabilities of TorchVision")
@@ -38,7 +37,8 @@ def header_checked_index(tmp_path_factory, demo_dataset):
     headers: those samples count as valid, and only decoding finds them broken (on the server in exact mode,
     on the client in encoded mode)."""
     from conftest import SMALL_TILE_POLICY
-    from packfeed.server.index.indexer import IndexConfig, build_index
+    from packfeed.server.index.config import IndexConfig
+    from packfeed.server.index.indexer import build_index
 
     root = tmp_path_factory.mktemp("header-checked")
     shards, truncated = [], 0

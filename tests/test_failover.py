@@ -10,8 +10,7 @@ import grpc
 import pytest
 from packfeed.client import LocalServer, PackStream
 from packfeed.client.discovery import servers_from_redis
-from packfeed.v1 import packfeed_pb2 as pb
-from packfeed.v1 import packfeed_pb2_grpc as pb_grpc
+from packfeed.v1 import packfeed_pb2 as pb, packfeed_pb2_grpc as pb_grpc
 from redis_server import RedisProcess
 from test_service import dataset, step_digest, valid_keys  # noqa: F401  (the module's dataset fixture)
 
@@ -115,7 +114,8 @@ def test_a_server_over_another_index_cannot_capture_a_job_after_a_redis_flush(tm
     import redis as redis_client
 
     from packfeed.server.cluster.redis_coordinator import RedisCoordinator
-    from packfeed.server.index.indexer import IndexConfig, build_index
+    from packfeed.server.index.config import IndexConfig
+    from packfeed.server.index.indexer import build_index
     from packfeed.server.index.table import read_index_info
 
     info = read_index_info(dataset)

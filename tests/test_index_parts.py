@@ -7,7 +7,8 @@ import io
 import shutil
 import tarfile
 
-from packfeed.server.index.indexer import IndexConfig, build_index
+from packfeed.server.index.config import IndexConfig
+from packfeed.server.index.indexer import build_index
 from packfeed.server.index.parts import parts_directory
 from packfeed.server.index.table import read_index
 

@@ -15,7 +15,8 @@ from PIL import Image
 
 from packfeed.media.chat import ChatTemplate, attach_images, encode_conversation, load_tokenizer, parse_conversation
 from packfeed.media.image_policy import InternVLTiling
-from packfeed.server.index.indexer import IndexConfig, build_index
+from packfeed.server.index.config import IndexConfig
+from packfeed.server.index.indexer import build_index
 from packfeed.server.index.shards import expand_shards
 
 

@@ -20,7 +20,8 @@ from PIL import Image
 
 from packfeed.client import LocalServer, PackStream
 from packfeed.media.chat import ChatTemplate, load_tokenizer
-from packfeed.server.index.indexer import IndexConfig, build_index
+from packfeed.server.index.config import IndexConfig
+from packfeed.server.index.indexer import build_index
 from packfeed.media.pixels import oriented_size, to_rgb
 from packfeed.server.index.table import read_index_info
 from packfeed.server.serve.packs import IndexRows
@@ -214,7 +215,7 @@ def test_unreachable_shards_fail_loudly(tmp_path, demo_dataset):
 
 def test_skip_reasons_read_the_same_on_every_server():
     """Reasons travel inside packs: an exception's object address would make two servers' bytes differ."""
-    from packfeed.server.index.table import describe_error
+    from packfeed.media.samples import describe_error
 
     reasons = set()
     for _ in range(2):

@@ -14,7 +14,8 @@ pytest.importorskip("s3fs")
 pytest.importorskip("moto")
 
 from packfeed.client import LocalServer, PackStream  # noqa: E402
-from packfeed.server.index.indexer import IndexConfig, build_index  # noqa: E402
+from packfeed.server.index.config import IndexConfig
+from packfeed.server.index.indexer import build_index  # noqa: E402
 from packfeed.server.index.table import read_index  # noqa: E402
 from s3_server import FaultyProxy, S3Server, restore_env, running, set_env  # noqa: E402
 

@@ -11,7 +11,8 @@ import pytest
 from packfeed.media.chat import ChatTemplate, load_tokenizer
 from packfeed.server.plan.costs import load_sample_loads
 from packfeed.server.index.table import read_index_info
-from packfeed.server.index.indexer import IndexConfig, build_index
+from packfeed.server.index.config import IndexConfig
+from packfeed.server.index.indexer import build_index
 from packfeed.server.serve.packs import SERVE_COLUMNS, IndexRows, build_rank_step
 from packfeed.server.plan.planner import make_plan
 from packfeed.v1.options import PlanConfig

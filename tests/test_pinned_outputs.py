@@ -88,7 +88,8 @@ def digest(*parts: bytes) -> str:
 
 @pytest.fixture(scope="module")
 def pinned_index() -> tuple[list[Path], Path]:
-    from packfeed.server.index.indexer import IndexConfig, build_index
+    from packfeed.server.index.config import IndexConfig
+    from packfeed.server.index.indexer import build_index
 
     shutil.rmtree(ROOT, ignore_errors=True)
     shards, tokenizer = pinned_dataset(ROOT)

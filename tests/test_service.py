@@ -16,9 +16,9 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from packfeed.client import LocalServer, PackfeedError, PackStream
 from packfeed.server.index.table import read_index
-from packfeed.server.index.indexer import IndexConfig, build_index
-from packfeed.v1 import packfeed_pb2 as pb
-from packfeed.v1 import packfeed_pb2_grpc as pb_grpc
+from packfeed.server.index.config import IndexConfig
+from packfeed.server.index.indexer import build_index
+from packfeed.v1 import packfeed_pb2 as pb, packfeed_pb2_grpc as pb_grpc
 
 pytestmark = pytest.mark.slow
 PLAN = {"dp": 2, "microbatches": 2, "pipeline_stages": 2}

@@ -205,7 +205,8 @@ def bad_video_samples() -> list[tuple[str, dict[str, bytes]]]:
 
 def test_bad_videos_are_invalid_or_skipped_with_their_reason(tmp_path):
     from packfeed.media.chat import PRESETS
-    from packfeed.server.index.indexer import IndexConfig, build_index
+    from packfeed.server.index.config import IndexConfig
+    from packfeed.server.index.indexer import build_index
     from packfeed.server.tools.demo import train_tokenizer
 
     shard = write_shard(tmp_path / "bad.tar", bad_video_samples())
@@ -250,7 +251,8 @@ def test_pixels_encoded_refuses_a_dataset_with_videos_and_skips_any_with_the_rea
 
 def test_a_changed_video_is_detected_by_its_checksum(tmp_path):
     from packfeed.media.chat import PRESETS
-    from packfeed.server.index.indexer import IndexConfig, build_index
+    from packfeed.server.index.config import IndexConfig
+    from packfeed.server.index.indexer import build_index
     from packfeed.server.tools.demo import train_tokenizer
 
     video = encode_video("mkv", frames=24, rate=12, width=64, height=64)
@@ -466,7 +468,7 @@ def test_memory_estimates_count_every_sampled_frame(qwen_videos):
 
 def test_timestamps_need_frames_known_when_indexing(tmp_path):
     from packfeed.media.chat import ChatTemplate
-    from packfeed.server.index.indexer import IndexConfig
+    from packfeed.server.index.config import IndexConfig
     from packfeed.server.tools.demo import train_tokenizer
 
     template = ChatTemplate.from_dict({"preset": "qwen2vl", "video_timestamps": "<{:.1f} seconds>"})

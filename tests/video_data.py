@@ -99,7 +99,8 @@ def indexed_videos(root: Path, template: str | dict, image_policy: dict, video_p
     """`mixed_samples` in one shard, indexed with these conventions (`template`: a chat template preset's name,
     or a chat_template section). Returns (index, tokenizer, IndexResult)."""
     from packfeed.media.chat import ChatTemplate
-    from packfeed.server.index.indexer import IndexConfig, build_index
+    from packfeed.server.index.config import IndexConfig
+    from packfeed.server.index.indexer import build_index
     from packfeed.server.tools.demo import train_tokenizer
 
     template = ChatTemplate.from_dict({"preset": template} if isinstance(template, str) else template)

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:  # the parser imports this module: the converters (PIL, pyarrow, tokenizers) load only in run()
     from packfeed.server.convert.convert import ConvertReport
     from packfeed.server.convert.internvl_meta import MetaDataset
-    from packfeed.server.index.indexer import IndexConfig
+    from packfeed.server.index.config import IndexConfig
 
 FORMATS = ("llava", "internvl", "sharegpt", "hf-parquet", "internvl-meta")
 
@@ -35,7 +35,7 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], bool]:
     """(what to print, whether anything was rejected or skipped)."""
     from packfeed.server.convert.convert import ConvertOptions, convert
     from packfeed.server.convert.internvl_meta import convert_meta, policy_for
-    from packfeed.server.index.indexer import IndexConfig
+    from packfeed.server.index.config import IndexConfig
 
     config = IndexConfig.from_args(args) if args.index else None  # bad conventions fail before converting
     shared = {"shard_size_mb": args.shard_size_mb, "workers": args.workers, "overwrite": args.overwrite,

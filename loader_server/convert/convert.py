@@ -28,8 +28,7 @@ from tqdm import tqdm
 from packfeed.server.convert.shard_writer import SHARD_PATTERN, ShardWriter
 from packfeed.server.convert.sources import FORMATS, SourceImage, SourceRow, normalize_turns
 from packfeed.media.chat import ConversationError, attach_images, conversation_turns
-from packfeed.server.index.indexer import SampleError, image_size
-from packfeed.server.index.table import describe_error, reason_category
+from packfeed.media.samples import SampleError, image_size, describe_error, reason_category
 from packfeed.media.video import VIDEO_EXTENSIONS, VideoError, probe_video
 
 Format = Literal["llava", "internvl", "sharegpt", "hf-parquet"]

@@ -21,7 +21,8 @@ import pyarrow.compute as pc
 
 from packfeed.media.image_policy import DEFAULT_PATCHES_PER_UNIT
 from packfeed.server.index.table import (IndexInfo, check_encoder_name, empty_rows, encoder_columns,
-                                         fingerprint_table, index_schema, write_index)
+                                         fingerprint_table, index_schema,
+                                         write_index)
 
 TOKENS_PER_TILE = 256
 KEY_CHUNK = 1 << 25  # InternVL: pixel-shuffled 448 px tile -> 256 LLM tokens

@@ -125,17 +125,6 @@ def member_checksum(data: bytes) -> int:
     return xxhash.xxh3_64_intdigest(data)
 
 
-def describe_error(error: BaseException) -> str:
-    """An exception's message as a reason: without object addresses ('<_io.BytesIO object at 0x7f...>'), so it
-    reads the same on every server and in every run (reasons travel inside packs and into the index)."""
-    return re.sub(r" at 0x[0-9a-fA-F]+", "", str(error)) or type(error).__name__
-
-
-def reason_category(reason: str) -> str:
-    """'undecodable image: broken data stream' -> 'undecodable image' (what reports and metrics group by)."""
-    return reason.split(":", 1)[0]
-
-
 def fingerprint_table(table: pa.Table, config: dict[str, Any]) -> str:
     """A stable digest of the rows that matter for planning and serving, plus the indexing config.
 

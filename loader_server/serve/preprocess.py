@@ -27,7 +27,8 @@ from packfeed.media.image_policy import ImagePolicy, policy_from_dict
 from packfeed.media.video import VideoError, VideoInfo, VideoSampling, read_frames, video_placeholders
 from packfeed.server.index.shards import is_compressed
 from packfeed.media.storage import ObjectError, StampCache, is_object_url, read_range, relocate
-from packfeed.server.index.table import IndexInfo, describe_error, member_checksum
+from packfeed.media.samples import describe_error
+from packfeed.server.index.table import IndexInfo, member_checksum
 from packfeed.media import fast
 from packfeed.media.resample import exact_resizer
 from packfeed.media.pixels import Geometry, ImageSizeMismatch, cut_tiles, decode_tiles, to_rgb

@@ -19,7 +19,7 @@ import grpc
 
 from packfeed.server.cluster.coordinator import Coordinator
 from packfeed.server.serve.coordination import Coordination
-from packfeed.server.index.table import reason_category
+from packfeed.media.samples import reason_category
 from packfeed.server.serve.budget import MemoryBudget
 from packfeed.server.serve.config import ServerConfig
 from packfeed.server.serve.jobs import Job, JobError, JobSpec, Resume

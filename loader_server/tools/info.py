@@ -14,7 +14,8 @@ from typing import Any
 
 import numpy as np
 
-from packfeed.server.index.table import read_index, reason_category
+from packfeed.media.samples import reason_category
+from packfeed.server.index.table import read_index
 
 INDEX_COLUMNS = ["valid", "reason", "n_images", "n_videos", "vision_units", "llm_tokens", "loss_tokens", "shard"]
 

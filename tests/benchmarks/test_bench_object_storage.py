@@ -28,8 +28,7 @@ DP = 8
 
 def stream_epoch(target: str, job: str) -> tuple[int, float, float]:
     """(samples, wall seconds, mean seconds a rank waited for each step) for DP ranks at once."""
-    from packfeed.v1 import packfeed_pb2 as pb
-    from packfeed.v1 import packfeed_pb2_grpc as pb_grpc
+    from packfeed.v1 import packfeed_pb2 as pb, packfeed_pb2_grpc as pb_grpc
 
     channel = grpc.insecure_channel(target, options=[("grpc.max_receive_message_length", 1 << 30)])
     stub = pb_grpc.PackfeedStub(channel)
@@ -69,7 +68,8 @@ def serve_and_stream(index, env: dict[str, str], tmp_path, name: str) -> tuple[i
 def test_serving_from_s3_against_local_files(tmp_path):
     import s3fs
 
-    from packfeed.server.index.indexer import IndexConfig, build_index
+    from packfeed.server.index.config import IndexConfig
+    from packfeed.server.index.indexer import build_index
 
     paths, local_index = indexed_demo(tmp_path / "demo", 240, 4, 2)
     s3 = S3Server().start()

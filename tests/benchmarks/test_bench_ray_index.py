@@ -18,7 +18,8 @@ pytestmark = pytest.mark.benchmark
 
 
 def test_ray_indexing_throughput(tmp_path):
-    from packfeed.server.index.indexer import IndexConfig, build_index
+    from packfeed.server.index.config import IndexConfig
+    from packfeed.server.index.indexer import build_index
     from packfeed.server.tools.demo import write_demo_dataset
 
     paths = write_demo_dataset(tmp_path / "demo", samples=480, shards=8, seed=3)
