@@ -149,7 +149,7 @@ def test_planning_one_job_never_blocks_another(small_tile_index):
     from packfeed.server.plan.costs import SampleLoads
     from packfeed.server.serve.jobs import Dataset, JobError, JobSpec
     from packfeed.server.serve.registry import JobRegistry
-    from packfeed.server.serve.workers import DatasetSource
+    from packfeed.server.serve.step_work import DatasetSource
     from packfeed.v1.options import PlanConfig
 
     source = DatasetSource(str(small_tile_index), read_index_info(small_tile_index).tokenizer["path"])

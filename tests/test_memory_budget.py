@@ -68,14 +68,14 @@ def test_a_cancelled_waiter_holds_nothing_and_blocks_no_one():
 
 def estimate_ratios(index, tokenizer, microbatches: int = 2) -> list[float]:
     """Prepared bytes / reserved estimate of every non-empty rank-step of an epoch at DP 2."""
-    from packfeed.server.serve import workers
+    from packfeed.server.serve import step_work, worker_process
     from packfeed.server.serve.jobs import Dataset, JobSpec
     from packfeed.server.serve.registry import JobRegistry
     from packfeed.v1.options import PlanConfig
 
-    source = workers.DatasetSource(str(index), str(tokenizer))
+    source = step_work.DatasetSource(str(index), str(tokenizer))
     name = str(index)  # the worker's cache of opened datasets is by name: one per index
-    workers._init_worker({name: source})
+    worker_process.init_worker({name: source})
     dataset = Dataset.open(name, source)
     job = JobRegistry({name: dataset}).open_job(JobSpec("estimate", name, PlanConfig(dp=2, microbatches=microbatches),
                                                         0))
@@ -84,7 +84,7 @@ def estimate_ratios(index, tokenizer, microbatches: int = 2) -> list[float]:
         for rank in range(2):
             work = job.work(0, step, rank)
             if any(len(members) for members, _, _ in work.packs):
-                ratios.append(workers.build_rank_step(work).nbytes / dataset.estimate_bytes(work))
+                ratios.append(worker_process.build_rank_step(work).nbytes / dataset.estimate_bytes(work))
     return ratios
 
 

@@ -109,7 +109,7 @@ def test_the_inputs_are_the_pinned_ones(pinned_index):
 def test_index_and_plan_fingerprints_are_pinned(pinned_index):
     from packfeed.server.index.table import read_index_info
     from packfeed.server.serve.jobs import Dataset
-    from packfeed.server.serve.workers import DatasetSource
+    from packfeed.server.serve.step_work import DatasetSource
     from packfeed.v1.options import PlanConfig
 
     _, index = pinned_index

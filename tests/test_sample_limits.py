@@ -18,7 +18,7 @@ import yaml
 from PIL import Image
 
 from packfeed.client import LocalServer, PackStream
-from packfeed.server.serve.workers import GIVE_BACK_AFTER_S, KEEP_FREED_BYTES
+from packfeed.server.serve.worker_process import GIVE_BACK_AFTER_S, KEEP_FREED_BYTES
 from test_integrity import conversation, write_tar
 
 HUGE_SIDE = 9400  # 88.4 MP: under Pillow's decompression-bomb limit, a PNG of a few hundred KB

@@ -60,7 +60,7 @@ def test_a_running_server_and_its_workers_never_load_torch_nor_the_workers_panda
 
 
 def shared_files(pid: int) -> list[Path]:
-    from packfeed.server.serve.workers import SHARED_PREFIX, shared_directory
+    from packfeed.server.serve.step_files import SHARED_PREFIX, shared_directory
 
     return list(Path(shared_directory()).glob(f"{SHARED_PREFIX}{pid}-*"))
 
@@ -103,18 +103,18 @@ def test_prepared_steps_travel_in_shared_memory_files_used_again_and_removed_at_
 
 
 def test_a_step_falls_back_to_the_pipe_when_shared_memory_is_unusable(small_tile_index, tmp_path):
-    from packfeed.server.serve import workers
+    from packfeed.server.serve import step_work, worker_process
     from packfeed.server.serve.jobs import Dataset, JobSpec
     from packfeed.server.serve.registry import JobRegistry
     from packfeed.v1.options import PlanConfig
 
-    source = workers.DatasetSource(str(small_tile_index), str(Path(small_tile_index).parent / "tokenizer.json"))
-    workers._init_worker({"d": source})
+    source = step_work.DatasetSource(str(small_tile_index), str(Path(small_tile_index).parent / "tokenizer.json"))
+    worker_process.init_worker({"d": source})
     registry = JobRegistry({"d": Dataset.open("d", source)})
     job = registry.open_job(JobSpec("fallback", "d", PlanConfig(dp=1, microbatches=2), 0))
     work = job.work(0, 0, 0)
-    inline = workers.build_rank_step(work)
-    fallback = workers.build_rank_step(work, str(tmp_path / "missing" / "step"))
+    inline = worker_process.build_rank_step(work)
+    fallback = worker_process.build_rank_step(work, str(tmp_path / "missing" / "step"))
     assert fallback.shared is None and fallback.messages == inline.messages and inline.messages
 
 
@@ -127,18 +127,18 @@ def test_a_full_shared_memory_falls_back_to_the_pipe_and_frees_what_it_wrote(sma
     script = f"""
 import resource, signal, sys
 from pathlib import Path
-from packfeed.server.serve import workers
+from packfeed.server.serve import step_work, worker_process
 from packfeed.server.serve.jobs import Dataset, JobSpec
 from packfeed.server.serve.registry import JobRegistry
 from packfeed.v1.options import PlanConfig
-source = workers.DatasetSource({str(small_tile_index)!r}, {str(Path(small_tile_index).parent / "tokenizer.json")!r})
-workers._init_worker({{"d": source}})
+source = step_work.DatasetSource({str(small_tile_index)!r}, {str(Path(small_tile_index).parent / "tokenizer.json")!r})
+worker_process.init_worker({{"d": source}})
 job = JobRegistry({{"d": Dataset.open("d", source)}}).open_job(JobSpec("full", "d", PlanConfig(dp=1, microbatches=2), 0))
 work = job.work(0, 0, 0)
-inline = workers.build_rank_step(work)
+inline = worker_process.build_rank_step(work)
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # writes past the limit fail with EFBIG instead of killing us
 resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, resource.RLIM_INFINITY))
-full = workers.build_rank_step(work, {str(tmp_path / "step")!r})
+full = worker_process.build_rank_step(work, {str(tmp_path / "step")!r})
 assert inline.nbytes > 100_000, inline.nbytes
 assert full.shared is None and full.messages == inline.messages
 assert [(path.name, path.stat().st_size) for path in Path({str(tmp_path)!r}).iterdir()] == [("step", 0)]
@@ -149,7 +149,7 @@ print("fell back")
 
 
 def test_partial_writes_resume_where_they_stopped():
-    from packfeed.server.serve.workers import _advance
+    from packfeed.server.serve.step_files import _advance
 
     pieces = [b"abc", memoryview(b"defg"), b"h"]
     assert [bytes(p) for p in _advance(pieces, 0)] == [b"abc", b"defg", b"h"]
@@ -162,20 +162,20 @@ def test_partial_writes_resume_where_they_stopped():
 def test_shared_files_kept_for_reuse_are_bounded(tmp_path):
     """Free files come back up to `keep_bytes`, the ones past it are removed; a file an earlier, larger step
     grew is cut to twice the step it carries and 1 MiB when it holds more."""
-    from packfeed.server.serve.workers import SharedFiles, _write_shared
+    from packfeed.server.serve.step_files import SharedFiles, write_shared
 
     files = SharedFiles(str(tmp_path), keep_bytes=3 << 20)
     first, second = files.take(), files.take()
     assert first != second and files.created == 2
-    _write_shared(first, [[b"x" * (2 << 20)]])
-    _write_shared(second, [[b"y" * (2 << 20)]])
+    write_shared(first, [[b"x" * (2 << 20)]])
+    write_shared(second, [[b"y" * (2 << 20)]])
     files.give_back(first)  # 2.5 MiB free (the step, and a quarter spare): kept
     files.give_back(second)  # 5 MiB free would be over 3 MiB: removed
     assert Path(first).exists() and not Path(second).exists()
     assert files.take() == first and files.created == 2  # used again, not made anew
     half = 1 << 20
-    assert _write_shared(first, [[b"z" * half]]) == [[(0, half)]] and Path(first).stat().st_size == 5 * half // 2
-    assert _write_shared(first, [[b"w" * 500]]) == [[(0, 500)]] and Path(first).stat().st_size == half + 1000  # cut
+    assert write_shared(first, [[b"z" * half]]) == [[(0, half)]] and Path(first).stat().st_size == 5 * half // 2
+    assert write_shared(first, [[b"w" * 500]]) == [[(0, 500)]] and Path(first).stat().st_size == half + 1000  # cut
     files.give_back(str(tmp_path / "never-written"))  # a worker that fell back to the pipe: nothing to keep
     assert files.take() != str(tmp_path / "never-written")
 
@@ -186,12 +186,13 @@ def test_the_servers_mapping_of_a_file_is_kept_and_follows_what_the_worker_wrote
     the last view goes."""
     import gc
 
-    from packfeed.server.serve.workers import RankStepResult, SharedFiles, _write_shared
+    from packfeed.server.serve.step_files import SharedFiles, write_shared
+    from packfeed.server.serve.step_work import RankStepResult
 
     files = SharedFiles(str(tmp_path), keep_bytes=8 << 20)
     path = files.take()
     for size, byte in ((3000, b"a"), (2000, b"b"), (3 << 20, b"c"), (100, b"d")):  # same, smaller, grown, cut
-        segments = _write_shared(path, [[byte * (size // 2)], [byte * (size - size // 2)]])
+        segments = write_shared(path, [[byte * (size // 2)], [byte * (size - size // 2)]])
         result = RankStepResult([], 1, shared=path, segments=segments, files=files).attach()
         assert [bytes(m) for m in result.messages] == [byte * (size // 2), byte * (size - size // 2)]
         assert files.take() != path  # in use while viewed (the other file, never written, is not kept)
@@ -204,57 +205,57 @@ def test_the_servers_mapping_of_a_file_is_kept_and_follows_what_the_worker_wrote
 def test_a_worker_drops_its_mapping_of_a_file_the_server_removed(tmp_path):
     """A worker keeps a writable mapping of each file it wrote in place; once the server removes a file, the next
     write lets that mapping go (kept, it would hold the removed file's memory)."""
-    from packfeed.server.serve import workers
+    from packfeed.server.serve import step_files
 
     first, second = str(tmp_path / "first"), str(tmp_path / "second")
     for path in (first, second):
-        workers._write_shared(path, [[b"a" * 4096]])  # made (written with pwritev)
-        workers._write_shared(path, [[b"b" * 3000]])  # written in place, through the worker's mapping
-        assert Path(path).read_bytes()[:3000] == b"b" * 3000 and path in workers._MAPPED
+        step_files.write_shared(path, [[b"a" * 4096]])  # made (written with pwritev)
+        step_files.write_shared(path, [[b"b" * 3000]])  # written in place, through the worker's mapping
+        assert Path(path).read_bytes()[:3000] == b"b" * 3000 and path in step_files._MAPPED
     Path(first).unlink()
-    workers._write_shared(second, [[b"c" * 4096]])
-    assert first not in workers._MAPPED and second in workers._MAPPED
+    step_files.write_shared(second, [[b"c" * 4096]])
+    assert first not in step_files._MAPPED and second in step_files._MAPPED
     assert Path(second).read_bytes()[:4096] == b"c" * 4096
-    workers._forget_mapping(second)
+    step_files.forget_mapping(second)
 
 
 def test_a_step_larger_than_its_file_is_written_in_place_up_to_the_end_and_appended_past_it(tmp_path):
     """What fits in a used file goes through the worker's mapping (kept), what goes past its end is appended;
     the file then holds the step's bytes exactly, also where a piece straddles the old end."""
-    from packfeed.server.serve import workers
+    from packfeed.server.serve import step_files
 
     path = str(tmp_path / "step")
-    workers._write_shared(path, [[b"a" * 3000]])
+    step_files.write_shared(path, [[b"a" * 3000]])
     rng = random.Random(0)
     step = [[rng.randbytes(1000), memoryview(rng.randbytes(2500)), rng.randbytes(10)], [rng.randbytes(4000)]]
-    assert workers._write_shared(path, step) == [[(0, 3510)], [(3510, 4000)]]
-    assert path in workers._MAPPED and len(workers._MAPPED[path]) == 3750  # the mapping: the file and its spare
+    assert step_files.write_shared(path, step) == [[(0, 3510)], [(3510, 4000)]]
+    assert path in step_files._MAPPED and len(step_files._MAPPED[path]) == 3750  # the mapping: the file and its spare
     written = b"".join(bytes(piece) for pieces in step for piece in pieces)
     assert Path(path).read_bytes() == written + bytes(len(written) // 4)  # and a quarter spare, for later steps
-    workers._forget_mapping(path)
+    step_files.forget_mapping(path)
 
 
 def test_a_worker_cuts_tiles_straight_into_the_steps_file(small_tile_index, tmp_path):
     """Tiles are written where the server reads them, in the step's shared file, not copied there: each message
     lies in several pieces of the file (its tiles among the first bytes), and reads back as the very bytes of
     the packs built in memory."""
-    from packfeed.server.serve import workers
+    from packfeed.server.serve import step_files, step_work, worker_process
     from packfeed.server.serve.jobs import Dataset, JobSpec
     from packfeed.server.serve.registry import JobRegistry
     from packfeed.server.serve.wire import SplitMessage
     from packfeed.v1.options import PlanConfig
 
-    source = workers.DatasetSource(str(small_tile_index), str(Path(small_tile_index).parent / "tokenizer.json"))
-    workers._init_worker({"d": source})
+    source = step_work.DatasetSource(str(small_tile_index), str(Path(small_tile_index).parent / "tokenizer.json"))
+    worker_process.init_worker({"d": source})
     registry = JobRegistry({"d": Dataset.open("d", source)})
     job = registry.open_job(JobSpec("arena", "d", PlanConfig(dp=1, microbatches=2), 0))
-    files, in_place = workers.SharedFiles(str(tmp_path), keep_bytes=1 << 30), []
+    files, in_place = step_files.SharedFiles(str(tmp_path), keep_bytes=1 << 30), []
     for step in [0, 1, 2, 0, 1, 2]:  # the pool's file is made by the first step, then holds the others' tiles
         work = job.work(0, step, 0)
-        inline = workers.build_rank_step(work)
+        inline = worker_process.build_rank_step(work)
         path = files.take()
-        shared = workers.build_rank_step(work, path)
-        assert shared.shared == path and path not in workers._MAPPED  # unmapped: the file's pages are the server's
+        shared = worker_process.build_rank_step(work, path)
+        assert shared.shared == path and path not in step_files._MAPPED  # unmapped: the file's pages are the server's
         shared.files = files
         in_place.append(any(isinstance(message, SplitMessage) for message in shared.attach().messages))
         assert [bytes(message) for message in shared.messages] == inline.messages
@@ -266,39 +267,39 @@ def test_a_worker_cuts_tiles_straight_into_the_steps_file(small_tile_index, tmp_
 def test_pieces_cut_in_the_arena_stay_where_they_are_and_the_rest_follows_them(tmp_path):
     """`_write_shared` leaves what was cut in the step's arena in place (also past a hole: a sample left out
     after its first tiles were cut) and writes the other pieces after the arena's tiles."""
-    from packfeed.server.serve import workers
+    from packfeed.server.serve import step_files
 
     path = str(tmp_path / "step")
-    assert workers._TileArena.open(path, 150) is None  # a new file is written as before
-    workers._write_shared(path, [[bytes(150 + (1 << 20))]])
-    arena = workers._TileArena.open(path, 150)
+    assert step_files.TileArena.open(path, 150) is None  # a new file is written as before
+    step_files.write_shared(path, [[bytes(150 + (1 << 20))]])
+    arena = step_files.TileArena.open(path, 150)
     first, hole, second = arena.empty((3, 5, 4)), arena.empty((10,)), arena.empty((2, 7))
     first[:], hole[:], second[:] = 1, 9, 2
     message = [b"head", memoryview(first).cast("B"), memoryview(second).cast("B"), b"tail"]
-    segments = workers._write_shared(path, [message, [b"next"]], arena)
+    segments = step_files.write_shared(path, [message, [b"next"]], arena)
     assert segments == [[(84, 4), (0, 60), (70, 14), (88, 4)], [(92, 4)]]
     data = Path(path).read_bytes()
     assert b"".join(data[offset:offset + length] for offset, length in segments[0]) == \
         b"head" + b"\x01" * 60 + b"\x02" * 14 + b"tail"
     assert Path(path).stat().st_size == 2 * 96 + (1 << 20)  # cut: no more than twice the step, and 1 MiB
     del first, hole, second, message, arena
-    workers._forget_mapping(path)
+    step_files.forget_mapping(path)
 
 
 GIVE_BACK_SCRIPT = """
 import time
 import numpy as np
-from packfeed.server.serve import workers
+from packfeed.server.serve import worker_process
 
 def anon_mib():
     return int(next(line.split()[1] for line in open('/proc/self/status') if line.startswith('RssAnon:'))) // 1024
 
-workers.keep_freed_memory(give_back_after={after})
+worker_process.keep_freed_memory(give_back_after={after})
 base = anon_mib()
 blocks = [np.ones(8 << 20, np.uint8) for _ in range(10)]  # 80 MiB in blocks under 64 MiB: from the heap
 del blocks
 kept = anon_mib()
-workers._ACTIVITY.update(busy=False, since=time.monotonic(), given_back=False)  # as a step leaves it
+worker_process._ACTIVITY.update(busy=False, since=time.monotonic(), given_back=False)  # as a step leaves it
 {give_back}
 for _ in range(100):  # bounded: 10 s at most
     if anon_mib() < base + 40:
@@ -313,7 +314,7 @@ def test_kept_memory_is_given_back(how):
     """A worker keeps what it frees for its next step (glibc's malloc), and gives it back to the kernel once it has
     prepared no step for a while (here 0.3 s), or when asked."""
     script = GIVE_BACK_SCRIPT.format(after=0.3 if how == "idle" else None,
-                                     give_back="workers.give_back_freed_memory()" if how == "asked" else "")
+                                     give_back="worker_process.give_back_freed_memory()" if how == "asked" else "")
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     base, kept, after = (int(v) for v in done.stdout.split())

@@ -357,7 +357,7 @@ def test_plans_of_ranks_epochs_apart_are_served_from_a_bounded_cache(dataset):
     from packfeed.server.serve.jobs import PLANS_CACHED, Dataset, JobSpec
     from packfeed.server.serve.registry import JobRegistry
     from packfeed.v1.options import PlanConfig
-    from packfeed.server.serve.workers import DatasetSource
+    from packfeed.server.serve.step_work import DatasetSource
 
     source = DatasetSource(str(dataset), str(read_index_info_tokenizer(dataset)))
     registry = JobRegistry({"d": Dataset.open("d", source)})

@@ -56,7 +56,7 @@ import yaml
 
 from packfeed.server.index.table import read_index_info
 from packfeed.server.serve.preprocess import check_pixels
-from packfeed.server.serve.workers import DatasetSource
+from packfeed.server.serve.step_work import DatasetSource
 from packfeed.v1 import redis_keys
 
 

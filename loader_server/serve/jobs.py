@@ -33,7 +33,8 @@ from packfeed.server.serve.observe import log
 from packfeed.server.serve.packs import IndexRows
 from packfeed.server.serve.preprocess import DECODE_BYTES_PER_PIXEL, TOKENIZE_BYTES_PER_TOKEN
 from packfeed.server.serve.routed import routed_encodes
-from packfeed.server.serve.workers import DatasetSource, RankStepWork, SharedSteps
+from packfeed.server.serve.step_work import DatasetSource, RankStepWork
+from packfeed.server.serve.workers import SharedSteps
 from packfeed.v1 import packfeed_pb2 as pb
 from packfeed.v1.options import PlanConfig, Strategy
 

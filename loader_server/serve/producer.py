@@ -19,7 +19,8 @@ from packfeed.server.serve.budget import MemoryBudget
 from packfeed.server.serve.config import ServerConfig
 from packfeed.server.serve.jobs import Job, JobError
 from packfeed.server.serve.observe import Metrics, log
-from packfeed.server.serve.workers import RankStepResult, WorkerPool
+from packfeed.server.serve.step_work import RankStepResult
+from packfeed.server.serve.workers import WorkerPool
 
 END = None  # put in the queue after the job's last step (or after a failure)
 

@@ -23,7 +23,9 @@ from packfeed.server.serve.network import TokenAuth, advertised_address, bind, g
 from packfeed.server.serve.observe import Metrics, log
 from packfeed.server.serve.service import SERVICE, PackfeedService
 from packfeed.server.serve.status import StatusReport
-from packfeed.server.serve.workers import DatasetSource, WorkerPool, keep_freed_memory
+from packfeed.server.serve.step_work import DatasetSource
+from packfeed.server.serve.worker_process import keep_freed_memory
+from packfeed.server.serve.workers import WorkerPool
 
 
 async def announce(coordinator: Coordinator, address: str, ttl_s: float) -> None:

@@ -28,7 +28,8 @@ from packfeed.server.serve.network import client_host
 from packfeed.server.serve.observe import Metrics, log
 from packfeed.server.serve.producer import END, produce
 from packfeed.server.serve.wire import pack_parts
-from packfeed.server.serve.workers import RankStepResult, WorkerPool
+from packfeed.server.serve.step_work import RankStepResult
+from packfeed.server.serve.workers import WorkerPool
 from packfeed.v1 import packfeed_pb2 as pb
 from packfeed.v1.options import PlanConfig
 

@@ -121,7 +121,7 @@ def served_cpu_seconds(index: Path, pixels: str = "exact") -> dict[str, tuple[in
     """Per measured epoch (EPOCHS), (samples, CPU of the whole tree, CPU of the main process alone: gRPC,
     planning, cutting PackParts; bytes of the packs' tensors as received). The first epoch runs on a server
     that has sent one step: its shared-memory files are still being made and grown to the steps' sizes, once in
-    the server's life (workers.SharedFiles). The steady epoch runs on the same server after it: what a server
+    the server's life (step_files.SharedFiles). The steady epoch runs on the same server after it: what a server
     spends per sample over a training run."""
     import yaml
 
@@ -197,26 +197,26 @@ def test_cpu_per_delivered_sample(tmp_path, images):
 def worker_cpu_seconds(index: Path, tokenizer: Path, pixels: str) -> tuple[int, float]:
     """(samples, CPU s) of the worker's own function over one epoch, in this process: read, decode, tile,
     tokenise, assemble, serialize, write to /dev/shm and map back; no gRPC, no other process."""
-    from packfeed.server.serve import workers
+    from packfeed.server.serve import step_files, step_work, worker_process
     from packfeed.server.serve.jobs import Dataset, JobSpec
     from packfeed.server.serve.registry import JobRegistry
     from packfeed.v1.options import PlanConfig
 
     name = f"{index}:{pixels}"  # workers keep each dataset they opened under its name
-    source = workers.DatasetSource(str(index), str(tokenizer), pixels=pixels)
-    workers._init_worker({name: source})
+    source = step_work.DatasetSource(str(index), str(tokenizer), pixels=pixels)
+    worker_process.init_worker({name: source})
     job = JobRegistry({name: Dataset.open(name, source)}).open_job(JobSpec(f"inline-{pixels}", name,
                                                                            PlanConfig(dp=1, microbatches=2), 0))
-    files = workers.SharedFiles(workers.shared_directory(), 1 << 30)  # reused step after step, as the server does
+    files = step_files.SharedFiles(step_files.shared_directory(), 1 << 30)  # reused step after step, as the server does
     samples, started = 0, time.process_time()
     for step in range(job.plan(0).n_steps):
-        result = workers.build_rank_step(job.work(0, step, 0), files.take())
+        result = worker_process.build_rank_step(job.work(0, step, 0), files.take())
         result.files = files
         samples += result.attach().samples
         result.messages = []
     seconds = time.process_time() - started
     files.clear()
-    workers.remove_shared_files(workers.shared_directory(), os.getpid())
+    step_files.remove_shared_files(step_files.shared_directory(), os.getpid())
     return samples, seconds
 
 

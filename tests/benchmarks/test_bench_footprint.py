@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from packfeed.client import LocalServer, PackStream
-from packfeed.server.serve.workers import GIVE_BACK_AFTER_S
+from packfeed.server.serve.worker_process import GIVE_BACK_AFTER_S
 
 pytestmark = pytest.mark.benchmark
 

@@ -48,10 +48,11 @@ def best_seconds(ways: dict, repeat: int, check=lambda: None) -> dict[str, float
 
 def hand_over(pieces: list, files, directory: str) -> None:
     """One step written into a file as a worker does, mapped and copied out as the server does, then let go."""
-    from packfeed.server.serve.workers import SHARED_PREFIX, RankStepResult, _write_shared
+    from packfeed.server.serve.step_files import SHARED_PREFIX, write_shared
+    from packfeed.server.serve.step_work import RankStepResult
 
     path = files.take() if files else os.path.join(directory, f"{SHARED_PREFIX}{os.getpid()}-{uuid.uuid4().hex}")
-    result = RankStepResult([], 1, shared=path, segments=_write_shared(path, [pieces]),
+    result = RankStepResult([], 1, shared=path, segments=write_shared(path, [pieces]),
                             files=files)
     result.attach()
     assert len(bytes(result.messages[0])) == STEP_BYTES  # copied out, as the server hands it to gRPC
@@ -59,7 +60,7 @@ def hand_over(pieces: list, files, directory: str) -> None:
 
 
 def test_shared_memory_files_new_or_used_again():
-    from packfeed.server.serve.workers import SharedFiles, remove_shared_files, shared_directory
+    from packfeed.server.serve.step_files import SharedFiles, remove_shared_files, shared_directory
 
     directory = shared_directory()
     pieces = [np.random.default_rng(0).integers(0, 256, STEP_BYTES, dtype=np.uint8)]
@@ -78,10 +79,10 @@ def test_shared_memory_files_new_or_used_again():
 
 
 def test_writing_a_step_into_a_file_used_again():
-    from packfeed.server.serve import workers
+    from packfeed.server.serve import step_files
 
-    directory = workers.shared_directory()
-    path = os.path.join(directory, f"{workers.SHARED_PREFIX}{os.getpid()}-{uuid.uuid4().hex}")
+    directory = step_files.shared_directory()
+    path = os.path.join(directory, f"{step_files.SHARED_PREFIX}{os.getpid()}-{uuid.uuid4().hex}")
     tile = 3 * 448 * 448
     pieces = [np.random.default_rng(k).integers(0, 256, tile, dtype=np.uint8) for k in range(STEP_BYTES // tile)]
     expected = b"".join(pieces)
@@ -89,7 +90,7 @@ def test_writing_a_step_into_a_file_used_again():
     def pwritev() -> None:
         fd = os.open(path, os.O_RDWR)
         try:
-            workers._pwrite_all(fd, [memoryview(piece) for piece in pieces])
+            step_files._pwrite_all(fd, [memoryview(piece) for piece in pieces])
         finally:
             os.close(fd)
 
@@ -97,13 +98,13 @@ def test_writing_a_step_into_a_file_used_again():
         with open(path, "rb") as written:
             assert written.read(len(expected)) == expected
 
-    ways = {"pwritev": pwritev, "the worker's kept mapping": lambda: workers._write_shared(path, [pieces])}
+    ways = {"pwritev": pwritev, "the worker's kept mapping": lambda: step_files.write_shared(path, [pieces])}
     try:
-        workers._write_shared(path, [pieces])  # the file exists, its pages allocated, as a pool's file is
+        step_files.write_shared(path, [pieces])  # the file exists, its pages allocated, as a pool's file is
         best = best_seconds(ways, STEPS, check)
     finally:
-        workers._forget_mapping(path)
-        workers.remove_shared_files(directory, os.getpid())
+        step_files.forget_mapping(path)
+        step_files.remove_shared_files(directory, os.getpid())
     for name, seconds in best.items():
         print(f"\n[write] {len(expected) / 1e6:.1f} MB step in {len(pieces)} pieces, {name}: {seconds * 1e3:.2f} ms CPU",
               end="")
@@ -130,12 +131,12 @@ def test_cutting_tiles_into_the_steps_file():
     into a file that holds one already: tiles cut into the worker's memory, then copied into the file through its
     kept mapping (as before), against tiles cut straight into the file (`_TileArena`), the rest of the step
     written after them."""
-    from packfeed.server.serve import workers
+    from packfeed.server.serve import step_files, worker_process
     from packfeed.media.chw import chw_tiles
 
-    workers.keep_freed_memory()  # as a worker: tiles cut into its memory reuse freed blocks, not fresh pages
-    directory = workers.shared_directory()
-    path = os.path.join(directory, f"{workers.SHARED_PREFIX}{os.getpid()}-{uuid.uuid4().hex}")
+    worker_process.keep_freed_memory()  # as a worker: tiles cut into its memory reuse freed blocks, not fresh pages
+    directory = step_files.shared_directory()
+    path = os.path.join(directory, f"{step_files.SHARED_PREFIX}{os.getpid()}-{uuid.uuid4().hex}")
     image = np.random.default_rng(0).integers(0, 256, (1344, 1792, 3), dtype=np.uint8)
     boxes = [(top, left, 448, 448) for top in range(0, 1344, 448) for left in range(0, 1792, 448)] + [(0, 0, 448, 448)]
     capacity = 2 * len(boxes) * 3 * 448 * 448
@@ -145,12 +146,12 @@ def test_cutting_tiles_into_the_steps_file():
         return [head, *(memoryview(tile).cast("B") for _ in range(2) for tile in chw_tiles(image, boxes, empty))]
 
     def copied() -> None:
-        workers._write_shared(path, [cut(np.empty)])
+        step_files.write_shared(path, [cut(np.empty)])
 
     def in_place() -> list:
-        arena = workers._TileArena.open(path, capacity)
+        arena = step_files.TileArena.open(path, capacity)
         assert arena is not None
-        return workers._write_shared(path, [cut(arena.empty)], arena)
+        return step_files.write_shared(path, [cut(arena.empty)], arena)
 
     try:
         copied()  # the file exists with room for the step, its pages allocated, as a pool's file is
@@ -161,8 +162,8 @@ def test_cutting_tiles_into_the_steps_file():
         best = best_seconds({"cut into memory, then copied into the file": copied,
                              "cut straight into the file": in_place}, STEPS // 4)
     finally:
-        workers._forget_mapping(path)
-        workers.remove_shared_files(directory, os.getpid())
+        step_files.forget_mapping(path)
+        step_files.remove_shared_files(directory, os.getpid())
     for name, seconds in best.items():
         print(f"\n[arena] {capacity / 1e6:.1f} MB of tiles, {name}: {seconds * 1e3:.2f} ms CPU", end="")
     ratio = best["cut into memory, then copied into the file"] / best["cut straight into the file"]

@@ -176,7 +176,7 @@ def test_fast_path_decoding(tmp_path):
     cv2 = pytest.importorskip("cv2")
     from packfeed.media.image_policy import policy_from_dict
     from packfeed.media.fast import decode as fast_pixels
-    from packfeed.server.serve.workers import keep_freed_memory
+    from packfeed.server.serve.worker_process import keep_freed_memory
     from packfeed.media.pixels import oriented_size
 
     keep_freed_memory()  # as a worker: large outputs come from kept memory, not fresh pages

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from packfeed.server.serve.workers import KEEP_FREED_BYTES
+from packfeed.server.serve.worker_process import KEEP_FREED_BYTES
 from test_sample_limits import MiB, huge_shard, index_with, served_peak  # noqa: F401  (the shard fixture)
 
 pytestmark = pytest.mark.benchmark

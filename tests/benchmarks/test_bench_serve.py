@@ -36,22 +36,22 @@ def demo(tmp_path_factory):
 def packfeed_preprocess(index: Path, keep: int = 0):
     """Every rank-step of one epoch (DP 2, M 2) through the worker function, in this process. Like a server,
     it lets go of each message once sent (here: measured), but for the first `keep`."""
-    from packfeed.server.serve import workers
+    from packfeed.server.serve import step_work, worker_process
     from packfeed.server.serve.jobs import Dataset, JobSpec
     from packfeed.server.serve.registry import JobRegistry
     from packfeed.v1.options import PlanConfig
 
-    source = workers.DatasetSource(str(index), str(index.parent / "tokenizer.json"))
-    workers._init_worker({"d": source})
+    source = step_work.DatasetSource(str(index), str(index.parent / "tokenizer.json"))
+    worker_process.init_worker({"d": source})
     registry = JobRegistry({"d": Dataset.open("d", source)})
     job = registry.open_job(JobSpec("bench", "d", PlanConfig(dp=2, microbatches=2, pipeline_stages=2), 0))
     plan = job.plan(0)
     work = [job.work(0, s, r) for s in range(plan.n_steps) for r in range(2)]
-    workers.build_rank_step(work[0])  # open the dataset and tokenizer outside the timing
+    worker_process.build_rank_step(work[0])  # open the dataset and tokenizer outside the timing
     samples, kept = 0, []
     started = time.perf_counter()
     for w in work:
-        result = workers.build_rank_step(w)
+        result = worker_process.build_rank_step(w)
         samples += result.samples
         kept += result.messages[:keep - len(kept)]
     return samples, time.perf_counter() - started, kept

@@ -1,0 +1,188 @@
+"""Inside a pre-processing worker process: its set-up (no pandas, one tokenizer thread, memory kept for reuse and
+given back when idle, dying with its server) and the step function: read, decode, tile, tokenise and assemble a
+rank-step's packs, serialized into the step's shared file."""
+
+from __future__ import annotations
+
+import collections
+import ctypes
+import importlib.abc
+import os
+import signal
+import sys
+import threading
+import time
+
+import numpy as np
+
+from packfeed.server.serve.observe import log
+from packfeed.server.serve.packs import IndexRows, build_pack
+from packfeed.server.serve.preprocess import SampleReader
+from packfeed.server.serve.routed import build_routed_pack
+from packfeed.server.serve.step_files import TileArena, forget_mapping, write_shared
+from packfeed.server.serve.step_work import DatasetSource, RankStepResult, RankStepWork
+from packfeed.server.serve.wire import pack_pieces
+
+_DATASETS: dict[str, tuple[IndexRows, SampleReader]] = {}
+_WARNED: list[bool] = []  # this worker said once that shared memory is full
+_SOURCES: dict[str, DatasetSource] = {}
+
+
+class _NotInWorkers(importlib.abc.MetaPathFinder):
+    """Refuses to import pandas in a worker, as if it were not installed: pyarrow imports it (about 45 MiB
+    resident) the first time it builds an array, only to check whether the values are pandas objects, and
+    carries on without it where it is missing."""
+
+    REFUSED = ("pandas",)
+
+    def find_spec(self, name, path=None, target=None):
+        if name.partition(".")[0] in self.REFUSED:
+            raise ModuleNotFoundError(f"{name} is not imported in Packfeed's pre-processing workers", name=name)
+        return None
+
+
+def init_worker(sources: dict[str, DatasetSource], server_pid: int | None = None) -> None:
+    """Set up a pool's worker process (`server_pid`: the server's), or this process for inline use."""
+    _SOURCES.update(sources)
+    if server_pid is not None and not any(isinstance(finder, _NotInWorkers) for finder in sys.meta_path):
+        sys.meta_path.insert(0, _NotInWorkers())
+    keep_freed_memory(give_back_after=GIVE_BACK_AFTER_S)
+    # A worker is one core. The tokenizer's own thread pool would spin between a sample's few short encodes:
+    # a twentieth of a worker's CPU, seen in a one-off `perf` profile during the CPU-per-sample benchmark.
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    if server_pid is not None:
+        _die_with(server_pid)
+
+
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's malloc.h
+KEEP_FREED_BYTES = 128 << 20
+_ACTIVITY = {"busy": False, "since": 0.0, "given_back": True, "watched": False}  # for _give_back_when_idle
+GIVE_BACK_AFTER_S = 5.0  # a worker that has prepared no step for this long gives its kept memory back
+
+
+def keep_freed_memory(give_back_after: float | None = None) -> None:
+    """Have glibc's malloc keep freed memory for the next allocation, up to KEEP_FREED_BYTES: a server process
+    allocates and frees megabytes per step (pixels, message parts, gRPC's buffers), and by default glibc gives
+    large blocks back to the kernel at once, so every step pays again for fresh pages, zeroed (seen in a one-off
+    `perf` profile of the server process during the CPU-per-sample benchmark). The price: a process's resident
+    memory stays up to that much above what it holds, while it is busy. With `give_back_after` (a worker), a
+    thread gives the kept memory back once no step has been prepared for that many seconds, so an idle worker
+    holds only what it uses. No-op without glibc (musl has no mallopt)."""
+    if sys.platform != "linux":
+        return
+    libc = ctypes.CDLL(None)
+    if hasattr(libc, "mallopt"):
+        libc.mallopt(M_MMAP_THRESHOLD, 64 << 20)  # blocks under 64 MiB come from (and go back to) the heap
+        libc.mallopt(M_TRIM_THRESHOLD, KEEP_FREED_BYTES)
+    if give_back_after is not None and hasattr(libc, "malloc_trim") and not _ACTIVITY["watched"]:
+        _ACTIVITY["watched"] = True  # one thread per process, however often a worker is set up
+        threading.Thread(target=_give_back_when_idle, args=(give_back_after,), daemon=True,
+                         name="packfeed-give-back").start()
+
+
+def give_back_freed_memory() -> None:
+    """Return the memory malloc keeps free to the kernel now (glibc's malloc_trim; no-op elsewhere)."""
+    libc = ctypes.CDLL(None) if sys.platform == "linux" else None
+    if libc is not None and hasattr(libc, "malloc_trim"):
+        libc.malloc_trim(0)
+
+
+def _give_back_when_idle(after: float) -> None:
+    """A worker's thread: give the kept memory back once `after` seconds have passed since the last step ended."""
+    while True:
+        time.sleep(after / 4)
+        if not _ACTIVITY["busy"] and not _ACTIVITY["given_back"] and time.monotonic() - _ACTIVITY["since"] >= after:
+            give_back_freed_memory()
+            _ACTIVITY["given_back"] = True
+
+
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def _die_with(server_pid: int) -> None:
+    """Have the kernel stop this worker when its server goes (Linux): a server killed outright (SIGKILL, the OOM
+    killer) cannot stop its workers, which would otherwise live on with their memory, waiting for work."""
+    if sys.platform != "linux":
+        return
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() != server_pid:  # the server went before the request was made
+        os._exit(0)
+
+
+def _dataset(name: str) -> tuple[IndexRows, SampleReader]:
+    if name not in _DATASETS:  # opened lazily: a worker pays only for the datasets it serves
+        source = _SOURCES[name]
+        rows = IndexRows(source.index)
+        _DATASETS[name] = rows, SampleReader(rows.info, source.tokenizer, source.shard_root,
+                                             source.pixels)
+    return _DATASETS[name]
+
+
+def build_rank_step(work: RankStepWork, shared: str | None = None) -> RankStepResult:
+    """Runs in a worker process (messages written into the shared-memory file `shared`), or inline for tests and
+    embedded use (`shared` None: the messages as bytes)."""
+    _ACTIVITY["busy"] = True
+    try:
+        return _build_rank_step(work, shared)
+    finally:
+        _ACTIVITY.update(busy=False, since=time.monotonic(), given_back=False)
+
+
+def _build_rank_step(work: RankStepWork, shared: str | None) -> RankStepResult:
+    started = time.perf_counter()
+    parts = [(*_dataset(name), label) for name, label in zip(work.datasets, work.labels)]
+    arena = TileArena.open(shared, _tile_bytes(parts, work)) if shared is not None else None
+    for _, reader, _ in parts:
+        reader.empty = arena.empty if arena is not None else np.empty
+        reader.decode_budget = work.decode_budget
+    try:
+        pieces, skipped, samples, by_dataset = [], [], 0, collections.Counter()
+        for microbatch, (members, truncate_to, sources) in enumerate(work.packs):
+            if work.routed is not None:
+                encoders, encode = work.routed[microbatch]
+                pack = build_routed_pack(parts, (members, truncate_to, sources), encoders, encode, work.epoch,
+                                         work.step, work.rank, microbatch, work.seed)
+            else:
+                pack = build_pack(parts, members, truncate_to, sources, work.epoch, work.step, work.rank,
+                                  microbatch, work.seed)
+            pack.step_loss_tokens = work.step_loss_tokens
+            pieces.append(pack_pieces(pack, len(work.packs), work.last_in_epoch))
+            skipped.extend(pack.skipped)
+            samples += len(members)
+            by_dataset.update(pack.sample_sources)
+        result = RankStepResult([], samples, skipped, 0.0, dict(by_dataset))
+        if shared is not None:
+            try:
+                result.segments = write_shared(shared, pieces, arena)
+                result.shared = shared
+            except OSError as error:  # no room in shared memory: the bytes travel through the pipe instead
+                if not _WARNED:
+                    _WARNED.append(True)
+                    log.warning("prepared steps go through a pipe (more CPU per sample): no room in shared memory; "
+                                "give the server a larger /dev/shm (docker: shm_size)",
+                                extra={"file": shared, "error": str(error)})
+        if result.shared is None:
+            result.messages = [b"".join(message) for message in pieces]
+            if shared is not None:
+                _empty(shared)  # what a full /dev/shm let through, and the tiles cut into it, freed at once
+    finally:
+        for _, reader, _ in parts:
+            reader.empty = np.empty
+        if shared is not None:  # unmapped once this step's tiles are dropped: see _writable_mapping
+            forget_mapping(shared)
+    result.seconds = time.perf_counter() - started
+    return result
+
+
+def _tile_bytes(parts: list, work: RankStepWork) -> int:
+    """Bytes of the step's tiles as the index counts them (none where a dataset sends encoded images)."""
+    return sum(parts[k][0].pixel_bytes(ids) for k, ids in work.samples_by_source(pixels_only=True)
+               if parts[k][1].pixels != "encoded")
+
+
+def _empty(path: str) -> None:
+    forget_mapping(path)
+    try:
+        os.truncate(path, 0)
+    except OSError:
+        pass
