@@ -62,7 +62,8 @@ def test_bad_plan_specs_fail_where_they_enter(spec, message):
 
 
 def test_cli_flags_are_the_plan_config_fields():
-    from packfeed.server.cli import build_parser, plan_config_of
+    from packfeed.server.cli import build_parser
+    from packfeed.server.cli.options import plan_config_of
 
     parser = build_parser()
     for command in ("plan", "stats"):

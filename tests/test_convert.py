@@ -278,7 +278,7 @@ def test_converted_images_keep_their_format(tmp_path):
 
 def test_the_cli_offers_every_source_format():
     """The parser lists formats without importing the converters; the two lists stay in step."""
-    from packfeed.server.convert.command import FORMATS as OFFERED
+    from packfeed.server.cli.convert import FORMATS as OFFERED
     from packfeed.server.convert.sources import FORMATS
 
     assert set(OFFERED) == set(FORMATS) | {"internvl-meta"}

@@ -1,4 +1,5 @@
-"""`packfeed convert` from the command line: convert, then index the result when --index is given."""
+"""`packfeed convert`: convert, then index the result when --index is given (the command composes the two stages;
+neither imports the other)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import json
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from packfeed.server.cli.options import EXIT_OK, EXIT_SKIPPED
 
 if TYPE_CHECKING:  # the parser imports this module: the converters (PIL, pyarrow, tokenizers) load only in run()
     from packfeed.server.convert.convert import ConvertReport
@@ -87,3 +90,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def print_summary(summary: dict[str, Any]) -> None:
     print(json.dumps(summary, ensure_ascii=False))
+
+
+def cmd_convert(args: argparse.Namespace) -> int:
+    summary, skipped = run(args)
+    print_summary(summary)
+    return EXIT_SKIPPED if skipped else EXIT_OK

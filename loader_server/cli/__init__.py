@@ -1,0 +1,163 @@
+"""`packfeed`, the command line: index, convert, plan, stats, info, serve, health, train, simulate, warmup, demo.
+The parser is built here; each command runs in `commands` (or `convert`), importing its stage only when run."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from packfeed.server.cli.commands import (cmd_demo, cmd_health, cmd_index, cmd_info, cmd_plan, cmd_serve,
+                                          cmd_simulate, cmd_stats, cmd_train, cmd_warmup)
+from packfeed.server.cli.convert import add_arguments as add_convert_arguments, cmd_convert
+from packfeed.server.cli.options import EXIT_USAGE, add_index_options, add_plan_options
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="packfeed", description="Balanced packs for vision-language training.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    index = sub.add_parser("index", help="build a Parquet index of a WebDataset (or import length files)")
+    index.add_argument("shards", nargs="*", help="tar shards: paths, globs, brace patterns, pipe:/URL sources")
+    index.add_argument("--from-lengths", nargs="+", metavar="FILE.json", help="import OmniBal/InternVL length files")
+    index.add_argument("--encoder", action="append", metavar="NAME[:padded]",
+                       help="with --from-lengths: a further encoder whose costs the records give as NAME_tokens "
+                            "(and NAME_items, default 1); :padded when it pads each batch to its longest sequence")
+    index.add_argument("--out", required=True, help="output INDEX.parquet")
+    index.add_argument("--workers", type=int, default=None, help="parallel shard readers (default: CPU count)")
+    index.add_argument("--quiet", action="store_true", help="no progress bar")
+    index.add_argument("--ray", metavar="ADDRESS", help="index shards as tasks on the Ray cluster at ADDRESS "
+                                                        "(host:port), or 'local' for a Ray instance of this run")
+    add_index_options(index)
+    index.set_defaults(func=cmd_index)
+
+    convert = sub.add_parser("convert", help="LLaVA / InternVL / ShareGPT annotations or HF Parquet -> shards "
+                                             "(+ index with --index; internvl-meta: + mixture.yaml)")
+    add_convert_arguments(convert)
+    add_index_options(convert)
+    convert.set_defaults(func=cmd_convert)
+
+    plan = sub.add_parser("plan", help="plan balanced packs for one epoch")
+    plan.add_argument("--index", help="the dataset's index (or --mixture)")
+    plan.add_argument("--mixture", metavar="MIXTURE.yaml", help="plan a mixture of datasets (name, datasets: "
+                                                                "{NAME: {index, repeat}}); plan rows get a dataset column")
+    plan.add_argument("--seed", type=int, default=0)
+    plan.add_argument("--epoch", type=int, default=0)
+    plan.add_argument("--out", help="plan.parquet (one row per sample)")
+    add_plan_options(plan)
+    plan.set_defaults(func=cmd_plan)
+
+    stats = sub.add_parser("stats", help="HTML/Markdown/JSON statistics report of an index or a mixture")
+    stats.add_argument("--index", help="the dataset's index (or --mixture)")
+    stats.add_argument("--mixture", metavar="MIXTURE.yaml", help="report on a mixture's first epoch, per dataset")
+    stats.add_argument("--out", required=True, help="report directory")
+    stats.add_argument("--seed", type=int, default=0)
+    add_plan_options(stats)
+    stats.set_defaults(func=cmd_stats)
+
+    info = sub.add_parser("info", help="a quick look at an index, a mixture, a directory or shards before training")
+    info.add_argument("paths", nargs="+", metavar="PATH", help="INDEX.parquet, MIXTURE.yaml, a directory, or shards")
+    info.add_argument("--json", action="store_true", help="machine-readable output")
+    info.set_defaults(func=cmd_info)
+
+    serve = sub.add_parser("serve", help="stream balanced packs to trainer ranks over gRPC")
+    serve.add_argument("--config", help="YAML/JSON server config (see packfeed.server.serve.config); env PACKFEED_* "
+                                        "overrides it, flags override both")
+    serve.add_argument("--index", help="serve this index (a dataset named after its directory, or --dataset)")
+    serve.add_argument("--dataset", help="name for --index's dataset")
+    serve.add_argument("--mixture", metavar="MIXTURE.yaml", help="serve a mixture of indexes, named by its `name:`")
+    serve.add_argument("--tokenizer", help="tokenizer.json (default: the one recorded in the index)")
+    serve.add_argument("--shard-root", help="directory holding the shards (default: paths recorded in the index)")
+    serve.add_argument("--listen", help="host:port (default 127.0.0.1:50051)")
+    serve.add_argument("--metrics-port", help="Prometheus /metrics port or range FIRST-LAST (default: off)")
+    serve.add_argument("--workers", type=int, help="pre-processing processes (default: CPU count - 1)")
+    serve.add_argument("--prefetch-steps", type=int, help="steps prepared ahead per rank (default 4)")
+    serve.add_argument("--memory-budget-mb", type=int, help="prepared packs held in memory (default 2048)")
+    serve.add_argument("--log-level", default="INFO")
+    serve.set_defaults(func=cmd_serve)
+
+    health = sub.add_parser("health", help="check a server's gRPC health service (exit 0 when SERVING)")
+    health.add_argument("target", nargs="?", help="host:port (default: the address in $PACKFEED_ADDRESS_FILE)")
+    health.add_argument("--service", default="", help="service name (default: the whole server)")
+    health.add_argument("--timeout", type=float, default=5.0, help="seconds")
+    health.add_argument("--tls-ca", help="PEM of the CA that signed the server's certificate (TLS servers)")
+    health.add_argument("--tls-name", help="name to check the certificate against (default: the target host)")
+    health.set_defaults(func=cmd_health)
+
+    train = sub.add_parser("train", help="reference pipeline trainer fed by a Packfeed server (needs torch)")
+    train.add_argument("--config", help="YAML/JSON trainer config (see packfeed.trainer.config)")
+    train.add_argument("--nproc", type=int, default=0, help="launch under torchrun on this machine: dp x pp processes "
+                       "(the mesh's size; a different count is corrected, with a note)")
+    train.add_argument("overrides", nargs="*", help="section.key=value, e.g. parallel.pp=2 data.index=INDEX")
+    train.set_defaults(func=cmd_train)
+
+    simulate = sub.add_parser("simulate", help="predict step and epoch time, bubbles and MFU of a plan on a "
+                              "cluster, for each data strategy and encoder placement (no GPU needed)")
+    from packfeed.trainer.simulate.command import add_arguments
+
+    add_arguments(simulate)
+    simulate.set_defaults(func=cmd_simulate)
+
+    warmup = sub.add_parser("warmup", help="compile and cache the planner's kernels (run where an image is built or "
+                                           "a venv installed, so a fresh server plans at once)")
+    warmup.set_defaults(func=cmd_warmup)
+
+    demo = sub.add_parser("demo", help="build a demo dataset, index it, report and plan")
+    demo.add_argument("--out", default="demo-out")
+    demo.add_argument("--samples", type=int, default=240)
+    demo.add_argument("--dataset-only", action="store_true", help="write and index the dataset, then stop")
+    demo.set_defaults(func=cmd_demo)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, OSError) as error:  # bad input or an address/file problem: a message, not a traceback
+        print(f"packfeed {args.command}: error: {error}", file=sys.stderr)
+        return EXIT_USAGE
+
+
+_HUGE_PAGES_TUNABLE = "glibc.malloc.hugetlb=1"
+
+
+def _restart_with_huge_pages() -> None:
+    """Re-exec the command once with glibc's malloc asking for transparent huge pages.
+
+    Planning allocates multi-GB arrays (through numba and numpy); with 4 KiB pages, first-touch page faults
+    took a third of the wall time at 100M samples on our VMs, and huge pages make the whole `packfeed
+    plan` about 20% faster there (BENCHMARKS.md). The tunable must be in the environment when the process
+    starts, hence the exec. Opt out with PACKFEED_NO_HUGE_PAGES=1; older glibc ignores the tunable.
+    """
+    tunables = os.environ.get("GLIBC_TUNABLES", "")
+    if (sys.platform != "linux" or "glibc.malloc.hugetlb" in tunables or os.environ.get("PACKFEED_NO_HUGE_PAGES")
+            or not _transparent_huge_pages_on_request()):
+        return
+    os.environ["GLIBC_TUNABLES"] = f"{tunables}:{_HUGE_PAGES_TUNABLE}" if tunables else _HUGE_PAGES_TUNABLE
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execv(sys.executable, [sys.executable, "-m", "packfeed.server.cli", *sys.argv[1:]])
+
+
+def _transparent_huge_pages_on_request() -> bool:
+    """True when the kernel gives huge pages to memory that asks (mode `madvise`; `always` needs no ask)."""
+    try:
+        return "[madvise]" in Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
+    except OSError:
+        return False
+
+
+def entry() -> None:
+    """The `packfeed` console command: main(), then exit without interpreter teardown.
+
+    Every file is closed by then; skipping teardown saves the ~0.5 s numba's shutdown costs, a sixth of
+    planning 1.2M samples.
+    """
+    _restart_with_huge_pages()
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+

@@ -1,0 +1,5 @@
+"""`python -m packfeed.server.cli`: the `packfeed` command."""
+
+from packfeed.server.cli import entry
+
+entry()

@@ -1,0 +1,210 @@
+"""The commands but `convert`: each parses nothing (the parser did), imports its stage only when run (so `packfeed
+--help` stays light), prints its summary as JSON and returns its exit code."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+from pathlib import Path
+
+from packfeed.server.cli.options import EXIT_OK, EXIT_SKIPPED, EXIT_USAGE, parse_encoders, plan_config_of
+
+
+def cmd_index(args: argparse.Namespace) -> int:
+    if args.from_lengths:
+        from packfeed.server.index.lengths import index_from_lengths
+
+        info = index_from_lengths(args.from_lengths, args.out, parse_encoders(args.encoder or []))
+        print(json.dumps({"index": str(args.out), "fingerprint": info.fingerprint,
+                          "invalid_by_reason": info.invalid_by_reason}))
+        return EXIT_SKIPPED if info.invalid_by_reason else EXIT_OK
+    if not args.shards:
+        print("packfeed index: give shard paths/globs/brace patterns, or --from-lengths FILE.json", file=sys.stderr)
+        return EXIT_USAGE
+    from packfeed.server.index.config import IndexConfig
+    from packfeed.server.index.indexer import build_index
+
+    config = IndexConfig.from_args(args)
+    result = build_index(args.shards, args.out, config, workers=args.workers, progress=not args.quiet, ray=args.ray)
+    print(json.dumps(result.summary()))
+    return EXIT_SKIPPED if result.skipped_anything else EXIT_OK
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from packfeed.server.plan.costs import load_sample_loads
+    from packfeed.server.plan.planner import make_plan
+
+    if bool(args.index) == bool(args.mixture):
+        raise ValueError("give --index INDEX or --mixture MIXTURE.yaml")
+    if plan_config_of(args).window:
+        return _plan_windows(args)
+    if args.mixture:
+        from packfeed.server.plan.mixture import Mixture, MixtureLoads, make_mixture_plan
+
+        mixture = MixtureLoads(Mixture.load(args.mixture))
+        plan = make_mixture_plan(mixture, plan_config_of(args), args.seed, args.epoch)
+        loads = plan.rows.loads
+    else:
+        loads, info = load_sample_loads(args.index)
+        plan = make_plan(loads, plan_config_of(args), args.seed, args.epoch, info.fingerprint)
+    if args.out:
+        plan.write(args.out)
+    summary = plan.summary(loads)
+    summary["plan_fingerprint"] = plan.fingerprint()
+    if plan.rows is not None:
+        summary["datasets"] = plan.rows.counts(plan.members)
+    if summary["oversize"]["count"]:
+        print(f"note: {summary['oversize']['count']} samples exceed a cap (policy: {summary['oversize']['policy']})", file=sys.stderr)
+    print(json.dumps(summary))
+    return EXIT_OK
+
+
+def _plan_windows(args: argparse.Namespace) -> int:
+    """`packfeed plan --window N`: plan every window (as a server would, one after another) and summarise the
+    epoch: steps, balance over all of them, the time to the first window. No plan file: a windowed plan is
+    made window by window where it is served."""
+    import time
+
+    from packfeed.server.plan.mapped_loads import map_sample_loads
+    from packfeed.server.plan.windows import WindowedPlan
+
+    if args.out:
+        raise ValueError("--out writes whole-epoch plans; a windowed plan (--window) is planned where it is served")
+    config = plan_config_of(args)
+    started = time.perf_counter()
+    if args.mixture:
+        from packfeed.server.plan.mixture import Mixture, MixtureLoads
+
+        mixture = MixtureLoads(Mixture.load(args.mixture), None, mapped=True)
+        plan = mixture.windowed(config, args.seed, args.epoch)
+    else:
+        loads, info = map_sample_loads(args.index)
+        plan = WindowedPlan(loads, config, args.seed, args.epoch, config.window, info.fingerprint)
+    plan.window(0)
+    first_seconds = time.perf_counter() - started
+    balance = plan.epoch_balance()
+    print(json.dumps({"strategy": config.strategy.value, "window": config.window, "windows": plan.n_windows,
+                      "samples": balance["samples"], "steps": balance["steps"],
+                      "vit_dist": round(balance["vit_dist"], 6), "llm_dist": round(balance["llm_dist"], 6),
+                      "caps": dataclasses.asdict(plan.caps) if plan.caps else None,
+                      "first_window_seconds": round(first_seconds, 3),
+                      "planning_seconds": round(time.perf_counter() - started, 3),
+                      "plan_fingerprint": plan.fingerprint()}))
+    plan.close()
+    return EXIT_OK
+
+
+def cmd_stats(args: argparse.Namespace) -> int:
+    from packfeed.server.tools.stats import mixture_input, write_report
+
+    if bool(args.index) == bool(args.mixture):
+        raise ValueError("give --index INDEX or --mixture MIXTURE.yaml")
+    config = plan_config_of(args)
+    if config.window:
+        raise ValueError("the report compares whole-epoch plans; for a windowed plan's balance run "
+                         "`packfeed plan --window N`")
+    source = mixture_input(args.mixture, config, args.seed) if args.mixture else args.index
+    paths = write_report(source, args.out, config, seed=args.seed)
+    print(json.dumps({k: str(v) for k, v in paths.items()}))
+    return EXIT_OK
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    from packfeed.server.tools.info import describe_path, format_info
+
+    reports = [describe_path(path) for path in args.paths]
+    if args.json:
+        print(json.dumps(reports if len(reports) > 1 else reports[0], indent=1))
+    else:
+        print("\n\n".join(format_info(report) for report in reports))
+    return EXIT_OK
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from packfeed.server.tools.demo import run_demo
+
+    return run_demo(Path(args.out), samples=args.samples, dataset_only=args.dataset_only)
+
+
+def cmd_warmup(args: argparse.Namespace) -> int:
+    from packfeed.server.plan.warmup import warm_up
+
+    print(json.dumps({"warmup_seconds": round(warm_up(), 2)}))
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from packfeed.server.serve.config import load_config
+    from packfeed.server.serve.observe import setup_logging
+    from packfeed.server.serve.server import serve
+
+    setup_logging(args.log_level)
+    config = load_config(args.config, index=args.index, mixture=args.mixture, tokenizer=args.tokenizer,
+                         shard_root=args.shard_root,
+                         dataset=args.dataset, listen=args.listen, metrics_port=args.metrics_port,
+                         workers=args.workers, prefetch_steps=args.prefetch_steps,
+                         memory_budget_mb=args.memory_budget_mb)
+    asyncio.run(serve(config))
+    return EXIT_OK
+
+
+def cmd_health(args: argparse.Namespace) -> int:
+    """Exit 0 when the server answers SERVING on the standard gRPC health service (container healthchecks)."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    target = args.target
+    if not target:
+        address_file = os.environ.get("PACKFEED_ADDRESS_FILE", "")
+        if not address_file or not Path(address_file).is_file():
+            raise ValueError("give TARGET (host:port), or set PACKFEED_ADDRESS_FILE to the file the server writes "
+                             "once serving (address_file in its config)")
+        target = Path(address_file).read_text().strip()
+    if args.tls_ca:
+        channel = grpc.secure_channel(target, grpc.ssl_channel_credentials(Path(args.tls_ca).read_bytes()),
+                                      options=[("grpc.ssl_target_name_override", args.tls_name)] if args.tls_name
+                                      else [])
+    else:
+        channel = grpc.insecure_channel(target)
+    with channel:
+        try:
+            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=args.service),
+                                                              timeout=args.timeout)
+        except grpc.RpcError as error:
+            print(f"{target}: {error.code().name}: {error.details()}", file=sys.stderr)
+            return 1
+    status = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+    print(f"{target}: {status}")
+    return EXIT_OK if reply.status == health_pb2.HealthCheckResponse.SERVING else 1
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    """The reference trainer (needs torch: `pip install packfeed[client]`). With --nproc it launches itself
+    under torchrun on this machine; otherwise it expects torchrun's environment (or runs one process)."""
+    forwarded = (["--config", args.config] if args.config else []) + args.overrides
+    if args.nproc:
+        import subprocess
+
+        from packfeed.trainer.config import load_config
+
+        parallel = load_config(args.config, args.overrides).parallel
+        world = parallel.dp * parallel.pp  # the mesh decides how many processes train
+        if world != args.nproc:
+            print(f"packfeed train: parallel.dp x parallel.pp = {parallel.dp} x {parallel.pp} trains on {world} "
+                  f"process(es); launching {world}, not --nproc {args.nproc}", file=sys.stderr)
+        return subprocess.call([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                f"--nproc-per-node={world}", "-m", "packfeed.trainer", *forwarded])
+    from packfeed.trainer.train import main as train_main
+
+    return train_main(forwarded)
+
+
+def cmd_simulate(args: argparse.Namespace) -> int:
+    from packfeed.trainer.simulate.command import run
+
+    return run(args)
