@@ -40,12 +40,12 @@ values when no conventions are given.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
 
+from packfeed.client.attention import register_varlen_attention  # noqa: F401  (re-exported: HF users import both from here)
 from packfeed.client.tensors import IGNORE_INDEX, PackTensors
 
 IMAGENET = ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))
@@ -318,92 +318,3 @@ def _token_types(pack: PackTensors, kinds: list[int]) -> torch.Tensor:
     for (start, count), kind in zip(pack.image_token_spans.tolist(), kinds):
         types[start:start + count] = 2 if kind == VIDEO else 1
     return types
-
-
-VARLEN_ATTENTION = "packfeed_varlen"
-
-
-def register_varlen_attention() -> str:
-    """Register Packfeed's variable-length attention with `transformers` and return its name, for
-    `from_config(..., attn_implementation=name)`; feed it `to_hf_inputs(..., attention="varlen")`."""
-    from transformers import AttentionInterface
-
-    AttentionInterface.register(VARLEN_ATTENTION, varlen_attention)
-    return VARLEN_ATTENTION
-
-
-def varlen_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                     attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
-                     **kwargs) -> tuple[torch.Tensor, None]:
-    """Attention of (batch, heads, L, dim) tensors, one sample at a time when `cu_seq_lens_q` splits L: each
-    sample attends only to itself (causal for the LLM, full for vision towers), with no L x L mask. On CUDA in
-    bf16 / fp16 that is one flash-attention call over the whole pack (torch's `varlen_attn`); elsewhere sdpa per
-    sample. Without them (or for a call they do not describe), plain sdpa with the mask given."""
-    import torch.nn.functional as F
-
-    causal = bool(kwargs.get("is_causal", getattr(module, "is_causal", True)))
-    groups = query.shape[1] // key.shape[1]
-    if groups > 1:  # grouped-query attention: every query head group shares a key/value head
-        key, value = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)
-    dropout = dropout if module.training else 0.0
-    bounds = kwargs.get("cu_seq_lens_q")
-    length = query.shape[2]
-    with _fixed_plan_backends(query):
-        if bounds is None or int(bounds[-1]) != length or attention_mask is not None:
-            out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, dropout_p=dropout,
-                                                 is_causal=causal and attention_mask is None and length > 1,
-                                                 scale=scaling)
-            return out.transpose(1, 2).contiguous(), None
-        if dropout == 0.0 and (flash := _flash_varlen(query, key, value, bounds, causal, scaling)) is not None:
-            return flash, None
-        edges = bounds.tolist()
-        out = torch.cat([F.scaled_dot_product_attention(query[:, :, a:b], key[:, :, a:b], value[:, :, a:b],
-                                                        dropout_p=dropout, is_causal=causal, scale=scaling)
-                         for a, b in zip(edges[:-1], edges[1:]) if b > a], dim=2)
-    return out.transpose(1, 2).contiguous(), None
-
-
-def _fixed_plan_backends(query: torch.Tensor):
-    """On CUDA, sdpa without its cuDNN backend: cuDNN builds an execution plan for every new sequence length,
-    and in packed training nearly every call has a new one; flash and memory-efficient kernels need none."""
-    from contextlib import nullcontext
-
-    if query.device.type != "cuda":
-        return nullcontext()
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
-
-
-@functools.cache
-def _torch_varlen_attn() -> tuple[Any, frozenset[str]]:
-    """torch's flash-attention `varlen_attn` and the names of its parameters (their set changed between
-    versions), looked up once rather than in every layer's call; (None, {}) before torch 2.10."""
-    try:
-        from torch.nn.attention.varlen import varlen_attn
-    except ImportError:
-        return None, frozenset()
-    import inspect
-
-    return varlen_attn, frozenset(inspect.signature(varlen_attn).parameters)
-
-
-def _flash_varlen(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, bounds: torch.Tensor, causal: bool,
-                  scaling: float | None) -> torch.Tensor | None:
-    """The pack's attention as one call of torch's flash-attention `varlen_attn` (CUDA, bf16 / fp16, a batch of
-    one packed row), as (1, L, heads, dim); None where it does not apply, so the caller runs sdpa per sample."""
-    if query.device.type != "cuda" or query.dtype not in (torch.float16, torch.bfloat16) or query.shape[0] != 1:
-        return None
-    varlen_attn, params = _torch_varlen_attn()
-    if varlen_attn is None:
-        return None
-    # torch 2.10-2.11 take is_causal; later versions a window, (-1, 0) being causal; the first had no scale
-    options = {"window_size": (-1, 0) if causal else (-1, -1)} if "window_size" in params else {"is_causal": causal}
-    if "scale" in params:
-        options["scale"] = scaling
-    elif scaling is not None and abs(scaling * query.shape[-1] ** 0.5 - 1) > 1e-6:
-        return None
-    q, k, v = (t[0].transpose(0, 1).contiguous() for t in (query, key, value))  # (L, heads, dim)
-    cu = bounds.to(device=query.device, dtype=torch.int32)
-    longest = int((cu[1:] - cu[:-1]).max())
-    return varlen_attn(q, k, v, cu, cu, longest, longest, **options).unsqueeze(0)
