@@ -57,3 +57,99 @@ def test_integrations_stay_optional_extras():
     assert any(spec.startswith("accelerate") for spec in extras["hf-trainer"])
     assert any(spec.startswith("trl") for spec in extras["trl"])
     assert any(spec.startswith("lightning") for spec in extras["lightning"])
+
+
+# -- the rules the layout keeps -----------------------------------------------------------------------------------
+
+MAX_MODULE_LINES = 400
+# The loader's stages in the order data flows through them: a stage may import the ones before it, never after.
+# `cluster` (many servers, one job) serves the serving stage; `tools` and `cli` stand beside or above the flow.
+SERVER_FLOW = ["convert", "index", "plan", "cluster", "serve", "tools", "cli"]
+# The simulator predicts what the planner's plans do to a training run, so it runs the planner: the one place the
+# trainer imports server code.
+TRAINER_MAY_IMPORT_SERVER = {"trainer/simulate/workload.py": "packfeed.server.plan",
+                             "trainer/simulate/command.py": "packfeed.server"}
+
+
+def project_modules() -> list[Path]:
+    """Every hand-written module of the package (not the generated *_pb2*.py)."""
+    return sorted(path for root in IMPORT_ROOTS for path in (REPO / root).rglob("*.py")
+                  if "_pb2" not in path.name and "__pycache__" not in path.parts)
+
+
+def imported_modules(path: Path) -> set[str]:
+    """Every module a file imports, at its top or inside functions (`from a.b import c` counts a.b and a.b.c)."""
+    import ast
+
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            names.add(node.module)
+            names.update(f"{node.module}.{alias.name}" for alias in node.names)
+    return names
+
+
+def module_of(path: Path) -> str:
+    folder = str(path.parent.relative_to(REPO))
+    return import_name(folder) + ("" if path.stem == "__init__" else "." + path.stem)
+
+
+def test_no_module_is_over_400_lines():
+    long = {str(path.relative_to(REPO)): n for path in project_modules()
+            if (n := len(path.read_text().splitlines())) > MAX_MODULE_LINES}
+    assert long == {}, f"split these along their seams (at most {MAX_MODULE_LINES} lines a module)"
+
+
+def test_no_import_runs_back_up_the_flow():
+    backwards = []
+    for path in project_modules():
+        module = module_of(path)
+        if not module.startswith("packfeed.server."):
+            continue
+        stage = module.split(".")[2]
+        if stage not in SERVER_FLOW:
+            continue
+        for name in imported_modules(path):
+            parts = name.split(".")
+            if name.startswith("packfeed.server.") and parts[2] in SERVER_FLOW \
+                    and SERVER_FLOW.index(parts[2]) > SERVER_FLOW.index(stage):
+                backwards.append(f"{path.relative_to(REPO)} imports {name}")
+    assert backwards == []
+
+
+def test_the_client_the_trainer_and_the_media_room_import_no_server_code():
+    crossing = []
+    for path in project_modules():
+        relative, module = str(path.relative_to(REPO)), module_of(path)
+        imported = imported_modules(path)
+        if module.startswith(("packfeed.client", "packfeed.media", "packfeed.v1")):
+            crossing += [f"{relative} imports {name}" for name in imported
+                         if name.startswith(("packfeed.server", "packfeed.trainer"))]
+        if module.startswith("packfeed.media"):  # what a sample is depends on the contract alone
+            crossing += [f"{relative} imports {name}" for name in imported
+                         if name.startswith("packfeed.") and not name.startswith(("packfeed.media", "packfeed.v1"))]
+        if module.startswith("packfeed.trainer"):
+            allowed = TRAINER_MAY_IMPORT_SERVER.get(relative)
+            crossing += [f"{relative} imports {name}" for name in imported if name.startswith("packfeed.server")
+                         and not (allowed and name.startswith(allowed))]
+    assert crossing == []
+
+
+def test_the_contract_folder_is_pure_python():
+    """The contract (`packfeed.v1`) is what a client in any language reads: messages, the plan specification, the
+    Redis key layout; no numerics."""
+    heavy = [f"{path.relative_to(REPO)} imports {name}" for path in project_modules()
+             if module_of(path).startswith("packfeed.v1") for name in imported_modules(path)
+             if name.split(".")[0] in ("numpy", "numba", "torch", "PIL", "cv2", "pyarrow")]
+    assert heavy == []
+
+
+def test_the_rules_see_what_they_check():
+    """The checks above walk real modules and real imports (a rule over an empty list passes by itself)."""
+    modules = {module_of(path) for path in project_modules()}
+    assert {"packfeed.server.serve.workers", "packfeed.media.fast", "packfeed.client.stream", "packfeed.v1.options",
+            "packfeed.trainer.train"} <= modules
+    assert "packfeed.server.index.table" in imported_modules(REPO / "loader_server/plan/costs.py")
+    assert "numpy" in imported_modules(REPO / "media/resample.py")
