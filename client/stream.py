@@ -34,7 +34,7 @@ from packfeed.client.decode import DecodeOptions, PackDecoder
 from packfeed.client.receiver import Receiver
 from packfeed.client.tensors import Step
 from packfeed.v1 import packfeed_pb2 as pb
-from packfeed.v1.options import PlanConfig
+from packfeed.v1.options import PixelMode, PlanConfig
 
 _PLAN_FIELDS = {f.name for f in dataclasses.fields(PlanConfig)}
 _CONNECTION_FIELDS = {f.name for f in dataclasses.fields(Connection)}
@@ -137,7 +137,7 @@ class PackStream:
         if not 0 <= rank < self.info.plan.dp:
             raise PackfeedError(f"rank {rank} is outside the job's {self.info.plan.dp} ranks")
         self.microbatches = self.info.plan.microbatches
-        self.decoder = PackDecoder(decode, pin_memory) if self.info.pixels == "encoded" else None
+        self.decoder = PackDecoder(decode, pin_memory) if self.info.pixels == PixelMode.ENCODED else None
         # the next step the trainer will get: a resumed job starts in the epoch its old job stopped in
         self._next: tuple[int, int] | None = (self.info.resume.epoch, 0) if resume is not None else (0, 0)
         self._consumed: tuple[int, int, list] | None = None  # (epoch, step, client skips): not the tensors

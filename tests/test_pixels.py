@@ -94,7 +94,7 @@ def test_unknown_pixel_modes_are_refused(tmp_path, small_tile_index):
 
     config = tmp_path / "server.yaml"
     config.write_text(yaml.safe_dump({"datasets": {"d": {"index": str(small_tile_index), "pixels": "lossy"}}}))
-    with pytest.raises(ValueError, match="pixels: 'lossy' is not one of exact, fast, encoded"):
+    with pytest.raises(ValueError, match="pixels must be one of exact, fast, encoded, not 'lossy'"):
         load_config(config, environ={})
 
 

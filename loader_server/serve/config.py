@@ -55,9 +55,10 @@ from pathlib import Path
 import yaml
 
 from packfeed.server.index.table import read_index_info
-from packfeed.server.serve.preprocess import check_pixels
+from packfeed.server.serve.preprocess import parse_pixels
 from packfeed.server.serve.step_work import DatasetSource
 from packfeed.v1 import redis_keys
+from packfeed.v1.options import PixelMode
 
 
 @dataclass(frozen=True)
@@ -65,7 +66,7 @@ class MixtureSource:
     """A dataset that is a mixture of indexes (`packfeed.server.plan.mixture`), served under one name."""
 
     mixture: str
-    pixels: str = "exact"
+    pixels: PixelMode = PixelMode.EXACT
 
 ENV_PREFIX = "PACKFEED_"
 
@@ -166,17 +167,17 @@ def port_candidates(spec: int | str) -> list[int]:
 
 
 def dataset_source(index: str, tokenizer: str | None = None, shard_root: str | None = None,
-                   pixels: str = "exact") -> DatasetSource:
+                   pixels: str | PixelMode = PixelMode.EXACT) -> DatasetSource:
     """A dataset entry; the tokenizer defaults to the one the index was built with."""
-    check_pixels(pixels)
+    pixels = parse_pixels(pixels)
     if tokenizer is None:
         recorded = (read_index_info(index).tokenizer or {}) if Path(index).exists() else {}
         tokenizer = recorded.get("path", "")
     return DatasetSource(str(index), str(tokenizer), str(shard_root) if shard_root else None, pixels)
 
 
-def mixture_source(mixture: str, pixels: str = "exact") -> MixtureSource:
-    check_pixels(pixels)
+def mixture_source(mixture: str, pixels: str | PixelMode = PixelMode.EXACT) -> MixtureSource:
+    pixels = parse_pixels(pixels)
     return MixtureSource(str(mixture), pixels)
 
 

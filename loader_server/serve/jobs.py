@@ -36,7 +36,7 @@ from packfeed.server.serve.routed import routed_encodes
 from packfeed.server.serve.step_work import DatasetSource, RankStepWork
 from packfeed.server.serve.workers import SharedSteps
 from packfeed.v1 import packfeed_pb2 as pb
-from packfeed.v1.options import PlanConfig, Strategy
+from packfeed.v1.options import PixelMode, PlanConfig, Strategy
 
 MAX_SKIPPED_LISTED = 1000  # per job; the count keeps going
 
@@ -248,9 +248,9 @@ class Dataset:
         return cls(name, source, loads, info, rows, conventions_of(info, source.tokenizer))
 
 
-def check_pixels_carry_videos(name: str, rows: IndexRows, pixels: str) -> None:
+def check_pixels_carry_videos(name: str, rows: IndexRows, pixels: PixelMode) -> None:
     """`pixels: encoded` sends image files for the client to decode; videos are decoded on the server only."""
-    if pixels != "encoded":
+    if pixels != PixelMode.ENCODED:
         return
     videos = int(pc.sum(pc.greater(rows.table.column("n_videos"), 0)).as_py() or 0)
     if videos:

@@ -15,7 +15,7 @@ from packfeed.server.plan.resume import resume_plan
 from packfeed.server.plan.plan_file import Plan
 from packfeed.server.plan.windows import WindowedPlan
 from packfeed.server.serve.jobs import Dataset
-from packfeed.v1.options import PlanConfig
+from packfeed.v1.options import PixelMode, PlanConfig
 
 
 class MixtureDataset(Dataset):
@@ -26,7 +26,7 @@ class MixtureDataset(Dataset):
         self.conventions = parts[0].conventions  # the mixture checked that they agree
 
     @classmethod
-    def open(cls, name: str, path: str | Path, pixels: str = "exact") -> MixtureDataset:
+    def open(cls, name: str, path: str | Path, pixels: PixelMode = PixelMode.EXACT) -> MixtureDataset:
         """Each dataset opened as the workers will name it (`MIXTURE/DATASET`, read with the tokenizer its index
         records); the mixture planned on the loads they read."""
         from packfeed.server.serve.config import dataset_source

@@ -32,6 +32,7 @@ from packfeed.server.index.table import IndexInfo, member_checksum
 from packfeed.media import fast
 from packfeed.media.resample import exact_resizer
 from packfeed.media.pixels import Geometry, ImageSizeMismatch, cut_tiles, decode_tiles, to_rgb
+from packfeed.v1.options import PixelMode
 
 
 class SampleSkipped(Exception):
@@ -65,41 +66,43 @@ IMAGE, VIDEO = 0, 1  # what a visual item is (`visual_kind` on the wire)
 # shrinks; BENCHMARKS.md "Fast-path candidates for resizing").
 # encoded: the image files' own bytes and each one's `Geometry`; the client decodes and cuts them
 # (packfeed.client.decode), exactly on its CPU threads or within the fast path's bounds on a GPU.
-PIXEL_MODES = ("exact", "fast", "encoded")
 # Bytes a worker holds for a moment per pixel of an image it decodes, by mode (measured on a 9,400 x 9,400 PNG:
 # exact 9.4, fast 3.5): exact keeps Pillow's RGBA-wide image (4), its RGB array (3) and the resized copies;
 # fast decodes straight into RGB and shrinks it; encoded decodes nothing on the server.
-DECODE_BYTES_PER_PIXEL = {"exact": 10, "fast": 4, "encoded": 0}
+DECODE_BYTES_PER_PIXEL = {PixelMode.EXACT: 10, PixelMode.FAST: 4, PixelMode.ENCODED: 0}
 # Bytes the tokenizer holds per token while it encodes a sample (HF tokenizers keeps each token's string and
 # offsets: 350 measured on a 3M-token text)
 TOKENIZE_BYTES_PER_TOKEN = 400
 
 
-def check_pixels(pixels: str) -> None:
-    """A clear error for an unknown mode, or for `fast` without OpenCV installed (at start, not per image)."""
-    if pixels not in PIXEL_MODES:
-        raise ValueError(f"pixels: {pixels!r} is not one of {', '.join(PIXEL_MODES)}")
-    if pixels == "fast":
+def parse_pixels(pixels: str | PixelMode) -> PixelMode:
+    """The mode a dataset's `pixels` names; a clear error for an unknown one, or for `fast` without its libraries
+    installed (at start, not per image)."""
+    mode = PixelMode.parse(pixels, "pixels")
+    if mode == PixelMode.FAST:
         fast.check_available()
+    return mode
 
 
-def file_tiles(data: bytes, geometry: Geometry, pixels: str = "exact", empty: Callable = np.empty) -> list[np.ndarray]:
+def file_tiles(data: bytes, geometry: Geometry, pixels: PixelMode = PixelMode.EXACT,
+               empty: Callable = np.empty) -> list[np.ndarray]:
     """The tiles of one image file as the server makes them in mode `pixels` (exact or fast), each array made by
     `empty(shape, dtype)`. Raises what decode_tiles raises."""
-    if pixels == "fast":
+    if pixels == PixelMode.FAST:
         return fast.file_tiles(data, geometry, empty)
     return decode_tiles(data, geometry, exact_resizer, empty=empty)
 
 
-def pixel_tiles(image: Image.Image | np.ndarray, geometry: Geometry, pixels: str = "exact",
+def pixel_tiles(image: Image.Image | np.ndarray, geometry: Geometry, pixels: PixelMode = PixelMode.EXACT,
                 empty: Callable = np.empty) -> list[np.ndarray]:
     """The tiles of one upright RGB image (a Pillow image, or uint8 (H, W, 3): a video frame) in mode `pixels`."""
-    if pixels == "fast":
+    if pixels == PixelMode.FAST:
         return fast.tiles(np.asarray(image), geometry, empty)
     return cut_tiles(exact_resizer(image), geometry, empty)
 
 
-def image_tiles(image: Image.Image, policy: ImagePolicy, n_images: int, pixels: str = "exact") -> list[np.ndarray]:
+def image_tiles(image: Image.Image, policy: ImagePolicy, n_images: int,
+                pixels: PixelMode = PixelMode.EXACT) -> list[np.ndarray]:
     """The pixel tiles the policy makes of one image, uint8 (3, H, W) RGB; `pixels` picks the resampling."""
     image = to_rgb(image)
     return pixel_tiles(image, policy.geometry(image.width, image.height, n_images), pixels)
@@ -134,9 +137,8 @@ class SampleReader:
     """Random access to indexed samples. Thread-safe: reads use os.pread on shared descriptors."""
 
     def __init__(self, info: IndexInfo, tokenizer_path: str | Path, shard_root: str | Path | None = None,
-                 pixels: str = "exact"):
-        check_pixels(pixels)
-        self.pixels = pixels
+                 pixels: PixelMode = PixelMode.EXACT):
+        self.pixels = parse_pixels(pixels)
         self.empty: Callable = np.empty  # makes each tile's array; a worker cuts tiles into the step's shared file
         self.decode_budget = 0  # bytes decoding an image or tokenising a sample may take (0: any); set per step
         if not info.has_shards:
@@ -295,7 +297,7 @@ class SampleReader:
             return _Item(IMAGE, [], len(geometry.tile_shapes()), tokens)
         data = self._member(read, row["image_offsets"][k], row["image_sizes"][k], row["image_checksums"][k],
                             f"{row['key']}.{name}")
-        if self.pixels == "encoded":  # the client decodes, and checks the size against the geometry
+        if self.pixels == PixelMode.ENCODED:  # the client decodes, and checks the size against the geometry
             return _Item(IMAGE, [], len(geometry.tile_shapes()), tokens, encoded=data, geometry=geometry)
         self._check_decodable(width, height, f"{row['key']}.{name}")
         tiles = self._tiles(data, geometry, f"{row['key']}.{name}")
@@ -306,7 +308,7 @@ class SampleReader:
         one per temporal patch with timestamps, or one per frame with frames as images). Only the sampled frames are
         decoded (a container seeks to them)."""
         key, name = row["key"], row["video_names"][k]
-        if self.pixels == "encoded":
+        if self.pixels == PixelMode.ENCODED:
             raise SampleSkipped(f"video {key}.{name}: pixels: encoded sends image files only; serve a dataset "
                                 f"with videos with pixels: exact or fast")
         info = VideoInfo(row["video_widths"][k], row["video_heights"][k], row["video_frames"][k], row["video_rates"][k])

@@ -13,7 +13,7 @@ from dataclasses import replace
 import pyarrow.compute as pc
 
 from packfeed.server.serve.jobs import Dataset, Job, JobError, JobSpec, RankState
-from packfeed.v1.options import PlanConfig, Strategy
+from packfeed.v1.options import PixelMode, PlanConfig, Strategy
 
 MAX_NAME = 256  # characters of a job id or dataset name
 MAX_EPOCHS = 1_000_000
@@ -131,7 +131,7 @@ def check_routable(plan: PlanConfig, dataset) -> None:
     consumes them: datasets with either are served colocated only."""
     if plan.strategy is not Strategy.ISF_PHASES or plan.colocate_encoder:
         return
-    if any(part.source.pixels == "encoded" for part in dataset.parts):
+    if any(part.source.pixels == PixelMode.ENCODED for part in dataset.parts):
         raise JobError("INVALID_ARGUMENT", f"dataset {dataset.name} sends image files (pixels: encoded), which the "
                                            "client decodes per consumed sample; isf+phases routes images to other "
                                            "ranks: serve it with pixels: exact or fast, or set colocate_encoder")

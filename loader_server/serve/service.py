@@ -132,7 +132,7 @@ class PackfeedService:
                           plan_fingerprint=plan.fingerprint(), index_fingerprint=job.dataset.fingerprint,
                           skipped_count=job.skipped_count, vision_cap=job.caps.vision_cap if job.caps else 0,
                           token_cap=job.caps.token_cap if job.caps else 0, conventions=job.dataset.conventions,
-                          pixels=job.dataset.parts[0].source.pixels,
+                          pixels=job.dataset.parts[0].source.pixels.value,
                           resume=job.spec.resume.to_proto() if job.spec.resume else None)
         for rank, state in enumerate(job.ranks):
             info.ranks.add(rank=rank, acked_epoch=state.acked[0], acked_step=state.acked[1], queued_steps=state.queued,

@@ -10,6 +10,7 @@ import numpy as np
 
 from packfeed.server.serve.step_files import SharedFiles, give_back_file, map_file
 from packfeed.server.serve.wire import SplitMessage
+from packfeed.v1.options import PixelMode
 
 
 @dataclass(frozen=True)
@@ -19,7 +20,7 @@ class DatasetSource:
     index: str
     tokenizer: str
     shard_root: str | None = None
-    pixels: str = "exact"  # how images become tiles (packfeed.server.serve.preprocess.PIXEL_MODES)
+    pixels: PixelMode = PixelMode.EXACT  # how images become tiles
 
 
 @dataclass

@@ -22,6 +22,7 @@ from packfeed.server.serve.routed import build_routed_pack
 from packfeed.server.serve.step_files import TileArena, forget_mapping, write_shared
 from packfeed.server.serve.step_work import DatasetSource, RankStepResult, RankStepWork
 from packfeed.server.serve.wire import pack_pieces
+from packfeed.v1.options import PixelMode
 
 _DATASETS: dict[str, tuple[IndexRows, SampleReader]] = {}
 _WARNED: list[bool] = []  # this worker said once that shared memory is full
@@ -177,7 +178,7 @@ def _build_rank_step(work: RankStepWork, shared: str | None) -> RankStepResult:
 def _tile_bytes(parts: list, work: RankStepWork) -> int:
     """Bytes of the step's tiles as the index counts them (none where a dataset sends encoded images)."""
     return sum(parts[k][0].pixel_bytes(ids) for k, ids in work.samples_by_source(pixels_only=True)
-               if parts[k][1].pixels != "encoded")
+               if parts[k][1].pixels != PixelMode.ENCODED)
 
 
 def _empty(path: str) -> None:

@@ -50,6 +50,14 @@ class Strategy(_Named):
         return self in (Strategy.RANDOM, Strategy.LENGTH_GROUP)
 
 
+class PixelMode(_Named):
+    """Where and how a served dataset's images become tiles (its `pixels`; `JobInfo.pixels` on the wire)."""
+
+    EXACT = "exact"  # on the server, Pillow's bicubic byte for byte: what the Hugging Face processors give
+    FAST = "fast"  # on the server, within a stated bound of exact for a fraction of its CPU
+    ENCODED = "encoded"  # the image files travel; the client decodes and cuts them
+
+
 class Oversize(_Named):
     """What happens to a sample that alone exceeds a pack cap (always reported)."""
 
