@@ -7,7 +7,7 @@ import asyncio
 import numpy as np
 import pytest
 
-from packfeed.server.serve.budget import MemoryBudget
+from packfeed.server.serve.budget import MemoryBudget, StepHold
 
 
 def run(coroutine):
@@ -86,6 +86,35 @@ def estimate_ratios(index, tokenizer, microbatches: int = 2) -> list[float]:
             if any(len(members) for members, _, _ in work.packs):
                 ratios.append(worker_process.build_rank_step(work).nbytes / dataset.estimate_bytes(work))
     return ratios
+
+
+def test_a_step_hold_releases_its_room_and_its_shared_step_once():
+    """Whoever releases a prepared step (the stream, a stopped producer, a cancelled stream's drain) releases it
+    once: its room in the budget and its reference among the job's shared steps, however often it is asked."""
+    from packfeed.server.serve.step_work import RankStepResult
+    from packfeed.server.serve.workers import SharedSteps
+
+    async def scenario():
+        budget, steps = MemoryBudget(100), SharedSteps()
+        ready = asyncio.get_running_loop().create_future()
+        ready.set_result(RankStepResult(messages=[], samples=0))
+        for _ in range(2):  # two replicas take the same step
+            steps.take((0, 0, 0), lambda: ready)
+            await budget.reserve(30)
+        first, second = StepHold(budget, steps, (0, 0, 0), 30), StepHold(budget, steps, (0, 0, 0), 30)
+        first.resize(40)
+        assert budget.held == 70
+        first.release()
+        first.release()
+        assert budget.held == 30 and (0, 0, 0) in steps._steps  # the other replica still holds the step
+        with second:
+            pass
+        second.release()
+        assert budget.held == 0 and (0, 0, 0) not in steps._steps
+        second.resize(50)  # a released hold changes nothing any more
+        assert budget.held == 0
+
+    asyncio.run(scenario())
 
 
 def test_estimates_from_the_index_match_prepared_packs(small_tile_index):

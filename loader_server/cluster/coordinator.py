@@ -71,6 +71,14 @@ class Reassertion(enum.Enum):
     RECLAIMED = "reclaimed"
 
 
+class LeaseOutcome(enum.Enum):
+    """What a server's try to take or keep a rank's lease found."""
+
+    HELD = "held"  # this server holds it
+    TAKEN = "taken"  # another server holds it
+    UNREACHABLE = "unreachable"  # the coordinator did not answer: stream on, try again
+
+
 def mismatch(job: str, existing: JobRecord, record: JobRecord) -> CoordinationError:
     return CoordinationError("FAILED_PRECONDITION",
                              f"job {job!r} is registered with plan {existing.plan_fingerprint} over index "

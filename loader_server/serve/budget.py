@@ -73,3 +73,35 @@ class MemoryBudget:
 
     def release(self, nbytes: int) -> None:
         self._change(-nbytes)
+
+
+class StepHold:
+    """One prepared (or preparing) rank-step's claim on the server: its room in the memory budget and its place
+    among the job's shared steps (`Job.steps`: replicas of a rank share a step while one of them holds it).
+
+    The one owner of that claim: whoever is done with the step (the stream once gRPC took its last bytes, a
+    stopped producer, a cancelled stream draining its queue) calls `release()`, and a second call does nothing,
+    so no path releases twice or forgets to. `with hold:` releases it on the way out, whatever happens."""
+
+    def __init__(self, budget: MemoryBudget, steps, key: tuple[int, int, int], nbytes: int):
+        self.budget, self.steps, self.key, self.nbytes = budget, steps, key, nbytes
+        self.released = False
+
+    def resize(self, nbytes: int) -> None:
+        """The step is ready: its room corrected from the estimate to the bytes it holds."""
+        if not self.released:
+            self.budget.adjust(nbytes - self.nbytes)
+            self.nbytes = nbytes
+
+    def release(self) -> None:
+        if self.released:
+            return
+        self.released = True
+        self.budget.release(self.nbytes)
+        self.steps.give_back(self.key)
+
+    def __enter__(self) -> StepHold:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()

@@ -9,7 +9,7 @@ import asyncio
 import time
 
 from packfeed.server.cluster.coordinator import (CoordinationError, CoordinationUnavailable, Coordinator,
-                                                 EmbeddedCoordinator, JobRecord, Reassertion)
+                                                 EmbeddedCoordinator, JobRecord, LeaseOutcome, Reassertion)
 from packfeed.server.serve.config import ServerConfig
 from packfeed.server.serve.jobs import Job, JobError
 from packfeed.server.serve.observe import Metrics, log
@@ -86,12 +86,13 @@ class Coordination:
         self.share_skipped(name, [(key, reason) for key, reason, _, _ in list(job.skipped)])
         return True
 
-    def hold_lease(self, job: str, rank: int) -> bool | None:
-        """Take or keep this rank's lease: True held, False another server holds it, None Redis unreachable."""
+    def hold_lease(self, job: str, rank: int) -> LeaseOutcome:
+        """Take or keep this rank's lease."""
         try:
-            return self.coordinator.acquire_lease(job, rank, self.server_id, self.config.lease_ttl_s)
+            held = self.coordinator.acquire_lease(job, rank, self.server_id, self.config.lease_ttl_s)
         except CoordinationUnavailable:
-            return None
+            return LeaseOutcome.UNREACHABLE
+        return LeaseOutcome.HELD if held else LeaseOutcome.TAKEN
 
     def share_ack(self, job: Job, rank: int) -> None:
         """Hand the coordinator the rank's acknowledged position if it has not taken it yet (it may have missed
@@ -112,13 +113,13 @@ class Coordination:
         while True:
             await asyncio.sleep(self.config.lease_ttl_s / 3)
             held = await asyncio.to_thread(self.hold_lease, job.spec.job, lease)
-            if held is False:
+            if held is LeaseOutcome.TAKEN:
                 lost.set()
                 return
-            if held is None and not warned:
+            if held is LeaseOutcome.UNREACHABLE and not warned:
                 log.warning("coordinator unreachable: streaming on, retrying",
                             extra={"job": job.spec.job, "rank": rank})
-            warned = held is None
+            warned = held is LeaseOutcome.UNREACHABLE
             await asyncio.to_thread(self.share_ack, job, rank)
 
     def let_go(self, job: Job, rank: int, lease: int) -> None:

@@ -15,7 +15,7 @@ import asyncio
 import collections
 from concurrent.futures.process import BrokenProcessPool
 
-from packfeed.server.serve.budget import MemoryBudget
+from packfeed.server.serve.budget import MemoryBudget, StepHold
 from packfeed.server.serve.config import ServerConfig
 from packfeed.server.serve.jobs import Job, JobError
 from packfeed.server.serve.observe import Metrics, log
@@ -27,12 +27,13 @@ END = None  # put in the queue after the job's last step (or after a failure)
 
 async def produce(job: Job, rank: int, cursor: tuple[int, int] | None, queue: asyncio.Queue, pool: WorkerPool,
                   budget: MemoryBudget, config: ServerConfig, metrics: Metrics | None = None) -> None:
-    """Put ((epoch, step), RankStepResult) for every step from `cursor` to the end of the job, then END.
+    """Put ((epoch, step), RankStepResult, StepHold) for every step from `cursor` to the end of the job, then END
+    (the stream releases each hold once the step is sent).
     Raises JobError when a step takes over `prepare_timeout_s` (a stalled read) or loses more than
     `max_skipped_fraction` of its samples (the dataset is not what was indexed, or not reachable)."""
     prefetch_steps = config.prefetch_steps
-    in_flight: collections.deque = collections.deque()  # (position, reserved bytes, future)
-    owned, owned_position = 0, None  # a prepared step counted in the budget but not yet in the queue
+    in_flight: collections.deque = collections.deque()  # (position, StepHold, future)
+    owned = None  # the hold of a prepared step not yet in the queue
     pending = None  # (work, estimate) of the cursor's step when it could not be submitted yet
     try:
         while cursor is not None or in_flight:
@@ -50,11 +51,12 @@ async def produce(job: Job, rank: int, cursor: tuple[int, int] | None, queue: as
                     break  # no room to prefetch: deliver what is in preparation first (it frees room)
                 pending = None
                 future, started = job.steps.take((rank, *cursor), lambda: pool.run(work))
+                hold = StepHold(budget, job.steps, (rank, *cursor), estimate)
                 if metrics is not None:
                     (metrics.steps_prepared if started else metrics.steps_shared).labels(job.spec.job).inc()
-                in_flight.append((cursor, estimate, future))
+                in_flight.append((cursor, hold, future))
                 cursor = await asyncio.to_thread(job.next_step, *cursor)
-            position, estimate, future = in_flight[0]
+            position, hold, future = in_flight[0]
             try:
                 result: RankStepResult = await asyncio.wait_for(asyncio.shield(future), config.prepare_timeout_s)
                 result.attach()  # the worker's shared file, mapped: from here dropping the result frees it
@@ -68,31 +70,29 @@ async def produce(job: Job, rank: int, cursor: tuple[int, int] | None, queue: as
                                               "restarted: retry") from None
             check_skipped(result, position, rank, config.max_skipped_fraction)  # still in flight: released if so
             in_flight.popleft()
-            budget.adjust(result.nbytes - estimate)
-            owned, owned_position = result.nbytes, position  # counted in the budget, not yet in the queue
-            await queue.put((position, result))
-            owned, owned_position, result, future = 0, None, None, None  # the stream frees it once sent
+            owned = hold  # counted in the budget, not yet in the queue
+            hold.resize(result.nbytes)
+            await queue.put((position, result, hold))
+            owned = hold = result = future = None  # the stream releases it once sent
         await queue.put(END)
     except asyncio.CancelledError:
-        give_back(job, rank, in_flight, budget, owned, owned_position)
+        release_all(in_flight, owned)
         raise
     except Exception as error:
         log.error("pack preparation failed", exc_info=not isinstance(error, JobError),
                   extra={"job": job.spec.job, "rank": rank, "error": str(error)})
-        give_back(job, rank, in_flight, budget, owned, owned_position)  # a step a worker finishes is discarded
+        release_all(in_flight, owned)  # a step a worker finishes is discarded
         await queue.put(END)
         raise
 
 
-def give_back(job: Job, rank: int, in_flight, budget: MemoryBudget, owned: int, owned_position) -> None:
-    """What a stopped producer holds: its steps in preparation (abandoned unless another replica holds them)
-    and their room in the budget."""
-    for position, estimate, _ in in_flight:
-        job.steps.give_back((rank, *position))
-        budget.release(estimate)
-    if owned_position is not None:
-        job.steps.give_back((rank, *owned_position))
-    budget.release(owned)
+def release_all(in_flight, owned: StepHold | None) -> None:
+    """What a stopped producer holds: its steps in preparation (abandoned unless another replica holds them),
+    a prepared one not yet queued, and their room in the budget."""
+    for _, hold, _ in in_flight:
+        hold.release()
+    if owned is not None:
+        owned.release()
 
 
 def check_skipped(result: RankStepResult, position: tuple[int, int], rank: int, tolerance: float) -> None:

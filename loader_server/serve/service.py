@@ -17,7 +17,7 @@ from google.protobuf.message import DecodeError
 
 import grpc
 
-from packfeed.server.cluster.coordinator import Coordinator
+from packfeed.server.cluster.coordinator import Coordinator, LeaseOutcome
 from packfeed.server.serve.coordination import Coordination
 from packfeed.media.samples import reason_category
 from packfeed.server.serve.budget import MemoryBudget
@@ -169,7 +169,7 @@ class PackfeedService:
         lease = replica_lease(rank, replica, max(1, request.replicas), job.spec.plan.dp)
         start = (request.first_epoch, request.first_step)
         await asyncio.to_thread(job.check_step, *start)
-        if await asyncio.to_thread(self.coordination.hold_lease, job.spec.job, lease) is False:
+        if await asyncio.to_thread(self.coordination.hold_lease, job.spec.job, lease) is LeaseOutcome.TAKEN:
             owner = await asyncio.to_thread(self.coordination.coordinator.lease_owner, job.spec.job, lease)
             who = f"rank {rank}" + (f" replica {replica}" if replica else "")
             raise JobError("UNAVAILABLE", f"{who} of job {job.spec.job!r} is being served by {owner}; "
@@ -183,43 +183,39 @@ class PackfeedService:
                                                self.metrics))
         log.info("stream started", extra={"job": job.spec.job, "rank": rank, "epoch": start[0], "step": start[1],
                                           "peer": context.peer()})
-        sent_steps, sending = 0, None  # `sending`: the step being written, still counted in the budget
+        sent_steps = 0
         try:
             while (item := await queue.get()) is not END:
                 if primary:
                     self.metrics.queue_depth.labels(job.spec.job, str(rank)).set(queue.qsize())
                     job.ranks[rank].queued = queue.qsize()
-                (epoch, step), sending = item
+                (epoch, step), sending, hold = item
                 item = None
-                if lost.is_set():
-                    raise JobError("ABORTED", f"another server took rank {rank} of job {job.spec.job!r}: "
-                                              "reconnect to continue")
-                if job.revoked:  # an older registration of the job id holds another plan
-                    raise job.revoked
-                for piece, last in with_last(pieces_of(sending.messages, part_bytes)):
-                    if last:  # counted as sent when its final piece is handed over: a client that has all of
-                        # it may close before the write returns
-                        self._account(job, rank, epoch, step, sending, primary)
-                    await context.write(piece)
-                # Only now: a write returns once gRPC has taken the message, and a message it holds for a
-                # slow client is memory like any other (parts keep that to one part per stream)
-                self.budget.release(sending.nbytes)
-                job.steps.give_back((rank, epoch, step))
-                sending = piece = None  # no step outlives its release while we wait for the next
+                # Released once gRPC has taken the step's last piece (a write returns then, and a message it
+                # holds for a slow client is memory like any other: parts keep that to one part per stream), or
+                # on the way out of a failed or cancelled send
+                with hold:
+                    if lost.is_set():
+                        raise JobError("ABORTED", f"another server took rank {rank} of job {job.spec.job!r}: "
+                                                  "reconnect to continue")
+                    if job.revoked:  # an older registration of the job id holds another plan
+                        raise job.revoked
+                    for piece, last in with_last(pieces_of(sending.messages, part_bytes)):
+                        if last:  # counted as sent when its final piece is handed over: a client that has all
+                            # of it may close before the write returns
+                            self._account(job, rank, epoch, step, sending, primary)
+                        await context.write(piece)
+                sending = hold = piece = None  # no step outlives its release while we wait for the next
                 sent_steps += 1
         finally:
             job.open_streams -= 1
             job.touch()
             keeper.cancel()
             producer.cancel()
-            if sending is not None:
-                self.budget.release(sending.nbytes)
-                job.steps.give_back((rank, epoch, step))
             while not queue.empty():  # give back what the cancelled stream still held
                 item = queue.get_nowait()
                 if item is not END:
-                    self.budget.release(item[1].nbytes)
-                    job.steps.give_back((rank, *item[0]))
+                    item[2].release()
             if not lost.is_set():
                 await asyncio.shield(asyncio.to_thread(self.coordination.let_go, job, rank, lease))
             log.info("stream ended", extra={"job": job.spec.job, "rank": rank, "steps_sent": sent_steps})
