@@ -147,7 +147,8 @@ def test_planning_one_job_never_blocks_another(small_tile_index):
 
     from packfeed.server.index.table import read_index_info
     from packfeed.server.plan.costs import SampleLoads
-    from packfeed.server.serve.jobs import Dataset, JobError, JobSpec
+    from packfeed.server.serve.datasets import Dataset
+    from packfeed.server.serve.jobs import JobError, JobSpec
     from packfeed.server.serve.registry import JobRegistry
     from packfeed.server.serve.step_work import DatasetSource
     from packfeed.v1.options import PlanConfig
@@ -155,8 +156,8 @@ def test_planning_one_job_never_blocks_another(small_tile_index):
     source = DatasetSource(str(small_tile_index), read_index_info(small_tile_index).tokenizer["path"])
     small = Dataset.open("small", source)
     n, rng = 12_000_000, np.random.default_rng(0)
-    big = dataclasses.replace(small, name="big",
-                              loads=SampleLoads.from_arrays(rng.integers(1, 13, n), rng.integers(200, 6000, n)))
+    big = dataclasses.replace(small, name="big", parts=[dataclasses.replace(
+        small.parts[0], loads=SampleLoads.from_arrays(rng.integers(1, 13, n), rng.integers(200, 6000, n)))])
     registry = JobRegistry({"small": small, "big": big})
     opened: dict[str, object] = {}
 

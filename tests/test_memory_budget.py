@@ -69,7 +69,8 @@ def test_a_cancelled_waiter_holds_nothing_and_blocks_no_one():
 def estimate_ratios(index, tokenizer, microbatches: int = 2) -> list[float]:
     """Prepared bytes / reserved estimate of every non-empty rank-step of an epoch at DP 2."""
     from packfeed.server.serve import step_work, worker_process
-    from packfeed.server.serve.jobs import Dataset, JobSpec
+    from packfeed.server.serve.datasets import Dataset
+    from packfeed.server.serve.jobs import JobSpec
     from packfeed.server.serve.registry import JobRegistry
     from packfeed.v1.options import PlanConfig
 
@@ -80,7 +81,7 @@ def estimate_ratios(index, tokenizer, microbatches: int = 2) -> list[float]:
     job = JobRegistry({name: dataset}).open_job(JobSpec("estimate", name, PlanConfig(dp=2, microbatches=microbatches),
                                                         0))
     ratios = []
-    for step in range(job.plan(0).n_steps):
+    for step in range(job.epoch_plan(0).n_steps):
         for rank in range(2):
             work = job.work(0, step, rank)
             if any(len(members) for members, _, _ in work.packs):

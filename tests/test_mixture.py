@@ -295,3 +295,20 @@ def test_a_mixture_stream_fails_over_to_another_server(tmp_path, demo_dataset):
         first.stop()
         second.stop()
     assert received == straight
+
+
+def test_the_status_page_shows_a_mixture_jobs_balance(tmp_path, demo_dataset):
+    """A mixture is served as one dataset in every respect, the status page's plan balance included (computed over
+    the mixture plan's rows, not a single index's)."""
+    from packfeed.client import LocalServer, PackStream
+    from test_hostile import free_port
+    from test_status_page import get
+
+    mix, port = served_mixture(tmp_path, demo_dataset), free_port()
+    with LocalServer(None, workers=1, metrics_port=port, extra_args=["--mixture", str(mix)]) as server:
+        with PackStream(server.target, job="watched-mix", rank=0, dataset="sft-mix", dp=2, microbatches=2) as stream:
+            next(iter(stream))
+            code, body = get(f"http://127.0.0.1:{port}/status.json")
+    assert code == 200, body[-500:]
+    (job,) = [j for j in json.loads(body)["jobs"] if j["job"] == "watched-mix"]
+    assert job["balance"]["known"] and job["balance"]["steps"] > 0 and 0 <= job["balance"]["llm_dist"] < 1

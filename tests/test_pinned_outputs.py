@@ -108,7 +108,7 @@ def test_the_inputs_are_the_pinned_ones(pinned_index):
 
 def test_index_and_plan_fingerprints_are_pinned(pinned_index):
     from packfeed.server.index.table import read_index_info
-    from packfeed.server.serve.jobs import Dataset
+    from packfeed.server.serve.datasets import Dataset
     from packfeed.server.serve.step_work import DatasetSource
     from packfeed.v1.options import PlanConfig
 
@@ -122,7 +122,7 @@ def test_index_and_plan_fingerprints_are_pinned(pinned_index):
                                                              strategy="isf+phases"),
                          "random dp1 m1": PlanConfig(dp=1, microbatches=1, strategy="random")}.items():
         caps = dataset.caps(config)
-        plans[name] = [dataset.plan(config, 3, epoch, caps).fingerprint() for epoch in (0, 1)]
+        plans[name] = [dataset.plan_epoch(config, 3, epoch, caps).fingerprint() for epoch in (0, 1)]
     assert plans == PINNED["plans"]
 
 

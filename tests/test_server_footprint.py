@@ -104,7 +104,8 @@ def test_prepared_steps_travel_in_shared_memory_files_used_again_and_removed_at_
 
 def test_a_step_falls_back_to_the_pipe_when_shared_memory_is_unusable(small_tile_index, tmp_path):
     from packfeed.server.serve import step_work, worker_process
-    from packfeed.server.serve.jobs import Dataset, JobSpec
+    from packfeed.server.serve.datasets import Dataset
+    from packfeed.server.serve.jobs import JobSpec
     from packfeed.server.serve.registry import JobRegistry
     from packfeed.v1.options import PlanConfig
 
@@ -128,7 +129,8 @@ def test_a_full_shared_memory_falls_back_to_the_pipe_and_frees_what_it_wrote(sma
 import resource, signal, sys
 from pathlib import Path
 from packfeed.server.serve import step_work, worker_process
-from packfeed.server.serve.jobs import Dataset, JobSpec
+from packfeed.server.serve.datasets import Dataset
+from packfeed.server.serve.jobs import JobSpec
 from packfeed.server.serve.registry import JobRegistry
 from packfeed.v1.options import PlanConfig
 source = step_work.DatasetSource({str(small_tile_index)!r}, {str(Path(small_tile_index).parent / "tokenizer.json")!r})
@@ -240,7 +242,8 @@ def test_a_worker_cuts_tiles_straight_into_the_steps_file(small_tile_index, tmp_
     lies in several pieces of the file (its tiles among the first bytes), and reads back as the very bytes of
     the packs built in memory."""
     from packfeed.server.serve import step_files, step_work, worker_process
-    from packfeed.server.serve.jobs import Dataset, JobSpec
+    from packfeed.server.serve.datasets import Dataset
+    from packfeed.server.serve.jobs import JobSpec
     from packfeed.server.serve.registry import JobRegistry
     from packfeed.server.serve.wire import SplitMessage
     from packfeed.v1.options import PlanConfig

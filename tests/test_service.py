@@ -354,7 +354,8 @@ def test_embedded_server_from_an_index(dataset):
 def test_plans_of_ranks_epochs_apart_are_served_from_a_bounded_cache(dataset):
     """Ranks drift apart: asking for an old epoch after newer ones must not evict the plan being returned
     (a bug 64 concurrent streams found), and a recomputed plan is the same plan."""
-    from packfeed.server.serve.jobs import PLANS_CACHED, Dataset, JobSpec
+    from packfeed.server.serve.datasets import Dataset
+    from packfeed.server.serve.jobs import PLANS_CACHED, JobSpec
     from packfeed.server.serve.registry import JobRegistry
     from packfeed.v1.options import PlanConfig
     from packfeed.server.serve.step_work import DatasetSource
@@ -362,11 +363,11 @@ def test_plans_of_ranks_epochs_apart_are_served_from_a_bounded_cache(dataset):
     source = DatasetSource(str(dataset), str(read_index_info_tokenizer(dataset)))
     registry = JobRegistry({"d": Dataset.open("d", source)})
     job = registry.open_job(JobSpec("drift", "d", PlanConfig(dp=2, microbatches=1), 0, epochs=5))
-    first = job.plan(0).fingerprint()
+    first = job.epoch_plan(0).fingerprint()
     for epoch in [1, 2, 3, 4, 0, 4, 1]:
-        assert job.plan(epoch).epoch == epoch
+        assert job.epoch_plan(epoch).epoch == epoch
         assert len(job._plans) <= PLANS_CACHED
-    assert job.plan(0).fingerprint() == first
+    assert job.epoch_plan(0).fingerprint() == first
 
 
 def read_index_info_tokenizer(index):

@@ -236,12 +236,12 @@ def test_bad_videos_are_invalid_or_skipped_with_their_reason(tmp_path):
 
 def test_pixels_encoded_refuses_a_dataset_with_videos_and_skips_any_with_the_reason(qwen_videos):
     from packfeed.server.serve.config import dataset_source
-    from packfeed.server.serve.jobs import Dataset
+    from packfeed.server.serve.datasets import Dataset
 
     index, tokenizer, _ = qwen_videos
     with pytest.raises(ValueError, match="dataset v: 9 samples hold videos, which pixels: encoded cannot carry"):
         Dataset.open("v", dataset_source(index, tokenizer, pixels="encoded"))
-    assert Dataset.open("v", dataset_source(index, tokenizer, pixels="exact")).info.fingerprint
+    assert Dataset.open("v", dataset_source(index, tokenizer, pixels="exact")).fingerprint
     rows = IndexRows(index)
     reader = SampleReader(rows.info, tokenizer, pixels="encoded")
     assert reader.load(rows.row(0)).encoded  # an image still travels as its file

@@ -33,7 +33,7 @@ class Coordination:
             if job.revoked:
                 raise job.revoked
             return
-        record = JobRecord(job.spec.describe(), job.plan(0).fingerprint(), job.dataset.fingerprint,
+        record = JobRecord(job.spec.describe(), job.epoch_plan(0).fingerprint(), job.dataset.fingerprint,
                            registered_ms=int(time.time() * 1000))
         try:
             job.record = self.coordinator.register_job(job.spec.job, record)  # the first registration's time

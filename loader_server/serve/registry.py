@@ -12,7 +12,8 @@ from dataclasses import replace
 
 import pyarrow.compute as pc
 
-from packfeed.server.serve.jobs import Dataset, Job, JobError, JobSpec, RankState
+from packfeed.server.serve.datasets import Dataset
+from packfeed.server.serve.jobs import Job, JobError, JobSpec, RankState
 from packfeed.v1.options import PixelMode, PlanConfig, Strategy
 
 MAX_NAME = 256  # characters of a job id or dataset name
@@ -46,7 +47,7 @@ class JobRegistry:
             raise JobError("INVALID_ARGUMENT", f"epochs must be 1 to {MAX_EPOCHS}")
         dataset = self.dataset(spec.dataset)
         spec = replace(spec, dataset=dataset.name)
-        check_routable(spec.plan, dataset)
+        check_routable(spec.plan_config, dataset)
         with self._lock:
             job = self.jobs.get(spec.job)
             if job is not None and job.spec.describe() != spec.describe():
@@ -58,7 +59,7 @@ class JobRegistry:
                 if len(self.jobs) >= self.max_jobs:
                     raise JobError("RESOURCE_EXHAUSTED", f"this server holds {self.max_jobs} jobs (max_jobs): close "
                                                          "finished ones (CloseJob) or wait for idle ones to expire")
-                job = Job(spec, dataset, [RankState() for _ in range(spec.plan.dp)])
+                job = Job(spec, dataset, [RankState() for _ in range(spec.plan_config.dp)])
                 self.jobs[spec.job] = job
         job.touch()
         if planner:

@@ -15,9 +15,8 @@ from grpc_reflection.v1alpha import reflection
 
 from packfeed.server.cluster.coordinator import CoordinationUnavailable, Coordinator, coordinator_from_url
 from packfeed.server.plan.warmup import warm_up_in_background
-from packfeed.server.serve.config import MixtureSource, ServerConfig, describe
-from packfeed.server.serve.jobs import Dataset
-from packfeed.server.serve.mixture_dataset import MixtureDataset
+from packfeed.server.serve.config import ServerConfig, describe
+from packfeed.server.serve.datasets import Dataset
 from packfeed.server.serve.registry import JobRegistry
 from packfeed.server.serve.network import TokenAuth, advertised_address, bind, grpc_options, start_metrics
 from packfeed.server.serve.observe import Metrics, log
@@ -46,12 +45,6 @@ async def reassert_jobs(service: PackfeedService, every_s: float) -> None:
     while True:
         await asyncio.sleep(every_s)
         await asyncio.to_thread(service.coordination.reassert_jobs)
-
-
-def open_dataset(name: str, source: DatasetSource | MixtureSource) -> Dataset:
-    if isinstance(source, MixtureSource):
-        return MixtureDataset.open(name, source.mixture, source.pixels)
-    return Dataset.open(name, source)
 
 
 def worker_sources(datasets: dict[str, Dataset]) -> dict[str, DatasetSource]:
@@ -86,7 +79,7 @@ async def serve(config: ServerConfig, ready: asyncio.Event | None = None, stop: 
     warm_up_in_background(lambda seconds: log.info("planner ready", extra={"warmup_seconds": round(seconds, 2)}))
     if config.range_cache_dir:  # read by the storage layer of this process and of the workers it starts
         os.environ.update(PACKFEED_RANGE_CACHE_DIR=config.range_cache_dir, PACKFEED_RANGE_CACHE_MB=str(config.range_cache_mb))
-    datasets = {name: await asyncio.to_thread(open_dataset, name, source) for name, source in config.datasets.items()}
+    datasets = {name: await asyncio.to_thread(Dataset.open, name, source) for name, source in config.datasets.items()}
     pool = WorkerPool(worker_sources(datasets), config.workers, config.memory_budget_mb << 18)
     metrics = Metrics()
     coordinator = coordinator_from_url(config.redis_url, config.redis_password)

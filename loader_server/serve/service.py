@@ -126,13 +126,13 @@ class PackfeedService:
         return pb.AckStepResponse()
 
     def job_info(self, job: Job) -> pb.JobInfo:
-        plan = job.plan(0)
-        info = pb.JobInfo(job=job.spec.job, dataset=job.spec.dataset, plan=job.spec.plan.to_proto(),
+        plan = job.epoch_plan(0)
+        info = pb.JobInfo(job=job.spec.job, dataset=job.spec.dataset, plan=job.spec.plan_config.to_proto(),
                           seed=job.spec.seed, epochs=job.spec.epochs, steps_per_epoch=plan.steps_known,
                           plan_fingerprint=plan.fingerprint(), index_fingerprint=job.dataset.fingerprint,
                           skipped_count=job.skipped_count, vision_cap=job.caps.vision_cap if job.caps else 0,
                           token_cap=job.caps.token_cap if job.caps else 0, conventions=job.dataset.conventions,
-                          pixels=job.dataset.parts[0].source.pixels.value,
+                          pixels=job.dataset.pixels.value,
                           resume=job.spec.resume.to_proto() if job.spec.resume else None)
         for rank, state in enumerate(job.ranks):
             info.ranks.add(rank=rank, acked_epoch=state.acked[0], acked_step=state.acked[1], queued_steps=state.queued,
@@ -166,7 +166,7 @@ class PackfeedService:
         job.check_plan(request.plan_fingerprint)
         job.check_rank(rank)
         replica, primary = request.replica, request.replica == 0
-        lease = replica_lease(rank, replica, max(1, request.replicas), job.spec.plan.dp)
+        lease = replica_lease(rank, replica, max(1, request.replicas), job.spec.plan_config.dp)
         start = (request.first_epoch, request.first_step)
         await asyncio.to_thread(job.check_step, *start)
         if await asyncio.to_thread(self.coordination.hold_lease, job.spec.job, lease) is LeaseOutcome.TAKEN:

@@ -63,7 +63,7 @@ class StatusReport:
         if then and now > then[0]:
             rates = {"packs_per_s": round((packs - then[1]) / (now - then[0]), 2),
                      "samples_per_s": round((samples - then[2]) / (now - then[0]), 2)}
-        plan = job.spec.plan
+        plan = job.spec.plan_config
         reasons: dict[str, int] = {}
         for _, reason, _, _ in list(job.skipped):
             reasons[reason] = reasons.get(reason, 0) + 1
@@ -88,10 +88,10 @@ class StatusReport:
         its epoch is planned whole)."""
         name = job.spec.job
         if name not in self._balance:
-            plan = job.plan(0) if job.failure is None else None
+            plan = job.epoch_plan(0) if job.failure is None else None
             if plan is None or isinstance(plan, WindowedPlan):
                 return {"known": False}
-            vit_dist, llm_dist = plan.dists(job.dataset.loads)
+            vit_dist, llm_dist = plan.dists(job.dataset.planned_loads(plan))
             self._balance[name] = {"known": True, "steps": plan.n_steps, "vit_dist": round(vit_dist, 6),
                                    "llm_dist": round(llm_dist, 6)}
         return self._balance[name]

@@ -198,7 +198,8 @@ def worker_cpu_seconds(index: Path, tokenizer: Path, pixels: str) -> tuple[int, 
     """(samples, CPU s) of the worker's own function over one epoch, in this process: read, decode, tile,
     tokenise, assemble, serialize, write to /dev/shm and map back; no gRPC, no other process."""
     from packfeed.server.serve import step_files, step_work, worker_process
-    from packfeed.server.serve.jobs import Dataset, JobSpec
+    from packfeed.server.serve.datasets import Dataset
+    from packfeed.server.serve.jobs import JobSpec
     from packfeed.server.serve.registry import JobRegistry
     from packfeed.v1.options import PlanConfig
 
@@ -209,7 +210,7 @@ def worker_cpu_seconds(index: Path, tokenizer: Path, pixels: str) -> tuple[int, 
                                                                            PlanConfig(dp=1, microbatches=2), 0))
     files = step_files.SharedFiles(step_files.shared_directory(), 1 << 30)  # reused step after step, as the server does
     samples, started = 0, time.process_time()
-    for step in range(job.plan(0).n_steps):
+    for step in range(job.epoch_plan(0).n_steps):
         result = worker_process.build_rank_step(job.work(0, step, 0), files.take())
         result.files = files
         samples += result.attach().samples

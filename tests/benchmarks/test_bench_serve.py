@@ -37,7 +37,8 @@ def packfeed_preprocess(index: Path, keep: int = 0):
     """Every rank-step of one epoch (DP 2, M 2) through the worker function, in this process. Like a server,
     it lets go of each message once sent (here: measured), but for the first `keep`."""
     from packfeed.server.serve import step_work, worker_process
-    from packfeed.server.serve.jobs import Dataset, JobSpec
+    from packfeed.server.serve.datasets import Dataset
+    from packfeed.server.serve.jobs import JobSpec
     from packfeed.server.serve.registry import JobRegistry
     from packfeed.v1.options import PlanConfig
 
@@ -45,7 +46,7 @@ def packfeed_preprocess(index: Path, keep: int = 0):
     worker_process.init_worker({"d": source})
     registry = JobRegistry({"d": Dataset.open("d", source)})
     job = registry.open_job(JobSpec("bench", "d", PlanConfig(dp=2, microbatches=2, pipeline_stages=2), 0))
-    plan = job.plan(0)
+    plan = job.epoch_plan(0)
     work = [job.work(0, s, r) for s in range(plan.n_steps) for r in range(2)]
     worker_process.build_rank_step(work[0])  # open the dataset and tokenizer outside the timing
     samples, kept = 0, []

@@ -1,0 +1,246 @@
+"""The datasets a server serves. One shape for all of them: a `Dataset` is the indexes it reads (its parts) and how
+its epochs are planned; a plain dataset is a mixture of one, planned over its own index, and a mixture
+(`packfeed.server.plan.mixture`) is planned over the union of its parts, each pack member read from its own part's
+shards and named in `sample_sources`. Clients ask for either by name (`PackStream(dataset="sft-mix")`)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import numpy as np
+import pyarrow.compute as pc
+
+from packfeed.media.storage import ObjectError, is_object_url, missing_objects, relocate
+from packfeed.server.index.table import IndexInfo
+from packfeed.server.plan.costs import SampleLoads
+from packfeed.server.plan.isf import Caps
+from packfeed.server.plan.mapped_loads import MappedLoads, map_sample_loads
+from packfeed.server.plan.mixture import Mixture, MixtureLoads, make_mixture_plan
+from packfeed.server.plan.plan_file import Plan
+from packfeed.server.plan.planner import make_plan, resolve_caps
+from packfeed.server.plan.resume import resume_plan
+from packfeed.server.plan.windows import WindowedPlan
+from packfeed.server.serve.conventions import conventions_of
+from packfeed.server.serve.jobs import JobError, Resume
+from packfeed.server.serve.observe import log
+from packfeed.server.serve.packs import IndexRows
+from packfeed.server.serve.preprocess import DECODE_BYTES_PER_PIXEL, TOKENIZE_BYTES_PER_TOKEN
+from packfeed.server.serve.routed import routed_encodes
+from packfeed.server.serve.config import MixtureSource, dataset_source
+from packfeed.server.serve.step_work import DatasetSource, RankStepWork
+from packfeed.v1 import packfeed_pb2 as pb
+from packfeed.v1.options import PixelMode, PlanConfig, Strategy
+
+
+@dataclass
+class IndexPart:
+    """One index as a server holds it. Nothing per sample lives in memory: the planner's columns are memory-mapped
+    (MappedLoads, read into memory only while a whole epoch is planned) and the serving columns too (IndexRows),
+    read per step for what a step needs (loss tokens, bytes, largest image)."""
+
+    name: str  # the workers' name for it (`MIXTURE/DATASET` in a mixture)
+    source: DatasetSource
+    loads: SampleLoads | MappedLoads
+    info: IndexInfo
+    rows: IndexRows
+    conventions: pb.ModelConventions  # what a trainer's model must know of these samples
+    label: str = ""  # the name packs carry for its samples (`sample_sources`); default: its name
+
+    def __post_init__(self):
+        self.label = self.label or self.name
+
+    @classmethod
+    def open(cls, name: str, source: DatasetSource, label: str = "") -> IndexPart:
+        loads, info = map_sample_loads(source.index)
+        if not info.has_shards:
+            raise ValueError(f"dataset {name}: {source.index} was imported from length files and has no shards "
+                             "to serve; index the WebDataset shards with `packfeed index`")
+        check_shards_reachable(name, info, source)
+        rows = IndexRows(source.index)
+        check_pixels_carry_videos(name, rows, source.pixels)
+        return cls(name, source, loads, info, rows, conventions_of(info, source.tokenizer), label)
+
+    def in_memory_loads(self) -> SampleLoads:
+        """Every sample's loads in memory, for planning a whole epoch (17 bytes a sample while it runs)."""
+        if isinstance(self.loads, SampleLoads):
+            return self.loads
+        return self.loads.subset(np.arange(len(self.loads)))
+
+    def sample_bytes(self, ids: np.ndarray) -> int:
+        """Estimated bytes of samples `ids`' tensors in packs: their uint8 tiles (as the index computed them: a
+        video's sampled frames included) and int32 input_ids, labels and position_ids."""
+        ids = np.asarray(ids, dtype=np.int64)
+        tokens = self.loads.tokens[ids]
+        return self.rows.pixel_bytes(ids) + int((tokens.astype(np.int64) * 12 + 256).sum())
+
+    def longest_sample(self, ids: np.ndarray) -> int:
+        """LLM tokens of the longest of samples `ids`."""
+        return int(self.loads.tokens[np.asarray(ids, dtype=np.int64)].max(initial=0))
+
+
+@dataclass
+class Dataset:
+    """A served dataset: its parts, and the mixture that plans over them (None: one part, planned over its own
+    index, as `packfeed plan --index` plans it)."""
+
+    name: str
+    parts: list[IndexPart]
+    mixture: MixtureLoads | None = None
+
+    @classmethod
+    def open(cls, name: str, source: DatasetSource | MixtureSource) -> Dataset:
+        """A dataset entry of the server's config. A mixture's parts are opened as the workers will name them
+        (`MIXTURE/DATASET`, read with the tokenizer each index records); the mixture is planned on their loads."""
+        if isinstance(source, DatasetSource):
+            return cls(name, [IndexPart.open(name, source)])
+        mixture = Mixture.load(source.mixture)
+        parts = [IndexPart.open(f"{name}/{entry.name}", dataset_source(entry.index, pixels=source.pixels),
+                                label=entry.name) for entry in mixture.datasets]
+        return cls(name, parts, MixtureLoads(mixture, [(part.loads, part.info) for part in parts]))
+
+    @property
+    def fingerprint(self) -> str:
+        return self.mixture.fingerprint if self.mixture else self.parts[0].info.fingerprint
+
+    @property
+    def conventions(self) -> pb.ModelConventions:
+        return self.parts[0].conventions  # a mixture checked that its parts agree
+
+    @property
+    def pixels(self) -> PixelMode:
+        return self.parts[0].source.pixels  # a mixture's parts share its own
+
+    # -- planning ------------------------------------------------------------------------------------------
+
+    def caps(self, config: PlanConfig, loads: SampleLoads | None = None) -> Caps | None:
+        """The plan's caps, searched once per job (`loads`: a single index's loads in memory, when the caller has
+        them already). None for padded strategies, and for a windowed plan, which searches its caps on its first
+        window."""
+        if config.strategy.padded or config.window:
+            return None
+        if self.mixture:
+            return resolve_caps(self.mixture.once().loads, config)
+        return resolve_caps(self.parts[0].in_memory_loads() if loads is None else loads, config)
+
+    def plan_epoch(self, config: PlanConfig, seed: int, epoch: int, caps: Caps | None,
+                   loads: SampleLoads | None = None) -> Plan | WindowedPlan:
+        """One epoch's plan (`loads`: as for `caps`)."""
+        if self.mixture:
+            if config.window:
+                return self.mixture.windowed(config, seed, epoch, caps)
+            return make_mixture_plan(self.mixture, config, seed, epoch, caps)
+        part = self.parts[0]
+        if config.window:
+            return WindowedPlan(part.loads, config, seed, epoch, config.window, part.info.fingerprint, caps)
+        return make_plan(part.in_memory_loads() if loads is None else loads, config, seed, epoch,
+                         part.info.fingerprint, caps=caps)
+
+    def resume(self, resume: Resume, config: PlanConfig, seed: int, caps: Caps | None) -> Plan:
+        """Epoch `resume.epoch` re-planned with `config` over what the old job left of it (plan.resume). A
+        mixture's rows keep their positions (the same repeats and subset), so packs name the same datasets and
+        samples."""
+        loads = None if self.mixture else self.parts[0].in_memory_loads()  # once, for the old plan and the new
+        old_caps = self.caps(resume.plan_config, loads)
+        old = self.old_plan(resume, config, seed, old_caps, loads)
+        if self.mixture:
+            plan = resume_plan(old.rows.loads, old, resume.step, config, seed, resume.epoch, self.fingerprint, caps)
+            plan.rows = old.rows
+            return plan
+        return resume_plan(loads, old, resume.step, config, seed, resume.epoch, self.fingerprint, caps or old_caps)
+
+    def old_plan(self, resume: Resume, config: PlanConfig, seed: int, caps: Caps | None,
+                 loads: SampleLoads | None = None) -> Plan | WindowedPlan:
+        """The resumed job's epoch as its old job planned it, checked against the resume and the new `config`."""
+        if config.window:
+            raise JobError("INVALID_ARGUMENT", "a resuming job plans whole epochs: give it window 0 (the job it "
+                                               "resumes may be windowed)")
+        old = self.plan_epoch(resume.plan_config, seed, resume.epoch, caps, loads)
+        if resume.step > old.n_steps:
+            raise JobError("OUT_OF_RANGE", f"the old job's epoch {resume.epoch} has {old.n_steps} steps; its ranks "
+                                           f"cannot have consumed {resume.step}")
+        return old
+
+    def planned_loads(self, plan: Plan) -> SampleLoads | MappedLoads:
+        """The loads a plan's members index (a mixture plan's rows, else the one index's)."""
+        return plan.rows.loads if self.mixture else self.parts[0].loads
+
+    # -- steps ---------------------------------------------------------------------------------------------
+
+    def members(self, plan: Plan, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(part, sample id there) of plan members `ids`."""
+        ids = np.asarray(ids, dtype=np.int64)
+        if self.mixture:
+            return plan.rows.datasets[ids], plan.rows.sample_ids[ids]
+        return np.zeros(len(ids), dtype=np.int32), ids
+
+    def work(self, plan: Plan, step: int, rank: int) -> RankStepWork:
+        """What a worker needs to prepare one rank's packs of one step."""
+        packs = []
+        for microbatch in range(plan.config.microbatches):
+            ids, limits = plan.pack_with_truncation(step, rank, microbatch)
+            sources, sample_ids = self.members(plan, ids)
+            packs.append((sample_ids, np.array(limits), sources))
+        parts_, sources, sample_ids = self.parts, *self.members(plan, plan.step_members(step))
+        step_loss = sum(part.rows.loss_tokens(sample_ids[sources == k]) for k, part in enumerate(parts_))
+        return RankStepWork(tuple(part.name for part in parts_), tuple(part.label for part in parts_),
+                            plan.epoch, step, rank, packs, step_loss, plan.is_last_step(step), plan.seed,
+                            self._routing(plan, step, rank))
+
+    def _routing(self, plan: Plan, step: int, rank: int) -> list | None:
+        """isf+phases with the encoder routed: per microbatch, who encodes each member, and what `rank` encodes."""
+        if plan.config.strategy is not Strategy.ISF_PHASES or plan.config.colocate_encoder:
+            return None
+        routed = []
+        for microbatch, (ids, targets) in enumerate(routed_encodes(plan, step, rank)):
+            sources, sample_ids = self.members(plan, ids)
+            routed.append((plan.pack_encoders(step, rank, microbatch), (sample_ids, sources, targets)))
+        return routed
+
+    def _step_samples(self, work: RankStepWork) -> list[tuple[IndexPart, np.ndarray]]:
+        """Each index the step reads with its samples there (these run in the event loop, for every step)."""
+        parts_ = self.parts
+        return [(parts_[k], ids) for k, ids in work.samples_by_source()]
+
+    def estimate_bytes(self, work: RankStepWork) -> int:
+        """Bytes a rank-step will take once prepared, for reserving room in the memory budget up front."""
+        return int(sum(part.sample_bytes(ids) for part, ids in self._step_samples(work)) + 1024 * len(work.packs))
+
+    def working_bytes(self, work: RankStepWork) -> int:
+        """Bytes a worker holds for a while preparing the rank-step, one sample at a time: its largest image decoded,
+        converted and resized (in its dataset's pixel mode), or its longest sample tokenised, whichever is more.
+        Reserved in the budget until the step is ready, so a 9,400 x 9,400 PNG of 200 KB cannot take a gigabyte
+        behind the budget's back; never more than `work.decode_budget`, since a worker skips (does not decode or
+        tokenise) a sample that needs more."""
+        need = max((max(part.rows.largest_image_pixels(ids) * DECODE_BYTES_PER_PIXEL[part.source.pixels],
+                        part.longest_sample(ids) * TOKENIZE_BYTES_PER_TOKEN)
+                    for part, ids in self._step_samples(work)), default=0)
+        return min(need, work.decode_budget) if work.decode_budget else need
+
+
+def check_pixels_carry_videos(name: str, rows: IndexRows, pixels: PixelMode) -> None:
+    """`pixels: encoded` sends image files for the client to decode; videos are decoded on the server only."""
+    if pixels != PixelMode.ENCODED:
+        return
+    videos = int(pc.sum(pc.greater(rows.table.column("n_videos"), 0)).as_py() or 0)
+    if videos:
+        raise ValueError(f"dataset {name}: {videos} samples hold videos, which pixels: encoded cannot carry (it sends "
+                         f"image files); serve this dataset with pixels: exact or fast")
+
+
+def check_shards_reachable(name: str, info: IndexInfo, source: DatasetSource) -> None:
+    """A dataset none of whose shards can be read is a configuration error, said when the server starts (not
+    an epoch of empty packs); some missing ones are logged, and their samples skipped as they come."""
+    paths = [relocate(url, source.shard_root) for url in info.inputs]
+    objects = [path for path in paths if is_object_url(path)]
+    missing = [path for path in paths if not is_object_url(path) and not os.path.isfile(path)]
+    try:
+        missing += missing_objects(objects)
+    except ObjectError as error:
+        raise ValueError(f"dataset {name}: its shards cannot be listed: {error}") from None
+    if missing and len(missing) == len(paths):
+        raise ValueError(f"dataset {name}: none of its {len(paths)} shards is readable (e.g. {missing[0]}); set "
+                         "shard_root to the directory that holds them, or index them where they are")
+    if missing:
+        log.warning("shards missing: their samples will be skipped", extra={
+            "dataset": name, "missing": len(missing), "shards": len(paths), "first": missing[0]})
