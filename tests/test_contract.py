@@ -84,7 +84,7 @@ def test_trainer_plan_fields_match_the_plan_config():
     assert set(PLAN_FIELDS) <= {f.name for f in dataclasses.fields(PlanConfig)}
     for name in set(PLAN_FIELDS) - {"microbatches"}:  # a pipeline wants M > 1: the trainer's default is 4
         assert getattr(data, name) == getattr(defaults, name), name
-    assert data.plan(dp=4, pipeline_stages=2) == PlanConfig(dp=4, pipeline_stages=2, microbatches=data.microbatches)
+    assert data.plan_config(dp=4, pipeline_stages=2) == PlanConfig(dp=4, pipeline_stages=2, microbatches=data.microbatches)
     with pytest.raises(ValueError, match="strategy must be one of"):
         DataConfig(target="localhost:1", strategy="greedy")
 

@@ -58,9 +58,9 @@ class DataConfig:
         check_choices(self)
         if self.cost_model and not Path(self.cost_model).is_file():
             raise ValueError(f"data.cost_model {self.cost_model} not found (an earlier run's OUT/cost_model.json)")
-        self.plan(dp=1, pipeline_stages=1)  # a bad strategy or cap fails now, not at the first stream
+        self.plan_config(dp=1, pipeline_stages=1)  # a bad strategy or cap fails now, not at the first stream
 
-    def plan(self, dp: int, pipeline_stages: int, routed: bool = False) -> PlanConfig:
+    def plan_config(self, dp: int, pipeline_stages: int, routed: bool = False) -> PlanConfig:
         """The job's plan specification on a (dp, pipeline_stages) mesh. isf+phases is served routed only to a
         trainer that exchanges encoder outputs (`routed`, parallel.encoder=phases); to the others, colocated."""
         values = {name: getattr(self, name) for name in PLAN_FIELDS}

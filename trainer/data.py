@@ -80,7 +80,7 @@ def open_stream(config: TrainConfig, mesh: Mesh, target: str, checkpoint_dir=Non
 
     d = config.data
     routed = config.parallel.encoder == "phases"  # isf+phases packs with their images routed
-    options = dict(rank=mesh.replica, plan=d.plan(mesh.dp, mesh.pp, routed), seed=d.seed, epochs=d.epochs,
+    options = dict(rank=mesh.replica, plan=d.plan_config(mesh.dp, mesh.pp, routed), seed=d.seed, epochs=d.epochs,
                    prefetch=d.prefetch, pin_memory=mesh.device.type == "cuda", connection=Connection(token=d.token or None))
     states = checkpoint.stream_states(checkpoint_dir) if checkpoint_dir is not None else []
     if not states:

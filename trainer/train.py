@@ -149,15 +149,8 @@ def train_on(config: TrainConfig, mesh: Mesh, target: str, out: Path) -> dict:
         if trainer.bubbles:
             log(mesh, f"the encoder (layers 0:{trainer.first_layer}) runs on every pipeline rank in the bubbles of "
                 f"the {config.parallel.schedule} schedule; the stages hold layers {bounds[0]}:{bounds[-1]}")
-        tied = trainer.tied
-        optimizer = torch.optim.AdamW(trainer.parameters(), lr=config.optim.lr, weight_decay=config.optim.weight_decay)
-        warmup = max(config.optim.warmup_steps, 1)
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup))
-        holder = checkpoint.rank_layers(trainer)
-        if resume_from:
-            checkpoint.load_sharded(resume_from, holder, optimizer, scheduler)
         meta = {"bounds": bounds, "recompute": recompute.layers}
-        loop = Loop(trainer, optimizer, scheduler, tied, holder, config, mesh, out, meta)
+        loop = Loop(trainer, out, meta, resume_from)
         history = loop.run(resumed["steps_done"] if resumed else 0)
         summary = {"bounds": bounds, "recompute": recompute.layers, "steps": len(history),
                    "final_loss": history[-1]["loss"] if history else None}
@@ -165,12 +158,21 @@ def train_on(config: TrainConfig, mesh: Mesh, target: str, out: Path) -> dict:
 
 
 class Loop:
-    """Trains until optim.steps or the end of the stream; rank 0 writes one metrics line per step."""
+    """Trains a rank's stages until optim.steps or the end of the stream; owns their optimizer, learning-rate
+    schedule and checkpoints (`meta`: what a checkpoint records beside the weights; `resume_from`: the checkpoint
+    to load first). Rank 0 writes one metrics line per step."""
 
-    def __init__(self, trainer: RankStages, optimizer, scheduler, tied: TiedParameters, holder, config: TrainConfig,
-                 mesh: Mesh, out: Path, meta: dict):
-        self.trainer, self.optimizer, self.scheduler, self.tied = trainer, optimizer, scheduler, tied
-        self.holder, self.config, self.mesh, self.out, self.meta = holder, config, mesh, out, meta
+    def __init__(self, trainer: RankStages, out: Path, meta: dict, resume_from: Path | None = None):
+        config = trainer.config
+        self.trainer, self.config, self.mesh, self.out, self.meta = trainer, config, trainer.mesh, out, meta
+        self.tied: TiedParameters = trainer.tied
+        self.optimizer = torch.optim.AdamW(trainer.parameters(), lr=config.optim.lr,
+                                           weight_decay=config.optim.weight_decay)
+        warmup = max(config.optim.warmup_steps, 1)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: min(1.0, (s + 1) / warmup))
+        self.holder = checkpoint.rank_layers(trainer)
+        if resume_from:
+            checkpoint.load_sharded(resume_from, self.holder, self.optimizer, self.scheduler)
 
     def run(self, steps_done: int) -> list[dict]:
         with (self.out / "metrics.jsonl").open("a") if self.mesh.rank == 0 else contextlib.nullcontext() as metrics:
