@@ -21,7 +21,7 @@ class PackTensors:
     image_sample (images); image_token_spans (images x 2: start in input_ids, length). A routed pack (plan
     strategy isf+phases; `routed`) adds image_encoder (images x 3: the rank encoding each image it consumes),
     and its pixels are the images its rank encodes, one row each in encode_target (x 3: consuming rank,
-    planned position, image number) with encode_tokens; README "Packs on the wire"."""
+    planned position, image number) with encode_tokens; docs/wire.md "Packs on the wire"."""
 
     epoch: int
     step: int

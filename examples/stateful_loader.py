@@ -5,7 +5,7 @@ model, so a restart continues at exactly the next step.
     torchrun --nproc-per-node 2 examples/stateful_loader.py 127.0.0.1:50051 dcp-out --steps 2
     torchrun --nproc-per-node 2 examples/stateful_loader.py 127.0.0.1:50051 dcp-out --steps 2 --resume
 
-Each step here only counts its samples; a real loop runs its model on `step.packs` (see README "Train a
+Each step here only counts its samples; a real loop runs its model on `step.packs` (see docs/training.md "Train a
 Hugging Face model").
 """
 

@@ -93,10 +93,10 @@ def test_adaptive_recompute_fits_where_keeping_everything_does_not_and_recompute
 
 
 def readme_commands() -> list[str]:
-    """The README's two commands for a pipelined Hugging Face model, as written there."""
+    """docs/training.md's two commands for a pipelined Hugging Face model, as written there."""
     from pathlib import Path
 
-    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    text = (Path(__file__).resolve().parents[1] / "docs" / "training.md").read_text()
     block = text.split("<!-- pipelined-hf-commands -->", 2)[1]
     lines = [line.strip() for line in block.splitlines() if line.startswith("    ")]
     commands, current = [], ""

@@ -101,7 +101,7 @@ def test_lightning_trains_as_the_plain_loop_and_resumes_at_the_next_step(tmp_pat
 @pytest.mark.slow
 @pytest.mark.parametrize("example,extra", [("hf_trainer.py", ["--trl"]), ("lightning_fit.py", [])])
 def test_the_examples_run(tmp_path, server, qwen_data, example, extra):
-    """The README's examples, as a user runs them (one process), for two optimizer steps."""
+    """The examples docs/training.md points to, as a user runs them (one process), for two optimizer steps."""
     pytest.importorskip("trl" if extra else "lightning")
     script = Path(__file__).resolve().parents[1] / "examples" / example
     done = subprocess.run([sys.executable, str(script), server.target, str(tmp_path / "out"), "--steps", "2",

@@ -1,4 +1,4 @@
-"""Reliability figures (issue [4/4]): failover under kill -9 with a sample ledger, and many concurrent streams
+"""Reliability figures: failover under kill -9 with a sample ledger, and many concurrent streams
 on one server within its memory budget.
 
 Run: .venv/bin/python -m pytest -q -s tests/benchmarks/test_bench_failover.py -m benchmark

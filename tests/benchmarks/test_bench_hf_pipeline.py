@@ -1,4 +1,4 @@
-"""Pipelined Hugging Face VLMs on CPU (issue [1/6]): `packfeed train model.hf=FAMILY parallel.pp=P` under
+"""Pipelined Hugging Face VLMs on CPU: `packfeed train model.hf=FAMILY parallel.pp=P` under
 torchrun (gloo) with an embedded server on the demo photographs, each figure the median step of a run with its
 spread (min-max), every compared setting run in the same session, interleaved over rounds.
 

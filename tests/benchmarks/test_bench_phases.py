@@ -1,4 +1,4 @@
-"""Every phase balanced on its own (issue [3/6], OrchMLLM): `isf+phases` against `isf+balance`.
+"""Every phase balanced on its own (OrchMLLM): `isf+phases` against `isf+balance`.
 
 Run: .venv/bin/python -m pytest -q -s tests/benchmarks/test_bench_phases.py -m benchmark
 

@@ -1,4 +1,4 @@
-"""Candidates for a fast pixel path (issue [5/7], measure and choose): decode + InternVL tiling (the grid resize
+"""Candidates for a fast pixel path (measure and choose): decode + InternVL tiling (the grid resize
 and the thumbnail) of the demo photographs per core, and each candidate's error against the exact path
 (PIL bicubic, bit-identical to the HF processors): mean absolute error in 1/255 units and PSNR.
 

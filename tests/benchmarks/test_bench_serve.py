@@ -1,4 +1,4 @@
-"""Serving benchmarks (issue [2/4]), each against its baseline in the same run.
+"""Serving benchmarks, each against its baseline in the same run.
 
 Run: .venv/bin/python -m pytest -q -s tests/benchmarks/test_bench_serve.py -m benchmark
 

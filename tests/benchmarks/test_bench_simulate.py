@@ -1,4 +1,4 @@
-"""The encoder off the critical path (issue [2/6]): `packfeed simulate` at the papers' settings, and the simulator
+"""The encoder off the critical path: `packfeed simulate` at the papers' settings, and the simulator
 against steps the trainer measured.
 
 Run: .venv/bin/python -m pytest -q -s tests/benchmarks/test_bench_simulate.py -m benchmark

@@ -1,4 +1,4 @@
-"""Training on balanced packs (issue [3/4]): the same model, data and epoch under three data strategies, measured
+"""Training on balanced packs: the same model, data and epoch under three data strategies, measured
 on CPU (the simulator's check against such runs, and its cluster scale, are in test_bench_simulate.py).
 
 Run: .venv/bin/python -m pytest -q -s tests/benchmarks/test_bench_train.py -m benchmark

@@ -1,4 +1,4 @@
-"""The reference trainer on one GPU (issue [3/4]): step times and memory on CUDA. Skips without CUDA.
+"""The reference trainer on one GPU: step times and memory on CUDA. Skips without CUDA.
 
 Run (on a machine with a GPU): .venv/bin/python -m pytest -q -s tests/benchmarks/test_bench_train_gpu.py -m benchmark
 

@@ -1,4 +1,4 @@
-"""Video frames per second per core, decode + resize (issue [7/7]): Packfeed's seeking reader (only the sampled
+"""Video frames per second per core, decode + resize: Packfeed's seeking reader (only the sampled
 frames decoded, `packfeed.media.video.read_frames`) against decoding every frame in order and keeping the
 sampled ones (what a loader without seeking does: torchvision's `read_video`, a plain PyAV loop). Both decode on one
 thread and resize with the server's exact path (Pillow bicubic, byte for byte), to InternVL's 448 px frame tile
