@@ -35,9 +35,9 @@ def demo_image_files(demo_dataset, suffixes: tuple[str, ...] = ("jpg", "jpeg", "
 def indexed_demo(root: Path, samples: int, shards: int, seed: int, image_policy: dict | None = None):
     """Write `samples` demo samples over `shards` tar files under `root` and index them (InternVL tiling at
     448 px unless `image_policy` says otherwise). Returns (DemoPaths, index path)."""
-    from packfeed.server.tools.demo import write_demo_dataset
     from packfeed.server.index.config import IndexConfig
     from packfeed.server.index.indexer import build_index
+    from packfeed.server.tools.demo import write_demo_dataset
 
     paths = write_demo_dataset(root, samples=samples, shards=shards, seed=seed)
     index = root / "index.parquet"

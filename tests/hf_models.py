@@ -61,8 +61,8 @@ class FamilyData:
 def family_dataset(root: Path, family: str, seed: int = 0, samples: int = 10) -> FamilyData:
     """`samples` samples (text-only, one image, two images; answers of several lengths) converted and indexed
     with the family's conventions."""
-    from packfeed.server.convert.convert import ConvertOptions, convert, shard_paths
     from packfeed.media.chat import PRESETS
+    from packfeed.server.convert.convert import ConvertOptions, convert, shard_paths
     from packfeed.server.index.config import IndexConfig
     from packfeed.server.index.indexer import build_index
     from packfeed.server.index.table import read_index_info

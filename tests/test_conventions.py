@@ -15,8 +15,8 @@ import pytest
 
 from packfeed.media.chat import (IGNORE_INDEX, PRESETS, ChatEncoder, ChatTemplate, MissingTokensError,
                                         load_tokenizer)
-from packfeed.server.index.conventions import POLICY_FLAGS, add_convention_options, conventions_of
 from packfeed.media.image_policy import POLICIES
+from packfeed.server.index.conventions import POLICY_FLAGS, add_convention_options, conventions_of
 from packfeed.server.tools.demo import train_tokenizer
 
 CLI = [sys.executable, "-m", "packfeed.server.cli"]

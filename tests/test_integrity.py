@@ -10,7 +10,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 
 import numpy as np
 import pyarrow.parquet as pq
@@ -20,9 +19,9 @@ from PIL import Image
 
 from packfeed.client import LocalServer, PackStream
 from packfeed.media.chat import ChatTemplate, load_tokenizer
+from packfeed.media.pixels import oriented_size, to_rgb
 from packfeed.server.index.config import IndexConfig
 from packfeed.server.index.indexer import build_index
-from packfeed.media.pixels import oriented_size, to_rgb
 from packfeed.server.index.table import read_index_info
 from packfeed.server.serve.packs import IndexRows
 from packfeed.server.serve.preprocess import SampleReader, SampleSkipped

@@ -9,15 +9,15 @@ import numpy as np
 import pytest
 
 from packfeed.media.chat import ChatTemplate, load_tokenizer
-from packfeed.server.plan.costs import load_sample_loads
-from packfeed.server.index.table import read_index_info
 from packfeed.server.index.config import IndexConfig
 from packfeed.server.index.indexer import build_index
-from packfeed.server.serve.packs import SERVE_COLUMNS, IndexRows, build_rank_step
+from packfeed.server.index.table import read_index_info
+from packfeed.server.plan.costs import load_sample_loads
 from packfeed.server.plan.planner import make_plan
-from packfeed.v1.options import PlanConfig
+from packfeed.server.serve.packs import SERVE_COLUMNS, IndexRows, build_rank_step
 from packfeed.server.serve.preprocess import SampleReader
 from packfeed.server.serve.wire import encode_pack
+from packfeed.v1.options import PlanConfig
 
 TILE_BYTES = 3 * 448 * 448
 

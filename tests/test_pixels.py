@@ -13,8 +13,8 @@ from PIL import Image
 
 from demo_data import PRESET_POLICIES, demo_image_files, document_scan
 from packfeed.media.image_policy import policy_from_dict
-from packfeed.server.serve.preprocess import image_tiles
 from packfeed.media.pixels import decode_tiles, pil_resizer
+from packfeed.server.serve.preprocess import image_tiles
 
 def demo_images(demo_dataset) -> list[Image.Image]:
     images = [Image.open(io.BytesIO(data)) for data in demo_image_files(demo_dataset)]

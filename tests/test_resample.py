@@ -12,8 +12,8 @@ import pytest
 from PIL import Image
 
 from demo_data import PRESET_POLICIES, demo_image_files, document_scan
-from packfeed.media.image_policy import policy_from_dict
 from packfeed.media import resample
+from packfeed.media.image_policy import policy_from_dict
 from packfeed.media.pixels import cut_tiles, decode_tiles, pil_resizer, to_rgb
 
 

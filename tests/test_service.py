@@ -15,9 +15,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from packfeed.client import LocalServer, PackfeedError, PackStream
-from packfeed.server.index.table import read_index
 from packfeed.server.index.config import IndexConfig
 from packfeed.server.index.indexer import build_index
+from packfeed.server.index.table import read_index
 from packfeed.v1 import packfeed_pb2 as pb, packfeed_pb2_grpc as pb_grpc
 
 pytestmark = pytest.mark.slow
@@ -357,8 +357,8 @@ def test_plans_of_ranks_epochs_apart_are_served_from_a_bounded_cache(dataset):
     from packfeed.server.serve.datasets import Dataset
     from packfeed.server.serve.jobs import PLANS_CACHED, JobSpec
     from packfeed.server.serve.registry import JobRegistry
-    from packfeed.v1.options import PlanConfig
     from packfeed.server.serve.step_work import DatasetSource
+    from packfeed.v1.options import PlanConfig
 
     source = DatasetSource(str(dataset), str(read_index_info_tokenizer(dataset)))
     registry = JobRegistry({"d": Dataset.open("d", source)})

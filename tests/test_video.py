@@ -12,8 +12,8 @@ from PIL import Image
 
 pytest.importorskip("av")
 
-from packfeed.server.index.table import read_index  # noqa: E402
 from packfeed.media.video import VideoError, VideoSampling, probe_video, read_frames  # noqa: E402
+from packfeed.server.index.table import read_index  # noqa: E402
 from packfeed.server.serve.packs import IndexRows, build_pack  # noqa: E402
 from packfeed.server.serve.preprocess import IMAGE, VIDEO, SampleReader, SampleSkipped  # noqa: E402
 from video_data import (all_frames, conversation, encode_video, indexed_videos, jpeg, frame_picture,  # noqa: E402
@@ -56,8 +56,8 @@ def test_qwen3_frame_counts_and_choices_match_the_hf_qwen3_video_processor():
     transformers = pytest.importorskip("transformers")
     from transformers.video_utils import VideoMetadata
 
-    from packfeed.server.index.conventions import MODEL_PRESETS
     from packfeed.media.image_policy import policy_from_dict
+    from packfeed.server.index.conventions import MODEL_PRESETS
 
     processor = transformers.Qwen3VLVideoProcessor()
     preset = MODEL_PRESETS["qwen3_vl"]

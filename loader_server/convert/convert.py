@@ -25,11 +25,11 @@ from typing import Any, Iterable, Iterator, Literal
 from PIL import Image
 from tqdm import tqdm
 
-from packfeed.server.convert.shard_writer import SHARD_PATTERN, ShardWriter
-from packfeed.server.convert.sources import FORMATS, SourceImage, SourceRow, normalize_turns
 from packfeed.media.chat import ConversationError, attach_images, conversation_turns
 from packfeed.media.samples import SampleError, image_size, describe_error, reason_category
 from packfeed.media.video import VIDEO_EXTENSIONS, VideoError, probe_video
+from packfeed.server.convert.shard_writer import SHARD_PATTERN, ShardWriter
+from packfeed.server.convert.sources import FORMATS, SourceImage, SourceRow, normalize_turns
 
 Format = Literal["llava", "internvl", "sharegpt", "hf-parquet"]
 REPORT = "convert-report.json"

@@ -20,13 +20,13 @@ import numpy as np
 import pyarrow as pa
 from tqdm import tqdm
 
+from packfeed.media.samples import reason_category
 from packfeed.media.storage import ObjectError, Stamp, is_object_url, stamp
 from packfeed.server.index.config import IndexConfig
 from packfeed.server.index.parts import (config_digest, load_part, parts_directory, remove_stale_parts, save_part,
                                          shard_version)
 from packfeed.server.index.sample_costs import cost_sample
 from packfeed.server.index.shards import ShardError, expand_shards, is_compressed, iter_samples
-from packfeed.media.samples import reason_category
 from packfeed.server.index.table import SCHEMA, IndexInfo, fingerprint_table, write_index
 
 

@@ -25,8 +25,8 @@ import subprocess
 
 import braceexpand
 
-from packfeed.media.video import VIDEO_EXTENSIONS
 from packfeed.media.storage import OBJECT_SCHEMES, expand_object_glob, is_object_url, open_object, read_range
+from packfeed.media.video import VIDEO_EXTENSIONS
 
 IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp", "gif", "bmp", "tif", "tiff")
 _IMAGE_SUFFIX = re.compile(r"^(?:(\d+)\.)?(" + "|".join(IMAGE_EXTENSIONS) + r")$", re.IGNORECASE)

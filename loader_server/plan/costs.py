@@ -16,8 +16,8 @@ import numpy as np
 
 import pyarrow.parquet as pq
 
-from packfeed.server.index.table import IndexInfo, encoder_columns, read_index_info
 from packfeed.media.image_policy import DEFAULT_PATCHES_PER_UNIT
+from packfeed.server.index.table import IndexInfo, encoder_columns, read_index_info
 from packfeed.v1.options import CostModel
 
 

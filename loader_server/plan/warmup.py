@@ -21,9 +21,9 @@ from pathlib import Path
 
 import numpy as np
 
+from packfeed.media.resample import compile_kernels
 from packfeed.server.plan.costs import SampleLoads
 from packfeed.server.plan.planner import make_plan
-from packfeed.media.resample import compile_kernels
 from packfeed.v1.options import Oversize, PlanConfig, Strategy
 
 # Configurations that reach every kernel: each strategy (the default first: a job arriving during a server's

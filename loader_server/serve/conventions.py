@@ -8,8 +8,8 @@ from pathlib import Path
 
 from packfeed.media.chat import ChatTemplate, load_tokenizer
 from packfeed.media.image_policy import policy_from_dict
-from packfeed.server.index.table import IndexInfo
 from packfeed.media.video import VideoSampling
+from packfeed.server.index.table import IndexInfo
 from packfeed.v1 import packfeed_pb2 as pb
 
 

@@ -21,13 +21,13 @@ from packfeed.server.plan.plan_file import Plan
 from packfeed.server.plan.planner import make_plan, resolve_caps
 from packfeed.server.plan.resume import resume_plan
 from packfeed.server.plan.windows import WindowedPlan
+from packfeed.server.serve.config import MixtureSource, dataset_source
 from packfeed.server.serve.conventions import conventions_of
 from packfeed.server.serve.jobs import JobError, Resume
 from packfeed.server.serve.observe import log
 from packfeed.server.serve.packs import IndexRows
 from packfeed.server.serve.preprocess import DECODE_BYTES_PER_PIXEL, TOKENIZE_BYTES_PER_TOKEN
 from packfeed.server.serve.routed import routed_encodes
-from packfeed.server.serve.config import MixtureSource, dataset_source
 from packfeed.server.serve.step_work import DatasetSource, RankStepWork
 from packfeed.v1 import packfeed_pb2 as pb
 from packfeed.v1.options import PixelMode, PlanConfig, Strategy

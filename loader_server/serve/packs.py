@@ -19,8 +19,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from packfeed.media.chat import IGNORE_INDEX
-from packfeed.server.serve.preprocess import IMAGE, SampleTensors
 from packfeed.media.pixels import GEOMETRY_COLUMNS
+from packfeed.server.serve.preprocess import IMAGE, SampleTensors
 
 
 @dataclass(frozen=True)

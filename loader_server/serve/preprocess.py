@@ -21,17 +21,17 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
+from packfeed.media import fast
 from packfeed.media.chat import (ChatTemplate, ConversationError, attach_images, cached_encoder,
                                         parse_conversation, visual_items)
 from packfeed.media.image_policy import ImagePolicy, policy_from_dict
+from packfeed.media.pixels import Geometry, ImageSizeMismatch, cut_tiles, decode_tiles, to_rgb
+from packfeed.media.resample import exact_resizer
+from packfeed.media.samples import describe_error
+from packfeed.media.storage import ObjectError, StampCache, is_object_url, read_range, relocate
 from packfeed.media.video import VideoError, VideoInfo, VideoSampling, read_frames, video_placeholders
 from packfeed.server.index.shards import is_compressed
-from packfeed.media.storage import ObjectError, StampCache, is_object_url, read_range, relocate
-from packfeed.media.samples import describe_error
 from packfeed.server.index.table import IndexInfo, member_checksum
-from packfeed.media import fast
-from packfeed.media.resample import exact_resizer
-from packfeed.media.pixels import Geometry, ImageSizeMismatch, cut_tiles, decode_tiles, to_rgb
 from packfeed.v1.options import PixelMode
 
 

@@ -17,9 +17,9 @@ from packfeed.server.cluster.coordinator import CoordinationUnavailable, Coordin
 from packfeed.server.plan.warmup import warm_up_in_background
 from packfeed.server.serve.config import ServerConfig, describe
 from packfeed.server.serve.datasets import Dataset
-from packfeed.server.serve.registry import JobRegistry
 from packfeed.server.serve.network import TokenAuth, advertised_address, bind, grpc_options, start_metrics
 from packfeed.server.serve.observe import Metrics, log
+from packfeed.server.serve.registry import JobRegistry
 from packfeed.server.serve.service import SERVICE, PackfeedService
 from packfeed.server.serve.status import StatusReport
 from packfeed.server.serve.step_work import DatasetSource

@@ -17,18 +17,18 @@ from google.protobuf.message import DecodeError
 
 import grpc
 
-from packfeed.server.cluster.coordinator import Coordinator, LeaseOutcome
-from packfeed.server.serve.coordination import Coordination
 from packfeed.media.samples import reason_category
+from packfeed.server.cluster.coordinator import Coordinator, LeaseOutcome
 from packfeed.server.serve.budget import MemoryBudget
 from packfeed.server.serve.config import ServerConfig
+from packfeed.server.serve.coordination import Coordination
 from packfeed.server.serve.jobs import Job, JobError, JobSpec, Resume
-from packfeed.server.serve.registry import JobRegistry, check_name
 from packfeed.server.serve.network import client_host
 from packfeed.server.serve.observe import Metrics, log
 from packfeed.server.serve.producer import END, produce
-from packfeed.server.serve.wire import pack_parts
+from packfeed.server.serve.registry import JobRegistry, check_name
 from packfeed.server.serve.step_work import RankStepResult
+from packfeed.server.serve.wire import pack_parts
 from packfeed.server.serve.workers import WorkerPool
 from packfeed.v1 import packfeed_pb2 as pb
 from packfeed.v1.options import PlanConfig

@@ -23,8 +23,8 @@ from urllib.parse import parse_qs, urlsplit
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from packfeed.server.serve.observe import log
 from packfeed.server.plan.windows import WindowedPlan
+from packfeed.server.serve.observe import log
 
 REFRESH_S = 2.0
 

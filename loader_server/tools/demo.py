@@ -179,12 +179,12 @@ def run_demo(out: Path, samples: int = 240, dataset_only: bool = False) -> int:
     """`make demo`: build the demo dataset, index it, write the statistics report, plan an epoch, then serve
     it and consume the epoch with one client per DP rank. `dataset_only`: stop after the index (the
     docker-compose demo prepares its shared data volume this way)."""
-    from packfeed.server.plan.costs import load_sample_loads
     from packfeed.server.index.config import IndexConfig
     from packfeed.server.index.indexer import build_index
+    from packfeed.server.plan.costs import load_sample_loads
     from packfeed.server.plan.planner import make_plan
-    from packfeed.v1.options import PlanConfig
     from packfeed.server.tools.stats import write_report
+    from packfeed.v1.options import PlanConfig
 
     print(f"[1/6] writing {samples} demo samples (scikit-image photographs) to {out}/shards")
     paths = write_demo_dataset(out, samples=samples)

@@ -131,8 +131,8 @@ def test_cutting_tiles_into_the_steps_file():
     into a file that holds one already: tiles cut into the worker's memory, then copied into the file through its
     kept mapping (as before), against tiles cut straight into the file (`_TileArena`), the rest of the step
     written after them."""
-    from packfeed.server.serve import step_files, worker_process
     from packfeed.media.chw import chw_tiles
+    from packfeed.server.serve import step_files, worker_process
 
     worker_process.keep_freed_memory()  # as a worker: tiles cut into its memory reuse freed blocks, not fresh pages
     directory = step_files.shared_directory()

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import pytest
 
-from packfeed.server.tools.demo import write_demo_dataset
 from packfeed.server.index.config import IndexConfig
 from packfeed.server.index.indexer import build_index
+from packfeed.server.tools.demo import write_demo_dataset
 
 pytestmark = pytest.mark.benchmark
 

@@ -116,8 +116,8 @@ def test_document_scans_exact_and_fast(tmp_path):
     fixed 336 px policy shrinks 5-6x): Pillow's bicubic against Packfeed's exact and fast paths as the server
     runs them (file_tiles: decode, draft where fast allows it, resize, cut), per core, with each one's error."""
     from packfeed.media.image_policy import policy_from_dict
-    from packfeed.server.serve.preprocess import file_tiles
     from packfeed.media.pixels import decode_tiles
+    from packfeed.server.serve.preprocess import file_tiles
 
     pytest.importorskip("cv2")
     pages = [document_scan(seed) for seed in range(12)]
@@ -174,10 +174,10 @@ def test_fast_path_decoding(tmp_path):
     (simplejpeg and pyspng where they decode as Pillow does), on the demo photographs at full size, with freed
     memory kept as a server process keeps it; the benchmark checks that all give the same pixels."""
     cv2 = pytest.importorskip("cv2")
-    from packfeed.media.image_policy import policy_from_dict
     from packfeed.media.fast import decode as fast_pixels
-    from packfeed.server.serve.worker_process import keep_freed_memory
+    from packfeed.media.image_policy import policy_from_dict
     from packfeed.media.pixels import oriented_size
+    from packfeed.server.serve.worker_process import keep_freed_memory
 
     keep_freed_memory()  # as a worker: large outputs come from kept memory, not fresh pages
     demo = write_demo_dataset(tmp_path / "demo", samples=160, shards=2, seed=5, bad_samples=False)

@@ -24,9 +24,9 @@ from PIL import Image
 pytest.importorskip("av")
 
 from packfeed.media.image_policy import InternVLTiling, Qwen2VLResize  # noqa: E402
-from packfeed.media.video import VideoSampling, probe_video, read_frames  # noqa: E402
 from packfeed.media.pixels import cut_tiles  # noqa: E402
 from packfeed.media.resample import exact_resizer  # noqa: E402
+from packfeed.media.video import VideoSampling, probe_video, read_frames  # noqa: E402
 
 pytestmark = pytest.mark.benchmark
 
