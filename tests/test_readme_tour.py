@@ -18,7 +18,8 @@ REPO = Path(__file__).resolve().parents[1]
 
 def tour_commands() -> list[str]:
     """The indented lines between the README's tour markers, continuation lines joined, comments dropped."""
-    block = REPO.joinpath("README.md").read_text().split("<!-- tour -->", 1)[1].split("<!-- /tour -->", 1)[0]
+    block = REPO.joinpath("README.md").read_text().split("<!-- run by tests/test_readme_tour.py -->", 1)[1]
+    block = block.split("<!-- /tour -->", 1)[0]
     commands, current = [], ""
     for line in block.splitlines():
         if not line.startswith("    "):

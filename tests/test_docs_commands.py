@@ -1,0 +1,151 @@
+"""Every command quoted in README.md and docs/ is checked here, so the docs cannot drift from the CLI:
+
+- every `packfeed ...` line parses with the real command line (its subcommand and flags exist, its values are
+  valid choices), and a `packfeed train` line's settings load (`section.key=value` names a real setting);
+- those that can run on the demo data run for real, in a folder laid out as the docs assume (`index.parquet`,
+  `tokenizer.json`, `mix.yaml`, the InternVL length files), and succeed;
+- any other command (docker, torchrun, make, python) sits in a block marked with what runs it or what it needs:
+  `<!-- run by tests/test_x.py -->`, `<!-- needs: docker -->`, `<!-- needs: cluster -->`, `<!-- needs: gpu -->`.
+  A block marked `<!-- synopsis -->` shows a command's usage, not a command.
+
+The README's tour and the pipelined Hugging Face commands run in their own tests (test_readme_tour.py,
+test_hf_pipeline_train.py), which their markers name.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+PROGRAMS = ("packfeed", "docker", "torchrun", "make", "python")
+RUNNABLE = {"info", "plan", "stats", "simulate", "index"}  # quick on the demo data, nothing left running
+MARKER = re.compile(r"<!-- (run by [^>]+|needs: [^>]+|synopsis) -->")
+
+
+@dataclass
+class Command:
+    page: str
+    line: int
+    text: str
+    marker: str  # '' where the block has none
+
+    @property
+    def argv(self) -> list[str]:
+        words = shlex.split(self.text)
+        while words and re.fullmatch(r"[A-Z_]+=\S*", words[0]):  # VAR=value before the program
+            words = words[1:]
+        return words
+
+
+def quoted_commands() -> list[Command]:
+    """Indented code lines that start with a program, continuation lines joined, trailing comments dropped; with
+    the marker on the lines just before their block, if any."""
+    commands = []
+    for page in PAGES:
+        lines = page.read_text().splitlines()
+        marker, in_block, current, start = "", False, "", 0
+        for number, line in enumerate(lines, 1):
+            found = MARKER.search(line)
+            if found and not line.startswith("    "):
+                marker = found[1]
+                continue
+            if not line.startswith("    "):
+                if line.strip():
+                    marker = "" if in_block else marker  # a marker belongs to the next block only
+                    in_block = False
+                continue
+            in_block = True
+            code = line.split("  #", 1)[0].strip()
+            if not current and not re.match(rf"^([A-Z_]+=\S* )*({'|'.join(PROGRAMS)})\b", code):
+                continue
+            current, start = current + code.rstrip("\\").strip() + " ", start or number
+            if not code.endswith("\\"):
+                commands.append(Command(page.name, start, current.strip(), marker))
+                current, start = "", 0
+    return commands
+
+
+COMMANDS = quoted_commands()
+
+
+def test_the_docs_quote_commands():
+    """The extraction sees the pages' commands (a check over none would pass by itself)."""
+    programs = {c.argv[0] for c in COMMANDS}
+    assert {"packfeed", "docker", "make"} <= programs and len(COMMANDS) >= 25
+
+
+@pytest.mark.parametrize("command", [c for c in COMMANDS if c.argv[0] == "packfeed" and c.marker != "synopsis"],
+                         ids=lambda c: f"{c.page}:{c.line}")
+def test_every_packfeed_command_parses(command):
+    from packfeed.server.cli import build_parser
+
+    try:
+        args = build_parser().parse_args(command.argv[1:])
+    except SystemExit:
+        pytest.fail(f"{command.page}:{command.line}: `{command.text}` does not parse (see the error above)")
+    if args.command == "train" and "..." not in args.overrides:
+        from packfeed.trainer.config import load_config
+
+        overrides = [o for o in args.overrides if not o.startswith(("data.index=", "data.target="))]
+        load_config(args.config, overrides)  # every setting named exists and takes its value
+
+
+def test_every_other_command_says_what_runs_it():
+    unmarked = [f"{c.page}:{c.line}: {c.text}" for c in COMMANDS if c.argv[0] != "packfeed" and not c.marker]
+    assert unmarked == []
+    for c in COMMANDS:
+        if c.marker.startswith("run by tests/"):
+            assert (REPO / c.marker.split()[2]).is_file(), f"{c.page}:{c.line}: {c.marker} names no test file"
+
+
+@pytest.fixture(scope="module")
+def docs_folder(tmp_path_factory, demo_dataset):
+    """A folder as the docs assume one: index.parquet and tokenizer.json (the demo's), mix.yaml (two datasets),
+    the InternVL length files when the shared data is there."""
+    from conftest import LENGTH_FILES, real_lengths_available
+    from packfeed.server.index.config import IndexConfig
+    from packfeed.server.index.indexer import build_index
+
+    folder = tmp_path_factory.mktemp("docs")
+    shutil.copy(demo_dataset.tokenizer, folder / "tokenizer.json")
+    for name in ("index.parquet", "other.parquet"):
+        build_index([str(p) for p in demo_dataset.shards], folder / name, IndexConfig(tokenizer=str(demo_dataset.tokenizer)),
+                    workers=1, progress=False)
+    (folder / "mix.yaml").write_text("name: mix\ndatasets:\n  charts: {index: index.parquet, repeat: 2}\n"
+                                     "  documents: {index: other.parquet, repeat: 0.5}\n")
+    if real_lengths_available():
+        for path in LENGTH_FILES:
+            (folder / path.name).symlink_to(path)
+    return folder
+
+
+def runnable(command: Command, folder: Path) -> bool:
+    """A quick command whose input files are all in the folder."""
+    argv = command.argv
+    if command.marker or argv[0] != "packfeed" or argv[1] not in RUNNABLE:
+        return False
+    inputs = [word for word in argv[2:] if re.search(r"\.(parquet|yaml|json|tar)$", word) and not word.startswith("-")]
+    outputs = {argv[i + 1] for i, word in enumerate(argv[:-1]) if word == "--out"}
+    return all((folder / word).exists() for word in inputs if word not in outputs)
+
+
+@pytest.mark.slow
+def test_the_docs_commands_that_run_on_the_demo_data_succeed(docs_folder):
+    ran = []
+    for command in COMMANDS:
+        if not runnable(command, docs_folder):
+            continue
+        argv = [sys.executable, "-m", "packfeed.server.cli", *command.argv[1:]]
+        done = subprocess.run(argv, cwd=docs_folder, capture_output=True, text=True, timeout=300)
+        assert done.returncode in (0, 3), f"{command.page}:{command.line}: {command.text}\n{done.stderr[-3000:]}"
+        ran.append(command.text)
+    assert len(ran) >= 5, ran  # info, plan (whole, windowed, mixture), stats at least
