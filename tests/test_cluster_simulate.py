@@ -26,7 +26,8 @@ from packfeed.trainer.simulate.model_shape import (
 from packfeed.trainer.simulate.placement import Layout, encoder_deadlines, simulate_step, split_tiles, step_costs
 from packfeed.trainer.simulate.predict import Settings, search_allocation, simulate_plan
 from packfeed.trainer.simulate.schedule import pipeline_order
-from packfeed.trainer.simulate.workload import make_workload, planner_cost_model
+from packfeed.server.cli.simulate import make_workload
+from packfeed.trainer.simulate.workload import planner_cost_model
 
 LENGTHS = Path(__file__).resolve().parents[2] / "shared" / "data" / "lengths"
 

@@ -94,7 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     simulate = sub.add_parser("simulate", help="predict step and epoch time, bubbles and MFU of a plan on a "
                               "cluster, for each data strategy and encoder placement (no GPU needed)")
-    from packfeed.trainer.simulate.command import add_arguments
+    from packfeed.server.cli.simulate import add_arguments
 
     add_arguments(simulate)
     simulate.set_defaults(func=cmd_simulate)

@@ -205,6 +205,6 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
-    from packfeed.trainer.simulate.command import run
+    from packfeed.server.cli.simulate import run
 
     return run(args)

@@ -1,12 +1,16 @@
 """`packfeed simulate`: predict a plan's step and epoch time, bubbles and MFU on a cluster, for a data strategy
-and an encoder placement. Reads length files, an index or a plan file; needs no GPU and no torch."""
+and an encoder placement. Reads length files, an index or a plan file; needs no GPU and no torch. The command
+runs the planner on the samples (as `packfeed plan` would) and hands the packs it makes to the simulator
+(`packfeed.trainer.simulate`, which knows nothing of the planner)."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -16,8 +20,83 @@ from packfeed.trainer.simulate.partition import PARTITIONS
 from packfeed.trainer.simulate.placement import ENCODERS, Layout, simulate_step
 from packfeed.trainer.simulate.predict import Prediction, Settings, pipeline_costs, simulate_plan
 from packfeed.trainer.simulate.report import draw_timeline, table
+from packfeed.trainer.simulate.routed import Routing
 from packfeed.trainer.simulate.schedule import SCHEDULES
-from packfeed.trainer.simulate.workload import STRATEGIES, Workload, make_workload, planner_cost_model, workload_of_plan
+from packfeed.trainer.simulate.workload import STRATEGIES, Workload, planner_cost_model, workload_of
+from packfeed.v1.options import CostModel, PlanConfig, Strategy
+
+if TYPE_CHECKING:  # the planner loads (numba) when a command runs, not when the parser is built
+    from packfeed.server.plan.costs import SampleLoads
+    from packfeed.server.plan.plan_file import Plan
+
+
+PLANNER_STRATEGY = {"random-padded": Strategy.RANDOM, "random": Strategy.ISF, "isf": Strategy.ISF,
+                    "isf+balance": Strategy.ISF_BALANCE, "isf+phases": Strategy.ISF_PHASES}
+
+
+def make_workload(samples: SampleLoads, strategy: str, dp: int, microbatches: int, pipeline_stages: int,
+                  patches_per_tile: int, cost_model: CostModel, seed: int = 0, epoch: int = 0,
+                  samples_per_pack: float = 4.0) -> Workload:
+    if strategy not in STRATEGIES:
+        raise ValueError(f"--strategy must be one of {', '.join(STRATEGIES)}, not {strategy!r}")
+    config = PlanConfig(dp=dp, microbatches=microbatches, pipeline_stages=pipeline_stages,
+                        strategy=PLANNER_STRATEGY[strategy], samples_per_pack=samples_per_pack,
+                        cost_model=cost_model)
+    if strategy == "random":
+        offsets, members = random_packs(samples, config, seed, epoch)
+        return workload_of(offsets, members, samples.vision, samples.tokens, config, patches_per_tile, strategy)
+    from packfeed.server.plan.planner import make_plan
+
+    plan = make_plan(samples, config, seed, epoch)
+    return replace(workload_of(plan.offsets, plan.members, samples.vision, samples.tokens, config, patches_per_tile,
+                               strategy),
+                   routing=routing_of(plan, samples, patches_per_tile))
+
+
+def routing_of(plan: Plan, samples: SampleLoads, patches_per_tile: int) -> Routing | None:
+    """isf+phases: each step's encoder work as the plan routes it (None for the other strategies)."""
+    if plan.encoder_rank is None:
+        return None
+    return Routing.of_plan(plan.offsets, plan.members, plan.encoder_rank, samples.vision, plan.config.dp,
+                           plan.config.microbatches, patches_per_tile)
+
+
+def workload_of_plan(plan: Plan, samples: SampleLoads, patches_per_tile: int) -> Workload:
+    """A plan file's packs (`packfeed plan --out`), against the index it was planned from."""
+    if len(plan.members) and plan.members.max() >= len(samples):
+        raise ValueError(f"the plan names sample {int(plan.members.max())}, the lengths hold {len(samples)}: give "
+                         "the index (or length file) the plan was made from")
+    tokens = samples.tokens.astype(np.int64)
+    if plan.truncate_to.any():
+        tokens = tokens.copy()
+        cut = plan.truncate_to > 0
+        tokens[plan.members[cut]] = plan.truncate_to[cut]
+    name = {Strategy.RANDOM: "random-padded"}.get(plan.config.strategy, plan.config.strategy.value)
+    return replace(workload_of(plan.offsets, plan.members, samples.vision, tokens, plan.config, patches_per_tile,
+                               name), routing=routing_of(plan, samples, patches_per_tile))
+
+
+def random_packs(samples: SampleLoads, config: PlanConfig, seed: int, epoch: int) -> tuple[np.ndarray, np.ndarray]:
+    """Shuffled samples, next fit under ISF's caps; packs in step order, the last step filled with empty packs."""
+    from packfeed.server.plan.planner import resolve_caps
+
+    rng = np.random.default_rng(np.random.SeedSequence([seed, epoch, 5]))
+    caps = resolve_caps(samples, config)
+    order = np.flatnonzero(samples.valid)[rng.permutation(int(samples.valid.sum()))]
+    vision, tokens = samples.vision[order], samples.tokens[order]
+    starts, v_sum, t_sum = [0], 0, 0
+    for k in range(len(order)):
+        if k > starts[-1] and (v_sum + vision[k] > caps.vision_cap or t_sum + tokens[k] > caps.token_cap):
+            starts.append(k)
+            v_sum = t_sum = 0
+        v_sum += int(vision[k])
+        t_sum += int(tokens[k])
+    offsets = np.array(starts + [len(order)], dtype=np.int64)
+    packs = len(offsets) - 1
+    slots = config.slots
+    empty = (-packs) % slots
+    offsets = np.concatenate([offsets, np.full(empty, len(order), dtype=np.int64)])
+    return offsets, order
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
