@@ -27,7 +27,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 PROGRAMS = ("packfeed", "docker", "torchrun", "make", "python")
-RUNNABLE = {"info", "plan", "stats", "simulate", "index"}  # quick on the demo data, nothing left running
+RUNNABLE = {"convert", "info", "plan", "stats", "simulate", "index"}  # quick on small data, nothing left running
 MARKER = re.compile(r"<!-- (run by [^>]+|needs: [^>]+|synopsis) -->")
 
 
@@ -37,6 +37,7 @@ class Command:
     line: int
     text: str
     marker: str  # '' where the block has none
+    block: int  # commands of one block run in one folder, in order
 
     @property
     def argv(self) -> list[str]:
@@ -49,7 +50,7 @@ class Command:
 def quoted_commands() -> list[Command]:
     """Indented code lines that start with a program, continuation lines joined, trailing comments dropped; with
     the marker on the lines just before their block, if any."""
-    commands = []
+    commands, block = [], 0
     for page in PAGES:
         lines = page.read_text().splitlines()
         marker, in_block, current, start = "", False, "", 0
@@ -63,13 +64,14 @@ def quoted_commands() -> list[Command]:
                     marker = "" if in_block else marker  # a marker belongs to the next block only
                     in_block = False
                 continue
+            block += not in_block
             in_block = True
             code = line.split("  #", 1)[0].strip()
             if not current and not re.match(rf"^([A-Z_]+=\S* )*({'|'.join(PROGRAMS)})\b", code):
                 continue
             current, start = current + code.rstrip("\\").strip() + " ", start or number
             if not code.endswith("\\"):
-                commands.append(Command(page.name, start, current.strip(), marker))
+                commands.append(Command(page.name, start, current.strip(), marker, block))
                 current, start = "", 0
     return commands
 
@@ -109,14 +111,30 @@ def test_every_other_command_says_what_runs_it():
 
 @pytest.fixture(scope="module")
 def docs_folder(tmp_path_factory, demo_dataset):
-    """A folder as the docs assume one: index.parquet and tokenizer.json (the demo's), mix.yaml (two datasets),
-    the InternVL length files when the shared data is there."""
+    """A folder as the docs assume one: index.parquet (the demo's), mix.yaml (two datasets), small stand-ins for the
+    recipes the conversion examples name (a LLaVA annotation with its images under data/, an InternVL meta file),
+    a tokenizer that knows every preset's special tokens, the InternVL length files when the shared data is
+    there."""
+    import json
+
     from conftest import LENGTH_FILES, real_lengths_available
+    from packfeed.media.chat import PRESETS
     from packfeed.server.index.config import IndexConfig
     from packfeed.server.index.indexer import build_index
+    from packfeed.server.tools.demo import train_tokenizer
+    from recipe_data import write_annotation
 
     folder = tmp_path_factory.mktemp("docs")
-    shutil.copy(demo_dataset.tokenizer, folder / "tokenizer.json")
+    train_tokenizer(folder / "tokenizer.json",
+                    special_tokens=sorted({token for preset in PRESETS.values() for token in preset.special_tokens}))
+    llava = write_annotation(folder, "llava", 12, seed=1, jsonl=False)
+    llava.path.rename(folder / "llava_v1_5_mix665k.json")
+    llava.image_root.rename(folder / "data")
+    meta = {}
+    for name, seed in (("chartqa", 2), ("docvqa", 3)):
+        annotation = write_annotation(folder, name, 10, seed=seed, jsonl=True)
+        meta[name] = {"root": annotation.image_root.name, "annotation": annotation.path.name, "repeat_time": 1}
+    (folder / "internvl_1_2_finetune.json").write_text(json.dumps(meta))
     for name in ("index.parquet", "other.parquet"):
         build_index([str(p) for p in demo_dataset.shards], folder / name, IndexConfig(tokenizer=str(demo_dataset.tokenizer)),
                     workers=1, progress=False)
@@ -140,14 +158,16 @@ def runnable(command: Command, folder: Path) -> bool:
 
 @pytest.mark.slow
 def test_the_docs_commands_that_run_on_the_demo_data_succeed(docs_folder, tmp_path):
-    ran = []
-    for n, command in enumerate(COMMANDS):
-        if not runnable(command, docs_folder):
+    ran, folders = [], {}
+    for command in COMMANDS:
+        if not runnable(command, folders.get(command.block, docs_folder)):
             continue
-        folder = shutil.copytree(docs_folder, tmp_path / str(n), symlinks=True)  # each command as in a fresh folder
+        if command.block not in folders:  # each block as in a fresh folder, its commands one after another
+            folders[command.block] = shutil.copytree(docs_folder, tmp_path / str(command.block), symlinks=True)
+        folder = folders[command.block]
         argv = [sys.executable, "-m", "packfeed.server.cli", *command.argv[1:]]
         done = subprocess.run(argv, cwd=folder, capture_output=True, text=True, timeout=300)
         assert done.returncode in (0, 3), f"{command.page}:{command.line}: {command.text}\n{done.stderr[-3000:]}"
         ran.append(command.text)
     print("\n".join(["ran:", *ran]))
-    assert len(ran) >= 5, ran  # info, plan (whole, windowed, mixture), stats at least
+    assert len(ran) >= 8, ran  # convert (twice), info (twice), plan (whole, windowed, mixture), stats at least
