@@ -49,15 +49,22 @@ def test_a_running_server_and_its_workers_never_load_torch_nor_the_workers_panda
     45 MiB per worker (the server itself may use it)."""
     from packfeed.client import PackStream
 
+    def mapped() -> dict[int, str]:
+        return {pid: Path(f"/proc/{pid}/maps").read_text() for pid in process_tree(server.process.pid)
+                if Path(f"/proc/{pid}/maps").exists()}
+
+    def workers(maps: dict[int, str]) -> list[int]:  # those that have pre-processed samples (tokenizers loaded)
+        return [pid for pid, text in maps.items() if pid != server.process.pid and "tokenizers" in text]
+
     with LocalServer(small_tile_index, workers=2) as server:
         with PackStream(server.target, job="footprint", rank=0, dp=1, microbatches=1) as stream:
-            next(iter(stream))  # the workers have pre-processed real samples
-        tree = process_tree(server.process.pid)
-        maps = {pid: Path(f"/proc/{pid}/maps").read_text() for pid in tree if Path(f"/proc/{pid}/maps").exists()}
+            for _, step in zip(range(40), stream):  # bounded: until both workers have prepared real samples
+                maps = mapped()
+                if len(workers(maps)) == 2:
+                    break
     assert len(maps) >= 3  # the server and its two workers
     assert not [pid for pid, text in maps.items() if "libtorch" in text]
-    workers = [pid for pid, text in maps.items() if pid != server.process.pid and "tokenizers" in text]
-    assert len(workers) == 2 and not [pid for pid in workers if "site-packages/pandas" in maps[pid]]
+    assert len(workers(maps)) == 2 and not [pid for pid in workers(maps) if "site-packages/pandas" in maps[pid]]
 
 
 def shared_files(pid: int) -> list[Path]:
