@@ -9,7 +9,6 @@ import os
 from dataclasses import dataclass
 
 import numpy as np
-import pyarrow.compute as pc
 
 from packfeed.media.storage import ObjectError, is_object_url, missing_objects, relocate
 from packfeed.server.index.table import IndexInfo
@@ -222,7 +221,7 @@ def check_pixels_carry_videos(name: str, rows: IndexRows, pixels: PixelMode) -> 
     """`pixels: encoded` sends image files for the client to decode; videos are decoded on the server only."""
     if pixels != PixelMode.ENCODED:
         return
-    videos = int(pc.sum(pc.greater(rows.table.column("n_videos"), 0)).as_py() or 0)
+    videos = rows.samples_with_videos()
     if videos:
         raise ValueError(f"dataset {name}: {videos} samples hold videos, which pixels: encoded cannot carry (it sends "
                          f"image files); serve this dataset with pixels: exact or fast")

@@ -182,6 +182,10 @@ class IndexRows:
             return 0
         return int(pc.max(pc.multiply(pc.cast(widths, pa.int64()), pc.cast(heights, pa.int64()))).as_py() or 0)
 
+    def samples_with_videos(self) -> int:
+        """How many samples of the index hold a video."""
+        return int(pc.sum(pc.greater(self.table.column("n_videos"), 0)).as_py() or 0)
+
     def pixel_bytes(self, sample_ids) -> int:
         """uint8 bytes of the tiles of `sample_ids` together, as the index computed them."""
         return int(pc.sum(self._take("pixel_bytes", sample_ids)).as_py() or 0)

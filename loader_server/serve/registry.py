@@ -10,8 +10,6 @@ import threading
 import time
 from dataclasses import replace
 
-import pyarrow.compute as pc
-
 from packfeed.server.serve.datasets import Dataset
 from packfeed.server.serve.jobs import Job, JobError, JobSpec, RankState
 from packfeed.v1.options import PixelMode, PlanConfig, Strategy
@@ -126,17 +124,17 @@ class JobRegistry:
                 del self.jobs[job.spec.job]
 
 
-def check_routable(plan: PlanConfig, dataset) -> None:
+def check_routable(plan: PlanConfig, dataset: Dataset) -> None:
     """isf+phases routes images between ranks. A video's frames are sampled and encoded with its sample (its
     tiles and placeholders are decided together), and encoded image files are cut by the client of the pack that
     consumes them: datasets with either are served colocated only."""
     if plan.strategy is not Strategy.ISF_PHASES or plan.colocate_encoder:
         return
-    if any(part.source.pixels == PixelMode.ENCODED for part in dataset.parts):
+    if dataset.pixels == PixelMode.ENCODED:
         raise JobError("INVALID_ARGUMENT", f"dataset {dataset.name} sends image files (pixels: encoded), which the "
                                            "client decodes per consumed sample; isf+phases routes images to other "
                                            "ranks: serve it with pixels: exact or fast, or set colocate_encoder")
-    videos = sum(int(pc.sum(pc.greater(part.rows.table.column("n_videos"), 0)).as_py() or 0) for part in dataset.parts)
+    videos = sum(part.rows.samples_with_videos() for part in dataset.parts)
     if videos:
         raise JobError("INVALID_ARGUMENT", f"dataset {dataset.name}: {videos} samples hold videos, which isf+phases "
                                            "does not route between ranks (images only): set colocate_encoder, or "
