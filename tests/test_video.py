@@ -234,6 +234,21 @@ def test_bad_videos_are_invalid_or_skipped_with_their_reason(tmp_path):
     assert pack.skipped[0][1].startswith("undecodable video: ends at frame") and "late-end.mkv" in pack.skipped[0][1]
 
 
+def test_isf_phases_refuses_to_route_a_dataset_with_videos(qwen_videos):
+    """isf+phases routes images between ranks, not videos: a job on a dataset with videos must colocate."""
+    from packfeed.server.serve.config import dataset_source
+    from packfeed.server.serve.datasets import Dataset
+    from packfeed.server.serve.jobs import JobError, JobSpec
+    from packfeed.server.serve.registry import JobRegistry
+    from packfeed.v1.options import PlanConfig
+
+    index, tokenizer, _ = qwen_videos
+    registry = JobRegistry({"v": Dataset.open("v", dataset_source(index, tokenizer))})
+    with pytest.raises(JobError, match="dataset v: 9 samples hold videos, which isf\\+phases does not route"):
+        registry.open_job(JobSpec("routed", "v", PlanConfig(dp=2, strategy="isf+phases"), 0))
+    registry.open_job(JobSpec("colocated", "v", PlanConfig(dp=2, strategy="isf+phases", colocate_encoder=True), 0))
+
+
 def test_pixels_encoded_refuses_a_dataset_with_videos_and_skips_any_with_the_reason(qwen_videos):
     from packfeed.server.serve.config import dataset_source
     from packfeed.server.serve.datasets import Dataset
