@@ -58,7 +58,7 @@ def test_a_running_server_and_its_workers_never_load_torch_nor_the_workers_panda
 
     with LocalServer(small_tile_index, workers=2) as server:
         with PackStream(server.target, job="footprint", rank=0, dp=1, microbatches=1) as stream:
-            for _, step in zip(range(40), stream):  # bounded: until both workers have prepared real samples
+            for _ in zip(range(40), stream):  # bounded: until both workers have prepared real samples
                 maps = mapped()
                 if len(workers(maps)) == 2:
                     break

@@ -14,6 +14,7 @@ from packfeed.server.index.config import IndexConfig
 from packfeed.server.index.shards import Member, RawSample
 from packfeed.server.index.table import member_checksum
 
+
 def _video_infos(images: list[Member], videos: list[Member], doc: Any,
                  verify: str, policy: ImagePolicy) -> tuple[list[VideoInfo], float | None]:
     """The sample's videos as the container (or, for a frame sequence, its JSON and frames) describes them, and
