@@ -11,6 +11,7 @@ import pytest
 
 pytest.importorskip("transformers")
 
+from doc_commands import commands_run_by  # noqa: E402
 from hf_models import family_dataset  # noqa: E402
 from trainer_workers import packfeed_train, restart_from  # noqa: E402
 
@@ -92,22 +93,6 @@ def test_adaptive_recompute_fits_where_keeping_everything_does_not_and_recompute
     assert records and records[0]["loss"] > 0
 
 
-def readme_commands() -> list[str]:
-    """docs/training.md's two commands for a pipelined Hugging Face model, as written there."""
-    from pathlib import Path
-
-    text = (Path(__file__).resolve().parents[1] / "docs" / "training.md").read_text()
-    block = text.split("<!-- pipelined-hf-commands -->", 2)[1]
-    lines = [line.strip() for line in block.splitlines() if line.startswith("    ")]
-    commands, current = [], ""
-    for line in lines:
-        current += line.rstrip("\\").strip() + " "
-        if not line.endswith("\\"):
-            commands.append(current.strip())
-            current = ""
-    return commands
-
-
 def test_the_readme_commands_train_a_pipelined_qwen2_vl_as_written(tmp_path):
     """On the demo dataset: index with the qwen2_vl preset, then train at pp=2 with the partition search."""
     import math
@@ -119,7 +104,7 @@ def test_the_readme_commands_train_a_pipelined_qwen2_vl_as_written(tmp_path):
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
     subprocess.run(["packfeed", "demo", "--out", "demo-out", "--dataset-only"], cwd=tmp_path, env=env, check=True,
                    capture_output=True)
-    index, train = readme_commands()
+    index, train = commands_run_by("tests/test_hf_pipeline_train.py")
     assert index.startswith("packfeed index") and train.startswith("packfeed train") and "parallel.pp=2" in train
     # indexing exits 3: the demo holds three broken samples on purpose, skipped and reported
     for command, ok in ((index, (0, 3)), (train, (0,))):

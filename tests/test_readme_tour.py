@@ -13,28 +13,12 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
-
-
-def tour_commands() -> list[str]:
-    """The indented lines between the README's tour markers, continuation lines joined, comments dropped."""
-    block = REPO.joinpath("README.md").read_text().split("<!-- run by tests/test_readme_tour.py -->", 1)[1]
-    block = block.split("<!-- /tour -->", 1)[0]
-    commands, current = [], ""
-    for line in block.splitlines():
-        if not line.startswith("    "):
-            continue
-        code = line.split("  #", 1)[0].strip()
-        current += code.rstrip("\\").strip() + " "
-        if not code.endswith("\\"):
-            commands.append(current.strip())
-            current = ""
-    return commands
+from doc_commands import REPO, commands_run_by
 
 
 @pytest.mark.slow
 def test_the_five_minute_tour_runs_as_written(tmp_path):
-    commands = tour_commands()
+    commands = commands_run_by("tests/test_readme_tour.py")
     assert [shlex.split(c)[0] for c in commands][:2] == ["packfeed", "packfeed"] and len(commands) >= 6
     shutil.copytree(REPO / "examples", tmp_path / "examples")
     bin_dir = str(Path(sys.executable).parent)  # `packfeed` and `python` as an activated .venv has them
