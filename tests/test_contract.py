@@ -116,3 +116,15 @@ def test_redis_key_layout_is_what_servers_write_and_clients_read(tmp_path):
         assert coordinator.client.get("custom:lease:job:3") == "10.0.0.1:50051"
     finally:
         redis.stop()
+
+
+def test_sentinel_urls_parse_and_bad_ones_say_the_form():
+    from packfeed.client.discovery import parse_sentinel_url
+
+    assert parse_sentinel_url("redis+sentinel://10.0.0.1:26379,10.0.0.2:26380/main/3") == (
+        [("10.0.0.1", 26379), ("10.0.0.2", 26380)], "main", 3)
+    assert parse_sentinel_url("redis+sentinel://s:26379/main") == ([("s", 26379)], "main", 0)
+    for bad in ("redis+sentinel://s:26379", "redis+sentinel://s:port/main", "redis+sentinel://:26379/main",
+                "redis+sentinel://s:26379/main/0/extra"):
+        with pytest.raises(ValueError, match="SERVICE"):
+            parse_sentinel_url(bad)

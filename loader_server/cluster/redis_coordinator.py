@@ -7,6 +7,7 @@ callers keep serving what they have.
 
 from __future__ import annotations
 
+from packfeed.client.discovery import redis_client
 from packfeed.server.cluster.coordinator import (CoordinationError, CoordinationUnavailable, JobRecord, Reassertion,
                                                  mismatch)
 from packfeed.v1 import redis_keys
@@ -73,7 +74,7 @@ class RedisCoordinator:
         self._auth_errors = (redis.AuthenticationError, redis.AuthenticationWrongNumberOfArgsError)
         # ReadOnlyError: a master demoted to a replica by a failover, until the client finds the new master
         self._redis_errors = (redis.ConnectionError, redis.TimeoutError, redis.ReadOnlyError)
-        self.client = redis_keys.redis_client(url, password, timeout_s)
+        self.client = redis_client(url, password, timeout_s)
         self.prefix = prefix
         self._scripts = {name: self.client.register_script(source) for name, source in
                          (("acquire", _ACQUIRE), ("renew", _RENEW), ("ack", _ACK), ("register", _REGISTER),

@@ -54,10 +54,10 @@ from pathlib import Path
 
 import yaml
 
+from packfeed.client.discovery import SENTINEL_SCHEME, parse_sentinel_url
 from packfeed.server.index.table import read_index_info
 from packfeed.server.serve.preprocess import parse_pixels
 from packfeed.server.serve.step_work import DatasetSource
-from packfeed.v1 import redis_keys
 from packfeed.v1.options import PixelMode
 
 
@@ -134,9 +134,9 @@ class ServerConfig:
         for name in ("tls_cert", "tls_key", "tls_client_ca"):
             if getattr(self, name) and not Path(getattr(self, name)).is_file():
                 problems.append(f"{name} {getattr(self, name)} not found")
-        if self.redis_url.startswith(redis_keys.SENTINEL_SCHEME):
+        if self.redis_url.startswith(SENTINEL_SCHEME):
             try:
-                redis_keys.parse_sentinel_url(self.redis_url)
+                parse_sentinel_url(self.redis_url)
             except ValueError as error:
                 problems.append(f"redis_url: {error}")
         if not self.datasets:
