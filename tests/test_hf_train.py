@@ -13,6 +13,7 @@ pytest.importorskip("transformers")
 
 import torch.multiprocessing as mp  # noqa: E402
 
+from doc_commands import quoted_train  # noqa: E402
 from hf_models import family_dataset, packs_of, tiny_model  # noqa: E402
 from packfeed.client.hf import to_hf_inputs  # noqa: E402
 from trainer_workers import fsdp_output_views, hf_step_grads, packfeed_train, restart_from  # noqa: E402
@@ -46,13 +47,15 @@ def test_dp_2_matches_one_process_on_the_global_step(tmp_path, family, wrap):
 
 
 def test_packfeed_train_trains_a_hf_model_and_resumes_exactly(tmp_path):
+    """docs/training.md's FSDP2 command (pp=1, DP 2), for 6 steps of a tiny model on a small dataset."""
+    nproc, quoted = quoted_train("tests/test_hf_train.py")
+    assert nproc == 2 and {"model.hf=qwen2_vl", "parallel.pp=1", "parallel.dp=2"} <= set(quoted)
     data = family_dataset(tmp_path / "data", "qwen2_vl", samples=60)
-    common = ["model.hf=qwen2_vl", f"data.index={data.index}", "parallel.pp=1", "parallel.dp=2",
-              "data.microbatches=2", "data.epochs=3", "checkpoint.every=2", "optim.warmup_steps=1",
-              "model.hf_config={text: {hidden_size: 32, num_hidden_layers: 2}}"]
-    _, straight = packfeed_train(2, common + ["optim.steps=6"], tmp_path / "straight")
+    common = quoted + [f"data.index={data.index}", "data.microbatches=2", "data.epochs=3", "checkpoint.every=2",
+                       "optim.warmup_steps=1", "model.hf_config={text: {hidden_size: 32, num_hidden_layers: 2}}"]
+    _, straight = packfeed_train(nproc, common + ["optim.steps=6"], tmp_path / "straight")
     restart_from(tmp_path / "straight", tmp_path / "resumed", 4)  # as if stopped after its checkpoint at step 4
-    log, rest = packfeed_train(2, common + ["optim.steps=6"], tmp_path / "resumed")
+    log, rest = packfeed_train(nproc, common + ["optim.steps=6"], tmp_path / "resumed")
     assert "resuming from" in log and "after 4 steps" in log
     assert len(straight) == 6 and len(rest) == 6  # metrics.jsonl is appended: 4 lines, then 2 more
     assert [(r["epoch"], r["step"]) for r in rest] == [(r["epoch"], r["step"]) for r in straight]

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 import torch.multiprocessing as mp
+from doc_commands import quoted_train
 from packfeed.trainer.models.reference_inputs import microbatches_of
 from packfeed.trainer.models.reference import VLMConfig, build_layers, run_layers
 from packfeed.trainer.models import ReferenceModel
@@ -103,15 +104,18 @@ def test_data_parallel_pipelines_match_the_global_batch(tmp_path, served_steps):
 
 @pytest.mark.slow
 def test_server_and_trainer_run_end_to_end_and_reuse_their_decisions(tmp_path, small_tile_index):
-    """`packfeed train` under torchrun (2 stages, gloo) with an embedded server: N steps, the partition
-    search and adaptive recompute run once, then a restart reuses both decisions from disk."""
+    """docs/training.md's `packfeed train` line (torchrun, 2 stages, gloo, an embedded server) for 3 steps of a
+    smaller model: the partition search and adaptive recompute run once, then a restart reuses both decisions
+    from disk."""
     import json
 
+    nproc, quoted = quoted_train("tests/test_trainer_pipeline.py")
+    assert nproc == 2 and "parallel.pp=2" in quoted
     out = tmp_path / "run"
-    overrides = [f"data.index={small_tile_index}", "data.microbatches=2", "data.server_workers=1",
-                 "optim.steps=3", "partition.top_k=2", "partition.trial_steps=1",
-                 "recompute.budget_mb=40"] + [f"model.{k}={v}" for k, v in SMALL_MODEL.items()]
-    first_log, records = packfeed_train(2, overrides, out)
+    overrides = quoted + [f"data.index={small_tile_index}", "data.server_workers=1", "optim.steps=3",
+                          "partition.top_k=2", "partition.trial_steps=1", "recompute.budget_mb=40"]
+    overrides += [f"model.{k}={v}" for k, v in SMALL_MODEL.items()]
+    first_log, records = packfeed_train(nproc, overrides, out)
     assert [r["step"] for r in records] == [0, 1, 2]
     assert all(0 < r["loss"] < 20 and r["tokens"] > 0 and r["step_s"] > 0 for r in records)
     dataset = small_tile_index.parent.name  # what an embedded server calls an index's dataset
