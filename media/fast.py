@@ -1,6 +1,6 @@
 """`pixels: fast`: an image file's tiles within a stated bound of the exact path (mean absolute error under
-1/255 and PSNR above 40 dB per preset, BENCHMARKS.md "Fast-path candidates for resizing"), for a fraction of
-its CPU.
+1/255 and PSNR above 40 dB per preset, BENCHMARKS.md "Fast-path candidates for resizing (measure and choose)"),
+for a fraction of its CPU.
 
 - Decoding: simplejpeg (libjpeg-turbo) and pyspng (libspng) decode what they decode as Pillow does (8-bit RGB
   and grey JPEGs and PNGs, upright, whole), straight into 3-byte pixels; Pillow decodes the rest. A JPEG at

@@ -63,7 +63,7 @@ IMAGE, VIDEO = 0, 1  # what a visual item is (`visual_kind` on the wire)
 # (computed by packfeed.media.resample, which equals Pillow's bicubic byte for byte with under half its CPU).
 # fast: within 1/255 mean absolute error and above 40 dB PSNR of exact, for a fraction of its CPU (`fast`:
 # simplejpeg and pyspng decode, OpenCV's bicubic where it enlarges, the exact kernels where it
-# shrinks; BENCHMARKS.md "Fast-path candidates for resizing").
+# shrinks; BENCHMARKS.md "Fast-path candidates for resizing (measure and choose)").
 # encoded: the image files' own bytes and each one's `Geometry`; the client decodes and cuts them
 # (packfeed.client.decode), exactly on its CPU threads or within the fast path's bounds on a GPU.
 # Bytes a worker holds for a moment per pixel of an image it decodes, by mode (measured on a 9,400 x 9,400 PNG:
