@@ -68,3 +68,15 @@ def test_the_anchor_rule_is_githubs():
     assert anchor("Predict before you run: `packfeed simulate`") == "predict-before-you-run-packfeed-simulate"
     assert anchor("CPU per delivered sample against InternVL's loader as it runs") == \
         "cpu-per-delivered-sample-against-internvls-loader-as-it-runs"
+
+
+def test_every_headline_figure_names_the_command_of_its_section():
+    """BENCHMARKS.md's headline table: each row links to a section, and its command is the one that section
+    quotes (so the summary cannot drift from where the figure was measured)."""
+    text = (REPO / "BENCHMARKS.md").read_text()
+    sections = {anchor(part.splitlines()[0].lstrip("#").strip()): " ".join(part.split())
+                for part in re.split(r"\n(?=#{2,4} )", text)}
+    table = text.split("## Headline figures", 1)[1].split("\n## ", 1)[0]
+    rows = re.findall(r"^\| \[[^\]]+\]\(#([^)]+)\) \|.*\| `([^`]+)` \| (\d{4}-\d\d-\d\d) \|$", table, flags=re.M)
+    assert len(rows) >= 8
+    assert [(section, command) for section, command, _ in rows if command not in sections.get(section, "")] == []
