@@ -23,8 +23,8 @@ from tqdm import tqdm
 from packfeed.media.samples import reason_category
 from packfeed.media.storage import ObjectError, Stamp, is_object_url, stamp
 from packfeed.server.index.config import IndexConfig
-from packfeed.server.index.parts import (config_digest, load_part, parts_directory, remove_stale_parts, save_part,
-                                         shard_version)
+from packfeed.server.index.parts import (ShardResult, config_digest, load_part, parts_directory, remove_stale_parts,
+                                         save_part, shard_version)
 from packfeed.server.index.sample_costs import cost_sample
 from packfeed.server.index.shards import ShardError, expand_shards, is_compressed, iter_samples
 from packfeed.server.index.table import SCHEMA, IndexInfo, fingerprint_table, write_index
@@ -32,15 +32,6 @@ from packfeed.server.index.table import SCHEMA, IndexInfo, fingerprint_table, wr
 
 # ---------------------------------------------------------------------------------------------------------------
 # One shard, then all of them
-
-
-@dataclass
-class ShardResult:
-    url: str
-    rows: list[dict[str, Any]]
-    error: str | None
-    seconds: float
-    stamp: Stamp | None = None  # an object's size and ETag as indexed
 
 
 COMPRESSED_REASON = "compressed shard: serving reads samples at their offsets; decompress it to a plain .tar"

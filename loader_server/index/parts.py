@@ -13,17 +13,29 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from packfeed.media.storage import ObjectError, is_object_url, stamp
+from packfeed.media.storage import ObjectError, Stamp, is_object_url, stamp
 from packfeed.server.index.table import SCHEMA
 
 _PART_SCHEMA = pa.schema([field for field in SCHEMA if field.name not in ("sample_id", "shard")])
 _PART_KEY = b"packfeed.part"
+
+
+@dataclass
+class ShardResult:
+    """One shard's index rows (or why it could not be read), as indexed now or kept in its part."""
+
+    url: str
+    rows: list[dict[str, Any]]
+    error: str | None
+    seconds: float
+    stamp: Stamp | None = None  # an object's size and ETag as indexed
 
 
 def parts_directory(out: str | Path) -> Path:
@@ -57,8 +69,6 @@ def _part_path(directory: Path, url: str) -> Path:
 
 def load_part(directory: Path, url: str, version: dict[str, Any] | None, digest: str):
     """The ShardResult kept for `url`, or None when there is none, or its shard or the configuration changed."""
-    from packfeed.server.index.indexer import ShardResult
-
     path = _part_path(directory, url)
     if version is None or not path.exists():
         return None
