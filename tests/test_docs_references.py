@@ -80,3 +80,28 @@ def test_every_headline_figure_names_the_command_of_its_section():
     rows = re.findall(r"^\| \[[^\]]+\]\(#([^)]+)\) \|.*\| `([^`]+)` \| (\d{4}-\d\d-\d\d) \|$", table, flags=re.M)
     assert len(rows) >= 8
     assert [(section, command) for section, command, _ in rows if command not in sections.get(section, "")] == []
+
+
+def python_blocks() -> list[tuple[Path, str]]:
+    blocks = []
+    for page in PAGES:
+        for found in re.finditer(r"^( *)```python\n(.*?)^\1```", page.read_text(), flags=re.M | re.S):
+            blocks.append((page, "\n".join(line[len(found[1]):] for line in found[2].splitlines())))
+    return blocks
+
+
+def test_the_docs_python_is_python_and_imports_what_exists():
+    """Every ```python block in the docs parses, and each name it imports from Packfeed exists there."""
+    import ast
+    import importlib
+
+    blocks = python_blocks()
+    assert len(blocks) >= 5
+    missing = []
+    for page, code in blocks:
+        tree = ast.parse(code, filename=str(page))  # a SyntaxError names the page
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module.startswith("packfeed"):
+                module = importlib.import_module(node.module)
+                missing += [f"{page.name}: {node.module}.{a.name}" for a in node.names if not hasattr(module, a.name)]
+    assert missing == []
