@@ -69,8 +69,9 @@ def commands_run_by(test_file: str) -> list[str]:
 def quoted_train(test_file: str) -> tuple[int, list[str]]:
     """(--nproc, the settings) of the one `packfeed train` line in the blocks marked `<!-- run by TEST_FILE ... -->`.
     The test runs it with its own settings appended (later ones win): what the marker says it changes."""
-    lines = [text for text in commands_run_by(test_file) if text.startswith("packfeed train")]
-    assert len(lines) == 1, f"one `packfeed train` line is marked as run by {test_file}: {lines}"
-    words = Command("", 0, lines[0], "", 0).argv[2:]
+    lines = [c for c in quoted_commands() if c.marker.startswith(f"run by {test_file}") and c.argv[:2] == [
+        "packfeed", "train"]]
+    assert len(lines) == 1, f"one `packfeed train` line is marked as run by {test_file}: {[c.text for c in lines]}"
+    words = lines[0].argv[2:]
     nproc = int(words[words.index("--nproc") + 1]) if "--nproc" in words else 1
     return nproc, [word for word in words if "=" in word]

@@ -5,10 +5,12 @@ page moved or a heading renamed shows here, not in a reader's dead end."""
 
 from __future__ import annotations
 
+import functools
 import re
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from doc_commands import REPO
+
 PAGES = [REPO / "README.md", REPO / "BENCHMARKS.md", REPO / "protos/README.md", REPO / "docker/README.md",
          *sorted((REPO / "docs").glob("*.md"))]
 SOURCES = [path for folder in ("loader_server", "client", "trainer", "media", "protos", "examples", "tests")
@@ -18,6 +20,7 @@ LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
 QUOTED_SECTION = re.compile(r"\b(BENCHMARKS(?:\.md)?|protos/README\.md|docs/[a-z]+\.md)\"? \"([^\"]+)\"")
 
 
+@functools.cache  # a page is read once however many references point into it
 def headings(page: Path) -> list[str]:
     text = re.sub(r"^```.*?^```", "", page.read_text(), flags=re.M | re.S)  # not comment lines in code
     return [line.lstrip("#").strip() for line in text.splitlines() if re.match(r"#{1,6} ", line)]
@@ -45,8 +48,9 @@ def references() -> list[tuple[Path, str, str]]:
 
 def test_the_pages_hold_references():
     """The scan sees links and quoted sections (a check over none would pass by itself)."""
-    kinds = {("#" if ref.startswith("#") else "section") for _, _, ref in references()}
-    assert kinds == {"#", "section"} and len(references()) > 30
+    found = references()
+    kinds = {("#" if ref.startswith("#") else "section") for _, _, ref in found}
+    assert kinds == {"#", "section"} and len(found) > 30
 
 
 def test_every_link_and_quoted_section_exists():

@@ -66,9 +66,8 @@ def workload_of_plan(plan: Plan, samples: SampleLoads, patches_per_tile: int) ->
     if len(plan.members) and plan.members.max() >= len(samples):
         raise ValueError(f"the plan names sample {int(plan.members.max())}, the lengths hold {len(samples)}: give "
                          "the index (or length file) the plan was made from")
-    tokens = samples.tokens.astype(np.int64)
+    tokens = samples.tokens.astype(np.int64)  # a copy: truncations are written into it
     if plan.truncate_to.any():
-        tokens = tokens.copy()
         cut = plan.truncate_to > 0
         tokens[plan.members[cut]] = plan.truncate_to[cut]
     name = {Strategy.RANDOM: "random-padded"}.get(plan.config.strategy, plan.config.strategy.value)
