@@ -32,6 +32,7 @@ import grpc
 from packfeed.client.channel import Connection, PackfeedError, ServerChannel
 from packfeed.client.decode import DecodeOptions, PackDecoder
 from packfeed.client.receiver import Receiver
+from packfeed.client.resume import checked_state, resume_dict, resume_from
 from packfeed.client.tensors import Step
 from packfeed.v1 import packfeed_pb2 as pb
 from packfeed.v1.options import PixelMode, PlanConfig
@@ -54,40 +55,6 @@ def _grouped(plan: PlanConfig | None, connection: Connection | None, flat: dict[
         raise TypeError(f"give connection=Connection(...) or its fields {sorted(connection_fields)}, not both")
     plan = plan or PlanConfig(**{k: v for k, v in plan_fields.items() if v not in ("", 0, None)})
     return plan, connection or Connection(**connection_fields)
-
-
-def resume_from(states: list[dict[str, Any]], job: str, seed: int) -> pb.ResumeFrom:
-    """The elastic resume that the old job's ranks' state_dicts (one per rank, all of them) describe. Every old
-    rank must have stopped at the same step: a checkpoint of a synchronous job is taken between global steps."""
-    if not states:
-        raise PackfeedError("resume: give the state_dict of every rank of the old job")
-    first = states[0]
-    if "plan" not in first:
-        raise PackfeedError("resume: these states were saved by a Packfeed that did not record the plan settings; "
-                            "they can resume only at the same DP and microbatches (load_state_dict)")
-    if any(state["job"] != first["job"] or state["plan_fingerprint"] != first["plan_fingerprint"] for state in states):
-        raise PackfeedError("resume: the states are of different jobs or plans: "
-                            f"{sorted({(state['job'], state['plan_fingerprint']) for state in states})}")
-    if first["job"] == job:
-        raise PackfeedError(f"resume: give the resumed job an id of its own (the old job is {job!r})")
-    if first["seed"] != seed:
-        raise PackfeedError(f"resume: the old job ran with seed {first['seed']}, this one asks for {seed}")
-    dp = first["plan"]["dp"]
-    ranks = sorted(state["rank"] for state in states)
-    if ranks != list(range(dp)):
-        missing = sorted(set(range(dp)) - set(ranks))
-        raise PackfeedError(f"resume: the old job had {dp} ranks; the states cover ranks {ranks} (missing {missing}, "
-                            "or some twice): give one state_dict per old rank")
-    positions = {tuple(state["next"]) if state["next"] else None for state in states}
-    if len(positions) != 1:
-        where = {state["rank"]: state["next"] for state in states}
-        raise PackfeedError(f"resume: the old ranks stopped at different steps ({where}); resume from a checkpoint "
-                            "taken at one global step")
-    position = positions.pop()
-    if position is None:
-        raise PackfeedError("resume: the old job had finished every epoch; open a new job instead")
-    epoch, step = position
-    return pb.ResumeFrom(plan=PlanConfig.from_dict(first["plan"]).to_proto(), epoch=epoch, step=step)
 
 
 class PackStream:
@@ -163,12 +130,16 @@ class PackStream:
 
     def state_dict(self) -> dict[str, Any]:
         """Where this rank is, and what an elastic resume needs of its job (its plan settings and seed)."""
-        return {"job": self.job, "rank": self.rank, "plan_fingerprint": self.info.plan_fingerprint,
-                "next": list(self._next) if self._next else None, "seed": self.info.seed,
-                "plan": PlanConfig.from_proto(self.info.plan).to_dict()}
+        state = {"job": self.job, "rank": self.rank, "plan_fingerprint": self.info.plan_fingerprint,
+                 "index_fingerprint": self.info.index_fingerprint, "next": list(self._next) if self._next else None,
+                 "seed": self.info.seed, "plan": PlanConfig.from_proto(self.info.plan).to_dict()}
+        if self.info.HasField("resume"):  # a resumed job's plan is a function of what it resumed, too
+            state["resumed"] = resume_dict(self.info.resume)
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue at exactly the step after the last one delivered when `state` was taken."""
+        state = checked_state(state)
         if state["job"] != self.job or state["plan_fingerprint"] != self.info.plan_fingerprint:
             raise PackfeedError(f"state is of job {state['job']!r} (plan {state['plan_fingerprint']}), this stream "
                                 f"is job {self.job!r} (plan {self.info.plan_fingerprint})")

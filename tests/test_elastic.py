@@ -153,3 +153,84 @@ def test_a_mixture_job_resumes_at_another_dp_with_the_same_rows(tmp_path, demo_d
             **old, "job": "mix-straight"}) for key in keys)
     assert consumed + rest == straight  # the same rows, repeats and subset: only the topology changed
     assert all(straight[f"charts-{i}"] == 2 for i in range(12))
+
+
+def test_a_resume_of_another_job_than_it_claims_is_refused(tmp_path, small_tile_index, old_job):
+    """The states name their plan; the server re-computes it from them and refuses a resume over an index that
+    lost a shard (same dataset name), or from states whose M, DP or seed was edited, naming both plans and what
+    differs. The honest states still resume (the exact ledger is the test above)."""
+    from conftest import SMALL_TILE_POLICY
+
+    from packfeed.server.index.config import IndexConfig
+    from packfeed.server.index.indexer import build_index
+    from packfeed.server.index.table import read_index_info
+
+    _, states = old_job
+    shrunk = tmp_path / "index.parquet"  # the same shards but the last one, as the fixture indexed them
+    config = IndexConfig(tokenizer=str(small_tile_index.parent / "tokenizer.json"), image_policy=SMALL_TILE_POLICY)
+    build_index(read_index_info(small_tile_index).inputs[:-1], shrunk, config, workers=1, progress=False)
+    new = dict(job="checked", dp=2, microbatches=1, epochs=2, seed=3)
+    with LocalServer(shrunk, workers=1) as server:
+        with pytest.raises(PackfeedError, match="FAILED_PRECONDITION") as refused:
+            PackStream(server.target, rank=0, resume=states, **new)
+    message = str(refused.value)
+    assert states[0]["plan_fingerprint"] in message and "what differs: the index" in message
+    assert states[0]["index_fingerprint"] in message and read_index_info(shrunk).fingerprint in message
+    edited = {
+        "M 1 -> 5": [dict(s, plan=dict(s["plan"], microbatches=5)) for s in states],
+        "DP 4 -> 3": [dict(s, plan=dict(s["plan"], dp=3)) for s in states[:3]],
+        "seed 3 -> 4": [dict(s, seed=4) for s in states],
+    }
+    with LocalServer(small_tile_index, workers=1) as server:
+        for name, forged in edited.items():
+            with pytest.raises(PackfeedError, match="FAILED_PRECONDITION") as refused:
+                PackStream(server.target, rank=0, resume=forged, **dict(new, seed=forged[0]["seed"]))
+            assert "plan settings or seed" in str(refused.value) and states[0]["plan_fingerprint"] in str(refused.value), name
+        with PackStream(server.target, rank=0, resume=states, **new) as honest:
+            assert honest.info.resume.plan_fingerprint == states[0]["plan_fingerprint"]
+
+
+def test_forged_states_are_refused_in_the_client_before_any_allocation(old_job):
+    """Every field is bounded: a dp of 2^32-1 (as a list(range(dp)) would take 100+ GiB), a negative or huge
+    position, a rank past the plan, a non-dict: each a PackfeedError naming the field, within milliseconds."""
+    import time
+
+    from packfeed.client.resume import resume_from
+
+    _, states = old_job
+    forged = {
+        "dp": [dict(s, plan=dict(s["plan"], dp=2**32 - 1)) for s in states],
+        "next[1]": [dict(s, next=[0, -1]) for s in states],
+        "next[0]": [dict(s, next=[10**9, 0]) for s in states],
+        "rank": [dict(states[0], rank=2**40)] + states[1:],
+        "seed": [dict(s, seed="3") for s in states],
+        "plan_fingerprint": [dict(s, plan_fingerprint="") for s in states],
+        "a list": [list(states[0].items())] + states[1:],
+        "previous": [dict(s, resumed={"plan": s["plan"]}) for s in states],
+    }
+    for name, bad in forged.items():
+        started = time.monotonic()
+        with pytest.raises(PackfeedError) as refused:
+            resume_from(bad, "new", 3 if name != "seed" else "3")
+        assert time.monotonic() - started < 0.5, name
+        assert name.split("[")[0] in str(refused.value) or name in ("a list", "previous"), (name, str(refused.value))
+    assert resume_from(states, "new", 3).plan_fingerprint == states[0]["plan_fingerprint"]
+
+
+def test_a_resumed_job_resumed_again_delivers_the_epoch_exactly_once(small_tile_index, old_job):
+    """A chain: DP 4 stops after a step, DP 2 resumes and stops after another, DP 3 resumes that. The second
+    resume re-computes the first one's plan (its states record what it resumed), so the epoch is still whole."""
+    consumed, states = old_job
+    valid = Counter(r["key"] for r in read_index(small_tile_index, ["key", "valid"])[0].to_pylist() if r["valid"])
+    middle = dict(job="middle", dp=2, microbatches=1, epochs=1, seed=3, resume=states)
+    last = dict(job="last", dp=3, microbatches=1, epochs=1, seed=3)
+    with LocalServer(small_tile_index, workers=1) as server:
+        ranks = run_ranks(server.target, 1, **middle)
+        middle_states = [state for _, state, _ in ranks]
+        assert middle_states[0]["resumed"]["plan_fingerprint"] == states[0]["plan_fingerprint"]
+        with ThreadPoolExecutor(3) as pool:
+            rest = list(pool.map(lambda rank: epoch_records(server.target, rank, **last, resume=middle_states),
+                                 range(3)))
+    delivered = Counter(consumed) + Counter(key for keys, _, _ in ranks for key in keys)
+    delivered += Counter(key for records in rest for _, _, keys in records for key in keys)
+    assert delivered == valid

@@ -81,6 +81,14 @@ def code_and_message(call) -> tuple[grpc.StatusCode, str]:
     return grpc.StatusCode.OK, ""
 
 
+def resume_chain(links: int) -> pb.ResumeFrom:
+    """A resume of a resumed job of a resumed job ..., `links` deep."""
+    message = pb.ResumeFrom(plan=PLAN, step=1, plan_fingerprint="f" * 32)
+    for _ in range(links - 1):
+        message = pb.ResumeFrom(plan=PLAN, step=1, plan_fingerprint="f" * 32, previous=message)
+    return message
+
+
 def test_hostile_requests_get_quick_clear_refusals(server):
     channel = grpc.insecure_channel(server.target)
     stub = pb_grpc.PackfeedStub(channel)
@@ -99,6 +107,11 @@ def test_hostile_requests_get_quick_clear_refusals(server):
         "control chars": lambda: stub.OpenJob(pb.OpenJobRequest(job="a\nb", plan=PLAN)),
         "garbage bytes": lambda: raw_open(b"\xff\xff\xff\xff\x0f garbage"),
         "invalid utf-8": lambda: raw_open(b"\x0a\x02\xff\xfe"),  # field 1 (job), 2 bytes that are not UTF-8
+        "M 0": lambda: stub.OpenJob(pb.OpenJobRequest(job="h", plan=pb.PlanSpec(dp=2, microbatches=0))),
+        "stages 0": lambda: stub.OpenJob(pb.OpenJobRequest(job="h", plan=pb.PlanSpec(dp=2, pipeline_stages=0))),
+        "resume unnamed": lambda: stub.OpenJob(pb.OpenJobRequest(job="h", plan=PLAN, resume=pb.ResumeFrom(
+            plan=PLAN, step=1))),
+        "resume chain": lambda: stub.OpenJob(pb.OpenJobRequest(job="h", plan=PLAN, resume=resume_chain(40))),
     }
     for name, call in refusals.items():
         started = time.monotonic()
@@ -109,6 +122,9 @@ def test_hostile_requests_get_quick_clear_refusals(server):
     stub.OpenJob(pb.OpenJobRequest(job="acks", plan=PLAN))
     code, message = code_and_message(lambda: stub.AckStep(pb.AckStepRequest(job="acks", rank=1, step=1)))
     assert code == grpc.StatusCode.FAILED_PRECONDITION and "was not sent" in message
+    for wait in (float("nan"), float("inf"), -1.0):
+        code, message = code_and_message(lambda: stub.AckStep(pb.AckStepRequest(job="acks", data_wait_s=wait)))
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and "data_wait_s" in message, (wait, code, message)
     assert stub.GetJob(pb.GetJobRequest(job="acks")).ranks[1].acked_step == -1
     with PackStream(server.target, job="acks", rank=0, dp=2, microbatches=2, pipeline_stages=2) as stream:
         assert len(list(stream)) > 0  # the server keeps serving

@@ -5,7 +5,8 @@ epoch `epoch`. The samples of that epoch not in those steps are planned again wi
 M): ISF, balancing and ordering over them alone, with the old job's caps, from (seed, epoch) and a random
 stream of its own. The result is a pure function of (index, old config, new config, seed, epoch, step), so
 every rank and every server computes the same re-plan, and over the whole epoch each sample is delivered
-exactly once: the old steps before `step`, then the re-plan's. Later epochs are planned normally.
+exactly once: the old steps before `step`, then the re-plan's. Later epochs are planned normally. The old job
+may itself be a resume: its epoch then held only what its own old job left, and so does the re-plan.
 """
 
 from __future__ import annotations
@@ -30,13 +31,23 @@ def consumed_samples(plan, steps: int) -> np.ndarray:
     return np.concatenate([np.asarray(plan.step_members(step), dtype=np.int64) for step in range(steps)])
 
 
+def epoch_samples(loads, plan) -> np.ndarray:
+    """Mask of the samples `plan` plans (packed, or reported oversize): every valid one, but for a re-plan, whose
+    epoch began with another job's steps (so resuming a resumed job leaves out what both jobs consumed)."""
+    if isinstance(plan, Plan):
+        planned = np.zeros(len(loads), dtype=bool)
+        planned[plan.members] = True
+        planned[plan.oversize] = True
+        return planned
+    return valid_mask(loads).copy()  # a windowed plan plans every valid sample (a re-plan is never windowed)
+
+
 def resume_plan(loads, old_plan, steps: int, config: PlanConfig, seed: int, epoch: int,
                 index_fingerprint: str = "", caps: Caps | None = None) -> Plan:
     """The epoch's samples left after `old_plan`'s first `steps` steps, planned with `config`. `loads`: the
     dataset's (in memory or gathered: a mixture's rows); sample ids in the result are its; steps count from 0."""
-    consumed = consumed_samples(old_plan, steps)
-    left = np.ones(len(loads), dtype=bool)
-    left[consumed] = False
-    ids = np.flatnonzero(left & valid_mask(loads))
+    left = epoch_samples(loads, old_plan)
+    left[consumed_samples(old_plan, steps)] = False
+    ids = np.flatnonzero(left)
     local = make_plan(loads.subset(ids), config, seed, epoch, index_fingerprint, caps, _RESUME_STREAM + steps)
     return replace(local, members=ids[local.members], oversize=ids[local.oversize])

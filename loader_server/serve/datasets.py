@@ -135,30 +135,56 @@ class Dataset:
         return make_plan(part.in_memory_loads() if loads is None else loads, config, seed, epoch,
                          part.info.fingerprint, caps=caps)
 
+    def job_plan(self, config: PlanConfig, seed: int, epoch: int, resume: Resume | None, caps: Caps | None,
+                 loads: SampleLoads | None = None) -> Plan | WindowedPlan:
+        """Epoch `epoch` of a job planned with (`config`, `seed`, `caps`) that may itself resume another."""
+        if resume is not None and resume.epoch == epoch:
+            return self.resume(resume, config, seed, caps)
+        return self.plan_epoch(config, seed, epoch, caps, loads)
+
     def resume(self, resume: Resume, config: PlanConfig, seed: int, caps: Caps | None) -> Plan:
-        """Epoch `resume.epoch` re-planned with `config` over what the old job left of it (plan.resume). A
-        mixture's rows keep their positions (the same repeats and subset), so packs name the same datasets and
-        samples."""
-        loads = None if self.mixture else self.parts[0].in_memory_loads()  # once, for the old plan and the new
+        """Epoch `resume.epoch` re-planned with `config` over what the old job left of it (plan.resume). The old
+        job's plan is re-computed as that job computed it (its caps, its own resume) and must be the one its
+        states name. A mixture's rows keep their positions (the same repeats and subset), so packs name the same
+        datasets and samples."""
+        if config.window:
+            raise JobError("INVALID_ARGUMENT", "a resuming job plans whole epochs: give it window 0 (the job it "
+                                               "resumes may be windowed)")
+        loads = None if self.mixture else self.parts[0].in_memory_loads()  # once, for the old plans and the new
         old_caps = self.caps(resume.plan_config, loads)
-        old = self.old_plan(resume, config, seed, old_caps, loads)
+        first = self.job_plan(resume.plan_config, resume.seed, 0, resume.previous, old_caps, loads)
+        self.check_resumed_plan(resume, first.fingerprint())
+        old_caps = old_caps or getattr(first, "caps", None)  # a windowed job's, searched on its epoch 0 (as Job)
+        old = first if resume.epoch == 0 else \
+            self.job_plan(resume.plan_config, resume.seed, resume.epoch, resume.previous, old_caps, loads)
+        if resume.step > old.n_steps:
+            raise JobError("OUT_OF_RANGE", f"the old job's epoch {resume.epoch} has {old.n_steps} steps; its ranks "
+                                           f"cannot have consumed {resume.step}")
         if self.mixture:
             plan = resume_plan(old.rows.loads, old, resume.step, config, seed, resume.epoch, self.fingerprint, caps)
             plan.rows = old.rows
             return plan
         return resume_plan(loads, old, resume.step, config, seed, resume.epoch, self.fingerprint, caps or old_caps)
 
-    def old_plan(self, resume: Resume, config: PlanConfig, seed: int, caps: Caps | None,
-                 loads: SampleLoads | None = None) -> Plan | WindowedPlan:
-        """The resumed job's epoch as its old job planned it, checked against the resume and the new `config`."""
-        if config.window:
-            raise JobError("INVALID_ARGUMENT", "a resuming job plans whole epochs: give it window 0 (the job it "
-                                               "resumes may be windowed)")
-        old = self.plan_epoch(resume.plan_config, seed, resume.epoch, caps, loads)
-        if resume.step > old.n_steps:
-            raise JobError("OUT_OF_RANGE", f"the old job's epoch {resume.epoch} has {old.n_steps} steps; its ranks "
-                                           f"cannot have consumed {resume.step}")
-        return old
+    def check_resumed_plan(self, resume: Resume, replanned: str) -> None:
+        """A resume continues only the job it claims to: the old job's settings, re-planned over this server's
+        index, must give the plan its states name. Otherwise "what the old job consumed" would be computed over
+        another index or edited settings, and samples repeated and lost without a word."""
+        if replanned == resume.plan_fingerprint:
+            return
+        if resume.index_fingerprint and resume.index_fingerprint != self.fingerprint:
+            differs = (f"the index: the old job planned over {resume.index_fingerprint}, dataset {self.name!r} here "
+                       f"is {self.fingerprint} (shards added, removed or re-indexed since)")
+        else:
+            differs = (f"the plan settings or seed in the states (dp {resume.plan_config.dp}, microbatches "
+                       f"{resume.plan_config.microbatches}, strategy {resume.plan_config.strategy.value}, seed "
+                       f"{resume.seed}, ...) do not give the plan they name: edited, or saved by another Packfeed "
+                       "version" + ("" if resume.index_fingerprint else "; the states do not name their index, "
+                                    "which may differ too"))
+        raise JobError("FAILED_PRECONDITION", f"resume refused: the old job's plan was {resume.plan_fingerprint}, "
+                                              f"its settings re-planned here give {replanned}; what differs: "
+                                              f"{differs}. Resume from the old job's own states on a server of its "
+                                              "index, or start a new job")
 
     def planned_loads(self, plan: Plan) -> SampleLoads | MappedLoads:
         """The loads a plan's members index (a mixture plan's rows, else the one index's)."""

@@ -40,18 +40,33 @@ class JobError(Exception):
 
 @dataclass(frozen=True)
 class Resume:
-    """Elastic resume (packfeed.v1 ResumeFrom): an old job with plan settings `plan_config` consumed the steps
-    before `step` of epoch `epoch` on every rank."""
+    """Elastic resume (packfeed.v1 ResumeFrom): an old job with plan settings `plan_config` and `seed`, whose
+    plan was `plan_fingerprint` (of its epoch 0) over index `index_fingerprint`, consumed the steps before `step`
+    of epoch `epoch` on every rank. `previous`: the old job's own resume, when it was itself resumed."""
 
     plan_config: PlanConfig
     epoch: int
     step: int
+    plan_fingerprint: str
+    seed: int
+    index_fingerprint: str = ""
+    previous: Resume | None = None
 
     def to_dict(self) -> dict:
-        return {"plan": self.plan_config.to_dict(), "epoch": self.epoch, "step": self.step}
+        out = {"plan": self.plan_config.to_dict(), "epoch": self.epoch, "step": self.step,
+               "plan_fingerprint": self.plan_fingerprint, "index_fingerprint": self.index_fingerprint,
+               "seed": self.seed}
+        if self.previous is not None:
+            out["previous"] = self.previous.to_dict()
+        return out
 
     def to_proto(self) -> pb.ResumeFrom:
-        return pb.ResumeFrom(plan=self.plan_config.to_proto(), epoch=self.epoch, step=self.step)
+        message = pb.ResumeFrom(plan=self.plan_config.to_proto(), epoch=self.epoch, step=self.step,
+                                plan_fingerprint=self.plan_fingerprint, index_fingerprint=self.index_fingerprint,
+                                seed=self.seed)
+        if self.previous is not None:
+            message.previous.CopyFrom(self.previous.to_proto())
+        return message
 
 
 @dataclass(frozen=True)
@@ -130,6 +145,8 @@ class Job:
         try:
             self.caps = self.dataset.caps(self.spec.plan_config)
             self.caps = self.caps or getattr(self.epoch_plan(0), "caps", None)  # a windowed plan's, searched on window 0
+            if self.spec.resume is not None:  # checked at open: a resume of another job than it claims is refused
+                self.epoch_plan(self.spec.resume.epoch)
         except JobError as error:
             self.failure = error
         except (ValueError, MemoryError) as error:
@@ -150,10 +167,8 @@ class Job:
                                            f"(epochs 0..{self.spec.epochs - 1})")
         with self._lock:
             if epoch not in self._plans:
-                resume = self.spec.resume
-                self._plans[epoch] = (self.dataset.resume(resume, self.spec.plan_config, self.spec.seed, self.caps)
-                                      if resume is not None and resume.epoch == epoch else
-                                      self.dataset.plan_epoch(self.spec.plan_config, self.spec.seed, epoch, self.caps))
+                self._plans[epoch] = self.dataset.job_plan(self.spec.plan_config, self.spec.seed, epoch,
+                                                           self.spec.resume, self.caps)
             self._plans.move_to_end(epoch)
             while len(self._plans) > PLANS_CACHED:
                 _, evicted = self._plans.popitem(last=False)  # never the one just asked for: it is the newest

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import math
 from concurrent.futures import ThreadPoolExecutor
 
 from google.protobuf.message import DecodeError
@@ -37,12 +38,29 @@ SERVICE = pb.DESCRIPTOR.services_by_name["Packfeed"].full_name
 MAX_REPLICAS = 1024  # consumers of one DP rank (a TP x CP x SP group beyond this is not a real deployment)
 
 
+MAX_RESUME_CHAIN = 16  # a job resuming a job that resumed another ...: each link re-plans an epoch at open
+
+
 def resume_of(request: pb.OpenJobRequest) -> Resume:
-    """The job's elastic resume, checked: an old plan that parses, an epoch of this job."""
-    old = PlanConfig.from_proto(request.resume.plan)
+    """The job's elastic resume, checked: an old plan that parses, an epoch of this job, the old job's seed and
+    plan fingerprint given (the plan itself is checked against it when the job is planned)."""
+    if request.resume.seed != request.seed:
+        raise JobError("FAILED_PRECONDITION", f"resume: the old job ran with seed {request.resume.seed}, this job "
+                                              f"asks for {request.seed}; give it the old job's seed")
     if request.resume.epoch >= (request.epochs or 1):
         raise ValueError(f"resume.epoch {request.resume.epoch} is not an epoch of this job ({request.epochs or 1})")
-    return Resume(old, request.resume.epoch, request.resume.step)
+    return _resume(request.resume, depth=0)
+
+
+def _resume(message: pb.ResumeFrom, depth: int) -> Resume:
+    if depth >= MAX_RESUME_CHAIN:
+        raise ValueError(f"resume: a chain of more than {MAX_RESUME_CHAIN} resumed jobs; start a new job")
+    if not message.plan_fingerprint:
+        raise ValueError("resume.plan_fingerprint is required: the old job's JobInfo.plan_fingerprint, which its "
+                         "ranks' state_dicts hold (states saved before Packfeed recorded it cannot resume elastically)")
+    previous = _resume(message.previous, depth + 1) if message.HasField("previous") else None
+    return Resume(PlanConfig.from_proto(message.plan), message.epoch, message.step, message.plan_fingerprint,
+                  message.seed, message.index_fingerprint, previous)
 
 
 def replica_lease(rank: int, replica: int, replicas: int, dp: int) -> int:
@@ -109,6 +127,9 @@ class PackfeedService:
                                          if job.ready.is_set() and not job.failure])
 
     async def ack_step(self, request: pb.AckStepRequest, context) -> pb.AckStepResponse:
+        if not (math.isfinite(request.data_wait_s) and request.data_wait_s >= 0):
+            raise JobError("INVALID_ARGUMENT", f"data_wait_s is {request.data_wait_s}: give the seconds the rank "
+                                               "waited for packs, a finite number >= 0")
         job = self.registry.get(request.job)
         job.check_rank(request.rank)
         await asyncio.to_thread(job.check_step, request.epoch, request.step)
@@ -118,7 +139,7 @@ class PackfeedService:
             raise JobError("FAILED_PRECONDITION", f"step {request.epoch}:{request.step} was not sent to rank "
                                                   f"{request.rank} by this server: acknowledge only steps received")
         skipped = client_skipped(request)
-        job.ranks[request.rank].data_wait_s = max(0.0, request.data_wait_s)  # a report, for the status page
+        job.ranks[request.rank].data_wait_s = request.data_wait_s  # a report, for the status page
         await asyncio.to_thread(job.ack, request.rank, request.epoch, request.step)
         await asyncio.to_thread(self.coordination.share_ack, job, request.rank)
         self._record_skipped(job, request.rank, request.epoch, request.step, skipped, "client")

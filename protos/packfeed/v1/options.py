@@ -169,6 +169,8 @@ def _help(text: str) -> dict[str, str]:
     return {"help": text}
 
 
+_PRESENT_COUNTS = ("microbatches", "pipeline_stages", "isf_iterations")  # proto3 `optional`: 0 is not "unset"
+
 # Bounds of every count a request may carry: a server plans and holds state in proportion to them.
 LIMITS = {"dp": 65536, "microbatches": 1024, "ranks_per_node": 65536, "pipeline_stages": 1024, "isf_iterations": 100,
           "samples_per_pack": 1024, "vision_cap": 2**31 - 1, "token_cap": 2**31 - 1, "vision_target": 2**31 - 1,
@@ -268,12 +270,14 @@ class PlanConfig:
 
     @classmethod
     def from_proto(cls, spec: pb.PlanSpec) -> PlanConfig:
-        """Unset (zero or empty) fields keep the defaults, but for `dp`, which a request must state. Raises
-        ValueError on a bad config."""
+        """Unset (zero or empty) fields keep the defaults, but for `dp`, which a request must state; the counts
+        with presence (`microbatches`, `pipeline_stages`, `isf_iterations`) keep them only when unset, so an
+        explicit 0 is refused rather than taken as 1. Raises ValueError on a bad config."""
         if not spec.dp:
             raise ValueError("invalid plan config: dp (data-parallel ranks) is required")
         chosen: dict[str, Any] = {f.name: getattr(spec, f.name) for f in fields(cls) if f.name != "cost_model"}
-        chosen = {name: value for name, value in chosen.items() if value}
+        chosen = {name: value for name, value in chosen.items()
+                  if value or (name in _PRESENT_COUNTS and spec.HasField(name))}
         if spec.HasField("cost_model"):
             chosen["cost_model"] = CostModel.from_proto(spec.cost_model)
         return cls(**chosen)
