@@ -54,3 +54,15 @@ def describe_error(error: BaseException) -> str:
 def reason_category(reason: str) -> str:
     """'undecodable image: broken data stream' -> 'undecodable image' (what reports and metrics group by)."""
     return reason.split(":", 1)[0]
+
+
+# What a server's skips are counted by (the `reason` label of packfeed_skipped_samples_total): a fixed set, so
+# the metric's series never grow with the data. Every reason a server gives starts with one of these.
+SERVE_SKIP_CATEGORIES = ("invalid in the index", "shard unreadable", "shard changed", "undecodable image",
+                         "undecodable video", "over the memory budget", "token count differs", "video not servable")
+
+
+def skip_metric_label(reason: str) -> str:
+    """The fixed category of a server's skip reason ("other" for one outside SERVE_SKIP_CATEGORIES)."""
+    return next((category for category in SERVE_SKIP_CATEGORIES if reason.startswith(category)), "other")
+

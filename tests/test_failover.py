@@ -206,3 +206,51 @@ def test_a_killed_server_takes_its_pre_processing_workers_with_it(small_tile_ind
     for pid in alive:
         os.kill(pid, signal.SIGKILL)
     assert not alive
+
+
+def metric(port: int, name: str, **labels: str) -> float:
+    """The sum of a metric's series (those with `labels`) on a server's /metrics."""
+    import urllib.request
+
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    wanted = [f'{key}="{value}"' for key, value in labels.items()]
+    return sum(float(line.split()[-1]) for line in text.splitlines()
+               if line.startswith(name) and line[len(name)] in " {" and all(w in line for w in wanted))
+
+
+def test_while_redis_is_down_no_second_stream_of_a_rank_starts(tmp_path, dataset):  # noqa: F811
+    """Fail-closed exclusivity: rank 0 streams from server A; Redis is killed; a second consumer of rank 0 on
+    server B is refused (UNAVAILABLE, saying why) and receives nothing, while A's stream goes on. Both are
+    counted: B's refusal, A's renewals that could not reach Redis. With Redis back, B serves the rank's next
+    consumer again once A lets the lease go."""
+    from redis_server import free_port
+    from packfeed.client import Connection, PackfeedError
+
+    redis = RedisProcess(tmp_path / "redis").start()
+    env = {"PACKFEED_REDIS_URL": redis.url, "PACKFEED_LEASE_TTL_S": "1.5"}
+    ports = [free_port(), free_port()]
+    a, b = (LocalServer(dataset, workers=1, env=env, metrics_port=port).start() for port in ports)
+    job = dict(job="exclusive", dp=2, microbatches=1, epochs=EPOCHS, prefetch=1)
+    try:
+        with PackStream(a.target, rank=0, **job) as trainer, \
+                PackStream(b.target, rank=0, connection=Connection(retries=0), **job) as second:
+            steps = iter(trainer)
+            received = [next(steps).sample_keys]
+            redis.kill()
+            time.sleep(1.0)  # at least one renewal of A's lease fails meanwhile
+            with pytest.raises(PackfeedError, match="cannot reach the coordinator") as refused:
+                next(iter(second))  # the job is open on B (registered while Redis was up): its stream is refused
+            assert refused.value.code == grpc.StatusCode.UNAVAILABLE
+            for _ in range(3):  # the running stream goes on through the outage
+                received.append(next(steps).sample_keys)
+            assert metric(ports[1], "packfeed_stream_refusals_total", lease="unreachable") >= 1
+            assert metric(ports[0], "packfeed_lease_renewals_unchecked_total", job="exclusive") >= 1
+            redis.start()
+            received += [step.sample_keys for step in steps]
+        assert len({key for keys in received for key in keys}) > 0
+        with PackStream(b.target, rank=0, **job) as after:  # A let go: B serves the rank again
+            assert next(iter(after)).sample_keys == received[0]
+    finally:
+        a.stop()
+        b.stop()
+        redis.stop()

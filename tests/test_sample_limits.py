@@ -5,10 +5,12 @@ within the memory budget, or skipped with its reason where one sample alone woul
 from __future__ import annotations
 
 import io
+import re
 import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from pathlib import Path
 
 import psutil
@@ -18,7 +20,9 @@ import yaml
 from PIL import Image
 
 from packfeed.client import LocalServer, PackStream
+from packfeed.media.samples import SERVE_SKIP_CATEGORIES
 from packfeed.server.serve.worker_process import GIVE_BACK_AFTER_S, KEEP_FREED_BYTES
+from redis_server import free_port
 from test_integrity import conversation, write_tar
 
 HUGE_SIDE = 9400  # 88.4 MP: under Pillow's decompression-bomb limit, a PNG of a few hundred KB
@@ -93,10 +97,19 @@ def tree_pss(pid: int) -> int:
     return total
 
 
-def served_peak(config: Path, budget_mb: int, small_tile_index) -> tuple[set[str], list[tuple[str, str]], int]:
+def skip_labels(port: int) -> set[str]:
+    """The `reason` labels of a server's packfeed_skipped_samples_total series."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    return set(re.findall(r'^packfeed_skipped_samples_total\{[^}]*reason="([^"]*)"', text, re.MULTILINE))
+
+
+def served_peak(config: Path, budget_mb: int, small_tile_index, metrics_port: int = 0
+                ) -> tuple[set[str], list[tuple[str, str]], int, set[str]]:
     """Serve the dataset `huge` once at DP 1 under a budget: (keys served, (key, reason) skipped, peak PSS growth
-    of the server tree over its idle footprint with its worker started, after an ordinary warm-up job)."""
-    with LocalServer(config=config, workers=1, extra_args=["--memory-budget-mb", str(budget_mb)]) as server:
+    of the server tree over its idle footprint with its worker started, after an ordinary warm-up job, the skip
+    metric's reason labels when `metrics_port` is given)."""
+    with LocalServer(config=config, workers=1, extra_args=["--memory-budget-mb", str(budget_mb)],
+                     metrics_port=metrics_port or None) as server:
         with PackStream(server.target, job="warm", dataset="small", rank=0, dp=1) as warm:
             assert sum(1 for _ in warm)
         time.sleep(GIVE_BACK_AFTER_S + 1.5)  # the worker gives back what it kept for the warm-up's steps
@@ -115,9 +128,10 @@ def served_peak(config: Path, budget_mb: int, small_tile_index) -> tuple[set[str
         finally:
             done.set()
             watcher.join()
+        labels = skip_labels(metrics_port) if metrics_port else set()
     keys = {key for step in steps for key in step.sample_keys}
     skipped = [(key, reason) for step in steps for pack in step.packs for key, reason in pack.skipped]
-    return keys, skipped, peak[0] - idle
+    return keys, skipped, peak[0] - idle, labels
 
 
 @pytest.mark.parametrize("budget_mb, pixels", [(64, "exact"), (512, "fast")])
@@ -134,13 +148,16 @@ def test_raised_limits_are_served_within_the_memory_budget(huge_shard, tmp_path,
     config.write_text(yaml.safe_dump({"max_skipped_fraction": 1.0,  # the long text is alone in its step
                                       "datasets": {"huge": {"index": str(path), "pixels": pixels},
                                                    "small": {"index": str(small_tile_index), "pixels": pixels}}}))
-    keys, skipped, growth = served_peak(config, budget_mb, small_tile_index)
+    keys, skipped, growth, labels = served_peak(config, budget_mb, small_tile_index, free_port())
     small = {f"small{i}" for i in range(5)}
     if budget_mb == 64:
         assert keys == small
         assert {key for key, _ in skipped} >= {"huge-image", "long-text"}
         assert any("decoding 9400x9400 needs ~842 MiB, more than the server's memory budget allows one sample (64 MiB)"
                    in reason for key, reason in skipped if key == "huge-image")
+        # the metric counts them by category, never by the file or key its reason names
+        assert "over the memory budget" in labels
+        assert labels <= set(SERVE_SKIP_CATEGORIES) | {"other"}, labels
     else:
         assert keys == small | {"huge-image", "long-text"}
     assert growth <= budget_mb * MiB + KEEP_FREED_BYTES, f"grew {growth / MiB:.0f} MiB over a {budget_mb} MiB budget"

@@ -76,7 +76,7 @@ class LeaseOutcome(enum.Enum):
 
     HELD = "held"  # this server holds it
     TAKEN = "taken"  # another server holds it
-    UNREACHABLE = "unreachable"  # the coordinator did not answer: stream on, try again
+    UNREACHABLE = "unreachable"  # the coordinator did not answer: a running stream goes on, no new one starts
 
 
 def mismatch(job: str, existing: JobRecord, record: JobRecord) -> CoordinationError:

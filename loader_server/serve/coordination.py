@@ -1,7 +1,7 @@
 """What one server shares with the others serving its jobs, through the coordinator (`packfeed.server.cluster`):
 each job's registration (and its re-assertion when the coordinator lost it), each rank stream's lease, each
-rank's acknowledged position and the skipped samples. Redis being unreachable never stops a stream: these
-calls keep what they have and try again."""
+rank's acknowledged position and the skipped samples. Redis being unreachable never stops a running stream:
+these calls keep what they have and try again; but no new stream starts without its lease (the service)."""
 
 from __future__ import annotations
 
@@ -116,9 +116,11 @@ class Coordination:
             if held is LeaseOutcome.TAKEN:
                 lost.set()
                 return
-            if held is LeaseOutcome.UNREACHABLE and not warned:
-                log.warning("coordinator unreachable: streaming on, retrying",
-                            extra={"job": job.spec.job, "rank": rank})
+            if held is LeaseOutcome.UNREACHABLE:
+                self.metrics.unchecked_renewals.labels(job.spec.job).inc()
+                if not warned:
+                    log.warning("coordinator unreachable: streaming on, retrying",
+                                extra={"job": job.spec.job, "rank": rank})
             warned = held is LeaseOutcome.UNREACHABLE
             await asyncio.to_thread(self.share_ack, job, rank)
 

@@ -62,6 +62,12 @@ class Metrics:
                                     "coordinator (restored: it had lost them; reclaimed: a server over another "
                                     "index had registered the id; gave_up: an older registration holds another "
                                     "plan)", ["job", "outcome"], registry=r)
+        self.stream_refusals = Counter("packfeed_stream_refusals", "Rank streams not started for their lease "
+                                       "(taken: another server streams the rank; unreachable: the coordinator "
+                                       "could not be asked, so none starts)", ["job", "lease"], registry=r)
+        self.unchecked_renewals = Counter("packfeed_lease_renewals_unchecked", "Lease renewals of running streams "
+                                          "that could not reach the coordinator (the stream went on)", ["job"],
+                                          registry=r)
         self.evicted = Counter("packfeed_jobs_evicted", "Jobs forgotten after job_idle_s without use", registry=r)
         self.preprocess = Histogram("packfeed_preprocess_seconds_per_sample",
                                     "Worker time per sample (read, decode, tile, tokenize, assemble)",

@@ -233,7 +233,7 @@ class SampleReader:
                     raise SampleSkipped(f"shard unreadable: {path} is not a regular file")
                 try:
                     if is_compressed(path):
-                        raise SampleSkipped(f"shard {path} is compressed: serving needs plain .tar shards")
+                        raise SampleSkipped(f"shard unreadable: {path} is compressed: serving needs plain .tar shards")
                     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
                 except OSError as error:
                     raise SampleSkipped(f"shard unreadable: {error.strerror} ({path})") from None
@@ -260,9 +260,9 @@ class SampleReader:
             raise SampleSkipped(f"invalid in the index: {row['reason']}")
         need = row["llm_tokens"] * TOKENIZE_BYTES_PER_TOKEN
         if self.decode_budget and need > self.decode_budget:
-            raise SampleSkipped(f"{row['key']}: tokenising its {row['llm_tokens']:,} tokens needs ~{need >> 20:,} MiB, "
-                                f"more than the server's memory budget allows one sample ({self.decode_budget >> 20:,} MiB); "
-                                "raise memory_budget_mb")
+            raise SampleSkipped(f"over the memory budget: {row['key']}: tokenising its {row['llm_tokens']:,} tokens "
+                                f"needs ~{need >> 20:,} MiB, more than the server's memory budget allows one sample "
+                                f"({self.decode_budget >> 20:,} MiB); raise memory_budget_mb")
         read = self._reader(row)
         key = row["key"]
         try:
@@ -279,7 +279,7 @@ class SampleReader:
         items = [images[number] if kind == "image" else videos[number].pop(0)
                  for kind, number in visual_items(turns, [len(video) for video in videos])]
         if len(input_ids) != row["llm_tokens"]:
-            raise SampleSkipped(f"token count {len(input_ids)} differs from the index's {row['llm_tokens']}")
+            raise SampleSkipped(f"token count differs: {len(input_ids)} tokens, the index's {row['llm_tokens']}")
         return SampleTensors(key, input_ids, labels, [tile for item in items for tile in item.tiles],
                              [item.n_tiles for item in items], [item.tokens for item in items], starts,
                              encoded=[item.encoded for item in items if item.encoded is not None],
@@ -309,8 +309,8 @@ class SampleReader:
         decoded (a container seeks to them)."""
         key, name = row["key"], row["video_names"][k]
         if self.pixels == PixelMode.ENCODED:
-            raise SampleSkipped(f"video {key}.{name}: pixels: encoded sends image files only; serve a dataset "
-                                f"with videos with pixels: exact or fast")
+            raise SampleSkipped(f"video not servable: {key}.{name}: pixels: encoded sends image files only; serve "
+                                "a dataset with videos with pixels: exact or fast")
         info = VideoInfo(row["video_widths"][k], row["video_heights"][k], row["video_frames"][k], row["video_rates"][k])
         sampled = row["video_sampled"][k]
         indices = self.video_sampling.frame_indices(info.frames, sampled, seed, epoch, key)
@@ -346,8 +346,9 @@ class SampleReader:
         server's whole budget: the budget holds whatever the images (decoding is reserved in it per step)."""
         need = width * height * DECODE_BYTES_PER_PIXEL[self.pixels]
         if self.decode_budget and need > self.decode_budget:
-            raise SampleSkipped(f"{what}: decoding {width}x{height} needs ~{need >> 20:,} MiB, more than the server's "
-                                f"memory budget allows one sample ({self.decode_budget >> 20:,} MiB); raise memory_budget_mb")
+            raise SampleSkipped(f"over the memory budget: {what}: decoding {width}x{height} needs ~{need >> 20:,} MiB, "
+                                f"more than the server's memory budget allows one sample "
+                                f"({self.decode_budget >> 20:,} MiB); raise memory_budget_mb")
 
     def _tiles(self, data: bytes, geometry: Geometry, what: str) -> list[np.ndarray]:
         try:

@@ -18,7 +18,7 @@ from google.protobuf.message import DecodeError
 
 import grpc
 
-from packfeed.media.samples import reason_category
+from packfeed.media.samples import skip_metric_label
 from packfeed.server.cluster.coordinator import Coordinator, LeaseOutcome
 from packfeed.server.serve.budget import MemoryBudget
 from packfeed.server.serve.config import ServerConfig
@@ -190,12 +190,7 @@ class PackfeedService:
         lease = replica_lease(rank, replica, max(1, request.replicas), job.spec.plan_config.dp)
         start = (request.first_epoch, request.first_step)
         await asyncio.to_thread(job.check_step, *start)
-        if await asyncio.to_thread(self.coordination.hold_lease, job.spec.job, lease) is LeaseOutcome.TAKEN:
-            owner = await asyncio.to_thread(self.coordination.coordinator.lease_owner, job.spec.job, lease)
-            who = f"rank {rank}" + (f" replica {replica}" if replica else "")
-            raise JobError("UNAVAILABLE", f"{who} of job {job.spec.job!r} is being served by {owner}; "
-                                          f"if that server is gone, its lease lapses within "
-                                          f"{self.config.lease_ttl_s:g} s: retry")
+        await self._take_lease(job, rank, replica, lease)
         lost = asyncio.Event()
         job.open_streams += 1
         keeper = asyncio.create_task(self.coordination.keep_lease(job, rank, lease, lost))
@@ -246,6 +241,26 @@ class PackfeedService:
         if failure is not None:
             await context.abort(grpc.StatusCode.INTERNAL, f"pack preparation failed: {failure!r}")
 
+    async def _take_lease(self, job: Job, rank: int, replica: int, lease: int) -> None:
+        """Start a stream only with the rank's lease in hand. Fail-closed: while the coordinator cannot be asked,
+        no new stream of a rank starts here (another server may be streaming it: two trainers would get the
+        same samples without either knowing); the client retries. Streams already running go on."""
+        outcome = await asyncio.to_thread(self.coordination.hold_lease, job.spec.job, lease)
+        if outcome is LeaseOutcome.HELD:
+            return
+        who = f"rank {rank}" + (f" replica {replica}" if replica else "")
+        self.metrics.stream_refusals.labels(job.spec.job, outcome.value).inc()
+        if outcome is LeaseOutcome.UNREACHABLE:
+            log.warning("stream refused: the rank's lease cannot be checked", extra={"job": job.spec.job,
+                                                                                    "rank": rank, "replica": replica})
+            raise JobError("UNAVAILABLE", f"{who} of job {job.spec.job!r}: this server cannot reach the coordinator "
+                                          "(Redis) to check the rank's lease, and starts no stream that another "
+                                          "server may be serving; streams already running go on. Retry: it "
+                                          "starts once the coordinator answers")
+        owner = await asyncio.to_thread(self.coordination.coordinator.lease_owner, job.spec.job, lease)
+        raise JobError("UNAVAILABLE", f"{who} of job {job.spec.job!r} is being served by {owner}; if that server is "
+                                      f"gone, its lease lapses within {self.config.lease_ttl_s:g} s: retry")
+
     def _account(self, job: Job, rank: int, epoch: int, step: int, result: RankStepResult, primary: bool) -> None:
         """Metrics and the rank's progress for a step sent; a replica above 0 counts its packs and bytes only
         (its samples are the rank's, counted once)."""
@@ -272,8 +287,8 @@ class PackfeedService:
         each, the job's list and the coordinator's, alike for both."""
         name = job.spec.job
         for key, reason in skipped:
-            # a client's reason is free text: one metric label for all of them keeps the series bounded
-            category = reason_category(reason) if where == "server" else "left out by the client"
+            # labels from a fixed set (a reason names files and keys): the series never grow with the data
+            category = skip_metric_label(reason) if where == "server" else "left out by the client"
             self.metrics.skipped.labels(name, category).inc()
             log.warning("sample skipped", extra={"job": name, "rank": rank, "epoch": epoch, "step": step,
                                                  "key": key, "reason": reason, "where": where})

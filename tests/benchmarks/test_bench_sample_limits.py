@@ -29,7 +29,7 @@ def test_the_largest_samples_served_with_raised_limits(huge_shard, tmp_path, dem
     config.write_text(yaml.safe_dump({"max_skipped_fraction": 1.0, "prepare_timeout_s": 600,
                                       "datasets": {"huge": {"index": str(path), "pixels": "exact"},
                                                    "small": {"index": str(small_tile_index)}}}))
-    keys, skipped, growth = served_peak(config, budget_mb, small_tile_index)
+    keys, skipped, growth, _ = served_peak(config, budget_mb, small_tile_index)
     print(f"\n[limits] indexing with the limits raised peaked at {index_peak:.0f} MiB RSS")
     print(f"[limits] budget {budget_mb} MiB: served {sorted(keys)}; skipped {[(k, r[:90]) for k, r in skipped]}")
     print(f"[limits] budget {budget_mb} MiB: the server tree grew {growth / MiB:.0f} MiB (PSS) over its idle "
