@@ -257,7 +257,8 @@ def test_an_image_path_cannot_leave_the_image_root(tmp_path):
     (tmp_path / "a.json").write_text(json.dumps(rows))
     packfeed("convert", "llava", tmp_path / "a.json", "--image-root", tmp_path / "root", "--out", tmp_path / "o",
              "--quiet", expect=3)
-    assert report_of(tmp_path / "o")["rejected_rows"][0]["reason"] == "image outside the image root: ../secret.jpg"
+    assert report_of(tmp_path / "o")["rejected_rows"][0]["reason"] == \
+        f"image outside the image root: ../secret.jpg (resolves to {tmp_path / 'secret.jpg'})"
 
 
 def test_converted_images_keep_their_format(tmp_path):
@@ -282,3 +283,58 @@ def test_the_cli_offers_every_source_format():
     from packfeed.server.convert.sources import FORMATS
 
     assert set(OFFERED) == set(FORMATS) | {"internvl-meta"}
+
+
+def test_convert_reads_only_regular_files_within_the_root_and_the_size_cap(tmp_path):
+    """Rows naming a FIFO, /dev/zero, a directory, a socket, a 6 GB sparse .jpg, a file outside the root by
+    absolute path and through a symlink inside the root: the conversion finishes within seconds, each of those
+    rows rejected with its reason, the good rows converted. With --trust-absolute-paths the absolute path is
+    read as written; a symlink out of the root never is."""
+    import socket
+
+    import numpy as np
+
+    rng = np.random.default_rng(4)
+    root, outside = tmp_path / "root", tmp_path / "outside"
+    write_image(root / "good.jpg", rng)
+    write_image(root / "good2.png", rng, "PNG")
+    write_image(outside / "secret.png", rng, "PNG")
+    os.mkfifo(root / "fifo.jpg")
+    (root / "folder.jpg").mkdir()
+    with open(root / "sparse.jpg", "wb") as sparse:
+        sparse.truncate(6 << 30)  # 6 GB that take no disk
+    (root / "link.png").symlink_to(outside / "secret.png")
+    listening = socket.socket(socket.AF_UNIX)
+    listening.bind(str(root / "socket.jpg"))
+    paths = {"good": "good.jpg", "good2": "good2.png", "fifo": "fifo.jpg", "zero": "/dev/zero",
+             "folder": "folder.jpg", "socket": "socket.jpg", "sparse": "sparse.jpg",
+             "absolute": str(outside / "secret.png"), "link": "link.png"}
+    rows = [{"id": name, "image": path, "conversations": [
+        {"from": "human", "value": "<image>\nWhat is it?"}, {"from": "gpt", "value": "A picture."}]}
+        for name, path in paths.items()]
+    (tmp_path / "a.json").write_text(json.dumps(rows))
+    started = time.monotonic()
+    packfeed("convert", "llava", tmp_path / "a.json", "--image-root", root, "--out", tmp_path / "o", "--quiet",
+             expect=3)
+    assert time.monotonic() - started < 60
+    listening.close()
+    reasons = {row["id"]: row["reason"] for row in report_of(tmp_path / "o")["rejected_rows"]}
+    assert reasons["fifo"] == "image not a regular file: fifo.jpg is a FIFO"
+    assert reasons["folder"] == "image not a regular file: folder.jpg is a directory"
+    assert reasons["socket"] == "image not a regular file: socket.jpg is a socket"
+    assert reasons["zero"].startswith("image outside the image root: /dev/zero") and "--trust-absolute-paths" in reasons["zero"]
+    assert reasons["sparse"] == "image too large: sparse.jpg is 6,442,450,944 bytes, over --max-image-mb 64"
+    assert reasons["absolute"].startswith(f"image outside the image root: {outside / 'secret.png'}")
+    assert reasons["link"] == f"image outside the image root: link.png (resolves to {outside / 'secret.png'})"
+    secret = (outside / "secret.png").read_bytes()
+    samples = shard_samples(tmp_path / "o")
+    assert set(samples) == {"good", "good2"} and all(secret not in m for s in samples.values() for m in s.values())
+
+    # trusted: the absolute path is read as written, /dev/zero is still not a regular file, the symlink still out
+    packfeed("convert", "llava", tmp_path / "a.json", "--image-root", root, "--out", tmp_path / "t", "--quiet",
+             "--trust-absolute-paths", "--max-image-mb", "1", "--workers", "1", expect=3)
+    reasons = {row["id"]: row["reason"] for row in report_of(tmp_path / "t")["rejected_rows"]}
+    assert reasons["zero"] == "image not a regular file: /dev/zero is a character device"
+    assert "absolute" not in reasons and reasons["link"].startswith("image outside the image root: link.png")
+    assert reasons["sparse"].endswith("over --max-image-mb 1")
+    assert shard_samples(tmp_path / "t")["absolute"]["png"] == secret

@@ -42,7 +42,8 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], bool]:
 
     config = IndexConfig.from_args(args) if args.index else None  # bad conventions fail before converting
     shared = {"shard_size_mb": args.shard_size_mb, "workers": args.workers, "overwrite": args.overwrite,
-              "progress": not args.quiet}
+              "progress": not args.quiet, "max_image_mb": args.max_image_mb, "max_video_mb": args.max_video_mb,
+              "trust_absolute_paths": args.trust_absolute_paths}
     if args.format == "internvl-meta":
         def index(dataset: MetaDataset, report: ConvertReport) -> dict[str, Any]:
             per_dataset = dataclasses.replace(config, image_policy=policy_for(config.image_policy, dataset))
@@ -80,6 +81,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                              "internvl-meta: the folder its root/annotation paths count from, "
                                              "default the current directory)")
     parser.add_argument("--shard-size-mb", type=int, default=1024, help="target shard size (default 1024)")
+    parser.add_argument("--max-image-mb", type=int, default=64, help="reject (and report) an image file larger than "
+                                                                      "this, before reading it (default 64)")
+    parser.add_argument("--max-video-mb", type=int, default=4096, help="the same for a video file (default 4096)")
+    parser.add_argument("--trust-absolute-paths", action="store_true",
+                        help="read absolute image paths as written, outside the image root too (default: every "
+                             "path, absolute or through symlinks, must resolve inside the image root)")
     parser.add_argument("--workers", type=int, help="parallel processes (default: CPU count)")
     parser.add_argument("--conversation-column", help="hf-parquet: the conversation column (default: the first of "
                                                       "conversations, messages, texts)")

@@ -15,6 +15,7 @@ import io
 import json
 import os
 import re
+import stat
 import time
 from collections import Counter, deque
 from concurrent.futures import ProcessPoolExecutor
@@ -49,12 +50,21 @@ class ConvertOptions:
     conversation_column: str | None = None  # hf-parquet: default the first of conversations, messages, texts
     overwrite: bool = False  # replace shards and report a previous conversion left in `out`
     progress: bool = True
+    max_image_mb: int = 64  # a larger image file is rejected before it is read
+    max_video_mb: int = 4096  # ... and a larger video file
+    trust_absolute_paths: bool = False  # absolute paths used as written, outside the image root too
 
     def __post_init__(self):
         if self.format not in FORMATS:
             raise ValueError(f"unknown format {self.format!r}; choose one of {', '.join(FORMATS)}")
         if self.shard_size_mb < 1:
             raise ValueError("--shard-size-mb must be at least 1")
+        if self.max_image_mb < 1 or self.max_video_mb < 1:
+            raise ValueError("--max-image-mb and --max-video-mb must be at least 1")
+
+    @property
+    def reading(self) -> FileRules:
+        return FileRules(self.root, self.max_image_mb << 20, self.max_video_mb << 20, self.trust_absolute_paths)
 
     @property
     def root(self) -> Path:
@@ -103,23 +113,80 @@ class ConvertReport:
 # One row (in a worker)
 
 
-def _file_bytes(image: SourceImage, root: Path, kind: str = "image") -> bytes:
-    """The bytes of an image (or video) the source stores or names, relative to the image root."""
+@dataclass(frozen=True)
+class FileRules:
+    """What a conversion may read: regular files only, under the image root once every symlink is resolved
+    (absolute paths too, unless trusted), each at most its size cap. Checked before a byte is read, so a path
+    naming a FIFO, a device, a huge sparse file or a secret elsewhere rejects its row instead of hanging,
+    exhausting memory or leaking the file into a shard."""
+
+    root: Path  # resolved
+    max_image_bytes: int
+    max_video_bytes: int
+    trust_absolute_paths: bool = False
+
+    def cap(self, kind: str) -> int:
+        return self.max_video_bytes if kind == "video" else self.max_image_bytes
+
+
+_FILE_KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
+               (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
+
+
+def _not_regular(mode: int) -> str | None:
+    """What a file that is not a regular file is ("a FIFO", ...), None for a regular file."""
+    if stat.S_ISREG(mode):
+        return None
+    return next((what for test, what in _FILE_KINDS if test(mode)), "not a regular file")
+
+
+def _checked_size(size: int, image: SourceImage, kind: str, rules: FileRules) -> None:
+    if size > rules.cap(kind):
+        raise SampleError(f"{kind} too large: {image.path or 'its bytes'} is {size:,} bytes, over "
+                          f"--max-{kind}-mb {rules.cap(kind) >> 20}")
+
+
+def _resolved(image: SourceImage, kind: str, rules: FileRules) -> Path:
+    """The file a source path names, every symlink resolved, inside the image root unless trusted."""
+    path = Path(image.path)
+    absolute = path.is_absolute()
+    real = Path(os.path.realpath(path if absolute else rules.root / path))
+    if absolute and rules.trust_absolute_paths:
+        return real
+    if os.path.commonpath([rules.root, real]) != str(rules.root):
+        shown = "" if str(real) == image.path else f" (resolves to {real})"
+        hint = "; pass --trust-absolute-paths to read absolute paths as written" if absolute else ""
+        raise SampleError(f"{kind} outside the image root: {image.path}{shown}{hint}")
+    return real
+
+
+def _file_bytes(image: SourceImage, rules: FileRules, kind: str = "image") -> bytes:
+    """The bytes of an image (or video) the source stores or names (relative to the image root), read only from
+    a regular file within the rules."""
     if image.data is not None:
+        _checked_size(len(image.data), image, kind, rules)
         return image.data
     if not image.path:
         raise SampleError(f"missing {kind}: neither bytes nor a path")
-    path = Path(image.path)
-    if not path.is_absolute():
-        path = Path(os.path.normpath(root / path))
-        if os.path.commonpath([root, path]) != str(root):
-            raise SampleError(f"{kind} outside the image root: {image.path}")
+    path = _resolved(image, kind, rules)
     try:
-        return path.read_bytes()
+        what = _not_regular(os.stat(path).st_mode)  # before opening: opening a FIFO blocks, a device never ends
+        if what:
+            raise SampleError(f"{kind} not a regular file: {image.path} is {what}")
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
     except FileNotFoundError:
         raise SampleError(f"missing {kind}: {image.path}") from None
     except OSError as error:
         raise SampleError(f"unreadable {kind}: {image.path}: {error.strerror}") from None
+    with os.fdopen(fd, "rb") as file:
+        status = os.fstat(fd)  # what was opened, had the path been swapped since it was checked
+        what = _not_regular(status.st_mode)
+        if what:
+            raise SampleError(f"{kind} not a regular file: {image.path} is {what}")
+        _checked_size(status.st_size, image, kind, rules)
+        data = file.read(rules.cap(kind) + 1)
+    _checked_size(len(data), image, kind, rules)  # a file that grew while it was read
+    return data
 
 
 def _video_extension(data: bytes, name: str) -> str:
@@ -143,7 +210,7 @@ def _extension(data: bytes, name: str) -> str:
     return extension
 
 
-def prepare_row(row: SourceRow, root: Path) -> Prepared:
+def prepare_row(row: SourceRow, rules: FileRules) -> Prepared:
     prepared = Prepared(row.position, row.id)
     try:
         if row.error:
@@ -152,11 +219,11 @@ def prepare_row(row: SourceRow, root: Path) -> Prepared:
         attach_images(conversation_turns(turns), len(row.images), len(row.videos))  # as the indexer will accept
         members: list[tuple[str, bytes]] = []
         for k, image in enumerate(row.images):
-            data = _file_bytes(image, root)
+            data = _file_bytes(image, rules)
             extension = _extension(data, image.path or f"image {k}")
             members.append((f"{k}.{extension}" if len(row.images) > 1 else extension, data))
         for k, video in enumerate(row.videos):
-            data = _file_bytes(video, root, "video")
+            data = _file_bytes(video, rules, "video")
             extension = _video_extension(data, video.path)
             members.append((f"{k}.{extension}" if len(row.videos) > 1 else extension, data))
         doc = {"id": row.id, "conversations": turns, "source_images": [image.path for image in row.images]}
@@ -172,9 +239,9 @@ def prepare_row(row: SourceRow, root: Path) -> Prepared:
     return prepared
 
 
-def prepare_chunk(rows: list[SourceRow], root: Path) -> tuple[list[Prepared], float]:
+def prepare_chunk(rows: list[SourceRow], rules: FileRules) -> tuple[list[Prepared], float]:
     started = time.process_time()
-    prepared = [prepare_row(row, root) for row in rows]
+    prepared = [prepare_row(row, rules) for row in rows]
     return prepared, time.process_time() - started
 
 
@@ -195,15 +262,15 @@ def _chunks(rows: Iterable[SourceRow]) -> Iterator[list[SourceRow]]:
         yield chunk
 
 
-def _prepared(rows: Iterable[SourceRow], root: Path, workers: int) -> Iterator[tuple[list[Prepared], float]]:
+def _prepared(rows: Iterable[SourceRow], rules: FileRules, workers: int) -> Iterator[tuple[list[Prepared], float]]:
     """Chunks prepared in source order, with a bounded number in flight (memory stays flat on huge sources)."""
     if workers == 1:
-        yield from (prepare_chunk(chunk, root) for chunk in _chunks(rows))
+        yield from (prepare_chunk(chunk, rules) for chunk in _chunks(rows))
         return
     with ProcessPoolExecutor(max_workers=workers) as pool:
         pending: deque = deque()
         for chunk in _chunks(rows):
-            pending.append(pool.submit(prepare_chunk, chunk, root))
+            pending.append(pool.submit(prepare_chunk, chunk, rules))
             if len(pending) >= 3 * workers:
                 yield pending.popleft().result()
         while pending:
@@ -252,7 +319,7 @@ def convert(options: ConvertOptions) -> ConvertReport:
     reasons: Counter = Counter()
     bar = tqdm(unit="sample", desc=f"converting {Path(options.source).name}", disable=not options.progress)
     try:
-        for prepared, core_seconds in _prepared(rows, root, workers):
+        for prepared, core_seconds in _prepared(rows, options.reading, workers):
             report.core_seconds += core_seconds
             for sample in prepared:
                 report.rows += 1
