@@ -11,6 +11,8 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any, Protocol
 
+from PIL import Image
+
 from packfeed.media.pixels import Geometry
 
 
@@ -72,6 +74,15 @@ class ImagePolicy(Protocol):
 # so 50 MP (an 8,660 x 5,770 photograph) is ~500 MB; a 200 KB PNG can declare 89 MP and still pass Pillow's check.
 DEFAULT_MAX_IMAGE_PIXELS = 50_000_000
 
+def lift_pillow_limit(pixels: int) -> None:
+    """Pillow refuses an image over its own limit (a warning over 89 MP, an error over twice that) before a
+    policy can judge it, so `--max-image-pixels` above it would be silently ignored. The policy's limit is the
+    one that holds (checked from the header, before any decoding): Pillow's is raised to it, never lowered (a
+    process may hold several policies)."""
+    if Image.MAX_IMAGE_PIXELS is not None and pixels > Image.MAX_IMAGE_PIXELS:
+        Image.MAX_IMAGE_PIXELS = pixels
+
+
 # Normalisation constants the model families publish (the same values as transformers.image_utils).
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 CLIP_MEAN, CLIP_STD = (0.48145466, 0.4578275, 0.40821073), (0.26862954, 0.26130258, 0.27577711)
@@ -97,6 +108,7 @@ class _Recorded:
                 or self.max_image_pixels < 1:
             raise ValueError(f"{self.name} policy: max_image_pixels must be a whole number >= 1, not "
                              f"{self.max_image_pixels!r}")
+        lift_pillow_limit(self.max_image_pixels)
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{self.name} policy: {name} must be one of {', '.join(allowed)}, not "

@@ -37,6 +37,9 @@ def image_size(data: bytes, verify: str, policy: ImagePolicy | None = None) -> t
     except TooManyPixels as error:
         raise SampleError(f"image rejected by policy: {error}") from None
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as error:
+        if policy is not None:  # Pillow's limit is lifted to the largest policy's: this is that policy's refusal
+            raise SampleError(f"image rejected by policy: over max_image_pixels {policy.max_image_pixels:,} "
+                              f"({describe_error(error)})") from None
         raise SampleError(f"undecodable image: too many pixels ({describe_error(error)})") from None
     except (OSError, SyntaxError, ValueError, EOFError) as error:
         raise SampleError(f"undecodable image: {describe_error(error)}") from None

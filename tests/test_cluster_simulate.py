@@ -400,6 +400,22 @@ def test_a_plan_file_simulates_like_its_strategy(tmp_path):
     # model (InternVL-Chat-1.5), so the two plans balance alike
     assert from_plan["step_s"] == pytest.approx(direct["step_s"], rel=0.05)
 
+    # a plan file edited to name a sample twice, or a negative sample: refused naming the file and the id
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(tmp_path / "plan.parquet")
+    ids = table.column("sample_id").to_numpy().copy()
+    for name, edit, message in [("twice", (1, ids[0]), f"sample_id {ids[0]} is in 2 packs"),
+                                ("negative", (2, -5), "sample_id -5 in a pack not marked empty")]:
+        edited = ids.copy()
+        edited[edit[0]] = edit[1]
+        path = tmp_path / f"{name}.parquet"
+        pq.write_table(table.set_column(table.column_names.index("sample_id"), "sample_id",
+                                        pc.cast(edited, table.schema.field("sample_id").type)), path)
+        done = packfeed("simulate", "--plan", str(path), "--index", str(tmp_path / "index"), "--json", check=False)
+        assert done.returncode != 0 and f"{path}: {message}" in done.stderr and "Traceback" not in done.stderr, name
+
 
 def test_a_measured_cost_model_and_a_shape_description_are_models(tmp_path):
     lengths = write_lengths(tmp_path / "lengths.json", 800, 4)

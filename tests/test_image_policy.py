@@ -68,3 +68,28 @@ def test_policy_round_trip_and_unknown_name():
     assert policy_from_dict(InternVLTiling(max_num=6).to_dict()) == InternVLTiling(max_num=6)
     with pytest.raises(ValueError, match="unknown image policy"):
         policy_from_dict({"name": "nope"})
+
+
+def png_header(width: int, height: int) -> bytes:
+    """A PNG declaring a size, with no pixels: what Pillow reads to know an image's size."""
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, body: bytes) -> bytes:
+        return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
+
+    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(b"")) + chunk(b"IEND", b"")
+
+
+def test_max_image_pixels_lifts_pillows_own_limit_and_the_policy_refuses_past_it():
+    """Pillow refuses images over 89 MP (a warning, errors over 179 MP) before a policy could judge them:
+    `--max-image-pixels` above that is honoured, and an image over the policy's limit is refused by name."""
+    from packfeed.media.samples import SampleError, image_size
+
+    huge = png_header(14_000, 14_000)  # 196 MP: over both of Pillow's defaults
+    assert image_size(huge, "header", InternVLTiling(max_image_pixels=300_000_000)) == (14_000, 14_000)
+    with pytest.raises(SampleError, match="image rejected by policy: .*over max_image_pixels 50,000,000"):
+        image_size(huge, "header", InternVLTiling())
+    with pytest.raises(SampleError, match="image rejected by policy: .*over max_image_pixels 100,000,000"):
+        image_size(png_header(20_000, 20_000), "header", InternVLTiling(max_image_pixels=100_000_000))

@@ -137,6 +137,34 @@ def test_bad_mixture_files_are_refused_with_the_reason(mixture_file, tmp_path, d
     assert str(bad) in str(refused.value)  # every error names the file
 
 
+def test_mixture_edges_are_refused_naming_file_and_field_or_read_as_meant(mixture_file, tmp_path):
+    """An index path that is not Parquet, a dataset given twice, a repeat that gives no sample: each refused naming
+    the file and the dataset. `repeat: 1e3` (YAML reads it as a string) is the number 1000."""
+    text = mixture_file.read_text()
+    (tmp_path / "notes.parquet").write_text("not a parquet file")
+    cases = {
+        "not parquet": (text.replace("charts/index.parquet", "notes.parquet"),
+                        r"dataset 'charts': index .*notes.parquet is not an index Packfeed wrote"),
+        "twice": (text.replace("  diagrams:", "  charts:\n    index: diagrams/index.parquet\n  diagrams:", 1),
+                  "key 'charts' is given twice"),
+    }
+    for name, (body, message) in cases.items():
+        bad = tmp_path / f"{name.replace(' ', '-')}.yaml"
+        bad.write_text(body)
+        with pytest.raises(ValueError, match=message) as refused:
+            Mixture.load(bad)
+        assert str(bad) in str(refused.value), name
+    tiny = tmp_path / "tiny.yaml"
+    tiny.write_text(text.replace("repeat: 0.4", "repeat: 1.0e-300"))
+    with pytest.raises(ValueError, match=f"mixture file {tiny}: dataset 'documents': repeat 1e-300 of its 250 valid "
+                                         "samples gives none per epoch; give at least 0.004"):
+        MixtureLoads(Mixture.load(tiny))
+    spelled = tmp_path / "spelled.yaml"
+    spelled.write_text(text.replace("repeat: 2", "repeat: 1e3"))
+    assert yaml.safe_load(spelled.read_text())["datasets"]["charts"]["repeat"] == "1e3"  # what YAML gives
+    assert Mixture.load(spelled).datasets[0].repeat == 1000.0
+
+
 def test_a_mixture_too_large_to_hold_is_refused_by_the_command_naming_file_and_dataset(mixture_file, tmp_path):
     raw = yaml.safe_load(mixture_file.read_text())
     raw["datasets"]["charts"]["repeat"] = 1e12

@@ -98,6 +98,16 @@ def test_unknown_pixel_modes_are_refused(tmp_path, small_tile_index):
         load_config(config, environ={})
 
 
+def test_a_dataset_named_twice_in_the_server_config_is_refused(tmp_path, small_tile_index):
+    """Plain YAML keeps the last of two equal keys silently: the server's config refuses it, naming the file."""
+    from packfeed.server.serve.config import load_config
+
+    config = tmp_path / "server.yaml"
+    config.write_text(f"datasets:\n  d:\n    index: {small_tile_index}\n  d:\n    index: {small_tile_index}\n")
+    with pytest.raises(ValueError, match=f"server config {config}: .*key 'd' is given twice"):
+        load_config(config, environ={})
+
+
 def test_fast_path_decodes_large_jpegs_at_reduced_scale_within_its_bound(demo_dataset):
     """A photograph at least 4x the size of every target is decoded at 1/2..1/8 scale (JPEG draft: the pixels of
     Pillow's draft); the tiles stay within the fast bound of exact, and a target too large for it keeps the full

@@ -25,7 +25,8 @@ import yaml
 
 from packfeed.media.chat import ChatTemplate
 from packfeed.media.image_policy import policy_from_dict
-from packfeed.server.index.table import IndexInfo
+from packfeed.media.samples import describe_error
+from packfeed.server.index.table import IndexInfo, read_index_info
 from packfeed.server.plan.costs import SampleLoads, load_sample_loads
 from packfeed.server.plan.isf import Caps
 from packfeed.server.plan.mapped_loads import GatheredColumn, map_sample_loads, valid_mask
@@ -37,6 +38,28 @@ from packfeed.v1.options import PlanConfig
 _SUBSET_STREAM = 0x5B5E7  # random stream of the subsets, apart from the planner's own
 MAX_REPEAT = 1000  # a dataset seen more often than this per epoch is a typo, not a weight (InternVL's go to ~4)
 MAX_EPOCH_ROWS = 1 << 31  # rows of one epoch: each costs 12 bytes held, and the planner counts them in int32
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """YAML's safe loader, refusing a key given twice in one mapping (plain YAML keeps the last, silently)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(None, None, f"key {key!r} is given twice",
+                                                        key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep)
+
+
+def read_yaml(path: str | Path, what: str) -> object:
+    """A settings file (a mixture, the server's config): YAML with unique keys; errors name the file."""
+    try:
+        return yaml.load(Path(path).read_text(), Loader=_UniqueKeyLoader)
+    except (OSError, yaml.YAMLError) as error:
+        raise ValueError(f"{what} {path}: cannot be read as YAML ({error})") from None
 
 
 @dataclass(frozen=True)
@@ -56,10 +79,7 @@ class Mixture:
     def load(cls, path: str | Path) -> Mixture:
         """Read and check a mixture file (YAML)."""
         path = Path(path)
-        try:
-            raw = yaml.safe_load(path.read_text()) or {}
-        except (OSError, yaml.YAMLError) as error:
-            raise ValueError(f"mixture file {path}: cannot be read as YAML ({error})") from None
+        raw = read_yaml(path, "mixture file") or {}
         if not isinstance(raw, dict) or not isinstance(raw.get("datasets"), dict) or not raw["datasets"]:
             raise ValueError(f"{path}: a mixture file needs `name:` and `datasets: {{NAME: {{index: PATH, "
                              "repeat: FLOAT}}}`")
@@ -85,13 +105,24 @@ def _index_path(path: Path, dataset, spec) -> Path:
     index = index if index.is_absolute() else path.parent / index
     if not index.is_file():
         raise ValueError(f"mixture file {path}: dataset {dataset!r}: index {index} not found")
+    try:
+        read_index_info(index)
+    except Exception as error:  # pyarrow's "Parquet magic bytes not found" names neither file nor dataset
+        raise ValueError(f"mixture file {path}: dataset {dataset!r}: index {index} is not an index Packfeed wrote "
+                         f"({describe_error(error)}); give the index.parquet of `packfeed index`") from None
     return index
 
 
 def _repeat(path: Path, dataset, spec: dict) -> float:
-    """The dataset's repeat weight: a plain number in (0, MAX_REPEAT] (YAML's true or "two" are refused)."""
+    """The dataset's repeat weight: a number in (0, MAX_REPEAT] (YAML's true or "two" are refused; `1e3`, which
+    YAML reads as a string, is the number 1000)."""
     given = spec.get("repeat", 1)
-    repeat = float(given) if isinstance(given, (int, float)) and not isinstance(given, bool) else math.nan
+    repeat = math.nan
+    if isinstance(given, (int, float, str)) and not isinstance(given, bool):
+        try:
+            repeat = float(given)
+        except ValueError:
+            pass
     if not math.isfinite(repeat) or not 0 < repeat <= MAX_REPEAT:
         raise ValueError(f"mixture file {path}: dataset {dataset!r} has repeat {given!r}; give a number > 0 and "
                          f"at most {MAX_REPEAT} (times each sample is seen per epoch)")
@@ -218,6 +249,10 @@ class RowLoads:
 def check_epoch_rows(mixture: Mixture, valid: list[np.ndarray]) -> None:
     """An epoch whose rows cannot be held is refused before anything is allocated, naming its largest part."""
     rows = [entry.repeat * len(ids) for entry, ids in zip(mixture.datasets, valid)]
+    for entry, ids in zip(mixture.datasets, valid):
+        if ids.size and math.floor(entry.repeat) == 0 and round((entry.repeat % 1.0) * len(ids)) == 0:
+            raise ValueError(f"{mixture.where(entry.name)}: repeat {entry.repeat:g} of its {len(ids):,} valid samples "
+                             f"gives none per epoch; give at least {1 / len(ids):.3g}, or leave the dataset out")
     if sum(rows) > MAX_EPOCH_ROWS:
         largest = max(range(len(rows)), key=rows.__getitem__)
         entry = mixture.datasets[largest]

@@ -232,15 +232,20 @@ class Plan:
 
 
 def read_plan(path: str | Path) -> Plan:
+    """A plan file, checked: its rows must be a plan (each sample once, every pack inside the config's ranks and
+    microbatches, in order), or it is refused naming the file and the first row that is not."""
     table = pq.read_table(path, memory_map=True)
+    if PLAN_METADATA_KEY not in (table.schema.metadata or {}):
+        raise ValueError(f"{path}: not a plan file (no plan settings in its metadata); write it with packfeed plan --out")
     meta = json.loads(table.schema.metadata[PLAN_METADATA_KEY])
     if meta.get("mixture"):
         raise ValueError(f"{path} is the plan of a mixture: its rows name a dataset and a sample id within it; "
                          "read them as a table (e.g. pyarrow.parquet.read_table)")
     config = PlanConfig.from_dict(meta["config"])
-    pack = (table.column("step").to_numpy().astype(np.int64) * config.dp
-            + table.column("rank").to_numpy()) * config.microbatches + table.column("microbatch").to_numpy()
+    step, rank, microbatch = (table.column(name).to_numpy().astype(np.int64) for name in ("step", "rank", "microbatch"))
     empty = table.column("empty").to_numpy(zero_copy_only=False)
+    _check_rows(path, config, step, rank, microbatch, table.column("sample_id").to_numpy()[~empty])
+    pack = (step * config.dp + rank) * config.microbatches + microbatch
     n_packs = int(pack.max()) + 1 if len(pack) else 0
     offsets = np.zeros(n_packs + 1, dtype=np.int64)
     np.cumsum(np.bincount(pack[~empty], minlength=n_packs), out=offsets[1:])
@@ -252,6 +257,29 @@ def read_plan(path: str | Path) -> Plan:
         plan.further_encoder_ranks = {name.removeprefix("encoder_rank_"): table.column(name).to_numpy()[~empty]
                                       for name in table.column_names if name.startswith("encoder_rank_")}
     return plan
+
+
+def _check_rows(path, config: PlanConfig, step: np.ndarray, rank: np.ndarray, microbatch: np.ndarray,
+                samples: np.ndarray) -> None:
+    bounds = {"step": (step, 2**62), "rank": (rank, config.dp), "microbatch": (microbatch, config.microbatches)}
+    for column, (values, limit) in bounds.items():
+        bad = (values < 0) | (values >= limit)
+        if bad.any():
+            row = int(np.argmax(bad))
+            raise ValueError(f"{path}: row {row} has {column} {int(values[row])}, outside the plan's "
+                             f"{config.dp} ranks x {config.microbatches} microbatches; the file is not a plan")
+    pack = (step * config.dp + rank) * config.microbatches + microbatch
+    if len(pack) > 1 and (np.diff(pack) < 0).any():
+        raise ValueError(f"{path}: row {int(np.argmax(np.diff(pack) < 0)) + 1} is out of order (rows go by step, "
+                         "rank, microbatch); the file is not a plan")
+    if (samples < 0).any():
+        raise ValueError(f"{path}: sample_id {int(samples[samples < 0][0])} in a pack not marked empty; "
+                         "sample ids are rows of the index, >= 0")
+    ids, counts = np.unique(samples, return_counts=True)
+    if (counts > 1).any():
+        first = int(np.argmax(counts > 1))
+        raise ValueError(f"{path}: sample_id {int(ids[first])} is in {int(counts[first])} packs; a plan holds each "
+                         "sample once per epoch")
 
 
 @numba.njit(cache=True, nogil=True, parallel=True)

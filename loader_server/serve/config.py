@@ -52,10 +52,9 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import yaml
-
 from packfeed.client.discovery import SENTINEL_SCHEME, parse_sentinel_url
 from packfeed.server.index.table import read_index_info
+from packfeed.server.plan.mixture import read_yaml
 from packfeed.server.serve.preprocess import parse_pixels
 from packfeed.server.serve.step_work import DatasetSource
 from packfeed.v1.options import PixelMode
@@ -184,7 +183,9 @@ def mixture_source(mixture: str, pixels: str | PixelMode = PixelMode.EXACT) -> M
 def load_config(path: str | Path | None = None, environ: dict[str, str] | None = None, **flags) -> ServerConfig:
     """File, then environment, then non-None keyword flags (the CLI's), each overriding the one before."""
     environ = os.environ if environ is None else environ
-    raw = yaml.safe_load(Path(path).read_text()) if path else {}
+    raw = read_yaml(path, "server config") if path else {}
+    if not isinstance(raw, (dict, type(None))):
+        raise ValueError(f"server config {path}: a mapping of settings (and `datasets:`) is needed")
     raw = dict(raw or {})
     datasets = {name: mixture_source(**entry) if "mixture" in entry else dataset_source(**entry)
                 for name, entry in (raw.pop("datasets", None) or {}).items()}
