@@ -88,6 +88,84 @@ def changed_shard(shard: Path, out: Path) -> Path:
     return out
 
 
+def compete_for_a_rank(targets: list[str], rank: int) -> tuple[int, int]:
+    """A second consumer asks every server for `rank` of the chaos job while Redis is down: (attempts refused,
+    samples it received). Fail-closed exclusivity says 0 received: the rank is being streamed elsewhere."""
+    from packfeed.client import Connection, PackfeedError
+
+    refused = received = 0
+    for target in targets:
+        try:
+            with PackStream(target, job="chaos", rank=rank, dp=DP, microbatches=1, epochs=EPOCHS, prefetch=1,
+                            acknowledge=False, connection=Connection(retries=0, timeout=10)) as competitor:
+                received += len(next(iter(competitor)).sample_keys)
+        except PackfeedError:
+            refused += 1
+    return refused, received
+
+
+def redis_outage(redis_nodes: dict, sentinel, targets: list[str], rng: random.Random) -> tuple[int, int]:
+    """Every Redis node killed for a few seconds while the ranks stream and a competing consumer asks for one of
+    their ranks; then back on their ports and data (the master as it was, the other its replica)."""
+    master = sentinel.master_port_now()
+    for node in redis_nodes.values():
+        node.kill()
+    time.sleep(1.0)  # the servers' lease renewals fail meanwhile
+    refused, received = compete_for_a_rank(targets, rng.randrange(DP))
+    time.sleep(rng.uniform(0.5, 2.0))
+    for port, node in list(redis_nodes.items()):
+        redis_nodes[port] = RedisProcess(node.directory, port=port, replica_of=None if port == master else master)
+    redis_nodes[master].start()
+    for port, node in redis_nodes.items():
+        if port != master:
+            node.start()
+    return refused, received
+
+
+def elastic_resume(tmp_path: Path, demo_dataset, targets: list[str], env: dict, valid: set[str]) -> dict:
+    """A DP 4 job stops after 2 steps; a resume at DP 2 from its honest states over an index that lost a shard is
+    refused, and over the job's own index delivers the rest of the epoch: (refused, lost, repeated)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from packfeed.client import PackfeedError
+
+    old = dict(job="chaos-elastic", dp=DP, microbatches=1, epochs=1, retries=30, backoff=0.25)
+
+    def first_steps(rank: int) -> tuple[list, list, dict]:
+        with PackStream(targets[rank % len(targets)], rank=rank, **old) as stream:
+            steps = [next(stream) for _ in range(2)]
+            return ([k for step in steps for k in step.sample_keys],
+                    [s for step in steps for pack in step.packs for s in pack.skipped], stream.state_dict())
+
+    with ThreadPoolExecutor(DP) as pool:
+        done = list(pool.map(first_steps, range(DP)))
+    states = [state for _, _, state in done]
+    shrunk = tmp_path / "shrunk.parquet"
+    # the same shards but the last (local copies: the store's throttling is not what is tested here)
+    build_index([str(shard) for shard in demo_dataset.shards[:-1]], shrunk, index_config(demo_dataset), workers=1,
+                progress=False)
+    new = dict(job="chaos-resumed", dp=2, microbatches=1, epochs=1, retries=30, backoff=0.25, resume=states)
+    refused = 0
+    with LocalServer(shrunk, workers=1, env={k: v for k, v in env.items() if k != "PACKFEED_REDIS_URL"}) as other:
+        try:
+            PackStream(other.target, rank=0, **new).close()
+        except PackfeedError as error:
+            refused += "FAILED_PRECONDITION" in str(error) and "what differs: the index" in str(error)
+
+    def rest(rank: int) -> tuple[list, list]:
+        with PackStream(targets[rank % len(targets)], rank=rank, **new) as stream:
+            steps = list(stream)
+        return ([k for step in steps for k in step.sample_keys],
+                [s for step in steps for pack in step.packs for s in pack.skipped])
+
+    with ThreadPoolExecutor(2) as pool:
+        done += [(keys, skips, None) for keys, skips in pool.map(rest, range(2))]
+    delivered = collections.Counter(key for keys, _, _ in done for key in keys)
+    reported = {key for _, skips, _ in done for key, _ in skips}
+    return {"refused": refused, "lost": len(valid - set(delivered) - reported),
+            "repeated": sum(count - 1 for count in delivered.values() if count > 1)}
+
+
 def test_chaos_soak(tmp_path, demo_dataset):
     chaos_s = float(os.environ.get("PACKFEED_CHAOS_S", "90"))
     rng = random.Random(int(os.environ.get("PACKFEED_CHAOS_SEED", "0")))
@@ -104,6 +182,7 @@ def test_chaos_soak(tmp_path, demo_dataset):
     ports = [free_port() for _ in range(SERVERS)]
     servers: list[LocalServer | None] = [None] * SERVERS
     events: collections.Counter = collections.Counter()
+    competitors: collections.Counter = collections.Counter()  # a second consumer of a streamed rank, Redis down
     peaks = [0] * SERVERS
     try:
         upload(s3, demo_dataset.shards, "chaos/demo")
@@ -130,7 +209,8 @@ def test_chaos_soak(tmp_path, demo_dataset):
                     if server is not None:
                         peaks[k] = max(peaks[k], tree_pss(server.process.pid))
                 time.sleep(0.2)
-            event = rng.choice(["kill server", "fail redis over", "cancel a client", "change a shard"])
+            event = rng.choice(["kill server", "fail redis over", "cancel a client", "change a shard",
+                                "redis outage"])
             if event == "kill server":
                 k = rng.randrange(SERVERS)
                 servers[k].process.kill()
@@ -145,6 +225,10 @@ def test_chaos_soak(tmp_path, demo_dataset):
                     time.sleep(0.2)
                 new = sentinel.master_port_now()
                 redis_nodes[old] = RedisProcess(redis_nodes[old].directory, port=old, replica_of=new).start()
+            elif event == "redis outage":
+                refused, received = redis_outage(redis_nodes, sentinel, targets, rng)
+                competitors["refused"] += refused
+                competitors["received"] += received
             elif event == "cancel a client":
                 rng.choice(ranks).cancel()
             elif not changed:
@@ -161,6 +245,7 @@ def test_chaos_soak(tmp_path, demo_dataset):
         for rank in ranks:
             rank.join(600)
         faults = proxy.count()
+        resumed = elastic_resume(tmp_path, demo_dataset, targets, env, valid)
     finally:
         for server in servers:
             if server is not None:
@@ -195,5 +280,10 @@ def test_chaos_soak(tmp_path, demo_dataset):
           f"{dict(skipped)}, e.g. {sorted(examples.values())}")
     print(f"[chaos] peak PSS per server tree (server + 1 worker): "
           f"{', '.join(f'{p / MiB:.0f}' for p in peaks)} MiB against a budget of {BUDGET_MB} MiB")
+    print(f"[chaos] a competing consumer while Redis was down: {competitors['refused']} attempts refused, "
+          f"{competitors['received']} samples received")
+    print(f"[chaos] resume over an index that lost a shard: {resumed['refused']} of 1 refused; the honest resume "
+          f"at DP 2: samples lost {resumed['lost']}, repeated {resumed['repeated']}")
     assert lost == 0 and repeated == 0
+    assert competitors["received"] == 0 and resumed == {"refused": 1, "lost": 0, "repeated": 0}
     assert sum(events.values()) >= 3
