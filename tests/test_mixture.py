@@ -144,7 +144,7 @@ def test_mixture_edges_are_refused_naming_file_and_field_or_read_as_meant(mixtur
     (tmp_path / "notes.parquet").write_text("not a parquet file")
     cases = {
         "not parquet": (text.replace("charts/index.parquet", "notes.parquet"),
-                        r"dataset 'charts': index .*notes.parquet is not an index Packfeed wrote"),
+                        r"dataset 'charts': .*notes.parquet is not a Packfeed index: not a Parquet file"),
         "twice": (text.replace("  diagrams:", "  charts:\n    index: diagrams/index.parquet\n  diagrams:", 1),
                   "key 'charts' is given twice"),
     }

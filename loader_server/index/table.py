@@ -166,7 +166,12 @@ def write_index(table: pa.Table, path: str | Path, info: IndexInfo) -> None:
 
 
 def read_index_info(path: str | Path) -> IndexInfo:
-    metadata = pq.read_schema(path).metadata or {}
+    """The index's metadata, checked: a file that is not a Parquet index Packfeed wrote is refused naming it."""
+    try:
+        metadata = pq.read_schema(path).metadata or {}
+    except (pa.ArrowException, OSError) as error:
+        raise ValueError(f"{path} is not a Packfeed index: not a Parquet file ({error}); build one with "
+                         "`packfeed index`") from None
     if METADATA_KEY not in metadata:
         raise ValueError(f"{path} is not a Packfeed index (no '{METADATA_KEY.decode()}' metadata); "
                          "build one with `packfeed index`")
@@ -178,7 +183,8 @@ def read_index_info(path: str | Path) -> IndexInfo:
 
 
 def read_index(path: str | Path, columns: list[str] | None = None) -> tuple[pa.Table, IndexInfo]:
-    return pq.read_table(path, columns=columns, memory_map=True), read_index_info(path)
+    info = read_index_info(path)  # first: it names the file when it is not an index
+    return pq.read_table(path, columns=columns, memory_map=True), info
 
 
 def empty_rows(n: int) -> dict[str, Any]:

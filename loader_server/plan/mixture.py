@@ -25,7 +25,6 @@ import yaml
 
 from packfeed.media.chat import ChatTemplate
 from packfeed.media.image_policy import policy_from_dict
-from packfeed.media.samples import describe_error
 from packfeed.server.index.table import IndexInfo, read_index_info
 from packfeed.server.plan.costs import SampleLoads, load_sample_loads
 from packfeed.server.plan.isf import Caps
@@ -107,9 +106,8 @@ def _index_path(path: Path, dataset, spec) -> Path:
         raise ValueError(f"mixture file {path}: dataset {dataset!r}: index {index} not found")
     try:
         read_index_info(index)
-    except Exception as error:  # pyarrow's "Parquet magic bytes not found" names neither file nor dataset
-        raise ValueError(f"mixture file {path}: dataset {dataset!r}: index {index} is not an index Packfeed wrote "
-                         f"({describe_error(error)}); give the index.parquet of `packfeed index`") from None
+    except ValueError as error:  # it names the file; the mixture names the dataset
+        raise ValueError(f"mixture file {path}: dataset {dataset!r}: {error}") from None
     return index
 
 
