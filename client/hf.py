@@ -47,6 +47,7 @@ import torch
 
 from packfeed.client.attention import register_varlen_attention  # noqa: F401  (re-exported: HF users import both from here)
 from packfeed.client.tensors import IGNORE_INDEX, PackTensors
+from packfeed.v1.options import VisualKind
 
 IMAGENET = ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))
 CLIP = ((0.48145466, 0.4578275, 0.40821073), (0.26862954, 0.26130258, 0.27577711))
@@ -204,14 +205,15 @@ def to_hf_inputs(pack: PackTensors, model_family: str | Family, dp: int = 1, *,
     text_positions = pack.position_ids.to(torch.long)
     if family.image_policy == "qwen2vl":
         items = _tiles_per_item(pack, features)
-        flattened = [qwen_video_patches(frames, family) if kind == VIDEO else qwen_patches(frames[0], family)
+        flattened = [qwen_video_patches(frames, family) if kind == VisualKind.VIDEO
+                     else qwen_patches(frames[0], family)
                      for frames, kind in zip(items, kinds)]
         grids = [grid for _, grid in flattened]
         intervals = _time_intervals(pack, kinds, family, tokens_per_second)
         positions = mrope_positions(pack, grids, family.merge_size, intervals)
         inputs["position_ids"] = torch.cat([text_positions.unsqueeze(0), positions]).unsqueeze(1)  # (4, 1, L)
-        for kind, pixels_name, grid_name in ((IMAGE, "pixel_values", "image_grid_thw"),
-                                             (VIDEO, "pixel_values_videos", "video_grid_thw")):
+        for kind, pixels_name, grid_name in ((VisualKind.IMAGE, "pixel_values", "image_grid_thw"),
+                                             (VisualKind.VIDEO, "pixel_values_videos", "video_grid_thw")):
             chosen = [k for k, item_kind in enumerate(kinds) if item_kind == kind]
             if chosen:
                 inputs[pixels_name] = torch.cat([flattened[k][0] for k in chosen])
@@ -219,21 +221,23 @@ def to_hf_inputs(pack: PackTensors, model_family: str | Family, dp: int = 1, *,
         if flattened:
             inputs["mm_token_type_ids"] = _token_types(pack, kinds).unsqueeze(0)
         expected = {kind: sum(t * h * w for (t, h, w), item_kind in zip(grids, kinds) if item_kind == kind)
-                    // family.merge_size ** 2 for kind in (IMAGE, VIDEO)}
+                    // family.merge_size ** 2 for kind in (VisualKind.IMAGE, VisualKind.VIDEO)}
     else:  # a video's frames are images
         inputs["position_ids"] = text_positions.unsqueeze(0)
         if features:
             inputs["pixel_values"] = torch.stack(features)
-        expected = {IMAGE: int(pack.image_token_spans[:, 1].sum()) if len(features) else 0, VIDEO: 0}
+        expected = {VisualKind.IMAGE: int(pack.image_token_spans[:, 1].sum()) if len(features) else 0,
+                    VisualKind.VIDEO: 0}
     video_token_id = None
     if conventions is not None and conventions.HasField("video_context_id"):
         video_token_id = conventions.video_context_id
-    for kind, token_id, name in ((IMAGE, image_token_id, "image_token_id"), (VIDEO, video_token_id, "video_token_id")):
+    for kind, token_id, name in ((VisualKind.IMAGE, image_token_id, "image_token_id"),
+                                 (VisualKind.VIDEO, video_token_id, "video_token_id")):
         if token_id is None:
             continue
         placeholders = int((input_ids == token_id).sum())
         if placeholders != expected[kind]:
-            what = "image" if kind == IMAGE else "video"
+            what = "image" if kind == VisualKind.IMAGE else "video"
             raise ValueError(f"pack {pack.sample_keys}: {placeholders} {what} placeholder tokens for {expected[kind]} "
                              f"{what} features; the model's {name} must be the dataset's {what} context token")
     if attention not in ("sdpa", "varlen"):
@@ -247,9 +251,6 @@ def to_hf_inputs(pack: PackTensors, model_family: str | Family, dp: int = 1, *,
     if device is not None:
         inputs = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
     return inputs
-
-
-IMAGE, VIDEO = 0, 1  # `visual_kind` of a pack's items
 
 
 def empty_hf_inputs(pack: PackTensors, dp: int = 1, device: torch.device | str | None = None) -> dict[str, Any]:
@@ -291,7 +292,7 @@ def _visual_kinds(pack: PackTensors) -> list[int]:
     """Each visual item's kind (servers before videos send no `visual_kind`: every item is an image)."""
     if "visual_kind" in pack.tensors:
         return pack.visual_kind.tolist()
-    return [IMAGE] * int(pack.image_token_spans.shape[0])
+    return [VisualKind.IMAGE] * int(pack.image_token_spans.shape[0])
 
 
 def _tiles_per_item(pack: PackTensors, tiles: list[torch.Tensor]) -> list[list[torch.Tensor]]:
@@ -309,12 +310,13 @@ def _time_intervals(pack: PackTensors, kinds: list[int], family: Family,
     if not rate or "frame_seconds" not in pack.tensors:
         return [1.0] * len(kinds)
     seconds = pack.frame_seconds.tolist()
-    return [rate * family.temporal_patch_size * seconds[k] if kind == VIDEO else 1.0 for k, kind in enumerate(kinds)]
+    return [rate * family.temporal_patch_size * seconds[k] if kind == VisualKind.VIDEO else 1.0
+            for k, kind in enumerate(kinds)]
 
 
 def _token_types(pack: PackTensors, kinds: list[int]) -> torch.Tensor:
     """0 for text, 1 for image and 2 for video placeholder tokens (Qwen's `mm_token_type_ids`)."""
     types = torch.zeros(pack.input_ids.shape[0], dtype=torch.int32)
     for (start, count), kind in zip(pack.image_token_spans.tolist(), kinds):
-        types[start:start + count] = 2 if kind == VIDEO else 1
+        types[start:start + count] = 2 if kind == VisualKind.VIDEO else 1
     return types

@@ -66,7 +66,7 @@ def family_dataset(root: Path, family: str, seed: int = 0, samples: int = 10) ->
     from packfeed.server.index.config import IndexConfig
     from packfeed.server.index.indexer import build_index
     from packfeed.server.index.table import read_index_info
-    from packfeed.server.serve.conventions import conventions_of
+    from packfeed.server.serve.model_conventions import model_conventions
     from packfeed.server.tools.demo import train_tokenizer
     from tokenizers import Tokenizer
 
@@ -92,7 +92,7 @@ def family_dataset(root: Path, family: str, seed: int = 0, samples: int = 10) ->
     config = IndexConfig(str(tokenizer), policy, template.to_dict())
     build_index(shard_paths(root / "shards"), root / "index.parquet", config, workers=1, progress=False)
     loaded = Tokenizer.from_file(str(tokenizer))
-    conventions = conventions_of(read_index_info(root / "index.parquet"), tokenizer)
+    conventions = model_conventions(read_index_info(root / "index.parquet"), tokenizer)
     return FamilyData(root / "index.parquet", tokenizer, loaded.get_vocab_size(),
                       loaded.token_to_id(template.image_context), conventions)
 

@@ -155,7 +155,7 @@ def test_missing_special_tokens_are_refused_or_written_to_an_extended_tokenizer(
                  "--image-policy", "fixed", "--extend-tokenizer")
     assert done.returncode in (0, 3), done.stderr
     from packfeed.server.index.table import read_index
-    from packfeed.server.serve.conventions import conventions_of as served_conventions
+    from packfeed.server.serve.model_conventions import model_conventions as served_conventions
     from tokenizers import Tokenizer
 
     _, info = read_index(out)

@@ -32,11 +32,11 @@ GROUPS = [[0, 1, 2, 3], [4, 5, 6, 7]]  # images, videos of each container, a fra
 
 def video_family(root, family: str) -> FamilyData:
     from packfeed.server.index.table import read_index_info
-    from packfeed.server.serve.conventions import conventions_of
+    from packfeed.server.serve.model_conventions import model_conventions
     from tokenizers import Tokenizer
 
     index, tokenizer, _ = indexed_videos(root, *VIDEO_CONVENTIONS[family], samples=8)
-    conventions = conventions_of(read_index_info(index), tokenizer)
+    conventions = model_conventions(read_index_info(index), tokenizer)
     return FamilyData(index, tokenizer, Tokenizer.from_file(str(tokenizer)).get_vocab_size(),
                       conventions.image_context_id, conventions)
 
@@ -46,7 +46,8 @@ def served_packs(data: FamilyData, groups: list[list[int]], seed: int = 0, epoch
     import numpy as np
 
     from packfeed.client.tensors import pack_of
-    from packfeed.server.serve.packs import IndexRows, build_pack
+    from packfeed.server.serve.index_rows import IndexRows
+    from packfeed.server.serve.packs import build_pack
     from packfeed.server.serve.preprocess import SampleReader
     from packfeed.server.serve.wire import encode_pack
 
@@ -62,7 +63,7 @@ def served_packs(data: FamilyData, groups: list[list[int]], seed: int = 0, epoch
 
 
 def frame_counts(data: FamilyData, samples: list[int]) -> list[int]:
-    from packfeed.server.serve.packs import IndexRows
+    from packfeed.server.serve.index_rows import IndexRows
 
     rows = IndexRows(data.index)
     return [rows.row(k)["video_sampled"][0] for k in samples]
@@ -130,7 +131,7 @@ def test_qwen3_vl_videos_equal_the_hf_processor_vision_tower_and_rope_index(tmp_
     from transformers.video_utils import VideoMetadata
 
     from packfeed.media.video import VideoSampling
-    from packfeed.server.serve.packs import IndexRows
+    from packfeed.server.serve.index_rows import IndexRows
 
     data = video_family(tmp_path, "qwen3_vl")
     model = tiny_model("qwen3_vl", data)

@@ -164,7 +164,7 @@ def test_planning_one_job_never_blocks_another(small_tile_index):
     from packfeed.server.index.table import read_index_info
     from packfeed.server.plan.costs import SampleLoads
     from packfeed.server.serve.datasets import Dataset
-    from packfeed.server.serve.jobs import JobError, JobSpec
+    from packfeed.server.serve.job_spec import JobError, JobSpec
     from packfeed.server.serve.registry import JobRegistry
     from packfeed.server.serve.step_work import DatasetSource
     from packfeed.v1.options import PlanConfig

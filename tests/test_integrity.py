@@ -23,7 +23,7 @@ from packfeed.media.pixels import oriented_size, to_rgb
 from packfeed.server.index.config import IndexConfig
 from packfeed.server.index.indexer import build_index
 from packfeed.server.index.table import read_index_info
-from packfeed.server.serve.packs import IndexRows
+from packfeed.server.serve.index_rows import IndexRows
 from packfeed.server.serve.preprocess import SampleReader, SampleSkipped
 
 CLI = [sys.executable, "-m", "packfeed.server.cli"]

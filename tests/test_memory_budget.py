@@ -70,7 +70,7 @@ def estimate_ratios(index, tokenizer, microbatches: int = 2) -> list[float]:
     """Prepared bytes / reserved estimate of every non-empty rank-step of an epoch at DP 2."""
     from packfeed.server.serve import step_work, worker_process
     from packfeed.server.serve.datasets import Dataset
-    from packfeed.server.serve.jobs import JobSpec
+    from packfeed.server.serve.job_spec import JobSpec
     from packfeed.server.serve.registry import JobRegistry
     from packfeed.v1.options import PlanConfig
 

@@ -14,12 +14,31 @@ from packfeed.server.index.indexer import build_index
 from packfeed.server.index.table import read_index_info
 from packfeed.server.plan.costs import load_sample_loads
 from packfeed.server.plan.planner import make_plan
-from packfeed.server.serve.packs import SERVE_COLUMNS, IndexRows, build_rank_step
+from packfeed.server.serve.index_rows import SERVE_COLUMNS, IndexRows
+from packfeed.server.serve.packs import Pack, build_pack
 from packfeed.server.serve.preprocess import SampleReader
 from packfeed.server.serve.wire import encode_pack
 from packfeed.v1.options import PlanConfig
 
 TILE_BYTES = 3 * 448 * 448
+
+
+def build_rank_step(plan, rows: IndexRows, reader, step: int, rank: int) -> list[Pack]:
+    """The rank's M packs of one step of a one-index plan, in the plan's (1F1B) order, built in this process.
+
+    `step_loss_tokens` counts the planned loss tokens of the whole global step (from the index, which used
+    the same encoder), so every rank normalises by the same number without seeing the others' packs.
+    """
+    config = plan.config
+    packs = []
+    step_loss = rows.loss_tokens(plan.step_members(step))
+    for microbatch in range(config.microbatches):
+        members, truncate_to = plan.pack_with_truncation(step, rank, microbatch)
+        pack = build_pack([(rows, reader, "")], members, truncate_to, np.zeros(len(members), np.int32), plan.epoch,
+                          step, rank, microbatch, plan.seed)
+        pack.step_loss_tokens = step_loss
+        packs.append(pack)
+    return packs
 
 
 @pytest.fixture(scope="module")

@@ -113,7 +113,7 @@ def test_prepared_steps_travel_in_shared_memory_files_used_again_and_removed_at_
 def test_a_step_falls_back_to_the_pipe_when_shared_memory_is_unusable(small_tile_index, tmp_path):
     from packfeed.server.serve import step_work, worker_process
     from packfeed.server.serve.datasets import Dataset
-    from packfeed.server.serve.jobs import JobSpec
+    from packfeed.server.serve.job_spec import JobSpec
     from packfeed.server.serve.registry import JobRegistry
     from packfeed.v1.options import PlanConfig
 
@@ -138,7 +138,7 @@ import resource, signal, sys
 from pathlib import Path
 from packfeed.server.serve import step_work, worker_process
 from packfeed.server.serve.datasets import Dataset
-from packfeed.server.serve.jobs import JobSpec
+from packfeed.server.serve.job_spec import JobSpec
 from packfeed.server.serve.registry import JobRegistry
 from packfeed.v1.options import PlanConfig
 source = step_work.DatasetSource({str(small_tile_index)!r}, {str(Path(small_tile_index).parent / "tokenizer.json")!r})
@@ -251,7 +251,7 @@ def test_a_worker_cuts_tiles_straight_into_the_steps_file(small_tile_index, tmp_
     the packs built in memory."""
     from packfeed.server.serve import step_files, step_work, worker_process
     from packfeed.server.serve.datasets import Dataset
-    from packfeed.server.serve.jobs import JobSpec
+    from packfeed.server.serve.job_spec import JobSpec
     from packfeed.server.serve.registry import JobRegistry
     from packfeed.server.serve.wire import SplitMessage
     from packfeed.v1.options import PlanConfig

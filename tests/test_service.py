@@ -355,7 +355,8 @@ def test_plans_of_ranks_epochs_apart_are_served_from_a_bounded_cache(dataset):
     """Ranks drift apart: asking for an old epoch after newer ones must not evict the plan being returned
     (a bug 64 concurrent streams found), and a recomputed plan is the same plan."""
     from packfeed.server.serve.datasets import Dataset
-    from packfeed.server.serve.jobs import PLANS_CACHED, JobSpec
+    from packfeed.server.serve.job_spec import JobSpec
+    from packfeed.server.serve.jobs import PLANS_CACHED
     from packfeed.server.serve.registry import JobRegistry
     from packfeed.server.serve.step_work import DatasetSource
     from packfeed.v1.options import PlanConfig

@@ -14,8 +14,10 @@ pytest.importorskip("av")
 
 from packfeed.media.video import VideoError, VideoSampling, probe_video, read_frames  # noqa: E402
 from packfeed.server.index.table import read_index  # noqa: E402
-from packfeed.server.serve.packs import IndexRows, build_pack  # noqa: E402
-from packfeed.server.serve.preprocess import IMAGE, VIDEO, SampleReader, SampleSkipped  # noqa: E402
+from packfeed.server.serve.index_rows import IndexRows  # noqa: E402
+from packfeed.server.serve.packs import build_pack  # noqa: E402
+from packfeed.server.serve.preprocess import SampleReader, SampleSkipped  # noqa: E402
+from packfeed.v1.options import VisualKind  # noqa: E402
 from video_data import (all_frames, conversation, encode_video, indexed_videos, jpeg, frame_picture,  # noqa: E402
                         write_shard)
 
@@ -140,7 +142,7 @@ def test_internvl_writes_frames_as_images_with_frame_prompts(internvl_videos):
     text = tokenizer.decode(sample.input_ids.tolist(), skip_special_tokens=False)
     run = "<img>" + "<IMG_CONTEXT>" * 4 + "</img>"
     assert f"<|im_start|>user\nFrame1: {run}\nFrame2: {run}\nFrame3: {run}\nWhat moves?<|im_end|>" in text
-    assert sample.kinds == [VIDEO] * 3 and sample.tiles_per_image == [1, 1, 1] and sample.image_tokens == [4] * 3
+    assert sample.kinds == [VisualKind.VIDEO] * 3 and sample.tiles_per_image == [1, 1, 1] and sample.image_tokens == [4] * 3
     assert all(tile.shape == (3, 56, 56) for tile in sample.tiles)
 
 
@@ -181,7 +183,7 @@ def test_qwen_writes_one_run_of_video_tokens_and_a_pack_carries_kinds(qwen_video
     assert sample.tiles_per_image == row["video_sampled"] and len(sample.tiles) == row["video_sampled"][0]
     assert sample.frame_seconds == [pytest.approx(row["video_frames"][0] / 12 / row["video_sampled"][0])]
     pack = build_pack([(rows, reader, "")], np.arange(6), np.zeros(6, np.int32), np.zeros(6, np.int32), 0, 0, 0, 0)
-    assert pack.tensors["visual_kind"].tolist() == [IMAGE, VIDEO, VIDEO, VIDEO, VIDEO]
+    assert pack.tensors["visual_kind"].tolist() == [VisualKind.IMAGE] + [VisualKind.VIDEO] * 4
     assert pack.tensors["frame_seconds"][0] == 0 and (pack.tensors["frame_seconds"][1:] > 0).all()
     assert len(pack.tensors["tile_image"]) == 1 + sum(rows.row(i)["video_sampled"][0] for i in range(1, 5))
 
@@ -238,7 +240,7 @@ def test_isf_phases_refuses_to_route_a_dataset_with_videos(qwen_videos):
     """isf+phases routes images between ranks, not videos: a job on a dataset with videos must colocate."""
     from packfeed.server.serve.config import dataset_source
     from packfeed.server.serve.datasets import Dataset
-    from packfeed.server.serve.jobs import JobError, JobSpec
+    from packfeed.server.serve.job_spec import JobError, JobSpec
     from packfeed.server.serve.registry import JobRegistry
     from packfeed.v1.options import PlanConfig
 

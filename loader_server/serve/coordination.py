@@ -11,7 +11,8 @@ import time
 from packfeed.server.cluster.coordinator import (CoordinationError, CoordinationUnavailable, Coordinator,
                                                  EmbeddedCoordinator, JobRecord, LeaseOutcome, Reassertion)
 from packfeed.server.serve.config import ServerConfig
-from packfeed.server.serve.jobs import Job, JobError
+from packfeed.server.serve.job_spec import JobError
+from packfeed.server.serve.jobs import Job
 from packfeed.server.serve.observe import Metrics, log
 from packfeed.server.serve.registry import JobRegistry
 

@@ -21,10 +21,10 @@ from packfeed.server.plan.planner import make_plan, resolve_caps
 from packfeed.server.plan.resume import resume_plan
 from packfeed.server.plan.windows import WindowedPlan
 from packfeed.server.serve.config import MixtureSource, dataset_source
-from packfeed.server.serve.conventions import conventions_of
-from packfeed.server.serve.jobs import JobError, Resume
+from packfeed.server.serve.model_conventions import model_conventions
+from packfeed.server.serve.job_spec import JobError, Resume
 from packfeed.server.serve.observe import log
-from packfeed.server.serve.packs import IndexRows
+from packfeed.server.serve.index_rows import IndexRows
 from packfeed.server.serve.preprocess import DECODE_BYTES_PER_PIXEL, TOKENIZE_BYTES_PER_TOKEN
 from packfeed.server.serve.routed import routed_encodes
 from packfeed.server.serve.step_work import DatasetSource, RankStepWork
@@ -58,7 +58,7 @@ class IndexPart:
         check_shards_reachable(name, info, source)
         rows = IndexRows(source.index)
         check_pixels_carry_videos(name, rows, source.pixels)
-        return cls(name, source, loads, info, rows, conventions_of(info, source.tokenizer), label)
+        return cls(name, source, loads, info, rows, model_conventions(info, source.tokenizer), label)
 
     def in_memory_loads(self) -> SampleLoads:
         """Every sample's loads in memory, for planning a whole epoch (17 bytes a sample while it runs)."""

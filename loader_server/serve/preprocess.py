@@ -32,7 +32,7 @@ from packfeed.media.storage import ObjectError, StampCache, is_object_url, read_
 from packfeed.media.video import VideoError, VideoInfo, VideoSampling, read_frames, video_placeholders
 from packfeed.server.index.shards import is_compressed
 from packfeed.server.index.table import IndexInfo, member_checksum
-from packfeed.v1.options import PixelMode
+from packfeed.v1.options import PixelMode, VisualKind
 
 
 class SampleSkipped(Exception):
@@ -56,7 +56,6 @@ class SampleTensors:
     frame_seconds: list[float] = field(default_factory=list)  # per item: seconds between its frames (0: an image)
 
 
-IMAGE, VIDEO = 0, 1  # what a visual item is (`visual_kind` on the wire)
 
 
 # How images become tiles. exact: PIL bicubic, pixel for pixel what the Hugging Face / InternVL processors give
@@ -294,14 +293,14 @@ class SampleReader:
         tokens = self.policy.cost(width, height, n_images).llm_tokens
         geometry = self.policy.geometry(width, height, n_images)
         if not pixels:
-            return _Item(IMAGE, [], len(geometry.tile_shapes()), tokens)
+            return _Item(VisualKind.IMAGE, [], len(geometry.tile_shapes()), tokens)
         data = self._member(read, row["image_offsets"][k], row["image_sizes"][k], row["image_checksums"][k],
                             f"{row['key']}.{name}")
         if self.pixels == PixelMode.ENCODED:  # the client decodes, and checks the size against the geometry
-            return _Item(IMAGE, [], len(geometry.tile_shapes()), tokens, encoded=data, geometry=geometry)
+            return _Item(VisualKind.IMAGE, [], len(geometry.tile_shapes()), tokens, encoded=data, geometry=geometry)
         self._check_decodable(width, height, f"{row['key']}.{name}")
         tiles = self._tiles(data, geometry, f"{row['key']}.{name}")
-        return _Item(IMAGE, tiles, len(tiles), tokens)
+        return _Item(VisualKind.IMAGE, tiles, len(tiles), tokens)
 
     def _video(self, read, row: dict[str, Any], k: int, seed: int, epoch: int) -> list["_Item"]:
         """The k-th video of the sample as its visual items (`video_placeholders`: one holding every sampled frame,
@@ -335,11 +334,11 @@ class SampleReader:
         if times:  # one item per temporal patch (its last may hold fewer frames: the client fills it up)
             patch = self.policy.temporal_patch
             patches = [tiles[start:start + patch] for start in range(0, len(tiles), patch)]
-            return [_Item(VIDEO, patch_tiles, len(patch_tiles), n, seconds=seconds, time=t)
+            return [_Item(VisualKind.VIDEO, patch_tiles, len(patch_tiles), n, seconds=seconds, time=t)
                     for patch_tiles, n, t in zip(patches, tokens, times)]
         if len(tokens) == 1:
-            return [_Item(VIDEO, tiles, sampled, tokens[0], seconds=seconds)]
-        return [_Item(VIDEO, frame, len(frame), n, seconds=seconds) for frame, n in zip(frames, tokens)]
+            return [_Item(VisualKind.VIDEO, tiles, sampled, tokens[0], seconds=seconds)]
+        return [_Item(VisualKind.VIDEO, frame, len(frame), n, seconds=seconds) for frame, n in zip(frames, tokens)]
 
     def _check_decodable(self, width: int, height: int, what: str) -> None:
         """Skip, before reading a pixel, an image (or video frame) whose decoding alone needs more memory than the

@@ -17,7 +17,8 @@ from concurrent.futures.process import BrokenProcessPool
 
 from packfeed.server.serve.budget import MemoryBudget, StepHold
 from packfeed.server.serve.config import ServerConfig
-from packfeed.server.serve.jobs import Job, JobError
+from packfeed.server.serve.job_spec import JobError
+from packfeed.server.serve.jobs import Job
 from packfeed.server.serve.observe import Metrics, log
 from packfeed.server.serve.step_work import RankStepResult
 from packfeed.server.serve.workers import WorkerPool

@@ -11,7 +11,8 @@ import time
 from dataclasses import replace
 
 from packfeed.server.serve.datasets import Dataset
-from packfeed.server.serve.jobs import Job, JobError, JobSpec, RankState
+from packfeed.server.serve.job_spec import JobError, JobSpec
+from packfeed.server.serve.jobs import Job, RankState
 from packfeed.v1.options import PixelMode, PlanConfig, Strategy
 
 MAX_NAME = 256  # characters of a job id or dataset name

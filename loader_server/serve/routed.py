@@ -20,7 +20,8 @@ from typing import Any
 
 import numpy as np
 
-from packfeed.server.serve.packs import IndexRows, Pack, assemble_pack, load_members
+from packfeed.server.serve.index_rows import IndexRows
+from packfeed.server.serve.packs import Pack, assemble_pack, load_members
 
 ENCODE_TENSORS = ("pixels", "tile_shapes", "tile_image", "encoded", "encoded_sizes", "image_geometry")
 

@@ -23,7 +23,8 @@ from packfeed.server.cluster.coordinator import Coordinator, LeaseOutcome
 from packfeed.server.serve.budget import MemoryBudget
 from packfeed.server.serve.config import ServerConfig
 from packfeed.server.serve.coordination import Coordination
-from packfeed.server.serve.jobs import Job, JobError, JobSpec, Resume
+from packfeed.server.serve.job_spec import JobError, JobSpec, Resume
+from packfeed.server.serve.jobs import Job
 from packfeed.server.serve.network import client_host
 from packfeed.server.serve.observe import Metrics, log
 from packfeed.server.serve.producer import END, produce

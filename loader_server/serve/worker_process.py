@@ -16,7 +16,8 @@ import time
 import numpy as np
 
 from packfeed.server.serve.observe import log
-from packfeed.server.serve.packs import IndexRows, build_pack
+from packfeed.server.serve.index_rows import IndexRows
+from packfeed.server.serve.packs import build_pack
 from packfeed.server.serve.preprocess import SampleReader
 from packfeed.server.serve.routed import build_routed_pack
 from packfeed.server.serve.step_files import TileArena, forget_mapping, write_shared

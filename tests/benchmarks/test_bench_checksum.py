@@ -14,7 +14,7 @@ import pytest
 
 from demo_data import indexed_demo
 from packfeed.server.index.table import member_checksum
-from packfeed.server.serve.packs import IndexRows
+from packfeed.server.serve.index_rows import IndexRows
 from packfeed.server.serve.preprocess import SampleReader
 
 pytestmark = pytest.mark.benchmark

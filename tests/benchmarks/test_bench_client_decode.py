@@ -21,7 +21,8 @@ pytestmark = [pytest.mark.benchmark,
 
 def encoded_messages(index) -> list[bytes]:
     """Every sample of the index in packs of 4, as the server's workers serialize them with pixels: encoded."""
-    from packfeed.server.serve.packs import IndexRows, assemble_pack
+    from packfeed.server.serve.index_rows import IndexRows
+    from packfeed.server.serve.packs import assemble_pack
     from packfeed.server.serve.preprocess import SampleReader, SampleSkipped
     from packfeed.server.serve.wire import encode_pack
 

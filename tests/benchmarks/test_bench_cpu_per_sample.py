@@ -199,7 +199,7 @@ def worker_cpu_seconds(index: Path, tokenizer: Path, pixels: str) -> tuple[int, 
     tokenise, assemble, serialize, write to /dev/shm and map back; no gRPC, no other process."""
     from packfeed.server.serve import step_files, step_work, worker_process
     from packfeed.server.serve.datasets import Dataset
-    from packfeed.server.serve.jobs import JobSpec
+    from packfeed.server.serve.job_spec import JobSpec
     from packfeed.server.serve.registry import JobRegistry
     from packfeed.v1.options import PlanConfig
 

@@ -38,7 +38,7 @@ def packfeed_preprocess(index: Path, keep: int = 0):
     it lets go of each message once sent (here: measured), but for the first `keep`."""
     from packfeed.server.serve import step_work, worker_process
     from packfeed.server.serve.datasets import Dataset
-    from packfeed.server.serve.jobs import JobSpec
+    from packfeed.server.serve.job_spec import JobSpec
     from packfeed.server.serve.registry import JobRegistry
     from packfeed.v1.options import PlanConfig
 

@@ -58,6 +58,13 @@ class PixelMode(_Named):
     ENCODED = "encoded"  # the image files travel; the client decodes and cuts them
 
 
+class VisualKind(enum.IntEnum):
+    """What a pack's visual item is (its `visual_kind` tensor on the wire: int32)."""
+
+    IMAGE = 0
+    VIDEO = 1  # its tiles are its sampled frames (or one temporal patch of them)
+
+
 class Oversize(_Named):
     """What happens to a sample that alone exceeds a pack cap (always reported)."""
 

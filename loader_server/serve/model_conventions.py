@@ -13,7 +13,7 @@ from packfeed.server.index.table import IndexInfo
 from packfeed.v1 import packfeed_pb2 as pb
 
 
-def conventions_of(info: IndexInfo, tokenizer_path: str | Path) -> pb.ModelConventions:
+def model_conventions(info: IndexInfo, tokenizer_path: str | Path) -> pb.ModelConventions:
     policy = policy_from_dict(info.image_policy)
     template = ChatTemplate.from_dict(info.chat_template)
     tokenizer = load_tokenizer(tokenizer_path, template)
