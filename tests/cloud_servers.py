@@ -10,7 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from redis_server import free_port
+from ports import free_port
 from s3_server import start_process, stop_process
 
 AZURITE = Path(__file__).parent / "azurite"

@@ -35,6 +35,23 @@ def demo_dataset(tmp_path_factory):
     return write_demo_dataset(tmp_path_factory.mktemp("demo"), samples=60, shards=3, seed=1)
 
 
+@pytest.fixture(scope="session")
+def dataset(tmp_path_factory, demo_dataset) -> Path:
+    """The demo shards copied into a folder of their own and indexed there with the default settings: the index
+    the serving tests share (read-only: a test that breaks shards copies them first)."""
+    import shutil
+
+    from packfeed.server.index.config import IndexConfig
+    from packfeed.server.index.indexer import build_index
+
+    root = tmp_path_factory.mktemp("served")
+    shards = [shutil.copy(p, root / p.name) for p in demo_dataset.shards]
+    index = root / "index.parquet"
+    build_index([str(p) for p in shards], index, IndexConfig(tokenizer=str(demo_dataset.tokenizer)), workers=1,
+                progress=False)
+    return index
+
+
 # Small tiles keep the reference trainer's CPU tests fast: InternVL tiling at 112 px, 16 tokens per tile.
 SMALL_TILE_POLICY = {"name": "internvl", "image_size": 112, "tokens_per_tile": 16, "max_num": 4}
 

@@ -13,7 +13,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import unquote, urlparse
 
-from redis_server import free_port
+from ports import free_port
 from s3_server import start_process, stop_process
 
 _RANGE = re.compile(r"bytes=(\d+)-(\d*)$")

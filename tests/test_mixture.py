@@ -329,7 +329,7 @@ def test_the_status_page_shows_a_mixture_jobs_balance(tmp_path, demo_dataset):
     """A mixture is served as one dataset in every respect, the status page's plan balance included (computed over
     the mixture plan's rows, not a single index's)."""
     from packfeed.client import LocalServer, PackStream
-    from test_hostile import free_port
+    from ports import free_port
     from test_status_page import get
 
     mix, port = served_mixture(tmp_path, demo_dataset), free_port()

@@ -34,7 +34,7 @@ def exported(small_tile_index) -> set[str]:
     """The sample names a live server's /metrics declares, read while a job streams."""
     from packfeed.client import LocalServer, PackStream
     from prometheus_client.parser import text_string_to_metric_families
-    from test_hostile import free_port
+    from ports import free_port
 
     port = free_port()
     with LocalServer(small_tile_index, workers=1, metrics_port=port) as server:

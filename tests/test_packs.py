@@ -9,8 +9,6 @@ import numpy as np
 import pytest
 
 from packfeed.media.chat import ChatTemplate, load_tokenizer
-from packfeed.server.index.config import IndexConfig
-from packfeed.server.index.indexer import build_index
 from packfeed.server.index.table import read_index_info
 from packfeed.server.plan.costs import load_sample_loads
 from packfeed.server.plan.planner import make_plan
@@ -42,12 +40,8 @@ def build_rank_step(plan, rows: IndexRows, reader, step: int, rank: int) -> list
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory, demo_dataset):
-    root = tmp_path_factory.mktemp("served")
-    shards = [shutil.copy(p, root / p.name) for p in demo_dataset.shards]
-    index = root / "index.parquet"
-    build_index([str(p) for p in shards], index, IndexConfig(tokenizer=str(demo_dataset.tokenizer)), workers=1,
-                progress=False)
+def served(dataset, demo_dataset):
+    root, index = dataset.parent, dataset
     loads, info = load_sample_loads(index)
     plan = make_plan(loads, PlanConfig(dp=2, microbatches=2, pipeline_stages=2), 0, 0, info.fingerprint)
     return root, index, plan, demo_dataset.tokenizer

@@ -17,7 +17,7 @@ pytest.importorskip("ray")
 from packfeed.server.index.config import IndexConfig
 from packfeed.server.index.indexer import build_index  # noqa: E402
 from packfeed.server.index.table import read_index  # noqa: E402
-from redis_server import free_port  # noqa: E402
+from ports import free_port  # noqa: E402
 
 
 def start_ray(cpus: int) -> tuple[str, str]:

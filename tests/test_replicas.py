@@ -99,7 +99,7 @@ def test_replicas_running_together_share_each_step_instead_of_preparing_it_twice
     stream still takes every step (prepared + shared = steps x replicas), and the packs are identical."""
     import threading
 
-    from redis_server import free_port
+    from ports import free_port
     from test_hostile import metric
 
     lockstep = threading.Barrier(2, timeout=60)

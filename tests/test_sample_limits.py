@@ -22,7 +22,7 @@ from PIL import Image
 from packfeed.client import LocalServer, PackStream
 from packfeed.media.samples import SERVE_SKIP_CATEGORIES
 from packfeed.server.serve.worker_process import GIVE_BACK_AFTER_S, KEEP_FREED_BYTES
-from redis_server import free_port
+from ports import free_port
 from test_integrity import conversation, write_tar
 
 HUGE_SIDE = 9400  # 88.4 MP: under Pillow's decompression-bomb limit, a PNG of a few hundred KB

@@ -13,7 +13,6 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
 from packfeed.client import LocalServer, PackfeedError, PackStream
-from test_service import dataset  # noqa: F401  (the module's dataset fixture)
 
 pytestmark = pytest.mark.slow
 PLAN = {"dp": 1, "microbatches": 1}
@@ -55,7 +54,7 @@ def first_step_keys(target, **kwargs):
         return next(iter(stream)).sample_keys
 
 
-def test_tls_with_client_certificates_and_a_token(dataset, pki):  # noqa: F811
+def test_tls_with_client_certificates_and_a_token(dataset, pki):
     env = {"PACKFEED_TLS_CERT": pki["server"][0], "PACKFEED_TLS_KEY": pki["server"][1],
            "PACKFEED_TLS_CLIENT_CA": pki["ca"][0], "PACKFEED_AUTH_TOKEN": "t0ken"}
     with LocalServer(dataset, workers=1, env=env) as server:
@@ -69,7 +68,7 @@ def test_tls_with_client_certificates_and_a_token(dataset, pki):  # noqa: F811
             first_step_keys(server.target, token="t0ken")
 
 
-def test_a_client_cannot_open_more_streams_than_its_limit(dataset):  # noqa: F811
+def test_a_client_cannot_open_more_streams_than_its_limit(dataset):
     with LocalServer(dataset, workers=1, env={"PACKFEED_MAX_STREAMS_PER_CLIENT": "1"}) as server:
         first = PackStream(server.target, job="limited", rank=0, dp=2, microbatches=1, prefetch=1)
         steps = iter(first)

@@ -6,7 +6,6 @@ import hashlib
 import json
 import os
 import shutil
-import socket
 import urllib.request
 
 import grpc
@@ -14,24 +13,13 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
+from ports import free_port
 from packfeed.client import LocalServer, PackfeedError, PackStream
-from packfeed.server.index.config import IndexConfig
-from packfeed.server.index.indexer import build_index
 from packfeed.server.index.table import read_index
 from packfeed.v1 import packfeed_pb2 as pb, packfeed_pb2_grpc as pb_grpc
 
 pytestmark = pytest.mark.slow
 PLAN = {"dp": 2, "microbatches": 2, "pipeline_stages": 2}
-
-
-@pytest.fixture(scope="module")
-def dataset(tmp_path_factory, demo_dataset):
-    root = tmp_path_factory.mktemp("service")
-    shards = [shutil.copy(p, root / p.name) for p in demo_dataset.shards]
-    index = root / "index.parquet"
-    build_index([str(p) for p in shards], index, IndexConfig(tokenizer=str(demo_dataset.tokenizer)), workers=1,
-                progress=False)
-    return index
 
 
 @pytest.fixture(scope="module")
@@ -42,10 +30,6 @@ def server(dataset):
         yield running
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def valid_keys(index) -> list[str]:

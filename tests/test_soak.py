@@ -22,7 +22,8 @@ from packfeed.client import LocalServer, PackStream
 from packfeed.server.index.table import read_index
 from packfeed.v1 import packfeed_pb2 as pb
 from packfeed.v1 import packfeed_pb2_grpc as pb_grpc
-from test_hostile import free_port, wait_for
+from ports import free_port
+from test_hostile import wait_for
 
 pytestmark = pytest.mark.slow
 DP, EPOCHS, COMPUTE_S = 8, 2, 0.05  # ranks; epochs; seconds of "training" per step (paced like a trainer)

@@ -43,7 +43,7 @@ def stream_slowly(target: str, stop: threading.Event) -> None:
 def test_the_page_shows_a_streaming_job_and_refreshes_itself(chromium, small_tile_index):
     from packfeed.client import LocalServer
     from playwright.sync_api import sync_playwright
-    from test_hostile import free_port
+    from ports import free_port
 
     port = free_port()
     with LocalServer(small_tile_index, workers=1, metrics_port=port, env={"PACKFEED_AUTH_TOKEN": "s3cret"}) as server:

@@ -22,7 +22,7 @@ def get(url: str, token: str = "") -> tuple[int, bytes]:
 
 def test_the_status_shows_jobs_ranks_and_progress(small_tile_index):
     from packfeed.client import LocalServer, PackStream
-    from test_hostile import free_port
+    from ports import free_port
 
     port = free_port()
     base = f"http://127.0.0.1:{port}"
@@ -54,7 +54,7 @@ def test_the_status_shows_jobs_ranks_and_progress(small_tile_index):
 @pytest.mark.parametrize("path", ["/status", "/status.json"])
 def test_with_a_token_the_status_refuses_requests_without_it(small_tile_index, path):
     from packfeed.client import LocalServer
-    from test_hostile import free_port
+    from ports import free_port
 
     port = free_port()
     with LocalServer(small_tile_index, workers=1, metrics_port=port, env={"PACKFEED_AUTH_TOKEN": "s3cret"}):

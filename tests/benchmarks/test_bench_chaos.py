@@ -26,7 +26,8 @@ import pytest
 from packfeed.client import LocalServer, PackStream
 from packfeed.server.index.indexer import build_index
 from packfeed.server.index.table import read_index
-from redis_server import RedisProcess, SentinelProcess, free_port
+from ports import free_port
+from redis_server import RedisProcess, SentinelProcess
 from s3_server import FaultyProxy, S3Server, restore_env, set_env
 from test_object_storage import index_config, upload
 from test_sample_limits import tree_pss
