@@ -70,7 +70,7 @@ class ImagePolicy(Protocol):
 
 
 # Images of more pixels than this are invalid at index time (`max_image_pixels`, `--max-image-pixels`): decoding
-# one costs the server about 10 bytes a pixel for a moment (`packfeed.server.serve.preprocess.DECODE_BYTES_PER_PIXEL`),
+# one costs the server about 10 bytes a pixel for a moment (`packfeed.media.pixel_modes.PIXEL_PATHS`),
 # so 50 MP (an 8,660 x 5,770 photograph) is ~500 MB; a 200 KB PNG can declare 89 MP and still pass Pillow's check.
 DEFAULT_MAX_IMAGE_PIXELS = 50_000_000
 

@@ -18,7 +18,7 @@ from transformers.image_utils import (IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_ST
 from packfeed.client.hf import FAMILIES, normalised, qwen_patches  # noqa: E402
 from packfeed.media.image_policy import policy_from_dict  # noqa: E402
 from packfeed.server.index.conventions import MODEL_PRESETS, add_convention_options, conventions_of  # noqa: E402
-from packfeed.server.serve.preprocess import image_tiles  # noqa: E402
+from packfeed.media.pixel_modes import image_tiles  # noqa: E402
 
 SIZES = [(1024, 768), (768, 1024), (448, 448), (300, 1800), (1600, 200), (97, 53), (2000, 1500)]
 PRESET_FAMILY = {"internvl2_5": "internvl", "internvl3": "internvl", "qwen2_vl": "qwen2_vl",

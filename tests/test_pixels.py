@@ -14,7 +14,7 @@ from PIL import Image
 from demo_data import PRESET_POLICIES, demo_image_files, document_scan
 from packfeed.media.image_policy import policy_from_dict
 from packfeed.media.pixels import decode_tiles, pil_resizer
-from packfeed.server.serve.preprocess import image_tiles
+from packfeed.media.pixel_modes import image_tiles
 
 def demo_images(demo_dataset) -> list[Image.Image]:
     images = [Image.open(io.BytesIO(data)) for data in demo_image_files(demo_dataset)]
@@ -47,7 +47,7 @@ def test_fast_tiles_stay_within_their_bound_of_exact(demo_dataset, policy):
 def test_fast_tiles_of_document_scans_stay_within_their_bound(policy):
     """Text pages, decoded as the server decodes them (JPEG draft where every target is at most half the page):
     shrinking stays exact, so the fast path keeps its bound on sharp edges too."""
-    from packfeed.server.serve.preprocess import file_tiles
+    from packfeed.media.pixel_modes import file_tiles
 
     policy = policy_from_dict(policy)
     errors, psnrs = [], []
@@ -113,7 +113,7 @@ def test_fast_path_decodes_large_jpegs_at_reduced_scale_within_its_bound(demo_da
     Pillow's draft); the tiles stay within the fast bound of exact, and a target too large for it keeps the full
     decode."""
     from packfeed.media.fast import decode as fast_pixels, draft_scale
-    from packfeed.server.serve.preprocess import file_tiles
+    from packfeed.media.pixel_modes import file_tiles
 
     policy = policy_from_dict({"name": "fixed"})  # 336 px squares
     errors, psnrs = [], []

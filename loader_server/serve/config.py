@@ -55,7 +55,7 @@ from pathlib import Path
 from packfeed.client.discovery import SENTINEL_SCHEME, parse_sentinel_url
 from packfeed.server.index.table import read_index_info
 from packfeed.server.plan.mixture import read_yaml
-from packfeed.server.serve.preprocess import parse_pixels
+from packfeed.media.pixel_modes import parse_pixels
 from packfeed.server.serve.step_work import DatasetSource
 from packfeed.v1.options import PixelMode
 

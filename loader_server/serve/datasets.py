@@ -25,7 +25,8 @@ from packfeed.server.serve.model_conventions import model_conventions
 from packfeed.server.serve.job_spec import JobError, Resume
 from packfeed.server.serve.observe import log
 from packfeed.server.serve.index_rows import IndexRows
-from packfeed.server.serve.preprocess import DECODE_BYTES_PER_PIXEL, TOKENIZE_BYTES_PER_TOKEN
+from packfeed.media.pixel_modes import PIXEL_PATHS
+from packfeed.server.serve.preprocess import TOKENIZE_BYTES_PER_TOKEN
 from packfeed.server.serve.routed import routed_encodes
 from packfeed.server.serve.step_work import DatasetSource, RankStepWork
 from packfeed.v1 import packfeed_pb2 as pb
@@ -237,7 +238,7 @@ class Dataset:
         Reserved in the budget until the step is ready, so a 9,400 x 9,400 PNG of 200 KB cannot take a gigabyte
         behind the budget's back; never more than `work.decode_budget`, since a worker skips (does not decode or
         tokenise) a sample that needs more."""
-        need = max((max(part.rows.largest_image_pixels(ids) * DECODE_BYTES_PER_PIXEL[part.source.pixels],
+        need = max((max(part.rows.largest_image_pixels(ids) * PIXEL_PATHS[part.source.pixels].decode_bytes_per_pixel,
                         part.longest_sample(ids) * TOKENIZE_BYTES_PER_TOKEN)
                     for part, ids in self._step_samples(work)), default=0)
         return min(need, work.decode_budget) if work.decode_budget else need
@@ -245,7 +246,7 @@ class Dataset:
 
 def check_pixels_carry_videos(name: str, rows: IndexRows, pixels: PixelMode) -> None:
     """`pixels: encoded` sends image files for the client to decode; videos are decoded on the server only."""
-    if pixels != PixelMode.ENCODED:
+    if not PIXEL_PATHS[pixels].sends_files:
         return
     videos = rows.samples_with_videos()
     if videos:

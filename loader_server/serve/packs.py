@@ -136,7 +136,7 @@ def load_members(parts: list[tuple[IndexRows, Any, str]], members: np.ndarray, t
                  ) -> tuple[list[tuple[int, SampleTensors]], list[tuple[str, str]]]:
     """(position, sample) of every member that loads, and (key, reason) of those that do not. `pixels`: per
     member, whether to read its images (False: text and placeholder counts only); all when None."""
-    from packfeed.server.serve.preprocess import SampleSkipped
+    from packfeed.server.serve.shard_reader import SampleSkipped
 
     loaded, skipped = [], []
     with_pixels = np.ones(len(members), dtype=bool) if pixels is None else np.asarray(pixels, dtype=bool)

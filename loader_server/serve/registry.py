@@ -10,10 +10,11 @@ import threading
 import time
 from dataclasses import replace
 
+from packfeed.media.pixel_modes import PIXEL_PATHS
 from packfeed.server.serve.datasets import Dataset
 from packfeed.server.serve.job_spec import JobError, JobSpec
 from packfeed.server.serve.jobs import Job, RankState
-from packfeed.v1.options import PixelMode, PlanConfig, Strategy
+from packfeed.v1.options import PlanConfig, Strategy
 
 MAX_NAME = 256  # characters of a job id or dataset name
 MAX_EPOCHS = 1_000_000
@@ -131,7 +132,7 @@ def check_routable(plan: PlanConfig, dataset: Dataset) -> None:
     consumes them: datasets with either are served colocated only."""
     if plan.strategy is not Strategy.ISF_PHASES or plan.colocate_encoder:
         return
-    if dataset.pixels == PixelMode.ENCODED:
+    if PIXEL_PATHS[dataset.pixels].sends_files:
         raise JobError("INVALID_ARGUMENT", f"dataset {dataset.name} sends image files (pixels: encoded), which the "
                                            "client decodes per consumed sample; isf+phases routes images to other "
                                            "ranks: serve it with pixels: exact or fast, or set colocate_encoder")

@@ -15,15 +15,14 @@ import time
 
 import numpy as np
 
-from packfeed.server.serve.observe import log
 from packfeed.server.serve.index_rows import IndexRows
+from packfeed.server.serve.observe import log
 from packfeed.server.serve.packs import build_pack
 from packfeed.server.serve.preprocess import SampleReader
 from packfeed.server.serve.routed import build_routed_pack
 from packfeed.server.serve.step_files import TileArena, forget_mapping, write_shared
 from packfeed.server.serve.step_work import DatasetSource, RankStepResult, RankStepWork
 from packfeed.server.serve.wire import pack_pieces
-from packfeed.v1.options import PixelMode
 
 _DATASETS: dict[str, tuple[IndexRows, SampleReader]] = {}
 _WARNED: list[bool] = []  # this worker said once that shared memory is full
@@ -179,7 +178,7 @@ def _build_rank_step(work: RankStepWork, shared: str | None) -> RankStepResult:
 def _tile_bytes(parts: list, work: RankStepWork) -> int:
     """Bytes of the step's tiles as the index counts them (none where a dataset sends encoded images)."""
     return sum(parts[k][0].pixel_bytes(ids) for k, ids in work.samples_by_source(pixels_only=True)
-               if parts[k][1].pixels != PixelMode.ENCODED)
+               if not parts[k][1].path.sends_files)
 
 
 def _empty(path: str) -> None:

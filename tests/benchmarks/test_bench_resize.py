@@ -117,7 +117,7 @@ def test_document_scans_exact_and_fast(tmp_path):
     runs them (file_tiles: decode, draft where fast allows it, resize, cut), per core, with each one's error."""
     from packfeed.media.image_policy import policy_from_dict
     from packfeed.media.pixels import decode_tiles
-    from packfeed.server.serve.preprocess import file_tiles
+    from packfeed.media.pixel_modes import file_tiles
 
     pytest.importorskip("cv2")
     pages = [document_scan(seed) for seed in range(12)]
@@ -143,7 +143,7 @@ def test_document_scans_exact_and_fast(tmp_path):
 def test_fast_path_error_per_policy(tmp_path):
     """`pixels: fast` against `exact` on the demo photographs, per image policy: mean and worst-image error."""
     from packfeed.media.image_policy import policy_from_dict
-    from packfeed.server.serve.preprocess import image_tiles
+    from packfeed.media.pixel_modes import image_tiles
 
     pytest.importorskip("cv2")
     demo = write_demo_dataset(tmp_path / "demo", samples=160, shards=2, seed=5, bad_samples=False)

@@ -69,7 +69,7 @@ def dataloader_preprocess(shards: list[Path], tokenizer_path: Path):
         parse_conversation,
     )
     from packfeed.media.image_policy import InternVLTiling
-    from packfeed.server.serve.preprocess import image_tiles
+    from packfeed.media.pixel_modes import image_tiles
 
     policy, template = InternVLTiling(), ChatTemplate()
     encoder = cached_encoder(str(tokenizer_path), template)
