@@ -147,3 +147,51 @@ def test_the_rules_see_what_they_check():
             "packfeed.trainer.train"} <= modules
     assert "packfeed.server.index.table" in imported_modules(REPO / "loader_server/plan/costs.py")
     assert "numpy" in imported_modules(REPO / "media/resample.py")
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Every project module -> the project modules it imports (at its top, inside functions, or for typing)."""
+    modules = {module_of(path): path for path in project_modules()}
+    return {module: {name for name in imported_modules(path) if name in modules and name != module}
+            for module, path in modules.items()}
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The groups of modules that import each other, directly or round about (strongly connected, 2 or more)."""
+    order, low, stack, found, counter = {}, {}, [], [], [0]
+
+    def visit(module: str) -> None:  # Tarjan's algorithm
+        order[module] = low[module] = counter[0]
+        counter[0] += 1
+        stack.append(module)
+        for other in graph.get(module, ()):
+            if other not in order:
+                visit(other)
+                low[module] = min(low[module], low[other])
+            elif other in stack:
+                low[module] = min(low[module], order[other])
+        if low[module] == order[module]:
+            group = []
+            while not group or group[-1] != module:
+                group.append(stack.pop())
+            if len(group) > 1:
+                found.append(sorted(group))
+
+    for module in graph:
+        if module not in order:
+            visit(module)
+    return found
+
+
+def test_no_modules_import_each_other():
+    """A circle of imports (a -> b -> a) is one concern in two files, or a missing floor between them."""
+    assert circles(import_graph()) == []
+
+
+def test_the_circle_rule_sees_a_circle():
+    graph = import_graph()
+    assert circles(graph) == []
+    graph["packfeed.server.serve.job_spec"] = graph["packfeed.server.serve.job_spec"] | {"packfeed.server.serve.jobs"}
+    (found,) = circles(graph)  # job_spec -> jobs -> (datasets ->) job_spec
+    assert {"packfeed.server.serve.job_spec", "packfeed.server.serve.jobs"} <= set(found)
+    assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]

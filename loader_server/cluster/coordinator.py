@@ -5,7 +5,7 @@ which server currently feeds which rank (a lease with a TTL, renewed by heartbea
 acknowledged step (a cursor that only moves forward), the samples skipped as bad, and which servers are
 alive (so clients can find another one). Everything else — the plan, the packs — any server recomputes.
 
-    coordinator = coordinator_from_url(os.environ.get("PACKFEED_REDIS_URL"))   # None -> embedded
+    coordinator = coordinator_from_url(os.environ.get("PACKFEED_REDIS_URL"))   # None -> embedded (`connect`)
     coordinator.register_job(job, record)           # refuses a different fingerprint for the same job id
     coordinator.reassert_job(job, record)           # what a server serving the job re-registers now and then
     coordinator.acquire_lease(job, rank, server_id, ttl_s=10)
@@ -200,13 +200,3 @@ def reassertion(stored: JobRecord | None, record: JobRecord) -> tuple[Reassertio
     if stored.registered_ms > record.registered_ms:
         return Reassertion.RECLAIMED, stored
     return None, stored
-
-
-def coordinator_from_url(url: str | None, password: str | None = None) -> Coordinator:
-    """`redis://host:port/db` (or `rediss://` for TLS), or a replicated Redis through its sentinels,
-    `redis+sentinel://host:port[,host:port...]/SERVICE[/db]` -> RedisCoordinator; empty -> EmbeddedCoordinator."""
-    if not url:
-        return EmbeddedCoordinator()
-    from packfeed.server.cluster.redis_coordinator import RedisCoordinator
-
-    return RedisCoordinator(url, password)

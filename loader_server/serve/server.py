@@ -13,7 +13,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from packfeed.server.cluster.coordinator import CoordinationUnavailable, Coordinator, coordinator_from_url
+from packfeed.server.cluster.connect import coordinator_from_url
+from packfeed.server.cluster.coordinator import CoordinationUnavailable, Coordinator
 from packfeed.server.plan.warmup import warm_up_in_background
 from packfeed.server.serve.config import ServerConfig, describe
 from packfeed.server.serve.datasets import Dataset

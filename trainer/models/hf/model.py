@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from packfeed.trainer.batch import Microbatches, StepShape
-from packfeed.trainer.models import VisionSplit
+from packfeed.trainer.models.layer_model import VisionSplit
 from packfeed.trainer.models.hf import layers as L
 from packfeed.trainer.models.hf.build import build_hf_model
 from packfeed.trainer.simulate.calibrated import Features

@@ -1,0 +1,76 @@
+"""The interface every trained model offers (`LayerModel`: a flat list of layers a pipeline can cut anywhere), and
+what a model adds to train its encoder apart (`SeparableEncoder`, `VisionSplit`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+from torch import nn
+
+from packfeed.trainer.batch import Microbatches, StepShape
+from packfeed.trainer.simulate.calibrated import Features
+
+
+class LayerModel(Protocol):
+    """A model as consecutive layers, each mapping one tuple of tensors (its carrier) to the next."""
+
+    kinds: list[str]  # per layer: vision_embed, vit, projector, text_embed, llm or head
+    layers: nn.ModuleList
+
+    @property
+    def n_layers(self) -> int: ...
+
+    def describe(self) -> str: ...
+
+    def inputs(self, step, token_multiple: int = 64, dp: int = 1, collate: str = "packed") -> Microbatches:
+        """A step's packs padded into the first stage's fixed-shape microbatches (`collate="padded"`: each
+        pack's samples as a padded batch, the baseline packing is measured against)."""
+
+    def carrier(self, before_layer: int, shape: StepShape, device: torch.device | str = "meta",
+                dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, ...]:
+        """Empty tensors shaped like what enters `before_layer` (n_layers: the head's output)."""
+
+    def features(self, carrier: tuple[torch.Tensor, ...]) -> Features:
+        """What one first-stage microbatch's cost depends on (for the simulator and the cost model)."""
+
+
+@dataclass(frozen=True)
+class VisionSplit:
+    """How a model's vision encoder separates from its LLM (`parallel.encoder=bubbles`): the encoder is layers
+    0:encoder_layers; its input (pixels) and output (features) divide by vision unit (tile) along an axis, with a
+    fixed number of entries per unit."""
+
+    encoder_layers: int
+    input_axis: int
+    output_axis: int
+    output_per_unit: int
+
+
+class SeparableEncoder(Protocol):
+    """What a LayerModel adds to train with its encoder in the pipeline's bubbles."""
+
+    vision: VisionSplit
+
+    def vision_units(self, microbatch: tuple[torch.Tensor, ...]) -> int:
+        """Real (not padding) vision units of one first-stage microbatch; they come first."""
+
+    def vision_input(self, microbatch: tuple[torch.Tensor, ...]) -> torch.Tensor: ...
+
+    def vision_input_like(self, units: int, device: torch.device) -> torch.Tensor: ...
+
+    def vision_output_like(self, units: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor: ...
+
+    def encoder_carrier(self, pixels: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The carrier entering layer 0 for these units alone."""
+
+    def encoder_output(self, carrier: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        """The features in the carrier the encoder's last layer returns."""
+
+    def llm_carrier(self, microbatch: tuple[torch.Tensor, ...], features: torch.Tensor,
+                    shape: StepShape) -> tuple[torch.Tensor, ...]:
+        """The carrier entering the first LLM layer: the microbatch's real units' features, padded."""
+
+    def without_samples(self, microbatch: tuple[torch.Tensor, ...], samples: set[int]) -> tuple[torch.Tensor, ...]:
+        """parallel.encoder=phases: the microbatch with these samples left out of the loss."""
