@@ -1,7 +1,7 @@
 """The datasets a server serves. One shape for all of them: a `Dataset` is the indexes it reads (its parts) and how
-its epochs are planned; a plain dataset is a mixture of one, planned over its own index, and a mixture
-(`packfeed.server.plan.mixture`) is planned over the union of its parts, each pack member read from its own part's
-shards and named in `sample_sources`. Clients ask for either by name (`PackStream(dataset="sft-mix")`)."""
+its epochs are planned (`planning`): a plain dataset over its own index, a mixture (`packfeed.server.plan.mixture`)
+over the union of its parts, each pack member read from its own part's shards and named in `sample_sources`.
+Clients ask for either by name (`PackStream(dataset="sft-mix")`)."""
 
 from __future__ import annotations
 
@@ -15,15 +15,14 @@ from packfeed.server.index.table import IndexInfo
 from packfeed.server.plan.costs import SampleLoads
 from packfeed.server.plan.isf import Caps
 from packfeed.server.plan.mapped_loads import MappedLoads, map_sample_loads
-from packfeed.server.plan.mixture import Mixture, MixtureLoads, make_mixture_plan
+from packfeed.server.plan.mixture import Mixture, MixtureLoads
 from packfeed.server.plan.plan_file import Plan
-from packfeed.server.plan.planner import make_plan, resolve_caps
-from packfeed.server.plan.resume import resume_plan
 from packfeed.server.plan.windows import WindowedPlan
 from packfeed.server.serve.config import MixtureSource, dataset_source
 from packfeed.server.serve.model_conventions import model_conventions
 from packfeed.server.serve.job_spec import JobError, Resume
 from packfeed.server.serve.observe import log
+from packfeed.server.serve.planning import IndexPlanning, MixturePlanning, Planning
 from packfeed.server.serve.index_rows import IndexRows
 from packfeed.media.pixel_modes import PIXEL_PATHS
 from packfeed.server.serve.preprocess import TOKENIZE_BYTES_PER_TOKEN
@@ -61,12 +60,6 @@ class IndexPart:
         check_pixels_carry_videos(name, rows, source.pixels)
         return cls(name, source, loads, info, rows, model_conventions(info, source.tokenizer), label)
 
-    def in_memory_loads(self) -> SampleLoads:
-        """Every sample's loads in memory, for planning a whole epoch (17 bytes a sample while it runs)."""
-        if isinstance(self.loads, SampleLoads):
-            return self.loads
-        return self.loads.subset(np.arange(len(self.loads)))
-
     def sample_bytes(self, ids: np.ndarray) -> int:
         """Estimated bytes of samples `ids`' tensors in packs: their uint8 tiles (as the index computed them: a
         video's sampled frames included) and int32 input_ids, labels and position_ids."""
@@ -81,27 +74,28 @@ class IndexPart:
 
 @dataclass
 class Dataset:
-    """A served dataset: its parts, and the mixture that plans over them (None: one part, planned over its own
-    index, as `packfeed plan --index` plans it)."""
+    """A served dataset: its parts, and how its epochs are planned over them (`planning`: over its one index, or
+    over a mixture's union; the same calls either way)."""
 
     name: str
     parts: list[IndexPart]
-    mixture: MixtureLoads | None = None
+    planning: Planning
 
     @classmethod
     def open(cls, name: str, source: DatasetSource | MixtureSource) -> Dataset:
         """A dataset entry of the server's config. A mixture's parts are opened as the workers will name them
         (`MIXTURE/DATASET`, read with the tokenizer each index records); the mixture is planned on their loads."""
         if isinstance(source, DatasetSource):
-            return cls(name, [IndexPart.open(name, source)])
+            part = IndexPart.open(name, source)
+            return cls(name, [part], IndexPlanning(part.loads, part.info.fingerprint))
         mixture = Mixture.load(source.mixture)
         parts = [IndexPart.open(f"{name}/{entry.name}", dataset_source(entry.index, pixels=source.pixels),
                                 label=entry.name) for entry in mixture.datasets]
-        return cls(name, parts, MixtureLoads(mixture, [(part.loads, part.info) for part in parts]))
+        return cls(name, parts, MixturePlanning(MixtureLoads(mixture, [(part.loads, part.info) for part in parts])))
 
     @property
     def fingerprint(self) -> str:
-        return self.mixture.fingerprint if self.mixture else self.parts[0].info.fingerprint
+        return self.planning.fingerprint
 
     @property
     def conventions(self) -> pb.ModelConventions:
@@ -114,27 +108,17 @@ class Dataset:
     # -- planning ------------------------------------------------------------------------------------------
 
     def caps(self, config: PlanConfig, loads: SampleLoads | None = None) -> Caps | None:
-        """The plan's caps, searched once per job (`loads`: a single index's loads in memory, when the caller has
+        """The plan's caps, searched once per job (`loads`: the planning's shared loads, when the caller has
         them already). None for padded strategies, and for a windowed plan, which searches its caps on its first
         window."""
         if config.strategy.padded or config.window:
             return None
-        if self.mixture:
-            return resolve_caps(self.mixture.once().loads, config)
-        return resolve_caps(self.parts[0].in_memory_loads() if loads is None else loads, config)
+        return self.planning.caps(config, loads)
 
     def plan_epoch(self, config: PlanConfig, seed: int, epoch: int, caps: Caps | None,
                    loads: SampleLoads | None = None) -> Plan | WindowedPlan:
         """One epoch's plan (`loads`: as for `caps`)."""
-        if self.mixture:
-            if config.window:
-                return self.mixture.windowed(config, seed, epoch, caps)
-            return make_mixture_plan(self.mixture, config, seed, epoch, caps)
-        part = self.parts[0]
-        if config.window:
-            return WindowedPlan(part.loads, config, seed, epoch, config.window, part.info.fingerprint, caps)
-        return make_plan(part.in_memory_loads() if loads is None else loads, config, seed, epoch,
-                         part.info.fingerprint, caps=caps)
+        return self.planning.plan_epoch(config, seed, epoch, caps, loads)
 
     def job_plan(self, config: PlanConfig, seed: int, epoch: int, resume: Resume | None, caps: Caps | None,
                  loads: SampleLoads | None = None) -> Plan | WindowedPlan:
@@ -151,7 +135,7 @@ class Dataset:
         if config.window:
             raise JobError("INVALID_ARGUMENT", "a resuming job plans whole epochs: give it window 0 (the job it "
                                                "resumes may be windowed)")
-        loads = None if self.mixture else self.parts[0].in_memory_loads()  # once, for the old plans and the new
+        loads = self.planning.shared_loads()  # once, for the old plans and the new
         old_caps = self.caps(resume.plan_config, loads)
         first = self.job_plan(resume.plan_config, resume.seed, 0, resume.previous, old_caps, loads)
         self.check_resumed_plan(resume, first.fingerprint())
@@ -161,11 +145,7 @@ class Dataset:
         if resume.step > old.n_steps:
             raise JobError("OUT_OF_RANGE", f"the old job's epoch {resume.epoch} has {old.n_steps} steps; its ranks "
                                            f"cannot have consumed {resume.step}")
-        if self.mixture:
-            plan = resume_plan(old.rows.loads, old, resume.step, config, seed, resume.epoch, self.fingerprint, caps)
-            plan.rows = old.rows
-            return plan
-        return resume_plan(loads, old, resume.step, config, seed, resume.epoch, self.fingerprint, caps or old_caps)
+        return self.planning.replan(old, resume.step, config, seed, resume.epoch, caps or old_caps, loads)
 
     def check_resumed_plan(self, resume: Resume, replanned: str) -> None:
         """A resume continues only the job it claims to: the old job's settings, re-planned over this server's
@@ -189,16 +169,13 @@ class Dataset:
 
     def planned_loads(self, plan: Plan) -> SampleLoads | MappedLoads:
         """The loads a plan's members index (a mixture plan's rows, else the one index's)."""
-        return plan.rows.loads if self.mixture else self.parts[0].loads
+        return self.planning.planned_loads(plan)
 
     # -- steps ---------------------------------------------------------------------------------------------
 
     def members(self, plan: Plan, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(part, sample id there) of plan members `ids`."""
-        ids = np.asarray(ids, dtype=np.int64)
-        if self.mixture:
-            return plan.rows.datasets[ids], plan.rows.sample_ids[ids]
-        return np.zeros(len(ids), dtype=np.int32), ids
+        return self.planning.members(plan, ids)
 
     def work(self, plan: Plan, step: int, rank: int) -> RankStepWork:
         """What a worker needs to prepare one rank's packs of one step."""

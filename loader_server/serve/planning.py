@@ -1,0 +1,108 @@
+"""How a served dataset's epochs are planned, behind one interface (`Planning`): over its one index, as
+`packfeed plan --index` plans it (`IndexPlanning`), or over the union of a mixture's indexes, each pack member
+named by its dataset and its sample there (`MixturePlanning`). A `Dataset` asks its planning and never which
+kind it has; each kind plans exactly as the planner does for it (the plans' fingerprints are pinned in tests)."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import numpy as np
+
+from packfeed.server.plan.costs import SampleLoads
+from packfeed.server.plan.isf import Caps
+from packfeed.server.plan.mapped_loads import MappedLoads
+from packfeed.server.plan.mixture import MixtureLoads, make_mixture_plan
+from packfeed.server.plan.plan_file import Plan
+from packfeed.server.plan.planner import make_plan, resolve_caps
+from packfeed.server.plan.resume import resume_plan
+from packfeed.server.plan.windows import WindowedPlan
+from packfeed.v1.options import PlanConfig
+
+
+class Planning(Protocol):
+    """`loads`, where a method takes it: what `shared_loads()` gave, so several plans in a row read them once."""
+
+    fingerprint: str  # what the plans are a function of, beside their settings: the index's, or the mixture's
+
+    def shared_loads(self) -> SampleLoads | None:
+        """Every sample's loads in memory, for a caller planning several epochs in a row (None: each plan
+        reads what it needs)."""
+
+    def caps(self, config: PlanConfig, loads: SampleLoads | None = None) -> Caps: ...
+
+    def plan_epoch(self, config: PlanConfig, seed: int, epoch: int, caps: Caps | None,
+                   loads: SampleLoads | None = None) -> Plan | WindowedPlan: ...
+
+    def replan(self, old: Plan | WindowedPlan, steps: int, config: PlanConfig, seed: int, epoch: int,
+               caps: Caps | None, loads: SampleLoads | None = None) -> Plan:
+        """What `old` left of its epoch after `steps` steps, planned with `config` (plan.resume)."""
+
+    def planned_loads(self, plan: Plan) -> SampleLoads | MappedLoads:
+        """The loads a plan's members index."""
+
+    def members(self, plan: Plan, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(part, sample id there) of plan members `ids`."""
+
+
+class IndexPlanning:
+    def __init__(self, loads: SampleLoads | MappedLoads, fingerprint: str):
+        self.loads, self.fingerprint = loads, fingerprint
+
+    def shared_loads(self) -> SampleLoads:
+        """17 bytes a sample while a whole epoch is planned (the mapped columns read into memory)."""
+        if isinstance(self.loads, SampleLoads):
+            return self.loads
+        return self.loads.subset(np.arange(len(self.loads)))
+
+    def caps(self, config: PlanConfig, loads: SampleLoads | None = None) -> Caps:
+        return resolve_caps(self.shared_loads() if loads is None else loads, config)
+
+    def plan_epoch(self, config: PlanConfig, seed: int, epoch: int, caps: Caps | None,
+                   loads: SampleLoads | None = None) -> Plan | WindowedPlan:
+        if config.window:
+            return WindowedPlan(self.loads, config, seed, epoch, config.window, self.fingerprint, caps)
+        return make_plan(self.shared_loads() if loads is None else loads, config, seed, epoch, self.fingerprint,
+                         caps=caps)
+
+    def replan(self, old, steps, config, seed, epoch, caps, loads=None) -> Plan:
+        return resume_plan(self.shared_loads() if loads is None else loads, old, steps, config, seed, epoch,
+                           self.fingerprint, caps)
+
+    def planned_loads(self, plan: Plan) -> SampleLoads | MappedLoads:
+        return self.loads
+
+    def members(self, plan: Plan, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        ids = np.asarray(ids, dtype=np.int64)
+        return np.zeros(len(ids), dtype=np.int32), ids
+
+
+class MixturePlanning:
+    def __init__(self, mixture: MixtureLoads):
+        self.mixture, self.fingerprint = mixture, mixture.fingerprint
+
+    def shared_loads(self) -> None:
+        return None  # each epoch's rows differ (repeats, subsets): every plan gathers its own
+
+    def caps(self, config: PlanConfig, loads: SampleLoads | None = None) -> Caps:
+        return resolve_caps(self.mixture.once().loads, config)  # every valid sample once: the same each epoch
+
+    def plan_epoch(self, config: PlanConfig, seed: int, epoch: int, caps: Caps | None,
+                   loads: SampleLoads | None = None) -> Plan | WindowedPlan:
+        if config.window:
+            return self.mixture.windowed(config, seed, epoch, caps)
+        return make_mixture_plan(self.mixture, config, seed, epoch, caps)
+
+    def replan(self, old, steps, config, seed, epoch, caps, loads=None) -> Plan:
+        """The old epoch's rows keep their positions (the same repeats and subset), so packs name the same
+        datasets and samples."""
+        plan = resume_plan(old.rows.loads, old, steps, config, seed, epoch, self.fingerprint, caps)
+        plan.rows = old.rows
+        return plan
+
+    def planned_loads(self, plan: Plan) -> SampleLoads | MappedLoads:
+        return plan.rows.loads
+
+    def members(self, plan: Plan, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        ids = np.asarray(ids, dtype=np.int64)
+        return plan.rows.datasets[ids], plan.rows.sample_ids[ids]
