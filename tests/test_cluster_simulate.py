@@ -23,9 +23,9 @@ from packfeed.trainer.simulate.model_shape import (
     Transformer,
     load_model,
 )
-from packfeed.trainer.simulate.placement import Layout, encoder_deadlines, simulate_step, split_tiles, step_costs
+from packfeed.trainer.parallel.schedules import encoder_deadlines, pipeline_order, split_tiles
+from packfeed.trainer.simulate.placement import Layout, simulate_step, step_costs
 from packfeed.trainer.simulate.predict import Settings, search_allocation, simulate_plan
-from packfeed.trainer.simulate.schedule import pipeline_order
 from packfeed.server.cli.simulate import make_workload
 from packfeed.trainer.simulate.workload import planner_cost_model
 

@@ -195,3 +195,53 @@ def test_the_circle_rule_sees_a_circle():
     (found,) = circles(graph)  # job_spec -> jobs -> (datasets ->) job_spec
     assert {"packfeed.server.serve.job_spec", "packfeed.server.serve.jobs"} <= set(found)
     assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+# The trainer's and the client's floors, bottom up: a module imports its own floor or those below, never above.
+# Trainer: the padded step shapes, the models (layer lists), their settings, parallelism applied to a layer list,
+# the simulator, then the loop and what it composes. Client: the wire and the tensors made of it, the channel,
+# decoding and the HF model inputs, the receiving thread and saved states, the stream, the loaders, the framework
+# integrations. (A package's __init__ re-exports its room: it stands on top.)
+FLOORS = {
+    "packfeed.trainer": {"batch": 0, "models": 1, "config": 2, "parallel": 3, "simulate": 4, "data": 5,
+                         "metrics": 5, "checkpoint": 5, "decisions": 5, "hf_train": 5, "train": 6, "__main__": 7},
+    "packfeed.client": {"wire": 0, "attention": 0, "discovery": 0, "tensors": 1, "channel": 1, "decode": 2, "hf": 2,
+                        "receiver": 3, "resume": 3, "local": 3, "stream": 4, "loaders": 5, "hf_trainer": 6,
+                        "lightning": 6, "sft_trainer": 7},
+}
+
+
+def floor_of(module: str) -> tuple[str, int] | None:
+    """(room, floor) of a module of a room with floors; None elsewhere (and for a room's __init__: the top)."""
+    for room, floors in FLOORS.items():
+        if module.startswith(room + "."):
+            return room, floors[module[len(room) + 1:].split(".")[0]]
+    return None
+
+
+def climbs(graph: dict[str, set[str]]) -> list[str]:
+    """Imports from a floor to a higher one of the same room."""
+    found = []
+    for module, imported in graph.items():
+        own = floor_of(module)
+        for name in imported:
+            other = floor_of(name)
+            if own and other and own[0] == other[0] and other[1] > own[1]:
+                found.append(f"{module} (floor {own[1]}) imports {name} (floor {other[1]})")
+    return sorted(found)
+
+
+def test_the_trainer_and_the_client_import_no_floor_above():
+    graph = import_graph()
+    rooms = {module.split(".")[2] for module in graph if module.startswith(tuple(f"{r}." for r in FLOORS))}
+    known = {name for floors in FLOORS.values() for name in floors}
+    assert rooms <= known, f"modules on no floor: {sorted(rooms - known)} (add them to FLOORS)"
+    assert climbs(graph) == []
+
+
+def test_the_floor_rule_sees_a_climb():
+    graph = import_graph()
+    graph["packfeed.trainer.models.reference"] = graph["packfeed.trainer.models.reference"] | {"packfeed.trainer.data"}
+    graph["packfeed.client.tensors"] = graph["packfeed.client.tensors"] | {"packfeed.client.stream"}
+    assert climbs(graph) == ["packfeed.client.tensors (floor 1) imports packfeed.client.stream (floor 4)",
+                             "packfeed.trainer.models.reference (floor 1) imports packfeed.trainer.data (floor 5)"]

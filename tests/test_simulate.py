@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from packfeed.trainer.parallel.profile import LayerProfile
-from packfeed.trainer.simulate.calibrated import Features, fit_layer_costs
+from packfeed.trainer.models.layer_model import Features
+from packfeed.trainer.simulate.calibrated import fit_layer_costs
 
 
 def test_fit_recovers_linear_and_quadratic_terms():

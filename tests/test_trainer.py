@@ -204,7 +204,7 @@ def test_config_is_checked_at_start_and_never_changed(tmp_path):
 
     import pytest
     from packfeed.trainer.config import load_config
-    from packfeed.trainer.data import sized_model
+    from packfeed.trainer.models.reference import sized_model
     from packfeed.v1 import packfeed_pb2 as pb
 
     for override, message in (("partition.mode=fastest", "PartitionConfig.mode"),

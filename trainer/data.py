@@ -4,28 +4,14 @@ pipeline's fixed-shape microbatches and can buffer steps for trials without losi
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from packfeed.trainer.batch import Microbatches
 from packfeed.trainer.config import TrainConfig
-from packfeed.trainer.models.reference import VLMConfig
 from packfeed.trainer.parallel.mesh import Mesh, broadcast_object
 from packfeed.v1 import packfeed_pb2 as pb
-
-
-def sized_model(model: VLMConfig, conventions: pb.ModelConventions) -> VLMConfig:
-    """`model` with the tile size, tokens per tile and vocabulary of the job's dataset (as its server reports
-    them): the packs decide these, not the user. A new config; the one given is not changed."""
-    policy = conventions.image_policy
-    if not policy.tile_size or not policy.tokens_per_tile:
-        raise ValueError(f"the dataset's image policy {policy.name!r} makes images of varying size; the reference "
-                         "trainer needs square tiles (index with --image-policy internvl or fixed)")
-    vocab = max(model.vocab_size, -(-conventions.vocab_size // 64) * 64)
-    return dataclasses.replace(model, tile_size=policy.tile_size, tokens_per_tile=policy.tokens_per_tile,
-                               vocab_size=vocab)
 
 
 def job_conventions(stream, mesh: Mesh) -> pb.ModelConventions:

@@ -27,7 +27,7 @@ from packfeed.trainer.config import TrainConfig, dump_config, load_config
 from packfeed.trainer.data import StepSource, job_conventions, open_stream
 from packfeed.trainer.metrics import step_record, write_record
 from packfeed.trainer.models import build_model
-from packfeed.trainer.parallel.decisions import (
+from packfeed.trainer.decisions import (
     decide_partition,
     decide_recompute,
     decision_key,
@@ -124,33 +124,33 @@ def train_on(config: TrainConfig, mesh: Mesh, target: str, out: Path) -> dict:
             f"{conventions.vocab_size}): {model.describe()}")
         source = StepSource(stream, model, config.data.token_multiple, mesh.dp, config.data.collate) \
             if stream is not None else None
-        trainer = RankStages(config, mesh, model, source)
+        stages = RankStages(config, mesh, model, source)
         key = decision_key(config, model, mesh)
 
         # the checkpoint's weights belong to its partition
-        bounds, measured = decide_partition(trainer, config, mesh, out, key, resumed["bounds"] if resumed else None)
+        bounds, measured = decide_partition(stages, config, mesh, out, key, resumed["bounds"] if resumed else None)
         if measured is not None:
             cost_model = export_cost_model(measured, conventions, out / "cost_model.json")
             log(mesh, f"cost model measured on this hardware written to {out / 'cost_model.json'} {cost_model}: a later "
                 f"run balances packs on it with data.cost_model={out / 'cost_model.json'}")
-        recompute = decide_recompute(trainer, config, mesh, bounds, out, key)
-        log(mesh, f"rank {mesh.stage}: stages {trainer.stage_ids}, layers {trainer.layer_ids(bounds)} "
-            f"{trainer.rank_kinds(bounds)}, recompute {recompute.layers} "
+        recompute = decide_recompute(stages, config, mesh, bounds, out, key)
+        log(mesh, f"rank {mesh.stage}: stages {stages.stage_ids}, layers {stages.layer_ids(bounds)} "
+            f"{stages.rank_kinds(bounds)}, recompute {recompute.layers} "
             f"(budget {recompute.budget_bytes / 2**20:.0f} MiB, measured {recompute.measured})",
             everyone=mesh.replica == 0)
         if not recompute.fits:
             log(mesh, f"rank {mesh.stage} does not fit its {recompute.budget_bytes / 2**20:.0f} MiB budget even with "
                 f"every block recomputed ({max(recompute.measured.values()) / 2**20:.0f} MiB measured): raise "
                 f"recompute.budget_mb, use more pipeline stages or smaller packs", everyone=True)
-        stage_table(trainer, mesh, bounds, recompute, out)
-        if trainer.phases:
-            log(mesh, f"the encoder (layers 0:{trainer.first_layer}) runs on every rank over the images the plan "
+        stage_table(stages, mesh, bounds, recompute, out)
+        if stages.phases:
+            log(mesh, f"the encoder (layers 0:{stages.first_layer}) runs on every rank over the images the plan "
                 "routes to it; an all-to-all hands each output to the rank whose pack consumes it")
-        if trainer.bubbles:
-            log(mesh, f"the encoder (layers 0:{trainer.first_layer}) runs on every pipeline rank in the bubbles of "
+        if stages.bubbles:
+            log(mesh, f"the encoder (layers 0:{stages.first_layer}) runs on every pipeline rank in the bubbles of "
                 f"the {config.parallel.schedule} schedule; the stages hold layers {bounds[0]}:{bounds[-1]}")
         meta = {"bounds": bounds, "recompute": recompute.layers}
-        loop = Loop(trainer, out, meta, resume_from)
+        loop = Loop(stages, out, meta, resume_from)
         history = loop.run(resumed["steps_done"] if resumed else 0)
         summary = {"bounds": bounds, "recompute": recompute.layers, "steps": len(history),
                    "final_loss": history[-1]["loss"] if history else None}
@@ -162,15 +162,15 @@ class Loop:
     schedule and checkpoints (`meta`: what a checkpoint records beside the weights; `resume_from`: the checkpoint
     to load first). Rank 0 writes one metrics line per step."""
 
-    def __init__(self, trainer: RankStages, out: Path, meta: dict, resume_from: Path | None = None):
-        config = trainer.config
-        self.trainer, self.config, self.mesh, self.out, self.meta = trainer, config, trainer.mesh, out, meta
-        self.tied: TiedParameters = trainer.tied
-        self.optimizer = torch.optim.AdamW(trainer.parameters(), lr=config.optim.lr,
+    def __init__(self, stages: RankStages, out: Path, meta: dict, resume_from: Path | None = None):
+        config = stages.config
+        self.stages, self.config, self.mesh, self.out, self.meta = stages, config, stages.mesh, out, meta
+        self.tied: TiedParameters = stages.tied
+        self.optimizer = torch.optim.AdamW(stages.parameters(), lr=config.optim.lr,
                                            weight_decay=config.optim.weight_decay)
         warmup = max(config.optim.warmup_steps, 1)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: min(1.0, (s + 1) / warmup))
-        self.holder = checkpoint.rank_layers(trainer)
+        self.holder = checkpoint.rank_layers(stages)
         if resume_from:
             checkpoint.load_sharded(resume_from, self.holder, self.optimizer, self.scheduler)
 
@@ -190,8 +190,8 @@ class Loop:
         return history
 
     def step(self) -> dict | None:
-        trainer, mesh, config = self.trainer, self.mesh, self.config
-        source = trainer.source
+        stages, mesh, config = self.stages, self.mesh, self.config
+        source = stages.source
         started = time.perf_counter()
         wait_before = source.data_wait_s if source else 0.0
         batch = source.next() if source else None
@@ -206,25 +206,25 @@ class Loop:
         if mesh.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(mesh.device)
         pipeline_started, busy_started = time.perf_counter(), time.process_time()
-        losses = trainer.run_schedule(shape, batch)
+        losses = stages.run_schedule(shape, batch)
         # CPU time of this process while the schedule ran ~ its compute (a blocked receive sleeps)
         busy = time.process_time() - busy_started if mesh.device.type == "cpu" else float("nan")
         pipeline_s = time.perf_counter() - pipeline_started
         self.tied.sync_gradients()
-        grad_norm = clip_gradients(trainer.norm_parameters(), mesh, config.optim.clip_grad_norm)
+        grad_norm = clip_gradients(stages.norm_parameters(), mesh, config.optim.clip_grad_norm)
         self.optimizer.step()
         self.scheduler.step()
-        trainer.sync()
+        stages.sync()
         elapsed = time.perf_counter() - started
         wait = (source.data_wait_s - wait_before) if source else 0.0
         peak = torch.cuda.max_memory_allocated(mesh.device) if mesh.device.type == "cuda" else 0
-        record = step_record(mesh, shape, batch, losses, elapsed, wait, config, busy, pipeline_s, peak, trainer.model)
+        record = step_record(mesh, shape, batch, losses, elapsed, wait, config, busy, pipeline_s, peak, stages.model)
         record["grad_norm"] = grad_norm
-        record.update(getattr(trainer.runner, "last_stats", {}))  # the encoder apart: its seconds, the all-to-all
+        record.update(getattr(stages.runner, "last_stats", {}))  # the encoder apart: its seconds, the all-to-all
         return record
 
     def save(self, steps_done: int) -> None:
-        source = self.trainer.source
+        source = self.stages.source
         checkpoint.save_sharded(self.out / "checkpoints", steps_done, self.mesh, self.holder, self.optimizer,
                                 self.scheduler, source.state_dict() if source else None, self.meta,
                                 self.config.checkpoint.keep)

@@ -21,7 +21,7 @@ from packfeed.trainer.simulate.placement import ENCODERS, Layout, simulate_step
 from packfeed.trainer.simulate.predict import Prediction, Settings, pipeline_costs, simulate_plan
 from packfeed.trainer.simulate.report import draw_timeline, table
 from packfeed.trainer.simulate.routed import Routing
-from packfeed.trainer.simulate.schedule import SCHEDULES
+from packfeed.trainer.parallel.schedules import SCHEDULES
 from packfeed.trainer.simulate.workload import STRATEGIES, Workload, planner_cost_model, workload_of
 from packfeed.v1.options import CostModel, PlanConfig, Strategy
 

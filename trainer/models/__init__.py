@@ -10,8 +10,7 @@ from typing import Any
 import torch
 
 from packfeed.trainer.batch import Microbatches, StepShape
-from packfeed.trainer.models.layer_model import LayerModel, VisionSplit
-from packfeed.trainer.simulate.calibrated import Features
+from packfeed.trainer.models.layer_model import Features, LayerModel, VisionSplit, features_of_carrier
 
 
 class ReferenceModel:
@@ -48,8 +47,6 @@ class ReferenceModel:
         return example_carrier(self.config, before_layer, shape.tokens, shape.tiles, shape.samples, device, dtype)
 
     def features(self, carrier: tuple[torch.Tensor, ...]) -> Features:
-        from packfeed.trainer.simulate.calibrated import features_of_carrier
-
         return features_of_carrier(carrier)
 
     # --- SeparableEncoder: pixels (tiles, 3, S, S) -> features (tiles, tokens_per_tile, D) -------------------
@@ -100,6 +97,6 @@ def build_model(config, conventions: Any, device: torch.device) -> LayerModel:
 
         return HFLayerModel(config.hf, conventions, dict(config.hf_config),
                             attention_implementation(config.hf_attention, device, packed=True), config.seed)
-    from packfeed.trainer.data import sized_model
+    from packfeed.trainer.models.reference import sized_model
 
     return ReferenceModel(sized_model(config, conventions))

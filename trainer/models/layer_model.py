@@ -1,16 +1,34 @@
-"""The interface every trained model offers (`LayerModel`: a flat list of layers a pipeline can cut anywhere), and
-what a model adds to train its encoder apart (`SeparableEncoder`, `VisionSplit`)."""
+"""The interface every trained model offers (`LayerModel`: a flat list of layers a pipeline can cut anywhere), what
+a microbatch's cost depends on (`Features`), and what a model adds to train its encoder apart
+(`SeparableEncoder`, `VisionSplit`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
 import torch
 from torch import nn
 
 from packfeed.trainer.batch import Microbatches, StepShape
-from packfeed.trainer.simulate.calibrated import Features
+
+
+@dataclass(frozen=True)
+class Features:
+    """What a (padded) microbatch costs depend on."""
+
+    tiles: int
+    tokens: int
+    square: float  # sum of squared sample lengths, the padding tail counted as one more sample
+
+
+def features_of_carrier(carrier) -> Features:
+    """Features of a first-stage carrier (pixels, input_ids, position_ids, cu_seqlens, ...)."""
+    pixels, input_ids, _, cu_seqlens = carrier[:4]
+    bounds = cu_seqlens.long().tolist()
+    lengths = np.diff(bounds + [input_ids.numel()])
+    return Features(int(pixels.shape[0]), int(input_ids.numel()), float((lengths.astype(np.float64) ** 2).sum()))
 
 
 class LayerModel(Protocol):

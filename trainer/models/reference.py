@@ -19,12 +19,14 @@ from __future__ import annotations
 
 import math
 import typing
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from packfeed.v1 import packfeed_pb2 as pb
 
 IGNORE_INDEX = -100
 IMAGE_MEAN = (0.485, 0.456, 0.406)  # ImageNet statistics, as InternVL normalises its tiles
@@ -291,3 +293,14 @@ def run_layers(layers, carrier: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor,
     for layer in layers:
         carrier = layer(*carrier)
     return carrier
+
+
+def sized_model(model: VLMConfig, conventions: pb.ModelConventions) -> VLMConfig:
+    """`model` with the tile size, tokens per tile and vocabulary of the job's dataset (as its server reports
+    them): the packs decide these, not the user. A new config; the one given is not changed."""
+    policy = conventions.image_policy
+    if not policy.tile_size or not policy.tokens_per_tile:
+        raise ValueError(f"the dataset's image policy {policy.name!r} makes images of varying size; the reference "
+                         "trainer needs square tiles (index with --image-policy internvl or fixed)")
+    vocab = max(model.vocab_size, -(-conventions.vocab_size // 64) * 64)
+    return replace(model, tile_size=policy.tile_size, tokens_per_tile=policy.tokens_per_tile, vocab_size=vocab)

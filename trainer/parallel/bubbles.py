@@ -4,10 +4,10 @@ tiles in its schedule's idle time.
 
 One step on one rank:
 1. The first stage tells its replica how many real tiles each microbatch holds; every rank derives the same
-   balanced split (`packfeed.trainer.simulate.placement.split_tiles`, the simulator's) and the first stage sends
+   balanced split (`packfeed.trainer.parallel.schedules.split_tiles`, the simulator's too) and the first stage sends
    each rank the pixels of its shares.
-2. The rank runs its 1F1B (or GPipe) order of LLM operations (`packfeed.trainer.simulate.schedule`, the
-   simulator's). Whenever the next operation waits for a message, the rank runs encoder work instead, one
+2. The rank runs its 1F1B (or GPipe) order of LLM operations (`packfeed.trainer.parallel.schedules`, the
+   simulator's too). Whenever the next operation waits for a message, the rank runs encoder work instead, one
    encoder layer at a time: the forward of its next share (in microbatch order), else the backward of a share
    whose embedding gradients have come back.
 3. Deadlines keep the first stage fed (`encoder_deadlines`, the simulator's rule): where the first stage's order
@@ -38,8 +38,7 @@ from torch import nn
 
 from packfeed.trainer.batch import StepShape
 from packfeed.trainer.parallel.mesh import Mesh
-from packfeed.trainer.simulate.placement import encoder_deadlines, split_tiles
-from packfeed.trainer.simulate.schedule import pipeline_order
+from packfeed.trainer.parallel.schedules import encoder_deadlines, pipeline_order, split_tiles
 
 PIXELS, FEATURES, FEATURE_GRADS, ACTIVATIONS, GRADS = range(1, 6)
 

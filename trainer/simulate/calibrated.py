@@ -10,26 +10,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
+
+from packfeed.trainer.models.layer_model import Features
 from packfeed.trainer.parallel.profile import LayerProfile
 
 VISION_KINDS = ("vision_embed", "vit", "projector")
-
-
-@dataclass(frozen=True)
-class Features:
-    """What a (padded) microbatch costs depend on."""
-
-    tiles: int
-    tokens: int
-    square: float  # sum of squared sample lengths, the padding tail counted as one more sample
-
-
-def features_of_carrier(carrier) -> Features:
-    """Features of a first-stage carrier (pixels, input_ids, position_ids, cu_seqlens, ...)."""
-    pixels, input_ids, _, cu_seqlens = carrier[:4]
-    bounds = cu_seqlens.long().tolist()
-    lengths = np.diff(bounds + [input_ids.numel()])
-    return Features(int(pixels.shape[0]), int(input_ids.numel()), float((lengths.astype(np.float64) ** 2).sum()))
 
 
 @dataclass

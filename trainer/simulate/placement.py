@@ -30,7 +30,8 @@ import numpy as np
 from packfeed.trainer.simulate.cluster import Cluster, megatron_rank
 from packfeed.trainer.simulate.model_shape import TILES, VISION_SQUARE, LayerTable
 from packfeed.trainer.simulate.routed import routed_step
-from packfeed.trainer.simulate.schedule import Run, Task, pipeline_order, run_tasks
+from packfeed.trainer.parallel.schedules import encoder_deadlines, pipeline_order, split_tiles
+from packfeed.trainer.simulate.schedule import Run, Task, run_tasks
 
 Encoder = Literal["stages", "bubbles", "disaggregated", "phases"]
 ENCODERS: tuple[str, ...] = ("stages", "bubbles", "disaggregated", "phases")
@@ -145,20 +146,6 @@ def _pipeline_tasks(costs: StepCosts, layout: Layout, loads: np.ndarray, cluster
     return index, orders
 
 
-def split_tiles(tiles: Sequence[int], parts: int) -> np.ndarray:
-    """(microbatches, parts) whole tiles per part: each microbatch's tiles split evenly, remainders to the
-    parts with the fewest tiles so far (a balanced share of the step)."""
-    shares = np.zeros((len(tiles), parts), dtype=np.int64)
-    totals = np.zeros(parts, dtype=np.int64)
-    for j, t in enumerate(tiles):
-        shares[j] = int(t) // parts
-        extra = int(t) % parts
-        if extra:
-            shares[j, np.argsort(totals, kind="stable")[:extra]] += 1
-        totals += shares[j]
-    return shares
-
-
 def _share_load(load: np.ndarray, share: float, tiles: float) -> np.ndarray:
     """An encoder task's load row: `share` of the microbatch's tiles (and of their squared lengths)."""
     row = np.zeros_like(load)
@@ -167,18 +154,6 @@ def _share_load(load: np.ndarray, share: float, tiles: float) -> np.ndarray:
         row[TILES] = share
         row[VISION_SQUARE] = load[VISION_SQUARE] * share / tiles
     return row
-
-
-def encoder_deadlines(schedule: str, stages: int, m: int, chunks: int = 1) -> dict[int, list[tuple[int, int]]]:
-    """Microbatch j -> the backwards (chunk, i) right before which the first stage's order runs F(j): no rank
-    can let the first stage reach F(j) before passing its own B(i), so a colocated encoder that finishes its
-    share of j before its B(i) never makes the first stage wait (the rule `parallel.encoder=bubbles` runs)."""
-    first = pipeline_order(schedule, 0, stages, m, chunks)
-    due: dict[int, list[tuple[int, int]]] = {}
-    for (kind, chunk, i), (next_kind, next_chunk, j) in zip(first, first[1:]):
-        if next_kind == "F" and next_chunk == 0 and kind == "B":
-            due.setdefault(j, []).append((chunk, i))
-    return due
 
 
 def _encoder_tasks(costs: StepCosts, loads: np.ndarray, devices: Sequence[int], ranks: Sequence[int],

@@ -1,7 +1,5 @@
-"""Pipeline schedules and the event-driven engine that runs a step's operations on GPUs.
-
-Schedules give each pipeline rank its operations in order: ("F" | "B", chunk, microbatch). Chunk c of rank s
-is virtual stage c * P + s (Megatron's interleaving); 1F1B and GPipe have one chunk.
+"""The event-driven engine that runs a step's operations on GPUs, in the orders of the pipeline schedules
+(`packfeed.trainer.parallel.schedules`: each rank's ("F" | "B", chunk, microbatch) in turn).
 
 The engine runs two kinds of tasks:
 - scheduled tasks, in their device's order, each as soon as its inputs have arrived;
@@ -19,55 +17,6 @@ import heapq
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Literal
-
-Schedule = Literal["1f1b", "gpipe", "interleaved_1f1b"]
-SCHEDULES: tuple[str, ...] = ("1f1b", "gpipe", "interleaved_1f1b")
-Op = tuple[str, int, int]  # ("F" | "B", chunk, microbatch)
-
-
-def one_f_one_b(stage: int, stages: int, m: int) -> list[Op]:
-    warmup = min(stages - stage - 1, m)
-    order: list[Op] = [("F", 0, j) for j in range(warmup)]
-    for j in range(m):
-        if warmup + j < m:
-            order.append(("F", 0, warmup + j))
-        order.append(("B", 0, j))
-    return order
-
-
-def gpipe(stage: int, stages: int, m: int) -> list[Op]:
-    return [("F", 0, j) for j in range(m)] + [("B", 0, j) for j in range(m)]
-
-
-def interleaved_1f1b(stage: int, stages: int, m: int, chunks: int) -> list[Op]:
-    """Megatron's interleaved 1F1B: microbatches in groups of P, each group through every chunk in turn."""
-    if m % stages:
-        raise ValueError(f"interleaved 1F1B needs the microbatches ({m}) to be a multiple of the stages ({stages})")
-    total = m * chunks
-
-    def op(kind: str, k: int) -> Op:
-        chunk = (k // stages) % chunks
-        return kind, chunk if kind == "F" else chunks - 1 - chunk, (k // (stages * chunks)) * stages + k % stages
-
-    warmup = min((stages - stage - 1) * 2 + (chunks - 1) * stages, total)
-    order = [op("F", k) for k in range(warmup)]
-    for k in range(total - warmup):
-        order += [op("F", warmup + k), op("B", k)]
-    return order + [op("B", k) for k in range(total - warmup, total)]
-
-
-def pipeline_order(schedule: str, stage: int, stages: int, m: int, chunks: int = 1) -> list[Op]:
-    if schedule == "interleaved_1f1b":
-        return interleaved_1f1b(stage, stages, m, chunks)
-    if chunks != 1:
-        raise ValueError(f"{schedule} runs one chunk per stage; virtual stages need interleaved_1f1b")
-    if schedule == "1f1b":
-        return one_f_one_b(stage, stages, m)
-    if schedule == "gpipe":
-        return gpipe(stage, stages, m)
-    raise ValueError(f"schedule must be one of {', '.join(SCHEDULES)}, not {schedule!r}")
-
 
 @dataclass
 class Task:

@@ -20,10 +20,9 @@ import torch
 from torch import nn
 
 from packfeed.trainer.batch import Microbatches, StepShape
-from packfeed.trainer.models.layer_model import VisionSplit
+from packfeed.trainer.models.layer_model import Features, VisionSplit
 from packfeed.trainer.models.hf import layers as L
 from packfeed.trainer.models.hf.build import build_hf_model
-from packfeed.trainer.simulate.calibrated import Features
 
 META = ("input_ids", "positions", "bounds", "labels", "vision_positions")
 TEXT = ("hidden", "positions", "bounds", "labels")

@@ -15,18 +15,19 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from packfeed.trainer.parallel import partition as partitioning
 from packfeed.trainer.batch import Microbatches
 from packfeed.trainer.config import TrainConfig
+from packfeed.trainer.models.layer_model import Features
+from packfeed.trainer.parallel import partition as partitioning
 from packfeed.trainer.parallel.mesh import Mesh, broadcast_object, log
 from packfeed.trainer.parallel.pipeline import autocast_dtype, validate_partition
 from packfeed.trainer.parallel.profile import profile_layers, synchronize
 from packfeed.trainer.parallel.recompute import RecomputeDecision, adaptive_recompute
-from packfeed.trainer.simulate.calibrated import VISION_KINDS, Features, fit_layer_costs, planner_cost_model
+from packfeed.trainer.simulate.calibrated import VISION_KINDS, fit_layer_costs, planner_cost_model
 from packfeed.v1 import packfeed_pb2 as pb
 
 if TYPE_CHECKING:
-    from packfeed.trainer.parallel.stages import RankStages as Trainer
+    from packfeed.trainer.parallel.stages import RankStages
 
 
 def decision_key(config: TrainConfig, model, mesh: Mesh) -> str:
@@ -55,11 +56,11 @@ def load_decision(path: Path, key: str) -> dict | None:
     return None
 
 
-def trial_batches(trainer: Trainer, n: int) -> list[Microbatches | None]:
+def trial_batches(rank_stages: RankStages, n: int) -> list[Microbatches | None]:
     """The first stage's buffered steps for trials (others pass None and learn the shape by broadcast)."""
-    if trainer.source is None:
+    if rank_stages.source is None:
         return [None] * n
-    batches = trainer.source.peek(n)
+    batches = rank_stages.source.peek(n)
     if len(batches) < n:
         raise RuntimeError(f"the stream ended after {len(batches)} steps; trials need {n}: lower "
                            f"partition.profile_steps / trial_steps or give the job more data")
@@ -74,12 +75,12 @@ class LayerMeasurements:
     features: list[Features]
 
 
-def decide_partition(trainer: Trainer, config: TrainConfig, mesh: Mesh, out: Path, key: str,
+def decide_partition(rank_stages: RankStages, config: TrainConfig, mesh: Mesh, out: Path, key: str,
                      given: list[int] | None = None) -> tuple[list[int], LayerMeasurements | None]:
     """The stage bounds: `given` (a checkpoint's), partition.bounds, the saved decision, a split by layers or
     parameters, or the search (OmniBal 4.2). Also what the search measured, on rank 0 (else None)."""
-    p, n_layers, stages = config.partition, len(trainer.kinds), trainer.n_stages
-    first = trainer.first_layer  # > 0: the encoder runs in the bubbles, outside the partition
+    p, n_layers, stages = config.partition, len(rank_stages.kinds), rank_stages.n_stages
+    first = rank_stages.first_layer  # > 0: the encoder runs in the bubbles, outside the partition
     if given or p.bounds:
         return validate_partition(list(given or p.bounds), n_layers, stages, first), None
     path = out / "partition.json"
@@ -89,28 +90,28 @@ def decide_partition(trainer: Trainer, config: TrainConfig, mesh: Mesh, out: Pat
         return validate_partition(saved["bounds"], n_layers, stages, first), None
     if p.mode != "search" or stages == 1:
         weights = [1.0] * n_layers if p.mode != "params" else \
-            [float(sum(q.numel() for q in layer.parameters())) for layer in trainer.layers]
+            [float(sum(q.numel() for q in layer.parameters())) for layer in rank_stages.layers]
         return [first + b for b in partitioning.split_by_weight(weights[first:], stages)], None
     profiled, measured = None, None
     if mesh.rank == 0:  # profile on the first replica's data, on one device
-        batches = trainer.source.peek(p.profile_steps)
+        batches = rank_stages.source.peek(p.profile_steps)
         microbatches = [tuple(a.tensor_split(config.data.microbatches)[m] for a in b.args)
                         for b in batches for m in range(config.data.microbatches)]
         precision = autocast_dtype(config.parallel.precision)
-        trainer.place(list(range(n_layers)))  # rank 0 profiles every layer on its device
+        rank_stages.place(list(range(n_layers)))  # rank 0 profiles every layer on its device
         with torch.autocast(mesh.device.type, dtype=precision or torch.float32, enabled=precision is not None):
-            profile = profile_layers(trainer.layers, trainer.kinds, microbatches, mesh.device, repeats=1)
-        measured = LayerMeasurements(profile, [trainer.model.features(mb) for mb in microbatches])
+            profile = profile_layers(rank_stages.layers, rank_stages.kinds, microbatches, mesh.device, repeats=1)
+        measured = LayerMeasurements(profile, [rank_stages.model.features(mb) for mb in microbatches])
         features = [asdict(f) for f in measured.features]
         profiled = profile, features, p.comm_gbps or measure_bandwidth_gbps(mesh)
     profile, features, comm_gbps = broadcast_object(profiled, mesh)
-    batches = trial_batches(trainer, p.trial_steps)
+    batches = trial_batches(rank_stages, p.trial_steps)
 
     def measure(bounds: list[int]) -> float:  # every rank times every short-listed candidate together
-        trainer.use(bounds)
-        trainer.trial(batches[:1])  # warm-up: schedules, allocator
+        rank_stages.use(bounds)
+        rank_stages.trial(batches[:1])  # warm-up: schedules, allocator
         # the median step (slowest rank each): one step disturbed by the machine does not decide the partition
-        return statistics.median(trainer.trial([batch]) for batch in batches)
+        return statistics.median(rank_stages.trial([batch]) for batch in batches)
 
     decision = partitioning.search_partition(profile[first:], stages, radius=p.radius, top_k=max(p.top_k, 1),
                                              comm_gbps=comm_gbps, measure=lambda b: measure([first + x for x in b]))
@@ -120,7 +121,7 @@ def decide_partition(trainer: Trainer, config: TrainConfig, mesh: Mesh, out: Pat
     log(mesh, "partition search (stage times from the layer profile; measured = real pipeline step):\n"
         + partitioning.format_table(decision))
     if mesh.rank == 0:
-        record = {"key": key, **decision.to_dict(), "kinds": trainer.kinds}
+        record = {"key": key, **decision.to_dict(), "kinds": rank_stages.kinds}
         write_json(path, record)
     return decision.bounds, measured
 
@@ -155,13 +156,13 @@ def measure_bandwidth_gbps(mesh: Mesh) -> float:
     return 4 * data.numel() / (time.perf_counter() - started) / 1e9
 
 
-def decide_recompute(trainer: Trainer, config: TrainConfig, mesh: Mesh, bounds: list[int], out: Path,
+def decide_recompute(rank_stages: RankStages, config: TrainConfig, mesh: Mesh, bounds: list[int], out: Path,
                      key: str) -> RecomputeDecision:
     """This rank's recompute plan (per layer it runs): recompute.layers, none / all, the saved decision, or
     adaptive (OmniBal 4.3) on trial steps. Leaves the rank's stages built for `bounds` with that plan."""
-    r, kinds, ids = config.recompute, trainer.rank_kinds(bounds), trainer.layer_ids(bounds)
+    r, kinds, ids = config.recompute, rank_stages.rank_kinds(bounds), rank_stages.layer_ids(bounds)
     budget = int(r.budget_mb * 2**20)
-    trainer.use(bounds, final=True)
+    rank_stages.use(bounds, final=True)
     decision = None
     if r.layers:
         decision = RecomputeDecision(mesh.stage, [bool(r.layers[i]) for i in ids], budget)
@@ -174,22 +175,23 @@ def decide_recompute(trainer: Trainer, config: TrainConfig, mesh: Mesh, bounds: 
     if saved:
         decision = RecomputeDecision(**{k: v for k, v in saved.items() if k != "key"})
     if decision is None:
-        decision = search_recompute(trainer, mesh, kinds, budget, out)
+        decision = search_recompute(rank_stages, mesh, kinds, budget, out)
         if mesh.dp == 1 or mesh.replica == 0:
             write_json(path, {"key": key + str(bounds), **decision.to_dict()})
-    trainer.set_recompute(decision.layers)
+    rank_stages.set_recompute(decision.layers)
     return decision
 
 
-def search_recompute(trainer: Trainer, mesh: Mesh, kinds: list[str], budget: int, out: Path) -> RecomputeDecision:
+def search_recompute(rank_stages: RankStages, mesh: Mesh, kinds: list[str], budget: int,
+                     out: Path) -> RecomputeDecision:
     if budget <= 0 and mesh.device.type == "cuda":
         budget = int(torch.cuda.mem_get_info(mesh.device)[1] * 0.9)
-    batch = trial_batches(trainer, 1)[0]
+    batch = trial_batches(rank_stages, 1)[0]
     block_seconds = broadcast_object(profiled_block_seconds(out) if mesh.rank == 0 else None, mesh)
 
     def trial(plan: list[bool]) -> int:
-        trainer.set_recompute(plan)
-        return trainer.peak_bytes(batch)
+        rank_stages.set_recompute(plan)
+        return rank_stages.peak_bytes(batch)
 
     def agree(done: bool) -> bool:
         flag = torch.tensor([0 if done else 1], device=mesh.device)
@@ -212,23 +214,24 @@ def profiled_block_seconds(out: Path) -> dict[str, float]:
     return block_seconds
 
 
-def stage_table(trainer: Trainer, mesh: Mesh, bounds: list[int], decision: RecomputeDecision, out: Path) -> list[dict]:
+def stage_table(rank_stages: RankStages, mesh: Mesh, bounds: list[int], decision: RecomputeDecision,
+                out: Path) -> list[dict]:
     """OmniBal's appendix Table 1 for this run: per stage, its layers (vision / LLM), recomputed blocks, and the
     peak memory and seconds (median of 3) of a trial step with the chosen plan, measured on each rank (replica
     0's).
     Printed and added to OUT/partition.json by rank 0."""
-    batch = trial_batches(trainer, 1)[0]
-    trainer.trial([batch])  # warm-up: the schedule for this shape, the allocator
+    batch = trial_batches(rank_stages, 1)[0]
+    rank_stages.trial([batch])  # warm-up: the schedule for this shape, the allocator
     trials = []
     for _ in range(3):  # the median of three: one trial step on a busy machine can be far off
         dist.barrier()
-        trials.append(trainer.timed_trial(batch))
+        trials.append(rank_stages.timed_trial(batch))
     seconds, peak = statistics.median(t for t, _ in trials), max(p for _, p in trials)
     rows = []
-    for s in trainer.stage_ids:
+    for s in rank_stages.stage_ids:
         lo, hi = bounds[s], bounds[s + 1]
-        kinds = trainer.kinds[lo:hi]
-        plan = decision.layers[trainer.layer_ids(bounds).index(lo):][:hi - lo]
+        kinds = rank_stages.kinds[lo:hi]
+        plan = decision.layers[rank_stages.layer_ids(bounds).index(lo):][:hi - lo]
         rows.append({"stage": s, "rank": mesh.stage, "layers": [lo, hi],
                      "vision_layers": sum(k in ("vision_embed", "vit", "projector") for k in kinds),
                      "llm_layers": sum(k in ("text_embed", "llm", "head") for k in kinds),
