@@ -1,7 +1,10 @@
 """Trainer-side Packfeed client: `PackStream` iterates a rank's balanced packs as torch tensors.
 
 Depends only on the contract (`packfeed.v1`: the proto, `PlanConfig`, the Redis key layout), never on the
-server's code: a trainer needs nothing but this package and a reachable server.
+server's code: a trainer needs nothing but this package and a reachable server. Its floors, bottom up (a module
+imports none above its own; tests/test_layout.py): the wire and the tensors made of it, the channel, decoding
+and the Hugging Face model inputs, the receiving thread and saved states (`resume`), the stream, the loaders,
+the framework integrations.
 
 The names below load their module on first use, so a module that needs no tensors (finding servers through
 Redis, `packfeed.client.discovery`, which the servers use too) is imported without torch.
