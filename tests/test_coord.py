@@ -73,8 +73,8 @@ def test_leases_are_exclusive_renewable_and_expire(coordinator):
     assert coordinator.acquire_lease("j", 0, "server-a", ttl_s=0.5)
     assert not coordinator.acquire_lease("j", 0, "server-b", ttl_s=0.5)
     assert coordinator.acquire_lease("j", 1, "server-b", ttl_s=0.5)  # another rank is free
-    assert coordinator.renew_lease("j", 0, "server-a", ttl_s=0.5)
-    assert not coordinator.renew_lease("j", 0, "server-b", ttl_s=0.5)
+    assert coordinator.acquire_lease("j", 0, "server-a", ttl_s=0.5)  # renewed by its holder
+    assert not coordinator.acquire_lease("j", 0, "server-b", ttl_s=0.5)
     assert coordinator.lease_owner("j", 0) == "server-a"
     time.sleep(0.8)  # server-a stopped heartbeating: its lease lapses and another server takes the rank
     assert coordinator.lease_owner("j", 0) is None
@@ -92,14 +92,21 @@ def test_acknowledged_steps_never_go_backwards(coordinator):
     assert coordinator.acked("j", 0) == (1, 0) and coordinator.acked("j", 1) is None
 
 
-def test_skipped_samples_and_live_servers(coordinator):
+def test_skipped_samples(coordinator):
     coordinator.add_skipped("j", "shard-0/key-7", "image does not decode")
     assert coordinator.skipped("j") == {"shard-0/key-7": "image does not decode"}
+
+
+def test_live_servers_are_what_clients_find_in_redis(redis_process):
+    """Servers announce themselves with a TTL; clients list the live ones (servers_from_redis)."""
+    from packfeed.client.discovery import servers_from_redis
+
+    coordinator = RedisCoordinator(redis_process.url)
     coordinator.heartbeat_server("10.0.0.1:50051", ttl_s=0.4)
     coordinator.heartbeat_server("10.0.0.2:50051", ttl_s=5)
-    assert coordinator.live_servers() == ["10.0.0.1:50051", "10.0.0.2:50051"]
+    assert servers_from_redis(redis_process.url) == ["10.0.0.1:50051", "10.0.0.2:50051"]
     time.sleep(0.6)
-    assert coordinator.live_servers() == ["10.0.0.2:50051"]
+    assert servers_from_redis(redis_process.url) == ["10.0.0.2:50051"]
 
 
 def test_redis_killed_and_restarted_keeps_its_state_and_clients_reconnect(redis_process):
@@ -129,7 +136,7 @@ def test_wrong_redis_password_is_a_clear_error(tmp_path):
     protected = RedisProcess(tmp_path / "protected", password="right").start()
     try:
         with pytest.raises(CoordinationError, match="refused the credentials"):
-            RedisCoordinator(protected.url, password="wrong").ping()
-        assert RedisCoordinator(protected.url, password="right").ping()
+            RedisCoordinator(protected.url, password="wrong").job("j")
+        assert RedisCoordinator(protected.url, password="right").job("j") is None
     finally:
         protected.stop()

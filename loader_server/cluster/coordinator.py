@@ -92,15 +92,13 @@ class Coordinator(Protocol):
     def reassert_job(self, job: str, record: JobRecord) -> tuple[Reassertion, JobRecord | None]: ...
     def job(self, job: str) -> JobRecord | None: ...
     def acquire_lease(self, job: str, rank: int, owner: str, ttl_s: float) -> bool: ...
-    def renew_lease(self, job: str, rank: int, owner: str, ttl_s: float) -> bool: ...
     def release_lease(self, job: str, rank: int, owner: str) -> bool: ...
     def lease_owner(self, job: str, rank: int) -> str | None: ...
     def ack(self, job: str, rank: int, epoch: int, step: int) -> tuple[int, int]: ...
     def acked(self, job: str, rank: int) -> tuple[int, int] | None: ...
     def add_skipped(self, job: str, key: str, reason: str) -> None: ...
     def skipped(self, job: str) -> dict[str, str]: ...
-    def heartbeat_server(self, address: str, ttl_s: float) -> None: ...
-    def live_servers(self) -> list[str]: ...
+    def heartbeat_server(self, address: str, ttl_s: float) -> None: ...  # clients list the live ones (discovery)
 
 
 class EmbeddedCoordinator:
@@ -113,7 +111,6 @@ class EmbeddedCoordinator:
         self._leases: dict[tuple[str, int], tuple[str, float]] = {}
         self._acked: dict[tuple[str, int], int] = {}
         self._skipped: dict[str, dict[str, str]] = {}
-        self._servers: dict[str, float] = {}
 
     def register_job(self, job: str, record: JobRecord) -> JobRecord:
         with self._lock:
@@ -142,13 +139,6 @@ class EmbeddedCoordinator:
         with self._lock:
             holder = self._holder(job, rank)
             if holder not in (None, owner):
-                return False
-            self._leases[(job, rank)] = (owner, self._clock() + ttl_s)
-            return True
-
-    def renew_lease(self, job: str, rank: int, owner: str, ttl_s: float) -> bool:
-        with self._lock:
-            if self._holder(job, rank) != owner:
                 return False
             self._leases[(job, rank)] = (owner, self._clock() + ttl_s)
             return True
@@ -182,12 +172,7 @@ class EmbeddedCoordinator:
         return dict(self._skipped.get(job, {}))
 
     def heartbeat_server(self, address: str, ttl_s: float) -> None:
-        with self._lock:
-            self._servers[address] = self._clock() + ttl_s
-
-    def live_servers(self) -> list[str]:
-        now = self._clock()
-        return sorted(a for a, expiry in self._servers.items() if expiry > now)
+        """Nothing to announce: an embedded coordinator's one server is found by its address."""
 
 
 def reassertion(stored: JobRecord | None, record: JobRecord) -> tuple[Reassertion | None, JobRecord | None]:

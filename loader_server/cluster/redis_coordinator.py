@@ -1,8 +1,8 @@
 """Coordination in a real Redis server, under the key layout of `packfeed.v1.redis_keys`.
 
-Every compare-and-set (take a lease, renew it, move an acknowledged cursor, register a job) is one Lua
-script, so two servers never race; a Redis that cannot be reached raises `CoordinationUnavailable`, and
-callers keep serving what they have.
+Every compare-and-set (take or keep a lease, release it, move an acknowledged cursor, register a job) is one
+Lua script, so two servers never race; a Redis that cannot be reached raises `CoordinationUnavailable`, and
+callers keep running streams going but start no new one (fail-closed exclusivity, `packfeed.server.serve`).
 """
 
 from __future__ import annotations
@@ -22,10 +22,10 @@ if holder == false or holder == ARGV[1] then
 end
 return 0
 """
-# Renew (ARGV[2] = ttl ms) or release (no ARGV[2]) only a lease we hold.
-_RENEW = """
+# Release only a lease we hold (renewing is taking it again: _ACQUIRE keeps a lease for its holder).
+_RELEASE = """
 if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
-if ARGV[2] then redis.call('PEXPIRE', KEYS[1], ARGV[2]) else redis.call('DEL', KEYS[1]) end
+redis.call('DEL', KEYS[1])
 return 1
 """
 # KEYS[1] = acked hash; ARGV = rank, position. Keep the larger: a cursor never goes backwards.
@@ -77,7 +77,7 @@ class RedisCoordinator:
         self.client = redis_client(url, password, timeout_s)
         self.prefix = prefix
         self._scripts = {name: self.client.register_script(source) for name, source in
-                         (("acquire", _ACQUIRE), ("renew", _RENEW), ("ack", _ACK), ("register", _REGISTER),
+                         (("acquire", _ACQUIRE), ("release", _RELEASE), ("ack", _ACK), ("register", _REGISTER),
                           ("reassert", _REASSERT))}
 
     def _call(self, function, *args, **kwargs):
@@ -88,9 +88,6 @@ class RedisCoordinator:
                                     "password the Redis server requires (its `requirepass`)") from None
         except self._redis_errors as error:
             raise CoordinationUnavailable(f"Redis unreachable: {error}") from None
-
-    def ping(self) -> bool:
-        return bool(self._call(self.client.ping))
 
     def register_job(self, job: str, record: JobRecord) -> JobRecord:
         stored = self._call(self._scripts["register"], keys=[redis_keys.job_key(job, self.prefix)], args=[record.to_json()])
@@ -115,12 +112,8 @@ class RedisCoordinator:
         return bool(self._call(self._scripts["acquire"], keys=[redis_keys.lease_key(job, rank, self.prefix)],
                                args=[owner, int(ttl_s * 1000)]))
 
-    def renew_lease(self, job: str, rank: int, owner: str, ttl_s: float) -> bool:
-        return bool(self._call(self._scripts["renew"], keys=[redis_keys.lease_key(job, rank, self.prefix)],
-                               args=[owner, int(ttl_s * 1000)]))
-
     def release_lease(self, job: str, rank: int, owner: str) -> bool:
-        return bool(self._call(self._scripts["renew"], keys=[redis_keys.lease_key(job, rank, self.prefix)], args=[owner]))
+        return bool(self._call(self._scripts["release"], keys=[redis_keys.lease_key(job, rank, self.prefix)], args=[owner]))
 
     def lease_owner(self, job: str, rank: int) -> str | None:
         return self._call(self.client.get, redis_keys.lease_key(job, rank, self.prefix))
@@ -144,9 +137,6 @@ class RedisCoordinator:
         key = redis_keys.servers_key(self.prefix)
         self._call(self.client.zadd, key, {address: now_ms + int(ttl_s * 1000)})
         self._call(self.client.zremrangebyscore, key, "-inf", now_ms)
-
-    def live_servers(self) -> list[str]:
-        return sorted(self._call(self.client.zrangebyscore, redis_keys.servers_key(self.prefix), self._server_time_ms(), "+inf"))
 
     def _server_time_ms(self) -> int:
         return self._call(redis_keys.redis_time_ms, self.client)
