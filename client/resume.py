@@ -8,10 +8,7 @@ from typing import Any
 
 from packfeed.client.channel import PackfeedError
 from packfeed.v1 import packfeed_pb2 as pb
-from packfeed.v1.options import PlanConfig
-
-MAX_EPOCHS = 10**6  # as the server's job limit
-MAX_RESUME_CHAIN = 16  # as the server's
+from packfeed.v1.options import MAX_EPOCHS, MAX_NAME, MAX_RESUME_CHAIN, PlanConfig
 
 
 def _bad_state(where: str, problem: str) -> PackfeedError:
@@ -25,8 +22,8 @@ def _count(value: Any, limit: int, where: str, field: str) -> int:
 
 
 def _text(value: Any, where: str, field: str, required: bool = True) -> str:
-    if not isinstance(value, str) or len(value) > 256 or (required and not value):
-        raise _bad_state(where, f"{field} is {str(value)[:80]!r}, not a string of 1 to 256 characters")
+    if not isinstance(value, str) or len(value) > MAX_NAME or (required and not value):
+        raise _bad_state(where, f"{field} is {str(value)[:80]!r}, not a string of 1 to {MAX_NAME} characters")
     return value
 
 
@@ -111,7 +108,8 @@ def resume_from(states: list[dict[str, Any]], job: str, seed: int) -> pb.ResumeF
         raise PackfeedError(f"resume: give the resumed job an id of its own (the old job is {job!r})")
     if first["seed"] != seed:
         raise PackfeedError(f"resume: the old job ran with seed {first['seed']}, this one asks for {seed}")
-    dp = PlanConfig.from_dict(first["plan"]).dp  # bounded by PlanConfig's limits
+    plan = PlanConfig.from_dict(first["plan"])  # checked already: dp is within PlanConfig's limits
+    dp = plan.dp
     ranks = sorted(state["rank"] for state in states)
     if ranks != list(range(dp)):
         missing = sorted(set(range(dp)) - set(ranks))[:20]
@@ -126,7 +124,7 @@ def resume_from(states: list[dict[str, Any]], job: str, seed: int) -> pb.ResumeF
     if position is None:
         raise PackfeedError("resume: the old job had finished every epoch; open a new job instead")
     epoch, step = position
-    message = pb.ResumeFrom(plan=PlanConfig.from_dict(first["plan"]).to_proto(), epoch=epoch, step=step,
+    message = pb.ResumeFrom(plan=plan.to_proto(), epoch=epoch, step=step,
                             plan_fingerprint=first["plan_fingerprint"],
                             index_fingerprint=first.get("index_fingerprint", ""), seed=first["seed"])
     if first.get("resumed") is not None:

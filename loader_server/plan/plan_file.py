@@ -244,8 +244,7 @@ def read_plan(path: str | Path) -> Plan:
     config = PlanConfig.from_dict(meta["config"])
     step, rank, microbatch = (table.column(name).to_numpy().astype(np.int64) for name in ("step", "rank", "microbatch"))
     empty = table.column("empty").to_numpy(zero_copy_only=False)
-    _check_rows(path, config, step, rank, microbatch, table.column("sample_id").to_numpy()[~empty])
-    pack = (step * config.dp + rank) * config.microbatches + microbatch
+    pack = _checked_packs(path, config, step, rank, microbatch, table.column("sample_id").to_numpy()[~empty])
     n_packs = int(pack.max()) + 1 if len(pack) else 0
     offsets = np.zeros(n_packs + 1, dtype=np.int64)
     np.cumsum(np.bincount(pack[~empty], minlength=n_packs), out=offsets[1:])
@@ -259,8 +258,9 @@ def read_plan(path: str | Path) -> Plan:
     return plan
 
 
-def _check_rows(path, config: PlanConfig, step: np.ndarray, rank: np.ndarray, microbatch: np.ndarray,
-                samples: np.ndarray) -> None:
+def _checked_packs(path, config: PlanConfig, step: np.ndarray, rank: np.ndarray, microbatch: np.ndarray,
+                   samples: np.ndarray) -> np.ndarray:
+    """Each row's pack number, once the rows are checked to be a plan's."""
     bounds = {"step": (step, 2**62), "rank": (rank, config.dp), "microbatch": (microbatch, config.microbatches)}
     for column, (values, limit) in bounds.items():
         bad = (values < 0) | (values >= limit)
@@ -280,6 +280,7 @@ def _check_rows(path, config: PlanConfig, step: np.ndarray, rank: np.ndarray, mi
         first = int(np.argmax(counts > 1))
         raise ValueError(f"{path}: sample_id {int(ids[first])} is in {int(counts[first])} packs; a plan holds each "
                          "sample once per epoch")
+    return pack
 
 
 @numba.njit(cache=True, nogil=True, parallel=True)

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from packfeed.media.pixel_modes import PIXEL_PATHS
 from packfeed.media.storage import ObjectError, is_object_url, missing_objects, relocate
 from packfeed.server.index.table import IndexInfo
 from packfeed.server.plan.costs import SampleLoads
@@ -19,12 +20,11 @@ from packfeed.server.plan.mixture import Mixture, MixtureLoads
 from packfeed.server.plan.plan_file import Plan
 from packfeed.server.plan.windows import WindowedPlan
 from packfeed.server.serve.config import MixtureSource, dataset_source
-from packfeed.server.serve.model_conventions import model_conventions
+from packfeed.server.serve.index_rows import IndexRows
 from packfeed.server.serve.job_spec import JobError, Resume
+from packfeed.server.serve.model_conventions import model_conventions
 from packfeed.server.serve.observe import log
 from packfeed.server.serve.planning import IndexPlanning, MixturePlanning, Planning
-from packfeed.server.serve.index_rows import IndexRows
-from packfeed.media.pixel_modes import PIXEL_PATHS
 from packfeed.server.serve.preprocess import TOKENIZE_BYTES_PER_TOKEN
 from packfeed.server.serve.routed import routed_encodes
 from packfeed.server.serve.step_work import DatasetSource, RankStepWork

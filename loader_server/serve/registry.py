@@ -14,10 +14,7 @@ from packfeed.media.pixel_modes import PIXEL_PATHS
 from packfeed.server.serve.datasets import Dataset
 from packfeed.server.serve.job_spec import JobError, JobSpec
 from packfeed.server.serve.jobs import Job, RankState
-from packfeed.v1.options import PlanConfig, Strategy
-
-MAX_NAME = 256  # characters of a job id or dataset name
-MAX_EPOCHS = 1_000_000
+from packfeed.v1.options import MAX_EPOCHS, MAX_NAME, PlanConfig, Strategy
 
 
 def check_name(value: str, what: str) -> str:

@@ -33,13 +33,10 @@ from packfeed.server.serve.step_work import RankStepResult
 from packfeed.server.serve.wire import pack_parts
 from packfeed.server.serve.workers import WorkerPool
 from packfeed.v1 import packfeed_pb2 as pb
-from packfeed.v1.options import PlanConfig
+from packfeed.v1.options import MAX_RESUME_CHAIN, PlanConfig
 
 SERVICE = pb.DESCRIPTOR.services_by_name["Packfeed"].full_name
 MAX_REPLICAS = 1024  # consumers of one DP rank (a TP x CP x SP group beyond this is not a real deployment)
-
-
-MAX_RESUME_CHAIN = 16  # a job resuming a job that resumed another ...: each link re-plans an epoch at open
 
 
 def resume_of(request: pb.OpenJobRequest) -> Resume:

@@ -182,6 +182,9 @@ _PRESENT_COUNTS = ("microbatches", "pipeline_stages", "isf_iterations")  # proto
 LIMITS = {"dp": 65536, "microbatches": 1024, "ranks_per_node": 65536, "pipeline_stages": 1024, "isf_iterations": 100,
           "samples_per_pack": 1024, "vision_cap": 2**31 - 1, "token_cap": 2**31 - 1, "vision_target": 2**31 - 1,
           "token_target": 2**31 - 1, "window": 2**40}
+MAX_NAME = 256  # characters of a job id or dataset name
+MAX_EPOCHS = 1_000_000  # of one job
+MAX_RESUME_CHAIN = 16  # a job resuming a job that resumed another ...: each link re-plans an epoch at open
 
 
 @dataclass(frozen=True)
