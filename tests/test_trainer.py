@@ -231,3 +231,41 @@ def test_config_is_checked_at_start_and_never_changed(tmp_path):
     assert (config.model.tile_size, config.model.vocab_size) == (448, 100)
     with pytest.raises(ValueError, match="square tiles"):
         sized_model(config.model, pb.ModelConventions(image_policy=pb.ImagePolicy(name="qwen2vl")))
+
+
+def test_a_model_is_named_apart_from_its_sizes():
+    """model.hf names the model, model.flavor its sizes (torchtitan's name and flavor); sizes given one by one
+    override the flavor's; an unknown flavor fails at load naming the ones there are. The 2B flavors have the
+    parameter counts their names promise (built on the meta device: no memory)."""
+    import pytest
+    from packfeed.trainer.config import load_config
+    from packfeed.trainer.models.reference import build_layers, sized_model
+    from packfeed.v1 import packfeed_pb2 as pb
+
+    tiny = load_config(None, []).model
+    assert (tiny.flavor, tiny.llm_dim, tiny.vit_layers) == ("tiny", 128, 4)
+    bigger = load_config(None, ["model.flavor=2b", "model.llm_layers=2"]).model
+    assert (bigger.llm_dim, bigger.vit_dim, bigger.llm_layers) == (2048, 1024, 2)
+    for override, message in (("model.flavor=huge", "the reference VLM comes in tiny, 2b"),
+                              ("model.hf=llava model.flavor=2b", "llava comes in tiny")):
+        with pytest.raises(ValueError, match=message):
+            load_config(None, override.split())
+
+    conventions = pb.ModelConventions(vocab_size=32000, image_policy=pb.ImagePolicy(
+        name="internvl", tile_size=448, tokens_per_tile=256))
+    with torch.device("meta"):
+        layers = build_layers(sized_model(load_config(None, ["model.flavor=2b"]).model, conventions))
+    assert 1.8e9 < sum(p.numel() for p in layers.parameters()) < 2.4e9
+
+    pytest.importorskip("transformers")
+    from packfeed.trainer.models.hf.build import build_hf_model
+
+    qwen = load_config(None, ["model.hf=qwen2_vl", "model.flavor=2b",
+                              "model.hf_config={text: {num_hidden_layers: 2}}"]).model
+    assert qwen.hf_sizes["text"]["num_hidden_layers"] == 2 and qwen.hf_sizes["text"]["hidden_size"] == 1536
+    policy = pb.ImagePolicy(name="qwen2vl", patch_size=14, parameters_json='{"factor": 28}')
+    qwen_conventions = pb.ModelConventions(vocab_size=151_936, image_context_id=151_655, image_policy=policy)
+    full = load_config(None, ["model.hf=qwen2_vl", "model.flavor=2b"]).model
+    with torch.device("meta"):
+        model = build_hf_model("qwen2_vl", qwen_conventions, full.hf_sizes)
+    assert 2.0e9 < sum(p.numel() for p in model.parameters()) < 2.4e9  # Qwen2-VL-2B: 2.2B

@@ -154,8 +154,9 @@ def hf_step_grads(rank: int, world: int, family: str, data_file: str, init_file:
     replicated with DDP (`"ddp"`): rank r trains on its share of the step's packs (to_hf_inputs with dp=world);
     saves the full gradients and the summed loss."""
     from packfeed.client.hf import to_hf_inputs
-    from packfeed.trainer.hf_train import shard
+    from packfeed.trainer.models.hf.whole import language_layers
     from packfeed.trainer.parallel.mesh import make_mesh
+    from packfeed.trainer.parallel.whole import shard
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
@@ -165,7 +166,7 @@ def hf_step_grads(rank: int, world: int, family: str, data_file: str, init_file:
         model = tiny_model(family, saved["data"])
         mesh = make_mesh(world, 1, torch.device("cpu"))
         if wrap == "fsdp":
-            model = shard(model, mesh, "fp32")
+            model = shard(model, language_layers(model), mesh, "fp32")
         else:
             model = torch.nn.parallel.DistributedDataParallel(model, find_unused_parameters=True)
         share = len(saved["packs"]) // world
@@ -236,10 +237,12 @@ def fsdp_output_views(rank: int, world: int, family: str, data_file: str, init_f
     try:
         from hf_models import tiny_model
         from packfeed.client.hf import to_hf_inputs
-        from packfeed.trainer.hf_train import output_views, shard
+        from packfeed.trainer.models.hf.whole import language_layers, output_views
+        from packfeed.trainer.parallel.whole import shard
 
         saved = torch.load(data_file, weights_only=False)
-        model = shard(tiny_model(family, saved["data"]), make_mesh(world, 1, torch.device("cpu")), "fp32")
+        model = tiny_model(family, saved["data"])
+        model = shard(model, language_layers(model), make_mesh(world, 1, torch.device("cpu")), "fp32")
         output = model(**to_hf_inputs(saved["packs"][0], family, dp=world))
         torch.save({"views": output_views(output)}, f"{out_dir}/rank{rank}.pt")
     finally:

@@ -6,6 +6,6 @@ server reports of the dataset, so a trainer on another machine needs no index fi
 imports none above its own; tests/test_layout.py): `batch` (padded step shapes), `models` (each model as a
 flat list of layers), `config` (the settings), `parallel` (parallelism applied to a layer list), `simulate` (the
 pipeline simulator), then what the loop composes: `data` (the stream), `decisions` (OmniBal's measured
-partition and recompute), `checkpoint`, `metrics`, `hf_train` (a `transformers` model data-parallel with FSDP2
-at pp=1), and `train` (the loop).
+partition and recompute), `checkpoint`, `metrics`; `loop` (the one training loop, for every model and layout);
+and `train` (`packfeed train`: the mesh, the resume, the model and its layout, then the loop).
 """

@@ -62,14 +62,6 @@ def stream_states(directory: Path) -> list[dict]:
     return [json.loads(path.read_text()) for path in paths]
 
 
-def rank_layers(stages) -> torch.nn.Module:
-    """A module holding this rank's layers of the model under their index in it (`packfeed.trainer.parallel.
-    stages.RankStages`), whose state-dict keys a checkpoint uses whatever the partition."""
-    holder = torch.nn.Module()
-    holder.layers = torch.nn.ModuleDict({str(i): stages.layers[i] for i in stages.held_layer_ids(stages.bounds)})
-    return holder
-
-
 def save_sharded(root: Path, steps_done: int, mesh, model: torch.nn.Module, optimizer, scheduler,
                  stream_state: dict | None, meta: dict, keep: int = 2) -> Path:
     """Collective, for FSDP2-sharded models: every rank writes its shards of the model and optimizer with

@@ -1,14 +1,14 @@
-"""The data side of the trainer: this replica's `PackStream`, the reference model sized from the dataset's
-conventions the server reports, and `StepSource`, which has the model pad each step's packs into the
-pipeline's fixed-shape microbatches and can buffer steps for trials without losing them."""
+"""The data side of the trainer: this replica's `PackStream`, the dataset's conventions the server reports (the
+model is sized from them), and `StepSource`, which makes each step ready for the runner (a pipeline's
+fixed-shape microbatches, padded by the model) and can buffer steps for trials without losing them."""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
-from packfeed.trainer.batch import Microbatches
 from packfeed.trainer.config import TrainConfig
 from packfeed.trainer.parallel.mesh import Mesh, broadcast_object
 from packfeed.v1 import packfeed_pb2 as pb
@@ -20,40 +20,43 @@ def job_conventions(stream, mesh: Mesh) -> pb.ModelConventions:
     return pb.ModelConventions.FromString(raw)
 
 
+def unchanged(step):
+    return step
+
+
 @dataclass
 class StepSource:
-    """The first stage's steps, padded to microbatches; `peek(n)` buffers steps for trials without losing them."""
+    """This rank's steps, each made ready for its runner by `prepare` (a pipeline's padded microbatches, or the
+    client's step unchanged for a whole model); `peek(n)` buffers steps for trials without losing them."""
 
     steps: Iterator
-    model: object  # the LayerModel, whose `inputs` pads a step
-    token_multiple: int
-    dp: int = 1
-    collate: str = "packed"
-    buffer: list[Microbatches] = field(default_factory=list)
+    prepare: Callable[[Any], Any] = unchanged
+    buffer: list[tuple[Any, Any]] = field(default_factory=list)  # (the client's step, prepared)
     data_wait_s: float = 0.0
 
-    def _pull(self) -> Microbatches | None:
+    def _pull(self) -> tuple[Any, Any] | None:
         started = time.perf_counter()
         step = next(self.steps, None)
         self.data_wait_s += time.perf_counter() - started
-        return None if step is None else self.model.inputs(step, self.token_multiple, self.dp, self.collate)
+        return None if step is None else (step, self.prepare(step))
 
-    def peek(self, n: int) -> list[Microbatches]:
+    def peek(self, n: int) -> list:
         while len(self.buffer) < n:
             item = self._pull()
             if item is None:
                 break
             self.buffer.append(item)
-        return self.buffer[:n]
+        return [prepared for _, prepared in self.buffer[:n]]
 
-    def next(self) -> Microbatches | None:
-        return self.buffer.pop(0) if self.buffer else self._pull()
+    def next(self):
+        item = self.buffer.pop(0) if self.buffer else self._pull()
+        return None if item is None else item[1]
 
     def state_dict(self) -> dict:
         """The stream position of the next step to train on (buffered steps are not trained yet)."""
         state = self.steps.state_dict()
         if self.buffer:
-            state["next"] = [self.buffer[0].shape.epoch, self.buffer[0].shape.step]
+            state["next"] = [self.buffer[0][0].epoch, self.buffer[0][0].step]
         return state
 
 

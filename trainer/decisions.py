@@ -32,7 +32,8 @@ if TYPE_CHECKING:
 
 def decision_key(config: TrainConfig, model, mesh: Mesh) -> str:
     """Decisions are reused only for the same model, mesh, microbatch count, schedule and memory budget."""
-    basis = {"model": model.describe(), "settings": asdict(config.model), "pp": mesh.pp, "dp": mesh.dp,
+    settings = {k: v for k, v in asdict(config.model).items() if k != "flavor"}  # (its sizes are in settings)
+    basis = {"model": model.describe(), "settings": settings, "pp": mesh.pp, "dp": mesh.dp,
              "m": config.data.microbatches, "schedule": config.parallel.schedule,
              "virtual": config.parallel.virtual_stages, "budget": config.recompute.budget_mb,
              "precision": config.parallel.precision, "device": mesh.device.type}

@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import collections
 import json
-from dataclasses import asdict
 
 import torch
 import torch.distributed as dist
 
-from packfeed.trainer.batch import Microbatches, StepShape
-from packfeed.trainer.config import TrainConfig
+from packfeed.trainer.batch import StepShape
 from packfeed.trainer.parallel.mesh import Mesh, log
+from packfeed.trainer.parallel.runner import StepTally
 
 
 def write_record(metrics, record: dict, count: int, log_every: int, mesh: Mesh) -> None:
@@ -27,35 +26,29 @@ def write_record(metrics, record: dict, count: int, log_every: int, mesh: Mesh) 
             f"{record['tokens_per_s']:.0f} tokens/s{padding}")
 
 
-def step_record(mesh: Mesh, shape: StepShape, batch: Microbatches | None, losses: list[torch.Tensor],
-                elapsed: float, wait: float, config: TrainConfig, busy: float, pipeline_s: float,
-                peak_bytes: int = 0, model=None) -> dict:
-    """One world all-reduce of what each rank knows: loss (last stages), tokens and tiles (first stages),
-    the slowest step time and data wait, the largest CUDA memory peak (0 on CPU), and each rank's busy time
-    inside the schedule (CPU: process time) for the measured bubble fraction
-    = 1 - sum(busy) / (ranks x slowest schedule time)."""
-    first = batch is not None
-    sums = torch.tensor([float(sum(loss.item() for loss in losses)),
-                         float(batch.real_tokens) if first else 0.0,
-                         float(shape.tokens * config.data.microbatches) if first else 0.0,
-                         float(batch.real_tiles) if first else 0.0,
-                         float(shape.tiles * config.data.microbatches) if first else 0.0, busy],
-                        dtype=torch.float64, device=mesh.device)
-    maxes = torch.tensor([elapsed, wait, pipeline_s, peak_bytes], dtype=torch.float64, device=mesh.device)
+def step_record(mesh: Mesh, shape: StepShape, tally: StepTally, elapsed: float, wait: float,
+                peak_bytes: int, grad_norm: float) -> dict:
+    """One world all-reduce of what each rank measured (`tally`): the loss (the ranks' shares summed), tokens and
+    tiles fed, the slowest step time and data wait, the largest CUDA memory peak (0 on CPU), and each rank's busy
+    time inside the step (CPU: process time) for the measured bubble fraction
+    = 1 - sum(busy) / (ranks x slowest forward-and-backward time)."""
+    sums = torch.tensor([tally.loss, tally.tokens, tally.padded_tokens, tally.tiles, tally.padded_tiles,
+                         tally.busy_s], dtype=torch.float64, device=mesh.device)
+    maxes = torch.tensor([elapsed, wait, tally.compute_s, peak_bytes], dtype=torch.float64, device=mesh.device)
     dist.all_reduce(sums)
     dist.all_reduce(maxes, op=dist.ReduceOp.MAX)
     loss, tokens, padded, tiles, padded_tiles, busy_sum = sums.tolist()
-    step_s, wait_s, pipeline_max, peak_max = maxes.tolist()
+    step_s, wait_s, compute_max, peak_max = maxes.tolist()
     record = {"epoch": shape.epoch, "step": shape.step, "loss": loss, "step_s": step_s, "data_wait_s": wait_s,
               "tokens": int(tokens), "padded_tokens": int(padded), "tiles": int(tiles),
               "padded_tiles": int(padded_tiles), "tokens_per_s": tokens / step_s if step_s else 0.0,
               "pad_fraction": 1 - tokens / padded if padded else 0.0,
-              "bubble_fraction": 1 - busy_sum / (mesh.dp * mesh.pp * pipeline_max) if pipeline_max else 0.0,
-              "peak_memory_mib": peak_max / 2**20, "pipeline_s": pipeline_max}
+              "bubble_fraction": 1 - busy_sum / (mesh.dp * mesh.pp * compute_max) if compute_max else 0.0,
+              "peak_memory_mib": peak_max / 2**20, "pipeline_s": compute_max, "grad_norm": grad_norm}
     counts = [None] * dist.get_world_size()  # samples per dataset over every replica (mixtures)
-    dist.all_gather_object(counts, batch.samples_by_dataset if first else {})
+    dist.all_gather_object(counts, tally.samples_by_dataset)
     record["samples_by_dataset"] = dict(sum((collections.Counter(c) for c in counts), collections.Counter()))
-    if first and mesh.rank == 0:  # replica 0's padded microbatches, for the pipeline simulator
-        m = config.data.microbatches
-        record["microbatches"] = [asdict(model.features(batch.microbatch(k, m))) for k in range(m)]
+    if tally.microbatches is not None:
+        record["microbatches"] = tally.microbatches
+    record.update(tally.stats)  # e.g. the encoder apart: its seconds, the all-to-all
     return record

@@ -1,31 +1,29 @@
-"""The training loop: `torchrun --nproc-per-node N -m packfeed.trainer --config train.yaml`.
+"""`packfeed train`: `torchrun --nproc-per-node N -m packfeed.trainer --config train.yaml`.
 
-Read top to bottom: set up the (dp, pp) mesh -> open this replica's stream (the rank with stage 0 only) ->
-build the model (the reference VLM, or a `transformers` VLM: `packfeed.trainer.models`) sized from the
-dataset's conventions the server reports -> decide the partition (search, or the saved decision; a search also
-exports the measured cost model) -> decide recompute per rank (adaptive, or the saved decision) and print the
-per-stage table -> train: every step the rank with stage 0 pads its M packs to one shape, the pipeline runs its
-schedule, gradients of weights tied across stages are summed, the optimizer steps, rank 0 logs one line of
-metrics. A `transformers` model at parallel.pp=1 trains data-parallel with FSDP2 instead
-(`packfeed.trainer.hf_train`).
+Read top to bottom: set up the (dp, pp) mesh -> resume from the newest checkpoint, if any -> open this
+replica's stream (the rank with stage 0 only) -> build the model (the reference VLM, or a `transformers` VLM:
+`packfeed.trainer.models`) sized from the dataset's conventions the server reports -> apply its parallel
+layout, a step runner (`packfeed.trainer.parallel`): a layer list cut into pipeline stages with the partition
+decided (search, or the saved decision; a search also exports the measured cost model), recompute decided per
+rank and the per-stage table printed; or, for a `transformers` model at parallel.pp=1, the whole model
+FSDP2-sharded over the DP ranks -> the one loop (`packfeed.trainer.loop`) trains it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
-import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from packfeed.trainer import checkpoint
-from packfeed.trainer.batch import StepShape
 from packfeed.trainer.config import TrainConfig, dump_config, load_config
 from packfeed.trainer.data import StepSource, job_conventions, open_stream
-from packfeed.trainer.metrics import step_record, write_record
+from packfeed.trainer.loop import Loop
 from packfeed.trainer.models import build_model
 from packfeed.trainer.decisions import (
     decide_partition,
@@ -35,9 +33,8 @@ from packfeed.trainer.decisions import (
     stage_table,
 )
 from packfeed.trainer.parallel.mesh import Mesh, broadcast_object, log, make_mesh
-from packfeed.trainer.parallel.pipeline import clip_gradients, share_step_shape
 from packfeed.trainer.parallel.stages import RankStages
-from packfeed.trainer.parallel.tied import TiedParameters
+from packfeed.trainer.parallel.whole import WholeModelRunner
 
 
 def free_port() -> int:
@@ -105,10 +102,9 @@ def start_embedded_server(config: TrainConfig, mesh: Mesh):
 
 
 def train_on(config: TrainConfig, mesh: Mesh, target: str, out: Path) -> dict:
-    if config.model.hf and config.parallel.pp == 1:
-        from packfeed.trainer.hf_train import train_hf
-
-        return train_hf(config, mesh, target, out)
+    """One path for every model and layout: resume from the newest checkpoint -> open this rank's stream (ranks
+    holding a first stage) -> the model sized from the dataset's conventions -> its parallel layout (a step
+    runner) -> the loop."""
     resume_from = checkpoint.latest(out / "checkpoints") if config.checkpoint.resume else None
     resumed = checkpoint.read_meta(resume_from) if resume_from else None
     if resumed:
@@ -119,115 +115,58 @@ def train_on(config: TrainConfig, mesh: Mesh, target: str, out: Path) -> dict:
             log(mesh, f"the checkpoint was taken at another DP: job {stream.job!r} re-plans the rest of epoch "
                 f"{stream.info.resume.epoch} for DP {mesh.dp} (elastic resume)")
         conventions = job_conventions(stream, mesh)
-        model = build_model(config.model, conventions, mesh.device)
-        log(mesh, f"model for the dataset (image policy {conventions.image_policy.name}, vocabulary "
-            f"{conventions.vocab_size}): {model.describe()}")
-        source = StepSource(stream, model, config.data.token_multiple, mesh.dp, config.data.collate) \
-            if stream is not None else None
-        stages = RankStages(config, mesh, model, source)
-        key = decision_key(config, model, mesh)
-
-        # the checkpoint's weights belong to its partition
-        bounds, measured = decide_partition(stages, config, mesh, out, key, resumed["bounds"] if resumed else None)
-        if measured is not None:
-            cost_model = export_cost_model(measured, conventions, out / "cost_model.json")
-            log(mesh, f"cost model measured on this hardware written to {out / 'cost_model.json'} {cost_model}: a later "
-                f"run balances packs on it with data.cost_model={out / 'cost_model.json'}")
-        recompute = decide_recompute(stages, config, mesh, bounds, out, key)
-        log(mesh, f"rank {mesh.stage}: stages {stages.stage_ids}, layers {stages.layer_ids(bounds)} "
-            f"{stages.rank_kinds(bounds)}, recompute {recompute.layers} "
-            f"(budget {recompute.budget_bytes / 2**20:.0f} MiB, measured {recompute.measured})",
-            everyone=mesh.replica == 0)
-        if not recompute.fits:
-            log(mesh, f"rank {mesh.stage} does not fit its {recompute.budget_bytes / 2**20:.0f} MiB budget even with "
-                f"every block recomputed ({max(recompute.measured.values()) / 2**20:.0f} MiB measured): raise "
-                f"recompute.budget_mb, use more pipeline stages or smaller packs", everyone=True)
-        stage_table(stages, mesh, bounds, recompute, out)
-        if stages.phases:
-            log(mesh, f"the encoder (layers 0:{stages.first_layer}) runs on every rank over the images the plan "
-                "routes to it; an all-to-all hands each output to the rank whose pack consumes it")
-        if stages.bubbles:
-            log(mesh, f"the encoder (layers 0:{stages.first_layer}) runs on every pipeline rank in the bubbles of "
-                f"the {config.parallel.schedule} schedule; the stages hold layers {bounds[0]}:{bounds[-1]}")
-        meta = {"bounds": bounds, "recompute": recompute.layers}
-        loop = Loop(stages, out, meta, resume_from)
-        history = loop.run(resumed["steps_done"] if resumed else 0)
-        summary = {"bounds": bounds, "recompute": recompute.layers, "steps": len(history),
-                   "final_loss": history[-1]["loss"] if history else None}
-        return {"summary": summary, "history": history}
-
-
-class Loop:
-    """Trains a rank's stages until optim.steps or the end of the stream; owns their optimizer, learning-rate
-    schedule and checkpoints (`meta`: what a checkpoint records beside the weights; `resume_from`: the checkpoint
-    to load first). Rank 0 writes one metrics line per step."""
-
-    def __init__(self, stages: RankStages, out: Path, meta: dict, resume_from: Path | None = None):
-        config = stages.config
-        self.stages, self.config, self.mesh, self.out, self.meta = stages, config, stages.mesh, out, meta
-        self.tied: TiedParameters = stages.tied
-        self.optimizer = torch.optim.AdamW(stages.parameters(), lr=config.optim.lr,
-                                           weight_decay=config.optim.weight_decay)
-        warmup = max(config.optim.warmup_steps, 1)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: min(1.0, (s + 1) / warmup))
-        self.holder = checkpoint.rank_layers(stages)
-        if resume_from:
-            checkpoint.load_sharded(resume_from, self.holder, self.optimizer, self.scheduler)
-
-    def run(self, steps_done: int) -> list[dict]:
-        with (self.out / "metrics.jsonl").open("a") if self.mesh.rank == 0 else contextlib.nullcontext() as metrics:
-            history = []
-            limit, every = self.config.optim.steps or 1 << 62, self.config.checkpoint.every
-            while steps_done < limit:
-                record = self.step()
-                if record is None:
-                    break
-                history.append(record)
-                steps_done += 1
-                if every and steps_done % every == 0:
-                    self.save(steps_done)
-                write_record(metrics, record, len(history), self.config.log_every, self.mesh)
-        return history
-
-    def step(self) -> dict | None:
-        stages, mesh, config = self.stages, self.mesh, self.config
-        source = stages.source
-        started = time.perf_counter()
-        wait_before = source.data_wait_s if source else 0.0
-        batch = source.next() if source else None
-        if source is not None and batch is None:
-            batch_shape = StepShape(0, 0, 0, 0, stop=True)
+        if config.model.hf and config.parallel.pp == 1:
+            runner = whole_model(config, mesh, stream, conventions)
         else:
-            batch_shape = batch.shape if batch is not None else None
-        shape = share_step_shape(mesh, batch_shape)
-        if shape.stop:
-            return None
-        self.optimizer.zero_grad(set_to_none=True)
-        if mesh.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(mesh.device)
-        pipeline_started, busy_started = time.perf_counter(), time.process_time()
-        losses = stages.run_schedule(shape, batch)
-        # CPU time of this process while the schedule ran ~ its compute (a blocked receive sleeps)
-        busy = time.process_time() - busy_started if mesh.device.type == "cpu" else float("nan")
-        pipeline_s = time.perf_counter() - pipeline_started
-        self.tied.sync_gradients()
-        grad_norm = clip_gradients(stages.norm_parameters(), mesh, config.optim.clip_grad_norm)
-        self.optimizer.step()
-        self.scheduler.step()
-        stages.sync()
-        elapsed = time.perf_counter() - started
-        wait = (source.data_wait_s - wait_before) if source else 0.0
-        peak = torch.cuda.max_memory_allocated(mesh.device) if mesh.device.type == "cuda" else 0
-        record = step_record(mesh, shape, batch, losses, elapsed, wait, config, busy, pipeline_s, peak, stages.model)
-        record["grad_norm"] = grad_norm
-        record.update(getattr(stages.runner, "last_stats", {}))  # the encoder apart: its seconds, the all-to-all
-        return record
+            runner = model_stages(config, mesh, stream, conventions, out, resumed)
+        history = Loop(runner, config, out, resume_from).run(resumed["steps_done"] if resumed else 0)
+    summary = {**runner.meta, "steps": len(history), "final_loss": history[-1]["loss"] if history else None}
+    return {"summary": summary, "history": history}
 
-    def save(self, steps_done: int) -> None:
-        source = self.stages.source
-        checkpoint.save_sharded(self.out / "checkpoints", steps_done, self.mesh, self.holder, self.optimizer,
-                                self.scheduler, source.state_dict() if source else None, self.meta,
-                                self.config.checkpoint.keep)
+
+def whole_model(config: TrainConfig, mesh: Mesh, stream, conventions) -> WholeModelRunner:
+    """A `transformers` model run whole at pp=1, FSDP2-sharded over the DP ranks, fed the client's packs."""
+    from packfeed.trainer.models.hf.whole import HFWholeModel
+
+    model = HFWholeModel(config.model, conventions, config.data.collate, config.parallel.precision, mesh.device)
+    log(mesh, f"{model.describe()}; FSDP2 over {mesh.dp} rank(s)")
+    return WholeModelRunner(model, mesh, StepSource(stream), config.parallel.precision)
+
+
+def model_stages(config: TrainConfig, mesh: Mesh, stream, conventions, out: Path, resumed: dict | None) -> RankStages:
+    """The model as a layer list cut into pipeline stages, with OmniBal's decisions: the partition (searched, or
+    the checkpoint's: its weights belong to it) and each rank's recompute plan."""
+    model = build_model(config.model, conventions, mesh.device)
+    log(mesh, f"model for the dataset (image policy {conventions.image_policy.name}, vocabulary "
+        f"{conventions.vocab_size}): {model.describe()}")
+    d = config.data
+    source = StepSource(stream, functools.partial(model.inputs, token_multiple=d.token_multiple, dp=mesh.dp,
+                                                  collate=d.collate)) if stream is not None else None
+    stages = RankStages(config, mesh, model, source)
+    key = decision_key(config, model, mesh)
+    bounds, measured = decide_partition(stages, config, mesh, out, key, resumed["bounds"] if resumed else None)
+    if measured is not None:
+        cost_model = export_cost_model(measured, conventions, out / "cost_model.json")
+        log(mesh, f"cost model measured on this hardware written to {out / 'cost_model.json'} {cost_model}: a later "
+            f"run balances packs on it with data.cost_model={out / 'cost_model.json'}")
+    recompute = decide_recompute(stages, config, mesh, bounds, out, key)
+    log(mesh, f"rank {mesh.stage}: stages {stages.stage_ids}, layers {stages.layer_ids(bounds)} "
+        f"{stages.rank_kinds(bounds)}, recompute {recompute.layers} "
+        f"(budget {recompute.budget_bytes / 2**20:.0f} MiB, measured {recompute.measured})",
+        everyone=mesh.replica == 0)
+    if not recompute.fits:
+        log(mesh, f"rank {mesh.stage} does not fit its {recompute.budget_bytes / 2**20:.0f} MiB budget even with "
+            f"every block recomputed ({max(recompute.measured.values()) / 2**20:.0f} MiB measured): raise "
+            f"recompute.budget_mb, use more pipeline stages or smaller packs", everyone=True)
+    stage_table(stages, mesh, bounds, recompute, out)
+    if stages.phases:
+        log(mesh, f"the encoder (layers 0:{stages.first_layer}) runs on every rank over the images the plan "
+            "routes to it; an all-to-all hands each output to the rank whose pack consumes it")
+    if stages.bubbles:
+        log(mesh, f"the encoder (layers 0:{stages.first_layer}) runs on every pipeline rank in the bubbles of "
+            f"the {config.parallel.schedule} schedule; the stages hold layers {bounds[0]}:{bounds[-1]}")
+    stages.meta = {"bounds": bounds, "recompute": recompute.layers}
+    return stages
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,7 +1,8 @@
 """The models the trainer trains, each as a flat list of layers a pipeline can cut anywhere (`LayerModel`):
 the reference VLM (`reference`, its inputs in `reference_inputs`) and `transformers` VLMs of the supported
 families (`hf`). The pipeline, partition search, adaptive recompute, profiling and checkpoints only ever see
-this interface (`layer_model`), so the same code trains both."""
+this interface (`layer_model`), so the same code trains both. Each model comes in named sizes (`flavors`).
+A `transformers` model can also run whole, as its library runs it (`hf.whole`)."""
 
 from __future__ import annotations
 
@@ -95,7 +96,7 @@ def build_model(config, conventions: Any, device: torch.device) -> LayerModel:
         from packfeed.trainer.models.hf.model import HFLayerModel
         from packfeed.trainer.models.hf.build import attention_implementation
 
-        return HFLayerModel(config.hf, conventions, dict(config.hf_config),
+        return HFLayerModel(config.hf, conventions, config.hf_sizes,
                             attention_implementation(config.hf_attention, device, packed=True), config.seed)
     from packfeed.trainer.models.reference import sized_model
 

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from packfeed.trainer.models.flavors import REFERENCE_FLAVORS, check_flavor, hf_sizes
 from packfeed.v1 import packfeed_pb2 as pb
 
 IGNORE_INDEX = -100
@@ -35,25 +36,30 @@ IMAGE_STD = (0.229, 0.224, 0.225)
 
 @dataclass(frozen=True)
 class VLMConfig:
-    """Sizes of the model. `tile_size`/`tokens_per_tile` must match the image policy that indexed the data
-    (InternVL: 448 px, 256 tokens; LLaVA fixed: 336 px, 576 tokens); the pixel-shuffle factor follows."""
+    """The trainer's `model` section: which model (`hf`: the reference VLM when empty, else a `transformers`
+    family), its named sizes (`flavor`: packfeed.trainer.models.flavors) and sizes given one by one, which
+    override the flavor's. The reference model's sizes are the fields below (None: the flavor's);
+    `tile_size`/`tokens_per_tile` and the vocabulary are the dataset's (the trainer takes them from the
+    conventions its server reports; InternVL: 448 px, 256 tokens; LLaVA fixed: 336 px, 576 tokens)."""
 
     vocab_size: int = 1024
     tile_size: int = 448
     tokens_per_tile: int = 256
     patch_size: int = 14
-    vit_dim: int = 64
-    vit_layers: int = 4
-    vit_heads: int = 4
-    llm_dim: int = 128
-    llm_layers: int = 4
-    llm_heads: int = 4
-    mlp_ratio: float = 4.0
+    vit_dim: int | None = None
+    vit_layers: int | None = None
+    vit_heads: int | None = None
+    llm_dim: int | None = None
+    llm_layers: int | None = None
+    llm_heads: int | None = None
+    mlp_ratio: float | None = None
     rope_theta: float = 10000.0
     seed: int = 0
-    # A Hugging Face VLM instead of the reference model (packfeed.trainer.models.hf: pipelined at pp > 1, FSDP2 by
-    # hf_train at pp = 1): its family, sizes ({text: {...}, vision: {...}, top-level fields}) and attention.
+    # A Hugging Face VLM instead of the reference model (packfeed.trainer.models.hf: pipelined at pp > 1, run
+    # whole and FSDP2-sharded at pp = 1): its family, sizes over the flavor's ({text: {...}, vision: {...},
+    # top-level fields}) and attention.
     hf: Literal["", "internvl", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava"] = ""
+    flavor: str = "tiny"
     hf_config: dict = field(default_factory=dict)
     # auto: flash_attention_2 on CUDA when installed, else Packfeed's varlen kernel (packfeed.client.hf)
     hf_attention: Literal["auto", "varlen", "sdpa", "flash_attention_2"] = "auto"
@@ -65,6 +71,15 @@ class VLMConfig:
             if getattr(self, name) not in choices:
                 raise ValueError(f"model.{name} = {getattr(self, name)!r}: choose one of "
                                  f"{', '.join(c for c in choices if c)}")
+        check_flavor(self.hf, self.flavor)
+        for name, value in REFERENCE_FLAVORS["tiny" if self.hf else self.flavor].items():
+            if getattr(self, name) is None:  # (a frozen dataclass: completed once, here)
+                object.__setattr__(self, name, value)
+
+    @property
+    def hf_sizes(self) -> dict:
+        """A `transformers` model's sizes: its flavor's, then `hf_config`'s."""
+        return hf_sizes(self.hf, self.flavor, dict(self.hf_config))
 
     @property
     def grid(self) -> int:

@@ -1,5 +1,5 @@
 """This rank's part of a model (`LayerModel`) under a partition: its stage modules, their data-parallel
-wrapping, the pipeline runner, and the trial steps that partition search and adaptive recompute time and
+wrapping, the pipeline runner, the training step the loop drives (a `StepRunner`), and the trial steps that partition search and adaptive recompute time and
 measure. Trials run forward and backward on buffered steps and then drop the gradients: the weights, the
 optimizer state (not yet made) and the stream position stay as they were, so a run with the search trains
 exactly as a run given its chosen partition."""
@@ -7,6 +7,7 @@ exactly as a run given its chosen partition."""
 from __future__ import annotations
 
 import time
+from dataclasses import asdict
 
 import torch
 import torch.distributed as dist
@@ -16,16 +17,18 @@ from packfeed.trainer.parallel.bubbles import BubbleRunner, Channel
 from packfeed.trainer.parallel.data_parallel import wrap_data_parallel
 from packfeed.trainer.parallel.phases import PhaseRunner
 from packfeed.trainer.parallel.mesh import Mesh, max_over_world
-from packfeed.trainer.parallel.pipeline import PipelineRunner, StageModule, autocast_dtype, rank_stages, \
-    share_step_shape
+from packfeed.trainer.parallel.pipeline import PipelineRunner, StageModule, autocast_dtype, clip_gradients, \
+    rank_stages, share_step_shape
 from packfeed.trainer.parallel.profile import SavedBytes, synchronize
+from packfeed.trainer.parallel.runner import StepTally
 from packfeed.trainer.parallel.tied import TiedParameters
 
 ADAMW_BYTES_PER_PARAM = 16  # fp32 weight + gradient + two moments
 
 
 class RankStages:
-    """Holds this rank's stages of the model and runs trial and training steps on them."""
+    """Holds this rank's stages of the model and runs trial and training steps on them (a `StepRunner` once
+    `use(..., final=True)` has fixed the partition)."""
 
     def __init__(self, config, mesh: Mesh, model, source):
         self.config, self.mesh, self.model, self.source = config, mesh, model, source
@@ -46,6 +49,7 @@ class RankStages:
         self.first_layer = self._encoder_layers(model, parallel.encoder) if self.bubbles or self.phases else 0
         self.encoder: StageModule | None = None
         self.channel = Channel(mesh) if self.bubbles else None  # collective on CUDA: made once, here
+        self.meta: dict = {}  # the partition and recompute plan a checkpoint records (set by the trainer)
 
     @staticmethod
     def _encoder_layers(model, placement: str) -> int:
@@ -162,6 +166,39 @@ class RankStages:
     def zero_grad(self) -> None:
         for module in self.modules + ([self.encoder] if self.encoder is not None else []):
             module.zero_grad(set_to_none=True)
+
+    def checkpoint_module(self) -> torch.nn.Module:
+        """This rank's layers under their index in the model: a checkpoint's keys whatever the partition."""
+        holder = torch.nn.Module()
+        holder.layers = torch.nn.ModuleDict({str(i): self.layers[i] for i in self.held_layer_ids(self.bounds)})
+        return holder
+
+    def agree(self, batch: Microbatches | None) -> StepShape:
+        """The step's shape from the rank with stage 0 (`stop` when its stream ended)."""
+        if self.source is not None and batch is None:
+            return share_step_shape(self.mesh, StepShape(0, 0, 0, 0, stop=True))
+        return share_step_shape(self.mesh, batch.shape if batch is not None else None)
+
+    def train_step(self, shape: StepShape, batch: Microbatches | None) -> StepTally:
+        """One step of the schedule: the loss on the last stages, the sizes fed on the first."""
+        started, busy_started = time.perf_counter(), time.process_time()
+        losses = self.run_schedule(shape, batch)
+        # CPU time of this process while the schedule ran ~ its compute (a blocked receive sleeps)
+        busy = time.process_time() - busy_started if self.mesh.device.type == "cpu" else float("nan")
+        tally = StepTally(float(sum(loss.item() for loss in losses)), busy_s=busy,
+                          compute_s=time.perf_counter() - started, stats=dict(getattr(self.runner, "last_stats", {})))
+        if batch is not None:
+            m = self.config.data.microbatches
+            tally.tokens, tally.padded_tokens = batch.real_tokens, shape.tokens * m
+            tally.tiles, tally.padded_tiles = batch.real_tiles, shape.tiles * m
+            tally.samples_by_dataset = batch.samples_by_dataset
+            if self.mesh.rank == 0:  # replica 0's padded microbatches, for the pipeline simulator
+                tally.microbatches = [asdict(self.model.features(batch.microbatch(k, m))) for k in range(m)]
+        return tally
+
+    def clip_gradients(self, max_norm: float) -> float:
+        self.tied.sync_gradients()
+        return clip_gradients(self.norm_parameters(), self.mesh, max_norm)
 
     def run_step(self, batch: Microbatches | None) -> tuple[StepShape, list[torch.Tensor]]:
         shape = share_step_shape(self.mesh, batch.shape if batch is not None else None)

@@ -1,0 +1,65 @@
+"""What the training loop (`packfeed.trainer.loop.Loop`) asks of a parallel layout: a step runner.
+
+Two layouts implement it: `RankStages` (a layer list cut into pipeline stages, with DDP or FSDP2 within each
+stage and the encoder in the stages, the bubbles or routed; `packfeed.trainer.parallel.stages`) and
+`WholeModelRunner` (a whole model on every data-parallel rank, FSDP2-sharded over them, one pack at a time;
+`packfeed.trainer.parallel.whole`). A new parallel dimension is a new runner (or a change inside one), never a
+second loop: the loop owns the optimizer, the learning-rate schedule, checkpoints, resume and the metrics line.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from packfeed.trainer.batch import StepShape
+from packfeed.trainer.parallel.mesh import Mesh
+
+
+@dataclass
+class StepTally:
+    """What one rank measured of one training step; `packfeed.trainer.metrics.step_record` sums or maxes it
+    over every rank into the step's metrics line. `loss` is this rank's share of the global step's mean token
+    loss (the shares of all ranks sum to it); sizes count only what this rank fed the model (0 elsewhere)."""
+
+    loss: float
+    tokens: int = 0  # real tokens fed
+    padded_tokens: int = 0  # token slots computed (real + padding)
+    tiles: int = 0  # the vision tower's input units fed
+    padded_tiles: int = 0
+    busy_s: float = float("nan")  # CPU: this process's compute time inside the step (for the bubble fraction)
+    compute_s: float = 0.0  # wall time of forward and backward
+    samples_by_dataset: dict[str, int] = field(default_factory=dict)
+    microbatches: list[dict] | None = None  # rank 0: each microbatch's Features (the pipeline simulator reads them)
+    stats: dict[str, Any] = field(default_factory=dict)  # the runner's own figures (the encoder apart, its exchange)
+
+
+class StepRunner(Protocol):
+    """A parallel layout of one model on this rank, as the loop drives it. `source`: this rank's steps
+    (`packfeed.trainer.data.StepSource`), None on ranks that read no stream (pipeline stages after the first)."""
+
+    mesh: Mesh
+    source: Any
+    meta: dict  # what a checkpoint records about the layout (the partition, the model family...)
+
+    def parameters(self) -> list[torch.nn.Parameter]:
+        """This rank's parameters, each once: what its optimizer steps."""
+
+    def checkpoint_module(self) -> torch.nn.Module:
+        """The module whose state dict a checkpoint saves (keys independent of the layout where it can)."""
+
+    def agree(self, work: Any | None) -> StepShape:
+        """Collective: the step every rank runs next (`work`: this rank's from its source, None without one),
+        `stop` set on every rank when any stream ended."""
+
+    def train_step(self, shape: StepShape, work: Any | None) -> StepTally:
+        """Forward and backward of the step; gradients left in the parameters."""
+
+    def clip_gradients(self, max_norm: float) -> float:
+        """Collective: complete the gradients (weights tied across ranks), clip them to `max_norm` (0: no
+        clipping) over the whole model and return the global norm before clipping."""
+
+    def sync(self) -> None:
+        """Wait for the device's queued work (step times measure work done)."""
