@@ -54,13 +54,8 @@ def test_searched_partition_is_faster_than_the_layer_count_split(tmp_path, qwen_
     assert kinds[:decision["bounds"][1]].count("vit") < kinds.count("vit")  # vision blocks on both stages
     assert [row["stage"] for row in decision["stages"]] == [0, 1]
     assert len(records) == 2 and records[0]["loss"] > 0
-
-    # the trials left weights, optimizer and stream as they were: the run trains as one given the partition
-    bounds = ",".join(map(str, decision["bounds"]))
-    _, given = packfeed_train(2, overrides + [f"partition.bounds=[{bounds}]"], tmp_path / "given")
-    assert [(r["epoch"], r["step"]) for r in given] == [(r["epoch"], r["step"]) for r in records]
-    assert [r["loss"] for r in given] == pytest.approx([r["loss"] for r in records], rel=1e-6)
-    # (a saved decision reused by the next run: tests/test_trainer_pipeline.py, the same code for every model)
+    # (that the trials leave weights, optimizer and stream as they were, and a saved decision reused by the next
+    # run: tests/test_trainer_pipeline.py, the same code for every model)
 
 
 def stage_rows(out) -> list[dict]:
@@ -76,20 +71,20 @@ def test_adaptive_recompute_fits_where_keeping_everything_does_not_and_recompute
               "model.hf_config={text: {hidden_size: 128, intermediate_size: 512, num_hidden_layers: 6}, "
               "vision: {embed_dim: 64, depth: 3}}"]
     _, _ = packfeed_train(2, common + ["recompute.mode=none"], tmp_path / "none")
-    _, _ = packfeed_train(2, common + ["recompute.mode=all"], tmp_path / "all")
-    none, every = stage_rows(tmp_path / "none"), stage_rows(tmp_path / "all")
-    assert all(e["rank_peak_mib"] < n["rank_peak_mib"] for e, n in zip(every, none))
-    heaviest = max(range(2), key=lambda s: none[s]["rank_peak_mib"] - every[s]["rank_peak_mib"])
-    low, high = max(e["rank_peak_mib"] for e in every), none[heaviest]["rank_peak_mib"]
-    budget = low + 0.7 * (high - low)
-    assert high > budget  # keeping every block does not fit on the heaviest stage
+    none = stage_rows(tmp_path / "none")
+    high = max(row["rank_peak_mib"] for row in none)
+    budget = 0.8 * high  # keeping every block does not fit on the heaviest stage
     log, records = packfeed_train(2, common + [f"recompute.budget_mb={budget}"], tmp_path / "adaptive")
     adaptive = stage_rows(tmp_path / "adaptive")
     decisions = [json.loads((tmp_path / "adaptive" / f"recompute-stage{s}.json").read_text()) for s in range(2)]
+    # the adaptive run's own trial with every block recomputed (what recompute.mode=all keeps) fits with room
+    everything = [d["measured"]["all"] / 2**20 for d in decisions]
+    assert all(low < row["rank_peak_mib"] for low, row in zip(everything, none))
+    assert max(everything) < budget
     assert all(d["fits"] for d in decisions)
     assert all(row["rank_peak_mib"] <= budget for row in adaptive)
     recomputed = sum(r["recomputed_vision"] + r["recomputed_llm"] for r in adaptive)
-    assert 0 < recomputed < sum(r["recomputed_vision"] + r["recomputed_llm"] for r in every)
+    assert 0 < recomputed < 3 + 6  # of the 3 vision blocks and 6 decoder layers
     assert records and records[0]["loss"] > 0
 
 

@@ -106,7 +106,7 @@ def test_data_parallel_pipelines_match_the_global_batch(tmp_path, served_steps):
 def test_server_and_trainer_run_end_to_end_and_reuse_their_decisions(tmp_path, small_tile_index):
     """docs/training.md's `packfeed train` line (torchrun, 2 stages, gloo, an embedded server) for 3 steps of a
     smaller model: the partition search and adaptive recompute run once, then a restart reuses both decisions
-    from disk."""
+    from disk and trains exactly as the first run did (its trials changed nothing)."""
     import json
 
     nproc, quoted = quoted_train("tests/test_trainer_pipeline.py")
@@ -129,9 +129,14 @@ def test_server_and_trainer_run_end_to_end_and_reuse_their_decisions(tmp_path, s
         assert decision["fits"] == (verified[-1] <= decision["budget_bytes"])
     assert "partition search" in first_log
 
-    second_log, _ = packfeed_train(2, overrides, out)
+    second_log, both = packfeed_train(2, overrides, out)  # metrics.jsonl is appended: 3 lines, then 3 more
     assert f"partition {partition['bounds']} reused" in second_log
     assert "partition search" not in second_log
+    # the first run's trials left weights, optimizer and stream as they were: it trained as the second, which ran
+    # no trial
+    again = both[len(records):]
+    assert [(r["epoch"], r["step"]) for r in again] == [(r["epoch"], r["step"]) for r in records]
+    assert [r["loss"] for r in again] == pytest.approx([r["loss"] for r in records], rel=1e-6)
 
     # the cluster simulator predicts every measured step from what the run wrote (per-layer costs included)
     costs = json.loads((out / "cost_model.json").read_text())

@@ -188,8 +188,6 @@ def cmd_train(args: argparse.Namespace) -> int:
     under torchrun on this machine; otherwise it expects torchrun's environment (or runs one process)."""
     forwarded = (["--config", args.config] if args.config else []) + args.overrides
     if args.nproc:
-        import subprocess
-
         from packfeed.trainer.config import load_config
 
         parallel = load_config(args.config, args.overrides).parallel
@@ -197,11 +195,24 @@ def cmd_train(args: argparse.Namespace) -> int:
         if world != args.nproc:
             print(f"packfeed train: parallel.dp x parallel.pp = {parallel.dp} x {parallel.pp} trains on {world} "
                   f"process(es); launching {world}, not --nproc {args.nproc}", file=sys.stderr)
-        return subprocess.call([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                                f"--nproc-per-node={world}", "-m", "packfeed.trainer", *forwarded])
+        return launch(world, forwarded)
     from packfeed.trainer.train import main as train_main
 
     return train_main(forwarded)
+
+
+def launch(world: int, forwarded: list[str]) -> int:
+    """torchrun in this process (one interpreter and torch import fewer than a `torchrun` subprocess): `world`
+    processes of `python -m packfeed.trainer FORWARDED`. 1 when one of them failed (torchrun has printed which,
+    and its error)."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import main as torchrun
+
+    try:
+        torchrun(["--standalone", f"--nproc-per-node={world}", "-m", "packfeed.trainer", *forwarded])
+    except ChildFailedError:
+        return 1
+    return 0
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:

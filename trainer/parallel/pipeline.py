@@ -23,13 +23,19 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 from torch.utils.checkpoint import checkpoint
 
 from packfeed.trainer.batch import HEADER_FIELDS, StepShape
 from packfeed.trainer.parallel.mesh import Mesh
 
-SCHEDULES = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe, "interleaved_1f1b": ScheduleInterleaved1F1B}
+
+def schedule_class(name: str):
+    """torch's schedule class for parallel.schedule `name` (imported here: torch.distributed.pipelining takes
+    seconds to import, which a run that never pipelines does not pay)."""
+    from torch.distributed import pipelining
+
+    return {"1f1b": pipelining.Schedule1F1B, "gpipe": pipelining.ScheduleGPipe,
+            "interleaved_1f1b": pipelining.ScheduleInterleaved1F1B}[name]
 
 
 def validate_partition(bounds: list[int], n_layers: int, stages: int, first: int = 0) -> list[int]:
@@ -109,12 +115,14 @@ class PipelineRunner:
         if key in self._schedules:
             self._schedules.move_to_end(key)
             return self._schedules[key]
+        from torch.distributed.pipelining import PipelineStage
+
         total = len(self.bounds) - 1
         stages = [PipelineStage(module, index, total, self.mesh.device,
                                 input_args=self._example(self.bounds[index], shape),
                                 output_args=self._example(self.bounds[index + 1], shape), group=self.mesh.pp_group)
                   for module, index in zip(self.modules, self.stages)]
-        kind = SCHEDULES[self.schedule]
+        kind = schedule_class(self.schedule)
         schedule = kind(stages if self.schedule == "interleaved_1f1b" else stages[0],
                         n_microbatches=self.microbatches, loss_fn=self._loss, scale_grads=False)
         self._schedules[key] = schedule
