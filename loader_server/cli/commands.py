@@ -208,6 +208,9 @@ def launch(world: int, forwarded: list[str]) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun
 
+    # torchrun gives each process 1 thread when OMP_NUM_THREADS is unset; share the machine's cores instead (a
+    # single process would otherwise leave all but one idle)
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // world)))
     try:
         torchrun(["--standalone", f"--nproc-per-node={world}", "-m", "packfeed.trainer", *forwarded])
     except ChildFailedError:
