@@ -156,7 +156,7 @@ def hf_step_grads(rank: int, world: int, family: str, data_file: str, init_file:
     from packfeed.client.hf import to_hf_inputs
     from packfeed.trainer.models.hf.whole import language_layers
     from packfeed.trainer.parallel.mesh import make_mesh
-    from packfeed.trainer.parallel.whole import shard
+    from packfeed.trainer.parallel.data_parallel import shard
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
@@ -238,7 +238,7 @@ def fsdp_output_views(rank: int, world: int, family: str, data_file: str, init_f
         from hf_models import tiny_model
         from packfeed.client.hf import to_hf_inputs
         from packfeed.trainer.models.hf.whole import language_layers, output_views
-        from packfeed.trainer.parallel.whole import shard
+        from packfeed.trainer.parallel.data_parallel import shard
 
         saved = torch.load(data_file, weights_only=False)
         model = tiny_model(family, saved["data"])

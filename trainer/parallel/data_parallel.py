@@ -1,6 +1,7 @@
 """Data parallelism within a pipeline stage, over the replicas of that stage (the mesh's dp group): DDP
 (replicated weights, gradients all-reduced), or FSDP2 (`fully_shard` on every vision block and decoder layer,
-then the stage: weights, gradients and AdamW state sharded over the replicas, gathered per block as it runs)."""
+then the stage: weights, gradients and AdamW state sharded over the replicas, gathered per block as it runs).
+`shard` is the one FSDP2 wrapping, also of a whole model's units (`packfeed.trainer.parallel.whole`)."""
 
 from __future__ import annotations
 
@@ -24,14 +25,22 @@ def wrap_data_parallel(module: nn.Module, mesh: Mesh, kind: str = "ddp", kinds: 
 
 
 def shard_stage(module: nn.Module, mesh: Mesh, kinds: list[str], precision: str, ignored: set) -> nn.Module:
+    """A stage's blocks (vision blocks, decoder layers) as FSDP2 units of their own, then the stage."""
+    blocks = [layer for layer, kind in zip(module.layers.values(), kinds) if kind in BLOCK_KINDS]
+    return shard(module, blocks, mesh, precision, ignored & set(module.parameters()))
+
+
+def shard(module: nn.Module, units: list[nn.Module], mesh: Mesh, precision: str,
+          ignored: set | None = None) -> nn.Module:
+    """`module` sharded with FSDP2 over the mesh's DP ranks: each of `units`, then the root (`ignored`: its
+    weights left whole). bf16: parameters gathered in bf16, gradients reduced in fp32."""
     import torch
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
         if precision == "bf16" else MixedPrecisionPolicy()
     device_mesh = mesh.dp_mesh()
-    for layer, kind in zip(module.layers.values(), kinds):
-        if kind in BLOCK_KINDS:
-            fully_shard(layer, mesh=device_mesh, mp_policy=policy)
-    fully_shard(module, mesh=device_mesh, mp_policy=policy, ignored_params=ignored & set(module.parameters()))
+    for unit in units:
+        fully_shard(unit, mesh=device_mesh, mp_policy=policy)
+    fully_shard(module, mesh=device_mesh, mp_policy=policy, ignored_params=ignored or None)
     return module

@@ -1,6 +1,6 @@
 """This rank's part of a model (`LayerModel`) under a partition: its stage modules, their data-parallel
-wrapping, the pipeline runner, the training step the loop drives (a `StepRunner`), and the trial steps that partition search and adaptive recompute time and
-measure. Trials run forward and backward on buffered steps and then drop the gradients: the weights, the
+wrapping, the pipeline runner, the training step the loop drives (a `StepRunner`), and the trial steps that
+partition search and adaptive recompute time and measure. Trials run forward and backward on buffered steps and then drop the gradients: the weights, the
 optimizer state (not yet made) and the stream position stay as they were, so a run with the search trains
 exactly as a run given its chosen partition."""
 
@@ -201,7 +201,7 @@ class RankStages:
         return clip_gradients(self.norm_parameters(), self.mesh, max_norm)
 
     def run_step(self, batch: Microbatches | None) -> tuple[StepShape, list[torch.Tensor]]:
-        shape = share_step_shape(self.mesh, batch.shape if batch is not None else None)
+        shape = self.agree(batch)
         return shape, self.run_schedule(shape, batch)
 
     def run_schedule(self, shape: StepShape, batch: Microbatches | None) -> list[torch.Tensor]:

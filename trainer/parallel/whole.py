@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from packfeed.trainer.batch import StepShape
+from packfeed.trainer.parallel.data_parallel import shard
 from packfeed.trainer.parallel.mesh import Mesh
 from packfeed.trainer.parallel.pipeline import clip_gradients
 from packfeed.trainer.parallel.profile import synchronize
@@ -36,20 +37,6 @@ class WholeModel(Protocol):
     def pack_inputs(self, pack: Any, dp: int, device: torch.device) -> tuple[dict, int, int]:
         """The model's keyword inputs for one pack (its loss normalised over the global step of `dp` ranks),
         the real tokens in it and the token slots it computes (padding included)."""
-
-
-def shard(module: torch.nn.Module, units: list[torch.nn.Module], mesh: Mesh, precision: str) -> torch.nn.Module:
-    """`module` sharded over the mesh's DP ranks: each unit, then the root (bf16: parameters gathered in bf16,
-    gradients reduced in fp32)."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
-        if precision == "bf16" else MixedPrecisionPolicy()
-    device_mesh = mesh.dp_mesh()
-    for unit in units:
-        fully_shard(unit, mesh=device_mesh, mp_policy=policy)
-    fully_shard(module, mesh=device_mesh, mp_policy=policy)
-    return module
 
 
 class WholeModelRunner:
