@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 
 from packfeed.media.image_policy import VERIFY_MODES  # light: dataclasses only
-from packfeed.v1.options import Oversize, PlanConfig, Strategy
+from packfeed.v1.options import CpMode, Oversize, PlanConfig, Strategy
 
 EXIT_OK, EXIT_SKIPPED, EXIT_USAGE = 0, 3, 2
 
@@ -38,7 +38,8 @@ def add_plan_options(parser: argparse.ArgumentParser) -> None:
             parser.add_argument(flag, action="store_true", default=None, help=help_text)
             continue
         kind = {"int": int, "float": float, "int | None": int}.get(str(spec.type))
-        choices = {"Strategy": [s.value for s in Strategy], "Oversize": [o.value for o in Oversize]}.get(str(spec.type))
+        choices = {"Strategy": [s.value for s in Strategy], "Oversize": [o.value for o in Oversize],
+                   "CpMode": [m.value for m in CpMode]}.get(str(spec.type))
         shown = f" (default {default})" if default is not None else ""
         parser.add_argument(flag, type=kind, choices=choices, help=help_text + shown)
 

@@ -20,6 +20,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from packfeed.server import __version__
+from packfeed.server.plan.context_parallel import cp_summary
 from packfeed.server.plan.costs import SampleLoads
 from packfeed.server.plan.isf import Caps
 from packfeed.server.plan.metrics import dist_ratio, pad_ratio
@@ -49,6 +50,10 @@ class Plan:
     # isf+phases: per further encoder (`packfeed index --encoder`), the rank encoding each member's share of it
     further_encoder_ranks: dict[str, np.ndarray] = field(default_factory=dict)
     phases: Any = field(default=None, repr=False, compare=False)  # isf+phases: its PhasePlan (metrics)
+    # context_parallel > 1: per member, its pack's CP degree d and cp_group g (it runs on lanes [g*d, (g+1)*d) of
+    # its rank's CP group; a slot's packs are in the order of their first lanes, g*d)
+    cp_degree: np.ndarray | None = None
+    cp_group: np.ndarray | None = None
     _fingerprint: str | None = field(default=None, repr=False, compare=False)
 
     @property
@@ -94,6 +99,15 @@ class Plan:
         if self.encoder_rank is None:
             return np.full(self.offsets[p + 1] - self.offsets[p], rank, dtype=np.int64)
         return np.asarray(self.encoder_rank[self.offsets[p]:self.offsets[p + 1]], dtype=np.int64)
+
+    def pack_cp(self, step: int, rank: int, microbatch: int) -> tuple[np.ndarray, np.ndarray]:
+        """(CP degree, cp_group) of each member of one slot: 1 and 0 without context parallelism."""
+        p = (step * self.config.dp + rank) * self.config.microbatches + microbatch
+        span = slice(self.offsets[p], self.offsets[p + 1])
+        if self.cp_degree is None:
+            size = span.stop - span.start
+            return np.ones(size, dtype=np.int64), np.zeros(size, dtype=np.int64)
+        return np.asarray(self.cp_degree[span], dtype=np.int64), np.asarray(self.cp_group[span], dtype=np.int64)
 
     def step_members(self, step: int) -> np.ndarray:
         """Every sample of one global step (all ranks and microbatches)."""
@@ -143,6 +157,7 @@ class Plan:
             "caps": asdict(self.caps) if self.caps else None,
             "planning_seconds": round(self.seconds, 4),
             **({"phases": self.phase_summary()} if self.phases is not None else {}),
+            **({"context_parallel": cp_summary(self, loads)} if self.cp_degree is not None else {}),
         }
 
     def phase_summary(self) -> dict[str, Any]:
@@ -168,7 +183,8 @@ class Plan:
                                       "index": self.index_fingerprint}, sort_keys=True).encode())
             arrays = (self.offsets, self.members, self.truncate_to) + \
                 ((self.encoder_rank,) if self.encoder_rank is not None else ()) + \
-                tuple(self.further_encoder_ranks[name] for name in sorted(self.further_encoder_ranks))
+                tuple(self.further_encoder_ranks[name] for name in sorted(self.further_encoder_ranks)) + \
+                ((self.cp_degree, self.cp_group) if self.cp_degree is not None else ())
             for array in arrays:
                 for start in range(0, len(array), 1 << 22):
                     digest.update(np.ascontiguousarray(array[start:start + (1 << 22)], dtype=np.int64).tobytes())
@@ -193,6 +209,11 @@ class Plan:
             further = rank.copy()
             further[~empty] = ranks[self.offsets[first]:self.offsets[stop]]
             columns[f"encoder_rank_{name}"] = pa.array(further)
+        cp, cp_group = np.ones(len(step), dtype=np.int32), np.zeros(len(step), dtype=np.int32)
+        if self.cp_degree is not None:
+            cp[~empty] = self.cp_degree[self.offsets[first]:self.offsets[stop]]
+            cp_group[~empty] = self.cp_group[self.offsets[first]:self.offsets[stop]]
+        columns["cp"], columns["cp_group"] = pa.array(cp), pa.array(cp_group)
         if self.rows is not None:  # a mixture: each row's dataset, and its sample id in that dataset's index
             real = np.where(empty, 0, sample_id)
             columns["dataset"] = pa.DictionaryArray.from_arrays(
@@ -218,7 +239,7 @@ class Plan:
         # Statistics only where a reader filters (steps): the others cost a fifth of the encoding time.
         # Build the next chunk's rows (compiled, GIL released) while Arrow encodes the current one.
         delta = {name: "DELTA_BINARY_PACKED" for name in ("epoch", "step", "rank", "microbatch", "position",
-                                                          "sample_id", "truncate_to", "encoder_rank")}
+                                                          "sample_id", "truncate_to", "encoder_rank", "cp", "cp_group")}
         with pq.ParquetWriter(path, schema, compression="zstd", use_dictionary=["dataset"], column_encoding=delta,
                               write_statistics=["step"]) as writer, \
                 ThreadPoolExecutor(max_workers=1) as builder:
@@ -251,6 +272,9 @@ def read_plan(path: str | Path) -> Plan:
     plan = Plan(config, meta["seed"], meta["epoch"], Caps(**meta["caps"]) if meta["caps"] else None, offsets,
                 table.column("sample_id").to_numpy()[~empty], table.column("truncate_to").to_numpy()[~empty]
                 .astype(np.int64), np.asarray(meta["oversize"], dtype=np.int64), meta["index_fingerprint"])
+    if config.context_parallel > 1:
+        plan.cp_degree = table.column("cp").to_numpy()[~empty].astype(np.int64)
+        plan.cp_group = table.column("cp_group").to_numpy()[~empty].astype(np.int64)
     if config.strategy is Strategy.ISF_PHASES and "encoder_rank" in table.column_names:
         plan.encoder_rank = table.column("encoder_rank").to_numpy()[~empty]
         plan.further_encoder_ranks = {name.removeprefix("encoder_rank_"): table.column(name).to_numpy()[~empty]

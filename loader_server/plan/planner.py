@@ -21,12 +21,13 @@ import numpy as np
 
 from packfeed.server.plan.balance import form_steps, lpt_assign, refine_by_swaps, split_for_last_step
 from packfeed.server.plan.caps import default_targets, search_caps
+from packfeed.server.plan import context_parallel as cp
 from packfeed.server.plan.costs import SampleLoads, encoder_costs, encoder_names, sample_costs
 from packfeed.server.plan.isf import Caps, IsfPacks, isf
 from packfeed.server.plan.pipeline_order import inter_reorder_many, stage_fractions, stage_times
 from packfeed.server.plan.phases import Phase, phase_plan
 from packfeed.server.plan.plan_file import Plan
-from packfeed.v1.options import Oversize, PlanConfig, Strategy
+from packfeed.v1.options import CpMode, Oversize, PlanConfig, Strategy
 
 # Independent random streams per purpose, so changing one stage never shifts another's randomness.
 _STREAM_ISF, _STREAM_STEPS, _STREAM_RANKS, _STREAM_BATCHES = 1, 2, 3, 4
@@ -45,12 +46,16 @@ def make_plan(loads: SampleLoads, config: PlanConfig, seed: int, epoch: int, ind
     cut = np.empty(0, dtype=np.int64)
     pieces = []
 
+    if config.context_parallel > 1 and config.cp_mode is CpMode.DYNAMIC:
+        return _dynamic_cp_plan(loads, config, seed, epoch, index_fingerprint, caps, streams, started)
     if config.strategy.padded:
         caps = None
         sequence, packs_m, packs_o = _padded_batches(loads, np.flatnonzero(loads.valid), config,
                                                      streams[_STREAM_BATCHES])
     else:
         caps = caps or resolve_caps(loads, config)
+        if config.context_parallel > 1:  # static: every pack over the whole CP group
+            caps = cp.cp_caps(caps, config).scaled(config.context_parallel)
         packs, oversize, cut, tokens = _isf_packs(loads, caps, config, streams[_STREAM_ISF])
         loads = replace(loads, tokens=tokens)  # the planner sees truncated samples at their cut length
         costs = sample_costs(config.cost_model, loads)
@@ -69,6 +74,9 @@ def make_plan(loads: SampleLoads, config: PlanConfig, seed: int, epoch: int, ind
     plan = Plan(config, seed, epoch, caps, offsets, members, truncate_to, oversize, index_fingerprint)
     if caps is not None:
         plan.pack_vision, plan.pack_tokens = pack_vision, pack_tokens
+    if config.context_parallel > 1:
+        plan.cp_degree = np.full(len(members), config.context_parallel, dtype=np.int64)
+        plan.cp_group = np.zeros(len(members), dtype=np.int64)
     if config.strategy is Strategy.ISF_PHASES:
         phases = [Phase("vision", 0, loads.vision)] + [
             Phase(name, 2 + k, loads.encoders[name].tokens, loads.encoders[name].padded)
@@ -82,6 +90,44 @@ def make_plan(loads: SampleLoads, config: PlanConfig, seed: int, epoch: int, ind
                                       for name, phase in plan.phases.encoders.items() if name != "vision"}
     plan.seconds = time.perf_counter() - started
     return plan
+
+
+def _dynamic_cp_plan(loads, config: PlanConfig, seed, epoch, index_fingerprint, caps, streams, started) -> Plan:
+    """Dynamic context parallelism (`packfeed.server.plan.context_parallel`): ISF packs of the samples one GPU
+    holds at degree 1, each longer sample alone at the fewest GPUs that hold it, all placed on every step's lanes."""
+    caps = caps or resolve_caps(loads, config)
+    gpu_caps = cp.cp_caps(caps, config)
+    short, long_ids, long_degrees, oversize, cut, tokens = cp.split_by_degree(loads, gpu_caps, config.oversize)
+    packs, _, _, _ = _isf_packs(cp.with_valid(loads, short), gpu_caps.per_gpu, config, streams[_STREAM_ISF])
+    members = np.concatenate([packs.members.astype(np.int64), long_ids])
+    offsets = np.concatenate([packs.offsets, packs.offsets[-1] + np.arange(1, len(long_ids) + 1)])
+    degree = np.concatenate([np.ones(len(packs.tokens), dtype=np.int64), long_degrees])
+    loads = replace(loads, tokens=tokens)
+    pack_cv, pack_cl = _pack_costs(members, offsets, sample_costs(config.cost_model, loads))
+    (step, rank, microbatch, group), n_steps = cp.place(pack_cv + pack_cl, degree, config.dp, config.microbatches,
+                                                        config.context_parallel, streams[_STREAM_STEPS])
+    slot = (step * config.dp + rank) * config.microbatches + microbatch
+    order = np.lexsort((group * degree, slot))  # each slot's packs by their first lane
+    slot_offsets, slot_members = _gather(order, members, offsets, np.empty(0, members.dtype), np.zeros(1, np.int64))
+    sizes = np.diff(offsets)[order]
+    n_slots = n_steps * config.slots
+    counts = np.bincount(slot[order], weights=sizes, minlength=n_slots).astype(np.int64)
+    plan_offsets = np.concatenate([[0], np.cumsum(counts)])
+    truncate_to = np.zeros(len(slot_members), dtype=np.int32)
+    if len(cut):
+        truncate_to[np.isin(slot_members, cut)] = gpu_caps.max_tokens * config.context_parallel
+    plan = Plan(config, seed, epoch, gpu_caps.per_gpu, plan_offsets, slot_members, truncate_to, oversize,
+                index_fingerprint)
+    plan.cp_degree = np.repeat(degree[order], sizes)
+    plan.cp_group = np.repeat(group[order], sizes)
+    plan.pack_vision = np.bincount(slot, weights=_pack_sums(loads.vision, members, offsets), minlength=n_slots).astype(np.int64)
+    plan.pack_tokens = np.bincount(slot, weights=_pack_sums(tokens, members, offsets), minlength=n_slots).astype(np.int64)
+    plan.seconds = time.perf_counter() - started
+    return plan
+
+
+def _pack_sums(values, members, offsets) -> np.ndarray:
+    return np.add.reduceat(values[members].astype(np.int64), offsets[:-1]) if len(members) else np.zeros(0, np.int64)
 
 
 def _pack_ranks(offsets: np.ndarray, config: PlanConfig) -> np.ndarray:

@@ -58,6 +58,15 @@ class PixelMode(_Named):
     ENCODED = "encoded"  # the image files travel; the client decodes and cuts them
 
 
+class CpMode(_Named):
+    """How a context-parallel plan gives packs their degree (`context_parallel` > 1)."""
+
+    # each pack over the fewest GPUs of its rank's CP group that hold it within max_tokens_per_gpu; short packs
+    # run side by side on sub-groups (Megatron-Core's dynamic context parallelism, planned ahead)
+    DYNAMIC = "dynamic"
+    STATIC = "static"  # every pack over all C GPUs of the group (the usual CP): the baseline
+
+
 class VisualKind(enum.IntEnum):
     """What a pack's visual item is (its `visual_kind` tensor on the wire: int32)."""
 
@@ -181,7 +190,7 @@ _PRESENT_COUNTS = ("microbatches", "pipeline_stages", "isf_iterations")  # proto
 # Bounds of every count a request may carry: a server plans and holds state in proportion to them.
 LIMITS = {"dp": 65536, "microbatches": 1024, "ranks_per_node": 65536, "pipeline_stages": 1024, "isf_iterations": 100,
           "samples_per_pack": 1024, "vision_cap": 2**31 - 1, "token_cap": 2**31 - 1, "vision_target": 2**31 - 1,
-          "token_target": 2**31 - 1, "window": 2**40}
+          "token_target": 2**31 - 1, "window": 2**40, "context_parallel": 1024, "max_tokens_per_gpu": 2**31 - 1}
 MAX_NAME = 256  # characters of a job id or dataset name
 MAX_EPOCHS = 1_000_000  # of one job
 MAX_RESUME_CHAIN = 16  # a job resuming a job that resumed another ...: each link re-plans an epoch at open
@@ -217,10 +226,17 @@ class PlanConfig:
     window: int = field(default=0, metadata=_help(
         "plan the epoch in windows of this many samples (0: all at once): the first step within seconds at any "
         "size; each window's last step may be lighter"))
+    context_parallel: int = field(default=1, metadata=_help(
+        "context-parallel GPUs per DP rank, C (a power of 2): the job runs on dp x C GPUs and each pack gets a "
+        "degree d in 1, 2, 4, ..., C (docs/planning.md)"))
+    max_tokens_per_gpu: int | None = field(default=None, metadata=_help(
+        "context parallelism: LLM tokens one GPU may hold of a microbatch, N (default: the token cap)"))
+    cp_mode: CpMode = field(default=CpMode.DYNAMIC, metadata=_help(
+        "context parallelism: each pack over the fewest GPUs that hold it (dynamic) or over all C (static)"))
 
     def __post_init__(self):
         problems = []
-        for name, kind in (("strategy", Strategy), ("oversize", Oversize)):
+        for name, kind in (("strategy", Strategy), ("oversize", Oversize), ("cp_mode", CpMode)):
             try:
                 object.__setattr__(self, name, kind.parse(getattr(self, name), name))
             except ValueError as error:
@@ -241,12 +257,27 @@ class PlanConfig:
             problems.append("samples_per_pack must be >= 1")
         problems += [f"{name} must be <= {limit}" for name, limit in LIMITS.items()
                      if getattr(self, name) is not None and getattr(self, name) > limit]
+        problems += self._context_parallel_problems()
         if (self.vision_cap is None) != (self.token_cap is None):
             problems.append("give both vision_cap and token_cap, or neither (automatic)")
         if any(v is not None and v < 1 for v in (self.vision_cap, self.token_cap)):
             problems.append("vision_cap and token_cap must be >= 1")
         if problems:
             raise ValueError("invalid plan config: " + "; ".join(problems))
+
+    def _context_parallel_problems(self) -> list[str]:
+        c = self.context_parallel
+        if c < 1 or c & (c - 1):
+            return [f"context_parallel must be a power of 2 (1, 2, 4, ...), not {c}"]
+        if c > 1 and self.strategy not in (Strategy.ISF, Strategy.ISF_BALANCE):
+            return [f"context_parallel plans ISF packs: strategy isf+balance or isf, not {self.strategy.value}"]
+        if c > 1 and self.window:
+            return ["context_parallel plans whole epochs: leave window at 0"]
+        if self.max_tokens_per_gpu is not None and self.max_tokens_per_gpu < 1:
+            return ["max_tokens_per_gpu must be >= 1"]
+        if c == 1 and (self.max_tokens_per_gpu is not None or self.cp_mode is not CpMode.DYNAMIC):
+            return ["max_tokens_per_gpu and cp_mode apply with context_parallel > 1"]
+        return []
 
     @property
     def slots(self) -> int:
@@ -256,7 +287,7 @@ class PlanConfig:
     def to_dict(self) -> dict[str, Any]:
         """Plain values (enums as their names): what plan files, fingerprints and job descriptions record."""
         out = asdict(self)
-        out["strategy"], out["oversize"] = self.strategy.value, self.oversize.value
+        out["strategy"], out["oversize"], out["cp_mode"] = self.strategy.value, self.oversize.value, self.cp_mode.value
         out["cost_model"] = self.cost_model.to_dict()
         if not self.window:
             del out["window"]  # whole-epoch plans record what they recorded before windows existed
@@ -264,6 +295,9 @@ class PlanConfig:
             del out["ranks_per_node"]  # ... and plans of the other strategies, what they did before phases
         if not self.colocate_encoder:
             del out["colocate_encoder"]
+        if self.context_parallel == 1:  # plans without CP record what they did before it existed
+            for name in ("context_parallel", "max_tokens_per_gpu", "cp_mode"):
+                del out[name]
         return out
 
     @classmethod

@@ -1,0 +1,260 @@
+"""Context-parallel plans (`context_parallel` C > 1): each pack's degree, and which GPUs of its rank run it.
+
+A job runs on dp x C GPUs. Each DP rank's microbatch is a CP group of C GPUs ("lanes"). A pack at degree d
+(1, 2, 4, ..., C) runs on the d aligned lanes [g*d, (g+1)*d) of one rank's microbatch: `cp_group` g. Its
+samples are split among those d GPUs by the contract's zigzag rule (`packfeed.v1.context_parallel`), so each
+holds at most ceil(T/d) of the pack's T tokens, and each does 1/d of its linear and of its causal attention work.
+
+- dynamic (default): samples that fit one GPU (at most N = `max_tokens_per_gpu` tokens and the vision cap) are
+  ISF-packed under those caps and run at d = 1; a longer sample is a pack of its own at the smallest d that puts
+  at most N tokens (and the vision cap's units) on each GPU. Packs then fill every step's dp x M x C lanes:
+  steps get packs largest degree first, each to the step with the least work so far that has room, and within
+  a step each pack goes to the free aligned lanes whose GPUs carry the least work (buddy placement, so largest
+  first always finds room). Every GPU's work (linear + attention, each pack's divided by its degree) is what
+  is balanced, across all dp x C GPUs of a step.
+- static: every pack runs over all C GPUs: ISF packs under C x N tokens (and C x the vision cap), placed as
+  without CP. The baseline.
+
+A sample that does not fit even at d = C is the oversize policy's: `alone` runs it at d = C above N,
+`skip` drops it, `truncate` cuts its tokens to C x N; all are reported. Guarantees (tested): every sample once;
+no GPU above N tokens but the oversize policy's reported ones; the same inputs give the same plan.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import numba
+import numpy as np
+
+from packfeed.server.plan.costs import sample_costs
+from packfeed.server.plan.isf import Caps
+from packfeed.server.plan.metrics import dist_ratio
+from packfeed.v1.options import CpMode, Oversize, PlanConfig
+
+
+@dataclass(frozen=True)
+class CpCaps:
+    """What one GPU may hold (`per_gpu`: the caps of a pack at d = 1) and the group's size C."""
+
+    per_gpu: Caps
+    groups: int  # C
+
+    @property
+    def max_tokens(self) -> int:
+        return self.per_gpu.token_cap
+
+    def scaled(self, degree: int) -> Caps:
+        """The caps of a pack over `degree` GPUs."""
+        c = self.per_gpu
+        return Caps(c.vision_cap * degree, c.token_cap * degree, c.vision_target * degree,
+                    c.token_cap * degree - (c.token_cap - c.token_target))
+
+
+def cp_caps(caps: Caps, config: PlanConfig) -> CpCaps:
+    """What one GPU holds in a CP job: N = `max_tokens_per_gpu` tokens (default: the token cap) and the vision
+    units of the caps' own ratio at N tokens. Packs at degree 1 are ISF packs under these caps."""
+    n = config.max_tokens_per_gpu or caps.token_cap
+    if n == caps.token_cap:
+        return CpCaps(caps, config.context_parallel)
+    scale = n / caps.token_cap
+    vision_cap = max(1, int(np.ceil(caps.vision_cap * scale)))
+    return CpCaps(Caps(vision_cap, n, max(1, min(vision_cap, int(np.ceil(caps.vision_target * scale)))),
+                       max(1, n - min(caps.token_cap - caps.token_target, n // 32))), config.context_parallel)
+
+
+def degrees(tokens: np.ndarray, vision: np.ndarray, per_gpu: Caps) -> np.ndarray:
+    """Per sample: the smallest power of 2 d with ceil(tokens / d) <= the token cap and ceil(vision / d) <= the
+    vision cap (a sample that fits one GPU: 1)."""
+    need = np.maximum(-(-np.asarray(tokens, dtype=np.int64) // per_gpu.token_cap),
+                      -(-np.asarray(vision, dtype=np.int64) // max(per_gpu.vision_cap, 1)))
+    need = np.maximum(need, 1)
+    return (1 << np.ceil(np.log2(need)).astype(np.int64)).astype(np.int64)
+
+
+def split_by_degree(loads, caps: CpCaps, oversize: Oversize):
+    """Valid samples by how many GPUs they need: (ids that fit one, ids of the longer, their degrees, ids of the
+    oversize policy, ids it truncates, every sample's tokens as planned). Degrees above C are the oversize
+    policy's: `alone` runs them at C (above N, reported), `skip` drops them, `truncate` cuts their tokens to
+    C x N (too many vision units still run at C)."""
+    tokens, vision = loads.tokens, loads.vision
+    valid_ids = np.flatnonzero(loads.valid)
+    d = degrees(tokens[valid_ids], vision[valid_ids], caps.per_gpu)
+    short_ids, long_ids, d = valid_ids[d == 1], valid_ids[d > 1], d[d > 1]
+    c = caps.groups
+    over = d > c
+    oversize_ids = long_ids[over]
+    cut = np.empty(0, dtype=np.int64)
+    if oversize is Oversize.SKIP:
+        long_ids, d = long_ids[~over], d[~over]
+    elif oversize is Oversize.TRUNCATE:
+        cut = oversize_ids[(vision[oversize_ids] <= caps.per_gpu.vision_cap * c)
+                           & (tokens[oversize_ids] > caps.max_tokens * c)]
+        if len(cut):
+            tokens = tokens.copy()
+            tokens[cut] = caps.max_tokens * c
+    return short_ids, long_ids, np.minimum(d, c), oversize_ids, cut, tokens
+
+
+def place(cost: np.ndarray, degree: np.ndarray, dp: int, m: int, c: int, rng: np.random.Generator):
+    """Per pack (its work and degree): (step, rank, microbatch, cp_group), filling every step's dp x m x c lanes
+    but the last's. Steps come in a seeded random order, the partial one last; each step's ranks are permuted."""
+    if len(cost) == 0:
+        return (np.empty(0, dtype=np.int64),) * 4, 0
+    # A GPU's share of a pack is its work / d: steps of packs with similar shares keep their GPUs equally busy
+    # (as balance.form_steps does without CP); seeded ties.
+    order = np.lexsort((rng.permutation(len(cost)), -(cost / degree)))
+    step = _fill_steps(order, degree, dp * m * c)
+    n_steps = int(step.max()) + 1
+    by_step = np.lexsort((-cost, -degree, step))  # within a step: largest degree, then heaviest, first
+    rank, microbatch, group = _place_in_steps(by_step, step, cost, degree, dp, m, c)
+    shuffled = np.concatenate([rng.permutation(n_steps - 1), [n_steps - 1]])
+    rank_order = np.argsort(rng.random((n_steps, dp)), axis=1)  # step s's rank r becomes rank_order[s, r]
+    return (shuffled[step], rank_order[step, rank], microbatch, group), n_steps
+
+
+@numba.njit(cache=True, nogil=True)
+def _fill_steps(order, degree, lanes):
+    """Packs in `order` fill steps of `lanes` lanes one after another; a pack with no room left in its step
+    waits for the next one, which takes the waiting packs first. Only the last step can have free lanes."""
+    step = np.full(len(order), -1, dtype=np.int64)
+    waiting = np.empty(len(order), dtype=np.int64)
+    n_waiting, current, free = 0, 0, lanes
+    for k in range(len(order)):
+        p = order[k]
+        if degree[p] <= free:
+            step[p] = current
+            free -= degree[p]
+        else:
+            waiting[n_waiting] = p
+            n_waiting += 1
+        while free == 0:
+            current += 1
+            n_waiting, free = _take_waiting(waiting, n_waiting, degree, step, current, lanes)
+    if n_waiting > 0:
+        # The rest did not fit the current step's free lanes: lay the current step's packs and theirs out again,
+        # largest degree first (powers of 2 into steps of lanes divisible by each fill every step exactly), so
+        # only the very last step keeps free lanes.
+        rest = np.concatenate((np.flatnonzero(step == current), waiting[:n_waiting]))
+        rest = rest[np.argsort(-degree[rest], kind="mergesort")]
+        free = lanes
+        for q in rest:
+            if degree[q] > free:
+                current, free = current + 1, lanes
+            step[q] = current
+            free -= degree[q]
+    return step
+
+
+@numba.njit(cache=True, nogil=True)
+def _take_waiting(waiting, n_waiting, degree, step, current, free):
+    """Waiting packs, in line, into step `current` while they fit; returns (packs still waiting, free lanes)."""
+    kept = 0
+    for w in range(n_waiting):
+        q = waiting[w]
+        if degree[q] <= free:
+            step[q] = current
+            free -= degree[q]
+        else:
+            waiting[kept] = q
+            kept += 1
+    return kept, free
+
+
+@numba.njit(cache=True, nogil=True)
+def _place_in_steps(by_step, step, cost, degree, dp, m, c):
+    """Within each step, packs (in `by_step`: by step, then largest degree and heaviest first) to the free
+    aligned lanes whose busiest GPU carries the least work; ties to the lowest (rank, group, microbatch). Largest
+    degree first, powers of 2 in groups of C: a step's packs always find room (buddy placement)."""
+    n = len(cost)
+    rank = np.empty(n, dtype=np.int64)
+    microbatch = np.empty(n, dtype=np.int64)
+    group = np.empty(n, dtype=np.int64)
+    load = np.zeros((dp, c))
+    rank_load = np.zeros(dp)  # second key: a lighter rank first, so a partial last step reaches every rank
+    used = np.zeros((dp, m, c), dtype=np.bool_)
+    current = -1
+    for i in range(n):
+        p = by_step[i]
+        if step[p] != current:
+            current = step[p]
+            load[:] = 0.0
+            rank_load[:] = 0.0
+            used[:] = False
+        d = degree[p]
+        best, best_rank_load, best_r, best_mb, best_g = np.inf, np.inf, -1, -1, -1
+        for r in range(dp):
+            for g in range(c // d):
+                score = load[r, g * d:(g + 1) * d].max()
+                if score > best or (score == best and rank_load[r] >= best_rank_load):
+                    continue
+                for mb in range(m):
+                    if not used[r, mb, g * d:(g + 1) * d].any():
+                        best, best_rank_load, best_r, best_mb, best_g = score, rank_load[r], r, mb, g
+                        break
+        rank[p], microbatch[p], group[p] = best_r, best_mb, best_g
+        used[best_r, best_mb, best_g * d:(best_g + 1) * d] = True
+        load[best_r, best_g * d:(best_g + 1) * d] += cost[p] / d
+        rank_load[best_r] += cost[p]
+    return rank, microbatch, group
+
+
+def gpu_work(plan_step, plan_rank, pack_group, pack_degree, pack_cost, n_steps: int, dp: int, c: int) -> np.ndarray:
+    """(steps, dp * c): every GPU's work in every step, each pack's divided among its degree's lanes."""
+    out = np.zeros((n_steps, dp, c))
+    _add_lanes(out, plan_step, plan_rank, pack_group, pack_degree, pack_cost)
+    return out.reshape(n_steps, dp * c)
+
+
+@numba.njit(cache=True, nogil=True)
+def _add_lanes(out, step, rank, group, degree, value):
+    for p in range(len(step)):
+        d = degree[p]
+        for lane in range(group[p] * d, (group[p] + 1) * d):
+            out[step[p], rank[p], lane] += value[p] / d
+
+
+def with_valid(loads, keep: np.ndarray):
+    """`loads` with only `keep` valid (the samples ISF packs for one GPU)."""
+    valid = np.zeros(len(loads), dtype=bool)
+    valid[keep] = True
+    return replace(loads, valid=valid)
+
+
+def subpacks(offsets: np.ndarray, cp_degree: np.ndarray, cp_group: np.ndarray) -> tuple[np.ndarray, ...]:
+    """The packs of a CP plan's slots: (slot, first member, stop) of each run of one (degree, cp_group) within a
+    slot (a slot's packs are in the order of their first lanes)."""
+    sizes = np.diff(offsets)
+    slot_of = np.repeat(np.arange(len(sizes)), sizes)
+    new = np.ones(len(slot_of), dtype=bool)
+    new[1:] = (slot_of[1:] != slot_of[:-1]) | (cp_group[1:] != cp_group[:-1]) | (cp_degree[1:] != cp_degree[:-1])
+    starts = np.flatnonzero(new)
+    return slot_of[starts], starts, np.append(starts[1:], len(slot_of)).astype(np.int64)
+
+
+def max_tokens_per_gpu(plan) -> int:
+    """N of a CP plan (a static plan keeps the caps of its whole-group packs)."""
+    static = plan.config.cp_mode is CpMode.STATIC
+    return plan.caps.token_cap // (plan.config.context_parallel if static else 1)
+
+
+def cp_summary(plan, loads) -> dict:
+    """`packfeed plan`'s context-parallel figures: packs per degree, the Dist of every GPU's work per step (all
+    dp x C of them), the most tokens any GPU holds in a microbatch, and the GPUs above N (oversize only)."""
+    config = plan.config
+    slot, starts, stops = subpacks(plan.offsets, plan.cp_degree, plan.cp_group)
+    tokens = np.where(plan.truncate_to > 0, np.minimum(loads.tokens[plan.members], plan.truncate_to),
+                      loads.tokens[plan.members]).astype(np.int64)
+    costs = sample_costs(config.cost_model, loads)[plan.members].sum(axis=1, dtype=np.float64)
+    degree, group = plan.cp_degree[starts], plan.cp_group[starts]
+    per_gpu = -(-np.add.reduceat(tokens, starts) // degree) if len(starts) else np.zeros(0, np.int64)
+    work = gpu_work(slot // config.slots, slot // config.microbatches % config.dp, group, degree,
+                    np.add.reduceat(costs, starts) if len(starts) else np.zeros(0), plan.n_steps, config.dp,
+                    config.context_parallel)
+    n = max_tokens_per_gpu(plan)
+    values, counts = np.unique(degree, return_counts=True)
+    return {"mode": config.cp_mode.value, "groups": config.context_parallel, "max_tokens_per_gpu": n,
+            "gpus": config.dp * config.context_parallel, "gpu_dist": round(dist_ratio(work), 6),
+            "peak_tokens_per_gpu": int(per_gpu.max()) if len(per_gpu) else 0,
+            "packs_over_max_tokens": int((per_gpu > n).sum()),
+            "degrees": {str(int(d)): int(k) for d, k in zip(values, counts)}}
