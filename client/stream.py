@@ -68,7 +68,10 @@ class PackStream:
     (FAILED_PRECONDITION). `replica` / `replicas`: the consumers of one DP rank (the ranks of a tensor, context
     or sequence parallel group) each open a stream with their own replica number and receive identical packs;
     replica 0's acknowledgements count for the rank, the others' are answered and not counted, and each
-    holds a lease of its own. `resume`: the state_dicts of every rank of another job of the same dataset and
+    holds a lease of its own. `cp_rank`: with context parallelism (plan `context_parallel` C > 1), the GPU of
+    the rank's CP group this stream feeds (0..C-1): it receives that GPU's share of every pack (its zigzag
+    chunks of each sample and the images it encodes; docs/wire.md "Context-parallel shares"); CP rank 0's
+    acknowledgements count for the rank. `resume`: the state_dicts of every rank of another job of the same dataset and
     seed, which ran with other plan settings (another DP or M): this job then plans what that job left of its
     epoch with its own settings and starts there (elastic resume; every sample still once per epoch).
     `connection` holds timeouts, retries, token and TLS. The flat keyword arguments
@@ -79,7 +82,7 @@ class PackStream:
     def __init__(self, target: str | list[str] | None = None, *, job: str, rank: int, plan: PlanConfig | None = None,
                  seed: int = 0, epochs: int = 1, dataset: str = "", connection: Connection | None = None,
                  prefetch: int = 2, pin_memory: bool = False, acknowledge: bool = True, index: str | None = None,
-                 decode: DecodeOptions | None = None, replica: int = 0, replicas: int = 1,
+                 decode: DecodeOptions | None = None, replica: int = 0, replicas: int = 1, cp_rank: int = 0,
                  resume: list[dict[str, Any]] | None = None, **flat: Any):
         if (target is None) == (index is None):
             raise ValueError("give a server target ('host:port', or several for failover) or an index for an "
@@ -87,7 +90,7 @@ class PackStream:
         self.plan, self.connection = _grouped(plan, connection, flat)
         if not 0 <= replica < replicas:
             raise ValueError(f"replica {replica} of {replicas}: give 0 <= replica < replicas")
-        self.job, self.rank, self.replica, self.replicas = job, rank, replica, replicas
+        self.job, self.rank, self.replica, self.replicas, self.cp_rank = job, rank, replica, replicas, cp_rank
         self.prefetch, self.pin_memory, self.acknowledge = max(1, prefetch), pin_memory, acknowledge
         self._local = None
         if index is not None:
@@ -103,6 +106,9 @@ class PackStream:
         self.info: pb.JobInfo = self.channel.call("OpenJob", self._open_request)
         if not 0 <= rank < self.info.plan.dp:
             raise PackfeedError(f"rank {rank} is outside the job's {self.info.plan.dp} ranks")
+        if not 0 <= cp_rank < max(1, self.info.plan.context_parallel):
+            raise PackfeedError(f"cp_rank {cp_rank} is outside the job's {max(1, self.info.plan.context_parallel)} "
+                                "context-parallel GPUs per rank (plan context_parallel)")
         self.microbatches = self.info.plan.microbatches
         self.decoder = PackDecoder(decode, pin_memory) if self.info.pixels == PixelMode.ENCODED else None
         # the next step the trainer will get: a resumed job starts in the epoch its old job stopped in
@@ -161,7 +167,8 @@ class PackStream:
             raise StopIteration
         if self._receiver is None:
             self._receiver = Receiver(self.channel, self.job, self.rank, self.info, self._next, self.prefetch,
-                                      self.pin_memory, self.reopen, self.decoder, (self.replica, self.replicas))
+                                      self.pin_memory, self.reopen, self.decoder, (self.replica, self.replicas),
+                                      self.cp_rank)
         started = time.perf_counter()
         item = self._receiver.get()
         self.wait_seconds += time.perf_counter() - started
@@ -179,7 +186,7 @@ class PackStream:
         """Acknowledge a consumed step, with the samples this client left out of it (the server records them)."""
         if self.acknowledge:
             request = pb.AckStepRequest(job=self.job, rank=self.rank, epoch=epoch, step=step, replica=self.replica,
-                                        data_wait_s=self.wait_seconds,
+                                        cp_rank=self.cp_rank, data_wait_s=self.wait_seconds,
                                         skipped=[pb.SkippedSample(key=key, reason=reason, epoch=epoch, step=step)
                                                  for key, reason in skipped])
             self._acks.submit(self.channel.send, "AckStep", request)

@@ -186,9 +186,12 @@ class Dataset:
             packs.append((sample_ids, np.array(limits), sources))
         parts_, sources, sample_ids = self.parts, *self.members(plan, plan.step_members(step))
         step_loss = sum(part.rows.loss_tokens(sample_ids[sources == k]) for k, part in enumerate(parts_))
+        groups = plan.config.context_parallel
+        cp = [plan.pack_cp(step, rank, microbatch) for microbatch in range(plan.config.microbatches)] \
+            if groups > 1 else None
         return RankStepWork(tuple(part.name for part in parts_), tuple(part.label for part in parts_),
                             plan.epoch, step, rank, packs, step_loss, plan.is_last_step(step), plan.seed,
-                            self._routing(plan, step, rank))
+                            self._routing(plan, step, rank), cp=cp, cp_groups=groups)
 
     def _routing(self, plan: Plan, step: int, rank: int) -> list | None:
         """isf+phases with the encoder routed: per microbatch, who encodes each member, and what `rank` encodes."""

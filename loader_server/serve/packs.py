@@ -51,6 +51,7 @@ class Pack:
     skipped: list[tuple[str, str]] = field(default_factory=list)  # (key, reason) of samples left out
     step_loss_tokens: int = 0  # filled in once every pack of the step is known
     sample_sources: list[str] = field(default_factory=list)  # the dataset of each sample (mixtures mix them)
+    positions: list[int] = field(default_factory=list)  # each sample's position among the planned members
 
     @property
     def empty(self) -> bool:
@@ -128,7 +129,9 @@ def build_pack(parts: list[tuple[IndexRows, Any, str]], members: np.ndarray, tru
     time is left out and reported in the pack's `skipped`; the pack still goes out, flagged empty if nothing is
     left."""
     loaded, skipped = load_members(parts, members, truncate_to, sources, epoch, seed)
-    return assemble_pack([sample for _, sample in loaded], epoch, step, rank, microbatch, skipped)
+    pack = assemble_pack([sample for _, sample in loaded], epoch, step, rank, microbatch, skipped)
+    pack.positions = [position for position, _ in loaded]
+    return pack
 
 
 def load_members(parts: list[tuple[IndexRows, Any, str]], members: np.ndarray, truncate_to: np.ndarray,

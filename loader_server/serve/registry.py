@@ -124,9 +124,13 @@ class JobRegistry:
 
 
 def check_routable(plan: PlanConfig, dataset: Dataset) -> None:
-    """isf+phases routes images between ranks. A video's frames are sampled and encoded with its sample (its
+    """Context parallelism cuts every pack's tiles among GPUs on the server. isf+phases routes images between ranks. A video's frames are sampled and encoded with its sample (its
     tiles and placeholders are decided together), and encoded image files are cut by the client of the pack that
     consumes them: datasets with either are served colocated only."""
+    if plan.context_parallel > 1 and PIXEL_PATHS[dataset.pixels].sends_files:
+        raise JobError("INVALID_ARGUMENT", f"dataset {dataset.name} sends image files (pixels: encoded); context "
+                                           "parallelism sends each GPU the tiles it encodes, cut on the server: "
+                                           "serve it with pixels: exact or fast")
     if plan.strategy is not Strategy.ISF_PHASES or plan.colocate_encoder:
         return
     if PIXEL_PATHS[dataset.pixels].sends_files:

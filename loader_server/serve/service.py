@@ -131,7 +131,7 @@ class PackfeedService:
         job = self.registry.get(request.job)
         job.check_rank(request.rank)
         await asyncio.to_thread(job.check_step, request.epoch, request.step)
-        if request.replica:  # the rank's replica 0 acknowledges for the rank: counted once per DP rank
+        if request.replica or request.cp_rank:  # the rank's first GPU acknowledges for it: counted once per DP rank
             return pb.AckStepResponse()
         if (request.epoch, request.step) > job.ranks[request.rank].streamed:
             raise JobError("FAILED_PRECONDITION", f"step {request.epoch}:{request.step} was not sent to rank "
@@ -184,8 +184,13 @@ class PackfeedService:
         job, rank = self.registry.get(request.job), request.rank
         job.check_plan(request.plan_fingerprint)
         job.check_rank(rank)
-        replica, primary = request.replica, request.replica == 0
-        lease = replica_lease(rank, replica, max(1, request.replicas), job.spec.plan_config.dp)
+        replica, lane, groups = request.replica, request.cp_rank, job.spec.plan_config.context_parallel
+        if lane >= groups:
+            raise JobError("INVALID_ARGUMENT", f"cp_rank {lane}: job {job.spec.job!r} plans {groups} context-parallel "
+                                               f"GPUs per rank; give 0 <= cp_rank < {groups}")
+        primary = replica == 0 and lane == 0  # the rank's first GPU acknowledges for the rank
+        replicas = max(1, request.replicas)
+        lease = replica_lease(rank, lane * replicas + replica, replicas * groups, job.spec.plan_config.dp)
         start = (request.first_epoch, request.first_step)
         await asyncio.to_thread(job.check_step, *start)
         await self._take_lease(job, rank, replica, lease)
@@ -214,7 +219,7 @@ class PackfeedService:
                                                   "reconnect to continue")
                     if job.revoked:  # an older registration of the job id holds another plan
                         raise job.revoked
-                    for piece, last in with_last(pieces_of(sending.messages, part_bytes)):
+                    for piece, last in with_last(pieces_of(sending.for_lane(lane, groups), part_bytes)):
                         if last:  # counted as sent when its final piece is handed over: a client that has all
                             # of it may close before the write returns
                             self._account(job, rank, epoch, step, sending, primary)

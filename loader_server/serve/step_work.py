@@ -40,6 +40,10 @@ class RankStepWork:
     # bytes decoding one image or tokenising one sample may take (MemoryBudget.working_limit): a sample needing
     # more is skipped, with its reason, instead of prepared; 0: no limit
     decode_budget: int = 0
+    # context parallelism (plan context_parallel C > 1), per microbatch: each member's CP degree and cp_group; each
+    # pack then goes out as C shares, one per GPU of the rank's CP group (`packfeed.server.serve.cp_shares`)
+    cp: list[tuple[np.ndarray, np.ndarray]] | None = None
+    cp_groups: int = 1
 
     def samples_by_source(self, pixels_only: bool = False) -> list[tuple[int, np.ndarray]]:
         """(source k, its sample ids) for each index the step reads, every pack's samples together: a step's
@@ -60,7 +64,9 @@ class RankStepResult:
     views of the mapping; once the last of them is dropped the file goes back to the server's pool (`files`)
     to carry another step (without a pool it is removed)."""
 
-    messages: list  # serialized Pack, one per microbatch: bytes, or views of the attached mapping (SplitMessage)
+    # serialized Pack, one per microbatch (with context parallelism, one per microbatch and GPU of the CP group:
+    # message m * C + lane): bytes, or views of the attached mapping (SplitMessage)
+    messages: list
     samples: int
     skipped: list[tuple[str, str]] = field(default_factory=list)
     seconds: float = 0.0
@@ -71,6 +77,10 @@ class RankStepResult:
 
     def __getstate__(self) -> dict:
         return {**self.__dict__, "files": None}  # the server's pool never travels to or from a worker
+
+    def for_lane(self, lane: int, groups: int) -> list:
+        """The messages GPU `lane` of a CP group of `groups` receives (all of them without context parallelism)."""
+        return self.messages if groups == 1 else self.messages[lane::groups]
 
     @property
     def nbytes(self) -> int:

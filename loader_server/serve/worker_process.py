@@ -17,6 +17,7 @@ import numpy as np
 
 from packfeed.server.serve.index_rows import IndexRows
 from packfeed.server.serve.observe import log
+from packfeed.server.serve.cp_shares import cp_shares
 from packfeed.server.serve.packs import build_pack
 from packfeed.server.serve.preprocess import SampleReader
 from packfeed.server.serve.routed import build_routed_pack
@@ -147,7 +148,12 @@ def _build_rank_step(work: RankStepWork, shared: str | None) -> RankStepResult:
                 pack = build_pack(parts, members, truncate_to, sources, work.epoch, work.step, work.rank,
                                   microbatch, work.seed)
             pack.step_loss_tokens = work.step_loss_tokens
-            pieces.append(pack_pieces(pack, len(work.packs), work.last_in_epoch))
+            if work.cp is None:
+                pieces.append(pack_pieces(pack, len(work.packs), work.last_in_epoch))
+            else:
+                degree, group = (np.asarray(a)[pack.positions] for a in work.cp[microbatch])
+                pieces.extend(pack_pieces(share, len(work.packs), work.last_in_epoch)
+                              for share in cp_shares(pack, degree, group, work.cp_groups))
             skipped.extend(pack.skipped)
             samples += len(members)
             by_dataset.update(pack.sample_sources)

@@ -1,0 +1,108 @@
+"""A context-parallel pack's shares: what each GPU of a DP rank's CP group receives (plan `context_parallel` > 1).
+
+A slot of a CP plan holds packs on aligned lanes (`packfeed.server.plan.context_parallel`): a pack at degree d
+on cp_group g runs on GPUs [g*d, (g+1)*d) of the group. GPU `lane` of the group gets one share: the pack whose
+lanes hold it, as CP rank j = lane - g*d of that pack. Its tokens are its two zigzag chunks of every sample
+(`packfeed.v1.context_parallel`), early chunk first; the tensors (docs/wire.md "Context-parallel shares"):
+
+- input_ids, labels, position_ids (its tokens; positions as in the unsplit sample) and cu_seqlens (where each
+  sample's tokens start among its tokens), as any pack;
+- cp (3: degree d, cp_group g, CP rank j), cp_seqlens (samples + 1: boundaries of the unsplit samples, as the
+  pack's cu_seqlens would be), cp_chunks (samples x 4: early chunk start, stop, late chunk start, stop, in the
+  unsplit sample);
+- every visual item of the pack's samples: image_sample, image_token_spans (start in the unsplit pack of
+  cp_seqlens, length), visual_kind, frame_seconds, and image_cp_rank (the CP rank encoding it: items go to the
+  d ranks largest first, each to the one with the fewest tiles so far); pixels, tile_shapes and tile_image
+  (its item's number) of the items this rank encodes only.
+
+A GPU whose lanes hold nothing in this microbatch gets an empty share. Every share of a slot carries the slot's
+skipped samples' reports on share 0 only (counted once).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from packfeed.media.chat import IGNORE_INDEX
+from packfeed.server.serve.packs import Chunks, Pack
+from packfeed.v1.context_parallel import pack_shares, rank_chunks
+
+ITEM_TENSORS = ("visual_kind", "frame_seconds")  # per visual item, kept for every item of the share's samples
+
+
+def cp_shares(pack: Pack, degree: np.ndarray, group: np.ndarray, groups: int) -> list[Pack]:
+    """The `groups` (C) shares of one slot's pack; `degree` and `group`: the plan's cp and cp_group of each of
+    its samples (those that loaded, in pack order)."""
+    if "encoded" in pack.tensors:
+        raise ValueError("context parallelism needs pixels cut on the server (pixels exact or fast), not encoded")
+    return [_share(pack, degree, group, lane) for lane in range(groups)]
+
+
+def _share(pack: Pack, degree: np.ndarray, group: np.ndarray, lane: int) -> Pack:
+    mine = np.flatnonzero((group * degree <= lane) & (lane < (group + 1) * degree))
+    t = pack.tensors
+    d = int(degree[mine[0]]) if len(mine) else 1
+    g = int(group[mine[0]]) if len(mine) else lane
+    j = lane - g * d
+    cu = t["cu_seqlens"].astype(np.int64)
+    lengths = (cu[mine + 1] - cu[mine]).tolist()
+    chunks = [rank_chunks(sample_chunks, j) for sample_chunks in pack_shares(lengths, d)]
+    token_index = np.concatenate([np.arange(cu[k] + a, cu[k] + b) for k, pair in zip(mine, chunks) for a, b in pair]
+                                 or [np.zeros(0, np.int64)]).astype(np.int64)
+    local = np.zeros(len(mine) + 1, dtype=np.int32)
+    np.cumsum([sum(b - a for a, b in pair) for pair in chunks], out=local[1:])
+    unsplit = np.zeros(len(mine) + 1, dtype=np.int32)
+    np.cumsum(lengths, out=unsplit[1:])
+    labels = t["labels"][token_index]
+    tensors = {"input_ids": t["input_ids"][token_index], "labels": labels,
+               "position_ids": t["position_ids"][token_index], "cu_seqlens": local,
+               "cp": np.array([d, g, j], dtype=np.int32), "cp_seqlens": unsplit,
+               "cp_chunks": np.array([[a0, b0, a1, b1] for (a0, b0), (a1, b1) in chunks], dtype=np.int32)
+               .reshape(-1, 4)}
+    tensors.update(_items(t, mine, cu, unsplit, d, j))
+    keys = [pack.sample_keys[k] for k in mine]
+    sources = [pack.sample_sources[k] for k in mine] if pack.sample_sources else []
+    return Pack(pack.epoch, pack.step, pack.rank, pack.microbatch, keys, tensors,
+                int((labels != IGNORE_INDEX).sum()), pack.skipped if lane == 0 else [], pack.step_loss_tokens,
+                sources)
+
+
+def _items(t: dict, mine: np.ndarray, cu: np.ndarray, unsplit: np.ndarray, d: int, j: int) -> dict:
+    """The share's visual items: all of its samples', the tiles only of those CP rank `j` encodes."""
+    image_sample = t["image_sample"].astype(np.int64)
+    position = np.full(len(cu) - 1, -1, dtype=np.int64)
+    position[mine] = np.arange(len(mine))
+    items = np.flatnonzero(position[image_sample] >= 0)
+    tile_image = t["tile_image"].astype(np.int64)
+    tiles_per_item = np.bincount(tile_image, minlength=len(image_sample))[items]
+    encoder = _balanced(tiles_per_item, d)
+    number = np.full(len(image_sample), -1, dtype=np.int64)
+    number[items] = np.arange(len(items))
+    spans = t["image_token_spans"][items].astype(np.int64)
+    owner = position[image_sample[items]]
+    spans[:, 0] += unsplit[owner] - cu[image_sample[items]]  # from the whole pack to the unsplit share
+    encoding = np.full(len(image_sample), -1, dtype=np.int64)  # per item of the whole pack: -1 not this share's
+    encoding[items] = encoder
+    tiles = np.flatnonzero(encoding[tile_image] == j)
+    pixels = t["pixels"]
+    offsets = np.concatenate([[0], np.cumsum(np.prod(t["tile_shapes"], axis=1))]).astype(np.int64)
+    whole_tiles = isinstance(pixels, Chunks) and len(pixels.arrays) == len(offsets) - 1
+    arrays = pixels.arrays if whole_tiles else tuple(
+        np.asarray(pixels)[offsets[k]:offsets[k + 1]] for k in range(len(offsets) - 1))
+    return {"image_sample": owner.astype(np.int32), "image_token_spans": spans.astype(np.int32).reshape(-1, 2),
+            "image_cp_rank": encoder.astype(np.int32),
+            **{name: t[name][items] for name in ITEM_TENSORS},
+            "pixels": Chunks(tuple(arrays[k] for k in tiles), np.dtype(np.uint8)),
+            "tile_shapes": t["tile_shapes"][tiles].reshape(-1, 3), "tile_image": number[tile_image[tiles]]
+            .astype(np.int32)}
+
+
+def _balanced(tiles: np.ndarray, ranks: int) -> np.ndarray:
+    """Per item (its tiles): the CP rank encoding it, largest first to the rank with the fewest tiles so far
+    (ties to the lowest rank), so the group's encoders share the work."""
+    load = np.zeros(ranks, dtype=np.int64)
+    out = np.zeros(len(tiles), dtype=np.int64)
+    for k in np.argsort(-tiles, kind="stable"):
+        out[k] = int(np.argmin(load))
+        load[out[k]] += tiles[k]
+    return out

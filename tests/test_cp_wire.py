@@ -1,0 +1,115 @@
+"""Context-parallel shares over real gRPC: `PackStream(..., cp_rank=r)` gives each GPU of a rank's CP group its
+share of every pack, and the shares of a pack put every token of every sample on exactly one GPU of its pack, at
+its position in the unsplit sample, and every visual item on exactly one encoder."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import numpy as np
+import pytest
+
+from packfeed.client import LocalServer, PackfeedError, PackStream
+from packfeed.v1.context_parallel import pack_shares, rank_chunks
+
+C = 4
+
+
+def samples_of(steps: dict) -> dict[str, dict]:
+    """key -> the sample's input_ids, labels and its items' tiles (bytes), from whole packs (no CP)."""
+    out = {}
+    for rank_steps in steps.values():
+        for step in rank_steps:
+            for pack in step.packs:
+                cu = pack.cu_seqlens.tolist()
+                tiles = pack.tiles()
+                for k, key in enumerate(pack.sample_keys):
+                    items = [i for i, s in enumerate(pack.image_sample.tolist()) if s == k]
+                    out[key] = {"input_ids": pack.input_ids[cu[k]:cu[k + 1]].numpy(),
+                                "labels": pack.labels[cu[k]:cu[k + 1]].numpy(),
+                                "items": [b"".join(tiles[t].numpy().tobytes() for t, owner in
+                                                   enumerate(pack.tile_image.tolist()) if owner == i) for i in items]}
+    return out
+
+
+@pytest.fixture(scope="module")
+def cp_streams(small_tile_index):
+    """Every step of a DP 2 x CP 4 (dynamic, N = 96 tokens) job, for every (rank, cp_rank), tensors copied."""
+    got = {}
+    with LocalServer(small_tile_index, workers=1) as server:
+        for rank in range(2):
+            for cp_rank in range(C):
+                stream = PackStream(server.target, job="cp", rank=rank, cp_rank=cp_rank, dp=2, seed=0,
+                                    context_parallel=C, max_tokens_per_gpu=96)
+                got[rank, cp_rank] = list(stream)
+                for step in got[rank, cp_rank]:
+                    for pack in step.packs:
+                        pack.tensors = {name: tensor.clone() for name, tensor in pack.tensors.items()}
+                stream.close()
+        with pytest.raises(PackfeedError, match="cp_rank 4 is outside"):
+            PackStream(server.target, job="cp", rank=0, cp_rank=C, dp=2, seed=0, context_parallel=C,
+                       max_tokens_per_gpu=96)
+    return got
+
+
+def test_shares_put_every_token_on_one_gpu_at_its_unsplit_position(cp_streams, served_steps):
+    reference = samples_of(served_steps)
+    tokens = defaultdict(dict)  # key -> position -> (token, label)
+    degrees = defaultdict(set)
+    for (rank, cp_rank), steps in cp_streams.items():
+        for step in steps:
+            for pack in step.packs:
+                if pack.empty:
+                    continue
+                d, g, j = pack.cp.tolist()
+                assert g * d + j == cp_rank and pack.cu_seqlens[-1] == len(pack.input_ids)
+                lengths = np.diff(pack.cp_seqlens.numpy()).tolist()
+                oversize = max(lengths) > 96 * C  # the oversize policy's (alone): over N, reported by the plan
+                assert len(pack.input_ids) <= 96 or oversize, "a GPU holds more than N tokens"
+                assert d == 1 or len(lengths) == 1, "dynamic CP spreads only a sample too long for one GPU"
+                expected = [rank_chunks(chunks, j) for chunks in pack_shares(lengths, d)]
+                assert pack.cp_chunks.tolist() == [[a0, b0, a1, b1] for (a0, b0), (a1, b1) in expected]
+                cu = pack.cu_seqlens.tolist()
+                for k, key in enumerate(pack.sample_keys):
+                    degrees[key].add((step.step, rank, d, g))
+                    for p, token, label in zip(pack.position_ids[cu[k]:cu[k + 1]].tolist(),
+                                               pack.input_ids[cu[k]:cu[k + 1]].tolist(),
+                                               pack.labels[cu[k]:cu[k + 1]].tolist()):
+                        assert p not in tokens[key], f"{key}: position {p} on two GPUs"
+                        tokens[key][p] = (token, label)
+    assert set(tokens) == set(reference), "every sample once per epoch"
+    for key, sample in reference.items():
+        assert sorted(tokens[key]) == list(range(len(sample["input_ids"])))
+        assert [tokens[key][p][0] for p in sorted(tokens[key])] == sample["input_ids"].tolist()
+        assert [tokens[key][p][1] for p in sorted(tokens[key])] == sample["labels"].tolist()
+        assert len(degrees[key]) == 1, "a sample in two packs"
+    assert {d for placed in degrees.values() for _, _, d, _ in placed} >= {1, 2}, "no long sample was split"
+
+
+def test_every_item_is_encoded_by_one_gpu_of_its_pack_with_its_own_tiles(cp_streams, served_steps):
+    reference = samples_of(served_steps)
+    encoded = defaultdict(list)  # (key, item number in the sample) -> tile bytes, per encoding GPU
+    for (rank, cp_rank), steps in cp_streams.items():
+        for step in steps:
+            for pack in step.packs:
+                if pack.empty:
+                    continue
+                d, g, j = pack.cp.tolist()
+                tiles = pack.tiles()
+                owners = pack.image_sample.tolist()
+                for item, (owner, encoder) in enumerate(zip(owners, pack.image_cp_rank.tolist())):
+                    if encoder != j:
+                        assert item not in pack.tile_image.tolist()
+                        continue
+                    number = owners[:item].count(owner)
+                    data = b"".join(tiles[t].numpy().tobytes() for t, i in enumerate(pack.tile_image.tolist())
+                                    if i == item)
+                    encoded[pack.sample_keys[owner], number].append(data)
+                # spans point into the unsplit samples: the placeholder run lies within its sample
+                unsplit = pack.cp_seqlens.tolist()
+                for (start, length), owner in zip(pack.image_token_spans.tolist(), owners):
+                    assert unsplit[owner] <= start and start + length <= unsplit[owner + 1]
+    expected = {(key, n): data for key, sample in reference.items() for n, data in enumerate(sample["items"])}
+    assert set(encoded) == set(expected)
+    for item, copies in encoded.items():
+        assert copies == [expected[item]], f"{item}: encoded {len(copies)} times or with other tiles"
