@@ -113,3 +113,22 @@ def test_every_item_is_encoded_by_one_gpu_of_its_pack_with_its_own_tiles(cp_stre
     assert set(encoded) == set(expected)
     for item, copies in encoded.items():
         assert copies == [expected[item]], f"{item}: encoded {len(copies)} times or with other tiles"
+
+
+def test_joined_shares_are_the_whole_packs(cp_streams, served_steps):
+    from packfeed.client.context_parallel import whole_packs
+
+    reference = samples_of(served_steps)
+    joined = {}
+    for rank in range(2):
+        lanes = [cp_streams[rank, lane] for lane in range(C)]
+        for steps in zip(*lanes):
+            for m in range(len(steps[0].packs)):
+                for pack in whole_packs([step.packs[m] for step in steps]):
+                    assert "cp" not in pack.tensors
+                    joined.update(samples_of({0: [type(steps[0])(0, 0, rank, [pack])]}))
+    assert joined.keys() == reference.keys()
+    for key, sample in reference.items():
+        assert np.array_equal(joined[key]["input_ids"], sample["input_ids"])
+        assert np.array_equal(joined[key]["labels"], sample["labels"])
+        assert joined[key]["items"] == sample["items"]

@@ -76,7 +76,7 @@ def save_sharded(root: Path, steps_done: int, mesh, model: torch.nn.Module, opti
     dist.barrier()
     model_state, optimizer_state = get_state_dict(model, optimizer, options=_flat())
     dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=str(directory / "sharded"))
-    if stream_state is not None:
+    if stream_state is not None and mesh.cp_rank == 0:  # the CP ranks of a replica stand at one step
         (directory / f"stream-rank{mesh.replica}.json").write_text(json.dumps(stream_state))
     if mesh.rank == 0:
         torch.save(scheduler.state_dict(), directory / "scheduler.pt")

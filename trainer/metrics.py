@@ -43,7 +43,7 @@ def step_record(mesh: Mesh, shape: StepShape, tally: StepTally, elapsed: float, 
               "tokens": int(tokens), "padded_tokens": int(padded), "tiles": int(tiles),
               "padded_tiles": int(padded_tiles), "tokens_per_s": tokens / step_s if step_s else 0.0,
               "pad_fraction": 1 - tokens / padded if padded else 0.0,
-              "bubble_fraction": 1 - busy_sum / (mesh.dp * mesh.pp * compute_max) if compute_max else 0.0,
+              "bubble_fraction": 1 - busy_sum / (mesh.world * compute_max) if compute_max else 0.0,
               "peak_memory_mib": peak_max / 2**20, "pipeline_s": compute_max, "grad_norm": grad_norm}
     counts = [None] * dist.get_world_size()  # samples per dataset over every replica (mixtures)
     dist.all_gather_object(counts, tally.samples_by_dataset)

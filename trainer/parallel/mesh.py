@@ -1,13 +1,15 @@
-"""The (dp, pp) process grid: ranks, their process groups, and the small collectives every room uses.
+"""The (dp, cp, pp) process grid: ranks, their process groups, and the small collectives every room uses.
 
-Global rank = replica * P + stage. Every rank creates every group in the same order, as torch.distributed
-requires.
+Global rank = (replica * CP + cp_rank) * P + stage. With context parallelism (cp > 1, at pp 1) the data-parallel
+group holds every rank (each GPU's gradients are partial sums of its replica's), and `cp_groups` holds a group for
+each aligned run of d GPUs of this rank's CP group (d = 2, 4, ..., cp), the GPUs a pack at degree d runs on. Every
+rank creates every group in the same order, as torch.distributed requires.
 """
 
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -23,6 +25,8 @@ class Mesh:
     device: torch.device
     pp_group: dist.ProcessGroup | None = None
     dp_group: dist.ProcessGroup | None = None
+    cp: int = 1
+    cp_groups: dict[tuple[int, int], dist.ProcessGroup] = field(default_factory=dict)  # (degree, cp_group)
 
     _device_mesh: object = None
 
@@ -36,7 +40,15 @@ class Mesh:
 
     @property
     def replica(self) -> int:
-        return self.rank // self.pp
+        return self.rank // (self.pp * self.cp)
+
+    @property
+    def cp_rank(self) -> int:
+        return self.rank // self.pp % self.cp
+
+    @property
+    def world(self) -> int:
+        return self.dp * self.cp * self.pp
 
     @property
     def stage(self) -> int:
@@ -44,7 +56,7 @@ class Mesh:
 
     @property
     def first_stage_rank(self) -> int:
-        return self.replica * self.pp
+        return self.rank - self.stage
 
     @property
     def is_first(self) -> bool:
@@ -55,13 +67,27 @@ class Mesh:
         return self.stage == self.pp - 1
 
 
-def make_mesh(dp: int, pp: int, device: torch.device) -> Mesh:
-    """Groups for an initialised default process group of dp * pp ranks (every rank creates every group,
+def make_mesh(dp: int, pp: int, device: torch.device, cp: int = 1) -> Mesh:
+    """Groups for an initialised default process group of dp * cp * pp ranks (every rank creates every group,
     in the same order, as torch.distributed requires)."""
     world, rank = dist.get_world_size(), dist.get_rank()
-    if world != dp * pp:
-        raise ValueError(f"world size {world} != dp {dp} x pp {pp}: launch dp * pp processes")
-    mesh = Mesh(dp, pp, rank, device)
+    if world != dp * cp * pp:
+        raise ValueError(f"world size {world} != dp {dp} x cp {cp} x pp {pp}: launch dp * cp * pp processes")
+    if cp > 1 and pp > 1:
+        raise ValueError("context parallelism runs at pp 1")
+    mesh = Mesh(dp, pp, rank, device, cp=cp)
+    if cp > 1:
+        mesh.dp_group = dist.group.WORLD
+        for replica in range(dp):
+            degree = 2
+            while degree <= cp:
+                for group in range(cp // degree):
+                    members = [replica * cp + group * degree + k for k in range(degree)]
+                    made = dist.new_group(members)
+                    if replica == mesh.replica:
+                        mesh.cp_groups[degree, group] = made
+                degree *= 2
+        return mesh
     for replica in range(dp):
         group = dist.new_group([replica * pp + s for s in range(pp)])
         if replica == mesh.replica:
