@@ -252,3 +252,41 @@ def fsdp_output_views(rank: int, world: int, family: str, data_file: str, init_f
 def full(tensor: torch.Tensor) -> torch.Tensor:
     """A whole tensor (an FSDP2 DTensor gathered over its shards)."""
     return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor.clone()
+
+
+def cp_step(rank: int, world: int, dp: int, cp: int, init_file: str, steps_file: str, out_dir: str,
+            control: bool = False) -> None:
+    """One step's forward + backward of the reference model under context parallelism (dp x cp ranks, each fed
+    its lane's shares); rank 0 saves the summed gradients and the step's loss. `control`: rank 1 gets its
+    shares' late chunks before their early ones (a wrong chunk order)."""
+    from packfeed.trainer.parallel.context_parallel import ContextParallelRunner
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        mesh = make_mesh(dp, 1, torch.device("cpu"), cp=cp)
+        runner = ContextParallelRunner(ReferenceModel(VLMConfig(**SMALL_MODEL)), mesh, None)
+        step = torch.load(steps_file, weights_only=False)[mesh.replica, mesh.cp_rank]
+        if control and rank == 1:
+            step.packs = [late_chunks_first(pack) for pack in step.packs]
+        tally = runner.train_step(runner.agree(step), step)
+        loss = torch.tensor([tally.loss], dtype=torch.float64)
+        dist.all_reduce(loss)
+        if rank == 0:
+            grads = {name: p.grad.clone() for name, p in runner.layers.named_parameters()}
+            torch.save({"loss": float(loss), "grads": grads}, Path(out_dir) / "cp.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def late_chunks_first(pack):
+    """The share with each sample's late chunk sent before its early one (the metadata unchanged)."""
+    if pack.empty:
+        return pack
+    order, local = [], pack.cu_seqlens.tolist()
+    for s, (a0, b0, a1, b1) in enumerate(pack.cp_chunks.tolist()):
+        early = list(range(local[s], local[s] + b0 - a0))
+        order += list(range(local[s] + b0 - a0, local[s + 1])) + early
+    index = torch.tensor(order, dtype=torch.int64)
+    for name in ("input_ids", "labels", "position_ids"):
+        pack.tensors[name] = pack.tensors[name][index]
+    return pack

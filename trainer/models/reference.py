@@ -225,10 +225,13 @@ class TextEmbed(nn.Module):
 
 
 class LLMBlock(nn.Module):
-    """Pre-norm decoder block: RMSNorm, RoPE, causal attention within each packed sample, SwiGLU."""
+    """Pre-norm decoder block: RMSNorm, RoPE, causal attention within each packed sample, SwiGLU. `attention`
+    is the attention function (q, k, v, cu_seqlens) -> out: context parallelism replaces it with one over the
+    GPUs a pack is split among (`packfeed.trainer.parallel.context_parallel`)."""
 
     def __init__(self, c: VLMConfig):
         super().__init__()
+        self.attention = packed_causal_attention
         self.heads, self.theta = c.llm_heads, c.rope_theta
         self.norm1, self.norm2 = RMSNorm(c.llm_dim), RMSNorm(c.llm_dim)
         self.qkv = nn.Linear(c.llm_dim, 3 * c.llm_dim, bias=False)
@@ -239,7 +242,7 @@ class LLMBlock(nn.Module):
         length, d = hidden.shape
         q, k, v = self.qkv(self.norm1(hidden)).view(length, 3, self.heads, d // self.heads).unbind(1)
         q, k = rope(q, position_ids, self.theta), rope(k, position_ids, self.theta)
-        hidden = hidden + self.proj(packed_causal_attention(q, k, v, cu_seqlens).reshape(length, d))
+        hidden = hidden + self.proj(self.attention(q, k, v, cu_seqlens).reshape(length, d))
         hidden = hidden + self.mlp(self.norm2(hidden))
         return hidden, position_ids, cu_seqlens, labels
 
@@ -253,9 +256,12 @@ class LMHead(nn.Module):
         self.out = nn.Linear(c.llm_dim, c.vocab_size, bias=False)
 
     def forward(self, hidden, position_ids, cu_seqlens, labels):
+        return (self.loss(hidden, next_token_targets(labels, cu_seqlens)),)
+
+    def loss(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The summed cross-entropy of `hidden`'s predictions of `targets` (IGNORE_INDEX: none), shape (1,)."""
         logits = self.out(self.norm(hidden)).float()
-        return (F.cross_entropy(logits, next_token_targets(labels, cu_seqlens), ignore_index=IGNORE_INDEX,
-                                reduction="sum").reshape(1),)
+        return F.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX, reduction="sum").reshape(1)
 
 
 def next_token_targets(labels: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
+import torch.distributed as dist
 
 from packfeed.trainer.batch import StepShape
 from packfeed.trainer.parallel.mesh import Mesh
@@ -63,3 +64,13 @@ class StepRunner(Protocol):
 
     def sync(self) -> None:
         """Wait for the device's queued work (step times measure work done)."""
+
+
+def agree_on_step(step, mesh: Mesh) -> StepShape:
+    """For runners fed the client's steps unchanged: every rank has a step, or the run stops on all (a stream
+    that ended on one rank ends it)."""
+    flag = torch.tensor([0 if step is None else 1], device=mesh.device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    if not flag.item():
+        return StepShape(0, 0, 0, 0, stop=True)
+    return StepShape(0, 0, 0, 0, epoch=step.epoch, step=step.step)

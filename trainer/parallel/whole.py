@@ -15,14 +15,13 @@ from collections import Counter
 from typing import Any, Protocol
 
 import torch
-import torch.distributed as dist
 
 from packfeed.trainer.batch import StepShape
 from packfeed.trainer.parallel.data_parallel import shard
 from packfeed.trainer.parallel.mesh import Mesh
 from packfeed.trainer.parallel.pipeline import clip_gradients
 from packfeed.trainer.parallel.profile import synchronize
-from packfeed.trainer.parallel.runner import StepTally
+from packfeed.trainer.parallel.runner import StepTally, agree_on_step
 
 
 class WholeModel(Protocol):
@@ -57,12 +56,7 @@ class WholeModelRunner:
         return self.model
 
     def agree(self, step) -> StepShape:
-        """Every rank has a step, or the run stops on all (a stream that ended on one rank ends it)."""
-        flag = torch.tensor([0 if step is None else 1], device=self.mesh.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-        if not flag.item():
-            return StepShape(0, 0, 0, 0, stop=True)
-        return StepShape(0, 0, 0, 0, epoch=step.epoch, step=step.step)
+        return agree_on_step(step, self.mesh)
 
     def train_step(self, shape: StepShape, step) -> StepTally:
         started, busy_started = time.perf_counter(), time.process_time()

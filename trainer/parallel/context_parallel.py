@@ -1,0 +1,296 @@
+"""Context parallelism for the reference VLM (parallel.cp = C > 1, at pp 1), as a `StepRunner`.
+
+Each DP replica is C GPUs. The plan (context_parallel C) gives every microbatch's GPUs their shares: a pack at
+degree d runs on d aligned GPUs of the replica (`Mesh.cp_groups[d, g]`), each holding two zigzag chunks of every
+sample (`packfeed.v1.context_parallel`) and encoding some of its images. Per pack, on its d GPUs:
+
+1. each encodes its images (vision layers), and an all-gather over the d GPUs gives every one all the pack's
+   image features, from which it takes those of its own placeholder tokens;
+2. every LLM block's attention all-gathers K and V over the d GPUs and attends each local query to the keys of
+   its own sample at or before it in the unsplit sample (its position there, from the chunks), so the outputs
+   equal the unsplit pack's;
+3. the loss of each local token predicts the next token of the unsplit sample (labels gathered once per pack),
+   normalised over the whole global step.
+
+The all-gathers are autograd functions (their backward sums the gradients back to their owners). Packs at d = 1
+run as without context parallelism. After the step's packs, one all-reduce sums every gradient over all ranks
+(each GPU's are partial sums of its pack's), so every rank holds the gradient of the step's mean token loss:
+exactly what one GPU computes on the unsplit packs (tested within 1e-5). A GPU with nothing in a microbatch
+(a lane the plan leaves free in the last step) runs nothing there.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections import Counter
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from packfeed.trainer.batch import StepShape
+from packfeed.trainer.models.reference import IGNORE_INDEX, LLMBlock, next_token_targets, packed_causal_attention
+from packfeed.trainer.models.reference_inputs import pack_tiles
+from packfeed.trainer.parallel.mesh import Mesh
+from packfeed.trainer.parallel.profile import synchronize
+from packfeed.trainer.parallel.runner import StepTally, agree_on_step
+from packfeed.v1.context_parallel import pack_shares, rank_chunks
+
+GRADIENT_BUCKET = 1 << 24  # elements summed per all-reduce
+
+
+@dataclass
+class ShareLayout:
+    """Where one share's tokens sit in its pack, for every GPU of the pack (computed alike on each, no messages)."""
+
+    degree: int
+    rank: int  # CP rank within the pack
+    group: dist.ProcessGroup | None
+    local_unsplit: torch.Tensor  # (local tokens,) each one's index in the unsplit pack
+    rows: torch.Tensor  # (pack tokens,) row of each unsplit token in the gathered (degree x most) rows
+    most: int  # the most tokens any GPU of the pack holds
+    bounds: list[int]  # the unsplit samples' boundaries
+    local_bounds: list[int]
+
+    @classmethod
+    def of(cls, pack, groups: dict) -> "ShareLayout":
+        d, g, j = (int(v) for v in pack.cp.tolist())
+        bounds = pack.cp_seqlens.long().tolist()
+        lengths = [b - a for a, b in zip(bounds[:-1], bounds[1:])]
+        held = []  # per CP rank: the unsplit index of each token it holds, in its order
+        for rank in range(d):
+            parts = [torch.arange(start + a, start + b) for start, chunks in zip(bounds, pack_shares(lengths, d))
+                     for a, b in rank_chunks(chunks, rank)]
+            held.append(torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64))
+        most = max(len(h) for h in held)
+        rows = torch.empty(bounds[-1], dtype=torch.int64)
+        for rank, h in enumerate(held):
+            rows[h] = rank * most + torch.arange(len(h))
+        return cls(d, j, groups.get((d, g)) if d > 1 else None, held[j], rows, most, bounds,
+                   pack.cu_seqlens.long().tolist())
+
+    def gather(self, local: torch.Tensor, most: int | None = None) -> torch.Tensor:
+        """Every GPU's `local` rows (padded to `most`, default the most tokens), concatenated in CP rank order;
+        differentiable (the gradient of each row goes back to its owner)."""
+        most = self.most if most is None else most
+        padded = F.pad(local, (0, 0) * (local.dim() - 1) + (0, most - local.shape[0]))
+        return GatherFromGroup.apply(padded, self.group, self.degree)
+
+    def unsplit(self, local: torch.Tensor) -> torch.Tensor:
+        """`local` rows of every GPU of the pack in the unsplit pack's order."""
+        return self.gather(local)[self.rows.to(local.device)]
+
+
+class GatherFromGroup(torch.autograd.Function):
+    """All-gather along dim 0 over a group (every rank's tensor of one shape, in group rank order); the backward
+    hands each rank the sum of every rank's gradient of its rows (reduce-scatter on NCCL; an all-reduce of the
+    whole gradient elsewhere: gloo has no reduce-scatter, and torch's autograd all_gather mistakes a sub-group's
+    ranks for global ones there)."""
+
+    @staticmethod
+    def forward(ctx, tensor: torch.Tensor, group, size: int) -> torch.Tensor:
+        ctx.group, ctx.size = group, size
+        parts = [torch.empty_like(tensor) for _ in range(size)]
+        dist.all_gather(parts, tensor.contiguous(), group=group)
+        return torch.cat(parts)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad = grad.contiguous()
+        if dist.get_backend(ctx.group) == dist.Backend.NCCL:
+            mine = grad.new_empty((grad.shape[0] // ctx.size, *grad.shape[1:]))
+            dist.reduce_scatter_tensor(mine, grad, group=ctx.group)
+        else:
+            summed = grad.clone()
+            dist.all_reduce(summed, group=ctx.group)
+            mine = summed.chunk(ctx.size)[dist.get_rank(ctx.group)]
+        return mine, None, None
+
+
+class ContextParallelAttention:
+    """The LLM blocks' attention while a pack at degree > 1 runs: K and V of the whole pack, gathered."""
+
+    def __init__(self):
+        self.layout: ShareLayout | None = None
+
+    def __call__(self, q, k, v, cu_seqlens):
+        layout = self.layout
+        if layout is None or layout.degree == 1:
+            return packed_causal_attention(q, k, v, cu_seqlens)
+        kv = layout.unsplit(torch.cat([k, v], dim=-1))
+        keys, values = kv.split(k.shape[-1], dim=-1)
+        out = torch.empty_like(q)
+        for s, (start, stop) in enumerate(zip(layout.bounds[:-1], layout.bounds[1:])):
+            first, last = layout.local_bounds[s], layout.local_bounds[s + 1]
+            if last == first:
+                continue
+            index = layout.local_unsplit[first:last] - start  # each local query's place in its sample
+            reach = int(index.max()) + 1  # keys past the latest query are never visible
+            visible = torch.arange(reach)[None, :] <= index[:, None]  # causal in the unsplit sample
+            out[first:last] = F.scaled_dot_product_attention(
+                q[first:last].transpose(0, 1), keys[start:start + reach].transpose(0, 1),
+                values[start:start + reach].transpose(0, 1), attn_mask=visible.to(q.device)).transpose(0, 1)
+        return out
+
+
+class ContextParallelRunner:
+    """A `StepRunner`: the reference VLM replicated on every rank, each pack of the plan split over its GPUs."""
+
+    def __init__(self, model, mesh: Mesh, source, precision: str = "fp32"):
+        if mesh.pp != 1:
+            raise ValueError("context parallelism runs at parallel.pp=1")
+        self.mesh, self.source, self.model, self.precision = mesh, source, model, precision
+        self.layers = model.layers.to(mesh.device)
+        self.text_embed = model.kinds.index("text_embed")
+        self.attention = ContextParallelAttention()
+        for layer in self.layers:
+            if isinstance(layer, LLMBlock):
+                layer.attention = self.attention  # context parallelism applied to the model, not written into it
+        self.meta = {"context_parallel": mesh.cp}
+
+    def parameters(self) -> list[torch.nn.Parameter]:
+        return list(self.layers.parameters())
+
+    def checkpoint_module(self) -> torch.nn.Module:
+        return self.layers
+
+    def agree(self, step) -> StepShape:
+        return agree_on_step(step, self.mesh)
+
+    def train_step(self, shape: StepShape, step) -> StepTally:
+        started, busy_started = time.perf_counter(), time.process_time()
+        loss_sum, tokens, tiles = 0.0, 0, 0
+        for pack in step.packs:
+            if pack.empty:
+                continue
+            with self._autocast():
+                loss = self.pack_loss(pack) / max(1, pack.step_loss_tokens)
+            loss.backward()
+            loss_sum += float(loss.detach())
+            tokens, tiles = tokens + int(pack.input_ids.numel()), tiles + int(pack.tile_shapes.view(-1, 3).shape[0])
+        self.attention.layout = None
+        self._sum_gradients()
+        busy = time.process_time() - busy_started if self.mesh.device.type == "cpu" else float("nan")
+        return StepTally(loss_sum, tokens=tokens, padded_tokens=tokens, tiles=tiles, padded_tiles=tiles, busy_s=busy,
+                         compute_s=time.perf_counter() - started,
+                         samples_by_dataset=dict(Counter(step.sample_sources)) if self.mesh.cp_rank == 0 else {})
+
+    def pack_loss(self, pack) -> torch.Tensor:
+        """The summed next-token loss of this GPU's share of `pack` (a whole pack when it has no `cp`)."""
+        device, config = self.mesh.device, self.model.config
+        layout = ShareLayout.of(pack, self.mesh.cp_groups) if "cp" in pack.tensors else None
+        self.attention.layout = layout
+        features = self._image_features(pack, layout)
+        input_ids = pack.input_ids.long().to(device)
+        positions = pack.position_ids.long().to(device)
+        bounds = pack.cu_seqlens.long().to(device)
+        spans = pack.image_token_spans.view(-1, 2).long()
+        vision_positions = torch.cat([torch.arange(int(a), int(a) + int(n)) for a, n in spans.tolist()]) \
+            if len(spans) else torch.zeros(0, dtype=torch.int64)
+        labels = pack.labels.long().to(device)
+        if layout is not None and layout.degree > 1:
+            vision_positions, targets = self._local_positions(vision_positions, layout), self._targets(labels, layout)
+        else:  # a whole pack, or one at degree 1: its spans index its own tokens
+            targets = next_token_targets(labels, bounds)
+        carrier = (features.view(-1, config.tokens_per_tile, features.shape[-1]), input_ids, positions, bounds,
+                   vision_positions.to(device), labels)
+        carrier = self.layers[self.text_embed](*carrier)
+        for layer in self.layers[self.text_embed + 1:-1]:
+            carrier = layer(*carrier)
+        return self.layers[-1].loss(carrier[0], targets.to(device))
+
+    def _image_features(self, pack, layout: ShareLayout | None) -> torch.Tensor:
+        """(vision tokens of all the pack's images, in image order, D): encoded here, or gathered from the GPU
+        of the pack that encoded them."""
+        config, device = self.model.config, self.mesh.device
+        tiles = pack_tiles(pack, config).to(device)
+        features = self._encode(tiles)
+        if layout is None or layout.degree == 1:
+            return features.reshape(-1, features.shape[-1])
+        per_image = pack.image_token_spans.view(-1, 2)[:, 1].long() // config.tokens_per_tile
+        encoder = pack.image_cp_rank.long()
+        counts = [int(per_image[encoder == rank].sum()) for rank in range(layout.degree)]
+        if max(counts) == 0:
+            return features.reshape(-1, features.shape[-1])
+        gathered = layout.gather(features, max(counts))  # (degree x most tiles, tokens per tile, D)
+        order = []  # each image's tiles in the gathered rows, image by image
+        taken = [0] * layout.degree
+        most = max(counts)
+        for image, rank in enumerate(encoder.tolist()):
+            n = int(per_image[image])
+            order.extend(range(rank * most + taken[rank], rank * most + taken[rank] + n))
+            taken[rank] += n
+        return gathered[torch.tensor(order, dtype=torch.int64, device=device)].reshape(-1, features.shape[-1])
+
+    def _encode(self, tiles: torch.Tensor) -> torch.Tensor:
+        config = self.model.config
+        if tiles.shape[0] == 0:
+            # requires grad: every GPU of a pack must run the backward of the gather its features join
+            width = self.layers[self.text_embed].embed.embedding_dim
+            return torch.zeros(0, config.tokens_per_tile, width, device=self.mesh.device, requires_grad=True)
+        unused = torch.zeros(0, dtype=torch.int64, device=tiles.device)
+        carrier = (tiles,) + (unused,) * 5
+        for layer in self.layers[:self.text_embed]:
+            carrier = layer(*carrier)
+        return carrier[0]
+
+    @staticmethod
+    def _local_positions(vision_positions: torch.Tensor, layout: ShareLayout) -> torch.Tensor:
+        """Each vision token's local row (spans index the unsplit pack), -1 where another GPU holds it."""
+        local = torch.full((layout.bounds[-1],), -1, dtype=torch.int64)
+        local[layout.local_unsplit] = torch.arange(len(layout.local_unsplit))
+        return local[vision_positions]
+
+    @staticmethod
+    def _targets(labels: torch.Tensor, layout: ShareLayout) -> torch.Tensor:
+        """Each local token's target: the next label of its unsplit sample (labels gathered from the pack's GPUs)."""
+        unsplit = _gather_plain(labels, layout)[layout.rows.to(labels.device)]
+        targets = next_token_targets(unsplit, torch.tensor(layout.bounds, device=labels.device))
+        return targets[layout.local_unsplit.to(labels.device)]
+
+    def _sum_gradients(self) -> None:
+        """Every rank's gradients summed over all ranks (its pack shares and its replica's), in buckets."""
+        if self.mesh.world == 1:
+            return
+        params = self.parameters()
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        grads = [p.grad for p in params]
+        bucket: list[torch.Tensor] = []
+        size = 0
+        for grad in grads + [None]:
+            if grad is not None:
+                bucket.append(grad)
+                size += grad.numel()
+            if bucket and (grad is None or size >= GRADIENT_BUCKET):
+                flat = torch.cat([g.reshape(-1) for g in bucket])
+                dist.all_reduce(flat)
+                offset = 0
+                for g in bucket:
+                    g.copy_(flat[offset:offset + g.numel()].view_as(g))
+                    offset += g.numel()
+                bucket, size = [], 0
+
+    def _autocast(self):
+        if self.precision == "fp32":
+            return contextlib.nullcontext()
+        return torch.autocast(self.mesh.device.type, dtype=torch.bfloat16 if self.precision == "bf16" else torch.float16)
+
+    def clip_gradients(self, max_norm: float) -> float:
+        """Every rank holds the whole summed gradient: its norm is the global one."""
+        norm = torch.nn.utils.clip_grad_norm_(self.parameters(), max_norm if max_norm > 0 else float("inf"))
+        return float(norm)
+
+    def sync(self) -> None:
+        synchronize(self.mesh.device)
+
+
+def _gather_plain(values: torch.Tensor, layout: ShareLayout) -> torch.Tensor:
+    """Every GPU of the pack's `values` (1-D, padded to the most tokens), in CP rank order; no gradient."""
+    padded = F.pad(values, (0, layout.most - len(values)), value=IGNORE_INDEX)
+    parts = [torch.empty_like(padded) for _ in range(layout.degree)]
+    dist.all_gather(parts, padded, group=layout.group)
+    return torch.cat(parts)
