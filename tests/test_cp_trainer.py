@@ -83,3 +83,20 @@ def test_context_parallel_gives_the_unsplit_loss_and_gradients(small_tile_index,
         wrong = run_cp(steps_file, dp, cp, tmp_path, control=True)
         assert abs(wrong["loss"] - loss) > 1e-4 or any(
             not torch.allclose(wrong["grads"][name], grad, rtol=1e-4, atol=1e-5) for name, grad in grads.items())
+
+
+COMMON = ["data.microbatches=2", "data.server_workers=1", "optim.steps=2", "optim.warmup_steps=1",
+          "parallel.dp=1", "parallel.pp=1", f"data.max_tokens_per_gpu={N}"] + \
+    [f"model.{k}={v}" for k, v in SMALL_MODEL.items()]
+
+
+def test_packfeed_train_cp2_starts_with_the_loss_of_the_same_packs_on_one_process(small_tile_index, tmp_path):
+    index = f"data.index={small_tile_index}"
+    log, split = packfeed_train(2, COMMON + [index, "parallel.cp=2"], tmp_path / "cp2")
+    assert "context parallelism: 2 GPU(s) per replica" in log
+    _, whole = packfeed_train(1, COMMON + [index, "parallel.cp=1", "data.context_parallel=2"], tmp_path / "cp1")
+    assert len(split) == len(whole) == 2
+    for a, b in zip(split, whole):
+        assert (a["epoch"], a["step"]) == (b["epoch"], b["step"])
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)  # the second after an AdamW step: equal gradients
+        assert a["tokens"] == b["tokens"] and a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)

@@ -53,17 +53,31 @@ class DataConfig:
     # pack's longest; the same loss; at pp=1 HF's own collation with an attention mask and sdpa): the baseline
     # that packing is measured against
     collate: Literal["packed", "padded"] = "packed"
+    # context parallelism (the plan's C is parallel.cp): tokens one GPU may hold of a microbatch (None: the token
+    # cap) and how packs get their degree (dynamic, or static: every pack over all C GPUs)
+    max_tokens_per_gpu: int | None = None
+    cp_mode: str = "dynamic"
+    # the plan's C when it differs from parallel.cp: parallel.cp=1 with context_parallel=C trains a CP plan's packs
+    # whole on one GPU per replica (its C streams joined: packfeed.client.context_parallel.JoinedStream), the
+    # baseline a CP run is checked against; 0 = parallel.cp
+    context_parallel: int = 0
 
     def __post_init__(self):
         check_choices(self)
         if self.cost_model and not Path(self.cost_model).is_file():
             raise ValueError(f"data.cost_model {self.cost_model} not found (an earlier run's OUT/cost_model.json)")
         self.plan_config(dp=1, pipeline_stages=1)  # a bad strategy or cap fails now, not at the first stream
+        if self.max_tokens_per_gpu is not None or self.cp_mode != "dynamic" or self.context_parallel:
+            self.plan_config(dp=1, pipeline_stages=1, cp=max(2, self.context_parallel))  # ... and a bad CP setting
 
-    def plan_config(self, dp: int, pipeline_stages: int, routed: bool = False) -> PlanConfig:
-        """The job's plan specification on a (dp, pipeline_stages) mesh. isf+phases is served routed only to a
-        trainer that exchanges encoder outputs (`routed`, parallel.encoder=phases); to the others, colocated."""
+    def plan_config(self, dp: int, pipeline_stages: int, routed: bool = False, cp: int = 1) -> PlanConfig:
+        """The job's plan specification on a (dp, pipeline_stages) mesh of `cp` GPUs per replica (the plan's C:
+        `context_parallel` when set). isf+phases is served routed only to a trainer that exchanges encoder outputs
+        (`routed`, parallel.encoder=phases); to the others, colocated."""
         values = {name: getattr(self, name) for name in PLAN_FIELDS}
+        groups = self.context_parallel or cp
+        if groups > 1:
+            values.update(context_parallel=groups, max_tokens_per_gpu=self.max_tokens_per_gpu, cp_mode=self.cp_mode)
         if self.cost_model:
             values["cost_model"] = json.loads(Path(self.cost_model).read_text())
         if Strategy.parse(self.strategy, "data.strategy") is Strategy.ISF_PHASES and not routed:
@@ -89,11 +103,20 @@ class ParallelConfig:
     backend: Literal["", "nccl", "gloo"] = ""  # "" = nccl on CUDA, gloo on CPU
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"  # bf16/fp16: autocast, and activations cross stages in that dtype
     device: str = ""  # "" = cuda when available
+    # context parallelism: GPUs per DP replica (a power of 2); each pack runs on the 1, 2, ..., cp of them the plan
+    # gives it (data.max_tokens_per_gpu, data.cp_mode; packfeed.trainer.parallel.context_parallel); at pp 1
+    cp: int = 1
 
     def __post_init__(self):
         check_choices(self)
         if self.dp < 1 or self.pp < 1:
             raise ValueError("parallel.dp and parallel.pp must be >= 1")
+        if self.cp < 1 or self.cp & (self.cp - 1):
+            raise ValueError(f"parallel.cp = {self.cp}: give a power of 2 (1, 2, 4, ...)")
+        if self.cp > 1 and (self.pp != 1 or self.encoder != "stages"):
+            raise ValueError("parallel.cp > 1 runs context parallelism at parallel.pp=1 with the encoder on each "
+                             "pack's GPUs (parallel.encoder=stages); pipelines with context parallelism are not "
+                             "supported yet")
         if self.encoder == "bubbles" and self.pp < 2:
             raise ValueError("parallel.encoder=bubbles fills a pipeline's idle time: it needs parallel.pp >= 2 (one "
                              "stage has no bubbles; use parallel.encoder=stages)")
@@ -184,6 +207,16 @@ class TrainConfig:
             raise ValueError("parallel.encoder=phases trains the reference model on routed packs: set "
                              "data.strategy=isf+phases, and leave model.hf unset (Hugging Face models encode "
                              "colocated: data.strategy=isf+phases with parallel.encoder=stages)")
+        if self.model.hf and self.parallel.cp > 1:
+            raise ValueError("parallel.cp > 1 trains the reference model (model.hf unset): Hugging Face models do not "
+                             "run context parallelism in packfeed train yet")
+        planned_cp = self.data.context_parallel or self.parallel.cp
+        if planned_cp == 1 and (self.data.max_tokens_per_gpu is not None or self.data.cp_mode != "dynamic"):
+            raise ValueError("data.max_tokens_per_gpu and data.cp_mode apply to context parallelism: set parallel.cp")
+        if self.data.context_parallel and self.parallel.cp not in (1, self.data.context_parallel):
+            raise ValueError(f"data.context_parallel = {self.data.context_parallel} with parallel.cp = "
+                             f"{self.parallel.cp}: a CP plan trains on its C GPUs per replica (parallel.cp = C) or "
+                             "whole on one (parallel.cp = 1)")
         if self.model.hf and self.parallel.pp > 1 and self.model.hf_attention == "sdpa":
             raise ValueError("model.hf_attention=sdpa needs the dense mask HF builds inside its forward, which "
                              "pipeline stages do not run: use auto, varlen or flash_attention_2 with parallel.pp > 1")

@@ -69,18 +69,33 @@ def open_stream(config: TrainConfig, mesh: Mesh, target: str, checkpoint_dir=Non
 
     d = config.data
     routed = config.parallel.encoder == "phases"  # isf+phases packs with their images routed
-    options = dict(rank=mesh.replica, plan=d.plan_config(mesh.dp, mesh.pp, routed), seed=d.seed, epochs=d.epochs,
-                   prefetch=d.prefetch, pin_memory=mesh.device.type == "cuda", connection=Connection(token=d.token or None))
+    plan = d.plan_config(mesh.dp, mesh.pp, routed, mesh.cp)
+    options = dict(rank=mesh.replica, plan=plan, seed=d.seed, epochs=d.epochs, prefetch=d.prefetch,
+                   pin_memory=mesh.device.type == "cuda", connection=Connection(token=d.token or None))
+    # this GPU's share of a CP plan's packs; a CP plan on one GPU per replica reads all its C shares and joins them
+    lanes = [mesh.cp_rank] if plan.context_parallel == mesh.cp else list(range(plan.context_parallel))
     states = checkpoint.stream_states(checkpoint_dir) if checkpoint_dir is not None else []
     if not states:
-        return PackStream(stream_targets(target), job=d.job, **options)
+        return _lane_streams(target, d.job, lanes, options)
     if len(states) == mesh.dp:
-        stream = PackStream(stream_targets(target), job=states[0]["job"], **options)
+        stream = _lane_streams(target, states[0]["job"], lanes, options)
         stream.load_state_dict(states[mesh.replica])
         return stream
+    if plan.context_parallel > 1:
+        raise ValueError(f"the checkpoint was taken at DP {len(states)}, this run is DP {mesh.dp}: context-parallel "
+                         "jobs resume at the DP they ran at")
     steps = checkpoint.read_meta(checkpoint_dir)["steps_done"]
     job = f"{states[0]['job']}.dp{mesh.dp}.from{steps}"  # every rank derives the same id
     return PackStream(stream_targets(target), job=job, resume=states, **options)
+
+
+def _lane_streams(target: str, job: str, lanes: list[int], options: dict):
+    """The stream of this GPU's CP lane, or (several lanes) their streams joined into steps of whole packs."""
+    from packfeed.client import PackStream
+    from packfeed.client.context_parallel import JoinedStream
+
+    streams = [PackStream(stream_targets(target), job=job, cp_rank=lane, **options) for lane in lanes]
+    return streams[0] if len(streams) == 1 else JoinedStream(streams)
 
 
 def stream_targets(target: str) -> str | list[str]:

@@ -1,12 +1,13 @@
 """`packfeed train`: `torchrun --nproc-per-node N -m packfeed.trainer --config train.yaml`.
 
-Read top to bottom: set up the (dp, pp) mesh -> resume from the newest checkpoint, if any -> open this
+Read top to bottom: set up the (dp, cp, pp) mesh -> resume from the newest checkpoint, if any -> open this
 replica's stream (the rank with stage 0 only) -> build the model (the reference VLM, or a `transformers` VLM:
 `packfeed.trainer.models`) sized from the dataset's conventions the server reports -> apply its parallel
 layout, a step runner (`packfeed.trainer.parallel`): a layer list cut into pipeline stages with the partition
 decided (search, or the saved decision; a search also exports the measured cost model), recompute decided per
 rank and the per-stage table printed; or, for a `transformers` model at parallel.pp=1, the whole model
-FSDP2-sharded over the DP ranks -> the one loop (`packfeed.trainer.loop`) trains it.
+FSDP2-sharded over the DP ranks; or, with context parallelism (parallel.cp), each pack split over the GPUs the
+plan gives it -> the one loop (`packfeed.trainer.loop`) trains it.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from packfeed.trainer.decisions import (
     export_cost_model,
     stage_table,
 )
+from packfeed.trainer.parallel.context_parallel import ContextParallelRunner
 from packfeed.trainer.parallel.mesh import Mesh, broadcast_object, log, make_mesh
 from packfeed.trainer.parallel.stages import RankStages
 from packfeed.trainer.parallel.whole import WholeModelRunner
@@ -69,7 +71,7 @@ def train(config: TrainConfig) -> dict:
         dist.init_process_group(backend)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    mesh = make_mesh(config.parallel.dp, config.parallel.pp, device)
+    mesh = make_mesh(config.parallel.dp, config.parallel.pp, device, config.parallel.cp)
     out = Path(config.out)
     out.mkdir(parents=True, exist_ok=True)
     if mesh.rank == 0:
@@ -115,7 +117,9 @@ def train_on(config: TrainConfig, mesh: Mesh, target: str, out: Path) -> dict:
             log(mesh, f"the checkpoint was taken at another DP: job {stream.job!r} re-plans the rest of epoch "
                 f"{stream.info.resume.epoch} for DP {mesh.dp} (elastic resume)")
         conventions = job_conventions(stream, mesh)
-        if config.model.hf and config.parallel.pp == 1:
+        if mesh.cp > 1 or config.data.context_parallel > 1:
+            runner = context_parallel(config, mesh, stream, conventions)
+        elif config.model.hf and config.parallel.pp == 1:
             runner = whole_model(config, mesh, stream, conventions)
         else:
             runner = model_stages(config, mesh, stream, conventions, out, resumed)
@@ -131,6 +135,15 @@ def whole_model(config: TrainConfig, mesh: Mesh, stream, conventions) -> WholeMo
     model = HFWholeModel(config.model, conventions, config.data.collate, config.parallel.precision, mesh.device)
     log(mesh, f"{model.describe()}; FSDP2 over {mesh.dp} rank(s)")
     return WholeModelRunner(model, mesh, StepSource(stream), config.parallel.precision)
+
+
+def context_parallel(config: TrainConfig, mesh: Mesh, stream, conventions) -> ContextParallelRunner:
+    """The reference model on every GPU, each pack of the CP plan split over the GPUs the plan gives it."""
+    model = build_model(config.model, conventions, mesh.device)
+    planned = config.data.context_parallel or mesh.cp
+    log(mesh, f"{model.describe()}; context parallelism: {mesh.cp} GPU(s) per replica for a plan of {planned}"
+        + ("" if mesh.cp == planned else " (its packs joined and trained whole)"))
+    return ContextParallelRunner(model, mesh, StepSource(stream), config.parallel.precision)
 
 
 def model_stages(config: TrainConfig, mesh: Mesh, stream, conventions, out: Path, resumed: dict | None) -> RankStages:

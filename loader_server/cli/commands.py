@@ -191,10 +191,11 @@ def cmd_train(args: argparse.Namespace) -> int:
         from packfeed.trainer.config import load_config
 
         parallel = load_config(args.config, args.overrides).parallel
-        world = parallel.dp * parallel.pp  # the mesh decides how many processes train
+        world = parallel.dp * parallel.cp * parallel.pp  # the mesh decides how many processes train
         if world != args.nproc:
-            print(f"packfeed train: parallel.dp x parallel.pp = {parallel.dp} x {parallel.pp} trains on {world} "
-                  f"process(es); launching {world}, not --nproc {args.nproc}", file=sys.stderr)
+            print(f"packfeed train: parallel.dp x parallel.cp x parallel.pp = {parallel.dp} x {parallel.cp} x "
+                  f"{parallel.pp} trains on {world} process(es); launching {world}, not --nproc {args.nproc}",
+                  file=sys.stderr)
         return launch(world, forwarded)
     from packfeed.trainer.train import main as train_main
 
