@@ -25,6 +25,9 @@ from packfeed.trainer.parallel.schedules import SCHEDULES
 from packfeed.trainer.simulate.workload import STRATEGIES, Workload, planner_cost_model, workload_of
 from packfeed.v1.options import CostModel, PlanConfig, Strategy
 
+from packfeed.trainer.simulate.context_parallel import CpWorkload
+from packfeed.trainer.simulate.model_shape import TILES, TOKEN_SQUARE, TOKENS, VISION_SQUARE
+
 if TYPE_CHECKING:  # the planner loads (numba) when a command runs, not when the parser is built
     from packfeed.server.plan.costs import SampleLoads
     from packfeed.server.plan.plan_file import Plan
@@ -75,6 +78,28 @@ def workload_of_plan(plan: Plan, samples: SampleLoads, patches_per_tile: int) ->
                                name), routing=routing_of(plan, samples, patches_per_tile))
 
 
+def cp_workload(plan, vision: np.ndarray, tokens: np.ndarray, patches_per_tile: int) -> CpWorkload:
+    """The CP plan's packs (each run of one (degree, cp_group) within a slot) as load rows."""
+    from packfeed.server.plan.context_parallel import subpacks
+
+    config = plan.config
+    slot, starts, stops = subpacks(plan.offsets, plan.cp_degree, plan.cp_group)
+    ids = plan.members
+    lengths = np.where(plan.truncate_to > 0, np.minimum(tokens[ids], plan.truncate_to), tokens[ids]).astype(float)
+    tiles = vision[ids].astype(float)
+    loads = np.zeros((len(starts), 5))
+    if len(starts):
+        loads[:, 0] = 1.0
+        loads[:, TILES] = np.add.reduceat(tiles, starts)
+        loads[:, VISION_SQUARE] = loads[:, TILES] * float(patches_per_tile) ** 2
+        loads[:, TOKENS] = np.add.reduceat(lengths, starts)
+        loads[:, TOKEN_SQUARE] = np.add.reduceat(lengths ** 2, starts)
+    return CpWorkload(slot // config.slots, slot // config.microbatches % config.dp, slot % config.microbatches,
+                      plan.cp_degree[starts].astype(np.int64), plan.cp_group[starts].astype(np.int64), loads,
+                      plan.n_steps, config.dp, config.microbatches, config.context_parallel, len(ids),
+                      config.cp_mode.value)
+
+
 def random_packs(samples: SampleLoads, config: PlanConfig, seed: int, epoch: int) -> tuple[np.ndarray, np.ndarray]:
     """Shuffled samples, next fit under ISF's caps; packs in step order, the last step filled with empty packs."""
     from packfeed.server.plan.planner import resolve_caps
@@ -113,7 +138,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     plan.add_argument("--strategy", default="isf+balance", choices=STRATEGIES)
     plan.add_argument("--encoder", default="stages", choices=ENCODERS, help="where the vision encoder runs")
     plan.add_argument("--dp", type=int, default=8, help="data-parallel replicas the plan feeds (default 8)")
-    plan.add_argument("--pp", type=int, default=4, help="pipeline stages (default 4)")
+    plan.add_argument("--pp", type=int, default=None, help="pipeline stages (default 4; 1 with --context-parallel)")
     plan.add_argument("--tp", type=int, default=1, help="tensor-parallel GPUs per stage (default 1)")
     plan.add_argument("--microbatches", type=int, default=8, help="packs per replica per step, M (default 8)")
     plan.add_argument("--schedule", default="1f1b", choices=SCHEDULES)
@@ -123,6 +148,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       help="disaggregated: encoder GPUs (default 0: searched)")
     plan.add_argument("--samples-per-pack", type=float, default=4.0,
                       help="packs' average size / the padded baseline's batch (default 4)")
+    plan.add_argument("--context-parallel", type=int, default=1, metavar="C",
+                      help="GPUs per DP replica for context parallelism (a power of 2; at pp 1): each pack over the "
+                           "1, 2, ..., C of them its plan gives it (docs/planning.md)")
+    plan.add_argument("--cp-mode", choices=("static", "dynamic"), default=None,
+                      help="with --context-parallel: simulate this mode only (default: both, dynamic against static)")
+    plan.add_argument("--cp-comm", choices=("allgather", "ring"), default="allgather",
+                      help="with --context-parallel: K/V all-gathered before attention (allgather, what packfeed "
+                           "train runs) or passed around a ring overlapping it (ring attention)")
+    plan.add_argument("--max-tokens-per-gpu", type=int, default=None, metavar="N",
+                      help="with --context-parallel: tokens one GPU may hold of a microbatch (default: the token cap)")
     plan.add_argument("--seed", type=int, default=0)
     plan.add_argument("--epoch", type=int, default=0)
     cluster = parser.add_argument_group("cluster")
@@ -170,6 +205,11 @@ def _workload(args, table, shape) -> Workload:
 def run(args: argparse.Namespace) -> int:
     if args.run:
         return check_run(args)
+    if args.context_parallel > 1:
+        return run_context_parallel(args)
+    if args.cp_mode or args.max_tokens_per_gpu:
+        raise ValueError("--cp-mode and --max-tokens-per-gpu apply with --context-parallel C > 1")
+    args.pp = 4 if args.pp is None else args.pp
     table_, shape = load_model(args.model)
     workload = _workload(args, table_, shape)
     gpus = args.gpus or args.dp * args.pp * args.tp
@@ -188,6 +228,48 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(record))
     else:
         print(table(prediction, title))
+    return 0
+
+
+def run_context_parallel(args: argparse.Namespace) -> int:
+    """`--context-parallel C`: the CP plan of each mode (dynamic, static, or the one --cp-mode names) on dp x C
+    GPUs at pp 1: step, epoch, bubbles, MFU and the most tokens any GPU holds."""
+    from packfeed.server.plan.planner import make_plan
+    from packfeed.trainer.simulate.context_parallel import simulate_cp
+
+    if args.pp not in (None, 1) or args.encoder != "stages" or args.plan:
+        raise ValueError("--context-parallel simulates CP plans at pp 1 with the encoder on each pack's GPUs: leave "
+                         "--pp, --encoder and --plan out")
+    table_, shape = load_model(args.model)
+    samples = _samples(args)
+    patches = shape.patches_per_tile if shape else 1
+    cluster = Cluster(args.gpus or args.dp * args.context_parallel, args.gpus_per_node, args.peak_tflops,
+                      args.achievable, args.intra_gbs, args.inter_gbs)
+    records = []
+    for mode in [args.cp_mode] if args.cp_mode else ["dynamic", "static"]:
+        config = PlanConfig(dp=args.dp, microbatches=args.microbatches, strategy=PLANNER_STRATEGY[args.strategy],
+                            samples_per_pack=args.samples_per_pack, cost_model=planner_cost_model(table_, patches),
+                            context_parallel=args.context_parallel, max_tokens_per_gpu=args.max_tokens_per_gpu,
+                            cp_mode=mode)
+        plan = make_plan(samples, config, args.seed, args.epoch)
+        result = simulate_cp(cp_workload(plan, samples.vision, samples.tokens, patches), table_, cluster,
+                             args.cp_comm)
+        records.append({"model": table_.name, "strategy": args.strategy, "planning_s": round(plan.seconds, 3),
+                        "max_tokens_per_gpu": plan.summary(samples)["context_parallel"]["max_tokens_per_gpu"],
+                        "oversize": int(len(plan.oversize)), **result})
+    lines = [f"packfeed simulate: {table_.name}, {args.strategy}, DP {args.dp} x CP {args.context_parallel} = "
+             f"{cluster.gpus} GPUs, M {args.microbatches}, N {records[0]['max_tokens_per_gpu']} tokens per GPU, "
+             f"K/V {args.cp_comm}"]
+    for r in records:
+        mfu = f"{r['mfu']:.3f}" if r["mfu"] is not None else "n/a"
+        lines.append(f"  {r['mode']:>7}: step {r['step_s']:.4f} s x {r['steps']} steps = epoch {r['epoch_s']:.1f} s; "
+                     f"bubbles {r['bubble_fraction']:.3f}; MFU {mfu}; peak {r['peak_tokens_per_gpu']} tokens per "
+                     f"GPU; degrees {r['degrees']}; {r['oversize']} oversize; planned in {r['planning_s']:.2f} s")
+    if len(records) == 2 and records[0]["epoch_s"]:
+        lines.append(f"  dynamic vs static: {records[1]['epoch_s'] / records[0]['epoch_s']:.2f}x per epoch")
+    print("\n".join(lines), file=sys.stderr if args.json else sys.stdout)
+    if args.json:
+        print(json.dumps({"context_parallel": records}))
     return 0
 
 

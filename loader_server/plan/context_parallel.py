@@ -5,9 +5,9 @@ A job runs on dp x C GPUs. Each DP rank's microbatch is a CP group of C GPUs ("l
 samples are split among those d GPUs by the contract's zigzag rule (`packfeed.v1.context_parallel`), so each
 holds at most ceil(T/d) of the pack's T tokens, and each does 1/d of its linear and of its causal attention work.
 
-- dynamic (default): samples that fit one GPU (at most N = `max_tokens_per_gpu` tokens and the vision cap) are
+- dynamic (default): samples that fit one GPU (at most N = `max_tokens_per_gpu` tokens, and the vision cap) are
   ISF-packed under those caps and run at d = 1; a longer sample is a pack of its own at the smallest d that puts
-  at most N tokens (and the vision cap's units) on each GPU. Packs then fill every step's dp x M x C lanes:
+  at most N tokens on each GPU (one within N tokens but above the vision cap: alone at d = 1). Packs then fill every step's dp x M x C lanes:
   steps get packs largest degree first, each to the step with the least work so far that has room, and within
   a step each pack goes to the free aligned lanes whose GPUs carry the least work (buddy placement, so largest
   first always finds room). Every GPU's work (linear + attention, each pack's divided by its degree) is what
@@ -15,7 +15,7 @@ holds at most ceil(T/d) of the pack's T tokens, and each does 1/d of its linear 
 - static: every pack runs over all C GPUs: ISF packs under C x N tokens (and C x the vision cap), placed as
   without CP. The baseline.
 
-A sample that does not fit even at d = C is the oversize policy's: `alone` runs it at d = C above N,
+A sample whose tokens do not fit even at d = C is the oversize policy's: `alone` runs it at d = C above N,
 `skip` drops it, `truncate` cuts its tokens to C x N; all are reported. Guarantees (tested): every sample once;
 no GPU above N tokens but the oversize policy's reported ones; the same inputs give the same plan.
 """
@@ -63,37 +63,33 @@ def cp_caps(caps: Caps, config: PlanConfig) -> CpCaps:
                        max(1, n - min(caps.token_cap - caps.token_target, n // 32))), config.context_parallel)
 
 
-def degrees(tokens: np.ndarray, vision: np.ndarray, per_gpu: Caps) -> np.ndarray:
-    """Per sample: the smallest power of 2 d with ceil(tokens / d) <= the token cap and ceil(vision / d) <= the
-    vision cap (a sample that fits one GPU: 1)."""
-    need = np.maximum(-(-np.asarray(tokens, dtype=np.int64) // per_gpu.token_cap),
-                      -(-np.asarray(vision, dtype=np.int64) // max(per_gpu.vision_cap, 1)))
-    need = np.maximum(need, 1)
+def degrees(tokens: np.ndarray, max_tokens: int) -> np.ndarray:
+    """Per sample: the smallest power of 2 d with ceil(tokens / d) <= `max_tokens` (a sample one GPU holds: 1)."""
+    need = np.maximum(-(-np.asarray(tokens, dtype=np.int64) // max_tokens), 1)
     return (1 << np.ceil(np.log2(need)).astype(np.int64)).astype(np.int64)
 
 
 def split_by_degree(loads, caps: CpCaps, oversize: Oversize):
-    """Valid samples by how many GPUs they need: (ids that fit one, ids of the longer, their degrees, ids of the
-    oversize policy, ids it truncates, every sample's tokens as planned). Degrees above C are the oversize
-    policy's: `alone` runs them at C (above N, reported), `skip` drops them, `truncate` cuts their tokens to
-    C x N (too many vision units still run at C)."""
+    """Valid samples by how many GPUs their tokens need: (ids ISF packs for one GPU, ids that run alone (one GPU
+    holds their tokens but not under the vision cap, or they need more GPUs), their degrees, ids of the oversize
+    policy, ids it truncates, every sample's tokens as planned). Degrees above C are the oversize policy's:
+    `alone` runs them at C (above N, reported), `skip` drops them, `truncate` cuts their tokens to C x N."""
     tokens, vision = loads.tokens, loads.vision
     valid_ids = np.flatnonzero(loads.valid)
-    d = degrees(tokens[valid_ids], vision[valid_ids], caps.per_gpu)
-    short_ids, long_ids, d = valid_ids[d == 1], valid_ids[d > 1], d[d > 1]
+    d = degrees(tokens[valid_ids], caps.max_tokens)
+    packable = (d == 1) & (vision[valid_ids] <= caps.per_gpu.vision_cap)
+    short_ids, alone_ids, d = valid_ids[packable], valid_ids[~packable], d[~packable]
     c = caps.groups
     over = d > c
-    oversize_ids = long_ids[over]
+    oversize_ids = alone_ids[over]
     cut = np.empty(0, dtype=np.int64)
     if oversize is Oversize.SKIP:
-        long_ids, d = long_ids[~over], d[~over]
-    elif oversize is Oversize.TRUNCATE:
-        cut = oversize_ids[(vision[oversize_ids] <= caps.per_gpu.vision_cap * c)
-                           & (tokens[oversize_ids] > caps.max_tokens * c)]
-        if len(cut):
-            tokens = tokens.copy()
-            tokens[cut] = caps.max_tokens * c
-    return short_ids, long_ids, np.minimum(d, c), oversize_ids, cut, tokens
+        alone_ids, d = alone_ids[~over], d[~over]
+    elif oversize is Oversize.TRUNCATE and len(oversize_ids):
+        cut = oversize_ids
+        tokens = tokens.copy()
+        tokens[cut] = caps.max_tokens * c
+    return short_ids, alone_ids, np.minimum(d, c), oversize_ids, cut, tokens
 
 
 def place(cost: np.ndarray, degree: np.ndarray, dp: int, m: int, c: int, rng: np.random.Generator):

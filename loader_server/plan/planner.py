@@ -55,8 +55,9 @@ def make_plan(loads: SampleLoads, config: PlanConfig, seed: int, epoch: int, ind
     else:
         caps = caps or resolve_caps(loads, config)
         if config.context_parallel > 1:  # static: every pack over the whole CP group
-            caps = cp.cp_caps(caps, config).scaled(config.context_parallel)
-        packs, oversize, cut, tokens = _isf_packs(loads, caps, config, streams[_STREAM_ISF])
+            packs, oversize, cut, tokens, caps = _static_cp_packs(loads, caps, config, streams[_STREAM_ISF])
+        else:
+            packs, oversize, cut, tokens = _isf_packs(loads, caps, config, streams[_STREAM_ISF])
         loads = replace(loads, tokens=tokens)  # the planner sees truncated samples at their cut length
         costs = sample_costs(config.cost_model, loads)
         sequence, packs, pieces = _arrange_packs(loads, costs, packs, config, streams)
@@ -97,11 +98,11 @@ def _dynamic_cp_plan(loads, config: PlanConfig, seed, epoch, index_fingerprint, 
     holds at degree 1, each longer sample alone at the fewest GPUs that hold it, all placed on every step's lanes."""
     caps = caps or resolve_caps(loads, config)
     gpu_caps = cp.cp_caps(caps, config)
-    short, long_ids, long_degrees, oversize, cut, tokens = cp.split_by_degree(loads, gpu_caps, config.oversize)
+    short, alone, alone_degrees, oversize, cut, tokens = cp.split_by_degree(loads, gpu_caps, config.oversize)
     packs, _, _, _ = _isf_packs(cp.with_valid(loads, short), gpu_caps.per_gpu, config, streams[_STREAM_ISF])
-    members = np.concatenate([packs.members.astype(np.int64), long_ids])
-    offsets = np.concatenate([packs.offsets, packs.offsets[-1] + np.arange(1, len(long_ids) + 1)])
-    degree = np.concatenate([np.ones(len(packs.tokens), dtype=np.int64), long_degrees])
+    packs = _with_singletons(packs, alone, loads.vision, tokens)
+    members, offsets = packs.members.astype(np.int64), packs.offsets
+    degree = np.concatenate([np.ones(len(packs.tokens) - len(alone), dtype=np.int64), alone_degrees])
     loads = replace(loads, tokens=tokens)
     pack_cv, pack_cl = _pack_costs(members, offsets, sample_costs(config.cost_model, loads))
     (step, rank, microbatch, group), n_steps = cp.place(pack_cv + pack_cl, degree, config.dp, config.microbatches,
@@ -124,6 +125,23 @@ def _dynamic_cp_plan(loads, config: PlanConfig, seed, epoch, index_fingerprint, 
     plan.pack_tokens = np.bincount(slot, weights=_pack_sums(tokens, members, offsets), minlength=n_slots).astype(np.int64)
     plan.seconds = time.perf_counter() - started
     return plan
+
+
+def _static_cp_packs(loads, caps: Caps, config: PlanConfig, rng):
+    """Static context parallelism: ISF packs under the whole CP group's caps (C x N tokens, C x the vision units),
+    a sample within C x N tokens but above the vision cap alone, longer ones the oversize policy's. Returns
+    (packs, oversize, cut, tokens, the group's caps)."""
+    group = cp.CpCaps(cp.cp_caps(caps, config).scaled(config.context_parallel), 1)
+    short, alone, _, oversize, cut, tokens = cp.split_by_degree(loads, group, config.oversize)
+    packs, _, _, _ = _isf_packs(cp.with_valid(loads, short), group.per_gpu, config, rng)
+    return _with_singletons(packs, alone, loads.vision, tokens), oversize, cut, tokens, group.per_gpu
+
+
+def _with_singletons(packs: IsfPacks, ids: np.ndarray, vision: np.ndarray, tokens: np.ndarray) -> IsfPacks:
+    """`packs` followed by a pack of its own for each sample `ids`."""
+    return IsfPacks(np.concatenate([packs.members, ids.astype(packs.members.dtype)]),
+                    np.concatenate([packs.offsets, packs.offsets[-1] + np.arange(1, len(ids) + 1)]),
+                    np.concatenate([packs.vision, vision[ids]]), np.concatenate([packs.tokens, tokens[ids]]))
 
 
 def _pack_sums(values, members, offsets) -> np.ndarray:
@@ -182,9 +200,7 @@ def _isf_packs(loads, caps: Caps, config: PlanConfig, rng):
     del valid_ids, vision_over, token_over, over
     packs = isf(fits, vision, tokens, caps, config.isf_iterations, rng)
     if len(alone):
-        packs = IsfPacks(np.concatenate([packs.members, alone.astype(packs.members.dtype)]),
-                         np.concatenate([packs.offsets, packs.offsets[-1] + np.arange(1, len(alone) + 1)]),
-                         np.concatenate([packs.vision, vision[alone]]), np.concatenate([packs.tokens, tokens[alone]]))
+        packs = _with_singletons(packs, alone, vision, tokens)
     return packs, oversize, cut, tokens
 
 

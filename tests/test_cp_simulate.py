@@ -1,0 +1,98 @@
+"""`packfeed simulate --context-parallel C`: the CP step model on hand-computed cases (a pack's GPUs start it
+together, each does 1/d of it, the exchange adds or overlaps), and the command on the long-video mix: both modes,
+no GPU over N, dynamic balances better than static."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from long_video_mix import write_long_video_mix
+
+from packfeed.trainer.simulate.cluster import Cluster
+from packfeed.trainer.simulate.context_parallel import CpWorkload, simulate_cp
+from packfeed.trainer.simulate.model_shape import TOKEN_SQUARE, TOKENS, LayerTable
+
+
+def llm_table(per_token: float, per_square: float, kv_bytes: float = 0.0) -> LayerTable:
+    """One LLM layer of given forward seconds per token and per squared token (backward twice), no parameters."""
+    seconds = np.zeros((1, 2, 5))
+    seconds[0, :, TOKENS] = per_token, 2 * per_token
+    seconds[0, :, TOKEN_SQUARE] = per_square, 2 * per_square
+    out = np.zeros((1, 5))
+    out[0, TOKENS] = kv_bytes / 2
+    return LayerTable("test", ["llm"], None, seconds, np.zeros(1), out, "measured")
+
+
+def workload(packs: list[tuple[int, int, int, int, float]], c: int, microbatches: int = 1) -> CpWorkload:
+    """packs: (microbatch, replica, degree, cp_group, tokens), one step."""
+    loads = np.zeros((len(packs), 5))
+    loads[:, 0] = 1
+    loads[:, TOKENS] = [p[4] for p in packs]
+    loads[:, TOKEN_SQUARE] = loads[:, TOKENS] ** 2  # one sample per pack
+    arrays = [np.array([p[k] for p in packs], dtype=np.int64) for k in range(4)]
+    return CpWorkload(np.zeros(len(packs), np.int64), arrays[1], arrays[0], arrays[2], arrays[3], loads, 1, 1,
+                      microbatches, c, len(packs), "dynamic")
+
+
+def test_a_pack_split_over_d_gpus_takes_a_dth_of_the_time_and_they_start_together():
+    table = llm_table(per_token=1.0, per_square=0.0)
+    cluster = Cluster(4, latency_s=0.0)
+    # microbatch 0: lane 0 carries 8 tokens alone, lane 1 carries 2; microbatch 1: one pack of 8 on lanes 0-1
+    got = simulate_cp(workload([(0, 0, 1, 0, 8), (0, 0, 1, 1, 2), (1, 0, 2, 0, 8), (1, 0, 2, 1, 4)], 4, 2),
+                      table, cluster)
+    # lane 0: 8 x 3 s (forward + backward) = 24, then the shared pack 8 / 2 x 3 = 12 -> 36; lanes 2-3: 4/2 x 3 = 6
+    assert got["step_s"] == pytest.approx(36.0)
+    busy = 24 + 6 + 2 * 12 + 2 * 6
+    assert got["bubble_fraction"] == pytest.approx(1 - busy / (4 * 36.0))
+    assert got["peak_tokens_per_gpu"] == 8
+
+
+def test_the_exchange_adds_to_attention_or_overlaps_it():
+    table = llm_table(per_token=0.0, per_square=1e-3, kv_bytes=1e9)
+    cluster = Cluster(2, intra_gbs=1.0, latency_s=0.0)
+    packs = workload([(0, 0, 2, 0, 100)], 2)
+    # attention: 100^2 x 1e-3 / 2 = 5 s forward, 10 backward; exchange: 1/2 x 100 x 1e9 B at 1 GB/s = 50 s each way
+    assert simulate_cp(packs, table, cluster, "allgather")["step_s"] == pytest.approx(5 + 10 + 2 * 50)
+    assert simulate_cp(packs, table, cluster, "ring")["step_s"] == pytest.approx(2 * 50)
+    with pytest.raises(ValueError, match="--cp-comm"):
+        simulate_cp(packs, table, cluster, "carrier pigeon")
+
+
+def simulate(*args: str) -> dict:
+    done = subprocess.run([sys.executable, "-m", "packfeed.server.cli", "simulate", *args, "--json"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    return {r["mode"]: r for r in json.loads(done.stdout)["context_parallel"]}
+
+
+def test_the_command_on_the_long_video_mix(tmp_path):
+    mix = write_long_video_mix(tmp_path / "mix.json", short=3000)
+    args = ["--lengths", str(mix), "--dp", "4", "--context-parallel", "4", "--max-tokens-per-gpu", "32768",
+            "--microbatches", "1"]
+    got = simulate(*args)
+    assert set(got) == {"dynamic", "static"}
+    for record in got.values():
+        assert record["peak_tokens_per_gpu"] <= 32768 and record["oversize"] == 0 and record["gpus"] == 16
+        assert record["samples"] == 3000 + round(3000 * 0.05 / 0.95)
+    assert set(got["dynamic"]["degrees"]) == {"1", "2", "4"} and set(got["static"]["degrees"]) == {"4"}
+    assert got["dynamic"]["bubble_fraction"] < got["static"]["bubble_fraction"]
+    assert got["dynamic"]["epoch_s"] < got["static"]["epoch_s"]
+    def timeless(records):
+        return {mode: {k: v for k, v in r.items() if k != "planning_s"} for mode, r in records.items()}
+
+    assert timeless(simulate(*args)) == timeless(got), "not deterministic"
+    ring = simulate(*args, "--cp-comm", "ring", "--cp-mode", "static")
+    assert set(ring) == {"static"} and ring["static"]["epoch_s"] <= got["static"]["epoch_s"]
+
+
+def test_the_command_refuses_what_it_cannot_simulate(tmp_path):
+    mix = write_long_video_mix(tmp_path / "mix.json", short=200)
+    for extra, message in ((["--context-parallel", "4", "--pp", "2"], "pp 1"),
+                           (["--cp-mode", "static"], "apply with --context-parallel")):
+        done = subprocess.run([sys.executable, "-m", "packfeed.server.cli", "simulate", "--lengths", str(mix),
+                               *extra], capture_output=True, text=True, timeout=300)
+        assert done.returncode != 0 and message in done.stderr

@@ -1,0 +1,127 @@
+"""Context-parallel steps for the simulator (`packfeed simulate --context-parallel C --cp-mode static|dynamic`).
+
+A CP plan puts each pack on d aligned GPUs of its replica's C (`packfeed.server.plan.context_parallel`); the
+simulate command hands its packs over as `CpWorkload` (their GPUs and load rows), and a step on the cluster is:
+
+- a pack's d GPUs each do 1/d of every layer's work (the zigzag split balances causal attention too). Per LLM
+  layer they all-gather K and V (forward) and reduce-scatter their gradients (backward), a ring over the d GPUs
+  of 2 x the layer's output activation bytes per token (K and V; an upper bound under GQA). `allgather` (what
+  `packfeed train parallel.cp` runs): the exchange comes before the layer's attention, adding to it; `ring`
+  (ring attention, Megatron-Core's p2p): it overlaps the layer's attention kernel, and the layer takes its
+  linear part plus the longer of its attention and that exchange. The image features the pack's GPUs encoded are
+  all-gathered once (not overlapped);
+- a replica's GPUs run their microbatches in order, and the d GPUs of a pack start it together (each waits for
+  the slowest of them to finish its previous microbatch); a GPU with nothing in a microbatch idles;
+- the step ends with the gradients reduce-scattered and the weights all-gathered over all dp x C GPUs (every GPU
+  holds the whole model at pp 1), after the last GPU's backward.
+Pure numpy, deterministic; the same layer costs as every other layout (`model_shape.LayerTable`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from packfeed.trainer.simulate.cluster import Cluster
+from packfeed.trainer.simulate.model_shape import TILES, TOKEN_SQUARE, TOKENS, VISION_SQUARE, LayerTable
+from packfeed.trainer.simulate.placement import GRAD_BYTES, PARAM_BYTES
+
+SPLIT_TERMS = (TILES, VISION_SQUARE, TOKENS, TOKEN_SQUARE)  # what d GPUs share; the constant each pays
+
+
+@dataclass
+class CpWorkload:
+    """Every pack of a CP plan: its step, replica, microbatch, degree, first lane and load row (1, tiles, sum of
+    squared ViT sequences, tokens, sum of squared token spans)."""
+
+    step: np.ndarray
+    replica: np.ndarray
+    microbatch: np.ndarray
+    degree: np.ndarray
+    group: np.ndarray
+    loads: np.ndarray  # (packs, 5)
+    steps: int
+    dp: int
+    microbatches: int
+    groups: int  # C
+    samples: int
+    mode: str
+
+    @property
+    def peak_tokens_per_gpu(self) -> int:
+        return int(np.max(np.ceil(self.loads[:, TOKENS] / self.degree))) if len(self.degree) else 0
+
+
+CP_COMM = ("allgather", "ring")
+
+
+def pack_seconds(table: LayerTable, cluster: Cluster, loads: np.ndarray, degree: np.ndarray,
+                 gpus: list[list[int]], comm: str = "allgather") -> np.ndarray:
+    """Seconds each GPU of each pack spends on it (forward and backward), communication included."""
+    seconds = table.seconds(cluster.flops_per_second)  # (layers, 2, terms)
+    shared = np.zeros(loads.shape)
+    shared[:, list(SPLIT_TERMS)] = loads[:, list(SPLIT_TERMS)] / degree[:, None]
+    shared[:, 0] = loads[:, 0]
+    llm = np.array([kind == "llm" for kind in table.kinds])
+    attention = np.zeros(loads.shape[1], dtype=bool)
+    attention[TOKEN_SQUARE] = True
+    linear_part = np.einsum("lft,pt->pfl", seconds[:, :, ~attention], shared[:, ~attention])
+    attention_part = np.einsum("lf,p->pfl", seconds[:, :, TOKEN_SQUARE], shared[:, TOKEN_SQUARE])
+    kv_bytes = 2 * table.output_bytes[:, TOKENS]  # K and V per token, per layer
+    projector = table.kinds.index("projector") if "projector" in table.kinds else None
+    out = np.zeros(len(degree))
+    for p, (d, ranks) in enumerate(zip(degree.tolist(), gpus)):
+        exchange = np.array([cluster.ring_seconds(kv_bytes[layer] * loads[p, TOKENS], ranks) if llm[layer] and d > 1
+                             else 0.0 for layer in range(len(table))])
+        if comm == "ring":
+            per_layer = linear_part[p] + np.maximum(attention_part[p], exchange[None, :])
+        else:
+            per_layer = linear_part[p] + attention_part[p] + exchange[None, :]
+        features = 0.0
+        if d > 1 and projector is not None:
+            features = 2 * cluster.ring_seconds(table.output_bytes[projector, TILES] * loads[p, TILES], ranks)
+        out[p] = per_layer.sum() + features
+    return out
+
+
+def simulate_cp(workload: CpWorkload, table: LayerTable, cluster: Cluster, comm: str = "allgather") -> dict:
+    """Step and epoch time, bubble fraction, MFU and peak tokens per GPU of a CP plan on `cluster`, its K/V
+    exchanged as `comm` says (CP_COMM)."""
+    if comm not in CP_COMM:
+        raise ValueError(f"--cp-comm must be one of {', '.join(CP_COMM)}, not {comm!r}")
+    c, dp = workload.groups, workload.dp
+    gpus = dp * c
+    if cluster.gpus != gpus:
+        raise ValueError(f"context parallelism runs on dp x C = {gpus} GPUs; --gpus is {cluster.gpus}")
+    ranks = [[int(r) * c + lane for lane in range(int(g) * int(d), (int(g) + 1) * int(d))]
+             for r, d, g in zip(workload.replica, workload.degree, workload.group)]
+    busy = pack_seconds(table, cluster, workload.loads, workload.degree, ranks, comm)
+    params = float(table.params.sum())
+    everyone = list(range(gpus))
+    sync = cluster.ring_seconds(params * GRAD_BYTES, everyone) + cluster.ring_seconds(params * PARAM_BYTES, everyone)
+    order = np.lexsort((workload.microbatch, workload.step))
+    step_times = np.zeros(workload.steps)
+    busy_total = float((busy * workload.degree).sum())
+    compute_span = 0.0
+    k = 0
+    for step in range(workload.steps):
+        ready = np.zeros(gpus)
+        while k < len(order) and workload.step[order[k]] == step:
+            p = order[k]
+            start = ready[ranks[p]].max()
+            ready[ranks[p]] = start + busy[p]
+            k += 1
+        compute_span += float(ready.max())
+        step_times[step] = ready.max() + sync
+    epoch = float(step_times.sum())
+    flops = None
+    if table.forward_flops is not None:
+        flops = 3.0 * float((workload.loads @ table.forward_flops.T).sum())
+    return {"mode": workload.mode, "comm": comm, "context_parallel": c, "dp": dp, "gpus": gpus, "steps": workload.steps,
+            "samples": workload.samples, "step_s": epoch / max(1, workload.steps), "epoch_s": epoch,
+            "step_s_median": float(np.median(step_times)) if workload.steps else 0.0,
+            "bubble_fraction": 1.0 - busy_total / (gpus * compute_span) if compute_span else 0.0,
+            "mfu": flops / (gpus * cluster.peak_tflops * 1e12 * epoch) if flops is not None and epoch else None,
+            "peak_tokens_per_gpu": workload.peak_tokens_per_gpu,
+            "degrees": {str(int(d)): int(n) for d, n in zip(*np.unique(workload.degree, return_counts=True))}}
