@@ -1,0 +1,119 @@
+"""Long samples across GPUs: dynamic vs static context parallelism vs none, simulated on a long-video mix.
+
+Run: .venv/bin/python -m pytest -q -s tests/benchmarks/test_bench_context_parallel.py -m benchmark
+
+The mix (`tests/long_video_mix.py`): the two InternVL-1.2M length files (30,730 short image SFT samples) plus 5%
+videos of 8K-128K tokens (log-uniform). Model InternVL-Chat-1.5 (InternViT-6B + InternLM2-20B), N = 32,768
+tokens per GPU, M 1, H100-class GPUs (`packfeed simulate`'s defaults), at DP 8 x CP 4 and DP 16 x CP 8:
+- `packfeed simulate --context-parallel C --json` (run as a command): dynamic and static CP, K/V all-gathered
+  (what `packfeed train` runs) and overlapped on a ring;
+- no CP at the same N: the same GPUs as plain data parallelism (dp x C ranks), ISF packs under N tokens, the
+  longer samples each alone on one GPU (the `alone` oversize policy: above N, the memory a GPU does not have);
+- planning time of each mode (the planner alone, 3 rounds: median and spread).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+from long_video_mix import write_long_video_mix
+
+pytestmark = pytest.mark.benchmark
+
+N = 32768
+LAYOUTS = ((8, 4), (16, 8))
+
+
+def simulate(mix, dp: int, cp: int, comm: str) -> dict:
+    done = subprocess.run([sys.executable, "-m", "packfeed.server.cli", "simulate", "--lengths", str(mix),
+                           "--model", "internvl-chat-1.5", "--dp", str(dp), "--context-parallel", str(cp),
+                           "--max-tokens-per-gpu", str(N), "--microbatches", "1", "--cp-comm", comm, "--json"],
+                          capture_output=True, text=True, timeout=1200)
+    assert done.returncode == 0, done.stderr
+    return {r["mode"]: r for r in json.loads(done.stdout)["context_parallel"]}
+
+
+def without_cp(samples, table, patches: int, dp: int, cp: int) -> dict:
+    """dp x cp GPUs as plain DP: ISF packs under N tokens (the vision cap at the data's ratio), M 1."""
+    from packfeed.server.plan.planner import make_plan, resolve_caps
+    from packfeed.trainer.simulate.cluster import Cluster
+    from packfeed.trainer.simulate.context_parallel import CpWorkload, simulate_cp
+    from packfeed.trainer.simulate.workload import planner_cost_model
+    from packfeed.server.cli.simulate import cp_workload
+    from packfeed.v1.options import PlanConfig
+
+    base = PlanConfig(dp=dp * cp, microbatches=1, cost_model=planner_cost_model(table, patches))
+    caps = resolve_caps(samples, base)
+    vision_cap = max(1, int(np.ceil(caps.vision_cap * N / caps.token_cap)))
+    config = PlanConfig(dp=dp * cp, microbatches=1, cost_model=base.cost_model, vision_cap=vision_cap, token_cap=N)
+    plan = make_plan(samples, config, 0, 0)
+    plan.cp_degree = np.ones(len(plan.members), dtype=np.int64)
+    plan.cp_group = np.zeros(len(plan.members), dtype=np.int64)
+    workload = cp_workload(plan, samples.vision, samples.tokens, patches)
+    workload = CpWorkload(workload.step, workload.replica, workload.microbatch, workload.degree, workload.group,
+                          workload.loads, workload.steps, dp * cp, 1, 1, workload.samples, "none")
+    result = simulate_cp(workload, table, Cluster(dp * cp))
+    result["oversize"] = int(len(plan.oversize))
+    return result
+
+
+def planning_seconds(samples, table, patches: int, dp: int, cp: int, mode: str) -> list[float]:
+    from packfeed.server.plan.planner import make_plan
+    from packfeed.trainer.simulate.workload import planner_cost_model
+    from packfeed.v1.options import PlanConfig
+
+    config = PlanConfig(dp=dp, microbatches=1, cost_model=planner_cost_model(table, patches), context_parallel=cp,
+                        max_tokens_per_gpu=N, cp_mode=mode)
+    make_plan(samples, config, 0, 0)  # compiled once
+    rounds = []
+    for seed in range(3):
+        started = time.perf_counter()
+        make_plan(samples, config, seed, 0)
+        rounds.append(time.perf_counter() - started)
+    return rounds
+
+
+def test_dynamic_static_and_no_context_parallelism(tmp_path):
+    from packfeed.server.cli.simulate import _samples
+    from packfeed.trainer.simulate.model_shape import load_model
+
+    mix = write_long_video_mix(tmp_path / "mix.json")
+    table, shape = load_model("internvl-chat-1.5")
+
+    class Args:
+        lengths, index = [str(mix)], None
+
+    samples = _samples(Args)
+    rows = []
+    for dp, cp in LAYOUTS:
+        for comm in ("allgather", "ring"):
+            got = simulate(mix, dp, cp, comm)
+            for mode in ("dynamic", "static"):
+                rows.append((dp, cp, mode, comm, got[mode]))
+        rows.append((dp, cp, "none", "-", without_cp(samples, table, shape.patches_per_tile, dp, cp)))
+    print(f"\nlong-video mix: {len(samples)} samples ({int((samples.tokens > N).sum())} above N = {N} tokens, the "
+          f"longest {int(samples.tokens.max())})")
+    print("  DP x CP   mode     K/V        steps  step s    epoch s  bubbles  MFU    peak tokens/GPU  over N  degrees")
+    for dp, cp, mode, comm, r in rows:
+        print(f"  {dp:>2} x {cp}   {mode:<8} {comm:<10} {r['steps']:>5}  {r['step_s']:>7.3f}  {r['epoch_s']:>8.1f}  "
+              f"{r['bubble_fraction']:>7.3f}  {r['mfu']:.3f}  {r['peak_tokens_per_gpu']:>15}  "
+              f"{r.get('oversize', 0):>6}  {r['degrees']}")
+    for dp, cp in LAYOUTS:
+        for comm in ("allgather", "ring"):
+            by = {mode: r for d, c, mode, k, r in rows if (d, c) == (dp, cp) and k in (comm, "-")}
+            print(f"  DP {dp} x CP {cp}, K/V {comm}: dynamic vs static {by['static']['epoch_s'] / by['dynamic']['epoch_s']:.2f}x "
+                  f"per epoch; dynamic vs no CP {by['none']['epoch_s'] / by['dynamic']['epoch_s']:.2f}x (no CP puts "
+                  f"{by['none']['peak_tokens_per_gpu']} tokens on a GPU)")
+            assert by["dynamic"]["peak_tokens_per_gpu"] <= N and by["static"]["peak_tokens_per_gpu"] <= N
+            assert by["none"]["peak_tokens_per_gpu"] > N
+    for dp, cp in LAYOUTS:
+        for mode in ("dynamic", "static"):
+            rounds = planning_seconds(samples, table, shape.patches_per_tile, dp, cp, mode)
+            print(f"  planning DP {dp} x CP {cp} {mode}: median {statistics.median(rounds):.3f} s "
+                  f"(min {min(rounds):.3f}, max {max(rounds):.3f}) over 3 rounds")
