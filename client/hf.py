@@ -179,6 +179,11 @@ def to_hf_inputs(pack: PackTensors, model_family: str | Family, dp: int = 1, *,
         raise ValueError("a padded batch is masked by its attention_mask: use attention='sdpa' with layout='padded'")
     if dp < 1:
         raise ValueError("dp must be at least 1")
+    if "cp" in pack.tensors:
+        raise ValueError("this is one GPU's context-parallel share of a pack (PackStream(cp_rank=...)): Hugging Face "
+                         "models do not run context parallelism here yet; join a pack's shares with "
+                         "packfeed.client.context_parallel.join_shares and train it whole, or train the reference "
+                         "model with packfeed train parallel.cp")
     mean, std = family.normalisation
     if conventions is not None:
         policy = conventions.image_policy

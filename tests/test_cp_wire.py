@@ -132,3 +132,15 @@ def test_joined_shares_are_the_whole_packs(cp_streams, served_steps):
         assert np.array_equal(joined[key]["input_ids"], sample["input_ids"])
         assert np.array_equal(joined[key]["labels"], sample["labels"])
         assert joined[key]["items"] == sample["items"]
+
+
+def test_hugging_face_inputs_refuse_a_share_and_take_the_joined_pack(cp_streams):
+    from packfeed.client.context_parallel import whole_packs
+    from packfeed.client.hf import to_hf_inputs
+
+    lanes = [cp_streams[0, lane][0].packs[0] for lane in range(C)]
+    share = next(p for p in lanes if not p.empty)
+    with pytest.raises(ValueError, match="context-parallel share"):
+        to_hf_inputs(share, "internvl")
+    inputs = to_hf_inputs(whole_packs(lanes)[0], "internvl")
+    assert inputs["input_ids"].shape[-1] == int(whole_packs(lanes)[0].cu_seqlens[-1])

@@ -340,3 +340,19 @@ def test_the_status_page_shows_a_mixture_jobs_balance(tmp_path, demo_dataset):
     assert code == 200, body[-500:]
     (job,) = [j for j in json.loads(body)["jobs"] if j["job"] == "watched-mix"]
     assert job["balance"]["known"] and job["balance"]["steps"] > 0 and 0 <= job["balance"]["llm_dist"] < 1
+
+
+def test_a_mixture_plans_with_context_parallelism(mixture_file, tmp_path):
+    """A CP plan of a mixture: every row once per its repeats, each with its degree and GPUs, none over N."""
+    done = subprocess.run(CLI + ["plan", "--mixture", str(mixture_file), "--dp", "2", "--context-parallel", "4",
+                                 "--max-tokens-per-gpu", "1500", "--out", str(tmp_path / "cp.parquet")],
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    summary = json.loads(done.stdout.strip().splitlines()[-1])
+    assert summary["context_parallel"]["peak_tokens_per_gpu"] <= 1500
+    assert {"1", "2", "4"} <= set(summary["context_parallel"]["degrees"])
+    rows = pq.read_table(tmp_path / "cp.parquet").to_pylist()
+    plain, _ = plan_rows(mixture_file, tmp_path / "plain.parquet", epoch=0)
+    assert sorted((r["dataset"], r["sample_id"]) for r in rows if not r["empty"]) == \
+        sorted((r["dataset"], r["sample_id"]) for r in plain if not r["empty"])
+    assert {r["cp"] for r in rows} == {1, 2, 4} and all(r["cp_group"] * r["cp"] < 4 for r in rows)

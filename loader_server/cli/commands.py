@@ -106,6 +106,10 @@ def cmd_stats(args: argparse.Namespace) -> int:
     if config.window:
         raise ValueError("the report compares whole-epoch plans; for a windowed plan's balance run "
                          "`packfeed plan --window N`")
+    if config.context_parallel > 1:
+        raise ValueError("the report compares strategies without context parallelism; for a CP plan's degrees, "
+                         "per-GPU Dist and peak tokens run `packfeed plan --context-parallel C`, and "
+                         "`packfeed simulate --context-parallel C` for its time")
     source = mixture_input(args.mixture, config, args.seed) if args.mixture else args.index
     paths = write_report(source, args.out, config, seed=args.seed)
     print(json.dumps({k: str(v) for k, v in paths.items()}))
