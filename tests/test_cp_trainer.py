@@ -4,6 +4,8 @@ does not; and `packfeed train parallel.cp=2` starts with the loss of the same pa
 
 from __future__ import annotations
 
+import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -85,7 +87,7 @@ def test_context_parallel_gives_the_unsplit_loss_and_gradients(small_tile_index,
             not torch.allclose(wrong["grads"][name], grad, rtol=1e-4, atol=1e-5) for name, grad in grads.items())
 
 
-COMMON = ["data.microbatches=2", "data.server_workers=1", "optim.steps=2", "optim.warmup_steps=1",
+COMMON = ["data.microbatches=2", "data.server_workers=1", "optim.steps=5", "optim.warmup_steps=1",
           "parallel.dp=1", "parallel.pp=1", f"data.max_tokens_per_gpu={N}"] + \
     [f"model.{k}={v}" for k, v in SMALL_MODEL.items()]
 
@@ -95,8 +97,23 @@ def test_packfeed_train_cp2_starts_with_the_loss_of_the_same_packs_on_one_proces
     log, split = packfeed_train(2, COMMON + [index, "parallel.cp=2"], tmp_path / "cp2")
     assert "context parallelism: 2 GPU(s) per replica" in log
     _, whole = packfeed_train(1, COMMON + [index, "parallel.cp=1", "data.context_parallel=2"], tmp_path / "cp1")
-    assert len(split) == len(whole) == 2
+    assert len(split) == len(whole) == 5
     for a, b in zip(split, whole):
         assert (a["epoch"], a["step"]) == (b["epoch"], b["step"])
-        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)  # the second after an AdamW step: equal gradients
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)  # later steps after AdamW steps: equal gradients
         assert a["tokens"] == b["tokens"] and a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
+    # every step lists its packs (degree, GPUs, sizes), and the simulator predicts each from them
+    assert all({d for _, _, d, *_ in r["cp_packs"]} <= {1, 2} for r in split)
+    assert any(d == 2 for r in split for _, _, d, *_ in r["cp_packs"])
+    shape = tmp_path / "shape.json"
+    shape.write_text(json.dumps({"vision": {"hidden": 32, "layers": 2, "heads": 2, "ffn": 128, "causal": False},
+                                 "llm": {"hidden": 64, "layers": 2, "heads": 4, "ffn": 170, "gated": True,
+                                         "vocab": 1024}, "patches_per_tile": 64, "tokens_per_tile": 16,
+                                 "projector_params": 20000}))
+    done = subprocess.run([sys.executable, "-m", "packfeed.server.cli", "simulate", "--run", str(tmp_path / "cp2"),
+                           "--model", str(shape), "--json"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout)
+    assert result["schedule"] == "context parallel 2" and len(result["steps"]) == 5 - 1 - 2
+    assert all(s["simulated_s"] > 0 and s["measured_s"] > 0 for s in result["steps"])
+    assert result["mean_abs_error"] >= 0 and result["overhead_factor"] > 0

@@ -45,9 +45,12 @@ def step_record(mesh: Mesh, shape: StepShape, tally: StepTally, elapsed: float, 
               "pad_fraction": 1 - tokens / padded if padded else 0.0,
               "bubble_fraction": 1 - busy_sum / (mesh.world * compute_max) if compute_max else 0.0,
               "peak_memory_mib": peak_max / 2**20, "pipeline_s": compute_max, "grad_norm": grad_norm}
-    counts = [None] * dist.get_world_size()  # samples per dataset over every replica (mixtures)
-    dist.all_gather_object(counts, tally.samples_by_dataset)
-    record["samples_by_dataset"] = dict(sum((collections.Counter(c) for c in counts), collections.Counter()))
+    gathered = [None] * dist.get_world_size()  # samples per dataset over every replica (mixtures); CP packs
+    dist.all_gather_object(gathered, (tally.samples_by_dataset, tally.packs))
+    record["samples_by_dataset"] = dict(sum((collections.Counter(c) for c, _ in gathered), collections.Counter()))
+    packs = sorted({tuple(pack) for _, rank_packs in gathered for pack in rank_packs})
+    if packs:
+        record["cp_packs"] = [list(pack) for pack in packs]
     if tally.microbatches is not None:
         record["microbatches"] = tally.microbatches
     record.update(tally.stats)  # e.g. the encoder apart: its seconds, the all-to-all

@@ -161,10 +161,11 @@ class ContextParallelRunner:
 
     def train_step(self, shape: StepShape, step) -> StepTally:
         started, busy_started = time.perf_counter(), time.process_time()
-        loss_sum, tokens, tiles = 0.0, 0, 0
+        loss_sum, tokens, tiles, packs = 0.0, 0, 0, []
         for pack in step.packs:
             if pack.empty:
                 continue
+            packs.append(self._pack_row(pack))
             with self._autocast():
                 loss = self.pack_loss(pack) / max(1, pack.step_loss_tokens)
             loss.backward()
@@ -175,7 +176,17 @@ class ContextParallelRunner:
         busy = time.process_time() - busy_started if self.mesh.device.type == "cpu" else float("nan")
         return StepTally(loss_sum, tokens=tokens, padded_tokens=tokens, tiles=tiles, padded_tiles=tiles, busy_s=busy,
                          compute_s=time.perf_counter() - started,
-                         samples_by_dataset=dict(Counter(step.sample_sources)) if self.mesh.cp_rank == 0 else {})
+                         samples_by_dataset=dict(Counter(step.sample_sources)) if self.mesh.cp_rank == 0 else {},
+                         packs=packs)
+
+    def _pack_row(self, pack) -> tuple:
+        """(replica, microbatch, degree, cp_group, tokens, tiles, sum of squared sample lengths) of a whole pack,
+        the same on each of its GPUs."""
+        d, g = (int(v) for v in pack.cp.tolist()[:2]) if "cp" in pack.tensors else (1, self.mesh.cp_rank)
+        bounds = (pack.cp_seqlens if "cp" in pack.tensors else pack.cu_seqlens).long()
+        lengths = bounds[1:] - bounds[:-1]
+        tiles = int(pack.image_token_spans.view(-1, 2)[:, 1].sum()) // self.model.config.tokens_per_tile
+        return (self.mesh.replica, int(pack.microbatch), d, g, int(bounds[-1]), tiles, int((lengths ** 2).sum()))
 
     def pack_loss(self, pack) -> torch.Tensor:
         """The summed next-token loss of this GPU's share of `pack` (a whole pack when it has no `cp`)."""

@@ -35,6 +35,9 @@ class StepTally:
     samples_by_dataset: dict[str, int] = field(default_factory=dict)
     microbatches: list[dict] | None = None  # rank 0: each microbatch's Features (the pipeline simulator reads them)
     stats: dict[str, Any] = field(default_factory=dict)  # the runner's own figures (the encoder apart, its exchange)
+    # context parallelism: the packs this rank took part in (replica, microbatch, degree, cp_group, tokens, tiles,
+    # square), gathered from every rank into the metrics line (`packfeed simulate --run` reads them)
+    packs: list[tuple] = field(default_factory=list)
 
 
 class StepRunner(Protocol):

@@ -25,7 +25,8 @@ from pathlib import Path
 import numpy as np
 
 from packfeed.trainer.simulate.cluster import Cluster
-from packfeed.trainer.simulate.model_shape import TILES, TOKEN_SQUARE, TOKENS, measured_table
+from packfeed.trainer.simulate.context_parallel import CpWorkload, simulate_cp
+from packfeed.trainer.simulate.model_shape import TILES, TOKEN_SQUARE, TOKENS, VISION_SQUARE, load_model, measured_table
 from packfeed.trainer.simulate.placement import Layout, simulate_step, step_costs
 
 
@@ -62,6 +63,8 @@ def compare_run(out: str | Path, model: str | Path | None = None, skip: int = 1)
     out = Path(out)
     config = _read(out / "config.json")
     cores = host_cores(out)
+    if config["parallel"].get("cp", 1) > 1:
+        return compare_cp_run(out, config, model, skip, cores)
     partition = _read(out / "partition.json")
     table = measured_table(model or out / "cost_model.json")
     parallel = config["parallel"]
@@ -107,3 +110,58 @@ def overhead_factor(table, layout: Layout, cluster: Cluster, partition: dict, mi
         simulated = simulate_step(costs, layout, load_rows(features), cluster, cores=cores).step_s
         ratios.append(candidate["measured_s"] / simulated)
     return float(np.median(ratios))
+
+
+CALIBRATION_STEPS = 2  # a CP run's first compared steps, whose median measured / simulated calibrates the rest
+
+
+def compare_cp_run(out: Path, config: dict, model, skip: int, cores: float | None) -> dict:
+    """A context-parallel run (parallel.cp > 1): each step's packs as its metrics line lists them (`cp_packs`),
+    simulated (K/V all-gathered, as the run does) on dp x cp GPUs at the run's boundary bandwidth, against the
+    measured step. The run profiles no layer, so `model` names the costs (another run's OUT/cost_model.json on
+    the same host, with its partition.json beside it for the bandwidth). Calibrated: by the median ratio of the
+    first CALIBRATION_STEPS compared steps, which the errors then leave out."""
+    if model is None:
+        raise ValueError("a context-parallel run profiles no layer: give --model another run's OUT/cost_model.json "
+                         "(a run with a partition search, on the same host)")
+    table, _ = load_model(str(model))
+    parallel = config["parallel"]
+    dp, cp = parallel["dp"], parallel["cp"]
+    beside = Path(model).parent / "partition.json"
+    bandwidth = (_read(beside).get("comm_gbps") if beside.is_file() else None) or Cluster(1).intra_gbs
+    cluster = Cluster(dp * cp, gpus_per_node=dp * cp, intra_gbs=bandwidth, inter_gbs=bandwidth)
+    patches = ((config.get("model") or {}).get("tile_size", 448) // (config.get("model") or {}).get("patch_size", 14)) ** 2
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    steps = []
+    for record in records[skip:]:
+        if not record.get("cp_packs") or "pipeline_s" not in record:
+            continue
+        simulated = simulate_cp(cp_step(record["cp_packs"], dp, cp, patches), table, cluster)["step_s"]
+        steps.append({"epoch": record["epoch"], "step": record["step"], "simulated_s": simulated,
+                      "measured_s": record["pipeline_s"]})
+    if len(steps) <= CALIBRATION_STEPS:
+        raise ValueError(f"{out}/metrics.jsonl holds {len(steps)} measured steps with their packs after the first "
+                         f"{skip}; run more steps (optim.steps) to compare")
+    factor = float(np.median([s["measured_s"] / s["simulated_s"] for s in steps[:CALIBRATION_STEPS]]))
+    compared = steps[CALIBRATION_STEPS:]
+    for s in compared:
+        s["predicted_s"] = s["simulated_s"] * factor
+    measured = np.array([s["measured_s"] for s in compared])
+    raw = np.array([s["simulated_s"] for s in compared]) / measured - 1
+    calibrated = np.array([s["predicted_s"] for s in compared]) / measured - 1
+    return {"run": str(out), "encoder": "stages", "pp": 1, "schedule": f"context parallel {cp}", "cores": cores,
+            "bounds": [], "overhead_factor": factor, "steps": compared,
+            "mean_error_raw": float(raw.mean()), "mean_abs_error_raw": float(np.abs(raw).mean()),
+            "mean_error": float(calibrated.mean()), "mean_abs_error": float(np.abs(calibrated).mean())}
+
+
+def cp_step(packs: list[list[int]], dp: int, cp: int, patches_per_tile: int) -> CpWorkload:
+    """One step of a CP run's packs (replica, microbatch, degree, cp_group, tokens, tiles, square)."""
+    rows = np.array(packs, dtype=np.float64).reshape(-1, 7)
+    loads = np.zeros((len(rows), 5))
+    loads[:, 0] = 1.0
+    loads[:, TILES], loads[:, TOKENS], loads[:, TOKEN_SQUARE] = rows[:, 5], rows[:, 4], rows[:, 6]
+    loads[:, VISION_SQUARE] = rows[:, 5] * float(patches_per_tile) ** 2
+    ints = rows[:, :4].astype(np.int64)
+    return CpWorkload(np.zeros(len(rows), np.int64), ints[:, 0], ints[:, 1], ints[:, 2], ints[:, 3], loads, 1, dp,
+                      int(ints[:, 1].max()) + 1 if len(rows) else 1, cp, 0, "run")
