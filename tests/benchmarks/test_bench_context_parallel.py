@@ -117,3 +117,41 @@ def test_dynamic_static_and_no_context_parallelism(tmp_path):
             rounds = planning_seconds(samples, table, shape.patches_per_tile, dp, cp, mode)
             print(f"  planning DP {dp} x CP {cp} {mode}: median {statistics.median(rounds):.3f} s "
                   f"(min {min(rounds):.3f}, max {max(rounds):.3f}) over 3 rounds")
+
+
+MODEL = {"vit_dim": 48, "vit_layers": 3, "llm_dim": 96, "llm_layers": 3, "patch_size": 14, "seed": 0}
+POLICY = {"name": "internvl", "image_size": 224, "tokens_per_tile": 64, "max_num": 6}
+MEASURED_N = 256  # tokens per GPU: the demo's longer samples need 2 GPUs
+
+
+def test_simulator_against_measured_cpu_steps_of_context_parallelism(tmp_path):
+    """`packfeed train parallel.cp=2` (2 processes on this 2-core host, one thread each), dynamic and static, and
+    `packfeed simulate --run` predicting each measured step from the run's packs, with the per-layer costs a
+    partition search measured on this host (a pp 2 run of the same model, 2 processes too)."""
+    from demo_data import indexed_demo
+    from trainer_workers import packfeed_train
+
+    index = indexed_demo(tmp_path / "data", 200, 4, 5, POLICY)[1]
+    common = [f"data.index={index}", "data.job=bench", "data.server_workers=1", "data.prefetch=4",
+              "recompute.mode=none"] + [f"model.{k}={v}" for k, v in MODEL.items()]
+    packfeed_train(2, common + ["data.microbatches=4", "parallel.pp=2", "optim.steps=3", "partition.top_k=2",
+                                "partition.trial_steps=1"], tmp_path / "costs", timeout=1200)
+    print(f"\n[cp] measured on this CPU host: the reference model, 200 demo samples, DP 1 x CP 2, M 2, N "
+          f"{MEASURED_N}; costs from a pp 2 partition search on the same host")
+    print("[cp] mode | steps compared | measured s (sum) | calibration | mean error raw | MAE raw | mean error | MAE")
+    errors = []
+    for mode in ("dynamic", "static"):
+        out = tmp_path / mode
+        packfeed_train(2, common + ["data.microbatches=2", "parallel.pp=1", "parallel.cp=2", f"data.cp_mode={mode}",
+                                    f"data.max_tokens_per_gpu={MEASURED_N}", "optim.steps=0"], out, timeout=1200)
+        done = subprocess.run([sys.executable, "-m", "packfeed.server.cli", "simulate", "--run", str(out), "--model",
+                               str(tmp_path / "costs" / "cost_model.json"), "--json"],
+                              capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr
+        check = json.loads(done.stdout)
+        errors.append(check["mean_abs_error"])
+        print(f"[cp] {mode} | {len(check['steps'])} | {sum(s['measured_s'] for s in check['steps']):.2f} | "
+              f"{check['overhead_factor']:.3f} | {check['mean_error_raw']:+.1%} | {check['mean_abs_error_raw']:.1%} | "
+              f"{check['mean_error']:+.1%} | {check['mean_abs_error']:.1%}")
+    print(f"[cp] calibrated MAE over both runs: {statistics.mean(errors):.1%}")
+    assert all(np.isfinite(errors))

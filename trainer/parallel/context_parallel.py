@@ -22,6 +22,7 @@ exactly what one GPU computes on the unsplit packs (tested within 1e-5). A GPU w
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -29,6 +30,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 from packfeed.trainer.batch import StepShape
 from packfeed.trainer.models.reference import IGNORE_INDEX, LLMBlock, next_token_targets, packed_causal_attention
@@ -78,6 +80,23 @@ class ShareLayout:
         padded = F.pad(local, (0, 0) * (local.dim() - 1) + (0, most - local.shape[0]))
         return GatherFromGroup.apply(padded, self.group, self.degree)
 
+    @functools.cached_property
+    def chunk_spans(self) -> list[tuple[int, int, int, int]]:
+        """Per run of local tokens contiguous in the unsplit pack (a chunk, or two adjacent ones of a sample): its
+        rows among the local tokens and the keys it sees in the unsplit pack (its sample's first token up to its
+        own last)."""
+        local = self.local_unsplit
+        if len(local) == 0:
+            return []
+        cuts = set(self.local_bounds[:-1]) | set((torch.nonzero(local[1:] != local[:-1] + 1).flatten() + 1).tolist())
+        rows = sorted(c for c in cuts if c < len(local)) + [len(local)]
+        starts = torch.tensor(self.bounds)
+        spans = []
+        for row, end in zip(rows[:-1], rows[1:]):
+            sample = int(torch.searchsorted(starts, local[row], right=True)) - 1
+            spans.append((row, end, self.bounds[sample], int(local[end - 1]) + 1))
+        return spans
+
     def unsplit(self, local: torch.Tensor) -> torch.Tensor:
         """`local` rows of every GPU of the pack in the unsplit pack's order."""
         return self.gather(local)[self.rows.to(local.device)]
@@ -122,16 +141,12 @@ class ContextParallelAttention:
         kv = layout.unsplit(torch.cat([k, v], dim=-1))
         keys, values = kv.split(k.shape[-1], dim=-1)
         out = torch.empty_like(q)
-        for s, (start, stop) in enumerate(zip(layout.bounds[:-1], layout.bounds[1:])):
-            first, last = layout.local_bounds[s], layout.local_bounds[s + 1]
-            if last == first:
-                continue
-            index = layout.local_unsplit[first:last] - start  # each local query's place in its sample
-            reach = int(index.max()) + 1  # keys past the latest query are never visible
-            visible = torch.arange(reach)[None, :] <= index[:, None]  # causal in the unsplit sample
+        for first, last, start, stop in layout.chunk_spans:
+            # the chunk's queries are the last of keys [start, stop): causal aligned lower right, which the
+            # flash and memory-efficient kernels take without a mask tensor
             out[first:last] = F.scaled_dot_product_attention(
-                q[first:last].transpose(0, 1), keys[start:start + reach].transpose(0, 1),
-                values[start:start + reach].transpose(0, 1), attn_mask=visible.to(q.device)).transpose(0, 1)
+                q[first:last].transpose(0, 1), keys[start:stop].transpose(0, 1), values[start:stop].transpose(0, 1),
+                attn_mask=causal_lower_right(last - first, stop - start)).transpose(0, 1)
         return out
 
 
