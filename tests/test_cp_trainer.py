@@ -14,7 +14,7 @@ import torch
 import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).parent))
-from trainer_workers import SMALL_MODEL, cp_step, packfeed_train  # noqa: E402
+from trainer_workers import SMALL_MODEL, cp_step, packfeed_train, restart_from  # noqa: E402
 
 from packfeed.client import LocalServer, PackStream  # noqa: E402
 from packfeed.client.context_parallel import whole_packs  # noqa: E402
@@ -94,7 +94,7 @@ COMMON = ["data.microbatches=2", "data.server_workers=1", "optim.steps=5", "opti
 
 def test_packfeed_train_cp2_starts_with_the_loss_of_the_same_packs_on_one_process(small_tile_index, tmp_path):
     index = f"data.index={small_tile_index}"
-    log, split = packfeed_train(2, COMMON + [index, "parallel.cp=2"], tmp_path / "cp2")
+    log, split = packfeed_train(2, COMMON + [index, "parallel.cp=2", "checkpoint.every=2"], tmp_path / "cp2")
     assert "context parallelism: 2 GPU(s) per replica" in log
     _, whole = packfeed_train(1, COMMON + [index, "parallel.cp=1", "data.context_parallel=2"], tmp_path / "cp1")
     assert len(split) == len(whole) == 5
@@ -117,3 +117,9 @@ def test_packfeed_train_cp2_starts_with_the_loss_of_the_same_packs_on_one_proces
     assert result["schedule"] == "context parallel 2" and len(result["steps"]) == 5 - 1 - 2
     assert all(s["simulated_s"] > 0 and s["measured_s"] > 0 for s in result["steps"])
     assert result["mean_abs_error"] >= 0 and result["overhead_factor"] > 0
+    # restarted from its checkpoint after 2 steps, the CP run continues at exactly the next step
+    restart_from(tmp_path / "cp2", tmp_path / "resumed", 2)
+    log, resumed = packfeed_train(2, COMMON + [index, "parallel.cp=2", "checkpoint.every=2"], tmp_path / "resumed")
+    assert "resuming from" in log
+    assert [r["step"] for r in resumed[2:]] == [r["step"] for r in split[2:]] == [2, 3, 4]
+    assert [r["loss"] for r in resumed[2:]] == pytest.approx([r["loss"] for r in split[2:]], rel=1e-6)
