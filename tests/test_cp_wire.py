@@ -52,31 +52,34 @@ def cp_streams(small_tile_index):
     return got
 
 
+def shares(cp_streams: dict):
+    """(rank, cp_rank, step, share, (degree, cp_group, CP rank)) of every non-empty share received."""
+    for (rank, cp_rank), steps in cp_streams.items():
+        for step in steps:
+            for pack in step.packs:
+                if not pack.empty:
+                    yield rank, cp_rank, step, pack, tuple(pack.cp.tolist())
+
+
 def test_shares_put_every_token_on_one_gpu_at_its_unsplit_position(cp_streams, served_steps):
     reference = samples_of(served_steps)
     tokens = defaultdict(dict)  # key -> position -> (token, label)
     degrees = defaultdict(set)
-    for (rank, cp_rank), steps in cp_streams.items():
-        for step in steps:
-            for pack in step.packs:
-                if pack.empty:
-                    continue
-                d, g, j = pack.cp.tolist()
-                assert g * d + j == cp_rank and pack.cu_seqlens[-1] == len(pack.input_ids)
-                lengths = np.diff(pack.cp_seqlens.numpy()).tolist()
-                oversize = max(lengths) > 96 * C  # the oversize policy's (alone): over N, reported by the plan
-                assert len(pack.input_ids) <= 96 or oversize, "a GPU holds more than N tokens"
-                assert d == 1 or len(lengths) == 1, "dynamic CP spreads only a sample too long for one GPU"
-                expected = [rank_chunks(chunks, j) for chunks in pack_shares(lengths, d)]
-                assert pack.cp_chunks.tolist() == [[a0, b0, a1, b1] for (a0, b0), (a1, b1) in expected]
-                cu = pack.cu_seqlens.tolist()
-                for k, key in enumerate(pack.sample_keys):
-                    degrees[key].add((step.step, rank, d, g))
-                    for p, token, label in zip(pack.position_ids[cu[k]:cu[k + 1]].tolist(),
-                                               pack.input_ids[cu[k]:cu[k + 1]].tolist(),
-                                               pack.labels[cu[k]:cu[k + 1]].tolist()):
-                        assert p not in tokens[key], f"{key}: position {p} on two GPUs"
-                        tokens[key][p] = (token, label)
+    for rank, cp_rank, step, pack, (d, g, j) in shares(cp_streams):
+        assert g * d + j == cp_rank and pack.cu_seqlens[-1] == len(pack.input_ids)
+        lengths = np.diff(pack.cp_seqlens.numpy()).tolist()
+        oversize = max(lengths) > 96 * C  # the oversize policy's (alone): over N, reported by the plan
+        assert len(pack.input_ids) <= 96 or oversize, "a GPU holds more than N tokens"
+        assert d == 1 or len(lengths) == 1, "dynamic CP spreads only a sample too long for one GPU"
+        expected = [rank_chunks(chunks, j) for chunks in pack_shares(lengths, d)]
+        assert pack.cp_chunks.tolist() == [[a0, b0, a1, b1] for (a0, b0), (a1, b1) in expected]
+        cu = pack.cu_seqlens.tolist()
+        for k, key in enumerate(pack.sample_keys):
+            degrees[key].add((step.step, rank, d, g))
+            for p, token, label in zip(pack.position_ids[cu[k]:cu[k + 1]].tolist(),
+                                       pack.input_ids[cu[k]:cu[k + 1]].tolist(), pack.labels[cu[k]:cu[k + 1]].tolist()):
+                assert p not in tokens[key], f"{key}: position {p} on two GPUs"
+                tokens[key][p] = (token, label)
     assert set(tokens) == set(reference), "every sample once per epoch"
     for key, sample in reference.items():
         assert sorted(tokens[key]) == list(range(len(sample["input_ids"])))
@@ -89,26 +92,20 @@ def test_shares_put_every_token_on_one_gpu_at_its_unsplit_position(cp_streams, s
 def test_every_item_is_encoded_by_one_gpu_of_its_pack_with_its_own_tiles(cp_streams, served_steps):
     reference = samples_of(served_steps)
     encoded = defaultdict(list)  # (key, item number in the sample) -> tile bytes, per encoding GPU
-    for (rank, cp_rank), steps in cp_streams.items():
-        for step in steps:
-            for pack in step.packs:
-                if pack.empty:
-                    continue
-                d, g, j = pack.cp.tolist()
-                tiles = pack.tiles()
-                owners = pack.image_sample.tolist()
-                for item, (owner, encoder) in enumerate(zip(owners, pack.image_cp_rank.tolist())):
-                    if encoder != j:
-                        assert item not in pack.tile_image.tolist()
-                        continue
-                    number = owners[:item].count(owner)
-                    data = b"".join(tiles[t].numpy().tobytes() for t, i in enumerate(pack.tile_image.tolist())
-                                    if i == item)
-                    encoded[pack.sample_keys[owner], number].append(data)
-                # spans point into the unsplit samples: the placeholder run lies within its sample
-                unsplit = pack.cp_seqlens.tolist()
-                for (start, length), owner in zip(pack.image_token_spans.tolist(), owners):
-                    assert unsplit[owner] <= start and start + length <= unsplit[owner + 1]
+    for _, _, _, pack, (_, _, j) in shares(cp_streams):
+        tiles = pack.tiles()
+        owners = pack.image_sample.tolist()
+        for item, (owner, encoder) in enumerate(zip(owners, pack.image_cp_rank.tolist())):
+            if encoder != j:
+                assert item not in pack.tile_image.tolist()
+                continue
+            number = owners[:item].count(owner)
+            data = b"".join(tiles[t].numpy().tobytes() for t, i in enumerate(pack.tile_image.tolist()) if i == item)
+            encoded[pack.sample_keys[owner], number].append(data)
+        # spans point into the unsplit samples: the placeholder run lies within its sample
+        unsplit = pack.cp_seqlens.tolist()
+        for (start, length), owner in zip(pack.image_token_spans.tolist(), owners):
+            assert unsplit[owner] <= start and start + length <= unsplit[owner + 1]
     expected = {(key, n): data for key, sample in reference.items() for n, data in enumerate(sample["items"])}
     assert set(encoded) == set(expected)
     for item, copies in encoded.items():

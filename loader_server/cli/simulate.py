@@ -26,7 +26,6 @@ from packfeed.trainer.simulate.workload import STRATEGIES, Workload, planner_cos
 from packfeed.v1.options import CostModel, PlanConfig, Strategy
 
 from packfeed.trainer.simulate.context_parallel import CpWorkload
-from packfeed.trainer.simulate.model_shape import TILES, TOKEN_SQUARE, TOKENS, VISION_SQUARE
 
 if TYPE_CHECKING:  # the planner loads (numba) when a command runs, not when the parser is built
     from packfeed.server.plan.costs import SampleLoads
@@ -83,21 +82,18 @@ def cp_workload(plan, vision: np.ndarray, tokens: np.ndarray, patches_per_tile: 
     from packfeed.server.plan.context_parallel import subpacks
 
     config = plan.config
-    slot, starts, stops = subpacks(plan.offsets, plan.cp_degree, plan.cp_group)
+    slot, starts, _ = subpacks(plan.offsets, plan.cp_degree, plan.cp_group)
     ids = plan.members
     lengths = np.where(plan.truncate_to > 0, np.minimum(tokens[ids], plan.truncate_to), tokens[ids]).astype(float)
-    tiles = vision[ids].astype(float)
-    loads = np.zeros((len(starts), 5))
-    if len(starts):
-        loads[:, 0] = 1.0
-        loads[:, TILES] = np.add.reduceat(tiles, starts)
-        loads[:, VISION_SQUARE] = loads[:, TILES] * float(patches_per_tile) ** 2
-        loads[:, TOKENS] = np.add.reduceat(lengths, starts)
-        loads[:, TOKEN_SQUARE] = np.add.reduceat(lengths ** 2, starts)
-    return CpWorkload(slot // config.slots, slot // config.microbatches % config.dp, slot % config.microbatches,
-                      plan.cp_degree[starts].astype(np.int64), plan.cp_group[starts].astype(np.int64), loads,
-                      plan.n_steps, config.dp, config.microbatches, config.context_parallel, len(ids),
-                      config.cp_mode.value)
+
+    def per_pack(values: np.ndarray) -> np.ndarray:
+        return np.add.reduceat(values, starts) if len(starts) else np.zeros(0)
+
+    return CpWorkload.of_packs(slot // config.slots, slot // config.microbatches % config.dp, slot % config.microbatches,
+                               plan.cp_degree[starts], plan.cp_group[starts], per_pack(lengths),
+                               per_pack(vision[ids].astype(float)), per_pack(lengths ** 2), patches_per_tile,
+                               plan.n_steps, config.dp, config.microbatches, config.context_parallel, len(ids),
+                               config.cp_mode.value)
 
 
 def random_packs(samples: SampleLoads, config: PlanConfig, seed: int, epoch: int) -> tuple[np.ndarray, np.ndarray]:

@@ -119,11 +119,11 @@ class Plan:
         if self.pack_vision is not None and not self.padded:
             return self.pack_vision, self.pack_tokens
         tokens = _effective_tokens(loads.tokens[self.members], self.truncate_to)
-        vision = _segment_sum(loads.vision[self.members], self.offsets)
+        vision = segment_sum(loads.vision[self.members], self.offsets)
         if self.padded:
             llm = _segment_max(tokens, self.offsets) * self.pack_sizes()
         else:
-            llm = _segment_sum(tokens, self.offsets)
+            llm = segment_sum(tokens, self.offsets)
         return vision, llm
 
     def dists(self, loads: SampleLoads) -> tuple[float, float]:
@@ -138,7 +138,7 @@ class Plan:
         pad = 0.0
         if self.padded:
             tokens = _effective_tokens(loads.tokens[self.members], self.truncate_to)
-            pad = pad_ratio(sizes, _segment_max(tokens, self.offsets), _segment_sum(tokens, self.offsets))
+            pad = pad_ratio(sizes, _segment_max(tokens, self.offsets), segment_sum(tokens, self.offsets))
         non_empty = int((sizes > 0).sum())
         return {
             "strategy": self.config.strategy.value,
@@ -346,7 +346,8 @@ def _effective_tokens(tokens, truncate_to):
     return np.where(truncate_to > 0, np.minimum(tokens, truncate_to), tokens)
 
 
-def _segment_sum(values, offsets):
+def segment_sum(values, offsets):
+    """Per pack of `offsets` (empty ones 0): the sum of its members' `values`."""
     out = np.zeros(len(offsets) - 1, dtype=np.float64 if values.dtype.kind == "f" else np.int64)
     sizes = np.diff(offsets)
     nz = sizes > 0

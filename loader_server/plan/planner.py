@@ -26,7 +26,7 @@ from packfeed.server.plan.costs import SampleLoads, encoder_costs, encoder_names
 from packfeed.server.plan.isf import Caps, IsfPacks, isf
 from packfeed.server.plan.pipeline_order import inter_reorder_many, stage_fractions, stage_times
 from packfeed.server.plan.phases import Phase, phase_plan
-from packfeed.server.plan.plan_file import Plan
+from packfeed.server.plan.plan_file import Plan, segment_sum
 from packfeed.v1.options import CpMode, Oversize, PlanConfig, Strategy
 
 # Independent random streams per purpose, so changing one stage never shifts another's randomness.
@@ -121,8 +121,9 @@ def _dynamic_cp_plan(loads, config: PlanConfig, seed, epoch, index_fingerprint, 
                 index_fingerprint)
     plan.cp_degree = np.repeat(degree[order], sizes)
     plan.cp_group = np.repeat(group[order], sizes)
-    plan.pack_vision = np.bincount(slot, weights=_pack_sums(loads.vision, members, offsets), minlength=n_slots).astype(np.int64)
-    plan.pack_tokens = np.bincount(slot, weights=_pack_sums(tokens, members, offsets), minlength=n_slots).astype(np.int64)
+    plan.pack_vision = np.bincount(slot, weights=segment_sum(loads.vision[members], offsets),
+                                   minlength=n_slots).astype(np.int64)
+    plan.pack_tokens = np.bincount(slot, weights=segment_sum(tokens[members], offsets), minlength=n_slots).astype(np.int64)
     plan.seconds = time.perf_counter() - started
     return plan
 
@@ -142,10 +143,6 @@ def _with_singletons(packs: IsfPacks, ids: np.ndarray, vision: np.ndarray, token
     return IsfPacks(np.concatenate([packs.members, ids.astype(packs.members.dtype)]),
                     np.concatenate([packs.offsets, packs.offsets[-1] + np.arange(1, len(ids) + 1)]),
                     np.concatenate([packs.vision, vision[ids]]), np.concatenate([packs.tokens, tokens[ids]]))
-
-
-def _pack_sums(values, members, offsets) -> np.ndarray:
-    return np.add.reduceat(values[members].astype(np.int64), offsets[:-1]) if len(members) else np.zeros(0, np.int64)
 
 
 def _pack_ranks(offsets: np.ndarray, config: PlanConfig) -> np.ndarray:

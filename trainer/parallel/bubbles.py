@@ -37,6 +37,7 @@ import torch.distributed as dist
 from torch import nn
 
 from packfeed.trainer.batch import StepShape
+from packfeed.trainer.parallel.data_parallel import all_reduce_gradients
 from packfeed.trainer.parallel.mesh import Mesh
 from packfeed.trainer.parallel.schedules import encoder_deadlines, pipeline_order, split_tiles
 
@@ -124,24 +125,6 @@ class BubbleRunner:
             all_reduce_gradients([p for p in self.stage.parameters()], mesh.dp_group, 1.0 / mesh.dp)
         if mesh.dp * mesh.pp > 1:
             all_reduce_gradients(list(self.encoder.parameters()), None, 1.0 / mesh.dp)
-
-
-def all_reduce_gradients(parameters: list[nn.Parameter], group, scale: float) -> None:
-    """Gradients summed over `group` and scaled (zeros where a parameter got none), in one flat collective."""
-    grads = []
-    for p in parameters:
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-        grads.append(p.grad)
-    if not grads:
-        return
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat, group=group)
-    flat.mul_(scale)
-    offset = 0
-    for g in grads:
-        g.copy_(flat[offset:offset + g.numel()].view_as(g))
-        offset += g.numel()
 
 
 class BubbleStep:

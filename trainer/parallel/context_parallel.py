@@ -21,7 +21,6 @@ exactly what one GPU computes on the unsplit packs (tested within 1e-5). A GPU w
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import time
 from collections import Counter
@@ -35,12 +34,12 @@ from torch.nn.attention.bias import causal_lower_right
 from packfeed.trainer.batch import StepShape
 from packfeed.trainer.models.reference import IGNORE_INDEX, LLMBlock, next_token_targets, packed_causal_attention
 from packfeed.trainer.models.reference_inputs import pack_tiles
+from packfeed.trainer.parallel.data_parallel import all_reduce_gradients
 from packfeed.trainer.parallel.mesh import Mesh
+from packfeed.trainer.parallel.pipeline import autocast_dtype, clip_gradients
 from packfeed.trainer.parallel.profile import synchronize
 from packfeed.trainer.parallel.runner import StepTally, agree_on_step
 from packfeed.v1.context_parallel import pack_shares, rank_chunks
-
-GRADIENT_BUCKET = 1 << 24  # elements summed per all-reduce
 
 
 @dataclass
@@ -187,7 +186,8 @@ class ContextParallelRunner:
             loss_sum += float(loss.detach())
             tokens, tiles = tokens + int(pack.input_ids.numel()), tiles + int(pack.tile_shapes.view(-1, 3).shape[0])
         self.attention.layout = None
-        self._sum_gradients()
+        if self.mesh.world > 1:  # each rank's gradients are partial sums of its packs and its replica's
+            all_reduce_gradients(self.parameters(), None, 1.0)
         busy = time.process_time() - busy_started if self.mesh.device.type == "cpu" else float("nan")
         return StepTally(loss_sum, tokens=tokens, padded_tokens=tokens, tiles=tiles, padded_tiles=tiles, busy_s=busy,
                          compute_s=time.perf_counter() - started,
@@ -251,16 +251,15 @@ class ContextParallelRunner:
         return gathered[torch.tensor(order, dtype=torch.int64, device=device)].reshape(-1, features.shape[-1])
 
     def _encode(self, tiles: torch.Tensor) -> torch.Tensor:
-        config = self.model.config
         if tiles.shape[0] == 0:
             # requires grad: every GPU of a pack must run the backward of the gather its features join
             width = self.layers[self.text_embed].embed.embedding_dim
-            return torch.zeros(0, config.tokens_per_tile, width, device=self.mesh.device, requires_grad=True)
-        unused = torch.zeros(0, dtype=torch.int64, device=tiles.device)
-        carrier = (tiles,) + (unused,) * 5
+            return torch.zeros(0, self.model.config.tokens_per_tile, width, device=self.mesh.device,
+                               requires_grad=True)
+        carrier = self.model.encoder_carrier(tiles)
         for layer in self.layers[:self.text_embed]:
             carrier = layer(*carrier)
-        return carrier[0]
+        return self.model.encoder_output(carrier)
 
     @staticmethod
     def _local_positions(vision_positions: torch.Tensor, layout: ShareLayout) -> torch.Tensor:
@@ -276,39 +275,12 @@ class ContextParallelRunner:
         targets = next_token_targets(unsplit, torch.tensor(layout.bounds, device=labels.device))
         return targets[layout.local_unsplit.to(labels.device)]
 
-    def _sum_gradients(self) -> None:
-        """Every rank's gradients summed over all ranks (its pack shares and its replica's), in buckets."""
-        if self.mesh.world == 1:
-            return
-        params = self.parameters()
-        for p in params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        grads = [p.grad for p in params]
-        bucket: list[torch.Tensor] = []
-        size = 0
-        for grad in grads + [None]:
-            if grad is not None:
-                bucket.append(grad)
-                size += grad.numel()
-            if bucket and (grad is None or size >= GRADIENT_BUCKET):
-                flat = torch.cat([g.reshape(-1) for g in bucket])
-                dist.all_reduce(flat)
-                offset = 0
-                for g in bucket:
-                    g.copy_(flat[offset:offset + g.numel()].view_as(g))
-                    offset += g.numel()
-                bucket, size = [], 0
-
     def _autocast(self):
-        if self.precision == "fp32":
-            return contextlib.nullcontext()
-        return torch.autocast(self.mesh.device.type, dtype=torch.bfloat16 if self.precision == "bf16" else torch.float16)
+        dtype = autocast_dtype(self.precision)
+        return torch.autocast(self.mesh.device.type, dtype=dtype or torch.float32, enabled=dtype is not None)
 
     def clip_gradients(self, max_norm: float) -> float:
-        """Every rank holds the whole summed gradient: its norm is the global one."""
-        norm = torch.nn.utils.clip_grad_norm_(self.parameters(), max_norm if max_norm > 0 else float("inf"))
-        return float(norm)
+        return clip_gradients(self.parameters(), self.mesh, max_norm)
 
     def sync(self) -> None:
         synchronize(self.mesh.device)

@@ -1,10 +1,14 @@
 """Data parallelism within a pipeline stage, over the replicas of that stage (the mesh's dp group): DDP
 (replicated weights, gradients all-reduced), or FSDP2 (`fully_shard` on every vision block and decoder layer,
 then the stage: weights, gradients and AdamW state sharded over the replicas, gathered per block as it runs).
-`shard` is the one FSDP2 wrapping, also of a whole model's units (`packfeed.trainer.parallel.whole`)."""
+`shard` is the one FSDP2 wrapping, also of a whole model's units (`packfeed.trainer.parallel.whole`);
+`all_reduce_gradients` the one hand-made gradient reduction (the encoder in the bubbles or routed, context
+parallelism)."""
 
 from __future__ import annotations
 
+import torch
+import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -44,3 +48,34 @@ def shard(module: nn.Module, units: list[nn.Module], mesh: Mesh, precision: str,
         fully_shard(unit, mesh=device_mesh, mp_policy=policy)
     fully_shard(module, mesh=device_mesh, mp_policy=policy, ignored_params=ignored or None)
     return module
+
+
+GRADIENT_BUCKET = 1 << 24  # elements reduced per collective: a large model never needs a second whole copy
+
+
+def all_reduce_gradients(parameters: list[nn.Parameter], group, scale: float) -> None:
+    """Gradients summed over `group` and scaled (zeros where a parameter got none), in flat collectives of at most
+    GRADIENT_BUCKET elements (a parameter larger than that alone)."""
+    grads = []
+    for p in parameters:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        grads.append(p.grad)
+    bucket, size = [], 0
+    for grad in grads + [None]:
+        if grad is not None:
+            bucket.append(grad)
+            size += grad.numel()
+        if bucket and (grad is None or size >= GRADIENT_BUCKET):
+            _reduce_bucket(bucket, group, scale)
+            bucket, size = [], 0
+
+
+def _reduce_bucket(grads: list[torch.Tensor], group, scale: float) -> None:
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, group=group)
+    flat.mul_(scale)
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        offset += g.numel()

@@ -31,7 +31,7 @@ import torch.distributed as dist
 from torch import nn
 
 from packfeed.trainer.batch import Microbatches, RoutedImages, StepShape
-from packfeed.trainer.parallel.bubbles import all_reduce_gradients
+from packfeed.trainer.parallel.data_parallel import all_reduce_gradients
 from packfeed.trainer.parallel.mesh import Mesh
 
 HEADER = 4  # microbatch, position, image number, units

@@ -48,6 +48,17 @@ class CpWorkload:
     samples: int
     mode: str
 
+    @classmethod
+    def of_packs(cls, step, replica, microbatch, degree, group, tokens, tiles, square, patches_per_tile: int,
+                 steps: int, dp: int, microbatches: int, groups: int, samples: int, mode: str) -> CpWorkload:
+        """Packs given by their place and sizes (whole-pack tokens, tiles, sum of squared sample lengths)."""
+        loads = np.zeros((len(degree), 5))
+        loads[:, 0] = 1.0
+        loads[:, TILES], loads[:, TOKENS], loads[:, TOKEN_SQUARE] = tiles, tokens, square
+        loads[:, VISION_SQUARE] = loads[:, TILES] * float(patches_per_tile) ** 2
+        ints = [np.asarray(a, dtype=np.int64) for a in (step, replica, microbatch, degree, group)]
+        return cls(*ints, loads, steps, dp, microbatches, groups, samples, mode)
+
     @property
     def peak_tokens_per_gpu(self) -> int:
         return int(np.max(np.ceil(self.loads[:, TOKENS] / self.degree))) if len(self.degree) else 0

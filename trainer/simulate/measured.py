@@ -26,7 +26,7 @@ import numpy as np
 
 from packfeed.trainer.simulate.cluster import Cluster
 from packfeed.trainer.simulate.context_parallel import CpWorkload, simulate_cp
-from packfeed.trainer.simulate.model_shape import TILES, TOKEN_SQUARE, TOKENS, VISION_SQUARE, load_model, measured_table
+from packfeed.trainer.simulate.model_shape import TILES, TOKEN_SQUARE, TOKENS, load_model, measured_table
 from packfeed.trainer.simulate.placement import Layout, simulate_step, step_costs
 
 
@@ -158,10 +158,6 @@ def compare_cp_run(out: Path, config: dict, model, skip: int, cores: float | Non
 def cp_step(packs: list[list[int]], dp: int, cp: int, patches_per_tile: int) -> CpWorkload:
     """One step of a CP run's packs (replica, microbatch, degree, cp_group, tokens, tiles, square)."""
     rows = np.array(packs, dtype=np.float64).reshape(-1, 7)
-    loads = np.zeros((len(rows), 5))
-    loads[:, 0] = 1.0
-    loads[:, TILES], loads[:, TOKENS], loads[:, TOKEN_SQUARE] = rows[:, 5], rows[:, 4], rows[:, 6]
-    loads[:, VISION_SQUARE] = rows[:, 5] * float(patches_per_tile) ** 2
-    ints = rows[:, :4].astype(np.int64)
-    return CpWorkload(np.zeros(len(rows), np.int64), ints[:, 0], ints[:, 1], ints[:, 2], ints[:, 3], loads, 1, dp,
-                      int(ints[:, 1].max()) + 1 if len(rows) else 1, cp, 0, "run")
+    microbatches = int(rows[:, 1].max()) + 1 if len(rows) else 1
+    return CpWorkload.of_packs(np.zeros(len(rows)), rows[:, 0], rows[:, 1], rows[:, 2], rows[:, 3], rows[:, 4],
+                               rows[:, 5], rows[:, 6], patches_per_tile, 1, dp, microbatches, cp, 0, "run")
