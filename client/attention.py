@@ -79,9 +79,22 @@ def _torch_varlen_attn() -> tuple[Any, frozenset[str]]:
 
 def _flash_varlen(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, bounds: torch.Tensor, causal: bool,
                   scaling: float | None) -> torch.Tensor | None:
-    """The pack's attention as one call of torch's flash-attention `varlen_attn` (CUDA, bf16 / fp16, a batch of
-    one packed row), as (1, L, heads, dim); None where it does not apply, so the caller runs sdpa per sample."""
-    if query.device.type != "cuda" or query.dtype not in (torch.float16, torch.bfloat16) or query.shape[0] != 1:
+    """The pack's attention as one call of torch's flash-attention `varlen_attn` (a batch of one packed row), as
+    (1, L, heads, dim); None where it does not apply, so the caller runs sdpa per sample."""
+    if query.shape[0] != 1:
+        return None
+    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # (L, heads, dim)
+    out = flash_varlen_attention(q, k, v, bounds, bounds, causal, scaling)
+    return None if out is None else out.unsqueeze(0)
+
+
+def flash_varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor,
+                           causal: bool, scale: float | None = None) -> torch.Tensor | None:
+    """Attention of (L, heads, dim) rows cut into sequences by `cu_q` (queries) and `cu_k` (keys), as one call of
+    torch's flash-attention `varlen_attn`; causal is aligned to each sequence's last key (a sequence's queries
+    are its last keys' positions, flash-attention's convention). None where it does not apply (not CUDA, not
+    bf16 / fp16, torch older than 2.10, a scale this torch cannot take), so the caller runs sdpa instead."""
+    if q.device.type != "cuda" or q.dtype not in (torch.float16, torch.bfloat16) or len(cu_q) < 2 or not len(q):
         return None
     varlen_attn, params = _torch_varlen_attn()
     if varlen_attn is None:
@@ -89,10 +102,9 @@ def _flash_varlen(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, b
     # torch 2.10-2.11 take is_causal; later versions a window, (-1, 0) being causal; the first had no scale
     options = {"window_size": (-1, 0) if causal else (-1, -1)} if "window_size" in params else {"is_causal": causal}
     if "scale" in params:
-        options["scale"] = scaling
-    elif scaling is not None and abs(scaling * query.shape[-1] ** 0.5 - 1) > 1e-6:
+        options["scale"] = scale
+    elif scale is not None and abs(scale * q.shape[-1] ** 0.5 - 1) > 1e-6:
         return None
-    q, k, v = (t[0].transpose(0, 1).contiguous() for t in (query, key, value))  # (L, heads, dim)
-    cu = bounds.to(device=query.device, dtype=torch.int32)
-    longest = int((cu[1:] - cu[:-1]).max())
-    return varlen_attn(q, k, v, cu, cu, longest, longest, **options).unsqueeze(0)
+    cu_q, cu_k = (c.to(device=q.device, dtype=torch.int32) for c in (cu_q, cu_k))
+    longest_q, longest_k = (int((c[1:] - c[:-1]).max()) for c in (cu_q, cu_k))
+    return varlen_attn(q.contiguous(), k.contiguous(), v.contiguous(), cu_q, cu_k, longest_q, longest_k, **options)

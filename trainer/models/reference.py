@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from packfeed.client.attention import flash_varlen_attention
 from packfeed.trainer.models.flavors import REFERENCE_FLAVORS, check_flavor, hf_sizes
 from packfeed.v1 import packfeed_pb2 as pb
 
@@ -140,11 +141,14 @@ def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor
 def packed_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                             cu_seqlens: torch.Tensor) -> torch.Tensor:
     """Causal attention over a pack (q, k, v: (L, heads, d)) where token i only sees earlier tokens of its own
-    sample: one SDPA call per sample, so no sample attends to another and no L x L mask is built. Tokens after
-    the last boundary (padding) attend among themselves and are never read."""
+    sample, with no L x L mask: one flash-attention varlen call on CUDA in bf16 / fp16, else one SDPA call per
+    sample. Tokens after the last boundary (padding) attend among themselves and are never read."""
     bounds = cu_seqlens.tolist()
     if bounds[-1] < q.shape[0]:
         bounds.append(q.shape[0])
+    flash = flash_varlen_attention(q, k, v, torch.tensor(bounds), torch.tensor(bounds), causal=True)
+    if flash is not None:
+        return flash
     out = torch.empty_like(q)
     for start, end in zip(bounds[:-1], bounds[1:]):
         if end > start:

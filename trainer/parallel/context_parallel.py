@@ -31,6 +31,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
+from packfeed.client.attention import flash_varlen_attention
 from packfeed.trainer.batch import StepShape
 from packfeed.trainer.models.reference import IGNORE_INDEX, LLMBlock, next_token_targets, packed_causal_attention
 from packfeed.trainer.models.reference_inputs import pack_tiles
@@ -58,7 +59,13 @@ class ShareLayout:
     @classmethod
     def of(cls, pack, groups: dict) -> "ShareLayout":
         d, g, j = (int(v) for v in pack.cp.tolist())
-        bounds = pack.cp_seqlens.long().tolist()
+        return cls.split(pack.cp_seqlens.long().tolist(), d, j, groups.get((d, g)) if d > 1 else None,
+                         pack.cu_seqlens.long().tolist())
+
+    @classmethod
+    def split(cls, bounds: list[int], d: int, j: int, group, local_bounds: list[int]) -> "ShareLayout":
+        """CP rank j's share of the pack whose samples end at `bounds`, split over d GPUs; `local_bounds`: the
+        share's own sample boundaries (its cu_seqlens)."""
         lengths = [b - a for a, b in zip(bounds[:-1], bounds[1:])]
         held = []  # per CP rank: the unsplit index of each token it holds, in its order
         for rank in range(d):
@@ -69,8 +76,7 @@ class ShareLayout:
         rows = torch.empty(bounds[-1], dtype=torch.int64)
         for rank, h in enumerate(held):
             rows[h] = rank * most + torch.arange(len(h))
-        return cls(d, j, groups.get((d, g)) if d > 1 else None, held[j], rows, most, bounds,
-                   pack.cu_seqlens.long().tolist())
+        return cls(d, j, group, held[j], rows, most, bounds, local_bounds)
 
     def gather(self, local: torch.Tensor, most: int | None = None) -> torch.Tensor:
         """Every GPU's `local` rows (padded to `most`, default the most tokens), concatenated in CP rank order;
@@ -96,9 +102,16 @@ class ShareLayout:
             spans.append((row, end, self.bounds[sample], int(local[end - 1]) + 1))
         return spans
 
-    def unsplit(self, local: torch.Tensor) -> torch.Tensor:
-        """`local` rows of every GPU of the pack in the unsplit pack's order."""
-        return self.gather(local)[self.rows.to(local.device)]
+    @functools.cached_property
+    def span_keys(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The chunk spans as one variable-length attention: the local rows' bounds per span, the gathered rows
+        (`gather`) of the keys each span sees (concatenated, a sample's first keys repeated for each of its spans)
+        and their bounds."""
+        spans = self.chunk_spans
+        cu_q = torch.tensor([0] + [last for _, last, _, _ in spans], dtype=torch.int32)
+        keys = self.rows[torch.cat([torch.arange(start, stop) for _, _, start, stop in spans])]
+        cu_k = torch.tensor([0] + [stop - start for _, _, start, stop in spans], dtype=torch.int32).cumsum(0)
+        return cu_q, keys, cu_k.to(torch.int32)
 
 
 class GatherFromGroup(torch.autograd.Function):
@@ -137,8 +150,14 @@ class ContextParallelAttention:
         layout = self.layout
         if layout is None or layout.degree == 1:
             return packed_causal_attention(q, k, v, cu_seqlens)
-        kv = layout.unsplit(torch.cat([k, v], dim=-1))
-        keys, values = kv.split(k.shape[-1], dim=-1)
+        kv = layout.gather(torch.cat([k, v], dim=-1))  # every GPU's rows of the pack
+        if layout.chunk_spans and q.device.type == "cuda":  # one flash-attention call for every chunk
+            cu_q, rows, cu_k = layout.span_keys
+            keys, values = kv[rows.to(q.device)].split(k.shape[-1], dim=-1)
+            flash = flash_varlen_attention(q, keys, values, cu_q, cu_k, causal=True)
+            if flash is not None:
+                return flash
+        keys, values = kv[layout.rows.to(q.device)].split(k.shape[-1], dim=-1)
         out = torch.empty_like(q)
         for first, last, start, stop in layout.chunk_spans:
             # the chunk's queries are the last of keys [start, stop): causal aligned lower right, which the
