@@ -32,18 +32,13 @@ def join_shares(shares: list[PackTensors]) -> PackTensors:
     if len(shares) != d or [share_layout(s) for s in shares] != [(d, g, j) for j in range(d)]:
         raise ValueError(f"join_shares needs the {d} shares of one pack in CP rank order, got "
                          f"{[share_layout(s) for s in shares]}")
-    bounds = first.cp_seqlens.long()
-    total = int(bounds[-1])
+    total = int(first.cp_seqlens[-1])
     tensors = {name: torch.empty(total, dtype=first.tensors[name].dtype)
                for name in ("input_ids", "labels", "position_ids")}
     for share in shares:
-        local = share.cu_seqlens.long().tolist()
-        for s, (a0, b0, a1, b1) in enumerate(share.cp_chunks.tolist()):
-            start, held = int(bounds[s]), local[s]
-            for name, target in tensors.items():
-                source = share.tensors[name]
-                target[start + a0:start + b0] = source[held:held + b0 - a0]
-                target[start + a1:start + b1] = source[held + b0 - a0:local[s + 1]]
+        rows = unsplit_rows(share)
+        for name, target in tensors.items():
+            target[rows] = share.tensors[name]
     tensors["cu_seqlens"] = first.cp_seqlens.clone()
     tensors.update({name: first.tensors[name].clone() for name in ITEM_TENSORS})
     tensors.update(_joined_tiles(shares))
@@ -51,6 +46,31 @@ def join_shares(shares: list[PackTensors]) -> PackTensors:
                        sum(s.loss_tokens for s in shares), first.step_loss_tokens,
                        [skip for s in shares for skip in s.skipped], tensors, sum(s.nbytes for s in shares),
                        first.microbatches, first.last_in_epoch, list(first.sample_sources))
+
+
+def unsplit_rows(share: PackTensors) -> torch.Tensor:
+    """Each of the share's tokens' row in the unsplit pack (`cp_seqlens` coordinates), in the share's order."""
+    bounds = share.cp_seqlens.tolist()
+    parts = [torch.arange(bounds[s] + a, bounds[s] + b) for s, (a0, b0, a1, b1) in enumerate(share.cp_chunks.tolist())
+             for a, b in ((a0, b0), (a1, b1))]
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
+
+
+def share_mrope_positions(share: PackTensors, model_family, tokens_per_second: float | None = None) -> torch.Tensor:
+    """(3, L) Qwen-VL M-RoPE positions of a share's tokens: the rows the unsplit pack has at those tokens (what
+    `to_hf_inputs` gives the joined pack), computed from the share alone. Every share carries each item's
+    geometry (`item_geometry`) and placeholder run, so a GPU knows the 3-D positions of image tokens whose
+    pixels another GPU encodes. `tokens_per_second` as `to_hf_inputs`'s (Qwen2.5-VL's video time positions)."""
+    from packfeed.client.hf import family_of, mrope_rows, qwen_grid, time_intervals, visual_kinds
+
+    family = family_of(model_family)
+    if family.image_policy != "qwen2vl":
+        raise ValueError(f"{family.name} has no M-RoPE positions: a share's position_ids are its positions")
+    grids = [qwen_grid(frames, height, width, family) for frames, _, height, width in share.item_geometry.view(-1, 4).tolist()]
+    intervals = time_intervals(share, visual_kinds(share), family, tokens_per_second)
+    rows = mrope_rows(share.cp_seqlens.tolist(), share.image_token_spans.view(-1, 2).tolist(), grids,
+                      family.merge_size, intervals, f"the share of {share.sample_keys}")
+    return rows[:, unsplit_rows(share)]
 
 
 def _joined_tiles(shares: list[PackTensors]) -> dict[str, torch.Tensor]:

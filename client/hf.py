@@ -97,13 +97,23 @@ def qwen_patches(image: torch.Tensor, family: Family) -> tuple[torch.Tensor, tup
     merge-window order with the image repeated over T frames; and its (t, h, w) grid in patches."""
     p, m, t = family.patch_size, family.merge_size, family.temporal_patch_size
     channels, height, width = image.shape
-    grid_h, grid_w = height // p, width // p
-    if grid_h * p != height or grid_w * p != width or grid_h % m or grid_w % m:
-        raise ValueError(f"image of {width}x{height} px does not fall into {p * m} px merge windows; index the "
-                         f"dataset with the {family.name} preset (image policy qwen2vl, factor {p * m})")
+    grid = qwen_grid(1, height, width, family)
+    grid_h, grid_w = grid[1:]
     patches = image.reshape(channels, grid_h // m, m, p, grid_w // m, m, p).permute(1, 4, 2, 5, 0, 3, 6)
     patches = patches.unsqueeze(5).expand(*patches.shape[:5], t, p, p)
-    return patches.reshape(grid_h * grid_w, channels * t * p * p), (1, grid_h, grid_w)
+    return patches.reshape(grid_h * grid_w, channels * t * p * p), grid
+
+
+def qwen_grid(frames: int, height: int, width: int, family: Family) -> tuple[int, int, int]:
+    """The (t, h, w) patch grid of an item of `frames` (H, W) frames (an image: 1): t temporal patches (frames
+    padded to a multiple of T, an image's one frame repeated), h x w spatial ones."""
+    p, m, t = family.patch_size, family.merge_size, family.temporal_patch_size
+    grid_h, grid_w = height // p, width // p
+    if grid_h * p != height or grid_w * p != width or grid_h % m or grid_w % m:
+        raise ValueError(f"{'video frames' if frames > 1 else 'image'} of {width}x{height} px do not fall into "
+                         f"{p * m} px merge windows; index the dataset with the {family.name} preset (image policy "
+                         f"qwen2vl, factor {p * m})")
+    return max(1, -(-frames // t)), grid_h, grid_w
 
 
 def qwen_video_patches(frames: list[torch.Tensor], family: Family) -> tuple[torch.Tensor, tuple[int, int, int]]:
@@ -115,12 +125,10 @@ def qwen_video_patches(frames: list[torch.Tensor], family: Family) -> tuple[torc
     if video.shape[0] % t:
         video = torch.cat([video, video[-1:].expand(t - video.shape[0] % t, -1, -1, -1)])
     count, channels, height, width = video.shape
-    grid_t, grid_h, grid_w = count // t, height // p, width // p
-    if grid_h * p != height or grid_w * p != width or grid_h % m or grid_w % m:
-        raise ValueError(f"video frames of {width}x{height} px do not fall into {p * m} px merge windows; index the "
-                         f"dataset with the {family.name} preset")
+    grid = qwen_grid(count, height, width, family)
+    grid_t, grid_h, grid_w = grid
     patches = video.reshape(grid_t, t, channels, grid_h // m, m, p, grid_w // m, m, p).permute(0, 3, 6, 4, 7, 2, 1, 5, 8)
-    return patches.reshape(grid_t * grid_h * grid_w, channels * t * p * p), (grid_t, grid_h, grid_w)
+    return patches.reshape(grid_t * grid_h * grid_w, channels * t * p * p), grid
 
 
 def mrope_positions(pack: PackTensors, grids: list[tuple[int, int, int]], merge_size: int,
@@ -129,10 +137,15 @@ def mrope_positions(pack: PackTensors, grids: list[tuple[int, int, int]], merge_
     tokens take (start, start + row, start + column), a video's (start + frame time, start + row, start +
     column) with frame time = (temporal patch number x `intervals[k]`) rounded down; text after either resumes
     at start + max(rows, columns)."""
-    length = pack.input_ids.shape[0]
-    positions = torch.empty(3, length, dtype=torch.long)
-    bounds = pack.cu_seqlens.tolist()
     spans = pack.image_token_spans.tolist() if len(grids) else []
+    return mrope_rows(pack.cu_seqlens.tolist(), spans, grids, merge_size, intervals, str(pack.sample_keys))
+
+
+def mrope_rows(bounds: list[int], spans: list[list[int]], grids: list[tuple[int, int, int]], merge_size: int,
+               intervals: list[float] | None = None, where: str = "the pack") -> torch.Tensor:
+    """`mrope_positions` of the samples ending at `bounds` whose items' placeholder runs are `spans` (start,
+    length) with patch `grids`."""
+    positions = torch.empty(3, bounds[-1], dtype=torch.long)
     image_no = 0
     for sample in range(len(bounds) - 1):
         cursor, current = bounds[sample], 0
@@ -145,7 +158,7 @@ def mrope_positions(pack: PackTensors, grids: list[tuple[int, int, int]], merge_
             grid_t, grid_h, grid_w = grids[image_no]
             rows, cols = grid_h // merge_size, grid_w // merge_size
             if grid_t * rows * cols != count:
-                raise ValueError(f"image {image_no} of pack {pack.sample_keys}: {count} placeholder tokens for a "
+                raise ValueError(f"image {image_no} of {where}: {count} placeholder tokens for a "
                                  f"{grid_t} x {rows} x {cols} grid of merged patches")
             interval = intervals[image_no] if intervals else 1
             times = (torch.arange(grid_t) * interval).long() + current
@@ -206,7 +219,7 @@ def to_hf_inputs(pack: PackTensors, model_family: str | Family, dp: int = 1, *,
     if device is not None:  # uint8 to the device, normalised there: a quarter of the bytes, none of the host's CPU
         tiles = [tile.to(device, non_blocking=True) for tile in tiles]
     features = normalised(tiles, mean, std, dtype)
-    kinds = _visual_kinds(pack)
+    kinds = visual_kinds(pack)
     text_positions = pack.position_ids.to(torch.long)
     if family.image_policy == "qwen2vl":
         items = _tiles_per_item(pack, features)
@@ -214,7 +227,7 @@ def to_hf_inputs(pack: PackTensors, model_family: str | Family, dp: int = 1, *,
                      else qwen_patches(frames[0], family)
                      for frames, kind in zip(items, kinds)]
         grids = [grid for _, grid in flattened]
-        intervals = _time_intervals(pack, kinds, family, tokens_per_second)
+        intervals = time_intervals(pack, kinds, family, tokens_per_second)
         positions = mrope_positions(pack, grids, family.merge_size, intervals)
         inputs["position_ids"] = torch.cat([text_positions.unsqueeze(0), positions]).unsqueeze(1)  # (4, 1, L)
         for kind, pixels_name, grid_name in ((VisualKind.IMAGE, "pixel_values", "image_grid_thw"),
@@ -293,7 +306,7 @@ def padded_rows(inputs: dict[str, Any], bounds: list[int]) -> dict[str, Any]:
     return out
 
 
-def _visual_kinds(pack: PackTensors) -> list[int]:
+def visual_kinds(pack: PackTensors) -> list[int]:
     """Each visual item's kind (servers before videos send no `visual_kind`: every item is an image)."""
     if "visual_kind" in pack.tensors:
         return pack.visual_kind.tolist()
@@ -307,7 +320,7 @@ def _tiles_per_item(pack: PackTensors, tiles: list[torch.Tensor]) -> list[list[t
     return items
 
 
-def _time_intervals(pack: PackTensors, kinds: list[int], family: Family,
+def time_intervals(pack: PackTensors, kinds: list[int], family: Family,
                     tokens_per_second: float | None) -> list[float]:
     """Per item, M-RoPE time positions per temporal patch: Qwen2.5-VL's tokens_per_second x seconds a temporal
     patch spans (`second_per_grid_ts`); 1 for images and for Qwen2-VL."""

@@ -8,6 +8,7 @@ from collections import defaultdict
 
 import numpy as np
 import pytest
+import torch
 
 from packfeed.client import LocalServer, PackfeedError, PackStream
 from packfeed.v1.context_parallel import pack_shares, rank_chunks
@@ -141,3 +142,45 @@ def test_hugging_face_inputs_refuse_a_share_and_take_the_joined_pack(cp_streams)
         to_hf_inputs(share, "internvl")
     inputs = to_hf_inputs(whole_packs(lanes)[0], "internvl")
     assert inputs["input_ids"].shape[-1] == int(whole_packs(lanes)[0].cu_seqlens[-1])
+
+
+@pytest.mark.parametrize("layout", ["every sample at degree 4", "degrees 2, 1 and 1 side by side"])
+def test_a_share_gives_the_unsplit_mrope_positions_of_its_tokens(tmp_path, layout):
+    """Qwen2.5-VL images and videos: each GPU's M-RoPE rows (computed from its share alone, over the wire
+    encoding) equal the whole pack's at the same tokens, also for image tokens whose pixels another GPU holds."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("av")
+    from test_hf_video import GROUPS, built_packs, video_family
+
+    from packfeed.client.context_parallel import share_mrope_positions, unsplit_rows
+    from packfeed.client.hf import to_hf_inputs
+    from packfeed.client.tensors import pack_of
+    from packfeed.server.serve.cp_shares import cp_shares
+    from packfeed.server.serve.wire import encode_pack
+
+    data = video_family(tmp_path, "qwen2_5_vl")
+    pack = built_packs(data, [GROUPS[0] + GROUPS[1]])[0]
+    whole = pack_of(encode_pack(pack, 1, False))
+    expected = to_hf_inputs(whole, "qwen2_5_vl", conventions=data.conventions)["position_ids"][1:, 0]  # (3, L)
+    n = len(whole.sample_keys)
+    if layout == "every sample at degree 4":
+        degree, group = np.full(n, 4), np.zeros(n, np.int64)
+    else:
+        degree = np.array([2] * (n // 2) + [1] * (n - n // 2))
+        group = np.array([0] * (n // 2) + [2] * (n // 4) + [3] * (n - n // 2 - n // 4))
+    checked, foreign = 0, 0
+    for share in (pack_of(encode_pack(s, 1, False)) for s in cp_shares(pack, degree, group, 4)):
+        if share.empty or not len(share.input_ids):
+            continue
+        got = share_mrope_positions(share, "qwen2_5_vl")
+        rows = unsplit_rows(share)
+        bounds = share.cp_seqlens.long()
+        sample = torch.searchsorted(bounds, rows, right=True) - 1
+        whole_start = whole.cu_seqlens.long()[[whole.sample_keys.index(k) for k in share.sample_keys]]
+        assert torch.equal(got, expected[:, whole_start[sample] + rows - bounds[sample]])
+        checked += len(rows)
+        j = int(share.cp[2])
+        for (start, length), encoder in zip(share.image_token_spans.tolist(), share.image_cp_rank.tolist()):
+            foreign += int(encoder != j and bool(((rows >= start) & (rows < start + length)).any()))
+    assert checked == len(whole.input_ids), "every token's positions checked once"
+    assert foreign, "no GPU held tokens of an item another GPU encodes: the geometry went untested"

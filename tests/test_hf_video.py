@@ -41,15 +41,13 @@ def video_family(root, family: str) -> FamilyData:
                       conventions.image_context_id, conventions)
 
 
-def served_packs(data: FamilyData, groups: list[list[int]], seed: int = 0, epoch: int = 0):
-    """PackTensors of the groups as the server builds and sends them (frames drawn for this seed and epoch)."""
+def built_packs(data: FamilyData, groups: list[list[int]], seed: int = 0, epoch: int = 0):
+    """The server's packs of the groups (frames drawn for this seed and epoch), one microbatch each."""
     import numpy as np
 
-    from packfeed.client.tensors import pack_of
     from packfeed.server.serve.index_rows import IndexRows
     from packfeed.server.serve.packs import build_pack
     from packfeed.server.serve.preprocess import SampleReader
-    from packfeed.server.serve.wire import encode_pack
 
     rows = IndexRows(data.index)
     reader = SampleReader(rows.info, data.tokenizer)
@@ -59,7 +57,15 @@ def served_packs(data: FamilyData, groups: list[list[int]], seed: int = 0, epoch
     for pack in packs:
         assert not pack.skipped
         pack.step_loss_tokens = step_loss
-    return [pack_of(encode_pack(pack, len(packs), False)) for pack in packs]
+    return packs
+
+
+def served_packs(data: FamilyData, groups: list[list[int]], seed: int = 0, epoch: int = 0):
+    """PackTensors of the groups as the server builds and sends them (frames drawn for this seed and epoch)."""
+    from packfeed.client.tensors import pack_of
+    from packfeed.server.serve.wire import encode_pack
+
+    return [pack_of(encode_pack(pack, len(groups), False)) for pack in built_packs(data, groups, seed, epoch)]
 
 
 def frame_counts(data: FamilyData, samples: list[int]) -> list[int]:

@@ -12,7 +12,8 @@ lanes hold it, as CP rank j = lane - g*d of that pack. Its tokens are its two zi
   unsplit sample);
 - every visual item of the pack's samples: image_sample, image_token_spans (start in the unsplit pack of
   cp_seqlens, length), visual_kind, frame_seconds, and image_cp_rank (the CP rank encoding it: items go to the
-  d ranks largest first, each to the one with the fewest tiles so far); pixels, tile_shapes and tile_image
+  d ranks largest first, each to the one with the fewest tiles so far), item_geometry (its tiles or frames and
+  their (C, H, W): what M-RoPE positions need of items other GPUs encode); pixels, tile_shapes and tile_image
   (its item's number) of the items this rank encodes only.
 
 A GPU whose lanes hold nothing in this microbatch gets an empty share. Every share of a slot carries the slot's
@@ -75,6 +76,9 @@ def _items(t: dict, mine: np.ndarray, cu: np.ndarray, unsplit: np.ndarray, d: in
     items = np.flatnonzero(position[image_sample] >= 0)
     tile_image = t["tile_image"].astype(np.int64)
     tiles_per_item = np.bincount(tile_image, minlength=len(image_sample))[items]
+    first_tile = np.searchsorted(tile_image, items)  # tiles are in item order
+    shapes = t["tile_shapes"].reshape(-1, 3)[np.minimum(first_tile, max(0, len(tile_image) - 1))] \
+        if len(tile_image) else np.zeros((len(items), 3), np.int64)
     encoder = _balanced(tiles_per_item, d)
     number = np.full(len(image_sample), -1, dtype=np.int64)
     number[items] = np.arange(len(items))
@@ -91,6 +95,7 @@ def _items(t: dict, mine: np.ndarray, cu: np.ndarray, unsplit: np.ndarray, d: in
         np.asarray(pixels)[offsets[k]:offsets[k + 1]] for k in range(len(offsets) - 1))
     return {"image_sample": owner.astype(np.int32), "image_token_spans": spans.astype(np.int32).reshape(-1, 2),
             "image_cp_rank": encoder.astype(np.int32),
+            "item_geometry": np.column_stack([tiles_per_item, shapes]).astype(np.int32).reshape(-1, 4),
             **{name: t[name][items] for name in ITEM_TENSORS},
             "pixels": Chunks(tuple(arrays[k] for k in tiles), np.dtype(np.uint8)),
             "tile_shapes": t["tile_shapes"][tiles].reshape(-1, 3), "tile_image": number[tile_image[tiles]]
