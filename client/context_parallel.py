@@ -60,17 +60,53 @@ def share_mrope_positions(share: PackTensors, model_family, tokens_per_second: f
     """(3, L) Qwen-VL M-RoPE positions of a share's tokens: the rows the unsplit pack has at those tokens (what
     `to_hf_inputs` gives the joined pack), computed from the share alone. Every share carries each item's
     geometry (`item_geometry`) and placeholder run, so a GPU knows the 3-D positions of image tokens whose
-    pixels another GPU encodes. `tokens_per_second` as `to_hf_inputs`'s (Qwen2.5-VL's video time positions)."""
+    pixels another GPU encodes. A whole pack (no `cp`) gives its own. `tokens_per_second` as `to_hf_inputs`'s
+    (Qwen2.5-VL's video time positions)."""
     from packfeed.client.hf import family_of, mrope_rows, qwen_grid, time_intervals, visual_kinds
 
     family = family_of(model_family)
     if family.image_policy != "qwen2vl":
         raise ValueError(f"{family.name} has no M-RoPE positions: a share's position_ids are its positions")
-    grids = [qwen_grid(frames, height, width, family) for frames, _, height, width in share.item_geometry.view(-1, 4).tolist()]
+    grids = [qwen_grid(frames, height, width, family) for frames, _, height, width in _item_geometry(share)]
     intervals = time_intervals(share, visual_kinds(share), family, tokens_per_second)
-    rows = mrope_rows(share.cp_seqlens.tolist(), share.image_token_spans.view(-1, 2).tolist(), grids,
-                      family.merge_size, intervals, f"the share of {share.sample_keys}")
-    return rows[:, unsplit_rows(share)]
+    split = "cp" in share.tensors
+    rows = mrope_rows((share.cp_seqlens if split else share.cu_seqlens).tolist(),
+                      share.image_token_spans.view(-1, 2).tolist(), grids, family.merge_size, intervals,
+                      f"the pack of {share.sample_keys}")
+    return rows[:, unsplit_rows(share)] if split else rows
+
+
+def _item_geometry(pack: PackTensors) -> list[list[int]]:
+    """Per visual item: its tiles (a video's frames) and their (C, H, W); a share carries them, a whole pack's
+    come from its tiles."""
+    if "item_geometry" in pack.tensors:
+        return pack.item_geometry.view(-1, 4).tolist()
+    shapes, items = pack.tile_shapes.view(-1, 3).tolist(), pack.tile_image.tolist()
+    geometry = [[0, 0, 0, 0] for _ in range(int(pack.image_token_spans.view(-1, 2).shape[0]))]
+    for shape, item in zip(shapes, items):
+        if not geometry[item][0]:
+            geometry[item][1:] = shape
+        geometry[item][0] += 1
+    return geometry
+
+
+def share_qwen_pixels(share: PackTensors, model_family, conventions=None, dtype: torch.dtype = torch.float32,
+                      device: torch.device | str | None = None) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    """The Qwen-VL vision tower's input for the items a share's GPU encodes: their patches (concatenated in item
+    order, as `to_hf_inputs` lays out a pack's), their (t, h, w) grids and their item numbers in the share."""
+    from packfeed.client.hf import family_of, normalisation_of, normalised, qwen_item_patches, visual_kinds
+
+    family = family_of(model_family)
+    mean, std = normalisation_of(family, conventions)
+    tiles = share.tiles() if share.tile_shapes.numel() else []
+    if device is not None:
+        tiles = [tile.to(device, non_blocking=True) for tile in tiles]
+    items = qwen_item_patches(share, normalised(tiles, mean, std, dtype), visual_kinds(share), family)
+    mine = [k for k, item in enumerate(items) if item is not None]
+    if not mine:
+        return torch.zeros(0, 0, dtype=dtype), torch.zeros(0, 3, dtype=torch.long), []
+    return (torch.cat([items[k][0] for k in mine]), torch.tensor([items[k][1] for k in mine], dtype=torch.long),
+            mine)
 
 
 def _joined_tiles(shares: list[PackTensors]) -> dict[str, torch.Tensor]:

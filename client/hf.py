@@ -172,6 +172,33 @@ def mrope_rows(bounds: list[int], spans: list[list[int]], grids: list[tuple[int,
     return positions
 
 
+def normalisation_of(family: Family, conventions: Any) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """The pixel mean and std the family's model reads (the dataset's, when its conventions give them); refuses
+    a dataset indexed for another image policy or patch size."""
+    mean, std = family.normalisation
+    if conventions is None:
+        return mean, std
+    policy = conventions.image_policy
+    if policy.name and policy.name != family.image_policy:
+        raise ValueError(f"the dataset was indexed with image policy {policy.name!r}; the {family.name} family "
+                         f"reads {family.image_policy!r} pixels: index it with the matching --preset")
+    if family.image_policy == "qwen2vl" and policy.patch_size and policy.patch_size != family.patch_size:
+        raise ValueError(f"the dataset's patches are {policy.patch_size} px, {family.name} uses "
+                         f"{family.patch_size} px: index it with the {family.name} preset")
+    if len(policy.image_mean) == 3:
+        return tuple(policy.image_mean), tuple(policy.image_std)
+    return mean, std
+
+
+def qwen_item_patches(pack: PackTensors, features: list[torch.Tensor], kinds: list[int],
+                      family: Family) -> list[tuple[torch.Tensor, tuple[int, int, int]] | None]:
+    """Per visual item of the pack, its Qwen patches and grid from its normalised tiles (`features`, in tile
+    order); None for an item whose tiles the pack does not hold (a context-parallel share's other GPUs')."""
+    items = _tiles_per_item(pack, features)
+    return [None if not frames else qwen_video_patches(frames, family) if kind == VisualKind.VIDEO
+            else qwen_patches(frames[0], family) for frames, kind in zip(items, kinds)]
+
+
 def to_hf_inputs(pack: PackTensors, model_family: str | Family, dp: int = 1, *,
                  conventions: Any = None, dtype: torch.dtype = torch.float32,
                  attention: Literal["sdpa", "varlen"] = "sdpa", device: torch.device | str | None = None,
@@ -197,17 +224,8 @@ def to_hf_inputs(pack: PackTensors, model_family: str | Family, dp: int = 1, *,
                          "models do not run context parallelism here yet; join a pack's shares with "
                          "packfeed.client.context_parallel.join_shares and train it whole, or train the reference "
                          "model with packfeed train parallel.cp")
-    mean, std = family.normalisation
+    mean, std = normalisation_of(family, conventions)
     if conventions is not None:
-        policy = conventions.image_policy
-        if policy.name and policy.name != family.image_policy:
-            raise ValueError(f"the dataset was indexed with image policy {policy.name!r}; the {family.name} family "
-                             f"reads {family.image_policy!r} pixels: index it with the matching --preset")
-        if len(policy.image_mean) == 3:
-            mean, std = tuple(policy.image_mean), tuple(policy.image_std)
-        if family.image_policy == "qwen2vl" and policy.patch_size and policy.patch_size != family.patch_size:
-            raise ValueError(f"the dataset's patches are {policy.patch_size} px, {family.name} uses "
-                             f"{family.patch_size} px: index it with the {family.name} preset")
         image_token_id = conventions.image_context_id
     input_ids = pack.input_ids.to(torch.long)
     labels = pack.labels.to(torch.long).clone()
@@ -222,10 +240,7 @@ def to_hf_inputs(pack: PackTensors, model_family: str | Family, dp: int = 1, *,
     kinds = visual_kinds(pack)
     text_positions = pack.position_ids.to(torch.long)
     if family.image_policy == "qwen2vl":
-        items = _tiles_per_item(pack, features)
-        flattened = [qwen_video_patches(frames, family) if kind == VisualKind.VIDEO
-                     else qwen_patches(frames[0], family)
-                     for frames, kind in zip(items, kinds)]
+        flattened = qwen_item_patches(pack, features, kinds, family)
         grids = [grid for _, grid in flattened]
         intervals = time_intervals(pack, kinds, family, tokens_per_second)
         positions = mrope_positions(pack, grids, family.merge_size, intervals)

@@ -29,6 +29,9 @@ def check_choices(config) -> None:
                              f"{', '.join(map(str, typing.get_args(hint)))}")
 
 
+# models packfeed train runs context-parallel: "" the reference VLM, then the Hugging Face families
+CP_MODELS = ("", "qwen2_vl")
+
 @dataclass(frozen=True)
 class DataConfig:
     """Where packs come from: running servers (`target`) or an embedded one started on `index`. The model is
@@ -207,10 +210,10 @@ class TrainConfig:
             raise ValueError("parallel.encoder=phases trains the reference model on routed packs: set "
                              "data.strategy=isf+phases, and leave model.hf unset (Hugging Face models encode "
                              "colocated: data.strategy=isf+phases with parallel.encoder=stages)")
-        if self.model.hf and self.parallel.cp > 1:
-            raise ValueError("parallel.cp > 1 trains the reference model (model.hf unset): Hugging Face models do not "
-                             "run context parallelism in packfeed train yet")
         planned_cp = self.data.context_parallel or self.parallel.cp
+        if planned_cp > 1 and self.model.hf not in CP_MODELS:
+            raise ValueError(f"context parallelism trains the reference model or model.hf={' or '.join(CP_MODELS[1:])}"
+                             f", not {self.model.hf}: train {self.model.hf} without parallel.cp")
         if planned_cp == 1 and (self.data.max_tokens_per_gpu is not None or self.data.cp_mode != "dynamic"):
             raise ValueError("data.max_tokens_per_gpu and data.cp_mode apply to context parallelism: set parallel.cp")
         if self.data.context_parallel and self.parallel.cp not in (1, self.data.context_parallel):

@@ -34,6 +34,7 @@ from packfeed.trainer.decisions import (
     stage_table,
 )
 from packfeed.trainer.parallel.context_parallel import ContextParallelRunner
+from packfeed.trainer.parallel.context_parallel_hf import HFContextParallelRunner
 from packfeed.trainer.parallel.mesh import Mesh, broadcast_object, log, make_mesh
 from packfeed.trainer.parallel.stages import RankStages
 from packfeed.trainer.parallel.whole import WholeModelRunner
@@ -138,12 +139,14 @@ def whole_model(config: TrainConfig, mesh: Mesh, stream, conventions) -> WholeMo
 
 
 def context_parallel(config: TrainConfig, mesh: Mesh, stream, conventions) -> ContextParallelRunner:
-    """The reference model on every GPU, each pack of the CP plan split over the GPUs the plan gives it."""
+    """The model (the reference VLM or a Qwen2-VL) on every GPU, each pack of the CP plan split over the GPUs the
+    plan gives it."""
     model = build_model(config.model, conventions, mesh.device)
     planned = config.data.context_parallel or mesh.cp
     log(mesh, f"{model.describe()}; context parallelism: {mesh.cp} GPU(s) per replica for a plan of {planned}"
         + ("" if mesh.cp == planned else " (its packs joined and trained whole)"))
-    return ContextParallelRunner(model, mesh, StepSource(stream), config.parallel.precision)
+    runner = HFContextParallelRunner if config.model.hf else ContextParallelRunner
+    return runner(model, mesh, StepSource(stream), config.parallel.precision)
 
 
 def model_stages(config: TrainConfig, mesh: Mesh, stream, conventions, out: Path, resumed: dict | None) -> RankStages:

@@ -146,26 +146,36 @@ class ContextParallelAttention:
     def __init__(self):
         self.layout: ShareLayout | None = None
 
-    def __call__(self, q, k, v, cu_seqlens):
+    def __call__(self, q, k, v, cu_seqlens, scale: float | None = None):
+        """q: (L, heads, dim); k, v: (L, heads or fewer key/value heads, dim), as this GPU holds them."""
         layout = self.layout
         if layout is None or layout.degree == 1:
             return packed_causal_attention(q, k, v, cu_seqlens)
-        kv = layout.gather(torch.cat([k, v], dim=-1))  # every GPU's rows of the pack
+        kv = layout.gather(torch.cat([k, v], dim=-1))  # every GPU's rows of the pack (grouped K/V heads: fewer bytes)
         if layout.chunk_spans and q.device.type == "cuda":  # one flash-attention call for every chunk
             cu_q, rows, cu_k = layout.span_keys
-            keys, values = kv[rows.to(q.device)].split(k.shape[-1], dim=-1)
-            flash = flash_varlen_attention(q, keys, values, cu_q, cu_k, causal=True)
+            flash = flash_varlen_attention(q, *_key_values(kv[rows.to(q.device)], q.shape[1]), cu_q, cu_k,
+                                           causal=True, scale=scale)
             if flash is not None:
                 return flash
-        keys, values = kv[layout.rows.to(q.device)].split(k.shape[-1], dim=-1)
+        keys, values = _key_values(kv[layout.rows.to(q.device)], q.shape[1])
         out = torch.empty_like(q)
         for first, last, start, stop in layout.chunk_spans:
             # the chunk's queries are the last of keys [start, stop): causal aligned lower right, which the
             # flash and memory-efficient kernels take without a mask tensor
             out[first:last] = F.scaled_dot_product_attention(
                 q[first:last].transpose(0, 1), keys[start:stop].transpose(0, 1), values[start:stop].transpose(0, 1),
-                attn_mask=causal_lower_right(last - first, stop - start)).transpose(0, 1)
+                attn_mask=causal_lower_right(last - first, stop - start), scale=scale).transpose(0, 1)
         return out
+
+
+def _key_values(kv: torch.Tensor, heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values of K and V concatenated along the last dimension, each key/value head repeated for the
+    query heads it serves (grouped-query attention)."""
+    keys, values = kv.chunk(2, dim=-1)
+    if keys.shape[1] != heads:
+        keys, values = (t.repeat_interleave(heads // t.shape[1], dim=1) for t in (keys, values))
+    return keys, values
 
 
 class ContextParallelRunner:
@@ -219,18 +229,19 @@ class ContextParallelRunner:
         d, g = (int(v) for v in pack.cp.tolist()[:2]) if "cp" in pack.tensors else (1, self.mesh.cp_rank)
         bounds = (pack.cp_seqlens if "cp" in pack.tensors else pack.cu_seqlens).long()
         lengths = bounds[1:] - bounds[:-1]
-        tiles = int(pack.image_token_spans.view(-1, 2)[:, 1].sum()) // self.model.config.tokens_per_tile
-        return (self.mesh.replica, int(pack.microbatch), d, g, int(bounds[-1]), tiles, int((lengths ** 2).sum()))
+        return (self.mesh.replica, int(pack.microbatch), d, g, int(bounds[-1]), self.vision_units(pack),
+                int((lengths ** 2).sum()))
+
+    def vision_units(self, pack) -> int:
+        """The whole pack's vision tiles (what the simulator's load rows count)."""
+        return int(pack.image_token_spans.view(-1, 2)[:, 1].sum()) // self.model.config.tokens_per_tile
 
     def pack_loss(self, pack) -> torch.Tensor:
         """The summed next-token loss of this GPU's share of `pack` (a whole pack when it has no `cp`)."""
-        device, config = self.mesh.device, self.model.config
+        device = self.mesh.device
         layout = ShareLayout.of(pack, self.mesh.cp_groups) if "cp" in pack.tensors else None
         self.attention.layout = layout
-        features = self._image_features(pack, layout)
-        input_ids = pack.input_ids.long().to(device)
-        positions = pack.position_ids.long().to(device)
-        bounds = pack.cu_seqlens.long().to(device)
+        features = self._item_features(pack, layout)
         spans = pack.image_token_spans.view(-1, 2).long()
         vision_positions = torch.cat([torch.arange(int(a), int(a) + int(n)) for a, n in spans.tolist()]) \
             if len(spans) else torch.zeros(0, dtype=torch.int64)
@@ -238,47 +249,55 @@ class ContextParallelRunner:
         if layout is not None and layout.degree > 1:
             vision_positions, targets = self._local_positions(vision_positions, layout), self._targets(labels, layout)
         else:  # a whole pack, or one at degree 1: its spans index its own tokens
-            targets = next_token_targets(labels, bounds)
-        carrier = (features.view(-1, config.tokens_per_tile, features.shape[-1]), input_ids, positions, bounds,
-                   vision_positions.to(device), labels)
+            targets = next_token_targets(labels, pack.cu_seqlens.long().to(device))
+        return self.language_loss(pack, features, vision_positions.to(device), targets.to(device))
+
+    def language_loss(self, pack, features: torch.Tensor, vision_positions: torch.Tensor,
+                      targets: torch.Tensor) -> torch.Tensor:
+        """The LLM's summed loss of this GPU's tokens: `features` (every item's, in item order) placed at
+        `vision_positions` (a local row each, -1 where another GPU holds the token), predicting `targets`."""
+        device = self.mesh.device
+        carrier = (features, pack.input_ids.long().to(device), pack.position_ids.long().to(device),
+                   pack.cu_seqlens.long().to(device), vision_positions, pack.labels.long().to(device))
         carrier = self.layers[self.text_embed](*carrier)
         for layer in self.layers[self.text_embed + 1:-1]:
             carrier = layer(*carrier)
-        return self.layers[-1].loss(carrier[0], targets.to(device))
+        return self.layers[-1].loss(carrier[0], targets)
 
-    def _image_features(self, pack, layout: ShareLayout | None) -> torch.Tensor:
-        """(vision tokens of all the pack's images, in image order, D): encoded here, or gathered from the GPU
-        of the pack that encoded them."""
-        config, device = self.model.config, self.mesh.device
-        tiles = pack_tiles(pack, config).to(device)
-        features = self._encode(tiles)
+    def _item_features(self, pack, layout: ShareLayout | None) -> torch.Tensor:
+        """(vision tokens of all the pack's items, in item order, D): encoded here, or gathered from the GPU of
+        the pack that encoded them."""
+        features = self.encode_own(pack)
         if layout is None or layout.degree == 1:
-            return features.reshape(-1, features.shape[-1])
-        per_image = pack.image_token_spans.view(-1, 2)[:, 1].long() // config.tokens_per_tile
-        encoder = pack.image_cp_rank.long()
-        counts = [int(per_image[encoder == rank].sum()) for rank in range(layout.degree)]
+            return features
+        per_item = pack.image_token_spans.view(-1, 2)[:, 1].long().tolist()
+        encoder = pack.image_cp_rank.long().tolist()
+        counts = [sum(n for n, rank in zip(per_item, encoder) if rank == r) for r in range(layout.degree)]
         if max(counts) == 0:
-            return features.reshape(-1, features.shape[-1])
-        gathered = layout.gather(features, max(counts))  # (degree x most tiles, tokens per tile, D)
-        order = []  # each image's tiles in the gathered rows, image by image
-        taken = [0] * layout.degree
+            return features
         most = max(counts)
-        for image, rank in enumerate(encoder.tolist()):
-            n = int(per_image[image])
+        gathered = layout.gather(features, most)  # (degree x most tokens, D)
+        order, taken = [], [0] * layout.degree  # each item's rows in the gathered ones, item by item
+        for n, rank in zip(per_item, encoder):
             order.extend(range(rank * most + taken[rank], rank * most + taken[rank] + n))
             taken[rank] += n
-        return gathered[torch.tensor(order, dtype=torch.int64, device=device)].reshape(-1, features.shape[-1])
+        return gathered[torch.tensor(order, dtype=torch.int64, device=features.device)]
 
-    def _encode(self, tiles: torch.Tensor) -> torch.Tensor:
+    def encode_own(self, pack) -> torch.Tensor:
+        """(vision tokens, D) of the items whose tiles this GPU holds, in item order."""
+        tiles = pack_tiles(pack, self.model.config).to(self.mesh.device)
         if tiles.shape[0] == 0:
-            # requires grad: every GPU of a pack must run the backward of the gather its features join
-            width = self.layers[self.text_embed].embed.embedding_dim
-            return torch.zeros(0, self.model.config.tokens_per_tile, width, device=self.mesh.device,
-                               requires_grad=True)
+            return self.no_features()
         carrier = self.model.encoder_carrier(tiles)
         for layer in self.layers[:self.text_embed]:
             carrier = layer(*carrier)
-        return self.model.encoder_output(carrier)
+        features = self.model.encoder_output(carrier)
+        return features.reshape(-1, features.shape[-1])
+
+    def no_features(self) -> torch.Tensor:
+        # requires grad: every GPU of a pack must run the backward of the gather its features join
+        width = self.layers[self.text_embed].embed.embedding_dim
+        return torch.zeros(0, width, device=self.mesh.device, requires_grad=True)
 
     @staticmethod
     def _local_positions(vision_positions: torch.Tensor, layout: ShareLayout) -> torch.Tensor:
