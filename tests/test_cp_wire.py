@@ -162,6 +162,7 @@ def test_a_share_gives_the_unsplit_mrope_positions_of_its_tokens(tmp_path, layou
     pack = built_packs(data, [GROUPS[0] + GROUPS[1]])[0]
     whole = pack_of(encode_pack(pack, 1, False))
     expected = to_hf_inputs(whole, "qwen2_5_vl", conventions=data.conventions)["position_ids"][1:, 0]  # (3, L)
+    assert torch.equal(share_mrope_positions(whole, "qwen2_5_vl"), expected)  # a whole pack gives its own
     n = len(whole.sample_keys)
     if layout == "every sample at degree 4":
         degree, group = np.full(n, 4), np.zeros(n, np.int64)
