@@ -6,8 +6,9 @@ samples are split among those d GPUs by the contract's zigzag rule (`packfeed.v1
 holds at most ceil(T/d) of the pack's T tokens, and each does 1/d of its linear and of its causal attention work.
 
 - dynamic (default): samples that fit one GPU (at most N = `max_tokens_per_gpu` tokens, and the vision cap) are
-  ISF-packed under those caps and run at d = 1; a longer sample is a pack of its own at the smallest d that puts
-  at most N tokens on each GPU (one within N tokens but above the vision cap: alone at d = 1). Packs then fill every step's dp x M x C lanes:
+  ISF-packed under those caps and run at d = 1; a longer sample starts a pack at the smallest d that puts at
+  most N tokens on each GPU (one within N tokens but above the vision cap: at d = 1), topped up with short
+  samples to what its d GPUs hold (`top_up`). Packs then fill every step's dp x M x C lanes:
   steps get packs largest degree first, each to the step with the least work so far that has room, and within
   a step each pack goes to the free aligned lanes whose GPUs carry the least work (buddy placement, so largest
   first always finds room). Every GPU's work (linear + attention, each pack's divided by its degree) is what
@@ -28,7 +29,7 @@ import numba
 import numpy as np
 
 from packfeed.server.plan.costs import sample_costs
-from packfeed.server.plan.isf import Caps
+from packfeed.server.plan.isf import Caps, IsfPacks
 from packfeed.server.plan.metrics import dist_ratio
 from packfeed.v1.options import CpMode, Oversize, PlanConfig
 
@@ -90,6 +91,70 @@ def split_by_degree(loads, caps: CpCaps, oversize: Oversize):
         tokens = tokens.copy()
         tokens[cut] = caps.max_tokens * c
     return short_ids, alone_ids, np.minimum(d, c), oversize_ids, cut, tokens
+
+
+def top_up(alone: np.ndarray, alone_degrees: np.ndarray, short: np.ndarray, vision: np.ndarray, tokens: np.ndarray,
+           caps: CpCaps) -> tuple[IsfPacks, np.ndarray]:
+    """The packs of the samples that run alone (one each, at its degree d), each topped up with short samples
+    to what its d GPUs hold (d x N tokens, d x the vision cap): the packs with the most room first, each taking
+    the largest short sample that still fits until none does. Returns those packs and the short samples left
+    for ISF packs at degree 1. Without it a 40K-token video at d = 2 would leave a quarter of its GPUs' tokens
+    empty (and the epoch longer by as many steps as such slack adds up to)."""
+    alone, short = alone.astype(np.int64), short.astype(np.int64)
+    room_tokens = caps.max_tokens * alone_degrees - tokens[alone]
+    room_vision = caps.per_gpu.vision_cap * alone_degrees - vision[alone]
+    pack_order = np.lexsort((alone, -room_tokens))
+    short_order = np.lexsort((short, -tokens[short]))  # largest first, ties by id
+    owner = _top_up(room_tokens[pack_order], room_vision[pack_order], tokens[short][short_order],
+                    vision[short][short_order])
+    taken = short[short_order][owner >= 0]
+    filler_pack = pack_order[owner[owner >= 0]]  # index into `alone` of the pack each filler joins
+    by_pack = np.lexsort((np.arange(len(taken)), filler_pack))
+    counts = np.bincount(filler_pack, minlength=len(alone)) + 1
+    offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+    members = np.empty(int(offsets[-1]), dtype=np.int64)
+    members[offsets[:-1]] = alone  # each pack's long sample first, then its fillers in the order taken
+    filler_slots = np.delete(np.arange(len(members)), offsets[:-1])
+    members[filler_slots] = taken[by_pack]
+    packs = IsfPacks(members, offsets, np.add.reduceat(vision[members], offsets[:-1]) if len(alone) else
+                     np.zeros(0, np.int64), np.add.reduceat(tokens[members], offsets[:-1]) if len(alone) else
+                     np.zeros(0, np.int64))
+    return packs, short[~np.isin(short, taken)]
+
+
+@numba.njit(cache=True, nogil=True)
+def _top_up(room_tokens, room_vision, short_tokens, short_vision):
+    """Per short sample (in descending tokens), the pack (in the given order) it tops up, or -1. `after[i]`: the
+    first short sample at or after i not yet taken (path-compressed)."""
+    n = len(short_tokens)
+    owner = np.full(n, -1, dtype=np.int64)
+    after = np.arange(n + 1)
+    ascending = -short_tokens  # for searchsorted: the first sample with tokens <= room
+    for p in range(len(room_tokens)):
+        room, room_v = room_tokens[p], room_vision[p]
+        if room <= 0 or room_v < 0:
+            continue
+        i = _next_free(after, np.searchsorted(ascending, -room))
+        while i < n:
+            if short_vision[i] <= room_v:
+                owner[i] = p
+                room -= short_tokens[i]
+                room_v -= short_vision[i]
+                after[i] = i + 1
+                i = _next_free(after, max(i + 1, np.searchsorted(ascending, -room)))
+            else:
+                i = _next_free(after, i + 1)
+    return owner
+
+
+@numba.njit(cache=True, nogil=True)
+def _next_free(after, i):
+    root = i
+    while after[root] != root:
+        root = after[root]
+    while after[i] != root:  # path compression
+        after[i], i = root, after[i]
+    return root
 
 
 def place(cost: np.ndarray, degree: np.ndarray, dp: int, m: int, c: int, rng: np.random.Generator):

@@ -99,8 +99,9 @@ def _dynamic_cp_plan(loads, config: PlanConfig, seed, epoch, index_fingerprint, 
     caps = caps or resolve_caps(loads, config)
     gpu_caps = cp.cp_caps(caps, config)
     short, alone, alone_degrees, oversize, cut, tokens = cp.split_by_degree(loads, gpu_caps, config.oversize)
+    long_packs, short = cp.top_up(alone, alone_degrees, short, loads.vision, tokens, gpu_caps)
     packs, _, _, _ = _isf_packs(cp.with_valid(loads, short), gpu_caps.per_gpu, config, streams[_STREAM_ISF])
-    packs = _with_singletons(packs, alone, loads.vision, tokens)
+    packs = _joined(packs, long_packs)
     members, offsets = packs.members.astype(np.int64), packs.offsets
     degree = np.concatenate([np.ones(len(packs.tokens) - len(alone), dtype=np.int64), alone_degrees])
     loads = replace(loads, tokens=tokens)
@@ -140,9 +141,15 @@ def _static_cp_packs(loads, caps: Caps, config: PlanConfig, rng):
 
 def _with_singletons(packs: IsfPacks, ids: np.ndarray, vision: np.ndarray, tokens: np.ndarray) -> IsfPacks:
     """`packs` followed by a pack of its own for each sample `ids`."""
-    return IsfPacks(np.concatenate([packs.members, ids.astype(packs.members.dtype)]),
-                    np.concatenate([packs.offsets, packs.offsets[-1] + np.arange(1, len(ids) + 1)]),
-                    np.concatenate([packs.vision, vision[ids]]), np.concatenate([packs.tokens, tokens[ids]]))
+    ids = ids.astype(np.int64)
+    return _joined(packs, IsfPacks(ids, np.arange(len(ids) + 1), vision[ids], tokens[ids]))
+
+
+def _joined(first: IsfPacks, then: IsfPacks) -> IsfPacks:
+    """The packs of `first`, then those of `then`."""
+    return IsfPacks(np.concatenate([first.members, then.members.astype(first.members.dtype)]),
+                    np.concatenate([first.offsets, first.offsets[-1] + then.offsets[1:]]),
+                    np.concatenate([first.vision, then.vision]), np.concatenate([first.tokens, then.tokens]))
 
 
 def _pack_ranks(offsets: np.ndarray, config: PlanConfig) -> np.ndarray:
