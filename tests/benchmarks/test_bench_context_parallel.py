@@ -28,11 +28,16 @@ pytestmark = pytest.mark.benchmark
 
 N = 32768
 LAYOUTS = ((8, 4), (16, 8))
+# Qwen2-VL-2B's shape (ViT 1280 x 32, LLM 1536 x 28 with 2 K/V heads), frames of 1024 patches -> 256 tokens
+QWEN2_VL_2B = {"vision": {"hidden": 1280, "layers": 32, "heads": 16, "ffn": 5120},
+               "llm": {"hidden": 1536, "layers": 28, "heads": 12, "kv_heads": 2, "ffn": 8960, "gated": True,
+                       "vocab": 151936},
+               "patches_per_tile": 1024, "tokens_per_tile": 256, "projector_params": 5120 * 5120 + 5120 * 1536}
 
 
-def simulate(mix, dp: int, cp: int, comm: str) -> dict:
+def simulate(mix, dp: int, cp: int, comm: str, model: str = "internvl-chat-1.5") -> dict:
     done = subprocess.run([sys.executable, "-m", "packfeed.server.cli", "simulate", "--lengths", str(mix),
-                           "--model", "internvl-chat-1.5", "--dp", str(dp), "--context-parallel", str(cp),
+                           "--model", model, "--dp", str(dp), "--context-parallel", str(cp),
                            "--max-tokens-per-gpu", str(N), "--microbatches", "1", "--cp-comm", comm, "--json"],
                           capture_output=True, text=True, timeout=1200)
     assert done.returncode == 0, done.stderr
@@ -112,6 +117,14 @@ def test_dynamic_static_and_no_context_parallelism(tmp_path):
                   f"{by['none']['peak_tokens_per_gpu']} tokens on a GPU)")
             assert by["dynamic"]["peak_tokens_per_gpu"] <= N and by["static"]["peak_tokens_per_gpu"] <= N
             assert by["none"]["peak_tokens_per_gpu"] > N
+    qwen = tmp_path / "qwen2-vl-2b.json"
+    qwen.write_text(json.dumps(QWEN2_VL_2B))
+    for dp, cp in LAYOUTS:
+        got = simulate(mix, dp, cp, "allgather", str(qwen))
+        print(f"  Qwen2-VL-2B, DP {dp} x CP {cp}, K/V all-gather: " + "; ".join(
+            f"{mode} {got[mode]['steps']} steps x {got[mode]['step_s']:.3f} s = {got[mode]['epoch_s']:.1f} s, "
+            f"bubbles {got[mode]['bubble_fraction']:.3f}, MFU {got[mode]['mfu']:.3f}" for mode in ("dynamic", "static"))
+            + f"; dynamic vs static {got['static']['epoch_s'] / got['dynamic']['epoch_s']:.2f}x")
     for dp, cp in LAYOUTS:
         for mode in ("dynamic", "static"):
             rounds = planning_seconds(samples, table, shape.patches_per_tile, dp, cp, mode)

@@ -146,17 +146,22 @@ def parts():
         Path(os.environ["PACKFEED_BENCH_OUT"]).write_text(json.dumps(FIGURES, indent=1))
 
 
-def test_varlen_chunks_equal_the_unsplit_attention():
-    """The CUDA path (one varlen call over a share's chunks) gives the unsplit pack's attention on its rows."""
+@pytest.mark.parametrize("kv_heads, scale", [(8, None), (2, 0.05)])
+def test_varlen_chunks_equal_the_unsplit_attention(kv_heads, scale):
+    """The CUDA path (one varlen call over a share's chunks) gives the unsplit pack's attention on its rows, also
+    with grouped K/V heads (gathered, then repeated) and a given scale (Hugging Face models pass theirs)."""
     from packfeed.trainer.parallel.context_parallel import ContextParallelAttention
-    from packfeed.trainer.models.reference import packed_causal_attention
 
     lengths, heads, dim = [max(8, n // SCALE) for n in (3000, 517, 9000, 64)], 8, 128
     total = sum(lengths)
     torch.manual_seed(1)
-    q, k, v = (torch.randn(total, heads, dim, device=DEVICE) for _ in range(3))
-    bounds = torch.tensor(np.concatenate([[0], np.cumsum(lengths)]))
-    expected = packed_causal_attention(q, k, v, bounds)  # fp32: sdpa per sample
+    q = torch.randn(total, heads, dim, device=DEVICE)
+    k, v = (torch.randn(total, kv_heads, dim, device=DEVICE) for _ in range(2))
+    bounds = np.concatenate([[0], np.cumsum(lengths)]).tolist()
+    wide_k, wide_v = (t.repeat_interleave(heads // kv_heads, dim=1) for t in (k, v))
+    expected = torch.cat([F.scaled_dot_product_attention(  # fp32, sdpa per sample
+        q[a:b].transpose(0, 1), wide_k[a:b].transpose(0, 1), wide_v[a:b].transpose(0, 1), is_causal=True,
+        scale=scale).transpose(0, 1) for a, b in zip(bounds[:-1], bounds[1:])])
     worst = {}
     for degree in (2, 4, 8):
         errors = []
@@ -169,16 +174,17 @@ def test_varlen_chunks_equal_the_unsplit_attention():
             attention = ContextParallelAttention()
             attention.layout = layout
             rows = layout.local_unsplit.to(DEVICE)
-            got = attention(q[rows].bfloat16(), k[rows].bfloat16(), v[rows].bfloat16(), None)
+            got = attention(q[rows].bfloat16(), k[rows].bfloat16(), v[rows].bfloat16(), None, scale=scale)
             errors.append(float((got.float() - expected[rows]).abs().max()))
         worst[degree] = max(errors)
     # control: the first sample's second half of queries, causal from its first key (top left aligned)
     half, first = lengths[0] // 2, lengths[0]
-    wrong = F.scaled_dot_product_attention(*(t.transpose(0, 1) for t in (q[half:first], k[:first], v[:first])),
-                                           is_causal=True)
+    wrong = F.scaled_dot_product_attention(*(t.transpose(0, 1) for t in (q[half:first], wide_k[:first],
+                                                                        wide_v[:first])), is_causal=True, scale=scale)
     control = float((wrong - expected[half:first].transpose(0, 1)).abs().max())
-    print(f"[cp-gpu] varlen chunks vs unsplit fp32: max abs error {worst}; top-left control {control:.3f}")
-    FIGURES["correctness"] = {"max_abs_error": worst, "control": control}
+    print(f"[cp-gpu] varlen chunks vs unsplit fp32 ({kv_heads} K/V heads, scale {scale}): max abs error {worst}; "
+          f"top-left control {control:.3f}")
+    FIGURES[f"correctness, {kv_heads} K/V heads, scale {scale}"] = {"max_abs_error": worst, "control": control}
     assert max(worst.values()) < 0.05 < control
 
 
