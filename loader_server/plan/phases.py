@@ -267,13 +267,14 @@ class PhasePlan:
 
 
 def phase_plan(offsets: np.ndarray, members: np.ndarray, costs: np.ndarray, phases: list[Phase], dp: int,
-               microbatches: int, ranks_per_node: int) -> PhasePlan:
+               microbatches: int, ranks_per_node: int, encoder_ranks: int = 0) -> PhasePlan:
     """`offsets`/`members`: packs in step-major order (step, rank, microbatch), as a Plan holds them;
     `costs`: `sample_costs`' rows; `phases`: the encoders. Each step's samples are encoded apart from their
     packs, each encoder's work balanced over the ranks on its own and routed: a rank encodes its share of every
     microbatch of the step, and one all-to-all per step hands each output to its consumer. (Balancing each
     microbatch apart leaves too few, too coarse items: a document of many tiles alone would set a microbatch's
-    makespan.)"""
+    makespan.) `encoder_ranks` E > 0: the encoders run on E ranks of their own (disaggregated), balanced over
+    those; every output then travels to its consumer, so the bins keep LPT's numbering (no routing to choose)."""
     slots = dp * microbatches
     n_packs = len(offsets) - 1
     sizes = np.diff(offsets)
@@ -286,13 +287,16 @@ def phase_plan(offsets: np.ndarray, members: np.ndarray, costs: np.ndarray, phas
     np.add.at(llm_loads, (step_of, consumer), costs[members, 1].astype(np.float64))
     encoders = {phase.name: _encoder_phase(phase, groups, consumer, step_of, costs[members, phase.column]
                                            .astype(np.float64), phase.units[members].astype(np.float64), dp, steps,
-                                           ranks_per_node) for phase in phases}
+                                           ranks_per_node, encoder_ranks) for phase in phases}
     return PhasePlan(encoders, dist_ratio(llm_loads))
 
 
 def _encoder_phase(phase: Phase, groups: list[np.ndarray], consumer: np.ndarray, step_of: np.ndarray,
-                   cost: np.ndarray, weight: np.ndarray, dp: int, steps: int, ranks_per_node: int) -> EncoderPhase:
+                   cost: np.ndarray, weight: np.ndarray, dp: int, steps: int, ranks_per_node: int,
+                   encoder_ranks: int = 0) -> EncoderPhase:
     """One encoder over every step: balanced (LPT and moves, or the padded assignment), then routed."""
+    if encoder_ranks:
+        return _disaggregated_phase(phase, groups, consumer, step_of, cost, weight, dp, steps, encoder_ranks)
     encoder_rank = consumer.copy()
     bins = consumer.copy()
     moved = inter = bound = 0.0
@@ -315,6 +319,24 @@ def _encoder_phase(phase: Phase, groups: list[np.ndarray], consumer: np.ndarray,
     colocated = _rank_costs(step_of, consumer, cost, weight, dp, steps, phase.padded)
     return EncoderPhase(encoder_rank, dist_ratio(loads), dist_ratio(colocated), moved, inter, bound, unrouted, exact,
                         phase.padded, unrouted_moved)
+
+
+def _disaggregated_phase(phase: Phase, groups: list[np.ndarray], consumer: np.ndarray, step_of: np.ndarray,
+                         cost: np.ndarray, weight: np.ndarray, dp: int, steps: int, ranks: int) -> EncoderPhase:
+    """One encoder on `ranks` encoder ranks of its own: each step's items balanced over them (LPT and moves, or
+    the padded assignment); every output moves to its LLM rank."""
+    encoder_rank = np.zeros(len(consumer), dtype=np.int64)
+    for group in groups:
+        if phase.padded:
+            active = group[weight[group] > 0]
+            encoder_rank[active] = assign_padded_phase(cost[active], ranks)
+        else:
+            encoder_rank[group] = assign_phase(cost[group], ranks)
+    moved = float(weight.sum())
+    loads = _rank_costs(step_of, encoder_rank, cost, weight, ranks, steps, phase.padded)
+    colocated = _rank_costs(step_of, consumer, cost, weight, dp, steps, phase.padded)
+    return EncoderPhase(encoder_rank, dist_ratio(loads), dist_ratio(colocated), moved, moved, moved, moved, True,
+                        phase.padded, moved)
 
 
 def _rank_costs(step_of: np.ndarray, rank_of: np.ndarray, cost: np.ndarray, weight: np.ndarray, dp: int,

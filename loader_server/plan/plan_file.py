@@ -167,6 +167,12 @@ class Plan:
         figures also stand at the top level; every encoder's under "encoders"."""
         p = self.phases
         vision = p.vision
+        if self.config.disaggregated:  # every output leaves its encoder rank: no routing to report
+            return {"encoder_ranks": self.config.encoder_ranks, "vit_cost_dist": round(vision.dist, 6),
+                    "llm_cost_dist": round(p.llm_dist, 6), "vit_cost_dist_colocated": round(vision.colocated_dist, 6),
+                    "all_to_all_units": vision.moved_units,
+                    "encoders": {name: {"cost_dist": round(phase.dist, 6), "all_to_all_units": phase.moved_units}
+                                 for name, phase in p.encoders.items()}}
         return {"vit_cost_dist": round(vision.dist, 6), "llm_cost_dist": round(p.llm_dist, 6),
                 "vit_cost_dist_colocated": round(vision.colocated_dist, 6), "ranks_per_node": self.config.ranks_per_node,
                 "all_to_all_units": vision.moved_units, "inter_node_units": vision.inter_node_units,
@@ -275,7 +281,7 @@ def read_plan(path: str | Path) -> Plan:
     if config.context_parallel > 1:
         plan.cp_degree = table.column("cp").to_numpy()[~empty].astype(np.int64)
         plan.cp_group = table.column("cp_group").to_numpy()[~empty].astype(np.int64)
-    if config.strategy is Strategy.ISF_PHASES and "encoder_rank" in table.column_names:
+    if (config.strategy is Strategy.ISF_PHASES or config.disaggregated) and "encoder_rank" in table.column_names:
         plan.encoder_rank = table.column("encoder_rank").to_numpy()[~empty]
         plan.further_encoder_ranks = {name.removeprefix("encoder_rank_"): table.column(name).to_numpy()[~empty]
                                       for name in table.column_names if name.startswith("encoder_rank_")}

@@ -78,12 +78,12 @@ def make_plan(loads: SampleLoads, config: PlanConfig, seed: int, epoch: int, ind
     if config.context_parallel > 1:
         plan.cp_degree = np.full(len(members), config.context_parallel, dtype=np.int64)
         plan.cp_group = np.zeros(len(members), dtype=np.int64)
-    if config.strategy is Strategy.ISF_PHASES:
+    if config.strategy is Strategy.ISF_PHASES or config.disaggregated:
         phases = [Phase("vision", 0, loads.vision)] + [
             Phase(name, 2 + k, loads.encoders[name].tokens, loads.encoders[name].padded)
             for k, name in enumerate(encoder_names(loads))]
         plan.phases = phase_plan(offsets, members, costs, phases, config.dp, config.microbatches,
-                                 min(config.ranks_per_node, config.dp))
+                                 min(config.ranks_per_node, config.dp), config.encoder_ranks)
         # colocated: the same packs, each encoded where it trains (the phase plan still says what routing saves)
         colocated = _pack_ranks(offsets, config) if config.colocate_encoder else None
         plan.encoder_rank = plan.phases.vision.encoder_rank if colocated is None else colocated
@@ -245,8 +245,9 @@ def _arrange_packs(loads, costs, packs: IsfPacks, config: PlanConfig, streams):
     if config.strategy is Strategy.ISF:
         grid = full.reshape(-1, dp, m)
     else:
-        # isf+phases encodes apart from the packs: the LLM's ranks are balanced on its cost alone
-        phases = config.strategy is Strategy.ISF_PHASES
+        # isf+phases and encoder ranks of its own encode apart from the packs: the LLM's ranks are balanced on
+        # its cost alone
+        phases = config.strategy is Strategy.ISF_PHASES or config.disaggregated
         grid = _assign_ranks(full, pack_cl if phases else pack_cost, dp, m, phases)
         # Which rank gets the heaviest pack is arbitrary; rotate it so no rank is systematically heavier.
         grid = _permute_ranks(grid, streams[_STREAM_RANKS].random((len(grid), dp)))

@@ -131,6 +131,10 @@ def check_routable(plan: PlanConfig, dataset: Dataset) -> None:
         raise JobError("INVALID_ARGUMENT", f"dataset {dataset.name} sends image files (pixels: encoded); context "
                                            "parallelism sends each GPU the tiles it encodes, cut on the server: "
                                            "serve it with pixels: exact or fast")
+    if plan.disaggregated:
+        raise JobError("INVALID_ARGUMENT", "PlanSpec.encoder_ranks > 0 (the encoder on ranks of its own) is planned "
+                                           "by packfeed plan and packfeed simulate, but not served yet: open the job "
+                                           "with encoder_ranks 0")
     if plan.strategy is not Strategy.ISF_PHASES or plan.colocate_encoder:
         return
     if PIXEL_PATHS[dataset.pixels].sends_files:

@@ -190,7 +190,8 @@ _PRESENT_COUNTS = ("microbatches", "pipeline_stages", "isf_iterations")  # proto
 # Bounds of every count a request may carry: a server plans and holds state in proportion to them.
 LIMITS = {"dp": 65536, "microbatches": 1024, "ranks_per_node": 65536, "pipeline_stages": 1024, "isf_iterations": 100,
           "samples_per_pack": 1024, "vision_cap": 2**31 - 1, "token_cap": 2**31 - 1, "vision_target": 2**31 - 1,
-          "token_target": 2**31 - 1, "window": 2**40, "context_parallel": 1024, "max_tokens_per_gpu": 2**31 - 1}
+          "token_target": 2**31 - 1, "window": 2**40, "context_parallel": 1024, "max_tokens_per_gpu": 2**31 - 1,
+          "encoder_ranks": 65536}
 MAX_NAME = 256  # characters of a job id or dataset name
 MAX_EPOCHS = 1_000_000  # of one job
 MAX_RESUME_CHAIN = 16  # a job resuming a job that resumed another ...: each link re-plans an epoch at open
@@ -233,6 +234,10 @@ class PlanConfig:
         "context parallelism: LLM tokens one GPU may hold of a microbatch, N (default: the token cap)"))
     cp_mode: CpMode = field(default=CpMode.DYNAMIC, metadata=_help(
         "context parallelism: each pack over the fewest GPUs that hold it (dynamic) or over all C (static)"))
+    encoder_ranks: int = field(default=0, metadata=_help(
+        "the vision encoder on E ranks of its own (0: on the LLM's ranks): each step's items balanced over the E "
+        "encoder ranks on the encoder's cost, the packs over the dp LLM ranks on the LLM's, every output routed "
+        "to its consumer (docs/planning.md)"))
 
     def __post_init__(self):
         problems = []
@@ -258,6 +263,7 @@ class PlanConfig:
         problems += [f"{name} must be <= {limit}" for name, limit in LIMITS.items()
                      if getattr(self, name) is not None and getattr(self, name) > limit]
         problems += self._context_parallel_problems()
+        problems += self._encoder_ranks_problems()
         if (self.vision_cap is None) != (self.token_cap is None):
             problems.append("give both vision_cap and token_cap, or neither (automatic)")
         if any(v is not None and v < 1 for v in (self.vision_cap, self.token_cap)):
@@ -279,6 +285,25 @@ class PlanConfig:
             return ["max_tokens_per_gpu and cp_mode apply with context_parallel > 1"]
         return []
 
+    def _encoder_ranks_problems(self) -> list[str]:
+        if self.encoder_ranks < 0:
+            return [f"encoder_ranks must be >= 0 (0: the encoder on the LLM's ranks), not {self.encoder_ranks}"]
+        if not self.encoder_ranks:
+            return []
+        if self.strategy not in (Strategy.ISF, Strategy.ISF_BALANCE, Strategy.ISF_PHASES):
+            return [f"encoder_ranks plans ISF packs: strategy isf+balance, isf or isf+phases, not "
+                    f"{self.strategy.value}"]
+        if self.context_parallel > 1:
+            return ["encoder_ranks and context_parallel do not combine yet: choose one"]
+        if self.colocate_encoder:
+            return ["colocate_encoder encodes on the LLM's ranks: leave encoder_ranks at 0"]
+        return []
+
+    @property
+    def disaggregated(self) -> bool:
+        """The encoder on ranks of its own (encoder_ranks > 0)."""
+        return self.encoder_ranks > 0
+
     @property
     def slots(self) -> int:
         """Packs per global step: dp x microbatches."""
@@ -298,6 +323,8 @@ class PlanConfig:
         if self.context_parallel == 1:  # plans without CP record what they did before it existed
             for name in ("context_parallel", "max_tokens_per_gpu", "cp_mode"):
                 del out[name]
+        if not self.encoder_ranks:  # ... and plans with the encoder on the LLM's ranks
+            del out["encoder_ranks"]
         return out
 
     @classmethod
