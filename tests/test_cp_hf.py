@@ -14,7 +14,7 @@ import torch.multiprocessing as mp
 pytest.importorskip("transformers")
 sys.path.insert(0, str(Path(__file__).parent))
 from hf_models import family_dataset, tiny_model  # noqa: E402
-from trainer_workers import hf_cp_step  # noqa: E402
+from trainer_workers import cp_step  # noqa: E402
 
 from packfeed.client.context_parallel import whole_packs  # noqa: E402
 
@@ -69,8 +69,8 @@ def unsplit(steps_file: Path, data, cp: int) -> tuple[float, dict]:
 def run_cp(steps_file: Path, data, cp: int, tmp_path: Path, control: bool = False) -> dict:
     out = tmp_path / ("control" if control else "run")
     out.mkdir()
-    mp.spawn(hf_cp_step, args=(cp, 1, cp, str(out / "init"), str(steps_file), str(out),
-                               data.conventions.SerializeToString(), control), nprocs=cp, join=True)
+    mp.spawn(cp_step, args=(cp, 1, cp, str(out / "init"), str(steps_file), str(out), control,
+                            data.conventions.SerializeToString()), nprocs=cp, join=True)
     return torch.load(out / "cp.pt", weights_only=False)
 
 
@@ -95,22 +95,19 @@ def test_packfeed_train_qwen2_vl_cp2_equals_its_packs_whole_on_one_process(qwen_
     from trainer_workers import packfeed_train
 
     common = ["model.hf=qwen2_vl", f"data.index={qwen_data.index}", "parallel.pp=1", "data.microbatches=2",
-              f"data.max_tokens_per_gpu={TOKENS}", "optim.steps=3", "optim.warmup_steps=1", "data.server_workers=1",
+              f"data.max_tokens_per_gpu={TOKENS}", "optim.steps=2", "optim.warmup_steps=1", "data.server_workers=1",
               "model.hf_config={text: {hidden_size: 32, num_hidden_layers: 2}}"]
     log, split = packfeed_train(2, common + ["parallel.cp=2"], tmp_path / "cp2")
     assert "context parallelism: 2 GPU(s) per replica" in log
     _, whole = packfeed_train(1, common + ["parallel.cp=1", "data.context_parallel=2"], tmp_path / "cp1")
-    assert len(split) == len(whole) == 3
+    assert len(split) == len(whole) == 2
     assert any(d == 2 for r in split for _, _, d, *_ in r["cp_packs"])
+    # the second step comes after one AdamW update (later ones scale each near-zero gradient by its own size,
+    # which turns rounding into visible differences)
     for a, b in zip(split, whole):
         assert a["step"] == b["step"] and a["tokens"] == b["tokens"]
-    # the first two steps' losses and gradients (the second after one AdamW update) to 1e-5;
-    # AdamW's first updates scale each gradient by its own magnitude, so rounding in near-zero gradients (summed
-    # over two GPUs here, in one pass there) moves the third step's loss by about 1e-4
-    for a, b in zip(split[:2], whole[:2]):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5)
-    assert split[2]["loss"] == pytest.approx(whole[2]["loss"], rel=1e-3)
 
 
 def test_other_hugging_face_families_are_refused_with_context_parallelism():

@@ -255,16 +255,15 @@ def full(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def cp_step(rank: int, world: int, dp: int, cp: int, init_file: str, steps_file: str, out_dir: str,
-            control: bool = False) -> None:
-    """One step's forward + backward of the reference model under context parallelism (dp x cp ranks, each fed
-    its lane's shares); rank 0 saves the summed gradients and the step's loss. `control`: rank 1 gets its
-    shares' late chunks before their early ones (a wrong chunk order)."""
-    from packfeed.trainer.parallel.context_parallel import ContextParallelRunner
-
+            control: bool = False, qwen_conventions: bytes | None = None) -> None:
+    """One step's forward + backward under context parallelism (dp x cp ranks, each fed its lane's shares) of the
+    reference model, or with `qwen_conventions` (a dataset's ModelConventions) of a tiny Qwen2-VL (hf_models'
+    sizes, seed 0); rank 0 saves the summed gradients (by the model's parameter names) and the step's loss.
+    `control`: rank 1 gets its shares' late chunks before their early ones (a wrong chunk order)."""
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
         mesh = make_mesh(dp, 1, torch.device("cpu"), cp=cp)
-        runner = ContextParallelRunner(ReferenceModel(VLMConfig(**SMALL_MODEL)), mesh, None)
+        runner, module = _cp_runner(mesh, qwen_conventions)
         step = torch.load(steps_file, weights_only=False)[mesh.replica, mesh.cp_rank]
         if control and rank == 1:
             step.packs = [late_chunks_first(pack) for pack in step.packs]
@@ -272,10 +271,31 @@ def cp_step(rank: int, world: int, dp: int, cp: int, init_file: str, steps_file:
         loss = torch.tensor([tally.loss], dtype=torch.float64)
         dist.all_reduce(loss)
         if rank == 0:
-            grads = {name: p.grad.clone() for name, p in runner.layers.named_parameters()}
+            grads = {name: p.grad.clone() for name, p in module.named_parameters() if p.grad is not None}
             torch.save({"loss": float(loss), "grads": grads}, Path(out_dir) / "cp.pt")
     finally:
         dist.destroy_process_group()
+
+
+def _cp_runner(mesh, qwen_conventions: bytes | None):
+    """The CP runner and the module whose parameters it trains: the reference model's layers, or the Qwen's."""
+    if qwen_conventions is None:
+        from packfeed.trainer.parallel.context_parallel import ContextParallelRunner
+
+        runner = ContextParallelRunner(ReferenceModel(VLMConfig(**SMALL_MODEL)), mesh, None)
+        return runner, runner.layers
+    from hf_models import tiny_sizes
+
+    from packfeed.trainer.models.hf.build import attention_implementation
+    from packfeed.trainer.models.hf.model import HFLayerModel
+    from packfeed.trainer.parallel.context_parallel_hf import HFContextParallelRunner
+    from packfeed.v1 import packfeed_pb2 as pb
+
+    attention = attention_implementation("varlen", mesh.device, packed=True)
+    model = HFLayerModel("qwen2_vl", pb.ModelConventions.FromString(qwen_conventions), tiny_sizes("qwen2_vl"),
+                         attention, 0)
+    model.hf.eval()  # no dropout, as the unsplit reference
+    return HFContextParallelRunner(model, mesh, None), model.hf
 
 
 def late_chunks_first(pack):
@@ -290,35 +310,3 @@ def late_chunks_first(pack):
     for name in ("input_ids", "labels", "position_ids"):
         pack.tensors[name] = pack.tensors[name][index]
     return pack
-
-
-def hf_cp_step(rank: int, world: int, dp: int, cp: int, init_file: str, steps_file: str, out_dir: str,
-               conventions: bytes, control: bool = False) -> None:
-    """`cp_step` for a tiny Qwen2-VL (hf_models' sizes, seed 0): rank 0 saves the summed gradients by the
-    model's parameter names and the step's loss."""
-    from hf_models import tiny_sizes
-
-    from packfeed.trainer.models.hf.build import attention_implementation
-    from packfeed.trainer.models.hf.model import HFLayerModel
-    from packfeed.trainer.parallel.context_parallel_hf import HFContextParallelRunner
-    from packfeed.v1 import packfeed_pb2 as pb
-
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    try:
-        mesh = make_mesh(dp, 1, torch.device("cpu"), cp=cp)
-        attention = attention_implementation("varlen", mesh.device, packed=True)
-        model = HFLayerModel("qwen2_vl", pb.ModelConventions.FromString(conventions), tiny_sizes("qwen2_vl"),
-                             attention, 0)
-        model.hf.eval()  # no dropout, as the unsplit reference
-        runner = HFContextParallelRunner(model, mesh, None)
-        step = torch.load(steps_file, weights_only=False)[mesh.replica, mesh.cp_rank]
-        if control and rank == 1:
-            step.packs = [late_chunks_first(pack) for pack in step.packs]
-        tally = runner.train_step(runner.agree(step), step)
-        loss = torch.tensor([tally.loss], dtype=torch.float64)
-        dist.all_reduce(loss)
-        if rank == 0:
-            grads = {name: p.grad.clone() for name, p in model.hf.named_parameters() if p.grad is not None}
-            torch.save({"loss": float(loss), "grads": grads}, Path(out_dir) / "cp.pt")
-    finally:
-        dist.destroy_process_group()
