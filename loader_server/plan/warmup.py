@@ -27,13 +27,15 @@ from packfeed.server.plan.planner import make_plan
 from packfeed.v1.options import Oversize, PlanConfig, Strategy
 
 # Configurations that reach every kernel: each strategy (the default first: a job arriving during a server's
-# warm-up most likely needs it), pipeline reordering, each oversize policy, and context parallelism.
+# warm-up most likely needs it), pipeline reordering, each oversize policy, context parallelism, and the
+# encoder on ranks of its own.
 _CONFIGS = [PlanConfig(dp=2, microbatches=2, pipeline_stages=2, strategy=strategy)
             for strategy in (Strategy.ISF_BALANCE, Strategy.ISF, Strategy.RANDOM, Strategy.LENGTH_GROUP)] + \
            [PlanConfig(dp=2, microbatches=2, strategy=Strategy.ISF_BALANCE, vision_cap=8, token_cap=2048, oversize=oversize)
             for oversize in (Oversize.SKIP, Oversize.TRUNCATE)] + \
            [PlanConfig(dp=2, microbatches=2, context_parallel=4, max_tokens_per_gpu=1024, cp_mode=mode)
-            for mode in ("dynamic", "static")]
+            for mode in ("dynamic", "static")] + \
+           [PlanConfig(dp=2, microbatches=2, encoder_ranks=3)]
 
 
 def warm_up() -> float:
