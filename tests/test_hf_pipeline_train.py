@@ -34,9 +34,10 @@ HEAVY_VISION = ("model.hf_config={text: {hidden_size: 32, intermediate_size: 64,
 
 def test_searched_partition_is_faster_than_the_layer_count_split(tmp_path, qwen_data):
     """Vision blocks several times a decoder block's cost: the layer-count split puts every vision block on
-    stage 0; the search picks the candidate measured fastest, and its stages are far more even than the
-    layer-count split's (per-stage busy time, which a loaded machine stretches on every stage alike; the step-time
-    speedup itself is a benchmark's figure, not a unit test's)."""
+    stage 0. The profiled ranking puts vision blocks on both stages, its best candidate's stages far more even
+    than the layer-count split's; the trials time both, and the run trains with whichever was measured fastest
+    (which of two step times a few percent apart wins on a loaded machine is a benchmark's figure,
+    tests/benchmarks/test_bench_hf_pipeline.py, not a unit test's)."""
     # 6 microbatches: with few, the pipeline's fill and drain hide any split's imbalance
     overrides = ["model.hf=qwen2_vl", f"data.index={qwen_data.index}", "parallel.pp=2", "data.microbatches=6",
                  "data.epochs=4", "optim.steps=2", "partition.radius=2", "partition.top_k=2",
@@ -44,14 +45,17 @@ def test_searched_partition_is_faster_than_the_layer_count_split(tmp_path, qwen_
     log, records = packfeed_train(2, overrides, tmp_path / "search")
     decision = json.loads((tmp_path / "search" / "partition.json").read_text())
     timed = [c for c in decision["candidates"] + decision["baselines"] if c["measured_s"]]
-    layer_count = next(c for c in timed if c["origin"] == "layer-count")
-    chosen = min(timed, key=lambda c: c["measured_s"])
-    assert decision["bounds"] == chosen["bounds"] != layer_count["bounds"]
+    layer_count = next(c for c in decision["baselines"] if c["origin"] == "layer-count")
+    ranked_first = decision["candidates"][0]
+    assert layer_count["measured_s"] and ranked_first["measured_s"]  # both were timed
+    assert decision["bounds"] == min(timed, key=lambda c: c["measured_s"])["bounds"]
+    assert ranked_first["bounds"] != layer_count["bounds"]
     def imbalance(candidate):
         return max(candidate["stage_s"]) / min(candidate["stage_s"])
-    assert imbalance(chosen) * 2 < imbalance(layer_count), (chosen, layer_count)
+    assert imbalance(ranked_first) * 2 < imbalance(layer_count), (ranked_first, layer_count)
     kinds = decision["kinds"]
-    assert kinds[:decision["bounds"][1]].count("vit") < kinds.count("vit")  # vision blocks on both stages
+    assert kinds[:ranked_first["bounds"][1]].count("vit") < kinds.count("vit")  # vision blocks on both stages
+    assert kinds[:layer_count["bounds"][1]].count("vit") == kinds.count("vit")  # ... where layer count has none
     assert [row["stage"] for row in decision["stages"]] == [0, 1]
     assert len(records) == 2 and records[0]["loss"] > 0
     # (that the trials leave weights, optimizer and stream as they were, and a saved decision reused by the next
