@@ -38,8 +38,8 @@ class _Retry(Exception):
 class Receiver:
     def __init__(self, channel: ServerChannel, job: str, rank: int, info: pb.JobInfo, start: tuple[int, int],
                  prefetch: int, pin_memory: bool, reopen: Callable[[], None], decoder: PackDecoder | None = None,
-                 replica: tuple[int, int] = (0, 1), cp_rank: int = 0):
-        self.channel, self.job, self.rank, self.cp_rank = channel, job, rank, cp_rank
+                 replica: tuple[int, int] = (0, 1), cp_rank: int = 0, encoder: bool = False):
+        self.channel, self.job, self.rank, self.cp_rank, self.encoder = channel, job, rank, cp_rank, encoder
         self.replica = replica  # (replica, replicas) of this rank
         self.decoder = decoder  # pixels: encoded: images become tiles here, while the trainer computes
         self.epochs, self.plan_fingerprint = info.epochs, info.plan_fingerprint
@@ -105,7 +105,8 @@ class Receiver:
         is nothing more to receive (the job is done, or the receiver was stopped)."""
         request = pb.StreamPacksRequest(job=self.job, rank=self.rank, first_epoch=self.cursor[0],
                                         first_step=self.cursor[1], plan_fingerprint=self.plan_fingerprint,
-                                        replica=self.replica[0], replicas=self.replica[1], cp_rank=self.cp_rank)
+                                        replica=self.replica[0], replicas=self.replica[1], cp_rank=self.cp_rank,
+                                        encoder=self.encoder)
         self._heard = time.monotonic()
         self._call = self.channel.stream_parts(request)
         packs: list[PackTensors] = []

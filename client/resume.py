@@ -39,12 +39,15 @@ def checked_state(state: Any, where: str = "state") -> dict[str, Any]:
     _text(state["plan_fingerprint"], where, "plan_fingerprint")
     _text(state.get("index_fingerprint", ""), where, "index_fingerprint", required=False)
     _count(state["seed"], 2**64 - 1, where, "seed")
+    encoder = state.get("encoder", False)
+    if not isinstance(encoder, bool):
+        raise _bad_state(where, f"encoder is {str(encoder)[:80]!r}, not true or false")
     if "plan" in state:
         try:
             plan = PlanConfig.from_dict(state["plan"])
         except (TypeError, ValueError) as error:
             raise _bad_state(where, f"its plan does not parse ({error})") from None
-        _count(state["rank"], plan.dp - 1, where, "rank")
+        _count(state["rank"], (plan.encoder_ranks if encoder else plan.dp) - 1, where, "rank")
     else:
         _count(state["rank"], 2**31 - 1, where, "rank")
     position = state["next"]
@@ -95,6 +98,10 @@ def resume_from(states: list[dict[str, Any]], job: str, seed: int) -> pb.ResumeF
     if not isinstance(states, (list, tuple)) or not states:
         raise PackfeedError("resume: give the state_dict of every rank of the old job, as a list")
     states = [checked_state(state, f"resume: state {k}") for k, state in enumerate(states)]
+    # an encoder rank's position is the LLM ranks' (it streams what they consume): the LLM ranks' states say it
+    states = [state for state in states if not state.get("encoder", False)]
+    if not states:
+        raise PackfeedError("resume: the states are all of encoder ranks; give the LLM ranks' state_dicts")
     first = states[0]
     if "plan" not in first:
         raise PackfeedError("resume: these states were saved by a Packfeed that did not record the plan settings; "

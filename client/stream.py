@@ -71,7 +71,10 @@ class PackStream:
     holds a lease of its own. `cp_rank`: with context parallelism (plan `context_parallel` C > 1), the GPU of
     the rank's CP group this stream feeds (0..C-1): it receives that GPU's share of every pack (its zigzag
     chunks of each sample and the images it encodes; docs/wire.md "Context-parallel shares"); CP rank 0's
-    acknowledgements count for the rank. `resume`: the state_dicts of every rank of another job of the same dataset and
+    acknowledgements count for the rank. `encoder_rank` (instead of `rank`): with the encoder on ranks of its
+    own (plan `encoder_ranks` E > 0), the encoder rank this stream feeds (0..E-1): its pack m holds the images
+    it encodes for microbatch m of every LLM rank, with where each output goes (docs/wire.md "Encoder ranks");
+    its acknowledgements are reports, the LLM ranks' move the job. `resume`: the state_dicts of every rank of another job of the same dataset and
     seed, which ran with other plan settings (another DP or M): this job then plans what that job left of its
     epoch with its own settings and starts there (elastic resume; every sample still once per epoch).
     `connection` holds timeouts, retries, token and TLS. The flat keyword arguments
@@ -79,17 +82,23 @@ class PackStream:
     work: they fill `plan` and `connection`.
     """
 
-    def __init__(self, target: str | list[str] | None = None, *, job: str, rank: int, plan: PlanConfig | None = None,
+    def __init__(self, target: str | list[str] | None = None, *, job: str, rank: int | None = None,
+                 plan: PlanConfig | None = None,
                  seed: int = 0, epochs: int = 1, dataset: str = "", connection: Connection | None = None,
                  prefetch: int = 2, pin_memory: bool = False, acknowledge: bool = True, index: str | None = None,
                  decode: DecodeOptions | None = None, replica: int = 0, replicas: int = 1, cp_rank: int = 0,
-                 resume: list[dict[str, Any]] | None = None, **flat: Any):
+                 resume: list[dict[str, Any]] | None = None, encoder_rank: int | None = None, **flat: Any):
+        if (rank is None) == (encoder_rank is None):
+            raise ValueError("give rank (an LLM rank, or the only kind without encoder ranks) or encoder_rank (an "
+                             "encoder rank of a plan with encoder_ranks > 0), not both")
         if (target is None) == (index is None):
             raise ValueError("give a server target ('host:port', or several for failover) or an index for an "
                              "embedded server, not both")
         self.plan, self.connection = _grouped(plan, connection, flat)
         if not 0 <= replica < replicas:
             raise ValueError(f"replica {replica} of {replicas}: give 0 <= replica < replicas")
+        self.encoder = encoder_rank is not None
+        rank = encoder_rank if self.encoder else rank
         self.job, self.rank, self.replica, self.replicas, self.cp_rank = job, rank, replica, replicas, cp_rank
         self.prefetch, self.pin_memory, self.acknowledge = max(1, prefetch), pin_memory, acknowledge
         self._local = None
@@ -104,7 +113,13 @@ class PackStream:
         if resume is not None:
             self._open_request.resume.CopyFrom(resume_from(resume, job, seed))
         self.info: pb.JobInfo = self.channel.call("OpenJob", self._open_request)
-        if not 0 <= rank < self.info.plan.dp:
+        if self.encoder and not self.info.plan.encoder_ranks:
+            raise PackfeedError(f"job {job!r} has no encoder ranks (plan encoder_ranks 0: the encoder runs on the "
+                                "LLM's ranks): open it with rank=")
+        if self.encoder and not 0 <= rank < self.info.plan.encoder_ranks:
+            raise PackfeedError(f"encoder_rank {rank} is outside the job's {self.info.plan.encoder_ranks} encoder ranks "
+                                "(plan encoder_ranks)")
+        if not self.encoder and not 0 <= rank < self.info.plan.dp:
             raise PackfeedError(f"rank {rank} is outside the job's {self.info.plan.dp} ranks")
         if not 0 <= cp_rank < max(1, self.info.plan.context_parallel):
             raise PackfeedError(f"cp_rank {cp_rank} is outside the job's {max(1, self.info.plan.context_parallel)} "
@@ -136,7 +151,8 @@ class PackStream:
 
     def state_dict(self) -> dict[str, Any]:
         """Where this rank is, and what an elastic resume needs of its job (its plan settings and seed)."""
-        state = {"job": self.job, "rank": self.rank, "plan_fingerprint": self.info.plan_fingerprint,
+        state = {"job": self.job, "rank": self.rank, "encoder": self.encoder,
+                 "plan_fingerprint": self.info.plan_fingerprint,
                  "index_fingerprint": self.info.index_fingerprint, "next": list(self._next) if self._next else None,
                  "seed": self.info.seed, "plan": PlanConfig.from_proto(self.info.plan).to_dict()}
         if self.info.HasField("resume"):  # a resumed job's plan is a function of what it resumed, too
@@ -149,8 +165,10 @@ class PackStream:
         if state["job"] != self.job or state["plan_fingerprint"] != self.info.plan_fingerprint:
             raise PackfeedError(f"state is of job {state['job']!r} (plan {state['plan_fingerprint']}), this stream "
                                 f"is job {self.job!r} (plan {self.info.plan_fingerprint})")
-        if state["rank"] != self.rank:
-            raise PackfeedError(f"state is of rank {state['rank']}, this stream is rank {self.rank}")
+        if (state["rank"], state.get("encoder", False)) != (self.rank, self.encoder):
+            kind = {False: "rank", True: "encoder rank"}
+            raise PackfeedError(f"state is of {kind[state.get('encoder', False)]} {state['rank']}, this stream is "
+                                f"{kind[self.encoder]} {self.rank}")
         self._stop_receiver()
         self._next = tuple(state["next"]) if state["next"] else None
 
@@ -168,7 +186,7 @@ class PackStream:
         if self._receiver is None:
             self._receiver = Receiver(self.channel, self.job, self.rank, self.info, self._next, self.prefetch,
                                       self.pin_memory, self.reopen, self.decoder, (self.replica, self.replicas),
-                                      self.cp_rank)
+                                      self.cp_rank, self.encoder)
         started = time.perf_counter()
         item = self._receiver.get()
         self.wait_seconds += time.perf_counter() - started
@@ -186,7 +204,7 @@ class PackStream:
         """Acknowledge a consumed step, with the samples this client left out of it (the server records them)."""
         if self.acknowledge:
             request = pb.AckStepRequest(job=self.job, rank=self.rank, epoch=epoch, step=step, replica=self.replica,
-                                        cp_rank=self.cp_rank, data_wait_s=self.wait_seconds,
+                                        cp_rank=self.cp_rank, data_wait_s=self.wait_seconds, encoder=self.encoder,
                                         skipped=[pb.SkippedSample(key=key, reason=reason, epoch=epoch, step=step)
                                                  for key, reason in skipped])
             self._acks.submit(self.channel.send, "AckStep", request)

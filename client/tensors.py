@@ -21,7 +21,9 @@ class PackTensors:
     image_sample (images); image_token_spans (images x 2: start in input_ids, length). A routed pack (plan
     strategy isf+phases; `routed`) adds image_encoder (images x 3: the rank encoding each image it consumes),
     and its pixels are the images its rank encodes, one row each in encode_target (x 3: consuming rank,
-    planned position, image number) with encode_tokens; docs/wire.md "Packs on the wire"."""
+    planned position, image number) with encode_tokens; docs/wire.md "Packs on the wire". With encoder ranks
+    (plan encoder_ranks > 0) an LLM rank's pack is routed with no pixels, and an encoder rank's (`encoder`)
+    has only the images it encodes (docs/wire.md "Encoder ranks")."""
 
     epoch: int
     step: int
@@ -37,6 +39,7 @@ class PackTensors:
     microbatches: int = 1
     last_in_epoch: bool = False
     sample_sources: list[str] = field(default_factory=list)  # each sample's dataset (a mixture's name for it)
+    encoder: bool = False  # an encoder rank's pack (plan encoder_ranks > 0): `rank` is the encoder rank
 
     def __getattr__(self, name: str) -> torch.Tensor:
         tensors = self.__dict__.get("tensors", {})
@@ -100,4 +103,4 @@ def pack_of(message: bytes, pin_memory: bool = False) -> PackTensors:
                        list(fields.sample_keys), fields.loss_tokens, fields.step_loss_tokens,
                        [(s.key, s.reason) for s in fields.skipped], tensors,
                        sum(wire.nbytes for wire in wires.values()), fields.microbatches, fields.last_in_epoch,
-                       list(fields.sample_sources))
+                       list(fields.sample_sources), fields.encoder)

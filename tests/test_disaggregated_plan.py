@@ -96,11 +96,3 @@ def test_config_refuses_what_does_not_combine():
         with pytest.raises(ValueError, match=field):
             PlanConfig(dp=2, **bad)
     assert "encoder_ranks" not in PlanConfig(dp=2).to_dict()  # plans before it keep their fingerprints
-
-
-def test_a_server_refuses_to_serve_encoder_ranks_yet(small_tile_index):
-    from packfeed.client import LocalServer, PackfeedError, PackStream
-
-    with LocalServer(small_tile_index, workers=1) as server:
-        with pytest.raises(PackfeedError, match="not served yet"):
-            PackStream(server.target, job="disaggregated", rank=0, dp=2, seed=0, encoder_ranks=1)

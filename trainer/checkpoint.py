@@ -8,6 +8,7 @@ Layout under OUT/checkpoints/:
                                     FSDP rank its shards; replicated tensors once
     step-000120/scheduler.pt        the LR schedule (the same on every rank)
     step-000120/stream-rank0.json   each replica's stream position (PackStream.state_dict of its first stage)
+    step-000120/stream-encoder0.json  each encoder rank's (parallel.encoder=disaggregated)
     step-000120/meta.json           steps done, partition, recompute plan
     latest                          name of the newest complete checkpoint (written last, after a barrier)
 
@@ -62,6 +63,12 @@ def stream_states(directory: Path) -> list[dict]:
     return [json.loads(path.read_text()) for path in paths]
 
 
+def encoder_stream_state(directory: Path, encoder_rank: int) -> dict | None:
+    """Encoder rank `encoder_rank`'s stream position in the checkpoint (None: it had no such rank)."""
+    path = directory / f"stream-encoder{encoder_rank}.json"
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
 def save_sharded(root: Path, steps_done: int, mesh, model: torch.nn.Module, optimizer, scheduler,
                  stream_state: dict | None, meta: dict, keep: int = 2) -> Path:
     """Collective, for FSDP2-sharded models: every rank writes its shards of the model and optimizer with
@@ -77,7 +84,8 @@ def save_sharded(root: Path, steps_done: int, mesh, model: torch.nn.Module, opti
     model_state, optimizer_state = get_state_dict(model, optimizer, options=_flat())
     dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=str(directory / "sharded"))
     if stream_state is not None and mesh.cp_rank == 0:  # the CP ranks of a replica stand at one step
-        (directory / f"stream-rank{mesh.replica}.json").write_text(json.dumps(stream_state))
+        name = f"stream-encoder{mesh.encoder_rank}" if mesh.is_encoder else f"stream-rank{mesh.replica}"
+        (directory / f"{name}.json").write_text(json.dumps(stream_state))
     if mesh.rank == 0:
         torch.save(scheduler.state_dict(), directory / "scheduler.pt")
     dist.barrier()

@@ -73,11 +73,15 @@ class DataConfig:
         if self.max_tokens_per_gpu is not None or self.cp_mode != "dynamic" or self.context_parallel:
             self.plan_config(dp=1, pipeline_stages=1, cp=max(2, self.context_parallel))  # ... and a bad CP setting
 
-    def plan_config(self, dp: int, pipeline_stages: int, routed: bool = False, cp: int = 1) -> PlanConfig:
+    def plan_config(self, dp: int, pipeline_stages: int, routed: bool = False, cp: int = 1,
+                    encoder_ranks: int = 0) -> PlanConfig:
         """The job's plan specification on a (dp, pipeline_stages) mesh of `cp` GPUs per replica (the plan's C:
-        `context_parallel` when set). isf+phases is served routed only to a trainer that exchanges encoder outputs
-        (`routed`, parallel.encoder=phases); to the others, colocated."""
+        `context_parallel` when set) and `encoder_ranks` of the encoder's own. isf+phases is served routed only to
+        a trainer that exchanges encoder outputs (`routed`, parallel.encoder=phases); to the others, colocated."""
         values = {name: getattr(self, name) for name in PLAN_FIELDS}
+        if encoder_ranks:
+            values["encoder_ranks"] = encoder_ranks
+            routed = True  # isf+phases with encoder ranks: the plan's encoder_rank names them
         groups = self.context_parallel or cp
         if groups > 1:
             values.update(context_parallel=groups, max_tokens_per_gpu=self.max_tokens_per_gpu, cp_mode=self.cp_mode)
@@ -101,8 +105,11 @@ class ParallelConfig:
     # where the vision encoder runs: in the first pipeline stages (stages), or on every pipeline rank in the
     # schedule's idle time with the stages holding only the LLM (bubbles: Optimus; packfeed.trainer.parallel.bubbles),
     # or on every DP rank over the images the plan routes to it, joined to the LLM by an all-to-all (phases:
-    # OrchMLLM, plan strategy isf+phases; packfeed.trainer.parallel.phases)
-    encoder: Literal["stages", "bubbles", "phases"] = "stages"
+    # OrchMLLM, plan strategy isf+phases; packfeed.trainer.parallel.phases), or on `encoder_ranks` processes of its
+    # own beside the dp LLM ranks, each step's images balanced over them (disaggregated: DistTrain;
+    # packfeed.trainer.parallel.disaggregated)
+    encoder: Literal["stages", "bubbles", "phases", "disaggregated"] = "stages"
+    encoder_ranks: int = 0  # parallel.encoder=disaggregated: the encoder's processes (E); the run has dp + E
     backend: Literal["", "nccl", "gloo"] = ""  # "" = nccl on CUDA, gloo on CPU
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"  # bf16/fp16: autocast, and activations cross stages in that dtype
     device: str = ""  # "" = cuda when available
@@ -130,9 +137,23 @@ class ParallelConfig:
             raise ValueError("parallel.encoder=phases routes encoder outputs between data-parallel ranks that each "
                              "hold the whole model: set parallel.pp=1 and parallel.data_parallel=ddp (pipelines "
                              "encode in their stages or bubbles)")
+        if (self.encoder == "disaggregated") != (self.encoder_ranks > 0) or self.encoder_ranks < 0:
+            raise ValueError(f"parallel.encoder_ranks = {self.encoder_ranks} with parallel.encoder={self.encoder}: the "
+                             "encoder on processes of its own takes parallel.encoder=disaggregated and "
+                             "parallel.encoder_ranks >= 1 together (other placements leave it at 0)")
+        if self.encoder == "disaggregated" and (self.pp != 1 or self.cp != 1 or self.data_parallel != "ddp"):
+            raise ValueError("parallel.encoder=disaggregated runs the LLM at parallel.pp=1, parallel.cp=1 with "
+                             "parallel.data_parallel=ddp (pipelines and context parallelism with encoder ranks "
+                             "are not supported yet)")
         if self.schedule == "interleaved_1f1b" and (self.pp < 2 or self.virtual_stages < 2):
             raise ValueError("parallel.schedule=interleaved_1f1b needs parallel.pp >= 2 and parallel.virtual_stages "
                              ">= 2 (each rank runs that many stages); use 1f1b otherwise")
+
+
+    @property
+    def world(self) -> int:
+        """The processes the run trains on: dp x cp x pp, and the encoder's own."""
+        return self.dp * self.cp * self.pp + self.encoder_ranks
 
 
 @dataclass(frozen=True)
@@ -205,6 +226,9 @@ class TrainConfig:
     log_every: int = 1
 
     def __post_init__(self):
+        if self.parallel.encoder == "disaggregated" and self.model.hf:
+            raise ValueError("parallel.encoder=disaggregated trains the reference model; Hugging Face models run "
+                             "their vision tower with the LLM (parallel.encoder=stages)")
         if self.parallel.encoder == "phases" and (self.model.hf or Strategy.parse(
                 self.data.strategy, "data.strategy") is not Strategy.ISF_PHASES):
             raise ValueError("parallel.encoder=phases trains the reference model on routed packs: set "

@@ -69,23 +69,29 @@ def open_stream(config: TrainConfig, mesh: Mesh, target: str, checkpoint_dir=Non
 
     d = config.data
     routed = config.parallel.encoder == "phases"  # isf+phases packs with their images routed
-    plan = d.plan_config(mesh.dp, mesh.pp, routed, mesh.cp)
-    options = dict(rank=mesh.replica, plan=plan, seed=d.seed, epochs=d.epochs, prefetch=d.prefetch,
+    plan = d.plan_config(mesh.dp, mesh.pp, routed, mesh.cp, mesh.encoder_ranks)
+    # an encoder rank streams what it encodes for the LLM ranks (parallel.encoder=disaggregated)
+    side = {"encoder_rank": mesh.encoder_rank} if mesh.is_encoder else {"rank": mesh.replica}
+    options = dict(**side, plan=plan, seed=d.seed, epochs=d.epochs, prefetch=d.prefetch,
                    pin_memory=mesh.device.type == "cuda", connection=Connection(token=d.token or None))
     # this GPU's share of a CP plan's packs; a CP plan on one GPU per replica reads all its C shares and joins them
     lanes = [mesh.cp_rank] if plan.context_parallel == mesh.cp else list(range(plan.context_parallel))
     states = checkpoint.stream_states(checkpoint_dir) if checkpoint_dir is not None else []
     if not states:
         return _lane_streams(target, d.job, lanes, options)
-    if len(states) == mesh.dp:
+    saved_encoders = checkpoint.read_meta(checkpoint_dir).get("encoder_ranks", 0)
+    if len(states) == mesh.dp and saved_encoders == mesh.encoder_ranks:
         stream = _lane_streams(target, states[0]["job"], lanes, options)
-        stream.load_state_dict(states[mesh.replica])
+        stream.load_state_dict(checkpoint.encoder_stream_state(checkpoint_dir, mesh.encoder_rank)
+                               if mesh.is_encoder else states[mesh.replica])
         return stream
     if plan.context_parallel > 1:
         raise ValueError(f"the checkpoint was taken at DP {len(states)}, this run is DP {mesh.dp}: context-parallel "
                          "jobs resume at the DP they ran at")
     steps = checkpoint.read_meta(checkpoint_dir)["steps_done"]
-    job = f"{states[0]['job']}.dp{mesh.dp}.from{steps}"  # every rank derives the same id
+    # every rank derives the same id (encoder ranks included: they open the same re-planned job)
+    job = f"{states[0]['job']}.dp{mesh.dp}" + (f".e{mesh.encoder_ranks}" if mesh.encoder_ranks else "") + \
+        f".from{steps}"
     return PackStream(stream_targets(target), job=job, resume=states, **options)
 
 

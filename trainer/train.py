@@ -7,7 +7,8 @@ layout, a step runner (`packfeed.trainer.parallel`): a layer list cut into pipel
 decided (search, or the saved decision; a search also exports the measured cost model), recompute decided per
 rank and the per-stage table printed; or, for a `transformers` model at parallel.pp=1, the whole model
 FSDP2-sharded over the DP ranks; or, with context parallelism (parallel.cp), each pack split over the GPUs the
-plan gives it -> the one loop (`packfeed.trainer.loop`) trains it.
+plan gives it; or, with encoder ranks (parallel.encoder=disaggregated), the encoder and the LLM on ranks of their
+own -> the one loop (`packfeed.trainer.loop`) trains it.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from packfeed.trainer.decisions import (
 )
 from packfeed.trainer.parallel.context_parallel import ContextParallelRunner
 from packfeed.trainer.parallel.context_parallel_hf import HFContextParallelRunner
+from packfeed.trainer.parallel.disaggregated import DisaggregatedRunner
 from packfeed.trainer.parallel.mesh import Mesh, broadcast_object, log, make_mesh
 from packfeed.trainer.parallel.stages import RankStages
 from packfeed.trainer.parallel.whole import WholeModelRunner
@@ -72,7 +74,8 @@ def train(config: TrainConfig) -> dict:
         dist.init_process_group(backend)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    mesh = make_mesh(config.parallel.dp, config.parallel.pp, device, config.parallel.cp)
+    parallel = config.parallel
+    mesh = make_mesh(parallel.dp, parallel.pp, device, parallel.cp, parallel.encoder_ranks)
     out = Path(config.out)
     out.mkdir(parents=True, exist_ok=True)
     if mesh.rank == 0:
@@ -118,7 +121,9 @@ def train_on(config: TrainConfig, mesh: Mesh, target: str, out: Path) -> dict:
             log(mesh, f"the checkpoint was taken at another DP: job {stream.job!r} re-plans the rest of epoch "
                 f"{stream.info.resume.epoch} for DP {mesh.dp} (elastic resume)")
         conventions = job_conventions(stream, mesh)
-        if mesh.cp > 1 or config.data.context_parallel > 1:
+        if mesh.encoder_ranks:
+            runner = disaggregated(config, mesh, stream, conventions)
+        elif mesh.cp > 1 or config.data.context_parallel > 1:
             runner = context_parallel(config, mesh, stream, conventions)
         elif config.model.hf and config.parallel.pp == 1:
             runner = whole_model(config, mesh, stream, conventions)
@@ -147,6 +152,18 @@ def context_parallel(config: TrainConfig, mesh: Mesh, stream, conventions) -> Co
         + ("" if mesh.cp == planned else " (its packs joined and trained whole)"))
     runner = HFContextParallelRunner if config.model.hf else ContextParallelRunner
     return runner(model, mesh, StepSource(stream), config.parallel.precision)
+
+
+def disaggregated(config: TrainConfig, mesh: Mesh, stream, conventions) -> DisaggregatedRunner:
+    """The reference model's encoder on the E encoder ranks, its LLM on the dp LLM ranks, each fed its own
+    stream of the same plan."""
+    model = build_model(config.model, conventions, mesh.device)
+    log(mesh, f"{model.describe()}; the encoder on {mesh.encoder_ranks} rank(s) of its own (global ranks "
+        f"{mesh.dp}..{mesh.world - 1}), the LLM on {mesh.dp}; an all-to-all hands each output to its LLM rank")
+    d = config.data
+    source = StepSource(stream, functools.partial(model.inputs, token_multiple=d.token_multiple, dp=mesh.dp,
+                                                  collate=d.collate))
+    return DisaggregatedRunner(mesh, model, source, d.microbatches, config.parallel.precision)
 
 
 def model_stages(config: TrainConfig, mesh: Mesh, stream, conventions, out: Path, resumed: dict | None) -> RankStages:

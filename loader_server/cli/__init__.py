@@ -87,8 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     train = sub.add_parser("train", help="reference pipeline trainer fed by a Packfeed server (needs torch)")
     train.add_argument("--config", help="YAML/JSON trainer config (see packfeed.trainer.config)")
-    train.add_argument("--nproc", type=int, default=0, help="launch under torchrun on this machine: dp x pp processes "
-                       "(the mesh's size; a different count is corrected, with a note), sharing the cores "
+    train.add_argument("--nproc", type=int, default=0, help="launch under torchrun on this machine: dp x cp x pp "
+                       "processes, + parallel.encoder_ranks (the mesh's size; a different count is corrected, with a note), sharing the cores "
                        "(OMP_NUM_THREADS = cores / processes unless set)")
     train.add_argument("overrides", nargs="*", help="section.key=value, e.g. parallel.pp=2 data.index=INDEX")
     train.set_defaults(func=cmd_train)

@@ -195,11 +195,12 @@ def cmd_train(args: argparse.Namespace) -> int:
         from packfeed.trainer.config import load_config
 
         parallel = load_config(args.config, args.overrides).parallel
-        world = parallel.dp * parallel.cp * parallel.pp  # the mesh decides how many processes train
+        world = parallel.world  # the mesh decides how many processes train
         if world != args.nproc:
+            encoders = f" + parallel.encoder_ranks {parallel.encoder_ranks}" if parallel.encoder_ranks else ""
             print(f"packfeed train: parallel.dp x parallel.cp x parallel.pp = {parallel.dp} x {parallel.cp} x "
-                  f"{parallel.pp} trains on {world} process(es); launching {world}, not --nproc {args.nproc}",
-                  file=sys.stderr)
+                  f"{parallel.pp}{encoders} trains on {world} process(es); launching {world}, not --nproc "
+                  f"{args.nproc}", file=sys.stderr)
         return launch(world, forwarded)
     from packfeed.trainer.train import main as train_main
 

@@ -107,9 +107,10 @@ class Coordination:
             return
         job.ranks[rank].shared = max(job.ranks[rank].shared, position)
 
-    async def keep_lease(self, job: Job, rank: int, lease: int, lost: asyncio.Event) -> None:
+    async def keep_lease(self, job: Job, rank: int | None, lease: int, lost: asyncio.Event) -> None:
         """Renew the lease at a third of its TTL; while Redis is unreachable, keep streaming and retry. If
-        another server took the rank meanwhile (Redis thought this one dead), stop the stream."""
+        another server took the rank meanwhile (Redis thought this one dead), stop the stream. `rank` None: an
+        encoder rank's lease (it has no position of the job's to share)."""
         warned = False
         while True:
             await asyncio.sleep(self.config.lease_ttl_s / 3)
@@ -123,10 +124,12 @@ class Coordination:
                     log.warning("coordinator unreachable: streaming on, retrying",
                                 extra={"job": job.spec.job, "rank": rank})
             warned = held is LeaseOutcome.UNREACHABLE
-            await asyncio.to_thread(self.share_ack, job, rank)
+            if rank is not None:
+                await asyncio.to_thread(self.share_ack, job, rank)
 
-    def let_go(self, job: Job, rank: int, lease: int) -> None:
-        self.share_ack(job, rank)
+    def let_go(self, job: Job, rank: int | None, lease: int) -> None:
+        if rank is not None:
+            self.share_ack(job, rank)
         try:
             self.coordinator.release_lease(job.spec.job, lease, self.server_id)
         except CoordinationUnavailable:

@@ -177,30 +177,41 @@ class Dataset:
         """(part, sample id there) of plan members `ids`."""
         return self.planning.members(plan, ids)
 
-    def work(self, plan: Plan, step: int, rank: int) -> RankStepWork:
-        """What a worker needs to prepare one rank's packs of one step."""
+    def work(self, plan: Plan, step: int, rank: int, encoder: bool = False) -> RankStepWork:
+        """What a worker needs to prepare one rank's packs of one step (`encoder`: encoder rank `rank`'s)."""
+        config = plan.config
         packs = []
-        for microbatch in range(plan.config.microbatches):
-            ids, limits = plan.pack_with_truncation(step, rank, microbatch)
-            sources, sample_ids = self.members(plan, ids)
-            packs.append((sample_ids, np.array(limits), sources))
+        for microbatch in range(config.microbatches):
+            ids, limits = plan.pack_with_truncation(step, rank, microbatch) if not encoder else ([], [])
+            sources, sample_ids = self.members(plan, np.asarray(ids, dtype=np.int64))
+            packs.append((sample_ids, np.array(limits, dtype=np.int64), sources))
         parts_, sources, sample_ids = self.parts, *self.members(plan, plan.step_members(step))
         step_loss = sum(part.rows.loss_tokens(sample_ids[sources == k]) for k, part in enumerate(parts_))
-        groups = plan.config.context_parallel
-        cp = [plan.pack_cp(step, rank, microbatch) for microbatch in range(plan.config.microbatches)] \
+        groups = config.context_parallel
+        cp = [plan.pack_cp(step, rank, microbatch) for microbatch in range(config.microbatches)] \
             if groups > 1 else None
         return RankStepWork(tuple(part.name for part in parts_), tuple(part.label for part in parts_),
                             plan.epoch, step, rank, packs, step_loss, plan.is_last_step(step), plan.seed,
-                            self._routing(plan, step, rank), cp=cp, cp_groups=groups)
+                            self._routing(plan, step, rank, encoder), cp=cp, cp_groups=groups,
+                            disaggregated=config.disaggregated, encoder=encoder)
 
-    def _routing(self, plan: Plan, step: int, rank: int) -> list | None:
-        """isf+phases with the encoder routed: per microbatch, who encodes each member, and what `rank` encodes."""
-        if plan.config.strategy is not Strategy.ISF_PHASES or plan.config.colocate_encoder:
+    def _routing(self, plan: Plan, step: int, rank: int, encoder: bool) -> list | None:
+        """isf+phases with the encoder routed, or on ranks of its own: per microbatch, who encodes each member of
+        `rank`'s pack, and what `rank` encodes (an LLM rank of its own encoders: nothing; an encoder rank: no pack
+        of its own)."""
+        config = plan.config
+        if not config.disaggregated and (config.strategy is not Strategy.ISF_PHASES or config.colocate_encoder):
             return None
+        nothing = (np.zeros(0, np.int64), np.zeros(0, np.int32), np.zeros((0, 2), np.int32))
         routed = []
+        for microbatch in range(config.microbatches):
+            encoders = plan.pack_encoders(step, rank, microbatch) if not encoder else np.zeros(0, np.int32)
+            routed.append((encoders, nothing))
+        if config.disaggregated and not encoder:
+            return routed
         for microbatch, (ids, targets) in enumerate(routed_encodes(plan, step, rank)):
             sources, sample_ids = self.members(plan, ids)
-            routed.append((plan.pack_encoders(step, rank, microbatch), (sample_ids, sources, targets)))
+            routed[microbatch] = (routed[microbatch][0], (sample_ids, sources, targets))
         return routed
 
     def _step_samples(self, work: RankStepWork) -> list[tuple[IndexPart, np.ndarray]]:

@@ -81,6 +81,12 @@ class Job:
     steps: SharedSteps = field(default_factory=SharedSteps)  # steps in preparation or held, shared by replicas
     record: JobRecord | None = None  # as the coordinator holds it (its first registration's time included)
     revoked: JobError | None = None  # set when an older registration of the id holds another plan: streams stop
+    # PlanSpec.encoder_ranks E > 0: each encoder rank's progress (reported; the LLM ranks' is the job's position)
+    encoders: list[RankState] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.encoders:
+            self.encoders = [RankState() for _ in range(self.spec.plan_config.encoder_ranks)]
 
     def prepare(self) -> None:
         """Plan epoch 0 (caps included) now, so a bad config fails the open, not the first stream."""
@@ -126,9 +132,19 @@ class Job:
                                                   f"holds plan {expected}: this server serves another dataset or "
                                                   "settings; use one of the job's own servers")
 
-    def check_rank(self, rank: int) -> None:
-        if not 0 <= rank < self.spec.plan_config.dp:
-            raise JobError("OUT_OF_RANGE", f"rank {rank} is outside job {self.spec.job!r} (dp = {self.spec.plan_config.dp})")
+    def check_rank(self, rank: int, encoder: bool = False) -> None:
+        config = self.spec.plan_config
+        if encoder and not config.disaggregated:
+            raise JobError("INVALID_ARGUMENT", f"job {self.spec.job!r} has no encoder ranks (its plan's encoder_ranks "
+                                               "is 0: the encoder runs on the LLM's ranks): open it as an LLM rank")
+        if encoder and not 0 <= rank < config.encoder_ranks:
+            raise JobError("OUT_OF_RANGE", f"encoder rank {rank} is outside job {self.spec.job!r} (encoder_ranks = "
+                                           f"{config.encoder_ranks})")
+        if not encoder and not 0 <= rank < config.dp:
+            raise JobError("OUT_OF_RANGE", f"rank {rank} is outside job {self.spec.job!r} (dp = {config.dp})")
+
+    def progress(self, rank: int, encoder: bool = False) -> RankState:
+        return (self.encoders if encoder else self.ranks)[rank]
 
     def check_step(self, epoch: int, step: int) -> Plan:
         plan = self.epoch_plan(epoch)
@@ -137,8 +153,8 @@ class Job:
             raise JobError("OUT_OF_RANGE", f"step {step} is past the plan of epoch {epoch} ({known})")
         return plan
 
-    def work(self, epoch: int, step: int, rank: int) -> RankStepWork:
-        return self.dataset.work(self.epoch_plan(epoch), step, rank)
+    def work(self, epoch: int, step: int, rank: int, encoder: bool = False) -> RankStepWork:
+        return self.dataset.work(self.epoch_plan(epoch), step, rank, encoder)
 
     def next_step(self, epoch: int, step: int) -> tuple[int, int] | None:
         """The step after (epoch, step), or None at the end of the job."""

@@ -52,9 +52,12 @@ class Pack:
     step_loss_tokens: int = 0  # filled in once every pack of the step is known
     sample_sources: list[str] = field(default_factory=list)  # the dataset of each sample (mixtures mix them)
     positions: list[int] = field(default_factory=list)  # each sample's position among the planned members
+    encoder: bool = False  # an encoder rank's pack (PlanSpec.encoder_ranks): images to encode, no LLM side
 
     @property
     def empty(self) -> bool:
+        if self.encoder:
+            return not len(self.tensors.get("encode_target", ()))
         return not self.sample_keys
 
 

@@ -27,9 +27,12 @@ END = None  # put in the queue after the job's last step (or after a failure)
 
 
 async def produce(job: Job, rank: int, cursor: tuple[int, int] | None, queue: asyncio.Queue, pool: WorkerPool,
-                  budget: MemoryBudget, config: ServerConfig, metrics: Metrics | None = None) -> None:
+                  budget: MemoryBudget, config: ServerConfig, metrics: Metrics | None = None,
+                  encoder: bool = False) -> None:
     """Put ((epoch, step), RankStepResult, StepHold) for every step from `cursor` to the end of the job, then END
-    (the stream releases each hold once the step is sent).
+    (the stream releases each hold once the step is sent). `encoder`: `rank` is an encoder rank (its steps are
+    what it encodes; bounded like any rank's by its queue, so by how fast its trainer, which waits on the LLM
+    ranks, takes them).
     Raises JobError when a step takes over `prepare_timeout_s` (a stalled read) or loses more than
     `max_skipped_fraction` of its samples (the dataset is not what was indexed, or not reachable)."""
     prefetch_steps = config.prefetch_steps
@@ -40,7 +43,7 @@ async def produce(job: Job, rank: int, cursor: tuple[int, int] | None, queue: as
         while cursor is not None or in_flight:
             while cursor is not None and len(in_flight) < prefetch_steps:
                 if pending is None:
-                    work = await asyncio.to_thread(job.work, cursor[0], cursor[1], rank)
+                    work = await asyncio.to_thread(job.work, cursor[0], cursor[1], rank, encoder)
                     work.decode_budget = budget.working_limit  # a sample needing more is skipped, not prepared
                     # room for the packs, and meanwhile for decoding the step's largest image (or tokenising its
                     # longest sample)
@@ -51,8 +54,9 @@ async def produce(job: Job, rank: int, cursor: tuple[int, int] | None, queue: as
                 elif not budget.try_reserve(estimate):
                     break  # no room to prefetch: deliver what is in preparation first (it frees room)
                 pending = None
-                future, started = job.steps.take((rank, *cursor), lambda: pool.run(work))
-                hold = StepHold(budget, job.steps, (rank, *cursor), estimate)
+                key = ("encoder", rank, *cursor) if encoder else (rank, *cursor)  # encoder ranks: a space of their own
+                future, started = job.steps.take(key, lambda: pool.run(work))
+                hold = StepHold(budget, job.steps, key, estimate)
                 if metrics is not None:
                     (metrics.steps_prepared if started else metrics.steps_shared).labels(job.spec.job).inc()
                 in_flight.append((cursor, hold, future))
@@ -62,14 +66,15 @@ async def produce(job: Job, rank: int, cursor: tuple[int, int] | None, queue: as
                 result: RankStepResult = await asyncio.wait_for(asyncio.shield(future), config.prepare_timeout_s)
                 result.attach()  # the worker's shared file, mapped: from here dropping the result frees it
             except asyncio.TimeoutError:
-                raise JobError("UNAVAILABLE", f"step {position[0]}:{position[1]} of rank {rank} took over "
+                raise JobError("UNAVAILABLE", f"step {position[0]}:{position[1]} of {'encoder ' * encoder}rank {rank} took over "
                                               f"{config.prepare_timeout_s:g} s to prepare (a stalled read?); "
                                               "retry, or use another server") from None
             except BrokenProcessPool:
                 pool.restart()
                 raise JobError("UNAVAILABLE", "a pre-processing worker died (out of memory?); the pool was "
                                               "restarted: retry") from None
-            check_skipped(result, position, rank, config.max_skipped_fraction)  # still in flight: released if so
+            check_skipped(result, position, f"encoder rank {rank}" if encoder else f"rank {rank}",
+                          config.max_skipped_fraction)  # still in flight: released if so
             in_flight.popleft()
             owned = hold  # counted in the budget, not yet in the queue
             hold.resize(result.nbytes)
@@ -96,11 +101,11 @@ def release_all(in_flight, owned: StepHold | None) -> None:
         owned.release()
 
 
-def check_skipped(result: RankStepResult, position: tuple[int, int], rank: int, tolerance: float) -> None:
+def check_skipped(result: RankStepResult, position: tuple[int, int], who: str, tolerance: float) -> None:
     """A step that lost most of its samples is not trained on in silence: its stream fails with the reasons."""
     if result.samples and len(result.skipped) > tolerance * result.samples:
         reasons = sorted({reason for _, reason in result.skipped})
-        raise JobError("FAILED_PRECONDITION", f"step {position[0]}:{position[1]} of rank {rank}: {len(result.skipped)} "
+        raise JobError("FAILED_PRECONDITION", f"step {position[0]}:{position[1]} of {who}: {len(result.skipped)} "
                                               f"of {result.samples} samples skipped (max_skipped_fraction "
                                               f"{tolerance:g}), e.g. {reasons[:3]}; fix the dataset, or raise "
                                               "the tolerance")

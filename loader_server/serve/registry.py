@@ -124,25 +124,24 @@ class JobRegistry:
 
 
 def check_routable(plan: PlanConfig, dataset: Dataset) -> None:
-    """Context parallelism cuts every pack's tiles among GPUs on the server. isf+phases routes images between ranks. A video's frames are sampled and encoded with its sample (its
-    tiles and placeholders are decided together), and encoded image files are cut by the client of the pack that
-    consumes them: datasets with either are served colocated only."""
+    """Context parallelism cuts every pack's tiles among GPUs on the server. isf+phases routes images between
+    ranks, and encoder ranks (encoder_ranks > 0) encode for the LLM ranks. A video's frames are sampled and
+    encoded with its sample (its tiles and placeholders are decided together), and encoded image files are cut
+    by the client of the pack that consumes them: datasets with either are served colocated only."""
     if plan.context_parallel > 1 and PIXEL_PATHS[dataset.pixels].sends_files:
         raise JobError("INVALID_ARGUMENT", f"dataset {dataset.name} sends image files (pixels: encoded); context "
                                            "parallelism sends each GPU the tiles it encodes, cut on the server: "
                                            "serve it with pixels: exact or fast")
-    if plan.disaggregated:
-        raise JobError("INVALID_ARGUMENT", "PlanSpec.encoder_ranks > 0 (the encoder on ranks of its own) is planned "
-                                           "by packfeed plan and packfeed simulate, but not served yet: open the job "
-                                           "with encoder_ranks 0")
-    if plan.strategy is not Strategy.ISF_PHASES or plan.colocate_encoder:
+    routed = plan.strategy is Strategy.ISF_PHASES and not plan.colocate_encoder
+    if not (routed or plan.disaggregated):
         return
+    how, fix = (("encoder_ranks puts the encoder on ranks of its own", "set encoder_ranks 0") if plan.disaggregated
+                else ("isf+phases routes images to other ranks", "set colocate_encoder, or use isf+balance"))
     if PIXEL_PATHS[dataset.pixels].sends_files:
         raise JobError("INVALID_ARGUMENT", f"dataset {dataset.name} sends image files (pixels: encoded), which the "
-                                           "client decodes per consumed sample; isf+phases routes images to other "
-                                           "ranks: serve it with pixels: exact or fast, or set colocate_encoder")
+                                           f"client decodes per consumed sample; {how}: serve it with pixels: exact "
+                                           f"or fast, or {fix}")
     videos = sum(part.rows.samples_with_videos() for part in dataset.parts)
     if videos:
-        raise JobError("INVALID_ARGUMENT", f"dataset {dataset.name}: {videos} samples hold videos, which isf+phases "
-                                           "does not route between ranks (images only): set colocate_encoder, or "
-                                           "use isf+balance")
+        raise JobError("INVALID_ARGUMENT", f"dataset {dataset.name}: {videos} samples hold videos, which are not "
+                                           f"routed between ranks (images only; {how}): {fix}")

@@ -12,6 +12,10 @@ Pack m of rank r carries two things:
 (consumer rank, microbatch, position, image number) names every image on both sides, so the two agree on what
 each output is without another message; a sample skipped on one side (a shard changed since indexing) simply
 has no partner on the other, and the trainer leaves it out of the loss.
+
+With the encoder on ranks of its own (PlanSpec.encoder_ranks E > 0) the two sides are two rank spaces: an LLM
+rank's pack is the first half (`image_encoder` naming encoder ranks, no pixels: it encodes nothing), an encoder
+rank's pack the second (no LLM side, `Pack.encoder` set).
 """
 
 from __future__ import annotations
@@ -42,13 +46,16 @@ def routed_encodes(plan, step: int, rank: int) -> list[tuple[np.ndarray, np.ndar
 
 
 def build_routed_pack(parts: list[tuple[IndexRows, Any, str]], pack: tuple, encoders: np.ndarray, encode: tuple,
-                      epoch: int, step: int, rank: int, microbatch: int, seed: int = 0) -> Pack:
+                      epoch: int, step: int, rank: int, microbatch: int, seed: int = 0,
+                      encodes_as: int | None = None) -> Pack:
     """Pack `microbatch` of `rank`: `pack` = its (sample ids, token limits, sources), `encoders` the rank encoding
     each of them; `encode` = (sample ids, sources, targets) of what this rank encodes for microbatch `microbatch`.
-    A sample this rank both trains and encodes is read once."""
+    A sample this rank both trains and encodes is read once. `encodes_as`: the number `encoders` gives this rank
+    (`rank`; -1 for an LLM rank whose encoders are ranks of their own)."""
+    encodes_as = rank if encodes_as is None else encodes_as
     members, truncate_to, sources = pack
-    loaded, skipped = load_members(parts, members, truncate_to, sources, epoch, seed, pixels=encoders == rank)
-    mine = {(rank, position): sample for position, sample in loaded if encoders[position] == rank}
+    loaded, skipped = load_members(parts, members, truncate_to, sources, epoch, seed, pixels=encoders == encodes_as)
+    mine = {(rank, position): sample for position, sample in loaded if encoders[position] == encodes_as}
     ids, encode_sources, targets = encode
     wanted = [i for i, (consumer, position) in enumerate(targets.tolist()) if (consumer, position) not in mine]
     others, failed = load_members(parts, ids[wanted], np.zeros(len(wanted), np.int64), encode_sources[wanted], epoch,

@@ -61,12 +61,15 @@ def _resume(message: pb.ResumeFrom, depth: int) -> Resume:
                   message.seed, message.index_fingerprint, previous)
 
 
-def replica_lease(rank: int, replica: int, replicas: int, dp: int) -> int:
+def replica_lease(rank: int, replica: int, replicas: int, dp: int, encoder_ranks: int = 0,
+                  encoder: bool = False) -> int:
     """The lease a replica holds: the rank's own for replica 0, one apart for each other (numbered past every
-    rank, so no two replicas or ranks share one)."""
+    rank, so no two replicas or ranks share one); an encoder rank's are numbered past every LLM rank's."""
     if replicas > MAX_REPLICAS or replica >= replicas:
         raise JobError("INVALID_ARGUMENT", f"replica {replica} of {replicas}: give 0 <= replica < replicas <= "
                                            f"{MAX_REPLICAS}")
+    if encoder:
+        return dp * MAX_REPLICAS + rank + replica * encoder_ranks
     return rank + replica * dp
 
 
@@ -129,15 +132,21 @@ class PackfeedService:
             raise JobError("INVALID_ARGUMENT", f"data_wait_s is {request.data_wait_s}: give the seconds the rank "
                                                "waited for packs, a finite number >= 0")
         job = self.registry.get(request.job)
-        job.check_rank(request.rank)
+        job.check_rank(request.rank, request.encoder)
         await asyncio.to_thread(job.check_step, request.epoch, request.step)
         if request.replica or request.cp_rank:  # the rank's first GPU acknowledges for it: counted once per DP rank
             return pb.AckStepResponse()
-        if (request.epoch, request.step) > job.ranks[request.rank].streamed:
-            raise JobError("FAILED_PRECONDITION", f"step {request.epoch}:{request.step} was not sent to rank "
-                                                  f"{request.rank} by this server: acknowledge only steps received")
+        progress = job.progress(request.rank, request.encoder)
+        if (request.epoch, request.step) > progress.streamed:
+            who = f"encoder rank {request.rank}" if request.encoder else f"rank {request.rank}"
+            raise JobError("FAILED_PRECONDITION", f"step {request.epoch}:{request.step} was not sent to {who} by "
+                                                  "this server: acknowledge only steps received")
         skipped = client_skipped(request)
-        job.ranks[request.rank].data_wait_s = request.data_wait_s  # a report, for the status page
+        progress.data_wait_s = request.data_wait_s  # a report, for the status page
+        if request.encoder:  # the job's position is the LLM ranks'
+            progress.acknowledge(request.epoch, request.step)
+            self._record_skipped(job, request.rank, request.epoch, request.step, skipped, "client")
+            return pb.AckStepResponse()
         await asyncio.to_thread(job.ack, request.rank, request.epoch, request.step)
         await asyncio.to_thread(self.coordination.share_ack, job, request.rank)
         self._record_skipped(job, request.rank, request.epoch, request.step, skipped, "client")
@@ -153,8 +162,9 @@ class PackfeedService:
                           token_cap=job.caps.token_cap if job.caps else 0, conventions=job.dataset.conventions,
                           pixels=job.dataset.pixels.value,
                           resume=job.spec.resume.to_proto() if job.spec.resume else None)
-        for rank, state in enumerate(job.ranks):
-            info.ranks.add(rank=rank, acked_epoch=state.acked[0], acked_step=state.acked[1], queued_steps=state.queued,
+        for listed, states in ((info.ranks, job.ranks), (info.encoder_ranks, job.encoders)):
+            for rank, state in enumerate(states):
+                listed.add(rank=rank, acked_epoch=state.acked[0], acked_step=state.acked[1], queued_steps=state.queued,
                            streamed_epoch=state.streamed[0], streamed_step=state.streamed[1])
         for key, reason, epoch, step in list(job.skipped):
             info.skipped.add(key=key, reason=reason, epoch=epoch, step=step)
@@ -181,33 +191,38 @@ class PackfeedService:
             self.streams_per_client[client] -= 1
 
     async def _stream_packs(self, request: pb.StreamPacksRequest, context, part_bytes: int) -> None:
-        job, rank = self.registry.get(request.job), request.rank
+        job, rank, encoder = self.registry.get(request.job), request.rank, request.encoder
         job.check_plan(request.plan_fingerprint)
-        job.check_rank(rank)
-        replica, lane, groups = request.replica, request.cp_rank, job.spec.plan_config.context_parallel
+        job.check_rank(rank, encoder)
+        config = job.spec.plan_config
+        replica, lane, groups = request.replica, request.cp_rank, config.context_parallel
         if lane >= groups:
             raise JobError("INVALID_ARGUMENT", f"cp_rank {lane}: job {job.spec.job!r} plans {groups} context-parallel "
                                                f"GPUs per rank; give 0 <= cp_rank < {groups}")
-        primary = replica == 0 and lane == 0  # the rank's first GPU acknowledges for the rank
+        # the rank's first GPU acknowledges for the rank (an encoder rank's acknowledgements are reports only)
+        primary = replica == 0 and lane == 0 and not encoder
         replicas = max(1, request.replicas)
-        lease = replica_lease(rank, lane * replicas + replica, replicas * groups, job.spec.plan_config.dp)
+        lease = replica_lease(rank, lane * replicas + replica, replicas * groups, config.dp, config.encoder_ranks,
+                              encoder)
         start = (request.first_epoch, request.first_step)
         await asyncio.to_thread(job.check_step, *start)
-        await self._take_lease(job, rank, replica, lease)
+        who = f"encoder rank {rank}" if encoder else f"rank {rank}"
+        await self._take_lease(job, who, replica, lease)
         lost = asyncio.Event()
         job.open_streams += 1
-        keeper = asyncio.create_task(self.coordination.keep_lease(job, rank, lease, lost))
+        keeper = asyncio.create_task(self.coordination.keep_lease(job, None if encoder else rank, lease, lost))
         queue: asyncio.Queue = asyncio.Queue(maxsize=self.config.prefetch_steps)
         producer = asyncio.create_task(produce(job, rank, start, queue, self.pool, self.budget, self.config,
-                                               self.metrics))
-        log.info("stream started", extra={"job": job.spec.job, "rank": rank, "epoch": start[0], "step": start[1],
-                                          "peer": context.peer()})
+                                               self.metrics, encoder))
+        log.info("stream started", extra={"job": job.spec.job, "rank": rank, "encoder": encoder, "epoch": start[0],
+                                          "step": start[1], "peer": context.peer()})
         sent_steps = 0
         try:
             while (item := await queue.get()) is not END:
                 if primary:
                     self.metrics.queue_depth.labels(job.spec.job, str(rank)).set(queue.qsize())
-                    job.ranks[rank].queued = queue.qsize()
+                if primary or encoder and not replica:
+                    job.progress(rank, encoder).queued = queue.qsize()
                 (epoch, step), sending, hold = item
                 item = None
                 # Released once gRPC has taken the step's last piece (a write returns then, and a message it
@@ -215,14 +230,14 @@ class PackfeedService:
                 # on the way out of a failed or cancelled send
                 with hold:
                     if lost.is_set():
-                        raise JobError("ABORTED", f"another server took rank {rank} of job {job.spec.job!r}: "
+                        raise JobError("ABORTED", f"another server took {who} of job {job.spec.job!r}: "
                                                   "reconnect to continue")
                     if job.revoked:  # an older registration of the job id holds another plan
                         raise job.revoked
                     for piece, last in with_last(pieces_of(sending.for_lane(lane, groups), part_bytes)):
                         if last:  # counted as sent when its final piece is handed over: a client that has all
                             # of it may close before the write returns
-                            self._account(job, rank, epoch, step, sending, primary)
+                            self._account(job, rank, epoch, step, sending, primary, encoder and not replica)
                         await context.write(piece)
                 sending = hold = piece = None  # no step outlives its release while we wait for the next
                 sent_steps += 1
@@ -236,26 +251,28 @@ class PackfeedService:
                 if item is not END:
                     item[2].release()
             if not lost.is_set():
-                await asyncio.shield(asyncio.to_thread(self.coordination.let_go, job, rank, lease))
-            log.info("stream ended", extra={"job": job.spec.job, "rank": rank, "steps_sent": sent_steps})
+                await asyncio.shield(asyncio.to_thread(self.coordination.let_go, job, None if encoder else rank,
+                                                       lease))
+            log.info("stream ended", extra={"job": job.spec.job, "rank": rank, "encoder": encoder,
+                                            "steps_sent": sent_steps})
         failure = producer.exception() if producer.done() and not producer.cancelled() else None
         if isinstance(failure, JobError):
             raise failure
         if failure is not None:
             await context.abort(grpc.StatusCode.INTERNAL, f"pack preparation failed: {failure!r}")
 
-    async def _take_lease(self, job: Job, rank: int, replica: int, lease: int) -> None:
+    async def _take_lease(self, job: Job, rank_name: str, replica: int, lease: int) -> None:
         """Start a stream only with the rank's lease in hand. Fail-closed: while the coordinator cannot be asked,
         no new stream of a rank starts here (another server may be streaming it: two trainers would get the
         same samples without either knowing); the client retries. Streams already running go on."""
         outcome = await asyncio.to_thread(self.coordination.hold_lease, job.spec.job, lease)
         if outcome is LeaseOutcome.HELD:
             return
-        who = f"rank {rank}" + (f" replica {replica}" if replica else "")
+        who = rank_name + (f" replica {replica}" if replica else "")
         self.metrics.stream_refusals.labels(job.spec.job, outcome.value).inc()
         if outcome is LeaseOutcome.UNREACHABLE:
             log.warning("stream refused: the rank's lease cannot be checked", extra={"job": job.spec.job,
-                                                                                    "rank": rank, "replica": replica})
+                                                                                    "rank": rank_name, "replica": replica})
             raise JobError("UNAVAILABLE", f"{who} of job {job.spec.job!r}: this server cannot reach the coordinator "
                                           "(Redis) to check the rank's lease, and starts no stream that another "
                                           "server may be serving; streams already running go on. Retry: it "
@@ -264,12 +281,17 @@ class PackfeedService:
         raise JobError("UNAVAILABLE", f"{who} of job {job.spec.job!r} is being served by {owner}; if that server is "
                                       f"gone, its lease lapses within {self.config.lease_ttl_s:g} s: retry")
 
-    def _account(self, job: Job, rank: int, epoch: int, step: int, result: RankStepResult, primary: bool) -> None:
+    def _account(self, job: Job, rank: int, epoch: int, step: int, result: RankStepResult, primary: bool,
+                 encoder: bool = False) -> None:
         """Metrics and the rank's progress for a step sent; a replica above 0 counts its packs and bytes only
-        (its samples are the rank's, counted once)."""
+        (its samples are the rank's, counted once); an encoder rank (`encoder`: its first replica) its samples
+        skipped and its position too (the samples are the LLM ranks')."""
         name = job.spec.job
         self.metrics.packs.labels(name).inc(len(result.messages))
         self.metrics.bytes.labels(name).inc(result.nbytes)
+        if encoder:
+            self._record_skipped(job, rank, epoch, step, result.skipped, "server")
+            job.encoders[rank].sent(epoch, step)
         if not primary:
             return
         self.metrics.samples.labels(name).inc(result.samples)

@@ -72,9 +72,8 @@ class StatusReport:
             "plan": {"dp": plan.dp, "microbatches": plan.microbatches, "strategy": plan.strategy.value,
                      "epochs": job.spec.epochs, "window": plan.window},
             "balance": self._plan_balance(job),
-            "ranks": [{"rank": r, "acked": list(state.acked), "streamed": list(state.streamed),
-                       "queued_steps": state.queued, "lag_steps": state.lag, "data_wait_s": round(state.data_wait_s, 3)}
-                      for r, state in enumerate(list(job.ranks))],
+            "ranks": _progress_rows(job.ranks),
+            "encoder_ranks": _progress_rows(job.encoders),
             "throughput": {**rates, "packs": packs, "samples": samples},
             "samples_by_dataset": dict(job.delivered),
             "skipped": {"count": job.skipped_count, "recent_by_reason": reasons},
@@ -95,6 +94,12 @@ class StatusReport:
             self._balance[name] = {"known": True, "steps": plan.n_steps, "vit_dist": round(vit_dist, 6),
                                    "llm_dist": round(llm_dist, 6)}
         return self._balance[name]
+
+
+def _progress_rows(states: list) -> list[dict[str, Any]]:
+    """Each rank's (or encoder rank's) position, lag and reported data wait."""
+    return [{"rank": r, "acked": list(state.acked), "streamed": list(state.streamed), "queued_steps": state.queued,
+             "lag_steps": state.lag, "data_wait_s": round(state.data_wait_s, 3)} for r, state in enumerate(list(states))]
 
 
 def start_status_server(host: str, port: int, registry, report: StatusReport,
@@ -184,6 +189,9 @@ function render(s) {
       " samples/s; " + j.throughput.packs + " packs, " + j.throughput.samples + " samples sent</p>" +
       table(["rank", "acknowledged", "streamed", "queued steps", "lag (steps)", "trainer data wait s"],
             j.ranks.map(r => [r.rank, r.acked.join(":"), r.streamed.join(":"), r.queued_steps, r.lag_steps, r.data_wait_s])) +
+      (j.encoder_ranks.length ? table(["encoder rank", "acknowledged", "streamed", "queued steps", "lag (steps)",
+            "trainer data wait s"], j.encoder_ranks.map(r => [r.rank, r.acked.join(":"), r.streamed.join(":"),
+            r.queued_steps, r.lag_steps, r.data_wait_s])) : "") +
       "<p>" + j.skipped.count + " sample(s) skipped</p>" + (skipped.length ? table(["reason", "recent"], skipped) : "") +
       "</section>";
   }).join("");

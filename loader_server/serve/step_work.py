@@ -44,6 +44,10 @@ class RankStepWork:
     # pack then goes out as C shares, one per GPU of the rank's CP group (`packfeed.server.serve.cp_shares`)
     cp: list[tuple[np.ndarray, np.ndarray]] | None = None
     cp_groups: int = 1
+    # the encoder on ranks of its own (plan encoder_ranks > 0): `encoder` when this is an encoder rank's step
+    # (`rank` its encoder rank, `packs` empty, `routed` what it encodes); an LLM rank's step encodes nothing
+    disaggregated: bool = False
+    encoder: bool = False
 
     def samples_by_source(self, pixels_only: bool = False) -> list[tuple[int, np.ndarray]]:
         """(source k, its sample ids) for each index the step reads, every pack's samples together: a step's

@@ -143,7 +143,9 @@ def _build_rank_step(work: RankStepWork, shared: str | None) -> RankStepResult:
             if work.routed is not None:
                 encoders, encode = work.routed[microbatch]
                 pack = build_routed_pack(parts, (members, truncate_to, sources), encoders, encode, work.epoch,
-                                         work.step, work.rank, microbatch, work.seed)
+                                         work.step, work.rank, microbatch, work.seed,
+                                         encodes_as=-1 if work.disaggregated and not work.encoder else None)
+                pack.encoder = work.encoder
             else:
                 pack = build_pack(parts, members, truncate_to, sources, work.epoch, work.step, work.rank,
                                   microbatch, work.seed)
@@ -155,7 +157,7 @@ def _build_rank_step(work: RankStepWork, shared: str | None) -> RankStepResult:
                 pieces.extend(pack_pieces(share, len(work.packs), work.last_in_epoch)
                               for share in cp_shares(pack, degree, group, work.cp_groups))
             skipped.extend(pack.skipped)
-            samples += len(members)
+            samples += len(encode[0]) if work.encoder else len(members)
             by_dataset.update(pack.sample_sources)
         result = RankStepResult([], samples, skipped, 0.0, dict(by_dataset))
         if shared is not None:

@@ -1,6 +1,8 @@
 """The (dp, cp, pp) process grid: ranks, their process groups, and the small collectives every room uses.
 
-Global rank = (replica * CP + cp_rank) * P + stage. With context parallelism (cp > 1, at pp 1) the data-parallel
+Global rank = (replica * CP + cp_rank) * P + stage. With the encoder on ranks of its own (E encoder ranks,
+parallel.encoder=disaggregated, at pp 1 and cp 1) the E ranks come after the grid's: encoder rank e is global
+rank dp + e, and `dp_group` is the group of this rank's side (the dp LLM ranks, or the E encoder ranks). With context parallelism (cp > 1, at pp 1) the data-parallel
 group holds every rank (each GPU's gradients are partial sums of its replica's), and `cp_groups` holds a group for
 each aligned run of d GPUs of this rank's CP group (d = 2, 4, ..., cp), the GPUs a pack at degree d runs on. Every
 rank creates every group in the same order, as torch.distributed requires.
@@ -27,6 +29,7 @@ class Mesh:
     dp_group: dist.ProcessGroup | None = None
     cp: int = 1
     cp_groups: dict[tuple[int, int], dist.ProcessGroup] = field(default_factory=dict)  # (degree, cp_group)
+    encoder_ranks: int = 0  # the encoder's own ranks, after the grid's
 
     _device_mesh: object = None
 
@@ -48,7 +51,16 @@ class Mesh:
 
     @property
     def world(self) -> int:
-        return self.dp * self.cp * self.pp
+        return self.dp * self.cp * self.pp + self.encoder_ranks
+
+    @property
+    def is_encoder(self) -> bool:
+        """One of the encoder's own ranks (parallel.encoder=disaggregated)."""
+        return self.rank >= self.dp * self.cp * self.pp
+
+    @property
+    def encoder_rank(self) -> int:
+        return self.rank - self.dp * self.cp * self.pp
 
     @property
     def stage(self) -> int:
@@ -67,12 +79,21 @@ class Mesh:
         return self.stage == self.pp - 1
 
 
-def make_mesh(dp: int, pp: int, device: torch.device, cp: int = 1) -> Mesh:
-    """Groups for an initialised default process group of dp * cp * pp ranks (every rank creates every group,
-    in the same order, as torch.distributed requires)."""
+def make_mesh(dp: int, pp: int, device: torch.device, cp: int = 1, encoder_ranks: int = 0) -> Mesh:
+    """Groups for an initialised default process group of dp * cp * pp (+ encoder_ranks) ranks (every rank creates
+    every group, in the same order, as torch.distributed requires)."""
     world, rank = dist.get_world_size(), dist.get_rank()
-    if world != dp * cp * pp:
-        raise ValueError(f"world size {world} != dp {dp} x cp {cp} x pp {pp}: launch dp * cp * pp processes")
+    if world != dp * cp * pp + encoder_ranks:
+        encoders = f" + encoder_ranks {encoder_ranks}" if encoder_ranks else ""
+        raise ValueError(f"world size {world} != dp {dp} x cp {cp} x pp {pp}{encoders}: launch "
+                         f"{dp * cp * pp + encoder_ranks} processes")
+    if encoder_ranks:
+        if cp > 1 or pp > 1:
+            raise ValueError("encoder ranks run beside an LLM at pp 1 and cp 1")
+        mesh = Mesh(dp, pp, rank, device, encoder_ranks=encoder_ranks)
+        llm, encoders = dist.new_group(list(range(dp))), dist.new_group(list(range(dp, dp + encoder_ranks)))
+        mesh.dp_group = encoders if mesh.is_encoder else llm
+        return mesh
     if cp > 1 and pp > 1:
         raise ValueError("context parallelism runs at pp 1")
     mesh = Mesh(dp, pp, rank, device, cp=cp)

@@ -39,11 +39,13 @@ HEADER = 4  # microbatch, position, image number, units
 
 @dataclass
 class PhaseRunner:
-    """Runs one step with the encoder's work routed (see the module docstring); pp = 1."""
+    """Runs one step with the encoder's work routed (see the module docstring); pp = 1. With the encoder on ranks
+    of its own (`packfeed.trainer.parallel.disaggregated`) a rank holds one side: `stage` None on an encoder
+    rank, `encoder` None on an LLM rank."""
 
     mesh: Mesh
-    encoder: nn.Module  # a StageModule over the model's encoder layers (0:e)
-    stage: nn.Module  # a StageModule over the LLM's layers (e:n), ending the model
+    encoder: nn.Module | None  # a StageModule over the model's encoder layers (0:e)
+    stage: nn.Module | None  # a StageModule over the LLM's layers (e:n), ending the model
     model: object  # the LayerModel: carriers and the encoder hooks
     microbatches: int
     dtype: torch.dtype = torch.float32
@@ -51,33 +53,19 @@ class PhaseRunner:
     last_stats: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self):
-        self.modules = [self.stage]
+        self.modules = [self.stage] if self.stage is not None else []
 
     def run(self, shape: StepShape, batch: Microbatches) -> list[torch.Tensor]:
         if batch.routed is None:
             raise ValueError("parallel.encoder=phases needs routed packs: open the job with plan strategy isf+phases "
                              "(without colocate_encoder)")
         started = time.perf_counter()
-        device = self.mesh.device
         routed = batch.routed
         features, encoder_s = self._encode(routed)
-        sends = self._send_order(routed)
-        exchange = Exchange(self.mesh, self.model)
-        received = exchange.forward(features, sends, routed)
-        losses, received_grads = [], {}
-        normaliser = max(shape.step_loss_tokens, 1) / self.mesh.dp
-        args = [tuple(a.to(device).tensor_split(self.microbatches)[m] for a in batch.args)
-                for m in range(self.microbatches)]
-        for m, images in enumerate(routed):
-            leaf, pieces, missing = exchange.features_of(m, images, received)
-            microbatch = self.model.without_samples(args[m], missing) if missing else args[m]
-            carrier = self.model.llm_carrier(microbatch, leaf, shape)
-            loss = self.stage(*carrier)[0].sum() / normaliser
-            loss.backward()
-            losses.append(loss.detach())
-            grad = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
-            for key, (start, units) in pieces.items():
-                received_grads[key] = grad.narrow(0, start, units)
+        exchange = self.exchange()
+        received = exchange.forward(features, self._send_order(routed), routed)
+        losses, received_grads = self._train_llm(shape, batch, exchange, received) if self.stage is not None \
+            else ([], {})
         grads = exchange.backward(received_grads, features.shape[0])
         backward_started = time.perf_counter()
         if features.requires_grad and features.numel():
@@ -88,11 +76,33 @@ class PhaseRunner:
                            "all_to_all_bytes": float(exchange.bytes_sent), "phases_step_s": time.perf_counter() - started}
         return [loss / self.mesh.dp for loss in losses]
 
+    def exchange(self) -> Exchange:
+        return Exchange(self.mesh, self.model)
+
+    def _train_llm(self, shape: StepShape, batch: Microbatches, exchange: Exchange, received: torch.Tensor):
+        """Forward and backward of the LLM on each microbatch, its vision features what `exchange` received;
+        returns the losses and the gradient of each received image."""
+        losses, received_grads = [], {}
+        normaliser = max(shape.step_loss_tokens, 1) / self.mesh.dp
+        args = [tuple(a.to(self.mesh.device).tensor_split(self.microbatches)[m] for a in batch.args)
+                for m in range(self.microbatches)]
+        for m, images in enumerate(batch.routed):
+            leaf, pieces, missing = exchange.features_of(m, images, received)
+            microbatch = self.model.without_samples(args[m], missing) if missing else args[m]
+            carrier = self.model.llm_carrier(microbatch, leaf, shape)
+            loss = self.stage(*carrier)[0].sum() / normaliser
+            loss.backward()
+            losses.append(loss.detach())
+            grad = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
+            for key, (start, units) in pieces.items():
+                received_grads[key] = grad.narrow(0, start, units)
+        return losses, received_grads
+
     def _encode(self, routed: list[RoutedImages]) -> tuple[torch.Tensor, float]:
         """Features of every image encoded here, all microbatches' together, in microbatch then image order."""
         started = time.perf_counter()
         pixels = torch.cat([images.encode_input for images in routed]).to(self.mesh.device)
-        if pixels.shape[0] == 0:
+        if pixels.shape[0] == 0 or self.encoder is None:
             return self.model.vision_output_like(0, self.mesh.device, self.dtype).zero_(), 0.0
         carrier = self.model.encoder_carrier(pixels)
         with torch.autocast(self.mesh.device.type, dtype=self.encoder.autocast or torch.float32,
@@ -124,11 +134,15 @@ class PhaseRunner:
 
 
 class Exchange:
-    """The step's two all-to-alls over the DP group, and where each received image lands."""
+    """The step's two all-to-alls over the DP group, and where each received image lands. With the encoder on
+    ranks of its own (`packfeed.trainer.parallel.disaggregated`) they run over every rank (`peers` = the world),
+    and a pack's encoder rank e is global rank `encoder_offset` + e."""
 
-    def __init__(self, mesh: Mesh, model):
+    def __init__(self, mesh: Mesh, model, peers: int | None = None, encoder_offset: int = 0):
         self.mesh, self.model = mesh, model
-        self.group = mesh.dp_group if mesh.dp > 1 else None
+        self.peers = peers or mesh.dp
+        self.group = (mesh.dp_group if peers is None else dist.group.WORLD) if self.peers > 1 else None
+        self.encoder_offset = encoder_offset
         self.seconds = 0.0
         self.bytes_sent = 0
         self.sent: list[tuple[int, int]] = []  # (first unit, units) of each row sent, in send order
@@ -150,7 +164,7 @@ class Exchange:
         return out
 
     def forward(self, features: torch.Tensor, sends: dict, routed: list[RoutedImages]) -> torch.Tensor:
-        dp, device = self.mesh.dp, self.mesh.device
+        dp, device = self.peers, self.mesh.device
         self.unit_shape = tuple(features.shape[1:]) if features.numel() else \
             tuple(self.model.vision_output_like(0, device, features.dtype).shape[1:])
         rows = [sends.get(d, []) for d in range(dp)]
@@ -178,6 +192,7 @@ class Exchange:
         and the samples whose images did not come (left out of the loss)."""
         parts, pieces, missing, start = [], {}, set(), 0
         for encoder, position, number, units, sample in images.consumed:
+            encoder += self.encoder_offset
             found = self.received_at.get((encoder, m, position, number))
             if found is None or found[1] != units:
                 parts.append(received.new_zeros((units, *self.unit_shape)))
