@@ -136,6 +136,32 @@ def phase_step(rank: int, world: int, init_file: str, steps_file: str, out_dir: 
         dist.destroy_process_group()
 
 
+def disaggregated_step(rank: int, world: int, dp: int, init_file: str, steps_file: str, out_dir: str,
+                       control: bool = False) -> None:
+    """One step with the encoder on ranks of its own (parallel.encoder=disaggregated): global ranks 0..dp-1 the
+    LLM ranks, the rest encoder ranks, each fed its own served step. Saves this rank's gradients and losses.
+    `control`: encoder rank outputs sent under one another's names (`misrouted`)."""
+    from dataclasses import replace
+
+    from packfeed.trainer.parallel.disaggregated import DisaggregatedRunner
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        mesh = make_mesh(dp, 1, torch.device("cpu"), encoder_ranks=world - dp)
+        model = ReferenceModel(VLMConfig(**SMALL_MODEL))
+        runner = DisaggregatedRunner(mesh, model, None, 2)
+        batch = microbatches_of(torch.load(steps_file, weights_only=False)[rank], model.config)
+        if control:
+            batch.routed = [replace(images, encoded=misrouted(images.encoded)) for images in batch.routed]
+        losses = runner.step.run(runner.agree(batch), batch)
+        grads = {name.split(".", 1)[1]: p.grad.clone() for name, p in runner.module.named_parameters()
+                 if p.grad is not None}
+        torch.save({"grads": grads, "losses": [float(x) for x in losses], "stats": runner.step.last_stats},
+                   f"{out_dir}/rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
 def misrouted(encoded: list[tuple]) -> list[tuple]:
     """Each image's name given to the next image of the same size (a route that delivers every output, wrongly)."""
     out = list(encoded)

@@ -1,0 +1,157 @@
+"""parallel.encoder=disaggregated (`packfeed.trainer.parallel.disaggregated`): the encoder on E processes of its
+own beside the D LLM processes, each fed its own stream of one plan. The loss and every gradient equal colocated
+training on the same samples (one process over the step's colocated packs) at E=1, D=2 and E=2, D=3 on gloo; a
+wrong route differs; `packfeed train` runs it end to end with the losses of the encoder in the stages, fails
+loudly when an encoder rank dies and resumes exactly from its checkpoint."""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from test_trainer_pipeline import reference
+from trainer_workers import SMALL_MODEL, disaggregated_step, packfeed_train, restart_from
+
+pytestmark = pytest.mark.slow
+
+
+def copied(steps) -> list:
+    for step in steps:
+        for pack in step.packs:
+            pack.tensors = {name: tensor.clone() for name, tensor in pack.tensors.items()}
+    return steps
+
+
+@functools.lru_cache(maxsize=4)
+def served(index: str, dp: int, encoder_ranks: int) -> tuple[list, list]:
+    """Every step of one epoch for the D LLM ranks then the E encoder ranks of a job with encoder ranks, and for
+    the D ranks of the same plan served colocated (encoder_ranks 0), over real gRPC."""
+    from packfeed.client import LocalServer, PackStream
+
+    plan = dict(dp=dp, microbatches=2, seed=0)
+    with LocalServer(index, workers=1) as server:
+        split = [copied(list(PackStream(server.target, job="split", rank=r, encoder_ranks=encoder_ranks, **plan)))
+                 for r in range(dp)]
+        split += [copied(list(PackStream(server.target, job="split", encoder_rank=e, encoder_ranks=encoder_ranks,
+                                         **plan))) for e in range(encoder_ranks)]
+        colocated = [copied(list(PackStream(server.target, job="plain", rank=r, **plan))) for r in range(dp)]
+    return split, colocated
+
+
+def run_disaggregated(tmp_path, steps: list, dp: int, control: bool = False) -> list[dict]:
+    torch.save(steps, tmp_path / "steps.pt")
+    world = len(steps)
+    mp.spawn(disaggregated_step, args=(world, dp, str(tmp_path / "init"), str(tmp_path / "steps.pt"),
+                                       str(tmp_path), control), nprocs=world, join=True)
+    return [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
+
+
+def step_with_most_images(split: list, dp: int) -> int:
+    return max(range(len(split[0])), key=lambda k: sum(
+        int(p.image_encoder.view(-1, 3).shape[0]) for r in range(dp) for p in split[r][k].packs))
+
+
+@pytest.mark.parametrize("dp, encoder_ranks", [(2, 1), (3, 2)])
+def test_encoder_ranks_train_like_colocated_encoding(tmp_path, small_tile_index, dp, encoder_ranks):
+    split, colocated = served(str(small_tile_index), dp, encoder_ranks)
+    position = step_with_most_images(split, dp)
+    # the same samples in the step (how they fall to ranks may differ: the LLM packs balance on the LLM alone)
+    assert sorted(k for r in range(dp) for k in split[r][position].sample_keys) == \
+        sorted(k for r in range(dp) for k in colocated[r][position].sample_keys)
+    expected_loss, expected_grads = reference([colocated[r][position] for r in range(dp)])
+    results = run_disaggregated(tmp_path, [steps[position] for steps in split], dp)
+    assert sum(sum(r["losses"]) for r in results[:dp]) == pytest.approx(expected_loss, rel=1e-5)
+    assert not any(r["losses"] for r in results[dp:])  # encoder ranks hold no loss
+    llm, encoder = results[0]["grads"], results[dp]["grads"]
+    assert not llm.keys() & encoder.keys() and llm.keys() | encoder.keys() == expected_grads.keys()
+    for side in (results[:dp], results[dp:]):  # every rank of a side holds its side's averaged gradients
+        for result in side:
+            for name, got in result["grads"].items():
+                torch.testing.assert_close(got, expected_grads[name], rtol=1e-5, atol=1e-6, msg=name)
+    assert all(r["stats"]["all_to_all_bytes"] > 0 for r in results[dp:])
+
+
+def test_a_wrong_route_is_caught(tmp_path, small_tile_index):
+    split, colocated = served(str(small_tile_index), 2, 1)
+    position = step_with_most_images(split, 2)
+    _, expected_grads = reference([colocated[r][position] for r in range(2)])
+    results = run_disaggregated(tmp_path, [steps[position] for steps in split], 2, control=True)
+    assert any(not torch.allclose(results[0]["grads"][name], expected_grads[name], rtol=1e-4, atol=1e-6)
+               for name in results[0]["grads"])
+
+
+TRAIN = [f"model.{k}={v}" for k, v in SMALL_MODEL.items()] + [
+    "data.microbatches=2", "data.server_workers=1", "parallel.pp=1", "parallel.dp=2", "recompute.mode=none",
+    "optim.warmup_steps=3"]
+ENCODER_RANK = ["parallel.encoder=disaggregated", "parallel.encoder_ranks=1"]
+
+
+def test_packfeed_train_with_an_encoder_rank_trains_like_the_encoder_in_the_stages(tmp_path, small_tile_index):
+    """The issue's command: `packfeed train --nproc 3 ... parallel.dp=2 parallel.pp=1
+    parallel.encoder=disaggregated parallel.encoder_ranks=1` gives the losses and gradient norms of
+    `packfeed train --nproc 2 ... parallel.encoder=stages` on the same data and seed."""
+    common = TRAIN + [f"data.index={small_tile_index}", "optim.steps=3"]
+    _, stages = packfeed_train(2, common + ["parallel.encoder=stages"], tmp_path / "stages")
+    log, split = packfeed_train(3, common + ENCODER_RANK, tmp_path / "split")
+    assert "the encoder on 1 rank(s) of its own" in log and len(split) == 3
+    assert [r["loss"] for r in split] == pytest.approx([r["loss"] for r in stages], rel=1e-5)
+    assert [r["grad_norm"] for r in split] == pytest.approx([r["grad_norm"] for r in stages], rel=1e-5)
+    assert all(r["all_to_all_bytes"] > 0 for r in split)
+
+
+def worker_pids(parent: int, rank: int) -> list[int]:
+    """The processes below `parent` that torchrun started as global rank `rank` (read from /proc)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            environ = open(f"/proc/{entry}/environ", "rb").read().split(b"\0")
+            ancestor = int(entry)
+            while ancestor not in (0, 1, parent):
+                ancestor = int(open(f"/proc/{ancestor}/stat").read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        if ancestor == parent and f"RANK={rank}".encode() in environ:
+            found.append(int(entry))
+    return found
+
+
+def test_a_killed_encoder_rank_fails_the_run_loudly_and_it_resumes_exactly(tmp_path, small_tile_index):
+    common = TRAIN + [f"data.index={small_tile_index}", "data.epochs=30", "checkpoint.every=1"] + ENCODER_RANK
+    _, straight = packfeed_train(3, common + ["optim.steps=6"], tmp_path / "straight")
+    killed = tmp_path / "killed"
+    run = subprocess.Popen([sys.executable, "-m", "packfeed.server.cli", "train", "--nproc", "3", *common,
+                            "optim.steps=200", f"out={killed}"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                           text=True)
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and run.poll() is None:  # two steps done, then the encoder rank dies
+            metrics = killed / "metrics.jsonl"
+            if metrics.is_file() and len(metrics.read_text().splitlines()) >= 2:
+                break
+            time.sleep(0.2)
+        victims = worker_pids(run.pid, 2)
+        assert run.poll() is None and len(victims) == 1, "the run ended, or its encoder rank was not found"
+        os.kill(victims[0], signal.SIGKILL)
+        _, stderr = run.communicate(timeout=300)
+    finally:
+        if run.poll() is None:
+            run.kill()
+    assert run.returncode != 0 and "(exitcode: -9) local_rank: 2" in stderr, stderr[-3000:]
+    done = len((killed / "metrics.jsonl").read_text().splitlines())
+    saved = int((killed / "checkpoints" / "latest").read_text().removeprefix("step-"))
+    assert 2 <= saved <= done < 200
+    restart_from(killed, tmp_path / "resumed", saved)  # the killed run's own checkpoint, its later lines dropped
+    log, resumed = packfeed_train(3, common + [f"optim.steps={saved + 2}"], tmp_path / "resumed")
+    assert "resuming from" in log
+    assert [r["loss"] for r in resumed] == pytest.approx([r["loss"] for r in straight[:saved + 2]], rel=1e-6)
+    assert [r["step"] for r in resumed] == [r["step"] for r in straight[:saved + 2]]
