@@ -4,13 +4,13 @@ processes run the vision encoder and projector, the dp processes the LLM, each s
 Each encoder rank streams its own packs (`PackStream(..., encoder_rank=e)`): only the images it encodes for the
 step's microbatches of every LLM rank, named by (LLM rank, microbatch, planned position, image number); each LLM
 rank streams its packs without pixels, with the encoder rank of every image it consumes. One step:
-1. Every encoder rank encodes all its images of the step at once (the plan balanced the step's encoder work over
-   the E ranks on the encoder's own cost).
-2. One forward all-to-all over every rank (`packfeed.trainer.parallel.phases.Exchange`, with encoder rank e at
+1. Every encoder rank encodes its images of microbatch m (the plan balanced the step's encoder work over the E
+   ranks on the encoder's own cost).
+2. A forward all-to-all over every rank (`packfeed.trainer.parallel.phases.Exchange`, with encoder rank e at
    global rank dp + e) hands each output to its LLM rank; an LLM rank sends nothing, an encoder rank receives
-   nothing.
+   nothing. The encoder ranks then encode microbatch m + 1 while the LLM ranks train on m.
 3. The LLM ranks run forward and backward on each microbatch, their vision features leaves; the backward
-   all-to-all returns each image's gradient to its encoder rank, whose encoder backward runs once.
+   all-to-alls return each image's gradient to its encoder rank, whose encoder backward runs per microbatch.
 4. The LLM's gradients are averaged over the dp LLM ranks, as DDP does; the encoder's are summed over the E
    encoder ranks and divided by dp (each LLM rank's loss was scaled by dp / the step's loss tokens). The loss and
    every gradient then equal colocated training on the same packs.
@@ -27,7 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from packfeed.trainer.batch import Microbatches, StepShape
+from packfeed.trainer.batch import Microbatches, RoutedImages, StepShape
 from packfeed.trainer.parallel.data_parallel import all_reduce_gradients
 from packfeed.trainer.parallel.mesh import Mesh
 from packfeed.trainer.parallel.phases import Exchange, PhaseRunner
@@ -37,11 +37,40 @@ from packfeed.trainer.parallel.runner import StepTally
 
 
 class EncoderRanksStep(PhaseRunner):
-    """`PhaseRunner`'s step with the two sides on different ranks: the exchange over every rank, and each side's
-    gradients completed over its own ranks."""
+    """`PhaseRunner`'s step with the two sides on different ranks, one exchange per microbatch: an encoder rank
+    encodes microbatch m + 1 while the LLM ranks train on microbatch m. The gradients go back once the LLM is
+    done, and each side's are completed over its own ranks."""
 
     def exchange(self) -> Exchange:
         return Exchange(self.mesh, self.model, peers=self.mesh.world, encoder_offset=self.mesh.dp)
+
+    def run(self, shape: StepShape, batch: Microbatches) -> list[torch.Tensor]:
+        started = time.perf_counter()
+        routed, encoder_s = batch.routed, 0.0
+        args = self._llm_args(batch) if self.stage is not None else []
+        exchanges, features, losses, grads = [], [], [], []
+        for m, images in enumerate(routed):
+            encoded, seconds = self._encode([images])
+            encoder_s += seconds
+            exchange = self.exchange()
+            only_m = [images if k == m else EMPTY for k in range(len(routed))]  # microbatch m's keys, m kept
+            received = exchange.forward(encoded, self._send_order(only_m), only_m)
+            grads.append({})
+            if self.stage is not None:
+                losses.append(self._train_microbatch(shape, m, args[m], images, exchange, received, grads[m]))
+            exchanges.append(exchange)
+            features.append(encoded)
+        for exchange, encoded, received_grads in zip(exchanges, features, grads):
+            back = exchange.backward(received_grads, encoded.shape[0])
+            backward_started = time.perf_counter()
+            if encoded.requires_grad and encoded.numel():
+                torch.autograd.backward(encoded, back.to(encoded.dtype))
+            encoder_s += time.perf_counter() - backward_started
+        self.sync_gradients()
+        self.last_stats = {"encoder_s": encoder_s, "all_to_all_s": sum(e.seconds for e in exchanges),
+                           "all_to_all_bytes": float(sum(e.bytes_sent for e in exchanges)),
+                           "phases_step_s": time.perf_counter() - started}
+        return [loss / self.mesh.dp for loss in losses]
 
     def sync_gradients(self) -> None:
         mesh = self.mesh
@@ -53,6 +82,9 @@ class EncoderRanksStep(PhaseRunner):
         grads = [p.grad for p in module.parameters() if p.grad is not None]
         if grads:  # one rank on this side: nothing to sum, only the scale
             torch._foreach_mul_(grads, 1.0 / mesh.dp)
+
+
+EMPTY = RoutedImages(torch.zeros(0), [], [])  # a microbatch with nothing to send
 
 
 @dataclass

@@ -83,20 +83,27 @@ class PhaseRunner:
         """Forward and backward of the LLM on each microbatch, its vision features what `exchange` received;
         returns the losses and the gradient of each received image."""
         losses, received_grads = [], {}
-        normaliser = max(shape.step_loss_tokens, 1) / self.mesh.dp
-        args = [tuple(a.to(self.mesh.device).tensor_split(self.microbatches)[m] for a in batch.args)
-                for m in range(self.microbatches)]
-        for m, images in enumerate(batch.routed):
-            leaf, pieces, missing = exchange.features_of(m, images, received)
-            microbatch = self.model.without_samples(args[m], missing) if missing else args[m]
-            carrier = self.model.llm_carrier(microbatch, leaf, shape)
-            loss = self.stage(*carrier)[0].sum() / normaliser
-            loss.backward()
-            losses.append(loss.detach())
-            grad = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
-            for key, (start, units) in pieces.items():
-                received_grads[key] = grad.narrow(0, start, units)
+        for m, args in enumerate(self._llm_args(batch)):
+            losses.append(self._train_microbatch(shape, m, args, batch.routed[m], exchange, received, received_grads))
         return losses, received_grads
+
+    def _llm_args(self, batch: Microbatches) -> list[tuple[torch.Tensor, ...]]:
+        return [tuple(a.to(self.mesh.device).tensor_split(self.microbatches)[m] for a in batch.args)
+                for m in range(self.microbatches)]
+
+    def _train_microbatch(self, shape: StepShape, m: int, args: tuple, images: RoutedImages, exchange: Exchange,
+                          received: torch.Tensor, received_grads: dict) -> torch.Tensor:
+        """The LLM's forward and backward on microbatch m (its loss, detached); each received image's gradient
+        into `received_grads`."""
+        leaf, pieces, missing = exchange.features_of(m, images, received)
+        microbatch = self.model.without_samples(args, missing) if missing else args
+        carrier = self.model.llm_carrier(microbatch, leaf, shape)
+        loss = self.stage(*carrier)[0].sum() / (max(shape.step_loss_tokens, 1) / self.mesh.dp)
+        loss.backward()
+        grad = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
+        for key, (start, units) in pieces.items():
+            received_grads[key] = grad.narrow(0, start, units)
+        return loss.detach()
 
     def _encode(self, routed: list[RoutedImages]) -> tuple[torch.Tensor, float]:
         """Features of every image encoded here, all microbatches' together, in microbatch then image order."""
