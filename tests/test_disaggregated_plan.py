@@ -96,3 +96,72 @@ def test_config_refuses_what_does_not_combine():
         with pytest.raises(ValueError, match=field):
             PlanConfig(dp=2, **bad)
     assert "encoder_ranks" not in PlanConfig(dp=2).to_dict()  # plans before it keep their fingerprints
+
+
+@SETTINGS
+@given(loads=image_mixes(), config=disaggregated_configs(), seed=st.integers(0, 2**31))
+def test_every_microbatch_prefix_of_a_step_is_balanced_over_the_encoder_ranks(loads, config, seed):
+    """Encoder ranks encode microbatch m + 1 while the LLM trains on m: the plan balances every prefix of a step's
+    microbatches (within list scheduling's bound), so no exchange waits long on one encoder rank."""
+    plan = make_plan(loads, config, seed, 0)
+    costs = sample_costs(config.cost_model, loads)[plan.members, 0].astype(np.float64)
+    step = step_of_members(plan)
+    microbatch = np.repeat(np.arange(plan.n_packs) % config.microbatches, np.diff(plan.offsets))
+    for s in range(plan.n_steps):
+        for m in range(config.microbatches):
+            mine = (step == s) & (microbatch <= m)
+            if mine.any():
+                load = np.bincount(plan.encoder_rank[mine], costs[mine], minlength=config.encoder_ranks)
+                assert load.max() <= costs[mine].sum() / config.encoder_ranks + costs[mine].max() + 1e-9
+
+
+def test_packfeed_simulate_plans_each_split_it_searches_and_reports_the_chosen_one(tmp_path):
+    """`--encoder disaggregated` simulates each split on its own plan (encoder_ranks E, the step's packs shared by
+    the replicas): the chosen split is the best simulated epoch, and a plan file with encoder ranks is simulated
+    as planned (its own split, with the plan's per-rank encoder work)."""
+    import json
+    import subprocess
+    import sys
+
+    from packfeed.server.plan.costs import SampleLoads
+    from packfeed.trainer.simulate.cluster import Cluster
+    from packfeed.trainer.simulate.model_shape import load_model
+    from packfeed.trainer.simulate.predict import Settings, search_allocation
+    from packfeed.trainer.simulate.workload import planner_cost_model
+    from packfeed.server.cli.simulate import make_workload
+
+    table, shape = load_model("internvl-chat-1.5")
+    rng = np.random.default_rng(3)
+    vision = rng.choice([1, 2, 4, 6, 12], size=900)
+    loads = SampleLoads.from_arrays(vision, vision * 256 + rng.integers(100, 3000, 900))
+    cost = planner_cost_model(table, shape.patches_per_tile)
+
+    def replan(replicas: int, encoder_ranks: int):
+        return make_workload(loads, "isf+balance", replicas, 32 // replicas, 2, shape.patches_per_tile, cost,
+                             encoder_ranks=encoder_ranks)
+    base = make_workload(loads, "isf+balance", 4, 8, 2, shape.patches_per_tile, cost)
+    settings = Settings("disaggregated", pp=2, search_steps=3)
+    searched, chosen = search_allocation(base, table, Cluster(16, gpus_per_node=8), settings, replan)
+    sweep, _ = search_allocation(base, table, Cluster(16, gpus_per_node=8), settings, replan, exhaustive=True)
+    best = min(sweep["trials"], key=lambda t: t["epoch_s"])
+    assert searched["replanned"] and sweep["simulated"] == sweep["candidates"] >= 3
+    assert (searched["encoder_gpus"], searched["llm_dp"]) == (best["encoder_gpus"], best["llm_dp"])
+    assert all(t["bound_s"] <= t["epoch_s"] * (1 + 1e-9) for t in sweep["trials"])
+    assert chosen.encoder_split.shape[1:3] == (searched["encoder_gpus"], searched["llm_dp"])
+
+    index = tmp_path / "lengths.json"
+    index.write_text(json.dumps([{"vit_num": int(v), "token_num": int(t), "image_flags": int(v)}
+                                 for v, t in zip(loads.vision, loads.tokens)]))
+    common = [sys.executable, "-m", "packfeed.server.cli"]
+    subprocess.run(common + ["index", "--from-lengths", str(index), "--out", str(tmp_path / "index.parquet")],
+                   check=True, capture_output=True)
+    subprocess.run(common + ["plan", "--index", str(tmp_path / "index.parquet"), "--dp", "4", "--microbatches", "4",
+                             "--encoder-ranks", "3", "--out", str(tmp_path / "plan.parquet")], check=True,
+                   capture_output=True)
+    done = subprocess.run(common + ["simulate", "--index", str(tmp_path / "index.parquet"), "--plan",
+                                    str(tmp_path / "plan.parquet"), "--encoder", "disaggregated", "--pp", "1",
+                                    "--gpus", "7", "--json"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    record = json.loads(done.stdout.strip().splitlines()[-1])
+    assert (record["search"]["encoder_gpus"], record["search"]["llm_dp"]) == (3, 4)
+    assert not record["search"]["replanned"] and record["epoch_s"] > 0

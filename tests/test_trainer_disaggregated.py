@@ -107,6 +107,26 @@ def test_packfeed_train_with_an_encoder_rank_trains_like_the_encoder_in_the_stag
     assert all(r["all_to_all_bytes"] > 0 for r in split)
 
 
+def test_encoder_ranks_auto_takes_the_split_packfeed_simulate_finds(tmp_path, small_tile_index):
+    """`parallel.encoder_ranks=auto` with `--nproc 3`: the split the simulator's search finds on the run's own
+    plans (each split planned as the run would open it), launched as dp + E processes."""
+    from packfeed.trainer.config import load_config
+    from packfeed.trainer.simulate.split import searched_split
+
+    overrides = TRAIN + [f"data.index={small_tile_index}", "optim.steps=1", "parallel.encoder=disaggregated",
+                         "parallel.encoder_ranks=auto"]
+    split = searched_split(load_config(None, overrides), 3)
+    trials = split["search"]["trials"]
+    assert split["encoder_ranks"] + split["dp"] == 3 and split["search"]["candidates"] == 2
+    best = min(trials, key=lambda t: t["epoch_s"])
+    assert (split["encoder_ranks"], split["dp"]) == (best["encoder_gpus"], best["llm_dp"])
+    log, records = packfeed_train(3, overrides, tmp_path / "auto")
+    assert f"{split['encoder_ranks']} encoder rank(s) + parallel.dp={split['dp']}" in log
+    assert f"the encoder on {split['encoder_ranks']} rank(s) of its own" in log and len(records) == 1
+    with pytest.raises(ValueError, match="give a number of processes or auto"):
+        load_config(None, ["parallel.encoder=disaggregated", "parallel.encoder_ranks=many"])
+
+
 def worker_pids(parent: int, rank: int) -> list[int]:
     """The processes below `parent` that torchrun started as global rank `rank` (read from /proc)."""
     found = []

@@ -109,7 +109,9 @@ class ParallelConfig:
     # own beside the dp LLM ranks, each step's images balanced over them (disaggregated: DistTrain;
     # packfeed.trainer.parallel.disaggregated)
     encoder: Literal["stages", "bubbles", "phases", "disaggregated"] = "stages"
-    encoder_ranks: int = 0  # parallel.encoder=disaggregated: the encoder's processes (E); the run has dp + E
+    # parallel.encoder=disaggregated: the encoder's processes (E); the run has dp + E. auto: E searched by
+    # `packfeed simulate` for the run's processes (packfeed.trainer.simulate.split), dp = the rest
+    encoder_ranks: int | str = 0
     backend: Literal["", "nccl", "gloo"] = ""  # "" = nccl on CUDA, gloo on CPU
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"  # bf16/fp16: autocast, and activations cross stages in that dtype
     device: str = ""  # "" = cuda when available
@@ -137,10 +139,13 @@ class ParallelConfig:
             raise ValueError("parallel.encoder=phases routes encoder outputs between data-parallel ranks that each "
                              "hold the whole model: set parallel.pp=1 and parallel.data_parallel=ddp (pipelines "
                              "encode in their stages or bubbles)")
-        if (self.encoder == "disaggregated") != (self.encoder_ranks > 0) or self.encoder_ranks < 0:
+        auto = self.encoder_ranks == "auto"
+        if not auto and (not isinstance(self.encoder_ranks, int) or isinstance(self.encoder_ranks, bool)):
+            raise ValueError(f"parallel.encoder_ranks = {self.encoder_ranks!r}: give a number of processes or auto")
+        if (self.encoder == "disaggregated") != (auto or self.encoder_ranks > 0) or not auto and self.encoder_ranks < 0:
             raise ValueError(f"parallel.encoder_ranks = {self.encoder_ranks} with parallel.encoder={self.encoder}: the "
                              "encoder on processes of its own takes parallel.encoder=disaggregated and "
-                             "parallel.encoder_ranks >= 1 together (other placements leave it at 0)")
+                             "parallel.encoder_ranks >= 1 (or auto) together (other placements leave it at 0)")
         if self.encoder == "disaggregated" and (self.pp != 1 or self.cp != 1 or self.data_parallel != "ddp"):
             raise ValueError("parallel.encoder=disaggregated runs the LLM at parallel.pp=1, parallel.cp=1 with "
                              "parallel.data_parallel=ddp (pipelines and context parallelism with encoder ranks "
@@ -153,6 +158,9 @@ class ParallelConfig:
     @property
     def world(self) -> int:
         """The processes the run trains on: dp x cp x pp, and the encoder's own."""
+        if self.encoder_ranks == "auto":
+            raise ValueError("parallel.encoder_ranks=auto: the split is searched for the run's processes; launch "
+                             "with packfeed train --nproc G (or resolve it: packfeed.trainer.simulate.split)")
         return self.dp * self.cp * self.pp + self.encoder_ranks
 
 

@@ -194,7 +194,12 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.nproc:
         from packfeed.trainer.config import load_config
 
-        parallel = load_config(args.config, args.overrides).parallel
+        config = load_config(args.config, args.overrides)
+        if config.parallel.encoder_ranks == "auto":  # searched once here, handed to every process
+            resolved = resolved_encoder_ranks(config, args.nproc)
+            forwarded += resolved
+            config = load_config(args.config, args.overrides + resolved)
+        parallel = config.parallel
         world = parallel.world  # the mesh decides how many processes train
         if world != args.nproc:
             encoders = f" + parallel.encoder_ranks {parallel.encoder_ranks}" if parallel.encoder_ranks else ""
@@ -205,6 +210,18 @@ def cmd_train(args: argparse.Namespace) -> int:
     from packfeed.trainer.train import main as train_main
 
     return train_main(forwarded)
+
+
+def resolved_encoder_ranks(config, gpus: int) -> list[str]:
+    """parallel.encoder_ranks=auto for `gpus` processes: the split `packfeed simulate` finds, as overrides."""
+    from packfeed.trainer.simulate.split import searched_split
+
+    split = searched_split(config, gpus)
+    trials = ", ".join(f"E {t['encoder_gpus']} + dp {t['llm_dp']}: epoch {t['epoch_s']:.3g} s"
+                       for t in sorted(split["search"]["trials"], key=lambda t: t["encoder_gpus"]))
+    print(f"packfeed train: parallel.encoder_ranks=auto over {gpus} processes: {split['encoder_ranks']} encoder "
+          f"rank(s) + parallel.dp={split['dp']} (simulated: {trials})", file=sys.stderr)
+    return [f"parallel.encoder_ranks={split['encoder_ranks']}", f"parallel.dp={split['dp']}"]
 
 
 def launch(world: int, forwarded: list[str]) -> int:

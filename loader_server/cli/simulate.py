@@ -22,7 +22,7 @@ from packfeed.trainer.simulate.predict import Prediction, Settings, pipeline_cos
 from packfeed.trainer.simulate.report import draw_timeline, table
 from packfeed.trainer.simulate.routed import Routing
 from packfeed.trainer.parallel.schedules import SCHEDULES
-from packfeed.trainer.simulate.workload import STRATEGIES, Workload, planner_cost_model, workload_of
+from packfeed.trainer.simulate.workload import STRATEGIES, Workload, encoder_split_of, planner_cost_model, workload_of
 from packfeed.v1.options import CostModel, PlanConfig, Strategy
 
 from packfeed.trainer.simulate.context_parallel import CpWorkload
@@ -38,12 +38,12 @@ PLANNER_STRATEGY = {"random-padded": Strategy.RANDOM, "random": Strategy.ISF, "i
 
 def make_workload(samples: SampleLoads, strategy: str, dp: int, microbatches: int, pipeline_stages: int,
                   patches_per_tile: int, cost_model: CostModel, seed: int = 0, epoch: int = 0,
-                  samples_per_pack: float = 4.0) -> Workload:
+                  samples_per_pack: float = 4.0, encoder_ranks: int = 0) -> Workload:
     if strategy not in STRATEGIES:
         raise ValueError(f"--strategy must be one of {', '.join(STRATEGIES)}, not {strategy!r}")
     config = PlanConfig(dp=dp, microbatches=microbatches, pipeline_stages=pipeline_stages,
                         strategy=PLANNER_STRATEGY[strategy], samples_per_pack=samples_per_pack,
-                        cost_model=cost_model)
+                        cost_model=cost_model, encoder_ranks=encoder_ranks)
     if strategy == "random":
         offsets, members = random_packs(samples, config, seed, epoch)
         return workload_of(offsets, members, samples.vision, samples.tokens, config, patches_per_tile, strategy)
@@ -51,16 +51,20 @@ def make_workload(samples: SampleLoads, strategy: str, dp: int, microbatches: in
 
     plan = make_plan(samples, config, seed, epoch)
     return replace(workload_of(plan.offsets, plan.members, samples.vision, samples.tokens, config, patches_per_tile,
-                               strategy),
-                   routing=routing_of(plan, samples, patches_per_tile))
+                               strategy), **placement_of(plan, samples, patches_per_tile))
 
 
-def routing_of(plan: Plan, samples: SampleLoads, patches_per_tile: int) -> Routing | None:
-    """isf+phases: each step's encoder work as the plan routes it (None for the other strategies)."""
+def placement_of(plan: Plan, samples: SampleLoads, patches_per_tile: int) -> dict:
+    """Where the plan encodes each step's items: routed between the ranks (isf+phases: `routing`), or on encoder
+    ranks of its own (`encoder_split`); nothing for the other plans."""
+    config = plan.config
     if plan.encoder_rank is None:
-        return None
-    return Routing.of_plan(plan.offsets, plan.members, plan.encoder_rank, samples.vision, plan.config.dp,
-                           plan.config.microbatches, patches_per_tile)
+        return {}
+    if config.disaggregated:
+        return {"encoder_split": encoder_split_of(plan.offsets, plan.members, plan.encoder_rank, samples.vision,
+                                                  config.dp, config.microbatches, config.encoder_ranks)}
+    return {"routing": Routing.of_plan(plan.offsets, plan.members, plan.encoder_rank, samples.vision, config.dp,
+                                       config.microbatches, patches_per_tile)}
 
 
 def workload_of_plan(plan: Plan, samples: SampleLoads, patches_per_tile: int) -> Workload:
@@ -74,7 +78,7 @@ def workload_of_plan(plan: Plan, samples: SampleLoads, patches_per_tile: int) ->
         tokens[plan.members[cut]] = plan.truncate_to[cut]
     name = {Strategy.RANDOM: "random-padded"}.get(plan.config.strategy, plan.config.strategy.value)
     return replace(workload_of(plan.offsets, plan.members, samples.vision, tokens, plan.config, patches_per_tile,
-                               name), routing=routing_of(plan, samples, patches_per_tile))
+                               name), **placement_of(plan, samples, patches_per_tile))
 
 
 def cp_workload(plan, vision: np.ndarray, tokens: np.ndarray, patches_per_tile: int) -> CpWorkload:
@@ -198,6 +202,21 @@ def _workload(args, table, shape) -> Workload:
                          planner_cost_model(table, patches), args.seed, args.epoch, args.samples_per_pack)
 
 
+def replanner(args: argparse.Namespace, table_, shape):
+    """`--encoder disaggregated` on lengths or an index with an ISF strategy: each split searched is planned
+    for itself (`encoder_ranks`, as `packfeed plan --encoder-ranks` plans it). None otherwise: a plan file is
+    simulated as planned, and the random strategies' packs are regrouped."""
+    if args.encoder != "disaggregated" or args.plan or args.strategy in ("random", "random-padded"):
+        return None
+    samples, patches = _samples(args), shape.patches_per_tile if shape else 1
+    cost_model = planner_cost_model(table_, patches)
+
+    def replan(replicas: int, encoder_ranks: int) -> Workload:  # the step's packs shared by the replicas
+        return make_workload(samples, args.strategy, replicas, args.dp * args.microbatches // replicas, args.pp,
+                             patches, cost_model, args.seed, args.epoch, args.samples_per_pack, encoder_ranks)
+    return replan
+
+
 def run(args: argparse.Namespace) -> int:
     if args.run:
         return check_run(args)
@@ -212,7 +231,7 @@ def run(args: argparse.Namespace) -> int:
     cluster = Cluster(gpus, args.gpus_per_node, args.peak_tflops, args.achievable, args.intra_gbs, args.inter_gbs)
     settings = Settings(args.encoder, args.pp, args.tp, args.schedule, args.virtual_stages, args.partition,
                         args.encoder_gpus)
-    prediction = simulate_plan(workload, table_, cluster, settings)
+    prediction = simulate_plan(workload, table_, cluster, settings, replanner(args, table_, shape))
     title = (f"packfeed simulate: {table_.name}, {workload.strategy}, encoder {args.encoder}, "
              f"{cluster.gpus} GPUs")
     if args.timeline:
@@ -296,9 +315,11 @@ def median_step(prediction: Prediction, workload: Workload, table_, cluster: Clu
     when the encoder has GPUs of its own)."""
     layout = Layout(**{k: prediction.layout[k] for k in ("encoder", "dp", "pp", "tp", "chunks", "schedule",
                                                           "encoder_groups")})
+    workload = prediction.workload or workload
     if layout.dp != workload.loads.shape[1]:
         workload = workload.regrouped(layout.dp)
     order = np.argsort(prediction.step_times, kind="stable")
     k = int(order[len(order) // 2])
     costs, _ = pipeline_costs(table_, cluster, layout, workload, settings.partition)
-    return simulate_step(costs, layout, workload.loads[k], cluster, keep_run=True)
+    split = workload.encoder_split[k] if workload.encoder_split is not None else None
+    return simulate_step(costs, layout, workload.loads[k], cluster, keep_run=True, encoder_split=split)

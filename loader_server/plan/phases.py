@@ -51,6 +51,29 @@ def assign_phase(costs: np.ndarray, ranks: int, rounds: int = 256) -> np.ndarray
     return rank_of
 
 
+def assign_in_rounds(costs: np.ndarray, round_of: np.ndarray, ranks: int) -> np.ndarray:
+    """The rank of every item, round after round (the microbatches of a step, in the order they are encoded):
+    each round's items largest first, each onto the rank with the least work so far, this round's and the
+    earlier rounds' (ties to the lowest rank). Every prefix of rounds, the whole step included, is within list
+    scheduling's bound: at most its mean per rank plus its largest item."""
+    order = np.lexsort((np.arange(len(costs)), -costs, round_of))
+    return _greedy(costs.astype(np.float64), order, ranks)
+
+
+@numba.njit(cache=True, nogil=True)
+def _greedy(costs, order, ranks):
+    loads = np.zeros(ranks)
+    rank_of = np.zeros(len(costs), dtype=np.int64)
+    for i in order:
+        best = 0
+        for r in range(1, ranks):
+            if loads[r] < loads[best]:
+                best = r
+        rank_of[i] = best
+        loads[best] += costs[i]
+    return rank_of
+
+
 @numba.njit(cache=True, nogil=True)
 def _refine(costs, rank_of, ranks, rounds):
     """In place: the move (an item of the busiest rank to the idlest) or swap (one item each way) whose transfer
@@ -280,6 +303,7 @@ def phase_plan(offsets: np.ndarray, members: np.ndarray, costs: np.ndarray, phas
     sizes = np.diff(offsets)
     consumer = np.repeat((np.arange(n_packs) // microbatches) % dp, sizes)
     step_of = np.repeat(np.arange(n_packs) // slots, sizes)
+    microbatch_of = np.repeat(np.arange(n_packs) % microbatches, sizes)
     steps = n_packs // slots
     cuts = np.flatnonzero(np.diff(step_of)) + 1  # members are in step order already
     groups = np.split(np.arange(len(members)), cuts) if len(members) else []
@@ -287,16 +311,17 @@ def phase_plan(offsets: np.ndarray, members: np.ndarray, costs: np.ndarray, phas
     np.add.at(llm_loads, (step_of, consumer), costs[members, 1].astype(np.float64))
     encoders = {phase.name: _encoder_phase(phase, groups, consumer, step_of, costs[members, phase.column]
                                            .astype(np.float64), phase.units[members].astype(np.float64), dp, steps,
-                                           ranks_per_node, encoder_ranks) for phase in phases}
+                                           ranks_per_node, encoder_ranks, microbatch_of) for phase in phases}
     return PhasePlan(encoders, dist_ratio(llm_loads))
 
 
 def _encoder_phase(phase: Phase, groups: list[np.ndarray], consumer: np.ndarray, step_of: np.ndarray,
                    cost: np.ndarray, weight: np.ndarray, dp: int, steps: int, ranks_per_node: int,
-                   encoder_ranks: int = 0) -> EncoderPhase:
+                   encoder_ranks: int = 0, microbatch_of: np.ndarray | None = None) -> EncoderPhase:
     """One encoder over every step: balanced (LPT and moves, or the padded assignment), then routed."""
     if encoder_ranks:
-        return _disaggregated_phase(phase, groups, consumer, step_of, cost, weight, dp, steps, encoder_ranks)
+        return _disaggregated_phase(phase, groups, consumer, step_of, cost, weight, dp, steps, encoder_ranks,
+                                    microbatch_of)
     encoder_rank = consumer.copy()
     bins = consumer.copy()
     moved = inter = bound = 0.0
@@ -322,16 +347,19 @@ def _encoder_phase(phase: Phase, groups: list[np.ndarray], consumer: np.ndarray,
 
 
 def _disaggregated_phase(phase: Phase, groups: list[np.ndarray], consumer: np.ndarray, step_of: np.ndarray,
-                         cost: np.ndarray, weight: np.ndarray, dp: int, steps: int, ranks: int) -> EncoderPhase:
-    """One encoder on `ranks` encoder ranks of its own: each step's items balanced over them (LPT and moves, or
-    the padded assignment); every output moves to its LLM rank."""
+                         cost: np.ndarray, weight: np.ndarray, dp: int, steps: int, ranks: int,
+                         microbatch_of: np.ndarray) -> EncoderPhase:
+    """One encoder on `ranks` encoder ranks of its own: each step's items balanced over them microbatch after
+    microbatch (`assign_in_rounds`: an encoder rank encodes microbatch m + 1 while the LLM trains on m, so every
+    prefix of the step's microbatches is balanced, not only the whole step), or the padded assignment per step;
+    every output moves to its LLM rank."""
     encoder_rank = np.zeros(len(consumer), dtype=np.int64)
     for group in groups:
         if phase.padded:
             active = group[weight[group] > 0]
             encoder_rank[active] = assign_padded_phase(cost[active], ranks)
         else:
-            encoder_rank[group] = assign_phase(cost[group], ranks)
+            encoder_rank[group] = assign_in_rounds(cost[group], microbatch_of[group], ranks)
     moved = float(weight.sum())
     loads = _rank_costs(step_of, encoder_rank, cost, weight, ranks, steps, phase.padded)
     colocated = _rank_costs(step_of, consumer, cost, weight, dp, steps, phase.padded)

@@ -158,11 +158,13 @@ def _share_load(load: np.ndarray, share: float, tiles: float) -> np.ndarray:
 
 def _encoder_tasks(costs: StepCosts, loads: np.ndarray, devices: Sequence[int], ranks: Sequence[int],
                    first_rank: int, index: dict, cluster: Cluster, tasks: list[Task],
-                   deadlines: dict[int, list[tuple[int, int]]] | None = None) -> None:
-    """Filler encoder tasks for one replica's microbatches on `devices` (one balanced share each), wired to the
-    replica's first stage (at rank `first_rank`), whose forward and backward tasks `index` holds. `deadlines`
-    (colocated encoders: device k is pipeline rank k) makes each share due before the rank's own backward."""
-    shares = split_tiles(loads[:, TILES], len(devices))
+                   deadlines: dict[int, list[tuple[int, int]]] | None = None,
+                   shares: np.ndarray | None = None) -> None:
+    """Filler encoder tasks for one replica's microbatches on `devices` (one balanced share each, or `shares`:
+    microbatches x devices tiles, as a plan with encoder ranks assigns them), wired to the replica's first
+    stage (at rank `first_rank`), whose forward and backward tasks `index` holds. `deadlines` (colocated
+    encoders: device k is pipeline rank k) makes each share due before the rank's own backward."""
+    shares = split_tiles(loads[:, TILES], len(devices)) if shares is None else shares
     for j in range(loads.shape[0]):
         tiles = float(loads[j, TILES])
         for k, (device, rank) in enumerate(zip(devices, ranks)):
@@ -236,12 +238,15 @@ def _release(tasks: list[Task], orders: dict[int, list[int]], stage_of: Callable
 
 def simulate_step(costs: StepCosts, layout: Layout, loads: np.ndarray, cluster: Cluster,
                   keep_run: bool = False, cores: float | None = None,
-                  routing: tuple[np.ndarray, np.ndarray] | None = None) -> StepResult:
+                  routing: tuple[np.ndarray, np.ndarray] | None = None,
+                  encoder_split: np.ndarray | None = None) -> StepResult:
     """`loads`: (replicas, microbatches, terms) load rows of one global step. `cores`: a replica's ranks share
     that many processors (a CPU run; see `run_tasks`). `routing`: `phases` only, the step's (encoder load row
-    per replica, tiles moved encoder -> consumer) (`packfeed.trainer.simulate.routed`)."""
+    per replica, tiles moved encoder -> consumer) (`packfeed.trainer.simulate.routed`). `encoder_split`:
+    `disaggregated` only, the step's tiles per (encoder GPU, replica, microbatch) as its plan assigns them
+    (None: each replica's encoded by a group of the encoder GPUs, evenly)."""
     if layout.encoder == "disaggregated":
-        return _simulate_disaggregated(costs, layout, loads, cluster, keep_run)
+        return _simulate_disaggregated(costs, layout, loads, cluster, keep_run, encoder_split, cores)
     llm, encoder = _collectives(costs, layout, cluster)
     runs: dict[bytes, tuple[Run, list[Task]]] = {}
     per_replica = []
@@ -303,8 +308,10 @@ def encoder_groups(replicas: int, encoder_gpus: int) -> list[list[int]]:
 
 
 def _simulate_disaggregated(costs: StepCosts, layout: Layout, loads: np.ndarray, cluster: Cluster,
-                            keep_run: bool) -> StepResult:
-    """The whole job in one run: encoder GPUs are shared by replicas."""
+                            keep_run: bool, split: np.ndarray | None = None,
+                            cores: float | None = None) -> StepResult:
+    """The whole job in one run: encoder GPUs are shared by replicas; with the plan's `split` (encoder GPU,
+    replica, microbatch) each encoder GPU encodes what its plan assigns it, microbatch after microbatch."""
     pp, dp = layout.pp, layout.dp
     llm, encoder = _collectives(costs, layout, cluster)
     tasks: list[Task] = []
@@ -317,11 +324,17 @@ def _simulate_disaggregated(costs: StepCosts, layout: Layout, loads: np.ndarray,
         orders.update(replica_orders)
     first_encoder = dp * pp
     encoder_rank = [layout.llm_gpus + e * layout.tp for e in range(layout.encoder_groups)]
-    for r, group in enumerate(encoder_groups(dp, layout.encoder_groups)):
+    if split is not None and split.shape[0] != layout.encoder_groups:
+        raise ValueError(f"the plan splits the encoder over {split.shape[0]} ranks, the layout has "
+                         f"{layout.encoder_groups} encoder groups")
+    groups = [list(range(layout.encoder_groups))] * dp if split is not None else \
+        encoder_groups(dp, layout.encoder_groups)
+    for r, group in enumerate(groups):
         _encoder_tasks(costs, loads[r], [first_encoder + e for e in group], [encoder_rank[e] for e in group],
-                       megatron_rank(0, r, 0, dp, layout.tp), indexes[r], cluster, tasks)
+                       megatron_rank(0, r, 0, dp, layout.tp), indexes[r], cluster, tasks,
+                       shares=split[:, r, :].T if split is not None else None)
     _release(tasks, orders, lambda d: d % pp, llm, encoder, 0.0, False)
-    run = run_tasks(tasks, orders)
+    run = run_tasks(tasks, orders, cores)
     step = 0.0
     for s in range(pp):
         last = [run.last_task(r * pp + s, tasks) for r in range(dp)]

@@ -2,16 +2,19 @@
 model, cluster, settings), deterministic, no torch.
 
 For `disaggregated`, the split of the GPUs between encoder and LLM is searched (DistTrain): every feasible
-split (the LLM keeps pp x tp GPUs per replica and takes the step's packs in equal shares) has a lower bound on
-its step time — the busiest GPU runs at least its group's mean compute — and splits are simulated in order of
-that bound until the next bound cannot beat the best time found. The result is the optimum over all feasible
-splits of the objective (the mean simulated step over `search_steps` sampled steps), found without simulating
-most of them.
+split (E encoder ranks of tp GPUs, the LLM replicas of pp x tp GPUs each) is planned for itself (`replan`: the
+planner with dp = the replicas and encoder_ranks = E, each step's items balanced over the E encoder ranks as
+the trainer runs them) and has a lower bound on its epoch — each side's work shared evenly over its GPUs — and
+splits are simulated in order of that bound until the next bound cannot beat the best epoch found. The result
+is the optimum over all feasible splits of the objective (the epoch: the mean simulated step over
+`search_steps` sampled steps times the plan's steps), found without simulating most of them. Without `replan`
+the workload's packs are regrouped over the replicas, each encoded evenly by a group of the encoder GPUs.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 
 import numpy as np
@@ -50,10 +53,12 @@ class Prediction:
     step_times: list[float] = field(repr=False)
     search: dict | None = None
     seconds: float = 0.0
+    workload: Workload | None = field(default=None, repr=False)  # what was simulated (a searched split's plan)
 
     def to_json(self) -> dict:
-        record = asdict(self)
+        record = asdict(replace(self, workload=None))
         record.pop("step_times")
+        record.pop("workload")
         record["step_s_median"] = float(np.median(self.step_times)) if self.step_times else 0.0
         return record
 
@@ -81,11 +86,15 @@ def simulate_steps(table: LayerTable, cluster: Cluster, layout: Layout, workload
                          "isf+phases (or a plan file of that strategy)")
     cache: dict[bytes, StepResult] = {}
     results = []
+    planned = workload.encoder_split if layout.encoder == "disaggregated" else None
     for k in chosen:
         routing = (workload.routing.encoder_loads[k], workload.routing.moved[k]) if routed else None
-        key = workload.loads[k].tobytes() + (routing[1].tobytes() if routed else b"")
+        split = planned[k] if planned is not None else None
+        key = workload.loads[k].tobytes() + (routing[1].tobytes() if routed else b"") + \
+            (split.tobytes() if split is not None else b"")
         if key not in cache:  # identical steps (fixed-size samples) are simulated once
-            cache[key] = simulate_step(costs, layout, workload.loads[k], cluster, routing=routing)
+            cache[key] = simulate_step(costs, layout, workload.loads[k], cluster, routing=routing,
+                                       encoder_split=split)
         results.append(cache[key])
     return results, bounds
 
@@ -97,15 +106,17 @@ def useful_flops(table: LayerTable, workload: Workload) -> float | None:
     return 3.0 * float((workload.useful.reshape(-1, workload.useful.shape[-1]) @ table.forward_flops.T).sum())
 
 
-def simulate_plan(workload: Workload, table: LayerTable, cluster: Cluster, settings: Settings) -> Prediction:
+def simulate_plan(workload: Workload, table: LayerTable, cluster: Cluster, settings: Settings,
+                  replan: Replan | None = None) -> Prediction:
+    """`replan(llm_dp, encoder_ranks)`: the workload of the same data planned for that split (`disaggregated`:
+    each split searched is simulated on its own plan)."""
     started = time.perf_counter()
     search = None
     dp = workload.loads.shape[1]
     if settings.encoder == "disaggregated":
-        search = search_allocation(workload, table, cluster, settings)
+        search, workload = search_allocation(workload, table, cluster, settings, replan)
         layout = Layout("disaggregated", search["llm_dp"], settings.pp, settings.tp, settings.virtual_stages,
                         settings.schedule, search["encoder_gpus"] // settings.tp)
-        workload = workload.regrouped(layout.dp)
     else:
         if settings.encoder == "phases" and settings.pp != 1:
             raise ValueError("--encoder phases joins data-parallel ranks that each hold the whole model (as "
@@ -129,11 +140,20 @@ def simulate_plan(workload: Workload, table: LayerTable, cluster: Cluster, setti
     mfu = flops / (cluster.gpus * cluster.peak_tflops * 1e12 * epoch) if flops is not None and epoch else None
     return Prediction(epoch / len(times) if times else 0.0, epoch, overall, per_stage, mfu, workload.steps,
                       workload.samples, layout.gpus, {**asdict(layout), "partition": settings.partition}, bounds,
-                      times, search, time.perf_counter() - started)
+                      times, search, time.perf_counter() - started, workload)
 
 
-def allocations(workload: Workload, cluster: Cluster, settings: Settings) -> list[tuple[int, int]]:
-    """Feasible (encoder TP groups, LLM replicas) splits of the cluster."""
+Replan = Callable[[int, int], Workload]  # (LLM replicas, encoder ranks) -> the data planned for that split
+
+
+def allocations(workload: Workload, cluster: Cluster, settings: Settings,
+                replanned: bool = False) -> list[tuple[int, int]]:
+    """Feasible (encoder TP groups, LLM replicas) splits of the cluster: the LLM replicas share a step's packs
+    evenly (the global batch stays the step's), each split replanned for itself or the workload's packs
+    regrouped; or the one split its plan was made for."""
+    if workload.encoder_split is not None and not replanned:
+        planned = (workload.encoder_split.shape[1], workload.loads.shape[1])
+        return [planned] if planned[0] * settings.tp + planned[1] * settings.pp * settings.tp == cluster.gpus else []
     packs = workload.loads.shape[1] * workload.loads.shape[2]
     group = settings.pp * settings.tp
     out = []
@@ -142,9 +162,9 @@ def allocations(workload: Workload, cluster: Cluster, settings: Settings) -> lis
         if rest % group or rest // group < 1:
             continue
         replicas = rest // group
+        m = packs // replicas
         if packs % replicas:
             continue
-        m = packs // replicas
         if settings.schedule == "interleaved_1f1b" and m % settings.pp:
             continue
         out.append((encoder, replicas))
@@ -152,44 +172,67 @@ def allocations(workload: Workload, cluster: Cluster, settings: Settings) -> lis
 
 
 def lower_bound(workload: Workload, table: LayerTable, cluster: Cluster, settings: Settings,
-                split: tuple[int, int], sample: list[int]) -> float:
-    """No split runs faster than its busiest group's mean compute per step."""
+                split: tuple[int, int]) -> float:
+    """No split runs a step faster than its busiest side's compute shared evenly (the encoder's work over its
+    GPUs, the LLM's over its replicas' stages): the mean over the workload's steps of that bound."""
     encoder_gpus, replicas = split
     seconds = priced_layers(table, cluster, settings.tp).sum(axis=1)  # fwd + bwd per term
-    loads = workload.loads[sample].reshape(len(sample), -1, workload.loads.shape[-1]).sum(axis=1)
+    loads = workload.loads.reshape(workload.steps, -1, workload.loads.shape[-1]).sum(axis=1)
     encoder_work = loads @ seconds[table.encoder].sum(axis=0)
     llm_work = loads @ seconds[~table.encoder].sum(axis=0)
     return float(np.mean(np.maximum(encoder_work / encoder_gpus, llm_work / (replicas * settings.pp))))
 
 
 def search_allocation(workload: Workload, table: LayerTable, cluster: Cluster, settings: Settings,
-                      exhaustive: bool = False) -> dict:
-    """The split of the cluster minimising the mean simulated step (branch and bound; `exhaustive` simulates
-    every split, for checking)."""
+                      replan: Replan | None = None, exhaustive: bool = False,
+                      splits: list[tuple[int, int]] | None = None) -> tuple[dict, Workload]:
+    """The split of the cluster minimising the epoch: each split's data (planned for it by `replan`, or the
+    workload's packs regrouped, or the workload's own plan) sampled at `search_steps` steps, its epoch the mean
+    simulated step times its steps; splits simulated in order of their lower bound until the next bound cannot
+    beat the best epoch found (`exhaustive` simulates every split, for checking; `splits`: the (encoder TP
+    groups, LLM replicas) to choose from, instead of every split that keeps the step's packs). Returns the
+    search's record and the chosen split's workload."""
     started = time.perf_counter()
-    candidates = allocations(workload, cluster, settings)
+    candidates = splits if splits is not None else allocations(workload, cluster, settings, replan is not None)
     if settings.encoder_gpus:
         candidates = [c for c in candidates if c[0] * settings.tp == settings.encoder_gpus]
     if not candidates:
         raise ValueError(f"no split of {cluster.gpus} GPUs gives the LLM whole replicas of pp x tp = "
-                         f"{settings.pp * settings.tp} GPUs that share a step's "
-                         f"{workload.loads.shape[1] * workload.loads.shape[2]} packs evenly"
+                         f"{settings.pp * settings.tp} GPUs" + (
+                             f" that share a step's {workload.loads.shape[1] * workload.loads.shape[2]} packs "
+                             "evenly" if replan is None and workload.encoder_split is None else
+                             " beside the plan's encoder ranks" if replan is None else "")
                          + (f" with --encoder-gpus {settings.encoder_gpus}" if settings.encoder_gpus else ""))
-    sample = sorted(set(np.linspace(0, workload.steps - 1, min(settings.search_steps, workload.steps)).astype(int)))
-    bounds = sorted((lower_bound(workload, table, cluster, settings, c, sample), c) for c in candidates)
-    best, best_time, simulated = None, float("inf"), []
-    for bound, (encoder_gpus, replicas) in bounds:
+    ranked = []
+    for encoder_groups, replicas in candidates:
+        planned = replan(replicas, encoder_groups) if replan is not None else \
+            workload if workload.encoder_split is not None else workload.regrouped(replicas)
+        sampled = sample_steps(planned, settings.search_steps)
+        bound = lower_bound(sampled, table, cluster, settings, (encoder_groups, replicas)) * planned.steps
+        ranked.append((bound, encoder_groups, replicas, planned, sampled))
+    ranked.sort(key=lambda entry: entry[:3])
+    best, best_time, best_workload, simulated = None, float("inf"), workload, []
+    for bound, encoder_groups, replicas, planned, sampled in ranked:
         if bound >= best_time and not exhaustive:
             break
         layout = Layout("disaggregated", replicas, settings.pp, settings.tp, settings.virtual_stages,
-                        settings.schedule, encoder_gpus)
-        regrouped = workload.regrouped(replicas)
-        sampled = replace(regrouped, loads=regrouped.loads[sample])
+                        settings.schedule, encoder_groups)
         results, _ = simulate_steps(table, cluster, layout, sampled, settings.partition)
         mean = float(np.mean([r.step_s for r in results]))
-        simulated.append({"encoder_gpus": encoder_gpus * settings.tp, "llm_dp": replicas, "step_s": mean,
-                          "bound_s": bound})
-        if mean < best_time:
-            best, best_time = (encoder_gpus, replicas), mean
-    return {"encoder_gpus": best[0] * settings.tp, "llm_dp": best[1], "objective_s": best_time, "candidates": len(candidates),
-            "simulated": len(simulated), "solve_s": time.perf_counter() - started, "trials": simulated}
+        epoch = mean * planned.steps
+        simulated.append({"encoder_gpus": encoder_groups * settings.tp, "llm_dp": replicas, "step_s": mean,
+                          "steps": planned.steps, "epoch_s": epoch, "bound_s": bound})
+        if epoch < best_time:
+            best, best_time, best_workload = (encoder_groups, replicas), epoch, planned
+    record = {"encoder_gpus": best[0] * settings.tp, "llm_dp": best[1], "objective_s": best_time,
+              "candidates": len(candidates), "simulated": len(simulated), "replanned": replan is not None,
+              "solve_s": time.perf_counter() - started, "trials": simulated}
+    return record, best_workload
+
+
+def sample_steps(workload: Workload, count: int) -> Workload:
+    """`count` steps spread evenly over the workload (its first and last included)."""
+    sample = sorted(set(np.linspace(0, workload.steps - 1, min(count, workload.steps)).astype(int)))
+    return replace(workload, loads=workload.loads[sample], useful=workload.useful[sample],
+                   encoder_split=workload.encoder_split[sample] if workload.encoder_split is not None else None,
+                   routing=None)

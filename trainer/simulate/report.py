@@ -26,8 +26,9 @@ def table(prediction: Prediction, title: str) -> str:
              "  idle per role: " + ", ".join(f"{role} {value:.3f}" for role, value in p.bubble_per_stage.items())]
     if p.search:
         s = p.search
+        how = "each planned for its split (encoder_ranks E)" if s.get("replanned") else "the packs regrouped"
         lines.append(f"  split searched: {s['encoder_gpus']} encoder GPUs + LLM dp {s['llm_dp']}; simulated "
-                     f"{s['simulated']} of {s['candidates']} feasible splits in {s['solve_s'] * 1e3:.0f} ms")
+                     f"{s['simulated']} of {s['candidates']} feasible splits, {how}, in {s['solve_s'] * 1e3:.0f} ms")
     lines.append(f"  simulated in {p.seconds:.2f} s")
     return "\n".join(lines)
 

@@ -33,6 +33,9 @@ class Workload:
     samples: int
     strategy: str
     routing: Routing | None = None  # isf+phases: where each step's tiles are encoded (`--encoder phases`)
+    # a plan with encoder ranks (PlanConfig.encoder_ranks E): (steps, E, dp, microbatches) tiles each encoder
+    # rank encodes for each replica's microbatch (`--encoder disaggregated` simulates the plan's own split)
+    encoder_split: np.ndarray | None = None
 
     @property
     def steps(self) -> int:
@@ -45,7 +48,21 @@ class Workload:
         if (dp * m) % replicas:
             raise ValueError(f"{dp * m} packs per step do not divide over {replicas} replicas")
         shape = (steps, replicas, dp * m // replicas, terms)
-        return replace(self, loads=self.loads.reshape(shape), useful=self.useful.reshape(shape), routing=None)
+        return replace(self, loads=self.loads.reshape(shape), useful=self.useful.reshape(shape), routing=None,
+                       encoder_split=None)
+
+
+def encoder_split_of(offsets: np.ndarray, members: np.ndarray, encoder_rank: np.ndarray, tiles: np.ndarray,
+                     dp: int, microbatches: int, encoder_ranks: int) -> np.ndarray:
+    """(steps, E, dp, microbatches) tiles: what each encoder rank of a plan with encoder ranks encodes for each
+    replica's microbatch."""
+    sizes = np.diff(offsets)
+    pack = np.repeat(np.arange(len(sizes)), sizes)
+    steps = len(sizes) // (dp * microbatches)
+    split = np.zeros((steps, encoder_ranks, dp, microbatches))
+    np.add.at(split, (pack // (dp * microbatches), encoder_rank, (pack // microbatches) % dp, pack % microbatches),
+              tiles[members].astype(np.float64))
+    return split
 
 
 def planner_cost_model(table: LayerTable, patches_per_tile: int) -> CostModel:
