@@ -46,11 +46,13 @@ def step_record(mesh: Mesh, shape: StepShape, tally: StepTally, elapsed: float, 
               "bubble_fraction": 1 - busy_sum / (mesh.world * compute_max) if compute_max else 0.0,
               "peak_memory_mib": peak_max / 2**20, "pipeline_s": compute_max, "grad_norm": grad_norm}
     gathered = [None] * dist.get_world_size()  # samples per dataset over every replica (mixtures); CP packs
-    dist.all_gather_object(gathered, (tally.samples_by_dataset, tally.packs))
-    record["samples_by_dataset"] = dict(sum((collections.Counter(c) for c, _ in gathered), collections.Counter()))
-    packs = sorted({tuple(pack) for _, rank_packs in gathered for pack in rank_packs})
+    dist.all_gather_object(gathered, (tally.samples_by_dataset, tally.packs, tally.rows))
+    record["samples_by_dataset"] = dict(sum((collections.Counter(c) for c, _, _ in gathered), collections.Counter()))
+    packs = sorted({tuple(pack) for _, rank_packs, _ in gathered for pack in rank_packs})
     if packs:
         record["cp_packs"] = [list(pack) for pack in packs]
+    for name in sorted({name for _, _, rows in gathered for name in rows}):
+        record[name] = sorted(list(row) for _, _, rows in gathered for row in rows.get(name, ()))
     if tally.microbatches is not None:
         record["microbatches"] = tally.microbatches
     record.update(tally.stats)  # e.g. the encoder apart: its seconds, the all-to-all

@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from packfeed.trainer.batch import Microbatches, RoutedImages, StepShape
+from packfeed.trainer.models.layer_model import features_of_carrier
 from packfeed.trainer.parallel.data_parallel import all_reduce_gradients
 from packfeed.trainer.parallel.mesh import Mesh
 from packfeed.trainer.parallel.phases import Exchange, PhaseRunner
@@ -145,11 +146,17 @@ class DisaggregatedRunner:
         busy = time.process_time() - busy_started if self.mesh.device.type == "cpu" else float("nan")
         tally = StepTally(float(sum(loss.item() for loss in losses)), busy_s=busy,
                           compute_s=time.perf_counter() - started, stats=dict(self.step.last_stats))
-        if not self.mesh.is_encoder:
-            tally.tokens, tally.padded_tokens = batch.real_tokens, shape.tokens * self.microbatches
+        mesh, m = self.mesh, self.microbatches
+        if not mesh.is_encoder:
+            tally.tokens, tally.padded_tokens = batch.real_tokens, shape.tokens * m
             tally.samples_by_dataset = batch.samples_by_dataset
+            features = [features_of_carrier(batch.microbatch(k, m)) for k in range(m)]
+            tally.rows["llm_microbatches"] = [(mesh.rank, k, f.tokens, f.tiles, f.square)
+                                              for k, f in enumerate(features)]
         else:
             tally.tiles = tally.padded_tiles = sum(int(images.encode_input.shape[0]) for images in batch.routed)
+            tally.rows["encoder_work"] = [(mesh.encoder_rank, consumer, k, units) for k, images in
+                                          enumerate(batch.routed) for consumer, _, _, units in images.encoded]
         return tally
 
     def clip_gradients(self, max_norm: float) -> float:

@@ -38,6 +38,9 @@ class StepTally:
     # context parallelism: the packs this rank took part in (replica, microbatch, degree, cp_group, tokens, tiles,
     # square), gathered from every rank into the metrics line (`packfeed simulate --run` reads them)
     packs: list[tuple] = field(default_factory=list)
+    # what the simulator needs of a layout's step, by name, each rank's rows merged (sorted) into the metrics line:
+    # with encoder ranks, each LLM rank's microbatches and what each encoder rank encoded for whom
+    rows: dict[str, list[tuple]] = field(default_factory=dict)
 
 
 class StepRunner(Protocol):

@@ -65,6 +65,8 @@ def compare_run(out: str | Path, model: str | Path | None = None, skip: int = 1)
     cores = host_cores(out)
     if config["parallel"].get("cp", 1) > 1:
         return compare_cp_run(out, config, model, skip, cores)
+    if config["parallel"].get("encoder") == "disaggregated":
+        return compare_disaggregated_run(out, config, model, skip, cores)
     partition = _read(out / "partition.json")
     table = measured_table(model or out / "cost_model.json")
     parallel = config["parallel"]
@@ -121,24 +123,67 @@ def compare_cp_run(out: Path, config: dict, model, skip: int, cores: float | Non
     measured step. The run profiles no layer, so `model` names the costs (another run's OUT/cost_model.json on
     the same host, with its partition.json beside it for the bandwidth). Calibrated: by the median ratio of the
     first CALIBRATION_STEPS compared steps, which the errors then leave out."""
-    if model is None:
-        raise ValueError("a context-parallel run profiles no layer: give --model another run's OUT/cost_model.json "
-                         "(a run with a partition search, on the same host)")
-    table, _ = load_model(str(model))
+    table, cluster = _borrowed_costs(model, config["parallel"]["dp"] * config["parallel"]["cp"], "context-parallel")
     parallel = config["parallel"]
     dp, cp = parallel["dp"], parallel["cp"]
+    patches = ((config.get("model") or {}).get("tile_size", 448) // (config.get("model") or {}).get("patch_size", 14)) ** 2
+
+    def simulated(record: dict) -> float | None:
+        if not record.get("cp_packs"):
+            return None
+        return simulate_cp(cp_step(record["cp_packs"], dp, cp, patches), table, cluster)["step_s"]
+    return _calibrated_comparison(out, simulated, skip, {"encoder": "stages", "pp": 1, "cores": cores,
+                                                         "schedule": f"context parallel {cp}"})
+
+
+def compare_disaggregated_run(out: Path, config: dict, model, skip: int, cores: float | None) -> dict:
+    """A run with encoder ranks (parallel.encoder=disaggregated): each step's LLM microbatches and each encoder
+    rank's work as its metrics line lists them (`llm_microbatches`, `encoder_work`), simulated on dp + E devices
+    sharing the host's cores, against the measured step. Costs and calibration as for a context-parallel run."""
+    parallel = config["parallel"]
+    dp, encoders, m = parallel["dp"], parallel["encoder_ranks"], config["data"]["microbatches"]
+    table, cluster = _borrowed_costs(model, dp + encoders, "an encoder-ranks")
+    layout = Layout("disaggregated", dp, 1, 1, 1, parallel["schedule"], encoders)
+    costs = step_costs(table, cluster, layout, [0, int((~table.encoder).sum())])
+
+    def simulated(record: dict) -> float | None:
+        if not record.get("llm_microbatches"):
+            return None
+        loads = np.zeros((dp, m, 5))
+        for rank, k, tokens, tiles, square in record["llm_microbatches"]:
+            loads[rank, k, [0, TILES, TOKENS, TOKEN_SQUARE]] = 1.0, tiles, tokens, square
+        split = np.zeros((encoders, dp, m))
+        for e, consumer, k, units in record.get("encoder_work", []):
+            split[e, consumer, k] += units
+        loads[..., TILES] = split.sum(axis=0)  # the tiles each microbatch consumes, as encoded (a measured
+        # table's vision layers have no squared term: tiles are all one size)
+        return simulate_step(costs, layout, loads, cluster, cores=cores, encoder_split=split).step_s
+    return _calibrated_comparison(out, simulated, skip, {"encoder": "disaggregated", "pp": 1, "cores": cores,
+                                                         "schedule": f"{encoders} encoder rank(s) + dp {dp}"})
+
+
+def _borrowed_costs(model, devices: int, kind: str):
+    """The layer costs of another run on the same host (`model`: its OUT/cost_model.json) and a cluster of
+    `devices` at that run's boundary bandwidth (its partition.json beside it)."""
+    if model is None:
+        raise ValueError(f"{kind} run profiles no layer: give --model another run's OUT/cost_model.json (a run "
+                         "with a partition search, on the same host)")
+    table, _ = load_model(str(model))
     beside = Path(model).parent / "partition.json"
     bandwidth = (_read(beside).get("comm_gbps") if beside.is_file() else None) or Cluster(1).intra_gbs
-    cluster = Cluster(dp * cp, gpus_per_node=dp * cp, intra_gbs=bandwidth, inter_gbs=bandwidth)
-    patches = ((config.get("model") or {}).get("tile_size", 448) // (config.get("model") or {}).get("patch_size", 14)) ** 2
+    return table, Cluster(devices, gpus_per_node=devices, intra_gbs=bandwidth, inter_gbs=bandwidth)
+
+
+def _calibrated_comparison(out: Path, simulate, skip: int, described: dict) -> dict:
+    """Each measured step after `skip` that `simulate(record)` can simulate, calibrated by the median ratio of
+    the first CALIBRATION_STEPS, which the errors then leave out."""
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
     steps = []
     for record in records[skip:]:
-        if not record.get("cp_packs") or "pipeline_s" not in record:
-            continue
-        simulated = simulate_cp(cp_step(record["cp_packs"], dp, cp, patches), table, cluster)["step_s"]
-        steps.append({"epoch": record["epoch"], "step": record["step"], "simulated_s": simulated,
-                      "measured_s": record["pipeline_s"]})
+        seconds = simulate(record) if "pipeline_s" in record else None
+        if seconds is not None:
+            steps.append({"epoch": record["epoch"], "step": record["step"], "simulated_s": seconds,
+                          "measured_s": record["pipeline_s"]})
     if len(steps) <= CALIBRATION_STEPS:
         raise ValueError(f"{out}/metrics.jsonl holds {len(steps)} measured steps with their packs after the first "
                          f"{skip}; run more steps (optim.steps) to compare")
@@ -149,8 +194,7 @@ def compare_cp_run(out: Path, config: dict, model, skip: int, cores: float | Non
     measured = np.array([s["measured_s"] for s in compared])
     raw = np.array([s["simulated_s"] for s in compared]) / measured - 1
     calibrated = np.array([s["predicted_s"] for s in compared]) / measured - 1
-    return {"run": str(out), "encoder": "stages", "pp": 1, "schedule": f"context parallel {cp}", "cores": cores,
-            "bounds": [], "overhead_factor": factor, "steps": compared,
+    return {"run": str(out), **described, "bounds": [], "overhead_factor": factor, "steps": compared,
             "mean_error_raw": float(raw.mean()), "mean_abs_error_raw": float(np.abs(raw).mean()),
             "mean_error": float(calibrated.mean()), "mean_abs_error": float(np.abs(calibrated).mean())}
 
