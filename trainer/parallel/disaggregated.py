@@ -9,8 +9,9 @@ rank streams its packs without pixels, with the encoder rank of every image it c
 2. A forward all-to-all over every rank (`packfeed.trainer.parallel.phases.Exchange`, with encoder rank e at
    global rank dp + e) hands each output to its LLM rank; an LLM rank sends nothing, an encoder rank receives
    nothing. The encoder ranks then encode microbatch m + 1 while the LLM ranks train on m.
-3. The LLM ranks run forward and backward on each microbatch, their vision features leaves; the backward
-   all-to-alls return each image's gradient to its encoder rank, whose encoder backward runs per microbatch.
+3. The LLM ranks run forward and backward on each microbatch, their vision features leaves; a backward
+   all-to-all returns microbatch m's image gradients to their encoder ranks, which hand microbatch m + 1 over
+   and then run m's encoder backward while the LLM trains on m + 1.
 4. The LLM's gradients are averaged over the dp LLM ranks, as DDP does; the encoder's are summed over the E
    encoder ranks and divided by dp (each LLM rank's loss was scaled by dp / the step's loss tokens). The loss and
    every gradient then equal colocated training on the same packs.
@@ -38,40 +39,56 @@ from packfeed.trainer.parallel.runner import StepTally
 
 
 class EncoderRanksStep(PhaseRunner):
-    """`PhaseRunner`'s step with the two sides on different ranks, one exchange per microbatch: an encoder rank
-    encodes microbatch m + 1 while the LLM ranks train on microbatch m. The gradients go back once the LLM is
-    done, and each side's are completed over its own ranks."""
+    """`PhaseRunner`'s step with the two sides on different ranks, two exchanges per microbatch: an encoder rank
+    encodes microbatch m + 1 while the LLM ranks train on microbatch m, and runs m's backward while they train on
+    m + 1. Each side's gradients are completed over its own ranks."""
 
     def exchange(self) -> Exchange:
         return Exchange(self.mesh, self.model, peers=self.mesh.world, encoder_offset=self.mesh.dp)
 
     def run(self, shape: StepShape, batch: Microbatches) -> list[torch.Tensor]:
+        """Every rank runs the same collectives in the same order: per microbatch m, the forward exchange, then
+        the backward exchange. In between, an encoder rank encodes m + 1 (while the LLM trains on m); after
+        handing m + 1 over it runs m's backward (while the LLM trains on m + 1)."""
         started = time.perf_counter()
-        routed, encoder_s = batch.routed, 0.0
+        routed, self._encoder_s = batch.routed, 0.0
         args = self._llm_args(batch) if self.stage is not None else []
-        exchanges, features, losses, grads = [], [], [], []
+        exchanges, losses = [], []
+        encoded = self._encoded(routed, 0)
+        received = self._hand_over(routed, 0, encoded, exchanges)
         for m, images in enumerate(routed):
-            encoded, seconds = self._encode([images])
-            encoder_s += seconds
-            exchange = self.exchange()
-            only_m = [images if k == m else EMPTY for k in range(len(routed))]  # microbatch m's keys, m kept
-            received = exchange.forward(encoded, self._send_order(only_m), only_m)
-            grads.append({})
+            grads: dict = {}
             if self.stage is not None:
-                losses.append(self._train_microbatch(shape, m, args[m], images, exchange, received, grads[m]))
-            exchanges.append(exchange)
-            features.append(encoded)
-        for exchange, encoded, received_grads in zip(exchanges, features, grads):
-            back = exchange.backward(received_grads, encoded.shape[0])
-            backward_started = time.perf_counter()
-            if encoded.requires_grad and encoded.numel():
-                torch.autograd.backward(encoded, back.to(encoded.dtype))
-            encoder_s += time.perf_counter() - backward_started
+                losses.append(self._train_microbatch(shape, m, args[m], images, exchanges[m], received, grads))
+            following = self._encoded(routed, m + 1) if m + 1 < len(routed) else None
+            back = exchanges[m].backward(grads, encoded.shape[0])
+            if following is not None:
+                received = self._hand_over(routed, m + 1, following, exchanges)
+            self._encoder_backward(encoded, back)
+            encoded = following
         self.sync_gradients()
-        self.last_stats = {"encoder_s": encoder_s, "all_to_all_s": sum(e.seconds for e in exchanges),
+        self.last_stats = {"encoder_s": self._encoder_s, "all_to_all_s": sum(e.seconds for e in exchanges),
                            "all_to_all_bytes": float(sum(e.bytes_sent for e in exchanges)),
                            "phases_step_s": time.perf_counter() - started}
         return [loss / self.mesh.dp for loss in losses]
+
+    def _encoded(self, routed: list[RoutedImages], m: int) -> torch.Tensor:
+        features, seconds = self._encode([routed[m]])
+        self._encoder_s += seconds
+        return features
+
+    def _hand_over(self, routed: list[RoutedImages], m: int, encoded: torch.Tensor, exchanges: list) -> torch.Tensor:
+        """Microbatch m's forward exchange (its images' keys keep m); what this rank received."""
+        exchange = self.exchange()
+        exchanges.append(exchange)
+        only_m = [images if k == m else EMPTY for k, images in enumerate(routed)]
+        return exchange.forward(encoded, self._send_order(only_m), only_m)
+
+    def _encoder_backward(self, encoded: torch.Tensor, grads: torch.Tensor) -> None:
+        started = time.perf_counter()
+        if encoded.requires_grad and encoded.numel():
+            torch.autograd.backward(encoded, grads.to(encoded.dtype))
+        self._encoder_s += time.perf_counter() - started
 
     def sync_gradients(self) -> None:
         mesh = self.mesh

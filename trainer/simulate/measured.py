@@ -114,15 +114,15 @@ def overhead_factor(table, layout: Layout, cluster: Cluster, partition: dict, mi
     return float(np.median(ratios))
 
 
-CALIBRATION_STEPS = 2  # a CP run's first compared steps, whose median measured / simulated calibrates the rest
+MIN_COMPARED_STEPS = 3  # a borrowed-cost comparison's steps: each is calibrated on the others
 
 
 def compare_cp_run(out: Path, config: dict, model, skip: int, cores: float | None) -> dict:
     """A context-parallel run (parallel.cp > 1): each step's packs as its metrics line lists them (`cp_packs`),
     simulated (K/V all-gathered, as the run does) on dp x cp GPUs at the run's boundary bandwidth, against the
     measured step. The run profiles no layer, so `model` names the costs (another run's OUT/cost_model.json on
-    the same host, with its partition.json beside it for the bandwidth). Calibrated: by the median ratio of the
-    first CALIBRATION_STEPS compared steps, which the errors then leave out."""
+    the same host, with its partition.json beside it for the bandwidth). Calibrated leave-one-out
+    (`_calibrated_comparison`)."""
     table, cluster = _borrowed_costs(model, config["parallel"]["dp"] * config["parallel"]["cp"], "context-parallel")
     parallel = config["parallel"]
     dp, cp = parallel["dp"], parallel["cp"]
@@ -175,8 +175,9 @@ def _borrowed_costs(model, devices: int, kind: str):
 
 
 def _calibrated_comparison(out: Path, simulate, skip: int, described: dict) -> dict:
-    """Each measured step after `skip` that `simulate(record)` can simulate, calibrated by the median ratio of
-    the first CALIBRATION_STEPS, which the errors then leave out."""
+    """Each measured step after `skip` that `simulate(record)` can simulate, calibrated leave-one-out: its
+    prediction is its simulation times the median measured / simulated ratio of the run's other steps (one
+    constant per run, for the host's overheads the borrowed costs leave out; never fitted on the step itself)."""
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
     steps = []
     for record in records[skip:]:
@@ -184,18 +185,17 @@ def _calibrated_comparison(out: Path, simulate, skip: int, described: dict) -> d
         if seconds is not None:
             steps.append({"epoch": record["epoch"], "step": record["step"], "simulated_s": seconds,
                           "measured_s": record["pipeline_s"]})
-    if len(steps) <= CALIBRATION_STEPS:
+    if len(steps) < MIN_COMPARED_STEPS:
         raise ValueError(f"{out}/metrics.jsonl holds {len(steps)} measured steps with their packs after the first "
-                         f"{skip}; run more steps (optim.steps) to compare")
-    factor = float(np.median([s["measured_s"] / s["simulated_s"] for s in steps[:CALIBRATION_STEPS]]))
-    compared = steps[CALIBRATION_STEPS:]
-    for s in compared:
-        s["predicted_s"] = s["simulated_s"] * factor
-    measured = np.array([s["measured_s"] for s in compared])
-    raw = np.array([s["simulated_s"] for s in compared]) / measured - 1
-    calibrated = np.array([s["predicted_s"] for s in compared]) / measured - 1
-    return {"run": str(out), **described, "bounds": [], "overhead_factor": factor, "steps": compared,
-            "mean_error_raw": float(raw.mean()), "mean_abs_error_raw": float(np.abs(raw).mean()),
+                         f"{skip}; run at least {MIN_COMPARED_STEPS} (optim.steps) to compare")
+    ratios = np.array([s["measured_s"] / s["simulated_s"] for s in steps])
+    for k, s in enumerate(steps):
+        s["predicted_s"] = s["simulated_s"] * float(np.median(np.delete(ratios, k)))
+    measured = np.array([s["measured_s"] for s in steps])
+    raw = np.array([s["simulated_s"] for s in steps]) / measured - 1
+    calibrated = np.array([s["predicted_s"] for s in steps]) / measured - 1
+    return {"run": str(out), **described, "bounds": [], "overhead_factor": float(np.median(ratios)),
+            "steps": steps, "mean_error_raw": float(raw.mean()), "mean_abs_error_raw": float(np.abs(raw).mean()),
             "mean_error": float(calibrated.mean()), "mean_abs_error": float(np.abs(calibrated).mean())}
 
 
