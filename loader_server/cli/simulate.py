@@ -18,7 +18,7 @@ from packfeed.trainer.simulate.cluster import Cluster
 from packfeed.trainer.simulate.model_shape import PRESETS, load_model
 from packfeed.trainer.simulate.partition import PARTITIONS
 from packfeed.trainer.simulate.placement import ENCODERS, Layout, simulate_step
-from packfeed.trainer.simulate.predict import Prediction, Settings, pipeline_costs, simulate_plan
+from packfeed.trainer.simulate.predict import Prediction, Settings, microbatches_for, pipeline_costs, simulate_plan
 from packfeed.trainer.simulate.report import draw_timeline, table
 from packfeed.trainer.simulate.routed import Routing
 from packfeed.trainer.parallel.schedules import SCHEDULES
@@ -212,8 +212,8 @@ def replanner(args: argparse.Namespace, table_, shape):
     cost_model = planner_cost_model(table_, patches)
 
     def replan(replicas: int, encoder_ranks: int) -> Workload:  # the step's packs shared by the replicas
-        return make_workload(samples, args.strategy, replicas, args.dp * args.microbatches // replicas, args.pp,
-                             patches, cost_model, args.seed, args.epoch, args.samples_per_pack, encoder_ranks)
+        return make_workload(samples, args.strategy, replicas, microbatches_for(args.dp * args.microbatches, replicas),
+                             args.pp, patches, cost_model, args.seed, args.epoch, args.samples_per_pack, encoder_ranks)
     return replan
 
 

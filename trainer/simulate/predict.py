@@ -148,9 +148,9 @@ Replan = Callable[[int, int], Workload]  # (LLM replicas, encoder ranks) -> the 
 
 def allocations(workload: Workload, cluster: Cluster, settings: Settings,
                 replanned: bool = False) -> list[tuple[int, int]]:
-    """Feasible (encoder TP groups, LLM replicas) splits of the cluster: the LLM replicas share a step's packs
-    evenly (the global batch stays the step's), each split replanned for itself or the workload's packs
-    regrouped; or the one split its plan was made for."""
+    """Feasible (encoder TP groups, LLM replicas) splits of the cluster: each replanned for itself with the
+    step's packs shared as evenly as whole microbatches allow (`microbatches_for`), or the workload's packs
+    regrouped (they must then share out evenly); or the one split its plan was made for."""
     if workload.encoder_split is not None and not replanned:
         planned = (workload.encoder_split.shape[1], workload.loads.shape[1])
         return [planned] if planned[0] * settings.tp + planned[1] * settings.pp * settings.tp == cluster.gpus else []
@@ -162,13 +162,18 @@ def allocations(workload: Workload, cluster: Cluster, settings: Settings,
         if rest % group or rest // group < 1:
             continue
         replicas = rest // group
-        m = packs // replicas
-        if packs % replicas:
+        m = microbatches_for(packs, replicas)
+        if not replanned and packs % replicas:
             continue
         if settings.schedule == "interleaved_1f1b" and m % settings.pp:
             continue
         out.append((encoder, replicas))
     return out
+
+
+def microbatches_for(packs: int, replicas: int) -> int:
+    """Microbatches per LLM replica that keep a step nearest its `packs` (at least one)."""
+    return max(1, round(packs / replicas))
 
 
 def lower_bound(workload: Workload, table: LayerTable, cluster: Cluster, settings: Settings,
