@@ -474,3 +474,49 @@ def test_bad_inputs_get_clear_errors(tmp_path):
     assert done.returncode == 2 and "per-layer" in done.stderr
     done = packfeed("simulate", check=False)
     assert done.returncode == 2 and "--lengths" in done.stderr
+
+
+def test_sharded_data_parallelism_makes_each_phase_wait_for_its_slowest_rank():
+    """Under FSDP / ZeRO-3 every layer is a barrier: two ranks with the same total work, one heavy on the
+    encoder and the other on the LLM, run a step of (slowest encoder) + (slowest LLM), where DDP at pp 1 runs
+    the larger total; balancing each phase (the routed encoder) removes the difference. Gathers and reductions
+    of real parameters add time on top."""
+    from packfeed.trainer.simulate.sharded import sharded_step
+
+    table = table_of([(1.0, 2.0)] * 2, [(0.01, 0.02)] * 2)
+    table.params[:] = 0.0  # no parameters to move: barriers alone
+    cluster = Cluster(2)
+    mixed = loads_of([[(4, 100)], [(1, 400)]])  # encoder 4 vs 1 tiles, LLM 100 vs 400 tokens
+    per_rank = [sum(mixed[r, 0] @ table.measured_seconds[i].sum(axis=0) for i in range(4)) for r in range(2)]
+    sharded = sharded_step(table, cluster, mixed)
+    ddp = simulate_step(step_costs(table, cluster, Layout("stages", 2, 1), [0, 4]), Layout("stages", 2, 1), mixed,
+                        cluster)
+    slowest_phases = 2 * (4 * 3.0) + 2 * (400 * 0.03)  # both encoder layers at 4 tiles, both LLM layers at 400
+    # one layer of prefetch lets a rank run at most one op (here 8 s: a backward at 4 tiles) ahead of the slowest
+    assert slowest_phases - 8.0 <= sharded.step_s <= slowest_phases
+    assert ddp.step_s == pytest.approx(max(per_rank)) and sharded.step_s > 1.4 * ddp.step_s
+    # the encoder routed so each rank encodes 2.5 tiles: the encoder phase is balanced, the LLM's still waits
+    routed = sharded_step(table, cluster, mixed, routing=(np.array([[1, 2.5, 0, 0, 0]] * 2), np.zeros((2, 2))))
+    assert 2 * 2.5 * 3.0 + 2 * 400 * 0.03 - 8.0 <= routed.step_s < sharded.step_s
+    table.params[:] = 1e9  # 1B parameters a layer: gathered and reduce-scattered over the two ranks
+    assert sharded_step(table, cluster, mixed).step_s > sharded.step_s + 4 * cluster.ring_seconds(2e9, [0, 1])
+
+
+def test_packfeed_simulate_data_parallel_zero3_from_the_command_line(tmp_path):
+    lengths = tmp_path / "lengths.json"
+    rng = np.random.default_rng(0)
+    lengths.write_text(json.dumps([{"vit_num": int(v), "token_num": int(v) * 256 + int(t), "image_flags": int(v)}
+                                   for v, t in zip(rng.choice([0, 1, 3, 6], 400), rng.integers(50, 2000, 400))]))
+    common = [sys.executable, "-m", "packfeed.server.cli", "simulate", "--lengths", str(lengths), "--dp", "8",
+              "--pp", "1", "--microbatches", "2", "--json"]
+    records = {}
+    for strategy, encoder in (("random", "stages"), ("isf+phases", "phases")):
+        done = subprocess.run(common + ["--strategy", strategy, "--encoder", encoder, "--data-parallel", "zero3"],
+                              capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr
+        records[strategy] = json.loads(done.stdout.strip().splitlines()[-1])
+    assert all(r["data_parallel"] == "zero3" and r["epoch_s"] > 0 for r in records.values())
+    assert records["isf+phases"]["epoch_s"] < records["random"]["epoch_s"]
+    refused = subprocess.run(common + ["--pp", "2", "--data-parallel", "fsdp"], capture_output=True, text=True,
+                             timeout=300)
+    assert refused.returncode != 0 and "--pp 1" in refused.stderr

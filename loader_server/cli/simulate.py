@@ -144,6 +144,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     plan.add_argument("--schedule", default="1f1b", choices=SCHEDULES)
     plan.add_argument("--virtual-stages", type=int, default=1, help="chunks per stage (interleaved_1f1b)")
     plan.add_argument("--partition", default="balanced", choices=PARTITIONS, help="how layers become stages")
+    plan.add_argument("--data-parallel", default="ddp", choices=("ddp", "fsdp", "zero3"),
+                      help="data parallelism: ddp (one gradient reduction a step, overlapped), or sharded, fsdp / "
+                           "zero3 (every layer's parameters gathered and gradients reduce-scattered over the DP "
+                           "group: a barrier per layer; at --pp 1)")
     plan.add_argument("--encoder-gpus", type=int, default=0,
                       help="disaggregated: encoder GPUs (default 0: searched)")
     plan.add_argument("--samples-per-pack", type=float, default=4.0,
@@ -230,14 +234,15 @@ def run(args: argparse.Namespace) -> int:
     gpus = args.gpus or args.dp * args.pp * args.tp
     cluster = Cluster(gpus, args.gpus_per_node, args.peak_tflops, args.achievable, args.intra_gbs, args.inter_gbs)
     settings = Settings(args.encoder, args.pp, args.tp, args.schedule, args.virtual_stages, args.partition,
-                        args.encoder_gpus)
+                        args.encoder_gpus, data_parallel=args.data_parallel)
     prediction = simulate_plan(workload, table_, cluster, settings, replanner(args, table_, shape))
     title = (f"packfeed simulate: {table_.name}, {workload.strategy}, encoder {args.encoder}, "
-             f"{cluster.gpus} GPUs")
+             f"{cluster.gpus} GPUs, data parallel {args.data_parallel}")
     if args.timeline:
         step = median_step(prediction, workload, table_, cluster, settings)
         draw_timeline(step, args.timeline, f"{title}: one step ({step.step_s:.3f} s)")
-    record = {"model": table_.name, "strategy": workload.strategy, "encoder": args.encoder, **prediction.to_json()}
+    record = {"model": table_.name, "strategy": workload.strategy, "encoder": args.encoder,
+              "data_parallel": args.data_parallel, **prediction.to_json()}
     if args.json:
         print(table(prediction, title), file=sys.stderr)
         print(json.dumps(record))

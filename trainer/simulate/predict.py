@@ -23,6 +23,7 @@ from packfeed.trainer.simulate.cluster import Cluster
 from packfeed.trainer.simulate.model_shape import LayerTable
 from packfeed.trainer.simulate.partition import partition_bounds
 from packfeed.trainer.simulate.placement import Layout, StepCosts, StepResult, priced_layers, simulate_step, step_costs
+from packfeed.trainer.simulate.sharded import SHARDED, sharded_step
 from packfeed.trainer.simulate.workload import Workload
 
 
@@ -36,6 +37,7 @@ class Settings:
     partition: str = "balanced"
     encoder_gpus: int = 0  # disaggregated: 0 = searched, else this many (a multiple of tp)
     search_steps: int = 8  # disaggregated search: steps sampled for its objective
+    data_parallel: str = "ddp"  # ddp, or sharded (fsdp, zero3: every layer a barrier; packfeed.trainer.simulate.sharded)
 
 
 @dataclass
@@ -99,6 +101,29 @@ def simulate_steps(table: LayerTable, cluster: Cluster, layout: Layout, workload
     return results, bounds
 
 
+def sharded_steps(table: LayerTable, cluster: Cluster, layout: Layout, workload: Workload,
+                  kind: str) -> list[StepResult]:
+    """Every step under sharded data parallelism (`kind`: fsdp or zero3), at pp 1."""
+    if kind not in SHARDED:
+        raise ValueError(f"--data-parallel {kind}: choose ddp, {' or '.join(SHARDED)}")
+    if layout.pp != 1 or layout.encoder not in ("stages", "phases"):
+        raise ValueError(f"--data-parallel {kind} simulates sharded data parallelism at --pp 1 with the encoder in "
+                         "the model (--encoder stages) or routed (--encoder phases)")
+    routed = layout.encoder == "phases"
+    if routed and workload.routing is None:
+        raise ValueError("--encoder phases runs the encoder where an isf+phases plan routes it: give --strategy "
+                         "isf+phases (or a plan file of that strategy)")
+    cache: dict[bytes, StepResult] = {}
+    results = []
+    for k in range(workload.steps):
+        routing = (workload.routing.encoder_loads[k], workload.routing.moved[k]) if routed else None
+        key = workload.loads[k].tobytes() + (routing[1].tobytes() + routing[0].tobytes() if routed else b"")
+        if key not in cache:
+            cache[key] = sharded_step(table, cluster, workload.loads[k], layout.tp, routing)
+        results.append(cache[key])
+    return results
+
+
 def useful_flops(table: LayerTable, workload: Workload) -> float | None:
     """Model FLOPs of the real (unpadded) samples: forward + a backward of twice the forward."""
     if table.forward_flops is None:
@@ -125,7 +150,10 @@ def simulate_plan(workload: Workload, table: LayerTable, cluster: Cluster, setti
         if layout.gpus != cluster.gpus:
             raise ValueError(f"--encoder {settings.encoder} runs on dp x pp x tp = {layout.gpus} GPUs; --gpus is "
                              f"{cluster.gpus} (leave it out, or use --encoder disaggregated to split GPUs)")
-    results, bounds = simulate_steps(table, cluster, layout, workload, settings.partition)
+    if settings.data_parallel == "ddp":
+        results, bounds = simulate_steps(table, cluster, layout, workload, settings.partition)
+    else:
+        results, bounds = sharded_steps(table, cluster, layout, workload, settings.data_parallel), []
     times = [r.step_s for r in results]
     epoch = float(sum(times))
     busy: dict[str, float] = {}
