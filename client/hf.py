@@ -203,7 +203,7 @@ def to_hf_inputs(pack: PackTensors, model_family: str | Family, dp: int = 1, *,
                  conventions: Any = None, dtype: torch.dtype = torch.float32,
                  attention: Literal["sdpa", "varlen"] = "sdpa", device: torch.device | str | None = None,
                  image_token_id: int | None = None, tokens_per_second: float | None = None,
-                 layout: Literal["packed", "padded"] = "packed") -> dict[str, Any]:
+                 layout: Literal["packed", "padded"] = "packed", ensure_encoders: bool = False) -> dict[str, Any]:
     """The keyword arguments of the family's `ForConditionalGeneration.forward` for one pack (batch of one
     packed row). `dp`: the data-parallel world size the gradients are averaged over. `conventions`: the job's
     `ModelConventions` (normalisation and the placeholder id come from it). `dtype`: the pixels' dtype (the
@@ -211,7 +211,12 @@ def to_hf_inputs(pack: PackTensors, model_family: str | Family, dp: int = 1, *,
     `tokens_per_second`: Qwen2.5-VL's `config.vision_config.tokens_per_second` (the family's default: 2, as the
     released checkpoints), which spaces a video's temporal positions by its frames' time. `layout="padded"`:
     the pack's samples as HF's usual padded batch instead (one row each, right-padded to the longest, with an
-    `attention_mask`; sdpa or eager attention), the same loss: what packing saves is measured against it."""
+    `attention_mask`; sdpa or eager attention), the same loss: what packing saves is measured against it.
+    `ensure_encoders`: every pack calls each of the family's vision towers (images, and Qwen's videos) the same
+    number of times, whatever it holds: a tower the pack would not call gets one dummy item, a segment of its
+    own at the end of the row whose tokens are outside the loss (`with_every_encoder`). Under FSDP or ZeRO-3
+    with the vision tower wrapped apart, a rank that skips the tower leaves the others waiting in its
+    all-gathers forever; this keeps every rank's collectives in step (needs `conventions`)."""
     family = family_of(model_family)
     if layout not in ("packed", "padded"):
         raise ValueError(f"layout must be 'packed' or 'padded', not {layout!r}")
@@ -275,8 +280,12 @@ def to_hf_inputs(pack: PackTensors, model_family: str | Family, dp: int = 1, *,
                              f"{what} features; the model's {name} must be the dataset's {what} context token")
     if attention not in ("sdpa", "varlen"):
         raise ValueError(f"attention must be 'sdpa' or 'varlen', not {attention!r}")
+    bounds = pack.cu_seqlens.to(torch.int32)
+    if ensure_encoders:
+        if layout == "padded":
+            raise ValueError("ensure_encoders adds a segment to a packed row: use layout='packed'")
+        inputs, bounds = with_every_encoder(inputs, bounds, family, conventions, dtype)
     if attention == "varlen":
-        bounds = pack.cu_seqlens.to(torch.int32)
         longest = int((bounds[1:] - bounds[:-1]).max()) if len(bounds) > 1 else 0
         inputs.update(cu_seq_lens_q=bounds, cu_seq_lens_k=bounds, max_length_q=longest, max_length_k=longest)
     if layout == "padded":
@@ -286,15 +295,71 @@ def to_hf_inputs(pack: PackTensors, model_family: str | Family, dp: int = 1, *,
     return inputs
 
 
-def empty_hf_inputs(pack: PackTensors, dp: int = 1, device: torch.device | str | None = None) -> dict[str, Any]:
+def empty_hf_inputs(pack: PackTensors, dp: int = 1, device: torch.device | str | None = None, *,
+                    model_family: str | Family | None = None, conventions: Any = None,
+                    dtype: torch.dtype = torch.float32) -> dict[str, Any]:
     """A model's inputs for an empty pack (a rank with no samples in this microbatch, which must still join the
     step's collectives): one ignored token, a loss of 0 that adds nothing to the gradients. It carries the step's
     `num_items_in_batch` like any pack (a Trainer reads it from a step's first batch); 1 where that is 0, since a
-    mean over no token is NaN."""
+    mean over no token is NaN. With `model_family` and `conventions`, it also calls every vision tower once, as
+    `to_hf_inputs(..., ensure_encoders=True)` does."""
     share = pack.step_loss_tokens / dp
-    return {"input_ids": torch.zeros(1, 1, dtype=torch.long, device=device),
-            "labels": torch.full((1, 1), IGNORE_INDEX, dtype=torch.long, device=device), "use_cache": False,
-            "num_items_in_batch": torch.tensor(share if share > 0 else 1.0, dtype=torch.float32, device=device)}
+    inputs = {"input_ids": torch.zeros(1, 1, dtype=torch.long), "labels": torch.full((1, 1), IGNORE_INDEX),
+              "use_cache": False,
+              "num_items_in_batch": torch.tensor(share if share > 0 else 1.0, dtype=torch.float32)}
+    if model_family is not None:
+        family = family_of(model_family)
+        qwen = family.image_policy == "qwen2vl"
+        inputs["position_ids"] = torch.zeros((4, 1, 1) if qwen else (1, 1), dtype=torch.long)
+        inputs, _ = with_every_encoder(inputs, torch.tensor([0, 1], dtype=torch.int32), family, conventions, dtype)
+    return {k: v.to(device) if isinstance(v, torch.Tensor) and device is not None else v for k, v in inputs.items()}
+
+
+def with_every_encoder(inputs: dict[str, Any], bounds: torch.Tensor, family: Family, conventions: Any,
+                       dtype: torch.dtype) -> tuple[dict[str, Any], torch.Tensor]:
+    """`inputs` of one packed row with one dummy item for each vision tower it would not call (images; Qwen's
+    videos when the dataset has a video placeholder): a segment of its own appended to the row, its placeholders
+    labelled IGNORE_INDEX. Earlier tokens never attend to it (causal attention, or its own varlen segment), and
+    no loss token reads it, so the loss is unchanged and the tower's gradients from it are zero; only the
+    tower's collectives run. Returns the inputs and the row's segment bounds."""
+    if conventions is None:
+        raise ValueError("ensure_encoders needs the job's conventions (its placeholder ids, tile size and tokens per "
+                         "tile): pass conventions=stream.conventions")
+    dummies = []  # (pixels name, grid name or None, placeholder id, placeholders, pixel rows, token type)
+    if family.image_policy == "qwen2vl":
+        m, p, t = family.merge_size, family.patch_size, family.temporal_patch_size
+        rows = torch.zeros(m * m, 3 * t * p * p, dtype=dtype)
+        dummies.append(("pixel_values", "image_grid_thw", conventions.image_context_id, 1, rows, 1))
+        if conventions.HasField("video_context_id"):
+            dummies.append(("pixel_values_videos", "video_grid_thw", conventions.video_context_id, 1, rows, 2))
+    else:
+        policy = conventions.image_policy
+        if not policy.tile_size or not policy.tokens_per_tile:
+            raise ValueError(f"ensure_encoders: the dataset's image policy {policy.name!r} gives no tile size and "
+                             f"tokens per tile for the {family.name} family's dummy tile")
+        tile = torch.zeros(1, 3, policy.tile_size, policy.tile_size, dtype=dtype)
+        dummies.append(("pixel_values", None, conventions.image_context_id, policy.tokens_per_tile, tile, 1))
+    out = dict(inputs)
+    for pixels_name, grid_name, token_id, count, pixels, token_type in dummies:
+        if pixels_name in out:
+            continue
+        out[pixels_name] = pixels
+        if grid_name is not None:
+            out[grid_name] = torch.tensor([[1, family.merge_size, family.merge_size]], dtype=torch.long)
+        length = out["input_ids"].shape[1]
+        out["input_ids"] = torch.cat([out["input_ids"], torch.full((1, count), token_id, dtype=torch.long)], dim=1)
+        out["labels"] = torch.cat([out["labels"], torch.full((1, count), IGNORE_INDEX, dtype=torch.long)], dim=1)
+        positions = out["position_ids"]
+        if positions.dim() == 3:  # Qwen: (text, t, h, w) rows; the dummy item sits at (0, 0, 0) of its segment
+            out["position_ids"] = torch.cat([positions, torch.zeros(positions.shape[0], 1, count,
+                                                                    dtype=positions.dtype)], dim=2)
+            types = out.get("mm_token_type_ids", torch.zeros(1, length, dtype=torch.int32))
+            out["mm_token_type_ids"] = torch.cat([types, torch.full((1, count), token_type, dtype=types.dtype)], dim=1)
+        else:
+            out["position_ids"] = torch.cat([positions, torch.arange(count, dtype=positions.dtype).unsqueeze(0)],
+                                            dim=1)
+        bounds = torch.cat([bounds, bounds[-1:] + count])
+    return out, bounds
 ROW_TENSORS = {"input_ids": 0, "labels": IGNORE_INDEX, "mm_token_type_ids": 0}  # per-token tensors, padding value
 
 

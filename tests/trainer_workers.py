@@ -209,6 +209,33 @@ def hf_step_grads(rank: int, world: int, family: str, data_file: str, init_file:
         dist.destroy_process_group()
 
 
+def sharded_tower_step(rank: int, world: int, family: str, data_file: str, init_file: str, out_dir: str,
+                       ensure: bool) -> None:
+    """One step of a user's own FSDP2 loop as big runs wrap it: every vision block and every decoder layer a unit
+    of its own, then the root; rank r trains on pack r (`ensure`: to_hf_inputs(..., ensure_encoders=True)).
+    Saves the loss once the step is done."""
+    from packfeed.client.hf import to_hf_inputs
+    from packfeed.trainer.models.hf.whole import language_layers
+    from packfeed.trainer.parallel.mesh import make_mesh
+    from packfeed.trainer.parallel.data_parallel import shard
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        from hf_models import tiny_model
+
+        saved = torch.load(data_file, weights_only=False)
+        model = tiny_model(family, saved["data"])
+        units = list(model.model.visual.blocks) + language_layers(model)
+        model = shard(model, units, make_mesh(world, 1, torch.device("cpu")), "fp32")
+        inputs = to_hf_inputs(saved["packs"][rank], family, dp=world, conventions=saved["data"].conventions,
+                              ensure_encoders=ensure)
+        loss = model(**inputs).loss
+        loss.backward()
+        torch.save({"loss": float(loss.detach())}, f"{out_dir}/rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
 def hf_pipeline_step(rank: int, world: int, dp: int, pp: int, family: str, data_file: str, init_file: str,
                      out_dir: str, bounds: list[int], schedule: str = "1f1b", virtual: int = 1,
                      break_positions: bool = False, data_parallel: str = "ddp", encoder: str = "stages") -> None:

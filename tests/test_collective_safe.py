@@ -1,0 +1,102 @@
+"""Every rank calls every vision tower alike (issue [5/6]): `to_hf_inputs(..., ensure_encoders=True)` gives a
+pack without images (or without videos) one dummy item per tower it would not call, so under FSDP or ZeRO-3 with
+the tower wrapped apart no rank skips the tower's collectives; the loss and every gradient stay those of the
+pack without it (within 1e-6), on real `transformers` models built from tiny configs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from hf_models import family_dataset, packs_of, tiny_model  # noqa: E402
+from packfeed.client.hf import empty_hf_inputs, to_hf_inputs  # noqa: E402
+
+
+def tower_of(model, family: str):
+    return model.model.visual if family.startswith("qwen") else model.model.vision_tower
+
+
+def loss_and_grads(model, inputs: dict) -> tuple[float, dict[str, torch.Tensor]]:
+    model.zero_grad(set_to_none=True)
+    loss = model(**inputs).loss
+    loss.backward()
+    return float(loss.detach()), {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("family", ["qwen2_vl", "internvl", "llava"])
+def test_ensure_encoders_runs_every_tower_and_changes_no_loss_or_gradient(tmp_path, family):
+    data = family_dataset(tmp_path, family)
+    model = tiny_model(family, data)
+    calls = []
+    tower_of(model, family).register_forward_hook(lambda *_: calls.append(1))
+    text_only, with_images = packs_of(data, [[0, 4], [1, 2]])  # samples 0 and 4 hold no image
+    towers = 2 if family.startswith("qwen") and data.conventions.HasField("video_context_id") else 1
+    for pack, own_calls in ((text_only, 0), (with_images, 1)):
+        calls.clear()
+        plain = to_hf_inputs(pack, family, conventions=data.conventions)
+        loss, grads = loss_and_grads(model, plain)
+        assert len(calls) == own_calls
+        calls.clear()
+        ensured = to_hf_inputs(pack, family, conventions=data.conventions, ensure_encoders=True)
+        ensured_loss, ensured_grads = loss_and_grads(model, ensured)
+        assert len(calls) == towers  # every tower once, whatever the pack holds
+        assert ensured["input_ids"].shape[1] > plain["input_ids"].shape[1] or own_calls == towers
+        assert ensured_loss == pytest.approx(loss, rel=1e-6, abs=1e-7)
+        for name, grad in ensured_grads.items():
+            expected = grads.get(name, torch.zeros_like(grad))  # the tower's: zeros from the dummy alone
+            torch.testing.assert_close(grad, expected, rtol=1e-6, atol=1e-7, msg=name)
+    calls.clear()
+    empty = empty_hf_inputs(text_only, model_family=family, conventions=data.conventions)
+    assert float(model(**empty).loss.nan_to_num(0.0)) == 0.0 and len(calls) == towers
+    with pytest.raises(ValueError, match="conventions"):
+        to_hf_inputs(text_only, family, ensure_encoders=True)
+
+
+def run_bounded(worker, args: tuple, world: int, timeout: float) -> bool:
+    """Spawn `world` processes of `worker`; True when all finished, False when they crashed or were still
+    running after `timeout` seconds (then killed): the test never hangs itself."""
+    import time
+
+    import torch.multiprocessing as mp
+
+    context = mp.spawn(worker, args=(world, *args), nprocs=world, join=False)
+    deadline = time.monotonic() + timeout
+    try:
+        while time.monotonic() < deadline:
+            if context.join(timeout=1):
+                return True
+        return False
+    except Exception:  # a rank died (gloo refuses collectives that do not match)
+        return False
+    finally:
+        for process in context.processes:
+            if process.is_alive():
+                process.kill()
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_an_fsdp2_loop_with_the_tower_wrapped_apart_hangs_on_a_text_only_rank_unless_every_tower_runs(
+        tmp_path, world):
+    """The usual FSDP2 wrapping (each vision block a unit) with one rank's pack text-only: without the guard that
+    rank skips the tower's all-gathers and the step never completes (the control, bounded); with
+    ensure_encoders every rank completes it with the plain loop's loss."""
+    from trainer_workers import sharded_tower_step
+
+    family = "qwen2_vl"
+    data = family_dataset(tmp_path / "data", family)
+    groups = [[0, 4], [1, 2]] if world == 2 else [[0], [4], [9], [1, 2]]  # mostly text: one rank has images
+    packs = packs_of(data, groups)
+    torch.save({"data": data, "packs": packs}, tmp_path / "step.pt")
+    args = (family, str(tmp_path / "step.pt"), str(tmp_path / "init-hang"), str(tmp_path))
+    assert not run_bounded(sharded_tower_step, args + (False,), world, timeout=60)
+    assert not (tmp_path / "rank0.pt").exists()
+    args = (family, str(tmp_path / "step.pt"), str(tmp_path / "init-safe"), str(tmp_path))
+    assert run_bounded(sharded_tower_step, args + (True,), world, timeout=300)
+    sharded = sum(torch.load(tmp_path / f"rank{r}.pt")["loss"] for r in range(world))
+    model = tiny_model(family, data)
+    with torch.no_grad():
+        plain = sum(float(model(**to_hf_inputs(pack, family, dp=world, conventions=data.conventions)).loss)
+                    for pack in packs)
+    assert sharded == pytest.approx(plain, rel=1e-5)
