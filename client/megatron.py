@@ -1,0 +1,153 @@
+"""Megatron-Core fed by Packfeed: each pack as Megatron's packed (THD) batch, each step as the data iterator of
+one call of its pipeline schedule. `pip install packfeed[megatron]`.
+
+    steps = MegatronSteps(PackStream("loader:50051", job="sft", rank=dp_rank, dp=dp, microbatches=M))
+    forward_backward = get_forward_backward_func()
+    for step in steps:
+        forward_backward(forward_step_func=forward_step, data_iterator=step.data_iterator, model=model,
+                         num_microbatches=step.num_microbatches, seq_length=step.seq_length, micro_batch_size=1)
+        optimizer.step()
+
+    def forward_step(data_iterator, model):
+        batch = next(data_iterator)
+        output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"],
+                       packed_seq_params=packed_seq_params(batch))
+        return output, functools.partial(loss_func, batch)
+
+- A batch holds `tokens`, `labels` (each token's next token within its sample), `loss_mask` (1 where that next
+  token is supervised), `position_ids` (restarting per sample), `cu_seqlens`, `cu_seqlens_padded` and
+  `max_seqlen`, each with Megatron's leading batch dimension of 1: what its GPT datasets and
+  `get_thd_batch_on_this_cp_rank` take. `pad_to_multiple` pads every sample to a multiple of it (context
+  parallelism with THD needs 2 x CP: `pad_to_multiple=2 * cp_size`); padding is outside the loss.
+- `loss_func` returns Megatron's 3-tuple (summed loss, loss tokens, report) for `calculate_per_token_loss=True`:
+  Megatron then divides by the step's loss tokens over every DP rank, which is the global per-token mean
+  Packfeed's plan counts (`step_loss_tokens`). Without it, `loss_func(..., per_token=False)` scales each
+  microbatch's summed loss by M x dp / step_loss_tokens, undoing Megatron's division by the microbatches and
+  its gradient average over DP.
+- `MegatronSteps.state_dict()` / `load_state_dict()` are the stream's position: save it with each checkpoint
+  (one per DP rank, as `packfeed train` does) and load it before the first step to continue at exactly the
+  next one.
+- Pipelines: Megatron reads the data iterator on the first and the last stage; give both a `MegatronSteps`
+  over the same rank's packs (`PackStream(..., replica=k, replicas=2)`).
+- Vision: a pack's images are `images` (the raw tiles, `PackTensors.tiles()`) and `image_token_spans`, for
+  the model's own vision encoder; Megatron's LLaVA model takes them its own way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from packfeed.client.tensors import IGNORE_INDEX, PackTensors, Step
+
+
+def megatron_batch(pack: PackTensors, pad_to_multiple: int = 1,
+                   device: torch.device | str | None = None) -> dict[str, Any]:
+    """One pack as Megatron's packed batch (see the module docstring)."""
+    if pad_to_multiple < 1:
+        raise ValueError(f"pad_to_multiple must be >= 1, not {pad_to_multiple}")
+    bounds = pack.cu_seqlens.to(torch.long).tolist()
+    input_ids, labels, positions = (pack.input_ids.to(torch.long), pack.labels.to(torch.long),
+                                    pack.position_ids.to(torch.long))
+    pieces: dict[str, list[torch.Tensor]] = {"tokens": [], "labels": [], "loss_mask": [], "position_ids": []}
+    padded = [0]
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        length = end - start
+        width = -(-length // pad_to_multiple) * pad_to_multiple
+        target = torch.zeros(width, dtype=torch.long)
+        target[:length - 1] = input_ids[start + 1:end]  # each token predicts the next one of its own sample
+        mask = torch.zeros(width, dtype=torch.float32)
+        mask[:length - 1] = (labels[start + 1:end] != IGNORE_INDEX).float()
+        pieces["tokens"].append(torch.cat([input_ids[start:end], torch.zeros(width - length, dtype=torch.long)]))
+        pieces["labels"].append(target)
+        pieces["loss_mask"].append(mask)
+        pieces["position_ids"].append(torch.cat([positions[start:end], torch.arange(width - length) + length]))
+        padded.append(padded[-1] + width)
+    batch = {name: (torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)).unsqueeze(0)
+             for name, parts in pieces.items()}
+    lengths = [b - a for a, b in zip(bounds[:-1], bounds[1:])]
+    batch["cu_seqlens"] = torch.tensor(bounds, dtype=torch.int32)
+    batch["cu_seqlens_padded"] = torch.tensor(padded, dtype=torch.int32)
+    batch["max_seqlen"] = torch.tensor([max(lengths, default=0)], dtype=torch.int32)
+    batch["step_loss_tokens"] = int(pack.step_loss_tokens)
+    if pack.tile_shapes.shape[0]:
+        batch["images"] = pack.tiles()
+        batch["image_token_spans"] = pack.image_token_spans.view(-1, 2)
+    if device is not None:
+        batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+    return batch
+
+
+def packed_seq_params(batch: dict[str, Any]):
+    """Megatron-Core's `PackedSeqParams` (THD) of a batch."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    longest = int(batch["max_seqlen"][0])
+    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=batch["cu_seqlens"], cu_seqlens_kv=batch["cu_seqlens"],
+                           cu_seqlens_q_padded=batch["cu_seqlens_padded"],
+                           cu_seqlens_kv_padded=batch["cu_seqlens_padded"], max_seqlen_q=longest,
+                           max_seqlen_kv=longest)
+
+
+def loss_func(batch: dict[str, Any], output_tensor: torch.Tensor, per_token: bool = True,
+              num_microbatches: int = 1, dp: int = 1):
+    """Megatron's loss function over `output_tensor` (per-token losses, shaped like `tokens`). `per_token`: the
+    3-tuple for `calculate_per_token_loss=True`; otherwise the summed loss scaled so that Megatron's division by
+    `num_microbatches` and its average over `dp` leave the step's global per-token mean."""
+    mask = batch["loss_mask"].view(-1).float()
+    loss = torch.sum(output_tensor.view(-1).float() * mask)
+    tokens = mask.sum().to(torch.int)
+    report = {"lm loss": torch.cat([loss.detach().view(1), tokens.float().view(1)])}
+    if per_token:
+        return loss, tokens, report
+    return loss * (num_microbatches * dp / max(batch["step_loss_tokens"], 1)), report
+
+
+@dataclass
+class MegatronStep:
+    """One step's M microbatches for one call of Megatron's `forward_backward_func`."""
+
+    epoch: int
+    step: int
+    batches: list[dict[str, Any]]
+
+    @property
+    def data_iterator(self) -> Iterator[dict[str, Any]]:
+        return iter(self.batches)
+
+    @property
+    def num_microbatches(self) -> int:
+        return len(self.batches)
+
+    @property
+    def seq_length(self) -> int:
+        """The longest microbatch's tokens (Megatron sizes its pipeline messages from it)."""
+        return max((int(b["tokens"].shape[1]) for b in self.batches), default=0)
+
+
+class MegatronSteps:
+    """A `PackStream`'s steps as `MegatronStep`s; its position is the stream's (`state_dict`)."""
+
+    def __init__(self, stream, pad_to_multiple: int = 1, device: torch.device | str | None = None):
+        self.stream, self.pad_to_multiple, self.device = stream, pad_to_multiple, device
+        self._steps: Iterator[Step] | None = None
+
+    def __iter__(self) -> MegatronSteps:
+        return self
+
+    def __next__(self) -> MegatronStep:
+        if self._steps is None:
+            self._steps = iter(self.stream)
+        step = next(self._steps)
+        return MegatronStep(step.epoch, step.step, [megatron_batch(pack, self.pad_to_multiple, self.device)
+                                                    for pack in step.packs])
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.stream.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.stream.load_state_dict(state)
+        self._steps = None
