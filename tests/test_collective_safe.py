@@ -90,7 +90,7 @@ def test_an_fsdp2_loop_with_the_tower_wrapped_apart_hangs_on_a_text_only_rank_un
     packs = packs_of(data, groups)
     torch.save({"data": data, "packs": packs}, tmp_path / "step.pt")
     args = (family, str(tmp_path / "step.pt"), str(tmp_path / "init-hang"), str(tmp_path))
-    assert not run_bounded(sharded_tower_step, args + (False,), world, timeout=60)
+    assert not run_bounded(sharded_tower_step, args + (False,), world, timeout=30)
     assert not (tmp_path / "rank0.pt").exists()
     args = (family, str(tmp_path / "step.pt"), str(tmp_path / "init-safe"), str(tmp_path))
     assert run_bounded(sharded_tower_step, args + (True,), world, timeout=300)
