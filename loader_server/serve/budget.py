@@ -83,7 +83,7 @@ class StepHold:
     stopped producer, a cancelled stream draining its queue) calls `release()`, and a second call does nothing,
     so no path releases twice or forgets to. `with hold:` releases it on the way out, whatever happens."""
 
-    def __init__(self, budget: MemoryBudget, steps, key: tuple[int, int, int], nbytes: int):
+    def __init__(self, budget: MemoryBudget, steps, key: tuple, nbytes: int):
         self.budget, self.steps, self.key, self.nbytes = budget, steps, key, nbytes
         self.released = False
 

@@ -34,9 +34,10 @@ class SharedSteps:
     behind than the others hold their steps (that one prepares its own). Event-loop only (not thread-safe)."""
 
     def __init__(self):
-        self._steps: dict[tuple[int, int, int], list] = {}  # (rank, epoch, step) -> [future, takers]
+        # (rank, epoch, step), or ("encoder", rank, epoch, step) for an encoder rank's -> [future, takers]
+        self._steps: dict[tuple, list] = {}
 
-    def take(self, key: tuple[int, int, int],
+    def take(self, key: tuple,
              start: Callable[[], asyncio.Future]) -> tuple[asyncio.Future, bool]:
         """The step's preparation, and whether this call started it (`start()`): it does unless another taker
         holds one that has not failed."""
@@ -47,7 +48,7 @@ class SharedSteps:
         entry[1] += 1
         return entry[0], started
 
-    def give_back(self, key: tuple[int, int, int]) -> None:
+    def give_back(self, key: tuple) -> None:
         entry = self._steps.get(key)
         if entry is None:
             return
