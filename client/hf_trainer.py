@@ -71,16 +71,22 @@ class PackBatches:
     """This rank's packs, one Trainer batch each, as the model's keyword arguments (`to_hf_inputs`). Its length
     is the job's batches (steps x M) where the job knows its steps."""
 
-    def __init__(self, stream: PackStream, family: str, attention: str = "sdpa", dtype: torch.dtype = torch.float32):
+    def __init__(self, stream: PackStream, family: str, attention: str = "sdpa", dtype: torch.dtype = torch.float32,
+                 ensure_encoders: bool = False):
         self.stream, self.family, self.attention, self.dtype = stream, family, attention, dtype
         self.dp = stream.info.plan.dp
+        self.ensure_encoders = ensure_encoders  # every pack calls every vision tower (sharded data parallelism)
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
+        conventions = self.stream.conventions
         for step in self.stream:
             for pack in step.packs:
-                yield empty_hf_inputs(pack, self.dp) if pack.empty else \
-                    to_hf_inputs(pack, self.family, dp=self.dp, conventions=self.stream.conventions,
-                                 dtype=self.dtype, attention=self.attention)
+                if pack.empty:
+                    yield empty_hf_inputs(pack, self.dp, model_family=self.family if self.ensure_encoders else None,
+                                          conventions=conventions, dtype=self.dtype)
+                else:
+                    yield to_hf_inputs(pack, self.family, dp=self.dp, conventions=conventions, dtype=self.dtype,
+                                       attention=self.attention, ensure_encoders=self.ensure_encoders)
 
     def __len__(self) -> int:
         return job_batches(self.stream)  # unknown: the Trainer relies on max_steps
@@ -90,10 +96,13 @@ class PackfeedTrainerMixin:
     """Trainer methods that feed it a `PackStream` (see the module's docstring)."""
 
     def __init__(self, *args: Any, stream: PackStream, family: str, attention: str = "sdpa",
-                 dtype: torch.dtype = torch.float32, **kwargs: Any):
+                 dtype: torch.dtype = torch.float32, ensure_encoders: bool | None = None, **kwargs: Any):
         self.packfeed_batches = PackBatches(stream, family, attention, dtype)
         super().__init__(*args, **kwargs)
         self._check_arguments(stream)
+        # sharded data parallelism gathers the vision tower's parameters on every rank that runs it: every pack
+        # then runs it (to_hf_inputs' ensure_encoders), or a text-only rank would leave the others waiting
+        self.packfeed_batches.ensure_encoders = sharded(self.args) if ensure_encoders is None else ensure_encoders
 
     def _check_arguments(self, stream: PackStream) -> None:
         args, plan = self.args, stream.info.plan
@@ -160,6 +169,14 @@ class PackfeedTrainerMixin:
             with open(path) as state:
                 self.packfeed_batches.stream.load_state_dict(json.load(state))
         return super().train(resume_from_checkpoint, *args, **kwargs)
+
+
+def sharded(args: transformers.TrainingArguments) -> bool:
+    """Whether the Trainer shards parameters layer by layer over the ranks: DeepSpeed ZeRO-3, or FSDP."""
+    if args.fsdp:
+        return True
+    config = getattr(args, "hf_deepspeed_config", None)
+    return bool(config is not None and config.is_zero3())
 
 
 class PackfeedTrainer(PackfeedTrainerMixin, transformers.Trainer):

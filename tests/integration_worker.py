@@ -58,12 +58,14 @@ class RecordingBatches(PackBatches):
     """PackBatches that remember the sample keys of each step they hand out."""
 
     keys: list = []
+    ensure_encoders = False  # as the Trainer set it (on for DeepSpeed ZeRO-3)
 
     def __iter__(self):
         for step in self.stream:
             self.keys.append(step.sample_keys)
             for pack in step.packs:
-                yield to_hf_inputs(pack, self.family, dp=self.dp, conventions=self.stream.conventions)
+                yield to_hf_inputs(pack, self.family, dp=self.dp, conventions=self.stream.conventions,
+                                   ensure_encoders=self.ensure_encoders)
 
 
 def with_trainer(stream: PackStream, steps: int, checkpoints: str, mode: str) -> tuple[list, list]:
@@ -71,6 +73,11 @@ def with_trainer(stream: PackStream, steps: int, checkpoints: str, mode: str) ->
                     weight_decay=0.0, max_grad_norm=CLIP, lr_scheduler_type="constant", optim="sgd",
                     report_to=[], use_cpu=True, disable_tqdm=True)
     model = build_hf_model(FAMILY, stream.conventions, SIZES)
+    if mode.startswith("zero3"):  # DeepSpeed ZeRO-3 (its CPU accelerator, gloo): parameters sharded over the ranks
+        settings["deepspeed"] = {"zero_optimization": {"stage": 3}, "zero_allow_untested_optimizer": True,
+                                 "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+                                 "gradient_clipping": "auto"}
+        mode = mode.removeprefix("zero3-")
     if mode == "sft":
         from packfeed.client.sft_trainer import PackfeedSFTTrainer, packfeed_sft_config
 
@@ -82,7 +89,9 @@ def with_trainer(stream: PackStream, steps: int, checkpoints: str, mode: str) ->
     else:
         trainer = PackfeedTrainer(model=model, args=packfeed_training_arguments(stream, **settings), stream=stream,
                                   family=FAMILY)
-    trainer.packfeed_batches = RecordingBatches(stream, FAMILY)
+    recording = RecordingBatches(stream, FAMILY)
+    recording.ensure_encoders = RecordingBatches.ensure_encoders = trainer.packfeed_batches.ensure_encoders
+    trainer.packfeed_batches = recording
     checkpoint = f"{checkpoints}/checkpoint-2"
     if mode in ("train", "sft"):
         trainer.train()
@@ -160,7 +169,8 @@ def main(target: str, job: str, mode: str, steps: int, checkpoints: str, out: st
             dist.init_process_group("gloo")
         with PackStream(target, job=job, rank=rank, dp=world, microbatches=2, seed=0, epochs=2) as stream:
             keys, losses = plain(stream, steps) if mode == "plain" else with_trainer(stream, steps, checkpoints, mode)
-    Path(out, f"rank{rank}.json").write_text(json.dumps({"keys": keys, "losses": losses}))
+    Path(out, f"rank{rank}.json").write_text(json.dumps({"keys": keys, "losses": losses,
+                                                         "ensure_encoders": RecordingBatches.ensure_encoders}))
     if dist.is_initialized():
         dist.destroy_process_group()
 

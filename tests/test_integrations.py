@@ -77,6 +77,23 @@ def test_the_hf_trainer_trains_as_the_plain_loop_and_resumes_at_the_next_step(tm
 
 
 @pytest.mark.slow
+def test_the_hf_trainer_under_deepspeed_zero3_trains_as_the_plain_loop_and_resumes_at_the_next_step(
+        tmp_path, server, qwen_data, plain):
+    """`packfeed_training_arguments(stream, deepspeed={... ZeRO-3 ...})`: DeepSpeed shards the parameters over
+    the two ranks (its CPU accelerator, gloo) and trains as the plain loop; a restart from its checkpoint lands on
+    the next step's samples and losses; the control starts the data over."""
+    pytest.importorskip("deepspeed")
+    runs = {mode: torchrun(server, qwen_data, "zero3", f"zero3-{mode}", tmp_path / "checkpoints", tmp_path / mode)
+            for mode in ("train", "resume", "control")}
+    checkpoint = tmp_path / "checkpoints" / "checkpoint-2"
+    assert (checkpoint / "packfeed_stream_rank1.json").is_file()
+    shards = sorted(path.name for path in (checkpoint / "global_step2").glob("zero_pp_rank_*_model_states.pt"))
+    assert len(shards) == 2  # DeepSpeed's ZeRO ran (a shard of the model per rank), not a silent fallback
+    assert all(run["ensure_encoders"] for run in runs["train"])  # every pack runs the tower under ZeRO-3
+    check_resume(plain, runs["train"], runs["resume"], runs["control"], logged_before=2)
+
+
+@pytest.mark.slow
 def test_trl_sft_trainer_trains_as_the_plain_loop(tmp_path, server, qwen_data, plain):
     """TRL's SFTTrainer computes its loss its own way (a fused LM head over log-probabilities), which differs from
     the model's own by a few 1e-6 on the same weights: the first step's loss equals the plain loop's within 1e-5;
