@@ -82,23 +82,8 @@ def simulate_steps(table: LayerTable, cluster: Cluster, layout: Layout, workload
                    steps: list[int] | None = None) -> tuple[list[StepResult], list[int]]:
     costs, bounds = pipeline_costs(table, cluster, layout, workload, partition)
     chosen = range(workload.steps) if steps is None else steps
-    routed = layout.encoder == "phases"
-    if routed and workload.routing is None:
-        raise ValueError("--encoder phases runs the encoder where an isf+phases plan routes it: give --strategy "
-                         "isf+phases (or a plan file of that strategy)")
-    cache: dict[bytes, StepResult] = {}
-    results = []
-    planned = workload.encoder_split if layout.encoder == "disaggregated" else None
-    for k in chosen:
-        routing = (workload.routing.encoder_loads[k], workload.routing.moved[k]) if routed else None
-        split = planned[k] if planned is not None else None
-        key = workload.loads[k].tobytes() + (routing[1].tobytes() if routed else b"") + \
-            (split.tobytes() if split is not None else b"")
-        if key not in cache:  # identical steps (fixed-size samples) are simulated once
-            cache[key] = simulate_step(costs, layout, workload.loads[k], cluster, routing=routing,
-                                       encoder_split=split)
-        results.append(cache[key])
-    return results, bounds
+    return per_step(workload, layout, chosen, lambda k, routing, split: simulate_step(
+        costs, layout, workload.loads[k], cluster, routing=routing, encoder_split=split)), bounds
 
 
 def sharded_steps(table: LayerTable, cluster: Cluster, layout: Layout, workload: Workload,
@@ -109,17 +94,26 @@ def sharded_steps(table: LayerTable, cluster: Cluster, layout: Layout, workload:
     if layout.pp != 1 or layout.encoder not in ("stages", "phases"):
         raise ValueError(f"--data-parallel {kind} simulates sharded data parallelism at --pp 1 with the encoder in "
                          "the model (--encoder stages) or routed (--encoder phases)")
+    return per_step(workload, layout, range(workload.steps), lambda k, routing, _: sharded_step(
+        table, cluster, workload.loads[k], layout.tp, routing))
+
+
+def per_step(workload: Workload, layout: Layout, steps, simulate) -> list[StepResult]:
+    """`simulate(k, routing, split)` for each step k (the routed encoder's routing, the encoder ranks' split
+    where the layout takes them), identical steps (fixed-size samples) simulated once."""
     routed = layout.encoder == "phases"
     if routed and workload.routing is None:
         raise ValueError("--encoder phases runs the encoder where an isf+phases plan routes it: give --strategy "
                          "isf+phases (or a plan file of that strategy)")
+    planned = workload.encoder_split if layout.encoder == "disaggregated" else None
     cache: dict[bytes, StepResult] = {}
     results = []
-    for k in range(workload.steps):
+    for k in steps:
         routing = (workload.routing.encoder_loads[k], workload.routing.moved[k]) if routed else None
-        key = workload.loads[k].tobytes() + (routing[1].tobytes() + routing[0].tobytes() if routed else b"")
+        split = planned[k] if planned is not None else None
+        key = workload.loads[k].tobytes() + b"".join(a.tobytes() for a in (*(routing or ()), split) if a is not None)
         if key not in cache:
-            cache[key] = sharded_step(table, cluster, workload.loads[k], layout.tp, routing)
+            cache[key] = simulate(k, routing, split)
         results.append(cache[key])
     return results
 
