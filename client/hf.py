@@ -47,6 +47,7 @@ import torch
 
 from packfeed.client.attention import register_varlen_attention  # noqa: F401  (re-exported: HF users import both from here)
 from packfeed.client.tensors import IGNORE_INDEX, PackTensors
+from packfeed.client.towers import with_every_encoder
 from packfeed.v1.options import VisualKind
 
 IMAGENET = ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))
@@ -214,7 +215,7 @@ def to_hf_inputs(pack: PackTensors, model_family: str | Family, dp: int = 1, *,
     `attention_mask`; sdpa or eager attention), the same loss: what packing saves is measured against it.
     `ensure_encoders`: every pack calls each of the family's vision towers (images, and Qwen's videos) the same
     number of times, whatever it holds: a tower the pack would not call gets one dummy item, a segment of its
-    own at the end of the row whose tokens are outside the loss (`with_every_encoder`). Under FSDP or ZeRO-3
+    own at the end of the row whose tokens are outside the loss (`packfeed.client.towers`). Under FSDP or ZeRO-3
     with the vision tower wrapped apart, a rank that skips the tower leaves the others waiting in its
     all-gathers forever; this keeps every rank's collectives in step (needs `conventions`)."""
     family = family_of(model_family)
@@ -315,51 +316,6 @@ def empty_hf_inputs(pack: PackTensors, dp: int = 1, device: torch.device | str |
     return {k: v.to(device) if isinstance(v, torch.Tensor) and device is not None else v for k, v in inputs.items()}
 
 
-def with_every_encoder(inputs: dict[str, Any], bounds: torch.Tensor, family: Family, conventions: Any,
-                       dtype: torch.dtype) -> tuple[dict[str, Any], torch.Tensor]:
-    """`inputs` of one packed row with one dummy item for each vision tower it would not call (images; Qwen's
-    videos when the dataset has a video placeholder): a segment of its own appended to the row, its placeholders
-    labelled IGNORE_INDEX. Earlier tokens never attend to it (causal attention, or its own varlen segment), and
-    no loss token reads it, so the loss is unchanged and the tower's gradients from it are zero; only the
-    tower's collectives run. Returns the inputs and the row's segment bounds."""
-    if conventions is None:
-        raise ValueError("ensure_encoders needs the job's conventions (its placeholder ids, tile size and tokens per "
-                         "tile): pass conventions=stream.conventions")
-    dummies = []  # (pixels name, grid name or None, placeholder id, placeholders, pixel rows, token type)
-    if family.image_policy == "qwen2vl":
-        m, p, t = family.merge_size, family.patch_size, family.temporal_patch_size
-        rows = torch.zeros(m * m, 3 * t * p * p, dtype=dtype)
-        dummies.append(("pixel_values", "image_grid_thw", conventions.image_context_id, 1, rows, 1))
-        if conventions.HasField("video_context_id"):
-            dummies.append(("pixel_values_videos", "video_grid_thw", conventions.video_context_id, 1, rows, 2))
-    else:
-        policy = conventions.image_policy
-        if not policy.tile_size or not policy.tokens_per_tile:
-            raise ValueError(f"ensure_encoders: the dataset's image policy {policy.name!r} gives no tile size and "
-                             f"tokens per tile for the {family.name} family's dummy tile")
-        tile = torch.zeros(1, 3, policy.tile_size, policy.tile_size, dtype=dtype)
-        dummies.append(("pixel_values", None, conventions.image_context_id, policy.tokens_per_tile, tile, 1))
-    out = dict(inputs)
-    for pixels_name, grid_name, token_id, count, pixels, token_type in dummies:
-        if pixels_name in out:
-            continue
-        out[pixels_name] = pixels
-        if grid_name is not None:
-            out[grid_name] = torch.tensor([[1, family.merge_size, family.merge_size]], dtype=torch.long)
-        length = out["input_ids"].shape[1]
-        out["input_ids"] = torch.cat([out["input_ids"], torch.full((1, count), token_id, dtype=torch.long)], dim=1)
-        out["labels"] = torch.cat([out["labels"], torch.full((1, count), IGNORE_INDEX, dtype=torch.long)], dim=1)
-        positions = out["position_ids"]
-        if positions.dim() == 3:  # Qwen: (text, t, h, w) rows; the dummy item sits at (0, 0, 0) of its segment
-            out["position_ids"] = torch.cat([positions, torch.zeros(positions.shape[0], 1, count,
-                                                                    dtype=positions.dtype)], dim=2)
-            types = out.get("mm_token_type_ids", torch.zeros(1, length, dtype=torch.int32))
-            out["mm_token_type_ids"] = torch.cat([types, torch.full((1, count), token_type, dtype=types.dtype)], dim=1)
-        else:
-            out["position_ids"] = torch.cat([positions, torch.arange(count, dtype=positions.dtype).unsqueeze(0)],
-                                            dim=1)
-        bounds = torch.cat([bounds, bounds[-1:] + count])
-    return out, bounds
 ROW_TENSORS = {"input_ids": 0, "labels": IGNORE_INDEX, "mm_token_type_ids": 0}  # per-token tensors, padding value
 
 

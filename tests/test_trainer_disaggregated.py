@@ -111,7 +111,7 @@ def test_encoder_ranks_auto_takes_the_split_packfeed_simulate_finds(tmp_path, sm
     """`parallel.encoder_ranks=auto` with `--nproc 3`: the split the simulator's search finds on the run's own
     plans (each split planned as the run would open it), launched as dp + E processes."""
     from packfeed.trainer.config import load_config
-    from packfeed.trainer.simulate.split import searched_split
+    from packfeed.server.cli.encoder_split import searched_split
 
     overrides = TRAIN + [f"data.index={small_tile_index}", "optim.steps=1", "parallel.encoder=disaggregated",
                          "parallel.encoder_ranks=auto"]

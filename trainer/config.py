@@ -110,7 +110,7 @@ class ParallelConfig:
     # packfeed.trainer.parallel.disaggregated)
     encoder: Literal["stages", "bubbles", "phases", "disaggregated"] = "stages"
     # parallel.encoder=disaggregated: the encoder's processes (E); the run has dp + E. auto: E searched by
-    # `packfeed simulate` for the run's processes (packfeed.trainer.simulate.split), dp = the rest
+    # `packfeed simulate`'s search for `packfeed train --nproc G` (packfeed.server.cli.encoder_split), dp = the rest
     encoder_ranks: int | str = 0
     backend: Literal["", "nccl", "gloo"] = ""  # "" = nccl on CUDA, gloo on CPU
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"  # bf16/fp16: autocast, and activations cross stages in that dtype
@@ -160,7 +160,7 @@ class ParallelConfig:
         """The processes the run trains on: dp x cp x pp, and the encoder's own."""
         if self.encoder_ranks == "auto":
             raise ValueError("parallel.encoder_ranks=auto: the split is searched for the run's processes; launch "
-                             "with packfeed train --nproc G (or resolve it: packfeed.trainer.simulate.split)")
+                             "with packfeed train --nproc G")
         return self.dp * self.cp * self.pp + self.encoder_ranks
 
 

@@ -74,8 +74,9 @@ def train(config: TrainConfig) -> dict:
         dist.init_process_group(backend)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    if config.parallel.encoder_ranks == "auto":  # launched without packfeed train --nproc: searched here
-        config = with_searched_encoder_ranks(config)
+    if config.parallel.encoder_ranks == "auto":
+        raise ValueError("parallel.encoder_ranks=auto is searched by `packfeed train --nproc G` before it launches "
+                         "the processes (it plans on the dataset's lengths); under torchrun give the number")
     parallel = config.parallel
     mesh = make_mesh(parallel.dp, parallel.pp, device, parallel.cp, parallel.encoder_ranks)
     out = Path(config.out)
@@ -92,19 +93,6 @@ def train(config: TrainConfig) -> dict:
     finally:
         if server is not None:
             server.stop()
-
-
-def with_searched_encoder_ranks(config: TrainConfig) -> TrainConfig:
-    """parallel.encoder_ranks=auto: rank 0 searches the split of the world's processes, every rank takes it."""
-    from dataclasses import replace
-
-    from packfeed.trainer.simulate.split import searched_split
-
-    split = searched_split(config, dist.get_world_size()) if dist.get_rank() == 0 else None
-    box = [split]
-    dist.broadcast_object_list(box, src=0)
-    parallel = replace(config.parallel, encoder_ranks=box[0]["encoder_ranks"], dp=box[0]["dp"])
-    return replace(config, parallel=parallel)
 
 
 def start_embedded_server(config: TrainConfig, mesh: Mesh):

@@ -214,7 +214,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def resolved_encoder_ranks(config, gpus: int) -> list[str]:
     """parallel.encoder_ranks=auto for `gpus` processes: the split `packfeed simulate` finds, as overrides."""
-    from packfeed.trainer.simulate.split import searched_split
+    from packfeed.server.cli.encoder_split import searched_split
 
     split = searched_split(config, gpus)
     trials = ", ".join(f"E {t['encoder_gpus']} + dp {t['llm_dp']}: epoch {t['epoch_s']:.3g} s"

@@ -6,7 +6,7 @@ Every split E + D = G (pp 1: each LLM rank one GPU) is planned for itself, as th
 GPUs; the split with the shortest epoch wins (`packfeed.trainer.simulate.predict.search_allocation`). The model's
 costs are the run's measured cost model when `data.cost_model` holds per-layer seconds (an earlier run's
 OUT/cost_model.json), else its FLOPs from the reference model's shape. A pure function of the config and the
-index: every process would find the same answer; `packfeed train --nproc G` finds it once, before launching.
+index: `packfeed train --nproc G` finds it once, before launching, and hands every process its answer.
 """
 
 from __future__ import annotations
