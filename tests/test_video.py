@@ -246,8 +246,11 @@ def test_isf_phases_refuses_to_route_a_dataset_with_videos(qwen_videos):
 
     index, tokenizer, _ = qwen_videos
     registry = JobRegistry({"v": Dataset.open("v", dataset_source(index, tokenizer))})
-    with pytest.raises(JobError, match="dataset v: 9 samples hold videos, which isf\\+phases does not route"):
+    with pytest.raises(JobError, match="dataset v: 9 samples hold videos, which are not routed between ranks.*"
+                                       "set colocate_encoder"):
         registry.open_job(JobSpec("routed", "v", PlanConfig(dp=2, strategy="isf+phases"), 0))
+    with pytest.raises(JobError, match="not routed between ranks.*encoder on ranks of its own.*set encoder_ranks 0"):
+        registry.open_job(JobSpec("encoder-ranks", "v", PlanConfig(dp=2, encoder_ranks=1), 0))
     registry.open_job(JobSpec("colocated", "v", PlanConfig(dp=2, strategy="isf+phases", colocate_encoder=True), 0))
 
 
