@@ -19,13 +19,11 @@ Run: .venv/bin/python -m pytest -q -s tests/benchmarks/test_bench_disaggregated.
 from __future__ import annotations
 
 import json
-import statistics
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 from conftest import LENGTH_FILES, real_lengths_available
+from test_bench_simulate import simulate  # `packfeed simulate ... --json` as a command
 from demo_data import indexed_demo
 from trainer_workers import packfeed_train
 
@@ -35,13 +33,6 @@ MODEL = {"vit_dim": 48, "vit_layers": 3, "llm_dim": 96, "llm_layers": 3, "patch_
 POLICY = {"name": "internvl", "image_size": 224, "tokens_per_tile": 64, "max_num": 6}
 PLACEMENTS = {"stages": ["parallel.pp=2"], "bubbles": ["parallel.pp=2", "parallel.encoder=bubbles"],
               "disaggregated": ["parallel.pp=1", "parallel.encoder=disaggregated", "parallel.encoder_ranks=1"]}
-
-
-def simulate(*args: str) -> dict:
-    done = subprocess.run([sys.executable, "-m", "packfeed.server.cli", "simulate", *args, "--json"],
-                          capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, done.stderr
-    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def test_measured_placements_at_two_processes_and_the_simulator_against_them(tmp_path):

@@ -11,24 +11,14 @@ Table 2 reports 1.54x from its balance) and DP 64, M 4; DDP rows for comparison.
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-
 import pytest
 from conftest import LENGTH_FILES, real_lengths_available
+from test_bench_simulate import simulate  # `packfeed simulate ... --json` as a command
 
 pytestmark = pytest.mark.benchmark
 
 ROWS = (("random-padded", "stages"), ("random", "stages"), ("isf+balance", "stages"), ("isf+phases", "stages"),
         ("isf+phases", "phases"))
-
-
-def simulate(*args: str) -> dict:
-    done = subprocess.run([sys.executable, "-m", "packfeed.server.cli", "simulate", *args, "--json"],
-                          capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, done.stderr
-    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 @pytest.mark.skipif(not real_lengths_available(), reason="needs ../shared/data/lengths")
