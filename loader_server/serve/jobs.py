@@ -63,6 +63,11 @@ class RankState:
 PLANS_CACHED = 3
 
 
+def rank_name(rank: int, encoder: bool = False) -> str:
+    """How messages name a stream's rank: an LLM rank, or an encoder rank (PlanSpec.encoder_ranks)."""
+    return f"encoder rank {rank}" if encoder else f"rank {rank}"
+
+
 @dataclass
 class Job:
     spec: JobSpec

@@ -18,7 +18,7 @@ from concurrent.futures.process import BrokenProcessPool
 from packfeed.server.serve.budget import MemoryBudget, StepHold
 from packfeed.server.serve.config import ServerConfig
 from packfeed.server.serve.job_spec import JobError
-from packfeed.server.serve.jobs import Job
+from packfeed.server.serve.jobs import Job, rank_name
 from packfeed.server.serve.observe import Metrics, log
 from packfeed.server.serve.step_work import RankStepResult
 from packfeed.server.serve.workers import WorkerPool
@@ -66,15 +66,15 @@ async def produce(job: Job, rank: int, cursor: tuple[int, int] | None, queue: as
                 result: RankStepResult = await asyncio.wait_for(asyncio.shield(future), config.prepare_timeout_s)
                 result.attach()  # the worker's shared file, mapped: from here dropping the result frees it
             except asyncio.TimeoutError:
-                raise JobError("UNAVAILABLE", f"step {position[0]}:{position[1]} of {'encoder ' * encoder}rank {rank} took over "
-                                              f"{config.prepare_timeout_s:g} s to prepare (a stalled read?); "
+                raise JobError("UNAVAILABLE", f"step {position[0]}:{position[1]} of {rank_name(rank, encoder)} took "
+                                              f"over {config.prepare_timeout_s:g} s to prepare (a stalled read?); "
                                               "retry, or use another server") from None
             except BrokenProcessPool:
                 pool.restart()
                 raise JobError("UNAVAILABLE", "a pre-processing worker died (out of memory?); the pool was "
                                               "restarted: retry") from None
-            check_skipped(result, position, f"encoder rank {rank}" if encoder else f"rank {rank}",
-                          config.max_skipped_fraction)  # still in flight: released if so
+            # still in flight: released if so
+            check_skipped(result, position, rank_name(rank, encoder), config.max_skipped_fraction)
             in_flight.popleft()
             owned = hold  # counted in the budget, not yet in the queue
             hold.resize(result.nbytes)

@@ -24,7 +24,7 @@ from packfeed.server.serve.budget import MemoryBudget
 from packfeed.server.serve.config import ServerConfig
 from packfeed.server.serve.coordination import Coordination
 from packfeed.server.serve.job_spec import JobError, JobSpec, Resume
-from packfeed.server.serve.jobs import Job
+from packfeed.server.serve.jobs import Job, rank_name
 from packfeed.server.serve.network import client_host
 from packfeed.server.serve.observe import Metrics, log
 from packfeed.server.serve.producer import END, produce
@@ -138,8 +138,8 @@ class PackfeedService:
             return pb.AckStepResponse()
         progress = job.progress(request.rank, request.encoder)
         if (request.epoch, request.step) > progress.streamed:
-            who = f"encoder rank {request.rank}" if request.encoder else f"rank {request.rank}"
-            raise JobError("FAILED_PRECONDITION", f"step {request.epoch}:{request.step} was not sent to {who} by "
+            raise JobError("FAILED_PRECONDITION", f"step {request.epoch}:{request.step} was not sent to "
+                                                  f"{rank_name(request.rank, request.encoder)} by "
                                                   "this server: acknowledge only steps received")
         skipped = client_skipped(request)
         progress.data_wait_s = request.data_wait_s  # a report, for the status page
@@ -206,7 +206,7 @@ class PackfeedService:
                               encoder)
         start = (request.first_epoch, request.first_step)
         await asyncio.to_thread(job.check_step, *start)
-        who = f"encoder rank {rank}" if encoder else f"rank {rank}"
+        who = rank_name(rank, encoder)
         await self._take_lease(job, who, replica, lease)
         lost = asyncio.Event()
         job.open_streams += 1
@@ -261,18 +261,18 @@ class PackfeedService:
         if failure is not None:
             await context.abort(grpc.StatusCode.INTERNAL, f"pack preparation failed: {failure!r}")
 
-    async def _take_lease(self, job: Job, rank_name: str, replica: int, lease: int) -> None:
+    async def _take_lease(self, job: Job, name: str, replica: int, lease: int) -> None:
         """Start a stream only with the rank's lease in hand. Fail-closed: while the coordinator cannot be asked,
         no new stream of a rank starts here (another server may be streaming it: two trainers would get the
         same samples without either knowing); the client retries. Streams already running go on."""
         outcome = await asyncio.to_thread(self.coordination.hold_lease, job.spec.job, lease)
         if outcome is LeaseOutcome.HELD:
             return
-        who = rank_name + (f" replica {replica}" if replica else "")
+        who = name + (f" replica {replica}" if replica else "")
         self.metrics.stream_refusals.labels(job.spec.job, outcome.value).inc()
         if outcome is LeaseOutcome.UNREACHABLE:
             log.warning("stream refused: the rank's lease cannot be checked", extra={"job": job.spec.job,
-                                                                                    "rank": rank_name, "replica": replica})
+                                                                                    "rank": name, "replica": replica})
             raise JobError("UNAVAILABLE", f"{who} of job {job.spec.job!r}: this server cannot reach the coordinator "
                                           "(Redis) to check the rank's lease, and starts no stream that another "
                                           "server may be serving; streams already running go on. Retry: it "
