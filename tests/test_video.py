@@ -516,3 +516,19 @@ def test_frames_are_decoded_and_resized_one_at_a_time(qwen_videos):
     each = [rows.largest_image_pixels([sample]) for sample in range(7)]
     assert each == [320 * 240, 160 * 96, 160 * 96, 160 * 96, 160 * 96, 0, 320 * 240]
     assert rows.largest_image_pixels(np.arange(1, 6)) == 160 * 96
+
+
+def test_the_planner_knows_which_towers_each_sample_calls(qwen_videos):
+    """Collective-safe plans read, per sample, whether it calls the image tower and the video tower: a frame
+    sequence is a video, not images; text only calls neither. In memory and memory-mapped alike."""
+    from packfeed.server.plan.costs import load_sample_loads
+    from packfeed.server.plan.mapped_loads import map_sample_loads
+
+    rows = read_index(qwen_videos[0])[0].to_pylist()
+    expected = {0: 1, 1: 2, 2: 2, 3: 2, 4: 2, 5: 0, 6: 3}  # mixed_samples' kinds: image, videos, frames, text, both
+    towers = load_sample_loads(qwen_videos[0])[0].towers
+    mapped = map_sample_loads(qwen_videos[0])[0]
+    for row in rows:
+        kind = int(row["key"][1:]) % 7
+        assert towers[row["sample_id"]] == expected[kind], row["key"]
+    assert np.array_equal(mapped.towers[np.arange(len(rows))], towers)

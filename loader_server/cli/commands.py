@@ -58,8 +58,19 @@ def cmd_plan(args: argparse.Namespace) -> int:
         summary["datasets"] = plan.rows.counts(plan.members)
     if summary["oversize"]["count"]:
         print(f"note: {summary['oversize']['count']} samples exceed a cap (policy: {summary['oversize']['policy']})", file=sys.stderr)
+    if summary["collective_safe"]["unaligned_microbatches"]:
+        print(unaligned_note(summary["collective_safe"]), file=sys.stderr)
     print(json.dumps(summary))
     return EXIT_OK
+
+
+def unaligned_note(alignment: dict) -> str:
+    """What a plan's unaligned microbatches mean for a sharded trainer, and what to do."""
+    towers = ", ".join(f"{name} {count}" for name, count in alignment["unaligned_by_tower"].items())
+    return (f"note: {alignment['unaligned_microbatches']} of {alignment['microbatches']} microbatches call a tower on "
+            f"some DP ranks only ({towers}); under FSDP / ZeRO-3 with a tower wrapped apart, build inputs with "
+            "to_hf_inputs(..., ensure_encoders=True)" + ("" if alignment["on"] else " or plan collective-safe "
+                                                         "(drop --no-collective-safe)"))
 
 
 def _plan_windows(args: argparse.Namespace) -> int:
@@ -86,11 +97,13 @@ def _plan_windows(args: argparse.Namespace) -> int:
     plan.window(0)
     first_seconds = time.perf_counter() - started
     balance = plan.epoch_balance()
+    if balance["collective_safe"]["unaligned_microbatches"]:
+        print(unaligned_note(balance["collective_safe"]), file=sys.stderr)
     print(json.dumps({"strategy": config.strategy.value, "window": config.window, "windows": plan.n_windows,
                       "samples": balance["samples"], "steps": balance["steps"],
                       "vit_dist": round(balance["vit_dist"], 6), "llm_dist": round(balance["llm_dist"], 6),
                       "caps": dataclasses.asdict(plan.caps) if plan.caps else None,
-                      "first_window_seconds": round(first_seconds, 3),
+                      "collective_safe": balance["collective_safe"], "first_window_seconds": round(first_seconds, 3),
                       "planning_seconds": round(time.perf_counter() - started, 3),
                       "plan_fingerprint": plan.fingerprint()}))
     plan.close()

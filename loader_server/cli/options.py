@@ -34,8 +34,9 @@ def add_plan_options(parser: argparse.ArgumentParser) -> None:
         if spec.name == "cost_model":
             parser.add_argument(flag, metavar="FILE.json", help=help_text)
             continue
-        if str(spec.type) == "bool":
-            parser.add_argument(flag, action="store_true", default=None, help=help_text)
+        if str(spec.type) == "bool":  # on by default: --no-FLAG turns it off
+            action = argparse.BooleanOptionalAction if spec.default else "store_true"
+            parser.add_argument(flag, action=action, default=None, help=help_text)
             continue
         kind = {"int": int, "float": float, "int | None": int}.get(str(spec.type))
         choices = {"Strategy": [s.value for s in Strategy], "Oversize": [o.value for o in Oversize],

@@ -4,7 +4,8 @@ A step is D ranks x M packs. Packs of similar vision load and similar token load
 step (sort by a coarse vision bucket, then tokens), so the ranks of a step carry nearly equal work in
 both modules. Within a step, packs go to ranks by greedy LPT on the combined cost, at most M per rank.
 Step order across the epoch is a seeded shuffle elsewhere, so the epoch does not drift from small to
-large packs.
+large packs. Collective-safe plans (`packfeed.server.plan.collective`) assign ranks class by class, so that
+every rank's packs call the same towers in the same microbatches.
 """
 
 from __future__ import annotations
@@ -26,30 +27,42 @@ def lpt_assign(cost, n_bins, per_bin_limit):
     `per_bin_limit` <= 0 means unlimited. Ties go to the lowest bin index, so the result is deterministic.
     Returns the bin of every item.
     """
+    return lpt_assign_grouped(cost, np.zeros(len(cost), dtype=np.int64),
+                              np.full(1, per_bin_limit, dtype=np.int64), n_bins)
+
+
+@numba.njit(cache=True, nogil=True)
+def lpt_assign_grouped(cost, group, group_limit, n_bins):
+    """LPT where item k belongs to group `group[k]` and every bin takes at most `group_limit[g]` items of group g
+    (<= 0: unlimited): the least-loaded bin with room in the item's group gets it. Returns the bin of every
+    item."""
     n = len(cost)
     order = np.argsort(-cost, kind="mergesort")
     load = np.zeros(n_bins)
-    count = np.zeros(n_bins, dtype=np.int64)
+    count = np.zeros((len(group_limit), n_bins), dtype=np.int64)
     bin_of = np.empty(n, dtype=np.int64)
     for k in range(n):
         i = order[k]
+        g = group[i]
+        limit = group_limit[g]
         best = -1
         for r in range(n_bins):
-            if per_bin_limit > 0 and count[r] >= per_bin_limit:
+            if limit > 0 and count[g, r] >= limit:
                 continue
             if best < 0 or load[r] < load[best]:
                 best = r
         bin_of[i] = best
         load[best] += cost[i]
-        count[best] += 1
+        count[g, best] += 1
     return bin_of
 
 
 @numba.njit(cache=True, nogil=True)
-def refine_by_swaps(cost, bin_of, n_bins, rounds):
+def refine_by_swaps(cost, bin_of, n_bins, rounds, group):
     """In place: while one lowers the busiest bin's load, swap one of its items with one of another bin (the
-    idlest that admits a swap first) whose transfer comes closest to half their gap. Every bin keeps its count
-    (M packs per rank), and the makespan never rises: both bins end below the busiest's old load."""
+    idlest that admits a swap first) whose transfer comes closest to half their gap. Only items of the same
+    `group` swap, so every bin keeps its count of each group (M packs per rank; a collective-safe step's
+    columns), and the makespan never rises: both bins end below the busiest's old load."""
     n = len(cost)
     load = np.zeros(n_bins)
     count = np.zeros(n_bins, dtype=np.int64)
@@ -76,6 +89,8 @@ def refine_by_swaps(cost, bin_of, n_bins, rounds):
             best = gap / 2
             for a in range(count[high]):
                 for b in range(count[low]):
+                    if group[items[high, a]] != group[items[low, b]]:
+                        continue
                     transfer = cost[items[high, a]] - cost[items[low, b]]
                     shift = abs(transfer - gap / 2)
                     if 0 < transfer < gap and shift < best - 1e-12:
@@ -91,6 +106,72 @@ def refine_by_swaps(cost, bin_of, n_bins, rounds):
         transfer = cost[i] - cost[j]
         load[high] -= transfer
         load[target] += transfer
+
+
+@numba.njit(cache=True, nogil=True, parallel=True)
+def assign_ranks(steps, cost, pack_class, dp, m, refine, aligned):
+    """Each step's packs (`steps` rows; -1 = empty) over dp ranks, M per rank: LPT on `cost`, then (`refine`:
+    isf+phases, whose LLM phase is balanced apart) swaps between ranks while they lower the busiest; each rank's
+    packs by decreasing cost, -1 (empty) packs last. `aligned` (collective-safe plans): packs go by their class
+    (`pack_class`: which towers a pack calls; an empty pack, class 0, calls none) in whole columns: every class
+    whose count in the step is a multiple of dp gives each rank count/dp packs, in the same microbatches on every
+    rank; the rest share the step's remaining microbatches. Steps are independent, so they run in parallel."""
+    n_steps = steps.shape[0]
+    grid = np.full((n_steps, dp, m), -1, dtype=np.int64)
+    for st in numba.prange(n_steps):
+        packs = steps[st] if aligned else steps[st][steps[st] >= 0]
+        c = np.zeros(len(packs))
+        classes = np.zeros(len(packs), dtype=np.int64)
+        for k in range(len(packs)):
+            if packs[k] >= 0:
+                c[k] = cost[packs[k]]
+                classes[k] = pack_class[packs[k]]
+        if aligned:
+            group, limits = column_groups(classes, dp)
+        else:
+            group, limits = np.zeros(len(packs), dtype=np.int64), np.full(1, m, dtype=np.int64)
+        bins = lpt_assign_grouped(c, group, limits, dp)
+        if refine:
+            refine_by_swaps(c, bins, dp, dp, group)
+        by_cost = np.argsort(-c, kind="mergesort")
+        filled = np.zeros(dp, dtype=np.int64)
+        for k in by_cost[np.argsort(group[by_cost], kind="mergesort")]:  # by group, then decreasing cost
+            r = bins[k]
+            grid[st, r, filled[r]] = packs[k]
+            filled[r] += 1
+    return grid
+
+
+@numba.njit(cache=True, nogil=True)
+def column_groups(classes, dp):
+    """Group of each of a step's packs, and each group's packs per rank: one group per class whose count is a
+    multiple of dp (classes ascending), then one for all the others (the step's unaligned columns)."""
+    distinct = np.unique(classes)
+    counts = np.zeros(len(distinct), dtype=np.int64)
+    for k in range(len(classes)):
+        counts[np.searchsorted(distinct, classes[k])] += 1
+    whole = counts % dp == 0
+    group_of_class = np.cumsum(whole) - 1
+    n_whole = int(whole.sum())
+    group_of_class[~whole] = n_whole
+    limits = np.zeros(n_whole + 1, dtype=np.int64)
+    limits[:n_whole] = counts[whole] // dp
+    limits[n_whole] = counts[~whole].sum() // dp
+    group = np.empty(len(classes), dtype=np.int64)
+    for k in range(len(classes)):
+        group[k] = group_of_class[np.searchsorted(distinct, classes[k])]
+    return group, limits
+
+
+@numba.njit(cache=True, nogil=True, parallel=True)
+def permute_ranks(grid, keys):
+    """Each step's ranks in the order of their random keys (a per-step random permutation)."""
+    out = np.empty_like(grid)
+    for st in numba.prange(grid.shape[0]):
+        order = np.argsort(keys[st])
+        for r in range(grid.shape[1]):
+            out[st, r] = grid[st, order[r]]
+    return out
 
 
 def vision_bucket(pack_vision: np.ndarray) -> np.ndarray:
@@ -131,9 +212,14 @@ def form_steps(pack_vision: np.ndarray, pack_tokens: np.ndarray, pack_cost: np.n
     in_body = np.ones(len(pack_cost), dtype=bool)
     in_body[rest] = False
     body = np.flatnonzero(in_body)
-    # One composite key (bucket, tokens); the stable sort breaks ties by pack id, as `body` is sorted.
-    key = (vision_bucket(pack_vision[body]).astype(np.uint64) << np.uint64(40)) | pack_tokens[body].astype(np.uint64)
-    return body[radix_argsort(key)].reshape(-1, slots), rest
+    return body[similar_order(pack_vision[body], pack_tokens[body])].reshape(-1, slots), rest
+
+
+def similar_order(pack_vision: np.ndarray, pack_tokens: np.ndarray) -> np.ndarray:
+    """Packs by (coarse vision bucket, tokens): neighbours in it carry similar work in both modules. One
+    composite key; the stable sort breaks ties by pack id."""
+    key = (vision_bucket(pack_vision).astype(np.uint64) << np.uint64(40)) | pack_tokens.astype(np.uint64)
+    return radix_argsort(key)
 
 
 @numba.njit(cache=True, nogil=True)

@@ -77,11 +77,18 @@ class SampleLoads:
     vit_patches: np.ndarray  # float32, cost model only
     vit_attn_sq: np.ndarray  # float32, cost model only
     encoders: dict[str, EncoderLoads] = field(default_factory=dict)  # further encoders, by name (cost model only)
+    # uint8 bits of the towers a sample calls (`packfeed.server.plan.collective.TOWER_BITS`: 1 images, 2 videos);
+    # None: images wherever there are vision units (lengths imported without media counts)
+    towers: np.ndarray | None = None
+
+    def __post_init__(self):
+        if self.towers is None:
+            self.towers = (np.asarray(self.vision) > 0).astype(np.uint8)
 
     def __len__(self) -> int:
         return len(self.valid)
 
-    def gather(self, ids: np.ndarray, names=("valid", "vision", "tokens", "vit_patches", "vit_attn_sq")) -> dict:
+    def gather(self, ids: np.ndarray, names=("valid", "vision", "tokens", "vit_patches", "vit_attn_sq", "towers")) -> dict:
         """Columns `names` at samples `ids`, in that order (as MappedLoads.gather, for loads in memory)."""
         return {name: getattr(self, name)[ids] for name in names}
 
@@ -128,7 +135,36 @@ def load_sample_loads(index_path: str | Path) -> tuple[SampleLoads, IndexInfo]:
     check_sample_ids(parquet, index_path)
     encoders = {name: EncoderLoads(*(column(c, np.float32) for c in encoder_columns(name)), bool(spec["padded"]))
                 for name, spec in (info.encoders or {}).items()}
-    loads = SampleLoads(valid=column("valid", bool), vision=column("vision_units", np.int32),
+    vision = column("vision_units", np.int32)
+    present = [c for c in TOWER_COLUMNS if c in parquet.schema_arrow.names]
+    batches = parquet.iter_batches(batch_size=1 << 20, columns=present) if present else ()
+    parts, start = [], 0
+    for batch in batches:  # a batch at a time: the three columns whole would take 16 bytes a sample
+        parts.append(index_towers(batch, vision[start:start + batch.num_rows]))
+        start += batch.num_rows
+    towers = np.concatenate(parts) if parts else None
+    loads = SampleLoads(valid=column("valid", bool), vision=vision,
                         tokens=column("llm_tokens", np.int32), vit_patches=column("vit_patches", np.float32),
-                        vit_attn_sq=column("vit_attn_sq", np.float32), encoders=encoders)
+                        vit_attn_sq=column("vit_attn_sq", np.float32), encoders=encoders, towers=towers)
     return loads, info
+
+
+TOWER_COLUMNS = ("n_images", "n_videos", "frames_fps")  # the index columns `index_towers` reads
+
+
+def index_towers(table, vision: np.ndarray) -> np.ndarray:
+    """Every row's tower bits from the index's media counts (an Arrow table or record batch of TOWER_COLUMNS):
+    images unless its images are one video's frames, videos when it has any. Rows whose counts are unknown
+    (lengths imported without them) call the image tower when they have vision units."""
+    names = table.schema.names
+
+    def counts(name):
+        if name not in names:
+            return np.full(table.num_rows, np.nan)
+        return table.column(name).to_numpy(zero_copy_only=False).astype(np.float64)  # nulls as NaN
+
+    n_images, n_videos = counts("n_images"), counts("n_videos")
+    frames = table.column("frames_fps").is_valid().to_numpy(zero_copy_only=False) if "frames_fps" in names \
+        else np.zeros(table.num_rows, dtype=bool)
+    images = np.where(np.isnan(n_images), np.asarray(vision) > 0, (n_images > 0) & ~frames)
+    return (images.astype(np.uint8) | ((n_videos > 0).astype(np.uint8) << 1)).astype(np.uint8)

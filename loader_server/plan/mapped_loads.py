@@ -20,25 +20,31 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from packfeed.server.index.table import IndexInfo, read_index_info
-from packfeed.server.plan.costs import SampleLoads, check_sample_ids
+from packfeed.server.plan.costs import TOWER_COLUMNS, SampleLoads, check_sample_ids, index_towers
 
-# planner name -> (index column, dtype in the file); valid as uint8: Arrow packs booleans into bits
+# planner name -> (index column, dtype in the file); valid as uint8: Arrow packs booleans into bits; towers are
+# derived from the index's media counts (`index_towers`)
 PLAN_COLUMNS = {"valid": ("valid", np.uint8), "vision": ("vision_units", np.int32), "tokens": ("llm_tokens", np.int32),
-                "vit_patches": ("vit_patches", np.float32), "vit_attn_sq": ("vit_attn_sq", np.float32)}
+                "vit_patches": ("vit_patches", np.float32), "vit_attn_sq": ("vit_attn_sq", np.float32),
+                "towers": (None, np.uint8)}
+FORMAT = "v2"  # v2: towers; a file of another format is written again beside it
 BATCH_ROWS = 1 << 20
 
 
 def plan_columns_path(index: Path, fingerprint: str) -> Path:
-    return index.with_name(f"{index.stem}.{fingerprint[:16]}.plan.arrow")
+    return index.with_name(f"{index.stem}.{fingerprint[:16]}.{FORMAT}.plan.arrow")
 
 
 def write_plan_columns(batches, path: Path) -> None:
-    """Write record batches of PLAN_COLUMNS (by planner name) as the mapped file, atomically."""
+    """Write record batches of PLAN_COLUMNS (by planner name; towers, when absent, from the vision units) as
+    the mapped file, atomically."""
     schema = pa.schema([(name, pa.from_numpy_dtype(dtype)) for name, (_, dtype) in PLAN_COLUMNS.items()])
     partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
     try:
         with pa.OSFile(str(partial), "wb") as sink, pa.ipc.new_file(sink, schema) as writer:
             for columns in batches:
+                if "towers" not in columns:
+                    columns = {**columns, "towers": np.asarray(columns["vision"]) > 0}
                 writer.write_batch(pa.record_batch([pa.array(np.asarray(columns[name], dtype=dtype))
                                                     for name, (_, dtype) in PLAN_COLUMNS.items()], schema=schema))
         os.replace(partial, path)
@@ -50,10 +56,12 @@ def _index_batches(index: Path):
     """The index's planner columns, BATCH_ROWS at a time (never the whole column in memory)."""
     parquet = pq.ParquetFile(index, memory_map=True)
     check_sample_ids(parquet, index)
-    names = [column for column, _ in PLAN_COLUMNS.values()]
-    for batch in parquet.iter_batches(batch_size=BATCH_ROWS, columns=names):
-        yield {name: batch.column(column).to_numpy(zero_copy_only=False)
-               for name, (column, _) in PLAN_COLUMNS.items()}
+    names = [column for column, _ in PLAN_COLUMNS.values() if column]
+    towers = [column for column in TOWER_COLUMNS if column in parquet.schema_arrow.names]
+    for batch in parquet.iter_batches(batch_size=BATCH_ROWS, columns=names + towers):
+        columns = {name: batch.column(column).to_numpy(zero_copy_only=False)
+                   for name, (column, _) in PLAN_COLUMNS.items() if column}
+        yield {**columns, "towers": index_towers(batch, columns["vision"])}
 
 
 def valid_mask(loads) -> np.ndarray:

@@ -211,7 +211,7 @@ class MixtureLoads:
 
 
 _LOAD_DTYPES = {"valid": bool, "vision": np.int32, "tokens": np.int32, "vit_patches": np.float32,
-                "vit_attn_sq": np.float32}
+                "vit_attn_sq": np.float32, "towers": np.uint8}
 
 
 class RowLoads:

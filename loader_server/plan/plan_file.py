@@ -20,6 +20,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from packfeed.server import __version__
+from packfeed.server.plan.collective import (alignment_summary, collective_safe_layout, sample_towers, tower_names,
+                                             unaligned_towers)
 from packfeed.server.plan.context_parallel import cp_summary
 from packfeed.server.plan.costs import SampleLoads
 from packfeed.server.plan.isf import Caps
@@ -156,9 +158,18 @@ class Plan:
                          "sample_ids": self.oversize[:20].tolist()},
             "caps": asdict(self.caps) if self.caps else None,
             "planning_seconds": round(self.seconds, 4),
+            "collective_safe": self.alignment(loads),
             **({"phases": self.phase_summary()} if self.phases is not None else {}),
             **({"context_parallel": cp_summary(self, loads)} if self.cp_degree is not None else {}),
         }
+
+    def alignment(self, loads: SampleLoads) -> dict[str, Any]:
+        """Microbatch indices calling a tower on some DP ranks only (`packfeed.server.plan.collective`): none
+        where the data allows, when the plan is collective-safe."""
+        members = np.arange(len(self.members))
+        unaligned = unaligned_towers(self.offsets, members, sample_towers(loads, self.members), self.config.dp,
+                                     self.config.microbatches)
+        return alignment_summary(unaligned, tower_names(loads), collective_safe_layout(self.config))
 
     def phase_summary(self) -> dict[str, Any]:
         """isf+phases: each phase's Dist of its cost model's costs on its own assignment (each encoder's also as

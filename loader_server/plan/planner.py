@@ -19,12 +19,14 @@ from dataclasses import replace
 import numba
 import numpy as np
 
-from packfeed.server.plan.balance import form_steps, lpt_assign, refine_by_swaps, split_for_last_step
+from packfeed.server.plan.balance import assign_ranks, form_steps, permute_ranks, similar_order, split_for_last_step
+from packfeed.server.plan.collective import aligned_steps, class_layout, collective_safe_layout, pack_classes, sample_towers
 from packfeed.server.plan.caps import default_targets, search_caps
 from packfeed.server.plan import context_parallel as cp
 from packfeed.server.plan.costs import SampleLoads, encoder_costs, encoder_names, sample_costs
 from packfeed.server.plan.isf import Caps, IsfPacks, isf
 from packfeed.server.plan.pipeline_order import inter_reorder_many, stage_fractions, stage_times
+from packfeed.server.plan.padded import padded_batches
 from packfeed.server.plan.phases import Phase, phase_plan
 from packfeed.server.plan.plan_file import Plan, segment_sum
 from packfeed.v1.options import CpMode, Oversize, PlanConfig, Strategy
@@ -50,7 +52,7 @@ def make_plan(loads: SampleLoads, config: PlanConfig, seed: int, epoch: int, ind
         return _dynamic_cp_plan(loads, config, seed, epoch, index_fingerprint, caps, streams, started)
     if config.strategy.padded:
         caps = None
-        sequence, packs_m, packs_o = _padded_batches(loads, np.flatnonzero(loads.valid), config,
+        sequence, packs_m, packs_o = padded_batches(loads, np.flatnonzero(loads.valid), config,
                                                      streams[_STREAM_BATCHES])
     else:
         caps = caps or resolve_caps(loads, config)
@@ -217,14 +219,23 @@ def _arrange_packs(loads, costs, packs: IsfPacks, config: PlanConfig, streams):
     pack_cv, pack_cl = _pack_costs(packs.members, packs.offsets, costs)
     pack_cost = pack_cv + pack_cl
     members, offsets, pack_v, pack_t = packs.members, packs.offsets, packs.vision, packs.tokens
+    safe = collective_safe_layout(config)
+    towers = sample_towers(loads) if safe else None
+    pack_class = pack_classes(members, offsets, towers) if safe else np.zeros(len(pack_cost), dtype=np.int64)
 
     if config.strategy is Strategy.ISF:
         # OmniBal's published behaviour: packs go to steps and ranks in random order.
         shuffled = streams[_STREAM_STEPS].permutation(len(pack_cost))
-        n_rest = len(shuffled) % slots
-        full, rest = shuffled[:len(shuffled) - n_rest].reshape(-1, slots), shuffled[len(shuffled) - n_rest:]
+        if safe:
+            full, rest = aligned_steps(shuffled, pack_class, pack_cost, dp, m)
+        else:
+            n_rest = len(shuffled) % slots
+            full, rest = shuffled[:len(shuffled) - n_rest].reshape(-1, slots), shuffled[len(shuffled) - n_rest:]
     else:
-        full, rest = form_steps(pack_v, pack_t, pack_cost, slots)
+        if safe:
+            full, rest = aligned_steps(similar_order(pack_v, pack_t), pack_class, pack_cost, dp, m)
+        else:
+            full, rest = form_steps(pack_v, pack_t, pack_cost, slots)
         full = full[streams[_STREAM_STEPS].permutation(len(full))]
 
     # The last, partial step: split its packs so every rank still gets work where samples allow.
@@ -238,98 +249,48 @@ def _arrange_packs(loads, costs, packs: IsfPacks, config: PlanConfig, streams):
         pack_cv = np.concatenate([pack_cv, [encoder_costs(costs[piece]).sum(dtype=np.float64) for piece in pieces]])
         pack_cl = np.concatenate([pack_cl, [costs[piece, 1].sum(dtype=np.float64) for piece in pieces]])
         pack_cost = pack_cv + pack_cl
+        pack_class = np.concatenate([pack_class, [np.bitwise_or.reduce(towers[piece]) if safe else 0
+                                                  for piece in pieces]]).astype(np.int64)
         last = np.full(slots, -1, dtype=np.int64)
         last[:len(pieces)] = first_new + np.arange(len(pieces))
         full = np.vstack([full, last[None, :]])
 
     if config.strategy is Strategy.ISF:
+        if safe and len(rest):
+            full[-1] = class_layout(full[-1], pack_class, dp, m)
         grid = full.reshape(-1, dp, m)
     else:
         # isf+phases and encoder ranks of its own encode apart from the packs: the LLM's ranks are balanced on
         # its cost alone
         phases = config.strategy is Strategy.ISF_PHASES or config.disaggregated
-        grid = _assign_ranks(full, pack_cl if phases else pack_cost, dp, m, phases)
+        grid = assign_ranks(full, pack_cl if phases else pack_cost, pack_class, dp, m, phases, safe)
         # Which rank gets the heaviest pack is arbitrary; rotate it so no rank is systematically heavier.
-        grid = _permute_ranks(grid, streams[_STREAM_RANKS].random((len(grid), dp)))
+        grid = permute_ranks(grid, streams[_STREAM_RANKS].random((len(grid), dp)))
         if config.pipeline_stages > 1 and m > 1:
-            grid = _order_for_pipeline(grid, pack_cv, pack_cl, config.pipeline_stages)
+            grid = _order_for_pipeline(grid, pack_cv, pack_cl, config.pipeline_stages, safe)
     return grid.reshape(-1), IsfPacks(members, offsets, pack_v, pack_t), pieces
 
 
-@numba.njit(cache=True, nogil=True, parallel=True)
-def _assign_ranks(steps, cost, dp, m, refine):
-    """LPT per step with M packs per rank, then (`refine`: isf+phases, whose LLM phase is balanced apart) swaps
-    between ranks while they lower the busiest; each rank's packs by decreasing cost; -1 (empty) packs last.
-    Steps are independent, so they run in parallel."""
-    n_steps = steps.shape[0]
-    grid = np.full((n_steps, dp, m), -1, dtype=np.int64)
-    for st in numba.prange(n_steps):
-        packs = steps[st][steps[st] >= 0]
-        c = np.empty(len(packs))
-        for k in range(len(packs)):
-            c[k] = cost[packs[k]]
-        bins = lpt_assign(c, dp, m)
-        if refine:
-            refine_by_swaps(c, bins, dp, dp)
-        filled = np.zeros(dp, dtype=np.int64)
-        for k in np.argsort(-c, kind="mergesort"):
-            r = bins[k]
-            grid[st, r, filled[r]] = packs[k]
-            filled[r] += 1
-    return grid
-
-
-@numba.njit(cache=True, nogil=True, parallel=True)
-def _permute_ranks(grid, keys):
-    """Each step's ranks in the order of their random keys (a per-step random permutation)."""
-    out = np.empty_like(grid)
-    for st in numba.prange(grid.shape[0]):
-        order = np.argsort(keys[st])
-        for r in range(grid.shape[1]):
-            out[st, r] = grid[st, order[r]]
-    return out
-
-
-def _order_for_pipeline(grid, pack_cv, pack_cl, stages):
-    """MMScale inter-microbatch reordering of every rank's M packs for 1F1B."""
+def _order_for_pipeline(grid, pack_cv, pack_cl, stages, columns):
+    """MMScale inter-microbatch reordering of every rank's M packs for 1F1B; `columns` (collective-safe plans):
+    one order of the microbatch indices for every rank of a step, from each index's mean over the ranks, so
+    columns stay whole."""
     if grid.size == 0:
         return grid
     real = grid >= 0
     safe = np.where(real, grid, 0)
     cv = np.where(real, pack_cv[safe], 0.0)
     cl = np.where(real, pack_cl[safe], 0.0)
+    if columns:
+        cv, cl = cv.mean(axis=1, keepdims=True), cl.mean(axis=1, keepdims=True)
     fv, fl = stage_fractions(float(pack_cv.mean()), float(pack_cl.mean()), stages)
     forward, backward = stage_times(cv.reshape(-1), cl.reshape(-1), fv, fl)
-    shape = (grid.shape[0] * grid.shape[1], grid.shape[2], stages)
+    shape = (cv.shape[0] * cv.shape[1], grid.shape[2], stages)
     order = inter_reorder_many(forward.reshape(shape), backward.reshape(shape))
+    if columns:
+        order = np.repeat(order, grid.shape[1], axis=0)
     flat = grid.reshape(-1, grid.shape[2])
     return np.take_along_axis(flat, order, axis=1).reshape(grid.shape)
-
-
-def _padded_batches(loads, valid_ids, config: PlanConfig, rng):
-    """Baselines: fixed-size batches padded to their longest sample (random, or LLaVA length-grouped)."""
-    batch = max(1, int(round(config.samples_per_pack)))
-    order = valid_ids[rng.permutation(len(valid_ids))]
-    if config.strategy is Strategy.LENGTH_GROUP:
-        order = _length_grouped(order, loads.tokens, config.slots, batch)
-    n_packs = -(-len(order) // batch)
-    offsets = np.minimum(np.arange(n_packs + 1) * batch, len(order))
-    n_slots = -(-n_packs // config.slots) * config.slots
-    sequence = np.full(n_slots, -1, dtype=np.int64)
-    sequence[:n_packs] = np.arange(n_packs)
-    return sequence, order, offsets
-
-
-def _length_grouped(order, tokens, slots, batch):
-    """LLaVA's length grouping: megabatches of slots x batch, split into even chunks of similar length."""
-    mega = slots * batch
-    out = []
-    for start in range(0, len(order), mega):
-        chunk = order[start:start + mega]
-        per = -(-len(chunk) // slots)
-        bins = lpt_assign(tokens[chunk].astype(np.float64), slots, per)
-        out.extend(chunk[bins == b] for b in range(slots))
-    return np.concatenate(out) if out else order
 
 
 def _flatnonzero(mask: np.ndarray, dtype) -> np.ndarray:

@@ -9,7 +9,8 @@ order), with caps searched once per epoch on window 0 and randomness of its own;
 of the window before.
 
 A window's final step, the one that may be lighter, is not served with it: its samples are carried into the
-next window and packed there, so only the epoch's last step is partial, as in whole-epoch planning. Nor are its
+next window and packed there, so only the epoch's last step is partial, as in whole-epoch planning. Nor are the
+steps a collective-safe plan could not align (the few packs of a class that fill no column), nor its
 least balanced steps (`CARRIED_FRACTION` of them): their samples are carried too and meet peers of their size in
 the next window, which brings windowed Dist to whole-epoch planning's; those samples are served a window later.
 
@@ -30,6 +31,8 @@ from dataclasses import replace
 
 import numpy as np
 
+from packfeed.server.plan.collective import (alignment_summary, collective_safe_layout, sample_towers, tower_names,
+                                             unaligned_towers)
 from packfeed.server.plan.costs import SampleLoads
 from packfeed.server.plan.isf import Caps
 from packfeed.server.plan.mapped_loads import MappedLoads
@@ -59,11 +62,12 @@ def affine_order(n: int, seed: int, epoch: int) -> tuple[int, int]:
             return a, int(rng.integers(0, n))
 
 
-def least_balanced_steps(plan: Plan, config: PlanConfig, count: int) -> np.ndarray:
-    """Mask of the window's steps to carry over: its last step (which may be lighter) and the `count` steps with
-    the most waste (ViT + LLM, each as dist_terms counts it), ties to the earlier step."""
+def least_balanced_steps(plan: Plan, config: PlanConfig, count: int, unaligned: np.ndarray | None = None) -> np.ndarray:
+    """Mask of the window's steps to carry over: its last step (which may be lighter), the steps with a microbatch
+    calling a tower on some ranks only (`unaligned`, per step: they may meet their peers later) and the `count`
+    steps with the most waste (ViT + LLM, each as dist_terms counts it), ties to the earlier step."""
     steps = plan.n_steps
-    carried = np.zeros(steps, dtype=bool)
+    carried = np.zeros(steps, dtype=bool) if unaligned is None else unaligned.copy()
     carried[-1] = True
     if count > 0 and plan.pack_vision is not None:
         vit, llm = (np.asarray(side, dtype=np.float64).reshape(steps, config.dp, config.microbatches).sum(axis=2)
@@ -130,7 +134,11 @@ class WindowedPlan:
             if window + 1 < self.n_windows:
                 self._carried[window + 1] = np.empty(0, dtype=np.int64)
             return plan
-        carried = least_balanced_steps(plan, self.config, int(plan.n_steps * CARRIED_FRACTION))
+        unaligned = None
+        if collective_safe_layout(self.config):
+            unaligned = unaligned_towers(local.offsets, local.members, sample_towers(subset), self.config.dp,
+                                         self.config.microbatches).any(axis=1)
+        carried = least_balanced_steps(plan, self.config, int(plan.n_steps * CARRIED_FRACTION), unaligned)
         served_packs = np.repeat(~carried, self.config.slots)
         sizes = np.diff(plan.offsets)
         served = np.repeat(served_packs, sizes)
@@ -234,20 +242,26 @@ class WindowedPlan:
         return self._first_steps[-1]
 
     def epoch_balance(self) -> dict[str, float | int]:
-        """ViT and LLM Dist over every step of the epoch, and the samples planned, planning every window once
+        """ViT and LLM Dist over every step of the epoch, the samples planned and the microbatches a collective-safe
+        plan could not align (`packfeed.server.plan.collective`), planning every window once
         and holding one window's per-step loads at a time (the epoch's would be 50 bytes a step)."""
         shape = (-1, self.config.dp, self.config.microbatches)
         totals = {"vit": [0.0, 0], "llm": [0.0, 0]}
-        samples = 0
+        samples, unaligned = 0, []
         for window in range(self.n_windows):
             plan = self.window(window)
+            unaligned.append(unaligned_towers(plan.offsets, np.arange(len(plan.members)),
+                                              sample_towers(self.loads, plan.members), self.config.dp,
+                                              self.config.microbatches))
             for side, loads in zip(("vit", "llm"), plan.pack_loads(self.loads)):
                 waste, busy = dist_terms(loads.reshape(shape).sum(axis=2))
                 totals[side][0] += waste
                 totals[side][1] += busy
             samples += len(plan.members)
         dist = {f"{side}_dist": waste / busy if busy else 0.0 for side, (waste, busy) in totals.items()}
-        return {**dist, "samples": samples, "steps": self.steps_known}
+        alignment = alignment_summary(np.concatenate(unaligned), tower_names(self.loads),
+                                      collective_safe_layout(self.config))
+        return {**dist, "samples": samples, "steps": self.steps_known, "collective_safe": alignment}
 
     def close(self) -> None:
         self._ahead.shutdown(wait=False, cancel_futures=True)

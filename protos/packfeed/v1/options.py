@@ -185,7 +185,8 @@ def _help(text: str) -> dict[str, str]:
     return {"help": text}
 
 
-_PRESENT_COUNTS = ("microbatches", "pipeline_stages", "isf_iterations")  # proto3 `optional`: 0 is not "unset"
+# proto3 `optional`: 0 (or false) is not "unset"
+_WITH_PRESENCE = ("microbatches", "pipeline_stages", "isf_iterations", "collective_safe")
 
 # Bounds of every count a request may carry: a server plans and holds state in proportion to them.
 LIMITS = {"dp": 65536, "microbatches": 1024, "ranks_per_node": 65536, "pipeline_stages": 1024, "isf_iterations": 100,
@@ -238,6 +239,10 @@ class PlanConfig:
         "the vision encoder on E ranks of its own (0: on the LLM's ranks): each step's items balanced over the E "
         "encoder ranks on the encoder's cost, the packs over the dp LLM ranks on the LLM's, every output routed "
         "to its consumer (docs/planning.md)"))
+    collective_safe: bool = field(default=True, metadata=_help(
+        "in every step and microbatch, every DP rank's pack calls the same towers (images, videos, each further "
+        "encoder) or none, so FSDP / ZeRO-3 with a tower wrapped apart never waits on a rank that skips it; what "
+        "the data cannot align the summary counts (docs/training.md)"))
 
     def __post_init__(self):
         problems = []
@@ -325,6 +330,8 @@ class PlanConfig:
                 del out[name]
         if not self.encoder_ranks:  # ... and plans with the encoder on the LLM's ranks
             del out["encoder_ranks"]
+        if self.collective_safe:  # the default: recorded when turned off
+            del out["collective_safe"]
         return out
 
     @classmethod
@@ -348,7 +355,7 @@ class PlanConfig:
             raise ValueError("invalid plan config: dp (data-parallel ranks) is required")
         chosen: dict[str, Any] = {f.name: getattr(spec, f.name) for f in fields(cls) if f.name != "cost_model"}
         chosen = {name: value for name, value in chosen.items()
-                  if value or (name in _PRESENT_COUNTS and spec.HasField(name))}
+                  if value or (name in _WITH_PRESENCE and spec.HasField(name))}
         if spec.HasField("cost_model"):
             chosen["cost_model"] = CostModel.from_proto(spec.cost_model)
         return cls(**chosen)
