@@ -53,8 +53,13 @@ def _grouped(plan: PlanConfig | None, connection: Connection | None, flat: dict[
         raise TypeError(f"give plan=PlanConfig(...) or its fields {sorted(plan_fields)}, not both")
     if connection is not None and connection_fields:
         raise TypeError(f"give connection=Connection(...) or its fields {sorted(connection_fields)}, not both")
-    plan = plan or PlanConfig(**{k: v for k, v in plan_fields.items() if v not in ("", 0, None)})
+    plan = plan or PlanConfig(**{k: v for k, v in plan_fields.items() if not _unset(v)})
     return plan, connection or Connection(**connection_fields)
+
+
+def _unset(value: Any) -> bool:
+    """"" and 0 mean the default, as on the wire; False is a choice (collective_safe=False)."""
+    return value is None or value == "" or (value == 0 and not isinstance(value, bool))
 
 
 class PackStream:

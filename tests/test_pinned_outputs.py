@@ -39,7 +39,9 @@ PINNED = {
                                                             "8ec783781c89f041372c04394eed074d"],
               "random dp1 m1": ["b8416df17bf91d086889af6f24d523a5", "ae1dac3dcde064d8b08139919ce578e7"]},
     # `encoded`: the client decodes the files exactly, so a pack holds the same tiles as `exact` sends
-    "served": {"exact": "169cc58d681ea7fe38e1f5b5", "encoded": "169cc58d681ea7fe38e1f5b5"},
+    # (collective-safe since issue [5/6]; without it, the bytes pinned before)
+    "served": {"exact": "3bbd3f36c8b01f201be10e9e", "encoded": "3bbd3f36c8b01f201be10e9e",
+               "exact, not collective-safe": "169cc58d681ea7fe38e1f5b5"},
 }
 
 
@@ -136,8 +138,8 @@ def test_index_and_plan_fingerprints_are_pinned(pinned_index):
     assert plans == PINNED["plans"]
 
 
-@pytest.mark.parametrize("pixels", ["exact", "encoded"])
-def test_served_bytes_are_pinned(pinned_index, tmp_path, pixels):
+@pytest.mark.parametrize("pixels,collective_safe", [("exact", True), ("encoded", True), ("exact", False)])
+def test_served_bytes_are_pinned(pinned_index, tmp_path, pixels, collective_safe):
     """Every tensor of every pack of two epochs of a DP 2 job, in order, with the samples' keys."""
     import yaml
 
@@ -150,7 +152,7 @@ def test_served_bytes_are_pinned(pinned_index, tmp_path, pixels):
     with LocalServer(config=config, workers=1) as server:
         for rank in range(2):
             with PackStream(server.target, job=f"pinned-{pixels}", rank=rank, dp=2, microbatches=2, seed=5,
-                            epochs=2) as stream:
+                            epochs=2, collective_safe=collective_safe) as stream:
                 for step in stream:
                     parts.append(json.dumps([step.epoch, step.step, list(step.sample_keys)]).encode())
                     for pack in step.packs:
@@ -158,4 +160,4 @@ def test_served_bytes_are_pinned(pinned_index, tmp_path, pixels):
                             tensor = pack.tensors[name]
                             parts.append(name.encode() + str(tuple(tensor.shape)).encode() + str(tensor.dtype).encode())
                             parts.append(tensor.contiguous().view(-1).numpy().tobytes())
-    assert digest(*parts) == PINNED["served"][pixels]
+    assert digest(*parts) == PINNED["served"][pixels if collective_safe else "exact, not collective-safe"]
