@@ -78,8 +78,10 @@ def routed_steps(small_tile_index):
             steps = {}
             with LocalServer(small_tile_index, workers=1) as server:
                 for rank in range(dp):
+                    # collective_safe off: laid out in whole columns, this small epoch needs no routing at DP 2
                     stream = PackStream(server.target, job="phases", rank=rank, dp=dp, microbatches=2, seed=0,
-                                        strategy="isf+phases", ranks_per_node=2, colocate_encoder=colocate)
+                                        strategy="isf+phases", ranks_per_node=2, colocate_encoder=colocate,
+                                        collective_safe=False)
                     steps[rank] = list(stream)
                     for step in steps[rank]:
                         for pack in step.packs:

@@ -58,9 +58,10 @@ class FamilyData:
     conventions: object  # the ModelConventions a server reports for this dataset
 
 
-def family_dataset(root: Path, family: str, seed: int = 0, samples: int = 10) -> FamilyData:
-    """`samples` samples (text-only, one image, two images; answers of several lengths) converted and indexed
-    with the family's conventions."""
+def family_dataset(root: Path, family: str, seed: int = 0, samples: int = 10,
+                   image_counts: tuple[int, ...] = (0, 1, 2, 1, 0, 1, 2, 1, 1, 0)) -> FamilyData:
+    """`samples` samples (sample k holds image_counts[k % len(image_counts)] images: text-only, one, two; answers of several
+    lengths) converted and indexed with the family's conventions."""
     from packfeed.media.chat import PRESETS
     from packfeed.server.convert.convert import ConvertOptions, convert, shard_paths
     from packfeed.server.index.config import IndexConfig
@@ -76,7 +77,7 @@ def family_dataset(root: Path, family: str, seed: int = 0, samples: int = 10) ->
     images = root / "images"
     rows = []
     for k in range(samples):
-        n = [0, 1, 2, 1, 0, 1, 2, 1, 1, 0][k % 10]
+        n = image_counts[k % len(image_counts)]
         names = [f"s{k}-{j}.jpg" for j in range(n)]
         for name in names:
             write_image(images / name, rng)

@@ -76,27 +76,58 @@ def run_bounded(worker, args: tuple, world: int, timeout: float) -> bool:
                 process.kill()
 
 
+def plan_steps(data, world: int, collective_safe: bool) -> list[list[list[int]]]:
+    """Every step of a DP `world`, M 1 plan of the dataset (about one sample a pack): its packs' sample ids."""
+    from packfeed.server.plan.costs import load_sample_loads
+    from packfeed.server.plan.planner import make_plan
+    from packfeed.v1.options import PlanConfig
+
+    loads, _ = load_sample_loads(data.index)
+    plan = make_plan(loads, PlanConfig(dp=world, samples_per_pack=2.0, collective_safe=collective_safe), 0, 0)
+    return [[plan.pack(step, rank, 0).tolist() for rank in range(world)] for step in range(plan.n_steps)]
+
+
 @pytest.mark.parametrize("world", [2, 4])
-def test_an_fsdp2_loop_with_the_tower_wrapped_apart_hangs_on_a_text_only_rank_unless_every_tower_runs(
-        tmp_path, world):
-    """The usual FSDP2 wrapping (each vision block a unit) with one rank's pack text-only: without the guard that
-    rank skips the tower's all-gathers and the step never completes (the control, bounded); with
-    ensure_encoders every rank completes it with the plain loop's loss."""
+def test_an_fsdp2_loop_with_the_tower_wrapped_apart_never_hangs_on_a_collective_safe_plan(tmp_path, world):
+    """A user's FSDP2 loop, each vision block a unit of its own, on a mostly-text dataset (80% text only) planned
+    for DP `world`. A step of the plan made with --no-collective-safe where some ranks' packs hold images and
+    others' none never completes (the control, bounded); the default plan's steps hold images on every rank or
+    on none, and its step with images completes without any guard, with the plain loop's loss; the unaligned
+    step completes too once `ensure_encoders` runs every tower."""
     from trainer_workers import sharded_tower_step
 
     family = "qwen2_vl"
-    data = family_dataset(tmp_path / "data", family)
-    groups = [[0, 4], [1, 2]] if world == 2 else [[0], [4], [9], [1, 2]]  # mostly text: one rank has images
-    packs = packs_of(data, groups)
-    torch.save({"data": data, "packs": packs}, tmp_path / "step.pt")
-    args = (family, str(tmp_path / "step.pt"), str(tmp_path / "init-hang"), str(tmp_path))
-    assert not run_bounded(sharded_tower_step, args + (False,), world, timeout=30)
-    assert not (tmp_path / "rank0.pt").exists()
-    args = (family, str(tmp_path / "step.pt"), str(tmp_path / "init-safe"), str(tmp_path))
-    assert run_bounded(sharded_tower_step, args + (True,), world, timeout=300)
-    sharded = sum(torch.load(tmp_path / f"rank{r}.pt")["loss"] for r in range(world))
-    model = tiny_model(family, data)
-    with torch.no_grad():
-        plain = sum(float(model(**to_hf_inputs(pack, family, dp=world, conventions=data.conventions)).loss)
-                    for pack in packs)
-    assert sharded == pytest.approx(plain, rel=1e-5)
+    data = family_dataset(tmp_path / "data", family, samples=40, image_counts=(0, 0, 0, 0, 1))
+    from packfeed.server.index.table import read_index
+
+    images = dict(zip(*(read_index(data.index)[0].column(c).to_pylist() for c in ("sample_id", "n_images"))))
+    assert sum(n > 0 for n in images.values()) == 8  # a fifth of the 40
+
+    def has_images(group: list[int]) -> bool:
+        return any(images[i] for i in group)
+
+    safe = plan_steps(data, world, True)
+    for groups in safe:
+        assert len({has_images(g) for g in groups}) == 1, groups  # every rank alike
+    with_images = next(groups for groups in safe if all(has_images(g) for g in groups))
+    mixed = next(groups for groups in plan_steps(data, world, False) if len({has_images(g) for g in groups}) == 2)
+
+    def run(groups, ensure: bool, name: str) -> bool:
+        packs = packs_of(data, groups)
+        torch.save({"data": data, "packs": packs}, tmp_path / f"{name}.pt")
+        (tmp_path / name).mkdir()
+        args = (family, str(tmp_path / f"{name}.pt"), str(tmp_path / f"init-{name}"), str(tmp_path / name), ensure)
+        done = run_bounded(sharded_tower_step, args, world, timeout=30 if name == "control" else 300)
+        if done:
+            sharded = sum(torch.load(tmp_path / name / f"rank{r}.pt")["loss"] for r in range(world))
+            model = tiny_model(family, data)
+            with torch.no_grad():
+                plain = sum(float(model(**to_hf_inputs(pack, family, dp=world, conventions=data.conventions)).loss)
+                            for pack in packs)
+            assert sharded == pytest.approx(plain, rel=1e-5)
+        return done
+
+    assert not run(mixed, False, "control")
+    assert not list((tmp_path / "control").glob("rank*.pt"))
+    assert run(with_images, False, "safe")
+    assert run(mixed, True, "ensured")

@@ -82,9 +82,12 @@ def test_trainer_plan_fields_match_the_plan_config():
     data = DataConfig(target="localhost:1")
     defaults = PlanConfig()
     assert set(PLAN_FIELDS) <= {f.name for f in dataclasses.fields(PlanConfig)}
-    for name in set(PLAN_FIELDS) - {"microbatches"}:  # a pipeline wants M > 1: the trainer's default is 4
+    # a pipeline wants M > 1: the trainer's default is 4; it shards no tower apart: collective safety off
+    for name in set(PLAN_FIELDS) - {"microbatches", "collective_safe"}:
         assert getattr(data, name) == getattr(defaults, name), name
-    assert data.plan_config(dp=4, pipeline_stages=2) == PlanConfig(dp=4, pipeline_stages=2, microbatches=data.microbatches)
+    assert defaults.collective_safe and not data.collective_safe
+    assert data.plan_config(dp=4, pipeline_stages=2) == PlanConfig(dp=4, pipeline_stages=2, microbatches=data.microbatches,
+                                                                   collective_safe=False)
     with pytest.raises(ValueError, match="strategy must be one of"):
         DataConfig(target="localhost:1", strategy="greedy")
 

@@ -406,7 +406,7 @@ def test_swaps_keep_m_packs_per_rank_and_never_raise_the_busiest(seed):
     costs = rng.lognormal(8, 0.6, 32)
     lpt = lpt_assign(costs, 8, 4)
     refined = lpt.copy()
-    refine_by_swaps(costs, refined, 8, 64)
+    refine_by_swaps(costs, refined, 8, 64, np.zeros(len(costs), dtype=np.int64))
     assert np.array_equal(np.bincount(refined, minlength=8), np.full(8, 4))
     before, after = (np.bincount(b, costs, minlength=8).max() for b in (lpt, refined))
     assert after <= before + 1e-9

@@ -18,7 +18,7 @@ from packfeed.trainer.models.reference import VLMConfig
 from packfeed.v1.options import Oversize, PlanConfig, Strategy
 
 # DataConfig fields that are PlanConfig's (the rest of PlanConfig comes from the mesh or keeps its default)
-PLAN_FIELDS = ("microbatches", "strategy", "vision_cap", "token_cap", "oversize")
+PLAN_FIELDS = ("microbatches", "strategy", "vision_cap", "token_cap", "oversize", "collective_safe")
 
 
 def check_choices(config) -> None:
@@ -64,6 +64,10 @@ class DataConfig:
     # whole on one GPU per replica (its C streams joined: packfeed.client.context_parallel.JoinedStream), the
     # baseline a CP run is checked against; 0 = parallel.cp
     context_parallel: int = 0
+    # the plan's collective_safe (docs/training.md): off, as this trainer shards the vision tower with the root
+    # unit (or not at all), so no rank ever waits on another's tower; on, packs are laid out as a trainer that
+    # wraps the tower apart needs, at some cost in balance
+    collective_safe: bool = False
 
     def __post_init__(self):
         check_choices(self)

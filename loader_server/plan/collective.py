@@ -6,6 +6,8 @@ group: a rank whose microbatch has no image skips them and every other rank wait
 the set of towers its samples call (a bit each: `TOWER_BITS`, then each further encoder in name order). The
 planner lays every step out in *columns* (one microbatch index across the dp ranks) of packs of one class:
 
+- `merge_to_whole_columns`: a class r packs over a multiple of dp merges r pairs of its lightest packs (within
+  the caps), so that its packs fill whole columns;
 - `aligned_steps`: the packs of each class, in the strategy's order, cut into columns of dp; the few left over
   of each class (fewer than dp) share columns of their own, which go to the epoch's last, partial step first;
   steps are M columns each.
@@ -64,6 +66,38 @@ def pack_classes(members, offsets, sample_class):
         for k in range(offsets[p], offsets[p + 1]):
             out[p] |= sample_class[members[k]]
     return out
+
+
+def merge_to_whole_columns(packs, pack_class: np.ndarray, vision_cap: int, token_cap: int, dp: int):
+    """Fewer packs left over: for each class whose pack count is not a multiple of dp (r over one), merge r pairs
+    of its lightest packs, each within the caps, so its count becomes one. A class with fewer than dp packs, or
+    whose pairs would exceed a cap, is left as it is (its leftovers share columns). Returns (packs, pack_class)
+    (`packs`: an `IsfPacks`; the same objects when nothing merges)."""
+    into = np.arange(len(pack_class))  # the pack each pack's members end in
+    for cls in np.unique(pack_class):
+        ids = np.flatnonzero(pack_class == cls)
+        spare = len(ids) % dp
+        if not spare or len(ids) < dp:
+            continue
+        lightest = ids[np.lexsort((ids, packs.tokens[ids]))[:2 * spare]]
+        first, second = lightest[:spare], lightest[2 * spare - 1:spare - 1:-1]  # lightest with heaviest of them
+        fits = ((packs.vision[first] + packs.vision[second] <= vision_cap)
+                & (packs.tokens[first] + packs.tokens[second] <= token_cap))
+        if len(second) == spare and fits.all():
+            into[second] = first
+    if np.array_equal(into, np.arange(len(into))):
+        return packs, pack_class
+    kept = np.flatnonzero(into == np.arange(len(into)))
+    renumber = np.full(len(into), -1, dtype=np.int64)
+    renumber[kept] = np.arange(len(kept))
+    sizes = np.diff(packs.offsets)
+    member_pack = np.repeat(renumber[into], sizes)
+    order = np.argsort(member_pack, kind="stable")  # each kept pack's members, then those merged into it
+    offsets = np.zeros(len(kept) + 1, dtype=packs.offsets.dtype)
+    np.cumsum(np.bincount(member_pack, minlength=len(kept)), out=offsets[1:])
+    vision = np.bincount(renumber[into], weights=packs.vision, minlength=len(kept)).astype(packs.vision.dtype)
+    tokens = np.bincount(renumber[into], weights=packs.tokens, minlength=len(kept)).astype(packs.tokens.dtype)
+    return type(packs)(packs.members[order], offsets, vision, tokens), pack_class[kept]
 
 
 def aligned_steps(order: np.ndarray, pack_class: np.ndarray, pack_cost: np.ndarray, dp: int,

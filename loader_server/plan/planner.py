@@ -20,7 +20,8 @@ import numba
 import numpy as np
 
 from packfeed.server.plan.balance import assign_ranks, form_steps, permute_ranks, similar_order, split_for_last_step
-from packfeed.server.plan.collective import aligned_steps, class_layout, collective_safe_layout, pack_classes, sample_towers
+from packfeed.server.plan.collective import (aligned_steps, class_layout, collective_safe_layout, merge_to_whole_columns,
+                                             pack_classes, sample_towers)
 from packfeed.server.plan.caps import default_targets, search_caps
 from packfeed.server.plan import context_parallel as cp
 from packfeed.server.plan.costs import SampleLoads, encoder_costs, encoder_names, sample_costs
@@ -62,7 +63,7 @@ def make_plan(loads: SampleLoads, config: PlanConfig, seed: int, epoch: int, ind
             packs, oversize, cut, tokens = _isf_packs(loads, caps, config, streams[_STREAM_ISF])
         loads = replace(loads, tokens=tokens)  # the planner sees truncated samples at their cut length
         costs = sample_costs(config.cost_model, loads)
-        sequence, packs, pieces = _arrange_packs(loads, costs, packs, config, streams)
+        sequence, packs, pieces = _arrange_packs(loads, costs, packs, config, streams, caps)
         packs_m, packs_o = packs.members, packs.offsets
         real = sequence >= 0
         pack_vision = np.where(real, packs.vision[np.where(real, sequence, 0)], 0)
@@ -210,18 +211,20 @@ def _isf_packs(loads, caps: Caps, config: PlanConfig, rng):
     return packs, oversize, cut, tokens
 
 
-def _arrange_packs(loads, costs, packs: IsfPacks, config: PlanConfig, streams):
+def _arrange_packs(loads, costs, packs: IsfPacks, config: PlanConfig, streams, caps: Caps):
     """Order packs into steps x ranks x microbatches (`costs`: every sample's, `sample_costs`). Returns the pack
     sequence (-1 = empty pack), the packs' loads extended by those of the pieces the last step was split into,
     and the pieces' members (pack `len(packs) + k` is piece k: the members array is not copied for a handful of
     pieces)."""
     slots, dp, m = config.slots, config.dp, config.microbatches
+    safe = collective_safe_layout(config)
+    towers = sample_towers(loads) if safe else None
+    pack_class = pack_classes(packs.members, packs.offsets, towers) if safe else np.zeros(len(packs.tokens), np.int64)
+    if safe:
+        packs, pack_class = merge_to_whole_columns(packs, pack_class, caps.vision_cap, caps.token_cap, dp)
     pack_cv, pack_cl = _pack_costs(packs.members, packs.offsets, costs)
     pack_cost = pack_cv + pack_cl
     members, offsets, pack_v, pack_t = packs.members, packs.offsets, packs.vision, packs.tokens
-    safe = collective_safe_layout(config)
-    towers = sample_towers(loads) if safe else None
-    pack_class = pack_classes(members, offsets, towers) if safe else np.zeros(len(pack_cost), dtype=np.int64)
 
     if config.strategy is Strategy.ISF:
         # OmniBal's published behaviour: packs go to steps and ranks in random order.
