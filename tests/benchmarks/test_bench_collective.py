@@ -3,7 +3,8 @@ and off, in the same run.
 
 Run: .venv/bin/python -m pytest -q -s tests/benchmarks/test_bench_collective.py -m benchmark
 
-`packfeed plan --index INDEX --dp D --microbatches 4 [--no-collective-safe]` run as a command (isf+balance), on:
+`packfeed plan --index INDEX --dp D --microbatches 4 --strategy S [--no-collective-safe]` run as a command
+(isf+balance, and isf: OmniBal's packs in random order), on:
 - the two InternVL-1.2M length files (30,730 samples; every sample has an image, as InternVL gives text-only
   samples a dummy tile): nothing to align, so the guarantee should cost nothing;
 - the incoherent mix (`test_bench_phases.incoherent_mix`: the same files plus a quarter of text-only
@@ -61,9 +62,9 @@ def write_index(path, vision, tokens, towers=None):
     return path
 
 
-def plan(index, dp: int, safe: bool) -> dict:
+def plan(index, dp: int, safe: bool, strategy: str) -> dict:
     out = subprocess.run([sys.executable, "-m", "packfeed.server.cli", "plan", "--index", str(index), "--dp", str(dp),
-                          "--microbatches", "4", *([] if safe else ["--no-collective-safe"])],
+                          "--microbatches", "4", "--strategy", strategy, *([] if safe else ["--no-collective-safe"])],
                          capture_output=True, text=True, check=True)
     return json.loads(out.stdout)
 
@@ -76,22 +77,23 @@ def test_the_cost_of_collective_safe_plans(tmp_path):
                 "incoherent": write_index(tmp_path / "incoherent.parquet", *incoherent_mix()),
                 "mostly text": write_index(tmp_path / "text.parquet", *mostly_text_mix())}
     text_only = {name: float(np.mean(load_sample_loads(index)[0].towers == 0)) for name, index in datasets.items()}
-    print("\n[collective] dataset | DP | collective_safe | packs | ViT Dist | LLM Dist | unaligned microbatches | "
+    print("\n[collective] dataset | strategy | DP | collective_safe | packs | ViT Dist | LLM Dist | unaligned microbatches | "
           f"planning s (median, min-max of {ROUNDS})")
-    for name, index in datasets.items():
-        for dp in (8, 64):
+    for name, index, strategy, dp in [(name, index, strategy, dp) for name, index in datasets.items()
+                                      for strategy in ("isf+balance", "isf") for dp in (8, 64)]:
             runs = {True: [], False: []}
             for _ in range(ROUNDS):
                 for safe in (True, False):
-                    runs[safe].append(plan(index, dp, safe))
+                    runs[safe].append(plan(index, dp, safe, strategy))
             for safe in (True, False):
                 first, seconds = runs[safe][0], [r["planning_seconds"] for r in runs[safe]]
                 alignment = first["collective_safe"]
-                print(f"[collective] {name} ({text_only[name]:.0%} text only) | {dp} | {'on' if safe else 'off'} | "
+                print(f"[collective] {name} ({text_only[name]:.0%} text only) | {strategy} | {dp} | {'on' if safe else 'off'} | "
                       f"{first['packs']} | {first['vit_dist']:.4f} | {first['llm_dist']:.4f} | "
                       f"{alignment['unaligned_microbatches']} / {alignment['microbatches']} "
                       f"{alignment['unaligned_by_tower']} | {statistics.median(seconds):.3f} "
                       f"({min(seconds):.3f}-{max(seconds):.3f})")
                 assert all(r["plan_fingerprint"] == first["plan_fingerprint"] for r in runs[safe])  # deterministic
             on, off = runs[True][0]["collective_safe"], runs[False][0]["collective_safe"]
-            assert on["unaligned_microbatches"] <= off["unaligned_microbatches"]
+            # what stays unaligned is the last step's (M microbatches) and one column per class at most
+            assert on["unaligned_microbatches"] <= 4 + 3
