@@ -75,14 +75,20 @@ def test_every_microbatch_calls_the_same_towers_on_every_rank_where_the_data_all
     assert np.array_equal(np.sort(plan.members), np.arange(len(loads)))  # every sample, exactly once
 
 
-def test_a_mostly_text_epoch_is_aligned_collective_safe_and_not_without():
-    """The control: the same data planned with collective_safe off leaves most microbatches mixed."""
-    rng = np.random.default_rng(3)
-    n = 6000
+def mostly_text(n: int, seed: int) -> SampleLoads:
+    """80% text only, 15% images, 5% videos."""
+    rng = np.random.default_rng(seed)
     kind = rng.choice(3, n, p=[0.8, 0.15, 0.05])
     vision = np.where(kind > 0, rng.integers(1, 12, n), 0)
     loads = SampleLoads.from_arrays(vision, rng.integers(16, 3000, n) + 64 * vision)
     loads.towers = np.array([0, 1, 2], dtype=np.uint8)[kind]
+    return loads
+
+
+def test_a_mostly_text_epoch_is_aligned_collective_safe_and_not_without():
+    """The control: the same data planned with collective_safe off leaves most microbatches mixed."""
+    n = 6000
+    loads = mostly_text(n, seed=3)
     loads.encoders = {"audio": EncoderLoads(np.zeros(n, np.float32), np.zeros(n, np.float32))}
     for strategy in ("isf+balance", "isf", "random"):
         on = make_plan(loads, PlanConfig(dp=8, microbatches=4, strategy=strategy), 0, 0)
@@ -124,12 +130,8 @@ def test_a_windowed_plan_carries_what_a_window_cannot_align_into_the_next():
     epoch's unaligned microbatches are those of one window, not of every window."""
     from packfeed.server.plan.windows import WindowedPlan
 
-    rng = np.random.default_rng(11)
     n = 12_000
-    kind = rng.choice(3, n, p=[0.8, 0.15, 0.05])
-    vision = np.where(kind > 0, rng.integers(1, 12, n), 0)
-    loads = SampleLoads.from_arrays(vision, rng.integers(16, 3000, n) + 64 * vision)
-    loads.towers = np.array([0, 1, 2], dtype=np.uint8)[kind]
+    loads = mostly_text(n, seed=11)
     config = PlanConfig(dp=8, microbatches=2)
     windowed = WindowedPlan(loads, config, seed=2, epoch=0, size=2_000)
     try:
