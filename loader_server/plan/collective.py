@@ -49,11 +49,16 @@ def tower_names(loads) -> list[str]:
 
 
 def sample_towers(loads, ids: np.ndarray | None = None) -> np.ndarray:
-    """Every sample's (or samples `ids`') class: the bits of the towers it calls (int64)."""
-    ids = np.arange(len(loads)) if ids is None else np.asarray(ids, dtype=np.int64)
-    towers = np.asarray(loads.towers[ids], dtype=np.int64)
-    for k, name in enumerate(encoder_names(loads)):
-        towers |= (np.asarray(loads.encoders[name].tokens[ids]) > 0).astype(np.int64) << (len(TOWER_BITS) + k)
+    """Every sample's (or samples `ids`') class: the bits of the towers it calls, in the smallest unsigned type
+    that holds them (uint8 up to six further encoders: a byte a sample, as the loads hold it)."""
+    names = encoder_names(loads)
+    ids = None if ids is None else np.asarray(ids, dtype=np.int64)
+    dtype = np.min_scalar_type((1 << (len(TOWER_BITS) + len(names))) - 1)
+    towers = loads.towers if ids is None else loads.towers[ids]
+    towers = np.asarray(towers).astype(dtype, copy=bool(names))  # a copy only where encoder bits are added
+    for k, name in enumerate(names):
+        tokens = loads.encoders[name].tokens if ids is None else loads.encoders[name].tokens[ids]
+        towers |= (np.asarray(tokens) > 0).astype(dtype) << (len(TOWER_BITS) + k)
     return towers
 
 
@@ -121,8 +126,7 @@ def aligned_steps(order: np.ndarray, pack_class: np.ndarray, pack_cost: np.ndarr
     homogeneous = np.concatenate(whole) if whole else np.empty((0, dp), dtype=np.int64)
     # the rest: the partial column, the mixed ones, then the lightest homogeneous ones (ties: earlier in order)
     n_rest_columns = (len(homogeneous) + len(mixed)) % m
-    column_cost = pack_cost[homogeneous].sum(axis=1) if len(homogeneous) else np.empty(0)
-    by_lightness = np.lexsort((position[homogeneous[:, 0]] if len(homogeneous) else column_cost, column_cost))
+    by_lightness = np.lexsort((position[homogeneous[:, 0]], pack_cost[homogeneous].sum(axis=1)))
     candidates = np.concatenate([mixed, homogeneous[by_lightness]])
     rest = np.concatenate([left_over[:spare], candidates[:n_rest_columns].reshape(-1)])
     body = candidates[n_rest_columns:]
