@@ -1,8 +1,10 @@
 """Megatron-Core fed by Packfeed (`packfeed.client.megatron`), on CPU against Megatron-Core's own code: its THD
 batch utility takes our batches and gives back our `PackedSeqParams`; the loss over a batch's labels and loss
 mask is exactly the Hugging Face shifted loss of the pack (whatever the padding); the loss normalisation
-matches the step's per-token mean in both of Megatron's modes; a stream's steps resume exactly. (Megatron's
-pipeline schedules allocate on CUDA: they run only where a GPU is lent.)"""
+matches the step's per-token mean in both of Megatron's modes; a stream's steps resume exactly. Where CUDA is
+there: Megatron's own schedule, DDP and `finalize_model_grads` train a step fed by `MegatronStep` with the plain
+loop's gradients (its schedules allocate on CUDA, so CI skips it; it passed on a lent H200, BENCHMARKS.md
+"Megatron-Core's schedule on one GPU")."""
 
 from __future__ import annotations
 
@@ -90,3 +92,100 @@ def test_megatron_steps_over_a_stream_resume_at_exactly_the_next_step(small_tile
     assert (resumed.epoch, resumed.step) == (following.epoch, following.step) != (first.epoch, first.step)
     assert all(torch.equal(a["tokens"], b["tokens"]) for a, b in zip(resumed.batches, following.batches))
     assert len(list(first.data_iterator)) == 2 and "images" in first.batches[0]
+
+
+class PackedLM(torch.nn.Module):
+    """A one-block causal LM that reads Megatron's THD batch the way its GPTModel does: every sample's tokens back
+    to back, attention inside each sample's padded span (`PackedSeqParams.cu_seqlens_q_padded`), per-token
+    losses out."""
+
+    def __init__(self, config, vocab: int):
+        from megatron.core.enums import ModelType
+
+        super().__init__()
+        self.config, self.model_type = config, ModelType.encoder_or_decoder
+        dim = config.hidden_size
+        self.embed, self.positions = torch.nn.Embedding(vocab, dim), torch.nn.Embedding(4096, dim)
+        self.qkv, self.out, self.head = (torch.nn.Linear(dim, 3 * dim), torch.nn.Linear(dim, dim),
+                                         torch.nn.Linear(dim, vocab))
+
+    def set_input_tensor(self, tensor) -> None:  # Megatron's schedules call it on every stage; pp 1 has none
+        pass
+
+    def forward(self, tokens, position_ids, labels, packed_seq_params):
+        hidden = self.embed(tokens[0]) + self.positions(position_ids[0])
+        q, k, v = self.qkv(hidden).view(len(hidden), 3, self.config.num_attention_heads, -1).unbind(1)
+        bounds = packed_seq_params.cu_seqlens_q_padded.tolist()
+        attended = torch.cat([torch.nn.functional.scaled_dot_product_attention(
+            *(t[a:b].transpose(0, 1) for t in (q, k, v)), is_causal=True).transpose(0, 1).reshape(b - a, -1)
+            for a, b in zip(bounds[:-1], bounds[1:])])
+        logits = self.head(hidden + self.out(attended))
+        return torch.nn.functional.cross_entropy(logits.float(), labels[0], reduction="none").unsqueeze(0)
+
+
+@pytest.fixture
+def megatron_on_one_gpu():
+    """Megatron-Core's model-parallel state over one NCCL process (what its schedules need)."""
+    import socket
+
+    from megatron.core import parallel_state
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    torch.cuda.set_device(0)
+    torch.distributed.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    parallel_state.initialize_model_parallel(1, 1)
+    yield
+    parallel_state.destroy_model_parallel()
+    torch.distributed.destroy_process_group()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="Megatron-Core's schedules allocate on CUDA")
+@pytest.mark.parametrize("per_token", [True, False])
+def test_megatrons_own_schedule_and_gradient_sync_train_a_step_with_the_plain_loops_gradients(
+        packs, megatron_on_one_gpu, per_token):
+    """One step of M microbatches through Megatron-Core's own `forward_backward_func`, its DDP and its
+    `finalize_model_grads` (both loss normalisations), fed by `MegatronStep.data_iterator`: every gradient
+    equals the plain loop's over the same packs (the step's per-token mean), and a wrong normalisation differs."""
+    import copy
+    import functools
+
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from packfeed.client.megatron import MegatronStep
+
+    data, served = packs
+    config = TransformerConfig(num_layers=1, hidden_size=32, num_attention_heads=4,
+                               calculate_per_token_loss=per_token)
+    torch.manual_seed(0)
+    plain = PackedLM(config, data.vocab).cuda()
+    step = MegatronStep(0, 0, [megatron_batch(p, pad_to_multiple=4, device="cuda") for p in served])
+    summed = sum(loss_func(b, plain(b["tokens"], b["position_ids"], b["labels"], packed_seq_params(b)))[0]
+                 for b in step.batches)
+    (summed / served[0].step_loss_tokens).backward()
+    expected = {name: p.grad.clone() for name, p in plain.named_parameters()}
+
+    model = DistributedDataParallel(config, DistributedDataParallelConfig(), copy.deepcopy(plain))
+    config.finalize_model_grads_func = finalize_model_grads
+    model.zero_grad_buffer()
+
+    def forward_step(data_iterator, model):
+        batch = next(data_iterator)
+        output = model(batch["tokens"], batch["position_ids"], batch["labels"], packed_seq_params(batch))
+        return output, functools.partial(loss_func, batch, per_token=per_token,
+                                         num_microbatches=step.num_microbatches, dp=1)
+
+    reports = get_forward_backward_func()(
+        forward_step_func=forward_step, data_iterator=step.data_iterator, model=[model],
+        num_microbatches=step.num_microbatches, seq_length=step.seq_length, micro_batch_size=1)
+    assert len(reports) == len(served)
+    got = {name: p.main_grad for name, p in model.module.named_parameters()}
+    for name, grad in expected.items():
+        torch.testing.assert_close(got[name], grad, rtol=1e-5, atol=1e-7, msg=name)
+    plain.zero_grad()  # control: the usual mean of each microbatch's mean, which the step's mean is not
+    sum(loss_func(b, plain(b["tokens"], b["position_ids"], b["labels"], packed_seq_params(b)))[0]
+        / b["loss_mask"].sum() for b in step.batches).div(len(served)).backward()
+    assert max(float((got[n] - p.grad).abs().max()) for n, p in plain.named_parameters()) > 1e-4

@@ -231,3 +231,111 @@ def test_one_long_sample_by_degree(parts, sample):
     FIGURES[f"long_{sample}"] = results
     done = [r for r in results.values() if not r.get("out_of_memory")]
     assert done and all(r["ms"] > 0 for r in done)
+
+
+def _candidate_attention(original):
+    """A candidate CUDA path for `ContextParallelAttention`, measured against the code as it is: the keys each
+    span sees picked with `index_select` (its backward an `index_add_`, not the sorting `index_put_` of a
+    tensor index), every index and bound moved to the GPU once per share, no host sync for the longest span."""
+    from packfeed.client.attention import _torch_varlen_attn
+
+    varlen_attn, params = _torch_varlen_attn()
+    cache: dict[int, tuple] = {}
+
+    def call(self, q, k, v, cu_seqlens, scale=None):
+        layout = self.layout
+        if layout is None or layout.degree == 1 or q.device.type != "cuda" or varlen_attn is None:
+            return original(self, q, k, v, cu_seqlens, scale=scale)
+        if id(layout) not in cache:
+            cu_q, rows, cu_k = layout.span_keys
+            cache.clear()
+            cache[id(layout)] = (cu_q.to(q.device), rows.to(q.device), cu_k.to(q.device),
+                                 int((cu_q[1:] - cu_q[:-1]).max()), int((cu_k[1:] - cu_k[:-1]).max()))
+        cu_q, rows, cu_k, longest_q, longest_k = cache[id(layout)]
+        keys, values = layout.gather(torch.cat([k, v], dim=-1)).index_select(0, rows).chunk(2, dim=-1)
+        options = {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}
+        if "scale" in params:
+            options["scale"] = scale
+        return varlen_attn(q.contiguous(), keys.contiguous(), values.contiguous(), cu_q, cu_k, longest_q, longest_k,
+                           **options)
+
+    return call
+
+
+KERNEL_KINDS = (("matrix products", ("gemm", "nvjet", "cutlass")), ("flash-attention forward", ("flash_fwd",)),
+                ("flash-attention backward", ("flash_bwd",)), ("index backward", ("indexing_backward", "index_put",
+                                                                                    "scatter", "index_add")),
+                ("index forward", ("gather_kernel", "index_select", "indexFunc", "index_kernel")),
+                ("copies, cat, pad", ("copy", "cat", "pad", "fill", "Cat")), ("reductions", ("reduce",)))
+
+
+def kernel_kind(name: str) -> str:
+    return next((kind for kind, marks in KERNEL_KINDS if any(m in name for m in marks)), "other elementwise")
+
+
+def test_where_a_split_share_spends_its_time(parts):
+    """The CUDA kernels of one share step, whole (degree 1) and split (degree 4, 8), short samples: what the
+    split adds, by kind of kernel (torch.profiler, self CUDA time; launches counted)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    if DEVICE != "cuda":
+        pytest.skip("profiles CUDA kernels")
+    table = {}
+    for degree in (1, 4, 8):
+        layout = share_of(short_pack(N * degree, seed=degree), degree)
+        share_step(parts, layout)  # warm-up
+        for module in parts:
+            module.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            share_step(parts, layout)
+            torch.cuda.synchronize()
+        for module in parts:
+            module.zero_grad(set_to_none=True)
+        kinds: dict[str, list[float]] = {}
+        for event in prof.key_averages():
+            ms, launches = kinds.setdefault(kernel_kind(event.key), [0.0, 0])
+            kinds[kernel_kind(event.key)] = [ms + event.self_device_time_total / 1000, launches + event.count]
+        table[degree] = {kind: [round(ms, 1), n] for kind, (ms, n) in sorted(kinds.items(), key=lambda kv: -kv[1][0])}
+        total = sum(ms for ms, _ in kinds.values())
+        print(f"[cp-gpu] profile, degree {degree}: {total:,.1f} ms of CUDA kernels, by kind (ms, launches): "
+              + "; ".join(f"{kind} {ms:,.1f} ({n:,})" for kind, (ms, n) in table[degree].items()))
+        top = sorted(prof.key_averages(), key=lambda e: -e.self_device_time_total)[:25]
+        for event in top:
+            print(f"[cp-gpu]   d{degree} {event.self_device_time_total / 1000:>9,.1f} ms {event.count:>6} x {event.key[:110]}")
+    FIGURES["profile"] = table
+    assert all(table.values())
+
+
+def test_kv_pick_as_is_or_candidate(parts, monkeypatch):
+    """The share step with the code as it is and with `_candidate_attention`, split short samples and one long
+    sample: the candidate replaces the code only where it is faster (and gives the same loss)."""
+    import packfeed.trainer.parallel.context_parallel as context_parallel
+
+    original = context_parallel.ContextParallelAttention.__call__
+    if DEVICE == "cuda":  # the candidate's attention and its gradients are the code's
+        layout, heads = share_of(short_pack(N * 8, seed=8), 8), 16
+        torch.manual_seed(2)
+        q, k, v = (torch.randn(len(layout.local_unsplit), heads, 128, device=DEVICE, dtype=torch.bfloat16,
+                               requires_grad=True) for _ in range(3))
+        outputs = []
+        for call in (original, _candidate_attention(original)):
+            attention = context_parallel.ContextParallelAttention()
+            attention.layout = layout
+            out = call(attention, q, k, v, None)
+            outputs.append([out.detach(), *torch.autograd.grad(out.float().square().sum(), (q, k, v))])
+        gaps = [float((a.float() - b.float()).abs().max()) for a, b in zip(*outputs)]
+        print(f"[cp-gpu] candidate vs as is: max abs difference of out, dq, dk, dv {gaps}")
+        assert gaps[0] == 0 and max(gaps) < 0.05
+    cases = [(f"short samples, degree {d}", short_pack(N * d, seed=d), d) for d in (4, 8)]
+    cases.append((f"one {4 * N:,}-token sample, degree 8", [4 * N], 8))
+    results = {}
+    for label, lengths, degree in cases:
+        for variant in ("as is", "candidate"):
+            monkeypatch.setattr(context_parallel.ContextParallelAttention, "__call__",
+                                original if variant == "as is" else _candidate_attention(original))
+            r = measure(parts, share_of(lengths, degree), repeats=3)
+            results[f"{label}, {variant}"] = r
+            print(row(f"{label}, {variant}", r))
+    FIGURES["kv_pick"] = results
+    assert all(r.get("ms", 0) > 0 for r in results.values())
