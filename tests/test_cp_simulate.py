@@ -96,3 +96,54 @@ def test_the_command_refuses_what_it_cannot_simulate(tmp_path):
         done = subprocess.run([sys.executable, "-m", "packfeed.server.cli", "simulate", "--lengths", str(mix),
                                *extra], capture_output=True, text=True, timeout=300)
         assert done.returncode != 0 and message in done.stderr
+
+
+def test_the_split_spans_are_the_contracts_zigzag_chunks():
+    from packfeed.trainer.simulate.split_attention import zigzag_spans
+    from packfeed.v1.context_parallel import pack_shares, rank_chunks
+
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        degree = int(rng.choice([1, 2, 4, 8]))
+        lengths = rng.integers(0, 70, size=int(rng.integers(1, 6)))
+        starts, stops, used = zigzag_spans(lengths, degree)
+        for sample, chunks in enumerate(pack_shares(lengths.tolist(), degree)):
+            for rank in range(degree):
+                (a1, b1), (a2, b2) = rank_chunks(chunks, rank)
+                runs = [s for s in ([(a1, b2)] if b1 == a2 else [(a1, b1), (a2, b2)]) if s[1] > s[0]]
+                got = [(int(starts[sample, rank, k]), int(stops[sample, rank, k])) for k in range(2)
+                       if used[sample, rank, k]]
+                assert got == runs, (lengths, degree, sample, rank)
+
+
+def test_split_attention_costs_tiles_and_gathered_rows():
+    """Tiles cover at least the causal area and nearly equal it for a long sample; short samples cut into 2d
+    chunks cost more tiles per GPU the higher d; K/V rows are gathered only when split."""
+    from packfeed.trainer.simulate.split_attention import share_costs, tile_elements
+
+    starts, stops = np.array([0, 100, 3]), np.array([300, 101, 40])
+    exact = np.array([(b * (b + 1) - a * (a + 1)) / 2 for a, b in zip(starts, stops)])
+    assert np.array_equal(tile_elements(starts, stops, (1, 1)), exact)
+    assert np.all(tile_elements(starts, stops, (128, 64)) >= exact)
+    long_whole, rows = share_costs(np.array([131_072]), 1)
+    assert rows == 0 and 1.0 < long_whole / 131_072 ** 2 < 1.01
+    short = np.full(64, 500)
+    per_token = [share_costs(short, d)[0] / (short.astype(float) ** 2).sum() * d for d in (1, 2, 4, 8)]
+    assert per_token == sorted(per_token) and per_token[-1] > 2 * per_token[0]
+    _, rows = share_costs(short, 4)
+    assert rows >= short.sum()  # every GPU's rows, and the keys its chunks see
+
+
+def test_plans_charge_the_split_and_the_gathered_rows():
+    """The same packs cost more with their sample lengths known (tiles, gathered K/V) than by FLOPs alone;
+    the gathered rows only under the all-gather."""
+    table, cluster = llm_table(1e-6, 1e-9, kv_bytes=4096.0), Cluster(gpus=4)
+    lengths = [np.full(16, 400)] * 4
+    base = dict(step=np.zeros(4), replica=[0, 0, 0, 0], microbatch=[0, 1, 2, 3], degree=[4] * 4, group=[0] * 4,
+                tokens=[6400.0] * 4, tiles=[0.0] * 4, square=[16 * 400.0 ** 2] * 4, patches_per_tile=1, steps=1,
+                dp=1, microbatches=4, groups=4, samples=64, mode="static")
+    flops_only, measured = CpWorkload.of_packs(**base), CpWorkload.of_packs(**base, lengths=lengths)
+    step = {comm: [simulate_cp(w, table, cluster, comm)["step_s"] for w in (flops_only, measured)]
+            for comm in ("allgather", "ring")}
+    assert step["ring"][1] > step["ring"][0] and step["allgather"][1] - step["allgather"][0] > \
+        step["ring"][1] - step["ring"][0]

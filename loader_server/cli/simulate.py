@@ -97,7 +97,7 @@ def cp_workload(plan, vision: np.ndarray, tokens: np.ndarray, patches_per_tile: 
                                plan.cp_degree[starts], plan.cp_group[starts], per_pack(lengths),
                                per_pack(vision[ids].astype(float)), per_pack(lengths ** 2), patches_per_tile,
                                plan.n_steps, config.dp, config.microbatches, config.context_parallel, len(ids),
-                               config.cp_mode.value)
+                               config.cp_mode.value, np.split(lengths.astype(np.int64), starts[1:]))
 
 
 def random_packs(samples: SampleLoads, config: PlanConfig, seed: int, epoch: int) -> tuple[np.ndarray, np.ndarray]:

@@ -262,9 +262,9 @@ def _candidate_attention(original):
     return call
 
 
-KERNEL_KINDS = (("matrix products", ("gemm", "nvjet", "cutlass")), ("flash-attention forward", ("flash_fwd",)),
-                ("flash-attention backward", ("flash_bwd",)), ("index backward", ("indexing_backward", "index_put",
-                                                                                    "scatter", "index_add")),
+KERNEL_KINDS = (("flash-attention forward", ("flash_fwd",)), ("flash-attention backward", ("flash_bwd",)),
+                ("matrix products", ("gemm", "nvjet", "cutlass")),  # after flash: its names hold "cutlass::"
+                ("index backward", ("indexing_backward", "index_put", "scatter", "index_add")),
                 ("index forward", ("gather_kernel", "index_select", "indexFunc", "index_kernel")),
                 ("copies, cat, pad", ("copy", "cat", "pad", "fill", "Cat")), ("reductions", ("reduce",)))
 

@@ -9,7 +9,9 @@ simulate command hands its packs over as `CpWorkload` (their GPUs and load rows)
   `packfeed train parallel.cp` runs): the exchange comes before the layer's attention, adding to it; `ring`
   (ring attention, Megatron-Core's p2p): it overlaps the layer's attention kernel, and the layer takes its
   linear part plus the longer of its attention and that exchange. The image features the pack's GPUs encoded are
-  all-gathered once (not overlapped);
+  all-gathered once (not overlapped). What splitting costs beyond 1/d of the FLOPs, measured on a GPU
+  (`split_attention`): attention in flash-attention's tiles, and, under `allgather`, assembling the gathered K
+  and V; both where the workload knows its packs' sample lengths (plans; a run's metrics give only sums);
 - a replica's GPUs run their microbatches in order, and the d GPUs of a pack start it together (each waits for
   the slowest of them to finish its previous microbatch); a GPU with nothing in a microbatch idles;
 - the step ends with the gradients reduce-scattered and the weights all-gathered over all dp x C GPUs (every GPU
@@ -26,6 +28,7 @@ import numpy as np
 from packfeed.trainer.simulate.cluster import Cluster
 from packfeed.trainer.simulate.model_shape import TILES, TOKEN_SQUARE, TOKENS, VISION_SQUARE, LayerTable
 from packfeed.trainer.simulate.placement import GRAD_BYTES, PARAM_BYTES
+from packfeed.trainer.simulate.split_attention import GATHERED_KV_SECONDS_PER_BYTE, share_costs
 
 SPLIT_TERMS = (TILES, VISION_SQUARE, TOKENS, TOKEN_SQUARE)  # what d GPUs share; the constant each pays
 
@@ -33,7 +36,8 @@ SPLIT_TERMS = (TILES, VISION_SQUARE, TOKENS, TOKEN_SQUARE)  # what d GPUs share;
 @dataclass
 class CpWorkload:
     """Every pack of a CP plan: its step, replica, microbatch, degree, first lane and load row (1, tiles, sum of
-    squared ViT sequences, tokens, sum of squared token spans)."""
+    squared ViT sequences, tokens, sum of squared token spans, or what its split attention costs in tiles), and
+    the K/V rows its busiest GPU gathers per layer (`split_attention.share_costs`; zeros when unknown)."""
 
     step: np.ndarray
     replica: np.ndarray
@@ -47,17 +51,25 @@ class CpWorkload:
     groups: int  # C
     samples: int
     mode: str
+    gathered_rows: np.ndarray | None = None
 
     @classmethod
     def of_packs(cls, step, replica, microbatch, degree, group, tokens, tiles, square, patches_per_tile: int,
-                 steps: int, dp: int, microbatches: int, groups: int, samples: int, mode: str) -> CpWorkload:
-        """Packs given by their place and sizes (whole-pack tokens, tiles, sum of squared sample lengths)."""
+                 steps: int, dp: int, microbatches: int, groups: int, samples: int, mode: str,
+                 lengths: list[np.ndarray] | None = None) -> CpWorkload:
+        """Packs given by their place and sizes (whole-pack tokens, tiles, sum of squared sample lengths); with
+        each pack's sample `lengths`, its attention and gathered rows as a GPU runs them (`share_costs`)."""
         loads = np.zeros((len(degree), 5))
         loads[:, 0] = 1.0
         loads[:, TILES], loads[:, TOKENS], loads[:, TOKEN_SQUARE] = tiles, tokens, square
         loads[:, VISION_SQUARE] = loads[:, TILES] * float(patches_per_tile) ** 2
         ints = [np.asarray(a, dtype=np.int64) for a in (step, replica, microbatch, degree, group)]
-        return cls(*ints, loads, steps, dp, microbatches, groups, samples, mode)
+        gathered = None
+        if lengths is not None:
+            costs = np.array([share_costs(pack, int(d)) for pack, d in zip(lengths, ints[3])]).reshape(-1, 2)
+            loads[:, TOKEN_SQUARE] = costs[:, 0] * ints[3]  # pack_seconds shares it among the d GPUs again
+            gathered = costs[:, 1]
+        return cls(*ints, loads, steps, dp, microbatches, groups, samples, mode, gathered)
 
     @property
     def peak_tokens_per_gpu(self) -> int:
@@ -68,8 +80,9 @@ CP_COMM = ("allgather", "ring")
 
 
 def pack_seconds(table: LayerTable, cluster: Cluster, loads: np.ndarray, degree: np.ndarray,
-                 gpus: list[list[int]], comm: str = "allgather") -> np.ndarray:
-    """Seconds each GPU of each pack spends on it (forward and backward), communication included."""
+                 gpus: list[list[int]], comm: str = "allgather", gathered_rows: np.ndarray | None = None) -> np.ndarray:
+    """Seconds each GPU of each pack spends on it (forward and backward), communication included; under
+    `allgather`, assembling `gathered_rows` K/V rows per LLM layer too."""
     seconds = table.seconds(cluster.flops_per_second)  # (layers, 2, terms)
     shared = np.zeros(loads.shape)
     shared[:, list(SPLIT_TERMS)] = loads[:, list(SPLIT_TERMS)] / degree[:, None]
@@ -89,10 +102,12 @@ def pack_seconds(table: LayerTable, cluster: Cluster, loads: np.ndarray, degree:
             per_layer = linear_part[p] + np.maximum(attention_part[p], exchange[None, :])
         else:
             per_layer = linear_part[p] + attention_part[p] + exchange[None, :]
-        features = 0.0
+        features = assembling = 0.0
         if d > 1 and projector is not None:
             features = 2 * cluster.ring_seconds(table.output_bytes[projector, TILES] * loads[p, TILES], ranks)
-        out[p] = per_layer.sum() + features
+        if comm == "allgather" and gathered_rows is not None:
+            assembling = gathered_rows[p] * float(kv_bytes[llm].sum()) * GATHERED_KV_SECONDS_PER_BYTE
+        out[p] = per_layer.sum() + features + assembling
     return out
 
 
@@ -107,7 +122,7 @@ def simulate_cp(workload: CpWorkload, table: LayerTable, cluster: Cluster, comm:
         raise ValueError(f"context parallelism runs on dp x C = {gpus} GPUs; --gpus is {cluster.gpus}")
     ranks = [[int(r) * c + lane for lane in range(int(g) * int(d), (int(g) + 1) * int(d))]
              for r, d, g in zip(workload.replica, workload.degree, workload.group)]
-    busy = pack_seconds(table, cluster, workload.loads, workload.degree, ranks, comm)
+    busy = pack_seconds(table, cluster, workload.loads, workload.degree, ranks, comm, workload.gathered_rows)
     params = float(table.params.sum())
     everyone = list(range(gpus))
     sync = cluster.ring_seconds(params * GRAD_BYTES, everyone) + cluster.ring_seconds(params * PARAM_BYTES, everyone)
