@@ -4,6 +4,7 @@ fails over to the next server round robin."""
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Iterator
@@ -17,6 +18,7 @@ from packfeed.v1 import packfeed_pb2_grpc as pb_grpc
 
 RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED,
              grpc.StatusCode.ABORTED, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN}
+TOKEN_VARIABLE = "PACKFEED_AUTH_TOKEN"
 _STREAM_PARTS = f"/{pb.DESCRIPTOR.services_by_name['Packfeed'].full_name}/StreamPackParts"
 
 
@@ -31,7 +33,9 @@ class PackfeedError(RuntimeError):
 @dataclass(frozen=True)
 class Connection:
     """Client-side connection settings. TLS: `tls_ca` (PEM) verifies the server; `tls_cert` + `tls_key` add a
-    client certificate for mutual TLS. `token` is sent as `authorization: Bearer <token>`."""
+    client certificate for mutual TLS. `token` is sent as `authorization: Bearer <token>`; left out (None), it is
+    the environment's `PACKFEED_AUTH_TOKEN`, the variable `packfeed serve` reads its own from (an empty string:
+    no token whatever the environment says)."""
 
     timeout: float = 60.0  # seconds per unary call
     retries: int = 5  # attempts after the first, with exponential backoff
@@ -44,6 +48,8 @@ class Connection:
     stall_timeout: float = 120.0  # seconds without data on a pack stream before it is given up and retried
 
     def __post_init__(self):
+        if self.token is None:
+            object.__setattr__(self, "token", os.environ.get(TOKEN_VARIABLE) or None)
         if bool(self.tls_cert) != bool(self.tls_key):
             raise ValueError("give both tls_cert and tls_key (mutual TLS), or neither")
         if self.retries < 0 or self.timeout <= 0 or self.backoff < 0 or self.stall_timeout <= 0:

@@ -2,14 +2,17 @@
 
     packfeed demo --out demo-out --dataset-only --samples 64
     packfeed index 'demo-out/shards/*.tar' --tokenizer demo-out/tokenizer.json --preset qwen2_vl \\
-        --extend-tokenizer --out demo-out/qwen2_vl.parquet
-    packfeed serve --index demo-out/qwen2_vl.parquet --listen 127.0.0.1:50051 &
+        --extend-tokenizer --max-pixels 200704 --out qwen2_vl/index.parquet
+    packfeed serve --index qwen2_vl/index.parquet --listen 127.0.0.1:50051 &
     torchrun --nproc-per-node 2 examples/hf_trainer.py 127.0.0.1:50051 trainer-out --steps 4
     torchrun --nproc-per-node 2 examples/hf_trainer.py 127.0.0.1:50051 trainer-out --steps 6 --resume
 
-The model here is a small randomly initialised Qwen2-VL sized from the job's conventions, so the example runs on
-a CPU; for a real one, load it with `from_pretrained` (its vocabulary and image token must be the dataset's:
-index with the model's preset and tokenizer).
+`--extend-tokenizer` writes the dataset's tokenizer (the demo's, with Qwen2-VL's special tokens) beside the index,
+in qwen2_vl/; `--max-pixels 200704` keeps the demo photographs at most 256 LLM tokens an image, for a CPU. Against
+a server started with a token (`PACKFEED_AUTH_TOKEN`), export the same variable for the trainers: the client
+reads it. The model here is a small randomly initialised Qwen2-VL sized from the job's conventions, so the
+example runs on a CPU; for a real one, load it with `from_pretrained` (its vocabulary and image token must be the
+dataset's: index with the model's preset and tokenizer).
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=0, help="optimizer steps (default: the whole job)")
     parser.add_argument("--resume", action="store_true", help="continue from the last checkpoint in output_dir")
     parser.add_argument("--trl", action="store_true", help="TRL's SFTTrainer instead of transformers.Trainer")
-    parser.add_argument("--tokenizer", default="demo-out/tokenizer.json", help="with --trl: the dataset's tokenizer")
+    parser.add_argument("--tokenizer", default="qwen2_vl/tokenizer.json", help="with --trl: the dataset's tokenizer")
     options = parser.parse_args()
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     with PackStream(options.target, job="hf-trainer-example", rank=rank, dp=world, microbatches=2,

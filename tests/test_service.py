@@ -307,10 +307,16 @@ def test_health_reflection_and_metrics(server):
     assert 'packfeed_rank_lag_steps{job="metrics",rank="0"} 0.0' in text
 
 
-def test_token_auth(dataset):
+def test_token_auth(dataset, monkeypatch):
     with LocalServer(dataset, workers=1, env={"PACKFEED_AUTH_TOKEN": "s3cret"}) as server:
         with pytest.raises(PackfeedError, match="UNAUTHENTICATED"):
             PackStream(server.target, job="auth", rank=0, **PLAN)
+        monkeypatch.setenv("PACKFEED_AUTH_TOKEN", "s3cret")  # the client reads the variable the server reads
+        with PackStream(server.target, job="auth-env", rank=0, **PLAN) as stream:
+            assert next(iter(stream)).sample_keys
+        with pytest.raises(PackfeedError, match="UNAUTHENTICATED"):  # an explicit empty token: none
+            PackStream(server.target, job="auth", rank=0, token="", **PLAN)
+        monkeypatch.delenv("PACKFEED_AUTH_TOKEN")
         with pytest.raises(PackfeedError, match="UNAUTHENTICATED"):
             PackStream(server.target, job="auth", rank=0, token="wrong", **PLAN)
         keys = []

@@ -1,6 +1,7 @@
 """The status page in a real headless Chromium (the system's package, driven by Playwright with that
 executable; no browser download): while a job streams, the page shows the job and its ranks and its figures
-change between two looks; with a token set, the page refuses a request without it. Chromium is installed by
+change between two looks; with a token set, the page asks for it (typed in, or given in the address's fragment,
+which it then drops from the address) and sends it as a header, never in an address. Chromium is installed by
 apt-get where missing (as `make docker-test` installs docker), else the test says why it skips."""
 
 from __future__ import annotations
@@ -53,10 +54,20 @@ def test_the_page_shows_a_streaming_job_and_refreshes_itself(chromium, small_til
         try:
             with sync_playwright() as playwright:
                 browser = playwright.chromium.launch(executable_path=chromium, args=["--no-sandbox"])
+                asked = browser.new_page()  # no token: the page asks for it, and shows once it is typed in
+                asked.goto(f"http://127.0.0.1:{port}/status")
+                asked.locator("#login").wait_for(state="visible", timeout=30_000)
+                assert asked.locator("section.job").count() == 0
+                asked.fill("#token", "wrong")
+                asked.click("#login button")
+                asked.get_by_text("that token was refused").wait_for(timeout=30_000)
+                asked.fill("#token", "s3cret")
+                asked.click("#login button")
+                asked.locator('section.job[data-job="watched"]').wait_for(timeout=30_000)
                 page = browser.new_page()
-                refused = page.goto(f"http://127.0.0.1:{port}/status")
-                assert refused.status == 401 and "unauthenticated" in page.content()
-                page.goto(f"http://127.0.0.1:{port}/status?token=s3cret")
+                requests: list[str] = []
+                page.on("request", lambda request: requests.append(request.url))
+                page.goto(f"http://127.0.0.1:{port}/status#token=s3cret")
                 job = page.locator('section.job[data-job="watched"]')
                 job.wait_for(timeout=30_000)
                 assert "isf+balance" in job.inner_text() and "DP 1 x M 1" in job.inner_text()
@@ -68,6 +79,7 @@ def test_the_page_shows_a_streaming_job_and_refreshes_itself(chromium, small_til
                     page.wait_for_timeout(1000)
                     later = job.locator("table").first.inner_text()
                 assert later != first, "the page did not change while the job streamed"
+                assert "s3cret" not in page.url and not any("s3cret" in url for url in requests)
                 browser.close()
         finally:
             stop.set()

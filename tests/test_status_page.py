@@ -51,15 +51,20 @@ def test_the_status_shows_jobs_ranks_and_progress(small_tile_index):
     assert first["memory"]["budget_bytes"] > 0
 
 
-@pytest.mark.parametrize("path", ["/status", "/status.json"])
-def test_with_a_token_the_status_refuses_requests_without_it(small_tile_index, path):
+def test_with_a_token_the_status_figures_need_its_header_and_never_take_it_from_the_address(small_tile_index):
     from packfeed.client import LocalServer
     from ports import free_port
 
     port = free_port()
+    base = f"http://127.0.0.1:{port}"
     with LocalServer(small_tile_index, workers=1, metrics_port=port, env={"PACKFEED_AUTH_TOKEN": "s3cret"}):
-        assert get(f"http://127.0.0.1:{port}{path}")[0] == 401
-        assert get(f"http://127.0.0.1:{port}{path}", token="wrong")[0] == 401
-        assert get(f"http://127.0.0.1:{port}{path}", token="s3cret")[0] == 200
-        assert get(f"http://127.0.0.1:{port}{path}?token=s3cret")[0] == 200
+        assert get(f"{base}/status.json")[0] == 401
+        assert get(f"{base}/status.json", token="wrong")[0] == 401
+        code, body = get(f"{base}/status.json", token="s3cret")
+        assert code == 200 and "jobs" in json.loads(body)
+        for path in ("/status.json", "/status"):  # an address with the token is refused, whatever else it has
+            code, body = get(f"{base}{path}?token=s3cret", token="s3cret")
+            assert code == 400 and b"Authorization" in body
+        code, page = get(f"{base}/status")  # the page holds no figures: it asks for the token
+        assert code == 200 and b'id="login"' in page and b"s3cret" not in page
         assert get(f"http://127.0.0.1:{port}/metrics")[0] == 200  # Prometheus scrapes without it

@@ -5,9 +5,11 @@
   job's throughput, samples skipped with their reasons, and the server's memory budget held.
 - `/status.json`: the same as JSON, for scripts.
 
-Reads only. With an auth token set, both need it, as gRPC calls do: `Authorization: Bearer <token>`, or
-`?token=<token>` in the address (a browser cannot add a header to a page it opens; the page passes the token on
-to its JSON requests). `/metrics` stays open for Prometheus. The HTTP server runs in a thread of its own and
+Reads only. With an auth token set, `/status.json` needs it, as gRPC calls do: `Authorization: Bearer <token>`,
+never in the address (proxies and servers keep addresses in their access logs: a `?token=` is refused). The page
+itself holds no figures and opens without it; it asks for the token, or takes it from the address's fragment
+(`/status#token=<token>`, which a browser never sends), keeps it in the tab's session storage, drops it from the
+address and sends it as the header. `/metrics` stays open for Prometheus. The HTTP server runs in a thread of its own and
 reads the service's state as it stands (plain values, copied); it never blocks the event loop.
 """
 
@@ -114,9 +116,13 @@ def start_status_server(host: str, port: int, registry, report: StatusReport,
                 return self._send(200, CONTENT_TYPE_LATEST, generate_latest(registry))
             if url.path not in ("/status", "/status.json"):
                 return self._send(404, "text/plain", b"not found: /metrics, /status or /status.json\n")
-            if authorized is not None and not self._authorized(parse_qs(url.query)):
-                return self._send(401, "text/plain", b"unauthenticated: give Authorization: Bearer <token> "
-                                                     b"or ?token=<token>\n")
+            if "token" in parse_qs(url.query):
+                return self._send(400, "text/plain", b"the token does not go in the address (access logs keep it): "
+                                                     b"send Authorization: Bearer <token>; in a browser, open "
+                                                     b"/status#token=<token> or type it into the page\n")
+            if url.path == "/status.json" and authorized is not None and not authorized(
+                    self.headers.get("Authorization", "")):
+                return self._send(401, "text/plain", b"unauthenticated: give Authorization: Bearer <token>\n")
             if url.path == "/status.json":
                 try:
                     body = json.dumps(report.snapshot(), default=str).encode()
@@ -125,12 +131,6 @@ def start_status_server(host: str, port: int, registry, report: StatusReport,
                     return self._send(500, "text/plain", f"status unavailable: {error}\n".encode())
                 return self._send(200, "application/json", body)
             return self._send(200, "text/html; charset=utf-8", PAGE.encode())
-
-        def _authorized(self, query: dict[str, list[str]]) -> bool:
-            header = self.headers.get("Authorization", "")
-            if not header.lower().startswith("bearer "):  # a browser's address carries the token as ?token=
-                header = f"Bearer {(query.get('token') or [''])[0]}"
-            return authorized(header)
 
         def _send(self, code: int, kind: str, body: bytes) -> None:
             self.send_response(code)
@@ -162,10 +162,23 @@ th { background: #f4f4f4; } td:first-child, th:first-child { text-align: left; }
 <body>
 <h1>Packfeed <span id="server" class="muted"></span></h1>
 <p id="summary" class="muted">loading...</p>
+<form id="login" hidden><label>This server needs its token: <input id="token" type="password" autocomplete="off"></label>
+<button>show the status</button></form>
 <div id="jobs"></div>
 <noscript><meta http-equiv="refresh" content="5">This page needs JavaScript to show the status; /status.json has it.</noscript>
 <script>
-const token = new URLSearchParams(location.search).get("token");
+const KEY = "packfeed-status-token";
+const given = new URLSearchParams(location.hash.slice(1)).get("token");
+if (given) {  // from the fragment (never sent to the server) into this tab's storage, and out of the address
+  sessionStorage.setItem(KEY, given);
+  history.replaceState(null, "", location.pathname + location.search);
+}
+document.getElementById("login").addEventListener("submit", event => {
+  event.preventDefault();
+  sessionStorage.setItem(KEY, document.getElementById("token").value);
+  document.getElementById("login").hidden = true;
+  refresh();
+});
 const esc = s => String(s).replace(/[&<>"']/g, c => ({"&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;", "'": "&#39;"}[c]));
 const mib = b => (b / 1048576).toFixed(1) + " MiB";
 function table(head, rows) {
@@ -198,7 +211,14 @@ function render(s) {
 }
 async function refresh() {
   try {
-    const response = await fetch("status.json" + (token ? "?token=" + encodeURIComponent(token) : ""), {cache: "no-store"});
+    const token = sessionStorage.getItem(KEY);
+    const response = await fetch("status.json", {cache: "no-store",
+                                                 headers: token ? {Authorization: "Bearer " + token} : {}});
+    if (response.status === 401) {
+      document.getElementById("summary").textContent = token ? "that token was refused" : "";
+      document.getElementById("login").hidden = false;
+      return;  // until a token is typed in
+    }
     if (!response.ok) throw new Error(response.status + " " + await response.text());
     const s = await response.json();
     render(s);

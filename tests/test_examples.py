@@ -1,0 +1,97 @@
+"""Every example in examples/ runs as its docstring says, on a fresh folder: the commands read from the file and
+run as written (a line ending in `&` as a background server, stopped at the end), against a server that needs a
+token, which every client takes from `PACKFEED_AUTH_TOKEN` as the server does. Without the variable the first
+trainer is refused (the control). examples/first_steps.py is the README tour's last command (its test runs it as
+written); without a token, examples/stateful_loader.py runs in tests/test_loaders.py."""
+
+from __future__ import annotations
+
+import ast
+import os
+import re
+import shlex
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from doc_commands import REPO, commands_run_by
+
+pytestmark = pytest.mark.slow
+EXAMPLES = REPO / "examples"
+SERVED = "(serve a job as in examples/hf_trainer.py)"
+
+
+def docstring_commands(example: Path) -> list[str]:
+    """The indented command lines of an example's docstring, continuation lines joined."""
+    doc = ast.get_docstring(ast.parse(example.read_text()), clean=False) or ""
+    commands, current = [], ""
+    for line in doc.splitlines():
+        code = line.strip()
+        if not line.startswith("    ") or not (current or code.startswith(("packfeed", "torchrun", "python", "("))):
+            continue
+        current += code.rstrip("\\").strip() + " "
+        if not code.endswith("\\"):
+            commands.append(current.strip())
+            current = ""
+    return commands
+
+
+def wait_for_port(address: str, server: subprocess.Popen, seconds: float = 120) -> None:
+    host, port = address.rsplit(":", 1)
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        assert server.poll() is None, f"the server exited: {server.stdout.read()[-3000:]}"
+        try:
+            socket.create_connection((host, int(port)), timeout=1).close()
+            return
+        except OSError:
+            time.sleep(0.5)
+    raise AssertionError(f"nothing listens on {address} after {seconds} s")
+
+
+def test_every_example_says_how_it_runs():
+    examples = sorted(p.name for p in EXAMPLES.glob("*.py"))
+    assert examples == ["first_steps.py", "hf_trainer.py", "lightning_fit.py", "stateful_loader.py"]
+    assert "python examples/first_steps.py tour/index.parquet" in commands_run_by("tests/test_readme_tour.py")
+    for name in ("lightning_fit.py", "stateful_loader.py"):
+        assert docstring_commands(EXAMPLES / name)[0] == SERVED
+
+
+def test_the_examples_run_as_written_against_a_server_with_a_token(tmp_path):
+    setup = docstring_commands(EXAMPLES / "hf_trainer.py")
+    (serve,) = [c for c in setup if c.endswith("&")]
+    trainers = [c for c in setup if c.startswith("torchrun")]
+    for name in ("lightning_fit.py", "stateful_loader.py"):
+        trainers += [c for c in docstring_commands(EXAMPLES / name) if c != SERVED]
+    shutil.copytree(EXAMPLES, tmp_path / "examples")
+    bin_dir = str(Path(sys.executable).parent)  # `packfeed`, `torchrun` and `python` as an activated .venv has them
+    env = {**os.environ, "PATH": bin_dir + os.pathsep + os.environ.get("PATH", ""), "PACKFEED_AUTH_TOKEN": "s3cret"}
+    env.pop("PACKFEED_CONFIG", None)
+
+    def run(command: str, environment: dict) -> subprocess.CompletedProcess:
+        return subprocess.run(command, shell=True, cwd=tmp_path, env=environment, capture_output=True, text=True,
+                              timeout=600)
+
+    for command in setup[:setup.index(serve)]:
+        done = run(command, env)
+        assert done.returncode in (0, 3), f"{command}\n{done.stdout[-1500:]}\n{done.stderr[-3000:]}"  # 3: skips
+    address = re.search(r"--listen (\S+)", serve)[1]
+    server = subprocess.Popen(shlex.split(serve.rstrip("& ")), cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True)
+    try:
+        wait_for_port(address, server)
+        refused = run(trainers[0], {k: v for k, v in env.items() if k != "PACKFEED_AUTH_TOKEN"})
+        assert refused.returncode != 0 and "UNAUTHENTICATED" in refused.stdout + refused.stderr
+        for command in trainers:
+            done = run(command, env)
+            assert done.returncode == 0, f"{command}\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}"
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+    assert (tmp_path / "trainer-out").is_dir() and (tmp_path / "lightning-out").is_dir()
+    assert (tmp_path / "dcp-out").is_dir()
