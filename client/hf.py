@@ -8,6 +8,10 @@ each sample alone.
             loss.backward()
         optimizer.step(); optimizer.zero_grad()
 
+A model that fits the dataset: `model_config(family, stream.conventions, text={...}, vision={...})` is the
+family's `transformers` config with the dataset's vocabulary, placeholder ids and vision geometry
+(`packfeed.client.hf_config`); `check_model(model, conventions)` refuses one that disagrees, naming the field.
+
 Families (`FAMILIES`): internvl (InternVLForConditionalGeneration: InternVL 2.5 / 3 "-hf"), qwen2_vl, qwen2_5_vl,
 qwen3_vl (Qwen*VLForConditionalGeneration), llava (LlavaForConditionalGeneration). The traps it handles, each of
 which leaves the loss slightly wrong without an error:
@@ -46,6 +50,7 @@ from typing import Any, Literal
 import torch
 
 from packfeed.client.attention import register_varlen_attention  # noqa: F401  (re-exported: HF users import both from here)
+from packfeed.client.hf_config import check_model, model_config  # noqa: F401  (re-exported, as above)
 from packfeed.client.tensors import IGNORE_INDEX, PackTensors
 from packfeed.client.towers import with_every_encoder
 from packfeed.v1.options import VisualKind
@@ -204,7 +209,8 @@ def to_hf_inputs(pack: PackTensors, model_family: str | Family, dp: int = 1, *,
                  conventions: Any = None, dtype: torch.dtype = torch.float32,
                  attention: Literal["sdpa", "varlen"] = "sdpa", device: torch.device | str | None = None,
                  image_token_id: int | None = None, tokens_per_second: float | None = None,
-                 layout: Literal["packed", "padded"] = "packed", ensure_encoders: bool = False) -> dict[str, Any]:
+                 layout: Literal["packed", "padded"] = "packed", ensure_encoders: bool = False,
+                 model: Any = None) -> dict[str, Any]:
     """The keyword arguments of the family's `ForConditionalGeneration.forward` for one pack (batch of one
     packed row). `dp`: the data-parallel world size the gradients are averaged over. `conventions`: the job's
     `ModelConventions` (normalisation and the placeholder id come from it). `dtype`: the pixels' dtype (the
@@ -217,8 +223,13 @@ def to_hf_inputs(pack: PackTensors, model_family: str | Family, dp: int = 1, *,
     number of times, whatever it holds: a tower the pack would not call gets one dummy item, a segment of its
     own at the end of the row whose tokens are outside the loss (`packfeed.client.towers`). Under FSDP or ZeRO-3
     with the vision tower wrapped apart, a rank that skips the tower leaves the others waiting in its
-    all-gathers forever; this keeps every rank's collectives in step (needs `conventions`)."""
+    all-gathers forever; this keeps every rank's collectives in step (needs `conventions`). `model`: the model
+    these inputs are for, refused (`check_model`) where its vocabulary or placeholder ids are not the dataset's."""
     family = family_of(model_family)
+    if model is not None:
+        if conventions is None:
+            raise ValueError("to_hf_inputs(..., model=...) checks the model against the dataset: give conventions=")
+        check_model(model, conventions)
     if layout not in ("packed", "padded"):
         raise ValueError(f"layout must be 'packed' or 'padded', not {layout!r}")
     if layout == "padded" and attention != "sdpa":

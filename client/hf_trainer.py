@@ -39,7 +39,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoin
 from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME
 
 from packfeed.client.channel import PackfeedError
-from packfeed.client.hf import empty_hf_inputs, to_hf_inputs
+from packfeed.client.hf import check_model, empty_hf_inputs, to_hf_inputs
 from packfeed.client.loaders import job_batches, job_steps
 from packfeed.client.stream import PackStream
 
@@ -100,6 +100,7 @@ class PackfeedTrainerMixin:
         self.packfeed_batches = PackBatches(stream, family, attention, dtype)
         super().__init__(*args, **kwargs)
         self._check_arguments(stream)
+        check_model(self.model, stream.conventions)  # before the first forward, not as a shape error inside it
         # sharded data parallelism gathers the vision tower's parameters on every rank that runs it: every pack
         # then runs it (to_hf_inputs' ensure_encoders), or a text-only rank would leave the others waiting
         self.packfeed_batches.ensure_encoders = sharded(self.args) if ensure_encoders is None else ensure_encoders

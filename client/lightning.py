@@ -29,7 +29,7 @@ import lightning
 import torch.distributed as dist
 
 from packfeed.client.channel import PackfeedError
-from packfeed.client.hf import empty_hf_inputs, to_hf_inputs
+from packfeed.client.hf import check_model, empty_hf_inputs, to_hf_inputs
 from packfeed.client.loaders import StatefulPackLoader, job_batches
 from packfeed.client.stream import PackStream
 
@@ -81,6 +81,13 @@ class PackDataModule(lightning.LightningDataModule):
             StatefulPackLoader(self.stream).load_state_dict(self._pending)
 
     def train_dataloader(self) -> PackBatchIterable:
+        """Asked for once the module's model exists (after `configure_model`), before the first forward: a
+        Hugging Face model in it whose vocabulary or placeholder ids disagree with the dataset is refused here."""
+        if self.family:
+            hf = next((m for m in self.trainer.lightning_module.modules() if hasattr(m, "get_input_embeddings")
+                       and hasattr(m, "config")), None)  # the outermost transformers model
+            if hf is not None:
+                check_model(hf, self.stream.conventions)
         return PackBatchIterable(self.stream, self.family)
 
     def teardown(self, stage: str) -> None:

@@ -10,9 +10,10 @@
 `--extend-tokenizer` writes the dataset's tokenizer (the demo's, with Qwen2-VL's special tokens) beside the index,
 in qwen2_vl/; `--max-pixels 200704` keeps the demo photographs at most 256 LLM tokens an image, for a CPU. Against
 a server started with a token (`PACKFEED_AUTH_TOKEN`), export the same variable for the trainers: the client
-reads it. The model here is a small randomly initialised Qwen2-VL sized from the job's conventions, so the
-example runs on a CPU; for a real one, load it with `from_pretrained` (its vocabulary and image token must be the
-dataset's: index with the model's preset and tokenizer).
+reads it. The model here is a small randomly initialised Qwen2-VL whose config `model_config` makes from the job's
+conventions (vocabulary, placeholder ids, vision geometry), so the example runs on a CPU; for a real one, load it
+with `from_pretrained` (its vocabulary and image token must be the dataset's: index with the model's preset and
+tokenizer; PackfeedTrainer refuses a model that disagrees, naming the field).
 """
 
 from __future__ import annotations
@@ -20,9 +21,12 @@ from __future__ import annotations
 import argparse
 import os
 
+import torch
+from transformers import Qwen2VLForConditionalGeneration
+
 from packfeed.client import PackStream
+from packfeed.client.hf import model_config
 from packfeed.client.hf_trainer import PackfeedTrainer, packfeed_training_arguments
-from packfeed.trainer.models.hf.build import build_hf_model
 
 SIZES = {"text": {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2}}
 
@@ -39,7 +43,8 @@ def main() -> None:
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     with PackStream(options.target, job="hf-trainer-example", rank=rank, dp=world, microbatches=2,
                     epochs=2) as stream:
-        model = build_hf_model("qwen2_vl", stream.conventions, SIZES)
+        torch.manual_seed(0)  # a config matching the dataset (vocabulary, placeholders, vision geometry)
+        model = Qwen2VLForConditionalGeneration(model_config("qwen2_vl", stream.conventions, **SIZES))
         settings = dict(output_dir=options.output_dir, learning_rate=1e-3, save_steps=2, logging_steps=1,
                         report_to=[], use_cpu=True, **({"max_steps": options.steps} if options.steps else {}))
         if options.trl:

@@ -16,9 +16,10 @@ import os
 import lightning
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
+from transformers import Qwen2VLForConditionalGeneration
 
+from packfeed.client.hf import model_config
 from packfeed.client.lightning import PackDataModule
-from packfeed.trainer.models.hf.build import build_hf_model
 
 SIZES = {"text": {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2}}
 MICROBATCHES = 2
@@ -31,7 +32,9 @@ class VLM(lightning.LightningModule):
 
     def configure_model(self) -> None:  # sized from the job's conventions, known once the stream is open
         if self.model is None:
-            self.model = build_hf_model("qwen2_vl", self.trainer.datamodule.stream.conventions, SIZES)
+            torch.manual_seed(0)
+            conventions = self.trainer.datamodule.stream.conventions
+            self.model = Qwen2VLForConditionalGeneration(model_config("qwen2_vl", conventions, **SIZES))
 
     def training_step(self, batch, batch_idx):
         loss = self.model(**batch).loss

@@ -159,3 +159,32 @@ def test_no_sample_learns_its_first_token_from_the_previous_one(family):
     together = loss_and_grads(model, to_hf_inputs(packed(samples), name))[0]
     alone = sum(loss_and_grads(model, to_hf_inputs(packed([s]), name))[0] for s in samples)
     assert together == pytest.approx(alone, rel=1e-5)
+
+
+def test_model_config_is_the_datasets(family):
+    """`model_config`: the dataset's vocabulary, placeholder id and vision geometry in the family's config; the
+    family's model built from it passes `check_model`, and one placeholder id off fails it."""
+    import copy
+    import json
+
+    from packfeed.client.hf import check_model, model_config
+
+    name, data, model = family
+    conventions = data.conventions
+    config = model_config(name, conventions, text={"hidden_size": 32, "num_attention_heads": 4})
+    policy = conventions.image_policy
+    assert config.get_text_config().vocab_size == conventions.vocab_size == data.vocab
+    assert config.image_token_id == conventions.image_context_id == data.image_token_id
+    assert config.get_text_config().hidden_size == 32
+    vision = config.vision_config
+    if name in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl"):
+        factor = json.loads(policy.parameters_json or "{}").get("factor", 28)
+        assert (vision.patch_size, vision.spatial_merge_size) == (policy.patch_size, factor // policy.patch_size)
+    else:
+        patch = vision.patch_size[0] if isinstance(vision.patch_size, (list, tuple)) else vision.patch_size
+        assert patch == policy.patch_size
+    check_model(model, conventions)
+    off = copy.deepcopy(model.config)
+    off.image_token_id += 1
+    with pytest.raises(ValueError, match="image_token_id"):
+        check_model(off, conventions)

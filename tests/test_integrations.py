@@ -151,3 +151,56 @@ def test_arguments_that_contradict_packfeed_steps_are_refused(server, tmp_path):
         trainer = PackfeedTrainer(model=model, args=args, stream=stream, family="qwen2_vl")
         with pytest.raises(PackfeedError, match="was not saved by a PackfeedTrainer"):
             trainer.train(resume_from_checkpoint=str(tmp_path))
+
+
+def test_a_model_that_does_not_fit_the_dataset_is_refused_before_its_first_forward(server, tmp_path):
+    """A vocabulary smaller than the dataset's or another image placeholder id: `to_hf_inputs(..., model=)`,
+    `PackfeedTrainer` and `PackDataModule` refuse it, naming the field and both values, before any forward (the
+    Lightning module's training_step fails the test if it runs)."""
+    import lightning
+    import torch
+
+    from hf_models import tiny_sizes
+    from packfeed.client import PackStream
+    from packfeed.client.hf import to_hf_inputs
+    from packfeed.client.hf_trainer import PackfeedTrainer, packfeed_training_arguments
+    from packfeed.client.lightning import PackDataModule
+    from packfeed.trainer.models.hf.build import build_hf_model
+
+    with PackStream(server.target, job="misfit", rank=0, dp=1, microbatches=2, epochs=1) as stream:
+        conventions, sizes = stream.conventions, tiny_sizes("qwen2_vl")
+        fits = build_hf_model("qwen2_vl", conventions, sizes)
+        small = build_hf_model("qwen2_vl", conventions, {**sizes, "text": {**sizes["text"],
+                                                                           "vocab_size": conventions.vocab_size - 7}})
+        other = build_hf_model("qwen2_vl", conventions, sizes)
+        other.config.image_token_id = conventions.image_context_id - 1
+        misfits = [(small, "vocabulary", conventions.vocab_size - 7, conventions.vocab_size),
+                   (other, "image_token_id", conventions.image_context_id - 1, conventions.image_context_id)]
+        args = packfeed_training_arguments(stream, output_dir=str(tmp_path), report_to=[], use_cpu=True)
+        pack = next(iter(stream)).packs[0]
+        assert to_hf_inputs(pack, "qwen2_vl", conventions=conventions, model=fits)["input_ids"].shape[1] > 0
+        for model, field, mine, theirs in misfits:
+            for refuse in (lambda: PackfeedTrainer(model=model, args=args, stream=stream, family="qwen2_vl"),
+                           lambda: to_hf_inputs(pack, "qwen2_vl", conventions=conventions, model=model)):
+                with pytest.raises(ValueError, match=field) as refused:
+                    refuse()
+                assert f"{mine}" in str(refused.value) and f"{theirs}" in str(refused.value)
+
+    class Untrainable(lightning.LightningModule):
+        def __init__(self, model):
+            super().__init__()
+            self.model = model
+
+        def training_step(self, batch, index):
+            raise AssertionError("a forward ran on a model that does not fit the dataset")
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    for model, field, mine, theirs in misfits:
+        trainer = lightning.Trainer(accelerator="cpu", devices=1, max_steps=1, accumulate_grad_batches=2,
+                                    logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                                    num_sanity_val_steps=0, default_root_dir=str(tmp_path))
+        data = PackDataModule(server.target, job=f"misfit-{field}", family="qwen2_vl", microbatches=2, epochs=1)
+        with pytest.raises(ValueError, match=field):
+            trainer.fit(Untrainable(model), datamodule=data)
