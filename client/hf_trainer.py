@@ -23,6 +23,11 @@ What it takes care of, each of which a hand-made integration gets silently wrong
   them back renaming nothing, so its own resume silently restarts from the initial weights (Qwen2-VL, 5.24);
   here they load through the model class's `from_pretrained`, strictly.
 
+- What cannot hold is refused: `num_train_epochs` other than the job's, `max_steps` past its last step, a model
+  whose vocabulary or placeholder ids are not the dataset's. Logs speak the job's terms (`epoch`, and
+  `packfeed_step` k of `packfeed_steps` N), and `trainer.packfeed_step` is the step being trained (its
+  `sample_keys`).
+
 `PackfeedTrainerMixin` gives the same to any Trainer subclass: `class MySFT(PackfeedTrainerMixin, SFTTrainer)`.
 """
 
@@ -42,6 +47,7 @@ from packfeed.client.channel import PackfeedError
 from packfeed.client.hf import check_model, empty_hf_inputs, to_hf_inputs
 from packfeed.client.loaders import job_batches, job_steps
 from packfeed.client.stream import PackStream
+from packfeed.client.tensors import Step
 
 STATE_FILE = "packfeed_stream_rank{rank}.json"
 
@@ -59,8 +65,14 @@ def packfeed_training_arguments(stream: PackStream, arguments_class: type | None
                                 f"{value!r} (a step is {fixed['gradient_accumulation_steps']} packs, each one batch, "
                                 "and the stream itself resumes); leave it out")
     settings = {**kwargs, **fixed}
+    steps, epochs = job_steps(stream), int(stream.info.epochs)
+    if "num_train_epochs" in kwargs and kwargs["num_train_epochs"] != epochs:
+        raise PackfeedError(f"num_train_epochs={kwargs['num_train_epochs']!r}: the job's epochs are its own "
+                            f"(PackStream(epochs=...)), {epochs} here; leave it out, or open a job with that many")
+    if steps and settings.get("max_steps", -1) > steps:
+        raise PackfeedError(f"max_steps={settings['max_steps']} is past the job's {steps} steps ({epochs} epoch(s) of "
+                            f"{stream.info.steps_per_epoch}): give at most {steps}, or open a job with more epochs")
     if settings.get("max_steps", -1) <= 0:
-        steps = job_steps(stream)
         if not steps:
             raise PackfeedError("the job's step count is not known yet (a windowed plan): give max_steps")
         settings["max_steps"] = steps
@@ -76,10 +88,12 @@ class PackBatches:
         self.stream, self.family, self.attention, self.dtype = stream, family, attention, dtype
         self.dp = stream.info.plan.dp
         self.ensure_encoders = ensure_encoders  # every pack calls every vision tower (sharded data parallelism)
+        self.step: Step | None = None  # the step whose packs were handed out last
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         conventions = self.stream.conventions
         for step in self.stream:
+            self.step = step  # the Trainer takes a whole step's batches before it trains on them
             for pack in step.packs:
                 if pack.empty:
                     yield empty_hf_inputs(pack, self.dp, model_family=self.family if self.ensure_encoders else None,
@@ -119,6 +133,27 @@ class PackfeedTrainerMixin:
         if problems:
             raise PackfeedError("the Trainer's arguments do not match the Packfeed job: " + "; ".join(problems)
                                 + ". Build them with packfeed_training_arguments(stream, ...)")
+
+    @property
+    def packfeed_step(self) -> Step | None:
+        """The Packfeed step the Trainer is training on (or last trained on): its `epoch`, `step` and
+        `sample_keys`, e.g. for a callback's `on_step_end`."""
+        return self.packfeed_batches.step
+
+    def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
+        """The Trainer's logs in the job's terms: `epoch` is the job's epoch (its fraction done, continuous over a
+        resume; the Trainer's own counts the whole job as one epoch), `packfeed_step` k of `packfeed_steps` N."""
+        step, info = self.packfeed_batches.step, self.packfeed_batches.stream.info
+        if step is None or not info.steps_per_epoch:
+            return super().log(logs, *args, **kwargs)
+        logs = {**logs, "packfeed_step": step.epoch * info.steps_per_epoch + step.step + 1,
+                "packfeed_steps": job_steps(self.packfeed_batches.stream)}
+        own = self.state.epoch  # Trainer.log writes state.epoch into the logs: the job's, for this call
+        self.state.epoch = round(step.epoch + (step.step + 1) / info.steps_per_epoch, 4)
+        try:
+            super().log(logs, *args, **kwargs)
+        finally:
+            self.state.epoch = own
 
     def get_train_dataloader(self) -> PackBatches:
         """This rank's packs as the server sends them: no sampler, no Accelerate sharding, no collation."""

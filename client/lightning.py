@@ -17,7 +17,12 @@ Lightning's checkpoints. `pip install packfeed[lightning]`.
   `PackTensors`), never collated, padded or re-sharded: Lightning's distributed sampler only wraps DataLoaders,
   and none is made. `accumulate_grad_batches` must be the job's M: one optimizer step per Packfeed step.
 - `state_dict()` gathers every rank's stream position (Lightning writes the checkpoint from rank 0 alone), and
-  `load_state_dict()` gives each rank its own: `fit(ckpt_path=...)` continues at exactly the next step.
+  `load_state_dict()` gives each rank its own: `fit(ckpt_path=...)` continues at exactly the next step. The
+  batches' iterable tells Lightning it is resumable (so it does not warn that a mid-epoch resume "can cause
+  unreliable results": the data module restores the position itself).
+- The job's terms: `data.packfeed_step` is the step being trained (its `epoch`, `step`, `sample_keys`);
+  `callbacks=[PackProgress()]` logs `packfeed_epoch` (the job's, with its fraction done) and `packfeed_step`
+  k of `packfeed_steps` N with every optimizer step. `max_steps` past the job's last step is refused.
 """
 
 from __future__ import annotations
@@ -30,8 +35,9 @@ import torch.distributed as dist
 
 from packfeed.client.channel import PackfeedError
 from packfeed.client.hf import check_model, empty_hf_inputs, to_hf_inputs
-from packfeed.client.loaders import StatefulPackLoader, job_batches
+from packfeed.client.loaders import StatefulPackLoader, job_batches, job_steps
 from packfeed.client.stream import PackStream
+from packfeed.client.tensors import Step
 
 
 class PackBatchIterable:
@@ -41,10 +47,12 @@ class PackBatchIterable:
 
     def __init__(self, stream: PackStream, family: str | None):
         self.stream, self.family = stream, family
+        self.step: Step | None = None  # the step whose packs were handed out last
 
     def __iter__(self) -> Iterator[Any]:
         dp = self.stream.info.plan.dp
         for step in self.stream:
+            self.step = step
             for pack in step.packs:
                 if not self.family:
                     yield pack
@@ -54,6 +62,12 @@ class PackBatchIterable:
 
     def __len__(self) -> int:
         return job_batches(self.stream)
+
+    def state_dict(self) -> dict[str, Any]:  # resumable as far as Lightning can tell: the data module restores it
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
 
 
 class PackDataModule(lightning.LightningDataModule):
@@ -65,6 +79,7 @@ class PackDataModule(lightning.LightningDataModule):
         self.target, self.job, self.family, self.stream_options = target, job, family, stream_options
         self.stream: PackStream | None = None
         self._pending: dict[str, Any] | None = None  # a state loaded before setup() opened the stream
+        self._batches: PackBatchIterable | None = None
 
     def setup(self, stage: str) -> None:
         if self.stream is not None:
@@ -80,6 +95,11 @@ class PackDataModule(lightning.LightningDataModule):
         if self._pending is not None:
             StatefulPackLoader(self.stream).load_state_dict(self._pending)
 
+    @property
+    def packfeed_step(self) -> Step | None:
+        """The Packfeed step being trained (or last trained): `epoch`, `step`, `sample_keys`."""
+        return self._batches.step if self._batches is not None else None
+
     def train_dataloader(self) -> PackBatchIterable:
         """Asked for once the module's model exists (after `configure_model`), before the first forward: a
         Hugging Face model in it whose vocabulary or placeholder ids disagree with the dataset is refused here."""
@@ -88,7 +108,12 @@ class PackDataModule(lightning.LightningDataModule):
                        and hasattr(m, "config")), None)  # the outermost transformers model
             if hf is not None:
                 check_model(hf, self.stream.conventions)
-        return PackBatchIterable(self.stream, self.family)
+        steps = job_steps(self.stream)
+        if steps and self.trainer.max_steps > steps:
+            raise PackfeedError(f"max_steps={self.trainer.max_steps} is past the job's {steps} steps: give at most "
+                                f"{steps}, or open a job with more epochs")
+        self._batches = PackBatchIterable(self.stream, self.family)
+        return self._batches
 
     def teardown(self, stage: str) -> None:
         if self.stream is not None:
@@ -115,3 +140,18 @@ class PackDataModule(lightning.LightningDataModule):
             self._pending = state
         else:
             StatefulPackLoader(self.stream).load_state_dict(state)
+
+
+class PackProgress(lightning.Callback):
+    """Logs the job's progress with every optimizer step: `packfeed_epoch` (the job's epoch and the fraction of it
+    done), `packfeed_step` (k, from 1) and `packfeed_steps` (N). Lightning's own epoch is the whole job."""
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        data = trainer.datamodule
+        step = getattr(data, "packfeed_step", None)
+        if step is None or not data.stream.info.steps_per_epoch:
+            return
+        per_epoch = data.stream.info.steps_per_epoch
+        pl_module.log_dict({"packfeed_epoch": step.epoch + (step.step + 1) / per_epoch,
+                            "packfeed_step": float(step.epoch * per_epoch + step.step + 1),
+                            "packfeed_steps": float(job_steps(data.stream))}, on_step=True, on_epoch=False)

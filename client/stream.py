@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+import warnings
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -133,6 +134,7 @@ class PackStream:
         self.decoder = PackDecoder(decode, pin_memory) if self.info.pixels == PixelMode.ENCODED else None
         # the next step the trainer will get: a resumed job starts in the epoch its old job stopped in
         self._next: tuple[int, int] | None = (self.info.resume.epoch, 0) if resume is not None else (0, 0)
+        self._restored = resume is not None  # a saved state or a resumed job: no restart to warn about
         self._consumed: tuple[int, int, list] | None = None  # (epoch, step, client skips): not the tensors
         self._acks = ThreadPoolExecutor(max_workers=1, thread_name_prefix="packfeed-ack")
         self._receiver: Receiver | None = None
@@ -176,6 +178,7 @@ class PackStream:
                                 f"{kind[self.encoder]} {self.rank}")
         self._stop_receiver()
         self._next = tuple(state["next"]) if state["next"] else None
+        self._restored = True
 
     # -- iteration --------------------------------------------------------------------------------------
 
@@ -189,6 +192,7 @@ class PackStream:
         if self._next is None:
             raise StopIteration
         if self._receiver is None:
+            self._warn_if_restarting()
             self._receiver = Receiver(self.channel, self.job, self.rank, self.info, self._next, self.prefetch,
                                       self.pin_memory, self.reopen, self.decoder, (self.replica, self.replicas),
                                       self.cp_rank, self.encoder)
@@ -204,6 +208,19 @@ class PackStream:
         self._consumed = (item.step.epoch, item.step.step, item.step.client_skipped)
         self._next = item.following
         return item.step
+
+    def _warn_if_restarting(self) -> None:
+        """A job id whose rank already acknowledged steps, streamed again from its first step without the saved
+        state: most often a restart that forgot `load_state_dict` (the job would silently start over)."""
+        if self._next != (0, 0) or self._restored or self.encoder or self.replica or self.cp_rank:
+            return
+        acked = next(((p.acked_epoch, p.acked_step) for p in self.info.ranks if p.rank == self.rank), (-1, -1))
+        if acked >= (0, 0):
+            warnings.warn(f"job {self.job!r} rank {self.rank} already acknowledged epoch {acked[0]} step {acked[1]}, "
+                          "and this stream starts again at its first step: load the saved state "
+                          "(stream.load_state_dict) to continue where it stopped, or open a new job id to start over",
+                          RuntimeWarning, stacklevel=3)
+        self._restored = True  # once
 
     def _ack(self, epoch: int, step: int, skipped: list[tuple[str, str]]) -> None:
         """Acknowledge a consumed step, with the samples this client left out of it (the server records them)."""

@@ -204,3 +204,89 @@ def test_a_model_that_does_not_fit_the_dataset_is_refused_before_its_first_forwa
         data = PackDataModule(server.target, job=f"misfit-{field}", family="qwen2_vl", microbatches=2, epochs=1)
         with pytest.raises(ValueError, match=field):
             trainer.fit(Untrainable(model), datamodule=data)
+
+
+def test_the_frameworks_speak_the_jobs_terms_and_refuse_what_cannot_hold(server, tmp_path):
+    """`num_train_epochs` other than the job's and `max_steps` past its end are refused (Trainer and Lightning);
+    the Trainer's logs carry the job's epoch and step k of N, continuous over a resume, and `packfeed_step` is
+    the step trained; Lightning resumes mid-job without its "not resumable" warning and logs the same terms."""
+    import warnings
+
+    import lightning
+    import torch
+    import transformers
+
+    from hf_models import tiny_sizes
+    from packfeed.client import PackfeedError, PackStream
+    from packfeed.client.hf_trainer import PackfeedTrainer, job_steps, packfeed_training_arguments
+    from packfeed.client.lightning import PackDataModule, PackProgress
+    from packfeed.trainer.models.hf.build import build_hf_model
+
+    class Logged(transformers.TrainerCallback):
+        def __init__(self):
+            self.logs, self.keys = [], []
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if "loss" in logs:
+                self.logs.append(logs)
+
+        def on_step_end(self, args, state, control, **kwargs):
+            self.keys.append(list(kwargs["train_dataloader"].step.sample_keys))
+
+    def trainer_for(stream, steps: int, callback):
+        args = packfeed_training_arguments(stream, output_dir=str(tmp_path / "hf"), report_to=[], use_cpu=True,
+                                           max_steps=steps, save_steps=2, logging_steps=1, learning_rate=1e-3)
+        model = build_hf_model("qwen2_vl", stream.conventions, tiny_sizes("qwen2_vl"))
+        return PackfeedTrainer(model=model, args=args, stream=stream, family="qwen2_vl", callbacks=[callback])
+
+    with PackStream(server.target, job="terms", rank=0, dp=1, microbatches=2, epochs=2) as stream:
+        total, per_epoch = job_steps(stream), stream.info.steps_per_epoch
+        for wrong in ({"num_train_epochs": 3}, {"max_steps": total + 1}):
+            with pytest.raises(PackfeedError, match=next(iter(wrong))):
+                packfeed_training_arguments(stream, output_dir=str(tmp_path), **wrong)
+        assert packfeed_training_arguments(stream, output_dir=str(tmp_path), num_train_epochs=2).max_steps == total
+        first = Logged()
+        trainer = trainer_for(stream, 2, first)
+        trainer.train()
+        trained = trainer.packfeed_step
+    with PackStream(server.target, job="terms", rank=0, dp=1, microbatches=2, epochs=2) as stream:
+        second = Logged()
+        trainer_for(stream, 4, second).train(resume_from_checkpoint=True)
+    logs = first.logs + second.logs
+    assert [log["packfeed_step"] for log in logs] == [1, 2, 3, 4] and {log["packfeed_steps"] for log in logs} == {total}
+    assert [log["epoch"] for log in logs] == [round(k // per_epoch + (k % per_epoch + 1) / per_epoch, 4)
+                                              for k in range(4)]
+    assert (trained.epoch, trained.step) == (0, 1) and first.keys[-1] == list(trained.sample_keys)
+    assert len({tuple(k) for k in first.keys + second.keys}) == 4  # four different steps' samples
+
+    class Module(lightning.LightningModule):
+        def __init__(self, data):
+            super().__init__()
+            self.model = build_hf_model("qwen2_vl", data.conventions, tiny_sizes("qwen2_vl"))
+
+        def training_step(self, batch, index):
+            return self.model(**batch).loss * self.trainer.accumulate_grad_batches
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=1e-3)
+
+    def fit(steps: int, resume: str | None = None):
+        data = PackDataModule(server.target, job="terms-lightning", family="qwen2_vl", microbatches=2, epochs=2)
+        checkpoints = lightning.pytorch.callbacks.ModelCheckpoint(dirpath=str(tmp_path / "pl"),
+                                                                  every_n_train_steps=2, save_last=True)
+        trainer = lightning.Trainer(accelerator="cpu", devices=1, max_epochs=1, max_steps=steps,
+                                    accumulate_grad_batches=2, logger=False, enable_progress_bar=False,
+                                    num_sanity_val_steps=0, callbacks=[checkpoints, PackProgress()])
+        with PackStream(server.target, job="terms-lightning", rank=0, dp=1, microbatches=2, epochs=2) as peek:
+            module = Module(peek)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            trainer.fit(module, datamodule=data, ckpt_path=resume)
+        return trainer, [str(w.message) for w in caught]
+
+    with pytest.raises(PackfeedError, match="past the job"):
+        fit(total + 1)
+    fit(2)
+    resumed, messages = fit(3, resume=str(tmp_path / "pl" / "last.ckpt"))
+    assert not [m for m in messages if "not resumable" in m]
+    assert resumed.logged_metrics["packfeed_step"] == 3 and resumed.logged_metrics["packfeed_steps"] == total

@@ -385,3 +385,25 @@ def test_many_streams_under_a_budget_smaller_than_one_step_all_finish(dataset):
             thread.join(180)
         assert not any(t.is_alive() for t in threads), "streams stalled under a tight memory budget"
     assert sorted(k for keys in results.values() for k in keys) == sorted(valid_keys(dataset) * 3)
+
+
+def test_a_job_id_reused_without_its_saved_state_is_warned_about(server):
+    """A rank that acknowledged steps, streamed again from the first step without `load_state_dict`: a warning
+    that says how to continue; with the saved state, or on another job id, none."""
+    import warnings
+
+    with PackStream(server.target, job="reused", rank=0, **PLAN) as stream:
+        iterator = iter(stream)
+        next(iterator)
+        next(iterator)
+        state = stream.state_dict()
+    with PackStream(server.target, job="reused", rank=0, **PLAN) as again:
+        with pytest.warns(RuntimeWarning, match="already acknowledged epoch 0 step 1.*load_state_dict"):
+            next(iter(again))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with PackStream(server.target, job="reused", rank=0, **PLAN) as resumed:
+            resumed.load_state_dict(state)
+            assert next(iter(resumed)).step == 2
+        with PackStream(server.target, job="reused-fresh", rank=0, **PLAN) as fresh:
+            assert next(iter(fresh)).step == 0

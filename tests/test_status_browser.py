@@ -7,6 +7,7 @@ apt-get where missing (as `make docker-test` installs docker), else the test say
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import threading
@@ -32,17 +33,17 @@ def chromium() -> str:
 
 
 def stream_slowly(target: str, stop: threading.Event) -> None:
-    """Rank 0 of a DP 1 job, one step every 0.3 s, until told to stop or the job ends."""
+    """Rank 0 of a DP 2 job (rank 1 never reads), one step every 0.3 s, until told to stop or the job ends."""
     from packfeed.client import PackStream
 
-    with PackStream(target, job="watched", rank=0, dp=1, microbatches=1, epochs=20, token="s3cret") as stream:
+    with PackStream(target, job="watched", rank=0, dp=2, microbatches=1, epochs=20, token="s3cret") as stream:
         for _ in stream:
             if stop.wait(0.3):
                 return
 
 
-def test_the_page_shows_a_streaming_job_and_refreshes_itself(chromium, small_tile_index):
-    from packfeed.client import LocalServer
+def test_the_page_shows_a_streaming_job_and_refreshes_itself(chromium, small_tile_index, tmp_path):
+    from packfeed.client import LocalServer, PackStream
     from playwright.sync_api import sync_playwright
     from ports import free_port
 
@@ -51,6 +52,8 @@ def test_the_page_shows_a_streaming_job_and_refreshes_itself(chromium, small_til
         stop = threading.Event()
         streamer = threading.Thread(target=stream_slowly, args=(server.target, stop), daemon=True)
         streamer.start()
+        with PackStream(server.target, job="short", rank=0, dp=1, microbatches=1, epochs=1, token="s3cret") as done:
+            list(done)  # a finished job beside the live one
         try:
             with sync_playwright() as playwright:
                 browser = playwright.chromium.launch(executable_path=chromium, args=["--no-sandbox"])
@@ -70,15 +73,32 @@ def test_the_page_shows_a_streaming_job_and_refreshes_itself(chromium, small_til
                 page.goto(f"http://127.0.0.1:{port}/status#token=s3cret")
                 job = page.locator('section.job[data-job="watched"]')
                 job.wait_for(timeout=30_000)
-                assert "isf+balance" in job.inner_text() and "DP 1 x M 1" in job.inner_text()
-                first = job.locator("table").first.inner_text()
-                assert "acknowledged" in first and "\n0\t" in first  # rank 0's row
+                assert "isf+balance" in job.inner_text() and "DP 2 x M 1" in job.inner_text()
+                assert job.get_attribute("data-state") == "live" and job.locator(".state").inner_text() == "live"
+                finished = page.locator('section.job[data-job="short"]')
+                assert finished.get_attribute("data-state") == "finished"
+                total = int(finished.locator(".progress").inner_text().split(" of ")[1].split()[0].replace(",", ""))
+                assert finished.locator(".progress").inner_text().startswith(f"step {total:,} of {total:,}")
+                ranks = job.locator("table.ranks")
+                first = ranks.inner_text()
+                assert "acknowledged" in first and re.search(r"\n1\t\s*- of [\d,]+\t-\t-\t", first)  # never read
+                assert "step - of " in job.locator(".progress").inner_text()  # the job is as far as its slowest rank
                 deadline = time.monotonic() + 20
                 later = first
                 while later == first and time.monotonic() < deadline:
                     page.wait_for_timeout(1000)
-                    later = job.locator("table").first.inner_text()
+                    later = ranks.inner_text()
                 assert later != first, "the page did not change while the job streamed"
+                width = ranks.locator("tr").nth(1).locator(".bar > span").evaluate("e => e.style.width")
+                assert 0 < float(width.rstrip("%")) < 100  # rank 0's bar: part of the way
+                charts = job.locator("svg.chart")
+                deadline = time.monotonic() + 20
+                while int(charts.first.get_attribute("data-points")) < 2 and time.monotonic() < deadline:
+                    page.wait_for_timeout(1000)
+                assert charts.count() == 2 and int(charts.first.get_attribute("data-points")) >= 2
+                assert "samples/s" in job.locator("figcaption").first.inner_text()
+                shot = page.screenshot(path=str(tmp_path / "status.png"), full_page=True)
+                assert len(shot) > 20_000  # a drawn page, not a blank one (the file stays for a person to look at)
                 assert "s3cret" not in page.url and not any("s3cret" in url for url in requests)
                 browser.close()
         finally:

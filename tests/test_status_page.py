@@ -21,7 +21,13 @@ def get(url: str, token: str = "") -> tuple[int, bytes]:
 
 
 def test_the_status_shows_jobs_ranks_and_progress(small_tile_index):
+    import time
+
     from packfeed.client import LocalServer, PackStream
+    import grpc
+
+    from packfeed.v1 import packfeed_pb2 as pb
+    from packfeed.v1 import packfeed_pb2_grpc as pb_grpc
     from ports import free_port
 
     port = free_port()
@@ -31,23 +37,47 @@ def test_the_status_shows_jobs_ranks_and_progress(small_tile_index):
             steps = iter(stream)
             next(steps)
             next(steps)  # the first step acknowledged, with the trainer's data wait
-            code, body = get(f"{base}/status.json")
-            first = json.loads(body)
+            first = json.loads(get(f"{base}/status.json")[1])
             next(steps)
             next(steps)
+            time.sleep(4.5)  # two more of the history's points
             second = json.loads(get(f"{base}/status.json")[1])
+            state = stream.state_dict()
+        after = json.loads(get(f"{base}/status.json")[1])  # the run stopped early, 5 steps prefetched or more
+        with PackStream(server.target, job="watched", rank=1, dp=2, microbatches=2, epochs=3) as stream:
+            stream.load_state_dict(state)
+            next(iter(stream))
+            again = json.loads(get(f"{base}/status.json")[1])
+        for rank in (0, 1):  # a small job read to its end by both ranks, then closed
+            with PackStream(server.target, job="done", rank=rank, dp=2, microbatches=1, epochs=1) as stream:
+                list(stream)
+        finished = json.loads(get(f"{base}/status.json")[1])
+        pb_grpc.PackfeedStub(grpc.insecure_channel(server.target)).CloseJob(pb.CloseJobRequest(job="done"))
+        closed = json.loads(get(f"{base}/status.json")[1])
         code_page, page = get(f"{base}/status")
         code_metrics, metrics = get(f"{base}/metrics")
-    assert code == 200 and code_page == 200 and code_metrics == 200
+    assert code_page == 200 and code_metrics == 200
     assert b"status.json" in page and b"packfeed_packs_total" in metrics
     (job,) = [j for j in first["jobs"] if j["job"] == "watched"]
-    assert job["plan"]["dp"] == 2 and job["plan"]["strategy"] == "isf+balance"
+    assert job["state"] == "live" and job["plan"]["dp"] == 2 and job["plan"]["strategy"] == "isf+balance"
+    per_epoch = job["plan"]["steps_per_epoch"]
+    assert per_epoch > 0 and job["plan"]["steps"] == 3 * per_epoch
     assert job["balance"]["known"] and 0 <= job["balance"]["llm_dist"] < 1
     rank = job["ranks"][1]
-    assert rank["acked"][1] >= 0 and rank["streamed"][1] >= rank["acked"][1] and rank["data_wait_s"] > 0
-    assert job["ranks"][0]["streamed"] == [-1, -1]  # rank 0 never streamed
+    assert rank["acked"] == [0, 0] and rank["done_steps"] == 1 and rank["streamed"][1] >= 0 and rank["data_wait_s"] > 0
+    assert job["ranks"][0]["acked"] is None and job["ranks"][0]["streamed"] is None  # rank 0 never streamed
+    assert job["done_steps"] == 0  # the job's progress is its slowest rank's
     (later,) = [j for j in second["jobs"] if j["job"] == "watched"]
-    assert later["ranks"][1]["acked"] > rank["acked"] and later["throughput"]["packs"] > job["throughput"]["packs"]
+    assert later["ranks"][1]["done_steps"] == 3 and later["throughput"]["packs"] > job["throughput"]["packs"]
+    assert len(later["history"]) >= 2 and any(point[1] > 0 for point in later["history"])
+    (stopped,) = [j for j in after["jobs"] if j["job"] == "watched"]
+    assert stopped["state"] == "idle" and stopped["ranks"][1]["lag_steps"] == 0 == stopped["ranks"][1]["queued_steps"]
+    (resumed,) = [j for j in again["jobs"] if j["job"] == "watched"]
+    assert resumed["ranks"][1]["lag_steps"] <= 1 + 8  # this run's: one step in the trainer, the prefetch at most
+    (done,) = [j for j in finished["jobs"] if j["job"] == "done"]
+    assert done["state"] == "finished" and done["done_steps"] == done["plan"]["steps"] > 0
+    assert [c["job"] for c in closed["closed_jobs"]] == ["done"] and closed["closed_jobs"][0]["state"] == "closed"
+    assert "done" not in [j["job"] for j in closed["jobs"]]
     assert first["memory"]["budget_bytes"] > 0
 
 

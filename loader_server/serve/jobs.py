@@ -49,9 +49,15 @@ class RankState:
         while self.unacked and self.unacked[0] <= self.acked:
             self.unacked.popleft()
 
+    def end_run(self) -> None:
+        """The rank's stream ended: what it sent and nobody acknowledged is not in flight any more (a next run
+        starts from its own position and is sent those steps again), and nothing waits in its queue."""
+        self.unacked.clear()
+        self.queued = 0
+
     @property
     def lag(self) -> int:
-        """Steps sent but not acknowledged."""
+        """Steps the current run sent and its trainer has not acknowledged."""
         return len(self.unacked)
 
     @property

@@ -50,7 +50,7 @@ class Metrics:
                                registry=r)
         self.queue_depth = Gauge("packfeed_queue_depth_steps", "Steps prepared and waiting, per rank stream",
                                  ["job", "rank"], registry=r)
-        self.lag = Gauge("packfeed_rank_lag_steps", "Steps sent but not yet acknowledged, per rank",
+        self.lag = Gauge("packfeed_rank_lag_steps", "Steps the current run sent and its trainer has not acknowledged, per rank",
                          ["job", "rank"], registry=r)
         self.held = Gauge("packfeed_memory_held_bytes", "Prepared pack bytes held in memory", registry=r)
         self.jobs = Gauge("packfeed_jobs", "Jobs this server holds", registry=r)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import threading
 import time
+import collections
 from dataclasses import replace
 
 from packfeed.media.pixel_modes import PIXEL_PATHS
@@ -24,6 +25,9 @@ def check_name(value: str, what: str) -> str:
     return value
 
 
+CLOSED_LISTED = 20
+
+
 class JobRegistry:
     """Datasets this server serves (from its configuration) and the jobs opened on them."""
 
@@ -32,6 +36,7 @@ class JobRegistry:
         self.datasets = datasets
         self.max_jobs, self.idle_s, self.plan_wait_s = max_jobs, idle_s, plan_wait_s
         self.jobs: dict[str, Job] = {}
+        self.closed: collections.deque = collections.deque(maxlen=CLOSED_LISTED)  # newest first
         self._lock = threading.Lock()
 
     def open_job(self, spec: JobSpec, expected_plan: str = "") -> Job:
@@ -98,12 +103,15 @@ class JobRegistry:
         return job
 
     def close(self, name: str) -> Job:
-        """End a job on this server (its plans and progress are freed); refused while ranks stream from it."""
+        """End a job on this server (its plans and progress are freed); refused while ranks stream from it. The
+        last `CLOSED_LISTED` closed jobs stay listed (their ids, times and final positions) for the status page."""
         job = self.get(name)
         if job.open_streams:
             raise JobError("FAILED_PRECONDITION", f"job {name!r} has {job.open_streams} open pack streams: close "
                                                   "them first")
         self.forget(job)
+        self.closed.appendleft({"job": name, "dataset": job.spec.dataset, "closed_at": time.time(),
+                                "acked": [list(rank.acked) for rank in job.ranks]})
         return job
 
     def evict_idle(self, now: float | None = None) -> list[str]:

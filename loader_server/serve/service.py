@@ -207,6 +207,9 @@ class PackfeedService:
         start = (request.first_epoch, request.first_step)
         await asyncio.to_thread(job.check_step, *start)
         who = rank_name(rank, encoder)
+        if primary and start == (0, 0) and job.progress(rank, encoder).acked >= (0, 0):
+            log.warning("job id re-used without its saved state: a rank starts again at step 0",
+                        extra={"job": job.spec.job, "rank": rank, "acked": list(job.progress(rank, encoder).acked)})
         await self._take_lease(job, who, replica, lease)
         lost = asyncio.Event()
         job.open_streams += 1
@@ -244,6 +247,11 @@ class PackfeedService:
         finally:
             job.open_streams -= 1
             job.touch()
+            if primary or encoder and not replica:
+                job.progress(rank, encoder).end_run()
+            if primary:
+                self.metrics.lag.labels(job.spec.job, str(rank)).set(0)
+                self.metrics.queue_depth.labels(job.spec.job, str(rank)).set(0)
             keeper.cancel()
             producer.cancel()
             while not queue.empty():  # give back what the cancelled stream still held

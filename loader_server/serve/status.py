@@ -1,20 +1,24 @@
 """What `packfeed serve` shows on its metrics port (`--metrics-port`), beside Prometheus's `/metrics`:
 
-- `/status`: a page for people, refreshing itself every 2 s: each job with its plan and balance, each rank's
-  position (acknowledged and streamed step), lag, steps queued and the data wait its trainer reports, the
-  job's throughput, samples skipped with their reasons, and the server's memory budget held.
-- `/status.json`: the same as JSON, for scripts.
+- `/status`: an operator's page (`status_page`), refreshing itself every 2 s: each job's state (live: a rank
+  streams; idle; finished: every rank acknowledged the last step; failed; closed ones listed below), step k of
+  N with a bar per rank, each rank's acknowledged and streamed step, the current run's lag and queue and the
+  data wait its trainer reports, throughput and data wait over the last ten minutes as small charts, the plan's
+  balance, samples skipped by reason, and the server's memory budget held.
+- `/status.json`: the same as JSON, for scripts ("-" on the page is null here).
 
 Reads only. With an auth token set, `/status.json` needs it, as gRPC calls do: `Authorization: Bearer <token>`,
 never in the address (proxies and servers keep addresses in their access logs: a `?token=` is refused). The page
 itself holds no figures and opens without it; it asks for the token, or takes it from the address's fragment
 (`/status#token=<token>`, which a browser never sends), keeps it in the tab's session storage, drops it from the
-address and sends it as the header. `/metrics` stays open for Prometheus. The HTTP server runs in a thread of its own and
-reads the service's state as it stands (plain values, copied); it never blocks the event loop.
+address and sends it as the header. `/metrics` stays open for Prometheus. The HTTP server and the history's
+sampler run in threads of their own and read the service's state as it stands (plain values, copied); they never
+block the event loop.
 """
 
 from __future__ import annotations
 
+import collections
 import json
 import threading
 import time
@@ -27,59 +31,96 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from packfeed.server.plan.windows import WindowedPlan
 from packfeed.server.serve.observe import log
+from packfeed.server.serve.status_page import PAGE
 
 REFRESH_S = 2.0
 
 
+HISTORY_S = 600.0  # the charts show the last ten minutes, a point every REFRESH_S
+
+
+def _position(step: tuple[int, int]) -> list[int] | None:
+    return list(step) if step >= (0, 0) else None  # None: nothing yet (the page shows "-")
+
+
 class StatusReport:
-    """Snapshots of a service for the status page; throughput is measured between two snapshots."""
+    """Snapshots of a service for the status page. `sample()` (every REFRESH_S, from the status server's thread)
+    records each job's totals; throughput and data wait are measured between those points."""
 
     def __init__(self, service):
         self.service = service
         self.started = time.time()
         self._balance: dict[str, dict[str, Any]] = {}
-        self._last: dict[str, tuple[float, float, float]] = {}  # job -> (time, packs, samples)
+        self._history: dict[str, collections.deque] = {}  # job -> (time, samples, packs, data wait of all ranks)
         self._lock = threading.Lock()
+
+    def sample(self) -> None:
+        now = time.monotonic()
+        held = [job for job in list(self.service.registry.jobs.values()) if job.ready.is_set()]
+        with self._lock:  # jobs closed or evicted since: forget their figures
+            names = {job.spec.job for job in held}
+            self._balance = {name: value for name, value in self._balance.items() if name in names}
+            self._history = {name: value for name, value in self._history.items() if name in names}
+            for job in held:
+                points = self._history.setdefault(job.spec.job,
+                                                  collections.deque(maxlen=int(HISTORY_S / REFRESH_S) + 1))
+                points.append((now, self._counter("packfeed_samples_total", job.spec.job),
+                               self._counter("packfeed_packs_total", job.spec.job),
+                               sum(rank.data_wait_s for rank in list(job.ranks))))
 
     def snapshot(self) -> dict[str, Any]:
         service = self.service
         budget = service.budget
-        held = list(service.registry.jobs.values())
-        with self._lock:  # jobs closed or evicted since: forget their figures
-            names = {job.spec.job for job in held}
-            self._balance = {name: value for name, value in self._balance.items() if name in names}
-            self._last = {name: value for name, value in self._last.items() if name in names}
-        jobs = [self._job(job) for job in held if job.ready.is_set()]
+        held = [job for job in list(service.registry.jobs.values()) if job.ready.is_set()]
+        closed = [{**entry, "state": "closed", "closed_s_ago": round(time.time() - entry["closed_at"], 1)}
+                  for entry in list(service.registry.closed)]
         return {"server": service.server_id, "uptime_s": round(time.time() - self.started, 1),
                 "memory": {"held_bytes": budget.held, "budget_bytes": budget.limit},
-                "refresh_s": REFRESH_S, "jobs": jobs}
+                "refresh_s": REFRESH_S, "history_s": HISTORY_S, "jobs": [self._job(job) for job in held],
+                "closed_jobs": closed}
 
     def _job(self, job) -> dict[str, Any]:
         name = job.spec.job
-        packs, samples = self._counter("packfeed_packs_total", name), self._counter("packfeed_samples_total", name)
-        now = time.monotonic()
-        with self._lock:
-            then = self._last.get(name)
-            self._last[name] = (now, packs, samples)
-        rates = {"packs_per_s": 0.0, "samples_per_s": 0.0}
-        if then and now > then[0]:
-            rates = {"packs_per_s": round((packs - then[1]) / (now - then[0]), 2),
-                     "samples_per_s": round((samples - then[2]) / (now - then[0]), 2)}
         plan = job.spec.plan_config
+        per_epoch = job.epoch_plan(0).steps_known if job.failure is None else 0
+        steps = per_epoch * job.spec.epochs  # 0 while a windowed plan has not planned its last window
+        ranks = _progress_rows(job.ranks, per_epoch)
+        done = min((rank["done_steps"] for rank in ranks), default=0)
+        state = "failed" if job.failure else "live" if job.open_streams else \
+            "finished" if steps and done >= steps else "idle"
         reasons: dict[str, int] = {}
         for _, reason, _, _ in list(job.skipped):
             reasons[reason] = reasons.get(reason, 0) + 1
+        history = self._rates(name, max(1, plan.dp))
         return {
-            "job": name, "dataset": job.spec.dataset, "failed": str(job.failure) if job.failure else None,
+            "job": name, "dataset": job.spec.dataset, "state": state,
+            "failed": str(job.failure) if job.failure else None,
             "plan": {"dp": plan.dp, "microbatches": plan.microbatches, "strategy": plan.strategy.value,
-                     "epochs": job.spec.epochs, "window": plan.window},
+                     "epochs": job.spec.epochs, "window": plan.window, "steps_per_epoch": per_epoch, "steps": steps},
+            "done_steps": done,
             "balance": self._plan_balance(job),
-            "ranks": _progress_rows(job.ranks),
-            "encoder_ranks": _progress_rows(job.encoders),
-            "throughput": {**rates, "packs": packs, "samples": samples},
+            "ranks": ranks,
+            "encoder_ranks": _progress_rows(job.encoders, per_epoch),
+            "throughput": {"packs_per_s": history[-1][3] if history else 0.0,
+                           "samples_per_s": history[-1][1] if history else 0.0,
+                           "packs": self._counter("packfeed_packs_total", name),
+                           "samples": self._counter("packfeed_samples_total", name)},
+            "history": [point[:3] for point in history],
             "samples_by_dataset": dict(job.delivered),
             "skipped": {"count": job.skipped_count, "recent_by_reason": reasons},
         }
+
+    def _rates(self, name: str, ranks: int) -> list[list[float]]:
+        """[seconds ago, samples/s, share of the time trainers waited for data, packs/s] between points."""
+        with self._lock:
+            points = list(self._history.get(name, ()))
+        now = time.monotonic()
+        rates = []
+        for (t0, s0, p0, w0), (t1, s1, p1, w1) in zip(points, points[1:]):
+            span = max(t1 - t0, 1e-6)
+            rates.append([round(now - t1, 1), round((s1 - s0) / span, 2), round(min(1.0, (w1 - w0) / (span * ranks)), 4),
+                          round((p1 - p0) / span, 2)])
+        return rates
 
     def _counter(self, metric: str, job: str) -> float:
         return self.service.metrics.registry.get_sample_value(metric, {"job": job}) or 0.0
@@ -98,10 +139,16 @@ class StatusReport:
         return self._balance[name]
 
 
-def _progress_rows(states: list) -> list[dict[str, Any]]:
-    """Each rank's (or encoder rank's) position, lag and reported data wait."""
-    return [{"rank": r, "acked": list(state.acked), "streamed": list(state.streamed), "queued_steps": state.queued,
-             "lag_steps": state.lag, "data_wait_s": round(state.data_wait_s, 3)} for r, state in enumerate(list(states))]
+def _progress_rows(states: list, per_epoch: int) -> list[dict[str, Any]]:
+    """Each rank's (or encoder rank's) position (None before its first), steps done in the whole job, the
+    current run's lag and queue, and the data wait its trainer reports."""
+    rows = []
+    for r, state in enumerate(list(states)):
+        acked = _position(state.acked)
+        done = acked[0] * per_epoch + acked[1] + 1 if acked and per_epoch else 0
+        rows.append({"rank": r, "acked": acked, "streamed": _position(state.streamed), "done_steps": done,
+                     "queued_steps": state.queued, "lag_steps": state.lag, "data_wait_s": round(state.data_wait_s, 3)})
+    return rows
 
 
 def start_status_server(host: str, port: int, registry, report: StatusReport,
@@ -146,89 +193,14 @@ def start_status_server(host: str, port: int, registry, report: StatusReport,
     server = ThreadingHTTPServer((host, port), Handler)
     server.daemon_threads = True
     threading.Thread(target=server.serve_forever, name="packfeed-status", daemon=True).start()
+    threading.Thread(target=_sample_forever, args=(report,), name="packfeed-status-history", daemon=True).start()
     return server
 
 
-PAGE = """<!doctype html>
-<html lang="en"><head><meta charset="utf-8"><title>Packfeed status</title>
-<meta name="viewport" content="width=device-width, initial-scale=1">
-<style>
-body { font: 14px system-ui, sans-serif; margin: 1.5em; color: #222; }
-h1 { font-size: 1.3em; } h2 { font-size: 1.1em; margin-top: 1.5em; }
-table { border-collapse: collapse; margin: .5em 0; } td, th { padding: .2em .8em; border-bottom: 1px solid #ddd; text-align: right; }
-th { background: #f4f4f4; } td:first-child, th:first-child { text-align: left; }
-.muted { color: #777; } .bad { color: #b00; }
-</style></head>
-<body>
-<h1>Packfeed <span id="server" class="muted"></span></h1>
-<p id="summary" class="muted">loading...</p>
-<form id="login" hidden><label>This server needs its token: <input id="token" type="password" autocomplete="off"></label>
-<button>show the status</button></form>
-<div id="jobs"></div>
-<noscript><meta http-equiv="refresh" content="5">This page needs JavaScript to show the status; /status.json has it.</noscript>
-<script>
-const KEY = "packfeed-status-token";
-const given = new URLSearchParams(location.hash.slice(1)).get("token");
-if (given) {  // from the fragment (never sent to the server) into this tab's storage, and out of the address
-  sessionStorage.setItem(KEY, given);
-  history.replaceState(null, "", location.pathname + location.search);
-}
-document.getElementById("login").addEventListener("submit", event => {
-  event.preventDefault();
-  sessionStorage.setItem(KEY, document.getElementById("token").value);
-  document.getElementById("login").hidden = true;
-  refresh();
-});
-const esc = s => String(s).replace(/[&<>"']/g, c => ({"&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;", "'": "&#39;"}[c]));
-const mib = b => (b / 1048576).toFixed(1) + " MiB";
-function table(head, rows) {
-  return "<table><tr>" + head.map(h => "<th>" + esc(h) + "</th>").join("") + "</tr>" +
-    rows.map(r => "<tr>" + r.map(c => "<td>" + esc(c) + "</td>").join("") + "</tr>").join("") + "</table>";
-}
-function render(s) {
-  document.getElementById("server").textContent = s.server;
-  document.getElementById("summary").textContent = s.jobs.length + " job(s); memory held " +
-    mib(s.memory.held_bytes) + " of " + mib(s.memory.budget_bytes) + "; up " + Math.round(s.uptime_s) + " s; " +
-    "updated " + new Date().toLocaleTimeString();
-  document.getElementById("jobs").innerHTML = s.jobs.map(j => {
-    const b = j.balance.known ? "ViT Dist " + j.balance.vit_dist +
-      ", LLM Dist " + j.balance.llm_dist + ", " + j.balance.steps + " steps per epoch" : "balance known once planned";
-    const skipped = Object.entries(j.skipped.recent_by_reason).map(([r, n]) => [r, n]);
-    return '<section class="job" data-job="' + esc(j.job) + '"><h2>' + esc(j.job) + ' <span class="muted">' +
-      esc(j.dataset) + "</span></h2>" + (j.failed ? '<p class="bad">' + esc(j.failed) + "</p>" : "") +
-      "<p>" + esc(j.plan.strategy) + ", DP " + j.plan.dp + " x M " + j.plan.microbatches + ", " + j.plan.epochs +
-      " epoch(s); " + esc(b) + "</p>" +
-      '<p class="throughput">' + j.throughput.packs_per_s + " packs/s, " + j.throughput.samples_per_s +
-      " samples/s; " + j.throughput.packs + " packs, " + j.throughput.samples + " samples sent</p>" +
-      table(["rank", "acknowledged", "streamed", "queued steps", "lag (steps)", "trainer data wait s"],
-            j.ranks.map(r => [r.rank, r.acked.join(":"), r.streamed.join(":"), r.queued_steps, r.lag_steps, r.data_wait_s])) +
-      (j.encoder_ranks.length ? table(["encoder rank", "acknowledged", "streamed", "queued steps", "lag (steps)",
-            "trainer data wait s"], j.encoder_ranks.map(r => [r.rank, r.acked.join(":"), r.streamed.join(":"),
-            r.queued_steps, r.lag_steps, r.data_wait_s])) : "") +
-      "<p>" + j.skipped.count + " sample(s) skipped</p>" + (skipped.length ? table(["reason", "recent"], skipped) : "") +
-      "</section>";
-  }).join("");
-}
-async function refresh() {
-  try {
-    const token = sessionStorage.getItem(KEY);
-    const response = await fetch("status.json", {cache: "no-store",
-                                                 headers: token ? {Authorization: "Bearer " + token} : {}});
-    if (response.status === 401) {
-      document.getElementById("summary").textContent = token ? "that token was refused" : "";
-      document.getElementById("login").hidden = false;
-      return;  // until a token is typed in
-    }
-    if (!response.ok) throw new Error(response.status + " " + await response.text());
-    const s = await response.json();
-    render(s);
-    setTimeout(refresh, s.refresh_s * 1000);
-  } catch (error) {
-    document.getElementById("summary").textContent = "cannot read the status: " + error.message;
-    setTimeout(refresh, 5000);
-  }
-}
-refresh();
-</script>
-</body></html>
-"""
+def _sample_forever(report: StatusReport) -> None:
+    while True:
+        try:
+            report.sample()
+        except Exception:  # a status bug must not end the history: the next point tries again
+            log.error("status history failed", exc_info=True)
+        time.sleep(REFRESH_S)
