@@ -104,3 +104,31 @@ def test_the_page_shows_a_streaming_job_and_refreshes_itself(chromium, small_til
         finally:
             stop.set()
             streamer.join(timeout=30)
+
+
+def test_the_dataset_report_reads_as_a_report(chromium, small_tile_index, tmp_path):
+    """`packfeed stats`'s report.html in the browser at a laptop's width: its figures side by side in a grid, each
+    with its caption, the distribution figures whole numbers (no 3904.0399...), and a screenshot of it."""
+    from playwright.sync_api import sync_playwright
+
+    from packfeed.server.tools.stats import write_report
+    from packfeed.v1.options import PlanConfig
+
+    paths = write_report(small_tile_index, tmp_path / "report", PlanConfig(dp=2, microbatches=2))
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=chromium, args=["--no-sandbox"])
+        page = browser.new_page(viewport={"width": 1280, "height": 900})
+        page.goto(paths["html"].as_uri())
+        figures = page.locator("figure")
+        assert figures.count() >= 6
+        boxes = [figures.nth(k).bounding_box() for k in range(figures.count())]
+        rows = sorted({round(box["y"]) for box in boxes})
+        assert len(rows) < len(boxes) and all(box["width"] < 700 for box in boxes)  # a grid, not one column
+        assert all(box["x"] + box["width"] <= 1280 for box in boxes)  # all of it on the screen's width
+        captions = [figures.nth(k).locator("figcaption").inner_text() for k in range(figures.count())]
+        assert all(len(caption) > 20 for caption in captions)
+        distributions = page.locator("table").nth(0 if "Invalid" not in page.content() else 1).inner_text()
+        assert "llm tokens" in distributions and not re.search(r"\d\.\d{3,}", distributions)
+        shot = page.screenshot(path=str(tmp_path / "report.png"), full_page=True)
+        assert len(shot) > 50_000
+        browser.close()
