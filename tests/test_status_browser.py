@@ -89,6 +89,9 @@ def test_the_page_shows_a_streaming_job_and_refreshes_itself(chromium, small_til
                     page.wait_for_timeout(1000)
                     later = ranks.inner_text()
                 assert later != first, "the page did not change while the job streamed"
+                cells = [ranks.locator("tr").nth(r).locator("td").all_inner_texts() for r in (1, 2)]
+                lags = [int(row[4]) for row in cells]  # the current run's: at most the steps in flight
+                assert 0 <= lags[0] <= 40 and lags[1] == 0 and cells[1][2:4] == ["-", "-"]
                 width = ranks.locator("tr").nth(1).locator(".bar > span").evaluate("e => e.style.width")
                 assert 0 < float(width.rstrip("%")) < 100  # rank 0's bar: part of the way
                 charts = job.locator("svg.chart")
