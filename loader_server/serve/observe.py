@@ -50,8 +50,8 @@ class Metrics:
                                registry=r)
         self.queue_depth = Gauge("packfeed_queue_depth_steps", "Steps prepared and waiting, per rank stream",
                                  ["job", "rank"], registry=r)
-        self.lag = Gauge("packfeed_rank_lag_steps", "Steps the current run sent and its trainer has not acknowledged, per rank",
-                         ["job", "rank"], registry=r)
+        self.lag = Gauge("packfeed_rank_lag_steps", "Steps the current run sent and its trainer has not "
+                         "acknowledged, per rank", ["job", "rank"], registry=r)
         self.held = Gauge("packfeed_memory_held_bytes", "Prepared pack bytes held in memory", registry=r)
         self.jobs = Gauge("packfeed_jobs", "Jobs this server holds", registry=r)
         self.steps_prepared = Counter("packfeed_steps_prepared", "Rank-steps prepared by the workers", ["job"],
@@ -72,4 +72,9 @@ class Metrics:
         self.preprocess = Histogram("packfeed_preprocess_seconds_per_sample",
                                     "Worker time per sample (read, decode, tile, tokenize, assemble)",
                                     registry=r, buckets=(.001, .003, .01, .03, .1, .3, 1, 3))
+
+    def run_ended(self, job: str, rank: int) -> None:
+        """A rank's stream ended: nothing of it is in flight or queued any more."""
+        self.lag.labels(job, str(rank)).set(0)
+        self.queue_depth.labels(job, str(rank)).set(0)
 

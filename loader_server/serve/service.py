@@ -1,5 +1,4 @@
-"""The gRPC servicer of `packfeed.v1.Packfeed`: open, describe and list jobs, stream each rank its packs,
-take acknowledgements.
+"""The gRPC servicer of `packfeed.v1.Packfeed`: open, describe and list jobs, stream packs, take acknowledgements.
 
 Each pack stream runs a producer (`packfeed.server.serve.producer`) that prepares the rank's next steps in
 the worker pool within the shared memory budget; the stream sends finished bytes, so the event loop never
@@ -207,9 +206,9 @@ class PackfeedService:
         start = (request.first_epoch, request.first_step)
         await asyncio.to_thread(job.check_step, *start)
         who = rank_name(rank, encoder)
-        if primary and start == (0, 0) and job.progress(rank, encoder).acked >= (0, 0):
-            log.warning("job id re-used without its saved state: a rank starts again at step 0",
-                        extra={"job": job.spec.job, "rank": rank, "acked": list(job.progress(rank, encoder).acked)})
+        if primary and start == (0, 0) and job.ranks[rank].acked >= (0, 0):  # a restart that forgot its state?
+            log.warning("job id re-used without its saved state: a rank restarts at step 0", extra={
+                "job": job.spec.job, "rank": rank, "acked": list(job.ranks[rank].acked)})
         await self._take_lease(job, who, replica, lease)
         lost = asyncio.Event()
         job.open_streams += 1
@@ -250,8 +249,7 @@ class PackfeedService:
             if primary or encoder and not replica:
                 job.progress(rank, encoder).end_run()
             if primary:
-                self.metrics.lag.labels(job.spec.job, str(rank)).set(0)
-                self.metrics.queue_depth.labels(job.spec.job, str(rank)).set(0)
+                self.metrics.run_ended(job.spec.job, rank)
             keeper.cancel()
             producer.cancel()
             while not queue.empty():  # give back what the cancelled stream still held
