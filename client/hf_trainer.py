@@ -45,7 +45,7 @@ from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME
 
 from packfeed.client.channel import PackfeedError
 from packfeed.client.hf import check_model, empty_hf_inputs, to_hf_inputs
-from packfeed.client.loaders import job_batches, job_steps
+from packfeed.client.loaders import job_batches, job_progress, job_steps
 from packfeed.client.stream import PackStream
 from packfeed.client.tensors import Step
 
@@ -146,10 +146,10 @@ class PackfeedTrainerMixin:
         step, info = self.packfeed_batches.step, self.packfeed_batches.stream.info
         if step is None or not info.steps_per_epoch:
             return super().log(logs, *args, **kwargs)
-        logs = {**logs, "packfeed_step": step.epoch * info.steps_per_epoch + step.step + 1,
-                "packfeed_steps": job_steps(self.packfeed_batches.stream)}
+        number, epoch = job_progress(self.packfeed_batches.stream, step)
+        logs = {**logs, "packfeed_step": number, "packfeed_steps": job_steps(self.packfeed_batches.stream)}
         own = self.state.epoch  # Trainer.log writes state.epoch into the logs: the job's, for this call
-        self.state.epoch = round(step.epoch + (step.step + 1) / info.steps_per_epoch, 4)
+        self.state.epoch = round(epoch, 4)
         try:
             super().log(logs, *args, **kwargs)
         finally:

@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 from packfeed.client.channel import PackfeedError
 from packfeed.client.hf import check_model, empty_hf_inputs, to_hf_inputs
-from packfeed.client.loaders import StatefulPackLoader, job_batches, job_steps
+from packfeed.client.loaders import StatefulPackLoader, job_batches, job_progress, job_steps
 from packfeed.client.stream import PackStream
 from packfeed.client.tensors import Step
 
@@ -151,7 +151,6 @@ class PackProgress(lightning.Callback):
         step = getattr(data, "packfeed_step", None)
         if step is None or not data.stream.info.steps_per_epoch:
             return
-        per_epoch = data.stream.info.steps_per_epoch
-        pl_module.log_dict({"packfeed_epoch": step.epoch + (step.step + 1) / per_epoch,
-                            "packfeed_step": float(step.epoch * per_epoch + step.step + 1),
+        number, epoch = job_progress(data.stream, step)
+        pl_module.log_dict({"packfeed_epoch": epoch, "packfeed_step": float(number),
                             "packfeed_steps": float(job_steps(data.stream))}, on_step=True, on_epoch=False)

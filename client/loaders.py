@@ -35,6 +35,13 @@ def job_steps(stream: PackStream) -> int:
     return int(stream.info.steps_per_epoch) * int(stream.info.epochs)
 
 
+def job_progress(stream: PackStream, step) -> tuple[int, float]:
+    """Where `step` stands in its job: its number k from 1 over all epochs, and the job's epoch with the
+    fraction of it done once the step is trained (how the framework faces log progress)."""
+    per_epoch = int(stream.info.steps_per_epoch)
+    return step.epoch * per_epoch + step.step + 1, step.epoch + (step.step + 1) / per_epoch
+
+
 def job_batches(stream: PackStream) -> int:
     """The job's packs for one rank (steps x M): the length of a loader that hands out a pack per batch. A
     TypeError while the step count is unknown, which is how frameworks learn an iterable has no length."""

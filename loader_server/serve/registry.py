@@ -6,9 +6,9 @@ Names a client sends are checked here before they are stored or repeated in a me
 
 from __future__ import annotations
 
+import collections
 import threading
 import time
-import collections
 from dataclasses import replace
 
 from packfeed.media.pixel_modes import PIXEL_PATHS

@@ -34,8 +34,6 @@ from packfeed.server.serve.observe import log
 from packfeed.server.serve.status_page import PAGE
 
 REFRESH_S = 2.0
-
-
 HISTORY_S = 600.0  # the charts show the last ten minutes, a point every REFRESH_S
 
 

@@ -37,7 +37,7 @@ SPLIT_TERMS = (TILES, VISION_SQUARE, TOKENS, TOKEN_SQUARE)  # what d GPUs share;
 class CpWorkload:
     """Every pack of a CP plan: its step, replica, microbatch, degree, first lane and load row (1, tiles, sum of
     squared ViT sequences, tokens, sum of squared token spans, or what its split attention costs in tiles), and
-    the K/V rows its busiest GPU gathers per layer (`split_attention.share_costs`; zeros when unknown)."""
+    the K/V rows its busiest GPU gathers per layer (`split_attention.share_costs`; None when unknown)."""
 
     step: np.ndarray
     replica: np.ndarray
