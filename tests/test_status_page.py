@@ -40,8 +40,13 @@ def test_the_status_shows_jobs_ranks_and_progress(small_tile_index):
             first = json.loads(get(f"{base}/status.json")[1])
             next(steps)
             next(steps)
-            time.sleep(4.5)  # two more of the history's points
-            second = json.loads(get(f"{base}/status.json")[1])
+            deadline = time.monotonic() + 20  # the history's points come every 2 s, from the server's own clock
+            while True:
+                second = json.loads(get(f"{base}/status.json")[1])
+                (history,) = [j["history"] for j in second["jobs"] if j["job"] == "watched"]
+                if len(history) >= 2 and any(point[1] > 0 for point in history) or time.monotonic() > deadline:
+                    break
+                time.sleep(0.5)
             state = stream.state_dict()
         after = json.loads(get(f"{base}/status.json")[1])  # the run stopped early, 5 steps prefetched or more
         with PackStream(server.target, job="watched", rank=1, dp=2, microbatches=2, epochs=3) as stream:
