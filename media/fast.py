@@ -21,6 +21,8 @@ The tiles are the same bytes however the work is laid out: tests/test_pixels.py 
 
 from __future__ import annotations
 
+import importlib.metadata
+import importlib.util
 from collections.abc import Callable
 
 import numpy as np
@@ -31,16 +33,29 @@ from packfeed.media.resample import filter_weights, vertical_pass
 
 
 def check_available() -> None:
-    """A clear error, at start, where a library of the fast path is missing, or OpenCV too old for it."""
-    try:
-        import cv2
-        import pyspng  # noqa: F401
-        import simplejpeg  # noqa: F401
-    except ImportError as error:
-        raise ValueError(f"pixels: fast needs {error.name}: pip install 'packfeed[fast]'") from None
-    if not hasattr(cv2, "IMREAD_COLOR_RGB"):
-        raise ValueError(f"pixels: fast needs OpenCV 4.10 or later (installed: {cv2.__version__}): "
+    """A clear error, at start, where a library of the fast path is missing, or OpenCV too old for it. Without
+    importing them where their packages' metadata say enough: the server's main process decodes nothing, and
+    OpenCV alone would cost it about 30 MiB."""
+    missing = next((name for name in ("cv2", "pyspng", "simplejpeg") if importlib.util.find_spec(name) is None), None)
+    if missing is not None:
+        raise ValueError(f"pixels: fast needs {missing}: pip install 'packfeed[fast]'")
+    version = _opencv_version()
+    if version is not None and version < (4, 10):
+        raise ValueError(f"pixels: fast needs OpenCV 4.10 or later (installed: {'.'.join(map(str, version))}): "
                          "pip install -U 'packfeed[fast]'")
+
+
+def _opencv_version() -> tuple[int, ...] | None:
+    """(major, minor) of the installed OpenCV: from the distribution that provides `cv2` (opencv-python,
+    -headless, -contrib...), else from cv2 itself (one built from source has no metadata)."""
+    for distribution in importlib.metadata.packages_distributions().get("cv2", []):
+        try:
+            return tuple(int(part) for part in importlib.metadata.version(distribution).split(".")[:2])
+        except (importlib.metadata.PackageNotFoundError, ValueError):
+            continue
+    import cv2
+
+    return tuple(int(part) for part in cv2.__version__.split(".")[:2])
 
 
 def file_tiles(data: bytes, geometry: Geometry, empty: Callable = np.empty) -> list[np.ndarray]:

@@ -11,6 +11,7 @@ import pytest
 from packfeed.client import LocalServer, PackStream
 from packfeed.client.discovery import servers_from_redis
 from packfeed.v1 import packfeed_pb2 as pb, packfeed_pb2_grpc as pb_grpc
+from processes import descendants, workers
 from redis_server import RedisProcess
 from test_service import step_digest, valid_keys
 
@@ -193,9 +194,8 @@ def test_a_killed_server_takes_its_pre_processing_workers_with_it(small_tile_ind
     try:
         with PackStream(server.target, job="orphans", rank=0, dp=1) as stream:
             next(iter(stream))  # the workers are running
-        children = [int(pid) for pid in open(f"/proc/{server.process.pid}/task/{server.process.pid}/children")
-                    .read().split()]
-        assert len(children) >= 2
+        children = descendants(server.process.pid)  # the resource tracker, the fork server, its workers
+        assert len(workers(server.process.pid)) == 2 and len(children) >= 4
     finally:
         os.kill(server.process.pid, signal.SIGKILL)
         server.process.wait(10)

@@ -11,6 +11,7 @@ import grpc
 import pytest
 
 from ports import free_port
+from processes import workers
 from packfeed.client import LocalServer, PackStream
 from packfeed.v1 import packfeed_pb2 as pb
 from packfeed.v1 import packfeed_pb2_grpc as pb_grpc
@@ -204,11 +205,6 @@ def test_a_worker_killed_mid_epoch_is_replaced_and_the_epoch_completes(small_til
 
     table, _ = read_index(small_tile_index, columns=["key", "valid"])
     valid = sorted(k for k, v in zip(table.column("key").to_pylist(), table.column("valid").to_pylist()) if v)
-
-    def workers(pid: int) -> list[int]:
-        with open(f"/proc/{pid}/task/{pid}/children") as children:
-            found = [int(child) for child in children.read().split()]
-        return [child for child in found if b"spawn_main" in open(f"/proc/{child}/cmdline", "rb").read()]
 
     with LocalServer(small_tile_index, workers=1) as server:
         keys = []

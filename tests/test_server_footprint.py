@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from packfeed.client import LocalServer
+from processes import children, descendants, is_fork_server, workers
 
 CLIENT_SIDE = {"packfeed.server.tools.consume"}  # the demo's trainer-side clients
 
@@ -32,39 +33,34 @@ def test_no_server_module_imports_torch():
     assert len(modules) > 40 and done.stdout.strip() == "", f"{done.stdout.strip()} imports torch"
 
 
-def process_tree(pid: int) -> list[int]:
-    pids, found = [pid], []
-    while pids:
-        current = pids.pop()
-        found.append(current)
-        try:
-            pids += [int(c) for c in Path(f"/proc/{current}/task/{current}/children").read_text().split()]
-        except OSError:
-            continue
-    return found
-
-
-def test_a_running_server_and_its_workers_never_load_torch_nor_the_workers_pandas(small_tile_index):
+def test_a_running_server_and_its_workers_never_load_torch_nor_the_workers_pandas_or_scipy(small_tile_index):
     """Torch would cost every server process 500 MiB; pandas, which pyarrow imports when it builds an array,
-    45 MiB per worker (the server itself may use it)."""
+    45 MiB per worker, and scipy, which numba imports, 44 MiB (the server itself may use both). The workers
+    are forks of a fork server that loaded what they need (`worker_preload`): it refuses them too."""
     from packfeed.client import PackStream
 
     def mapped() -> dict[int, str]:
-        return {pid: Path(f"/proc/{pid}/maps").read_text() for pid in process_tree(server.process.pid)
+        return {pid: Path(f"/proc/{pid}/maps").read_text() for pid in [server.process.pid, *descendants(server.process.pid)]
                 if Path(f"/proc/{pid}/maps").exists()}
 
-    def workers(maps: dict[int, str]) -> list[int]:  # those that have pre-processed samples (tokenizers loaded)
-        return [pid for pid, text in maps.items() if pid != server.process.pid and "tokenizers" in text]
+    def busy() -> list[int]:  # workers that have pre-processed samples (shards opened)
+        return [pid for pid in workers(server.process.pid)
+                if any(str(link.readlink()).endswith(".tar") for link in Path(f"/proc/{pid}/fd").iterdir())]
 
     with LocalServer(small_tile_index, workers=2) as server:
         with PackStream(server.target, job="footprint", rank=0, dp=1, microbatches=1) as stream:
             for _ in zip(range(40), stream):  # bounded: until both workers have prepared real samples
-                maps = mapped()
-                if len(workers(maps)) == 2:
+                maps, busy_workers = mapped(), busy()
+                if len(busy_workers) == 2:
                     break
-    assert len(maps) >= 3  # the server and its two workers
+        fork_server = [pid for pid in children(server.process.pid) if is_fork_server(pid)]
+    assert len(maps) >= 4 and len(fork_server) == 1  # the server, its fork server and two workers
     assert not [pid for pid, text in maps.items() if "libtorch" in text]
-    assert len(workers(maps)) == 2 and not [pid for pid in workers(maps) if "site-packages/pandas" in maps[pid]]
+    assert len(busy_workers) == 2
+    for pid in busy_workers + fork_server:
+        assert "site-packages/pandas" not in maps[pid] and "site-packages/scipy" not in maps[pid], pid
+        assert "libllvmlite" in maps[pid] and "cv2" in maps[pid]  # numba and OpenCV: loaded before the fork
+    assert "site-packages/scipy" in maps[server.process.pid]  # the control: numba loads it where allowed
 
 
 def shared_files(pid: int) -> list[Path]:

@@ -5,7 +5,8 @@ CPU seconds) and cached on disk (`cache=True`: beside the package, or under NUMB
 would pay that before its first pack. `warm_up()` plans a small synthetic epoch through every code path and
 resizes a small image every way the resizer can (packfeed.media.resample.compile_kernels), so every
 kernel is compiled, and cached, once: `packfeed warmup` runs it where an image is built or a virtual environment installed, and
-`packfeed serve` runs it in the background at start, so a cold cache costs no job more than what is left.
+`packfeed serve` runs it (the planner's part: its workers' fork server loads the media kernels) in the background
+at start, so a cold cache costs no job more than what is left.
 
 The cache is valid for the CPU it was compiled for. An image built on one machine and run on others keeps
 it valid with NUMBA_CPU_NAME (e.g. x86-64-v3) and an empty NUMBA_CPU_FEATURES at build and run time
@@ -38,11 +39,13 @@ _CONFIGS = [PlanConfig(dp=2, microbatches=2, pipeline_stages=2, strategy=strateg
            [PlanConfig(dp=2, microbatches=2, encoder_ranks=3)]
 
 
-def warm_up() -> float:
-    """Plan a small synthetic dataset with every configuration above and compile the exact resizer; returns the
-    seconds it took."""
+def warm_up(media: bool = True) -> float:
+    """Plan a small synthetic dataset with every configuration above and (with `media`) compile the media
+    kernels; returns the seconds it took. A server leaves the media kernels to its workers' fork server, which
+    loads them anyway: the main process decodes nothing."""
     started = time.perf_counter()
-    compile_kernels()
+    if media:
+        compile_kernels()
     rng = np.random.default_rng(0)
     loads = SampleLoads.from_arrays(rng.integers(0, 13, 512), rng.integers(64, 4096, 512))
     # An index's columns arrive read-only (views of Arrow memory), which numba compiles for apart
@@ -56,10 +59,10 @@ def warm_up() -> float:
     return time.perf_counter() - started
 
 
-def warm_up_in_background(done=None) -> threading.Thread:
-    """warm_up() in a daemon thread; `done(seconds)` is called when it finished."""
+def warm_up_in_background(done=None, media: bool = True) -> threading.Thread:
+    """warm_up(media) in a daemon thread; `done(seconds)` is called when it finished."""
     def run() -> None:
-        seconds = warm_up()
+        seconds = warm_up(media)
         if done is not None:
             done(seconds)
 

@@ -1,12 +1,12 @@
-"""Inside a pre-processing worker process: its set-up (no pandas, one tokenizer thread, memory kept for reuse and
-given back when idle, dying with its server) and the step function: read, decode, tile, tokenise and assemble a
-rank-step's packs, serialized into the step's shared file."""
+"""Inside a pre-processing worker process: its set-up (one tokenizer thread, memory kept for reuse and given back
+when idle, dying with its server; what it loads and refuses was set up before the fork, by `worker_preload`)
+and the step function: read, decode, tile, tokenise and assemble a rank-step's packs, serialized into the
+step's shared file."""
 
 from __future__ import annotations
 
 import collections
 import ctypes
-import importlib.abc
 import os
 import signal
 import sys
@@ -30,24 +30,9 @@ _WARNED: list[bool] = []  # this worker said once that shared memory is full
 _SOURCES: dict[str, DatasetSource] = {}
 
 
-class _NotInWorkers(importlib.abc.MetaPathFinder):
-    """Refuses to import pandas in a worker, as if it were not installed: pyarrow imports it (about 45 MiB
-    resident) the first time it builds an array, only to check whether the values are pandas objects, and
-    carries on without it where it is missing."""
-
-    REFUSED = ("pandas",)
-
-    def find_spec(self, name, path=None, target=None):
-        if name.partition(".")[0] in self.REFUSED:
-            raise ModuleNotFoundError(f"{name} is not imported in Packfeed's pre-processing workers", name=name)
-        return None
-
-
 def init_worker(sources: dict[str, DatasetSource], server_pid: int | None = None) -> None:
     """Set up a pool's worker process (`server_pid`: the server's), or this process for inline use."""
     _SOURCES.update(sources)
-    if server_pid is not None and not any(isinstance(finder, _NotInWorkers) for finder in sys.meta_path):
-        sys.meta_path.insert(0, _NotInWorkers())
     keep_freed_memory(give_back_after=GIVE_BACK_AFTER_S)
     # A worker is one core. The tokenizer's own thread pool would spin between a sample's few short encodes:
     # a twentieth of a worker's CPU, seen in a one-off `perf` profile during the CPU-per-sample benchmark.
@@ -106,9 +91,25 @@ def _die_with(server_pid: int) -> None:
     killer) cannot stop its workers, which would otherwise live on with their memory, waiting for work."""
     if sys.platform != "linux":
         return
+    # The parent is the fork server, which exits once no process holds the write end of its "alive" pipe: the
+    # server and, as multiprocessing hands it to every child, this worker. Let go of this copy, so that the fork
+    # server follows the server, and the signal below follows the fork server.
+    _close_fork_server_pipe()
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-    if os.getppid() != server_pid:  # the server went before the request was made
+    try:
+        os.kill(server_pid, 0)
+    except ProcessLookupError:  # the server went before the request was made
         os._exit(0)
+
+
+def _close_fork_server_pipe() -> None:
+    from multiprocessing import forkserver
+
+    server = getattr(forkserver, "_forkserver", None)  # multiprocessing's own (3.10-3.14), no public handle
+    alive = getattr(server, "_forkserver_alive_fd", None)
+    if alive is not None:
+        os.close(alive)
+        server._forkserver_alive_fd = None
 
 
 def _dataset(name: str) -> tuple[IndexRows, SampleReader]:
