@@ -115,9 +115,9 @@ def test_encoder_rank_requests_are_checked_and_acknowledgements_do_not_move_the_
         with pytest.raises(PackfeedError, match="no encoder ranks"):
             list(PackStream(server.target, job="plain", encoder_rank=0, **plan))
         with pytest.raises(PackfeedError, match="outside the job's 1 encoder ranks"):
-            PackStream(server.target, job="split", encoder_rank=1, encoder_ranks=1, **plan)
+            PackStream(server.target, job="split", encoder_rank=1, encoder_ranks=1, epochs=4, **plan)
         with pytest.raises(ValueError, match="not both"):
-            PackStream(server.target, job="split", rank=0, encoder_rank=0, encoder_ranks=1, **plan)
+            PackStream(server.target, job="split", rank=0, encoder_rank=0, encoder_ranks=1, epochs=4, **plan)
         with pytest.raises(grpc.RpcError) as refused:  # the server says so too
             next(stub.StreamPacks(pb.StreamPacksRequest(job="plain", rank=0, encoder=True)))
         assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "no encoder ranks" in \
@@ -126,10 +126,10 @@ def test_encoder_rank_requests_are_checked_and_acknowledgements_do_not_move_the_
             next(stub.StreamPacks(pb.StreamPacksRequest(job="split", rank=3, encoder=True)))
         assert refused.value.code() == grpc.StatusCode.OUT_OF_RANGE
 
-        encoder = PackStream(server.target, job="split", encoder_rank=0, encoder_ranks=1, **plan)
+        encoder = PackStream(server.target, job="split", encoder_rank=0, encoder_ranks=1, epochs=4, **plan)
         first = next(iter(encoder))
-        with pytest.raises(grpc.RpcError) as refused:  # a step it was not sent
-            stub.AckStep(pb.AckStepRequest(job="split", rank=0, epoch=0, step=first.step + 1, encoder=True))
+        with pytest.raises(grpc.RpcError) as refused:  # a step it was not sent (epochs ahead of any prefetch)
+            stub.AckStep(pb.AckStepRequest(job="split", rank=0, epoch=3, step=0, encoder=True))
         assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "encoder rank 0" in \
             refused.value.details()
         stub.AckStep(pb.AckStepRequest(job="split", rank=0, epoch=0, step=first.step, encoder=True, data_wait_s=2.5))
@@ -140,12 +140,12 @@ def test_encoder_rank_requests_are_checked_and_acknowledgements_do_not_move_the_
         encoder.close()
         assert state["encoder"] and state["rank"] == 0
 
-        again = PackStream(server.target, job="split", encoder_rank=0, encoder_ranks=1, **plan)
+        again = PackStream(server.target, job="split", encoder_rank=0, encoder_ranks=1, epochs=4, **plan)
         again.load_state_dict(state)
         following = next(iter(again))
         again.close()
         assert following.step == first.step + 1 and following.packs[0].encoder
-        llm = PackStream(server.target, job="split", rank=0, encoder_ranks=1, **plan)
+        llm = PackStream(server.target, job="split", rank=0, encoder_ranks=1, epochs=4, **plan)
         with pytest.raises(PackfeedError, match="state is of encoder rank 0, this stream is rank 0"):
             llm.load_state_dict(state)
         llm.close()

@@ -1,6 +1,12 @@
-"""Memory per server process: resident memory of `packfeed serve` before its first job, and of it and each
-pre-processing worker idle after serving (once the workers have given back what they keep while busy); in the
-same run, a process that only imports `webdataset` (what every server process paid when the shard reader
+"""Memory of a `packfeed serve` process tree (the server, the workers' fork server, the workers, multiprocessing's
+resource tracker), as an operator sizes a machine for it:
+- before its first job: the server process's resident memory, and the whole tree's;
+- under load (two ranks streaming an epoch of 448 px tiles through 2 workers), sampled every 0.2 s: the tree's
+  memory as the kernel holds it (the sum of proportional set sizes, which counts a page shared between
+  processes once: the workers are forks of one process and share what it loaded), against
+  `--memory-budget-mb` and the bound docs/serving.md "Memory" gives an operator;
+- each worker idle after serving (once it has given back what it keeps while busy).
+In the same run, a process that only imports `webdataset` (what every server process paid when the shard reader
 imported it, and with it torch).
 
 Run: .venv/bin/python -m pytest -q -s tests/benchmarks/test_bench_footprint.py -m benchmark
@@ -10,24 +16,46 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import pytest
+import yaml
 
 from packfeed.client import LocalServer, PackStream
-from packfeed.server.serve.worker_process import GIVE_BACK_AFTER_S
+from packfeed.server.serve.worker_process import GIVE_BACK_AFTER_S, KEEP_FREED_BYTES
+from processes import descendants, workers
 
 pytestmark = pytest.mark.benchmark
+MIB = 1 << 20
+BUDGET_MB = 512
 
 
-def rss_mib(pid: int) -> float:
+def status_mib(pid: int, field: str = "VmRSS") -> float:
     status = Path(f"/proc/{pid}/status").read_text()
-    return int(next(line.split()[1] for line in status.splitlines() if line.startswith("VmRSS:"))) / 1024
+    return int(next(line.split()[1] for line in status.splitlines() if line.startswith(f"{field}:"))) / 1024
 
 
-def children(pid: int) -> list[int]:
-    return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+def pss_mib(pid: int) -> float:
+    """Proportional set size: resident pages, each shared page divided among the processes that map it."""
+    try:
+        rollup = Path(f"/proc/{pid}/smaps_rollup").read_text()
+    except OSError:  # gone meanwhile
+        return 0.0
+    return int(next(line.split()[1] for line in rollup.splitlines() if line.startswith("Pss:"))) / 1024
+
+
+def tree(pid: int) -> list[int]:
+    return [pid, *descendants(pid)]
+
+
+def tree_rss_mib(pid: int) -> float:
+    return sum(status_mib(each) for each in tree(pid) if Path(f"/proc/{each}").exists())
+
+
+def tree_pss_mib(pid: int) -> float:
+    return sum(pss_mib(each) for each in tree(pid))
 
 
 @pytest.fixture(scope="module")
@@ -35,32 +63,60 @@ def photo_index(tmp_path_factory) -> Path:
     """The demo's photographs at the default policy (InternVL, 448 px tiles, up to 12 per image)."""
     from demo_data import indexed_demo
 
-    return indexed_demo(tmp_path_factory.mktemp("photos"), 60, 2, 1)[1]
+    return indexed_demo(tmp_path_factory.mktemp("photos"), 240, 4, 2)[1]
+
+
+def settle(server: LocalServer, timeout: float = 120.0) -> None:
+    """Until the planner's warm-up and the workers' fork server are done (what a server does once)."""
+    deadline = time.monotonic() + timeout
+    marks = ('"planner ready"', "\"workers' fork server ready\"")
+    while not all(any(mark in line for line in server.log) for mark in marks) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    time.sleep(1.0)
+
+
+def stream_epoch(target: str, rank: int) -> None:
+    with PackStream(target, job="load", rank=rank, dp=2, microbatches=2, epochs=1) as stream:
+        for _ in stream:
+            pass
 
 
 @pytest.mark.parametrize("tiles", ["112 px", "448 px"])
-def test_server_and_worker_memory(small_tile_index, photo_index, tiles):
+def test_server_tree_memory_before_its_first_job_under_load_and_idle(small_tile_index, photo_index, tmp_path, tiles):
     index = small_tile_index if tiles == "112 px" else photo_index
     probe = "import os, webdataset; print(open(f'/proc/{os.getpid()}/status').read())"
     status = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True).stdout
     webdataset_rss = int(next(line.split()[1] for line in status.splitlines() if line.startswith("VmRSS:"))) / 1024
-    with LocalServer(index, workers=2) as server:
-        time.sleep(2)
-        idle_server = rss_mib(server.process.pid)
-        with PackStream(server.target, job="footprint", rank=0, dp=1, microbatches=2, epochs=1) as stream:
-            steps = 0
-            for _ in stream:
-                steps += 1
-                if steps == 5:
-                    break
-            busy = [rss_mib(w) for w in children(server.process.pid)]  # right after 5 steps, still streaming
+    config = tmp_path / "server.yaml"
+    config.write_text(yaml.safe_dump({"memory_budget_mb": BUDGET_MB, "datasets": {"demo": {"index": str(index)}}}))
+    with LocalServer(config=config, workers=2) as server:
+        pid = server.process.pid
+        settle(server)
+        first = status_mib(pid), tree_rss_mib(pid), tree_pss_mib(pid), len(tree(pid))
+        samples: list[tuple[float, float]] = []
+        ranks = [threading.Thread(target=stream_epoch, args=(server.target, rank)) for rank in range(2)]
+        for rank in ranks:
+            rank.start()
+        while any(rank.is_alive() for rank in ranks):
+            samples.append((tree_pss_mib(pid), tree_rss_mib(pid)))
+            busy_workers = [status_mib(w) for w in workers(pid)]
+            time.sleep(0.2)
+        for rank in ranks:
+            rank.join()
         time.sleep(GIVE_BACK_AFTER_S + 1.5)  # idle: the workers have given back the memory they kept for steps
-        idle_after = rss_mib(server.process.pid), [rss_mib(w) for w in children(server.process.pid)]
+        idle = status_mib(pid), [status_mib(w) for w in workers(pid)], tree_pss_mib(pid)
+    peak_pss, peak_rss = max(pss for pss, _ in samples), max(rss for _, rss in samples)
+    # docs/serving.md "Memory": the server with its fork server (300 MiB, plus the step files it keeps: a quarter
+    # of the budget), per worker 130 MiB of its own and what it keeps while busy, and the budget
+    bound = 300 + BUDGET_MB / 4 + 2 * (130 + KEEP_FREED_BYTES / MIB) + BUDGET_MB
     print(f"\n[footprint {tiles} tiles] a process importing webdataset (and so torch): {webdataset_rss:.0f} MiB")
-    print(f"[footprint {tiles} tiles] server before its first job: {idle_server:.0f} MiB (workers start with the "
-          "first job)")
-    print(f"[footprint {tiles} tiles] child processes (workers, multiprocessing's resource tracker) right after "
-          f"{steps} steps, still streaming: {', '.join(f'{w:.0f}' for w in busy)} MiB")
-    print(f"[footprint {tiles} tiles] idle after serving: server {idle_after[0]:.0f} MiB, child processes "
-          f"{', '.join(f'{w:.0f}' for w in idle_after[1])} MiB")
-    assert idle_server <= 400 and max(idle_after[1]) <= 250
+    print(f"[footprint {tiles} tiles] before its first job: server process {first[0]:.0f} MiB resident; the tree "
+          f"({first[3]} processes) {first[2]:.0f} MiB proportional ({first[1]:.0f} MiB summing each process's "
+          "resident memory, which counts the fork server's shared pages once per process)")
+    print(f"[footprint {tiles} tiles] under load (2 ranks, 2 workers, {len(samples)} samples): the tree's peak "
+          f"{peak_pss:.0f} MiB proportional ({peak_rss:.0f} MiB by resident sums) with --memory-budget-mb "
+          f"{BUDGET_MB}; the documented bound {bound:.0f} MiB; workers' resident memory near the end: "
+          f"{', '.join(f'{w:.0f}' for w in busy_workers)} MiB")
+    print(f"[footprint {tiles} tiles] idle after serving: server {idle[0]:.0f} MiB, workers "
+          f"{', '.join(f'{w:.0f}' for w in idle[1])} MiB resident; the tree {idle[2]:.0f} MiB proportional")
+    assert first[0] <= 300 and first[2] <= 300 and peak_pss <= bound and max(idle[1]) <= 130
