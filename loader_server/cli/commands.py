@@ -156,6 +156,9 @@ def cmd_warmup(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     import asyncio
 
+    from packfeed.server.serve.refused_imports import import_numba_without_scipy
+
+    import_numba_without_scipy()  # before anything imports numba with it: 15 MiB the server never uses
     from packfeed.server.serve.config import load_config
     from packfeed.server.serve.observe import setup_logging
     from packfeed.server.serve.server import serve

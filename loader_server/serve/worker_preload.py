@@ -14,29 +14,7 @@ likewise left to the workers, which then fail with the error where a step needs 
 
 from __future__ import annotations
 
-import importlib.abc
-import sys
-
-
-class NotInWorkers(importlib.abc.MetaPathFinder):
-    """Refuses to import some packages in a worker, as if they were not installed:
-    - pandas: pyarrow imports it (about 45 MiB resident) the first time it builds an array, only to check
-      whether the values are pandas objects, and carries on without it where it is missing;
-    - scipy: numba imports it (about 44 MiB and 0.2 CPU s) to offer linear algebra, which no worker kernel
-      uses, and carries on without it where it is missing."""
-
-    REFUSED = ("pandas", "scipy")
-
-    def find_spec(self, name, path=None, target=None):
-        if name.partition(".")[0] in self.REFUSED:
-            raise ModuleNotFoundError(f"{name} is not imported in Packfeed's pre-processing workers", name=name)
-        return None
-
-
-def refuse_in_workers() -> None:
-    """Install NotInWorkers in this process (once)."""
-    if not any(isinstance(finder, NotInWorkers) for finder in sys.meta_path):
-        sys.meta_path.insert(0, NotInWorkers())
+from packfeed.server.serve.refused_imports import refuse
 
 
 def _optional_libraries() -> None:
@@ -50,7 +28,7 @@ def _optional_libraries() -> None:
 
 def preload() -> None:
     """Import what a worker runs and load (compiling if the cache lacks them) the media kernels."""
-    refuse_in_workers()
+    refuse("pandas", "scipy")
     _optional_libraries()
     from packfeed.media.resample import compile_kernels
     from packfeed.server.serve import worker_process  # noqa: F401  (the step function and all it imports)
