@@ -87,30 +87,50 @@ def plan_steps(data, world: int, collective_safe: bool) -> list[list[list[int]]]
     return [[plan.pack(step, rank, 0).tolist() for rank in range(world)] for step in range(plan.n_steps)]
 
 
+MOSTLY_TEXT = (5,) * 12 + (0, 1, 6)  # video_data.mixed_samples' kinds: 80% text only; an image, an mp4, both
+
+
+@pytest.fixture(scope="module")
+def mostly_text(tmp_path_factory):
+    pytest.importorskip("av")
+    from test_hf_video import video_family
+
+    # 8 of each kind of sample with media: DP 2 and DP 4 align them all
+    return video_family(tmp_path_factory.mktemp("mostly-text"), "qwen2_vl", samples=120, kinds=MOSTLY_TEXT)
+
+
 @pytest.mark.parametrize("world", [2, 4])
-def test_an_fsdp2_loop_with_the_tower_wrapped_apart_never_hangs_on_a_collective_safe_plan(tmp_path, world):
-    """A user's FSDP2 loop, each vision block a unit of its own, on a mostly-text dataset (80% text only) planned
-    for DP `world`. A step of the plan made with --no-collective-safe where some ranks' packs hold images and
-    others' none never completes (the control, bounded); the default plan's steps hold images on every rank or
-    on none, and its step with images completes without any guard, with the plain loop's loss; the unaligned
-    step completes too once `ensure_encoders` runs every tower."""
+def test_an_fsdp2_loop_with_the_tower_wrapped_apart_never_hangs_on_a_collective_safe_plan(tmp_path, world,
+                                                                                         mostly_text):
+    """A user's FSDP2 loop, each vision block a unit of its own, on a mostly-text dataset (80% text only; the
+    rest images, videos, and samples with both, which call Qwen2-VL's tower twice) planned for DP `world`. A step
+    of the plan made with --no-collective-safe where ranks' packs call the tower differently never completes
+    (the control, bounded); the default plan's steps hold images on every rank or on none, and videos likewise,
+    and its step where every rank runs the tower completes without any guard, with the plain loop's loss; the
+    unaligned step completes too once `ensure_encoders` runs every tower."""
     from trainer_workers import sharded_tower_step
 
-    family = "qwen2_vl"
-    data = family_dataset(tmp_path / "data", family, samples=40, image_counts=(0, 0, 0, 0, 1))
+    family, data = "qwen2_vl", mostly_text
     from packfeed.server.index.table import read_index
 
-    images = dict(zip(*(read_index(data.index)[0].column(c).to_pylist() for c in ("sample_id", "n_images"))))
-    assert sum(n > 0 for n in images.values()) == 8  # a fifth of the 40
+    table = read_index(data.index)[0]
+    media = {sample: (images, videos) for sample, images, videos in
+             zip(*(table.column(c).to_pylist() for c in ("sample_id", "n_images", "n_videos")))}
+    assert sum(1 for images, videos in media.values() if not images and not videos) == 96  # 80% of the 120
+    assert sum(1 for _, videos in media.values() if videos) == 16 and sum(1 for images, _ in media.values() if images) == 16
 
-    def has_images(group: list[int]) -> bool:
-        return any(images[i] for i in group)
+    def towers(group: list[int]) -> tuple[bool, bool]:  # does the pack call the tower on images, on videos
+        return any(media[i][0] for i in group), any(media[i][1] for i in group)
 
     safe = plan_steps(data, world, True)
     for groups in safe:
-        assert len({has_images(g) for g in groups}) == 1, groups  # every rank alike
-    with_images = next(groups for groups in safe if all(has_images(g) for g in groups))
-    mixed = next(groups for groups in plan_steps(data, world, False) if len({has_images(g) for g in groups}) == 2)
+        assert len({towers(g) for g in groups}) == 1, groups  # every rank alike
+    assert any(towers(groups[0])[1] for groups in safe)  # videos are planned in too
+    with_encoders = max(safe, key=lambda groups: sum(towers(groups[0])))  # every rank runs the tower
+    assert any(towers(with_encoders[0]))
+    # the control: ranks that call the tower a different number of times (an image on one rank and a video on
+    # another each call it once, which FSDP's collectives do not tell apart)
+    mixed = next(groups for groups in plan_steps(data, world, False) if len({sum(towers(g)) for g in groups}) > 1)
 
     def run(groups, ensure: bool, name: str) -> bool:
         packs = packs_of(data, groups)
@@ -129,5 +149,5 @@ def test_an_fsdp2_loop_with_the_tower_wrapped_apart_never_hangs_on_a_collective_
 
     assert not run(mixed, False, "control")
     assert not list((tmp_path / "control").glob("rank*.pt"))
-    assert run(with_images, False, "safe")
+    assert run(with_encoders, False, "safe")
     assert run(mixed, True, "ensured")

@@ -13,7 +13,7 @@ pytest.importorskip("av")
 from hf_models import FamilyData, tiny_model  # noqa: E402
 from packfeed.client.hf import normalised, qwen_video_patches, to_hf_inputs, family_of  # noqa: E402
 from test_hf_packed import assert_packed_equals_alone  # noqa: E402
-from video_data import indexed_videos  # noqa: E402
+from video_data import MIXED_KINDS, indexed_videos  # noqa: E402
 
 VIDEO_CONVENTIONS = {
     "internvl": ("internvl", {"name": "internvl", "image_size": 56, "max_num": 4, "tokens_per_tile": 4},
@@ -30,12 +30,12 @@ VIDEO_CONVENTIONS["qwen3_vl"] = (  # the qwen3_vl preset at tiny sizes: timestam
 GROUPS = [[0, 1, 2, 3], [4, 5, 6, 7]]  # images, videos of each container, a frame sequence, text, image + video
 
 
-def video_family(root, family: str) -> FamilyData:
+def video_family(root, family: str, samples: int = 8, kinds: tuple[int, ...] = MIXED_KINDS) -> FamilyData:
     from packfeed.server.index.table import read_index_info
     from packfeed.server.serve.model_conventions import model_conventions
     from tokenizers import Tokenizer
 
-    index, tokenizer, _ = indexed_videos(root, *VIDEO_CONVENTIONS[family], samples=8)
+    index, tokenizer, _ = indexed_videos(root, *VIDEO_CONVENTIONS[family], samples=samples, kinds=kinds)
     conventions = model_conventions(read_index_info(index), tokenizer)
     return FamilyData(index, tokenizer, Tokenizer.from_file(str(tokenizer)).get_vocab_size(),
                       conventions.image_context_id, conventions)

@@ -65,16 +65,20 @@ def conversation(question: str, answer: str, **extra) -> bytes:
                        **extra}).encode()
 
 
-def mixed_samples(n: int, seed: int = 0, image: bytes | None = None) -> list[tuple[str, dict[str, bytes]]]:
-    """`n` samples cycling through: an image, an mp4, a webm, an mkv, a frame sequence, text only, an image and an
-    mp4. Video lengths vary (1 to 6 seconds), so frame counts and costs differ."""
+MIXED_KINDS = tuple(range(7))  # an image, an mp4, a webm, an mkv, a frame sequence, text only, an image and an mp4
+
+
+def mixed_samples(n: int, seed: int = 0, image: bytes | None = None,
+                  kinds: tuple[int, ...] = MIXED_KINDS) -> list[tuple[str, dict[str, bytes]]]:
+    """`n` samples cycling through `kinds` (MIXED_KINDS: an image, an mp4, a webm, an mkv, a frame sequence, text
+    only, an image and an mp4). Video lengths vary (1 to 6 seconds), so frame counts and costs differ."""
     rng = np.random.default_rng(seed)
     picture = image or jpeg(frame_picture(3, 320, 240))
     samples = []
     for k in range(n):
         key = f"s{k:05d}"
         seconds = int(rng.integers(1, 7))
-        kind = k % 7
+        kind = kinds[k % len(kinds)]
         if kind == 0:
             samples.append((key, {"jpg": picture, "json": conversation("<image>\nWhat is shown?", "A test card.")}))
         elif kind in (1, 2, 3):
@@ -95,7 +99,7 @@ def mixed_samples(n: int, seed: int = 0, image: bytes | None = None) -> list[tup
 
 
 def indexed_videos(root: Path, template: str | dict, image_policy: dict, video_policy: dict, samples: int = 12,
-                   seed: int = 0, verify: str = "decode"):
+                   seed: int = 0, verify: str = "decode", kinds: tuple[int, ...] = MIXED_KINDS):
     """`mixed_samples` in one shard, indexed with these conventions (`template`: a chat template preset's name,
     or a chat_template section). Returns (index, tokenizer, IndexResult)."""
     from packfeed.media.chat import ChatTemplate
@@ -105,7 +109,7 @@ def indexed_videos(root: Path, template: str | dict, image_policy: dict, video_p
 
     template = ChatTemplate.from_dict({"preset": template} if isinstance(template, str) else template)
     root.mkdir(parents=True, exist_ok=True)
-    shard = write_shard(root / "videos.tar", mixed_samples(samples, seed))
+    shard = write_shard(root / "videos.tar", mixed_samples(samples, seed, kinds=kinds))
     tokenizer = train_tokenizer(root / "tokenizer.json", vocab_size=400, special_tokens=template.special_tokens)
     config = IndexConfig(str(tokenizer), image_policy, template.to_dict(), video_policy, verify_images=verify)
     result = build_index([str(shard)], root / "index.parquet", config, workers=1, progress=False)
