@@ -28,7 +28,11 @@ one call of its pipeline schedule. `pip install packfeed[megatron]`.
   (one per DP rank, as `packfeed train` does) and load it before the first step to continue at exactly the
   next one.
 - Pipelines: Megatron reads the data iterator on the first and the last stage; give both a `MegatronSteps`
-  over the same rank's packs (`PackStream(..., replica=k, replicas=2)`).
+  over the same rank's packs (`PackStream(..., replica=k, replicas=2)`). Its schedules at pp > 1 send every
+  microbatch's activations at one shape, `seq_length` tokens, unless `variable_seq_lengths=True` in the model's
+  config (which sends each shape first): packs differ in length, so set it, or take
+  `MegatronSteps(..., same_length=True)`, which pads every microbatch of a step to its longest at the end
+  (the last sample's padded span grows; outside the loss).
 - Vision: a pack's images are `images` (the raw tiles, `PackTensors.tiles()`) and `image_token_spans`, for
   the model's own vision encoder; Megatron's LLaVA model takes them its own way.
 """
@@ -44,9 +48,11 @@ import torch
 from packfeed.client.tensors import IGNORE_INDEX, PackTensors, Step
 
 
-def megatron_batch(pack: PackTensors, pad_to_multiple: int = 1,
-                   device: torch.device | str | None = None) -> dict[str, Any]:
-    """One pack as Megatron's packed batch (see the module docstring)."""
+def megatron_batch(pack: PackTensors, pad_to_multiple: int = 1, device: torch.device | str | None = None,
+                   pad_to_length: int | None = None) -> dict[str, Any]:
+    """One pack as Megatron's packed batch (see the module docstring). `pad_to_length`: the batch padded at its
+    end to that many tokens (the last sample's padded span grows; outside the loss), for a pipeline that sends
+    every microbatch's activations at one length."""
     if pad_to_multiple < 1:
         raise ValueError(f"pad_to_multiple must be >= 1, not {pad_to_multiple}")
     bounds = pack.cu_seqlens.to(torch.long).tolist()
@@ -66,6 +72,8 @@ def megatron_batch(pack: PackTensors, pad_to_multiple: int = 1,
         pieces["loss_mask"].append(mask)
         pieces["position_ids"].append(torch.cat([positions[start:end], torch.arange(width - length) + length]))
         padded.append(padded[-1] + width)
+    if pad_to_length is not None:
+        _pad_tail(pieces, padded, bounds, pad_to_length)
     batch = {name: (torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)).unsqueeze(0)
              for name, parts in pieces.items()}
     lengths = [b - a for a, b in zip(bounds[:-1], bounds[1:])]
@@ -79,6 +87,25 @@ def megatron_batch(pack: PackTensors, pad_to_multiple: int = 1,
     if device is not None:
         batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
     return batch
+
+
+def _pad_tail(pieces: dict[str, list[torch.Tensor]], padded: list[int], bounds: list[int], length: int) -> None:
+    """Pad the batch's pieces to `length` tokens: the last sample's padded span grows (a pack with no sample
+    gets an empty one)."""
+    extra = length - padded[-1]
+    if extra < 0:
+        raise ValueError(f"pad_to_length {length} is shorter than the batch's {padded[-1]} tokens")
+    if not extra:
+        return
+    if len(bounds) == 1:  # no sample: one of length 0, all padding
+        bounds.append(bounds[0])
+        padded.append(padded[-1])
+    start = padded[-1] - padded[-2]  # positions continue the last span's padding
+    pieces["tokens"].append(torch.zeros(extra, dtype=torch.long))
+    pieces["labels"].append(torch.zeros(extra, dtype=torch.long))
+    pieces["loss_mask"].append(torch.zeros(extra, dtype=torch.float32))
+    pieces["position_ids"].append(torch.arange(extra) + start)
+    padded[-1] += extra
 
 
 def packed_seq_params(batch: dict[str, Any]):
@@ -131,8 +158,10 @@ class MegatronStep:
 class MegatronSteps:
     """A `PackStream`'s steps as `MegatronStep`s; its position is the stream's (`state_dict`)."""
 
-    def __init__(self, stream, pad_to_multiple: int = 1, device: torch.device | str | None = None):
+    def __init__(self, stream, pad_to_multiple: int = 1, device: torch.device | str | None = None,
+                 same_length: bool = False):
         self.stream, self.pad_to_multiple, self.device = stream, pad_to_multiple, device
+        self.same_length = same_length  # every microbatch of a step padded to its longest: see the module docstring
         self._steps: Iterator[Step] | None = None
 
     def __iter__(self) -> MegatronSteps:
@@ -142,7 +171,12 @@ class MegatronSteps:
         if self._steps is None:
             self._steps = iter(self.stream)
         step = next(self._steps)
-        return MegatronStep(step.epoch, step.step, [megatron_batch(pack, self.pad_to_multiple, self.device)
+        length = None
+        if self.same_length:
+            multiple = self.pad_to_multiple
+            length = max((sum(-(-n // multiple) * multiple for n in pack.cu_seqlens.diff().tolist())
+                          for pack in step.packs), default=0)
+        return MegatronStep(step.epoch, step.step, [megatron_batch(pack, self.pad_to_multiple, self.device, length)
                                                     for pack in step.packs])
 
     def state_dict(self) -> dict[str, Any]:

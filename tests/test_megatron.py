@@ -30,15 +30,20 @@ def hf_loss_sum(pack, logits: torch.Tensor, conventions) -> torch.Tensor:
     return torch.nn.functional.cross_entropy(logits[:-1], labels[1:], ignore_index=-100, reduction="sum")
 
 
-@pytest.mark.parametrize("pad", [1, 4])
-def test_a_megatron_batch_gives_the_hf_loss_and_megatrons_own_thd_split_takes_it(packs, pad):
+@pytest.mark.parametrize("pad,tail", [(1, 0), (4, 0), (4, 12)])
+def test_a_megatron_batch_gives_the_hf_loss_and_megatrons_own_thd_split_takes_it(packs, pad, tail):
+    """`tail`: every batch padded at its end to the longest's tokens plus that (what `same_length` does, for
+    Megatron's pipelines)."""
     from megatron.core.utils import get_thd_batch_on_this_cp_rank
 
     data, served = packs
+    length = max(megatron_batch(pack, pad_to_multiple=pad)["tokens"].shape[1] for pack in served) + tail if tail \
+        else None
     for pack in served:
-        batch = megatron_batch(pack, pad_to_multiple=pad)
+        batch = megatron_batch(pack, pad_to_multiple=pad, pad_to_length=length)
         real, padded = batch["cu_seqlens"].tolist(), batch["cu_seqlens_padded"].tolist()
         assert real == pack.cu_seqlens.tolist() and all(b % pad == 0 for b in padded)
+        assert length is None or batch["tokens"].shape[1] == padded[-1] == length == batch["loss_mask"].shape[1]
         assert int(batch["loss_mask"].sum()) == pack.loss_tokens
         logits = torch.randn(pack.input_ids.shape[0], data.vocab, generator=torch.Generator().manual_seed(0))
         placed = torch.zeros(batch["tokens"].shape[1], data.vocab)  # the same logits at their padded offsets
@@ -88,10 +93,22 @@ def test_megatron_steps_over_a_stream_resume_at_exactly_the_next_step(small_tile
         again.load_state_dict(state)
         resumed = next(again)
         again.stream.close()
+        with PackStream(server.target, job="mcore-even", rank=0, **plan) as stream:  # the same packs, evened
+            packed = next(iter(stream)).packs
+        even_steps = MegatronSteps(PackStream(server.target, job="mcore-even", rank=0, **plan), pad_to_multiple=2,
+                                   same_length=True)
+        evened = next(even_steps)
+        even_steps.stream.close()
     assert first.num_microbatches == 2 and first.seq_length >= max(b["tokens"].shape[1] for b in first.batches)
     assert (resumed.epoch, resumed.step) == (following.epoch, following.step) != (first.epoch, first.step)
     assert all(torch.equal(a["tokens"], b["tokens"]) for a, b in zip(resumed.batches, following.batches))
     assert len(list(first.data_iterator)) == 2 and "images" in first.batches[0]
+    same = [megatron_batch(pack, 2, pad_to_length=first.seq_length) for pack in packed]  # what same_length gives
+    assert [b["tokens"].shape[1] for b in evened.batches] == [first.seq_length] * 2
+    assert all(torch.equal(a[key], b[key]) for a, b in zip(same, evened.batches) for key in ("tokens", "loss_mask"))
+    assert sum(int(b["loss_mask"].sum()) for b in evened.batches) == sum(int(b["loss_mask"].sum()) for b in first.batches)
+    with pytest.raises(ValueError, match="shorter than the batch"):
+        megatron_batch(packed[0], 2, pad_to_length=1)
 
 
 class PackedLM(torch.nn.Module):
