@@ -127,7 +127,7 @@ def assign_ranks(steps, cost, pack_class, dp, m, refine, aligned):
                 c[k] = cost[packs[k]]
                 classes[k] = pack_class[packs[k]]
         if aligned:
-            group, limits = column_groups(classes, dp)
+            group, limits = column_groups(classes, c, dp)
         else:
             group, limits = np.zeros(len(packs), dtype=np.int64), np.full(1, m, dtype=np.int64)
         bins = lpt_assign_grouped(c, group, limits, dp)
@@ -143,23 +143,29 @@ def assign_ranks(steps, cost, pack_class, dp, m, refine, aligned):
 
 
 @numba.njit(cache=True, nogil=True)
-def column_groups(classes, dp):
-    """Group of each of a step's packs, and each group's packs per rank: one group per class whose count is a
-    multiple of dp (classes ascending), then one for all the others (the step's unaligned columns)."""
+def column_groups(classes, cost, dp):
+    """Group of each of a step's packs, and each group's packs per rank: one group per class with at least dp
+    packs in the step (classes ascending), holding count // dp packs per rank; then one for the rest of every
+    class (its count % dp cheapest packs: the step's unaligned columns, as few as its classes allow)."""
     distinct = np.unique(classes)
     counts = np.zeros(len(distinct), dtype=np.int64)
     for k in range(len(classes)):
         counts[np.searchsorted(distinct, classes[k])] += 1
-    whole = counts % dp == 0
-    group_of_class = np.cumsum(whole) - 1
-    n_whole = int(whole.sum())
-    group_of_class[~whole] = n_whole
+    has_whole = counts >= dp
+    group_of_class = np.cumsum(has_whole) - 1
+    n_whole = int(has_whole.sum())
     limits = np.zeros(n_whole + 1, dtype=np.int64)
-    limits[:n_whole] = counts[whole] // dp
-    limits[n_whole] = counts[~whole].sum() // dp
+    limits[:n_whole] = counts[has_whole] // dp
+    limits[n_whole] = (counts % dp).sum() // dp
     group = np.empty(len(classes), dtype=np.int64)
-    for k in range(len(classes)):
-        group[k] = group_of_class[np.searchsorted(distinct, classes[k])]
+    left = counts % dp  # each class's packs still to put in the shared group, cheapest first
+    for k in np.argsort(cost, kind="mergesort"):
+        c = np.searchsorted(distinct, classes[k])
+        if left[c] > 0:
+            group[k] = n_whole
+            left[c] -= 1
+        else:
+            group[k] = group_of_class[c]
     return group, limits
 
 
