@@ -148,7 +148,7 @@ def test_a_killed_conversion_leaves_no_complete_looking_shard(tmp_path):
     process.wait(30)
     assert not (out / "convert-report.json").exists(), "the conversion finished before it could be killed"
     shards = sorted(out.glob("shard-*.tar"))
-    assert shards and list(out.glob("*.partial"))
+    assert shards  # and a .partial unless the kill fell between one shard's rename and the next one's start
     for shard in shards:  # every .tar is whole: it reads to its end-of-archive marker
         with tarfile.open(shard) as tar:
             names = tar.getnames()

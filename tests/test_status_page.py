@@ -34,6 +34,12 @@ def test_the_status_shows_jobs_ranks_and_progress(small_tile_index):
     base = f"http://127.0.0.1:{port}"
     with LocalServer(small_tile_index, workers=1, metrics_port=port) as server:
         with PackStream(server.target, job="watched", rank=1, dp=2, microbatches=2, epochs=3) as stream:
+            # the opened job's first history points, before any step: the steps below (and the server's prefetch,
+            # which may all go out within one 2 s interval) then fall between points, whatever their speed
+            deadline = time.monotonic() + 20
+            while not [j["history"] for j in json.loads(get(f"{base}/status.json")[1])["jobs"]
+                       if j["job"] == "watched" and j["history"]] and time.monotonic() < deadline:
+                time.sleep(0.25)
             steps = iter(stream)
             next(steps)
             next(steps)  # the first step acknowledged, with the trainer's data wait
