@@ -62,7 +62,7 @@ def megatron_batch(pack: PackTensors, pad_to_multiple: int = 1, device: torch.de
     padded = [0]
     for start, end in zip(bounds[:-1], bounds[1:]):
         length = end - start
-        width = -(-length // pad_to_multiple) * pad_to_multiple
+        width = _padded(length, pad_to_multiple)
         target = torch.zeros(width, dtype=torch.long)
         target[:length - 1] = input_ids[start + 1:end]  # each token predicts the next one of its own sample
         mask = torch.zeros(width, dtype=torch.float32)
@@ -87,6 +87,11 @@ def megatron_batch(pack: PackTensors, pad_to_multiple: int = 1, device: torch.de
     if device is not None:
         batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
     return batch
+
+
+def _padded(length: int, multiple: int) -> int:
+    """A sample's tokens in the batch: its length rounded up to the multiple."""
+    return -(-length // multiple) * multiple
 
 
 def _pad_tail(pieces: dict[str, list[torch.Tensor]], padded: list[int], bounds: list[int], length: int) -> None:
@@ -174,7 +179,7 @@ class MegatronSteps:
         length = None
         if self.same_length:
             multiple = self.pad_to_multiple
-            length = max((sum(-(-n // multiple) * multiple for n in pack.cu_seqlens.diff().tolist())
+            length = max((sum(_padded(n, multiple) for n in pack.cu_seqlens.diff().tolist())
                           for pack in step.packs), default=0)
         return MegatronStep(step.epoch, step.step, [megatron_batch(pack, self.pad_to_multiple, self.device, length)
                                                     for pack in step.packs])

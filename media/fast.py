@@ -40,12 +40,12 @@ def check_available() -> None:
     if missing is not None:
         raise ValueError(f"pixels: fast needs {missing}: pip install 'packfeed[fast]'")
     version = _opencv_version()
-    if version is not None and version < (4, 10):
+    if version < (4, 10):
         raise ValueError(f"pixels: fast needs OpenCV 4.10 or later (installed: {'.'.join(map(str, version))}): "
                          "pip install -U 'packfeed[fast]'")
 
 
-def _opencv_version() -> tuple[int, ...] | None:
+def _opencv_version() -> tuple[int, ...]:
     """(major, minor) of the installed OpenCV: from the distribution that provides `cv2` (opencv-python,
     -headless, -contrib...), else from cv2 itself (one built from source has no metadata)."""
     for distribution in importlib.metadata.packages_distributions().get("cv2", []):

@@ -34,6 +34,20 @@ def workers(server_pid: int) -> list[int]:
     return [worker for child in children(server_pid) if is_fork_server(child) for worker in children(child)]
 
 
+START_MARKS = ('"planner ready"', "\"workers' fork server ready\"")  # what a server logs once it has started
+
+
+def wait_for_start(server, timeout: float = 120.0) -> None:
+    """Until a `LocalServer` has done what a server does once in its life: its planner's warm-up and its workers'
+    fork server loaded (their log lines)."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not all(any(mark in line for line in server.log) for mark in START_MARKS) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert all(any(mark in line for line in server.log) for mark in START_MARKS), server.log[-5:]
+
+
 PAGE = 4096
 _PRESENT, _FRAME = 1 << 63, (1 << 55) - 1  # /proc/PID/pagemap: bit 63 "present", bits 0-54 the page frame
 

@@ -122,11 +122,10 @@ EPOCHS = 2  # one job of two epochs, as a training run opens it
 def wait_until_idle(server, timeout: float = 120.0) -> None:
     """Until the server has done what it does once in its life (its planner's warm-up, its workers' fork server
     loaded) and its tree's CPU stands still: what is measured from then on is what a job costs."""
+    from processes import wait_for_start
+
     deadline = time.monotonic() + timeout
-    ready = ('"planner ready"', "\"workers' fork server ready\"")
-    while not all(any(mark in line for line in server.log) for mark in ready) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert all(any(mark in line for line in server.log) for mark in ready), server.log[-5:]
+    wait_for_start(server, timeout)
     before = tree_cpu_seconds(server.process.pid)
     while time.monotonic() < deadline:
         time.sleep(0.5)

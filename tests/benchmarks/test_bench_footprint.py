@@ -25,7 +25,7 @@ import yaml
 
 from packfeed.client import LocalServer, PackStream
 from packfeed.server.serve.worker_process import GIVE_BACK_AFTER_S, KEEP_FREED_BYTES
-from processes import descendants, tree_resident_mib, workers
+from processes import descendants, tree_resident_mib, wait_for_start, workers
 
 pytestmark = pytest.mark.benchmark
 MIB = 1 << 20
@@ -54,15 +54,6 @@ def photo_index(tmp_path_factory) -> Path:
     return indexed_demo(tmp_path_factory.mktemp("photos"), 240, 4, 2)[1]
 
 
-def settle(server: LocalServer, timeout: float = 120.0) -> None:
-    """Until the planner's warm-up and the workers' fork server are done (what a server does once)."""
-    deadline = time.monotonic() + timeout
-    marks = ('"planner ready"', "\"workers' fork server ready\"")
-    while not all(any(mark in line for line in server.log) for mark in marks) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    time.sleep(1.0)
-
-
 def stream_epoch(target: str, rank: int) -> None:
     with PackStream(target, job="load", rank=rank, dp=2, microbatches=2, epochs=1) as stream:
         for _ in stream:
@@ -79,7 +70,8 @@ def test_server_tree_memory_before_its_first_job_under_load_and_idle(small_tile_
     config.write_text(yaml.safe_dump({"memory_budget_mb": BUDGET_MB, "datasets": {"demo": {"index": str(index)}}}))
     with LocalServer(config=config, workers=2) as server:
         pid = server.process.pid
-        settle(server)
+        wait_for_start(server)
+        time.sleep(1.0)
         first = status_mib(pid), tree_rss_mib(pid), tree_resident_mib(pid), len(tree(pid))
         samples: list[tuple[float, float]] = []
         ranks = [threading.Thread(target=stream_epoch, args=(server.target, rank)) for rank in range(2)]
@@ -93,7 +85,7 @@ def test_server_tree_memory_before_its_first_job_under_load_and_idle(small_tile_
             rank.join()
         time.sleep(GIVE_BACK_AFTER_S + 1.5)  # idle: the workers have given back the memory they kept for steps
         idle = status_mib(pid), [status_mib(w) for w in workers(pid)], tree_resident_mib(pid)
-    peak_tree, peak_rss = max(pss for pss, _ in samples), max(rss for _, rss in samples)
+    peak_tree, peak_rss = max(once for once, _ in samples), max(rss for _, rss in samples)
     # docs/serving.md "Memory": the server with its fork server (400 MiB, each page once, plus the step files it
     # keeps: a quarter of the budget), per worker 130 MiB of its own and what it keeps while busy, and the budget
     bound = 400 + BUDGET_MB / 4 + 2 * (130 + KEEP_FREED_BYTES / MIB) + BUDGET_MB
