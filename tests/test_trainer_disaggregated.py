@@ -46,11 +46,14 @@ def served(index: str, dp: int, encoder_ranks: int) -> tuple[list, list]:
     return split, colocated
 
 
-def run_disaggregated(tmp_path, steps: list, dp: int, control: bool = False) -> list[dict]:
+def run_disaggregated(tmp_path, steps: list, dp: int, control: bool = False, pp: int = 1,
+                      schedule: str = "1f1b", recompute: bool = False) -> list[dict]:
+    """One step on dp x pp LLM ranks and len(steps) - dp encoder ranks (`steps`: the replicas', then the encoder
+    ranks'); every rank's result, by global rank."""
     torch.save(steps, tmp_path / "steps.pt")
-    world = len(steps)
+    world = len(steps) + dp * (pp - 1)
     mp.spawn(disaggregated_step, args=(world, dp, str(tmp_path / "init"), str(tmp_path / "steps.pt"),
-                                       str(tmp_path), control), nprocs=world, join=True)
+                                       str(tmp_path), control, pp, schedule, recompute), nprocs=world, join=True)
     return [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
 
 
@@ -79,13 +82,40 @@ def test_encoder_ranks_train_like_colocated_encoding(tmp_path, small_tile_index,
     assert all(r["stats"]["all_to_all_bytes"] > 0 for r in results[dp:])
 
 
-def test_a_wrong_route_is_caught(tmp_path, small_tile_index):
+@pytest.mark.parametrize("dp, pp, encoder_ranks, schedule, recompute",
+                         [(1, 2, 1, "1f1b", False), (2, 2, 1, "gpipe", True)])
+def test_encoder_ranks_feed_a_pipelined_llm_like_colocated_encoding(tmp_path, small_tile_index, dp, pp,
+                                                                     encoder_ranks, schedule, recompute):
+    """The LLM in pp stages beside the encoder ranks: the first stages take each microbatch's features from the
+    encoder ranks in their schedule's order; the loss (on the last stages) and every gradient (each stage's
+    layers, the encoder's) equal one process over the colocated packs, with every layer recomputed too."""
+    split, colocated = served(str(small_tile_index), dp, encoder_ranks)
+    position = step_with_most_images(split, dp)
+    expected_loss, expected_grads = reference([colocated[r][position] for r in range(dp)])
+    results = run_disaggregated(tmp_path, [steps[position] for steps in split], dp, pp=pp, schedule=schedule,
+                                recompute=recompute)
+    llm = results[:dp * pp]
+    assert sum(sum(r["losses"]) for r in llm[pp - 1::pp]) == pytest.approx(expected_loss, rel=1e-5)
+    last_stages = set(range(pp - 1, dp * pp, pp))
+    assert not any(r["losses"] for k, r in enumerate(results) if k not in last_stages)  # the loss lives there
+    stages = [results[s]["grads"] for s in range(pp)] + [results[dp * pp]["grads"]]  # replica 0's, encoder 0's
+    names = [name for grads in stages for name in grads]
+    assert sorted(names) == sorted(expected_grads) and all(stages)  # each layer on exactly one stage or side
+    for rank, result in enumerate(results):  # every replica of a stage, every encoder rank: the same gradients
+        for name, got in result["grads"].items():
+            torch.testing.assert_close(got, expected_grads[name], rtol=1e-5, atol=1e-6, msg=f"rank {rank} {name}")
+    assert all(r["stats"]["all_to_all_bytes"] > 0 for r in results[dp * pp:])
+    assert all(r["stats"]["all_to_all_s"] > 0 for r in llm[::pp])  # the first stages took part in the exchanges
+
+
+@pytest.mark.parametrize("pp", [1, 2])
+def test_a_wrong_route_is_caught(tmp_path, small_tile_index, pp):
     split, colocated = served(str(small_tile_index), 2, 1)
     position = step_with_most_images(split, 2)
     _, expected_grads = reference([colocated[r][position] for r in range(2)])
-    results = run_disaggregated(tmp_path, [steps[position] for steps in split], 2, control=True)
+    results = run_disaggregated(tmp_path, [steps[position] for steps in split], 2, control=True, pp=pp)
     assert any(not torch.allclose(results[0]["grads"][name], expected_grads[name], rtol=1e-4, atol=1e-6)
-               for name in results[0]["grads"])
+               for name in results[0]["grads"])  # the first stage's layers took the wrong images' features
 
 
 TRAIN = [f"model.{k}={v}" for k, v in SMALL_MODEL.items()] + [
@@ -102,6 +132,25 @@ def test_packfeed_train_with_an_encoder_rank_trains_like_the_encoder_in_the_stag
     _, stages = packfeed_train(2, common + ["parallel.encoder=stages"], tmp_path / "stages")
     log, split = packfeed_train(3, common + ENCODER_RANK, tmp_path / "split")
     assert "the encoder on 1 rank(s) of its own" in log and len(split) == 3
+    assert [r["loss"] for r in split] == pytest.approx([r["loss"] for r in stages], rel=1e-5)
+    assert [r["grad_norm"] for r in split] == pytest.approx([r["grad_norm"] for r in stages], rel=1e-5)
+    assert all(r["all_to_all_bytes"] > 0 for r in split)
+
+
+def test_packfeed_train_with_an_encoder_rank_beside_a_pipelined_llm_trains_like_the_encoder_in_the_stages(
+        tmp_path, small_tile_index):
+    """`packfeed train --nproc 3 ... parallel.dp=1 parallel.pp=2 parallel.encoder=disaggregated
+    parallel.encoder_ranks=1` (2 LLM stages, 1 encoder rank) gives the losses and gradient norms of `--nproc 2 ...
+    parallel.pp=2 parallel.encoder=stages` on the same data and seed, and resumes from its checkpoint (which
+    records the LLM's stages) exactly."""
+    common = TRAIN + [f"data.index={small_tile_index}", "parallel.dp=1", "parallel.pp=2", "partition.mode=layers",
+                      "optim.steps=3"]
+    _, stages = packfeed_train(2, common + ["parallel.encoder=stages"], tmp_path / "stages")
+    split_run = common + ENCODER_RANK + ["checkpoint.every=1"]
+    log, first_two = packfeed_train(3, split_run + ["optim.steps=2"], tmp_path / "split")
+    assert "the LLM on 2 (dp 1 x pp 2, stages [" in log
+    log, split = packfeed_train(3, split_run, tmp_path / "split")  # the same out: resumes after step 2
+    assert "resuming from" in log and len(split) == 3 and split[:2] == first_two
     assert [r["loss"] for r in split] == pytest.approx([r["loss"] for r in stages], rel=1e-5)
     assert [r["grad_norm"] for r in split] == pytest.approx([r["grad_norm"] for r in stages], rel=1e-5)
     assert all(r["all_to_all_bytes"] > 0 for r in split)
@@ -125,6 +174,14 @@ def test_encoder_ranks_auto_takes_the_split_packfeed_simulate_finds(tmp_path, sm
     assert f"the encoder on {split['encoder_ranks']} rank(s) of its own" in log and len(records) == 1
     with pytest.raises(ValueError, match="give a number of processes or auto"):
         load_config(None, ["parallel.encoder=disaggregated", "parallel.encoder_ranks=many"])
+    # pipelined: only splits that leave whole pipelines, E + dp x pp = G
+    pipelined = load_config(None, [o for o in overrides if not o.startswith("parallel.pp")] + ["parallel.pp=2"])
+    split = searched_split(pipelined, 5)
+    assert split["search"]["candidates"] == 2 and split["encoder_ranks"] + 2 * split["dp"] == 5
+    assert {(t["encoder_gpus"], t["llm_dp"]) for t in split["search"]["trials"]} <= {(1, 2), (3, 1)}
+    with pytest.raises(ValueError, match="no split leaves the LLM whole pipelines"):
+        searched_split(load_config(None, [o for o in overrides if not o.startswith("parallel.pp")] +
+                                   ["parallel.pp=4"]), 4)
 
 
 def worker_pids(parent: int, rank: int) -> list[int]:

@@ -137,21 +137,27 @@ def phase_step(rank: int, world: int, init_file: str, steps_file: str, out_dir: 
 
 
 def disaggregated_step(rank: int, world: int, dp: int, init_file: str, steps_file: str, out_dir: str,
-                       control: bool = False) -> None:
-    """One step with the encoder on ranks of its own (parallel.encoder=disaggregated): global ranks 0..dp-1 the
-    LLM ranks, the rest encoder ranks, each fed its own served step. Saves this rank's gradients and losses.
-    `control`: encoder rank outputs sent under one another's names (`misrouted`)."""
+                       control: bool = False, pp: int = 1, schedule: str = "1f1b", recompute: bool = False) -> None:
+    """One step with the encoder on ranks of its own (parallel.encoder=disaggregated): global ranks 0..dp x pp - 1
+    the LLM ranks (the LLM's layers split evenly over pp stages), the rest encoder ranks; each first stage and
+    encoder rank fed its own served step (`steps`: the dp LLM replicas', then the encoder ranks'). Saves this
+    rank's gradients and losses. `control`: encoder rank outputs sent under one another's names (`misrouted`)."""
     from dataclasses import replace
 
     from packfeed.trainer.parallel.disaggregated import DisaggregatedRunner
+    from packfeed.trainer.parallel.partition import split_by_weight
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
-        mesh = make_mesh(dp, 1, torch.device("cpu"), encoder_ranks=world - dp)
+        mesh = make_mesh(dp, pp, torch.device("cpu"), encoder_ranks=world - dp * pp)
         model = ReferenceModel(VLMConfig(**SMALL_MODEL))
-        runner = DisaggregatedRunner(mesh, model, None, 2)
-        batch = microbatches_of(torch.load(steps_file, weights_only=False)[rank], model.config)
-        if control:
+        first = model.vision.encoder_layers
+        bounds = [first + b for b in split_by_weight([1.0] * (model.n_layers - first), pp)]
+        runner = DisaggregatedRunner(mesh, model, None, 2, bounds=bounds, schedule=schedule, recompute=recompute)
+        steps = torch.load(steps_file, weights_only=False)
+        mine = dp + mesh.encoder_rank if mesh.is_encoder else mesh.replica if mesh.is_first else None
+        batch = microbatches_of(steps[mine], model.config) if mine is not None else None
+        if control and mesh.is_encoder:
             batch.routed = [replace(images, encoded=misrouted(images.encoded)) for images in batch.routed]
         losses = runner.step.run(runner.agree(batch), batch)
         grads = {name.split(".", 1)[1]: p.grad.clone() for name, p in runner.module.named_parameters()

@@ -110,11 +110,11 @@ class ParallelConfig:
     # schedule's idle time with the stages holding only the LLM (bubbles: Optimus; packfeed.trainer.parallel.bubbles),
     # or on every DP rank over the images the plan routes to it, joined to the LLM by an all-to-all (phases:
     # OrchMLLM, plan strategy isf+phases; packfeed.trainer.parallel.phases), or on `encoder_ranks` processes of its
-    # own beside the dp LLM ranks, each step's images balanced over them (disaggregated: DistTrain;
+    # own beside the dp x pp LLM ranks, each step's images balanced over them (disaggregated: DistTrain;
     # packfeed.trainer.parallel.disaggregated)
     encoder: Literal["stages", "bubbles", "phases", "disaggregated"] = "stages"
-    # parallel.encoder=disaggregated: the encoder's processes (E); the run has dp + E. auto: E searched by
-    # `packfeed simulate`'s search for `packfeed train --nproc G` (packfeed.server.cli.encoder_split), dp = the rest
+    # parallel.encoder=disaggregated: the encoder's processes (E); the run has dp x pp + E. auto: E searched by
+    # `packfeed simulate`'s search for `packfeed train --nproc G` (packfeed.server.cli.encoder_split), dp the rest / pp
     encoder_ranks: int | str = 0
     backend: Literal["", "nccl", "gloo"] = ""  # "" = nccl on CUDA, gloo on CPU
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"  # bf16/fp16: autocast, and activations cross stages in that dtype
@@ -150,10 +150,11 @@ class ParallelConfig:
             raise ValueError(f"parallel.encoder_ranks = {self.encoder_ranks} with parallel.encoder={self.encoder}: the "
                              "encoder on processes of its own takes parallel.encoder=disaggregated and "
                              "parallel.encoder_ranks >= 1 (or auto) together (other placements leave it at 0)")
-        if self.encoder == "disaggregated" and (self.pp != 1 or self.cp != 1 or self.data_parallel != "ddp"):
-            raise ValueError("parallel.encoder=disaggregated runs the LLM at parallel.pp=1, parallel.cp=1 with "
-                             "parallel.data_parallel=ddp (pipelines and context parallelism with encoder ranks "
-                             "are not supported yet)")
+        if self.encoder == "disaggregated" and (self.cp != 1 or self.data_parallel != "ddp" or
+                                                self.schedule == "interleaved_1f1b"):
+            raise ValueError("parallel.encoder=disaggregated runs the LLM with parallel.cp=1, "
+                             "parallel.data_parallel=ddp and, pipelined, parallel.schedule=1f1b or gpipe (context "
+                             "parallelism, FSDP2 and virtual stages with encoder ranks are not supported yet)")
         if self.schedule == "interleaved_1f1b" and (self.pp < 2 or self.virtual_stages < 2):
             raise ValueError("parallel.schedule=interleaved_1f1b needs parallel.pp >= 2 and parallel.virtual_stages "
                              ">= 2 (each rank runs that many stages); use 1f1b otherwise")
@@ -241,6 +242,9 @@ class TrainConfig:
         if self.parallel.encoder == "disaggregated" and self.model.hf:
             raise ValueError("parallel.encoder=disaggregated trains the reference model; Hugging Face models run "
                              "their vision tower with the LLM (parallel.encoder=stages)")
+        if self.parallel.encoder == "disaggregated" and self.recompute.layers:
+            raise ValueError("recompute.layers chooses layers of pipeline stages that hold the encoder; with "
+                             "parallel.encoder=disaggregated use recompute.mode=all or none")
         if self.parallel.encoder == "phases" and (self.model.hf or Strategy.parse(
                 self.data.strategy, "data.strategy") is not Strategy.ISF_PHASES):
             raise ValueError("parallel.encoder=phases trains the reference model on routed packs: set "

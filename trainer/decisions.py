@@ -76,6 +76,28 @@ class LayerMeasurements:
     features: list[Features]
 
 
+def llm_bounds(config: TrainConfig, model, mesh: Mesh, out: Path, given: list[int] | None = None) -> list[int]:
+    """The LLM's pipeline stages beside encoder ranks of their own (parallel.encoder=disaggregated): `given` (a
+    checkpoint's), partition.bounds, or a split by layers or parameters. The search times candidates on the whole
+    pipeline, the encoder included, which these ranks do not hold: there partition.mode=search splits by
+    parameters, and says so. Pipelined, rank 0 records them in OUT/partition.json (`packfeed simulate --run`)."""
+    p, first, n_layers = config.partition, model.vision.encoder_layers, len(model.kinds)
+    if given or p.bounds:
+        bounds = validate_partition(list(given or p.bounds), n_layers, mesh.pp, first)
+    else:
+        if p.mode == "search" and mesh.pp > 1:
+            log(mesh, "partition.mode=search times candidates with the encoder in the pipeline; beside encoder "
+                "ranks the LLM's layers are split by parameters (partition.mode=layers, or partition.bounds, to "
+                "choose)")
+        weights = [1.0] * n_layers if p.mode == "layers" else \
+            [float(sum(q.numel() for q in layer.parameters())) for layer in model.layers]
+        bounds = [first + b for b in partitioning.split_by_weight(weights[first:], mesh.pp)]
+    if mesh.pp > 1 and mesh.rank == 0:
+        write_json(out / "partition.json", {"key": decision_key(config, model, mesh), "bounds": bounds,
+                                            "kinds": list(model.kinds)})
+    return bounds
+
+
 def decide_partition(rank_stages: RankStages, config: TrainConfig, mesh: Mesh, out: Path, key: str,
                      given: list[int] | None = None) -> tuple[list[int], LayerMeasurements | None]:
     """The stage bounds: `given` (a checkpoint's), partition.bounds, the saved decision, a split by layers or

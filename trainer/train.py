@@ -32,6 +32,7 @@ from packfeed.trainer.decisions import (
     decide_recompute,
     decision_key,
     export_cost_model,
+    llm_bounds,
     stage_table,
 )
 from packfeed.trainer.parallel.context_parallel import ContextParallelRunner
@@ -125,7 +126,7 @@ def train_on(config: TrainConfig, mesh: Mesh, target: str, out: Path) -> dict:
                 f"{stream.info.resume.epoch} for DP {mesh.dp} (elastic resume)")
         conventions = job_conventions(stream, mesh)
         if mesh.encoder_ranks:
-            runner = disaggregated(config, mesh, stream, conventions)
+            runner = disaggregated(config, mesh, stream, conventions, out, resumed)
         elif mesh.cp > 1 or config.data.context_parallel > 1:
             runner = context_parallel(config, mesh, stream, conventions)
         elif config.model.hf and config.parallel.pp == 1:
@@ -157,16 +158,24 @@ def context_parallel(config: TrainConfig, mesh: Mesh, stream, conventions) -> Co
     return runner(model, mesh, StepSource(stream), config.parallel.precision)
 
 
-def disaggregated(config: TrainConfig, mesh: Mesh, stream, conventions) -> DisaggregatedRunner:
-    """The reference model's encoder on the E encoder ranks, its LLM on the dp LLM ranks, each fed its own
-    stream of the same plan."""
+def disaggregated(config: TrainConfig, mesh: Mesh, stream, conventions, out: Path,
+                  resumed: dict | None) -> DisaggregatedRunner:
+    """The reference model's encoder on the E encoder ranks, its LLM on the dp x pp LLM ranks, each first stage
+    and encoder rank fed its own stream of the same plan."""
     model = build_model(config.model, conventions, mesh.device)
+    llm_ranks = mesh.dp * mesh.pp
+    bounds = llm_bounds(config, model, mesh, out, resumed.get("bounds") if resumed else None)
     log(mesh, f"{model.describe()}; the encoder on {mesh.encoder_ranks} rank(s) of its own (global ranks "
-        f"{mesh.dp}..{mesh.world - 1}), the LLM on {mesh.dp}; an all-to-all hands each output to its LLM rank")
+        f"{llm_ranks}..{mesh.world - 1}), the LLM on {llm_ranks}" + (f" (dp {mesh.dp} x pp {mesh.pp}, stages "
+        f"{bounds})" if mesh.pp > 1 else "") + "; an all-to-all hands each output to its LLM rank")
     d = config.data
     source = StepSource(stream, functools.partial(model.inputs, token_multiple=d.token_multiple, dp=mesh.dp,
-                                                  collate=d.collate))
-    return DisaggregatedRunner(mesh, model, source, d.microbatches, config.parallel.precision)
+                                                  collate=d.collate)) if stream is not None else None
+    if config.recompute.mode == "adaptive":
+        log(mesh, "recompute.mode=adaptive measures trial steps with the encoder on the LLM's ranks; beside encoder "
+            "ranks no layer recomputes (recompute.mode=all recomputes every layer)")
+    return DisaggregatedRunner(mesh, model, source, d.microbatches, config.parallel.precision, bounds,
+                               config.parallel.schedule, config.recompute.mode == "all")
 
 
 def model_stages(config: TrainConfig, mesh: Mesh, stream, conventions, out: Path, resumed: dict | None) -> RankStages:

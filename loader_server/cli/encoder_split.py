@@ -1,7 +1,7 @@
 """`parallel.encoder_ranks=auto`: how many of a run's G processes the encoder gets (DistTrain's allocation
 problem), answered by `packfeed simulate`'s search on the run's own data, model and plan settings.
 
-Every split E + D = G (pp 1: each LLM rank one GPU) is planned for itself, as the run would plan it
+Every split E + D x P = G (P = parallel.pp: each LLM replica a pipeline of P GPUs) is planned for itself, as the run would plan it
 (`encoder_ranks` E, dp D, the run's microbatches per LLM rank, strategy and seed), and simulated on a cluster of G
 GPUs; the split with the shortest epoch wins (`packfeed.trainer.simulate.predict.search_allocation`). The model's
 costs are the run's measured cost model when `data.cost_model` holds per-layer seconds (an earlier run's
@@ -57,19 +57,24 @@ def searched_split(config, gpus: int) -> dict:
                          f"give at least 2 (--nproc), not {gpus}")
     samples = load_sample_loads(config.data.index)[0]
     table, patches = model_table(config)
-    d = config.data
+    d, pp = config.data, config.parallel.pp
+    splits = [(e, (gpus - e) // pp) for e in range(1, gpus) if (gpus - e) % pp == 0]
+    if not splits:
+        raise ValueError(f"parallel.encoder_ranks=auto over {gpus} processes at parallel.pp={pp}: no split leaves "
+                         f"the LLM whole pipelines of {pp} ranks beside at least one encoder rank; give --nproc "
+                         f"E + dp x {pp}")
 
     @functools.cache
     def plan_for(replicas: int, encoder_ranks: int) -> Workload:
         """The split's plan, as the run opens it (its microbatches per LLM rank, strategy, caps and seed)."""
-        plan_config = d.plan_config(dp=replicas, pipeline_stages=1, encoder_ranks=encoder_ranks)
+        plan_config = d.plan_config(dp=replicas, pipeline_stages=pp, encoder_ranks=encoder_ranks)
         plan = make_plan(samples, plan_config, d.seed, 0)
         workload = workload_of(plan.offsets, plan.members, samples.vision, samples.tokens, plan_config, patches,
                                plan_config.strategy.value)
         return replace(workload, encoder_split=encoder_split_of(
             plan.offsets, plan.members, plan.encoder_rank, samples.vision, replicas, d.microbatches, encoder_ranks))
 
-    splits = [(e, gpus - e) for e in range(1, gpus)]
-    search, _ = search_allocation(plan_for(gpus - 1, 1), table, Cluster(gpus), Settings("disaggregated", pp=1),
-                                  plan_for, splits=splits)
+    settings = Settings("disaggregated", pp=pp, schedule=config.parallel.schedule)
+    search, _ = search_allocation(plan_for(splits[0][1], splits[0][0]), table, Cluster(gpus), settings, plan_for,
+                                  splits=splits)
     return {"encoder_ranks": search["encoder_gpus"], "dp": search["llm_dp"], "search": search}

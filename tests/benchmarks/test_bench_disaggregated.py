@@ -3,9 +3,10 @@ simulator, and simulated at the papers' settings with the split searched.
 
 Run: .venv/bin/python -m pytest -q -s tests/benchmarks/test_bench_disaggregated.py -m benchmark
 
-1. Measured on this CPU host, 2 processes each: `packfeed train` of the reference model on 200 demo samples,
-   M 4, two epochs: the encoder in the stages (pp 2, partition search), in the bubbles (pp 2), and on a rank of
-   its own (parallel.encoder=disaggregated, 1 encoder rank + 1 LLM rank). Per run: the median measured step
+1. Measured on this CPU host, 2 and then 3 processes each: `packfeed train` of the reference model on 200 demo
+   samples, M 4, two epochs: the encoder in the stages (pp 2 or 3, partition search), in the bubbles (pp 2 or
+   3), and on a rank of its own (parallel.encoder=disaggregated, 1 encoder rank + 1 LLM rank, or + an LLM
+   pipeline of 2 stages). Per run: the median measured step
    and its spread (pipeline seconds, every step after the first), and `packfeed simulate --run` on it (the
    disaggregated run borrows the stages run's measured layer costs); mean absolute errors, raw and calibrated.
 2. OmniBal's setting (InternVL-Chat-1.5, 32 GPUs, DP 8 x PP 4 for the stages, M 8, the two InternVL-1.2M length
@@ -31,23 +32,29 @@ pytestmark = pytest.mark.benchmark
 
 MODEL = {"vit_dim": 48, "vit_layers": 3, "llm_dim": 96, "llm_layers": 3, "patch_size": 14, "seed": 0}
 POLICY = {"name": "internvl", "image_size": 224, "tokens_per_tile": 64, "max_num": 6}
-PLACEMENTS = {"stages": ["parallel.pp=2"], "bubbles": ["parallel.pp=2", "parallel.encoder=bubbles"],
-              "disaggregated": ["parallel.pp=1", "parallel.encoder=disaggregated", "parallel.encoder_ranks=1"]}
+ENCODER_RANK = ["parallel.encoder=disaggregated", "parallel.encoder_ranks=1"]
+PLACEMENTS = {  # processes -> placement -> overrides: every placement on the same number of processes
+    2: {"stages": ["parallel.pp=2"], "bubbles": ["parallel.pp=2", "parallel.encoder=bubbles"],
+        "disaggregated": ["parallel.pp=1"] + ENCODER_RANK},
+    3: {"stages": ["parallel.pp=3"], "bubbles": ["parallel.pp=3", "parallel.encoder=bubbles"],
+        "disaggregated": ["parallel.pp=2"] + ENCODER_RANK},  # the LLM pipelined beside the encoder rank
+}
 
 
-def test_measured_placements_at_two_processes_and_the_simulator_against_them(tmp_path):
+@pytest.mark.parametrize("processes", [2, 3])
+def test_measured_placements_and_the_simulator_against_them(tmp_path, processes):
     index = indexed_demo(tmp_path / "data", 200, 4, 5, POLICY)[1]
     common = [f"data.index={index}", "data.microbatches=4", "data.epochs=2", "data.job=bench",
               "data.server_workers=1", "data.prefetch=4", "recompute.mode=none", "optim.steps=0",
               "partition.top_k=2", "partition.trial_steps=1"] + [f"model.{k}={v}" for k, v in MODEL.items()]
     print("\n[disaggregated] measured on this 2-core CPU host: the reference model, 2 epochs of 200 demo samples, "
-          "M 4, 2 processes per run; every step after the first")
+          f"M 4, {processes} processes per run; every step after the first")
     print("[disaggregated] placement | steps | median step ms (min-max) | median pipeline ms (IQR) | "
           "mean error raw | MAE raw | mean error | MAE")
     pipelines, errors = {}, {}
-    for placement, overrides in PLACEMENTS.items():
+    for placement, overrides in PLACEMENTS[processes].items():
         out = tmp_path / placement
-        _, records = packfeed_train(2, common + overrides, out, timeout=1800)
+        _, records = packfeed_train(processes, common + overrides, out, timeout=1800)
         model = [] if placement != "disaggregated" else ["--model", str(tmp_path / "stages" / "cost_model.json")]
         check = simulate("--run", str(out), *model)
         steps = records[1:]

@@ -1,8 +1,11 @@
 """The (dp, cp, pp) process grid: ranks, their process groups, and the small collectives every room uses.
 
 Global rank = (replica * CP + cp_rank) * P + stage. With the encoder on ranks of its own (E encoder ranks,
-parallel.encoder=disaggregated, at pp 1 and cp 1) the E ranks come after the grid's: encoder rank e is global
-rank dp + e, and `dp_group` is the group of this rank's side (the dp LLM ranks, or the E encoder ranks). With context parallelism (cp > 1, at pp 1) the data-parallel
+parallel.encoder=disaggregated, at cp 1) the E ranks come after the grid's: encoder rank e is global rank
+dp * pp + e (its stage counts as 0: it streams like a first stage), an LLM rank's `dp_group` is its stage's
+replicas as without them and an encoder rank's the E encoder ranks, and `exchange_group` joins the first stages
+and the encoder ranks (every rank at pp 1), the ranks the encoder's outputs travel between. With context
+parallelism (cp > 1, at pp 1) the data-parallel
 group holds every rank (each GPU's gradients are partial sums of its replica's), and `cp_groups` holds a group for
 each aligned run of d GPUs of this rank's CP group (d = 2, 4, ..., cp), the GPUs a pack at degree d runs on. Every
 rank creates every group in the same order, as torch.distributed requires.
@@ -30,6 +33,7 @@ class Mesh:
     cp: int = 1
     cp_groups: dict[tuple[int, int], dist.ProcessGroup] = field(default_factory=dict)  # (degree, cp_group)
     encoder_ranks: int = 0  # the encoder's own ranks, after the grid's
+    exchange_group: dist.ProcessGroup | None = None  # encoder ranks: the first stages and the encoder ranks
 
     _device_mesh: object = None
 
@@ -64,7 +68,7 @@ class Mesh:
 
     @property
     def stage(self) -> int:
-        return self.rank % self.pp
+        return 0 if self.is_encoder else self.rank % self.pp
 
     @property
     def first_stage_rank(self) -> int:
@@ -87,16 +91,9 @@ def make_mesh(dp: int, pp: int, device: torch.device, cp: int = 1, encoder_ranks
         encoders = f" + encoder_ranks {encoder_ranks}" if encoder_ranks else ""
         raise ValueError(f"world size {world} != dp {dp} x cp {cp} x pp {pp}{encoders}: launch "
                          f"{dp * cp * pp + encoder_ranks} processes")
-    if encoder_ranks:
-        if cp > 1 or pp > 1:
-            raise ValueError("encoder ranks run beside an LLM at pp 1 and cp 1")
-        mesh = Mesh(dp, pp, rank, device, encoder_ranks=encoder_ranks)
-        llm, encoders = dist.new_group(list(range(dp))), dist.new_group(list(range(dp, dp + encoder_ranks)))
-        mesh.dp_group = encoders if mesh.is_encoder else llm
-        return mesh
-    if cp > 1 and pp > 1:
-        raise ValueError("context parallelism runs at pp 1")
-    mesh = Mesh(dp, pp, rank, device, cp=cp)
+    if cp > 1 and (pp > 1 or encoder_ranks):
+        raise ValueError("context parallelism runs at pp 1, with the encoder on each pack's GPUs")
+    mesh = Mesh(dp, pp, rank, device, cp=cp, encoder_ranks=encoder_ranks)
     if cp > 1:
         mesh.dp_group = dist.group.WORLD
         for replica in range(dp):
@@ -115,8 +112,15 @@ def make_mesh(dp: int, pp: int, device: torch.device, cp: int = 1, encoder_ranks
             mesh.pp_group = group
     for stage in range(pp):
         group = dist.new_group([r * pp + stage for r in range(dp)])
-        if stage == mesh.stage:
+        if stage == mesh.stage and not mesh.is_encoder:
             mesh.dp_group = group
+    if encoder_ranks:
+        encoders = list(range(dp * pp, dp * pp + encoder_ranks))
+        made = dist.new_group(encoders)
+        if mesh.is_encoder:
+            mesh.dp_group = made
+        first_stages = [replica * pp for replica in range(dp)]
+        mesh.exchange_group = dist.new_group(first_stages + encoders) if pp > 1 else dist.group.WORLD
     return mesh
 
 

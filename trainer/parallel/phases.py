@@ -142,13 +142,13 @@ class PhaseRunner:
 
 class Exchange:
     """The step's two all-to-alls over the DP group, and where each received image lands. With the encoder on
-    ranks of its own (`packfeed.trainer.parallel.disaggregated`) they run over every rank (`peers` = the world),
-    and a pack's encoder rank e is global rank `encoder_offset` + e."""
+    ranks of its own (`packfeed.trainer.parallel.disaggregated`) they run over the mesh's `exchange_group` (`peers`
+    = the dp first stages, then the encoder ranks), and a pack's encoder rank e is peer `encoder_offset` + e."""
 
     def __init__(self, mesh: Mesh, model, peers: int | None = None, encoder_offset: int = 0):
         self.mesh, self.model = mesh, model
         self.peers = peers or mesh.dp
-        self.group = (mesh.dp_group if peers is None else dist.group.WORLD) if self.peers > 1 else None
+        self.group = (mesh.dp_group if peers is None else mesh.exchange_group) if self.peers > 1 else None
         self.encoder_offset = encoder_offset
         self.seconds = 0.0
         self.bytes_sent = 0

@@ -138,13 +138,16 @@ def compare_cp_run(out: Path, config: dict, model, skip: int, cores: float | Non
 
 def compare_disaggregated_run(out: Path, config: dict, model, skip: int, cores: float | None) -> dict:
     """A run with encoder ranks (parallel.encoder=disaggregated): each step's LLM microbatches and each encoder
-    rank's work as its metrics line lists them (`llm_microbatches`, `encoder_work`), simulated on dp + E devices
+    rank's work as its metrics line lists them (`llm_microbatches`, `encoder_work`), simulated on dp x pp + E devices
     sharing the host's cores, against the measured step. Costs and calibration as for a context-parallel run."""
     parallel = config["parallel"]
-    dp, encoders, m = parallel["dp"], parallel["encoder_ranks"], config["data"]["microbatches"]
-    table, cluster = _borrowed_costs(model, dp + encoders, "an encoder-ranks")
-    layout = Layout("disaggregated", dp, 1, 1, 1, parallel["schedule"], encoders)
-    costs = step_costs(table, cluster, layout, [0, int((~table.encoder).sum())])
+    dp, pp, encoders, m = parallel["dp"], parallel["pp"], parallel["encoder_ranks"], config["data"]["microbatches"]
+    table, cluster = _borrowed_costs(model, dp * pp + encoders, "an encoder-ranks")
+    layout = Layout("disaggregated", dp, pp, 1, 1, parallel["schedule"], encoders)
+    first = int(table.encoder.sum())
+    bounds = [b - first for b in _read(out / "partition.json")["bounds"]] if pp > 1 else \
+        [0, int((~table.encoder).sum())]
+    costs = step_costs(table, cluster, layout, bounds)
 
     def simulated(record: dict) -> float | None:
         if not record.get("llm_microbatches"):
@@ -158,8 +161,10 @@ def compare_disaggregated_run(out: Path, config: dict, model, skip: int, cores: 
         loads[..., TILES] = split.sum(axis=0)  # the tiles each microbatch consumes, as encoded (a measured
         # table's vision layers have no squared term: tiles are all one size)
         return simulate_step(costs, layout, loads, cluster, cores=cores, encoder_split=split).step_s
-    return _calibrated_comparison(out, simulated, skip, {"encoder": "disaggregated", "pp": 1, "cores": cores,
-                                                         "schedule": f"{encoders} encoder rank(s) + dp {dp}"})
+    return _calibrated_comparison(out, simulated, skip, {"encoder": "disaggregated", "pp": pp, "cores": cores,
+                                                         "schedule": f"{encoders} encoder rank(s) + dp {dp}" + (
+                                                             f" x pp {pp} ({parallel['schedule']})" if pp > 1
+                                                             else "")})
 
 
 def _borrowed_costs(model, devices: int, kind: str):
