@@ -19,8 +19,11 @@ $(STAMP): pyproject.toml setup.py $(wildcard protos/packfeed/v1/*.proto)
 demo: $(STAMP)
 	$(VENV)/bin/packfeed demo --out $(DEMO)
 
+# Two pytest workers (pytest-xdist), each test file whole on one of them (its fixtures and caches shared): the
+# suite's multi-process tests leave cores idle while their processes start and wait. TEST_WORKERS=0: one process.
+TEST_WORKERS ?= 2
 test: $(STAMP)
-	$(PY) -m pytest -q tests --ignore=tests/benchmarks --durations=30
+	$(PY) -m pytest -q tests --ignore=tests/benchmarks --durations=30 -n $(TEST_WORKERS) --dist loadfile
 
 # The docker/ integration test needs a daemon and a local base image: install both tools, then run it
 # (tests/test_docker.py starts dockerd without a bridge when none is running).

@@ -28,8 +28,8 @@ def reference_shape(model) -> ModelShape:
     shuffle = max(1, round((patches / model.tokens_per_tile) ** 0.5))
     vision = Transformer(hidden=model.vit_dim, layers=model.vit_layers, heads=model.vit_heads,
                          ffn=int(model.vit_dim * model.mlp_ratio), causal=False)
-    llm = Transformer(hidden=model.llm_dim, layers=model.llm_layers, heads=model.llm_heads,
-                      ffn=int(model.llm_dim * model.mlp_ratio), vocab=model.vocab_size)
+    llm = Transformer(hidden=model.llm_dim, layers=model.llm_layers, heads=model.llm_heads, ffn=model.llm_ffn,
+                      gated=True, vocab=model.vocab_size)
     projector = model.vit_dim * shuffle ** 2 * model.llm_dim + model.llm_dim ** 2
     return ModelShape("reference", vision, llm, patches, model.tokens_per_tile, projector)
 

@@ -89,6 +89,8 @@ class Job:
     open_streams: int = 0
     last_used: float = field(default_factory=time.monotonic)  # for idle eviction
     delivered: collections.Counter = field(default_factory=collections.Counter)  # samples sent, per dataset
+    packs_sent: int = 0  # by every replica (this Job's: a re-opened id starts again, unlike the metrics)
+    opened: float = field(default_factory=time.monotonic)  # the status page's throughput counts from here
     steps: SharedSteps = field(default_factory=SharedSteps)  # steps in preparation or held, shared by replicas
     record: JobRecord | None = None  # as the coordinator holds it (its first registration's time included)
     revoked: JobError | None = None  # set when an older registration of the id holds another plan: streams stop

@@ -289,10 +289,10 @@ class PackfeedService:
 
     def _account(self, job: Job, rank: int, epoch: int, step: int, result: RankStepResult, primary: bool,
                  encoder: bool = False) -> None:
-        """Metrics and the rank's progress for a step sent; a replica above 0 counts its packs and bytes only
-        (its samples are the rank's, counted once); an encoder rank (`encoder`: its first replica) its samples
-        skipped and its position too (the samples are the LLM ranks')."""
+        """Metrics, the job's own counts and the rank's progress for a step sent; a replica above 0 counts packs and
+        bytes only (its samples are the rank's); an encoder rank (its first replica) its skips and position too."""
         name = job.spec.job
+        job.packs_sent += len(result.messages)
         self.metrics.packs.labels(name).inc(len(result.messages))
         self.metrics.bytes.labels(name).inc(result.nbytes)
         if encoder:

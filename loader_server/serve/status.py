@@ -43,13 +43,15 @@ def _position(step: tuple[int, int]) -> list[int] | None:
 
 class StatusReport:
     """Snapshots of a service for the status page. `sample()` (every REFRESH_S, from the status server's thread)
-    records each job's totals; throughput and data wait are measured between those points."""
+    records each job's totals; throughput and data wait are measured between those points, the first from the
+    job's open (so a job that sends everything within one interval still shows its throughput)."""
 
     def __init__(self, service):
         self.service = service
         self.started = time.time()
         self._balance: dict[str, dict[str, Any]] = {}
-        self._history: dict[str, collections.deque] = {}  # job -> (time, samples, packs, data wait of all ranks)
+        # job -> (the Job it counts, its points: (time, samples, packs, data wait of all ranks) since it opened)
+        self._history: dict[str, tuple[Any, collections.deque]] = {}
         self._lock = threading.Lock()
 
     def sample(self) -> None:
@@ -60,10 +62,11 @@ class StatusReport:
             self._balance = {name: value for name, value in self._balance.items() if name in names}
             self._history = {name: value for name, value in self._history.items() if name in names}
             for job in held:
-                points = self._history.setdefault(job.spec.job,
-                                                  collections.deque(maxlen=int(HISTORY_S / REFRESH_S) + 1))
-                points.append((now, self._counter("packfeed_samples_total", job.spec.job),
-                               self._counter("packfeed_packs_total", job.spec.job),
+                counted, points = self._history.get(job.spec.job, (None, None))
+                if counted is not job:  # a job new here, or an id opened again: its counts start at its open
+                    points = collections.deque([(job.opened, 0, 0, 0.0)], maxlen=int(HISTORY_S / REFRESH_S) + 1)
+                    self._history[job.spec.job] = (job, points)
+                points.append((now, sum(job.delivered.values()), job.packs_sent,
                                sum(rank.data_wait_s for rank in list(job.ranks))))
 
     def snapshot(self) -> dict[str, Any]:
@@ -111,7 +114,7 @@ class StatusReport:
     def _rates(self, name: str, ranks: int) -> list[list[float]]:
         """[seconds ago, samples/s, share of the time trainers waited for data, packs/s] between points."""
         with self._lock:
-            points = list(self._history.get(name, ()))
+            points = list(self._history.get(name, (None, ()))[1])
         now = time.monotonic()
         rates = []
         for (t0, s0, p0, w0), (t1, s1, p1, w1) in zip(points, points[1:]):

@@ -34,6 +34,13 @@ QWEN2_VL_2B = {"vision": {"hidden": 1280, "layers": 32, "heads": 16, "ffn": 5120
                        "vocab": 151936},
                "patches_per_tile": 1024, "tokens_per_tile": 256, "projector_params": 5120 * 5120 + 5120 * 1536}
 
+# the reference VLM's `2b` flavor, what `packfeed train parallel.cp` trains (ViT 1024 x 24; LLM 2048 x 30, 16 K/V
+# heads, SwiGLU 5,632), 448 px tiles of 14 px patches -> 256 tokens
+REFERENCE_2B = {"vision": {"hidden": 1024, "layers": 24, "heads": 16, "ffn": 4096, "causal": False},
+                "llm": {"hidden": 2048, "layers": 30, "heads": 16, "ffn": 5632, "gated": True, "vocab": 32000},
+                "patches_per_tile": 1024, "tokens_per_tile": 256, "projector_params": 1024 * 4 * 2048 + 2048 * 2048}
+SHAPES = {"Qwen2-VL-2B": QWEN2_VL_2B, "the reference 2b VLM": REFERENCE_2B}
+
 
 def simulate(mix, dp: int, cp: int, comm: str, model: str = "internvl-chat-1.5") -> dict:
     done = subprocess.run([sys.executable, "-m", "packfeed.server.cli", "simulate", "--lengths", str(mix),
@@ -117,14 +124,15 @@ def test_dynamic_static_and_no_context_parallelism(tmp_path):
                   f"{by['none']['peak_tokens_per_gpu']} tokens on a GPU)")
             assert by["dynamic"]["peak_tokens_per_gpu"] <= N and by["static"]["peak_tokens_per_gpu"] <= N
             assert by["none"]["peak_tokens_per_gpu"] > N
-    qwen = tmp_path / "qwen2-vl-2b.json"
-    qwen.write_text(json.dumps(QWEN2_VL_2B))
-    for dp, cp in LAYOUTS:
-        got = simulate(mix, dp, cp, "allgather", str(qwen))
-        print(f"  Qwen2-VL-2B, DP {dp} x CP {cp}, K/V all-gather: " + "; ".join(
-            f"{mode} {got[mode]['steps']} steps x {got[mode]['step_s']:.3f} s = {got[mode]['epoch_s']:.1f} s, "
-            f"bubbles {got[mode]['bubble_fraction']:.3f}, MFU {got[mode]['mfu']:.3f}" for mode in ("dynamic", "static"))
-            + f"; dynamic vs static {got['static']['epoch_s'] / got['dynamic']['epoch_s']:.2f}x")
+    for name, shape_json in SHAPES.items():
+        shape_file = tmp_path / "shape.json"
+        shape_file.write_text(json.dumps(shape_json))
+        for dp, cp in LAYOUTS:
+            got = simulate(mix, dp, cp, "allgather", str(shape_file))
+            print(f"  {name}, DP {dp} x CP {cp}, K/V all-gather: " + "; ".join(
+                f"{mode} {got[mode]['steps']} steps x {got[mode]['step_s']:.3f} s = {got[mode]['epoch_s']:.1f} s, "
+                f"bubbles {got[mode]['bubble_fraction']:.3f}, MFU {got[mode]['mfu']:.3f}" for mode in ("dynamic", "static"))
+                + f"; dynamic vs static {got['static']['epoch_s'] / got['dynamic']['epoch_s']:.2f}x")
     for dp, cp in LAYOUTS:
         for mode in ("dynamic", "static"):
             rounds = planning_seconds(samples, table, shape.patches_per_tile, dp, cp, mode)

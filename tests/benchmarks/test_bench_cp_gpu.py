@@ -17,7 +17,8 @@ the exchange between GPUs not included (one GPU has no peer to exchange with).
    dynamic CP runs) against a share of a 4 x 32K (8 x 32K) pack at degree 4 (8) (what static CP runs), with
    the varlen kernel and with sdpa per chunk: what splitting short samples into 2d chunks costs a GPU.
 
-`PACKFEED_BENCH_OUT=FILE` also writes the figures as JSON. `PACKFEED_BENCH_DEVICE=cpu PACKFEED_BENCH_SCALE=64`
+`PACKFEED_BENCH_OUT=FILE` also writes the figures as JSON; `PACKFEED_BENCH_KERNELS=varlen` measures 3. with the
+varlen kernel alone. `PACKFEED_BENCH_DEVICE=cpu PACKFEED_BENCH_SCALE=64`
 runs the same code on a CPU with the `tiny` model and every length divided by 64 (a check of the script, not a
 figure).
 """
@@ -46,10 +47,10 @@ N = 32_768 // SCALE
 FIGURES: dict = {}
 
 
-def model():
+def model(ffn_multiple: int | None = None):
     from packfeed.trainer.models.reference import LLMBlock, LMHead, TextEmbed, VLMConfig
 
-    config = VLMConfig(flavor="2b" if SCALE == 1 else "tiny", vocab_size=VOCAB)
+    config = VLMConfig(flavor="2b" if SCALE == 1 else "tiny", vocab_size=VOCAB, ffn_multiple=ffn_multiple)
     torch.manual_seed(0)
     with torch.device(DEVICE):
         return TextEmbed(config), torch.nn.ModuleList([LLMBlock(config) for _ in range(config.llm_layers)]), \
@@ -208,7 +209,7 @@ def test_short_samples_split_or_whole(parts, monkeypatch):
     import packfeed.trainer.parallel.context_parallel as context_parallel
 
     results = {}
-    for kernel in ("varlen", "sdpa per chunk"):
+    for kernel in os.environ.get("PACKFEED_BENCH_KERNELS", "varlen,sdpa per chunk").split(","):
         if kernel != "varlen":  # the fallback every non-CUDA device runs
             monkeypatch.setattr(reference, "flash_varlen_attention", lambda *a, **k: None)
             monkeypatch.setattr(context_parallel, "flash_varlen_attention", lambda *a, **k: None)
@@ -220,6 +221,31 @@ def test_short_samples_split_or_whole(parts, monkeypatch):
             print(row(f"short samples ({len(lengths)} in the pack), {kernel}, degree {degree}", r))
     FIGURES["short"] = results
     assert all(r.get("ms", 0) > 0 for r in results.values())
+
+
+def test_the_swiglu_width_a_multiple_of_256(parts):
+    """The `2b` flavor's SwiGLU 5,632 wide (a multiple of 256, what it is now) against 5,461 (2/3 of 4 x 2,048, what
+    it was, odd: the matrix products fell to tensor-core kernels for unaligned rows): a whole pack of short
+    samples, N tokens, degree 1. Per token: the wider MLP does 3% more FLOPs."""
+    from packfeed.trainer.models.reference import VLMConfig
+
+    lengths = short_pack(N, seed=1)
+    widths = {}
+    for name, built in (("aligned", parts), ("unaligned", None)):
+        built = built or model(ffn_multiple=1)
+        width = built[1][0].mlp.up.out_features
+        widths[name] = r = measure(built, share_of(lengths, 1), repeats=3)
+        r["swiglu_width"] = int(width)
+        print(row(f"SwiGLU {width} wide ({name}), {len(lengths)} short samples, degree 1", r))
+        del built
+        if DEVICE == "cuda":
+            torch.cuda.empty_cache()
+    ratio = widths["unaligned"]["ms"] / widths["aligned"]["ms"]
+    print(f"[cp-gpu] SwiGLU width: the aligned step is {ratio:.2f}x faster than the unaligned one "
+          f"(widths {widths['aligned']['swiglu_width']} vs {widths['unaligned']['swiglu_width']})")
+    FIGURES["swiglu_width"] = widths
+    assert widths["aligned"]["swiglu_width"] % (256 if SCALE == 1 else 1) == 0
+    assert VLMConfig(flavor="2b").llm_ffn == 5632 and VLMConfig(flavor="2b", ffn_multiple=1).llm_ffn == 5461
 
 
 @pytest.mark.parametrize("sample", [32_768 // SCALE, 131_072 // SCALE])

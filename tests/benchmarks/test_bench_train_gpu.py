@@ -27,7 +27,7 @@ pytestmark = [pytest.mark.benchmark,
 
 STRATEGIES = ("random", "isf", "isf+balance")
 MODEL = {"vit_dim": 1024, "vit_layers": 12, "vit_heads": 16, "llm_dim": 2048, "llm_layers": 12,
-         "llm_heads": 16, "patch_size": 14, "seed": 0}
+         "llm_heads": 16, "patch_size": 14, "ffn_multiple": 256, "seed": 0}  # SwiGLU 5,632 wide: tensor-core aligned
 POLICY = {"name": "internvl", "image_size": 448, "tokens_per_tile": 256, "max_num": 6}
 SAMPLES = 480  # strategies: one epoch each
 RECOMPUTE_SAMPLES = 160  # recompute: each run trains an epoch of these (its own, smaller dataset)

@@ -13,10 +13,12 @@ from typing import Any
 # the reference VLM: its size fields (packfeed.trainer.models.reference.VLMConfig)
 REFERENCE_FLAVORS: dict[str, dict[str, Any]] = {
     # trains on a CPU in seconds (tests, the demo)
-    "tiny": dict(vit_dim=64, vit_layers=4, vit_heads=4, llm_dim=128, llm_layers=4, llm_heads=4, mlp_ratio=4.0),
-    # about 2B parameters: a 300M ViT (1024 wide, 24 blocks) and a 1.5B LLM (2048 wide, 30 blocks), plus the
-    # dataset's vocabulary (65M more at 32K)
-    "2b": dict(vit_dim=1024, vit_layers=24, vit_heads=16, llm_dim=2048, llm_layers=30, llm_heads=16, mlp_ratio=4.0),
+    "tiny": dict(vit_dim=64, vit_layers=4, vit_heads=4, llm_dim=128, llm_layers=4, llm_heads=4, mlp_ratio=4.0,
+                 ffn_multiple=1),
+    # about 2B parameters: a 300M ViT (1024 wide, 24 blocks) and a 1.5B LLM (2048 wide, 30 blocks, SwiGLU 5,632
+    # wide: a multiple of 256 for tensor cores), plus the dataset's vocabulary (65M more at 32K)
+    "2b": dict(vit_dim=1024, vit_layers=24, vit_heads=16, llm_dim=2048, llm_layers=30, llm_heads=16, mlp_ratio=4.0,
+               ffn_multiple=256),
 }
 
 # `transformers` families: {text: {...}, vision: {...}, top-level fields} over packfeed.trainer.models.hf.build's

@@ -54,6 +54,9 @@ class VLMConfig:
     llm_layers: int | None = None
     llm_heads: int | None = None
     mlp_ratio: float | None = None
+    # the LLM's SwiGLU width (2/3 of llm_dim x mlp_ratio, LLaMA's) rounded up to a multiple of this: tensor cores
+    # need a multiple of 8 in bf16 (2b: 256, 5,632 instead of 5,461)
+    ffn_multiple: int | None = None
     rope_theta: float = 10000.0
     seed: int = 0
     # A Hugging Face VLM instead of the reference model (packfeed.trainer.models.hf: pipelined at pp > 1, run
@@ -81,6 +84,12 @@ class VLMConfig:
     def hf_sizes(self) -> dict:
         """A `transformers` model's sizes: its flavor's, then `hf_config`'s."""
         return hf_sizes(self.hf, self.flavor, dict(self.hf_config))
+
+    @property
+    def llm_ffn(self) -> int:
+        """The LLM's SwiGLU width."""
+        width = int(self.llm_dim * self.mlp_ratio * 2 / 3)
+        return -(-width // self.ffn_multiple) * self.ffn_multiple
 
     @property
     def grid(self) -> int:
@@ -240,7 +249,7 @@ class LLMBlock(nn.Module):
         self.norm1, self.norm2 = RMSNorm(c.llm_dim), RMSNorm(c.llm_dim)
         self.qkv = nn.Linear(c.llm_dim, 3 * c.llm_dim, bias=False)
         self.proj = nn.Linear(c.llm_dim, c.llm_dim, bias=False)
-        self.mlp = SwiGLU(c.llm_dim, int(c.llm_dim * c.mlp_ratio * 2 / 3))
+        self.mlp = SwiGLU(c.llm_dim, c.llm_ffn)
 
     def forward(self, hidden, position_ids, cu_seqlens, labels):
         length, d = hidden.shape
