@@ -131,7 +131,8 @@ def test_dynamic_static_and_no_context_parallelism(tmp_path):
             got = simulate(mix, dp, cp, "allgather", str(shape_file))
             print(f"  {name}, DP {dp} x CP {cp}, K/V all-gather: " + "; ".join(
                 f"{mode} {got[mode]['steps']} steps x {got[mode]['step_s']:.3f} s = {got[mode]['epoch_s']:.1f} s, "
-                f"bubbles {got[mode]['bubble_fraction']:.3f}, MFU {got[mode]['mfu']:.3f}" for mode in ("dynamic", "static"))
+                f"bubbles {got[mode]['bubble_fraction']:.3f}, MFU {got[mode]['mfu']:.3f}"
+                for mode in ("dynamic", "static"))
                 + f"; dynamic vs static {got['static']['epoch_s'] / got['dynamic']['epoch_s']:.2f}x")
     for dp, cp in LAYOUTS:
         for mode in ("dynamic", "static"):

@@ -34,10 +34,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
-
-import numpy as np
 
 from packfeed.trainer.batch import Microbatches, RoutedImages, StepShape
 from packfeed.trainer.models.layer_model import features_of_carrier
@@ -61,7 +60,8 @@ class EncoderRanksStep(PhaseRunner):
     schedule: str = "1f1b"
 
     def exchange(self) -> Exchange:
-        return Exchange(self.mesh, self.model, peers=self.mesh.dp + self.mesh.encoder_ranks, encoder_offset=self.mesh.dp)
+        mesh = self.mesh
+        return Exchange(mesh, self.model, peers=mesh.dp + mesh.encoder_ranks, encoder_offset=mesh.dp)
 
     def run(self, shape: StepShape, batch: Microbatches) -> list[torch.Tensor]:
         """Every rank runs the same collectives in the same order: per microbatch m, the forward exchange, then
