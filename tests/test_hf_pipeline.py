@@ -193,10 +193,10 @@ def test_a_qwen_vision_tower_is_refused_for_the_bubbles(tmp_path):
     """Qwen towers attend across an image's patches under per-image geometry: their work does not divide by tile,
     and parallel.encoder=bubbles says so at start."""
     from packfeed.trainer.models.hf.model import HFLayerModel
-    from packfeed.trainer.parallel.stages import RankStages
+    from packfeed.trainer.parallel.pipeline import separate_encoder_layers
 
     data = family_dataset(tmp_path / "data", "qwen2_vl")
     model = HFLayerModel("qwen2_vl", data.conventions, model=tiny_model("qwen2_vl", data))
     assert model.vision is None
     with pytest.raises(ValueError, match="parallel.encoder=stages"):
-        RankStages._encoder_layers(model, "bubbles")
+        separate_encoder_layers(model, "bubbles")

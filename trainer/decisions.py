@@ -20,7 +20,7 @@ from packfeed.trainer.config import TrainConfig
 from packfeed.trainer.models.layer_model import Features
 from packfeed.trainer.parallel import partition as partitioning
 from packfeed.trainer.parallel.mesh import Mesh, broadcast_object, log
-from packfeed.trainer.parallel.pipeline import autocast_dtype, validate_partition
+from packfeed.trainer.parallel.pipeline import autocast_dtype, separate_encoder_layers, validate_partition
 from packfeed.trainer.parallel.profile import profile_layers, synchronize
 from packfeed.trainer.parallel.recompute import RecomputeDecision, adaptive_recompute
 from packfeed.trainer.simulate.calibrated import VISION_KINDS, fit_layer_costs, planner_cost_model
@@ -76,12 +76,18 @@ class LayerMeasurements:
     features: list[Features]
 
 
+def split_layers(layers, first: int, stages: int, by_parameters: bool) -> list[int]:
+    """Bounds [first, ..., n] splitting layers first: into `stages` runs of even layer counts or parameters."""
+    weights = [float(sum(q.numel() for q in layer.parameters())) if by_parameters else 1.0 for layer in layers]
+    return [first + b for b in partitioning.split_by_weight(weights[first:], stages)]
+
+
 def llm_bounds(config: TrainConfig, model, mesh: Mesh, out: Path, given: list[int] | None = None) -> list[int]:
     """The LLM's pipeline stages beside encoder ranks of their own (parallel.encoder=disaggregated): `given` (a
     checkpoint's), partition.bounds, or a split by layers or parameters. The search times candidates on the whole
     pipeline, the encoder included, which these ranks do not hold: there partition.mode=search splits by
     parameters, and says so. Pipelined, rank 0 records them in OUT/partition.json (`packfeed simulate --run`)."""
-    p, first, n_layers = config.partition, model.vision.encoder_layers, len(model.kinds)
+    p, first, n_layers = config.partition, separate_encoder_layers(model, "disaggregated"), len(model.kinds)
     if given or p.bounds:
         bounds = validate_partition(list(given or p.bounds), n_layers, mesh.pp, first)
     else:
@@ -89,9 +95,7 @@ def llm_bounds(config: TrainConfig, model, mesh: Mesh, out: Path, given: list[in
             log(mesh, "partition.mode=search times candidates with the encoder in the pipeline; beside encoder "
                 "ranks the LLM's layers are split by parameters (partition.mode=layers, or partition.bounds, to "
                 "choose)")
-        weights = [1.0] * n_layers if p.mode == "layers" else \
-            [float(sum(q.numel() for q in layer.parameters())) for layer in model.layers]
-        bounds = [first + b for b in partitioning.split_by_weight(weights[first:], mesh.pp)]
+        bounds = split_layers(model.layers, first, mesh.pp, by_parameters=p.mode != "layers")
     if mesh.pp > 1 and mesh.rank == 0:
         write_json(out / "partition.json", {"key": decision_key(config, model, mesh), "bounds": bounds,
                                             "kinds": list(model.kinds)})
@@ -112,9 +116,7 @@ def decide_partition(rank_stages: RankStages, config: TrainConfig, mesh: Mesh, o
         log(mesh, f"partition {saved['bounds']} reused from {path}")
         return validate_partition(saved["bounds"], n_layers, stages, first), None
     if p.mode != "search" or stages == 1:
-        weights = [1.0] * n_layers if p.mode != "params" else \
-            [float(sum(q.numel() for q in layer.parameters())) for layer in rank_stages.layers]
-        return [first + b for b in partitioning.split_by_weight(weights[first:], stages)], None
+        return split_layers(rank_stages.layers, first, stages, by_parameters=p.mode == "params"), None
     profiled, measured = None, None
     if mesh.rank == 0:  # profile on the first replica's data, on one device
         batches = rank_stages.source.peek(p.profile_steps)

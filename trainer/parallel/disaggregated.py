@@ -44,7 +44,8 @@ from packfeed.trainer.parallel.bubbles import BubbleRunner, BubbleStep, Channel
 from packfeed.trainer.parallel.data_parallel import all_reduce_gradients
 from packfeed.trainer.parallel.mesh import Mesh
 from packfeed.trainer.parallel.phases import Exchange, PhaseRunner
-from packfeed.trainer.parallel.pipeline import StageModule, autocast_dtype, share_step_shape
+from packfeed.trainer.parallel.pipeline import StageModule, autocast_dtype, separate_encoder_layers, \
+    share_step_shape, validate_partition
 from packfeed.trainer.parallel.profile import synchronize
 from packfeed.trainer.parallel.runner import StepTally
 from packfeed.trainer.parallel.schedules import pipeline_order
@@ -132,7 +133,7 @@ class EncoderRanksStep(PhaseRunner):
         """Microbatch m's forward exchange (its images' keys keep m); what this rank received."""
         exchange = self.exchange()
         exchanges.append(exchange)
-        only_m = [images if k == m else EMPTY for k, images in enumerate(routed)]
+        only_m = only_microbatch(routed, m)
         return exchange.forward(encoded, self._send_order(only_m), only_m)
 
     def _encoder_backward(self, encoded: torch.Tensor, grads: torch.Tensor) -> None:
@@ -156,6 +157,11 @@ class EncoderRanksStep(PhaseRunner):
 EMPTY = RoutedImages(torch.zeros(0), [], [])  # a microbatch with nothing to send
 
 
+def only_microbatch(routed: list[RoutedImages], m: int) -> list[RoutedImages]:
+    """Microbatch m's images, the other microbatches' left out (one microbatch's exchange)."""
+    return [images if k == m else EMPTY for k, images in enumerate(routed)]
+
+
 class FedFirstStageStep(BubbleStep):
     """An LLM rank's step at pp > 1: `BubbleStep`'s schedule with no encoder share on any rank; the first stage
     takes microbatch j's vision features from the encoder ranks (an exchange before its F(j)) and returns their
@@ -176,8 +182,7 @@ class FedFirstStageStep(BubbleStep):
         exchange = self.feed.exchange()
         self.exchanges.append(exchange)
         nothing = self.runner.model.vision_output_like(0, self.mesh.device, self.runner.dtype).zero_()
-        only_j = [images if k == j else EMPTY for k, images in enumerate(self.routed)]
-        received = exchange.forward(nothing, {}, only_j)
+        received = exchange.forward(nothing, {}, only_microbatch(self.routed, j))
         leaf, pieces, missing = exchange.features_of(j, self.routed[j], received)
         args = self.runner.model.without_samples(self.args[j], missing) if missing else self.args[j]
         self.fed[j] = (exchange, leaf, pieces)
@@ -189,15 +194,6 @@ class FedFirstStageStep(BubbleStep):
             exchange, leaf, pieces = self.fed.pop(j)
             grad = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
             exchange.backward({key: grad.narrow(0, start, units) for key, (start, units) in pieces.items()}, 0)
-
-
-def encoder_layers(model) -> int:
-    """The layers 0:e of the model's vision encoder and projector (the rest are the LLM's)."""
-    vision = getattr(model, "vision", None)
-    if vision is None:
-        raise ValueError(f"parallel.encoder=disaggregated needs a model whose vision encoder separates from its "
-                         f"LLM; {model.describe()} does not")
-    return vision.encoder_layers
 
 
 @dataclass
@@ -216,11 +212,9 @@ class DisaggregatedRunner:
     meta: dict = field(default_factory=dict)
 
     def __post_init__(self):
-        first, n = encoder_layers(self.model), len(self.model.kinds)
+        first, n = separate_encoder_layers(self.model, "disaggregated"), len(self.model.kinds)
         mesh = self.mesh
-        bounds = self.bounds or [first, n]
-        if len(bounds) != mesh.pp + 1 or bounds[0] != first or bounds[-1] != n:
-            raise ValueError(f"the LLM's stage bounds {bounds} do not cover layers {first}:{n} in {mesh.pp} stage(s)")
+        bounds = validate_partition(self.bounds or [first, n], n, mesh.pp, first)
         lo, hi = (0, first) if mesh.is_encoder else (bounds[mesh.stage], bounds[mesh.stage + 1])
         for i, layer in enumerate(self.model.layers):  # the other ranks' layers stay on the CPU, unused
             layer.to(mesh.device if lo <= i < hi else "cpu")

@@ -49,6 +49,16 @@ def validate_partition(bounds: list[int], n_layers: int, stages: int, first: int
     return bounds
 
 
+def separate_encoder_layers(model, placement: str) -> int:
+    """The layers 0:e of the model's vision encoder and projector, for a placement that runs them apart from the
+    LLM's layers (parallel.encoder=bubbles, phases or disaggregated)."""
+    vision = getattr(model, "vision", None)
+    if vision is None:
+        raise ValueError(f"parallel.encoder={placement} needs a model whose vision encoder separates from its "
+                         f"LLM; {model.describe()} does not: use parallel.encoder=stages")
+    return vision.encoder_layers
+
+
 def rank_stages(mesh: Mesh, virtual: int) -> list[int]:
     """The pipeline stages this rank runs, in order: its stage in each of the V loops over the P ranks."""
     return [mesh.stage + v * mesh.pp for v in range(virtual)]

@@ -18,7 +18,7 @@ from packfeed.trainer.parallel.data_parallel import wrap_data_parallel
 from packfeed.trainer.parallel.phases import PhaseRunner
 from packfeed.trainer.parallel.mesh import Mesh, max_over_world
 from packfeed.trainer.parallel.pipeline import PipelineRunner, StageModule, autocast_dtype, clip_gradients, \
-    rank_stages, share_step_shape
+    rank_stages, separate_encoder_layers, share_step_shape
 from packfeed.trainer.parallel.profile import SavedBytes, synchronize
 from packfeed.trainer.parallel.runner import StepTally
 from packfeed.trainer.parallel.tied import TiedParameters
@@ -46,18 +46,10 @@ class RankStages:
         # partition, which covers the rest
         self.bubbles = parallel.encoder == "bubbles"
         self.phases = parallel.encoder == "phases"
-        self.first_layer = self._encoder_layers(model, parallel.encoder) if self.bubbles or self.phases else 0
+        self.first_layer = separate_encoder_layers(model, parallel.encoder) if self.bubbles or self.phases else 0
         self.encoder: StageModule | None = None
         self.channel = Channel(mesh) if self.bubbles else None  # collective on CUDA: made once, here
         self.meta: dict = {}  # the partition and recompute plan a checkpoint records (set by the trainer)
-
-    @staticmethod
-    def _encoder_layers(model, placement: str) -> int:
-        vision = getattr(model, "vision", None)
-        if vision is None:
-            raise ValueError(f"parallel.encoder={placement} needs a model whose vision encoder separates from its "
-                             f"LLM; {model.describe()} does not: use parallel.encoder=stages")
-        return vision.encoder_layers
 
     @property
     def n_stages(self) -> int:
