@@ -59,9 +59,9 @@ def run_bounded(worker, args: tuple, world: int, timeout: float) -> bool:
     running after `timeout` seconds (then killed): the test never hangs itself."""
     import time
 
-    import torch.multiprocessing as mp
+    from spawned import spawn
 
-    context = mp.spawn(worker, args=(world, *args), nprocs=world, join=False)
+    context = spawn(worker, args=(world, *args), nprocs=world, join=False)
     deadline = time.monotonic() + timeout
     try:
         while time.monotonic() < deadline:

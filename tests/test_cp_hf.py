@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
+from spawned import spawn
 
 pytest.importorskip("transformers")
 sys.path.insert(0, str(Path(__file__).parent))
@@ -69,7 +69,7 @@ def unsplit(steps_file: Path, data, cp: int) -> tuple[float, dict]:
 def run_cp(steps_file: Path, data, cp: int, tmp_path: Path, control: bool = False) -> dict:
     out = tmp_path / ("control" if control else "run")
     out.mkdir()
-    mp.spawn(cp_step, args=(cp, 1, cp, str(out / "init"), str(steps_file), str(out), control,
+    spawn(cp_step, args=(cp, 1, cp, str(out / "init"), str(steps_file), str(out), control,
                             data.conventions.SerializeToString()), nprocs=cp, join=True)
     return torch.load(out / "cp.pt", weights_only=False)
 

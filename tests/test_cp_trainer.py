@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-import torch.multiprocessing as mp
+from spawned import spawn
 
 sys.path.insert(0, str(Path(__file__).parent))
 from trainer_workers import SMALL_MODEL, cp_step, packfeed_train, restart_from  # noqa: E402
@@ -68,7 +68,7 @@ def unsplit_reference(steps_file: Path, dp: int, cp: int) -> tuple[float, dict]:
 def run_cp(steps_file: Path, dp: int, cp: int, tmp_path: Path, control: bool = False) -> dict:
     out = tmp_path / ("control" if control else "run")
     out.mkdir()
-    mp.spawn(cp_step, args=(dp * cp, dp, cp, str(out / "init"), str(steps_file), str(out), control),
+    spawn(cp_step, args=(dp * cp, dp, cp, str(out / "init"), str(steps_file), str(out), control),
              nprocs=dp * cp, join=True)
     return torch.load(out / "cp.pt", weights_only=False)
 

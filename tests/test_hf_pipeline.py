@@ -9,7 +9,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-import torch.multiprocessing as mp  # noqa: E402
+from spawned import spawn  # noqa: E402
 
 from hf_models import family_dataset, packs_of, tiny_model  # noqa: E402
 from packfeed.client.hf import register_varlen_attention, to_hf_inputs  # noqa: E402
@@ -33,7 +33,7 @@ def reference(data, family: str, packs) -> tuple[float, dict[str, torch.Tensor]]
 def run(tmp_path, family: str, data, packs, dp: int, pp: int, bounds: list[int], **options) -> list[dict]:
     torch.save({"data": data, "packs": packs}, tmp_path / "step.pt")
     world = dp * pp
-    mp.spawn(hf_pipeline_step, args=(world, dp, pp, family, str(tmp_path / "step.pt"), str(tmp_path / "init"),
+    spawn(hf_pipeline_step, args=(world, dp, pp, family, str(tmp_path / "step.pt"), str(tmp_path / "init"),
                                      str(tmp_path), bounds, options.get("schedule", "1f1b"),
                                      options.get("virtual", 1), options.get("break_positions", False),
                                      options.get("data_parallel", "ddp"), options.get("encoder", "stages")),

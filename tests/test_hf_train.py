@@ -11,7 +11,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-import torch.multiprocessing as mp  # noqa: E402
+from spawned import spawn  # noqa: E402
 
 from doc_commands import quoted_train  # noqa: E402
 from hf_models import family_dataset, packs_of, tiny_model  # noqa: E402
@@ -28,7 +28,7 @@ def test_dp_2_matches_one_process_on_the_global_step(tmp_path, family, wrap):
     data = family_dataset(tmp_path / "data", family)
     packs = packs_of(data, [[0, 1, 2], [3, 4], [5, 6, 7], [8, 9]])  # one global step: 2 ranks x 2 microbatches
     torch.save({"data": data, "packs": packs}, tmp_path / "step.pt")
-    mp.spawn(hf_step_grads, args=(2, family, str(tmp_path / "step.pt"), str(tmp_path / "init"), str(tmp_path), wrap),
+    spawn(hf_step_grads, args=(2, family, str(tmp_path / "step.pt"), str(tmp_path / "init"), str(tmp_path), wrap),
              nprocs=2, join=True)
 
     model = tiny_model(family, data)
@@ -88,7 +88,7 @@ def test_the_views_fsdp2_warns_about_are_the_per_image_features_alone(tmp_path, 
     the DP 2 gradients above equal one process's: harmless."""
     data = family_dataset(tmp_path / "data", family)
     torch.save({"data": data, "packs": packs_of(data, [[1, 2]])}, tmp_path / "step.pt")
-    mp.spawn(fsdp_output_views, args=(1, family, str(tmp_path / "step.pt"), str(tmp_path / "init"), str(tmp_path)),
+    spawn(fsdp_output_views, args=(1, family, str(tmp_path / "step.pt"), str(tmp_path / "init"), str(tmp_path)),
              nprocs=1, join=True)
     views = torch.load(tmp_path / "rank0.pt")["views"]
     assert views == ["image_outputs"]

@@ -137,7 +137,9 @@ def test_jobs_are_closed_bounded_and_forgotten_when_idle(small_tile_index):
             grpc.StatusCode.RESOURCE_EXHAUSTED
         stub.CloseJob(pb.CloseJobRequest(job="a"))
         assert code_and_message(lambda: stub.GetJob(pb.GetJobRequest(job="a")))[0] == grpc.StatusCode.NOT_FOUND
-        stub.OpenJob(pb.OpenJobRequest(job="c", plan=PLAN))
+        # 1,000 epochs: the stream cannot reach its end behind the client's back (one epoch of this small data
+        # fits in gRPC's flow-control window, and a finished stream no longer holds the job)
+        stub.OpenJob(pb.OpenJobRequest(job="c", plan=PLAN, epochs=1000))
         assert sorted(job.job for job in stub.ListJobs(pb.ListJobsRequest()).jobs) == ["b", "c"]
         parts = stub.StreamPackParts(pb.StreamPacksRequest(job="c", rank=0))
         next(parts)  # a rank streams from c: it cannot be closed under it, nor forgotten
@@ -168,7 +170,7 @@ def test_planning_one_job_never_blocks_another(small_tile_index):
 
     source = DatasetSource(str(small_tile_index), read_index_info(small_tile_index).tokenizer["path"])
     small = Dataset.open("small", source)
-    n, rng = 12_000_000, np.random.default_rng(0)
+    n, rng = 24_000_000, np.random.default_rng(0)  # planning long enough to outlast a loaded host
     big = dataclasses.replace(small, name="big", parts=[dataclasses.replace(
         small.parts[0], loads=SampleLoads.from_arrays(rng.integers(1, 13, n), rng.integers(200, 6000, n)))])
     registry = JobRegistry({"small": small, "big": big})

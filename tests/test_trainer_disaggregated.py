@@ -16,7 +16,7 @@ import time
 
 import pytest
 import torch
-import torch.multiprocessing as mp
+from spawned import spawn
 from test_trainer_pipeline import reference
 from trainer_workers import SMALL_MODEL, disaggregated_step, packfeed_train, restart_from
 
@@ -52,7 +52,7 @@ def run_disaggregated(tmp_path, steps: list, dp: int, control: bool = False, pp:
     ranks'); every rank's result, by global rank."""
     torch.save(steps, tmp_path / "steps.pt")
     world = len(steps) + dp * (pp - 1)
-    mp.spawn(disaggregated_step, args=(world, dp, str(tmp_path / "init"), str(tmp_path / "steps.pt"),
+    spawn(disaggregated_step, args=(world, dp, str(tmp_path / "init"), str(tmp_path / "steps.pt"),
                                        str(tmp_path), control, pp, schedule, recompute), nprocs=world, join=True)
     return [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.multiprocessing as mp
+from spawned import spawn
 from test_trainer_pipeline import assert_matches, reference
 from trainer_workers import SMALL_MODEL, packfeed_train, phase_step
 
@@ -17,7 +17,7 @@ pytestmark = pytest.mark.slow
 def run_phases(tmp_path, steps, control: bool = False) -> list[dict]:
     torch.save(steps, tmp_path / "steps.pt")
     world = len(steps)
-    mp.spawn(phase_step, args=(world, str(tmp_path / "init"), str(tmp_path / "steps.pt"), str(tmp_path), control),
+    spawn(phase_step, args=(world, str(tmp_path / "init"), str(tmp_path / "steps.pt"), str(tmp_path), control),
              nprocs=world, join=True)
     return [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
 

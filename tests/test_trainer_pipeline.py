@@ -11,7 +11,7 @@ import sys
 import numpy as np
 import pytest
 import torch
-import torch.multiprocessing as mp
+from spawned import spawn
 from doc_commands import quoted_train
 from packfeed.trainer.models.reference_inputs import microbatches_of
 from packfeed.trainer.models.reference import VLMConfig, build_layers, run_layers
@@ -43,7 +43,7 @@ def run_pipeline(tmp_path, steps, dp: int, pp: int, bounds: list[int], schedule:
     steps_file = tmp_path / "steps.pt"
     torch.save(steps, steps_file)
     world = dp * pp
-    mp.spawn(pipeline_step, args=(world, dp, pp, str(tmp_path / "init"), str(steps_file), str(tmp_path), bounds,
+    spawn(pipeline_step, args=(world, dp, pp, str(tmp_path / "init"), str(steps_file), str(tmp_path), bounds,
                                   schedule, recompute, precision), nprocs=world, join=True)
     return [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
 
@@ -175,7 +175,7 @@ def run_bubbles(tmp_path, steps, dp: int, pp: int, schedule: str = "1f1b", contr
     steps_file = tmp_path / "steps.pt"
     torch.save(steps, steps_file)
     world = dp * pp
-    mp.spawn(bubble_step, args=(world, dp, pp, str(tmp_path / "init"), str(steps_file), str(tmp_path), schedule,
+    spawn(bubble_step, args=(world, dp, pp, str(tmp_path / "init"), str(steps_file), str(tmp_path), schedule,
                                 control), nprocs=world, join=True)
     return [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
 

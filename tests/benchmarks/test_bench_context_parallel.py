@@ -75,6 +75,25 @@ def without_cp(samples, table, patches: int, dp: int, cp: int) -> dict:
     return result
 
 
+def rows_of(rows: list, dp: int, cp: int, comm: str) -> dict:
+    return {mode: r for d, c, mode, k, r in rows if (d, c) == (dp, cp) and k in (comm, "-")}
+
+
+def work_bound(by_mode: dict, gpus: int, tokens: int, what: str) -> str:
+    """The shortest epoch any CP plan of these samples could take: the work without CP's split costs (the
+    GPU-seconds of the no-CP run, each sample whole on one GPU) spread evenly over every GPU with no bubble, plus
+    the gradient sync of the fewest steps that hold every token at N per GPU; so the most any plan could gain
+    over static CP."""
+    steps = -(-tokens // (gpus * N))
+    work, sync = by_mode["none"]["busy_gpu_s"] / gpus, steps * by_mode["static"]["sync_s"]
+    bound = work + sync
+    static, dynamic = by_mode["static"]["epoch_s"], by_mode["dynamic"]["epoch_s"]
+    assert bound <= dynamic  # the bound holds for the plan that runs
+    return (f"{what}: no CP plan beats {bound:.1f} s an epoch ({work:.1f} s of unsplit work over {gpus} GPUs with "
+            f"no bubble, {sync:.1f} s of sync over at least {steps} steps): at most {static / bound:.2f}x over "
+            f"static CP; dynamic gets {static / dynamic:.2f}x, {dynamic / bound - 1:.1%} above the bound")
+
+
 def planning_seconds(samples, table, patches: int, dp: int, cp: int, mode: str) -> list[float]:
     from packfeed.server.plan.planner import make_plan
     from packfeed.trainer.simulate.workload import planner_cost_model
@@ -102,6 +121,7 @@ def test_dynamic_static_and_no_context_parallelism(tmp_path):
         lengths, index = [str(mix)], None
 
     samples = _samples(Args)
+    tokens = int(samples.tokens.sum())
     rows = []
     for dp, cp in LAYOUTS:
         for comm in ("allgather", "ring"):
@@ -118,22 +138,26 @@ def test_dynamic_static_and_no_context_parallelism(tmp_path):
               f"{r.get('oversize', 0):>6}  {r['degrees']}")
     for dp, cp in LAYOUTS:
         for comm in ("allgather", "ring"):
-            by = {mode: r for d, c, mode, k, r in rows if (d, c) == (dp, cp) and k in (comm, "-")}
+            by = rows_of(rows, dp, cp, comm)
             print(f"  DP {dp} x CP {cp}, K/V {comm}: dynamic vs static {by['static']['epoch_s'] / by['dynamic']['epoch_s']:.2f}x "
                   f"per epoch; dynamic vs no CP {by['none']['epoch_s'] / by['dynamic']['epoch_s']:.2f}x (no CP puts "
                   f"{by['none']['peak_tokens_per_gpu']} tokens on a GPU)")
             assert by["dynamic"]["peak_tokens_per_gpu"] <= N and by["static"]["peak_tokens_per_gpu"] <= N
             assert by["none"]["peak_tokens_per_gpu"] > N
+        print("  " + work_bound(rows_of(rows, dp, cp, "allgather"), dp * cp, tokens, f"DP {dp} x CP {cp}, K/V all-gather"))
     for name, shape_json in SHAPES.items():
         shape_file = tmp_path / "shape.json"
         shape_file.write_text(json.dumps(shape_json))
+        shape_table, shaped = load_model(str(shape_file))
         for dp, cp in LAYOUTS:
             got = simulate(mix, dp, cp, "allgather", str(shape_file))
+            got["none"] = without_cp(samples, shape_table, shaped.patches_per_tile, dp, cp)
             print(f"  {name}, DP {dp} x CP {cp}, K/V all-gather: " + "; ".join(
                 f"{mode} {got[mode]['steps']} steps x {got[mode]['step_s']:.3f} s = {got[mode]['epoch_s']:.1f} s, "
                 f"bubbles {got[mode]['bubble_fraction']:.3f}, MFU {got[mode]['mfu']:.3f}"
                 for mode in ("dynamic", "static"))
                 + f"; dynamic vs static {got['static']['epoch_s'] / got['dynamic']['epoch_s']:.2f}x")
+            print("    " + work_bound(got, dp * cp, tokens, f"{name}, DP {dp} x CP {cp}"))
     for dp, cp in LAYOUTS:
         for mode in ("dynamic", "static"):
             rounds = planning_seconds(samples, table, shape.patches_per_tile, dp, cp, mode)

@@ -29,7 +29,6 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.nn.attention.bias import causal_lower_right
 
 from packfeed.client.attention import flash_varlen_attention
 from packfeed.trainer.batch import StepShape
@@ -158,6 +157,9 @@ class ContextParallelAttention:
                                            causal=True, scale=scale)
             if flash is not None:
                 return flash
+        # imported here, not at the top: the module imports torch._dynamo, 1.4 s of CPU in every trainer's start
+        from torch.nn.attention.bias import causal_lower_right
+
         keys, values = _key_values(kv[layout.rows.to(q.device)], q.shape[1])
         out = torch.empty_like(q)
         for first, last, start, stop in layout.chunk_spans:

@@ -112,8 +112,9 @@ def pack_seconds(table: LayerTable, cluster: Cluster, loads: np.ndarray, degree:
 
 
 def simulate_cp(workload: CpWorkload, table: LayerTable, cluster: Cluster, comm: str = "allgather") -> dict:
-    """Step and epoch time, bubble fraction, MFU and peak tokens per GPU of a CP plan on `cluster`, its K/V
-    exchanged as `comm` says (CP_COMM)."""
+    """Step and epoch time, bubble fraction, MFU, peak tokens per GPU, the GPU-seconds of work (every GPU's busy
+    time, added up) and each step's gradient and weight sync of a CP plan on `cluster`, its K/V exchanged as
+    `comm` says (CP_COMM)."""
     if comm not in CP_COMM:
         raise ValueError(f"--cp-comm must be one of {', '.join(CP_COMM)}, not {comm!r}")
     c, dp = workload.groups, workload.dp
@@ -148,6 +149,7 @@ def simulate_cp(workload: CpWorkload, table: LayerTable, cluster: Cluster, comm:
             "samples": workload.samples, "step_s": epoch / max(1, workload.steps), "epoch_s": epoch,
             "step_s_median": float(np.median(step_times)) if workload.steps else 0.0,
             "bubble_fraction": 1.0 - busy_total / (gpus * compute_span) if compute_span else 0.0,
+            "busy_gpu_s": busy_total, "sync_s": sync,
             "mfu": flops / (gpus * cluster.peak_tflops * 1e12 * epoch) if flops is not None and epoch else None,
             "peak_tokens_per_gpu": workload.peak_tokens_per_gpu,
             "degrees": {str(int(d)): int(n) for d, n in zip(*np.unique(workload.degree, return_counts=True))}}
