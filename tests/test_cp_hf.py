@@ -70,7 +70,7 @@ def run_cp(steps_file: Path, data, cp: int, tmp_path: Path, control: bool = Fals
     out = tmp_path / ("control" if control else "run")
     out.mkdir()
     spawn(cp_step, args=(cp, 1, cp, str(out / "init"), str(steps_file), str(out), control,
-                            data.conventions.SerializeToString()), nprocs=cp, join=True)
+                         data.conventions.SerializeToString()), nprocs=cp, join=True)
     return torch.load(out / "cp.pt", weights_only=False)
 
 

@@ -69,7 +69,7 @@ def run_cp(steps_file: Path, dp: int, cp: int, tmp_path: Path, control: bool = F
     out = tmp_path / ("control" if control else "run")
     out.mkdir()
     spawn(cp_step, args=(dp * cp, dp, cp, str(out / "init"), str(steps_file), str(out), control),
-             nprocs=dp * cp, join=True)
+          nprocs=dp * cp, join=True)
     return torch.load(out / "cp.pt", weights_only=False)
 
 

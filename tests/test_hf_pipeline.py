@@ -34,10 +34,10 @@ def run(tmp_path, family: str, data, packs, dp: int, pp: int, bounds: list[int],
     torch.save({"data": data, "packs": packs}, tmp_path / "step.pt")
     world = dp * pp
     spawn(hf_pipeline_step, args=(world, dp, pp, family, str(tmp_path / "step.pt"), str(tmp_path / "init"),
-                                     str(tmp_path), bounds, options.get("schedule", "1f1b"),
-                                     options.get("virtual", 1), options.get("break_positions", False),
-                                     options.get("data_parallel", "ddp"), options.get("encoder", "stages")),
-             nprocs=world, join=True)
+                                  str(tmp_path), bounds, options.get("schedule", "1f1b"),
+                                  options.get("virtual", 1), options.get("break_positions", False),
+                                  options.get("data_parallel", "ddp"), options.get("encoder", "stages")),
+          nprocs=world, join=True)
     return [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(world)]
 
 

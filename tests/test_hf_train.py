@@ -29,7 +29,7 @@ def test_dp_2_matches_one_process_on_the_global_step(tmp_path, family, wrap):
     packs = packs_of(data, [[0, 1, 2], [3, 4], [5, 6, 7], [8, 9]])  # one global step: 2 ranks x 2 microbatches
     torch.save({"data": data, "packs": packs}, tmp_path / "step.pt")
     spawn(hf_step_grads, args=(2, family, str(tmp_path / "step.pt"), str(tmp_path / "init"), str(tmp_path), wrap),
-             nprocs=2, join=True)
+          nprocs=2, join=True)
 
     model = tiny_model(family, data)
     reference_loss = 0.0
@@ -89,6 +89,6 @@ def test_the_views_fsdp2_warns_about_are_the_per_image_features_alone(tmp_path, 
     data = family_dataset(tmp_path / "data", family)
     torch.save({"data": data, "packs": packs_of(data, [[1, 2]])}, tmp_path / "step.pt")
     spawn(fsdp_output_views, args=(1, family, str(tmp_path / "step.pt"), str(tmp_path / "init"), str(tmp_path)),
-             nprocs=1, join=True)
+          nprocs=1, join=True)
     views = torch.load(tmp_path / "rank0.pt")["views"]
     assert views == ["image_outputs"]

@@ -53,7 +53,7 @@ def run_disaggregated(tmp_path, steps: list, dp: int, control: bool = False, pp:
     torch.save(steps, tmp_path / "steps.pt")
     world = len(steps) + dp * (pp - 1)
     spawn(disaggregated_step, args=(world, dp, str(tmp_path / "init"), str(tmp_path / "steps.pt"),
-                                       str(tmp_path), control, pp, schedule, recompute), nprocs=world, join=True)
+                                    str(tmp_path), control, pp, schedule, recompute), nprocs=world, join=True)
     return [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
 
 

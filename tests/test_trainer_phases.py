@@ -18,7 +18,7 @@ def run_phases(tmp_path, steps, control: bool = False) -> list[dict]:
     torch.save(steps, tmp_path / "steps.pt")
     world = len(steps)
     spawn(phase_step, args=(world, str(tmp_path / "init"), str(tmp_path / "steps.pt"), str(tmp_path), control),
-             nprocs=world, join=True)
+          nprocs=world, join=True)
     return [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
 
 

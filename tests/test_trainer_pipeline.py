@@ -44,7 +44,7 @@ def run_pipeline(tmp_path, steps, dp: int, pp: int, bounds: list[int], schedule:
     torch.save(steps, steps_file)
     world = dp * pp
     spawn(pipeline_step, args=(world, dp, pp, str(tmp_path / "init"), str(steps_file), str(tmp_path), bounds,
-                                  schedule, recompute, precision), nprocs=world, join=True)
+                               schedule, recompute, precision), nprocs=world, join=True)
     return [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
 
 
@@ -176,7 +176,7 @@ def run_bubbles(tmp_path, steps, dp: int, pp: int, schedule: str = "1f1b", contr
     torch.save(steps, steps_file)
     world = dp * pp
     spawn(bubble_step, args=(world, dp, pp, str(tmp_path / "init"), str(steps_file), str(tmp_path), schedule,
-                                control), nprocs=world, join=True)
+                             control), nprocs=world, join=True)
     return [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
 
 

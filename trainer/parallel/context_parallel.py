@@ -157,7 +157,8 @@ class ContextParallelAttention:
                                            causal=True, scale=scale)
             if flash is not None:
                 return flash
-        # imported here, not at the top: the module imports torch._dynamo, 1.4 s of CPU in every trainer's start
+        # imported here, not at the top: the module imports torch._dynamo (1.4 s of CPU), which a trainer without
+        # DDP (pipelines, CP) otherwise never loads
         from torch.nn.attention.bias import causal_lower_right
 
         keys, values = _key_values(kv[layout.rows.to(q.device)], q.shape[1])
