@@ -92,6 +92,7 @@ def test_the_command_on_the_long_video_mix(tmp_path):
 def test_the_command_refuses_what_it_cannot_simulate(tmp_path):
     mix = write_long_video_mix(tmp_path / "mix.json", short=200)
     for extra, message in ((["--context-parallel", "4", "--pp", "2"], "pp 1"),
+                           (["--context-parallel", "4", "--strategy", "random"], "plans ISF packs"),
                            (["--cp-mode", "static"], "apply with --context-parallel")):
         done = subprocess.run([sys.executable, "-m", "packfeed.server.cli", "simulate", "--lengths", str(mix),
                                *extra], capture_output=True, text=True, timeout=300)

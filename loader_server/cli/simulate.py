@@ -260,6 +260,9 @@ def run_context_parallel(args: argparse.Namespace) -> int:
     if args.pp not in (None, 1) or args.encoder != "stages" or args.plan:
         raise ValueError("--context-parallel simulates CP plans at pp 1 with the encoder on each pack's GPUs: leave "
                          "--pp, --encoder and --plan out")
+    if args.strategy not in ("isf+balance", "isf"):  # "random" would be planned as ISF packs, mislabelled
+        raise ValueError(f"--context-parallel plans ISF packs: --strategy isf+balance (default) or isf, not "
+                         f"{args.strategy}")
     table_, shape = load_model(args.model)
     samples = _samples(args)
     patches = shape.patches_per_tile if shape else 1

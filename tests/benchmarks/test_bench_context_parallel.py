@@ -9,6 +9,8 @@ tokens per GPU, M 1, H100-class GPUs (`packfeed simulate`'s defaults), at DP 8 x
   (what `packfeed train` runs) and overlapped on a ring;
 - no CP at the same N: the same GPUs as plain data parallelism (dp x C ranks), ISF packs under N tokens, the
   longer samples each alone on one GPU (the `alone` oversize policy: above N, the memory a GPU does not have);
+- the bound no CP plan can beat (`work_bound`), so the most any plan could gain over static CP;
+- static CP with `--strategy isf` (ISF packs, steps not balanced across ranks) against dynamic;
 - planning time of each mode (the planner alone, 3 rounds: median and spread).
 """
 
@@ -42,10 +44,11 @@ REFERENCE_2B = {"vision": {"hidden": 1024, "layers": 24, "heads": 16, "ffn": 409
 SHAPES = {"Qwen2-VL-2B": QWEN2_VL_2B, "the reference 2b VLM": REFERENCE_2B}
 
 
-def simulate(mix, dp: int, cp: int, comm: str, model: str = "internvl-chat-1.5") -> dict:
+def simulate(mix, dp: int, cp: int, comm: str, model: str = "internvl-chat-1.5", strategy: str = "isf+balance") -> dict:
     done = subprocess.run([sys.executable, "-m", "packfeed.server.cli", "simulate", "--lengths", str(mix),
                            "--model", model, "--dp", str(dp), "--context-parallel", str(cp),
-                           "--max-tokens-per-gpu", str(N), "--microbatches", "1", "--cp-comm", comm, "--json"],
+                           "--max-tokens-per-gpu", str(N), "--microbatches", "1", "--cp-comm", comm,
+                           "--strategy", strategy, "--json"],
                           capture_output=True, text=True, timeout=1200)
     assert done.returncode == 0, done.stderr
     return {r["mode"]: r for r in json.loads(done.stdout)["context_parallel"]}
@@ -186,6 +189,16 @@ def test_dynamic_static_and_no_context_parallelism(tmp_path):
                 + f"; dynamic vs static {got['static']['epoch_s'] / got['dynamic']['epoch_s']:.2f}x")
             split = unavoidable_split_gpu_s(samples, shape_table, shaped.patches_per_tile, cp)
             print("    " + work_bound(got, dp * cp, tokens, split, f"{name}, DP {dp} x CP {cp}"))
+    for name, model in (("InternVL-Chat-1.5", "internvl-chat-1.5"), *((n, None) for n in SHAPES)):
+        if model is None:
+            (tmp_path / "shape.json").write_text(json.dumps(SHAPES[name]))
+            model = str(tmp_path / "shape.json")
+        for dp, cp in LAYOUTS:
+            unbalanced = simulate(mix, dp, cp, "allgather", model, "isf")
+            print(f"  {name}, DP {dp} x CP {cp}, K/V all-gather, --strategy isf (packs not balanced across "
+                  f"ranks): static {unbalanced['static']['epoch_s']:.1f} s, bubbles "
+                  f"{unbalanced['static']['bubble_fraction']:.3f}; dynamic {unbalanced['dynamic']['epoch_s']:.1f} s; "
+                  f"dynamic vs static {unbalanced['static']['epoch_s'] / unbalanced['dynamic']['epoch_s']:.2f}x")
     for dp, cp in LAYOUTS:
         for mode in ("dynamic", "static"):
             rounds = planning_seconds(samples, table, shape.patches_per_tile, dp, cp, mode)
