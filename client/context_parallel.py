@@ -110,13 +110,13 @@ def share_qwen_pixels(share: PackTensors, model_family, conventions=None, dtype:
 
 
 def _joined_tiles(shares: list[PackTensors]) -> dict[str, torch.Tensor]:
-    """Every share's tiles (each of the items its rank encodes) in item order, as one pack's."""
-    tiles = [(int(item), k, tile, shape) for share in shares
+    """Every share's tiles (the pieces of items its rank encodes) in item order, as one pack's."""
+    tiles = [(int(item), j, k, tile, shape) for j, share in enumerate(shares)
              for k, (item, tile, shape) in enumerate(zip(share.tile_image.tolist(), share.tiles(),
                                                          share.tile_shapes.view(-1, 3)))]
-    tiles.sort(key=lambda t: (t[0], t[1]))  # an item's tiles come from one share, in their order
-    return {"pixels": torch.cat([t[2].reshape(-1) for t in tiles]) if tiles else torch.zeros(0, dtype=torch.uint8),
-            "tile_shapes": torch.stack([t[3] for t in tiles]) if tiles else torch.zeros(0, 3, dtype=torch.int32),
+    tiles.sort(key=lambda t: t[:3])  # an item's pieces lie on ascending CP ranks, each piece's tiles in order
+    return {"pixels": torch.cat([t[3].reshape(-1) for t in tiles]) if tiles else torch.zeros(0, dtype=torch.uint8),
+            "tile_shapes": torch.stack([t[4] for t in tiles]) if tiles else torch.zeros(0, 3, dtype=torch.int32),
             "tile_image": torch.tensor([t[0] for t in tiles], dtype=torch.int32)}
 
 

@@ -38,7 +38,7 @@ def degrees_1_and_2(index, tmp_path: Path, cp: int = 2) -> Path:
                             context_parallel=cp, max_tokens_per_gpu=TOKENS) as stream:
                 lanes.append(list(stream))
     split = next(k for k, step in enumerate(lanes[0]) if all(int(p.cp[0]) == 2 for p in step.packs)
-                 and any(len(p.image_cp_rank) and int(p.image_cp_rank.max()) == 1 for p in step.packs))
+                 and any(len(p.cp_pieces) and int(p.cp_pieces.view(-1, 5)[:, 4].max()) == 1 for p in step.packs))
     whole = next(k for k, step in enumerate(lanes[0]) if all(int(p.cp[0]) == 1 for p in step.packs))
     chosen = {}
     for lane, steps in enumerate(lanes):
@@ -117,3 +117,45 @@ def test_other_hugging_face_families_are_refused_with_context_parallelism():
         load_config(None, ["model.hf=internvl", "parallel.cp=2", "parallel.pp=1", "data.index=x"])
     with pytest.raises(ValueError, match="pipelines with context parallelism are not supported"):
         load_config(None, ["model.hf=qwen2_vl", "parallel.cp=2", "parallel.pp=2", "data.index=x"])
+
+
+def test_the_gpus_of_a_pack_encode_a_videos_pieces_as_the_whole_video_encodes_them(tmp_path):
+    """Qwen2-VL videos over 8 GPUs: each GPU runs the vision tower on its pieces alone (whole temporal patches of
+    a video, `cp_pieces`), and the pieces' features, in `cp_pieces` order, are the whole pack's items' features."""
+    pytest.importorskip("av")
+    import numpy as np
+    from test_hf_video import built_packs, video_family
+
+    from packfeed.client.context_parallel import share_qwen_pixels
+    from packfeed.client.tensors import pack_of
+    from packfeed.server.serve.cp_shares import cp_shares
+    from packfeed.server.serve.wire import encode_pack
+
+    data = video_family(tmp_path, "qwen2_vl")
+    visual = tiny_model("qwen2_vl", data).model.visual
+    pack = built_packs(data, [[4, 5, 6, 7]])[0]  # videos of each container, a frame sequence
+
+    def features(of) -> torch.Tensor:
+        patches, grids, _ = share_qwen_pixels(of, "qwen2_vl", data.conventions)
+        return visual(patches, grid_thw=grids).pooler_output if len(grids) else torch.zeros(0)  # merged
+
+    with torch.no_grad():
+        expected = features(pack_of(encode_pack(pack, 1, False)))
+        n = len(pack.sample_keys)
+        temporal = data.conventions.image_policy.temporal_patch_size
+        shares = [pack_of(encode_pack(s, 1, False)) for s in cp_shares(pack, np.full(n, 8), np.zeros(n, np.int64),
+                                                                       8, temporal)]
+        encoded = [iter(features(share).split(1)) for share in shares]
+    pieces = shares[0].cp_pieces.view(-1, 5).tolist()
+    assert all(share.cp_pieces.view(-1, 5).tolist() == pieces for share in shares)
+    got = torch.cat([torch.cat([next(encoded[rank]) for _ in range(tokens)]) for _, _, _, tokens, rank in pieces])
+    assert torch.allclose(got, expected, atol=1e-5)
+    assert len({p[0] for p in pieces}) < len(pieces), "no video was shared out over GPUs"
+    assert all(first % temporal == 0 for _, first, _, _, _ in pieces)
+    # the control: a video's pieces in the wrong order give other features
+    if len(pieces) > 1:
+        swapped = [pieces[1], pieces[0]] + pieces[2:]
+        encoded = [iter(features(share).split(1)) for share in shares]
+        with torch.no_grad():
+            wrong = torch.cat([torch.cat([next(encoded[r]) for _ in range(t)]) for _, _, _, t, r in swapped])
+        assert not torch.allclose(wrong, expected, atol=1e-5)

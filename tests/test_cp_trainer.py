@@ -28,7 +28,8 @@ N = 96  # tokens per GPU: the demo's longer samples need 2 or 4 GPUs
 
 
 def mixed_step(index, dp: int, cp: int, tmp_path: Path) -> Path:
-    """The first step of a DP dp x CP cp job (M 2) whose packs have more than one degree, each lane's shares."""
+    """The first step of a DP dp x CP cp job (M 2) whose packs have more than one degree and an image whose tiles
+    two GPUs encode, each lane's shares."""
     lanes = {}
     with LocalServer(index, workers=1) as server:
         for rank in range(dp):
@@ -38,9 +39,11 @@ def mixed_step(index, dp: int, cp: int, tmp_path: Path) -> Path:
                     lanes[rank, lane] = list(stream)
     for k in range(len(lanes[0, 0])):
         degrees = {int(p.cp[0]) for steps in lanes.values() for p in steps[k].packs if not p.empty}
-        if len(degrees) > 1:
+        shared_out = any(len(set(p.cp_pieces.view(-1, 5)[:, 0].tolist())) < len(p.cp_pieces.view(-1, 5))
+                         for steps in lanes.values() for p in steps[k].packs if not p.empty)
+        if len(degrees) > 1 and shared_out:
             break
-    assert len(degrees) > 1, "no step mixes degrees"
+    assert len(degrees) > 1 and shared_out, "no step mixes degrees with an image encoded by two GPUs"
     chosen = {key: steps[k] for key, steps in lanes.items()}
     for step in chosen.values():
         for pack in step.packs:

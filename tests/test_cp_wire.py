@@ -1,6 +1,6 @@
 """Context-parallel shares over real gRPC: `PackStream(..., cp_rank=r)` gives each GPU of a rank's CP group its
 share of every pack, and the shares of a pack put every token of every sample on exactly one GPU of its pack, at
-its position in the unsplit sample, and every visual item on exactly one encoder."""
+its position in the unsplit sample, and every tile of every visual item on exactly one encoder."""
 
 from __future__ import annotations
 
@@ -91,27 +91,41 @@ def test_shares_put_every_token_on_one_gpu_at_its_unsplit_position(cp_streams, s
     assert {d for placed in degrees.values() for _, _, d, _ in placed} >= {1, 2}, "no long sample was split"
 
 
-def test_every_item_is_encoded_by_one_gpu_of_its_pack_with_its_own_tiles(cp_streams, served_steps):
+def test_every_tile_is_encoded_once_by_the_gpu_its_piece_names(cp_streams, served_steps):
     reference = samples_of(served_steps)
-    encoded = defaultdict(list)  # (key, item number in the sample) -> tile bytes, per encoding GPU
-    for _, _, _, pack, (_, _, j) in shares(cp_streams):
+    encoded = defaultdict(dict)  # (key, item number in the sample) -> first tile -> the piece's tile bytes
+    split = 0
+    for _, _, _, pack, (d, _, j) in shares(cp_streams):
         tiles = pack.tiles()
         owners = pack.image_sample.tolist()
-        for item, (owner, encoder) in enumerate(zip(owners, pack.image_cp_rank.tolist())):
-            if encoder != j:
-                assert item not in pack.tile_image.tolist()
+        spans = pack.image_token_spans.tolist()
+        pieces = pack.cp_pieces.tolist()
+        for item in range(len(owners)):  # an item's pieces cover its tiles and its placeholder run once, in order
+            mine = [p for p in pieces if p[0] == item]
+            assert [p[1] for p in mine] == list(np.cumsum([0] + [p[2] for p in mine[:-1]]))
+            assert sum(p[3] for p in mine) == spans[item][1]
+            assert [p[4] for p in mine] == sorted({p[4] for p in mine}) and all(0 <= p[4] < d for p in mine)
+            split += len(mine) > 1
+        per_rank = [sum(p[3] for p in pieces if p[4] == r) for r in range(d)]
+        assert max(per_rank) - min(per_rank) <= max((p[3] // max(p[2], 1) for p in pieces), default=0) * 2, \
+            "the pack's GPUs encode unequal shares"
+        for item, first, count, _, rank in pieces:
+            held = [t for t, i in enumerate(pack.tile_image.tolist()) if i == item]
+            if rank != j:
                 continue
-            number = owners[:item].count(owner)
-            data = b"".join(tiles[t].numpy().tobytes() for t, i in enumerate(pack.tile_image.tolist()) if i == item)
-            encoded[pack.sample_keys[owner], number].append(data)
+            assert len(held) == count, "a GPU holds tiles of an item beyond its piece"
+            owner = owners[item]
+            encoded[pack.sample_keys[owner], owners[:item].count(owner)][first] = \
+                b"".join(tiles[t].numpy().tobytes() for t in held)
         # spans point into the unsplit samples: the placeholder run lies within its sample
         unsplit = pack.cp_seqlens.tolist()
-        for (start, length), owner in zip(pack.image_token_spans.tolist(), owners):
+        for (start, length), owner in zip(spans, owners):
             assert unsplit[owner] <= start and start + length <= unsplit[owner + 1]
     expected = {(key, n): data for key, sample in reference.items() for n, data in enumerate(sample["items"])}
     assert set(encoded) == set(expected)
-    for item, copies in encoded.items():
-        assert copies == [expected[item]], f"{item}: encoded {len(copies)} times or with other tiles"
+    for item, pieces in encoded.items():
+        assert b"".join(pieces[first] for first in sorted(pieces)) == expected[item], f"{item}: other tiles"
+    assert split, "no item was shared out over GPUs: the pieces went untested"
 
 
 def test_joined_shares_are_the_whole_packs(cp_streams, served_steps):
@@ -171,7 +185,8 @@ def test_a_share_gives_the_unsplit_mrope_positions_of_its_tokens(tmp_path, layou
         degree = np.array([2] * (n // 2) + [1] * (n - n // 2))
         group = np.array([0] * (n // 2) + [2] * (n // 4) + [3] * (n - n // 2 - n // 4))
     checked, foreign = 0, 0
-    for share in (pack_of(encode_pack(s, 1, False)) for s in cp_shares(pack, degree, group, 4)):
+    temporal = data.conventions.image_policy.temporal_patch_size
+    for share in (pack_of(encode_pack(s, 1, False)) for s in cp_shares(pack, degree, group, 4, temporal)):
         if share.empty or not len(share.input_ids):
             continue
         got = share_mrope_positions(share, "qwen2_5_vl")
@@ -182,7 +197,37 @@ def test_a_share_gives_the_unsplit_mrope_positions_of_its_tokens(tmp_path, layou
         assert torch.equal(got, expected[:, whole_start[sample] + rows - bounds[sample]])
         checked += len(rows)
         j = int(share.cp[2])
-        for (start, length), encoder in zip(share.image_token_spans.tolist(), share.image_cp_rank.tolist()):
-            foreign += int(encoder != j and bool(((rows >= start) & (rows < start + length)).any()))
+        pieces = share.cp_pieces.tolist()
+        for item, (start, length) in enumerate(share.image_token_spans.tolist()):
+            elsewhere = any(p[0] == item and p[4] != j for p in pieces)
+            foreign += int(elsewhere and bool(((rows >= start) & (rows < start + length)).any()))
     assert checked == len(whole.input_ids), "every token's positions checked once"
     assert foreign, "no GPU held tokens of an item another GPU encodes: the geometry went untested"
+
+
+@pytest.mark.parametrize("ranks", [1, 2, 4, 8])
+def test_pieces_share_out_a_long_video_in_whole_temporal_patches(ranks):
+    """A 131-frame video (temporal patches of 2 frames, 4 tokens each) beside tiled and Qwen-style images: each
+    GPU encodes within one unit of its share of the placeholder tokens, a video is cut only between temporal
+    patches, an item whose tokens its units do not divide stays whole, and every tile is in exactly one piece."""
+    from packfeed.server.serve.cp_shares import encoder_pieces
+    from packfeed.v1.options import VisualKind
+
+    tiles = np.array([131, 6, 1, 3, 1])
+    tokens = np.array([66 * 4, 6 * 16, 40, 10, 24])  # the 3-tile image's 10 tokens do not divide into 3 units
+    kinds = np.array([VisualKind.VIDEO, VisualKind.IMAGE, VisualKind.IMAGE, VisualKind.IMAGE, VisualKind.VIDEO])
+    pieces = encoder_pieces(tiles, tokens, kinds, ranks, temporal_patch=2)
+    assert np.array_equal(pieces, encoder_pieces(tiles, tokens, kinds, ranks, temporal_patch=2))
+    for item in range(len(tiles)):
+        mine = pieces[pieces[:, 0] == item]
+        assert mine[0, 1] == 0 and np.array_equal(mine[1:, 1], np.cumsum(mine[:-1, 2]))
+        assert mine[:, 2].sum() == tiles[item] and mine[:, 3].sum() == tokens[item]
+        assert np.all(np.diff(mine[:, 4]) > 0)
+        if kinds[item] == VisualKind.VIDEO:
+            assert np.all(mine[:, 1] % 2 == 0), "a temporal patch was cut"
+    assert len(pieces[pieces[:, 0] == 3]) == 1 and len(pieces[pieces[:, 0] == 2]) == 1
+    per_rank = np.bincount(pieces[:, 4], weights=pieces[:, 3], minlength=ranks)
+    assert len(per_rank) == ranks and np.all(np.abs(per_rank - tokens.sum() / ranks) <= 40), per_rank
+    # the video holds 61% of the tokens: every GPU whose share starts within it encodes a piece of it
+    video_ranks = pieces[pieces[:, 0] == 0, 4].tolist()
+    assert video_ranks == [r for r in range(ranks) if r * tokens.sum() / ranks < tokens[0] - 2], video_ranks

@@ -156,7 +156,8 @@ def _build_rank_step(work: RankStepWork, shared: str | None) -> RankStepResult:
             else:
                 degree, group = (np.asarray(a)[pack.positions] for a in work.cp[microbatch])
                 pieces.extend(pack_pieces(share, len(work.packs), work.last_in_epoch)
-                              for share in cp_shares(pack, degree, group, work.cp_groups))
+                              for share in cp_shares(pack, degree, group, work.cp_groups,
+                                                     parts[0][1].policy.temporal_patch))
             skipped.extend(pack.skipped)
             samples += len(encode[0]) if work.encoder else len(members)
             by_dataset.update(pack.sample_sources)

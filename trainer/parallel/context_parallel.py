@@ -2,9 +2,10 @@
 
 Each DP replica is C GPUs. The plan (context_parallel C) gives every microbatch's GPUs their shares: a pack at
 degree d runs on d aligned GPUs of the replica (`Mesh.cp_groups[d, g]`), each holding two zigzag chunks of every
-sample (`packfeed.v1.context_parallel`) and encoding some of its images. Per pack, on its d GPUs:
+sample (`packfeed.v1.context_parallel`) and encoding its pieces of the pack's images (`cp_pieces`: the d GPUs
+share the tiles, a long video's frames too). Per pack, on its d GPUs:
 
-1. each encodes its images (vision layers), and an all-gather over the d GPUs gives every one all the pack's
+1. each encodes its pieces (vision layers), and an all-gather over the d GPUs gives every one all the pack's
    image features, from which it takes those of its own placeholder tokens;
 2. every LLM block's attention all-gathers K and V over the d GPUs and attends each local query to the keys of
    its own sample at or before it in the unsplit sample (its position there, from the chunks), so the outputs
@@ -268,26 +269,25 @@ class ContextParallelRunner:
         return self.layers[-1].loss(carrier[0], targets)
 
     def _item_features(self, pack, layout: ShareLayout | None) -> torch.Tensor:
-        """(vision tokens of all the pack's items, in item order, D): encoded here, or gathered from the GPU of
-        the pack that encoded them."""
+        """(vision tokens of all the pack's items, in item order, D): each piece (a run of an item's tiles, or of a
+        video's temporal patches) encoded by the GPU of the pack its `cp_pieces` row names, gathered."""
         features = self.encode_own(pack)
         if layout is None or layout.degree == 1:
             return features
-        per_item = pack.image_token_spans.view(-1, 2)[:, 1].long().tolist()
-        encoder = pack.image_cp_rank.long().tolist()
-        counts = [sum(n for n, rank in zip(per_item, encoder) if rank == r) for r in range(layout.degree)]
+        pieces = pack.cp_pieces.view(-1, 5)[:, 3:].long().tolist()  # (tokens, encoding rank), in item order
+        counts = [sum(n for n, rank in pieces if rank == r) for r in range(layout.degree)]
         if max(counts) == 0:
             return features
         most = max(counts)
         gathered = layout.gather(features, most)  # (degree x most tokens, D)
-        order, taken = [], [0] * layout.degree  # each item's rows in the gathered ones, item by item
-        for n, rank in zip(per_item, encoder):
+        order, taken = [], [0] * layout.degree  # each piece's rows in the gathered ones, piece by piece
+        for n, rank in pieces:
             order.extend(range(rank * most + taken[rank], rank * most + taken[rank] + n))
             taken[rank] += n
         return gathered[torch.tensor(order, dtype=torch.int64, device=features.device)]
 
     def encode_own(self, pack) -> torch.Tensor:
-        """(vision tokens, D) of the items whose tiles this GPU holds, in item order."""
+        """(vision tokens, D) of the pieces whose tiles this GPU holds, in item order."""
         tiles = pack_tiles(pack, self.model.config).to(self.mesh.device)
         if tiles.shape[0] == 0:
             return self.no_features()
