@@ -11,11 +11,13 @@ tokens per GPU, M 1, H100-class GPUs (`packfeed simulate`'s defaults), at DP 8 x
   longer samples each alone on one GPU (the `alone` oversize policy: above N, the memory a GPU does not have);
 - the bound no CP plan can beat (`work_bound`), so the most any plan could gain over static CP;
 - static CP with `--strategy isf` (ISF packs, steps not balanced across ranks) against dynamic;
+- what each long video's frames encoded by one GPU of its pack would cost (before `cp_pieces`);
 - planning time of each mode (the planner alone, 3 rounds: median and spread).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import statistics
 import subprocess
@@ -122,6 +124,35 @@ def work_bound(by_mode: dict, gpus: int, tokens: int, split_gpu_s: float, what: 
             f"{dynamic / bound - 1:.1%} above the bound")
 
 
+def one_gpu_encoding_each_video(samples, table, patches: int, dp: int, cp: int, mode: str) -> tuple[float, float]:
+    """Epoch seconds of the CP plan as simulated (the d GPUs of a pack share its vision tiles, as `cp_pieces` has
+    them do), and with each long video's frames encoded by one GPU of its pack (what the trainer did before
+    `cp_pieces`: an item went whole to one GPU), its other tiles shared by all."""
+    from packfeed.server.cli.simulate import cp_workload
+    from packfeed.server.plan.context_parallel import subpacks
+    from packfeed.server.plan.planner import make_plan
+    from packfeed.trainer.simulate.cluster import Cluster
+    from packfeed.trainer.simulate.context_parallel import simulate_cp
+    from packfeed.trainer.simulate.model_shape import TILES, VISION_SQUARE
+    from packfeed.trainer.simulate.workload import planner_cost_model
+    from packfeed.v1.options import PlanConfig
+
+    config = PlanConfig(dp=dp, microbatches=1, cost_model=planner_cost_model(table, patches), context_parallel=cp,
+                        max_tokens_per_gpu=N, cp_mode=mode)
+    plan = make_plan(samples, config, 0, 0)
+    shared = cp_workload(plan, samples.vision, samples.tokens, patches)
+    _, starts, stops = subpacks(plan.offsets, plan.cp_degree, plan.cp_group)
+    vision, tokens = samples.vision[plan.members], samples.tokens[plan.members]
+    whole = dataclasses.replace(shared, loads=shared.loads.copy())
+    for p, (a, b) in enumerate(zip(starts, stops)):
+        d = int(shared.degree[p])
+        videos = vision[a:b][tokens[a:b] > N]  # the long videos (one item each) of a split pack
+        if d > 1 and len(videos):
+            whole.loads[p, TILES] = d * max(float(videos.max()), vision[a:b].sum() / d)  # pack_seconds divides by d
+            whole.loads[p, VISION_SQUARE] = whole.loads[p, TILES] * patches ** 2
+    return (simulate_cp(shared, table, Cluster(dp * cp))["epoch_s"], simulate_cp(whole, table, Cluster(dp * cp))["epoch_s"])
+
+
 def planning_seconds(samples, table, patches: int, dp: int, cp: int, mode: str) -> list[float]:
     from packfeed.server.plan.planner import make_plan
     from packfeed.trainer.simulate.workload import planner_cost_model
@@ -201,12 +232,18 @@ def test_dynamic_static_and_no_context_parallelism(tmp_path):
                   f"dynamic vs static {unbalanced['static']['epoch_s'] / unbalanced['dynamic']['epoch_s']:.2f}x")
     for dp, cp in LAYOUTS:
         for mode in ("dynamic", "static"):
+            shared, whole = one_gpu_encoding_each_video(samples, table, shape.patches_per_tile, dp, cp, mode)
+            print(f"  DP {dp} x CP {cp} {mode}, K/V all-gather: the pack's GPUs sharing its vision tiles {shared:.1f} s "
+                  f"an epoch; each long video encoded by one of them {whole:.1f} s ({whole / shared:.2f}x)")
+            assert whole > shared
+    for dp, cp in LAYOUTS:
+        for mode in ("dynamic", "static"):
             rounds = planning_seconds(samples, table, shape.patches_per_tile, dp, cp, mode)
             print(f"  planning DP {dp} x CP {cp} {mode}: median {statistics.median(rounds):.3f} s "
                   f"(min {min(rounds):.3f}, max {max(rounds):.3f}) over 3 rounds")
 
 
-MODEL = {"vit_dim": 48, "vit_layers": 3, "llm_dim": 96, "llm_layers": 3, "patch_size": 14, "seed": 0}
+MODEL = {"vit_dim": 96, "vit_layers": 3, "llm_dim": 256, "llm_layers": 3, "patch_size": 14, "seed": 0}
 POLICY = {"name": "internvl", "image_size": 224, "tokens_per_tile": 64, "max_num": 6}
 MEASURED_N = 256  # tokens per GPU: the demo's longer samples need 2 GPUs
 
