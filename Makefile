@@ -14,6 +14,7 @@ $(STAMP): pyproject.toml setup.py $(wildcard protos/packfeed/v1/*.proto)
 	$(PY) -m pip install -q --upgrade pip setuptools wheel
 	$(PY) -m pip install -q -e '.[dev]'
 	$(VENV)/bin/packfeed warmup  # the planner's kernels compiled and cached once, not by the first plan
+	$(PY) -c "from deepspeed.comm.torch import build_shm_op; build_shm_op()"  # DeepSpeed's CPU collectives op, built once
 	touch $(STAMP)
 
 demo: $(STAMP)
