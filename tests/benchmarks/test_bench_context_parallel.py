@@ -108,14 +108,19 @@ def unavoidable_split_gpu_s(samples, table, patches: int, cp: int) -> float:
     return gpu_seconds(np.minimum(degrees(samples.tokens[long], N), cp)) - gpu_seconds(np.ones_like(zeros))
 
 
+def bound_seconds(by_mode: dict, gpus: int, tokens: int, split_gpu_s: float) -> tuple[float, tuple, int]:
+    """(the bound, its (whole, split, sync) seconds, the fewest steps): `work_bound`'s sum."""
+    steps = -(-tokens // (gpus * N))
+    parts = (by_mode["none"]["busy_gpu_s"] / gpus, split_gpu_s / gpus, steps * by_mode["static"]["sync_s"])
+    return sum(parts), parts, steps
+
+
 def work_bound(by_mode: dict, gpus: int, tokens: int, split_gpu_s: float, what: str) -> str:
     """The shortest epoch any CP plan of these samples could take: the work without CP's split costs (the
     GPU-seconds of the no-CP run, each sample whole on one GPU) plus what splitting the samples above N costs at
     the least (`unavoidable_split_gpu_s`), spread evenly over every GPU with no bubble, plus the gradient sync of
     the fewest steps that hold every token at N per GPU; so the most any plan could gain over static CP."""
-    steps = -(-tokens // (gpus * N))
-    whole, split, sync = by_mode["none"]["busy_gpu_s"] / gpus, split_gpu_s / gpus, steps * by_mode["static"]["sync_s"]
-    bound = whole + split + sync
+    bound, (whole, split, sync), steps = bound_seconds(by_mode, gpus, tokens, split_gpu_s)
     static, dynamic = by_mode["static"]["epoch_s"], by_mode["dynamic"]["epoch_s"]
     assert split > 0 and bound <= dynamic  # the bound holds for the plan that runs
     return (f"{what}: no CP plan beats {bound:.1f} s an epoch ({whole:.1f} s of unsplit work and {split:.1f} s of "
@@ -241,6 +246,38 @@ def test_dynamic_static_and_no_context_parallelism(tmp_path):
             rounds = planning_seconds(samples, table, shape.patches_per_tile, dp, cp, mode)
             print(f"  planning DP {dp} x CP {cp} {mode}: median {statistics.median(rounds):.3f} s "
                   f"(min {min(rounds):.3f}, max {max(rounds):.3f}) over 3 rounds")
+
+
+@pytest.mark.parametrize("dp, cp", [(8, 4)])
+def test_the_gain_by_share_of_videos(tmp_path, dp, cp):
+    """Dynamic against static CP (K/V all-gathered) and the bound no plan beats (`work_bound`), for mixes of 2% to
+    20% videos beside the same short samples, each model at DP dp x CP cp."""
+    from packfeed.server.cli.simulate import _samples
+    from packfeed.trainer.simulate.model_shape import load_model
+
+    print(f"\n[videos] DP {dp} x CP {cp}, K/V all-gather: videos | model | dynamic vs static | most any plan gains "
+          "over static | dynamic above the bound")
+    for share in (0.02, 0.05, 0.10, 0.20):
+        mix = write_long_video_mix(tmp_path / f"mix-{share}.json", videos=share)
+
+        class Args:
+            lengths, index = [str(mix)], None
+
+        samples = _samples(Args)
+        tokens = int(samples.tokens.sum())
+        for name, model in (("InternVL-Chat-1.5", "internvl-chat-1.5"), *((n, None) for n in SHAPES)):
+            if model is None:
+                (tmp_path / "shape.json").write_text(json.dumps(SHAPES[name]))
+                model = str(tmp_path / "shape.json")
+            table, shape = load_model(model)
+            got = simulate(mix, dp, cp, "allgather", model)
+            got["none"] = without_cp(samples, table, shape.patches_per_tile, dp, cp)
+            split = unavoidable_split_gpu_s(samples, table, shape.patches_per_tile, cp)
+            bound = bound_seconds(got, dp * cp, tokens, split)[0]
+            static, dynamic = got["static"]["epoch_s"], got["dynamic"]["epoch_s"]
+            assert bound <= dynamic
+            print(f"[videos] {share:.0%} | {name} | {static / dynamic:.2f}x | {static / bound:.2f}x | "
+                  f"{dynamic / bound - 1:.1%}")
 
 
 MODEL = {"vit_dim": 96, "vit_layers": 3, "llm_dim": 256, "llm_layers": 3, "patch_size": 14, "seed": 0}
