@@ -91,8 +91,7 @@ def _items(t: dict, mine: np.ndarray, cu: np.ndarray, unsplit: np.ndarray, d: in
     pieces = encoder_pieces(tiles_per_item, spans[:, 1], t["visual_kind"][items], d, temporal_patch)
     spans[:, 0] += unsplit[owner] - cu[image_sample[items]]  # from the whole pack to the unsplit share
     tile_rank = np.full(len(tile_image), -1, dtype=np.int64)  # per tile of the whole pack: -1 not this share's
-    for item, first, count, _, rank in pieces.tolist():
-        tile_rank[first_tile[item] + first:first_tile[item] + first + count] = rank
+    tile_rank[number[tile_image] >= 0] = np.repeat(pieces[:, 4], pieces[:, 2])  # pieces: the items' tiles in order
     tiles = np.flatnonzero(tile_rank == j)
     pixels = t["pixels"]
     offsets = np.concatenate([[0], np.cumsum(np.prod(t["tile_shapes"], axis=1))]).astype(np.int64)

@@ -46,6 +46,26 @@ REFERENCE_2B = {"vision": {"hidden": 1024, "layers": 24, "heads": 16, "ffn": 409
 SHAPES = {"Qwen2-VL-2B": QWEN2_VL_2B, "the reference 2b VLM": REFERENCE_2B}
 
 
+def model_arguments(tmp_path) -> list[tuple[str, str]]:
+    """(name, `--model` argument) of each model benchmarked: InternVL-Chat-1.5's preset, then SHAPES as files."""
+    models = [("InternVL-Chat-1.5", "internvl-chat-1.5")]
+    for k, (name, shape) in enumerate(SHAPES.items()):
+        path = tmp_path / f"shape-{k}.json"
+        path.write_text(json.dumps(shape))
+        models.append((name, str(path)))
+    return models
+
+
+def mix_samples(mix):
+    """The mix's sample loads, as `packfeed simulate --lengths MIX` reads them."""
+    from packfeed.server.cli.simulate import _samples
+
+    class Args:
+        lengths, index = [str(mix)], None
+
+    return _samples(Args)
+
+
 def simulate(mix, dp: int, cp: int, comm: str, model: str = "internvl-chat-1.5", strategy: str = "isf+balance") -> dict:
     done = subprocess.run([sys.executable, "-m", "packfeed.server.cli", "simulate", "--lengths", str(mix),
                            "--model", model, "--dp", str(dp), "--context-parallel", str(cp),
@@ -175,16 +195,11 @@ def planning_seconds(samples, table, patches: int, dp: int, cp: int, mode: str) 
 
 
 def test_dynamic_static_and_no_context_parallelism(tmp_path):
-    from packfeed.server.cli.simulate import _samples
     from packfeed.trainer.simulate.model_shape import load_model
 
     mix = write_long_video_mix(tmp_path / "mix.json")
     table, shape = load_model("internvl-chat-1.5")
-
-    class Args:
-        lengths, index = [str(mix)], None
-
-    samples = _samples(Args)
+    samples = mix_samples(mix)
     tokens = int(samples.tokens.sum())
     rows = []
     for dp, cp in LAYOUTS:
@@ -211,12 +226,11 @@ def test_dynamic_static_and_no_context_parallelism(tmp_path):
         split = unavoidable_split_gpu_s(samples, table, shape.patches_per_tile, cp)
         print("  " + work_bound(rows_of(rows, dp, cp, "allgather"), dp * cp, tokens, split,
                                 f"DP {dp} x CP {cp}, K/V all-gather"))
-    for name, shape_json in SHAPES.items():
-        shape_file = tmp_path / "shape.json"
-        shape_file.write_text(json.dumps(shape_json))
-        shape_table, shaped = load_model(str(shape_file))
+    models = model_arguments(tmp_path)
+    for name, shape_file in models[1:]:
+        shape_table, shaped = load_model(shape_file)
         for dp, cp in LAYOUTS:
-            got = simulate(mix, dp, cp, "allgather", str(shape_file))
+            got = simulate(mix, dp, cp, "allgather", shape_file)
             got["none"] = without_cp(samples, shape_table, shaped.patches_per_tile, dp, cp)
             print(f"  {name}, DP {dp} x CP {cp}, K/V all-gather: " + "; ".join(
                 f"{mode} {got[mode]['steps']} steps x {got[mode]['step_s']:.3f} s = {got[mode]['epoch_s']:.1f} s, "
@@ -225,10 +239,7 @@ def test_dynamic_static_and_no_context_parallelism(tmp_path):
                 + f"; dynamic vs static {got['static']['epoch_s'] / got['dynamic']['epoch_s']:.2f}x")
             split = unavoidable_split_gpu_s(samples, shape_table, shaped.patches_per_tile, cp)
             print("    " + work_bound(got, dp * cp, tokens, split, f"{name}, DP {dp} x CP {cp}"))
-    for name, model in (("InternVL-Chat-1.5", "internvl-chat-1.5"), *((n, None) for n in SHAPES)):
-        if model is None:
-            (tmp_path / "shape.json").write_text(json.dumps(SHAPES[name]))
-            model = str(tmp_path / "shape.json")
+    for name, model in models:
         for dp, cp in LAYOUTS:
             unbalanced = simulate(mix, dp, cp, "allgather", model, "isf")
             print(f"  {name}, DP {dp} x CP {cp}, K/V all-gather, --strategy isf (packs not balanced across "
@@ -252,23 +263,16 @@ def test_dynamic_static_and_no_context_parallelism(tmp_path):
 def test_the_gain_by_share_of_videos(tmp_path, dp, cp):
     """Dynamic against static CP (K/V all-gathered) and the bound no plan beats (`work_bound`), for mixes of 2% to
     20% videos beside the same short samples, each model at DP dp x CP cp."""
-    from packfeed.server.cli.simulate import _samples
     from packfeed.trainer.simulate.model_shape import load_model
 
+    models = model_arguments(tmp_path)
     print(f"\n[videos] DP {dp} x CP {cp}, K/V all-gather: videos | model | dynamic vs static | most any plan gains "
           "over static | dynamic above the bound")
     for share in (0.02, 0.05, 0.10, 0.20):
         mix = write_long_video_mix(tmp_path / f"mix-{share}.json", videos=share)
-
-        class Args:
-            lengths, index = [str(mix)], None
-
-        samples = _samples(Args)
+        samples = mix_samples(mix)
         tokens = int(samples.tokens.sum())
-        for name, model in (("InternVL-Chat-1.5", "internvl-chat-1.5"), *((n, None) for n in SHAPES)):
-            if model is None:
-                (tmp_path / "shape.json").write_text(json.dumps(SHAPES[name]))
-                model = str(tmp_path / "shape.json")
+        for name, model in models:
             table, shape = load_model(model)
             got = simulate(mix, dp, cp, "allgather", model)
             got["none"] = without_cp(samples, table, shape.patches_per_tile, dp, cp)
