@@ -17,34 +17,102 @@ def run(coroutine):
 def test_requests_wait_their_turn_and_never_exceed_the_limit():
     async def scenario():
         budget = MemoryBudget(100)
-        await budget.reserve(60)
+        holder, first, second = budget.account(), budget.account(), budget.account()
+        await holder.reserve(60)
+        await first.reserve(5)
+        await second.reserve(5)
         order = []
 
-        async def ask(name, nbytes):
-            await budget.reserve(nbytes)
+        async def ask(name, account, nbytes):
+            await account.reserve(nbytes)
             order.append(name)
 
-        big, small = asyncio.create_task(ask("big", 70)), asyncio.create_task(ask("small", 10))
+        big = asyncio.create_task(ask("big", first, 70))
+        small = asyncio.create_task(ask("small", second, 10))
         await asyncio.sleep(0.01)
-        assert order == [] and budget.held == 60  # small would fit, but big asked first: arrival order
-        budget.release(60)
+        assert order == [] and budget.held == 70  # small would fit, but big asked first: arrival order
+        holder.release(60)
         await asyncio.sleep(0.01)
-        assert order == ["big", "small"] and budget.held == 80
+        assert order == ["big", "small"] and budget.held == 90
         await asyncio.gather(big, small)
 
     run(scenario())
 
 
-def test_a_step_larger_than_the_budget_goes_out_alone():
+def test_the_stream_holding_least_goes_first():
+    """Among waiting requests, the stream holding fewer bytes is granted first, whatever their arrival order:
+    a stream that holds much never keeps one that holds little waiting."""
     async def scenario():
         budget = MemoryBudget(100)
-        await budget.reserve(250)  # nothing else held: granted, or that stream could never progress
-        waiting = asyncio.create_task(budget.reserve(1))
+        greedy, modest = budget.account(), budget.account()
+        await greedy.reserve(80)
+        await modest.reserve(10)
+        order = []
+
+        async def ask(name, account, nbytes):
+            await account.reserve(nbytes)
+            order.append(name)
+
+        asks = [asyncio.create_task(ask("greedy", greedy, 15)), asyncio.create_task(ask("modest", modest, 15))]
+        await asyncio.sleep(0.01)
+        assert order == []
+        greedy.release(10)
+        await asyncio.sleep(0.01)
+        assert order == ["modest"]  # 95 held: the greedy stream's 15 waits for room
+        modest.release(25)
+        await asyncio.gather(*asks)
+        assert order == ["modest", "greedy"] and budget.held == 85
+
+    run(scenario())
+
+
+def test_a_stream_holding_nothing_never_waits_on_another():
+    """A stream whose step is larger than the budget, or that arrives while another holds all of it, is granted
+    its one step at once: memory stays within the limit plus one step per stream, and no stream waits on
+    room that another (stalled) stream holds."""
+    async def scenario():
+        budget = MemoryBudget(100)
+        stalled, other = budget.account(), budget.account()
+        await stalled.reserve(250)
+        await asyncio.wait_for(other.reserve(30), 1)
+        assert budget.held == 280
+        waiting = asyncio.create_task(other.reserve(1))  # a second step of its own waits for room
         await asyncio.sleep(0.01)
         assert not waiting.done()
-        budget.release(250)
+        stalled.release(250)
         await asyncio.wait_for(waiting, 1)
-        assert budget.held == 1
+        assert budget.held == 31
+
+    run(scenario())
+
+
+def test_a_stream_above_its_share_sheds_while_others_wait():
+    """A request that must wait asks every stream above its fair share (limit / streams) to shed; a stream
+    that declines keeps its bytes, one that sheds frees room for the waiting request."""
+    async def scenario():
+        budget = MemoryBudget(100)
+        asked = []
+
+        def shed_all():
+            asked.append("stalled")
+            stalled.release(stalled.held - 20)  # keeps the step its client is receiving
+
+        stalled = budget.account(shed_all)
+        declining = budget.account(lambda: asked.append("declining"))
+        waiting_one = budget.account()
+        await stalled.reserve(20)
+        assert stalled.try_reserve(60)
+        await waiting_one.reserve(10)
+        await asyncio.wait_for(waiting_one.reserve(30), 1)  # 110 would not fit: the stalled stream shed 60
+        assert asked == ["stalled"] and budget.held == 60
+        await declining.reserve(10)
+        assert declining.try_reserve(30)  # 100 held, declining holds 40 > 100 / 3
+        pending = asyncio.create_task(waiting_one.reserve(5))
+        await asyncio.sleep(0.01)
+        assert asked == ["stalled", "declining"] and not pending.done()  # it declined: the request waits
+        declining.release(40)
+        await asyncio.wait_for(pending, 1)
+        assert budget.held == 65
 
     run(scenario())
 
@@ -52,16 +120,20 @@ def test_a_step_larger_than_the_budget_goes_out_alone():
 def test_a_cancelled_waiter_holds_nothing_and_blocks_no_one():
     async def scenario():
         budget = MemoryBudget(100)
-        await budget.reserve(90)
-        stalled = asyncio.create_task(budget.reserve(50))
-        behind = asyncio.create_task(budget.reserve(5))
+        holder, first, second = budget.account(), budget.account(), budget.account()
+        await holder.reserve(85)
+        await first.reserve(1)
+        await second.reserve(1)
+        stalled = asyncio.create_task(first.reserve(50))
+        behind = asyncio.create_task(second.reserve(5))
         await asyncio.sleep(0.01)
+        assert not behind.done()
         stalled.cancel()
         with pytest.raises(asyncio.CancelledError):
             await stalled
-        budget.adjust(-1)  # any change re-checks the queue: the request behind the cancelled one fits
+        holder.adjust(-1)  # any change re-checks the queue: the request behind the cancelled one fits
         await asyncio.wait_for(behind, 1)
-        assert budget.held == 94
+        assert budget.held == 91
 
     run(scenario())
 
@@ -97,12 +169,13 @@ def test_a_step_hold_releases_its_room_and_its_shared_step_once():
 
     async def scenario():
         budget, steps = MemoryBudget(100), SharedSteps()
+        account = budget.account()
         ready = asyncio.get_running_loop().create_future()
         ready.set_result(RankStepResult(messages=[], samples=0))
         for _ in range(2):  # two replicas take the same step
             steps.take((0, 0, 0), lambda: ready)
-            await budget.reserve(30)
-        first, second = StepHold(budget, steps, (0, 0, 0), 30), StepHold(budget, steps, (0, 0, 0), 30)
+            await account.reserve(30)
+        first, second = StepHold(account, steps, (0, 0, 0), 30), StepHold(account, steps, (0, 0, 0), 30)
         first.resize(40)
         assert budget.held == 70
         first.release()

@@ -226,7 +226,8 @@ def test_a_killed_encoder_rank_fails_the_run_loudly_and_it_resumes_exactly(tmp_p
     assert run.returncode != 0 and "(exitcode: -9) local_rank: 2" in stderr, stderr[-3000:]
     done = len((killed / "metrics.jsonl").read_text().splitlines())
     saved = int((killed / "checkpoints" / "latest").read_text().removeprefix("step-"))
-    assert 2 <= saved <= done < 200
+    # a step's checkpoint is written before its metrics line (Loop.run): the kill may fall between the two
+    assert 2 <= saved <= done + 1 and done < 200
     restart_from(killed, tmp_path / "resumed", saved)  # the killed run's own checkpoint, its later lines dropped
     log, resumed = packfeed_train(3, common + [f"optim.steps={saved + 2}"], tmp_path / "resumed")
     assert "resuming from" in log

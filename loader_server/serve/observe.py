@@ -58,6 +58,9 @@ class Metrics:
                                       registry=r)
         self.steps_shared = Counter("packfeed_steps_shared", "Rank-steps a replica took from another replica's "
                                     "preparation instead of preparing them again", ["job"], registry=r)
+        self.sheds = Counter("packfeed_stream_sheds", "Times a stream blocked on its client gave back the steps it "
+                             "had prepared ahead, for streams waiting for room (prepared again once it reads on)",
+                             ["job"], registry=r)
         self.reassertions = Counter("packfeed_job_reassertions", "Jobs this server registered again in the "
                                     "coordinator (restored: it had lost them; reclaimed: a server over another "
                                     "index had registered the id; gave_up: an older registration holds another "

@@ -15,7 +15,7 @@ import asyncio
 import collections
 from concurrent.futures.process import BrokenProcessPool
 
-from packfeed.server.serve.budget import MemoryBudget, StepHold
+from packfeed.server.serve.budget import Account, StepHold
 from packfeed.server.serve.config import ServerConfig
 from packfeed.server.serve.job_spec import JobError
 from packfeed.server.serve.jobs import Job, rank_name
@@ -27,12 +27,12 @@ END = None  # put in the queue after the job's last step (or after a failure)
 
 
 async def produce(job: Job, rank: int, cursor: tuple[int, int] | None, queue: asyncio.Queue, pool: WorkerPool,
-                  budget: MemoryBudget, config: ServerConfig, metrics: Metrics | None = None,
+                  account: Account, config: ServerConfig, metrics: Metrics | None = None,
                   encoder: bool = False) -> None:
     """Put ((epoch, step), RankStepResult, StepHold) for every step from `cursor` to the end of the job, then END
-    (the stream releases each hold once the step is sent). `encoder`: `rank` is an encoder rank (its steps are
-    what it encodes; bounded like any rank's by its queue, so by how fast its trainer, which waits on the LLM
-    ranks, takes them).
+    (the stream releases each hold once the step is sent); `account`: the stream's in the memory budget.
+    `encoder`: `rank` is an encoder rank (its steps are what it encodes; bounded like any rank's by its queue, so
+    by how fast its trainer, which waits on the LLM ranks, takes them).
     Raises JobError when a step takes over `prepare_timeout_s` (a stalled read) or loses more than
     `max_skipped_fraction` of its samples (the dataset is not what was indexed, or not reachable)."""
     prefetch_steps = config.prefetch_steps
@@ -44,19 +44,19 @@ async def produce(job: Job, rank: int, cursor: tuple[int, int] | None, queue: as
             while cursor is not None and len(in_flight) < prefetch_steps:
                 if pending is None:
                     work = await asyncio.to_thread(job.work, cursor[0], cursor[1], rank, encoder)
-                    work.decode_budget = budget.working_limit  # a sample needing more is skipped, not prepared
+                    work.decode_budget = account.budget.working_limit  # a sample needing more is skipped, not prepared
                     # room for the packs, and meanwhile for decoding the step's largest image (or tokenising its
                     # longest sample)
                     pending = work, job.dataset.estimate_bytes(work) + job.dataset.working_bytes(work)
                 work, estimate = pending
                 if not in_flight:
-                    await budget.reserve(estimate)  # nothing of ours in preparation: wait in line
-                elif not budget.try_reserve(estimate):
+                    await account.reserve(estimate)  # nothing of ours in preparation: wait in line
+                elif not account.try_reserve(estimate):
                     break  # no room to prefetch: deliver what is in preparation first (it frees room)
                 pending = None
                 key = ("encoder", rank, *cursor) if encoder else (rank, *cursor)  # encoder ranks: a space of their own
                 future, started = job.steps.take(key, lambda: pool.run(work))
-                hold = StepHold(budget, job.steps, key, estimate)
+                hold = StepHold(account, job.steps, key, estimate)
                 if metrics is not None:
                     (metrics.steps_prepared if started else metrics.steps_shared).labels(job.spec.job).inc()
                 in_flight.append((cursor, hold, future))

@@ -1,7 +1,7 @@
 """The gRPC servicer of `packfeed.v1.Packfeed`: open, describe and list jobs, stream packs, take acknowledgements.
 
-Each pack stream runs a producer (`packfeed.server.serve.producer`) that prepares the rank's next steps in
-the worker pool within the shared memory budget; the stream sends finished bytes, so the event loop never
+Each pack stream has a feed (`packfeed.server.serve.feed`) whose producer prepares the rank's next steps in
+the worker pool within the stream's account of the shared memory budget; the stream sends finished bytes, so the event loop never
 touches pixels. A rank is streamed by one server at a time: the stream holds the rank's lease in the
 coordinator and renews it; acknowledgements go to the job's `RankState` and on to the coordinator.
 """
@@ -26,7 +26,8 @@ from packfeed.server.serve.job_spec import JobError, JobSpec, Resume
 from packfeed.server.serve.jobs import Job, rank_name
 from packfeed.server.serve.network import client_host
 from packfeed.server.serve.observe import Metrics, log
-from packfeed.server.serve.producer import END, produce
+from packfeed.server.serve.feed import RankFeed
+from packfeed.server.serve.producer import END
 from packfeed.server.serve.registry import JobRegistry, check_name
 from packfeed.server.serve.step_work import RankStepResult
 from packfeed.server.serve.wire import pack_parts
@@ -213,24 +214,22 @@ class PackfeedService:
         lost = asyncio.Event()
         job.open_streams += 1
         keeper = asyncio.create_task(self.coordination.keep_lease(job, None if encoder else rank, lease, lost))
-        queue: asyncio.Queue = asyncio.Queue(maxsize=self.config.prefetch_steps)
-        producer = asyncio.create_task(produce(job, rank, start, queue, self.pool, self.budget, self.config,
-                                               self.metrics, encoder))
+        feed = RankFeed(job, rank, start, self.pool, self.budget, self.config, self.metrics, encoder)
         log.info("stream started", extra={"job": job.spec.job, "rank": rank, "encoder": encoder, "epoch": start[0],
                                           "step": start[1], "peer": context.peer()})
         sent_steps = 0
         try:
-            while (item := await queue.get()) is not END:
+            while (item := await feed.next()) is not END:
                 if primary:
-                    self.metrics.queue_depth.labels(job.spec.job, str(rank)).set(queue.qsize())
+                    self.metrics.queue_depth.labels(job.spec.job, str(rank)).set(feed.queue.qsize())
                 if primary or encoder and not replica:
-                    job.progress(rank, encoder).queued = queue.qsize()
+                    job.progress(rank, encoder).queued = feed.queue.qsize()
                 (epoch, step), sending, hold = item
                 item = None
                 # Released once gRPC has taken the step's last piece (a write returns then, and a message it
                 # holds for a slow client is memory like any other: parts keep that to one part per stream), or
                 # on the way out of a failed or cancelled send
-                with hold:
+                with feed.sending(hold):
                     if lost.is_set():
                         raise JobError("ABORTED", f"another server took {who} of job {job.spec.job!r}: "
                                                   "reconnect to continue")
@@ -251,17 +250,13 @@ class PackfeedService:
             if primary:
                 self.metrics.run_ended(job.spec.job, rank)
             keeper.cancel()
-            producer.cancel()
-            while not queue.empty():  # give back what the cancelled stream still held
-                item = queue.get_nowait()
-                if item is not END:
-                    item[2].release()
+            feed.close()  # gives back what the stream still held
             if not lost.is_set():
                 await asyncio.shield(asyncio.to_thread(self.coordination.let_go, job, None if encoder else rank,
                                                        lease))
             log.info("stream ended", extra={"job": job.spec.job, "rank": rank, "encoder": encoder,
                                             "steps_sent": sent_steps})
-        failure = producer.exception() if producer.done() and not producer.cancelled() else None
+        failure = feed.failure()
         if isinstance(failure, JobError):
             raise failure
         if failure is not None:

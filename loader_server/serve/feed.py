@@ -1,0 +1,97 @@
+"""One rank stream's supply of prepared steps: its producer (`producer`), the bounded queue it fills, and the
+stream's account in the memory budget (`budget`), which may ask it to shed what it prepared ahead.
+
+Shedding is how a stalled client holds only what it needs: while the stream is blocked writing a step to its
+client and others wait for room, its queued and in-preparation steps are released and its producer stopped;
+once the client has taken the step, the producer starts again from the step after it. The steps are then
+prepared again (the same bytes: a step is a pure function of the plan), so shedding costs CPU, never data.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+from packfeed.server.serve.budget import MemoryBudget, StepHold
+from packfeed.server.serve.config import ServerConfig
+from packfeed.server.serve.jobs import Job
+from packfeed.server.serve.observe import Metrics, log
+from packfeed.server.serve.producer import END, produce
+from packfeed.server.serve.workers import WorkerPool
+
+
+class RankFeed:
+    def __init__(self, job: Job, rank: int, start: tuple[int, int], pool: WorkerPool, budget: MemoryBudget,
+                 config: ServerConfig, metrics: Metrics, encoder: bool = False):
+        self.job, self.rank, self.encoder, self.start = job, rank, encoder, start
+        self._pool, self._config, self._metrics = pool, config, metrics
+        self.account = budget.account(self._shed)
+        self.queue: asyncio.Queue = asyncio.Queue(maxsize=config.prefetch_steps)
+        self._writing: StepHold | None = None  # the step its client is being sent
+        self._last: tuple[int, int] | None = None  # the last step taken from the queue
+        self._shed_pending = False
+        self.producer = self._produce(start)
+
+    def _produce(self, cursor: tuple[int, int]) -> asyncio.Task:
+        return asyncio.create_task(produce(self.job, self.rank, cursor, self.queue, self._pool, self.account,
+                                           self._config, self._metrics, self.encoder))
+
+    async def next(self):
+        """The next prepared ((epoch, step), RankStepResult, StepHold), or END after the job's last step (or a
+        failure of the producer: `failure()`)."""
+        if self._shed_pending:
+            await asyncio.gather(self.producer, return_exceptions=True)  # cancelled: its holds released
+            self._shed_pending = False
+            cursor = await asyncio.to_thread(self.job.next_step, *self._last) if self._last else self.start
+            if cursor is None:
+                return END
+            self.producer = self._produce(cursor)
+        item = await self.queue.get()
+        if item is not END:
+            self._last = item[0]
+        return item
+
+    @contextlib.contextmanager
+    def sending(self, hold: StepHold):
+        """While the step is written to the client (its hold released on the way out, whatever happens)."""
+        self._writing = hold
+        try:
+            with hold:
+                yield
+        finally:
+            self._writing = None
+
+    def _shed(self) -> None:
+        """Asked by the budget while others wait: give back what was prepared ahead, if blocked on the client."""
+        if self._writing is None or self._shed_pending or self.account.held <= self._writing.nbytes:
+            return
+        if self.producer.done():  # finished (everything it made is queued) or failed: its END must stay
+            return
+        self._shed_pending = True
+        held = self.account.held
+        self.producer.cancel()  # its steps in preparation are released as the cancellation reaches it
+        queued = self._drain()
+        self._metrics.sheds.labels(self.job.spec.job).inc()
+        log.info("a stream blocked on its client shed the steps it prepared ahead, for streams waiting for room",
+                 extra={"job": self.job.spec.job, "rank": self.rank, "encoder": self.encoder, "held_bytes": held,
+                        "queued_steps": queued})
+
+    def _drain(self) -> int:
+        """Release every step waiting in the queue; how many there were."""
+        count = 0
+        while not self.queue.empty():
+            item = self.queue.get_nowait()
+            if item is not END:
+                item[2].release()
+                count += 1
+        return count
+
+    def failure(self) -> BaseException | None:
+        producer = self.producer
+        return producer.exception() if producer.done() and not producer.cancelled() else None
+
+    def close(self) -> None:
+        """The stream ended: stop preparing, and give back what waits in the queue."""
+        self.producer.cancel()
+        self._drain()
+        self.account.close()
