@@ -71,7 +71,8 @@ def packfeed_training_arguments(stream: PackStream, arguments_class: type | None
                             f"(PackStream(epochs=...)), {epochs} here; leave it out, or open a job with that many")
     if steps and settings.get("max_steps", -1) > steps:
         raise PackfeedError(f"max_steps={settings['max_steps']} is past the job's {steps} steps ({epochs} epoch(s) of "
-                            f"{stream.info.steps_per_epoch}): give at most {steps}, or open a job with more epochs")
+                            f"{', '.join(map(str, stream.info.epoch_steps))}): give at most {steps}, or open a job "
+                            "with more epochs")
     if settings.get("max_steps", -1) <= 0:
         if not steps:
             raise PackfeedError("the job's step count is not known yet (a windowed plan): give max_steps")
@@ -143,8 +144,8 @@ class PackfeedTrainerMixin:
     def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
         """The Trainer's logs in the job's terms: `epoch` is the job's epoch (its fraction done, continuous over a
         resume; the Trainer's own counts the whole job as one epoch), `packfeed_step` k of `packfeed_steps` N."""
-        step, info = self.packfeed_batches.step, self.packfeed_batches.stream.info
-        if step is None or not info.steps_per_epoch:
+        step = self.packfeed_batches.step
+        if step is None or not job_steps(self.packfeed_batches.stream):
             return super().log(logs, *args, **kwargs)
         number, epoch = job_progress(self.packfeed_batches.stream, step)
         logs = {**logs, "packfeed_step": number, "packfeed_steps": job_steps(self.packfeed_batches.stream)}

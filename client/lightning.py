@@ -149,7 +149,7 @@ class PackProgress(lightning.Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         data = trainer.datamodule
         step = getattr(data, "packfeed_step", None)
-        if step is None or not data.stream.info.steps_per_epoch:
+        if step is None or not job_steps(data.stream):
             return
         number, epoch = job_progress(data.stream, step)
         pl_module.log_dict({"packfeed_epoch": epoch, "packfeed_step": float(number),

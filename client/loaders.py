@@ -31,15 +31,19 @@ from packfeed.client.tensors import Step
 
 
 def job_steps(stream: PackStream) -> int:
-    """The job's optimizer steps over all its epochs, or 0 while a windowed plan has not planned its last window."""
-    return int(stream.info.steps_per_epoch) * int(stream.info.epochs)
+    """The job's optimizer steps over all its epochs (each epoch's own count), or 0 while a windowed plan has
+    not planned its last window."""
+    try:
+        return len(stream)
+    except TypeError:
+        return 0
 
 
 def job_progress(stream: PackStream, step) -> tuple[int, float]:
     """Where `step` stands in its job: its number k from 1 over all epochs, and the job's epoch with the
     fraction of it done once the step is trained (how the framework faces log progress)."""
-    per_epoch = int(stream.info.steps_per_epoch)
-    return step.epoch * per_epoch + step.step + 1, step.epoch + (step.step + 1) / per_epoch
+    in_epoch = int(stream.info.epoch_steps[step.epoch]) if step.epoch < len(stream.info.epoch_steps) else 0
+    return stream.step_number(step.epoch, step.step) + 1, step.epoch + (step.step + 1) / max(1, in_epoch)
 
 
 def job_batches(stream: PackStream) -> int:

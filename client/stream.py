@@ -136,6 +136,7 @@ class PackStream:
         self._next: tuple[int, int] | None = (self.info.resume.epoch, 0) if resume is not None else (0, 0)
         self._restored = resume is not None  # a saved state or a resumed job: no restart to warn about
         self._consumed: tuple[int, int, list] | None = None  # (epoch, step, client skips): not the tensors
+        self._acked: tuple[int, int] | None = None  # the last step this stream acknowledged
         self._acks = ThreadPoolExecutor(max_workers=1, thread_name_prefix="packfeed-ack")
         self._receiver: Receiver | None = None
         self.wait_seconds = 0.0  # time the trainer spent blocked in next()
@@ -182,6 +183,22 @@ class PackStream:
 
     # -- iteration --------------------------------------------------------------------------------------
 
+    def __len__(self) -> int:
+        """The job's steps over all its epochs (`JobInfo.steps`: each epoch's own count, summed), what a stream
+        from the job's start yields. While that is an estimate (a windowed job whose windows are not all
+        planned yet) the server is asked again, and a TypeError says the length is not known yet, as for any
+        iterable without one."""
+        if self.info.steps_estimated:
+            self.info = self.channel.call("GetJob", pb.GetJobRequest(job=self.job))
+        if self.info.steps_estimated:
+            raise TypeError(f"job {self.job!r} is windowed and its step count is an estimate until every window is "
+                            f"planned (about {self.info.steps} steps now)")
+        return int(self.info.steps)
+
+    def step_number(self, epoch: int, step: int) -> int:
+        """Step (epoch, step)'s place in the whole job, counting from 0 (epochs plan different step counts)."""
+        return sum(int(n) for n in self.info.epoch_steps[:epoch]) + step
+
     def __iter__(self) -> Iterator[Step]:
         return self
 
@@ -222,11 +239,14 @@ class PackStream:
                           RuntimeWarning, stacklevel=3)
         self._restored = True  # once
 
-    def _ack(self, epoch: int, step: int, skipped: list[tuple[str, str]]) -> None:
-        """Acknowledge a consumed step, with the samples this client left out of it (the server records them)."""
+    def _ack(self, epoch: int, step: int, skipped: list[tuple[str, str]], closing: bool = False) -> None:
+        """Acknowledge a consumed step, with the samples this client left out of it (the server records them);
+        `closing`: the stream closes after it (the steps received beyond it are not the trainer's lag)."""
         if self.acknowledge:
+            self._acked = (epoch, step)
             request = pb.AckStepRequest(job=self.job, rank=self.rank, epoch=epoch, step=step, replica=self.replica,
                                         cp_rank=self.cp_rank, data_wait_s=self.wait_seconds, encoder=self.encoder,
+                                        closing=closing,
                                         skipped=[pb.SkippedSample(key=key, reason=reason, epoch=epoch, step=step)
                                                  for key, reason in skipped])
             self._acks.submit(self.channel.send, "AckStep", request)
@@ -249,8 +269,10 @@ class PackStream:
 
     def close(self) -> None:
         if self._consumed is not None:
-            self._ack(*self._consumed)
+            self._ack(*self._consumed, closing=self._next is not None)
             self._consumed = None
+        elif self._acked is not None and self._next is not None:
+            self._ack(*self._acked, [], closing=True)
         self._stop_receiver()
         if self.decoder is not None:
             self.decoder.close()

@@ -67,6 +67,12 @@ def test_the_page_shows_a_streaming_job_and_refreshes_itself(chromium, small_til
                 asked.fill("#token", "s3cret")
                 asked.click("#login button")
                 asked.locator('section.job[data-job="watched"]').wait_for(timeout=30_000)
+                hashed = browser.new_page()  # a token put into an open page's address: taken without a reload
+                hashed.goto(f"http://127.0.0.1:{port}/status")
+                hashed.locator("#login").wait_for(state="visible", timeout=30_000)
+                hashed.evaluate("location.hash = '#token=s3cret'")
+                hashed.locator('section.job[data-job="watched"]').wait_for(timeout=30_000)
+                assert "s3cret" not in hashed.url and hashed.locator("#login").is_hidden()
                 page = browser.new_page()
                 requests: list[str] = []
                 page.on("request", lambda request: requests.append(request.url))
@@ -107,6 +113,42 @@ def test_the_page_shows_a_streaming_job_and_refreshes_itself(chromium, small_til
         finally:
             stop.set()
             streamer.join(timeout=30)
+
+
+def test_a_job_is_live_while_its_trainer_works_through_what_it_was_sent_then_finished(chromium, small_tile_index):
+    """The server sent a job's last step long before a slow trainer is through: the page shows the job `live`,
+    with the steps in the trainer's hands as its lag, until it acknowledges the last one: then `finished`."""
+    import grpc
+
+    from packfeed.client import LocalServer, PackStream
+    from packfeed.v1 import packfeed_pb2 as pb, packfeed_pb2_grpc as pb_grpc
+    from playwright.sync_api import sync_playwright
+    from ports import free_port
+
+    port = free_port()
+    with LocalServer(small_tile_index, workers=1, metrics_port=port) as server, \
+            PackStream(server.target, job="slow", rank=0, dp=1, microbatches=1, prefetch=64) as stream:
+        total = len(stream)
+        next(stream)  # one step in hand; the client receives every other step meanwhile
+        stub = pb_grpc.PackfeedStub(grpc.insecure_channel(server.target))
+        deadline = time.monotonic() + 60
+        while stub.GetJob(pb.GetJobRequest(job="slow")).ranks[0].streamed_step < total - 1:
+            assert time.monotonic() < deadline, "the server did not send the whole job"
+            time.sleep(0.2)
+        with sync_playwright() as playwright:
+            browser = playwright.chromium.launch(executable_path=chromium, args=["--no-sandbox"])
+            page = browser.new_page()
+            page.goto(f"http://127.0.0.1:{port}/status")
+            job = page.locator('section.job[data-job="slow"]')
+            job.wait_for(timeout=30_000)
+            assert job.get_attribute("data-state") == "live"  # its stream ended: the trainer still works
+            lag = int(job.locator("table.ranks tr").nth(1).locator("td").nth(4).inner_text())
+            assert lag == total  # every step sent, none acknowledged yet
+            assert len(list(stream)) == total - 1  # the trainer goes through the rest
+            page.locator('section.job[data-job="slow"][data-state="finished"]').wait_for(timeout=30_000)
+            assert int(job.locator("table.ranks tr").nth(1).locator("td").nth(4).inner_text()) == 0
+            assert job.locator(".progress").inner_text().startswith(f"step {total:,} of {total:,}")
+            browser.close()
 
 
 def test_the_dataset_report_reads_as_a_report(chromium, small_tile_index, tmp_path):

@@ -76,8 +76,9 @@ def test_the_status_shows_jobs_ranks_and_progress(small_tile_index):
     assert b"status.json" in page and b"packfeed_packs_total" in metrics
     (job,) = [j for j in first["jobs"] if j["job"] == "watched"]
     assert job["state"] == "live" and job["plan"]["dp"] == 2 and job["plan"]["strategy"] == "isf+balance"
-    per_epoch = job["plan"]["steps_per_epoch"]
-    assert per_epoch > 0 and job["plan"]["steps"] == 3 * per_epoch
+    counts = job["plan"]["epoch_steps"]
+    assert len(counts) == 3 and min(counts) > 0 and job["plan"]["steps"] == sum(counts)
+    assert not job["plan"]["steps_estimated"]
     assert job["balance"]["known"] and 0 <= job["balance"]["llm_dist"] < 1
     rank = job["ranks"][1]
     assert rank["acked"] == [0, 0] and rank["done_steps"] == 1 and rank["streamed"][1] >= 0 and rank["data_wait_s"] > 0

@@ -83,6 +83,11 @@ class Plan:
         """Steps of the epoch (0 while unknown: a windowed plan before its last window)."""
         return self.n_steps
 
+    @property
+    def steps_estimate(self) -> int:
+        """Steps of the epoch (a windowed plan's extrapolated while some windows are not planned)."""
+        return self.n_steps
+
     def pack_sizes(self) -> np.ndarray:
         return np.diff(self.offsets)
 

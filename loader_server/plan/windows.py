@@ -222,6 +222,15 @@ class WindowedPlan:
         """Steps of the epoch once every window is planned; 0 before."""
         return self._first_steps[-1] if len(self._first_steps) - 1 == self.n_windows else 0
 
+    @property
+    def steps_estimate(self) -> int:
+        """Steps of the epoch: exact once every window is planned, before that the windows planned so far
+        extrapolated to all of them (window 0 is planned with the plan's fingerprint, so there is always one)."""
+        planned = len(self._first_steps) - 1
+        if planned == self.n_windows or planned == 0:
+            return self._first_steps[-1]
+        return round(self._first_steps[-1] * self.n_windows / planned)
+
     def fingerprint(self) -> str:
         """Digest of what the plan is a function of, and of window 0's packs (which a different planner would
         change): every server of a job gets the same without planning the whole epoch. Computed once (window 0

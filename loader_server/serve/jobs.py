@@ -38,27 +38,48 @@ class RankState:
     shared: tuple[int, int] = (-1, -1)  # the acknowledged position the coordinator has taken
     unacked: collections.deque = field(default_factory=collections.deque)  # steps sent, not yet acknowledged
     data_wait_s: float = 0.0  # what its trainer reports having waited for packs, in all (AckStep)
+    active_at: float = field(default_factory=time.monotonic)  # its last step sent or acknowledged
+    step_s: float = 0.0  # the time between its acknowledgements, smoothed
 
     def sent(self, epoch: int, step: int) -> None:
         self.streamed = (epoch, step)
         self.unacked.append((epoch, step))
+        self.active_at = time.monotonic()
 
     def acknowledge(self, epoch: int, step: int) -> None:
         """Every step up to (epoch, step) was consumed; a late or repeated acknowledgement changes nothing."""
+        if (epoch, step) > self.acked:
+            now = time.monotonic()
+            if self.acked >= (0, 0):
+                self.step_s = now - self.active_at if not self.step_s else 0.8 * self.step_s + 0.2 * (now - self.active_at)
+            self.active_at = now
         self.acked = max(self.acked, (epoch, step))
         while self.unacked and self.unacked[0] <= self.acked:
             self.unacked.popleft()
 
-    def end_run(self) -> None:
-        """The rank's stream ended: what it sent and nobody acknowledged is not in flight any more (a next run
-        starts from its own position and is sent those steps again), and nothing waits in its queue."""
-        self.unacked.clear()
+    def end_run(self, complete: bool = False) -> None:
+        """The rank's stream ended, nothing waits in its queue. Cut short (a cancel, a failure), what it sent and
+        nobody acknowledged is not in flight any more: a next run starts from its own position and is sent those
+        steps again. `complete` (it sent the job's last step), its trainer still works through the steps it
+        holds: they stay unacknowledged until it acknowledges them (the lag counts them)."""
+        if not complete:
+            self.unacked.clear()
         self.queued = 0
+
+    def begin_run(self) -> None:
+        """A stream of the rank starts: it is sent its steps from its own position (none is in flight)."""
+        self.unacked.clear()
 
     @property
     def lag(self) -> int:
         """Steps the current run sent and its trainer has not acknowledged."""
         return len(self.unacked)
+
+    def working(self, now: float) -> bool:
+        """Its trainer still works through steps it was sent: some are unacknowledged, and acknowledgements
+        still arrive (the last within a minute, or four of its steps for slower trainers; a trainer that died
+        with steps in hand stops counting then)."""
+        return bool(self.unacked) and now - self.active_at < max(LIVE_S, 4 * self.step_s)
 
     @property
     def unshared(self) -> tuple[int, int] | None:
@@ -67,6 +88,7 @@ class RankState:
 
 
 PLANS_CACHED = 3
+LIVE_S = 60.0  # a rank with unacknowledged steps is working while it acknowledged one this recently
 
 
 def rank_name(rank: int, encoder: bool = False) -> str:
@@ -96,6 +118,7 @@ class Job:
     revoked: JobError | None = None  # set when an older registration of the id holds another plan: streams stop
     # PlanSpec.encoder_ranks E > 0: each encoder rank's progress (reported; the LLM ranks' is the job's position)
     encoders: list[RankState] = field(default_factory=list)
+    _steps: dict = field(default_factory=dict)  # epoch -> its steps, once known exactly (the plan itself may go)
 
     def __post_init__(self) -> None:
         if not self.encoders:
@@ -108,6 +131,7 @@ class Job:
             self.caps = self.caps or getattr(self.epoch_plan(0), "caps", None)  # a windowed plan's, searched on window 0
             if self.spec.resume is not None:  # checked at open: a resume of another job than it claims is refused
                 self.epoch_plan(self.spec.resume.epoch)
+            self._count_epochs()
         except JobError as error:
             self.failure = error
         except (ValueError, MemoryError) as error:
@@ -136,6 +160,38 @@ class Job:
                 if isinstance(evicted, WindowedPlan):
                     evicted.close()
             return self._plans[epoch]
+
+    def _count_epochs(self) -> None:
+        """Every epoch's steps, known at open: epochs plan different step counts (each shuffles its samples into
+        other packs, and aligns them anew), and a trainer sizes its schedule from the job's length. Each epoch
+        is planned once for its count, which is kept, not its plan. A windowed job's epochs are counted as
+        their windows are planned (`step_counts` estimates meanwhile)."""
+        if self.spec.plan_config.window:
+            return
+        for epoch in range(self.spec.epochs):
+            if epoch not in self._steps:
+                with self._lock:
+                    cached = self._plans.get(epoch)
+                plan = cached or self.dataset.job_plan(self.spec.plan_config, self.spec.seed, epoch, self.spec.resume,
+                                                       self.caps)
+                self._steps[epoch] = plan.n_steps
+
+    def step_counts(self) -> tuple[list[int], bool]:
+        """Each epoch's steps, and whether any of them is an estimate: a windowed epoch not yet planned whole is
+        its planned windows extrapolated, an epoch not yet begun the last estimate's."""
+        with self._lock:
+            for epoch, plan in self._plans.items():
+                if plan.steps_known:
+                    self._steps[epoch] = plan.steps_known
+            estimates = {epoch: plan.steps_estimate for epoch, plan in self._plans.items()}
+        counts, estimated = [], False
+        for epoch in range(self.spec.epochs):
+            if epoch in self._steps:
+                counts.append(self._steps[epoch])
+                continue
+            estimated = True
+            counts.append(estimates.get(epoch, counts[-1] if counts else 0))
+        return counts, estimated
 
     def check_plan(self, expected: str) -> None:
         """A client holding another plan of this job id must not be served this one."""

@@ -76,8 +76,9 @@ class Metrics:
                                     "Worker time per sample (read, decode, tile, tokenize, assemble)",
                                     registry=r, buckets=(.001, .003, .01, .03, .1, .3, 1, 3))
 
-    def run_ended(self, job: str, rank: int) -> None:
-        """A rank's stream ended: nothing of it is in flight or queued any more."""
-        self.lag.labels(job, str(rank)).set(0)
+    def run_ended(self, job: str, rank: int, lag: int) -> None:
+        """A rank's stream ended: nothing of it is queued any more; `lag` steps are in flight (the last steps
+        of a completed job, until its trainer acknowledges them)."""
+        self.lag.labels(job, str(rank)).set(lag)
         self.queue_depth.labels(job, str(rank)).set(0)
 

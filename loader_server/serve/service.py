@@ -13,8 +13,6 @@ import collections
 import math
 from concurrent.futures import ThreadPoolExecutor
 
-from google.protobuf.message import DecodeError
-
 import grpc
 
 from packfeed.media.samples import skip_metric_label
@@ -22,55 +20,21 @@ from packfeed.server.cluster.coordinator import Coordinator, LeaseOutcome
 from packfeed.server.serve.budget import MemoryBudget
 from packfeed.server.serve.config import ServerConfig
 from packfeed.server.serve.coordination import Coordination
-from packfeed.server.serve.job_spec import JobError, JobSpec, Resume
+from packfeed.server.serve.job_spec import JobError, JobSpec
 from packfeed.server.serve.jobs import Job, rank_name
 from packfeed.server.serve.network import client_host
 from packfeed.server.serve.observe import Metrics, log
 from packfeed.server.serve.feed import RankFeed
 from packfeed.server.serve.producer import END
-from packfeed.server.serve.registry import JobRegistry, check_name
+from packfeed.server.serve.registry import JobRegistry
+from packfeed.server.serve.requests import client_skipped, parse, replica_lease, resume_of
 from packfeed.server.serve.step_work import RankStepResult
 from packfeed.server.serve.wire import pack_parts
 from packfeed.server.serve.workers import WorkerPool
 from packfeed.v1 import packfeed_pb2 as pb
-from packfeed.v1.options import MAX_RESUME_CHAIN, PlanConfig
+from packfeed.v1.options import PlanConfig
 
 SERVICE = pb.DESCRIPTOR.services_by_name["Packfeed"].full_name
-MAX_REPLICAS = 1024  # consumers of one DP rank (a TP x CP x SP group beyond this is not a real deployment)
-
-
-def resume_of(request: pb.OpenJobRequest) -> Resume:
-    """The job's elastic resume, checked: an old plan that parses, an epoch of this job, the old job's seed and
-    plan fingerprint given (the plan itself is checked against it when the job is planned)."""
-    if request.resume.seed != request.seed:
-        raise JobError("FAILED_PRECONDITION", f"resume: the old job ran with seed {request.resume.seed}, this job "
-                                              f"asks for {request.seed}; give it the old job's seed")
-    if request.resume.epoch >= (request.epochs or 1):
-        raise ValueError(f"resume.epoch {request.resume.epoch} is not an epoch of this job ({request.epochs or 1})")
-    return _resume(request.resume, depth=0)
-
-
-def _resume(message: pb.ResumeFrom, depth: int) -> Resume:
-    if depth >= MAX_RESUME_CHAIN:
-        raise ValueError(f"resume: a chain of more than {MAX_RESUME_CHAIN} resumed jobs; start a new job")
-    if not message.plan_fingerprint:
-        raise ValueError("resume.plan_fingerprint is required: the old job's JobInfo.plan_fingerprint, which its "
-                         "ranks' state_dicts hold (states saved before Packfeed recorded it cannot resume elastically)")
-    previous = _resume(message.previous, depth + 1) if message.HasField("previous") else None
-    return Resume(PlanConfig.from_proto(message.plan), message.epoch, message.step, message.plan_fingerprint,
-                  message.seed, message.index_fingerprint, previous)
-
-
-def replica_lease(rank: int, replica: int, replicas: int, dp: int, encoder_ranks: int = 0,
-                  encoder: bool = False) -> int:
-    """The lease a replica holds: the rank's own for replica 0, one apart for each other (numbered past every
-    rank, so no two replicas or ranks share one); an encoder rank's are numbered past every LLM rank's."""
-    if replicas > MAX_REPLICAS or replica >= replicas:
-        raise JobError("INVALID_ARGUMENT", f"replica {replica} of {replicas}: give 0 <= replica < replicas <= "
-                                           f"{MAX_REPLICAS}")
-    if encoder:
-        return dp * MAX_REPLICAS + rank + replica * encoder_ranks
-    return rank + replica * dp
 
 
 class PackfeedService:
@@ -148,6 +112,8 @@ class PackfeedService:
             self._record_skipped(job, request.rank, request.epoch, request.step, skipped, "client")
             return pb.AckStepResponse()
         await asyncio.to_thread(job.ack, request.rank, request.epoch, request.step)
+        if request.closing:  # the trainer stopped here: what it was sent beyond is not its lag
+            progress.end_run()
         await asyncio.to_thread(self.coordination.share_ack, job, request.rank)
         self._record_skipped(job, request.rank, request.epoch, request.step, skipped, "client")
         self.metrics.lag.labels(request.job, str(request.rank)).set(job.ranks[request.rank].lag)
@@ -155,8 +121,10 @@ class PackfeedService:
 
     def job_info(self, job: Job) -> pb.JobInfo:
         plan = job.epoch_plan(0)
+        counts, estimated = job.step_counts()
         info = pb.JobInfo(job=job.spec.job, dataset=job.spec.dataset, plan=job.spec.plan_config.to_proto(),
                           seed=job.spec.seed, epochs=job.spec.epochs, steps_per_epoch=plan.steps_known,
+                          steps=sum(counts), epoch_steps=counts, steps_estimated=estimated,
                           plan_fingerprint=plan.fingerprint(), index_fingerprint=job.dataset.fingerprint,
                           skipped_count=job.skipped_count, vision_cap=job.caps.vision_cap if job.caps else 0,
                           token_cap=job.caps.token_cap if job.caps else 0, conventions=job.dataset.conventions,
@@ -217,7 +185,9 @@ class PackfeedService:
         feed = RankFeed(job, rank, start, self.pool, self.budget, self.config, self.metrics, encoder)
         log.info("stream started", extra={"job": job.spec.job, "rank": rank, "encoder": encoder, "epoch": start[0],
                                           "step": start[1], "peer": context.peer()})
-        sent_steps = 0
+        sent_steps, complete = 0, False
+        if primary or encoder and not replica:
+            job.progress(rank, encoder).begin_run()
         try:
             while (item := await feed.next()) is not END:
                 if primary:
@@ -242,13 +212,14 @@ class PackfeedService:
                         await context.write(piece)
                 sending = hold = piece = None  # no step outlives its release while we wait for the next
                 sent_steps += 1
+            complete = feed.failure() is None
         finally:
             job.open_streams -= 1
             job.touch()
             if primary or encoder and not replica:
-                job.progress(rank, encoder).end_run()
+                job.progress(rank, encoder).end_run(complete)
             if primary:
-                self.metrics.run_ended(job.spec.job, rank)
+                self.metrics.run_ended(job.spec.job, rank, job.ranks[rank].lag)
             keeper.cancel()
             feed.close()  # gives back what the stream still held
             if not lost.is_set():
@@ -355,22 +326,6 @@ class PackfeedService:
         })
 
 
-MAX_CLIENT_SKIPPED = 4096  # samples one acknowledgement may report as left out by the client
-MAX_REASON = 1024  # characters of a client's reason kept
-
-
-def client_skipped(request: pb.AckStepRequest) -> list[tuple[str, str]]:
-    """The samples an acknowledgement reports as left out by the client, checked before anything is recorded."""
-    if len(request.skipped) > MAX_CLIENT_SKIPPED:
-        raise JobError("INVALID_ARGUMENT", f"an acknowledgement may report at most {MAX_CLIENT_SKIPPED} skipped samples")
-    for entry in request.skipped:
-        check_name(entry.key, "a skipped sample's key")
-        if (entry.epoch, entry.step) != (request.epoch, request.step):
-            raise JobError("INVALID_ARGUMENT", "skipped samples are reported with the acknowledgement of their own step")
-    return [(entry.key, "".join(c if c.isprintable() else " " for c in entry.reason[:MAX_REASON]) or "no reason given")
-            for entry in request.skipped]
-
-
 def pieces_of(messages: list[bytes], part_bytes: int):
     """The messages as written: whole, or cut into PackPart pieces of `part_bytes` (made one at a time)."""
     for message in messages:
@@ -385,11 +340,3 @@ def with_last(items):
         following = next(iterator, None)
         yield current, following is None
         current = following
-
-
-def parse(message_type, raw: bytes):
-    try:
-        return message_type.FromString(raw)
-    except DecodeError:
-        raise JobError("INVALID_ARGUMENT", f"not a well-formed {message_type.DESCRIPTOR.full_name} (bad bytes or "
-                                           "invalid UTF-8 in a string field)") from None

@@ -1,8 +1,9 @@
 """What `packfeed serve` shows on its metrics port (`--metrics-port`), beside Prometheus's `/metrics`:
 
 - `/status`: an operator's page (`status_page`), refreshing itself every 2 s: each job's state (live: a rank
-  streams; idle; finished: every rank acknowledged the last step; failed; closed ones listed below), step k of
-  N with a bar per rank, each rank's acknowledged and streamed step, the current run's lag and queue and the
+  streams, or a trainer still works through steps it was sent; idle; finished: every rank acknowledged the
+  job's last step; failed; closed ones listed below), step k of N (each epoch's own count, summed; marked when
+  a windowed job's count is an estimate) with a bar per rank, each rank's acknowledged and streamed step, the current run's lag and queue and the
   data wait its trainer reports, throughput and data wait over the last ten minutes as small charts, the plan's
   balance, samples skipped by reason, and the server's memory budget held.
 - `/status.json`: the same as JSON, for scripts ("-" on the page is null here).
@@ -83,12 +84,14 @@ class StatusReport:
     def _job(self, job) -> dict[str, Any]:
         name = job.spec.job
         plan = job.spec.plan_config
-        per_epoch = job.epoch_plan(0).steps_known if job.failure is None else 0
-        steps = per_epoch * job.spec.epochs  # 0 while a windowed plan has not planned its last window
-        ranks = _progress_rows(job.ranks, per_epoch)
+        counts, estimated = job.step_counts() if job.failure is None else ([0] * job.spec.epochs, False)
+        steps = sum(counts)
+        ranks = _progress_rows(job.ranks, counts)
         done = min((rank["done_steps"] for rank in ranks), default=0)
-        state = "failed" if job.failure else "live" if job.open_streams else \
-            "finished" if steps and done >= steps else "idle"
+        now = time.monotonic()
+        working = job.open_streams or any(rank.working(now) for rank in list(job.ranks))  # trainers on steps sent
+        state = "failed" if job.failure else "finished" if steps and not estimated and done >= steps else \
+            "live" if working else "idle"
         reasons: dict[str, int] = {}
         for _, reason, _, _ in list(job.skipped):
             reasons[reason] = reasons.get(reason, 0) + 1
@@ -97,11 +100,12 @@ class StatusReport:
             "job": name, "dataset": job.spec.dataset, "state": state,
             "failed": str(job.failure) if job.failure else None,
             "plan": {"dp": plan.dp, "microbatches": plan.microbatches, "strategy": plan.strategy.value,
-                     "epochs": job.spec.epochs, "window": plan.window, "steps_per_epoch": per_epoch, "steps": steps},
+                     "epochs": job.spec.epochs, "window": plan.window, "epoch_steps": counts, "steps": steps,
+                     "steps_estimated": estimated},
             "done_steps": done,
             "balance": self._plan_balance(job),
             "ranks": ranks,
-            "encoder_ranks": _progress_rows(job.encoders, per_epoch),
+            "encoder_ranks": _progress_rows(job.encoders, counts),
             "throughput": {"packs_per_s": history[-1][3] if history else 0.0,
                            "samples_per_s": history[-1][1] if history else 0.0,
                            "packs": self._counter("packfeed_packs_total", name),
@@ -140,13 +144,15 @@ class StatusReport:
         return self._balance[name]
 
 
-def _progress_rows(states: list, per_epoch: int) -> list[dict[str, Any]]:
-    """Each rank's (or encoder rank's) position (None before its first), steps done in the whole job, the
-    current run's lag and queue, and the data wait its trainer reports."""
+def _progress_rows(states: list, epoch_steps: list[int]) -> list[dict[str, Any]]:
+    """Each rank's (or encoder rank's) position (None before its first), steps done in the whole job (epochs
+    plan different step counts: `epoch_steps`), the lag (steps sent, not acknowledged: the current run's, or
+    after the job's last step was sent the trainer's work still to do) and queue, and the data wait its trainer
+    reports."""
     rows = []
     for r, state in enumerate(list(states)):
         acked = _position(state.acked)
-        done = acked[0] * per_epoch + acked[1] + 1 if acked and per_epoch else 0
+        done = sum(epoch_steps[:acked[0]]) + acked[1] + 1 if acked else 0
         rows.append({"rank": r, "acked": acked, "streamed": _position(state.streamed), "done_steps": done,
                      "queued_steps": state.queued, "lag_steps": state.lag, "data_wait_s": round(state.data_wait_s, 3)})
     return rows

@@ -34,23 +34,30 @@ svg.chart polyline { fill: none; stroke: #2f5fb3; stroke-width: 1.5; }
 <noscript><meta http-equiv="refresh" content="5">This page needs JavaScript to show the status; /status.json has it.</noscript>
 <script>
 const KEY = "packfeed-status-token";
-const given = new URLSearchParams(location.hash.slice(1)).get("token");
-if (given) {  // from the fragment (never sent to the server) into this tab's storage, and out of the address
+let timer = null;  // the one pending refresh: a new token replaces it rather than starting a second loop
+function schedule(ms) { clearTimeout(timer); timer = setTimeout(refresh, ms); }
+function takeToken() {  // from the fragment (never sent to the server) into this tab's storage, out of the address
+  const given = new URLSearchParams(location.hash.slice(1)).get("token");
+  if (!given) return false;
   sessionStorage.setItem(KEY, given);
   history.replaceState(null, "", location.pathname + location.search);
+  return true;
 }
+takeToken();
+window.addEventListener("hashchange", () => { if (takeToken()) { document.getElementById("login").hidden = true; schedule(0); } });
 document.getElementById("login").addEventListener("submit", event => {
   event.preventDefault();
   sessionStorage.setItem(KEY, document.getElementById("token").value);
   document.getElementById("login").hidden = true;
-  refresh();
+  schedule(0);
 });
 const esc = s => String(s).replace(/[&<>"']/g, c => ({"&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;", "'": "&#39;"}[c]));
 const dash = v => v === null || v === undefined ? "-" : v;
 const mib = b => (b / 1048576).toFixed(1) + " MiB";
 const num = (v, digits) => Number(v).toLocaleString(undefined, {maximumFractionDigits: digits});
 const position = p => p ? "epoch " + p[0] + ", step " + p[1] : "-";
-const of = (done, total) => (done ? num(done, 0) : "-") + " of " + (total ? num(total, 0) : "-");
+const of = (done, total, estimated) => (done ? num(done, 0) : "-") + " of " + (total ? (estimated ? "about " : "") +
+  num(total, 0) : "-");
 function table(head, rows, cls) {
   return '<table class="' + (cls || "") + '"><tr>' + head.map(h => "<th>" + esc(h) + "</th>").join("") + "</tr>" +
     rows.map(r => "<tr>" + r.map(c => "<td>" + c + "</td>").join("") + "</tr>").join("") + "</table>";
@@ -85,8 +92,9 @@ function job(j, window_s) {
   return '<section class="job" data-job="' + esc(j.job) + '" data-state="' + esc(j.state) + '"><h2>' + esc(j.job) +
     ' <span class="state state-' + esc(j.state) + '">' + esc(j.state) + '</span> <span class="muted">' +
     esc(j.dataset) + "</span></h2>" + (j.failed ? '<p class="bad">' + esc(j.failed) + "</p>" : "") +
-    '<p class="progress">step ' + esc(of(j.done_steps, total)) + " " + bar(j.done_steps, total) +
-    (p.steps_per_epoch ? " (" + p.epochs + " epoch(s) of " + num(p.steps_per_epoch, 0) + " steps)" : "") + "</p>" +
+    '<p class="progress">step ' + esc(of(j.done_steps, total, p.steps_estimated)) + " " + bar(j.done_steps, total) +
+    (total ? " (" + p.epochs + " epoch(s) of " + p.epoch_steps.map(n => num(n, 0)).join(", ") + " steps" +
+      (p.steps_estimated ? ": an estimate until every window is planned" : "") + ")" : "") + "</p>" +
     "<p>" + esc(p.strategy) + ", DP " + p.dp + " x M " + p.microbatches + "; " + esc(balance) + "</p>" +
     '<p class="throughput">' + num(j.throughput.samples_per_s, 1) + " samples/s, " + num(j.throughput.packs_per_s, 1) +
     " packs/s now; " + num(j.throughput.samples, 0) + " samples in " + num(j.throughput.packs, 0) + " packs sent</p>" +
@@ -121,13 +129,13 @@ async function refresh() {
     if (!response.ok) throw new Error(response.status + " " + await response.text());
     const s = await response.json();
     render(s);
-    setTimeout(refresh, s.refresh_s * 1000);
+    schedule(s.refresh_s * 1000);
   } catch (error) {
     document.getElementById("summary").textContent = "cannot read the status: " + error.message;
-    setTimeout(refresh, 5000);
+    schedule(5000);
   }
 }
-refresh();
+schedule(0);
 </script>
 </body></html>
 """

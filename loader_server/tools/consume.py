@@ -21,7 +21,7 @@ def consume_epoch(index: Path, dp: int = 2, microbatches: int = 2, pipeline_stag
     with LocalServer(index, workers=workers) as server:
         streams = [PackStream(server.target, job="demo", rank=r, dp=dp, microbatches=microbatches,
                               pipeline_stages=pipeline_stages, prefetch=2) for r in range(dp)]
-        n_steps = streams[0].info.steps_per_epoch
+        n_steps = len(streams[0])  # one epoch
         vit = np.zeros((n_steps, dp))
         llm = np.zeros((n_steps, dp))
         totals = {"samples": 0, "bytes": 0, "packs": 0}
