@@ -42,6 +42,20 @@ def test_an_unset_field_means_the_default_but_dp_must_be_stated():
     assert PlanConfig.from_proto(pb.PlanSpec(dp=1, strategy="isf")).strategy is Strategy.ISF
 
 
+# OpenJobRequest bytes as a v1 client generated before the counts had presence sends them: job "old-node",
+# plan {dp: 2, microbatches: 0, pipeline_stages: 0, isf_iterations: 0} (each 0 written out), epochs 1
+OLD_CLIENT_OPEN = bytes.fromhex("0a086f6c642d6e6f6465" "1a0808021000180040" "00" "2801")
+
+
+def test_an_old_clients_zero_counts_mean_the_defaults():
+    """0 meant "the default" for every v1 count before presence came; the server still takes it so."""
+    request = pb.OpenJobRequest.FromString(OLD_CLIENT_OPEN)
+    assert request.job == "old-node" and request.plan.HasField("pipeline_stages") and request.epochs == 1
+    assert PlanConfig.from_proto(request.plan) == PlanConfig(dp=2)
+    spec = pb.PlanSpec(dp=2, microbatches=0, pipeline_stages=0, isf_iterations=0, collective_safe=False)
+    assert PlanConfig.from_proto(spec) == PlanConfig(dp=2, collective_safe=False)  # false stays a choice
+
+
 @pytest.mark.parametrize("spec, message", [
     (pb.PlanSpec(dp=2, strategy="magic"), "strategy must be one of"),
     (pb.PlanSpec(dp=2, oversize="squash"), "oversize must be one of"),

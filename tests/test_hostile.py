@@ -12,6 +12,7 @@ import pytest
 
 from ports import free_port
 from processes import workers
+from test_contract import OLD_CLIENT_OPEN
 from packfeed.client import LocalServer, PackStream
 from packfeed.v1 import packfeed_pb2 as pb
 from packfeed.v1 import packfeed_pb2_grpc as pb_grpc
@@ -104,8 +105,6 @@ def test_hostile_requests_get_quick_clear_refusals(server):
         "control chars": lambda: stub.OpenJob(pb.OpenJobRequest(job="a\nb", plan=PLAN)),
         "garbage bytes": lambda: raw_open(b"\xff\xff\xff\xff\x0f garbage"),
         "invalid utf-8": lambda: raw_open(b"\x0a\x02\xff\xfe"),  # field 1 (job), 2 bytes that are not UTF-8
-        "M 0": lambda: stub.OpenJob(pb.OpenJobRequest(job="h", plan=pb.PlanSpec(dp=2, microbatches=0))),
-        "stages 0": lambda: stub.OpenJob(pb.OpenJobRequest(job="h", plan=pb.PlanSpec(dp=2, pipeline_stages=0))),
         "resume unnamed": lambda: stub.OpenJob(pb.OpenJobRequest(job="h", plan=PLAN, resume=pb.ResumeFrom(
             plan=PLAN, step=1))),
         "resume chain": lambda: stub.OpenJob(pb.OpenJobRequest(job="h", plan=PLAN, resume=resume_chain(40))),
@@ -116,6 +115,8 @@ def test_hostile_requests_get_quick_clear_refusals(server):
         assert code == grpc.StatusCode.INVALID_ARGUMENT, (name, code, message)
         assert time.monotonic() - started < 2, name
         assert long_id not in message and len(message) < 1000, name
+    old = pb.JobInfo.FromString(raw_open(OLD_CLIENT_OPEN))  # an earlier v1 client's bytes: zeros are defaults
+    assert old.job == "old-node" and (old.plan.microbatches, old.plan.pipeline_stages) == (1, 1)
     stub.OpenJob(pb.OpenJobRequest(job="acks", plan=PLAN))
     code, message = code_and_message(lambda: stub.AckStep(pb.AckStepRequest(job="acks", rank=1, step=1)))
     assert code == grpc.StatusCode.FAILED_PRECONDITION and "was not sent" in message

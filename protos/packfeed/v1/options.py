@@ -185,8 +185,9 @@ def _help(text: str) -> dict[str, str]:
     return {"help": text}
 
 
-# proto3 `optional`: 0 (or false) is not "unset"
-_WITH_PRESENCE = ("microbatches", "pipeline_stages", "isf_iterations", "collective_safe")
+# proto3 `optional` where false is a choice, not "unset" (the counts with presence, microbatches,
+# pipeline_stages and isf_iterations, take 0 as the default, as v1 clients sent it before they had presence)
+_WITH_PRESENCE = ("collective_safe",)
 
 # Bounds of every count a request may carry: a server plans and holds state in proportion to them.
 LIMITS = {"dp": 65536, "microbatches": 1024, "ranks_per_node": 65536, "pipeline_stages": 1024, "isf_iterations": 100,
@@ -348,9 +349,10 @@ class PlanConfig:
 
     @classmethod
     def from_proto(cls, spec: pb.PlanSpec) -> PlanConfig:
-        """Unset (zero or empty) fields keep the defaults, but for `dp`, which a request must state; the counts
-        with presence (`microbatches`, `pipeline_stages`, `isf_iterations`) keep them only when unset, so an
-        explicit 0 is refused rather than taken as 1. Raises ValueError on a bad config."""
+        """Unset (zero or empty) fields keep the defaults, but for `dp`, which a request must state, and
+        `collective_safe`, whose false is a choice. An explicit 0 of a count (`microbatches: 0`) is the default,
+        as it was before those counts had presence: v1 clients written then still send it (protos/README.md,
+        "Changes"). Raises ValueError on a bad config."""
         if not spec.dp:
             raise ValueError("invalid plan config: dp (data-parallel ranks) is required")
         chosen: dict[str, Any] = {f.name: getattr(spec, f.name) for f in fields(cls) if f.name != "cost_model"}
