@@ -236,3 +236,35 @@ def test_sigterm_stops_a_busy_server_within_seconds(small_tile_index):
         server.process.wait(20)
         assert time.monotonic() - started < 10
         stream.close()
+
+
+def test_half_open_status_connections_leave_threads_and_log_bounded(server):
+    """300 connections to the status port that send half a request and hang: the server's threads stay
+    bounded (the connection limit), every such connection is closed by the read timeout or at once, the page
+    keeps answering, and clients that vanish cost a log line per kind, never a traceback each."""
+    import socket
+    import struct
+
+    from packfeed.server.serve.status import MAX_CONNECTIONS
+
+    def threads() -> int:
+        status = open(f"/proc/{server.process.pid}/status").read()
+        return int(status.split("Threads:")[1].split()[0])
+
+    logged = len(server.log)
+    before = threads()
+    sockets = []
+    for _ in range(300):
+        sock = socket.create_connection(("127.0.0.1", server.metrics_port), timeout=10)
+        sock.sendall(b"GET /status.json HTTP/1.1\r\nHost: x\r\n")  # and never the blank line that ends it
+        sockets.append(sock)
+    peak = max(threads() for _ in range(20) if time.sleep(0.1) is None)
+    for sock in sockets:  # gone without a word: a reset
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        sock.close()
+    assert peak <= before + MAX_CONNECTIONS + 4, (before, peak)
+    assert wait_for(lambda: metric(server, "packfeed_jobs") >= 0)  # the port still answers
+    assert wait_for(lambda: threads() <= before + 4), (before, threads())
+    lines = server.log[logged:]
+    assert not any("Traceback" in line or "BrokenPipe" in line and "dropped" not in line for line in lines)
+    assert 1 <= sum("status connections dropped" in line for line in lines) <= 3, lines[-5:]

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import collections
 import json
+import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -36,6 +37,8 @@ from packfeed.server.serve.status_page import PAGE
 
 REFRESH_S = 2.0
 HISTORY_S = 600.0  # the charts show the last ten minutes, a point every REFRESH_S
+READ_TIMEOUT_S = 10.0  # a connection that sends no complete request within this is closed
+MAX_CONNECTIONS = 32  # connections served at once (a thread each); more are closed at once, and counted
 
 
 def _position(step: tuple[int, int]) -> list[int] | None:
@@ -164,6 +167,8 @@ def start_status_server(host: str, port: int, registry, report: StatusReport,
     an `Authorization` value for the status (None: open). Raises OSError when the port is taken."""
 
     class Handler(BaseHTTPRequestHandler):
+        timeout = READ_TIMEOUT_S  # the socket's: a half-open or trickling connection does not hold its thread
+
         def do_GET(self):
             url = urlsplit(self.path)
             if url.path == "/metrics":
@@ -197,11 +202,57 @@ def start_status_server(host: str, port: int, registry, report: StatusReport,
         def log_message(self, *args) -> None:  # requests are not worth a log line each
             pass
 
-    server = ThreadingHTTPServer((host, port), Handler)
-    server.daemon_threads = True
+    server = BoundedHTTPServer((host, port), Handler)
     threading.Thread(target=server.serve_forever, name="packfeed-status", daemon=True).start()
     threading.Thread(target=_sample_forever, args=(report,), name="packfeed-status-history", daemon=True).start()
     return server
+
+
+class BoundedHTTPServer(ThreadingHTTPServer):
+    """A thread per connection, at most MAX_CONNECTIONS at once: a connection beyond is closed unserved (a
+    client retries; the page refreshes itself). A client that goes away mid-answer (a broken pipe, a reset, a
+    timeout) is expected: counted, and logged once per kind as one line, never as a traceback per request."""
+
+    daemon_threads = True
+    request_queue_size = 128  # the listen backlog (socketserver's 5 drops connections in a burst: 1 s retries)
+
+    def __init__(self, address, handler):
+        super().__init__(address, handler)
+        self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        self._lock = threading.Lock()
+        self.dropped: collections.Counter = collections.Counter()  # kind -> connections
+
+    def process_request(self, request, client_address) -> None:
+        if not self._slots.acquire(blocking=False):
+            self._count("over the connection limit")
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request, client_address) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
+
+    def handle_error(self, request, client_address) -> None:
+        error = sys.exc_info()[1]
+        if isinstance(error, (ConnectionError, TimeoutError)):
+            self._count(type(error).__name__)
+        else:
+            log.error("status request failed", exc_info=True)
+
+    def _count(self, kind: str) -> None:
+        with self._lock:
+            self.dropped[kind] += 1
+            first = self.dropped[kind] == 1
+        if first:
+            log.warning("status connections dropped (logged once per kind)", extra={
+                "kind": kind, "max_connections": MAX_CONNECTIONS, "read_timeout_s": READ_TIMEOUT_S})
 
 
 def _sample_forever(report: StatusReport) -> None:
