@@ -35,8 +35,9 @@ class LocalServer:
         self.log: list[str] = []  # the server's structured log lines
 
     def start(self) -> LocalServer:
+        # the server stops once this process is gone, however it ends (a kill -9 of the rank included)
         self.process = subprocess.Popen(self.args, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
-                                        env=self.env)
+                                        env={**self.env, "PACKFEED_EXIT_WITH_PARENT": str(os.getpid())})
         ready = threading.Event()
         threading.Thread(target=self._read_log, args=(ready,), daemon=True).start()
         deadline = time.monotonic() + self.startup_timeout

@@ -268,3 +268,33 @@ def test_half_open_status_connections_leave_threads_and_log_bounded(server):
     lines = server.log[logged:]
     assert not any("Traceback" in line or "BrokenPipe" in line and "dropped" not in line for line in lines)
     assert 1 <= sum("status connections dropped" in line for line in lines) <= 3, lines[-5:]
+
+
+def test_an_embedded_server_ends_with_its_killed_rank(small_tile_index):
+    """A rank killed with SIGKILL runs no cleanup: its `LocalServer` notices it is orphaned and stops."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    rank = subprocess.Popen([sys.executable, "-c", (
+        "import sys, time\n"
+        "from packfeed.client import LocalServer\n"
+        f"server = LocalServer({str(small_tile_index)!r}, workers=1).start()\n"
+        "print(server.process.pid, flush=True)\n"
+        "time.sleep(600)\n")], stdout=subprocess.PIPE, text=True)
+    try:
+        served = int(rank.stdout.readline())
+        assert os.path.exists(f"/proc/{served}")
+        rank.send_signal(signal.SIGKILL)
+        rank.wait(30)
+
+        def gone() -> bool:
+            try:
+                return open(f"/proc/{served}/stat").read().split()[2] == "Z"  # a zombie until init reaps it
+            except FileNotFoundError:
+                return True
+
+        assert wait_for(gone, 60), "the embedded server outlived its rank"
+    finally:
+        rank.kill()

@@ -66,6 +66,18 @@ async def report_health(health_servicer, pool: WorkerPool) -> None:
             log.warning("worker pool " + ("restarted: serving" if serving else "broken: not serving"))
 
 
+PARENT_ENV = "PACKFEED_EXIT_WITH_PARENT"  # a pid: the server stops when that process is gone (LocalServer sets it)
+
+
+async def exit_with_parent(parent: int, stop: asyncio.Event) -> None:
+    """An embedded server (`LocalServer`) ends with the trainer that started it, however that ends (a kill -9
+    of the rank runs no cleanup): once its parent is gone the server is re-parented, and it stops."""
+    while os.getppid() == parent:
+        await asyncio.sleep(1.0)
+    log.warning("the process that started this server is gone: stopping", extra={"parent_pid": parent})
+    stop.set()
+
+
 async def evict_idle_jobs(service: PackfeedService, idle_s: float) -> None:
     while True:
         await asyncio.sleep(min(60.0, idle_s / 4))
@@ -116,10 +128,14 @@ async def serve(config: ServerConfig, ready: asyncio.Event | None = None, stop: 
             loop.add_signal_handler(sig, stop.set)
         except (ValueError, RuntimeError):  # not the main thread (in-process use)
             pass
+    orphaned = asyncio.create_task(exit_with_parent(int(os.environ[PARENT_ENV]), stop)) \
+        if os.environ.get(PARENT_ENV, "").isdigit() else None
     if ready is not None:
         ready.set()
     await stop.wait()
     log.info("stopping")
+    if orphaned is not None:
+        orphaned.cancel()
     announcer.cancel()
     evictor.cancel()
     reasserter.cancel()
