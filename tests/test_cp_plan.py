@@ -187,6 +187,42 @@ def test_plan_file_carries_cp_and_cp_group_and_round_trips(tmp_path):
     assert np.array_equal(again.pack_cp(0, 1, 1)[0], plan.pack_cp(0, 1, 1)[0])
 
 
+def test_a_plan_file_whose_cp_columns_do_not_fit_its_settings_is_refused(tmp_path):
+    """A 4-GPU CP plan read under settings of 2 GPUs (or with a degree or cp_group outside C) would run its
+    packs on GPUs that do not exist: the file is refused where it is read, naming the row."""
+    import json
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from packfeed.server.plan.plan_file import PLAN_METADATA_KEY
+
+    plan = make_plan(video_mix(600), PlanConfig(dp=2, microbatches=2, context_parallel=4, max_tokens_per_gpu=16384),
+                     0, 0)
+    assert (plan.cp_degree == 4).any()
+    plan.write(tmp_path / "plan.parquet")
+    table = pq.read_table(tmp_path / "plan.parquet")
+    meta = json.loads(table.schema.metadata[PLAN_METADATA_KEY])
+
+    def tampered(name: str, config=None, column=None, values=None) -> str:
+        changed = {**meta, "config": {**meta["config"], **(config or {})}}
+        edited = table.replace_schema_metadata({**table.schema.metadata, PLAN_METADATA_KEY: json.dumps(changed)})
+        if column:
+            edited = edited.set_column(edited.column_names.index(column), column, pa.array(values, pa.int32()))
+        pq.write_table(edited, tmp_path / name)
+        return str(tmp_path / name)
+
+    rows = len(table)
+    for path, message in ((tampered("two.parquet", {"context_parallel": 2}), "row .* has cp 4"),
+                          (tampered("degree.parquet", column="cp", values=[3] * rows), "has cp 3"),
+                          (tampered("group.parquet", column="cp_group", values=[4] * rows), "cp_group 4"),
+                          (tampered("none.parquet", {"context_parallel": 1, "max_tokens_per_gpu": None,
+                                                     "cp_mode": "dynamic"}), "context_parallel 1")):
+        with pytest.raises(ValueError, match=message):
+            read_plan(path)
+    assert read_plan(tmp_path / "plan.parquet").fingerprint() == plan.fingerprint()
+
+
 def test_zigzag_chunks_cover_every_sample_once_and_balance_each_pack():
     rng = np.random.default_rng(0)
     for _ in range(500):

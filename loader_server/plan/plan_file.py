@@ -294,14 +294,33 @@ def read_plan(path: str | Path) -> Plan:
     plan = Plan(config, meta["seed"], meta["epoch"], Caps(**meta["caps"]) if meta["caps"] else None, offsets,
                 table.column("sample_id").to_numpy()[~empty], table.column("truncate_to").to_numpy()[~empty]
                 .astype(np.int64), np.asarray(meta["oversize"], dtype=np.int64), meta["index_fingerprint"])
-    if config.context_parallel > 1:
-        plan.cp_degree = table.column("cp").to_numpy()[~empty].astype(np.int64)
-        plan.cp_group = table.column("cp_group").to_numpy()[~empty].astype(np.int64)
+    plan.cp_degree, plan.cp_group = _checked_cp(path, config, table, empty)
     if (config.strategy is Strategy.ISF_PHASES or config.disaggregated) and "encoder_rank" in table.column_names:
         plan.encoder_rank = table.column("encoder_rank").to_numpy()[~empty]
         plan.further_encoder_ranks = {name.removeprefix("encoder_rank_"): table.column(name).to_numpy()[~empty]
                                       for name in table.column_names if name.startswith("encoder_rank_")}
     return plan
+
+
+def _checked_cp(path, config: PlanConfig, table, empty: np.ndarray) -> tuple[np.ndarray | None, np.ndarray | None]:
+    """Each member's CP degree d and cp_group g, checked to place its pack on lanes [g*d, (g+1)*d) of the plan's
+    C: d a power of 2 up to C, g below C / d; (None, None) without context parallelism, where every row must
+    say d 1, g 0 (a CP plan's rows under settings without CP would run on fewer GPUs than planned)."""
+    c = config.context_parallel
+    if "cp" not in table.column_names or "cp_group" not in table.column_names:
+        if c > 1:
+            raise ValueError(f"{path}: the plan has context_parallel {c} but no cp / cp_group columns; "
+                             "the file is not a plan")
+        return None, None
+    degree = table.column("cp").to_numpy()[~empty].astype(np.int64)
+    group = table.column("cp_group").to_numpy()[~empty].astype(np.int64)
+    bad = (degree < 1) | (degree > c) | ((degree & (degree - 1)) != 0) | (group < 0) | (group * degree + degree > c)
+    if bad.any():
+        row = int(np.flatnonzero(~empty)[np.argmax(bad)])
+        raise ValueError(f"{path}: row {row} has cp {int(degree[np.argmax(bad)])}, cp_group "
+                         f"{int(group[np.argmax(bad)])}: not a pack on the plan's context_parallel {c} GPUs (cp a "
+                         f"power of 2 up to {c}, cp_group below {c} / cp); the file is not a plan of its settings")
+    return (degree, group) if c > 1 else (None, None)
 
 
 def _checked_packs(path, config: PlanConfig, step: np.ndarray, rank: np.ndarray, microbatch: np.ndarray,
