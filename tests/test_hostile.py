@@ -13,7 +13,7 @@ import pytest
 from ports import free_port
 from processes import workers
 from test_contract import OLD_CLIENT_OPEN
-from packfeed.client import LocalServer, PackStream
+from packfeed.client import LocalServer, PackfeedError, PackStream
 from packfeed.v1 import packfeed_pb2 as pb
 from packfeed.v1 import packfeed_pb2_grpc as pb_grpc
 
@@ -298,3 +298,22 @@ def test_an_embedded_server_ends_with_its_killed_rank(small_tile_index):
         assert wait_for(gone, 60), "the embedded server outlived its rank"
     finally:
         rank.kill()
+
+
+def test_an_empty_dataset_is_refused_at_open_saying_so(tmp_path, demo_dataset):
+    """A dataset with no valid sample: the job's open says the dataset is empty and why, not that step 0 is
+    past the plan."""
+    import json
+
+    from demo_data import write_shard
+    from packfeed.server.index.config import IndexConfig
+    from packfeed.server.index.indexer import build_index
+
+    broken = json.dumps({"conversations": [{"from": "human", "value": "no answer follows"}]}).encode()
+    shard = write_shard(tmp_path / "empty-0.tar", [(f"s{k}", {"json": broken}) for k in range(3)])
+    build_index([str(shard)], tmp_path / "index.parquet", IndexConfig(tokenizer=str(demo_dataset.tokenizer)),
+                workers=1, progress=False)
+    with LocalServer(tmp_path / "index.parquet", workers=1) as server:
+        with pytest.raises(PackfeedError, match="has no step to stream.*empty.*no valid sample") as refused:
+            PackStream(server.target, job="empty", rank=0, dp=1)
+        assert "past the plan" not in str(refused.value)

@@ -132,6 +132,7 @@ class Job:
             if self.spec.resume is not None:  # checked at open: a resume of another job than it claims is refused
                 self.epoch_plan(self.spec.resume.epoch)
             self._count_epochs()
+            self._check_not_empty()
         except JobError as error:
             self.failure = error
         except (ValueError, MemoryError) as error:
@@ -175,6 +176,19 @@ class Job:
                 plan = cached or self.dataset.job_plan(self.spec.plan_config, self.spec.seed, epoch, self.spec.resume,
                                                        self.caps)
                 self._steps[epoch] = plan.n_steps
+
+    def _check_not_empty(self) -> None:
+        """A job with no step in any epoch has nothing to stream: say why at its open, not as "step 0 is past
+        the plan" at its first stream."""
+        if self.spec.plan_config.window or any(self._steps.values()):
+            return
+        plan = self.epoch_plan(0)
+        left_out = len(plan.oversize) if plan.config.oversize.value == "skip" else 0
+        why = (f"the plan left out all {left_out} of its samples as over a cap (oversize: skip): raise the caps or "
+               "choose oversize alone or truncate") if left_out else \
+            "it holds no valid sample (every row of its index is invalid: `packfeed info INDEX` says why)"
+        raise JobError("FAILED_PRECONDITION", f"job {self.spec.job!r} has no step to stream: dataset "
+                                              f"{self.spec.dataset or self.dataset.name!r} is empty for it: {why}")
 
     def step_counts(self) -> tuple[list[int], bool]:
         """Each epoch's steps, and whether any of them is an estimate: a windowed epoch not yet planned whole is
