@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from packfeed.trainer.models.reference_inputs import microbatches_of
 from packfeed.trainer.models.reference import (
@@ -269,3 +270,28 @@ def test_a_model_is_named_apart_from_its_sizes():
     with torch.device("meta"):
         model = build_hf_model("qwen2_vl", qwen_conventions, full.hf_sizes)
     assert 2.0e9 < sum(p.numel() for p in model.parameters()) < 2.4e9  # Qwen2-VL-2B: 2.2B
+
+
+def test_a_full_disk_says_so_and_keeps_the_last_checkpoint(tmp_path, small_tile_index):
+    """The run's disk fills up (a 7 MiB tmpfs: one 4.6 MiB checkpoint fits, the next does not): the run fails
+    saying the disk is full and which checkpoint resumes it, and leaves no incomplete checkpoint behind."""
+    import subprocess
+    import sys
+
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=7m", "tmpfs", str(disk)], capture_output=True).returncode:
+        pytest.skip("mounting a small tmpfs needs root (CAP_SYS_ADMIN): the full disk cannot be made")
+    try:
+        done = subprocess.run([sys.executable, "-m", "packfeed.server.cli", "train", "--nproc", "1",
+                               *[f"model.{k}={v}" for k, v in SMALL_MODEL.items()], "data.microbatches=2",
+                               "data.server_workers=1", "parallel.pp=1", "parallel.dp=1", "recompute.mode=none",
+                               f"data.index={small_tile_index}", "optim.steps=3", "checkpoint.every=1",
+                               f"out={disk / 'run'}"], capture_output=True, text=True, timeout=600)
+        checkpoints = disk / "run" / "checkpoints"
+        assert done.returncode != 0
+        assert "the disk is full" in done.stderr and "step-000001, is kept" in done.stderr, done.stderr[-3000:]
+        assert (checkpoints / "latest").read_text() == "step-000001"
+        assert sorted(p.name for p in checkpoints.glob("step-*")) == ["step-000001"]  # the incomplete one removed
+    finally:
+        subprocess.run(["umount", str(disk)], capture_output=True)

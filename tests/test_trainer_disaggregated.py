@@ -233,3 +233,40 @@ def test_a_killed_encoder_rank_fails_the_run_loudly_and_it_resumes_exactly(tmp_p
     assert "resuming from" in log
     assert [r["loss"] for r in resumed] == pytest.approx([r["loss"] for r in straight[:saved + 2]], rel=1e-6)
     assert [r["step"] for r in resumed] == [r["step"] for r in straight[:saved + 2]]
+
+
+def test_a_stopped_encoder_rank_fails_the_run_within_the_timeout_naming_it(tmp_path, small_tile_index):
+    """SIGSTOP leaves a process alive and silent (a hung kernel, a paused container): the LLM ranks' next
+    exchange with it times out after parallel.timeout_s, and the run fails naming the encoder rank."""
+    timeout_s = 30
+    out = tmp_path / "stopped"
+    common = TRAIN + [f"data.index={small_tile_index}", "data.epochs=30"] + ENCODER_RANK
+    run = subprocess.Popen([sys.executable, "-m", "packfeed.server.cli", "train", "--nproc", "3", *common,
+                            "optim.steps=200", f"parallel.timeout_s={timeout_s}", f"out={out}"],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    victims = []
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and run.poll() is None:  # two steps done, then the encoder rank stops
+            metrics = out / "metrics.jsonl"
+            if metrics.is_file() and len(metrics.read_text().splitlines()) >= 2:
+                break
+            time.sleep(0.2)
+        victims = worker_pids(run.pid, 2)
+        assert run.poll() is None and len(victims) == 1, "the run ended, or its encoder rank was not found"
+        os.kill(victims[0], signal.SIGSTOP)
+        stopped = time.monotonic()
+        _, stderr = run.communicate(timeout=timeout_s + 240)
+        waited = time.monotonic() - stopped
+    finally:
+        for pid in victims:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        if run.poll() is None:
+            run.kill()
+    assert run.returncode != 0
+    assert "Not responding: rank 2 (encoder rank 0)" in stderr, stderr[-3000:]
+    assert f"parallel.timeout_s = {timeout_s}" in stderr
+    assert waited < timeout_s + 240

@@ -19,6 +19,7 @@ restarted at another DP hands every saved position to an elastic resume (packfee
 
 from __future__ import annotations
 
+import errno
 import json
 import shutil
 from pathlib import Path
@@ -69,15 +70,54 @@ def encoder_stream_state(directory: Path, encoder_rank: int) -> dict | None:
     return json.loads(path.read_text()) if path.is_file() else None
 
 
+class DiskFull(RuntimeError):
+    """A checkpoint that did not fit on its disk: the last complete one is kept."""
+
+
+def _no_space(error: BaseException) -> bool:
+    """ENOSPC anywhere in the error's chain, or in what torch.distributed.checkpoint collected from the ranks."""
+    pending, seen = [error], set()
+    while pending:
+        current = pending.pop()
+        if current is None or id(current) in seen:
+            continue
+        seen.add(id(current))
+        if isinstance(current, OSError) and current.errno == errno.ENOSPC:
+            return True
+        pending += [current.__cause__, current.__context__]
+        for failure in (getattr(current, "failures", None) or {}).values():  # CheckpointException: rank -> error
+            pending.append(failure[0] if isinstance(failure, tuple) else failure)
+    return "No space left on device" in str(error)
+
+
 def save_sharded(root: Path, steps_done: int, mesh, model: torch.nn.Module, optimizer, scheduler,
                  stream_state: dict | None, meta: dict, keep: int = 2) -> Path:
     """Collective, for FSDP2-sharded models: every rank writes its shards of the model and optimizer with
     `torch.distributed.checkpoint` (step-N/sharded/), its stream position, and rank 0 the LR schedule; complete
-    once `latest` names it, as `save`."""
+    once `latest` names it, as `save`. A full disk raises `DiskFull`, saying so, and the incomplete directory
+    is removed (the last complete checkpoint stays, and resumes the run exactly)."""
+    directory = root / f"step-{steps_done:06d}"
+    try:
+        return _save_sharded(root, directory, steps_done, mesh, model, optimizer, scheduler, stream_state, meta,
+                             keep)
+    except BaseException as error:  # torch.distributed.checkpoint's CheckpointException is a BaseException
+        if not _no_space(error):
+            raise
+        if mesh.rank == 0:
+            shutil.rmtree(directory, ignore_errors=True)
+        last = latest(root)
+        free = shutil.disk_usage(root).free >> 20
+        raise DiskFull(f"the checkpoint of step {steps_done} does not fit in {root}: the disk is full ({free} MiB "
+                       f"free). The last complete checkpoint, {last.name if last else 'none yet'}, is kept and "
+                       "resumes the run exactly: free space (or give out= a larger disk) and run the same command "
+                       "again") from error
+
+
+def _save_sharded(root: Path, directory: Path, steps_done: int, mesh, model: torch.nn.Module, optimizer, scheduler,
+                  stream_state: dict | None, meta: dict, keep: int) -> Path:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    directory = root / f"step-{steps_done:06d}"
     if mesh.rank == 0:
         directory.mkdir(parents=True, exist_ok=True)
     dist.barrier()

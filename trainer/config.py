@@ -117,6 +117,9 @@ class ParallelConfig:
     # `packfeed simulate`'s search for `packfeed train --nproc G` (packfeed.server.cli.encoder_split), dp the rest / pp
     encoder_ranks: int | str = 0
     backend: Literal["", "nccl", "gloo"] = ""  # "" = nccl on CUDA, gloo on CPU
+    # a collective that waits longer fails the run, naming the ranks that stopped responding (a hung or stopped
+    # process, a dead host): the process group's timeout (packfeed.trainer.liveness)
+    timeout_s: float = 600.0
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"  # bf16/fp16: autocast, and activations cross stages in that dtype
     device: str = ""  # "" = cuda when available
     # context parallelism: GPUs per DP replica (a power of 2); each pack runs on the 1, 2, ..., cp of them the plan
@@ -125,6 +128,8 @@ class ParallelConfig:
 
     def __post_init__(self):
         check_choices(self)
+        if not self.timeout_s > 0:
+            raise ValueError(f"parallel.timeout_s = {self.timeout_s}: give the seconds a collective may wait, > 0")
         if self.dp < 1 or self.pp < 1:
             raise ValueError("parallel.dp and parallel.pp must be >= 1")
         if self.cp < 1 or self.cp & (self.cp - 1):

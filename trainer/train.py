@@ -14,6 +14,7 @@ own -> the one loop (`packfeed.trainer.loop`) trains it.
 from __future__ import annotations
 
 import contextlib
+import datetime
 import functools
 import json
 import os
@@ -25,6 +26,7 @@ import torch.distributed as dist
 from packfeed.trainer import checkpoint
 from packfeed.trainer.config import TrainConfig, dump_config, load_config
 from packfeed.trainer.data import StepSource, job_conventions, open_stream
+from packfeed.trainer.liveness import Liveness, name_the_silent
 from packfeed.trainer.loop import Loop
 from packfeed.trainer.models import build_model
 from packfeed.trainer.decisions import (
@@ -72,14 +74,15 @@ def train(config: TrainConfig) -> dict:
                             ("MASTER_PORT", str(free_port()))):
             os.environ.setdefault(name, value)  # a single process without torchrun
         backend = config.parallel.backend or ("nccl" if device.type == "cuda" else "gloo")
-        dist.init_process_group(backend)
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=config.parallel.timeout_s))
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if config.parallel.encoder_ranks == "auto":
         raise ValueError("parallel.encoder_ranks=auto is searched by `packfeed train --nproc G` before it launches "
                          "the processes (it plans on the dataset's lengths); under torchrun give the number")
     parallel = config.parallel
-    mesh = make_mesh(parallel.dp, parallel.pp, device, parallel.cp, parallel.encoder_ranks)
+    mesh = make_mesh(parallel.dp, parallel.pp, device, parallel.cp, parallel.encoder_ranks,
+                     datetime.timedelta(seconds=parallel.timeout_s))
     out = Path(config.out)
     out.mkdir(parents=True, exist_ok=True)
     if mesh.rank == 0:
@@ -89,9 +92,13 @@ def train(config: TrainConfig) -> dict:
                 "ranks": dist.get_world_size()}
         (out / "host.json").write_text(json.dumps(host))
     server, target = start_embedded_server(config, mesh)
+    liveness = Liveness() if mesh.world > 1 else None
     try:
-        return train_on(config, mesh, target, out)
+        return name_the_silent(liveness, config.parallel.timeout_s, mesh.describe_rank)(train_on)(config, mesh,
+                                                                                            target, out)
     finally:
+        if liveness is not None:
+            liveness.stop()
         if server is not None:
             server.stop()
 

@@ -57,7 +57,7 @@ class Channel:
         self.group = mesh.pp_group
         if self.staged:  # collective: every rank creates every replica's group, in order
             for replica in range(mesh.dp):
-                group = dist.new_group([replica * mesh.pp + s for s in range(mesh.pp)], backend="gloo")
+                group = mesh.new_group([replica * mesh.pp + s for s in range(mesh.pp)], backend="gloo")
                 if replica == mesh.replica:
                     self.group = group
 

@@ -13,6 +13,8 @@ rank creates every group in the same order, as torch.distributed requires.
 
 from __future__ import annotations
 
+import datetime
+
 import sys
 from dataclasses import dataclass, field
 
@@ -34,6 +36,7 @@ class Mesh:
     cp_groups: dict[tuple[int, int], dist.ProcessGroup] = field(default_factory=dict)  # (degree, cp_group)
     encoder_ranks: int = 0  # the encoder's own ranks, after the grid's
     exchange_group: dist.ProcessGroup | None = None  # encoder ranks: the first stages and the encoder ranks
+    timeout: datetime.timedelta | None = None  # every group's collectives (parallel.timeout_s; None: torch's)
 
     _device_mesh: object = None
 
@@ -66,6 +69,17 @@ class Mesh:
     def encoder_rank(self) -> int:
         return self.rank - self.dp * self.cp * self.pp
 
+    def new_group(self, members: list[int], **options) -> dist.ProcessGroup:
+        """A process group with the run's timeout (torch gives groups its own default, not the world's)."""
+        return dist.new_group(members, timeout=self.timeout, **options)
+
+    def describe_rank(self, rank: int) -> str:
+        """How messages name a global rank: an LLM rank with its replica and stage, or an encoder rank."""
+        grid = self.dp * self.cp * self.pp
+        if rank >= grid:
+            return f"rank {rank} (encoder rank {rank - grid})"
+        return f"rank {rank} (replica {rank // (self.pp * self.cp)}, stage {rank % self.pp})"
+
     @property
     def stage(self) -> int:
         return 0 if self.is_encoder else self.rank % self.pp
@@ -83,7 +97,8 @@ class Mesh:
         return self.stage == self.pp - 1
 
 
-def make_mesh(dp: int, pp: int, device: torch.device, cp: int = 1, encoder_ranks: int = 0) -> Mesh:
+def make_mesh(dp: int, pp: int, device: torch.device, cp: int = 1, encoder_ranks: int = 0,
+              timeout: datetime.timedelta | None = None) -> Mesh:
     """Groups for an initialised default process group of dp * cp * pp (+ encoder_ranks) ranks (every rank creates
     every group, in the same order, as torch.distributed requires)."""
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -93,7 +108,7 @@ def make_mesh(dp: int, pp: int, device: torch.device, cp: int = 1, encoder_ranks
                          f"{dp * cp * pp + encoder_ranks} processes")
     if cp > 1 and (pp > 1 or encoder_ranks):
         raise ValueError("context parallelism runs at pp 1, with the encoder on each pack's GPUs")
-    mesh = Mesh(dp, pp, rank, device, cp=cp, encoder_ranks=encoder_ranks)
+    mesh = Mesh(dp, pp, rank, device, cp=cp, encoder_ranks=encoder_ranks, timeout=timeout)
     if cp > 1:
         mesh.dp_group = dist.group.WORLD
         for replica in range(dp):
@@ -101,26 +116,26 @@ def make_mesh(dp: int, pp: int, device: torch.device, cp: int = 1, encoder_ranks
             while degree <= cp:
                 for group in range(cp // degree):
                     members = [replica * cp + group * degree + k for k in range(degree)]
-                    made = dist.new_group(members)
+                    made = mesh.new_group(members)
                     if replica == mesh.replica:
                         mesh.cp_groups[degree, group] = made
                 degree *= 2
         return mesh
     for replica in range(dp):
-        group = dist.new_group([replica * pp + s for s in range(pp)])
+        group = mesh.new_group([replica * pp + s for s in range(pp)])
         if replica == mesh.replica:
             mesh.pp_group = group
     for stage in range(pp):
-        group = dist.new_group([r * pp + stage for r in range(dp)])
+        group = mesh.new_group([r * pp + stage for r in range(dp)])
         if stage == mesh.stage and not mesh.is_encoder:
             mesh.dp_group = group
     if encoder_ranks:
         encoders = list(range(dp * pp, dp * pp + encoder_ranks))
-        made = dist.new_group(encoders)
+        made = mesh.new_group(encoders)
         if mesh.is_encoder:
             mesh.dp_group = made
         first_stages = [replica * pp for replica in range(dp)]
-        mesh.exchange_group = dist.new_group(first_stages + encoders) if pp > 1 else dist.group.WORLD
+        mesh.exchange_group = mesh.new_group(first_stages + encoders) if pp > 1 else dist.group.WORLD
     return mesh
 
 

@@ -31,7 +31,7 @@ class TiedParameters:
         for ranks in split:
             replicas = [list(range(mesh.dp))] if across_replicas else [[r] for r in range(mesh.dp)]
             for members in replicas:
-                group = dist.new_group([replica * mesh.pp + r for replica in members for r in ranks])
+                group = mesh.new_group([replica * mesh.pp + r for replica in members for r in ranks])
                 if mesh.replica not in members or mesh.stage not in ranks:
                     continue
                 for p, holding in holders.values():
