@@ -8,7 +8,7 @@ import os
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
@@ -40,7 +40,7 @@ class Connection:
     timeout: float = 60.0  # seconds per unary call
     retries: int = 5  # attempts after the first, with exponential backoff
     backoff: float = 0.5  # seconds before the first retry, doubling
-    token: str | None = None
+    token: str | None = field(default=None, repr=False)  # never in a repr (logs, tracebacks)
     tls_ca: str | None = None
     tls_cert: str | None = None
     tls_key: str | None = None

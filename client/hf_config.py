@@ -28,6 +28,12 @@ DEFAULT_TEXT = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers"
                 "num_key_value_heads": 2, "bos_token_id": None, "eos_token_id": None, "pad_token_id": None}
 DEFAULT_VISION = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2}
 QWEN_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+# the image policy (packfeed.media.image_policy) a family's processor follows: a dataset indexed with another
+# policy has tiles and placeholder counts the family's vision tower cannot take
+FAMILY_POLICY = {"internvl": "internvl", "llava": "fixed", **{family: "qwen2vl" for family in QWEN_FAMILIES}}
+# what the dataset decides: a size of the caller's may not override it (the model would not fit the data)
+FROM_DATASET = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id",
+                "downsample_ratio", "image_seq_length")
 
 
 def _merge(base: dict[str, Any], override: dict[str, Any] | None) -> dict[str, Any]:
@@ -38,6 +44,39 @@ def model_config(family: str, conventions: Any, **sizes: Any):
     """The family's `transformers` config for a dataset with these conventions (see the module docstring)."""
     import transformers as tf
 
+    if family not in FAMILY_POLICY:
+        raise ValueError(f"unknown Hugging Face family {family!r}; choose one of {', '.join(FAMILY_POLICY)}")
+    policy = conventions.image_policy
+    if policy.name != FAMILY_POLICY[family]:
+        fits = [name for name, wanted in FAMILY_POLICY.items() if wanted == policy.name]
+        raise ValueError(f"family {family!r} takes datasets indexed with the {FAMILY_POLICY[family]!r} image policy; "
+                         f"this one was indexed with {policy.name!r}: choose family {' or '.join(fits) or '(none)'}, "
+                         f"or index the data with the {family} preset")
+    fixed = sorted(set(sizes) & set(FROM_DATASET)) + (["text.vocab_size"] if "vocab_size" in (sizes.get("text") or {})
+                                                      else [])
+    if fixed:
+        raise ValueError(f"{', '.join(fixed)} come from the dataset's conventions (its tokenizer and placeholders): "
+                         "leave them out, or index the data with the tokenizer you want")
+    config = _family_config(tf, family, conventions, dict(sizes))
+    _check_sizes(config, sizes)
+    return config
+
+
+def _check_sizes(config, sizes: dict[str, Any]) -> None:
+    """Every size given names a field of the family's config (transformers would keep a misspelt one as an
+    unused attribute, and the model would silently take the default)."""
+    unknown = [name for name in sizes if name not in ("text", "vision") and name not in type(config)().to_dict()]
+    for part, given in (("text", sizes.get("text")), ("vision", sizes.get("vision"))):
+        sub = config.get_text_config() if part == "text" else getattr(config, "vision_config", None)
+        if given and sub is not None:
+            known = type(sub)().to_dict()
+            unknown += [f"{part}.{name}" for name in given if name not in known]
+    if unknown:
+        raise ValueError(f"unknown size(s) {', '.join(unknown)} for {type(config).__name__}: check the spelling "
+                         "against the family's transformers config")
+
+
+def _family_config(tf, family: str, conventions: Any, sizes: dict[str, Any]):
     text, vision = sizes.pop("text", None), sizes.pop("vision", None)
     policy = conventions.image_policy
     text_config = _merge({**DEFAULT_TEXT, "vocab_size": conventions.vocab_size}, text)
@@ -54,9 +93,6 @@ def model_config(family: str, conventions: Any, **sizes: Any):
                                 "patch_size": patch, "projection_dim": text_config["hidden_size"]}, vision)
         return tf.LlavaConfig(vision_config=vision_config, text_config={"model_type": "llama", **text_config},
                               image_token_id=image_token, image_seq_length=policy.tokens_per_tile, **sizes)
-    if family not in QWEN_FAMILIES:
-        raise ValueError(f"unknown Hugging Face family {family!r}; choose one of internvl, llava, "
-                         f"{', '.join(QWEN_FAMILIES)}")
     return _qwen_config(family, conventions, text_config, vision, sizes)
 
 
@@ -75,6 +111,9 @@ def _qwen_config(family: str, conventions: Any, text_config: dict, vision: dict 
                      "temporal_patch_size": policy.temporal_patch_size or 2}
     if conventions.HasField("video_context_id"):  # the dataset's video placeholder (Qwen's <|video_pad|>)
         sizes = {**sizes, "video_token_id": conventions.video_context_id}
+    for name, field in (("vision_start_token_id", "image_start_id"), ("vision_end_token_id", "image_end_id")):
+        if conventions.HasField(field):  # the dataset's <|vision_start|> / <|vision_end|>, inside its vocabulary
+            sizes = {**sizes, name: getattr(conventions, field)}
     if family == "qwen2_vl":
         vision_config = _merge({**vision_common, "embed_dim": DEFAULT_VISION["hidden_size"],
                                 "hidden_size": text_config["hidden_size"], "mlp_ratio": 2}, vision)

@@ -188,3 +188,16 @@ def test_model_config_is_the_datasets(family):
     off.image_token_id += 1
     with pytest.raises(ValueError, match="image_token_id"):
         check_model(off, conventions)
+    if conventions.HasField("image_start_id") and name.startswith("qwen"):  # M-RoPE finds images by these
+        assert (config.vision_start_token_id, config.vision_end_token_id) == (conventions.image_start_id,
+                                                                              conventions.image_end_id)
+        assert max(config.vision_start_token_id, config.vision_end_token_id) < conventions.vocab_size
+    other = "internvl" if name != "internvl" else "qwen2_vl"  # another family's dataset: said, not a ZeroDivision
+    with pytest.raises(ValueError, match=f"family '{other}' takes datasets indexed with"):
+        model_config(other, conventions)
+    with pytest.raises(ValueError, match="unknown Hugging Face family 'qwen9'"):
+        model_config("qwen9", conventions)
+    with pytest.raises(ValueError, match="image_token_id come from the dataset"):
+        model_config(name, conventions, image_token_id=5)
+    with pytest.raises(ValueError, match=r"unknown size\(s\) text.hidden_sise"):
+        model_config(name, conventions, text={"hidden_sise": 32})

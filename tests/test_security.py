@@ -12,7 +12,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
-from packfeed.client import LocalServer, PackfeedError, PackStream
+from packfeed.client import Connection, LocalServer, PackfeedError, PackStream
 
 pytestmark = pytest.mark.slow
 PLAN = {"dp": 1, "microbatches": 1}
@@ -60,8 +60,11 @@ def test_tls_with_client_certificates_and_a_token(dataset, pki):
     with LocalServer(dataset, workers=1, env=env) as server:
         client_cert = {"tls_cert": pki["client"][0], "tls_key": pki["client"][1]}
         assert first_step_keys(server.target, tls_ca=pki["ca"][0], token="t0ken", **client_cert)
-        with pytest.raises(PackfeedError, match="UNAUTHENTICATED"):  # TLS is not a substitute for the token
-            first_step_keys(server.target, tls_ca=pki["ca"][0], **client_cert)
+        with pytest.raises(PackfeedError, match="UNAUTHENTICATED: no token was sent.*PACKFEED_AUTH_TOKEN"):
+            first_step_keys(server.target, tls_ca=pki["ca"][0], token="", **client_cert)  # TLS is no substitute
+        with pytest.raises(PackfeedError, match="UNAUTHENTICATED: the token sent is not this server's"):
+            first_step_keys(server.target, tls_ca=pki["ca"][0], token="other", **client_cert)
+        assert "t0ken" not in repr(Connection(token="t0ken"))  # a repr lands in logs and tracebacks
         with pytest.raises(PackfeedError, match="UNAVAILABLE"):  # no client certificate: handshake refused
             first_step_keys(server.target, tls_ca=pki["ca"][0], token="t0ken")
         with pytest.raises(PackfeedError, match="UNAVAILABLE"):  # plaintext against a TLS server

@@ -33,18 +33,23 @@ class TokenAuth(grpc.aio.ServerInterceptor):
     def __init__(self, token: str):
         self.expected = token.encode()
 
-        async def deny(request, context):
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong token: send metadata "
-                                                                  "'authorization: Bearer <token>'")
+        def refusal(why: str):
+            async def deny(request, context):
+                await context.abort(grpc.StatusCode.UNAUTHENTICATED, f"{why}: this server needs its token as "
+                                    "metadata 'authorization: Bearer <token>' (the Python client sends "
+                                    "$PACKFEED_AUTH_TOKEN, the variable the server reads its own from, or "
+                                    "Connection(token=...))")
+            return grpc.unary_unary_rpc_method_handler(deny)
 
-        self.deny = grpc.unary_unary_rpc_method_handler(deny)
+        self.missing, self.wrong = refusal("no token was sent"), refusal("the token sent is not this server's")
 
     async def intercept_service(self, continuation, details):
         if details.method.startswith("/grpc.health.v1.Health/"):
             return await continuation(details)
-        if bearer_matches(str(dict(details.invocation_metadata or ()).get("authorization", "")), self.expected):
+        authorization = str(dict(details.invocation_metadata or ()).get("authorization", ""))
+        if bearer_matches(authorization, self.expected):
             return await continuation(details)
-        return self.deny
+        return self.wrong if authorization else self.missing
 
 
 def grpc_options(config: ServerConfig) -> list[tuple[str, int]]:
