@@ -22,7 +22,7 @@ import argparse
 import os
 
 import torch
-from transformers import Qwen2VLForConditionalGeneration
+from transformers import Qwen2VLForConditionalGeneration, TrainerCallback
 
 from packfeed.client import PackStream
 from packfeed.client.hf import model_config
@@ -31,11 +31,25 @@ from packfeed.client.hf_trainer import PackfeedTrainer, packfeed_training_argume
 SIZES = {"text": {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2}}
 
 
+class StopAt(TrainerCallback):
+    """Stop after `steps` optimizer steps, with the learning-rate schedule sized for the whole job (max_steps):
+    a run stopped at 4 and resumed to 6 continues the one schedule, where max_steps=4 would decay it to 0 at
+    step 4 and train step 5 at a learning rate of 0."""
+
+    def __init__(self, steps: int):
+        self.steps = steps
+
+    def on_step_end(self, args, state, control, **kwargs):
+        control.should_training_stop = control.should_training_stop or state.global_step >= self.steps
+        control.should_save = control.should_save or control.should_training_stop
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("target", help="the Packfeed server, host:port")
     parser.add_argument("output_dir")
-    parser.add_argument("--steps", type=int, default=0, help="optimizer steps (default: the whole job)")
+    parser.add_argument("--steps", type=int, default=0, help="stop after this many optimizer steps of the job (the "
+                        "schedule is the whole job's, so a resumed run continues it; default: the whole job)")
     parser.add_argument("--resume", action="store_true", help="continue from the last checkpoint in output_dir")
     parser.add_argument("--trl", action="store_true", help="TRL's SFTTrainer instead of transformers.Trainer")
     parser.add_argument("--tokenizer", default="qwen2_vl/tokenizer.json", help="with --trl: the dataset's tokenizer")
@@ -46,7 +60,8 @@ def main() -> None:
         torch.manual_seed(0)  # a config matching the dataset (vocabulary, placeholders, vision geometry)
         model = Qwen2VLForConditionalGeneration(model_config("qwen2_vl", stream.conventions, **SIZES))
         settings = dict(output_dir=options.output_dir, learning_rate=1e-3, save_steps=2, logging_steps=1,
-                        report_to=[], use_cpu=True, **({"max_steps": options.steps} if options.steps else {}))
+                        report_to=[], use_cpu=True)  # max_steps: the whole job (len(stream))
+        stop = [StopAt(options.steps)] if options.steps else []
         if options.trl:
             from transformers import PreTrainedTokenizerFast
 
@@ -54,10 +69,10 @@ def main() -> None:
 
             tokenizer = PreTrainedTokenizerFast(tokenizer_file=options.tokenizer, pad_token="<|im_end|>")
             trainer = PackfeedSFTTrainer(model=model, args=packfeed_sft_config(stream, **settings), stream=stream,
-                                         family="qwen2_vl", processing_class=tokenizer)
+                                         family="qwen2_vl", processing_class=tokenizer, callbacks=stop)
         else:
             trainer = PackfeedTrainer(model=model, args=packfeed_training_arguments(stream, **settings),
-                                      stream=stream, family="qwen2_vl")
+                                      stream=stream, family="qwen2_vl", callbacks=stop)
         trainer.train(resume_from_checkpoint=True if options.resume else None)
 
 

@@ -38,8 +38,17 @@ class VLM(lightning.LightningModule):
 
     def training_step(self, batch, batch_idx):
         loss = self.model(**batch).loss
+        self.step_loss = getattr(self, "step_loss", 0.0) + float(loss)  # the packs' parts add up to the step's
         # the pack's loss is already normalised by the step's loss tokens; Lightning divides by the accumulation
         return loss * self.trainer.accumulate_grad_batches
+
+    def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
+        if (batch_idx + 1) % self.trainer.accumulate_grad_batches == 0:  # an optimizer step: its loss
+            step = self.trainer.datamodule.packfeed_step
+            if self.trainer.is_global_zero:
+                print(f"step {self.trainer.global_step}: epoch {step.epoch} step {step.step}, "
+                      f"loss {self.step_loss:.4f}", flush=True)
+            self.step_loss = 0.0
 
     def configure_optimizers(self):
         return torch.optim.AdamW(self.parameters(), lr=1e-3)

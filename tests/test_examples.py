@@ -89,11 +89,18 @@ def test_the_examples_run_as_written_against_a_server_with_a_token(tmp_path):
         lightest = next(c for c in trainers if "stateful_loader.py" in c)
         refused = run(lightest, {k: v for k, v in env.items() if k != "PACKFEED_AUTH_TOKEN"})
         assert refused.returncode != 0 and "UNAUTHENTICATED" in refused.stdout + refused.stderr
+        outputs = {}
         for command in trainers:
             done = run(command, env)
             assert done.returncode == 0, f"{command}\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}"
+            outputs[command] = done.stdout + done.stderr
     finally:
         server.terminate()
         server.wait(timeout=60)
+    resumed = next(out for command, out in outputs.items() if "hf_trainer.py" in command and "--resume" in command)
+    rates = [float(rate) for rate in re.findall(r"'learning_rate': '?([0-9.e-]+)", resumed)]
+    assert rates and min(rates) > 0, resumed[-2000:]  # the resumed steps continue the job's schedule, not at 0
+    fitted = next(out for command, out in outputs.items() if "lightning_fit.py" in command)
+    assert re.search(r"step \d+: epoch \d+ step \d+, loss \d+\.\d+", fitted), fitted[-2000:]
     assert (tmp_path / "trainer-out").is_dir() and (tmp_path / "lightning-out").is_dir()
     assert (tmp_path / "dcp-out").is_dir()
