@@ -212,7 +212,7 @@ def test_forged_states_are_refused_in_the_client_before_any_allocation(old_job):
         started = time.monotonic()
         with pytest.raises(PackfeedError) as refused:
             resume_from(bad, "new", 3 if name != "seed" else "3")
-        assert time.monotonic() - started < 0.5, name
+        assert time.monotonic() - started < 5, name  # checked, not planned: a forged dp of 2^32 would take hours
         assert name.split("[")[0] in str(refused.value) or name in ("a list", "previous"), (name, str(refused.value))
     assert resume_from(states, "new", 3).plan_fingerprint == states[0]["plan_fingerprint"]
 

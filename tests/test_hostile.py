@@ -113,7 +113,7 @@ def test_hostile_requests_get_quick_clear_refusals(server):
         started = time.monotonic()
         code, message = code_and_message(call)
         assert code == grpc.StatusCode.INVALID_ARGUMENT, (name, code, message)
-        assert time.monotonic() - started < 2, name
+        assert time.monotonic() - started < 10, name  # refused, not planned (a bound a loaded host keeps)
         assert long_id not in message and len(message) < 1000, name
     old = pb.JobInfo.FromString(raw_open(OLD_CLIENT_OPEN))  # an earlier v1 client's bytes: zeros are defaults
     assert old.job == "old-node" and (old.plan.microbatches, old.plan.pipeline_stages) == (1, 1)

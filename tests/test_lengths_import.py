@@ -37,3 +37,22 @@ def test_malformed_length_file_is_a_clear_error(tmp_path):
     bad.write_text(json.dumps([{"vit": 1}]))
     with pytest.raises(ValueError, match="vit_num"):
         index_from_lengths([bad], tmp_path / "i.parquet")
+
+
+def test_image_flags_as_a_per_tile_list_is_read_and_a_wrong_type_is_named(tmp_path):
+    """InternVL keeps `image_flags` as a 0/1 flag per tile: such a list counts its real tiles; another type is an
+    error naming the record and the field (not vit_num and token_num, which were right)."""
+    from packfeed.server.index.lengths import read_length_file
+
+    listed = tmp_path / "listed.json"
+    listed.write_text(json.dumps([{"vit_num": 3, "token_num": 900, "image_flags": [1, 1, 0]},
+                                  {"vit_num": 1, "token_num": 50, "image_flags": 0}]))
+    _, _, flags = read_length_file(listed)
+    assert flags.tolist() == [2, 0]
+    for name, flags_value, message in (("short", [1, 1], "2 entries for vit_num 3"),
+                                       ("text", "3", "record 0: 'image_flags' is str")):
+        bad = tmp_path / f"{name}.json"
+        bad.write_text(json.dumps([{"vit_num": 3, "token_num": 900, "image_flags": flags_value}]))
+        with pytest.raises(ValueError, match=message) as refused:
+            index_from_lengths([bad], tmp_path / f"{name}.parquet")
+        assert "'vit_num' and 'token_num'" not in str(refused.value)

@@ -14,6 +14,12 @@ def run(coroutine):
     return asyncio.run(coroutine)
 
 
+async def ask(order: list, name: str, account, nbytes: int) -> None:
+    """Reserve, then note the name: the order in which requests were granted."""
+    await account.reserve(nbytes)
+    order.append(name)
+
+
 def test_requests_wait_their_turn_and_never_exceed_the_limit():
     async def scenario():
         budget = MemoryBudget(100)
@@ -22,13 +28,8 @@ def test_requests_wait_their_turn_and_never_exceed_the_limit():
         await first.reserve(5)
         await second.reserve(5)
         order = []
-
-        async def ask(name, account, nbytes):
-            await account.reserve(nbytes)
-            order.append(name)
-
-        big = asyncio.create_task(ask("big", first, 70))
-        small = asyncio.create_task(ask("small", second, 10))
+        big = asyncio.create_task(ask(order, "big", first, 70))
+        small = asyncio.create_task(ask(order, "small", second, 10))
         await asyncio.sleep(0.01)
         assert order == [] and budget.held == 70  # small would fit, but big asked first: arrival order
         holder.release(60)
@@ -48,12 +49,8 @@ def test_the_stream_holding_least_goes_first():
         await greedy.reserve(80)
         await modest.reserve(10)
         order = []
-
-        async def ask(name, account, nbytes):
-            await account.reserve(nbytes)
-            order.append(name)
-
-        asks = [asyncio.create_task(ask("greedy", greedy, 15)), asyncio.create_task(ask("modest", modest, 15))]
+        asks = [asyncio.create_task(ask(order, name, account, 15)) for name, account in (("greedy", greedy),
+                                                                                       ("modest", modest))]
         await asyncio.sleep(0.01)
         assert order == []
         greedy.release(10)

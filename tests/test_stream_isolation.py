@@ -5,13 +5,12 @@ it would have got. Real `packfeed serve`, real gRPC on loopback, the demo's phot
 from __future__ import annotations
 
 import threading
-import time
-import urllib.request
 
 import grpc
 import pytest
 
 from ports import free_port
+from test_hostile import metric, wait_for
 from packfeed.client import LocalServer, PackStream
 from packfeed.v1 import packfeed_pb2 as pb
 from packfeed.v1 import packfeed_pb2_grpc as pb_grpc
@@ -34,12 +33,6 @@ def server(dataset):
     """A 64 MB budget: about two of these steps (25-40 MB each, with their decoding room)."""
     with serving(dataset, 64) as running:
         yield running
-
-
-def metric(server, name: str) -> float:
-    text = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=10).read().decode()
-    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + " ")
-               or line.startswith(name + "{"))
 
 
 def keys_of(steps) -> list[list[str]]:
@@ -86,26 +79,17 @@ def test_a_stalled_trainer_never_starves_another_job(server, reference):
     stall_beside_another_job(server, reference)
 
 
-def wait_for(condition, seconds: float = 60.0) -> bool:
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.2)
-    return condition()
-
-
 def test_a_stalled_stream_sheds_what_it_prepared_ahead(dataset, reference):
     """With room for several steps, the stalled stream prepares ahead into all of it; when another stream
     waits, it gives back all but the step its client is receiving, and prepares them again once it reads on."""
     with serving(dataset, 128) as server:
         def prefetched_beyond_a_share():
-            assert wait_for(lambda: metric(server, "packfeed_memory_held_bytes") > 64 << 20), \
+            assert wait_for(lambda: metric(server, "packfeed_memory_held_bytes") > 64 << 20, 60), \
                 metric(server, "packfeed_memory_held_bytes")
 
         stall_beside_another_job(server, reference, prefetched_beyond_a_share)
         assert metric(server, "packfeed_stream_sheds_total") > 0
-        assert wait_for(lambda: metric(server, "packfeed_memory_held_bytes") == 0)
+        assert wait_for(lambda: metric(server, "packfeed_memory_held_bytes") == 0, 60)
 
 
 def test_a_raw_stream_that_stops_reading_never_starves_a_second(server, reference):

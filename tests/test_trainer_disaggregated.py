@@ -7,12 +7,12 @@ loudly when an encoder rank dies and resumes exactly from its checkpoint."""
 from __future__ import annotations
 
 import functools
-import json
 import os
 import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -202,6 +202,19 @@ def worker_pids(parent: int, rank: int) -> list[int]:
     return found
 
 
+def encoder_rank_after_two_steps(run: subprocess.Popen, out: Path) -> int:
+    """The pid of a 3-process run's encoder rank (global rank 2), once the run has logged two steps."""
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and run.poll() is None:
+        metrics = out / "metrics.jsonl"
+        if metrics.is_file() and len(metrics.read_text().splitlines()) >= 2:
+            break
+        time.sleep(0.2)
+    victims = worker_pids(run.pid, 2)
+    assert run.poll() is None and len(victims) == 1, "the run ended, or its encoder rank was not found"
+    return victims[0]
+
+
 def test_a_killed_encoder_rank_fails_the_run_loudly_and_it_resumes_exactly(tmp_path, small_tile_index):
     common = TRAIN + [f"data.index={small_tile_index}", "data.epochs=30", "checkpoint.every=1"] + ENCODER_RANK
     _, straight = packfeed_train(3, common + ["optim.steps=6"], tmp_path / "straight")
@@ -210,15 +223,7 @@ def test_a_killed_encoder_rank_fails_the_run_loudly_and_it_resumes_exactly(tmp_p
                             "optim.steps=200", f"out={killed}"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                            text=True)
     try:
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline and run.poll() is None:  # two steps done, then the encoder rank dies
-            metrics = killed / "metrics.jsonl"
-            if metrics.is_file() and len(metrics.read_text().splitlines()) >= 2:
-                break
-            time.sleep(0.2)
-        victims = worker_pids(run.pid, 2)
-        assert run.poll() is None and len(victims) == 1, "the run ended, or its encoder rank was not found"
-        os.kill(victims[0], signal.SIGKILL)
+        os.kill(encoder_rank_after_two_steps(run, killed), signal.SIGKILL)
         _, stderr = run.communicate(timeout=300)
     finally:
         if run.poll() is None:
@@ -246,14 +251,7 @@ def test_a_stopped_encoder_rank_fails_the_run_within_the_timeout_naming_it(tmp_p
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     victims = []
     try:
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline and run.poll() is None:  # two steps done, then the encoder rank stops
-            metrics = out / "metrics.jsonl"
-            if metrics.is_file() and len(metrics.read_text().splitlines()) >= 2:
-                break
-            time.sleep(0.2)
-        victims = worker_pids(run.pid, 2)
-        assert run.poll() is None and len(victims) == 1, "the run ended, or its encoder rank was not found"
+        victims.append(encoder_rank_after_two_steps(run, out))
         os.kill(victims[0], signal.SIGSTOP)
         stopped = time.monotonic()
         _, stderr = run.communicate(timeout=timeout_s + 240)

@@ -40,14 +40,28 @@ def read_length_file(path: Path, encoders: dict[str, bool] | None = None) -> tup
     try:
         vit = np.fromiter((r["vit_num"] for r in records), dtype=np.int64, count=len(records))
         tok = np.fromiter((r["token_num"] for r in records), dtype=np.int64, count=len(records))
-        flags = np.fromiter((r.get("image_flags", r["vit_num"]) for r in records), dtype=np.int64,
-                            count=len(records))
-    except (KeyError, TypeError) as error:
+    except (KeyError, TypeError, ValueError) as error:
         raise ValueError(f"{path}: every record needs integer 'vit_num' and 'token_num' ({error!r})") from error
+    flags = np.fromiter((_image_flags(path, k, r) for k, r in enumerate(records)), dtype=np.int64, count=len(records))
     extra = []
     for name, padded in sorted((encoders or {}).items()):
         extra += _encoder_lengths(path, records, name, padded)
     return (vit, tok, flags, *extra)
+
+
+def _image_flags(path: Path, k: int, record: dict) -> int:
+    """A record's real tiles: `image_flags` as a count, or as InternVL's per-tile 0/1 flags (one per ViT tile:
+    their sum); absent, every tile is real."""
+    flags = record.get("image_flags", record["vit_num"])
+    if isinstance(flags, list):
+        if len(flags) != record["vit_num"] or any(flag not in (0, 1) for flag in flags):
+            raise ValueError(f"{path}: record {k}: 'image_flags' as a list holds a 0 or 1 per ViT tile: "
+                             f"{len(flags)} entries for vit_num {record['vit_num']}")
+        return sum(flags)
+    if isinstance(flags, bool) or not isinstance(flags, int):
+        raise ValueError(f"{path}: record {k}: 'image_flags' is {type(flags).__name__} {flags!r}: give the count of "
+                         "real tiles (an integer), or a 0/1 flag per tile (a list)")
+    return flags
 
 
 def _encoder_lengths(path: Path, records: list, name: str, padded: bool) -> list[np.ndarray]:
