@@ -120,6 +120,7 @@ def test_the_plan_command_is_collective_safe_by_default_and_says_so(tmp_path, da
     safe = plan("--out", str(tmp_path / "plan.parquet"))
     unsafe = plan("--no-collective-safe", "--out", str(tmp_path / "unsafe.parquet"))
     assert safe["on"] and not unsafe["on"] and safe["microbatches"] > 0
+    assert "off_because" not in safe and "turned off" in unsafe["off_because"]
     assert safe["unaligned_microbatches"] <= unsafe["unaligned_microbatches"]
     assert read_plan(tmp_path / "plan.parquet").config.collective_safe
     assert not read_plan(tmp_path / "unsafe.parquet").config.collective_safe

@@ -254,6 +254,9 @@ def test_plan_command_prints_degrees_peak_and_gpu_dist(tmp_path, dataset):
                           "--context-parallel", "4", "--max-tokens-per-gpu", "256", "--out",
                           str(tmp_path / "plan.parquet")], capture_output=True, text=True, check=True)
     summary = json.loads(out.stdout)["context_parallel"]
+    alignment = json.loads(out.stdout)["collective_safe"]  # not silently off: the summary says why
+    assert not alignment["on"] and "dynamic context parallelism" in alignment["off_because"]
+    assert "--no-collective-safe" not in out.stderr  # a flag that was not given is not named
     assert summary["max_tokens_per_gpu"] == 256 and summary["groups"] == 4 and summary["gpus"] == 8
     assert sum(summary["degrees"].values()) > 0 and 0 <= summary["gpu_dist"] < 1
     assert summary["peak_tokens_per_gpu"] <= 256 or summary["packs_over_max_tokens"] > 0

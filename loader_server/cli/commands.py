@@ -69,8 +69,8 @@ def unaligned_note(alignment: dict) -> str:
     towers = ", ".join(f"{name} {count}" for name, count in alignment["unaligned_by_tower"].items())
     return (f"note: {alignment['unaligned_microbatches']} of {alignment['microbatches']} microbatches call a tower on "
             f"some DP ranks only ({towers}); under FSDP / ZeRO-3 with a tower wrapped apart, build inputs with "
-            "to_hf_inputs(..., ensure_encoders=True)" + ("" if alignment["on"] else " or plan collective-safe "
-                                                         "(drop --no-collective-safe)"))
+            "to_hf_inputs(..., ensure_encoders=True)" + ("" if alignment["on"] else
+                                                         f"; the plan is not collective-safe: {alignment['off_because']}"))
 
 
 def _plan_windows(args: argparse.Namespace) -> int:

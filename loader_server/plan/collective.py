@@ -37,10 +37,21 @@ TOWER_BITS = {"images": 1, "videos": 2}
 def collective_safe_layout(config) -> bool:
     """Whether plans of `config` are laid out collective-safe: asked for, more than one DP rank, and not dynamic
     context parallelism (whose packs span a varying number of a rank's GPUs: its summary counts, nothing more)."""
+    return layout_off_reason(config) is None
+
+
+def layout_off_reason(config) -> str | None:
+    """Why plans of `config` are not laid out collective-safe (None: they are)."""
     from packfeed.v1.options import CpMode
 
-    dynamic_cp = config.context_parallel > 1 and config.cp_mode is CpMode.DYNAMIC
-    return config.collective_safe and config.dp > 1 and not dynamic_cp
+    if not config.collective_safe:
+        return "turned off (collective_safe false, --no-collective-safe)"
+    if config.dp == 1:
+        return "one DP rank: nothing to align"
+    if config.context_parallel > 1 and config.cp_mode is CpMode.DYNAMIC:
+        return ("dynamic context parallelism is not laid out collective-safe (its packs span a varying number of a "
+                "rank's GPUs); cp_mode static is")
+    return None
 
 
 def tower_names(loads) -> list[str]:
@@ -155,10 +166,12 @@ def unaligned_towers(offsets: np.ndarray, members: np.ndarray, sample_class: np.
     return some & ~every
 
 
-def alignment_summary(unaligned: np.ndarray, names: list[str], laid_out: bool) -> dict[str, Any]:
-    """The plan summary's `collective_safe` entry: whether the plan was laid out collective-safe, and the
-    microbatch indices (one per step and M) that call a tower on some ranks only, in all and per tower."""
-    return {"on": laid_out, "microbatches": int(unaligned.size),
+def alignment_summary(unaligned: np.ndarray, names: list[str], config) -> dict[str, Any]:
+    """The plan summary's `collective_safe` entry: whether the plan was laid out collective-safe (and if not,
+    why), and the microbatch indices (one per step and M) that call a tower on some ranks only, in all and per
+    tower."""
+    reason = layout_off_reason(config)
+    return {"on": reason is None, **({"off_because": reason} if reason else {}), "microbatches": int(unaligned.size),
             "unaligned_microbatches": int(np.count_nonzero(unaligned)),
             "unaligned_steps": int(np.count_nonzero(unaligned.any(axis=1))) if unaligned.size else 0,
             "unaligned_by_tower": {name: int(np.count_nonzero(unaligned & (1 << k))) for k, name in enumerate(names)

@@ -20,8 +20,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from packfeed.server import __version__
-from packfeed.server.plan.collective import (alignment_summary, collective_safe_layout, sample_towers, tower_names,
-                                             unaligned_towers)
+from packfeed.server.plan.collective import alignment_summary, sample_towers, tower_names, unaligned_towers
 from packfeed.server.plan.context_parallel import cp_summary
 from packfeed.server.plan.costs import SampleLoads
 from packfeed.server.plan.isf import Caps
@@ -174,7 +173,7 @@ class Plan:
         members = np.arange(len(self.members))
         unaligned = unaligned_towers(self.offsets, members, sample_towers(loads, self.members), self.config.dp,
                                      self.config.microbatches)
-        return alignment_summary(unaligned, tower_names(loads), collective_safe_layout(self.config))
+        return alignment_summary(unaligned, tower_names(loads), self.config)
 
     def phase_summary(self) -> dict[str, Any]:
         """isf+phases: each phase's Dist of its cost model's costs on its own assignment (each encoder's also as

@@ -268,8 +268,7 @@ class WindowedPlan:
                 totals[side][1] += busy
             samples += len(plan.members)
         dist = {f"{side}_dist": waste / busy if busy else 0.0 for side, (waste, busy) in totals.items()}
-        alignment = alignment_summary(np.concatenate(unaligned), tower_names(self.loads),
-                                      collective_safe_layout(self.config))
+        alignment = alignment_summary(np.concatenate(unaligned), tower_names(self.loads), self.config)
         return {**dist, "samples": samples, "steps": self.steps_known, "collective_safe": alignment}
 
     def close(self) -> None:
