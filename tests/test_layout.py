@@ -203,7 +203,7 @@ def test_the_circle_rule_sees_a_circle():
 # decoding and the HF model inputs, the receiving thread and saved states, the stream, the loaders, the framework
 # integrations. (A package's __init__ re-exports its room: it stands on top.)
 FLOORS = {
-    "packfeed.trainer": {"batch": 0, "models": 1, "config": 2, "parallel": 3, "simulate": 4, "data": 5,
+    "packfeed.trainer": {"batch": 0, "models": 1, "config": 2, "liveness": 2, "parallel": 3, "simulate": 4, "data": 5,
                          "metrics": 5, "checkpoint": 5, "decisions": 5, "loop": 6, "train": 7, "__main__": 8},
     "packfeed.client": {"wire": 0, "attention": 0, "discovery": 0, "tensors": 1, "channel": 1, "decode": 2, "hf": 2,
                         "context_parallel": 2,

@@ -21,6 +21,7 @@ import pyarrow.parquet as pq
 
 from packfeed.server import __version__
 from packfeed.server.plan.collective import alignment_summary, sample_towers, tower_names, unaligned_towers
+from packfeed.server.plan.plan_checks import checked_cp, checked_packs
 from packfeed.server.plan.context_parallel import cp_summary
 from packfeed.server.plan.costs import SampleLoads
 from packfeed.server.plan.isf import Caps
@@ -286,65 +287,19 @@ def read_plan(path: str | Path) -> Plan:
     config = PlanConfig.from_dict(meta["config"])
     step, rank, microbatch = (table.column(name).to_numpy().astype(np.int64) for name in ("step", "rank", "microbatch"))
     empty = table.column("empty").to_numpy(zero_copy_only=False)
-    pack = _checked_packs(path, config, step, rank, microbatch, table.column("sample_id").to_numpy()[~empty])
+    pack = checked_packs(path, config, step, rank, microbatch, table.column("sample_id").to_numpy()[~empty])
     n_packs = int(pack.max()) + 1 if len(pack) else 0
     offsets = np.zeros(n_packs + 1, dtype=np.int64)
     np.cumsum(np.bincount(pack[~empty], minlength=n_packs), out=offsets[1:])
     plan = Plan(config, meta["seed"], meta["epoch"], Caps(**meta["caps"]) if meta["caps"] else None, offsets,
                 table.column("sample_id").to_numpy()[~empty], table.column("truncate_to").to_numpy()[~empty]
                 .astype(np.int64), np.asarray(meta["oversize"], dtype=np.int64), meta["index_fingerprint"])
-    plan.cp_degree, plan.cp_group = _checked_cp(path, config, table, empty)
+    plan.cp_degree, plan.cp_group = checked_cp(path, config, table, empty)
     if (config.strategy is Strategy.ISF_PHASES or config.disaggregated) and "encoder_rank" in table.column_names:
         plan.encoder_rank = table.column("encoder_rank").to_numpy()[~empty]
         plan.further_encoder_ranks = {name.removeprefix("encoder_rank_"): table.column(name).to_numpy()[~empty]
                                       for name in table.column_names if name.startswith("encoder_rank_")}
     return plan
-
-
-def _checked_cp(path, config: PlanConfig, table, empty: np.ndarray) -> tuple[np.ndarray | None, np.ndarray | None]:
-    """Each member's CP degree d and cp_group g, checked to place its pack on lanes [g*d, (g+1)*d) of the plan's
-    C: d a power of 2 up to C, g below C / d; (None, None) without context parallelism, where every row must
-    say d 1, g 0 (a CP plan's rows under settings without CP would run on fewer GPUs than planned)."""
-    c = config.context_parallel
-    if "cp" not in table.column_names or "cp_group" not in table.column_names:
-        if c > 1:
-            raise ValueError(f"{path}: the plan has context_parallel {c} but no cp / cp_group columns; "
-                             "the file is not a plan")
-        return None, None
-    degree = table.column("cp").to_numpy()[~empty].astype(np.int64)
-    group = table.column("cp_group").to_numpy()[~empty].astype(np.int64)
-    bad = (degree < 1) | (degree > c) | ((degree & (degree - 1)) != 0) | (group < 0) | (group * degree + degree > c)
-    if bad.any():
-        row = int(np.flatnonzero(~empty)[np.argmax(bad)])
-        raise ValueError(f"{path}: row {row} has cp {int(degree[np.argmax(bad)])}, cp_group "
-                         f"{int(group[np.argmax(bad)])}: not a pack on the plan's context_parallel {c} GPUs (cp a "
-                         f"power of 2 up to {c}, cp_group below {c} / cp); the file is not a plan of its settings")
-    return (degree, group) if c > 1 else (None, None)
-
-
-def _checked_packs(path, config: PlanConfig, step: np.ndarray, rank: np.ndarray, microbatch: np.ndarray,
-                   samples: np.ndarray) -> np.ndarray:
-    """Each row's pack number, once the rows are checked to be a plan's."""
-    bounds = {"step": (step, 2**62), "rank": (rank, config.dp), "microbatch": (microbatch, config.microbatches)}
-    for column, (values, limit) in bounds.items():
-        bad = (values < 0) | (values >= limit)
-        if bad.any():
-            row = int(np.argmax(bad))
-            raise ValueError(f"{path}: row {row} has {column} {int(values[row])}, outside the plan's "
-                             f"{config.dp} ranks x {config.microbatches} microbatches; the file is not a plan")
-    pack = (step * config.dp + rank) * config.microbatches + microbatch
-    if len(pack) > 1 and (np.diff(pack) < 0).any():
-        raise ValueError(f"{path}: row {int(np.argmax(np.diff(pack) < 0)) + 1} is out of order (rows go by step, "
-                         "rank, microbatch); the file is not a plan")
-    if (samples < 0).any():
-        raise ValueError(f"{path}: sample_id {int(samples[samples < 0][0])} in a pack not marked empty; "
-                         "sample ids are rows of the index, >= 0")
-    ids, counts = np.unique(samples, return_counts=True)
-    if (counts > 1).any():
-        first = int(np.argmax(counts > 1))
-        raise ValueError(f"{path}: sample_id {int(ids[first])} is in {int(counts[first])} packs; a plan holds each "
-                         "sample once per epoch")
-    return pack
 
 
 @numba.njit(cache=True, nogil=True, parallel=True)
