@@ -52,8 +52,7 @@ def model_config(family: str, conventions: Any, **sizes: Any):
         raise ValueError(f"family {family!r} takes datasets indexed with the {FAMILY_POLICY[family]!r} image policy; "
                          f"this one was indexed with {policy.name!r}: choose family {' or '.join(fits) or '(none)'}, "
                          f"or index the data with the {family} preset")
-    fixed = sorted(set(sizes) & set(FROM_DATASET)) + (["text.vocab_size"] if "vocab_size" in (sizes.get("text") or {})
-                                                      else [])
+    fixed = sorted(set(sizes) & set(FROM_DATASET))  # (a larger text vocab_size is the caller's to choose)
     if fixed:
         raise ValueError(f"{', '.join(fixed)} come from the dataset's conventions (its tokenizer and placeholders): "
                          "leave them out, or index the data with the tokenizer you want")
@@ -63,17 +62,23 @@ def model_config(family: str, conventions: Any, **sizes: Any):
 
 
 def _check_sizes(config, sizes: dict[str, Any]) -> None:
-    """Every size given names a field of the family's config (transformers would keep a misspelt one as an
-    unused attribute, and the model would silently take the default)."""
-    unknown = [name for name in sizes if name not in ("text", "vision") and name not in type(config)().to_dict()]
-    for part, given in (("text", sizes.get("text")), ("vision", sizes.get("vision"))):
-        sub = config.get_text_config() if part == "text" else getattr(config, "vision_config", None)
-        if given and sub is not None:
-            known = type(sub)().to_dict()
-            unknown += [f"{part}.{name}" for name in given if name not in known]
-    if unknown:
-        raise ValueError(f"unknown size(s) {', '.join(unknown)} for {type(config).__name__}: check the spelling "
-                         "against the family's transformers config")
+    """A size that is not a field of the family's config but nearly spells one is a typo: transformers would
+    keep it as an unused attribute and the model would silently take the default. (Other names pass: configs
+    take legacy and shared fields, such as `rope_theta`, that are not among their defaults.)"""
+    import difflib
+    import inspect
+
+    def typos(cls, given: dict, prefix: str = "") -> list[str]:
+        known = set(cls().to_dict()) | set(inspect.signature(cls.__init__).parameters)
+        return [f"{prefix}{name} (did you mean {prefix}{close[0]}?)" for name in given if name not in known
+                and (close := difflib.get_close_matches(name, known, n=1, cutoff=0.85))]
+
+    found = typos(type(config), {k: v for k, v in sizes.items() if k not in ("text", "vision")})
+    for part, sub in (("text", config.get_text_config()), ("vision", getattr(config, "vision_config", None))):
+        if sizes.get(part) and sub is not None:
+            found += typos(type(sub), sizes[part], part + ".")
+    if found:
+        raise ValueError(f"unknown size(s) for {type(config).__name__}: {', '.join(found)}")
 
 
 def _family_config(tf, family: str, conventions: Any, sizes: dict[str, Any]):

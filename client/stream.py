@@ -195,6 +195,12 @@ class PackStream:
                             f"planned (about {self.info.steps} steps now)")
         return int(self.info.steps)
 
+    def close_job(self) -> None:
+        """End the job on the server (CloseJob): its state is dropped and its streams end; the status page lists
+        it as closed. Once, from one rank, when training is over (a job left open is forgotten after the
+        server's job_idle_s)."""
+        self.channel.call("CloseJob", pb.CloseJobRequest(job=self.job))
+
     def step_number(self, epoch: int, step: int) -> int:
         """Step (epoch, step)'s place in the whole job, counting from 0 (epochs plan different step counts)."""
         return sum(int(n) for n in self.info.epoch_steps[:epoch]) + step

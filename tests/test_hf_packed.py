@@ -199,5 +199,5 @@ def test_model_config_is_the_datasets(family):
         model_config("qwen9", conventions)
     with pytest.raises(ValueError, match="image_token_id come from the dataset"):
         model_config(name, conventions, image_token_id=5)
-    with pytest.raises(ValueError, match=r"unknown size\(s\) text.hidden_sise"):
+    with pytest.raises(ValueError, match=r"unknown size\(s\) .*text.hidden_sise \(did you mean text.hidden_size"):
         model_config(name, conventions, text={"hidden_sise": 32})

@@ -56,8 +56,13 @@ def test_the_job_announces_and_streams_every_epochs_own_steps(server, recipe):
         assert len(stream) == sum(counts)  # not epoch 0's count times the epochs
         steps = [(step.epoch, step.step) for step in stream]
         assert [stream.step_number(*position) for position in steps] == list(range(len(stream)))
+        stream.close_job()  # training over: the job ends on the server
     assert len(steps) == sum(counts)
     assert [sum(1 for epoch, _ in steps if epoch == e) for e in range(EPOCHS)] == counts
+    status = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/status.json",
+                                               timeout=10).read())
+    assert "length" in [job["job"] for job in status["closed_jobs"]]
+    assert "length" not in [job["job"] for job in status["jobs"]]
 
 
 def test_the_trainer_face_stops_at_the_last_step_with_its_schedule_at_zero(server, recipe, tmp_path):
