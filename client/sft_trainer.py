@@ -12,12 +12,15 @@ Everything `PackfeedTrainer` does (packfeed.client.hf_trainer), where SFTTrainer
   divided by `num_items_in_batch`), so the step's loss tokens normalise it exactly as they do the Trainer's.
 - Its `max_length` truncation and `packing` options do not apply: packs arrive planned and never longer than the
   job's token cap.
+- Its `num_tokens` metric counts the tokens of the packs trained on, over the DP ranks (SFTTrainer reads a
+  padding-free batch's length from `position_ids`' second dimension, which M-RoPE's (3, 1, L) makes 1 a pack).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import torch
 from datasets import Dataset
 from trl import SFTConfig, SFTTrainer
 
@@ -39,3 +42,13 @@ class PackfeedSFTTrainer(PackfeedTrainerMixin, SFTTrainer):
             raise ValueError("the packs come from the stream: leave train_dataset out")
         kwargs["train_dataset"] = Dataset.from_dict({"input_ids": [[0]], "labels": [[0]]})  # never read
         super().__init__(*args, stream=stream, family=family, **kwargs)
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        counted = self._total_train_tokens
+        result = super().compute_loss(model, inputs, return_outputs=return_outputs,
+                                      num_items_in_batch=num_items_in_batch)
+        if self._total_train_tokens != counted:  # a training step's pack: its tokens, not its rows
+            local = torch.tensor(inputs["input_ids"].shape[-1], device=inputs["input_ids"].device)
+            self._total_train_tokens = counted + int(self.accelerator.gather_for_metrics(local).sum().item())
+            self._metrics["train"]["num_tokens"] = [self._total_train_tokens]
+        return result

@@ -58,14 +58,17 @@ class RecordingBatches(PackBatches):
     """PackBatches that remember the sample keys of each step they hand out."""
 
     keys: list = []
+    tokens: list = []  # each step's tokens trained on (its packs' lengths)
+    num_tokens: list = []  # the trainer's own count, as logged
     ensure_encoders = False  # as the Trainer set it (on for DeepSpeed ZeRO-3)
 
     def __iter__(self):
         for step in self.stream:
             self.keys.append(step.sample_keys)
-            for pack in step.packs:
-                yield to_hf_inputs(pack, self.family, dp=self.dp, conventions=self.stream.conventions,
-                                   ensure_encoders=self.ensure_encoders)
+            inputs = [to_hf_inputs(pack, self.family, dp=self.dp, conventions=self.stream.conventions,
+                                   ensure_encoders=self.ensure_encoders) for pack in step.packs]
+            self.tokens.append(sum(int(one["input_ids"].shape[-1]) for one in inputs))
+            yield from inputs
 
 
 def with_trainer(stream: PackStream, steps: int, checkpoints: str, mode: str) -> tuple[list, list]:
@@ -99,6 +102,7 @@ def with_trainer(stream: PackStream, steps: int, checkpoints: str, mode: str) ->
         trainer.train(resume_from_checkpoint=checkpoint)
     else:  # control: the Trainer's own resume (model, optimizer, its step count), the stream not moved
         transformers.Trainer.train(trainer, resume_from_checkpoint=checkpoint)
+    RecordingBatches.num_tokens = [entry["num_tokens"] for entry in trainer.state.log_history if "num_tokens" in entry]
     return RecordingBatches.keys, [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
 
 
@@ -170,7 +174,9 @@ def main(target: str, job: str, mode: str, steps: int, checkpoints: str, out: st
         with PackStream(target, job=job, rank=rank, dp=world, microbatches=2, seed=0, epochs=2) as stream:
             keys, losses = plain(stream, steps) if mode == "plain" else with_trainer(stream, steps, checkpoints, mode)
     Path(out, f"rank{rank}.json").write_text(json.dumps({"keys": keys, "losses": losses,
-                                                         "ensure_encoders": RecordingBatches.ensure_encoders}))
+                                                         "ensure_encoders": RecordingBatches.ensure_encoders,
+                                                         "tokens": RecordingBatches.tokens,
+                                                         "num_tokens": RecordingBatches.num_tokens}))
     if dist.is_initialized():
         dist.destroy_process_group()
 

@@ -107,6 +107,8 @@ def test_trl_sft_trainer_trains_as_the_plain_loop(tmp_path, server, qwen_data, p
     for rank in range(2):
         assert sft[rank]["keys"] == plain[rank]["keys"]
     assert sft[0]["losses"][0] == pytest.approx(plain[0]["losses"][0], rel=1e-5)
+    trained = [sum(sum(sft[r]["tokens"][:k + 1]) for r in range(2)) for k in range(STEPS)]
+    assert sft[0]["num_tokens"] == trained and trained[0] > 100  # tokens over the ranks, not a count of packs
     assert sft[0]["losses"] == pytest.approx(plain[0]["losses"], rel=3e-5)
 
 
