@@ -219,6 +219,8 @@ def test_config_is_checked_at_start_and_never_changed(tmp_path):
                               ("parallel.encoder=bubbles parallel.data_parallel=fsdp", "ddp-style"),
                               ("parallel.encoder=bubbles parallel.schedule=interleaved_1f1b", "1f1b or gpipe"),
                               ("parallel.encoder=anywhere", "ParallelConfig.encoder"),
+                              ("parallel.cp=2 parallel.pp=1 parallel.data_parallel=fsdp", "set parallel.data_parallel=ddp"),
+                              ("parallel.timeout_s=0", "parallel.timeout_s"),
                               ("model.hf=qwen2_vl model.hf_attention=sdpa parallel.pp=2", "pipeline stages")):
         with pytest.raises(ValueError, match=message):
             load_config(None, override.split())

@@ -138,6 +138,12 @@ class ParallelConfig:
             raise ValueError("parallel.cp > 1 runs context parallelism at parallel.pp=1 with the encoder on each "
                              "pack's GPUs (parallel.encoder=stages); pipelines with context parallelism are not "
                              "supported yet")
+        if self.cp > 1 and self.data_parallel == "fsdp":
+            raise ValueError("parallel.cp > 1 keeps every weight on every GPU of DP x CP and all-reduces the gradients: "
+                             "set parallel.data_parallel=ddp. (Sharding over DP x CP is not offered: a dynamic CP "
+                             "plan's packs span a varying number of a replica's GPUs, so it cannot keep every GPU "
+                             "calling a sharded vision tower together; its plan summary says so, collective_safe "
+                             "off_because)")
         if self.encoder == "bubbles" and self.pp < 2:
             raise ValueError("parallel.encoder=bubbles fills a pipeline's idle time: it needs parallel.pp >= 2 (one "
                              "stage has no bubbles; use parallel.encoder=stages)")
