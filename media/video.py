@@ -121,14 +121,15 @@ class VideoError(ValueError):
     """A video that cannot be used; the message is the reason (recorded in the index, or a skip's reason)."""
 
 
-def _open(data: bytes):
+def _open(data: bytes | str):
+    """A container over a video's bytes, or over a file by its path (read as it is demuxed, never whole)."""
     try:
         import av
     except ImportError:
         raise VideoError("undecodable video: reading videos needs PyAV: pip install 'packfeed[video]'") from None
 
     try:
-        container = av.open(io.BytesIO(data), mode="r")
+        container = av.open(data if isinstance(data, str) else io.BytesIO(data), mode="r")
     except (av.error.FFmpegError, ValueError, OSError) as error:
         raise VideoError(f"undecodable video: {_message(error)}") from None
     if not container.streams.video:
@@ -141,9 +142,10 @@ def _message(error: BaseException) -> str:
     return (getattr(error, "strerror", None) or str(error) or type(error).__name__).strip()
 
 
-def probe_video(data: bytes, decode: bool = True) -> VideoInfo:
-    """Size, frame count and rate of the first video stream. With `decode`, its first frame is decoded too, so
-    a stream of garbage behind a good header is caught when indexing rather than when serving."""
+def probe_video(data: bytes | str, decode: bool = True) -> VideoInfo:
+    """Size, frame count and rate of the first video stream (of its bytes, or of a file by its path). With
+    `decode`, its first frame is decoded too, so a stream of garbage behind a good header is caught when
+    indexing rather than when serving."""
     container = _open(data)
     import av  # installed: _open has opened the container with it
 

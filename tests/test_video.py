@@ -451,6 +451,41 @@ def test_packfeed_convert_takes_videos_from_llava_and_sharegpt_annotations(tmp_p
     assert json.loads(members["m.json"])["conversations"][0]["value"] == "<video>\nWhat moves?"
 
 
+def test_packfeed_convert_reads_a_large_video_in_blocks_never_whole(tmp_path):
+    """A 1 GiB file named .mp4 (junk: a sparse file of zeros) beside a real clip: convert refuses the junk
+    with its reason and copies the real one, and its processes never hold either file whole (the peak resident
+    memory of convert's process tree stays far below 1 GiB; read whole, it was 1.12 GB)."""
+    import json
+    import subprocess
+    import sys
+    import tarfile
+
+    (tmp_path / "clips").mkdir()
+    (tmp_path / "clips" / "real.mp4").write_bytes(encode_video("mp4", frames=24, rate=12, width=64, height=64))
+    with open(tmp_path / "clips" / "junk.mp4", "wb") as junk:
+        junk.truncate(1 << 30)
+    ask = [{"from": "human", "value": "<video>\nWhat moves?"}, {"from": "gpt", "value": "A bar."}]
+    rows = [{"id": "junk", "video": "clips/junk.mp4", "conversations": ask},
+            {"id": "real", "video": "clips/real.mp4", "conversations": ask}]
+    (tmp_path / "data.json").write_text(json.dumps(rows))
+    convert = [sys.executable, "-m", "packfeed.server.cli", "convert", "llava", str(tmp_path / "data.json"), "--out",
+               str(tmp_path / "out"), "--image-root", str(tmp_path), "--workers", "2", "--quiet"]
+    # a fresh parent, so the peak is convert's tree's alone (RUSAGE_CHILDREN: the largest descendant waited for)
+    measure = ("import resource, subprocess, sys; done = subprocess.run(sys.argv[1:]); "
+               "print(done.returncode, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss >> 10)")
+    done = subprocess.run([sys.executable, "-c", measure, *convert], capture_output=True, text=True, timeout=300)
+    code, peak_mib = map(int, done.stdout.split()[-2:])
+    assert code == 3, done.stderr
+    report = json.loads((tmp_path / "out" / "convert-report.json").read_text())
+    assert [row["id"] for row in report["rejected_rows"]] == ["junk"]
+    assert report["rejected_rows"][0]["reason"].startswith("undecodable video")
+    (shard,) = (tmp_path / "out").glob("shard-*.tar")
+    with tarfile.open(shard) as tar:
+        assert tar.extractfile("real.mp4").read() == (tmp_path / "clips" / "real.mp4").read_bytes()
+    print(f"convert peak resident: {peak_mib} MiB")
+    assert peak_mib < 700, peak_mib
+
+
 def test_fast_pixels_keep_video_frames_within_the_fast_bound(tmp_path):
     """Frames enlarged (160x96 to InternVL's 224 px tile, and Qwen's video minimum) go through OpenCV in fast mode:
     within the fast path's 1/255 mean error of exact, and not identical to it (the fast path did run)."""

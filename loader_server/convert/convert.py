@@ -29,7 +29,7 @@ from tqdm import tqdm
 from packfeed.media.chat import ConversationError, attach_images, conversation_turns
 from packfeed.media.samples import SampleError, image_size, describe_error, reason_category
 from packfeed.media.video import VIDEO_EXTENSIONS, VideoError, probe_video
-from packfeed.server.convert.shard_writer import SHARD_PATTERN, ShardWriter
+from packfeed.server.convert.shard_writer import SHARD_PATTERN, FileMember, ShardWriter
 from packfeed.server.convert.sources import FORMATS, SourceImage, SourceRow, normalize_turns
 
 Format = Literal["llava", "internvl", "sharegpt", "hf-parquet"]
@@ -161,11 +161,32 @@ def _resolved(image: SourceImage, kind: str, rules: FileRules) -> Path:
 
 
 def _file_bytes(image: SourceImage, rules: FileRules, kind: str = "image") -> bytes:
-    """The bytes of an image (or video) the source stores or names (relative to the image root), read only from
-    a regular file within the rules."""
+    """The bytes of an image the source stores or names (relative to the image root), read only from a regular
+    file within the rules."""
     if image.data is not None:
         _checked_size(len(image.data), image, kind, rules)
         return image.data
+    _, fd, _ = _opened(image, rules, kind)
+    with os.fdopen(fd, "rb") as file:
+        data = file.read(rules.cap(kind) + 1)
+    _checked_size(len(data), image, kind, rules)  # a file that grew while it was read
+    return data
+
+
+def _video_member(video: SourceImage, rules: FileRules) -> bytes | FileMember:
+    """A video the source stores (its bytes), or names: its file, checked as `_file_bytes` checks an image's
+    but not read: it is probed from the file and copied into the shard in blocks, so a video of gigabytes never
+    sits in memory (nor travels between processes)."""
+    if video.data is not None:
+        _checked_size(len(video.data), video, "video", rules)
+        return video.data
+    path, fd, size = _opened(video, rules, "video")
+    os.close(fd)
+    return FileMember(str(path), size)
+
+
+def _opened(image: SourceImage, rules: FileRules, kind: str) -> tuple[Path, int, int]:
+    """(path, an open descriptor, size) of the regular file within the rules a source path names."""
     if not image.path:
         raise SampleError(f"missing {kind}: neither bytes nor a path")
     path = _resolved(image, kind, rules)
@@ -178,21 +199,22 @@ def _file_bytes(image: SourceImage, rules: FileRules, kind: str = "image") -> by
         raise SampleError(f"missing {kind}: {image.path}") from None
     except OSError as error:
         raise SampleError(f"unreadable {kind}: {image.path}: {error.strerror}") from None
-    with os.fdopen(fd, "rb") as file:
+    try:
         status = os.fstat(fd)  # what was opened, had the path been swapped since it was checked
         what = _not_regular(status.st_mode)
         if what:
             raise SampleError(f"{kind} not a regular file: {image.path} is {what}")
         _checked_size(status.st_size, image, kind, rules)
-        data = file.read(rules.cap(kind) + 1)
-    _checked_size(len(data), image, kind, rules)  # a file that grew while it was read
-    return data
+    except BaseException:
+        os.close(fd)
+        raise
+    return path, fd, status.st_size
 
 
-def _video_extension(data: bytes, name: str) -> str:
+def _video_extension(data: bytes | FileMember, name: str) -> str:
     """The member extension of a video file (its own, when the server reads it), after checking it decodes."""
     try:
-        probe_video(data)
+        probe_video(data.path if isinstance(data, FileMember) else data)
     except VideoError as error:
         raise SampleError(f"{error} ({name})") from None
     extension = Path(name).suffix.lower().lstrip(".")
@@ -223,7 +245,7 @@ def prepare_row(row: SourceRow, rules: FileRules) -> Prepared:
             extension = _extension(data, image.path or f"image {k}")
             members.append((f"{k}.{extension}" if len(row.images) > 1 else extension, data))
         for k, video in enumerate(row.videos):
-            data = _file_bytes(video, rules, "video")
+            data = _video_member(video, rules)
             extension = _video_extension(data, video.path)
             members.append((f"{k}.{extension}" if len(row.videos) > 1 else extension, data))
         doc = {"id": row.id, "conversations": turns, "source_images": [image.path for image in row.images]}
@@ -330,7 +352,13 @@ def convert(options: ConvertOptions) -> ConvertReport:
                 key, renamed = keys.key(sample.id, sample.position)
                 if renamed and sample.id is not None:
                     report.renamed_keys.append({"id": sample.id, "position": sample.position, "key": key})
-                writer.add([(f"{key}.{suffix}", data) for suffix, data in sample.members])
+                try:
+                    writer.add([(f"{key}.{suffix}", data) for suffix, data in sample.members])
+                except OSError as error:  # a video that changed since it was checked: nothing of it written
+                    reasons[reason_category(f"unreadable video: {error}")] += 1
+                    report.rejected_rows.append({"id": sample.id, "position": sample.position,
+                                                 "reason": f"unreadable video: {error}"})
+                    continue
                 report.converted += 1
             bar.update(len(prepared))
     except BaseException:

@@ -12,6 +12,7 @@ import os
 import tarfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 SHARD_PATTERN = "shard-{:06d}.tar"
 
@@ -21,6 +22,18 @@ class WrittenShard:
     name: str
     samples: int
     bytes: int
+
+
+class FileMember(NamedTuple):
+    """A member copied from a file when its shard is written, never held whole in memory (a video of gigabytes);
+    `size`: the bytes it had when it was checked."""
+
+    path: str
+    size: int
+
+
+def _size(data: bytes | FileMember) -> int:
+    return data.size if isinstance(data, FileMember) else len(data)
 
 
 class ShardWriter:
@@ -33,17 +46,29 @@ class ShardWriter:
         self._file = None
         self._samples = 0
 
-    def add(self, members: list[tuple[str, bytes]]) -> None:
-        """One sample: (member name, bytes) pairs, the names starting with the sample's key."""
-        size = sum(512 + -(-len(data) // 512) * 512 for _, data in members)
+    def add(self, members: list[tuple[str, bytes | FileMember]]) -> None:
+        """One sample: (member name, bytes or a file) pairs, the names starting with the sample's key. Raises
+        OSError, before writing anything, when a file member changed size since it was checked."""
+        sources = []
+        try:  # every file opened and checked first: a sample is written whole or not at all
+            for _, data in members:
+                sources.append(open(data.path, "rb") if isinstance(data, FileMember) else io.BytesIO(data))
+                if isinstance(data, FileMember) and os.fstat(sources[-1].fileno()).st_size != data.size:
+                    raise OSError(f"{data.path} changed while converting ({data.size} bytes when checked)")
+        except OSError:
+            for source in sources:
+                source.close()
+            raise
+        size = sum(512 + -(-_size(data) // 512) * 512 for _, data in members)
         if self._tar is not None and self._file.tell() + size > self.target_bytes:
             self._finish()
         if self._tar is None:
             self._start()
-        for name, data in members:
+        for (name, data), source in zip(members, sources):
             info = tarfile.TarInfo(name)
-            info.size, info.mtime, info.mode, info.uid, info.gid = len(data), 0, 0o444, 0, 0
-            self._tar.addfile(info, io.BytesIO(data))
+            info.size, info.mtime, info.mode, info.uid, info.gid = _size(data), 0, 0o444, 0, 0
+            with source:
+                self._tar.addfile(info, source)  # copied in blocks
         self._samples += 1
 
     def close(self) -> list[WrittenShard]:
