@@ -116,6 +116,127 @@ def merge_to_whole_columns(packs, pack_class: np.ndarray, vision_cap: int, token
     return type(packs)(packs.members[order], offsets, vision, tokens), pack_class[kept]
 
 
+def split_to_whole_columns(packs, pack_class: np.ndarray, towers: np.ndarray, vision: np.ndarray,
+                           tokens: np.ndarray, dp: int, caps):
+    """What merging left: each class of towers whose pack count is still not a multiple of dp (merging its
+    lightest pairs would exceed a cap, or it has fewer packs than dp) gets one pack more at a time, up to the next
+    multiple, by splitting in two its pack with the most samples whose samples can be halved so that each half
+    still calls all of the class's towers (the rest go to the lighter half by tokens). Halves hold fewer samples
+    than their pack, so they keep its caps. The class then fills whole
+    columns. A class that runs out of such packs first is left as it was (its leftovers share columns and are
+    counted as unaligned). Class 0 (no tower) is never split: a column of it calls nothing on any rank.
+    Where no pack of the class can be halved so, its count goes down to a multiple instead: a pack's tower
+    samples move into another of the class's packs with room under `caps`, and what stays calls no tower.
+    `towers`: every sample's class; `vision`, `tokens`: every sample's. Returns (packs, pack_class)."""
+    pieces = [packs.members[packs.offsets[p]:packs.offsets[p + 1]] for p in range(len(pack_class))]
+    classes = list(pack_class)
+    changed = False
+    for cls in np.unique(pack_class):
+        ids = [p for p in range(len(classes)) if classes[p] == cls]
+        need = -len(ids) % dp
+        if cls == 0 or not need:
+            continue
+        trial = {p: pieces[p] for p in ids}
+        added = []
+        while need:
+            halves = None
+            for p in sorted(trial, key=lambda p: (-len(trial[p]), p)):  # the pack with the most samples first
+                halves = _halves(trial[p], towers[trial[p]].astype(np.int64), int(cls), tokens)
+                if halves is not None:
+                    break
+            if halves is None:
+                break
+            trial[p] = halves[0]
+            key = -1 - len(added)  # a new pack, appended after the others
+            trial[key] = halves[1]
+            added.append(key)
+            need -= 1
+        if need:  # no more packs to split: fewer, by moving tower samples into the class's other packs instead
+            if _moved(pieces, classes, ids, int(cls), towers, vision, tokens, caps, dp):
+                changed = True
+            continue
+        for p in ids:
+            pieces[p] = trial[p]
+        pieces += [trial[key] for key in added]
+        classes += [int(cls)] * len(added)
+        changed = True
+    if not changed:
+        return packs, pack_class
+    kept = [k for k, piece in enumerate(pieces) if len(piece)]  # a pack whose every sample moved is gone
+    pieces, classes = [pieces[k] for k in kept], [classes[k] for k in kept]
+    offsets = np.zeros(len(pieces) + 1, dtype=packs.offsets.dtype)
+    np.cumsum([len(piece) for piece in pieces], out=offsets[1:])
+    members = np.concatenate(pieces).astype(packs.members.dtype)
+    sums = lambda values: np.array([values[piece].sum() for piece in pieces]).astype(values.dtype)  # noqa: E731
+    return type(packs)(members, offsets, sums(vision), sums(tokens)), np.asarray(classes, dtype=np.int64)
+
+
+def _moved(pieces: list, classes: list, ids: list[int], cls: int, towers, vision, tokens, caps, dp: int) -> bool:
+    """One pack fewer of class `cls`, `len(ids) % dp` times: a pack's tower samples (lightest first) move into
+    another pack of the class with room under the caps for them, made where needed by moving that pack's
+    heaviest samples without a tower back the other way; what stays of the first pack calls no tower (class 0).
+    All or none: False (and nothing changed) when the class runs out of such moves."""
+    trial = {p: pieces[p] for p in ids}
+    emptied = []
+    for _ in range(len(ids) % dp):
+        swap = None
+        for source in sorted(trial, key=lambda p: (int(tokens[trial[p]][towers[trial[p]] != 0].sum()), p)):
+            calling = trial[source][towers[trial[source]] != 0]
+            for target in sorted((p for p in trial if p != source), key=lambda p: (int(tokens[trial[p]].sum()), p)):
+                back = _room(trial[target], calling, trial[source], towers, vision, tokens, caps)
+                if back is not None:
+                    swap = source, target, calling, back
+                    break
+            if swap:
+                break
+        if swap is None:
+            return False
+        source, target, calling, back = swap
+        trial[target] = np.sort(np.concatenate([np.setdiff1d(trial[target], back), calling]))
+        left = trial.pop(source)
+        emptied.append((source, np.sort(np.concatenate([left[towers[left] == 0], back]))))
+    for p, members in trial.items():
+        pieces[p] = members
+    for source, members in emptied:
+        pieces[source], classes[source] = members, 0  # an empty piece is dropped with the others below
+    return True
+
+
+def _room(target: np.ndarray, calling: np.ndarray, source: np.ndarray, towers, vision, tokens, caps):
+    """Samples without a tower of `target` (heaviest first, as few as will do) whose leaving makes room for
+    `calling` under the caps and which fit where `calling` leaves `source`; None where there are none."""
+    if vision[target].sum() + vision[calling].sum() > caps.vision_cap:
+        return None
+    need = int(tokens[target].sum() + tokens[calling].sum()) - caps.token_cap
+    free = caps.token_cap - int(tokens[source].sum() - tokens[calling].sum())
+    plain = target[towers[target] == 0]
+    back = plain[np.argsort(-tokens[plain].astype(np.int64), kind="stable")]
+    taken = np.searchsorted(np.cumsum(tokens[back].astype(np.int64)), need) + 1 if need > 0 else 0
+    if taken > len(back) or int(tokens[back[:taken]].sum()) > free:
+        return None
+    return back[:taken]
+
+
+def _halves(members: np.ndarray, classes: np.ndarray, cls: int, tokens: np.ndarray):
+    """A pack's samples in two halves that each call all of `cls`'s towers (None when greedy finds none):
+    samples by decreasing number of towers, then tokens, each to the half it adds more missing towers to, else
+    to the lighter half."""
+    if len(members) < 2:
+        return None
+    halves: list[list[int]] = [[], []]
+    called, load = [0, 0], [0, 0]
+    bits = np.array([bin(int(c)).count("1") for c in classes])
+    for k in np.lexsort((np.arange(len(members)), -tokens[members].astype(np.int64), -bits)):
+        gains = [bin(int(classes[k]) & ~called[side]).count("1") for side in (0, 1)]
+        side = 0 if gains[0] > gains[1] else 1 if gains[1] > gains[0] else int(load[1] < load[0])
+        halves[side].append(int(members[k]))
+        called[side] |= int(classes[k])
+        load[side] += int(tokens[members[k]])
+    if called != [cls, cls]:
+        return None
+    return np.asarray(sorted(halves[0]), dtype=members.dtype), np.asarray(sorted(halves[1]), dtype=members.dtype)
+
+
 def aligned_steps(order: np.ndarray, pack_class: np.ndarray, pack_cost: np.ndarray, dp: int,
                   m: int) -> tuple[np.ndarray, np.ndarray]:
     """Split packs into full steps of M whole columns and the rest, as `balance.form_steps` does: `order` is

@@ -21,7 +21,7 @@ import numpy as np
 
 from packfeed.server.plan.balance import assign_ranks, form_steps, permute_ranks, similar_order, split_for_last_step
 from packfeed.server.plan.collective import (aligned_steps, class_layout, collective_safe_layout, merge_to_whole_columns,
-                                             pack_classes, sample_towers)
+                                             pack_classes, sample_towers, split_to_whole_columns)
 from packfeed.server.plan.caps import default_targets, search_caps
 from packfeed.server.plan import context_parallel as cp
 from packfeed.server.plan.costs import SampleLoads, encoder_costs, encoder_names, sample_costs
@@ -222,6 +222,7 @@ def _arrange_packs(loads, costs, packs: IsfPacks, config: PlanConfig, streams, c
     pack_class = pack_classes(packs.members, packs.offsets, towers) if safe else np.zeros(len(packs.tokens), np.int64)
     if safe:
         packs, pack_class = merge_to_whole_columns(packs, pack_class, caps.vision_cap, caps.token_cap, dp)
+        packs, pack_class = split_to_whole_columns(packs, pack_class, towers, loads.vision, loads.tokens, dp, caps)
     pack_cv, pack_cl = _pack_costs(packs.members, packs.offsets, costs)
     pack_cost = pack_cv + pack_cl
     members, offsets, pack_v, pack_t = packs.members, packs.offsets, packs.vision, packs.tokens
@@ -241,11 +242,15 @@ def _arrange_packs(loads, costs, packs: IsfPacks, config: PlanConfig, streams, c
             full, rest = form_steps(pack_v, pack_t, pack_cost, slots)
         full = full[streams[_STREAM_STEPS].permutation(len(full))]
 
-    # The last, partial step: split its packs so every rank still gets work where samples allow.
+    # The last, partial step: split its packs so every rank still gets work where samples allow. Collective-safe:
+    # only its packs that call no tower (pieces of a pack with images could land on some ranks' microbatch only);
+    # the others stay whole, in the whole columns their classes fill.
     pieces = []
     if len(rest):
-        pieces = split_for_last_step([members[offsets[p]:offsets[p + 1]] for p in rest],
-                                     lambda ids: costs[ids].sum(axis=1, dtype=np.float64), slots)
+        kept = rest[pack_class[rest] != 0] if safe else rest[:0]
+        pieces = [members[offsets[p]:offsets[p + 1]] for p in kept] + split_for_last_step(
+            [members[offsets[p]:offsets[p + 1]] for p in (rest[pack_class[rest] == 0] if safe else rest)],
+            lambda ids: costs[ids].sum(axis=1, dtype=np.float64), slots - len(kept))
         first_new = len(pack_cost)
         pack_v = np.concatenate([pack_v, [loads.vision[piece].sum() for piece in pieces]])
         pack_t = np.concatenate([pack_t, [loads.tokens[piece].sum() for piece in pieces]])
