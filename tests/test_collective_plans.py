@@ -160,17 +160,18 @@ def image_and_text_mixes(draw):
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(loads=image_and_text_mixes(), dp=st.integers(2, 8), m=st.integers(1, 4), seed=st.integers(0, 2**31),
        strategy=st.sampled_from([Strategy.ISF_BALANCE, Strategy.ISF, Strategy.ISF_PHASES]))
-def test_images_and_text_leave_at_most_the_one_column_the_caps_forbid(loads, dp, m, seed, strategy):
+def test_images_and_text_leave_at_most_the_columns_the_caps_forbid(loads, dp, m, seed, strategy):
     """The remainder too: a class whose packs do not fill whole columns has packs merged (within the caps),
     split (each half with an image) or its images moved into its other packs (making room, within the caps)
-    until they do, and the last step splits only packs without images. What is left is one partial column of
-    images where the caps allow none of these (say, every image pack holds one image and no two fit one pack):
-    at most one microbatch of the epoch, counted in the summary."""
+    until they do, and the last step splits only packs without images. What is left where the caps allow none of
+    these (say, every image pack holds one image and no two fit one pack) is fewer than dp image packs, which with
+    the fewer than dp text packs left over fill at most two columns: at most two microbatches of the epoch,
+    counted in the summary."""
     config = PlanConfig(dp=dp, microbatches=m, strategy=strategy)
     plan = make_plan(loads, config, seed, 0)
     images = (column_classes_of(plan, loads) & 1).astype(bool)
     bad = (images != images[:, :1, :]).any(axis=1)
-    assert bad.sum() <= 1, (int(bad.sum()), bad.size)
+    assert bad.sum() <= 2, (int(bad.sum()), bad.size)
     assert plan.summary(loads)["collective_safe"]["unaligned_microbatches"] == int(bad.sum())
     assert np.array_equal(np.sort(plan.members), np.arange(len(loads)))  # every sample, exactly once
 

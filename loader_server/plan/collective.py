@@ -116,6 +116,9 @@ def merge_to_whole_columns(packs, pack_class: np.ndarray, vision_cap: int, token
     return type(packs)(packs.members[order], offsets, vision, tokens), pack_class[kept]
 
 
+CANDIDATES = 32  # packs tried per split or move: enough where one exists, and planning stays linear in packs
+
+
 def split_to_whole_columns(packs, pack_class: np.ndarray, towers: np.ndarray, vision: np.ndarray,
                            tokens: np.ndarray, dp: int, caps):
     """What merging left: each class of towers whose pack count is still not a multiple of dp (merging its
@@ -128,19 +131,23 @@ def split_to_whole_columns(packs, pack_class: np.ndarray, towers: np.ndarray, vi
     Where no pack of the class can be halved so, its count goes down to a multiple instead: a pack's tower
     samples move into another of the class's packs with room under `caps`, and what stays calls no tower.
     `towers`: every sample's class; `vision`, `tokens`: every sample's. Returns (packs, pack_class)."""
+    distinct, counts = np.unique(pack_class, return_counts=True)
+    if not np.any((distinct != 0) & (counts % dp != 0)):
+        return packs, pack_class  # every tower class fills whole columns already (the common case)
     pieces = [packs.members[packs.offsets[p]:packs.offsets[p + 1]] for p in range(len(pack_class))]
     classes = list(pack_class)
     changed = False
-    for cls in np.unique(pack_class):
-        ids = [p for p in range(len(classes)) if classes[p] == cls]
-        need = -len(ids) % dp
+    for cls, count in zip(distinct, counts):
+        need = -int(count) % dp
         if cls == 0 or not need:
             continue
+        ids = np.flatnonzero(pack_class == cls).tolist()
         trial = {p: pieces[p] for p in ids}
         added = []
         while need:
             halves = None
-            for p in sorted(trial, key=lambda p: (-len(trial[p]), p)):  # the pack with the most samples first
+            calling = {p: int(np.count_nonzero(towers[members] != 0)) for p, members in trial.items()}
+            for p in sorted(trial, key=lambda p: (-calling[p], -len(trial[p]), p))[:CANDIDATES]:
                 halves = _halves(trial[p], towers[trial[p]].astype(np.int64), int(cls), tokens)
                 if halves is not None:
                     break
@@ -167,7 +174,8 @@ def split_to_whole_columns(packs, pack_class: np.ndarray, towers: np.ndarray, vi
     offsets = np.zeros(len(pieces) + 1, dtype=packs.offsets.dtype)
     np.cumsum([len(piece) for piece in pieces], out=offsets[1:])
     members = np.concatenate(pieces).astype(packs.members.dtype)
-    sums = lambda values: np.array([values[piece].sum() for piece in pieces]).astype(values.dtype)  # noqa: E731
+    starts = offsets[:-1]
+    sums = lambda values: np.add.reduceat(values[members].astype(np.int64), starts).astype(values.dtype)  # noqa: E731
     return type(packs)(members, offsets, sums(vision), sums(tokens)), np.asarray(classes, dtype=np.int64)
 
 
@@ -180,9 +188,14 @@ def _moved(pieces: list, classes: list, ids: list[int], cls: int, towers, vision
     emptied = []
     for _ in range(len(ids) % dp):
         swap = None
-        for source in sorted(trial, key=lambda p: (int(tokens[trial[p]][towers[trial[p]] != 0].sum()), p)):
+        by_calling = {p: int(tokens[members[towers[members] != 0]].sum()) for p, members in trial.items()}
+        # targets with the most room for more vision units, then with the most samples without a tower to give back
+        roomiest = sorted(trial, key=lambda p: (int(vision[trial[p]].sum()),
+                                                -int(tokens[trial[p]][towers[trial[p]] == 0].sum()), p))
+        lightest = roomiest[:CANDIDATES + 1]
+        for source in sorted(trial, key=lambda p: (by_calling[p], p))[:CANDIDATES]:
             calling = trial[source][towers[trial[source]] != 0]
-            for target in sorted((p for p in trial if p != source), key=lambda p: (int(tokens[trial[p]].sum()), p)):
+            for target in [p for p in lightest if p != source][:CANDIDATES]:
                 back = _room(trial[target], calling, trial[source], towers, vision, tokens, caps)
                 if back is not None:
                     swap = source, target, calling, back
