@@ -23,6 +23,7 @@ Pure functions of their inputs, like the rest of the planner.
 
 from __future__ import annotations
 
+import heapq
 from typing import Any
 
 import numba
@@ -144,20 +145,23 @@ def split_to_whole_columns(packs, pack_class: np.ndarray, towers: np.ndarray, vi
         ids = np.flatnonzero(pack_class == cls).tolist()
         trial = {p: pieces[p] for p in ids}
         added = []
-        while need:
-            halves = None
-            calling = {p: int(np.count_nonzero(towers[members] != 0)) for p, members in trial.items()}
-            for p in sorted(trial, key=lambda p: (-calling[p], -len(trial[p]), p))[:CANDIDATES]:
-                halves = _halves(trial[p], towers[trial[p]].astype(np.int64), int(cls), tokens)
-                if halves is not None:
-                    break
+        # the packs calling towers from the most samples first (ties: the most samples); one that cannot be halved
+        # is not tried again, and after CANDIDATES such in a row the class stops splitting
+        queue = [(-int(np.count_nonzero(towers[members] != 0)), -len(members), p) for p, members in trial.items()]
+        heapq.heapify(queue)
+        failures = 0
+        while need and queue and failures < CANDIDATES:
+            _, _, p = heapq.heappop(queue)
+            halves = _halves(trial[p], towers[trial[p]].astype(np.int64), int(cls), tokens)
             if halves is None:
-                break
-            trial[p] = halves[0]
+                failures += 1
+                continue
             key = -1 - len(added)  # a new pack, appended after the others
-            trial[key] = halves[1]
+            trial[p], trial[key] = halves
             added.append(key)
-            need -= 1
+            for half in (p, key):
+                heapq.heappush(queue, (-int(np.count_nonzero(towers[trial[half]] != 0)), -len(trial[half]), half))
+            failures, need = 0, need - 1
         if need:  # no more packs to split: fewer, by moving tower samples into the class's other packs instead
             if _moved(pieces, classes, ids, int(cls), towers, vision, tokens, caps, dp):
                 changed = True
@@ -185,17 +189,20 @@ def _moved(pieces: list, classes: list, ids: list[int], cls: int, towers, vision
     heaviest samples without a tower back the other way; what stays of the first pack calls no tower (class 0).
     All or none: False (and nothing changed) when the class runs out of such moves."""
     trial = {p: pieces[p] for p in ids}
+
+    def keys(p: int) -> tuple:  # (its tower samples' tokens: lightest source first; vision, then the tokens it
+        members = trial[p]  # can give back: the roomiest target first)
+        calling = towers[members] != 0
+        return int(tokens[members[calling]].sum()), int(vision[members].sum()), -int(tokens[members[~calling]].sum())
+
+    known = {p: keys(p) for p in trial}
     emptied = []
     for _ in range(len(ids) % dp):
         swap = None
-        by_calling = {p: int(tokens[members[towers[members] != 0]].sum()) for p, members in trial.items()}
-        # targets with the most room for more vision units, then with the most samples without a tower to give back
-        roomiest = sorted(trial, key=lambda p: (int(vision[trial[p]].sum()),
-                                                -int(tokens[trial[p]][towers[trial[p]] == 0].sum()), p))
-        lightest = roomiest[:CANDIDATES + 1]
-        for source in sorted(trial, key=lambda p: (by_calling[p], p))[:CANDIDATES]:
+        roomiest = sorted(trial, key=lambda p: (known[p][1], known[p][2], p))[:CANDIDATES + 1]
+        for source in sorted(trial, key=lambda p: (known[p][0], p))[:CANDIDATES]:
             calling = trial[source][towers[trial[source]] != 0]
-            for target in [p for p in lightest if p != source][:CANDIDATES]:
+            for target in [p for p in roomiest if p != source][:CANDIDATES]:
                 back = _room(trial[target], calling, trial[source], towers, vision, tokens, caps)
                 if back is not None:
                     swap = source, target, calling, back
@@ -206,7 +213,9 @@ def _moved(pieces: list, classes: list, ids: list[int], cls: int, towers, vision
             return False
         source, target, calling, back = swap
         trial[target] = np.sort(np.concatenate([np.setdiff1d(trial[target], back), calling]))
+        known[target] = keys(target)
         left = trial.pop(source)
+        del known[source]
         emptied.append((source, np.sort(np.concatenate([left[towers[left] == 0], back]))))
     for p, members in trial.items():
         pieces[p] = members
