@@ -163,10 +163,10 @@ def image_and_text_mixes(draw):
 def test_images_and_text_leave_at_most_the_columns_the_caps_forbid(loads, dp, m, seed, strategy):
     """The remainder too: a class whose packs do not fill whole columns has packs merged (within the caps),
     split (each half with an image) or its images moved into its other packs (making room, within the caps)
-    until they do, and the last step splits only packs without images. What is left where the caps allow none of
-    these (say, every image pack holds one image and no two fit one pack) is fewer than dp image packs, which with
-    the fewer than dp text packs left over fill at most two columns: at most two microbatches of the epoch,
-    counted in the summary."""
+    until they do, and the last step splits only packs without images where that feeds as many ranks. What is
+    left where the caps allow none of these (say, every image pack holds one image and no two fit one pack) is
+    fewer than dp image packs, which with the fewer than dp text packs left over fill at most two columns: at
+    most two microbatches of the epoch, counted in the summary."""
     config = PlanConfig(dp=dp, microbatches=m, strategy=strategy)
     plan = make_plan(loads, config, seed, 0)
     images = (column_classes_of(plan, loads) & 1).astype(bool)

@@ -242,15 +242,20 @@ def _arrange_packs(loads, costs, packs: IsfPacks, config: PlanConfig, streams, c
             full, rest = form_steps(pack_v, pack_t, pack_cost, slots)
         full = full[streams[_STREAM_STEPS].permutation(len(full))]
 
-    # The last, partial step: split its packs so every rank still gets work where samples allow. Collective-safe:
-    # only its packs that call no tower (pieces of a pack with images could land on some ranks' microbatch only);
-    # the others stay whole, in the whole columns their classes fill.
+    # The last, partial step: split its packs so every rank still gets work where samples allow. Collective-safe,
+    # only its packs that call no tower where that feeds as many slots (pieces of a pack with images could land
+    # on some ranks' microbatch only): the others stay whole, in the whole columns their classes fill.
     pieces = []
     if len(rest):
-        kept = rest[pack_class[rest] != 0] if safe else rest[:0]
-        pieces = [members[offsets[p]:offsets[p + 1]] for p in kept] + split_for_last_step(
-            [members[offsets[p]:offsets[p + 1]] for p in (rest[pack_class[rest] == 0] if safe else rest)],
-            lambda ids: costs[ids].sum(axis=1, dtype=np.float64), slots - len(kept))
+        def cost(ids):
+            return costs[ids].sum(axis=1, dtype=np.float64)
+
+        pieces = split_for_last_step([members[offsets[p]:offsets[p + 1]] for p in rest], cost, slots)
+        if safe:
+            kept = rest[pack_class[rest] != 0]
+            aligned = [members[offsets[p]:offsets[p + 1]] for p in kept] + split_for_last_step(
+                [members[offsets[p]:offsets[p + 1]] for p in rest[pack_class[rest] == 0]], cost, slots - len(kept))
+            pieces = aligned if len(aligned) >= len(pieces) else pieces
         first_new = len(pack_cost)
         pack_v = np.concatenate([pack_v, [loads.vision[piece].sum() for piece in pieces]])
         pack_t = np.concatenate([pack_t, [loads.tokens[piece].sum() for piece in pieces]])
