@@ -24,7 +24,8 @@ class Liveness:
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self._stop = threading.Event()
         self.store.add(_KEY.format(rank=self.rank), 1)
-        threading.Thread(target=self._beat, name="packfeed-liveness", daemon=True).start()
+        self._thread = threading.Thread(target=self._beat, name="packfeed-liveness", daemon=True)
+        self._thread.start()
 
     def _beat(self) -> None:
         while not self._stop.wait(self.every_s):
@@ -48,7 +49,10 @@ class Liveness:
         return [rank for rank in range(self.world) if rank not in reported and after[rank] == before[rank]]
 
     def stop(self) -> None:
+        """Before the process group goes: a beat still in the store when the store is torn down aborts the
+        process ("terminate called without an active exception")."""
         self._stop.set()
+        self._thread.join(timeout=10)
 
 
 def timed_out(error: BaseException) -> bool:
