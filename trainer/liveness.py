@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 BEAT_S = 1.0
 _KEY = "packfeed/alive/{rank}"
-_TIMED_OUT = "packfeed/timed-out/{rank}"  # a rank that reports a timeout stops beating as it exits: not silent
+_FAILING = "packfeed/failing/{rank}"  # a rank that fails stops beating as it exits: it is not the silent one
 
 
 class Liveness:
@@ -38,14 +38,21 @@ class Liveness:
         keys = [_KEY.format(rank=rank) for rank in range(self.world)]
         return {rank: self.store.add(key, 0) if self.store.check([key]) else 0 for rank, key in enumerate(keys)}
 
+    def failing(self) -> None:
+        """This rank is failing (a timeout, or a peer's failure seen as a broken connection): it will stop
+        beating as it exits, and the others must not take it for the silent one."""
+        try:
+            self.store.set(_FAILING.format(rank=self.rank), "1")
+        except Exception:  # the store's host is gone: nobody is asking
+            pass
+
     def silent_ranks(self) -> list[int]:
-        """The ranks whose count stood still over three beats, but for those that timed out themselves (they
-        report it, then exit) and this one."""
-        self.store.set(_TIMED_OUT.format(rank=self.rank), "1")
+        """The ranks whose count stood still over three beats, but for those failing themselves and this one."""
+        self.failing()
         before = self._counts()
         time.sleep(3 * self.every_s)
         after = self._counts()
-        reported = {rank for rank in range(self.world) if self.store.check([_TIMED_OUT.format(rank=rank)])}
+        reported = {rank for rank in range(self.world) if self.store.check([_FAILING.format(rank=rank)])}
         return [rank for rank in range(self.world) if rank not in reported and after[rank] == before[rank]]
 
     def stop(self) -> None:
@@ -68,7 +75,10 @@ def name_the_silent(liveness: Liveness | None, timeout_s: float, describe: Calla
             try:
                 return call(*args, **kwargs)
             except Exception as error:
-                if liveness is None or not timed_out(error):
+                if liveness is None:
+                    raise
+                if not timed_out(error):
+                    liveness.failing()
                     raise
                 silent = liveness.silent_ranks()
                 who = ", ".join(describe(rank) for rank in silent) or "no rank (all still beat: a slow collective?)"
