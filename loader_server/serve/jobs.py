@@ -21,6 +21,7 @@ from packfeed.server.plan.windows import WindowedPlan
 from packfeed.server.serve.job_spec import JobError, JobSpec
 from packfeed.server.serve.step_work import RankStepWork
 from packfeed.server.serve.workers import SharedSteps
+from packfeed.v1.options import Oversize
 
 if TYPE_CHECKING:
     from packfeed.server.serve.datasets import Dataset
@@ -183,7 +184,7 @@ class Job:
         if self.spec.plan_config.window or any(self._steps.values()):
             return
         plan = self.epoch_plan(0)
-        left_out = len(plan.oversize) if plan.config.oversize.value == "skip" else 0
+        left_out = len(plan.oversize) if plan.config.oversize is Oversize.SKIP else 0
         why = (f"the plan left out all {left_out} of its samples as over a cap (oversize: skip): raise the caps or "
                "choose oversize alone or truncate") if left_out else \
             "it holds no valid sample (every row of its index is invalid: `packfeed info INDEX` says why)"
