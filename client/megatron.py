@@ -40,7 +40,7 @@ one call of its pipeline schedule. `pip install packfeed[megatron]`.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -145,6 +145,7 @@ class MegatronStep:
     epoch: int
     step: int
     batches: list[dict[str, Any]]
+    sample_keys: list[list[str]] = field(default_factory=list)  # each microbatch's samples, in packing order
 
     @property
     def data_iterator(self) -> Iterator[dict[str, Any]]:
@@ -182,7 +183,8 @@ class MegatronSteps:
             length = max((sum(_padded(n, multiple) for n in pack.cu_seqlens.diff().tolist())
                           for pack in step.packs), default=0)
         return MegatronStep(step.epoch, step.step, [megatron_batch(pack, self.pad_to_multiple, self.device, length)
-                                                    for pack in step.packs])
+                                                    for pack in step.packs],
+                            [list(pack.sample_keys) for pack in step.packs])
 
     def state_dict(self) -> dict[str, Any]:
         return self.stream.state_dict()

@@ -76,6 +76,10 @@ def test_padded_batches_train_as_the_packs_do(tmp_path):
     assert [r["tokens"] for r in padded] == [r["tokens"] for r in packed]
     assert [r["loss"] for r in padded] == pytest.approx([r["loss"] for r in packed], rel=1e-4)
     assert all(r["padded_tokens"] == r["tokens"] for r in packed)
+    for record in packed + padded:  # rank 0's M packs, as the reference model's records give them
+        assert len(record["microbatches"]) == 4
+    assert [sum(m["tokens"] for m in r["microbatches"]) for r in padded] == [r["padded_tokens"] for r in padded]
+    assert [sum(m["tokens"] for m in r["microbatches"]) for r in packed] == [r["tokens"] for r in packed]
     assert sum(r["padded_tokens"] for r in padded) > sum(r["tokens"] for r in padded)
     assert len(packed) == 2 and all(math.isfinite(r["loss"]) for r in packed + padded)
 

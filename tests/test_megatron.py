@@ -102,6 +102,8 @@ def test_megatron_steps_over_a_stream_resume_at_exactly_the_next_step(small_tile
     assert first.num_microbatches == 2 and first.seq_length >= max(b["tokens"].shape[1] for b in first.batches)
     assert (resumed.epoch, resumed.step) == (following.epoch, following.step) != (first.epoch, first.step)
     assert all(torch.equal(a["tokens"], b["tokens"]) for a, b in zip(resumed.batches, following.batches))
+    assert resumed.sample_keys == following.sample_keys and evened.sample_keys == [list(p.sample_keys) for p in packed]
+    assert all(len(keys) == int(b["cu_seqlens"].numel()) - 1 for keys, b in zip(first.sample_keys, first.batches))
     assert len(list(first.data_iterator)) == 2 and "images" in first.batches[0]
     same = [megatron_batch(pack, 2, pad_to_length=first.seq_length) for pack in packed]  # what same_length gives
     assert [b["tokens"].shape[1] for b in evened.batches] == [first.seq_length] * 2

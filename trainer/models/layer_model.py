@@ -31,6 +31,14 @@ def features_of_carrier(carrier) -> Features:
     return Features(int(pixels.shape[0]), int(input_ids.numel()), float((lengths.astype(np.float64) ** 2).sum()))
 
 
+def pack_features(pack, token_slots: int) -> Features:
+    """Features of one client pack as a whole model computes it (`token_slots`: its tokens, padding included;
+    its tiles or patches; padding counted as one more sample, as in a carrier)."""
+    bounds = pack.cu_seqlens.long().tolist()
+    lengths = np.diff(bounds + [max(token_slots, bounds[-1])]).astype(np.float64)
+    return Features(int(pack.tile_shapes.shape[0]), int(token_slots), float((lengths ** 2).sum()))
+
+
 class LayerModel(Protocol):
     """A model as consecutive layers, each mapping one tuple of tensors (its carrier) to the next."""
 
