@@ -34,6 +34,7 @@ What it takes care of, each of which a hand-made integration gets silently wrong
 from __future__ import annotations
 
 import json
+import logging
 import os
 from collections.abc import Iterator
 from typing import Any
@@ -44,6 +45,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoin
 from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME
 
 from packfeed.client.channel import PackfeedError
+from packfeed.client.guard_updates import SkipGuardOnlyTowerUpdates
 from packfeed.client.hf import check_model, empty_hf_inputs, to_hf_inputs
 from packfeed.client.loaders import job_batches, job_progress, job_steps
 from packfeed.client.stream import PackStream
@@ -111,14 +113,29 @@ class PackfeedTrainerMixin:
     """Trainer methods that feed it a `PackStream` (see the module's docstring)."""
 
     def __init__(self, *args: Any, stream: PackStream, family: str, attention: str = "sdpa",
-                 dtype: torch.dtype = torch.float32, ensure_encoders: bool | None = None, **kwargs: Any):
+                 dtype: torch.dtype = torch.float32, ensure_encoders: bool | None = None,
+                 skip_guard_updates: bool | None = None, **kwargs: Any):
         self.packfeed_batches = PackBatches(stream, family, attention, dtype)
+        quiet_expected_accumulation_warning(stream.info.plan.microbatches)
         super().__init__(*args, **kwargs)
         self._check_arguments(stream)
         check_model(self.model, stream.conventions)  # before the first forward, not as a shape error inside it
         # sharded data parallelism gathers the vision tower's parameters on every rank that runs it: every pack
         # then runs it (to_hf_inputs' ensure_encoders), or a text-only rank would leave the others waiting
         self.packfeed_batches.ensure_encoders = sharded(self.args) if ensure_encoders is None else ensure_encoders
+        self._skip_guard_updates(skip_guard_updates)
+
+    def _skip_guard_updates(self, wanted: bool | None) -> None:
+        """Steps whose towers only the guard called leave the towers as an unguarded run would (on by default
+        where the optimizer allows it: not under DeepSpeed)."""
+        deepspeed = getattr(self.args, "hf_deepspeed_config", None) is not None
+        if wanted and deepspeed:
+            raise PackfeedError("skip_guard_updates: DeepSpeed's ZeRO optimizer updates every parameter it holds, "
+                                "with or without a gradient, so a step that only the guard (ensure_encoders) ran "
+                                "through the vision tower still moves it; leave skip_guard_updates unset under "
+                                "DeepSpeed (docs/training.md, 'FSDP and ZeRO-3 with the vision tower wrapped apart')")
+        if wanted or (wanted is None and not deepspeed):
+            self.add_callback(SkipGuardOnlyTowerUpdates(self.packfeed_batches))
 
     def _check_arguments(self, stream: PackStream) -> None:
         args, plan = self.args, stream.info.plan
@@ -206,6 +223,27 @@ class PackfeedTrainerMixin:
             with open(path) as state:
                 self.packfeed_batches.stream.load_state_dict(json.load(state))
         return super().train(resume_from_checkpoint, *args, **kwargs)
+
+
+class _ExpectedAccumulationMismatch(logging.Filter):
+    """Under DeepSpeed, Accelerate warns "Gradient accumulation steps mismatch: GradientAccumulationPlugin has 1,
+    DeepSpeed config has M. Using DeepSpeed's value." for every Trainer with M > 1: the Trainer accumulates
+    itself and gives Accelerate 1 on purpose, and DeepSpeed's M (the job's) is the right one. Only that case is
+    dropped; any other mismatch still shows."""
+
+    def __init__(self, microbatches: int):
+        super().__init__()
+        self.expected = f"GradientAccumulationPlugin has 1, DeepSpeed config has {microbatches}."
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return self.expected not in record.getMessage()
+
+
+def quiet_expected_accumulation_warning(microbatches: int) -> None:
+    logger = logging.getLogger("accelerate.accelerator")
+    if not any(isinstance(f, _ExpectedAccumulationMismatch) and f.expected.endswith(f" {microbatches}.")
+               for f in logger.filters):
+        logger.addFilter(_ExpectedAccumulationMismatch(microbatches))
 
 
 def sharded(args: transformers.TrainingArguments) -> bool:

@@ -52,6 +52,8 @@ def main() -> None:
                         "schedule is the whole job's, so a resumed run continues it; default: the whole job)")
     parser.add_argument("--resume", action="store_true", help="continue from the last checkpoint in output_dir")
     parser.add_argument("--trl", action="store_true", help="TRL's SFTTrainer instead of transformers.Trainer")
+    parser.add_argument("--deepspeed", metavar="CONFIG", help="a DeepSpeed config (examples/ds_zero3.json: ZeRO-3; "
+                        "pip install packfeed[deepspeed])")
     parser.add_argument("--tokenizer", default="qwen2_vl/tokenizer.json", help="with --trl: the dataset's tokenizer")
     options = parser.parse_args()
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
@@ -61,6 +63,8 @@ def main() -> None:
         model = Qwen2VLForConditionalGeneration(model_config("qwen2_vl", stream.conventions, **SIZES))
         settings = dict(output_dir=options.output_dir, learning_rate=1e-3, save_steps=2, logging_steps=1,
                         report_to=[], use_cpu=True)  # max_steps: the whole job (len(stream))
+        if options.deepspeed:
+            settings["deepspeed"] = options.deepspeed
         stop = [StopAt(options.steps)] if options.steps else []
         if options.trl:
             from transformers import PreTrainedTokenizerFast

@@ -151,3 +151,54 @@ def test_an_fsdp2_loop_with_the_tower_wrapped_apart_never_hangs_on_a_collective_
     assert not list((tmp_path / "control").glob("rank*.pt"))
     assert run(with_encoders, False, "safe")
     assert run(mixed, True, "ensured")
+
+
+def trained_towers(data, server, tmp_path, name: str, **options) -> tuple[dict, list[int], list[float]]:
+    """A PackfeedTrainer (one process, AdamW with weight decay) over the whole job: its vision tower's weights
+    at the end, each step's real visual items, the losses."""
+    import transformers
+
+    from packfeed.client import PackStream, PlanConfig
+    from packfeed.client.guard_updates import tower_parameters, visual_items
+    from packfeed.client.hf_trainer import PackfeedTrainer, packfeed_training_arguments
+
+    items, losses = [], []
+
+    class Seen(transformers.TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            items.append(visual_items(trainer.packfeed_step))
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            losses.extend([logs["loss"]] if "loss" in logs else [])
+
+    plan = PlanConfig(dp=1, microbatches=1, token_cap=300, vision_cap=16)  # 5 steps: 3 with images, then 2 without
+    with PackStream(server.target, job=name, rank=0, plan=plan, seed=0) as stream:
+        args = packfeed_training_arguments(stream, output_dir=str(tmp_path / name), report_to=[], use_cpu=True,
+                                           logging_steps=1, learning_rate=1e-2, weight_decay=0.1,
+                                           save_strategy="no", disable_tqdm=True)
+        torch.manual_seed(0)
+        model = tiny_model("internvl", data).train()
+        trainer = PackfeedTrainer(model=model, args=args, stream=stream, family="internvl",
+                                  callbacks=[Seen()], **options)
+        trainer.train()
+    return ({id_: p.detach().clone() for id_, p in enumerate(tower_parameters(model))}, items, losses)
+
+
+def test_a_step_only_the_guard_ran_through_the_tower_leaves_it_as_an_unguarded_run_does(tmp_path):
+    """`ensure_encoders` gives a text-only step's tower zero gradients, and AdamW would still move it (momentum,
+    weight decay). PackfeedTrainer drops them when no rank's step held an image (`skip_guard_updates`, on by
+    default): the tower ends as in a run without the guard; with it off, it does not."""
+    from packfeed.client import LocalServer
+
+    data = family_dataset(tmp_path / "data", "internvl", samples=24, image_counts=(1, 0, 0, 0, 0, 0))
+    with LocalServer(data.index, workers=1) as server:
+        plain, items, plain_losses = trained_towers(data, server, tmp_path, "plain", ensure_encoders=False)
+        guarded, guarded_items, guarded_losses = trained_towers(data, server, tmp_path, "guarded",
+                                                                ensure_encoders=True)
+        moved, _, _ = trained_towers(data, server, tmp_path, "moved", ensure_encoders=True,
+                                     skip_guard_updates=False)
+    assert guarded_items == items
+    assert any(a > 0 and b == 0 for a, b in zip(items, items[1:])), items  # a text-only step after an image step
+    assert guarded_losses == pytest.approx(plain_losses, rel=1e-5)
+    assert all(torch.allclose(guarded[k], plain[k], rtol=1e-5, atol=1e-7) for k in plain)
+    assert max(float((moved[k] - plain[k]).abs().max()) for k in plain) > 1e-4

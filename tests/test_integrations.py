@@ -44,6 +44,7 @@ def torchrun(server, data, job: str, mode: str, checkpoints: Path, out: Path) ->
                            str(WORKER), server.target, job, mode, str(STEPS), str(checkpoints), str(out)],
                           capture_output=True, text=True, timeout=600,
                           env={**os.environ, "PACKFEED_TEST_TOKENIZER": str(data.tokenizer)})
+    (out / "torchrun.log").write_text(done.stdout + done.stderr)
     assert done.returncode == 0, done.stderr[-4000:]
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
 
@@ -93,6 +94,9 @@ def test_the_hf_trainer_under_deepspeed_zero3_trains_as_the_plain_loop_and_resum
     shards = sorted(path.name for path in (checkpoint / "global_step2").glob("zero_pp_rank_*_model_states.pt"))
     assert len(shards) == 2  # DeepSpeed's ZeRO ran (a shard of the model per rank), not a silent fallback
     assert all(run["ensure_encoders"] for run in runs["train"])  # every pack runs the tower under ZeRO-3
+    log = (tmp_path / "train" / "torchrun.log").read_text()
+    # Accelerate's expected "GradientAccumulationPlugin has 1, DeepSpeed config has 2" (the Trainer accumulates)
+    assert "Gradient accumulation steps mismatch" not in log
     check_resume(plain, runs["train"], runs["resume"], None, logged_before=2)
 
 
