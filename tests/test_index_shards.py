@@ -231,7 +231,8 @@ def test_cli_index_plan_stats_end_to_end(shards, demo_dataset, tmp_path):
     assert stats.returncode == 0, stats.stderr
     report = json.loads((tmp_path / "report" / "report.json").read_text())
     assert report["invalid_by_reason"]["not an image"] == 1
-    assert [r["strategy"] for r in report["comparison"]] == ["random", "length-group", "isf", "isf+balance"]
+    assert [r["strategy"] for r in report["comparison"]] == ["random", "length-group", "isf", "isf+balance",
+                                                             "isf+balance, not collective-safe"]
     html = (tmp_path / "report" / "report.html").read_text()
     assert "data:image/png;base64," in html and "not an image" in html
     assert "| isf+balance |" in (tmp_path / "report" / "report.md").read_text()

@@ -230,7 +230,7 @@ def test_stats_report_on_a_mixture(mixture_file, tmp_path):
         {"charts": 800, "diagrams": 293, "documents": 100}
     assert report["datasets"]["diagrams"]["invalid"] == 7 and report["invalid"] == 7
     assert report["samples"] == 1193 and [row["strategy"] for row in report["comparison"]] == \
-        ["random", "length-group", "isf", "isf+balance"]
+        ["random", "length-group", "isf", "isf+balance", "isf+balance, not collective-safe"]
     assert "Datasets of the mixture" in (tmp_path / "r" / "report.md").read_text()
     assert (tmp_path / "r" / "report.html").stat().st_size > 0
 

@@ -152,8 +152,9 @@ def test_a_job_is_live_while_its_trainer_works_through_what_it_was_sent_then_fin
 
 
 def test_the_dataset_report_reads_as_a_report(chromium, small_tile_index, tmp_path):
-    """`packfeed stats`'s report.html in the browser at a laptop's width: its figures side by side in a grid, each
-    with its caption, the distribution figures whole numbers (no 3904.0399...), and a screenshot of it."""
+    """`packfeed stats`'s report.html in the browser on a laptop's screen: its figures side by side in a grid no
+    taller than the screen, each with its caption, the distribution figures whole numbers (no 3904.0399...), what
+    the collective-safe layout costs the balance, and a screenshot of it."""
     from playwright.sync_api import sync_playwright
 
     from packfeed.server.tools.stats import write_report
@@ -162,18 +163,38 @@ def test_the_dataset_report_reads_as_a_report(chromium, small_tile_index, tmp_pa
     paths = write_report(small_tile_index, tmp_path / "report", PlanConfig(dp=2, microbatches=2))
     with sync_playwright() as playwright:
         browser = playwright.chromium.launch(executable_path=chromium, args=["--no-sandbox"])
-        page = browser.new_page(viewport={"width": 1280, "height": 900})
+        page = browser.new_page(viewport={"width": 1366, "height": 768})  # a laptop's screen
         page.goto(paths["html"].as_uri())
+        grid = page.locator(".figs").bounding_box()
+        assert grid["height"] <= 768, grid  # every figure in one screen's height
         figures = page.locator("figure")
         assert figures.count() >= 6
         boxes = [figures.nth(k).bounding_box() for k in range(figures.count())]
         rows = sorted({round(box["y"]) for box in boxes})
         assert len(rows) < len(boxes) and all(box["width"] < 700 for box in boxes)  # a grid, not one column
-        assert all(box["x"] + box["width"] <= 1280 for box in boxes)  # all of it on the screen's width
+        assert all(box["x"] + box["width"] <= 1366 for box in boxes)  # all of it on the screen's width
         captions = [figures.nth(k).locator("figcaption").inner_text() for k in range(figures.count())]
         assert all(len(caption) > 20 for caption in captions)
         distributions = page.locator("table").nth(0 if "Invalid" not in page.content() else 1).inner_text()
         assert "llm tokens" in distributions and not re.search(r"\d\.\d{3,}", distributions)
+        note = page.locator("p.note").inner_text()  # the plans' layout, and what it costs the balance
+        assert "collective-safe" in note and "LLM Dist" in note
+        assert "isf+balance, not collective-safe" in page.locator("table").last.inner_text()
         shot = page.screenshot(path=str(tmp_path / "report.png"), full_page=True)
         assert len(shot) > 50_000
         browser.close()
+
+
+def test_the_reports_count_histograms_tick_whole_numbers():
+    """Images per sample drawn as counts: ticks 0, 1, 2, never -0.5 ... 1.5."""
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    from packfeed.server.tools.stats import _hist
+
+    fig, ax = plt.subplots()
+    _hist(np.array([0, 0, 0, 1, 1, 2]), "Images per sample", "images", integer=True)(ax)
+    fig.canvas.draw()
+    ticks = [tick for tick in ax.get_xticks() if ax.get_xlim()[0] <= tick <= ax.get_xlim()[1]]
+    plt.close(fig)
+    assert ticks and all(float(tick).is_integer() for tick in ticks), ticks

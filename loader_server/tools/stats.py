@@ -19,6 +19,7 @@ import matplotlib
 
 matplotlib.use("Agg")  # reports are written headless
 import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.ticker import MaxNLocator  # noqa: E402
 import numpy as np  # noqa: E402
 
 from packfeed.media.samples import reason_category  # noqa: E402
@@ -39,25 +40,51 @@ def compare_strategies(loads, config: PlanConfig, seed: int, fingerprint: str,
     """Plan the epoch with every strategy at the same DP, M and caps; returns rows and the ISF+balance plan."""
     caps = caps or resolve_caps(loads, config)
     rows, balanced = [], None
-    for strategy in Strategy:
-        if strategy is Strategy.ISF_PHASES:  # its encoder phase has Dist figures of its own (`packfeed plan`)
-            continue
-        plan = make_plan(loads, replace(config, strategy=strategy), seed, 0, fingerprint, caps=caps)
+    variants = [(strategy, config.collective_safe) for strategy in Strategy if strategy is not Strategy.ISF_PHASES]
+    if config.collective_safe:  # what laying the plans out collective-safe costs the balanced plan
+        variants.insert(variants.index((Strategy.ISF_BALANCE, True)) + 1, (Strategy.ISF_BALANCE, False))
+    for strategy, collective_safe in variants:  # ISF_PHASES: its encoder phase has Dist figures of its own
+        plan = make_plan(loads, replace(config, strategy=strategy, collective_safe=collective_safe), seed, 0,
+                         fingerprint, caps=caps)
         summary = plan.summary(loads)
         _, llm = plan.pack_loads(loads)
-        rows.append({"strategy": strategy.value, "samples_per_pack": summary["samples_per_pack"],
+        rows.append({"strategy": strategy.value + ("" if collective_safe == config.collective_safe else
+                                                   ", not collective-safe"),
+                     "collective_safe": collective_safe, "samples_per_pack": summary["samples_per_pack"],
                      "max_pack_tokens": int(llm.max()) if len(llm) else 0, "pad_ratio": summary["pad_ratio"],
                      "vit_dist": summary["vit_dist"], "llm_dist": summary["llm_dist"], "packs": summary["packs"],
-                     "steps": summary["steps"], "planning_seconds": summary["planning_seconds"]})
-        if strategy is Strategy.ISF_BALANCE:
+                     "steps": summary["steps"], "planning_seconds": summary["planning_seconds"],
+                     "unaligned_microbatches": summary["collective_safe"]["unaligned_microbatches"]})
+        if strategy is Strategy.ISF_BALANCE and collective_safe == config.collective_safe:
             balanced = plan
     return rows, balanced
+
+
+def collective_safe_note(rows: list[dict], config: PlanConfig) -> str:
+    """What the comparison's plans are laid out for, and what it costs the balanced plan."""
+    if not config.collective_safe:
+        return ("Plans are not laid out collective-safe (collective_safe off): the best balance, but with FSDP or "
+                "ZeRO-3 wrapping the vision tower apart, a rank without an image can leave the others waiting.")
+    safe = next((r for r in rows if r["strategy"] == Strategy.ISF_BALANCE.value), None)
+    free = next((r for r in rows if r["strategy"].endswith("not collective-safe")), None)
+    if safe is None or free is None:
+        return ""
+    cost = (f"LLM Dist {free['llm_dist']:.4f} without it, {safe['llm_dist']:.4f} with it; ViT Dist "
+            f"{free['vit_dist']:.4f} and {safe['vit_dist']:.4f}")
+    unaligned = (f"; {safe['unaligned_microbatches']} microbatch(es) the data cannot align (ensure_encoders covers "
+                 "them)" if safe["unaligned_microbatches"] else "")
+    return ("Plans are collective-safe (the default): in every step and microbatch, every rank's pack calls the "
+            f"same vision towers or none, so FSDP / ZeRO-3 with the tower wrapped apart never waits on a rank. "
+            f"What it costs ISF+balance: {cost}{unaligned}. A trainer that keeps the tower in its root unit (DDP, "
+            "packfeed train) can turn it off for the best balance (--no-collective-safe, "
+            "PlanConfig(collective_safe=False)).")
 
 
 def _figure_png(draw) -> bytes:
     import io
 
-    fig, ax = plt.subplots(figsize=(6.4, 3.6), dpi=100)
+    # drawn at twice the size it is shown (a 4-column grid that fits a laptop's screen), so its text stays sharp
+    fig, ax = plt.subplots(figsize=(4.0, 2.5), dpi=150)
     draw(ax)
     fig.tight_layout()
     buffer = io.BytesIO()
@@ -72,6 +99,9 @@ def _hist(values, title, xlabel, bins=50, integer=False):
             edges = np.arange(values.min(), values.max() + 2) - 0.5 if integer and values.max() - values.min() < 60 \
                 else bins
             ax.hist(values, bins=edges, color="#3b6ea8")
+        if integer:  # counts: whole-number ticks (not -0.5 ... 1.5 images)
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.yaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_title(title)
         ax.set_xlabel(xlabel)
         ax.set_ylabel("samples")
@@ -110,6 +140,7 @@ def _reasons(counts: dict[str, int]):
         if counts:
             names = list(counts)
             ax.barh(names, [counts[n] for n in names], color="#b5523b")
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         else:
             ax.text(0.5, 0.5, "no invalid samples", ha="center", va="center")
         ax.set_title("Invalid samples by reason")
@@ -199,6 +230,7 @@ def build_report(source: str | Path | ReportInput, config: PlanConfig,
                         "pipeline_stages": config.pipeline_stages, "seed": seed},
         "caps": asdict(balanced.caps) if balanced is not None and balanced.caps else None,
         "comparison": rows,
+        "collective_safe_note": collective_safe_note(rows, config) if rows else "",
     }
     if report.datasets is not None:
         data["datasets"] = report.datasets
@@ -279,6 +311,8 @@ def _markdown(data: dict[str, Any], figures: dict[str, bytes]) -> str:
                      f"{c['token_target']}. Random and length-group use padded batches of the target size.")
         lines.append("")
     lines.append(_comparison_markdown(data["comparison"]))
+    if data["collective_safe_note"]:
+        lines += [data["collective_safe_note"], ""]
     lines += ["## Figures", ""] + [f"![{name}]({name}.png)\n\n{CAPTIONS.get(name, '')}\n" for name in figures]
     return "\n".join(lines) + "\n"
 
@@ -315,6 +349,8 @@ def _html(markdown_data: dict[str, Any], figures: dict[str, bytes]) -> str:
                        [(r["strategy"], f"{r['samples_per_pack']:.2f}", r["max_pack_tokens"], f"{r['pad_ratio']:.4f}",
                          f"{r['vit_dist']:.4f}", f"{r['llm_dist']:.4f}", r["packs"], r["steps"],
                          f"{r['planning_seconds']:.3f}") for r in d["comparison"]]))
+    if d["collective_safe_note"]:
+        parts.append(f"<p class=note>{esc(d['collective_safe_note'])}</p>")
     parts.append("<h2>Figures</h2><div class=figs>" + "".join(
         f'<figure data-figure="{name}"><img alt="{esc(CAPTIONS.get(name, name))}" '
         f'src="data:image/png;base64,{base64.b64encode(png).decode()}"><figcaption>{esc(CAPTIONS.get(name, name))}'
@@ -322,7 +358,8 @@ def _html(markdown_data: dict[str, Any], figures: dict[str, bytes]) -> str:
     style = ("body{font-family:system-ui,sans-serif;max-width:1400px;margin:2em auto;padding:0 1em;color:#222}"
              "table{border-collapse:collapse;margin:1em 0}td,th{border:1px solid #ccc;padding:4px 10px;text-align:right}"
              "th{background:#f3f3f3}td:first-child{text-align:left}.big{font-size:1.3em}"
-             ".figs{display:grid;grid-template-columns:repeat(auto-fill,minmax(400px,1fr));gap:14px}"
+             ".figs{display:grid;grid-template-columns:repeat(auto-fill,minmax(280px,1fr));gap:10px}"
+             ".note{max-width:70em;color:#333}"
              "figure{margin:0;border:1px solid #eee;padding:6px}figure img{width:100%;height:auto;display:block}"
              "figcaption{font-size:.85em;color:#555;margin-top:4px}")
     return f"<!doctype html><html><head><meta charset=utf-8><title>Packfeed report</title><style>{style}</style></head>" \
