@@ -5,6 +5,7 @@ counts. Checked here by code of the test's own, over random datasets and configs
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 import subprocess
 import sys
 
@@ -194,3 +195,65 @@ def column_classes_of(plan, loads) -> np.ndarray:
     """(steps, dp, M): whether each pack has an image."""
     has = [int((loads.vision[plan.members[a:b]] > 0).any()) for a, b in zip(plan.offsets[:-1], plan.offsets[1:])]
     return np.asarray(has, dtype=np.int64).reshape(-1, plan.config.dp, plan.config.microbatches)
+
+
+def lane_classes(plan, loads) -> tuple[np.ndarray, np.ndarray]:
+    """(steps, M, dp x C) twice: the towers the pack on each GPU of each microbatch index calls (the test's
+    own: a pack at degree d on cp_group g covers lanes g*d .. g*d + d - 1 of its rank), and whether a pack runs
+    there."""
+    config, c = plan.config, plan.config.context_parallel
+    calls = loads.towers.astype(np.int64)
+    lanes = np.zeros((plan.n_steps, config.dp, config.microbatches, c), dtype=np.int64)
+    busy = np.zeros(lanes.shape, dtype=bool)
+    for slot, (a, b) in enumerate(zip(plan.offsets[:-1], plan.offsets[1:])):
+        step, rank, microbatch = slot // config.slots, slot // config.microbatches % config.dp, slot % config.microbatches
+        for k in range(a, b):
+            d, g = int(plan.cp_degree[k]), int(plan.cp_group[k])
+            lanes[step, rank, microbatch, g * d:(g + 1) * d] |= calls[plan.members[k]]
+            busy[step, rank, microbatch, g * d:(g + 1) * d] = True
+    return tuple(a.transpose(0, 2, 1, 3).reshape(plan.n_steps, config.microbatches, -1) for a in (lanes, busy))
+
+
+@st.composite
+def cp_safe_configs(draw):
+    return PlanConfig(dp=draw(st.integers(1, 4)), microbatches=draw(st.integers(1, 3)),
+                      context_parallel=draw(st.sampled_from([2, 4])), max_tokens_per_gpu=draw(st.sampled_from([1024,
+                                                                                                            4096])))
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(loads=mixed_datasets(), config=cp_safe_configs(), seed=st.integers(0, 2**31))
+def test_dynamic_context_parallel_plans_run_one_class_on_every_gpu_of_a_microbatch(loads, config, seed):
+    """Dynamic CP (packs over 1 to C of a rank's GPUs): every GPU of DP x CP in a microbatch index runs a pack of
+    the same towers, but for at most one partial column per class (a class with fewer samples than its columns
+    need: one per rank), which the summary counts."""
+    loads.encoders = {}
+    plan = make_plan(loads, config, seed, 0)
+    lanes, busy = lane_classes(plan, loads)
+    bad = (lanes != lanes[:, :, :1]).any(axis=2)
+    assert bad.sum() <= len(np.unique(loads.towers)), bad.sum()
+    summary = plan.summary(loads)
+    assert summary["collective_safe"]["on"] and summary["collective_safe"]["unaligned_microbatches"] == int(bad.sum())
+    assert np.array_equal(np.sort(plan.members), np.arange(len(loads)))  # every sample, exactly once
+    # whole columns keep every GPU busy; partial ones (at most one a class) and the last step's free indexes are
+    # in the epoch's last steps
+    idle = (~busy.all(axis=2)).any(axis=1)
+    first_idle = int(np.argmax(idle)) if idle.any() else len(idle)
+    assert idle[first_idle:].all() and len(idle) - first_idle <= len(np.unique(loads.towers)) + 1, idle
+
+
+def test_a_mostly_text_epoch_with_dynamic_context_parallelism_is_aligned_on_every_gpu():
+    """The issue's layout (DP 8, M 4, C 4) on a mostly-text mix with long samples: no microbatch index mixes
+    towers over the 32 GPUs, where the same plan without the layout mixes most of them; the balance over every
+    GPU stays within a few percent."""
+    rng = np.random.default_rng(7)
+    loads = mostly_text(8000, seed=7)
+    long = rng.random(len(loads)) < 0.05
+    loads.tokens[long] = rng.integers(8000, 60000, int(long.sum()))
+    config = PlanConfig(dp=8, microbatches=4, context_parallel=4, max_tokens_per_gpu=16384)
+    on, off = make_plan(loads, config, 0, 0), make_plan(loads, replace(config, collective_safe=False), 0, 0)
+    safe, unsafe = (lane_classes(plan, loads)[0] for plan in (on, off))
+    assert not (safe != safe[:, :, :1]).any() and (unsafe != unsafe[:, :, :1]).any(axis=2).mean() > 0.5
+    summary = on.summary(loads)
+    assert summary["collective_safe"]["unaligned_microbatches"] == 0
+    assert summary["context_parallel"]["gpu_dist"] < 0.05, summary["context_parallel"]

@@ -8,6 +8,7 @@ import json
 import subprocess
 import sys
 from collections import Counter
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -140,7 +141,7 @@ def test_a_long_samples_pack_is_topped_up_with_samples_one_gpu_holds(loads, conf
     holds, within what its d GPUs hold (d x N tokens)."""
     if config.cp_mode is CpMode.STATIC:
         return
-    plan = make_plan(loads, config, seed, 0)
+    plan = make_plan(loads, replace(config, collective_safe=False), seed, 0)  # collective-safe plans widen packs
     n, c = max_tokens_per_gpu(plan), config.context_parallel
     _, starts, stops = subpacks(plan.offsets, plan.cp_degree, plan.cp_group)
     for a, b in zip(starts, stops):
@@ -213,7 +214,8 @@ def test_a_plan_file_whose_cp_columns_do_not_fit_its_settings_is_refused(tmp_pat
         return str(tmp_path / name)
 
     rows = len(table)
-    for path, message in ((tampered("two.parquet", {"context_parallel": 2}), "row .* has cp 4"),
+    for path, message in ((tampered("two.parquet", {"context_parallel": 2}),
+                           "row .* not a pack on the plan's context_parallel 2 GPUs"),
                           (tampered("degree.parquet", column="cp", values=[3] * rows), "has cp 3"),
                           (tampered("group.parquet", column="cp_group", values=[4] * rows), "cp_group 4"),
                           (tampered("none.parquet", {"context_parallel": 1, "max_tokens_per_gpu": None,
@@ -254,9 +256,9 @@ def test_plan_command_prints_degrees_peak_and_gpu_dist(tmp_path, dataset):
                           "--context-parallel", "4", "--max-tokens-per-gpu", "256", "--out",
                           str(tmp_path / "plan.parquet")], capture_output=True, text=True, check=True)
     summary = json.loads(out.stdout)["context_parallel"]
-    alignment = json.loads(out.stdout)["collective_safe"]  # not silently off: the summary says why
-    assert not alignment["on"] and "dynamic context parallelism" in alignment["off_because"]
-    assert "--no-collective-safe" not in out.stderr  # a flag that was not given is not named
+    alignment = json.loads(out.stdout)["collective_safe"]  # laid out over every GPU of DP x CP
+    assert alignment["on"] and "off_because" not in alignment
+    assert alignment["unaligned_microbatches"] == 0 or "ensure_encoders" in out.stderr
     assert summary["max_tokens_per_gpu"] == 256 and summary["groups"] == 4 and summary["gpus"] == 8
     assert sum(summary["degrees"].values()) > 0 and 0 <= summary["gpu_dist"] < 1
     assert summary["peak_tokens_per_gpu"] <= 256 or summary["packs_over_max_tokens"] > 0

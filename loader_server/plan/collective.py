@@ -36,8 +36,8 @@ TOWER_BITS = {"images": 1, "videos": 2}
 
 
 def collective_safe_layout(config) -> bool:
-    """Whether plans of `config` are laid out collective-safe: asked for, more than one DP rank, and not dynamic
-    context parallelism (whose packs span a varying number of a rank's GPUs: its summary counts, nothing more)."""
+    """Whether plans of `config` are laid out collective-safe: asked for, and more than one DP rank (with dynamic
+    context parallelism, in columns over every GPU: `packfeed.server.plan.cp_columns`)."""
     return layout_off_reason(config) is None
 
 
@@ -47,11 +47,9 @@ def layout_off_reason(config) -> str | None:
 
     if not config.collective_safe:
         return "turned off (collective_safe false, --no-collective-safe)"
-    if config.dp == 1:
+    dynamic_cp = config.context_parallel > 1 and config.cp_mode is CpMode.DYNAMIC
+    if config.dp == 1 and not dynamic_cp:  # dynamic CP: a rank's C GPUs can run packs of different classes
         return "one DP rank: nothing to align"
-    if config.context_parallel > 1 and config.cp_mode is CpMode.DYNAMIC:
-        return ("dynamic context parallelism is not laid out collective-safe (its packs span a varying number of a "
-                "rank's GPUs); cp_mode static is")
     return None
 
 
@@ -307,6 +305,20 @@ def unaligned_towers(offsets: np.ndarray, members: np.ndarray, sample_class: np.
     some = np.bitwise_or.reduce(packs, axis=1)
     every = np.bitwise_and.reduce(packs, axis=1)
     return some & ~every
+
+
+def unaligned_lanes(offsets: np.ndarray, member_class: np.ndarray, cp_degree: np.ndarray, cp_group: np.ndarray,
+                    dp: int, m: int, c: int) -> np.ndarray:
+    """(steps, M) as `unaligned_towers`, for a context-parallel plan: over every GPU (dp x C lanes) of each
+    microbatch index, a lane's towers those of the pack it runs a share of. `member_class`: each plan member's."""
+    slot = np.repeat(np.arange(len(offsets) - 1), np.diff(offsets))
+    lanes = np.zeros((len(offsets) - 1, c), dtype=np.int64)
+    for d in np.unique(cp_degree):
+        of_degree = cp_degree == d
+        for j in range(int(d)):
+            np.bitwise_or.at(lanes, (slot[of_degree], cp_group[of_degree] * d + j), member_class[of_degree])
+    by_index = lanes.reshape(-1, dp, m, c).transpose(0, 2, 1, 3).reshape(-1, m, dp * c)
+    return np.bitwise_or.reduce(by_index, axis=2) & ~np.bitwise_and.reduce(by_index, axis=2)
 
 
 def alignment_summary(unaligned: np.ndarray, names: list[str], config) -> dict[str, Any]:

@@ -20,7 +20,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from packfeed.server import __version__
-from packfeed.server.plan.collective import alignment_summary, sample_towers, tower_names, unaligned_towers
+from packfeed.server.plan.collective import (alignment_summary, sample_towers, tower_names, unaligned_lanes,
+                                             unaligned_towers)
 from packfeed.server.plan.plan_checks import checked_cp, checked_packs
 from packfeed.server.plan.context_parallel import cp_summary
 from packfeed.server.plan.costs import SampleLoads
@@ -171,9 +172,13 @@ class Plan:
     def alignment(self, loads: SampleLoads) -> dict[str, Any]:
         """Microbatch indices calling a tower on some DP ranks only (`packfeed.server.plan.collective`): none
         where the data allows, when the plan is collective-safe."""
-        members = np.arange(len(self.members))
-        unaligned = unaligned_towers(self.offsets, members, sample_towers(loads, self.members), self.config.dp,
-                                     self.config.microbatches)
+        members, member_class = np.arange(len(self.members)), sample_towers(loads, self.members)
+        if self.cp_degree is not None:  # every GPU of a microbatch index, not only every rank
+            unaligned = unaligned_lanes(self.offsets, member_class.astype(np.int64), self.cp_degree, self.cp_group,
+                                        self.config.dp, self.config.microbatches, self.config.context_parallel)
+        else:
+            unaligned = unaligned_towers(self.offsets, members, member_class, self.config.dp,
+                                         self.config.microbatches)
         return alignment_summary(unaligned, tower_names(loads), self.config)
 
     def phase_summary(self) -> dict[str, Any]:

@@ -24,6 +24,7 @@ from packfeed.server.plan.collective import (aligned_steps, class_layout, collec
                                              pack_classes, sample_towers, split_to_whole_columns)
 from packfeed.server.plan.caps import default_targets, search_caps
 from packfeed.server.plan import context_parallel as cp
+from packfeed.server.plan.cp_columns import CpPacks, place_in_columns
 from packfeed.server.plan.costs import SampleLoads, encoder_costs, encoder_names, sample_costs
 from packfeed.server.plan.isf import Caps, IsfPacks, isf
 from packfeed.server.plan.pipeline_order import inter_reorder_many, stage_fractions, stage_times
@@ -108,9 +109,21 @@ def _dynamic_cp_plan(loads, config: PlanConfig, seed, epoch, index_fingerprint, 
     members, offsets = packs.members.astype(np.int64), packs.offsets
     degree = np.concatenate([np.ones(len(packs.tokens) - len(alone), dtype=np.int64), alone_degrees])
     loads = replace(loads, tokens=tokens)
-    pack_cv, pack_cl = _pack_costs(members, offsets, sample_costs(config.cost_model, loads))
-    (step, rank, microbatch, group), n_steps = cp.place(pack_cv + pack_cl, degree, config.dp, config.microbatches,
-                                                        config.context_parallel, streams[_STREAM_STEPS])
+    costs = sample_costs(config.cost_model, loads)
+    pack_cv, pack_cl = _pack_costs(members, offsets, costs)
+    if collective_safe_layout(config):
+        towers = sample_towers(loads)
+        laid = CpPacks([members[a:b] for a, b in zip(offsets[:-1], offsets[1:])], degree, pack_cv + pack_cl,
+                       pack_classes(members, offsets, towers))
+        (step, rank, microbatch, group), n_steps = place_in_columns(
+            laid, costs.sum(axis=1, dtype=np.float64), tokens, loads.vision, gpu_caps, config.dp,
+            config.microbatches, streams[_STREAM_STEPS])
+        members, degree = np.concatenate([members[:0], *laid.members]).astype(np.int64), laid.degree
+        offsets = np.concatenate([[0], np.cumsum([len(p) for p in laid.members])]).astype(np.int64)
+    else:
+        (step, rank, microbatch, group), n_steps = cp.place(pack_cv + pack_cl, degree, config.dp,
+                                                            config.microbatches, config.context_parallel,
+                                                            streams[_STREAM_STEPS])
     slot = (step * config.dp + rank) * config.microbatches + microbatch
     order = np.lexsort((group * degree, slot))  # each slot's packs by their first lane
     slot_offsets, slot_members = _gather(order, members, offsets, np.empty(0, members.dtype), np.zeros(1, np.int64))

@@ -97,3 +97,38 @@ def test_the_cost_of_collective_safe_plans(tmp_path):
             on, off = runs[True][0]["collective_safe"], runs[False][0]["collective_safe"]
             # what stays unaligned is the last step's (M microbatches) and one column per class at most
             assert on["unaligned_microbatches"] <= 4 + 3
+
+
+def cp_plan(index, safe: bool, max_tokens: int) -> dict:
+    """The issue's command: `packfeed plan --dp 8 --microbatches 4 --context-parallel 4 --max-tokens-per-gpu N`."""
+    out = subprocess.run([sys.executable, "-m", "packfeed.server.cli", "plan", "--index", str(index), "--dp", "8",
+                          "--microbatches", "4", "--context-parallel", "4", "--max-tokens-per-gpu", str(max_tokens),
+                          *([] if safe else ["--no-collective-safe"])], capture_output=True, text=True, check=True)
+    return json.loads(out.stdout)
+
+
+@pytest.mark.skipif(not real_lengths_available(), reason="needs ../shared/data/lengths")
+def test_the_cost_of_collective_safe_dynamic_context_parallel_plans(tmp_path):
+    """Dynamic CP (DP 8 x C 4 = 32 GPUs, M 4), collective-safe over every GPU or not, on the mostly-text mix and
+    the incoherent mix: at N = 40,960 (the issue's command) and at N = 4,096, where long samples span 2 and 4
+    GPUs. GPU Dist: over all 32 GPUs' work per step (the CP summary's)."""
+    datasets = {"mostly text": write_index(tmp_path / "text.parquet", *mostly_text_mix()),
+                "incoherent": write_index(tmp_path / "incoherent.parquet", *incoherent_mix())}
+    print("\n[collective-cp] dataset | N | collective_safe | steps | GPU Dist | degrees | unaligned microbatches | "
+          f"planning s (median, min-max of {ROUNDS})")
+    for name, index in datasets.items():
+        for max_tokens in (40960, 4096):
+            runs = {True: [], False: []}
+            for _ in range(ROUNDS):
+                for safe in (True, False):
+                    runs[safe].append(cp_plan(index, safe, max_tokens))
+            for safe in (True, False):
+                first, seconds = runs[safe][0], [r["planning_seconds"] for r in runs[safe]]
+                cp, alignment = first["context_parallel"], first["collective_safe"]
+                print(f"[collective-cp] {name} | {max_tokens} | {'on' if safe else 'off'} | {first['steps']} | "
+                      f"{cp['gpu_dist']:.4f} | {cp['degrees']} | {alignment['unaligned_microbatches']} / "
+                      f"{alignment['microbatches']} | {statistics.median(seconds):.3f} "
+                      f"({min(seconds):.3f}-{max(seconds):.3f})")
+                assert all(r["plan_fingerprint"] == first["plan_fingerprint"] for r in runs[safe])
+            assert runs[True][0]["collective_safe"]["on"]
+            assert runs[True][0]["collective_safe"]["unaligned_microbatches"] <= 3  # a partial column a class
