@@ -156,9 +156,10 @@ def cmd_warmup(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     import asyncio
 
-    from packfeed.server.serve.refused_imports import import_numba_without_scipy
+    from packfeed.server.serve.refused_imports import import_numba_without_scipy, refuse
 
     import_numba_without_scipy()  # before anything imports numba with it: 15 MiB the server never uses
+    refuse("pandas")  # pyarrow imports it when it first builds an array (the planner's warm-up), for nothing
     from packfeed.server.serve.config import load_config
     from packfeed.server.serve.observe import setup_logging
     from packfeed.server.serve.server import serve
