@@ -68,6 +68,8 @@ def test_the_examples_run_as_written_against_a_server_with_a_token(tmp_path):
     trainers = [c for c in setup if c.startswith("torchrun")]
     for name in ("lightning_fit.py", "stateful_loader.py"):
         trainers += [c for c in docstring_commands(EXAMPLES / name) if c != SERVED]
+    (zero3,) = commands_run_by("tests/test_examples.py")  # docs/training.md: the example under DeepSpeed ZeRO-3
+    trainers.append(zero3)
     shutil.copytree(EXAMPLES, tmp_path / "examples")
     bin_dir = str(Path(sys.executable).parent)  # `packfeed`, `torchrun` and `python` as an activated .venv has them
     env = {**os.environ, "PATH": bin_dir + os.pathsep + os.environ.get("PATH", ""), "PACKFEED_AUTH_TOKEN": "s3cret"}
@@ -104,3 +106,6 @@ def test_the_examples_run_as_written_against_a_server_with_a_token(tmp_path):
     assert re.search(r"step \d+: epoch \d+ step \d+, loss \d+\.\d+", fitted), fitted[-2000:]
     assert (tmp_path / "trainer-out").is_dir() and (tmp_path / "lightning-out").is_dir()
     assert (tmp_path / "dcp-out").is_dir()
+    # ZeRO-3 ran (a shard of the model per rank), without Accelerate's expected accumulation warning
+    assert len(list((tmp_path / "zero3-out").glob("checkpoint-*/global_step*/zero_pp_rank_*_model_states.pt"))) >= 2
+    assert "Gradient accumulation steps mismatch" not in outputs[zero3]

@@ -208,7 +208,8 @@ FLOORS = {
     "packfeed.client": {"wire": 0, "attention": 0, "discovery": 0, "tensors": 1, "channel": 1, "decode": 2, "hf": 2,
                         "context_parallel": 2,
                         "towers": 1, "hf_config": 1, "receiver": 3, "resume": 3, "local": 3, "stream": 4, "loaders": 5,
-                        "hf_trainer": 6, "lightning": 6, "megatron": 6, "sft_trainer": 7},
+                        "guard_updates": 5, "hf_trainer": 6, "lightning": 6, "megatron": 6,
+                        "sft_trainer": 7},
 }
 
 
