@@ -133,8 +133,7 @@ def split_to_whole_columns(packs, pack_class: np.ndarray, towers: np.ndarray, vi
     distinct, counts = np.unique(pack_class, return_counts=True)
     if not np.any((distinct != 0) & (counts % dp != 0)):
         return packs, pack_class  # every tower class fills whole columns already (the common case)
-    pieces = [packs.members[packs.offsets[p]:packs.offsets[p + 1]] for p in range(len(pack_class))]
-    classes = list(pack_class)
+    pieces, classes = _Pieces(packs.members, packs.offsets), {}  # what changes, over the packs as they are
     changed = False
     for cls, count in zip(distinct, counts):
         need = -int(count) % dp
@@ -166,22 +165,72 @@ def split_to_whole_columns(packs, pack_class: np.ndarray, towers: np.ndarray, vi
             continue
         for p in ids:
             pieces[p] = trial[p]
-        pieces += [trial[key] for key in added]
-        classes += [int(cls)] * len(added)
+        for key in added:
+            classes[pieces.append(trial[key])] = int(cls)
         changed = True
     if not changed:
         return packs, pack_class
-    kept = [k for k, piece in enumerate(pieces) if len(piece)]  # a pack whose every sample moved is gone
-    pieces, classes = [pieces[k] for k in kept], [classes[k] for k in kept]
-    offsets = np.zeros(len(pieces) + 1, dtype=packs.offsets.dtype)
-    np.cumsum([len(piece) for piece in pieces], out=offsets[1:])
-    members = np.concatenate(pieces).astype(packs.members.dtype)
+    members, offsets = pieces.assembled()
+    pack_class = np.concatenate([pack_class, np.zeros(len(pieces.added), np.int64)])
+    for p, cls in classes.items():
+        pack_class[p] = cls
+    pack_class = pack_class[np.diff(offsets) > 0]  # a pack whose every sample moved is gone
+    offsets = np.unique(offsets)
     starts = offsets[:-1]
     sums = lambda values: np.add.reduceat(values[members].astype(np.int64), starts).astype(values.dtype)  # noqa: E731
-    return type(packs)(members, offsets, sums(vision), sums(tokens)), np.asarray(classes, dtype=np.int64)
+    return type(packs)(members, offsets, sums(vision), sums(tokens)), pack_class
 
 
-def _moved(pieces: list, classes: list, ids: list[int], cls: int, towers, vision, tokens, caps, dp: int) -> bool:
+class _Pieces:
+    """Packs' members as `split_to_whole_columns` edits them: a pack's own slice until it is replaced, packs
+    appended after the others; built into (members, offsets) once, without a list of every pack."""
+
+    def __init__(self, members: np.ndarray, offsets: np.ndarray):
+        self.members, self.offsets = members, offsets
+        self.replaced: dict[int, np.ndarray] = {}
+        self.added: list[np.ndarray] = []
+
+    def __getitem__(self, p: int) -> np.ndarray:
+        n = len(self.offsets) - 1
+        if p >= n:
+            return self.added[p - n]
+        return self.replaced[p] if p in self.replaced else self.members[self.offsets[p]:self.offsets[p + 1]]
+
+    def __setitem__(self, p: int, members: np.ndarray) -> None:
+        n = len(self.offsets) - 1
+        if p >= n:
+            self.added[p - n] = members
+        else:
+            self.replaced[p] = members
+
+    def append(self, members: np.ndarray) -> int:
+        """Adds a pack; returns its id."""
+        self.added.append(members)
+        return len(self.offsets) - 1 + len(self.added) - 1
+
+    def assembled(self) -> tuple[np.ndarray, np.ndarray]:
+        """(members, offsets) of every pack in id order, emptied packs as empty ranges."""
+        lengths = np.diff(self.offsets).astype(np.int64)
+        for p, piece in self.replaced.items():
+            lengths[p] = len(piece)
+        lengths = np.concatenate([lengths, [len(piece) for piece in self.added]]).astype(np.int64)
+        offsets = np.zeros(len(lengths) + 1, dtype=self.offsets.dtype)
+        np.cumsum(lengths, out=offsets[1:])
+        n = len(self.offsets) - 1
+        own = np.ones(n, dtype=bool)
+        own[list(self.replaced)] = False
+        starts_new, starts_old = np.repeat(offsets[:n][own], lengths[:n][own]), np.repeat(
+            self.offsets[:-1][own].astype(np.int64), lengths[:n][own])
+        inside = np.arange(len(starts_new)) - np.repeat(np.cumsum(lengths[:n][own]) - lengths[:n][own],
+                                                        lengths[:n][own])
+        members = np.empty(int(offsets[-1]), dtype=self.members.dtype)
+        members[starts_new + inside] = self.members[starts_old + inside]  # the packs left as they were
+        for p, piece in [*self.replaced.items(), *((n + k, piece) for k, piece in enumerate(self.added))]:
+            members[offsets[p]:offsets[p + 1]] = piece
+        return members, offsets
+
+
+def _moved(pieces: _Pieces, classes: dict, ids: list[int], cls: int, towers, vision, tokens, caps, dp: int) -> bool:
     """One pack fewer of class `cls`, `len(ids) % dp` times: a pack's tower samples (lightest first) move into
     another pack of the class with room under the caps for them, made where needed by moving that pack's
     heaviest samples without a tower back the other way; what stays of the first pack calls no tower (class 0).
@@ -218,7 +267,7 @@ def _moved(pieces: list, classes: list, ids: list[int], cls: int, towers, vision
     for p, members in trial.items():
         pieces[p] = members
     for source, members in emptied:
-        pieces[source], classes[source] = members, 0  # an empty piece is dropped with the others below
+        pieces[source], classes[source] = members, 0  # an empty piece is dropped with the others
     return True
 
 
