@@ -134,22 +134,27 @@ def split_to_whole_columns(packs, pack_class: np.ndarray, towers: np.ndarray, vi
     if not np.any((distinct != 0) & (counts % dp != 0)):
         return packs, pack_class  # every tower class fills whole columns already (the common case)
     pieces, classes = _Pieces(packs.members, packs.offsets), {}  # what changes, over the packs as they are
+    sizes = np.diff(packs.offsets).astype(np.int64)
+    calls = np.bincount(np.repeat(np.arange(len(sizes)), sizes), weights=towers[packs.members] != 0,
+                        minlength=len(sizes)).astype(np.int64)  # each pack's samples that call a tower
     changed = False
     for cls, count in zip(distinct, counts):
         need = -int(count) % dp
         if cls == 0 or not need:
             continue
-        ids = np.flatnonzero(pack_class == cls).tolist()
-        trial = {p: pieces[p] for p in ids}
-        added = []
+        ids = np.flatnonzero(pack_class == cls)
+        trial, added = {}, []  # the packs split so far (their halves), and the new packs
         # the packs calling towers from the most samples first (ties: the most samples); one that cannot be halved
-        # is not tried again, and after CANDIDATES such in a row the class stops splitting
-        queue = [(-int(np.count_nonzero(towers[members] != 0)), -len(members), p) for p, members in trial.items()]
+        # is not tried again, and after CANDIDATES such in a row the class stops splitting. At most
+        # (need + 1) x (CANDIDATES + 1) packs are ever taken, so only as many of the first are queued.
+        first = ids[np.lexsort((ids, -sizes[ids], -calls[ids]))[:(need + 1) * (CANDIDATES + 1)]]
+        queue = [(-int(calls[p]), -int(sizes[p]), int(p)) for p in first]
         heapq.heapify(queue)
         failures = 0
         while need and queue and failures < CANDIDATES:
             _, _, p = heapq.heappop(queue)
-            halves = _halves(trial[p], towers[trial[p]].astype(np.int64), int(cls), tokens)
+            members = trial[p] if p in trial else pieces[p]
+            halves = _halves(members, towers[members].astype(np.int64), int(cls), tokens)
             if halves is None:
                 failures += 1
                 continue
@@ -160,11 +165,12 @@ def split_to_whole_columns(packs, pack_class: np.ndarray, towers: np.ndarray, vi
                 heapq.heappush(queue, (-int(np.count_nonzero(towers[trial[half]] != 0)), -len(trial[half]), half))
             failures, need = 0, need - 1
         if need:  # no more packs to split: fewer, by moving tower samples into the class's other packs instead
-            if _moved(pieces, classes, ids, int(cls), towers, vision, tokens, caps, dp):
+            if _moved(pieces, classes, ids.tolist(), int(cls), towers, vision, tokens, caps, dp):
                 changed = True
             continue
-        for p in ids:
-            pieces[p] = trial[p]
+        for p, members in trial.items():
+            if p >= 0:
+                pieces[p] = members
         for key in added:
             classes[pieces.append(trial[key])] = int(cls)
         changed = True
