@@ -62,6 +62,31 @@ def test_the_exchange_adds_to_attention_or_overlaps_it():
         simulate_cp(packs, table, cluster, "carrier pigeon")
 
 
+def test_the_kv_exchange_counts_the_kv_heads_not_the_hidden_size():
+    """Under grouped-query attention a layer's K and V are its K/V heads x head size, not its hidden size:
+    InternVL-Chat-1.5's LLM (48 heads, 8 K/V heads of 128) exchanges 2 x 8 x 128 x 2 bytes a token, a sixth of
+    2 x its hidden size; the pack's exchange seconds shrink by as much. A measured cost model (no heads known)
+    keeps the upper bound."""
+    from dataclasses import replace
+
+    from packfeed.trainer.simulate.context_parallel import pack_seconds
+    from packfeed.trainer.simulate.model_shape import internvl_chat_1_5
+
+    shape = internvl_chat_1_5()
+    gqa = shape.layer_table()
+    llm = np.array([kind == "llm" for kind in gqa.kinds])
+    assert set(gqa.kv_bytes_per_token()[llm]) == {2 * 8 * 128 * 2}
+    assert (gqa.kv_bytes_per_token()[llm] * 6 == 2 * gqa.output_bytes[llm, TOKENS]).all()
+    full = replace(shape, llm=replace(shape.llm, kv_heads=0)).layer_table()  # every head its own K and V
+    assert set(full.kv_bytes_per_token()[llm]) == {2 * 48 * 128 * 2}
+    cluster = Cluster(2, intra_gbs=1.0, latency_s=0.0, peak_tflops=1e18)  # compute ~free: the exchange counts
+    loads = np.zeros((1, 5))
+    loads[0, 0], loads[0, TOKENS] = 1, 1000
+    seconds = [pack_seconds(t, cluster, loads, np.array([2]), [[0, 1]])[0] for t in (gqa, full)]
+    assert seconds[1] == pytest.approx(6 * seconds[0], rel=1e-6)
+    assert llm_table(1.0, 0.0, kv_bytes=100.0).kv_bytes is None  # measured: 2 x the output bytes
+
+
 def simulate(*args: str) -> dict:
     done = subprocess.run([sys.executable, "-m", "packfeed.server.cli", "simulate", *args, "--json"],
                           capture_output=True, text=True, timeout=300)
@@ -87,6 +112,23 @@ def test_the_command_on_the_long_video_mix(tmp_path):
     assert timeless(simulate(*args)) == timeless(got), "not deterministic"
     ring = simulate(*args, "--cp-comm", "ring", "--cp-mode", "static")
     assert set(ring) == {"static"} and ring["static"]["epoch_s"] <= got["static"]["epoch_s"]
+
+
+def test_without_a_per_gpu_budget_plan_and_simulate_say_how_many_samples_exceed_the_default(tmp_path):
+    """No --max-tokens-per-gpu: N is the token cap, and the long samples above it are named with the flag (not
+    only an oversize count); with the flag given, no note."""
+    mix = write_long_video_mix(tmp_path / "mix.json", short=300)
+    common = ["--lengths", str(mix), "--dp", "2", "--context-parallel", "4", "--microbatches", "1", "--json"]
+    done = subprocess.run([sys.executable, "-m", "packfeed.server.cli", "simulate", *common], capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    n = json.loads(done.stdout)["context_parallel"][0]["max_tokens_per_gpu"]
+    tokens = [row["token_num"] for row in json.loads(mix.read_text())]
+    note = next(line for line in done.stderr.splitlines() if line.startswith("note: no --max-tokens-per-gpu"))
+    assert f"N = {n:,} tokens" in note and f"{sum(t > n for t in tokens):,} samples hold more" in note
+    given = subprocess.run([sys.executable, "-m", "packfeed.server.cli", "simulate", *common,
+                            "--max-tokens-per-gpu", "32768"], capture_output=True, text=True, timeout=300)
+    assert given.returncode == 0 and "no --max-tokens-per-gpu" not in given.stderr
 
 
 def test_the_command_refuses_what_it_cannot_simulate(tmp_path):

@@ -60,6 +60,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
         print(f"note: {summary['oversize']['count']} samples exceed a cap (policy: {summary['oversize']['policy']})", file=sys.stderr)
     if summary["collective_safe"]["unaligned_microbatches"]:
         print(unaligned_note(summary["collective_safe"]), file=sys.stderr)
+    if "context_parallel" in summary:
+        from packfeed.server.plan.context_parallel import default_budget_note
+
+        note = default_budget_note(plan.config, loads, summary["context_parallel"]["max_tokens_per_gpu"])
+        if note:
+            print(note, file=sys.stderr)
     print(json.dumps(summary))
     return EXIT_OK
 

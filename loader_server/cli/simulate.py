@@ -25,6 +25,7 @@ from packfeed.trainer.parallel.schedules import SCHEDULES
 from packfeed.trainer.simulate.workload import STRATEGIES, Workload, encoder_split_of, planner_cost_model, workload_of
 from packfeed.v1.options import CostModel, PlanConfig, Strategy
 
+from packfeed.server.plan.context_parallel import default_budget_note
 from packfeed.trainer.simulate.context_parallel import CpWorkload
 
 if TYPE_CHECKING:  # the planner loads (numba) when a command runs, not when the parser is built
@@ -280,6 +281,9 @@ def run_context_parallel(args: argparse.Namespace) -> int:
         records.append({"model": table_.name, "strategy": args.strategy, "planning_s": round(plan.seconds, 3),
                         "max_tokens_per_gpu": plan.summary(samples)["context_parallel"]["max_tokens_per_gpu"],
                         "oversize": int(len(plan.oversize)), **result})
+    note = default_budget_note(config, samples, records[0]["max_tokens_per_gpu"])
+    if note:
+        print(note, file=sys.stderr)
     lines = [f"packfeed simulate: {table_.name}, {args.strategy}, DP {args.dp} x CP {args.context_parallel} = "
              f"{cluster.gpus} GPUs, M {args.microbatches}, N {records[0]['max_tokens_per_gpu']} tokens per GPU, "
              f"K/V {args.cp_comm}"]

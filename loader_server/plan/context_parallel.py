@@ -319,3 +319,18 @@ def cp_summary(plan, loads) -> dict:
             "peak_tokens_per_gpu": int(per_gpu.max()) if len(per_gpu) else 0,
             "packs_over_max_tokens": int((per_gpu > n).sum()),
             "degrees": {str(int(d)): int(k) for d, k in zip(values, counts)}}
+
+
+def default_budget_note(config: PlanConfig, loads, n: int) -> str | None:
+    """A CP plan without `max_tokens_per_gpu` takes the token cap as what one GPU holds: say so where samples
+    are above it (they then span several GPUs, or beyond C GPUs fall to the oversize policy), naming the flag."""
+    if config.context_parallel <= 1 or config.max_tokens_per_gpu:
+        return None
+    over = loads.valid & (loads.tokens > n)
+    if not over.any():
+        return None
+    beyond = int((loads.valid & (loads.tokens > n * config.context_parallel)).sum())
+    return (f"note: no --max-tokens-per-gpu: each GPU holds at most N = {n:,} tokens (the token cap), and "
+            f"{int(over.sum()):,} samples hold more (split over several GPUs; {beyond:,} beyond {config.context_parallel} "
+            f"GPUs, the oversize policy's: {config.oversize.value}). Give --max-tokens-per-gpu (max_tokens_per_gpu): "
+            "the tokens one GPU's memory holds for the model")

@@ -5,7 +5,8 @@ simulate command hands its packs over as `CpWorkload` (their GPUs and load rows)
 
 - a pack's d GPUs each do 1/d of every layer's work (the zigzag split balances causal attention too). Per LLM
   layer they all-gather K and V (forward) and reduce-scatter their gradients (backward), a ring over the d GPUs
-  of 2 x the layer's output activation bytes per token (K and V; an upper bound under GQA). `allgather` (what
+  of the layer's K and V bytes per token (its K/V heads x head size x 2: under GQA a fraction of its hidden
+  size; a measured cost model, which knows no heads, counts 2 x its output bytes, an upper bound). `allgather` (what
   `packfeed train parallel.cp` runs): the exchange comes before the layer's attention, adding to it; `ring`
   (ring attention, Megatron-Core's p2p): it overlaps the layer's attention kernel, and the layer takes its
   linear part plus the longer of its attention and that exchange. The image features the pack's GPUs encoded are
@@ -92,7 +93,7 @@ def pack_seconds(table: LayerTable, cluster: Cluster, loads: np.ndarray, degree:
     attention[TOKEN_SQUARE] = True
     linear_part = np.einsum("lft,pt->pfl", seconds[:, :, ~attention], shared[:, ~attention])
     attention_part = np.einsum("lf,p->pfl", seconds[:, :, TOKEN_SQUARE], shared[:, TOKEN_SQUARE])
-    kv_bytes = 2 * table.output_bytes[:, TOKENS]  # K and V per token, per layer
+    kv_bytes = table.kv_bytes_per_token()  # K and V per token, per layer (the K/V heads, under GQA fewer)
     projector = table.kinds.index("projector") if "projector" in table.kinds else None
     out = np.zeros(len(degree))
     for p, (d, ranks) in enumerate(zip(degree.tolist(), gpus)):

@@ -96,7 +96,11 @@ class ModelShape:
                          l.layer_params, token_out))
         if l.vocab:
             rows.append(("head", {TOKENS: 2.0 * l.vocab * l.hidden}, l.vocab * l.hidden, {}))
-        return LayerTable.from_rows(self.name, rows)
+        table = LayerTable.from_rows(self.name, rows)
+        # K and V per token of an LLM layer: its K/V heads x head size (GQA: fewer than the query heads)
+        table.kv_bytes = np.array([2.0 * l.kv_width * ACTIVATION_BYTES if kind == "llm" else 0.0
+                                   for kind in table.kinds])
+        return table
 
 
 @dataclass
@@ -110,6 +114,12 @@ class LayerTable:
     params: np.ndarray  # (layers,)
     output_bytes: np.ndarray  # (layers, terms): activation bytes a boundary after the layer sends
     source: str = "shape"
+    # (layers,) K and V bytes per token that context parallelism exchanges; None (a measured table, which knows
+    # no heads): twice the layer's output bytes per token, an upper bound (no GQA)
+    kv_bytes: np.ndarray | None = None
+
+    def kv_bytes_per_token(self) -> np.ndarray:
+        return self.kv_bytes if self.kv_bytes is not None else 2 * self.output_bytes[:, TOKENS]
 
     @classmethod
     def from_rows(cls, name: str, rows) -> LayerTable:
