@@ -63,6 +63,9 @@ def _unset(value: Any) -> bool:
     return value is None or value == "" or (value == 0 and not isinstance(value, bool))
 
 
+LENGTH_WAIT_S = 600.0  # the longest len(stream) waits for a server still counting a job's later epochs
+
+
 class PackStream:
     """Iterate this rank's steps of a job, opening (or joining) it on the server first.
 
@@ -185,14 +188,20 @@ class PackStream:
 
     def __len__(self) -> int:
         """The job's steps over all its epochs (`JobInfo.steps`: each epoch's own count, summed), what a stream
-        from the job's start yields. While that is an estimate (a windowed job whose windows are not all
-        planned yet) the server is asked again, and a TypeError says the length is not known yet, as for any
-        iterable without one."""
-        if self.info.steps_estimated:
+        from the job's start yields. A job of many epochs may still be counting its later ones (the server
+        counts for `count_at_open_s` at open, the rest in the background): the server is asked again until it
+        knows (at most LENGTH_WAIT_S). A windowed job's count is an estimate until every window is planned:
+        a TypeError then says the length is not known yet, as for any iterable without one."""
+        deadline = time.monotonic() + LENGTH_WAIT_S
+        while self.info.steps_estimated:
             self.info = self.channel.call("GetJob", pb.GetJobRequest(job=self.job))
+            if not self.info.steps_estimated or self.info.plan.window or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
         if self.info.steps_estimated:
-            raise TypeError(f"job {self.job!r} is windowed and its step count is an estimate until every window is "
-                            f"planned (about {self.info.steps} steps now)")
+            what = ("is windowed and its step count is an estimate until every window is planned" if
+                    self.info.plan.window else f"was still counting its epochs' steps after {LENGTH_WAIT_S:g} s")
+            raise TypeError(f"job {self.job!r} {what} (about {self.info.steps} steps now)")
         return int(self.info.steps)
 
     def close_job(self) -> None:

@@ -112,3 +112,15 @@ def test_the_status_report_counts_every_epochs_steps(server, recipe):
     assert job["plan"]["epoch_steps"] == counts and job["plan"]["steps"] == sum(counts)
     assert job["ranks"][0]["done_steps"] == sum(counts)
     assert job["state"] != "finished"  # rank 1 never read: the job is not done
+
+
+def test_a_job_whose_epochs_are_counted_in_the_background_opens_and_its_length_waits_for_them(recipe):
+    """`count_at_open_s` 0: the open counts epoch 0 alone and the rest in the background (an open of 1,000
+    epochs would otherwise plan them all first); `len(stream)` asks again until the count is exact, and the
+    status report ends with every epoch's own count."""
+    counts = epoch_counts(recipe.index)
+    assert len(set(counts)) > 1  # an estimate from epoch 0 alone would be wrong
+    with LocalServer(recipe.index, workers=1, env={"PACKFEED_COUNT_AT_OPEN_S": "0"}) as server:
+        with PackStream(server.target, job="counted-later", rank=0, plan=PLAN, seed=SEED, epochs=EPOCHS) as stream:
+            assert len(stream) == sum(counts)
+            assert list(stream.info.epoch_steps) == counts and not stream.info.steps_estimated

@@ -25,7 +25,6 @@ from packfeed.trainer.parallel.schedules import SCHEDULES
 from packfeed.trainer.simulate.workload import STRATEGIES, Workload, encoder_split_of, planner_cost_model, workload_of
 from packfeed.v1.options import CostModel, PlanConfig, Strategy
 
-from packfeed.server.plan.context_parallel import default_budget_note
 from packfeed.trainer.simulate.context_parallel import CpWorkload
 
 if TYPE_CHECKING:  # the planner loads (numba) when a command runs, not when the parser is built
@@ -281,6 +280,8 @@ def run_context_parallel(args: argparse.Namespace) -> int:
         records.append({"model": table_.name, "strategy": args.strategy, "planning_s": round(plan.seconds, 3),
                         "max_tokens_per_gpu": plan.summary(samples)["context_parallel"]["max_tokens_per_gpu"],
                         "oversize": int(len(plan.oversize)), **result})
+    from packfeed.server.plan.context_parallel import default_budget_note  # numba: not at the CLI's import
+
     note = default_budget_note(config, samples, records[0]["max_tokens_per_gpu"])
     if note:
         print(note, file=sys.stderr)

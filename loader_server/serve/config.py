@@ -20,6 +20,7 @@
     address_file: /tmp/packfeed.address  # host:port written once serving; `packfeed health` checks it
     max_jobs: 64                # jobs held at once (RESOURCE_EXHAUSTED beyond)
     job_idle_s: 3600            # a job without streams or calls for this long is forgotten
+    count_at_open_s: 2          # an open counts its epochs' steps this long, the rest in the background
     prepare_timeout_s: 300      # a step stuck in preparation this long fails its stream (the client retries)
     max_skipped_fraction: 0.5   # a step that loses more of its samples fails loudly (FAILED_PRECONDITION)
     range_cache_dir: /cache/ranges  # object-store shards: ranges kept on local disk for later epochs
@@ -38,7 +39,7 @@ Environment: PACKFEED_LISTEN, PACKFEED_METRICS_PORT, PACKFEED_WORKERS, PACKFEED_
 PACKFEED_MEMORY_BUDGET_MB, PACKFEED_MAX_MESSAGE_MB, PACKFEED_PACK_PART_KB, PACKFEED_AUTH_TOKEN, PACKFEED_REDIS_URL,
 PACKFEED_REDIS_PASSWORD, PACKFEED_ADVERTISE, PACKFEED_LEASE_TTL_S, PACKFEED_TLS_CERT, PACKFEED_TLS_KEY,
 PACKFEED_TLS_CLIENT_CA, PACKFEED_MAX_STREAMS_PER_CLIENT, PACKFEED_ADDRESS_FILE, PACKFEED_MAX_JOBS,
-PACKFEED_JOB_IDLE_S, PACKFEED_PREPARE_TIMEOUT_S, PACKFEED_MAX_SKIPPED_FRACTION, PACKFEED_RANGE_CACHE_DIR,
+PACKFEED_JOB_IDLE_S, PACKFEED_COUNT_AT_OPEN_S, PACKFEED_PREPARE_TIMEOUT_S, PACKFEED_MAX_SKIPPED_FRACTION, PACKFEED_RANGE_CACHE_DIR,
 PACKFEED_RANGE_CACHE_MB, and for a single dataset
 PACKFEED_INDEX / PACKFEED_TOKENIZER / PACKFEED_SHARD_ROOT. Image policy and chat template always come from
 the index: they decided the token counts the plan balances, so serving with others would break it.
@@ -96,6 +97,9 @@ class ServerConfig:
     address_file: str = ""  # written with this server's host:port once it serves (`packfeed health` reads it)
     max_jobs: int = 64  # jobs held at once; OpenJob of another is RESOURCE_EXHAUSTED
     job_idle_s: float = 3600.0  # a job without streams or calls for this long is forgotten (re-opened on demand)
+    # OpenJob plans every epoch for its step count for at most this long; later epochs are counted in the
+    # background (JobInfo.steps_estimated until then; `len(PackStream)` waits for the exact count)
+    count_at_open_s: float = 2.0
     prepare_timeout_s: float = 300.0  # a step whose preparation takes longer fails its stream (UNAVAILABLE)
     max_skipped_fraction: float = 0.5  # a step losing more of its samples than this fails loudly
     # Object-store shards: ranges read kept on local disk for later epochs ("" = no cache), at most this much.
@@ -124,6 +128,8 @@ class ServerConfig:
             problems.append("lease_ttl_s must be > 0")
         if self.max_jobs < 1 or self.job_idle_s <= 0 or self.prepare_timeout_s <= 0:
             problems.append("max_jobs must be >= 1, job_idle_s and prepare_timeout_s > 0")
+        if self.count_at_open_s < 0:
+            problems.append("count_at_open_s must be >= 0")
         if not 0 <= self.max_skipped_fraction <= 1:
             problems.append("max_skipped_fraction must be between 0 and 1")
         if bool(self.tls_cert) != bool(self.tls_key):

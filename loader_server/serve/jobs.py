@@ -19,6 +19,7 @@ from packfeed.server.plan.isf import Caps
 from packfeed.server.plan.plan_file import Plan
 from packfeed.server.plan.windows import WindowedPlan
 from packfeed.server.serve.job_spec import JobError, JobSpec
+from packfeed.server.serve.observe import log
 from packfeed.server.serve.step_work import RankStepWork
 from packfeed.server.serve.workers import SharedSteps
 from packfeed.v1.options import Oversize
@@ -120,19 +121,22 @@ class Job:
     # PlanSpec.encoder_ranks E > 0: each encoder rank's progress (reported; the LLM ranks' is the job's position)
     encoders: list[RankState] = field(default_factory=list)
     _steps: dict = field(default_factory=dict)  # epoch -> its steps, once known exactly (the plan itself may go)
+    _released: threading.Event = field(default_factory=threading.Event)  # closed or forgotten: stop counting
 
     def __post_init__(self) -> None:
         if not self.encoders:
             self.encoders = [RankState() for _ in range(self.spec.plan_config.encoder_ranks)]
 
-    def prepare(self) -> None:
-        """Plan epoch 0 (caps included) now, so a bad config fails the open, not the first stream."""
+    def prepare(self, count_for_s: float = 2.0) -> None:
+        """Plan epoch 0 (caps included) now, so a bad config fails the open, not the first stream; count the
+        epochs' steps for at most `count_for_s`, the rest in the background."""
         try:
             self.caps = self.dataset.caps(self.spec.plan_config)
             self.caps = self.caps or getattr(self.epoch_plan(0), "caps", None)  # a windowed plan's, searched on window 0
             if self.spec.resume is not None:  # checked at open: a resume of another job than it claims is refused
                 self.epoch_plan(self.spec.resume.epoch)
-            self._count_epochs()
+            if not self._count_epochs(time.monotonic() + count_for_s):
+                threading.Thread(target=self._count_in_background, name=f"count {self.spec.job}", daemon=True).start()
             self._check_not_empty()
         except JobError as error:
             self.failure = error
@@ -163,20 +167,35 @@ class Job:
                     evicted.close()
             return self._plans[epoch]
 
-    def _count_epochs(self) -> None:
-        """Every epoch's steps, known at open: epochs plan different step counts (each shuffles its samples into
-        other packs, and aligns them anew), and a trainer sizes its schedule from the job's length. Each epoch
-        is planned once for its count, which is kept, not its plan. A windowed job's epochs are counted as
-        their windows are planned (`step_counts` estimates meanwhile)."""
+    def _count_epochs(self, deadline: float = float("inf")) -> bool:
+        """Every epoch's steps: epochs plan different step counts (each shuffles its samples into other packs,
+        and aligns them anew), and a trainer sizes its schedule from the job's length. Each epoch is planned
+        once for its count, which is kept, not its plan. Counts epochs 0, 1, ... until `deadline` (at least
+        epoch 0); True when every epoch is counted. A windowed job's epochs are counted as their windows are
+        planned (`step_counts` estimates meanwhile)."""
         if self.spec.plan_config.window:
-            return
+            return True
         for epoch in range(self.spec.epochs):
-            if epoch not in self._steps:
-                with self._lock:
-                    cached = self._plans.get(epoch)
-                plan = cached or self.dataset.job_plan(self.spec.plan_config, self.spec.seed, epoch, self.spec.resume,
-                                                       self.caps)
-                self._steps[epoch] = plan.n_steps
+            if epoch in self._steps:
+                continue
+            if self._released.is_set() or (epoch and time.monotonic() > deadline):
+                return False
+            with self._lock:
+                cached = self._plans.get(epoch)
+            plan = cached or self.dataset.job_plan(self.spec.plan_config, self.spec.seed, epoch, self.spec.resume,
+                                                   self.caps)
+            self._steps[epoch] = plan.n_steps
+        return True
+
+    def _count_in_background(self) -> None:
+        try:
+            self._count_epochs()
+        except Exception:  # the epochs stay estimated; streaming plans each epoch itself and reports any error
+            log.exception("counting a job's epochs failed", extra={"job": self.spec.job})
+
+    def release(self) -> None:
+        """The job was closed or forgotten: background counting stops."""
+        self._released.set()
 
     def _check_not_empty(self) -> None:
         """A job with no step in any epoch has nothing to stream: say why at its open, not as "step 0 is past

@@ -32,9 +32,10 @@ class JobRegistry:
     """Datasets this server serves (from its configuration) and the jobs opened on them."""
 
     def __init__(self, datasets: dict[str, Dataset], max_jobs: int = 64, idle_s: float = 3600.0,
-                 plan_wait_s: float = 60.0):
+                 plan_wait_s: float = 60.0, count_at_open_s: float = 2.0):
         self.datasets = datasets
         self.max_jobs, self.idle_s, self.plan_wait_s = max_jobs, idle_s, plan_wait_s
+        self.count_at_open_s = count_at_open_s
         self.jobs: dict[str, Job] = {}
         self.closed: collections.deque = collections.deque(maxlen=CLOSED_LISTED)  # newest first
         self._lock = threading.Lock()
@@ -66,7 +67,7 @@ class JobRegistry:
         job.touch()
         if planner:
             try:
-                job.prepare()
+                job.prepare(self.count_at_open_s)
             except JobError:
                 self.forget(job)
                 raise
@@ -121,7 +122,7 @@ class JobRegistry:
             idle = [name for name, job in self.jobs.items()
                     if job.ready.is_set() and not job.open_streams and now - job.last_used > self.idle_s]
             for name in idle:
-                del self.jobs[name]
+                self.jobs.pop(name).release()
         return idle
 
     def forget(self, job: Job) -> None:
@@ -129,6 +130,7 @@ class JobRegistry:
         with self._lock:
             if self.jobs.get(job.spec.job) is job:
                 del self.jobs[job.spec.job]
+        job.release()
 
 
 def check_routable(plan: PlanConfig, dataset: Dataset) -> None:

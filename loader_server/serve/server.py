@@ -97,7 +97,8 @@ async def serve(config: ServerConfig, ready: asyncio.Event | None = None, stop: 
     pool = WorkerPool(worker_sources(datasets), config.workers, config.memory_budget_mb << 18)
     metrics = Metrics()
     coordinator = coordinator_from_url(config.redis_url, config.redis_password)
-    registry = JobRegistry(datasets, max_jobs=config.max_jobs, idle_s=config.job_idle_s)
+    registry = JobRegistry(datasets, max_jobs=config.max_jobs, idle_s=config.job_idle_s,
+                           count_at_open_s=config.count_at_open_s)
     service = PackfeedService(config, registry, pool, metrics, coordinator)
     interceptors = [TokenAuth(config.auth_token)] if config.auth_token else []
     server = grpc.aio.server(interceptors=interceptors, options=grpc_options(config))
