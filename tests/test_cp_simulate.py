@@ -104,6 +104,14 @@ def test_the_command_on_the_long_video_mix(tmp_path):
         assert record["peak_tokens_per_gpu"] <= 32768 and record["oversize"] == 0 and record["gpus"] == 16
         assert record["samples"] == 3000 + round(3000 * 0.05 / 0.95)
     assert set(got["dynamic"]["degrees"]) == {"1", "2", "4"} and set(got["static"]["degrees"]) == {"4"}
+    # the bound no plan beats: below every mode's epoch, its sync over the fewest steps that hold every token at
+    # N per GPU and M microbatches a step
+    tokens = sum(row["token_num"] for row in json.loads(mix.read_text()))
+    for record in got.values():
+        assert 0 < record["bound_epoch_s"] <= record["epoch_s"] and record["above_bound"] >= 0
+        assert record["bound_steps"] == -(-tokens // (16 * 32768))
+    at_m4 = simulate(*args[:-1], "4")["dynamic"]
+    assert at_m4["bound_steps"] == -(-tokens // (16 * 32768 * 4)) < got["dynamic"]["bound_steps"]
     assert got["dynamic"]["bubble_fraction"] < got["static"]["bubble_fraction"]
     assert got["dynamic"]["epoch_s"] < got["static"]["epoch_s"]
     def timeless(records):

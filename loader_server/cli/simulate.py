@@ -281,7 +281,14 @@ def run_context_parallel(args: argparse.Namespace) -> int:
                         "max_tokens_per_gpu": plan.summary(samples)["context_parallel"]["max_tokens_per_gpu"],
                         "oversize": int(len(plan.oversize)), **result})
     from packfeed.server.plan.context_parallel import default_budget_note  # numba: not at the CLI's import
+    from packfeed.trainer.simulate.context_parallel import epoch_bound
 
+    valid = samples.valid
+    bound = epoch_bound(samples.tokens[valid], samples.vision[valid], table_, cluster, patches, args.dp,
+                        args.context_parallel, args.microbatches, records[0]["max_tokens_per_gpu"],
+                        records[0]["sync_s"])
+    for r in records:
+        r.update(bound, above_bound=r["epoch_s"] / bound["bound_epoch_s"] - 1 if bound["bound_epoch_s"] else 0.0)
     note = default_budget_note(config, samples, records[0]["max_tokens_per_gpu"])
     if note:
         print(note, file=sys.stderr)
@@ -292,7 +299,11 @@ def run_context_parallel(args: argparse.Namespace) -> int:
         mfu = f"{r['mfu']:.3f}" if r["mfu"] is not None else "n/a"
         lines.append(f"  {r['mode']:>7}: step {r['step_s']:.4f} s x {r['steps']} steps = epoch {r['epoch_s']:.1f} s; "
                      f"bubbles {r['bubble_fraction']:.3f}; MFU {mfu}; peak {r['peak_tokens_per_gpu']} tokens per "
-                     f"GPU; degrees {r['degrees']}; {r['oversize']} oversize; planned in {r['planning_s']:.2f} s")
+                     f"GPU; degrees {r['degrees']}; {r['oversize']} oversize; planned in {r['planning_s']:.2f} s; "
+                     f"{r['above_bound']:.1%} above the bound")
+    lines.append(f"  bound: no CP plan beats {bound['bound_epoch_s']:.1f} s an epoch ({bound['bound_whole_s']:.1f} s "
+                 f"of unsplit work and {bound['bound_split_s']:.1f} s of unavoidable splitting per GPU with no "
+                 f"bubble, {bound['bound_sync_s']:.1f} s of sync over at least {bound['bound_steps']} steps)")
     if len(records) == 2 and records[0]["epoch_s"]:
         lines.append(f"  dynamic vs static: {records[1]['epoch_s'] / records[0]['epoch_s']:.2f}x per epoch")
     print("\n".join(lines), file=sys.stderr if args.json else sys.stdout)

@@ -154,3 +154,38 @@ def simulate_cp(workload: CpWorkload, table: LayerTable, cluster: Cluster, comm:
             "mfu": flops / (gpus * cluster.peak_tflops * 1e12 * epoch) if flops is not None and epoch else None,
             "peak_tokens_per_gpu": workload.peak_tokens_per_gpu,
             "degrees": {str(int(d)): int(n) for d, n in zip(*np.unique(workload.degree, return_counts=True))}}
+
+
+def epoch_bound(tokens: np.ndarray, vision: np.ndarray, table: LayerTable, cluster: Cluster, patches_per_tile: int,
+                dp: int, cp: int, microbatches: int, max_tokens: int, sync_s: float) -> dict:
+    """The shortest epoch any CP plan of these samples could take under the model (`bound_epoch_s`): every
+    sample's work whole on one GPU (no split costs, packs of any size: its per-pack constant left out), plus what
+    splitting the samples above N costs at the least (each alone at the fewest GPUs that hold it, against the
+    same sample whole), spread evenly over all dp x C GPUs with no bubble, plus the gradient sync of the fewest
+    steps that hold every token at N per GPU and M microbatches a step."""
+    from packfeed.server.plan.context_parallel import degrees
+
+    tokens, vision = np.asarray(tokens, dtype=np.int64), np.asarray(vision, dtype=np.float64)
+    gpus = dp * cp
+
+    def gpu_seconds(ids: np.ndarray, degree: np.ndarray) -> float:  # each sample of `ids` alone on its degree
+        if not len(ids):
+            return 0.0
+        zeros = np.zeros(len(ids), dtype=np.int64)
+        packs = CpWorkload.of_packs(zeros, zeros, zeros, degree, zeros, tokens[ids].astype(float), vision[ids],
+                                    tokens[ids].astype(float) ** 2, patches_per_tile, 1, 1, 1, cp, len(ids), "bound",
+                                    [tokens[ids][k:k + 1] for k in range(len(ids))] if (degree > 1).any() else None)
+        packs.loads[:, 0] = 0.0  # a pack's constant: packs of many samples pay it once, so it is left out
+        seconds = pack_seconds(table, cluster, packs.loads, packs.degree, [list(range(int(d))) for d in degree],
+                               "allgather", packs.gathered_rows)
+        return float((seconds * degree).sum())
+
+    everyone = np.arange(len(tokens))
+    whole = gpu_seconds(everyone, np.ones(len(tokens), dtype=np.int64))
+    long = np.flatnonzero(tokens > max_tokens)
+    split = gpu_seconds(long, np.minimum(degrees(tokens[long], max_tokens), cp)) - \
+        gpu_seconds(long, np.ones(len(long), dtype=np.int64))
+    steps = max(1, -(-int(tokens.sum()) // (gpus * max_tokens * microbatches)))
+    bound = (whole + split) / gpus + steps * sync_s
+    return {"bound_epoch_s": bound, "bound_whole_s": whole / gpus, "bound_split_s": split / gpus,
+            "bound_sync_s": steps * sync_s, "bound_steps": steps}
