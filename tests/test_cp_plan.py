@@ -263,3 +263,14 @@ def test_plan_command_prints_degrees_peak_and_gpu_dist(tmp_path, dataset):
     assert sum(summary["degrees"].values()) > 0 and 0 <= summary["gpu_dist"] < 1
     assert summary["peak_tokens_per_gpu"] <= 256 or summary["packs_over_max_tokens"] > 0
     assert read_plan(tmp_path / "plan.parquet").cp_degree is not None
+
+
+def test_the_contracts_degree_rule_is_the_planners():
+    """`packfeed.v1.context_parallel.degree_for` (what the simulator's bound and a client may compute) gives a
+    sample the degree the planner gives it."""
+    from packfeed.server.plan.context_parallel import degrees
+    from packfeed.v1.context_parallel import degree_for
+
+    tokens = np.random.default_rng(0).integers(1, 300_000, 2000)
+    for n in (1024, 4096, 40960):
+        assert [degree_for(int(t), n) for t in tokens] == degrees(tokens, n).tolist()

@@ -30,6 +30,7 @@ from packfeed.trainer.simulate.cluster import Cluster
 from packfeed.trainer.simulate.model_shape import TILES, TOKEN_SQUARE, TOKENS, VISION_SQUARE, LayerTable
 from packfeed.trainer.simulate.placement import GRAD_BYTES, PARAM_BYTES
 from packfeed.trainer.simulate.split_attention import GATHERED_KV_SECONDS_PER_BYTE, share_costs
+from packfeed.v1.context_parallel import degree_for
 
 SPLIT_TERMS = (TILES, VISION_SQUARE, TOKENS, TOKEN_SQUARE)  # what d GPUs share; the constant each pays
 
@@ -163,8 +164,6 @@ def epoch_bound(tokens: np.ndarray, vision: np.ndarray, table: LayerTable, clust
     splitting the samples above N costs at the least (each alone at the fewest GPUs that hold it, against the
     same sample whole), spread evenly over all dp x C GPUs with no bubble, plus the gradient sync of the fewest
     steps that hold every token at N per GPU and M microbatches a step."""
-    from packfeed.server.plan.context_parallel import degrees
-
     tokens, vision = np.asarray(tokens, dtype=np.int64), np.asarray(vision, dtype=np.float64)
     gpus = dp * cp
 
@@ -183,7 +182,8 @@ def epoch_bound(tokens: np.ndarray, vision: np.ndarray, table: LayerTable, clust
     everyone = np.arange(len(tokens))
     whole = gpu_seconds(everyone, np.ones(len(tokens), dtype=np.int64))
     long = np.flatnonzero(tokens > max_tokens)
-    split = gpu_seconds(long, np.minimum(degrees(tokens[long], max_tokens), cp)) - \
+    least = np.array([min(degree_for(t, max_tokens), cp) for t in tokens[long].tolist()], dtype=np.int64)
+    split = gpu_seconds(long, least) - \
         gpu_seconds(long, np.ones(len(long), dtype=np.int64))
     steps = max(1, -(-int(tokens.sum()) // (gpus * max_tokens * microbatches)))
     bound = (whole + split) / gpus + steps * sync_s

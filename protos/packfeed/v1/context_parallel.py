@@ -46,3 +46,10 @@ def pack_shares(lengths: list[int], degree: int) -> list[list[tuple[int, int]]]:
         chunks, turn = zigzag_chunks(length, degree, turn)
         shares.append(chunks)
     return shares
+
+
+def degree_for(tokens: int, max_tokens: int) -> int:
+    """The fewest GPUs, a power of 2, that hold a sample of `tokens` at `max_tokens` each (1 when one does):
+    the degree a dynamic CP plan gives a long sample before the oversize policy caps it at C."""
+    need = max(1, -(-int(tokens) // int(max_tokens)))
+    return 1 << (need - 1).bit_length()
