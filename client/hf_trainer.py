@@ -240,10 +240,9 @@ class _ExpectedAccumulationMismatch(logging.Filter):
 
 
 def quiet_expected_accumulation_warning(microbatches: int) -> None:
-    logger = logging.getLogger("accelerate.accelerator")
-    if not any(isinstance(f, _ExpectedAccumulationMismatch) and f.expected.endswith(f" {microbatches}.")
-               for f in logger.filters):
-        logger.addFilter(_ExpectedAccumulationMismatch(microbatches))
+    logger, quiet = logging.getLogger("accelerate.accelerator"), _ExpectedAccumulationMismatch(microbatches)
+    if not any(getattr(f, "expected", None) == quiet.expected for f in logger.filters):
+        logger.addFilter(quiet)
 
 
 def sharded(args: transformers.TrainingArguments) -> bool:

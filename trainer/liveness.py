@@ -39,9 +39,6 @@ class Liveness:
                 return silent
             time.sleep(0.2)
 
-    def stop(self) -> None:
-        """Nothing runs in the background: kept so a caller may end it as it ends other helpers."""
-
 
 def timed_out(error: BaseException) -> bool:
     """A collective's timeout, as gloo and NCCL word it."""

@@ -98,8 +98,6 @@ def train(config: TrainConfig) -> dict:
         return name_the_silent(liveness, config.parallel.timeout_s, mesh.describe_rank)(train_on)(config, mesh,
                                                                                             target, out)
     finally:
-        if liveness is not None:
-            liveness.stop()
         if server is not None:
             server.stop()
 

@@ -223,14 +223,11 @@ class _Pieces:
         offsets = np.zeros(len(lengths) + 1, dtype=self.offsets.dtype)
         np.cumsum(lengths, out=offsets[1:])
         n = len(self.offsets) - 1
-        own = np.ones(n, dtype=bool)
+        own = np.ones(len(lengths), dtype=bool)  # the packs left as they were: their members, in order
         own[list(self.replaced)] = False
-        starts_new, starts_old = np.repeat(offsets[:n][own], lengths[:n][own]), np.repeat(
-            self.offsets[:-1][own].astype(np.int64), lengths[:n][own])
-        inside = np.arange(len(starts_new)) - np.repeat(np.cumsum(lengths[:n][own]) - lengths[:n][own],
-                                                        lengths[:n][own])
+        own[n:] = False
         members = np.empty(int(offsets[-1]), dtype=self.members.dtype)
-        members[starts_new + inside] = self.members[starts_old + inside]  # the packs left as they were
+        members[np.repeat(own, lengths)] = self.members[np.repeat(own[:n], np.diff(self.offsets))]
         for p, piece in [*self.replaced.items(), *((n + k, piece) for k, piece in enumerate(self.added))]:
             members[offsets[p]:offsets[p + 1]] = piece
         return members, offsets

@@ -331,6 +331,6 @@ def default_budget_note(config: PlanConfig, loads, n: int) -> str | None:
         return None
     beyond = int((loads.valid & (loads.tokens > n * config.context_parallel)).sum())
     return (f"note: no --max-tokens-per-gpu: each GPU holds at most N = {n:,} tokens (the token cap), and "
-            f"{int(over.sum()):,} samples hold more (split over several GPUs; {beyond:,} beyond {config.context_parallel} "
-            f"GPUs, the oversize policy's: {config.oversize.value}). Give --max-tokens-per-gpu (max_tokens_per_gpu): "
-            "the tokens one GPU's memory holds for the model")
+            f"{int(over.sum()):,} samples hold more (split over several GPUs; {beyond:,} beyond "
+            f"{config.context_parallel} GPUs, the oversize policy's: {config.oversize.value}). Give "
+            "--max-tokens-per-gpu (max_tokens_per_gpu): the tokens one GPU's memory holds for the model")

@@ -51,14 +51,14 @@ def place_in_columns(packs: CpPacks, sample_cost: np.ndarray, tokens: np.ndarray
     c = caps.groups
     if not packs.members:
         return (np.empty(0, dtype=np.int64),) * 4, 0
-    columns = []  # (work, partial, class, [slot: list of (pack, degree, cp_group)])
+    columns = []  # (partial, -work, class, its slots: each a list of (pack, degree))
     for klass in np.unique(packs.pack_class):
         ids = _enough_packs(packs, np.flatnonzero(packs.pack_class == klass), sample_cost, tokens, vision, caps, dp)
         slots = _fill_slots(ids, packs, dp, c)
-        slots.sort(key=lambda slot: -sum(packs.cost[p] for p, _ in slot))
+        slots.sort(key=lambda slot: -_work(slot, packs.cost))
         for first in range(0, len(slots), dp):
             column = slots[first:first + dp]
-            work = sum(packs.cost[p] for slot in column for p, _ in slot)
+            work = sum(_work(slot, packs.cost) for slot in column)
             columns.append((len(column) < dp, -work, int(klass), column))
     columns.sort(key=lambda column: column[:3])  # whole columns first, heaviest first; partial ones last
     n_pack = len(packs.members)
@@ -83,7 +83,8 @@ def _step_slots(columns: list, cost: np.ndarray, dp: int, c: int):
     has columns here, heaviest slot first to the rank whose busiest GPU would carry the least; a partial column
     keeps to one slot a rank. Each slot's packs then go to the GPUs with the least work (`_lanes`)."""
     load = np.zeros((dp, c))  # every GPU's work in the step so far
-    groups: dict = {}  # (class, partial) -> the microbatch indexes of its columns here, and their slots
+    # (class, partial, the index of a partial column) -> the microbatch indexes of its columns here, their slots
+    groups: dict = {}
     for j, (partial, _, klass, column) in enumerate(columns):
         indexes, slots = groups.setdefault((klass, partial, j if partial else -1), ([], []))
         indexes.append(j)
@@ -91,8 +92,8 @@ def _step_slots(columns: list, cost: np.ndarray, dp: int, c: int):
     placed = []
     for indexes, slots in groups.values():
         taken = np.zeros(dp, dtype=np.int64)
-        for slot in sorted(slots, key=lambda slot: -sum(cost[p] for p, _ in slot)):
-            work = sum(cost[p] for p, _ in slot) / c
+        for slot in sorted(slots, key=lambda slot: -_work(slot, cost)):
+            work = _work(slot, cost) / c
             r = min((r for r in range(dp) if taken[r] < len(indexes)),
                     key=lambda r: (load[r].max() + work, load[r].sum(), r))
             placed.append((r, indexes[taken[r]], _lanes(slot, load[r], cost)))
@@ -100,8 +101,13 @@ def _step_slots(columns: list, cost: np.ndarray, dp: int, c: int):
     return placed
 
 
+def _work(slot: list[tuple[int, int]], cost: np.ndarray) -> float:
+    return sum(float(cost[p]) for p, _ in slot)
+
+
 def _slots_needed(lanes: int, dp: int, c: int) -> int:
-    return dp * -(-(-(-lanes // c)) // dp)
+    """Slots for `lanes` in whole columns: dp x ceil(lanes / (dp x C))."""
+    return dp * -(-lanes // (dp * c))
 
 
 def _enough_packs(packs: CpPacks, ids: np.ndarray, sample_cost, tokens, vision, caps: CpCaps, dp: int) -> list[int]:

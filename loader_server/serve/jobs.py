@@ -127,7 +127,7 @@ class Job:
         if not self.encoders:
             self.encoders = [RankState() for _ in range(self.spec.plan_config.encoder_ranks)]
 
-    def prepare(self, count_for_s: float = 2.0) -> None:
+    def prepare(self, count_for_s: float) -> None:
         """Plan epoch 0 (caps included) now, so a bad config fails the open, not the first stream; count the
         epochs' steps for at most `count_for_s`, the rest in the background."""
         try:

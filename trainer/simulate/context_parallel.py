@@ -183,8 +183,7 @@ def epoch_bound(tokens: np.ndarray, vision: np.ndarray, table: LayerTable, clust
     whole = gpu_seconds(everyone, np.ones(len(tokens), dtype=np.int64))
     long = np.flatnonzero(tokens > max_tokens)
     least = np.array([min(degree_for(t, max_tokens), cp) for t in tokens[long].tolist()], dtype=np.int64)
-    split = gpu_seconds(long, least) - \
-        gpu_seconds(long, np.ones(len(long), dtype=np.int64))
+    split = gpu_seconds(long, least) - gpu_seconds(long, np.ones(len(long), dtype=np.int64))
     steps = max(1, -(-int(tokens.sum()) // (gpus * max_tokens * microbatches)))
     bound = (whole + split) / gpus + steps * sync_s
     return {"bound_epoch_s": bound, "bound_whole_s": whole / gpus, "bound_split_s": split / gpus,
