@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from packfeed.server.plan.costs import EncoderLoads, SampleLoads
-from packfeed.server.plan.planner import make_plan
+from packfeed.server.plan.planner import count_steps, make_plan
 from packfeed.server.plan.plan_file import read_plan
 from packfeed.v1.options import PlanConfig, Strategy
 
@@ -43,6 +43,12 @@ def safe_configs(draw):
                       pipeline_stages=draw(st.integers(1, 3)), strategy=strategy,
                       samples_per_pack=draw(st.sampled_from([1.0, 2.0, 4.0])),
                       encoder_ranks=draw(st.sampled_from([0, 2])) if not strategy.padded else 0)
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(loads=mixed_datasets(), config=safe_configs(), seed=st.integers(0, 2**31), epoch=st.integers(0, 3))
+def test_a_counted_epoch_has_its_plans_steps_after_the_merges_and_splits(loads, config, seed, epoch):
+    assert count_steps(loads, config, seed, epoch) == make_plan(loads, config, seed, epoch).n_steps
 
 
 def column_classes(plan, loads) -> np.ndarray:

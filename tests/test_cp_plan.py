@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from packfeed.server.plan.context_parallel import max_tokens_per_gpu, subpacks
 from packfeed.server.plan.costs import SampleLoads
 from packfeed.server.plan.plan_file import read_plan
-from packfeed.server.plan.planner import make_plan
+from packfeed.server.plan.planner import count_steps, make_plan
 from packfeed.v1.context_parallel import pack_shares, rank_chunks, zigzag_chunks
 from packfeed.v1.options import CpMode, Oversize, PlanConfig
 
@@ -44,6 +44,14 @@ def cp_configs(draw):
 
 
 SETTINGS = settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+@SETTINGS
+@given(loads=long_mixes(), config=cp_configs(), seed=st.integers(0, 2**31), safe=st.booleans())
+def test_a_counted_cp_epoch_has_its_plans_steps(loads, config, seed, safe):
+    """Dynamic CP counts its steps by splitting and sizing its packs as the plan does, without placing them."""
+    config = replace(config, collective_safe=safe)
+    assert count_steps(loads, config, seed, 3) == make_plan(loads, config, seed, 3).n_steps
 
 
 def gpu_tokens(plan, loads) -> tuple[np.ndarray, np.ndarray]:

@@ -40,7 +40,8 @@ def server(recipe):
 def epoch_counts(index, plan: PlanConfig = PLAN) -> list[int]:
     """Each epoch's steps as the planner plans them, epoch by epoch."""
     from packfeed.server.plan.costs import load_sample_loads
-    from packfeed.server.plan.planner import make_plan, resolve_caps
+    from packfeed.server.plan.caps import resolve_caps
+    from packfeed.server.plan.planner import make_plan
 
     loads, _ = load_sample_loads(index)
     caps = resolve_caps(loads, plan)

@@ -15,7 +15,8 @@ import pytest
 import yaml
 
 from packfeed.server.index.lengths import write_lengths_index
-from packfeed.server.plan.mixture import Mixture, MixtureLoads, check_epoch_rows, make_mixture_plan
+from packfeed.server.plan.mixture import (Mixture, MixtureLoads, check_epoch_rows, count_mixture_steps,
+                                         make_mixture_plan)
 from packfeed.v1.options import PlanConfig
 
 CLI = [sys.executable, "-m", "packfeed.server.cli"]
@@ -102,6 +103,14 @@ def test_a_windowed_mixture_plan_delivers_every_repeat_and_mixes_its_windows(mix
     assert done.returncode == 0, done.stderr
     summary = json.loads(done.stdout.strip().splitlines()[-1])
     assert summary["windows"] == 4 and summary["samples"] == len(whole.datasets) and summary["steps"] == plan.n_steps
+
+
+def test_a_counted_mixture_epoch_has_its_plans_steps(mixture_file):
+    """Each epoch draws its own rows (fractional repeats), so each is counted over its own rows."""
+    mixture = MixtureLoads(Mixture.load(mixture_file))
+    for config in (PlanConfig(dp=4, microbatches=2), PlanConfig(dp=3, strategy="random")):
+        planned = [make_mixture_plan(mixture, config, 5, epoch).n_steps for epoch in range(4)]
+        assert [count_mixture_steps(mixture, config, 5, epoch, None) for epoch in range(4)] == planned
 
 
 def test_the_fingerprint_covers_every_index_and_weight(mixture_file, tmp_path):

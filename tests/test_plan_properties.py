@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+from dataclasses import replace
 
 import numpy as np
 from hypothesis import HealthCheck, given, settings
@@ -10,7 +11,7 @@ from hypothesis import strategies as st
 
 from packfeed.server.plan.costs import SampleLoads
 from packfeed.server.plan.isf import Caps, RowLayout, isf
-from packfeed.server.plan.planner import make_plan
+from packfeed.server.plan.planner import count_steps, make_plan
 from packfeed.server.plan.plan_file import read_plan
 from packfeed.v1.options import Oversize, PlanConfig, Strategy
 
@@ -87,6 +88,14 @@ def test_no_multi_sample_pack_exceeds_a_cap_and_oversize_travels_alone(loads, co
             assert plan.truncate_to[k] == caps.token_cap
         else:
             assert sizes[position[int(sample)]] == 1
+
+
+@SETTINGS
+@given(loads=datasets(), config=configs(), seed=st.integers(0, 2**31), epoch=st.integers(0, 5), safe=st.booleans())
+def test_a_counted_epoch_has_its_plans_steps(loads, config, seed, epoch, safe):
+    """A job's length is every epoch's count (`count_steps`), which must be what the epoch's plan streams."""
+    config = replace(config, collective_safe=safe)
+    assert count_steps(loads, config, seed, epoch) == make_plan(loads, config, seed, epoch).n_steps
 
 
 @SETTINGS

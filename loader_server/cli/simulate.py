@@ -102,7 +102,7 @@ def cp_workload(plan, vision: np.ndarray, tokens: np.ndarray, patches_per_tile: 
 
 def random_packs(samples: SampleLoads, config: PlanConfig, seed: int, epoch: int) -> tuple[np.ndarray, np.ndarray]:
     """Shuffled samples, next fit under ISF's caps; packs in step order, the last step filled with empty packs."""
-    from packfeed.server.plan.planner import resolve_caps
+    from packfeed.server.plan.caps import resolve_caps
 
     rng = np.random.default_rng(np.random.SeedSequence([seed, epoch, 5]))
     caps = resolve_caps(samples, config)

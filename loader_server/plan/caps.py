@@ -15,8 +15,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from packfeed.server.plan.costs import SampleLoads
 from packfeed.server.plan.isf import Caps, isf
 from packfeed.server.plan.metrics import dist_ratio
+from packfeed.v1.options import PlanConfig
 
 SEARCH_SEED = 0x5EED  # caps are a property of the data and config, never of the run's seed or epoch
 TOKEN_SLACK = 128  # OmniBal Table 6: token target = token cap - 128
@@ -116,3 +118,24 @@ def search_caps(vision: np.ndarray, tokens: np.ndarray, dp: int, samples_per_pac
         # Nothing landed in the window (tiny or odd data): take the closest average pack size.
         best = min(tried.values(), key=lambda c: (abs(c.samples_per_pack - samples_per_pack), c.score))
     return best.caps, sorted(tried.values(), key=lambda c: c.caps.token_cap)
+
+
+def resolve_caps(loads: SampleLoads, config: PlanConfig) -> Caps:
+    """Caps from the config, completed with default targets, or searched from the data."""
+    if config.vision_cap is not None:
+        vt, tt = default_targets(config.vision_cap, config.token_cap)
+        return Caps(config.vision_cap, config.token_cap,
+                    config.vision_target if config.vision_target is not None else vt,
+                    config.token_target if config.token_target is not None else tt)
+    valid = loads.valid
+    if not valid.any():
+        return Caps(1, 1, 1, 1)  # nothing to pack: the plan is empty whatever the caps
+    everything = valid.all()
+    caps, _ = search_caps(loads.vision if everything else loads.vision[valid],
+                          loads.tokens if everything else loads.tokens[valid], config.dp, config.samples_per_pack,
+                          config.isf_iterations)
+    if config.vision_target is not None or config.token_target is not None:
+        caps = Caps(caps.vision_cap, caps.token_cap,
+                    config.vision_target if config.vision_target is not None else caps.vision_target,
+                    config.token_target if config.token_target is not None else caps.token_target)
+    return caps

@@ -83,13 +83,21 @@ def pack_classes(members, offsets, sample_class):
     return out
 
 
+def class_counts(pack_class: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The classes present (ascending) and their pack counts: classes are small bit sets, so counting beats
+    sorting or hashing an epoch's packs."""
+    counts = np.bincount(pack_class) if len(pack_class) else np.zeros(0, dtype=np.int64)
+    distinct = np.flatnonzero(counts)
+    return distinct, counts[distinct]
+
+
 def merge_to_whole_columns(packs, pack_class: np.ndarray, vision_cap: int, token_cap: int, dp: int):
     """Fewer packs left over: for each class whose pack count is not a multiple of dp (r over one), merge r pairs
     of its lightest packs, each within the caps, so its count becomes one. A class with fewer than dp packs, or
     whose pairs would exceed a cap, is left as it is (its leftovers share columns). Returns (packs, pack_class)
     (`packs`: an `IsfPacks`; the same objects when nothing merges)."""
     into = np.arange(len(pack_class))  # the pack each pack's members end in
-    for cls in np.unique(pack_class):
+    for cls in class_counts(pack_class)[0]:
         ids = np.flatnonzero(pack_class == cls)
         spare = len(ids) % dp
         if not spare or len(ids) < dp:
@@ -130,7 +138,7 @@ def split_to_whole_columns(packs, pack_class: np.ndarray, towers: np.ndarray, vi
     Where no pack of the class can be halved so, its count goes down to a multiple instead: a pack's tower
     samples move into another of the class's packs with room under `caps`, and what stays calls no tower.
     `towers`: every sample's class; `vision`, `tokens`: every sample's. Returns (packs, pack_class)."""
-    distinct, counts = np.unique(pack_class, return_counts=True)
+    distinct, counts = class_counts(pack_class)
     if not np.any((distinct != 0) & (counts % dp != 0)):
         return packs, pack_class  # every tower class fills whole columns already (the common case)
     pieces, classes = _Pieces(packs.members, packs.offsets), {}  # what changes, over the packs as they are
@@ -181,7 +189,7 @@ def split_to_whole_columns(packs, pack_class: np.ndarray, towers: np.ndarray, vi
     for p, cls in classes.items():
         pack_class[p] = cls
     pack_class = pack_class[np.diff(offsets) > 0]  # a pack whose every sample moved is gone
-    offsets = np.unique(offsets)
+    offsets = offsets[np.concatenate([[True], np.diff(offsets) > 0])]
     starts = offsets[:-1]
     sums = lambda values: np.add.reduceat(values[members].astype(np.int64), starts).astype(values.dtype)  # noqa: E731
     return type(packs)(members, offsets, sums(vision), sums(tokens)), pack_class
@@ -318,7 +326,7 @@ def aligned_steps(order: np.ndarray, pack_class: np.ndarray, pack_cost: np.ndarr
     position = np.empty(len(order), dtype=np.int64)
     position[order] = np.arange(len(order))
     whole, left = [], []
-    for cls in np.unique(pack_class):
+    for cls in class_counts(pack_class)[0]:
         ids = order[pack_class[order] == cls]
         spare = len(ids) % dp
         left.append(ids[:spare])  # the first in order: in a balanced order, the class's lightest

@@ -162,16 +162,25 @@ def place(cost: np.ndarray, degree: np.ndarray, dp: int, m: int, c: int, rng: np
     but the last's. Steps come in a seeded random order, the partial one last; each step's ranks are permuted."""
     if len(cost) == 0:
         return (np.empty(0, dtype=np.int64),) * 4, 0
-    # A GPU's share of a pack is its work / d: steps of packs with similar shares keep their GPUs equally busy
-    # (as balance.form_steps does without CP); seeded ties.
-    order = np.lexsort((rng.permutation(len(cost)), -(cost / degree)))
-    step = _fill_steps(order, degree, dp * m * c)
+    step = _steps(cost, degree, dp * m * c, rng)
     n_steps = int(step.max()) + 1
     by_step = np.lexsort((-cost, -degree, step))  # within a step: largest degree, then heaviest, first
     rank, microbatch, group = _place_in_steps(by_step, step, cost, degree, dp, m, c)
     shuffled = np.concatenate([rng.permutation(n_steps - 1), [n_steps - 1]])
     rank_order = np.argsort(rng.random((n_steps, dp)), axis=1)  # step s's rank r becomes rank_order[s, r]
     return (shuffled[step], rank_order[step, rank], microbatch, group), n_steps
+
+
+def placed_steps(cost: np.ndarray, degree: np.ndarray, dp: int, m: int, c: int, rng: np.random.Generator) -> int:
+    """The steps `place` fills, without placing the packs in them."""
+    return int(_steps(cost, degree, dp * m * c, rng).max()) + 1 if len(cost) else 0
+
+
+def _steps(cost: np.ndarray, degree: np.ndarray, lanes: int, rng: np.random.Generator) -> np.ndarray:
+    """Per pack, its step. A GPU's share of a pack is its work / d: steps of packs with similar shares keep their
+    GPUs equally busy (as balance.form_steps does without CP); seeded ties."""
+    order = np.lexsort((rng.permutation(len(cost)), -(cost / degree)))
+    return _fill_steps(order, degree, lanes)
 
 
 @numba.njit(cache=True, nogil=True)

@@ -48,19 +48,9 @@ def place_in_columns(packs: CpPacks, sample_cost: np.ndarray, tokens: np.ndarray
     """Per pack of the returned packs (some split, degrees widened): (step, rank, microbatch, cp_group), and the
     number of steps. Steps come in a seeded random order with partial columns in the last one; each step's
     ranks are permuted."""
-    c = caps.groups
     if not packs.members:
         return (np.empty(0, dtype=np.int64),) * 4, 0
-    columns = []  # (partial, -work, class, its slots: each a list of (pack, degree))
-    for klass in np.unique(packs.pack_class):
-        ids = _enough_packs(packs, np.flatnonzero(packs.pack_class == klass), sample_cost, tokens, vision, caps, dp)
-        slots = _fill_slots(ids, packs, dp, c)
-        slots.sort(key=lambda slot: -_work(slot, packs.cost))
-        for first in range(0, len(slots), dp):
-            column = slots[first:first + dp]
-            work = sum(_work(slot, packs.cost) for slot in column)
-            columns.append((len(column) < dp, -work, int(klass), column))
-    columns.sort(key=lambda column: column[:3])  # whole columns first, heaviest first; partial ones last
+    columns = _columns(packs, sample_cost, tokens, vision, caps, dp)
     n_pack = len(packs.members)
     step, rank, microbatch, group = (np.full(n_pack, -1, dtype=np.int64) for _ in range(4))
     n_steps = -(-len(columns) // m)
@@ -69,12 +59,35 @@ def place_in_columns(packs: CpPacks, sample_cost: np.ndarray, tokens: np.ndarray
     whole_steps = min(first_partial // m, n_steps - 1)
     shuffled[:whole_steps] = rng.permutation(whole_steps)
     for s in range(n_steps):
-        for r, j, slot in _step_slots(columns[s * m:(s + 1) * m], packs.cost, dp, c):
+        for r, j, slot in _step_slots(columns[s * m:(s + 1) * m], packs.cost, dp, caps.groups):
             for p, d, g in slot:
                 step[p], rank[p], microbatch[p], group[p] = shuffled[s], r, j, g
                 packs.degree[p] = d
     rank_order = np.argsort(rng.random((n_steps, dp)), axis=1)
     return (step, rank_order[step, rank], microbatch, group), n_steps
+
+
+def steps_in_columns(packs: CpPacks, sample_cost: np.ndarray, tokens: np.ndarray, vision: np.ndarray,
+                     caps: CpCaps, dp: int, m: int) -> int:
+    """The steps `place_in_columns` places these packs in, without placing them (it splits `packs` as
+    `place_in_columns` does)."""
+    return -(-len(_columns(packs, sample_cost, tokens, vision, caps, dp)) // m) if packs.members else 0
+
+
+def _columns(packs: CpPacks, sample_cost, tokens, vision, caps: CpCaps, dp: int) -> list:
+    """Every class's packs in slots, dp slots to a column: (partial, -work, class, its slots: each a list of
+    (pack, degree)), whole columns first, heaviest first; partial ones last."""
+    columns = []
+    for klass in np.unique(packs.pack_class):
+        ids = _enough_packs(packs, np.flatnonzero(packs.pack_class == klass), sample_cost, tokens, vision, caps, dp)
+        slots = _fill_slots(ids, packs, dp, caps.groups)
+        slots.sort(key=lambda slot: -_work(slot, packs.cost))
+        for first in range(0, len(slots), dp):
+            column = slots[first:first + dp]
+            work = sum(_work(slot, packs.cost) for slot in column)
+            columns.append((len(column) < dp, -work, int(klass), column))
+    columns.sort(key=lambda column: column[:3])
+    return columns
 
 
 def _step_slots(columns: list, cost: np.ndarray, dp: int, c: int):

@@ -26,11 +26,12 @@ import yaml
 from packfeed.media.chat import ChatTemplate
 from packfeed.media.image_policy import policy_from_dict
 from packfeed.server.index.table import IndexInfo, read_index_info
+from packfeed.server.plan.caps import resolve_caps
 from packfeed.server.plan.costs import SampleLoads, load_sample_loads
 from packfeed.server.plan.isf import Caps
 from packfeed.server.plan.mapped_loads import GatheredColumn, map_sample_loads, valid_mask
 from packfeed.server.plan.plan_file import Plan
-from packfeed.server.plan.planner import make_plan, resolve_caps
+from packfeed.server.plan.planner import count_steps, make_plan
 from packfeed.server.plan.windows import WindowedPlan
 from packfeed.v1.options import PlanConfig
 
@@ -285,3 +286,10 @@ def make_mixture_plan(mixture: MixtureLoads, config: PlanConfig, seed: int, epoc
     plan = make_plan(rows.loads, config, seed, epoch, mixture.fingerprint, caps=caps)
     plan.rows = rows
     return plan
+
+
+def count_mixture_steps(mixture: MixtureLoads, config: PlanConfig, seed: int, epoch: int, caps: Caps | None) -> int:
+    """The steps `make_mixture_plan` plans, counted (`planner.count_steps`)."""
+    if caps is None and not config.strategy.padded:
+        caps = resolve_caps(mixture.once().loads, config)
+    return count_steps(mixture.epoch(seed, epoch).loads, config, seed, epoch, caps)

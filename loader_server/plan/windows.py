@@ -31,6 +31,7 @@ from dataclasses import replace
 
 import numpy as np
 
+from packfeed.server.plan.caps import resolve_caps
 from packfeed.server.plan.collective import (alignment_summary, collective_safe_layout, sample_towers, tower_names,
                                              unaligned_towers)
 from packfeed.server.plan.costs import SampleLoads
@@ -38,7 +39,7 @@ from packfeed.server.plan.isf import Caps
 from packfeed.server.plan.mapped_loads import MappedLoads
 from packfeed.server.plan.metrics import dist_terms, step_waste
 from packfeed.server.plan.plan_file import Plan
-from packfeed.server.plan.planner import make_plan, resolve_caps
+from packfeed.server.plan.planner import make_plan
 from packfeed.v1.options import PlanConfig
 
 DEFAULT_WINDOW = 4_000_000  # samples per window: planned in a few seconds, held in a few hundred MB

@@ -127,6 +127,14 @@ class Dataset:
             return self.resume(resume, config, seed, caps)
         return self.plan_epoch(config, seed, epoch, caps, loads)
 
+    def count_steps(self, config: PlanConfig, seed: int, epoch: int, resume: Resume | None, caps: Caps | None,
+                    loads: SampleLoads | None = None) -> int:
+        """The steps of `job_plan(...)` for a whole epoch, counted without planning it whole (a resumed epoch is
+        re-planned: what is left of it depends on the old plan)."""
+        if resume is not None and resume.epoch == epoch:
+            return self.job_plan(config, seed, epoch, resume, caps, loads).n_steps
+        return self.planning.count_steps(config, seed, epoch, caps, loads)
+
     def resume(self, resume: Resume, config: PlanConfig, seed: int, caps: Caps | None) -> Plan:
         """Epoch `resume.epoch` re-planned with `config` over what the old job left of it (plan.resume). The old
         job's plan is re-computed as that job computed it (its caps, its own resume) and must be the one its

@@ -169,12 +169,13 @@ class Job:
 
     def _count_epochs(self, deadline: float = float("inf")) -> bool:
         """Every epoch's steps: epochs plan different step counts (each shuffles its samples into other packs,
-        and aligns them anew), and a trainer sizes its schedule from the job's length. Each epoch is planned
-        once for its count, which is kept, not its plan. Counts epochs 0, 1, ... until `deadline` (at least
-        epoch 0); True when every epoch is counted. A windowed job's epochs are counted as their windows are
-        planned (`step_counts` estimates meanwhile)."""
+        and aligns them anew), and a trainer sizes its schedule from the job's length. An epoch is counted, not
+        planned whole (`planner.count_steps`), unless its plan is at hand. Counts epochs 0, 1, ... until `deadline`
+        (at least epoch 0); True when every epoch is counted. A windowed job's epochs are counted as their
+        windows are planned (`step_counts` estimates meanwhile)."""
         if self.spec.plan_config.window:
             return True
+        loads = None
         for epoch in range(self.spec.epochs):
             if epoch in self._steps:
                 continue
@@ -182,9 +183,13 @@ class Job:
                 return False
             with self._lock:
                 cached = self._plans.get(epoch)
-            plan = cached or self.dataset.job_plan(self.spec.plan_config, self.spec.seed, epoch, self.spec.resume,
-                                                   self.caps)
-            self._steps[epoch] = plan.n_steps
+            if cached is not None:
+                self._steps[epoch] = cached.n_steps
+                continue
+            if loads is None:  # read once for every epoch counted here
+                loads = self.dataset.planning.shared_loads()
+            self._steps[epoch] = self.dataset.count_steps(self.spec.plan_config, self.spec.seed, epoch,
+                                                          self.spec.resume, self.caps, loads)
         return True
 
     def _count_in_background(self) -> None:

@@ -9,12 +9,13 @@ from typing import Protocol
 
 import numpy as np
 
+from packfeed.server.plan.caps import resolve_caps
 from packfeed.server.plan.costs import SampleLoads
 from packfeed.server.plan.isf import Caps
 from packfeed.server.plan.mapped_loads import MappedLoads
-from packfeed.server.plan.mixture import MixtureLoads, make_mixture_plan
+from packfeed.server.plan.mixture import MixtureLoads, count_mixture_steps, make_mixture_plan
 from packfeed.server.plan.plan_file import Plan
-from packfeed.server.plan.planner import make_plan, resolve_caps
+from packfeed.server.plan.planner import count_steps, make_plan
 from packfeed.server.plan.resume import resume_plan
 from packfeed.server.plan.windows import WindowedPlan
 from packfeed.v1.options import PlanConfig
@@ -33,6 +34,10 @@ class Planning(Protocol):
 
     def plan_epoch(self, config: PlanConfig, seed: int, epoch: int, caps: Caps | None,
                    loads: SampleLoads | None = None) -> Plan | WindowedPlan: ...
+
+    def count_steps(self, config: PlanConfig, seed: int, epoch: int, caps: Caps | None,
+                    loads: SampleLoads | None = None) -> int:
+        """The steps `plan_epoch` plans for a whole (not windowed) epoch, counted without planning it whole."""
 
     def replan(self, old: Plan | WindowedPlan, steps: int, config: PlanConfig, seed: int, epoch: int,
                caps: Caps | None, loads: SampleLoads | None = None) -> Plan:
@@ -65,6 +70,9 @@ class IndexPlanning:
         return make_plan(self.shared_loads() if loads is None else loads, config, seed, epoch, self.fingerprint,
                          caps=caps)
 
+    def count_steps(self, config, seed, epoch, caps, loads=None) -> int:
+        return count_steps(self.shared_loads() if loads is None else loads, config, seed, epoch, caps)
+
     def replan(self, old, steps, config, seed, epoch, caps, loads=None) -> Plan:
         return resume_plan(self.shared_loads() if loads is None else loads, old, steps, config, seed, epoch,
                            self.fingerprint, caps)
@@ -92,6 +100,9 @@ class MixturePlanning:
         if config.window:
             return self.mixture.windowed(config, seed, epoch, caps)
         return make_mixture_plan(self.mixture, config, seed, epoch, caps)
+
+    def count_steps(self, config, seed, epoch, caps, loads=None) -> int:
+        return count_mixture_steps(self.mixture, config, seed, epoch, caps)
 
     def replan(self, old, steps, config, seed, epoch, caps, loads=None) -> Plan:
         """The old epoch's rows keep their positions (the same repeats and subset), so packs name the same

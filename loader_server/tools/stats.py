@@ -24,10 +24,11 @@ import numpy as np  # noqa: E402
 
 from packfeed.media.samples import reason_category  # noqa: E402
 from packfeed.server.index.table import read_index  # noqa: E402
+from packfeed.server.plan.caps import resolve_caps  # noqa: E402
 from packfeed.server.plan.costs import SampleLoads, load_sample_loads  # noqa: E402
 from packfeed.server.plan.isf import Caps  # noqa: E402
 from packfeed.server.plan.plan_file import Plan  # noqa: E402
-from packfeed.server.plan.planner import make_plan, resolve_caps  # noqa: E402
+from packfeed.server.plan.planner import make_plan  # noqa: E402
 from packfeed.server.tools.info import describe  # noqa: E402
 from packfeed.v1.options import PlanConfig, Strategy  # noqa: E402
 

@@ -78,7 +78,8 @@ def simulate(mix, dp: int, cp: int, comm: str, model: str = "internvl-chat-1.5",
 
 def without_cp(samples, table, patches: int, dp: int, cp: int) -> dict:
     """dp x cp GPUs as plain DP: ISF packs under N tokens (the vision cap at the data's ratio), M 1."""
-    from packfeed.server.plan.planner import make_plan, resolve_caps
+    from packfeed.server.plan.caps import resolve_caps
+    from packfeed.server.plan.planner import make_plan
     from packfeed.trainer.simulate.cluster import Cluster
     from packfeed.trainer.simulate.context_parallel import CpWorkload, simulate_cp
     from packfeed.trainer.simulate.workload import planner_cost_model
