@@ -15,6 +15,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
+from packfeed.v1.layout import Layout, Seat
 from packfeed.v1.options import CostModel, Oversize, PlanConfig, Strategy
 
 if TYPE_CHECKING:
@@ -27,8 +28,8 @@ if TYPE_CHECKING:
 _MODULE_OF = {"Connection": "channel", "PackfeedError": "channel", "servers_from_redis": "discovery",
               "LocalServer": "local", "PackStream": "stream", "PackTensors": "tensors", "Step": "tensors"}
 
-__all__ = ["Connection", "CostModel", "LocalServer", "Oversize", "PackStream", "PackTensors", "PackfeedError",
-           "PlanConfig", "Step", "Strategy", "servers_from_redis"]
+__all__ = ["Connection", "CostModel", "Layout", "LocalServer", "Oversize", "PackStream", "PackTensors", "PackfeedError",
+           "PlanConfig", "Seat", "Step", "Strategy", "servers_from_redis"]
 
 
 def __getattr__(name: str):

@@ -23,6 +23,7 @@ from packfeed.client.decode import PackDecoder
 from packfeed.client.tensors import PackTensors, Step, pack_of
 from packfeed.client.wire import PackAssembler
 from packfeed.v1 import packfeed_pb2 as pb
+from packfeed.v1.layout import Seat
 
 
 @dataclass
@@ -31,16 +32,22 @@ class Received:
     following: tuple[int, int] | None  # the step after this one, None at the end of the job
 
 
+def seat_fields(seat: Seat) -> dict:
+    """A request's fields for `seat`: the `seat` message, and v1's separate fields saying the same, which servers
+    from before the seat message read instead."""
+    return dict(seat=pb.Seat(rank=seat.rank, replica=seat.replica, lane=seat.lane, encoder=seat.encoder),
+                rank=seat.rank, replica=seat.replica, cp_rank=seat.lane, encoder=seat.encoder)
+
+
 class _Retry(Exception):
     """The server ended the stream before the job's last step: ask again from the cursor."""
 
 
 class Receiver:
-    def __init__(self, channel: ServerChannel, job: str, rank: int, info: pb.JobInfo, start: tuple[int, int],
+    def __init__(self, channel: ServerChannel, job: str, seat: Seat, info: pb.JobInfo, start: tuple[int, int],
                  prefetch: int, pin_memory: bool, reopen: Callable[[], None], decoder: PackDecoder | None = None,
-                 replica: tuple[int, int] = (0, 1), cp_rank: int = 0, encoder: bool = False):
-        self.channel, self.job, self.rank, self.cp_rank, self.encoder = channel, job, rank, cp_rank, encoder
-        self.replica = replica  # (replica, replicas) of this rank
+                 replicas: int = 1):
+        self.channel, self.job, self.seat, self.replicas = channel, job, seat, replicas
         self.decoder = decoder  # pixels: encoded: images become tiles here, while the trainer computes
         self.epochs, self.plan_fingerprint = info.epochs, info.plan_fingerprint
         self.pin_memory, self.reopen = pin_memory, reopen
@@ -50,9 +57,9 @@ class Receiver:
         self.cursor, self.failures = start, 0  # the first step not yet received; consecutive failures
         self._heard = time.monotonic()  # last sign of life from the server (or from the trainer taking a step)
         self._stalled = False
-        self._thread = threading.Thread(target=self._run, name=f"packfeed-rank{rank}", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=f"packfeed-{seat.lease_name}", daemon=True)
         self._thread.start()
-        threading.Thread(target=self._watch, name=f"packfeed-watch{rank}", daemon=True).start()
+        threading.Thread(target=self._watch, name=f"packfeed-watch-{seat.lease_name}", daemon=True).start()
 
     def get(self) -> Received | BaseException | None:
         """The next step, an error to raise, or None at the end of the job."""
@@ -103,10 +110,9 @@ class Receiver:
     def _receive(self) -> bool:
         """Stream from `self.cursor`, handing out whole steps and moving the cursor past each; True when there
         is nothing more to receive (the job is done, or the receiver was stopped)."""
-        request = pb.StreamPacksRequest(job=self.job, rank=self.rank, first_epoch=self.cursor[0],
-                                        first_step=self.cursor[1], plan_fingerprint=self.plan_fingerprint,
-                                        replica=self.replica[0], replicas=self.replica[1], cp_rank=self.cp_rank,
-                                        encoder=self.encoder)
+        request = pb.StreamPacksRequest(job=self.job, first_epoch=self.cursor[0], first_step=self.cursor[1],
+                                        plan_fingerprint=self.plan_fingerprint, replicas=self.replicas,
+                                        **seat_fields(self.seat))
         self._heard = time.monotonic()
         self._call = self.channel.stream_parts(request)
         packs: list[PackTensors] = []
@@ -162,7 +168,7 @@ class Receiver:
                             return
                         code, details = reopen_error.code, str(reopen_error)
                 if not (code in RETRYABLE or self._elsewhere(code)) or self.failures >= retries:
-                    self._put(PackfeedError(f"{code.name}: {details} (job {self.job!r}, rank {self.rank}, step "
+                    self._put(PackfeedError(f"{code.name}: {details} (job {self.job!r}, {self.seat.name}, step "
                                             f"{self.cursor[0]}:{self.cursor[1]}, servers {self.channel.targets})", code))
                     return
                 self.channel.fail_over()  # another server (when several are known) continues from the same step

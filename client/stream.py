@@ -32,10 +32,11 @@ import grpc
 
 from packfeed.client.channel import Connection, PackfeedError, ServerChannel
 from packfeed.client.decode import DecodeOptions, PackDecoder
-from packfeed.client.receiver import Receiver
+from packfeed.client.receiver import Receiver, seat_fields
 from packfeed.client.resume import checked_state, resume_dict, resume_from
 from packfeed.client.tensors import Step
 from packfeed.v1 import packfeed_pb2 as pb
+from packfeed.v1.layout import Seat
 from packfeed.v1.options import PixelMode, PlanConfig
 
 _PLAN_FIELDS = {f.name for f in dataclasses.fields(PlanConfig)}
@@ -63,6 +64,18 @@ def _unset(value: Any) -> bool:
     return value is None or value == "" or (value == 0 and not isinstance(value, bool))
 
 
+def _seat(seat: Seat | None, rank: int | None, encoder_rank: int | None, replica: int, cp_rank: int) -> Seat:
+    """The stream's seat, from `seat` or v1's keyword arguments (exactly one of seat, rank and encoder_rank)."""
+    if sum(given is not None for given in (seat, rank, encoder_rank)) != 1:
+        raise ValueError("give seat=Seat(...) (or its short forms rank=, an LLM rank, or encoder_rank=, an encoder "
+                         "rank of a plan with encoder_ranks > 0): exactly one of them")
+    if seat is not None:
+        if replica or cp_rank:
+            raise ValueError("give the replica and the lane in the seat: Seat(rank, replica=..., lane=...)")
+        return seat
+    return Seat(encoder_rank if rank is None else rank, replica, cp_rank, encoder=rank is None)
+
+
 LENGTH_WAIT_S = 600.0  # the longest len(stream) waits for a server still counting a job's later epochs
 
 
@@ -74,16 +87,16 @@ class PackStream:
     With `index=` instead, an embedded server is started on loopback for this stream (`LocalServer` shares
     one between several ranks of a process). `plan` (dp, microbatches, strategy, caps, cost model, ...),
     `seed` and `epochs` must be the same on every rank: the server refuses a contradiction
-    (FAILED_PRECONDITION). `replica` / `replicas`: the consumers of one DP rank (the ranks of a tensor, context
-    or sequence parallel group) each open a stream with their own replica number and receive identical packs;
-    replica 0's acknowledgements count for the rank, the others' are answered and not counted, and each
-    holds a lease of its own. `cp_rank`: with context parallelism (plan `context_parallel` C > 1), the GPU of
-    the rank's CP group this stream feeds (0..C-1): it receives that GPU's share of every pack (its zigzag
-    chunks of each sample and the images it encodes; docs/wire.md "Context-parallel shares"); CP rank 0's
-    acknowledgements count for the rank. `encoder_rank` (instead of `rank`): with the encoder on ranks of its
-    own (plan `encoder_ranks` E > 0), the encoder rank this stream feeds (0..E-1): its pack m holds the images
-    it encodes for microbatch m of every LLM rank, with where each output goes (docs/wire.md "Encoder ranks");
-    its acknowledgements are reports, the LLM ranks' move the job. `resume`: the state_dicts of every rank of another job of the same dataset and
+    (FAILED_PRECONDITION). `seat` (`packfeed.v1.layout.Seat`): where this stream reads. `Seat(rank)` is a DP
+    rank's; `lane`, with context parallelism (plan `context_parallel` C > 1), the GPU of the rank's CP group it
+    feeds (0..C-1), which receives that GPU's share of every pack (its zigzag chunks of each sample and the images
+    it encodes; docs/wire.md "Context-parallel shares"); `replica`, one of several readers of identical packs
+    (the ranks of a tensor or sequence parallel group); `encoder=True`, with the encoder on ranks of its own
+    (plan `encoder_ranks` E > 0), encoder rank `rank` (0..E-1), whose pack m holds the images it encodes for
+    microbatch m of every LLM rank, with where each output goes (docs/wire.md "Encoder ranks"). Only a rank's
+    lane 0, replica 0 acknowledges for it (an encoder rank's are reports; the LLM ranks' move the job); every
+    seat holds a lease of its own. `rank=` is the short form of `Seat(rank)`, and v1's `encoder_rank=`,
+    `replica=` (`replicas=` is checked against it) and `cp_rank=` still work. `resume`: the state_dicts of every rank of another job of the same dataset and
     seed, which ran with other plan settings (another DP or M): this job then plans what that job left of its
     epoch with its own settings and starts there (elastic resume; every sample still once per epoch).
     `connection` holds timeouts, retries, token and TLS. The flat keyword arguments
@@ -96,19 +109,16 @@ class PackStream:
                  seed: int = 0, epochs: int = 1, dataset: str = "", connection: Connection | None = None,
                  prefetch: int = 2, pin_memory: bool = False, acknowledge: bool = True, index: str | None = None,
                  decode: DecodeOptions | None = None, replica: int = 0, replicas: int = 1, cp_rank: int = 0,
-                 resume: list[dict[str, Any]] | None = None, encoder_rank: int | None = None, **flat: Any):
-        if (rank is None) == (encoder_rank is None):
-            raise ValueError("give rank (an LLM rank, or the only kind without encoder ranks) or encoder_rank (an "
-                             "encoder rank of a plan with encoder_ranks > 0), not both")
+                 resume: list[dict[str, Any]] | None = None, encoder_rank: int | None = None,
+                 seat: Seat | None = None, **flat: Any):
         if (target is None) == (index is None):
             raise ValueError("give a server target ('host:port', or several for failover) or an index for an "
                              "embedded server, not both")
         self.plan, self.connection = _grouped(plan, connection, flat)
         if not 0 <= replica < replicas:
             raise ValueError(f"replica {replica} of {replicas}: give 0 <= replica < replicas")
-        self.encoder = encoder_rank is not None
-        rank = encoder_rank if self.encoder else rank
-        self.job, self.rank, self.replica, self.replicas, self.cp_rank = job, rank, replica, replicas, cp_rank
+        self.seat = _seat(seat, rank, encoder_rank, replica, cp_rank)
+        self.job, self.replicas = job, replicas
         self.prefetch, self.pin_memory, self.acknowledge = max(1, prefetch), pin_memory, acknowledge
         self._local = None
         if index is not None:
@@ -122,17 +132,8 @@ class PackStream:
         if resume is not None:
             self._open_request.resume.CopyFrom(resume_from(resume, job, seed))
         self.info: pb.JobInfo = self.channel.call("OpenJob", self._open_request)
-        if self.encoder and not self.info.plan.encoder_ranks:
-            raise PackfeedError(f"job {job!r} has no encoder ranks (plan encoder_ranks 0: the encoder runs on the "
-                                "LLM's ranks): open it with rank=")
-        if self.encoder and not 0 <= rank < self.info.plan.encoder_ranks:
-            raise PackfeedError(f"encoder_rank {rank} is outside the job's {self.info.plan.encoder_ranks} encoder ranks "
-                                "(plan encoder_ranks)")
-        if not self.encoder and not 0 <= rank < self.info.plan.dp:
-            raise PackfeedError(f"rank {rank} is outside the job's {self.info.plan.dp} ranks")
-        if not 0 <= cp_rank < max(1, self.info.plan.context_parallel):
-            raise PackfeedError(f"cp_rank {cp_rank} is outside the job's {max(1, self.info.plan.context_parallel)} "
-                                "context-parallel GPUs per rank (plan context_parallel)")
+        if problems := self.seat.problems(PlanConfig.from_proto(self.info.plan).layout):
+            raise PackfeedError(f"job {job!r}: " + "; ".join(problems))
         self.microbatches = self.info.plan.microbatches
         self.decoder = PackDecoder(decode, pin_memory) if self.info.pixels == PixelMode.ENCODED else None
         # the next step the trainer will get: a resumed job starts in the epoch its old job stopped in
@@ -143,6 +144,11 @@ class PackStream:
         self._acks = ThreadPoolExecutor(max_workers=1, thread_name_prefix="packfeed-ack")
         self._receiver: Receiver | None = None
         self.wait_seconds = 0.0  # time the trainer spent blocked in next()
+
+    @property
+    def rank(self) -> int:
+        """The rank this stream reads for (`seat.rank`; an encoder rank's number for an encoder seat)."""
+        return self.seat.rank
 
     @property
     def targets(self) -> list[str]:
@@ -162,7 +168,7 @@ class PackStream:
 
     def state_dict(self) -> dict[str, Any]:
         """Where this rank is, and what an elastic resume needs of its job (its plan settings and seed)."""
-        state = {"job": self.job, "rank": self.rank, "encoder": self.encoder,
+        state = {"job": self.job, "rank": self.seat.rank, "encoder": self.seat.encoder,
                  "plan_fingerprint": self.info.plan_fingerprint,
                  "index_fingerprint": self.info.index_fingerprint, "next": list(self._next) if self._next else None,
                  "seed": self.info.seed, "plan": PlanConfig.from_proto(self.info.plan).to_dict()}
@@ -176,10 +182,9 @@ class PackStream:
         if state["job"] != self.job or state["plan_fingerprint"] != self.info.plan_fingerprint:
             raise PackfeedError(f"state is of job {state['job']!r} (plan {state['plan_fingerprint']}), this stream "
                                 f"is job {self.job!r} (plan {self.info.plan_fingerprint})")
-        if (state["rank"], state.get("encoder", False)) != (self.rank, self.encoder):
-            kind = {False: "rank", True: "encoder rank"}
-            raise PackfeedError(f"state is of {kind[state.get('encoder', False)]} {state['rank']}, this stream is "
-                                f"{kind[self.encoder]} {self.rank}")
+        saved = Seat(state["rank"], encoder=state.get("encoder", False))
+        if (saved.rank, saved.encoder) != (self.seat.rank, self.seat.encoder):
+            raise PackfeedError(f"state is of {saved.name}, this stream is {self.seat.name}")
         self._stop_receiver()
         self._next = tuple(state["next"]) if state["next"] else None
         self._restored = True
@@ -225,9 +230,8 @@ class PackStream:
             raise StopIteration
         if self._receiver is None:
             self._warn_if_restarting()
-            self._receiver = Receiver(self.channel, self.job, self.rank, self.info, self._next, self.prefetch,
-                                      self.pin_memory, self.reopen, self.decoder, (self.replica, self.replicas),
-                                      self.cp_rank, self.encoder)
+            self._receiver = Receiver(self.channel, self.job, self.seat, self.info, self._next, self.prefetch,
+                                      self.pin_memory, self.reopen, self.decoder, self.replicas)
         started = time.perf_counter()
         item = self._receiver.get()
         self.wait_seconds += time.perf_counter() - started
@@ -244,11 +248,11 @@ class PackStream:
     def _warn_if_restarting(self) -> None:
         """A job id whose rank already acknowledged steps, streamed again from its first step without the saved
         state: most often a restart that forgot `load_state_dict` (the job would silently start over)."""
-        if self._next != (0, 0) or self._restored or self.encoder or self.replica or self.cp_rank:
+        if self._next != (0, 0) or self._restored or self.seat.encoder or not self.seat.primary:
             return
-        acked = next(((p.acked_epoch, p.acked_step) for p in self.info.ranks if p.rank == self.rank), (-1, -1))
+        acked = next(((p.acked_epoch, p.acked_step) for p in self.info.ranks if p.rank == self.seat.rank), (-1, -1))
         if acked >= (0, 0):
-            warnings.warn(f"job {self.job!r} rank {self.rank} already acknowledged epoch {acked[0]} step {acked[1]}, "
+            warnings.warn(f"job {self.job!r} rank {self.seat.rank} already acknowledged epoch {acked[0]} step {acked[1]}, "
                           "and this stream starts again at its first step: load the saved state "
                           "(stream.load_state_dict) to continue where it stopped, or open a new job id to start over",
                           RuntimeWarning, stacklevel=3)
@@ -259,9 +263,8 @@ class PackStream:
         `closing`: the stream closes after it (the steps received beyond it are not the trainer's lag)."""
         if self.acknowledge:
             self._acked = (epoch, step)
-            request = pb.AckStepRequest(job=self.job, rank=self.rank, epoch=epoch, step=step, replica=self.replica,
-                                        cp_rank=self.cp_rank, data_wait_s=self.wait_seconds, encoder=self.encoder,
-                                        closing=closing,
+            request = pb.AckStepRequest(job=self.job, epoch=epoch, step=step, data_wait_s=self.wait_seconds,
+                                        closing=closing, **seat_fields(self.seat),
                                         skipped=[pb.SkippedSample(key=key, reason=reason, epoch=epoch, step=step)
                                                  for key, reason in skipped])
             self._acks.submit(self.channel.send, "AckStep", request)

@@ -49,7 +49,7 @@ def cp_streams(small_tile_index):
                     for pack in step.packs:
                         pack.tensors = {name: tensor.clone() for name, tensor in pack.tensors.items()}
                 stream.close()
-        with pytest.raises(PackfeedError, match="cp_rank 4 is outside"):
+        with pytest.raises(PackfeedError, match="lane 4 is outside"):
             PackStream(server.target, job="cp", rank=0, cp_rank=C, dp=2, seed=0, context_parallel=C,
                        max_tokens_per_gpu=96, collective_safe=False)
     return got

@@ -91,7 +91,8 @@ def test_plan_file_names_encoder_ranks_and_round_trips(tmp_path):
 def test_config_refuses_what_does_not_combine():
     for bad, field in (({"encoder_ranks": -1}, "encoder_ranks must be >= 0"),
                        ({"encoder_ranks": 2, "strategy": "random"}, "strategy isf"),
-                       ({"encoder_ranks": 2, "context_parallel": 2}, "context_parallel"),
+                       ({"encoder_ranks": 2, "context_parallel": 2}, "do not combine yet"),
+                       ({"pipeline_stages": 2, "context_parallel": 2}, "runs at pp 1"),
                        ({"encoder_ranks": 2, "strategy": "isf+phases", "colocate_encoder": True}, "colocate_encoder")):
         with pytest.raises(ValueError, match=field):
             PlanConfig(dp=2, **bad)

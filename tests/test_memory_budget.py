@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from packfeed.server.serve.budget import MemoryBudget, StepHold
+from packfeed.v1.layout import Seat
 
 
 def run(coroutine):
@@ -152,7 +153,7 @@ def estimate_ratios(index, tokenizer, microbatches: int = 2) -> list[float]:
     ratios = []
     for step in range(job.epoch_plan(0).n_steps):
         for rank in range(2):
-            work = job.work(0, step, rank)
+            work = job.work(0, step, Seat(rank))
             if any(len(members) for members, _, _ in work.packs):
                 ratios.append(worker_process.build_rank_step(work).nbytes / dataset.estimate_bytes(work))
     return ratios

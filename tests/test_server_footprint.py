@@ -114,13 +114,14 @@ def test_a_step_falls_back_to_the_pipe_when_shared_memory_is_unusable(small_tile
     from packfeed.server.serve.datasets import Dataset
     from packfeed.server.serve.job_spec import JobSpec
     from packfeed.server.serve.registry import JobRegistry
+    from packfeed.v1.layout import Seat
     from packfeed.v1.options import PlanConfig
 
     source = step_work.DatasetSource(str(small_tile_index), str(Path(small_tile_index).parent / "tokenizer.json"))
     worker_process.init_worker({"d": source})
     registry = JobRegistry({"d": Dataset.open("d", source)})
     job = registry.open_job(JobSpec("fallback", "d", PlanConfig(dp=1, microbatches=2), 0))
-    work = job.work(0, 0, 0)
+    work = job.work(0, 0, Seat(0))
     inline = worker_process.build_rank_step(work)
     fallback = worker_process.build_rank_step(work, str(tmp_path / "missing" / "step"))
     assert fallback.shared is None and fallback.messages == inline.messages and inline.messages
@@ -139,11 +140,12 @@ from packfeed.server.serve import step_work, worker_process
 from packfeed.server.serve.datasets import Dataset
 from packfeed.server.serve.job_spec import JobSpec
 from packfeed.server.serve.registry import JobRegistry
+from packfeed.v1.layout import Seat
 from packfeed.v1.options import PlanConfig
 source = step_work.DatasetSource({str(small_tile_index)!r}, {str(Path(small_tile_index).parent / "tokenizer.json")!r})
 worker_process.init_worker({{"d": source}})
 job = JobRegistry({{"d": Dataset.open("d", source)}}).open_job(JobSpec("full", "d", PlanConfig(dp=1, microbatches=2), 0))
-work = job.work(0, 0, 0)
+work = job.work(0, 0, Seat(0))
 inline = worker_process.build_rank_step(work)
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # writes past the limit fail with EFBIG instead of killing us
 resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, resource.RLIM_INFINITY))
@@ -253,6 +255,7 @@ def test_a_worker_cuts_tiles_straight_into_the_steps_file(small_tile_index, tmp_
     from packfeed.server.serve.job_spec import JobSpec
     from packfeed.server.serve.registry import JobRegistry
     from packfeed.server.serve.wire import SplitMessage
+    from packfeed.v1.layout import Seat
     from packfeed.v1.options import PlanConfig
 
     source = step_work.DatasetSource(str(small_tile_index), str(Path(small_tile_index).parent / "tokenizer.json"))
@@ -261,7 +264,7 @@ def test_a_worker_cuts_tiles_straight_into_the_steps_file(small_tile_index, tmp_
     job = registry.open_job(JobSpec("arena", "d", PlanConfig(dp=1, microbatches=2), 0))
     files, in_place = step_files.SharedFiles(str(tmp_path), keep_bytes=1 << 30), []
     for step in [0, 1, 2, 0, 1, 2]:  # the pool's file is made by the first step, then holds the others' tiles
-        work = job.work(0, step, 0)
+        work = job.work(0, step, Seat(0))
         inline = worker_process.build_rank_step(work)
         path = files.take()
         shared = worker_process.build_rank_step(work, path)

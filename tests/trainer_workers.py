@@ -14,6 +14,7 @@ from packfeed.trainer.models.reference import VLMConfig
 from packfeed.trainer.models import ReferenceModel
 from packfeed.trainer.parallel.data_parallel import wrap_data_parallel
 from packfeed.trainer.parallel.mesh import make_mesh
+from packfeed.v1.layout import Layout
 from packfeed.trainer.parallel.pipeline import PipelineRunner, StageModule, autocast_dtype, share_step_shape
 
 SMALL_MODEL = dict(vocab_size=1024, tile_size=112, tokens_per_tile=16, vit_dim=32, llm_dim=64, vit_layers=2,
@@ -54,7 +55,7 @@ def pipeline_step(rank: int, world: int, dp: int, pp: int, init_file: str, steps
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
         torch.manual_seed(0)
-        mesh = make_mesh(dp, pp, torch.device("cpu"))
+        mesh = make_mesh(Layout(dp, pp), torch.device("cpu"))
         model = ReferenceModel(VLMConfig(**SMALL_MODEL))
         layers = model.layers
         lo, hi = bounds[mesh.stage], bounds[mesh.stage + 1]
@@ -83,7 +84,7 @@ def bubble_step(rank: int, world: int, dp: int, pp: int, init_file: str, steps_f
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
-        mesh = make_mesh(dp, pp, torch.device("cpu"))
+        mesh = make_mesh(Layout(dp, pp), torch.device("cpu"))
         model = ReferenceModel(VLMConfig(**SMALL_MODEL))
         first = model.vision.encoder_layers
         share = (model.n_layers - first) // pp
@@ -117,7 +118,7 @@ def phase_step(rank: int, world: int, init_file: str, steps_file: str, out_dir: 
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
-        mesh = make_mesh(world, 1, torch.device("cpu"))
+        mesh = make_mesh(Layout(world), torch.device("cpu"))
         model = ReferenceModel(VLMConfig(**SMALL_MODEL))
         first = model.vision.encoder_layers
         encoder = StageModule(model.layers, 0, first)
@@ -149,7 +150,7 @@ def disaggregated_step(rank: int, world: int, dp: int, init_file: str, steps_fil
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
-        mesh = make_mesh(dp, pp, torch.device("cpu"), encoder_ranks=world - dp * pp)
+        mesh = make_mesh(Layout(dp, pp, encoder_ranks=world - dp * pp), torch.device("cpu"))
         model = ReferenceModel(VLMConfig(**SMALL_MODEL))
         first = model.vision.encoder_layers
         bounds = [first + b for b in split_by_weight([1.0] * (model.n_layers - first), pp)]
@@ -187,7 +188,7 @@ def hf_step_grads(rank: int, world: int, family: str, data_file: str, init_file:
     saves the full gradients and the summed loss."""
     from packfeed.client.hf import to_hf_inputs
     from packfeed.trainer.models.hf.whole import language_layers
-    from packfeed.trainer.parallel.mesh import make_mesh
+    from packfeed.trainer.parallel.mesh import make_mesh  # noqa: F811 (workers run in their own processes)
     from packfeed.trainer.parallel.data_parallel import shard
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
@@ -196,7 +197,7 @@ def hf_step_grads(rank: int, world: int, family: str, data_file: str, init_file:
 
         saved = torch.load(data_file, weights_only=False)
         model = tiny_model(family, saved["data"])
-        mesh = make_mesh(world, 1, torch.device("cpu"))
+        mesh = make_mesh(Layout(world), torch.device("cpu"))
         if wrap == "fsdp":
             model = shard(model, language_layers(model), mesh, "fp32")
         else:
@@ -222,7 +223,7 @@ def sharded_tower_step(rank: int, world: int, family: str, data_file: str, init_
     Saves the loss once the step is done."""
     from packfeed.client.hf import to_hf_inputs
     from packfeed.trainer.models.hf.whole import language_layers
-    from packfeed.trainer.parallel.mesh import make_mesh
+    from packfeed.trainer.parallel.mesh import make_mesh  # noqa: F811 (workers run in their own processes)
     from packfeed.trainer.parallel.data_parallel import shard
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
@@ -232,7 +233,7 @@ def sharded_tower_step(rank: int, world: int, family: str, data_file: str, init_
         saved = torch.load(data_file, weights_only=False)
         model = tiny_model(family, saved["data"])
         units = list(model.model.visual.blocks) + language_layers(model)
-        model = shard(model, units, make_mesh(world, 1, torch.device("cpu")), "fp32")
+        model = shard(model, units, make_mesh(Layout(world), torch.device("cpu")), "fp32")
         inputs = to_hf_inputs(saved["packs"][rank], family, dp=world, conventions=saved["data"].conventions,
                               ensure_encoders=ensure)
         loss = model(**inputs).loss
@@ -262,7 +263,7 @@ def hf_pipeline_step(rank: int, world: int, dp: int, pp: int, family: str, data_
         saved = torch.load(data_file, weights_only=False)
         data, packs = saved["data"], saved["packs"]
         m = len(packs) // dp
-        mesh = make_mesh(dp, pp, torch.device("cpu"))
+        mesh = make_mesh(Layout(dp, pp), torch.device("cpu"))
         model = HFLayerModel(family, data.conventions,
                              model=tiny_model(family, data, register_varlen_attention(), deep=True))
         config = load_config(None, [f"model.hf={family}", f"data.microbatches={m}", f"parallel.pp={pp}",
@@ -301,7 +302,7 @@ def fsdp_output_views(rank: int, world: int, family: str, data_file: str, init_f
 
         saved = torch.load(data_file, weights_only=False)
         model = tiny_model(family, saved["data"])
-        model = shard(model, language_layers(model), make_mesh(world, 1, torch.device("cpu")), "fp32")
+        model = shard(model, language_layers(model), make_mesh(Layout(world), torch.device("cpu")), "fp32")
         output = model(**to_hf_inputs(saved["packs"][0], family, dp=world))
         torch.save({"views": output_views(output)}, f"{out_dir}/rank{rank}.pt")
     finally:
@@ -321,9 +322,9 @@ def cp_step(rank: int, world: int, dp: int, cp: int, init_file: str, steps_file:
     `control`: rank 1 gets its shares' late chunks before their early ones (a wrong chunk order)."""
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
-        mesh = make_mesh(dp, 1, torch.device("cpu"), cp=cp)
+        mesh = make_mesh(Layout(dp, cp=cp), torch.device("cpu"))
         runner, module = _cp_runner(mesh, qwen_conventions)
-        step = torch.load(steps_file, weights_only=False)[mesh.replica, mesh.cp_rank]
+        step = torch.load(steps_file, weights_only=False)[mesh.replica, mesh.lane]
         if control and rank == 1:
             step.packs = [late_chunks_first(pack) for pack in step.packs]
         tally = runner.train_step(runner.agree(step), step)

@@ -123,7 +123,7 @@ def _save_sharded(root: Path, directory: Path, steps_done: int, mesh, model: tor
     dist.barrier()
     model_state, optimizer_state = get_state_dict(model, optimizer, options=_flat())
     dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=str(directory / "sharded"))
-    if stream_state is not None and mesh.cp_rank == 0:  # the CP ranks of a replica stand at one step
+    if stream_state is not None and mesh.lane == 0:  # the CP ranks of a replica stand at one step
         name = f"stream-encoder{mesh.encoder_rank}" if mesh.is_encoder else f"stream-rank{mesh.replica}"
         (directory / f"{name}.json").write_text(json.dumps(stream_state))
     if mesh.rank == 0:

@@ -15,6 +15,7 @@ from typing import Any, Literal
 
 import yaml
 from packfeed.trainer.models.reference import VLMConfig
+from packfeed.v1.layout import Layout
 from packfeed.v1.options import Oversize, PlanConfig, Strategy
 
 # DataConfig fields that are PlanConfig's (the rest of PlanConfig comes from the mesh or keeps its default)
@@ -130,14 +131,13 @@ class ParallelConfig:
         check_choices(self)
         if not self.timeout_s > 0:
             raise ValueError(f"parallel.timeout_s = {self.timeout_s}: give the seconds a collective may wait, > 0")
-        if self.dp < 1 or self.pp < 1:
-            raise ValueError("parallel.dp and parallel.pp must be >= 1")
-        if self.cp < 1 or self.cp & (self.cp - 1):
-            raise ValueError(f"parallel.cp = {self.cp}: give a power of 2 (1, 2, 4, ...)")
-        if self.cp > 1 and (self.pp != 1 or self.encoder != "stages"):
-            raise ValueError("parallel.cp > 1 runs context parallelism at parallel.pp=1 with the encoder on each "
-                             "pack's GPUs (parallel.encoder=stages); pipelines with context parallelism are not "
-                             "supported yet")
+        auto = self.encoder_ranks == "auto"
+        if not auto and (not isinstance(self.encoder_ranks, int) or isinstance(self.encoder_ranks, bool)):
+            raise ValueError(f"parallel.encoder_ranks = {self.encoder_ranks!r}: give a number of processes or auto")
+        if problems := self.layout.problems():  # the degrees' rules, the plan's and the server's too
+            raise ValueError("parallel: " + "; ".join(problems))
+        if self.cp > 1 and self.encoder != "stages":
+            raise ValueError("parallel.cp > 1 runs the encoder on each pack's GPUs (parallel.encoder=stages)")
         if self.cp > 1 and self.data_parallel == "fsdp":
             raise ValueError("parallel.cp > 1 keeps every weight on every GPU of DP x CP and all-reduces the gradients: "
                              "set parallel.data_parallel=ddp. (Sharding over DP x CP is not offered: a dynamic CP "
@@ -154,22 +154,25 @@ class ParallelConfig:
             raise ValueError("parallel.encoder=phases routes encoder outputs between data-parallel ranks that each "
                              "hold the whole model: set parallel.pp=1 and parallel.data_parallel=ddp (pipelines "
                              "encode in their stages or bubbles)")
-        auto = self.encoder_ranks == "auto"
-        if not auto and (not isinstance(self.encoder_ranks, int) or isinstance(self.encoder_ranks, bool)):
-            raise ValueError(f"parallel.encoder_ranks = {self.encoder_ranks!r}: give a number of processes or auto")
         if (self.encoder == "disaggregated") != (auto or self.encoder_ranks > 0) or not auto and self.encoder_ranks < 0:
             raise ValueError(f"parallel.encoder_ranks = {self.encoder_ranks} with parallel.encoder={self.encoder}: the "
                              "encoder on processes of its own takes parallel.encoder=disaggregated and "
                              "parallel.encoder_ranks >= 1 (or auto) together (other placements leave it at 0)")
-        if self.encoder == "disaggregated" and (self.cp != 1 or self.data_parallel != "ddp" or
-                                                self.schedule == "interleaved_1f1b"):
-            raise ValueError("parallel.encoder=disaggregated runs the LLM with parallel.cp=1, "
-                             "parallel.data_parallel=ddp and, pipelined, parallel.schedule=1f1b or gpipe (context "
-                             "parallelism, FSDP2 and virtual stages with encoder ranks are not supported yet)")
+        if self.encoder == "disaggregated" and (self.data_parallel != "ddp" or self.schedule == "interleaved_1f1b"):
+            raise ValueError("parallel.encoder=disaggregated runs the LLM with parallel.data_parallel=ddp and, "
+                             "pipelined, parallel.schedule=1f1b or gpipe (FSDP2 and virtual stages with encoder ranks "
+                             "are not supported yet)")
         if self.schedule == "interleaved_1f1b" and (self.pp < 2 or self.virtual_stages < 2):
             raise ValueError("parallel.schedule=interleaved_1f1b needs parallel.pp >= 2 and parallel.virtual_stages "
                              ">= 2 (each rank runs that many stages); use 1f1b otherwise")
 
+
+    @property
+    def layout(self) -> Layout:
+        """The run's degrees as one value (`packfeed.v1.layout`); encoder_ranks=auto counts as some (its number is
+        searched at launch)."""
+        ranks = self.encoder_ranks
+        return Layout(self.dp, self.pp, self.cp, 1 if ranks == "auto" else ranks)
 
     @property
     def world(self) -> int:
@@ -177,7 +180,7 @@ class ParallelConfig:
         if self.encoder_ranks == "auto":
             raise ValueError("parallel.encoder_ranks=auto: the split is searched for the run's processes; launch "
                              "with packfeed train --nproc G")
-        return self.dp * self.cp * self.pp + self.encoder_ranks
+        return self.layout.world
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,7 @@ from typing import Any
 from packfeed.trainer.config import TrainConfig
 from packfeed.trainer.parallel.mesh import Mesh, broadcast_object
 from packfeed.v1 import packfeed_pb2 as pb
+from packfeed.v1.layout import Seat
 
 
 def job_conventions(stream, mesh: Mesh) -> pb.ModelConventions:
@@ -70,18 +71,18 @@ def open_stream(config: TrainConfig, mesh: Mesh, target: str, checkpoint_dir=Non
     d = config.data
     routed = config.parallel.encoder == "phases"  # isf+phases packs with their images routed
     plan = d.plan_config(mesh.dp, mesh.pp, routed, mesh.cp, mesh.encoder_ranks)
-    # an encoder rank streams what it encodes for the LLM ranks (parallel.encoder=disaggregated)
-    side = {"encoder_rank": mesh.encoder_rank} if mesh.is_encoder else {"rank": mesh.replica}
-    options = dict(**side, plan=plan, seed=d.seed, epochs=d.epochs, prefetch=d.prefetch,
+    options = dict(plan=plan, seed=d.seed, epochs=d.epochs, prefetch=d.prefetch,
                    pin_memory=mesh.device.type == "cuda", connection=Connection(token=d.token or None))
     # this GPU's share of a CP plan's packs; a CP plan on one GPU per replica reads all its C shares and joins them
-    lanes = [mesh.cp_rank] if plan.context_parallel == mesh.cp else list(range(plan.context_parallel))
+    # (an encoder rank's seat streams what it encodes for the LLM ranks: parallel.encoder=disaggregated)
+    seats = [mesh.seat] if plan.context_parallel == mesh.cp else \
+        [Seat(mesh.replica, lane=lane) for lane in range(plan.context_parallel)]
     states = checkpoint.stream_states(checkpoint_dir) if checkpoint_dir is not None else []
     if not states:
-        return _lane_streams(target, d.job, lanes, options)
+        return _lane_streams(target, d.job, seats, options)
     saved_encoders = checkpoint.read_meta(checkpoint_dir).get("encoder_ranks", 0)
     if len(states) == mesh.dp and saved_encoders == mesh.encoder_ranks:
-        stream = _lane_streams(target, states[0]["job"], lanes, options)
+        stream = _lane_streams(target, states[0]["job"], seats, options)
         stream.load_state_dict(checkpoint.encoder_stream_state(checkpoint_dir, mesh.encoder_rank)
                                if mesh.is_encoder else states[mesh.replica])
         return stream
@@ -92,15 +93,16 @@ def open_stream(config: TrainConfig, mesh: Mesh, target: str, checkpoint_dir=Non
     # every rank derives the same id (encoder ranks included: they open the same re-planned job)
     job = f"{states[0]['job']}.dp{mesh.dp}" + (f".e{mesh.encoder_ranks}" if mesh.encoder_ranks else "") + \
         f".from{steps}"
-    return PackStream(stream_targets(target), job=job, resume=states, **options)
+    return PackStream(stream_targets(target), job=job, resume=states, seat=mesh.seat, **options)
 
 
-def _lane_streams(target: str, job: str, lanes: list[int], options: dict):
-    """The stream of this GPU's CP lane, or (several lanes) their streams joined into steps of whole packs."""
+def _lane_streams(target: str, job: str, seats: list[Seat], options: dict):
+    """The stream of this GPU's seat, or (the lanes of a replica) their streams joined into steps of whole
+    packs."""
     from packfeed.client import PackStream
     from packfeed.client.context_parallel import JoinedStream
 
-    streams = [PackStream(stream_targets(target), job=job, cp_rank=lane, **options) for lane in lanes]
+    streams = [PackStream(stream_targets(target), job=job, seat=seat, **options) for seat in seats]
     return streams[0] if len(streams) == 1 else JoinedStream(streams)
 
 

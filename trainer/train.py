@@ -82,8 +82,7 @@ def train(config: TrainConfig) -> dict:
         raise ValueError("parallel.encoder_ranks=auto is searched by `packfeed train --nproc G` before it launches "
                          "the processes (it plans on the dataset's lengths); under torchrun give the number")
     parallel = config.parallel
-    mesh = make_mesh(parallel.dp, parallel.pp, device, parallel.cp, parallel.encoder_ranks,
-                     datetime.timedelta(seconds=parallel.timeout_s))
+    mesh = make_mesh(parallel.layout, device, datetime.timedelta(seconds=parallel.timeout_s))
     out = Path(config.out)
     out.mkdir(parents=True, exist_ok=True)
     if mesh.rank == 0:

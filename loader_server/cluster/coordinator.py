@@ -91,9 +91,9 @@ class Coordinator(Protocol):
     def register_job(self, job: str, record: JobRecord) -> JobRecord: ...
     def reassert_job(self, job: str, record: JobRecord) -> tuple[Reassertion, JobRecord | None]: ...
     def job(self, job: str) -> JobRecord | None: ...
-    def acquire_lease(self, job: str, rank: int, owner: str, ttl_s: float) -> bool: ...
-    def release_lease(self, job: str, rank: int, owner: str) -> bool: ...
-    def lease_owner(self, job: str, rank: int) -> str | None: ...
+    def acquire_lease(self, job: str, lease: str, owner: str, ttl_s: float) -> bool: ...
+    def release_lease(self, job: str, lease: str, owner: str) -> bool: ...
+    def lease_owner(self, job: str, lease: str) -> str | None: ...
     def ack(self, job: str, rank: int, epoch: int, step: int) -> tuple[int, int]: ...
     def acked(self, job: str, rank: int) -> tuple[int, int] | None: ...
     def add_skipped(self, job: str, key: str, reason: str) -> None: ...
@@ -131,28 +131,28 @@ class EmbeddedCoordinator:
     def job(self, job: str) -> JobRecord | None:
         return self._jobs.get(job)
 
-    def _holder(self, job: str, rank: int) -> str | None:
-        owner, expiry = self._leases.get((job, rank), (None, 0.0))
+    def _holder(self, job: str, lease: str) -> str | None:
+        owner, expiry = self._leases.get((job, str(lease)), (None, 0.0))
         return owner if owner is not None and expiry > self._clock() else None
 
-    def acquire_lease(self, job: str, rank: int, owner: str, ttl_s: float) -> bool:
+    def acquire_lease(self, job: str, lease: str, owner: str, ttl_s: float) -> bool:
         with self._lock:
-            holder = self._holder(job, rank)
+            holder = self._holder(job, lease)
             if holder not in (None, owner):
                 return False
-            self._leases[(job, rank)] = (owner, self._clock() + ttl_s)
+            self._leases[(job, str(lease))] = (owner, self._clock() + ttl_s)
             return True
 
-    def release_lease(self, job: str, rank: int, owner: str) -> bool:
+    def release_lease(self, job: str, lease: str, owner: str) -> bool:
         with self._lock:
-            if self._holder(job, rank) != owner:
+            if self._holder(job, lease) != owner:
                 return False
-            del self._leases[(job, rank)]
+            del self._leases[(job, str(lease))]
             return True
 
-    def lease_owner(self, job: str, rank: int) -> str | None:
+    def lease_owner(self, job: str, lease: str) -> str | None:
         with self._lock:
-            return self._holder(job, rank)
+            return self._holder(job, lease)
 
     def ack(self, job: str, rank: int, epoch: int, step: int) -> tuple[int, int]:
         with self._lock:

@@ -108,15 +108,15 @@ class RedisCoordinator:
         stored = self._call(self.client.hget, redis_keys.job_key(job, self.prefix), "record")
         return JobRecord.from_json(stored) if stored else None
 
-    def acquire_lease(self, job: str, rank: int, owner: str, ttl_s: float) -> bool:
-        return bool(self._call(self._scripts["acquire"], keys=[redis_keys.lease_key(job, rank, self.prefix)],
+    def acquire_lease(self, job: str, lease: str, owner: str, ttl_s: float) -> bool:
+        return bool(self._call(self._scripts["acquire"], keys=[redis_keys.lease_key(job, lease, self.prefix)],
                                args=[owner, int(ttl_s * 1000)]))
 
-    def release_lease(self, job: str, rank: int, owner: str) -> bool:
-        return bool(self._call(self._scripts["release"], keys=[redis_keys.lease_key(job, rank, self.prefix)], args=[owner]))
+    def release_lease(self, job: str, lease: str, owner: str) -> bool:
+        return bool(self._call(self._scripts["release"], keys=[redis_keys.lease_key(job, lease, self.prefix)], args=[owner]))
 
-    def lease_owner(self, job: str, rank: int) -> str | None:
-        return self._call(self.client.get, redis_keys.lease_key(job, rank, self.prefix))
+    def lease_owner(self, job: str, lease: str) -> str | None:
+        return self._call(self.client.get, redis_keys.lease_key(job, lease, self.prefix))
 
     def ack(self, job: str, rank: int, epoch: int, step: int) -> tuple[int, int]:
         value = self._call(self._scripts["ack"], keys=[redis_keys.acked_key(job, self.prefix)], args=[rank, position(epoch, step)])

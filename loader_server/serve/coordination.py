@@ -87,10 +87,10 @@ class Coordination:
         self.share_skipped(name, [(key, reason) for key, reason, _, _ in list(job.skipped)])
         return True
 
-    def hold_lease(self, job: str, rank: int) -> LeaseOutcome:
-        """Take or keep this rank's lease."""
+    def hold_lease(self, job: str, lease: str) -> LeaseOutcome:
+        """Take or keep a seat's lease (`Seat.lease_name`)."""
         try:
-            held = self.coordinator.acquire_lease(job, rank, self.server_id, self.config.lease_ttl_s)
+            held = self.coordinator.acquire_lease(job, lease, self.server_id, self.config.lease_ttl_s)
         except CoordinationUnavailable:
             return LeaseOutcome.UNREACHABLE
         return LeaseOutcome.HELD if held else LeaseOutcome.TAKEN
@@ -107,7 +107,7 @@ class Coordination:
             return
         job.ranks[rank].shared = max(job.ranks[rank].shared, position)
 
-    async def keep_lease(self, job: Job, rank: int | None, lease: int, lost: asyncio.Event) -> None:
+    async def keep_lease(self, job: Job, rank: int | None, lease: str, lost: asyncio.Event) -> None:
         """Renew the lease at a third of its TTL; while Redis is unreachable, keep streaming and retry. If
         another server took the rank meanwhile (Redis thought this one dead), stop the stream. `rank` None: an
         encoder rank's lease (it has no position of the job's to share)."""
@@ -127,7 +127,7 @@ class Coordination:
             if rank is not None:
                 await asyncio.to_thread(self.share_ack, job, rank)
 
-    def let_go(self, job: Job, rank: int | None, lease: int) -> None:
+    def let_go(self, job: Job, rank: int | None, lease: str) -> None:
         if rank is not None:
             self.share_ack(job, rank)
         try:

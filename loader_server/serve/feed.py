@@ -18,12 +18,13 @@ from packfeed.server.serve.jobs import Job
 from packfeed.server.serve.observe import Metrics, log
 from packfeed.server.serve.producer import END, produce
 from packfeed.server.serve.workers import WorkerPool
+from packfeed.v1.layout import Seat
 
 
 class RankFeed:
-    def __init__(self, job: Job, rank: int, start: tuple[int, int], pool: WorkerPool, budget: MemoryBudget,
-                 config: ServerConfig, metrics: Metrics, encoder: bool = False):
-        self.job, self.rank, self.encoder, self.start = job, rank, encoder, start
+    def __init__(self, job: Job, seat: Seat, start: tuple[int, int], pool: WorkerPool, budget: MemoryBudget,
+                 config: ServerConfig, metrics: Metrics):
+        self.job, self.seat, self.start = job, seat, start
         self._pool, self._config, self._metrics = pool, config, metrics
         self.account = budget.account(self._shed)
         self.queue: asyncio.Queue = asyncio.Queue(maxsize=config.prefetch_steps)
@@ -33,8 +34,8 @@ class RankFeed:
         self.producer = self._produce(start)
 
     def _produce(self, cursor: tuple[int, int]) -> asyncio.Task:
-        return asyncio.create_task(produce(self.job, self.rank, cursor, self.queue, self._pool, self.account,
-                                           self._config, self._metrics, self.encoder))
+        return asyncio.create_task(produce(self.job, self.seat, cursor, self.queue, self._pool, self.account,
+                                           self._config, self._metrics))
 
     async def next(self):
         """The next prepared ((epoch, step), RankStepResult, StepHold), or END after the job's last step (or a

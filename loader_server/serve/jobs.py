@@ -22,6 +22,7 @@ from packfeed.server.serve.job_spec import JobError, JobSpec
 from packfeed.server.serve.observe import log
 from packfeed.server.serve.step_work import RankStepWork
 from packfeed.server.serve.workers import SharedSteps
+from packfeed.v1.layout import Seat
 from packfeed.v1.options import Oversize
 
 if TYPE_CHECKING:
@@ -91,11 +92,6 @@ class RankState:
 
 PLANS_CACHED = 3
 LIVE_S = 60.0  # a rank with unacknowledged steps is working while it acknowledged one this recently
-
-
-def rank_name(rank: int, encoder: bool = False) -> str:
-    """How messages name a stream's rank: an LLM rank, or an encoder rank (PlanSpec.encoder_ranks)."""
-    return f"encoder rank {rank}" if encoder else f"rank {rank}"
 
 
 @dataclass
@@ -240,19 +236,9 @@ class Job:
                                                   f"holds plan {expected}: this server serves another dataset or "
                                                   "settings; use one of the job's own servers")
 
-    def check_rank(self, rank: int, encoder: bool = False) -> None:
-        config = self.spec.plan_config
-        if encoder and not config.disaggregated:
-            raise JobError("INVALID_ARGUMENT", f"job {self.spec.job!r} has no encoder ranks (its plan's encoder_ranks "
-                                               "is 0: the encoder runs on the LLM's ranks): open it as an LLM rank")
-        if encoder and not 0 <= rank < config.encoder_ranks:
-            raise JobError("OUT_OF_RANGE", f"encoder rank {rank} is outside job {self.spec.job!r} (encoder_ranks = "
-                                           f"{config.encoder_ranks})")
-        if not encoder and not 0 <= rank < config.dp:
-            raise JobError("OUT_OF_RANGE", f"rank {rank} is outside job {self.spec.job!r} (dp = {config.dp})")
-
-    def progress(self, rank: int, encoder: bool = False) -> RankState:
-        return (self.encoders if encoder else self.ranks)[rank]
+    def progress(self, seat: Seat) -> RankState:
+        """The progress of the seat's rank (an encoder rank's own)."""
+        return (self.encoders if seat.encoder else self.ranks)[seat.rank]
 
     def check_step(self, epoch: int, step: int) -> Plan:
         plan = self.epoch_plan(epoch)
@@ -261,8 +247,9 @@ class Job:
             raise JobError("OUT_OF_RANGE", f"step {step} is past the plan of epoch {epoch} ({known})")
         return plan
 
-    def work(self, epoch: int, step: int, rank: int, encoder: bool = False) -> RankStepWork:
-        return self.dataset.work(self.epoch_plan(epoch), step, rank, encoder)
+    def work(self, epoch: int, step: int, seat: Seat) -> RankStepWork:
+        """What the seat's rank is sent of the step (every lane's share: each lane's stream takes its own)."""
+        return self.dataset.work(self.epoch_plan(epoch), step, seat.rank, seat.encoder)
 
     def next_step(self, epoch: int, step: int) -> tuple[int, int] | None:
         """The step after (epoch, step), or None at the end of the job."""
@@ -277,6 +264,7 @@ class Job:
             self.skipped_count += len(skipped)
 
     def ack(self, rank: int, epoch: int, step: int) -> None:
-        self.check_rank(rank)
+        if not 0 <= rank < len(self.ranks):
+            raise JobError("OUT_OF_RANGE", f"rank {rank} is outside job {self.spec.job!r} (dp = {len(self.ranks)})")
         self.check_step(epoch, step)
         self.ranks[rank].acknowledge(epoch, step)

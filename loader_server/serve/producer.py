@@ -18,21 +18,21 @@ from concurrent.futures.process import BrokenProcessPool
 from packfeed.server.serve.budget import Account, StepHold
 from packfeed.server.serve.config import ServerConfig
 from packfeed.server.serve.job_spec import JobError
-from packfeed.server.serve.jobs import Job, rank_name
+from packfeed.server.serve.jobs import Job
 from packfeed.server.serve.observe import Metrics, log
 from packfeed.server.serve.step_work import RankStepResult
 from packfeed.server.serve.workers import WorkerPool
+from packfeed.v1.layout import Seat
 
 END = None  # put in the queue after the job's last step (or after a failure)
 
 
-async def produce(job: Job, rank: int, cursor: tuple[int, int] | None, queue: asyncio.Queue, pool: WorkerPool,
-                  account: Account, config: ServerConfig, metrics: Metrics | None = None,
-                  encoder: bool = False) -> None:
+async def produce(job: Job, seat: Seat, cursor: tuple[int, int] | None, queue: asyncio.Queue, pool: WorkerPool,
+                  account: Account, config: ServerConfig, metrics: Metrics | None = None) -> None:
     """Put ((epoch, step), RankStepResult, StepHold) for every step from `cursor` to the end of the job, then END
     (the stream releases each hold once the step is sent); `account`: the stream's in the memory budget.
-    `encoder`: `rank` is an encoder rank (its steps are what it encodes; bounded like any rank's by its queue, so
-    by how fast its trainer, which waits on the LLM ranks, takes them).
+    An encoder rank's steps are what it encodes (bounded like any rank's by its queue, so by how fast its trainer,
+    which waits on the LLM ranks, takes them). The seats of one rank share each step's preparation.
     Raises JobError when a step takes over `prepare_timeout_s` (a stalled read) or loses more than
     `max_skipped_fraction` of its samples (the dataset is not what was indexed, or not reachable)."""
     prefetch_steps = config.prefetch_steps
@@ -43,7 +43,7 @@ async def produce(job: Job, rank: int, cursor: tuple[int, int] | None, queue: as
         while cursor is not None or in_flight:
             while cursor is not None and len(in_flight) < prefetch_steps:
                 if pending is None:
-                    work = await asyncio.to_thread(job.work, cursor[0], cursor[1], rank, encoder)
+                    work = await asyncio.to_thread(job.work, cursor[0], cursor[1], seat)
                     work.decode_budget = account.budget.working_limit  # a sample needing more is skipped, not prepared
                     # room for the packs, and meanwhile for decoding the step's largest image (or tokenising its
                     # longest sample)
@@ -54,7 +54,7 @@ async def produce(job: Job, rank: int, cursor: tuple[int, int] | None, queue: as
                 elif not account.try_reserve(estimate):
                     break  # no room to prefetch: deliver what is in preparation first (it frees room)
                 pending = None
-                key = ("encoder", rank, *cursor) if encoder else (rank, *cursor)  # encoder ranks: a space of their own
+                key = ("encoder", seat.rank, *cursor) if seat.encoder else (seat.rank, *cursor)  # encoders: their own
                 future, started = job.steps.take(key, lambda: pool.run(work))
                 hold = StepHold(account, job.steps, key, estimate)
                 if metrics is not None:
@@ -66,7 +66,7 @@ async def produce(job: Job, rank: int, cursor: tuple[int, int] | None, queue: as
                 result: RankStepResult = await asyncio.wait_for(asyncio.shield(future), config.prepare_timeout_s)
                 result.attach()  # the worker's shared file, mapped: from here dropping the result frees it
             except asyncio.TimeoutError:
-                raise JobError("UNAVAILABLE", f"step {position[0]}:{position[1]} of {rank_name(rank, encoder)} took "
+                raise JobError("UNAVAILABLE", f"step {position[0]}:{position[1]} of {seat.name} took "
                                               f"over {config.prepare_timeout_s:g} s to prepare (a stalled read?); "
                                               "retry, or use another server") from None
             except BrokenProcessPool:
@@ -74,7 +74,7 @@ async def produce(job: Job, rank: int, cursor: tuple[int, int] | None, queue: as
                 raise JobError("UNAVAILABLE", "a pre-processing worker died (out of memory?); the pool was "
                                               "restarted: retry") from None
             # still in flight: released if so
-            check_skipped(result, position, rank_name(rank, encoder), config.max_skipped_fraction)
+            check_skipped(result, position, seat.name, config.max_skipped_fraction)
             in_flight.popleft()
             owned = hold  # counted in the budget, not yet in the queue
             hold.resize(result.nbytes)
@@ -86,7 +86,7 @@ async def produce(job: Job, rank: int, cursor: tuple[int, int] | None, queue: as
         raise
     except Exception as error:
         log.error("pack preparation failed", exc_info=not isinstance(error, JobError),
-                  extra={"job": job.spec.job, "rank": rank, "error": str(error)})
+                  extra={"job": job.spec.job, "seat": seat.name, "error": str(error)})
         release_all(in_flight, owned)  # a step a worker finishes is discarded
         await queue.put(END)
         raise

@@ -9,9 +9,8 @@ from google.protobuf.message import DecodeError
 from packfeed.server.serve.job_spec import JobError, Resume
 from packfeed.server.serve.registry import check_name
 from packfeed.v1 import packfeed_pb2 as pb
+from packfeed.v1.layout import MAX_REPLICAS, Layout, Seat
 from packfeed.v1.options import MAX_RESUME_CHAIN, PlanConfig
-
-MAX_REPLICAS = 1024  # consumers of one DP rank (a TP x CP x SP group beyond this is not a real deployment)
 
 
 def resume_of(request: pb.OpenJobRequest) -> Resume:
@@ -36,16 +35,26 @@ def _resume(message: pb.ResumeFrom, depth: int) -> Resume:
                   message.seed, message.index_fingerprint, previous)
 
 
-def replica_lease(rank: int, replica: int, replicas: int, dp: int, encoder_ranks: int = 0,
-                  encoder: bool = False) -> int:
-    """The lease a replica holds: the rank's own for replica 0, one apart for each other (numbered past every
-    rank, so no two replicas or ranks share one); an encoder rank's are numbered past every LLM rank's."""
-    if replicas > MAX_REPLICAS or replica >= replicas:
-        raise JobError("INVALID_ARGUMENT", f"replica {replica} of {replicas}: give 0 <= replica < replicas <= "
+def seat_of(request: pb.StreamPacksRequest | pb.AckStepRequest, job: str, layout: Layout) -> Seat:
+    """The consumer's seat: the request's `seat`, or v1's separate fields (rank, replica, cp_rank, encoder), the
+    same thing; checked against the job's layout. A rank past the job's is OUT_OF_RANGE, any other problem
+    INVALID_ARGUMENT."""
+    flat = Seat(request.rank, request.replica, request.cp_rank, request.encoder)
+    seat = flat
+    if request.HasField("seat"):
+        given = request.seat
+        seat = Seat(given.rank, given.replica, given.lane, given.encoder)
+        if flat not in (Seat(0), seat):
+            raise JobError("INVALID_ARGUMENT", f"the request's seat ({seat.name}) and its separate fields "
+                                               f"({flat.name}) differ: send the seat, or the same place in both")
+    replicas = getattr(request, "replicas", 0)
+    if replicas and not seat.replica < replicas <= MAX_REPLICAS:
+        raise JobError("INVALID_ARGUMENT", f"replica {seat.replica} of {replicas}: give 0 <= replica < replicas <= "
                                            f"{MAX_REPLICAS}")
-    if encoder:
-        return dp * MAX_REPLICAS + rank + replica * encoder_ranks
-    return rank + replica * dp
+    if problems := seat.problems(layout):
+        past = not seat.within(layout) and (layout.encoder_ranks or not seat.encoder)
+        raise JobError("OUT_OF_RANGE" if past else "INVALID_ARGUMENT", f"job {job!r}: " + "; ".join(problems))
+    return seat
 
 
 MAX_CLIENT_SKIPPED = 4096  # samples one acknowledgement may report as left out by the client

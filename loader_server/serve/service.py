@@ -21,17 +21,18 @@ from packfeed.server.serve.budget import MemoryBudget
 from packfeed.server.serve.config import ServerConfig
 from packfeed.server.serve.coordination import Coordination
 from packfeed.server.serve.job_spec import JobError, JobSpec
-from packfeed.server.serve.jobs import Job, rank_name
+from packfeed.server.serve.jobs import Job
 from packfeed.server.serve.network import client_host
 from packfeed.server.serve.observe import Metrics, log
 from packfeed.server.serve.feed import RankFeed
 from packfeed.server.serve.producer import END
 from packfeed.server.serve.registry import JobRegistry
-from packfeed.server.serve.requests import client_skipped, parse, replica_lease, resume_of
+from packfeed.server.serve.requests import client_skipped, parse, resume_of, seat_of
 from packfeed.server.serve.step_work import RankStepResult
 from packfeed.server.serve.wire import pack_parts
 from packfeed.server.serve.workers import WorkerPool
 from packfeed.v1 import packfeed_pb2 as pb
+from packfeed.v1.layout import Seat
 from packfeed.v1.options import PlanConfig
 
 SERVICE = pb.DESCRIPTOR.services_by_name["Packfeed"].full_name
@@ -96,27 +97,26 @@ class PackfeedService:
             raise JobError("INVALID_ARGUMENT", f"data_wait_s is {request.data_wait_s}: give the seconds the rank "
                                                "waited for packs, a finite number >= 0")
         job = self.registry.get(request.job)
-        job.check_rank(request.rank, request.encoder)
+        seat = seat_of(request, job.spec.job, job.spec.plan_config.layout)
         await asyncio.to_thread(job.check_step, request.epoch, request.step)
-        if request.replica or request.cp_rank:  # the rank's first GPU acknowledges for it: counted once per DP rank
+        if not seat.primary:  # the rank's first GPU acknowledges for it: counted once per DP rank
             return pb.AckStepResponse()
-        progress = job.progress(request.rank, request.encoder)
+        progress = job.progress(seat)
         if (request.epoch, request.step) > progress.streamed:
-            raise JobError("FAILED_PRECONDITION", f"step {request.epoch}:{request.step} was not sent to "
-                                                  f"{rank_name(request.rank, request.encoder)} by "
-                                                  "this server: acknowledge only steps received")
+            raise JobError("FAILED_PRECONDITION", f"step {request.epoch}:{request.step} was not sent to {seat.name} "
+                                                  "by this server: acknowledge only steps received")
         skipped = client_skipped(request)
         progress.data_wait_s = request.data_wait_s  # a report, for the status page
-        if request.encoder:  # the job's position is the LLM ranks'
+        if seat.encoder:  # the job's position is the LLM ranks'
             progress.acknowledge(request.epoch, request.step)
-            self._record_skipped(job, request.rank, request.epoch, request.step, skipped, "client")
+            self._record_skipped(job, seat.rank, request.epoch, request.step, skipped, "client")
             return pb.AckStepResponse()
-        await asyncio.to_thread(job.ack, request.rank, request.epoch, request.step)
+        await asyncio.to_thread(job.ack, seat.rank, request.epoch, request.step)
         if request.closing:  # the trainer stopped here: what it was sent beyond is not its lag
             progress.end_run()
-        await asyncio.to_thread(self.coordination.share_ack, job, request.rank)
-        self._record_skipped(job, request.rank, request.epoch, request.step, skipped, "client")
-        self.metrics.lag.labels(request.job, str(request.rank)).set(job.ranks[request.rank].lag)
+        await asyncio.to_thread(self.coordination.share_ack, job, seat.rank)
+        self._record_skipped(job, seat.rank, request.epoch, request.step, skipped, "client")
+        self.metrics.lag.labels(request.job, str(seat.rank)).set(job.ranks[seat.rank].lag)
         return pb.AckStepResponse()
 
     def job_info(self, job: Job) -> pb.JobInfo:
@@ -159,41 +159,35 @@ class PackfeedService:
             self.streams_per_client[client] -= 1
 
     async def _stream_packs(self, request: pb.StreamPacksRequest, context, part_bytes: int) -> None:
-        job, rank, encoder = self.registry.get(request.job), request.rank, request.encoder
+        job = self.registry.get(request.job)
         job.check_plan(request.plan_fingerprint)
-        job.check_rank(rank, encoder)
         config = job.spec.plan_config
-        replica, lane, groups = request.replica, request.cp_rank, config.context_parallel
-        if lane >= groups:
-            raise JobError("INVALID_ARGUMENT", f"cp_rank {lane}: job {job.spec.job!r} plans {groups} context-parallel "
-                                               f"GPUs per rank; give 0 <= cp_rank < {groups}")
+        seat = seat_of(request, job.spec.job, config.layout)
+        rank, encoder = seat.rank, seat.encoder
         # the rank's first GPU acknowledges for the rank (an encoder rank's acknowledgements are reports only)
-        primary = replica == 0 and lane == 0 and not encoder
-        replicas = max(1, request.replicas)
-        lease = replica_lease(rank, lane * replicas + replica, replicas * groups, config.dp, config.encoder_ranks,
-                              encoder)
+        primary = seat.primary and not encoder
         start = (request.first_epoch, request.first_step)
         await asyncio.to_thread(job.check_step, *start)
-        who = rank_name(rank, encoder)
         if primary and start == (0, 0) and job.ranks[rank].acked >= (0, 0):  # a restart that forgot its state?
             log.warning("job id re-used without its saved state: a rank restarts at step 0", extra={
                 "job": job.spec.job, "rank": rank, "acked": list(job.ranks[rank].acked)})
-        await self._take_lease(job, who, replica, lease)
+        await self._take_lease(job, seat)
         lost = asyncio.Event()
         job.open_streams += 1
-        keeper = asyncio.create_task(self.coordination.keep_lease(job, None if encoder else rank, lease, lost))
-        feed = RankFeed(job, rank, start, self.pool, self.budget, self.config, self.metrics, encoder)
+        keeper = asyncio.create_task(self.coordination.keep_lease(job, None if encoder else rank, seat.lease_name,
+                                                                  lost))
+        feed = RankFeed(job, seat, start, self.pool, self.budget, self.config, self.metrics)
         log.info("stream started", extra={"job": job.spec.job, "rank": rank, "encoder": encoder, "epoch": start[0],
                                           "step": start[1], "peer": context.peer()})
         sent_steps, complete = 0, False
-        if primary or encoder and not replica:
-            job.progress(rank, encoder).begin_run()
+        if seat.primary:
+            job.progress(seat).begin_run()
         try:
             while (item := await feed.next()) is not END:
                 if primary:
                     self.metrics.queue_depth.labels(job.spec.job, str(rank)).set(feed.queue.qsize())
-                if primary or encoder and not replica:
-                    job.progress(rank, encoder).queued = feed.queue.qsize()
+                if seat.primary:
+                    job.progress(seat).queued = feed.queue.qsize()
                 (epoch, step), sending, hold = item
                 item = None
                 # Released once gRPC has taken the step's last piece (a write returns then, and a message it
@@ -201,14 +195,15 @@ class PackfeedService:
                 # on the way out of a failed or cancelled send
                 with feed.sending(hold):
                     if lost.is_set():
-                        raise JobError("ABORTED", f"another server took {who} of job {job.spec.job!r}: "
+                        raise JobError("ABORTED", f"another server took {seat.name} of job {job.spec.job!r}: "
                                                   "reconnect to continue")
                     if job.revoked:  # an older registration of the job id holds another plan
                         raise job.revoked
-                    for piece, last in with_last(pieces_of(sending.for_lane(lane, groups), part_bytes)):
+                    for piece, last in with_last(pieces_of(sending.for_lane(seat.lane, config.context_parallel),
+                                                           part_bytes)):
                         if last:  # counted as sent when its final piece is handed over: a client that has all
                             # of it may close before the write returns
-                            self._account(job, rank, epoch, step, sending, primary, encoder and not replica)
+                            self._account(job, seat, epoch, step, sending)
                         await context.write(piece)
                 sending = hold = piece = None  # no step outlives its release while we wait for the next
                 sent_steps += 1
@@ -216,15 +211,15 @@ class PackfeedService:
         finally:
             job.open_streams -= 1
             job.touch()
-            if primary or encoder and not replica:
-                job.progress(rank, encoder).end_run(complete)
+            if seat.primary:
+                job.progress(seat).end_run(complete)
             if primary:
                 self.metrics.run_ended(job.spec.job, rank, job.ranks[rank].lag)
             keeper.cancel()
             feed.close()  # gives back what the stream still held
             if not lost.is_set():
                 await asyncio.shield(asyncio.to_thread(self.coordination.let_go, job, None if encoder else rank,
-                                                       lease))
+                                                       seat.lease_name))
             log.info("stream ended", extra={"job": job.spec.job, "rank": rank, "encoder": encoder,
                                             "steps_sent": sent_steps})
         failure = feed.failure()
@@ -233,38 +228,39 @@ class PackfeedService:
         if failure is not None:
             await context.abort(grpc.StatusCode.INTERNAL, f"pack preparation failed: {failure!r}")
 
-    async def _take_lease(self, job: Job, name: str, replica: int, lease: int) -> None:
-        """Start a stream only with the rank's lease in hand. Fail-closed: while the coordinator cannot be asked,
+    async def _take_lease(self, job: Job, seat: Seat) -> None:
+        """Start a stream only with the seat's lease in hand. Fail-closed: while the coordinator cannot be asked,
         no new stream of a rank starts here (another server may be streaming it: two trainers would get the
         same samples without either knowing); the client retries. Streams already running go on."""
-        outcome = await asyncio.to_thread(self.coordination.hold_lease, job.spec.job, lease)
+        outcome = await asyncio.to_thread(self.coordination.hold_lease, job.spec.job, seat.lease_name)
         if outcome is LeaseOutcome.HELD:
             return
-        who = name + (f" replica {replica}" if replica else "")
+        who = seat.name
         self.metrics.stream_refusals.labels(job.spec.job, outcome.value).inc()
         if outcome is LeaseOutcome.UNREACHABLE:
             log.warning("stream refused: the rank's lease cannot be checked", extra={"job": job.spec.job,
-                                                                                    "rank": name, "replica": replica})
+                                                                                    "seat": seat.name})
             raise JobError("UNAVAILABLE", f"{who} of job {job.spec.job!r}: this server cannot reach the coordinator "
                                           "(Redis) to check the rank's lease, and starts no stream that another "
                                           "server may be serving; streams already running go on. Retry: it "
                                           "starts once the coordinator answers")
-        owner = await asyncio.to_thread(self.coordination.coordinator.lease_owner, job.spec.job, lease)
+        owner = await asyncio.to_thread(self.coordination.coordinator.lease_owner, job.spec.job, seat.lease_name)
         raise JobError("UNAVAILABLE", f"{who} of job {job.spec.job!r} is being served by {owner}; if that server is "
                                       f"gone, its lease lapses within {self.config.lease_ttl_s:g} s: retry")
 
-    def _account(self, job: Job, rank: int, epoch: int, step: int, result: RankStepResult, primary: bool,
-                 encoder: bool = False) -> None:
-        """Metrics, the job's own counts and the rank's progress for a step sent; a replica above 0 counts packs and
-        bytes only (its samples are the rank's); an encoder rank (its first replica) its skips and position too."""
-        name = job.spec.job
+    def _account(self, job: Job, seat: Seat, epoch: int, step: int, result: RankStepResult) -> None:
+        """Metrics, the job's own counts and the rank's progress for a step sent; a seat other than its rank's first
+        counts packs and bytes only (its samples are the rank's); an encoder rank's first its skips and position
+        too."""
+        name, rank = job.spec.job, seat.rank
         job.packs_sent += len(result.messages)
         self.metrics.packs.labels(name).inc(len(result.messages))
         self.metrics.bytes.labels(name).inc(result.nbytes)
-        if encoder:
+        if not seat.primary:
+            return
+        if seat.encoder:
             self._record_skipped(job, rank, epoch, step, result.skipped, "server")
             job.encoders[rank].sent(epoch, step)
-        if not primary:
             return
         self.metrics.samples.labels(name).inc(result.samples)
         for dataset, count in result.by_dataset.items():

@@ -1,7 +1,7 @@
 """Context parallelism for the reference VLM (parallel.cp = C > 1, at pp 1), as a `StepRunner`.
 
 Each DP replica is C GPUs. The plan (context_parallel C) gives every microbatch's GPUs their shares: a pack at
-degree d runs on d aligned GPUs of the replica (`Mesh.cp_groups[d, g]`), each holding two zigzag chunks of every
+degree d runs on d aligned GPUs of the replica (`Mesh.cp_communicators[d, g]`), each holding two zigzag chunks of every
 sample (`packfeed.v1.context_parallel`) and encoding its pieces of the pack's images (`cp_pieces`: the d GPUs
 share the tiles, a long video's frames too). Per pack, on its d GPUs:
 
@@ -224,13 +224,13 @@ class ContextParallelRunner:
         busy = time.process_time() - busy_started if self.mesh.device.type == "cpu" else float("nan")
         return StepTally(loss_sum, tokens=tokens, padded_tokens=tokens, tiles=tiles, padded_tiles=tiles, busy_s=busy,
                          compute_s=time.perf_counter() - started,
-                         samples_by_dataset=dict(Counter(step.sample_sources)) if self.mesh.cp_rank == 0 else {},
+                         samples_by_dataset=dict(Counter(step.sample_sources)) if self.mesh.lane == 0 else {},
                          packs=packs)
 
     def _pack_row(self, pack) -> tuple:
         """(replica, microbatch, degree, cp_group, tokens, tiles, sum of squared sample lengths) of a whole pack,
         the same on each of its GPUs."""
-        d, g = (int(v) for v in pack.cp.tolist()[:2]) if "cp" in pack.tensors else (1, self.mesh.cp_rank)
+        d, g = (int(v) for v in pack.cp.tolist()[:2]) if "cp" in pack.tensors else (1, self.mesh.lane)
         bounds = (pack.cp_seqlens if "cp" in pack.tensors else pack.cu_seqlens).long()
         lengths = bounds[1:] - bounds[:-1]
         return (self.mesh.replica, int(pack.microbatch), d, g, int(bounds[-1]), self.vision_units(pack),
@@ -243,7 +243,7 @@ class ContextParallelRunner:
     def pack_loss(self, pack) -> torch.Tensor:
         """The summed next-token loss of this GPU's share of `pack` (a whole pack when it has no `cp`)."""
         device = self.mesh.device
-        layout = ShareLayout.of(pack, self.mesh.cp_groups) if "cp" in pack.tensors else None
+        layout = ShareLayout.of(pack, self.mesh.cp_communicators) if "cp" in pack.tensors else None
         self.attention.layout = layout
         features = self._item_features(pack, layout)
         spans = pack.image_token_spans.view(-1, 2).long()

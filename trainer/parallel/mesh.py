@@ -1,14 +1,15 @@
 """The (dp, cp, pp) process grid: ranks, their process groups, and the small collectives every room uses.
 
-Global rank = (replica * CP + cp_rank) * P + stage. With the encoder on ranks of its own (E encoder ranks,
+Global rank = (replica * CP + lane) * P + stage. With the encoder on ranks of its own (E encoder ranks,
 parallel.encoder=disaggregated, at cp 1) the E ranks come after the grid's: encoder rank e is global rank
 dp * pp + e (its stage counts as 0: it streams like a first stage), an LLM rank's `dp_group` is its stage's
 replicas as without them and an encoder rank's the E encoder ranks, and `exchange_group` joins the first stages
 and the encoder ranks (every rank at pp 1), the ranks the encoder's outputs travel between. With context
 parallelism (cp > 1, at pp 1) the data-parallel
-group holds every rank (each GPU's gradients are partial sums of its replica's), and `cp_groups` holds a group for
-each aligned run of d GPUs of this rank's CP group (d = 2, 4, ..., cp), the GPUs a pack at degree d runs on. Every
-rank creates every group in the same order, as torch.distributed requires.
+group holds every rank (each GPU's gradients are partial sums of its replica's), and `cp_communicators` holds a
+process group for each aligned run of d lanes of this rank's replica (d = 2, 4, ..., cp), the GPUs a pack at
+degree d runs on. Every rank creates every process group in the same order, as torch.distributed requires.
+Which layouts combine is `Layout.problems()`'s to say.
 """
 
 from __future__ import annotations
@@ -21,20 +22,19 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from packfeed.v1.layout import Layout, Seat
+
 
 @dataclass
 class Mesh:
-    """This process's place in the (dp, pp) grid and the process groups that go with it."""
+    """This process's place in the layout's grid and the process groups that go with it."""
 
-    dp: int
-    pp: int
+    layout: Layout
     rank: int
     device: torch.device
     pp_group: dist.ProcessGroup | None = None
     dp_group: dist.ProcessGroup | None = None
-    cp: int = 1
-    cp_groups: dict[tuple[int, int], dist.ProcessGroup] = field(default_factory=dict)  # (degree, cp_group)
-    encoder_ranks: int = 0  # the encoder's own ranks, after the grid's
+    cp_communicators: dict[tuple[int, int], dist.ProcessGroup] = field(default_factory=dict)  # (degree, cp_group)
     exchange_group: dist.ProcessGroup | None = None  # encoder ranks: the first stages and the encoder ranks
     timeout: datetime.timedelta | None = None  # every group's collectives (parallel.timeout_s; None: torch's)
 
@@ -49,25 +49,48 @@ class Mesh:
         return self._device_mesh["dp"]
 
     @property
+    def dp(self) -> int:
+        return self.layout.dp
+
+    @property
+    def pp(self) -> int:
+        return self.layout.pp
+
+    @property
+    def cp(self) -> int:
+        return self.layout.cp
+
+    @property
+    def encoder_ranks(self) -> int:
+        return self.layout.encoder_ranks
+
+    @property
     def replica(self) -> int:
         return self.rank // (self.pp * self.cp)
 
     @property
-    def cp_rank(self) -> int:
+    def lane(self) -> int:
+        """This rank's GPU of its replica's CP group (0..cp-1)."""
         return self.rank // self.pp % self.cp
 
     @property
     def world(self) -> int:
-        return self.dp * self.cp * self.pp + self.encoder_ranks
+        return self.layout.world
 
     @property
     def is_encoder(self) -> bool:
         """One of the encoder's own ranks (parallel.encoder=disaggregated)."""
-        return self.rank >= self.dp * self.cp * self.pp
+        return self.rank >= self.layout.llm_ranks
 
     @property
     def encoder_rank(self) -> int:
-        return self.rank - self.dp * self.cp * self.pp
+        return self.rank - self.layout.llm_ranks
+
+    @property
+    def seat(self) -> Seat:
+        """Where this rank reads its packs: its replica's (lane) or its encoder rank's seat; every stage of a
+        pipeline reads its first stage's packs."""
+        return Seat(self.encoder_rank, encoder=True) if self.is_encoder else Seat(self.replica, lane=self.lane)
 
     def new_group(self, members: list[int], **options) -> dist.ProcessGroup:
         """A process group with the run's timeout (torch gives groups its own default, not the world's)."""
@@ -75,7 +98,7 @@ class Mesh:
 
     def describe_rank(self, rank: int) -> str:
         """How messages name a global rank: an LLM rank with its replica and stage, or an encoder rank."""
-        grid = self.dp * self.cp * self.pp
+        grid = self.layout.llm_ranks
         if rank >= grid:
             return f"rank {rank} (encoder rank {rank - grid})"
         return f"rank {rank} (replica {rank // (self.pp * self.cp)}, stage {rank % self.pp})"
@@ -97,18 +120,17 @@ class Mesh:
         return self.stage == self.pp - 1
 
 
-def make_mesh(dp: int, pp: int, device: torch.device, cp: int = 1, encoder_ranks: int = 0,
-              timeout: datetime.timedelta | None = None) -> Mesh:
-    """Groups for an initialised default process group of dp * cp * pp (+ encoder_ranks) ranks (every rank creates
-    every group, in the same order, as torch.distributed requires)."""
+def make_mesh(layout: Layout, device: torch.device, timeout: datetime.timedelta | None = None) -> Mesh:
+    """Groups for an initialised default process group of the layout's world (every rank creates every group, in
+    the same order, as torch.distributed requires)."""
+    layout.checked()
     world, rank = dist.get_world_size(), dist.get_rank()
-    if world != dp * cp * pp + encoder_ranks:
+    dp, pp, cp, encoder_ranks = layout.dp, layout.pp, layout.cp, layout.encoder_ranks
+    if world != layout.world:
         encoders = f" + encoder_ranks {encoder_ranks}" if encoder_ranks else ""
-        raise ValueError(f"world size {world} != dp {dp} x cp {cp} x pp {pp}{encoders}: launch "
-                         f"{dp * cp * pp + encoder_ranks} processes")
-    if cp > 1 and (pp > 1 or encoder_ranks):
-        raise ValueError("context parallelism runs at pp 1, with the encoder on each pack's GPUs")
-    mesh = Mesh(dp, pp, rank, device, cp=cp, encoder_ranks=encoder_ranks, timeout=timeout)
+        raise ValueError(f"world size {world} != dp {dp} x cp {cp} x pp {pp}{encoders}: launch {layout.world} "
+                         "processes")
+    mesh = Mesh(layout, rank, device, timeout=timeout)
     if cp > 1:
         mesh.dp_group = dist.group.WORLD
         for replica in range(dp):
@@ -118,7 +140,7 @@ def make_mesh(dp: int, pp: int, device: torch.device, cp: int = 1, encoder_ranks
                     members = [replica * cp + group * degree + k for k in range(degree)]
                     made = mesh.new_group(members)
                     if replica == mesh.replica:
-                        mesh.cp_groups[degree, group] = made
+                        mesh.cp_communicators[degree, group] = made
                 degree *= 2
         return mesh
     for replica in range(dp):

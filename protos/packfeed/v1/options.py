@@ -15,6 +15,8 @@ import math
 from dataclasses import asdict, dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
+from packfeed.v1.layout import Layout
+
 if TYPE_CHECKING:  # the messages are imported where converted: `packfeed plan` never pays for protobuf
     from packfeed.v1 import packfeed_pb2 as pb
 
@@ -254,8 +256,9 @@ class PlanConfig:
                 problems.append(str(error))
         if isinstance(self.cost_model, dict):
             object.__setattr__(self, "cost_model", CostModel.from_dict(self.cost_model))
-        if self.dp < 1 or self.microbatches < 1 or self.pipeline_stages < 1:
-            problems.append("dp, microbatches and pipeline_stages must be >= 1")
+        problems += self.layout.problems()  # dp, pipeline_stages, context_parallel and encoder_ranks together
+        if self.microbatches < 1:
+            problems.append("microbatches must be >= 1")
         if self.window < 0:
             problems.append("window must be >= 0 (0: the whole epoch at once)")
         if self.ranks_per_node < 1:
@@ -279,8 +282,6 @@ class PlanConfig:
 
     def _context_parallel_problems(self) -> list[str]:
         c = self.context_parallel
-        if c < 1 or c & (c - 1):
-            return [f"context_parallel must be a power of 2 (1, 2, 4, ...), not {c}"]
         if c > 1 and self.strategy not in (Strategy.ISF, Strategy.ISF_BALANCE):
             return [f"context_parallel plans ISF packs: strategy isf+balance or isf, not {self.strategy.value}"]
         if c > 1 and self.window:
@@ -292,18 +293,20 @@ class PlanConfig:
         return []
 
     def _encoder_ranks_problems(self) -> list[str]:
-        if self.encoder_ranks < 0:
-            return [f"encoder_ranks must be >= 0 (0: the encoder on the LLM's ranks), not {self.encoder_ranks}"]
-        if not self.encoder_ranks:
+        if self.encoder_ranks <= 0:
             return []
         if self.strategy not in (Strategy.ISF, Strategy.ISF_BALANCE, Strategy.ISF_PHASES):
             return [f"encoder_ranks plans ISF packs: strategy isf+balance, isf or isf+phases, not "
                     f"{self.strategy.value}"]
-        if self.context_parallel > 1:
-            return ["encoder_ranks and context_parallel do not combine yet: choose one"]
         if self.colocate_encoder:
             return ["colocate_encoder encodes on the LLM's ranks: leave encoder_ranks at 0"]
         return []
+
+    @property
+    def layout(self) -> Layout:
+        """The run's degrees as one value (`packfeed.v1.layout`): dp, pipeline_stages, context_parallel and
+        encoder_ranks."""
+        return Layout(self.dp, self.pipeline_stages, self.context_parallel, self.encoder_ranks)
 
     @property
     def disaggregated(self) -> bool:

@@ -5,7 +5,7 @@ Servers coordinated through one Redis (`redis_url`) keep there, under a prefix (
 | key | type | holds |
 |---|---|---|
 | `job:{job}` | hash, field `record` | JSON of what every server must agree on: `spec` (dataset, plan config, seed, epochs), `plan_fingerprint`, `index_fingerprint`, and `registered_ms` (when first registered); set once, and set again by the servers serving the job when Redis lost it (the older registration wins a conflict) |
-| `lease:{job}:{rank}` | string with a TTL (ms) | the `advertise` address of the server streaming that rank |
+| `lease:{job}:{seat}` | string with a TTL (ms) | the `advertise` address of the server streaming to that seat (`Seat.lease_name`: an LLM rank's first seat is the rank's number, as in v1; `3.lane-1`, `3.replica-2`, `encoder-0` the others) |
 | `acked:{job}` | hash rank -> integer | the rank's acknowledged position `epoch << 32 | step`; it only grows |
 | `skipped:{job}` | hash sample key -> reason | samples skipped at serve time |
 | `servers` | sorted set address -> score | live servers; the score is when the entry expires, in ms on Redis's own clock (`TIME`) |
@@ -29,8 +29,9 @@ def job_key(job: str, prefix: str = DEFAULT_PREFIX) -> str:
     return key(prefix, "job", job)
 
 
-def lease_key(job: str, rank: int, prefix: str = DEFAULT_PREFIX) -> str:
-    return key(prefix, "lease", job, rank)
+def lease_key(job: str, lease: str | int, prefix: str = DEFAULT_PREFIX) -> str:
+    """`lease`: a seat's lease name (`packfeed.v1.layout.Seat.lease_name`): an LLM rank's first seat is its number."""
+    return key(prefix, "lease", job, lease)
 
 
 def acked_key(job: str, prefix: str = DEFAULT_PREFIX) -> str:
