@@ -1,7 +1,7 @@
 """Context-parallel shares on the client: joining the shares of a pack back into the whole pack, and a stream
 that trains a CP plan on fewer GPUs than it plans (every lane of a rank's CP group in one process).
 
-`PackStream(..., cp_rank=r)` gives GPU r of a rank's CP group its share of every pack (docs/wire.md
+`PackStream(..., seat=Seat(rank, lane=r))` gives GPU r of a rank's CP group its share of every pack (docs/wire.md
 "Context-parallel shares"). `join_shares` undoes the split: the d shares of a pack at degree d give exactly the
 pack a job without context parallelism would send for those samples (tokens in sample order, every item's
 tiles), which is what a single GPU trains when it runs the pack whole. `JoinedStream` reads all C shares of a
@@ -20,17 +20,17 @@ ITEM_TENSORS = ("image_sample", "image_token_spans", "visual_kind", "frame_secon
 
 
 def share_layout(pack: PackTensors) -> tuple[int, int, int]:
-    """(degree d, cp_group g, CP rank j) of a share."""
+    """(degree d, cp_group g, share_rank j) of a share."""
     d, g, j = pack.cp.tolist()
     return int(d), int(g), int(j)
 
 
 def join_shares(shares: list[PackTensors]) -> PackTensors:
-    """The whole pack of its d shares (in CP rank order, as `PackStream(cp_rank=g*d + j)` received them)."""
+    """The whole pack of its d shares (in share_rank order, as the seats at lane g*d + j received them)."""
     first = shares[0]
     d, g, _ = share_layout(first)
     if len(shares) != d or [share_layout(s) for s in shares] != [(d, g, j) for j in range(d)]:
-        raise ValueError(f"join_shares needs the {d} shares of one pack in CP rank order, got "
+        raise ValueError(f"join_shares needs the {d} shares of one pack in share_rank order, got "
                          f"{[share_layout(s) for s in shares]}")
     total = int(first.cp_seqlens[-1])
     tensors = {name: torch.empty(total, dtype=first.tensors[name].dtype)
@@ -114,30 +114,30 @@ def _joined_tiles(shares: list[PackTensors]) -> dict[str, torch.Tensor]:
     tiles = [(int(item), j, k, tile, shape) for j, share in enumerate(shares)
              for k, (item, tile, shape) in enumerate(zip(share.tile_image.tolist(), share.tiles(),
                                                          share.tile_shapes.view(-1, 3)))]
-    tiles.sort(key=lambda t: t[:3])  # an item's pieces lie on ascending CP ranks, each piece's tiles in order
+    tiles.sort(key=lambda t: t[:3])  # an item's pieces lie on ascending share ranks, each piece's tiles in order
     return {"pixels": torch.cat([t[3].reshape(-1) for t in tiles]) if tiles else torch.zeros(0, dtype=torch.uint8),
             "tile_shapes": torch.stack([t[4] for t in tiles]) if tiles else torch.zeros(0, 3, dtype=torch.int32),
             "tile_image": torch.tensor([t[0] for t in tiles], dtype=torch.int32)}
 
 
-def whole_packs(lanes: list[PackTensors]) -> list[PackTensors]:
-    """The whole packs of one microbatch of a rank, from its C lanes' shares (lane order): each pack once,
-    in lane order; lanes with nothing in this microbatch give nothing."""
+def whole_packs(shares: list[PackTensors]) -> list[PackTensors]:
+    """The whole packs of one microbatch of a rank, from its C GPUs' shares (lane order): each pack once,
+    in lane order; a lane with nothing in this microbatch gives nothing."""
     packs, lane = [], 0
-    while lane < len(lanes):
-        share = lanes[lane]
+    while lane < len(shares):
+        share = shares[lane]
         if share.empty:
             lane += 1
             continue
         d, _, _ = share_layout(share)
-        packs.append(join_shares(lanes[lane:lane + d]))
+        packs.append(join_shares(shares[lane:lane + d]))
         lane += d
     return packs
 
 
 class JoinedStream:
-    """All C shares of one rank of a CP job (`streams`: its C `PackStream`s, cp_rank 0..C-1), as steps of whole
-    packs: the rank's CP group trained on one GPU. State and conventions are the cp_rank 0 stream's."""
+    """All C shares of one rank of a CP job (`streams`: its C `PackStream`s, one a lane, in lane order), as steps of whole
+    packs: the rank's CP group trained on one GPU. State and conventions are lane 0's stream's."""
 
     def __init__(self, streams: list):
         self.streams = streams

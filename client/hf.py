@@ -237,7 +237,7 @@ def to_hf_inputs(pack: PackTensors, model_family: str | Family, dp: int = 1, *,
     if dp < 1:
         raise ValueError("dp must be at least 1")
     if "cp" in pack.tensors:
-        raise ValueError("this is one GPU's context-parallel share of a pack (PackStream(cp_rank=...)): a model's "
+        raise ValueError("this is one GPU's context-parallel share of a pack (PackStream(seat=Seat(rank, lane=...))): a model's "
                          "forward needs K and V of the whole pack; join a pack's shares with "
                          "packfeed.client.context_parallel.join_shares and train it whole, or train with "
                          "packfeed train parallel.cp (the reference model or model.hf=qwen2_vl)")

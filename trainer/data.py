@@ -97,7 +97,7 @@ def open_stream(config: TrainConfig, mesh: Mesh, target: str, checkpoint_dir=Non
 
 
 def _lane_streams(target: str, job: str, seats: list[Seat], options: dict):
-    """The stream of this GPU's seat, or (the lanes of a replica) their streams joined into steps of whole
+    """The stream of this GPU's seat, or (every lane of a replica) their streams joined into steps of whole
     packs."""
     from packfeed.client import PackStream
     from packfeed.client.context_parallel import JoinedStream

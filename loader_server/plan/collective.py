@@ -369,15 +369,15 @@ def unaligned_towers(offsets: np.ndarray, members: np.ndarray, sample_class: np.
 
 def unaligned_lanes(offsets: np.ndarray, member_class: np.ndarray, cp_degree: np.ndarray, cp_group: np.ndarray,
                     dp: int, m: int, c: int) -> np.ndarray:
-    """(steps, M) as `unaligned_towers`, for a context-parallel plan: over every GPU (dp x C lanes) of each
+    """(steps, M) as `unaligned_towers`, for a context-parallel plan: over every GPU (dp x C) of each
     microbatch index, a lane's towers those of the pack it runs a share of. `member_class`: each plan member's."""
     slot = np.repeat(np.arange(len(offsets) - 1), np.diff(offsets))
-    lanes = np.zeros((len(offsets) - 1, c), dtype=np.int64)
+    per_gpu = np.zeros((len(offsets) - 1, c), dtype=np.int64)
     for d in np.unique(cp_degree):
         of_degree = cp_degree == d
         for j in range(int(d)):
-            np.bitwise_or.at(lanes, (slot[of_degree], cp_group[of_degree] * d + j), member_class[of_degree])
-    by_index = lanes.reshape(-1, dp, m, c).transpose(0, 2, 1, 3).reshape(-1, m, dp * c)
+            np.bitwise_or.at(per_gpu, (slot[of_degree], cp_group[of_degree] * d + j), member_class[of_degree])
+    by_index = per_gpu.reshape(-1, dp, m, c).transpose(0, 2, 1, 3).reshape(-1, m, dp * c)
     return np.bitwise_or.reduce(by_index, axis=2) & ~np.bitwise_and.reduce(by_index, axis=2)
 
 

@@ -1,16 +1,16 @@
 """Context-parallel plans (`context_parallel` C > 1): each pack's degree, and which GPUs of its rank run it.
 
-A job runs on dp x C GPUs. Each DP rank's microbatch is a CP group of C GPUs ("lanes"). A pack at degree d
-(1, 2, 4, ..., C) runs on the d aligned lanes [g*d, (g+1)*d) of one rank's microbatch: `cp_group` g. Its
+A job runs on dp x C GPUs. Each DP rank's microbatch is a CP group of C GPUs, each a lane (0..C-1). A pack at degree d
+(1, 2, 4, ..., C) runs on the d aligned GPUs [g*d, (g+1)*d) of one rank's microbatch: `cp_group` g. Its
 samples are split among those d GPUs by the contract's zigzag rule (`packfeed.v1.context_parallel`), so each
 holds at most ceil(T/d) of the pack's T tokens, and each does 1/d of its linear and of its causal attention work.
 
 - dynamic (default): samples that fit one GPU (at most N = `max_tokens_per_gpu` tokens, and the vision cap) are
   ISF-packed under those caps and run at d = 1; a longer sample starts a pack at the smallest d that puts at
   most N tokens on each GPU (one within N tokens but above the vision cap: at d = 1), topped up with short
-  samples to what its d GPUs hold (`top_up`). Packs then fill every step's dp x M x C lanes:
+  samples to what its d GPUs hold (`top_up`). Packs then fill every step's dp x M x C GPUs:
   steps get packs largest degree first, each to the step with the least work so far that has room, and within
-  a step each pack goes to the free aligned lanes whose GPUs carry the least work (buddy placement, so largest
+  a step each pack goes to the free aligned GPUs that carry the least work (buddy placement, so largest
   first always finds room). Every GPU's work (linear + attention, each pack's divided by its degree) is what
   is balanced, across all dp x C GPUs of a step.
 - static: every pack runs over all C GPUs: ISF packs under C x N tokens (and C x the vision cap), placed as
@@ -158,7 +158,7 @@ def _next_free(after, i):
 
 
 def place(cost: np.ndarray, degree: np.ndarray, dp: int, m: int, c: int, rng: np.random.Generator):
-    """Per pack (its work and degree): (step, rank, microbatch, cp_group), filling every step's dp x m x c lanes
+    """Per pack (its work and degree): (step, rank, microbatch, cp_group), filling every step's dp x m x c GPUs
     but the last's. Steps come in a seeded random order, the partial one last; each step's ranks are permuted."""
     if len(cost) == 0:
         return (np.empty(0, dtype=np.int64),) * 4, 0
@@ -176,20 +176,20 @@ def placed_steps(cost: np.ndarray, degree: np.ndarray, dp: int, m: int, c: int, 
     return int(_steps(cost, degree, dp * m * c, rng).max()) + 1 if len(cost) else 0
 
 
-def _steps(cost: np.ndarray, degree: np.ndarray, lanes: int, rng: np.random.Generator) -> np.ndarray:
+def _steps(cost: np.ndarray, degree: np.ndarray, width: int, rng: np.random.Generator) -> np.ndarray:
     """Per pack, its step. A GPU's share of a pack is its work / d: steps of packs with similar shares keep their
     GPUs equally busy (as balance.form_steps does without CP); seeded ties."""
     order = np.lexsort((rng.permutation(len(cost)), -(cost / degree)))
-    return _fill_steps(order, degree, lanes)
+    return _fill_steps(order, degree, width)
 
 
 @numba.njit(cache=True, nogil=True)
-def _fill_steps(order, degree, lanes):
-    """Packs in `order` fill steps of `lanes` lanes one after another; a pack with no room left in its step
-    waits for the next one, which takes the waiting packs first. Only the last step can have free lanes."""
+def _fill_steps(order, degree, width):
+    """Packs in `order` fill steps of `width` GPUs one after another; a pack with no room left in its step
+    waits for the next one, which takes the waiting packs first. Only the last step can have free GPUs."""
     step = np.full(len(order), -1, dtype=np.int64)
     waiting = np.empty(len(order), dtype=np.int64)
-    n_waiting, current, free = 0, 0, lanes
+    n_waiting, current, free = 0, 0, width
     for k in range(len(order)):
         p = order[k]
         if degree[p] <= free:
@@ -200,17 +200,17 @@ def _fill_steps(order, degree, lanes):
             n_waiting += 1
         while free == 0:
             current += 1
-            n_waiting, free = _take_waiting(waiting, n_waiting, degree, step, current, lanes)
+            n_waiting, free = _take_waiting(waiting, n_waiting, degree, step, current, width)
     if n_waiting > 0:
-        # The rest did not fit the current step's free lanes: lay the current step's packs and theirs out again,
-        # largest degree first (powers of 2 into steps of lanes divisible by each fill every step exactly), so
-        # only the very last step keeps free lanes.
+        # The rest did not fit the current step's free GPUs: lay the current step's packs and theirs out again,
+        # largest degree first (powers of 2 into steps of widths divisible by each fill every step exactly), so
+        # only the very last step keeps free GPUs.
         rest = np.concatenate((np.flatnonzero(step == current), waiting[:n_waiting]))
         rest = rest[np.argsort(-degree[rest], kind="mergesort")]
-        free = lanes
+        free = width
         for q in rest:
             if degree[q] > free:
-                current, free = current + 1, lanes
+                current, free = current + 1, width
             step[q] = current
             free -= degree[q]
     return step
@@ -218,7 +218,7 @@ def _fill_steps(order, degree, lanes):
 
 @numba.njit(cache=True, nogil=True)
 def _take_waiting(waiting, n_waiting, degree, step, current, free):
-    """Waiting packs, in line, into step `current` while they fit; returns (packs still waiting, free lanes)."""
+    """Waiting packs, in line, into step `current` while they fit; returns (packs still waiting, free GPUs)."""
     kept = 0
     for w in range(n_waiting):
         q = waiting[w]
@@ -234,7 +234,7 @@ def _take_waiting(waiting, n_waiting, degree, step, current, free):
 @numba.njit(cache=True, nogil=True)
 def _place_in_steps(by_step, step, cost, degree, dp, m, c):
     """Within each step, packs (in `by_step`: by step, then largest degree and heaviest first) to the free
-    aligned lanes whose busiest GPU carries the least work; ties to the lowest (rank, group, microbatch). Largest
+    aligned GPUs whose busiest carries the least work; ties to the lowest (rank, group, microbatch). Largest
     degree first, powers of 2 in groups of C: a step's packs always find room (buddy placement)."""
     n = len(cost)
     rank = np.empty(n, dtype=np.int64)
@@ -270,7 +270,7 @@ def _place_in_steps(by_step, step, cost, degree, dp, m, c):
 
 
 def gpu_work(plan_step, plan_rank, pack_group, pack_degree, pack_cost, n_steps: int, dp: int, c: int) -> np.ndarray:
-    """(steps, dp * c): every GPU's work in every step, each pack's divided among its degree's lanes."""
+    """(steps, dp * c): every GPU's work in every step, each pack's divided among its degree's GPUs."""
     out = np.zeros((n_steps, dp, c))
     _add_lanes(out, plan_step, plan_rank, pack_group, pack_degree, pack_cost)
     return out.reshape(n_steps, dp * c)
@@ -293,7 +293,7 @@ def with_valid(loads, keep: np.ndarray):
 
 def subpacks(offsets: np.ndarray, cp_degree: np.ndarray, cp_group: np.ndarray) -> tuple[np.ndarray, ...]:
     """The packs of a CP plan's slots: (slot, first member, stop) of each run of one (degree, cp_group) within a
-    slot (a slot's packs are in the order of their first lanes)."""
+    slot (a slot's packs are in the order of their first lane)."""
     sizes = np.diff(offsets)
     slot_of = np.repeat(np.arange(len(sizes)), sizes)
     new = np.ones(len(slot_of), dtype=bool)

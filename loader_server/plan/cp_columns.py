@@ -7,12 +7,12 @@ holds packs of one class (the towers their samples call) on all dp x C GPUs.
 
 A column is dp *slots* (one per rank), each filling its rank's C GPUs exactly. Per class:
 
-1. The class needs G = dp x ceil(ceil(lanes / C) / dp) slots, lanes being its packs' degrees summed, and at least
+1. The class needs G = dp x ceil(ceil(W / C) / dp) slots, W its packs' degrees summed (their width), and at least
    one pack per slot. With fewer packs, packs of several samples are split (a pack at degree 1 in halves; the
    long sample of a larger pack keeps its degree and its fillers become a pack of their own).
 2. Packs fill slots one after another, largest degree and largest share of a GPU (work / degree) first, so a
-   slot's GPUs get similar shares (powers of 2 into slots of C lanes, largest first, always fit). The slots
-   beyond what the lanes fill each take one of the heaviest packs, alone.
+   slot's GPUs get similar shares (powers of 2 into slots of C GPUs, largest first, always fit). The slots
+   beyond what the width fills each take one of the heaviest packs, alone.
 3. Each slot's packs are widened until they fill its C GPUs: the smallest degree doubles (the heaviest pack of
    that degree first), which spreads its work over more GPUs and never puts more tokens on one.
 4. Slots sorted by work make the class's columns, dp at a time.
@@ -118,18 +118,18 @@ def _work(slot: list[tuple[int, int]], cost: np.ndarray) -> float:
     return sum(float(cost[p]) for p, _ in slot)
 
 
-def _slots_needed(lanes: int, dp: int, c: int) -> int:
-    """Slots for `lanes` in whole columns: dp x ceil(lanes / (dp x C))."""
-    return dp * -(-lanes // (dp * c))
+def _slots_needed(width: int, dp: int, c: int) -> int:
+    """Slots for packs of `width` GPUs in all, in whole columns: dp x ceil(width / (dp x C))."""
+    return dp * -(-width // (dp * c))
 
 
 def _enough_packs(packs: CpPacks, ids: np.ndarray, sample_cost, tokens, vision, caps: CpCaps, dp: int) -> list[int]:
-    """The class's packs, split until there is one for each slot its lanes need (or nothing splits further)."""
+    """The class's packs, split until there is one for each slot its width needs (or nothing splits further)."""
     ids = [int(p) for p in ids]
-    lanes = int(packs.degree[ids].sum())
+    width = int(packs.degree[ids].sum())
     splittable = [(-len(packs.members[p]), -packs.cost[p], p) for p in ids if len(packs.members[p]) > 1]
     heapq.heapify(splittable)
-    while len(ids) < _slots_needed(lanes, dp, caps.groups) and splittable:
+    while len(ids) < _slots_needed(width, dp, caps.groups) and splittable:
         _, _, p = heapq.heappop(splittable)
         parts = _split(packs.members[p], int(packs.degree[p]), tokens, vision, caps)
         if parts is None:
@@ -142,7 +142,7 @@ def _enough_packs(packs: CpPacks, ids: np.ndarray, sample_cost, tokens, vision, 
         packs.pack_class = np.append(packs.pack_class, packs.pack_class[p])
         new = len(packs.members) - 1
         ids.append(new)
-        lanes += rest_degree + kept_degree - int(packs.degree[p])
+        width += rest_degree + kept_degree - int(packs.degree[p])
         packs.degree[p] = kept_degree
         for q in (p, new):
             if len(packs.members[q]) > 1:
@@ -161,16 +161,16 @@ def _split(members: np.ndarray, degree: int, tokens, vision, caps: CpCaps):
 
 
 def _fill_slots(ids: list[int], packs: CpPacks, dp: int, c: int) -> list[list[tuple[int, int]]]:
-    """The class's packs in slots of C lanes (see the module's docstring, 2-3): per slot, (pack, degree) of
+    """The class's packs in slots of C GPUs (see the module's docstring, 2-3): per slot, (pack, degree) of
     each of its packs, widened to fill it."""
     degree, cost = packs.degree, packs.cost
-    lanes = int(degree[ids].sum())
-    n_slots = max(min(_slots_needed(lanes, dp, c), len(ids)), -(-lanes // c))
-    # slots beyond what the lanes fill take one pack each, the heaviest of those narrower than C (widened over
+    width = int(degree[ids].sum())
+    n_slots = max(min(_slots_needed(width, dp, c), len(ids)), -(-width // c))
+    # slots beyond what the width fills take one pack each, the heaviest of those narrower than C (widened over
     # the slot, its GPUs' shares come nearest the others')
     candidates = sorted((p for p in ids if degree[p] < c), key=lambda p: (-cost[p], p))
     alone: list[int] = []
-    while len(alone) + -(-(lanes - int(degree[alone].sum())) // c) < n_slots and len(alone) < len(candidates):
+    while len(alone) + -(-(width - int(degree[alone].sum())) // c) < n_slots and len(alone) < len(candidates):
         alone.append(candidates[len(alone)])
     rest = sorted(set(ids) - set(alone), key=lambda p: (-degree[p], -cost[p] / degree[p], p))
     slots, room = [[p] for p in alone], [c - int(degree[p]) for p in alone]
@@ -185,7 +185,7 @@ def _fill_slots(ids: list[int], packs: CpPacks, dp: int, c: int) -> list[list[tu
 
 def _widened(slot: list[int], room: int, packs: CpPacks) -> list[tuple[int, int]]:
     """The slot's packs with degrees doubled (smallest first, the heaviest of them first) until they fill its C
-    lanes: (pack, degree), largest degree first."""
+    GPUs: (pack, degree), largest degree first."""
     degree = {p: int(packs.degree[p]) for p in slot}
     while room > 0:
         p = min(slot, key=lambda q: (degree[q], -packs.cost[q], q))

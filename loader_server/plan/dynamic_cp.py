@@ -1,5 +1,5 @@
 """Dynamic context-parallel plans (`context_parallel` holds the degrees and caps): ISF packs of the samples one
-GPU holds at degree 1, each longer sample alone at the fewest GPUs that hold it, all placed on every step's lanes:
+GPU holds at degree 1, each longer sample alone at the fewest GPUs that hold it, all placed on every step's GPUs:
 filling them in turn (`context_parallel.place`) or, in a collective-safe plan, in whole columns of one tower
 class over every GPU (`cp_columns`). A job's step count needs the placement's steps, not the plan built from it."""
 

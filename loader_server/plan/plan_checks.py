@@ -10,7 +10,7 @@ from packfeed.v1.options import PlanConfig
 
 
 def checked_cp(path, config: PlanConfig, table, empty: np.ndarray) -> tuple[np.ndarray | None, np.ndarray | None]:
-    """Each member's CP degree d and cp_group g, checked to place its pack on lanes [g*d, (g+1)*d) of the plan's
+    """Each member's CP degree d and cp_group g, checked to place its pack on GPUs [g*d, (g+1)*d) of the plan's
     C: d a power of 2 up to C, g below C / d; (None, None) without context parallelism, where every row must
     say d 1, g 0 (a CP plan's rows under settings without CP would run on fewer GPUs than planned)."""
     c = config.context_parallel

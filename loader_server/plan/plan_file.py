@@ -53,8 +53,8 @@ class Plan:
     # isf+phases: per further encoder (`packfeed index --encoder`), the rank encoding each member's share of it
     further_encoder_ranks: dict[str, np.ndarray] = field(default_factory=dict)
     phases: Any = field(default=None, repr=False, compare=False)  # isf+phases: its PhasePlan (metrics)
-    # context_parallel > 1: per member, its pack's CP degree d and cp_group g (it runs on lanes [g*d, (g+1)*d) of
-    # its rank's CP group; a slot's packs are in the order of their first lanes, g*d)
+    # context_parallel > 1: per member, its pack's CP degree d and cp_group g (it runs on GPUs [g*d, (g+1)*d) of
+    # its rank's CP group; a slot's packs are in the order of their first lane, g*d)
     cp_degree: np.ndarray | None = None
     cp_group: np.ndarray | None = None
     _fingerprint: str | None = field(default=None, repr=False, compare=False)

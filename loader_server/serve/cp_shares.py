@@ -1,13 +1,13 @@
 """A context-parallel pack's shares: what each GPU of a DP rank's CP group receives (plan `context_parallel` > 1).
 
-A slot of a CP plan holds packs on aligned lanes (`packfeed.server.plan.context_parallel`): a pack at degree d
+A slot of a CP plan holds packs on aligned GPUs (`packfeed.server.plan.context_parallel`): a pack at degree d
 on cp_group g runs on GPUs [g*d, (g+1)*d) of the group. GPU `lane` of the group gets one share: the pack whose
-lanes hold it, as CP rank j = lane - g*d of that pack. Its tokens are its two zigzag chunks of every sample
+GPUs hold it, as share_rank j = lane - g*d of that pack. Its tokens are its two zigzag chunks of every sample
 (`packfeed.v1.context_parallel`), early chunk first; the tensors (docs/wire.md "Context-parallel shares"):
 
 - input_ids, labels, position_ids (its tokens; positions as in the unsplit sample) and cu_seqlens (where each
   sample's tokens start among its tokens), as any pack;
-- cp (3: degree d, cp_group g, CP rank j), cp_seqlens (samples + 1: boundaries of the unsplit samples, as the
+- cp (3: degree d, cp_group g, share_rank j), cp_seqlens (samples + 1: boundaries of the unsplit samples, as the
   pack's cu_seqlens would be), cp_chunks (samples x 4: early chunk start, stop, late chunk start, stop, in the
   unsplit sample);
 - every visual item of the pack's samples: image_sample, image_token_spans (start in the unsplit pack of
@@ -18,7 +18,7 @@ lanes hold it, as CP rank j = lane - g*d of that pack. Its tokens are its two zi
   tokens, so a long video's frames are encoded by all d GPUs, not by one. A piece is one item's run on one GPU;
   pixels, tile_shapes and tile_image (its item's number) of this GPU's pieces only.
 
-A GPU whose lanes hold nothing in this microbatch gets an empty share. Every share of a slot carries the slot's
+A GPU that holds nothing in this microbatch gets an empty share. Every share of a slot carries the slot's
 skipped samples' reports on share 0 only (counted once).
 """
 
@@ -34,13 +34,13 @@ from packfeed.v1.options import VisualKind
 ITEM_TENSORS = ("visual_kind", "frame_seconds")  # per visual item, kept for every item of the share's samples
 
 
-def cp_shares(pack: Pack, degree: np.ndarray, group: np.ndarray, groups: int, temporal_patch: int = 1) -> list[Pack]:
-    """The `groups` (C) shares of one slot's pack; `degree` and `group`: the plan's cp and cp_group of each of
+def cp_shares(pack: Pack, degree: np.ndarray, group: np.ndarray, cp: int, temporal_patch: int = 1) -> list[Pack]:
+    """The `cp` (C) shares of one slot's pack; `degree` and `group`: the plan's cp and cp_group of each of
     its samples (those that loaded, in pack order); `temporal_patch`: the frames a video's ViT patch spans in
     time (the image policy's), which a piece never cuts."""
     if "encoded" in pack.tensors:
         raise ValueError("context parallelism needs pixels cut on the server (pixels exact or fast), not encoded")
-    return [_share(pack, degree, group, lane, temporal_patch) for lane in range(groups)]
+    return [_share(pack, degree, group, lane, temporal_patch) for lane in range(cp)]
 
 
 def _share(pack: Pack, degree: np.ndarray, group: np.ndarray, lane: int, temporal_patch: int) -> Pack:
@@ -74,7 +74,7 @@ def _share(pack: Pack, degree: np.ndarray, group: np.ndarray, lane: int, tempora
 
 def _items(t: dict, mine: np.ndarray, cu: np.ndarray, unsplit: np.ndarray, d: int, j: int,
            temporal_patch: int) -> dict:
-    """The share's visual items: all of its samples', the tiles only of the pieces CP rank `j` encodes."""
+    """The share's visual items: all of its samples', the tiles only of the pieces share rank `j` encodes."""
     image_sample = t["image_sample"].astype(np.int64)
     position = np.full(len(cu) - 1, -1, dtype=np.int64)
     position[mine] = np.arange(len(mine))
@@ -109,7 +109,7 @@ def _items(t: dict, mine: np.ndarray, cu: np.ndarray, unsplit: np.ndarray, d: in
 
 def encoder_pieces(tiles: np.ndarray, tokens: np.ndarray, kinds: np.ndarray, ranks: int,
                    temporal_patch: int = 1) -> np.ndarray:
-    """(pieces, 5): item, its first tile, tiles, placeholder tokens and the CP rank encoding them, in item then
+    """(pieces, 5): item, its first tile, tiles, placeholder tokens and the share rank encoding them, in item then
     tile order. Each item's units (a tile; a video's `temporal_patch` frames; an item whose tokens its units do
     not divide evenly is one unit) are laid out in item order and cut into `ranks` contiguous runs of about equal
     tokens (a unit goes to the run its middle falls in), so each rank encodes within one unit of its share and

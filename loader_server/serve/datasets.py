@@ -195,12 +195,11 @@ class Dataset:
             packs.append((sample_ids, np.array(limits, dtype=np.int64), sources))
         parts_, sources, sample_ids = self.parts, *self.members(plan, plan.step_members(step))
         step_loss = sum(part.rows.loss_tokens(sample_ids[sources == k]) for k, part in enumerate(parts_))
-        groups = config.context_parallel
-        cp = [plan.pack_cp(step, rank, microbatch) for microbatch in range(config.microbatches)] \
-            if groups > 1 else None
+        spans = [plan.pack_cp(step, rank, microbatch) for microbatch in range(config.microbatches)] \
+            if config.context_parallel > 1 else None
         return RankStepWork(tuple(part.name for part in parts_), tuple(part.label for part in parts_),
                             plan.epoch, step, rank, packs, step_loss, plan.is_last_step(step), plan.seed,
-                            self._routing(plan, step, rank, encoder), cp=cp, cp_groups=groups,
+                            self._routing(plan, step, rank, encoder), cp_spans=spans, cp=config.context_parallel,
                             disaggregated=config.disaggregated, encoder=encoder)
 
     def _routing(self, plan: Plan, step: int, rank: int, encoder: bool) -> list | None:

@@ -42,8 +42,8 @@ class RankStepWork:
     decode_budget: int = 0
     # context parallelism (plan context_parallel C > 1), per microbatch: each member's CP degree and cp_group; each
     # pack then goes out as C shares, one per GPU of the rank's CP group (`packfeed.server.serve.cp_shares`)
-    cp: list[tuple[np.ndarray, np.ndarray]] | None = None
-    cp_groups: int = 1
+    cp_spans: list[tuple[np.ndarray, np.ndarray]] | None = None
+    cp: int = 1  # C, the GPUs of the rank's CP group
     # the encoder on ranks of its own (plan encoder_ranks > 0): `encoder` when this is an encoder rank's step
     # (`rank` its encoder rank, `packs` empty, `routed` what it encodes); an LLM rank's step encodes nothing
     disaggregated: bool = False

@@ -151,12 +151,12 @@ def _build_rank_step(work: RankStepWork, shared: str | None) -> RankStepResult:
                 pack = build_pack(parts, members, truncate_to, sources, work.epoch, work.step, work.rank,
                                   microbatch, work.seed)
             pack.step_loss_tokens = work.step_loss_tokens
-            if work.cp is None:
+            if work.cp_spans is None:
                 pieces.append(pack_pieces(pack, len(work.packs), work.last_in_epoch))
             else:
-                degree, group = (np.asarray(a)[pack.positions] for a in work.cp[microbatch])
+                degree, group = (np.asarray(a)[pack.positions] for a in work.cp_spans[microbatch])
                 pieces.extend(pack_pieces(share, len(work.packs), work.last_in_epoch)
-                              for share in cp_shares(pack, degree, group, work.cp_groups,
+                              for share in cp_shares(pack, degree, group, work.cp,
                                                      parts[0][1].policy.temporal_patch))
             skipped.extend(pack.skipped)
             samples += len(encode[0]) if work.encoder else len(members)

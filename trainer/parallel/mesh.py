@@ -7,7 +7,7 @@ replicas as without them and an encoder rank's the E encoder ranks, and `exchang
 and the encoder ranks (every rank at pp 1), the ranks the encoder's outputs travel between. With context
 parallelism (cp > 1, at pp 1) the data-parallel
 group holds every rank (each GPU's gradients are partial sums of its replica's), and `cp_communicators` holds a
-process group for each aligned run of d lanes of this rank's replica (d = 2, 4, ..., cp), the GPUs a pack at
+process group for each aligned run of d GPUs of this rank's replica (d = 2, 4, ..., cp), the GPUs a pack at
 degree d runs on. Every rank creates every process group in the same order, as torch.distributed requires.
 Which layouts combine is `Layout.problems()`'s to say.
 """

@@ -4,7 +4,7 @@ contract beside `context_parallel.py`.
 
 Names, one per quantity: `dp` data-parallel ranks, `pp` pipeline stages, `cp` the GPUs of one replica's
 context-parallel group (C), `encoder_ranks` processes that run only the encoder (E). A seat's `lane` is one GPU of
-a replica's CP group (0..cp-1); a pack's `degree` is how many lanes it spans and its `cp_group` which aligned run
+a replica's CP group (0..cp-1); a pack's `degree` is how many GPUs it spans and its `cp_group` which aligned run
 of them (plans, `context_parallel.py`); `share_rank` is a lane's place inside one pack (0..degree-1).
 """
 
@@ -91,7 +91,7 @@ class Seat:
             count, what = (layout.encoder_ranks, "encoder ranks") if self.encoder else (layout.dp, "ranks")
             problems.append(f"{self.name} is outside the job's {count} {what}")
         if self.encoder and self.lane:
-            problems.append(f"lane {self.lane}: an encoder rank has no context-parallel lanes; give lane 0")
+            problems.append(f"lane {self.lane}: an encoder rank has no context-parallel lane; give lane 0")
         elif not 0 <= self.lane < layout.cp:
             problems.append(f"lane {self.lane} is outside the job's {layout.cp} context-parallel GPUs per rank (cp "
                             f"{layout.cp}); give 0 <= lane < {layout.cp}")
