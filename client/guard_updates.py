@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 import transformers
 
-from packfeed.client.hf import visual_kinds
+from packfeed.client.hf_families import visual_kinds
 from packfeed.client.tensors import Step
 
 # what the supported families (Qwen2-VL and later, InternVL, LLaVA) call the modules that only visual items reach

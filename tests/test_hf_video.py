@@ -11,7 +11,8 @@ pytest.importorskip("transformers")
 pytest.importorskip("av")
 
 from hf_models import FamilyData, tiny_model  # noqa: E402
-from packfeed.client.hf import normalised, qwen_video_patches, to_hf_inputs, family_of  # noqa: E402
+from packfeed.client.hf import to_hf_inputs  # noqa: E402
+from packfeed.client.hf_families import family_of, normalised, qwen_video_patches  # noqa: E402
 from test_hf_packed import assert_packed_equals_alone  # noqa: E402
 from video_data import MIXED_KINDS, indexed_videos  # noqa: E402
 

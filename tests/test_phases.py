@@ -9,8 +9,9 @@ import itertools
 import numpy as np
 import pytest
 import torch
-from packfeed.server.plan import phases
-from packfeed.server.plan.phases import assign_padded_phase, assign_phase, padded_cost, route
+from packfeed.server.plan import phase_routing
+from packfeed.server.plan.phase_routing import route
+from packfeed.server.plan.phases import assign_padded_phase, assign_phase, padded_cost
 
 
 def best_makespan(costs, ranks, cost_of) -> float:
@@ -79,7 +80,7 @@ def test_beyond_the_exact_size_the_heuristic_is_a_valid_placement_above_its_boun
     rng = np.random.default_rng(7)
     bins, consumers, sizes, _ = random_step(rng, 16, 400)
     exact = route(bins, consumers, sizes, 16, 4)
-    monkeypatch.setattr(phases, "EXACT_RANKS", 8)
+    monkeypatch.setattr(phase_routing, "EXACT_RANKS", 8)
     greedy = route(bins, consumers, sizes, 16, 4)
     assert not greedy.exact and sorted(greedy.rank_of_bin.tolist()) == list(range(16))
     assert greedy.inter_node_bound <= exact.inter_node_bytes <= greedy.inter_node_bytes

@@ -15,7 +15,6 @@ import io
 import json
 import os
 import re
-import stat
 import time
 from collections import Counter, deque
 from concurrent.futures import ProcessPoolExecutor
@@ -30,7 +29,8 @@ from packfeed.media.chat import ConversationError, attach_images, conversation_t
 from packfeed.media.samples import SampleError, image_size, describe_error, reason_category
 from packfeed.media.video import VIDEO_EXTENSIONS, VideoError, probe_video
 from packfeed.server.convert.shard_writer import SHARD_PATTERN, FileMember, ShardWriter
-from packfeed.server.convert.sources import FORMATS, SourceImage, SourceRow, normalize_turns
+from packfeed.server.convert.source_files import FileRules, file_bytes, video_member
+from packfeed.server.convert.sources import FORMATS, SourceRow, normalize_turns
 
 Format = Literal["llava", "internvl", "sharegpt", "hf-parquet"]
 REPORT = "convert-report.json"
@@ -113,104 +113,6 @@ class ConvertReport:
 # One row (in a worker)
 
 
-@dataclass(frozen=True)
-class FileRules:
-    """What a conversion may read: regular files only, under the image root once every symlink is resolved
-    (absolute paths too, unless trusted), each at most its size cap. Checked before a byte is read, so a path
-    naming a FIFO, a device, a huge sparse file or a secret elsewhere rejects its row instead of hanging,
-    exhausting memory or leaking the file into a shard."""
-
-    root: Path  # resolved
-    max_image_bytes: int
-    max_video_bytes: int
-    trust_absolute_paths: bool = False
-
-    def cap(self, kind: str) -> int:
-        return self.max_video_bytes if kind == "video" else self.max_image_bytes
-
-
-_FILE_KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
-               (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
-
-
-def _not_regular(mode: int) -> str | None:
-    """What a file that is not a regular file is ("a FIFO", ...), None for a regular file."""
-    if stat.S_ISREG(mode):
-        return None
-    return next((what for test, what in _FILE_KINDS if test(mode)), "not a regular file")
-
-
-def _checked_size(size: int, image: SourceImage, kind: str, rules: FileRules) -> None:
-    if size > rules.cap(kind):
-        raise SampleError(f"{kind} too large: {image.path or 'its bytes'} is {size:,} bytes, over "
-                          f"--max-{kind}-mb {rules.cap(kind) >> 20}")
-
-
-def _resolved(image: SourceImage, kind: str, rules: FileRules) -> Path:
-    """The file a source path names, every symlink resolved, inside the image root unless trusted."""
-    path = Path(image.path)
-    absolute = path.is_absolute()
-    real = Path(os.path.realpath(path if absolute else rules.root / path))
-    if absolute and rules.trust_absolute_paths:
-        return real
-    if os.path.commonpath([rules.root, real]) != str(rules.root):
-        shown = "" if str(real) == image.path else f" (resolves to {real})"
-        hint = "; pass --trust-absolute-paths to read absolute paths as written" if absolute else ""
-        raise SampleError(f"{kind} outside the image root: {image.path}{shown}{hint}")
-    return real
-
-
-def _file_bytes(image: SourceImage, rules: FileRules, kind: str = "image") -> bytes:
-    """The bytes of an image the source stores or names (relative to the image root), read only from a regular
-    file within the rules."""
-    if image.data is not None:
-        _checked_size(len(image.data), image, kind, rules)
-        return image.data
-    _, fd, _ = _opened(image, rules, kind)
-    with os.fdopen(fd, "rb") as file:
-        data = file.read(rules.cap(kind) + 1)
-    _checked_size(len(data), image, kind, rules)  # a file that grew while it was read
-    return data
-
-
-def _video_member(video: SourceImage, rules: FileRules) -> bytes | FileMember:
-    """A video the source stores (its bytes), or names: its file, checked as `_file_bytes` checks an image's
-    but not read: it is probed from the file and copied into the shard in blocks, so a video of gigabytes never
-    sits in memory (nor travels between processes)."""
-    if video.data is not None:
-        _checked_size(len(video.data), video, "video", rules)
-        return video.data
-    path, fd, size = _opened(video, rules, "video")
-    os.close(fd)
-    return FileMember(str(path), size)
-
-
-def _opened(image: SourceImage, rules: FileRules, kind: str) -> tuple[Path, int, int]:
-    """(path, an open descriptor, size) of the regular file within the rules a source path names."""
-    if not image.path:
-        raise SampleError(f"missing {kind}: neither bytes nor a path")
-    path = _resolved(image, kind, rules)
-    try:
-        what = _not_regular(os.stat(path).st_mode)  # before opening: opening a FIFO blocks, a device never ends
-        if what:
-            raise SampleError(f"{kind} not a regular file: {image.path} is {what}")
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
-    except FileNotFoundError:
-        raise SampleError(f"missing {kind}: {image.path}") from None
-    except OSError as error:
-        raise SampleError(f"unreadable {kind}: {image.path}: {error.strerror}") from None
-    try:
-        status = os.fstat(fd)  # what was opened, had the path been swapped since it was checked
-        what = _not_regular(status.st_mode)
-        if what:
-            raise SampleError(f"{kind} not a regular file: {image.path} is {what}")
-        _checked_size(status.st_size, image, kind, rules)
-    except BaseException:
-        os.close(fd)
-        raise
-    return path, fd, status.st_size
-
-
 def _video_extension(data: bytes | FileMember, name: str) -> str:
     """The member extension of a video file (its own, when the server reads it), after checking it decodes."""
     try:
@@ -241,11 +143,11 @@ def prepare_row(row: SourceRow, rules: FileRules) -> Prepared:
         attach_images(conversation_turns(turns), len(row.images), len(row.videos))  # as the indexer will accept
         members: list[tuple[str, bytes]] = []
         for k, image in enumerate(row.images):
-            data = _file_bytes(image, rules)
+            data = file_bytes(image, rules)
             extension = _extension(data, image.path or f"image {k}")
             members.append((f"{k}.{extension}" if len(row.images) > 1 else extension, data))
         for k, video in enumerate(row.videos):
-            data = _video_member(video, rules)
+            data = video_member(video, rules)
             extension = _video_extension(data, video.path)
             members.append((f"{k}.{extension}" if len(row.videos) > 1 else extension, data))
         doc = {"id": row.id, "conversations": turns, "source_images": [image.path for image in row.images]}

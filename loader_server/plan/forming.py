@@ -10,8 +10,8 @@ import numpy as np
 
 from packfeed.server.plan import context_parallel as cp
 from packfeed.server.plan.caps import resolve_caps
-from packfeed.server.plan.collective import (collective_safe_layout, merge_to_whole_columns, pack_classes,
-                                             sample_towers, split_to_whole_columns)
+from packfeed.server.plan.collective import collective_safe_layout, pack_classes, sample_towers
+from packfeed.server.plan.collective_packs import merge_to_whole_columns, split_to_whole_columns
 from packfeed.server.plan.isf import Caps, IsfPacks, isf
 from packfeed.server.plan.pack_arrays import flatnonzero, with_singletons
 from packfeed.v1.options import Oversize, PlanConfig

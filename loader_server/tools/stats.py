@@ -7,8 +7,6 @@ at the requested DP and M, planned on the real index.
 
 from __future__ import annotations
 
-import base64
-import html
 import json
 from collections import Counter
 from dataclasses import asdict, dataclass, replace
@@ -30,6 +28,7 @@ from packfeed.server.plan.isf import Caps  # noqa: E402
 from packfeed.server.plan.plan_file import Plan  # noqa: E402
 from packfeed.server.plan.planner import make_plan  # noqa: E402
 from packfeed.server.tools.info import describe  # noqa: E402
+from packfeed.server.tools.stats_render import report_html, report_markdown  # noqa: E402
 from packfeed.v1.options import PlanConfig, Strategy  # noqa: E402
 
 REPORT_COLUMNS = ["valid", "reason", "n_images", "n_videos", "vision_units", "vision_tokens", "llm_tokens", "text_tokens",
@@ -252,121 +251,6 @@ def build_report(source: str | Path | ReportInput, config: PlanConfig,
     return data, figures
 
 
-CAPTIONS = {
-    "images_per_sample": "Images per sample: how many images each valid sample holds (text-only samples at 0).",
-    "videos_per_sample": "Videos per sample, where the dataset has videos.",
-    "vision_units": "Vision units per sample: what the packs' vision cap counts (tiles, or patches / merge).",
-    "vision_tokens": "Placeholder tokens per sample: the LLM tokens the vision features take.",
-    "llm_tokens": "LLM tokens per sample, placeholders and text together: what the token cap counts.",
-    "joint": "Vision units against LLM tokens, one cell per range of both: where the two loads go together, "
-             "balancing one balances the other.",
-    "pack_fill": "How full ISF+balance packs are, as a share of each cap: near 100% on both is little padding.",
-    "invalid_by_reason": "Samples left out of every plan, by reason (the index's own records).",
-}
-
-
-def shown(value: float, integral: bool = True) -> str:
-    """A figure as it reads: counts as whole numbers with thousands separators, other values to 3 significant
-    digits (the raw float stays in report.json)."""
-    if integral or float(value).is_integer():
-        return f"{round(value):,}"
-    return f"{value:,.3g}" if abs(value) < 1000 else f"{value:,.0f}"
-
-
-def _distribution_rows(distributions: dict[str, Any]) -> list[tuple[str, ...]]:
-    """quantity, mean, p50, p90, p99, max: every quantity here is a count, so all but the mean are whole."""
-    return [(name.replace("_", " "), f"{d['mean']:,.1f}", *(shown(d[k]) for k in ("p50", "p90", "p99", "max")))
-            for name, d in distributions.items() if d]
-
-
-def _comparison_markdown(rows: list[dict]) -> str:
-    head = "| strategy | samples/pack | max pack tokens (padded) | Pad Ratio | ViT Dist | LLM Dist | packs | steps | plan s |\n"
-    head += "|---|---|---|---|---|---|---|---|---|\n"
-    return head + "".join(
-        f"| {r['strategy']} | {r['samples_per_pack']:.2f} | {r['max_pack_tokens']} | {r['pad_ratio']:.4f} | "
-        f"{r['vit_dist']:.4f} | {r['llm_dist']:.4f} | {r['packs']} | {r['steps']} | {r['planning_seconds']:.3f} |\n"
-        for r in rows)
-
-
-def _markdown(data: dict[str, Any], figures: dict[str, bytes]) -> str:
-    lines = ["# Packfeed dataset report", "", f"`{data['index']}` (fingerprint `{data['fingerprint']}`, "
-             f"source: {data['source']}).", "",
-             f"**{data['samples']}** samples: **{data['valid']}** valid, **{data['invalid']}** invalid.", ""]
-    if data["invalid_by_reason"]:
-        lines += ["## Invalid samples", "", "| reason | samples |", "|---|---|"]
-        lines += [f"| {k} | {v} |" for k, v in data["invalid_by_reason"].items()] + [""]
-    if data.get("datasets"):
-        lines += ["## Datasets of the mixture", "", "| dataset | repeat | valid | invalid | samples in epoch 0 |",
-                  "|---|---|---|---|---|"]
-        lines += [f"| {name} | {d['repeat']:g} | {d['valid']} | {d['invalid']} | {d['in_epoch_0']} |"
-                  for name, d in data["datasets"].items()] + [""]
-    if data["shard_errors"]:
-        lines += ["## Shard errors", ""] + [f"- `{e['shard']}`: {e['error']}" for e in data["shard_errors"]] + [""]
-    lines += ["## Distributions (valid samples)", "", "| quantity | mean | p50 | p90 | p99 | max |", "|---|---|---|---|---|---|"]
-    lines += ["| " + " | ".join(row) + " |" for row in _distribution_rows(data["distributions"])]
-    cfg = data["plan_config"]
-    lines += ["", f"## Balance at DP {cfg['dp']}, M {cfg['microbatches']} (OmniBal Table 3 style)", ""]
-    if data["caps"]:
-        c = data["caps"]
-        lines.append(f"Caps: {c['vision_cap']} vision units / {c['token_cap']} tokens; targets {c['vision_target']} / "
-                     f"{c['token_target']}. Random and length-group use padded batches of the target size.")
-        lines.append("")
-    lines.append(_comparison_markdown(data["comparison"]))
-    if data["collective_safe_note"]:
-        lines += [data["collective_safe_note"], ""]
-    lines += ["## Figures", ""] + [f"![{name}]({name}.png)\n\n{CAPTIONS.get(name, '')}\n" for name in figures]
-    return "\n".join(lines) + "\n"
-
-
-def _html(markdown_data: dict[str, Any], figures: dict[str, bytes]) -> str:
-    d = markdown_data
-    esc = html.escape
-
-    def table(header, rows):
-        return ("<table><tr>" + "".join(f"<th>{esc(str(h))}</th>" for h in header) + "</tr>" +
-                "".join("<tr>" + "".join(f"<td>{esc(str(c))}</td>" for c in row) + "</tr>" for row in rows) +
-                "</table>")
-
-    parts = [f"<h1>Packfeed dataset report</h1><p>Index <code>{esc(d['index'])}</code> — fingerprint "
-             f"<code>{esc(d['fingerprint'])}</code>, source {esc(d['source'])}.</p>",
-             f"<p class=big><b>{d['samples']:,}</b> samples · <b>{d['valid']:,}</b> valid · <b>{d['invalid']:,}</b> "
-             "invalid</p>"]
-    if d["invalid_by_reason"]:
-        parts.append("<h2>Invalid samples by reason</h2>" + table(["reason", "samples"], d["invalid_by_reason"].items()))
-    if d["shard_errors"]:
-        parts.append("<h2>Shard errors</h2>" + table(["shard", "error", "samples read"],
-                                                      [(e["shard"], e["error"], e.get("samples_read", ""))
-                                                       for e in d["shard_errors"]]))
-    parts.append("<h2>Distributions (valid samples)</h2>" + table(
-        ["quantity", "mean", "p50", "p90", "p99", "max"], _distribution_rows(d["distributions"])))
-    cfg = d["plan_config"]
-    parts.append(f"<h2>Balance at DP {cfg['dp']}, M {cfg['microbatches']}</h2>")
-    if d["caps"]:
-        c = d["caps"]
-        parts.append(f"<p>Caps {c['vision_cap']} vision units / {c['token_cap']} tokens, targets {c['vision_target']} / "
-                     f"{c['token_target']}. Random and length-group use padded batches of the target size.</p>")
-    parts.append(table(["strategy", "samples/pack", "max pack tokens (padded)", "Pad Ratio", "ViT Dist", "LLM Dist", "packs",
-                        "steps", "plan s"],
-                       [(r["strategy"], f"{r['samples_per_pack']:.2f}", r["max_pack_tokens"], f"{r['pad_ratio']:.4f}",
-                         f"{r['vit_dist']:.4f}", f"{r['llm_dist']:.4f}", r["packs"], r["steps"],
-                         f"{r['planning_seconds']:.3f}") for r in d["comparison"]]))
-    if d["collective_safe_note"]:
-        parts.append(f"<p class=note>{esc(d['collective_safe_note'])}</p>")
-    parts.append("<h2>Figures</h2><div class=figs>" + "".join(
-        f'<figure data-figure="{name}"><img alt="{esc(CAPTIONS.get(name, name))}" '
-        f'src="data:image/png;base64,{base64.b64encode(png).decode()}"><figcaption>{esc(CAPTIONS.get(name, name))}'
-        f"</figcaption></figure>" for name, png in figures.items()) + "</div>")
-    style = ("body{font-family:system-ui,sans-serif;max-width:1400px;margin:2em auto;padding:0 1em;color:#222}"
-             "table{border-collapse:collapse;margin:1em 0}td,th{border:1px solid #ccc;padding:4px 10px;text-align:right}"
-             "th{background:#f3f3f3}td:first-child{text-align:left}.big{font-size:1.3em}"
-             ".figs{display:grid;grid-template-columns:repeat(auto-fill,minmax(280px,1fr));gap:10px}"
-             ".note{max-width:70em;color:#333}"
-             "figure{margin:0;border:1px solid #eee;padding:6px}figure img{width:100%;height:auto;display:block}"
-             "figcaption{font-size:.85em;color:#555;margin-top:4px}")
-    return f"<!doctype html><html><head><meta charset=utf-8><title>Packfeed report</title><style>{style}</style></head>" \
-           f"<body>{''.join(parts)}</body></html>\n"
-
-
 def write_report(source: str | Path | ReportInput, out_dir: str | Path, config: PlanConfig,
                  seed: int = 0) -> dict[str, Path]:
     out = Path(out_dir)
@@ -375,7 +259,7 @@ def write_report(source: str | Path | ReportInput, out_dir: str | Path, config: 
     for name, png in figures.items():
         (out / f"{name}.png").write_bytes(png)
     paths = {"html": out / "report.html", "markdown": out / "report.md", "json": out / "report.json"}
-    paths["html"].write_text(_html(data, figures))
-    paths["markdown"].write_text(_markdown(data, figures))
+    paths["html"].write_text(report_html(data, figures))
+    paths["markdown"].write_text(report_markdown(data, figures))
     paths["json"].write_text(json.dumps(data, indent=2))
     return paths
