@@ -91,7 +91,7 @@ def test_qwen2_vl_context_parallel_gives_the_unsplit_loss_and_gradients(qwen_dat
 
 def test_packfeed_train_qwen2_vl_cp2_equals_its_packs_whole_on_one_process(qwen_data, tmp_path):
     """`packfeed train --nproc 2 model.hf=qwen2_vl parallel.cp=2` against the same CP plan's packs joined and
-    trained whole on one process (parallel.cp=1 data.context_parallel=2): the same losses, step by step."""
+    trained whole on one process (parallel.cp=2 parallel.train_cp_packs=whole): the same losses, step by step."""
     from trainer_workers import packfeed_train
 
     common = ["model.hf=qwen2_vl", f"data.index={qwen_data.index}", "parallel.pp=1", "data.microbatches=2",
@@ -99,7 +99,7 @@ def test_packfeed_train_qwen2_vl_cp2_equals_its_packs_whole_on_one_process(qwen_
               "model.hf_config={text: {hidden_size: 32, num_hidden_layers: 2}}"]
     log, split = packfeed_train(2, common + ["parallel.cp=2"], tmp_path / "cp2")
     assert "context parallelism: 2 GPU(s) per replica" in log
-    _, whole = packfeed_train(1, common + ["parallel.cp=1", "data.context_parallel=2"], tmp_path / "cp1")
+    _, whole = packfeed_train(1, common + ["parallel.cp=2", "parallel.train_cp_packs=whole"], tmp_path / "cp1")
     assert len(split) == len(whole) == 2
     assert any(d == 2 for r in split for _, _, d, *_ in r["cp_packs"])
     # the second step comes after one AdamW update (later ones scale each near-zero gradient by its own size,

@@ -100,7 +100,7 @@ def test_packfeed_train_cp2_starts_with_the_loss_of_the_same_packs_on_one_proces
     index = f"data.index={small_tile_index}"
     log, split = packfeed_train(2, COMMON + [index, "parallel.cp=2", "checkpoint.every=2"], tmp_path / "cp2")
     assert "context parallelism: 2 GPU(s) per replica" in log
-    _, whole = packfeed_train(1, COMMON + [index, "parallel.cp=1", "data.context_parallel=2"], tmp_path / "cp1")
+    _, whole = packfeed_train(1, COMMON + [index, "parallel.cp=2", "parallel.train_cp_packs=whole"], tmp_path / "cp1")
     assert len(split) == len(whole) == 5
     for a, b in zip(split, whole):
         assert (a["epoch"], a["step"]) == (b["epoch"], b["step"])

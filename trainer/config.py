@@ -61,10 +61,6 @@ class DataConfig:
     # cap) and how packs get their degree (dynamic, or static: every pack over all C GPUs)
     max_tokens_per_gpu: int | None = None
     cp_mode: str = "dynamic"
-    # the plan's C when it differs from parallel.cp: parallel.cp=1 with context_parallel=C trains a CP plan's packs
-    # whole on one GPU per replica (its C streams joined: packfeed.client.context_parallel.JoinedStream), the
-    # baseline a CP run is checked against; 0 = parallel.cp
-    context_parallel: int = 0
     # the plan's collective_safe (docs/training.md): off, as this trainer shards the vision tower with the root
     # unit (or not at all), so no rank ever waits on another's tower; on, packs are laid out as a trainer that
     # wraps the tower apart needs, at some cost in balance
@@ -75,21 +71,20 @@ class DataConfig:
         if self.cost_model and not Path(self.cost_model).is_file():
             raise ValueError(f"data.cost_model {self.cost_model} not found (an earlier run's OUT/cost_model.json)")
         self.plan_config(dp=1, pipeline_stages=1)  # a bad strategy or cap fails now, not at the first stream
-        if self.max_tokens_per_gpu is not None or self.cp_mode != "dynamic" or self.context_parallel:
-            self.plan_config(dp=1, pipeline_stages=1, cp=max(2, self.context_parallel))  # ... and a bad CP setting
+        if self.max_tokens_per_gpu is not None or self.cp_mode != "dynamic":
+            self.plan_config(dp=1, pipeline_stages=1, cp=2)  # ... and a bad CP setting
 
     def plan_config(self, dp: int, pipeline_stages: int, routed: bool = False, cp: int = 1,
                     encoder_ranks: int = 0) -> PlanConfig:
-        """The job's plan specification on a (dp, pipeline_stages) mesh of `cp` GPUs per replica (the plan's C:
-        `context_parallel` when set) and `encoder_ranks` of the encoder's own. isf+phases is served routed only to
+        """The job's plan specification for dp replicas of `pipeline_stages` stages, `cp` the plan's C (parallel.cp)
+        and `encoder_ranks` of the encoder's own. isf+phases is served routed only to
         a trainer that exchanges encoder outputs (`routed`, parallel.encoder=phases); to the others, colocated."""
         values = {name: getattr(self, name) for name in PLAN_FIELDS}
         if encoder_ranks:
             values["encoder_ranks"] = encoder_ranks
             routed = True  # isf+phases with encoder ranks: the plan's encoder_rank names them
-        groups = self.context_parallel or cp
-        if groups > 1:
-            values.update(context_parallel=groups, max_tokens_per_gpu=self.max_tokens_per_gpu, cp_mode=self.cp_mode)
+        if cp > 1:
+            values.update(context_parallel=cp, max_tokens_per_gpu=self.max_tokens_per_gpu, cp_mode=self.cp_mode)
         if self.cost_model:
             values["cost_model"] = json.loads(Path(self.cost_model).read_text())
         if Strategy.parse(self.strategy, "data.strategy") is Strategy.ISF_PHASES and not routed:
@@ -126,6 +121,10 @@ class ParallelConfig:
     # context parallelism: GPUs per DP replica (a power of 2); each pack runs on the 1, 2, ..., cp of them the plan
     # gives it (data.max_tokens_per_gpu, data.cp_mode; packfeed.trainer.parallel.context_parallel); at pp 1
     cp: int = 1
+    # how a CP plan's packs train: split over the GPUs the plan gives each (dp x cp processes), or whole on one GPU
+    # per replica (dp processes, each reading its replica's cp shares and joining them:
+    # packfeed.client.context_parallel.JoinedStream), the baseline a CP run is checked against
+    train_cp_packs: Literal["split", "whole"] = "split"
 
     def __post_init__(self):
         check_choices(self)
@@ -134,8 +133,11 @@ class ParallelConfig:
         auto = self.encoder_ranks == "auto"
         if not auto and (not isinstance(self.encoder_ranks, int) or isinstance(self.encoder_ranks, bool)):
             raise ValueError(f"parallel.encoder_ranks = {self.encoder_ranks!r}: give a number of processes or auto")
-        if problems := self.layout.problems():  # the degrees' rules, the plan's and the server's too
+        if problems := self.plan_layout.problems():  # the degrees' rules, the plan's and the server's too
             raise ValueError("parallel: " + "; ".join(problems))
+        if self.train_cp_packs == "whole" and self.cp == 1:
+            raise ValueError("parallel.train_cp_packs=whole trains a CP plan's packs whole: set parallel.cp to the "
+                             "plan's C (> 1)")
         if self.cp > 1 and self.encoder != "stages":
             raise ValueError("parallel.cp > 1 runs the encoder on each pack's GPUs (parallel.encoder=stages)")
         if self.cp > 1 and self.data_parallel == "fsdp":
@@ -169,8 +171,15 @@ class ParallelConfig:
 
     @property
     def layout(self) -> Layout:
-        """The run's degrees as one value (`packfeed.v1.layout`); encoder_ranks=auto counts as some (its number is
-        searched at launch)."""
+        """The run's degrees as one value (`packfeed.v1.layout`): its processes' (a CP plan trained whole runs at
+        cp 1); encoder_ranks=auto counts as some (its number is searched at launch)."""
+        ranks = self.encoder_ranks
+        cp = self.cp if self.train_cp_packs == "split" else 1
+        return Layout(self.dp, self.pp, cp, 1 if ranks == "auto" else ranks)
+
+    @property
+    def plan_layout(self) -> Layout:
+        """The degrees as the plan has them: a CP plan trained whole still plans cp (its runner is the CP one)."""
         ranks = self.encoder_ranks
         return Layout(self.dp, self.pp, self.cp, 1 if ranks == "auto" else ranks)
 
@@ -264,16 +273,12 @@ class TrainConfig:
             raise ValueError("parallel.encoder=phases trains the reference model on routed packs: set "
                              "data.strategy=isf+phases, and leave model.hf unset (Hugging Face models encode "
                              "colocated: data.strategy=isf+phases with parallel.encoder=stages)")
-        planned_cp = self.data.context_parallel or self.parallel.cp
+        planned_cp = self.parallel.cp
         if planned_cp > 1 and self.model.hf not in CP_MODELS:
             raise ValueError(f"context parallelism trains the reference model or model.hf={' or '.join(CP_MODELS[1:])}"
                              f", not {self.model.hf}: train {self.model.hf} without parallel.cp")
         if planned_cp == 1 and (self.data.max_tokens_per_gpu is not None or self.data.cp_mode != "dynamic"):
             raise ValueError("data.max_tokens_per_gpu and data.cp_mode apply to context parallelism: set parallel.cp")
-        if self.data.context_parallel and self.parallel.cp not in (1, self.data.context_parallel):
-            raise ValueError(f"data.context_parallel = {self.data.context_parallel} with parallel.cp = "
-                             f"{self.parallel.cp}: a CP plan trains on its C GPUs per replica (parallel.cp = C) or "
-                             "whole on one (parallel.cp = 1)")
         if self.model.hf and self.parallel.pp > 1 and self.model.hf_attention == "sdpa":
             raise ValueError("model.hf_attention=sdpa needs the dense mask HF builds inside its forward, which "
                              "pipeline stages do not run: use auto, varlen or flash_attention_2 with parallel.pp > 1")
@@ -282,9 +287,15 @@ class TrainConfig:
         return asdict(self)
 
 
+# settings that moved, and what says the same now
+MOVED = {"data.context_parallel": "parallel.cp=C parallel.train_cp_packs=whole (a CP plan's packs trained whole)"}
+
+
 def _build(cls, raw: dict[str, Any], where: str):
     known = {f.name: f for f in fields(cls)}
     unknown = sorted(set(raw) - set(known))
+    if moved := [where + k for k in unknown if where + k in MOVED]:
+        raise ValueError("; ".join(f"{name} moved: set {MOVED[name]}" for name in moved))
     if unknown:
         raise ValueError(f"unknown setting(s) {', '.join(where + k for k in unknown)}; "
                          f"known: {', '.join(where + k for k in known)}")

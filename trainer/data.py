@@ -70,7 +70,7 @@ def open_stream(config: TrainConfig, mesh: Mesh, target: str, checkpoint_dir=Non
 
     d = config.data
     routed = config.parallel.encoder == "phases"  # isf+phases packs with their images routed
-    plan = d.plan_config(mesh.dp, mesh.pp, routed, mesh.cp, mesh.encoder_ranks)
+    plan = d.plan_config(mesh.dp, mesh.pp, routed, config.parallel.cp, mesh.encoder_ranks)
     options = dict(plan=plan, seed=d.seed, epochs=d.epochs, prefetch=d.prefetch,
                    pin_memory=mesh.device.type == "cuda", connection=Connection(token=d.token or None))
     # this GPU's share of a CP plan's packs; a CP plan on one GPU per replica reads all its C shares and joins them

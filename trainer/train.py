@@ -130,17 +130,17 @@ def train_on(config: TrainConfig, mesh: Mesh, target: str, out: Path) -> dict:
             log(mesh, f"the checkpoint was taken at another DP: job {stream.job!r} re-plans the rest of epoch "
                 f"{stream.info.resume.epoch} for DP {mesh.dp} (elastic resume)")
         conventions = job_conventions(stream, mesh)
-        if mesh.encoder_ranks:
-            runner = disaggregated(config, mesh, stream, conventions, out, resumed)
-        elif mesh.cp > 1 or config.data.context_parallel > 1:
-            runner = context_parallel(config, mesh, stream, conventions)
-        elif config.model.hf and config.parallel.pp == 1:
-            runner = whole_model(config, mesh, stream, conventions)
-        else:
-            runner = model_stages(config, mesh, stream, conventions, out, resumed)
+        runner = RUNNERS[config.parallel.plan_layout.runner](config, mesh, stream, conventions, out, resumed)
         history = Loop(runner, config, out, resume_from).run(resumed["steps_done"] if resumed else 0)
     summary = {**runner.meta, "steps": len(history), "final_loss": history[-1]["loss"] if history else None}
     return {"summary": summary, "history": history}
+
+
+def whole(config: TrainConfig, mesh: Mesh, stream, conventions, out: Path, resumed: dict | None):
+    """One stage per replica: a `transformers` model run whole, or the reference model as one stage."""
+    if config.model.hf:
+        return whole_model(config, mesh, stream, conventions)
+    return model_stages(config, mesh, stream, conventions, out, resumed)
 
 
 def whole_model(config: TrainConfig, mesh: Mesh, stream, conventions) -> WholeModelRunner:
@@ -152,13 +152,14 @@ def whole_model(config: TrainConfig, mesh: Mesh, stream, conventions) -> WholeMo
     return WholeModelRunner(model, mesh, StepSource(stream), config.parallel.precision)
 
 
-def context_parallel(config: TrainConfig, mesh: Mesh, stream, conventions) -> ContextParallelRunner:
+def context_parallel(config: TrainConfig, mesh: Mesh, stream, conventions, out: Path,
+                     resumed: dict | None) -> ContextParallelRunner:
     """The model (the reference VLM or a Qwen2-VL) on every GPU, each pack of the CP plan split over the GPUs the
     plan gives it."""
     model = build_model(config.model, conventions, mesh.device)
-    planned = config.data.context_parallel or mesh.cp
+    planned = config.parallel.cp
     log(mesh, f"{model.describe()}; context parallelism: {mesh.cp} GPU(s) per replica for a plan of {planned}"
-        + ("" if mesh.cp == planned else " (its packs joined and trained whole)"))
+        + ("" if mesh.cp == planned else " (its packs joined and trained whole: parallel.train_cp_packs=whole)"))
     runner = HFContextParallelRunner if config.model.hf else ContextParallelRunner
     return runner(model, mesh, StepSource(stream), config.parallel.precision)
 
@@ -217,6 +218,11 @@ def model_stages(config: TrainConfig, mesh: Mesh, stream, conventions, out: Path
             f"the {config.parallel.schedule} schedule; the stages hold layers {bounds[0]}:{bounds[-1]}")
     stages.meta = {"bounds": bounds, "recompute": recompute.layers}
     return stages
+
+
+# the runner each kind of layout needs (`Layout.runner`; `Layout.problems()` says which layouts exist)
+RUNNERS = {"whole": whole, "pipeline": model_stages, "context_parallel": context_parallel,
+           "disaggregated": disaggregated}
 
 
 def main(argv: list[str] | None = None) -> int:

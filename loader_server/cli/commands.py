@@ -226,8 +226,9 @@ def cmd_train(args: argparse.Namespace) -> int:
         world = parallel.world  # the mesh decides how many processes train
         if world != args.nproc:
             encoders = f" + parallel.encoder_ranks {parallel.encoder_ranks}" if parallel.encoder_ranks else ""
-            print(f"packfeed train: parallel.dp x parallel.cp x parallel.pp = {parallel.dp} x {parallel.cp} x "
-                  f"{parallel.pp}{encoders} trains on {world} process(es); launching {world}, not --nproc "
+            layout = parallel.layout
+            print(f"packfeed train: parallel.dp x parallel.cp x parallel.pp = {layout.dp} x {layout.cp} x "
+                  f"{layout.pp}{encoders} trains on {world} process(es); launching {world}, not --nproc "
                   f"{args.nproc}", file=sys.stderr)
         return launch(world, forwarded)
     from packfeed.trainer.train import main as train_main
