@@ -116,7 +116,7 @@ def test_encoder_rank_requests_are_checked_and_acknowledgements_do_not_move_the_
             list(PackStream(server.target, job="plain", encoder_rank=0, **plan))
         with pytest.raises(PackfeedError, match="outside the job's 1 encoder ranks"):
             PackStream(server.target, job="split", encoder_rank=1, encoder_ranks=1, epochs=4, **plan)
-        with pytest.raises(ValueError, match="not both"):
+        with pytest.raises(ValueError, match="exactly one of them"):
             PackStream(server.target, job="split", rank=0, encoder_rank=0, encoder_ranks=1, epochs=4, **plan)
         with pytest.raises(grpc.RpcError) as refused:  # the server says so too
             next(stub.StreamPacks(pb.StreamPacksRequest(job="plain", rank=0, encoder=True)))

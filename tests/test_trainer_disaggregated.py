@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -265,6 +266,7 @@ def test_a_stopped_encoder_rank_fails_the_run_within_the_timeout_naming_it(tmp_p
         if run.poll() is None:
             run.kill()
     assert run.returncode != 0
-    assert "Not responding: rank 2 (encoder rank 0)" in stderr, stderr[-3000:]
+    # the encoder rank is named; under load an LLM rank whose own collective has not timed out yet may be too
+    assert re.search(r"Not responding: [^\n]*rank 2 \(encoder rank 0\)", stderr), stderr[-3000:]
     assert f"parallel.timeout_s = {timeout_s}" in stderr
     assert waited < timeout_s + 240

@@ -74,7 +74,7 @@ class RankFeed:
         queued = self._drain()
         self._metrics.sheds.labels(self.job.spec.job).inc()
         log.info("a stream blocked on its client shed the steps it prepared ahead, for streams waiting for room",
-                 extra={"job": self.job.spec.job, "rank": self.rank, "encoder": self.encoder, "held_bytes": held,
+                 extra={"job": self.job.spec.job, "seat": self.seat.name, "held_bytes": held,
                         "queued_steps": queued})
 
     def _drain(self) -> int:
