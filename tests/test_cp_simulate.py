@@ -14,7 +14,7 @@ from long_video_mix import write_long_video_mix
 
 from packfeed.trainer.simulate.cluster import Cluster
 from packfeed.trainer.simulate.context_parallel import CpWorkload, simulate_cp
-from packfeed.trainer.simulate.model_shape import TOKEN_SQUARE, TOKENS, LayerTable
+from packfeed.trainer.simulate.model_shape import TILES, TOKEN_SQUARE, TOKENS, LayerTable
 
 
 def llm_table(per_token: float, per_square: float, kv_bytes: float = 0.0) -> LayerTable:
@@ -49,6 +49,21 @@ def test_a_pack_split_over_d_gpus_takes_a_dth_of_the_time_and_they_start_togethe
     busy = 24 + 6 + 2 * 12 + 2 * 6
     assert got["bubble_fraction"] == pytest.approx(1 - busy / (4 * 36.0))
     assert got["peak_tokens_per_gpu"] == 8
+
+
+def test_megatron_llava_runs_the_vision_tower_unsplit_on_every_gpu_of_a_pack():
+    seconds = np.zeros((2, 2, 5))
+    seconds[0, :, TILES] = 1.0, 2.0  # a vision layer: 1 s a tile forward, 2 backward
+    seconds[1, :, TOKENS] = 0.01, 0.02
+    out = np.zeros((2, 5))
+    table = LayerTable("test", ["vision", "llm"], None, seconds, np.zeros(2), out, "measured")
+    packs = workload([(0, 0, 4, 0, 400)], 4)
+    packs.loads[:, TILES] = 8
+    split = simulate_cp(packs, table, Cluster(4, latency_s=0.0))
+    packs.mode = "megatron-llava"
+    whole = simulate_cp(packs, table, Cluster(4, latency_s=0.0))
+    # tokens: 400 / 4 x 0.03 = 3 s on each GPU; tiles: 8 / 4 x 3 = 6 s shared, 8 x 3 = 24 s on every GPU
+    assert split["step_s"] == pytest.approx(3 + 6) and whole["step_s"] == pytest.approx(3 + 24)
 
 
 def test_the_exchange_adds_to_attention_or_overlaps_it():
@@ -99,11 +114,14 @@ def test_the_command_on_the_long_video_mix(tmp_path):
     args = ["--lengths", str(mix), "--dp", "4", "--context-parallel", "4", "--max-tokens-per-gpu", "32768",
             "--microbatches", "1"]
     got = simulate(*args)
-    assert set(got) == {"dynamic", "static"}
+    assert set(got) == {"dynamic", "static", "megatron-llava"}
     for record in got.values():
         assert record["peak_tokens_per_gpu"] <= 32768 and record["oversize"] == 0 and record["gpus"] == 16
         assert record["samples"] == 3000 + round(3000 * 0.05 / 0.95)
     assert set(got["dynamic"]["degrees"]) == {"1", "2", "4"} and set(got["static"]["degrees"]) == {"4"}
+    # Megatron-Core's LLaVA: the same static packs, every GPU running the vision tower over all their images
+    assert got["megatron-llava"]["degrees"] == got["static"]["degrees"]
+    assert got["megatron-llava"]["epoch_s"] > got["static"]["epoch_s"]
     # the bound no plan beats: below every mode's epoch, its sync over the fewest steps that hold every token at
     # N per GPU and M microbatches a step
     tokens = sum(row["token_num"] for row in json.loads(mix.read_text()))

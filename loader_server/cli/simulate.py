@@ -25,7 +25,7 @@ from packfeed.trainer.parallel.schedules import SCHEDULES
 from packfeed.trainer.simulate.workload import STRATEGIES, Workload, encoder_split_of, planner_cost_model, workload_of
 from packfeed.v1.options import CostModel, PlanConfig, Strategy
 
-from packfeed.trainer.simulate.context_parallel import CpWorkload
+from packfeed.trainer.simulate.context_parallel import CP_MODES, CpWorkload
 
 if TYPE_CHECKING:  # the planner loads (numba) when a command runs, not when the parser is built
     from packfeed.server.plan.costs import SampleLoads
@@ -155,8 +155,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     plan.add_argument("--context-parallel", type=int, default=1, metavar="C",
                       help="GPUs per DP replica for context parallelism (a power of 2; at pp 1): each pack over the "
                            "1, 2, ..., C of them its plan gives it (docs/planning.md)")
-    plan.add_argument("--cp-mode", choices=("static", "dynamic"), default=None,
-                      help="with --context-parallel: simulate this mode only (default: both, dynamic against static)")
+    plan.add_argument("--cp-mode", choices=("dynamic", "static", "megatron-llava"), default=None,
+                      help="with --context-parallel: simulate this mode only (default: all three; megatron-llava: "
+                           "static packs with the vision tower over all of a pack's images on every GPU, as "
+                           "Megatron-Core's LLaVA runs it)")
     plan.add_argument("--cp-comm", choices=("allgather", "ring"), default="allgather",
                       help="with --context-parallel: K/V all-gathered before attention (allgather, what packfeed "
                            "train runs) or passed around a ring overlapping it (ring attention)")
@@ -269,14 +271,14 @@ def run_context_parallel(args: argparse.Namespace) -> int:
     cluster = Cluster(args.gpus or args.dp * args.context_parallel, args.gpus_per_node, args.peak_tflops,
                       args.achievable, args.intra_gbs, args.inter_gbs)
     records = []
-    for mode in [args.cp_mode] if args.cp_mode else ["dynamic", "static"]:
+    for mode in [args.cp_mode] if args.cp_mode else list(CP_MODES):
         config = PlanConfig(dp=args.dp, microbatches=args.microbatches, strategy=PLANNER_STRATEGY[args.strategy],
                             samples_per_pack=args.samples_per_pack, cost_model=planner_cost_model(table_, patches),
                             context_parallel=args.context_parallel, max_tokens_per_gpu=args.max_tokens_per_gpu,
-                            cp_mode=mode)
+                            cp_mode="static" if mode == "megatron-llava" else mode)
         plan = make_plan(samples, config, args.seed, args.epoch)
-        result = simulate_cp(cp_workload(plan, samples.vision, samples.tokens, patches), table_, cluster,
-                             args.cp_comm)
+        workload = replace(cp_workload(plan, samples.vision, samples.tokens, patches), mode=mode)
+        result = simulate_cp(workload, table_, cluster, args.cp_comm)
         records.append({"model": table_.name, "strategy": args.strategy, "planning_s": round(plan.seconds, 3),
                         "max_tokens_per_gpu": plan.summary(samples)["context_parallel"]["max_tokens_per_gpu"],
                         "oversize": int(len(plan.oversize)), **result})
@@ -304,8 +306,10 @@ def run_context_parallel(args: argparse.Namespace) -> int:
     lines.append(f"  bound: no CP plan beats {bound['bound_epoch_s']:.1f} s an epoch ({bound['bound_whole_s']:.1f} s "
                  f"of unsplit work and {bound['bound_split_s']:.1f} s of unavoidable splitting per GPU with no "
                  f"bubble, {bound['bound_sync_s']:.1f} s of sync over at least {bound['bound_steps']} steps)")
-    if len(records) == 2 and records[0]["epoch_s"]:
-        lines.append(f"  dynamic vs static: {records[1]['epoch_s'] / records[0]['epoch_s']:.2f}x per epoch")
+    by_mode = {r["mode"]: r["epoch_s"] for r in records}
+    if by_mode.get("dynamic"):
+        lines += [f"  dynamic vs {mode}: {by_mode[mode] / by_mode['dynamic']:.2f}x per epoch" for mode in by_mode
+                  if mode != "dynamic"]
     print("\n".join(lines), file=sys.stderr if args.json else sys.stdout)
     if args.json:
         print(json.dumps({"context_parallel": records}))

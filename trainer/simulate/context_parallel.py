@@ -13,6 +13,9 @@ simulate command hands its packs over as `CpWorkload` (their GPUs and load rows)
   all-gathered once (not overlapped). What splitting costs beyond 1/d of the FLOPs, measured on a GPU
   (`split_attention`): attention in flash-attention's tiles, and, under `allgather`, assembling the gathered K
   and V; both where the workload knows its packs' sample lengths (plans; a run's metrics give only sums);
+- `megatron-llava` (static CP as Megatron-Core's LLaVA runs it, the baseline): every pack over all C GPUs, and
+  each of them runs the vision tower over all of the pack's images before the embeddings are split, so the
+  vision work is not shared (and no features are gathered);
 - a replica's GPUs run their microbatches in order, and the d GPUs of a pack start it together (each waits for
   the slowest of them to finish its previous microbatch); a GPU with nothing in a microbatch idles;
 - the step ends with the gradients reduce-scattered and the weights all-gathered over all dp x C GPUs (every GPU
@@ -79,15 +82,20 @@ class CpWorkload:
 
 
 CP_COMM = ("allgather", "ring")
+CP_MODES = ("dynamic", "static", "megatron-llava")  # megatron-llava: static packs, the vision tower unsplit
 
 
 def pack_seconds(table: LayerTable, cluster: Cluster, loads: np.ndarray, degree: np.ndarray,
-                 gpus: list[list[int]], comm: str = "allgather", gathered_rows: np.ndarray | None = None) -> np.ndarray:
+                 gpus: list[list[int]], comm: str = "allgather", gathered_rows: np.ndarray | None = None,
+                 vision_split: bool = True) -> np.ndarray:
     """Seconds each GPU of each pack spends on it (forward and backward), communication included; under
-    `allgather`, assembling `gathered_rows` K/V rows per LLM layer too."""
+    `allgather`, assembling `gathered_rows` K/V rows per LLM layer too. `vision_split` False: every GPU of a pack
+    runs the vision tower over all its images (Megatron-Core's LLaVA), and no features are gathered."""
     seconds = table.seconds(cluster.flops_per_second)  # (layers, 2, terms)
     shared = np.zeros(loads.shape)
     shared[:, list(SPLIT_TERMS)] = loads[:, list(SPLIT_TERMS)] / degree[:, None]
+    if not vision_split:
+        shared[:, [TILES, VISION_SQUARE]] = loads[:, [TILES, VISION_SQUARE]]
     shared[:, 0] = loads[:, 0]
     llm = np.array([kind == "llm" for kind in table.kinds])
     attention = np.zeros(loads.shape[1], dtype=bool)
@@ -105,7 +113,7 @@ def pack_seconds(table: LayerTable, cluster: Cluster, loads: np.ndarray, degree:
         else:
             per_layer = linear_part[p] + attention_part[p] + exchange[None, :]
         features = assembling = 0.0
-        if d > 1 and projector is not None:
+        if d > 1 and projector is not None and vision_split:
             features = 2 * cluster.ring_seconds(table.output_bytes[projector, TILES] * loads[p, TILES], ranks)
         if comm == "allgather" and gathered_rows is not None:
             assembling = gathered_rows[p] * float(kv_bytes[llm].sum()) * GATHERED_KV_SECONDS_PER_BYTE
@@ -125,7 +133,8 @@ def simulate_cp(workload: CpWorkload, table: LayerTable, cluster: Cluster, comm:
         raise ValueError(f"context parallelism runs on dp x C = {gpus} GPUs; --gpus is {cluster.gpus}")
     ranks = [[int(r) * c + lane for lane in range(int(g) * int(d), (int(g) + 1) * int(d))]
              for r, d, g in zip(workload.replica, workload.degree, workload.group)]
-    busy = pack_seconds(table, cluster, workload.loads, workload.degree, ranks, comm, workload.gathered_rows)
+    busy = pack_seconds(table, cluster, workload.loads, workload.degree, ranks, comm, workload.gathered_rows,
+                        workload.mode != "megatron-llava")
     params = float(table.params.sum())
     everyone = list(range(gpus))
     sync = cluster.ring_seconds(params * GRAD_BYTES, everyone) + cluster.ring_seconds(params * PARAM_BYTES, everyone)
