@@ -24,7 +24,7 @@ from packfeed.trainer.simulate.model_shape import (
     load_model,
 )
 from packfeed.trainer.parallel.schedules import encoder_deadlines, pipeline_order, split_tiles
-from packfeed.trainer.simulate.placement import Layout, simulate_step, step_costs
+from packfeed.trainer.simulate.placement import Placement, simulate_step, step_costs
 from packfeed.trainer.simulate.predict import Settings, search_allocation, simulate_plan
 from packfeed.server.cli.simulate import make_workload
 from packfeed.trainer.simulate.workload import planner_cost_model
@@ -79,7 +79,7 @@ def test_two_stages_by_hand():
     # s0 F0 [0,1] F1 [1,2]; s1 F0 [1+c,2+c] B0 [2+c,4+c] F1 [4+c,5+c] B1 [5+c,7+c]; s0 B0 [4+2c,6+2c] B1 [7+2c,9+2c]
     bandwidth = Cluster(2, gpus_per_node=1, inter_gbs=1.0, latency_s=0.0)
     table = table_of([], [(1.0, 2.0), (1.0, 2.0)], out_bytes=0.25e9)  # 0.25 GB per token at 1 GB/s: c = 0.25 s
-    layout = Layout("stages", dp=1, pp=2)
+    layout = Placement("stages", dp=1, pp=2)
     costs = step_costs(table, bandwidth, layout, [0, 1, 2])
     step = simulate_step(costs, layout, loads_of([[(0, 1), (0, 1)]]), bandwidth, keep_run=True)
     assert step.step_s == pytest.approx(9 + 2 * 0.25)
@@ -93,12 +93,12 @@ def test_bubbles_by_hand():
     # EF [0,1]; s0 F [1,2]; s1 F [2,3] B [3,5]; s0 B [5,7]; EB on both [7,9].
     cluster = Cluster(2, latency_s=0.0)
     table = table_of([(1.0, 2.0)], [(1.0, 2.0), (1.0, 2.0)])
-    layout = Layout("bubbles", dp=1, pp=2)
+    layout = Placement("bubbles", dp=1, pp=2)
     costs = step_costs(table, cluster, layout, [0, 1, 2])
     step = simulate_step(costs, layout, loads_of([[(2, 1)]]), cluster, keep_run=True)
     assert step.step_s == pytest.approx(9.0)
     check_dependencies(step)
-    stages = Layout("stages", dp=1, pp=2)
+    stages = Placement("stages", dp=1, pp=2)
     alone = simulate_step(step_costs(table, cluster, stages, [0, 1, 3]), stages, loads_of([[(2, 1)]]), cluster)
     # the encoder as stage 0 (2 tiles: F 2 s, B 4 s), both LLM layers as stage 1 (F 2 s, B 4 s), in sequence
     assert alone.step_s == pytest.approx(2 + 2 + 4 + 4)
@@ -112,7 +112,7 @@ def test_routed_encoder_by_hand():
     cluster = Cluster(2, gpus_per_node=1, inter_gbs=1.0, latency_s=0.0)
     table = table_of([(1.0, 2.0)], [(1.0, 2.0)], out_bytes=1e9)
     loads = loads_of([[(4, 1)], [(0, 1)]])
-    routed = Layout("phases", dp=2, pp=1)
+    routed = Placement("phases", dp=2, pp=1)
     from packfeed.trainer.simulate.routed import Routing
 
     routing = Routing.of_plan(np.array([0, 4, 5]), np.array([0, 1, 2, 3, 4]), np.array([0, 0, 1, 1, 1]),
@@ -121,7 +121,7 @@ def test_routed_encoder_by_hand():
     step = simulate_step(step_costs(table, cluster, routed, [0, 1]), routed, loads, cluster,
                          routing=(routing.encoder_loads[0], routing.moved[0]))
     assert step.step_s == pytest.approx(13.0)
-    stages = Layout("stages", dp=2, pp=1)
+    stages = Placement("stages", dp=2, pp=1)
     assert simulate_step(step_costs(table, cluster, stages, [0, 2]), stages, loads, cluster).step_s == \
         pytest.approx(15.0)
     nothing_moved = Routing.of_plan(np.array([0, 4, 5]), np.array([0, 1, 2, 3, 4]), np.array([0, 0, 0, 0, 1]),
@@ -160,7 +160,7 @@ def test_uniform_pipelines_match_the_closed_form(schedule, stages, chunks, m):
     # 1F1B: (M + P - 1) microbatch times; Megatron's interleaving cuts the bubble to (P - 1) / v of one
     cluster = Cluster(stages, latency_s=0.0)
     table = table_of([], [(1.0, 2.0)] * (stages * chunks))
-    layout = Layout("stages", dp=1, pp=stages, chunks=chunks, schedule=schedule)
+    layout = Placement("stages", dp=1, pp=stages, chunks=chunks, schedule=schedule)
     costs = step_costs(table, cluster, layout, list(range(stages * chunks + 1)))
     step = simulate_step(costs, layout, loads_of([[(0, 1)] * m]), cluster, keep_run=True)
     check_dependencies(step)
@@ -182,7 +182,7 @@ def test_1f1b_keeps_fewer_microbatches_in_flight_than_gpipe():
 def test_an_unbalanced_microbatch_costs_more_than_its_share():
     cluster = Cluster(4, latency_s=0.0)
     table = table_of([], [(1.0, 2.0)] * 4)
-    layout = Layout("stages", dp=1, pp=4)
+    layout = Placement("stages", dp=1, pp=4)
     costs = step_costs(table, cluster, layout, [0, 1, 2, 3, 4])
     even = simulate_step(costs, layout, loads_of([[(0, 1)] * 8]), cluster)
     skewed = simulate_step(costs, layout, loads_of([[(0, 1)] * 3 + [(0, 3)] + [(0, 1)] * 4]), cluster)
@@ -192,18 +192,18 @@ def test_an_unbalanced_microbatch_costs_more_than_its_share():
 def test_the_slowest_replica_sets_the_step():
     cluster = Cluster(4, latency_s=0.0)
     table = table_of([], [(1e-3, 2e-3)] * 2)
-    layout = Layout("stages", dp=2, pp=2)
+    layout = Placement("stages", dp=2, pp=2)
     costs = step_costs(table, cluster, layout, [0, 1, 2])
     small, large = [(0, 100)] * 2, [(0, 300)] * 2
     both = simulate_step(costs, layout, loads_of([small, large]), cluster)
-    alone = simulate_step(costs, Layout("stages", dp=1, pp=2), loads_of([large]), Cluster(2, latency_s=0.0))
+    alone = simulate_step(costs, Placement("stages", dp=1, pp=2), loads_of([large]), Cluster(2, latency_s=0.0))
     assert both.step_s == pytest.approx(alone.step_s)
 
 
 def test_ranks_sharing_cores_slow_down_only_when_more_are_busy_than_cores():
     """A CPU host: 4 ranks of a uniform 1F1B pipeline on 2 cores run slower than on 4, never more than 2x."""
     table = table_of([], [(1.0, 2.0)] * 4)
-    layout = Layout("stages", dp=1, pp=4)
+    layout = Placement("stages", dp=1, pp=4)
     cluster = Cluster(4, latency_s=0.0)
     costs = step_costs(table, cluster, layout, [0, 1, 2, 3, 4])
     loads = loads_of([[(0, 1)] * 8])
@@ -232,7 +232,7 @@ def test_real_model_steps_respect_every_dependency(encoder, schedule, chunks):
     workload = make_workload(synthetic_samples(400, 1), "isf+balance", 2, 4, 2, shape.patches_per_tile,
                              planner_cost_model(table, shape.patches_per_tile))
     cluster = Cluster(4 if encoder != "disaggregated" else 6, gpus_per_node=2)
-    layout = Layout(encoder, dp=2, pp=2, chunks=chunks, schedule=schedule,
+    layout = Placement(encoder, dp=2, pp=2, chunks=chunks, schedule=schedule,
                     encoder_groups=2 if encoder == "disaggregated" else 0)
     from packfeed.trainer.simulate.predict import pipeline_costs
 
@@ -330,7 +330,7 @@ def test_a_plans_encoder_split_decides_when_each_microbatch_is_ready():
     assert workload.encoder_split.shape == (workload.steps, 2, 2, 4)
     assert np.allclose(workload.encoder_split.sum(axis=1), workload.useful[..., 1])  # every tile encoded once
     cluster = Cluster(4)
-    layout = Layout("disaggregated", 2, 1, encoder_groups=2)
+    layout = Placement("disaggregated", 2, 1, encoder_groups=2)
     costs, _ = pipeline_costs(table, cluster, layout, workload, "balanced")
     split = workload.encoder_split[0]
     balanced = simulate_step(costs, layout, workload.loads[0], cluster, encoder_split=split)
@@ -489,7 +489,7 @@ def test_sharded_data_parallelism_makes_each_phase_wait_for_its_slowest_rank():
     mixed = loads_of([[(4, 100)], [(1, 400)]])  # encoder 4 vs 1 tiles, LLM 100 vs 400 tokens
     per_rank = [sum(mixed[r, 0] @ table.measured_seconds[i].sum(axis=0) for i in range(4)) for r in range(2)]
     sharded = sharded_step(table, cluster, mixed)
-    ddp = simulate_step(step_costs(table, cluster, Layout("stages", 2, 1), [0, 4]), Layout("stages", 2, 1), mixed,
+    ddp = simulate_step(step_costs(table, cluster, Placement("stages", 2, 1), [0, 4]), Placement("stages", 2, 1), mixed,
                         cluster)
     slowest_phases = 2 * (4 * 3.0) + 2 * (400 * 0.03)  # both encoder layers at 4 tiles, both LLM layers at 400
     # one layer of prefetch lets a rank run at most one op (here 8 s: a backward at 4 tiles) ahead of the slowest

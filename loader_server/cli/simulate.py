@@ -17,7 +17,7 @@ import numpy as np
 from packfeed.trainer.simulate.cluster import Cluster
 from packfeed.trainer.simulate.model_shape import PRESETS, load_model
 from packfeed.trainer.simulate.partition import PARTITIONS
-from packfeed.trainer.simulate.placement import ENCODERS, Layout, simulate_step
+from packfeed.trainer.simulate.placement import ENCODERS, Placement, simulate_step
 from packfeed.trainer.simulate.predict import Prediction, Settings, microbatches_for, pipeline_costs, simulate_plan
 from packfeed.trainer.simulate.report import draw_timeline, table
 from packfeed.trainer.simulate.routed import Routing
@@ -341,7 +341,7 @@ def check_run(args: argparse.Namespace) -> int:
 def median_step(prediction: Prediction, workload: Workload, table_, cluster: Cluster, settings: Settings):
     """The step whose time is the median, simulated again with its schedule kept (replica 0, or the whole job
     when the encoder has GPUs of its own)."""
-    layout = Layout(**{k: prediction.layout[k] for k in ("encoder", "dp", "pp", "tp", "chunks", "schedule",
+    layout = Placement(**{k: prediction.layout[k] for k in ("encoder", "dp", "pp", "tp", "chunks", "schedule",
                                                           "encoder_groups")})
     workload = prediction.workload or workload
     if layout.dp != workload.loads.shape[1]:

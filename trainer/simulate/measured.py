@@ -27,7 +27,7 @@ import numpy as np
 from packfeed.trainer.simulate.cluster import Cluster
 from packfeed.trainer.simulate.context_parallel import CpWorkload, simulate_cp
 from packfeed.trainer.simulate.model_shape import TILES, TOKEN_SQUARE, TOKENS, load_model, measured_table
-from packfeed.trainer.simulate.placement import Layout, simulate_step, step_costs
+from packfeed.trainer.simulate.placement import Placement, simulate_step, step_costs
 
 
 def _read(path: Path) -> dict:
@@ -64,6 +64,10 @@ def compare_run(out: str | Path, model: str | Path | None = None, skip: int = 1)
     config = _read(out / "config.json")
     cores = host_cores(out)
     if config["parallel"].get("cp", 1) > 1:
+        if config["parallel"].get("train_cp_packs", "split") == "whole":
+            raise ValueError(f"{out} trained a CP plan's packs whole on one GPU per replica (parallel.train_cp_packs="
+                             "whole), a baseline the simulator does not model: compare a run of parallel.cp GPUs "
+                             "per replica")
         return compare_cp_run(out, config, model, skip, cores)
     if config["parallel"].get("encoder") == "disaggregated":
         return compare_disaggregated_run(out, config, model, skip, cores)
@@ -73,7 +77,7 @@ def compare_run(out: str | Path, model: str | Path | None = None, skip: int = 1)
     if parallel["dp"] != 1:
         raise ValueError("--run compares DP 1 runs: metrics.jsonl keeps replica 0's microbatches only")
     chunks = parallel["virtual_stages"] if parallel["schedule"] == "interleaved_1f1b" else 1
-    layout = Layout(parallel.get("encoder", "stages"), 1, parallel["pp"], 1, chunks, parallel["schedule"])
+    layout = Placement(parallel.get("encoder", "stages"), 1, parallel["pp"], 1, chunks, parallel["schedule"])
     first = int(table.encoder.sum()) if layout.encoder == "bubbles" else 0
     bounds = [b - first for b in partition["bounds"]]
     bandwidth = partition.get("comm_gbps") or Cluster(1).intra_gbs
@@ -99,7 +103,7 @@ def compare_run(out: str | Path, model: str | Path | None = None, skip: int = 1)
             "mean_error": float(calibrated.mean()), "mean_abs_error": float(np.abs(calibrated).mean())}
 
 
-def overhead_factor(table, layout: Layout, cluster: Cluster, partition: dict, microbatches: int,
+def overhead_factor(table, layout: Placement, cluster: Cluster, partition: dict, microbatches: int,
                     cores: float | None, first: int) -> float | None:
     """Median of measured / simulated over the partition search's timed candidates (None when none was timed)."""
     features = partition.get("profile_features", [])[:microbatches]
@@ -143,7 +147,7 @@ def compare_disaggregated_run(out: Path, config: dict, model, skip: int, cores: 
     parallel = config["parallel"]
     dp, pp, encoders, m = parallel["dp"], parallel["pp"], parallel["encoder_ranks"], config["data"]["microbatches"]
     table, cluster = _borrowed_costs(model, dp * pp + encoders, "an encoder-ranks")
-    layout = Layout("disaggregated", dp, pp, 1, 1, parallel["schedule"], encoders)
+    layout = Placement("disaggregated", dp, pp, 1, 1, parallel["schedule"], encoders)
     first = int(table.encoder.sum())
     bounds = [b - first for b in _read(out / "partition.json")["bounds"]] if pp > 1 else \
         [0, int((~table.encoder).sum())]

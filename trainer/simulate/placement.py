@@ -40,7 +40,7 @@ BUCKET_PARAMS = 40e6  # Megatron DDP's bucket (parameters per GPU)
 
 
 @dataclass(frozen=True)
-class Layout:
+class Placement:
     """Where everything runs. `dp` counts LLM replicas; `encoder_groups` is for `disaggregated` only."""
 
     encoder: Encoder
@@ -82,7 +82,7 @@ def priced_layers(table: LayerTable, cluster: Cluster, tp: int) -> np.ndarray:
     return seconds + tp_comm[:, None, :]
 
 
-def step_costs(table: LayerTable, cluster: Cluster, layout: Layout, bounds: Sequence[int]) -> StepCosts:
+def step_costs(table: LayerTable, cluster: Cluster, layout: Placement, bounds: Sequence[int]) -> StepCosts:
     """`bounds`: virtual-stage boundaries over the pipeline's layers (all layers for `stages`, the LLM's
     otherwise), len = pp * chunks + 1."""
     seconds = priced_layers(table, cluster, layout.tp)
@@ -116,7 +116,7 @@ class StepResult:
                 for role, busy in self.busy_s.items()}
 
 
-def _pipeline_tasks(costs: StepCosts, layout: Layout, loads: np.ndarray, cluster: Cluster, replica: int,
+def _pipeline_tasks(costs: StepCosts, layout: Placement, loads: np.ndarray, cluster: Cluster, replica: int,
                     device_of: Callable[[int, int], int], tasks: list[Task]) -> tuple[dict, dict]:
     """Forward and backward tasks of one replica's pipeline; returns ({(op, vstage, j): task}, orders)."""
     pp, chunks, m = layout.pp, layout.chunks, loads.shape[0]
@@ -203,7 +203,7 @@ class Collective:
         return max(last_start + self.reduce_s, last_end + self.last_reduce_s)
 
 
-def _collectives(costs: StepCosts, layout: Layout, cluster: Cluster) -> tuple[list[Collective], Collective]:
+def _collectives(costs: StepCosts, layout: Placement, cluster: Cluster) -> tuple[list[Collective], Collective]:
     """Per pipeline stage (over its DP group), and the encoder's over its own group."""
     llm = [Collective.of(cluster, p / layout.tp, [megatron_rank(s, r, 0, layout.dp, layout.tp)
                                                    for r in range(layout.dp)])
@@ -211,7 +211,7 @@ def _collectives(costs: StepCosts, layout: Layout, cluster: Cluster) -> tuple[li
     return llm, Collective.of(cluster, costs.encoder_params / layout.tp, _encoder_ranks(layout))
 
 
-def _encoder_ranks(layout: Layout) -> list[int]:
+def _encoder_ranks(layout: Placement) -> list[int]:
     if layout.encoder == "bubbles":
         return list(range(0, layout.llm_gpus, layout.tp))
     if layout.encoder == "phases":  # the first stage's GPUs of every replica
@@ -236,7 +236,7 @@ def _release(tasks: list[Task], orders: dict[int, list[int]], stage_of: Callable
             task.release = encoder_first + (encoder.first_gather_s if task.microbatch == 0 else encoder.gather_s)
 
 
-def simulate_step(costs: StepCosts, layout: Layout, loads: np.ndarray, cluster: Cluster,
+def simulate_step(costs: StepCosts, layout: Placement, loads: np.ndarray, cluster: Cluster,
                   keep_run: bool = False, cores: float | None = None,
                   routing: tuple[np.ndarray, np.ndarray] | None = None,
                   encoder_split: np.ndarray | None = None) -> StepResult:
@@ -278,7 +278,7 @@ def simulate_step(costs: StepCosts, layout: Layout, loads: np.ndarray, cluster: 
     return StepResult(step, busy, first_run if keep_run else None, first_tasks if keep_run else None, names)
 
 
-def simulate_replica(costs: StepCosts, layout: Layout, loads: np.ndarray, cluster: Cluster,
+def simulate_replica(costs: StepCosts, layout: Placement, loads: np.ndarray, cluster: Cluster,
                      llm: list[Collective] | None = None, encoder: Collective = Collective(),
                      cores: float | None = None) -> tuple[Run, list[Task]]:
     """One replica's step (stages / bubbles), devices numbered by stage, started by the DP gathers."""
@@ -307,7 +307,7 @@ def encoder_groups(replicas: int, encoder_gpus: int) -> list[list[int]]:
     return [[r % encoder_gpus] for r in range(replicas)]
 
 
-def _simulate_disaggregated(costs: StepCosts, layout: Layout, loads: np.ndarray, cluster: Cluster,
+def _simulate_disaggregated(costs: StepCosts, layout: Placement, loads: np.ndarray, cluster: Cluster,
                             keep_run: bool, split: np.ndarray | None = None,
                             cores: float | None = None) -> StepResult:
     """The whole job in one run: encoder GPUs are shared by replicas; with the plan's `split` (encoder GPU,

@@ -22,7 +22,7 @@ import numpy as np
 from packfeed.trainer.simulate.cluster import Cluster
 from packfeed.trainer.simulate.model_shape import LayerTable
 from packfeed.trainer.simulate.partition import partition_bounds
-from packfeed.trainer.simulate.placement import Layout, StepCosts, StepResult, priced_layers, simulate_step, step_costs
+from packfeed.trainer.simulate.placement import Placement, StepCosts, StepResult, priced_layers, simulate_step, step_costs
 from packfeed.trainer.simulate.sharded import SHARDED, sharded_step
 from packfeed.trainer.simulate.workload import Workload
 
@@ -65,7 +65,7 @@ class Prediction:
         return record
 
 
-def layout_bounds(table: LayerTable, cluster: Cluster, layout: Layout, mean_load: np.ndarray,
+def layout_bounds(table: LayerTable, cluster: Cluster, layout: Placement, mean_load: np.ndarray,
                   partition: str) -> list[int]:
     seconds = priced_layers(table, cluster, layout.tp).sum(axis=1) @ mean_load
     in_pipeline = np.ones(len(table), bool) if layout.encoder == "stages" else ~table.encoder
@@ -78,7 +78,7 @@ def pipeline_costs(table, cluster, layout, workload, partition) -> tuple[StepCos
     return step_costs(table, cluster, layout, bounds), bounds
 
 
-def simulate_steps(table: LayerTable, cluster: Cluster, layout: Layout, workload: Workload, partition: str,
+def simulate_steps(table: LayerTable, cluster: Cluster, layout: Placement, workload: Workload, partition: str,
                    steps: list[int] | None = None) -> tuple[list[StepResult], list[int]]:
     costs, bounds = pipeline_costs(table, cluster, layout, workload, partition)
     chosen = range(workload.steps) if steps is None else steps
@@ -86,7 +86,7 @@ def simulate_steps(table: LayerTable, cluster: Cluster, layout: Layout, workload
         costs, layout, workload.loads[k], cluster, routing=routing, encoder_split=split)), bounds
 
 
-def sharded_steps(table: LayerTable, cluster: Cluster, layout: Layout, workload: Workload,
+def sharded_steps(table: LayerTable, cluster: Cluster, layout: Placement, workload: Workload,
                   kind: str) -> list[StepResult]:
     """Every step under sharded data parallelism (`kind`: fsdp or zero3), at pp 1."""
     if kind not in SHARDED:
@@ -98,7 +98,7 @@ def sharded_steps(table: LayerTable, cluster: Cluster, layout: Layout, workload:
         table, cluster, workload.loads[k], layout.tp, routing))
 
 
-def per_step(workload: Workload, layout: Layout, steps, simulate) -> list[StepResult]:
+def per_step(workload: Workload, layout: Placement, steps, simulate) -> list[StepResult]:
     """`simulate(k, routing, split)` for each step k (the routed encoder's routing, the encoder ranks' split
     where the layout takes them), identical steps (fixed-size samples) simulated once."""
     routed = layout.encoder == "phases"
@@ -134,13 +134,13 @@ def simulate_plan(workload: Workload, table: LayerTable, cluster: Cluster, setti
     dp = workload.loads.shape[1]
     if settings.encoder == "disaggregated":
         search, workload = search_allocation(workload, table, cluster, settings, replan)
-        layout = Layout("disaggregated", search["llm_dp"], settings.pp, settings.tp, settings.virtual_stages,
+        layout = Placement("disaggregated", search["llm_dp"], settings.pp, settings.tp, settings.virtual_stages,
                         settings.schedule, search["encoder_gpus"] // settings.tp)
     else:
         if settings.encoder == "phases" and settings.pp != 1:
             raise ValueError("--encoder phases joins data-parallel ranks that each hold the whole model (as "
                              "`parallel.encoder=phases` trains): give --pp 1 (with --tp for large models)")
-        layout = Layout(settings.encoder, dp, settings.pp, settings.tp, settings.virtual_stages, settings.schedule)
+        layout = Placement(settings.encoder, dp, settings.pp, settings.tp, settings.virtual_stages, settings.schedule)
         if layout.gpus != cluster.gpus:
             raise ValueError(f"--encoder {settings.encoder} runs on dp x pp x tp = {layout.gpus} GPUs; --gpus is "
                              f"{cluster.gpus} (leave it out, or use --encoder disaggregated to split GPUs)")
@@ -242,7 +242,7 @@ def search_allocation(workload: Workload, table: LayerTable, cluster: Cluster, s
     for bound, encoder_groups, replicas, planned, sampled in ranked:
         if bound >= best_time and not exhaustive:
             break
-        layout = Layout("disaggregated", replicas, settings.pp, settings.tp, settings.virtual_stages,
+        layout = Placement("disaggregated", replicas, settings.pp, settings.tp, settings.virtual_stages,
                         settings.schedule, encoder_groups)
         results, _ = simulate_steps(table, cluster, layout, sampled, settings.partition)
         mean = float(np.mean([r.step_s for r in results]))
