@@ -19,6 +19,7 @@ import torch
 from packfeed.trainer import checkpoint
 from packfeed.trainer.config import TrainConfig
 from packfeed.trainer.metrics import step_record, write_record
+from packfeed.trainer.parallel.profile import synchronize
 from packfeed.trainer.parallel.runner import StepRunner
 
 
@@ -62,11 +63,15 @@ class Loop:
         self.optimizer.zero_grad(set_to_none=True)
         if mesh.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(mesh.device)
+        computing, busy_started = time.perf_counter(), time.process_time()
         tally = runner.train_step(shape, work)
+        # CPU time of this process while the step ran ~ its compute (a blocked receive sleeps): the bubble fraction
+        tally.busy_s = time.process_time() - busy_started if mesh.device.type == "cpu" else float("nan")
+        tally.compute_s = time.perf_counter() - computing
         grad_norm = runner.clip_gradients(self.config.optim.clip_grad_norm)
         self.optimizer.step()
         self.scheduler.step()
-        runner.sync()
+        synchronize(mesh.device)  # step times measure work done
         elapsed = time.perf_counter() - started
         wait = (source.data_wait_s - wait_before) if source else 0.0
         peak = torch.cuda.max_memory_allocated(mesh.device) if mesh.device.type == "cuda" else 0

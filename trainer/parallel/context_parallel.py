@@ -23,7 +23,6 @@ exactly what one GPU computes on the unsplit packs (tested within 1e-5). A GPU w
 from __future__ import annotations
 
 import functools
-import time
 from collections import Counter
 from dataclasses import dataclass
 
@@ -38,7 +37,6 @@ from packfeed.trainer.models.reference_inputs import pack_tiles
 from packfeed.trainer.parallel.data_parallel import all_reduce_gradients
 from packfeed.trainer.parallel.mesh import Mesh
 from packfeed.trainer.parallel.pipeline import autocast_dtype, clip_gradients
-from packfeed.trainer.parallel.profile import synchronize
 from packfeed.trainer.parallel.runner import StepTally, agree_on_step
 from packfeed.v1.context_parallel import pack_shares, rank_chunks
 
@@ -207,7 +205,6 @@ class ContextParallelRunner:
         return agree_on_step(step, self.mesh)
 
     def train_step(self, shape: StepShape, step) -> StepTally:
-        started, busy_started = time.perf_counter(), time.process_time()
         loss_sum, tokens, tiles, packs = 0.0, 0, 0, []
         for pack in step.packs:
             if pack.empty:
@@ -221,9 +218,7 @@ class ContextParallelRunner:
         self.attention.layout = None
         if self.mesh.world > 1:  # each rank's gradients are partial sums of its packs and its replica's
             all_reduce_gradients(self.parameters(), None, 1.0)
-        busy = time.process_time() - busy_started if self.mesh.device.type == "cpu" else float("nan")
-        return StepTally(loss_sum, tokens=tokens, padded_tokens=tokens, tiles=tiles, padded_tiles=tiles, busy_s=busy,
-                         compute_s=time.perf_counter() - started,
+        return StepTally(loss_sum, tokens=tokens, padded_tokens=tokens, tiles=tiles, padded_tiles=tiles,
                          samples_by_dataset=dict(Counter(step.sample_sources)) if self.mesh.lane == 0 else {},
                          packs=packs)
 
@@ -323,8 +318,6 @@ class ContextParallelRunner:
     def clip_gradients(self, max_norm: float) -> float:
         return clip_gradients(self.parameters(), self.mesh, max_norm)
 
-    def sync(self) -> None:
-        synchronize(self.mesh.device)
 
 
 def _gather_plain(values: torch.Tensor, layout: ShareLayout) -> torch.Tensor:

@@ -46,7 +46,6 @@ from packfeed.trainer.parallel.mesh import Mesh
 from packfeed.trainer.parallel.phases import Exchange, PhaseRunner
 from packfeed.trainer.parallel.pipeline import StageModule, autocast_dtype, separate_encoder_layers, \
     share_step_shape, validate_partition
-from packfeed.trainer.parallel.profile import synchronize
 from packfeed.trainer.parallel.runner import StepTally
 from packfeed.trainer.parallel.schedules import pipeline_order
 
@@ -262,11 +261,8 @@ class DisaggregatedRunner:
         return batch.shape
 
     def train_step(self, shape: StepShape, batch: Microbatches | None) -> StepTally:
-        started, busy_started = time.perf_counter(), time.process_time()
         losses = self.step.run(shape, batch)
-        busy = time.process_time() - busy_started if self.mesh.device.type == "cpu" else float("nan")
-        tally = StepTally(float(sum(loss.item() for loss in losses)), busy_s=busy,
-                          compute_s=time.perf_counter() - started, stats=dict(self.step.last_stats))
+        tally = StepTally(float(sum(loss.item() for loss in losses)), stats=dict(self.step.last_stats))
         mesh, m = self.mesh, self.microbatches
         if batch is None:  # an LLM rank's later stage: its loss only
             return tally
@@ -297,5 +293,3 @@ class DisaggregatedRunner:
             torch._foreach_mul_(grads, max_norm / (norm + 1e-6))
         return norm
 
-    def sync(self) -> None:
-        synchronize(self.mesh.device)

@@ -1,10 +1,13 @@
 """What the training loop (`packfeed.trainer.loop.Loop`) asks of a parallel layout: a step runner.
 
-Two layouts implement it: `RankStages` (a layer list cut into pipeline stages, with DDP or FSDP2 within each
-stage and the encoder in the stages, the bubbles or routed; `packfeed.trainer.parallel.stages`) and
-`WholeModelRunner` (a whole model on every data-parallel rank, FSDP2-sharded over them, one pack at a time;
-`packfeed.trainer.parallel.whole`). A new parallel dimension is a new runner (or a change inside one), never a
-second loop: the loop owns the optimizer, the learning-rate schedule, checkpoints, resume and the metrics line.
+One runner per kind of layout (`packfeed.v1.layout.Layout.runner`, looked up in `packfeed.trainer.train.RUNNERS`):
+`RankStages` (a layer list cut into pipeline stages, with DDP or FSDP2 within each stage and the encoder in the
+stages, the bubbles or routed; `stages`), `WholeModelRunner` (a whole model on every data-parallel rank,
+FSDP2-sharded over them, one pack at a time; `whole`), `ContextParallelRunner` (each pack over the GPUs its CP
+plan gives it; `context_parallel`) and `DisaggregatedRunner` (the encoder on ranks of its own; `disaggregated`).
+A new parallel dimension is a new runner (or a change inside one), never a second loop: the loop owns the step's
+skeleton (timing, the device sync, the optimizer and the learning-rate schedule), checkpoints, resume and the
+metrics line.
 """
 
 from __future__ import annotations
@@ -30,8 +33,10 @@ class StepTally:
     padded_tokens: int = 0  # token slots computed (real + padding)
     tiles: int = 0  # the vision tower's input units fed
     padded_tiles: int = 0
-    busy_s: float = float("nan")  # CPU: this process's compute time inside the step (for the bubble fraction)
-    compute_s: float = 0.0  # wall time of forward and backward
+    # set by the loop around `train_step`: CPU time of this process inside it (CPU runs, for the bubble fraction)
+    # and its wall time (forward and backward)
+    busy_s: float = float("nan")
+    compute_s: float = 0.0
     samples_by_dataset: dict[str, int] = field(default_factory=dict)
     microbatches: list[dict] | None = None  # rank 0: each microbatch's Features (the pipeline simulator reads them)
     stats: dict[str, Any] = field(default_factory=dict)  # the runner's own figures (the encoder apart, its exchange)
@@ -62,14 +67,12 @@ class StepRunner(Protocol):
         `stop` set on every rank when any stream ended."""
 
     def train_step(self, shape: StepShape, work: Any | None) -> StepTally:
-        """Forward and backward of the step; gradients left in the parameters."""
+        """Forward and backward of the step; gradients left in the parameters. The loop times it."""
 
     def clip_gradients(self, max_norm: float) -> float:
         """Collective: complete the gradients (weights tied across ranks), clip them to `max_norm` (0: no
         clipping) over the whole model and return the global norm before clipping."""
 
-    def sync(self) -> None:
-        """Wait for the device's queued work (step times measure work done)."""
 
 
 def agree_on_step(step, mesh: Mesh) -> StepShape:

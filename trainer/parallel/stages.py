@@ -173,12 +173,8 @@ class RankStages:
 
     def train_step(self, shape: StepShape, batch: Microbatches | None) -> StepTally:
         """One step of the schedule: the loss on the last stages, the sizes fed on the first."""
-        started, busy_started = time.perf_counter(), time.process_time()
         losses = self.run_schedule(shape, batch)
-        # CPU time of this process while the schedule ran ~ its compute (a blocked receive sleeps)
-        busy = time.process_time() - busy_started if self.mesh.device.type == "cpu" else float("nan")
-        tally = StepTally(float(sum(loss.item() for loss in losses)), busy_s=busy,
-                          compute_s=time.perf_counter() - started, stats=dict(getattr(self.runner, "last_stats", {})))
+        tally = StepTally(float(sum(loss.item() for loss in losses)), stats=dict(getattr(self.runner, "last_stats", {})))
         if batch is not None:
             m = self.config.data.microbatches
             tally.tokens, tally.padded_tokens = batch.real_tokens, shape.tokens * m
@@ -208,7 +204,7 @@ class RankStages:
         started = time.perf_counter()
         for batch in batches:
             self.run_step(batch)
-        self.sync()
+        synchronize(self.mesh.device)
         elapsed = time.perf_counter() - started
         self.zero_grad()
         return max_over_world(elapsed, self.mesh)
@@ -228,7 +224,7 @@ class RankStages:
         if self.mesh.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.mesh.device)
             self.run_step(batch)
-            self.sync()
+            synchronize(self.mesh.device)
             peak = torch.cuda.max_memory_allocated(self.mesh.device) + local * 8
         else:
             with SavedBytes(params) as saved:
@@ -237,5 +233,3 @@ class RankStages:
         self.zero_grad()
         return int(peak)
 
-    def sync(self) -> None:
-        synchronize(self.mesh.device)

@@ -10,7 +10,6 @@ loss over the whole global step, so the shares of all ranks sum to the step's me
 
 from __future__ import annotations
 
-import time
 from collections import Counter
 from dataclasses import asdict
 from typing import Any, Protocol
@@ -22,7 +21,6 @@ from packfeed.trainer.models.layer_model import pack_features
 from packfeed.trainer.parallel.data_parallel import shard
 from packfeed.trainer.parallel.mesh import Mesh
 from packfeed.trainer.parallel.pipeline import clip_gradients
-from packfeed.trainer.parallel.profile import synchronize
 from packfeed.trainer.parallel.runner import StepTally, agree_on_step
 
 
@@ -61,7 +59,6 @@ class WholeModelRunner:
         return agree_on_step(step, self.mesh)
 
     def train_step(self, shape: StepShape, step) -> StepTally:
-        started, busy_started = time.perf_counter(), time.process_time()
         loss_sum, tokens, slots, features = 0.0, 0, 0, []
         for pack in step.packs:
             inputs, real, computed = self.adapter.pack_inputs(pack, self.mesh.dp, self.mesh.device)
@@ -70,14 +67,10 @@ class WholeModelRunner:
             loss_sum += float(loss.detach())
             tokens, slots = tokens + real, slots + computed
             features.append(asdict(pack_features(pack, computed)))
-        busy = time.process_time() - busy_started if self.mesh.device.type == "cpu" else float("nan")
         # each pack's loss is its token sum / (the step's tokens / dp): the ranks' shares sum to dp x the mean
-        return StepTally(loss_sum / self.mesh.dp, tokens=tokens, padded_tokens=slots, busy_s=busy,
-                         compute_s=time.perf_counter() - started, samples_by_dataset=dict(Counter(step.sample_sources)),
+        return StepTally(loss_sum / self.mesh.dp, tokens=tokens, padded_tokens=slots, samples_by_dataset=dict(Counter(step.sample_sources)),
                          microbatches=features if self.mesh.rank == 0 else None)
 
     def clip_gradients(self, max_norm: float) -> float:
         return clip_gradients(self.parameters(), self.mesh, max_norm)
 
-    def sync(self) -> None:
-        synchronize(self.mesh.device)
