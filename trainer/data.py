@@ -7,12 +7,17 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Generic, TypeVar
 
 from packfeed.trainer.config import TrainConfig
 from packfeed.trainer.parallel.mesh import Mesh, broadcast_object
 from packfeed.v1 import packfeed_pb2 as pb
 from packfeed.v1.layout import Seat
+
+if TYPE_CHECKING:
+    from packfeed.client.tensors import Step
+
+Work = TypeVar("Work")  # what a runner trains on: the client's Step, or a pipeline's padded Microbatches
 
 
 def job_conventions(stream, mesh: Mesh) -> pb.ModelConventions:
@@ -21,27 +26,27 @@ def job_conventions(stream, mesh: Mesh) -> pb.ModelConventions:
     return pb.ModelConventions.FromString(raw)
 
 
-def unchanged(step):
+def unchanged(step: Step) -> Step:
     return step
 
 
 @dataclass
-class StepSource:
+class StepSource(Generic[Work]):
     """This rank's steps, each made ready for its runner by `prepare` (a pipeline's padded microbatches, or the
     client's step unchanged for a whole model); `peek(n)` buffers steps for trials without losing them."""
 
-    steps: Iterator
-    prepare: Callable[[Any], Any] = unchanged
-    buffer: list[tuple[Any, Any]] = field(default_factory=list)  # (the client's step, prepared)
+    steps: Iterator[Step]
+    prepare: Callable[[Step], Work] = unchanged
+    buffer: list[tuple[Step, Work]] = field(default_factory=list)  # (the client's step, prepared)
     data_wait_s: float = 0.0
 
-    def _pull(self) -> tuple[Any, Any] | None:
+    def _pull(self) -> tuple[Step, Work] | None:
         started = time.perf_counter()
         step = next(self.steps, None)
         self.data_wait_s += time.perf_counter() - started
         return None if step is None else (step, self.prepare(step))
 
-    def peek(self, n: int) -> list:
+    def peek(self, n: int) -> list[Work]:
         while len(self.buffer) < n:
             item = self._pull()
             if item is None:
@@ -49,7 +54,7 @@ class StepSource:
             self.buffer.append(item)
         return [prepared for _, prepared in self.buffer[:n]]
 
-    def next(self):
+    def next(self) -> Work | None:
         item = self.buffer.pop(0) if self.buffer else self._pull()
         return None if item is None else item[1]
 

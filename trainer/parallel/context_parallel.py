@@ -31,6 +31,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from packfeed.client.attention import flash_varlen_attention
+from packfeed.client.tensors import Step
 from packfeed.trainer.batch import StepShape
 from packfeed.trainer.models.reference import IGNORE_INDEX, LLMBlock, next_token_targets, packed_causal_attention
 from packfeed.trainer.models.reference_inputs import pack_tiles
@@ -201,10 +202,10 @@ class ContextParallelRunner:
     def checkpoint_module(self) -> torch.nn.Module:
         return self.layers
 
-    def agree(self, step) -> StepShape:
+    def agree(self, step: Step | None) -> StepShape:
         return agree_on_step(step, self.mesh)
 
-    def train_step(self, shape: StepShape, step) -> StepTally:
+    def train_step(self, shape: StepShape, step: Step) -> StepTally:
         loss_sum, tokens, tiles, packs = 0.0, 0, 0, []
         for pack in step.packs:
             if pack.empty:

@@ -13,13 +13,30 @@ metrics line.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import torch
 import torch.distributed as dist
 
 from packfeed.trainer.batch import StepShape
 from packfeed.trainer.parallel.mesh import Mesh
+
+Work = TypeVar("Work")  # a runner's step input: the client's Step (whole, context_parallel) or Microbatches
+
+
+class Source(Protocol[Work]):
+    """This rank's steps as a runner trains on them (`packfeed.trainer.data.StepSource`)."""
+
+    data_wait_s: float  # seconds spent waiting for the stream, in all
+
+    def next(self) -> Work | None:
+        """The next step, None at the end of the stream."""
+
+    def peek(self, n: int) -> list[Work]:
+        """The next `n` steps, kept for `next` (trial steps lose nothing)."""
+
+    def state_dict(self) -> dict:
+        """The stream position of the next step to train on."""
 
 
 @dataclass
@@ -48,12 +65,13 @@ class StepTally:
     rows: dict[str, list[tuple]] = field(default_factory=dict)
 
 
-class StepRunner(Protocol):
-    """A parallel layout of one model on this rank, as the loop drives it. `source`: this rank's steps
-    (`packfeed.trainer.data.StepSource`), None on ranks that read no stream (pipeline stages after the first)."""
+class StepRunner(Protocol[Work]):
+    """A parallel layout of one model on this rank, as the loop drives it. `source`: this rank's steps, each
+    prepared as the runner trains on it (`Work`), None on ranks that read no stream (pipeline stages after the
+    first)."""
 
     mesh: Mesh
-    source: Any
+    source: Source[Work] | None
     meta: dict  # what a checkpoint records about the layout (the partition, the model family...)
 
     def parameters(self) -> list[torch.nn.Parameter]:
@@ -62,11 +80,11 @@ class StepRunner(Protocol):
     def checkpoint_module(self) -> torch.nn.Module:
         """The module whose state dict a checkpoint saves (keys independent of the layout where it can)."""
 
-    def agree(self, work: Any | None) -> StepShape:
+    def agree(self, work: Work | None) -> StepShape:
         """Collective: the step every rank runs next (`work`: this rank's from its source, None without one),
         `stop` set on every rank when any stream ended."""
 
-    def train_step(self, shape: StepShape, work: Any | None) -> StepTally:
+    def train_step(self, shape: StepShape, work: Work | None) -> StepTally:
         """Forward and backward of the step; gradients left in the parameters. The loop times it."""
 
     def clip_gradients(self, max_norm: float) -> float:

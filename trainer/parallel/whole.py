@@ -16,6 +16,7 @@ from typing import Any, Protocol
 
 import torch
 
+from packfeed.client.tensors import Step
 from packfeed.trainer.batch import StepShape
 from packfeed.trainer.models.layer_model import pack_features
 from packfeed.trainer.parallel.data_parallel import shard
@@ -55,10 +56,10 @@ class WholeModelRunner:
     def checkpoint_module(self) -> torch.nn.Module:
         return self.model
 
-    def agree(self, step) -> StepShape:
+    def agree(self, step: Step | None) -> StepShape:
         return agree_on_step(step, self.mesh)
 
-    def train_step(self, shape: StepShape, step) -> StepTally:
+    def train_step(self, shape: StepShape, step: Step) -> StepTally:
         loss_sum, tokens, slots, features = 0.0, 0, 0, []
         for pack in step.packs:
             inputs, real, computed = self.adapter.pack_inputs(pack, self.mesh.dp, self.mesh.device)
