@@ -88,10 +88,13 @@ def to_hf_inputs(pack: PackTensors, model_family: str | Family, dp: int = 1, *,
     if dp < 1:
         raise ValueError("dp must be at least 1")
     if "cp" in pack.tensors:
-        raise ValueError("this is one GPU's context-parallel share of a pack (PackStream(seat=Seat(rank, lane=...))): a model's "
-                         "forward needs K and V of the whole pack; join a pack's shares with "
+        raise ValueError("this is one GPU's context-parallel share of a pack (PackStream(seat=Seat(rank, "
+                         "lane=...))): a model's forward needs K and V of the whole pack; join a pack's shares with "
                          "packfeed.client.context_parallel.join_shares and train it whole, or train with "
                          "packfeed train parallel.cp (the reference model or model.hf=qwen2_vl)")
+    if pack.empty:  # a rank with no samples in this microbatch still joins the step's collectives
+        return empty_hf_inputs(pack, dp, device, model_family=family if ensure_encoders else None,
+                               conventions=conventions, dtype=dtype)
     mean, std = normalisation_of(family, conventions)
     if conventions is not None:
         image_token_id = conventions.image_context_id

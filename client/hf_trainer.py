@@ -46,7 +46,7 @@ from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME
 
 from packfeed.client.channel import PackfeedError
 from packfeed.client.guard_updates import SkipGuardOnlyTowerUpdates
-from packfeed.client.hf import check_model, empty_hf_inputs, to_hf_inputs
+from packfeed.client.hf import check_model, to_hf_inputs
 from packfeed.client.loaders import job_batches, job_progress, job_steps
 from packfeed.client.stream import PackStream
 from packfeed.client.tensors import Step
@@ -97,13 +97,9 @@ class PackBatches:
         conventions = self.stream.conventions
         for step in self.stream:
             self.step = step  # the Trainer takes a whole step's batches before it trains on them
-            for pack in step.packs:
-                if pack.empty:
-                    yield empty_hf_inputs(pack, self.dp, model_family=self.family if self.ensure_encoders else None,
-                                          conventions=conventions, dtype=self.dtype)
-                else:
-                    yield to_hf_inputs(pack, self.family, dp=self.dp, conventions=conventions, dtype=self.dtype,
-                                       attention=self.attention, ensure_encoders=self.ensure_encoders)
+            for pack in step.packs:  # an empty pack gives inputs that still join every collective
+                yield to_hf_inputs(pack, self.family, dp=self.dp, conventions=conventions, dtype=self.dtype,
+                                   attention=self.attention, ensure_encoders=self.ensure_encoders)
 
     def __len__(self) -> int:
         return job_batches(self.stream)  # unknown: the Trainer relies on max_steps

@@ -34,7 +34,7 @@ import lightning
 import torch.distributed as dist
 
 from packfeed.client.channel import PackfeedError
-from packfeed.client.hf import check_model, empty_hf_inputs, to_hf_inputs
+from packfeed.client.hf import check_model, to_hf_inputs
 from packfeed.client.loaders import StatefulPackLoader, job_batches, job_progress, job_steps
 from packfeed.client.stream import PackStream
 from packfeed.client.tensors import Step
@@ -57,8 +57,7 @@ class PackBatchIterable:
                 if not self.family:
                     yield pack
                 else:
-                    yield empty_hf_inputs(pack, dp) if pack.empty else \
-                        to_hf_inputs(pack, self.family, dp=dp, conventions=self.stream.conventions)
+                    yield to_hf_inputs(pack, self.family, dp=dp, conventions=self.stream.conventions)
 
     def __len__(self) -> int:
         return job_batches(self.stream)

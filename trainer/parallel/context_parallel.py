@@ -31,6 +31,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from packfeed.client.attention import flash_varlen_attention
+from packfeed.client.context_parallel import share_layout
 from packfeed.client.tensors import Step
 from packfeed.trainer.batch import StepShape
 from packfeed.trainer.models.reference import IGNORE_INDEX, LLMBlock, next_token_targets, packed_causal_attention
@@ -47,7 +48,7 @@ class ShareLayout:
     """Where one share's tokens sit in its pack, for every GPU of the pack (computed alike on each, no messages)."""
 
     degree: int
-    rank: int  # CP rank within the pack
+    share_rank: int  # this GPU's place within the pack (0..d-1)
     group: dist.ProcessGroup | None
     local_unsplit: torch.Tensor  # (local tokens,) each one's index in the unsplit pack
     rows: torch.Tensor  # (pack tokens,) row of each unsplit token in the gathered (degree x most) rows
@@ -57,16 +58,16 @@ class ShareLayout:
 
     @classmethod
     def of(cls, pack, groups: dict) -> "ShareLayout":
-        d, g, j = (int(v) for v in pack.cp.tolist())
+        d, g, j = share_layout(pack)
         return cls.split(pack.cp_seqlens.long().tolist(), d, j, groups.get((d, g)) if d > 1 else None,
                          pack.cu_seqlens.long().tolist())
 
     @classmethod
     def split(cls, bounds: list[int], d: int, j: int, group, local_bounds: list[int]) -> "ShareLayout":
-        """CP rank j's share of the pack whose samples end at `bounds`, split over d GPUs; `local_bounds`: the
+        """share rank j's share of the pack whose samples end at `bounds`, split over d GPUs; `local_bounds`: the
         share's own sample boundaries (its cu_seqlens)."""
         lengths = [b - a for a, b in zip(bounds[:-1], bounds[1:])]
-        held = []  # per CP rank: the unsplit index of each token it holds, in its order
+        held = []  # per share rank: the unsplit index of each token it holds, in its order
         for rank in range(d):
             parts = [torch.arange(start + a, start + b) for start, chunks in zip(bounds, pack_shares(lengths, d))
                      for a, b in rank_chunks(chunks, rank)]
@@ -78,7 +79,7 @@ class ShareLayout:
         return cls(d, j, group, held[j], rows, most, bounds, local_bounds)
 
     def gather(self, local: torch.Tensor, most: int | None = None) -> torch.Tensor:
-        """Every GPU's `local` rows (padded to `most`, default the most tokens), concatenated in CP rank order;
+        """Every GPU's `local` rows (padded to `most`, default the most tokens), concatenated in share rank order;
         differentiable (the gradient of each row goes back to its owner)."""
         most = self.most if most is None else most
         padded = F.pad(local, (0, 0) * (local.dim() - 1) + (0, most - local.shape[0]))
@@ -226,7 +227,7 @@ class ContextParallelRunner:
     def _pack_row(self, pack) -> tuple:
         """(replica, microbatch, degree, cp_group, tokens, tiles, sum of squared sample lengths) of a whole pack,
         the same on each of its GPUs."""
-        d, g = (int(v) for v in pack.cp.tolist()[:2]) if "cp" in pack.tensors else (1, self.mesh.lane)
+        d, g = share_layout(pack)[:2] if "cp" in pack.tensors else (1, self.mesh.lane)
         bounds = (pack.cp_seqlens if "cp" in pack.tensors else pack.cu_seqlens).long()
         lengths = bounds[1:] - bounds[:-1]
         return (self.mesh.replica, int(pack.microbatch), d, g, int(bounds[-1]), self.vision_units(pack),
@@ -322,7 +323,7 @@ class ContextParallelRunner:
 
 
 def _gather_plain(values: torch.Tensor, layout: ShareLayout) -> torch.Tensor:
-    """Every GPU of the pack's `values` (1-D, padded to the most tokens), in CP rank order; no gradient."""
+    """Every GPU of the pack's `values` (1-D, padded to the most tokens), in share rank order; no gradient."""
     padded = F.pad(values, (0, layout.most - len(values)), value=IGNORE_INDEX)
     parts = [torch.empty_like(padded) for _ in range(layout.degree)]
     dist.all_gather(parts, padded, group=layout.group)

@@ -62,11 +62,11 @@ class HFWholeModel:
         return language_layers(self.module)
 
     def pack_inputs(self, pack, dp: int, device: torch.device) -> tuple[dict, int, int]:
-        from packfeed.client.hf import empty_hf_inputs, to_hf_inputs
+        from packfeed.client.hf import to_hf_inputs
 
-        if pack.empty:  # a step's last microbatch may hold nothing: it still runs every collective
-            return empty_hf_inputs(pack, dp, device), 0, 0
         inputs = to_hf_inputs(pack, self.family, dp=dp, conventions=self.conventions, dtype=self.dtype,
                               device=device, attention=self.attention, layout=self.layout)
+        if pack.empty:  # a step's last microbatch may hold nothing: it still runs every collective
+            return inputs, 0, 0
         # slots: a padded batch's rows x its longest sample
         return inputs, int(pack.input_ids.shape[0]), inputs["input_ids"].numel()
