@@ -136,8 +136,8 @@ def whole_packs(shares: list[PackTensors]) -> list[PackTensors]:
 
 
 class JoinedStream:
-    """All C shares of one rank of a CP job (`streams`: its C `PackStream`s, one a lane, in lane order), as steps of whole
-    packs: the rank's CP group trained on one GPU. State and conventions are lane 0's stream's."""
+    """All C shares of one rank of a CP job (`streams`: its C `PackStream`s, one a lane, in lane order), as
+    steps of whole packs: the rank's CP group trained on one GPU. State and conventions are lane 0's stream's."""
 
     def __init__(self, streams: list):
         self.streams = streams

@@ -26,6 +26,7 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from packfeed.client.channel import PackfeedError
+from packfeed.client.resume import ForwardsStreamState
 from packfeed.client.stream import PackStream
 from packfeed.client.tensors import Step
 
@@ -86,7 +87,7 @@ class StatefulPackLoader:
         self.stream.load_state_dict(state[self.key])
 
 
-class PackIterableDataset(IterableDataset):
+class PackIterableDataset(ForwardsStreamState, IterableDataset):
     """A rank's stream as an IterableDataset: `DataLoader(dataset, batch_size=None, num_workers=0)`."""
 
     def __init__(self, stream: PackStream):
@@ -102,12 +103,6 @@ class PackIterableDataset(IterableDataset):
 
     def __getstate__(self) -> dict:
         raise PackfeedError("PackIterableDataset cannot be pickled into DataLoader workers: use num_workers=0")
-
-    def state_dict(self) -> dict[str, Any]:
-        return self.stream.state_dict()
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.stream.load_state_dict(state)
 
 
 def pack_dataloader(stream: PackStream) -> torch.utils.data.DataLoader:

@@ -45,6 +45,7 @@ from typing import Any
 
 import torch
 
+from packfeed.client.resume import ForwardsStreamState
 from packfeed.client.tensors import IGNORE_INDEX, PackTensors, Step
 
 
@@ -161,7 +162,7 @@ class MegatronStep:
         return max((int(b["tokens"].shape[1]) for b in self.batches), default=0)
 
 
-class MegatronSteps:
+class MegatronSteps(ForwardsStreamState):
     """A `PackStream`'s steps as `MegatronStep`s; its position is the stream's (`state_dict`)."""
 
     def __init__(self, stream, pad_to_multiple: int = 1, device: torch.device | str | None = None,
@@ -172,6 +173,10 @@ class MegatronSteps:
 
     def __iter__(self) -> MegatronSteps:
         return self
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        self._steps = None  # iterated again from the stream's restored position
 
     def __next__(self) -> MegatronStep:
         if self._steps is None:
@@ -186,9 +191,3 @@ class MegatronSteps:
                                                     for pack in step.packs],
                             [list(pack.sample_keys) for pack in step.packs])
 
-    def state_dict(self) -> dict[str, Any]:
-        return self.stream.state_dict()
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.stream.load_state_dict(state)
-        self._steps = None

@@ -11,6 +11,19 @@ from packfeed.v1 import packfeed_pb2 as pb
 from packfeed.v1.options import MAX_EPOCHS, MAX_NAME, MAX_RESUME_CHAIN, PlanConfig
 
 
+class ForwardsStreamState:
+    """A face over one `PackStream` (`self.stream`) whose checkpointable state is the stream's position: saved and
+    restored through the stream, so a checkpointer that saves the face continues it at exactly the next step."""
+
+    stream: Any
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.stream.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.stream.load_state_dict(state)
+
+
 def _bad_state(where: str, problem: str) -> PackfeedError:
     return PackfeedError(f"{where}: {problem}; give the state_dict() of a stream of that job, unedited")
 
