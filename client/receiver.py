@@ -169,7 +169,8 @@ class Receiver:
                         code, details = reopen_error.code, str(reopen_error)
                 if not (code in RETRYABLE or self._elsewhere(code)) or self.failures >= retries:
                     self._put(PackfeedError(f"{code.name}: {details} (job {self.job!r}, {self.seat.name}, step "
-                                            f"{self.cursor[0]}:{self.cursor[1]}, servers {self.channel.targets})", code))
+                                            f"{self.cursor[0]}:{self.cursor[1]}, servers {self.channel.targets})",
+                                            code))
                     return
                 self.channel.fail_over()  # another server (when several are known) continues from the same step
                 time.sleep(backoff * 2 ** self.failures)

@@ -96,9 +96,10 @@ class PackStream:
     microbatch m of every LLM rank, with where each output goes (docs/wire.md "Encoder ranks"). Only a rank's
     lane 0, replica 0 acknowledges for it (an encoder rank's are reports; the LLM ranks' move the job); every
     seat holds a lease of its own. `rank=` is the short form of `Seat(rank)`, and v1's `encoder_rank=`,
-    `replica=` (`replicas=` is checked against it) and `cp_rank=` still work. `resume`: the state_dicts of every rank of another job of the same dataset and
-    seed, which ran with other plan settings (another DP or M): this job then plans what that job left of its
-    epoch with its own settings and starts there (elastic resume; every sample still once per epoch).
+    `replica=` (`replicas=` is checked against it) and `cp_rank=` still work. `resume`: the state_dicts of every
+    rank of another job of the same dataset and seed, which ran with other plan settings (another DP or M): this
+    job then plans what that job left of its epoch with its own settings and starts there (elastic resume; every
+    sample still once per epoch).
     `connection` holds timeouts, retries, token and TLS. The flat keyword arguments
     of earlier versions (`dp=`, `microbatches=`, `strategy=`, `token=`, `tls_ca=`, `timeout=`, ...) still
     work: they fill `plan` and `connection`.
@@ -252,7 +253,8 @@ class PackStream:
             return
         acked = next(((p.acked_epoch, p.acked_step) for p in self.info.ranks if p.rank == self.seat.rank), (-1, -1))
         if acked >= (0, 0):
-            warnings.warn(f"job {self.job!r} rank {self.seat.rank} already acknowledged epoch {acked[0]} step {acked[1]}, "
+            warnings.warn(f"job {self.job!r} rank {self.seat.rank} already acknowledged epoch {acked[0]} step "
+                          f"{acked[1]}, "
                           "and this stream starts again at its first step: load the saved state "
                           "(stream.load_state_dict) to continue where it stopped, or open a new job id to start over",
                           RuntimeWarning, stacklevel=3)
