@@ -16,35 +16,26 @@ stage is free and its input has arrived), so reordering costs O(M (M + P)) per r
 
 from __future__ import annotations
 
+import functools
+
 import numba
 import numpy as np
+
+from packfeed.v1.pipeline import one_f_one_b
 
 FORWARD, BACKWARD = 0, 1
 
 
-@numba.njit(cache=True, nogil=True)
-def _stage_ops(p, l):
-    """Per-stage op lists of a 1F1B schedule: kind (FORWARD/BACKWARD) and microbatch position."""
+@functools.lru_cache(maxsize=64)
+def stage_ops(p: int, l: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per stage, the kind (FORWARD/BACKWARD) and microbatch position of each operation of the contract's 1F1B
+    order (`packfeed.v1.pipeline`), as arrays the compiled simulation walks. Read-only: they are cached."""
     kind = np.empty((p, 2 * l), dtype=np.int64)
     pos = np.empty((p, 2 * l), dtype=np.int64)
     for s in range(p):
-        warm = min(p - s - 1, l)
-        k = 0
-        for j in range(warm):
-            kind[s, k] = FORWARD
-            pos[s, k] = j
-            k += 1
-        for i in range(l - warm):
-            kind[s, k] = FORWARD
-            pos[s, k] = warm + i
-            k += 1
-            kind[s, k] = BACKWARD
-            pos[s, k] = i
-            k += 1
-        for i in range(l - warm, l):
-            kind[s, k] = BACKWARD
-            pos[s, k] = i
-            k += 1
+        for k, (name, _, j) in enumerate(one_f_one_b(s, p, l)):
+            kind[s, k], pos[s, k] = (FORWARD if name == "F" else BACKWARD), j
+    kind.flags.writeable = pos.flags.writeable = False
     return kind, pos
 
 
@@ -78,11 +69,14 @@ def _advance(f, b, order, kind, pos, end_f, end_b, stage_t, ptr):
                 progress = True
 
 
-@numba.njit(cache=True, nogil=True)
-def simulate_1f1b(f, b, order):
+def simulate_1f1b(f: np.ndarray, b: np.ndarray, order: np.ndarray) -> float:
     """Makespan of one step: f[m, s] / b[m, s] are forward / backward times of microbatch m on stage s."""
+    return _simulate_1f1b(f, b, order, *stage_ops(f.shape[1], f.shape[0]))
+
+
+@numba.njit(cache=True, nogil=True)
+def _simulate_1f1b(f, b, order, kind, pos):
     l, p = f.shape
-    kind, pos = _stage_ops(p, l)
     end_f = np.full((l, p), -1.0)
     end_b = np.full((l, p), -1.0)
     stage_t = np.zeros(p)
@@ -106,8 +100,8 @@ def _closest_unused(f, used, target):
 
 
 @numba.njit(cache=True, nogil=True)
-def inter_reorder(f, b):
-    """Order of microbatches (indices into f) for 1F1B with f.shape[1] stages."""
+def _inter_reorder(f, b, kind, pos):
+    """Order of microbatches (indices into f) for 1F1B with f.shape[1] stages (`kind`, `pos`: `stage_ops`)."""
     l, p = f.shape
     size = np.zeros(l)
     for m in range(l):
@@ -141,7 +135,6 @@ def inter_reorder(f, b):
         used[best] = True
         interval -= f[best, 0]
 
-    kind, pos = _stage_ops(p, l)
     end_f = np.full((l, p), -1.0)
     end_b = np.full((l, p), -1.0)
     stage_t = np.zeros(p)
@@ -156,12 +149,16 @@ def inter_reorder(f, b):
     return order
 
 
+def inter_reorder_many(f: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """The reordering for a batch of ranks: f, b are (ranks, microbatches, stages)."""
+    return _inter_reorder_many(f, b, *stage_ops(f.shape[2], f.shape[1]))
+
+
 @numba.njit(cache=True, nogil=True)
-def inter_reorder_many(f, b):
-    """inter_reorder for a batch of ranks: f, b are (ranks, microbatches, stages)."""
+def _inter_reorder_many(f, b, kind, pos):
     out = np.empty((f.shape[0], f.shape[1]), dtype=np.int64)
     for r in range(f.shape[0]):
-        out[r] = inter_reorder(f[r], b[r])
+        out[r] = _inter_reorder(f[r], b[r], kind, pos)
     return out
 
 

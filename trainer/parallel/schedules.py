@@ -10,19 +10,10 @@ from typing import Literal
 
 import numpy as np
 
+from packfeed.v1.pipeline import Op, one_f_one_b
+
 Schedule = Literal["1f1b", "gpipe", "interleaved_1f1b"]
 SCHEDULES: tuple[str, ...] = ("1f1b", "gpipe", "interleaved_1f1b")
-Op = tuple[str, int, int]  # ("F" | "B", chunk, microbatch)
-
-
-def one_f_one_b(stage: int, stages: int, m: int) -> list[Op]:
-    warmup = min(stages - stage - 1, m)
-    order: list[Op] = [("F", 0, j) for j in range(warmup)]
-    for j in range(m):
-        if warmup + j < m:
-            order.append(("F", 0, warmup + j))
-        order.append(("B", 0, j))
-    return order
 
 
 def gpipe(stage: int, stages: int, m: int) -> list[Op]:
