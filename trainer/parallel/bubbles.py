@@ -128,7 +128,10 @@ class BubbleRunner:
 
 
 class BubbleStep:
-    """One step's state on one rank."""
+    """One step's state on one rank. Its hooks, which a layout that feeds the stages otherwise overrides (the
+    encoder on ranks of its own: `disaggregated.FedFirstStageStep`): `encoder_shares` (which rank encodes how
+    much of each microbatch), `stage_inputs` (what a stage's forward of microbatch j takes) and `llm_backward`
+    (a stage's backward of microbatch j)."""
 
     def __init__(self, runner: BubbleRunner, shape: StepShape, args: tuple[torch.Tensor, ...] | None):
         self.runner, self.shape, self.mesh = runner, shape, runner.mesh
@@ -137,7 +140,7 @@ class BubbleStep:
         self.sends: list[dist.Work] = []
         self.losses: list[torch.Tensor] = []
         self.args = [tuple(a.tensor_split(self.m)[j] for a in args) for j in range(self.m)] if args else None
-        self.shares = self._shares()
+        self.shares = self.encoder_shares()
         self.offsets = self.shares.cumsum(axis=1) - self.shares  # first tile of each rank's share
         self.pixels = self._my_pixels()
         self.order = pipeline_order(runner.schedule, self.me, self.pp, self.m)
@@ -154,7 +157,7 @@ class BubbleStep:
         self.filled_s = 0.0  # ... of it while the next LLM operation waited for a message
 
     # --- set-up ------------------------------------------------------------------------------------------
-    def _shares(self):
+    def encoder_shares(self):
         counts = torch.zeros(self.m, dtype=torch.int64, device=self.mesh.device)
         if self.me == 0:
             counts = torch.tensor([self.runner.model.vision_units(a) for a in self.args], dtype=torch.int64,
@@ -271,7 +274,7 @@ class BubbleStep:
                 for due in self.deadline.get(j, []):
                     if self.shares[due, self.me]:
                         self._finish_forward(due)
-                self._llm_backward(j)
+                self.llm_backward(j)
         while self._forward_unit():
             pass
         while self.encoded:
@@ -279,7 +282,7 @@ class BubbleStep:
         for work in self.sends:
             work.wait()
 
-    def _stage_inputs(self, j: int) -> tuple[tuple[torch.Tensor, ...], list[torch.Tensor]]:
+    def stage_inputs(self, j: int) -> tuple[tuple[torch.Tensor, ...], list[torch.Tensor]]:
         """The carrier entering my stage for microbatch j, and its tensors that collect gradients."""
         if self.me == 0:
             if self.shares[j, 0]:
@@ -299,7 +302,7 @@ class BubbleStep:
         return inputs, [t for t in inputs if t.is_floating_point()]
 
     def _llm_forward(self, j: int) -> None:
-        inputs, leaves = self._stage_inputs(j)
+        inputs, leaves = self.stage_inputs(j)
         outputs = self.runner.stage(*inputs)
         if self.me == self.pp - 1:
             normaliser = max(self.shape.step_loss_tokens, 1) / self.mesh.dp
@@ -311,7 +314,7 @@ class BubbleStep:
                 self.sends.append(self.channel.send(t, self.me + 1, message_tag(ACTIVATIONS, j, i)))
             self.saved[j] = (leaves, [t for t in outputs if t.is_floating_point()])
 
-    def _llm_backward(self, j: int) -> None:
+    def llm_backward(self, j: int) -> None:
         """The next stage sends a gradient for each float tensor it received (zeros where none flowed)."""
         leaves, outputs = self.saved.pop(j)
         if self.me == self.pp - 1:

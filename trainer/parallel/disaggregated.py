@@ -71,14 +71,14 @@ class EncoderRanksStep(PhaseRunner):
             return self._run_pipelined(shape, batch)
         started = time.perf_counter()
         routed, self._encoder_s = batch.routed, 0.0
-        args = self._llm_args(batch) if self.stage is not None else []
+        args = self.llm_args(batch) if self.stage is not None else []
         exchanges, losses = [], []
         encoded = self._encoded(routed, 0)
         received = self._hand_over(routed, 0, encoded, exchanges)
         for m, images in enumerate(routed):
             grads: dict = {}
             if self.stage is not None:
-                losses.append(self._train_microbatch(shape, m, args[m], images, exchanges[m], received, grads))
+                losses.append(self.train_microbatch(shape, m, args[m], images, exchanges[m], received, grads))
             following = self._encoded(routed, m + 1) if m + 1 < len(routed) else None
             back = exchanges[m].backward(grads, encoded.shape[0])
             if following is not None:
@@ -124,7 +124,7 @@ class EncoderRanksStep(PhaseRunner):
                 self._encoder_backward(encoded.pop(j), back)
 
     def _encoded(self, routed: list[RoutedImages], m: int) -> torch.Tensor:
-        features, seconds = self._encode([routed[m]])
+        features, seconds = self.encode([routed[m]])
         self._encoder_s += seconds
         return features
 
@@ -133,7 +133,7 @@ class EncoderRanksStep(PhaseRunner):
         exchange = self.exchange()
         exchanges.append(exchange)
         only_m = only_microbatch(routed, m)
-        return exchange.forward(encoded, self._send_order(only_m), only_m)
+        return exchange.forward(encoded, self.send_order(only_m), only_m)
 
     def _encoder_backward(self, encoded: torch.Tensor, grads: torch.Tensor) -> None:
         started = time.perf_counter()
@@ -172,12 +172,12 @@ class FedFirstStageStep(BubbleStep):
         self.fed: dict[int, tuple[Exchange, torch.Tensor, dict]] = {}  # microbatch -> its exchange, leaf, pieces
         super().__init__(runner, shape, args)
 
-    def _shares(self) -> np.ndarray:
+    def encoder_shares(self) -> np.ndarray:
         return np.zeros((self.m, self.pp), dtype=np.int64)  # the encoder runs on ranks of its own
 
-    def _stage_inputs(self, j: int):
+    def stage_inputs(self, j: int):
         if self.me:
-            return super()._stage_inputs(j)
+            return super().stage_inputs(j)
         exchange = self.feed.exchange()
         self.exchanges.append(exchange)
         nothing = self.runner.model.vision_output_like(0, self.mesh.device, self.runner.dtype).zero_()
@@ -187,8 +187,8 @@ class FedFirstStageStep(BubbleStep):
         self.fed[j] = (exchange, leaf, pieces)
         return self.runner.model.llm_carrier(args, leaf, self.shape), [leaf]
 
-    def _llm_backward(self, j: int) -> None:
-        super()._llm_backward(j)
+    def llm_backward(self, j: int) -> None:
+        super().llm_backward(j)
         if self.me == 0:
             exchange, leaf, pieces = self.fed.pop(j)
             grad = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)

@@ -41,7 +41,8 @@ HEADER = 4  # microbatch, position, image number, units
 class PhaseRunner:
     """Runs one step with the encoder's work routed (see the module docstring); pp = 1. With the encoder on ranks
     of its own (`packfeed.trainer.parallel.disaggregated`) a rank holds one side: `stage` None on an encoder
-    rank, `encoder` None on an LLM rank."""
+    rank, `encoder` None on an LLM rank; that layout reuses the steps of this one: `encode`, `send_order`,
+    `llm_args` and `train_microbatch`."""
 
     mesh: Mesh
     encoder: nn.Module | None  # a StageModule over the model's encoder layers (0:e)
@@ -61,9 +62,9 @@ class PhaseRunner:
                              "(without colocate_encoder)")
         started = time.perf_counter()
         routed = batch.routed
-        features, encoder_s = self._encode(routed)
+        features, encoder_s = self.encode(routed)
         exchange = self.exchange()
-        received = exchange.forward(features, self._send_order(routed), routed)
+        received = exchange.forward(features, self.send_order(routed), routed)
         losses, received_grads = self._train_llm(shape, batch, exchange, received) if self.stage is not None \
             else ([], {})
         grads = exchange.backward(received_grads, features.shape[0])
@@ -83,15 +84,15 @@ class PhaseRunner:
         """Forward and backward of the LLM on each microbatch, its vision features what `exchange` received;
         returns the losses and the gradient of each received image."""
         losses, received_grads = [], {}
-        for m, args in enumerate(self._llm_args(batch)):
-            losses.append(self._train_microbatch(shape, m, args, batch.routed[m], exchange, received, received_grads))
+        for m, args in enumerate(self.llm_args(batch)):
+            losses.append(self.train_microbatch(shape, m, args, batch.routed[m], exchange, received, received_grads))
         return losses, received_grads
 
-    def _llm_args(self, batch: Microbatches) -> list[tuple[torch.Tensor, ...]]:
+    def llm_args(self, batch: Microbatches) -> list[tuple[torch.Tensor, ...]]:
         return [tuple(a.to(self.mesh.device).tensor_split(self.microbatches)[m] for a in batch.args)
                 for m in range(self.microbatches)]
 
-    def _train_microbatch(self, shape: StepShape, m: int, args: tuple, images: RoutedImages, exchange: Exchange,
+    def train_microbatch(self, shape: StepShape, m: int, args: tuple, images: RoutedImages, exchange: Exchange,
                           received: torch.Tensor, received_grads: dict) -> torch.Tensor:
         """The LLM's forward and backward on microbatch m (its loss, detached); each received image's gradient
         into `received_grads`."""
@@ -105,7 +106,7 @@ class PhaseRunner:
             received_grads[key] = grad.narrow(0, start, units)
         return loss.detach()
 
-    def _encode(self, routed: list[RoutedImages]) -> tuple[torch.Tensor, float]:
+    def encode(self, routed: list[RoutedImages]) -> tuple[torch.Tensor, float]:
         """Features of every image encoded here, all microbatches' together, in microbatch then image order."""
         started = time.perf_counter()
         pixels = torch.cat([images.encode_input for images in routed]).to(self.mesh.device)
@@ -120,7 +121,7 @@ class PhaseRunner:
         return features, time.perf_counter() - started
 
     @staticmethod
-    def _send_order(routed: list[RoutedImages]) -> dict[int, list[tuple[tuple[int, int, int, int], int, int]]]:
+    def send_order(routed: list[RoutedImages]) -> dict[int, list[tuple[tuple[int, int, int, int], int, int]]]:
         """Per consumer rank: ((microbatch, position, number, units), first unit here, units) of each image it gets
         from this rank, in (microbatch, position, number) order: the order the consumer derives too."""
         sends: dict[int, list] = {}
