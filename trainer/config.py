@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import typing
-from dataclasses import asdict, dataclass, field, fields, is_dataclass
+from dataclasses import asdict, dataclass, field, fields, is_dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -172,14 +172,13 @@ class ParallelConfig:
     @property
     def layout(self) -> Layout:
         """The run's degrees as one value (`packfeed.v1.layout`): its processes' (a CP plan trained whole runs at
-        cp 1); encoder_ranks=auto counts as some (its number is searched at launch)."""
-        ranks = self.encoder_ranks
-        cp = self.cp if self.train_cp_packs == "split" else 1
-        return Layout(self.dp, self.pp, cp, 1 if ranks == "auto" else ranks)
+        cp 1)."""
+        return self.plan_layout if self.train_cp_packs == "split" else replace(self.plan_layout, cp=1)
 
     @property
     def plan_layout(self) -> Layout:
-        """The degrees as the plan has them: a CP plan trained whole still plans cp (its runner is the CP one)."""
+        """The degrees as the plan has them: a CP plan trained whole still plans cp (its runner is the CP one);
+        encoder_ranks=auto counts as some (its number is searched at launch)."""
         ranks = self.encoder_ranks
         return Layout(self.dp, self.pp, self.cp, 1 if ranks == "auto" else ranks)
 

@@ -155,7 +155,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     plan.add_argument("--context-parallel", type=int, default=1, metavar="C",
                       help="GPUs per DP replica for context parallelism (a power of 2; at pp 1): each pack over the "
                            "1, 2, ..., C of them its plan gives it (docs/planning.md)")
-    plan.add_argument("--cp-mode", choices=("dynamic", "static", "megatron-llava"), default=None,
+    plan.add_argument("--cp-mode", choices=CP_MODES, default=None,
                       help="with --context-parallel: simulate this mode only (default: all three; megatron-llava: "
                            "static packs with the vision tower over all of a pack's images on every GPU, as "
                            "Megatron-Core's LLaVA runs it)")

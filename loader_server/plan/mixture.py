@@ -278,18 +278,21 @@ def check_conventions(mixture: Mixture, infos: list[IndexInfo]) -> None:
 
 def make_mixture_plan(mixture: MixtureLoads, config: PlanConfig, seed: int, epoch: int,
                       caps: Caps | None = None) -> Plan:
-    """Plan one epoch of a mixture over the union of its datasets. Caps (automatic unless given) are searched
-    on every valid sample once, so they are the same in every epoch."""
-    if caps is None and not config.strategy.padded:
-        caps = resolve_caps(mixture.once().loads, config)
+    """Plan one epoch of a mixture over the union of its datasets (caps: `_epoch_caps`)."""
     rows = mixture.epoch(seed, epoch)
-    plan = make_plan(rows.loads, config, seed, epoch, mixture.fingerprint, caps=caps)
+    plan = make_plan(rows.loads, config, seed, epoch, mixture.fingerprint, caps=_epoch_caps(mixture, config, caps))
     plan.rows = rows
     return plan
 
 
 def count_mixture_steps(mixture: MixtureLoads, config: PlanConfig, seed: int, epoch: int, caps: Caps | None) -> int:
     """The steps `make_mixture_plan` plans, counted (`planner.count_steps`)."""
+    return count_steps(mixture.epoch(seed, epoch).loads, config, seed, epoch, _epoch_caps(mixture, config, caps))
+
+
+def _epoch_caps(mixture: MixtureLoads, config: PlanConfig, caps: Caps | None) -> Caps | None:
+    """`caps` when given (none for the padded strategies); else searched on every valid sample once, so they
+    are the same in every epoch."""
     if caps is None and not config.strategy.padded:
-        caps = resolve_caps(mixture.once().loads, config)
-    return count_steps(mixture.epoch(seed, epoch).loads, config, seed, epoch, caps)
+        return resolve_caps(mixture.once().loads, config)
+    return caps

@@ -264,7 +264,6 @@ class Job:
             self.skipped_count += len(skipped)
 
     def ack(self, rank: int, epoch: int, step: int) -> None:
-        if not 0 <= rank < len(self.ranks):
-            raise JobError("OUT_OF_RANGE", f"rank {rank} is outside job {self.spec.job!r} (dp = {len(self.ranks)})")
+        """Rank `rank`'s acknowledgement (its seat checked by `requests.seat_of`)."""
         self.check_step(epoch, step)
         self.ranks[rank].acknowledge(epoch, step)

@@ -235,17 +235,16 @@ class PackfeedService:
         outcome = await asyncio.to_thread(self.coordination.hold_lease, job.spec.job, seat.lease_name)
         if outcome is LeaseOutcome.HELD:
             return
-        who = seat.name
         self.metrics.stream_refusals.labels(job.spec.job, outcome.value).inc()
         if outcome is LeaseOutcome.UNREACHABLE:
             log.warning("stream refused: the rank's lease cannot be checked", extra={"job": job.spec.job,
                                                                                     "seat": seat.name})
-            raise JobError("UNAVAILABLE", f"{who} of job {job.spec.job!r}: this server cannot reach the coordinator "
+            raise JobError("UNAVAILABLE", f"{seat.name} of job {job.spec.job!r}: this server cannot reach the coordinator "
                                           "(Redis) to check the rank's lease, and starts no stream that another "
                                           "server may be serving; streams already running go on. Retry: it "
                                           "starts once the coordinator answers")
         owner = await asyncio.to_thread(self.coordination.coordinator.lease_owner, job.spec.job, seat.lease_name)
-        raise JobError("UNAVAILABLE", f"{who} of job {job.spec.job!r} is being served by {owner}; if that server is "
+        raise JobError("UNAVAILABLE", f"{seat.name} of job {job.spec.job!r} is being served by {owner}; if that server is "
                                       f"gone, its lease lapses within {self.config.lease_ttl_s:g} s: retry")
 
     def _account(self, job: Job, seat: Seat, epoch: int, step: int, result: RankStepResult) -> None:
