@@ -22,14 +22,16 @@ if TYPE_CHECKING:
     from packfeed.client.channel import Connection, PackfeedError
     from packfeed.client.discovery import servers_from_redis
     from packfeed.client.local import LocalServer
+    from packfeed.client.producer import Producer, PutResult, Sample, SampleRefused
     from packfeed.client.stream import PackStream
     from packfeed.client.tensors import PackTensors, Step
 
 _MODULE_OF = {"Connection": "channel", "PackfeedError": "channel", "servers_from_redis": "discovery",
-              "LocalServer": "local", "PackStream": "stream", "PackTensors": "tensors", "Step": "tensors"}
+              "LocalServer": "local", "PackStream": "stream",
+              "Producer": "producer", "PutResult": "producer", "Sample": "producer", "SampleRefused": "producer", "PackTensors": "tensors", "Step": "tensors"}
 
 __all__ = ["Connection", "CostModel", "Layout", "LocalServer", "Oversize", "PackStream", "PackTensors", "PackfeedError",
-           "PlanConfig", "Seat", "Step", "Strategy", "servers_from_redis"]
+           "PlanConfig", "Producer", "PutResult", "Sample", "SampleRefused", "Seat", "Step", "Strategy", "servers_from_redis"]
 
 
 def __getattr__(name: str):

@@ -40,12 +40,19 @@ class PackTensors:
     last_in_epoch: bool = False
     sample_sources: list[str] = field(default_factory=list)  # each sample's dataset (a mixture's name for it)
     encoder: bool = False  # an encoder rank's pack (plan encoder_ranks > 0): `rank` is the encoder rank
+    sample_groups: list[str] = field(default_factory=list)  # a live job's: the prompt each sample answers
 
     def __getattr__(self, name: str) -> torch.Tensor:
         tensors = self.__dict__.get("tensors", {})
         if name in tensors:
             return tensors[name]
         raise AttributeError(name)
+
+    @property
+    def token_tensors(self) -> dict[str, torch.Tensor]:
+        """A live job's per-token tensors by name (float32, beside input_ids: advantages, old log-probabilities,
+        ...), as its producers put them."""
+        return {name[len("token."):]: tensor for name, tensor in self.tensors.items() if name.startswith("token.")}
 
     @property
     def routed(self) -> bool:
@@ -103,4 +110,4 @@ def pack_of(message: bytes, pin_memory: bool = False) -> PackTensors:
                        list(fields.sample_keys), fields.loss_tokens, fields.step_loss_tokens,
                        [(s.key, s.reason) for s in fields.skipped], tensors,
                        sum(wire.nbytes for wire in wires.values()), fields.microbatches, fields.last_in_epoch,
-                       list(fields.sample_sources), fields.encoder)
+                       list(fields.sample_sources), fields.encoder, list(fields.sample_groups))

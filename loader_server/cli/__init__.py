@@ -10,6 +10,7 @@ from pathlib import Path
 
 from packfeed.server.cli.commands import (cmd_demo, cmd_health, cmd_index, cmd_info, cmd_plan, cmd_serve,
                                           cmd_simulate, cmd_stats, cmd_train, cmd_warmup)
+from packfeed.server.cli.put import cmd_put
 from packfeed.server.cli.convert import add_arguments as add_convert_arguments, cmd_convert
 from packfeed.server.cli.options import EXIT_USAGE, add_index_options, add_plan_options
 
@@ -74,8 +75,22 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--workers", type=int, help="pre-processing processes (default: CPU count - 1)")
     serve.add_argument("--prefetch-steps", type=int, help="steps prepared ahead per rank (default 4)")
     serve.add_argument("--memory-budget-mb", type=int, help="prepared packs held in memory (default 2048)")
+    serve.add_argument("--live-spool", metavar="DIR", help="serve live jobs (PlanConfig live), keeping their put "
+                       "samples in DIR until consumed (a folder another server may share)")
+    serve.add_argument("--live-spool-max-gb", type=float, help="what the live spool may hold; producers wait "
+                       "beyond it (default: no bound)")
     serve.add_argument("--log-level", default="INFO")
     serve.set_defaults(func=cmd_serve)
+
+    put = sub.add_parser("put", help="put the samples of a JSON-lines file into a live job (durable when it "
+                                     "returns; exit 3 when a line was refused)")
+    put.add_argument("target", help="host:port of a server holding the job")
+    put.add_argument("--job", required=True, help="the live job's id (opened by its trainers)")
+    put.add_argument("files", nargs="+", metavar="FILE.jsonl", help="one sample a line: tokens, loss_mask, "
+                     "tensors, group, policy_version, id, prompt or images (paths relative to the file)")
+    put.add_argument("--end", action="store_true", help="end the job after these samples (its last step forms)")
+    put.add_argument("--batch", type=int, default=256, help="samples per request")
+    put.set_defaults(func=cmd_put)
 
     health = sub.add_parser("health", help="check a server's gRPC health service (exit 0 when SERVING)")
     health.add_argument("target", nargs="?", help="host:port (default: the address in $PACKFEED_ADDRESS_FILE)")

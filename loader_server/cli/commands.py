@@ -175,7 +175,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                          shard_root=args.shard_root,
                          dataset=args.dataset, listen=args.listen, metrics_port=args.metrics_port,
                          workers=args.workers, prefetch_steps=args.prefetch_steps,
-                         memory_budget_mb=args.memory_budget_mb)
+                         memory_budget_mb=args.memory_budget_mb, live_spool=args.live_spool,
+                         live_spool_max_gb=args.live_spool_max_gb)
     asyncio.run(serve(config))
     return EXIT_OK
 

@@ -21,6 +21,9 @@ from packfeed.server.serve.workers import WorkerPool
 from packfeed.v1.layout import Seat
 
 
+HEARTBEAT = object()  # `RankFeed.next`: nothing yet, the stream is alive
+
+
 class RankFeed:
     def __init__(self, job: Job, seat: Seat, start: tuple[int, int], pool: WorkerPool, budget: MemoryBudget,
                  config: ServerConfig, metrics: Metrics):
@@ -37,9 +40,9 @@ class RankFeed:
         return asyncio.create_task(produce(self.job, self.seat, cursor, self.queue, self._pool, self.account,
                                            self._config, self._metrics))
 
-    async def next(self):
+    async def next(self, heartbeat_s: float | None = None):
         """The next prepared ((epoch, step), RankStepResult, StepHold), or END after the job's last step (or a
-        failure of the producer: `failure()`)."""
+        failure of the producer: `failure()`); HEARTBEAT when `heartbeat_s` passed without either."""
         if self._shed_pending:
             await asyncio.gather(self.producer, return_exceptions=True)  # cancelled: its holds released
             self._shed_pending = False
@@ -47,7 +50,10 @@ class RankFeed:
             if cursor is None:
                 return END
             self.producer = self._produce(cursor)
-        item = await self.queue.get()
+        try:
+            item = await asyncio.wait_for(self.queue.get(), heartbeat_s)
+        except asyncio.TimeoutError:
+            return HEARTBEAT
         if item is not END:
             self._last = item[0]
         return item

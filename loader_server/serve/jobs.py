@@ -8,6 +8,7 @@ by several servers through Redis) has taken; plus the samples skipped at serve t
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import threading
 import time
@@ -26,6 +27,7 @@ from packfeed.v1.layout import Seat
 from packfeed.v1.options import Oversize
 
 if TYPE_CHECKING:
+    from packfeed.server.live.steps import LiveSteps
     from packfeed.server.serve.datasets import Dataset
 
 MAX_SKIPPED_LISTED = 1000  # per job; the count keeps going
@@ -169,7 +171,7 @@ class Job:
         planned whole (`planner.count_steps`), unless its plan is at hand. Counts epochs 0, 1, ... until `deadline`
         (at least epoch 0); True when every epoch is counted. A windowed job's epochs are counted as their
         windows are planned (`step_counts` estimates meanwhile)."""
-        if self.spec.plan_config.window:
+        if self.spec.plan_config.window or self.spec.plan_config.live:
             return True
         loads = None
         for epoch in range(self.spec.epochs):
@@ -201,7 +203,7 @@ class Job:
     def _check_not_empty(self) -> None:
         """A job with no step in any epoch has nothing to stream: say why at its open, not as "step 0 is past
         the plan" at its first stream."""
-        if self.spec.plan_config.window or any(self._steps.values()):
+        if self.spec.plan_config.window or self.spec.plan_config.live or any(self._steps.values()):
             return
         plan = self.epoch_plan(0)
         left_out = len(plan.oversize) if plan.config.oversize is Oversize.SKIP else 0
@@ -240,6 +242,21 @@ class Job:
         """The progress of the seat's rank (an encoder rank's own)."""
         return (self.encoders if seat.encoder else self.ranks)[seat.rank]
 
+    @property
+    def live(self) -> LiveSteps | None:
+        """A live job's steps (PlanConfig.live); None for a job of indexed data."""
+        return getattr(self.dataset, "steps", None) if self.spec.plan_config.live else None
+
+    async def wait_formed(self, epoch: int, step: int) -> None:
+        """Until the step exists: at once for indexed data, once it forms for a live job (or the job ends)."""
+        live = self.live
+        loop = asyncio.get_running_loop()
+        while live is not None:
+            formed = live.waiter(loop)  # registered before the check: a step formed in between wakes it
+            if step < live.formed or live.ended:
+                return
+            await formed
+
     def check_step(self, epoch: int, step: int) -> Plan:
         plan = self.epoch_plan(epoch)
         if not plan.has_step(step):
@@ -267,3 +284,5 @@ class Job:
         """Rank `rank`'s acknowledgement (its seat checked by `requests.seat_of`)."""
         self.check_step(epoch, step)
         self.ranks[rank].acknowledge(epoch, step)
+        if self.live is not None:  # what every rank consumed leaves the spool
+            self.live.release(min(state.acked for state in self.ranks)[1])

@@ -53,6 +53,7 @@ class Pack:
     sample_sources: list[str] = field(default_factory=list)  # the dataset of each sample (mixtures mix them)
     positions: list[int] = field(default_factory=list)  # each sample's position among the planned members
     encoder: bool = False  # an encoder rank's pack (PlanSpec.encoder_ranks): images to encode, no LLM side
+    sample_groups: list[str] = field(default_factory=list)  # a live job's: the prompt each sample answers
 
     @property
     def empty(self) -> bool:
@@ -102,8 +103,23 @@ def assemble_pack(samples: list[SampleTensors], epoch: int, step: int, rank: int
         tensors["encoded"] = np.frombuffer(b"".join(files), dtype=np.uint8)
         tensors["encoded_sizes"] = np.array([len(data) for data in files], dtype=np.int64)
         tensors["image_geometry"] = np.array([g.row() for g in geometry], dtype=np.int32).reshape(-1, GEOMETRY_COLUMNS)
+    live = any(s.policy_version is not None for s in samples)
+    if live:
+        tensors.update(_live_tensors(samples, lengths))
     return Pack(epoch, step, rank, microbatch, [s.key for s in samples], tensors,
-                int((labels != IGNORE_INDEX).sum()), list(skipped or []), sample_sources=[s.source for s in samples])
+                int((labels != IGNORE_INDEX).sum()), list(skipped or []), sample_sources=[s.source for s in samples],
+                sample_groups=[s.group for s in samples] if live else [])
+
+
+def _live_tensors(samples: list[SampleTensors], lengths: list[int]) -> dict[str, np.ndarray]:
+    """A live job's per-token tensors ("token.NAME", float32 beside input_ids; 0 where a sample has none) and
+    each sample's policy version."""
+    out = {}
+    for name in sorted({name for s in samples for name in s.token_tensors}):
+        out[f"token.{name}"] = np.concatenate([s.token_tensors.get(name, np.zeros(n, np.float32))
+                                               for s, n in zip(samples, lengths)]).astype(np.float32)
+    out["policy_version"] = np.array([s.policy_version or 0 for s in samples], dtype=np.int64)
+    return out
 
 
 def truncate_sample(sample: SampleTensors, limit: int) -> SampleTensors:
@@ -122,7 +138,9 @@ def truncate_sample(sample: SampleTensors, limit: int) -> SampleTensors:
     return SampleTensors(sample.key, sample.input_ids[:limit], sample.labels[:limit], sample.tiles[:n_tiles],
                          sample.tiles_per_image[:keep_images], sample.image_tokens[:keep_images],
                          sample.image_starts[:keep_images], sample.source, sample.encoded[:n_encoded],
-                         sample.geometry[:n_encoded], sample.kinds[:keep_images], sample.frame_seconds[:keep_images])
+                         sample.geometry[:n_encoded], sample.kinds[:keep_images], sample.frame_seconds[:keep_images],
+                         {name: values[:limit] for name, values in sample.token_tensors.items()}, sample.group,
+                         sample.policy_version)
 
 
 def build_pack(parts: list[tuple[IndexRows, Any, str]], members: np.ndarray, truncate_to: np.ndarray,

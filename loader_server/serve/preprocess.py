@@ -43,6 +43,10 @@ class SampleTensors:
     geometry: list[Geometry] = field(default_factory=list)  # ... and how the client cuts each into tiles
     kinds: list[int] = field(default_factory=list)  # per item: VisualKind (VIDEO: a video or one of its frames)
     frame_seconds: list[float] = field(default_factory=list)  # per item: seconds between its frames (0: an image)
+    # a live job's sample (`packfeed.server.serve.live_source`): its per-token tensors, group and policy version
+    token_tensors: dict[str, np.ndarray] = field(default_factory=dict)
+    group: str = ""
+    policy_version: int | None = None  # None: not a live sample
 
 
 # Bytes the tokenizer holds per token while it encodes a sample (HF tokenizers keeps each token's string and
@@ -51,7 +55,7 @@ TOKENIZE_BYTES_PER_TOKEN = 400
 
 
 @dataclass
-class _Item:
+class VisualItem:
     """One visual item of a sample while it is prepared."""
 
     kind: int
@@ -125,7 +129,23 @@ class SampleReader:
                              geometry=[item.geometry for item in items if item.encoded is not None],
                              kinds=[item.kind for item in items], frame_seconds=[item.seconds for item in items])
 
-    def _image(self, read, row: dict[str, Any], k: int, pixels: bool = True) -> "_Item":
+    def indexed_images(self, row: dict[str, Any], pixels: bool = True) -> list[VisualItem]:
+        """The images of an indexed sample (a live sample's prompt), as `load` prepares them."""
+        read = self.shards.reader(row)
+        return [self._image(read, row, k, pixels) for k in range(row["n_images"])]
+
+    def file_image(self, data: bytes, width: int, height: int, n_images: int, what: str) -> VisualItem:
+        """An image file that came with its sample (a live one), tiled by the dataset's image policy."""
+        tokens = self.policy.cost(width, height, n_images).llm_tokens
+        geometry = self.policy.geometry(width, height, n_images)
+        if self.path.sends_files:
+            return VisualItem(VisualKind.IMAGE, [], len(geometry.tile_shapes()), tokens, encoded=data,
+                              geometry=geometry)
+        self._check_decodable(width, height, what)
+        tiles = self._tiles(data, geometry, what)
+        return VisualItem(VisualKind.IMAGE, tiles, len(tiles), tokens)
+
+    def _image(self, read, row: dict[str, Any], k: int, pixels: bool = True) -> "VisualItem":
         """The k-th image of the sample (its file's bytes and geometry, with pixels: encoded; without `pixels`,
         only its placeholder tokens and tile count)."""
         name, n_images = row["image_names"][k], row["n_images"]
@@ -133,16 +153,16 @@ class SampleReader:
         tokens = self.policy.cost(width, height, n_images).llm_tokens
         geometry = self.policy.geometry(width, height, n_images)
         if not pixels:
-            return _Item(VisualKind.IMAGE, [], len(geometry.tile_shapes()), tokens)
+            return VisualItem(VisualKind.IMAGE, [], len(geometry.tile_shapes()), tokens)
         data = self.shards.member(read, row["image_offsets"][k], row["image_sizes"][k], row["image_checksums"][k],
                             f"{row['key']}.{name}")
         if self.path.sends_files:  # the client decodes, and checks the size against the geometry
-            return _Item(VisualKind.IMAGE, [], len(geometry.tile_shapes()), tokens, encoded=data, geometry=geometry)
+            return VisualItem(VisualKind.IMAGE, [], len(geometry.tile_shapes()), tokens, encoded=data, geometry=geometry)
         self._check_decodable(width, height, f"{row['key']}.{name}")
         tiles = self._tiles(data, geometry, f"{row['key']}.{name}")
-        return _Item(VisualKind.IMAGE, tiles, len(tiles), tokens)
+        return VisualItem(VisualKind.IMAGE, tiles, len(tiles), tokens)
 
-    def _video(self, read, row: dict[str, Any], k: int, seed: int, epoch: int) -> list["_Item"]:
+    def _video(self, read, row: dict[str, Any], k: int, seed: int, epoch: int) -> list["VisualItem"]:
         """The k-th video of the sample as its visual items (`video_placeholders`: one holding every sampled frame,
         one per temporal patch with timestamps, or one per frame with frames as images). Only the sampled frames are
         decoded (a container seeks to them)."""
@@ -174,11 +194,11 @@ class SampleReader:
         if times:  # one item per temporal patch (its last may hold fewer frames: the client fills it up)
             patch = self.policy.temporal_patch
             patches = [tiles[start:start + patch] for start in range(0, len(tiles), patch)]
-            return [_Item(VisualKind.VIDEO, patch_tiles, len(patch_tiles), n, seconds=seconds, time=t)
+            return [VisualItem(VisualKind.VIDEO, patch_tiles, len(patch_tiles), n, seconds=seconds, time=t)
                     for patch_tiles, n, t in zip(patches, tokens, times)]
         if len(tokens) == 1:
-            return [_Item(VisualKind.VIDEO, tiles, sampled, tokens[0], seconds=seconds)]
-        return [_Item(VisualKind.VIDEO, frame, len(frame), n, seconds=seconds) for frame, n in zip(frames, tokens)]
+            return [VisualItem(VisualKind.VIDEO, tiles, sampled, tokens[0], seconds=seconds)]
+        return [VisualItem(VisualKind.VIDEO, frame, len(frame), n, seconds=seconds) for frame, n in zip(frames, tokens)]
 
     def _check_decodable(self, width: int, height: int, what: str) -> None:
         """Skip, before reading a pixel, an image (or video frame) whose decoding alone needs more memory than the

@@ -43,6 +43,10 @@ async def produce(job: Job, seat: Seat, cursor: tuple[int, int] | None, queue: a
         while cursor is not None or in_flight:
             while cursor is not None and len(in_flight) < prefetch_steps:
                 if pending is None:
+                    if not in_flight:  # a live job's next step may not have formed yet
+                        await job.wait_formed(*cursor)
+                    elif job.live is not None and cursor[1] >= job.live.formed:
+                        break  # deliver what is in preparation first; wait for this one then
                     work = await asyncio.to_thread(job.work, cursor[0], cursor[1], seat)
                     work.decode_budget = account.budget.working_limit  # a sample needing more is skipped, not prepared
                     # room for the packs, and meanwhile for decoding the step's largest image (or tokenising its

@@ -32,10 +32,12 @@ class JobRegistry:
     """Datasets this server serves (from its configuration) and the jobs opened on them."""
 
     def __init__(self, datasets: dict[str, Dataset], max_jobs: int = 64, idle_s: float = 3600.0,
-                 plan_wait_s: float = 60.0, count_at_open_s: float = 2.0):
+                 plan_wait_s: float = 60.0, count_at_open_s: float = 2.0, live_spool: str = "",
+                 live_spool_max_bytes: int = 0):
         self.datasets = datasets
         self.max_jobs, self.idle_s, self.plan_wait_s = max_jobs, idle_s, plan_wait_s
         self.count_at_open_s = count_at_open_s
+        self.live_spool, self.live_spool_max_bytes = live_spool, live_spool_max_bytes
         self.jobs: dict[str, Job] = {}
         self.closed: collections.deque = collections.deque(maxlen=CLOSED_LISTED)  # newest first
         self._lock = threading.Lock()
@@ -62,7 +64,8 @@ class JobRegistry:
                 if len(self.jobs) >= self.max_jobs:
                     raise JobError("RESOURCE_EXHAUSTED", f"this server holds {self.max_jobs} jobs (max_jobs): close "
                                                          "finished ones (CloseJob) or wait for idle ones to expire")
-                job = Job(spec, dataset, [RankState() for _ in range(spec.plan_config.dp)])
+                job = Job(spec, self._live(spec, dataset) if spec.plan_config.live else dataset,
+                          [RankState() for _ in range(spec.plan_config.dp)])
                 self.jobs[spec.job] = job
         job.touch()
         if planner:
@@ -82,6 +85,28 @@ class JobRegistry:
                 self.forget(job)
             raise
         return job
+
+    def _live(self, spec: JobSpec, dataset: Dataset):
+        """A live job's source: its spool (re-opened as it was left, after a restart or on another server
+        sharing the folder) and the dataset its samples reference."""
+        from packfeed.server.live.spool import Spool, SpoolError
+        from packfeed.server.live.steps import LiveSteps, live_fingerprint
+        from packfeed.server.serve.live_source import LiveDataset
+
+        if not self.live_spool:
+            raise JobError("FAILED_PRECONDITION", "this server keeps no live spool: start it with --live-spool DIR "
+                                                  "(live_spool:) to serve live jobs")
+        if spec.epochs != 1 or spec.resume is not None or len(dataset.parts) != 1:
+            raise JobError("INVALID_ARGUMENT", "a live job has one epoch, resumes from its spool (not ResumeFrom) "
+                                               "and references one indexed dataset (not a mixture)")
+        try:
+            spool = Spool(self.live_spool, spec.job, spec.describe())
+            steps = LiveSteps(spool, spec.plan_config, spec.seed,
+                              live_fingerprint(spec.plan_config, spec.seed, dataset.fingerprint),
+                              self.live_spool_max_bytes)
+        except SpoolError as error:
+            raise JobError("FAILED_PRECONDITION", str(error)) from None
+        return LiveDataset(dataset, steps)
 
     def dataset(self, name: str) -> Dataset:
         if not name and len(self.datasets) == 1:

@@ -22,9 +22,11 @@ from packfeed.server.serve.config import ServerConfig
 from packfeed.server.serve.coordination import Coordination
 from packfeed.server.serve.job_spec import JobError, JobSpec
 from packfeed.server.serve.jobs import Job
+from packfeed.server.serve.live_put import put_samples
 from packfeed.server.serve.network import client_host
 from packfeed.server.serve.observe import Metrics, log
 from packfeed.server.serve.feed import RankFeed
+from packfeed.server.serve.feed import HEARTBEAT
 from packfeed.server.serve.producer import END
 from packfeed.server.serve.registry import JobRegistry
 from packfeed.server.serve.requests import client_skipped, parse, resume_of, seat_of
@@ -36,6 +38,8 @@ from packfeed.v1.layout import Seat
 from packfeed.v1.options import PlanConfig
 
 SERVICE = pb.DESCRIPTOR.services_by_name["Packfeed"].full_name
+LIVE_HEARTBEAT_S = 10.0  # a live stream waiting for its next step sends an empty PackPart this often
+EMPTY_PART = pb.PackPart().SerializeToString()  # no data, not last: a client's assembler adds nothing
 
 
 class PackfeedService:
@@ -84,6 +88,9 @@ class PackfeedService:
             self.metrics.evicted.inc()
             log.info("idle job forgotten", extra={"job": name, "idle_s": self.config.job_idle_s})
         self.metrics.jobs.set(len(self.registry.jobs))
+
+    async def put_samples(self, request: pb.PutSamplesRequest, context) -> pb.PutSamplesResponse:
+        return await put_samples(self.registry.get(request.job), request)
 
     async def get_job(self, request: pb.GetJobRequest, context) -> pb.JobInfo:
         return self.job_info(self.registry.get(request.job))
@@ -182,8 +189,12 @@ class PackfeedService:
         sent_steps, complete = 0, False
         if seat.primary:
             job.progress(seat).begin_run()
+        heartbeat = LIVE_HEARTBEAT_S if config.live and part_bytes else None
         try:
-            while (item := await feed.next()) is not END:
+            while (item := await feed.next(heartbeat)) is not END:
+                if item is HEARTBEAT:  # a live job waiting for samples: an empty piece keeps the client's watch
+                    await context.write(EMPTY_PART)
+                    continue
                 if primary:
                     self.metrics.queue_depth.labels(job.spec.job, str(rank)).set(feed.queue.qsize())
                 if seat.primary:
@@ -316,6 +327,7 @@ class PackfeedService:
             "ListJobs": unary(self.list_jobs, pb.ListJobsRequest, pb.ListJobsResponse),
             "AckStep": unary(self.ack_step, pb.AckStepRequest, pb.AckStepResponse),
             "CloseJob": unary(self.close_job, pb.CloseJobRequest, pb.CloseJobResponse),
+            "PutSamples": unary(self.put_samples, pb.PutSamplesRequest, pb.PutSamplesResponse),
             "StreamPacks": streaming(0),
             "StreamPackParts": streaming(self.config.pack_part_kb << 10),
         })

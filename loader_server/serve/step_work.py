@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -48,6 +49,7 @@ class RankStepWork:
     # (`rank` its encoder rank, `packs` empty, `routed` what it encodes); an LLM rank's step encodes nothing
     disaggregated: bool = False
     encoder: bool = False
+    live: Any = None  # a live job's step: its members' spooled rows (`packfeed.server.serve.live_source.LiveWork`)
 
     def samples_by_source(self, pixels_only: bool = False) -> list[tuple[int, np.ndarray]]:
         """(source k, its sample ids) for each index the step reads, every pack's samples together: a step's

@@ -86,6 +86,7 @@ def pack_pieces(pack: Pack, microbatches: int, last_in_epoch: bool, alignment: i
                    microbatches=microbatches, empty=pack.empty, last_in_epoch=last_in_epoch,
                    sample_keys=pack.sample_keys, sample_sources=pack.sample_sources, loss_tokens=pack.loss_tokens,
                    step_loss_tokens=pack.step_loss_tokens, encoder=pack.encoder,
+                   sample_groups=pack.sample_groups,
                    skipped=[pb.SkippedSample(key=key, reason=reason, epoch=pack.epoch, step=pack.step)
                             for key, reason in pack.skipped])
     parts = [head.SerializeToString()]

@@ -16,6 +16,7 @@ import time
 import numpy as np
 
 from packfeed.server.serve.index_rows import IndexRows
+from packfeed.server.serve.live_source import LiveReader, LiveRows
 from packfeed.server.serve.observe import log
 from packfeed.server.serve.cp_shares import cp_shares
 from packfeed.server.serve.packs import build_pack
@@ -134,6 +135,9 @@ def build_rank_step(work: RankStepWork, shared: str | None = None) -> RankStepRe
 def _build_rank_step(work: RankStepWork, shared: str | None) -> RankStepResult:
     started = time.perf_counter()
     parts = [(*_dataset(name), label) for name, label in zip(work.datasets, work.labels)]
+    if work.live is not None:  # the step's samples come from the live spool, their prompts' images from parts
+        prompt_rows, prompts = parts[0][:2]
+        parts = [(LiveRows(work.live), LiveReader(prompts, prompt_rows, work.live), parts[0][2])]
     arena = TileArena.open(shared, _tile_bytes(parts, work)) if shared is not None else None
     for _, reader, _ in parts:
         reader.empty = arena.empty if arena is not None else np.empty

@@ -189,13 +189,15 @@ def _help(text: str) -> dict[str, str]:
 
 # proto3 `optional` where false is a choice, not "unset" (the counts with presence, microbatches,
 # pipeline_stages and isf_iterations, take 0 as the default, as v1 clients sent it before they had presence)
-_WITH_PRESENCE = ("collective_safe",)
+_WITH_PRESENCE = ("collective_safe", "max_staleness")
+LIVE_FIELDS = ("step_samples", "step_tokens", "max_staleness", "steps")  # a live job's (`live`) own settings
 
 # Bounds of every count a request may carry: a server plans and holds state in proportion to them.
 LIMITS = {"dp": 65536, "microbatches": 1024, "ranks_per_node": 65536, "pipeline_stages": 1024, "isf_iterations": 100,
           "samples_per_pack": 1024, "vision_cap": 2**31 - 1, "token_cap": 2**31 - 1, "vision_target": 2**31 - 1,
           "token_target": 2**31 - 1, "window": 2**40, "context_parallel": 1024, "max_tokens_per_gpu": 2**31 - 1,
-          "encoder_ranks": 65536}
+          "encoder_ranks": 65536, "step_samples": 1 << 20, "step_tokens": 1 << 40, "max_staleness": 2**31 - 1,
+          "steps": 1 << 40}
 MAX_NAME = 256  # characters of a job id or dataset name
 MAX_EPOCHS = 1_000_000  # of one job
 MAX_RESUME_CHAIN = 16  # a job resuming a job that resumed another ...: each link re-plans an epoch at open
@@ -246,6 +248,17 @@ class PlanConfig:
         "in every step and microbatch, every DP rank's pack calls the same towers (images, videos, each further "
         "encoder) or none, so FSDP / ZeRO-3 with a tower wrapped apart never waits on a rank that skips it; what "
         "the data cannot align the summary counts (docs/training.md)"))
+    live: bool = field(default=False, metadata=_help(
+        "samples come from producers while the job runs (`packfeed.client.Producer`, `packfeed put`), and a step "
+        "forms when step_samples samples or step_tokens tokens have arrived (docs/live.md)"))
+    step_samples: int = field(default=0, metadata=_help("live: a step forms when this many samples have arrived"))
+    step_tokens: int = field(default=0, metadata=_help(
+        "live: ... or when this many LLM tokens have arrived (whichever comes first)"))
+    max_staleness: int | None = field(default=None, metadata=_help(
+        "live: a sample whose policy_version is more than this many steps behind the step that would take it is "
+        "dropped and counted (unset: none is)"))
+    steps: int = field(default=0, metadata=_help(
+        "live: the job ends after this many steps (0: when a producer ends it)"))
 
     def __post_init__(self):
         problems = []
@@ -273,6 +286,7 @@ class PlanConfig:
                      if getattr(self, name) is not None and getattr(self, name) > limit]
         problems += self._context_parallel_problems()
         problems += self._encoder_ranks_problems()
+        problems += self._live_problems()
         if (self.vision_cap is None) != (self.token_cap is None):
             problems.append("give both vision_cap and token_cap, or neither (automatic)")
         if any(v is not None and v < 1 for v in (self.vision_cap, self.token_cap)):
@@ -301,6 +315,24 @@ class PlanConfig:
         if self.colocate_encoder:
             return ["colocate_encoder encodes on the LLM's ranks: leave encoder_ranks at 0"]
         return []
+
+    def _live_problems(self) -> list[str]:
+        given = [name for name in LIVE_FIELDS if getattr(self, name) not in (None, 0)]
+        if not self.live:
+            return [f"{', '.join(given)} apply to live jobs only: set live"] if given else []
+        problems = []
+        if not (self.step_samples or self.step_tokens):
+            problems.append("a live job needs step_samples or step_tokens (when a step forms)")
+        if min(self.step_samples, self.step_tokens, self.steps, self.max_staleness or 0) < 0:
+            problems.append("step_samples, step_tokens, steps and max_staleness must be >= 0")
+        if self.window:
+            problems.append("a live job plans each step as it forms: leave window at 0")
+        if self.strategy.padded:
+            problems.append(f"a live job plans ISF packs: strategy isf+balance, isf or isf+phases, not "
+                            f"{self.strategy.value}")
+        if self.context_parallel > 1:
+            problems.append("a live job does not plan context parallelism yet: leave context_parallel at 1")
+        return problems
 
     @property
     def layout(self) -> Layout:
@@ -336,6 +368,11 @@ class PlanConfig:
             del out["encoder_ranks"]
         if self.collective_safe:  # the default: recorded when turned off
             del out["collective_safe"]
+        if not self.live:  # plans of indexed data record what they did before live jobs existed
+            for name in ("live", *LIVE_FIELDS):
+                del out[name]
+        elif self.max_staleness is None:
+            del out["max_staleness"]
         return out
 
     @classmethod

@@ -1,0 +1,204 @@
+"""`Producer`: put samples born during the run (rollouts, scored responses) into a live job (PlanConfig live).
+
+    from packfeed.client import Producer
+
+    with Producer("loader:50051", job="grpo-7") as producer:
+        producer.put({"id": "p17-r3", "tokens": ids, "loss_mask": mask, "group": "p17",
+                      "policy_version": 12, "tensors": {"advantages": adv}, "prompt": "sample-000017"})
+        producer.end()  # the job's last step forms; the trainers' iteration ends there
+
+`put` returns once the server has the samples durable (in its spool), with one `PutResult` each; a sample the
+job refuses (its field and reason said) raises `SampleRefused` after the others were kept, or is returned
+with `on_refused="return"`. Retried puts are idempotent: a sample's `id` (chosen here when not given) is
+stored once whatever the retries. A full spool (the trainers are behind) makes `put` wait and retry, up to
+`full_wait_s`. `submit` buffers without waiting; `flush` sends what is buffered and waits until it is durable.
+"""
+
+from __future__ import annotations
+
+import base64
+import time
+import uuid
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+
+from packfeed.client.channel import Connection, PackfeedError, ServerChannel
+from packfeed.v1 import packfeed_pb2 as pb
+
+
+@dataclass
+class Sample:
+    """One live sample. `tokens`: its LLM token ids, final (never re-tokenised), image placeholders included;
+    `loss_mask`: 1 where a token is trained on (default: every token); `tensors`: per-token floats by name;
+    `group`: the prompt it answers; `policy_version`: the policy that generated it; its images either
+    `prompt`, the key of the indexed sample whose images it uses, or `images`, image files (bytes or paths)."""
+
+    tokens: Any
+    id: str = ""
+    loss_mask: Any = None
+    tensors: Mapping[str, Any] = field(default_factory=dict)
+    group: str = ""
+    policy_version: int = 0
+    prompt: str = ""
+    images: list = field(default_factory=list)
+
+    @classmethod
+    def of(cls, value: Sample | Mapping[str, Any], base: Path | None = None) -> Sample:
+        """A Sample from itself or a mapping of its fields (a JSON line: image paths relative to `base`, or
+        {"base64": ...})."""
+        if isinstance(value, Sample):
+            return value
+        unknown = set(value) - {f for f in cls.__dataclass_fields__}
+        if unknown:
+            raise ValueError(f"unknown sample fields {sorted(unknown)}: give {sorted(cls.__dataclass_fields__)}")
+        if "tokens" not in value:
+            raise ValueError("a sample needs its tokens")
+        fields_ = dict(value)
+        fields_["images"] = [_image_bytes(image, base) for image in fields_.get("images") or []]
+        return cls(**fields_)
+
+    def to_proto(self) -> pb.LiveSample:
+        message = pb.LiveSample(id=self.id, group=self.group, policy_version=int(self.policy_version),
+                                prompt=self.prompt, images=[_image_bytes(image, None) for image in self.images])
+        message.tokens.CopyFrom(_tensor(self.tokens, np.int32))
+        if self.loss_mask is not None:
+            message.loss_mask.CopyFrom(_tensor(self.loss_mask, np.uint8))
+        for name, values in self.tensors.items():
+            message.tensors[name].CopyFrom(_tensor(values, np.float32))
+        return message
+
+
+@dataclass(frozen=True)
+class PutResult:
+    id: str
+    accepted: bool  # durable in the job (a duplicate too)
+    duplicate: bool = False  # its id was accepted before (a retry): stored once
+    field: str = ""  # refused: what is wrong ...
+    reason: str = ""  # ... and why
+
+
+class SampleRefused(PackfeedError):
+    """Samples the job refused (the others of the put were kept): `results` holds every sample's outcome."""
+
+    def __init__(self, results: list[PutResult]):
+        refused = [r for r in results if not r.accepted]
+        shown = "; ".join(f"{r.id}: {r.field}: {r.reason}" for r in refused[:5])
+        super().__init__(f"{len(refused)} of {len(results)} samples refused: {shown}")
+        self.results = results
+
+
+class Producer:
+    """Puts samples into live job `job` on `target` ("host:port", or several servers of one deployment)."""
+
+    def __init__(self, target: str | list[str], *, job: str, token: str | None = None,
+                 connection: Connection | None = None, batch_samples: int = 256, batch_bytes: int = 16 << 20,
+                 on_refused: str = "raise", full_wait_s: float = 600.0):
+        if on_refused not in ("raise", "return"):
+            raise ValueError("on_refused is 'raise' or 'return'")
+        if connection is not None and token is not None:
+            raise ValueError("give the token in connection=Connection(token=...) or as token=, not both")
+        self.connection = connection or Connection(token=token)
+        self.job, self.on_refused, self.full_wait_s = job, on_refused, full_wait_s
+        self.batch_samples, self.batch_bytes = batch_samples, batch_bytes
+        self.channel = ServerChannel([target] if isinstance(target, str) else list(target), self.connection)
+        self._buffer: list[pb.LiveSample] = []
+        self._buffered_bytes = 0
+        self.results: list[PutResult] = []  # of what `submit` sent, since the last flush
+        self.ended = False
+
+    def put(self, samples: Sample | Mapping | Iterable[Sample | Mapping]) -> PutResult | list[PutResult]:
+        """Put one sample (a PutResult back) or many (a list); returns when they are durable."""
+        one = isinstance(samples, (Sample, Mapping))
+        messages = [self._message(sample) for sample in ([samples] if one else samples)]
+        results = []
+        for start in range(0, len(messages), self.batch_samples):
+            results += self._send(messages[start:start + self.batch_samples])
+        self._check(results)
+        return results[0] if one else results
+
+    def submit(self, sample: Sample | Mapping) -> None:
+        """Buffer a sample; sent once the buffer holds `batch_samples` or `batch_bytes` (or at `flush`)."""
+        message = self._message(sample)
+        self._buffer.append(message)
+        self._buffered_bytes += message.ByteSize()
+        if len(self._buffer) >= self.batch_samples or self._buffered_bytes >= self.batch_bytes:
+            self._send_buffer()
+
+    def flush(self) -> list[PutResult]:
+        """Send what `submit` buffered and wait until it is durable; every submitted sample's result since the
+        last flush."""
+        self._send_buffer()
+        results, self.results = self.results, []
+        self._check(results)
+        return results
+
+    def end(self) -> None:
+        """Flush, then end the job: what is pending forms its last step, and later puts are refused."""
+        self.flush()
+        self._call(pb.PutSamplesRequest(job=self.job, end=True))
+        self.ended = True
+
+    def close(self) -> None:
+        """Flush and let go of the connection (the job goes on: another producer may end it)."""
+        try:
+            self.flush()
+        finally:
+            self.channel.close()
+
+    def __enter__(self) -> Producer:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _message(self, sample: Sample | Mapping) -> pb.LiveSample:
+        sample = Sample.of(sample)
+        if not sample.id:
+            sample.id = uuid.uuid4().hex  # chosen once: every retry of this put sends the same id
+        return sample.to_proto()
+
+    def _send_buffer(self) -> None:
+        if self._buffer:
+            batch, self._buffer, self._buffered_bytes = self._buffer, [], 0
+            self.results += self._send(batch)
+
+    def _send(self, messages: list[pb.LiveSample]) -> list[PutResult]:
+        response = self._call(pb.PutSamplesRequest(job=self.job, samples=messages))
+        return [PutResult(r.id, r.accepted, r.duplicate, r.field, r.reason) for r in response.results]
+
+    def _call(self, request: pb.PutSamplesRequest) -> pb.PutSamplesResponse:
+        """The put, retried (the same ids: idempotent); a full spool is waited out up to `full_wait_s`."""
+        deadline, pause = time.monotonic() + self.full_wait_s, self.connection.backoff or 0.5
+        while True:
+            try:
+                return self.channel.call("PutSamples", request)
+            except PackfeedError as error:
+                if error.code != grpc.StatusCode.RESOURCE_EXHAUSTED or time.monotonic() + pause > deadline:
+                    raise
+                time.sleep(pause)
+                pause = min(pause * 2, 5.0)
+
+    def _check(self, results: list[PutResult]) -> None:
+        if self.on_refused == "raise" and not all(r.accepted for r in results):
+            raise SampleRefused(results)
+
+
+def _tensor(values, dtype) -> pb.Tensor:
+    array = np.ascontiguousarray(np.asarray(values), dtype=np.dtype(dtype).newbyteorder("<")).reshape(-1)
+    return pb.Tensor(dtype=np.dtype(dtype).name, shape=[len(array)], data=array.tobytes())
+
+
+def _image_bytes(image, base: Path | None) -> bytes:
+    if isinstance(image, (bytes, bytearray, memoryview)):
+        return bytes(image)
+    if isinstance(image, Mapping) and "base64" in image:
+        return base64.b64decode(image["base64"])
+    if isinstance(image, (str, Path)):
+        path = Path(image)
+        return (path if path.is_absolute() or base is None else base / path).read_bytes()
+    raise ValueError(f"an image is bytes, a file path or {{'base64': ...}}, not {type(image).__name__}")

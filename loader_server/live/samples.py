@@ -1,0 +1,176 @@
+"""A live sample as a producer puts it (`packfeed.v1.LiveSample`), checked against its job's dataset before
+anything of it is kept: its token ids within the vocabulary, its per-token tensors as long as its tokens, its
+images (by reference to an indexed prompt, or as files) matching their placeholders, and its size within the
+job's caps. A refusal names the field and the reason; the producer's other samples go on."""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from packfeed.media.image_policy import ImagePolicy
+from packfeed.v1 import packfeed_pb2 as pb
+from packfeed.v1.options import MAX_NAME
+
+MAX_SAMPLE_TOKENS = 1 << 20  # a live sample longer than this is refused whatever the caps
+MAX_TENSORS = 16  # named per-token tensors a sample may carry
+MAX_IMAGES = 256
+
+
+class Refused(Exception):
+    """A sample the job cannot take: `field` names what is wrong, the message why."""
+
+    def __init__(self, field_name: str, reason: str):
+        super().__init__(reason)
+        self.field = field_name
+
+
+@dataclass(frozen=True)
+class SampleRules:
+    """What a job's samples must satisfy: its dataset's conventions and caps."""
+
+    vocab_size: int
+    image_context_id: int
+    policy: ImagePolicy
+    # an indexed prompt's sample id and image sizes (None: not in the index, or not referable)
+    prompt_images: Callable[[str], tuple[int, list[tuple[int, int]]] | None]
+    max_tokens: int = MAX_SAMPLE_TOKENS  # the job's token cap, when it has one
+    max_vision: int = 0  # the job's vision cap (0: none)
+
+
+@dataclass
+class LiveSample:
+    """A checked sample: its arrays, and what the planner counts of it."""
+
+    id: str
+    tokens: np.ndarray  # int32 (L,)
+    loss_mask: np.ndarray  # uint8 (L,)
+    tensors: dict[str, np.ndarray]  # float32 (L,) each
+    group: str
+    policy_version: int
+    prompt: str  # the indexed sample whose images it uses ("": none, or its own `images`)
+    images: list[bytes]
+    sizes: list[tuple[int, int]]  # (width, height) of each image
+    prompt_id: int = -1  # `prompt`'s sample id in the job's dataset
+    vision: int = 0  # vision units
+    pixel_bytes: int = 0  # of its tiles, uint8
+    vit_patches: float = 0.0
+    vit_attn_sq: float = 0.0
+    loss_tokens: int = 0
+    members: dict[str, bytes] = field(default_factory=dict)  # filled by the spool
+
+    @property
+    def n_tokens(self) -> int:
+        return len(self.tokens)
+
+    def record(self) -> dict:
+        """What the spool's rows keep of it (the arrays live in its tar members)."""
+        return {"id": self.id, "key": self.id, "group": self.group, "policy_version": self.policy_version, "prompt": self.prompt,
+                "tokens": self.n_tokens, "loss_tokens": self.loss_tokens, "vision": self.vision,
+                "vit_patches": self.vit_patches, "vit_attn_sq": self.vit_attn_sq, "sizes": self.sizes,
+                "n_images": len(self.sizes), "tensors": sorted(self.tensors), "prompt_id": self.prompt_id,
+                "pixel_bytes": self.pixel_bytes}
+
+
+def check_id(value: str) -> str:
+    if not value or len(value) > MAX_NAME or not value.isprintable():
+        raise Refused("id", f"give every sample an id of 1 to {MAX_NAME} printable characters (retries reuse it)")
+    return value
+
+
+def checked_sample(message: pb.LiveSample, rules: SampleRules) -> LiveSample:
+    """The sample, or Refused with the field and the reason."""
+    sample_id = check_id(message.id)
+    tokens = _array(message.tokens, "tokens", np.int32)
+    if not 1 <= len(tokens) <= min(rules.max_tokens, MAX_SAMPLE_TOKENS):
+        raise Refused("tokens", f"{len(tokens):,} tokens: a sample holds 1 to "
+                                f"{min(rules.max_tokens, MAX_SAMPLE_TOKENS):,} (the job's token cap)")
+    if tokens.min() < 0 or tokens.max() >= rules.vocab_size:
+        bad = int(tokens[(tokens < 0) | (tokens >= rules.vocab_size)][0])
+        raise Refused("tokens", f"token id {bad} is outside the vocabulary (0 to {rules.vocab_size - 1})")
+    mask = _array(message.loss_mask, "loss_mask", np.uint8) if message.HasField("loss_mask") else \
+        np.ones(len(tokens), np.uint8)
+    if len(mask) != len(tokens) or mask.max(initial=0) > 1:
+        raise Refused("loss_mask", f"give one 0 or 1 per token ({len(tokens)}), not {len(mask)} values up to "
+                                   f"{int(mask.max(initial=0))}")
+    if len(message.tensors) > MAX_TENSORS:
+        raise Refused("tensors", f"{len(message.tensors)} tensors: at most {MAX_TENSORS}")
+    tensors = {}
+    for name, tensor in sorted(message.tensors.items()):
+        if not name or len(name) > 64 or not name.replace("_", "").isalnum():
+            raise Refused("tensors", f"tensor name {name[:64]!r}: use 1-64 letters, digits and underscores")
+        values = _array(tensor, f"tensors[{name}]", np.float32)
+        if len(values) != len(tokens):
+            raise Refused(f"tensors[{name}]", f"{len(values)} values for {len(tokens)} tokens: one per token")
+        if not np.isfinite(values).all():
+            raise Refused(f"tensors[{name}]", "holds NaN or infinity")
+        tensors[name] = values
+    sample = LiveSample(sample_id, tokens, mask, tensors, message.group[:MAX_NAME], int(message.policy_version),
+                        message.prompt, list(message.images), [], loss_tokens=int(mask.sum()))
+    _check_images(sample, rules)
+    return sample
+
+
+def _array(tensor: pb.Tensor, what: str, dtype) -> np.ndarray:
+    """A wire Tensor as a 1-D array of `dtype` (its declared dtype must be that one)."""
+    dtype = np.dtype(dtype)
+    if tensor.dtype and tensor.dtype != dtype.name:
+        raise Refused(what, f"dtype {tensor.dtype[:32]!r}: send {dtype.name}")
+    itemsize = dtype.itemsize
+    if len(tensor.data) % itemsize or (tensor.shape and list(tensor.shape) != [len(tensor.data) // itemsize]):
+        raise Refused(what, f"{len(tensor.data)} bytes, shape {list(tensor.shape)[:4]}: send a 1-D {dtype.name} "
+                            "array")
+    return np.frombuffer(tensor.data, dtype=dtype.newbyteorder("<")).astype(dtype)
+
+
+def _check_images(sample: LiveSample, rules: SampleRules) -> None:
+    """Its images' sizes and costs, and their placeholder runs in its tokens: one run of image_context_id per
+    image, in order, each exactly as long as that image's placeholder tokens."""
+    if sample.prompt and sample.images:
+        raise Refused("prompt", "give its images by reference (prompt) or as files (images), not both")
+    if sample.prompt:
+        found = rules.prompt_images(sample.prompt)
+        if found is None:
+            raise Refused("prompt", f"no indexed sample {sample.prompt[:MAX_NAME]!r} in the job's dataset (or it "
+                                    "holds videos, which live samples do not reference yet)")
+        sample.prompt_id, sizes = found
+    else:
+        if len(sample.images) > MAX_IMAGES:
+            raise Refused("images", f"{len(sample.images)} images: at most {MAX_IMAGES}")
+        sizes = [_image_size(data, k) for k, data in enumerate(sample.images)]
+    costs = [rules.policy.cost(width, height, len(sizes)) for width, height in sizes]
+    runs = _placeholder_runs(sample.tokens, rules.image_context_id)
+    expected = [cost.llm_tokens for cost in costs]
+    if runs != expected:
+        raise Refused("tokens", f"its image placeholders (runs of token {rules.image_context_id}) are {runs}; its "
+                                f"{len(sizes)} images need runs of {expected} under the dataset's image policy")
+    sample.sizes = [(int(w), int(h)) for w, h in sizes]
+    sample.vision = sum(cost.units for cost in costs)
+    sample.vit_patches = float(sum(cost.vit_patches for cost in costs))
+    sample.vit_attn_sq = float(sum(cost.vit_attn_sq for cost in costs))
+    sample.pixel_bytes = sum(int(np.prod(shape)) for w, h in sizes
+                             for shape in rules.policy.geometry(w, h, len(sizes)).tile_shapes())
+    if rules.max_vision and sample.vision > rules.max_vision:
+        raise Refused("images", f"{sample.vision} vision units: over the job's vision cap {rules.max_vision}")
+
+
+def _image_size(data: bytes, k: int) -> tuple[int, int]:
+    """The image file's size from its header (Pillow reads no pixel here)."""
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with Image.open(io.BytesIO(data)) as image:
+            return image.size
+    except (UnidentifiedImageError, OSError, ValueError, SyntaxError) as error:
+        raise Refused(f"images[{k}]", f"not a readable image file: {error}") from None
+
+
+def _placeholder_runs(tokens: np.ndarray, context_id: int) -> list[int]:
+    """Lengths of the runs of `context_id` in `tokens`, in order."""
+    hit = np.concatenate([[0], (tokens == context_id).astype(np.int8), [0]])
+    edges = np.flatnonzero(np.diff(hit))
+    return (edges[1::2] - edges[::2]).tolist()
+

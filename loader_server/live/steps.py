@@ -1,0 +1,306 @@
+"""A live job's steps: samples arrive (`put`), a step forms once `step_samples` samples (or `step_tokens` tokens)
+are pending, and each step is planned as an epoch of its own members.
+
+Guarantees (docs/live.md):
+- Every sample a put acknowledged is in exactly one step, or dropped as stale by exactly one step (counted):
+  a step's membership is written to the spool before the put that formed it answers, so before any of it
+  is sent, and a server that re-opens the job from its spool forms nothing twice and loses nothing.
+- A step's plan is a pure function of its members (in arrival order), the job's settings and seed: any server,
+  or the same one after a restart, streams a resumed trainer the very packs it would have got.
+- A step holds every one of its members: dp ranks x M packs or, when its samples need more packs under the
+  caps, dp x M' with the fewest M' >= M that hold them (each pack says its step's M).
+- Staleness: step s is trained by the policy of version s (one update a step; producers tag a sample with the
+  version that generated it); with `max_staleness` k a sample of version v is dropped from any step s > v + k.
+- The end: `end` (a producer) forms one last step of what is pending, empty when nothing is; with `steps` N the
+  job ends at step N - 1. A step once sent as not the last stays so.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import hashlib
+import json
+import math
+import threading
+from dataclasses import replace
+
+import numpy as np
+
+from packfeed.server.live.samples import LiveSample, Refused
+from packfeed.server.live.spool import Spool, SpoolFull
+from packfeed.server.plan.costs import SampleLoads
+from packfeed.server.plan.plan_file import Plan
+from packfeed.server.plan.planner import make_plan
+from packfeed.v1.options import LIMITS, LIVE_FIELDS, PlanConfig
+
+PLANS_KEPT = 4  # step plans held (ranks may be a few steps apart); one evicted is planned again, identically
+
+
+class LiveClosed(Exception):
+    """The job ended: it takes no more samples."""
+
+
+class LiveSteps:
+    """One live job's samples and steps, over its spool. Thread-safe."""
+
+    def __init__(self, spool: Spool, config: PlanConfig, seed: int, fingerprint: str, max_bytes: int = 0):
+        self.spool, self.config, self.seed, self.fingerprint = spool, config, seed, fingerprint
+        self.max_bytes = max_bytes  # of spooled batches (0: no bound)
+        self._lock = threading.Lock()
+        self.rows: dict[str, dict] = {}  # id -> its row, while its batch is spooled
+        self.known: set[str] = set()  # every id ever accepted (a retried put is not stored twice)
+        self.pending: collections.deque[str] = collections.deque()  # accepted, in no step yet, in arrival order
+        self.steps: list[dict] = []  # each step's record: members, dropped, last
+        self.tensor_names: tuple[str, ...] | None = None  # fixed by the job's first sample
+        self.arrived = self.dropped = 0
+        self._batch_ids: dict[int, list[str]] = {}  # batch -> its samples' ids, while it is spooled
+        self._batch_left: dict[int, int] = {}  # batch -> its samples not yet released
+        self._released = -1  # every step up to this one acknowledged by every rank
+        self._plans: collections.OrderedDict[int, Plan | None] = collections.OrderedDict()
+        self._next_batch = 1
+        self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future]] = []
+        self._recover()
+
+    # -- state ------------------------------------------------------------------------------------------
+
+    def _recover(self) -> None:
+        """The job as its spool holds it: every durable batch's rows, every recorded step."""
+        taken, released = set(), set()
+        self.steps = self.spool.read_steps()
+        self._released = (self.spool.read_json("released.json") or {"step": -1})["step"]
+        for step, record in enumerate(self.steps):
+            taken.update(record["members"] + record["dropped"])
+            if step <= self._released:
+                released.update(record["members"] + record["dropped"])
+            self.dropped += len(record["dropped"])
+        self.known.update(taken)
+        for number, rows in self.spool.read_batches():
+            self._next_batch = number + 1
+            self._batch_ids[number] = [row["id"] for row in rows]
+            self._batch_left[number] = sum(row["id"] not in released for row in rows)
+            for row in rows:
+                self._register(row)
+                if row["id"] not in taken:
+                    self.pending.append(row["id"])
+            if not self._batch_left[number]:  # released before a crash let it go
+                self._remove_batch(number)
+        self.arrived = len(self.known)
+
+    def _register(self, row: dict) -> None:
+        self.rows[row["id"]] = row
+        self.known.add(row["id"])
+        if self.tensor_names is None:
+            self.tensor_names = tuple(row["tensors"])
+
+    @property
+    def ended(self) -> bool:
+        return bool(self.steps) and self.steps[-1]["last"]
+
+    @property
+    def formed(self) -> int:
+        return len(self.steps)
+
+    def status(self) -> dict:
+        with self._lock:
+            return {"arrived": self.arrived, "pending": len(self.pending), "steps_formed": len(self.steps),
+                    "dropped_stale": self.dropped, "spool_bytes": self.spool.bytes, "ended": self.ended}
+
+    def waiter(self, loop: asyncio.AbstractEventLoop) -> asyncio.Future:
+        """A future of `loop` resolved when the next step forms (or the job ends)."""
+        future = loop.create_future()
+        with self._lock:
+            self._waiters.append((loop, future))
+        return future
+
+    def _wake(self) -> None:
+        waiters, self._waiters = self._waiters, []
+        for loop, future in waiters:
+            loop.call_soon_threadsafe(_resolve, future)
+
+    # -- samples in -------------------------------------------------------------------------------------
+
+    def put(self, samples: list[LiveSample | Refused], end: bool = False) -> list[tuple[str, str]]:
+        """Keep the checked samples (durable when this returns) and form the steps they complete; per sample
+        ("accepted" | "duplicate" | "refused", reason). Raises LiveClosed after the job's end, SpoolError when
+        the spool cannot keep them (nothing of them kept then)."""
+        with self._lock:
+            if self.ended:
+                raise LiveClosed(f"the job ended at step {len(self.steps) - 1}: it takes no more samples")
+            outcomes, accepted, seen = [], [], set()
+            for sample in samples:
+                outcome = self._admit(sample, seen)
+                outcomes.append(outcome)
+                if outcome[0] == "accepted":
+                    accepted.append(sample)
+                    seen.add(sample.id)
+            if accepted:
+                self._keep(accepted)
+            self._form(end)
+            return outcomes
+
+    def _admit(self, sample: LiveSample | Refused, seen: set) -> tuple[str, str]:
+        if isinstance(sample, Refused):
+            return "refused", f"{sample.field}: {sample}"
+        if sample.id in self.known or sample.id in seen:
+            return "duplicate", "already accepted"
+        names = tuple(sorted(sample.tensors))
+        if self.tensor_names is not None and names != self.tensor_names:
+            return "refused", (f"tensors: the job's samples carry {list(self.tensor_names)} (its first sample's); "
+                               f"this one {list(names)}")
+        if self.tensor_names is None:
+            self.tensor_names = names
+        return "accepted", ""
+
+    def _keep(self, accepted: list[LiveSample]) -> None:
+        size = sum(s.n_tokens * 5 + sum(len(i) for i in s.images) + 4 * s.n_tokens * len(s.tensors)
+                   for s in accepted)
+        if self.max_bytes and self.spool.bytes + size > self.max_bytes:
+            raise SpoolFull(f"the live spool holds {self.spool.bytes / 2**30:.2f} GiB of its "
+                             f"{self.max_bytes / 2**30:.2f} GiB (--live-spool-max-gb) until the trainers acknowledge "
+                             "the steps that took them: retry later (the producer waits and retries by itself)")
+        number = self._next_batch
+        rows = self.spool.write_batch(number, accepted)  # durable before anything counts it
+        self._next_batch += 1
+        self._batch_ids[number] = [row["id"] for row in rows]
+        self._batch_left[number] = len(rows)
+        for row in rows:
+            self._register(row)
+            self.pending.append(row["id"])
+        self.arrived += len(rows)
+
+    # -- steps ------------------------------------------------------------------------------------------
+
+    def _form(self, end: bool) -> None:
+        """Form every step the pending samples fill, and with `end` one last of what is left."""
+        while not self.ended:
+            step = len(self.steps)
+            full = self.config.steps and step + 1 >= self.config.steps
+            taken = self._fill(step, whole=False)
+            if taken is None and not end:
+                return
+            members, dropped = taken if taken is not None else self._fill(step, whole=True)
+            last = bool(full) or (end and taken is None)
+            record = {"members": members, "dropped": dropped, "last": last}
+            self.spool.write_step(step, record)  # before any of it is sent
+            if last:
+                self.spool.write_json("ended.json", {"last_step": step})
+            self.steps.append(record)
+            self.dropped += len(dropped)
+            self._wake()
+
+    def _fill(self, step: int, whole: bool) -> tuple[list[str], list[str]] | None:
+        """The next step's members from the pending samples in arrival order, and the stale ones met on the way
+        (dropped); None when they do not fill a step yet (`whole`: take them all, the job's last step)."""
+        limit = self.config.max_staleness
+        members, dropped, tokens = [], [], 0
+        for sample_id in self.pending:
+            row = self.rows[sample_id]
+            if limit is not None and step - row["policy_version"] > limit:
+                dropped.append(sample_id)
+                continue
+            members.append(sample_id)
+            tokens += row["tokens"]
+            if not whole and ((self.config.step_samples and len(members) >= self.config.step_samples)
+                              or (self.config.step_tokens and tokens >= self.config.step_tokens)):
+                break
+        else:
+            if not whole:
+                return None
+        for _ in range(len(members) + len(dropped)):
+            self.pending.popleft()
+        return members, dropped
+
+    # -- steps out --------------------------------------------------------------------------------------
+
+    def record(self, step: int) -> dict:
+        with self._lock:
+            return self.steps[step]
+
+    def has_step(self, step: int) -> bool:
+        """Formed, or still to come."""
+        return step < len(self.steps) or not self.ended
+
+    def is_last(self, step: int) -> bool:
+        return self.record(step)["last"]
+
+    def plan(self, step: int) -> Plan | None:
+        """Step `step`'s plan over its members (their positions in `record(step)["members"]`); None for an empty
+        last step."""
+        with self._lock:
+            if step in self._plans:
+                self._plans.move_to_end(step)
+                return self._plans[step]
+            record, rows = self.steps[step], self.rows
+            if any(sample_id not in rows for sample_id in record["members"]):
+                raise KeyError(f"step {step} was acknowledged by every rank: its samples left the spool")
+            member_rows = [rows[sample_id] for sample_id in record["members"]]
+        plan = step_plan(member_rows, self.config, self.seed, step, self.fingerprint)
+        with self._lock:
+            self._plans[step] = plan
+            while len(self._plans) > PLANS_KEPT:
+                self._plans.popitem(last=False)
+        return plan
+
+    def member_rows(self, step: int, positions: np.ndarray) -> list[dict]:
+        with self._lock:
+            ids = self.steps[step]["members"]
+            return [self.rows[ids[p]] for p in np.asarray(positions).tolist()]
+
+    def release(self, step: int) -> None:
+        """Every rank acknowledged every step up to `step`: the batches wholly consumed leave the spool."""
+        with self._lock:
+            for released in range(self._released + 1, min(step, len(self.steps) - 1) + 1):
+                record = self.steps[released]
+                for sample_id in record["members"] + record["dropped"]:
+                    row = self.rows.get(sample_id)
+                    if row is None:
+                        continue
+                    self._batch_left[row["batch"]] -= 1
+                    if not self._batch_left[row["batch"]]:
+                        self._remove_batch(row["batch"])
+                self._plans.pop(released, None)
+                self._released = released
+                self.spool.write_json("released.json", {"step": released})
+
+    def _remove_batch(self, number: int) -> None:
+        for sample_id in self._batch_ids.pop(number):
+            self.rows.pop(sample_id, None)
+        self.spool.remove_batch(number)
+        del self._batch_left[number]
+
+
+def _resolve(future: asyncio.Future) -> None:
+    if not future.done():
+        future.set_result(None)
+
+
+def step_plan(rows: list[dict], config: PlanConfig, seed: int, step: int, fingerprint: str) -> Plan | None:
+    """A step's plan: its members planned as one epoch (epoch = the step, so each step draws randomness of its
+    own) into a single step of the fewest microbatches M' >= M that hold them. Caps not set are searched on the
+    step's own samples, aiming at dp x M packs."""
+    if not rows:
+        return None
+    loads = SampleLoads(np.ones(len(rows), bool), np.array([r["vision"] for r in rows], np.int32),
+                        np.array([r["tokens"] for r in rows], np.int32),
+                        np.array([r["vit_patches"] for r in rows], np.float32),
+                        np.array([r["vit_attn_sq"] for r in rows], np.float32))
+    planned = replace(config, live=False, **{name: None if name == "max_staleness" else 0 for name in LIVE_FIELDS})
+    if config.token_cap is None:
+        planned = replace(planned, samples_per_pack=max(1.0, len(rows) / config.slots))
+    microbatches = config.microbatches
+    while True:
+        plan = make_plan(loads, replace(planned, microbatches=microbatches), seed, step, fingerprint)
+        if plan.n_steps <= 1:
+            return plan
+        if microbatches >= LIMITS["microbatches"]:
+            raise ValueError(f"step {step}'s {len(rows)} samples need over {LIMITS['microbatches']} packs per rank "
+                             "under the caps: raise token_cap and vision_cap, or lower step_samples")
+        microbatches = min(LIMITS["microbatches"], math.ceil(microbatches * plan.n_steps))
+
+
+def live_fingerprint(config: PlanConfig, seed: int, dataset_fingerprint: str) -> str:
+    """What every step's plan is a function of besides its members: the settings, the seed, the dataset."""
+    described = json.dumps({"config": config.to_dict(), "seed": seed, "dataset": dataset_fingerprint,
+                            "live": 1}, sort_keys=True)
+    return hashlib.sha256(described.encode()).hexdigest()[:32]

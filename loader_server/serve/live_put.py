@@ -1,0 +1,50 @@
+"""PutSamples: a producer's samples into a live job. Each is checked on its own (`packfeed.server.live.samples`):
+one bad sample is refused with its field and reason while the others of the request are kept. The answer
+comes once every accepted sample is durable in the job's spool."""
+
+from __future__ import annotations
+
+import asyncio
+
+from packfeed.server.live.samples import Refused, checked_sample
+from packfeed.server.live.spool import SpoolError, SpoolFull
+from packfeed.server.live.steps import LiveClosed
+from packfeed.server.serve.job_spec import JobError
+from packfeed.server.serve.jobs import Job
+from packfeed.v1 import packfeed_pb2 as pb
+
+MAX_PUT_SAMPLES = 4096  # samples in one request (its bytes are bounded by the server's max_message_mb)
+
+
+async def put_samples(job: Job, request: pb.PutSamplesRequest) -> pb.PutSamplesResponse:
+    live = job.live
+    if live is None:
+        raise JobError("FAILED_PRECONDITION", f"job {job.spec.job!r} is not live (its plan has live false): its "
+                                              "samples come from its dataset; open a job with live=True")
+    if len(request.samples) > MAX_PUT_SAMPLES:
+        raise JobError("INVALID_ARGUMENT", f"{len(request.samples)} samples in one put: at most {MAX_PUT_SAMPLES}")
+    rules = job.dataset.rules(job.spec.plan_config)
+    checked = []
+    for message in request.samples:
+        try:
+            checked.append(checked_sample(message, rules))
+        except Refused as refused:
+            checked.append(refused)
+    try:
+        outcomes = await asyncio.to_thread(live.put, checked, request.end)
+    except LiveClosed as error:
+        raise JobError("FAILED_PRECONDITION", f"job {job.spec.job!r}: {error}") from None
+    except SpoolFull as error:
+        raise JobError("RESOURCE_EXHAUSTED", f"job {job.spec.job!r}: {error}") from None
+    except SpoolError as error:
+        raise JobError("UNAVAILABLE", f"job {job.spec.job!r}: {error}; nothing of this put was kept: retry") from None
+    job.touch()
+    response = pb.PutSamplesResponse()
+    for message, (outcome, reason) in zip(request.samples, outcomes):
+        field, _, why = reason.partition(": ") if outcome == "refused" else ("", "", "")
+        response.results.add(id=message.id[:256], accepted=outcome != "refused", duplicate=outcome == "duplicate",
+                             field=field, reason=why)
+    status = live.status()
+    response.pending, response.steps_formed, response.ended = status["pending"], status["steps_formed"], \
+        status["ended"]
+    return response

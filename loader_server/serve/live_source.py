@@ -1,0 +1,208 @@
+"""A live job's samples as the serving stages read them: `LiveDataset`, what a `Job` asks of its dataset (its plans
+are the live steps, its work names spooled samples), and `LiveRows` / `LiveReader`, what a worker reads a step's
+samples through in place of an index's rows and shards (token ids as put, never re-tokenised; images from the
+referenced prompt's shards or from the files that came with the sample, tiled by the dataset's image policy)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from packfeed.media.chat import IGNORE_INDEX
+from packfeed.media.image_policy import policy_from_dict
+from packfeed.media.pixel_modes import PIXEL_PATHS
+from packfeed.server.live.samples import SampleRules
+from packfeed.server.live.spool import read_array, read_member
+from packfeed.server.live.steps import LiveSteps
+from packfeed.server.serve.index_rows import IndexRows
+from packfeed.server.serve.job_spec import JobError
+from packfeed.server.serve.preprocess import SampleReader, SampleTensors
+from packfeed.server.serve.shard_reader import SampleSkipped
+from packfeed.server.serve.step_work import RankStepWork
+from packfeed.v1.options import PlanConfig
+
+LIVE_LABEL = "live"  # a live sample's `sample_sources` entry
+
+
+class LivePlan:
+    """The face a Job's epoch plan shows for a live job (its one epoch): steps formed so far, and more to come
+    until the job ends."""
+
+    def __init__(self, steps: LiveSteps, config: PlanConfig, seed: int):
+        self.steps, self.config, self.seed, self.epoch = steps, config, seed, 0
+
+    def has_step(self, step: int) -> bool:
+        return step >= 0 and self.steps.has_step(step)
+
+    def is_last_step(self, step: int) -> bool:
+        return self.steps.is_last(step)
+
+    @property
+    def steps_known(self) -> int:
+        return self.steps.formed if self.steps.ended else 0
+
+    @property
+    def steps_estimate(self) -> int:
+        return self.steps.formed
+
+    def fingerprint(self) -> str:
+        return self.steps.fingerprint
+
+    def close(self) -> None:
+        pass
+
+
+@dataclass
+class LiveWork:
+    """A rank-step's live samples for a worker: each member's row (its spool files included), by position."""
+
+    rows: dict[int, dict]
+    image_context_id: int
+
+
+class LiveDataset:
+    """A live job's source: the dataset whose prompts its samples reference (conventions, image policy, shards)
+    and the job's live steps."""
+
+    def __init__(self, prompts, steps: LiveSteps):
+        self.prompts, self.steps = prompts, steps
+        self.name = prompts.name
+        self._keys: dict[str, int] | None = None
+
+    @property
+    def fingerprint(self) -> str:
+        return self.prompts.fingerprint
+
+    @property
+    def conventions(self):
+        return self.prompts.conventions
+
+    @property
+    def pixels(self):
+        return self.prompts.pixels
+
+    @property
+    def part(self):
+        return self.prompts.parts[0]
+
+    def caps(self, config: PlanConfig, loads=None) -> None:
+        return None  # each step's, from its settings or its own samples
+
+    def job_plan(self, config: PlanConfig, seed: int, epoch: int, resume, caps, loads=None) -> LivePlan:
+        return LivePlan(self.steps, config, seed)
+
+    def planned_loads(self, plan):
+        return None
+
+    def rules(self, config: PlanConfig) -> SampleRules:
+        """What the job's samples must satisfy."""
+        conventions = self.conventions
+        return SampleRules(conventions.vocab_size, conventions.image_context_id,
+                           policy_from_dict(self.part.info.image_policy),
+                           self.prompt_images, config.token_cap or 1 << 20, config.vision_cap or 0)
+
+    def prompt_images(self, key: str) -> tuple[int, list[tuple[int, int]]] | None:
+        """An indexed prompt's sample id and image sizes (None: no such sample, or one holding videos)."""
+        if self._keys is None:  # once per job: a dict of the prompts' keys
+            self._keys = {key: number for number, key in enumerate(self.part.rows.table.column("key").to_pylist())}
+        sample_id = self._keys.get(key)
+        if sample_id is None:
+            return None
+        row = self.part.rows.row(sample_id)
+        if row["n_videos"] or row["frames_fps"] is not None or not row["valid"]:
+            return None
+        return sample_id, list(zip(row["image_widths"], row["image_heights"]))
+
+    def work(self, plan: LivePlan, step: int, rank: int, encoder: bool = False) -> RankStepWork:
+        """What a worker needs to prepare one rank's packs of a live step."""
+        try:
+            step_plan = self.steps.plan(step)
+        except KeyError as error:
+            raise JobError("OUT_OF_RANGE", str(error.args[0])) from None
+        except ValueError as error:
+            raise JobError("FAILED_PRECONDITION", f"live step {step} cannot be planned: {error}") from None
+        if step_plan is None:  # the job's empty last step
+            packs = [(np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.int32))] * plan.config.microbatches
+            return self._work(step, rank, packs, {}, 0, True)
+        packs, positions = [], []
+        for microbatch in range(step_plan.config.microbatches):
+            ids, limits = step_plan.pack_with_truncation(0, rank, microbatch)
+            ids = np.asarray(ids, dtype=np.int64)
+            packs.append((ids, np.asarray(limits, dtype=np.int64), np.zeros(len(ids), np.int32)))
+            positions.extend(ids.tolist())
+        rows = dict(zip(positions, self.steps.member_rows(step, positions)))
+        for row in rows.values():
+            row["tar"] = self.steps.spool.tar_path(row["batch"])
+        step_loss = sum(row["loss_tokens"] for row in self.steps.member_rows(step, step_plan.step_members(0)))
+        return self._work(step, rank, packs, rows, step_loss, plan.is_last_step(step))
+
+    def _work(self, step, rank, packs, rows, step_loss, last) -> RankStepWork:
+        work = RankStepWork((self.part.name,), (LIVE_LABEL,), 0, step, rank, packs, step_loss, last,
+                            self.steps.seed)
+        work.live = LiveWork(rows, self.conventions.image_context_id)
+        return work
+
+    def estimate_bytes(self, work: RankStepWork) -> int:
+        rows = work.live.rows.values()
+        return int(sum(row["pixel_bytes"] + row["tokens"] * (16 + 4 * len(row["tensors"])) + 256 for row in rows)
+                   + 1024 * len(work.packs))
+
+    def working_bytes(self, work: RankStepWork) -> int:
+        largest = max((w * h for row in work.live.rows.values() for w, h in row["sizes"]), default=0)
+        need = largest * PIXEL_PATHS[self.pixels].decode_bytes_per_pixel
+        return min(need, work.decode_budget) if work.decode_budget else need
+
+
+class LiveRows:
+    """A step's live rows, by the positions its packs name (what a worker asks of an index's rows)."""
+
+    def __init__(self, live: LiveWork):
+        self.live = live
+
+    def row(self, position: int) -> dict:
+        return self.live.rows[int(position)]
+
+    def pixel_bytes(self, positions) -> int:
+        return sum(self.live.rows[int(p)]["pixel_bytes"] for p in np.asarray(positions).tolist())
+
+
+class LiveReader:
+    """Reads a live sample from the spool, its images through the prompts' dataset reader (`prompts`)."""
+
+    def __init__(self, prompts: SampleReader, prompt_rows: IndexRows, live: LiveWork):
+        self.prompts, self.prompt_rows, self.live = prompts, prompt_rows, live
+        self.policy, self.path = prompts.policy, prompts.path
+
+    # what a worker sets on every reader of a step, passed to the one that decodes
+    empty = property(lambda self: self.prompts.empty, lambda self, value: setattr(self.prompts, "empty", value))
+    decode_budget = property(lambda self: self.prompts.decode_budget,
+                             lambda self, value: setattr(self.prompts, "decode_budget", value))
+
+    def prefetch(self, rows: list[dict[str, Any]]) -> None:
+        pass
+
+    def load(self, row: dict[str, Any], seed: int = 0, epoch: int = 0, pixels: bool = True) -> SampleTensors:
+        tar = row["tar"]
+        try:
+            tokens = read_array(tar, row["members"]["tokens"]).astype(np.int32)
+            mask = read_array(tar, row["members"]["loss_mask"]).astype(bool)
+            tensors = {name: read_array(tar, row["members"][name]).astype(np.float32) for name in row["tensors"]}
+            if row["prompt"]:
+                items = self.prompts.indexed_images(self.prompt_rows.row(row["prompt_id"]), pixels)
+            else:
+                items = [self.prompts.file_image(read_member(tar, span), width, height, len(row["sizes"]),
+                                                 f"{row['id']}.image{k}")
+                         for k, (span, (width, height)) in enumerate(zip(row["images"], row["sizes"]))]
+        except (OSError, ValueError) as error:
+            raise SampleSkipped(f"live spool unreadable: {row['id']}: {error}") from None
+        hit = np.concatenate([[0], (tokens == self.live.image_context_id).astype(np.int8), [0]])
+        starts = np.flatnonzero(np.diff(hit) == 1).tolist()
+        labels = np.where(mask, tokens, IGNORE_INDEX).astype(np.int32)
+        return SampleTensors(row["id"], tokens, labels, [tile for item in items for tile in item.tiles],
+                             [item.n_tiles for item in items], [item.tokens for item in items], starts,
+                             encoded=[item.encoded for item in items if item.encoded is not None],
+                             geometry=[item.geometry for item in items if item.encoded is not None],
+                             kinds=[item.kind for item in items], frame_seconds=[item.seconds for item in items],
+                             token_tensors=tensors, group=row["group"], policy_version=row["policy_version"])
