@@ -11,7 +11,7 @@
 job refuses (its field and reason said) raises `SampleRefused` after the others were kept, or is returned
 with `on_refused="return"`. Retried puts are idempotent: a sample's `id` (chosen here when not given) is
 stored once whatever the retries. A full spool (the trainers are behind) makes `put` wait and retry, up to
-`full_wait_s`. `submit` buffers without waiting; `flush` sends what is buffered and waits until it is durable.
+`full_wait_s`, as is a job its trainers have not opened yet. `submit` buffers without waiting; `flush` sends what is buffered and waits until it is durable.
 """
 
 from __future__ import annotations
@@ -172,13 +172,15 @@ class Producer:
         return [PutResult(r.id, r.accepted, r.duplicate, r.field, r.reason) for r in response.results]
 
     def _call(self, request: pb.PutSamplesRequest) -> pb.PutSamplesResponse:
-        """The put, retried (the same ids: idempotent); a full spool is waited out up to `full_wait_s`."""
+        """The put, retried (the same ids: idempotent). A full spool, and a job the trainers have not opened yet
+        (or not again, after a server restart), are waited out up to `full_wait_s`."""
         deadline, pause = time.monotonic() + self.full_wait_s, self.connection.backoff or 0.5
         while True:
             try:
                 return self.channel.call("PutSamples", request)
             except PackfeedError as error:
-                if error.code != grpc.StatusCode.RESOURCE_EXHAUSTED or time.monotonic() + pause > deadline:
+                waiting = error.code in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.NOT_FOUND)
+                if not waiting or time.monotonic() + pause > deadline:
                     raise
                 time.sleep(pause)
                 pause = min(pause * 2, 5.0)

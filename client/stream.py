@@ -198,6 +198,9 @@ class PackStream:
         counts for `count_at_open_s` at open, the rest in the background): the server is asked again until it
         knows (at most LENGTH_WAIT_S). A windowed job's count is an estimate until every window is planned:
         a TypeError then says the length is not known yet, as for any iterable without one."""
+        if self.info.plan.live and self.info.steps_estimated:
+            raise TypeError(f"job {self.job!r} is live: its length is known once it ends (a producer ends it), or "
+                            f"from the start when its plan gives steps (about {self.info.steps} steps formed now)")
         deadline = time.monotonic() + LENGTH_WAIT_S
         while self.info.steps_estimated:
             self.info = self.channel.call("GetJob", pb.GetJobRequest(job=self.job))

@@ -78,7 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--live-spool", metavar="DIR", help="serve live jobs (PlanConfig live), keeping their put "
                        "samples in DIR until consumed (a folder another server may share)")
     serve.add_argument("--live-spool-max-gb", type=float, help="what the live spool may hold; producers wait "
-                       "beyond it (default: no bound)")
+                       "beyond it (default 50; 0: no bound)")
+    serve.add_argument("--live-max-samples", type=int, help="samples a live job holds unconsumed (their rows are "
+                       "in memory, ~1.5 KB each); producers wait beyond it (default 1,000,000; 0: no bound)")
     serve.add_argument("--log-level", default="INFO")
     serve.set_defaults(func=cmd_serve)
 

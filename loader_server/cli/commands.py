@@ -176,7 +176,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                          dataset=args.dataset, listen=args.listen, metrics_port=args.metrics_port,
                          workers=args.workers, prefetch_steps=args.prefetch_steps,
                          memory_budget_mb=args.memory_budget_mb, live_spool=args.live_spool,
-                         live_spool_max_gb=args.live_spool_max_gb)
+                         live_spool_max_gb=args.live_spool_max_gb, live_max_samples=args.live_max_samples)
     asyncio.run(serve(config))
     return EXIT_OK
 

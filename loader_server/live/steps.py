@@ -44,9 +44,11 @@ class LiveClosed(Exception):
 class LiveSteps:
     """One live job's samples and steps, over its spool. Thread-safe."""
 
-    def __init__(self, spool: Spool, config: PlanConfig, seed: int, fingerprint: str, max_bytes: int = 0):
+    def __init__(self, spool: Spool, config: PlanConfig, seed: int, fingerprint: str, max_bytes: int = 0,
+                 max_samples: int = 0):
         self.spool, self.config, self.seed, self.fingerprint = spool, config, seed, fingerprint
         self.max_bytes = max_bytes  # of spooled batches (0: no bound)
+        self.max_samples = max_samples  # held (their rows live in memory, ~1.5 KB each; 0: no bound)
         self._lock = threading.Lock()
         self.rows: dict[str, dict] = {}  # id -> its row, while its batch is spooled
         self.known: set[str] = set()  # every id ever accepted (a retried put is not stored twice)
@@ -86,6 +88,7 @@ class LiveSteps:
             if not self._batch_left[number]:  # released before a crash let it go
                 self._remove_batch(number)
         self.arrived = len(self.known)
+        self._form(end=False)  # what a crash left pending between a put's batch and its steps
 
     def _register(self, row: dict) -> None:
         self.rows[row["id"]] = row
@@ -155,6 +158,10 @@ class LiveSteps:
     def _keep(self, accepted: list[LiveSample]) -> None:
         size = sum(s.n_tokens * 5 + sum(len(i) for i in s.images) + 4 * s.n_tokens * len(s.tensors)
                    for s in accepted)
+        if self.max_samples and len(self.rows) + len(accepted) > self.max_samples:
+            raise SpoolFull(f"the job holds {len(self.rows):,} samples not yet consumed, its bound "
+                            f"{self.max_samples:,} (--live-max-samples) until the trainers acknowledge the steps "
+                            "that took them: retry later (the producer waits and retries by itself)")
         if self.max_bytes and self.spool.bytes + size > self.max_bytes:
             raise SpoolFull(f"the live spool holds {self.spool.bytes / 2**30:.2f} GiB of its "
                              f"{self.max_bytes / 2**30:.2f} GiB (--live-spool-max-gb) until the trainers acknowledge "

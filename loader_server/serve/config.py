@@ -27,6 +27,7 @@
     range_cache_mb: 10240
     live_spool: /spool          # live jobs (PlanConfig live): where put samples stay until consumed ("" = no live jobs)
     live_spool_max_gb: 50       # what the spool may hold (0 = no bound): producers wait beyond it
+    live_max_samples: 1000000   # samples a live job holds unconsumed (their rows are in memory, ~1.5 KB each)
     datasets:
       demo:
         index: /data/demo/index.parquet
@@ -42,7 +43,8 @@ PACKFEED_MEMORY_BUDGET_MB, PACKFEED_MAX_MESSAGE_MB, PACKFEED_PACK_PART_KB, PACKF
 PACKFEED_REDIS_PASSWORD, PACKFEED_ADVERTISE, PACKFEED_LEASE_TTL_S, PACKFEED_TLS_CERT, PACKFEED_TLS_KEY,
 PACKFEED_TLS_CLIENT_CA, PACKFEED_MAX_STREAMS_PER_CLIENT, PACKFEED_ADDRESS_FILE, PACKFEED_MAX_JOBS,
 PACKFEED_JOB_IDLE_S, PACKFEED_COUNT_AT_OPEN_S, PACKFEED_PREPARE_TIMEOUT_S, PACKFEED_MAX_SKIPPED_FRACTION,
-PACKFEED_RANGE_CACHE_DIR, PACKFEED_RANGE_CACHE_MB, PACKFEED_LIVE_SPOOL, PACKFEED_LIVE_SPOOL_MAX_GB, and for a single dataset
+PACKFEED_RANGE_CACHE_DIR, PACKFEED_RANGE_CACHE_MB, PACKFEED_LIVE_SPOOL, PACKFEED_LIVE_SPOOL_MAX_GB,
+PACKFEED_LIVE_MAX_SAMPLES, and for a single dataset
 PACKFEED_INDEX / PACKFEED_TOKENIZER / PACKFEED_SHARD_ROOT. Image policy and chat template always come from
 the index: they decided the token counts the plan balances, so serving with others would break it.
 """
@@ -110,7 +112,8 @@ class ServerConfig:
     # Live jobs (PlanConfig.live): the folder their put samples are kept in until consumed ("" = no live jobs),
     # and what it may hold (0 = no bound; producers get RESOURCE_EXHAUSTED and wait beyond it)
     live_spool: str = ""
-    live_spool_max_gb: float = 0.0
+    live_spool_max_gb: float = 50.0
+    live_max_samples: int = 1_000_000  # per live job, held unconsumed: its rows are in memory (0 = no bound)
     datasets: dict[str, DatasetSource | MixtureSource] = field(default_factory=dict)
 
     def validate(self) -> "ServerConfig":
@@ -136,8 +139,8 @@ class ServerConfig:
             problems.append("max_jobs must be >= 1, job_idle_s and prepare_timeout_s > 0")
         if self.count_at_open_s < 0:
             problems.append("count_at_open_s must be >= 0")
-        if not self.live_spool_max_gb >= 0:
-            problems.append("live_spool_max_gb must be >= 0 (0: no bound)")
+        if not self.live_spool_max_gb >= 0 or self.live_max_samples < 0:
+            problems.append("live_spool_max_gb and live_max_samples must be >= 0 (0: no bound)")
         if not 0 <= self.max_skipped_fraction <= 1:
             problems.append("max_skipped_fraction must be between 0 and 1")
         if bool(self.tls_cert) != bool(self.tls_key):

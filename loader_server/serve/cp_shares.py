@@ -65,11 +65,14 @@ def _share(pack: Pack, degree: np.ndarray, group: np.ndarray, lane: int, tempora
                "cp_chunks": np.array([[a0, b0, a1, b1] for (a0, b0), (a1, b1) in chunks], dtype=np.int32)
                .reshape(-1, 4)}
     tensors.update(_items(t, mine, cu, unsplit, d, j, temporal_patch))
+    tensors.update({name: t[name][token_index] for name in t if name.startswith("token.")})  # a live job's
+    if "policy_version" in t:
+        tensors["policy_version"] = t["policy_version"][mine]
     keys = [pack.sample_keys[k] for k in mine]
     sources = [pack.sample_sources[k] for k in mine] if pack.sample_sources else []
     return Pack(pack.epoch, pack.step, pack.rank, pack.microbatch, keys, tensors,
                 int((labels != IGNORE_INDEX).sum()), pack.skipped if lane == 0 else [], pack.step_loss_tokens,
-                sources)
+                sources, sample_groups=[pack.sample_groups[k] for k in mine] if pack.sample_groups else [])
 
 
 def _items(t: dict, mine: np.ndarray, cu: np.ndarray, unsplit: np.ndarray, d: int, j: int,

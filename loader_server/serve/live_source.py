@@ -41,7 +41,8 @@ class LivePlan:
 
     @property
     def steps_known(self) -> int:
-        return self.steps.formed if self.steps.ended else 0
+        """The job's length: its `steps` when its plan gives them, the steps formed once it ended, else 0."""
+        return self.config.steps or (self.steps.formed if self.steps.ended else 0)
 
     @property
     def steps_estimate(self) -> int:
@@ -126,21 +127,25 @@ class LiveDataset:
         if step_plan is None:  # the job's empty last step
             packs = [(np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.int32))] * plan.config.microbatches
             return self._work(step, rank, packs, {}, 0, True)
-        packs, positions = [], []
+        packs, positions, spans = [], [], []
         for microbatch in range(step_plan.config.microbatches):
             ids, limits = step_plan.pack_with_truncation(0, rank, microbatch)
             ids = np.asarray(ids, dtype=np.int64)
             packs.append((ids, np.asarray(limits, dtype=np.int64), np.zeros(len(ids), np.int32)))
             positions.extend(ids.tolist())
+            spans.append(step_plan.pack_cp(0, rank, microbatch))
         rows = dict(zip(positions, self.steps.member_rows(step, positions)))
         for row in rows.values():
             row["tar"] = self.steps.spool.tar_path(row["batch"])
         step_loss = sum(row["loss_tokens"] for row in self.steps.member_rows(step, step_plan.step_members(0)))
-        return self._work(step, rank, packs, rows, step_loss, plan.is_last_step(step))
+        return self._work(step, rank, packs, rows, step_loss, plan.is_last_step(step), spans)
 
-    def _work(self, step, rank, packs, rows, step_loss, last) -> RankStepWork:
+    def _work(self, step, rank, packs, rows, step_loss, last, spans=None) -> RankStepWork:
+        cp = self.steps.config.context_parallel
+        if cp > 1 and spans is None:  # the empty last step: every lane an empty share
+            spans = [(np.ones(0, np.int64), np.zeros(0, np.int64))] * len(packs)
         work = RankStepWork((self.part.name,), (LIVE_LABEL,), 0, step, rank, packs, step_loss, last,
-                            self.steps.seed)
+                            self.steps.seed, cp_spans=spans if cp > 1 else None, cp=cp)
         work.live = LiveWork(rows, self.conventions.image_context_id)
         return work
 

@@ -33,11 +33,11 @@ class JobRegistry:
 
     def __init__(self, datasets: dict[str, Dataset], max_jobs: int = 64, idle_s: float = 3600.0,
                  plan_wait_s: float = 60.0, count_at_open_s: float = 2.0, live_spool: str = "",
-                 live_spool_max_bytes: int = 0):
+                 live_bounds: tuple[int, int] = (0, 0)):
         self.datasets = datasets
         self.max_jobs, self.idle_s, self.plan_wait_s = max_jobs, idle_s, plan_wait_s
         self.count_at_open_s = count_at_open_s
-        self.live_spool, self.live_spool_max_bytes = live_spool, live_spool_max_bytes
+        self.live_spool, self.live_bounds = live_spool, live_bounds  # spool bytes and samples per job (0: none)
         self.jobs: dict[str, Job] = {}
         self.closed: collections.deque = collections.deque(maxlen=CLOSED_LISTED)  # newest first
         self._lock = threading.Lock()
@@ -103,7 +103,7 @@ class JobRegistry:
             spool = Spool(self.live_spool, spec.job, spec.describe())
             steps = LiveSteps(spool, spec.plan_config, spec.seed,
                               live_fingerprint(spec.plan_config, spec.seed, dataset.fingerprint),
-                              self.live_spool_max_bytes)
+                              *self.live_bounds)
         except SpoolError as error:
             raise JobError("FAILED_PRECONDITION", str(error)) from None
         return LiveDataset(dataset, steps)

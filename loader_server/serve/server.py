@@ -99,7 +99,7 @@ async def serve(config: ServerConfig, ready: asyncio.Event | None = None, stop: 
     coordinator = coordinator_from_url(config.redis_url, config.redis_password)
     registry = JobRegistry(datasets, max_jobs=config.max_jobs, idle_s=config.job_idle_s,
                            count_at_open_s=config.count_at_open_s, live_spool=config.live_spool,
-                           live_spool_max_bytes=int(config.live_spool_max_gb * 2**30))
+                           live_bounds=(int(config.live_spool_max_gb * 2**30), config.live_max_samples))
     service = PackfeedService(config, registry, pool, metrics, coordinator)
     interceptors = [TokenAuth(config.auth_token)] if config.auth_token else []
     server = grpc.aio.server(interceptors=interceptors, options=grpc_options(config))

@@ -328,10 +328,10 @@ class PlanConfig:
         if self.window:
             problems.append("a live job plans each step as it forms: leave window at 0")
         if self.strategy.padded:
-            problems.append(f"a live job plans ISF packs: strategy isf+balance, isf or isf+phases, not "
-                            f"{self.strategy.value}")
-        if self.context_parallel > 1:
-            problems.append("a live job does not plan context parallelism yet: leave context_parallel at 1")
+            problems.append(f"a live job plans ISF packs: strategy isf+balance or isf, not {self.strategy.value}")
+        if self.strategy is Strategy.ISF_PHASES or self.encoder_ranks:
+            problems.append("a live job encodes images where they train: strategy isf+balance or isf, "
+                            "encoder_ranks 0")
         return problems
 
     @property

@@ -1,0 +1,274 @@
+"""Live jobs end to end: real `packfeed serve` processes with a live spool, real gRPC on loopback, producers putting
+samples (text-only, and with images referencing an indexed prompt or sent as files) while two trainer ranks
+stream them; a server killed mid-job and restarted on its spool; `packfeed put`; bad input; a full spool."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import subprocess
+import sys
+import threading
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from ports import free_port
+from packfeed.client import Connection, LocalServer, PackfeedError, PackStream, PlanConfig, Producer
+from packfeed.media.image_policy import policy_from_dict
+
+pytestmark = pytest.mark.slow
+TOKEN = "live-secret"
+CONNECTION = Connection(token=TOKEN, retries=8, backoff=0.25)
+LIVE = PlanConfig(dp=2, microbatches=1, live=True, step_samples=8)
+
+
+@pytest.fixture(scope="module")
+def server(small_tile_index, tmp_path_factory):
+    spool = tmp_path_factory.mktemp("spool")
+    with LocalServer(small_tile_index, workers=1, env={"PACKFEED_AUTH_TOKEN": TOKEN},
+                     extra_args=["--live-spool", str(spool)]) as running:
+        running.spool = spool
+        yield running
+
+
+@pytest.fixture(scope="module")
+def prompts(server):
+    """The prompt side as rollout workers see it: an ordinary job over the index, each prompt's key, its tokens
+    (image placeholders included) and its images' count."""
+    stream = PackStream(server.target, job="prompts", rank=0, plan=PlanConfig(dp=1), connection=CONNECTION)
+    out = {}
+    for step in stream:
+        for pack in step.packs:
+            cu = pack.cu_seqlens.tolist()
+            for k, key in enumerate(pack.sample_keys):
+                out[key] = (pack.input_ids[cu[k]:cu[k + 1]].numpy().copy(), int((pack.image_sample == k).sum()))
+    stream.close()
+    return out, stream.conventions
+
+
+def response(rng, conventions, n: int) -> np.ndarray:
+    """n token ids a policy might generate: in the vocabulary, never an image marker."""
+    markers = {conventions.image_context_id, conventions.image_start_id, conventions.image_end_id}
+    tokens = rng.integers(100, conventions.vocab_size, n)
+    return np.array([t if t not in markers else 100 for t in tokens.tolist()], dtype=np.int32)
+
+
+def text_sample(rng, conventions, sample_id: str, version: int = 0) -> dict:
+    n = int(rng.integers(20, 200))
+    return {"id": sample_id, "tokens": response(rng, conventions, n), "loss_mask": (np.arange(n) >= 5).astype(np.uint8),
+            "group": sample_id[:3], "policy_version": version, "tensors": {"advantages": rng.normal(size=n)}}
+
+
+def png(width: int, height: int, seed: int) -> bytes:
+    pixels = np.random.default_rng(seed).integers(0, 255, (height, width, 3), dtype=np.uint8)
+    buffer = io.BytesIO()
+    Image.fromarray(pixels).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def image_samples(rng, prompts, conventions, count: int) -> list[dict]:
+    """Rollouts of indexed prompts with images (by reference), and of prompts whose images come as files."""
+    prompt_tokens, _ = prompts
+    with_images = [key for key, (_, images) in sorted(prompt_tokens.items()) if images][:count]
+    out = []
+    for number, key in enumerate(with_images):
+        tokens, _ = prompt_tokens[key]
+        answer = response(rng, conventions, int(rng.integers(5, 60)))
+        out.append({"id": f"img-{number}", "prompt": key, "group": key, "policy_version": 0,
+                    "tokens": np.concatenate([tokens, answer]),
+                    "loss_mask": np.r_[np.zeros(len(tokens)), np.ones(len(answer))].astype(np.uint8),
+                    "tensors": {"advantages": rng.normal(size=len(tokens) + len(answer))}})
+    policy = policy_from_dict(json.loads(conventions.image_policy.parameters_json))
+    for number, (width, height) in enumerate([(224, 112), (112, 112), (300, 200)]):
+        placeholders = policy.cost(width, height, 1).llm_tokens
+        tokens = np.concatenate([response(rng, conventions, 7), np.full(placeholders, conventions.image_context_id,
+                                                                         np.int32), response(rng, conventions, 30)])
+        out.append({"id": f"file-{number}", "images": [png(width, height, number)], "group": f"file-{number}",
+                    "tokens": tokens, "loss_mask": (np.arange(len(tokens)) >= 7 + placeholders).astype(np.uint8),
+                    "tensors": {"advantages": rng.normal(size=len(tokens))}})
+    return out
+
+
+def consume(target, job: str, rank: int, out: dict, plan: PlanConfig = LIVE, state: dict | None = None,
+            stop_after: int | None = None) -> None:
+    """Stream a rank of a live job into out[rank]: per step, per sample (key, group, tokens, labels, advantages,
+    images, tiles); with `stop_after`, stop there and keep the state to resume from in out["state", rank]."""
+    stream = PackStream(target, job=job, rank=rank, plan=plan, connection=CONNECTION)
+    if state is not None:
+        stream.load_state_dict(state)
+    steps = out.setdefault(rank, [])
+    try:
+        for step in stream:
+            samples = []
+            for pack in step.packs:
+                cu = pack.cu_seqlens.tolist()
+                tensors = pack.token_tensors
+                for k, key in enumerate(pack.sample_keys):
+                    span = slice(cu[k], cu[k + 1])
+                    samples.append((key, pack.sample_groups[k], pack.input_ids[span].numpy().copy(),
+                                    pack.labels[span].numpy().copy(),
+                                    tensors["advantages"][span].numpy().copy() if tensors else None,
+                                    int((pack.image_sample == k).sum()), int(pack.policy_version[k])))
+            steps.append((step.step, step.last_in_epoch, samples))
+            if stop_after is not None and len(steps) >= stop_after:
+                out["state", rank] = stream.state_dict()
+                return
+    except Exception as error:  # noqa: BLE001 - the test reads it
+        out["error", rank] = error
+    finally:
+        stream.close()
+
+
+def start_ranks(target, job, out, **kwargs) -> list[threading.Thread]:
+    threads = [threading.Thread(target=consume, args=(target, job, rank, out), kwargs=kwargs) for rank in range(2)]
+    for thread in threads:
+        thread.start()
+    return threads
+
+
+def test_two_producers_and_two_ranks_every_sample_exactly_once(server, prompts):
+    conventions = prompts[1]
+    rng = np.random.default_rng(0)
+    text = [text_sample(rng, conventions, f"txt-{i}") for i in range(24)]
+    images = image_samples(rng, prompts, conventions, 9)
+    out: dict = {}
+    ranks = start_ranks(server.target, "grpo", out)  # the trainers open the job and wait for samples
+
+    def produce(samples, retry_first: bool) -> None:
+        with Producer(server.target, job="grpo", connection=CONNECTION, batch_samples=5) as producer:
+            for start in range(0, len(samples), 5):
+                producer.put(samples[start:start + 5])
+            if retry_first:  # a retried put (its answer lost): stored once
+                assert all(r.duplicate for r in producer.put(samples[:5]))
+
+    producers = [threading.Thread(target=produce, args=(samples, retry)) for samples, retry in
+                 ((text, False), (images, True))]
+    for thread in producers:
+        thread.start()
+    for thread in producers:
+        thread.join(120)
+    Producer(server.target, job="grpo", connection=CONNECTION).end()
+    for thread in ranks:
+        thread.join(120)
+    assert not [key for key in out if isinstance(key, tuple) and key[0] == "error"], out
+    put = {sample["id"]: sample for sample in text + images}
+    consumed = [s for rank in range(2) for _, _, samples in out[rank] for s in samples]
+    assert sorted(s[0] for s in consumed) == sorted(put)  # every sample, once
+    for key, group, tokens, labels, advantages, n_images, version in consumed:
+        sample = put[key]
+        assert np.array_equal(tokens, sample["tokens"]) and group == sample["group"] and version == 0
+        assert np.array_equal(labels, np.where(sample["loss_mask"] > 0, sample["tokens"], -100))
+        assert np.allclose(advantages, np.asarray(sample["tensors"]["advantages"], np.float32))
+        expected_images = prompts[0][sample["prompt"]][1] if "prompt" in sample else len(sample.get("images", []))
+        assert n_images == expected_images
+    steps = [[(number, last) for number, last, _ in out[rank]] for rank in range(2)]
+    assert steps[0] == steps[1] and steps[0][-1][1] and not any(last for _, last in steps[0][:-1])
+    assert len(steps[0]) == -(-len(put) // 8)  # 35 samples: 4 full steps, the end forms the fifth
+
+
+def test_a_killed_server_restarts_from_its_spool_nothing_lost_or_repeated(small_tile_index, prompts, tmp_path):
+    """kill -9 mid-job, restart on the same spool: the resumed trainers get exactly the packs of a run that was
+    never interrupted (the same samples put in the same batches into another job)."""
+    conventions = prompts[1]
+    rng = np.random.default_rng(1)
+    first = [text_sample(rng, conventions, f"a-{i}") for i in range(32)]
+    later = [text_sample(rng, conventions, f"b-{i}") for i in range(12)]
+    port = free_port()
+    args = ["--live-spool", str(tmp_path / "spool"), "--listen", f"127.0.0.1:{port}"]
+
+    def run(job: str, interrupted: bool) -> dict:
+        out: dict = {}
+        env = {"PACKFEED_AUTH_TOKEN": TOKEN}
+        server = LocalServer(small_tile_index, workers=1, env=env, extra_args=args).start()
+        try:
+            with Producer(server.target, job=job, connection=CONNECTION) as producer:
+                ranks = start_ranks(server.target, job, out, stop_after=2 if interrupted else None)
+                for start in range(0, len(first), 8):
+                    producer.put(first[start:start + 8])
+                if interrupted:
+                    for thread in ranks:
+                        thread.join(120)
+                    server.process.kill()  # kill -9: no clean-up of any kind
+                    server.process.wait()
+                    server = LocalServer(small_tile_index, workers=1, env=env, extra_args=args).start()
+                    ranks = [threading.Thread(target=consume, args=(server.target, job, rank, out),
+                                              kwargs={"state": out["state", rank]}) for rank in range(2)]
+                    for thread in ranks:
+                        thread.start()
+                producer.put(later)
+                producer.end()
+            for thread in ranks:
+                thread.join(120)
+        finally:
+            server.stop()
+        assert not [key for key in out if isinstance(key, tuple) and key[0] == "error"], out
+        return out
+
+    interrupted, whole = run("restarted", True), run("uninterrupted", False)
+    for rank in range(2):
+        assert [(n, last, [(s[0], s[2].tobytes()) for s in samples]) for n, last, samples in interrupted[rank]] == \
+            [(n, last, [(s[0], s[2].tobytes()) for s in samples]) for n, last, samples in whole[rank]]
+    keys = [s[0] for rank in range(2) for _, _, samples in interrupted[rank] for s in samples]
+    assert sorted(keys) == sorted(s["id"] for s in first + later)
+
+
+def test_bad_input_is_refused_with_its_reason_while_a_bystander_goes_on(server, prompts):
+    conventions = prompts[1]
+    rng = np.random.default_rng(2)
+    capped = PlanConfig(dp=2, microbatches=1, live=True, step_samples=8, token_cap=256, vision_cap=64)
+    out: dict = {}
+    ranks = start_ranks(server.target, "bystander", out, plan=capped)
+    good = [text_sample(rng, conventions, f"ok-{i}") for i in range(16)]
+    bad = text_sample(rng, conventions, "bad")
+    n = len(bad["tokens"])
+    cases = {
+        "vocab": ({**bad, "id": "vocab", "tokens": np.full(n, conventions.vocab_size + 5)}, "tokens", "vocabulary"),
+        "lengths": ({**bad, "id": "lengths", "tensors": {"advantages": np.zeros(n + 3)}}, "tensors[advantages]",
+                    f"{n + 3} values for {n} tokens"),
+        "prompt": ({**bad, "id": "prompt", "prompt": "no-such-sample"}, "prompt", "no indexed sample"),
+        "cap": ({**bad, "id": "cap", "tokens": response(rng, conventions, 300), "loss_mask": np.ones(300),
+                 "tensors": {"advantages": np.zeros(300)}}, "tokens", "token cap"),
+    }
+    with Producer(server.target, job="bystander", connection=CONNECTION, on_refused="return") as producer:
+        results = producer.put([case for case, _, _ in cases.values()] + good[:8])
+        for result, (_, field, reason) in zip(results, cases.values()):
+            assert not result.accepted and result.field == field and reason in result.reason, result
+        assert all(result.accepted for result in results[len(cases):])
+        with pytest.raises(PackfeedError, match="UNAUTHENTICATED"):
+            Producer(server.target, job="bystander", token="wrong", connection=None).put(good[8])
+        with pytest.raises(PackfeedError, match="not live"):
+            Producer(server.target, job="prompts", connection=CONNECTION).put(good[8])
+        producer.put(good[8:])
+        producer.end()
+    for thread in ranks:
+        thread.join(120)
+    keys = sorted(s[0] for rank in range(2) for _, _, samples in out[rank] for s in samples)
+    assert keys == sorted(sample["id"] for sample in good)
+
+
+def test_packfeed_put_puts_a_json_lines_file(server, prompts, tmp_path):
+    conventions = prompts[1]
+    rng = np.random.default_rng(3)
+    lines = []
+    for i in range(16):
+        n = int(rng.integers(10, 80))
+        lines.append({"id": f"r{i}", "tokens": response(rng, conventions, n).tolist(), "group": f"q{i // 4}",
+                      "loss_mask": [0] * 3 + [1] * (n - 3)})
+    rollouts = tmp_path / "rollouts.jsonl"
+    rollouts.write_text("\n".join(json.dumps(line) for line in lines) + "\n" + json.dumps({"id": "broken"}) + "\n")
+    out: dict = {}
+    ranks = start_ranks(server.target, "offline", out)
+    put = subprocess.run([sys.executable, "-m", "packfeed.server.cli", "put", server.target, "--job", "offline",
+                          str(rollouts), "--end"], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PACKFEED_AUTH_TOKEN": TOKEN})
+    assert put.returncode == 3, put.stderr  # one line refused
+    assert json.loads(put.stdout) == {"put": 16, "duplicates": 0, "refused": 1, "ended": True}
+    assert "rollouts.jsonl:17: line: a sample needs its tokens" in put.stderr
+    for thread in ranks:
+        thread.join(120)
+    assert not [key for key in out if isinstance(key, tuple)], out
+    keys = sorted(s[0] for rank in range(2) for _, _, samples in out[rank] for s in samples)
+    assert keys == sorted(line["id"] for line in lines)

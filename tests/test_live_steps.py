@@ -1,0 +1,234 @@
+"""A live job's samples and steps without a server: the checks a put runs, the spool, step formation, staleness,
+the end, recovery from the spool after a crash, and release of what every rank consumed."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from packfeed.media.image_policy import policy_from_dict
+from packfeed.server.live.samples import Refused, SampleRules, checked_sample
+from packfeed.server.live.spool import Spool, SpoolError, SpoolFull, job_folder
+from packfeed.server.live.steps import LiveClosed, LiveSteps, live_fingerprint
+from packfeed.v1 import packfeed_pb2 as pb
+from packfeed.v1.options import PlanConfig
+
+CONTEXT = 7  # the image placeholder token of these tests
+POLICY = policy_from_dict({"name": "internvl", "image_size": 112, "tokens_per_tile": 16, "max_num": 4})
+PROMPTS = {"prompt-a": (3, [(224, 112)])}  # key -> (sample id, image sizes)
+
+
+def rules(**overrides) -> SampleRules:
+    values = dict(vocab_size=1000, image_context_id=CONTEXT, policy=POLICY, prompt_images=PROMPTS.get)
+    return SampleRules(**{**values, **overrides})
+
+
+def tensor(values, dtype) -> pb.Tensor:
+    array = np.asarray(values, dtype=dtype)
+    return pb.Tensor(dtype=array.dtype.name, shape=[len(array)], data=array.tobytes())
+
+
+def message(sample_id: str, n: int = 10, version: int = 0, group: str = "g", **fields) -> pb.LiveSample:
+    out = pb.LiveSample(id=sample_id, group=group, policy_version=version, prompt=fields.pop("prompt", ""),
+                        images=fields.pop("images", []))
+    out.tokens.CopyFrom(tensor(fields.pop("tokens", np.arange(20, 20 + n)), np.int32))
+    out.loss_mask.CopyFrom(tensor(fields.pop("loss_mask", [0] * (n // 2) + [1] * (n - n // 2)), np.uint8))
+    for name, values in fields.pop("tensors", {"advantages": np.linspace(-1, 1, n)}).items():
+        out.tensors[name].CopyFrom(tensor(values, np.float32))
+    assert not fields
+    return out
+
+
+def sample(sample_id: str, n: int = 10, version: int = 0, **fields):
+    return checked_sample(message(sample_id, n, version, **fields), rules())
+
+
+def live(tmp_path, config: PlanConfig, **bounds) -> LiveSteps:
+    spool = Spool(tmp_path, "job-1", json.dumps({"plan": config.to_dict()}))
+    return LiveSteps(spool, config, 0, live_fingerprint(config, 0, "index"), **bounds)
+
+
+def png(width: int, height: int) -> bytes:
+    buffer = io.BytesIO()
+    Image.new("RGB", (width, height), (120, 30, 200)).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+# -- checks --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fields, field, reason", [
+    ({"tokens": [5, 1000, 3]}, "tokens", "outside the vocabulary"),
+    ({"tokens": [5, -1, 3]}, "tokens", "outside the vocabulary"),
+    ({"loss_mask": [1, 1]}, "loss_mask", "one 0 or 1 per token"),
+    ({"tensors": {"advantages": [0.5] * 3}}, "tensors[advantages]", "3 values for 10 tokens"),
+    ({"tensors": {"advantages": [float("nan")] * 10}}, "tensors[advantages]", "NaN"),
+    ({"tensors": {"bad name!": [0.0] * 10}}, "tensors", "letters, digits and underscores"),
+    ({"prompt": "nowhere"}, "prompt", "no indexed sample 'nowhere'"),
+    ({"images": [b"not an image"]}, "images[0]", "not a readable image file"),
+    ({"images": [png(112, 112)]}, "tokens", "image placeholders"),  # the image's 16 placeholders are missing
+    ({"prompt": "prompt-a"}, "tokens", "image placeholders"),
+])
+def test_a_bad_sample_is_refused_with_its_field_and_reason(fields, field, reason):
+    with pytest.raises(Refused, match=reason) as refused:
+        checked_sample(message("s", 10, **fields), rules())
+    assert refused.value.field == field
+
+
+def test_images_are_costed_from_their_placeholders_and_sizes():
+    image = png(224, 112)  # two 112 px tiles and a thumbnail under InternVL tiling: 3 x 16 placeholders
+    tokens = [1, 2] + [CONTEXT] * 48 + [3, 4]
+    by_file = checked_sample(message("a", len(tokens), tokens=tokens, images=[image]), rules())
+    by_reference = checked_sample(message("b", len(tokens), tokens=tokens, prompt="prompt-a"), rules())
+    assert by_file.sizes == by_reference.sizes == [(224, 112)]
+    assert by_file.vision == by_reference.vision == POLICY.cost(224, 112, 1).units > 0
+    assert by_reference.prompt_id == 3 and by_file.pixel_bytes == 3 * 3 * 112 * 112
+    with pytest.raises(Refused, match="over the job's vision cap"):
+        checked_sample(message("c", len(tokens), tokens=tokens, images=[image]), rules(max_vision=1))
+    with pytest.raises(Refused, match="the job's token cap"):
+        checked_sample(message("d", 30), rules(max_tokens=20))
+
+
+def test_a_sample_without_a_loss_mask_is_trained_on_every_token():
+    bare = message("s", 6)
+    bare.ClearField("loss_mask")
+    assert checked_sample(bare, rules()).loss_tokens == 6
+
+
+# -- steps ---------------------------------------------------------------------------------------------------
+
+
+def test_steps_form_in_arrival_order_every_sample_once(tmp_path):
+    steps = live(tmp_path, PlanConfig(dp=2, live=True, step_samples=4))
+    outcomes = steps.put([sample(f"s{i}") for i in range(10)])
+    assert [outcome for outcome, _ in outcomes] == ["accepted"] * 10
+    assert steps.formed == 2 and len(steps.pending) == 2
+    assert [steps.record(s)["members"] for s in range(2)] == [[f"s{i}" for i in range(4)],
+                                                              [f"s{i}" for i in range(4, 8)]]
+    steps.put([sample("s10")], end=True)  # the end: what is pending forms the last step
+    assert steps.ended and steps.record(2) == {"members": ["s8", "s9", "s10"], "dropped": [], "last": True}
+    with pytest.raises(LiveClosed, match="ended at step 2"):
+        steps.put([sample("late")])
+    members = [m for s in range(3) for m in steps.record(s)["members"]]
+    assert sorted(members) == sorted(f"s{i}" for i in range(11))
+
+
+def test_a_step_forms_on_tokens_and_the_end_forms_an_empty_last_step_when_nothing_is_pending(tmp_path):
+    steps = live(tmp_path, PlanConfig(dp=1, live=True, step_tokens=25))
+    steps.put([sample("a", 10), sample("b", 10)])
+    assert steps.formed == 0  # 20 tokens
+    steps.put([sample("c", 10), sample("d", 10)])
+    assert steps.formed == 1 and steps.record(0)["members"] == ["a", "b", "c"]  # the sample reaching 25 included
+    steps.put([sample("e", 30)], end=False)
+    assert steps.formed == 2 and steps.record(1)["members"] == ["d", "e"]
+    steps.put([], end=True)
+    assert steps.record(2) == {"members": [], "dropped": [], "last": True} and steps.plan(2) is None
+
+
+def test_a_job_of_n_steps_ends_at_its_last(tmp_path):
+    steps = live(tmp_path, PlanConfig(dp=1, live=True, step_samples=2, steps=2))
+    steps.put([sample(f"s{i}") for i in range(5)])
+    assert steps.formed == 2 and steps.ended and steps.is_last(1) and not steps.is_last(0)
+    assert list(steps.pending) == ["s4"]  # accepted in the put that ended it: never in a step
+
+
+def test_stale_samples_are_dropped_and_counted_once(tmp_path):
+    steps = live(tmp_path, PlanConfig(dp=1, live=True, step_samples=2, max_staleness=1))
+    steps.put([sample("a", version=0), sample("b", version=0)])  # step 0
+    steps.put([sample("c", version=0), sample("d", version=1), sample("e", version=0), sample("f", version=1)])
+    assert steps.record(1) == {"members": ["c", "d"], "dropped": [], "last": False}  # 1 - 0 <= 1
+    steps.put([sample("g", version=2)])  # step 2 takes f (2 - 1 <= 1) and g, e (2 - 0 > 1) is dropped
+    assert steps.record(2) == {"members": ["f", "g"], "dropped": ["e"], "last": False}
+    assert steps.status()["dropped_stale"] == 1
+
+
+def test_retries_and_other_tensor_names(tmp_path):
+    steps = live(tmp_path, PlanConfig(dp=1, live=True, step_samples=100))
+    steps.put([sample("a"), sample("b")])
+    outcomes = steps.put([sample("a"), sample("c"), sample("c"), sample("d", tensors={"logp": [0.0] * 10}),
+                          Refused("tokens", "bad")])
+    assert [o for o, _ in outcomes] == ["duplicate", "accepted", "duplicate", "refused", "refused"]
+    assert "the job's samples carry ['advantages']" in outcomes[3][1]
+    assert list(steps.pending) == ["a", "b", "c"]
+
+
+def test_a_step_plan_holds_every_member_in_one_step_and_is_a_function_of_its_members(tmp_path):
+    config = PlanConfig(dp=2, microbatches=1, live=True, step_samples=40, token_cap=64, vision_cap=64)
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(8, 60, 40)
+    runs = []
+    for name in ("one", "two"):
+        steps = live(tmp_path / name, config)
+        steps.put([sample(f"s{i}", int(n)) for i, n in enumerate(lengths)])
+        plan = steps.plan(0)
+        assert plan.n_steps == 1 and plan.config.microbatches > 1  # 40 samples need more than 2 packs of 64
+        assert sorted(plan.members.tolist()) == list(range(40))
+        assert max(lengths[plan.members[a:b]].sum() for a, b in zip(plan.offsets[:-1], plan.offsets[1:])) <= 64
+        runs.append(plan.fingerprint())
+    assert runs[0] == runs[1]
+
+
+# -- the spool -----------------------------------------------------------------------------------------------
+
+
+def test_a_server_reopening_the_spool_loses_and_repeats_nothing(tmp_path):
+    config = PlanConfig(dp=2, live=True, step_samples=3)
+    first = live(tmp_path, config)
+    first.put([sample(f"s{i}", 5 + i) for i in range(7)])
+    plans = [first.plan(s).fingerprint() for s in range(2)]
+    folder = job_folder(tmp_path, "job-1")
+    (folder / "batches" / "000000000099.tar").write_bytes(b"a put that never answered")
+    again = live(tmp_path, config)
+    assert not (folder / "batches" / "000000000099.tar").exists()
+    assert again.formed == 2 and list(again.pending) == ["s6"]
+    assert [again.plan(s).fingerprint() for s in range(2)] == plans
+    assert [o for o, _ in again.put([sample("s3"), sample("s7"), sample("s8")])] == \
+        ["duplicate", "accepted", "accepted"]
+    assert again.record(2)["members"] == ["s6", "s7", "s8"]
+
+
+def test_steps_a_crash_left_unformed_are_formed_on_reopening(tmp_path):
+    config = PlanConfig(dp=1, live=True, step_samples=2)
+    first = live(tmp_path, config)
+    first.put([sample("a"), sample("b"), sample("c")])
+    step_file = job_folder(tmp_path, "job-1") / "steps" / "000000000000.json"
+    step_file.unlink()  # killed between writing the batch and recording its step
+    assert live(tmp_path, config).record(0)["members"] == ["a", "b"]
+
+
+def test_what_every_rank_consumed_leaves_the_spool(tmp_path):
+    config = PlanConfig(dp=1, live=True, step_samples=2)
+    steps = live(tmp_path, config)
+    for start in range(0, 6, 2):
+        steps.put([sample(f"s{start}"), sample(f"s{start + 1}")])
+    batches = job_folder(tmp_path, "job-1") / "batches"
+    assert len(list(batches.glob("*.tar"))) == 3
+    steps.release(1)
+    assert len(list(batches.glob("*.tar"))) == 1 and steps.spool.bytes == (batches / "000000000003.tar").stat().st_size
+    with pytest.raises(KeyError, match="acknowledged by every rank"):
+        steps.plan(0)
+    again = live(tmp_path, config)
+    assert again.formed == 3 and again.plan(2) is not None
+    assert [o for o, _ in again.put([sample("s0")])] == ["duplicate"]  # consumed long ago: still not stored twice
+
+
+def test_a_full_spool_keeps_nothing_of_the_put(tmp_path):
+    steps = live(tmp_path, PlanConfig(dp=1, live=True, step_samples=100), max_bytes=4000)
+    steps.put([sample(f"s{i}") for i in range(3)])
+    with pytest.raises(SpoolFull, match="live-spool-max-gb"):
+        steps.put([sample(f"t{i}", 200) for i in range(10)])
+    assert list(steps.pending) == ["s0", "s1", "s2"]
+    counted = live(tmp_path / "other", PlanConfig(dp=1, live=True, step_samples=100), max_samples=3)
+    counted.put([sample(f"s{i}") for i in range(3)])
+    with pytest.raises(SpoolFull, match="live-max-samples"):
+        counted.put([sample("s3")])
+
+
+def test_a_spool_of_another_job_with_the_same_id_is_refused(tmp_path):
+    live(tmp_path, PlanConfig(dp=1, live=True, step_samples=2))
+    with pytest.raises(SpoolError, match="other settings"):
+        live(tmp_path, PlanConfig(dp=2, live=True, step_samples=2))
