@@ -63,7 +63,7 @@ def _filesystem(scheme: str, settings: tuple):
                 "retries": {"max_attempts": int(attempts), "mode": "standard"},
                 "connect_timeout": min(10.0, timeout), "read_timeout": timeout,
                 "max_pool_connections": int(connections)})
-            fs.retries = 1  # s3fs's own loop (5 tries, on timeouts too) would hide time from the deadline: _call retries
+            fs.retries = 1  # s3fs's own loop (5 tries, on timeouts too) would hide time from the deadline: `retried` retries
             return fs
         if scheme in ("http", "https"):
             import aiohttp
@@ -93,7 +93,7 @@ def filesystem(url: str):
     return _filesystem(scheme, settings)
 
 
-def _call(url: str, what: str, function, *args, deadline_s: float | None = None, **kwargs):
+def retried(url: str, what: str, function, *args, deadline_s: float | None = None, **kwargs):
     """function(*args, **kwargs), retried with exponential backoff and full jitter on any failure but a missing
     or forbidden object: throttling (429, 503 SlowDown), timeouts and dropped connections of every backend
     (botocore's own retries classify a 429 without an error body, as on a HEAD, as final). With `deadline_s`,
@@ -124,7 +124,7 @@ def expand_object_glob(pattern: str) -> list[str]:
     """The object URLs a glob over a bucket or container matches, sorted; an error when none does."""
     scheme = _scheme(pattern)
     fs = filesystem(pattern)
-    matches = sorted(_call(pattern, "listing", fs.glob, pattern))
+    matches = sorted(retried(pattern, "listing", fs.glob, pattern))
     if not matches:
         raise FileNotFoundError(f"no shard matches {pattern!r}")
     return [match if "://" in match else f"{scheme}://{match}" for match in matches]
@@ -145,14 +145,14 @@ def stamp(url: str) -> Stamp:
     """The object's current size and ETag, asked of the store (never a listing cached earlier)."""
     fs = filesystem(url)
     fs.invalidate_cache(url)
-    info = _call(url, "reading the metadata of", fs.info, url)
+    info = retried(url, "reading the metadata of", fs.info, url)
     etag = info.get("ETag") or info.get("etag") or info.get("md5Hash") or ""
     return Stamp(int(info.get("size") or 0), str(etag).strip('"'))
 
 
 def open_object(url: str, block_size: int = 8 << 20):
     """A binary stream of the whole object, read ahead in `block_size` requests (indexing reads it once)."""
-    return _call(url, "opening", filesystem(url).open, url, "rb", block_size=block_size, cache_type="readahead")
+    return retried(url, "opening", filesystem(url).open, url, "rb", block_size=block_size, cache_type="readahead")
 
 
 def read_range(url: str, offset: int, size: int, version: str = "") -> bytes:
@@ -163,7 +163,7 @@ def read_range(url: str, offset: int, size: int, version: str = "") -> bytes:
         cached = cache.get(url, version, offset, size)
         if cached is not None:
             return cached
-    data = _call(url, "reading", filesystem(url).cat_file, url, start=offset, end=offset + size,
+    data = retried(url, "reading", filesystem(url).cat_file, url, start=offset, end=offset + size,
                  deadline_s=float(os.environ.get("PACKFEED_RANGE_DEADLINE_S", "120")))
     if cache is not None and version and len(data) == size:
         cache.put(url, version, offset, data)

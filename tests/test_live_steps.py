@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -12,7 +13,7 @@ from PIL import Image
 
 from packfeed.media.image_policy import policy_from_dict
 from packfeed.server.live.samples import Refused, SampleRules, checked_sample
-from packfeed.server.live.spool import Spool, SpoolError, SpoolFull, job_folder
+from packfeed.server.live.spool import Spool, SpoolError, SpoolFull, job_folder, read_array
 from packfeed.server.live.steps import LiveClosed, LiveSteps, live_fingerprint
 from packfeed.v1 import packfeed_pb2 as pb
 from packfeed.v1.options import PlanConfig
@@ -180,7 +181,7 @@ def test_a_server_reopening_the_spool_loses_and_repeats_nothing(tmp_path):
     first = live(tmp_path, config)
     first.put([sample(f"s{i}", 5 + i) for i in range(7)])
     plans = [first.plan(s).fingerprint() for s in range(2)]
-    folder = job_folder(tmp_path, "job-1")
+    folder = Path(job_folder(tmp_path, "job-1"))
     (folder / "batches" / "000000000099.tar").write_bytes(b"a put that never answered")
     again = live(tmp_path, config)
     assert not (folder / "batches" / "000000000099.tar").exists()
@@ -195,7 +196,7 @@ def test_steps_a_crash_left_unformed_are_formed_on_reopening(tmp_path):
     config = PlanConfig(dp=1, live=True, step_samples=2)
     first = live(tmp_path, config)
     first.put([sample("a"), sample("b"), sample("c")])
-    step_file = job_folder(tmp_path, "job-1") / "steps" / "000000000000.json"
+    step_file = Path(job_folder(tmp_path, "job-1")) / "steps" / "000000000000.json"
     step_file.unlink()  # killed between writing the batch and recording its step
     assert live(tmp_path, config).record(0)["members"] == ["a", "b"]
 
@@ -205,7 +206,7 @@ def test_what_every_rank_consumed_leaves_the_spool(tmp_path):
     steps = live(tmp_path, config)
     for start in range(0, 6, 2):
         steps.put([sample(f"s{start}"), sample(f"s{start + 1}")])
-    batches = job_folder(tmp_path, "job-1") / "batches"
+    batches = Path(job_folder(tmp_path, "job-1")) / "batches"
     assert len(list(batches.glob("*.tar"))) == 3
     steps.release(1)
     assert len(list(batches.glob("*.tar"))) == 1 and steps.spool.bytes == (batches / "000000000003.tar").stat().st_size
@@ -232,3 +233,34 @@ def test_a_spool_of_another_job_with_the_same_id_is_refused(tmp_path):
     live(tmp_path, PlanConfig(dp=1, live=True, step_samples=2))
     with pytest.raises(SpoolError, match="other settings"):
         live(tmp_path, PlanConfig(dp=2, live=True, step_samples=2))
+
+
+@pytest.mark.slow
+def test_a_spool_in_an_object_store(tmp_path):
+    """s3://: every file one PUT, listings asked of the store; a second LiveSteps over the same prefix (a restarted
+    or another server) finds the job as it was left, and released batches leave the bucket."""
+    from s3_server import S3Server, running
+    from packfeed.media.storage import filesystem
+
+    with running(S3Server().start()):
+        filesystem("s3://live").mkdir("live")
+        config = PlanConfig(dp=1, live=True, step_samples=2)
+
+        def opened() -> LiveSteps:
+            spool = Spool("s3://live/spool", "job-1", json.dumps({"plan": config.to_dict()}))
+            return LiveSteps(spool, config, 0, live_fingerprint(config, 0, "index"))
+
+        first = opened()
+        first.put([sample(f"s{i}", 8 + i) for i in range(4)])
+        first.put([sample("s4", 12)])
+        again = opened()
+        assert again.formed == 2 and list(again.pending) == ["s4"]
+        assert again.plan(1).fingerprint() == first.plan(1).fingerprint()
+        row = again.member_rows(1, [0])[0]  # what a worker reads, by range
+        assert read_array(again.spool.tar_path(row["batch"]), row["members"]["tokens"]).tolist() == \
+            list(range(20, 30))
+        again.release(1)  # the first put's batch is consumed, the second's s4 is not
+        batches = again.spool.dir + "/batches"
+        filesystem(batches).invalidate_cache()
+        assert [name.rsplit("/", 1)[1] for name in filesystem(batches).ls(batches)] == \
+            ["000000000002.json", "000000000002.tar"]

@@ -9,9 +9,11 @@ A job's folder (ROOT/<job id, made safe>-<its digest>), plain files any tool rea
     batches/B.json     their rows: id, group, policy version, loads, each member's offset and size in the tar
     steps/S.json       step S's members (their ids, in the order planned from) and the samples it dropped as stale
     ended.json         the job ended: its last step
-A batch is durable once its rows exist: each file is written whole under a temporary name, flushed to disk and
-renamed, the tar before its rows, so a put that never answered leaves at most a tar without rows, removed on
-open. Only local folders (a shared file system for a second server) for now; object stores are not spools yet.
+    released.json      the last step every rank acknowledged (the batches it consumed are gone)
+A batch is durable once its rows exist: each file is written whole (a local file under a temporary name, flushed
+to disk and renamed; an object in one PUT), the tar before its rows, so a put that never answered leaves at most
+a tar without rows, removed on open. The folder is local (a shared file system for a second server) or in an
+object store (s3://bucket/prefix).
 """
 
 from __future__ import annotations
@@ -26,14 +28,16 @@ from pathlib import Path
 
 import numpy as np
 
+from packfeed.media.storage import ObjectError, ObjectNotFound, filesystem, is_object_url, read_range, retried
 from packfeed.server.live.samples import LiveSample
 
 BATCH_DIGITS = 12
 
 
-def job_folder(root: str | Path, job: str) -> Path:
+def job_folder(root: str | Path, job: str) -> str:
+    """The job's folder under `root` (a path, or an object-store URL prefix)."""
     safe = re.sub(r"[^A-Za-z0-9_.-]", "_", job)[:64]
-    return Path(root) / f"{safe}-{hashlib.sha256(job.encode()).hexdigest()[:12]}"
+    return f"{str(root).rstrip('/')}/{safe}-{hashlib.sha256(job.encode()).hexdigest()[:12]}"
 
 
 class SpoolError(Exception):
@@ -47,11 +51,7 @@ class SpoolFull(SpoolError):
 class Spool:
     def __init__(self, root: str | Path, job: str, described: str):
         self.dir = job_folder(root, job)
-        try:
-            (self.dir / "batches").mkdir(parents=True, exist_ok=True)
-            (self.dir / "steps").mkdir(exist_ok=True)
-        except OSError as error:
-            raise SpoolError(f"cannot create the live spool {self.dir}: {error}") from None
+        self.store = ObjectFolder(self.dir) if is_object_url(self.dir) else LocalFolder(self.dir)
         recorded = self.read_json("job.json")
         if recorded is None:
             self.write_json("job.json", {"job": job, "settings": json.loads(described)})
@@ -59,16 +59,17 @@ class Spool:
             raise SpoolError(f"the spool {self.dir} holds job {job!r} with other settings "
                              f"({json.dumps(recorded.get('settings'), sort_keys=True)}): open it with those, or "
                              "use a new job id")
-        for orphan in (self.dir / "batches").glob("*.tar"):  # a put that never answered
-            if not orphan.with_suffix(".json").exists():
-                orphan.unlink(missing_ok=True)
-        self.bytes = sum(path.stat().st_size for path in (self.dir / "batches").iterdir())
+        tars = self.store.list("batches", ".tar")
+        rows = set(self.store.list("batches", ".json"))
+        for orphan in tars:  # a put that never answered
+            if orphan[:-len(".tar")] + ".json" not in rows:
+                self.store.delete(f"batches/{orphan}")
+        self.bytes = sum(self.store.size(f"batches/{name}") for name in tars)
 
     # -- batches ----------------------------------------------------------------------------------------
 
     def write_batch(self, number: int, samples: list[LiveSample]) -> list[dict]:
         """The samples as batch `number` (durable when this returns); their rows, as `read_batches` gives them."""
-        tar_path = self._batch(number, ".tar")
         rows, buffer = [], io.BytesIO()
         with tarfile.open(fileobj=buffer, mode="w", format=tarfile.USTAR_FORMAT) as tar:
             for place, sample in enumerate(samples):
@@ -79,32 +80,32 @@ class Spool:
                 rows.append({**sample.record(), "batch": number, "place": place, "members": spans,
                              "images": images})
         data = buffer.getvalue()
-        self._write(tar_path, data)
-        self._write(self._batch(number, ".json"), json.dumps(rows).encode())
+        self.store.write(self._batch(number, ".tar"), data)  # the tar before its rows: rows mean durable
+        self.store.write(self._batch(number, ".json"), json.dumps(rows).encode())
         self.bytes += len(data)
         return rows
 
     def read_batches(self) -> list[tuple[int, list[dict]]]:
         """(number, rows) of every durable batch, in order."""
-        out = []
-        for path in sorted((self.dir / "batches").glob("*.json")):
-            out.append((int(path.stem), json.loads(path.read_bytes())))
-        return out
+        return [(int(name[:-len(".json")]), json.loads(self.store.read(f"batches/{name}")))
+                for name in self.store.list("batches", ".json")]
 
     def remove_batch(self, number: int) -> None:
-        """A batch every rank has consumed: its files go (the rows last, so a crash between leaves no orphan
-        rows)."""
-        tar_path = self._batch(number, ".tar")
-        size = tar_path.stat().st_size if tar_path.exists() else 0
-        tar_path.unlink(missing_ok=True)
-        self._batch(number, ".json").unlink(missing_ok=True)
+        """A batch every rank has consumed: its files go (the tar first: rows without a tar are never read again,
+        a tar without rows would be taken for an unanswered put)."""
+        tar = self._batch(number, ".tar")
+        size = self.store.size(tar)
+        self.store.delete(tar)
+        self.store.delete(self._batch(number, ".json"))
         self.bytes -= size
 
     def tar_path(self, number: int) -> str:
-        return str(self._batch(number, ".tar"))
+        """Where a worker reads the batch's members (a path, or an object URL)."""
+        return f"{self.dir}/{self._batch(number, '.tar')}"
 
-    def _batch(self, number: int, suffix: str) -> Path:
-        return self.dir / "batches" / f"{number:0{BATCH_DIGITS}d}{suffix}"
+    @staticmethod
+    def _batch(number: int, suffix: str) -> str:
+        return f"batches/{number:0{BATCH_DIGITS}d}{suffix}"
 
     # -- steps and the end ------------------------------------------------------------------------------
 
@@ -113,22 +114,33 @@ class Spool:
 
     def read_steps(self) -> list[dict]:
         """Every recorded step, in order (steps 0, 1, ...: a gap would be a lost record)."""
-        paths = sorted((self.dir / "steps").glob("*.json"))
-        steps = [json.loads(path.read_bytes()) for path in paths]
-        if [int(path.stem) for path in paths] != list(range(len(paths))):
-            raise SpoolError(f"the spool {self.dir} misses step records (found {[p.stem for p in paths][:8]}...)")
-        return steps
+        names = self.store.list("steps", ".json")
+        if [int(name[:-len(".json")]) for name in names] != list(range(len(names))):
+            raise SpoolError(f"the spool {self.dir} misses step records (found {names[:8]}...)")
+        return [json.loads(self.store.read(f"steps/{name}")) for name in names]
 
     def write_json(self, name: str, value) -> None:
-        self._write(self.dir / name, json.dumps(value, sort_keys=True).encode())
+        self.store.write(name, json.dumps(value, sort_keys=True).encode())
 
     def read_json(self, name: str):
-        path = self.dir / name
-        return json.loads(path.read_bytes()) if path.exists() else None
+        data = self.store.read(name, missing_ok=True)
+        return None if data is None else json.loads(data)
 
-    def _write(self, path: Path, data: bytes) -> None:
-        """The whole file or nothing: written under a temporary name, flushed to disk, renamed, the folder
-        flushed (the rename itself durable)."""
+
+class LocalFolder:
+    """A spool in a local folder (or a shared file system): each file written whole under a temporary name,
+    flushed to disk and renamed, the folder flushed too (the rename itself durable)."""
+
+    def __init__(self, root: str):
+        self.root = Path(root)
+        try:
+            for folder in ("batches", "steps"):
+                (self.root / folder).mkdir(parents=True, exist_ok=True)
+        except OSError as error:
+            raise SpoolError(f"cannot create the live spool {self.root}: {error}") from None
+
+    def write(self, name: str, data: bytes) -> None:
+        path = self.root / name
         temporary = path.with_name(path.name + ".partial")
         try:
             with open(temporary, "wb") as out:
@@ -143,7 +155,71 @@ class Spool:
                 os.close(directory)
         except OSError as error:
             temporary.unlink(missing_ok=True)
-            raise SpoolError(f"the live spool cannot write {path.name}: {error}") from None
+            raise SpoolError(f"the live spool cannot write {path}: {error}") from None
+
+    def read(self, name: str, missing_ok: bool = False) -> bytes | None:
+        path = self.root / name
+        if missing_ok and not path.exists():
+            return None
+        return path.read_bytes()
+
+    def list(self, folder: str, suffix: str) -> list[str]:
+        return sorted(path.name for path in (self.root / folder).glob(f"*{suffix}"))
+
+    def size(self, name: str) -> int:
+        path = self.root / name
+        return path.stat().st_size if path.exists() else 0
+
+    def delete(self, name: str) -> None:
+        (self.root / name).unlink(missing_ok=True)
+
+
+class ObjectFolder:
+    """A spool in an object store (s3://bucket/prefix, gs://, az://): a PUT writes an object whole or not at all,
+    so each file is one PUT; reads and listings go to the store (never a cached listing)."""
+
+    def __init__(self, root: str):
+        self.root = root
+        self.fs = filesystem(root)
+
+    def write(self, name: str, data: bytes) -> None:
+        url = f"{self.root}/{name}"
+        try:
+            retried(url, "writing", self.fs.pipe_file, url, data)
+        except ObjectError as error:
+            raise SpoolError(f"the live spool cannot write {url}: {error}") from None
+
+    def read(self, name: str, missing_ok: bool = False) -> bytes | None:
+        url = f"{self.root}/{name}"
+        try:
+            return retried(url, "reading", self.fs.cat_file, url)
+        except ObjectNotFound:
+            if missing_ok:
+                return None
+            raise
+
+    def list(self, folder: str, suffix: str) -> list[str]:
+        url = f"{self.root}/{folder}"
+        self.fs.invalidate_cache(url)
+        try:
+            found = retried(url, "listing", self.fs.ls, url, detail=False)
+        except ObjectNotFound:
+            return []
+        return sorted(name.rsplit("/", 1)[-1] for name in found if name.endswith(suffix))
+
+    def size(self, name: str) -> int:
+        url = f"{self.root}/{name}"
+        try:
+            return int(retried(url, "reading the metadata of", self.fs.info, url).get("size") or 0)
+        except ObjectNotFound:
+            return 0
+
+    def delete(self, name: str) -> None:
+        url = f"{self.root}/{name}"
+        try:
+            retried(url, "removing", self.fs.rm_file, url)
+        except ObjectNotFound:
+            pass
 
 
 def _npy(values: np.ndarray) -> bytes:
@@ -162,8 +238,13 @@ def _add(tar: tarfile.TarFile, name: str, data: bytes) -> list[int]:
 
 
 def read_member(path: str, span: list[int]) -> bytes:
-    """A member's bytes by the [offset, size] its row recorded."""
+    """A member's bytes by the [offset, size] its row recorded (one range request in an object store)."""
     offset, size = span
+    if is_object_url(path):
+        data = read_range(path, offset, size)
+        if len(data) != size:
+            raise OSError(f"{path} ends before its member at {offset} (+{size})")
+        return data
     with open(path, "rb") as source:
         source.seek(offset)
         data = source.read(size)
