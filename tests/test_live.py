@@ -272,3 +272,51 @@ def test_packfeed_put_puts_a_json_lines_file(server, prompts, tmp_path):
     assert not [key for key in out if isinstance(key, tuple)], out
     keys = sorted(s[0] for rank in range(2) for _, _, samples in out[rank] for s in samples)
     assert keys == sorted(line["id"] for line in lines)
+
+
+def test_a_second_server_takes_the_job_over_from_a_shared_spool(small_tile_index, prompts, tmp_path):
+    """Two servers share a spool folder and a real Redis. The job's first server is killed -9 mid-job: once its
+    lease lapses the other takes the job over from the spool, the producers' and trainers' clients follow, and
+    every sample is consumed exactly once, in the packs a single server would have sent."""
+    from redis_server import RedisProcess
+
+    conventions = prompts[1]
+    rng = np.random.default_rng(4)
+    first = [text_sample(rng, conventions, f"a-{i}") for i in range(24)]
+    later = [text_sample(rng, conventions, f"b-{i}") for i in range(16)]
+    redis = RedisProcess(tmp_path / "redis").start()
+    env = {"PACKFEED_AUTH_TOKEN": TOKEN, "PACKFEED_REDIS_URL": redis.url, "PACKFEED_LEASE_TTL_S": "2"}
+    spool = ["--live-spool", str(tmp_path / "shared-spool")]
+    servers = [LocalServer(small_tile_index, workers=1, env=env, extra_args=spool).start() for _ in range(2)]
+    try:
+        def run(job: str, kill: bool) -> dict:
+            out: dict = {}
+            targets = [server.target for server in servers if server.process.poll() is None]
+            ranks = [threading.Thread(target=consume, args=(targets, job, rank, out)) for rank in range(2)]
+            with Producer(targets, job=job, connection=CONNECTION) as producer:
+                for thread in ranks:
+                    thread.start()
+                for start in range(0, len(first), 8):
+                    producer.put(first[start:start + 8])
+                if kill:
+                    servers[0].process.kill()
+                    servers[0].process.wait()
+                for start in range(0, len(later), 8):
+                    producer.put(later[start:start + 8])
+                producer.end()
+            for thread in ranks:
+                thread.join(180)
+            assert not [key for key in out if isinstance(key, tuple)], out
+            return out
+
+        taken_over = run("taken-over", kill=True)
+        alone = run("alone", kill=False)  # the surviving server by itself, as the reference
+        for rank in range(2):
+            assert [(n, [s[0] for s in samples]) for n, _, samples in taken_over[rank]] == \
+                [(n, [s[0] for s in samples]) for n, _, samples in alone[rank]]
+        keys = [s[0] for rank in range(2) for _, _, samples in taken_over[rank] for s in samples]
+        assert sorted(keys) == sorted(s["id"] for s in first + later)
+    finally:
+        for server in servers:
+            server.stop()
+        redis.stop()

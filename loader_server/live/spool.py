@@ -80,8 +80,9 @@ class Spool:
                 rows.append({**sample.record(), "batch": number, "place": place, "members": spans,
                              "images": images})
         data = buffer.getvalue()
-        self.store.write(self._batch(number, ".tar"), data)  # the tar before its rows: rows mean durable
-        self.store.write(self._batch(number, ".json"), json.dumps(rows).encode())
+        # the tar before its rows (rows mean durable), neither over a file another server wrote (`exclusive`)
+        self.store.write(self._batch(number, ".tar"), data, exclusive=True)
+        self.store.write(self._batch(number, ".json"), json.dumps(rows).encode(), exclusive=True)
         self.bytes += len(data)
         return rows
 
@@ -110,7 +111,8 @@ class Spool:
     # -- steps and the end ------------------------------------------------------------------------------
 
     def write_step(self, step: int, record: dict) -> None:
-        self.write_json(f"steps/{step:0{BATCH_DIGITS}d}.json", record)
+        self.store.write(f"steps/{step:0{BATCH_DIGITS}d}.json", json.dumps(record, sort_keys=True).encode(),
+                         exclusive=True)
 
     def read_steps(self) -> list[dict]:
         """Every recorded step, in order (steps 0, 1, ...: a gap would be a lost record)."""
@@ -139,15 +141,26 @@ class LocalFolder:
         except OSError as error:
             raise SpoolError(f"cannot create the live spool {self.root}: {error}") from None
 
-    def write(self, name: str, data: bytes) -> None:
+    def write(self, name: str, data: bytes, exclusive: bool = False) -> None:
+        """`exclusive`: never over an existing file (a batch or step another server wrote: this one lost the
+        job's lease without knowing yet); SpoolError then, and nothing written."""
         path = self.root / name
-        temporary = path.with_name(path.name + ".partial")
+        temporary = path.with_name(f"{path.name}.{os.getpid()}.partial")
         try:
             with open(temporary, "wb") as out:
                 out.write(data)
                 out.flush()
                 os.fsync(out.fileno())
-            os.replace(temporary, path)
+            if exclusive:
+                try:
+                    os.link(temporary, path)  # fails when the name exists, atomically
+                except FileExistsError:
+                    raise SpoolError(f"the live spool already holds {path}, written by another server: this one "
+                                     "no longer serves the job") from None
+                finally:
+                    temporary.unlink(missing_ok=True)
+            else:
+                os.replace(temporary, path)
             directory = os.open(path.parent, os.O_RDONLY)
             try:
                 os.fsync(directory)
@@ -182,7 +195,8 @@ class ObjectFolder:
         self.root = root
         self.fs = filesystem(root)
 
-    def write(self, name: str, data: bytes) -> None:
+    def write(self, name: str, data: bytes, exclusive: bool = False) -> None:
+        """One PUT (`exclusive` is not checked: an object store spool relies on the job's lease alone)."""
         url = f"{self.root}/{name}"
         try:
             retried(url, "writing", self.fs.pipe_file, url, data)

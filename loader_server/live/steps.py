@@ -62,7 +62,19 @@ class LiveSteps:
         self._plans: collections.OrderedDict[int, Plan | None] = collections.OrderedDict()
         self._next_batch = 1
         self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future]] = []
-        self._recover()
+        self.reload()
+
+    def reload(self) -> None:
+        """The job as its spool holds it now (at open, and when this server takes the job over from another
+        that wrote to the same spool)."""
+        with self._lock:
+            self.rows, self.known, self.pending, self.steps = {}, set(), collections.deque(), []
+            self.tensor_names, self.arrived, self.dropped = None, 0, 0
+            self._batch_ids, self._batch_left, self._released = {}, {}, -1
+            self._plans.clear()
+            self._next_batch = 1
+            self._recover()
+        self._wake()
 
     # -- state ------------------------------------------------------------------------------------------
 

@@ -17,6 +17,9 @@ from packfeed.server.serve.observe import Metrics, log
 from packfeed.server.serve.registry import JobRegistry
 
 
+LIVE_LEASE = "live"  # a live job's: the one server that takes its samples and serves its steps
+
+
 class Coordination:
     """The one owner of a server's coordinator calls; `server_id` is its advertised address once it serves."""
 
@@ -94,6 +97,41 @@ class Coordination:
         except CoordinationUnavailable:
             return LeaseOutcome.UNREACHABLE
         return LeaseOutcome.HELD if held else LeaseOutcome.TAKEN
+
+    async def hold_live(self, job: Job) -> None:
+        """A live job is served by one server at a time, the holder of its `live` lease: a put, stream or
+        acknowledgement reaching another is refused (UNAVAILABLE, naming the holder) and its client goes on to
+        the next server it knows. The holder renews the lease while it holds the job; a server that takes it
+        over (its holder died: the lease lapsed) reads the job's spool as the holder left it."""
+        if job.live is None:
+            return
+        outcome = await asyncio.to_thread(self.hold_lease, job.spec.job, LIVE_LEASE)
+        if outcome is LeaseOutcome.HELD:
+            if job.live_keeper is None or job.live_keeper.done():
+                if job.live_keeper is not None:  # held before, lost meanwhile: another server may have written
+                    await asyncio.to_thread(job.live.reload)
+                job.live_keeper = asyncio.create_task(self._keep_live(job))
+            return
+        if outcome is LeaseOutcome.UNREACHABLE:
+            raise JobError("UNAVAILABLE", f"live job {job.spec.job!r}: this server cannot reach the coordinator "
+                                          "(Redis) to check which server holds the job: retry")
+        owner = await asyncio.to_thread(self.coordinator.lease_owner, job.spec.job, LIVE_LEASE)
+        raise JobError("UNAVAILABLE", f"live job {job.spec.job!r} is served by {owner}: its producers and trainers "
+                                      f"go there; if that server is gone, its lease lapses within "
+                                      f"{self.config.lease_ttl_s:g} s: retry")
+
+    async def _keep_live(self, job: Job) -> None:
+        """Renew a live job's lease while this server holds the job; if another server took it (this one was
+        thought dead), stop serving it here: its streams end and a later request opens it again."""
+        while not job.released:
+            await asyncio.sleep(self.config.lease_ttl_s / 3)
+            if await asyncio.to_thread(self.hold_lease, job.spec.job, LIVE_LEASE) is LeaseOutcome.TAKEN:
+                log.error("another server took this live job over: it is no longer served here",
+                          extra={"job": job.spec.job})
+                job.revoked = JobError("ABORTED", f"live job {job.spec.job!r} was taken over by another server: "
+                                                  "reconnect to continue")
+                self.registry.forget(job)
+                return
 
     def share_ack(self, job: Job, rank: int) -> None:
         """Hand the coordinator the rank's acknowledged position if it has not taken it yet (it may have missed

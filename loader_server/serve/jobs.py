@@ -120,6 +120,7 @@ class Job:
     encoders: list[RankState] = field(default_factory=list)
     _steps: dict = field(default_factory=dict)  # epoch -> its steps, once known exactly (the plan itself may go)
     _released: threading.Event = field(default_factory=threading.Event)  # closed or forgotten: stop counting
+    live_keeper: asyncio.Task | None = None  # a live job's lease renewal on this server (`Coordination.hold_live`)
 
     def __post_init__(self) -> None:
         if not self.encoders:
@@ -197,8 +198,12 @@ class Job:
             log.exception("counting a job's epochs failed", extra={"job": self.spec.job})
 
     def release(self) -> None:
-        """The job was closed or forgotten: background counting stops."""
+        """The job was closed or forgotten: background counting stops (and a live job's lease renewal)."""
         self._released.set()
+
+    @property
+    def released(self) -> bool:
+        return self._released.is_set()
 
     def _check_not_empty(self) -> None:
         """A job with no step in any epoch has nothing to stream: say why at its open, not as "step 0 is past

@@ -90,7 +90,9 @@ class PackfeedService:
         self.metrics.jobs.set(len(self.registry.jobs))
 
     async def put_samples(self, request: pb.PutSamplesRequest, context) -> pb.PutSamplesResponse:
-        return await put_samples(self.registry.get(request.job), request)
+        job = self.registry.get(request.job)
+        await self.coordination.hold_live(job)
+        return await put_samples(job, request)
 
     async def get_job(self, request: pb.GetJobRequest, context) -> pb.JobInfo:
         return self.job_info(self.registry.get(request.job))
@@ -105,6 +107,7 @@ class PackfeedService:
                                                "waited for packs, a finite number >= 0")
         job = self.registry.get(request.job)
         seat = seat_of(request, job.spec.job, job.spec.plan_config.layout)
+        await self.coordination.hold_live(job)  # a live job's acknowledgements release its spool
         await asyncio.to_thread(job.check_step, request.epoch, request.step)
         if not seat.primary:  # the rank's first GPU acknowledges for it: counted once per DP rank
             return pb.AckStepResponse()
@@ -174,6 +177,7 @@ class PackfeedService:
         # the rank's first GPU acknowledges for the rank (an encoder rank's acknowledgements are reports only)
         primary = seat.primary and not encoder
         start = (request.first_epoch, request.first_step)
+        await self.coordination.hold_live(job)
         await asyncio.to_thread(job.check_step, *start)
         if primary and start == (0, 0) and job.ranks[rank].acked >= (0, 0):  # a restart that forgot its state?
             log.warning("job id re-used without its saved state: a rank restarts at step 0", extra={
