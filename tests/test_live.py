@@ -27,10 +27,10 @@ LIVE = PlanConfig(dp=2, microbatches=1, live=True, step_samples=8)
 
 @pytest.fixture(scope="module")
 def server(small_tile_index, tmp_path_factory):
-    spool = tmp_path_factory.mktemp("spool")
-    with LocalServer(small_tile_index, workers=1, env={"PACKFEED_AUTH_TOKEN": TOKEN},
+    spool, port = tmp_path_factory.mktemp("spool"), free_port()
+    with LocalServer(small_tile_index, workers=1, env={"PACKFEED_AUTH_TOKEN": TOKEN}, metrics_port=port,
                      extra_args=["--live-spool", str(spool)]) as running:
-        running.spool = spool
+        running.spool, running.metrics_port = spool, port
         yield running
 
 
@@ -320,3 +320,44 @@ def test_a_second_server_takes_the_job_over_from_a_shared_spool(small_tile_index
         for server in servers:
             server.stop()
         redis.stop()
+
+
+def test_the_operator_sees_a_live_jobs_arrivals_steps_and_stale_drops(server, prompts):
+    """GetJob, Prometheus, the status page's JSON and `packfeed info` on the job's spool folder agree."""
+    import urllib.request
+
+    from packfeed.client.channel import ServerChannel
+    from packfeed.server.live.spool import job_folder
+    from packfeed.v1 import packfeed_pb2 as pb
+
+    conventions = prompts[1]
+    rng = np.random.default_rng(5)
+    plan = PlanConfig(dp=2, live=True, step_samples=4, max_staleness=0)
+    channel = ServerChannel([server.target], CONNECTION)
+    request = pb.OpenJobRequest(job="watched", plan=plan.to_proto())
+    channel.call("OpenJob", request)
+    with Producer(server.target, job="watched", connection=CONNECTION, on_refused="return") as producer:
+        producer.put([text_sample(rng, conventions, f"v0-{i}", version=0) for i in range(6)])  # step 0 + 2
+        producer.put([text_sample(rng, conventions, f"v1-{i}", version=1) for i in range(4)])  # step 1 drops 2
+        producer.put({**text_sample(rng, conventions, "bad"), "tokens": [conventions.vocab_size]})
+    live = channel.call("GetJob", pb.GetJobRequest(job="watched")).live
+    assert (live.arrived, live.pending, live.steps_formed, live.dropped_stale, live.refused, live.ended) == \
+        (10, 0, 2, 2, 1, False)
+    assert live.spool_bytes > 0
+    headers = {"Authorization": f"Bearer {TOKEN}"}
+    base = f"http://127.0.0.1:{server.metrics_port}"
+    metrics = urllib.request.urlopen(urllib.request.Request(f"{base}/metrics", headers=headers)).read().decode()
+    for line in ('packfeed_live_samples_total{job="watched"} 10.0', 'packfeed_live_steps_formed_total{job="watched"} 2.0',
+                 'packfeed_live_stale_samples_total{job="watched"} 2.0', 'packfeed_live_refused_samples_total{job="watched"} 1.0',
+                 'packfeed_live_pending_samples{job="watched"} 0.0'):
+        assert line in metrics, line
+    status = json.loads(urllib.request.urlopen(urllib.request.Request(f"{base}/status.json", headers=headers)).read())
+    shown = next(job for job in status["jobs"] if job["job"] == "watched")
+    assert shown["live"]["steps_formed"] == 2 and shown["live"]["dropped_stale"] == 2
+    info = subprocess.run([sys.executable, "-m", "packfeed.server.cli", "info", job_folder(server.spool, "watched"),
+                           "--json"], capture_output=True, text=True, timeout=60)
+    assert info.returncode == 0, info.stderr
+    spooled = json.loads(info.stdout)
+    assert (spooled["kind"], spooled["steps"], spooled["samples_spooled"], spooled["pending"],
+            spooled["dropped_stale"]) == ("live spool", 2, 10, 0, 2)
+    channel.close()

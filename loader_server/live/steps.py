@@ -55,7 +55,7 @@ class LiveSteps:
         self.pending: collections.deque[str] = collections.deque()  # accepted, in no step yet, in arrival order
         self.steps: list[dict] = []  # each step's record: members, dropped, last
         self.tensor_names: tuple[str, ...] | None = None  # fixed by the job's first sample
-        self.arrived = self.dropped = 0
+        self.arrived = self.dropped = self.refused = 0
         self._batch_ids: dict[int, list[str]] = {}  # batch -> its samples' ids, while it is spooled
         self._batch_left: dict[int, int] = {}  # batch -> its samples not yet released
         self._released = -1  # every step up to this one acknowledged by every rank
@@ -119,7 +119,8 @@ class LiveSteps:
     def status(self) -> dict:
         with self._lock:
             return {"arrived": self.arrived, "pending": len(self.pending), "steps_formed": len(self.steps),
-                    "dropped_stale": self.dropped, "spool_bytes": self.spool.bytes, "ended": self.ended}
+                    "dropped_stale": self.dropped, "spool_bytes": self.spool.bytes, "ended": self.ended,
+                    "refused": self.refused}
 
     def waiter(self, loop: asyncio.AbstractEventLoop) -> asyncio.Future:
         """A future of `loop` resolved when the next step forms (or the job ends)."""
@@ -146,6 +147,7 @@ class LiveSteps:
             for sample in samples:
                 outcome = self._admit(sample, seen)
                 outcomes.append(outcome)
+                self.refused += outcome[0] == "refused"
                 if outcome[0] == "accepted":
                     accepted.append(sample)
                     seen.add(sample.id)

@@ -11,12 +11,13 @@ from packfeed.server.live.spool import SpoolError, SpoolFull
 from packfeed.server.live.steps import LiveClosed
 from packfeed.server.serve.job_spec import JobError
 from packfeed.server.serve.jobs import Job
+from packfeed.server.serve.observe import Metrics
 from packfeed.v1 import packfeed_pb2 as pb
 
 MAX_PUT_SAMPLES = 4096  # samples in one request (its bytes are bounded by the server's max_message_mb)
 
 
-async def put_samples(job: Job, request: pb.PutSamplesRequest) -> pb.PutSamplesResponse:
+async def put_samples(job: Job, request: pb.PutSamplesRequest, metrics: Metrics) -> pb.PutSamplesResponse:
     live = job.live
     if live is None:
         raise JobError("FAILED_PRECONDITION", f"job {job.spec.job!r} is not live (its plan has live false): its "
@@ -24,6 +25,7 @@ async def put_samples(job: Job, request: pb.PutSamplesRequest) -> pb.PutSamplesR
     if len(request.samples) > MAX_PUT_SAMPLES:
         raise JobError("INVALID_ARGUMENT", f"{len(request.samples)} samples in one put: at most {MAX_PUT_SAMPLES}")
     rules = job.dataset.rules(job.spec.plan_config)
+    before = live.status()
     checked = []
     for message in request.samples:
         try:
@@ -39,12 +41,13 @@ async def put_samples(job: Job, request: pb.PutSamplesRequest) -> pb.PutSamplesR
     except SpoolError as error:
         raise JobError("UNAVAILABLE", f"job {job.spec.job!r}: {error}; nothing of this put was kept: retry") from None
     job.touch()
+    status = live.status()
+    metrics.live_observe(job.spec.job, status, before)
     response = pb.PutSamplesResponse()
     for message, (outcome, reason) in zip(request.samples, outcomes):
         field, _, why = reason.partition(": ") if outcome == "refused" else ("", "", "")
         response.results.add(id=message.id[:256], accepted=outcome != "refused", duplicate=outcome == "duplicate",
                              field=field, reason=why)
-    status = live.status()
     response.pending, response.steps_formed, response.ended = status["pending"], status["steps_formed"], \
         status["ended"]
     return response

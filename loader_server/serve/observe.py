@@ -71,10 +71,27 @@ class Metrics:
         self.unchecked_renewals = Counter("packfeed_lease_renewals_unchecked", "Lease renewals of running streams "
                                           "that could not reach the coordinator (the stream went on)", ["job"],
                                           registry=r)
+        self.live_arrived = Counter("packfeed_live_samples", "Live samples accepted (durable)", ["job"], registry=r)
+        self.live_refused = Counter("packfeed_live_refused_samples", "Live samples refused (bad input)", ["job"],
+                                    registry=r)
+        self.live_steps = Counter("packfeed_live_steps_formed", "Live steps formed", ["job"], registry=r)
+        self.live_dropped = Counter("packfeed_live_stale_samples", "Live samples dropped as older than "
+                                    "max_staleness allows", ["job"], registry=r)
+        self.live_pending = Gauge("packfeed_live_pending_samples", "Live samples accepted and in no step yet",
+                                  ["job"], registry=r)
+        self.live_spool = Gauge("packfeed_live_spool_bytes", "What a live job's spool holds", ["job"], registry=r)
         self.evicted = Counter("packfeed_jobs_evicted", "Jobs forgotten after job_idle_s without use", registry=r)
         self.preprocess = Histogram("packfeed_preprocess_seconds_per_sample",
                                     "Worker time per sample (read, decode, tile, tokenize, assemble)",
                                     registry=r, buckets=(.001, .003, .01, .03, .1, .3, 1, 3))
+
+    def live_observe(self, job: str, now: dict, before: dict) -> None:
+        """A live job's counts after a put (`LiveSteps.status()`, and as it was before)."""
+        for counter, name in ((self.live_arrived, "arrived"), (self.live_refused, "refused"),
+                              (self.live_steps, "steps_formed"), (self.live_dropped, "dropped_stale")):
+            counter.labels(job).inc(now[name] - before[name])
+        self.live_pending.labels(job).set(now["pending"])
+        self.live_spool.labels(job).set(now["spool_bytes"])
 
     def run_ended(self, job: str, rank: int, lag: int) -> None:
         """A rank's stream ended: nothing of it is queued any more; `lag` steps are in flight (the last steps

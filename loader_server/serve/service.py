@@ -92,7 +92,7 @@ class PackfeedService:
     async def put_samples(self, request: pb.PutSamplesRequest, context) -> pb.PutSamplesResponse:
         job = self.registry.get(request.job)
         await self.coordination.hold_live(job)
-        return await put_samples(job, request)
+        return await put_samples(job, request, self.metrics)
 
     async def get_job(self, request: pb.GetJobRequest, context) -> pb.JobInfo:
         return self.job_info(self.registry.get(request.job))
@@ -147,6 +147,8 @@ class PackfeedService:
         for key, reason, epoch, step in list(job.skipped):
             info.skipped.add(key=key, reason=reason, epoch=epoch, step=step)
         info.samples_by_dataset.update(job.delivered)
+        if job.live is not None:
+            info.live.CopyFrom(pb.LiveStatus(**job.live.status()))
         return info
 
     # -- the stream -------------------------------------------------------------------------------------

@@ -116,6 +116,7 @@ class StatusReport:
             "history": [point[:3] for point in history],
             "samples_by_dataset": dict(job.delivered),
             "skipped": {"count": job.skipped_count, "recent_by_reason": reasons},
+            "live": job.live.status() if job.live is not None else None,
         }
 
     def _rates(self, name: str, ranks: int) -> list[list[float]]:
@@ -139,7 +140,7 @@ class StatusReport:
         name = job.spec.job
         if name not in self._balance:
             plan = job.epoch_plan(0) if job.failure is None else None
-            if plan is None or isinstance(plan, WindowedPlan):
+            if plan is None or isinstance(plan, WindowedPlan) or job.live is not None:
                 return {"known": False}
             vit_dist, llm_dist = plan.dists(job.dataset.planned_loads(plan))
             self._balance[name] = {"known": True, "steps": plan.n_steps, "vit_dist": round(vit_dist, 6),

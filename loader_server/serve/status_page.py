@@ -1,8 +1,8 @@
 """The status page (`/status`): one self-contained HTML document, no external assets. It reads `/status.json`
 every `refresh_s` with the token as a header (asked for, or taken from the address's fragment into the tab's
 session storage) and draws each job: its state, step k of N with a bar per rank, the current run's lag, the
-throughput and data wait of the last minutes as small inline SVG charts, the plan's balance and the samples
-skipped by reason; recently closed jobs below. "-" wherever there is nothing yet."""
+throughput and data wait of the last minutes as small inline SVG charts, the plan's balance, a live job's
+arrivals, pending samples, steps formed, stale drops and spool size, and the samples skipped by reason; recently closed jobs below. "-" wherever there is nothing yet."""
 
 PAGE = """<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><title>Packfeed status</title>
@@ -95,6 +95,10 @@ function job(j, window_s) {
     '<p class="progress">step ' + esc(of(j.done_steps, total, p.steps_estimated)) + " " + bar(j.done_steps, total) +
     (total ? " (" + p.epochs + " epoch(s) of " + p.epoch_steps.map(n => num(n, 0)).join(", ") + " steps" +
       (p.steps_estimated ? ": an estimate until every window is planned" : "") + ")" : "") + "</p>" +
+    (j.live ? '<p class="live">live: ' + num(j.live.arrived, 0) + " samples arrived, " + num(j.live.pending, 0) +
+      " pending, " + num(j.live.steps_formed, 0) + " steps formed, " + num(j.live.dropped_stale, 0) +
+      " dropped as stale, " + num(j.live.refused, 0) + " refused; spool " + mib(j.live.spool_bytes) +
+      (j.live.ended ? "; ended" : "") + "</p>" : "") +
     "<p>" + esc(p.strategy) + ", DP " + p.dp + " x M " + p.microbatches + "; " + esc(balance) + "</p>" +
     '<p class="throughput">' + num(j.throughput.samples_per_s, 1) + " samples/s, " + num(j.throughput.packs_per_s, 1) +
     " packs/s now; " + num(j.throughput.samples, 0) + " samples in " + num(j.throughput.packs, 0) + " packs sent</p>" +

@@ -2,8 +2,9 @@
 
 PATH is an index (counts, valid and invalid samples by reason, distributions of images, vision units, LLM and
 loss tokens, the conventions it was built with), a mixture file (the same per dataset, with its repeat and
-samples per epoch), a directory (its `index.parquet`, else its tar shards) or shards (what can be seen
-without a tokenizer: samples, members, images per sample, problems).
+samples per epoch), a directory (its `index.parquet`, else its tar shards), a live job's spool folder (its
+samples spooled and pending, steps formed, stale drops) or shards (what can be seen without a tokenizer: samples,
+members, images per sample, problems).
 """
 
 from __future__ import annotations
@@ -88,9 +89,34 @@ def shards_info(specs: list[str]) -> dict[str, Any]:
             "problems": problems, "note": "index the shards (`packfeed index`) for tokens, tiles and validity"}
 
 
+def spool_info(folder: Path) -> dict[str, Any]:
+    """A live job's spool folder (`packfeed serve --live-spool`), read without changing it: the job's settings,
+    its samples spooled and pending, its steps, stale drops and whether it ended."""
+    import json
+
+    settings = json.loads((folder / "job.json").read_text())
+    rows = [row for path in sorted((folder / "batches").glob("*.json")) for row in json.loads(path.read_text())]
+    steps = [json.loads(path.read_text()) for path in sorted((folder / "steps").glob("*.json"))]
+    taken = {sample_id for record in steps for sample_id in record["members"] + record["dropped"]}
+    released = json.loads((folder / "released.json").read_text())["step"] if (folder / "released.json").exists() \
+        else -1
+    return {"kind": "live spool", "path": str(folder), "job": settings["job"], "settings": settings["settings"],
+            "batches": len(list((folder / "batches").glob("*.tar"))),
+            "spool_bytes": sum(path.stat().st_size for path in (folder / "batches").glob("*.tar")),
+            "samples_spooled": len(rows), "pending": sum(row["id"] not in taken for row in rows),
+            "steps": len(steps), "released_through": released,
+            "dropped_stale": sum(len(record["dropped"]) for record in steps),
+            "ended": bool(steps) and steps[-1]["last"],
+            "distributions": {"llm_tokens": describe(np.array([row["tokens"] for row in rows], dtype=np.int64)),
+                              "vision_units": describe(np.array([row["vision"] for row in rows], dtype=np.int64))}}
+
+
 def describe_path(path: str) -> dict[str, Any]:
-    """What `packfeed info` reports of PATH (an index, a mixture file, a directory, or shards)."""
+    """What `packfeed info` reports of PATH (an index, a mixture file, a directory, a live job's spool folder,
+    or shards)."""
     target = Path(path)
+    if target.is_dir() and (target / "job.json").is_file() and (target / "batches").is_dir():
+        return spool_info(target)
     if target.suffix in (".yaml", ".yml"):
         return mixture_info(target)
     if target.is_dir():
@@ -115,7 +141,13 @@ def format_info(data: dict[str, Any], indent: str = "") -> str:
             lines.append(f"{indent}  {name}: repeat {one['repeat']:g} -> {one['samples_per_epoch']:,} per epoch")
             lines.append(format_info(one, indent + "    "))
         return "\n".join(lines)
-    if data["kind"] == "shards":
+    if data["kind"] == "live spool":
+        lines.append(f"{indent}live job {data['job']!r} spool {data['path']}: {data['samples_spooled']:,} samples "
+                     f"in {data['batches']} batches ({data['spool_bytes'] / 2**20:.1f} MiB), {data['pending']:,} "
+                     f"pending; {data['steps']} steps formed (consumed by every rank through step "
+                     f"{data['released_through']}), {data['dropped_stale']:,} samples dropped as stale"
+                     + ("; ended" if data["ended"] else ""))
+    elif data["kind"] == "shards":
         lines.append(f"{indent}{data['shards']} shards, {data['samples']:,} samples, {data['members']:,} members; "
                      f"{data['without_json']} without json, {data['duplicate_keys']} duplicate keys")
     else:
