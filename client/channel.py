@@ -106,15 +106,16 @@ class ServerChannel:
             self._connect()
         old.close()
 
-    def call(self, name: str, request):
-        """A unary call by method name, retried with backoff, failing over between known servers."""
+    def call(self, name: str, request, final: tuple[grpc.StatusCode, ...] = ()):
+        """A unary call by method name, retried with backoff, failing over between known servers; codes in
+        `final` are raised at once (the caller waits on them its own way)."""
         retries, backoff = self.connection.retries, self.connection.backoff
         for attempt in range(retries + 1):
             try:
                 return getattr(self._stub, name)(request, timeout=self.connection.timeout,
                                                  metadata=self.connection.metadata)
             except grpc.RpcError as error:
-                if error.code() not in RETRYABLE or attempt == retries:
+                if error.code() not in RETRYABLE or error.code() in final or attempt == retries:
                     raise PackfeedError(f"{error.code().name}: {error.details()}", error.code()) from None
                 self.fail_over()
                 time.sleep(backoff * 2 ** attempt)

@@ -177,7 +177,7 @@ class Producer:
         deadline, pause = time.monotonic() + self.full_wait_s, self.connection.backoff or 0.5
         while True:
             try:
-                return self.channel.call("PutSamples", request)
+                return self.channel.call("PutSamples", request, final=(grpc.StatusCode.RESOURCE_EXHAUSTED,))
             except PackfeedError as error:
                 waiting = error.code in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.NOT_FOUND)
                 if not waiting or time.monotonic() + pause > deadline:

@@ -361,3 +361,57 @@ def test_the_operator_sees_a_live_jobs_arrivals_steps_and_stale_drops(server, pr
     assert (spooled["kind"], spooled["steps"], spooled["samples_spooled"], spooled["pending"],
             spooled["dropped_stale"]) == ("live spool", 2, 10, 0, 2)
     channel.close()
+
+
+def test_a_flooding_producer_keeps_the_server_within_its_bounds(small_tile_index, prompts, tmp_path):
+    """A spool bound of 1 MiB: a producer putting 80 MB as fast as it can is refused (RESOURCE_EXHAUSTED, the
+    reason said) once the spool is full, the spool and the server's memory stay within bounds, and what it puts
+    once trainers consume is every sample exactly once."""
+    from processes import tree_resident_mib
+
+    conventions = prompts[1]
+    rng = np.random.default_rng(6)
+    samples = [text_sample(rng, conventions, f"f-{i}") for i in range(4000)]
+    for sample in samples:  # ~20 KB each on the wire
+        sample["tokens"] = response(rng, conventions, 2000)
+        sample["loss_mask"], sample["tensors"] = np.ones(2000, np.uint8), {"advantages": rng.normal(size=2000)}
+    spool = tmp_path / "spool"
+    args = ["--live-spool", str(spool), "--live-spool-max-gb", str(1 / 1024)]
+    with LocalServer(small_tile_index, workers=1, env={"PACKFEED_AUTH_TOKEN": TOKEN}, extra_args=args) as server:
+        producer = Producer(server.target, job="flood", connection=CONNECTION, full_wait_s=0)
+        channel_open = PackStream(server.target, job="flood", rank=0, plan=LIVE, connection=CONNECTION,
+                                  acknowledge=False)
+        producer.put(samples[:10])
+        next(iter(channel_open))  # step 0 formed and prepared: the worker process is up, its memory counted
+        accepted, refusals, before = 10, 0, None
+        for start in range(10, len(samples), 10):  # 400 puts as fast as they go, none waiting
+            # The spool is full after a few puts; the server's malloc keeps up to KEEP_FREED_BYTES (128 MiB) of
+            # freed memory for reuse, full after 200 refused puts or so: from there the flood must not grow it
+            if start == 2500:
+                before = tree_resident_mib(server.process.pid)
+            try:
+                producer.put(samples[start:start + 10])
+                accepted = start + 10
+            except PackfeedError as error:
+                assert error.code.name == "RESOURCE_EXHAUSTED" and "--live-spool-max-gb" in str(error)
+                refusals += 1
+        grown = tree_resident_mib(server.process.pid) - before
+        spooled = sum(path.stat().st_size for path in spool.rglob("*.tar"))
+        assert refusals > 350 and accepted < 100
+        assert spooled <= (1 << 20) + 10 * 25_000  # the bound and at most one put over it
+        assert grown < 16, f"the server grew {grown:.0f} MiB under the last 1,500 samples of the flood"
+        channel_open.close()
+        out: dict = {}
+        ranks = start_ranks(server.target, "flood", out)
+        with pytest.raises(PackfeedError, match="larger than the job's whole spool may hold"):
+            producer.put(samples[accepted:accepted + 100])  # 2 MB at once could never fit: said at once
+        producer.full_wait_s = 300  # waits while the trainers free the spool
+        for start in range(accepted, accepted + 300, 10):
+            producer.put(samples[start:start + 10])
+        producer.end()
+        for thread in ranks:
+            thread.join(180)
+        producer.close()
+    assert not [key for key in out if isinstance(key, tuple)], out
+    keys = sorted(s[0] for rank in range(2) for _, _, steps in out[rank] for s in steps)
+    assert keys == sorted(sample["id"] for sample in samples[:accepted + 300])

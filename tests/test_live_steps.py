@@ -218,10 +218,12 @@ def test_what_every_rank_consumed_leaves_the_spool(tmp_path):
 
 
 def test_a_full_spool_keeps_nothing_of_the_put(tmp_path):
-    steps = live(tmp_path, PlanConfig(dp=1, live=True, step_samples=100), max_bytes=4000)
+    steps = live(tmp_path, PlanConfig(dp=1, live=True, step_samples=100), max_bytes=20_000)
     steps.put([sample(f"s{i}") for i in range(3)])
     with pytest.raises(SpoolFull, match="live-spool-max-gb"):
         steps.put([sample(f"t{i}", 200) for i in range(10)])
+    with pytest.raises(ValueError, match="larger than the job's whole spool may hold"):
+        steps.put([sample(f"t{i}", 200) for i in range(20)])  # could never fit: no use waiting
     assert list(steps.pending) == ["s0", "s1", "s2"]
     counted = live(tmp_path / "other", PlanConfig(dp=1, live=True, step_samples=100), max_samples=3)
     counted.put([sample(f"s{i}") for i in range(3)])

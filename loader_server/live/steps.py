@@ -169,17 +169,27 @@ class LiveSteps:
             self.tensor_names = names
         return "accepted", ""
 
-    def _keep(self, accepted: list[LiveSample]) -> None:
-        size = sum(s.n_tokens * 5 + sum(len(i) for i in s.images) + 4 * s.n_tokens * len(s.tensors)
-                   for s in accepted)
-        if self.max_samples and len(self.rows) + len(accepted) > self.max_samples:
+    def check_room(self, samples: int, nbytes: int) -> None:
+        """SpoolFull unless the job has room for `samples` more of about `nbytes` (checked before a put's samples
+        are even read, so a flooding producer costs the server next to nothing, and again when they are kept)."""
+        if self.max_samples and samples > self.max_samples:
+            raise ValueError(f"a put of {samples:,} samples is more than the job may hold at all "
+                             f"({self.max_samples:,}, --live-max-samples): put fewer samples at once")
+        if self.max_bytes and nbytes > self.max_bytes:
+            raise ValueError(f"a put of {nbytes / 2**20:,.1f} MiB is larger than the job's whole spool may hold "
+                             f"({self.max_bytes / 2**20:,.1f} MiB, --live-spool-max-gb): put fewer samples at once")
+        if self.max_samples and len(self.rows) + samples > self.max_samples:
             raise SpoolFull(f"the job holds {len(self.rows):,} samples not yet consumed, its bound "
                             f"{self.max_samples:,} (--live-max-samples) until the trainers acknowledge the steps "
                             "that took them: retry later (the producer waits and retries by itself)")
-        if self.max_bytes and self.spool.bytes + size > self.max_bytes:
-            raise SpoolFull(f"the live spool holds {self.spool.bytes / 2**30:.2f} GiB of its "
-                             f"{self.max_bytes / 2**30:.2f} GiB (--live-spool-max-gb) until the trainers acknowledge "
+        if self.max_bytes and self.spool.bytes + nbytes > self.max_bytes:
+            raise SpoolFull(f"the live spool holds {self.spool.bytes / 2**20:,.1f} MiB of its "
+                             f"{self.max_bytes / 2**20:,.1f} MiB (--live-spool-max-gb) until the trainers acknowledge "
                              "the steps that took them: retry later (the producer waits and retries by itself)")
+
+    def _keep(self, accepted: list[LiveSample]) -> None:
+        self.check_room(len(accepted), sum(s.n_tokens * 5 + sum(len(i) for i in s.images)
+                                           + 4 * s.n_tokens * len(s.tensors) for s in accepted))
         number = self._next_batch
         rows = self.spool.write_batch(number, accepted)  # durable before anything counts it
         self._next_batch += 1

@@ -24,6 +24,12 @@ async def put_samples(job: Job, request: pb.PutSamplesRequest, metrics: Metrics)
                                               "samples come from its dataset; open a job with live=True")
     if len(request.samples) > MAX_PUT_SAMPLES:
         raise JobError("INVALID_ARGUMENT", f"{len(request.samples)} samples in one put: at most {MAX_PUT_SAMPLES}")
+    try:
+        live.check_room(len(request.samples), request.ByteSize())
+    except SpoolFull as error:
+        raise JobError("RESOURCE_EXHAUSTED", f"job {job.spec.job!r}: {error}") from None
+    except ValueError as error:
+        raise JobError("INVALID_ARGUMENT", f"job {job.spec.job!r}: {error}") from None
     rules = job.dataset.rules(job.spec.plan_config)
     before = live.status()
     checked = []
@@ -40,6 +46,8 @@ async def put_samples(job: Job, request: pb.PutSamplesRequest, metrics: Metrics)
         raise JobError("RESOURCE_EXHAUSTED", f"job {job.spec.job!r}: {error}") from None
     except SpoolError as error:
         raise JobError("UNAVAILABLE", f"job {job.spec.job!r}: {error}; nothing of this put was kept: retry") from None
+    except ValueError as error:
+        raise JobError("INVALID_ARGUMENT", f"job {job.spec.job!r}: {error}") from None
     job.touch()
     status = live.status()
     metrics.live_observe(job.spec.job, status, before)
