@@ -64,7 +64,7 @@ def test_integrations_stay_optional_extras():
 MAX_MODULE_LINES = 400
 # The loader's stages in the order data flows through them: a stage may import the ones before it, never after.
 # `cluster` (many servers, one job) serves the serving stage; `tools` and `cli` stand beside or above the flow.
-SERVER_FLOW = ["convert", "index", "plan", "cluster", "serve", "tools", "cli"]
+SERVER_FLOW = ["convert", "index", "plan", "live", "cluster", "serve", "tools", "cli"]
 
 
 def project_modules() -> list[Path]:
@@ -220,7 +220,7 @@ FLOORS = {
                          "metrics": 5, "checkpoint": 5, "decisions": 5, "loop": 6, "train": 7, "__main__": 8},
     "packfeed.client": {"wire": 0, "attention": 0, "discovery": 0, "tensors": 1, "channel": 1, "decode": 2, "hf": 2,
                         "hf_families": 2, "context_parallel": 2,
-                        "towers": 1, "hf_config": 1, "receiver": 3, "resume": 3, "local": 3, "stream": 4, "loaders": 5,
+                        "towers": 1, "hf_config": 1, "producer": 2, "receiver": 3, "resume": 3, "local": 3, "stream": 4, "loaders": 5,
                         "guard_updates": 5, "hf_trainer": 6, "lightning": 6, "megatron": 6,
                         "sft_trainer": 7},
 }

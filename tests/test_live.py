@@ -415,3 +415,43 @@ def test_a_flooding_producer_keeps_the_server_within_its_bounds(small_tile_index
     assert not [key for key in out if isinstance(key, tuple)], out
     keys = sorted(s[0] for rank in range(2) for _, _, steps in out[rank] for s in steps)
     assert keys == sorted(sample["id"] for sample in samples[:accepted + 300])
+
+
+def test_the_docs_trainer_and_producer_snippets_run_as_written(small_tile_index, prompts, tmp_path, monkeypatch):
+    """docs/live.md's two Python blocks, executed as written: the trainer's on two ranks, the producer's with
+    rollouts of indexed prompts; every rank iterates to the job's end."""
+    import re
+    from dataclasses import dataclass
+    from pathlib import Path
+
+    from packfeed.client.channel import ServerChannel
+    from packfeed.v1 import packfeed_pb2 as pb
+
+    page = (Path(__file__).resolve().parents[1] / "docs" / "live.md").read_text()
+    trainer, producer = re.findall(r"^```python\n(.*?)^```", page, flags=re.M | re.S)[:2]
+
+    @dataclass
+    class Rollout:
+        id: str
+        token_ids: np.ndarray
+        loss_mask: np.ndarray
+        prompt_key: str
+        advantages: np.ndarray
+
+    rng = np.random.default_rng(7)
+    rollouts = [Rollout(f"r{number}", np.asarray(sample["tokens"]), sample["loss_mask"], sample["prompt"],
+                        sample["tensors"]["advantages"])
+                for number, sample in enumerate(image_samples(rng, prompts, prompts[1], 9)) if "prompt" in sample]
+    monkeypatch.delenv("PACKFEED_AUTH_TOKEN", raising=False)
+    args = ["--live-spool", str(tmp_path / "spool"), "--dataset", "prompts"]
+    with LocalServer(small_tile_index, workers=1, extra_args=args) as server:
+        spaces = [{"target": server.target, "rank": rank} for rank in range(2)]
+        ranks = [threading.Thread(target=exec, args=(trainer, space)) for space in spaces]
+        for thread in ranks:
+            thread.start()
+        exec(producer, {"target": server.target, "rollouts": rollouts, "version": 0})
+        for thread in ranks:
+            thread.join(120)
+        info = ServerChannel([server.target], Connection(token="")).call("GetJob", pb.GetJobRequest(job="grpo-7"))
+    assert info.live.ended and info.live.arrived == len(rollouts) == 9 and info.steps == 2  # 8, then the end's 1
+    assert all("advantages" in space and space["stream"]._next is None for space in spaces)  # iterated to the end

@@ -61,6 +61,15 @@ class LiveWork:
 
     rows: dict[int, dict]
     image_context_id: int
+    tensor_names: tuple[str, ...] = ()  # the job's per-token tensors: every pack carries them, an empty one too
+
+    def complete(self, pack) -> None:
+        """Give a pack every live tensor the job's packs carry (an empty pack, or one a sample of which was
+        skipped, has them too: a trainer reads them the same way in every step)."""
+        length = len(pack.tensors["input_ids"])
+        for name in self.tensor_names:
+            pack.tensors.setdefault(f"token.{name}", np.zeros(length, np.float32))
+        pack.tensors.setdefault("policy_version", np.zeros(len(pack.sample_keys), np.int64))
 
 
 class LiveDataset:
@@ -146,7 +155,7 @@ class LiveDataset:
             spans = [(np.ones(0, np.int64), np.zeros(0, np.int64))] * len(packs)
         work = RankStepWork((self.part.name,), (LIVE_LABEL,), 0, step, rank, packs, step_loss, last,
                             self.steps.seed, cp_spans=spans if cp > 1 else None, cp=cp)
-        work.live = LiveWork(rows, self.conventions.image_context_id)
+        work.live = LiveWork(rows, self.conventions.image_context_id, self.steps.tensor_names or ())
         return work
 
     def estimate_bytes(self, work: RankStepWork) -> int:

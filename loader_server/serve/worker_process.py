@@ -155,6 +155,8 @@ def _build_rank_step(work: RankStepWork, shared: str | None) -> RankStepResult:
                 pack = build_pack(parts, members, truncate_to, sources, work.epoch, work.step, work.rank,
                                   microbatch, work.seed)
             pack.step_loss_tokens = work.step_loss_tokens
+            if work.live is not None:
+                work.live.complete(pack)
             if work.cp_spans is None:
                 pieces.append(pack_pieces(pack, len(work.packs), work.last_in_epoch))
             else:
