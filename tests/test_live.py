@@ -218,7 +218,8 @@ def test_a_killed_server_restarts_from_its_spool_nothing_lost_or_repeated(small_
 def test_bad_input_is_refused_with_its_reason_while_a_bystander_goes_on(server, prompts):
     conventions = prompts[1]
     rng = np.random.default_rng(2)
-    capped = PlanConfig(dp=2, microbatches=1, live=True, step_samples=8, token_cap=256, vision_cap=64)
+    capped = PlanConfig(dp=2, microbatches=1, live=True, step_samples=8, token_cap=256, vision_cap=64,
+                        oversize="skip")
     out: dict = {}
     ranks = start_ranks(server.target, "bystander", out, plan=capped)
     good = [text_sample(rng, conventions, f"ok-{i}") for i in range(16)]
@@ -455,3 +456,52 @@ def test_the_docs_trainer_and_producer_snippets_run_as_written(small_tile_index,
         info = ServerChannel([server.target], Connection(token="")).call("GetJob", pb.GetJobRequest(job="grpo-7"))
     assert info.live.ended and info.live.arrived == len(rollouts) == 9 and info.steps == 2  # 8, then the end's 1
     assert all("advantages" in space and space["stream"]._next is None for space in spaces)  # iterated to the end
+
+
+def test_a_live_job_with_context_parallelism_sends_each_lane_its_share(server, prompts):
+    """Samples longer than a GPU holds are split over its rank's CP GPUs: each lane's share carries its zigzag
+    chunks of every per-token tensor, beside its tokens, so the loss of every chunk is computed where it runs."""
+    from packfeed.client import Seat
+
+    conventions = prompts[1]
+    rng = np.random.default_rng(8)
+    plan = PlanConfig(dp=1, microbatches=1, live=True, step_samples=6, context_parallel=2, max_tokens_per_gpu=96,
+                      token_cap=96, vision_cap=64)
+    samples = [text_sample(rng, conventions, f"cp-{i}") for i in range(6)]
+    for length, sample in zip((40, 150, 60, 170, 30, 90), samples):  # two need both GPUs
+        sample["tokens"] = response(rng, conventions, length)
+        sample["loss_mask"], sample["tensors"] = np.ones(length, np.uint8), {"advantages": rng.normal(size=length)}
+    shares: dict = {}
+
+    def lane(number: int) -> None:
+        with PackStream(server.target, job="cp-live", seat=Seat(0, lane=number), plan=plan,
+                        connection=CONNECTION) as stream:
+            shares[number] = [pack for step in stream for pack in step.packs]
+
+    lanes = [threading.Thread(target=lane, args=(number,)) for number in range(2)]
+    for thread in lanes:
+        thread.start()
+    with Producer(server.target, job="cp-live", connection=CONNECTION) as producer:
+        producer.put(samples)
+        producer.end()
+    for thread in lanes:
+        thread.join(120)
+    put = {sample["id"]: sample for sample in samples}
+    split, seen = 0, []
+    for number in range(2):
+        for pack in shares[number]:
+            cu, chunks = pack.cu_seqlens.tolist(), pack.cp_chunks.tolist()
+            advantages = pack.token_tensors["advantages"]
+            assert len(advantages) == len(pack.input_ids)
+            for k, key in enumerate(pack.sample_keys):
+                a0, b0, a1, b1 = chunks[k]
+                positions = np.r_[a0:b0, a1:b1]
+                mine = slice(cu[k], cu[k + 1])
+                assert np.array_equal(pack.input_ids[mine].numpy(), put[key]["tokens"][positions])
+                assert np.allclose(advantages[mine].numpy(), np.asarray(put[key]["tensors"]["advantages"],
+                                                                        np.float32)[positions])
+                split += len(positions) < len(put[key]["tokens"])
+                seen.append((key, len(positions)))
+    assert split >= 4  # the two long samples, half on each lane
+    totals = {key: sum(n for other, n in seen if other == key) for key in put}
+    assert totals == {key: len(sample["tokens"]) for key, sample in put.items()}  # every token once

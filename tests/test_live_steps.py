@@ -90,7 +90,7 @@ def test_images_are_costed_from_their_placeholders_and_sizes():
     assert by_reference.prompt_id == 3 and by_file.pixel_bytes == 3 * 3 * 112 * 112
     with pytest.raises(Refused, match="over the job's vision cap"):
         checked_sample(message("c", len(tokens), tokens=tokens, images=[image]), rules(max_vision=1))
-    with pytest.raises(Refused, match="the job's token cap"):
+    with pytest.raises(Refused, match="its token cap under oversize skip"):
         checked_sample(message("d", 30), rules(max_tokens=20))
 
 
@@ -266,3 +266,24 @@ def test_a_spool_in_an_object_store(tmp_path):
         filesystem(batches).invalidate_cache()
         assert [name.rsplit("/", 1)[1] for name in filesystem(batches).ls(batches)] == \
             ["000000000002.json", "000000000002.tar"]
+
+
+def test_a_step_of_text_and_image_samples_is_collective_safe(tmp_path):
+    """Every rank's pack of a microbatch calls the vision tower, or none does: FSDP / ZeRO-3 with the tower
+    wrapped apart never waits on a rank that skips it (the hang text-only steps cause elsewhere)."""
+    config = PlanConfig(dp=2, microbatches=2, live=True, step_samples=16, token_cap=256, vision_cap=64)
+    steps = live(tmp_path, config)
+    image = png(112, 112)  # one 112 px tile: 16 placeholders
+    tokens = [1, 2] + [CONTEXT] * 16 + list(range(20, 40))
+    with_images = [checked_sample(message(f"i{k}", len(tokens), tokens=tokens, images=[image]), rules())
+                   for k in range(8)]
+    steps.put([sample(f"t{k}", 30 + k) for k in range(8)] + with_images)
+    plan = steps.plan(0)
+    assert plan.n_steps == 1
+    m = plan.config.microbatches
+    calls = []  # per pack in plan order (rank-major within the step): does it call the vision tower?
+    for a, b in zip(plan.offsets[:-1], plan.offsets[1:]):
+        calls.append(any(row["vision"] for row in steps.member_rows(0, plan.members[a:b])))
+    for microbatch in range(m):
+        assert calls[microbatch] == calls[m + microbatch], f"microbatch {microbatch}: {calls}"
+    assert any(calls) and not all(calls)  # both kinds of microbatch in the step

@@ -86,8 +86,9 @@ def checked_sample(message: pb.LiveSample, rules: SampleRules) -> LiveSample:
     sample_id = check_id(message.id)
     tokens = _array(message.tokens, "tokens", np.int32)
     if not 1 <= len(tokens) <= min(rules.max_tokens, MAX_SAMPLE_TOKENS):
-        raise Refused("tokens", f"{len(tokens):,} tokens: a sample holds 1 to "
-                                f"{min(rules.max_tokens, MAX_SAMPLE_TOKENS):,} (the job's token cap)")
+        raise Refused("tokens", f"{len(tokens):,} tokens: a sample of this job holds 1 to "
+                                f"{min(rules.max_tokens, MAX_SAMPLE_TOKENS):,} (its token cap under oversize skip, "
+                                f"or {MAX_SAMPLE_TOKENS:,})")
     if tokens.min() < 0 or tokens.max() >= rules.vocab_size:
         bad = int(tokens[(tokens < 0) | (tokens >= rules.vocab_size)][0])
         raise Refused("tokens", f"token id {bad} is outside the vocabulary (0 to {rules.vocab_size - 1})")
@@ -154,7 +155,8 @@ def _check_images(sample: LiveSample, rules: SampleRules) -> None:
     sample.pixel_bytes = sum(int(np.prod(shape)) for w, h in sizes
                              for shape in rules.policy.geometry(w, h, len(sizes)).tile_shapes())
     if rules.max_vision and sample.vision > rules.max_vision:
-        raise Refused("images", f"{sample.vision} vision units: over the job's vision cap {rules.max_vision}")
+        raise Refused("images", f"{sample.vision} vision units: over the job's vision cap {rules.max_vision} "
+                                "(oversize skip)")
 
 
 def _image_size(data: bytes, k: int) -> tuple[int, int]:

@@ -13,7 +13,7 @@ import numpy as np
 from packfeed.media.chat import IGNORE_INDEX
 from packfeed.media.image_policy import policy_from_dict
 from packfeed.media.pixel_modes import PIXEL_PATHS
-from packfeed.server.live.samples import SampleRules
+from packfeed.server.live.samples import MAX_SAMPLE_TOKENS, SampleRules
 from packfeed.server.live.spool import read_array, read_member
 from packfeed.server.live.steps import LiveSteps
 from packfeed.server.serve.index_rows import IndexRows
@@ -21,7 +21,7 @@ from packfeed.server.serve.job_spec import JobError
 from packfeed.server.serve.preprocess import SampleReader, SampleTensors
 from packfeed.server.serve.shard_reader import SampleSkipped
 from packfeed.server.serve.step_work import RankStepWork
-from packfeed.v1.options import PlanConfig
+from packfeed.v1.options import Oversize, PlanConfig
 
 LIVE_LABEL = "live"  # a live sample's `sample_sources` entry
 
@@ -107,11 +107,18 @@ class LiveDataset:
         return None
 
     def rules(self, config: PlanConfig) -> SampleRules:
-        """What the job's samples must satisfy."""
+        """What the job's samples must satisfy. Under the `skip` oversize policy a sample over the caps (with
+        context parallelism: over what its rank's C GPUs hold) is refused at its put, never accepted and then
+        left out; under `alone` and `truncate` it is taken and planned as that policy says."""
         conventions = self.conventions
+        tokens, vision = MAX_SAMPLE_TOKENS, 0
+        if config.oversize is Oversize.SKIP and config.token_cap is not None:
+            per_gpu = config.max_tokens_per_gpu or config.token_cap
+            tokens = min(MAX_SAMPLE_TOKENS, per_gpu * config.context_parallel if config.context_parallel > 1
+                         else config.token_cap)
+            vision = config.vision_cap * config.context_parallel
         return SampleRules(conventions.vocab_size, conventions.image_context_id,
-                           policy_from_dict(self.part.info.image_policy),
-                           self.prompt_images, config.token_cap or 1 << 20, config.vision_cap or 0)
+                           policy_from_dict(self.part.info.image_policy), self.prompt_images, tokens, vision)
 
     def prompt_images(self, key: str) -> tuple[int, list[tuple[int, int]]] | None:
         """An indexed prompt's sample id and image sizes (None: no such sample, or one holding videos)."""
