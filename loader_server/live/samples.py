@@ -143,7 +143,7 @@ def _check_images(sample: LiveSample, rules: SampleRules) -> None:
             raise Refused("images", f"{len(sample.images)} images: at most {MAX_IMAGES}")
         sizes = [_image_size(data, k) for k, data in enumerate(sample.images)]
     costs = [rules.policy.cost(width, height, len(sizes)) for width, height in sizes]
-    runs = _placeholder_runs(sample.tokens, rules.image_context_id)
+    runs = placeholder_runs(sample.tokens, rules.image_context_id)[1].tolist()
     expected = [cost.llm_tokens for cost in costs]
     if runs != expected:
         raise Refused("tokens", f"its image placeholders (runs of token {rules.image_context_id}) are {runs}; its "
@@ -170,9 +170,10 @@ def _image_size(data: bytes, k: int) -> tuple[int, int]:
         raise Refused(f"images[{k}]", f"not a readable image file: {error}") from None
 
 
-def _placeholder_runs(tokens: np.ndarray, context_id: int) -> list[int]:
-    """Lengths of the runs of `context_id` in `tokens`, in order."""
+def placeholder_runs(tokens: np.ndarray, context_id: int) -> tuple[np.ndarray, np.ndarray]:
+    """(start, length) of each run of `context_id` in `tokens`, in order: a sample's image placeholders, checked
+    at its put and placed when it is served."""
     hit = np.concatenate([[0], (tokens == context_id).astype(np.int8), [0]])
     edges = np.flatnonzero(np.diff(hit))
-    return (edges[1::2] - edges[::2]).tolist()
+    return edges[::2], edges[1::2] - edges[::2]
 

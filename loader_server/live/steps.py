@@ -49,29 +49,25 @@ class LiveSteps:
         self.spool, self.config, self.seed, self.fingerprint = spool, config, seed, fingerprint
         self.max_bytes = max_bytes  # of spooled batches (0: no bound)
         self.max_samples = max_samples  # held (their rows live in memory, ~1.5 KB each; 0: no bound)
+        self.refused = 0  # samples this server refused (bad input), in all
         self._lock = threading.Lock()
-        self.rows: dict[str, dict] = {}  # id -> its row, while its batch is spooled
-        self.known: set[str] = set()  # every id ever accepted (a retried put is not stored twice)
-        self.pending: collections.deque[str] = collections.deque()  # accepted, in no step yet, in arrival order
-        self.steps: list[dict] = []  # each step's record: members, dropped, last
-        self.tensor_names: tuple[str, ...] | None = None  # fixed by the job's first sample
-        self.arrived = self.dropped = self.refused = 0
-        self._batch_ids: dict[int, list[str]] = {}  # batch -> its samples' ids, while it is spooled
-        self._batch_left: dict[int, int] = {}  # batch -> its samples not yet released
-        self._released = -1  # every step up to this one acknowledged by every rank
-        self._plans: collections.OrderedDict[int, Plan | None] = collections.OrderedDict()
-        self._next_batch = 1
         self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future]] = []
         self.reload()
 
     def reload(self) -> None:
         """The job as its spool holds it now (at open, and when this server takes the job over from another
-        that wrote to the same spool)."""
+        that wrote to the same spool): every piece of state below is the spool's, read again."""
         with self._lock:
-            self.rows, self.known, self.pending, self.steps = {}, set(), collections.deque(), []
-            self.tensor_names, self.arrived, self.dropped = None, 0, 0
-            self._batch_ids, self._batch_left, self._released = {}, {}, -1
-            self._plans.clear()
+            self.rows: dict[str, dict] = {}  # id -> its row, while its batch is spooled
+            self.known: set[str] = set()  # every id ever accepted (a retried put is not stored twice)
+            self.pending: collections.deque[str] = collections.deque()  # in no step yet, in arrival order
+            self.steps: list[dict] = []  # each step's record: members, dropped, last
+            self.tensor_names: tuple[str, ...] | None = None  # fixed by the job's first sample
+            self.arrived = self.dropped = 0
+            self._batch_ids: dict[int, list[str]] = {}  # batch -> its samples' ids, while it is spooled
+            self._batch_left: dict[int, int] = {}  # batch -> its samples not yet released
+            self._released = -1  # every step up to this one acknowledged by every rank
+            self._plans: collections.OrderedDict[int, Plan | None] = collections.OrderedDict()
             self._next_batch = 1
             self._recover()
         self._wake()

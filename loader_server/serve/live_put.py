@@ -15,6 +15,9 @@ from packfeed.server.serve.observe import Metrics
 from packfeed.v1 import packfeed_pb2 as pb
 
 MAX_PUT_SAMPLES = 4096  # samples in one request (its bytes are bounded by the server's max_message_mb)
+# What a put that keeps nothing answers, by why (the first that matches: SpoolFull is a SpoolError)
+REFUSALS = ((LiveClosed, "FAILED_PRECONDITION", ""), (SpoolFull, "RESOURCE_EXHAUSTED", ""),
+            (SpoolError, "UNAVAILABLE", "; nothing of this put was kept: retry"), (ValueError, "INVALID_ARGUMENT", ""))
 
 
 async def put_samples(job: Job, request: pb.PutSamplesRequest, metrics: Metrics) -> pb.PutSamplesResponse:
@@ -26,10 +29,8 @@ async def put_samples(job: Job, request: pb.PutSamplesRequest, metrics: Metrics)
         raise JobError("INVALID_ARGUMENT", f"{len(request.samples)} samples in one put: at most {MAX_PUT_SAMPLES}")
     try:
         live.check_room(len(request.samples), request.ByteSize())
-    except SpoolFull as error:
-        raise JobError("RESOURCE_EXHAUSTED", f"job {job.spec.job!r}: {error}") from None
-    except ValueError as error:
-        raise JobError("INVALID_ARGUMENT", f"job {job.spec.job!r}: {error}") from None
+    except (SpoolFull, ValueError) as error:
+        raise refusal(job, error) from None
     rules = job.dataset.rules(job.spec.plan_config)
     before = live.status()
     checked = []
@@ -40,14 +41,8 @@ async def put_samples(job: Job, request: pb.PutSamplesRequest, metrics: Metrics)
             checked.append(refused)
     try:
         outcomes = await asyncio.to_thread(live.put, checked, request.end)
-    except LiveClosed as error:
-        raise JobError("FAILED_PRECONDITION", f"job {job.spec.job!r}: {error}") from None
-    except SpoolFull as error:
-        raise JobError("RESOURCE_EXHAUSTED", f"job {job.spec.job!r}: {error}") from None
-    except SpoolError as error:
-        raise JobError("UNAVAILABLE", f"job {job.spec.job!r}: {error}; nothing of this put was kept: retry") from None
-    except ValueError as error:
-        raise JobError("INVALID_ARGUMENT", f"job {job.spec.job!r}: {error}") from None
+    except (LiveClosed, SpoolError, ValueError) as error:
+        raise refusal(job, error) from None
     job.touch()
     status = live.status()
     metrics.live_observe(job.spec.job, status, before)
@@ -59,3 +54,9 @@ async def put_samples(job: Job, request: pb.PutSamplesRequest, metrics: Metrics)
     response.pending, response.steps_formed, response.ended = status["pending"], status["steps_formed"], \
         status["ended"]
     return response
+
+
+def refusal(job: Job, error: Exception) -> JobError:
+    """The gRPC answer to a put refused whole (`REFUSALS`)."""
+    code, suffix = next((code, suffix) for kind, code, suffix in REFUSALS if isinstance(error, kind))
+    return JobError(code, f"job {job.spec.job!r}: {error}{suffix}")

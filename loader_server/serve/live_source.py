@@ -13,7 +13,7 @@ import numpy as np
 from packfeed.media.chat import IGNORE_INDEX
 from packfeed.media.image_policy import policy_from_dict
 from packfeed.media.pixel_modes import PIXEL_PATHS
-from packfeed.server.live.samples import MAX_SAMPLE_TOKENS, SampleRules
+from packfeed.server.live.samples import MAX_SAMPLE_TOKENS, SampleRules, placeholder_runs
 from packfeed.server.live.spool import read_array, read_member
 from packfeed.server.live.steps import LiveSteps
 from packfeed.server.serve.index_rows import IndexRows
@@ -150,9 +150,9 @@ class LiveDataset:
             packs.append((ids, np.asarray(limits, dtype=np.int64), np.zeros(len(ids), np.int32)))
             positions.extend(ids.tolist())
             spans.append(step_plan.pack_cp(0, rank, microbatch))
-        rows = dict(zip(positions, self.steps.member_rows(step, positions)))
-        for row in rows.values():
-            row["tar"] = self.steps.spool.tar_path(row["batch"])
+        # copies: the job's own rows are shared by every rank's work, and read under its lock
+        rows = {position: {**row, "tar": self.steps.spool.tar_path(row["batch"])}
+                for position, row in zip(positions, self.steps.member_rows(step, positions))}
         step_loss = sum(row["loss_tokens"] for row in self.steps.member_rows(step, step_plan.step_members(0)))
         return self._work(step, rank, packs, rows, step_loss, plan.is_last_step(step), spans)
 
@@ -218,8 +218,7 @@ class LiveReader:
                          for k, (span, (width, height)) in enumerate(zip(row["images"], row["sizes"]))]
         except (OSError, ValueError) as error:
             raise SampleSkipped(f"live spool unreadable: {row['id']}: {error}") from None
-        hit = np.concatenate([[0], (tokens == self.live.image_context_id).astype(np.int8), [0]])
-        starts = np.flatnonzero(np.diff(hit) == 1).tolist()
+        starts = placeholder_runs(tokens, self.live.image_context_id)[0].tolist()
         labels = np.where(mask, tokens, IGNORE_INDEX).astype(np.int32)
         return SampleTensors(row["id"], tokens, labels, [tile for item in items for tile in item.tiles],
                              [item.n_tiles for item in items], [item.tokens for item in items], starts,

@@ -12,9 +12,12 @@ import time
 from dataclasses import replace
 
 from packfeed.media.pixel_modes import PIXEL_PATHS
+from packfeed.server.live.spool import Spool, SpoolError
+from packfeed.server.live.steps import LiveSteps, live_fingerprint
 from packfeed.server.serve.datasets import Dataset
 from packfeed.server.serve.job_spec import JobError, JobSpec
 from packfeed.server.serve.jobs import Job, RankState
+from packfeed.server.serve.live_source import LiveDataset
 from packfeed.v1.options import MAX_EPOCHS, MAX_NAME, PlanConfig, Strategy
 
 
@@ -89,10 +92,6 @@ class JobRegistry:
     def _live(self, spec: JobSpec, dataset: Dataset):
         """A live job's source: its spool (re-opened as it was left, after a restart or on another server
         sharing the folder) and the dataset its samples reference."""
-        from packfeed.server.live.spool import Spool, SpoolError
-        from packfeed.server.live.steps import LiveSteps, live_fingerprint
-        from packfeed.server.serve.live_source import LiveDataset
-
         if not self.live_spool:
             raise JobError("FAILED_PRECONDITION", "this server keeps no live spool: start it with --live-spool DIR "
                                                   "(live_spool:) to serve live jobs")
