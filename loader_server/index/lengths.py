@@ -20,7 +20,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from packfeed.media.image_policy import DEFAULT_PATCHES_PER_UNIT
-from packfeed.server.index.table import (IndexInfo, check_encoder_name, empty_rows, encoder_columns,
+from packfeed.server.index.table import (IndexInfo, check_encoder_name, check_groups, empty_rows, encoder_columns,
                                          fingerprint_table, index_schema,
                                          write_index)
 
@@ -28,15 +28,22 @@ TOKENS_PER_TILE = 256
 KEY_CHUNK = 1 << 25  # InternVL: pixel-shuffled 448 px tile -> 256 LLM tokens
 
 
-def read_length_file(path: Path, encoders: dict[str, bool] | None = None) -> tuple[np.ndarray, ...]:
-    """(vit_num, token_num, image_flags) of every record, then (tokens, attention squares) of each further encoder
-    in `encoders` ({name: padded}) in name order."""
+def length_records(path: Path) -> list:
+    """A length file's records, as JSON values."""
     try:
         records = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as error:
         raise ValueError(f"{path}: cannot read a length file ({error})") from error
     if not isinstance(records, list):
         raise ValueError(f"{path}: a length file is a JSON list of {{vit_num, token_num, image_flags}} records")
+    return records
+
+
+def read_length_file(path: Path, encoders: dict[str, bool] | None = None, records: list | None = None
+                     ) -> tuple[np.ndarray, ...]:
+    """(vit_num, token_num, image_flags) of every record, then (tokens, attention squares) of each further encoder
+    in `encoders` ({name: padded}) in name order. `records`: the file's, when already read."""
+    records = length_records(path) if records is None else records
     try:
         vit = np.fromiter((r["vit_num"] for r in records), dtype=np.int64, count=len(records))
         tok = np.fromiter((r["token_num"] for r in records), dtype=np.int64, count=len(records))
@@ -82,11 +89,46 @@ def _encoder_lengths(path: Path, records: list, name: str, padded: bool) -> list
     return [tokens, (tokens * tokens) // np.maximum(items, 1)]
 
 
+def record_groups(path: Path, records: list, labels: dict) -> tuple[np.ndarray, np.ndarray] | None:
+    """Each record's group (-1: none) and prefix tokens, or None when no record names a group. A record's `group`
+    is any JSON string or integer, numbered in `labels` (shared by the files of one index) in order of first
+    appearance; a grouped record gives `prefix_tokens`, the tokens its group's members share (the prompt; its
+    images, `vit_num`, are in them)."""
+    if not any(isinstance(r, dict) and "group" in r for r in records):
+        return None
+    group = np.full(len(records), -1, np.int64)
+    prefix = np.zeros(len(records), np.int64)
+    for k, record in enumerate(records):
+        label = record.get("group")
+        if label is None:
+            continue
+        if isinstance(label, bool) or not isinstance(label, (str, int)):
+            raise ValueError(f"{path}: record {k}: 'group' is {type(label).__name__} {label!r}: name a group with a "
+                             "string or an integer")
+        given = record.get("prefix_tokens")
+        if isinstance(given, bool) or not isinstance(given, int) or not 0 <= given <= record["token_num"]:
+            raise ValueError(f"{path}: record {k} of group {label!r}: 'prefix_tokens' is {given!r}: give the tokens "
+                             f"its group shares, an integer from 0 to its token_num ({record['token_num']})")
+        group[k] = labels.setdefault((type(label).__name__, label), len(labels))
+        prefix[k] = given
+    return group, prefix
+
+
 def index_from_lengths(files: list[str | Path], out: str | Path, encoders: dict[str, bool] | None = None
                        ) -> IndexInfo:
-    """An index of the length files; `encoders`: further encoders ({name: padded}) their records describe."""
+    """An index of the length files; `encoders`: further encoders ({name: padded}) their records describe.
+    Records naming a `group` make a grouped index (`record_groups`)."""
     encoders = {check_encoder_name(name): padded for name, padded in (encoders or {}).items()}
-    parts = [read_length_file(Path(f), encoders) for f in files]
+    parts, grouping, labels = [], [], {}
+    for f in files:
+        records = length_records(Path(f))
+        parts.append(read_length_file(Path(f), encoders, records))
+        grouping.append(record_groups(Path(f), records, labels))
+        del records
+    groups = None
+    if any(g is not None for g in grouping):
+        groups = tuple(np.concatenate([g[k] if g is not None else np.full(len(p[0]), -1 if k == 0 else 0, np.int64)
+                                       for g, p in zip(grouping, parts)]) for k in (0, 1))
     names = [Path(f).name for f in files]
     source = np.concatenate([np.full(len(p[0]), k, dtype=np.int32) for k, p in enumerate(parts)]) \
         if parts else np.zeros(0, np.int32)
@@ -94,14 +136,16 @@ def index_from_lengths(files: list[str | Path], out: str | Path, encoders: dict[
                for k in range(3 + 2 * len(encoders))]
     extra = {name: (columns[3 + 2 * k], columns[4 + 2 * k]) for k, name in enumerate(sorted(encoders))}
     return write_lengths_index(*columns[:3], out, names, source, inputs=[str(f) for f in files],
-                               encoders={name: (*extra[name], encoders[name]) for name in encoders})
+                               encoders={name: (*extra[name], encoders[name]) for name in encoders}, groups=groups)
 
 
 def write_lengths_index(vit: np.ndarray, tok: np.ndarray, flags: np.ndarray, out: str | Path,
                         source_names: list[str], source: np.ndarray, inputs: list[str] | None = None,
-                        encoders: dict[str, tuple[np.ndarray, np.ndarray, bool]] | None = None) -> IndexInfo:
+                        encoders: dict[str, tuple[np.ndarray, np.ndarray, bool]] | None = None,
+                        groups: tuple[np.ndarray, np.ndarray] | None = None) -> IndexInfo:
     """An index from per-sample (vit_num, token_num, image_flags); `source[i]` names row i's file; `encoders`:
-    {name: (tokens, attention squares, padded)} of further encoders."""
+    {name: (tokens, attention squares, padded)} of further encoders; `groups`: (group, prefix tokens) per sample,
+    a grouped index (each group's members checked to share one prefix)."""
     n = len(vit)
     bad = (vit < 0) | (tok <= 0)
     reason = "bad length record (vit_num < 0 or token_num <= 0)"
@@ -129,11 +173,17 @@ def write_lengths_index(vit: np.ndarray, tok: np.ndarray, flags: np.ndarray, out
     for name, (tokens, squares, _) in sorted((encoders or {}).items()):
         for column, values in zip(encoder_columns(name), (tokens, squares)):
             columns[column] = pa.array(np.asarray(values, dtype=np.int64))
+    if groups is not None:
+        group, prefix = (np.asarray(g, np.int64) for g in groups)
+        check_groups(group, prefix, vit, tok)
+        columns["group"], columns["prefix_tokens"] = pa.array(group), pa.array(prefix.astype(np.int32))
     info = IndexInfo(fingerprint="", source="lengths", inputs=inputs or source_names,
-                     invalid_by_reason={}, skipped_shards=[], encoders=described or None)
+                     invalid_by_reason={}, skipped_shards=[], encoders=described or None,
+                     groups=True if groups is not None else None)
     table = pa.table(columns, schema=index_schema(info))
     invalid = int(bad.sum())
-    config = {"source": "lengths", "files": source_names, **({"encoders": described} if described else {})}
+    config = {"source": "lengths", "files": source_names, **({"encoders": described} if described else {}),
+              **({"groups": True} if groups is not None else {})}
     info.fingerprint = fingerprint_table(table, config)
     info.invalid_by_reason = {reason: invalid} if invalid else {}
     write_index(table, out, info)

@@ -86,6 +86,9 @@ class IndexInfo:
     # further encoders beside the vision encoder (an audio tower, a video tower...): {name: {"padded": bool}};
     # each has the columns `encoder_columns(name)`
     encoders: dict[str, dict[str, Any]] | None = None
+    # samples come in groups sharing a prefix (GRPO's responses to one prompt, preference pairs): the index has
+    # GROUP_COLUMNS
+    groups: bool | None = None
     format_version: int = INDEX_FORMAT_VERSION
     packfeed_version: str = __version__
 
@@ -112,10 +115,33 @@ def encoder_columns(name: str) -> tuple[str, str]:
     return f"encoder_{name}_tokens", f"encoder_{name}_attn_sq"
 
 
+# A grouped index's columns: each sample's group (-1: none; groups numbered 0.. in order of first appearance) and
+# the LLM tokens of the prefix it shares with the group's other members (the prompt; its images are among them)
+GROUP_COLUMNS = {"group": pa.int64(), "prefix_tokens": pa.int32()}
+
+
+def check_groups(group: np.ndarray, prefix: np.ndarray, vision: np.ndarray, tokens: np.ndarray) -> None:
+    """A grouped index's rule: a group's members share one prefix, the same prefix tokens and the same vision
+    units (every image of a grouped sample is in its prefix), within each member's tokens."""
+    ids = np.flatnonzero(group >= 0)
+    ids = ids[np.argsort(group[ids], kind="stable")]
+    starts = np.flatnonzero(np.r_[True, group[ids][1:] != group[ids][:-1]]) if len(ids) else np.zeros(0, np.int64)
+    first = np.repeat(ids[starts], np.diff(np.r_[starts, len(ids)]))
+    bad = (prefix[ids] != prefix[first]) | (vision[ids] != vision[first]) | (prefix[ids] > tokens[ids]) | \
+        (prefix[ids] < 0)
+    if bad.any():
+        i, j = int(ids[np.argmax(bad)]), int(first[np.argmax(bad)])
+        raise ValueError(f"group {group[i]}: sample {i} has {prefix[i]} prefix tokens, {vision[i]} vision units and "
+                         f"{tokens[i]} tokens, its group's sample {j} {prefix[j]} prefix tokens and {vision[j]} vision "
+                         "units: a group's members share one prefix (the same prefix_tokens, every image in it, "
+                         "within each member's tokens)")
+
+
 def index_schema(info: IndexInfo) -> pa.Schema:
-    """SCHEMA, then the columns of the index's further encoders."""
+    """SCHEMA, then the columns of the index's further encoders, then a grouped index's GROUP_COLUMNS."""
     extra = [pa.field(column, pa.int64()) for name in sorted(info.encoders or {}) for column in encoder_columns(name)]
-    return pa.schema(list(SCHEMA) + extra)
+    groups = [pa.field(name, kind) for name, kind in GROUP_COLUMNS.items()] if info.groups else []
+    return pa.schema(list(SCHEMA) + extra + groups)
 
 
 def member_checksum(data: bytes) -> int:
@@ -134,8 +160,9 @@ def fingerprint_table(table: pa.Table, config: dict[str, Any]) -> str:
     digest = hashlib.sha256()
     digest.update(json.dumps(config, sort_keys=True).encode())
     encoders = [column for column in table.column_names if column.startswith("encoder_")]
+    groups = [column for column in GROUP_COLUMNS if column in table.column_names]
     for name in ("sample_id", "valid", "vision_units", "vision_tokens", "llm_tokens", "vit_patches", "vit_attn_sq",
-                 *encoders):
+                 *encoders, *groups):
         column = table.column(name).combine_chunks()
         digest.update(name.encode())
         digest.update(np.ascontiguousarray(column.to_numpy(zero_copy_only=False)).tobytes())

@@ -24,7 +24,9 @@ from packfeed.v1.options import CostModel
 def sample_costs(model: CostModel, loads: "SampleLoads") -> np.ndarray:
     """(n, 2 + E) float32: [vision cost, LLM cost, then each further encoder's cost in name order] of every
     sample under `model`, one row per sample so that summing a pack touches one cache line per member."""
-    costs = _cost_rows(loads.vit_patches, loads.vit_attn_sq, loads.tokens, model.vision_linear,
+    llm_sq = getattr(loads, "llm_attn_sq", None)
+    costs = _cost_rows(loads.vit_patches, loads.vit_attn_sq, loads.tokens,
+                       np.full(1, np.nan, np.float32) if llm_sq is None else llm_sq, model.vision_linear,
                        model.vision_quadratic, model.llm_linear, model.llm_quadratic)
     encoders = getattr(loads, "encoders", None) or {}
     if not encoders:
@@ -46,12 +48,18 @@ def encoder_names(loads) -> list[str]:
 
 
 @numba.njit(cache=True, nogil=True, parallel=True)
-def _cost_rows(patches, attn_sq, tokens, a_v, b_v, a_l, b_l):
+def _cost_rows(patches, attn_sq, tokens, llm_sq, a_v, b_v, a_l, b_l):
+    """`llm_sq`: the LLM's attention squares per row where they are not tokens^2 (NaN or a one-element array:
+    tokens^2), as for a group's members sharing their prefix (`packfeed.server.plan.groups`)."""
     out = np.empty((len(tokens), 2), dtype=np.float32)
+    given = len(llm_sq) == len(tokens)
     for i in numba.prange(len(tokens)):
         t = float(tokens[i])
+        square = t * t
+        if given and not np.isnan(llm_sq[i]):
+            square = float(llm_sq[i])
         out[i, 0] = a_v * patches[i] + b_v * attn_sq[i]
-        out[i, 1] = a_l * t + b_l * t * t
+        out[i, 1] = a_l * t + b_l * square
     return out
 
 
@@ -80,6 +88,12 @@ class SampleLoads:
     # uint8 bits of the towers a sample calls (`packfeed.server.plan.collective.TOWER_BITS`: 1 images, 2 videos);
     # None: images wherever there are vision units (lengths imported without media counts)
     towers: np.ndarray | None = None
+    # Groups (`packfeed.server.plan.groups`): per sample, its group (-1: none) and the tokens of the prefix it
+    # shares with its group (the prompt, its images among them); None: no groups
+    group: np.ndarray | None = None
+    prefix: np.ndarray | None = None
+    # float32 per sample: the LLM's attention squares where they are not tokens^2 (NaN: tokens^2); None: all are
+    llm_attn_sq: np.ndarray | None = None
 
     def __post_init__(self):
         if self.towers is None:
@@ -94,7 +108,10 @@ class SampleLoads:
 
     def subset(self, ids: np.ndarray) -> "SampleLoads":
         """The loads of samples `ids`, in that order."""
-        return SampleLoads(**self.gather(ids), encoders={name: e.subset(ids) for name, e in self.encoders.items()})
+        optional = tuple(name for name in ("group", "prefix", "llm_attn_sq") if getattr(self, name) is not None)
+        return SampleLoads(**self.gather(ids, ("valid", "vision", "tokens", "vit_patches", "vit_attn_sq", "towers")
+                                         + optional),
+                           encoders={name: e.subset(ids) for name, e in self.encoders.items()})
 
     @classmethod
     def from_arrays(cls, vision, tokens, valid=None, patches_per_unit: int = DEFAULT_PATCHES_PER_UNIT) -> "SampleLoads":
@@ -123,7 +140,7 @@ def check_sample_ids(parquet: pq.ParquetFile, index_path) -> None:
 
 
 def load_sample_loads(index_path: str | Path) -> tuple[SampleLoads, IndexInfo]:
-    """The planner's columns as compact arrays (17 bytes per sample)."""
+    """The planner's columns as compact arrays (17 bytes per sample; a grouped index's 12 more)."""
     info = read_index_info(index_path)
     # Memory-mapped and one column at a time: the whole Arrow table would take 3.3 GB at 100M rows, and
     # memory Arrow's allocator once held is not handed back to the planner.
@@ -143,9 +160,10 @@ def load_sample_loads(index_path: str | Path) -> tuple[SampleLoads, IndexInfo]:
         parts.append(index_towers(batch, vision[start:start + batch.num_rows]))
         start += batch.num_rows
     towers = np.concatenate(parts) if parts else None
+    groups = {"group": column("group", np.int64), "prefix": column("prefix_tokens", np.int32)} if info.groups else {}
     loads = SampleLoads(valid=column("valid", bool), vision=vision,
                         tokens=column("llm_tokens", np.int32), vit_patches=column("vit_patches", np.float32),
-                        vit_attn_sq=column("vit_attn_sq", np.float32), encoders=encoders, towers=towers)
+                        vit_attn_sq=column("vit_attn_sq", np.float32), encoders=encoders, towers=towers, **groups)
     return loads, info
 
 

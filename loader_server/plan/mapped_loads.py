@@ -143,7 +143,7 @@ def map_sample_loads(index_path: str | Path) -> tuple[MappedLoads | SampleLoads,
 
     index = Path(index_path)
     info = read_index_info(index)
-    if info.encoders:  # the mapped file holds the five planner columns only: further encoders' columns in memory
+    if info.encoders or info.groups:  # the mapped file holds the five planner columns only: the others in memory
         return load_sample_loads(index)
     path = plan_columns_path(index, info.fingerprint)
     if not path.exists():

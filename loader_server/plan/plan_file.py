@@ -25,6 +25,7 @@ from packfeed.server.plan.collective import (alignment_summary, sample_towers, t
 from packfeed.server.plan.plan_checks import checked_cp, checked_packs
 from packfeed.server.plan.context_parallel import cp_summary
 from packfeed.server.plan.costs import SampleLoads
+from packfeed.server.plan.groups import grouped, prefix_savings
 from packfeed.server.plan.isf import Caps
 from packfeed.server.plan.metrics import dist_ratio, pad_ratio
 from packfeed.v1.options import PlanConfig, Strategy
@@ -57,6 +58,8 @@ class Plan:
     # its rank's CP group; a slot's packs are in the order of their first lane, g*d)
     cp_degree: np.ndarray | None = None
     cp_group: np.ndarray | None = None
+    # groups sharing a prefix (`packfeed.server.plan.groups`): per member, its group (-1: none); None: no groups
+    groups: np.ndarray | None = None
     _fingerprint: str | None = field(default=None, repr=False, compare=False)
 
     @property
@@ -132,6 +135,9 @@ class Plan:
             llm = _segment_max(tokens, self.offsets) * self.pack_sizes()
         else:
             llm = segment_sum(tokens, self.offsets)
+        if self.groups is not None:  # every prefix counted once in its pack
+            saved = prefix_savings(self.members, self.offsets, loads)
+            vision, llm = vision - saved["vision"], llm - saved["tokens"]
         return vision, llm
 
     def dists(self, loads: SampleLoads) -> tuple[float, float]:
@@ -167,7 +173,17 @@ class Plan:
             "collective_safe": self.alignment(loads),
             **({"phases": self.phase_summary()} if self.phases is not None else {}),
             **({"context_parallel": cp_summary(self, loads)} if self.cp_degree is not None else {}),
+            **({"groups": self.group_summary(loads)} if grouped(loads) else {}),
         }
+
+    def group_summary(self, loads: SampleLoads) -> dict[str, Any]:
+        """Groups sharing a prefix: how many were planned, how many over more than one pack, and what counting each
+        prefix once per pack saves (0 where the plan does not share them, `shared_prefix` false)."""
+        saved = prefix_savings(self.members, self.offsets, loads)
+        out = {name: saved[name] for name in ("groups", "split_groups", "prefix_tokens_saved", "vision_units_saved")}
+        if self.groups is None:
+            out.update(prefix_tokens_saved=0, vision_units_saved=0)
+        return {"shared_prefix": self.groups is not None, **out}
 
     def alignment(self, loads: SampleLoads) -> dict[str, Any]:
         """Microbatch indices calling a tower on some DP ranks only (`packfeed.server.plan.collective`): none
@@ -209,6 +225,7 @@ class Plan:
             digest.update(json.dumps({"config": self.config.to_dict(), "seed": self.seed, "epoch": self.epoch,
                                       "index": self.index_fingerprint}, sort_keys=True).encode())
             arrays = (self.offsets, self.members, self.truncate_to) + \
+                ((self.groups,) if self.groups is not None else ()) + \
                 ((self.encoder_rank,) if self.encoder_rank is not None else ()) + \
                 tuple(self.further_encoder_ranks[name] for name in sorted(self.further_encoder_ranks)) + \
                 ((self.cp_degree, self.cp_group) if self.cp_degree is not None else ())
@@ -241,6 +258,10 @@ class Plan:
             cp[~empty] = self.cp_degree[self.offsets[first]:self.offsets[stop]]
             cp_group[~empty] = self.cp_group[self.offsets[first]:self.offsets[stop]]
         columns["cp"], columns["cp_group"] = pa.array(cp), pa.array(cp_group)
+        if self.groups is not None:  # each sample's group (-1: none, or an empty pack)
+            group = np.full(len(step), -1, dtype=np.int64)
+            group[~empty] = self.groups[self.offsets[first]:self.offsets[stop]]
+            columns["group"] = pa.array(group)
         if self.rows is not None:  # a mixture: each row's dataset, and its sample id in that dataset's index
             real = np.where(empty, 0, sample_id)
             columns["dataset"] = pa.DictionaryArray.from_arrays(
@@ -266,7 +287,8 @@ class Plan:
         # Statistics only where a reader filters (steps): the others cost a fifth of the encoding time.
         # Build the next chunk's rows (compiled, GIL released) while Arrow encodes the current one.
         delta = {name: "DELTA_BINARY_PACKED" for name in ("epoch", "step", "rank", "microbatch", "position",
-                                                          "sample_id", "truncate_to", "encoder_rank", "cp", "cp_group")}
+                                                          "sample_id", "truncate_to", "encoder_rank", "cp", "cp_group",
+                                                          "group")}
         with pq.ParquetWriter(path, schema, compression="zstd", use_dictionary=["dataset"], column_encoding=delta,
                               write_statistics=["step"]) as writer, \
                 ThreadPoolExecutor(max_workers=1) as builder:
@@ -300,6 +322,8 @@ def read_plan(path: str | Path) -> Plan:
                 table.column("sample_id").to_numpy()[~empty], table.column("truncate_to").to_numpy()[~empty]
                 .astype(np.int64), np.asarray(meta["oversize"], dtype=np.int64), meta["index_fingerprint"])
     plan.cp_degree, plan.cp_group = checked_cp(path, config, table, empty)
+    if "group" in table.column_names:
+        plan.groups = table.column("group").to_numpy()[~empty].astype(np.int64)
     if (config.strategy is Strategy.ISF_PHASES or config.disaggregated) and "encoder_rank" in table.column_names:
         plan.encoder_rank = table.column("encoder_rank").to_numpy()[~empty]
         plan.further_encoder_ranks = {name.removeprefix("encoder_rank_"): table.column(name).to_numpy()[~empty]

@@ -23,6 +23,7 @@ from packfeed.server.plan.collective import aligned_steps, class_layout, collect
 from packfeed.server.plan.costs import SampleLoads, encoder_costs, encoder_names, sample_costs
 from packfeed.server.plan.dynamic_cp import dynamic_cp_plan, dynamic_cp_steps
 from packfeed.server.plan.forming import FormedPacks, formed_packs
+from packfeed.server.plan.groups import expanded, shares_prefixes, units_for
 from packfeed.server.plan.isf import Caps, IsfPacks
 from packfeed.server.plan.pack_arrays import csr, gather, pack_costs
 from packfeed.server.plan.pipeline_order import inter_reorder_many, stage_fractions, stage_times
@@ -39,8 +40,13 @@ def make_plan(loads: SampleLoads, config: PlanConfig, seed: int, epoch: int, ind
               caps: Caps | None = None, window: int | None = None) -> Plan:
     """Plan one epoch. `caps` short-circuits the automatic search (e.g. reuse it across epochs). `window`: these
     loads are one window of an epoch planned window by window (`packfeed.server.plan.windows`), which draws
-    randomness of its own."""
+    randomness of its own. Groups sharing a prefix are planned as units (`packfeed.server.plan.groups`)."""
     started = time.perf_counter()
+    if shares_prefixes(loads, config):
+        units, caps = units_for(loads, config, caps)
+        plan = expanded(make_plan(units.loads, config, seed, epoch, index_fingerprint, caps, window), units, loads)
+        plan.seconds = time.perf_counter() - started
+        return plan
     streams = _streams(seed, epoch, window)
     oversize = cut = np.empty(0, dtype=np.int64)
     pieces = []
@@ -97,6 +103,9 @@ def count_steps(loads: SampleLoads, config: PlanConfig, seed: int, epoch: int, c
     the plan forms them and counted, `slots` to a step and the last step whatever is left (so a step count is
     the packs' count, whatever the arrangement). Dynamic context parallelism places its packs, where steps
     depend on placement, and builds nothing more. A job sizes its length from every epoch's count."""
+    if shares_prefixes(loads, config):
+        units, caps = units_for(loads, config, caps)
+        return count_steps(units.loads, config, seed, epoch, caps)
     streams = _streams(seed, epoch, None)
     if config.context_parallel > 1 and config.cp_mode is CpMode.DYNAMIC:
         return dynamic_cp_steps(loads, config, caps, streams[_STREAM_ISF], streams[_STREAM_STEPS])

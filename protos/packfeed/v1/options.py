@@ -90,7 +90,7 @@ def _help(text: str) -> dict[str, str]:
 
 # proto3 `optional` where false is a choice, not "unset" (the counts with presence, microbatches,
 # pipeline_stages and isf_iterations, take 0 as the default, as v1 clients sent it before they had presence)
-_WITH_PRESENCE = ("collective_safe", "max_staleness")
+_WITH_PRESENCE = ("collective_safe", "max_staleness", "shared_prefix")
 LIVE_FIELDS = ("step_samples", "step_tokens", "max_staleness", "steps")  # a live job's (`live`) own settings
 
 # Bounds of every count a request may carry: a server plans and holds state in proportion to them.
@@ -149,6 +149,10 @@ class PlanConfig:
         "in every step and microbatch, every DP rank's pack calls the same towers (images, videos, each further "
         "encoder) or none, so FSDP / ZeRO-3 with a tower wrapped apart never waits on a rank that skips it; what "
         "the data cannot align the summary counts (docs/training.md)"))
+    shared_prefix: bool = field(default=True, metadata=_help(
+        "samples in groups (an index's group column, a live job's groups) are planned with their prefix counted "
+        "once: a group's members in one pack where they fit, its prompt and images computed once (false: each "
+        "sample alone, as without groups; docs/planning.md \"Groups\")"))
     live: bool = field(default=False, metadata=_help(
         "samples come from producers while the job runs (`packfeed.client.Producer`, `packfeed put`), and a step "
         "forms when step_samples samples or step_tokens tokens have arrived (docs/live.md)"))
@@ -267,8 +271,9 @@ class PlanConfig:
                 del out[name]
         if not self.encoder_ranks:  # ... and plans with the encoder on the LLM's ranks
             del out["encoder_ranks"]
-        if self.collective_safe:  # the default: recorded when turned off
-            del out["collective_safe"]
+        for name in ("collective_safe", "shared_prefix"):  # defaults: recorded when turned off
+            if out[name]:
+                del out[name]
         if not self.live:  # plans of indexed data record what they did before live jobs existed
             for name in ("live", *LIVE_FIELDS):
                 del out[name]
@@ -291,7 +296,7 @@ class PlanConfig:
     @classmethod
     def from_proto(cls, spec: pb.PlanSpec) -> PlanConfig:
         """Unset (zero or empty) fields keep the defaults, but for `dp`, which a request must state, and
-        `collective_safe`, whose false is a choice. An explicit 0 of a count (`microbatches: 0`) is the default,
+        `collective_safe` and `shared_prefix`, whose false is a choice. An explicit 0 of a count (`microbatches: 0`) is the default,
         as it was before those counts had presence: v1 clients written then still send it (protos/README.md,
         "Changes"). Raises ValueError on a bad config."""
         if not spec.dp:
