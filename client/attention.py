@@ -37,6 +37,12 @@ def varlen_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
     dropout = dropout if module.training else 0.0
     bounds = kwargs.get("cu_seq_lens_q")
     length = query.shape[2]
+    parents = kwargs.get("segment_parents")
+    if parents is not None and causal and bounds is not None and int(bounds[-1]) == length and query.shape[0] == 1:
+        # a shared prefix's segments (to_hf_inputs(..., shared_prefix=True)): they say all a mask would
+        out = segment_attention(*(t[0].transpose(0, 1) for t in (query, key, value)), bounds.tolist(),
+                                list(parents), scaling)
+        return out.unsqueeze(0), None
     with _fixed_plan_backends(query):
         if bounds is None or int(bounds[-1]) != length or attention_mask is not None:
             out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, dropout_p=dropout,
@@ -108,3 +114,36 @@ def flash_varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
     cu_q, cu_k = (c.to(device=q.device, dtype=torch.int32) for c in (cu_q, cu_k))
     longest_q, longest_k = (int((c[1:] - c[:-1]).max()) for c in (cu_q, cu_k))
     return varlen_attn(q.contiguous(), k.contiguous(), v.contiguous(), cu_q, cu_k, longest_q, longest_k, **options)
+
+
+def segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bounds: list[int], parents: list[int],
+                      scale: float | None = None) -> torch.Tensor:
+    """Causal attention of (L, heads, dim) rows cut into segments at `bounds`, where a segment with a parent
+    (`parents[s]` >= 0, an earlier segment: a shared prefix, `packfeed.client.shared_prefix`) also sees every row
+    of its parent, as if it followed it. One flash-attention varlen call on CUDA in bf16 / fp16, each segment's
+    keys its parent's rows then its own; else sdpa per segment. Rows past the last bound attend among themselves."""
+    import torch.nn.functional as F
+
+    if bounds[-1] < q.shape[0]:
+        bounds, parents = [*bounds, q.shape[0]], [*parents, -1]
+    spans = list(zip(bounds[:-1], bounds[1:]))
+    keys = [torch.cat([torch.arange(spans[p][0], spans[p][1]) if p >= 0 else torch.zeros(0, dtype=torch.long),
+                       torch.arange(a, b)]) for p, (a, b) in zip(parents, spans)]
+    cu_k = torch.tensor([0] + [len(x) for x in keys]).cumsum(0)
+    gathered = torch.cat(keys).to(q.device)
+    flash = flash_varlen_attention(q, k[gathered], v[gathered], torch.tensor(bounds), cu_k, True, scale)
+    if flash is not None:
+        return flash
+    out = torch.empty_like(q)
+    for (a, b), p, key in zip(spans, parents, keys):
+        if b <= a:
+            continue
+        parent = len(key) - (b - a)
+        mask = None
+        if parent:  # every parent row, then causal within the segment
+            mask = torch.ones(b - a, len(key), dtype=torch.bool, device=q.device).tril(parent)
+        key = key.to(q.device)
+        out[a:b] = F.scaled_dot_product_attention(q[a:b].transpose(0, 1), k[key].transpose(0, 1),
+                                                  v[key].transpose(0, 1), attn_mask=mask, is_causal=mask is None,
+                                                  scale=scale).transpose(0, 1)
+    return out

@@ -51,7 +51,8 @@ import torch
 from packfeed.client.attention import register_varlen_attention  # noqa: F401  (re-exported: HF users import both from here)
 from packfeed.client.hf_config import check_model, model_config  # noqa: F401  (re-exported, as above)
 from packfeed.client.hf_families import (Family, family_of, mrope_positions, normalisation_of, normalised,
-                                         qwen_item_patches, time_intervals, visual_kinds)
+                                         qwen_grid, qwen_item_patches, time_intervals, visual_kinds)
+from packfeed.client.shared_prefix import shared, unshared
 from packfeed.client.tensors import IGNORE_INDEX, PackTensors
 from packfeed.client.towers import with_every_encoder
 from packfeed.v1.options import VisualKind
@@ -61,7 +62,7 @@ def to_hf_inputs(pack: PackTensors, model_family: str | Family, dp: int = 1, *,
                  attention: Literal["sdpa", "varlen"] = "sdpa", device: torch.device | str | None = None,
                  image_token_id: int | None = None, tokens_per_second: float | None = None,
                  layout: Literal["packed", "padded"] = "packed", ensure_encoders: bool = False,
-                 model: Any = None) -> dict[str, Any]:
+                 model: Any = None, shared_prefix: bool = False) -> dict[str, Any]:
     """The keyword arguments of the family's `ForConditionalGeneration.forward` for one pack (batch of one
     packed row). `dp`: the data-parallel world size the gradients are averaged over. `conventions`: the job's
     `ModelConventions` (normalisation and the placeholder id come from it). `dtype`: the pixels' dtype (the
@@ -75,7 +76,13 @@ def to_hf_inputs(pack: PackTensors, model_family: str | Family, dp: int = 1, *,
     own at the end of the row whose tokens are outside the loss (`packfeed.client.towers`). Under FSDP or ZeRO-3
     with the vision tower wrapped apart, a rank that skips the tower leaves the others waiting in its
     all-gathers forever; this keeps every rank's collectives in step (needs `conventions`). `model`: the model
-    these inputs are for, refused (`check_model`) where its vocabulary or placeholder ids are not the dataset's."""
+    these inputs are for, refused (`check_model`) where its vocabulary or placeholder ids are not the dataset's.
+    `shared_prefix`: a pack whose samples share a prefix (a group's members, `packfeed.client.shared_prefix`) is
+    laid out with the prefix once, its images encoded once, each member's response after it with the positions it
+    would have after its own copy (M-RoPE rows included), and an `attention_mask` (1, 1, L, L) under which a
+    response sees the prefix and itself, never a sibling (sdpa or eager attention; `attention="varlen"` passes
+    the segments to Packfeed's varlen kernel instead): the same loss and gradients as each sample alone. False
+    (the default): every member whole, after its own copy of the prefix's images."""
     family = family_of(model_family)
     if model is not None:
         if conventions is None:
@@ -95,6 +102,20 @@ def to_hf_inputs(pack: PackTensors, model_family: str | Family, dp: int = 1, *,
     if pack.empty:  # a rank with no samples in this microbatch still joins the step's collectives
         return empty_hf_inputs(pack, dp, device, model_family=family if ensure_encoders else None,
                                conventions=conventions, dtype=dtype)
+    whole = unshared(pack)  # each sample as if alone: a sibling's prefix images copied from its owner
+    laid = shared(pack) if shared_prefix else whole
+    if shared_prefix and layout == "padded":
+        raise ValueError("shared_prefix lays the pack out as one packed row: use layout='packed'")
+    return _inputs(laid, whole, family, dp, conventions, dtype, attention, device, image_token_id, tokens_per_second,
+                   layout, ensure_encoders)
+
+
+def _inputs(pack: PackTensors, whole: PackTensors, family: Family, dp: int, conventions: Any, dtype: torch.dtype,
+            attention: str, device: Any, image_token_id: int | None, tokens_per_second: float | None, layout: str,
+            ensure_encoders: bool) -> dict[str, Any]:
+    """`to_hf_inputs` of `pack` (laid out as it is: `whole` when no prefix is shared, else its shared layout, whose
+    M-RoPE positions are those of `whole`'s tokens)."""
+    parents = pack.segment_parents.tolist() if "segment_parents" in pack.tensors else None
     mean, std = normalisation_of(family, conventions)
     if conventions is not None:
         image_token_id = conventions.image_context_id
@@ -114,7 +135,10 @@ def to_hf_inputs(pack: PackTensors, model_family: str | Family, dp: int = 1, *,
         flattened = qwen_item_patches(pack, features, kinds, family)
         grids = [grid for _, grid in flattened]
         intervals = time_intervals(pack, kinds, family, tokens_per_second)
-        positions = mrope_positions(pack, grids, family.merge_size, intervals)
+        if parents is None:
+            positions = mrope_positions(pack, grids, family.merge_size, intervals)
+        else:  # the positions each token has in the unshared layout
+            positions = whole_mrope(whole, family, tokens_per_second)[:, pack.source]
         inputs["position_ids"] = torch.cat([text_positions.unsqueeze(0), positions]).unsqueeze(1)  # (4, 1, L)
         for kind, pixels_name, grid_name in ((VisualKind.IMAGE, "pixel_values", "image_grid_thw"),
                                              (VisualKind.VIDEO, "pixel_values_videos", "video_grid_thw")):
@@ -151,6 +175,12 @@ def to_hf_inputs(pack: PackTensors, model_family: str | Family, dp: int = 1, *,
         if layout == "padded":
             raise ValueError("ensure_encoders adds a segment to a packed row: use layout='packed'")
         inputs, bounds = with_every_encoder(inputs, bounds, family, conventions, dtype)
+    if parents is not None:
+        parents = parents + [-1] * (len(bounds) - 1 - len(parents))  # ensure_encoders' segment continues nothing
+        if attention == "sdpa":
+            inputs["attention_mask"] = segment_mask(bounds.tolist(), parents)
+        else:
+            inputs["segment_parents"] = parents
     if attention == "varlen":
         longest = int((bounds[1:] - bounds[:-1]).max()) if len(bounds) > 1 else 0
         inputs.update(cu_seq_lens_q=bounds, cu_seq_lens_k=bounds, max_length_q=longest, max_length_k=longest)
@@ -159,6 +189,27 @@ def to_hf_inputs(pack: PackTensors, model_family: str | Family, dp: int = 1, *,
     if device is not None:
         inputs = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
     return inputs
+
+
+def whole_mrope(pack: PackTensors, family: Family, tokens_per_second: float | None) -> torch.Tensor:
+    """(3, L) M-RoPE positions of a pack laid out whole (each sample with its own images)."""
+    kinds = visual_kinds(pack)
+    frames = [[] for _ in kinds]  # each item's frames' (C, H, W): the grids need no pixel values
+    for shape, item in zip(pack.tile_shapes.view(-1, 3).tolist(), pack.tile_image.tolist()):
+        frames[item].append(shape)
+    grids = [qwen_grid(len(shapes), shapes[0][1], shapes[0][2], family) for shapes in frames]
+    return mrope_positions(pack, grids, family.merge_size, time_intervals(pack, kinds, family, tokens_per_second))
+
+
+def segment_mask(bounds: list[int], parents: list[int]) -> torch.Tensor:
+    """(1, 1, L, L) bool: token i sees token j of its own segment at or before it, and every token of the segment
+    its own continues (`parents`), as `packfeed.client.attention.segment_attention` computes without a mask."""
+    length = bounds[-1]
+    segment = torch.repeat_interleave(torch.arange(len(parents)), torch.tensor(bounds[1:]) - torch.tensor(bounds[:-1]))
+    parent = torch.tensor(parents, dtype=torch.long)[segment]
+    causal = torch.ones(length, length, dtype=torch.bool).tril()
+    mask = (causal & (segment[:, None] == segment[None, :])) | (parent[:, None] == segment[None, :])
+    return mask[None, None]
 
 
 def empty_hf_inputs(pack: PackTensors, dp: int = 1, device: torch.device | str | None = None, *,

@@ -26,7 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from packfeed.client.attention import flash_varlen_attention
+from packfeed.client.attention import flash_varlen_attention, segment_attention
+from packfeed.client.shared_prefix import continued_segments
 from packfeed.trainer.models.flavors import REFERENCE_FLAVORS, check_flavor, hf_sizes
 from packfeed.v1 import packfeed_pb2 as pb
 
@@ -240,7 +241,9 @@ class TextEmbed(nn.Module):
 class LLMBlock(nn.Module):
     """Pre-norm decoder block: RMSNorm, RoPE, causal attention within each packed sample, SwiGLU. `attention`
     is the attention function (q, k, v, cu_seqlens) -> out: context parallelism replaces it with one over the
-    GPUs a pack is split among (`packfeed.trainer.parallel.context_parallel`)."""
+    GPUs a pack is split among (`packfeed.trainer.parallel.context_parallel`). A pack laid out with shared
+    prefixes (`packfeed.client.shared_prefix.shared`) has segments that continue a prefix, read from their
+    positions: each attends to its prefix and itself."""
 
     def __init__(self, c: VLMConfig):
         super().__init__()
@@ -255,7 +258,10 @@ class LLMBlock(nn.Module):
         length, d = hidden.shape
         q, k, v = self.qkv(self.norm1(hidden)).view(length, 3, self.heads, d // self.heads).unbind(1)
         q, k = rope(q, position_ids, self.theta), rope(k, position_ids, self.theta)
-        hidden = hidden + self.proj(self.attention(q, k, v, cu_seqlens).reshape(length, d))
+        parents = continued_segments(cu_seqlens, position_ids) if self.attention is packed_causal_attention else None
+        attended = self.attention(q, k, v, cu_seqlens) if parents is None else \
+            segment_attention(q, k, v, cu_seqlens.tolist(), parents)  # a shared prefix's responses see it
+        hidden = hidden + self.proj(attended.reshape(length, d))
         hidden = hidden + self.mlp(self.norm2(hidden))
         return hidden, position_ids, cu_seqlens, labels
 

@@ -7,6 +7,7 @@ from collections import Counter
 
 import torch
 
+from packfeed.client.shared_prefix import shared
 from packfeed.trainer.batch import Microbatches, RoutedImages, StepShape, round_up
 from packfeed.trainer.models.reference import IGNORE_INDEX, VLMConfig
 
@@ -83,14 +84,17 @@ def pad_pack(pack, shape: StepShape, config: VLMConfig) -> tuple[torch.Tensor, .
 
 
 def microbatches_of(step, config: VLMConfig, token_multiple: int = 64) -> Microbatches:
-    """`step` is a `packfeed.client.Step` (or anything with `.packs`, `.epoch`, `.step`)."""
-    shape = step_shape(step.packs, token_multiple, step.epoch, step.step, step.last_in_epoch, config)
-    padded = [pad_pack(pack, shape, config) for pack in step.packs]
+    """`step` is a `packfeed.client.Step` (or anything with `.packs`, `.epoch`, `.step`). Packs whose samples share
+    a prefix are laid out with it once (`packfeed.client.shared_prefix.shared`): the model reads the segments
+    continuing it from their positions."""
+    packs = [shared(pack) for pack in step.packs]
+    shape = step_shape(packs, token_multiple, step.epoch, step.step, step.last_in_epoch, config)
+    padded = [pad_pack(pack, shape, config) for pack in packs]
     args = tuple(torch.cat(parts) for parts in zip(*padded))
     routed = [routed_images(pack, config) for pack in step.packs] if step.packs and step.packs[0].routed \
         else None
-    return Microbatches(shape, args, sum(int(p.input_ids.numel()) for p in step.packs),
-                        sum(int(p.tile_shapes.view(-1, 3).shape[0]) for p in step.packs),
+    return Microbatches(shape, args, sum(int(p.input_ids.numel()) for p in packs),
+                        sum(int(p.tile_shapes.view(-1, 3).shape[0]) for p in packs),
                         dict(Counter(step.sample_sources)), routed)
 
 
