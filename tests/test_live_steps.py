@@ -164,7 +164,7 @@ def test_a_step_plan_holds_every_member_in_one_step_and_is_a_function_of_its_mem
     runs = []
     for name in ("one", "two"):
         steps = live(tmp_path / name, config)
-        steps.put([sample(f"s{i}", int(n)) for i, n in enumerate(lengths)])
+        steps.put([sample(f"s{i}", int(n), group="") for i, n in enumerate(lengths)])  # each alone: no prefix shared
         plan = steps.plan(0)
         assert plan.n_steps == 1 and plan.config.microbatches > 1  # 40 samples need more than 2 packs of 64
         assert sorted(plan.members.tolist()) == list(range(40))
@@ -275,9 +275,9 @@ def test_a_step_of_text_and_image_samples_is_collective_safe(tmp_path):
     steps = live(tmp_path, config)
     image = png(112, 112)  # one 112 px tile: 16 placeholders
     tokens = [1, 2] + [CONTEXT] * 16 + list(range(20, 40))
-    with_images = [checked_sample(message(f"i{k}", len(tokens), tokens=tokens, images=[image]), rules())
-                   for k in range(8)]
-    steps.put([sample(f"t{k}", 30 + k) for k in range(8)] + with_images)
+    with_images = [checked_sample(message(f"i{k}", len(tokens), tokens=tokens, images=[image], group=f"i{k}"),
+                                  rules()) for k in range(8)]  # each its own group (a group stays together)
+    steps.put([sample(f"t{k}", 30 + k, group="") for k in range(8)] + with_images)
     plan = steps.plan(0)
     assert plan.n_steps == 1
     m = plan.config.microbatches
@@ -287,3 +287,47 @@ def test_a_step_of_text_and_image_samples_is_collective_safe(tmp_path):
     for microbatch in range(m):
         assert calls[microbatch] == calls[m + microbatch], f"microbatch {microbatch}: {calls}"
     assert any(calls) and not all(calls)  # both kinds of microbatch in the step
+
+
+# -- groups sharing a prompt ([4/6]) -------------------------------------------------------------------------
+
+
+def test_a_groups_responses_share_their_prompt_and_are_planned_together(tmp_path):
+    """A group's samples with the same prompt (tokens before the first loss token, images) share it: one pack
+    holds them, the prompt counted once; the same group label with another prompt, or a sample whose image lies
+    after its prompt, shares nothing."""
+    config = PlanConfig(dp=2, live=True, step_samples=30, token_cap=400, vision_cap=64)
+    prompt = [CONTEXT] * 48 + list(range(40, 60))  # prompt-a's image (48 placeholders under POLICY), then text
+    samples = []
+    for g in range(3):
+        for k in range(8):
+            response = list(range(100 + g, 100 + g + 5 + k))
+            tokens = (prompt if g < 2 else list(range(300, 320))) + response
+            prompt_len = len(tokens) - len(response)
+            samples.append(sample(f"g{g}-{k}", len(tokens), group=f"group-{g % 2}", tokens=tokens,
+                                  loss_mask=[0] * prompt_len + [1] * len(response),
+                                  tensors={}, **({"prompt": "prompt-a"} if g < 2 else {})))
+    late_image = sample("late", 56, group="group-0", prompt="prompt-a", tensors={},
+                        tokens=list(range(40, 44)) + [CONTEXT] * 48 + list(range(50, 54)),
+                        loss_mask=[0] * 2 + [1] * 54)
+    keys = {s.prefix_key for s in samples[:8]}
+    assert len(keys) == 1 and samples[0].prefix == len(prompt) and samples[16].prefix_key not in keys
+    assert samples[8].prefix_key in keys  # group-1 asks the same prompt, but is another group
+    assert late_image.prefix_key == "" and late_image.prefix == 0
+    steps = live(tmp_path, config)
+    steps.put(samples)
+    steps.put([late_image] + [sample(f"pad{k}", 10, group="", tensors={}) for k in range(5)])
+    plan = steps.plan(0)
+    assert plan.groups is not None
+    rows = steps.member_rows(0, plan.members.tolist())
+    by_member = dict(zip(plan.members.tolist(), rows))
+    packs = [plan.members[a:b].tolist() for a, b in zip(plan.offsets[:-1], plan.offsets[1:])]
+    for g in range(3):
+        ids = [m for m, row in by_member.items() if row["id"].startswith(f"g{g}-")]
+        holding = {p for p, pack in enumerate(packs) for m in pack if m in ids}
+        assert len(holding) == 1, (g, holding)  # 8 responses of under 80 tokens after one prompt fit 400
+    alone = live(tmp_path / "alone", PlanConfig(dp=2, live=True, step_samples=30, token_cap=400, vision_cap=64,
+                                                shared_prefix=False))
+    alone.put(samples)
+    alone.put([late_image] + [sample(f"pad{k}", 10, group="", tensors={}) for k in range(5)])
+    assert alone.plan(0).groups is None

@@ -10,6 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
+import xxhash
 
 from packfeed.media.image_policy import ImagePolicy
 from packfeed.v1 import packfeed_pb2 as pb
@@ -60,6 +61,10 @@ class LiveSample:
     vit_patches: float = 0.0
     vit_attn_sq: float = 0.0
     loss_tokens: int = 0
+    # its prefix: the tokens before its first loss token, and what it is (those tokens, its images): samples of one
+    # group with the same prefix key share it ("" : it shares none: no group, or an image after the prefix)
+    prefix: int = 0
+    prefix_key: str = ""
     members: dict[str, bytes] = field(default_factory=dict)  # filled by the spool
 
     @property
@@ -72,7 +77,7 @@ class LiveSample:
                 "tokens": self.n_tokens, "loss_tokens": self.loss_tokens, "vision": self.vision,
                 "vit_patches": self.vit_patches, "vit_attn_sq": self.vit_attn_sq, "sizes": self.sizes,
                 "n_images": len(self.sizes), "tensors": sorted(self.tensors), "prompt_id": self.prompt_id,
-                "pixel_bytes": self.pixel_bytes}
+                "pixel_bytes": self.pixel_bytes, "prefix": self.prefix, "prefix_key": self.prefix_key}
 
 
 def check_id(value: str) -> str:
@@ -112,7 +117,24 @@ def checked_sample(message: pb.LiveSample, rules: SampleRules) -> LiveSample:
     sample = LiveSample(sample_id, tokens, mask, tensors, message.group[:MAX_NAME], int(message.policy_version),
                         message.prompt, list(message.images), [], loss_tokens=int(mask.sum()))
     _check_images(sample, rules)
+    _find_prefix(sample, rules.image_context_id)
     return sample
+
+
+def _find_prefix(sample: LiveSample, context_id: int) -> None:
+    """The prefix a group's samples share (GRPO: the prompt): every token before the first loss token, with every
+    image of the sample before its last token, so a response can follow it (`packfeed.client.shared_prefix`)."""
+    mask = sample.loss_mask
+    prefix = int(np.argmax(mask)) if mask.any() else len(mask)
+    starts, lengths = placeholder_runs(sample.tokens, context_id)
+    if not sample.group or prefix < 2 or bool((starts + lengths > prefix - 1).any()):
+        return
+    digest = xxhash.xxh3_128()
+    digest.update(sample.tokens[:prefix].astype("<i4").tobytes())
+    digest.update(sample.prompt.encode() + b"\0")
+    for data in sample.images:
+        digest.update(xxhash.xxh3_64_digest(data))
+    sample.prefix, sample.prefix_key = prefix, digest.hexdigest()
 
 
 def _array(tensor: pb.Tensor, what: str, dtype) -> np.ndarray:

@@ -312,6 +312,11 @@ def step_plan(rows: list[dict], config: PlanConfig, seed: int, step: int, finger
                         np.array([r["tokens"] for r in rows], np.int32),
                         np.array([r["vit_patches"] for r in rows], np.float32),
                         np.array([r["vit_attn_sq"] for r in rows], np.float32))
+    if shares_live_prefixes(config) and any(r.get("prefix_key") for r in rows):  # one group per (group, prefix)
+        numbered: dict[tuple[str, str], int] = {}
+        loads.group = np.array([numbered.setdefault(share_key(r), len(numbered)) if r.get("prefix_key") else -1
+                                for r in rows], np.int64)
+        loads.prefix = np.array([r.get("prefix", 0) for r in rows], np.int32)
     planned = replace(config, live=False, **{name: None if name == "max_staleness" else 0 for name in LIVE_FIELDS})
     if config.token_cap is None:
         planned = replace(planned, samples_per_pack=max(1.0, len(rows) / config.slots))
@@ -324,6 +329,18 @@ def step_plan(rows: list[dict], config: PlanConfig, seed: int, step: int, finger
             raise ValueError(f"step {step}'s {len(rows)} samples need over {LIMITS['microbatches']} packs per rank "
                              "under the caps: raise token_cap and vision_cap, or lower step_samples")
         microbatches = min(LIMITS["microbatches"], math.ceil(microbatches * plan.n_steps))
+
+
+def shares_live_prefixes(config: PlanConfig) -> bool:
+    """A live job's steps share their groups' prefixes: shared_prefix on and no context parallelism (whose packs
+    are planned with each sample alone)."""
+    return config.shared_prefix and config.context_parallel == 1
+
+
+def share_key(row: dict) -> tuple[str, str]:
+    """What a live sample shares its prefix with: the samples of its group with the same prefix (its tokens and
+    images, `samples.LiveSample.prefix_key`)."""
+    return row["group"], row["prefix_key"]
 
 
 def live_fingerprint(config: PlanConfig, seed: int, dataset_fingerprint: str) -> str:

@@ -15,7 +15,7 @@ from packfeed.media.image_policy import policy_from_dict
 from packfeed.media.pixel_modes import PIXEL_PATHS
 from packfeed.server.live.samples import MAX_SAMPLE_TOKENS, SampleRules, placeholder_runs
 from packfeed.server.live.spool import read_array, read_member
-from packfeed.server.live.steps import LiveSteps
+from packfeed.server.live.steps import LiveSteps, share_key
 from packfeed.server.serve.index_rows import IndexRows
 from packfeed.server.serve.job_spec import JobError
 from packfeed.server.serve.preprocess import SampleReader, SampleTensors
@@ -153,6 +153,10 @@ class LiveDataset:
         # copies: the job's own rows are shared by every rank's work, and read under its lock
         rows = {position: {**row, "tar": self.steps.spool.tar_path(row["batch"])}
                 for position, row in zip(positions, self.steps.member_rows(step, positions))}
+        if step_plan.groups is not None:  # what each sample shares its prefix with, for the pack builder
+            for row in rows.values():
+                if row.get("prefix_key"):
+                    row["share"] = ["\0".join(share_key(row)), row["prefix"]]
         step_loss = sum(row["loss_tokens"] for row in self.steps.member_rows(step, step_plan.step_members(0)))
         return self._work(step, rank, packs, rows, step_loss, plan.is_last_step(step), spans)
 
@@ -178,6 +182,8 @@ class LiveDataset:
 
 class LiveRows:
     """A step's live rows, by the positions its packs name (what a worker asks of an index's rows)."""
+
+    shares_prefixes = True  # its rows say what a sample shares its prefix with (`packs.build_pack`)
 
     def __init__(self, live: LiveWork):
         self.live = live

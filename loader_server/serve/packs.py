@@ -149,10 +149,62 @@ def build_pack(parts: list[tuple[IndexRows, Any, str]], members: np.ndarray, tru
     dataset label); `seed` is the job's (random video frames are drawn from it). A sample that fails at serve
     time is left out and reported in the pack's `skipped`; the pack still goes out, flagged empty if nothing is
     left."""
-    loaded, skipped = load_members(parts, members, truncate_to, sources, epoch, seed)
+    shares = [parts[source][0].row(sample_id).get("share") if getattr(parts[source][0], "shares_prefixes", False)
+              else None for sample_id, source in zip(np.asarray(members).tolist(), np.asarray(sources).tolist())]
+    owners = _prefix_owners(shares)
+    reads = [owner == k for k, owner in enumerate(owners)]  # a sibling's images are its owner's: not read
+    loaded, skipped = load_members(parts, members, truncate_to, sources, epoch, seed, pixels=reads)
+
+    def reload(position: int) -> list[tuple[int, SampleTensors]]:  # a sibling standing alone: with its images
+        again, failed = load_members(parts, members[position:position + 1], truncate_to[position:position + 1],
+                                     sources[position:position + 1], epoch, seed)
+        skipped.extend(failed)
+        return [(position, sample) for _, sample in again]
+
+    loaded, rows = _shared(loaded, shares, owners, reload)
     pack = assemble_pack([sample for _, sample in loaded], epoch, step, rank, microbatch, skipped)
+    if rows is not None:
+        pack.tensors["shared_prefix"] = rows
     pack.positions = [position for position, _ in loaded]
     return pack
+
+
+def _prefix_owners(shares: list) -> list[int]:
+    """Per member, the first member of the pack sharing its prefix (itself when none before it does)."""
+    first: dict[str, int] = {}
+    return [first.setdefault(share[0], k) if share else k for k, share in enumerate(shares)]
+
+
+def _shared(loaded, shares, owners, reload) -> tuple[list, np.ndarray | None]:
+    """The loaded members and their `shared_prefix` rows (docs/wire.md "Shared prefixes"; None when nothing is
+    shared). A sibling whose owner loaded with its whole prefix shares it and carries no images (every image of a
+    grouped sample is in its prefix); one whose owner did not (it failed to load, or was cut short) is read again
+    with its images (`reload`) and shares nothing."""
+    by_position = dict(loaded)
+    kept = []  # (position, sample, its owner's position or None, shared tokens)
+    for position, sample in loaded:
+        owner = owners[position]
+        size = int(shares[position][1]) if shares[position] else 0
+        if owner == position:
+            kept.append((position, sample, None, 0))
+        elif size >= 2 and owner in by_position and len(by_position[owner].input_ids) >= size \
+                and len(sample.input_ids) >= size:
+            kept.append((position, _without_images(sample), owner, size))
+        else:
+            kept += [(p, again, None, 0) for p, again in reload(position)]
+    index = {position: k for k, (position, *_) in enumerate(kept)}
+    owning = {owner: size for *_, owner, size in kept if owner is not None}
+    rows = [[index[owner], size] if owner is not None else [k, owning.get(position, 0)]
+            for k, (position, _, owner, size) in enumerate(kept)]
+    table = np.array(rows, dtype=np.int32).reshape(-1, 2)
+    return [(position, sample) for position, sample, *_ in kept], table if owning else None
+
+
+def _without_images(sample: SampleTensors) -> SampleTensors:
+    """A sibling's sample without images: they are its owner's (every image of a grouped sample is in its
+    prefix)."""
+    return replace(sample, tiles=[], tiles_per_image=[], image_tokens=[], image_starts=[], encoded=[], geometry=[],
+                   kinds=[], frame_seconds=[])
 
 
 def load_members(parts: list[tuple[IndexRows, Any, str]], members: np.ndarray, truncate_to: np.ndarray,
