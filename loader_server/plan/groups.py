@@ -178,3 +178,13 @@ def prefix_savings(members: np.ndarray, offsets: np.ndarray, loads: Any) -> dict
     return {"vision": saved_vision, "tokens": saved_tokens, "groups": int(len(groups)),
             "split_groups": int((packs_per_group > 1).sum()),
             "prefix_tokens_saved": int(saved_tokens.sum()), "vision_units_saved": int(saved_vision.sum())}
+
+
+def group_summary(members: np.ndarray, offsets: np.ndarray, loads: Any, shared: bool) -> dict[str, Any]:
+    """A plan's groups (its summary's `groups`): how many were planned, how many over more than one pack, and what
+    counting each prefix once per pack saves (0 where the plan does not share them, `shared_prefix` false)."""
+    saved = prefix_savings(members, offsets, loads)
+    out = {name: saved[name] for name in ("groups", "split_groups", "prefix_tokens_saved", "vision_units_saved")}
+    if not shared:
+        out.update(prefix_tokens_saved=0, vision_units_saved=0)
+    return {"shared_prefix": shared, **out}

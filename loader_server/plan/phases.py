@@ -301,3 +301,23 @@ def _rank_costs(step_of: np.ndarray, rank_of: np.ndarray, cost: np.ndarray, weig
     longest = np.zeros(steps * dp)
     np.maximum.at(longest, slot[active], cost[active])
     return (counts * longest).reshape(steps, dp)
+
+
+def phase_summary(p: PhasePlan, config) -> dict:
+    """isf+phases: each phase's Dist of its cost model's costs on its own assignment (each encoder's also as it
+    would be colocated), and the all-to-all of encoder outputs in their units (vision units, a further encoder's
+    tokens): in all, between nodes, its bound, and without the routing. The vision encoder's figures also stand
+    at the top level; every encoder's under "encoders"."""
+    vision = p.vision
+    if config.disaggregated:  # every output leaves its encoder rank: no routing to report
+        return {"encoder_ranks": config.encoder_ranks, "vit_cost_dist": round(vision.dist, 6),
+                "llm_cost_dist": round(p.llm_dist, 6), "vit_cost_dist_colocated": round(vision.colocated_dist, 6),
+                "all_to_all_units": vision.moved_units,
+                "encoders": {name: {"cost_dist": round(phase.dist, 6), "all_to_all_units": phase.moved_units}
+                             for name, phase in p.encoders.items()}}
+    return {"vit_cost_dist": round(vision.dist, 6), "llm_cost_dist": round(p.llm_dist, 6),
+            "vit_cost_dist_colocated": round(vision.colocated_dist, 6), "ranks_per_node": config.ranks_per_node,
+            "all_to_all_units": vision.moved_units, "inter_node_units": vision.inter_node_units,
+            "inter_node_bound": vision.inter_node_bound,
+            "inter_node_units_unrouted": vision.unrouted_inter_node_units, "routing_exact": vision.exact,
+            "encoders": {name: phase.summary() for name, phase in p.encoders.items()}}

@@ -25,9 +25,10 @@ from packfeed.server.plan.collective import (alignment_summary, sample_towers, t
 from packfeed.server.plan.plan_checks import checked_cp, checked_packs
 from packfeed.server.plan.context_parallel import cp_summary
 from packfeed.server.plan.costs import SampleLoads
-from packfeed.server.plan.groups import grouped, prefix_savings
+from packfeed.server.plan.groups import group_summary, grouped, prefix_savings
 from packfeed.server.plan.isf import Caps
 from packfeed.server.plan.metrics import dist_ratio, pad_ratio
+from packfeed.server.plan.phases import phase_summary
 from packfeed.v1.options import PlanConfig, Strategy
 
 PLAN_METADATA_KEY = b"packfeed.plan"
@@ -171,19 +172,11 @@ class Plan:
             "caps": asdict(self.caps) if self.caps else None,
             "planning_seconds": round(self.seconds, 4),
             "collective_safe": self.alignment(loads),
-            **({"phases": self.phase_summary()} if self.phases is not None else {}),
+            **({"phases": phase_summary(self.phases, self.config)} if self.phases is not None else {}),
             **({"context_parallel": cp_summary(self, loads)} if self.cp_degree is not None else {}),
-            **({"groups": self.group_summary(loads)} if grouped(loads) else {}),
+            **({"groups": group_summary(self.members, self.offsets, loads, self.groups is not None)}
+               if grouped(loads) else {}),
         }
-
-    def group_summary(self, loads: SampleLoads) -> dict[str, Any]:
-        """Groups sharing a prefix: how many were planned, how many over more than one pack, and what counting each
-        prefix once per pack saves (0 where the plan does not share them, `shared_prefix` false)."""
-        saved = prefix_savings(self.members, self.offsets, loads)
-        out = {name: saved[name] for name in ("groups", "split_groups", "prefix_tokens_saved", "vision_units_saved")}
-        if self.groups is None:
-            out.update(prefix_tokens_saved=0, vision_units_saved=0)
-        return {"shared_prefix": self.groups is not None, **out}
 
     def alignment(self, loads: SampleLoads) -> dict[str, Any]:
         """Microbatch indices calling a tower on some DP ranks only (`packfeed.server.plan.collective`): none
@@ -196,26 +189,6 @@ class Plan:
             unaligned = unaligned_towers(self.offsets, members, member_class, self.config.dp,
                                          self.config.microbatches)
         return alignment_summary(unaligned, tower_names(loads), self.config)
-
-    def phase_summary(self) -> dict[str, Any]:
-        """isf+phases: each phase's Dist of its cost model's costs on its own assignment (each encoder's also as
-        it would be colocated), and the all-to-all of encoder outputs in their units (vision units, a further
-        encoder's tokens): in all, between nodes, its bound, and without the routing. The vision encoder's
-        figures also stand at the top level; every encoder's under "encoders"."""
-        p = self.phases
-        vision = p.vision
-        if self.config.disaggregated:  # every output leaves its encoder rank: no routing to report
-            return {"encoder_ranks": self.config.encoder_ranks, "vit_cost_dist": round(vision.dist, 6),
-                    "llm_cost_dist": round(p.llm_dist, 6), "vit_cost_dist_colocated": round(vision.colocated_dist, 6),
-                    "all_to_all_units": vision.moved_units,
-                    "encoders": {name: {"cost_dist": round(phase.dist, 6), "all_to_all_units": phase.moved_units}
-                                 for name, phase in p.encoders.items()}}
-        return {"vit_cost_dist": round(vision.dist, 6), "llm_cost_dist": round(p.llm_dist, 6),
-                "vit_cost_dist_colocated": round(vision.colocated_dist, 6), "ranks_per_node": self.config.ranks_per_node,
-                "all_to_all_units": vision.moved_units, "inter_node_units": vision.inter_node_units,
-                "inter_node_bound": vision.inter_node_bound,
-                "inter_node_units_unrouted": vision.unrouted_inter_node_units, "routing_exact": vision.exact,
-                "encoders": {name: phase.summary() for name, phase in p.encoders.items()}}
 
     def fingerprint(self) -> str:
         """Digest of config, seed, epoch, index and every pack; computed once. Arrays are hashed as int64 in
