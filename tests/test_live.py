@@ -505,3 +505,71 @@ def test_a_live_job_with_context_parallelism_sends_each_lane_its_share(server, p
     assert split >= 4  # the two long samples, half on each lane
     totals = {key: sum(n for other, n in seen if other == key) for key in put}
     assert totals == {key: len(sample["tokens"]) for key, sample in put.items()}  # every token once
+
+
+def test_a_groups_responses_come_with_their_prompt_once(server, prompts):
+    """G = 4 responses to each of three prompts with images (by reference) and to one prompt sent as image files:
+    each group in one pack, its images read and sent once (a sibling carries none, its shared_prefix row names its
+    owner); the client's unshared view gives every response its prompt's images, the shared view each prompt once."""
+    from packfeed.client.shared_prefix import shared, unshared
+
+    conventions = prompts[1]
+    rng = np.random.default_rng(3)
+    prompt_tokens = prompts[0]
+    keys = [key for key, (_, images) in sorted(prompt_tokens.items()) if images][:3]
+    image = png(224, 112, 9)
+    placeholders = policy_from_dict(json.loads(conventions.image_policy.parameters_json)).cost(224, 112, 1).llm_tokens
+    file_prompt = np.concatenate([response(rng, conventions, 6), np.full(placeholders, conventions.image_context_id,
+                                                                          np.int32), response(rng, conventions, 9)])
+    samples = []
+    for g, key in enumerate(keys + ["files"]):
+        tokens = prompt_tokens[key][0] if key != "files" else file_prompt
+        for k in range(4):
+            answer = response(rng, conventions, int(rng.integers(5, 40)))
+            sample = {"id": f"{g}-{k}", "group": key, "tokens": np.concatenate([tokens, answer]),
+                      "loss_mask": np.r_[np.zeros(len(tokens)), np.ones(len(answer))].astype(np.uint8),
+                      "tensors": {"advantages": rng.normal(size=len(tokens) + len(answer))}}
+            sample.update({"images": [image]} if key == "files" else {"prompt": key})
+            samples.append(sample)
+    plan = PlanConfig(dp=2, microbatches=1, live=True, step_samples=16, token_cap=4096, vision_cap=64)
+    received: dict = {}
+
+    def consume_packs(rank: int) -> None:  # the trainers open the job and wait for samples
+        stream = PackStream(server.target, job="groups", rank=rank, plan=plan, connection=CONNECTION)
+        try:
+            received[rank] = [pack for step in stream for pack in step.packs if not pack.empty]
+        except Exception as error:  # noqa: BLE001 - the test reads it
+            received["error", rank] = error
+        finally:
+            stream.close()
+
+    ranks = [threading.Thread(target=consume_packs, args=(rank,)) for rank in range(2)]
+    for thread in ranks:
+        thread.start()
+    with Producer(server.target, job="groups", connection=CONNECTION) as producer:
+        producer.put(samples)
+        producer.end()
+    for thread in ranks:
+        thread.join(120)
+    assert 0 in received and 1 in received, received
+    put = {s["id"]: s for s in samples}
+    seen = []
+    for pack in received[0] + received[1]:
+        rows = pack.shared_prefix.view(-1, 2).tolist()
+        groups = [put[key]["group"] for key in pack.sample_keys]
+        for k, (owner, size) in enumerate(rows):
+            if owner != k:  # a sibling: its owner's group and prompt, no images of its own
+                assert groups[owner] == groups[k] and int((pack.image_sample == k).sum()) == 0
+                sample = put[pack.sample_keys[k]]
+                assert size == len(sample["tokens"]) - int(sample["loss_mask"].sum())
+        whole = unshared(pack)
+        cu = whole.cu_seqlens.tolist()
+        for k, key in enumerate(pack.sample_keys):
+            expected = 1 if put[key]["group"] == "files" else prompt_tokens[put[key]["group"]][1]
+            assert int((whole.image_sample == k).sum()) == expected
+            assert np.array_equal(whole.input_ids[cu[k]:cu[k + 1]].numpy(), put[key]["tokens"])
+        laid = shared(pack)  # each prompt's images once
+        assert int(laid.image_sample.numel()) == sum(1 if g == "files" else prompt_tokens[g][1] for g in set(groups))
+        assert len(set(groups)) * 4 == len(groups)  # every group whole in its pack
+        seen += sorted(set(groups))
+    assert sorted(seen) == sorted(keys + ["files"])
