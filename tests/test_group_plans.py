@@ -239,3 +239,33 @@ def test_length_files_with_bad_groups_are_refused_naming_the_record(tmp_path, re
     (tmp_path / "l.json").write_text(json.dumps([good, record]))
     with pytest.raises(ValueError, match=message):
         index_from_lengths([tmp_path / "l.json"], tmp_path / "i.parquet")
+
+
+def test_simulate_and_stats_show_what_sharing_saves(tmp_path):
+    """On a GRPO-shaped mix, `packfeed simulate --json` reports the groups with LLM tokens, vision units and step
+    and epoch time shared vs each sample alone; `packfeed stats` compares the balanced plan both ways. The saved
+    tokens are the test's own count of (members - 1) x prefix over each group in one pack."""
+    records = length_records(60, 8, 4)
+    (tmp_path / "grpo.json").write_text(json.dumps(records))
+    run = subprocess.run([sys.executable, "-m", "packfeed.server.cli", "simulate", "--lengths",
+                          str(tmp_path / "grpo.json"), "--dp", "8", "--microbatches", "2", "--json"],
+                         capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    groups = json.loads(run.stdout)["groups"]
+    assert groups["groups"] == 60 and "groups: 60" in run.stderr
+    assert groups["llm_tokens_unshared"] == sum(r["token_num"] for r in records)  # each sample alone: every token
+    assert groups["llm_tokens_unshared"] - groups["llm_tokens_shared"] == groups["prefix_tokens_saved"] > 0
+    assert groups["vision_units_unshared"] - groups["vision_units_shared"] == groups["vision_units_saved"]
+    assert groups["epoch_s_shared"] < groups["epoch_s_unshared"] and groups["epoch_speedup"] > 1
+    assert groups["steps_shared"] < groups["steps_unshared"]
+
+    index_from_lengths([tmp_path / "grpo.json"], tmp_path / "i.parquet")
+    stats = subprocess.run([sys.executable, "-m", "packfeed.server.cli", "stats", "--index", str(tmp_path / "i.parquet"),
+                            "--out", str(tmp_path / "report"), "--dp", "8"], capture_output=True, text=True)
+    assert stats.returncode == 0, stats.stderr
+    report = json.loads((tmp_path / "report" / "report.json").read_text())
+    rows = {row["strategy"]: row for row in report["comparison"]}
+    shared, alone = rows["isf+balance"], rows["isf+balance, each sample alone"]
+    assert alone["llm_tokens"] - shared["llm_tokens"] == report["groups"]["prefix_tokens_saved"]
+    assert shared["steps"] < alone["steps"] and "60 groups share their prefix" in report["groups_note"]
+    assert report["groups_note"] in (tmp_path / "report" / "report.md").read_text()

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from packfeed.trainer.simulate.cluster import Cluster
-from packfeed.trainer.simulate.model_shape import PRESETS, load_model
+from packfeed.trainer.simulate.model_shape import PRESETS, TILES, TOKENS, load_model
 from packfeed.trainer.simulate.partition import PARTITIONS
 from packfeed.trainer.simulate.placement import ENCODERS, Placement, simulate_step
 from packfeed.trainer.simulate.predict import Prediction, Settings, microbatches_for, pipeline_costs, simulate_plan
@@ -38,12 +38,12 @@ PLANNER_STRATEGY = {"random-padded": Strategy.RANDOM, "random": Strategy.ISF, "i
 
 def make_workload(samples: SampleLoads, strategy: str, dp: int, microbatches: int, pipeline_stages: int,
                   patches_per_tile: int, cost_model: CostModel, seed: int = 0, epoch: int = 0,
-                  samples_per_pack: float = 4.0, encoder_ranks: int = 0) -> Workload:
+                  samples_per_pack: float = 4.0, encoder_ranks: int = 0, shared_prefix: bool = True) -> Workload:
     if strategy not in STRATEGIES:
         raise ValueError(f"--strategy must be one of {', '.join(STRATEGIES)}, not {strategy!r}")
     config = PlanConfig(dp=dp, microbatches=microbatches, pipeline_stages=pipeline_stages,
                         strategy=PLANNER_STRATEGY[strategy], samples_per_pack=samples_per_pack,
-                        cost_model=cost_model, encoder_ranks=encoder_ranks)
+                        cost_model=cost_model, encoder_ranks=encoder_ranks, shared_prefix=shared_prefix)
     if strategy == "random":
         offsets, members = random_packs(samples, config, seed, epoch)
         return workload_of(offsets, members, samples.vision, samples.tokens, config, patches_per_tile, strategy)
@@ -51,7 +51,17 @@ def make_workload(samples: SampleLoads, strategy: str, dp: int, microbatches: in
 
     plan = make_plan(samples, config, seed, epoch)
     return replace(workload_of(plan.offsets, plan.members, samples.vision, samples.tokens, config, patches_per_tile,
-                               strategy), **placement_of(plan, samples, patches_per_tile))
+                               strategy, shared_of(plan, samples)), **placement_of(plan, samples, patches_per_tile),
+                   groups=plan.summary(samples).get("groups") if plan.groups is not None else None)
+
+
+def shared_of(plan: Plan, samples: SampleLoads) -> dict | None:
+    """Per pack, what its shared prefixes save (a plan sharing them), for the simulator."""
+    if plan.groups is None:
+        return None
+    from packfeed.server.plan.groups import prefix_savings
+
+    return prefix_savings(plan.members, plan.offsets, samples)
 
 
 def placement_of(plan: Plan, samples: SampleLoads, patches_per_tile: int) -> dict:
@@ -78,7 +88,8 @@ def workload_of_plan(plan: Plan, samples: SampleLoads, patches_per_tile: int) ->
         tokens[plan.members[cut]] = plan.truncate_to[cut]
     name = {Strategy.RANDOM: "random-padded"}.get(plan.config.strategy, plan.config.strategy.value)
     return replace(workload_of(plan.offsets, plan.members, samples.vision, tokens, plan.config, patches_per_tile,
-                               name), **placement_of(plan, samples, patches_per_tile))
+                               name, shared_of(plan, samples)), **placement_of(plan, samples, patches_per_tile),
+                   groups=plan.summary(samples).get("groups") if plan.groups is not None else None)
 
 
 def cp_workload(plan, vision: np.ndarray, tokens: np.ndarray, patches_per_tile: int) -> CpWorkload:
@@ -189,10 +200,21 @@ def _samples(args: argparse.Namespace):
         return load_sample_loads(args.index)[0]
     from packfeed.server.index.lengths import read_length_file
 
-    parts = [read_length_file(Path(f)) for f in args.lengths]
+    from packfeed.server.index.lengths import length_records, record_groups
+
+    parts, groups, labels = [], [], {}
+    for f in args.lengths:
+        records = length_records(Path(f))
+        parts.append(read_length_file(Path(f), records=records))
+        found = record_groups(Path(f), records, labels)
+        groups.append(found or (np.full(len(records), -1, np.int64), np.zeros(len(records), np.int64)))
     vit = np.concatenate([p[0] for p in parts])
     tokens = np.concatenate([p[1] for p in parts])
-    return SampleLoads.from_arrays(np.maximum(vit, 0), np.maximum(tokens, 0), valid=(vit >= 0) & (tokens > 0))
+    samples = SampleLoads.from_arrays(np.maximum(vit, 0), np.maximum(tokens, 0), valid=(vit >= 0) & (tokens > 0))
+    if labels:  # length records naming groups (docs/planning.md "Groups")
+        samples.group = np.concatenate([g for g, _ in groups])
+        samples.prefix = np.concatenate([p for _, p in groups]).astype(np.int32)
+    return samples
 
 
 def _workload(args, table, shape) -> Workload:
@@ -245,12 +267,48 @@ def run(args: argparse.Namespace) -> int:
         draw_timeline(step, args.timeline, f"{title}: one step ({step.step_s:.3f} s)")
     record = {"model": table_.name, "strategy": workload.strategy, "encoder": args.encoder,
               "data_parallel": args.data_parallel, **prediction.to_json()}
+    if workload.groups is not None:
+        record["groups"] = group_comparison(args, table_, shape, cluster, settings, workload, prediction)
+        title += "\n" + groups_line(record["groups"])
     if args.json:
         print(table(prediction, title), file=sys.stderr)
         print(json.dumps(record))
     else:
         print(table(prediction, title))
     return 0
+
+
+def group_comparison(args, table_, shape, cluster: Cluster, settings: Settings, workload: Workload,
+                     prediction: Prediction) -> dict:
+    """A plan sharing its groups' prefixes against the same samples planned each alone (`shared_prefix` false):
+    LLM tokens, vision units, steps, step and epoch time of both (a plan file: its own figures only)."""
+    out = dict(workload.groups)
+
+    def totals(w: Workload, p: Prediction, label: str) -> dict:
+        return {f"llm_tokens_{label}": int(w.useful[..., TOKENS].sum()),
+                f"vision_units_{label}": int(w.useful[..., TILES].sum()), f"steps_{label}": p.steps,
+                f"step_s_{label}": round(p.step_s, 6), f"epoch_s_{label}": round(p.epoch_s, 3)}
+
+    out.update(totals(workload, prediction, "shared"))
+    if args.plan:
+        return out
+    patches = shape.patches_per_tile if shape else 1
+    alone = make_workload(_samples(args), args.strategy, args.dp, args.microbatches, args.pp, patches,
+                          planner_cost_model(table_, patches), args.seed, args.epoch, args.samples_per_pack,
+                          shared_prefix=False)
+    unshared = simulate_plan(alone, table_, cluster, settings, None)
+    out.update(totals(alone, unshared, "unshared"))
+    out["epoch_speedup"] = round(unshared.epoch_s / prediction.epoch_s, 4) if prediction.epoch_s else None
+    return out
+
+
+def groups_line(groups: dict) -> str:
+    line = (f"groups: {groups['groups']} ({groups['split_groups']} over more than one pack); sharing their prefixes "
+            f"saves {groups['prefix_tokens_saved']:,} LLM tokens and {groups['vision_units_saved']:,} vision units")
+    if "epoch_s_unshared" in groups:
+        line += (f"; epoch {groups['epoch_s_shared']:.1f} s shared vs {groups['epoch_s_unshared']:.1f} s each sample "
+                 f"alone ({groups['epoch_speedup']:.2f}x)")
+    return line
 
 
 def run_context_parallel(args: argparse.Namespace) -> int:

@@ -160,8 +160,9 @@ def expanded(plan: Any, units: Units, loads: SampleLoads) -> Any:
 
 
 def prefix_savings(members: np.ndarray, offsets: np.ndarray, loads: Any) -> dict[str, Any]:
-    """What sharing prefixes saves in packs `members` / `offsets`: per pack, the vision units and LLM tokens of
-    every prefix counted once instead of once per member ("vision", "tokens"); and in all, the groups planned,
+    """What sharing prefixes saves in packs `members` / `offsets`: per pack, the vision units, LLM tokens and LLM
+    attention squares of every prefix counted once instead of once per member ("vision", "tokens", "squares");
+    and in all, the groups planned,
     those split over more than one pack, the prefix tokens and vision units saved."""
     n_packs = len(offsets) - 1
     group = np.asarray(loads.group)[members]
@@ -173,9 +174,11 @@ def prefix_savings(members: np.ndarray, offsets: np.ndarray, loads: Any) -> dict
     repeated = order[~new]  # members after their group's first in a pack: their prefix is not counted again
     saved_tokens = np.bincount(pack[repeated], np.asarray(loads.prefix)[members[repeated]], n_packs).astype(np.int64)
     saved_vision = np.bincount(pack[repeated], np.asarray(loads.vision)[members[repeated]], n_packs).astype(np.int64)
+    prefix = np.asarray(loads.prefix)[members[repeated]].astype(np.float64)
+    saved_squares = np.bincount(pack[repeated], prefix * prefix, n_packs)  # a response attends to P, not P x P
     groups = np.unique(g)
     packs_per_group = np.bincount(np.searchsorted(groups, g[new]), minlength=len(groups))
-    return {"vision": saved_vision, "tokens": saved_tokens, "groups": int(len(groups)),
+    return {"vision": saved_vision, "tokens": saved_tokens, "squares": saved_squares, "groups": int(len(groups)),
             "split_groups": int((packs_per_group > 1).sum()),
             "prefix_tokens_saved": int(saved_tokens.sum()), "vision_units_saved": int(saved_vision.sum())}
 

@@ -70,6 +70,8 @@ def report_markdown(data: dict[str, Any], figures: dict[str, bytes]) -> str:
     lines.append(_comparison_markdown(data["comparison"]))
     if data["collective_safe_note"]:
         lines += [data["collective_safe_note"], ""]
+    if data.get("groups_note"):
+        lines += [data["groups_note"], ""]
     lines += ["## Figures", ""] + [f"![{name}]({name}.png)\n\n{CAPTIONS.get(name, '')}\n" for name in figures]
     return "\n".join(lines) + "\n"
 
@@ -108,6 +110,8 @@ def report_html(markdown_data: dict[str, Any], figures: dict[str, bytes]) -> str
                          f"{r['planning_seconds']:.3f}") for r in d["comparison"]]))
     if d["collective_safe_note"]:
         parts.append(f"<p class=note>{esc(d['collective_safe_note'])}</p>")
+    if d.get("groups_note"):
+        parts.append(f"<p class=note>{esc(d['groups_note'])}</p>")
     parts.append("<h2>Figures</h2><div class=figs>" + "".join(
         f'<figure data-figure="{name}"><img alt="{esc(CAPTIONS.get(name, name))}" '
         f'src="data:image/png;base64,{base64.b64encode(png).decode()}"><figcaption>{esc(CAPTIONS.get(name, name))}'

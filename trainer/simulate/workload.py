@@ -36,6 +36,7 @@ class Workload:
     # a plan with encoder ranks (PlanConfig.encoder_ranks E): (steps, E, dp, microbatches) tiles each encoder
     # rank encodes for each replica's microbatch (`--encoder disaggregated` simulates the plan's own split)
     encoder_split: np.ndarray | None = None
+    groups: dict | None = None  # a plan sharing its groups' prefixes: its summary's `groups` entry
 
     @property
     def steps(self) -> int:
@@ -77,9 +78,10 @@ def planner_cost_model(table: LayerTable, patches_per_tile: int) -> CostModel:
 
 
 def workload_of(offsets: np.ndarray, members: np.ndarray, vision: np.ndarray, tokens: np.ndarray,
-                config: PlanConfig, patches_per_tile: int, strategy: str) -> Workload:
+                config: PlanConfig, patches_per_tile: int, strategy: str, shared: dict | None = None) -> Workload:
     """The workload of packs given as the planner gives them (pack p holds members[offsets[p]:offsets[p + 1]]),
-    with each sample's vision units and tokens."""
+    with each sample's vision units and tokens. `shared`: per pack, what its shared prefixes save ("vision"
+    units, "tokens", attention "squares": each prefix computed once, docs/planning.md "Groups")."""
     sizes = np.diff(offsets)
     pack = np.repeat(np.arange(len(sizes)), sizes)
     tiles = np.bincount(pack, vision[members].astype(np.float64), minlength=len(sizes))
@@ -92,6 +94,11 @@ def workload_of(offsets: np.ndarray, members: np.ndarray, vision: np.ndarray, to
     useful[:, VISION_SQUARE] = tiles * float(patches_per_tile) ** 2
     useful[:, TOKENS] = real_tokens
     useful[:, TOKEN_SQUARE] = real_square
+    if shared is not None:
+        useful[:, TILES] -= shared["vision"]
+        useful[:, VISION_SQUARE] = useful[:, TILES] * float(patches_per_tile) ** 2
+        useful[:, TOKENS] -= shared["tokens"]
+        useful[:, TOKEN_SQUARE] -= shared["squares"]
     loads = useful.copy()
     if config.strategy.padded:
         longest = np.zeros(len(sizes))
