@@ -26,7 +26,7 @@ from packfeed.trainer.simulate.model_shape import (
 from packfeed.trainer.parallel.schedules import encoder_deadlines, pipeline_order, split_tiles
 from packfeed.trainer.simulate.placement import Placement, simulate_step, step_costs
 from packfeed.trainer.simulate.predict import Settings, search_allocation, simulate_plan
-from packfeed.server.cli.simulate import make_workload
+from packfeed.server.cli.simulate_data import make_workload
 from packfeed.trainer.simulate.workload import planner_cost_model
 
 LENGTHS = Path(__file__).resolve().parents[2] / "shared" / "data" / "lengths"

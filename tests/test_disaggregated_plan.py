@@ -129,7 +129,7 @@ def test_packfeed_simulate_plans_each_split_it_searches_and_reports_the_chosen_o
     from packfeed.trainer.simulate.model_shape import load_model
     from packfeed.trainer.simulate.predict import Settings, search_allocation
     from packfeed.trainer.simulate.workload import planner_cost_model
-    from packfeed.server.cli.simulate import make_workload
+    from packfeed.server.cli.simulate_data import make_workload
 
     table, shape = load_model("internvl-chat-1.5")
     rng = np.random.default_rng(3)

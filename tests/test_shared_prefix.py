@@ -32,7 +32,8 @@ def _responses(g: int, vocab: int, avoid: set[int], seed: int) -> list[torch.Ten
 def _cat_packs(parts: list[PackTensors], rows: list[list[int]] | None, step_loss: int) -> PackTensors:
     """One pack of whole samples `parts` (each a one-sample pack; images kept where `rows` leaves them), with
     its shared_prefix rows."""
-    tensors: dict[str, list] = {name: [] for name in ("input_ids", "labels", "position_ids")}
+    names = ("input_ids", "labels", "position_ids", *(n for n in parts[0].tensors if n.startswith("token.")))
+    tensors: dict[str, list] = {name: [] for name in names}
     bounds, spans, image_sample, tile_image, shapes, pixels = [0], [], [], [], [], []
     for k, part in enumerate(parts):
         offset = bounds[-1]
@@ -73,13 +74,18 @@ def group_packs(data, g: int, seed: int = 0) -> tuple[PackTensors, list[PackTens
     prompt = int(torch.nonzero(labels != IGNORE_INDEX)[0])  # the prompt: every token before the first loss token
     image_ids = {int(t) for t in prompt_pack.input_ids[prompt_pack.image_token_spans[:, 0].long()]}
     members = []
+    rng = np.random.default_rng(seed)
     for response in _responses(g, data.vocab, image_ids, seed):
         ids = torch.cat([prompt_pack.input_ids[:prompt], response])
-        part = replace(prompt_pack, tensors={**prompt_pack.tensors, "input_ids": ids,
+        per_token = {f"token.{name}": torch.from_numpy(rng.normal(scale=scale, size=len(ids)).astype("float32"))
+                     for name, scale in (("advantages", 1.0), ("old_logprobs", 0.1))}
+        part = replace(prompt_pack, tensors={**prompt_pack.tensors, **per_token, "input_ids": ids,
                                              "labels": torch.cat([labels[:prompt], response]),
                                              "position_ids": torch.arange(len(ids), dtype=torch.int32),
                                              "cu_seqlens": torch.tensor([0, len(ids)], dtype=torch.int32)})
         members.append(part)
+    other = replace(other, tensors={**other.tensors, **{name: torch.zeros(int(other.input_ids.numel()))
+                                                         for name in members[0].tensors if name.startswith("token.")}})
     alone = members + [other]
     step_loss = sum(int((p.labels != IGNORE_INDEX).sum()) for p in alone)
     wire_parts = [members[0]] + [_strip_images(m) for m in members[1:]] + [other]
@@ -258,3 +264,38 @@ def test_reference_vlm_control_a_response_seeing_a_sibling_differs(internvl):
         s_logits, _, _ = reference_run(layers, config, single)
         expected.update(keyed(response_logprobs(s_logits, single), single.cu_seqlens.tolist(), k))
     assert max(abs(got[k] - expected[k]) for k in expected) > 1e-3
+
+
+@pytest.mark.parametrize("g", [3, 8])
+def test_qwen2_vl_clipped_policy_loss_on_the_shared_prefix_equals_each_response_alone(qwen, g):
+    """GRPO's loss over the pack's per-token advantages and old log-probabilities (packfeed.client.losses): the
+    same loss and gradients with the prompt once as with every response after its own prompt."""
+    from packfeed.client.losses import clipped_policy_loss, row_tensors, token_logprobs, weighted_token_loss
+
+    data, model = qwen
+    wire, singles = group_packs(data, g, seed=20 + g)
+    normalizer = wire.step_loss_tokens / 2
+
+    def run(pack, share: bool):
+        model.zero_grad(set_to_none=True)
+        inputs = to_hf_inputs(pack, "qwen2_vl", shared_prefix=share)
+        labels = inputs.pop("labels")[0]
+        logits = model(**inputs).logits[0]
+        tensors = row_tensors(pack, shared_prefix=share)
+        logp, mask = token_logprobs(logits, labels)
+        loss = clipped_policy_loss(logp, tensors["old_logprobs"], tensors["advantages"], mask, normalizer,
+                                   epsilon=0.2, epsilon_high=0.28) \
+            + weighted_token_loss(logp, tensors["advantages"], mask, normalizer)
+        loss.backward()
+        return loss.item(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    loss, grads = run(wire, True)
+    total, summed = 0.0, {}
+    for single in singles:
+        s_loss, s_grads = run(single, False)
+        total += s_loss
+        for name, value in s_grads.items():
+            summed[name] = summed[name] + value if name in summed else value
+    assert loss == pytest.approx(total, abs=1e-5) and abs(total) > 1e-3
+    for name in summed:
+        torch.testing.assert_close(grads[name], summed[name], rtol=0, atol=1e-5, msg=name)

@@ -58,7 +58,7 @@ def model_arguments(tmp_path) -> list[tuple[str, str]]:
 
 def mix_samples(mix):
     """The mix's sample loads, as `packfeed simulate --lengths MIX` reads them."""
-    from packfeed.server.cli.simulate import _samples
+    from packfeed.server.cli.simulate_data import samples_of as _samples
 
     class Args:
         lengths, index = [str(mix)], None
@@ -84,7 +84,7 @@ def without_cp(samples, table, patches: int, dp: int, cp: int) -> dict:
     from packfeed.trainer.simulate.cluster import Cluster
     from packfeed.trainer.simulate.context_parallel import CpWorkload, simulate_cp
     from packfeed.trainer.simulate.workload import planner_cost_model
-    from packfeed.server.cli.simulate import cp_workload
+    from packfeed.server.cli.simulate_data import cp_workload
     from packfeed.v1.options import PlanConfig
 
     base = PlanConfig(dp=dp * cp, microbatches=1, cost_model=planner_cost_model(table, patches))
@@ -155,7 +155,7 @@ def one_gpu_encoding_each_video(samples, table, patches: int, dp: int, cp: int, 
     """Epoch seconds of the CP plan as simulated (the d GPUs of a pack share its vision tiles, as `cp_pieces` has
     them do), and with each long video's frames encoded by one GPU of its pack (what the trainer did before
     `cp_pieces`: an item went whole to one GPU), its other tiles shared by all."""
-    from packfeed.server.cli.simulate import cp_workload
+    from packfeed.server.cli.simulate_data import cp_workload
     from packfeed.server.plan.context_parallel import subpacks
     from packfeed.server.plan.planner import make_plan
     from packfeed.trainer.simulate.cluster import Cluster
