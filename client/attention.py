@@ -138,11 +138,19 @@ def segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bounds:
     for (a, b), p, key in zip(spans, parents, keys):
         if b <= a:
             continue
-        parent = len(key) - (b - a)
+        parent, key = len(key) - (b - a), key.to(q.device)
+        if parent and parent <= b - a:
+            # a prefix no longer than the segment: causal attention of the prefix's rows and the segment's, the
+            # prefix's outputs thrown away (no gradient reaches them). Causal kernels skip what the mask hides;
+            # a masked call would compute the segment's whole rectangle, twice the attention of a long response.
+            rows = torch.cat([key[:parent], torch.arange(a, b, device=q.device)])
+            out[a:b] = F.scaled_dot_product_attention(q[rows].transpose(0, 1), k[rows].transpose(0, 1),
+                                                      v[rows].transpose(0, 1), is_causal=True,
+                                                      scale=scale).transpose(0, 1)[parent:]
+            continue
         mask = None
         if parent:  # every parent row, then causal within the segment
             mask = torch.ones(b - a, len(key), dtype=torch.bool, device=q.device).tril(parent)
-        key = key.to(q.device)
         out[a:b] = F.scaled_dot_product_attention(q[a:b].transpose(0, 1), k[key].transpose(0, 1),
                                                   v[key].transpose(0, 1), attn_mask=mask, is_causal=mask is None,
                                                   scale=scale).transpose(0, 1)
