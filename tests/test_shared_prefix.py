@@ -299,3 +299,26 @@ def test_qwen2_vl_clipped_policy_loss_on_the_shared_prefix_equals_each_response_
     assert loss == pytest.approx(total, abs=1e-5) and abs(total) > 1e-3
     for name in summed:
         torch.testing.assert_close(grads[name], summed[name], rtol=0, atol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("lengths", [[5, 12, 3, 9], [40, 6, 50, 2], [1, 30, 30]])
+def test_segment_attention_equals_the_dense_mask(lengths):
+    """`segment_attention` (a prefix shorter than its segment through a causal call, a longer one through a
+    mask) gives the outputs and gradients of attention under the dense mask `segment_mask` builds, for segments
+    continuing a prefix and segments alone."""
+    from packfeed.client.attention import segment_attention
+    from packfeed.client.hf import segment_mask
+
+    bounds = [0, *np.cumsum(lengths + [7]).tolist()]  # the segments continuing segment 0, then one alone
+    parents = [-1] + [0] * (len(lengths) - 1) + [-1]
+    torch.manual_seed(len(lengths))
+    q, k, v = (torch.randn(bounds[-1], 2, 8, requires_grad=True) for _ in range(3))
+    got = segment_attention(q, k, v, bounds, parents)
+    mask = segment_mask(bounds, parents)[0, 0]
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask).transpose(0, 1)
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-6)
+    weights = torch.randn_like(got)
+    for a, b in zip(torch.autograd.grad((got * weights).sum(), (q, k, v)),
+                    torch.autograd.grad((expected * weights).sum(), (q, k, v))):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
