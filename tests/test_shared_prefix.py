@@ -322,3 +322,39 @@ def test_segment_attention_equals_the_dense_mask(lengths):
     for a, b in zip(torch.autograd.grad((got * weights).sum(), (q, k, v)),
                     torch.autograd.grad((expected * weights).sum(), (q, k, v))):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+
+
+def test_the_trainers_hf_layers_compute_the_prompt_once_with_each_responses_loss(qwen):
+    """`packfeed train model.hf=qwen2_vl` (its layer list, Packfeed's varlen kernel) on a group's pack: laid out
+    with the prompt once, the loss and gradients of the same samples as one-sample packs."""
+    from packfeed.client.hf import register_varlen_attention
+    from packfeed.client.tensors import Step
+    from packfeed.trainer.models.hf.model import HFLayerModel
+
+    data, _ = qwen
+    model = HFLayerModel("qwen2_vl", data.conventions,
+                         model=tiny_model("qwen2_vl", data, register_varlen_attention()))
+    wire, singles = group_packs(data, 4, seed=31)
+
+    def step(packs):
+        batch = model.inputs(Step(0, 0, 0, packs), 16, 1)
+        total = 0.0
+        for k in range(len(packs)):
+            carrier = batch.microbatch(k, len(packs))
+            for layer in model.layers:
+                carrier = layer(*carrier)
+            loss = carrier[0].sum()
+            loss.backward()
+            total += float(loss.detach())
+        grads = {names[local]: p.grad.clone() for layer, names in zip(model.layers, model.parameter_names)
+                 for local, p in layer.named_parameters(remove_duplicate=False) if p.grad is not None}
+        model.hf.zero_grad(set_to_none=True)
+        return total, grads, batch.real_tokens
+
+    loss, grads, tokens = step([wire])
+    alone_loss, alone_grads, alone_tokens = step(singles)
+    assert tokens < alone_tokens  # the prompt once
+    assert loss == pytest.approx(alone_loss, rel=1e-6)
+    for name in alone_grads:
+        torch.testing.assert_close(grads[name], alone_grads[name], rtol=1e-5,
+                                   atol=1e-5 * max(1.0, float(alone_grads[name].abs().max())), msg=name)

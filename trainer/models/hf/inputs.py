@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from packfeed.client.attention import VARLEN_ATTENTION
 from packfeed.trainer.batch import Microbatches, StepShape, round_up
 
 
@@ -60,8 +61,11 @@ class InputBuilder:
         from packfeed.client.hf import to_hf_inputs
 
         tokens_per_second = getattr(self.model.vision_config, "tokens_per_second", None)
+        # a group's prompt computed once where the layers' attention reads the segments (Packfeed's kernel)
+        share = self.model.hf.config._attn_implementation == VARLEN_ATTENTION
         kwargs = to_hf_inputs(pack, self.family, dp=dp, conventions=self.model.conventions,
-                              tokens_per_second=tokens_per_second if self.family == "qwen2_5_vl" else None)
+                              tokens_per_second=tokens_per_second if self.family == "qwen2_5_vl" else None,
+                              shared_prefix=share, attention="varlen" if share else "sdpa")
         ids = kwargs["input_ids"][0]
         positions = kwargs["position_ids"].reshape(-1, ids.shape[0])
         places = [torch.nonzero(ids == self.image_token).flatten()]
@@ -75,8 +79,8 @@ class InputBuilder:
         else:
             pixels = kwargs.get("pixel_values", torch.zeros(0, 3, self.tile_size, self.tile_size))
             grids = torch.zeros(0, 3, dtype=torch.long)
-        return PackInputs(ids, kwargs["labels"][0], positions, pack.cu_seqlens.long(), pixels, grids,
-                          torch.cat(places))
+        bounds = kwargs["cu_seq_lens_q"].long() if share else pack.cu_seqlens.long()  # the row's segments
+        return PackInputs(ids, kwargs["labels"][0], positions, bounds, pixels, grids, torch.cat(places))
 
     def microbatches(self, step, token_multiple: int = 64, dp: int = 1, collate: str = "packed") -> Microbatches:
         """`step`: a `packfeed.client.Step` (its M packs). `collate="padded"`: each pack's samples laid out as a

@@ -22,6 +22,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from packfeed.client.attention import VARLEN_ATTENTION
+from packfeed.client.shared_prefix import continued_segments
+
 IGNORE_INDEX = -100
 
 
@@ -209,8 +212,12 @@ class DecoderLayer(CarrierLayer):
         text_positions = positions[:, 0]
         rope_positions = positions[0, 1:, None, :] if self.mrope else text_positions
         position_embeddings = self.rotary(hidden, rope_positions)
+        kwargs = varlen_kwargs(c["bounds"][0])
+        parents = continued_segments(c["bounds"][0], text_positions[0]) if self._reads_segments() else None
+        if parents is not None:  # a group's responses, each continuing its prompt (packfeed.client.shared_prefix)
+            kwargs["segment_parents"] = parents
         hidden = first(self.block(hidden, attention_mask=None, position_ids=text_positions,
-                                  position_embeddings=position_embeddings, **varlen_kwargs(c["bounds"][0])))
+                                  position_embeddings=position_embeddings, **kwargs))
         out = {**c, "hidden": hidden}
         if self.takes_deepstack:
             stack = c["deepstack"]
@@ -219,6 +226,13 @@ class DecoderLayer(CarrierLayer):
             out["hidden"] = hidden.index_put((torch.zeros_like(where), where), added)
             out["deepstack"] = stack[:, 1:]
         return out
+
+
+    def _reads_segments(self) -> bool:
+        """Its attention is Packfeed's varlen kernel, which reads a shared prefix's segments (a context-parallel
+        runner's attention reads a share's rows instead, whose positions start mid-sample)."""
+        config = getattr(getattr(self.block, "self_attn", None), "config", None)
+        return getattr(config, "_attn_implementation", None) == VARLEN_ATTENTION
 
 
 class Head(CarrierLayer):

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from packfeed.client.attention import VARLEN_ATTENTION
 from packfeed.trainer.models.hf.build import attention_implementation, build_hf_model
 
 
@@ -48,6 +49,9 @@ class HFWholeModel:
         choice = "sdpa" if collate == "padded" else model_config.hf_attention
         implementation = attention_implementation(choice, device)
         self.attention = "sdpa" if implementation == "sdpa" else "varlen"  # the others read cu_seq_lens
+        # a group's prompt computed once where the attention can keep its responses apart: sdpa with the mask
+        # to_hf_inputs builds, or Packfeed's kernel reading the segments (HF's flash-attention 2 cannot)
+        self.shared_prefix = collate == "packed" and implementation in ("sdpa", VARLEN_ATTENTION)
         self.dtype = torch.bfloat16 if precision == "bf16" else torch.float32
         self.module = build_hf_model(self.family, conventions, model_config.hf_sizes, attention=implementation,
                                      seed=model_config.seed).to(device)
@@ -65,7 +69,8 @@ class HFWholeModel:
         from packfeed.client.hf import to_hf_inputs
 
         inputs = to_hf_inputs(pack, self.family, dp=dp, conventions=self.conventions, dtype=self.dtype,
-                              device=device, attention=self.attention, layout=self.layout)
+                              device=device, attention=self.attention, layout=self.layout,
+                              shared_prefix=self.shared_prefix)
         if pack.empty:  # a step's last microbatch may hold nothing: it still runs every collective
             return inputs, 0, 0
         # slots: a padded batch's rows x its longest sample
