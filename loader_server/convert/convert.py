@@ -153,6 +153,8 @@ def prepare_row(row: SourceRow, rules: FileRules) -> Prepared:
         doc = {"id": row.id, "conversations": turns, "source_images": [image.path for image in row.images]}
         if row.videos:
             doc["source_videos"] = [video.path for video in row.videos]
+        if row.group is not None:
+            doc["group"] = row.group
         prepared.members = [("json", json.dumps(doc, ensure_ascii=False).encode()), *members]
     except ConversationError as error:
         prepared.reason = f"bad conversation: {error}"

@@ -9,6 +9,10 @@
 - hf-parquet: Parquet files as Hugging Face datasets store them: `images: list<struct<bytes, path>>` plus a
               conversation column (`conversations`, `messages`, or the_cauldron's `texts` of {user, assistant})
 
+An entry's `group` (the JSON formats; a string or an integer) names the samples that share a prompt (preference
+pairs, the branches of a conversation, a prompt's responses): it goes into the sample's JSON, which the indexer
+reads (docs/planning.md "Groups").
+
 A row that cannot be read at all (a line that is not JSON, an entry that is not an object) still becomes a
 SourceRow, with its `error`, so the report lists it and the position stays stable.
 """
@@ -41,6 +45,7 @@ class SourceRow:
     images: list[SourceImage] = field(default_factory=list)
     videos: list[SourceImage] = field(default_factory=list)  # video files, by path
     error: str | None = None
+    group: Any = None  # the annotation's `group`: samples sharing a prompt (docs/planning.md "Groups")
 
 
 def normalize_turns(raw: Any) -> list[dict[str, str]]:
@@ -95,7 +100,7 @@ def _annotation_row(position: int, entry: Any, turns_keys: tuple[str, ...]) -> S
         return SourceRow(position, None, error=f"entry is a {type(entry).__name__}, not an object")
     raw_id = entry.get("id")
     turns = next((entry[key] for key in turns_keys if key in entry), None)
-    row = SourceRow(position, None if raw_id is None else str(raw_id), turns=turns)
+    row = SourceRow(position, None if raw_id is None else str(raw_id), turns=turns, group=entry.get("group"))
     images, videos = _path_list(entry, "image"), _path_list(entry, "video")
     for found in (images, videos):
         if isinstance(found, str):

@@ -27,7 +27,7 @@ from packfeed.server.index.parts import (ShardResult, config_digest, load_part, 
                                          save_part, shard_version)
 from packfeed.server.index.sample_costs import cost_sample
 from packfeed.server.index.shards import ShardError, expand_shards, is_compressed, iter_samples
-from packfeed.server.index.table import SCHEMA, IndexInfo, fingerprint_table, write_index
+from packfeed.server.index.table import SCHEMA, IndexInfo, fingerprint_table, index_schema, write_index
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -126,6 +126,7 @@ def build_index(specs: list[str], out: str | Path, config: IndexConfig, workers:
         skipped_shards=[{"shard": r.url, "error": r.error, "samples_read": len(r.rows)} for r in results if r.error],
         invalid_by_reason=dict(sorted(invalid.items())),
         objects={r.url: r.stamp.to_dict() for r in results if r.stamp} or None,
+        groups=True if "group" in table.column_names else None,
     )
     seconds = time.perf_counter() - started
     core_seconds = sum(r.seconds for r in fresh.values())
@@ -207,4 +208,13 @@ def _rows_to_table(results: list[ShardResult]) -> pa.Table:
     for field_ in SCHEMA:
         if field_.name not in columns:
             columns[field_.name] = pa.array([row[field_.name] for row in rows], type=field_.type)
-    return pa.table(columns, schema=SCHEMA)
+    schema = SCHEMA
+    keys = [row.get("group_key") for row in rows]
+    if any(keys):  # samples naming groups: each (group, prefix) numbered in order of first appearance
+        numbered: dict[str, int] = {}
+        columns["group"] = pa.array([numbered.setdefault(key, len(numbered)) if key else -1 for key in keys],
+                                    type=pa.int64())
+        columns["prefix_tokens"] = pa.array([row.get("prefix_tokens") or 0 if key else 0
+                                             for row, key in zip(rows, keys)], type=pa.int32())
+        schema = index_schema(IndexInfo("", "shards", [], groups=True))
+    return pa.table(columns, schema=schema)

@@ -23,8 +23,11 @@ import pyarrow.parquet as pq
 from packfeed.media.storage import ObjectError, Stamp, is_object_url, stamp
 from packfeed.server.index.table import SCHEMA
 
-_PART_SCHEMA = pa.schema([field for field in SCHEMA if field.name not in ("sample_id", "shard")])
+# every index column of a sample but its id and shard, and what names its group (`sample_costs._group_of`)
+_PART_SCHEMA = pa.schema([field for field in SCHEMA if field.name not in ("sample_id", "shard")]
+                         + [("group_key", pa.string()), ("prefix_tokens", pa.int32())])
 _PART_KEY = b"packfeed.part"
+_PART_FORMAT = 2  # 2: groups; a part of another format is indexed again
 
 
 @dataclass
@@ -77,7 +80,8 @@ def load_part(directory: Path, url: str, version: dict[str, Any] | None, digest:
         meta = json.loads((table.schema.metadata or {})[_PART_KEY])
     except (OSError, KeyError, ValueError, pa.ArrowException):
         return None  # unreadable or foreign: index the shard again
-    if meta.get("url") != url or meta.get("version") != version or meta.get("config") != digest:
+    if meta.get("url") != url or meta.get("version") != version or meta.get("config") != digest or \
+            meta.get("format") != _PART_FORMAT:
         return None
     return ShardResult(url, table.cast(_PART_SCHEMA).to_pylist(), meta.get("error"), float(meta.get("seconds", 0.0)),
                        _stamp_of(meta.get("stamp")))
@@ -88,7 +92,7 @@ def save_part(directory: Path, result, version: dict[str, Any] | None, digest: s
     if version is None:
         return
     directory.mkdir(parents=True, exist_ok=True)
-    meta = {"url": result.url, "version": version, "config": digest, "error": result.error,
+    meta = {"url": result.url, "version": version, "config": digest, "error": result.error, "format": _PART_FORMAT,
             "seconds": result.seconds, "stamp": result.stamp.to_dict() if result.stamp else None}
     table = pa.Table.from_pylist(result.rows, schema=_PART_SCHEMA).replace_schema_metadata(
         {_PART_KEY: json.dumps(meta).encode()})

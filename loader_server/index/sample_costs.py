@@ -5,6 +5,9 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+import xxhash
+
 from packfeed.media.chat import (IGNORE_INDEX, ConversationError, attach_images, cached_encoder,
                                  conversation_turns, parse_json)
 from packfeed.media.image_policy import ImagePolicy
@@ -101,7 +104,7 @@ def cost_sample(raw: RawSample, config: IndexConfig) -> dict[str, Any]:
                 row[f"video_{name}"].append(value)
         encoder = cached_encoder(config.tokenizer, config.template)
         check_text_length(turns, config.max_sample_tokens, encoder.tokenizer)
-        ids, labels, _ = encoder.encode(
+        ids, labels, starts = encoder.encode(
             turns, [c.llm_tokens for c in costs[:len(images)]], video_items, video_times)
         if len(ids) > config.max_sample_tokens:
             raise SampleError(f"too long: {len(ids):,} tokens, over max_sample_tokens {config.max_sample_tokens:,}; "
@@ -117,7 +120,25 @@ def cost_sample(raw: RawSample, config: IndexConfig) -> dict[str, Any]:
                vit_patches=sum(c.vit_patches for c in costs), vit_attn_sq=sum(c.vit_attn_sq for c in costs),
                text_tokens=len(ids) - vision_tokens, llm_tokens=len(ids),
                loss_tokens=int((labels != IGNORE_INDEX).sum()))
+    if isinstance(document, dict) and "group" in document:
+        row.update(_group_of(document["group"], ids, labels, starts, costs, row["image_checksums"], videos))
     return row
+
+
+def _group_of(label: Any, ids: np.ndarray, labels: np.ndarray, starts: list[int], costs, image_checksums,
+              videos) -> dict[str, Any]:
+    """A sample's group (its JSON's `group`: a string or an integer) and the prefix it shares with the group's
+    members of the same prefix: every token before its first loss token, with every image in it (before its last
+    token). `group_key` names the group and that prefix (its tokens and images' checksums); None where the sample
+    shares nothing (a group label of another type, an image after the prefix, a video)."""
+    learned = np.flatnonzero(labels != IGNORE_INDEX)
+    prefix = int(learned[0]) if len(learned) else len(ids)
+    runs_end = max((start + cost.llm_tokens for start, cost in zip(starts, costs)), default=0)
+    if isinstance(label, bool) or not isinstance(label, (str, int)) or videos or prefix < 2 or runs_end > prefix - 1:
+        return {"group_key": None, "prefix_tokens": 0}
+    digest = xxhash.xxh3_128(np.ascontiguousarray(ids[:prefix], dtype="<i4").tobytes())
+    digest.update(np.asarray(image_checksums, dtype="<u8").tobytes())
+    return {"group_key": f"{type(label).__name__}:{label}\0{digest.hexdigest()}", "prefix_tokens": prefix}
 
 
 def check_text_length(turns: list[dict[str, str]], max_tokens: int, tokenizer) -> None:

@@ -200,7 +200,8 @@ class Dataset:
         return RankStepWork(tuple(part.name for part in parts_), tuple(part.label for part in parts_),
                             plan.epoch, step, rank, packs, step_loss, plan.is_last_step(step), plan.seed,
                             self._routing(plan, step, rank, encoder), cp_spans=spans, cp=config.context_parallel,
-                            disaggregated=config.disaggregated, encoder=encoder)
+                            disaggregated=config.disaggregated, encoder=encoder,
+                            shares=config.shared_prefix and not config.strategy.padded)
 
     def _routing(self, plan: Plan, step: int, rank: int, encoder: bool) -> list | None:
         """isf+phases with the encoder routed, or on ranks of its own: per microbatch, who encodes each member of

@@ -18,7 +18,10 @@ def _mapped_columns(index: Path, fingerprint: str) -> pa.Table:
 
     mapped = index.with_name(f"{index.stem}.{fingerprint[:16]}.serve.arrow")
     if not mapped.exists():
-        table = read_index(index, columns=SERVE_COLUMNS)[0].combine_chunks()
+        from packfeed.server.index.table import GROUP_COLUMNS, read_index_info
+
+        grouped = list(GROUP_COLUMNS) if read_index_info(index).groups else []
+        table = read_index(index, columns=SERVE_COLUMNS + grouped)[0].combine_chunks()
         partial = mapped.with_name(f"{mapped.name}.{os.getpid()}.partial")
         try:
             with pa.OSFile(str(partial), "wb") as sink, pa.ipc.new_file(sink, table.schema) as writer:
@@ -50,6 +53,8 @@ class IndexRows:
 
         self.info = read_index_info(index_path)
         self.table = _mapped_columns(Path(index_path), self.info.fingerprint)
+        # its rows say what a sample shares its prefix with (`packs.build_pack`)
+        self.shares_prefixes = bool(self.info.groups)
 
     def row(self, sample_id: int) -> dict:
         return self.table.slice(int(sample_id), 1).to_pylist()[0]

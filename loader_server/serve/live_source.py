@@ -165,7 +165,8 @@ class LiveDataset:
         if cp > 1 and spans is None:  # the empty last step: every lane an empty share
             spans = [(np.ones(0, np.int64), np.zeros(0, np.int64))] * len(packs)
         work = RankStepWork((self.part.name,), (LIVE_LABEL,), 0, step, rank, packs, step_loss, last,
-                            self.steps.seed, cp_spans=spans if cp > 1 else None, cp=cp)
+                            self.steps.seed, cp_spans=spans if cp > 1 else None, cp=cp,
+                            shares=True)  # a row says what it shares when its step's plan shares it
         work.live = LiveWork(rows, self.conventions.image_context_id, self.steps.tensor_names or ())
         return work
 

@@ -144,13 +144,15 @@ def truncate_sample(sample: SampleTensors, limit: int) -> SampleTensors:
 
 
 def build_pack(parts: list[tuple[IndexRows, Any, str]], members: np.ndarray, truncate_to: np.ndarray,
-               sources: np.ndarray, epoch: int, step: int, rank: int, microbatch: int, seed: int = 0) -> Pack:
+               sources: np.ndarray, epoch: int, step: int, rank: int, microbatch: int, seed: int = 0,
+               shares: bool = False) -> Pack:
     """One pack from its planned members; member k is sample `members[k]` of `parts[sources[k]]` (rows, reader,
     dataset label); `seed` is the job's (random video frames are drawn from it). A sample that fails at serve
     time is left out and reported in the pack's `skipped`; the pack still goes out, flagged empty if nothing is
-    left."""
-    shares = [parts[source][0].row(sample_id).get("share") if getattr(parts[source][0], "shares_prefixes", False)
-              else None for sample_id, source in zip(np.asarray(members).tolist(), np.asarray(sources).tolist())]
+    left. `shares`: the job plans groups with their prefix shared (docs/wire.md "Shared prefixes")."""
+    shares = [_share_of(parts[source][0].row(sample_id)) if shares and getattr(parts[source][0], "shares_prefixes",
+                                                                                False) else None
+              for sample_id, source in zip(np.asarray(members).tolist(), np.asarray(sources).tolist())]
     owners = _prefix_owners(shares)
     reads = [owner == k for k, owner in enumerate(owners)]  # a sibling's images are its owner's: not read
     loaded, skipped = load_members(parts, members, truncate_to, sources, epoch, seed, pixels=reads)
@@ -167,6 +169,15 @@ def build_pack(parts: list[tuple[IndexRows, Any, str]], members: np.ndarray, tru
         pack.tensors["shared_prefix"] = rows
     pack.positions = [position for position, _ in loaded]
     return pack
+
+
+def _share_of(row: dict) -> list | None:
+    """[what a sample shares its prefix with, the prefix's tokens], or None: a live sample's `share`, an indexed
+    sample's group (each group of an index is one prefix, `sample_costs._group_of`)."""
+    if "share" in row:
+        return row["share"]
+    group = row.get("group")
+    return [str(group), row["prefix_tokens"]] if group is not None and group >= 0 else None
 
 
 def _prefix_owners(shares: list) -> list[int]:

@@ -50,6 +50,7 @@ class RankStepWork:
     disaggregated: bool = False
     encoder: bool = False
     live: Any = None  # a live job's step: its members' spooled rows (`packfeed.server.serve.live_source.LiveWork`)
+    shares: bool = False  # a group's members in a pack share their prefix (the plan's `shared_prefix`)
 
     def samples_by_source(self, pixels_only: bool = False) -> list[tuple[int, np.ndarray]]:
         """(source k, its sample ids) for each index the step reads, every pack's samples together: a step's

@@ -153,7 +153,7 @@ def _build_rank_step(work: RankStepWork, shared: str | None) -> RankStepResult:
                 pack.encoder = work.encoder
             else:
                 pack = build_pack(parts, members, truncate_to, sources, work.epoch, work.step, work.rank,
-                                  microbatch, work.seed)
+                                  microbatch, work.seed, work.shares)
             pack.step_loss_tokens = work.step_loss_tokens
             if work.live is not None:
                 work.live.complete(pack)
