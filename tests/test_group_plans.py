@@ -269,3 +269,31 @@ def test_simulate_and_stats_show_what_sharing_saves(tmp_path):
     assert alone["llm_tokens"] - shared["llm_tokens"] == report["groups"]["prefix_tokens_saved"]
     assert shared["steps"] < alone["steps"] and "60 groups share their prefix" in report["groups_note"]
     assert report["groups_note"] in (tmp_path / "report" / "report.md").read_text()
+
+
+def test_a_windowed_plan_takes_each_group_whole_into_one_window():
+    """Windows take samples in the epoch's scattered order; a group goes whole into the window of its lowest id, so
+    its members still share their prefix: every sample once, each group (that fits) in one pack."""
+    from packfeed.server.plan.windows import WindowedPlan
+
+    loads = grpo_loads(120, 8, 9, alone=50)
+    loads.valid[[3, 500]] = False  # invalid members (one may lead its group by id) are left out, never lost
+    plan = WindowedPlan(loads, PlanConfig(dp=4, window=200), 0, 0, size=200)
+    members, groups_in = [], {}
+    step = 0
+    while plan.has_step(step):
+        for rank in range(4):
+            pack = plan.pack_with_truncation(step, rank, 0)[0].tolist()
+            members += pack
+            for i in pack:
+                if loads.group[i] >= 0:
+                    groups_in.setdefault(int(loads.group[i]), set()).add((step, rank))
+        step += 1
+    plan.close()
+    assert plan.n_windows > 3
+    assert sorted(members) == sorted(np.flatnonzero(loads.valid).tolist())
+    caps = plan.caps
+    for group, packs in groups_in.items():
+        ids = np.flatnonzero((loads.group == group) & loads.valid)
+        if int(loads.prefix[ids[0]]) + int((loads.tokens[ids] - loads.prefix[ids]).sum()) <= caps.token_cap:
+            assert len(packs) == 1, (group, packs)

@@ -109,6 +109,7 @@ class WindowedPlan:
         self._ahead = ThreadPoolExecutor(max_workers=1, thread_name_prefix="packfeed-window")
         self._next: tuple[int, Future] | None = None
         self._fingerprint: str | None = None
+        self._groups: tuple | None = None  # grouped loads: each group's members and leader (`_whole_groups`)
 
     @property
     def caps(self) -> Caps | None:
@@ -120,9 +121,31 @@ class WindowedPlan:
 
     def _subset(self, window: int) -> tuple[np.ndarray, SampleLoads]:
         ids = window_members(self.loads.valid, self.seed, self.epoch, window, self.size)
+        if getattr(self.loads, "group", None) is not None and self.config.shared_prefix:
+            ids = self._whole_groups(ids)
         if window in self._carried:
             ids = np.concatenate([self._carried[window], ids])
         return ids, self.loads.subset(ids)
+
+    def _whole_groups(self, ids: np.ndarray) -> np.ndarray:
+        """A window's samples with every group whole: a group is planned in the window of its lowest sample id
+        (its leader), so its members share their prefix wherever the epoch's order scatters them."""
+        if self._groups is None:  # once: each group's members (CSR, by id) and its leader
+            group = np.asarray(self.loads.group)
+            grouped = np.flatnonzero((group >= 0) & np.asarray(self.loads.valid))
+            grouped = grouped[np.argsort(group[grouped], kind="stable")]
+            starts = np.flatnonzero(np.r_[True, group[grouped][1:] != group[grouped][:-1]]) if len(grouped) \
+                else np.zeros(0, np.int64)
+            leader = np.full(int(group.max()) + 1 if len(grouped) else 0, -1, np.int64)
+            leader[group[grouped[starts]]] = grouped[starts]
+            self._groups = (group, grouped, np.r_[starts, len(grouped)], leader)
+        group, members, bounds, leader = self._groups
+        own = group[ids]
+        leads = ids[(own >= 0) & (leader[np.maximum(own, 0)] == ids)] if len(leader) else ids[:0]
+        number = np.searchsorted(group[members[bounds[:-1]]], group[leads])  # each leader's group's place
+        taken = [members[bounds[k]:bounds[k + 1]] for k in number.tolist()]
+        whole = np.concatenate(taken) if taken else np.zeros(0, np.int64)
+        return np.concatenate([ids[own < 0], whole]).astype(np.int64)
 
     def _plan_window(self, window: int) -> Plan:
         """The window's plan, over its own samples and those the window before carried over. Except in the last
