@@ -122,6 +122,19 @@ def consume(target, job: str, rank: int, out: dict, plan: PlanConfig = LIVE, sta
         stream.close()
 
 
+def put_while_streaming(target, job: str, samples: list[dict], consumer, seats) -> None:
+    """`consumer(seat)` for each seat in a thread of its own (the trainers open the job and wait for samples), then
+    `samples` put and the job ended; returns once every consumer has finished (or after 120 s each)."""
+    threads = [threading.Thread(target=consumer, args=(seat,)) for seat in seats]
+    for thread in threads:
+        thread.start()
+    with Producer(target, job=job, connection=CONNECTION) as producer:
+        producer.put(samples)
+        producer.end()
+    for thread in threads:
+        thread.join(120)
+
+
 def start_ranks(target, job, out, **kwargs) -> list[threading.Thread]:
     threads = [threading.Thread(target=consume, args=(target, job, rank, out), kwargs=kwargs) for rank in range(2)]
     for thread in threads:
@@ -478,14 +491,7 @@ def test_a_live_job_with_context_parallelism_sends_each_lane_its_share(server, p
                         connection=CONNECTION) as stream:
             shares[number] = [pack for step in stream for pack in step.packs]
 
-    lanes = [threading.Thread(target=lane, args=(number,)) for number in range(2)]
-    for thread in lanes:
-        thread.start()
-    with Producer(server.target, job="cp-live", connection=CONNECTION) as producer:
-        producer.put(samples)
-        producer.end()
-    for thread in lanes:
-        thread.join(120)
+    put_while_streaming(server.target, "cp-live", samples, lane, range(2))
     put = {sample["id"]: sample for sample in samples}
     split, seen = 0, []
     for number in range(2):
@@ -543,14 +549,7 @@ def test_a_groups_responses_come_with_their_prompt_once(server, prompts):
         finally:
             stream.close()
 
-    ranks = [threading.Thread(target=consume_packs, args=(rank,)) for rank in range(2)]
-    for thread in ranks:
-        thread.start()
-    with Producer(server.target, job="groups", connection=CONNECTION) as producer:
-        producer.put(samples)
-        producer.end()
-    for thread in ranks:
-        thread.join(120)
+    put_while_streaming(server.target, "groups", samples, consume_packs, range(2))
     assert 0 in received and 1 in received, received
     put = {s["id"]: s for s in samples}
     seen = []

@@ -176,8 +176,9 @@ def _share_of(row: dict) -> list | None:
     sample's group (each group of an index is one prefix, `sample_costs._group_of`)."""
     if "share" in row:
         return row["share"]
-    group = row.get("group")
-    return [str(group), row["prefix_tokens"]] if group is not None and group >= 0 else None
+    group = row.get("group")  # an index's number (a live sample's is its producer's label: shared by `share`)
+    return [str(group), row["prefix_tokens"]] if isinstance(group, int) and group >= 0 and "prefix_tokens" in row \
+        else None
 
 
 def _prefix_owners(shares: list) -> list[int]:
