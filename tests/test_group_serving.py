@@ -5,12 +5,11 @@ sample whose image lies after its prompt keeps its group label but shares nothin
 
 from __future__ import annotations
 
-import json
-
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
+from group_data import index_annotations
 from recipe_data import write_image
 
 pytestmark = pytest.mark.slow
@@ -18,12 +17,6 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def grouped_index(tmp_path_factory):
-    from packfeed.media.chat import PRESETS
-    from packfeed.server.convert.convert import ConvertOptions, convert, shard_paths
-    from packfeed.server.index.config import IndexConfig
-    from packfeed.server.index.indexer import build_index
-    from packfeed.server.tools.demo import train_tokenizer
-
     root = tmp_path_factory.mktemp("groups")
     rng = np.random.default_rng(0)
     rows = []
@@ -40,15 +33,8 @@ def grouped_index(tmp_path_factory):
     for k in range(4):
         rows.append({"id": f"text-{k}", "conversations": [{"from": "human", "value": "Hello?"},
                                                           {"from": "gpt", "value": "Hi " * (k + 1)}]})
-    (root / "a.json").write_text(json.dumps(rows))
-    convert(ConvertOptions("llava", str(root / "a.json"), str(root / "shards"), str(root / "images"), workers=1,
-                           progress=False))
-    template = PRESETS["internvl"]
-    tokenizer = train_tokenizer(root / "tokenizer.json", vocab_size=400, special_tokens=template.special_tokens)
-    config = IndexConfig(str(tokenizer), {"name": "internvl", "image_size": 56, "max_num": 4, "tokens_per_tile": 4},
-                         template.to_dict())
-    build_index(shard_paths(root / "shards"), root / "index.parquet", config, workers=1, progress=False)
-    return root / "index.parquet", rows
+    policy = {"name": "internvl", "image_size": 56, "max_num": 4, "tokens_per_tile": 4}
+    return index_annotations(root, rows, policy), rows
 
 
 def test_an_index_of_grouped_annotations_numbers_each_group_and_prompt(grouped_index):

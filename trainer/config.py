@@ -19,7 +19,7 @@ from packfeed.v1.layout import Layout
 from packfeed.v1.options import Oversize, PlanConfig, Strategy
 
 # DataConfig fields that are PlanConfig's (the rest of PlanConfig comes from the mesh or keeps its default)
-PLAN_FIELDS = ("microbatches", "strategy", "vision_cap", "token_cap", "oversize", "collective_safe")
+PLAN_FIELDS = ("microbatches", "strategy", "vision_cap", "token_cap", "oversize", "collective_safe", "shared_prefix")
 
 
 def check_choices(config) -> None:
@@ -65,6 +65,9 @@ class DataConfig:
     # unit (or not at all), so no rank ever waits on another's tower; on, packs are laid out as a trainer that
     # wraps the tower apart needs, at some cost in balance
     collective_safe: bool = False
+    # the plan's shared_prefix (docs/planning.md "Groups"): a group's samples planned together and its prompt
+    # computed once; false: each sample alone
+    shared_prefix: bool = True
 
     def __post_init__(self):
         check_choices(self)

@@ -155,3 +155,70 @@ def test_the_trainers_step_on_cpu_shared_vs_each_response_alone():
     speedup = [a / s for a, s in zip(rounds["unshared"], rounds["shared"])]
     print(f"  speedup {statistics.median(speedup):.2f}x ({min(speedup):.2f}-{max(speedup):.2f})")
     assert statistics.median(rounds["shared"]) < statistics.median(rounds["unshared"])
+
+
+# -- packfeed train on a grouped dataset --------------------------------------------------------------------------
+
+TRAIN_POLICY = {"name": "internvl", "image_size": 224, "tokens_per_tile": 64, "max_num": 6}  # the train benchmark's
+TRAIN_MODEL = {"vit_dim": 48, "vit_layers": 3, "llm_dim": 96, "llm_layers": 3, "patch_size": 14, "seed": 0}
+PROMPTS = 24
+
+
+def grouped_rows(root, seed: int = 0) -> list[dict]:
+    """PROMPTS prompts, each with 1-3 photographs-like images and a question of 20-200 words, answered G times
+    with 20-400 words (log-normal): GRPO's rollouts kept as a dataset."""
+    from recipe_data import write_image
+
+    rng = np.random.default_rng(seed)
+    words = ["the", "chart", "shows", "a", "rise", "in", "sales", "after", "march", "while", "costs", "fall"]
+    rows = []
+    for p in range(PROMPTS):
+        names = [f"p{p}-{k}.jpg" for k in range(int(rng.integers(1, 4)))]
+        for name in names:
+            write_image(root / "images" / name, rng)
+        question = "<image>\n" * len(names) + " ".join(rng.choice(words, int(rng.integers(20, 200))))
+        for k in range(G):
+            answer = " ".join(rng.choice(words, int(np.clip(rng.lognormal(np.log(120), 0.8), 20, 400))))
+            rows.append({"id": f"p{p}-{k}", "group": p, "images": names,
+                         "conversations": [{"from": "human", "value": question}, {"from": "gpt", "value": answer}]})
+    return rows
+
+
+def train_run(index, out, shared: bool, bounds: list[int] | None) -> tuple[list[dict], list[int]]:
+    from trainer_workers import packfeed_train
+
+    partition = [f"partition.bounds=[{','.join(map(str, bounds))}]"] if bounds else \
+        ["partition.top_k=2", "partition.trial_steps=1"]
+    overrides = [f"data.index={index}", "data.microbatches=4", f"data.job=groups-{shared}", "data.server_workers=1",
+                 "data.prefetch=4", f"data.shared_prefix={'true' if shared else 'false'}", "parallel.pp=2",
+                 "recompute.mode=none", "optim.steps=0", *partition] + [f"model.{k}={v}" for k, v in TRAIN_MODEL.items()]
+    _, records = packfeed_train(2, overrides, out, timeout=1800)
+    used = bounds or json.loads((out / "partition.json").read_text())["bounds"]
+    return records, used
+
+
+def test_packfeed_train_on_a_grouped_dataset_shared_vs_each_response_alone(tmp_path):
+    """`packfeed train --nproc 2` (2 pipeline stages, gloo, M 4, the train benchmark's model) for one epoch of a
+    grouped dataset, its prompts' prefixes shared (the default) and each response alone (`data.shared_prefix=false`),
+    on the partition the first run searched; epoch time (the sum of step times), steps, LLM tokens computed and
+    samples a second, 3 rounds alternating."""
+    from group_data import index_annotations
+
+    index = index_annotations(tmp_path / "data", grouped_rows(tmp_path / "data"), TRAIN_POLICY)
+    _, bounds = train_run(index, tmp_path / "search", True, None)
+    runs = {True: [], False: []}
+    for round_ in range(ROUNDS):
+        for shared in (True, False) if round_ % 2 == 0 else (False, True):
+            records, _ = train_run(index, tmp_path / f"r{round_}-{shared}", shared, bounds)
+            runs[shared].append({"epoch_s": sum(r["step_s"] for r in records), "steps": len(records),
+                                 "tokens": sum(r["tokens"] for r in records)})
+    print(f"\npackfeed train --nproc 2 (pp 2, M 4), {PROMPTS} prompts x {G} responses, partition {bounds}:")
+    for shared, label in ((True, "prefixes shared"), (False, "each response alone")):
+        epochs = [r["epoch_s"] for r in runs[shared]]
+        rates = [PROMPTS * G / r["epoch_s"] for r in runs[shared]]
+        print(f"  {label:>20}: epoch {statistics.median(epochs):.1f} s ({min(epochs):.1f}-{max(epochs):.1f}), "
+              f"{runs[shared][0]['steps']} steps, {runs[shared][0]['tokens']:,} tokens, "
+              f"{statistics.median(rates):.1f} samples/s ({min(rates):.1f}-{max(rates):.1f})")
+    speedup = [a["epoch_s"] / s["epoch_s"] for a, s in zip(runs[False], runs[True])]
+    print(f"  epoch speedup {statistics.median(speedup):.2f}x ({min(speedup):.2f}-{max(speedup):.2f})")
+    assert runs[True][0]["tokens"] < runs[False][0]["tokens"]
