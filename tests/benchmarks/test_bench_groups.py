@@ -9,7 +9,8 @@ a length file with `group` and `prefix_tokens`. `packfeed simulate --lengths FIL
 runs it) plans it with isf+balance both ways (`shared_prefix` on, and off: each sample alone) and simulates both
 on the internvl-chat-1.5 preset (PP 4, M 8) at DP 8 and DP 64. Reported per DP: LLM tokens, vision units, steps,
 the simulated step and epoch time shared vs alone, groups split over packs; median and range of 3 rounds
-(different response draws).
+(different response draws). Then the reference trainer's step on CPU on both layouts, and `packfeed train --nproc
+2` for an epoch of a grouped dataset converted and indexed from annotations, shared and not (their docstrings).
 """
 
 from __future__ import annotations
