@@ -97,7 +97,11 @@ def test_group_plans_keep_members_together_and_count_each_prefix_once(n_groups, 
     for gid, packs in packs_per_group.items():
         ids = np.flatnonzero((group == gid) & ~np.isin(np.arange(len(loads)), list(over)))
         needed = int(prefix[ids[0]]) + int((tokens[ids] - prefix[ids]).sum())
-        if needed <= caps.token_cap:
+        if loads.towers[ids[0]] and config.collective_safe and len(packs) > 1:
+            # cut for collective safety: at most 8 pieces (three halvings), each in as few packs as it needs
+            lower = -(-int((tokens[ids] - prefix[ids]).sum()) // (caps.token_cap - int(prefix[ids[0]])))
+            assert len(packs) <= min(len(ids), 8 * (2 * lower + 1)), (gid, packs)
+        elif needed <= caps.token_cap:
             assert len(packs) == 1, (gid, packs)
         else:  # first-fit-decreasing uses at most twice the lower bound, plus one
             room = caps.token_cap - int(prefix[ids[0]])
@@ -297,3 +301,17 @@ def test_a_windowed_plan_takes_each_group_whole_into_one_window():
         ids = np.flatnonzero((loads.group == group) & loads.valid)
         if int(loads.prefix[ids[0]]) + int((loads.tokens[ids] - loads.prefix[ids]).sum()) <= caps.token_cap:
             assert len(packs) == 1, (group, packs)
+
+
+def test_a_group_is_cut_for_collective_safety_only_where_that_aligns_the_towers():
+    """One image group at DP 2: whole, one rank would call the vision tower and the other not; cut in two, both
+    do (each piece with the prompt). With collective_safe off the group stays whole."""
+    loads = grpo_loads(1, 4, 0)
+    loads.vision[:] = 2
+    loads.towers[:] = 1
+    safe = make_plan(loads, PlanConfig(dp=2, vision_cap=64, token_cap=1 << 16), 0, 0)
+    free = make_plan(loads, PlanConfig(dp=2, vision_cap=64, token_cap=1 << 16, collective_safe=False), 0, 0)
+    assert safe.summary(loads)["collective_safe"]["unaligned_microbatches"] == 0
+    assert [len(p) for p in packs_of(safe)] == [2, 2]
+    assert sorted(len(p) for p in packs_of(free)) == [0, 4]
+    assert safe.summary(loads)["groups"]["split_groups"] == 1

@@ -275,9 +275,9 @@ def test_a_step_of_text_and_image_samples_is_collective_safe(tmp_path):
     steps = live(tmp_path, config)
     image = png(112, 112)  # one 112 px tile: 16 placeholders
     tokens = [1, 2] + [CONTEXT] * 16 + list(range(20, 40))
-    with_images = [checked_sample(message(f"i{k}", len(tokens), tokens=tokens, images=[image], group=f"i{k}"),
-                                  rules()) for k in range(8)]  # each its own group (a group stays together)
-    steps.put([sample(f"t{k}", 30 + k, group="") for k in range(8)] + with_images)
+    with_images = [checked_sample(message(f"i{k}", len(tokens), tokens=tokens, images=[image]), rules())
+                   for k in range(8)]  # one group with one prompt: cut where that aligns the towers
+    steps.put([sample(f"t{k}", 30 + k) for k in range(8)] + with_images)
     plan = steps.plan(0)
     assert plan.n_steps == 1
     m = plan.config.microbatches

@@ -62,20 +62,20 @@ def check_shared_plan(loads: Any, config: PlanConfig) -> None:
                          "each sample alone with shared_prefix false")
 
 
-def units_for(loads: SampleLoads, config: PlanConfig, caps: Caps | None) -> tuple[Units, Caps]:
-    """The units the planner plans instead of the samples of `loads`, and their caps: given, or searched on the
-    samples each alone, as without sharing (caps are a memory budget: the same whether prefixes are shared or
-    not, so a shared plan holds the same samples in fewer, fuller packs)."""
+def caps_for(loads: SampleLoads, config: PlanConfig, caps: Caps | None) -> Caps:
+    """The caps a plan sharing prefixes plans its units under: given, or searched on the samples each alone, as
+    without sharing (caps are a memory budget: the same whether prefixes are shared or not, so a shared plan holds
+    the same samples in fewer, fuller packs)."""
     check_shared_plan(loads, config)
-    caps = caps or resolve_caps(loads, config)
-    return group_units(loads, caps), caps
+    return caps or resolve_caps(loads, config)
 
 
-def group_units(loads: SampleLoads, caps: Caps | None) -> Units:
+def group_units(loads: SampleLoads, caps: Caps | None, halvings: int = 0) -> Units:
     """The units of `loads` under `caps` (None: no cap, every group whole). Members that fit the caps alone make
     their group's units: one where the prefix and all their responses fit, else as few as first-fit-decreasing
-    on the responses finds. A member over a cap alone is a unit of its own, for the oversize policy. Units are
-    in the order of their first sample id."""
+    on the responses finds. A member over a cap alone is a unit of its own, for the oversize policy. `halvings`:
+    the units of groups calling a tower cut into 2^halvings pieces of consecutive members (each with the prefix),
+    for collective safety (`aligned_units`). Units are in the order of their first sample id."""
     group, prefix = np.asarray(loads.group, np.int64), np.asarray(loads.prefix, np.int64)
     valid = np.asarray(loads.valid, bool)
     vision, tokens = np.asarray(loads.vision, np.int64), np.asarray(loads.tokens, np.int64)
@@ -95,6 +95,8 @@ def group_units(loads: SampleLoads, caps: Caps | None) -> Units:
             for r in np.flatnonzero(needed > caps.token_cap):
                 piece = slice(run[r], run[r] + sizes[r])
                 key[np.flatnonzero(fits)[piece]] = _pieces(together[piece], tokens, prefix, caps.token_cap)
+    if halvings:
+        _halve(key, ids[fits], np.flatnonzero(fits), np.asarray(loads.towers), halvings)
     alone = np.flatnonzero(valid & (group < 0))
     members = np.concatenate([ids, alone])
     keys = np.concatenate([key, alone])
@@ -104,6 +106,50 @@ def group_units(loads: SampleLoads, caps: Caps | None) -> Units:
     unit_starts = np.flatnonzero(np.r_[True, keys[1:] != keys[:-1]]) if len(keys) else np.zeros(0, np.int64)
     offsets = np.r_[unit_starts, len(members)].astype(np.int64)
     return Units(members, offsets, _unit_loads(loads, members, unit_starts, shared, prefix, tokens))
+
+
+def _halve(key: np.ndarray, shared_ids: np.ndarray, at: np.ndarray, towers: np.ndarray, halvings: int) -> None:
+    """Cut each unit of members calling a tower into 2^halvings pieces of consecutive members (in `key`, in place,
+    each piece named by its first sample id)."""
+    calling = towers[shared_ids] > 0
+    place = at[calling]
+    order = place[np.lexsort((shared_ids[calling], key[place]))]
+    if not len(order):
+        return
+    unit = key[order]
+    starts = np.flatnonzero(np.r_[True, unit[1:] != unit[:-1]])
+    size = np.diff(np.r_[starts, len(order)])
+    piece = (np.arange(len(order)) - np.repeat(starts, size)) * (1 << halvings) // np.repeat(size, size)
+    new = np.r_[True, (unit[1:] != unit[:-1]) | (piece[1:] != piece[:-1])]
+    sample = shared_ids[calling][np.lexsort((shared_ids[calling], key[place]))]  # by unit, then id: `order`'s
+    key[order] = np.repeat(sample[new], np.diff(np.r_[np.flatnonzero(new), len(order)]))
+
+
+def aligned_units(loads: SampleLoads, config: PlanConfig, caps: Caps, plan_units) -> tuple[Units, Any]:
+    """The units and their plan (`plan_units(units)`), collective-safe where the data allows: a group stays whole
+    in one pack, but where that leaves a microbatch calling a tower on some ranks only, its tower-calling groups
+    are cut in two, four, eight pieces (each with its prompt, in as many packs) and planned again; the plan with
+    the fewest such microbatches is kept, the fewest cuts on a tie. A pure function of its inputs."""
+    units = group_units(loads, caps)
+    plan = plan_units(units)
+    if not config.collective_safe:
+        return units, plan
+    best = (_unaligned(plan, units.loads), units, plan)
+    for halvings in (1, 2, 3):
+        if best[0] == 0:
+            break
+        split = group_units(loads, caps, halvings)
+        if len(split.offsets) == len(units.offsets):  # nothing left to cut
+            break
+        units = split
+        candidate = plan_units(units)
+        if (count := _unaligned(candidate, units.loads)) < best[0]:
+            best = (count, units, candidate)
+    return best[1], best[2]
+
+
+def _unaligned(plan: Any, loads: SampleLoads) -> int:
+    return int(plan.alignment(loads)["unaligned_microbatches"])
 
 
 def _pieces(members: np.ndarray, tokens: np.ndarray, prefix: np.ndarray, token_cap: int) -> np.ndarray:

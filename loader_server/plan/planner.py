@@ -23,7 +23,7 @@ from packfeed.server.plan.collective import aligned_steps, class_layout, collect
 from packfeed.server.plan.costs import SampleLoads, encoder_costs, encoder_names, sample_costs
 from packfeed.server.plan.dynamic_cp import dynamic_cp_plan, dynamic_cp_steps
 from packfeed.server.plan.forming import FormedPacks, formed_packs
-from packfeed.server.plan.groups import expanded, shares_prefixes, units_for
+from packfeed.server.plan.groups import aligned_units, caps_for, expanded, group_units, shares_prefixes
 from packfeed.server.plan.isf import Caps, IsfPacks
 from packfeed.server.plan.pack_arrays import csr, gather, pack_costs
 from packfeed.server.plan.pipeline_order import inter_reorder_many, stage_fractions, stage_times
@@ -43,8 +43,10 @@ def make_plan(loads: SampleLoads, config: PlanConfig, seed: int, epoch: int, ind
     randomness of its own. Groups sharing a prefix are planned as units (`packfeed.server.plan.groups`)."""
     started = time.perf_counter()
     if shares_prefixes(loads, config):
-        units, caps = units_for(loads, config, caps)
-        plan = expanded(make_plan(units.loads, config, seed, epoch, index_fingerprint, caps, window), units, loads)
+        caps = caps_for(loads, config, caps)
+        units, plan = aligned_units(loads, config, caps, lambda units: make_plan(
+            units.loads, config, seed, epoch, index_fingerprint, caps, window))
+        plan = expanded(plan, units, loads)
         plan.seconds = time.perf_counter() - started
         return plan
     streams = _streams(seed, epoch, window)
@@ -104,8 +106,10 @@ def count_steps(loads: SampleLoads, config: PlanConfig, seed: int, epoch: int, c
     the packs' count, whatever the arrangement). Dynamic context parallelism places its packs, where steps
     depend on placement, and builds nothing more. A job sizes its length from every epoch's count."""
     if shares_prefixes(loads, config):
-        units, caps = units_for(loads, config, caps)
-        return count_steps(units.loads, config, seed, epoch, caps)
+        caps = caps_for(loads, config, caps)
+        if config.collective_safe:  # the units `aligned_units` keeps depend on the plans it makes
+            return make_plan(loads, config, seed, epoch, caps=caps).n_steps
+        return count_steps(group_units(loads, caps).loads, config, seed, epoch, caps)
     streams = _streams(seed, epoch, None)
     if config.context_parallel > 1 and config.cp_mode is CpMode.DYNAMIC:
         return dynamic_cp_steps(loads, config, caps, streams[_STREAM_ISF], streams[_STREAM_STEPS])
