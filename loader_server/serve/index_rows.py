@@ -53,11 +53,17 @@ class IndexRows:
 
         self.info = read_index_info(index_path)
         self.table = _mapped_columns(Path(index_path), self.info.fingerprint)
-        # its rows say what a sample shares its prefix with (`packs.build_pack`)
-        self.shares_prefixes = bool(self.info.groups)
 
     def row(self, sample_id: int) -> dict:
         return self.table.slice(int(sample_id), 1).to_pylist()[0]
+
+    def share(self, sample_id: int) -> list | None:
+        """[what the sample shares its prefix with, the prefix's tokens] (a grouped index: each group one prompt,
+        `packfeed.server.index.sample_costs`), or None."""
+        if not self.info.groups:
+            return None
+        group = self.table.column("group")[int(sample_id)].as_py()
+        return [str(group), self.table.column("prefix_tokens")[int(sample_id)].as_py()] if group >= 0 else None
 
     def _take(self, name: str, sample_ids) -> pa.Array:
         """Column `name` at `sample_ids`, read from the mapped file: per step, never a whole column in memory

@@ -184,13 +184,16 @@ class LiveDataset:
 class LiveRows:
     """A step's live rows, by the positions its packs name (what a worker asks of an index's rows)."""
 
-    shares_prefixes = True  # its rows say what a sample shares its prefix with (`packs.build_pack`)
-
     def __init__(self, live: LiveWork):
         self.live = live
 
     def row(self, position: int) -> dict:
         return self.live.rows[int(position)]
+
+    def share(self, position: int) -> list | None:
+        """[what the sample shares its prefix with, the prefix's tokens], or None (`LiveDataset.work` says it where the
+        step's plan shares prefixes)."""
+        return self.live.rows[int(position)].get("share")
 
     def pixel_bytes(self, positions) -> int:
         return sum(self.live.rows[int(p)]["pixel_bytes"] for p in np.asarray(positions).tolist())

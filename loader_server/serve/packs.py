@@ -149,9 +149,9 @@ def build_pack(parts: list[tuple[IndexRows, Any, str]], members: np.ndarray, tru
     """One pack from its planned members; member k is sample `members[k]` of `parts[sources[k]]` (rows, reader,
     dataset label); `seed` is the job's (random video frames are drawn from it). A sample that fails at serve
     time is left out and reported in the pack's `skipped`; the pack still goes out, flagged empty if nothing is
-    left. `shares`: the job plans groups with their prefix shared (docs/wire.md "Shared prefixes")."""
-    shares = [_share_of(parts[source][0].row(sample_id)) if shares and getattr(parts[source][0], "shares_prefixes",
-                                                                                False) else None
+    left. `shares`: the job plans groups with their prefix shared (docs/wire.md "Shared prefixes"); each member's
+    rows then say what it shares (`share`)."""
+    shares = [parts[source][0].share(sample_id) if shares else None
               for sample_id, source in zip(np.asarray(members).tolist(), np.asarray(sources).tolist())]
     owners = _prefix_owners(shares)
     reads = [owner == k for k, owner in enumerate(owners)]  # a sibling's images are its owner's: not read
@@ -169,16 +169,6 @@ def build_pack(parts: list[tuple[IndexRows, Any, str]], members: np.ndarray, tru
         pack.tensors["shared_prefix"] = rows
     pack.positions = [position for position, _ in loaded]
     return pack
-
-
-def _share_of(row: dict) -> list | None:
-    """[what a sample shares its prefix with, the prefix's tokens], or None: a live sample's `share`, an indexed
-    sample's group (each group of an index is one prefix, `sample_costs._group_of`)."""
-    if "share" in row:
-        return row["share"]
-    group = row.get("group")  # an index's number (a live sample's is its producer's label: shared by `share`)
-    return [str(group), row["prefix_tokens"]] if isinstance(group, int) and group >= 0 and "prefix_tokens" in row \
-        else None
 
 
 def _prefix_owners(shares: list) -> list[int]:
