@@ -102,7 +102,9 @@ def to_hf_inputs(pack: PackTensors, model_family: str | Family, dp: int = 1, *,
     if pack.empty:  # a rank with no samples in this microbatch still joins the step's collectives
         return empty_hf_inputs(pack, dp, device, model_family=family if ensure_encoders else None,
                                conventions=conventions, dtype=dtype)
-    whole = unshared(pack)  # each sample as if alone: a sibling's prefix images copied from its owner
+    # each sample as if alone (a sibling's prefix images copied from its owner): what is trained without sharing;
+    # with it, only the positions its tokens would have (no pixels copied)
+    whole = unshared(pack, pixels=not shared_prefix)
     laid = shared(pack) if shared_prefix else whole
     if shared_prefix and layout == "padded":
         raise ValueError("shared_prefix lays the pack out as one packed row: use layout='packed'")

@@ -68,25 +68,27 @@ def _items(pack: PackTensors) -> tuple[list[list[int]], list[list[torch.Tensor]]
 
 
 def _with_items(pack: PackTensors, tensors: dict, order: list[tuple[int, int, int, int]],
-                per_item: list[list[torch.Tensor]]) -> dict:
+                per_item: list[list[torch.Tensor]], pixels: bool = True) -> dict:
     """`tensors` with the visual items `order` = [(new start, length, new sample, old item)]: their spans, samples,
-    tiles (copied where an item appears twice) and per-item tensors."""
+    tiles (copied where an item appears twice; with `pixels` false, their shapes only) and per-item tensors."""
     tiles = [tile for *_, item in order for tile in per_item[item]]
     tensors["image_token_spans"] = torch.tensor([[s, n] for s, n, _, _ in order], dtype=torch.int32).view(-1, 2)
     tensors["image_sample"] = torch.tensor([k for _, _, k, _ in order], dtype=torch.int32)
     tensors["tile_image"] = torch.tensor([j for j, (*_, item) in enumerate(order) for _ in per_item[item]],
                                          dtype=torch.int32)
     tensors["tile_shapes"] = torch.tensor([list(t.shape) for t in tiles], dtype=torch.int32).view(-1, 3)
-    tensors["pixels"] = torch.cat([t.reshape(-1) for t in tiles]) if tiles else torch.zeros(0, dtype=torch.uint8)
+    tensors["pixels"] = torch.cat([t.reshape(-1) for t in tiles]) if tiles and pixels else \
+        torch.zeros(0, dtype=torch.uint8)
     for name in ITEM_TENSORS:
         if name in pack.tensors:
             tensors[name] = pack.tensors[name][[item for *_, item in order]] if order else pack.tensors[name][:0]
     return tensors
 
 
-def unshared(pack: PackTensors) -> PackTensors:
+def unshared(pack: PackTensors, pixels: bool = True) -> PackTensors:
     """The pack with every sibling's prefix images copied from its owner: each sample as if alone (the same
-    tokens; the shared_prefix tensor dropped)."""
+    tokens; the shared_prefix tensor dropped). `pixels` false: the images' geometry only (no tile is copied; what
+    positions need)."""
     rows = prefix_rows(pack)
     if rows is None:
         return pack
@@ -103,7 +105,7 @@ def unshared(pack: PackTensors) -> PackTensors:
         order += [(s, n, k, j) for j, (s, n, k) in enumerate(items) if k == sample]
     order.sort(key=lambda item: item[0])
     tensors = {name: t for name, t in pack.tensors.items() if name != "shared_prefix"}
-    return replace(pack, tensors=_with_items(pack, tensors, order, per_item))
+    return replace(pack, tensors=_with_items(pack, tensors, order, per_item, pixels))
 
 
 def shared(pack: PackTensors) -> PackTensors:
@@ -166,10 +168,13 @@ def shared(pack: PackTensors) -> PackTensors:
 def continued_segments(cu_seqlens: torch.Tensor, position_ids: torch.Tensor) -> list[int] | None:
     """Per segment of `cu_seqlens`, the segment it continues (-1: none), read from positions alone (the module's
     rule); None when no segment continues another (every segment starts at position 0)."""
-    bounds = cu_seqlens.tolist()
-    starts = [int(position_ids[b]) if b < position_ids.shape[-1] else 0 for b in bounds[:-1]]
+    length = position_ids.shape[-1]
+    first = cu_seqlens[:-1].long()
+    # each segment's first position, in one gather (one device sync, not one a segment); 0 past the row's end
+    starts = torch.where(first < length, position_ids[first.clamp(max=max(length - 1, 0))], 0).tolist()
     if not any(starts):
         return None
+    bounds = cu_seqlens.tolist()
     parents, latest = [], {}
     for k, (a, b) in enumerate(zip(bounds[:-1], bounds[1:])):
         if starts[k] == 0:
