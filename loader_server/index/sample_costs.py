@@ -6,11 +6,11 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-import xxhash
 
 from packfeed.media.chat import (IGNORE_INDEX, ConversationError, attach_images, cached_encoder,
                                  conversation_turns, parse_json)
 from packfeed.media.image_policy import ImagePolicy
+from packfeed.media.prompts import shared_prompt
 from packfeed.media.samples import SampleError, describe_error, image_size
 from packfeed.media.video import VideoError, VideoInfo, frames_fps, probe_video, video_placeholders
 from packfeed.server.index.config import IndexConfig
@@ -127,18 +127,15 @@ def cost_sample(raw: RawSample, config: IndexConfig) -> dict[str, Any]:
 
 def _group_of(label: Any, ids: np.ndarray, labels: np.ndarray, starts: list[int], costs, image_checksums,
               videos) -> dict[str, Any]:
-    """A sample's group (its JSON's `group`: a string or an integer) and the prefix it shares with the group's
-    members of the same prefix: every token before its first loss token, with every image in it (before its last
-    token). `group_key` names the group and that prefix (its tokens and images' checksums); None where the sample
-    shares nothing (a group label of another type, an image after the prefix, a video)."""
-    learned = np.flatnonzero(labels != IGNORE_INDEX)
-    prefix = int(learned[0]) if len(learned) else len(ids)
-    runs_end = max((start + cost.llm_tokens for start, cost in zip(starts, costs)), default=0)
-    if isinstance(label, bool) or not isinstance(label, (str, int)) or videos or prefix < 2 or runs_end > prefix - 1:
+    """A sample's group (its JSON's `group`: a string or an integer) and the prompt it shares with the group's
+    members of the same prompt (`packfeed.media.prompts`). `group_key` names the group and that prompt; None where
+    the sample shares nothing (a group label of another type, an image after the prompt, a video)."""
+    images_end = max((start + cost.llm_tokens for start, cost in zip(starts, costs)), default=0)
+    prompt = shared_prompt(ids, labels != IGNORE_INDEX, images_end, image_checksums)
+    if isinstance(label, bool) or not isinstance(label, (str, int)) or videos or prompt is None:
         return {"group_key": None, "prefix_tokens": 0}
-    digest = xxhash.xxh3_128(np.ascontiguousarray(ids[:prefix], dtype="<i4").tobytes())
-    digest.update(np.asarray(image_checksums, dtype="<u8").tobytes())
-    return {"group_key": f"{type(label).__name__}:{label}\0{digest.hexdigest()}", "prefix_tokens": prefix}
+    prefix, key = prompt
+    return {"group_key": f"{type(label).__name__}:{label}\0{key}", "prefix_tokens": prefix}
 
 
 def check_text_length(turns: list[dict[str, str]], max_tokens: int, tokenizer) -> None:

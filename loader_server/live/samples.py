@@ -10,9 +10,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
-import xxhash
 
 from packfeed.media.image_policy import ImagePolicy
+from packfeed.media.prompts import shared_prompt
+from packfeed.server.index.table import member_checksum
 from packfeed.v1 import packfeed_pb2 as pb
 from packfeed.v1.options import MAX_NAME
 
@@ -122,19 +123,15 @@ def checked_sample(message: pb.LiveSample, rules: SampleRules) -> LiveSample:
 
 
 def _find_prefix(sample: LiveSample, context_id: int) -> None:
-    """The prefix a group's samples share (GRPO: the prompt): every token before the first loss token, with every
-    image of the sample before its last token, so a response can follow it (`packfeed.client.shared_prefix`)."""
-    mask = sample.loss_mask
-    prefix = int(np.argmax(mask)) if mask.any() else len(mask)
-    starts, lengths = placeholder_runs(sample.tokens, context_id)
-    if not sample.group or prefix < 2 or bool((starts + lengths > prefix - 1).any()):
+    """The prompt a group's samples share (`packfeed.media.prompts`): its images by reference (the prompt's key)
+    or as files (their checksums)."""
+    if not sample.group:
         return
-    digest = xxhash.xxh3_128()
-    digest.update(sample.tokens[:prefix].astype("<i4").tobytes())
-    digest.update(sample.prompt.encode() + b"\0")
-    for data in sample.images:
-        digest.update(xxhash.xxh3_64_digest(data))
-    sample.prefix, sample.prefix_key = prefix, digest.hexdigest()
+    starts, lengths = placeholder_runs(sample.tokens, context_id)
+    prompt = shared_prompt(sample.tokens, sample.loss_mask > 0, int((starts + lengths).max(initial=0)),
+                           [member_checksum(data) for data in sample.images], sample.prompt.encode())
+    if prompt is not None:
+        sample.prefix, sample.prefix_key = prompt
 
 
 def _array(tensor: pb.Tensor, what: str, dtype) -> np.ndarray:
