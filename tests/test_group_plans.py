@@ -315,3 +315,18 @@ def test_a_group_is_cut_for_collective_safety_only_where_that_aligns_the_towers(
     assert [len(p) for p in packs_of(safe)] == [2, 2]
     assert sorted(len(p) for p in packs_of(free)) == [0, 4]
     assert safe.summary(loads)["groups"]["split_groups"] == 1
+
+
+def test_groups_are_not_cut_for_the_last_steps_partial_packs():
+    """Every sample calls the image tower: only the epoch's last, partial step can leave a rank without it, as
+    without groups. Cutting every group for that would give up the epoch's sharing: the collective-safe plan shares
+    as much as the plan laid out without collective safety."""
+    rng = np.random.default_rng(0)
+    vision = np.repeat(rng.integers(1, 7, 400), 8)
+    prefix = vision * 256 + np.repeat(rng.integers(30, 300, 400), 8)
+    loads = SampleLoads.from_arrays(vision, prefix + np.clip(rng.lognormal(6, 1, 3200), 100, 4096).astype(int))
+    loads.group, loads.prefix = np.repeat(np.arange(400), 8), prefix.astype(np.int32)
+    safe = make_plan(loads, PlanConfig(dp=8, microbatches=8), 0, 0)
+    free = make_plan(loads, PlanConfig(dp=8, microbatches=8, collective_safe=False), 0, 0)
+    assert safe.n_steps > 2
+    assert safe.summary(loads)["groups"]["prefix_tokens_saved"] == free.summary(loads)["groups"]["prefix_tokens_saved"]

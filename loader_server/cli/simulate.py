@@ -82,8 +82,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     out.add_argument("--json", action="store_true", help="print one JSON line (the table goes to stderr)")
     out.add_argument("--timeline", metavar="FILE.png", help="draw the median step's schedule per GPU")
 
-def _workload(args, table, shape) -> Workload:
-    samples = samples_of(args)
+def _workload(args, table, shape, samples) -> Workload:
     patches = shape.patches_per_tile if shape else 1
     if args.plan:
         from packfeed.server.plan.plan_file import read_plan
@@ -95,13 +94,13 @@ def _workload(args, table, shape) -> Workload:
                          planner_cost_model(table, patches), args.seed, args.epoch, args.samples_per_pack)
 
 
-def replanner(args: argparse.Namespace, table_, shape):
+def replanner(args: argparse.Namespace, table_, shape, samples):
     """`--encoder disaggregated` on lengths or an index with an ISF strategy: each split searched is planned
     for itself (`encoder_ranks`, as `packfeed plan --encoder-ranks` plans it). None otherwise: a plan file is
     simulated as planned, and the random strategies' packs are regrouped."""
     if args.encoder != "disaggregated" or args.plan or args.strategy in ("random", "random-padded"):
         return None
-    samples, patches = samples_of(args), shape.patches_per_tile if shape else 1
+    patches = shape.patches_per_tile if shape else 1
     cost_model = planner_cost_model(table_, patches)
 
     def replan(replicas: int, encoder_ranks: int) -> Workload:  # the step's packs shared by the replicas
@@ -119,12 +118,13 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--cp-mode and --max-tokens-per-gpu apply with --context-parallel C > 1")
     args.pp = 4 if args.pp is None else args.pp
     table_, shape = load_model(args.model)
-    workload = _workload(args, table_, shape)
+    samples = samples_of(args)  # read once: the plan, the replanner and the groups' comparison plan them
+    workload = _workload(args, table_, shape, samples)
     gpus = args.gpus or args.dp * args.pp * args.tp
     cluster = Cluster(gpus, args.gpus_per_node, args.peak_tflops, args.achievable, args.intra_gbs, args.inter_gbs)
     settings = Settings(args.encoder, args.pp, args.tp, args.schedule, args.virtual_stages, args.partition,
                         args.encoder_gpus, data_parallel=args.data_parallel)
-    prediction = simulate_plan(workload, table_, cluster, settings, replanner(args, table_, shape))
+    prediction = simulate_plan(workload, table_, cluster, settings, replanner(args, table_, shape, samples))
     title = (f"packfeed simulate: {table_.name}, {workload.strategy}, encoder {args.encoder}, "
              f"{cluster.gpus} GPUs, data parallel {args.data_parallel}")
     if args.timeline:
@@ -133,7 +133,7 @@ def run(args: argparse.Namespace) -> int:
     record = {"model": table_.name, "strategy": workload.strategy, "encoder": args.encoder,
               "data_parallel": args.data_parallel, **prediction.to_json()}
     if workload.groups is not None:
-        record["groups"] = group_comparison(args, table_, shape, cluster, settings, workload, prediction)
+        record["groups"] = group_comparison(args, table_, shape, cluster, settings, workload, prediction, samples)
         title += "\n" + groups_line(record["groups"])
     if args.json:
         print(table(prediction, title), file=sys.stderr)
@@ -144,7 +144,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def group_comparison(args, table_, shape, cluster: Cluster, settings: Settings, workload: Workload,
-                     prediction: Prediction) -> dict:
+                     prediction: Prediction, samples) -> dict:
     """A plan sharing its groups' prefixes against the same samples planned each alone (`shared_prefix` false):
     LLM tokens, vision units, steps, step and epoch time of both (a plan file: its own figures only)."""
     out = dict(workload.groups)
@@ -158,7 +158,7 @@ def group_comparison(args, table_, shape, cluster: Cluster, settings: Settings, 
     if args.plan:
         return out
     patches = shape.patches_per_tile if shape else 1
-    alone = make_workload(samples_of(args), args.strategy, args.dp, args.microbatches, args.pp, patches,
+    alone = make_workload(samples, args.strategy, args.dp, args.microbatches, args.pp, patches,
                           planner_cost_model(table_, patches), args.seed, args.epoch, args.samples_per_pack,
                           shared_prefix=False)
     unshared = simulate_plan(alone, table_, cluster, settings, None)

@@ -38,18 +38,20 @@ def make_workload(samples: SampleLoads, strategy: str, dp: int, microbatches: in
     from packfeed.server.plan.planner import make_plan
 
     plan = make_plan(samples, config, seed, epoch)
+    saved, groups = shared_of(plan, samples)
     return replace(workload_of(plan.offsets, plan.members, samples.vision, samples.tokens, config, patches_per_tile,
-                               strategy, shared_of(plan, samples)), **placement_of(plan, samples, patches_per_tile),
-                   groups=plan.summary(samples).get("groups") if plan.groups is not None else None)
+                               strategy, saved), **placement_of(plan, samples, patches_per_tile), groups=groups)
 
 
-def shared_of(plan: Plan, samples: SampleLoads) -> dict | None:
-    """Per pack, what its shared prefixes save (a plan sharing them), for the simulator."""
+def shared_of(plan: Plan, samples: SampleLoads) -> tuple[dict | None, dict | None]:
+    """(per pack, what its shared prefixes save, for the simulator; the plan's `groups` summary), or (None, None)
+    for a plan that shares no prefix."""
     if plan.groups is None:
-        return None
-    from packfeed.server.plan.groups import prefix_savings
+        return None, None
+    from packfeed.server.plan.groups import group_summary, prefix_savings
 
-    return prefix_savings(plan.members, plan.offsets, samples)
+    saved = prefix_savings(plan.members, plan.offsets, samples)
+    return saved, group_summary(saved, True)
 
 
 def placement_of(plan: Plan, samples: SampleLoads, patches_per_tile: int) -> dict:
@@ -75,9 +77,9 @@ def workload_of_plan(plan: Plan, samples: SampleLoads, patches_per_tile: int) ->
         cut = plan.truncate_to > 0
         tokens[plan.members[cut]] = plan.truncate_to[cut]
     name = {Strategy.RANDOM: "random-padded"}.get(plan.config.strategy, plan.config.strategy.value)
+    saved, groups = shared_of(plan, samples)
     return replace(workload_of(plan.offsets, plan.members, samples.vision, tokens, plan.config, patches_per_tile,
-                               name, shared_of(plan, samples)), **placement_of(plan, samples, patches_per_tile),
-                   groups=plan.summary(samples).get("groups") if plan.groups is not None else None)
+                               name, saved), **placement_of(plan, samples, patches_per_tile), groups=groups)
 
 
 def cp_workload(plan, vision: np.ndarray, tokens: np.ndarray, patches_per_tile: int) -> CpWorkload:

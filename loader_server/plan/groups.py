@@ -22,6 +22,7 @@ import numpy as np
 
 from packfeed.server.index.table import check_groups
 from packfeed.server.plan.caps import resolve_caps
+from packfeed.server.plan.collective import sample_towers, unaligned_towers
 from packfeed.server.plan.costs import SampleLoads
 from packfeed.server.plan.isf import Caps
 from packfeed.v1.options import PlanConfig, Strategy
@@ -113,7 +114,8 @@ def _halve(key: np.ndarray, shared_ids: np.ndarray, at: np.ndarray, towers: np.n
     each piece named by its first sample id)."""
     calling = towers[shared_ids] > 0
     place = at[calling]
-    order = place[np.lexsort((shared_ids[calling], key[place]))]
+    by_unit = np.lexsort((shared_ids[calling], key[place]))  # by unit, then id
+    order, sample = place[by_unit], shared_ids[calling][by_unit]
     if not len(order):
         return
     unit = key[order]
@@ -121,15 +123,15 @@ def _halve(key: np.ndarray, shared_ids: np.ndarray, at: np.ndarray, towers: np.n
     size = np.diff(np.r_[starts, len(order)])
     piece = (np.arange(len(order)) - np.repeat(starts, size)) * (1 << halvings) // np.repeat(size, size)
     new = np.r_[True, (unit[1:] != unit[:-1]) | (piece[1:] != piece[:-1])]
-    sample = shared_ids[calling][np.lexsort((shared_ids[calling], key[place]))]  # by unit, then id: `order`'s
     key[order] = np.repeat(sample[new], np.diff(np.r_[np.flatnonzero(new), len(order)]))
 
 
 def aligned_units(loads: SampleLoads, config: PlanConfig, caps: Caps, plan_units) -> tuple[Units, Any]:
     """The units and their plan (`plan_units(units)`), collective-safe where the data allows: a group stays whole
-    in one pack, but where that leaves a microbatch calling a tower on some ranks only, its tower-calling groups
-    are cut in two, four, eight pieces (each with its prompt, in as many packs) and planned again; the plan with
-    the fewest such microbatches is kept, the fewest cuts on a tie. A pure function of its inputs."""
+    in one pack, but where that leaves a microbatch calling a tower on some ranks only (`_unaligned`), its
+    tower-calling groups are cut in two, four, eight pieces (each with its prompt, in as many packs) and planned
+    again; the plan with the fewest such microbatches is kept, the fewest cuts on a tie. A pure function of its
+    inputs."""
     units = group_units(loads, caps)
     plan = plan_units(units)
     if not config.collective_safe:
@@ -149,7 +151,12 @@ def aligned_units(loads: SampleLoads, config: PlanConfig, caps: Caps, plan_units
 
 
 def _unaligned(plan: Any, loads: SampleLoads) -> int:
-    return int(plan.alignment(loads)["unaligned_microbatches"])
+    """Microbatches calling a tower on some ranks only where cutting groups is worth it: in every step but the
+    epoch's last, whose partial packs are laid out as well as the data allows with groups or without (cutting
+    every group for them would give up the epoch's sharing), or in the one step of a one-step plan (a live step)."""
+    unaligned = unaligned_towers(plan.offsets, np.arange(len(plan.members)), sample_towers(loads, plan.members),
+                                 plan.config.dp, plan.config.microbatches)
+    return int(np.count_nonzero(unaligned[:-1] if len(unaligned) > 1 else unaligned))
 
 
 def _pieces(members: np.ndarray, tokens: np.ndarray, prefix: np.ndarray, token_cap: int) -> np.ndarray:
@@ -208,8 +215,8 @@ def expanded(plan: Any, units: Units, loads: SampleLoads) -> Any:
 def prefix_savings(members: np.ndarray, offsets: np.ndarray, loads: Any) -> dict[str, Any]:
     """What sharing prefixes saves in packs `members` / `offsets`: per pack, the vision units, LLM tokens and LLM
     attention squares of every prefix counted once instead of once per member ("vision", "tokens", "squares");
-    and in all, the groups planned,
-    those split over more than one pack, the prefix tokens and vision units saved."""
+    and in all, the groups planned, those split over more than one pack, the prefix tokens and vision units
+    saved."""
     n_packs = len(offsets) - 1
     group = np.asarray(loads.group)[members]
     pack = np.repeat(np.arange(n_packs), np.diff(offsets))
@@ -218,9 +225,9 @@ def prefix_savings(members: np.ndarray, offsets: np.ndarray, loads: Any) -> dict
     g, p = group[order], pack[order]
     new = np.r_[True, (g[1:] != g[:-1]) | (p[1:] != p[:-1])] if len(order) else np.zeros(0, bool)
     repeated = order[~new]  # members after their group's first in a pack: their prefix is not counted again
-    saved_tokens = np.bincount(pack[repeated], np.asarray(loads.prefix)[members[repeated]], n_packs).astype(np.int64)
-    saved_vision = np.bincount(pack[repeated], np.asarray(loads.vision)[members[repeated]], n_packs).astype(np.int64)
     prefix = np.asarray(loads.prefix)[members[repeated]].astype(np.float64)
+    saved_tokens = np.bincount(pack[repeated], prefix, n_packs).astype(np.int64)
+    saved_vision = np.bincount(pack[repeated], np.asarray(loads.vision)[members[repeated]], n_packs).astype(np.int64)
     saved_squares = np.bincount(pack[repeated], prefix * prefix, n_packs)  # a response attends to P, not P x P
     groups = np.unique(g)
     packs_per_group = np.bincount(np.searchsorted(groups, g[new]), minlength=len(groups))
@@ -229,10 +236,10 @@ def prefix_savings(members: np.ndarray, offsets: np.ndarray, loads: Any) -> dict
             "prefix_tokens_saved": int(saved_tokens.sum()), "vision_units_saved": int(saved_vision.sum())}
 
 
-def group_summary(members: np.ndarray, offsets: np.ndarray, loads: Any, shared: bool) -> dict[str, Any]:
-    """A plan's groups (its summary's `groups`): how many were planned, how many over more than one pack, and what
-    counting each prefix once per pack saves (0 where the plan does not share them, `shared_prefix` false)."""
-    saved = prefix_savings(members, offsets, loads)
+def group_summary(saved: dict[str, Any], shared: bool) -> dict[str, Any]:
+    """A plan's groups (its summary's `groups`) from its `prefix_savings`: how many were planned, how many over
+    more than one pack, and what counting each prefix once per pack saves (0 where the plan does not share them,
+    `shared_prefix` false)."""
     out = {name: saved[name] for name in ("groups", "split_groups", "prefix_tokens_saved", "vision_units_saved")}
     if not shared:
         out.update(prefix_tokens_saved=0, vision_units_saved=0)

@@ -174,7 +174,7 @@ class Plan:
             "collective_safe": self.alignment(loads),
             **({"phases": phase_summary(self.phases, self.config)} if self.phases is not None else {}),
             **({"context_parallel": cp_summary(self, loads)} if self.cp_degree is not None else {}),
-            **({"groups": group_summary(self.members, self.offsets, loads, self.groups is not None)}
+            **({"groups": group_summary(prefix_savings(self.members, self.offsets, loads), self.groups is not None)}
                if grouped(loads) else {}),
         }
 

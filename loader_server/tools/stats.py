@@ -24,7 +24,7 @@ from packfeed.media.samples import reason_category  # noqa: E402
 from packfeed.server.index.table import read_index  # noqa: E402
 from packfeed.server.plan.caps import resolve_caps  # noqa: E402
 from packfeed.server.plan.costs import SampleLoads, load_sample_loads  # noqa: E402
-from packfeed.server.plan.groups import grouped  # noqa: E402
+from packfeed.server.plan.groups import group_summary, grouped, prefix_savings  # noqa: E402
 from packfeed.server.plan.isf import Caps  # noqa: E402
 from packfeed.server.plan.plan_file import Plan  # noqa: E402
 from packfeed.server.plan.planner import make_plan  # noqa: E402
@@ -252,7 +252,8 @@ def build_report(source: str | Path | ReportInput, config: PlanConfig,
     if report.datasets is not None:
         data["datasets"] = report.datasets
     if balanced is not None and grouped(loads):
-        data["groups"] = balanced.summary(loads)["groups"]
+        data["groups"] = group_summary(prefix_savings(balanced.members, balanced.offsets, loads),
+                                       balanced.groups is not None)
         data["groups_note"] = groups_note(rows, data["groups"])
     figures = {}
     if n_images is not None:
