@@ -35,7 +35,7 @@ def token_logprobs(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Te
     targets = torch.roll(labels.long(), -1)
     targets[-1] = IGNORE_INDEX
     mask = targets != IGNORE_INDEX
-    logp = torch.log_softmax(logits.float(), dim=-1)
+    logp = torch.log_softmax(logits if logits.dtype == torch.float64 else logits.float(), dim=-1)
     picked = logp.gather(-1, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1)
     return torch.where(mask, picked, torch.zeros_like(picked)), mask
 

@@ -1,0 +1,394 @@
+"""TRL's `GRPOTrainer` on Packfeed: `pip install packfeed[trl]`.
+
+    trainer = PackfeedGRPOTrainer(model=model, reward_funcs=[reward], args=GRPOConfig(...),
+                                  processing_class=tokenizer, target="loader:50051", job="grpo-7",
+                                  family="qwen2_vl")
+    trainer.train(resume_from_checkpoint=True)  # or None on the first run
+
+One optimizer step, on every rank at once:
+
+1. **Prompts** come from a Packfeed job over the server's prompt index (`JOB-prompts`, strategy `length-group`):
+   each rank gets the same number of prompts (TRL's groups need it), balanced over the ranks on their tokens,
+   images included, with their images decoded and laid out as the model's pixel values. A prompt is an indexed
+   sample's tokens before its first loss token; the rest (its answer) is given to reward functions as
+   `solution`, the sample's key as `key`, the prompt's text as `prompts`.
+2. **TRL generates and scores** as it does (`GRPOTrainer._generate` with its sampling settings, the reward
+   functions, the group-normalised advantages of `scale_rewards` and `multi_objective_aggregation`).
+3. **The scored rollouts go through a live job** (`JOB-rollouts`, docs/live.md): rank 0 puts the whole step's
+   rollouts, in rank order, each with its prompt's tokens and its completion's, the completion in the loss, and
+   per-token `advantages` and `loss_weight`; its images are its prompt's, by reference.
+4. **The update trains on the live step's packs**: balanced on their vision and LLM work, collective-safe, and
+   with each prompt computed once for its G responses (`shared_prefix`). The loss is TRL's: the clipped ratio
+   (`epsilon`, `epsilon_high`, `delta`), the KL term against the reference model (`beta`, with
+   `use_bias_correction_kl`), each token weighted as `loss_type` normalises it over the *global* step (`dapo`:
+   the step's loss tokens; `grpo`: each completion's tokens and the step's completions; `dr_grpo`: the step's
+   completions x `max_completion_length`), so the update is TRL's own on the same rollouts however they were
+   packed.
+
+Checkpoints save both streams' positions beside the Trainer's (`packfeed_grpo_rank<r>.json`): a resumed run
+trains the live job's next step, the one the killed run would have. What TRL's config controls that this face
+cannot honour is refused, naming the field (`check_grpo_config`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
+from typing import Any
+
+import numpy as np
+import torch
+from accelerate.utils import gather_object
+from datasets import Dataset
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
+from trl import GRPOConfig, GRPOTrainer
+
+from packfeed.client.channel import Connection, PackfeedError
+from packfeed.client.hf import to_hf_inputs
+from packfeed.client.hf_families import family_of
+from packfeed.client.hf_trainer import sharded
+from packfeed.client.losses import row_tensors, shifted, token_logprobs
+from packfeed.client.producer import Producer, Sample
+from packfeed.client.stream import PackStream
+from packfeed.client.tensors import IGNORE_INDEX, PackTensors
+from packfeed.v1.options import PlanConfig
+
+STATE_FILE = "packfeed_grpo_rank{rank}.json"
+LOSS_TYPES = ("dapo", "grpo", "dr_grpo")  # the loss types whose normalisation is over the global step
+
+
+def check_grpo_config(args: GRPOConfig) -> None:
+    """Refuse what the face cannot honour, each with its field named and what to do."""
+    problems = []
+    if args.loss_type not in LOSS_TYPES:
+        problems.append(f"loss_type={args.loss_type!r}: give one of {LOSS_TYPES} (their normalisation does not "
+                        "depend on which rank trains which rollout)")
+    refused = {
+        "importance_sampling_level": (args.importance_sampling_level != "token", "'token'"),
+        "num_iterations": (args.num_iterations != 1, "1 (each live step is trained once)"),
+        "steps_per_generation": (args.steps_per_generation != args.gradient_accumulation_steps,
+                                 "gradient_accumulation_steps (one generation a step)"),
+        "use_vllm": (args.use_vllm, "False: generation reads the prompts' images as the model's pixel values"),
+        "use_transformers_continuous_batching": (args.use_transformers_continuous_batching,
+                                                 "False: generate_batch takes no pixel values"),
+        "top_entropy_quantile": (args.top_entropy_quantile < 1.0, "1.0"),
+        "off_policy_mask_threshold": (args.off_policy_mask_threshold is not None, "None"),
+        "entropy_coef": (args.entropy_coef != 0.0, "0.0 (no entropy bonus)"),
+        "use_adaptive_entropy": (args.use_adaptive_entropy, "False"),
+        "sync_ref_model": (args.sync_ref_model, "False"),
+        "eval_strategy": (str(args.eval_strategy) not in ("no", "IntervalStrategy.NO"), "'no'"),
+        "per_device_train_batch_size": (
+            args.per_device_train_batch_size * args.gradient_accumulation_steps % args.num_generations != 0,
+            "a value whose product with gradient_accumulation_steps is a multiple of num_generations (each rank "
+            "generates for whole prompts)"),
+    }
+    problems += [f"{name}: give {what}" for name, (bad, what) in refused.items() if bad]
+    if problems:
+        raise PackfeedError("GRPOConfig settings PackfeedGRPOTrainer cannot honour: " + "; ".join(problems))
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """One prompt of the prompt job, as the model generates from it."""
+
+    key: str  # the indexed sample's key: its group, and where its images come from
+    ids: list[int]  # its tokens before the first loss token, image placeholders included
+    solution: list[int]  # its loss tokens (the indexed answer)
+    fields: dict[str, torch.Tensor]  # its images' model inputs (pixel_values, image_grid_thw), empty for text
+    token_types: list[int]  # mm_token_type_ids of its tokens (1: an image placeholder)
+
+
+def prompts_of(pack: PackTensors, family: str, conventions: Any) -> list[Prompt]:
+    """The prompts of a pack of the prompt job, each with the model inputs of its own images."""
+    if pack.empty:
+        return []
+    inputs = to_hf_inputs(pack, family, conventions=conventions)
+    if "pixel_values_videos" in inputs:
+        raise PackfeedError(f"prompts {pack.sample_keys}: a video in a GRPO prompt is not supported yet")
+    grids = inputs.get("image_grid_thw")
+    rows = grids.prod(dim=1).tolist() if grids is not None else []
+    starts = np.cumsum([0] + rows)
+    image_sample = pack.image_sample.tolist() if "image_sample" in pack.tensors else []
+    bounds, ids, labels = pack.cu_seqlens.tolist(), pack.input_ids.tolist(), pack.labels.tolist()
+    types = inputs["mm_token_type_ids"][0].tolist() if "mm_token_type_ids" in inputs else [0] * len(ids)
+    out = []
+    for i, key in enumerate(pack.sample_keys):
+        tokens, targets = ids[bounds[i]:bounds[i + 1]], labels[bounds[i]:bounds[i + 1]]
+        trained = [t for t, label in enumerate(targets) if label != IGNORE_INDEX]
+        if not trained:
+            raise PackfeedError(f"prompt {key!r} has no answer: give every prompt an assistant turn (its reference "
+                                "answer, given to reward functions as `solution`); the prompt is what precedes it")
+        images = [j for j, owner in enumerate(image_sample) if owner == i]
+        fields = {}
+        if images:
+            first, last = images[0], images[-1] + 1
+            fields = {"pixel_values": inputs["pixel_values"][starts[first]:starts[last]],
+                      "image_grid_thw": grids[first:last]}
+        out.append(Prompt(key, tokens[:trained[0]], [tokens[t] for t in trained], fields,
+                          types[bounds[i]:bounds[i] + trained[0]]))
+    return out
+
+
+class PromptSteps:
+    """The Trainer's batches: per optimizer step, its M microbatches; the first carries this rank's prompts of
+    the step (each repeated G times, as TRL's sampler repeats them), the others only their number."""
+
+    def __init__(self, stream: PackStream, family: str, generations: int, microbatches: int):
+        self.stream, self.family = stream, family
+        self.generations, self.microbatches = generations, microbatches
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        conventions = self.stream.conventions
+        for step in self.stream:
+            prompts = [p for pack in step.packs for p in prompts_of(pack, self.family, conventions)]
+            repeated = [p for p in prompts for _ in range(self.generations)]
+            for microbatch in range(self.microbatches):
+                yield {"prompts": repeated if microbatch == 0 else None, "microbatch": microbatch}
+
+    def __len__(self) -> int:
+        return sum(self.stream.info.epoch_steps) * self.microbatches
+
+
+class PackfeedGRPOTrainer(GRPOTrainer):
+    """TRL's `GRPOTrainer` whose prompts come from a Packfeed job and whose updates train on a live job's
+    balanced, group-aware packs (see the module's docstring). `target`: the server ("host:port", or several);
+    `job`: the run's name (its jobs are JOB-prompts and JOB-rollouts); `family`: the model's
+    (`packfeed.client.hf_families`); `dataset`: the server's prompt index, when it serves several;
+    `shared_prefix`: each prompt computed once for its responses (default), or each response whole."""
+
+    def __init__(self, *args: Any, target: str | list[str], job: str, family: str, dataset: str = "",
+                 connection: Connection | None = None, shared_prefix: bool = True, **kwargs: Any):
+        grpo_args: GRPOConfig = kwargs["args"]
+        check_grpo_config(grpo_args)
+        if family_of(family).image_policy != "qwen2vl":
+            raise PackfeedError(f"family {family!r}: PackfeedGRPOTrainer generates from Qwen-style pixel values "
+                                "(image_grid_thw); give qwen2_vl, qwen2_5_vl or qwen3_vl")
+        if kwargs.get("train_dataset") is not None:
+            raise PackfeedError("the prompts come from the Packfeed job: leave train_dataset out")
+        kwargs["train_dataset"] = Dataset.from_dict({"prompt": [""]})  # never read: get_train_dataloader
+        world, rank = grpo_args.world_size, grpo_args.process_index
+        accumulation, generations = grpo_args.gradient_accumulation_steps, grpo_args.num_generations
+        per_rank = grpo_args.per_device_train_batch_size * accumulation // generations
+        self.family, self.share, self.rank, self.world = family, shared_prefix, rank, world
+        self.packfeed_job, self.packfeed_connection = job, connection or Connection()
+        prompt_plan = PlanConfig(dp=world, microbatches=1, strategy="length-group", samples_per_pack=per_rank)
+        self.prompt_stream = PackStream(target, job=f"{job}-prompts", rank=rank, plan=prompt_plan,
+                                        seed=grpo_args.seed, epochs=int(math.ceil(grpo_args.num_train_epochs)),
+                                        dataset=dataset, connection=self.packfeed_connection)
+        steps = sum(self.prompt_stream.info.epoch_steps)
+        if grpo_args.max_steps > steps:
+            raise PackfeedError(f"max_steps={grpo_args.max_steps} is past the prompt job's {steps} steps: give "
+                                "at most that, or more num_train_epochs")
+        if grpo_args.max_steps <= 0:
+            kwargs["args"] = grpo_args = replace(grpo_args, max_steps=steps)
+        rollout_plan = PlanConfig(dp=world, microbatches=accumulation, live=True, steps=grpo_args.max_steps,
+                                  step_samples=per_rank * generations * world, shared_prefix=shared_prefix)
+        self.rollout_stream = PackStream(target, job=f"{job}-rollouts", rank=rank, plan=rollout_plan,
+                                         seed=grpo_args.seed, dataset=dataset, connection=self.packfeed_connection)
+        self.producer = Producer(target, job=f"{job}-rollouts", connection=self.packfeed_connection) \
+            if rank == 0 else None
+        self.prompt_steps = PromptSteps(self.prompt_stream, family, generations, accumulation)
+        self._rollout_steps: Iterator | None = None
+        self._microbatches: list[list[PackTensors]] = []
+        self._prompts: list[Prompt] = []
+        super().__init__(*args, **kwargs)
+        self.ensure_encoders = sharded(self.args)
+
+    # -- prompts and generation ----------------------------------------------------------------------------------
+
+    def get_train_dataloader(self) -> PromptSteps:
+        return self.prompt_steps
+
+    def _get_num_items_in_batch(self, batch_samples: list, device: torch.device) -> None:
+        return None  # the loss normalises itself over the global step (each token's loss_weight)
+
+    def _tokenize_prompts(self, prompts: list) -> tuple[list[list[int]], None, dict[str, torch.Tensor]]:
+        """The prompts' tokens as the server tokenised them, and their images as the model's inputs."""
+        fields: dict[str, list[torch.Tensor]] = {}
+        for prompt in self._prompts:
+            for name, value in prompt.fields.items():
+                fields.setdefault(name, []).append(value)
+        multimodal: dict[str, Any] = {name: torch.cat(v) for name, v in fields.items()}
+        if multimodal:  # as a processor gives them: one list a prompt, which TRL pads on the left
+            multimodal["mm_token_type_ids"] = [p.token_types for p in self._prompts]
+        return [p.ids for p in self._prompts], None, multimodal
+
+    def _generate_and_score_completions(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
+        """TRL's generation and scoring of this rank's prompts (`inputs`: their rows), as a TRL batch with the
+        prompts' pixel values. The reference log-probabilities are left to the update (on balanced packs)."""
+        beta, self.beta = self.beta, 0.0
+        try:
+            batch = super()._generate_and_score_completions(inputs)
+        finally:
+            self.beta = beta
+        fields = self._tokenize_prompts([])[2]
+        if fields:  # what TRL's own batch carries for its forward passes
+            device, width = self.accelerator.device, batch["prompt_ids"].size(1)
+            types = torch.zeros((len(self._prompts), width + batch["completion_ids"].size(1)), dtype=torch.long)
+            for row, prompt in enumerate(self._prompts):
+                types[row, width - len(prompt.token_types):width] = torch.tensor(prompt.token_types)
+            batch.update(pixel_values=fields["pixel_values"].to(device), image_grid_thw=fields["image_grid_thw"].to(device),
+                         mm_token_type_ids=types.to(device),
+                         num_images=[len(p.fields["image_grid_thw"]) if p.fields else 0 for p in self._prompts])
+        return batch
+
+    def _rows(self, prompts: list[Prompt]) -> list[dict[str, Any]]:
+        decode = self.processing_class.decode
+        return [{"prompt": decode(p.ids), "solution": decode(p.solution), "key": p.key} for p in prompts]
+
+    # -- the live job --------------------------------------------------------------------------------------------
+
+    def _rollouts(self, batch: dict[str, Any]) -> list[dict[str, Any]]:
+        """This rank's scored rollouts as live samples: the prompt's tokens then the completion's, the
+        completion in the loss (where TRL's mask keeps it), per-token advantages and loss weights."""
+        prompt_ids, prompt_mask = batch["prompt_ids"].cpu(), batch["prompt_mask"].cpu().bool()
+        completion_ids, completion_mask = batch["completion_ids"].cpu(), batch["completion_mask"].cpu()
+        mask = completion_mask * batch["tool_mask"].cpu() if "tool_mask" in batch else completion_mask
+        advantages = batch["advantages"].cpu().float()
+        total = int(self.accelerator.gather(torch.tensor([len(prompt_ids)], device=self.accelerator.device))
+                    .sum().item())
+        items = float(batch["num_items_in_batch"].clamp(min=1.0).item())
+        pad = self._tokenizer.pad_token_id
+        out = []
+        for i, prompt in enumerate(self._prompts):
+            kept = mask[i].bool()
+            length = completion_length(completion_ids[i], kept, pad)
+            response = completion_ids[i][:length]
+            loss = kept[:length].to(torch.uint8)
+            weight = {"dapo": 1.0 / items,
+                      "grpo": 1.0 / (max(int(loss.sum()), 1) * total),
+                      "dr_grpo": 1.0 / (total * self.max_completion_length)}[self.loss_type]
+            tokens = torch.cat([prompt_ids[i][prompt_mask[i]], response])
+            prompt_length = len(tokens) - length
+            per_token = torch.zeros(len(tokens))
+            per_token[prompt_length:] = 1.0
+            out.append({"tokens": tokens.numpy().astype(np.int32),
+                        "loss_mask": np.concatenate([np.zeros(prompt_length, np.uint8), loss.numpy()]),
+                        "group": prompt.key, "prompt": prompt.key,
+                        "tensors": {"advantages": (per_token * advantages[i]).numpy(),
+                                    "loss_weight": (per_token * weight).numpy()}})
+        return out
+
+    def _put_step(self, rollouts: list[dict[str, Any]]) -> None:
+        """Rank 0 puts the step's rollouts of every rank, in rank order: a step's members, and so its packs, are
+        the same on every run. Their ids say the step, so a step put again after a restart is stored once."""
+        everyone = gather_object([rollouts])
+        if self.producer is None:
+            return
+        step = self.state.global_step
+        samples = [Sample(id=f"s{step}-r{rank}-{i}", policy_version=step, **rollout)
+                   for rank, rollouts_of_rank in enumerate(everyone) for i, rollout in enumerate(rollouts_of_rank)]
+        self.producer.put(samples)
+
+    def _next_rollout_step(self) -> list[PackTensors]:
+        if self._rollout_steps is None:
+            self._rollout_steps = iter(self.rollout_stream)
+        try:
+            return next(self._rollout_steps).packs
+        except StopIteration:
+            raise PackfeedError(f"the live job {self.packfeed_job}-rollouts ended before the Trainer's max_steps: "
+                                "its steps are the run's max_steps") from None
+
+    def _prepare_inputs(self, batch: dict[str, Any]) -> dict[str, Any]:
+        """At a step's first microbatch: generate and score its prompts, put the rollouts, take the live step's
+        packs; each microbatch then trains its share of them (usually one pack)."""
+        if batch["prompts"] is not None:
+            self._prompts = batch["prompts"]
+            scored = self._generate_and_score_completions(self._rows(self._prompts))
+            self._put_step(self._rollouts(scored))
+            packs = self._next_rollout_step()
+            count = self.args.gradient_accumulation_steps
+            self._microbatches = [packs[m::count] for m in range(count)]
+        return {"packs": self._microbatches[batch["microbatch"]]}
+
+    # -- the update ----------------------------------------------------------------------------------------------
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        if return_outputs:
+            raise ValueError("PackfeedGRPOTrainer does not return outputs")
+        device = self.accelerator.device
+        loss = torch.zeros((), device=device)
+        for pack in inputs["packs"]:
+            loss = loss + self._pack_loss(model, pack, device)
+        return loss
+
+    def _pack_loss(self, model, pack: PackTensors, device: torch.device) -> torch.Tensor:
+        """TRL's per-token GRPO loss over one pack, each token weighted by its share of the global step's
+        normalisation, times the world size (DDP averages the ranks' gradients)."""
+        share = self.share and not pack.empty
+        inputs = to_hf_inputs(pack, self.family, dp=self.world, conventions=self.rollout_stream.conventions,
+                              shared_prefix=share, ensure_encoders=self.ensure_encoders, device=device,
+                              dtype=next(model.parameters()).dtype)
+        inputs.pop("num_items_in_batch", None)
+        labels = inputs.pop("labels")[0]
+        logp, mask = self._logprobs(model, inputs, labels)
+        tensors = row_tensors(pack, shared_prefix=share) if not pack.empty else {}
+        advantages = _aligned(tensors.get("advantages"), logp)
+        weights = _aligned(tensors.get("loss_weight"), logp)
+        old = logp.detach()  # one update per generation: TRL's old log-probabilities are the current ones
+        coef_1 = torch.exp(logp - old)
+        coef_2 = torch.clamp(coef_1, 1 - self.epsilon_low, 1 + self.epsilon_high)
+        if self.args.delta is not None:
+            coef_1 = torch.clamp(coef_1, max=self.args.delta)
+        per_token = -torch.minimum(coef_1 * advantages, coef_2 * advantages)
+        if self.beta != 0.0:
+            with torch.no_grad():
+                ref, _ = self._logprobs(self.ref_model, inputs, labels)
+            kl = torch.exp(ref - logp) - (ref - logp) - 1
+            if self.args.use_bias_correction_kl:
+                kl = kl * coef_1
+            per_token = per_token + self.beta * kl
+        return (per_token * weights * mask).sum() * self.world
+
+    def _logprobs(self, model, inputs: dict[str, Any], labels: torch.Tensor):
+        with self.accelerator.autocast():  # as TRL's own forward runs (bf16, TRL's default, autocasts)
+            logits = model(**inputs).logits[0]
+        return token_logprobs(logits / self.temperature, labels.to(logits.device))
+
+    # -- checkpoints ---------------------------------------------------------------------------------------------
+
+    def _save_checkpoint(self, model, trial) -> None:
+        super()._save_checkpoint(model, trial)
+        folder = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+        with open(os.path.join(folder, STATE_FILE.format(rank=self.rank)), "w") as out:
+            json.dump({"prompts": self.prompt_stream.state_dict(), "rollouts": self.rollout_stream.state_dict()}, out)
+
+    def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any):
+        """`Trainer.train`, both streams first moved to the step after the checkpoint's."""
+        if resume_from_checkpoint is True:
+            resume_from_checkpoint = get_last_checkpoint(self.args.output_dir)
+            if resume_from_checkpoint is None:
+                raise ValueError(f"no valid checkpoint found in output directory ({self.args.output_dir})")
+        if resume_from_checkpoint:
+            path = os.path.join(resume_from_checkpoint, STATE_FILE.format(rank=self.rank))
+            if not os.path.isfile(path):
+                raise PackfeedError(f"{path} is missing: this checkpoint was not saved by a PackfeedGRPOTrainer, so "
+                                    "where its prompts and rollouts stood is unknown")
+            with open(path) as state:
+                saved = json.load(state)
+            self.prompt_stream.load_state_dict(saved["prompts"])
+            self.rollout_stream.load_state_dict(saved["rollouts"])
+        try:
+            return super().train(resume_from_checkpoint, *args, **kwargs)
+        finally:
+            if self.producer is not None:
+                self.producer.close()
+
+
+def completion_length(ids: torch.Tensor, kept: torch.Tensor, pad: int | None) -> int:
+    """A completion's tokens in TRL's right-padded row: through its last kept token, or, when TRL masked it whole
+    (a truncated completion under `mask_truncated_completions`), through its last token that is not padding."""
+    if kept.any():
+        return int(kept.nonzero().max()) + 1
+    real = (ids != pad).nonzero() if pad is not None else torch.arange(len(ids)).unsqueeze(1)
+    return int(real.max()) + 1 if len(real) else 0
+
+
+def _aligned(values: torch.Tensor | None, logp: torch.Tensor) -> torch.Tensor:
+    """A per-token tensor at the positions of `token_logprobs` (zeros for an empty pack's one ignored token)."""
+    if values is None or len(values) != len(logp):
+        return torch.zeros_like(logp)
+    return shifted(values.to(logp.device)).to(logp.dtype)
