@@ -196,14 +196,8 @@ class PackfeedTrainerMixin:
         legacy key names (`visual.*`, `model.layers.*`) and its Trainer loads them back with a non-strict
         `load_state_dict` that renames nothing: every weight keeps its initial value, silently. `from_pretrained`
         renames them; the copy it makes is loaded strictly into the model, then dropped."""
-        target = self.model if model is None else model
-        saved = [os.path.join(resume_from_checkpoint, name) for name in (SAFE_WEIGHTS_NAME, SAFE_WEIGHTS_INDEX_NAME)]
-        if not isinstance(target, transformers.PreTrainedModel) or not any(map(os.path.isfile, saved)):
-            return super()._load_from_checkpoint(resume_from_checkpoint, model)
-        dtype = next(target.parameters()).dtype
-        loaded = type(target).from_pretrained(resume_from_checkpoint, attn_implementation="sdpa", dtype=dtype)
-        target.load_state_dict(loaded.state_dict(), strict=True)
-        del loaded
+        if not load_weights_strictly(self.model if model is None else model, resume_from_checkpoint):
+            super()._load_from_checkpoint(resume_from_checkpoint, model)
 
     def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any):
         """`Trainer.train`, the stream first moved to the step after the checkpoint's."""
@@ -219,6 +213,19 @@ class PackfeedTrainerMixin:
             with open(path) as state:
                 self.packfeed_batches.stream.load_state_dict(json.load(state))
         return super().train(resume_from_checkpoint, *args, **kwargs)
+
+
+def load_weights_strictly(target: torch.nn.Module, folder: str) -> bool:
+    """Load a Trainer checkpoint's weights into `target` through its class's `from_pretrained` (see
+    `PackfeedTrainerMixin._load_from_checkpoint`); False where they are not a `PreTrainedModel`'s safetensors."""
+    saved = [os.path.join(folder, name) for name in (SAFE_WEIGHTS_NAME, SAFE_WEIGHTS_INDEX_NAME)]
+    if not isinstance(target, transformers.PreTrainedModel) or not any(map(os.path.isfile, saved)):
+        return False
+    dtype = next(target.parameters()).dtype
+    loaded = type(target).from_pretrained(folder, attn_implementation="sdpa", dtype=dtype)
+    target.load_state_dict(loaded.state_dict(), strict=True)
+    del loaded
+    return True
 
 
 class _ExpectedAccumulationMismatch(logging.Filter):

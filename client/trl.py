@@ -32,11 +32,12 @@ cannot honour is refused, naming the field (`check_grpo_config`).
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import os
 from collections.abc import Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -49,7 +50,7 @@ from trl import GRPOConfig, GRPOTrainer
 from packfeed.client.channel import Connection, PackfeedError
 from packfeed.client.hf import to_hf_inputs
 from packfeed.client.hf_families import family_of
-from packfeed.client.hf_trainer import sharded
+from packfeed.client.hf_trainer import load_weights_strictly, sharded
 from packfeed.client.losses import row_tensors, shifted, token_logprobs
 from packfeed.client.producer import Producer, Sample
 from packfeed.client.stream import PackStream
@@ -152,15 +153,29 @@ class PromptSteps:
         return sum(self.stream.info.epoch_steps) * self.microbatches
 
 
+def prompt_stream(target: str | list[str], job: str, args: GRPOConfig, *, dataset: str = "",
+                  connection: Connection | None = None) -> PackStream:
+    """This rank's stream of the run's prompt job (JOB-prompts): each rank the same number of prompts a step (its
+    generation batch's, per_device_train_batch_size x gradient_accumulation_steps / num_generations), balanced
+    over the ranks on their tokens (`length-group`), for num_train_epochs. Its `conventions` size a model built
+    for the dataset (`packfeed.client.hf.model_config`); `PackfeedGRPOTrainer(prompts=...)` takes it."""
+    per_rank = args.per_device_train_batch_size * args.gradient_accumulation_steps // args.num_generations
+    plan = PlanConfig(dp=args.world_size, microbatches=1, strategy="length-group", samples_per_pack=per_rank)
+    return PackStream(target, job=f"{job}-prompts", rank=args.process_index, plan=plan, seed=args.seed,
+                      epochs=int(math.ceil(args.num_train_epochs)), dataset=dataset, connection=connection)
+
+
 class PackfeedGRPOTrainer(GRPOTrainer):
     """TRL's `GRPOTrainer` whose prompts come from a Packfeed job and whose updates train on a live job's
     balanced, group-aware packs (see the module's docstring). `target`: the server ("host:port", or several);
     `job`: the run's name (its jobs are JOB-prompts and JOB-rollouts); `family`: the model's
     (`packfeed.client.hf_families`); `dataset`: the server's prompt index, when it serves several;
-    `shared_prefix`: each prompt computed once for its responses (default), or each response whole."""
+    `shared_prefix`: each prompt computed once for its responses (default), or each response whole; `prompts`:
+    the prompt job's stream when already open (`prompt_stream`)."""
 
     def __init__(self, *args: Any, target: str | list[str], job: str, family: str, dataset: str = "",
-                 connection: Connection | None = None, shared_prefix: bool = True, **kwargs: Any):
+                 connection: Connection | None = None, shared_prefix: bool = True,
+                 prompts: PackStream | None = None, **kwargs: Any):
         grpo_args: GRPOConfig = kwargs["args"]
         check_grpo_config(grpo_args)
         if family_of(family).image_policy != "qwen2vl":
@@ -174,16 +189,19 @@ class PackfeedGRPOTrainer(GRPOTrainer):
         per_rank = grpo_args.per_device_train_batch_size * accumulation // generations
         self.family, self.share, self.rank, self.world = family, shared_prefix, rank, world
         self.packfeed_job, self.packfeed_connection = job, connection or Connection()
-        prompt_plan = PlanConfig(dp=world, microbatches=1, strategy="length-group", samples_per_pack=per_rank)
-        self.prompt_stream = PackStream(target, job=f"{job}-prompts", rank=rank, plan=prompt_plan,
-                                        seed=grpo_args.seed, epochs=int(math.ceil(grpo_args.num_train_epochs)),
-                                        dataset=dataset, connection=self.packfeed_connection)
+        self.prompt_stream = prompts or prompt_stream(target, job, grpo_args, dataset=dataset,
+                                                      connection=self.packfeed_connection)
+        if self.prompt_stream.job != f"{job}-prompts":
+            raise PackfeedError(f"prompts= streams job {self.prompt_stream.job!r}, not this run's {job}-prompts: "
+                                "open it with prompt_stream(target, job, args)")
         steps = sum(self.prompt_stream.info.epoch_steps)
         if grpo_args.max_steps > steps:
             raise PackfeedError(f"max_steps={grpo_args.max_steps} is past the prompt job's {steps} steps: give "
                                 "at most that, or more num_train_epochs")
-        if grpo_args.max_steps <= 0:
-            kwargs["args"] = grpo_args = replace(grpo_args, max_steps=steps)
+        # the streams resume themselves: the Trainer must not skip batches of a resumed run again
+        kwargs["args"] = grpo_args = copy.copy(grpo_args)  # the caller's stays as given (replace would re-derive)
+        grpo_args.ignore_data_skip = True
+        grpo_args.max_steps = grpo_args.max_steps if grpo_args.max_steps > 0 else steps
         rollout_plan = PlanConfig(dp=world, microbatches=accumulation, live=True, steps=grpo_args.max_steps,
                                   step_samples=per_rank * generations * world, shared_prefix=shared_prefix)
         self.rollout_stream = PackStream(target, job=f"{job}-rollouts", rank=rank, plan=rollout_plan,
@@ -356,6 +374,12 @@ class PackfeedGRPOTrainer(GRPOTrainer):
         with open(os.path.join(folder, STATE_FILE.format(rank=self.rank)), "w") as out:
             json.dump({"prompts": self.prompt_stream.state_dict(), "rollouts": self.rollout_stream.state_dict()}, out)
 
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
+        """The weights through the model class's loader: the Trainer's own leaves a transformers 5 VLM's weights at
+        their initial values (packfeed.client.hf_trainer)."""
+        if not load_weights_strictly(self.model if model is None else model, resume_from_checkpoint):
+            super()._load_from_checkpoint(resume_from_checkpoint, model)
+
     def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any):
         """`Trainer.train`, both streams first moved to the step after the checkpoint's."""
         if resume_from_checkpoint is True:
@@ -374,8 +398,13 @@ class PackfeedGRPOTrainer(GRPOTrainer):
         try:
             return super().train(resume_from_checkpoint, *args, **kwargs)
         finally:
-            if self.producer is not None:
-                self.producer.close()
+            self.close()
+
+    def close(self) -> None:
+        """Let go of the server: both streams and the producer (train() does so when it returns)."""
+        for held in (self.producer, self.prompt_stream, self.rollout_stream):
+            if held is not None:
+                held.close()
 
 
 def completion_length(ids: torch.Tensor, kept: torch.Tensor, pad: int | None) -> int:
@@ -388,7 +417,10 @@ def completion_length(ids: torch.Tensor, kept: torch.Tensor, pad: int | None) ->
 
 
 def _aligned(values: torch.Tensor | None, logp: torch.Tensor) -> torch.Tensor:
-    """A per-token tensor at the positions of `token_logprobs` (zeros for an empty pack's one ignored token)."""
-    if values is None or len(values) != len(logp):
-        return torch.zeros_like(logp)
-    return shifted(values.to(logp.device)).to(logp.dtype)
+    """A per-token tensor at the positions of `token_logprobs`. The row may be longer than the pack's tokens (the
+    dummy items `ensure_encoders` appends, an empty pack's ignored token): those positions get 0."""
+    out = torch.zeros_like(logp)
+    if values is not None:
+        count = min(len(values), len(logp))
+        out[:count] = values[:count].to(device=logp.device, dtype=logp.dtype)
+    return shifted(out)

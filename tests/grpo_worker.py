@@ -64,7 +64,7 @@ def config(out: Path, mode: str) -> GRPOConfig:
     if mode == "zero3":
         settings["deepspeed"] = {"zero_optimization": {"stage": 3}, "train_micro_batch_size_per_gpu": 4,
                                  "gradient_accumulation_steps": 1, "zero_allow_untested_optimizer": True}
-        settings.update(optim="adamw_torch", beta=0.0)
+        settings["beta"] = 0.0
     if mode == "fsdp":
         settings.update(fsdp="full_shard", beta=0.0, fsdp_config={
             "transformer_layer_cls_to_wrap": ["Qwen2VLDecoderLayer", "Qwen2VLVisionBlock"]})
@@ -81,6 +81,15 @@ class Recording(PackfeedGRPOTrainer):
         torch.save({k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in batch.items()},
                    self.recorded / f"batch-s{self.state.global_step}-r{self.args.process_index}.pt")
         return batch
+
+
+    def _next_rollout_step(self):
+        packs = super()._next_rollout_step()
+        shown = [{"keys": pack.sample_keys, "shared": bool("shared_prefix" in pack.tensors
+                                                           and (pack.shared_prefix[:, 1] > 0).any())}
+                 for pack in packs]
+        (self.recorded / f"packs-s{self.state.global_step}-r{self.args.process_index}.json").write_text(json.dumps(shown))
+        return packs
 
 
 class Replaying(GRPOTrainer):

@@ -7,6 +7,8 @@ written); without a token, examples/stateful_loader.py runs in tests/test_loader
 from __future__ import annotations
 
 import ast
+import json
+import math
 import os
 import re
 import shlex
@@ -54,9 +56,17 @@ def wait_for_port(address: str, server: subprocess.Popen, seconds: float = 120) 
     raise AssertionError(f"nothing listens on {address} after {seconds} s")
 
 
+def serving(serve: str, folder: Path, env: dict) -> subprocess.Popen:
+    """A docstring's `packfeed serve ... &`, started in `folder` and listening."""
+    server = subprocess.Popen(shlex.split(serve.rstrip("& ")), cwd=folder, env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True)
+    wait_for_port(re.search(r"--listen (\S+)", serve)[1], server)
+    return server
+
+
 def test_every_example_says_how_it_runs():
     examples = sorted(p.name for p in EXAMPLES.glob("*.py"))
-    assert examples == ["first_steps.py", "hf_trainer.py", "lightning_fit.py", "stateful_loader.py"]
+    assert examples == ["first_steps.py", "hf_trainer.py", "lightning_fit.py", "stateful_loader.py", "trl_grpo.py"]
     assert "python examples/first_steps.py tour/index.parquet" in commands_run_by("tests/test_readme_tour.py")
     for name in ("lightning_fit.py", "stateful_loader.py"):
         assert docstring_commands(EXAMPLES / name)[0] == SERVED
@@ -82,11 +92,8 @@ def test_the_examples_run_as_written_against_a_server_with_a_token(tmp_path):
     for command in setup[:setup.index(serve)]:
         done = run(command, env)
         assert done.returncode in (0, 3), f"{command}\n{done.stdout[-1500:]}\n{done.stderr[-3000:]}"  # 3: skips
-    address = re.search(r"--listen (\S+)", serve)[1]
-    server = subprocess.Popen(shlex.split(serve.rstrip("& ")), cwd=tmp_path, env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True)
+    server = serving(serve, tmp_path, env)
     try:
-        wait_for_port(address, server)
         # the control: the lightest trainer (no model to import) without the token; refused, it saves nothing
         lightest = next(c for c in trainers if "stateful_loader.py" in c)
         refused = run(lightest, {k: v for k, v in env.items() if k != "PACKFEED_AUTH_TOKEN"})
@@ -99,6 +106,19 @@ def test_the_examples_run_as_written_against_a_server_with_a_token(tmp_path):
     finally:
         server.terminate()
         server.wait(timeout=60)
+    grpo = docstring_commands(EXAMPLES / "trl_grpo.py")  # the same dataset, its own server with a live spool
+    (grpo_serve,) = [c for c in grpo if c.endswith("&")]
+    assert grpo[:grpo.index(grpo_serve)] == setup[:setup.index(serve)]
+    server = serving(grpo_serve, tmp_path, env)
+    try:
+        (grpo_run,) = [c for c in grpo if c.startswith("torchrun")]
+        done = run(grpo_run, env)
+        assert done.returncode == 0, f"{grpo_run}\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}"
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+    steps = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    assert [s["step"] for s in steps] == [1, 2, 3] and all(math.isfinite(s["loss"]) for s in steps), done.stdout
     resumed = next(out for command, out in outputs.items() if "hf_trainer.py" in command and "--resume" in command)
     rates = [float(rate) for rate in re.findall(r"'learning_rate': '?([0-9.e-]+)", resumed)]
     assert rates and min(rates) > 0, resumed[-2000:]  # the resumed steps continue the job's schedule, not at 0

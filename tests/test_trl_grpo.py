@@ -1,0 +1,141 @@
+"""TRL's GRPO through Packfeed (`packfeed.client.trl.PackfeedGRPOTrainer`), DP 2 under torchrun on CPU, against a
+real server with a live spool, a tiny Qwen2-VL built from a config, images in the prompts and a reward over the
+generated text (tests/grpo_worker.py).
+
+- The same optimisation as TRL's own step: the rollouts one run generated and scored are recorded, and TRL's own
+  `GRPOTrainer` trains on them in the same order; 4 steps give the same losses and the same weights (clipping
+  with DAPO's upper epsilon, the KL term against the reference model, TRL's default DAPO normalisation).
+- A run killed after a checkpoint and resumed trains the same rollouts with bit-identical losses and weights.
+- Under ZeRO-3 and FSDP with the vision tower wrapped apart, a step where one rank's prompts hold no image while
+  the other's do completes.
+- What the face cannot honour is refused, naming the field.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("trl")
+pytestmark = pytest.mark.slow
+
+WORKER = Path(__file__).resolve().parent / "grpo_worker.py"
+
+
+@pytest.fixture(scope="module")
+def grpo_data(tmp_path_factory):
+    from hf_models import family_dataset, tiny_model
+
+    data = family_dataset(tmp_path_factory.mktemp("grpo"), "qwen2_vl", samples=16)
+    tiny_model("qwen2_vl", data).save_pretrained(data.index.parent / "model")  # TRL loads its reference from a path
+    return data
+
+
+@pytest.fixture(scope="module")
+def server(grpo_data, tmp_path_factory):
+    from packfeed.client import LocalServer
+
+    spool = tmp_path_factory.mktemp("spool")
+    with LocalServer(grpo_data.index, workers=1, extra_args=["--live-spool", str(spool)]) as running:
+        yield running
+
+
+def torchrun(server, data, mode: str, job: str, out: Path, **env: str) -> list[dict]:
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           str(WORKER), mode, server.target, job, str(data.index.parent / "model"),
+                           str(data.tokenizer), str(out)],
+                          capture_output=True, text=True, timeout=600, env={**os.environ, **env})
+    (out / "torchrun.log").write_text(done.stdout + done.stderr) if out.is_dir() else None
+    assert done.returncode == 0, done.stderr[-4000:]
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)] if mode != "kill" else []
+
+
+def params(out: Path):
+    import torch
+
+    return torch.load(out / "params.pt")
+
+
+def recorded(out: Path, step: int, rank: int) -> dict:
+    import torch
+
+    return torch.load(out / f"batch-s{step}-r{rank}.pt", weights_only=False)
+
+
+@pytest.fixture(scope="module")
+def straight(server, grpo_data, tmp_path_factory):
+    """A run through Packfeed, TRL generating: its losses, weights and recorded rollouts."""
+    out = tmp_path_factory.mktemp("straight")
+    return out, torchrun(server, grpo_data, "packfeed", "straight", out)
+
+
+def test_packfeed_trains_trls_own_grpo_step_on_the_same_rollouts(server, grpo_data, straight, tmp_path):
+    from safetensors.torch import load_file
+
+    out, runs = straight
+    own = torchrun(server, grpo_data, "trl", "unused", tmp_path, PACKFEED_TEST_RECORDED=str(out))
+    ours, theirs = runs[0]["losses"], own[0]["losses"]
+    assert sorted(ours) == sorted(theirs) == ["1", "2", "3", "4"]
+    assert [ours[k] for k in sorted(ours)] == pytest.approx([theirs[k] for k in sorted(ours)], abs=1e-5, rel=1e-4)
+    trained, reference = params(out), params(tmp_path)
+    initial = load_file(grpo_data.index.parent / "model" / "model.safetensors")
+    worst = max((trained[k] - reference[k]).abs().max().item() for k in trained)
+    assert worst < 1e-6, f"weights differ from TRL's own steps by up to {worst}"
+    moved = max((trained[k] - v).abs().max().item() for k, v in initial.items() if k in trained)
+    assert moved > 1e-3  # the steps did train: equal weights are not the initial ones
+    # each step trained every rollout of both ranks once, in group-aware packs: a prompt computed once for its G
+    for step in range(4):
+        packs = [json.loads((out / f"packs-s{step}-r{r}.json").read_text()) for r in range(2)]
+        keys = [key for rank in packs for pack in rank for key in pack["keys"]]
+        assert sorted(keys) == sorted(f"s{step}-r{r}-{i}" for r in range(2) for i in range(4))
+    shared = [pack["shared"] for s in range(4) for r in range(2)
+              for pack in json.loads((out / f"packs-s{s}-r{r}.json").read_text())]
+    assert any(shared), "no pack shared a prompt between its responses"
+
+
+def test_a_killed_grpo_run_resumes_with_the_same_rollouts_and_bit_identical_losses(server, grpo_data, straight,
+                                                                                      tmp_path):
+    import torch
+
+    out, runs = straight
+    torchrun(server, grpo_data, "kill", "killed", tmp_path)  # dies right after step 2's checkpoint
+    assert not (tmp_path / "rank0.json").exists() and (tmp_path / "checkpoints" / "checkpoint-2").is_dir()
+    resumed = torchrun(server, grpo_data, "resume", "killed", tmp_path)
+    for rank in range(2):
+        assert resumed[rank]["losses"] == {k: v for k, v in runs[rank]["losses"].items() if k in ("3", "4")}
+        for step in (2, 3):  # the rollouts generated after the resume are the uninterrupted run's
+            again, first = recorded(tmp_path, step, rank), recorded(out, step, rank)
+            assert all(torch.equal(again[k], first[k]) for k in ("prompt_ids", "completion_ids", "advantages"))
+    trained, continued = params(out), params(tmp_path)
+    assert all(torch.equal(trained[k], continued[k]) for k in trained)
+
+
+@pytest.mark.parametrize("mode", ["zero3", "fsdp"])
+def test_a_step_with_a_text_only_rank_does_not_hang_under_sharded_data_parallelism(server, grpo_data, tmp_path,
+                                                                                     mode):
+    runs = torchrun(server, grpo_data, mode, f"sharded-{mode}", tmp_path)
+    assert sorted(runs[0]["losses"]) == ["1", "2", "3", "4"]
+    # the case that hangs without collective-safe packs: one rank's prompts without an image, the other's with
+    images = [[bool(recorded(tmp_path, s, r).get("num_images") and any(recorded(tmp_path, s, r)["num_images"]))
+               for r in range(2)] for s in range(4)]
+    assert [True, False] in images or [False, True] in images, images
+
+
+def test_grpo_settings_the_face_cannot_honour_are_refused_naming_them(tmp_path):
+    from trl import GRPOConfig
+
+    from packfeed.client.channel import PackfeedError
+    from packfeed.client.trl import check_grpo_config
+
+    good = dict(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=2, use_cpu=True,
+                report_to=[], bf16=False)
+    check_grpo_config(GRPOConfig(**good))
+    for field, value in [("loss_type", "bnpo"), ("num_iterations", 2), ("importance_sampling_level", "sequence"),
+                         ("top_entropy_quantile", 0.5), ("entropy_coef", 0.01), ("use_vllm", True), ("steps_per_generation", 2)]:
+        with pytest.raises(PackfeedError, match=field):
+            check_grpo_config(GRPOConfig(**{**good, field: value}))
