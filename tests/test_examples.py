@@ -78,7 +78,8 @@ def test_the_examples_run_as_written_against_a_server_with_a_token(tmp_path):
     trainers = [c for c in setup if c.startswith("torchrun")]
     for name in ("lightning_fit.py", "stateful_loader.py"):
         trainers += [c for c in docstring_commands(EXAMPLES / name) if c != SERVED]
-    (zero3,) = commands_run_by("tests/test_examples.py")  # docs/training.md: the example under DeepSpeed ZeRO-3
+    documented = commands_run_by("tests/test_examples.py")  # docs/training.md: ZeRO-3, and GRPO's own server
+    (zero3,) = [c for c in documented if "ds_zero3" in c]
     trainers.append(zero3)
     shutil.copytree(EXAMPLES, tmp_path / "examples")
     bin_dir = str(Path(sys.executable).parent)  # `packfeed`, `torchrun` and `python` as an activated .venv has them
@@ -109,6 +110,8 @@ def test_the_examples_run_as_written_against_a_server_with_a_token(tmp_path):
     grpo = docstring_commands(EXAMPLES / "trl_grpo.py")  # the same dataset, its own server with a live spool
     (grpo_serve,) = [c for c in grpo if c.endswith("&")]
     assert grpo[:grpo.index(grpo_serve)] == setup[:setup.index(serve)]
+    # the docs say what runs here (the server in a shell of its own there)
+    assert [c for c in documented if c != zero3] == [c.rstrip("& ") for c in grpo[grpo.index(grpo_serve):]]
     server = serving(grpo_serve, tmp_path, env)
     try:
         (grpo_run,) = [c for c in grpo if c.startswith("torchrun")]

@@ -222,7 +222,7 @@ FLOORS = {
                         "hf_families": 2, "context_parallel": 2, "shared_prefix": 2, "losses": 2,
                         "towers": 1, "hf_config": 1, "producer": 2, "receiver": 3, "resume": 3, "local": 3, "stream": 4, "loaders": 5,
                         "guard_updates": 5, "hf_trainer": 6, "lightning": 6, "megatron": 6,
-                        "sft_trainer": 7, "trl": 7},
+                        "grpo_prompts": 6, "sft_trainer": 7, "trl": 7},
 }
 
 

@@ -1,0 +1,93 @@
+"""The prompts of a GRPO run: a Packfeed job that gives every rank the same number of prompts a step, balanced on
+their tokens, each as the model generates from it (its tokens before its first loss token, its images' pixel
+values). `packfeed.client.trl` trains on them."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from packfeed.client.channel import Connection, PackfeedError
+from packfeed.client.hf import to_hf_inputs
+from packfeed.client.stream import PackStream
+from packfeed.client.tensors import IGNORE_INDEX, PackTensors
+from packfeed.v1.options import PlanConfig
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """One prompt of the prompt job, as the model generates from it."""
+
+    key: str  # the indexed sample's key: its group, and where its images come from
+    ids: list[int]  # its tokens before the first loss token, image placeholders included
+    solution: list[int]  # its loss tokens (the indexed answer)
+    fields: dict[str, torch.Tensor]  # its images' model inputs (pixel_values, image_grid_thw), empty for text
+    token_types: list[int]  # mm_token_type_ids of its tokens (1: an image placeholder)
+
+
+def prompts_of(pack: PackTensors, family: str, conventions: Any) -> list[Prompt]:
+    """The prompts of a pack of the prompt job, each with the model inputs of its own images."""
+    if pack.empty:
+        return []
+    inputs = to_hf_inputs(pack, family, conventions=conventions)
+    if "pixel_values_videos" in inputs:
+        raise PackfeedError(f"prompts {pack.sample_keys}: a video in a GRPO prompt is not supported yet")
+    grids = inputs.get("image_grid_thw")
+    rows = grids.prod(dim=1).tolist() if grids is not None else []
+    starts = np.cumsum([0] + rows)
+    image_sample = pack.image_sample.tolist() if "image_sample" in pack.tensors else []
+    bounds, ids, labels = pack.cu_seqlens.tolist(), pack.input_ids.tolist(), pack.labels.tolist()
+    types = inputs["mm_token_type_ids"][0].tolist() if "mm_token_type_ids" in inputs else [0] * len(ids)
+    out = []
+    for i, key in enumerate(pack.sample_keys):
+        tokens, targets = ids[bounds[i]:bounds[i + 1]], labels[bounds[i]:bounds[i + 1]]
+        trained = [t for t, label in enumerate(targets) if label != IGNORE_INDEX]
+        if not trained:
+            raise PackfeedError(f"prompt {key!r} has no answer: give every prompt an assistant turn (its reference "
+                                "answer, given to reward functions as `solution`); the prompt is what precedes it")
+        images = [j for j, owner in enumerate(image_sample) if owner == i]
+        fields = {}
+        if images:
+            first, last = images[0], images[-1] + 1
+            fields = {"pixel_values": inputs["pixel_values"][starts[first]:starts[last]],
+                      "image_grid_thw": grids[first:last]}
+        out.append(Prompt(key, tokens[:trained[0]], [tokens[t] for t in trained], fields,
+                          types[bounds[i]:bounds[i] + trained[0]]))
+    return out
+
+
+class PromptSteps:
+    """The Trainer's batches: per optimizer step, its M microbatches; the first carries this rank's prompts of
+    the step (each repeated G times, as TRL's sampler repeats them), the others only their number."""
+
+    def __init__(self, stream: PackStream, family: str, generations: int, microbatches: int):
+        self.stream, self.family = stream, family
+        self.generations, self.microbatches = generations, microbatches
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        conventions = self.stream.conventions
+        for step in self.stream:
+            prompts = [p for pack in step.packs for p in prompts_of(pack, self.family, conventions)]
+            repeated = [p for p in prompts for _ in range(self.generations)]
+            for microbatch in range(self.microbatches):
+                yield {"prompts": repeated if microbatch == 0 else None, "microbatch": microbatch}
+
+    def __len__(self) -> int:
+        return sum(self.stream.info.epoch_steps) * self.microbatches
+
+
+def prompt_stream(target: str | list[str], job: str, args: Any, *, dataset: str = "",
+                  connection: Connection | None = None) -> PackStream:
+    """This rank's stream of the run's prompt job (JOB-prompts; `args`: the run's `GRPOConfig`): each rank the same number of prompts a step (its
+    generation batch's, per_device_train_batch_size x gradient_accumulation_steps / num_generations), balanced
+    over the ranks on their tokens (`length-group`), for num_train_epochs. Its `conventions` size a model built
+    for the dataset (`packfeed.client.hf.model_config`); `PackfeedGRPOTrainer(prompts=...)` takes it."""
+    per_rank = args.per_device_train_batch_size * args.gradient_accumulation_steps // args.num_generations
+    plan = PlanConfig(dp=args.world_size, microbatches=1, strategy="length-group", samples_per_pack=per_rank)
+    return PackStream(target, job=f"{job}-prompts", rank=args.process_index, plan=plan, seed=args.seed,
+                      epochs=int(math.ceil(args.num_train_epochs)), dataset=dataset, connection=connection)
