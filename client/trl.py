@@ -80,6 +80,11 @@ def check_grpo_config(args: GRPOConfig) -> None:
         "use_adaptive_entropy": (args.use_adaptive_entropy, "False"),
         "sync_ref_model": (args.sync_ref_model, "False"),
         "eval_strategy": (str(args.eval_strategy) not in ("no", "IntervalStrategy.NO"), "'no'"),
+        "use_transformers_paged": (args.use_transformers_paged, "False"),
+        "chat_template_kwargs": (bool(args.chat_template_kwargs),
+                                 "None: the prompts are the index's tokens, rendered by its chat template"),
+        "shuffle_dataset": (not args.shuffle_dataset, "True: the prompt job's seeded plan orders the prompts"),
+        "use_liger_kernel": (args.use_liger_kernel, "False: the update computes TRL's loss on packs"),
         "per_device_train_batch_size": (
             args.per_device_train_batch_size * args.gradient_accumulation_steps % args.num_generations != 0,
             "a value whose product with gradient_accumulation_steps is a multiple of num_generations (each rank "
@@ -103,6 +108,10 @@ class PackfeedGRPOTrainer(GRPOTrainer):
                  prompts: PackStream | None = None, **kwargs: Any):
         grpo_args: GRPOConfig = kwargs["args"]
         check_grpo_config(grpo_args)
+        for name in ("rollout_func", "tools", "environment_factory"):
+            if kwargs.get(name):
+                raise PackfeedError(f"{name}: PackfeedGRPOTrainer generates single turns from the prompt job's "
+                                    "tokens; leave it out")
         if family_of(family).image_policy != "qwen2vl":
             raise PackfeedError(f"family {family!r}: PackfeedGRPOTrainer generates from Qwen-style pixel values "
                                 "(image_grid_thw); give qwen2_vl, qwen2_5_vl or qwen3_vl")
@@ -138,6 +147,10 @@ class PackfeedGRPOTrainer(GRPOTrainer):
         self._microbatches: list[list[PackTensors]] = []
         self._prompts: list[Prompt] = []
         super().__init__(*args, **kwargs)
+        if self.aux_loss_enabled:
+            self.close()
+            raise PackfeedError("router_aux_loss_coef: a mixture-of-experts router's auxiliary loss is not added "
+                                "by the update on packs; set it to 0")
         self.ensure_encoders = sharded(self.args)
 
     # -- prompts and generation ----------------------------------------------------------------------------------

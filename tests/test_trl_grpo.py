@@ -136,6 +136,7 @@ def test_grpo_settings_the_face_cannot_honour_are_refused_naming_them(tmp_path):
                 report_to=[], bf16=False)
     check_grpo_config(GRPOConfig(**good))
     for field, value in [("loss_type", "bnpo"), ("num_iterations", 2), ("importance_sampling_level", "sequence"),
-                         ("top_entropy_quantile", 0.5), ("entropy_coef", 0.01), ("use_vllm", True), ("steps_per_generation", 2)]:
+                         ("top_entropy_quantile", 0.5), ("entropy_coef", 0.01), ("use_vllm", True), ("steps_per_generation", 2),
+                         ("shuffle_dataset", False), ("chat_template_kwargs", {"enable_thinking": False})]:
         with pytest.raises(PackfeedError, match=field):
             check_grpo_config(GRPOConfig(**{**good, field: value}))
