@@ -244,7 +244,7 @@ def test_a_killed_encoder_rank_fails_the_run_loudly_and_it_resumes_exactly(tmp_p
 def test_a_stopped_encoder_rank_fails_the_run_within_the_timeout_naming_it(tmp_path, small_tile_index):
     """SIGSTOP leaves a process alive and silent (a hung kernel, a paused container): the LLM ranks' next
     exchange with it times out after parallel.timeout_s, and the run fails naming the encoder rank."""
-    timeout_s = 30
+    timeout_s = 15
     out = tmp_path / "stopped"
     common = TRAIN + [f"data.index={small_tile_index}", "data.epochs=30"] + ENCODER_RANK
     run = subprocess.Popen([sys.executable, "-m", "packfeed.server.cli", "train", "--nproc", "3", *common,
