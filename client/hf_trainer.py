@@ -201,18 +201,31 @@ class PackfeedTrainerMixin:
 
     def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any):
         """`Trainer.train`, the stream first moved to the step after the checkpoint's."""
-        if resume_from_checkpoint is True:
-            resume_from_checkpoint = get_last_checkpoint(self.args.output_dir)
-            if resume_from_checkpoint is None:
-                raise ValueError(f"no valid checkpoint found in output directory ({self.args.output_dir})")
-        if resume_from_checkpoint:
-            path = os.path.join(resume_from_checkpoint, STATE_FILE.format(rank=self.packfeed_batches.stream.rank))
-            if not os.path.isfile(path):
-                raise PackfeedError(f"{path} is missing: this checkpoint was not saved by a PackfeedTrainer, so where "
-                                    "the stream stood is unknown; resume from one that was, or start the job afresh")
-            with open(path) as state:
-                self.packfeed_batches.stream.load_state_dict(json.load(state))
+        stream = self.packfeed_batches.stream
+        resume_from_checkpoint, saved = saved_state(resume_from_checkpoint, self.args.output_dir,
+                                                    STATE_FILE.format(rank=stream.rank), "PackfeedTrainer")
+        if saved is not None:
+            stream.load_state_dict(saved)
         return super().train(resume_from_checkpoint, *args, **kwargs)
+
+
+def saved_state(resume_from_checkpoint: str | bool | None, output_dir: str, state_file: str,
+                saved_by: str) -> tuple[str | bool | None, Any]:
+    """(the checkpoint `Trainer.train` resumes from, the Packfeed state `state_file` saved in it; None when not
+    resuming). `True`: the last checkpoint in `output_dir`. A checkpoint without the file is refused: where the
+    streams stood is unknown."""
+    if resume_from_checkpoint is True:
+        resume_from_checkpoint = get_last_checkpoint(output_dir)
+        if resume_from_checkpoint is None:
+            raise ValueError(f"no valid checkpoint found in output directory ({output_dir})")
+    if not resume_from_checkpoint:
+        return resume_from_checkpoint, None
+    path = os.path.join(resume_from_checkpoint, state_file)
+    if not os.path.isfile(path):
+        raise PackfeedError(f"{path} is missing: this checkpoint was not saved by a {saved_by}, so where its streams "
+                            "stood is unknown; resume from one that was, or start the job afresh")
+    with open(path) as state:
+        return resume_from_checkpoint, json.load(state)
 
 
 def load_weights_strictly(target: torch.nn.Module, folder: str) -> bool:

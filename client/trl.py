@@ -42,14 +42,14 @@ import numpy as np
 import torch
 from accelerate.utils import gather_object
 from datasets import Dataset
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from trl import GRPOConfig, GRPOTrainer
 
 from packfeed.client.channel import Connection, PackfeedError
 from packfeed.client.grpo_prompts import Prompt, PromptSteps, prompt_stream
 from packfeed.client.hf import to_hf_inputs
 from packfeed.client.hf_families import family_of
-from packfeed.client.hf_trainer import load_weights_strictly, sharded
+from packfeed.client.hf_trainer import load_weights_strictly, saved_state, sharded
 from packfeed.client.losses import row_tensors, shifted, token_logprobs
 from packfeed.client.producer import Producer, Sample
 from packfeed.client.stream import PackStream
@@ -320,17 +320,9 @@ class PackfeedGRPOTrainer(GRPOTrainer):
 
     def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any):
         """`Trainer.train`, both streams first moved to the step after the checkpoint's."""
-        if resume_from_checkpoint is True:
-            resume_from_checkpoint = get_last_checkpoint(self.args.output_dir)
-            if resume_from_checkpoint is None:
-                raise ValueError(f"no valid checkpoint found in output directory ({self.args.output_dir})")
-        if resume_from_checkpoint:
-            path = os.path.join(resume_from_checkpoint, STATE_FILE.format(rank=self.rank))
-            if not os.path.isfile(path):
-                raise PackfeedError(f"{path} is missing: this checkpoint was not saved by a PackfeedGRPOTrainer, so "
-                                    "where its prompts and rollouts stood is unknown")
-            with open(path) as state:
-                saved = json.load(state)
+        resume_from_checkpoint, saved = saved_state(resume_from_checkpoint, self.args.output_dir,
+                                                    STATE_FILE.format(rank=self.rank), "PackfeedGRPOTrainer")
+        if saved is not None:
             self.prompt_stream.load_state_dict(saved["prompts"])
             self.rollout_stream.load_state_dict(saved["rollouts"])
         try:
