@@ -130,6 +130,7 @@ class PackfeedGRPOTrainer(GRPOTrainer):
                                 "open it with prompt_stream(target, job, args)")
         steps = sum(self.prompt_stream.info.epoch_steps)
         if grpo_args.max_steps > steps:
+            self.prompt_stream.close()
             raise PackfeedError(f"max_steps={grpo_args.max_steps} is past the prompt job's {steps} steps: give "
                                 "at most that, or more num_train_epochs")
         # the streams resume themselves: the Trainer must not skip batches of a resumed run again
@@ -146,7 +147,11 @@ class PackfeedGRPOTrainer(GRPOTrainer):
         self._rollout_steps: Iterator | None = None
         self._microbatches: list[list[PackTensors]] = []
         self._prompts: list[Prompt] = []
-        super().__init__(*args, **kwargs)
+        try:
+            super().__init__(*args, **kwargs)
+        except BaseException:
+            self.close()  # the streams and the producer are open: let go of the server
+            raise
         if self.aux_loss_enabled:
             self.close()
             raise PackfeedError("router_aux_loss_coef: a mixture-of-experts router's auxiliary loss is not added "

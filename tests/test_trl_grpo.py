@@ -140,3 +140,19 @@ def test_grpo_settings_the_face_cannot_honour_are_refused_naming_them(tmp_path):
                          ("shuffle_dataset", False), ("chat_template_kwargs", {"enable_thinking": False})]:
         with pytest.raises(PackfeedError, match=field):
             check_grpo_config(GRPOConfig(**{**good, field: value}))
+
+
+def test_more_steps_than_the_prompt_job_holds_and_other_families_are_refused(server, grpo_data, tmp_path):
+    from trl import GRPOConfig
+
+    from packfeed.client.channel import PackfeedError
+    from packfeed.client.trl import PackfeedGRPOTrainer
+
+    config = GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=2, use_cpu=True,
+                        report_to=[], bf16=False, max_steps=1000, num_train_epochs=1)
+    with pytest.raises(PackfeedError, match=r"max_steps=1000 is past the prompt job's 8 steps"):
+        PackfeedGRPOTrainer(model=None, reward_funcs=[], args=config, target=server.target, job="too-long",
+                            family="qwen2_vl")
+    with pytest.raises(PackfeedError, match="family 'internvl'"):
+        PackfeedGRPOTrainer(model=None, reward_funcs=[], args=config, target=server.target, job="too-long",
+                            family="internvl")
