@@ -39,11 +39,13 @@ class LocalServer:
         self.process = subprocess.Popen(self.args, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
                                         env={**self.env, "PACKFEED_EXIT_WITH_PARENT": str(os.getpid())})
         ready = threading.Event()
-        threading.Thread(target=self._read_log, args=(ready,), daemon=True).start()
+        reader = threading.Thread(target=self._read_log, args=(ready,), daemon=True)
+        reader.start()
         deadline = time.monotonic() + self.startup_timeout
         while not ready.wait(0.1):
             if self.process.poll() is not None or time.monotonic() > deadline:
                 self.stop()
+                reader.join(5.0)  # the exited server's last lines (its error) read to the end before they are shown
                 raise RuntimeError("the embedded Packfeed server did not start:\n" + "\n".join(self.log[-20:]))
         return self
 
