@@ -137,6 +137,11 @@ def main() -> None:
     if rank == 0:
         torch.save({k: v.detach().cpu() for k, v in trainer.accelerator.unwrap_model(trainer.model).state_dict().items()},
                    out / "params.pt")
+    # both ranks leave together, the process group torn down: a rank exiting while gloo's threads still serve the
+    # other has aborted ("terminate called without an active exception")
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -40,8 +40,8 @@ def test_searched_partition_is_faster_than_the_layer_count_split(tmp_path, qwen_
     tests/benchmarks/test_bench_hf_pipeline.py, not a unit test's)."""
     # 6 microbatches: with few, the pipeline's fill and drain hide any split's imbalance
     overrides = ["model.hf=qwen2_vl", f"data.index={qwen_data.index}", "parallel.pp=2", "data.microbatches=6",
-                 "data.epochs=4", "optim.steps=2", "partition.radius=2", "partition.top_k=2",
-                 "partition.trial_steps=3", "recompute.mode=none", HEAVY_VISION]
+                 "data.epochs=4", "optim.steps=2", "partition.radius=2", "partition.top_k=1",
+                 "partition.trial_steps=2", "recompute.mode=none", HEAVY_VISION]
     log, records = packfeed_train(2, overrides, tmp_path / "search")
     decision = json.loads((tmp_path / "search" / "partition.json").read_text())
     timed = [c for c in decision["candidates"] + decision["baselines"] if c["measured_s"]]

@@ -198,3 +198,33 @@ def test_the_reports_count_histograms_tick_whole_numbers():
     ticks = [tick for tick in ax.get_xticks() if ax.get_xlim()[0] <= tick <= ax.get_xlim()[1]]
     plt.close(fig)
     assert ticks and all(float(tick).is_integer() for tick in ticks), ticks
+
+
+def test_a_moving_mixtures_weights_are_charted_over_the_epoch(chromium, demo_dataset, tmp_path):
+    """A mixture whose weights move, served whole: the page draws one line per dataset through every window's
+    weights, and names the window in force with its weights."""
+    from packfeed.client import LocalServer, PackStream
+    from playwright.sync_api import sync_playwright
+    from ports import free_port
+    from test_moving_mixture import served_schedule
+
+    port, path = free_port(), served_schedule(tmp_path, demo_dataset.tokenizer)
+    with LocalServer(None, workers=1, metrics_port=port, extra_args=["--mixture", str(path)]) as server:
+        with PackStream(server.target, job="annealed", rank=0, dataset="anneal", dp=1, microbatches=1,
+                        window=12) as stream:
+            list(stream)
+        with sync_playwright() as playwright:
+            browser = playwright.chromium.launch(executable_path=chromium, args=["--no-sandbox"])
+            page = browser.new_page()
+            page.goto(f"http://127.0.0.1:{port}/status")
+            chart = page.locator('section.job[data-job="annealed"] figure.weights')
+            chart.wait_for(timeout=30_000)
+            lines = chart.locator("polyline")
+            assert lines.count() == 2 and chart.locator("svg").get_attribute("data-windows") == "5"
+            assert sorted(line.get_attribute("data-dataset") for line in lines.all()) == ["chat", "ocr"]
+            ocr = [tuple(map(float, point.split(","))) for point in
+                   chart.locator('polyline[data-dataset="ocr"]').get_attribute("points").split()]
+            assert len(ocr) == 5 and ocr[0][1] < ocr[-1][1]  # y grows downwards: ocr's weight falls over the epoch
+            caption = chart.locator("figcaption").inner_text()
+            assert "in force, window 4" in caption and "ocr 0.2" in caption, caption
+            browser.close()

@@ -42,7 +42,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if plan_config_of(args).window:
         return _plan_windows(args)
     if args.mixture:
-        from packfeed.server.plan.mixture import Mixture, MixtureLoads, make_mixture_plan
+        from packfeed.server.plan.mixture_file import Mixture
+        from packfeed.server.plan.mixture import MixtureLoads, make_mixture_plan
 
         mixture = MixtureLoads(Mixture.load(args.mixture))
         plan = make_mixture_plan(mixture, plan_config_of(args), args.seed, args.epoch)
@@ -88,12 +89,11 @@ def _plan_windows(args: argparse.Namespace) -> int:
     from packfeed.server.plan.mapped_loads import map_sample_loads
     from packfeed.server.plan.windows import WindowedPlan
 
-    if args.out:
-        raise ValueError("--out writes whole-epoch plans; a windowed plan (--window) is planned where it is served")
     config = plan_config_of(args)
     started = time.perf_counter()
     if args.mixture:
-        from packfeed.server.plan.mixture import Mixture, MixtureLoads
+        from packfeed.server.plan.mixture_file import Mixture
+        from packfeed.server.plan.mixture import MixtureLoads
 
         mixture = MixtureLoads(Mixture.load(args.mixture), None, mapped=True)
         plan = mixture.windowed(config, args.seed, args.epoch)
@@ -111,9 +111,25 @@ def _plan_windows(args: argparse.Namespace) -> int:
                       "caps": dataclasses.asdict(plan.caps) if plan.caps else None,
                       "collective_safe": balance["collective_safe"], "first_window_seconds": round(first_seconds, 3),
                       "planning_seconds": round(time.perf_counter() - started, 3),
-                      "plan_fingerprint": plan.fingerprint()}))
+                      "plan_fingerprint": plan.fingerprint(), **_windowed_mixture(plan, args.out)}))
     plan.close()
     return EXIT_OK
+
+
+def _windowed_mixture(plan, out: str | None) -> dict:
+    """The plan file written (`out`), and a mixture's samples per dataset (a moving one's weights and draws per
+    window too)."""
+    if not out and plan.rows is None:
+        return {}
+    whole = plan.whole()
+    if out:
+        whole.write(out)
+    if plan.rows is None:
+        return {}
+    summary = {"datasets": plan.rows.counts(whole.members)}
+    if plan.draws is not None:
+        summary["windows_drawn"] = [plan.draws.describe(w, plan.rows.names) for w in range(plan.n_windows)]
+    return summary
 
 
 def cmd_stats(args: argparse.Namespace) -> int:

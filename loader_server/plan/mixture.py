@@ -1,15 +1,13 @@
-"""Dataset mixtures: several indexes planned as one, each with a repeat weight (InternVL's `repeat_time`).
-
-    name: sft-mix
-    datasets:
-      chartqa: {index: chartqa/index.parquet, repeat: 2}     # every valid sample twice per epoch
-      ai2d:    {index: ai2d/index.parquet, repeat: 1}
-      docvqa:  {index: docvqa/index.parquet, repeat: 0.4}    # a seeded subset of round(0.4 n), new each epoch
+"""Dataset mixtures planned as one: the union of their datasets' rows per epoch (`MixtureLoads`), read from a mixture
+file (`packfeed.server.plan.mixture_file`).
 
 A repeat r gives every valid sample floor(r) times plus a subset of round((r - floor(r)) n) distinct valid
 samples drawn from (seed, epoch, dataset), so counts are exact and deterministic. The epoch's rows are the
 union of all datasets: ISF and balancing run over it, so packs mix datasets. A plan's row `k` is sample
-`sample_ids[k]` of dataset `datasets[k]` (`MixtureRows`). Relative index paths count from the mixture file.
+`sample_ids[k]` of dataset `datasets[k]` (`MixtureRows`).
+
+Weights that move (docs/planning.md "Mixtures that move"): a mixture whose datasets give `weights:` over the job is
+planned in windows only, each drawing its rows by the weights at its middle (`packfeed.server.plan.draws`).
 """
 
 from __future__ import annotations
@@ -18,115 +16,24 @@ import hashlib
 import json
 import math
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
-import yaml
 
 from packfeed.media.chat import ChatTemplate
 from packfeed.media.image_policy import policy_from_dict
-from packfeed.server.index.table import IndexInfo, read_index_info
+from packfeed.server.index.table import IndexInfo
 from packfeed.server.plan.caps import resolve_caps
 from packfeed.server.plan.costs import SampleLoads, load_sample_loads
+from packfeed.server.plan.draws import DrawnColumn, MixtureDraws
 from packfeed.server.plan.isf import Caps
 from packfeed.server.plan.mapped_loads import GatheredColumn, map_sample_loads, valid_mask
+from packfeed.server.plan.mixture_file import MAX_EPOCH_ROWS, Mixture
 from packfeed.server.plan.plan_file import Plan
 from packfeed.server.plan.planner import count_steps, make_plan
 from packfeed.server.plan.windows import WindowedPlan
 from packfeed.v1.options import PlanConfig
 
 _SUBSET_STREAM = 0x5B5E7  # random stream of the subsets, apart from the planner's own
-MAX_REPEAT = 1000  # a dataset seen more often than this per epoch is a typo, not a weight (InternVL's go to ~4)
-MAX_EPOCH_ROWS = 1 << 31  # rows of one epoch: each costs 12 bytes held, and the planner counts them in int32
-
-
-class _UniqueKeyLoader(yaml.SafeLoader):
-    """YAML's safe loader, refusing a key given twice in one mapping (plain YAML keeps the last, silently)."""
-
-    def construct_mapping(self, node, deep=False):
-        seen = set()
-        for key_node, _ in node.value:
-            key = self.construct_object(key_node, deep=True)
-            if key in seen:
-                raise yaml.constructor.ConstructorError(None, None, f"key {key!r} is given twice",
-                                                        key_node.start_mark)
-            seen.add(key)
-        return super().construct_mapping(node, deep)
-
-
-def read_yaml(path: str | Path, what: str) -> object:
-    """A settings file (a mixture, the server's config): YAML with unique keys; errors name the file."""
-    try:
-        return yaml.load(Path(path).read_text(), Loader=_UniqueKeyLoader)
-    except (OSError, yaml.YAMLError) as error:
-        raise ValueError(f"{what} {path}: cannot be read as YAML ({error})") from None
-
-
-@dataclass(frozen=True)
-class MixtureEntry:
-    name: str
-    index: str
-    repeat: float
-
-
-@dataclass(frozen=True)
-class Mixture:
-    name: str
-    datasets: tuple[MixtureEntry, ...]
-    path: str = ""  # the file it was read from, for errors
-
-    @classmethod
-    def load(cls, path: str | Path) -> Mixture:
-        """Read and check a mixture file (YAML)."""
-        path = Path(path)
-        raw = read_yaml(path, "mixture file") or {}
-        if not isinstance(raw, dict) or not isinstance(raw.get("datasets"), dict) or not raw["datasets"]:
-            raise ValueError(f"{path}: a mixture file needs `name:` and `datasets: {{NAME: {{index: PATH, "
-                             "repeat: FLOAT}}}`")
-        name = str(raw.get("name") or path.stem)
-        entries = [MixtureEntry(str(dataset), str(_index_path(path, dataset, spec)), _repeat(path, dataset, spec))
-                   for dataset, spec in raw["datasets"].items()]
-        return cls(name, tuple(entries), str(path))
-
-    def where(self, dataset: str | None = None) -> str:
-        """How errors name the mixture (its file when read from one) and the dataset."""
-        named = f"mixture file {self.path}" if self.path else f"mixture {self.name}"
-        return f"{named}: dataset {dataset!r}" if dataset is not None else named
-
-
-def _index_path(path: Path, dataset, spec) -> Path:
-    if not isinstance(spec, dict) or "index" not in spec or set(spec) - {"index", "repeat"}:
-        raise ValueError(f"mixture file {path}: dataset {dataset!r} needs `index:` (and optionally `repeat:`), "
-                         "nothing else")
-    if not isinstance(spec["index"], str) or not spec["index"]:
-        raise ValueError(f"mixture file {path}: dataset {dataset!r} has index {spec['index']!r}; give the path of "
-                         "its index.parquet")
-    index = Path(spec["index"])
-    index = index if index.is_absolute() else path.parent / index
-    if not index.is_file():
-        raise ValueError(f"mixture file {path}: dataset {dataset!r}: index {index} not found")
-    try:
-        read_index_info(index)
-    except ValueError as error:  # it names the file; the mixture names the dataset
-        raise ValueError(f"mixture file {path}: dataset {dataset!r}: {error}") from None
-    return index
-
-
-def _repeat(path: Path, dataset, spec: dict) -> float:
-    """The dataset's repeat weight: a number in (0, MAX_REPEAT] (YAML's true or "two" are refused; `1e3`, which
-    YAML reads as a string, is the number 1000)."""
-    given = spec.get("repeat", 1)
-    repeat = math.nan
-    if isinstance(given, (int, float, str)) and not isinstance(given, bool):
-        try:
-            repeat = float(given)
-        except ValueError:
-            pass
-    if not math.isfinite(repeat) or not 0 < repeat <= MAX_REPEAT:
-        raise ValueError(f"mixture file {path}: dataset {dataset!r} has repeat {given!r}; give a number > 0 and "
-                         f"at most {MAX_REPEAT} (times each sample is seen per epoch)")
-    return repeat
-
 
 @dataclass
 class MixtureRows:
@@ -161,20 +68,39 @@ class MixtureLoads:
                                  f"({', '.join(sorted(info.encoders))}); a mixture plans the vision encoder and the "
                                  "LLM only: plan that index on its own")
         self.valid = [np.flatnonzero(valid_mask(loads)) for loads in self.loads]
-        check_epoch_rows(mixture, self.valid)
+        if mixture.schedule is None:
+            check_epoch_rows(mixture, self.valid)
+        self.samples = mixture.samples or sum(len(ids) for ids in self.valid)  # a moving mixture's epoch
+        if mixture.schedule is not None and not 0 < self.samples <= MAX_EPOCH_ROWS:
+            raise ValueError(f"{mixture.where()}: an epoch of {self.samples:,} samples; give `samples:` from 1 to "
+                             f"{MAX_EPOCH_ROWS:,}")
+
+    @property
+    def moving(self) -> bool:
+        """Its weights move over the epoch: it is planned in windows, each drawn by its own weights."""
+        return self.mixture.schedule is not None
 
     @property
     def fingerprint(self) -> str:
-        """Covers every dataset's name, index fingerprint and repeat."""
+        """Covers every dataset's name, index fingerprint and repeat (or the weight schedule and epoch length)."""
         basis = [{"name": e.name, "index": info.fingerprint, "repeat": e.repeat}
                  for e, info in zip(self.mixture.datasets, self.infos)]
-        return hashlib.sha256(json.dumps({"mixture": basis}, sort_keys=True).encode()).hexdigest()[:32]
+        described = {"mixture": basis}
+        if self.moving:
+            schedule = self.mixture.schedule
+            described["schedule"] = {"points": schedule.points, "interpolate": schedule.interpolate,
+                                     "samples": self.samples}
+        return hashlib.sha256(json.dumps(described, sort_keys=True).encode()).hexdigest()[:32]
 
     def epoch(self, seed: int, epoch: int) -> MixtureRows:
         return self._rows(*self.epoch_rows(seed, epoch))
 
     def epoch_rows(self, seed: int, epoch: int) -> tuple[np.ndarray, np.ndarray]:
         """(dataset, sample id there) of every row of the epoch, in dataset order."""
+        if self.moving:
+            raise ValueError(f"{self.mixture.where()}: its weights move over the epoch, so it is planned in windows, "
+                             "each drawn by its own weights: give a window (--window N, `window` in the plan "
+                             "settings), e.g. a twentieth of the epoch or less")
         datasets, sample_ids = [], []
         for k, (entry, valid) in enumerate(zip(self.mixture.datasets, self.valid)):
             whole, fraction = divmod(entry.repeat, 1.0)
@@ -193,10 +119,24 @@ class MixtureLoads:
         the rows' order is an affine permutation, so each window mixes every dataset in its share. Loads are
         read from each dataset's (memory-mapped) columns as a window needs them; the epoch's rows themselves
         are held (12 bytes a row)."""
+        if self.moving:
+            return self._moving_windows(config, seed, epoch, caps)
         datasets, sample_ids = self.epoch_rows(seed, epoch)
         rows = RowLoads(self.loads, datasets, sample_ids)
         plan = WindowedPlan(rows, config, seed, epoch, config.window, self.fingerprint, caps)
         plan.rows = MixtureRows(rows, datasets, sample_ids, [e.name for e in self.mixture.datasets])
+        return plan
+
+    def _moving_windows(self, config: PlanConfig, seed: int, epoch: int, caps: Caps | None) -> WindowedPlan:
+        """Each window's rows drawn by the weights at its middle; rows are numbered window after window."""
+        schedule = self.mixture.schedule
+        draws = MixtureDraws(self.valid, self.samples, config.window, seed, epoch,
+                             lambda window, progress: schedule.weights(progress))
+        datasets, sample_ids = DrawnColumn(draws, 0), DrawnColumn(draws, 1)
+        rows = RowLoads(self.loads, datasets, sample_ids)
+        plan = WindowedPlan(rows, config, seed, epoch, config.window, self.fingerprint, caps, drawn=True)
+        plan.rows = MixtureRows(rows, datasets, sample_ids, [e.name for e in self.mixture.datasets])
+        plan.draws = draws
         return plan
 
     def once(self) -> MixtureRows:

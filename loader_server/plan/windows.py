@@ -95,15 +95,21 @@ class WindowedPlan:
     `keep` windows are held."""
 
     def __init__(self, loads: SampleLoads | MappedLoads, config: PlanConfig, seed: int, epoch: int, size: int = DEFAULT_WINDOW,
-                 index_fingerprint: str = "", caps: Caps | None = None, keep: int = 2):
+                 index_fingerprint: str = "", caps: Caps | None = None, keep: int = 2, drawn: bool = False):
+        """`drawn`: the rows are in window order already (a moving mixture draws each window's rows,
+        `packfeed.server.plan.draws`): window w is rows [w*size, (w+1)*size), not a stretch of the epoch's
+        permutation."""
         if size < 1:
             raise ValueError("window size must be at least one sample")
         self.loads, self.config, self.seed, self.epoch, self.size = loads, config, seed, epoch, size
-        self.index_fingerprint, self.keep = index_fingerprint, max(2, keep)
+        self.index_fingerprint, self.keep, self.drawn = index_fingerprint, max(2, keep), drawn
+        self.draws = None  # a moving mixture's MixtureDraws: each window's weights and counts
+        self.rows = None  # a mixture's MixtureRows: the dataset and sample id of each row
         self.n_windows = max(1, math.ceil(len(loads) / size))
         self._caps = caps
         self._plans: dict[int, Plan] = {}
         self._carried: dict[int, np.ndarray] = {0: np.empty(0, dtype=np.int64)}  # samples a window takes over
+        self._passed_on: dict[int, np.ndarray] = {}  # drawn rows carried through a window that drew their sample
         self._first_steps = [0]  # first global step of each window planned so far, then where the next starts
         self._lock = threading.RLock()
         self._ahead = ThreadPoolExecutor(max_workers=1, thread_name_prefix="packfeed-window")
@@ -120,12 +126,34 @@ class WindowedPlan:
         return self._caps
 
     def _subset(self, window: int) -> tuple[np.ndarray, SampleLoads]:
-        ids = window_members(self.loads.valid, self.seed, self.epoch, window, self.size)
+        if self.drawn:
+            ids = np.arange(window * self.size, min((window + 1) * self.size, len(self.loads)), dtype=np.int64)
+        else:
+            ids = window_members(self.loads.valid, self.seed, self.epoch, window, self.size)
         if getattr(self.loads, "group", None) is not None and self.config.shared_prefix:
             ids = self._whole_groups(ids)
         if window in self._carried:
-            ids = np.concatenate([self._carried[window], ids])
+            carried = self._carried[window]
+            if self.drawn and window + 1 < self.n_windows:
+                twins = self._drawn_again(carried, ids)
+                self._passed_on[window + 1] = carried[twins]
+                carried = carried[~twins]
+            ids = np.concatenate([carried, ids])
         return ids, self.loads.subset(ids)
+
+    def _drawn_again(self, carried: np.ndarray, drawn: np.ndarray) -> np.ndarray:
+        """Mask of the carried rows whose sample the window drew itself, or another carried row holds (a dataset
+        drawn whole in a row of windows): they go one window further, so a window serves each sample at most
+        once."""
+        if not len(carried):
+            return np.zeros(0, bool)
+
+        def keys(rows: np.ndarray) -> np.ndarray:
+            return (self.loads.datasets[rows].astype(np.int64) << 40) | self.loads.sample_ids[rows]
+        mine = keys(carried)
+        again = np.isin(mine, keys(drawn))
+        again[np.setdiff1d(np.arange(len(mine)), np.unique(mine, return_index=True)[1])] = True
+        return again
 
     def _whole_groups(self, ids: np.ndarray) -> np.ndarray:
         """A window's samples with every group whole: a group is planned in the window of its lowest sample id
@@ -156,7 +184,7 @@ class WindowedPlan:
         plan = replace(local, members=ids[local.members], oversize=ids[local.oversize])
         if window + 1 == self.n_windows or plan.n_steps == 0:
             if window + 1 < self.n_windows:
-                self._carried[window + 1] = np.empty(0, dtype=np.int64)
+                self._carried[window + 1] = self._passed_on.get(window + 1, np.empty(0, dtype=np.int64))
             return plan
         unaligned = None
         if collective_safe_layout(self.config):
@@ -167,7 +195,8 @@ class WindowedPlan:
         sizes = np.diff(plan.offsets)
         served = np.repeat(served_packs, sizes)
         # a copy (fancy indexing): a view would keep this window's whole members array alive for the epoch
-        self._carried[window + 1] = plan.members[~served]
+        self._carried[window + 1] = np.concatenate([self._passed_on.get(window + 1, np.empty(0, np.int64)),
+                                                    plan.members[~served]])
         sizes = sizes[served_packs]
         return replace(plan, offsets=np.concatenate([[0], np.cumsum(sizes)]).astype(plan.offsets.dtype),
                        members=plan.members[served], truncate_to=plan.truncate_to[served],
@@ -242,6 +271,15 @@ class WindowedPlan:
         return True
 
     @property
+    def planned_windows(self) -> int:
+        """Windows planned so far (in order: each after the one before)."""
+        return len(self._first_steps) - 1
+
+    def first_step(self, window: int) -> int:
+        """The first global step of a planned window."""
+        return self._first_steps[window]
+
+    @property
     def steps_known(self) -> int:
         """Steps of the epoch once every window is planned; 0 before."""
         return self._first_steps[-1] if len(self._first_steps) - 1 == self.n_windows else 0
@@ -294,6 +332,29 @@ class WindowedPlan:
         dist = {f"{side}_dist": waste / busy if busy else 0.0 for side, (waste, busy) in totals.items()}
         alignment = alignment_summary(np.concatenate(unaligned), tower_names(self.loads), self.config)
         return {**dist, "samples": samples, "steps": self.steps_known, "collective_safe": alignment}
+
+    def whole(self) -> Plan:
+        """The epoch as one Plan, every window planned and its steps global (to write a plan file). Its
+        fingerprint is this plan's, the one a server serving it reports."""
+        plans = [self.window(window) for window in range(self.n_windows)]
+        first = plans[0]
+        shifts = np.cumsum([0] + [int(plan.offsets[-1]) for plan in plans[:-1]])
+        offsets = np.concatenate([[0]] + [plan.offsets[1:] + shift for plan, shift in zip(plans, shifts)])
+
+        def joined(name: str):
+            parts = [getattr(plan, name) for plan in plans]
+            return None if any(part is None for part in parts) else np.concatenate(parts)
+
+        further = {name: np.concatenate([plan.further_encoder_ranks[name] for plan in plans])
+                   for name in first.further_encoder_ranks}
+        plan = replace(first, caps=self.caps, offsets=offsets.astype(first.offsets.dtype), members=joined("members"),
+                       truncate_to=joined("truncate_to"), oversize=joined("oversize"),
+                       pack_vision=joined("pack_vision"), pack_tokens=joined("pack_tokens"),
+                       encoder_rank=joined("encoder_rank"), further_encoder_ranks=further, phases=None,
+                       cp_degree=joined("cp_degree"), cp_group=joined("cp_group"), groups=joined("groups"))
+        plan.rows = getattr(self, "rows", None)
+        plan._fingerprint = self.fingerprint()
+        return plan
 
     def close(self) -> None:
         self._ahead.shutdown(wait=False, cancel_futures=True)

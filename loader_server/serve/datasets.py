@@ -16,7 +16,8 @@ from packfeed.server.index.table import IndexInfo
 from packfeed.server.plan.costs import SampleLoads
 from packfeed.server.plan.isf import Caps
 from packfeed.server.plan.mapped_loads import MappedLoads, map_sample_loads
-from packfeed.server.plan.mixture import Mixture, MixtureLoads
+from packfeed.server.plan.mixture_file import Mixture
+from packfeed.server.plan.mixture import MixtureLoads
 from packfeed.server.plan.plan_file import Plan
 from packfeed.server.plan.windows import WindowedPlan
 from packfeed.server.serve.config import MixtureSource, dataset_source

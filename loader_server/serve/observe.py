@@ -80,6 +80,8 @@ class Metrics:
         self.live_pending = Gauge("packfeed_live_pending_samples", "Live samples accepted and in no step yet",
                                   ["job"], registry=r)
         self.live_spool = Gauge("packfeed_live_spool_bytes", "What a live job's spool holds", ["job"], registry=r)
+        self.mixture_weight = Gauge("packfeed_mixture_weight", "A mixture whose weights move: each dataset's weight "
+                                    "in the window of the step last sent", ["job", "dataset"], registry=r)
         self.evicted = Counter("packfeed_jobs_evicted", "Jobs forgotten after job_idle_s without use", registry=r)
         self.preprocess = Histogram("packfeed_preprocess_seconds_per_sample",
                                     "Worker time per sample (read, decode, tile, tokenize, assemble)",

@@ -18,6 +18,7 @@ from packfeed.server.plan.plan_file import Plan
 from packfeed.server.plan.planner import count_steps, make_plan
 from packfeed.server.plan.resume import resume_plan
 from packfeed.server.plan.windows import WindowedPlan
+from packfeed.server.serve.job_spec import JobError
 from packfeed.v1.options import PlanConfig
 
 
@@ -93,20 +94,33 @@ class MixturePlanning:
         return None  # each epoch's rows differ (repeats, subsets): every plan gathers its own
 
     def caps(self, config: PlanConfig, loads: SampleLoads | None = None) -> Caps:
+        self._check_windowed(config)
         return resolve_caps(self.mixture.once().loads, config)  # every valid sample once: the same each epoch
 
     def plan_epoch(self, config: PlanConfig, seed: int, epoch: int, caps: Caps | None,
                    loads: SampleLoads | None = None) -> Plan | WindowedPlan:
         if config.window:
             return self.mixture.windowed(config, seed, epoch, caps)
+        self._check_windowed(config)
         return make_mixture_plan(self.mixture, config, seed, epoch, caps)
 
     def count_steps(self, config, seed, epoch, caps, loads=None) -> int:
+        self._check_windowed(config)
         return count_mixture_steps(self.mixture, config, seed, epoch, caps)
+
+    def _check_windowed(self, config: PlanConfig) -> None:
+        """A mixture whose weights move is planned in windows only (each draws by its own weights)."""
+        if self.mixture.moving and not config.window:
+            raise JobError("INVALID_ARGUMENT", f"{self.mixture.mixture.where()}: its weights move over the epoch, so "
+                                               "it is planned in windows: give the job a window (PlanSpec.window, "
+                                               "--window N), e.g. a twentieth of the epoch; an elastic resume, which "
+                                               "plans what is left of an epoch whole, cannot continue such a job "
+                                               "(resume it with its own settings)")
 
     def replan(self, old, steps, config, seed, epoch, caps, loads=None) -> Plan:
         """The old epoch's rows keep their positions (the same repeats and subset), so packs name the same
         datasets and samples."""
+        self._check_windowed(config)
         plan = resume_plan(old.rows.loads, old, steps, config, seed, epoch, self.fingerprint, caps)
         plan.rows = old.rows
         return plan

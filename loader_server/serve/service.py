@@ -23,6 +23,7 @@ from packfeed.server.serve.coordination import Coordination
 from packfeed.server.serve.job_spec import JobError, JobSpec
 from packfeed.server.serve.jobs import Job
 from packfeed.server.serve.live_put import put_samples
+from packfeed.server.serve.mixture_weights import mixture_proto, mixture_status, step_weights
 from packfeed.server.serve.network import client_host
 from packfeed.server.serve.observe import Metrics, log
 from packfeed.server.serve.feed import RankFeed
@@ -149,6 +150,9 @@ class PackfeedService:
         info.samples_by_dataset.update(job.delivered)
         if job.live is not None:
             info.live.CopyFrom(pb.LiveStatus(**job.live.status()))
+        mixture = mixture_status(job)
+        if mixture is not None:
+            info.mixture.CopyFrom(mixture_proto(mixture))
         return info
 
     # -- the stream -------------------------------------------------------------------------------------
@@ -282,6 +286,8 @@ class PackfeedService:
         for dataset, count in result.by_dataset.items():
             self.metrics.dataset_samples.labels(name, dataset).inc(count)
         job.delivered.update(result.by_dataset)
+        for dataset, weight in (step_weights(job, epoch, step) or {}).items():
+            self.metrics.mixture_weight.labels(name, dataset).set(weight)
         if result.samples:
             self.metrics.preprocess.observe(result.seconds / result.samples)
         self._record_skipped(job, rank, epoch, step, result.skipped, "server")

@@ -32,6 +32,7 @@ from urllib.parse import parse_qs, urlsplit
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from packfeed.server.plan.windows import WindowedPlan
+from packfeed.server.serve.mixture_weights import mixture_status
 from packfeed.server.serve.observe import log
 from packfeed.server.serve.status_page import PAGE
 
@@ -117,6 +118,7 @@ class StatusReport:
             "samples_by_dataset": dict(job.delivered),
             "skipped": {"count": job.skipped_count, "recent_by_reason": reasons},
             "live": job.live.status() if job.live is not None else None,
+            "mixture": mixture_status(job) if job.failure is None else None,
         }
 
     def _rates(self, name: str, ranks: int) -> list[list[float]]:

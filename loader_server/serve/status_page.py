@@ -2,7 +2,8 @@
 every `refresh_s` with the token as a header (asked for, or taken from the address's fragment into the tab's
 session storage) and draws each job: its state, step k of N with a bar per rank, the current run's lag, the
 throughput and data wait of the last minutes as small inline SVG charts, the plan's balance, a live job's
-arrivals, pending samples, steps formed, stale drops and spool size, and the samples skipped by reason; recently closed jobs below. "-" wherever there is nothing yet."""
+arrivals, pending samples, steps formed, stale drops and spool size, a moving mixture's weights over the epoch,
+and the samples skipped by reason; recently closed jobs below. "-" wherever there is nothing yet."""
 
 PAGE = """<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><title>Packfeed status</title>
@@ -79,6 +80,20 @@ function chart(points, column, caption, format, window_s) {  // points: [seconds
     ", last " + period + ": now " + esc(last) + ", peak " + esc(values.length ? format(top) : "-") +
     "</figcaption></figure>";
 }
+const COLORS = ["#2f5fb3", "#d0661c", "#2a7a3a", "#8e44ad", "#b00", "#16a2a2", "#7a6a2a", "#555"];
+function weightsChart(m) {  // a mixture whose weights move: each dataset's weight per window, over the epoch
+  const w = 280, h = 64, names = Object.keys(m.windows[0].weights).sort();
+  const x = p => (p * w).toFixed(1), y = v => (h - 4 - v * (h - 10)).toFixed(1);
+  const lines = names.map((name, k) => '<polyline data-dataset="' + esc(name) + '" style="stroke:' +
+    COLORS[k % COLORS.length] + '" points="' + m.windows.map(v => x(v.progress) + "," + y(v.weights[name])).join(" ") + '"/>');
+  const now = m.windows.find(v => v.window === m.window) || m.windows[m.windows.length - 1];
+  const marker = '<line x1="' + x(now.progress) + '" x2="' + x(now.progress) + '" y1="0" y2="' + h + '" stroke="#999"/>';
+  const legend = names.map((name, k) => '<span style="color:' + COLORS[k % COLORS.length] + '">' + esc(name) + " " +
+    num(now.weights[name], 3) + "</span>").join(", ");
+  return '<figure class="weights"><svg class="chart" data-windows="' + m.windows.length + '" width="' + w +
+    '" height="' + h + '">' + marker + lines.join("") + "</svg><figcaption>mixture weights over epoch " + m.epoch +
+    " (" + m.windows.length + " window(s) planned); in force, window " + now.window + ": " + legend + "</figcaption></figure>";
+}
 function rankRows(ranks, total) {
   return ranks.map(r => [r.rank, bar(r.done_steps, total) + " " + esc(of(r.done_steps, total)), esc(position(r.acked)),
     esc(position(r.streamed)), r.lag_steps, r.queued_steps, num(r.data_wait_s, 1)]);
@@ -103,7 +118,8 @@ function job(j, window_s) {
     '<p class="throughput">' + num(j.throughput.samples_per_s, 1) + " samples/s, " + num(j.throughput.packs_per_s, 1) +
     " packs/s now; " + num(j.throughput.samples, 0) + " samples in " + num(j.throughput.packs, 0) + " packs sent</p>" +
     '<div class="charts">' + chart(j.history, 1, "samples/s", v => num(v, 1), window_s) +
-    chart(j.history, 2, "time trainers waited for data", v => num(100 * v, 1) + "%", window_s) + "</div>" +
+    chart(j.history, 2, "time trainers waited for data", v => num(100 * v, 1) + "%", window_s) +
+    (j.mixture && j.mixture.windows.length ? weightsChart(j.mixture) : "") + "</div>" +
     table(head, rankRows(j.ranks, total), "ranks") +
     (j.encoder_ranks.length ? table(["encoder rank"].concat(head.slice(1)), rankRows(j.encoder_ranks, total), "encoders") : "") +
     "<p>" + num(j.skipped.count, 0) + " sample(s) skipped" + (skipped.length ? ", recently:" : "") + "</p>" +

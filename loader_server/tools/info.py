@@ -51,7 +51,8 @@ def index_info(path: str | Path) -> dict[str, Any]:
 
 
 def mixture_info(path: str | Path) -> dict[str, Any]:
-    from packfeed.server.plan.mixture import Mixture, MixtureLoads
+    from packfeed.server.plan.mixture_file import Mixture
+    from packfeed.server.plan.mixture import MixtureLoads
 
     mixture = Mixture.load(path)
     loads = MixtureLoads(mixture)

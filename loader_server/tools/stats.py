@@ -197,7 +197,8 @@ def index_input(index_path: str | Path) -> ReportInput:
 
 def mixture_input(mixture_path: str | Path, config: PlanConfig, seed: int) -> ReportInput:
     """Epoch 0 of a mixture, repeats and subsets applied; invalid samples and shard errors of every dataset."""
-    from packfeed.server.plan.mixture import Mixture, MixtureLoads
+    from packfeed.server.plan.mixture_file import Mixture
+    from packfeed.server.plan.mixture import MixtureLoads
 
     mixture = MixtureLoads(Mixture.load(mixture_path))
     rows = mixture.epoch(seed, 0)  # the strategies are compared on it below, with the caps every epoch uses

@@ -1,0 +1,240 @@
+"""Mixtures whose weights move over the job (docs/planning.md "Mixtures that move"): each window draws its samples by
+the weights at its middle, exactly, never a sample twice; the plan file follows the schedule; served to DP 2,
+resumed on a restarted server and failed over to another, the same windows arrive; bad schedules are refused."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections import Counter
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+import yaml
+
+from packfeed.server.plan.mixture_file import Mixture
+from packfeed.server.plan.mixture import MixtureLoads
+from packfeed.v1.options import PlanConfig
+from test_mixture import lengths_index
+
+CLI = [sys.executable, "-m", "packfeed.server.cli"]
+ANNEAL = {"ocr": {0.0: 0.8, 1.0: 0.2}, "chat": {0.0: 0.2, 1.0: 0.8}}
+
+
+def schedule_file(tmp_path, sizes: dict[str, int], samples: int | None = None, **top) -> object:
+    datasets = {}
+    for k, (name, n) in enumerate(sizes.items()):
+        lengths_index(tmp_path / name / "index.parquet", n, k)
+        datasets[name] = {"index": f"{name}/index.parquet", "weights": ANNEAL[name]}
+    path = tmp_path / "anneal.yaml"
+    path.write_text(yaml.safe_dump({"name": "anneal", "datasets": datasets, **top,
+                                    **({"samples": samples} if samples else {})}))
+    return path
+
+
+def linear_share(progress: float) -> float:
+    """ocr's share of the anneal schedule at `progress` (its weights sum to 1 everywhere)."""
+    return 0.8 + (0.2 - 0.8) * progress
+
+
+def test_each_window_draws_the_weights_at_its_middle_exactly_and_never_a_sample_twice(tmp_path):
+    """80/20 moving to 20/80: every window's counts are within one sample of window x weights and sum to the window;
+    no window draws a sample twice; over the epoch each dataset gives each sample floor(R) or ceil(R) times; a
+    plan that draws window 7 first draws what one drawing in order does."""
+    path = schedule_file(tmp_path, {"ocr": 300, "chat": 500}, samples=2_000)
+    mixture = MixtureLoads(Mixture.load(path), None, mapped=True)
+    config = PlanConfig(dp=2, microbatches=1, window=160)
+    plan = mixture.windowed(config, 3, 0)
+    drawn = {"ocr": Counter(), "chat": Counter()}
+    shares = []
+    for window in range(plan.n_windows):
+        size = min(160, 2_000 - 160 * window)
+        progress = (160 * window + size / 2) / 2_000
+        datasets, ids = plan.draws.rows(window)
+        counts = dict(zip(plan.rows.names, np.bincount(datasets, minlength=2).tolist()))
+        assert sum(counts.values()) == size and abs(counts["ocr"] - size * linear_share(progress)) < 1
+        shares.append(counts["ocr"] / size)
+        for k, name in enumerate(plan.rows.names):
+            mine = ids[datasets == k].tolist()
+            assert len(set(mine)) == len(mine), f"window {window} drew a {name} sample twice"
+            drawn[name].update(mine)
+    assert shares[0] > 0.75 and shares[-1] < 0.25 and shares == sorted(shares, reverse=True)
+    for name, size in (("ocr", 300), ("chat", 500)):
+        total = sum(drawn[name].values())
+        assert set(drawn[name].values()) <= {total // size, -(-total // size)} and len(drawn[name]) == size
+    fresh = mixture.windowed(config, 3, 0)
+    assert all(np.array_equal(a, b) for a, b in zip(fresh.draws.rows(7), plan.draws.rows(7)))
+    assert mixture.windowed(config, 4, 0).draws.rows(0)[1].tolist() != plan.draws.rows(0)[1].tolist()
+
+
+def test_a_dataset_smaller_than_its_share_gives_all_it_has_and_the_rest_goes_to_the_others(tmp_path):
+    path = schedule_file(tmp_path, {"ocr": 40, "chat": 900}, samples=1_000)
+    plan = MixtureLoads(Mixture.load(path), None, mapped=True).windowed(PlanConfig(dp=2, window=100), 0, 0)
+    datasets, ids = plan.draws.rows(0)  # ocr's share is 0.77 of 100: it holds 40
+    ocr = plan.rows.names.index("ocr")
+    assert np.bincount(datasets).tolist()[ocr] == 40 and len(datasets) == 100
+    assert sorted(ids[datasets == ocr].tolist()) == list(range(40))
+
+
+def test_served_windows_hold_each_sample_at_most_once_and_every_draw_is_served(tmp_path):
+    """The windows as planned: carried steps move samples a window later, never into a window holding their
+    twin (a small dataset drawn whole window after window), and the epoch serves exactly what was drawn."""
+    path = schedule_file(tmp_path, {"ocr": 60, "chat": 400}, samples=1_200)
+    plan = MixtureLoads(Mixture.load(path), None, mapped=True).windowed(PlanConfig(dp=4, window=100), 0, 0)
+    served = Counter()
+    for window in range(plan.n_windows - 1):
+        rows = plan.window(window).members
+        keys = list(zip(plan.rows.datasets[rows].tolist(), plan.rows.sample_ids[rows].tolist()))
+        assert len(keys) == len(set(keys)), f"window {window} serves a sample twice"
+        served.update(keys)
+    served.update(zip(plan.rows.datasets[plan.window(plan.n_windows - 1).members].tolist(),
+                      plan.rows.sample_ids[plan.window(plan.n_windows - 1).members].tolist()))
+    drawn = Counter()
+    for window in range(plan.n_windows):
+        datasets, ids = plan.draws.rows(window)
+        drawn.update(zip(datasets.tolist(), ids.tolist()))
+    assert served == drawn
+
+
+def test_the_plan_file_follows_the_schedule_window_by_window(tmp_path):
+    """`packfeed plan --mixture schedule.yaml --dp 8 --window N --out plan.parquet`: the summary gives each window's
+    weights and draws, the file's `dataset` column follows them, and a second run writes the same plan."""
+    path = schedule_file(tmp_path, {"ocr": 900, "chat": 1_500})
+    command = CLI + ["plan", "--mixture", str(path), "--dp", "8", "--window", "400"]
+    done = subprocess.run(command + ["--out", str(tmp_path / "plan.parquet")], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    summary = json.loads(done.stdout.strip().splitlines()[-1])
+    windows = summary["windows_drawn"]
+    assert len(windows) == summary["windows"] == 6 and summary["samples"] == 2_400
+    assert [w["weights"]["ocr"] for w in windows] == sorted((w["weights"]["ocr"] for w in windows), reverse=True)
+    table = pq.read_table(tmp_path / "plan.parquet").to_pandas()
+    table = table[~table["empty"]]
+    assert len(table) == 2_400 and summary["datasets"] == table.dataset.value_counts().to_dict()
+    by_step = table.groupby("step").dataset.apply(lambda d: (d == "ocr").mean())
+    first, last = by_step.iloc[: len(by_step) // 6].mean(), by_step.iloc[-len(by_step) // 6:].mean()
+    assert first > 0.6 and last < 0.4  # 0.75 and 0.25 drawn; carried steps blur the edges a little
+    again = subprocess.run(command + ["--out", str(tmp_path / "again.parquet")], capture_output=True, text=True)
+    assert json.loads(again.stdout.strip().splitlines()[-1])["plan_fingerprint"] == summary["plan_fingerprint"]
+    assert pq.read_table(tmp_path / "again.parquet").equals(pq.read_table(tmp_path / "plan.parquet"))
+
+
+def test_the_fingerprint_covers_the_schedule(tmp_path):
+    path = schedule_file(tmp_path, {"ocr": 200, "chat": 300})
+    before = MixtureLoads(Mixture.load(path)).fingerprint
+    raw = yaml.safe_load(path.read_text())
+    raw["interpolate"] = "step"
+    path.write_text(yaml.safe_dump(raw))
+    assert MixtureLoads(Mixture.load(path)).fingerprint != before
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda raw: raw["datasets"]["ocr"].update(repeat=2), "both `repeat:` and `weights:`"),
+    (lambda raw: raw["datasets"]["chat"].pop("weights"), "give no `weights:` while others do"),
+    (lambda raw: raw["datasets"]["ocr"].update(weights={0.0: 0.8, 0.5: 0.2}), "give a weight at 1.0"),
+    (lambda raw: raw["datasets"]["ocr"].update(weights={0.2: 0.8, 1.0: 0.2}), "give a weight at 0.0"),
+    (lambda raw: raw["datasets"]["ocr"].update(weights={0.0: -1, 1.0: 0.2}), "give a number >= 0"),
+    (lambda raw: [raw["datasets"][d].update(weights={0.0: 0, 1.0: 0}) for d in ("ocr", "chat")], "every weight is 0"),
+    (lambda raw: raw.update(interpolate="cubic"), "interpolate 'cubic'"),
+    (lambda raw: raw.update(samples="many"), "samples 'many'"),
+    (lambda raw: raw.update(rules="softmax"), "unknown keys ['rules']"),
+])
+def test_bad_schedules_are_refused_naming_the_file_and_dataset(tmp_path, edit, message):
+    path = schedule_file(tmp_path, {"ocr": 50, "chat": 50})
+    raw = yaml.safe_load(path.read_text())
+    edit(raw)
+    path.write_text(yaml.safe_dump(raw))
+    with pytest.raises(ValueError, match="mixture file") as refused:
+        Mixture.load(path)
+    assert message in str(refused.value)
+
+
+def test_a_moving_mixture_is_refused_without_windows_saying_why(tmp_path):
+    path = schedule_file(tmp_path, {"ocr": 50, "chat": 50})
+    done = subprocess.run(CLI + ["plan", "--mixture", str(path), "--dp", "2"], capture_output=True, text=True)
+    assert done.returncode != 0 and "planned in windows" in done.stderr and "--window" in done.stderr
+
+
+def contents(step) -> tuple:
+    """A step's samples and every tensor's bytes."""
+    return step.step, step.sample_keys, [sorted((name, t.numpy().tobytes()) for name, t in pack.tensors.items())
+                                         for pack in step.packs]
+
+
+def served_schedule(tmp_path, tokenizer) -> object:
+    from test_integrity import conversation, index, write_tar
+
+    datasets = {}
+    for name, n in {"ocr": 14, "chat": 18}.items():
+        write_tar(tmp_path / f"{name}.tar", [{"__key__": f"{name}-{i}", "json": conversation(f"Q{i}?", "A." * (i + 1))}
+                                             for i in range(n)])
+        index([tmp_path / f"{name}.tar"], tmp_path / f"{name}.parquet", tokenizer)
+        datasets[name] = {"index": f"{name}.parquet", "weights": ANNEAL[name]}
+    path = tmp_path / "anneal.yaml"
+    path.write_text(yaml.safe_dump({"name": "anneal", "samples": 60, "datasets": datasets}))
+    return path
+
+
+def test_a_schedule_served_to_dp2_is_resumed_and_failed_over_to_the_same_windows(tmp_path, demo_dataset):
+    """Two ranks stream a whole job of 60 samples in windows of 12; GetJob and the status page give the windows'
+    weights and draws, Prometheus the weights in force; rank 0 killed mid-job and resumed on a restarted server,
+    and rank 1 failed over from a killed server to another, receive the same steps, byte for byte."""
+    import grpc
+
+    from packfeed.client import LocalServer, PackStream
+    from packfeed.v1 import packfeed_pb2 as pb
+    from packfeed.v1 import packfeed_pb2_grpc as pb_grpc
+    from ports import free_port
+    from test_status_page import get
+
+    path = served_schedule(tmp_path, demo_dataset.tokenizer)
+    extra = ["--mixture", str(path)]
+    options = dict(dataset="anneal", dp=2, microbatches=1, window=12, prefetch=1)
+
+    def whole(target, job, rank):
+        with PackStream(target, job=job, rank=rank, **options) as stream:
+            return [contents(step) for step in stream]
+
+    port = free_port()
+    with LocalServer(None, workers=1, metrics_port=port, extra_args=extra) as server:
+        straight = {rank: whole(server.target, "straight", rank) for rank in range(2)}
+        info = pb_grpc.PackfeedStub(grpc.insecure_channel(server.target)).GetJob(pb.GetJobRequest(job="straight"))
+        status = json.loads(get(f"http://127.0.0.1:{port}/status.json")[1])
+        metrics = get(f"http://127.0.0.1:{port}/metrics")[1].decode()
+        with PackStream(server.target, job="killed", rank=0, **options) as stream:
+            steps = iter(stream)
+            first = [contents(next(steps)) for _ in range(len(straight[0]) // 2)]
+            state = stream.state_dict()
+    windows = info.mixture.windows
+    assert len(windows) == 5 and sum(sum(w.drawn.values()) for w in windows) == 60
+    assert windows[0].weights["ocr"] > 0.7 and windows[-1].weights["ocr"] < 0.3
+    assert [w.first_step for w in windows] == sorted(w.first_step for w in windows)
+    served = Counter(key for rank in range(2) for _, keys, _ in straight[rank] for key in keys)
+    assert dict(info.samples_by_dataset) == {name: sum(n for key, n in served.items() if key.startswith(name + "-"))
+                                             for name in ("ocr", "chat")}
+    assert sum(served.values()) == 60
+    job = next(job for job in status["jobs"] if job["job"] == "straight")
+    assert [w["weights"] for w in job["mixture"]["windows"]] == [dict(w.weights) for w in windows]
+    assert 'packfeed_mixture_weight{dataset="ocr",job="straight"}' in metrics
+
+    with LocalServer(None, workers=1, extra_args=extra) as restarted:
+        with pytest.raises(Exception, match="planned in windows"):  # a whole-epoch job is refused, saying why
+            with PackStream(restarted.target, job="whole", rank=0, **{**options, "window": 0}) as stream:
+                next(iter(stream))
+        with PackStream(restarted.target, job="killed", rank=0, **options) as stream:
+            stream.load_state_dict(state)
+            rest = [contents(s) for s in stream]
+    assert first + rest == straight[0]
+
+    one, other = (LocalServer(None, workers=1, extra_args=extra).start() for _ in range(2))
+    try:
+        with PackStream([one.target, other.target], job="moved", rank=1, retries=8, backoff=0.2, **options) as stream:
+            steps = iter(stream)
+            received = [contents(next(steps))]
+            one.process.kill()
+            received += [contents(s) for s in steps]
+    finally:
+        one.stop()
+        other.stop()
+    assert received == straight[1]
