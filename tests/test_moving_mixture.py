@@ -238,3 +238,25 @@ def test_a_schedule_served_to_dp2_is_resumed_and_failed_over_to_the_same_windows
         one.stop()
         other.stop()
     assert received == straight[1]
+
+
+def test_stats_draws_a_schedules_weights_and_counts_over_the_epoch(tmp_path):
+    """`packfeed stats --mixture schedule.yaml --window N`: a table and a figure of each window's weights and draws,
+    every dataset's repeat as its windows drew it; without --window, the reason."""
+    path = schedule_file(tmp_path, {"ocr": 300, "chat": 500}, samples=1_000)
+    done = subprocess.run(CLI + ["stats", "--mixture", str(path), "--dp", "2", "--window", "250", "--out",
+                                 str(tmp_path / "r")], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    report = json.loads((tmp_path / "r" / "report.json").read_text())
+    windows = report["schedule"]
+    assert len(windows) == 4 and [sum(w["drawn"].values()) for w in windows] == [250] * 4
+    assert windows[0]["weights"]["ocr"] > windows[-1]["weights"]["ocr"]
+    drawn = sum(w["drawn"]["ocr"] for w in windows)
+    assert report["datasets"]["ocr"]["in_epoch_0"] == drawn and report["datasets"]["ocr"]["repeat"] == \
+        round(drawn / 300, 3)
+    assert (tmp_path / "r" / "schedule.png").stat().st_size > 5_000
+    assert "Weights over the epoch" in (tmp_path / "r" / "report.md").read_text()
+    assert "Weights over the epoch" in (tmp_path / "r" / "report.html").read_text()
+    refused = subprocess.run(CLI + ["stats", "--mixture", str(path), "--dp", "2", "--out", str(tmp_path / "x")],
+                             capture_output=True, text=True)
+    assert refused.returncode != 0 and "planned in windows" in refused.stderr

@@ -82,8 +82,8 @@ def unaligned_note(alignment: dict) -> str:
 
 def _plan_windows(args: argparse.Namespace) -> int:
     """`packfeed plan --window N`: plan every window (as a server would, one after another) and summarise the
-    epoch: steps, balance over all of them, the time to the first window. No plan file: a windowed plan is
-    made window by window where it is served."""
+    epoch: steps, balance over all of them, the time to the first window; with --out, the epoch's windows in one
+    plan file (steps global, the fingerprint the windowed plan's)."""
     import time
 
     from packfeed.server.plan.mapped_loads import map_sample_loads
@@ -138,17 +138,24 @@ def cmd_stats(args: argparse.Namespace) -> int:
     if bool(args.index) == bool(args.mixture):
         raise ValueError("give --index INDEX or --mixture MIXTURE.yaml")
     config = plan_config_of(args)
-    if config.window:
+    if config.window and not (args.mixture and _moving(args.mixture)):
         raise ValueError("the report compares whole-epoch plans; for a windowed plan's balance run "
-                         "`packfeed plan --window N`")
+                         "`packfeed plan --window N` (--window is for a mixture whose weights move: its windows' "
+                         "draws)")
     if config.context_parallel > 1:
         raise ValueError("the report compares strategies without context parallelism; for a CP plan's degrees, "
                          "per-GPU Dist and peak tokens run `packfeed plan --context-parallel C`, and "
                          "`packfeed simulate --context-parallel C` for its time")
     source = mixture_input(args.mixture, config, args.seed) if args.mixture else args.index
-    paths = write_report(source, args.out, config, seed=args.seed)
+    paths = write_report(source, args.out, dataclasses.replace(config, window=0), seed=args.seed)
     print(json.dumps({k: str(v) for k, v in paths.items()}))
     return EXIT_OK
+
+
+def _moving(mixture_path: str) -> bool:
+    from packfeed.server.plan.mixture_file import Mixture
+
+    return Mixture.load(mixture_path).schedule is not None
 
 
 def cmd_info(args: argparse.Namespace) -> int:

@@ -98,9 +98,7 @@ class MixtureLoads:
     def epoch_rows(self, seed: int, epoch: int) -> tuple[np.ndarray, np.ndarray]:
         """(dataset, sample id there) of every row of the epoch, in dataset order."""
         if self.moving:
-            raise ValueError(f"{self.mixture.where()}: its weights move over the epoch, so it is planned in windows, "
-                             "each drawn by its own weights: give a window (--window N, `window` in the plan "
-                             "settings), e.g. a twentieth of the epoch or less")
+            self._refuse_unwindowed()
         datasets, sample_ids = [], []
         for k, (entry, valid) in enumerate(zip(self.mixture.datasets, self.valid)):
             whole, fraction = divmod(entry.repeat, 1.0)
@@ -138,6 +136,21 @@ class MixtureLoads:
         plan.rows = MixtureRows(rows, datasets, sample_ids, [e.name for e in self.mixture.datasets])
         plan.draws = draws
         return plan
+
+    def drawn_epoch(self, config: PlanConfig, seed: int, epoch: int) -> tuple[MixtureRows, list[dict]]:
+        """A moving mixture's epoch as its windows of `config.window` samples draw it: every drawn row (loads in
+        memory), and each window's weights and draws (`MixtureDraws.describe`)."""
+        if not config.window:
+            self._refuse_unwindowed()
+        draws = self._moving_windows(config, seed, epoch, None).draws
+        drawn = [draws.rows(window) for window in range(draws.n_windows)]
+        rows = self._rows(np.concatenate([d for d, _ in drawn]), np.concatenate([i for _, i in drawn]))
+        return rows, [draws.describe(window, rows.names) for window in range(draws.n_windows)]
+
+    def _refuse_unwindowed(self) -> None:
+        raise ValueError(f"{self.mixture.where()}: its weights move over the epoch, so it is planned in windows, "
+                         "each drawn by its own weights: give a window (--window N, `window` in the plan settings), "
+                         "e.g. a twentieth of the epoch or less")
 
     def once(self) -> MixtureRows:
         """Every valid sample of every dataset once: what the automatic caps are searched on (stable across

@@ -181,6 +181,7 @@ class ReportInput:
     caps: Caps | None = None  # given for a mixture: searched on every sample once
     datasets: dict | None = None  # a mixture's per-dataset counts
     n_videos: np.ndarray | None = None  # per row, None when the index does not know
+    schedule: list[dict] | None = None  # a moving mixture's windows: weights and draws (MixtureDraws.describe)
 
 
 def index_input(index_path: str | Path) -> ReportInput:
@@ -196,12 +197,17 @@ def index_input(index_path: str | Path) -> ReportInput:
 
 
 def mixture_input(mixture_path: str | Path, config: PlanConfig, seed: int) -> ReportInput:
-    """Epoch 0 of a mixture, repeats and subsets applied; invalid samples and shard errors of every dataset."""
+    """Epoch 0 of a mixture, repeats and subsets applied (a moving one's: every window's draw, windows of
+    `config.window` samples); invalid samples and shard errors of every dataset."""
     from packfeed.server.plan.mixture_file import Mixture
     from packfeed.server.plan.mixture import MixtureLoads
 
     mixture = MixtureLoads(Mixture.load(mixture_path))
-    rows = mixture.epoch(seed, 0)  # the strategies are compared on it below, with the caps every epoch uses
+    schedule = None
+    if mixture.moving:  # every window's draw, by the weights at its middle
+        rows, schedule = mixture.drawn_epoch(config, seed, 0)
+    else:
+        rows = mixture.epoch(seed, 0)  # the strategies are compared on it below, with the caps every epoch uses
     caps = resolve_caps(mixture.once().loads, config)
     parts = [index_input(entry.index) for entry in mixture.mixture.datasets]
 
@@ -213,14 +219,16 @@ def mixture_input(mixture_path: str | Path, config: PlanConfig, seed: int) -> Re
 
     reasons = Counter({f"{entry.name}: {reason}": count for entry, part in zip(mixture.mixture.datasets, parts)
                        for reason, count in part.reasons.items()})
-    datasets = {entry.name: {"repeat": entry.repeat, "valid": int(part.loads.valid.sum()),
-                             "invalid": int((~part.loads.valid).sum()), "in_epoch_0": count}
-                for (entry, part), count in zip(zip(mixture.mixture.datasets, parts),
-                                                rows.counts(np.arange(len(rows.datasets))).values())}
+    datasets = {}
+    for (entry, part), count in zip(zip(mixture.mixture.datasets, parts),
+                                    rows.counts(np.arange(len(rows.datasets))).values()):
+        valid = int(part.loads.valid.sum())  # a moving mixture's repeat: what its windows drew, per valid sample
+        datasets[entry.name] = {"repeat": round(count / max(valid, 1), 3) if schedule else entry.repeat,
+                                "valid": valid, "invalid": int((~part.loads.valid).sum()), "in_epoch_0": count}
     return ReportInput(f"mixture {mixture.mixture.name} ({mixture_path})", mixture.fingerprint, "mixture", rows.loads,
                        gather("n_images"), gather("vision_tokens"), reasons,
                        [e for part in parts for e in part.shard_errors], parts[0].image_policy, caps, datasets,
-                       gather("n_videos"))
+                       gather("n_videos"), schedule)
 
 
 def build_report(source: str | Path | ReportInput, config: PlanConfig,
@@ -252,6 +260,8 @@ def build_report(source: str | Path | ReportInput, config: PlanConfig,
     }
     if report.datasets is not None:
         data["datasets"] = report.datasets
+    if report.schedule is not None:
+        data["schedule"] = report.schedule
     if balanced is not None and grouped(loads):
         data["groups"] = group_summary(prefix_savings(balanced.members, balanced.offsets, loads),
                                        balanced.groups is not None)
@@ -270,7 +280,23 @@ def build_report(source: str | Path | ReportInput, config: PlanConfig,
     if balanced is not None:
         figures["pack_fill"] = _figure_png(_fill(balanced, loads))
     figures["invalid_by_reason"] = _figure_png(_reasons(data["invalid_by_reason"]))
+    if report.schedule:
+        figures["schedule"] = _figure_png(_schedule(report.schedule))
     return data, figures
+
+
+def _schedule(windows: list[dict]):
+    def draw(ax):
+        progress = [w["progress"] for w in windows]
+        for name in windows[0]["weights"]:
+            ax.plot(progress, [w["weights"][name] for w in windows], marker=".", label=name)
+        ax.set_xlim(0, 1)
+        ax.set_ylim(0, 1)
+        ax.set_title("Mixture weights per window")
+        ax.set_xlabel("progress of the epoch")
+        ax.set_ylabel("weight")
+        ax.legend(fontsize="small")
+    return draw
 
 
 def write_report(source: str | Path | ReportInput, out_dir: str | Path, config: PlanConfig,

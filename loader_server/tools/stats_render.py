@@ -18,6 +18,8 @@ CAPTIONS = {
              "balancing one balances the other.",
     "pack_fill": "How full ISF+balance packs are, as a share of each cap: near 100% on both is little padding.",
     "invalid_by_reason": "Samples left out of every plan, by reason (the index's own records).",
+    "schedule": "A moving mixture's weights, window by window over the epoch (each window draws by the weights at "
+                "its middle).",
 }
 
 
@@ -56,6 +58,10 @@ def report_markdown(data: dict[str, Any], figures: dict[str, bytes]) -> str:
                   "|---|---|---|---|---|"]
         lines += [f"| {name} | {d['repeat']:g} | {d['valid']} | {d['invalid']} | {d['in_epoch_0']} |"
                   for name, d in data["datasets"].items()] + [""]
+    if data.get("schedule"):
+        lines += ["## Weights over the epoch", "", "| window | progress | weights | samples drawn |", "|---|---|---|---|"]
+        lines += [f"| {w['window']} | {w['progress']:.3f} | {_per_dataset(w['weights'], '.3f')} | "
+                  f"{_per_dataset(w['drawn'], ',')} |" for w in data["schedule"]] + [""]
     if data["shard_errors"]:
         lines += ["## Shard errors", ""] + [f"- `{e['shard']}`: {e['error']}" for e in data["shard_errors"]] + [""]
     lines += ["## Distributions (valid samples)", "", "| quantity | mean | p50 | p90 | p99 | max |", "|---|---|---|---|---|---|"]
@@ -76,6 +82,10 @@ def report_markdown(data: dict[str, Any], figures: dict[str, bytes]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _per_dataset(values: dict, spec: str) -> str:
+    return ", ".join(f"{name} {value:{spec}}" for name, value in values.items())
+
+
 def report_html(markdown_data: dict[str, Any], figures: dict[str, bytes]) -> str:
     d = markdown_data
     esc = html.escape
@@ -91,6 +101,15 @@ def report_html(markdown_data: dict[str, Any], figures: dict[str, bytes]) -> str
              "invalid</p>"]
     if d["invalid_by_reason"]:
         parts.append("<h2>Invalid samples by reason</h2>" + table(["reason", "samples"], d["invalid_by_reason"].items()))
+    if d.get("datasets"):
+        parts.append("<h2>Datasets of the mixture</h2>" + table(
+            ["dataset", "repeat", "valid", "invalid", "samples in epoch 0"],
+            [(name, f"{v['repeat']:g}", v["valid"], v["invalid"], v["in_epoch_0"]) for name, v in d["datasets"].items()]))
+    if d.get("schedule"):
+        parts.append("<h2>Weights over the epoch</h2>" + table(
+            ["window", "progress", "weights", "samples drawn"],
+            [(w["window"], f"{w['progress']:.3f}", _per_dataset(w["weights"], ".3f"), _per_dataset(w["drawn"], ","))
+             for w in d["schedule"]]))
     if d["shard_errors"]:
         parts.append("<h2>Shard errors</h2>" + table(["shard", "error", "samples read"],
                                                       [(e["shard"], e["error"], e.get("samples_read", ""))
