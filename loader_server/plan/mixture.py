@@ -126,8 +126,11 @@ class MixtureLoads:
         return plan
 
     def _moving_windows(self, config: PlanConfig, seed: int, epoch: int, caps: Caps | None) -> WindowedPlan:
-        """Each window's rows drawn by the weights at its middle; rows are numbered window after window."""
+        """Each window's rows drawn by the weights at its middle; rows are numbered window after window. Caps are
+        searched on every valid sample once, as for a whole-epoch mixture, so they suit every window's mix."""
         schedule = self.mixture.schedule
+        if caps is None and not config.strategy.padded:  # not window 0's: its mix is only the schedule's start
+            caps = resolve_caps(self.once().loads, config)
         draws = MixtureDraws(self.valid, self.samples, config.window, seed, epoch,
                              lambda window, progress: schedule.weights(progress))
         datasets, sample_ids = DrawnColumn(draws, 0), DrawnColumn(draws, 1)

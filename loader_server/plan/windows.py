@@ -145,14 +145,19 @@ class WindowedPlan:
         """Mask of the carried rows whose sample the window drew itself, or another carried row holds (a dataset
         drawn whole in a row of windows): they go one window further, so a window serves each sample at most
         once."""
+        again = np.zeros(len(carried), bool)
         if not len(carried):
-            return np.zeros(0, bool)
-
-        def keys(rows: np.ndarray) -> np.ndarray:
-            return (self.loads.datasets[rows].astype(np.int64) << 40) | self.loads.sample_ids[rows]
-        mine = keys(carried)
-        again = np.isin(mine, keys(drawn))
-        again[np.setdiff1d(np.arange(len(mine)), np.unique(mine, return_index=True)[1])] = True
+            return again
+        datasets, ids = self.loads.datasets[carried], self.loads.sample_ids[carried]
+        drawn_datasets, drawn_ids = self.loads.datasets[drawn], self.loads.sample_ids[drawn]
+        for k in np.unique(datasets).tolist():  # a mask per dataset: linear in the window, where isin sorts it
+            mine = np.flatnonzero(datasets == k)
+            theirs = drawn_ids[drawn_datasets == k]
+            seen = np.zeros(int(max(ids[mine].max(), theirs.max(initial=-1))) + 1, bool)
+            seen[theirs] = True
+            again[mine] = seen[ids[mine]]
+            first = np.unique(ids[mine], return_index=True)[1]  # of carried twins, the first stays
+            again[np.setdiff1d(mine, mine[first])] = True
         return again
 
     def _whole_groups(self, ids: np.ndarray) -> np.ndarray:
