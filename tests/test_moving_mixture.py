@@ -260,3 +260,36 @@ def test_stats_draws_a_schedules_weights_and_counts_over_the_epoch(tmp_path):
     refused = subprocess.run(CLI + ["stats", "--mixture", str(path), "--dp", "2", "--out", str(tmp_path / "x")],
                              capture_output=True, text=True)
     assert refused.returncode != 0 and "planned in windows" in refused.stderr
+
+
+def test_the_docs_commands_run_as_written(tmp_path, demo_dataset):
+    """docs/planning.md "Mixtures that move": its stats, plan and serve lines, in a folder holding ocr/ and chat/
+    indexes of real shards and an anneal.yaml (the docs' schedule, on 32 samples: one window); the server streams
+    the job's first step to a trainer that asks for the docs' window."""
+    import contextlib
+    import shlex
+
+    from doc_commands import commands_run_by
+    from packfeed.client import LocalServer, PackStream
+
+    (tmp_path / "made").mkdir()
+    served = served_schedule(tmp_path / "made", demo_dataset.tokenizer)
+    raw = yaml.safe_load(served.read_text())
+    for name in ("ocr", "chat"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "index.parquet").write_bytes((tmp_path / "made" / f"{name}.parquet").read_bytes())
+        raw["datasets"][name]["index"] = f"{name}/index.parquet"
+    raw.pop("samples")
+    (tmp_path / "anneal.yaml").write_text(yaml.safe_dump(raw))
+    commands = commands_run_by("tests/test_moving_mixture.py")
+    assert [c.split()[1] for c in commands] == ["stats", "plan", "serve"]
+    for command in commands[:2]:
+        done = subprocess.run(CLI + shlex.split(command)[1:], cwd=tmp_path, capture_output=True, text=True)
+        assert done.returncode == 0, f"{command}\n{done.stderr[-2000:]}"
+    assert json.loads((tmp_path / "report" / "report.json").read_text())["schedule"][0]["drawn"] == \
+        {"chat": 18, "ocr": 14}
+    assert set(pq.read_table(tmp_path / "plan.parquet").column("dataset").to_pylist()) >= {"ocr", "chat"}
+    with contextlib.chdir(tmp_path), LocalServer(extra_args=shlex.split(commands[2])[2:]) as server:
+        with PackStream(server.target, job="docs", rank=0, dataset="anneal", dp=1, microbatches=1,
+                        window=100_000) as stream:
+            assert next(iter(stream)).sample_keys
