@@ -64,7 +64,7 @@ def unaligned(classes: np.ndarray) -> np.ndarray:
     return (classes != classes[:, :1, :]).any(axis=1)
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(loads=mixed_datasets(), config=safe_configs(), seed=st.integers(0, 2**31))
 def test_every_microbatch_calls_the_same_towers_on_every_rank_where_the_data_allows(loads, config, seed):
     plan = make_plan(loads, config, seed, 0)
@@ -164,7 +164,7 @@ def image_and_text_mixes(draw):
     return SampleLoads.from_arrays(vision, rng.integers(16, 3000, n) + 256 * vision)
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(loads=image_and_text_mixes(), dp=st.integers(2, 8), m=st.integers(1, 4), seed=st.integers(0, 2**31),
        strategy=st.sampled_from([Strategy.ISF_BALANCE, Strategy.ISF, Strategy.ISF_PHASES]))
 def test_images_and_text_leave_at_most_the_columns_the_caps_forbid(loads, dp, m, seed, strategy):

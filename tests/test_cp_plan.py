@@ -43,7 +43,7 @@ def cp_configs(draw):
                       vision_cap=12, token_cap=2048)
 
 
-SETTINGS = settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 @SETTINGS

@@ -37,7 +37,7 @@ def configs(draw):
         isf_iterations=draw(st.integers(1, 6)), samples_per_pack=draw(st.sampled_from([2.0, 4.0])))
 
 
-SETTINGS = settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+SETTINGS = settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 @SETTINGS
