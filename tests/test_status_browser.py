@@ -32,6 +32,14 @@ def chromium() -> str:
     return path
 
 
+def open_status(playwright, chromium: str, port: int):
+    """(browser, page) with the status page of the server whose metrics port is `port` open (no token)."""
+    browser = playwright.chromium.launch(executable_path=chromium, args=["--no-sandbox"])
+    page = browser.new_page()
+    page.goto(f"http://127.0.0.1:{port}/status")
+    return browser, page
+
+
 def stream_slowly(target: str, stop: threading.Event) -> None:
     """Rank 0 of a DP 2 job (rank 1 never reads), one step every 0.3 s, until told to stop or the job ends."""
     from packfeed.client import PackStream
@@ -136,9 +144,7 @@ def test_a_job_is_live_while_its_trainer_works_through_what_it_was_sent_then_fin
             assert time.monotonic() < deadline, "the server did not send the whole job"
             time.sleep(0.2)
         with sync_playwright() as playwright:
-            browser = playwright.chromium.launch(executable_path=chromium, args=["--no-sandbox"])
-            page = browser.new_page()
-            page.goto(f"http://127.0.0.1:{port}/status")
+            browser, page = open_status(playwright, chromium, port)
             job = page.locator('section.job[data-job="slow"]')
             job.wait_for(timeout=30_000)
             assert job.get_attribute("data-state") == "live"  # its stream ended: the trainer still works
@@ -214,9 +220,7 @@ def test_a_moving_mixtures_weights_are_charted_over_the_epoch(chromium, demo_dat
                         window=12) as stream:
             list(stream)
         with sync_playwright() as playwright:
-            browser = playwright.chromium.launch(executable_path=chromium, args=["--no-sandbox"])
-            page = browser.new_page()
-            page.goto(f"http://127.0.0.1:{port}/status")
+            browser, page = open_status(playwright, chromium, port)
             chart = page.locator('section.job[data-job="annealed"] figure.weights')
             chart.wait_for(timeout=30_000)
             lines = chart.locator("polyline")
