@@ -1,0 +1,88 @@
+"""One job's loss-driven weights: windows 0 and 1 take the schedule's, window w is decided from window w-1's weights
+and the losses reported for window w-2's steps, waiting for every rank's reports (at most the rule's wait_s); bad
+reports are counted and left out; a decision once recorded, or handed back by a resumed job, is kept."""
+
+from __future__ import annotations
+
+import math
+import threading
+
+import numpy as np
+import pytest
+
+from packfeed.server.plan.weight_ledger import WeightLedger
+from packfeed.server.plan.weight_rules import WeightRule
+
+NAMES = ["ocr", "chat"]
+STEPS = {0: range(0, 3), 1: range(3, 6), 2: range(6, 9), 3: range(9, 12)}  # each window's steps
+
+
+def ledger(wait_s: float = 30.0) -> WeightLedger:
+    return WeightLedger(WeightRule("softmax", temperature=0.5, wait_s=wait_s), NAMES, ranks=2,
+                        start=lambda progress: np.array([0.8, 0.2]))
+
+
+def decide(book: WeightLedger, window: int, epoch: int = 0) -> np.ndarray:
+    return book.weights(epoch, window, 0.5, STEPS.__getitem__, lambda w: decide(book, w, epoch))
+
+
+def test_a_window_is_decided_on_the_reports_of_the_window_two_before():
+    book = ledger()
+    assert decide(book, 0) == pytest.approx([0.8, 0.2]) and decide(book, 1) == pytest.approx([0.8, 0.2])
+    for step in STEPS[0]:
+        for rank in range(2):
+            assert book.report(rank, 0, step, {"ocr": 1.0, "chat": 2.0 + rank}, {"ocr": 10, "chat": 10}) is None
+    mean = np.array([1.0, 2.5])  # chat: ranks 2.0 and 3.0, equal counts
+    expected = np.exp(mean / 0.5) / np.exp(mean / 0.5).sum()
+    assert decide(book, 2) == pytest.approx(expected)
+    assert book.partial_windows == 0
+
+
+def test_deciding_waits_for_the_last_rank_and_a_rank_that_never_reports_costs_wait_s():
+    book = ledger()
+    for step in STEPS[0]:
+        book.report(0, 0, step, {"ocr": 3.0, "chat": 1.0})
+    for step in STEPS[0][:-1]:
+        book.report(1, 0, step, {"ocr": 3.0, "chat": 1.0})
+    decided = []
+    deciding = threading.Thread(target=lambda: decided.append(decide(book, 2)))
+    deciding.start()
+    deciding.join(timeout=0.5)
+    assert deciding.is_alive() and not decided  # one report short: it waits
+    book.report(1, 0, STEPS[0][-1], {"ocr": 3.0, "chat": 1.0})
+    deciding.join(timeout=30)
+    assert decided and decided[0][0] > 0.9 and book.partial_windows == 0
+    late = ledger(wait_s=0.3)  # nobody reports: decided on nothing after wait_s, the weights held
+    assert decide(late, 2) == pytest.approx([0.8, 0.2]) and late.partial_windows == 1
+
+
+@pytest.mark.parametrize("rank, losses, counts, reason", [
+    (0, {"ocr": 1.0, "video": 2.0}, None, "dataset outside the mixture"),
+    (0, {"ocr": math.nan}, None, "loss not a finite number"),
+    (0, {"ocr": "1.0"}, None, "loss not a finite number"),
+    (0, {"ocr": 1.0}, {"ocr": -3}, "negative count"),
+    (0, {"ocr": 1.0}, {"chat": 3}, "dataset outside the mixture"),
+    (5, {"ocr": 1.0}, None, "rank outside the job"),
+    (0, {}, None, "no losses"),
+])
+def test_a_bad_report_is_counted_and_left_out(rank, losses, counts, reason):
+    book = ledger(wait_s=0.2)
+    assert book.report(rank, 0, 0, losses, counts) == reason
+    assert book.ignored == {reason: 1}
+    assert decide(book, 2) == pytest.approx([0.8, 0.2])  # nothing of it entered a decision
+
+
+def test_a_recorded_decision_is_kept_and_a_restored_job_replays_it():
+    book = ledger(wait_s=0.2)
+    for step in STEPS[0]:
+        for rank in range(2):
+            book.report(rank, 0, step, {"ocr": 1.0, "chat": 4.0})
+    first = decide(book, 2)
+    for step in STEPS[0]:  # reports after the decision change nothing
+        book.report(0, 0, step, {"ocr": 9.0, "chat": 0.0})
+    assert decide(book, 2) == pytest.approx(first)
+    resumed = ledger(wait_s=0.2)
+    resumed.restore(book.recorded())
+    assert decide(resumed, 2) == pytest.approx(first) and resumed.partial_windows == 0
+    with pytest.raises(ValueError, match="not 2 weights >= 0 summing to 1"):
+        resumed.restore({0: {3: [0.5, 0.6]}})
