@@ -1,5 +1,6 @@
 """Loss-driven mixture weights (issue [6/6]): the rule a mixture file names sets each window's weights from the
-window before's and the per-dataset losses trainers reported (docs/planning.md "Weights the loss moves").
+window before's and the per-dataset losses trainers reported (the server's reports and decisions:
+`packfeed.server.plan.weight_ledger`).
 
     rule:
       name: softmax            # weights ~ exp(loss / temperature): the datasets the model finds hardest get more
@@ -51,7 +52,7 @@ class WeightRule:
         if not isinstance(raw, dict) or raw.get("name") not in RULES:
             given = raw.get("name") if isinstance(raw, dict) else raw
             raise ValueError(f"{where}: rule {given!r} is not a rule; give `rule: {{name: softmax or excess_loss, "
-                             "...}}` (docs/planning.md \"Weights the loss moves\")")
+                             "...}}`")
         unknown = set(raw) - {"name", "reference", *_NUMBERS}
         if unknown:
             raise ValueError(f"{where}: rule fields {sorted(map(str, unknown))} are unknown; a rule has name, "
