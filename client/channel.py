@@ -121,6 +121,15 @@ class ServerChannel:
                 time.sleep(backoff * 2 ** attempt)
         raise AssertionError("unreachable")
 
+    def ask(self, name: str, request):
+        """A unary call to the server this channel talks to now, once: no retry and no failover (the stream's
+        receiver owns those), an error raised as PackfeedError."""
+        try:
+            return getattr(self._stub, name)(request, timeout=self.connection.timeout,
+                                             metadata=self.connection.metadata)
+        except grpc.RpcError as error:
+            raise PackfeedError(f"{error.code().name}: {error.details()}", error.code()) from None
+
     def send(self, name: str, request) -> None:
         """A unary call whose answer nobody waits for (acknowledgements): no retry, errors ignored."""
         try:

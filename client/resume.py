@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from packfeed.client.channel import PackfeedError
+from packfeed.client.loss_reports import REPORTS_KEPT
 from packfeed.v1 import packfeed_pb2 as pb
 from packfeed.v1.options import MAX_EPOCHS, MAX_NAME, MAX_RESUME_CHAIN, PlanConfig
 
@@ -40,6 +41,10 @@ def _text(value: Any, where: str, field: str, required: bool = True) -> str:
     return value
 
 
+MAX_DECIDED_WINDOWS = 1_000_000  # windows of all epochs a state may record (a job's are in the thousands)
+MAX_DECIDED_DATASETS = 10_000
+
+
 def checked_state(state: Any, where: str = "state") -> dict[str, Any]:
     """A saved state_dict with every field checked and bounded before anything is sized by it (a forged `dp` of
     2^32 must not allocate): the same rules as the server's for a request."""
@@ -69,7 +74,40 @@ def checked_state(state: Any, where: str = "state") -> dict[str, Any]:
             raise _bad_state(where, f"next is {str(position)[:80]!r}, not None or [epoch, step]")
         _count(position[0], MAX_EPOCHS - 1, where, "next[0] (the epoch)")
         _count(position[1], 2**63 - 1, where, "next[1] (the step)")
+    _check_decided(state.get("mixture_decided", []), where)
+    _check_reports(state.get("loss_reports", []), where)
     return state
+
+
+def _check_decided(decided: Any, where: str) -> None:
+    """A loss-driven mixture's decided windows ([{epoch, window, weights}]), bounded and plain (the server checks
+    the weights themselves)."""
+    if not isinstance(decided, list) or len(decided) > MAX_DECIDED_WINDOWS:
+        raise _bad_state(where, f"mixture_decided is not a list of at most {MAX_DECIDED_WINDOWS:,} windows")
+    for entry in decided:
+        if not isinstance(entry, dict) or set(entry) != {"epoch", "window", "weights"} or \
+                not isinstance(entry["weights"], dict) or len(entry["weights"]) > MAX_DECIDED_DATASETS or \
+                not all(isinstance(k, str) and isinstance(v, (int, float)) and not isinstance(v, bool)
+                        for k, v in entry["weights"].items()):
+            raise _bad_state(where, f"mixture_decided holds {str(entry)[:120]!r}, not {{epoch, window, weights: "
+                                    "{dataset: number}}")
+        _count(entry["epoch"], MAX_EPOCHS - 1, where, "mixture_decided epoch")
+        _count(entry["window"], 2**31 - 1, where, "mixture_decided window")
+
+
+def _check_reports(reports: Any, where: str) -> None:
+    """A loss-driven mixture's kept reports ([epoch, step, {dataset: loss}, {dataset: count}]), bounded and plain."""
+    if not isinstance(reports, list) or len(reports) > REPORTS_KEPT:
+        raise _bad_state(where, f"loss_reports is not a list of at most {REPORTS_KEPT:,} reports")
+    for report in reports:
+        if not isinstance(report, (list, tuple)) or len(report) != 4 or not all(
+                isinstance(values, dict) and len(values) <= MAX_DECIDED_DATASETS and all(
+                    isinstance(k, str) and isinstance(v, (int, float)) and not isinstance(v, bool)
+                    for k, v in values.items()) for values in report[2:]):
+            raise _bad_state(where, f"loss_reports holds {str(report)[:120]!r}, not [epoch, step, {{dataset: loss}}, "
+                                    "{dataset: count}]")
+        _count(report[0], MAX_EPOCHS - 1, where, "loss_reports epoch")
+        _count(report[1], 2**63 - 1, where, "loss_reports step")
 
 
 def resume_dict(message: pb.ResumeFrom) -> dict[str, Any]:

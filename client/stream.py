@@ -32,6 +32,7 @@ import grpc
 
 from packfeed.client.channel import Connection, PackfeedError, ServerChannel
 from packfeed.client.decode import DecodeOptions, PackDecoder
+from packfeed.client.loss_reports import LossReports
 from packfeed.client.receiver import Receiver, seat_fields
 from packfeed.client.resume import checked_state, resume_dict, resume_from
 from packfeed.client.tensors import Step
@@ -143,6 +144,7 @@ class PackStream:
         self._consumed: tuple[int, int, list] | None = None  # (epoch, step, client skips): not the tensors
         self._acked: tuple[int, int] | None = None  # the last step this stream acknowledged
         self._acks = ThreadPoolExecutor(max_workers=1, thread_name_prefix="packfeed-ack")
+        self._losses = LossReports()  # a loss-driven mixture's reports and decided windows
         self._receiver: Receiver | None = None
         self.wait_seconds = 0.0  # time the trainer spent blocked in next()
 
@@ -175,6 +177,9 @@ class PackStream:
                  "seed": self.info.seed, "plan": PlanConfig.from_proto(self.info.plan).to_dict()}
         if self.info.HasField("resume"):  # a resumed job's plan is a function of what it resumed, too
             state["resumed"] = resume_dict(self.info.resume)
+        if self.info.HasField("mixture"):  # a loss-driven mixture's windows and reports: given again on resume
+            self._losses.take(self.channel.call("GetJob", pb.GetJobRequest(job=self.job)).mixture.decided)
+            state.update(self._losses.state())
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -189,6 +194,27 @@ class PackStream:
         self._stop_receiver()
         self._next = tuple(state["next"]) if state["next"] else None
         self._restored = True
+        if state.get("mixture_decided") or state.get("loss_reports"):  # the windows the saved run drew
+            self._losses.load(state, pb.AckStepRequest(job=self.job, **seat_fields(self.seat)))
+            self.reopen()
+
+    def report(self, losses_by_dataset: dict[str, float], counts: dict[str, float] | None = None) -> None:
+        """A loss-driven mixture (docs/planning.md "Mixtures that move"): this rank's mean loss per dataset over the
+        step it just trained, and what each mean is over (tokens or samples; 1 each when not given). Sent with that
+        step's acknowledgement; the server decides later windows' weights from every rank's reports, so a rank
+        reports every step, {} when it held no samples."""
+        last = self._consumed or self._acked
+        if last is None:
+            raise PackfeedError("report(): no step was received yet; report a step's losses after training it")
+        try:
+            losses = {str(k): float(v) for k, v in losses_by_dataset.items()}
+            counts = {str(k): float(v) for k, v in (counts or {}).items()}
+        except (TypeError, ValueError, AttributeError):
+            raise PackfeedError("report(): give losses (and counts) as {dataset: number}") from None
+        request = pb.AckStepRequest(job=self.job, epoch=last[0], step=last[1], data_wait_s=self.wait_seconds,
+                                    losses=losses, loss_counts=counts, reports_losses=True,
+                                    **seat_fields(self.seat))
+        self._losses.submit(self.channel, request)
 
     # -- iteration --------------------------------------------------------------------------------------
 
@@ -279,7 +305,8 @@ class PackStream:
         the job's settings, so the new server streams the same packs, unless the dataset changed under it."""
         request = pb.OpenJobRequest(plan_fingerprint=self.info.plan_fingerprint)
         request.MergeFrom(self._open_request)  # a server that would plan otherwise refuses: it cannot capture the job
-        info = self.channel.call("OpenJob", request)
+        info = self.channel.call("OpenJob", self._losses.opening(request))
+        self._losses.resend(self.channel)  # a loss-driven mixture's: the server decides on every rank's reports
         if info.plan_fingerprint != self.info.plan_fingerprint:
             raise PackfeedError(f"job {self.job!r} was re-opened after a server restart with another plan "
                                 f"({info.plan_fingerprint}, was {self.info.plan_fingerprint}): did the index change?",
@@ -300,6 +327,7 @@ class PackStream:
         if self.decoder is not None:
             self.decoder.close()
         self._acks.shutdown(wait=True)
+        self._losses.pool.shutdown(wait=True)
         self.channel.close()
         if self._local is not None:
             self._local.stop()

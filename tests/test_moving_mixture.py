@@ -293,3 +293,100 @@ def test_the_docs_commands_run_as_written(tmp_path, demo_dataset):
         with PackStream(server.target, job="docs", rank=0, dataset="anneal", dp=1, microbatches=1,
                         window=100_000) as stream:
             assert next(iter(stream)).sample_keys
+
+
+RULE = {"name": "softmax", "temperature": 0.5, "min_weight": 0.1, "max_weight": 0.9, "max_change": 0.3,
+        "wait_s": 60}
+
+
+def synthetic_loss(dataset: str, step: int) -> float:
+    """ocr hard at first and learnt fast, chat the other way round: the softmax rule moves weight between them."""
+    return 3.0 - 0.25 * step if dataset == "ocr" else 1.0 + 0.1 * step
+
+
+def train(target, job: str, rank: int, state: dict | None = None, stop_after: int = 0, kill=None) -> tuple:
+    """One rank of a DP 2 job of the loss-driven mixture: every step's contents, each reported with the step's
+    synthetic losses per dataset (counted by its samples); with `stop_after`, its state after that many steps;
+    `kill()` called after the first step (the server it talks to dies)."""
+    from packfeed.client import PackStream
+
+    got = []
+    targets = target if isinstance(target, list) else [target]
+    # a cap of 50 tokens (the longest sample): a pack holds one or two samples, a window of 12 three steps or so
+    with PackStream(targets, job=job, rank=rank, dataset="anneal", dp=2, microbatches=1, window=12, prefetch=1,
+                    token_cap=50, vision_cap=64, retries=8, backoff=0.2) as stream:
+        if state is not None:
+            stream.load_state_dict(state)
+        for step in stream:
+            got.append(contents(step))
+            sources = Counter(step.sample_sources)
+            stream.report({d: synthetic_loss(d, step.step) for d in sources}, dict(sources))
+            if kill is not None and len(got) == 1:
+                kill()
+            if stop_after and len(got) == stop_after:
+                return got, stream.state_dict()
+    return got, None
+
+
+def both_ranks(target, job: str, states=(None, None), stop_after: int = 0, kill=None) -> list[tuple]:
+    """Both ranks at once (a window waits for every rank's reports)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(2) as pool:
+        runs = [pool.submit(train, target, job, rank, states[rank], stop_after, kill if rank == 0 else None)
+                for rank in range(2)]
+        return [run.result(timeout=600) for run in runs]
+
+
+def test_loss_driven_weights_replay_exactly_and_resume_and_fail_over_to_the_same_windows(tmp_path, demo_dataset):
+    """A softmax rule over reported losses, DP 2: windows 2 on move off the schedule within the rule's bounds and
+    max_change; a rerun reporting the same losses gets the same weights and packs; both ranks stopped mid-job and
+    resumed on a restarted server, and failed over from a killed server to another, get the same steps."""
+    import grpc
+
+    from packfeed.client import LocalServer
+    from packfeed.v1 import packfeed_pb2 as pb
+    from packfeed.v1 import packfeed_pb2_grpc as pb_grpc
+
+    path = served_schedule(tmp_path, demo_dataset.tokenizer)
+    raw = yaml.safe_load(path.read_text())
+    path.write_text(yaml.safe_dump({**raw, "rule": RULE}))
+    extra = ["--mixture", str(path)]
+    with LocalServer(None, workers=1, extra_args=extra) as server:
+        first = both_ranks(server.target, "first")
+        again = both_ranks(server.target, "again")
+        stub = pb_grpc.PackfeedStub(grpc.insecure_channel(server.target))
+        infos = [stub.GetJob(pb.GetJobRequest(job=job)).mixture for job in ("first", "again")]
+        stopped = both_ranks(server.target, "stopped", stop_after=5)
+    assert [steps for steps, _ in first] == [steps for steps, _ in again]
+    weights = [[dict(d.weights) for d in info.decided] for info in infos]
+    assert weights[0] == weights[1] and len(weights[0]) == 5
+    assert all(info.windows_on_partial_reports == 0 and not info.reports_ignored for info in infos), infos
+    ocr = [w["ocr"] for w in weights[0]]
+    for window in (0, 1):  # the schedule's
+        assert ocr[window] == pytest.approx(0.8 - 0.6 * ocr_progress(infos[0], window), abs=1e-9)
+    assert ocr[2] != pytest.approx(0.8 - 0.6 * ocr_progress(infos[0], 2), abs=1e-3)  # the rule's, from window 2
+    assert all(0.1 - 1e-9 <= w <= 0.9 + 1e-9 for w in ocr) and max(abs(a - b) for a, b in zip(ocr[1:], ocr)) <= 0.3 + 1e-9
+
+    def partial(server, job: str) -> int:  # windows decided without every rank's reports: none, all along
+        stub = pb_grpc.PackfeedStub(grpc.insecure_channel(server.target))
+        return stub.GetJob(pb.GetJobRequest(job=job)).mixture.windows_on_partial_reports
+
+    with LocalServer(None, workers=1, extra_args=extra) as restarted:
+        rest = both_ranks(restarted.target, "stopped", states=[state for _, state in stopped])
+        assert partial(restarted, "stopped") == 0  # the states' reports and decisions were given to it
+    for rank in range(2):
+        assert stopped[rank][0] + rest[rank][0] == first[rank][0]
+
+    one, other = (LocalServer(None, workers=1, extra_args=extra).start() for _ in range(2))
+    try:
+        moved = both_ranks([one.target, other.target], "moved", kill=one.process.kill)
+        assert partial(other, "moved") == 0  # each rank gave its reports again to the server it moved to
+    finally:
+        one.stop()
+        other.stop()
+    assert [steps for steps, _ in moved] == [steps for steps, _ in first]
+
+
+def ocr_progress(info, window: int) -> float:
+    return next(w.progress for w in info.windows if w.window == window)

@@ -16,6 +16,7 @@ the drawn windows' rows (12 bytes a row, as a fixed mixture's epoch) and the few
 from __future__ import annotations
 
 import math
+import threading
 from typing import Callable
 
 import numpy as np
@@ -110,6 +111,7 @@ class MixtureDraws:
         self._shares: list[np.ndarray] = []  # per drawn window, its weights (summing to 1)
         self._starts = [np.zeros(len(valid), np.int64)]  # per window, each dataset's stream position before it
         self._rows: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        self._lock = threading.Lock()
         self.streams = [DatasetStream(v, (seed, epoch, k), self._span_of(k)) for k, v in enumerate(valid)]
 
     def window_samples(self, window: int) -> int:
@@ -119,15 +121,26 @@ class MixtureDraws:
         """The job's progress (0 to 1) at the middle of window `window`'s samples."""
         return (window * self.window + self.window_samples(window) / 2) / self.samples
 
+    @property
+    def decided(self) -> int:
+        """Windows whose weights are known (0 to this, in order)."""
+        return len(self._counts)
+
     def counts(self, window: int) -> np.ndarray:
-        """Window `window`'s count from each dataset (the windows before it are counted first)."""
-        while len(self._counts) <= window:
-            w = len(self._counts)
+        """Window `window`'s count from each dataset (the windows before it are counted first). A window's weights
+        are asked for with no lock held: a loss-driven one's may wait for reports (`WeightLedger`), and two threads
+        asking for one window get the same weights."""
+        while True:
+            with self._lock:
+                if window < len(self._counts):
+                    return self._counts[window]
+                w = len(self._counts)
             shares = np.asarray(self.shares_at(w, self.progress(w)), dtype=np.float64)
-            self._shares.append(shares / shares.sum())
-            self._counts.append(exact_counts(self._shares[-1], self.window_samples(w), self.sizes))
-            self._starts.append(self._starts[-1] + self._counts[-1])
-        return self._counts[window]
+            with self._lock:
+                if len(self._counts) == w:
+                    self._shares.append(shares / shares.sum())
+                    self._counts.append(exact_counts(self._shares[-1], self.window_samples(w), self.sizes))
+                    self._starts.append(self._starts[-1] + self._counts[-1])
 
     def shares(self, window: int) -> np.ndarray:
         """Window `window`'s weights, divided by their sum."""

@@ -30,6 +30,7 @@ from packfeed.server.plan.mapped_loads import GatheredColumn, map_sample_loads, 
 from packfeed.server.plan.mixture_file import MAX_EPOCH_ROWS, Mixture
 from packfeed.server.plan.plan_file import Plan
 from packfeed.server.plan.planner import count_steps, make_plan
+from packfeed.server.plan.weight_ledger import WeightLedger
 from packfeed.server.plan.windows import WindowedPlan
 from packfeed.v1.options import PlanConfig
 
@@ -90,6 +91,8 @@ class MixtureLoads:
             schedule = self.mixture.schedule
             described["schedule"] = {"points": schedule.points, "interpolate": schedule.interpolate,
                                      "samples": self.samples}
+            if self.mixture.rule is not None:  # the rule, never the losses
+                described["rule"] = self.mixture.rule.to_dict()
         return hashlib.sha256(json.dumps(described, sort_keys=True).encode()).hexdigest()[:32]
 
     def epoch(self, seed: int, epoch: int) -> MixtureRows:
@@ -131,8 +134,17 @@ class MixtureLoads:
         schedule = self.mixture.schedule
         if caps is None and not config.strategy.padded:  # not window 0's: its mix is only the schedule's start
             caps = resolve_caps(self.once().loads, config)
-        draws = MixtureDraws(self.valid, self.samples, config.window, seed, epoch,
-                             lambda window, progress: schedule.weights(progress))
+        def shares_at(window: int, progress: float) -> np.ndarray:
+            # a job's ledger decides a loss-driven mixture's windows (Job.epoch_plan sets it before window 2 is
+            # drawn); without one (the planning tools: no trainer reports losses) the schedule's weights
+            if plan.ledger is None:
+                return schedule.weights(progress)
+            return plan.ledger.weights(epoch, window, progress, steps_of, draws.shares)
+
+        def steps_of(window: int) -> range:
+            return range(plan.first_step(window), plan.first_step(window + 1))
+
+        draws = MixtureDraws(self.valid, self.samples, config.window, seed, epoch, shares_at)
         datasets, sample_ids = DrawnColumn(draws, 0), DrawnColumn(draws, 1)
         rows = RowLoads(self.loads, datasets, sample_ids)
         plan = WindowedPlan(rows, config, seed, epoch, config.window, self.fingerprint, caps, drawn=True)
@@ -154,6 +166,13 @@ class MixtureLoads:
         raise ValueError(f"{self.mixture.where()}: its weights move over the epoch, so it is planned in windows, "
                          "each drawn by its own weights: give a window (--window N, `window` in the plan settings), "
                          "e.g. a twentieth of the epoch or less")
+
+    def ledger(self, ranks: int) -> WeightLedger | None:
+        """A job's ledger of loss-driven weights (its mixture names a rule), else None."""
+        if self.mixture.rule is None:
+            return None
+        return WeightLedger(self.mixture.rule, [e.name for e in self.mixture.datasets], ranks,
+                            self.mixture.schedule.weights)
 
     def once(self) -> MixtureRows:
         """Every valid sample of every dataset once: what the automatic caps are searched on (stable across

@@ -28,6 +28,7 @@ import yaml
 
 from packfeed.server.index.table import read_index_info
 from packfeed.server.plan.schedule import WeightSchedule
+from packfeed.server.plan.weight_rules import WeightRule
 MAX_REPEAT = 1000  # a dataset seen more often than this per epoch is a typo, not a weight (InternVL's go to ~4)
 MAX_EPOCH_ROWS = 1 << 31  # rows of one epoch: each costs 12 bytes held, and the planner counts them in int32
 
@@ -61,7 +62,7 @@ class MixtureEntry:
     repeat: float
 
 
-_MIXTURE_KEYS = {"name", "datasets", "interpolate", "samples"}
+_MIXTURE_KEYS = {"name", "datasets", "interpolate", "samples", "rule"}
 
 
 @dataclass(frozen=True)
@@ -71,6 +72,7 @@ class Mixture:
     path: str = ""  # the file it was read from, for errors
     schedule: WeightSchedule | None = None  # weights that move over the epoch (then `repeat` is unused)
     samples: int = 0  # a moving mixture's epoch length; 0: its datasets' valid samples summed
+    rule: WeightRule | None = None  # weights the reported losses move, from the schedule's (docs: "Weights the loss moves")
 
     @classmethod
     def load(cls, path: str | Path) -> Mixture:
@@ -92,9 +94,9 @@ class Mixture:
                              "dataset weights over the job, or every dataset a repeat")
         if any(moving):
             return cls._moving(path, name, raw)
-        if "interpolate" in raw or "samples" in raw:
-            raise ValueError(f"mixture file {path}: `interpolate:` and `samples:` go with datasets' `weights:`; "
-                             "a mixture of repeats has neither")
+        if "interpolate" in raw or "samples" in raw or "rule" in raw:
+            raise ValueError(f"mixture file {path}: `interpolate:`, `samples:` and `rule:` go with datasets' "
+                             "`weights:`; a mixture of repeats has none of them")
         entries = [MixtureEntry(str(dataset), str(_index_path(path, dataset, spec)), _repeat(path, dataset, spec))
                    for dataset, spec in specs.items()]
         return cls(name, tuple(entries), str(path))
@@ -115,7 +117,8 @@ class Mixture:
                                  f"number of samples from 1 to {MAX_EPOCH_ROWS:,}")
         entries = [MixtureEntry(str(dataset), str(_index_path(path, dataset, spec)), 1.0)
                    for dataset, spec in specs.items()]
-        return cls(name, tuple(entries), str(path), schedule, samples)
+        rule = WeightRule.parse(raw["rule"], list(map(str, specs)), f"mixture file {path}") if "rule" in raw else None
+        return cls(name, tuple(entries), str(path), schedule, samples, rule)
 
     def where(self, dataset: str | None = None) -> str:
         """How errors name the mixture (its file when read from one) and the dataset."""

@@ -11,6 +11,7 @@ decision handed back (`restore`: a resumed or failed-over job) is used as record
 
 from __future__ import annotations
 
+import logging
 import math
 import threading
 import time
@@ -19,6 +20,8 @@ from collections.abc import Callable
 import numpy as np
 
 from packfeed.server.plan.weight_rules import WeightRule
+
+log = logging.getLogger("packfeed.server")
 
 
 class WeightLedger:
@@ -34,7 +37,8 @@ class WeightLedger:
     def report(self, rank: int, epoch: int, step: int, losses: dict[str, float],
                counts: dict[str, float] | None = None) -> str | None:
         """A trainer's mean loss per dataset over one step (`counts`: what each mean is over, tokens or samples; 1
-        each when not given). None when taken; else why it was left out (and counted), the job going on."""
+        each when not given; none at all: the rank's step held no samples, which completes its reports too). None
+        when taken; else why it was left out (and counted), the job going on."""
         reason = self._refused(rank, losses, counts)
         if reason is not None:
             with self._changed:
@@ -52,8 +56,6 @@ class WeightLedger:
     def _refused(self, rank: int, losses: dict, counts: dict | None) -> str | None:
         if not 0 <= rank < self.ranks:
             return "rank outside the job"
-        if not losses:
-            return "no losses"
         if set(losses) - set(self._index) or set(counts or {}) - set(losses):
             return "dataset outside the mixture"
         values = list(losses.values()) + list((counts or {}).values())
@@ -89,6 +91,11 @@ class WeightLedger:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     self.partial_windows += 1
+                    missing = [(step, sorted(set(range(self.ranks)) - set(self._reports.get((epoch, step), {}))))
+                               for step in steps if len(self._reports.get((epoch, step), {})) < self.ranks]
+                    log.warning("a window's weights decided without every rank's loss reports",
+                                extra={"epoch": epoch, "steps": [steps.start, steps.stop],
+                                       "missing_steps_and_ranks": missing[:20], "wait_s": self.rule.wait_s})
                     break
                 self._changed.wait(min(left, 1.0))
             totals, counts = np.zeros(len(self.names)), np.zeros(len(self.names))
@@ -115,7 +122,7 @@ class WeightLedger:
 
     def restore(self, recorded: dict[int, dict[int, list[float]]]) -> None:
         """Decisions an earlier run of the job recorded, checked: one weight per dataset, finite, >= 0, summing to
-        1."""
+        1, and none against a decision taken here already."""
         for epoch, windows in recorded.items():
             for window, weights in windows.items():
                 weights = np.asarray(weights, dtype=np.float64)
@@ -124,4 +131,7 @@ class WeightLedger:
                     raise ValueError(f"recorded weights of epoch {epoch}, window {window} are not {len(self.names)} "
                                      f"weights >= 0 summing to 1: {weights.tolist()}")
                 with self._changed:
-                    self._decided.setdefault(int(epoch), {})[int(window)] = weights
+                    known = self._decided.setdefault(int(epoch), {}).setdefault(int(window), weights)
+                if not np.allclose(known, weights, rtol=0, atol=1e-9):
+                    raise ValueError(f"epoch {epoch}, window {window} was decided as {known.tolist()} here, not as "
+                                     f"the recorded {weights.tolist()}: the states are of another run of the job")

@@ -105,6 +105,7 @@ class WindowedPlan:
         self.index_fingerprint, self.keep, self.drawn = index_fingerprint, max(2, keep), drawn
         self.draws = None  # a moving mixture's MixtureDraws: each window's weights and counts
         self.rows = None  # a mixture's MixtureRows: the dataset and sample id of each row
+        self.ledger = None  # a loss-driven mixture's WeightLedger, set by its job: it decides windows 2 on
         self.n_windows = max(1, math.ceil(len(loads) / size))
         self._caps = caps
         self._plans: dict[int, Plan] = {}
@@ -212,6 +213,8 @@ class WindowedPlan:
     def window(self, window: int) -> Plan:
         """Window `window`'s plan (sample ids global, steps local). Windows are first planned in order (a
         window's first step is where the one before ends); one dropped from memory is planned again."""
+        if self.ledger is not None and self.draws is not None:
+            self._decide_through(window)
         with self._lock:
             while len(self._first_steps) - 1 <= window:
                 planned = len(self._first_steps) - 1
@@ -226,6 +229,13 @@ class WindowedPlan:
             if following < self.n_windows and following not in self._plans and self._next is None:
                 self._next = (following, self._ahead.submit(self._plan_window, following))
             return plan
+
+    def _decide_through(self, window: int) -> None:
+        """A loss-driven mixture's weights of the windows up to `window`, decided before the lock is taken: deciding
+        waits for trainers' reports, which come with acknowledgements that ask this plan for their steps."""
+        for later in range(max(2, self.draws.decided), min(window, self.n_windows - 1) + 1):
+            self.window(later - 1)  # the window before is planned: the steps the decision reads are known
+            self.draws.shares(later)
 
     def _remember(self, window: int, plan: Plan) -> None:
         self._plans[window] = plan
@@ -242,18 +252,20 @@ class WindowedPlan:
         """(window, its plan, step within it) of a global step; IndexError past the epoch's last step."""
         if step < 0:
             raise IndexError(f"step {step} is negative")
-        with self._lock:
-            for window in range(self.n_windows):
-                if window + 1 >= len(self._first_steps):
-                    self.window(window)
-                if step < self._first_steps[window + 1]:
-                    return window, self.window(window), step - self._first_steps[window]
+        # no lock held across windows: `window` takes it for each, after a loss-driven window is decided
+        for window in range(self.n_windows):
+            if window + 1 >= len(self._first_steps):
+                self.window(window)
+            if step < self._first_steps[window + 1]:
+                return window, self.window(window), step - self._first_steps[window]
         raise IndexError(f"step {step} is past the epoch's last step")
 
     def is_last_step(self, step: int) -> bool:
         window, plan, local = self.locate(step)
         if local != plan.n_steps - 1:
             return False
+        if self.ledger is not None:  # drawn windows each hold samples, so the last has steps: asking for the next
+            return window + 1 == self.n_windows  # would wait for the reports of the very step asked about
         return all(self.window(later).n_steps == 0 for later in range(window + 1, self.n_windows))
 
     def pack_with_truncation(self, step: int, rank: int, microbatch: int) -> tuple[np.ndarray, np.ndarray]:

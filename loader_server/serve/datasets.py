@@ -19,6 +19,7 @@ from packfeed.server.plan.mapped_loads import MappedLoads, map_sample_loads
 from packfeed.server.plan.mixture_file import Mixture
 from packfeed.server.plan.mixture import MixtureLoads
 from packfeed.server.plan.plan_file import Plan
+from packfeed.server.plan.weight_ledger import WeightLedger
 from packfeed.server.plan.windows import WindowedPlan
 from packfeed.server.serve.config import MixtureSource, dataset_source
 from packfeed.server.serve.index_rows import IndexRows
@@ -175,6 +176,10 @@ class Dataset:
                                               f"its settings re-planned here give {replanned}; what differs: "
                                               f"{differs}. Resume from the old job's own states on a server of its "
                                               "index, or start a new job")
+
+    def ledger(self, ranks: int) -> WeightLedger | None:
+        """A job's ledger of loss-driven weights (a mixture naming a rule), else None."""
+        return self.planning.ledger(ranks)
 
     def planned_loads(self, plan: Plan) -> SampleLoads | MappedLoads:
         """The loads a plan's members index (a mixture plan's rows, else the one index's)."""

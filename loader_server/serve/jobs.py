@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 from packfeed.server.cluster.coordinator import JobRecord
 from packfeed.server.plan.isf import Caps
 from packfeed.server.plan.plan_file import Plan
+from packfeed.server.plan.weight_ledger import WeightLedger
 from packfeed.server.plan.windows import WindowedPlan
 from packfeed.server.serve.job_spec import JobError, JobSpec
 from packfeed.server.serve.observe import log
@@ -121,10 +122,12 @@ class Job:
     _steps: dict = field(default_factory=dict)  # epoch -> its steps, once known exactly (the plan itself may go)
     _released: threading.Event = field(default_factory=threading.Event)  # closed or forgotten: stop counting
     live_keeper: asyncio.Task | None = None  # a live job's lease renewal on this server (`Coordination.hold_live`)
+    ledger: WeightLedger | None = None  # a loss-driven mixture's: its trainers' losses and each window's weights
 
     def __post_init__(self) -> None:
         if not self.encoders:
             self.encoders = [RankState() for _ in range(self.spec.plan_config.encoder_ranks)]
+        self.ledger = self.dataset.ledger(self.spec.plan_config.dp)
 
     def prepare(self, count_for_s: float) -> None:
         """Plan epoch 0 (caps included) now, so a bad config fails the open, not the first stream; count the
@@ -159,6 +162,8 @@ class Job:
             if epoch not in self._plans:
                 self._plans[epoch] = self.dataset.job_plan(self.spec.plan_config, self.spec.seed, epoch,
                                                            self.spec.resume, self.caps)
+                if isinstance(self._plans[epoch], WindowedPlan):  # before its window 2 is drawn
+                    self._plans[epoch].ledger = self.ledger
             self._plans.move_to_end(epoch)
             while len(self._plans) > PLANS_CACHED:
                 _, evicted = self._plans.popitem(last=False)  # never the one just asked for: it is the newest

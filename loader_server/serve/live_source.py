@@ -97,6 +97,9 @@ class LiveDataset:
     def part(self):
         return self.prompts.parts[0]
 
+    def ledger(self, ranks: int) -> None:
+        return None  # a live job's samples come from producers, not from mixture weights
+
     def caps(self, config: PlanConfig, loads=None) -> None:
         return None  # each step's, from its settings or its own samples
 

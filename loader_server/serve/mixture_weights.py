@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from packfeed.server.plan.windows import WindowedPlan
+from packfeed.server.serve.job_spec import JobError
 from packfeed.v1 import packfeed_pb2 as pb
 
 
@@ -35,12 +36,62 @@ def mixture_status(job) -> dict[str, Any] | None:
     in_force = plan.locate(step)[0] if plan.has_step(step) else plan.n_windows - 1
     windows = [{**plan.draws.describe(w, plan.rows.names), "first_step": plan.first_step(w)}
                for w in range(plan.planned_windows)]
-    return {"epoch": epoch, "window": in_force, "windows": windows}
+    status = {"epoch": epoch, "window": in_force, "windows": windows}
+    if job.ledger is not None:  # a loss-driven mixture: what a trainer's state keeps, and the reports left out
+        names = plan.rows.names
+        status["decided"] = [{"epoch": e, "window": w, "weights": dict(zip(names, weights))}
+                             for e, windows_of in job.ledger.recorded().items() for w, weights in windows_of.items()]
+        status["reports_ignored"] = dict(job.ledger.ignored)
+        status["windows_on_partial_reports"] = job.ledger.partial_windows
+    return status
 
 
 def mixture_proto(status: dict[str, Any]) -> pb.MixtureWeights:
-    message = pb.MixtureWeights(epoch=status["epoch"], window=status["window"])
+    message = pb.MixtureWeights(epoch=status["epoch"], window=status["window"],
+                                reports_ignored=status.get("reports_ignored", {}),
+                                windows_on_partial_reports=status.get("windows_on_partial_reports", 0))
     for window in status["windows"]:
         message.windows.add(window=window["window"], progress=window["progress"], weights=window["weights"],
                             drawn=window["drawn"], first_step=window["first_step"])
+    for decided in status.get("decided", []):
+        message.decided.add(**decided)
     return message
+
+
+def report_losses(job, rank: int, request: pb.AckStepRequest) -> str:
+    """A trainer's per-dataset losses of one step into its job's ledger: "taken", or why it was left out."""
+    if job.ledger is None:
+        return "the job's mixture has no rule"
+    reason = job.ledger.report(rank, request.epoch, request.step, dict(request.losses), dict(request.loss_counts))
+    return reason or "taken"
+
+
+def decided_answer(job) -> pb.AckStepResponse:
+    """A loss report's answer: every window the job decided so far."""
+    answer = pb.AckStepResponse()
+    if job.ledger is not None:
+        names = job.ledger.names
+        for epoch, windows in job.ledger.recorded().items():
+            for window, weights in windows.items():
+                answer.mixture_decided.add(epoch=epoch, window=window, weights=dict(zip(names, weights)))
+    return answer
+
+
+def restore_decided(job, decided) -> None:
+    """OpenJobRequest.mixture_decided into the job's ledger (a resumed trainer's state)."""
+    if not decided:
+        return
+    if job.ledger is None:
+        raise JobError("INVALID_ARGUMENT", f"job {job.spec.job!r} is not of a loss-driven mixture: it takes no "
+                                           "decided weights")
+    names = job.ledger.names
+    recorded: dict[int, dict[int, list[float]]] = {}
+    for entry in decided:
+        if set(entry.weights) != set(names):
+            raise JobError("INVALID_ARGUMENT", f"decided weights of epoch {entry.epoch}, window {entry.window} name "
+                                               f"{sorted(entry.weights)}, the mixture's datasets are {names}")
+        recorded.setdefault(entry.epoch, {})[entry.window] = [entry.weights[name] for name in names]
+    try:
+        job.ledger.restore(recorded)
+    except ValueError as error:
+        raise JobError("FAILED_PRECONDITION", str(error)) from None

@@ -82,6 +82,8 @@ class Metrics:
         self.live_spool = Gauge("packfeed_live_spool_bytes", "What a live job's spool holds", ["job"], registry=r)
         self.mixture_weight = Gauge("packfeed_mixture_weight", "A mixture whose weights move: each dataset's weight "
                                     "in the window of the step last sent", ["job", "dataset"], registry=r)
+        self.loss_reports = Counter("packfeed_loss_reports", "Loss reports of a loss-driven mixture's trainers, by "
+                                    "outcome (taken, or why left out)", ["job", "outcome"], registry=r)
         self.evicted = Counter("packfeed_jobs_evicted", "Jobs forgotten after job_idle_s without use", registry=r)
         self.preprocess = Histogram("packfeed_preprocess_seconds_per_sample",
                                     "Worker time per sample (read, decode, tile, tokenize, assemble)",

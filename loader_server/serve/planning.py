@@ -17,6 +17,7 @@ from packfeed.server.plan.mixture import MixtureLoads, count_mixture_steps, make
 from packfeed.server.plan.plan_file import Plan
 from packfeed.server.plan.planner import count_steps, make_plan
 from packfeed.server.plan.resume import resume_plan
+from packfeed.server.plan.weight_ledger import WeightLedger
 from packfeed.server.plan.windows import WindowedPlan
 from packfeed.server.serve.job_spec import JobError
 from packfeed.v1.options import PlanConfig
@@ -49,6 +50,9 @@ class Planning(Protocol):
 
     def members(self, plan: Plan, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(part, sample id there) of plan members `ids`."""
+
+    def ledger(self, ranks: int) -> WeightLedger | None:
+        """A job's ledger of loss-driven mixture weights, where the mixture names a rule; else None."""
 
 
 class IndexPlanning:
@@ -84,6 +88,9 @@ class IndexPlanning:
     def members(self, plan: Plan, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         ids = np.asarray(ids, dtype=np.int64)
         return np.zeros(len(ids), dtype=np.int32), ids
+
+    def ledger(self, ranks: int) -> None:
+        return None
 
 
 class MixturePlanning:
@@ -131,3 +138,6 @@ class MixturePlanning:
     def members(self, plan: Plan, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         ids = np.asarray(ids, dtype=np.int64)
         return plan.rows.datasets[ids], plan.rows.sample_ids[ids]
+
+    def ledger(self, ranks: int) -> WeightLedger | None:
+        return self.mixture.ledger(ranks)

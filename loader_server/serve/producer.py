@@ -39,6 +39,7 @@ async def produce(job: Job, seat: Seat, cursor: tuple[int, int] | None, queue: a
     in_flight: collections.deque = collections.deque()  # (position, StepHold, future)
     owned = None  # the hold of a prepared step not yet in the queue
     pending = None  # (work, estimate) of the cursor's step when it could not be submitted yet
+    working = None  # job.work of the cursor's step, under way (a loss-driven window's may wait for reports)
     try:
         while cursor is not None or in_flight:
             while cursor is not None and len(in_flight) < prefetch_steps:
@@ -47,7 +48,13 @@ async def produce(job: Job, seat: Seat, cursor: tuple[int, int] | None, queue: a
                         await job.wait_formed(*cursor)
                     elif job.live is not None and cursor[1] >= job.live.formed:
                         break  # deliver what is in preparation first; wait for this one then
-                    work = await asyncio.to_thread(job.work, cursor[0], cursor[1], seat)
+                    if working is None:
+                        working = asyncio.ensure_future(asyncio.to_thread(job.work, cursor[0], cursor[1], seat))
+                    if in_flight and not working.done():
+                        await asyncio.wait({working, in_flight[0][2]}, return_when=asyncio.FIRST_COMPLETED)
+                        if not working.done():  # deliver what is ready: its trainer's reports may be what this
+                            break               # step's window waits for
+                    work, working = await working, None
                     work.decode_budget = account.budget.working_limit  # a sample needing more is skipped, not prepared
                     # room for the packs, and meanwhile for decoding the step's largest image (or tokenising its
                     # longest sample)
@@ -86,6 +93,8 @@ async def produce(job: Job, seat: Seat, cursor: tuple[int, int] | None, queue: a
             owned = hold = result = future = None  # the stream releases it once sent
         await queue.put(END)
     except asyncio.CancelledError:
+        if working is not None:
+            working.cancel()  # its thread finishes on its own; nothing waits for it
         release_all(in_flight, owned)
         raise
     except Exception as error:

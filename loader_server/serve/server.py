@@ -7,6 +7,7 @@ import asyncio
 import os
 import signal
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
@@ -38,6 +39,7 @@ async def announce(coordinator: Coordinator, address: str, ttl_s: float) -> None
         await asyncio.sleep(ttl_s / 3)
 
 
+IO_THREADS = 64  # asyncio.to_thread's pool: plan lookups, step preparation hand-offs, coordinator calls
 REASSERT_EVERY_S = 1.0  # how soon a Redis restarted empty learns again the jobs its servers serve
 
 
@@ -125,6 +127,9 @@ async def serve(config: ServerConfig, ready: asyncio.Event | None = None, stop: 
                                "config": describe(config)})
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
+    # the threads of asyncio.to_thread: a loss-driven mixture's stream may wait in one for a window's weights (for
+    # its trainers' reports), which must not leave other jobs without threads (the default is cores + 4)
+    loop.set_default_executor(ThreadPoolExecutor(max_workers=IO_THREADS, thread_name_prefix="packfeed-io"))
     for sig in (signal.SIGTERM, signal.SIGINT):
         try:
             loop.add_signal_handler(sig, stop.set)

@@ -23,7 +23,8 @@ from packfeed.server.serve.coordination import Coordination
 from packfeed.server.serve.job_spec import JobError, JobSpec
 from packfeed.server.serve.jobs import Job
 from packfeed.server.serve.live_put import put_samples
-from packfeed.server.serve.mixture_weights import mixture_proto, mixture_status, step_weights
+from packfeed.server.serve.mixture_weights import (decided_answer, mixture_proto, mixture_status, report_losses,
+                                                   restore_decided, step_weights)
 from packfeed.server.serve.network import client_host
 from packfeed.server.serve.observe import Metrics, log
 from packfeed.server.serve.feed import RankFeed
@@ -73,6 +74,7 @@ class PackfeedService:
         spec = JobSpec(request.job, request.dataset, plan, request.seed, request.epochs or 1, resume)
         job = await asyncio.get_running_loop().run_in_executor(self.planning, self.registry.open_job, spec,
                                                                request.plan_fingerprint)
+        restore_decided(job, request.mixture_decided)
         await asyncio.to_thread(self.coordination.register, job)
         self.metrics.jobs.set(len(self.registry.jobs))
         log.info("job opened", extra={"job": spec.job, "spec": job.spec.describe()})
@@ -109,6 +111,13 @@ class PackfeedService:
         job = self.registry.get(request.job)
         seat = seat_of(request, job.spec.job, job.spec.plan_config.layout)
         await self.coordination.hold_live(job)  # a live job's acknowledgements release its spool
+        if request.reports_losses and seat.primary:
+            # here, not in a thread: a window's decision waits for reports while planning holds pool threads; and
+            # taken for a step another server streamed too (re-sent after a restart or a failover)
+            outcome = report_losses(job, seat.rank, request)
+            self.metrics.loss_reports.labels(request.job, outcome).inc()
+            if (request.epoch, request.step) > job.progress(seat).streamed:
+                return decided_answer(job)
         await asyncio.to_thread(job.check_step, request.epoch, request.step)
         if not seat.primary:  # the rank's first GPU acknowledges for it: counted once per DP rank
             return pb.AckStepResponse()
@@ -128,7 +137,7 @@ class PackfeedService:
         await asyncio.to_thread(self.coordination.share_ack, job, seat.rank)
         self._record_skipped(job, seat.rank, request.epoch, request.step, skipped, "client")
         self.metrics.lag.labels(request.job, str(seat.rank)).set(job.ranks[seat.rank].lag)
-        return pb.AckStepResponse()
+        return decided_answer(job) if request.reports_losses else pb.AckStepResponse()
 
     def job_info(self, job: Job) -> pb.JobInfo:
         plan = job.epoch_plan(0)
