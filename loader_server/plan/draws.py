@@ -194,3 +194,23 @@ class DrawnColumn:
             chosen = windows == w
             out[chosen] = self.draws.rows(w)[self.which][rows[chosen] - w * self.draws.window]
         return out
+
+
+def drawn_again(rows, carried: np.ndarray, drawn: np.ndarray) -> np.ndarray:
+    """Mask of the `carried` rows (a windowed plan's, into a window that drew `drawn`) whose sample the window drew
+    itself, or another carried row holds (a dataset drawn whole in a row of windows): they go one window further, so
+    a window serves each sample at most once. `rows`: with `datasets` and `sample_ids` columns (RowLoads)."""
+    again = np.zeros(len(carried), bool)
+    if not len(carried):
+        return again
+    datasets, ids = rows.datasets[carried], rows.sample_ids[carried]
+    drawn_datasets, drawn_ids = rows.datasets[drawn], rows.sample_ids[drawn]
+    for k in np.unique(datasets).tolist():  # a mask per dataset: linear in the window, where isin sorts it
+        mine = np.flatnonzero(datasets == k)
+        theirs = drawn_ids[drawn_datasets == k]
+        seen = np.zeros(int(max(ids[mine].max(), theirs.max(initial=-1))) + 1, bool)
+        seen[theirs] = True
+        again[mine] = seen[ids[mine]]
+        first = np.unique(ids[mine], return_index=True)[1]  # of carried twins, the first stays
+        again[np.setdiff1d(mine, mine[first])] = True
+    return again

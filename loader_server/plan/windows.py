@@ -22,6 +22,7 @@ balance against whole-epoch planning.
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import json
 import math
@@ -35,6 +36,7 @@ from packfeed.server.plan.caps import resolve_caps
 from packfeed.server.plan.collective import (alignment_summary, collective_safe_layout, sample_towers, tower_names,
                                              unaligned_towers)
 from packfeed.server.plan.costs import SampleLoads
+from packfeed.server.plan.draws import drawn_again
 from packfeed.server.plan.isf import Caps
 from packfeed.server.plan.mapped_loads import MappedLoads
 from packfeed.server.plan.metrics import dist_terms, step_waste
@@ -136,30 +138,11 @@ class WindowedPlan:
         if window in self._carried:
             carried = self._carried[window]
             if self.drawn and window + 1 < self.n_windows:
-                twins = self._drawn_again(carried, ids)
+                twins = drawn_again(self.loads, carried, ids)
                 self._passed_on[window + 1] = carried[twins]
                 carried = carried[~twins]
             ids = np.concatenate([carried, ids])
         return ids, self.loads.subset(ids)
-
-    def _drawn_again(self, carried: np.ndarray, drawn: np.ndarray) -> np.ndarray:
-        """Mask of the carried rows whose sample the window drew itself, or another carried row holds (a dataset
-        drawn whole in a row of windows): they go one window further, so a window serves each sample at most
-        once."""
-        again = np.zeros(len(carried), bool)
-        if not len(carried):
-            return again
-        datasets, ids = self.loads.datasets[carried], self.loads.sample_ids[carried]
-        drawn_datasets, drawn_ids = self.loads.datasets[drawn], self.loads.sample_ids[drawn]
-        for k in np.unique(datasets).tolist():  # a mask per dataset: linear in the window, where isin sorts it
-            mine = np.flatnonzero(datasets == k)
-            theirs = drawn_ids[drawn_datasets == k]
-            seen = np.zeros(int(max(ids[mine].max(), theirs.max(initial=-1))) + 1, bool)
-            seen[theirs] = True
-            again[mine] = seen[ids[mine]]
-            first = np.unique(ids[mine], return_index=True)[1]  # of carried twins, the first stays
-            again[np.setdiff1d(mine, mine[first])] = True
-        return again
 
     def _whole_groups(self, ids: np.ndarray) -> np.ndarray:
         """A window's samples with every group whole: a group is planned in the window of its lowest sample id
@@ -292,6 +275,14 @@ class WindowedPlan:
         """Windows planned so far (in order: each after the one before)."""
         return len(self._first_steps) - 1
 
+    def window_of(self, step: int) -> int | None:
+        """The window holding global step `step` among those planned so far (None past them), without planning or
+        the lock: for callers that must never wait, such as the server's event loop (a loss-driven window may wait
+        for reports that arrive through it)."""
+        starts = self._first_steps  # appended to only
+        window = bisect.bisect_right(starts, step) - 1
+        return window if 0 <= window < len(starts) - 1 else None
+
     def first_step(self, window: int) -> int:
         """The first global step of a planned window."""
         return self._first_steps[window]
@@ -369,7 +360,7 @@ class WindowedPlan:
                        pack_vision=joined("pack_vision"), pack_tokens=joined("pack_tokens"),
                        encoder_rank=joined("encoder_rank"), further_encoder_ranks=further, phases=None,
                        cp_degree=joined("cp_degree"), cp_group=joined("cp_group"), groups=joined("groups"))
-        plan.rows = getattr(self, "rows", None)
+        plan.rows = self.rows
         plan._fingerprint = self.fingerprint()
         return plan
 

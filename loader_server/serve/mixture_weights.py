@@ -17,12 +17,11 @@ def moving_plan(job, epoch: int) -> WindowedPlan | None:
 
 
 def step_weights(job, epoch: int, step: int) -> dict[str, float] | None:
-    """The weights of the window holding (epoch, step), by dataset; None for any other job."""
-    plan = moving_plan(job, epoch)
-    if plan is None or not plan.has_step(step):
-        return None
-    window = plan.locate(step)[0]
-    return plan.draws.describe(window, plan.rows.names)["weights"]
+    """The weights of the window holding (epoch, step), a step sent (so planned), by dataset; None for any other
+    job. Called on the event loop for every step sent: it neither plans nor waits."""
+    plan = moving_plan(job, epoch) if job.spec.plan_config.window else None  # a moving mixture is windowed
+    window = plan.window_of(step) if plan is not None else None
+    return None if window is None else plan.draws.describe(window, plan.rows.names)["weights"]
 
 
 def mixture_status(job) -> dict[str, Any] | None:
@@ -33,14 +32,13 @@ def mixture_status(job) -> dict[str, Any] | None:
     plan = moving_plan(job, min(epoch, job.spec.epochs - 1))
     if plan is None:
         return None
-    in_force = plan.locate(step)[0] if plan.has_step(step) else plan.n_windows - 1
+    in_force = plan.window_of(step)  # not planned here (a loss-driven window may be waiting for reports)
+    in_force = plan.planned_windows - 1 if in_force is None else in_force
     windows = [{**plan.draws.describe(w, plan.rows.names), "first_step": plan.first_step(w)}
                for w in range(plan.planned_windows)]
     status = {"epoch": epoch, "window": in_force, "windows": windows}
     if job.ledger is not None:  # a loss-driven mixture: what a trainer's state keeps, and the reports left out
-        names = plan.rows.names
-        status["decided"] = [{"epoch": e, "window": w, "weights": dict(zip(names, weights))}
-                             for e, windows_of in job.ledger.recorded().items() for w, weights in windows_of.items()]
+        status["decided"] = decided_windows(job.ledger)
         status["reports_ignored"] = dict(job.ledger.ignored)
         status["windows_on_partial_reports"] = job.ledger.partial_windows
     return status
@@ -66,14 +64,17 @@ def report_losses(job, rank: int, request: pb.AckStepRequest) -> str:
     return reason or "taken"
 
 
+def decided_windows(ledger) -> list[dict[str, Any]]:
+    """Every window a loss-driven job decided so far, as DecidedWeights' fields."""
+    return [{"epoch": epoch, "window": window, "weights": dict(zip(ledger.names, weights))}
+            for epoch, windows in ledger.recorded().items() for window, weights in windows.items()]
+
+
 def decided_answer(job) -> pb.AckStepResponse:
     """A loss report's answer: every window the job decided so far."""
     answer = pb.AckStepResponse()
-    if job.ledger is not None:
-        names = job.ledger.names
-        for epoch, windows in job.ledger.recorded().items():
-            for window, weights in windows.items():
-                answer.mixture_decided.add(epoch=epoch, window=window, weights=dict(zip(names, weights)))
+    for decided in decided_windows(job.ledger) if job.ledger is not None else []:
+        answer.mixture_decided.add(**decided)
     return answer
 
 
