@@ -33,7 +33,8 @@ class LossReports:
         stream re-opens its job on a server."""
         try:
             answer = channel.ask("AckStep", request)  # no failover of its own: the receiver moves the stream
-        except PackfeedError:
+        except PackfeedError:  # lost (a server gone, a call timed out): the next report that lands gives it again
+            self.delivered_to = None
             return
         if self.delivered_to != channel.target:  # the first report here (a failover, a report lost with its server):
             self.resend(channel)                 # this server gets every report its decisions may read
