@@ -15,7 +15,7 @@ import torch
 from packfeed.client.channel import Connection, PackfeedError
 from packfeed.client.hf import to_hf_inputs
 from packfeed.client.stream import PackStream
-from packfeed.client.tensors import IGNORE_INDEX, PackTensors
+from packfeed.client.tensors import IGNORE_INDEX, PackTensors, Step
 from packfeed.v1.options import PlanConfig
 
 
@@ -28,6 +28,7 @@ class Prompt:
     solution: list[int]  # its loss tokens (the indexed answer)
     fields: dict[str, torch.Tensor]  # its images' model inputs (pixel_values, image_grid_thw), empty for text
     token_types: list[int]  # mm_token_type_ids of its tokens (1: an image placeholder)
+    source: str = ""  # its dataset (a mixture's name for it)
 
 
 def prompts_of(pack: PackTensors, family: str, conventions: Any) -> list[Prompt]:
@@ -57,7 +58,8 @@ def prompts_of(pack: PackTensors, family: str, conventions: Any) -> list[Prompt]
             fields = {"pixel_values": inputs["pixel_values"][starts[first]:starts[last]],
                       "image_grid_thw": grids[first:last]}
         out.append(Prompt(key, tokens[:trained[0]], [tokens[t] for t in trained], fields,
-                          types[bounds[i]:bounds[i] + trained[0]]))
+                          types[bounds[i]:bounds[i] + trained[0]],
+                          pack.sample_sources[i] if pack.sample_sources else ""))
     return out
 
 
@@ -68,26 +70,32 @@ class PromptSteps:
     def __init__(self, stream: PackStream, family: str, generations: int, microbatches: int):
         self.stream, self.family = stream, family
         self.generations, self.microbatches = generations, microbatches
+        self.step: Step | None = None  # the prompt step handed out last
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         conventions = self.stream.conventions
         for step in self.stream:
+            self.step = step
             prompts = [p for pack in step.packs for p in prompts_of(pack, self.family, conventions)]
             repeated = [p for p in prompts for _ in range(self.generations)]
             for microbatch in range(self.microbatches):
                 yield {"prompts": repeated if microbatch == 0 else None, "microbatch": microbatch}
 
     def __len__(self) -> int:
+        if self.stream.info.plan.window:  # as any iterable without a length: the Trainer relies on max_steps
+            raise TypeError("a windowed prompt job's steps are known once planned")
         return sum(self.stream.info.epoch_steps) * self.microbatches
 
 
 def prompt_stream(target: str | list[str], job: str, args: Any, *, dataset: str = "",
-                  connection: Connection | None = None) -> PackStream:
+                  connection: Connection | None = None, window: int = 0) -> PackStream:
     """This rank's stream of the run's prompt job (JOB-prompts; `args`: the run's `GRPOConfig`): each rank the same number of prompts a step (its
     generation batch's, per_device_train_batch_size x gradient_accumulation_steps / num_generations), balanced
     over the ranks on their tokens (`length-group`), for num_train_epochs. Its `conventions` size a model built
-    for the dataset (`packfeed.client.hf.model_config`); `PackfeedGRPOTrainer(prompts=...)` takes it."""
+    for the dataset (`packfeed.client.hf.model_config`); `PackfeedGRPOTrainer(prompts=...)` takes it. `window`:
+    samples planned at a time, which a mixture whose weights move needs (docs/planning.md "Mixtures that move")."""
     per_rank = args.per_device_train_batch_size * args.gradient_accumulation_steps // args.num_generations
-    plan = PlanConfig(dp=args.world_size, microbatches=1, strategy="length-group", samples_per_pack=per_rank)
+    plan = PlanConfig(dp=args.world_size, microbatches=1, strategy="length-group", samples_per_pack=per_rank,
+                      window=window)
     return PackStream(target, job=f"{job}-prompts", rank=args.process_index, plan=plan, seed=args.seed,
                       epochs=int(math.ceil(args.num_train_epochs)), dataset=dataset, connection=connection)

@@ -23,6 +23,9 @@ What it takes care of, each of which a hand-made integration gets silently wrong
   them back renaming nothing, so its own resume silently restarts from the initial weights (Qwen2-VL, 5.24);
   here they load through the model class's `from_pretrained`, strictly.
 
+- On a loss-driven mixture (a mixture file's `rule:`, docs/planning.md "Weights the loss moves") every rank
+  reports each step's loss per dataset by itself, read from the model's outputs (`packfeed.client.dataset_losses`).
+
 - What cannot hold is refused: `num_train_epochs` other than the job's, `max_steps` past its last step, a model
   whose vocabulary or placeholder ids are not the dataset's. Logs speak the job's terms (`epoch`, and
   `packfeed_step` k of `packfeed_steps` N), and `trainer.packfeed_step` is the step being trained (its
@@ -33,6 +36,7 @@ What it takes care of, each of which a hand-made integration gets silently wrong
 
 from __future__ import annotations
 
+import collections
 import json
 import logging
 import os
@@ -45,11 +49,12 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoin
 from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME
 
 from packfeed.client.channel import PackfeedError
+from packfeed.client.dataset_losses import StepLosses, fused_token_losses, token_losses
 from packfeed.client.guard_updates import SkipGuardOnlyTowerUpdates
 from packfeed.client.hf import check_model, to_hf_inputs
 from packfeed.client.loaders import job_batches, job_progress, job_steps
 from packfeed.client.stream import PackStream
-from packfeed.client.tensors import Step
+from packfeed.client.tensors import PackTensors, Step
 
 STATE_FILE = "packfeed_stream_rank{rank}.json"
 
@@ -92,12 +97,17 @@ class PackBatches:
         self.dp = stream.info.plan.dp
         self.ensure_encoders = ensure_encoders  # every pack calls every vision tower (sharded data parallelism)
         self.step: Step | None = None  # the step whose packs were handed out last
+        # a loss-driven mixture's: the packs handed out and not yet trained, in order (each is one compute_loss)
+        self.handed: collections.deque[tuple[Step, PackTensors]] | None = \
+            collections.deque() if stream.loss_driven else None
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         conventions = self.stream.conventions
         for step in self.stream:
             self.step = step  # the Trainer takes a whole step's batches before it trains on them
             for pack in step.packs:  # an empty pack gives inputs that still join every collective
+                if self.handed is not None:
+                    self.handed.append((step, pack))
                 yield to_hf_inputs(pack, self.family, dp=self.dp, conventions=conventions, dtype=self.dtype,
                                    attention=self.attention, ensure_encoders=self.ensure_encoders)
 
@@ -112,6 +122,7 @@ class PackfeedTrainerMixin:
                  dtype: torch.dtype = torch.float32, ensure_encoders: bool | None = None,
                  skip_guard_updates: bool | None = None, **kwargs: Any):
         self.packfeed_batches = PackBatches(stream, family, attention, dtype)
+        self.packfeed_losses = StepLosses()  # a loss-driven mixture's step so far (compute_loss)
         quiet_expected_accumulation_warning(stream.info.plan.microbatches)
         super().__init__(*args, **kwargs)
         self._check_arguments(stream)
@@ -182,6 +193,28 @@ class PackfeedTrainerMixin:
         count = share * self.packfeed_batches.dp if self.args.average_tokens_across_devices else share
         return count.to(device)
 
+    def compute_loss(self, model: torch.nn.Module, inputs: dict[str, Any], return_outputs: bool = False,
+                     num_items_in_batch: torch.Tensor | None = None) -> Any:
+        """The Trainer's loss; on a loss-driven mixture also this pack's loss per dataset, read from the model's
+        own outputs (its logits, or a fused LM head's log-probabilities), reported at the step's last pack."""
+        batches = self.packfeed_batches
+        if batches.handed is None or not model.training:
+            return super().compute_loss(model, inputs, return_outputs=return_outputs,
+                                        num_items_in_batch=num_items_in_batch)
+        labels, seen = inputs.get("labels"), []
+        hook = self.accelerator.unwrap_model(model).register_forward_hook(lambda _, __, out: seen.append(out))
+        try:
+            result = super().compute_loss(model, inputs, return_outputs=return_outputs,
+                                          num_items_in_batch=num_items_in_batch)
+        finally:
+            hook.remove()
+        step, pack = batches.handed.popleft()
+        if not pack.empty:
+            self.packfeed_losses.add(pack, *outputs_token_losses(seen, labels))
+        if pack is step.packs[-1]:
+            self.packfeed_losses.report(batches.stream, step)
+        return result
+
     def _save_checkpoint(self, model: torch.nn.Module, trial: Any) -> None:
         super()._save_checkpoint(model, trial)
         folder = os.path.join(self._get_output_dir(trial=trial),
@@ -207,6 +240,18 @@ class PackfeedTrainerMixin:
         if saved is not None:
             stream.load_state_dict(saved)
         return super().train(resume_from_checkpoint, *args, **kwargs)
+
+
+def outputs_token_losses(outputs: list[Any], labels: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-position losses of a pack's row from what its forward returned (the last output with them)."""
+    for out in reversed(outputs):
+        if getattr(out, "logits", None) is not None and labels is not None:
+            return token_losses(out.logits[0], labels[0].to(out.logits.device))
+        if getattr(out, "log_probs", None) is not None and getattr(out, "label_mask", None) is not None:
+            return fused_token_losses(out.log_probs[0], out.label_mask[0])
+    raise PackfeedError("the job's mixture is loss-driven, and the model's outputs carry neither logits nor a fused "
+                        "LM head's log_probs: report the per-dataset losses yourself (PackStream.report, "
+                        "packfeed.client.dataset_losses)")
 
 
 def saved_state(resume_from_checkpoint: str | bool | None, output_dir: str, state_file: str,

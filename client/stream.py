@@ -198,14 +198,26 @@ class PackStream:
             self._losses.load(state, pb.AckStepRequest(job=self.job, **seat_fields(self.seat)))
             self.reopen()
 
-    def report(self, losses_by_dataset: dict[str, float], counts: dict[str, float] | None = None) -> None:
-        """A loss-driven mixture (docs/planning.md "Mixtures that move"): this rank's mean loss per dataset over the
-        step it just trained, and what each mean is over (tokens or samples; 1 each when not given). Sent with that
-        step's acknowledgement; the server decides later windows' weights from every rank's reports, so a rank
-        reports every step, {} when it held no samples."""
+    @property
+    def loss_driven(self) -> bool:
+        """Whether the job's mixture moves its weights by the losses its ranks report (a mixture file's `rule:`):
+        then every rank reports every step (`report`), as the framework faces do by themselves."""
+        return bool(self.info.mixture.rule)
+
+    def report(self, losses_by_dataset: dict[str, float], counts: dict[str, float] | None = None,
+               step: Step | None = None) -> None:
+        """A loss-driven mixture (docs/planning.md "Mixtures that move"): this rank's mean loss per dataset over
+        `step` (default: the step it received last), and what each mean is over (tokens or samples; 1 each when
+        not given). Sent with that step's acknowledgement; the server decides later windows' weights from every
+        rank's reports, so a rank reports every step, {} when it held no samples."""
         last = self._consumed or self._acked
         if last is None:
             raise PackfeedError("report(): no step was received yet; report a step's losses after training it")
+        if step is not None:
+            if (step.epoch, step.step) > tuple(last[:2]):
+                raise PackfeedError(f"report(): step {step.epoch}:{step.step} was not received yet (the last was "
+                                    f"{last[0]}:{last[1]}); report a step's losses after training it")
+            last = (step.epoch, step.step)
         try:
             losses = {str(k): float(v) for k, v in losses_by_dataset.items()}
             counts = {str(k): float(v) for k, v in (counts or {}).items()}

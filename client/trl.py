@@ -46,6 +46,8 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from trl import GRPOConfig, GRPOTrainer
 
 from packfeed.client.channel import Connection, PackfeedError
+from packfeed.client.dataset_losses import reward_losses
+from packfeed.client.grpo_config import check_grpo_config
 from packfeed.client.grpo_prompts import Prompt, PromptSteps, prompt_stream
 from packfeed.client.hf import to_hf_inputs
 from packfeed.client.hf_families import family_of
@@ -57,42 +59,6 @@ from packfeed.client.tensors import PackTensors
 from packfeed.v1.options import PlanConfig
 
 STATE_FILE = "packfeed_grpo_rank{rank}.json"
-LOSS_TYPES = ("dapo", "grpo", "dr_grpo")  # the loss types whose normalisation is over the global step
-
-
-def check_grpo_config(args: GRPOConfig) -> None:
-    """Refuse what the face cannot honour, each with its field named and what to do."""
-    problems = []
-    if args.loss_type not in LOSS_TYPES:
-        problems.append(f"loss_type={args.loss_type!r}: give one of {LOSS_TYPES} (their normalisation does not "
-                        "depend on which rank trains which rollout)")
-    refused = {
-        "importance_sampling_level": (args.importance_sampling_level != "token", "'token'"),
-        "num_iterations": (args.num_iterations != 1, "1 (each live step is trained once)"),
-        "steps_per_generation": (args.steps_per_generation != args.gradient_accumulation_steps,
-                                 "gradient_accumulation_steps (one generation a step)"),
-        "use_vllm": (args.use_vllm, "False: generation reads the prompts' images as the model's pixel values"),
-        "use_transformers_continuous_batching": (args.use_transformers_continuous_batching,
-                                                 "False: generate_batch takes no pixel values"),
-        "top_entropy_quantile": (args.top_entropy_quantile < 1.0, "1.0"),
-        "off_policy_mask_threshold": (args.off_policy_mask_threshold is not None, "None"),
-        "entropy_coef": (args.entropy_coef != 0.0, "0.0 (no entropy bonus)"),
-        "use_adaptive_entropy": (args.use_adaptive_entropy, "False"),
-        "sync_ref_model": (args.sync_ref_model, "False"),
-        "eval_strategy": (str(args.eval_strategy) not in ("no", "IntervalStrategy.NO"), "'no'"),
-        "use_transformers_paged": (args.use_transformers_paged, "False"),
-        "chat_template_kwargs": (bool(args.chat_template_kwargs),
-                                 "None: the prompts are the index's tokens, rendered by its chat template"),
-        "shuffle_dataset": (not args.shuffle_dataset, "True: the prompt job's seeded plan orders the prompts"),
-        "use_liger_kernel": (args.use_liger_kernel, "False: the update computes TRL's loss on packs"),
-        "per_device_train_batch_size": (
-            args.per_device_train_batch_size * args.gradient_accumulation_steps % args.num_generations != 0,
-            "a value whose product with gradient_accumulation_steps is a multiple of num_generations (each rank "
-            "generates for whole prompts)"),
-    }
-    problems += [f"{name}: give {what}" for name, (bad, what) in refused.items() if bad]
-    if problems:
-        raise PackfeedError("GRPOConfig settings PackfeedGRPOTrainer cannot honour: " + "; ".join(problems))
 
 
 class PackfeedGRPOTrainer(GRPOTrainer):
@@ -101,11 +67,12 @@ class PackfeedGRPOTrainer(GRPOTrainer):
     `job`: the run's name (its jobs are JOB-prompts and JOB-rollouts); `family`: the model's
     (`packfeed.client.hf_families`); `dataset`: the server's prompt index, when it serves several;
     `shared_prefix`: each prompt computed once for its responses (default), or each response whole; `prompts`:
-    the prompt job's stream when already open (`prompt_stream`)."""
+    the prompt job's stream when already open (`prompt_stream`); `prompt_window`: the prompt job's window (a
+    mixture whose weights move needs one; a loss-driven one is then reported to each step, `mixture_losses`)."""
 
     def __init__(self, *args: Any, target: str | list[str], job: str, family: str, dataset: str = "",
                  connection: Connection | None = None, shared_prefix: bool = True,
-                 prompts: PackStream | None = None, **kwargs: Any):
+                 prompts: PackStream | None = None, prompt_window: int = 0, **kwargs: Any):
         grpo_args: GRPOConfig = kwargs["args"]
         check_grpo_config(grpo_args)
         for name in ("rollout_func", "tools", "environment_factory"):
@@ -124,15 +91,17 @@ class PackfeedGRPOTrainer(GRPOTrainer):
         self.family, self.share, self.rank, self.world = family, shared_prefix, rank, world
         self.packfeed_job, self.packfeed_connection = job, connection or Connection()
         self.prompt_stream = prompts or prompt_stream(target, job, grpo_args, dataset=dataset,
-                                                      connection=self.packfeed_connection)
+                                                      connection=self.packfeed_connection, window=prompt_window)
         if self.prompt_stream.job != f"{job}-prompts":
             raise PackfeedError(f"prompts= streams job {self.prompt_stream.job!r}, not this run's {job}-prompts: "
                                 "open it with prompt_stream(target, job, args)")
-        steps = sum(self.prompt_stream.info.epoch_steps)
-        if grpo_args.max_steps > steps:
+        steps, windowed = sum(self.prompt_stream.info.epoch_steps), self.prompt_stream.info.plan.window > 0
+        if windowed and grpo_args.max_steps <= 0 or not windowed and grpo_args.max_steps > steps:
             self.prompt_stream.close()
-            raise PackfeedError(f"max_steps={grpo_args.max_steps} is past the prompt job's {steps} steps: give "
-                                "at most that, or more num_train_epochs")
+            raise PackfeedError(
+                "the prompt job is planned in windows, so its steps are known only once planned: give max_steps"
+                if windowed else f"max_steps={grpo_args.max_steps} is past the prompt job's {steps} steps: give "
+                                 "at most that, or more num_train_epochs")
         # the streams resume themselves: the Trainer must not skip batches of a resumed run again
         kwargs["args"] = grpo_args = copy.copy(grpo_args)  # the caller's stays as given (replace would re-derive)
         grpo_args.ignore_data_skip = True
@@ -147,6 +116,7 @@ class PackfeedGRPOTrainer(GRPOTrainer):
         self._rollout_steps: Iterator | None = None
         self._microbatches: list[list[PackTensors]] = []
         self._prompts: list[Prompt] = []
+        self._rewards: torch.Tensor | None = None  # this rank's rewards of the step's responses (weighted, summed)
         try:
             super().__init__(*args, **kwargs)
         except BaseException:
@@ -157,6 +127,18 @@ class PackfeedGRPOTrainer(GRPOTrainer):
             raise PackfeedError("router_aux_loss_coef: a mixture-of-experts router's auxiliary loss is not added "
                                 "by the update on packs; set it to 0")
         self.ensure_encoders = sharded(self.args)
+        self._suppress_placeholders()
+
+    def _suppress_placeholders(self) -> None:
+        """Never sample an image or video placeholder: a completion holding one has no features to match it (TRL
+        suppresses the image token only for a processor, never the video token)."""
+        conventions = self.prompt_stream.conventions
+        ids = {conventions.image_context_id}
+        if conventions.HasField("video_context_id"):
+            ids.add(conventions.video_context_id)
+        suppressed = sorted(ids | set(self.generation_kwargs.get("suppress_tokens") or []))
+        self.generation_kwargs["suppress_tokens"] = suppressed
+        self.generation_config.suppress_tokens = suppressed
 
     # -- prompts and generation ----------------------------------------------------------------------------------
 
@@ -195,6 +177,25 @@ class PackfeedGRPOTrainer(GRPOTrainer):
                          mm_token_type_ids=types.to(device),
                          num_images=[len(p.fields["image_grid_thw"]) if p.fields else 0 for p in self._prompts])
         return batch
+
+    def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
+        """TRL's rewards of every rank's responses; this rank's, weighted and summed as TRL's advantages take them,
+        kept for a loss-driven prompt mixture (`mixture_losses`)."""
+        rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+        mine = slice(self.accelerator.process_index * len(prompts), (self.accelerator.process_index + 1) * len(prompts))
+        weights = self.reward_weights.to(rewards_per_func.device).unsqueeze(0)
+        rewards = (rewards_per_func[mine] * weights).nansum(dim=1)
+        unscored = torch.isnan(rewards_per_func[mine]).all(dim=1)  # TRL leaves these out of its advantages
+        self._rewards = torch.where(unscored, torch.nan, rewards).detach().double().cpu()
+        return rewards_per_func
+
+    def mixture_losses(self, prompts: list[Prompt], rewards: torch.Tensor) -> tuple[dict[str, float], dict[str, float]]:
+        """What this rank reports to a loss-driven prompt mixture for a step (docs/training.md "TRL's GRPO on
+        Packfeed"): per dataset, minus the mean reward of its prompts' responses, over their number. A dataset the
+        policy scores worse on has the higher loss: `softmax` gives it more weight; `excess_loss`'s reference is
+        minus a reference policy's mean rewards. Override it for another signal (a GRPO loss averages to about 0
+        by construction: it carries none)."""
+        return reward_losses([prompt.source for prompt in prompts], rewards.tolist())
 
     def _rows(self, prompts: list[Prompt]) -> list[dict[str, Any]]:
         decode = self.processing_class.decode
@@ -259,6 +260,9 @@ class PackfeedGRPOTrainer(GRPOTrainer):
         if batch["prompts"] is not None:
             self._prompts = batch["prompts"]
             scored = self._generate_and_score_completions(self._rows(self._prompts))
+            if self.prompt_stream.loss_driven:  # every rank, every step ({} when it held no prompts)
+                self.prompt_stream.report(*self.mixture_losses(self._prompts, self._rewards),
+                                          step=self.prompt_steps.step)
             self._put_step(self._rollouts(scored))
             packs = self._next_rollout_step()
             count = self.args.gradient_accumulation_steps

@@ -59,9 +59,9 @@ class FamilyData:
 
 
 def family_dataset(root: Path, family: str, seed: int = 0, samples: int = 10,
-                   image_counts: tuple[int, ...] = (0, 1, 2, 1, 0, 1, 2, 1, 1, 0)) -> FamilyData:
+                   image_counts: tuple[int, ...] = (0, 1, 2, 1, 0, 1, 2, 1, 1, 0), prefix: str = "") -> FamilyData:
     """`samples` samples (sample k holds image_counts[k % len(image_counts)] images: text-only, one, two; answers of several
-    lengths) converted and indexed with the family's conventions."""
+    lengths) converted and indexed with the family's conventions; their keys `{prefix}s{k}`."""
     from packfeed.media.chat import PRESETS
     from packfeed.server.convert.convert import ConvertOptions, convert, shard_paths
     from packfeed.server.index.config import IndexConfig
@@ -86,7 +86,7 @@ def family_dataset(root: Path, family: str, seed: int = 0, samples: int = 10,
         turns = [{"from": "human", "value": question}, {"from": "gpt", "value": answer}]
         if k % 5 == 4:
             turns += [{"from": "human", "value": "And more?"}, {"from": "gpt", "value": "Nothing else."}]
-        rows.append({"id": f"s{k}", "images": names, "conversations": turns})
+        rows.append({"id": f"{prefix}s{k}", "images": names, "conversations": turns})
     (root / "a.json").write_text(json.dumps(rows))
     convert(ConvertOptions("llava", str(root / "a.json"), str(root / "shards"), str(images), workers=1, progress=False))
     tokenizer = train_tokenizer(root / "tokenizer.json", vocab_size=400, special_tokens=template.special_tokens)

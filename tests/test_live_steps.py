@@ -331,3 +331,30 @@ def test_a_groups_responses_share_their_prompt_and_are_planned_together(tmp_path
     alone.put(samples)
     alone.put([late_image] + [sample(f"pad{k}", 10, group="", tensors={}) for k in range(5)])
     assert alone.plan(0).groups is None
+
+
+def test_a_mixtures_prompts_are_found_in_each_index_and_a_key_two_hold_is_refused(tmp_path):
+    """A live job over a mixture (GRPO's prompts drawn from several datasets): a prompt key is looked up in every
+    index, numbered over them in order and read back from its own; a key two indexes hold is refused at its put."""
+    import yaml
+
+    from hf_models import family_dataset
+    from packfeed.server.serve.config import MixtureSource
+    from packfeed.server.serve.datasets import Dataset
+    from packfeed.server.serve.live_source import LiveDataset, LiveWork
+
+    for name, (samples, prefix) in {"a": (3, ""), "b": (2, ""), "c": (2, "c-")}.items():
+        family_dataset(tmp_path / name, "qwen2_vl", samples=samples, prefix=prefix, image_counts=(1, 0))
+    (tmp_path / "mix.yaml").write_text(yaml.safe_dump({"name": "mix", "datasets": {
+        name: {"index": f"{name}/index.parquet"} for name in "abc"}}))
+    live = LiveDataset(Dataset.open("mix", MixtureSource(str(tmp_path / "mix.yaml"))), steps=None)
+    assert live.offsets == (0, 3, 5)
+    found = {key: live.prompt_images(key) for key in ("s0", "s1", "s2", "c-s0", "c-s1", "nowhere")}
+    assert found["s0"] is None and found["s1"] is None and found["nowhere"] is None  # in a and b: which one?
+    assert found["s2"][0] == 2 and found["c-s0"][0] == 5 and found["c-s1"][0] == 6
+    assert len(found["c-s0"][1]) == 1 and found["c-s1"][1] == []  # its own images: c's sample 0 holds one
+    where = LiveWork({}, 0, offsets=live.offsets)
+    assert [where.prompt_of(n) for n in (2, 3, 5, 6)] == [(0, 2), (1, 0), (2, 0), (2, 1)]
+    rules = live.rules(PlanConfig(dp=1, live=True, step_samples=4))
+    with pytest.raises(Refused, match="two samples of that key"):
+        checked_sample(message("x", prompt="s0"), rules)

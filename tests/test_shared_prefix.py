@@ -358,3 +358,29 @@ def test_the_trainers_hf_layers_compute_the_prompt_once_with_each_responses_loss
     for name in alone_grads:
         torch.testing.assert_close(grads[name], alone_grads[name], rtol=1e-5,
                                    atol=1e-5 * max(1.0, float(alone_grads[name].abs().max())), msg=name)
+
+
+def test_a_packs_loss_per_dataset_is_the_same_in_both_layouts_and_as_each_sample_alone(qwen):
+    """A loss-driven mixture's report (packfeed.client.dataset_losses): the group's members of one dataset and the
+    other sample of another, read from the shared row, the unshared row and each sample's own pack, agree."""
+    from packfeed.client.dataset_losses import sums_by_dataset, token_losses
+
+    data, model = qwen
+    wire, singles = group_packs(data, 3, seed=5)
+    wire = replace(wire, sample_sources=["math"] * 3 + ["chat"])
+    expected: dict[str, list[float]] = {}
+    with torch.no_grad():
+        for k, single in enumerate(singles):  # each alone: its loss tokens' mean next-token loss, by hand
+            logits = model(**to_hf_inputs(single, "qwen2_vl")).logits[0].double()
+            ids, labels = single.input_ids.long(), single.labels.long()
+            logp = torch.log_softmax(logits, -1)
+            picked = [-float(logp[j - 1, ids[j]]) for j in range(1, len(ids)) if labels[j] != IGNORE_INDEX]
+            entry = expected.setdefault("chat" if k == 3 else "math", [0.0, 0])
+            entry[0] += sum(picked)
+            entry[1] += len(picked)
+        for share in (True, False):
+            inputs = to_hf_inputs(wire, "qwen2_vl", shared_prefix=share)
+            got = sums_by_dataset(wire, *token_losses(model(**inputs).logits[0], inputs["labels"][0]), share)
+            assert got.keys() == expected.keys()
+            for name, (total, tokens) in expected.items():
+                assert got[name][1] == tokens and got[name][0] == pytest.approx(total, abs=1e-4), (share, name)

@@ -56,7 +56,7 @@ class LiveSample:
     prompt: str  # the indexed sample whose images it uses ("": none, or its own `images`)
     images: list[bytes]
     sizes: list[tuple[int, int]]  # (width, height) of each image
-    prompt_id: int = -1  # `prompt`'s sample id in the job's dataset
+    prompt_id: int = -1  # `prompt`'s number in the job's dataset (over a mixture's indexes in order)
     vision: int = 0  # vision units
     pixel_bytes: int = 0  # of its tiles, uint8
     vit_patches: float = 0.0
@@ -155,7 +155,8 @@ def _check_images(sample: LiveSample, rules: SampleRules) -> None:
         found = rules.prompt_images(sample.prompt)
         if found is None:
             raise Refused("prompt", f"no indexed sample {sample.prompt[:MAX_NAME]!r} in the job's dataset (or it "
-                                    "holds videos, which live samples do not reference yet)")
+                                    "holds videos, which live samples do not reference yet, or a mixture's datasets "
+                                    "hold two samples of that key)")
         sample.prompt_id, sizes = found
     else:
         if len(sample.images) > MAX_IMAGES:

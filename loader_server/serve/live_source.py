@@ -62,6 +62,13 @@ class LiveWork:
     rows: dict[int, dict]
     image_context_id: int
     tensor_names: tuple[str, ...] = ()  # the job's per-token tensors: every pack carries them, an empty one too
+    # where each of the dataset's indexes starts in its prompts' numbering (`prompt_id`): a mixture has several
+    offsets: tuple[int, ...] = (0,)
+
+    def prompt_of(self, prompt_id: int) -> tuple[int, int]:
+        """(the index a referenced prompt is in, its sample id there)."""
+        part = int(np.searchsorted(self.offsets, prompt_id, side="right")) - 1
+        return part, prompt_id - self.offsets[part]
 
     def complete(self, pack) -> None:
         """Give a pack every live tensor the job's packs carry (an empty pack, or one a sample of which was
@@ -80,6 +87,8 @@ class LiveDataset:
         self.prompts, self.steps = prompts, steps
         self.name = prompts.name
         self._keys: dict[str, int] | None = None
+        # the prompts are numbered over the dataset's indexes in order (one, or a mixture's)
+        self.offsets = tuple(int(n) for n in np.cumsum([0] + [p.rows.table.num_rows for p in prompts.parts[:-1]]))
 
     @property
     def fingerprint(self) -> str:
@@ -92,10 +101,6 @@ class LiveDataset:
     @property
     def pixels(self):
         return self.prompts.pixels
-
-    @property
-    def part(self):
-        return self.prompts.parts[0]
 
     def ledger(self, ranks: int) -> None:
         return None  # a live job's samples come from producers, not from mixture weights
@@ -121,19 +126,26 @@ class LiveDataset:
                          else config.token_cap)
             vision = config.vision_cap * config.context_parallel
         return SampleRules(conventions.vocab_size, conventions.image_context_id,
-                           policy_from_dict(self.part.info.image_policy), self.prompt_images, tokens, vision)
+                           policy_from_dict(self.prompts.parts[0].info.image_policy), self.prompt_images, tokens,
+                           vision)  # a mixture's indexes agree on their conventions
 
     def prompt_images(self, key: str) -> tuple[int, list[tuple[int, int]]] | None:
-        """An indexed prompt's sample id and image sizes (None: no such sample, or one holding videos)."""
+        """An indexed prompt's number (`LiveWork.prompt_of`) and image sizes (None: no such sample, a key in two of
+        a mixture's datasets, or a sample holding videos)."""
         if self._keys is None:  # once per job: a dict of the prompts' keys
-            self._keys = {key: number for number, key in enumerate(self.part.rows.table.column("key").to_pylist())}
-        sample_id = self._keys.get(key)
-        if sample_id is None:
+            keys: dict[str, int] = {}
+            for offset, part in zip(self.offsets, self.prompts.parts):
+                for number, name in enumerate(part.rows.table.column("key").to_pylist()):
+                    keys[name] = -1 if name in keys else offset + number  # -1: which one is meant is unknown
+            self._keys = keys
+        prompt_id = self._keys.get(key, -1)
+        if prompt_id < 0:
             return None
-        row = self.part.rows.row(sample_id)
+        part, sample_id = LiveWork({}, 0, offsets=self.offsets).prompt_of(prompt_id)
+        row = self.prompts.parts[part].rows.row(sample_id)
         if row["n_videos"] or row["frames_fps"] is not None or not row["valid"]:
             return None
-        return sample_id, list(zip(row["image_widths"], row["image_heights"]))
+        return prompt_id, list(zip(row["image_widths"], row["image_heights"]))
 
     def work(self, plan: LivePlan, step: int, rank: int, encoder: bool = False) -> RankStepWork:
         """What a worker needs to prepare one rank's packs of a live step."""
@@ -167,10 +179,11 @@ class LiveDataset:
         cp = self.steps.config.context_parallel
         if cp > 1 and spans is None:  # the empty last step: every lane an empty share
             spans = [(np.ones(0, np.int64), np.zeros(0, np.int64))] * len(packs)
-        work = RankStepWork((self.part.name,), (LIVE_LABEL,), 0, step, rank, packs, step_loss, last,
+        parts = self.prompts.parts  # every index a prompt may be read from; a step's members are all live
+        work = RankStepWork(tuple(p.name for p in parts), (LIVE_LABEL,) * len(parts), 0, step, rank, packs, step_loss, last,
                             self.steps.seed, cp_spans=spans if cp > 1 else None, cp=cp,
                             shares=True)  # a row says what it shares when its step's plan shares it
-        work.live = LiveWork(rows, self.conventions.image_context_id, self.steps.tensor_names or ())
+        work.live = LiveWork(rows, self.conventions.image_context_id, self.steps.tensor_names or (), self.offsets)
         return work
 
     def estimate_bytes(self, work: RankStepWork) -> int:
@@ -203,16 +216,21 @@ class LiveRows:
 
 
 class LiveReader:
-    """Reads a live sample from the spool, its images through the prompts' dataset reader (`prompts`)."""
+    """Reads a live sample from the spool, its images through the readers of the indexes its prompt may be in
+    (`prompts`: each index's rows and reader, in the dataset's order)."""
 
-    def __init__(self, prompts: SampleReader, prompt_rows: IndexRows, live: LiveWork):
-        self.prompts, self.prompt_rows, self.live = prompts, prompt_rows, live
-        self.policy, self.path = prompts.policy, prompts.path
+    def __init__(self, prompts: list[tuple[IndexRows, SampleReader]], live: LiveWork):
+        self.prompts, self.live = prompts, live
+        self.policy, self.path = prompts[0][1].policy, prompts[0][1].path
 
-    # what a worker sets on every reader of a step, passed to the one that decodes
-    empty = property(lambda self: self.prompts.empty, lambda self, value: setattr(self.prompts, "empty", value))
-    decode_budget = property(lambda self: self.prompts.decode_budget,
-                             lambda self, value: setattr(self.prompts, "decode_budget", value))
+    # what a worker sets on every reader of a step, passed to the ones that decode
+    def _set(self, name: str, value) -> None:
+        for _, reader in self.prompts:
+            setattr(reader, name, value)
+
+    empty = property(lambda self: self.prompts[0][1].empty, lambda self, value: self._set("empty", value))
+    decode_budget = property(lambda self: self.prompts[0][1].decode_budget,
+                             lambda self, value: self._set("decode_budget", value))
 
     def prefetch(self, rows: list[dict[str, Any]]) -> None:
         pass
@@ -224,9 +242,11 @@ class LiveReader:
             mask = read_array(tar, row["members"]["loss_mask"]).astype(bool)
             tensors = {name: read_array(tar, row["members"][name]).astype(np.float32) for name in row["tensors"]}
             if row["prompt"]:
-                items = self.prompts.indexed_images(self.prompt_rows.row(row["prompt_id"]), pixels)
+                part, sample_id = self.live.prompt_of(row["prompt_id"])
+                rows, reader = self.prompts[part]
+                items = reader.indexed_images(rows.row(sample_id), pixels)
             else:
-                items = [self.prompts.file_image(read_member(tar, span), width, height, len(row["sizes"]),
+                items = [self.prompts[0][1].file_image(read_member(tar, span), width, height, len(row["sizes"]),
                                                  f"{row['id']}.image{k}")
                          for k, (span, (width, height)) in enumerate(zip(row["images"], row["sizes"]))]
         except (OSError, ValueError) as error:

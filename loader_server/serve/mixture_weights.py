@@ -38,6 +38,7 @@ def mixture_status(job) -> dict[str, Any] | None:
                for w in range(plan.planned_windows)]
     status = {"epoch": epoch, "window": in_force, "windows": windows}
     if job.ledger is not None:  # a loss-driven mixture: what a trainer's state keeps, and the reports left out
+        status["rule"] = job.ledger.rule.name
         status["decided"] = decided_windows(job.ledger)
         status["reports_ignored"] = dict(job.ledger.ignored)
         status["windows_on_partial_reports"] = job.ledger.partial_windows
@@ -47,7 +48,8 @@ def mixture_status(job) -> dict[str, Any] | None:
 def mixture_proto(status: dict[str, Any]) -> pb.MixtureWeights:
     message = pb.MixtureWeights(epoch=status["epoch"], window=status["window"],
                                 reports_ignored=status.get("reports_ignored", {}),
-                                windows_on_partial_reports=status.get("windows_on_partial_reports", 0))
+                                windows_on_partial_reports=status.get("windows_on_partial_reports", 0),
+                                rule=status.get("rule", ""))
     for window in status["windows"]:
         message.windows.add(window=window["window"], progress=window["progress"], weights=window["weights"],
                             drawn=window["drawn"], first_step=window["first_step"])

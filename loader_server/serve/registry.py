@@ -95,9 +95,8 @@ class JobRegistry:
         if not self.live_spool:
             raise JobError("FAILED_PRECONDITION", "this server keeps no live spool: start it with --live-spool DIR "
                                                   "(live_spool:) to serve live jobs")
-        if spec.epochs != 1 or spec.resume is not None or len(dataset.parts) != 1:
-            raise JobError("INVALID_ARGUMENT", "a live job has one epoch, resumes from its spool (not ResumeFrom) "
-                                               "and references one indexed dataset (not a mixture)")
+        if spec.epochs != 1 or spec.resume is not None:
+            raise JobError("INVALID_ARGUMENT", "a live job has one epoch and resumes from its spool (not ResumeFrom)")
         try:
             spool = Spool(self.live_spool, spec.job, spec.describe())
             steps = LiveSteps(spool, spec.plan_config, spec.seed,

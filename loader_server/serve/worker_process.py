@@ -136,8 +136,8 @@ def _build_rank_step(work: RankStepWork, shared: str | None) -> RankStepResult:
     started = time.perf_counter()
     parts = [(*_dataset(name), label) for name, label in zip(work.datasets, work.labels)]
     if work.live is not None:  # the step's samples come from the live spool, their prompts' images from parts
-        prompt_rows, prompts = parts[0][:2]
-        parts = [(LiveRows(work.live), LiveReader(prompts, prompt_rows, work.live), parts[0][2])]
+        prompts = [(rows, reader) for rows, reader, _ in parts]
+        parts = [(LiveRows(work.live), LiveReader(prompts, work.live), parts[0][2])]
     arena = TileArena.open(shared, _tile_bytes(parts, work)) if shared is not None else None
     for _, reader, _ in parts:
         reader.empty = arena.empty if arena is not None else np.empty
