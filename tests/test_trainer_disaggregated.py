@@ -12,6 +12,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -241,6 +242,9 @@ def test_a_killed_encoder_rank_fails_the_run_loudly_and_it_resumes_exactly(tmp_p
     assert [r["step"] for r in resumed] == [r["step"] for r in straight[:saved + 2]]
 
 
+NAMED = re.compile(r"Not responding: [^\n]*rank 2 \(encoder rank 0\)[^\n]*\n")
+
+
 def test_a_stopped_encoder_rank_fails_the_run_within_the_timeout_naming_it(tmp_path, small_tile_index):
     """SIGSTOP leaves a process alive and silent (a hung kernel, a paused container): the LLM ranks' next
     exchange with it times out after parallel.timeout_s, and the run fails naming the encoder rank."""
@@ -249,14 +253,29 @@ def test_a_stopped_encoder_rank_fails_the_run_within_the_timeout_naming_it(tmp_p
     common = TRAIN + [f"data.index={small_tile_index}", "data.epochs=30"] + ENCODER_RANK
     run = subprocess.Popen([sys.executable, "-m", "packfeed.server.cli", "train", "--nproc", "3", *common,
                             "optim.steps=200", f"parallel.timeout_s={timeout_s}", f"out={out}"],
-                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    lines: list[str] = []
+
+    def read() -> None:  # as it comes: the run is judged by what it says while the stopped rank still holds it
+        for line in run.stderr:
+            lines.append(line)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
     victims = []
     try:
         victims.append(encoder_rank_after_two_steps(run, out))
         os.kill(victims[0], signal.SIGSTOP)
         stopped = time.monotonic()
-        _, stderr = run.communicate(timeout=timeout_s + 240)
+        deadline = stopped + timeout_s + 240
+        while run.poll() is None and time.monotonic() < deadline and not NAMED.search("".join(lines)):
+            time.sleep(0.2)
         waited = time.monotonic() - stopped
+        # named: the launcher would now wait 30 s for the stopped process to take its SIGTERM; it is killed instead
+        os.kill(victims[0], signal.SIGKILL)
+        run.wait(timeout=120)
+        reader.join(timeout=60)
+        stderr = "".join(lines)
     finally:
         for pid in victims:
             try:
@@ -267,6 +286,6 @@ def test_a_stopped_encoder_rank_fails_the_run_within_the_timeout_naming_it(tmp_p
             run.kill()
     assert run.returncode != 0
     # the encoder rank is named; under load an LLM rank whose own collective has not timed out yet may be too
-    assert re.search(r"Not responding: [^\n]*rank 2 \(encoder rank 0\)", stderr), stderr[-3000:]
+    assert NAMED.search(stderr), stderr[-3000:]
     assert f"parallel.timeout_s = {timeout_s}" in stderr
     assert waited < timeout_s + 240
