@@ -10,6 +10,9 @@ MODE:
 - `kill`: as `packfeed`, checkpointing every step and dying (os._exit) once step 2's checkpoint is written.
 - `resume`: as `packfeed`, resumed from OUT's last checkpoint.
 - `zero3` / `fsdp`: as `packfeed` under DeepSpeed ZeRO-3 / FSDP, the vision tower wrapped apart.
+- `mixture`: as `packfeed` with prompts from the server's loss-driven mixture `mix` in windows of
+  PACKFEED_TEST_WINDOW, rewarded by dataset (`easy-` keys score higher); each rank writes the rewards its reward
+  function returned, step by step, to OUT/rewards-r{rank}.json.
 
 Writes OUT/rank{r}.json: the logged losses by step, and (rank 0) OUT/params.pt, the trained weights.
 """
@@ -36,6 +39,22 @@ def reward(completions, solution, **kwargs):
     return [len(set(c) & set(s)) / (1 + len(set(c))) for c, s in zip(completions, solution)]
 
 
+class RewardsByDataset:
+    """A reward that depends on the prompt's dataset (the easy one scores higher), recording what it returns by step
+    and prompt key."""
+
+    def __init__(self):
+        self.steps: list[dict[str, list[float]]] = []
+
+    def __call__(self, completions, solution, key, **kwargs):
+        given = [(1.0 if k.startswith("easy-") else 0.0) + r for k, r in zip(key, reward(completions, solution))]
+        step: dict[str, list[float]] = {}
+        for k, r in zip(key, given):
+            step.setdefault(k, []).append(r)
+        self.steps.append(step)
+        return given
+
+
 class Losses(TrainerCallback):
     def __init__(self):
         self.losses = {}
@@ -59,6 +78,8 @@ def config(out: Path, mode: str) -> GRPOConfig:
                     logging_steps=1, save_strategy="steps" if mode in ("kill", "resume") else "no", save_steps=1,
                     report_to=[], seed=7, use_cpu=True, lr_scheduler_type="constant", disable_tqdm=True,
                     temperature=1.0, epsilon_high=0.28, bf16=False)
+    if mode == "mixture":  # one epoch of the prompt mixture's windows
+        settings["num_train_epochs"] = 1
     if mode == "trl":  # TRL's batches leave the vision tower unused on a rank without images: DDP must know
         settings["ddp_find_unused_parameters"] = True
     if mode == "zero3":
@@ -128,12 +149,17 @@ def main() -> None:
         trainer = Replaying(train_dataset=Dataset.from_dict({"prompt": ["unused"] * 64}), **common)
         trainer.recorded = Path(os.environ["PACKFEED_TEST_RECORDED"])
     else:
+        if mode == "mixture":
+            common.update(reward_funcs=[RewardsByDataset()], dataset="mix",
+                          prompt_window=int(os.environ["PACKFEED_TEST_WINDOW"]))
         trainer = Recording(target=target, job=job, family="qwen2_vl",
                             shared_prefix=os.environ.get("PACKFEED_TEST_SHARED", "1") == "1", **common)
         trainer.recorded = out
     trainer.train(resume_from_checkpoint=True if mode == "resume" else None)
     rank = trainer.args.process_index
     (out / f"rank{rank}.json").write_text(json.dumps({"losses": losses.losses}))
+    if mode == "mixture":
+        (out / f"rewards-r{rank}.json").write_text(json.dumps(common["reward_funcs"][0].steps))
     if rank == 0:
         torch.save({k: v.detach().cpu() for k, v in trainer.accelerator.unwrap_model(trainer.model).state_dict().items()},
                    out / "params.pt")

@@ -159,64 +159,58 @@ def test_more_steps_than_the_prompt_job_holds_and_other_families_are_refused(ser
 
 
 def test_a_loss_driven_prompt_mixture_gets_each_datasets_rewards_from_the_face(tmp_path):
-    """Prompts from a mixture whose weights follow a softmax rule (DP 1, in process): the face reports, every step,
-    minus the mean reward of each dataset's responses, and the job decides the same windows as a hand-written loop
-    reporting what the reward function itself returned for the same prompts."""
-    from collections import Counter
+    """Prompts from a mixture whose weights follow a softmax rule, DP 2 under torchrun: every rank reports, every
+    step, minus the mean reward of each dataset's responses (its own, of TRL's gathered rewards), and the job decides
+    the same windows as two hand-written ranks reporting what each rank's reward function itself returned for the
+    same prompts."""
+    import threading
 
     import grpc
-    import torch
     import yaml
-    from transformers import PreTrainedTokenizerFast
-    from trl import GRPOConfig
 
     from hf_models import family_dataset, tiny_model
     from packfeed.client import LocalServer, PackStream
-    from packfeed.client.trl import PackfeedGRPOTrainer
     from packfeed.v1 import packfeed_pb2 as pb
     from packfeed.v1 import packfeed_pb2_grpc as pb_grpc
 
     datasets = {}
     for seed, name in enumerate(("easy", "hard")):
-        data = family_dataset(tmp_path / name, "qwen2_vl", seed=seed, samples=6, prefix=f"{name}-")
+        data = family_dataset(tmp_path / name, "qwen2_vl", seed=seed, samples=10, prefix=f"{name}-")
         datasets[name] = {"index": f"{name}/index.parquet", "weights": {0.0: 0.5, 1.0: 0.5}}
-    rule = {"name": "softmax", "temperature": 1.0, "min_weight": 0.01, "max_weight": 0.99, "wait_s": 60}
-    (tmp_path / "mix.yaml").write_text(yaml.safe_dump({"name": "mix", "samples": 8, "rule": rule,
+    tiny_model("qwen2_vl", data).save_pretrained(data.index.parent / "model")
+    rule = {"name": "softmax", "temperature": 1.0, "min_weight": 0.01, "max_weight": 0.99, "wait_s": 120}
+    (tmp_path / "mix.yaml").write_text(yaml.safe_dump({"name": "mix", "samples": 16, "rule": rule,
                                                        "datasets": datasets}))
-    scored: list[dict[str, list[float]]] = []  # per step: each prompt's rewards, as the reward function gave them
-
-    def reward(completions, key, **kwargs):
-        given = [(1.0 if k.startswith("easy") else 0.0) + len(c) / 100 for c, k in zip(completions, key)]
-        step: dict[str, list[float]] = {}
-        for k, r in zip(key, given):
-            step.setdefault(k, []).append(r)
-        scored.append(step)
-        return given
-
-    config = GRPOConfig(output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, num_generations=2,
-                        max_completion_length=4, max_steps=4, num_train_epochs=1, learning_rate=0.1, optim="sgd", beta=0.0,
-                        report_to=[], seed=3, use_cpu=True, bf16=False, save_strategy="no", disable_tqdm=True)
-    tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(data.tokenizer), eos_token="<|im_end|>",
-                                        pad_token="<|im_end|>")
-    plan = {"dp": 1, "microbatches": 1, "strategy": "length-group", "samples_per_pack": 2, "window": 2}
+    out = tmp_path / "run"
+    out.mkdir()
+    # a step is 2 prompts a rank: windows of 4 samples are a step each, 4 in the epoch
+    plan = {"dp": 2, "microbatches": 1, "strategy": "length-group", "samples_per_pack": 2, "window": 4}
     with LocalServer(None, workers=1, extra_args=["--mixture", str(tmp_path / "mix.yaml"), "--live-spool",
                                                   str(tmp_path / "spool")]) as server:
-        trainer = PackfeedGRPOTrainer(model=tiny_model("qwen2_vl", data).train(), reward_funcs=[reward], args=config,
-                                      processing_class=tokenizer, target=server.target, job="rl", family="qwen2_vl",
-                                      dataset="mix", prompt_window=2)
-        assert trainer.prompt_stream.loss_driven
-        trainer.train()
-        with PackStream(server.target, job="by-hand", rank=0, dataset="mix", seed=3, prefetch=1, **plan) as stream:
-            for step, rewards in zip(stream, scored):
-                assert sorted(step.sample_keys) == sorted(rewards)  # the same prompts: the same windows so far
-                losses: dict[str, list[float]] = {}
-                for k, source in zip(step.sample_keys, step.sample_sources):
-                    losses.setdefault(source, []).extend(-r for r in rewards[k])
-                stream.report({s: sum(v) / len(v) for s, v in losses.items()},
-                              {s: float(len(v)) for s, v in losses.items()})
+        torchrun(server, data, "mixture", "rl", out, PACKFEED_TEST_WINDOW="4")
+        scored = [json.loads((out / f"rewards-r{rank}.json").read_text()) for rank in range(2)]
+        problems: list[str] = []
+
+        def by_hand(rank: int) -> None:
+            with PackStream(server.target, job="by-hand", rank=rank, dataset="mix", seed=7, prefetch=1,
+                            **plan) as stream:
+                for step, rewards in zip(stream, scored[rank]):
+                    if sorted(step.sample_keys) != sorted(rewards):  # the same prompts: the same windows so far
+                        problems.append(f"rank {rank} step {step.step}: {step.sample_keys} vs {sorted(rewards)}")
+                    losses: dict[str, list[float]] = {}
+                    for key, source in zip(step.sample_keys, step.sample_sources):
+                        losses.setdefault(source, []).extend(-r for r in rewards[key])
+                    stream.report({s: sum(v) / len(v) for s, v in losses.items()},
+                                  {s: float(len(v)) for s, v in losses.items()})
+
+        ranks = [threading.Thread(target=by_hand, args=(rank,)) for rank in range(2)]
+        for thread in ranks:
+            thread.start()
+        for thread in ranks:
+            thread.join(timeout=300)
         stub = pb_grpc.PackfeedStub(grpc.insecure_channel(server.target))
         infos = [stub.GetJob(pb.GetJobRequest(job=job)).mixture for job in ("rl-prompts", "by-hand")]
-    assert len(scored) == 4 and Counter(k.split("-")[0] for step in scored for k in step).keys() == {"easy", "hard"}
+    assert not problems and [len(steps) for steps in scored] == [4, 4], (problems, scored)
     for info in infos:
         assert not info.reports_ignored and info.windows_on_partial_reports == 0, info
         assert [(d.epoch, d.window) for d in info.decided] == [(0, w) for w in range(4)], info.decided
@@ -225,4 +219,3 @@ def test_a_loss_driven_prompt_mixture_gets_each_datasets_rewards_from_the_face(t
     assert face[-1]["hard"] > 0.5 + 1e-3 and all(w["hard"] >= 0.5 - 1e-9 for w in face), face
     for ours, theirs in zip(face, hand):
         assert ours == pytest.approx(theirs, abs=1e-6)
-    assert torch.isfinite(trainer._rewards).all()
