@@ -5,6 +5,7 @@ the next windows never saw them), and every window the job decided, which a new 
 from __future__ import annotations
 
 import collections
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -22,11 +23,24 @@ class LossReports:
         # that this very report lets it decide
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="packfeed-report")
         self.delivered_to: str | None = None  # the server the last report reached
+        self.latest: tuple[int, int] = (-1, -1)  # the latest step reported
+        self.warned = False
 
     def submit(self, channel: ServerChannel, request: pb.AckStepRequest) -> None:
         """One report (an acknowledgement with losses), kept at once (a state taken now holds it), then sent."""
         self.sent.append(request)
+        self.latest = max(self.latest, (request.epoch, request.step))
         self.pool.submit(self._deliver, channel, request)
+
+    def check_reported(self, job: str, epoch: int, step: int, rule: str) -> None:
+        """Warn (once) when a step is left without a report: the job's windows then wait for it."""
+        if self.warned or self.latest >= (epoch, step):
+            return
+        self.warned = True
+        warnings.warn(f"job {job!r}: its mixture is loss-driven (rule {rule}) and step {epoch}:{step} was not "
+                      "reported: every rank reports every step (PackStream.report, {} when it held no samples), or "
+                      "each later window waits up to the rule's wait_s for the missing reports", RuntimeWarning,
+                      stacklevel=3)
 
     def _deliver(self, channel: ServerChannel, request: pb.AckStepRequest) -> None:
         """Its answer's decided windows recorded. A report that fails is given again with the others when the

@@ -266,6 +266,8 @@ class PackStream:
 
     def __next__(self) -> Step:
         if self._consumed is not None:
+            if self.loss_driven:
+                self._losses.check_reported(self.job, *self._consumed[:2], self.info.mixture.rule)
             self._ack(*self._consumed)
             self._consumed = None
         if self._next is None:

@@ -4,6 +4,8 @@ the same windows as a hand-written loop that reads the same model's losses per s
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 import yaml
@@ -16,7 +18,8 @@ from packfeed.client.hf import to_hf_inputs  # noqa: E402
 from packfeed.client.tensors import IGNORE_INDEX  # noqa: E402
 
 # weights a smooth function of the losses (no bound reached): equal decisions mean equal reports
-RULE = {"name": "softmax", "temperature": 1.0, "min_weight": 0.01, "max_weight": 0.99, "max_change": 1.0, "wait_s": 60}
+RULE = {"name": "softmax", "temperature": 1.0, "min_weight": 0.01, "max_weight": 0.99, "max_change": 1.0,
+        "wait_s": 600}  # the faces report every step: nothing waits, but a job left unreported would wait this long
 WINDOW = 10  # samples: 4 windows of 40, windows 2 and 3 decided by the losses
 PLAN = {"dp": 1, "microbatches": 2, "window": WINDOW, "token_cap": 256, "vision_cap": 256}
 
@@ -66,6 +69,9 @@ def test_the_hf_trainer_reports_each_steps_loss_per_dataset_as_a_hand_written_lo
     path, data = mixture
     with LocalServer(None, workers=1, extra_args=["--mixture", str(path)]) as server:
         model = tiny_model("qwen2_vl", data)
+        with PackStream(server.target, job="silent", rank=0, dataset="learn", prefetch=1, **PLAN) as stream:
+            with pytest.warns(RuntimeWarning, match="step 0:0 was not reported"):  # its windows would wait
+                next(stream), next(stream)
         steps = 0
         with PackStream(server.target, job="by-hand", rank=0, dataset="learn", prefetch=1, **PLAN) as stream:
             assert stream.loss_driven
@@ -77,17 +83,24 @@ def test_the_hf_trainer_reports_each_steps_loss_per_dataset_as_a_hand_written_lo
             # learning rate 0: the model stays the one the loop above read, so the losses must be the same
             args = packfeed_training_arguments(stream, output_dir=str(tmp_path), report_to=[], use_cpu=True,
                                                max_steps=steps, learning_rate=0.0, save_strategy="no")
-            PackfeedTrainer(model=model, args=args, stream=stream, family="qwen2_vl").train()
+            with warnings.catch_warnings():
+                warnings.filterwarnings("error", message=".*was not reported")  # the face reports every step
+                PackfeedTrainer(model=model, args=args, stream=stream, family="qwen2_vl").train()
         with PackStream(server.target, job="sft", rank=0, dataset="learn", prefetch=1, **PLAN) as stream:
             # TRL's SFTTrainer: its fused LM head gives log-probabilities, not logits
             config = packfeed_sft_config(stream, output_dir=str(tmp_path / "sft"), report_to=[], use_cpu=True,
                                          max_steps=steps, learning_rate=0.0, save_strategy="no")
             tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_file=str(data.tokenizer))
             tokenizer.pad_token = tokenizer.convert_ids_to_tokens(0)
-            PackfeedSFTTrainer(model=model, args=config, stream=stream, family="qwen2_vl",
-                               processing_class=tokenizer).train()
+            with warnings.catch_warnings():
+                warnings.filterwarnings("error", message=".*was not reported")
+                PackfeedSFTTrainer(model=model, args=config, stream=stream, family="qwen2_vl",
+                                   processing_class=tokenizer).train()
         stub = pb_grpc.PackfeedStub(grpc.insecure_channel(server.target))
         infos = [stub.GetJob(pb.GetJobRequest(job=job)).mixture for job in ("by-hand", "trainer", "sft")]
+        # the silent job's next window waits for reports (wait_s 600): SIGTERM still stops the server, not a kill
+        server.stop(timeout=120)
+        assert server.process.returncode == 0, server.process.returncode
     for info in infos:
         assert info.rule == "softmax" and not info.reports_ignored and info.windows_on_partial_reports == 0, info
     hand, *faces = [[dict(d.weights) for d in info.decided] for info in infos]

@@ -10,7 +10,7 @@ import threading
 import numpy as np
 import pytest
 
-from packfeed.server.plan.weight_ledger import WeightLedger
+from packfeed.server.plan.weight_ledger import LedgerClosed, WeightLedger
 from packfeed.server.plan.weight_rules import WeightRule
 
 NAMES = ["ocr", "chat"]
@@ -59,6 +59,26 @@ def test_deciding_waits_for_the_last_rank_and_a_rank_that_never_reports_costs_wa
     assert decide(empty, 2)[0] > 0.9 and empty.partial_windows == 0
     late = ledger(wait_s=0.3)  # nobody reports: decided on nothing after wait_s, the weights held
     assert decide(late, 2) == pytest.approx([0.8, 0.2]) and late.partial_windows == 1
+
+
+def test_closing_the_job_frees_a_window_waiting_for_reports_and_decides_nothing():
+    book = ledger(wait_s=600)  # far longer than the joins below: only close() can end the wait
+    outcome = []
+
+    def waiting() -> None:
+        try:
+            outcome.append(decide(book, 2))
+        except LedgerClosed as error:
+            outcome.append(error)
+
+    deciding = threading.Thread(target=waiting)
+    deciding.start()
+    deciding.join(timeout=0.5)
+    assert deciding.is_alive() and not outcome  # nobody reported window 0: it waits
+    book.close()
+    deciding.join(timeout=60)
+    assert not deciding.is_alive() and isinstance(outcome[0], LedgerClosed), outcome
+    assert 2 not in book.recorded().get(0, {}) and book.partial_windows == 0
 
 
 @pytest.mark.parametrize("rank, losses, counts, reason", [

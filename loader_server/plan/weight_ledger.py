@@ -24,6 +24,10 @@ from packfeed.server.plan.weight_rules import WeightRule
 log = logging.getLogger("packfeed.server")
 
 
+class LedgerClosed(RuntimeError):
+    """The job closed (closed, forgotten, or its server stopping) while a window waited for loss reports."""
+
+
 class WeightLedger:
     def __init__(self, rule: WeightRule, names: list[str], ranks: int, start: Callable[[float], np.ndarray]):
         self.rule, self.names, self.ranks, self.start = rule, list(names), ranks, start
@@ -33,6 +37,7 @@ class WeightLedger:
         self._changed = threading.Condition()
         self.ignored: dict[str, int] = {}  # reports left out, by reason
         self.partial_windows = 0  # windows decided before every report of their basis arrived
+        self._closed = False
 
     def report(self, rank: int, epoch: int, step: int, losses: dict[str, float],
                counts: dict[str, float] | None = None) -> str | None:
@@ -88,6 +93,9 @@ class WeightLedger:
         deadline = time.monotonic() + self.rule.wait_s
         with self._changed:
             while not self._complete(epoch, steps):
+                if self._closed:  # nobody will report any more: decide nothing, and free the waiting thread
+                    raise LedgerClosed(f"the job closed while epoch {epoch}'s window after steps {steps.start}-"
+                                       f"{steps.stop - 1} waited for their loss reports")
                 left = deadline - time.monotonic()
                 if left <= 0:
                     self.partial_windows += 1
@@ -106,6 +114,13 @@ class WeightLedger:
                     counts[known] += weight[known]
         with np.errstate(invalid="ignore", divide="ignore"):
             return np.where(counts > 0, totals / np.maximum(counts, 1e-300), math.nan)
+
+    def close(self) -> None:
+        """The job is closing: a decision waiting for reports stops waiting (`LedgerClosed`), at once, so a server
+        stops without waiting out wait_s."""
+        with self._changed:
+            self._closed = True
+            self._changed.notify_all()
 
     def _complete(self, epoch: int, steps: range) -> bool:
         return all(len(self._reports.get((epoch, step), {})) == self.ranks for step in steps)

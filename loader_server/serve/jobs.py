@@ -203,8 +203,11 @@ class Job:
             log.exception("counting a job's epochs failed", extra={"job": self.spec.job})
 
     def release(self) -> None:
-        """The job was closed or forgotten: background counting stops (and a live job's lease renewal)."""
+        """The job was closed or forgotten, or its server is stopping: background counting stops (and a live job's
+        lease renewal), and a window waiting for loss reports stops waiting."""
         self._released.set()
+        if self.ledger is not None:
+            self.ledger.close()
 
     @property
     def released(self) -> bool:

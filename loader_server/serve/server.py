@@ -150,5 +150,7 @@ async def serve(config: ServerConfig, ready: asyncio.Event | None = None, stop: 
     for name in ("", SERVICE):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
     await server.stop(grace=2)
+    for job in list(registry.jobs.values()):  # nothing waits on them any more (a window on loss reports)
+        job.release()
     pool.stop()
     service.planning.shutdown(wait=False, cancel_futures=True)  # a plan still running dies with the process
