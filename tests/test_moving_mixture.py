@@ -390,3 +390,27 @@ def test_loss_driven_weights_replay_exactly_and_resume_and_fail_over_to_the_same
 
 def ocr_progress(info, window: int) -> float:
     return next(w.progress for w in info.windows if w.window == window)
+
+
+def test_packfeed_train_trains_a_scheduled_mixture_and_refuses_a_loss_driven_one(tmp_path, demo_dataset):
+    """The reference trainer: `data.mixture` and `data.window` train the anneal schedule on an embedded server; a
+    mixture with a rule is refused at the start, naming it (this trainer reports no per-dataset losses)."""
+    from trainer_workers import SMALL_MODEL, packfeed_train
+
+    path = served_schedule(tmp_path, demo_dataset.tokenizer)
+    common = [*[f"model.{k}={v}" for k, v in SMALL_MODEL.items()], "data.microbatches=1", "data.server_workers=1",
+              "parallel.pp=1", "parallel.dp=1", "recompute.mode=none", "data.window=12", "data.token_cap=64",
+              "data.vision_cap=64", "optim.steps=6"]
+    _, records = packfeed_train(1, common + [f"data.mixture={path}"], tmp_path / "scheduled")
+    drawn = Counter()
+    for record in records:
+        drawn.update(record["samples_by_dataset"])
+    assert len(records) == 6 and set(drawn) == {"ocr", "chat"}, records
+    assert drawn["ocr"] > drawn["chat"]  # the schedule's start: 80/20
+    raw = yaml.safe_load(path.read_text())
+    (tmp_path / "driven.yaml").write_text(yaml.safe_dump({**raw, "rule": RULE}))
+    done = subprocess.run([sys.executable, "-m", "packfeed.server.cli", "train", "--nproc", "1", *common,
+                           f"data.mixture={tmp_path / 'driven.yaml'}", f"out={tmp_path / 'driven'}"],
+                          capture_output=True, text=True, timeout=400)
+    assert done.returncode != 0 and "rule softmax" in done.stderr and "does not report per-dataset losses" in \
+        done.stderr, done.stderr[-3000:]

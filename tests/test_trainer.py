@@ -226,6 +226,8 @@ def test_config_is_checked_at_start_and_never_changed(tmp_path):
                               ("parallel.encoder=anywhere", "ParallelConfig.encoder"),
                               ("parallel.cp=2 parallel.pp=1 parallel.data_parallel=fsdp", "set parallel.data_parallel=ddp"),
                               ("parallel.timeout_s=0", "parallel.timeout_s"),
+                              ("data.index=a.parquet data.mixture=m.yaml", "data.index or data.mixture"),
+                              ("data.window=-1", "window must be >= 0"),
                               ("model.hf=qwen2_vl model.hf_attention=sdpa parallel.pp=2", "pipeline stages")):
         with pytest.raises(ValueError, match=message):
             load_config(None, override.split())

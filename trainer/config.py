@@ -19,7 +19,8 @@ from packfeed.v1.layout import Layout
 from packfeed.v1.options import Oversize, PlanConfig, Strategy
 
 # DataConfig fields that are PlanConfig's (the rest of PlanConfig comes from the mesh or keeps its default)
-PLAN_FIELDS = ("microbatches", "strategy", "vision_cap", "token_cap", "oversize", "collective_safe", "shared_prefix")
+PLAN_FIELDS = ("microbatches", "strategy", "vision_cap", "token_cap", "oversize", "collective_safe", "shared_prefix",
+               "window")
 
 
 def check_choices(config) -> None:
@@ -35,11 +36,14 @@ CP_MODELS = ("", "qwen2_vl")
 
 @dataclass(frozen=True)
 class DataConfig:
-    """Where packs come from: running servers (`target`) or an embedded one started on `index`. The model is
-    sized from what the server reports of the dataset (`JobInfo.conventions`), never from the index file."""
+    """Where packs come from: running servers (`target`) or an embedded one started on `index` or `mixture`. The
+    model is sized from what the server reports of the dataset (`JobInfo.conventions`), never from the index file."""
 
     target: str = ""  # host:port, host:port,host:port (failover), or redis://host:6379/0 (every live server)
     index: str = ""  # without a target: start a server for this index on rank 0 (all ranks on one machine)
+    mixture: str = ""  # ... or for this mixture file (docs/planning.md "Mixtures")
+    dataset: str = ""  # the server's dataset to train on, when it serves several (a mixture: its `name:`)
+    window: int = 0  # plan in windows of this many samples (0: whole epochs); a mixture whose weights move needs it
     job: str = "train"
     seed: int = 0
     microbatches: int = 4
@@ -71,6 +75,8 @@ class DataConfig:
 
     def __post_init__(self):
         check_choices(self)
+        if self.index and self.mixture:
+            raise ValueError("give data.index or data.mixture (the embedded server's dataset), not both")
         if self.cost_model and not Path(self.cost_model).is_file():
             raise ValueError(f"data.cost_model {self.cost_model} not found (an earlier run's OUT/cost_model.json)")
         self.plan_config(dp=1, pipeline_stages=1)  # a bad strategy or cap fails now, not at the first stream

@@ -76,7 +76,7 @@ def open_stream(config: TrainConfig, mesh: Mesh, target: str, checkpoint_dir=Non
     d = config.data
     routed = config.parallel.encoder == "phases"  # isf+phases packs with their images routed
     plan = d.plan_config(mesh.dp, mesh.pp, routed, config.parallel.cp, mesh.encoder_ranks)
-    options = dict(plan=plan, seed=d.seed, epochs=d.epochs, prefetch=d.prefetch,
+    options = dict(plan=plan, seed=d.seed, epochs=d.epochs, prefetch=d.prefetch, dataset=d.dataset,
                    pin_memory=mesh.device.type == "cuda", connection=Connection(token=d.token or None))
     # this GPU's share of a CP plan's packs; a CP plan on one GPU per replica reads all its C shares and joins them
     # (an encoder rank's seat streams what it encodes for the LLM ranks: parallel.encoder=disaggregated)
@@ -84,10 +84,10 @@ def open_stream(config: TrainConfig, mesh: Mesh, target: str, checkpoint_dir=Non
         [Seat(mesh.replica, lane=lane) for lane in range(plan.context_parallel)]
     states = checkpoint.stream_states(checkpoint_dir) if checkpoint_dir is not None else []
     if not states:
-        return _lane_streams(target, d.job, seats, options)
+        return _reporting_not_needed(_lane_streams(target, d.job, seats, options))
     saved_encoders = checkpoint.read_meta(checkpoint_dir).get("encoder_ranks", 0)
     if len(states) == mesh.dp and saved_encoders == mesh.encoder_ranks:
-        stream = _lane_streams(target, states[0]["job"], seats, options)
+        stream = _reporting_not_needed(_lane_streams(target, states[0]["job"], seats, options))
         stream.load_state_dict(checkpoint.encoder_stream_state(checkpoint_dir, mesh.encoder_rank)
                                if mesh.is_encoder else states[mesh.replica])
         return stream
@@ -99,6 +99,18 @@ def open_stream(config: TrainConfig, mesh: Mesh, target: str, checkpoint_dir=Non
     job = f"{states[0]['job']}.dp{mesh.dp}" + (f".e{mesh.encoder_ranks}" if mesh.encoder_ranks else "") + \
         f".from{steps}"
     return PackStream(stream_targets(target), job=job, resume=states, seat=mesh.seat, **options)
+
+
+def _reporting_not_needed(stream):
+    """`stream`, unless its job's mixture moves by the losses its ranks report, which this trainer does not."""
+    first = getattr(stream, "streams", [stream])[0]
+    if first.loss_driven:
+        stream.close()
+        raise ValueError(f"job {first.job!r}: its mixture's weights follow the losses its ranks report (rule "
+                         f"{first.info.mixture.rule}), and packfeed train does not report per-dataset losses: train "
+                         "it with PackfeedTrainer, PackfeedSFTTrainer or a loop that calls PackStream.report "
+                         "(docs/planning.md \"Weights the loss moves\"), or give the mixture a schedule without a rule")
+    return stream
 
 
 def _lane_streams(target: str, job: str, seats: list[Seat], options: dict):

@@ -102,17 +102,20 @@ def train(config: TrainConfig) -> dict:
 
 
 def start_embedded_server(config: TrainConfig, mesh: Mesh):
-    """Without `data.target`, rank 0 starts a Packfeed server on loopback for `data.index` and every first
-    stage streams from it (all ranks must then share one machine). Returns (server or None, target)."""
-    if config.data.target:
-        return None, config.data.target
-    if not config.data.index:
-        raise ValueError("set data.target (a Packfeed server, host:port) or data.index (start one here)")
+    """Without `data.target`, rank 0 starts a Packfeed server on loopback for `data.index` (or `data.mixture`) and
+    every first stage streams from it (all ranks must then share one machine). Returns (server or None, target)."""
+    d = config.data
+    if d.target:
+        return None, d.target
+    if not (d.index or d.mixture):
+        raise ValueError("set data.target (a Packfeed server, host:port), or data.index or data.mixture (start one "
+                         "here)")
     server = None
     if mesh.rank == 0:
         from packfeed.client import LocalServer
 
-        server = LocalServer(config.data.index, workers=config.data.server_workers or None).start()
+        server = LocalServer(d.index or None, workers=d.server_workers or None,
+                             extra_args=["--mixture", d.mixture] if d.mixture else None).start()
     return server, broadcast_object(server.target if server else "", mesh)
 
 
