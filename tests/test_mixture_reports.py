@@ -12,6 +12,7 @@ import yaml
 
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
+pytest.importorskip("trl")  # PackfeedSFTTrainer's
 
 from hf_models import family_dataset, tiny_model  # noqa: E402
 from packfeed.client.hf import to_hf_inputs  # noqa: E402
