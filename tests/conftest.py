@@ -2,15 +2,9 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
-# Before anything loads OpenMP: its idle threads sleep instead of spinning. The suite runs two workers and their
-# subprocesses on two cores, where spinning threads starve the processes that hold the work (a 1-process training
-# run: 7 s alone, 41 s beside two busy cores with spinning, 10 s without). Every subprocess inherits it.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-
-import pytest  # noqa: E402
+import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 LENGTHS_DIR = REPO.parent / "shared" / "data" / "lengths"
