@@ -17,7 +17,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from packfeed.client.shared_prefix import shared, unshared
+from packfeed.client.shared_prefix import shared
 from packfeed.client.tensors import IGNORE_INDEX, PackTensors, Step
 
 ROWS_AT_ONCE = 512  # target tokens scored together: a chunk's float32 log-softmax is ROWS_AT_ONCE x vocabulary
@@ -57,8 +57,7 @@ def sums_by_dataset(pack: PackTensors, losses: torch.Tensor, mask: torch.Tensor,
     sample of token t + 1."""
     if pack.empty or not pack.sample_sources:
         return {}
-    whole = unshared(pack, pixels=False)
-    bounds = whole.cu_seqlens.numpy().astype(np.int64)
+    bounds = pack.cu_seqlens.numpy().astype(np.int64)  # each sample whole: the wire's own bounds
     positions = np.flatnonzero(mask.numpy())
     targets = positions + 1
     if shared_prefix:  # a shared row's token stands for the unshared token `source` names
@@ -67,14 +66,18 @@ def sums_by_dataset(pack: PackTensors, losses: torch.Tensor, mask: torch.Tensor,
     if len(targets) and targets.max() >= bounds[-1]:
         raise ValueError(f"pack {pack.sample_keys}: a target past its samples' {bounds[-1]} tokens; give the losses "
                          "of its own row (to_hf_inputs of this pack)")
-    samples = np.searchsorted(bounds, targets, side="right") - 1
-    values = losses.numpy()[positions]
-    out: dict[str, tuple[float, int]] = {}
-    for name in set(pack.sample_sources):
-        mine = np.isin(samples, [k for k, source in enumerate(pack.sample_sources) if source == name])
-        if mine.any():
-            out[name] = (float(values[mine].sum()), int(mine.sum()))
-    return out
+    names, dataset_of_sample = np.unique(pack.sample_sources, return_inverse=True)
+    dataset = dataset_of_sample[np.searchsorted(bounds, targets, side="right") - 1]
+    totals = np.bincount(dataset, weights=losses.numpy()[positions], minlength=len(names))
+    tokens = np.bincount(dataset, minlength=len(names))
+    return {str(name): (float(totals[k]), int(tokens[k])) for k, name in enumerate(names) if tokens[k]}
+
+
+def means_and_counts(sums: dict[str, list[float]]) -> tuple[dict[str, float], dict[str, float]]:
+    """({dataset: total / count}, {dataset: count}) of {dataset: [total, count]}, datasets of count 0 left out: what
+    `PackStream.report` takes."""
+    kept = {name: (total, n) for name, (total, n) in sums.items() if n}
+    return {name: total / n for name, (total, n) in kept.items()}, {name: float(n) for name, (_, n) in kept.items()}
 
 
 class StepLosses:
@@ -91,8 +94,7 @@ class StepLosses:
 
     def report(self, stream, step: Step) -> None:
         """The mean loss per dataset over its target tokens, to `stream` for `step` ({} when none); then empty."""
-        means = {name: total / tokens for name, (total, tokens) in self.sums.items() if tokens}
-        counts = {name: float(tokens) for name, (_, tokens) in self.sums.items() if tokens}
+        means, counts = means_and_counts(self.sums)
         self.sums = {}
         stream.report(means, counts, step=step)
 
@@ -106,4 +108,4 @@ def reward_losses(sources: list[str], rewards: list[float]) -> tuple[dict[str, f
             entry = sums.setdefault(source, [0.0, 0])
             entry[0] -= reward
             entry[1] += 1
-    return {name: total / n for name, (total, n) in sums.items()}, {name: float(n) for name, (_, n) in sums.items()}
+    return means_and_counts(sums)

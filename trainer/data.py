@@ -102,12 +102,13 @@ def open_stream(config: TrainConfig, mesh: Mesh, target: str, checkpoint_dir=Non
 
 
 def _reporting_not_needed(stream):
-    """`stream`, unless its job's mixture moves by the losses its ranks report, which this trainer does not."""
-    first = getattr(stream, "streams", [stream])[0]
-    if first.loss_driven:
+    """`stream` (one lane's, or lanes joined), unless its job's mixture moves by the losses its ranks report, which
+    this trainer does not."""
+    rule = stream.info.mixture.rule
+    if rule:
         stream.close()
-        raise ValueError(f"job {first.job!r}: its mixture's weights follow the losses its ranks report (rule "
-                         f"{first.info.mixture.rule}), and packfeed train does not report per-dataset losses: train "
+        raise ValueError(f"job {stream.job!r}: its mixture's weights follow the losses its ranks report (rule "
+                         f"{rule}), and packfeed train does not report per-dataset losses: train "
                          "it with PackfeedTrainer, PackfeedSFTTrainer or a loop that calls PackStream.report "
                          "(docs/planning.md \"Weights the loss moves\"), or give the mixture a schedule without a rule")
     return stream

@@ -67,8 +67,7 @@ class LiveWork:
 
     def prompt_of(self, prompt_id: int) -> tuple[int, int]:
         """(the index a referenced prompt is in, its sample id there)."""
-        part = int(np.searchsorted(self.offsets, prompt_id, side="right")) - 1
-        return part, prompt_id - self.offsets[part]
+        return prompt_in(self.offsets, prompt_id)
 
     def complete(self, pack) -> None:
         """Give a pack every live tensor the job's packs carry (an empty pack, or one a sample of which was
@@ -77,6 +76,13 @@ class LiveWork:
         for name in self.tensor_names:
             pack.tensors.setdefault(f"token.{name}", np.zeros(length, np.float32))
         pack.tensors.setdefault("policy_version", np.zeros(len(pack.sample_keys), np.int64))
+
+
+def prompt_in(offsets: tuple[int, ...], prompt_id: int) -> tuple[int, int]:
+    """(the index a referenced prompt is in, its sample id there), the dataset's indexes starting at `offsets` in
+    its prompts' numbering."""
+    part = int(np.searchsorted(offsets, prompt_id, side="right")) - 1
+    return part, prompt_id - offsets[part]
 
 
 class LiveDataset:
@@ -141,7 +147,7 @@ class LiveDataset:
         prompt_id = self._keys.get(key, -1)
         if prompt_id < 0:
             return None
-        part, sample_id = LiveWork({}, 0, offsets=self.offsets).prompt_of(prompt_id)
+        part, sample_id = prompt_in(self.offsets, prompt_id)
         row = self.prompts.parts[part].rows.row(sample_id)
         if row["n_videos"] or row["frames_fps"] is not None or not row["valid"]:
             return None
