@@ -20,7 +20,8 @@ class SampleError(ValueError):
 
 def image_size(data: bytes, verify: str, policy: ImagePolicy | None = None) -> tuple[int, int]:
     """(width, height) upright (EXIF orientation applied) from the header; with verify='decode' also decodes
-    (JPEG at 1/8 scale), unless the `policy`'s pixel limit refuses the image first."""
+    (JPEG at 1/8 scale: every byte of its data is still read), with 'full' decodes it whole, unless the `policy`'s
+    pixel limit refuses the image first."""
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error", Image.DecompressionBombWarning)
@@ -28,8 +29,8 @@ def image_size(data: bytes, verify: str, policy: ImagePolicy | None = None) -> t
                 width, height = oriented_size(image, data)  # a PNG is not decoded to look for its EXIF
                 if policy is not None:
                     policy.check_pixels(width, height)  # before decoding: verifying it would cost its memory
-                if verify == "decode":
-                    if image.format == "JPEG":
+                if verify in ("decode", "full"):
+                    if image.format == "JPEG" and verify == "decode":
                         image.draft("RGB", (max(1, image.width // 8), max(1, image.height // 8)))
                     image.load()
     except UnidentifiedImageError:

@@ -138,8 +138,11 @@ def main() -> None:
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     # float64: a GRPO gradient is a sum of terms that cancel (advantages are centred per group), which magnifies
-    # float32 rounding to ~1e-4 between any two summation orders, TRL's own included
-    model = Qwen2VLForConditionalGeneration.from_pretrained(model_dir, attn_implementation="sdpa", dtype=torch.float64)
+    # float32 rounding to ~1e-4 between any two summation orders, TRL's own included. The sharded modes compare no
+    # losses (they check that a text-only rank does not hang) and DeepSpeed >= 0.19.8 refuses float64 parameters:
+    # float32 there, whatever DeepSpeed the package index resolves
+    dtype = torch.float32 if mode in ("zero3", "fsdp") else torch.float64
+    model = Qwen2VLForConditionalGeneration.from_pretrained(model_dir, attn_implementation="sdpa", dtype=dtype)
     losses = Losses()
     common = dict(model=model, reward_funcs=[reward], args=config(out, mode), processing_class=tokenizer(tokenizer_path),
                   callbacks=[losses] + ([DieAfterCheckpoint()] if mode == "kill" else []))

@@ -291,7 +291,9 @@ def test_packfeed_put_puts_a_json_lines_file(server, prompts, tmp_path):
 def test_a_second_server_takes_the_job_over_from_a_shared_spool(small_tile_index, prompts, tmp_path):
     """Two servers share a spool folder and a real Redis. The job's first server is killed -9 mid-job: once its
     lease lapses the other takes the job over from the spool, the producers' and trainers' clients follow, and
-    every sample is consumed exactly once, in the packs a single server would have sent."""
+    every sample is consumed exactly once, in the packs a single server would have sent. Rank 1 lists the
+    standby first, so the standby opened the job (and read its empty spool) while the first server held it: it
+    must serve the job from the spool as the holder left it, not as it was at its open."""
     from redis_server import RedisProcess
 
     conventions = prompts[1]
@@ -306,7 +308,8 @@ def test_a_second_server_takes_the_job_over_from_a_shared_spool(small_tile_index
         def run(job: str, kill: bool) -> dict:
             out: dict = {}
             targets = [server.target for server in servers if server.process.poll() is None]
-            ranks = [threading.Thread(target=consume, args=(targets, job, rank, out)) for rank in range(2)]
+            ranks = [threading.Thread(target=consume, args=(targets[::1 - 2 * rank], job, rank, out))
+                     for rank in range(2)]
             with Producer(targets, job=job, connection=CONNECTION) as producer:
                 for thread in ranks:
                     thread.start()

@@ -53,6 +53,10 @@ def live(tmp_path, config: PlanConfig, **bounds) -> LiveSteps:
     return LiveSteps(spool, config, 0, live_fingerprint(config, 0, "index"), **bounds)
 
 
+def row_of(steps: LiveSteps, sample_id: str) -> dict:
+    return steps.rows[sample_id]
+
+
 def png(width: int, height: int) -> bytes:
     buffer = io.BytesIO()
     Image.new("RGB", (width, height), (120, 30, 200)).save(buffer, format="PNG")
@@ -70,7 +74,7 @@ def png(width: int, height: int) -> bytes:
     ({"tensors": {"advantages": [float("nan")] * 10}}, "tensors[advantages]", "NaN"),
     ({"tensors": {"bad name!": [0.0] * 10}}, "tensors", "letters, digits and underscores"),
     ({"prompt": "nowhere"}, "prompt", "no indexed sample 'nowhere'"),
-    ({"images": [b"not an image"]}, "images[0]", "not a readable image file"),
+    ({"images": [b"not an image"]}, "images[0]", "not a usable image file: not an image"),
     ({"images": [png(112, 112)]}, "tokens", "image placeholders"),  # the image's 16 placeholders are missing
     ({"prompt": "prompt-a"}, "tokens", "image placeholders"),
 ])
@@ -187,7 +191,7 @@ def test_a_server_reopening_the_spool_loses_and_repeats_nothing(tmp_path):
     assert not (folder / "batches" / "000000000099.tar").exists()
     assert again.formed == 2 and list(again.pending) == ["s6"]
     assert [again.plan(s).fingerprint() for s in range(2)] == plans
-    assert [o for o, _ in again.put([sample("s3"), sample("s7"), sample("s8")])] == \
+    assert [o for o, _ in again.put([sample("s3", 8), sample("s7"), sample("s8")])] == \
         ["duplicate", "accepted", "accepted"]
     assert again.record(2)["members"] == ["s6", "s7", "s8"]
 
@@ -209,7 +213,8 @@ def test_what_every_rank_consumed_leaves_the_spool(tmp_path):
     batches = Path(job_folder(tmp_path, "job-1")) / "batches"
     assert len(list(batches.glob("*.tar"))) == 3
     steps.release(1)
-    assert len(list(batches.glob("*.tar"))) == 1 and steps.spool.bytes == (batches / "000000000003.tar").stat().st_size
+    [left] = batches.glob("*.tar")
+    assert left.name.startswith("000000000003.") and steps.spool.bytes == left.stat().st_size
     with pytest.raises(KeyError, match="acknowledged by every rank"):
         steps.plan(0)
     again = live(tmp_path, config)
@@ -259,13 +264,13 @@ def test_a_spool_in_an_object_store(tmp_path):
         assert again.formed == 2 and list(again.pending) == ["s4"]
         assert again.plan(1).fingerprint() == first.plan(1).fingerprint()
         row = again.member_rows(1, [0])[0]  # what a worker reads, by range
-        assert read_array(again.spool.tar_path(row["batch"]), row["members"]["tokens"]).tolist() == \
+        assert read_array(again.spool.tar_path(row), row["members"]["tokens"]).tolist() == \
             list(range(20, 30))
         again.release(1)  # the first put's batch is consumed, the second's s4 is not
         batches = again.spool.dir + "/batches"
         filesystem(batches).invalidate_cache()
-        assert [name.rsplit("/", 1)[1] for name in filesystem(batches).ls(batches)] == \
-            ["000000000002.json", "000000000002.tar"]
+        assert {name.rsplit("/", 1)[1] for name in filesystem(batches).ls(batches)} == \
+            {"000000000002.json", row_of(again, "s4")["file"]}
 
 
 def test_a_step_of_text_and_image_samples_is_collective_safe(tmp_path):
@@ -358,3 +363,144 @@ def test_a_mixtures_prompts_are_found_in_each_index_and_a_key_two_hold_is_refuse
     rules = live.rules(PlanConfig(dp=1, live=True, step_samples=4))
     with pytest.raises(Refused, match="two samples of that key"):
         checked_sample(message("x", prompt="s0"), rules)
+
+
+# -- faults: every acknowledged sample delivered exactly once ([1/6] of the sixth wave) ---------------------
+
+
+def failing_writes(steps: LiveSteps, prefix: str, suffix: str = "", times: int = 1) -> list[str]:
+    """Make the spool's next `times` writes of files named `prefix`...`suffix` fail as a full disk does (the
+    spool's LocalFolder turns the disk's error into this SpoolError); the names it failed, as they fail."""
+    store, failed = steps.spool.store, []
+    write = store.write
+
+    def flaky(name: str, data: bytes, exclusive: bool = False) -> None:
+        if name.startswith(prefix) and name.endswith(suffix) and len(failed) < times:
+            failed.append(name)
+            raise SpoolError(f"the live spool cannot write {name}: [Errno 28] No space left on device")
+        write(name, data, exclusive)
+
+    store.write = flaky
+    return failed
+
+
+def delivered(steps: LiveSteps) -> list[str]:
+    return [m for s in range(steps.formed) for m in steps.record(s)["members"]]
+
+
+def test_a_step_record_that_fails_to_write_loses_no_acknowledged_sample(tmp_path):
+    """The disk is full just as a put forms a step: its batch is written, its step record is not. The put fails
+    saying its samples are kept; the retry is answered duplicate and forms the step; nothing was taken off the
+    pending queue meanwhile, and a server re-opening the spool finds the same."""
+    from packfeed.server.live.steps import StepNotRecorded
+
+    steps = live(tmp_path, PlanConfig(dp=1, live=True, step_samples=4))
+    steps.put([sample(f"s{i}") for i in range(3)])
+    failed = failing_writes(steps, "steps/")
+    with pytest.raises(StepNotRecorded, match="samples are kept"):
+        steps.put([sample("s3"), sample("s4")])
+    assert failed == ["steps/000000000000.json"] and steps.formed == 0
+    assert list(steps.pending) == ["s0", "s1", "s2", "s3", "s4"]
+    outcomes = steps.put([sample("s3"), sample("s4")])  # the producer's retry
+    assert [o for o, _ in outcomes] == ["duplicate", "duplicate"]
+    assert delivered(steps) == ["s0", "s1", "s2", "s3"] and list(steps.pending) == ["s4"]
+    steps.put([], end=True)
+    assert delivered(steps) == ["s0", "s1", "s2", "s3", "s4"]
+    assert delivered(live(tmp_path, PlanConfig(dp=1, live=True, step_samples=4))) == delivered(steps)
+
+
+def test_a_batch_whose_rows_fail_to_write_wedges_nothing(tmp_path):
+    """The disk fills between a put's tar and its rows: the put fails and keeps nothing, the tar it left is no
+    other server's and stands in no later put's way; the retry is accepted, and the spool holds one tar per
+    batch once a server re-opens it."""
+    config = PlanConfig(dp=1, live=True, step_samples=2)
+    steps = live(tmp_path, config)
+    failing_writes(steps, "batches/", ".json")
+    with pytest.raises(SpoolError, match="No space left"):
+        steps.put([sample("a"), sample("b")])
+    assert steps.formed == 0 and not steps.pending and "a" not in steps.known
+    assert [o for o, _ in steps.put([sample("a"), sample("b")])] == ["accepted", "accepted"]
+    assert [o for o, _ in steps.put([sample("c"), sample("d")])] == ["accepted", "accepted"]
+    assert delivered(steps) == ["a", "b", "c", "d"]
+    again = live(tmp_path, config)
+    batches = Path(job_folder(tmp_path, "job-1")) / "batches"
+    assert len(list(batches.glob("*.tar"))) == len(list(batches.glob("*.json"))) == 2
+    assert delivered(again) == ["a", "b", "c", "d"]
+
+
+def test_a_released_record_that_fails_to_write_removes_no_batch_early(tmp_path):
+    """`released.json` cannot be written on a full disk: the steps stay counted once, so the batch a later
+    step still needs stays (a second count would remove it before that step is served)."""
+    config = PlanConfig(dp=1, live=True, step_samples=2)
+    steps = live(tmp_path, config)
+    steps.put([sample(f"s{i}") for i in range(3)])  # one batch: step 0 takes s0, s1; s2 waits
+    failing_writes(steps, "released.json", times=5)
+    steps.release(0)
+    steps.release(0)  # an acknowledgement repeated (a retried AckStep)
+    steps.put([sample("s3")])
+    assert steps.plan(1) is not None and delivered(steps) == ["s0", "s1", "s2", "s3"]
+
+
+def test_a_duplicate_id_with_other_content_is_refused_naming_the_id(tmp_path):
+    steps = live(tmp_path, PlanConfig(dp=1, live=True, step_samples=100))
+    steps.put([sample("a", 10)])
+    outcomes = steps.put([sample("a", 10), sample("a", 12), sample("b", 10), sample("b", 11)])
+    assert [o for o, _ in outcomes] == ["duplicate", "refused", "accepted", "refused"]
+    assert outcomes[1][1].startswith("id: 'a' was accepted before with other content")
+    again = live(tmp_path, PlanConfig(dp=1, live=True, step_samples=100))  # the digest is kept in the spool
+    assert [o for o, _ in again.put([sample("a", 12), sample("b", 10)])] == ["refused", "duplicate"]
+
+
+def test_a_spool_is_read_only_by_the_lease_holder(tmp_path):
+    """A server that opens the job without its lease reads nothing and removes nothing (another server's put
+    in flight may have written its tar and not yet its rows); `reload`, once it holds the lease, reads all."""
+    config = PlanConfig(dp=1, live=True, step_samples=2)
+    holder = live(tmp_path, config)
+    holder.put([sample("a"), sample("b"), sample("c")])
+    in_flight = Path(job_folder(tmp_path, "job-1")) / "batches" / "000000000002.feed.tar"
+    in_flight.write_bytes(b"a put whose rows are being written")
+    spool = Spool(tmp_path, "job-1", json.dumps({"plan": config.to_dict()}))
+    standby = LiveSteps(spool, config, 0, live_fingerprint(config, 0, "index"), load=False)
+    assert standby.stale and standby.formed == 0 and in_flight.exists()
+    holder.put([sample("d")])
+    standby.reload()  # the holder is gone: the standby takes the lease
+    assert not standby.stale and delivered(standby) == ["a", "b", "c", "d"] and not in_flight.exists()
+
+
+@pytest.mark.parametrize("kind", ["truncated", "bomb"])
+def test_an_image_that_cannot_be_served_is_refused_at_its_put(kind):
+    """Every image is decoded whole at its put: a truncated JPEG (its header intact) and a PNG whose header
+    declares 100,000 x 100,000 are refused with their field, the samples beside them kept."""
+    from packfeed.media.image_policy import lift_pillow_limit
+
+    lift_pillow_limit(POLICY.max_image_pixels)  # as a server does: the policy's limit is the one that holds
+    buffer = io.BytesIO()
+    Image.fromarray(np.random.default_rng(0).integers(0, 255, (112, 112, 3), dtype=np.uint8)).save(buffer, "JPEG")
+    good = buffer.getvalue()
+    if kind == "truncated":
+        bad = good[:len(good) // 2]
+        assert Image.open(io.BytesIO(bad)).size == (112, 112)  # the header alone passes
+    else:
+        import zlib
+
+        small = png(1, 1)  # IHDR's width and height declared 100,000 each, its checksum made to match
+        header = small[12:16] + (100_000).to_bytes(4, "big") * 2 + small[24:29]
+        bad = small[:12] + header + zlib.crc32(header).to_bytes(4, "big") + small[33:]
+    tokens = [1, 2] + [CONTEXT] * 16 + list(range(20, 40))
+    fine = checked_sample(message("good", len(tokens), tokens=tokens, images=[good]), rules())
+    assert fine.sizes == [(112, 112)]
+    with pytest.raises(Refused) as refused:
+        checked_sample(message("bad", len(tokens), tokens=tokens, images=[good, bad]), rules())
+    assert refused.value.field == "images[1]"
+    assert ("truncated" in str(refused.value)) if kind == "truncated" else ("max_image_pixels" in str(refused.value))
+
+
+def test_an_image_over_the_servers_decode_budget_is_refused_at_its_put():
+    tokens = [1, 2] + [CONTEXT] * 16 + list(range(20, 40))
+    image = png(112, 112)
+    assert checked_sample(message("fits", len(tokens), tokens=tokens, images=[image]),
+                          rules(decode_budget=112 * 112 * 10, decode_bytes_per_pixel=10)).sizes == [(112, 112)]
+    with pytest.raises(Refused, match=r"needs ~0 MiB to decode, more than the server may take") as refused:
+        checked_sample(message("over", len(tokens), tokens=tokens, images=[image]),
+                       rules(decode_budget=112 * 112 * 10 - 1, decode_bytes_per_pixel=10))
+    assert refused.value.field == "images[0]"

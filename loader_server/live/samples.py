@@ -10,9 +10,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
+import xxhash
 
 from packfeed.media.image_policy import ImagePolicy
 from packfeed.media.prompts import shared_prompt
+from packfeed.media.samples import SampleError, image_size
 from packfeed.server.index.table import member_checksum
 from packfeed.v1 import packfeed_pb2 as pb
 from packfeed.v1.options import MAX_NAME
@@ -41,6 +43,10 @@ class SampleRules:
     prompt_images: Callable[[str], tuple[int, list[tuple[int, int]]] | None]
     max_tokens: int = MAX_SAMPLE_TOKENS  # the job's token cap, when it has one
     max_vision: int = 0  # the job's vision cap (0: none)
+    # what decoding one image may take when it is served (the server's working limit; 0: any), and what its
+    # pixel mode holds per pixel: an image over it would be skipped when served, so it is refused at its put
+    decode_budget: int = 0
+    decode_bytes_per_pixel: int = 0
 
 
 @dataclass
@@ -67,6 +73,18 @@ class LiveSample:
     prefix: int = 0
     prefix_key: str = ""
     members: dict[str, bytes] = field(default_factory=dict)  # filled by the spool
+    digest: str = ""  # of everything the producer put ("" : not computed): a retry matches it, another sample not
+
+    def content_digest(self) -> str:
+        """What a put of the same id must match to be a retry: its arrays, tags and image files."""
+        hasher = xxhash.xxh3_128()
+        for part in (self.tokens.tobytes(), self.loss_mask.tobytes(), self.group.encode(),
+                     str(self.policy_version).encode(), self.prompt.encode(),
+                     *(name.encode() + values.tobytes() for name, values in sorted(self.tensors.items())),
+                     *self.images):
+            hasher.update(len(part).to_bytes(8, "little"))
+            hasher.update(part)
+        return hasher.hexdigest()
 
     @property
     def n_tokens(self) -> int:
@@ -78,7 +96,8 @@ class LiveSample:
                 "tokens": self.n_tokens, "loss_tokens": self.loss_tokens, "vision": self.vision,
                 "vit_patches": self.vit_patches, "vit_attn_sq": self.vit_attn_sq, "sizes": self.sizes,
                 "n_images": len(self.sizes), "tensors": sorted(self.tensors), "prompt_id": self.prompt_id,
-                "pixel_bytes": self.pixel_bytes, "prefix": self.prefix, "prefix_key": self.prefix_key}
+                "pixel_bytes": self.pixel_bytes, "prefix": self.prefix, "prefix_key": self.prefix_key,
+                "digest": self.digest}
 
 
 def check_id(value: str) -> str:
@@ -119,6 +138,7 @@ def checked_sample(message: pb.LiveSample, rules: SampleRules) -> LiveSample:
                         message.prompt, list(message.images), [], loss_tokens=int(mask.sum()))
     _check_images(sample, rules)
     _find_prefix(sample, rules.image_context_id)
+    sample.digest = sample.content_digest()
     return sample
 
 
@@ -161,7 +181,7 @@ def _check_images(sample: LiveSample, rules: SampleRules) -> None:
     else:
         if len(sample.images) > MAX_IMAGES:
             raise Refused("images", f"{len(sample.images)} images: at most {MAX_IMAGES}")
-        sizes = [_image_size(data, k) for k, data in enumerate(sample.images)]
+        sizes = [_image_size(data, k, rules) for k, data in enumerate(sample.images)]
     costs = [rules.policy.cost(width, height, len(sizes)) for width, height in sizes]
     runs = placeholder_runs(sample.tokens, rules.image_context_id)[1].tolist()
     expected = [cost.llm_tokens for cost in costs]
@@ -179,15 +199,20 @@ def _check_images(sample: LiveSample, rules: SampleRules) -> None:
                                 "(oversize skip)")
 
 
-def _image_size(data: bytes, k: int) -> tuple[int, int]:
-    """The image file's size from its header (Pillow reads no pixel here)."""
-    from PIL import Image, UnidentifiedImageError
-
+def _image_size(data: bytes, k: int, rules: SampleRules) -> tuple[int, int]:
+    """The image file's upright size, once it decoded whole: a truncated or corrupt file, one over the policy's
+    pixel limit (a decompression bomb: refused from its header, before decoding) or over what the server may
+    decode for one image is refused here, never accepted and skipped when served."""
     try:
-        with Image.open(io.BytesIO(data)) as image:
-            return image.size
-    except (UnidentifiedImageError, OSError, ValueError, SyntaxError) as error:
-        raise Refused(f"images[{k}]", f"not a readable image file: {error}") from None
+        width, height = image_size(data, "header", rules.policy)
+        need = width * height * rules.decode_bytes_per_pixel
+        if rules.decode_budget and need > rules.decode_budget:
+            raise Refused(f"images[{k}]", f"a {width}x{height} image needs ~{need >> 20:,} MiB to decode, more than "
+                                          f"the server may take for one image ({rules.decode_budget >> 20:,} MiB): "
+                                          "send it smaller, or raise the server's memory_budget_mb")
+        return image_size(data, "full", rules.policy)
+    except SampleError as error:
+        raise Refused(f"images[{k}]", f"not a usable image file: {error}") from None
 
 
 def placeholder_runs(tokens: np.ndarray, context_id: int) -> tuple[np.ndarray, np.ndarray]:

@@ -4,16 +4,19 @@ server killed outright re-opens the job from its spool with nothing lost and not
 
 A job's folder (ROOT/<job id, made safe>-<its digest>), plain files any tool reads:
     job.json           the job's settings, checked when a server opens the job on this spool again
-    batches/B.tar      one put's accepted samples, a plain tar: per sample S (its place in the put, 6 digits)
-                       S.tokens.npy, S.loss_mask.npy, S.NAME.npy per tensor and S.K.img per image file
-    batches/B.json     their rows: id, group, policy version, loads, each member's offset and size in the tar
-    steps/S.json       step S's members (their ids, in the order planned from) and the samples it dropped as stale
-    ended.json         the job ended: its last step
+    batches/B.T.tar    one put's accepted samples, a plain tar (T: a token of the write, so a tar a failed put
+                       left behind never stands in the way of the next): per sample S (its place in the put, 6
+                       digits) S.tokens.npy, S.loss_mask.npy, S.NAME.npy per tensor and S.K.img per image file
+    batches/B.json     their rows: id, group, policy version, loads, their tar's name (`file`), each member's
+                       offset and size in the tar
+    steps/S.json       step S's members (their ids, in the order planned from), the samples it dropped as stale,
+                       and whether it is the job's last
     released.json      the last step every rank acknowledged (the batches it consumed are gone)
 A batch is durable once its rows exist: each file is written whole (a local file under a temporary name, flushed
-to disk and renamed; an object in one PUT), the tar before its rows, so a put that never answered leaves at most
-a tar without rows, removed on open. The folder is local (a shared file system for a second server) or in an
-object store (s3://bucket/prefix).
+to disk and renamed; an object in one PUT), the tar before its rows, and the rows never over a file that exists:
+a put that failed or never answered leaves at most a tar no rows name, removed when a server takes the job (its
+lease held: `recover`). The folder is local (a shared file system for a second server) or in an object store
+(s3://bucket/prefix).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import io
 import json
 import os
 import re
+import secrets
 import tarfile
 from pathlib import Path
 
@@ -48,10 +52,17 @@ class SpoolFull(SpoolError):
     """The spool holds its bound (`--live-spool-max-gb`): producers wait until trainers acknowledge steps."""
 
 
+class SpoolConflict(SpoolError):
+    """A batch or step record of that number exists already: another server wrote to the job's spool after this
+    one read it (this one lost the job's lease, or took it while the other still wrote). Nothing was written; the
+    job's state must be read from the spool again before this server serves it on."""
+
+
 class Spool:
     def __init__(self, root: str | Path, job: str, described: str):
         self.dir = job_folder(root, job)
         self.store = ObjectFolder(self.dir) if is_object_url(self.dir) else LocalFolder(self.dir)
+        self.bytes = 0  # of the batches `recover` found and this server wrote since
         recorded = self.read_json("job.json")
         if recorded is None:
             self.write_json("job.json", {"job": job, "settings": json.loads(described)})
@@ -59,17 +70,25 @@ class Spool:
             raise SpoolError(f"the spool {self.dir} holds job {job!r} with other settings "
                              f"({json.dumps(recorded.get('settings'), sort_keys=True)}): open it with those, or "
                              "use a new job id")
-        tars = self.store.list("batches", ".tar")
-        rows = set(self.store.list("batches", ".json"))
-        for orphan in tars:  # a put that never answered
-            if orphan[:-len(".tar")] + ".json" not in rows:
-                self.store.delete(f"batches/{orphan}")
-        self.bytes = sum(self.store.size(f"batches/{name}") for name in tars)
 
     # -- batches ----------------------------------------------------------------------------------------
 
+    def recover(self) -> list[tuple[int, list[dict]]]:
+        """(number, rows) of every durable batch, in order; tars no rows name (puts that failed or never
+        answered) are removed. Only for the job's lease holder: another server's put in flight would lose its tar."""
+        batches = [(int(name[:-len(".json")]), json.loads(self.store.read(f"batches/{name}")))
+                   for name in self.store.list("batches", ".json")]
+        named = {_tar_name(number, rows[0]) for number, rows in batches if rows}
+        for orphan in set(self.store.list("batches", ".tar")) - named:
+            self.store.delete(f"batches/{orphan}")
+        self.bytes = sum(self.store.size(f"batches/{name}") for name in named)
+        return batches
+
     def write_batch(self, number: int, samples: list[LiveSample]) -> list[dict]:
-        """The samples as batch `number` (durable when this returns); their rows, as `read_batches` gives them."""
+        """The samples as batch `number` (durable when this returns); their rows, as `recover` gives them.
+        SpoolConflict when another server wrote batch `number`; SpoolError when the spool cannot keep them:
+        nothing of them is kept then, and nothing stands in the way of writing the batch again."""
+        name = f"{number:0{BATCH_DIGITS}d}.{secrets.token_hex(4)}.tar"
         rows, buffer = [], io.BytesIO()
         with tarfile.open(fileobj=buffer, mode="w", format=tarfile.USTAR_FORMAT) as tar:
             for place, sample in enumerate(samples):
@@ -77,36 +96,43 @@ class Spool:
                 members.update({name: _npy(values) for name, values in sample.tensors.items()})
                 spans = {name: _add(tar, f"{place:06d}.{name}.npy", data) for name, data in members.items()}
                 images = [_add(tar, f"{place:06d}.{k}.img", data) for k, data in enumerate(sample.images)]
-                rows.append({**sample.record(), "batch": number, "place": place, "members": spans,
+                rows.append({**sample.record(), "batch": number, "file": name, "place": place, "members": spans,
                              "images": images})
         data = buffer.getvalue()
-        # the tar before its rows (rows mean durable), neither over a file another server wrote (`exclusive`)
-        self.store.write(self._batch(number, ".tar"), data, exclusive=True)
-        self.store.write(self._batch(number, ".json"), json.dumps(rows).encode(), exclusive=True)
+        del buffer
+        self.store.write(f"batches/{name}", data, exclusive=True)  # the tar before its rows (rows mean durable)
+        try:  # never over rows another server wrote (`exclusive`)
+            self.store.write(self._rows(number), json.dumps(rows).encode(), exclusive=True)
+        except SpoolError:
+            self._forget_tar(name)
+            raise
         self.bytes += len(data)
         return rows
 
-    def read_batches(self) -> list[tuple[int, list[dict]]]:
-        """(number, rows) of every durable batch, in order."""
-        return [(int(name[:-len(".json")]), json.loads(self.store.read(f"batches/{name}")))
-                for name in self.store.list("batches", ".json")]
+    def _forget_tar(self, name: str) -> None:
+        """A tar whose rows could not be written: removed now if the store lets us, else by the next `recover`
+        (no rows name it, and its name is this write's alone)."""
+        try:
+            self.store.delete(f"batches/{name}")
+        except (OSError, ObjectError):
+            pass
 
-    def remove_batch(self, number: int) -> None:
-        """A batch every rank has consumed: its files go (the tar first: rows without a tar are never read again,
-        a tar without rows would be taken for an unanswered put)."""
-        tar = self._batch(number, ".tar")
+    def remove_batch(self, number: int, row: dict) -> None:
+        """A batch every rank has consumed (`row`: one of its rows): its files go (the tar first: rows without a
+        tar are never read again, a tar without rows is a failed put's, removed by `recover`)."""
+        tar = f"batches/{_tar_name(number, row)}"
         size = self.store.size(tar)
         self.store.delete(tar)
-        self.store.delete(self._batch(number, ".json"))
+        self.store.delete(self._rows(number))
         self.bytes -= size
 
-    def tar_path(self, number: int) -> str:
-        """Where a worker reads the batch's members (a path, or an object URL)."""
-        return f"{self.dir}/{self._batch(number, '.tar')}"
+    def tar_path(self, row: dict) -> str:
+        """Where a worker reads a row's members (a path, or an object URL)."""
+        return f"{self.dir}/batches/{_tar_name(row['batch'], row)}"
 
     @staticmethod
-    def _batch(number: int, suffix: str) -> str:
-        return f"batches/{number:0{BATCH_DIGITS}d}{suffix}"
+    def _rows(number: int) -> str:
+        return f"batches/{number:0{BATCH_DIGITS}d}.json"
 
     # -- steps and the end ------------------------------------------------------------------------------
 
@@ -155,8 +181,8 @@ class LocalFolder:
                 try:
                     os.link(temporary, path)  # fails when the name exists, atomically
                 except FileExistsError:
-                    raise SpoolError(f"the live spool already holds {path}, written by another server: this one "
-                                     "no longer serves the job") from None
+                    raise SpoolConflict(f"the live spool already holds {path}, written by another server after "
+                                        "this one read the job") from None
                 finally:
                     temporary.unlink(missing_ok=True)
             else:
@@ -234,6 +260,11 @@ class ObjectFolder:
             retried(url, "removing", self.fs.rm_file, url)
         except ObjectNotFound:
             pass
+
+
+def _tar_name(number: int, row: dict) -> str:
+    """The name of a batch's tar (`file` in its rows; a spool written before tars had a token: B.tar)."""
+    return row.get("file") or f"{number:0{BATCH_DIGITS}d}.tar"
 
 
 def _npy(values: np.ndarray) -> bytes:

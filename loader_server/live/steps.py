@@ -13,6 +13,11 @@ Guarantees (docs/live.md):
   version that generated it); with `max_staleness` k a sample of version v is dropped from any step s > v + k.
 - The end: `end` (a producer) forms one last step of what is pending, empty when nothing is; with `steps` N the
   job ends at step N - 1. A step once sent as not the last stays so.
+- Faults: a sample leaves the pending queue only once the record of the step that took it is durable, so a step
+  record that cannot be written (a full disk) loses nothing: the put fails, its samples stay pending (durable in
+  their batch: a retry is answered duplicate, and forms the step). A server serves a live job only from state it
+  read while holding the job's lease (`reload`, at every takeover), and a write that finds another server's file
+  in its place (SpoolConflict) marks the state `stale`, read again before the job is served on.
 """
 
 from __future__ import annotations
@@ -28,49 +33,66 @@ from dataclasses import replace
 import numpy as np
 
 from packfeed.server.live.samples import LiveSample, Refused
-from packfeed.server.live.spool import Spool, SpoolFull
+from packfeed.server.live.spool import Spool, SpoolConflict, SpoolError, SpoolFull
 from packfeed.server.plan.costs import SampleLoads
 from packfeed.server.plan.plan_file import Plan
 from packfeed.server.plan.planner import make_plan
 from packfeed.v1.options import LIMITS, LIVE_FIELDS, PlanConfig
 
 PLANS_KEPT = 4  # step plans held (ranks may be a few steps apart); one evicted is planned again, identically
+# What a spooled sample takes at least (its tokens and loss mask: two tar members, a header and a block each), and
+# what a put's token is counted as against the spool's bound (`check_room`)
+SMALLEST_SPOOLED_SAMPLE = 4 * 512
+SPOOLED_BYTES_PER_TOKEN = 5
 
 
 class LiveClosed(Exception):
     """The job ended: it takes no more samples."""
 
 
+class StepNotRecorded(SpoolError):
+    """A put's samples are kept (durable and pending), but the step they complete could not be recorded."""
+
+
 class LiveSteps:
     """One live job's samples and steps, over its spool. Thread-safe."""
 
     def __init__(self, spool: Spool, config: PlanConfig, seed: int, fingerprint: str, max_bytes: int = 0,
-                 max_samples: int = 0):
+                 max_samples: int = 0, load: bool = True):
+        """`load` False: the spool is read by the first `reload` (a server reads it once it holds the job's lease;
+        until then the job shows no samples)."""
         self.spool, self.config, self.seed, self.fingerprint = spool, config, seed, fingerprint
         self.max_bytes = max_bytes  # of spooled batches (0: no bound)
         self.max_samples = max_samples  # held (their rows live in memory, ~1.5 KB each; 0: no bound)
         self.refused = 0  # samples this server refused (bad input), in all
         self._lock = threading.Lock()
         self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future]] = []
-        self.reload()
+        self.stale = True  # the state is not (or no longer) the spool's: `reload` before serving the job
+        self._reset()
+        if load:
+            self.reload()
 
     def reload(self) -> None:
-        """The job as its spool holds it now (at open, and when this server takes the job over from another
-        that wrote to the same spool): every piece of state below is the spool's, read again."""
+        """The job as its spool holds it now (when this server takes the job's lease, and after a write found
+        another server's file): every piece of state below is the spool's, read again."""
         with self._lock:
-            self.rows: dict[str, dict] = {}  # id -> its row, while its batch is spooled
-            self.known: set[str] = set()  # every id ever accepted (a retried put is not stored twice)
-            self.pending: collections.deque[str] = collections.deque()  # in no step yet, in arrival order
-            self.steps: list[dict] = []  # each step's record: members, dropped, last
-            self.tensor_names: tuple[str, ...] | None = None  # fixed by the job's first sample
-            self.arrived = self.dropped = 0
-            self._batch_ids: dict[int, list[str]] = {}  # batch -> its samples' ids, while it is spooled
-            self._batch_left: dict[int, int] = {}  # batch -> its samples not yet released
-            self._released = -1  # every step up to this one acknowledged by every rank
-            self._plans: collections.OrderedDict[int, Plan | None] = collections.OrderedDict()
-            self._next_batch = 1
+            self._reset()
             self._recover()
+            self.stale = False
         self._wake()
+
+    def _reset(self) -> None:
+        self.rows: dict[str, dict] = {}  # id -> its row, while its batch is spooled
+        self.known: dict[str, str] = {}  # every id ever accepted -> its content's digest ("": not known)
+        self.pending: collections.deque[str] = collections.deque()  # in no step yet, in arrival order
+        self.steps: list[dict] = []  # each step's record: members, dropped, last
+        self.tensor_names: tuple[str, ...] | None = None  # fixed by the job's first sample
+        self.arrived = self.dropped = 0
+        self._batch_ids: dict[int, list[str]] = {}  # batch -> its samples' ids, while it is spooled
+        self._batch_left: dict[int, int] = {}  # batch -> its samples not yet released
+        self._released = -1  # every step up to this one acknowledged by every rank
+        self._plans: collections.OrderedDict[int, Plan | None] = collections.OrderedDict()
+        self._next_batch = 1
 
     # -- state ------------------------------------------------------------------------------------------
 
@@ -84,8 +106,8 @@ class LiveSteps:
             if step <= self._released:
                 released.update(record["members"] + record["dropped"])
             self.dropped += len(record["dropped"])
-        self.known.update(taken)
-        for number, rows in self.spool.read_batches():
+        self.known.update(dict.fromkeys(taken, ""))
+        for number, rows in self.spool.recover():
             self._next_batch = number + 1
             self._batch_ids[number] = [row["id"] for row in rows]
             self._batch_left[number] = sum(row["id"] not in released for row in rows)
@@ -94,13 +116,18 @@ class LiveSteps:
                 if row["id"] not in taken:
                     self.pending.append(row["id"])
             if not self._batch_left[number]:  # released before a crash let it go
-                self._remove_batch(number)
+                self._remove_batch(number, rows[0])
         self.arrived = len(self.known)
-        self._form(end=False)  # what a crash left pending between a put's batch and its steps
+        try:
+            self._form(end=False)  # what a crash (or a failed step record) left pending after a put's batch
+        except SpoolConflict:
+            raise
+        except SpoolError:
+            pass  # they stay pending, durable in their batches: the next put or end forms their steps
 
     def _register(self, row: dict) -> None:
         self.rows[row["id"]] = row
-        self.known.add(row["id"])
+        self.known[row["id"]] = row.get("digest", "")
         if self.tensor_names is None:
             self.tensor_names = tuple(row["tensors"])
 
@@ -135,27 +162,39 @@ class LiveSteps:
     def put(self, samples: list[LiveSample | Refused], end: bool = False) -> list[tuple[str, str]]:
         """Keep the checked samples (durable when this returns) and form the steps they complete; per sample
         ("accepted" | "duplicate" | "refused", reason). Raises LiveClosed after the job's end, SpoolError when
-        the spool cannot keep them (nothing of them kept then)."""
+        the spool cannot keep them (nothing of them kept then), StepNotRecorded when it kept them but could not
+        record the step they complete (a retry is answered duplicate and forms it)."""
         with self._lock:
             if self.ended:
                 raise LiveClosed(f"the job ended at step {len(self.steps) - 1}: it takes no more samples")
-            outcomes, accepted, seen = [], [], set()
+            outcomes, accepted, seen = [], [], {}
             for sample in samples:
                 outcome = self._admit(sample, seen)
                 outcomes.append(outcome)
                 self.refused += outcome[0] == "refused"
                 if outcome[0] == "accepted":
                     accepted.append(sample)
-                    seen.add(sample.id)
+                    seen[sample.id] = sample.digest
             if accepted:
                 self._keep(accepted)
-            self._form(end)
+            try:
+                self._form(end)
+            except SpoolError as error:
+                if not accepted or isinstance(error, SpoolConflict):
+                    raise
+                raise StepNotRecorded(f"{error}; the put's samples are kept (a retry is answered duplicate) but the "
+                                      "step they complete is not recorded yet: retry") from None
             return outcomes
 
-    def _admit(self, sample: LiveSample | Refused, seen: set) -> tuple[str, str]:
+    def _admit(self, sample: LiveSample | Refused, seen: dict[str, str]) -> tuple[str, str]:
         if isinstance(sample, Refused):
             return "refused", f"{sample.field}: {sample}"
-        if sample.id in self.known or sample.id in seen:
+        held = seen.get(sample.id, self.known.get(sample.id))
+        if held is not None:
+            if held and sample.digest and held != sample.digest:
+                return "refused", (f"id: {sample.id!r} was accepted before with other content (tokens, mask, "
+                                   "tensors, images or tags): a retry sends the same sample; give a new sample "
+                                   "an id of its own")
             return "duplicate", "already accepted"
         names = tuple(sorted(sample.tensors))
         if self.tensor_names is not None and names != self.tensor_names:
@@ -184,10 +223,14 @@ class LiveSteps:
                              "the steps that took them: retry later (the producer waits and retries by itself)")
 
     def _keep(self, accepted: list[LiveSample]) -> None:
-        self.check_room(len(accepted), sum(s.n_tokens * 5 + sum(len(i) for i in s.images)
+        self.check_room(len(accepted), sum(s.n_tokens * SPOOLED_BYTES_PER_TOKEN + sum(len(i) for i in s.images)
                                            + 4 * s.n_tokens * len(s.tensors) for s in accepted))
         number = self._next_batch
-        rows = self.spool.write_batch(number, accepted)  # durable before anything counts it
+        try:
+            rows = self.spool.write_batch(number, accepted)  # durable before anything counts it
+        except SpoolConflict:
+            self.stale = True
+            raise
         self._next_batch += 1
         self._batch_ids[number] = [row["id"] for row in rows]
         self._batch_left[number] = len(rows)
@@ -199,7 +242,9 @@ class LiveSteps:
     # -- steps ------------------------------------------------------------------------------------------
 
     def _form(self, end: bool) -> None:
-        """Form every step the pending samples fill, and with `end` one last of what is left."""
+        """Form every step the pending samples fill, and with `end` one last of what is left. A step's members
+        leave the pending queue once its record is durable: a record that cannot be written (SpoolError) leaves
+        every sample pending, as before the call."""
         while not self.ended:
             step = len(self.steps)
             full = self.config.steps and step + 1 >= self.config.steps
@@ -209,16 +254,21 @@ class LiveSteps:
             members, dropped = taken if taken is not None else self._fill(step, whole=True)
             last = bool(full) or (end and taken is None)
             record = {"members": members, "dropped": dropped, "last": last}
-            self.spool.write_step(step, record)  # before any of it is sent
-            if last:
-                self.spool.write_json("ended.json", {"last_step": step})
+            try:
+                self.spool.write_step(step, record)  # before any of it is sent
+            except SpoolConflict:
+                self.stale = True
+                raise
+            for _ in range(len(members) + len(dropped)):
+                self.pending.popleft()
             self.steps.append(record)
             self.dropped += len(dropped)
             self._wake()
 
     def _fill(self, step: int, whole: bool) -> tuple[list[str], list[str]] | None:
         """The next step's members from the pending samples in arrival order, and the stale ones met on the way
-        (dropped); None when they do not fill a step yet (`whole`: take them all, the job's last step)."""
+        (dropped), left pending (`_form` takes them); None when they do not fill a step yet (`whole`: take them
+        all, the job's last step)."""
         limit = self.config.max_staleness
         members, dropped, tokens = [], [], 0
         for sample_id in self.pending:
@@ -230,13 +280,8 @@ class LiveSteps:
             tokens += row["tokens"]
             if not whole and ((self.config.step_samples and len(members) >= self.config.step_samples)
                               or (self.config.step_tokens and tokens >= self.config.step_tokens)):
-                break
-        else:
-            if not whole:
-                return None
-        for _ in range(len(members) + len(dropped)):
-            self.pending.popleft()
-        return members, dropped
+                return members, dropped
+        return (members, dropped) if whole else None
 
     # -- steps out --------------------------------------------------------------------------------------
 
@@ -275,26 +320,36 @@ class LiveSteps:
             return [self.rows[ids[p]] for p in np.asarray(positions).tolist()]
 
     def release(self, step: int) -> None:
-        """Every rank acknowledged every step up to `step`: the batches wholly consumed leave the spool."""
+        """Every rank acknowledged every step up to `step`: the batches wholly consumed leave the spool. Each
+        step is counted once, before its files go (a file that fails to go, or a `released.json` that fails to
+        be written, is done again by a later server: never a batch removed twice over, or early)."""
         with self._lock:
+            before = self._released
             for released in range(self._released + 1, min(step, len(self.steps) - 1) + 1):
                 record = self.steps[released]
+                self._released = released
+                self._plans.pop(released, None)
                 for sample_id in record["members"] + record["dropped"]:
                     row = self.rows.get(sample_id)
                     if row is None:
                         continue
                     self._batch_left[row["batch"]] -= 1
                     if not self._batch_left[row["batch"]]:
-                        self._remove_batch(row["batch"])
-                self._plans.pop(released, None)
-                self._released = released
-                self.spool.write_json("released.json", {"step": released})
+                        self._remove_batch(row["batch"], row)
+            if self._released > before:
+                try:
+                    self.spool.write_json("released.json", {"step": self._released})
+                except SpoolError:
+                    pass  # a server re-opening the spool releases those steps again as their ranks acknowledge
 
-    def _remove_batch(self, number: int) -> None:
+    def _remove_batch(self, number: int, row: dict) -> None:
         for sample_id in self._batch_ids.pop(number):
             self.rows.pop(sample_id, None)
-        self.spool.remove_batch(number)
         del self._batch_left[number]
+        try:
+            self.spool.remove_batch(number, row)
+        except (SpoolError, OSError):
+            pass  # its files stay: every step that took its samples is acknowledged, so nothing reads them again
 
 
 def _resolve(future: asyncio.Future) -> None:

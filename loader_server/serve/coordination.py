@@ -10,6 +10,7 @@ import time
 
 from packfeed.server.cluster.coordinator import (CoordinationError, CoordinationUnavailable, Coordinator,
                                                  EmbeddedCoordinator, JobRecord, LeaseOutcome, Reassertion)
+from packfeed.server.live.spool import SpoolError
 from packfeed.server.serve.config import ServerConfig
 from packfeed.server.serve.job_spec import JobError
 from packfeed.server.serve.jobs import Job
@@ -101,17 +102,25 @@ class Coordination:
     async def hold_live(self, job: Job) -> None:
         """A live job is served by one server at a time, the holder of its `live` lease: a put, stream or
         acknowledgement reaching another is refused (UNAVAILABLE, naming the holder) and its client goes on to
-        the next server it knows. The holder renews the lease while it holds the job; a server that takes it
-        over (its holder died: the lease lapsed) reads the job's spool as the holder left it."""
+        the next server it knows. The holder renews the lease while it holds the job. A server serves the job
+        only from state it read while holding the lease: it reads the spool whenever it takes the lease (at its
+        first request, and at a takeover, whatever it read when it opened the job) and after one of its writes
+        found another server's file (`LiveSteps.stale`)."""
         if job.live is None:
             return
-        outcome = await asyncio.to_thread(self.hold_lease, job.spec.job, LIVE_LEASE)
-        if outcome is LeaseOutcome.HELD:
-            if job.live_keeper is None or job.live_keeper.done():
-                if job.live_keeper is not None:  # held before, lost meanwhile: another server may have written
-                    await asyncio.to_thread(job.live.reload)
-                job.live_keeper = asyncio.create_task(self._keep_live(job))
-            return
+        async with job.live_lock:  # one request takes the lease and reads the spool; the others wait for it
+            outcome = await asyncio.to_thread(self.hold_lease, job.spec.job, LIVE_LEASE)
+            if outcome is LeaseOutcome.HELD:
+                taken = job.live_keeper is None or job.live_keeper.done()
+                if taken or job.live.stale:
+                    try:
+                        await asyncio.to_thread(job.live.reload)
+                    except SpoolError as error:
+                        raise JobError("UNAVAILABLE", f"live job {job.spec.job!r}: this server cannot read the "
+                                                      f"job's spool: {error}: retry") from None
+                if taken:
+                    job.live_keeper = asyncio.create_task(self._keep_live(job))
+                return
         if outcome is LeaseOutcome.UNREACHABLE:
             raise JobError("UNAVAILABLE", f"live job {job.spec.job!r}: this server cannot reach the coordinator "
                                           "(Redis) to check which server holds the job: retry")

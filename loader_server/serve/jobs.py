@@ -122,6 +122,7 @@ class Job:
     _steps: dict = field(default_factory=dict)  # epoch -> its steps, once known exactly (the plan itself may go)
     _released: threading.Event = field(default_factory=threading.Event)  # closed or forgotten: stop counting
     live_keeper: asyncio.Task | None = None  # a live job's lease renewal on this server (`Coordination.hold_live`)
+    live_lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # taking a live job's lease and reading its spool
     ledger: WeightLedger | None = None  # a loss-driven mixture's: its trainers' losses and each window's weights
 
     def __post_init__(self) -> None:

@@ -7,20 +7,27 @@ from __future__ import annotations
 import asyncio
 
 from packfeed.server.live.samples import Refused, checked_sample
-from packfeed.server.live.spool import SpoolError, SpoolFull
-from packfeed.server.live.steps import LiveClosed
+from packfeed.server.live.spool import SpoolConflict, SpoolError, SpoolFull
+from packfeed.server.live.steps import LiveClosed, StepNotRecorded
 from packfeed.server.serve.job_spec import JobError
 from packfeed.server.serve.jobs import Job
-from packfeed.server.serve.observe import Metrics
+from packfeed.server.serve.observe import Metrics, log
 from packfeed.v1 import packfeed_pb2 as pb
 
 MAX_PUT_SAMPLES = 4096  # samples in one request (its bytes are bounded by the server's max_message_mb)
-# What a put that keeps nothing answers, by why (the first that matches: SpoolFull is a SpoolError)
+# What a put that fails answers, by why (the first that matches: SpoolFull and the others are SpoolErrors). A
+# StepNotRecorded put kept its samples and says so itself; SpoolConflict: another server wrote the spool after this
+# one read it, which reads it again before it serves the job on (or gives it up, if it lost the job's lease)
 REFUSALS = ((LiveClosed, "FAILED_PRECONDITION", ""), (SpoolFull, "RESOURCE_EXHAUSTED", ""),
+            (StepNotRecorded, "UNAVAILABLE", ""),
+            (SpoolConflict, "UNAVAILABLE", "; nothing of this put was kept: retry (this server reads the job's "
+                                           "spool again first)"),
             (SpoolError, "UNAVAILABLE", "; nothing of this put was kept: retry"), (ValueError, "INVALID_ARGUMENT", ""))
 
 
-async def put_samples(job: Job, request: pb.PutSamplesRequest, metrics: Metrics) -> pb.PutSamplesResponse:
+async def put_samples(job: Job, request: pb.PutSamplesRequest, metrics: Metrics,
+                      decode_budget: int = 0) -> pb.PutSamplesResponse:
+    """`decode_budget`: what a worker may take to decode one image (`MemoryBudget.working_limit`)."""
     live = job.live
     if live is None:
         raise JobError("FAILED_PRECONDITION", f"job {job.spec.job!r} is not live (its plan has live false): its "
@@ -31,17 +38,14 @@ async def put_samples(job: Job, request: pb.PutSamplesRequest, metrics: Metrics)
         live.check_room(len(request.samples), request.ByteSize())
     except (SpoolFull, ValueError) as error:
         raise refusal(job, error) from None
-    rules = job.dataset.rules(job.spec.plan_config)
+    rules = job.dataset.rules(job.spec.plan_config, decode_budget)
     before = live.status()
-    checked = []
-    for message in request.samples:
-        try:
-            checked.append(checked_sample(message, rules))
-        except Refused as refused:
-            checked.append(refused)
+    checked = await asyncio.to_thread(check_all, request.samples, rules)  # images are decoded: off the event loop
     try:
         outcomes = await asyncio.to_thread(live.put, checked, request.end)
     except (LiveClosed, SpoolError, ValueError) as error:
+        log.warning("a put into a live job failed", extra={"job": job.spec.job, "error": str(error),
+                                                         "samples": len(request.samples)})
         raise refusal(job, error) from None
     job.touch()
     status = live.status()
@@ -54,6 +58,17 @@ async def put_samples(job: Job, request: pb.PutSamplesRequest, metrics: Metrics)
     response.pending, response.steps_formed, response.ended = status["pending"], status["steps_formed"], \
         status["ended"]
     return response
+
+
+def check_all(messages, rules) -> list:
+    """Each sample checked on its own: a LiveSample, or its Refused."""
+    checked = []
+    for message in messages:
+        try:
+            checked.append(checked_sample(message, rules))
+        except Refused as refused:
+            checked.append(refused)
+    return checked
 
 
 def refusal(job: Job, error: Exception) -> JobError:

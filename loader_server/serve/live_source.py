@@ -120,10 +120,11 @@ class LiveDataset:
     def planned_loads(self, plan):
         return None
 
-    def rules(self, config: PlanConfig) -> SampleRules:
+    def rules(self, config: PlanConfig, decode_budget: int = 0) -> SampleRules:
         """What the job's samples must satisfy. Under the `skip` oversize policy a sample over the caps (with
         context parallelism: over what its rank's C GPUs hold) is refused at its put, never accepted and then
-        left out; under `alone` and `truncate` it is taken and planned as that policy says."""
+        left out; under `alone` and `truncate` it is taken and planned as that policy says. `decode_budget`: what
+        a worker may take to decode one image (an image needing more is refused at its put)."""
         conventions = self.conventions
         tokens, vision = MAX_SAMPLE_TOKENS, 0
         if config.oversize is Oversize.SKIP and config.token_cap is not None:
@@ -133,7 +134,8 @@ class LiveDataset:
             vision = config.vision_cap * config.context_parallel
         return SampleRules(conventions.vocab_size, conventions.image_context_id,
                            policy_from_dict(self.prompts.parts[0].info.image_policy), self.prompt_images, tokens,
-                           vision)  # a mixture's indexes agree on their conventions
+                           vision, decode_budget, PIXEL_PATHS[self.pixels].decode_bytes_per_pixel)
+        # (a mixture's indexes agree on their conventions)
 
     def prompt_images(self, key: str) -> tuple[int, list[tuple[int, int]]] | None:
         """An indexed prompt's number (`LiveWork.prompt_of`) and image sizes (None: no such sample, a key in two of
@@ -172,7 +174,7 @@ class LiveDataset:
             positions.extend(ids.tolist())
             spans.append(step_plan.pack_cp(0, rank, microbatch))
         # copies: the job's own rows are shared by every rank's work, and read under its lock
-        rows = {position: {**row, "tar": self.steps.spool.tar_path(row["batch"])}
+        rows = {position: {**row, "tar": self.steps.spool.tar_path(row)}
                 for position, row in zip(positions, self.steps.member_rows(step, positions))}
         if step_plan.groups is not None:  # what each sample shares its prefix with, for the pack builder
             for row in rows.values():

@@ -13,7 +13,7 @@ from dataclasses import replace
 
 from packfeed.media.pixel_modes import PIXEL_PATHS
 from packfeed.server.live.spool import Spool, SpoolError
-from packfeed.server.live.steps import LiveSteps, live_fingerprint
+from packfeed.server.live.steps import SMALLEST_SPOOLED_SAMPLE, SPOOLED_BYTES_PER_TOKEN, LiveSteps, live_fingerprint
 from packfeed.server.serve.datasets import Dataset
 from packfeed.server.serve.job_spec import JobError, JobSpec
 from packfeed.server.serve.jobs import Job, RankState
@@ -97,11 +97,12 @@ class JobRegistry:
                                                   "(live_spool:) to serve live jobs")
         if spec.epochs != 1 or spec.resume is not None:
             raise JobError("INVALID_ARGUMENT", "a live job has one epoch and resumes from its spool (not ResumeFrom)")
+        check_live_bounds(spec.plan_config, *self.live_bounds)
         try:
             spool = Spool(self.live_spool, spec.job, spec.describe())
-            steps = LiveSteps(spool, spec.plan_config, spec.seed,
+            steps = LiveSteps(spool, spec.plan_config, spec.seed,  # read once this server holds the job's lease
                               live_fingerprint(spec.plan_config, spec.seed, dataset.fingerprint),
-                              *self.live_bounds)
+                              *self.live_bounds, load=False)
         except SpoolError as error:
             raise JobError("FAILED_PRECONDITION", str(error)) from None
         return LiveDataset(dataset, steps)
@@ -178,3 +179,21 @@ def check_routable(plan: PlanConfig, dataset: Dataset) -> None:
     if videos:
         raise JobError("INVALID_ARGUMENT", f"dataset {dataset.name}: {videos} samples hold videos, which are not "
                                            f"routed between ranks (images only; {how}): {fix}")
+
+
+def check_live_bounds(config, max_bytes: int, max_samples: int) -> None:
+    """A live job whose step cannot fit in the server's bounds would never form a step (its puts would wait
+    for trainers that wait for them): refused at its open, naming both numbers."""
+    if max_samples and config.step_samples > max_samples and not config.step_tokens:
+        raise JobError("FAILED_PRECONDITION", f"a step of this live job holds {config.step_samples:,} samples "
+                                              f"(step_samples), more than this server holds of a job "
+                                              f"({max_samples:,}, --live-max-samples): lower step_samples or raise "
+                                              "--live-max-samples")
+    smallest = min(bound for bound in (config.step_samples * SMALLEST_SPOOLED_SAMPLE,
+                                       config.step_tokens * SPOOLED_BYTES_PER_TOKEN) if bound)
+    if max_bytes and smallest > max_bytes:
+        raise JobError("FAILED_PRECONDITION", f"a step of this live job (step_samples {config.step_samples}, "
+                                              f"step_tokens {config.step_tokens}) needs at least "
+                                              f"{smallest / 2**20:,.3f} MiB of spool, more than this server keeps of "
+                                              f"a job ({max_bytes / 2**20:,.3f} MiB, --live-spool-max-gb): lower the "
+                                              "step or raise the bound")

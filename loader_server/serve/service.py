@@ -95,7 +95,7 @@ class PackfeedService:
     async def put_samples(self, request: pb.PutSamplesRequest, context) -> pb.PutSamplesResponse:
         job = self.registry.get(request.job)
         await self.coordination.hold_live(job)
-        return await put_samples(job, request, self.metrics)
+        return await put_samples(job, request, self.metrics, self.budget.working_limit)
 
     async def get_job(self, request: pb.GetJobRequest, context) -> pb.JobInfo:
         return self.job_info(self.registry.get(request.job))
