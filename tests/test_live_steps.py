@@ -504,3 +504,56 @@ def test_an_image_over_the_servers_decode_budget_is_refused_at_its_put():
         checked_sample(message("over", len(tokens), tokens=tokens, images=[image]),
                        rules(decode_budget=112 * 112 * 10 - 1, decode_bytes_per_pixel=10))
     assert refused.value.field == "images[0]"
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A real 4 MiB tmpfs (the test runs as root), unmounted afterwards; skipped where mounting is not allowed."""
+    import subprocess
+
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(disk)], capture_output=True).returncode:
+        pytest.skip("mounting a tmpfs needs root (the injected failures above cover the same writes)")
+    try:
+        yield disk
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], check=False)
+
+
+def test_a_disk_full_at_each_write_of_a_put_loses_no_acknowledged_sample(small_disk):
+    """On a real full disk: the free space left before a put that forms a step is swept page by page, so the
+    put fails at its tar, at its rows, at its step record, or not at all. Each time the producer retries (as its
+    client does) once space is freed, a rank acknowledges on the full disk, and the ledger holds: every sample
+    whose put returned is in exactly one step, readable, and a server re-opening the spool finds the same."""
+    import os
+
+    config = PlanConfig(dp=1, live=True, step_samples=4)
+    failed_at = set()
+    for pages in range(24):
+        root = small_disk / f"free-{pages}"
+        steps = live(root, config)
+        steps.put([sample(f"s{i}", 40) for i in range(3)])
+        acknowledged = ["s0", "s1", "s2"]
+        filler = small_disk / "filler"
+        stats = os.statvfs(small_disk)
+        with open(filler, "wb") as out:
+            out.write(b"\0" * max(0, stats.f_bavail * stats.f_frsize - pages * 4096))
+        batch = [sample(f"s{i}", 40) for i in range(3, 6)]
+        try:
+            steps.put(batch)
+        except SpoolError as error:
+            failed_at.add("step" if "/steps/" in str(error) else "rows" if ".json" in str(error) else "tar")
+        steps.release(0)  # an acknowledgement on the full disk (of a step formed or not)
+        filler.unlink()
+        steps.put(batch)  # the retry: accepted, or duplicate of what the failed put kept
+        acknowledged += [s.id for s in batch]
+        steps.put([], end=True)
+        formed = delivered(steps)
+        assert sorted(formed) == sorted(acknowledged) and len(set(formed)) == len(formed), (pages, formed)
+        for step in range(1, steps.formed):  # step 0 may be released: its batch consumed
+            for row in steps.member_rows(step, range(len(steps.record(step)["members"]))):
+                assert read_array(steps.spool.tar_path(row), row["members"]["tokens"]).tolist() == \
+                    list(range(20, 60))
+        assert delivered(live(root, config)) == formed
+    assert failed_at == {"tar", "rows", "step"}, failed_at
