@@ -10,8 +10,15 @@
 `put` returns once the server has the samples durable (in its spool), with one `PutResult` each; a sample the
 job refuses (its field and reason said) raises `SampleRefused` after the others were kept, or is returned
 with `on_refused="return"`. Retried puts are idempotent: a sample's `id` (chosen here when not given) is
-stored once whatever the retries. A full spool (the trainers are behind) makes `put` wait and retry, up to
-`full_wait_s`, as is a job its trainers have not opened yet. `submit` buffers without waiting; `flush` sends what is buffered and waits until it is durable.
+stored once whatever the retries; the same id with other content is refused, naming the id. A full spool (the
+trainers are behind) makes `put` wait and retry, up to `full_wait_s`. `submit` buffers without waiting; `flush`
+sends what is buffered and waits until it is durable.
+
+A job the trainers have not opened yet: with `plan=` (the trainers' PlanConfig, and their `dataset` and
+`seed`) the producer opens it itself, on every server it reaches that does not know it; without, it is told at
+once (PackfeedError NOT_FOUND, saying what to do), or waits up to `open_wait_s` for a trainer to open it. Servers
+are tried in turn: one that lost the job (restarted) or does not hold it (another server holds its lease) sends
+the put to the next.
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ import numpy as np
 
 from packfeed.client.channel import Connection, PackfeedError, ServerChannel
 from packfeed.v1 import packfeed_pb2 as pb
+from packfeed.v1.options import PlanConfig
 
 
 @dataclass
@@ -97,13 +105,18 @@ class Producer:
 
     def __init__(self, target: str | list[str], *, job: str, token: str | None = None,
                  connection: Connection | None = None, batch_samples: int = 256, batch_bytes: int = 16 << 20,
-                 on_refused: str = "raise", full_wait_s: float = 600.0):
+                 on_refused: str = "raise", full_wait_s: float = 600.0, plan: PlanConfig | None = None,
+                 dataset: str = "", seed: int = 0, open_wait_s: float = 0.0):
         if on_refused not in ("raise", "return"):
             raise ValueError("on_refused is 'raise' or 'return'")
         if connection is not None and token is not None:
             raise ValueError("give the token in connection=Connection(token=...) or as token=, not both")
+        if plan is not None and not plan.live:
+            raise ValueError("a producer opens live jobs only: give plan=PlanConfig(..., live=True, step_samples=...)")
         self.connection = connection or Connection(token=token)
-        self.job, self.on_refused, self.full_wait_s = job, on_refused, full_wait_s
+        self.job, self.on_refused, self.full_wait_s, self.open_wait_s = job, on_refused, full_wait_s, open_wait_s
+        self._open_request = None if plan is None else pb.OpenJobRequest(job=job, dataset=dataset, seed=seed,
+                                                                          epochs=1, plan=plan.to_proto())
         self.batch_samples, self.batch_bytes = batch_samples, batch_bytes
         self.channel = ServerChannel([target] if isinstance(target, str) else list(target), self.connection)
         self._buffer: list[pb.LiveSample] = []
@@ -172,18 +185,43 @@ class Producer:
         return [PutResult(r.id, r.accepted, r.duplicate, r.field, r.reason) for r in response.results]
 
     def _call(self, request: pb.PutSamplesRequest) -> pb.PutSamplesResponse:
-        """The put, retried (the same ids: idempotent). A full spool, and a job the trainers have not opened yet
-        (or not again, after a server restart), are waited out up to `full_wait_s`."""
-        deadline, pause = time.monotonic() + self.full_wait_s, self.connection.backoff or 0.5
+        """The put, retried (the same ids: idempotent). A full spool is waited out up to `full_wait_s`; a server
+        that does not know the job sends it to the next one, where `plan` opens it, else up to `open_wait_s`."""
+        start, pause = time.monotonic(), self.connection.backoff or 0.5
+        missing: set[str] = set()  # the servers that did not know the job, in this round
+        opened: set[str] = set()  # where this call opened it (once each: a server that forgets it at once is missing)
         while True:
             try:
-                return self.channel.call("PutSamples", request, final=(grpc.StatusCode.RESOURCE_EXHAUSTED,))
+                return self.channel.call("PutSamples", request, final=(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                                                       grpc.StatusCode.NOT_FOUND))
             except PackfeedError as error:
-                waiting = error.code in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.NOT_FOUND)
-                if not waiting or time.monotonic() + pause > deadline:
+                waited = time.monotonic() - start
+                if error.code is grpc.StatusCode.NOT_FOUND:
+                    if self._open_request is not None and self.channel.target not in opened:
+                        opened.add(self.channel.target)
+                        self._open_where_missing()
+                        continue
+                    missing.add(self.channel.target)
+                    if len(missing) < len(self.channel.targets):
+                        self.channel.fail_over()  # another server may hold it
+                        continue
+                    if waited + pause > self.open_wait_s:
+                        raise PackfeedError(
+                            f"job {self.job!r} is not open on {', '.join(sorted(missing))}: no trainer opened it "
+                            f"(waited {waited:.0f} s): start the trainers first, give Producer(plan=...) (`packfeed "
+                            "put --plan`) the trainers' plan to open it from here, or open_wait_s= to wait",
+                            error.code) from None
+                    missing.clear()
+                    self.channel.fail_over()
+                elif error.code is not grpc.StatusCode.RESOURCE_EXHAUSTED or waited + pause > self.full_wait_s:
                     raise
                 time.sleep(pause)
                 pause = min(pause * 2, 5.0)
+
+    def _open_where_missing(self) -> None:
+        """OpenJob with the producer's plan on the server the channel talks to (a second opening of the same
+        settings joins the job; other settings are refused, naming them)."""
+        self.channel.call("OpenJob", self._open_request)
 
     def _check(self, results: list[PutResult]) -> None:
         if self.on_refused == "raise" and not all(r.accepted for r in results):

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 
+import grpc
 import numpy as np
 import pytest
 from PIL import Image
@@ -128,7 +129,7 @@ def put_while_streaming(target, job: str, samples: list[dict], consumer, seats) 
     threads = [threading.Thread(target=consumer, args=(seat,)) for seat in seats]
     for thread in threads:
         thread.start()
-    with Producer(target, job=job, connection=CONNECTION) as producer:
+    with Producer(target, job=job, connection=CONNECTION, open_wait_s=60) as producer:
         producer.put(samples)
         producer.end()
     for thread in threads:
@@ -151,7 +152,8 @@ def test_two_producers_and_two_ranks_every_sample_exactly_once(server, prompts):
     ranks = start_ranks(server.target, "grpo", out)  # the trainers open the job and wait for samples
 
     def produce(samples, retry_first: bool) -> None:
-        with Producer(server.target, job="grpo", connection=CONNECTION, batch_samples=5) as producer:
+        with Producer(server.target, job="grpo", connection=CONNECTION, open_wait_s=60,
+                      batch_samples=5) as producer:
             for start in range(0, len(samples), 5):
                 producer.put(samples[start:start + 5])
             if retry_first:  # a retried put (its answer lost): stored once
@@ -163,7 +165,7 @@ def test_two_producers_and_two_ranks_every_sample_exactly_once(server, prompts):
         thread.start()
     for thread in producers:
         thread.join(120)
-    Producer(server.target, job="grpo", connection=CONNECTION).end()
+    Producer(server.target, job="grpo", connection=CONNECTION, open_wait_s=60).end()
     for thread in ranks:
         thread.join(120)
     assert not [key for key in out if isinstance(key, tuple) and key[0] == "error"], out
@@ -197,7 +199,7 @@ def test_a_killed_server_restarts_from_its_spool_nothing_lost_or_repeated(small_
         env = {"PACKFEED_AUTH_TOKEN": TOKEN}
         server = LocalServer(small_tile_index, workers=1, env=env, extra_args=args).start()
         try:
-            with Producer(server.target, job=job, connection=CONNECTION) as producer:
+            with Producer(server.target, job=job, connection=CONNECTION, open_wait_s=60) as producer:
                 ranks = start_ranks(server.target, job, out, stop_after=2 if interrupted else None)
                 for start in range(0, len(first), 8):
                     producer.put(first[start:start + 8])
@@ -246,7 +248,8 @@ def test_bad_input_is_refused_with_its_reason_while_a_bystander_goes_on(server, 
         "cap": ({**bad, "id": "cap", "tokens": response(rng, conventions, 300), "loss_mask": np.ones(300),
                  "tensors": {"advantages": np.zeros(300)}}, "tokens", "token cap"),
     }
-    with Producer(server.target, job="bystander", connection=CONNECTION, on_refused="return") as producer:
+    with Producer(server.target, job="bystander", connection=CONNECTION, open_wait_s=60,
+                  on_refused="return") as producer:
         results = producer.put([case for case, _, _ in cases.values()] + good[:8])
         for result, (_, field, reason) in zip(results, cases.values()):
             assert not result.accepted and result.field == field and reason in result.reason, result
@@ -254,7 +257,7 @@ def test_bad_input_is_refused_with_its_reason_while_a_bystander_goes_on(server, 
         with pytest.raises(PackfeedError, match="UNAUTHENTICATED"):
             Producer(server.target, job="bystander", token="wrong", connection=None).put(good[8])
         with pytest.raises(PackfeedError, match="not live"):
-            Producer(server.target, job="prompts", connection=CONNECTION).put(good[8])
+            Producer(server.target, job="prompts", connection=CONNECTION, open_wait_s=60).put(good[8])
         producer.put(good[8:])
         producer.end()
     for thread in ranks:
@@ -264,6 +267,8 @@ def test_bad_input_is_refused_with_its_reason_while_a_bystander_goes_on(server, 
 
 
 def test_packfeed_put_puts_a_json_lines_file(server, prompts, tmp_path):
+    """Offline rollouts into a job no trainer has opened yet: `packfeed put --plan` opens it with the trainers'
+    plan, then two ranks consume it. Without --plan, the put is told at once that no trainer opened the job."""
     conventions = prompts[1]
     rng = np.random.default_rng(3)
     lines = []
@@ -273,15 +278,18 @@ def test_packfeed_put_puts_a_json_lines_file(server, prompts, tmp_path):
                       "loss_mask": [0] * 3 + [1] * (n - 3)})
     rollouts = tmp_path / "rollouts.jsonl"
     rollouts.write_text("\n".join(json.dumps(line) for line in lines) + "\n" + json.dumps({"id": "broken"}) + "\n")
-    out: dict = {}
-    ranks = start_ranks(server.target, "offline", out)
-    put = subprocess.run([sys.executable, "-m", "packfeed.server.cli", "put", server.target, "--job", "offline",
-                          str(rollouts), "--end"], capture_output=True, text=True, timeout=120,
-                         env={**os.environ, "PACKFEED_AUTH_TOKEN": TOKEN})
+    command = [sys.executable, "-m", "packfeed.server.cli", "put", server.target, str(rollouts), "--end"]
+    env = {**os.environ, "PACKFEED_AUTH_TOKEN": TOKEN}
+    nobody = subprocess.run(command + ["--job", "nobody"], capture_output=True, text=True, timeout=120, env=env)
+    assert nobody.returncode == 2 and "no trainer opened it" in nobody.stderr and "--plan" in nobody.stderr
+    plan = "{dp: 2, microbatches: 1, live: true, step_samples: 8}"  # LIVE, the trainers' plan
+    put = subprocess.run(command + ["--job", "offline", "--plan", plan], capture_output=True, text=True,
+                         timeout=120, env=env)
     assert put.returncode == 3, put.stderr  # one line refused
     assert json.loads(put.stdout) == {"put": 16, "duplicates": 0, "refused": 1, "ended": True}
     assert "rollouts.jsonl:17: line: a sample needs its tokens" in put.stderr
-    for thread in ranks:
+    out: dict = {}
+    for thread in start_ranks(server.target, "offline", out):
         thread.join(120)
     assert not [key for key in out if isinstance(key, tuple)], out
     keys = sorted(s[0] for rank in range(2) for _, _, samples in out[rank] for s in samples)
@@ -310,7 +318,7 @@ def test_a_second_server_takes_the_job_over_from_a_shared_spool(small_tile_index
             targets = [server.target for server in servers if server.process.poll() is None]
             ranks = [threading.Thread(target=consume, args=(targets[::1 - 2 * rank], job, rank, out))
                      for rank in range(2)]
-            with Producer(targets, job=job, connection=CONNECTION) as producer:
+            with Producer(targets, job=job, connection=CONNECTION, open_wait_s=60) as producer:
                 for thread in ranks:
                     thread.start()
                 for start in range(0, len(first), 8):
@@ -353,7 +361,8 @@ def test_the_operator_sees_a_live_jobs_arrivals_steps_and_stale_drops(server, pr
     channel = ServerChannel([server.target], CONNECTION)
     request = pb.OpenJobRequest(job="watched", plan=plan.to_proto())
     channel.call("OpenJob", request)
-    with Producer(server.target, job="watched", connection=CONNECTION, on_refused="return") as producer:
+    with Producer(server.target, job="watched", connection=CONNECTION, open_wait_s=60,
+                  on_refused="return") as producer:
         producer.put([text_sample(rng, conventions, f"v0-{i}", version=0) for i in range(6)])  # step 0 + 2
         producer.put([text_sample(rng, conventions, f"v1-{i}", version=1) for i in range(4)])  # step 1 drops 2
         producer.put({**text_sample(rng, conventions, "bad"), "tokens": [conventions.vocab_size]})
@@ -395,7 +404,7 @@ def test_a_flooding_producer_keeps_the_server_within_its_bounds(small_tile_index
     spool = tmp_path / "spool"
     args = ["--live-spool", str(spool), "--live-spool-max-gb", str(1 / 1024)]
     with LocalServer(small_tile_index, workers=1, env={"PACKFEED_AUTH_TOKEN": TOKEN}, extra_args=args) as server:
-        producer = Producer(server.target, job="flood", connection=CONNECTION, full_wait_s=0)
+        producer = Producer(server.target, job="flood", connection=CONNECTION, open_wait_s=60, full_wait_s=0)
         channel_open = PackStream(server.target, job="flood", rank=0, plan=LIVE, connection=CONNECTION,
                                   acknowledge=False)
         producer.put(samples[:10])
@@ -575,3 +584,42 @@ def test_a_groups_responses_come_with_their_prompt_once(server, prompts):
         assert len(set(groups)) * 4 == len(groups)  # every group whole in its pack
         seen += sorted(set(groups))
     assert sorted(seen) == sorted(keys + ["files"])
+
+
+def test_a_producer_fails_over_to_the_next_server_on_not_found(server, small_tile_index, prompts, tmp_path):
+    """Producer([A, B]) where A does not know the job (restarted, or never opened it) and B serves it: the put
+    goes on to B at once, instead of waiting on A's NOT_FOUND."""
+    import time
+
+    from packfeed.client.channel import ServerChannel
+    from packfeed.v1 import packfeed_pb2 as pb
+
+    conventions = prompts[1]
+    rng = np.random.default_rng(11)
+    samples = [text_sample(rng, conventions, f"fo-{i}") for i in range(16)]
+    other = LocalServer(small_tile_index, workers=1, env={"PACKFEED_AUTH_TOKEN": TOKEN},
+                        extra_args=["--live-spool", str(tmp_path / "other")]).start()
+    try:
+        out: dict = {}
+        ranks = start_ranks(server.target, "elsewhere", out)
+        channel = ServerChannel([server.target], CONNECTION)
+        for _ in range(240):  # the ranks open the job on B (bounded: 60 s)
+            try:
+                channel.call("GetJob", pb.GetJobRequest(job="elsewhere"), final=(grpc.StatusCode.NOT_FOUND,))
+                break
+            except PackfeedError:
+                time.sleep(0.25)
+        channel.close()
+        started = time.monotonic()
+        with Producer([other.target, server.target], job="elsewhere", connection=CONNECTION) as producer:
+            producer.put(samples)
+            producer.end()
+        took = time.monotonic() - started
+        for thread in ranks:
+            thread.join(120)
+    finally:
+        other.stop()
+    assert not [key for key in out if isinstance(key, tuple)], out
+    keys = sorted(s[0] for rank in range(2) for _, _, samples_ in out[rank] for s in samples_)
+    assert keys == sorted(s["id"] for s in samples)
+    assert took < 60, took  # before: A's NOT_FOUND waited out full_wait_s (600 s), B never asked

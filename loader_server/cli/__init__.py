@@ -86,12 +86,18 @@ def build_parser() -> argparse.ArgumentParser:
 
     put = sub.add_parser("put", help="put the samples of a JSON-lines file into a live job (durable when it "
                                      "returns; exit 3 when a line was refused)")
-    put.add_argument("target", help="host:port of a server holding the job")
-    put.add_argument("--job", required=True, help="the live job's id (opened by its trainers)")
+    put.add_argument("target", help="host:port of a server holding the job (several: comma-separated, tried in turn)")
+    put.add_argument("--job", required=True, help="the live job's id (opened by its trainers, or by --plan)")
     put.add_argument("files", nargs="+", metavar="FILE.jsonl", help="one sample a line: tokens, loss_mask, "
                      "tensors, group, policy_version, id, prompt or images (paths relative to the file)")
     put.add_argument("--end", action="store_true", help="end the job after these samples (its last step forms)")
     put.add_argument("--batch", type=int, default=256, help="samples per request")
+    put.add_argument("--plan", metavar="PLAN", help="open the job with this plan when no trainer has yet: the "
+                     "trainers' PlanConfig as a YAML/JSON file or inline ('{dp: 2, live: true, step_samples: 8}')")
+    put.add_argument("--dataset", default="", help="with --plan: the dataset the job serves (the trainers')")
+    put.add_argument("--seed", type=int, default=0, help="with --plan: the job's seed (the trainers')")
+    put.add_argument("--wait-open", type=float, default=0.0, metavar="S",
+                     help="without --plan: wait up to S seconds for a trainer to open the job (default: fail at once)")
     put.set_defaults(func=cmd_put)
 
     health = sub.add_parser("health", help="check a server's gRPC health service (exit 0 when SERVING)")

@@ -18,8 +18,12 @@ def cmd_put(args: argparse.Namespace) -> int:
 
     if args.batch < 1:
         raise ValueError("--batch must be >= 1")
+    if (args.dataset or args.seed) and not args.plan:
+        raise ValueError("--dataset and --seed open the job with --plan: give the trainers' plan too")
     refused, put, duplicates = [], 0, 0
-    with Producer(args.target, job=args.job, on_refused="return", batch_samples=args.batch) as producer:
+    opening = dict(plan=read_plan(args.plan), dataset=args.dataset, seed=args.seed) if args.plan else {}
+    with Producer(args.target.split(","), job=args.job, on_refused="return", batch_samples=args.batch,
+                  open_wait_s=args.wait_open, **opening) as producer:
         for path in args.files:
             batch: list[tuple[int, Sample]] = []
             for number, line in enumerate(Path(path).read_text().splitlines(), start=1):
@@ -43,6 +47,23 @@ def cmd_put(args: argparse.Namespace) -> int:
     for path, number, field, reason in refused:
         print(f"refused: {path}:{number}: {field}: {reason}", file=sys.stderr)
     return EXIT_SKIPPED if refused else EXIT_OK
+
+
+def read_plan(text: str):
+    """--plan: a YAML/JSON file of PlanConfig fields, or the mapping itself."""
+    import yaml
+
+    from packfeed.v1.options import PlanConfig
+
+    path = Path(text)
+    raw = yaml.safe_load(path.read_text() if path.is_file() else text)
+    if not isinstance(raw, dict):
+        raise ValueError(f"--plan {text!r}: give a file of PlanConfig fields or a mapping such as "
+                         "'{dp: 2, live: true, step_samples: 8}'")
+    try:
+        return PlanConfig.from_dict(raw)
+    except TypeError as error:
+        raise ValueError(f"--plan: {error}: give PlanConfig fields (docs/live.md)") from None
 
 
 def _send(producer, batch, path, refused, put, duplicates) -> tuple[int, int]:

@@ -116,7 +116,7 @@ def packfeed_producer(target: str, producer: int, prompts: list | None, out: str
     from packfeed.client import Producer
 
     put = {}
-    with Producer(target, job="bench") as client:
+    with Producer(target, job="bench", open_wait_s=60) as client:
         samples = rollouts(producer, prompts)
         cpu = time.process_time()
         for start in range(0, len(samples), BATCH):
