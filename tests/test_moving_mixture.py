@@ -414,3 +414,71 @@ def test_packfeed_train_trains_a_scheduled_mixture_and_refuses_a_loss_driven_one
                           capture_output=True, text=True, timeout=400)
     assert done.returncode != 0 and "rule softmax" in done.stderr and "does not report per-dataset losses" in \
         done.stderr, done.stderr[-3000:]
+
+
+def test_a_stream_waiting_for_a_loss_driven_window_is_kept_alive_and_the_window_counted_once(tmp_path, demo_dataset):
+    """Rank 1 reports its first step 20 s late: window 2 waits for it (wait_s 40) while rank 0's stream has
+    nothing to send. The server sends empty pieces meanwhile, so a 15 s stall watch never drops the stream (its
+    connection allows no retry: a drop would end it in an error), and the window is decided once, on full
+    reports."""
+    import time
+
+    import grpc
+
+    from packfeed.client import Connection, LocalServer, PackStream
+    from packfeed.v1 import packfeed_pb2 as pb
+    from packfeed.v1 import packfeed_pb2_grpc as pb_grpc
+
+    path = served_schedule(tmp_path, demo_dataset.tokenizer)
+    raw = yaml.safe_load(path.read_text())
+    path.write_text(yaml.safe_dump({**raw, "rule": {**RULE, "wait_s": 40}}))
+    strict = Connection(retries=0, stall_timeout=15.0)
+
+    def rank(number: int) -> list[int]:
+        steps = []
+        with PackStream(server.target, job="patient", rank=number, dataset="anneal", dp=2, microbatches=1,
+                        window=12, prefetch=1, token_cap=50, vision_cap=64, connection=strict) as stream:
+            for step in stream:
+                if number == 1 and not steps:
+                    time.sleep(20)  # longer than the stall watch, shorter than wait_s
+                sources = Counter(step.sample_sources)
+                stream.report({d: synthetic_loss(d, step.step) for d in sources}, dict(sources))
+                steps.append(step.step)
+        return steps
+
+    from concurrent.futures import ThreadPoolExecutor
+
+    with LocalServer(None, workers=1, extra_args=["--mixture", str(path)]) as server:
+        with ThreadPoolExecutor(2) as pool:
+            runs = [pool.submit(rank, number) for number in range(2)]
+            steps = [run.result(timeout=600) for run in runs]  # a dropped stream raises here
+        stub = pb_grpc.PackfeedStub(grpc.insecure_channel(server.target))
+        info = stub.GetJob(pb.GetJobRequest(job="patient"))
+        assert info.mixture.windows_on_partial_reports == 0 and not info.mixture.reports_ignored
+        for step in (len(steps[0]), 20_000):  # past the job's last window: left out, counted, never held
+            stub.AckStep(pb.AckStepRequest(job="patient", rank=0, epoch=0, step=step, losses={"ocr": 1.0},
+                                           reports_losses=True))
+        ignored = stub.GetJob(pb.GetJobRequest(job="patient")).mixture.reports_ignored
+    assert steps[0] == steps[1] == list(range(len(steps[0]))) and len(info.mixture.decided) >= 3
+    assert dict(ignored) == {"step past the job's last window": 2}
+
+
+def test_the_docs_loss_driven_mixture_is_read_as_written(tmp_path, demo_dataset):
+    """docs/planning.md "Weights the loss moves": its mixture file, as written, beside ocr/ and chat/ indexes."""
+    import re
+    from pathlib import Path
+
+    from packfeed.server.plan.mixture_file import Mixture
+
+    page = (Path(__file__).resolve().parents[1] / "docs" / "planning.md").read_text()
+    section = page[page.index("#### Weights the loss moves"):]
+    block = re.search(r"^```yaml\n(.*?)^```", section, flags=re.M | re.S).group(1)
+    (tmp_path / "made").mkdir()
+    served_schedule(tmp_path / "made", demo_dataset.tokenizer)
+    for name in ("ocr", "chat"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "index.parquet").write_bytes((tmp_path / "made" / f"{name}.parquet").read_bytes())
+    (tmp_path / "online.yaml").write_text(block)
+    mixture = Mixture.load(tmp_path / "online.yaml")
+    assert mixture.rule.name == "softmax" and mixture.rule.wait_s == 600 and mixture.samples == 2_000_000
+    assert mixture.schedule.weights(0.0).tolist() == [0.5, 0.5]

@@ -110,3 +110,41 @@ def test_a_recorded_decision_is_kept_and_a_restored_job_replays_it():
     assert decide(resumed, 2) == pytest.approx(first) and resumed.partial_windows == 0
     with pytest.raises(ValueError, match="not 2 weights >= 0 summing to 1"):
         resumed.restore({0: {3: [0.5, 0.6]}})
+
+
+def test_a_window_is_decided_once_however_many_streams_wait_for_it():
+    """Three threads (each stream's planning, a reconnected stream) ask for window 2 while its reports are
+    missing: one decision, counted once as partial, and the same weights for all."""
+    book = ledger(wait_s=0.5)
+    decided = []
+    waiting = [threading.Thread(target=lambda: decided.append(decide(book, 2))) for _ in range(3)]
+    for thread in waiting:
+        thread.start()
+    for thread in waiting:
+        thread.join(timeout=60)
+    assert len(decided) == 3 and all(np.array_equal(d, decided[0]) for d in decided)
+    assert book.partial_windows == 1
+
+
+def test_a_huge_loss_leaves_the_weights_finite_and_the_job_resumable():
+    """A finite but huge loss (1.5e308) is left out of the mean, counted; the rule itself stays finite on such
+    losses and on a temperature of 1e-308; the decisions restore into a resumed job."""
+    book = ledger(wait_s=0.3)
+    assert book.report(0, 0, 0, {"ocr": 1.5e308, "chat": 1.0}) == "loss or count out of range"
+    assert book.report(0, 0, 1, {"ocr": 1.0}, {"ocr": 1e300}) == "loss or count out of range"
+    for step in STEPS[0]:
+        for rank in range(2):
+            book.report(rank, 0, step, {"ocr": 1e30, "chat": -1e30})  # the largest taken
+    weights = decide(book, 2)
+    assert np.isfinite(weights).all() and weights.sum() == pytest.approx(1) and weights[0] > 0.99
+    resumed = ledger()
+    resumed.restore(book.recorded())
+    assert decide(resumed, 2) == pytest.approx(weights)
+    cold = WeightRule("softmax", temperature=1e-308, min_weight=0.1, max_weight=0.9, max_change=0.2)
+    for losses in ([1.5e308, -1.5e308], [1.5e308, 1.5e308], [-1.5e308, 0.0], [5e-324, 0.0]):
+        chosen = cold.next_weights(np.array([0.5, 0.5]), np.array(losses), NAMES)
+        assert np.isfinite(chosen).all() and chosen.sum() == pytest.approx(1), (losses, chosen)
+        assert (chosen >= 0.1 - 1e-9).all() and (chosen <= 0.9 + 1e-9).all()
+    excess = WeightRule("excess_loss", reference={"ocr": -1.5e308, "chat": 1.5e308}, step_size=1e308)
+    chosen = excess.next_weights(np.array([0.5, 0.5]), np.array([1.5e308, -1.5e308]), NAMES)
+    assert np.isfinite(chosen).all() and chosen[0] == pytest.approx(1)

@@ -7,6 +7,8 @@ import math
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from packfeed.server.plan.weight_rules import WeightRule
 
@@ -80,14 +82,14 @@ def test_the_projection_is_the_nearest_point_within_the_bounds():
     ("softmax", "is not a rule"),
     ({"name": "softmax", "temprature": 1}, "['temprature'] are unknown"),
     ({"name": "softmax", "temperature": 0}, "must be above 0"),
-    ({"name": "softmax", "temperature": "hot"}, "rule temperature: 'hot' is not a number"),
+    ({"name": "softmax", "temperature": "hot"}, "rule temperature: 'hot' is not a finite number"),
     ({"name": "softmax", "min_weight": 0.5}, "no way to sum to 1"),
     ({"name": "softmax", "max_weight": 0.2}, "no way to sum to 1"),
     ({"name": "softmax", "max_change": 0}, "max_change in (0, 1]"),
     ({"name": "softmax", "reference": {"ocr": 1}}, "takes no reference"),
     ({"name": "excess_loss"}, "needs `reference:` with a loss for each dataset"),
     ({"name": "excess_loss", "reference": {"ocr": 1, "chat": 1}}, "needs `reference:`"),
-    ({"name": "excess_loss", "reference": {"ocr": 1, "chat": 1, "math": float("nan")}}, "is not a number"),
+    ({"name": "excess_loss", "reference": {"ocr": 1, "chat": 1, "math": float("nan")}}, "is not a finite number"),
 ])
 def test_bad_rules_are_refused_naming_the_field(raw, message):
     with pytest.raises(ValueError, match="mixture file m.yaml") as refused:
@@ -100,3 +102,27 @@ def test_a_rule_reads_as_given_and_its_fingerprint_basis_is_the_rule_alone():
                              "step_size": 0.5, "max_change": 0.1}, NAMES, "m")
     assert rule.reference == {"ocr": 1.1, "chat": 0.9, "math": 2.0} and rule.step_size == 0.5
     assert rule.to_dict()["max_change"] == 0.1 and "losses" not in rule.to_dict()
+
+
+def test_wait_s_is_bounded_and_read_as_a_number_however_yaml_reads_it():
+    import yaml
+
+    names = ["ocr", "chat"]
+    raw = yaml.safe_load("{name: softmax, wait_s: 1.0e3}")
+    assert isinstance(raw["wait_s"], str)  # YAML 1.1 reads an exponent without its sign as a string
+    assert WeightRule.parse(raw, names, "mix.yaml").wait_s == 1000.0
+    with pytest.raises(ValueError, match=r"wait_s in \(0, 3600\] seconds \(it is 1e\+12\)"):
+        WeightRule.parse(yaml.safe_load("{name: softmax, wait_s: 1.0e12}"), names, "mix.yaml")
+
+
+@settings(max_examples=60, deadline=None)
+@given(losses=st.lists(st.floats(-1.7e308, 1.7e308), min_size=3, max_size=3),
+       temperature=st.floats(1e-308, 1e308), previous=st.lists(st.floats(0.01, 1.0), min_size=3, max_size=3))
+def test_the_rules_are_finite_on_any_finite_losses_and_settings(losses, temperature, previous):
+    names = ["a", "b", "c"]
+    previous = np.array(previous) / sum(previous)
+    for rule in (WeightRule("softmax", temperature=temperature, min_weight=0.05, max_change=0.5),
+                 WeightRule("excess_loss", reference={"a": 0.0, "b": -1e308, "c": 1e308}, step_size=temperature,
+                            smoothing=0.1)):
+        chosen = rule.next_weights(previous, np.array(losses), names)
+        assert np.isfinite(chosen).all() and chosen.sum() == pytest.approx(1) and (chosen >= 0).all()

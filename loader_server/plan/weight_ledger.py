@@ -5,8 +5,14 @@ Window w of an epoch is decided from window w-1's weights and the mean loss per 
 (the last window whose steps the trainers have surely trained when window w is planned, one window ahead of the
 streams): `rule.next_weights`. Windows 0 and 1 take the schedule's weights (the mixture file's `weights:`, the start).
 Deciding waits until every DP rank reported every step of window w-2, at most the rule's `wait_s`; then it decides
-on what arrived and counts the window as decided on partial reports. A window once decided keeps its weights: a
-decision handed back (`restore`: a resumed or failed-over job) is used as recorded, so the same windows are drawn.
+on what arrived and counts the window as decided on partial reports. A window is decided once: every other thread
+asking for it meanwhile (each stream's planning, a reconnected stream) waits for that decision. A window once
+decided keeps its weights: a decision handed back (`restore`: a resumed or failed-over job) is used as recorded, so
+the same windows are drawn.
+
+Bounds: a reported loss beyond +-MAX_LOSS or a count beyond MAX_COUNT is left out (no mean of them overflows), and
+the ledger holds at most MAX_HELD reports of steps no window has been decided on yet (reports of steps past the
+job's end are left out by the job: `serve.mixture_weights.report_losses`).
 """
 
 from __future__ import annotations
@@ -22,6 +28,9 @@ import numpy as np
 from packfeed.server.plan.weight_rules import WeightRule
 
 log = logging.getLogger("packfeed.server")
+MAX_LOSS = 1e30  # a per-dataset loss (or minus a reward) beyond this is not a loss: left out, counted
+MAX_COUNT = 1e15  # tokens or samples a mean is over
+MAX_HELD = 100_000  # reports held for windows not decided yet (a rank's step each)
 
 
 class LedgerClosed(RuntimeError):
@@ -37,6 +46,7 @@ class WeightLedger:
         self._changed = threading.Condition()
         self.ignored: dict[str, int] = {}  # reports left out, by reason
         self.partial_windows = 0  # windows decided before every report of their basis arrived
+        self._deciding: set[tuple[int, int]] = set()  # (epoch, window) being decided: other askers wait for it
         self._closed = False
 
     def report(self, rank: int, epoch: int, step: int, losses: dict[str, float],
@@ -45,10 +55,10 @@ class WeightLedger:
         each when not given; none at all: the rank's step held no samples, which completes its reports too). None
         when taken; else why it was left out (and counted), the job going on."""
         reason = self._refused(rank, losses, counts)
+        if reason is None and (epoch, step) not in self._reports and len(self._reports) * self.ranks >= MAX_HELD:
+            reason = "too many reports held ahead of the windows"
         if reason is not None:
-            with self._changed:
-                self.ignored[reason] = self.ignored.get(reason, 0) + 1
-            return reason
+            return self.ignore(reason)
         loss, weight = np.full(len(self.names), math.nan), np.zeros(len(self.names))
         for name, value in losses.items():
             loss[self._index[name]] = float(value)
@@ -57,6 +67,12 @@ class WeightLedger:
             self._reports.setdefault((epoch, step), {})[rank] = (loss, weight)  # a repeated report replaces its twin
             self._changed.notify_all()
         return None
+
+    def ignore(self, reason: str) -> str:
+        """A report left out, counted by `reason`."""
+        with self._changed:
+            self.ignored[reason] = self.ignored.get(reason, 0) + 1
+        return reason
 
     def _refused(self, rank: int, losses: dict, counts: dict | None) -> str | None:
         if not 0 <= rank < self.ranks:
@@ -68,34 +84,48 @@ class WeightLedger:
             return "loss not a finite number"
         if any(v < 0 for v in (counts or {}).values()):
             return "negative count"
+        if any(abs(v) > MAX_LOSS for v in losses.values()) or any(v > MAX_COUNT for v in (counts or {}).values()):
+            return "loss or count out of range"
         return None
 
     def weights(self, epoch: int, window: int, progress: float, steps_of: Callable[[int], range],
                 previous: Callable[[int], np.ndarray]) -> np.ndarray:
         """Window `window`'s weights: as recorded, the schedule's for windows 0 and 1, else decided now (waiting for
         the reports of `steps_of(window - 2)`) and recorded. `previous(w)`: window w's weights."""
-        recorded = self._decided.get(epoch, {}).get(window)
-        if recorded is not None:
-            return recorded
-        if window < 2:
-            chosen = np.asarray(self.start(progress), dtype=np.float64)
-            chosen = chosen / chosen.sum()
-        else:
-            losses = self._losses(epoch, steps_of(window - 2))
-            chosen = self.rule.next_weights(previous(window - 1), losses, self.names)
-        with self._changed:
-            chosen = self._decided.setdefault(epoch, {}).setdefault(window, chosen)  # a restored one wins
-            self._forget(epoch, steps_of(window - 2).start if window >= 2 else 0)
-        return chosen
+        with self._changed:  # one decision per window: another asker waits for it
+            while (epoch, window) in self._deciding:
+                self._check_open(f"epoch {epoch}'s window {window}")
+                self._changed.wait(1.0)
+            recorded = self._decided.get(epoch, {}).get(window)
+            if recorded is not None:
+                return recorded
+            self._deciding.add((epoch, window))
+        try:
+            if window < 2:
+                chosen = np.asarray(self.start(progress), dtype=np.float64)
+                chosen = chosen / chosen.sum()
+            else:
+                losses = self._losses(epoch, steps_of(window - 2))
+                chosen = self.rule.next_weights(previous(window - 1), losses, self.names)
+            with self._changed:
+                chosen = self._decided.setdefault(epoch, {}).setdefault(window, chosen)  # a restored one wins
+                self._forget(epoch, steps_of(window - 2).start if window >= 2 else 0)
+            return chosen
+        finally:
+            with self._changed:
+                self._deciding.discard((epoch, window))
+                self._changed.notify_all()
+
+    def _check_open(self, waiting: str) -> None:
+        if self._closed:  # nobody will report any more: decide nothing, and free the waiting thread
+            raise LedgerClosed(f"the job closed while {waiting} waited for loss reports")
 
     def _losses(self, epoch: int, steps: range) -> np.ndarray:
         """Mean loss per dataset over `steps`, weighted by the reports' counts; NaN where none reported it."""
         deadline = time.monotonic() + self.rule.wait_s
         with self._changed:
             while not self._complete(epoch, steps):
-                if self._closed:  # nobody will report any more: decide nothing, and free the waiting thread
-                    raise LedgerClosed(f"the job closed while epoch {epoch}'s window after steps {steps.start}-"
-                                       f"{steps.stop - 1} waited for their loss reports")
+                self._check_open(f"epoch {epoch}'s window after steps {steps.start}-{steps.stop - 1}")
                 left = deadline - time.monotonic()
                 if left <= 0:
                     self.partial_windows += 1

@@ -19,6 +19,10 @@ A dataset no loss was reported for keeps its previous weight, the others share t
 all the weights stay. The result is the point within the bounds nearest the rule's weights (weights in [min_weight,
 max_weight], none moving more than max_change, summing to 1); where the previous weights lie outside the bounds (a
 schedule's start), the weight bounds win over max_change. A pure function of (previous weights, losses, rule).
+
+Finite by construction, whatever finite losses and settings: the rules are computed in log space from differences
+to the largest score (each term in [-inf, 0], so every exponential is in [0, 1] and the largest is 1), and a
+result that is still not finite weights (it cannot be; guarded all the same) keeps the previous weights.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ import numpy as np
 RuleName = Literal["softmax", "excess_loss"]
 RULES: tuple[str, ...] = ("softmax", "excess_loss")
 _NUMBERS = ("temperature", "step_size", "smoothing", "min_weight", "max_weight", "max_change", "wait_s")
+MAX_WAIT_S = 3600.0  # the longest a window's decision may wait for its reports: past that it decides on what came
 
 
 @dataclass(frozen=True)
@@ -63,8 +68,9 @@ class WeightRule:
         return rule
 
     def check(self, datasets: int, where: str) -> None:
-        if not self.temperature > 0 or not self.step_size > 0 or not self.wait_s > 0:
-            raise ValueError(f"{where}: rule temperature, step_size and wait_s must be above 0")
+        if not self.temperature > 0 or not self.step_size > 0 or not 0 < self.wait_s <= MAX_WAIT_S:
+            raise ValueError(f"{where}: rule temperature and step_size must be above 0, wait_s in (0, "
+                             f"{MAX_WAIT_S:g}] seconds (it is {self.wait_s:g})")
         if not 0 <= self.smoothing <= 1 or not 0 < self.max_change <= 1:
             raise ValueError(f"{where}: rule smoothing must be in [0, 1] and max_change in (0, 1]")
         if not 0 <= self.min_weight <= self.max_weight <= 1 or self.min_weight * datasets > 1 + 1e-12 \
@@ -84,16 +90,18 @@ class WeightRule:
         known = np.isfinite(losses)
         target = previous.copy()
         if known.any():
-            if self.name == "softmax":
-                scores = losses[known] / self.temperature
+            with np.errstate(over="ignore", invalid="ignore", divide="ignore", under="ignore"):
+                if self.name == "softmax":  # exp(loss / T), as differences to the largest loss: in [-inf, 0]
+                    scores = (losses[known] - losses[known].max()) / self.temperature
+                else:  # previous * exp(step_size * excess), in log space
+                    reference = np.array([self.reference[name] for name in names])[known]
+                    excess = np.minimum(np.maximum(losses[known] - reference, 0.0), np.finfo(np.float64).max)
+                    scores = np.log(np.maximum(previous[known], 1e-12)) + (excess - excess.max()) * self.step_size
                 proposed = np.exp(scores - scores.max())
-            else:
-                reference = np.array([self.reference[name] for name in names])[known]
-                excess = np.maximum(losses[known] - reference, 0.0) * self.step_size
-                proposed = np.maximum(previous[known], 1e-12) * np.exp(excess - excess.max())
             proposed = (1 - self.smoothing) * proposed / proposed.sum() + self.smoothing / known.sum()
             target[known] = proposed * previous[known].sum() if (~known).any() else proposed
-        return self._bounded(target / target.sum(), previous)
+        chosen = self._bounded(target / target.sum(), previous)
+        return chosen if np.isfinite(chosen).all() else previous / previous.sum()
 
     def _bounded(self, target: np.ndarray, previous: np.ndarray) -> np.ndarray:
         """The point nearest `target` with every weight in its bounds, summing to 1."""
@@ -118,11 +126,18 @@ def _project(target: np.ndarray, low: np.ndarray, high: np.ndarray) -> np.ndarra
 
 
 def _number(value: object, where: str) -> float:
+    """A finite number; a string that reads as one too (YAML reads `1.0e12`, without the exponent's sign, as a
+    string)."""
     number = math.nan
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         number = float(value)
+    elif isinstance(value, str):
+        try:
+            number = float(value)
+        except ValueError:
+            pass
     if not math.isfinite(number):
-        raise ValueError(f"{where}: {value!r} is not a number")
+        raise ValueError(f"{where}: {value!r} is not a finite number")
     return number
 
 

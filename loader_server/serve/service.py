@@ -208,10 +208,11 @@ class PackfeedService:
         sent_steps, complete = 0, False
         if seat.primary:
             job.progress(seat).begin_run()
-        heartbeat = LIVE_HEARTBEAT_S if config.live and part_bytes else None
+        # a live job waiting for samples, or a loss-driven window for its reports: empty pieces keep the stream alive
+        heartbeat = LIVE_HEARTBEAT_S if (config.live or job.ledger is not None) and part_bytes else None
         try:
             while (item := await feed.next(heartbeat)) is not END:
-                if item is HEARTBEAT:  # a live job waiting for samples: an empty piece keeps the client's watch
+                if item is HEARTBEAT:  # nothing to send yet: an empty piece keeps the client's stall watch
                     await context.write(EMPTY_PART)
                     continue
                 if primary:
