@@ -2,9 +2,8 @@
 
 `Pack.FromString` copies every bytes field into the message, and reading `.data` copies it again, so a
 client would touch each pixel three times after gRPC hands it the message. Here only the small fields go
-through protobuf; the `tensors` map entries are located by the wire format's rules (tag, varint length,
-payload) and each tensor becomes a numpy view of the received bytes at its offset. Numpy only: usable
-without torch.
+through protobuf; the `tensors` map entries are located by the wire format's rules (`packfeed.v1.wire_format`)
+and each tensor becomes a numpy view of the received bytes at its offset. Numpy only: usable without torch.
 """
 
 from __future__ import annotations
@@ -13,53 +12,14 @@ from dataclasses import dataclass
 
 import numpy as np
 from packfeed.v1 import packfeed_pb2 as pb
+from packfeed.v1.wire_format import LENGTH_DELIMITED as _LENGTH_DELIMITED
+from packfeed.v1.wire_format import VARINT as _VARINT
+from packfeed.v1.wire_format import WireFormatError, packed_varints
+from packfeed.v1.wire_format import fields as _fields
 
-_VARINT, _FIXED64, _LENGTH_DELIMITED, _FIXED32 = 0, 1, 2, 5
 _TENSORS = pb.Pack.DESCRIPTOR.fields_by_name["tensors"].number
 _DTYPE, _SHAPE, _DATA = (pb.Tensor.DESCRIPTOR.fields_by_name[n].number for n in ("dtype", "shape", "data"))
 _PART_DATA, _PART_LAST = (pb.PackPart.DESCRIPTOR.fields_by_name[n].number for n in ("data", "last"))
-
-
-class WireFormatError(ValueError):
-    """The bytes are not a well-formed `packfeed.v1.Pack`."""
-
-
-def _varint(buf: bytes, pos: int) -> tuple[int, int]:
-    value = shift = 0
-    while True:
-        if pos >= len(buf):
-            raise WireFormatError("truncated varint")
-        byte = buf[pos]
-        pos += 1
-        value |= (byte & 0x7F) << shift
-        if byte < 0x80:
-            return value, pos
-        shift += 7
-        if shift > 63:
-            raise WireFormatError("varint longer than 10 bytes")
-
-
-def _fields(buf: bytes, pos: int, end: int):
-    """(field number, wire type, field start, value start, value end) of each field in buf[pos:end]; a varint
-    field's value is (value, None, end of field)."""
-    while pos < end:
-        field_start = pos
-        tag, pos = _varint(buf, pos)
-        number, wire_type = tag >> 3, tag & 7
-        if wire_type == _VARINT:
-            value, pos = _varint(buf, pos)
-            yield number, wire_type, field_start, value, pos
-            continue
-        if wire_type == _LENGTH_DELIMITED:
-            length, pos = _varint(buf, pos)
-            start, pos = pos, pos + length
-        elif wire_type in (_FIXED64, _FIXED32):
-            start, pos = pos, pos + (8 if wire_type == _FIXED64 else 4)
-        else:
-            raise WireFormatError(f"unsupported wire type {wire_type} in field {number}")
-        if pos > end:
-            raise WireFormatError(f"field {number} runs past the end of the message")
-        yield number, wire_type, field_start, start, pos
 
 
 @dataclass(frozen=True)
@@ -75,13 +35,8 @@ def _tensor(buf: bytes, start: int, end: int) -> WireArray:
     for number, wire_type, _, value, value_end in _fields(buf, start, end):
         if number == _DTYPE:
             dtype = bytes(buf[value:value_end]).decode()
-        elif number == _SHAPE and wire_type == _VARINT:  # unpacked encoding, also legal
-            shape.append(value)
-        elif number == _SHAPE:
-            pos = value
-            while pos < value_end:
-                dim, pos = _varint(buf, pos)
-                shape.append(dim)
+        elif number == _SHAPE:  # packed or not: both legal
+            shape += packed_varints(buf, wire_type, value, value_end)
         elif number == _DATA:
             offset, nbytes = value, value_end - value
     try:

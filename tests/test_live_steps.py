@@ -378,7 +378,7 @@ def failing_writes(steps: LiveSteps, prefix: str, suffix: str = "", times: int =
         if name.startswith(prefix) and name.endswith(suffix) and len(failed) < times:
             failed.append(name)
             raise SpoolError(f"the live spool cannot write {name}: [Errno 28] No space left on device")
-        write(name, data, exclusive)
+        return write(name, data, exclusive)
 
     store.write = flaky
     return failed
@@ -557,3 +557,35 @@ def test_a_disk_full_at_each_write_of_a_put_loses_no_acknowledged_sample(small_d
                     list(range(20, 60))
         assert delivered(live(root, config)) == formed
     assert failed_at == {"tar", "rows", "step"}, failed_at
+
+
+def test_a_put_read_in_place_checks_as_protobuf_reads_it():
+    """`PutRequest.parse` (the server's reader: payload as views of the received bytes) gives the samples
+    protobuf's own parse gives, field for field; malformed bytes are refused, never half read."""
+    from packfeed.server.live.put_request import PutRequest
+    from packfeed.v1.wire_format import WireFormatError
+
+    tokens = [1, 2] + [CONTEXT] * 16 + list(range(20, 40))
+    request = pb.PutSamplesRequest(job="j", end=True, samples=[
+        message("a", 12, version=-3, group="grp"), message("b", len(tokens), tokens=tokens, images=[png(112, 112)]),
+        message("c", 8, tensors={"adv": np.ones(8), "logp": np.zeros(8)}), pb.LiveSample(id="bare")])
+    request.samples[0].prompt = "prompt-a"
+    raw = request.SerializeToString()
+    read = PutRequest.parse(raw)
+    assert (read.job, read.end, read.ByteSize(), len(read.samples)) == ("j", True, len(raw), 4)
+    for mine, theirs in zip(read.samples, request.samples):
+        try:
+            expected = checked_sample(theirs, rules())
+        except Refused as refused:
+            with pytest.raises(Refused) as again:
+                checked_sample(mine, rules())
+            assert (again.value.field, str(again.value)) == (refused.field, str(refused))
+            continue
+        got = checked_sample(mine, rules())
+        assert got.record() == expected.record() and got.tokens.tolist() == expected.tokens.tolist()
+        assert {k: v.tolist() for k, v in got.tensors.items()} == {k: v.tolist() for k, v in expected.tensors.items()}
+        assert [bytes(i) for i in got.images] == list(expected.images) and got.digest == expected.digest
+    assert read.samples[0].policy_version == -3 and read.samples[3].loss_mask is None
+    for bad in (raw[:-5], raw[:7], b"\x12\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff\x01", b"\x0a\x02\xff\xfe"):
+        with pytest.raises(WireFormatError):
+            PutRequest.parse(bad)

@@ -78,12 +78,12 @@ class LiveSample:
     def content_digest(self) -> str:
         """What a put of the same id must match to be a retry: its arrays, tags and image files."""
         hasher = xxhash.xxh3_128()
-        for part in (self.tokens.tobytes(), self.loss_mask.tobytes(), self.group.encode(),
-                     str(self.policy_version).encode(), self.prompt.encode(),
-                     *(name.encode() + values.tobytes() for name, values in sorted(self.tensors.items())),
-                     *self.images):
-            hasher.update(len(part).to_bytes(8, "little"))
-            hasher.update(part)
+        tensors = [part for name, values in sorted(self.tensors.items()) for part in (name.encode(), values)]
+        for part in (self.tokens, self.loss_mask, self.group.encode(), str(self.policy_version).encode(),
+                     self.prompt.encode(), *tensors, *self.images):
+            view = memoryview(part).cast("B")  # no copy of an array
+            hasher.update(len(view).to_bytes(8, "little"))
+            hasher.update(view)
         return hasher.hexdigest()
 
     @property
@@ -159,11 +159,10 @@ def _array(tensor: pb.Tensor, what: str, dtype) -> np.ndarray:
     dtype = np.dtype(dtype)
     if tensor.dtype and tensor.dtype != dtype.name:
         raise Refused(what, f"dtype {tensor.dtype[:32]!r}: send {dtype.name}")
-    itemsize = dtype.itemsize
-    if len(tensor.data) % itemsize or (tensor.shape and list(tensor.shape) != [len(tensor.data) // itemsize]):
-        raise Refused(what, f"{len(tensor.data)} bytes, shape {list(tensor.shape)[:4]}: send a 1-D {dtype.name} "
-                            "array")
-    return np.frombuffer(tensor.data, dtype=dtype.newbyteorder("<")).astype(dtype)
+    itemsize, data = dtype.itemsize, tensor.data  # (each read of a bytes field is a copy of it)
+    if len(data) % itemsize or (tensor.shape and list(tensor.shape) != [len(data) // itemsize]):
+        raise Refused(what, f"{len(data)} bytes, shape {list(tensor.shape)[:4]}: send a 1-D {dtype.name} array")
+    return np.frombuffer(data, dtype=dtype.newbyteorder("<")).astype(dtype, copy=False)  # read-only, no copy
 
 
 def _check_images(sample: LiveSample, rules: SampleRules) -> None:

@@ -28,7 +28,9 @@ import os
 import re
 import secrets
 import tarfile
+from collections.abc import Callable
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 
@@ -89,24 +91,25 @@ class Spool:
         SpoolConflict when another server wrote batch `number`; SpoolError when the spool cannot keep them:
         nothing of them is kept then, and nothing stands in the way of writing the batch again."""
         name = f"{number:0{BATCH_DIGITS}d}.{secrets.token_hex(4)}.tar"
-        rows, buffer = [], io.BytesIO()
-        with tarfile.open(fileobj=buffer, mode="w", format=tarfile.USTAR_FORMAT) as tar:
-            for place, sample in enumerate(samples):
-                members = {"tokens": _npy(sample.tokens), "loss_mask": _npy(sample.loss_mask)}
-                members.update({name: _npy(values) for name, values in sample.tensors.items()})
-                spans = {name: _add(tar, f"{place:06d}.{name}.npy", data) for name, data in members.items()}
-                images = [_add(tar, f"{place:06d}.{k}.img", data) for k, data in enumerate(sample.images)]
-                rows.append({**sample.record(), "batch": number, "file": name, "place": place, "members": spans,
-                             "images": images})
-        data = buffer.getvalue()
-        del buffer
-        self.store.write(f"batches/{name}", data, exclusive=True)  # the tar before its rows (rows mean durable)
+        rows = []
+
+        def tar_of(out) -> None:  # written straight to the file: a put never holds a second copy of its samples
+            with tarfile.open(fileobj=out, mode="w", format=tarfile.USTAR_FORMAT) as tar:
+                for place, sample in enumerate(samples):
+                    members = {"tokens": sample.tokens, "loss_mask": sample.loss_mask, **sample.tensors}
+                    spans = {member: _add(tar, f"{place:06d}.{member}.npy", _npy(values))
+                             for member, values in members.items()}
+                    images = [_add(tar, f"{place:06d}.{k}.img", data) for k, data in enumerate(sample.images)]
+                    rows.append({**sample.record(), "batch": number, "file": name, "place": place,
+                                 "members": spans, "images": images})
+
+        size = self.store.write(f"batches/{name}", tar_of, exclusive=True)  # the tar before its rows (rows: durable)
         try:  # never over rows another server wrote (`exclusive`)
             self.store.write(self._rows(number), json.dumps(rows).encode(), exclusive=True)
         except SpoolError:
             self._forget_tar(name)
             raise
-        self.bytes += len(data)
+        self.bytes += size
         return rows
 
     def _forget_tar(self, name: str) -> None:
@@ -167,16 +170,18 @@ class LocalFolder:
         except OSError as error:
             raise SpoolError(f"cannot create the live spool {self.root}: {error}") from None
 
-    def write(self, name: str, data: bytes, exclusive: bool = False) -> None:
-        """`exclusive`: never over an existing file (a batch or step another server wrote: this one lost the
-        job's lease without knowing yet); SpoolError then, and nothing written."""
+    def write(self, name: str, data: bytes | Callable[[BinaryIO], None], exclusive: bool = False) -> int:
+        """Write `data` (bytes, or a function writing them to a file object) whole; its size. `exclusive`: never
+        over an existing file (a batch or step another server wrote: this one lost the job's lease without knowing
+        yet); SpoolConflict then, and nothing written."""
         path = self.root / name
         temporary = path.with_name(f"{path.name}.{os.getpid()}.partial")
         try:
             with open(temporary, "wb") as out:
-                out.write(data)
+                data(out) if callable(data) else out.write(data)
                 out.flush()
                 os.fsync(out.fileno())
+                size = out.tell()
             if exclusive:
                 try:
                     os.link(temporary, path)  # fails when the name exists, atomically
@@ -195,6 +200,7 @@ class LocalFolder:
         except OSError as error:
             temporary.unlink(missing_ok=True)
             raise SpoolError(f"the live spool cannot write {path}: {error}") from None
+        return size
 
     def read(self, name: str, missing_ok: bool = False) -> bytes | None:
         path = self.root / name
@@ -221,13 +227,19 @@ class ObjectFolder:
         self.root = root
         self.fs = filesystem(root)
 
-    def write(self, name: str, data: bytes, exclusive: bool = False) -> None:
-        """One PUT (`exclusive` is not checked: an object store spool relies on the job's lease alone)."""
+    def write(self, name: str, data: bytes | Callable[[BinaryIO], None], exclusive: bool = False) -> int:
+        """One PUT of `data` (bytes, or a function writing them to a file object); its size. `exclusive` is not
+        checked: an object store spool relies on the job's lease alone."""
         url = f"{self.root}/{name}"
+        if callable(data):
+            buffer = io.BytesIO()
+            data(buffer)
+            data = buffer.getbuffer()
         try:
-            retried(url, "writing", self.fs.pipe_file, url, data)
+            retried(url, "writing", self.fs.pipe_file, url, bytes(data))
         except ObjectError as error:
             raise SpoolError(f"the live spool cannot write {url}: {error}") from None
+        return len(data)
 
     def read(self, name: str, missing_ok: bool = False) -> bytes | None:
         url = f"{self.root}/{name}"
@@ -273,7 +285,7 @@ def _npy(values: np.ndarray) -> bytes:
     return buffer.getvalue()
 
 
-def _add(tar: tarfile.TarFile, name: str, data: bytes) -> list[int]:
+def _add(tar: tarfile.TarFile, name: str, data: bytes | memoryview) -> list[int]:
     """Add a member; its data's [offset, size] in the tar."""
     info = tarfile.TarInfo(name)
     info.size = len(data)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 
+from packfeed.server.live.put_request import PutRequest
 from packfeed.server.live.samples import Refused, checked_sample
 from packfeed.server.live.spool import SpoolConflict, SpoolError, SpoolFull
 from packfeed.server.live.steps import LiveClosed, StepNotRecorded
@@ -25,7 +26,7 @@ REFUSALS = ((LiveClosed, "FAILED_PRECONDITION", ""), (SpoolFull, "RESOURCE_EXHAU
             (SpoolError, "UNAVAILABLE", "; nothing of this put was kept: retry"), (ValueError, "INVALID_ARGUMENT", ""))
 
 
-async def put_samples(job: Job, request: pb.PutSamplesRequest, metrics: Metrics,
+async def put_samples(job: Job, request: PutRequest, metrics: Metrics,
                       decode_budget: int = 0) -> pb.PutSamplesResponse:
     """`decode_budget`: what a worker may take to decode one image (`MemoryBudget.working_limit`)."""
     live = job.live

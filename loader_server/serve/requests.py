@@ -11,6 +11,7 @@ from packfeed.server.serve.registry import check_name
 from packfeed.v1 import packfeed_pb2 as pb
 from packfeed.v1.layout import MAX_REPLICAS, Layout, Seat
 from packfeed.v1.options import MAX_RESUME_CHAIN, PlanConfig
+from packfeed.v1.wire_format import WireFormatError
 
 
 def resume_of(request: pb.OpenJobRequest) -> Resume:
@@ -76,6 +77,6 @@ def client_skipped(request: pb.AckStepRequest) -> list[tuple[str, str]]:
 def parse(message_type, raw: bytes):
     try:
         return message_type.FromString(raw)
-    except DecodeError:
+    except (DecodeError, WireFormatError):
         raise JobError("INVALID_ARGUMENT", f"not a well-formed {message_type.DESCRIPTOR.full_name} (bad bytes or "
                                            "invalid UTF-8 in a string field)") from None

@@ -22,6 +22,7 @@ from packfeed.server.serve.config import ServerConfig
 from packfeed.server.serve.coordination import Coordination
 from packfeed.server.serve.job_spec import JobError, JobSpec
 from packfeed.server.serve.jobs import Job
+from packfeed.server.live.put_request import PutRequest
 from packfeed.server.serve.live_put import put_samples
 from packfeed.server.serve.mixture_weights import (decided_answer, mixture_proto, mixture_status, report_losses,
                                                    restore_decided, step_weights)
@@ -92,7 +93,7 @@ class PackfeedService:
             log.info("idle job forgotten", extra={"job": name, "idle_s": self.config.job_idle_s})
         self.metrics.jobs.set(len(self.registry.jobs))
 
-    async def put_samples(self, request: pb.PutSamplesRequest, context) -> pb.PutSamplesResponse:
+    async def put_samples(self, request: PutRequest, context) -> pb.PutSamplesResponse:
         job = self.registry.get(request.job)
         await self.coordination.hold_live(job)
         return await put_samples(job, request, self.metrics, self.budget.working_limit)
@@ -349,7 +350,7 @@ class PackfeedService:
             "ListJobs": unary(self.list_jobs, pb.ListJobsRequest, pb.ListJobsResponse),
             "AckStep": unary(self.ack_step, pb.AckStepRequest, pb.AckStepResponse),
             "CloseJob": unary(self.close_job, pb.CloseJobRequest, pb.CloseJobResponse),
-            "PutSamples": unary(self.put_samples, pb.PutSamplesRequest, pb.PutSamplesResponse),
+            "PutSamples": unary(self.put_samples, PutRequest, pb.PutSamplesResponse),  # its payload read in place
             "StreamPacks": streaming(0),
             "StreamPackParts": streaming(self.config.pack_part_kb << 10),
         })
