@@ -273,6 +273,35 @@ def test_half_open_status_connections_leave_threads_and_log_bounded(server):
     assert 1 <= sum("status connections dropped" in line for line in lines) <= 3, lines[-5:]
 
 
+def test_one_client_holding_status_connections_never_blocks_another_scraper(server):
+    """A client (from 127.0.0.2) holds 64 half-open connections to the metrics port: another scraper (from
+    127.0.0.1) still reads /metrics at once, since one address gets at most MAX_PER_CLIENT of the connections."""
+    import socket
+    import struct
+    import urllib.request
+
+    from packfeed.server.serve.status import MAX_CONNECTIONS, MAX_PER_CLIENT
+
+    assert MAX_PER_CLIENT < MAX_CONNECTIONS
+    held = []
+    try:
+        for _ in range(64):
+            sock = socket.socket()
+            sock.settimeout(10)
+            sock.bind(("127.0.0.2", 0))
+            sock.connect(("127.0.0.1", server.metrics_port))
+            sock.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n")  # never the blank line that ends it
+            held.append(sock)
+        time.sleep(0.5)  # every one of them accepted (or closed) by now
+        for _ in range(3):
+            with urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=5) as answer:
+                assert b"packfeed_jobs" in answer.read()
+    finally:
+        for sock in held:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            sock.close()
+
+
 def test_an_embedded_server_ends_with_its_killed_rank(small_tile_index):
     """A rank killed with SIGKILL runs no cleanup: its `LocalServer` notices it is orphaned and stops."""
     import os

@@ -40,6 +40,7 @@ REFRESH_S = 2.0
 HISTORY_S = 600.0  # the charts show the last ten minutes, a point every REFRESH_S
 READ_TIMEOUT_S = 10.0  # a connection that sends no complete request within this is closed
 MAX_CONNECTIONS = 32  # connections served at once (a thread each); more are closed at once, and counted
+MAX_PER_CLIENT = 8  # of them from one client address: one client holding connections open never blocks the others
 
 
 def _position(step: tuple[int, int]) -> list[int] | None:
@@ -212,8 +213,9 @@ def start_status_server(host: str, port: int, registry, report: StatusReport,
 
 
 class BoundedHTTPServer(ThreadingHTTPServer):
-    """A thread per connection, at most MAX_CONNECTIONS at once: a connection beyond is closed unserved (a
-    client retries; the page refreshes itself). A client that goes away mid-answer (a broken pipe, a reset, a
+    """A thread per connection, at most MAX_CONNECTIONS at once and MAX_PER_CLIENT from one address: a connection
+    beyond is closed unserved (a client retries; the page refreshes itself), so a client holding its connections
+    half open costs the other scrapers nothing. A client that goes away mid-answer (a broken pipe, a reset, a
     timeout) is expected: counted, and logged once per kind as one line, never as a traceback per request."""
 
     daemon_threads = True
@@ -223,17 +225,26 @@ class BoundedHTTPServer(ThreadingHTTPServer):
         super().__init__(address, handler)
         self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
         self._lock = threading.Lock()
+        self._per_client: collections.Counter = collections.Counter()  # address -> connections being served
         self.dropped: collections.Counter = collections.Counter()  # kind -> connections
 
     def process_request(self, request, client_address) -> None:
-        if not self._slots.acquire(blocking=False):
-            self._count("over the connection limit")
+        host = client_address[0]
+        with self._lock:
+            crowded = self._per_client[host] >= MAX_PER_CLIENT
+            if not crowded:
+                self._per_client[host] += 1
+        if crowded or not self._slots.acquire(blocking=False):
+            if not crowded:
+                self._leave(host)
+            self._count("over the per-client connection limit" if crowded else "over the connection limit")
             self.shutdown_request(request)
             return
         try:
             super().process_request(request, client_address)
         except BaseException:
             self._slots.release()
+            self._leave(host)
             raise
 
     def process_request_thread(self, request, client_address) -> None:
@@ -241,6 +252,13 @@ class BoundedHTTPServer(ThreadingHTTPServer):
             super().process_request_thread(request, client_address)
         finally:
             self._slots.release()
+            self._leave(client_address[0])
+
+    def _leave(self, host: str) -> None:
+        with self._lock:
+            self._per_client[host] -= 1
+            if not self._per_client[host]:
+                del self._per_client[host]
 
     def handle_error(self, request, client_address) -> None:
         error = sys.exc_info()[1]
@@ -255,7 +273,8 @@ class BoundedHTTPServer(ThreadingHTTPServer):
             first = self.dropped[kind] == 1
         if first:
             log.warning("status connections dropped (logged once per kind)", extra={
-                "kind": kind, "max_connections": MAX_CONNECTIONS, "read_timeout_s": READ_TIMEOUT_S})
+                "kind": kind, "max_connections": MAX_CONNECTIONS, "max_per_client": MAX_PER_CLIENT,
+                "read_timeout_s": READ_TIMEOUT_S})
 
 
 def _sample_forever(report: StatusReport) -> None:
