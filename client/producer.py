@@ -19,11 +19,15 @@ A job the trainers have not opened yet: with `plan=` (the trainers' PlanConfig, 
 once (PackfeedError NOT_FOUND, saying what to do), or waits up to `open_wait_s` for a trainer to open it. Servers
 are tried in turn: one that lost the job (restarted) or does not hold it (another server holds its lease) sends
 the put to the next.
+
+A job opened with a producer token (`PackStream(..., producer_token=...)`, `Producer(plan=..., producer_token=...)`)
+takes puts and its end only with it: give it as `producer_token=` or in PACKFEED_PRODUCER_TOKEN.
 """
 
 from __future__ import annotations
 
 import base64
+import os
 import time
 import uuid
 from collections.abc import Iterable, Mapping
@@ -37,6 +41,8 @@ import numpy as np
 from packfeed.client.channel import Connection, PackfeedError, ServerChannel
 from packfeed.v1 import packfeed_pb2 as pb
 from packfeed.v1.options import PlanConfig
+
+PRODUCER_TOKEN_VARIABLE = "PACKFEED_PRODUCER_TOKEN"
 
 
 @dataclass
@@ -106,7 +112,7 @@ class Producer:
     def __init__(self, target: str | list[str], *, job: str, token: str | None = None,
                  connection: Connection | None = None, batch_samples: int = 256, batch_bytes: int = 16 << 20,
                  on_refused: str = "raise", full_wait_s: float = 600.0, plan: PlanConfig | None = None,
-                 dataset: str = "", seed: int = 0, open_wait_s: float = 0.0):
+                 dataset: str = "", seed: int = 0, open_wait_s: float = 0.0, producer_token: str | None = None):
         if on_refused not in ("raise", "return"):
             raise ValueError("on_refused is 'raise' or 'return'")
         if connection is not None and token is not None:
@@ -115,8 +121,9 @@ class Producer:
             raise ValueError("a producer opens live jobs only: give plan=PlanConfig(..., live=True, step_samples=...)")
         self.connection = connection or Connection(token=token)
         self.job, self.on_refused, self.full_wait_s, self.open_wait_s = job, on_refused, full_wait_s, open_wait_s
-        self._open_request = None if plan is None else pb.OpenJobRequest(job=job, dataset=dataset, seed=seed,
-                                                                          epochs=1, plan=plan.to_proto())
+        self.producer_token = producer_token_of(producer_token)
+        self._open_request = None if plan is None else pb.OpenJobRequest(
+            job=job, dataset=dataset, seed=seed, epochs=1, plan=plan.to_proto(), producer_token=self.producer_token)
         self.batch_samples, self.batch_bytes = batch_samples, batch_bytes
         self.channel = ServerChannel([target] if isinstance(target, str) else list(target), self.connection)
         self._buffer: list[pb.LiveSample] = []
@@ -153,7 +160,7 @@ class Producer:
     def end(self) -> None:
         """Flush, then end the job: what is pending forms its last step, and later puts are refused."""
         self.flush()
-        self._call(pb.PutSamplesRequest(job=self.job, end=True))
+        self._call(pb.PutSamplesRequest(job=self.job, end=True, producer_token=self.producer_token))
         self.ended = True
 
     def close(self) -> None:
@@ -181,7 +188,7 @@ class Producer:
             self.results += self._send(batch)
 
     def _send(self, messages: list[pb.LiveSample]) -> list[PutResult]:
-        response = self._call(pb.PutSamplesRequest(job=self.job, samples=messages))
+        response = self._call(pb.PutSamplesRequest(job=self.job, samples=messages, producer_token=self.producer_token))
         return [PutResult(r.id, r.accepted, r.duplicate, r.field, r.reason) for r in response.results]
 
     def _call(self, request: pb.PutSamplesRequest) -> pb.PutSamplesResponse:
@@ -226,6 +233,11 @@ class Producer:
     def _check(self, results: list[PutResult]) -> None:
         if self.on_refused == "raise" and not all(r.accepted for r in results):
             raise SampleRefused(results)
+
+
+def producer_token_of(given: str | None) -> str:
+    """A live job's producer token: as given, else the environment's PACKFEED_PRODUCER_TOKEN ("": none)."""
+    return os.environ.get(PRODUCER_TOKEN_VARIABLE, "") if given is None else given
 
 
 def _tensor(values, dtype) -> pb.Tensor:

@@ -33,6 +33,7 @@ import grpc
 from packfeed.client.channel import Connection, PackfeedError, ServerChannel
 from packfeed.client.decode import DecodeOptions, PackDecoder
 from packfeed.client.loss_reports import LossReports
+from packfeed.client.producer import producer_token_of
 from packfeed.client.receiver import Receiver, seat_fields
 from packfeed.client.resume import checked_state, resume_dict, resume_from
 from packfeed.client.tensors import Step
@@ -100,7 +101,8 @@ class PackStream:
     `replica=` (`replicas=` is checked against it) and `cp_rank=` still work. `resume`: the state_dicts of every
     rank of another job of the same dataset and seed, which ran with other plan settings (another DP or M): this
     job then plans what that job left of its epoch with its own settings and starts there (elastic resume; every
-    sample still once per epoch).
+    sample still once per epoch). `producer_token`, for a live job: the token its producers must bring
+    (docs/live.md "Who may put"; PACKFEED_PRODUCER_TOKEN when not given).
     `connection` holds timeouts, retries, token and TLS. The flat keyword arguments
     of earlier versions (`dp=`, `microbatches=`, `strategy=`, `token=`, `tls_ca=`, `timeout=`, ...) still
     work: they fill `plan` and `connection`.
@@ -112,7 +114,7 @@ class PackStream:
                  prefetch: int = 2, pin_memory: bool = False, acknowledge: bool = True, index: str | None = None,
                  decode: DecodeOptions | None = None, replica: int = 0, replicas: int = 1, cp_rank: int = 0,
                  resume: list[dict[str, Any]] | None = None, encoder_rank: int | None = None,
-                 seat: Seat | None = None, **flat: Any):
+                 seat: Seat | None = None, producer_token: str | None = None, **flat: Any):
         if (target is None) == (index is None):
             raise ValueError("give a server target ('host:port', or several for failover) or an index for an "
                              "embedded server, not both")
@@ -131,6 +133,8 @@ class PackStream:
         self.channel = ServerChannel([target] if isinstance(target, str) else list(target), self.connection)
         self._open_request = pb.OpenJobRequest(job=job, dataset=dataset, seed=seed, epochs=epochs,
                                                plan=self.plan.to_proto())
+        if self.plan.live:  # a live job's producer token (PACKFEED_PRODUCER_TOKEN when not given)
+            self._open_request.producer_token = producer_token_of(producer_token)
         if resume is not None:
             self._open_request.resume.CopyFrom(resume_from(resume, job, seed))
         self.info: pb.JobInfo = self.channel.call("OpenJob", self._open_request)

@@ -623,3 +623,35 @@ def test_a_producer_fails_over_to_the_next_server_on_not_found(server, small_til
     keys = sorted(s[0] for rank in range(2) for _, _, samples_ in out[rank] for s in samples_)
     assert keys == sorted(s["id"] for s in samples)
     assert took < 60, took  # before: A's NOT_FOUND waited out full_wait_s (600 s), B never asked
+
+
+def test_a_job_opened_with_a_producer_token_takes_puts_and_its_end_only_with_it(server, prompts):
+    """Trainers open the job with a producer token: a producer without it (or with another) is refused with
+    PERMISSION_DENIED and changes nothing; an open with another token is refused; the token's producer puts and
+    ends the job, and the ranks get exactly its samples."""
+    conventions = prompts[1]
+    rng = np.random.default_rng(12)
+    samples = [text_sample(rng, conventions, f"tok-{i}") for i in range(8)]
+    out: dict = {}
+    threads = [threading.Thread(target=consume, args=(server.target, "guarded", rank, out)) for rank in range(2)]
+    opened = PackStream(server.target, job="guarded", rank=0, plan=LIVE, connection=CONNECTION,
+                        producer_token="s3cret")  # the job exists with its token before anyone puts
+    opened.close()
+    for thread in threads:
+        thread.start()
+    for token in ("", "wrong"):
+        with pytest.raises(PackfeedError, match="PERMISSION_DENIED.*producer token"):
+            Producer(server.target, job="guarded", connection=CONNECTION, producer_token=token).put(samples[0])
+        with pytest.raises(PackfeedError, match="PERMISSION_DENIED"):
+            Producer(server.target, job="guarded", connection=CONNECTION, producer_token=token).end()
+    with pytest.raises(PackfeedError, match="another producer token"):
+        PackStream(server.target, job="guarded", rank=1, plan=LIVE, connection=CONNECTION, producer_token="other")
+    with Producer(server.target, job="guarded", connection=CONNECTION, producer_token="s3cret") as producer:
+        producer.put(samples)
+        producer.end()
+    for thread in threads:
+        thread.join(120)
+    assert not [key for key in out if isinstance(key, tuple)], out
+    keys = sorted(s[0] for rank in range(2) for _, _, steps in out[rank] for s in steps)
+    assert keys == sorted(s["id"] for s in samples)
+    assert not any("s3cret" in line for line in server.log)

@@ -14,7 +14,8 @@ from PIL import Image
 from packfeed.media.image_policy import policy_from_dict
 from packfeed.server.live.samples import Refused, SampleRules, checked_sample
 from packfeed.server.live.spool import Spool, SpoolError, SpoolFull, job_folder, read_array
-from packfeed.server.live.steps import LiveClosed, LiveSteps, live_fingerprint
+from packfeed.server.live.step_plan import live_fingerprint
+from packfeed.server.live.steps import LiveClosed, LiveSteps
 from packfeed.v1 import packfeed_pb2 as pb
 from packfeed.v1.options import PlanConfig
 

@@ -96,6 +96,8 @@ def build_parser() -> argparse.ArgumentParser:
                      "trainers' PlanConfig as a YAML/JSON file or inline ('{dp: 2, live: true, step_samples: 8}')")
     put.add_argument("--dataset", default="", help="with --plan: the dataset the job serves (the trainers')")
     put.add_argument("--seed", type=int, default=0, help="with --plan: the job's seed (the trainers')")
+    put.add_argument("--producer-token", default=None, help="the job's producer token, when it was opened with one "
+                     "(default: PACKFEED_PRODUCER_TOKEN); with --plan, the token the job is opened with")
     put.add_argument("--wait-open", type=float, default=0.0, metavar="S",
                      help="without --plan: wait up to S seconds for a trainer to open the job (default: fail at once)")
     put.set_defaults(func=cmd_put)

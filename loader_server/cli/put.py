@@ -23,7 +23,7 @@ def cmd_put(args: argparse.Namespace) -> int:
     refused, put, duplicates = [], 0, 0
     opening = dict(plan=read_plan(args.plan), dataset=args.dataset, seed=args.seed) if args.plan else {}
     with Producer(args.target.split(","), job=args.job, on_refused="return", batch_samples=args.batch,
-                  open_wait_s=args.wait_open, **opening) as producer:
+                  open_wait_s=args.wait_open, producer_token=args.producer_token, **opening) as producer:
         for path in args.files:
             batch: list[tuple[int, Sample]] = []
             for number, line in enumerate(Path(path).read_text().splitlines(), start=1):

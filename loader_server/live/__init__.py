@@ -1,2 +1,3 @@
 """Live jobs: samples born during the run (rollouts, scored responses), put by producers while trainers stream.
-`samples` checks what a producer puts, `spool` keeps it durable, `steps` forms and plans the job's steps."""
+`put_request` reads a producer's put in place, `samples` checks what it holds, `spool` keeps it durable, `steps`
+forms the job's steps and `step_plan` plans each."""

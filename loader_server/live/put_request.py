@@ -52,12 +52,13 @@ class PutRequest:
     samples: list[WireSample]
     end: bool
     size: int  # of the request on the wire
+    producer_token: str = ""
 
     @classmethod
     def parse(cls, raw: bytes) -> PutRequest:
         """The request's fields, its payload in place (WireFormatError: not a well-formed PutSamplesRequest)."""
         view = memoryview(raw)
-        job, samples, end = "", [], False
+        job, samples, end, token = "", [], False, ""
         for number, wire_type, _, value, value_end in fields(view, 0, len(view)):
             if number == _REQUEST["job"] and wire_type == LENGTH_DELIMITED:
                 job = _text(view, value, value_end, "job")
@@ -65,7 +66,9 @@ class PutRequest:
                 samples.append(_sample(view, value, value_end))
             elif number == _REQUEST["end"] and wire_type == VARINT:
                 end = bool(value)
-        return cls(job, samples, end, len(raw))
+            elif number == _REQUEST["producer_token"] and wire_type == LENGTH_DELIMITED:
+                token = _text(view, value, value_end, "producer_token")
+        return cls(job, samples, end, len(raw), token)
 
     FromString = parse
 

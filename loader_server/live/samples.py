@@ -5,7 +5,6 @@ job's caps. A refusal names the field and the reason; the producer's other sampl
 
 from __future__ import annotations
 
-import io
 from collections.abc import Callable
 from dataclasses import dataclass, field
 

@@ -12,6 +12,7 @@ A job's folder (ROOT/<job id, made safe>-<its digest>), plain files any tool rea
     steps/S.json       step S's members (their ids, in the order planned from), the samples it dropped as stale,
                        and whether it is the job's last
     released.json      the last step every rank acknowledged (the batches it consumed are gone)
+    producer.json      the digest (SHA-256) of the job's producer token, when it was opened with one
 A batch is durable once its rows exist: each file is written whole (a local file under a temporary name, flushed
 to disk and renamed; an object in one PUT), the tar before its rows, and the rows never over a file that exists:
 a put that failed or never answered leaves at most a tar no rows name, removed when a server takes the job (its
@@ -22,6 +23,7 @@ lease held: `recover`). The folder is local (a shared file system for a second s
 from __future__ import annotations
 
 import hashlib
+import hmac
 import io
 import json
 import os
@@ -72,6 +74,26 @@ class Spool:
             raise SpoolError(f"the spool {self.dir} holds job {job!r} with other settings "
                              f"({json.dumps(recorded.get('settings'), sort_keys=True)}): open it with those, or "
                              "use a new job id")
+
+    # -- the producer token -----------------------------------------------------------------------------
+
+    def claim_producer(self, token: str) -> str:
+        """The digest of the job's producer token: `token`'s when the job has none yet (recorded: the first open
+        that gives one sets it), else the one recorded ("": none). SpoolError when `token` is not the job's."""
+        recorded = (self.read_json("producer.json") or {}).get("sha256", "")
+        if not token:
+            return recorded
+        digest = hashlib.sha256(token.encode()).hexdigest()
+        if not recorded:
+            try:
+                self.store.write("producer.json", json.dumps({"sha256": digest}).encode(), exclusive=True)
+                return digest
+            except SpoolConflict:  # another open set one meanwhile
+                recorded = self.read_json("producer.json")["sha256"]
+        if not hmac.compare_digest(recorded, digest):
+            raise SpoolError(f"job {self.dir.rsplit('/', 1)[-1]!r} has another producer token: open it with the "
+                             "job's own (or none, to join it), or use a new job id")
+        return recorded
 
     # -- batches ----------------------------------------------------------------------------------------
 

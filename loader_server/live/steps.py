@@ -25,19 +25,16 @@ from __future__ import annotations
 import asyncio
 import collections
 import hashlib
-import json
-import math
+import hmac
 import threading
-from dataclasses import replace
 
 import numpy as np
 
 from packfeed.server.live.samples import LiveSample, Refused
 from packfeed.server.live.spool import Spool, SpoolConflict, SpoolError, SpoolFull
-from packfeed.server.plan.costs import SampleLoads
+from packfeed.server.live.step_plan import step_plan
 from packfeed.server.plan.plan_file import Plan
-from packfeed.server.plan.planner import make_plan
-from packfeed.v1.options import LIMITS, LIVE_FIELDS, PlanConfig
+from packfeed.v1.options import PlanConfig
 
 PLANS_KEPT = 4  # step plans held (ranks may be a few steps apart); one evicted is planned again, identically
 # What a spooled sample takes at least (its tokens and loss mask: two tar members, a header and a block each), and
@@ -65,6 +62,7 @@ class LiveSteps:
         self.max_bytes = max_bytes  # of spooled batches (0: no bound)
         self.max_samples = max_samples  # held (their rows live in memory, ~1.5 KB each; 0: no bound)
         self.refused = 0  # samples this server refused (bad input), in all
+        self.producer = ""  # the digest of the job's producer token ("": puts need none; `Spool.claim_producer`)
         self._lock = threading.Lock()
         self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future]] = []
         self.stale = True  # the state is not (or no longer) the spool's: `reload` before serving the job
@@ -203,6 +201,10 @@ class LiveSteps:
         if self.tensor_names is None:
             self.tensor_names = names
         return "accepted", ""
+
+    def check_producer(self, token: str) -> bool:
+        """Whether a put bringing `token` may put into (and end) the job."""
+        return not self.producer or hmac.compare_digest(self.producer, hashlib.sha256(token.encode()).hexdigest())
 
     def check_room(self, samples: int, nbytes: int) -> None:
         """SpoolFull unless the job has room for `samples` more of about `nbytes` (checked before a put's samples
@@ -355,51 +357,3 @@ class LiveSteps:
 def _resolve(future: asyncio.Future) -> None:
     if not future.done():
         future.set_result(None)
-
-
-def step_plan(rows: list[dict], config: PlanConfig, seed: int, step: int, fingerprint: str) -> Plan | None:
-    """A step's plan: its members planned as one epoch (epoch = the step, so each step draws randomness of its
-    own) into a single step of the fewest microbatches M' >= M that hold them. Caps not set are searched on the
-    step's own samples, aiming at dp x M packs."""
-    if not rows:
-        return None
-    loads = SampleLoads(np.ones(len(rows), bool), np.array([r["vision"] for r in rows], np.int32),
-                        np.array([r["tokens"] for r in rows], np.int32),
-                        np.array([r["vit_patches"] for r in rows], np.float32),
-                        np.array([r["vit_attn_sq"] for r in rows], np.float32))
-    if shares_live_prefixes(config) and any(r.get("prefix_key") for r in rows):  # one group per (group, prefix)
-        numbered: dict[tuple[str, str], int] = {}
-        loads.group = np.array([numbered.setdefault(share_key(r), len(numbered)) if r.get("prefix_key") else -1
-                                for r in rows], np.int64)
-        loads.prefix = np.array([r.get("prefix", 0) for r in rows], np.int32)
-    planned = replace(config, live=False, **{name: None if name == "max_staleness" else 0 for name in LIVE_FIELDS})
-    if config.token_cap is None:
-        planned = replace(planned, samples_per_pack=max(1.0, len(rows) / config.slots))
-    microbatches = config.microbatches
-    while True:
-        plan = make_plan(loads, replace(planned, microbatches=microbatches), seed, step, fingerprint)
-        if plan.n_steps <= 1:
-            return plan
-        if microbatches >= LIMITS["microbatches"]:
-            raise ValueError(f"step {step}'s {len(rows)} samples need over {LIMITS['microbatches']} packs per rank "
-                             "under the caps: raise token_cap and vision_cap, or lower step_samples")
-        microbatches = min(LIMITS["microbatches"], math.ceil(microbatches * plan.n_steps))
-
-
-def shares_live_prefixes(config: PlanConfig) -> bool:
-    """A live job's steps share their groups' prefixes: shared_prefix on and no context parallelism (whose packs
-    are planned with each sample alone)."""
-    return config.shared_prefix and config.context_parallel == 1
-
-
-def share_key(row: dict) -> tuple[str, str]:
-    """What a live sample shares its prefix with: the samples of its group with the same prefix (its tokens and
-    images, `samples.LiveSample.prefix_key`)."""
-    return row["group"], row["prefix_key"]
-
-
-def live_fingerprint(config: PlanConfig, seed: int, dataset_fingerprint: str) -> str:
-    """What every step's plan is a function of besides its members: the settings, the seed, the dataset."""
-    described = json.dumps({"config": config.to_dict(), "seed": seed, "dataset": dataset_fingerprint,
-                            "live": 1}, sort_keys=True)
-    return hashlib.sha256(described.encode()).hexdigest()[:32]

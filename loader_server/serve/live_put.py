@@ -33,6 +33,10 @@ async def put_samples(job: Job, request: PutRequest, metrics: Metrics,
     if live is None:
         raise JobError("FAILED_PRECONDITION", f"job {job.spec.job!r} is not live (its plan has live false): its "
                                               "samples come from its dataset; open a job with live=True")
+    if not live.check_producer(request.producer_token):
+        raise JobError("PERMISSION_DENIED", f"job {job.spec.job!r} takes puts and its end only with its producer "
+                                            "token (the one it was opened with: Producer(producer_token=...), "
+                                            "`packfeed put --producer-token`, or PACKFEED_PRODUCER_TOKEN)")
     if len(request.samples) > MAX_PUT_SAMPLES:
         raise JobError("INVALID_ARGUMENT", f"{len(request.samples)} samples in one put: at most {MAX_PUT_SAMPLES}")
     try:

@@ -15,7 +15,8 @@ from packfeed.media.image_policy import policy_from_dict
 from packfeed.media.pixel_modes import PIXEL_PATHS
 from packfeed.server.live.samples import MAX_SAMPLE_TOKENS, SampleRules, placeholder_runs
 from packfeed.server.live.spool import read_array, read_member
-from packfeed.server.live.steps import LiveSteps, share_key
+from packfeed.server.live.step_plan import share_key
+from packfeed.server.live.steps import LiveSteps
 from packfeed.server.serve.index_rows import IndexRows
 from packfeed.server.serve.job_spec import JobError
 from packfeed.server.serve.preprocess import SampleReader, SampleTensors

@@ -13,7 +13,8 @@ from dataclasses import replace
 
 from packfeed.media.pixel_modes import PIXEL_PATHS
 from packfeed.server.live.spool import Spool, SpoolError
-from packfeed.server.live.steps import SMALLEST_SPOOLED_SAMPLE, SPOOLED_BYTES_PER_TOKEN, LiveSteps, live_fingerprint
+from packfeed.server.live.steps import SMALLEST_SPOOLED_SAMPLE, SPOOLED_BYTES_PER_TOKEN, LiveSteps
+from packfeed.server.live.step_plan import live_fingerprint
 from packfeed.server.serve.datasets import Dataset
 from packfeed.server.serve.job_spec import JobError, JobSpec
 from packfeed.server.serve.jobs import Job, RankState
@@ -45,11 +46,15 @@ class JobRegistry:
         self.closed: collections.deque = collections.deque(maxlen=CLOSED_LISTED)  # newest first
         self._lock = threading.Lock()
 
-    def open_job(self, spec: JobSpec, expected_plan: str = "") -> Job:
+    def open_job(self, spec: JobSpec, expected_plan: str = "", producer_token: str = "") -> Job:
         """Open a job, or join it when it exists with the same settings (idempotent). The first request plans
         epoch 0 outside the registry lock; others wait for that planning run (at most `plan_wait_s`, then
         UNAVAILABLE: retry), and every other job goes on meanwhile. With `expected_plan` (a client re-opening
-        the job it holds) a job planned otherwise here is refused, and forgotten if this request made it."""
+        the job it holds) a job planned otherwise here is refused, and forgotten if this request made it.
+        `producer_token`: a live job's (OpenJobRequest.producer_token)."""
+        if producer_token and not spec.plan_config.live:
+            raise JobError("INVALID_ARGUMENT", "a producer token is a live job's (PlanConfig live): this job's "
+                                               "samples come from its dataset")
         check_name(spec.job, "a job id")
         if not 1 <= spec.epochs <= MAX_EPOCHS:
             raise JobError("INVALID_ARGUMENT", f"epochs must be 1 to {MAX_EPOCHS}")
@@ -83,11 +88,21 @@ class JobRegistry:
             raise job.failure
         try:
             job.check_plan(expected_plan)
+            if job.live is not None and (planner or producer_token):
+                self._claim_producer(job, producer_token)
         except JobError:
             if planner:
                 self.forget(job)
             raise
         return job
+
+    @staticmethod
+    def _claim_producer(job: Job, token: str) -> None:
+        """The job's producer token digest, as its spool holds it (set by `token` when it has none)."""
+        try:
+            job.live.producer = job.live.spool.claim_producer(token)
+        except SpoolError as error:
+            raise JobError("FAILED_PRECONDITION", str(error)) from None
 
     def _live(self, spec: JobSpec, dataset: Dataset):
         """A live job's source: its spool (re-opened as it was left, after a restart or on another server

@@ -74,7 +74,7 @@ class PackfeedService:
             raise JobError("INVALID_ARGUMENT", str(error)) from None
         spec = JobSpec(request.job, request.dataset, plan, request.seed, request.epochs or 1, resume)
         job = await asyncio.get_running_loop().run_in_executor(self.planning, self.registry.open_job, spec,
-                                                               request.plan_fingerprint)
+                                                               request.plan_fingerprint, request.producer_token)
         restore_decided(job, request.mixture_decided)
         await asyncio.to_thread(self.coordination.register, job)
         self.metrics.jobs.set(len(self.registry.jobs))
