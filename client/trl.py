@@ -36,6 +36,7 @@ import copy
 import json
 import os
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -59,6 +60,19 @@ from packfeed.client.tensors import PackTensors
 from packfeed.v1.options import PlanConfig
 
 STATE_FILE = "packfeed_grpo_rank{rank}.json"
+
+
+def reference_of_built_model(model: Any, args: GRPOConfig) -> None:
+    """TRL builds the reference model (beta > 0) from the policy's `config._name_or_path`, which is empty for a
+    model built from a config (`from_config`, as tiny test models are): it would fail looking up repo ''. Such a
+    model's initial weights are saved under the output folder and named there, so the reference starts from them."""
+    config = getattr(model, "config", None)
+    if args.beta == 0.0 or config is None or getattr(config, "_name_or_path", "x") \
+            or not hasattr(model, "save_pretrained"):
+        return
+    folder = Path(args.output_dir) / f"packfeed-reference-rank{args.process_index}"
+    model.save_pretrained(folder)
+    config._name_or_path = str(folder)
 
 
 class PackfeedGRPOTrainer(GRPOTrainer):
@@ -85,6 +99,7 @@ class PackfeedGRPOTrainer(GRPOTrainer):
         if kwargs.get("train_dataset") is not None:
             raise PackfeedError("the prompts come from the Packfeed job: leave train_dataset out")
         kwargs["train_dataset"] = Dataset.from_dict({"prompt": [""]})  # never read: get_train_dataloader
+        reference_of_built_model(kwargs.get("model", args[0] if args else None), grpo_args)
         world, rank = grpo_args.world_size, grpo_args.process_index
         accumulation, generations = grpo_args.gradient_accumulation_steps, grpo_args.num_generations
         per_rank = grpo_args.per_device_train_batch_size * accumulation // generations

@@ -219,3 +219,34 @@ def test_a_loss_driven_prompt_mixture_gets_each_datasets_rewards_from_the_face(t
     assert face[-1]["hard"] > 0.5 + 1e-3 and all(w["hard"] >= 0.5 - 1e-9 for w in face), face
     for ours, theirs in zip(face, hand):
         assert ours == pytest.approx(theirs, abs=1e-6)
+
+
+def test_a_model_built_from_a_config_gets_its_reference_model_from_its_own_weights(tmp_path):
+    """beta > 0 with a model built from a config (`model_config`, as the examples do): TRL builds the reference
+    from `config._name_or_path`, empty for such a model ("Repo id must use alphanumeric chars ... ''"). The face
+    saves the initial weights under the output folder and names them there: TRL's own loader then builds a
+    reference equal to the policy."""
+    import torch
+    from transformers import Qwen2VLForConditionalGeneration
+    from trl import GRPOConfig
+    from trl.trainer.utils import create_model_from_path, get_config_model_id
+
+    from hf_models import family_dataset, tiny_sizes
+    from packfeed.client.hf import model_config
+    from packfeed.client.trl import reference_of_built_model
+
+    conventions = family_dataset(tmp_path / "data", "qwen2_vl", seed=0, samples=4).conventions
+    torch.manual_seed(0)
+    model = Qwen2VLForConditionalGeneration(model_config("qwen2_vl", conventions, **tiny_sizes("qwen2_vl")))
+    assert get_config_model_id(model.config) == ""
+    args = GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=2, num_generations=2, use_cpu=True,
+                      report_to=[], bf16=False, beta=0.04)
+    reference_of_built_model(model, args)
+    reference = create_model_from_path(get_config_model_id(model.config), dtype=model.dtype)
+    policy, ref = model.state_dict(), reference.state_dict()
+    assert policy.keys() == ref.keys() and all(torch.equal(policy[k], ref[k]) for k in policy)
+    untouched = Qwen2VLForConditionalGeneration(model_config("qwen2_vl", conventions, **tiny_sizes("qwen2_vl")))
+    reference_of_built_model(untouched, GRPOConfig(output_dir=str(tmp_path / "b"), beta=0.0, use_cpu=True,
+                                                   report_to=[], bf16=False, per_device_train_batch_size=2,
+                                                   num_generations=2))
+    assert get_config_model_id(untouched.config) == ""  # beta 0: no reference, nothing saved
