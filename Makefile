@@ -4,6 +4,8 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 DEMO   := demo-out
+# pip lists what it fetches and builds (a fresh install takes minutes); CI keeps its log short
+PIP_QUIET := $(if $(CI),-q,)
 
 .PHONY: venv demo test bench docker-test clean
 
@@ -11,8 +13,10 @@ venv: $(STAMP)
 
 $(STAMP): pyproject.toml setup.py $(wildcard protos/packfeed/v1/*.proto)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip setuptools wheel
-	$(PY) -m pip install -q -e '.[dev]'
+	@echo "installing Packfeed and its dependencies into $(VENV) (several minutes on a fresh machine; pip says what it fetches)"
+	$(PY) -m pip install $(PIP_QUIET) --upgrade pip setuptools wheel
+	$(PY) -m pip install $(PIP_QUIET) --progress-bar off -e '.[dev]'
+	@echo "compiling the planner's kernels once (about a minute)"
 	$(VENV)/bin/packfeed warmup  # the planner's kernels compiled and cached once, not by the first plan
 	$(PY) -c "from deepspeed.comm.torch import build_shm_op; build_shm_op()"  # DeepSpeed's CPU collectives op, built once
 	touch $(STAMP)

@@ -208,6 +208,13 @@ class PackStream:
         then every rank reports every step (`report`), as the framework faces do by themselves."""
         return bool(self.info.mixture.rule)
 
+    def weights(self) -> dict[int, dict[str, float]]:
+        """A mixture whose weights move: each window planned so far (of the slowest rank's epoch) -> its weights by
+        dataset, as the server has them now (`info` is the job as opened; this asks again: GetJob); {} for any
+        other job."""
+        info = self.channel.call("GetJob", pb.GetJobRequest(job=self.job))
+        return {window.window: dict(window.weights) for window in info.mixture.windows}
+
     def report(self, losses_by_dataset: dict[str, float], counts: dict[str, float] | None = None,
                step: Step | None = None) -> None:
         """A loss-driven mixture (docs/planning.md "Mixtures that move"): this rank's mean loss per dataset over

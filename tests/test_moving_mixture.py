@@ -115,6 +115,12 @@ def test_the_plan_file_follows_the_schedule_window_by_window(tmp_path):
     by_step = table.groupby("step").dataset.apply(lambda d: (d == "ocr").mean())
     first, last = by_step.iloc[: len(by_step) // 6].mean(), by_step.iloc[-len(by_step) // 6:].mean()
     assert first > 0.6 and last < 0.4  # 0.75 and 0.25 drawn; carried steps blur the edges a little
+    meta = json.loads(pq.read_schema(tmp_path / "plan.parquet").metadata[b"packfeed.plan"])
+    starts = meta["window_first_steps"]
+    assert sorted(table.window.unique()) == list(range(6)) and len(starts) == 6
+    assert table.groupby("window").step.min().tolist() == starts  # each window's first step, as the file says
+    for window, rows in table[table.window < 5].groupby("window"):  # no sample twice in a window (but the last)
+        assert not rows.duplicated(["dataset", "sample_id"]).any(), window
     again = subprocess.run(command + ["--out", str(tmp_path / "again.parquet")], capture_output=True, text=True)
     assert json.loads(again.stdout.strip().splitlines()[-1])["plan_fingerprint"] == summary["plan_fingerprint"]
     assert pq.read_table(tmp_path / "again.parquet").equals(pq.read_table(tmp_path / "plan.parquet"))
@@ -444,7 +450,10 @@ def test_a_stream_waiting_for_a_loss_driven_window_is_kept_alive_and_the_window_
                 sources = Counter(step.sample_sources)
                 stream.report({d: synthetic_loss(d, step.step) for d in sources}, dict(sources))
                 steps.append(step.step)
+            seen[number] = stream.weights()  # the weights decided after the stream opened the job
         return steps
+
+    seen: dict[int, dict] = {}
 
     from concurrent.futures import ThreadPoolExecutor
 
@@ -461,6 +470,9 @@ def test_a_stream_waiting_for_a_loss_driven_window_is_kept_alive_and_the_window_
         ignored = stub.GetJob(pb.GetJobRequest(job="patient")).mixture.reports_ignored
     assert steps[0] == steps[1] == list(range(len(steps[0]))) and len(info.mixture.decided) >= 3
     assert dict(ignored) == {"step past the job's last window": 2}
+    decided = {d.window: dict(d.weights) for d in info.mixture.decided}
+    assert seen[0] == seen[1] and sorted(seen[0]) == sorted(decided) and len(decided) >= 3
+    assert all(seen[0][w] == pytest.approx(decided[w], abs=1e-6) for w in decided) and decided[2] != decided[1]
 
 
 def test_the_docs_loss_driven_mixture_is_read_as_written(tmp_path, demo_dataset):

@@ -164,7 +164,8 @@ class LiveSteps:
         record the step they complete (a retry is answered duplicate and forms it)."""
         with self._lock:
             if self.ended:
-                raise LiveClosed(f"the job ended at step {len(self.steps) - 1}: it takes no more samples")
+                raise LiveClosed(f"the job ended at step {len(self.steps) - 1}: it takes no more samples (running it "
+                                 "again? a live job id is used once: give a new job id, or a fresh --live-spool)")
             outcomes, accepted, seen = [], [], {}
             for sample in samples:
                 outcome = self._admit(sample, seen)
@@ -307,7 +308,9 @@ class LiveSteps:
                 return self._plans[step]
             record, rows = self.steps[step], self.rows
             if any(sample_id not in rows for sample_id in record["members"]):
-                raise KeyError(f"step {step} was acknowledged by every rank: its samples left the spool")
+                raise KeyError(f"step {step} was acknowledged by every rank: its samples left the spool (a trainer "
+                               "starting the job again? a live job id is used once: give a new job id, or a fresh "
+                               "--live-spool; a resumed trainer loads its last state)")
             member_rows = [rows[sample_id] for sample_id in record["members"]]
         plan = step_plan(member_rows, self.config, self.seed, step, self.fingerprint)
         with self._lock:

@@ -61,6 +61,7 @@ class Plan:
     cp_group: np.ndarray | None = None
     # groups sharing a prefix (`packfeed.server.plan.groups`): per member, its group (-1: none); None: no groups
     groups: np.ndarray | None = None
+    window_starts: np.ndarray | None = None  # a windowed epoch written whole: the first step of each window
     _fingerprint: str | None = field(default=None, repr=False, compare=False)
 
     @property
@@ -235,6 +236,8 @@ class Plan:
             group = np.full(len(step), -1, dtype=np.int64)
             group[~empty] = self.groups[self.offsets[first]:self.offsets[stop]]
             columns["group"] = pa.array(group)
+        if self.window_starts is not None:  # each row's window, so "once per window" reads off the file
+            columns["window"] = pa.array((np.searchsorted(self.window_starts, step, side="right") - 1).astype(np.int32))
         if self.rows is not None:  # a mixture: each row's dataset, and its sample id in that dataset's index
             real = np.where(empty, 0, sample_id)
             columns["dataset"] = pa.DictionaryArray.from_arrays(
@@ -247,7 +250,8 @@ class Plan:
         meta = {"config": self.config.to_dict(), "seed": self.seed, "epoch": self.epoch,
                 "caps": asdict(self.caps) if self.caps else None, "index_fingerprint": self.index_fingerprint,
                 "plan_fingerprint": self.fingerprint(), "oversize": self.oversize.tolist(),
-                "packfeed_version": __version__, "mixture": self.rows.names if self.rows is not None else None}
+                "packfeed_version": __version__, "mixture": self.rows.names if self.rows is not None else None,
+                "window_first_steps": self.window_starts.tolist() if self.window_starts is not None else None}
         rows_before = np.cumsum(np.maximum(self.pack_sizes(), 1))
         cuts = np.searchsorted(rows_before, np.arange(rows_per_chunk, rows_before[-1] if len(rows_before) else 0,
                                                       rows_per_chunk), side="right")
@@ -261,7 +265,7 @@ class Plan:
         # Build the next chunk's rows (compiled, GIL released) while Arrow encodes the current one.
         delta = {name: "DELTA_BINARY_PACKED" for name in ("epoch", "step", "rank", "microbatch", "position",
                                                           "sample_id", "truncate_to", "encoder_rank", "cp", "cp_group",
-                                                          "group")}
+                                                          "group", "window")}
         with pq.ParquetWriter(path, schema, compression="zstd", use_dictionary=["dataset"], column_encoding=delta,
                               write_statistics=["step"]) as writer, \
                 ThreadPoolExecutor(max_workers=1) as builder:

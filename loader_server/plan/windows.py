@@ -359,7 +359,8 @@ class WindowedPlan:
                        truncate_to=joined("truncate_to"), oversize=joined("oversize"),
                        pack_vision=joined("pack_vision"), pack_tokens=joined("pack_tokens"),
                        encoder_rank=joined("encoder_rank"), further_encoder_ranks=further, phases=None,
-                       cp_degree=joined("cp_degree"), cp_group=joined("cp_group"), groups=joined("groups"))
+                       cp_degree=joined("cp_degree"), cp_group=joined("cp_group"), groups=joined("groups"),
+                       window_starts=np.cumsum([0] + [plan.n_steps for plan in plans[:-1]]).astype(np.int64))
         plan.rows = self.rows
         plan._fingerprint = self.fingerprint()
         return plan
