@@ -1,6 +1,7 @@
 """The actor update of GRPO balanced five ways (issue [5/6]), on a GRPO-shaped mix, in the same run.
 
-Run: .venv/bin/python -m pytest -q -s tests/benchmarks/test_bench_rl_balance.py -m benchmark
+Run: .venv/bin/python tests/benchmarks/verl_env.py (once: builds verl's environment, minutes), then
+.venv/bin/python -m pytest -q -s tests/benchmarks/test_bench_rl_balance.py -m benchmark
 
 verl pins transformers below 5.11, under the project's, so it runs in an environment of its own: built once under
 PACKFEED_VERL_ENV (default ~/.cache/packfeed/verl-0.9.1) from the package index (verl 0.9.1, the CPU torch the
@@ -25,16 +26,16 @@ equal counts (UniRL), Packfeed without groups, Packfeed with groups.
 from __future__ import annotations
 
 import json
-import os
 import statistics
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 from conftest import real_lengths_available
 from test_bench_phases import internvl_lengths
+
+from verl_env import verl_python
 
 from packfeed.server.plan.balance import lpt_assign
 from packfeed.server.plan.rollouts import Rollouts, rollout_costs
@@ -43,28 +44,6 @@ from packfeed.v1.options import CostModel
 pytestmark = pytest.mark.benchmark
 G, PROMPTS, STEPS, ROUNDS = 8, 512, 8, 3
 TILE_PATCHES, MICROBATCH, FLOPS = 1024, 8, 400e12
-REPO = Path(__file__).resolve().parents[2]
-VERL_ENV = Path(os.environ.get("PACKFEED_VERL_ENV", Path.home() / ".cache" / "packfeed" / "verl-0.9.1"))
-# verl 0.9.1 imports these without declaring them (its router and reward server)
-VERL_EXTRAS = ["cachetools", "uvicorn", "fastapi"]
-
-
-def verl_python() -> Path:
-    """verl's environment, built the first time."""
-    python = VERL_ENV / "bin" / "python"
-    if not (VERL_ENV / ".built").exists():
-        subprocess.run([sys.executable, "-m", "venv", "--clear", str(VERL_ENV)], check=True)
-        pip = [str(python), "-m", "pip", "install", "-q"]
-        subprocess.run(pip + ["torch==2.13.0", "--index-url", "https://download.pytorch.org/whl/cpu"], check=True)
-        subprocess.run(pip + ["verl==0.9.1", *VERL_EXTRAS], check=True)
-        subprocess.run(pip + ["grpcio-tools", "numba", "pyarrow", "pyyaml", "xxhash", "redis", "scipy",
-                              "webdataset", "braceexpand", "pillow", "tokenizers", "tqdm", "matplotlib",
-                              "grpcio-health-checking", "grpcio-reflection", "prometheus-client"], check=True)
-        subprocess.run(pip + ["--no-deps", "--no-build-isolation", "-e", str(REPO)], check=True)
-        (VERL_ENV / ".built").touch()
-    return python
-
-
 def grpo_steps(seed: int) -> list[dict]:
     """STEPS steps of PROMPTS real prompts each, G drawn responses each, in generation order (a prompt's G
     responses together, as verl's rollout leaves them)."""
@@ -113,6 +92,7 @@ def lpt_order(step: dict, dp: int) -> list[int]:
 
 
 @pytest.mark.skipif(not real_lengths_available(), reason="the real InternVL length files are not here")
+@pytest.mark.timeout(3600)  # building verl's environment the first time takes minutes (`python verl_env.py` first)
 def test_actor_update_balanced_five_ways(tmp_path):
     python = verl_python()
     model = CostModel.from_shapes()
