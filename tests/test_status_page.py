@@ -62,10 +62,11 @@ def test_the_status_shows_jobs_ranks_and_progress(small_tile_index):
         for rank in (0, 1):  # a small job read to its end by both ranks, then closed
             with PackStream(server.target, job="done", rank=rank, dp=2, microbatches=1, epochs=1) as stream:
                 list(stream)
-        deadline = time.monotonic() + 10  # its first history point (every 2 s): the burst since its open
+        deadline = time.monotonic() + 20  # the history point after the burst (points every 2 s)
         while True:
             finished = json.loads(get(f"{base}/status.json")[1])
-            if [j for j in finished["jobs"] if j["job"] == "done" and j["history"]] or time.monotonic() > deadline:
+            if [j for j in finished["jobs"] if j["job"] == "done" and any(p[1] > 0 for p in j["history"])] \
+                    or time.monotonic() > deadline:
                 break
             time.sleep(0.25)
         pb_grpc.PackfeedStub(grpc.insecure_channel(server.target)).CloseJob(pb.CloseJobRequest(job="done"))
@@ -93,9 +94,9 @@ def test_the_status_shows_jobs_ranks_and_progress(small_tile_index):
     assert resumed["ranks"][1]["lag_steps"] <= 1 + 8  # this run's: one step in the trainer, the prefetch at most
     (done,) = [j for j in finished["jobs"] if j["job"] == "done"]
     assert done["state"] == "finished" and done["done_steps"] == done["plan"]["steps"] > 0
-    # read to its end within moments of its open, likely before the history's first point: the first point
-    # measures from the open, so the burst shows (measured only between points, it was lost)
-    assert done["history"] and done["history"][0][1] > 0 and done["throughput"]["samples"] > 0
+    # read to its end within moments of its open, maybe before the history's first point (which measures from the
+    # open) or across it: either way the burst shows (measured only between points, it was lost)
+    assert any(point[1] > 0 for point in done["history"]) and done["throughput"]["samples"] > 0
     assert [c["job"] for c in closed["closed_jobs"]] == ["done"] and closed["closed_jobs"][0]["state"] == "closed"
     assert "done" not in [j["job"] for j in closed["jobs"]]
     assert first["memory"]["budget_bytes"] > 0
