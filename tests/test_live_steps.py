@@ -590,3 +590,16 @@ def test_a_put_read_in_place_checks_as_protobuf_reads_it():
     for bad in (raw[:-5], raw[:7], b"\x12\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff\x01", b"\x0a\x02\xff\xfe"):
         with pytest.raises(WireFormatError):
             PutRequest.parse(bad)
+
+
+def test_live_bounds_below_one_step_are_refused_at_open_naming_both_numbers():
+    """A step that cannot fit in the server's bounds would never form: the job is refused when it opens."""
+    from packfeed.server.serve.job_spec import JobError
+    from packfeed.server.serve.registry import check_live_bounds
+
+    with pytest.raises(JobError, match=r"holds 8 samples \(step_samples\).*\(5, --live-max-samples\)"):
+        check_live_bounds(PlanConfig(dp=1, live=True, step_samples=8), 0, 5)
+    with pytest.raises(JobError, match=r"needs at least 0\.016 MiB of spool.*\(0\.010 MiB, --live-spool-max-gb\)"):
+        check_live_bounds(PlanConfig(dp=1, live=True, step_samples=8), 10_000, 0)
+    check_live_bounds(PlanConfig(dp=1, live=True, step_samples=8), 20_000, 8)  # room for one step: opens
+    check_live_bounds(PlanConfig(dp=1, live=True, step_samples=8, step_tokens=100), 0, 5)  # tokens may form it

@@ -83,7 +83,7 @@ class Spool:
         recorded = (self.read_json("producer.json") or {}).get("sha256", "")
         if not token:
             return recorded
-        digest = hashlib.sha256(token.encode()).hexdigest()
+        digest = token_digest(token)
         if not recorded:
             try:
                 self.store.write("producer.json", json.dumps({"sha256": digest}).encode(), exclusive=True)
@@ -256,9 +256,9 @@ class ObjectFolder:
         if callable(data):
             buffer = io.BytesIO()
             data(buffer)
-            data = buffer.getbuffer()
+            data = buffer.getvalue()
         try:
-            retried(url, "writing", self.fs.pipe_file, url, bytes(data))
+            retried(url, "writing", self.fs.pipe_file, url, data)
         except ObjectError as error:
             raise SpoolError(f"the live spool cannot write {url}: {error}") from None
         return len(data)
@@ -294,6 +294,11 @@ class ObjectFolder:
             retried(url, "removing", self.fs.rm_file, url)
         except ObjectNotFound:
             pass
+
+
+def token_digest(token: str) -> str:
+    """What the spool keeps of a producer token, and what a put's token is compared by."""
+    return hashlib.sha256(token.encode()).hexdigest()
 
 
 def _tar_name(number: int, row: dict) -> str:

@@ -24,14 +24,13 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import hashlib
 import hmac
 import threading
 
 import numpy as np
 
 from packfeed.server.live.samples import LiveSample, Refused
-from packfeed.server.live.spool import Spool, SpoolConflict, SpoolError, SpoolFull
+from packfeed.server.live.spool import Spool, SpoolConflict, SpoolError, SpoolFull, token_digest
 from packfeed.server.live.step_plan import step_plan
 from packfeed.server.plan.plan_file import Plan
 from packfeed.v1.options import PlanConfig
@@ -74,6 +73,7 @@ class LiveSteps:
         """The job as its spool holds it now (when this server takes the job's lease, and after a write found
         another server's file): every piece of state below is the spool's, read again."""
         with self._lock:
+            self.stale = True  # until the spool is read whole
             self._reset()
             self._recover()
             self.stale = False
@@ -174,12 +174,17 @@ class LiveSteps:
                 if outcome[0] == "accepted":
                     accepted.append(sample)
                     seen[sample.id] = sample.digest
-            if accepted:
-                self._keep(accepted)
+            kept = False
             try:
+                if accepted:
+                    self._keep(accepted)
+                    kept = True
                 self._form(end)
+            except SpoolConflict:
+                self.stale = True  # another server wrote after this one read: the spool is read again first
+                raise
             except SpoolError as error:
-                if not accepted or isinstance(error, SpoolConflict):
+                if not kept:
                     raise
                 raise StepNotRecorded(f"{error}; the put's samples are kept (a retry is answered duplicate) but the "
                                       "step they complete is not recorded yet: retry") from None
@@ -205,7 +210,7 @@ class LiveSteps:
 
     def check_producer(self, token: str) -> bool:
         """Whether a put bringing `token` may put into (and end) the job."""
-        return not self.producer or hmac.compare_digest(self.producer, hashlib.sha256(token.encode()).hexdigest())
+        return not self.producer or hmac.compare_digest(self.producer, token_digest(token))
 
     def check_room(self, samples: int, nbytes: int) -> None:
         """SpoolFull unless the job has room for `samples` more of about `nbytes` (checked before a put's samples
@@ -229,11 +234,7 @@ class LiveSteps:
         self.check_room(len(accepted), sum(s.n_tokens * SPOOLED_BYTES_PER_TOKEN + sum(len(i) for i in s.images)
                                            + 4 * s.n_tokens * len(s.tensors) for s in accepted))
         number = self._next_batch
-        try:
-            rows = self.spool.write_batch(number, accepted)  # durable before anything counts it
-        except SpoolConflict:
-            self.stale = True
-            raise
+        rows = self.spool.write_batch(number, accepted)  # durable before anything counts it
         self._next_batch += 1
         self._batch_ids[number] = [row["id"] for row in rows]
         self._batch_left[number] = len(rows)
@@ -257,11 +258,7 @@ class LiveSteps:
             members, dropped = taken if taken is not None else self._fill(step, whole=True)
             last = bool(full) or (end and taken is None)
             record = {"members": members, "dropped": dropped, "last": last}
-            try:
-                self.spool.write_step(step, record)  # before any of it is sent
-            except SpoolConflict:
-                self.stale = True
-                raise
+            self.spool.write_step(step, record)  # before any of it is sent
             for _ in range(len(members) + len(dropped)):
                 self.pending.popleft()
             self.steps.append(record)

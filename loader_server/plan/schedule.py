@@ -104,7 +104,7 @@ def _points(given: object, interpolate: str, where: str) -> tuple[tuple[float, f
         raise ValueError(f"{where}: weights must map progress (0 to 1) to a weight, e.g. {{0.0: 0.8, 1.0: 0.2}}")
     points = []
     for progress, weight in given.items():
-        p, w = _number(progress), _number(weight)
+        p, w = read_number(progress), read_number(weight)
         if not 0 <= p <= 1:
             raise ValueError(f"{where}: progress {progress!r} is not a number from 0 to 1 (the job's start to end)")
         if not w >= 0 or not math.isfinite(w):
@@ -120,7 +120,9 @@ def _points(given: object, interpolate: str, where: str) -> tuple[tuple[float, f
     return tuple(points)
 
 
-def _number(value: object) -> float:
+def read_number(value: object) -> float:
+    """A number as a mixture file gives it: an int or float, or a string that reads as one (YAML reads `1.0e12`,
+    without the exponent's sign, as a string); NaN for anything else."""
     if isinstance(value, bool) or not isinstance(value, (int, float, str)):
         return math.nan
     try:

@@ -33,6 +33,8 @@ from typing import Literal
 
 import numpy as np
 
+from packfeed.server.plan.schedule import read_number
+
 RuleName = Literal["softmax", "excess_loss"]
 RULES: tuple[str, ...] = ("softmax", "excess_loss")
 _NUMBERS = ("temperature", "step_size", "smoothing", "min_weight", "max_weight", "max_change", "wait_s")
@@ -126,16 +128,7 @@ def _project(target: np.ndarray, low: np.ndarray, high: np.ndarray) -> np.ndarra
 
 
 def _number(value: object, where: str) -> float:
-    """A finite number; a string that reads as one too (YAML reads `1.0e12`, without the exponent's sign, as a
-    string)."""
-    number = math.nan
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        number = float(value)
-    elif isinstance(value, str):
-        try:
-            number = float(value)
-        except ValueError:
-            pass
+    number = read_number(value)
     if not math.isfinite(number):
         raise ValueError(f"{where}: {value!r} is not a finite number")
     return number

@@ -172,6 +172,11 @@ class Job:
                     evicted.close()
             return self._plans[epoch]
 
+    def planned(self, epoch: int) -> Plan | None:
+        """The epoch's plan if it is planned already, else None: without planning, and without the lock (which
+        planning holds), for the event loop."""
+        return self._plans.get(epoch)
+
     def _count_epochs(self, deadline: float = float("inf")) -> bool:
         """Every epoch's steps: epochs plan different step counts (each shuffles its samples into other packs,
         and aligns them anew), and a trainer sizes its schedule from the job's length. An epoch is counted, not

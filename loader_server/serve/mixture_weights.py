@@ -62,8 +62,9 @@ def report_losses(job, rank: int, request: pb.AckStepRequest) -> str:
     """A trainer's per-dataset losses of one step into its job's ledger: "taken", or why it was left out."""
     if job.ledger is None:
         return "the job's mixture has no rule"
-    counts, estimated = job.step_counts()
-    if not 0 <= request.epoch < len(counts) or (not estimated and request.step >= counts[request.epoch]):
+    plan = job.planned(request.epoch)  # on the event loop: never plans, never waits for the job's lock
+    known = plan.steps_known if plan is not None else 0  # 0 until every window of the epoch is planned
+    if not 0 <= request.epoch < job.spec.epochs or (known and request.step >= known):
         return job.ledger.ignore("step past the job's last window")  # no window is ever decided on it
     reason = job.ledger.report(rank, request.epoch, request.step, dict(request.losses), dict(request.loss_counts))
     return reason or "taken"
