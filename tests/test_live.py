@@ -610,11 +610,9 @@ def test_a_producer_fails_over_to_the_next_server_on_not_found(server, small_til
             except PackfeedError:
                 time.sleep(0.25)
         channel.close()
-        started = time.monotonic()
         with Producer([other.target, server.target], job="elsewhere", connection=CONNECTION) as producer:
-            producer.put(samples)
+            producer.put(samples)  # A does not know the job: on to B, at once
             producer.end()
-        took = time.monotonic() - started
         for thread in ranks:
             thread.join(120)
     finally:
@@ -622,7 +620,7 @@ def test_a_producer_fails_over_to_the_next_server_on_not_found(server, small_til
     assert not [key for key in out if isinstance(key, tuple)], out
     keys = sorted(s[0] for rank in range(2) for _, _, samples_ in out[rank] for s in samples_)
     assert keys == sorted(s["id"] for s in samples)
-    assert took < 60, took  # before: A's NOT_FOUND waited out full_wait_s (600 s), B never asked
+    # no timing asserted: with open_wait_s 0 (the default) a producer that asked A alone would have raised NOT_FOUND
 
 
 def test_a_job_opened_with_a_producer_token_takes_puts_and_its_end_only_with_it(server, prompts):
