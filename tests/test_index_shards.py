@@ -245,3 +245,21 @@ def test_cli_errors_are_clear(tmp_path):
     done = subprocess.run(cli + ["index", str(tmp_path / "x.tar"), "--out", str(tmp_path / "i.parquet")],
                           capture_output=True, text=True)
     assert done.returncode == 2 and "--tokenizer" in done.stderr
+
+
+def test_an_index_or_a_plan_with_nothing_to_train_on_exits_4_saying_so(shards, demo_dataset, tmp_path):
+    """Shards of only broken samples index to no valid row, and their plan holds no pack: both commands say so
+    and exit 4, where a partly skipped index exits 3."""
+    cli = [sys.executable, "-m", "packfeed.server.cli"]
+    empty, broken = tmp_path / "empty.tar", tmp_path / "broken.tar"
+    _write(empty, [])
+    _write(broken, [{"__key__": f"b{k}", "jpg": _jpeg(64, 64)[:200], "json": _conv()} for k in range(3)])
+    for shard, rows in ((empty, 0), (broken, 3)):
+        index = tmp_path / f"{shard.stem}.parquet"
+        done = subprocess.run(cli + ["index", str(shard), "--tokenizer", str(demo_dataset.tokenizer), "--out",
+                                     str(index), "--quiet"], capture_output=True, text=True, timeout=300)
+        assert done.returncode == 4, done.stderr
+        assert f"holds no valid sample ({rows} rows" in done.stderr
+        plan = subprocess.run(cli + ["plan", "--index", str(index), "--dp", "2"], capture_output=True, text=True,
+                              timeout=300)
+        assert plan.returncode == 4 and "the plan holds no pack (0 valid samples" in plan.stderr, plan.stderr

@@ -304,3 +304,24 @@ def test_a_full_disk_says_so_and_keeps_the_last_checkpoint(tmp_path, small_tile_
         assert sorted(p.name for p in checkpoints.glob("step-*")) == ["step-000001"]  # the incomplete one removed
     finally:
         subprocess.run(["umount", str(disk)], capture_output=True)
+
+
+def test_the_schedule_written_to_a_full_disk_raises_no_space(tmp_path):
+    """scheduler.pt is the last file of a checkpoint: written where the shards just fit, torch.save reports the
+    full disk as "unexpected pos ..."; written through memory it is an ENOSPC that becomes `DiskFull`."""
+    import errno
+    import subprocess
+
+    from packfeed.trainer.checkpoint import _no_space, write_torch
+
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(disk)], capture_output=True).returncode:
+        pytest.skip("mounting a small tmpfs needs root (CAP_SYS_ADMIN): the full disk cannot be made")
+    state = {"weights": torch.zeros(64 << 10)}  # 256 KiB: four times the disk
+    try:
+        with pytest.raises(OSError) as through_memory:
+            write_torch(state, disk / "scheduler.pt")
+        assert through_memory.value.errno == errno.ENOSPC and _no_space(through_memory.value)
+    finally:
+        subprocess.run(["umount", str(disk)], capture_output=True)

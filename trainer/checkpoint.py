@@ -20,6 +20,7 @@ restarted at another DP hands every saved position to an elastic resume (packfee
 from __future__ import annotations
 
 import errno
+import io
 import json
 import shutil
 from pathlib import Path
@@ -127,12 +128,20 @@ def _save_sharded(root: Path, directory: Path, steps_done: int, mesh, model: tor
         name = f"stream-encoder{mesh.encoder_rank}" if mesh.is_encoder else f"stream-rank{mesh.replica}"
         (directory / f"{name}.json").write_text(json.dumps(stream_state))
     if mesh.rank == 0:
-        torch.save(scheduler.state_dict(), directory / "scheduler.pt")
+        write_torch(scheduler.state_dict(), directory / "scheduler.pt")
     dist.barrier()
     if mesh.rank == 0:
         _publish(root, directory, {"steps_done": steps_done, **meta}, keep)
     dist.barrier()
     return directory
+
+
+def write_torch(value, path: Path) -> None:
+    """torch.save through memory: a full disk then raises OSError(ENOSPC), which `save_sharded` reports as
+    `DiskFull`; torch.save to a file reports it as "unexpected pos 704 vs 598", naming no cause."""
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    path.write_bytes(buffer.getbuffer())
 
 
 def load_sharded(directory: Path, model: torch.nn.Module, optimizer, scheduler) -> None:

@@ -10,7 +10,7 @@ import os
 import sys
 from pathlib import Path
 
-from packfeed.server.cli.options import EXIT_OK, EXIT_SKIPPED, EXIT_USAGE, parse_encoders, plan_config_of
+from packfeed.server.cli.options import EXIT_EMPTY, EXIT_OK, EXIT_SKIPPED, EXIT_USAGE, parse_encoders, plan_config_of
 
 
 def cmd_index(args: argparse.Namespace) -> int:
@@ -30,6 +30,12 @@ def cmd_index(args: argparse.Namespace) -> int:
     config = IndexConfig.from_args(args)
     result = build_index(args.shards, args.out, config, workers=args.workers, progress=not args.quiet, ray=args.ray)
     print(json.dumps(result.summary()))
+    if not result.valid:
+        print(f"packfeed index: {args.out} holds no valid sample ({result.rows} rows"
+              + (f"; invalid by reason: {json.dumps(result.info.invalid_by_reason)}" if result.rows else "")
+              + (f"; {len(result.info.skipped_shards)} shards could not be read" if result.info.skipped_shards else "")
+              + "): nothing can be trained on it. Check the shard paths and the reasons above", file=sys.stderr)
+        return EXIT_EMPTY
     return EXIT_SKIPPED if result.skipped_anything else EXIT_OK
 
 
@@ -68,6 +74,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
         if note:
             print(note, file=sys.stderr)
     print(json.dumps(summary))
+    if not plan.n_packs:
+        print(f"packfeed plan: the plan holds no pack ({summary['valid_samples']} valid samples, "
+              f"{summary['oversize']['count']} of them over a cap): nothing can be trained on it. `packfeed info "
+              "INDEX` says why samples are invalid", file=sys.stderr)
+        return EXIT_EMPTY
     return EXIT_OK
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 from packfeed.media.image_policy import VERIFY_MODES  # light: dataclasses only
 from packfeed.v1.options import CpMode, Oversize, PlanConfig, Strategy
 
-EXIT_OK, EXIT_SKIPPED, EXIT_USAGE = 0, 3, 2
+EXIT_OK, EXIT_SKIPPED, EXIT_USAGE, EXIT_EMPTY = 0, 3, 2, 4  # EXIT_EMPTY: nothing to train on
 
 
 def add_index_options(parser: argparse.ArgumentParser) -> None:

@@ -39,10 +39,11 @@ _CONFIGS = [PlanConfig(dp=2, microbatches=2, pipeline_stages=2, strategy=strateg
            [PlanConfig(dp=2, microbatches=2, encoder_ranks=3)]
 
 
-def warm_up(media: bool = True) -> float:
-    """Plan a small synthetic dataset with every configuration above and (with `media`) compile the media
-    kernels; returns the seconds it took. A server leaves the media kernels to its workers' fork server, which
-    loads them anyway: the main process decodes nothing."""
+def warm_up(media: bool = True, plan_files: bool = True) -> float:
+    """Plan a small synthetic dataset with every configuration above, (with `plan_files`) write each plan, and
+    (with `media`) compile the media kernels; returns the seconds it took. A server needs neither: it leaves the
+    media kernels to its workers' fork server, which loads them anyway (the main process decodes nothing), and it
+    never writes a plan file (the file's kernel and Arrow's writer cost it 30 MiB resident for nothing)."""
     started = time.perf_counter()
     if media:
         compile_kernels()
@@ -55,14 +56,16 @@ def warm_up(media: bool = True) -> float:
     with tempfile.TemporaryDirectory(prefix="packfeed-warmup-") as directory:
         for config in _CONFIGS:
             for each in (loads, read_only):
-                make_plan(each, config, seed=0, epoch=0).write(Path(directory) / "plan.parquet")
+                plan = make_plan(each, config, seed=0, epoch=0)
+                if plan_files:
+                    plan.write(Path(directory) / "plan.parquet")
     return time.perf_counter() - started
 
 
-def warm_up_in_background(done=None, media: bool = True) -> threading.Thread:
-    """warm_up(media) in a daemon thread; `done(seconds)` is called when it finished."""
+def warm_up_in_background(done=None, media: bool = True, plan_files: bool = True) -> threading.Thread:
+    """warm_up(media, plan_files) in a daemon thread; `done(seconds)` is called when it finished."""
     def run() -> None:
-        seconds = warm_up(media)
+        seconds = warm_up(media, plan_files)
         if done is not None:
             done(seconds)
 

@@ -92,7 +92,7 @@ async def serve(config: ServerConfig, ready: asyncio.Event | None = None, stop: 
     keep_freed_memory()
     # The planner's kernels compile (or load from the cache) while the datasets open and clients connect.
     warm_up_in_background(lambda seconds: log.info("planner ready", extra={"warmup_seconds": round(seconds, 2)}),
-                          media=False)
+                          media=False, plan_files=False)
     if config.range_cache_dir:  # read by the storage layer of this process and of the workers it starts
         os.environ.update(PACKFEED_RANGE_CACHE_DIR=config.range_cache_dir, PACKFEED_RANGE_CACHE_MB=str(config.range_cache_mb))
     datasets = {name: await asyncio.to_thread(Dataset.open, name, source) for name, source in config.datasets.items()}
