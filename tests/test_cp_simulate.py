@@ -167,6 +167,32 @@ def test_the_command_refuses_what_it_cannot_simulate(tmp_path):
         assert done.returncode != 0 and message in done.stderr
 
 
+def test_a_cp_plan_file_is_simulated_as_the_cp_plan_it_is(tmp_path):
+    """`simulate --plan` of a file `packfeed plan --context-parallel` wrote, with no CP flag given: its own mode,
+    dp, microbatches and C, its packs' degrees as planned; a --cp-mode it was not planned in is refused."""
+    mix = write_long_video_mix(tmp_path / "mix.json", short=300)
+    cli = [sys.executable, "-m", "packfeed.server.cli"]
+    index = tmp_path / "index"
+    done = subprocess.run(cli + ["index", "--from-lengths", str(mix), "--out", str(index)], capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    for mode in ("dynamic", "static"):
+        planned = subprocess.run(cli + ["plan", "--index", str(index), "--dp", "2", "--microbatches", "2",
+                                        "--context-parallel", "4", "--max-tokens-per-gpu", "32768", "--cp-mode",
+                                        mode, "--out", str(tmp_path / f"{mode}.parquet")],
+                                 capture_output=True, text=True, timeout=300)
+        assert planned.returncode == 0, planned.stderr
+        degrees = json.loads(planned.stdout.strip().splitlines()[-1])["context_parallel"]["degrees"]
+        got = simulate("--plan", str(tmp_path / f"{mode}.parquet"), "--index", str(index))
+        assert set(got) == {mode} and got[mode]["gpus"] == 8 and got[mode]["degrees"] == degrees
+        assert got[mode]["peak_tokens_per_gpu"] <= 32768
+    assert set(simulate("--plan", str(tmp_path / "static.parquet"), "--index", str(index), "--cp-mode",
+                        "megatron-llava")) == {"megatron-llava"}
+    refused = subprocess.run(cli + ["simulate", "--plan", str(tmp_path / "static.parquet"), "--index", str(index),
+                                    "--cp-mode", "dynamic"], capture_output=True, text=True, timeout=300)
+    assert refused.returncode != 0 and "is a static CP plan" in refused.stderr
+
+
 def test_the_split_spans_are_the_contracts_zigzag_chunks():
     from packfeed.trainer.simulate.split_attention import zigzag_spans
     from packfeed.v1.context_parallel import pack_shares, rank_chunks

@@ -82,16 +82,49 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     out.add_argument("--json", action="store_true", help="print one JSON line (the table goes to stderr)")
     out.add_argument("--timeline", metavar="FILE.png", help="draw the median step's schedule per GPU")
 
+def _read_plan(path: str):
+    from packfeed.server.plan.plan_file import read_plan  # numba: not at the CLI's import
+
+    return read_plan(path)
+
+
 def _workload(args, table, shape, samples) -> Workload:
     patches = shape.patches_per_tile if shape else 1
     if args.plan:
-        from packfeed.server.plan.plan_file import read_plan
-
-        plan = read_plan(args.plan)
+        plan = _read_plan(args.plan)
         args.dp, args.microbatches = plan.config.dp, plan.config.microbatches
         return workload_of_plan(plan, samples, patches)
     return make_workload(samples, args.strategy, args.dp, args.microbatches, args.pp, patches,
                          planner_cost_model(table, patches), args.seed, args.epoch, args.samples_per_pack)
+
+
+def _cp_plans(args: argparse.Namespace, plan_file, samples, cost_model) -> list[tuple[str, object]]:
+    """(mode, plan) for each CP mode simulated: the plan file's own, or each mode (or --cp-mode) planned here."""
+    if plan_file is not None:
+        config = plan_file.config
+        if args.context_parallel not in (1, config.context_parallel) or args.max_tokens_per_gpu:
+            raise ValueError(f"the plan file was planned at --context-parallel {config.context_parallel} with its "
+                             "own token budget: leave --context-parallel and --max-tokens-per-gpu out")
+        planned_mode = config.cp_mode.value
+        mode = args.cp_mode or planned_mode
+        if mode != planned_mode and not (mode == "megatron-llava" and planned_mode == "static"):
+            raise ValueError(f"the plan file is a {planned_mode} CP plan: --cp-mode {mode} does not simulate it")
+        args.dp, args.microbatches, args.context_parallel = config.dp, config.microbatches, config.context_parallel
+        args.strategy = config.strategy.value
+        return [(mode, plan_file)]
+    if args.strategy not in ("isf+balance", "isf"):  # "random" would be planned as ISF packs, mislabelled
+        raise ValueError(f"--context-parallel plans ISF packs: --strategy isf+balance (default) or isf, not "
+                         f"{args.strategy}")
+    from packfeed.server.plan.planner import make_plan
+
+    planned = []
+    for mode in [args.cp_mode] if args.cp_mode else list(CP_MODES):
+        config = PlanConfig(dp=args.dp, microbatches=args.microbatches, strategy=PLANNER_STRATEGY[args.strategy],
+                            samples_per_pack=args.samples_per_pack, cost_model=cost_model,
+                            context_parallel=args.context_parallel, max_tokens_per_gpu=args.max_tokens_per_gpu,
+                            cp_mode="static" if mode == "megatron-llava" else mode)
+        planned.append((mode, make_plan(samples, config, args.seed, args.epoch)))
+    return planned
 
 
 def replanner(args: argparse.Namespace, table_, shape, samples):
@@ -112,8 +145,9 @@ def replanner(args: argparse.Namespace, table_, shape, samples):
 def run(args: argparse.Namespace) -> int:
     if args.run:
         return check_run(args)
-    if args.context_parallel > 1:
-        return run_context_parallel(args)
+    plan_file = _read_plan(args.plan) if args.plan else None
+    if args.context_parallel > 1 or (plan_file is not None and plan_file.config.context_parallel > 1):
+        return run_context_parallel(args, plan_file)
     if args.cp_mode or args.max_tokens_per_gpu:
         raise ValueError("--cp-mode and --max-tokens-per-gpu apply with --context-parallel C > 1")
     args.pp = 4 if args.pp is None else args.pp
@@ -176,35 +210,29 @@ def groups_line(groups: dict) -> str:
     return line
 
 
-def run_context_parallel(args: argparse.Namespace) -> int:
+def run_context_parallel(args: argparse.Namespace, plan_file=None) -> int:
     """`--context-parallel C`: the CP plan of each mode (dynamic, static, or the one --cp-mode names) on dp x C
-    GPUs at pp 1: step, epoch, bubbles, MFU and the most tokens any GPU holds."""
-    from packfeed.server.plan.planner import make_plan
+    GPUs at pp 1: step, epoch, bubbles, MFU and the most tokens any GPU holds. A CP plan file (`--plan`) is
+    simulated as planned: its mode, dp, microbatches and C."""
     from packfeed.trainer.simulate.context_parallel import simulate_cp
 
-    if args.pp not in (None, 1) or args.encoder != "stages" or args.plan:
+    if args.pp not in (None, 1) or args.encoder != "stages":
         raise ValueError("--context-parallel simulates CP plans at pp 1 with the encoder on each pack's GPUs: leave "
-                         "--pp, --encoder and --plan out")
-    if args.strategy not in ("isf+balance", "isf"):  # "random" would be planned as ISF packs, mislabelled
-        raise ValueError(f"--context-parallel plans ISF packs: --strategy isf+balance (default) or isf, not "
-                         f"{args.strategy}")
+                         "--pp and --encoder out")
     table_, shape = load_model(args.model)
     samples = samples_of(args)
     patches = shape.patches_per_tile if shape else 1
+    planned = _cp_plans(args, plan_file, samples, planner_cost_model(table_, patches))
     cluster = Cluster(args.gpus or args.dp * args.context_parallel, args.gpus_per_node, args.peak_tflops,
                       args.achievable, args.intra_gbs, args.inter_gbs)
     records = []
-    for mode in [args.cp_mode] if args.cp_mode else list(CP_MODES):
-        config = PlanConfig(dp=args.dp, microbatches=args.microbatches, strategy=PLANNER_STRATEGY[args.strategy],
-                            samples_per_pack=args.samples_per_pack, cost_model=planner_cost_model(table_, patches),
-                            context_parallel=args.context_parallel, max_tokens_per_gpu=args.max_tokens_per_gpu,
-                            cp_mode="static" if mode == "megatron-llava" else mode)
-        plan = make_plan(samples, config, args.seed, args.epoch)
+    for mode, plan in planned:
         workload = replace(cp_workload(plan, samples.vision, samples.tokens, patches), mode=mode)
         result = simulate_cp(workload, table_, cluster, args.cp_comm)
         records.append({"model": table_.name, "strategy": args.strategy, "planning_s": round(plan.seconds, 3),
                         "max_tokens_per_gpu": plan.summary(samples)["context_parallel"]["max_tokens_per_gpu"],
                         "oversize": int(len(plan.oversize)), **result})
+    config = planned[0][1].config
     from packfeed.server.plan.context_parallel import default_budget_note  # numba: not at the CLI's import
     from packfeed.trainer.simulate.context_parallel import epoch_bound
 
