@@ -7,7 +7,7 @@ and the Hugging Face model inputs, the receiving thread and saved states (`resum
 the framework integrations.
 
 The names below load their module on first use, so a module that needs no tensors (finding servers through
-Redis, `packfeed.client.discovery`, which the servers use too) is imported without torch.
+Redis, `packfeed.client.discovery`) is imported without torch.
 """
 
 from __future__ import annotations

@@ -147,7 +147,7 @@ def test_redis_key_layout_is_what_servers_write_and_clients_read(tmp_path):
 
 
 def test_sentinel_urls_parse_and_bad_ones_say_the_form():
-    from packfeed.client.discovery import parse_sentinel_url
+    from packfeed.v1.redis_url import parse_sentinel_url
 
     assert parse_sentinel_url("redis+sentinel://10.0.0.1:26379,10.0.0.2:26380/main/3") == (
         [("10.0.0.1", 26379), ("10.0.0.2", 26380)], "main", 3)

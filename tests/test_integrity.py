@@ -162,7 +162,8 @@ def test_compressed_shards_are_marked_when_indexed(tmp_path, demo_dataset):
     (tmp_path / "packed.tar.gz").write_bytes(gzip.compress((tmp_path / "plain.tar").read_bytes()))
     done = subprocess.run(CLI + ["index", str(tmp_path / "packed.tar.gz"), "--tokenizer", str(demo_dataset.tokenizer),
                                  "--out", str(tmp_path / "index.parquet"), "--quiet"], capture_output=True, text=True)
-    assert done.returncode == 3, done.stderr  # something was skipped
+    assert done.returncode == 4, done.stderr  # its only sample skipped: nothing to train on
+    assert '"compressed shard": 1' in done.stderr
     row = pq.read_table(tmp_path / "index.parquet").to_pylist()[0]
     assert not row["valid"] and row["reason"].startswith("compressed shard")
 

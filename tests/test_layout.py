@@ -144,13 +144,37 @@ def test_the_client_the_trainer_and_the_media_room_import_no_server_code():
     assert crossing == []
 
 
+def top_level_imports(path: Path) -> set[str]:
+    """The modules a file imports when it is imported (not inside its functions)."""
+    import ast
+
+    tree = ast.parse(path.read_text(), str(path))
+    return {name for node in tree.body if isinstance(node, (ast.Import, ast.ImportFrom))
+            for name in ([alias.name for alias in node.names] if isinstance(node, ast.Import) else [node.module or ""])}
+
+
 def test_the_contract_folder_is_pure_python():
     """The contract (`packfeed.v1`) is what a client in any language reads: messages, the plan specification, the
-    Redis key layout; no numerics, and no client plumbing (connecting to Redis is the client's)."""
-    heavy = [f"{path.relative_to(REPO)} imports {name}" for path in project_modules()
-             if module_of(path).startswith("packfeed.v1") for name in imported_modules(path)
-             if name.split(".")[0] in ("numpy", "numba", "torch", "PIL", "cv2", "pyarrow", "redis")]
-    assert heavy == []
+    Redis key layout; no numerics. Importing it needs no redis-py: the one connection both sides make
+    (`v1.redis_url.redis_client`) imports it when it connects."""
+    contract = [path for path in project_modules() if module_of(path).startswith("packfeed.v1")]
+    heavy = [f"{path.relative_to(REPO)} imports {name}" for path in contract for name in imported_modules(path)
+             if name.split(".")[0] in ("numpy", "numba", "torch", "PIL", "cv2", "pyarrow")]
+    heavy += [f"{path.relative_to(REPO)} imports {name} at its top" for path in contract
+              for name in top_level_imports(path) if name.split(".")[0] == "redis"]
+    lazily = [path.name for path in contract if "redis" in {n.split(".")[0] for n in imported_modules(path)}]
+    assert heavy == [] and lazily == ["redis_url.py"]
+
+
+def test_the_server_imports_client_code_only_in_its_command_line():
+    """The server and the client stand on the contract; only the command line, which runs both (`packfeed
+    demo` streams and trains), may import the client."""
+    crossing = [f"{path.relative_to(REPO)} imports {name}" for path in project_modules()
+                if module_of(path).startswith("packfeed.server.") and not module_of(path).startswith("packfeed.server.cli")
+                for name in imported_modules(path) if name.startswith("packfeed.client")]
+    assert crossing == []
+    assert any(name.startswith("packfeed.client") for path in (REPO / "loader_server/cli").rglob("*.py")
+               for name in imported_modules(path))  # the rule sees imports where they are allowed
 
 
 def test_the_rules_see_what_they_check():

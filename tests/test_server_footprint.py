@@ -1,4 +1,4 @@
-"""The loader side stays torch-free: no `packfeed.server` module (but the demo's client, `tools.consume`)
+"""The loader side stays torch-free: no `packfeed.server` module (but the demo's client, `cli.consume`)
 imports torch, and no process of a running server (main process and pre-processing workers) has it loaded.
 Torch alone costs a process ~500 MB of resident memory (BENCHMARKS.md "Memory per server process")."""
 
@@ -15,7 +15,7 @@ import pytest
 from packfeed.client import LocalServer
 from processes import children, descendants, is_fork_server, workers
 
-CLIENT_SIDE = {"packfeed.server.tools.consume"}  # the demo's trainer-side clients
+CLIENT_SIDE = {"packfeed.server.cli.consume"}  # the demo's trainer-side clients
 
 
 def test_no_server_module_imports_torch():

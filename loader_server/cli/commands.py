@@ -181,7 +181,7 @@ def cmd_info(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from packfeed.server.tools.demo import run_demo
+    from packfeed.server.cli.demo import run_demo
 
     return run_demo(Path(args.out), samples=args.samples, dataset_only=args.dataset_only)
 

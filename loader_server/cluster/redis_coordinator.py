@@ -7,7 +7,7 @@ callers keep running streams going but start no new one (fail-closed exclusivity
 
 from __future__ import annotations
 
-from packfeed.client.discovery import redis_client
+from packfeed.v1.redis_url import redis_client
 from packfeed.server.cluster.coordinator import (CoordinationError, CoordinationUnavailable, JobRecord, Reassertion,
                                                  mismatch)
 from packfeed.v1 import redis_keys

@@ -57,7 +57,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from packfeed.client.discovery import SENTINEL_SCHEME, parse_sentinel_url
+from packfeed.v1.redis_url import SENTINEL_SCHEME, parse_sentinel_url
 from packfeed.server.index.table import read_index_info
 from packfeed.server.plan.mixture_file import read_yaml
 from packfeed.media.pixel_modes import parse_pixels

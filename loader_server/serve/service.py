@@ -30,7 +30,7 @@ from packfeed.server.serve.network import client_host
 from packfeed.server.serve.observe import Metrics, log
 from packfeed.server.serve.feed import RankFeed
 from packfeed.server.serve.feed import HEARTBEAT
-from packfeed.server.serve.producer import END
+from packfeed.server.serve.step_pump import END
 from packfeed.server.serve.registry import JobRegistry
 from packfeed.server.serve.requests import client_skipped, parse, resume_of, seat_of
 from packfeed.server.serve.step_work import RankStepResult

@@ -1,2 +1,3 @@
-"""Tools a person runs beside the flow: the statistics report (`packfeed stats`) and the demo (`packfeed
-demo`: a dataset, its index, report and plan, then serving it to clients and training on it)."""
+"""Tools a person runs beside the flow: the statistics report (`packfeed stats`), `packfeed info`, and the demo
+dataset (`demo`: photographs, WebDataset shards and a tokenizer; `packfeed demo`, which also serves and trains on
+it, is the command line's)."""

@@ -11,7 +11,7 @@ Servers coordinated through one Redis (`redis_url`) keep there, under a prefix (
 | `servers` | sorted set address -> score | live servers; the score is when the entry expires, in ms on Redis's own clock (`TIME`) |
 
 Servers write these (`packfeed.server.cluster`); clients only read `servers` to discover servers
-(`packfeed.client.servers_from_redis`). Both connect with `packfeed.client.discovery.redis_client`: a plain Redis
+(`packfeed.client.servers_from_redis`). Both connect with `packfeed.v1.redis_url.redis_client`: a plain Redis
 URL, or a replicated Redis through its sentinels (`redis+sentinel://host:port[,host:port...]/SERVICE[/db]`).
 """
 

@@ -1,10 +1,10 @@
-"""One rank stream's producer: keeps up to `prefetch_steps` of the rank's steps being prepared in the worker
+"""One rank stream's step pump: keeps up to `prefetch_steps` of the rank's steps being prepared in the worker
 pool, each within the shared memory budget, and puts them in order into the stream's bounded queue.
 
-A slow consumer fills its own queue and so stops its own producer: it never holds the pool or grows memory.
+A slow consumer fills its own queue and so stops its own pump: it never holds the pool or grows memory.
 Room for a step is reserved when it is submitted (estimated from the index) and corrected once it is ready;
 the stream releases it once gRPC has taken the step's bytes. The replicas of a rank share steps (`Job.steps`):
-a producer takes a step another replica's producer is preparing or holding rather than preparing it again,
+a pump takes a step another replica's pump is preparing or holding rather than preparing it again,
 and gives it back once its stream has sent it. Each taker still reserves room for it (the budget counts a
 shared step once per taker: more than it takes, never less).
 """
@@ -106,7 +106,7 @@ async def produce(job: Job, seat: Seat, cursor: tuple[int, int] | None, queue: a
 
 
 def release_all(in_flight, owned: StepHold | None) -> None:
-    """What a stopped producer holds: its steps in preparation (abandoned unless another replica holds them),
+    """What a stopped pump holds: its steps in preparation (abandoned unless another replica holds them),
     a prepared one not yet queued, and their room in the budget."""
     for _, hold, _ in in_flight:
         hold.release()
