@@ -347,7 +347,8 @@ def test_a_mixtures_prompts_are_found_in_each_index_and_a_key_two_hold_is_refuse
     from hf_models import family_dataset
     from packfeed.server.serve.config import MixtureSource
     from packfeed.server.serve.datasets import Dataset
-    from packfeed.server.serve.live_source import LiveDataset, LiveWork
+    from packfeed.server.serve.live_reads import LiveReads
+    from packfeed.server.serve.live_source import LiveDataset
 
     for name, (samples, prefix) in {"a": (3, ""), "b": (2, ""), "c": (2, "c-")}.items():
         family_dataset(tmp_path / name, "qwen2_vl", samples=samples, prefix=prefix, image_counts=(1, 0))
@@ -359,7 +360,7 @@ def test_a_mixtures_prompts_are_found_in_each_index_and_a_key_two_hold_is_refuse
     assert found["s0"] is None and found["s1"] is None and found["nowhere"] is None  # in a and b: which one?
     assert found["s2"][0] == 2 and found["c-s0"][0] == 5 and found["c-s1"][0] == 6
     assert len(found["c-s0"][1]) == 1 and found["c-s1"][1] == []  # its own images: c's sample 0 holds one
-    where = LiveWork({}, 0, offsets=live.offsets)
+    where = LiveReads({}, 0, offsets=live.offsets)
     assert [where.prompt_of(n) for n in (2, 3, 5, 6)] == [(0, 2), (1, 0), (2, 0), (2, 1)]
     rules = live.rules(PlanConfig(dp=1, live=True, step_samples=4))
     with pytest.raises(Refused, match="two samples of that key"):

@@ -115,31 +115,31 @@ class MixtureLoads:
             sample_ids.append(rows.astype(np.int64))
         return np.concatenate(datasets), np.concatenate(sample_ids)
 
-    def windowed(self, config: PlanConfig, seed: int, epoch: int, caps: Caps | None = None) -> WindowedPlan:
+    def windowed(self, config: PlanConfig, seed: int, epoch: int, caps: Caps | None = None,
+                 ledger: WeightLedger | None = None) -> WindowedPlan:
         """The epoch planned window by window (`config.window` rows each) over its rows: as for one dataset,
         the rows' order is an affine permutation, so each window mixes every dataset in its share. Loads are
         read from each dataset's (memory-mapped) columns as a window needs them; the epoch's rows themselves
-        are held (12 bytes a row)."""
+        are held (12 bytes a row). `ledger`: a loss-driven mixture's job's, which decides its windows 2 on
+        (without one, as in the planning tools where no trainer reports losses: the schedule's weights)."""
         if self.moving:
-            return self._moving_windows(config, seed, epoch, caps)
+            return self._moving_windows(config, seed, epoch, caps, ledger)
         datasets, sample_ids = self.epoch_rows(seed, epoch)
         rows = RowLoads(self.loads, datasets, sample_ids)
-        plan = WindowedPlan(rows, config, seed, epoch, config.window, self.fingerprint, caps)
-        plan.rows = MixtureRows(rows, datasets, sample_ids, [e.name for e in self.mixture.datasets])
-        return plan
+        return WindowedPlan(rows, config, seed, epoch, config.window, self.fingerprint, caps,
+                            rows=MixtureRows(rows, datasets, sample_ids, [e.name for e in self.mixture.datasets]))
 
-    def _moving_windows(self, config: PlanConfig, seed: int, epoch: int, caps: Caps | None) -> WindowedPlan:
+    def _moving_windows(self, config: PlanConfig, seed: int, epoch: int, caps: Caps | None,
+                        ledger: WeightLedger | None = None) -> WindowedPlan:
         """Each window's rows drawn by the weights at its middle; rows are numbered window after window. Caps are
         searched on every valid sample once, as for a whole-epoch mixture, so they suit every window's mix."""
         schedule = self.mixture.schedule
         if caps is None and not config.strategy.padded:  # not window 0's: its mix is only the schedule's start
             caps = resolve_caps(self.once().loads, config)
         def shares_at(window: int, progress: float) -> np.ndarray:
-            # a job's ledger decides a loss-driven mixture's windows (Job.epoch_plan sets it before window 2 is
-            # drawn); without one (the planning tools: no trainer reports losses) the schedule's weights
-            if plan.ledger is None:
+            if ledger is None:
                 return schedule.weights(progress)
-            return plan.ledger.weights(epoch, window, progress, steps_of, draws.shares)
+            return ledger.weights(epoch, window, progress, steps_of, draws.shares)
 
         def steps_of(window: int) -> range:
             return range(plan.first_step(window), plan.first_step(window + 1))
@@ -147,9 +147,9 @@ class MixtureLoads:
         draws = MixtureDraws(self.valid, self.samples, config.window, seed, epoch, shares_at)
         datasets, sample_ids = DrawnColumn(draws, 0), DrawnColumn(draws, 1)
         rows = RowLoads(self.loads, datasets, sample_ids)
-        plan = WindowedPlan(rows, config, seed, epoch, config.window, self.fingerprint, caps, drawn=True)
-        plan.rows = MixtureRows(rows, datasets, sample_ids, [e.name for e in self.mixture.datasets])
-        plan.draws = draws
+        plan = WindowedPlan(rows, config, seed, epoch, config.window, self.fingerprint, caps, drawn=True,
+                            rows=MixtureRows(rows, datasets, sample_ids, [e.name for e in self.mixture.datasets]),
+                            draws=draws, ledger=ledger)
         return plan
 
     def drawn_epoch(self, config: PlanConfig, seed: int, epoch: int) -> tuple[MixtureRows, list[dict]]:

@@ -63,6 +63,13 @@ class Plan:
     groups: np.ndarray | None = None
     window_starts: np.ndarray | None = None  # a windowed epoch written whole: the first step of each window
     _fingerprint: str | None = field(default=None, repr=False, compare=False)
+    # what a job asks of any epoch plan (a WindowedPlan's and a live job's answer otherwise): every pack is known,
+    # the weights do not move (a moving mixture's draws: none), and closing it stops nothing
+    packs_known = True
+    draws = None
+
+    def close(self) -> None:
+        pass
 
     @property
     def n_packs(self) -> int:

@@ -97,17 +97,19 @@ class WindowedPlan:
     `keep` windows are held."""
 
     def __init__(self, loads: SampleLoads | MappedLoads, config: PlanConfig, seed: int, epoch: int, size: int = DEFAULT_WINDOW,
-                 index_fingerprint: str = "", caps: Caps | None = None, keep: int = 2, drawn: bool = False):
+                 index_fingerprint: str = "", caps: Caps | None = None, keep: int = 2, drawn: bool = False,
+                 rows=None, draws=None, ledger=None):
         """`drawn`: the rows are in window order already (a moving mixture draws each window's rows,
         `packfeed.server.plan.draws`): window w is rows [w*size, (w+1)*size), not a stretch of the epoch's
-        permutation."""
+        permutation. A mixture's: `rows` (its MixtureRows: the dataset and sample id of each row); one whose
+        weights move, its `draws` (MixtureDraws: each window's weights and counts), and where they are loss-driven
+        its job's `ledger` (WeightLedger), which decides windows 2 on."""
         if size < 1:
             raise ValueError("window size must be at least one sample")
         self.loads, self.config, self.seed, self.epoch, self.size = loads, config, seed, epoch, size
         self.index_fingerprint, self.keep, self.drawn = index_fingerprint, max(2, keep), drawn
-        self.draws = None  # a moving mixture's MixtureDraws: each window's weights and counts
-        self.rows = None  # a mixture's MixtureRows: the dataset and sample id of each row
-        self.ledger = None  # a loss-driven mixture's WeightLedger, set by its job: it decides windows 2 on
+        self.rows, self.draws, self.ledger = rows, draws, ledger
+        self.packs_known = False  # until each window is planned (Plan.packs_known)
         self.n_windows = max(1, math.ceil(len(loads) / size))
         self._caps = caps
         self._plans: dict[int, Plan] = {}

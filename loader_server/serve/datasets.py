@@ -29,7 +29,7 @@ from packfeed.server.serve.observe import log
 from packfeed.server.serve.planning import IndexPlanning, MixturePlanning, Planning
 from packfeed.server.serve.preprocess import TOKENIZE_BYTES_PER_TOKEN
 from packfeed.server.serve.routed import routed_encodes
-from packfeed.server.serve.step_work import DatasetSource, RankStepWork
+from packfeed.server.serve.step_work import DatasetSource, IndexReads, RankStepWork
 from packfeed.v1 import packfeed_pb2 as pb
 from packfeed.v1.options import PixelMode, PlanConfig, Strategy
 
@@ -77,7 +77,7 @@ class IndexPart:
 @dataclass
 class Dataset:
     """A served dataset: its parts, and how its epochs are planned over them (`planning`: over its one index, or
-    over a mixture's union; the same calls either way)."""
+    over a mixture's union; the same calls either way). A `JobSource` planned ahead."""
 
     name: str
     parts: list[IndexPart]
@@ -107,6 +107,8 @@ class Dataset:
     def pixels(self) -> PixelMode:
         return self.parts[0].source.pixels  # a mixture's parts share its own
 
+    live_steps = None  # planned ahead: nothing is fed to it during the run (`JobSource`)
+
     # -- planning ------------------------------------------------------------------------------------------
 
     def caps(self, config: PlanConfig, loads: SampleLoads | None = None) -> Caps | None:
@@ -118,16 +120,17 @@ class Dataset:
         return self.planning.caps(config, loads)
 
     def plan_epoch(self, config: PlanConfig, seed: int, epoch: int, caps: Caps | None,
-                   loads: SampleLoads | None = None) -> Plan | WindowedPlan:
-        """One epoch's plan (`loads`: as for `caps`)."""
-        return self.planning.plan_epoch(config, seed, epoch, caps, loads)
+                   loads: SampleLoads | None = None, ledger: WeightLedger | None = None) -> Plan | WindowedPlan:
+        """One epoch's plan (`loads`: as for `caps`; `ledger`: the job's, deciding a loss-driven mixture's
+        windows)."""
+        return self.planning.plan_epoch(config, seed, epoch, caps, loads, ledger)
 
     def job_plan(self, config: PlanConfig, seed: int, epoch: int, resume: Resume | None, caps: Caps | None,
-                 loads: SampleLoads | None = None) -> Plan | WindowedPlan:
+                 loads: SampleLoads | None = None, ledger: WeightLedger | None = None) -> Plan | WindowedPlan:
         """Epoch `epoch` of a job planned with (`config`, `seed`, `caps`) that may itself resume another."""
         if resume is not None and resume.epoch == epoch:
             return self.resume(resume, config, seed, caps)
-        return self.plan_epoch(config, seed, epoch, caps, loads)
+        return self.plan_epoch(config, seed, epoch, caps, loads, ledger)
 
     def count_steps(self, config: PlanConfig, seed: int, epoch: int, resume: Resume | None, caps: Caps | None,
                     loads: SampleLoads | None = None) -> int:
@@ -203,7 +206,7 @@ class Dataset:
         step_loss = sum(part.rows.loss_tokens(sample_ids[sources == k]) for k, part in enumerate(parts_))
         spans = [plan.pack_cp(step, rank, microbatch) for microbatch in range(config.microbatches)] \
             if config.context_parallel > 1 else None
-        return RankStepWork(tuple(part.name for part in parts_), tuple(part.label for part in parts_),
+        return RankStepWork(IndexReads(tuple(part.name for part in parts_), tuple(part.label for part in parts_)),
                             plan.epoch, step, rank, packs, step_loss, plan.is_last_step(step), plan.seed,
                             self._routing(plan, step, rank, encoder), cp_spans=spans, cp=config.context_parallel,
                             disaggregated=config.disaggregated, encoder=encoder,

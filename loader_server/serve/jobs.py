@@ -19,7 +19,6 @@ from packfeed.server.cluster.coordinator import JobRecord
 from packfeed.server.plan.isf import Caps
 from packfeed.server.plan.plan_file import Plan
 from packfeed.server.plan.weight_ledger import WeightLedger
-from packfeed.server.plan.windows import WindowedPlan
 from packfeed.server.serve.job_spec import JobError, JobSpec
 from packfeed.server.serve.observe import log
 from packfeed.server.serve.step_work import RankStepWork
@@ -29,7 +28,7 @@ from packfeed.v1.options import Oversize
 
 if TYPE_CHECKING:
     from packfeed.server.live.steps import LiveSteps
-    from packfeed.server.serve.datasets import Dataset
+    from packfeed.server.serve.job_source import JobSource
 
 MAX_SKIPPED_LISTED = 1000  # per job; the count keeps going
 
@@ -100,7 +99,7 @@ LIVE_S = 60.0  # a rank with unacknowledged steps is working while it acknowledg
 @dataclass
 class Job:
     spec: JobSpec
-    dataset: Dataset
+    dataset: JobSource  # where its samples come from: an index's (or mixture's), a live job's
     ranks: list[RankState]
     caps: Caps | None = None
     skipped: collections.deque = field(default_factory=lambda: collections.deque(maxlen=MAX_SKIPPED_LISTED))
@@ -162,14 +161,11 @@ class Job:
         with self._lock:
             if epoch not in self._plans:
                 self._plans[epoch] = self.dataset.job_plan(self.spec.plan_config, self.spec.seed, epoch,
-                                                           self.spec.resume, self.caps)
-                if isinstance(self._plans[epoch], WindowedPlan):  # before its window 2 is drawn
-                    self._plans[epoch].ledger = self.ledger
+                                                           self.spec.resume, self.caps, ledger=self.ledger)
             self._plans.move_to_end(epoch)
             while len(self._plans) > PLANS_CACHED:
                 _, evicted = self._plans.popitem(last=False)  # never the one just asked for: it is the newest
-                if isinstance(evicted, WindowedPlan):
-                    evicted.close()
+                evicted.close()
             return self._plans[epoch]
 
     def planned(self, epoch: int) -> Plan | None:
@@ -263,8 +259,8 @@ class Job:
 
     @property
     def live(self) -> LiveSteps | None:
-        """A live job's steps (PlanConfig.live); None for a job of indexed data."""
-        return getattr(self.dataset, "steps", None) if self.spec.plan_config.live else None
+        """A live job's steps, which its producers feed (PlanConfig.live); None for a job planned ahead."""
+        return self.dataset.live_steps
 
     async def wait_formed(self, epoch: int, step: int) -> None:
         """Until the step exists: at once for indexed data, once it forms for a live job (or the job ends)."""

@@ -1,35 +1,26 @@
-"""A live job's samples as the serving stages read them: `LiveDataset`, what a `Job` asks of its dataset (its plans
-are the live steps, its work names spooled samples), and `LiveRows` / `LiveReader`, what a worker reads a step's
-samples through in place of an index's rows and shards (token ids as put, never re-tokenised; images from the
-referenced prompt's shards or from the files that came with the sample, tiled by the dataset's image policy)."""
+"""A live job's source: `LiveDataset`, what a `Job` asks of its source (its plans are the live steps, its work names
+spooled samples, read in a worker through `live_reads.LiveReads`)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
-
 import numpy as np
 
-from packfeed.media.chat import IGNORE_INDEX
 from packfeed.media.image_policy import policy_from_dict
 from packfeed.media.pixel_modes import PIXEL_PATHS
-from packfeed.server.live.samples import MAX_SAMPLE_TOKENS, SampleRules, placeholder_runs
-from packfeed.server.live.spool import read_array, read_member
+from packfeed.server.live.samples import MAX_SAMPLE_TOKENS, SampleRules
 from packfeed.server.live.step_plan import share_key
 from packfeed.server.live.steps import LiveSteps
-from packfeed.server.serve.index_rows import IndexRows
 from packfeed.server.serve.job_spec import JobError
-from packfeed.server.serve.preprocess import SampleReader, SampleTensors
-from packfeed.server.serve.shard_reader import SampleSkipped
+from packfeed.server.serve.live_reads import LiveReads, prompt_in
 from packfeed.server.serve.step_work import RankStepWork
 from packfeed.v1.options import Oversize, PlanConfig
-
-LIVE_LABEL = "live"  # a live sample's `sample_sources` entry
-
 
 class LivePlan:
     """The face a Job's epoch plan shows for a live job (its one epoch): steps formed so far, and more to come
     until the job ends."""
+
+    packs_known = False  # steps form as samples arrive
+    draws = None  # no mixture weights
 
     def __init__(self, steps: LiveSteps, config: PlanConfig, seed: int):
         self.steps, self.config, self.seed, self.epoch = steps, config, seed, 0
@@ -56,39 +47,9 @@ class LivePlan:
         pass
 
 
-@dataclass
-class LiveWork:
-    """A rank-step's live samples for a worker: each member's row (its spool files included), by position."""
-
-    rows: dict[int, dict]
-    image_context_id: int
-    tensor_names: tuple[str, ...] = ()  # the job's per-token tensors: every pack carries them, an empty one too
-    # where each of the dataset's indexes starts in its prompts' numbering (`prompt_id`): a mixture has several
-    offsets: tuple[int, ...] = (0,)
-
-    def prompt_of(self, prompt_id: int) -> tuple[int, int]:
-        """(the index a referenced prompt is in, its sample id there)."""
-        return prompt_in(self.offsets, prompt_id)
-
-    def complete(self, pack) -> None:
-        """Give a pack every live tensor the job's packs carry (an empty pack, or one a sample of which was
-        skipped, has them too: a trainer reads them the same way in every step)."""
-        length = len(pack.tensors["input_ids"])
-        for name in self.tensor_names:
-            pack.tensors.setdefault(f"token.{name}", np.zeros(length, np.float32))
-        pack.tensors.setdefault("policy_version", np.zeros(len(pack.sample_keys), np.int64))
-
-
-def prompt_in(offsets: tuple[int, ...], prompt_id: int) -> tuple[int, int]:
-    """(the index a referenced prompt is in, its sample id there), the dataset's indexes starting at `offsets` in
-    its prompts' numbering."""
-    part = int(np.searchsorted(offsets, prompt_id, side="right")) - 1
-    return part, prompt_id - offsets[part]
-
-
 class LiveDataset:
-    """A live job's source: the dataset whose prompts its samples reference (conventions, image policy, shards)
-    and the job's live steps."""
+    """A live job's source (`JobSource`): the dataset whose prompts its samples reference (conventions, image
+    policy, shards) and the job's live steps, which its producers feed."""
 
     def __init__(self, prompts, steps: LiveSteps):
         self.prompts, self.steps = prompts, steps
@@ -100,6 +61,10 @@ class LiveDataset:
     @property
     def fingerprint(self) -> str:
         return self.prompts.fingerprint
+
+    @property
+    def live_steps(self) -> LiveSteps:
+        return self.steps
 
     @property
     def conventions(self):
@@ -115,7 +80,7 @@ class LiveDataset:
     def caps(self, config: PlanConfig, loads=None) -> None:
         return None  # each step's, from its settings or its own samples
 
-    def job_plan(self, config: PlanConfig, seed: int, epoch: int, resume, caps, loads=None) -> LivePlan:
+    def job_plan(self, config: PlanConfig, seed: int, epoch: int, resume, caps, loads=None, ledger=None) -> LivePlan:
         return LivePlan(self.steps, config, seed)
 
     def planned_loads(self, plan):
@@ -139,7 +104,7 @@ class LiveDataset:
         # (a mixture's indexes agree on their conventions)
 
     def prompt_images(self, key: str) -> tuple[int, list[tuple[int, int]]] | None:
-        """An indexed prompt's number (`LiveWork.prompt_of`) and image sizes (None: no such sample, a key in two of
+        """An indexed prompt's number (`LiveReads.prompt_of`) and image sizes (None: no such sample, a key in two of
         a mixture's datasets, or a sample holding videos)."""
         if self._keys is None:  # once per job: a dict of the prompts' keys
             keys: dict[str, int] = {}
@@ -189,82 +154,20 @@ class LiveDataset:
         if cp > 1 and spans is None:  # the empty last step: every lane an empty share
             spans = [(np.ones(0, np.int64), np.zeros(0, np.int64))] * len(packs)
         parts = self.prompts.parts  # every index a prompt may be read from; a step's members are all live
-        work = RankStepWork(tuple(p.name for p in parts), (LIVE_LABEL,) * len(parts), 0, step, rank, packs, step_loss, last,
-                            self.steps.seed, cp_spans=spans if cp > 1 else None, cp=cp,
+        reads = LiveReads(rows, self.conventions.image_context_id, self.steps.tensor_names or (), self.offsets,
+                          tuple(p.name for p in parts))
+        return RankStepWork(reads, 0, step, rank, packs, step_loss, last, self.steps.seed,
+                            cp_spans=spans if cp > 1 else None, cp=cp,
                             shares=True)  # a row says what it shares when its step's plan shares it
-        work.live = LiveWork(rows, self.conventions.image_context_id, self.steps.tensor_names or (), self.offsets)
-        return work
 
     def estimate_bytes(self, work: RankStepWork) -> int:
-        rows = work.live.rows.values()
+        rows = work.reads.rows.values()
         return int(sum(row["pixel_bytes"] + row["tokens"] * (16 + 4 * len(row["tensors"])) + 256 for row in rows)
                    + 1024 * len(work.packs))
 
     def working_bytes(self, work: RankStepWork) -> int:
-        largest = max((w * h for row in work.live.rows.values() for w, h in row["sizes"]), default=0)
+        largest = max((w * h for row in work.reads.rows.values() for w, h in row["sizes"]), default=0)
         need = largest * PIXEL_PATHS[self.pixels].decode_bytes_per_pixel
         return min(need, work.decode_budget) if work.decode_budget else need
 
 
-class LiveRows:
-    """A step's live rows, by the positions its packs name (what a worker asks of an index's rows)."""
-
-    def __init__(self, live: LiveWork):
-        self.live = live
-
-    def row(self, position: int) -> dict:
-        return self.live.rows[int(position)]
-
-    def share(self, position: int) -> list | None:
-        """[what the sample shares its prefix with, the prefix's tokens], or None (`LiveDataset.work` says it where the
-        step's plan shares prefixes)."""
-        return self.live.rows[int(position)].get("share")
-
-    def pixel_bytes(self, positions) -> int:
-        return sum(self.live.rows[int(p)]["pixel_bytes"] for p in np.asarray(positions).tolist())
-
-
-class LiveReader:
-    """Reads a live sample from the spool, its images through the readers of the indexes its prompt may be in
-    (`prompts`: each index's rows and reader, in the dataset's order)."""
-
-    def __init__(self, prompts: list[tuple[IndexRows, SampleReader]], live: LiveWork):
-        self.prompts, self.live = prompts, live
-        self.policy, self.path = prompts[0][1].policy, prompts[0][1].path
-
-    # what a worker sets on every reader of a step, passed to the ones that decode
-    def _set(self, name: str, value) -> None:
-        for _, reader in self.prompts:
-            setattr(reader, name, value)
-
-    empty = property(lambda self: self.prompts[0][1].empty, lambda self, value: self._set("empty", value))
-    decode_budget = property(lambda self: self.prompts[0][1].decode_budget,
-                             lambda self, value: self._set("decode_budget", value))
-
-    def prefetch(self, rows: list[dict[str, Any]]) -> None:
-        pass
-
-    def load(self, row: dict[str, Any], seed: int = 0, epoch: int = 0, pixels: bool = True) -> SampleTensors:
-        tar = row["tar"]
-        try:
-            tokens = read_array(tar, row["members"]["tokens"]).astype(np.int32)
-            mask = read_array(tar, row["members"]["loss_mask"]).astype(bool)
-            tensors = {name: read_array(tar, row["members"][name]).astype(np.float32) for name in row["tensors"]}
-            if row["prompt"]:
-                part, sample_id = self.live.prompt_of(row["prompt_id"])
-                rows, reader = self.prompts[part]
-                items = reader.indexed_images(rows.row(sample_id), pixels)
-            else:
-                items = [self.prompts[0][1].file_image(read_member(tar, span), width, height, len(row["sizes"]),
-                                                 f"{row['id']}.image{k}")
-                         for k, (span, (width, height)) in enumerate(zip(row["images"], row["sizes"]))]
-        except (OSError, ValueError) as error:
-            raise SampleSkipped(f"live spool unreadable: {row['id']}: {error}") from None
-        starts = placeholder_runs(tokens, self.live.image_context_id)[0].tolist()
-        labels = np.where(mask, tokens, IGNORE_INDEX).astype(np.int32)
-        return SampleTensors(row["id"], tokens, labels, [tile for item in items for tile in item.tiles],
-                             [item.n_tiles for item in items], [item.tokens for item in items], starts,
-                             encoded=[item.encoded for item in items if item.encoded is not None],
-                             geometry=[item.geometry for item in items if item.encoded is not None],
-                             kinds=[item.kind for item in items], frame_seconds=[item.seconds for item in items],
-                             token_tensors=tensors, group=row["group"], policy_version=row["policy_version"])

@@ -12,8 +12,8 @@ from packfeed.v1 import packfeed_pb2 as pb
 
 def moving_plan(job, epoch: int) -> WindowedPlan | None:
     """The epoch's plan when its mixture's weights move, else None."""
-    plan = job.epoch_plan(epoch) if job.failure is None and job.live is None else None
-    return plan if isinstance(plan, WindowedPlan) and plan.draws is not None else None
+    plan = job.epoch_plan(epoch) if job.failure is None else None
+    return plan if plan is not None and plan.draws is not None else None
 
 
 def step_weights(job, epoch: int, step: int) -> dict[str, float] | None:

@@ -35,7 +35,8 @@ class Planning(Protocol):
     def caps(self, config: PlanConfig, loads: SampleLoads | None = None) -> Caps: ...
 
     def plan_epoch(self, config: PlanConfig, seed: int, epoch: int, caps: Caps | None,
-                   loads: SampleLoads | None = None) -> Plan | WindowedPlan: ...
+                   loads: SampleLoads | None = None, ledger: WeightLedger | None = None) -> Plan | WindowedPlan:
+        """`ledger`: the job's (`ledger()`), which decides a loss-driven mixture's windows."""
 
     def count_steps(self, config: PlanConfig, seed: int, epoch: int, caps: Caps | None,
                     loads: SampleLoads | None = None) -> int:
@@ -69,7 +70,7 @@ class IndexPlanning:
         return resolve_caps(self.shared_loads() if loads is None else loads, config)
 
     def plan_epoch(self, config: PlanConfig, seed: int, epoch: int, caps: Caps | None,
-                   loads: SampleLoads | None = None) -> Plan | WindowedPlan:
+                   loads: SampleLoads | None = None, ledger: None = None) -> Plan | WindowedPlan:
         if config.window:
             return WindowedPlan(self.loads, config, seed, epoch, config.window, self.fingerprint, caps)
         return make_plan(self.shared_loads() if loads is None else loads, config, seed, epoch, self.fingerprint,
@@ -105,9 +106,9 @@ class MixturePlanning:
         return resolve_caps(self.mixture.once().loads, config)  # every valid sample once: the same each epoch
 
     def plan_epoch(self, config: PlanConfig, seed: int, epoch: int, caps: Caps | None,
-                   loads: SampleLoads | None = None) -> Plan | WindowedPlan:
+                   loads: SampleLoads | None = None, ledger: WeightLedger | None = None) -> Plan | WindowedPlan:
         if config.window:
-            return self.mixture.windowed(config, seed, epoch, caps)
+            return self.mixture.windowed(config, seed, epoch, caps, ledger)
         self._check_windowed(config)
         return make_mixture_plan(self.mixture, config, seed, epoch, caps)
 

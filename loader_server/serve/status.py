@@ -31,7 +31,6 @@ from urllib.parse import parse_qs, urlsplit
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from packfeed.server.plan.windows import WindowedPlan
 from packfeed.server.serve.mixture_weights import mixture_status
 from packfeed.server.serve.observe import log
 from packfeed.server.serve.status_page import PAGE
@@ -143,7 +142,7 @@ class StatusReport:
         name = job.spec.job
         if name not in self._balance:
             plan = job.epoch_plan(0) if job.failure is None else None
-            if plan is None or isinstance(plan, WindowedPlan) or job.live is not None:
+            if plan is None or not plan.packs_known:
                 return {"known": False}
             vit_dist, llm_dist = plan.dists(job.dataset.planned_loads(plan))
             self._balance[name] = {"known": True, "steps": plan.n_steps, "vit_dist": round(vit_dist, 6),

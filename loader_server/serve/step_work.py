@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable, Protocol
 
 import numpy as np
 
@@ -24,10 +24,46 @@ class DatasetSource:
     pixels: PixelMode = PixelMode.EXACT  # how images become tiles
 
 
-@dataclass
-class RankStepWork:
+class StepReads(Protocol):
+    """What a worker reads a rank-step's samples through, as the job's source says: per source a member's
+    `sources` entry counts in, its rows (what the pack builder asks of a sample: its row, what it shares, its
+    bytes), the reader that loads it and the dataset name its packs carry; and what every pack of the source
+    carries beside its samples. An index's are its rows and shards (`IndexReads`); a live job's, its spooled
+    samples with their prompts' images from the indexes (`packfeed.server.serve.live_reads.LiveReads`)."""
+
+    @property
+    def sources(self) -> int: ...
+
+    def parts(self, open_index: Callable[[str], tuple[Any, Any]]) -> list[tuple[Any, Any, str]]:
+        """(rows, reader, label) per source; `open_index(name)` opens (or gives back) an index's rows and reader."""
+        ...
+
+    def complete(self, pack) -> None:
+        """Give a built pack what the source's packs carry beside their samples."""
+        ...
+
+
+@dataclass(frozen=True)
+class IndexReads:
+    """A step of indexed data: each member read from its index's rows and shards."""
+
     datasets: tuple[str, ...]  # the worker's names of the indexes a member's source counts in
     labels: tuple[str, ...]  # the dataset names the packs carry (`sample_sources`), one per index
+
+    @property
+    def sources(self) -> int:
+        return len(self.datasets)
+
+    def parts(self, open_index: Callable[[str], tuple[Any, Any]]) -> list[tuple[Any, Any, str]]:
+        return [(*open_index(name), label) for name, label in zip(self.datasets, self.labels)]
+
+    def complete(self, pack) -> None:
+        pass
+
+
+@dataclass
+class RankStepWork:
+    reads: StepReads  # where the step's samples are read from (an index's shards, a live spool)
     epoch: int
     step: int
     rank: int
@@ -49,7 +85,6 @@ class RankStepWork:
     # (`rank` its encoder rank, `packs` empty, `routed` what it encodes); an LLM rank's step encodes nothing
     disaggregated: bool = False
     encoder: bool = False
-    live: Any = None  # a live job's step: its members' spooled rows (`packfeed.server.serve.live_source.LiveWork`)
     shares: bool = False  # a group's members in a pack share their prefix (the plan's `shared_prefix`)
 
     def samples_by_source(self, pixels_only: bool = False) -> list[tuple[int, np.ndarray]]:
@@ -60,7 +95,7 @@ class RankStepWork:
         groups += [(ids, sources) for _, (ids, sources, _) in self.routed or ()]
         ids = np.concatenate([np.asarray(ids, dtype=np.int64) for ids, _ in groups] or [np.zeros(0, np.int64)])
         sources = np.concatenate([np.asarray(sources) for _, sources in groups] or [np.zeros(0, np.int32)])
-        chosen = [(k, ids[sources == k]) for k in range(len(self.datasets))]
+        chosen = [(k, ids[sources == k]) for k in range(self.reads.sources)]
         return [(k, source_ids) for k, source_ids in chosen if len(source_ids)]
 
 

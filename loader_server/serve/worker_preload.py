@@ -31,7 +31,8 @@ def preload() -> None:
     refuse("pandas", "scipy")
     _optional_libraries()
     from packfeed.media.resample import compile_kernels
-    from packfeed.server.serve import worker_process  # noqa: F401  (the step function and all it imports)
+    from packfeed.server.serve import live_reads, worker_process  # noqa: F401  (the step function and all it
+    # imports; a live step's reads, which a worker meets first when it unpickles one)
     from packfeed.server.serve.observe import log
 
     try:

@@ -16,7 +16,6 @@ import time
 import numpy as np
 
 from packfeed.server.serve.index_rows import IndexRows
-from packfeed.server.serve.live_source import LiveReader, LiveRows
 from packfeed.server.serve.observe import log
 from packfeed.server.serve.cp_shares import cp_shares
 from packfeed.server.serve.packs import build_pack
@@ -134,10 +133,7 @@ def build_rank_step(work: RankStepWork, shared: str | None = None) -> RankStepRe
 
 def _build_rank_step(work: RankStepWork, shared: str | None) -> RankStepResult:
     started = time.perf_counter()
-    parts = [(*_dataset(name), label) for name, label in zip(work.datasets, work.labels)]
-    if work.live is not None:  # the step's samples come from the live spool, their prompts' images from parts
-        prompts = [(rows, reader) for rows, reader, _ in parts]
-        parts = [(LiveRows(work.live), LiveReader(prompts, work.live), parts[0][2])]
+    parts = work.reads.parts(_dataset)
     arena = TileArena.open(shared, _tile_bytes(parts, work)) if shared is not None else None
     for _, reader, _ in parts:
         reader.empty = arena.empty if arena is not None else np.empty
@@ -155,8 +151,7 @@ def _build_rank_step(work: RankStepWork, shared: str | None) -> RankStepResult:
                 pack = build_pack(parts, members, truncate_to, sources, work.epoch, work.step, work.rank,
                                   microbatch, work.seed, work.shares)
             pack.step_loss_tokens = work.step_loss_tokens
-            if work.live is not None:
-                work.live.complete(pack)
+            work.reads.complete(pack)
             if work.cp_spans is None:
                 pieces.append(pack_pieces(pack, len(work.packs), work.last_in_epoch))
             else:
