@@ -34,7 +34,7 @@ def consumed_samples(plan, steps: int) -> np.ndarray:
 def epoch_samples(loads, plan) -> np.ndarray:
     """Mask of the samples `plan` plans (packed, or reported oversize): every valid one, but for a re-plan, whose
     epoch began with another job's steps (so resuming a resumed job leaves out what both jobs consumed)."""
-    if isinstance(plan, Plan):
+    if plan.packs_known:  # a whole epoch's plan: its members and oversize are what it plans
         planned = np.zeros(len(loads), dtype=bool)
         planned[plan.members] = True
         planned[plan.oversize] = True
