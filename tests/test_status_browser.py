@@ -41,10 +41,12 @@ def open_status(playwright, chromium: str, port: int):
 
 
 def stream_slowly(target: str, stop: threading.Event) -> None:
-    """Rank 0 of a DP 2 job (rank 1 never reads), one step every 0.3 s, until told to stop or the job ends."""
+    """Rank 0 of a DP 2 job (rank 1 never reads), one step every 0.3 s, until told to stop (the job's 200 epochs
+    last over 5 minutes: on a loaded machine the page's checks may take minutes, and a job whose stream ended
+    would show `idle`)."""
     from packfeed.client import PackStream
 
-    with PackStream(target, job="watched", rank=0, dp=2, microbatches=1, epochs=20, token="s3cret") as stream:
+    with PackStream(target, job="watched", rank=0, dp=2, microbatches=1, epochs=200, token="s3cret") as stream:
         for _ in stream:
             if stop.wait(0.3):
                 return
