@@ -14,7 +14,8 @@ Guarantees (tested):
 from __future__ import annotations
 
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
+from typing import Callable
 
 import numpy as np
 
@@ -40,24 +41,78 @@ def make_plan(loads: SampleLoads, config: PlanConfig, seed: int, epoch: int, ind
               caps: Caps | None = None, window: int | None = None) -> Plan:
     """Plan one epoch. `caps` short-circuits the automatic search (e.g. reuse it across epochs). `window`: these
     loads are one window of an epoch planned window by window (`packfeed.server.plan.windows`), which draws
-    randomness of its own. Groups sharing a prefix are planned as units (`packfeed.server.plan.groups`)."""
+    randomness of its own. Groups sharing a prefix are planned as units (`packfeed.server.plan.groups`). The
+    route is the first of `ROUTES` that applies."""
     started = time.perf_counter()
-    if shares_prefixes(loads, config):
-        caps = caps_for(loads, config, caps)
-        units, plan = aligned_units(loads, config, caps, lambda units: make_plan(
-            units.loads, config, seed, epoch, index_fingerprint, caps, window))
-        plan = expanded(plan, units, loads)
-        plan.seconds = time.perf_counter() - started
-        return plan
+    plan = _route(loads, config).plan(loads, config, seed, epoch, index_fingerprint, caps, window)
+    plan.seconds = time.perf_counter() - started
+    return plan
+
+
+def count_steps(loads: SampleLoads, config: PlanConfig, seed: int, epoch: int, caps: Caps | None = None) -> int:
+    """The steps `make_plan` plans for this epoch (its `n_steps`), without arranging them: its packs are formed as
+    the plan forms them and counted, `slots` to a step and the last step whatever is left (so a step count is
+    the packs' count, whatever the arrangement). Dynamic context parallelism places its packs, where steps
+    depend on placement, and builds nothing more. A job sizes its length from every epoch's count."""
+    return _route(loads, config).count(loads, config, seed, epoch, caps)
+
+
+@dataclass(frozen=True)
+class PlanRoute:
+    """One way an epoch is planned: when it applies, how it plans, and how it counts its steps without planning."""
+
+    name: str
+    applies: Callable[[SampleLoads, PlanConfig], bool]
+    plan: Callable[..., Plan]  # (loads, config, seed, epoch, index_fingerprint, caps, window) -> Plan
+    count: Callable[..., int]  # (loads, config, seed, epoch, caps) -> steps
+
+
+def _route(loads: SampleLoads, config: PlanConfig) -> PlanRoute:
+    return next(route for route in ROUTES if route.applies(loads, config))
+
+
+def _plan_shared(loads, config, seed, epoch, index_fingerprint, caps, window) -> Plan:
+    caps = caps_for(loads, config, caps)
+    units, plan = aligned_units(loads, config, caps, lambda units: make_plan(
+        units.loads, config, seed, epoch, index_fingerprint, caps, window))
+    return expanded(plan, units, loads)
+
+
+def _count_shared(loads, config, seed, epoch, caps) -> int:
+    caps = caps_for(loads, config, caps)
+    if config.collective_safe:  # the units `aligned_units` keeps depend on the plans it makes
+        return make_plan(loads, config, seed, epoch, caps=caps).n_steps
+    return count_steps(group_units(loads, caps).loads, config, seed, epoch, caps)
+
+
+def _plan_dynamic_cp(loads, config, seed, epoch, index_fingerprint, caps, window) -> Plan:
+    streams = _streams(seed, epoch, window)
+    return dynamic_cp_plan(loads, config, seed, epoch, index_fingerprint, caps, streams[_STREAM_ISF],
+                           streams[_STREAM_STEPS])
+
+
+def _count_dynamic_cp(loads, config, seed, epoch, caps) -> int:
+    streams = _streams(seed, epoch, None)
+    return dynamic_cp_steps(loads, config, caps, streams[_STREAM_ISF], streams[_STREAM_STEPS])
+
+
+def _count_padded(loads, config, seed, epoch, caps) -> int:
+    sequence, _, _ = padded_batches(loads, np.flatnonzero(loads.valid), config,
+                                    _streams(seed, epoch, None)[_STREAM_BATCHES])
+    return len(sequence) // config.slots
+
+
+def _count_packed(loads, config, seed, epoch, caps) -> int:
+    return -(-len(formed_packs(loads, config, caps, _streams(seed, epoch, None)[_STREAM_ISF]).packs.tokens)
+             // config.slots)
+
+
+def _plan_packs(loads, config, seed, epoch, index_fingerprint, caps, window) -> Plan:
+    """The padded baselines' batches, or the ISF strategies' packs arranged into steps: the plan's packs as
+    members and offsets, with what each strategy adds (truncations, CP degrees, the encoders' phase plan)."""
     streams = _streams(seed, epoch, window)
     oversize = cut = np.empty(0, dtype=np.int64)
     pieces = []
-
-    if config.context_parallel > 1 and config.cp_mode is CpMode.DYNAMIC:
-        plan = dynamic_cp_plan(loads, config, seed, epoch, index_fingerprint, caps, streams[_STREAM_ISF],
-                               streams[_STREAM_STEPS])
-        plan.seconds = time.perf_counter() - started
-        return plan
     if config.strategy.padded:
         caps = None
         sequence, packs_m, packs_o = padded_batches(loads, np.flatnonzero(loads.valid), config,
@@ -96,27 +151,19 @@ def make_plan(loads: SampleLoads, config: PlanConfig, seed: int, epoch: int, ind
         plan.encoder_rank = plan.phases.vision.encoder_rank if colocated is None else colocated
         plan.further_encoder_ranks = {name: phase.encoder_rank if colocated is None else colocated
                                       for name, phase in plan.phases.encoders.items() if name != "vision"}
-    plan.seconds = time.perf_counter() - started
     return plan
 
 
-def count_steps(loads: SampleLoads, config: PlanConfig, seed: int, epoch: int, caps: Caps | None = None) -> int:
-    """The steps `make_plan` plans for this epoch (its `n_steps`), without arranging them: its packs are formed as
-    the plan forms them and counted, `slots` to a step and the last step whatever is left (so a step count is
-    the packs' count, whatever the arrangement). Dynamic context parallelism places its packs, where steps
-    depend on placement, and builds nothing more. A job sizes its length from every epoch's count."""
-    if shares_prefixes(loads, config):
-        caps = caps_for(loads, config, caps)
-        if config.collective_safe:  # the units `aligned_units` keeps depend on the plans it makes
-            return make_plan(loads, config, seed, epoch, caps=caps).n_steps
-        return count_steps(group_units(loads, caps).loads, config, seed, epoch, caps)
-    streams = _streams(seed, epoch, None)
-    if config.context_parallel > 1 and config.cp_mode is CpMode.DYNAMIC:
-        return dynamic_cp_steps(loads, config, caps, streams[_STREAM_ISF], streams[_STREAM_STEPS])
-    if config.strategy.padded:
-        sequence, _, _ = padded_batches(loads, np.flatnonzero(loads.valid), config, streams[_STREAM_BATCHES])
-        return len(sequence) // config.slots
-    return -(-len(formed_packs(loads, config, caps, streams[_STREAM_ISF]).packs.tokens) // config.slots)
+# The routes in the order they are tried: groups sharing a prefix are planned as units by the routes below; dynamic
+# CP places its own packs; every other plan forms packs (or padded batches) and arranges them.
+ROUTES = (
+    PlanRoute("shared prefixes", shares_prefixes, _plan_shared, _count_shared),
+    PlanRoute("dynamic context parallelism",
+              lambda loads, config: config.context_parallel > 1 and config.cp_mode is CpMode.DYNAMIC,
+              _plan_dynamic_cp, _count_dynamic_cp),
+    PlanRoute("padded batches", lambda loads, config: config.strategy.padded, _plan_packs, _count_padded),
+    PlanRoute("packs", lambda loads, config: True, _plan_packs, _count_packed),
+)
 
 
 def _streams(seed: int, epoch: int, window: int | None) -> dict[int, np.random.Generator]:
