@@ -82,18 +82,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     out.add_argument("--json", action="store_true", help="print one JSON line (the table goes to stderr)")
     out.add_argument("--timeline", metavar="FILE.png", help="draw the median step's schedule per GPU")
 
-def _read_plan(path: str):
-    from packfeed.server.plan.plan_file import read_plan  # numba: not at the CLI's import
-
-    return read_plan(path)
-
-
-def _workload(args, table, shape, samples) -> Workload:
+def _workload(args, table, shape, samples, plan_file) -> Workload:
     patches = shape.patches_per_tile if shape else 1
-    if args.plan:
-        plan = _read_plan(args.plan)
-        args.dp, args.microbatches = plan.config.dp, plan.config.microbatches
-        return workload_of_plan(plan, samples, patches)
+    if plan_file is not None:
+        args.dp, args.microbatches = plan_file.config.dp, plan_file.config.microbatches
+        return workload_of_plan(plan_file, samples, patches)
     return make_workload(samples, args.strategy, args.dp, args.microbatches, args.pp, patches,
                          planner_cost_model(table, patches), args.seed, args.epoch, args.samples_per_pack)
 
@@ -145,7 +138,9 @@ def replanner(args: argparse.Namespace, table_, shape, samples):
 def run(args: argparse.Namespace) -> int:
     if args.run:
         return check_run(args)
-    plan_file = _read_plan(args.plan) if args.plan else None
+    from packfeed.server.plan.plan_file import read_plan  # numba: not at the CLI's import
+
+    plan_file = read_plan(args.plan) if args.plan else None  # read once: the CP and the pipeline paths use it
     if args.context_parallel > 1 or (plan_file is not None and plan_file.config.context_parallel > 1):
         return run_context_parallel(args, plan_file)
     if args.cp_mode or args.max_tokens_per_gpu:
@@ -153,7 +148,7 @@ def run(args: argparse.Namespace) -> int:
     args.pp = 4 if args.pp is None else args.pp
     table_, shape = load_model(args.model)
     samples = samples_of(args)  # read once: the plan, the replanner and the groups' comparison plan them
-    workload = _workload(args, table_, shape, samples)
+    workload = _workload(args, table_, shape, samples, plan_file)
     gpus = args.gpus or args.dp * args.pp * args.tp
     cluster = Cluster(gpus, args.gpus_per_node, args.peak_tflops, args.achievable, args.intra_gbs, args.inter_gbs)
     settings = Settings(args.encoder, args.pp, args.tp, args.schedule, args.virtual_stages, args.partition,

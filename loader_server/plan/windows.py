@@ -96,6 +96,8 @@ class WindowedPlan:
     is planned when a step of it is first asked for, and the next one in the background meanwhile; at most
     `keep` windows are held."""
 
+    packs_known = False  # its windows are planned as they are reached (Plan.packs_known)
+
     def __init__(self, loads: SampleLoads | MappedLoads, config: PlanConfig, seed: int, epoch: int, size: int = DEFAULT_WINDOW,
                  index_fingerprint: str = "", caps: Caps | None = None, keep: int = 2, drawn: bool = False,
                  rows=None, draws=None, ledger=None):
@@ -109,7 +111,6 @@ class WindowedPlan:
         self.loads, self.config, self.seed, self.epoch, self.size = loads, config, seed, epoch, size
         self.index_fingerprint, self.keep, self.drawn = index_fingerprint, max(2, keep), drawn
         self.rows, self.draws, self.ledger = rows, draws, ledger
-        self.packs_known = False  # until each window is planned (Plan.packs_known)
         self.n_windows = max(1, math.ceil(len(loads) / size))
         self._caps = caps
         self._plans: dict[int, Plan] = {}
