@@ -8,11 +8,13 @@ rows and splits its interleaved channels, which LLVM vectorises: 0.4 ms (BENCHMA
 
 from __future__ import annotations
 
-import numba as nb
 import numpy as np
 
+from packfeed.media.jit import kernel
 
-@nb.njit(cache=True, nogil=True, boundscheck=False)
+
+
+@kernel(cache=True, nogil=True, boundscheck=False)
 def _split_channels(rows, top, left, out):  # pragma: no cover - compiled
     """out[c, y, x] = rows[top + y, 3 * (left + x) + c]; rows: the image as (H, W * 3), C-contiguous."""
     height, width = out.shape[1], out.shape[2]

@@ -23,12 +23,13 @@ import functools
 import logging
 import math
 
-import numba as nb
 import numpy as np
+
 import PIL
 from PIL import Image
 
 from packfeed.media.chw import chw_tiles
+from packfeed.media.jit import kernel
 from packfeed.media.pixels import Resize, pil_resizer
 
 log = logging.getLogger(__name__)
@@ -76,7 +77,7 @@ def filter_weights(in_size: int, out_size: int) -> tuple[np.ndarray, np.ndarray,
     return arrays
 
 
-@nb.njit(cache=True, nogil=True, boundscheck=False)
+@kernel(cache=True, nogil=True, boundscheck=False)
 def _vertical(source, first, count, weights, out):  # pragma: no cover - compiled
     """out[y] = clamp(sum_t source[first[y] + t] * weights[y, t]); rows are (width x 3) bytes, contiguous. Taps go
     four at a time, so each lane's running sum is loaded and stored once per four rows read (1.1-1.4x one at a
@@ -103,7 +104,7 @@ def _vertical(source, first, count, weights, out):  # pragma: no cover - compile
             target[i] = min(max(total[i] >> PRECISION_BITS, 0), 255)
 
 
-@nb.njit(cache=True, nogil=True, boundscheck=False)
+@kernel(cache=True, nogil=True, boundscheck=False)
 def _horizontal(source, row0, first, count, weights, out):  # pragma: no cover - compiled
     """out[r, x] = clamp(sum_t source[row0 + r, first[x] + t] * weights[x, t]) per channel. Blocks of rows are
     transposed so that each tap multiplies a contiguous run of (rows x 3) lanes, and the results are gathered

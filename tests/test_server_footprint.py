@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from packfeed.client import LocalServer
-from processes import children, descendants, is_fork_server, workers
+from processes import children, descendants, is_fork_server, wait_for_start, workers
 
 CLIENT_SIDE = {"packfeed.server.cli.consume"}  # the demo's trainer-side clients
 
@@ -65,6 +65,26 @@ def test_a_running_server_and_its_workers_never_load_torch_nor_the_workers_panda
                              capture_output=True, text=True, timeout=120)
     assert control.stdout.strip() == "True"  # where nothing refuses it, numba does load it
 
+
+
+def test_a_server_loads_numba_at_its_first_plan_not_before(small_tile_index):
+    """numba's LLVM is about 100 MiB resident (packfeed.media.jit): a started server that holds no job has not
+    loaded it (its warm-up compiled the kernels in a child), its workers' fork server has, and the server's first
+    job loads it (the control: the same reading sees it then)."""
+    from packfeed.client import PackStream
+
+    def llvm_mapped(pid: int) -> bool:
+        return "libllvmlite" in Path(f"/proc/{pid}/maps").read_text()
+
+    with LocalServer(small_tile_index, workers=1) as server:
+        wait_for_start(server)
+        before = llvm_mapped(server.process.pid)
+        fork_server = [pid for pid in children(server.process.pid) if is_fork_server(pid)]
+        with PackStream(server.target, job="first", rank=0, dp=1, microbatches=1) as stream:
+            assert next(iter(stream)).sample_keys
+        after = llvm_mapped(server.process.pid)
+        assert len(fork_server) == 1 and llvm_mapped(fork_server[0])
+    assert not before and after
 
 def shared_files(pid: int) -> list[Path]:
     from packfeed.server.serve.step_files import SHARED_PREFIX, shared_directory

@@ -196,9 +196,8 @@ def cmd_warmup(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     import asyncio
 
-    from packfeed.server.serve.refused_imports import import_numba_without_scipy, refuse
+    from packfeed.media.refused_imports import refuse
 
-    import_numba_without_scipy()  # before anything imports numba with it: 15 MiB the server never uses
     refuse("pandas")  # pyarrow imports it when it first builds an array (the planner's warm-up), for nothing
     from packfeed.server.serve.config import load_config
     from packfeed.server.serve.observe import setup_logging

@@ -12,15 +12,17 @@ from __future__ import annotations
 
 from typing import Callable
 
-import numba
 import numpy as np
+
+from packfeed.media.jit import kernel, prange
+
 
 # Vision loads are grouped into at most this many buckets before sorting by tokens. Integral units
 # (tiles, images) with fewer distinct values keep their exact values.
 VISION_BUCKETS = 64
 
 
-@numba.njit(cache=True, nogil=True)
+@kernel(cache=True, nogil=True)
 def lpt_assign(cost, n_bins, per_bin_limit):
     """Greedy LPT: items largest first, each onto the least-loaded bin that still has room.
 
@@ -31,7 +33,7 @@ def lpt_assign(cost, n_bins, per_bin_limit):
                               np.full(1, per_bin_limit, dtype=np.int64), n_bins)
 
 
-@numba.njit(cache=True, nogil=True)
+@kernel(cache=True, nogil=True)
 def lpt_assign_grouped(cost, group, group_limit, n_bins):
     """LPT where item k belongs to group `group[k]` and every bin takes at most `group_limit[g]` items of group g
     (<= 0: unlimited): the least-loaded bin with room in the item's group gets it. Returns the bin of every
@@ -57,7 +59,7 @@ def lpt_assign_grouped(cost, group, group_limit, n_bins):
     return bin_of
 
 
-@numba.njit(cache=True, nogil=True)
+@kernel(cache=True, nogil=True)
 def refine_by_swaps(cost, bin_of, n_bins, rounds, group):
     """In place: while one lowers the busiest bin's load, swap one of its items with one of another bin (the
     idlest that admits a swap first) whose transfer comes closest to half their gap. Only items of the same
@@ -108,7 +110,7 @@ def refine_by_swaps(cost, bin_of, n_bins, rounds, group):
         load[target] += transfer
 
 
-@numba.njit(cache=True, nogil=True, parallel=True)
+@kernel(cache=True, nogil=True, parallel=True)
 def assign_ranks(steps, cost, pack_class, dp, m, refine, aligned):
     """Each step's packs (`steps` rows; -1 = empty) over dp ranks, M per rank: LPT on `cost`, then (`refine`:
     isf+phases, whose LLM phase is balanced apart) swaps between ranks while they lower the busiest; each rank's
@@ -118,7 +120,7 @@ def assign_ranks(steps, cost, pack_class, dp, m, refine, aligned):
     rank; the rest share the step's remaining microbatches. Steps are independent, so they run in parallel."""
     n_steps = steps.shape[0]
     grid = np.full((n_steps, dp, m), -1, dtype=np.int64)
-    for st in numba.prange(n_steps):
+    for st in prange(n_steps):
         packs = steps[st] if aligned else steps[st][steps[st] >= 0]
         c = np.zeros(len(packs))
         classes = np.zeros(len(packs), dtype=np.int64)
@@ -142,7 +144,7 @@ def assign_ranks(steps, cost, pack_class, dp, m, refine, aligned):
     return grid
 
 
-@numba.njit(cache=True, nogil=True)
+@kernel(cache=True, nogil=True)
 def column_groups(classes, cost, dp):
     """Group of each of a step's packs, and each group's packs per rank: one group per class with at least dp
     packs in the step (classes ascending), holding count // dp packs per rank; then one for the rest of every
@@ -169,11 +171,11 @@ def column_groups(classes, cost, dp):
     return group, limits
 
 
-@numba.njit(cache=True, nogil=True, parallel=True)
+@kernel(cache=True, nogil=True, parallel=True)
 def permute_ranks(grid, keys):
     """Each step's ranks in the order of their random keys (a per-step random permutation)."""
     out = np.empty_like(grid)
-    for st in numba.prange(grid.shape[0]):
+    for st in prange(grid.shape[0]):
         order = np.argsort(keys[st])
         for r in range(grid.shape[1]):
             out[st, r] = grid[st, order[r]]
@@ -228,7 +230,7 @@ def similar_order(pack_vision: np.ndarray, pack_tokens: np.ndarray) -> np.ndarra
     return radix_argsort(key)
 
 
-@numba.njit(cache=True, nogil=True)
+@kernel(cache=True, nogil=True)
 def radix_argsort(keys):
     """Stable argsort of uint64 keys: LSD radix sort on 16-bit digits, skipping digits no key uses.
 

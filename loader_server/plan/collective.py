@@ -25,9 +25,9 @@ from __future__ import annotations
 
 from typing import Any
 
-import numba
 import numpy as np
 
+from packfeed.media.jit import kernel, prange
 from packfeed.server.plan.costs import encoder_names
 
 # bit of each tower a sample may call; further encoders (`packfeed index --encoder`) follow, in name order
@@ -71,12 +71,12 @@ def sample_towers(loads, ids: np.ndarray | None = None) -> np.ndarray:
     return towers
 
 
-@numba.njit(cache=True, nogil=True, parallel=True)
+@kernel(cache=True, nogil=True, parallel=True)
 def pack_classes(members, offsets, sample_class):
     """Per pack: the towers any of its members calls (0 for an empty pack)."""
     n = len(offsets) - 1
     out = np.zeros(n, dtype=np.int64)
-    for p in numba.prange(n):
+    for p in prange(n):
         for k in range(offsets[p], offsets[p + 1]):
             out[p] |= sample_class[members[k]]
     return out

@@ -25,9 +25,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-import numba
 import numpy as np
 
+from packfeed.media.jit import kernel
 from packfeed.server.plan.costs import sample_costs
 from packfeed.server.plan.isf import Caps, IsfPacks
 from packfeed.server.plan.metrics import dist_ratio
@@ -122,7 +122,7 @@ def top_up(alone: np.ndarray, alone_degrees: np.ndarray, short: np.ndarray, visi
     return packs, short[~np.isin(short, taken)]
 
 
-@numba.njit(cache=True, nogil=True)
+@kernel(cache=True, nogil=True)
 def _top_up(room_tokens, room_vision, short_tokens, short_vision):
     """Per short sample (in descending tokens), the pack (in the given order) it tops up, or -1. `after[i]`: the
     first short sample at or after i not yet taken (path-compressed)."""
@@ -147,7 +147,7 @@ def _top_up(room_tokens, room_vision, short_tokens, short_vision):
     return owner
 
 
-@numba.njit(cache=True, nogil=True)
+@kernel(cache=True, nogil=True)
 def _next_free(after, i):
     root = i
     while after[root] != root:
@@ -183,7 +183,7 @@ def _steps(cost: np.ndarray, degree: np.ndarray, width: int, rng: np.random.Gene
     return _fill_steps(order, degree, width)
 
 
-@numba.njit(cache=True, nogil=True)
+@kernel(cache=True, nogil=True)
 def _fill_steps(order, degree, width):
     """Packs in `order` fill steps of `width` GPUs one after another; a pack with no room left in its step
     waits for the next one, which takes the waiting packs first. Only the last step can have free GPUs."""
@@ -216,7 +216,7 @@ def _fill_steps(order, degree, width):
     return step
 
 
-@numba.njit(cache=True, nogil=True)
+@kernel(cache=True, nogil=True)
 def _take_waiting(waiting, n_waiting, degree, step, current, free):
     """Waiting packs, in line, into step `current` while they fit; returns (packs still waiting, free GPUs)."""
     kept = 0
@@ -231,7 +231,7 @@ def _take_waiting(waiting, n_waiting, degree, step, current, free):
     return kept, free
 
 
-@numba.njit(cache=True, nogil=True)
+@kernel(cache=True, nogil=True)
 def _place_in_steps(by_step, step, cost, degree, dp, m, c):
     """Within each step, packs (in `by_step`: by step, then largest degree and heaviest first) to the free
     aligned GPUs whose busiest carries the least work; ties to the lowest (rank, group, microbatch). Largest
@@ -276,7 +276,7 @@ def gpu_work(plan_step, plan_rank, pack_group, pack_degree, pack_cost, n_steps: 
     return out.reshape(n_steps, dp * c)
 
 
-@numba.njit(cache=True, nogil=True)
+@kernel(cache=True, nogil=True)
 def _add_lanes(out, step, rank, group, degree, value):
     for p in range(len(step)):
         d = degree[p]

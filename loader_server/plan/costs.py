@@ -11,12 +11,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numba
 import numpy as np
 
 import pyarrow.parquet as pq
 
 from packfeed.media.image_policy import DEFAULT_PATCHES_PER_UNIT
+from packfeed.media.jit import kernel, prange
 from packfeed.server.index.table import IndexInfo, encoder_columns, read_index_info
 from packfeed.v1.options import CostModel
 
@@ -47,13 +47,13 @@ def encoder_names(loads) -> list[str]:
     return sorted(getattr(loads, "encoders", None) or {})
 
 
-@numba.njit(cache=True, nogil=True, parallel=True)
+@kernel(cache=True, nogil=True, parallel=True)
 def _cost_rows(patches, attn_sq, tokens, llm_sq, a_v, b_v, a_l, b_l):
     """`llm_sq`: the LLM's attention squares per row where they are not tokens^2 (NaN or a one-element array:
     tokens^2), as for a group's members sharing their prefix (`packfeed.server.plan.groups`)."""
     out = np.empty((len(tokens), 2), dtype=np.float32)
     given = len(llm_sq) == len(tokens)
-    for i in numba.prange(len(tokens)):
+    for i in prange(len(tokens)):
         t = float(tokens[i])
         square = t * t
         if given and not np.isnan(llm_sq[i]):

@@ -13,8 +13,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numba
 import numpy as np
+
+from packfeed.media.jit import kernel, prange
+
 
 
 @dataclass(frozen=True)
@@ -51,12 +53,12 @@ class RowLayout:
         return cls(2, 0, 32, 0xFFFFFFFF, 0xFFFFFFFF)
 
 
-@numba.njit(cache=True, nogil=True, parallel=True)
+@kernel(cache=True, nogil=True, parallel=True)
 def _make_rows(ids, vision, tokens, width, id_shift, token_bits):
     """One row per candidate in the given layout: the unit ISF shuffles and walks (rows filled in parallel,
     which also spreads the first-touch page faults of a multi-GB buffer over the cores)."""
     rows = np.empty((len(ids), width), dtype=np.int64)
-    for k in numba.prange(len(ids)):
+    for k in prange(len(ids)):
         i = ids[k]
         loads = (np.int64(vision[i]) << token_bits) | np.int64(tokens[i])
         if width == 1:
@@ -67,7 +69,7 @@ def _make_rows(ids, vision, tokens, width, id_shift, token_bits):
     return rows
 
 
-@numba.njit(cache=True, nogil=True)
+@kernel(cache=True, nogil=True)
 def shuffle_rows(out, n, seed):
     """Shuffle the first `n` rows of `out` (n x width) in place: Fisher-Yates driven by splitmix64 from `seed`.
 
@@ -90,7 +92,7 @@ def shuffle_rows(out, n, seed):
             out[j, 1] = a
 
 
-@numba.njit(cache=True, nogil=True)
+@kernel(cache=True, nogil=True)
 def sample_and_filter(rows, n, layout, kept, n_kept, sizes, group_v, group_t, n_groups, vision_cap, token_cap,
                       vision_target, token_target):
     """One ISF round over the first `n` rows (`layout` = RowLayout fields after width), in order: next-fit
@@ -147,7 +149,7 @@ class IsfPacks:
 FIRST_FIT_WINDOW = 256
 
 
-@numba.njit(cache=True, nogil=True)
+@kernel(cache=True, nogil=True)
 def first_fit_decreasing(order, vision, tokens, vision_cap, token_cap, window):
     """Pack samples (given in decreasing size order) into the first of the last `window` bins they fit.
 
@@ -232,7 +234,7 @@ def isf(
     return IsfPacks(members, offsets, pack_v[:n_groups].astype(np.int64), pack_t[:n_groups].astype(np.int64))
 
 
-@numba.njit(cache=True, nogil=True)
+@kernel(cache=True, nogil=True)
 def _gathered_ranges(ids, vision, tokens):
     """(min, max) of vision[ids] and of tokens[ids] in one pass, without gathering copies."""
     v_min = t_min = np.int64(2**62)

@@ -3,9 +3,9 @@ laying them out in a sequence, compiled where the whole epoch passes through."""
 
 from __future__ import annotations
 
-import numba
 import numpy as np
 
+from packfeed.media.jit import kernel, prange
 from packfeed.server.plan.isf import IsfPacks
 
 
@@ -37,7 +37,7 @@ def flatnonzero(mask: np.ndarray, dtype) -> np.ndarray:
     return out
 
 
-@numba.njit(cache=True, nogil=True)
+@kernel(cache=True, nogil=True)
 def _fill_nonzero(mask, out):
     k = 0
     for i in range(len(mask)):
@@ -46,14 +46,14 @@ def _fill_nonzero(mask, out):
             k += 1
 
 
-@numba.njit(cache=True, nogil=True, parallel=True)
+@kernel(cache=True, nogil=True, parallel=True)
 def pack_costs(members, offsets, costs):
     """Per pack: (every encoder's cost, LLM cost), summed in float64, packs in parallel (each sums its own members
     in order, so the sums do not depend on the thread count)."""
     n = len(offsets) - 1
     pack_cv = np.zeros(n)
     pack_cl = np.zeros(n)
-    for p in numba.prange(n):
+    for p in prange(n):
         for k in range(offsets[p], offsets[p + 1]):
             pack_cl[p] += costs[members[k], 1]
             pack_cv[p] += costs[members[k], 0]
@@ -62,7 +62,7 @@ def pack_costs(members, offsets, costs):
     return pack_cv, pack_cl
 
 
-@numba.njit(cache=True, nogil=True, parallel=True)
+@kernel(cache=True, nogil=True, parallel=True)
 def gather(sequence, members, offsets, extra_members, extra_offsets):
     """Re-lay packs out in `sequence` order (-1 = empty pack; p >= len(offsets) - 1 = extra pack
     p - (len(offsets) - 1)); returns (offsets, members)."""
@@ -77,7 +77,7 @@ def gather(sequence, members, offsets, extra_members, extra_offsets):
             size = offsets[p + 1] - offsets[p]
         new_offsets[q + 1] = new_offsets[q] + size
     out = np.empty(new_offsets[-1], dtype=members.dtype)
-    for q in numba.prange(len(sequence)):
+    for q in prange(len(sequence)):
         p = sequence[q]
         if p >= n_base:
             out[new_offsets[q]:new_offsets[q + 1]] = extra_members[extra_offsets[p - n_base]:

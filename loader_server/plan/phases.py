@@ -29,9 +29,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numba
 import numpy as np
 
+from packfeed.media.jit import kernel
 from packfeed.server.plan.balance import lpt_assign
 from packfeed.server.plan.metrics import dist_ratio
 from packfeed.server.plan.phase_routing import route
@@ -58,7 +58,7 @@ def assign_in_rounds(costs: np.ndarray, round_of: np.ndarray, ranks: int) -> np.
     return _greedy(costs.astype(np.float64), order, ranks)
 
 
-@numba.njit(cache=True, nogil=True)
+@kernel(cache=True, nogil=True)
 def _greedy(costs, order, ranks):
     loads = np.zeros(ranks)
     rank_of = np.zeros(len(costs), dtype=np.int64)
@@ -72,7 +72,7 @@ def _greedy(costs, order, ranks):
     return rank_of
 
 
-@numba.njit(cache=True, nogil=True)
+@kernel(cache=True, nogil=True)
 def _refine(costs, rank_of, ranks, rounds):
     """In place: the move (an item of the busiest rank to the idlest) or swap (one item each way) whose transfer
     comes closest to half their gap, while one narrows it."""

@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import functools
 
-import numba
 import numpy as np
 
+from packfeed.media.jit import kernel
 from packfeed.v1.pipeline import one_f_one_b
 
 FORWARD, BACKWARD = 0, 1
@@ -39,7 +39,7 @@ def stage_ops(p: int, l: int) -> tuple[np.ndarray, np.ndarray]:
     return kind, pos
 
 
-@numba.njit(cache=True, nogil=True)
+@kernel(cache=True, nogil=True)
 def _advance(f, b, order, kind, pos, end_f, end_b, stage_t, ptr):
     """Run every op whose microbatch is placed (order[pos] >= 0) and whose input is ready."""
     p = f.shape[1]
@@ -74,7 +74,7 @@ def simulate_1f1b(f: np.ndarray, b: np.ndarray, order: np.ndarray) -> float:
     return _simulate_1f1b(f, b, order, *stage_ops(f.shape[1], f.shape[0]))
 
 
-@numba.njit(cache=True, nogil=True)
+@kernel(cache=True, nogil=True)
 def _simulate_1f1b(f, b, order, kind, pos):
     l, p = f.shape
     end_f = np.full((l, p), -1.0)
@@ -85,7 +85,7 @@ def _simulate_1f1b(f, b, order, kind, pos):
     return stage_t.max()
 
 
-@numba.njit(cache=True, nogil=True)
+@kernel(cache=True, nogil=True)
 def _closest_unused(f, used, target):
     """The unplaced microbatch whose first-stage forward time is closest to `target`."""
     best = -1
@@ -99,7 +99,7 @@ def _closest_unused(f, used, target):
     return best
 
 
-@numba.njit(cache=True, nogil=True)
+@kernel(cache=True, nogil=True)
 def _inter_reorder(f, b, kind, pos):
     """Order of microbatches (indices into f) for 1F1B with f.shape[1] stages (`kind`, `pos`: `stage_ops`)."""
     l, p = f.shape
@@ -154,7 +154,7 @@ def inter_reorder_many(f: np.ndarray, b: np.ndarray) -> np.ndarray:
     return _inter_reorder_many(f, b, *stage_ops(f.shape[2], f.shape[1]))
 
 
-@numba.njit(cache=True, nogil=True)
+@kernel(cache=True, nogil=True)
 def _inter_reorder_many(f, b, kind, pos):
     out = np.empty((f.shape[0], f.shape[1]), dtype=np.int64)
     for r in range(f.shape[0]):

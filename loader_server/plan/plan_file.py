@@ -14,11 +14,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numba
 import numpy as np
+
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from packfeed.media.jit import kernel, prange
 from packfeed.server import __version__
 from packfeed.server.plan.collective import (alignment_summary, sample_towers, tower_names, unaligned_lanes,
                                              unaligned_towers)
@@ -315,7 +316,7 @@ def read_plan(path: str | Path) -> Plan:
     return plan
 
 
-@numba.njit(cache=True, nogil=True, parallel=True)
+@kernel(cache=True, nogil=True, parallel=True)
 def _plan_rows(offsets, members, truncate, first, stop, dp, m):
     """plan.parquet columns for packs [first, stop): one row per sample, one row for an empty pack.
 
@@ -332,7 +333,7 @@ def _plan_rows(offsets, members, truncate, first, stop, dp, m):
     sample_id = np.empty(n, dtype=np.int64)
     empty = np.zeros(n, dtype=np.bool_)
     truncate_to = np.zeros(n, dtype=np.int32)
-    for q in numba.prange(stop - first):
+    for q in prange(stop - first):
         p = first + q
         size = offsets[p + 1] - offsets[p]
         r = row_start[q]

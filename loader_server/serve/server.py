@@ -90,9 +90,10 @@ async def serve(config: ServerConfig, ready: asyncio.Event | None = None, stop: 
     """Run the server until SIGTERM/SIGINT (or `stop` is set)."""
     started = time.perf_counter()
     keep_freed_memory()
-    # The planner's kernels compile (or load from the cache) while the datasets open and clients connect.
+    # The planner's kernels compile into numba's cache (a child process) while the datasets open and clients connect.
     warm_up_in_background(lambda seconds: log.info("planner ready", extra={"warmup_seconds": round(seconds, 2)}),
-                          media=False, plan_files=False)
+                          lambda said: log.warning("the planner's warm-up failed: the first plan compiles what it "
+                                                   "needs", extra={"error": said}))
     if config.range_cache_dir:  # read by the storage layer of this process and of the workers it starts
         os.environ.update(PACKFEED_RANGE_CACHE_DIR=config.range_cache_dir, PACKFEED_RANGE_CACHE_MB=str(config.range_cache_mb))
     datasets = {name: await asyncio.to_thread(Dataset.open, name, source) for name, source in config.datasets.items()}

@@ -14,7 +14,7 @@ likewise left to the workers, which then fail with the error where a step needs 
 
 from __future__ import annotations
 
-from packfeed.server.serve.refused_imports import refuse
+from packfeed.media.refused_imports import refuse
 
 
 def _optional_libraries() -> None:

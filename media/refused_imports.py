@@ -1,12 +1,13 @@
-"""Packages a server process does without, although a library it uses would import them: refused as if they were
+"""Packages a Packfeed process does without, although a library it uses would import them: refused as if they were
 not installed, where that library carries on without them.
 
 - pandas: pyarrow imports it (about 45 MiB resident) the first time it builds an array (in the server process,
   when its planner warms up by writing a plan), only to check whether the values are pandas objects. Refused
   for good in the server process (`packfeed serve`) and its workers.
 - scipy: numba imports it (15-44 MiB, and 0.2 CPU s) to offer linear algebra inside compiled functions, which
-  no Packfeed kernel uses. The server's main process refuses it only while numba loads (`refused`): routed
-  plans import `scipy.optimize` themselves, later. The workers refuse both for good (`worker_preload`).
+  no Packfeed kernel uses. Every process refuses it while numba loads for Packfeed's kernels
+  (`packfeed.media.jit`): routed plans import `scipy.optimize` themselves, later. The workers refuse both for
+  good (`worker_preload`).
 """
 
 from __future__ import annotations
@@ -42,8 +43,3 @@ def refused(*packages: str) -> Iterator[None]:
     finally:
         sys.meta_path.remove(finder)
 
-
-def import_numba_without_scipy() -> None:
-    """numba, and the module of its that decides whether linear algebra is there, loaded without scipy."""
-    with refused("scipy"):
-        import numba.np.arraymath  # noqa: F401
