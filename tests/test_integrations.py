@@ -1,5 +1,5 @@
-"""Framework integrations at DP 2 under torchrun (gloo), each against the plain `PackStream` loop on the same
-job (DDP, SGD, clipping; tests/integration_worker.py): `PackfeedTrainer` (`transformers.Trainer`), TRL's
+"""Framework integrations at DP 2 under torchrun (gloo; its ranks forked preloaded, `forked_torchrun`), each
+against the plain `PackStream` loop on the same job (DDP, SGD, clipping; tests/integration_worker.py): `PackfeedTrainer` (`transformers.Trainer`), TRL's
 `SFTTrainer` through the same mixin, and Lightning's `PackDataModule`. For each: the same losses step by step
 (within 1e-5) and the same samples; a checkpoint, then a restart in new processes lands on exactly the next
 step's samples and losses; the control (the framework's own resume without the stream's state: the Trainer's,
@@ -9,12 +9,13 @@ contradict Packfeed's steps are refused."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from forked_torchrun import torchrun as forked_torchrun
 
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
@@ -39,13 +40,9 @@ def server(qwen_data):
 
 
 def torchrun(server, data, job: str, mode: str, checkpoints: Path, out: Path) -> list[dict]:
-    out.mkdir(parents=True, exist_ok=True)
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           str(WORKER), server.target, job, mode, str(STEPS), str(checkpoints), str(out)],
-                          capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "PACKFEED_TEST_TOKENIZER": str(data.tokenizer)})
-    (out / "torchrun.log").write_text(done.stdout + done.stderr)
-    assert done.returncode == 0, done.stderr[-4000:]
+    """`torchrun --nproc-per-node 2 integration_worker.py ...`, its ranks forked preloaded (`forked_torchrun`)."""
+    forked_torchrun(WORKER, [server.target, job, mode, STEPS, checkpoints, out], out,
+                    env={"PACKFEED_TEST_TOKENIZER": str(data.tokenizer)})
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
 
 

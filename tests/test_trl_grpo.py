@@ -14,12 +14,11 @@ generated text (tests/grpo_worker.py).
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from forked_torchrun import torchrun as forked_torchrun
 
 pytest.importorskip("trl")
 pytestmark = pytest.mark.slow
@@ -46,12 +45,9 @@ def server(grpo_data, tmp_path_factory):
 
 
 def torchrun(server, data, mode: str, job: str, out: Path, **env: str) -> list[dict]:
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           str(WORKER), mode, server.target, job, str(data.index.parent / "model"),
-                           str(data.tokenizer), str(out)],
-                          capture_output=True, text=True, timeout=600, env={**os.environ, **env})
-    (out / "torchrun.log").write_text(done.stdout + done.stderr) if out.is_dir() else None
-    assert done.returncode == 0, done.stderr[-4000:]
+    """`torchrun --nproc-per-node 2 grpo_worker.py MODE ...`, its ranks forked preloaded (`forked_torchrun`)."""
+    forked_torchrun(WORKER, [mode, server.target, job, data.index.parent / "model", data.tokenizer, out],
+                    out / "logs", env=env)
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)] if mode != "kill" else []
 
 
