@@ -1,5 +1,5 @@
 """`packfeed.client.loaders`: the torchtitan-style `StatefulPackLoader` checkpointed with
-torch.distributed.checkpoint at DP 2 under torchrun (a restart in new processes reads exactly the next steps;
+torch.distributed.checkpoint at DP 2 under torchrun (its ranks forked preloaded: a restart in new processes reads exactly the next steps;
 not loading the state is the control), and the `IterableDataset` face under a `DataLoader` (the same steps and
 the same loss as `PackStream`'s plain loop; workers and batching refused)."""
 
@@ -13,15 +13,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from forked_torchrun import torchrun as forked_torchrun
+
 WORKER = Path(__file__).resolve().parent / "loader_worker.py"
 
 
 def torchrun(target: str, job: str, steps: int, checkpoint: Path, mode: str, out: Path) -> list[list[list[str]]]:
-    out.mkdir(parents=True, exist_ok=True)
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           str(WORKER), target, job, str(steps), str(checkpoint), mode, str(out)],
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
+    """`torchrun --nproc-per-node 2 loader_worker.py ...`, its ranks forked preloaded (`forked_torchrun`)."""
+    forked_torchrun(WORKER, [target, job, steps, checkpoint, mode, out], out)
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
 
 
