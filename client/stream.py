@@ -21,7 +21,6 @@ contradicting config, wrong token) raise `PackfeedError` at once.
 
 from __future__ import annotations
 
-import dataclasses
 import time
 import warnings
 from collections.abc import Iterator
@@ -36,47 +35,11 @@ from packfeed.client.loss_reports import LossReports
 from packfeed.client.producer import producer_token_of
 from packfeed.client.receiver import Receiver, seat_fields
 from packfeed.client.resume import checked_state, resume_dict, resume_from
+from packfeed.client.stream_keywords import stream_arguments
 from packfeed.client.tensors import Step
 from packfeed.v1 import packfeed_pb2 as pb
 from packfeed.v1.layout import Seat
 from packfeed.v1.options import PixelMode, PlanConfig
-
-_PLAN_FIELDS = {f.name for f in dataclasses.fields(PlanConfig)}
-_CONNECTION_FIELDS = {f.name for f in dataclasses.fields(Connection)}
-
-
-def _grouped(plan: PlanConfig | None, connection: Connection | None, flat: dict[str, Any]) -> tuple[PlanConfig, Connection]:
-    """The plan and connection of today's flat keyword arguments (`dp=2, strategy="isf", token=...`), where
-    "" or 0 means the default as on the wire; giving both a group and its flat fields is an error."""
-    unknown = sorted(set(flat) - _PLAN_FIELDS - _CONNECTION_FIELDS)
-    if unknown:
-        raise TypeError(f"PackStream got unexpected keyword arguments {unknown}")
-    plan_fields = {k: v for k, v in flat.items() if k in _PLAN_FIELDS}
-    connection_fields = {k: v for k, v in flat.items() if k in _CONNECTION_FIELDS}
-    if plan is not None and plan_fields:
-        raise TypeError(f"give plan=PlanConfig(...) or its fields {sorted(plan_fields)}, not both")
-    if connection is not None and connection_fields:
-        raise TypeError(f"give connection=Connection(...) or its fields {sorted(connection_fields)}, not both")
-    plan = plan or PlanConfig(**{k: v for k, v in plan_fields.items() if not _unset(v)})
-    return plan, connection or Connection(**connection_fields)
-
-
-def _unset(value: Any) -> bool:
-    """"" and 0 mean the default, as on the wire; False is a choice (collective_safe=False)."""
-    return value is None or value == "" or (value == 0 and not isinstance(value, bool))
-
-
-def _seat(seat: Seat | None, rank: int | None, encoder_rank: int | None, replica: int, cp_rank: int) -> Seat:
-    """The stream's seat, from `seat` or v1's keyword arguments (exactly one of seat, rank and encoder_rank)."""
-    if sum(given is not None for given in (seat, rank, encoder_rank)) != 1:
-        raise ValueError("give seat=Seat(...) (or its short forms rank=, an LLM rank, or encoder_rank=, an encoder "
-                         "rank of a plan with encoder_ranks > 0): exactly one of them")
-    if seat is not None:
-        if replica or cp_rank:
-            raise ValueError("give the replica and the lane in the seat: Seat(rank, replica=..., lane=...)")
-        return seat
-    return Seat(encoder_rank if rank is None else rank, replica, cp_rank, encoder=rank is None)
-
 
 LENGTH_WAIT_S = 600.0  # the longest len(stream) waits for a server still counting a job's later epochs
 
@@ -97,31 +60,27 @@ class PackStream:
     (plan `encoder_ranks` E > 0), encoder rank `rank` (0..E-1), whose pack m holds the images it encodes for
     microbatch m of every LLM rank, with where each output goes (docs/wire.md "Encoder ranks"). Only a rank's
     lane 0, replica 0 acknowledges for it (an encoder rank's are reports; the LLM ranks' move the job); every
-    seat holds a lease of its own. `rank=` is the short form of `Seat(rank)`, and v1's `encoder_rank=`,
-    `replica=` (`replicas=` is checked against it) and `cp_rank=` still work. `resume`: the state_dicts of every
+    seat holds a lease of its own; `seat=rank` is the short form of `Seat(rank)`. The keywords of earlier
+    versions (`rank=`, `encoder_rank=`, `replica=` with `replicas=`, `cp_rank=`) still work
+    (`packfeed.client.stream_keywords`). `resume`: the state_dicts of every
     rank of another job of the same dataset and seed, which ran with other plan settings (another DP or M): this
     job then plans what that job left of its epoch with its own settings and starts there (elastic resume; every
     sample still once per epoch). `producer_token`, for a live job: the token its producers must bring
     (docs/live.md "Who may put"; PACKFEED_PRODUCER_TOKEN when not given).
-    `connection` holds timeouts, retries, token and TLS. The flat keyword arguments
-    of earlier versions (`dp=`, `microbatches=`, `strategy=`, `token=`, `tls_ca=`, `timeout=`, ...) still
-    work: they fill `plan` and `connection`.
+    `connection` holds timeouts, retries, token and TLS. The flat keyword arguments of earlier versions (`dp=`,
+    `microbatches=`, `strategy=`, `token=`, `tls_ca=`, `timeout=`, ...) still work: they fill `plan` and
+    `connection`.
     """
 
-    def __init__(self, target: str | list[str] | None = None, *, job: str, rank: int | None = None,
-                 plan: PlanConfig | None = None,
-                 seed: int = 0, epochs: int = 1, dataset: str = "", connection: Connection | None = None,
-                 prefetch: int = 2, pin_memory: bool = False, acknowledge: bool = True, index: str | None = None,
-                 decode: DecodeOptions | None = None, replica: int = 0, replicas: int = 1, cp_rank: int = 0,
-                 resume: list[dict[str, Any]] | None = None, encoder_rank: int | None = None,
-                 seat: Seat | None = None, producer_token: str | None = None, **flat: Any):
+    def __init__(self, target: str | list[str] | None = None, *, job: str, seat: Seat | int | None = None,
+                 plan: PlanConfig | None = None, seed: int = 0, epochs: int = 1, dataset: str = "",
+                 connection: Connection | None = None, prefetch: int = 2, pin_memory: bool = False,
+                 acknowledge: bool = True, index: str | None = None, decode: DecodeOptions | None = None,
+                 resume: list[dict[str, Any]] | None = None, producer_token: str | None = None, **earlier: Any):
         if (target is None) == (index is None):
             raise ValueError("give a server target ('host:port', or several for failover) or an index for an "
                              "embedded server, not both")
-        self.plan, self.connection = _grouped(plan, connection, flat)
-        if not 0 <= replica < replicas:
-            raise ValueError(f"replica {replica} of {replicas}: give 0 <= replica < replicas")
-        self.seat = _seat(seat, rank, encoder_rank, replica, cp_rank)
+        self.seat, self.plan, self.connection, replicas = stream_arguments(seat, plan, connection, earlier)
         self.job, self.replicas = job, replicas
         self.prefetch, self.pin_memory, self.acknowledge = max(1, prefetch), pin_memory, acknowledge
         self._local = None

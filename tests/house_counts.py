@@ -1,6 +1,7 @@
 """The counts issue [2/6] of the sixth wave tracks, read off the product code (run: python tests/house_counts.py):
 how often serving asks which kind of plan it has, what a rank-step's work carries, where the server imports
-client code, and how many attributes are set on an object from outside it after it was built."""
+client code, how many attributes are set on an object from outside it after it was built, and where a plan's
+sharing of prefixes is decided."""
 
 from __future__ import annotations
 
@@ -63,6 +64,14 @@ def attributes_set_from_outside(trees) -> list[str]:
     return found
 
 
+def shared_prefix_decisions(trees) -> list[str]:
+    """`... and <x>.shared_prefix`: a place deciding whether a plan shares its groups' prefixes (the flag with
+    another condition), anywhere in the product code."""
+    return sorted(f"{path.relative_to(REPO)}:{node.lineno}" for path, tree in trees.items() for node in ast.walk(tree)
+                  if isinstance(node, ast.BoolOp) and isinstance(node.op, ast.And) and any(
+                      isinstance(value, ast.Attribute) and value.attr == "shared_prefix" for value in node.values))
+
+
 def getattr_probes(trees) -> int:
     """getattr(x, "name", default) on product objects in the server's serving and live rooms."""
     return sum(1 for path, tree in trees.items()
@@ -79,6 +88,8 @@ def main() -> None:
     print(f"server imports of client code outside the command line: {len(client)}" + "".join(f"\n  {c}" for c in client))
     outside = attributes_set_from_outside(trees)
     print(f"attributes set from outside an object in the server: {len(outside)}" + "".join(f"\n  {a}" for a in outside))
+    decisions = shared_prefix_decisions(trees)
+    print(f"shared-prefix decisions: {len(decisions)}" + "".join(f"\n  {d}" for d in decisions))
     print(f"getattr probes with a default in serve/ and live/: {getattr_probes(trees)}")
 
 

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from packfeed.v1 import packfeed_pb2 as pb
-from packfeed.v1.options import CostModel, Oversize, PlanConfig, Strategy
+from packfeed.v1.options import FEATURES, CostModel, Oversize, PlanConfig, Strategy
 
 plan_configs = st.builds(
     lambda dp, m, p, strategy, caps, targets, iterations, per_pack, oversize, cost: PlanConfig(
@@ -73,6 +73,45 @@ def test_an_old_clients_zero_counts_mean_the_defaults():
 def test_bad_plan_specs_fail_where_they_enter(spec, message):
     with pytest.raises(ValueError, match=message):
         PlanConfig.from_proto(spec)
+
+
+@pytest.mark.parametrize("turned_on, recorded", [
+    ({}, set()),
+    ({"window": 100}, {"window"}),
+    ({"strategy": "isf+phases"}, {"ranks_per_node"}),
+    ({"strategy": "isf+phases", "colocate_encoder": True}, {"ranks_per_node", "colocate_encoder"}),
+    ({"context_parallel": 2}, {"context_parallel", "max_tokens_per_gpu", "cp_mode"}),
+    ({"encoder_ranks": 2}, {"encoder_ranks"}),
+    ({"collective_safe": False}, {"collective_safe"}),
+    ({"shared_prefix": False}, {"shared_prefix"}),
+    ({"live": True, "step_samples": 8}, {"live", "step_samples", "step_tokens", "steps"}),
+    ({"live": True, "step_samples": 8, "max_staleness": 2}, {"live", "step_samples", "step_tokens", "steps",
+                                                              "max_staleness"}),
+])
+def test_a_plan_records_a_features_fields_only_while_it_is_on(turned_on, recorded):
+    """The feature table (`options.FEATURES`): a plan without a feature records what plans did before it existed
+    (so their fingerprints stay); every field belongs to one feature or is always recorded."""
+    owned = [name for feature in FEATURES for name in feature.fields]
+    assert len(owned) == len(set(owned))
+    always = {f.name for f in dataclasses.fields(PlanConfig)} - set(owned)
+    assert always == {"dp", "microbatches", "pipeline_stages", "strategy", "vision_cap", "token_cap",
+                      "vision_target", "token_target", "isf_iterations", "samples_per_pack", "oversize", "cost_model"}
+    assert set(PlanConfig(dp=4, **turned_on).to_dict()) == always | recorded
+
+
+def test_whether_a_plan_shares_prefixes_is_answered_once_for_an_index_and_a_live_job():
+    default = PlanConfig(dp=2)
+    assert default.shares_prefixes(grouped=True) and not default.shares_prefixes(grouped=False)
+    assert not PlanConfig(dp=2, shared_prefix=False).shares_prefixes(True)
+    assert not PlanConfig(dp=2, strategy="random").shares_prefixes(True)  # the padded baselines batch as they come
+    assert PlanConfig(dp=2, live=True, step_samples=8).shares_prefixes(True)
+    assert default.prefix_sharing_refusal() == ""
+    for refused, why in (({"context_parallel": 2}, "context parallelism"), ({"strategy": "isf+phases"}, "isf+phases"),
+                         ({"encoder_ranks": 2}, "encoder ranks"),
+                         ({"live": True, "step_samples": 8, "context_parallel": 2}, "context parallelism")):
+        refusal = PlanConfig(dp=4, **refused).prefix_sharing_refusal()
+        assert why in refusal and "shared_prefix false" in refusal
+    assert "further encoders" in default.prefix_sharing_refusal(further_encoders=True)
 
 
 def test_cli_flags_are_the_plan_config_fields():

@@ -244,7 +244,7 @@ FLOORS = {
                          "metrics": 5, "checkpoint": 5, "decisions": 5, "loop": 6, "train": 7, "__main__": 8},
     "packfeed.client": {"wire": 0, "attention": 0, "discovery": 0, "tensors": 1, "channel": 1, "decode": 2, "hf": 2,
                         "hf_families": 2, "context_parallel": 2, "shared_prefix": 2, "losses": 2, "dataset_losses": 2,
-                        "towers": 1, "hf_config": 1, "producer": 2, "loss_reports": 2, "receiver": 3, "resume": 3, "local": 3, "stream": 4, "loaders": 5,
+                        "towers": 1, "hf_config": 1, "producer": 2, "loss_reports": 2, "stream_keywords": 2, "receiver": 3, "resume": 3, "local": 3, "stream": 4, "loaders": 5,
                         "guard_updates": 5, "hf_trainer": 6, "lightning": 6, "megatron": 6,
                         "grpo_prompts": 6, "grpo_config": 6, "sft_trainer": 7, "trl": 7},
 }

@@ -525,6 +525,24 @@ def test_a_live_job_with_context_parallelism_sends_each_lane_its_share(server, p
     assert totals == {key: len(sample["tokens"]) for key, sample in put.items()}  # every token once
 
 
+def test_a_context_parallel_live_job_refuses_a_sample_sharing_its_groups_prompt(server, prompts):
+    """The answer an index with groups gets: a plan with context parallelism shares no prefixes, so a sample
+    sharing its group's prompt is refused at its put, naming its group and the way out, not taken and planned
+    alone unsaid; in a job opened with shared_prefix false the same sample is taken."""
+    conventions = prompts[1]
+    shared = text_sample(np.random.default_rng(12), conventions, "cpg-0")  # its 5 first tokens: the prompt
+    for job, sharing in (("cp-groups", True), ("cp-alone", False)):
+        plan = PlanConfig(dp=1, live=True, step_samples=6, context_parallel=2, max_tokens_per_gpu=256,
+                          token_cap=256, vision_cap=64, shared_prefix=sharing)
+        with Producer(server.target, job=job, connection=CONNECTION, plan=plan, on_refused="return") as producer:
+            (result,) = producer.put([shared])
+        if sharing:
+            assert not result.accepted and result.field == "group", result
+            assert "context parallelism" in result.reason and "shared_prefix false" in result.reason, result
+        else:
+            assert result.accepted, result
+
+
 def test_a_groups_responses_come_with_their_prompt_once(server, prompts):
     """G = 4 responses to each of three prompts with images (by reference) and to one prompt sent as image files:
     each group in one pack, its images read and sent once (a sibling carries none, its shared_prefix row names its

@@ -283,6 +283,15 @@ def test_grouped_and_flat_stream_options_open_the_same_job(server):
         PackStream(server.target, job="grouped", rank=0, plan=PlanConfig(**PLAN), dp=2)
     with pytest.raises(TypeError, match="unexpected keyword"):
         PackStream(server.target, job="grouped", rank=0, **PLAN, prefech=3)
+    # the seat: one argument (a Seat, or an LLM rank's number), the earlier keywords mapped onto it
+    from packfeed.client import Seat
+
+    for earlier in (dict(seat=1), dict(rank=1), dict(seat=Seat(1))):
+        stream = PackStream(server.target, job="grouped", **earlier, plan=PlanConfig(**PLAN, strategy="isf"))
+        assert stream.seat == Seat(1) and stream.info.plan_fingerprint == grouped.info.plan_fingerprint
+        stream.close()
+    with pytest.raises(ValueError, match="exactly one of them"):
+        PackStream(server.target, job="grouped", seat=0, rank=0, **PLAN)
 
 
 def test_health_reflection_and_metrics(server):

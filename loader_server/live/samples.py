@@ -46,6 +46,9 @@ class SampleRules:
     # pixel mode holds per pixel: an image over it would be skipped when served, so it is refused at its put
     decode_budget: int = 0
     decode_bytes_per_pixel: int = 0
+    # why a sample sharing its group's prompt cannot be planned in this job ("": it can), as an index with groups
+    # is refused when planned (`PlanConfig.prefix_sharing_refusal`)
+    prefix_refusal: str = ""
 
 
 @dataclass
@@ -137,6 +140,9 @@ def checked_sample(message: pb.LiveSample, rules: SampleRules) -> LiveSample:
                         message.prompt, list(message.images), [], loss_tokens=int(mask.sum()))
     _check_images(sample, rules)
     _find_prefix(sample, rules.image_context_id)
+    if sample.prefix_key and rules.prefix_refusal:
+        raise Refused("group", f"the sample shares its group's prompt, and {rules.prefix_refusal} when the job "
+                               "opens (or put it without a group)")
     sample.digest = sample.content_digest()
     return sample
 

@@ -27,7 +27,7 @@ def step_plan(rows: list[dict], config: PlanConfig, seed: int, step: int, finger
                         np.array([r["tokens"] for r in rows], np.int32),
                         np.array([r["vit_patches"] for r in rows], np.float32),
                         np.array([r["vit_attn_sq"] for r in rows], np.float32))
-    if shares_live_prefixes(config) and any(r.get("prefix_key") for r in rows):  # one group per (group, prefix)
+    if config.shares_prefixes(any(r.get("prefix_key") for r in rows)):  # one group per (group, prefix)
         numbered: dict[tuple[str, str], int] = {}
         loads.group = np.array([numbered.setdefault(share_key(r), len(numbered)) if r.get("prefix_key") else -1
                                 for r in rows], np.int64)
@@ -44,12 +44,6 @@ def step_plan(rows: list[dict], config: PlanConfig, seed: int, step: int, finger
             raise ValueError(f"step {step}'s {len(rows)} samples need over {LIMITS['microbatches']} packs per rank "
                              "under the caps: raise token_cap and vision_cap, or lower step_samples")
         microbatches = min(LIMITS["microbatches"], math.ceil(microbatches * plan.n_steps))
-
-
-def shares_live_prefixes(config: PlanConfig) -> bool:
-    """A live job's steps share their groups' prefixes: shared_prefix on and no context parallelism (whose packs
-    are planned with each sample alone)."""
-    return config.shared_prefix and config.context_parallel == 1
 
 
 def share_key(row: dict) -> tuple[str, str]:

@@ -25,7 +25,7 @@ from packfeed.server.plan.caps import resolve_caps
 from packfeed.server.plan.collective import sample_towers, unaligned_towers
 from packfeed.server.plan.costs import SampleLoads
 from packfeed.server.plan.isf import Caps
-from packfeed.v1.options import PlanConfig, Strategy
+from packfeed.v1.options import PlanConfig
 
 
 @dataclass(frozen=True)
@@ -44,23 +44,15 @@ def grouped(loads: Any) -> bool:
 
 
 def shares_prefixes(loads: Any, config: PlanConfig) -> bool:
-    """`make_plan` plans these loads in units: groups given, sharing on, a strategy that packs (the padded
-    baselines batch samples as they come)."""
-    return grouped(loads) and config.shared_prefix and not config.strategy.padded
+    """`make_plan` plans these loads in units (`PlanConfig.shares_prefixes`, the one answer)."""
+    return config.shares_prefixes(grouped(loads))
 
 
 def check_shared_plan(loads: Any, config: PlanConfig) -> None:
     """Refuses, naming the way out, what a plan sharing prefixes does not cover."""
-    refused = []
-    if config.context_parallel > 1:
-        refused.append("context parallelism (a response must see its prefix on its own GPU)")
-    if config.strategy is Strategy.ISF_PHASES or config.disaggregated:
-        refused.append("strategy isf+phases and encoder ranks (a prefix's images are encoded where it trains)")
-    if getattr(loads, "encoders", None):
-        refused.append("further encoders")
-    if refused:
-        raise ValueError(f"a plan whose groups share their prefix does not plan {' or '.join(refused)} yet; plan "
-                         "each sample alone with shared_prefix false")
+    refusal = config.prefix_sharing_refusal(further_encoders=bool(getattr(loads, "encoders", None)))
+    if refusal:
+        raise ValueError(refusal)
 
 
 def caps_for(loads: SampleLoads, config: PlanConfig, caps: Caps | None) -> Caps:

@@ -37,6 +37,7 @@ from packfeed.server.plan.collective import (alignment_summary, collective_safe_
                                              unaligned_towers)
 from packfeed.server.plan.costs import SampleLoads
 from packfeed.server.plan.draws import drawn_again
+from packfeed.server.plan.groups import shares_prefixes
 from packfeed.server.plan.isf import Caps
 from packfeed.server.plan.mapped_loads import MappedLoads
 from packfeed.server.plan.metrics import dist_terms, step_waste
@@ -136,7 +137,7 @@ class WindowedPlan:
             ids = np.arange(window * self.size, min((window + 1) * self.size, len(self.loads)), dtype=np.int64)
         else:
             ids = window_members(self.loads.valid, self.seed, self.epoch, window, self.size)
-        if getattr(self.loads, "group", None) is not None and self.config.shared_prefix:
+        if shares_prefixes(self.loads, self.config):
             ids = self._whole_groups(ids)
         if window in self._carried:
             carried = self._carried[window]

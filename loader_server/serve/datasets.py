@@ -31,6 +31,7 @@ from packfeed.server.serve.preprocess import TOKENIZE_BYTES_PER_TOKEN
 from packfeed.server.serve.routed import routed_encodes
 from packfeed.server.serve.step_work import DatasetSource, IndexReads, RankStepWork
 from packfeed.v1 import packfeed_pb2 as pb
+from packfeed.v1.layout import Seat
 from packfeed.v1.options import PixelMode, PlanConfig, Strategy
 
 
@@ -194,9 +195,9 @@ class Dataset:
         """(part, sample id there) of plan members `ids`."""
         return self.planning.members(plan, ids)
 
-    def work(self, plan: Plan, step: int, rank: int, encoder: bool = False) -> RankStepWork:
-        """What a worker needs to prepare one rank's packs of one step (`encoder`: encoder rank `rank`'s)."""
-        config = plan.config
+    def work(self, plan: Plan, step: int, seat: Seat, decode_budget: int = 0) -> RankStepWork:
+        """What a worker needs to prepare one rank's packs of one step (`JobSource.work`)."""
+        config, rank, encoder = plan.config, seat.rank, seat.encoder
         packs = []
         for microbatch in range(config.microbatches):
             ids, limits = plan.pack_with_truncation(step, rank, microbatch) if not encoder else ([], [])
@@ -206,11 +207,10 @@ class Dataset:
         step_loss = sum(part.rows.loss_tokens(sample_ids[sources == k]) for k, part in enumerate(parts_))
         spans = [plan.pack_cp(step, rank, microbatch) for microbatch in range(config.microbatches)] \
             if config.context_parallel > 1 else None
-        return RankStepWork(IndexReads(tuple(part.name for part in parts_), tuple(part.label for part in parts_)),
-                            plan.epoch, step, rank, packs, step_loss, plan.is_last_step(step), plan.seed,
-                            self._routing(plan, step, rank, encoder), cp_spans=spans, cp=config.context_parallel,
-                            disaggregated=config.disaggregated, encoder=encoder,
-                            shares=config.shared_prefix and not config.strategy.padded)
+        reads = IndexReads(tuple(part.name for part in parts_), tuple(part.label for part in parts_),
+                           config.shares_prefixes(any(part.info.groups for part in parts_)))
+        return RankStepWork(reads, plan.epoch, step, seat, config.layout, packs, step_loss, plan.is_last_step(step),
+                            plan.seed, self._routing(plan, step, rank, encoder), decode_budget, spans)
 
     def _routing(self, plan: Plan, step: int, rank: int, encoder: bool) -> list | None:
         """isf+phases with the encoder routed, or on ranks of its own: per microbatch, who encodes each member of

@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     from packfeed.server.serve.job_spec import Resume
     from packfeed.server.serve.step_work import RankStepWork
     from packfeed.v1 import packfeed_pb2 as pb
+    from packfeed.v1.layout import Seat
     from packfeed.v1.options import PixelMode, PlanConfig
 
 
@@ -57,8 +58,9 @@ class JobSource(Protocol):
         """The job's ledger of loss-driven weights, where its source has one."""
         ...
 
-    def work(self, plan: Any, step: int, rank: int, encoder: bool = False) -> RankStepWork:
-        """What a worker needs to prepare one rank's packs of one step."""
+    def work(self, plan: Any, step: int, seat: Seat, decode_budget: int = 0) -> RankStepWork:
+        """What a worker needs to prepare the packs of one step for `seat`'s rank (lane and replica 0: every lane
+        and replica of the rank is sent the same work); `decode_budget`: `RankStepWork.decode_budget`."""
         ...
 
     def estimate_bytes(self, work: RankStepWork) -> int: ...

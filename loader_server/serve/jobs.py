@@ -12,7 +12,7 @@ import asyncio
 import collections
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from packfeed.server.cluster.coordinator import JobRecord
@@ -279,9 +279,10 @@ class Job:
             raise JobError("OUT_OF_RANGE", f"step {step} is past the plan of epoch {epoch} ({known})")
         return plan
 
-    def work(self, epoch: int, step: int, seat: Seat) -> RankStepWork:
-        """What the seat's rank is sent of the step (every lane's share: each lane's stream takes its own)."""
-        return self.dataset.work(self.epoch_plan(epoch), step, seat.rank, seat.encoder)
+    def work(self, epoch: int, step: int, seat: Seat, decode_budget: int = 0) -> RankStepWork:
+        """What the seat's rank is sent of the step (every lane's share: each lane's stream takes its own);
+        `decode_budget`: what decoding one image may take (`RankStepWork.decode_budget`)."""
+        return self.dataset.work(self.epoch_plan(epoch), step, replace(seat, lane=0, replica=0), decode_budget)
 
     def next_step(self, epoch: int, step: int) -> tuple[int, int] | None:
         """The step after (epoch, step), or None at the end of the job."""

@@ -36,6 +36,10 @@ class LiveReads:
     def sources(self) -> int:
         return 1  # every member comes from the spool
 
+    @property
+    def shares(self) -> bool:
+        return True  # a row says what it shares where its step's plan shares prefixes (`LiveDataset.work`)
+
     def parts(self, open_index) -> list[tuple]:
         prompts = [open_index(name) for name in self.datasets]
         return [(LiveRows(self), LiveReader(prompts, self), LIVE_LABEL)]

@@ -13,6 +13,7 @@ from packfeed.server.live.steps import LiveSteps
 from packfeed.server.serve.job_spec import JobError
 from packfeed.server.serve.live_reads import LiveReads, prompt_in
 from packfeed.server.serve.step_work import RankStepWork
+from packfeed.v1.layout import Seat
 from packfeed.v1.options import Oversize, PlanConfig
 
 class LivePlan:
@@ -100,7 +101,8 @@ class LiveDataset:
             vision = config.vision_cap * config.context_parallel
         return SampleRules(conventions.vocab_size, conventions.image_context_id,
                            policy_from_dict(self.prompts.parts[0].info.image_policy), self.prompt_images, tokens,
-                           vision, decode_budget, PIXEL_PATHS[self.pixels].decode_bytes_per_pixel)
+                           vision, decode_budget, PIXEL_PATHS[self.pixels].decode_bytes_per_pixel,
+                           config.prefix_sharing_refusal() if config.shares_prefixes(True) else "")
         # (a mixture's indexes agree on their conventions)
 
     def prompt_images(self, key: str) -> tuple[int, list[tuple[int, int]]] | None:
@@ -121,8 +123,9 @@ class LiveDataset:
             return None
         return prompt_id, list(zip(row["image_widths"], row["image_heights"]))
 
-    def work(self, plan: LivePlan, step: int, rank: int, encoder: bool = False) -> RankStepWork:
-        """What a worker needs to prepare one rank's packs of a live step."""
+    def work(self, plan: LivePlan, step: int, seat: Seat, decode_budget: int = 0) -> RankStepWork:
+        """What a worker needs to prepare one rank's packs of a live step (`JobSource.work`)."""
+        rank = seat.rank
         try:
             step_plan = self.steps.plan(step)
         except KeyError as error:
@@ -131,7 +134,7 @@ class LiveDataset:
             raise JobError("FAILED_PRECONDITION", f"live step {step} cannot be planned: {error}") from None
         if step_plan is None:  # the job's empty last step
             packs = [(np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.int32))] * plan.config.microbatches
-            return self._work(step, rank, packs, {}, 0, True)
+            return self._work(step, seat, decode_budget, packs, {}, 0, True)
         packs, positions, spans = [], [], []
         for microbatch in range(step_plan.config.microbatches):
             ids, limits = step_plan.pack_with_truncation(0, rank, microbatch)
@@ -147,18 +150,17 @@ class LiveDataset:
                 if row.get("prefix_key"):
                     row["share"] = ["\0".join(share_key(row)), row["prefix"]]
         step_loss = sum(row["loss_tokens"] for row in self.steps.member_rows(step, step_plan.step_members(0)))
-        return self._work(step, rank, packs, rows, step_loss, plan.is_last_step(step), spans)
+        return self._work(step, seat, decode_budget, packs, rows, step_loss, plan.is_last_step(step), spans)
 
-    def _work(self, step, rank, packs, rows, step_loss, last, spans=None) -> RankStepWork:
+    def _work(self, step, seat, decode_budget, packs, rows, step_loss, last, spans=None) -> RankStepWork:
         cp = self.steps.config.context_parallel
         if cp > 1 and spans is None:  # the empty last step: every lane an empty share
             spans = [(np.ones(0, np.int64), np.zeros(0, np.int64))] * len(packs)
         parts = self.prompts.parts  # every index a prompt may be read from; a step's members are all live
         reads = LiveReads(rows, self.conventions.image_context_id, self.steps.tensor_names or (), self.offsets,
                           tuple(p.name for p in parts))
-        return RankStepWork(reads, 0, step, rank, packs, step_loss, last, self.steps.seed,
-                            cp_spans=spans if cp > 1 else None, cp=cp,
-                            shares=True)  # a row says what it shares when its step's plan shares it
+        return RankStepWork(reads, 0, step, seat, self.steps.config.layout, packs, step_loss, last, self.steps.seed,
+                            decode_budget=decode_budget, cp_spans=spans if cp > 1 else None)
 
     def estimate_bytes(self, work: RankStepWork) -> int:
         rows = work.reads.rows.values()

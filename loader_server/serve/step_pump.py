@@ -49,13 +49,14 @@ async def produce(job: Job, seat: Seat, cursor: tuple[int, int] | None, queue: a
                     elif job.live is not None and cursor[1] >= job.live.formed:
                         break  # deliver what is in preparation first; wait for this one then
                     if working is None:
-                        working = asyncio.ensure_future(asyncio.to_thread(job.work, cursor[0], cursor[1], seat))
+                        # a sample needing more than the budget's working limit is skipped, not prepared
+                        working = asyncio.ensure_future(asyncio.to_thread(job.work, cursor[0], cursor[1], seat,
+                                                                          account.budget.working_limit))
                     if in_flight and not working.done():
                         await asyncio.wait({working, in_flight[0][2]}, return_when=asyncio.FIRST_COMPLETED)
                         if not working.done():  # deliver what is ready: its trainer's reports may be what this
                             break               # step's window waits for
                     work, working = await working, None
-                    work.decode_budget = account.budget.working_limit  # a sample needing more is skipped, not prepared
                     # room for the packs, and meanwhile for decoding the step's largest image (or tokenising its
                     # longest sample)
                     pending = work, job.dataset.estimate_bytes(work) + job.dataset.working_bytes(work)

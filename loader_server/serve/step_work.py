@@ -11,6 +11,7 @@ import numpy as np
 
 from packfeed.server.serve.step_files import SharedFiles, give_back_file, map_file
 from packfeed.server.serve.wire import SplitMessage
+from packfeed.v1.layout import Layout, Seat
 from packfeed.v1.options import PixelMode
 
 
@@ -28,11 +29,15 @@ class StepReads(Protocol):
     """What a worker reads a rank-step's samples through, as the job's source says: per source a member's
     `sources` entry counts in, its rows (what the pack builder asks of a sample: its row, what it shares, its
     bytes), the reader that loads it and the dataset name its packs carry; and what every pack of the source
-    carries beside its samples. An index's are its rows and shards (`IndexReads`); a live job's, its spooled
+    carries beside its samples, and whether a member's rows say what it shares its prefix with (`shares`). An
+    index's are its rows and shards (`IndexReads`); a live job's, its spooled
     samples with their prompts' images from the indexes (`packfeed.server.serve.live_reads.LiveReads`)."""
 
     @property
     def sources(self) -> int: ...
+
+    @property
+    def shares(self) -> bool: ...
 
     def parts(self, open_index: Callable[[str], tuple[Any, Any]]) -> list[tuple[Any, Any, str]]:
         """(rows, reader, label) per source; `open_index(name)` opens (or gives back) an index's rows and reader."""
@@ -49,6 +54,7 @@ class IndexReads:
 
     datasets: tuple[str, ...]  # the worker's names of the indexes a member's source counts in
     labels: tuple[str, ...]  # the dataset names the packs carry (`sample_sources`), one per index
+    shares: bool = False  # the plan shares its groups' prefixes (`PlanConfig.shares_prefixes`)
 
     @property
     def sources(self) -> int:
@@ -66,7 +72,10 @@ class RankStepWork:
     reads: StepReads  # where the step's samples are read from (an index's shards, a live spool)
     epoch: int
     step: int
-    rank: int
+    # whose step: an LLM rank's, or (the encoder on ranks of its own, layout.encoder_ranks > 0) an encoder rank's,
+    # with `packs` empty and `routed` what it encodes; every lane and replica of the rank is sent this work
+    seat: Seat
+    layout: Layout  # the job's degrees: with cp > 1 each pack goes out as cp shares, one per GPU of the CP group
     packs: list[tuple[np.ndarray, np.ndarray, np.ndarray]]  # per microbatch: (sample ids, token limits, sources)
     step_loss_tokens: int
     last_in_epoch: bool
@@ -77,15 +86,9 @@ class RankStepWork:
     # bytes decoding one image or tokenising one sample may take (MemoryBudget.working_limit): a sample needing
     # more is skipped, with its reason, instead of prepared; 0: no limit
     decode_budget: int = 0
-    # context parallelism (plan context_parallel C > 1), per microbatch: each member's CP degree and cp_group; each
-    # pack then goes out as C shares, one per GPU of the rank's CP group (`packfeed.server.serve.cp_shares`)
+    # context parallelism (layout.cp C > 1), per microbatch: each member's CP degree and cp_group, for its C shares
+    # (`packfeed.server.serve.cp_shares`)
     cp_spans: list[tuple[np.ndarray, np.ndarray]] | None = None
-    cp: int = 1  # C, the GPUs of the rank's CP group
-    # the encoder on ranks of its own (plan encoder_ranks > 0): `encoder` when this is an encoder rank's step
-    # (`rank` its encoder rank, `packs` empty, `routed` what it encodes); an LLM rank's step encodes nothing
-    disaggregated: bool = False
-    encoder: bool = False
-    shares: bool = False  # a group's members in a pack share their prefix (the plan's `shared_prefix`)
 
     def samples_by_source(self, pixels_only: bool = False) -> list[tuple[int, np.ndarray]]:
         """(source k, its sample ids) for each index the step reads, every pack's samples together: a step's

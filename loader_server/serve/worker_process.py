@@ -144,12 +144,12 @@ def _build_rank_step(work: RankStepWork, shared: str | None) -> RankStepResult:
             if work.routed is not None:
                 encoders, encode = work.routed[microbatch]
                 pack = build_routed_pack(parts, (members, truncate_to, sources), encoders, encode, work.epoch,
-                                         work.step, work.rank, microbatch, work.seed,
-                                         encodes_as=-1 if work.disaggregated and not work.encoder else None)
-                pack.encoder = work.encoder
+                                         work.step, work.seat.rank, microbatch, work.seed,
+                                         encodes_as=-1 if work.layout.encoder_ranks and not work.seat.encoder else None)
+                pack.encoder = work.seat.encoder
             else:
-                pack = build_pack(parts, members, truncate_to, sources, work.epoch, work.step, work.rank,
-                                  microbatch, work.seed, work.shares)
+                pack = build_pack(parts, members, truncate_to, sources, work.epoch, work.step, work.seat.rank,
+                                  microbatch, work.seed, work.reads.shares)
             pack.step_loss_tokens = work.step_loss_tokens
             work.reads.complete(pack)
             if work.cp_spans is None:
@@ -157,10 +157,10 @@ def _build_rank_step(work: RankStepWork, shared: str | None) -> RankStepResult:
             else:
                 degree, group = (np.asarray(a)[pack.positions] for a in work.cp_spans[microbatch])
                 pieces.extend(pack_pieces(share, len(work.packs), work.last_in_epoch)
-                              for share in cp_shares(pack, degree, group, work.cp,
+                              for share in cp_shares(pack, degree, group, work.layout.cp,
                                                      parts[0][1].policy.temporal_patch))
             skipped.extend(pack.skipped)
-            samples += len(encode[0]) if work.encoder else len(members)
+            samples += len(encode[0]) if work.seat.encoder else len(members)
             by_dataset.update(pack.sample_sources)
         result = RankStepResult([], samples, skipped, 0.0, dict(by_dataset))
         if shared is not None:

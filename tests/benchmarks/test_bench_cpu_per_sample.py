@@ -222,6 +222,7 @@ def worker_cpu_seconds(index: Path, tokenizer: Path, pixels: str) -> tuple[int, 
     from packfeed.server.serve.datasets import Dataset
     from packfeed.server.serve.job_spec import JobSpec
     from packfeed.server.serve.registry import JobRegistry
+    from packfeed.v1.layout import Seat
     from packfeed.v1.options import PlanConfig
 
     name = f"{index}:{pixels}"  # workers keep each dataset they opened under its name
@@ -232,7 +233,7 @@ def worker_cpu_seconds(index: Path, tokenizer: Path, pixels: str) -> tuple[int, 
     files = step_files.SharedFiles(step_files.shared_directory(), 1 << 30)  # reused step after step, as the server does
     samples, started = 0, time.process_time()
     for step in range(job.epoch_plan(0).n_steps):
-        result = worker_process.build_rank_step(job.work(0, step, 0), files.take())
+        result = worker_process.build_rank_step(job.work(0, step, Seat(0)), files.take())
         result.files = files
         samples += result.attach().samples
         result.messages = []

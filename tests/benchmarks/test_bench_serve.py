@@ -40,6 +40,7 @@ def packfeed_preprocess(index: Path, keep: int = 0):
     from packfeed.server.serve.datasets import Dataset
     from packfeed.server.serve.job_spec import JobSpec
     from packfeed.server.serve.registry import JobRegistry
+    from packfeed.v1.layout import Seat
     from packfeed.v1.options import PlanConfig
 
     source = step_work.DatasetSource(str(index), str(index.parent / "tokenizer.json"))
@@ -47,7 +48,7 @@ def packfeed_preprocess(index: Path, keep: int = 0):
     registry = JobRegistry({"d": Dataset.open("d", source)})
     job = registry.open_job(JobSpec("bench", "d", PlanConfig(dp=2, microbatches=2, pipeline_stages=2), 0))
     plan = job.epoch_plan(0)
-    work = [job.work(0, s, r) for s in range(plan.n_steps) for r in range(2)]
+    work = [job.work(0, s, Seat(r)) for s in range(plan.n_steps) for r in range(2)]
     worker_process.build_rank_step(work[0])  # open the dataset and tokenizer outside the timing
     samples, kept = 0, []
     started = time.perf_counter()

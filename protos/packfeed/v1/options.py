@@ -11,6 +11,7 @@ This module is part of the contract (`packfeed.v1`): pure Python, no numpy, impo
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
@@ -177,67 +178,21 @@ class PlanConfig:
         problems += self.layout.problems()  # dp, pipeline_stages, context_parallel and encoder_ranks together
         if self.microbatches < 1:
             problems.append("microbatches must be >= 1")
-        if self.window < 0:
-            problems.append("window must be >= 0 (0: the whole epoch at once)")
         if self.ranks_per_node < 1:
             problems.append("ranks_per_node must be >= 1")
-        if self.colocate_encoder and self.strategy is not Strategy.ISF_PHASES:
-            problems.append("colocate_encoder applies to strategy isf+phases only (the others always colocate)")
         if self.isf_iterations < 1:
             problems.append("isf_iterations must be >= 1")
         if not self.samples_per_pack >= 1:  # NaN fails too
             problems.append("samples_per_pack must be >= 1")
         problems += [f"{name} must be <= {limit}" for name, limit in LIMITS.items()
                      if getattr(self, name) is not None and getattr(self, name) > limit]
-        problems += self._context_parallel_problems()
-        problems += self._encoder_ranks_problems()
-        problems += self._live_problems()
+        problems += [problem for feature in FEATURES for problem in feature.problems(self)]
         if (self.vision_cap is None) != (self.token_cap is None):
             problems.append("give both vision_cap and token_cap, or neither (automatic)")
         if any(v is not None and v < 1 for v in (self.vision_cap, self.token_cap)):
             problems.append("vision_cap and token_cap must be >= 1")
         if problems:
             raise ValueError("invalid plan config: " + "; ".join(problems))
-
-    def _context_parallel_problems(self) -> list[str]:
-        c = self.context_parallel
-        if c > 1 and self.strategy not in (Strategy.ISF, Strategy.ISF_BALANCE):
-            return [f"context_parallel plans ISF packs: strategy isf+balance or isf, not {self.strategy.value}"]
-        if c > 1 and self.window:
-            return ["context_parallel plans whole epochs: leave window at 0"]
-        if self.max_tokens_per_gpu is not None and self.max_tokens_per_gpu < 1:
-            return ["max_tokens_per_gpu must be >= 1"]
-        if c == 1 and (self.max_tokens_per_gpu is not None or self.cp_mode is not CpMode.DYNAMIC):
-            return ["max_tokens_per_gpu and cp_mode apply with context_parallel > 1"]
-        return []
-
-    def _encoder_ranks_problems(self) -> list[str]:
-        if self.encoder_ranks <= 0:
-            return []
-        if self.strategy not in (Strategy.ISF, Strategy.ISF_BALANCE, Strategy.ISF_PHASES):
-            return [f"encoder_ranks plans ISF packs: strategy isf+balance, isf or isf+phases, not "
-                    f"{self.strategy.value}"]
-        if self.colocate_encoder:
-            return ["colocate_encoder encodes on the LLM's ranks: leave encoder_ranks at 0"]
-        return []
-
-    def _live_problems(self) -> list[str]:
-        given = [name for name in LIVE_FIELDS if getattr(self, name) not in (None, 0)]
-        if not self.live:
-            return [f"{', '.join(given)} apply to live jobs only: set live"] if given else []
-        problems = []
-        if not (self.step_samples or self.step_tokens):
-            problems.append("a live job needs step_samples or step_tokens (when a step forms)")
-        if min(self.step_samples, self.step_tokens, self.steps, self.max_staleness or 0) < 0:
-            problems.append("step_samples, step_tokens, steps and max_staleness must be >= 0")
-        if self.window:
-            problems.append("a live job plans each step as it forms: leave window at 0")
-        if self.strategy.padded:
-            problems.append(f"a live job plans ISF packs: strategy isf+balance or isf, not {self.strategy.value}")
-        if self.strategy is Strategy.ISF_PHASES or self.encoder_ranks:
-            problems.append("a live job encodes images where they train: strategy isf+balance or isf, "
-                            "encoder_ranks 0")
-        return problems
 
     @property
     def layout(self) -> Layout:
@@ -250,6 +205,21 @@ class PlanConfig:
         """The encoder on ranks of its own (encoder_ranks > 0)."""
         return self.encoder_ranks > 0
 
+    def shares_prefixes(self, grouped: bool) -> bool:
+        """Whether this plan shares its groups' prefixes, for an index and a live job alike: its samples come in
+        groups that share a prefix (`grouped`: an index's group column, a live step's samples with a shared
+        prompt), shared_prefix on, and a strategy that packs (the padded baselines batch samples as they come).
+        Such a plan must have no `prefix_sharing_refusal`."""
+        return grouped and self.shared_prefix and not self.strategy.padded
+
+    def prefix_sharing_refusal(self, further_encoders: bool = False) -> str:
+        """Why a plan sharing prefixes cannot be this one, naming the way out ("": it can): the features on
+        that it does not combine with (`PREFIX_SHARING_REFUSES`, and an index's further encoders)."""
+        refused = [why for refuses, why in PREFIX_SHARING_REFUSES if refuses(self)] + \
+            (["further encoders"] if further_encoders else [])
+        return f"a plan whose groups share their prefix does not plan {' or '.join(refused)} yet; plan each " \
+            "sample alone with shared_prefix false" if refused else ""
+
     @property
     def slots(self) -> int:
         """Packs per global step: dp x microbatches."""
@@ -260,25 +230,11 @@ class PlanConfig:
         out = asdict(self)
         out["strategy"], out["oversize"], out["cp_mode"] = self.strategy.value, self.oversize.value, self.cp_mode.value
         out["cost_model"] = self.cost_model.to_dict()
-        if not self.window:
-            del out["window"]  # whole-epoch plans record what they recorded before windows existed
-        if self.strategy is not Strategy.ISF_PHASES:
-            del out["ranks_per_node"]  # ... and plans of the other strategies, what they did before phases
-        if not self.colocate_encoder:
-            del out["colocate_encoder"]
-        if self.context_parallel == 1:  # plans without CP record what they did before it existed
-            for name in ("context_parallel", "max_tokens_per_gpu", "cp_mode"):
-                del out[name]
-        if not self.encoder_ranks:  # ... and plans with the encoder on the LLM's ranks
-            del out["encoder_ranks"]
-        for name in ("collective_safe", "shared_prefix"):  # defaults: recorded when turned off
-            if out[name]:
-                del out[name]
-        if not self.live:  # plans of indexed data record what they did before live jobs existed
-            for name in ("live", *LIVE_FIELDS):
-                del out[name]
-        elif self.max_staleness is None:
-            del out["max_staleness"]
+        for feature in FEATURES:  # a plan without a feature records what plans did before it existed
+            on = feature.recorded(self)
+            for name in feature.fields if not on else feature.recorded_when_set:
+                if not on or out[name] is None:
+                    del out[name]
         return out
 
     @classmethod
@@ -307,3 +263,93 @@ class PlanConfig:
         if spec.HasField("cost_model"):
             chosen["cost_model"] = CostModel.from_proto(spec.cost_model)
         return cls(**chosen)
+
+
+# The features a plan may have, in one table: the fields each adds (recorded in `to_dict` only while it is on, so
+# a plan without it records, and fingerprints, what plans did before it existed) and its rules (its own settings,
+# and the features it does not combine with). A new feature is a row here, not a branch in `PlanConfig`.
+
+
+def _no_problems(config: PlanConfig) -> list[str]:
+    return []
+
+
+def _window_problems(c: PlanConfig) -> list[str]:
+    return ["window must be >= 0 (0: the whole epoch at once)"] if c.window < 0 else []
+
+
+def _colocate_problems(c: PlanConfig) -> list[str]:
+    if c.colocate_encoder and c.strategy is not Strategy.ISF_PHASES:
+        return ["colocate_encoder applies to strategy isf+phases only (the others always colocate)"]
+    return []
+
+
+def _context_parallel_problems(c: PlanConfig) -> list[str]:
+    if c.context_parallel > 1 and c.strategy not in (Strategy.ISF, Strategy.ISF_BALANCE):
+        return [f"context_parallel plans ISF packs: strategy isf+balance or isf, not {c.strategy.value}"]
+    if c.context_parallel > 1 and c.window:
+        return ["context_parallel plans whole epochs: leave window at 0"]
+    if c.max_tokens_per_gpu is not None and c.max_tokens_per_gpu < 1:
+        return ["max_tokens_per_gpu must be >= 1"]
+    if c.context_parallel == 1 and (c.max_tokens_per_gpu is not None or c.cp_mode is not CpMode.DYNAMIC):
+        return ["max_tokens_per_gpu and cp_mode apply with context_parallel > 1"]
+    return []
+
+
+def _encoder_ranks_problems(c: PlanConfig) -> list[str]:
+    if c.encoder_ranks <= 0:
+        return []
+    if c.strategy not in (Strategy.ISF, Strategy.ISF_BALANCE, Strategy.ISF_PHASES):
+        return [f"encoder_ranks plans ISF packs: strategy isf+balance, isf or isf+phases, not {c.strategy.value}"]
+    if c.colocate_encoder:
+        return ["colocate_encoder encodes on the LLM's ranks: leave encoder_ranks at 0"]
+    return []
+
+
+def _live_problems(c: PlanConfig) -> list[str]:
+    given = [name for name in LIVE_FIELDS if getattr(c, name) not in (None, 0)]
+    if not c.live:
+        return [f"{', '.join(given)} apply to live jobs only: set live"] if given else []
+    problems = []
+    if not (c.step_samples or c.step_tokens):
+        problems.append("a live job needs step_samples or step_tokens (when a step forms)")
+    if min(c.step_samples, c.step_tokens, c.steps, c.max_staleness or 0) < 0:
+        problems.append("step_samples, step_tokens, steps and max_staleness must be >= 0")
+    if c.window:
+        problems.append("a live job plans each step as it forms: leave window at 0")
+    if c.strategy.padded:
+        problems.append(f"a live job plans ISF packs: strategy isf+balance or isf, not {c.strategy.value}")
+    if c.strategy is Strategy.ISF_PHASES or c.encoder_ranks:
+        problems.append("a live job encodes images where they train: strategy isf+balance or isf, encoder_ranks 0")
+    return problems
+
+
+@dataclass(frozen=True)
+class Feature:
+    name: str
+    fields: tuple[str, ...]  # what it adds to PlanConfig
+    recorded: Callable[[PlanConfig], bool]  # whether `to_dict` records its fields
+    problems: Callable[[PlanConfig], list[str]] = _no_problems  # empty: its settings hold, with the others'
+    recorded_when_set: tuple[str, ...] = ()  # of its fields, those recorded (while it is on) only when not None
+
+
+FEATURES: tuple[Feature, ...] = (
+    Feature("windows", ("window",), lambda c: c.window != 0, _window_problems),
+    Feature("isf+phases", ("ranks_per_node",), lambda c: c.strategy is Strategy.ISF_PHASES),
+    Feature("a colocated encoder", ("colocate_encoder",), lambda c: c.colocate_encoder, _colocate_problems),
+    Feature("context parallelism", ("context_parallel", "max_tokens_per_gpu", "cp_mode"),
+            lambda c: c.context_parallel > 1, _context_parallel_problems),
+    Feature("encoder ranks", ("encoder_ranks",), lambda c: c.encoder_ranks > 0, _encoder_ranks_problems),
+    Feature("towers not aligned", ("collective_safe",), lambda c: not c.collective_safe),  # on by default
+    Feature("each sample alone", ("shared_prefix",), lambda c: not c.shared_prefix),  # sharing on by default
+    Feature("live", ("live", *LIVE_FIELDS), lambda c: c.live, _live_problems, recorded_when_set=("max_staleness",)),
+)
+
+# What a plan sharing its groups' prefixes (`PlanConfig.shares_prefixes`) does not combine with, and why: an index
+# with groups is refused when planned, a live sample sharing a prefix when put (the way out, for both: plan each
+# sample alone with shared_prefix false).
+PREFIX_SHARING_REFUSES: tuple[tuple[Callable[[PlanConfig], bool], str], ...] = (
+    (lambda c: c.context_parallel > 1, "context parallelism (a response must see its prefix on its own GPU)"),
+    (lambda c: c.strategy is Strategy.ISF_PHASES or c.encoder_ranks > 0,
+     "strategy isf+phases and encoder ranks (a prefix's images are encoded where it trains)"),
+)
