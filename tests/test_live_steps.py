@@ -3,6 +3,7 @@ the end, recovery from the spool after a crash, and release of what every rank c
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 from pathlib import Path
@@ -12,6 +13,7 @@ import pytest
 from PIL import Image
 
 from packfeed.media.image_policy import policy_from_dict
+from packfeed.server.live.rows import LiveRow
 from packfeed.server.live.samples import Refused, SampleRules, checked_sample
 from packfeed.server.live.spool import Spool, SpoolError, SpoolFull, job_folder, read_array
 from packfeed.server.live.step_plan import live_fingerprint
@@ -54,7 +56,7 @@ def live(tmp_path, config: PlanConfig, **bounds) -> LiveSteps:
     return LiveSteps(spool, config, 0, live_fingerprint(config, 0, "index"), **bounds)
 
 
-def row_of(steps: LiveSteps, sample_id: str) -> dict:
+def row_of(steps: LiveSteps, sample_id: str) -> LiveRow:
     return steps.rows[sample_id]
 
 
@@ -97,6 +99,20 @@ def test_images_are_costed_from_their_placeholders_and_sizes():
         checked_sample(message("c", len(tokens), tokens=tokens, images=[image]), rules(max_vision=1))
     with pytest.raises(Refused, match="its token cap under oversize skip"):
         checked_sample(message("d", 30), rules(max_tokens=20))
+
+
+def test_a_spooled_row_is_a_typed_record_that_reads_back_the_spools_json(tmp_path):
+    """A live row goes to its batch's rows file as JSON and comes back equal; a row a spool wrote before digests,
+    prefixes and tokened tar names (none of those keys) reads with their defaults."""
+    steps = live(tmp_path, PlanConfig(dp=1, live=True, step_samples=8))
+    steps.put([sample("a", 58, prompt="prompt-a", tokens=[1, 2] + [CONTEXT] * 48 + [3, 4] + [5] * 6,
+                      loss_mask=[0] * 52 + [1] * 6), sample("b", 12)])
+    rows = [row_of(steps, "a"), row_of(steps, "b")]
+    assert [LiveRow.from_json(json.loads(json.dumps(row.to_json()))) for row in rows] == rows
+    assert rows[0].prefix == 52 and rows[0].sizes == ((224, 112),) and rows[0].prompt_id == 3
+    assert {"key", "n_images", "members", "file"} <= set(rows[1].to_json())  # the keys spools always held
+    old = {k: v for k, v in rows[1].to_json().items() if k not in ("digest", "prefix", "prefix_key", "file")}
+    assert LiveRow.from_json(old) == dataclasses.replace(rows[1], digest="", prefix=0, prefix_key="", file="")
 
 
 def test_a_sample_without_a_loss_mask_is_trained_on_every_token():
@@ -265,13 +281,13 @@ def test_a_spool_in_an_object_store(tmp_path):
         assert again.formed == 2 and list(again.pending) == ["s4"]
         assert again.plan(1).fingerprint() == first.plan(1).fingerprint()
         row = again.member_rows(1, [0])[0]  # what a worker reads, by range
-        assert read_array(again.spool.tar_path(row), row["members"]["tokens"]).tolist() == \
+        assert read_array(again.spool.tar_path(row), row.members["tokens"]).tolist() == \
             list(range(20, 30))
         again.release(1)  # the first put's batch is consumed, the second's s4 is not
         batches = again.spool.dir + "/batches"
         filesystem(batches).invalidate_cache()
         assert {name.rsplit("/", 1)[1] for name in filesystem(batches).ls(batches)} == \
-            {"000000000002.json", row_of(again, "s4")["file"]}
+            {"000000000002.json", row_of(again, "s4").file}
 
 
 def test_a_step_of_text_and_image_samples_is_collective_safe(tmp_path):
@@ -289,7 +305,7 @@ def test_a_step_of_text_and_image_samples_is_collective_safe(tmp_path):
     m = plan.config.microbatches
     calls = []  # per pack in plan order (rank-major within the step): does it call the vision tower?
     for a, b in zip(plan.offsets[:-1], plan.offsets[1:]):
-        calls.append(any(row["vision"] for row in steps.member_rows(0, plan.members[a:b])))
+        calls.append(any(row.vision for row in steps.member_rows(0, plan.members[a:b])))
     for microbatch in range(m):
         assert calls[microbatch] == calls[m + microbatch], f"microbatch {microbatch}: {calls}"
     assert any(calls) and not all(calls)  # both kinds of microbatch in the step
@@ -329,7 +345,7 @@ def test_a_groups_responses_share_their_prompt_and_are_planned_together(tmp_path
     by_member = dict(zip(plan.members.tolist(), rows))
     packs = [plan.members[a:b].tolist() for a, b in zip(plan.offsets[:-1], plan.offsets[1:])]
     for g in range(3):
-        ids = [m for m, row in by_member.items() if row["id"].startswith(f"g{g}-")]
+        ids = [m for m, row in by_member.items() if row.id.startswith(f"g{g}-")]
         holding = {p for p, pack in enumerate(packs) for m in pack if m in ids}
         assert len(holding) == 1, (g, holding)  # 8 responses of under 80 tokens after one prompt fit 400
     alone = live(tmp_path / "alone", PlanConfig(dp=2, live=True, step_samples=30, token_cap=400, vision_cap=64,
@@ -555,7 +571,7 @@ def test_a_disk_full_at_each_write_of_a_put_loses_no_acknowledged_sample(small_d
         assert sorted(formed) == sorted(acknowledged) and len(set(formed)) == len(formed), (pages, formed)
         for step in range(1, steps.formed):  # step 0 may be released: its batch consumed
             for row in steps.member_rows(step, range(len(steps.record(step)["members"]))):
-                assert read_array(steps.spool.tar_path(row), row["members"]["tokens"]).tolist() == \
+                assert read_array(steps.spool.tar_path(row), row.members["tokens"]).tolist() == \
                     list(range(20, 60))
         assert delivered(live(root, config)) == formed
     assert failed_at == {"tar", "rows", "step"}, failed_at
@@ -584,7 +600,8 @@ def test_a_put_read_in_place_checks_as_protobuf_reads_it():
             assert (again.value.field, str(again.value)) == (refused.field, str(refused))
             continue
         got = checked_sample(mine, rules())
-        assert got.record() == expected.record() and got.tokens.tolist() == expected.tokens.tolist()
+        assert LiveRow.spooled(got, 0, "", 0, {}, []) == LiveRow.spooled(expected, 0, "", 0, {}, [])
+        assert got.tokens.tolist() == expected.tokens.tolist()
         assert {k: v.tolist() for k, v in got.tensors.items()} == {k: v.tolist() for k, v in expected.tensors.items()}
         assert [bytes(i) for i in got.images] == list(expected.images) and got.digest == expected.digest
     assert read.samples[0].policy_version == -3 and read.samples[3].loss_mask is None

@@ -92,15 +92,6 @@ class LiveSample:
     def n_tokens(self) -> int:
         return len(self.tokens)
 
-    def record(self) -> dict:
-        """What the spool's rows keep of it (the arrays live in its tar members)."""
-        return {"id": self.id, "key": self.id, "group": self.group, "policy_version": self.policy_version, "prompt": self.prompt,
-                "tokens": self.n_tokens, "loss_tokens": self.loss_tokens, "vision": self.vision,
-                "vit_patches": self.vit_patches, "vit_attn_sq": self.vit_attn_sq, "sizes": self.sizes,
-                "n_images": len(self.sizes), "tensors": sorted(self.tensors), "prompt_id": self.prompt_id,
-                "pixel_bytes": self.pixel_bytes, "prefix": self.prefix, "prefix_key": self.prefix_key,
-                "digest": self.digest}
-
 
 def check_id(value: str) -> str:
     if not value or len(value) > MAX_NAME or not value.isprintable():

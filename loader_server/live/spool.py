@@ -37,6 +37,7 @@ from typing import BinaryIO
 import numpy as np
 
 from packfeed.media.storage import ObjectError, ObjectNotFound, filesystem, is_object_url, read_range, retried
+from packfeed.server.live.rows import LiveRow
 from packfeed.server.live.samples import LiveSample
 
 BATCH_DIGITS = 12
@@ -97,18 +98,18 @@ class Spool:
 
     # -- batches ----------------------------------------------------------------------------------------
 
-    def recover(self) -> list[tuple[int, list[dict]]]:
+    def recover(self) -> list[tuple[int, list[LiveRow]]]:
         """(number, rows) of every durable batch, in order; tars no rows name (puts that failed or never
         answered) are removed. Only for the job's lease holder: another server's put in flight would lose its tar."""
-        batches = [(int(name[:-len(".json")]), json.loads(self.store.read(f"batches/{name}")))
-                   for name in self.store.list("batches", ".json")]
+        batches = [(int(name[:-len(".json")]), [LiveRow.from_json(raw) for raw in json.loads(self.store.read(
+            f"batches/{name}"))]) for name in self.store.list("batches", ".json")]
         named = {_tar_name(number, rows[0]) for number, rows in batches if rows}
         for orphan in set(self.store.list("batches", ".tar")) - named:
             self.store.delete(f"batches/{orphan}")
         self.bytes = sum(self.store.size(f"batches/{name}") for name in named)
         return batches
 
-    def write_batch(self, number: int, samples: list[LiveSample]) -> list[dict]:
+    def write_batch(self, number: int, samples: list[LiveSample]) -> list[LiveRow]:
         """The samples as batch `number` (durable when this returns); their rows, as `recover` gives them.
         SpoolConflict when another server wrote batch `number`; SpoolError when the spool cannot keep them:
         nothing of them is kept then, and nothing stands in the way of writing the batch again."""
@@ -122,12 +123,11 @@ class Spool:
                     spans = {member: _add(tar, f"{place:06d}.{member}.npy", _npy(values))
                              for member, values in members.items()}
                     images = [_add(tar, f"{place:06d}.{k}.img", data) for k, data in enumerate(sample.images)]
-                    rows.append({**sample.record(), "batch": number, "file": name, "place": place,
-                                 "members": spans, "images": images})
+                    rows.append(LiveRow.spooled(sample, number, name, place, spans, images))
 
         size = self.store.write(f"batches/{name}", tar_of, exclusive=True)  # the tar before its rows (rows: durable)
         try:  # never over rows another server wrote (`exclusive`)
-            self.store.write(self._rows(number), json.dumps(rows).encode(), exclusive=True)
+            self.store.write(self._rows(number), json.dumps([row.to_json() for row in rows]).encode(), exclusive=True)
         except SpoolError:
             self._forget_tar(name)
             raise
@@ -142,7 +142,7 @@ class Spool:
         except (OSError, ObjectError):
             pass
 
-    def remove_batch(self, number: int, row: dict) -> None:
+    def remove_batch(self, number: int, row: LiveRow) -> None:
         """A batch every rank has consumed (`row`: one of its rows): its files go (the tar first: rows without a
         tar are never read again, a tar without rows is a failed put's, removed by `recover`)."""
         tar = f"batches/{_tar_name(number, row)}"
@@ -151,9 +151,9 @@ class Spool:
         self.store.delete(self._rows(number))
         self.bytes -= size
 
-    def tar_path(self, row: dict) -> str:
+    def tar_path(self, row: LiveRow) -> str:
         """Where a worker reads a row's members (a path, or an object URL)."""
-        return f"{self.dir}/batches/{_tar_name(row['batch'], row)}"
+        return f"{self.dir}/batches/{_tar_name(row.batch, row)}"
 
     @staticmethod
     def _rows(number: int) -> str:
@@ -301,9 +301,9 @@ def token_digest(token: str) -> str:
     return hashlib.sha256(token.encode()).hexdigest()
 
 
-def _tar_name(number: int, row: dict) -> str:
+def _tar_name(number: int, row: LiveRow) -> str:
     """The name of a batch's tar (`file` in its rows; a spool written before tars had a token: B.tar)."""
-    return row.get("file") or f"{number:0{BATCH_DIGITS}d}.tar"
+    return row.file or f"{number:0{BATCH_DIGITS}d}.tar"
 
 
 def _npy(values: np.ndarray) -> bytes:

@@ -29,6 +29,7 @@ import threading
 
 import numpy as np
 
+from packfeed.server.live.rows import LiveRow
 from packfeed.server.live.samples import LiveSample, Refused
 from packfeed.server.live.spool import Spool, SpoolConflict, SpoolError, SpoolFull, token_digest
 from packfeed.server.live.step_plan import step_plan
@@ -80,7 +81,7 @@ class LiveSteps:
         self._wake()
 
     def _reset(self) -> None:
-        self.rows: dict[str, dict] = {}  # id -> its row, while its batch is spooled
+        self.rows: dict[str, LiveRow] = {}  # id -> its row, while its batch is spooled
         self.known: dict[str, str] = {}  # every id ever accepted -> its content's digest ("": not known)
         self.pending: collections.deque[str] = collections.deque()  # in no step yet, in arrival order
         self.steps: list[dict] = []  # each step's record: members, dropped, last
@@ -107,12 +108,12 @@ class LiveSteps:
         self.known.update(dict.fromkeys(taken, ""))
         for number, rows in self.spool.recover():
             self._next_batch = number + 1
-            self._batch_ids[number] = [row["id"] for row in rows]
-            self._batch_left[number] = sum(row["id"] not in released for row in rows)
+            self._batch_ids[number] = [row.id for row in rows]
+            self._batch_left[number] = sum(row.id not in released for row in rows)
             for row in rows:
                 self._register(row)
-                if row["id"] not in taken:
-                    self.pending.append(row["id"])
+                if row.id not in taken:
+                    self.pending.append(row.id)
             if not self._batch_left[number]:  # released before a crash let it go
                 self._remove_batch(number, rows[0])
         self.arrived = len(self.known)
@@ -123,11 +124,11 @@ class LiveSteps:
         except SpoolError:
             pass  # they stay pending, durable in their batches: the next put or end forms their steps
 
-    def _register(self, row: dict) -> None:
-        self.rows[row["id"]] = row
-        self.known[row["id"]] = row.get("digest", "")
+    def _register(self, row: LiveRow) -> None:
+        self.rows[row.id] = row
+        self.known[row.id] = row.digest
         if self.tensor_names is None:
-            self.tensor_names = tuple(row["tensors"])
+            self.tensor_names = row.tensors
 
     @property
     def ended(self) -> bool:
@@ -236,11 +237,11 @@ class LiveSteps:
         number = self._next_batch
         rows = self.spool.write_batch(number, accepted)  # durable before anything counts it
         self._next_batch += 1
-        self._batch_ids[number] = [row["id"] for row in rows]
+        self._batch_ids[number] = [row.id for row in rows]
         self._batch_left[number] = len(rows)
         for row in rows:
             self._register(row)
-            self.pending.append(row["id"])
+            self.pending.append(row.id)
         self.arrived += len(rows)
 
     # -- steps ------------------------------------------------------------------------------------------
@@ -273,11 +274,11 @@ class LiveSteps:
         members, dropped, tokens = [], [], 0
         for sample_id in self.pending:
             row = self.rows[sample_id]
-            if limit is not None and step - row["policy_version"] > limit:
+            if limit is not None and step - row.policy_version > limit:
                 dropped.append(sample_id)
                 continue
             members.append(sample_id)
-            tokens += row["tokens"]
+            tokens += row.tokens
             if not whole and ((self.config.step_samples and len(members) >= self.config.step_samples)
                               or (self.config.step_tokens and tokens >= self.config.step_tokens)):
                 return members, dropped
@@ -316,7 +317,7 @@ class LiveSteps:
                 self._plans.popitem(last=False)
         return plan
 
-    def member_rows(self, step: int, positions: np.ndarray) -> list[dict]:
+    def member_rows(self, step: int, positions: np.ndarray) -> list[LiveRow]:
         with self._lock:
             ids = self.steps[step]["members"]
             return [self.rows[ids[p]] for p in np.asarray(positions).tolist()]
@@ -335,16 +336,16 @@ class LiveSteps:
                     row = self.rows.get(sample_id)
                     if row is None:
                         continue
-                    self._batch_left[row["batch"]] -= 1
-                    if not self._batch_left[row["batch"]]:
-                        self._remove_batch(row["batch"], row)
+                    self._batch_left[row.batch] -= 1
+                    if not self._batch_left[row.batch]:
+                        self._remove_batch(row.batch, row)
             if self._released > before:
                 try:
                     self.spool.write_json("released.json", {"step": self._released})
                 except SpoolError:
                     pass  # a server re-opening the spool releases those steps again as their ranks acknowledge
 
-    def _remove_batch(self, number: int, row: dict) -> None:
+    def _remove_batch(self, number: int, row: LiveRow) -> None:
         for sample_id in self._batch_ids.pop(number):
             self.rows.pop(sample_id, None)
         del self._batch_left[number]

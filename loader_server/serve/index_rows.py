@@ -57,6 +57,11 @@ class IndexRows:
     def row(self, sample_id: int) -> dict:
         return self.table.slice(int(sample_id), 1).to_pylist()[0]
 
+    @staticmethod
+    def key_of(row: dict) -> str:
+        """The sample key of a row `row()` gave."""
+        return row["key"]
+
     def share(self, sample_id: int) -> list | None:
         """[what the sample shares its prefix with, the prefix's tokens] (a grouped index: each group one prompt,
         `packfeed.server.index.sample_costs`), or None."""

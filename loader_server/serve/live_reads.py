@@ -6,11 +6,11 @@ the files that came with the sample, tiled by the dataset's image policy)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 
 from packfeed.media.chat import IGNORE_INDEX
+from packfeed.server.live.rows import LiveRow
 from packfeed.server.live.samples import placeholder_runs
 from packfeed.server.live.spool import read_array, read_member
 from packfeed.server.serve.index_rows import IndexRows
@@ -25,7 +25,7 @@ class LiveReads:
     """A rank-step's live samples for a worker (its `StepReads`): each member's row (its spool files included), by
     position, read from the spool; a prompt's images from the dataset's indexes (`datasets`, the worker's names)."""
 
-    rows: dict[int, dict]
+    rows: dict[int, LiveRow]  # by position, each with its tar and share (`LiveDataset.work`)
     image_context_id: int
     tensor_names: tuple[str, ...] = ()  # the job's per-token tensors: every pack carries them, an empty one too
     # where each of the dataset's indexes starts in its prompts' numbering (`prompt_id`): a mixture has several
@@ -71,16 +71,20 @@ class LiveRows:
     def __init__(self, live: LiveReads):
         self.live = live
 
-    def row(self, position: int) -> dict:
+    def row(self, position: int) -> LiveRow:
         return self.live.rows[int(position)]
 
-    def share(self, position: int) -> list | None:
+    @staticmethod
+    def key_of(row: LiveRow) -> str:
+        return row.key
+
+    def share(self, position: int) -> tuple[str, int] | None:
         """[what the sample shares its prefix with, the prefix's tokens], or None (`LiveDataset.work` says it where the
         step's plan shares prefixes)."""
-        return self.live.rows[int(position)].get("share")
+        return self.live.rows[int(position)].share
 
     def pixel_bytes(self, positions) -> int:
-        return sum(self.live.rows[int(p)]["pixel_bytes"] for p in np.asarray(positions).tolist())
+        return sum(self.live.rows[int(p)].pixel_bytes for p in np.asarray(positions).tolist())
 
 
 class LiveReader:
@@ -100,30 +104,30 @@ class LiveReader:
     decode_budget = property(lambda self: self.prompts[0][1].decode_budget,
                              lambda self, value: self._set("decode_budget", value))
 
-    def prefetch(self, rows: list[dict[str, Any]]) -> None:
+    def prefetch(self, rows: list[LiveRow]) -> None:
         pass
 
-    def load(self, row: dict[str, Any], seed: int = 0, epoch: int = 0, pixels: bool = True) -> SampleTensors:
-        tar = row["tar"]
+    def load(self, row: LiveRow, seed: int = 0, epoch: int = 0, pixels: bool = True) -> SampleTensors:
+        tar = row.tar
         try:
-            tokens = read_array(tar, row["members"]["tokens"]).astype(np.int32)
-            mask = read_array(tar, row["members"]["loss_mask"]).astype(bool)
-            tensors = {name: read_array(tar, row["members"][name]).astype(np.float32) for name in row["tensors"]}
-            if row["prompt"]:
-                part, sample_id = self.live.prompt_of(row["prompt_id"])
+            tokens = read_array(tar, row.members["tokens"]).astype(np.int32)
+            mask = read_array(tar, row.members["loss_mask"]).astype(bool)
+            tensors = {name: read_array(tar, row.members[name]).astype(np.float32) for name in row.tensors}
+            if row.prompt:
+                part, sample_id = self.live.prompt_of(row.prompt_id)
                 rows, reader = self.prompts[part]
                 items = reader.indexed_images(rows.row(sample_id), pixels)
             else:
-                items = [self.prompts[0][1].file_image(read_member(tar, span), width, height, len(row["sizes"]),
-                                                 f"{row['id']}.image{k}")
-                         for k, (span, (width, height)) in enumerate(zip(row["images"], row["sizes"]))]
+                items = [self.prompts[0][1].file_image(read_member(tar, span), width, height, len(row.sizes),
+                                                       f"{row.id}.image{k}")
+                         for k, (span, (width, height)) in enumerate(zip(row.images, row.sizes))]
         except (OSError, ValueError) as error:
-            raise SampleSkipped(f"live spool unreadable: {row['id']}: {error}") from None
+            raise SampleSkipped(f"live spool unreadable: {row.id}: {error}") from None
         starts = placeholder_runs(tokens, self.live.image_context_id)[0].tolist()
         labels = np.where(mask, tokens, IGNORE_INDEX).astype(np.int32)
-        return SampleTensors(row["id"], tokens, labels, [tile for item in items for tile in item.tiles],
+        return SampleTensors(row.id, tokens, labels, [tile for item in items for tile in item.tiles],
                              [item.n_tiles for item in items], [item.tokens for item in items], starts,
                              encoded=[item.encoded for item in items if item.encoded is not None],
                              geometry=[item.geometry for item in items if item.encoded is not None],
                              kinds=[item.kind for item in items], frame_seconds=[item.seconds for item in items],
-                             token_tensors=tensors, group=row["group"], policy_version=row["policy_version"])
+                             token_tensors=tensors, group=row.group, policy_version=row.policy_version)

@@ -3,6 +3,8 @@ spooled samples, read in a worker through `live_reads.LiveReads`)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 
 from packfeed.media.image_policy import policy_from_dict
@@ -142,14 +144,12 @@ class LiveDataset:
             packs.append((ids, np.asarray(limits, dtype=np.int64), np.zeros(len(ids), np.int32)))
             positions.extend(ids.tolist())
             spans.append(step_plan.pack_cp(0, rank, microbatch))
-        # copies: the job's own rows are shared by every rank's work, and read under its lock
-        rows = {position: {**row, "tar": self.steps.spool.tar_path(row)}
+        # where a worker reads each row, and (where the step's plan shares prefixes) what it shares its prefix with
+        sharing = step_plan.groups is not None
+        rows = {position: replace(row, tar=self.steps.spool.tar_path(row), share=("\0".join(share_key(row)), row.prefix)
+                                  if sharing and row.prefix_key else None)
                 for position, row in zip(positions, self.steps.member_rows(step, positions))}
-        if step_plan.groups is not None:  # what each sample shares its prefix with, for the pack builder
-            for row in rows.values():
-                if row.get("prefix_key"):
-                    row["share"] = ["\0".join(share_key(row)), row["prefix"]]
-        step_loss = sum(row["loss_tokens"] for row in self.steps.member_rows(step, step_plan.step_members(0)))
+        step_loss = sum(row.loss_tokens for row in self.steps.member_rows(step, step_plan.step_members(0)))
         return self._work(step, seat, decode_budget, packs, rows, step_loss, plan.is_last_step(step), spans)
 
     def _work(self, step, seat, decode_budget, packs, rows, step_loss, last, spans=None) -> RankStepWork:
@@ -164,11 +164,11 @@ class LiveDataset:
 
     def estimate_bytes(self, work: RankStepWork) -> int:
         rows = work.reads.rows.values()
-        return int(sum(row["pixel_bytes"] + row["tokens"] * (16 + 4 * len(row["tensors"])) + 256 for row in rows)
+        return int(sum(row.pixel_bytes + row.tokens * (16 + 4 * len(row.tensors)) + 256 for row in rows)
                    + 1024 * len(work.packs))
 
     def working_bytes(self, work: RankStepWork) -> int:
-        largest = max((w * h for row in work.reads.rows.values() for w, h in row["sizes"]), default=0)
+        largest = max((w * h for row in work.reads.rows.values() for w, h in row.sizes), default=0)
         need = largest * PIXEL_PATHS[self.pixels].decode_bytes_per_pixel
         return min(need, work.decode_budget) if work.decode_budget else need
 

@@ -222,11 +222,11 @@ def load_members(parts: list[tuple[IndexRows, Any, str]], members: np.ndarray, t
               zip(members.tolist(), np.asarray(truncate_to).tolist(), np.asarray(sources).tolist())]
     for part in {id(part): part for part, _, _ in chosen}.values():  # object stores: all ranges at once
         part[1].prefetch([row for (other, row, _), read in zip(chosen, with_pixels) if other is part and read])
-    for position, ((_, reader, label), row, limit) in enumerate(chosen):
+    for position, ((rows, reader, label), row, limit) in enumerate(chosen):
         try:
             sample = replace(reader.load(row, seed, epoch, pixels=bool(with_pixels[position])), source=label)
         except SampleSkipped as error:
-            skipped.append((row["key"], str(error)))
+            skipped.append((rows.key_of(row), str(error)))
             continue
         loaded.append((position, truncate_sample(sample, limit) if limit > 0 else sample))
     return loaded, skipped

@@ -1,0 +1,77 @@
+"""A live sample as the server keeps it once spooled: what the planner counts of it, what a worker reads it by,
+and where its arrays lie in its batch's tar. A typed record, written to the spool as the JSON of its batch's rows
+(`to_json`; the keys a spool has always held) and read back from it (`from_json`, tolerant of the keys spools
+written before a field existed leave out)."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from packfeed.server.live.samples import LiveSample
+
+Span = tuple[int, int]  # [offset, size] of a member in its batch's tar
+
+
+@dataclass(frozen=True)
+class LiveRow:
+    id: str
+    group: str
+    policy_version: int
+    prompt: str  # the indexed sample whose images it uses ("": none, or its own images)
+    tokens: int  # how many
+    loss_tokens: int
+    vision: int  # vision units
+    vit_patches: float
+    vit_attn_sq: float
+    sizes: tuple[tuple[int, int], ...]  # (width, height) of each image
+    tensors: tuple[str, ...]  # the names of its per-token tensors
+    prompt_id: int  # `prompt`'s number in the job's dataset (-1: none)
+    pixel_bytes: int  # of its tiles, uint8
+    prefix: int = 0  # the tokens of the prefix it may share with its group
+    prefix_key: str = ""  # what it shares the prefix with, within its group ("": nothing)
+    digest: str = ""  # of what the producer put: a retry matches it ("": a spool from before digests)
+    # in the spool: its batch, the batch's tar ("": a spool from before tars had a token) and where its
+    # tokens, loss mask and tensors (`members`) and its image files (`images`) lie there
+    batch: int = -1
+    file: str = ""
+    place: int = 0
+    members: dict[str, Span] = field(default_factory=dict)
+    images: tuple[Span, ...] = ()
+    # what a step's work adds for the worker: where its tar is read (a path or an object URL), and what it shares
+    # its prefix with where the step's plan shares prefixes ([share key, prefix tokens])
+    tar: str = ""
+    share: tuple[str, int] | None = None
+
+    @classmethod
+    def spooled(cls, sample: LiveSample, batch: int, file: str, place: int, members: dict[str, Span],
+                images: list[Span]) -> LiveRow:
+        return cls(sample.id, sample.group, sample.policy_version, sample.prompt, sample.n_tokens,
+                   sample.loss_tokens, sample.vision, sample.vit_patches, sample.vit_attn_sq,
+                   tuple(tuple(size) for size in sample.sizes), tuple(sorted(sample.tensors)), sample.prompt_id,
+                   sample.pixel_bytes, sample.prefix, sample.prefix_key, sample.digest, batch, file, place,
+                   {name: tuple(span) for name, span in members.items()}, tuple(tuple(span) for span in images))
+
+    @property
+    def key(self) -> str:
+        """The sample's key in its packs (`sample_keys`): its id."""
+        return self.id
+
+    def to_json(self) -> dict[str, Any]:
+        """Its entry in its batch's rows file (`key` and `n_images` beside the fields: the spool's keys since
+        its first version)."""
+        out = dataclasses.asdict(self)
+        del out["tar"], out["share"]
+        return {**out, "key": self.id, "n_images": len(self.sizes)}
+
+    @classmethod
+    def from_json(cls, raw: dict[str, Any]) -> LiveRow:
+        known = {f.name for f in dataclasses.fields(cls)} - {"tar", "share"}
+        values = {name: value for name, value in raw.items() if name in known}
+        values["sizes"] = tuple(tuple(size) for size in values["sizes"])
+        values["tensors"] = tuple(values["tensors"])
+        values["images"] = tuple(tuple(span) for span in values.get("images", ()))
+        values["members"] = {name: tuple(span) for name, span in values.get("members", {}).items()}
+        return cls(**values)
