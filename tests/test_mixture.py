@@ -15,9 +15,9 @@ import pytest
 import yaml
 
 from packfeed.server.index.lengths import write_lengths_index
-from packfeed.server.plan.mixture_file import Mixture
-from packfeed.server.plan.mixture import (MixtureLoads, check_epoch_rows, count_mixture_steps,
-                                         make_mixture_plan)
+from packfeed.server.mixture.loads import (MixtureLoads, check_epoch_rows, count_mixture_steps,
+                                           make_mixture_plan)
+from packfeed.server.mixture.mixture_file import Mixture
 from packfeed.v1.options import PlanConfig
 
 CLI = [sys.executable, "-m", "packfeed.server.cli"]

@@ -14,8 +14,8 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 
-from packfeed.server.plan.mixture_file import Mixture
-from packfeed.server.plan.mixture import MixtureLoads
+from packfeed.server.mixture.loads import MixtureLoads
+from packfeed.server.mixture.mixture_file import Mixture
 from packfeed.v1.options import PlanConfig
 from test_mixture import lengths_index
 
@@ -480,7 +480,7 @@ def test_the_docs_loss_driven_mixture_is_read_as_written(tmp_path, demo_dataset)
     import re
     from pathlib import Path
 
-    from packfeed.server.plan.mixture_file import Mixture
+    from packfeed.server.mixture.mixture_file import Mixture
 
     page = (Path(__file__).resolve().parents[1] / "docs" / "planning.md").read_text()
     section = page[page.index("#### Weights the loss moves"):]

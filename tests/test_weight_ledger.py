@@ -10,8 +10,8 @@ import threading
 import numpy as np
 import pytest
 
-from packfeed.server.plan.weight_ledger import LedgerClosed, WeightLedger
-from packfeed.server.plan.weight_rules import WeightRule
+from packfeed.server.mixture.weight_rules import WeightRule
+from packfeed.server.serve.weight_ledger import LedgerClosed, WeightLedger
 
 NAMES = ["ocr", "chat"]
 STEPS = {0: range(0, 3), 1: range(3, 6), 2: range(6, 9), 3: range(9, 12)}  # each window's steps
@@ -23,7 +23,10 @@ def ledger(wait_s: float = 30.0) -> WeightLedger:
 
 
 def decide(book: WeightLedger, window: int, epoch: int = 0) -> np.ndarray:
-    return book.weights(epoch, window, 0.5, STEPS.__getitem__, lambda w: decide(book, w, epoch))
+    """Window `window`'s weights, asked as a plan's draws ask: the windows before it planned (their steps told)."""
+    for planned in range(window):
+        book.window_planned(epoch, planned, STEPS[planned])
+    return book.window_weights(epoch, window, 0.5, lambda w: decide(book, w, epoch))
 
 
 def test_a_window_is_decided_on_the_reports_of_the_window_two_before():
@@ -36,6 +39,8 @@ def test_a_window_is_decided_on_the_reports_of_the_window_two_before():
     expected = np.exp(mean / 0.5) / np.exp(mean / 0.5).sum()
     assert decide(book, 2) == pytest.approx(expected)
     assert book.partial_windows == 0
+    with pytest.raises(RuntimeError, match="window 0 is not planned yet"):  # its steps unknown: nothing to read
+        ledger().window_weights(0, 2, 0.5, lambda w: np.array([0.8, 0.2]))
 
 
 def test_deciding_waits_for_the_last_rank_and_a_rank_that_never_reports_costs_wait_s():

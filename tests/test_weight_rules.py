@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from packfeed.server.plan.weight_rules import WeightRule
+from packfeed.server.mixture.weight_rules import WeightRule
 
 NAMES = ["ocr", "chat", "math"]
 

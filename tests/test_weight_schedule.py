@@ -1,4 +1,4 @@
-"""Mixture weights over a job's progress (`packfeed.server.plan.schedule`): interpolation, exact window counts
+"""Mixture weights over a job's progress (`packfeed.server.mixture.schedule`): interpolation, exact window counts
 that follow the weights and never take a sample twice, and each bad schedule refused naming its dataset."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from packfeed.server.plan.schedule import WeightSchedule, exact_counts
+from packfeed.server.mixture.schedule import WeightSchedule, exact_counts
 
 ANNEAL = {"ocr": {0.0: 0.8, 1.0: 0.2}, "chat": {0.0: 0.2, 1.0: 0.8}}
 

@@ -48,8 +48,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if plan_config_of(args).window:
         return _plan_windows(args)
     if args.mixture:
-        from packfeed.server.plan.mixture_file import Mixture
-        from packfeed.server.plan.mixture import MixtureLoads, make_mixture_plan
+        from packfeed.server.mixture.mixture_file import Mixture
+        from packfeed.server.mixture.loads import MixtureLoads, make_mixture_plan
 
         mixture = MixtureLoads(Mixture.load(args.mixture))
         plan = make_mixture_plan(mixture, plan_config_of(args), args.seed, args.epoch)
@@ -103,8 +103,8 @@ def _plan_windows(args: argparse.Namespace) -> int:
     config = plan_config_of(args)
     started = time.perf_counter()
     if args.mixture:
-        from packfeed.server.plan.mixture_file import Mixture
-        from packfeed.server.plan.mixture import MixtureLoads
+        from packfeed.server.mixture.mixture_file import Mixture
+        from packfeed.server.mixture.loads import MixtureLoads
 
         mixture = MixtureLoads(Mixture.load(args.mixture), None, mapped=True)
         plan = mixture.windowed(config, args.seed, args.epoch)
@@ -164,7 +164,7 @@ def cmd_stats(args: argparse.Namespace) -> int:
 
 
 def _moving(mixture_path: str) -> bool:
-    from packfeed.server.plan.mixture_file import Mixture
+    from packfeed.server.mixture.mixture_file import Mixture
 
     return Mixture.load(mixture_path).schedule is not None
 

@@ -32,11 +32,11 @@ from dataclasses import replace
 
 import numpy as np
 
+from packfeed.server.mixture.draws import drawn_again
 from packfeed.server.plan.caps import resolve_caps
 from packfeed.server.plan.collective import (alignment_summary, collective_safe_layout, sample_towers, tower_names,
                                              unaligned_towers)
 from packfeed.server.plan.costs import SampleLoads
-from packfeed.server.plan.draws import drawn_again
 from packfeed.server.plan.groups import shares_prefixes
 from packfeed.server.plan.isf import Caps
 from packfeed.server.plan.mapped_loads import MappedLoads
@@ -103,10 +103,11 @@ class WindowedPlan:
                  index_fingerprint: str = "", caps: Caps | None = None, keep: int = 2, drawn: bool = False,
                  rows=None, draws=None, ledger=None):
         """`drawn`: the rows are in window order already (a moving mixture draws each window's rows,
-        `packfeed.server.plan.draws`): window w is rows [w*size, (w+1)*size), not a stretch of the epoch's
+        `packfeed.server.mixture.draws`): window w is rows [w*size, (w+1)*size), not a stretch of the epoch's
         permutation. A mixture's: `rows` (its MixtureRows: the dataset and sample id of each row); one whose
         weights move, its `draws` (MixtureDraws: each window's weights and counts), and where they are loss-driven
-        its job's `ledger` (WeightLedger), which decides windows 2 on."""
+        its job's `ledger` (WeightLedger: the draws' weight source, deciding windows 2 on), told each window's
+        steps as they are planned."""
         if size < 1:
             raise ValueError("window size must be at least one sample")
         self.loads, self.config, self.seed, self.epoch, self.size = loads, config, seed, epoch, size
@@ -207,6 +208,8 @@ class WindowedPlan:
                 planned = len(self._first_steps) - 1
                 plan = self._take_ahead(planned) or self._plan_window(planned)
                 self._first_steps.append(self._first_steps[-1] + plan.n_steps)
+                if self.ledger is not None:  # the steps a later window's decision reads the losses of
+                    self.ledger.window_planned(self.epoch, planned, range(*self._first_steps[-2:]))
                 self._remember(planned, plan)
             if window not in self._plans:
                 self._remember(window, self._take_ahead(window) or self._plan_window(window))
@@ -222,7 +225,7 @@ class WindowedPlan:
         waits for trainers' reports, which come with acknowledgements that ask this plan for their steps."""
         for later in range(max(2, self.draws.decided), min(window, self.n_windows - 1) + 1):
             self.window(later - 1)  # the window before is planned: the steps the decision reads are known
-            self.draws.shares(later)
+            self.draws.weights(later)
 
     def _remember(self, window: int, plan: Plan) -> None:
         self._plans[window] = plan
@@ -364,9 +367,8 @@ class WindowedPlan:
                        pack_vision=joined("pack_vision"), pack_tokens=joined("pack_tokens"),
                        encoder_rank=joined("encoder_rank"), further_encoder_ranks=further, phases=None,
                        cp_degree=joined("cp_degree"), cp_group=joined("cp_group"), groups=joined("groups"),
-                       window_starts=np.cumsum([0] + [plan.n_steps for plan in plans[:-1]]).astype(np.int64))
-        plan.rows = self.rows
-        plan._fingerprint = self.fingerprint()
+                       window_starts=np.cumsum([0] + [plan.n_steps for plan in plans[:-1]]).astype(np.int64),
+                       rows=self.rows, _fingerprint=self.fingerprint())
         return plan
 
     def close(self) -> None:

@@ -57,17 +57,17 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from packfeed.v1.redis_url import SENTINEL_SCHEME, parse_sentinel_url
-from packfeed.server.index.table import read_index_info
-from packfeed.server.plan.mixture_file import read_yaml
 from packfeed.media.pixel_modes import parse_pixels
+from packfeed.server.index.table import read_index_info
+from packfeed.server.mixture.mixture_file import read_yaml
 from packfeed.server.serve.step_work import DatasetSource
 from packfeed.v1.options import PixelMode
+from packfeed.v1.redis_url import SENTINEL_SCHEME, parse_sentinel_url
 
 
 @dataclass(frozen=True)
 class MixtureSource:
-    """A dataset that is a mixture of indexes (`packfeed.server.plan.mixture`), served under one name."""
+    """A dataset that is a mixture of indexes (`packfeed.server.mixture.loads`), served under one name."""
 
     mixture: str
     pixels: PixelMode = PixelMode.EXACT
@@ -218,7 +218,7 @@ def load_config(path: str | Path | None = None, environ: dict[str, str] | None =
                 else env
     values.update({k: v for k, v in flags.items() if v is not None and k in known})
     if flags.get("mixture"):
-        from packfeed.server.plan.mixture_file import Mixture
+        from packfeed.server.mixture.mixture_file import Mixture
 
         datasets[Mixture.load(flags["mixture"]).name] = MixtureSource(str(flags["mixture"]))
     index = flags.get("index") or environ.get(ENV_PREFIX + "INDEX")

@@ -1,5 +1,5 @@
 """The datasets a server serves. One shape for all of them: a `Dataset` is the indexes it reads (its parts) and how
-its epochs are planned (`planning`): a plain dataset over its own index, a mixture (`packfeed.server.plan.mixture`)
+its epochs are planned (`planning`): a plain dataset over its own index, a mixture (`packfeed.server.mixture.loads`)
 over the union of its parts, each pack member read from its own part's shards and named in `sample_sources`.
 Clients ask for either by name (`PackStream(dataset="sft-mix")`)."""
 
@@ -13,13 +13,12 @@ import numpy as np
 from packfeed.media.pixel_modes import PIXEL_PATHS
 from packfeed.media.storage import ObjectError, is_object_url, missing_objects, relocate
 from packfeed.server.index.table import IndexInfo
+from packfeed.server.mixture.loads import MixtureLoads
+from packfeed.server.mixture.mixture_file import Mixture
 from packfeed.server.plan.costs import SampleLoads
 from packfeed.server.plan.isf import Caps
 from packfeed.server.plan.mapped_loads import MappedLoads, map_sample_loads
-from packfeed.server.plan.mixture_file import Mixture
-from packfeed.server.plan.mixture import MixtureLoads
 from packfeed.server.plan.plan_file import Plan
-from packfeed.server.plan.weight_ledger import WeightLedger
 from packfeed.server.plan.windows import WindowedPlan
 from packfeed.server.serve.config import MixtureSource, dataset_source
 from packfeed.server.serve.index_rows import IndexRows
@@ -30,6 +29,7 @@ from packfeed.server.serve.planning import IndexPlanning, MixturePlanning, Plann
 from packfeed.server.serve.preprocess import TOKENIZE_BYTES_PER_TOKEN
 from packfeed.server.serve.routed import routed_encodes
 from packfeed.server.serve.step_work import DatasetSource, IndexReads, RankStepWork
+from packfeed.server.serve.weight_ledger import WeightLedger
 from packfeed.v1 import packfeed_pb2 as pb
 from packfeed.v1.layout import Seat
 from packfeed.v1.options import PixelMode, PlanConfig, Strategy

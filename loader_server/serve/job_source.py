@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from packfeed.server.live.steps import LiveSteps
-    from packfeed.server.plan.weight_ledger import WeightLedger
+    from packfeed.server.serve.weight_ledger import WeightLedger
     from packfeed.server.serve.job_spec import Resume
     from packfeed.server.serve.step_work import RankStepWork
     from packfeed.v1 import packfeed_pb2 as pb

@@ -18,10 +18,10 @@ from typing import TYPE_CHECKING
 from packfeed.server.cluster.coordinator import JobRecord
 from packfeed.server.plan.isf import Caps
 from packfeed.server.plan.plan_file import Plan
-from packfeed.server.plan.weight_ledger import WeightLedger
 from packfeed.server.serve.job_spec import JobError, JobSpec
 from packfeed.server.serve.observe import log
 from packfeed.server.serve.step_work import RankStepWork
+from packfeed.server.serve.weight_ledger import WeightLedger
 from packfeed.server.serve.workers import SharedSteps
 from packfeed.v1.layout import Seat
 from packfeed.v1.options import Oversize

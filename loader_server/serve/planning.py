@@ -5,21 +5,22 @@ kind it has; each kind plans exactly as the planner does for it (the plans' fing
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Protocol
 
 import numpy as np
 
+from packfeed.server.mixture.loads import MixtureLoads, count_mixture_steps, make_mixture_plan
 from packfeed.server.plan.caps import resolve_caps
 from packfeed.server.plan.costs import SampleLoads
 from packfeed.server.plan.isf import Caps
 from packfeed.server.plan.mapped_loads import MappedLoads
-from packfeed.server.plan.mixture import MixtureLoads, count_mixture_steps, make_mixture_plan
 from packfeed.server.plan.plan_file import Plan
 from packfeed.server.plan.planner import count_steps, make_plan
 from packfeed.server.plan.resume import resume_plan
-from packfeed.server.plan.weight_ledger import WeightLedger
 from packfeed.server.plan.windows import WindowedPlan
 from packfeed.server.serve.job_spec import JobError
+from packfeed.server.serve.weight_ledger import WeightLedger
 from packfeed.v1.options import PlanConfig
 
 
@@ -129,9 +130,8 @@ class MixturePlanning:
         """The old epoch's rows keep their positions (the same repeats and subset), so packs name the same
         datasets and samples."""
         self._check_windowed(config)
-        plan = resume_plan(old.rows.loads, old, steps, config, seed, epoch, self.fingerprint, caps)
-        plan.rows = old.rows
-        return plan
+        return replace(resume_plan(old.rows.loads, old, steps, config, seed, epoch, self.fingerprint, caps),
+                       rows=old.rows)
 
     def planned_loads(self, plan: Plan) -> SampleLoads | MappedLoads:
         return plan.rows.loads
@@ -141,4 +141,7 @@ class MixturePlanning:
         return plan.rows.datasets[ids], plan.rows.sample_ids[ids]
 
     def ledger(self, ranks: int) -> WeightLedger | None:
-        return self.mixture.ledger(ranks)
+        mixture = self.mixture.mixture  # the file's: a rule names loss-driven weights
+        if mixture.rule is None:
+            return None
+        return WeightLedger(mixture.rule, [e.name for e in mixture.datasets], ranks, mixture.schedule.weights)

@@ -51,8 +51,8 @@ def index_info(path: str | Path) -> dict[str, Any]:
 
 
 def mixture_info(path: str | Path) -> dict[str, Any]:
-    from packfeed.server.plan.mixture_file import Mixture
-    from packfeed.server.plan.mixture import MixtureLoads
+    from packfeed.server.mixture.mixture_file import Mixture
+    from packfeed.server.mixture.loads import MixtureLoads
 
     mixture = Mixture.load(path)
     loads = MixtureLoads(mixture)

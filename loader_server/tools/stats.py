@@ -199,8 +199,8 @@ def index_input(index_path: str | Path) -> ReportInput:
 def mixture_input(mixture_path: str | Path, config: PlanConfig, seed: int) -> ReportInput:
     """Epoch 0 of a mixture, repeats and subsets applied (a moving one's: every window's draw, windows of
     `config.window` samples); invalid samples and shard errors of every dataset."""
-    from packfeed.server.plan.mixture_file import Mixture
-    from packfeed.server.plan.mixture import MixtureLoads
+    from packfeed.server.mixture.mixture_file import Mixture
+    from packfeed.server.mixture.loads import MixtureLoads
 
     mixture = MixtureLoads(Mixture.load(mixture_path))
     schedule = None

@@ -14,9 +14,9 @@ import yaml
 
 from internvl_mix import internvl_like_mix
 from packfeed.server.index.lengths import write_lengths_index
+from packfeed.server.mixture.loads import MixtureLoads, make_mixture_plan
+from packfeed.server.mixture.mixture_file import Mixture
 from packfeed.server.plan.costs import load_sample_loads
-from packfeed.server.plan.mixture_file import Mixture
-from packfeed.server.plan.mixture import MixtureLoads, make_mixture_plan
 from packfeed.server.plan.planner import make_plan
 from packfeed.v1.options import PlanConfig
 

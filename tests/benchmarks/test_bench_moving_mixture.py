@@ -24,8 +24,8 @@ import yaml
 
 from internvl_mix import internvl_like_mix
 from packfeed.server.index.lengths import index_from_lengths, write_lengths_index
-from packfeed.server.plan.mixture import MixtureLoads
-from packfeed.server.plan.mixture_file import Mixture
+from packfeed.server.mixture.loads import MixtureLoads
+from packfeed.server.mixture.mixture_file import Mixture
 from packfeed.v1.options import PlanConfig
 
 pytestmark = pytest.mark.benchmark

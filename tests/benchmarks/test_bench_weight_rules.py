@@ -17,8 +17,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from packfeed.server.plan.draws import MixtureDraws
-from packfeed.server.plan.weight_rules import WeightRule
+from packfeed.server.mixture.draws import MixtureDraws
+from packfeed.server.mixture.weight_rules import WeightRule
 
 pytestmark = pytest.mark.benchmark
 NAMES = ["ocr", "chat", "math"]
@@ -31,15 +31,19 @@ def simulate(rule: WeightRule) -> tuple[list[np.ndarray], list[np.ndarray]]:
     weights, losses_after = [], []
     seen = np.zeros(3)
 
-    def shares_at(window: int, progress: float) -> np.ndarray:
-        if window < 2:
-            chosen = np.ones(3) / 3  # the schedule's start: no window's losses are complete yet
-        else:
-            chosen = rule.next_weights(weights[window - 1], losses_after[window - 2], NAMES)
-        weights.append(chosen)
-        return chosen
+    class Simulated:  # the draws' weight source: the rule on the simulated losses
+        def window_weights(self, epoch: int, window: int, progress: float, previous) -> np.ndarray:
+            if window < 2:
+                chosen = np.ones(3) / 3  # the schedule's start: no window's losses are complete yet
+            else:
+                chosen = rule.next_weights(weights[window - 1], losses_after[window - 2], NAMES)
+            weights.append(chosen)
+            return chosen
 
-    draws = MixtureDraws([np.arange(300_000)] * 3, SAMPLES, WINDOW, 0, 0, shares_at)
+        def window_planned(self, epoch: int, window: int, steps: range) -> None:
+            pass
+
+    draws = MixtureDraws([np.arange(300_000)] * 3, SAMPLES, WINDOW, 0, 0, Simulated())
     for window in range(draws.n_windows):
         seen += draws.counts(window)
         losses_after.append(FLOOR + SPAN * np.exp(-seen / SCALE))

@@ -1,6 +1,6 @@
 """Loss-driven mixture weights (issue [6/6]): the rule a mixture file names sets each window's weights from the
 window before's and the per-dataset losses trainers reported (the server's reports and decisions:
-`packfeed.server.plan.weight_ledger`).
+`packfeed.server.serve.weight_ledger`).
 
     rule:
       name: softmax            # weights ~ exp(loss / temperature): the datasets the model finds hardest get more
@@ -33,7 +33,7 @@ from typing import Literal
 
 import numpy as np
 
-from packfeed.server.plan.schedule import read_number
+from packfeed.server.mixture.schedule import read_number
 
 RuleName = Literal["softmax", "excess_loss"]
 RULES: tuple[str, ...] = ("softmax", "excess_loss")

@@ -1,6 +1,6 @@
 """A mixture file: several indexes, each with a repeat weight (InternVL's `repeat_time`) or weights that move over
 the job (docs/planning.md "Mixtures" and "Mixtures that move"), read and checked before anything is planned. How
-its epochs are drawn and planned: `packfeed.server.plan.mixture`.
+its epochs are drawn and planned: `packfeed.server.mixture.loads`.
 
     name: sft-mix
     datasets:
@@ -27,8 +27,8 @@ from pathlib import Path
 import yaml
 
 from packfeed.server.index.table import read_index_info
-from packfeed.server.plan.schedule import WeightSchedule
-from packfeed.server.plan.weight_rules import WeightRule
+from packfeed.server.mixture.schedule import WeightSchedule
+from packfeed.server.mixture.weight_rules import WeightRule
 MAX_REPEAT = 1000  # a dataset seen more often than this per epoch is a typo, not a weight (InternVL's go to ~4)
 MAX_EPOCH_ROWS = 1 << 31  # rows of one epoch: each costs 12 bytes held, and the planner counts them in int32
 

@@ -56,7 +56,7 @@ class WeightSchedule:
         return np.array([_at(series, progress, self.interpolate) for series in self.points])
 
     def weights(self, progress: float) -> np.ndarray:
-        """The datasets' shares at `progress` (summing to 1)."""
+        """The datasets' weights at `progress` (summing to 1)."""
         raw = self.raw(progress)
         return raw / raw.sum()
 
@@ -68,20 +68,20 @@ class WeightSchedule:
         return exact_counts(self.weights((window + 0.5) / windows), samples, np.asarray(sizes, dtype=np.int64))
 
 
-def exact_counts(shares: np.ndarray, total: int, sizes: np.ndarray) -> np.ndarray:
-    """Integers summing to `total` that follow `shares` (largest remainders, ties to the lower index), none above
-    its dataset's size: a full dataset gives all it has and the rest is shared again by the others' shares."""
+def exact_counts(weights: np.ndarray, total: int, sizes: np.ndarray) -> np.ndarray:
+    """Integers summing to `total` that follow `weights` (largest remainders, ties to the lower index), none above
+    its dataset's size: a full dataset gives all it has and the rest is shared again by the others' weights."""
     if total > int(sizes.sum()):
         raise ValueError(f"a window of {total} samples needs more than the {int(sizes.sum())} the datasets hold")
-    counts = np.zeros(len(shares), dtype=np.int64)
-    open_ = (shares > 0) & (sizes > 0)
+    counts = np.zeros(len(weights), dtype=np.int64)
+    open_ = (weights > 0) & (sizes > 0)
     remaining = total
     while remaining:
         if not open_.any():  # the weighted datasets are exhausted: the rest from those weighted 0, by size
             open_ = counts < sizes
             part = np.where(open_, sizes - counts, 0).astype(np.float64)
         else:
-            part = np.where(open_, shares, 0.0)
+            part = np.where(open_, weights, 0.0)
         want = _largest_remainders(part / part.sum(), remaining)
         take = np.minimum(want, sizes - counts)
         counts += take
@@ -90,11 +90,11 @@ def exact_counts(shares: np.ndarray, total: int, sizes: np.ndarray) -> np.ndarra
     return counts
 
 
-def _largest_remainders(shares: np.ndarray, total: int) -> np.ndarray:
-    exact = shares * total
+def _largest_remainders(weights: np.ndarray, total: int) -> np.ndarray:
+    exact = weights * total
     counts = np.floor(exact).astype(np.int64)
     short = total - int(counts.sum())
-    order = np.lexsort((np.arange(len(shares)), -(exact - counts)))  # largest remainder first, then lower index
+    order = np.lexsort((np.arange(len(weights)), -(exact - counts)))  # largest remainder first, then lower index
     counts[order[:short]] += 1
     return counts
 

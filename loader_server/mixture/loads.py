@@ -1,5 +1,5 @@
 """Dataset mixtures planned as one: the union of their datasets' rows per epoch (`MixtureLoads`), read from a mixture
-file (`packfeed.server.plan.mixture_file`).
+file (`packfeed.server.mixture.mixture_file`).
 
 A repeat r gives every valid sample floor(r) times plus a subset of round((r - floor(r)) n) distinct valid
 samples drawn from (seed, epoch, dataset), so counts are exact and deterministic. The epoch's rows are the
@@ -7,7 +7,7 @@ union of all datasets: ISF and balancing run over it, so packs mix datasets. A p
 `sample_ids[k]` of dataset `datasets[k]` (`MixtureRows`).
 
 Weights that move (docs/planning.md "Mixtures that move"): a mixture whose datasets give `weights:` over the job is
-planned in windows only, each drawing its rows by the weights at its middle (`packfeed.server.plan.draws`).
+planned in windows only, each drawing its rows by the weights at its middle (`packfeed.server.mixture.draws`).
 """
 
 from __future__ import annotations
@@ -15,22 +15,21 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
 from packfeed.media.chat import ChatTemplate
 from packfeed.media.image_policy import policy_from_dict
 from packfeed.server.index.table import IndexInfo
+from packfeed.server.mixture.draws import DrawnColumn, MixtureDraws, Scheduled, WindowWeights
+from packfeed.server.mixture.mixture_file import MAX_EPOCH_ROWS, Mixture
 from packfeed.server.plan.caps import resolve_caps
 from packfeed.server.plan.costs import SampleLoads, load_sample_loads
-from packfeed.server.plan.draws import DrawnColumn, MixtureDraws
 from packfeed.server.plan.isf import Caps
 from packfeed.server.plan.mapped_loads import GatheredColumn, map_sample_loads, valid_mask
-from packfeed.server.plan.mixture_file import MAX_EPOCH_ROWS, Mixture
 from packfeed.server.plan.plan_file import Plan
 from packfeed.server.plan.planner import count_steps, make_plan
-from packfeed.server.plan.weight_ledger import WeightLedger
 from packfeed.server.plan.windows import WindowedPlan
 from packfeed.v1.options import PlanConfig
 
@@ -116,7 +115,7 @@ class MixtureLoads:
         return np.concatenate(datasets), np.concatenate(sample_ids)
 
     def windowed(self, config: PlanConfig, seed: int, epoch: int, caps: Caps | None = None,
-                 ledger: WeightLedger | None = None) -> WindowedPlan:
+                 ledger: WindowWeights | None = None) -> WindowedPlan:
         """The epoch planned window by window (`config.window` rows each) over its rows: as for one dataset,
         the rows' order is an affine permutation, so each window mixes every dataset in its share. Loads are
         read from each dataset's (memory-mapped) columns as a window needs them; the epoch's rows themselves
@@ -130,27 +129,19 @@ class MixtureLoads:
                             rows=MixtureRows(rows, datasets, sample_ids, [e.name for e in self.mixture.datasets]))
 
     def _moving_windows(self, config: PlanConfig, seed: int, epoch: int, caps: Caps | None,
-                        ledger: WeightLedger | None = None) -> WindowedPlan:
+                        ledger: WindowWeights | None = None) -> WindowedPlan:
         """Each window's rows drawn by the weights at its middle; rows are numbered window after window. Caps are
         searched on every valid sample once, as for a whole-epoch mixture, so they suit every window's mix."""
         schedule = self.mixture.schedule
         if caps is None and not config.strategy.padded:  # not window 0's: its mix is only the schedule's start
             caps = resolve_caps(self.once().loads, config)
-        def shares_at(window: int, progress: float) -> np.ndarray:
-            if ledger is None:
-                return schedule.weights(progress)
-            return ledger.weights(epoch, window, progress, steps_of, draws.shares)
-
-        def steps_of(window: int) -> range:
-            return range(plan.first_step(window), plan.first_step(window + 1))
-
-        draws = MixtureDraws(self.valid, self.samples, config.window, seed, epoch, shares_at)
+        source = ledger if ledger is not None else Scheduled(schedule.weights)  # the draws' one weight source
+        draws = MixtureDraws(self.valid, self.samples, config.window, seed, epoch, source)
         datasets, sample_ids = DrawnColumn(draws, 0), DrawnColumn(draws, 1)
         rows = RowLoads(self.loads, datasets, sample_ids)
-        plan = WindowedPlan(rows, config, seed, epoch, config.window, self.fingerprint, caps, drawn=True,
+        return WindowedPlan(rows, config, seed, epoch, config.window, self.fingerprint, caps, drawn=True,
                             rows=MixtureRows(rows, datasets, sample_ids, [e.name for e in self.mixture.datasets]),
                             draws=draws, ledger=ledger)
-        return plan
 
     def drawn_epoch(self, config: PlanConfig, seed: int, epoch: int) -> tuple[MixtureRows, list[dict]]:
         """A moving mixture's epoch as its windows of `config.window` samples draw it: every drawn row (loads in
@@ -166,13 +157,6 @@ class MixtureLoads:
         raise ValueError(f"{self.mixture.where()}: its weights move over the epoch, so it is planned in windows, "
                          "each drawn by its own weights: give a window (--window N, `window` in the plan settings), "
                          "e.g. a twentieth of the epoch or less")
-
-    def ledger(self, ranks: int) -> WeightLedger | None:
-        """A job's ledger of loss-driven weights (its mixture names a rule), else None."""
-        if self.mixture.rule is None:
-            return None
-        return WeightLedger(self.mixture.rule, [e.name for e in self.mixture.datasets], ranks,
-                            self.mixture.schedule.weights)
 
     def once(self) -> MixtureRows:
         """Every valid sample of every dataset once: what the automatic caps are searched on (stable across
@@ -256,8 +240,7 @@ def make_mixture_plan(mixture: MixtureLoads, config: PlanConfig, seed: int, epoc
     """Plan one epoch of a mixture over the union of its datasets (caps: `_epoch_caps`)."""
     rows = mixture.epoch(seed, epoch)
     plan = make_plan(rows.loads, config, seed, epoch, mixture.fingerprint, caps=_epoch_caps(mixture, config, caps))
-    plan.rows = rows
-    return plan
+    return replace(plan, rows=rows)
 
 
 def count_mixture_steps(mixture: MixtureLoads, config: PlanConfig, seed: int, epoch: int, caps: Caps | None) -> int:

@@ -1,5 +1,6 @@
 """One job's loss-driven mixture weights (issue [6/6]): the per-dataset losses its trainers report, step by step,
-and the weights each window was given, recorded before the window is drawn.
+and the weights each window was given, recorded before the window is drawn: serving state, the weight source of
+its epochs' draws (`packfeed.server.mixture.draws.WindowWeights`), told each window's steps as its plan plans it.
 
 Window w of an epoch is decided from window w-1's weights and the mean loss per dataset over the steps of window w-2
 (the last window whose steps the trainers have surely trained when window w is planned, one window ahead of the
@@ -25,7 +26,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from packfeed.server.plan.weight_rules import WeightRule
+from packfeed.server.mixture.weight_rules import WeightRule
 
 log = logging.getLogger("packfeed.server")
 MAX_LOSS = 1e30  # a per-dataset loss (or minus a reward) beyond this is not a loss: left out, counted
@@ -47,6 +48,7 @@ class WeightLedger:
         self.ignored: dict[str, int] = {}  # reports left out, by reason
         self.partial_windows = 0  # windows decided before every report of their basis arrived
         self._deciding: set[tuple[int, int]] = set()  # (epoch, window) being decided: other askers wait for it
+        self._steps: dict[tuple[int, int], range] = {}  # (epoch, window) -> its steps, once planned
         self._closed = False
 
     def report(self, rank: int, epoch: int, step: int, losses: dict[str, float],
@@ -88,10 +90,23 @@ class WeightLedger:
             return "loss or count out of range"
         return None
 
-    def weights(self, epoch: int, window: int, progress: float, steps_of: Callable[[int], range],
-                previous: Callable[[int], np.ndarray]) -> np.ndarray:
+    def window_planned(self, epoch: int, window: int, steps: range) -> None:
+        """Window `window` of `epoch` was planned into `steps`: the decision of window `window` + 2 reads their
+        losses."""
+        with self._changed:
+            self._steps[epoch, window] = steps
+
+    def _steps_of(self, epoch: int, window: int) -> range:
+        with self._changed:
+            steps = self._steps.get((epoch, window))
+        if steps is None:  # a plan plans windows in order, and tells each before the one two later is drawn
+            raise RuntimeError(f"epoch {epoch}'s window {window} is not planned yet: its steps are not known")
+        return steps
+
+    def window_weights(self, epoch: int, window: int, progress: float,
+                       previous: Callable[[int], np.ndarray]) -> np.ndarray:
         """Window `window`'s weights: as recorded, the schedule's for windows 0 and 1, else decided now (waiting for
-        the reports of `steps_of(window - 2)`) and recorded. `previous(w)`: window w's weights."""
+        the reports of window `window` - 2's steps) and recorded. `previous(w)`: window w's weights."""
         with self._changed:  # one decision per window: another asker waits for it
             while (epoch, window) in self._deciding:
                 self._check_open(f"epoch {epoch}'s window {window}")
@@ -105,11 +120,11 @@ class WeightLedger:
                 chosen = np.asarray(self.start(progress), dtype=np.float64)
                 chosen = chosen / chosen.sum()
             else:
-                losses = self._losses(epoch, steps_of(window - 2))
+                losses = self._losses(epoch, self._steps_of(epoch, window - 2))
                 chosen = self.rule.next_weights(previous(window - 1), losses, self.names)
             with self._changed:
                 chosen = self._decided.setdefault(epoch, {}).setdefault(window, chosen)  # a restored one wins
-                self._forget(epoch, steps_of(window - 2).start if window >= 2 else 0)
+                self._forget(epoch, self._steps_of(epoch, window - 2).start if window >= 2 else 0)
             return chosen
         finally:
             with self._changed:

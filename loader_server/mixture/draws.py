@@ -17,11 +17,12 @@ from __future__ import annotations
 
 import math
 import threading
-from typing import Callable
+from dataclasses import dataclass
+from typing import Callable, Protocol
 
 import numpy as np
 
-from packfeed.server.plan.schedule import exact_counts
+from packfeed.server.mixture.schedule import exact_counts
 
 _DRAW_STREAM = 0xD8A3  # random stream of the passes' orders, apart from the planner's and the subsets'
 
@@ -91,13 +92,42 @@ class DatasetStream:
         return self._deferred[p]
 
 
+class WindowWeights(Protocol):
+    """Where a moving mixture's window weights come from, one source per epoch's draws: the mixture's schedule
+    (`Scheduled`), or a job's ledger deciding them from its trainers' loss reports
+    (`packfeed.server.serve.weight_ledger.WeightLedger`)."""
+
+    def window_weights(self, epoch: int, window: int, progress: float,
+                       previous: Callable[[int], np.ndarray]) -> np.ndarray:
+        """Window `window`'s weights (`progress`: the job's, at the window's middle; `previous(w)`: window w's
+        weights, for w < window)."""
+        ...
+
+    def window_planned(self, epoch: int, window: int, steps: range) -> None:
+        """Window `window` of `epoch` was planned into `steps` (what a later decision reads the losses of)."""
+        ...
+
+
+@dataclass(frozen=True)
+class Scheduled:
+    """The weights a schedule sets at each window's middle (`schedule.WeightSchedule.weights`)."""
+
+    weights: Callable[[float], np.ndarray]
+
+    def window_weights(self, epoch: int, window: int, progress: float,
+                       previous: Callable[[int], np.ndarray]) -> np.ndarray:
+        return self.weights(progress)
+
+    def window_planned(self, epoch: int, window: int, steps: range) -> None:
+        pass
+
+
 class MixtureDraws:
     """Each window's rows of a moving mixture: (dataset, sample id there), the datasets in their listed order.
-    `shares_at(window, progress)` gives a window's weights (a schedule's at `progress`, the window's middle; or the
-    weights a loss-driven rule set and the job recorded); windows are drawn in order, each once."""
+    `source` gives each window's weights (`WindowWeights`); windows are drawn in order, each once."""
 
     def __init__(self, valid: list[np.ndarray], samples: int, window: int, seed: int, epoch: int,
-                 shares_at: Callable[[int, float], np.ndarray]):
+                 source: WindowWeights):
         if window < 1 or samples < 1:
             raise ValueError(f"a moving mixture draws windows of at least one sample (window {window}, "
                              f"samples {samples})")
@@ -105,10 +135,10 @@ class MixtureDraws:
         if min(window, samples) > self.sizes.sum():
             raise ValueError(f"a window of {min(window, samples):,} samples is more than the mixture's {int(self.sizes.sum()):,} valid "
                              "samples: no window may hold a sample twice; give a smaller window")
-        self.samples, self.window, self.shares_at = samples, window, shares_at
+        self.samples, self.window, self.epoch, self.source = samples, window, epoch, source
         self.n_windows = math.ceil(samples / window)
         self._counts: list[np.ndarray] = []  # per drawn window, its count from each dataset
-        self._shares: list[np.ndarray] = []  # per drawn window, its weights (summing to 1)
+        self._weights: list[np.ndarray] = []  # per drawn window, its weights (summing to 1)
         self._starts = [np.zeros(len(valid), np.int64)]  # per window, each dataset's stream position before it
         self._rows: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         self._lock = threading.Lock()
@@ -135,22 +165,23 @@ class MixtureDraws:
                 if window < len(self._counts):
                     return self._counts[window]
                 w = len(self._counts)
-            shares = np.asarray(self.shares_at(w, self.progress(w)), dtype=np.float64)
+            weights = np.asarray(self.source.window_weights(self.epoch, w, self.progress(w), self.weights),
+                                 dtype=np.float64)
             with self._lock:
                 if len(self._counts) == w:
-                    self._shares.append(shares / shares.sum())
-                    self._counts.append(exact_counts(self._shares[-1], self.window_samples(w), self.sizes))
+                    self._weights.append(weights / weights.sum())
+                    self._counts.append(exact_counts(self._weights[-1], self.window_samples(w), self.sizes))
                     self._starts.append(self._starts[-1] + self._counts[-1])
 
-    def shares(self, window: int) -> np.ndarray:
+    def weights(self, window: int) -> np.ndarray:
         """Window `window`'s weights, divided by their sum."""
         self.counts(window)
-        return self._shares[window]
+        return self._weights[window]
 
     def describe(self, window: int, names: list[str]) -> dict:
         """A window's weights and draws, as summaries and the job's status give them."""
         return {"window": window, "progress": round(self.progress(window), 6),
-                "weights": {name: round(float(w), 6) for name, w in zip(names, self.shares(window))},
+                "weights": {name: round(float(w), 6) for name, w in zip(names, self.weights(window))},
                 "drawn": {name: int(c) for name, c in zip(names, self.counts(window))}}
 
     def rows(self, window: int) -> tuple[np.ndarray, np.ndarray]:
