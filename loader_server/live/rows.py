@@ -43,7 +43,7 @@ class LiveRow:
     # what a step's work adds for the worker: where its tar is read (a path or an object URL), and what it shares
     # its prefix with where the step's plan shares prefixes ([share key, prefix tokens])
     tar: str = ""
-    share: tuple[str, int] | None = None
+    prefix_of: tuple[str, int] | None = None
 
     @classmethod
     def spooled(cls, sample: LiveSample, batch: int, file: str, place: int, members: dict[str, Span],
@@ -63,12 +63,12 @@ class LiveRow:
         """Its entry in its batch's rows file (`key` and `n_images` beside the fields: the spool's keys since
         its first version)."""
         out = dataclasses.asdict(self)
-        del out["tar"], out["share"]
+        del out["tar"], out["prefix_of"]
         return {**out, "key": self.id, "n_images": len(self.sizes)}
 
     @classmethod
     def from_json(cls, raw: dict[str, Any]) -> LiveRow:
-        known = {f.name for f in dataclasses.fields(cls)} - {"tar", "share"}
+        known = {f.name for f in dataclasses.fields(cls)} - {"tar", "prefix_of"}
         values = {name: value for name, value in raw.items() if name in known}
         values["sizes"] = tuple(tuple(size) for size in values["sizes"])
         values["tensors"] = tuple(values["tensors"])

@@ -30,7 +30,7 @@ def step_plan(rows: list[LiveRow], config: PlanConfig, seed: int, step: int, fin
                         np.array([r.vit_attn_sq for r in rows], np.float32))
     if config.shares_prefixes(any(r.prefix_key for r in rows)):  # one group per (group, prefix)
         numbered: dict[tuple[str, str], int] = {}
-        loads.group = np.array([numbered.setdefault(share_key(r), len(numbered)) if r.prefix_key else -1
+        loads.group = np.array([numbered.setdefault(prefix_group(r), len(numbered)) if r.prefix_key else -1
                                 for r in rows], np.int64)
         loads.prefix = np.array([r.prefix for r in rows], np.int32)
     planned = replace(config, live=False, **{name: None if name == "max_staleness" else 0 for name in LIVE_FIELDS})
@@ -47,7 +47,7 @@ def step_plan(rows: list[LiveRow], config: PlanConfig, seed: int, step: int, fin
         microbatches = min(LIMITS["microbatches"], math.ceil(microbatches * plan.n_steps))
 
 
-def share_key(row: LiveRow) -> tuple[str, str]:
+def prefix_group(row: LiveRow) -> tuple[str, str]:
     """What a live sample shares its prefix with: the samples of its group with the same prefix (its tokens and
     images, `samples.LiveSample.prefix_key`)."""
     return row.group, row.prefix_key

@@ -62,7 +62,7 @@ class IndexRows:
         """The sample key of a row `row()` gave."""
         return row["key"]
 
-    def share(self, sample_id: int) -> list | None:
+    def prefix_of(self, sample_id: int) -> list | None:
         """[what the sample shares its prefix with, the prefix's tokens] (a grouped index: each group one prompt,
         `packfeed.server.index.sample_costs`), or None."""
         if not self.info.groups:

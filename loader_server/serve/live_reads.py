@@ -37,7 +37,7 @@ class LiveReads:
         return 1  # every member comes from the spool
 
     @property
-    def shares(self) -> bool:
+    def shared_prefixes(self) -> bool:
         return True  # a row says what it shares where its step's plan shares prefixes (`LiveDataset.work`)
 
     def parts(self, open_index) -> list[tuple]:
@@ -78,10 +78,10 @@ class LiveRows:
     def key_of(row: LiveRow) -> str:
         return row.key
 
-    def share(self, position: int) -> tuple[str, int] | None:
+    def prefix_of(self, position: int) -> tuple[str, int] | None:
         """[what the sample shares its prefix with, the prefix's tokens], or None (`LiveDataset.work` says it where the
         step's plan shares prefixes)."""
-        return self.live.rows[int(position)].share
+        return self.live.rows[int(position)].prefix_of
 
     def pixel_bytes(self, positions) -> int:
         return sum(self.live.rows[int(p)].pixel_bytes for p in np.asarray(positions).tolist())

@@ -10,7 +10,7 @@ import numpy as np
 from packfeed.media.image_policy import policy_from_dict
 from packfeed.media.pixel_modes import PIXEL_PATHS
 from packfeed.server.live.samples import MAX_SAMPLE_TOKENS, SampleRules
-from packfeed.server.live.step_plan import share_key
+from packfeed.server.live.step_plan import prefix_group
 from packfeed.server.live.steps import LiveSteps
 from packfeed.server.serve.job_spec import JobError
 from packfeed.server.serve.live_reads import LiveReads, prompt_in
@@ -146,7 +146,7 @@ class LiveDataset:
             spans.append(step_plan.pack_cp(0, rank, microbatch))
         # where a worker reads each row, and (where the step's plan shares prefixes) what it shares its prefix with
         sharing = step_plan.groups is not None
-        rows = {position: replace(row, tar=self.steps.spool.tar_path(row), share=("\0".join(share_key(row)), row.prefix)
+        rows = {position: replace(row, tar=self.steps.spool.tar_path(row), prefix_of=("\0".join(prefix_group(row)), row.prefix)
                                   if sharing and row.prefix_key else None)
                 for position, row in zip(positions, self.steps.member_rows(step, positions))}
         step_loss = sum(row.loss_tokens for row in self.steps.member_rows(step, step_plan.step_members(0)))

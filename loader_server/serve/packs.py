@@ -145,15 +145,15 @@ def truncate_sample(sample: SampleTensors, limit: int) -> SampleTensors:
 
 def build_pack(parts: list[tuple[IndexRows, Any, str]], members: np.ndarray, truncate_to: np.ndarray,
                sources: np.ndarray, epoch: int, step: int, rank: int, microbatch: int, seed: int = 0,
-               shares: bool = False) -> Pack:
+               shared_prefixes: bool = False) -> Pack:
     """One pack from its planned members; member k is sample `members[k]` of `parts[sources[k]]` (rows, reader,
     dataset label); `seed` is the job's (random video frames are drawn from it). A sample that fails at serve
     time is left out and reported in the pack's `skipped`; the pack still goes out, flagged empty if nothing is
-    left. `shares`: the job plans groups with their prefix shared (docs/wire.md "Shared prefixes"); each member's
-    rows then say what it shares (`share`)."""
-    shares = [parts[source][0].share(sample_id) if shares else None
+    left. `shared_prefixes`: the job plans groups with their prefix shared (docs/wire.md "Shared prefixes"); each member's
+    rows then say what it shares its prefix with (`prefix_of`)."""
+    prefixes = [parts[source][0].prefix_of(sample_id) if shared_prefixes else None
               for sample_id, source in zip(np.asarray(members).tolist(), np.asarray(sources).tolist())]
-    owners = _prefix_owners(shares)
+    owners = _prefix_owners(prefixes)
     reads = [owner == k for k, owner in enumerate(owners)]  # a sibling's images are its owner's: not read
     loaded, skipped = load_members(parts, members, truncate_to, sources, epoch, seed, pixels=reads)
 
@@ -163,7 +163,7 @@ def build_pack(parts: list[tuple[IndexRows, Any, str]], members: np.ndarray, tru
         skipped.extend(failed)
         return [(position, sample) for _, sample in again]
 
-    loaded, rows = _shared(loaded, shares, owners, reload)
+    loaded, rows = _shared(loaded, prefixes, owners, reload)
     pack = assemble_pack([sample for _, sample in loaded], epoch, step, rank, microbatch, skipped)
     if rows is not None:
         pack.tensors["shared_prefix"] = rows
@@ -171,13 +171,13 @@ def build_pack(parts: list[tuple[IndexRows, Any, str]], members: np.ndarray, tru
     return pack
 
 
-def _prefix_owners(shares: list) -> list[int]:
+def _prefix_owners(prefixes: list) -> list[int]:
     """Per member, the first member of the pack sharing its prefix (itself when none before it does)."""
     first: dict[str, int] = {}
-    return [first.setdefault(share[0], k) if share else k for k, share in enumerate(shares)]
+    return [first.setdefault(prefix[0], k) if prefix else k for k, prefix in enumerate(prefixes)]
 
 
-def _shared(loaded, shares, owners, reload) -> tuple[list, np.ndarray | None]:
+def _shared(loaded, prefixes, owners, reload) -> tuple[list, np.ndarray | None]:
     """The loaded members and their `shared_prefix` rows (docs/wire.md "Shared prefixes"; None when nothing is
     shared). A sibling whose owner loaded with its whole prefix shares it and carries no images (every image of a
     grouped sample is in its prefix); one whose owner did not (it failed to load, or was cut short) is read again
@@ -186,7 +186,7 @@ def _shared(loaded, shares, owners, reload) -> tuple[list, np.ndarray | None]:
     kept = []  # (position, sample, its owner's position or None, shared tokens)
     for position, sample in loaded:
         owner = owners[position]
-        size = int(shares[position][1]) if shares[position] else 0
+        size = int(prefixes[position][1]) if prefixes[position] else 0
         if owner == position:
             kept.append((position, sample, None, 0))
         elif size >= 2 and owner in by_position and len(by_position[owner].input_ids) >= size \

@@ -27,9 +27,9 @@ class DatasetSource:
 
 class StepReads(Protocol):
     """What a worker reads a rank-step's samples through, as the job's source says: per source a member's
-    `sources` entry counts in, its rows (what the pack builder asks of a sample: its row, what it shares, its
+    `sources` entry counts in, its rows (what the pack builder asks of a sample: its row, what it shares its prefix with, its
     bytes), the reader that loads it and the dataset name its packs carry; and what every pack of the source
-    carries beside its samples, and whether a member's rows say what it shares its prefix with (`shares`). An
+    carries beside its samples, and whether a member's rows say what it shares its prefix with (`shared_prefixes`). An
     index's are its rows and shards (`IndexReads`); a live job's, its spooled
     samples with their prompts' images from the indexes (`packfeed.server.serve.live_reads.LiveReads`)."""
 
@@ -37,7 +37,7 @@ class StepReads(Protocol):
     def sources(self) -> int: ...
 
     @property
-    def shares(self) -> bool: ...
+    def shared_prefixes(self) -> bool: ...
 
     def parts(self, open_index: Callable[[str], tuple[Any, Any]]) -> list[tuple[Any, Any, str]]:
         """(rows, reader, label) per source; `open_index(name)` opens (or gives back) an index's rows and reader."""
@@ -54,7 +54,7 @@ class IndexReads:
 
     datasets: tuple[str, ...]  # the worker's names of the indexes a member's source counts in
     labels: tuple[str, ...]  # the dataset names the packs carry (`sample_sources`), one per index
-    shares: bool = False  # the plan shares its groups' prefixes (`PlanConfig.shares_prefixes`)
+    shared_prefixes: bool = False  # the plan shares its groups' prefixes (`PlanConfig.shares_prefixes`)
 
     @property
     def sources(self) -> int:

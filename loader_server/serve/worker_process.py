@@ -149,7 +149,7 @@ def _build_rank_step(work: RankStepWork, shared: str | None) -> RankStepResult:
                 pack.encoder = work.seat.encoder
             else:
                 pack = build_pack(parts, members, truncate_to, sources, work.epoch, work.step, work.seat.rank,
-                                  microbatch, work.seed, work.reads.shares)
+                                  microbatch, work.seed, work.reads.shared_prefixes)
             pack.step_loss_tokens = work.step_loss_tokens
             work.reads.complete(pack)
             if work.cp_spans is None:
