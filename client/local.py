@@ -22,7 +22,7 @@ class LocalServer:
     def __init__(self, index: str | Path | None = None, *, config: str | Path | None = None, workers: int | None = None,
                  prefetch_steps: int | None = None, metrics_port: int | None = None, startup_timeout: float = 120.0,
                  extra_args: list[str] | None = None, env: dict[str, str] | None = None):
-        self.args = [sys.executable, "-m", "packfeed.server.cli", "serve", "--listen", "127.0.0.1:0"]
+        self.args = [sys.executable, "-m", "packfeed.cli", "serve", "--listen", "127.0.0.1:0"]
         for flag, value in (("--index", index), ("--config", config), ("--workers", workers),
                             ("--prefetch-steps", prefetch_steps), ("--metrics-port", metrics_port)):
             if value is not None:

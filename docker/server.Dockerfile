@@ -19,6 +19,7 @@ COPY setup.py README.md ./
 COPY protos protos
 COPY media media
 COPY loader_server loader_server
+COPY cli cli
 COPY client client
 COPY trainer trainer
 # The server side installs without torch: packfeed.trainer / packfeed.client import it only when used.

@@ -23,6 +23,7 @@ COPY setup.py README.md ./
 COPY protos protos
 COPY media media
 COPY loader_server loader_server
+COPY cli cli
 COPY client client
 COPY trainer trainer
 RUN pip install --no-deps --no-build-isolation . && cd / && rm -rf /src /wheels

@@ -26,7 +26,7 @@ from packfeed.trainer.simulate.model_shape import (
 from packfeed.trainer.parallel.schedules import encoder_deadlines, pipeline_order, split_tiles
 from packfeed.trainer.simulate.placement import Placement, simulate_step, step_costs
 from packfeed.trainer.simulate.predict import Settings, search_allocation, simulate_plan
-from packfeed.server.cli.simulate_data import make_workload
+from packfeed.cli.simulate_data import make_workload
 from packfeed.trainer.simulate.workload import planner_cost_model
 
 LENGTHS = Path(__file__).resolve().parents[2] / "shared" / "data" / "lengths"
@@ -366,7 +366,7 @@ def write_lengths(path: Path, n: int, seed: int) -> Path:
 
 
 def packfeed(*args: str, check: bool = True) -> subprocess.CompletedProcess:
-    done = subprocess.run([sys.executable, "-m", "packfeed.server.cli", *args], capture_output=True, text=True,
+    done = subprocess.run([sys.executable, "-m", "packfeed.cli", *args], capture_output=True, text=True,
                           timeout=300)
     if check:
         assert done.returncode == 0, done.stderr
@@ -507,7 +507,7 @@ def test_packfeed_simulate_data_parallel_zero3_from_the_command_line(tmp_path):
     rng = np.random.default_rng(0)
     lengths.write_text(json.dumps([{"vit_num": int(v), "token_num": int(v) * 256 + int(t), "image_flags": int(v)}
                                    for v, t in zip(rng.choice([0, 1, 3, 6], 400), rng.integers(50, 2000, 400))]))
-    common = [sys.executable, "-m", "packfeed.server.cli", "simulate", "--lengths", str(lengths), "--dp", "8",
+    common = [sys.executable, "-m", "packfeed.cli", "simulate", "--lengths", str(lengths), "--dp", "8",
               "--pp", "1", "--microbatches", "2", "--json"]
     records = {}
     for strategy, encoder in (("random", "stages"), ("isf+phases", "phases")):

@@ -117,7 +117,7 @@ def test_packs_do_not_change_and_balance_holds_where_every_pack_calls_the_same_t
 
 def test_the_plan_command_is_collective_safe_by_default_and_says_so(tmp_path, dataset):
     def plan(*extra):
-        out = subprocess.run([sys.executable, "-m", "packfeed.server.cli", "plan", "--index", str(dataset), "--dp", "4",
+        out = subprocess.run([sys.executable, "-m", "packfeed.cli", "plan", "--index", str(dataset), "--dp", "4",
                               "--microbatches", "2", "--samples-per-pack", "1", *extra], capture_output=True, text=True,
                              check=True)
         summary = json.loads(out.stdout)["collective_safe"]

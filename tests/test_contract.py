@@ -115,8 +115,8 @@ def test_whether_a_plan_shares_prefixes_is_answered_once_for_an_index_and_a_live
 
 
 def test_cli_flags_are_the_plan_config_fields():
-    from packfeed.server.cli import build_parser
-    from packfeed.server.cli.options import plan_config_of
+    from packfeed.cli import build_parser
+    from packfeed.cli.options import plan_config_of
 
     parser = build_parser()
     for command in ("plan", "stats"):

@@ -19,7 +19,7 @@ from packfeed.media.image_policy import POLICIES
 from packfeed.server.index.conventions import POLICY_FLAGS, add_convention_options, conventions_of
 from packfeed.server.tools.demo import train_tokenizer
 
-CLI = [sys.executable, "-m", "packfeed.server.cli"]
+CLI = [sys.executable, "-m", "packfeed.cli"]
 TURNS = [{"role": "user", "value": "<image>\nWhat is it?"}, {"role": "assistant", "value": "A cat."}]
 
 

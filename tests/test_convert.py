@@ -23,7 +23,7 @@ from PIL import Image
 
 from recipe_data import write_annotation, write_image
 
-CLI = [sys.executable, "-m", "packfeed.server.cli"]
+CLI = [sys.executable, "-m", "packfeed.cli"]
 
 
 def packfeed(*args, expect: int | None = 0) -> subprocess.CompletedProcess:
@@ -279,7 +279,7 @@ def test_converted_images_keep_their_format(tmp_path):
 
 def test_the_cli_offers_every_source_format():
     """The parser lists formats without importing the converters; the two lists stay in step."""
-    from packfeed.server.cli.convert import FORMATS as OFFERED
+    from packfeed.cli.convert import FORMATS as OFFERED
     from packfeed.server.convert.sources import FORMATS
 
     assert set(OFFERED) == set(FORMATS) | {"internvl-meta"}

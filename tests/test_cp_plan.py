@@ -260,7 +260,7 @@ def test_config_errors_name_the_field():
 
 
 def test_plan_command_prints_degrees_peak_and_gpu_dist(tmp_path, dataset):
-    out = subprocess.run([sys.executable, "-m", "packfeed.server.cli", "plan", "--index", str(dataset), "--dp", "2",
+    out = subprocess.run([sys.executable, "-m", "packfeed.cli", "plan", "--index", str(dataset), "--dp", "2",
                           "--context-parallel", "4", "--max-tokens-per-gpu", "256", "--out",
                           str(tmp_path / "plan.parquet")], capture_output=True, text=True, check=True)
     summary = json.loads(out.stdout)["context_parallel"]

@@ -103,7 +103,7 @@ def test_the_kv_exchange_counts_the_kv_heads_not_the_hidden_size():
 
 
 def simulate(*args: str) -> dict:
-    done = subprocess.run([sys.executable, "-m", "packfeed.server.cli", "simulate", *args, "--json"],
+    done = subprocess.run([sys.executable, "-m", "packfeed.cli", "simulate", *args, "--json"],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     return {r["mode"]: r for r in json.loads(done.stdout)["context_parallel"]}
@@ -145,14 +145,14 @@ def test_without_a_per_gpu_budget_plan_and_simulate_say_how_many_samples_exceed_
     only an oversize count); with the flag given, no note."""
     mix = write_long_video_mix(tmp_path / "mix.json", short=300)
     common = ["--lengths", str(mix), "--dp", "2", "--context-parallel", "4", "--microbatches", "1", "--json"]
-    done = subprocess.run([sys.executable, "-m", "packfeed.server.cli", "simulate", *common], capture_output=True,
+    done = subprocess.run([sys.executable, "-m", "packfeed.cli", "simulate", *common], capture_output=True,
                           text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     n = json.loads(done.stdout)["context_parallel"][0]["max_tokens_per_gpu"]
     tokens = [row["token_num"] for row in json.loads(mix.read_text())]
     note = next(line for line in done.stderr.splitlines() if line.startswith("note: no --max-tokens-per-gpu"))
     assert f"N = {n:,} tokens" in note and f"{sum(t > n for t in tokens):,} samples hold more" in note
-    given = subprocess.run([sys.executable, "-m", "packfeed.server.cli", "simulate", *common,
+    given = subprocess.run([sys.executable, "-m", "packfeed.cli", "simulate", *common,
                             "--max-tokens-per-gpu", "32768"], capture_output=True, text=True, timeout=300)
     assert given.returncode == 0 and "no --max-tokens-per-gpu" not in given.stderr
 
@@ -162,7 +162,7 @@ def test_the_command_refuses_what_it_cannot_simulate(tmp_path):
     for extra, message in ((["--context-parallel", "4", "--pp", "2"], "pp 1"),
                            (["--context-parallel", "4", "--strategy", "random"], "plans ISF packs"),
                            (["--cp-mode", "static"], "apply with --context-parallel")):
-        done = subprocess.run([sys.executable, "-m", "packfeed.server.cli", "simulate", "--lengths", str(mix),
+        done = subprocess.run([sys.executable, "-m", "packfeed.cli", "simulate", "--lengths", str(mix),
                                *extra], capture_output=True, text=True, timeout=300)
         assert done.returncode != 0 and message in done.stderr
 
@@ -171,7 +171,7 @@ def test_a_cp_plan_file_is_simulated_as_the_cp_plan_it_is(tmp_path):
     """`simulate --plan` of a file `packfeed plan --context-parallel` wrote, with no CP flag given: its own mode,
     dp, microbatches and C, its packs' degrees as planned; a --cp-mode it was not planned in is refused."""
     mix = write_long_video_mix(tmp_path / "mix.json", short=300)
-    cli = [sys.executable, "-m", "packfeed.server.cli"]
+    cli = [sys.executable, "-m", "packfeed.cli"]
     index = tmp_path / "index"
     done = subprocess.run(cli + ["index", "--from-lengths", str(mix), "--out", str(index)], capture_output=True,
                           text=True, timeout=300)

@@ -114,7 +114,7 @@ def test_packfeed_train_cp2_starts_with_the_loss_of_the_same_packs_on_one_proces
                                  "llm": {"hidden": 64, "layers": 2, "heads": 4, "ffn": 170, "gated": True,
                                          "vocab": 1024}, "patches_per_tile": 64, "tokens_per_tile": 16,
                                  "projector_params": 20000}))
-    done = subprocess.run([sys.executable, "-m", "packfeed.server.cli", "simulate", "--run", str(tmp_path / "cp2"),
+    done = subprocess.run([sys.executable, "-m", "packfeed.cli", "simulate", "--run", str(tmp_path / "cp2"),
                            "--model", str(shape), "--json"], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     result = json.loads(done.stdout)

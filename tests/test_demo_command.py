@@ -13,7 +13,7 @@ import pytest
 @pytest.mark.slow
 def test_the_demo_runs_every_stage(tmp_path):
     out = tmp_path / "demo-out"
-    done = subprocess.run([sys.executable, "-m", "packfeed.server.cli", "demo", "--out", str(out)],
+    done = subprocess.run([sys.executable, "-m", "packfeed.cli", "demo", "--out", str(out)],
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     for stage in range(1, 7):

@@ -19,7 +19,7 @@ pytestmark = pytest.mark.slow
 
 
 def health(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "packfeed.server.cli", "health", *args], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "packfeed.cli", "health", *args], capture_output=True,
                           text=True, timeout=30, env=env)
 
 

@@ -129,7 +129,7 @@ def test_packfeed_simulate_plans_each_split_it_searches_and_reports_the_chosen_o
     from packfeed.trainer.simulate.model_shape import load_model
     from packfeed.trainer.simulate.predict import Settings, search_allocation
     from packfeed.trainer.simulate.workload import planner_cost_model
-    from packfeed.server.cli.simulate_data import make_workload
+    from packfeed.cli.simulate_data import make_workload
 
     table, shape = load_model("internvl-chat-1.5")
     rng = np.random.default_rng(3)
@@ -153,7 +153,7 @@ def test_packfeed_simulate_plans_each_split_it_searches_and_reports_the_chosen_o
     index = tmp_path / "lengths.json"
     index.write_text(json.dumps([{"vit_num": int(v), "token_num": int(t), "image_flags": int(v)}
                                  for v, t in zip(loads.vision, loads.tokens)]))
-    common = [sys.executable, "-m", "packfeed.server.cli"]
+    common = [sys.executable, "-m", "packfeed.cli"]
     subprocess.run(common + ["index", "--from-lengths", str(index), "--out", str(tmp_path / "index.parquet")],
                    check=True, capture_output=True)
     subprocess.run(common + ["plan", "--index", str(tmp_path / "index.parquet"), "--dp", "4", "--microbatches", "4",

@@ -39,7 +39,7 @@ def test_the_docs_quote_commands():
 @pytest.mark.parametrize("command", [c for c in COMMANDS if c.argv[0] == "packfeed" and c.marker != "synopsis"],
                          ids=lambda c: f"{c.page}:{c.line}")
 def test_every_packfeed_command_parses(command):
-    from packfeed.server.cli import build_parser
+    from packfeed.cli import build_parser
 
     try:
         args = build_parser().parse_args(command.argv[1:])
@@ -135,7 +135,7 @@ def test_the_docs_commands_that_run_on_the_demo_data_succeed(docs_folder, tmp_pa
         if command.argv[1] == "serve":
             serve_as_quoted(command, folder)
         else:
-            argv = [sys.executable, "-m", "packfeed.server.cli", *command.argv[1:]]
+            argv = [sys.executable, "-m", "packfeed.cli", *command.argv[1:]]
             done = subprocess.run(argv, cwd=folder, capture_output=True, text=True, timeout=300)
             assert done.returncode in (0, 3), f"{command.page}:{command.line}: {command.text}\n{done.stderr[-3000:]}"
         ran.append(command.text)

@@ -218,7 +218,7 @@ def test_length_files_with_groups_index_plan_and_write_the_group_column(tmp_path
     assert info.groups
     loads, _ = load_sample_loads(tmp_path / "i.parquet")
     assert loads.group[0] == 0 and loads.group[8] == -1 and loads.group[9] == 1 and loads.group[270] == 30
-    run = subprocess.run([sys.executable, "-m", "packfeed.server.cli", "plan", "--index", str(tmp_path / "i.parquet"),
+    run = subprocess.run([sys.executable, "-m", "packfeed.cli", "plan", "--index", str(tmp_path / "i.parquet"),
                           "--dp", "8", "--out", str(tmp_path / "plan.parquet")], capture_output=True, text=True)
     assert run.returncode == 0, run.stderr
     summary = json.loads(run.stdout)
@@ -251,7 +251,7 @@ def test_simulate_and_stats_show_what_sharing_saves(tmp_path):
     tokens are the test's own count of (members - 1) x prefix over each group in one pack."""
     records = length_records(60, 8, 4)
     (tmp_path / "grpo.json").write_text(json.dumps(records))
-    run = subprocess.run([sys.executable, "-m", "packfeed.server.cli", "simulate", "--lengths",
+    run = subprocess.run([sys.executable, "-m", "packfeed.cli", "simulate", "--lengths",
                           str(tmp_path / "grpo.json"), "--dp", "8", "--microbatches", "2", "--json"],
                          capture_output=True, text=True)
     assert run.returncode == 0, run.stderr
@@ -264,7 +264,7 @@ def test_simulate_and_stats_show_what_sharing_saves(tmp_path):
     assert groups["steps_shared"] < groups["steps_unshared"]
 
     index_from_lengths([tmp_path / "grpo.json"], tmp_path / "i.parquet")
-    stats = subprocess.run([sys.executable, "-m", "packfeed.server.cli", "stats", "--index", str(tmp_path / "i.parquet"),
+    stats = subprocess.run([sys.executable, "-m", "packfeed.cli", "stats", "--index", str(tmp_path / "i.parquet"),
                             "--out", str(tmp_path / "report"), "--dp", "8"], capture_output=True, text=True)
     assert stats.returncode == 0, stats.stderr
     report = json.loads((tmp_path / "report" / "report.json").read_text())

@@ -203,7 +203,7 @@ def test_pipe_sources_and_brace_patterns(shards, demo_dataset, tmp_path):
 
 def test_cli_index_plan_stats_end_to_end(shards, demo_dataset, tmp_path):
     """The three commands as a user runs them: exit status tells whether anything was skipped."""
-    cli = [sys.executable, "-m", "packfeed.server.cli"]
+    cli = [sys.executable, "-m", "packfeed.cli"]
     index = tmp_path / "index.parquet"
     done = subprocess.run(cli + ["index", str(shards / "good-000.tar"), str(shards / "bad-samples-000.tar"),
                                  "--tokenizer", str(demo_dataset.tokenizer), "--out", str(index), "--quiet"],
@@ -239,7 +239,7 @@ def test_cli_index_plan_stats_end_to_end(shards, demo_dataset, tmp_path):
 
 
 def test_cli_errors_are_clear(tmp_path):
-    cli = [sys.executable, "-m", "packfeed.server.cli"]
+    cli = [sys.executable, "-m", "packfeed.cli"]
     done = subprocess.run(cli + ["plan", "--index", str(tmp_path / "nope.parquet")], capture_output=True, text=True)
     assert done.returncode == 2 and "error" in done.stderr
     done = subprocess.run(cli + ["index", str(tmp_path / "x.tar"), "--out", str(tmp_path / "i.parquet")],
@@ -250,7 +250,7 @@ def test_cli_errors_are_clear(tmp_path):
 def test_an_index_or_a_plan_with_nothing_to_train_on_exits_4_saying_so(shards, demo_dataset, tmp_path):
     """Shards of only broken samples index to no valid row, and their plan holds no pack: both commands say so
     and exit 4, where a partly skipped index exits 3."""
-    cli = [sys.executable, "-m", "packfeed.server.cli"]
+    cli = [sys.executable, "-m", "packfeed.cli"]
     empty, broken = tmp_path / "empty.tar", tmp_path / "broken.tar"
     _write(empty, [])
     _write(broken, [{"__key__": f"b{k}", "jpg": _jpeg(64, 64)[:200], "json": _conv()} for k in range(3)])

@@ -26,7 +26,7 @@ from packfeed.server.index.table import read_index_info
 from packfeed.server.serve.index_rows import IndexRows
 from packfeed.server.serve.preprocess import SampleReader, SampleSkipped
 
-CLI = [sys.executable, "-m", "packfeed.server.cli"]
+CLI = [sys.executable, "-m", "packfeed.cli"]
 
 
 def conversation(question: str, answer: str) -> bytes:

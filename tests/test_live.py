@@ -278,7 +278,7 @@ def test_packfeed_put_puts_a_json_lines_file(server, prompts, tmp_path):
                       "loss_mask": [0] * 3 + [1] * (n - 3)})
     rollouts = tmp_path / "rollouts.jsonl"
     rollouts.write_text("\n".join(json.dumps(line) for line in lines) + "\n" + json.dumps({"id": "broken"}) + "\n")
-    command = [sys.executable, "-m", "packfeed.server.cli", "put", server.target, str(rollouts), "--end"]
+    command = [sys.executable, "-m", "packfeed.cli", "put", server.target, str(rollouts), "--end"]
     env = {**os.environ, "PACKFEED_AUTH_TOKEN": TOKEN}
     nobody = subprocess.run(command + ["--job", "nobody"], capture_output=True, text=True, timeout=120, env=env)
     assert nobody.returncode == 2 and "no trainer opened it" in nobody.stderr and "--plan" in nobody.stderr
@@ -380,7 +380,7 @@ def test_the_operator_sees_a_live_jobs_arrivals_steps_and_stale_drops(server, pr
     status = json.loads(urllib.request.urlopen(urllib.request.Request(f"{base}/status.json", headers=headers)).read())
     shown = next(job for job in status["jobs"] if job["job"] == "watched")
     assert shown["live"]["steps_formed"] == 2 and shown["live"]["dropped_stale"] == 2
-    info = subprocess.run([sys.executable, "-m", "packfeed.server.cli", "info", job_folder(server.spool, "watched"),
+    info = subprocess.run([sys.executable, "-m", "packfeed.cli", "info", job_folder(server.spool, "watched"),
                            "--json"], capture_output=True, text=True, timeout=60)
     assert info.returncode == 0, info.stderr
     spooled = json.loads(info.stdout)

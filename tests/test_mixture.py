@@ -20,7 +20,7 @@ from packfeed.server.mixture.loads import (MixtureLoads, check_epoch_rows, count
 from packfeed.server.mixture.mixture_file import Mixture
 from packfeed.v1.options import PlanConfig
 
-CLI = [sys.executable, "-m", "packfeed.server.cli"]
+CLI = [sys.executable, "-m", "packfeed.cli"]
 REPEATS = {"charts": 2, "diagrams": 1, "documents": 0.4}
 
 

@@ -19,7 +19,7 @@ from packfeed.server.mixture.mixture_file import Mixture
 from packfeed.v1.options import PlanConfig
 from test_mixture import lengths_index
 
-CLI = [sys.executable, "-m", "packfeed.server.cli"]
+CLI = [sys.executable, "-m", "packfeed.cli"]
 ANNEAL = {"ocr": {0.0: 0.8, 1.0: 0.2}, "chat": {0.0: 0.2, 1.0: 0.8}}
 
 
@@ -415,7 +415,7 @@ def test_packfeed_train_trains_a_scheduled_mixture_and_refuses_a_loss_driven_one
     assert drawn["ocr"] > drawn["chat"]  # the schedule's start: 80/20
     raw = yaml.safe_load(path.read_text())
     (tmp_path / "driven.yaml").write_text(yaml.safe_dump({**raw, "rule": RULE}))
-    done = subprocess.run([sys.executable, "-m", "packfeed.server.cli", "train", "--nproc", "1", *common,
+    done = subprocess.run([sys.executable, "-m", "packfeed.cli", "train", "--nproc", "1", *common,
                            f"data.mixture={tmp_path / 'driven.yaml'}", f"out={tmp_path / 'driven'}"],
                           capture_output=True, text=True, timeout=400)
     assert done.returncode != 0 and "rule softmax" in done.stderr and "does not report per-dataset losses" in \

@@ -144,7 +144,7 @@ def packfeed_cli(*args: str):
     import subprocess
     import sys
 
-    done = subprocess.run([sys.executable, "-m", "packfeed.server.cli", *args], capture_output=True, text=True,
+    done = subprocess.run([sys.executable, "-m", "packfeed.cli", *args], capture_output=True, text=True,
                           timeout=300)
     assert done.returncode == 0, done.stderr
     return done.stdout

@@ -174,7 +174,7 @@ def test_plan_file_does_not_depend_on_thread_count(real_index, tmp_path):
     for threads in ("1", "2"):
         out = tmp_path / f"plan-{threads}.parquet"
         env = dict(os.environ, NUMBA_NUM_THREADS=threads, PYTHONHASHSEED=threads)
-        subprocess.run([sys.executable, "-m", "packfeed.server.cli", "plan", "--index", str(real_index), "--dp", "4",
+        subprocess.run([sys.executable, "-m", "packfeed.cli", "plan", "--index", str(real_index), "--dp", "4",
                         "--microbatches", "3", "--pipeline-stages", "2", "--out", str(out)], env=env, check=True,
                        capture_output=True)
         digests.append(_sha(out))

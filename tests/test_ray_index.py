@@ -72,7 +72,7 @@ def test_ray_local_starts_its_own_instance_and_writes_the_same_index(demo_datase
     home.mkdir()
     shards = [str(shard) for shard in demo_dataset.shards[:2]]
     env = {key: value for key, value in os.environ.items() if not key.startswith("RAY_")}
-    done = subprocess.run([sys.executable, "-m", "packfeed.server.cli", "index", *shards, "--out",
+    done = subprocess.run([sys.executable, "-m", "packfeed.cli", "index", *shards, "--out",
                            str(tmp_path / "ray" / "index.parquet"), "--tokenizer", str(demo_dataset.tokenizer),
                            "--ray", "local", "--quiet"],
                           capture_output=True, text=True, timeout=600, env={**env, "HOME": str(home)})

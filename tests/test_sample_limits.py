@@ -49,7 +49,7 @@ def huge_shard(tmp_path_factory, demo_dataset) -> Path:
 
 # `packfeed index` run in a process that reports its own peak RSS and its workers' (the last line of stderr), in
 # KiB. Its own is VmHWM: Linux keeps ru_maxrss across exec, so it would report this test process's peak.
-_MEASURED = ("import os, resource, sys\nfrom packfeed.server.cli import main\nsys.argv = ['packfeed', *sys.argv[1:]]\n"
+_MEASURED = ("import os, resource, sys\nfrom packfeed.cli import main\nsys.argv = ['packfeed', *sys.argv[1:]]\n"
              "code = main()\nstatus = open(f'/proc/{os.getpid()}/status').read().split('VmHWM:')[1].split()[0]\n"
              "print(max(int(status), resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss), file=sys.stderr)\n"
              "sys.exit(code)\n")

@@ -15,7 +15,7 @@ import pytest
 from packfeed.client import LocalServer
 from processes import children, descendants, is_fork_server, wait_for_start, workers
 
-CLIENT_SIDE = {"packfeed.server.cli.consume"}  # the demo's trainer-side clients
+CLIENT_SIDE = {"packfeed.cli.consume"}  # the demo's trainer-side clients
 
 
 def test_no_server_module_imports_torch():

@@ -292,7 +292,7 @@ def test_a_full_disk_says_so_and_keeps_the_last_checkpoint(tmp_path, small_tile_
     if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=7m", "tmpfs", str(disk)], capture_output=True).returncode:
         pytest.skip("mounting a small tmpfs needs root (CAP_SYS_ADMIN): the full disk cannot be made")
     try:
-        done = subprocess.run([sys.executable, "-m", "packfeed.server.cli", "train", "--nproc", "1",
+        done = subprocess.run([sys.executable, "-m", "packfeed.cli", "train", "--nproc", "1",
                                *[f"model.{k}={v}" for k, v in SMALL_MODEL.items()], "data.microbatches=2",
                                "data.server_workers=1", "parallel.pp=1", "parallel.dp=1", "recompute.mode=none",
                                f"data.index={small_tile_index}", "optim.steps=3", "checkpoint.every=1",

@@ -162,7 +162,7 @@ def test_encoder_ranks_auto_takes_the_split_packfeed_simulate_finds(tmp_path, sm
     """`parallel.encoder_ranks=auto` with `--nproc 3`: the split the simulator's search finds on the run's own
     plans (each split planned as the run would open it), launched as dp + E processes."""
     from packfeed.trainer.config import load_config
-    from packfeed.server.cli.encoder_split import searched_split
+    from packfeed.cli.encoder_split import searched_split
 
     overrides = TRAIN + [f"data.index={small_tile_index}", "optim.steps=1", "parallel.encoder=disaggregated",
                          "parallel.encoder_ranks=auto"]
@@ -221,7 +221,7 @@ def test_a_killed_encoder_rank_fails_the_run_loudly_and_it_resumes_exactly(tmp_p
     common = TRAIN + [f"data.index={small_tile_index}", "data.epochs=30", "checkpoint.every=1"] + ENCODER_RANK
     _, straight = packfeed_train(3, common + ["optim.steps=6"], tmp_path / "straight")
     killed = tmp_path / "killed"
-    run = subprocess.Popen([sys.executable, "-m", "packfeed.server.cli", "train", "--nproc", "3", *common,
+    run = subprocess.Popen([sys.executable, "-m", "packfeed.cli", "train", "--nproc", "3", *common,
                             "optim.steps=200", f"out={killed}"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                            text=True)
     try:
@@ -251,7 +251,7 @@ def test_a_stopped_encoder_rank_fails_the_run_within_the_timeout_naming_it(tmp_p
     timeout_s = 15
     out = tmp_path / "stopped"
     common = TRAIN + [f"data.index={small_tile_index}", "data.epochs=30"] + ENCODER_RANK
-    run = subprocess.Popen([sys.executable, "-m", "packfeed.server.cli", "train", "--nproc", "3", *common,
+    run = subprocess.Popen([sys.executable, "-m", "packfeed.cli", "train", "--nproc", "3", *common,
                             "optim.steps=200", f"parallel.timeout_s={timeout_s}", f"out={out}"],
                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     lines: list[str] = []

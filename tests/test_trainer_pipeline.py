@@ -141,7 +141,7 @@ def test_server_and_trainer_run_end_to_end_and_reuse_their_decisions(tmp_path, s
     # the cluster simulator predicts every measured step from what the run wrote (per-layer costs included)
     costs = json.loads((out / "cost_model.json").read_text())
     assert len(costs["layers"]) == VLMConfig(**SMALL_MODEL).n_layers
-    done = subprocess.run([sys.executable, "-m", "packfeed.server.cli", "simulate", "--run", str(out), "--json"],
+    done = subprocess.run([sys.executable, "-m", "packfeed.cli", "simulate", "--run", str(out), "--json"],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     check = json.loads(done.stdout)

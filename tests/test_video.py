@@ -386,7 +386,7 @@ def test_packfeed_index_and_info_on_videos_from_the_command_line(tmp_path):
                                                     "json": conversation("<video>\nWhat?", "A bar.")})])
     tokenizer = train_tokenizer(tmp_path / "tokenizer.json", vocab_size=400,
                                 special_tokens=PRESETS["qwen2vl"].special_tokens)
-    cli = [sys.executable, "-m", "packfeed.server.cli"]
+    cli = [sys.executable, "-m", "packfeed.cli"]
     done = subprocess.run([*cli, "index", str(shard), "--tokenizer", str(tokenizer), "--out",
                            str(tmp_path / "index.parquet"), "--preset", "qwen2_vl", "--video-fps", "1",
                            "--max-frames", "4", "--video-min-pixels", "3136", "--workers", "1"],
@@ -431,7 +431,7 @@ def test_packfeed_convert_takes_videos_from_llava_and_sharegpt_annotations(tmp_p
         {"role": "user", "content": [{"type": "video"}, {"type": "text", "text": "What moves?"}]},
         {"role": "assistant", "content": "A bar."}]}]
     (tmp_path / "chat.json").write_text(json.dumps(chat))
-    cli = [sys.executable, "-m", "packfeed.server.cli", "convert"]
+    cli = [sys.executable, "-m", "packfeed.cli", "convert"]
     for source, out in (("llava", "data.json"), ("sharegpt", "chat.json")):
         done = subprocess.run([*cli, source, str(tmp_path / out), "--out", str(tmp_path / source), "--image-root",
                                str(tmp_path), "--quiet"], capture_output=True, text=True, timeout=120)
@@ -468,7 +468,7 @@ def test_packfeed_convert_reads_a_large_video_in_blocks_never_whole(tmp_path):
     rows = [{"id": "junk", "video": "clips/junk.mp4", "conversations": ask},
             {"id": "real", "video": "clips/real.mp4", "conversations": ask}]
     (tmp_path / "data.json").write_text(json.dumps(rows))
-    convert = [sys.executable, "-m", "packfeed.server.cli", "convert", "llava", str(tmp_path / "data.json"), "--out",
+    convert = [sys.executable, "-m", "packfeed.cli", "convert", "llava", str(tmp_path / "data.json"), "--out",
                str(tmp_path / "out"), "--image-root", str(tmp_path), "--workers", "2", "--quiet"]
     # a fresh parent, so the peak is convert's tree's alone (RUSAGE_CHILDREN: the largest descendant waited for)
     measure = ("import resource, subprocess, sys; done = subprocess.run(sys.argv[1:]); "

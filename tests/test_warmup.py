@@ -13,7 +13,7 @@ from packfeed.client import LocalServer, PackStream
 
 
 def packfeed(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "packfeed.server.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "packfeed.cli", *args], capture_output=True, text=True,
                           env={**os.environ, **env}, timeout=600)
 
 

@@ -116,7 +116,7 @@ def test_packfeed_plan_window_summarises_the_epoch_from_the_mapped_columns(small
 
     index = tmp_path / "index.parquet"
     shutil.copy(small_tile_index, index)
-    done = subprocess.run([sys.executable, "-m", "packfeed.server.cli", "plan", "--index", str(index), "--dp", "2",
+    done = subprocess.run([sys.executable, "-m", "packfeed.cli", "plan", "--index", str(index), "--dp", "2",
                            "--window", "12"], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     summary = json.loads(done.stdout.strip().splitlines()[-1])

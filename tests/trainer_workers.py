@@ -24,7 +24,7 @@ SMALL_MODEL = dict(vocab_size=1024, tile_size=112, tokens_per_tile=16, vit_dim=3
 def packfeed_train(nproc: int, overrides: list[str], out: Path, timeout: float = 400) -> tuple[str, list[dict]]:
     """`packfeed train --nproc N OVERRIDES` (writing to `out`) in a subprocess that must succeed; returns its
     log and the records of out/metrics.jsonl."""
-    done = subprocess.run([sys.executable, "-m", "packfeed.server.cli", "train", "--nproc", str(nproc), *overrides,
+    done = subprocess.run([sys.executable, "-m", "packfeed.cli", "train", "--nproc", str(nproc), *overrides,
                            f"out={out}"], capture_output=True, text=True, timeout=timeout)
     assert done.returncode == 0, done.stderr[-4000:]
     return done.stderr, [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]

@@ -119,7 +119,7 @@ class ParallelConfig:
     # packfeed.trainer.parallel.disaggregated)
     encoder: Literal["stages", "bubbles", "phases", "disaggregated"] = "stages"
     # parallel.encoder=disaggregated: the encoder's processes (E); the run has dp x pp + E. auto: E searched by
-    # `packfeed simulate`'s search for `packfeed train --nproc G` (packfeed.server.cli.encoder_split), dp the rest / pp
+    # `packfeed simulate`'s search for `packfeed train --nproc G` (packfeed.cli.encoder_split), dp the rest / pp
     encoder_ranks: int | str = 0
     backend: Literal["", "nccl", "gloo"] = ""  # "" = nccl on CUDA, gloo on CPU
     # a collective that waits longer fails the run, naming the ranks that stopped responding (a hung or stopped

@@ -38,7 +38,7 @@ def test_first_pack_with_a_cold_and_a_warmed_cache(tmp_path):
         for name in ("cold", "warmed"):
             cache = tmp_path / f"cache-{name}-{round_}"
             if name == "warmed":
-                warm = subprocess.run([sys.executable, "-m", "packfeed.server.cli", "warmup"], capture_output=True,
+                warm = subprocess.run([sys.executable, "-m", "packfeed.cli", "warmup"], capture_output=True,
                                       text=True, env={**os.environ, "NUMBA_CACHE_DIR": str(cache)}, timeout=600)
                 assert warm.returncode == 0, warm.stderr
             results[name, round_] = first_pack_seconds(index, cache)

@@ -63,7 +63,7 @@ def write_index(path, vision, tokens, towers=None):
 
 
 def plan(index, dp: int, safe: bool, strategy: str) -> dict:
-    out = subprocess.run([sys.executable, "-m", "packfeed.server.cli", "plan", "--index", str(index), "--dp", str(dp),
+    out = subprocess.run([sys.executable, "-m", "packfeed.cli", "plan", "--index", str(index), "--dp", str(dp),
                           "--microbatches", "4", "--strategy", strategy, *([] if safe else ["--no-collective-safe"])],
                          capture_output=True, text=True, check=True)
     return json.loads(out.stdout)
@@ -101,7 +101,7 @@ def test_the_cost_of_collective_safe_plans(tmp_path):
 
 def cp_plan(index, safe: bool, max_tokens: int) -> dict:
     """The issue's command: `packfeed plan --dp 8 --microbatches 4 --context-parallel 4 --max-tokens-per-gpu N`."""
-    out = subprocess.run([sys.executable, "-m", "packfeed.server.cli", "plan", "--index", str(index), "--dp", "8",
+    out = subprocess.run([sys.executable, "-m", "packfeed.cli", "plan", "--index", str(index), "--dp", "8",
                           "--microbatches", "4", "--context-parallel", "4", "--max-tokens-per-gpu", str(max_tokens),
                           *([] if safe else ["--no-collective-safe"])], capture_output=True, text=True, check=True)
     return json.loads(out.stdout)

@@ -58,7 +58,7 @@ def model_arguments(tmp_path) -> list[tuple[str, str]]:
 
 def mix_samples(mix):
     """The mix's sample loads, as `packfeed simulate --lengths MIX` reads them."""
-    from packfeed.server.cli.simulate_data import samples_of as _samples
+    from packfeed.cli.simulate_data import samples_of as _samples
 
     class Args:
         lengths, index = [str(mix)], None
@@ -68,7 +68,7 @@ def mix_samples(mix):
 
 def simulate(mix, dp: int, cp: int, comm: str, model: str = "internvl-chat-1.5", strategy: str = "isf+balance",
              microbatches: int = 1, mode: str | None = None) -> dict:
-    done = subprocess.run([sys.executable, "-m", "packfeed.server.cli", "simulate", "--lengths", str(mix),
+    done = subprocess.run([sys.executable, "-m", "packfeed.cli", "simulate", "--lengths", str(mix),
                            "--model", model, "--dp", str(dp), "--context-parallel", str(cp),
                            "--max-tokens-per-gpu", str(N), "--microbatches", str(microbatches), "--cp-comm", comm,
                            "--strategy", strategy, "--json"] + (["--cp-mode", mode] if mode else []),
@@ -84,7 +84,7 @@ def without_cp(samples, table, patches: int, dp: int, cp: int) -> dict:
     from packfeed.trainer.simulate.cluster import Cluster
     from packfeed.trainer.simulate.context_parallel import CpWorkload, simulate_cp
     from packfeed.trainer.simulate.workload import planner_cost_model
-    from packfeed.server.cli.simulate_data import cp_workload
+    from packfeed.cli.simulate_data import cp_workload
     from packfeed.v1.options import PlanConfig
 
     base = PlanConfig(dp=dp * cp, microbatches=1, cost_model=planner_cost_model(table, patches))
@@ -155,7 +155,7 @@ def one_gpu_encoding_each_video(samples, table, patches: int, dp: int, cp: int, 
     """Epoch seconds of the CP plan as simulated (the d GPUs of a pack share its vision tiles, as `cp_pieces` has
     them do), and with each long video's frames encoded by one GPU of its pack (what the trainer did before
     `cp_pieces`: an item went whole to one GPU), its other tiles shared by all."""
-    from packfeed.server.cli.simulate_data import cp_workload
+    from packfeed.cli.simulate_data import cp_workload
     from packfeed.server.plan.context_parallel import subpacks
     from packfeed.server.plan.planner import make_plan
     from packfeed.trainer.simulate.cluster import Cluster
@@ -336,7 +336,7 @@ def test_simulator_against_measured_cpu_steps_of_context_parallelism(tmp_path):
         out = tmp_path / mode
         packfeed_train(2, common + ["data.microbatches=2", "parallel.pp=1", "parallel.cp=2", f"data.cp_mode={mode}",
                                     f"data.max_tokens_per_gpu={MEASURED_N}", "optim.steps=0"], out, timeout=1200)
-        done = subprocess.run([sys.executable, "-m", "packfeed.server.cli", "simulate", "--run", str(out), "--model",
+        done = subprocess.run([sys.executable, "-m", "packfeed.cli", "simulate", "--run", str(out), "--model",
                                str(tmp_path / "costs" / "cost_model.json"), "--json"],
                               capture_output=True, text=True, timeout=300)
         assert done.returncode == 0, done.stderr

@@ -40,7 +40,7 @@ def grpo_records(seed: int) -> list[dict]:
 
 
 def simulate(path, dp: int) -> dict:
-    run = subprocess.run([sys.executable, "-m", "packfeed.server.cli", "simulate", "--lengths", str(path), "--dp",
+    run = subprocess.run([sys.executable, "-m", "packfeed.cli", "simulate", "--lengths", str(path), "--dp",
                           str(dp), "--microbatches", "8", "--json"], capture_output=True, text=True, check=True)
     return json.loads(run.stdout)
 

@@ -140,7 +140,7 @@ def qwen_index(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("bench-hf-gpu")
 
     def packfeed(*args: str) -> None:
-        done = subprocess.run([sys.executable, "-m", "packfeed.server.cli", *args], cwd=root, capture_output=True,
+        done = subprocess.run([sys.executable, "-m", "packfeed.cli", *args], cwd=root, capture_output=True,
                               text=True)
         assert done.returncode in (0, 3), done.stderr[-2000:]  # 3: the demo's broken samples were skipped
 

@@ -45,7 +45,7 @@ pytestmark = [pytest.mark.benchmark, pytest.mark.timeout(3600)]
 
 
 def packfeed(*args: str, cwd: Path) -> None:
-    done = subprocess.run([sys.executable, "-m", "packfeed.server.cli", *args], cwd=cwd, capture_output=True,
+    done = subprocess.run([sys.executable, "-m", "packfeed.cli", *args], cwd=cwd, capture_output=True,
                           text=True)
     assert done.returncode in (0, 3), done.stderr[-2000:]  # 3: the demo's broken samples were skipped
 

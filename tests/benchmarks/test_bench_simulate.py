@@ -41,7 +41,7 @@ POLICY = {"name": "internvl", "image_size": 224, "tokens_per_tile": 64, "max_num
 
 
 def simulate(*args: str) -> dict:
-    done = subprocess.run([sys.executable, "-m", "packfeed.server.cli", "simulate", *args, "--json"],
+    done = subprocess.run([sys.executable, "-m", "packfeed.cli", "simulate", *args, "--json"],
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -112,7 +112,7 @@ def measured_run(index: Path, out: Path, pp: int, encoder: str) -> dict:
                  "optim.steps=0", "partition.top_k=2", "partition.trial_steps=1"] + \
         [f"model.{k}={v}" for k, v in MODEL.items()]
     _, records = packfeed_train(pp, overrides, out, timeout=1200)
-    done = subprocess.run([sys.executable, "-m", "packfeed.server.cli", "simulate", "--run", str(out), "--json"],
+    done = subprocess.run([sys.executable, "-m", "packfeed.cli", "simulate", "--run", str(out), "--json"],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     return {"records": records, "check": json.loads(done.stdout)}

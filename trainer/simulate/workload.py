@@ -7,7 +7,7 @@
 - `isf`: OmniBal's ISF packs in random order; `isf+balance`: ISF packs with Packfeed's balanced steps, LPT over
   ranks and the 1F1B microbatch order; `isf+phases`: the same with the LLM's ranks balanced on its own cost and
   each step's encoder work balanced and routed apart (`Workload.routing`, for `--encoder phases`).
-The planner (`packfeed.server.plan`) makes every plan but `random`'s packing (`packfeed.server.cli.simulate`
+The planner (`packfeed.server.plan`) makes every plan but `random`'s packing (`packfeed.cli.simulate`
 runs it); the same seed gives the same workload. A microbatch's load row is (1, tiles, sum of squared ViT
 sequences, tokens, sum of squared LLM spans); packs attend per sample (varlen attention), padded batches over
 each padded row.

@@ -9,7 +9,7 @@ import json
 import sys
 from pathlib import Path
 
-from packfeed.server.cli.options import EXIT_OK, EXIT_SKIPPED
+from packfeed.cli.options import EXIT_OK, EXIT_SKIPPED
 
 
 def cmd_put(args: argparse.Namespace) -> int:

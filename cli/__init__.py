@@ -8,11 +8,11 @@ import os
 import sys
 from pathlib import Path
 
-from packfeed.server.cli.commands import (cmd_demo, cmd_health, cmd_index, cmd_info, cmd_plan, cmd_serve,
-                                          cmd_simulate, cmd_stats, cmd_train, cmd_warmup)
-from packfeed.server.cli.put import cmd_put
-from packfeed.server.cli.convert import add_arguments as add_convert_arguments, cmd_convert
-from packfeed.server.cli.options import EXIT_USAGE, add_index_options, add_plan_options
+from packfeed.cli.commands import (cmd_demo, cmd_health, cmd_index, cmd_info, cmd_plan, cmd_serve,
+                                   cmd_simulate, cmd_stats, cmd_train, cmd_warmup)
+from packfeed.cli.put import cmd_put
+from packfeed.cli.convert import add_arguments as add_convert_arguments, cmd_convert
+from packfeed.cli.options import EXIT_USAGE, add_index_options, add_plan_options
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -120,7 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     simulate = sub.add_parser("simulate", help="predict step and epoch time, bubbles and MFU of a plan on a "
                               "cluster, for each data strategy and encoder placement (no GPU needed)")
-    from packfeed.server.cli.simulate import add_arguments
+    from packfeed.cli.simulate import add_arguments
 
     add_arguments(simulate)
     simulate.set_defaults(func=cmd_simulate)
@@ -164,7 +164,7 @@ def _restart_with_huge_pages() -> None:
     os.environ["GLIBC_TUNABLES"] = f"{tunables}:{_HUGE_PAGES_TUNABLE}" if tunables else _HUGE_PAGES_TUNABLE
     sys.stdout.flush()
     sys.stderr.flush()
-    os.execv(sys.executable, [sys.executable, "-m", "packfeed.server.cli", *sys.argv[1:]])
+    os.execv(sys.executable, [sys.executable, "-m", "packfeed.cli", *sys.argv[1:]])
 
 
 def _transparent_huge_pages_on_request() -> bool:

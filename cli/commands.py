@@ -10,7 +10,7 @@ import os
 import sys
 from pathlib import Path
 
-from packfeed.server.cli.options import EXIT_EMPTY, EXIT_OK, EXIT_SKIPPED, EXIT_USAGE, parse_encoders, plan_config_of
+from packfeed.cli.options import EXIT_EMPTY, EXIT_OK, EXIT_SKIPPED, EXIT_USAGE, parse_encoders, plan_config_of
 
 
 def cmd_index(args: argparse.Namespace) -> int:
@@ -181,7 +181,7 @@ def cmd_info(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from packfeed.server.cli.demo import run_demo
+    from packfeed.cli.demo import run_demo
 
     return run_demo(Path(args.out), samples=args.samples, dataset_only=args.dataset_only)
 
@@ -272,7 +272,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def resolved_encoder_ranks(config, gpus: int) -> list[str]:
     """parallel.encoder_ranks=auto for `gpus` processes: the split `packfeed simulate` finds, as overrides."""
-    from packfeed.server.cli.encoder_split import searched_split
+    from packfeed.cli.encoder_split import searched_split
 
     split = searched_split(config, gpus)
     trials = ", ".join(f"E {t['encoder_gpus']} + dp {t['llm_dp']}: epoch {t['epoch_s']:.3g} s"
@@ -300,6 +300,6 @@ def launch(world: int, forwarded: list[str]) -> int:
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
-    from packfeed.server.cli.simulate import run
+    from packfeed.cli.simulate import run
 
     return run(args)

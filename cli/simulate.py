@@ -23,7 +23,7 @@ from packfeed.trainer.simulate.workload import STRATEGIES, Workload, planner_cos
 from packfeed.trainer.simulate.context_parallel import CP_MODES
 from packfeed.v1.options import PlanConfig
 
-from packfeed.server.cli.simulate_data import PLANNER_STRATEGY, cp_workload, make_workload, samples_of, workload_of_plan
+from packfeed.cli.simulate_data import PLANNER_STRATEGY, cp_workload, make_workload, samples_of, workload_of_plan
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

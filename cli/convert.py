@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from packfeed.server.cli.options import EXIT_OK, EXIT_SKIPPED
+from packfeed.cli.options import EXIT_OK, EXIT_SKIPPED
 
 if TYPE_CHECKING:  # the parser imports this module: the converters (PIL, pyarrow, tokenizers) load only in run()
     from packfeed.server.convert.convert import ConvertReport

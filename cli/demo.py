@@ -42,7 +42,7 @@ def run_demo(out: Path, samples: int = 240, dataset_only: bool = False) -> int:
     print(f"[5/6] serving over gRPC on loopback; {plan_config.dp} clients (one per DP rank, "
           f"M = {plan_config.microbatches}) consume the epoch")
     try:
-        from packfeed.server.cli.consume import consume_epoch
+        from packfeed.cli.consume import consume_epoch
     except ImportError as error:  # the server side installs without torch
         print(f"      skipped: the client needs torch ({error}); pip install 'packfeed[client]'")
         return 0
@@ -69,7 +69,7 @@ def train_demo(out: Path, plan_config) -> int:
                  f"out={out / 'train'}", "partition.top_k=2", "partition.trial_steps=1",
                  "recompute.budget_mb=200", "model.vit_layers=2", "model.llm_layers=2", "model.vit_dim=32",
                  "model.llm_dim=64", "model.patch_size=28", "data.job=demo-train"]
-    command = [sys.executable, "-m", "packfeed.server.cli", "train", "--nproc", str(plan_config.pipeline_stages),
+    command = [sys.executable, "-m", "packfeed.cli", "train", "--nproc", str(plan_config.pipeline_stages),
                *overrides]
     env = {**os.environ, "TORCHELASTIC_ERROR_FILE": str(out / "train" / "error.json")}
     code = subprocess.call(command, env=env)
