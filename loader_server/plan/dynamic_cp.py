@@ -77,15 +77,13 @@ def dynamic_cp_plan(loads: SampleLoads, config: PlanConfig, seed: int, epoch: in
     truncate_to = np.zeros(len(slot_members), dtype=np.int32)
     if len(packs.cut):
         truncate_to[np.isin(slot_members, packs.cut)] = packs.gpu_caps.max_tokens * config.context_parallel
-    plan = Plan(config, seed, epoch, packs.gpu_caps.per_gpu, np.concatenate([[0], np.cumsum(counts)]), slot_members,
-                truncate_to, packs.oversize, index_fingerprint)
-    plan.cp_degree = np.repeat(degree[order], sizes)
-    plan.cp_group = np.repeat(group[order], sizes)
-    plan.pack_vision = np.bincount(slot, weights=segment_sum(loads.vision[members], offsets),
-                                   minlength=n_slots).astype(np.int64)
-    plan.pack_tokens = np.bincount(slot, weights=segment_sum(packs.tokens[members], offsets),
-                                   minlength=n_slots).astype(np.int64)
-    return plan
+    return Plan(config, seed, epoch, packs.gpu_caps.per_gpu, np.concatenate([[0], np.cumsum(counts)]), slot_members,
+                truncate_to, packs.oversize, index_fingerprint, cp_degree=np.repeat(degree[order], sizes),
+                cp_group=np.repeat(group[order], sizes),
+                pack_vision=np.bincount(slot, weights=segment_sum(loads.vision[members], offsets),
+                                        minlength=n_slots).astype(np.int64),
+                pack_tokens=np.bincount(slot, weights=segment_sum(packs.tokens[members], offsets),
+                                        minlength=n_slots).astype(np.int64))
 
 
 def _degree_packs(loads: SampleLoads, config: PlanConfig, caps: Caps | None, rng: np.random.Generator) -> _DegreePacks:

@@ -15,7 +15,7 @@ each response attends to the prefix and to itself, never to a sibling (the train
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -195,13 +195,12 @@ def expanded(plan: Any, units: Units, loads: SampleLoads) -> Any:
     per_unit = sizes[plan.members]
     before = np.r_[0, np.cumsum(per_unit)]
     within = np.arange(before[-1]) - np.repeat(before[:-1], per_unit)
-    plan.members = units.members[np.repeat(units.offsets[plan.members], per_unit) + within].astype(
+    members = units.members[np.repeat(units.offsets[plan.members], per_unit) + within].astype(
         plan.members.dtype if len(units.members) < 2**31 else np.int64)
-    plan.offsets = before[plan.offsets].astype(np.int64)
-    plan.truncate_to = np.repeat(plan.truncate_to, per_unit)
-    plan.oversize = units.members[units.offsets[plan.oversize]].astype(np.int64)
-    plan.groups = np.asarray(loads.group)[plan.members].astype(np.int64)
-    return plan
+    return replace(plan, members=members, offsets=before[plan.offsets].astype(np.int64),
+                   truncate_to=np.repeat(plan.truncate_to, per_unit),
+                   oversize=units.members[units.offsets[plan.oversize]].astype(np.int64),
+                   groups=np.asarray(loads.group)[members].astype(np.int64))
 
 
 def prefix_savings(members: np.ndarray, offsets: np.ndarray, loads: Any) -> dict[str, Any]:

@@ -303,17 +303,16 @@ def read_plan(path: str | Path) -> Plan:
     n_packs = int(pack.max()) + 1 if len(pack) else 0
     offsets = np.zeros(n_packs + 1, dtype=np.int64)
     np.cumsum(np.bincount(pack[~empty], minlength=n_packs), out=offsets[1:])
-    plan = Plan(config, meta["seed"], meta["epoch"], Caps(**meta["caps"]) if meta["caps"] else None, offsets,
-                table.column("sample_id").to_numpy()[~empty], table.column("truncate_to").to_numpy()[~empty]
-                .astype(np.int64), np.asarray(meta["oversize"], dtype=np.int64), meta["index_fingerprint"])
-    plan.cp_degree, plan.cp_group = checked_cp(path, config, table, empty)
+    extra: dict = dict(zip(("cp_degree", "cp_group"), checked_cp(path, config, table, empty)))
     if "group" in table.column_names:
-        plan.groups = table.column("group").to_numpy()[~empty].astype(np.int64)
+        extra["groups"] = table.column("group").to_numpy()[~empty].astype(np.int64)
     if (config.strategy is Strategy.ISF_PHASES or config.disaggregated) and "encoder_rank" in table.column_names:
-        plan.encoder_rank = table.column("encoder_rank").to_numpy()[~empty]
-        plan.further_encoder_ranks = {name.removeprefix("encoder_rank_"): table.column(name).to_numpy()[~empty]
-                                      for name in table.column_names if name.startswith("encoder_rank_")}
-    return plan
+        extra["encoder_rank"] = table.column("encoder_rank").to_numpy()[~empty]
+        extra["further_encoder_ranks"] = {name.removeprefix("encoder_rank_"): table.column(name).to_numpy()[~empty]
+                                          for name in table.column_names if name.startswith("encoder_rank_")}
+    return Plan(config, meta["seed"], meta["epoch"], Caps(**meta["caps"]) if meta["caps"] else None, offsets,
+                table.column("sample_id").to_numpy()[~empty], table.column("truncate_to").to_numpy()[~empty]
+                .astype(np.int64), np.asarray(meta["oversize"], dtype=np.int64), meta["index_fingerprint"], **extra)
 
 
 @kernel(cache=True, nogil=True, parallel=True)

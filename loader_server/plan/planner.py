@@ -45,8 +45,7 @@ def make_plan(loads: SampleLoads, config: PlanConfig, seed: int, epoch: int, ind
     route is the first of `ROUTES` that applies."""
     started = time.perf_counter()
     plan = _route(loads, config).plan(loads, config, seed, epoch, index_fingerprint, caps, window)
-    plan.seconds = time.perf_counter() - started
-    return plan
+    return replace(plan, seconds=time.perf_counter() - started)
 
 
 def count_steps(loads: SampleLoads, config: PlanConfig, seed: int, epoch: int, caps: Caps | None = None) -> int:
@@ -134,24 +133,24 @@ def _plan_packs(loads, config, seed, epoch, index_fingerprint, caps, window) -> 
         is_cut = np.zeros(len(loads), dtype=bool)
         is_cut[cut] = True
         truncate_to[is_cut[members]] = caps.token_cap
-    plan = Plan(config, seed, epoch, caps, offsets, members, truncate_to, oversize, index_fingerprint)
+    extra: dict = {}
     if caps is not None:
-        plan.pack_vision, plan.pack_tokens = pack_vision, pack_tokens
+        extra.update(pack_vision=pack_vision, pack_tokens=pack_tokens)
     if config.context_parallel > 1:
-        plan.cp_degree = np.full(len(members), config.context_parallel, dtype=np.int64)
-        plan.cp_group = np.zeros(len(members), dtype=np.int64)
+        extra.update(cp_degree=np.full(len(members), config.context_parallel, dtype=np.int64),
+                     cp_group=np.zeros(len(members), dtype=np.int64))
     if config.strategy is Strategy.ISF_PHASES or config.disaggregated:
-        phases = [Phase("vision", 0, loads.vision)] + [
+        encoders = [Phase("vision", 0, loads.vision)] + [
             Phase(name, 2 + k, loads.encoders[name].tokens, loads.encoders[name].padded)
             for k, name in enumerate(encoder_names(loads))]
-        plan.phases = phase_plan(offsets, members, costs, phases, config.dp, config.microbatches,
-                                 min(config.ranks_per_node, config.dp), config.encoder_ranks)
+        phases = phase_plan(offsets, members, costs, encoders, config.dp, config.microbatches,
+                            min(config.ranks_per_node, config.dp), config.encoder_ranks)
         # colocated: the same packs, each encoded where it trains (the phase plan still says what routing saves)
         colocated = _pack_ranks(offsets, config) if config.colocate_encoder else None
-        plan.encoder_rank = plan.phases.vision.encoder_rank if colocated is None else colocated
-        plan.further_encoder_ranks = {name: phase.encoder_rank if colocated is None else colocated
-                                      for name, phase in plan.phases.encoders.items() if name != "vision"}
-    return plan
+        extra.update(phases=phases, encoder_rank=phases.vision.encoder_rank if colocated is None else colocated,
+                     further_encoder_ranks={name: phase.encoder_rank if colocated is None else colocated
+                                            for name, phase in phases.encoders.items() if name != "vision"})
+    return Plan(config, seed, epoch, caps, offsets, members, truncate_to, oversize, index_fingerprint, **extra)
 
 
 # The routes in the order they are tried: groups sharing a prefix are planned as units by the routes below; dynamic
