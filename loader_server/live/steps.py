@@ -209,6 +209,10 @@ class LiveSteps:
             self.tensor_names = names
         return "accepted", ""
 
+    def claim_producer(self, token: str) -> None:
+        """The job's producer token, as its spool holds it (`token`'s when it has none: `Spool.claim_producer`)."""
+        self.producer = self.spool.claim_producer(token)
+
     def check_producer(self, token: str) -> bool:
         """Whether a put bringing `token` may put into (and end) the job."""
         return not self.producer or hmac.compare_digest(self.producer, token_digest(token))

@@ -70,7 +70,7 @@ class Coordination:
             self.metrics.reassertions.labels(name, "gave_up").inc()
             log.error("job registration conflict: an older registration of this job id holds another plan or "
                       "index; this server stops serving it", extra={"job": name, "error": str(error)})
-            job.revoked = JobError(error.code, str(error))
+            job.revoke(JobError(error.code, str(error)))
             self.registry.forget(job)
             self.metrics.jobs.set(len(self.registry.jobs))
             return True
@@ -137,8 +137,8 @@ class Coordination:
             if await asyncio.to_thread(self.hold_lease, job.spec.job, LIVE_LEASE) is LeaseOutcome.TAKEN:
                 log.error("another server took this live job over: it is no longer served here",
                           extra={"job": job.spec.job})
-                job.revoked = JobError("ABORTED", f"live job {job.spec.job!r} was taken over by another server: "
-                                                  "reconnect to continue")
+                job.revoke(JobError("ABORTED", f"live job {job.spec.job!r} was taken over by another server: "
+                                               "reconnect to continue"))
                 self.registry.forget(job)
                 return
 

@@ -152,6 +152,22 @@ class Job:
     def touch(self) -> None:
         self.last_used = time.monotonic()
 
+    def stream_opened(self) -> None:
+        """A pack stream of the job opened on this server (a job with open streams is not evicted)."""
+        self.open_streams += 1
+
+    def stream_closed(self) -> None:
+        self.open_streams -= 1
+        self.touch()
+
+    def count_sent(self, packs: int) -> None:
+        self.packs_sent += packs
+
+    def revoke(self, error: JobError) -> None:
+        """This server stops serving the job (another holds it, or holds its id with another plan): its streams
+        end with `error`."""
+        self.revoked = error
+
     def epoch_plan(self, epoch: int) -> Plan:
         """The epoch's plan, computed once (thread-safe). The three most recently used epochs stay cached:
         ranks may be an epoch apart, and a plan is recomputed (identically) if one was evicted."""

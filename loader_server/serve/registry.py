@@ -100,7 +100,7 @@ class JobRegistry:
     def _claim_producer(job: Job, token: str) -> None:
         """The job's producer token digest, as its spool holds it (set by `token` when it has none)."""
         try:
-            job.live.producer = job.live.spool.claim_producer(token)
+            job.live.claim_producer(token)
         except SpoolError as error:
             raise JobError("FAILED_PRECONDITION", str(error)) from None
 

@@ -200,7 +200,7 @@ class PackfeedService:
                 "job": job.spec.job, "rank": rank, "acked": list(job.ranks[rank].acked)})
         await self._take_lease(job, seat)
         lost = asyncio.Event()
-        job.open_streams += 1
+        job.stream_opened()
         keeper = asyncio.create_task(self.coordination.keep_lease(job, None if encoder else rank, seat.lease_name,
                                                                   lost))
         feed = RankFeed(job, seat, start, self.pool, self.budget, self.config, self.metrics)
@@ -241,8 +241,7 @@ class PackfeedService:
                 sent_steps += 1
             complete = feed.failure() is None
         finally:
-            job.open_streams -= 1
-            job.touch()
+            job.stream_closed()
             if seat.primary:
                 job.progress(seat).end_run(complete)
             if primary:
@@ -284,7 +283,7 @@ class PackfeedService:
         counts packs and bytes only (its samples are the rank's); an encoder rank's first its skips and position
         too."""
         name, rank = job.spec.job, seat.rank
-        job.packs_sent += len(result.messages)
+        job.count_sent(len(result.messages))
         self.metrics.packs.labels(name).inc(len(result.messages))
         self.metrics.bytes.labels(name).inc(result.nbytes)
         if not seat.primary:
