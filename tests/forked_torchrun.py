@@ -27,6 +27,11 @@ def _rank(local_rank: int, script: str, argv: list[str], world: int, port: int, 
                       ROLE_WORLD_SIZE=str(world), GROUP_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port), TORCHELASTIC_RUN_ID=f"test-{port}", TORCHELASTIC_RESTART_COUNT="0",
                       TORCHELASTIC_MAX_RESTARTS="0", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    # torchrun's ranks start with OMP_NUM_THREADS set; a fork of a process that imported torch already has its
+    # pool sized, so the rank sizes it as a started one would
+    import torch
+
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     sys.argv = [script, *argv]
     runpy.run_path(script, run_name="__main__")
 

@@ -85,7 +85,8 @@ def main() -> None:
     print(f"isinstance checks on plan kinds: {plan_kind_checks(trees)}")
     print(f"RankStepWork fields: {rank_step_work_fields()}")
     client = server_imports_of_client_code()
-    print(f"server imports of client code (the command line, packfeed.cli, is not the server): {len(client)}" + "".join(f"\n  {c}" for c in client))
+    print(f"server imports of client code (the command line, packfeed.cli, is not the server): {len(client)}"
+          + "".join(f"\n  {c}" for c in client))
     outside = attributes_set_from_outside(trees)
     print(f"attributes set from outside an object in the server: {len(outside)}" + "".join(f"\n  {a}" for a in outside))
     decisions = shared_prefix_decisions(trees)

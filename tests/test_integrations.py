@@ -1,10 +1,10 @@
-"""Framework integrations at DP 2 under torchrun (gloo; its ranks forked preloaded, `forked_torchrun`), each
-against the plain `PackStream` loop on the same job (DDP, SGD, clipping; tests/integration_worker.py): `PackfeedTrainer` (`transformers.Trainer`), TRL's
-`SFTTrainer` through the same mixin, and Lightning's `PackDataModule`. For each: the same losses step by step
-(within 1e-5) and the same samples; a checkpoint, then a restart in new processes lands on exactly the next
-step's samples and losses; the control (the framework's own resume without the stream's state: the Trainer's,
-which DeepSpeed's run shares, and Lightning's) starts the data over, so the check can fail. Arguments that
-contradict Packfeed's steps are refused."""
+"""Framework integrations at DP 2 under torchrun (gloo; its ranks forked preloaded, `forked_torchrun`), each against
+the plain `PackStream` loop on the same job (DDP, SGD, clipping; tests/integration_worker.py): `PackfeedTrainer`
+(`transformers.Trainer`), TRL's `SFTTrainer` through the same mixin, and Lightning's `PackDataModule`. For each: the
+same losses step by step (within 1e-5) and the same samples; a checkpoint, then a restart in new processes lands on
+exactly the next step's samples and losses; the control (the framework's own resume without the stream's state: the
+Trainer's, which DeepSpeed's run shares, and Lightning's) starts the data over, so the check can fail. Arguments
+that contradict Packfeed's steps are refused."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
-"""`packfeed.client.loaders`: the torchtitan-style `StatefulPackLoader` checkpointed with
-torch.distributed.checkpoint at DP 2 under torchrun (its ranks forked preloaded: a restart in new processes reads exactly the next steps;
-not loading the state is the control), and the `IterableDataset` face under a `DataLoader` (the same steps and
-the same loss as `PackStream`'s plain loop; workers and batching refused)."""
+"""`packfeed.client.loaders`: the torchtitan-style `StatefulPackLoader` checkpointed with torch.distributed.checkpoint
+at DP 2 under torchrun (its ranks forked preloaded: a restart in new processes reads exactly the next steps; not
+loading the state is the control), and the `IterableDataset` face under a `DataLoader` (the same steps and the same
+loss as `PackStream`'s plain loop; workers and batching refused)."""
 
 from __future__ import annotations
 

@@ -10,7 +10,8 @@ a child process at start (`warm_up_in_background`), so a cold cache costs no job
 
 In a child, not in the server: a server loads numba (about 160 MiB with its kernels, packfeed.media.jit) when it
 first plans, not before, so a server that holds no job yet (a standby, a fleet before training) does without
-it; with the cache warm, its first plan loads numba and the kernels in about 0.3 s.
+it; with the cache warm, its first plan loads numba and the kernels in about 0.4 s (BENCHMARKS.md "Memory per
+server process").
 
 The cache is valid for the CPU it was compiled for. An image built on one machine and run on others keeps
 it valid with NUMBA_CPU_NAME (e.g. x86-64-v3) and an empty NUMBA_CPU_FEATURES at build and run time

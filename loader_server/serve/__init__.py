@@ -5,7 +5,8 @@
 per-rank progress, `registry` their life and limits; `index_rows` the index columns serving reads,
 `shard_reader` a sample's bytes read and verified, `preprocess` an indexed sample into tokens and tiles (the
 pixel modes are `packfeed.media.pixel_modes`), `packs` assembles them, `wire` serializes packs, `workers`
-runs that in a process pool (forks of a fork server that `worker_preload` readies; `packfeed.media.refused_imports` names
-what server processes do without); `budget` bounds prepared bytes; `service` is the gRPC servicer, `network` binds
-ports, TLS and auth, `observe` owns logs and Prometheus metrics, and `server` starts it all.
+runs that in a process pool (forks of a fork server that `worker_preload` readies;
+`packfeed.media.refused_imports` names what server processes do without); `budget` bounds prepared bytes; `service`
+is the gRPC servicer, `network` binds ports, TLS and auth, `observe` owns logs and Prometheus metrics, and `server`
+starts it all.
 """

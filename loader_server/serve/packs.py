@@ -149,8 +149,8 @@ def build_pack(parts: list[tuple[IndexRows, Any, str]], members: np.ndarray, tru
     """One pack from its planned members; member k is sample `members[k]` of `parts[sources[k]]` (rows, reader,
     dataset label); `seed` is the job's (random video frames are drawn from it). A sample that fails at serve
     time is left out and reported in the pack's `skipped`; the pack still goes out, flagged empty if nothing is
-    left. `shared_prefixes`: the job plans groups with their prefix shared (docs/wire.md "Shared prefixes"); each member's
-    rows then say what it shares its prefix with (`prefix_of`)."""
+    left. `shared_prefixes`: the job plans groups with their prefix shared (docs/wire.md "Shared prefixes");
+    each member's rows then say what it shares its prefix with (`prefix_of`)."""
     prefixes = [parts[source][0].prefix_of(sample_id) if shared_prefixes else None
               for sample_id, source in zip(np.asarray(members).tolist(), np.asarray(sources).tolist())]
     owners = _prefix_owners(prefixes)

@@ -26,12 +26,12 @@ class DatasetSource:
 
 
 class StepReads(Protocol):
-    """What a worker reads a rank-step's samples through, as the job's source says: per source a member's
-    `sources` entry counts in, its rows (what the pack builder asks of a sample: its row, what it shares its prefix with, its
-    bytes), the reader that loads it and the dataset name its packs carry; and what every pack of the source
-    carries beside its samples, and whether a member's rows say what it shares its prefix with (`shared_prefixes`). An
-    index's are its rows and shards (`IndexReads`); a live job's, its spooled
-    samples with their prompts' images from the indexes (`packfeed.server.serve.live_reads.LiveReads`)."""
+    """What a worker reads a rank-step's samples through, as the job's source says: per source a member's `sources`
+    entry counts in, its rows (what the pack builder asks of a sample: its row, what it shares its prefix with,
+    its bytes), the reader that loads it and the dataset name its packs carry; and what every pack of the source
+    carries beside its samples, and whether a member's rows say what it shares its prefix with
+    (`shared_prefixes`). An index's are its rows and shards (`IndexReads`); a live job's, its spooled samples
+    with their prompts' images from the indexes (`packfeed.server.serve.live_reads.LiveReads`)."""
 
     @property
     def sources(self) -> int: ...
