@@ -7,7 +7,7 @@ DEMO   := demo-out
 # pip lists what it fetches and builds (a fresh install takes minutes); CI keeps its log short
 PIP_QUIET := $(if $(CI),-q,)
 
-.PHONY: venv demo test bench docker-test clean
+.PHONY: venv verl-env demo test bench docker-test clean
 
 venv: $(STAMP)
 
@@ -20,6 +20,11 @@ $(STAMP): pyproject.toml setup.py $(wildcard protos/packfeed/v1/*.proto)
 	$(VENV)/bin/packfeed warmup  # the planner's kernels compiled and cached once, not by the first plan
 	$(PY) -c "from deepspeed.comm.torch import build_shm_op; build_shm_op()"  # DeepSpeed's CPU collectives op, built once
 	touch $(STAMP)
+
+# verl's own environment (verl pins transformers below the `hf` extra's floor): tests/test_verl.py runs verl's
+# plug-in path there, the verl benchmark its balance. Built once (minutes), rebuilt when its recipe changes.
+verl-env:
+	$(PYTHON) tests/verl_env.py
 
 demo: $(STAMP)
 	$(VENV)/bin/packfeed demo --out $(DEMO)

@@ -1,22 +1,21 @@
-"""verl's batch balancing done by Packfeed's planner: `balance_batch(batch, dp_size)` takes a step's `DataProto`
-and reorders it in place, as verl's own `RayPPOTrainer._balance_batch` does, so that the equal chunks verl's
-dispatch hands the data-parallel ranks carry equal work: the vision and LLM cost of Packfeed's cost model (its
-attention squares and ViT included) instead of token sums, each group of responses (`uid`) kept on one rank where
-the actor computes its prompt once (verl's `use_prefix_grouper`), the prompt then counted once.
+"""verl's batch balancing done by Packfeed's planner, for both of verl's trainers. Each function reorders a step's
+batch in place, as verl's own `_balance_batch` does, so that the equal chunks verl's dispatch hands the
+data-parallel ranks carry equal work on Packfeed's cost model (attention squares, and the ViT where the batch
+says what its images are) instead of token sums.
 
-    from packfeed.server.plan.verl import balance_batch
+- `balance_batch(batch, dp_size)`: a `DataProto`, what verl's legacy `RayPPOTrainer` balances
+  (`trainer.use_v1=false`). It reads `batch["attention_mask"]` (each rollout's tokens), `batch["prompts"]` (their
+  width is the prompt part of the mask), `non_tensor_batch["uid"]` (the group) and
+  `non_tensor_batch["multi_modal_inputs"]` (each rollout's `image_grid_thw`, Qwen-style: ViT patches t x h x w per
+  image, attended within the image). With `shared_prefix` (verl's `use_prefix_grouper`) each group stays on one
+  rank and its prompt is counted once, as the actor computes it once.
+- `balance_kv_batch(batch, dp_size)`: a TransferQueue `KVBatchMeta`, what verl's v1 trainers balance (verl's
+  default). The driver holds only each rollout's tags there (`prompt_len`, `seq_len`), not its images: the images
+  count as the image tokens in their prompt; the ViT's own work is not seen.
 
-    class PackfeedPPOTrainer(RayPPOTrainer):
-        def _balance_batch(self, batch, metrics, logging_prefix="global_seqlen", keep_minibatch=False):
-            balance_batch(batch, self._get_dp_size(self.actor_rollout_wg, "actor"), metrics=metrics,
-                          shared_prefix=getattr(self, "use_prefix_grouper", False), logging_prefix=logging_prefix,
-                          minibatch_size=self.config.actor_rollout_ref.actor.ppo_mini_batch_size
-                          if keep_minibatch else None)
-
-A library call on the driver (no server, no verl import here: the batch is read through DataProto's own fields).
-What it reads: `batch["attention_mask"]` (each rollout's tokens), `batch["prompts"]` (their width is the prompt
-part of the mask), `non_tensor_batch["uid"]` (the group), and `non_tensor_batch["multi_modal_inputs"]` (each
-rollout's `image_grid_thw`, Qwen-style: ViT patches t x h x w per image, attended within the image).
+Library calls on the driver: no server, and no verl import here (the batches are read through their own fields).
+`python -m packfeed.cli.verl_ppo` runs verl's `main_ppo` with its trainers balancing through these
+(docs/training.md "verl's batches balanced by Packfeed").
 """
 
 from __future__ import annotations
@@ -58,22 +57,49 @@ def balance_batch(batch: Any, dp_size: int, *, shared_prefix: bool = False, cost
     `minibatch_size`: balance each PPO mini-batch of that many rollouts on its own (verl's `keep_minibatch`).
     `metrics`: gets `{logging_prefix}/packfeed_dist` (the busiest rank's cost over the mean, minus 1),
     `/packfeed_max` and `/packfeed_min`, and `/packfeed_groups_whole`."""
-    rollouts = rollouts_of(batch, shared_prefix)
+    order, partitions = balanced_order(rollouts_of(batch, shared_prefix), dp_size, cost_model, shared_prefix,
+                                       minibatch_size)
+    import torch  # a DataProto holds torch tensors; reorder takes an index tensor
+
+    batch.reorder(torch.as_tensor(order, dtype=torch.long))
+    if metrics is not None:
+        metrics.update(_metrics(partitions, logging_prefix))
+    return batch
+
+
+def rollouts_of_tags(tags: list[dict]) -> Rollouts:
+    """A v1 batch's rollouts from their TransferQueue tags: `seq_len` tokens, `prompt_len` of them the prompt's."""
+    try:
+        tokens = np.array([tag["seq_len"] for tag in tags], dtype=np.int64)
+        prompt = np.array([tag["prompt_len"] for tag in tags], dtype=np.int64)
+    except KeyError as missing:
+        raise ValueError(f"a rollout's tags lack {missing}: verl's agent loop tags each rollout with seq_len and "
+                         "prompt_len; a custom agent loop must too") from None
+    return Rollouts(tokens, prompt, np.zeros(len(tags)), np.zeros(len(tags)))
+
+
+def balance_kv_batch(batch: Any, dp_size: int, *, cost_model: CostModel | None = None,
+                     metrics: dict | None = None, logging_prefix: str = "global_seqlen") -> Any:
+    """Reorder `batch` (a TransferQueue `KVBatchMeta`, verl's v1 trainers) in place so that its `dp_size` equal
+    chunks are balanced on its tags, and return it; `metrics` as `balance_batch` gives them."""
+    order, partitions = balanced_order(rollouts_of_tags(batch.tags), dp_size, cost_model, False, None)
+    batch.reorder(order.tolist())
+    if metrics is not None:
+        metrics.update(_metrics(partitions, logging_prefix))
+    return batch
+
+
+def balanced_order(rollouts: Rollouts, dp_size: int, cost_model: CostModel | None, shared_prefix: bool,
+                   minibatch_size: int | None) -> tuple[np.ndarray, list[Partition]]:
+    """The order that hands rank r its balanced share as the r-th equal chunk (of each mini-batch, in order)."""
     size = minibatch_size or len(rollouts)
     if len(rollouts) % size:
         raise ValueError(f"{len(rollouts)} rollouts are not whole mini-batches of {size}")
-    order, partitions = [], []
-    for start in range(0, len(rollouts), size):
-        part = partition_rollouts(_slice(rollouts, slice(start, start + size)), dp_size, cost_model, shared_prefix)
-        partitions.append((start, part))
-    for rank in range(dp_size):  # rank r's chunk: its share of every mini-batch, in mini-batch order
-        order += [start + part.ranks[rank] for start, part in partitions]
-    import torch  # a DataProto holds torch tensors; reorder takes an index tensor
-
-    batch.reorder(torch.as_tensor(np.concatenate(order), dtype=torch.long))
-    if metrics is not None:
-        metrics.update(_metrics([part for _, part in partitions], logging_prefix))
-    return batch
+    starts = range(0, len(rollouts), size)
+    partitions = [partition_rollouts(_slice(rollouts, slice(start, start + size)), dp_size, cost_model,
+                                     shared_prefix) for start in starts]
+    order = [start + part.ranks[rank] for rank in range(dp_size) for start, part in zip(starts, partitions)]
+    return np.concatenate(order).astype(np.int64), partitions
 
 
 def _slice(rollouts: Rollouts, part: slice) -> Rollouts:

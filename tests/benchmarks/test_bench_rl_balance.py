@@ -1,12 +1,10 @@
 """The actor update of GRPO balanced five ways (issue [5/6]), on a GRPO-shaped mix, in the same run.
 
-Run: .venv/bin/python tests/benchmarks/verl_env.py (once: builds verl's environment, minutes), then
+Run: make verl-env (once: builds verl's environment, minutes), then
 .venv/bin/python -m pytest -q -s tests/benchmarks/test_bench_rl_balance.py -m benchmark
 
-verl pins transformers below 5.11, under the project's, so it runs in an environment of its own: built once under
-PACKFEED_VERL_ENV (default ~/.cache/packfeed/verl-0.9.1) from the package index (verl 0.9.1, the CPU torch the
-project uses, the few modules verl imports without declaring them) with this project installed beside it without
-its dependencies. There tests/benchmarks/verl_balance.py runs verl's own `RayPPOTrainer._balance_batch` on verl
+verl pins transformers below 5.11, under the project's `hf` extra, so it runs in an environment of its own
+(tests/verl_env.py says what it holds). There tests/benchmarks/verl_balance.py runs verl's own `RayPPOTrainer._balance_batch` on verl
 `DataProto`s (plain, and with `use_prefix_grouper`), and Packfeed's `packfeed.server.plan.verl.balance_batch`
 (checked there as a DataProto in, DataProto out call).
 
@@ -35,7 +33,7 @@ import pytest
 from conftest import real_lengths_available
 from test_bench_phases import internvl_lengths
 
-from verl_env import verl_python
+from verl_env import built_python
 
 from packfeed.server.plan.balance import lpt_assign
 from packfeed.server.plan.rollouts import Rollouts, rollout_costs
@@ -92,9 +90,10 @@ def lpt_order(step: dict, dp: int) -> list[int]:
 
 
 @pytest.mark.skipif(not real_lengths_available(), reason="the real InternVL length files are not here")
-@pytest.mark.timeout(3600)  # building verl's environment the first time takes minutes (`python verl_env.py` first)
 def test_actor_update_balanced_five_ways(tmp_path):
-    python = verl_python()
+    python = built_python()
+    if python is None:
+        pytest.skip("verl's environment is not built: run `make verl-env` first (minutes, once)")
     model = CostModel.from_shapes()
     methods = ["none", "verl", "lpt_response", "packfeed", "verl_prefix_grouper", "packfeed_groups"]
     shared = {"verl_prefix_grouper", "packfeed_groups"}

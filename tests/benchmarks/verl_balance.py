@@ -1,4 +1,4 @@
-"""Run inside verl's own environment (tests/benchmarks/test_bench_rl_balance.py builds it): each step of STEPS.npz
+"""Run inside verl's own environment (tests/verl_env.py): each step of STEPS.npz
 as a verl `DataProto` (its attention masks, prompts, uids and Qwen-style image grids), balanced by verl's own
 `RayPPOTrainer._balance_batch` (plain, and with `use_prefix_grouper`) and by Packfeed's
 `packfeed.server.plan.verl.balance_batch`, each as its trainer calls it. Writes OUT.json: per step and method, the
@@ -15,28 +15,18 @@ import sys
 import time
 import types
 import warnings
+from pathlib import Path
 
 warnings.filterwarnings("ignore")
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-from verl import DataProto  # noqa: E402
 from verl.trainer.ppo.ray_trainer import RayPPOTrainer  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the batches as verl holds them
+from verl_batches import data_proto  # noqa: E402
+
 from packfeed.server.plan.verl import balance_batch  # noqa: E402
-
-
-def data_proto(tokens: np.ndarray, prompt: np.ndarray, uid: np.ndarray, grids: list) -> DataProto:
-    """A step's rollouts as verl's rollout workers leave them: prompts left-padded, responses right-padded."""
-    width_p, width_r = int(prompt.max()), int((tokens - prompt).max())
-    mask = torch.zeros(len(tokens), width_p + width_r, dtype=torch.long)
-    for i, (t, p) in enumerate(zip(tokens.tolist(), prompt.tolist())):
-        mask[i, width_p - p:width_p + (t - p)] = 1
-    tensors = {"attention_mask": mask, "prompts": torch.zeros(len(tokens), width_p, dtype=torch.long),
-               "responses": torch.zeros(len(tokens), width_r, dtype=torch.long), "index": torch.arange(len(tokens))}
-    inputs = np.array([{"image_grid_thw": torch.tensor(g, dtype=torch.long).reshape(-1, 3)} for g in grids],
-                      dtype=object)
-    return DataProto.from_dict(tensors=tensors, non_tensors={"uid": uid.astype(object), "multi_modal_inputs": inputs})
 
 
 def verl_order(batch: DataProto, dp: int, prefix_grouper: bool) -> tuple[list[int], float]:
