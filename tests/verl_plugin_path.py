@@ -48,7 +48,8 @@ from verl_batches import data_proto, kv_batch  # noqa: E402
 
 DP, PROMPTS, G = 4, 8, 4
 OVERRIDES = [f"actor_rollout_ref.rollout.n={G}", "actor_rollout_ref.actor.ppo_mini_batch_size=2",
-             "+ray_kwargs.ray_init.include_dashboard=false", f"+ray_kwargs.ray_init.num_cpus={DP}"]
+             "+ray_kwargs.ray_init.include_dashboard=false", f"+ray_kwargs.ray_init.num_cpus={DP}",
+             "+ray_kwargs.ray_init.address=local"]  # a Ray of its own, never a cluster `ray start` left here
 CONFIG_DIR = str(Path(main_ppo.__file__).parent / "config")
 
 
