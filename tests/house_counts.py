@@ -72,12 +72,18 @@ def shared_prefix_decisions(trees) -> list[str]:
                       isinstance(value, ast.Attribute) and value.attr == "shared_prefix" for value in node.values))
 
 
-def getattr_probes(trees) -> int:
+# Objects of the standard library whose handles the server reads by getattr because no public one exists (a
+# platform's mmap flag, the process pool's and the fork server's internals): not product objects.
+LIBRARY_OBJECTS = {"mmap", "self.executor", "forkserver", "server"}
+
+
+def getattr_probes(trees) -> list[str]:
     """getattr(x, "name", default) on product objects in the server's serving and live rooms."""
-    return sum(1 for path, tree in trees.items()
-               if module_of(path).startswith(("packfeed.server.serve", "packfeed.server.live"))
-               for node in ast.walk(tree) if isinstance(node, ast.Call) and getattr(node.func, "id", "") == "getattr"
-               and len(node.args) == 3)
+    return sorted(f"{path.relative_to(REPO)}:{node.lineno} {ast.unparse(node)}"
+                  for path, tree in trees.items()
+                  if module_of(path).startswith(("packfeed.server.serve", "packfeed.server.live"))
+                  for node in ast.walk(tree) if isinstance(node, ast.Call) and getattr(node.func, "id", "") == "getattr"
+                  and len(node.args) == 3 and ast.unparse(node.args[0]) not in LIBRARY_OBJECTS)
 
 
 def main() -> None:
@@ -91,7 +97,9 @@ def main() -> None:
     print(f"attributes set from outside an object in the server: {len(outside)}" + "".join(f"\n  {a}" for a in outside))
     decisions = shared_prefix_decisions(trees)
     print(f"shared-prefix decisions: {len(decisions)}" + "".join(f"\n  {d}" for d in decisions))
-    print(f"getattr probes with a default in serve/ and live/: {getattr_probes(trees)}")
+    probes = getattr_probes(trees)
+    print(f"getattr probes with a default on product objects in serve/ and live/: {len(probes)}"
+          + "".join(f"\n  {p}" for p in probes))
 
 
 if __name__ == "__main__":

@@ -41,7 +41,7 @@ class Coordination:
         record = JobRecord(job.spec.describe(), job.epoch_plan(0).fingerprint(), job.dataset.fingerprint,
                            registered_ms=int(time.time() * 1000))
         try:
-            job.record = self.coordinator.register_job(job.spec.job, record)  # the first registration's time
+            job.registered(self.coordinator.register_job(job.spec.job, record))
         except CoordinationError as error:
             self.registry.jobs.pop(job.spec.job, None)
             raise JobError(error.code, str(error)) from None
@@ -108,10 +108,10 @@ class Coordination:
         found another server's file (`LiveSteps.stale`)."""
         if job.live is None:
             return
-        async with job.live_lock:  # one request takes the lease and reads the spool; the others wait for it
+        async with job.live_hold.lock:  # one request takes the lease and reads the spool; the others wait for it
             outcome = await asyncio.to_thread(self.hold_lease, job.spec.job, LIVE_LEASE)
             if outcome is LeaseOutcome.HELD:
-                taken = job.live_keeper is None or job.live_keeper.done()
+                taken = not job.live_hold.renewing
                 if taken or job.live.stale:
                     try:
                         await asyncio.to_thread(job.live.reload)
@@ -119,7 +119,7 @@ class Coordination:
                         raise JobError("UNAVAILABLE", f"live job {job.spec.job!r}: this server cannot read the "
                                                       f"job's spool: {error}: retry") from None
                 if taken:
-                    job.live_keeper = asyncio.create_task(self._keep_live(job))
+                    job.live_hold.renew_with(self._keep_live(job))
                 return
         if outcome is LeaseOutcome.UNREACHABLE:
             raise JobError("UNAVAILABLE", f"live job {job.spec.job!r}: this server cannot reach the coordinator "

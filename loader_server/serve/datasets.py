@@ -153,7 +153,7 @@ class Dataset:
         old_caps = self.caps(resume.plan_config, loads)
         first = self.job_plan(resume.plan_config, resume.seed, 0, resume.previous, old_caps, loads)
         self.check_resumed_plan(resume, first.fingerprint())
-        old_caps = old_caps or getattr(first, "caps", None)  # a windowed job's, searched on its epoch 0 (as Job)
+        old_caps = old_caps or first.caps  # a windowed job's, searched on its epoch 0 (as Job)
         old = first if resume.epoch == 0 else \
             self.job_plan(resume.plan_config, resume.seed, resume.epoch, resume.previous, old_caps, loads)
         if resume.step > old.n_steps:

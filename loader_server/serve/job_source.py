@@ -47,7 +47,7 @@ class JobSource(Protocol):
     def job_plan(self, config: PlanConfig, seed: int, epoch: int, resume: Resume | None, caps: Any,
                  loads: Any = None, ledger: WeightLedger | None = None) -> Any:
         """Epoch `epoch`'s plan: what the job asks it (has_step, is_last_step, steps_known, steps_estimate,
-        fingerprint, packs_known, draws, close). `ledger`: the job's, from `ledger()`."""
+        fingerprint, packs_known, draws, caps, close). `ledger`: the job's, from `ledger()`."""
         ...
 
     def planned_loads(self, plan: Any) -> Any:

@@ -97,6 +97,23 @@ LIVE_S = 60.0  # a rank with unacknowledged steps is working while it acknowledg
 
 
 @dataclass
+class LiveHold:
+    """A live job's lease as this server holds it (`Coordination.hold_live`): one request at a time takes the lease
+    and reads the spool (`lock`), and a task renews it while it is held."""
+
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    _renewal: asyncio.Task | None = None
+
+    @property
+    def renewing(self) -> bool:
+        return self._renewal is not None and not self._renewal.done()
+
+    def renew_with(self, renewal) -> None:
+        """Renew the lease with `renewal` (a coroutine), from now until it returns."""
+        self._renewal = asyncio.create_task(renewal)
+
+
+@dataclass
 class Job:
     spec: JobSpec
     dataset: JobSource  # where its samples come from: an index's (or mixture's), a live job's
@@ -120,8 +137,7 @@ class Job:
     encoders: list[RankState] = field(default_factory=list)
     _steps: dict = field(default_factory=dict)  # epoch -> its steps, once known exactly (the plan itself may go)
     _released: threading.Event = field(default_factory=threading.Event)  # closed or forgotten: stop counting
-    live_keeper: asyncio.Task | None = None  # a live job's lease renewal on this server (`Coordination.hold_live`)
-    live_lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # taking a live job's lease and reading its spool
+    live_hold: LiveHold = field(default_factory=LiveHold)  # a live job's lease on this server
     ledger: WeightLedger | None = None  # a loss-driven mixture's: its trainers' losses and each window's weights
 
     def __post_init__(self) -> None:
@@ -134,7 +150,7 @@ class Job:
         epochs' steps for at most `count_for_s`, the rest in the background."""
         try:
             self.caps = self.dataset.caps(self.spec.plan_config)
-            self.caps = self.caps or getattr(self.epoch_plan(0), "caps", None)  # a windowed plan's, searched on window 0
+            self.caps = self.caps or self.epoch_plan(0).caps  # a windowed plan's, searched on window 0
             if self.spec.resume is not None:  # checked at open: a resume of another job than it claims is refused
                 self.epoch_plan(self.spec.resume.epoch)
             if not self._count_epochs(time.monotonic() + count_for_s):
@@ -305,6 +321,10 @@ class Job:
         if not self.epoch_plan(epoch).is_last_step(step):
             return epoch, step + 1
         return (epoch + 1, 0) if epoch + 1 < self.spec.epochs else None
+
+    def registered(self, record: JobRecord) -> None:
+        """The job as the coordinator holds it, the first registration's time included."""
+        self.record = record
 
     def record_skipped(self, epoch: int, step: int, skipped: list[tuple[str, str]]) -> None:
         with self._lock:

@@ -18,12 +18,14 @@ from packfeed.server.serve.step_work import RankStepWork
 from packfeed.v1.layout import Seat
 from packfeed.v1.options import Oversize, PlanConfig
 
+
 class LivePlan:
     """The face a Job's epoch plan shows for a live job (its one epoch): steps formed so far, and more to come
     until the job ends."""
 
     packs_known = False  # steps form as samples arrive
     draws = None  # no mixture weights
+    caps = None  # steps are formed as samples arrive: no caps are searched for them
 
     def __init__(self, steps: LiveSteps, config: PlanConfig, seed: int):
         self.steps, self.config, self.seed, self.epoch = steps, config, seed, 0

@@ -36,10 +36,11 @@ def _resume(message: pb.ResumeFrom, depth: int) -> Resume:
                   message.seed, message.index_fingerprint, previous)
 
 
-def seat_of(request: pb.StreamPacksRequest | pb.AckStepRequest, job: str, layout: Layout) -> Seat:
+def seat_of(request: pb.StreamPacksRequest | pb.AckStepRequest, job: str, layout: Layout,
+            replicas: int = 0) -> Seat:
     """The consumer's seat: the request's `seat`, or v1's separate fields (rank, replica, cp_rank, encoder), the
-    same thing; checked against the job's layout. A rank past the job's is OUT_OF_RANGE, any other problem
-    INVALID_ARGUMENT."""
+    same thing; checked against the job's layout (and `replicas`, the stream's replicated consumers, where it
+    says them). A rank past the job's is OUT_OF_RANGE, any other problem INVALID_ARGUMENT."""
     flat = Seat(request.rank, request.replica, request.cp_rank, request.encoder)
     seat = flat
     if request.HasField("seat"):
@@ -48,7 +49,6 @@ def seat_of(request: pb.StreamPacksRequest | pb.AckStepRequest, job: str, layout
         if flat not in (Seat(0), seat):
             raise JobError("INVALID_ARGUMENT", f"the request's seat ({seat.name}) and its separate fields "
                                                f"({flat.name}) differ: send the seat, or the same place in both")
-    replicas = getattr(request, "replicas", 0)
     if replicas and not seat.replica < replicas <= MAX_REPLICAS:
         raise JobError("INVALID_ARGUMENT", f"replica {seat.replica} of {replicas}: give 0 <= replica < replicas <= "
                                            f"{MAX_REPLICAS}")

@@ -188,7 +188,7 @@ class PackfeedService:
         job = self.registry.get(request.job)
         job.check_plan(request.plan_fingerprint)
         config = job.spec.plan_config
-        seat = seat_of(request, job.spec.job, config.layout)
+        seat = seat_of(request, job.spec.job, config.layout, request.replicas)
         rank, encoder = seat.rank, seat.encoder
         # the rank's first GPU acknowledges for the rank (an encoder rank's acknowledgements are reports only)
         primary = seat.primary and not encoder
