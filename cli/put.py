@@ -13,8 +13,8 @@ from packfeed.cli.options import EXIT_OK, EXIT_SKIPPED
 
 
 def cmd_put(args: argparse.Namespace) -> int:
-    from packfeed.client.channel import PackfeedError
-    from packfeed.client.producer import Producer, Sample
+    from packfeed.client.stream.channel import PackfeedError
+    from packfeed.client.stream.producer import Producer, Sample
 
     if args.batch < 1:
         raise ValueError("--batch must be >= 1")
@@ -67,7 +67,7 @@ def read_plan(text: str):
 
 
 def _send(producer, batch, path, refused, put, duplicates) -> tuple[int, int]:
-    from packfeed.client.channel import PackfeedError
+    from packfeed.client.stream.channel import PackfeedError
 
     if not batch:
         return put, duplicates

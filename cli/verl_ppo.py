@@ -4,7 +4,7 @@ verl.trainer.main_ppo`, with the same Hydra overrides:
     python -m packfeed.cli.verl_ppo data.train_files=... actor_rollout_ref.model.path=... trainer.n_gpus_per_node=8
 
 Everything is verl's own (its config, its Ray cluster, its workers, its trainer loop) except where a step's batch
-is balanced over the data-parallel ranks: there Packfeed's planner orders it (packfeed.server.plan.verl).
+is balanced over the data-parallel ranks: there Packfeed's planner orders it (packfeed.cli.verl_batches).
 
 How it gets there: verl builds its trainer inside a Ray actor (its TaskRunner), in a process of Ray's. This entry
 adds one override, a Ray worker setup hook (`ray_kwargs.ray_init.runtime_env.worker_process_setup_hook`), so that
@@ -25,7 +25,7 @@ from verl.trainer.ppo.padding_utils import upsample_batch_to_divisible_size
 from verl.trainer.ppo.ray_trainer import RayPPOTrainer
 from verl.trainer.ppo.v1 import PPOTrainerColocateAsync, PPOTrainerSeparateAsync, PPOTrainerSync, trainer_base
 
-from packfeed.server.plan.verl import balance_batch, balance_kv_batch
+from packfeed.cli.verl_batches import balance_batch, balance_kv_batch
 
 SETUP_HOOK = "ray_kwargs.ray_init.runtime_env.worker_process_setup_hook"
 MODULE = "packfeed.cli.verl_ppo"  # this module's name also when run as __main__: what Ray's workers import

@@ -25,8 +25,8 @@ import torch
 from transformers import Qwen2VLForConditionalGeneration, TrainerCallback
 
 from packfeed.client import PackStream
-from packfeed.client.hf import model_config
-from packfeed.client.hf_trainer import PackfeedTrainer, packfeed_training_arguments
+from packfeed.client.model.hf import model_config
+from packfeed.client.frameworks.hf_trainer import PackfeedTrainer, packfeed_training_arguments
 
 SIZES = {"text": {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2}}
 
@@ -69,7 +69,7 @@ def main() -> None:
         if options.trl:
             from transformers import PreTrainedTokenizerFast
 
-            from packfeed.client.sft_trainer import PackfeedSFTTrainer, packfeed_sft_config
+            from packfeed.client.frameworks.sft_trainer import PackfeedSFTTrainer, packfeed_sft_config
 
             tokenizer = PreTrainedTokenizerFast(tokenizer_file=options.tokenizer, pad_token="<|im_end|>")
             trainer = PackfeedSFTTrainer(model=model, args=packfeed_sft_config(stream, **settings), stream=stream,

@@ -18,8 +18,8 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from transformers import Qwen2VLForConditionalGeneration
 
-from packfeed.client.hf import model_config
-from packfeed.client.lightning import PackDataModule
+from packfeed.client.model.hf import model_config
+from packfeed.client.frameworks.lightning import PackDataModule
 
 SIZES = {"text": {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2}}
 MICROBATCHES = 2

@@ -19,7 +19,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from packfeed.client import PackStream
-from packfeed.client.loaders import StatefulPackLoader
+from packfeed.client.stream.loaders import StatefulPackLoader
 
 
 def main() -> None:

@@ -24,8 +24,8 @@ import torch
 from transformers import PreTrainedTokenizerFast, PrinterCallback, Qwen2VLForConditionalGeneration, TrainerCallback
 from trl import GRPOConfig
 
-from packfeed.client.hf import model_config
-from packfeed.client.trl import PackfeedGRPOTrainer, prompt_stream
+from packfeed.client.model.hf import model_config
+from packfeed.client.frameworks.trl import PackfeedGRPOTrainer, prompt_stream
 
 SIZES = {"text": {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2}}
 

@@ -7,7 +7,7 @@ exact: Pillow's bicubic, pixel for pixel what the Hugging Face / InternVL proces
 error and above 40 dB PSNR of exact for a fraction of its CPU (`packfeed.media.fast`: simplejpeg and pyspng
 decode, OpenCV's bicubic where it enlarges, the exact kernels where it shrinks; BENCHMARKS.md "Fast-path
 candidates for resizing (measure and choose)"). encoded: the image files' own bytes and each one's `Geometry`;
-the client decodes and cuts them (`packfeed.client.decode`).
+the client decodes and cuts them (`packfeed.client.stream.decode`).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The prompt a group's samples share (GRPO's responses to one question, a preference pair): every token before
 the sample's first loss token, with every image of the sample in it, before its last token (a response follows a
-copy of that token, `packfeed.client.shared_prefix`). The index reads it from a sample's conversation, a live job
+copy of that token, `packfeed.client.model.shared_prefix`). The index reads it from a sample's conversation, a live job
 from what its producer put; both name it the same way, so samples with the same prompt are one group."""
 
 from __future__ import annotations

@@ -29,7 +29,7 @@ import torch.distributed as dist
 from transformers import PreTrainedTokenizerFast, Qwen2VLForConditionalGeneration, TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
 
-from packfeed.client.trl import PackfeedGRPOTrainer
+from packfeed.client.frameworks.trl import PackfeedGRPOTrainer
 
 STEPS, GENERATIONS = 4, 2
 

@@ -101,7 +101,7 @@ def family_dataset(root: Path, family: str, seed: int = 0, samples: int = 10,
 def packs_of(data: FamilyData, groups: list[list[int]]):
     """PackTensors of the given groups of sample ids (as the server builds and sends them), each with the
     step's loss tokens = all groups together."""
-    from packfeed.client.tensors import pack_of
+    from packfeed.client.stream.tensors import pack_of
     from packfeed.server.index.table import read_index
     from packfeed.server.serve.packs import assemble_pack
     from packfeed.server.serve.preprocess import SampleReader

@@ -21,8 +21,8 @@ import torch.distributed as dist
 import transformers
 
 from packfeed.client import PackStream
-from packfeed.client.hf import to_hf_inputs
-from packfeed.client.hf_trainer import PackBatches, PackfeedTrainer, packfeed_training_arguments
+from packfeed.client.model.hf import to_hf_inputs
+from packfeed.client.frameworks.hf_trainer import PackBatches, PackfeedTrainer, packfeed_training_arguments
 from packfeed.trainer.models.hf.build import build_hf_model
 from hf_models import tiny_sizes
 
@@ -82,7 +82,7 @@ def with_trainer(stream: PackStream, steps: int, checkpoints: str, mode: str) ->
         settings["deepspeed"] = {**config, "zero_allow_untested_optimizer": True}
         mode = mode.removeprefix("zero3-")
     if mode == "sft":
-        from packfeed.client.sft_trainer import PackfeedSFTTrainer, packfeed_sft_config
+        from packfeed.client.frameworks.sft_trainer import PackfeedSFTTrainer, packfeed_sft_config
 
         # the user's own processor in practice; here the dataset's tokenizer, its first token the pad token
         tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_file=os.environ["PACKFEED_TEST_TOKENIZER"])
@@ -111,7 +111,7 @@ def with_lightning(target: str, job: str, steps: int, checkpoints: str, mode: st
     from lightning.pytorch.callbacks import ModelCheckpoint
     from lightning.pytorch.strategies import DDPStrategy
 
-    from packfeed.client.lightning import PackBatchIterable, PackDataModule
+    from packfeed.client.frameworks.lightning import PackBatchIterable, PackDataModule
 
     keys: list = []
 

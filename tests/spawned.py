@@ -16,7 +16,7 @@ PRELOAD = [
     "torch", "torch.distributed", "torch.distributed.fsdp", "torch.distributed.checkpoint", "transformers",
     *(f"transformers.models.{family}.modeling_{family}" for family in
       ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "internvl", "llava")),
-    "packfeed.trainer.models", "packfeed.trainer.parallel.pipeline", "packfeed.client.hf",
+    "packfeed.trainer.models", "packfeed.trainer.parallel.pipeline", "packfeed.client.model.hf",
     "trainer_workers", "hf_models",
 ]
 

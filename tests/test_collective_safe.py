@@ -11,7 +11,7 @@ import torch
 pytest.importorskip("transformers")
 
 from hf_models import family_dataset, packs_of, tiny_model  # noqa: E402
-from packfeed.client.hf import empty_hf_inputs, to_hf_inputs  # noqa: E402
+from packfeed.client.model.hf import empty_hf_inputs, to_hf_inputs  # noqa: E402
 
 
 def tower_of(model, family: str):
@@ -159,8 +159,8 @@ def trained_towers(data, server, tmp_path, name: str, **options) -> tuple[dict, 
     import transformers
 
     from packfeed.client import PackStream, PlanConfig
-    from packfeed.client.guard_updates import tower_parameters, visual_items
-    from packfeed.client.hf_trainer import PackfeedTrainer, packfeed_training_arguments
+    from packfeed.client.model.guard_updates import tower_parameters, visual_items
+    from packfeed.client.frameworks.hf_trainer import PackfeedTrainer, packfeed_training_arguments
 
     items, losses = [], []
 

@@ -149,19 +149,19 @@ def test_client_and_trainer_import_no_server_code():
     """The trainer side runs where no loader code is installed: importing it must not pull packfeed.server."""
     code = ("import sys, packfeed.trainer.train, packfeed.trainer.simulate\n"
             "from packfeed.client import *  # every name the package exports, each loading its module\n"
-            "assert 'packfeed.client.stream' in sys.modules\n"
+            "assert 'packfeed.client.stream.pack_stream' in sys.modules\n"
             "print(sorted(m for m in sys.modules if m.startswith('packfeed.server')))")
     loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert loaded.strip() == "[]"
 
 
 def test_finding_servers_needs_no_torch():
-    """`packfeed.client.discovery` (which the servers' coordinator also connects through) loads without torch:
+    """`packfeed.client.stream.discovery` (which the servers' coordinator also connects through) loads without torch:
     the client package loads each exported name's module on first use."""
-    code = ("import sys, packfeed.client.discovery, packfeed.client\n"
+    code = ("import sys, packfeed.client.stream.discovery, packfeed.client\n"
             "print('torch' in sys.modules, packfeed.client.PackStream.__module__, 'torch' in sys.modules)")
     loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert loaded.split() == ["False", "packfeed.client.stream", "True"]
+    assert loaded.split() == ["False", "packfeed.client.stream.pack_stream", "True"]
 
 
 def test_redis_key_layout_is_what_servers_write_and_clients_read(tmp_path):

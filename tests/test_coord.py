@@ -99,7 +99,7 @@ def test_skipped_samples(coordinator):
 
 def test_live_servers_are_what_clients_find_in_redis(redis_process):
     """Servers announce themselves with a TTL; clients list the live ones (servers_from_redis)."""
-    from packfeed.client.discovery import servers_from_redis
+    from packfeed.client.stream.discovery import servers_from_redis
 
     coordinator = RedisCoordinator(redis_process.url)
     coordinator.heartbeat_server("10.0.0.1:50051", ttl_s=0.4)

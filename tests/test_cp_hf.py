@@ -16,7 +16,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from hf_models import family_dataset, tiny_model  # noqa: E402
 from trainer_workers import cp_step  # noqa: E402
 
-from packfeed.client.context_parallel import whole_packs  # noqa: E402
+from packfeed.client.model.context_parallel import whole_packs  # noqa: E402
 
 TOKENS = 80  # per GPU: the dataset's samples are 59-121 tokens, the longer run at degree 2
 
@@ -53,7 +53,7 @@ def degrees_1_and_2(index, tmp_path: Path, cp: int = 2) -> Path:
 
 def unsplit(steps_file: Path, data, cp: int) -> tuple[float, dict]:
     """The packs joined and run whole by the model's own forward (Packfeed's varlen attention)."""
-    from packfeed.client.hf import register_varlen_attention, to_hf_inputs
+    from packfeed.client.model.hf import register_varlen_attention, to_hf_inputs
 
     model = tiny_model("qwen2_vl", data, attention=register_varlen_attention())
     lanes = torch.load(steps_file, weights_only=False)
@@ -126,8 +126,8 @@ def test_the_gpus_of_a_pack_encode_a_videos_pieces_as_the_whole_video_encodes_th
     import numpy as np
     from test_hf_video import built_packs, video_family
 
-    from packfeed.client.context_parallel import share_qwen_pixels
-    from packfeed.client.tensors import pack_of
+    from packfeed.client.model.context_parallel import share_qwen_pixels
+    from packfeed.client.stream.tensors import pack_of
     from packfeed.server.serve.cp_shares import cp_shares
     from packfeed.server.serve.wire import encode_pack
 

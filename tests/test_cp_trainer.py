@@ -18,8 +18,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 from trainer_workers import SMALL_MODEL, cp_step, packfeed_train, restart_from  # noqa: E402
 
 from packfeed.client import LocalServer, PackStream  # noqa: E402
-from packfeed.client.context_parallel import whole_packs  # noqa: E402
-from packfeed.client.tensors import Step  # noqa: E402
+from packfeed.client.model.context_parallel import whole_packs  # noqa: E402
+from packfeed.client.stream.tensors import Step  # noqa: E402
 from packfeed.trainer.models import ReferenceModel  # noqa: E402
 from packfeed.trainer.models.reference import VLMConfig, run_layers  # noqa: E402
 from packfeed.trainer.models.reference_inputs import microbatches_of  # noqa: E402

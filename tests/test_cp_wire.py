@@ -131,7 +131,7 @@ def test_every_tile_is_encoded_once_by_the_gpu_its_piece_names(cp_streams, serve
 
 
 def test_joined_shares_are_the_whole_packs(cp_streams, served_steps):
-    from packfeed.client.context_parallel import whole_packs
+    from packfeed.client.model.context_parallel import whole_packs
 
     reference = samples_of(served_steps)
     joined = {}
@@ -150,8 +150,8 @@ def test_joined_shares_are_the_whole_packs(cp_streams, served_steps):
 
 
 def test_hugging_face_inputs_refuse_a_share_and_take_the_joined_pack(cp_streams):
-    from packfeed.client.context_parallel import whole_packs
-    from packfeed.client.hf import to_hf_inputs
+    from packfeed.client.model.context_parallel import whole_packs
+    from packfeed.client.model.hf import to_hf_inputs
 
     lanes = [cp_streams[0, lane][0].packs[0] for lane in range(C)]
     share = next(p for p in lanes if not p.empty)
@@ -169,9 +169,9 @@ def test_a_share_gives_the_unsplit_mrope_positions_of_its_tokens(tmp_path, layou
     pytest.importorskip("av")
     from test_hf_video import GROUPS, built_packs, video_family
 
-    from packfeed.client.context_parallel import share_mrope_positions, unsplit_rows
-    from packfeed.client.hf import to_hf_inputs
-    from packfeed.client.tensors import pack_of
+    from packfeed.client.model.context_parallel import share_mrope_positions, unsplit_rows
+    from packfeed.client.model.hf import to_hf_inputs
+    from packfeed.client.stream.tensors import pack_of
     from packfeed.server.serve.cp_shares import cp_shares
     from packfeed.server.serve.wire import encode_pack
 

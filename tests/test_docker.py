@@ -185,7 +185,7 @@ def port_free(port: int) -> bool:
 
 @pytest.mark.slow
 def test_the_stack_serves_packs_to_the_demo_client(images, tmp_path):
-    from packfeed.client.discovery import servers_from_redis
+    from packfeed.client.stream.discovery import servers_from_redis
 
     redis_port, first = free_port_range(1), free_port_range(4)
     env = {"PACKFEED_DATA": str(tmp_path / "data"), "PACKFEED_REDIS_PORT": str(redis_port),

@@ -195,7 +195,7 @@ def test_forged_states_are_refused_in_the_client_before_any_allocation(old_job):
     position, a rank past the plan, a non-dict: each a PackfeedError naming the field, within milliseconds."""
     import time
 
-    from packfeed.client.resume import resume_from
+    from packfeed.client.stream.resume import resume_from
 
     _, states = old_job
     forged = {

@@ -20,7 +20,7 @@ from PIL import Image
 
 from demo_data import PRESET_POLICIES, demo_image_files
 from packfeed.client import LocalServer, PackStream
-from packfeed.client.decode import DecodeOptions, torch_tiles
+from packfeed.client.stream.decode import DecodeOptions, torch_tiles
 from packfeed.media.image_policy import policy_from_dict
 from packfeed.media.pixels import decode_tiles, oriented_size
 from packfeed.v1 import packfeed_pb2 as pb, packfeed_pb2_grpc as pb_grpc

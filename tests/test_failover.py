@@ -9,7 +9,7 @@ import time
 import grpc
 import pytest
 from packfeed.client import LocalServer, PackStream
-from packfeed.client.discovery import servers_from_redis
+from packfeed.client.stream.discovery import servers_from_redis
 from packfeed.v1 import packfeed_pb2 as pb, packfeed_pb2_grpc as pb_grpc
 from processes import descendants, workers
 from redis_server import RedisProcess

@@ -52,7 +52,7 @@ def test_an_index_of_grouped_annotations_numbers_each_group_and_prompt(grouped_i
 
 def test_a_server_sends_each_groups_prompt_images_once(grouped_index):
     from packfeed.client import LocalServer, PackStream
-    from packfeed.client.shared_prefix import shared, unshared
+    from packfeed.client.model.shared_prefix import shared, unshared
 
     index, rows = grouped_index
     images_of = {row["id"]: len(row.get("images", [])) for row in rows}

@@ -10,7 +10,7 @@ import torch
 pytest.importorskip("transformers")
 
 from hf_models import CONVENTIONS, family_dataset, packs_of, tiny_model  # noqa: E402
-from packfeed.client.hf import to_hf_inputs  # noqa: E402
+from packfeed.client.model.hf import to_hf_inputs  # noqa: E402
 
 GROUPS = [[0, 1, 2], [3, 4, 5, 6, 7, 8, 9]]  # 3 and 7 samples: text-only, one and two images mixed
 TEXT_ONLY = [[0, 4, 9]]
@@ -65,7 +65,7 @@ def test_packed_loss_and_gradients_equal_each_sample_alone(family):
 def test_varlen_attention_equals_each_sample_alone(family):
     """Packfeed's variable-length CPU attention (sdpa per sample, no L x L mask) gives the per-sample loss and
     gradients too."""
-    from packfeed.client.hf import register_varlen_attention
+    from packfeed.client.model.hf import register_varlen_attention
 
     name, data, model = family
     varlen = tiny_model(name, data, attention=register_varlen_attention())
@@ -141,7 +141,7 @@ def test_no_sample_learns_its_first_token_from_the_previous_one(family):
     sample alone, because labels are masked at every sample start (HF shifts labels inside the loss)."""
     import numpy as np
 
-    from packfeed.client.tensors import pack_of
+    from packfeed.client.stream.tensors import pack_of
     from packfeed.server.serve.packs import assemble_pack
     from packfeed.server.serve.preprocess import SampleTensors
     from packfeed.server.serve.wire import encode_pack
@@ -167,7 +167,7 @@ def test_model_config_is_the_datasets(family):
     import copy
     import json
 
-    from packfeed.client.hf import check_model, model_config
+    from packfeed.client.model.hf import check_model, model_config
 
     name, data, model = family
     conventions = data.conventions

@@ -12,7 +12,7 @@ pytest.importorskip("transformers")
 from spawned import spawn  # noqa: E402
 
 from hf_models import family_dataset, packs_of, tiny_model  # noqa: E402
-from packfeed.client.hf import register_varlen_attention, to_hf_inputs  # noqa: E402
+from packfeed.client.model.hf import register_varlen_attention, to_hf_inputs  # noqa: E402
 from trainer_workers import hf_pipeline_step  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -150,7 +150,7 @@ def sequential_step(model, batch, m: int) -> tuple[float, dict[str, torch.Tensor
 def test_a_padded_batch_gives_the_packs_loss_and_gradients_at_more_tokens(tmp_path, family):
     """`data.collate=padded` (the benchmarks' baseline): every sample padded to its pack's longest, positions,
     labels and image places moved with it; the loss and gradients stay the pack's, the tokens grow."""
-    from packfeed.client.tensors import Step
+    from packfeed.client.stream.tensors import Step
     from packfeed.trainer.models.hf.model import HFLayerModel
 
     data = family_dataset(tmp_path / "data", family)

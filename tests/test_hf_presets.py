@@ -15,7 +15,7 @@ transformers = pytest.importorskip("transformers")
 from transformers.image_utils import (IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD, IMAGENET_STANDARD_MEAN,  # noqa: E402
                                       IMAGENET_STANDARD_STD, OPENAI_CLIP_MEAN, OPENAI_CLIP_STD)
 
-from packfeed.client.hf_families import FAMILIES, normalised, qwen_patches  # noqa: E402
+from packfeed.client.model.hf_families import FAMILIES, normalised, qwen_patches  # noqa: E402
 from packfeed.media.image_policy import policy_from_dict  # noqa: E402
 from packfeed.server.index.conventions import MODEL_PRESETS, add_convention_options, conventions_of  # noqa: E402
 from packfeed.media.pixel_modes import image_tiles  # noqa: E402

@@ -15,7 +15,7 @@ from spawned import spawn  # noqa: E402
 
 from doc_commands import quoted_train  # noqa: E402
 from hf_models import family_dataset, packs_of, tiny_model  # noqa: E402
-from packfeed.client.hf import to_hf_inputs  # noqa: E402
+from packfeed.client.model.hf import to_hf_inputs  # noqa: E402
 from trainer_workers import fsdp_output_views, hf_step_grads, packfeed_train, restart_from  # noqa: E402
 
 pytestmark = pytest.mark.slow

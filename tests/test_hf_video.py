@@ -11,8 +11,8 @@ pytest.importorskip("transformers")
 pytest.importorskip("av")
 
 from hf_models import FamilyData, tiny_model  # noqa: E402
-from packfeed.client.hf import to_hf_inputs  # noqa: E402
-from packfeed.client.hf_families import family_of, normalised, qwen_video_patches  # noqa: E402
+from packfeed.client.model.hf import to_hf_inputs  # noqa: E402
+from packfeed.client.model.hf_families import family_of, normalised, qwen_video_patches  # noqa: E402
 from test_hf_packed import assert_packed_equals_alone  # noqa: E402
 from video_data import MIXED_KINDS, indexed_videos  # noqa: E402
 
@@ -63,7 +63,7 @@ def built_packs(data: FamilyData, groups: list[list[int]], seed: int = 0, epoch:
 
 def served_packs(data: FamilyData, groups: list[list[int]], seed: int = 0, epoch: int = 0):
     """PackTensors of the groups as the server builds and sends them (frames drawn for this seed and epoch)."""
-    from packfeed.client.tensors import pack_of
+    from packfeed.client.stream.tensors import pack_of
     from packfeed.server.serve.wire import encode_pack
 
     return [pack_of(encode_pack(pack, len(groups), False)) for pack in built_packs(data, groups, seed, epoch)]

@@ -139,7 +139,7 @@ def test_arguments_that_contradict_packfeed_steps_are_refused(server, tmp_path):
 
     from hf_models import tiny_sizes
     from packfeed.client import PackfeedError, PackStream
-    from packfeed.client.hf_trainer import PackfeedTrainer, job_steps, packfeed_training_arguments
+    from packfeed.client.frameworks.hf_trainer import PackfeedTrainer, job_steps, packfeed_training_arguments
     from packfeed.trainer.models.hf.build import build_hf_model
 
     with PackStream(server.target, job="args", rank=0, dp=1, microbatches=2, epochs=2) as stream:
@@ -167,9 +167,9 @@ def test_a_model_that_does_not_fit_the_dataset_is_refused_before_its_first_forwa
 
     from hf_models import tiny_sizes
     from packfeed.client import PackStream
-    from packfeed.client.hf import to_hf_inputs
-    from packfeed.client.hf_trainer import PackfeedTrainer, packfeed_training_arguments
-    from packfeed.client.lightning import PackDataModule
+    from packfeed.client.model.hf import to_hf_inputs
+    from packfeed.client.frameworks.hf_trainer import PackfeedTrainer, packfeed_training_arguments
+    from packfeed.client.frameworks.lightning import PackDataModule
     from packfeed.trainer.models.hf.build import build_hf_model
 
     with PackStream(server.target, job="misfit", rank=0, dp=1, microbatches=2, epochs=1) as stream:
@@ -223,8 +223,8 @@ def test_the_frameworks_speak_the_jobs_terms_and_refuse_what_cannot_hold(server,
 
     from hf_models import tiny_sizes
     from packfeed.client import PackfeedError, PackStream
-    from packfeed.client.hf_trainer import PackfeedTrainer, job_steps, packfeed_training_arguments
-    from packfeed.client.lightning import PackDataModule, PackProgress
+    from packfeed.client.frameworks.hf_trainer import PackfeedTrainer, job_steps, packfeed_training_arguments
+    from packfeed.client.frameworks.lightning import PackDataModule, PackProgress
     from packfeed.trainer.models.hf.build import build_hf_model
 
     class Logged(transformers.TrainerCallback):

@@ -70,7 +70,7 @@ def test_the_trainer_face_stops_at_the_last_step_with_its_schedule_at_zero(serve
     import transformers
 
     from hf_models import tiny_sizes
-    from packfeed.client.hf_trainer import PackfeedTrainer, packfeed_training_arguments
+    from packfeed.client.frameworks.hf_trainer import PackfeedTrainer, packfeed_training_arguments
     from packfeed.trainer.models.hf.build import build_hf_model
 
     class Seen(transformers.TrainerCallback):

@@ -185,7 +185,8 @@ def test_the_server_imports_no_client_code_and_nothing_imports_the_command_line(
 def test_the_rules_see_what_they_check():
     """The checks above walk real modules and real imports (a rule over an empty list passes by itself)."""
     modules = {module_of(path) for path in project_modules()}
-    assert {"packfeed.server.serve.workers", "packfeed.media.fast", "packfeed.client.stream", "packfeed.v1.options",
+    assert {"packfeed.server.serve.workers", "packfeed.media.fast", "packfeed.client.stream.pack_stream",
+            "packfeed.v1.options",
             "packfeed.trainer.train"} <= modules
     assert "packfeed.server.index.table" in imported_modules(REPO / "loader_server/plan/costs.py")
     assert "numpy" in imported_modules(REPO / "media/resample.py")
@@ -241,52 +242,85 @@ def test_the_circle_rule_sees_a_circle():
 
 # The trainer's and the client's floors, bottom up: a module imports its own floor or those below, never above.
 # Trainer: the padded step shapes, the models (layer lists), their settings, parallelism applied to a layer list,
-# the simulator, then the loop and what it composes. Client: the wire and the tensors made of it, the channel,
-# decoding and the HF model inputs, the receiving thread and saved states, the stream, the loaders, the framework
-# integrations. (A package's __init__ re-exports its room: it stands on top.)
+# the simulator, then the loop and what it composes. Client: three rooms, the stream (the wire and the tensors made
+# of it, the channel, decoding, the receiving thread and saved states, the stream, its loaders), the model's side
+# (HF model inputs, masks, CP splits, losses, towers) and the framework faces, each with floors of its own. (A
+# package's __init__ re-exports its room: it stands on top.)
 FLOORS = {
     "packfeed.trainer": {"batch": 0, "models": 1, "config": 2, "liveness": 2, "parallel": 3, "simulate": 4, "data": 5,
                          "metrics": 5, "checkpoint": 5, "decisions": 5, "loop": 6, "train": 7, "__main__": 8},
-    "packfeed.client": {"wire": 0, "attention": 0, "discovery": 0, "tensors": 1, "channel": 1, "decode": 2, "hf": 2,
-                        "hf_families": 2, "context_parallel": 2, "shared_prefix": 2, "losses": 2, "dataset_losses": 2,
-                        "towers": 1, "hf_config": 1, "producer": 2, "loss_reports": 2, "stream_keywords": 2,
-                        "receiver": 3, "resume": 3, "local": 3, "stream": 4, "loaders": 5,
-                        "guard_updates": 5, "hf_trainer": 6, "lightning": 6, "megatron": 6,
-                        "grpo_prompts": 6, "grpo_config": 6, "sft_trainer": 7, "trl": 7},
+    "packfeed.client": {"stream": 0, "model": 1, "frameworks": 2},
+    "packfeed.client.stream": {"wire": 0, "channel": 0, "local": 0, "discovery": 0, "tensors": 1, "keywords": 1,
+                               "producer": 1, "loss_reports": 1, "decode": 2, "resume": 2, "receiver": 3,
+                               "pack_stream": 4, "loaders": 5},
+    "packfeed.client.model": {"attention": 0, "hf_config": 0, "hf_families": 0, "shared_prefix": 0, "towers": 0,
+                              "context_parallel": 1, "dataset_losses": 1, "guard_updates": 1, "losses": 1, "hf": 1},
+    "packfeed.client.frameworks": {"grpo_config": 0, "grpo_prompts": 0, "hf_trainer": 0, "lightning": 0,
+                                   "megatron": 0, "sft_trainer": 1, "trl": 1},
 }
 
 
-def floor_of(module: str) -> tuple[str, int] | None:
-    """(room, floor) of a module of a room with floors; None elsewhere (and for a room's __init__: the top)."""
-    for room, floors in FLOORS.items():
-        if module.startswith(room + "."):
-            return room, floors[module[len(room) + 1:].split(".")[0]]
-    return None
+def floors_of(module: str) -> dict[str, int]:
+    """room -> the module's floor in it, for every room with floors the module is in (a room's own __init__
+    stands on top of it: on no floor there)."""
+    return {room: floors[module[len(room) + 1:].split(".")[0]] for room, floors in FLOORS.items()
+            if module.startswith(room + ".")}
 
 
 def climbs(graph: dict[str, set[str]]) -> list[str]:
     """Imports from a floor to a higher one of the same room."""
     found = []
     for module, imported in graph.items():
-        own = floor_of(module)
+        own = floors_of(module)
         for name in imported:
-            other = floor_of(name)
-            if own and other and own[0] == other[0] and other[1] > own[1]:
-                found.append(f"{module} (floor {own[1]}) imports {name} (floor {other[1]})")
+            for room, floor in floors_of(name).items():
+                if room in own and floor > own[room]:
+                    found.append(f"{module} (floor {own[room]}) imports {name} (floor {floor})")
     return sorted(found)
 
 
 def test_the_trainer_and_the_client_import_no_floor_above():
     graph = import_graph()
-    rooms = {module.split(".")[2] for module in graph if module.startswith(tuple(f"{r}." for r in FLOORS))}
-    known = {name for floors in FLOORS.values() for name in floors}
-    assert rooms <= known, f"modules on no floor: {sorted(rooms - known)} (add them to FLOORS)"
+    unplaced = sorted(module for module in graph for room, floors in FLOORS.items() if module.startswith(room + ".")
+                      and module[len(room) + 1:].split(".")[0] not in floors)
+    assert unplaced == [], f"modules on no floor: {unplaced} (add them to FLOORS)"
     assert climbs(graph) == []
 
 
 def test_the_floor_rule_sees_a_climb():
     graph = import_graph()
     graph["packfeed.trainer.models.reference"] = graph["packfeed.trainer.models.reference"] | {"packfeed.trainer.data"}
-    graph["packfeed.client.tensors"] = graph["packfeed.client.tensors"] | {"packfeed.client.stream"}
-    assert climbs(graph) == ["packfeed.client.tensors (floor 1) imports packfeed.client.stream (floor 4)",
+    graph["packfeed.client.stream.tensors"] = graph["packfeed.client.stream.tensors"] | {
+        "packfeed.client.stream.pack_stream", "packfeed.client.model.hf"}
+    assert climbs(graph) == ["packfeed.client.stream.tensors (floor 0) imports packfeed.client.model.hf (floor 1)",
+                             "packfeed.client.stream.tensors (floor 1) imports packfeed.client.stream.pack_stream "
+                             "(floor 4)",
                              "packfeed.trainer.models.reference (floor 1) imports packfeed.trainer.data (floor 5)"]
+
+
+def test_the_clients_flat_module_paths_still_import_the_moved_modules_with_a_warning():
+    """Trainer scripts written before the client had rooms keep working: each old path gives the module at its new
+    path (the same objects), and says where it moved."""
+    import subprocess
+    import sys
+
+    from packfeed.client import MOVED
+
+    assert all((REPO / "client" / (new.replace(".", "/") + ".py")).is_file() for new in MOVED.values())
+    script = ("import importlib, warnings\n"
+              "from packfeed.client import MOVED\n"
+              "for old, new in MOVED.items():\n"
+              "    with warnings.catch_warnings(record=True) as seen:\n"
+              "        warnings.simplefilter('always')\n"
+              "        module = importlib.import_module('packfeed.client.' + old)\n"
+              "    assert module is importlib.import_module('packfeed.client.' + new), old\n"
+              "    assert module.__spec__.name == 'packfeed.client.' + new, old\n"
+              "    assert any(f'moved to packfeed.client.{new}' in str(w.message) for w in seen), old\n"
+              "from packfeed.client.hf_trainer import PackfeedTrainer\n"
+              "from packfeed.client.frameworks.hf_trainer import PackfeedTrainer as moved\n"
+              "assert PackfeedTrainer is moved\n"
+              "from packfeed.client.stream import PackStream\n"
+              "print(len(MOVED), PackStream.__module__)\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == [str(len(MOVED)), "packfeed.client.stream.pack_stream"]

@@ -351,7 +351,7 @@ def test_the_operator_sees_a_live_jobs_arrivals_steps_and_stale_drops(server, pr
     """GetJob, Prometheus, the status page's JSON and `packfeed info` on the job's spool folder agree."""
     import urllib.request
 
-    from packfeed.client.channel import ServerChannel
+    from packfeed.client.stream.channel import ServerChannel
     from packfeed.server.live.spool import job_folder
     from packfeed.v1 import packfeed_pb2 as pb
 
@@ -450,7 +450,7 @@ def test_the_docs_trainer_and_producer_snippets_run_as_written(small_tile_index,
     from dataclasses import dataclass
     from pathlib import Path
 
-    from packfeed.client.channel import ServerChannel
+    from packfeed.client.stream.channel import ServerChannel
     from packfeed.v1 import packfeed_pb2 as pb
 
     page = (Path(__file__).resolve().parents[1] / "docs" / "live.md").read_text()
@@ -547,7 +547,7 @@ def test_a_groups_responses_come_with_their_prompt_once(server, prompts):
     """G = 4 responses to each of three prompts with images (by reference) and to one prompt sent as image files:
     each group in one pack, its images read and sent once (a sibling carries none, its shared_prefix row names its
     owner); the client's unshared view gives every response its prompt's images, the shared view each prompt once."""
-    from packfeed.client.shared_prefix import shared, unshared
+    from packfeed.client.model.shared_prefix import shared, unshared
 
     conventions = prompts[1]
     rng = np.random.default_rng(3)
@@ -609,7 +609,7 @@ def test_a_producer_fails_over_to_the_next_server_on_not_found(server, small_til
     goes on to B at once, instead of waiting on A's NOT_FOUND."""
     import time
 
-    from packfeed.client.channel import ServerChannel
+    from packfeed.client.stream.channel import ServerChannel
     from packfeed.v1 import packfeed_pb2 as pb
 
     conventions = prompts[1]
@@ -671,3 +671,18 @@ def test_a_job_opened_with_a_producer_token_takes_puts_and_its_end_only_with_it(
     keys = sorted(s[0] for rank in range(2) for _, _, steps in out[rank] for s in steps)
     assert keys == sorted(s["id"] for s in samples)
     assert not any("s3cret" in line for line in server.log)
+
+
+def test_a_live_sample_crosses_fewer_than_30_files_from_put_to_the_trainers_pack(small_tile_index):
+    """Measured on a real run by tests/live_sample_files.py (every process watches which project functions are
+    handed the sample): the path is short, and the measure sees both ends and the middle of it."""
+    done = subprocess.run([sys.executable, "tests/live_sample_files.py", "--index", str(small_tile_index), "--json"],
+                          capture_output=True, text=True, timeout=600, cwd=os.path.dirname(os.path.dirname(__file__)))
+    assert done.returncode == 0, done.stderr[-3000:]
+    found = json.loads(done.stdout)
+    assert set(found) == {"text", "image file"}
+    for kind, files in found.items():
+        assert len(files) < 30, (kind, files)
+        assert {"client/stream/producer.py", "loader_server/serve/live_put.py", "loader_server/live/spool.py",
+                "loader_server/serve/packs.py", "client/stream/pack_stream.py"} <= set(files), (kind, files)
+    assert "media/pixels.py" in found["image file"] and "media/pixels.py" not in found["text"]

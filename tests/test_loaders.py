@@ -1,4 +1,4 @@
-"""`packfeed.client.loaders`: the torchtitan-style `StatefulPackLoader` checkpointed with torch.distributed.checkpoint
+"""`packfeed.client.stream.loaders`: the torchtitan-style `StatefulPackLoader` checkpointed with torch.distributed.checkpoint
 at DP 2 under torchrun (its ranks forked preloaded: a restart in new processes reads exactly the next steps; not
 loading the state is the control), and the `IterableDataset` face under a `DataLoader` (the same steps and the same
 loss as `PackStream`'s plain loop; workers and batching refused)."""
@@ -41,7 +41,7 @@ def test_a_dcp_checkpoint_of_the_loader_restarts_at_exactly_the_next_step(tmp_pa
 
 def test_the_loader_state_names_its_rank_and_refuses_another_dp(small_tile_index):
     from packfeed.client import LocalServer, PackfeedError, PackStream
-    from packfeed.client.loaders import StatefulPackLoader
+    from packfeed.client.stream.loaders import StatefulPackLoader
 
     with LocalServer(small_tile_index, workers=1) as server:
         with PackStream(server.target, job="state", rank=1, dp=2, microbatches=2) as stream:
@@ -58,7 +58,7 @@ def test_the_loader_state_names_its_rank_and_refuses_another_dp(small_tile_index
 
 def test_a_dataloader_over_the_dataset_face_gives_the_plain_loops_steps_and_loss(small_tile_index):
     from packfeed.client import LocalServer, PackfeedError, PackStream
-    from packfeed.client.loaders import PackIterableDataset, pack_dataloader
+    from packfeed.client.stream.loaders import PackIterableDataset, pack_dataloader
     from packfeed.trainer.models import ReferenceModel
     from packfeed.trainer.models.reference import VLMConfig, run_layers
     from packfeed.trainer.models.reference_inputs import microbatches_of

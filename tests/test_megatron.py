@@ -1,4 +1,4 @@
-"""Megatron-Core fed by Packfeed (`packfeed.client.megatron`), on CPU against Megatron-Core's own code: its THD
+"""Megatron-Core fed by Packfeed (`packfeed.client.frameworks.megatron`), on CPU against Megatron-Core's own code: its THD
 batch utility takes our batches and gives back our `PackedSeqParams`; the loss over a batch's labels and loss
 mask is exactly the Hugging Face shifted loss of the pack (whatever the padding); the loss normalisation
 matches the step's per-token mean in both of Megatron's modes; a stream's steps resume exactly. Where CUDA is
@@ -14,8 +14,8 @@ import torch
 pytest.importorskip("megatron.core")
 
 from hf_models import family_dataset, packs_of  # noqa: E402
-from packfeed.client.hf import to_hf_inputs  # noqa: E402
-from packfeed.client.megatron import MegatronSteps, loss_func, megatron_batch, packed_seq_params  # noqa: E402
+from packfeed.client.model.hf import to_hf_inputs  # noqa: E402
+from packfeed.client.frameworks.megatron import MegatronSteps, loss_func, megatron_batch, packed_seq_params  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -174,7 +174,7 @@ def test_megatrons_own_schedule_and_gradient_sync_train_a_step_with_the_plain_lo
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from packfeed.client.megatron import MegatronStep
+    from packfeed.client.frameworks.megatron import MegatronStep
 
     data, served = packs
     config = TransformerConfig(num_layers=1, hidden_size=32, num_attention_heads=4,

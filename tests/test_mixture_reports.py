@@ -15,8 +15,8 @@ pytest.importorskip("accelerate")
 pytest.importorskip("trl")  # PackfeedSFTTrainer's
 
 from hf_models import family_dataset, tiny_model  # noqa: E402
-from packfeed.client.hf import to_hf_inputs  # noqa: E402
-from packfeed.client.tensors import IGNORE_INDEX  # noqa: E402
+from packfeed.client.model.hf import to_hf_inputs  # noqa: E402
+from packfeed.client.stream.tensors import IGNORE_INDEX  # noqa: E402
 
 # weights a smooth function of the losses (no bound reached): equal decisions mean equal reports
 RULE = {"name": "softmax", "temperature": 1.0, "min_weight": 0.01, "max_weight": 0.99, "max_change": 1.0,
@@ -62,8 +62,8 @@ def test_the_hf_trainer_reports_each_steps_loss_per_dataset_as_a_hand_written_lo
     import transformers
 
     from packfeed.client import LocalServer, PackStream
-    from packfeed.client.hf_trainer import PackfeedTrainer, packfeed_training_arguments
-    from packfeed.client.sft_trainer import PackfeedSFTTrainer, packfeed_sft_config
+    from packfeed.client.frameworks.hf_trainer import PackfeedTrainer, packfeed_training_arguments
+    from packfeed.client.frameworks.sft_trainer import PackfeedSFTTrainer, packfeed_sft_config
     from packfeed.v1 import packfeed_pb2 as pb
     from packfeed.v1 import packfeed_pb2_grpc as pb_grpc
 
@@ -114,7 +114,7 @@ def test_the_hf_trainer_reports_each_steps_loss_per_dataset_as_a_hand_written_lo
 
 
 def test_a_grpo_steps_report_is_minus_each_datasets_mean_reward_without_unscored_responses():
-    from packfeed.client.dataset_losses import reward_losses
+    from packfeed.client.model.dataset_losses import reward_losses
 
     losses, counts = reward_losses(["math", "math", "chat", "chat", "ocr"], [1.0, 0.5, 0.25, float("nan"), float("nan")])
     assert losses == {"math": -0.75, "chat": -0.25} and counts == {"math": 2.0, "chat": 1.0}  # ocr: none scored

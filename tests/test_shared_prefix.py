@@ -15,9 +15,9 @@ import torch
 pytest.importorskip("transformers")
 
 from hf_models import family_dataset, packs_of, tiny_model  # noqa: E402
-from packfeed.client.hf import to_hf_inputs  # noqa: E402
-from packfeed.client.shared_prefix import shared, unshared  # noqa: E402
-from packfeed.client.tensors import IGNORE_INDEX, PackTensors  # noqa: E402
+from packfeed.client.model.hf import to_hf_inputs  # noqa: E402
+from packfeed.client.model.shared_prefix import shared, unshared  # noqa: E402
+from packfeed.client.stream.tensors import IGNORE_INDEX, PackTensors  # noqa: E402
 
 IMAGE_SAMPLE = 2  # the family datasets' sample 2 has two images in its prompt
 OTHER_SAMPLE = 1  # ... and sample 1 one image: a sample of no group in the same pack
@@ -181,7 +181,7 @@ def test_qwen2_vl_control_a_response_seeing_a_sibling_differs(qwen):
 
 
 def test_qwen2_vl_varlen_kernel_shares_the_prefix_too(qwen):
-    from packfeed.client.hf import register_varlen_attention
+    from packfeed.client.model.hf import register_varlen_attention
 
     data, _ = qwen
     varlen = tiny_model("qwen2_vl", data, attention=register_varlen_attention())
@@ -268,9 +268,9 @@ def test_reference_vlm_control_a_response_seeing_a_sibling_differs(internvl):
 
 @pytest.mark.parametrize("g", [3, 8])
 def test_qwen2_vl_clipped_policy_loss_on_the_shared_prefix_equals_each_response_alone(qwen, g):
-    """GRPO's loss over the pack's per-token advantages and old log-probabilities (packfeed.client.losses): the
+    """GRPO's loss over the pack's per-token advantages and old log-probabilities (packfeed.client.model.losses): the
     same loss and gradients with the prompt once as with every response after its own prompt."""
-    from packfeed.client.losses import clipped_policy_loss, row_tensors, token_logprobs, weighted_token_loss
+    from packfeed.client.model.losses import clipped_policy_loss, row_tensors, token_logprobs, weighted_token_loss
 
     data, model = qwen
     wire, singles = group_packs(data, g, seed=20 + g)
@@ -306,8 +306,8 @@ def test_segment_attention_equals_the_dense_mask(lengths):
     """`segment_attention` (a prefix shorter than its segment through a causal call, a longer one through a
     mask) gives the outputs and gradients of attention under the dense mask `segment_mask` builds, for segments
     continuing a prefix and segments alone."""
-    from packfeed.client.attention import segment_attention
-    from packfeed.client.hf import segment_mask
+    from packfeed.client.model.attention import segment_attention
+    from packfeed.client.model.hf import segment_mask
 
     bounds = [0, *np.cumsum(lengths + [7]).tolist()]  # the segments continuing segment 0, then one alone
     parents = [-1] + [0] * (len(lengths) - 1) + [-1]
@@ -327,8 +327,8 @@ def test_segment_attention_equals_the_dense_mask(lengths):
 def test_the_trainers_hf_layers_compute_the_prompt_once_with_each_responses_loss(qwen):
     """`packfeed train model.hf=qwen2_vl` (its layer list, Packfeed's varlen kernel) on a group's pack: laid out
     with the prompt once, the loss and gradients of the same samples as one-sample packs."""
-    from packfeed.client.hf import register_varlen_attention
-    from packfeed.client.tensors import Step
+    from packfeed.client.model.hf import register_varlen_attention
+    from packfeed.client.stream.tensors import Step
     from packfeed.trainer.models.hf.model import HFLayerModel
 
     data, _ = qwen
@@ -361,9 +361,9 @@ def test_the_trainers_hf_layers_compute_the_prompt_once_with_each_responses_loss
 
 
 def test_a_packs_loss_per_dataset_is_the_same_in_both_layouts_and_as_each_sample_alone(qwen):
-    """A loss-driven mixture's report (packfeed.client.dataset_losses): the group's members of one dataset and the
+    """A loss-driven mixture's report (packfeed.client.model.dataset_losses): the group's members of one dataset and the
     other sample of another, read from the shared row, the unshared row and each sample's own pack, agree."""
-    from packfeed.client.dataset_losses import sums_by_dataset, token_losses
+    from packfeed.client.model.dataset_losses import sums_by_dataset, token_losses
 
     data, model = qwen
     wire, singles = group_packs(data, 3, seed=5)

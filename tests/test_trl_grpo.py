@@ -1,4 +1,4 @@
-"""TRL's GRPO through Packfeed (`packfeed.client.trl.PackfeedGRPOTrainer`), DP 2 under torchrun on CPU, against a
+"""TRL's GRPO through Packfeed (`packfeed.client.frameworks.trl.PackfeedGRPOTrainer`), DP 2 under torchrun on CPU, against a
 real server with a live spool, a tiny Qwen2-VL built from a config, images in the prompts and a reward over the
 generated text (tests/grpo_worker.py).
 
@@ -125,8 +125,8 @@ def test_a_step_with_a_text_only_rank_does_not_hang_under_sharded_data_paralleli
 def test_grpo_settings_the_face_cannot_honour_are_refused_naming_them(tmp_path):
     from trl import GRPOConfig
 
-    from packfeed.client.channel import PackfeedError
-    from packfeed.client.trl import check_grpo_config
+    from packfeed.client.stream.channel import PackfeedError
+    from packfeed.client.frameworks.trl import check_grpo_config
 
     good = dict(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=2, use_cpu=True,
                 report_to=[], bf16=False)
@@ -141,8 +141,8 @@ def test_grpo_settings_the_face_cannot_honour_are_refused_naming_them(tmp_path):
 def test_more_steps_than_the_prompt_job_holds_and_other_families_are_refused(server, grpo_data, tmp_path):
     from trl import GRPOConfig
 
-    from packfeed.client.channel import PackfeedError
-    from packfeed.client.trl import PackfeedGRPOTrainer
+    from packfeed.client.stream.channel import PackfeedError
+    from packfeed.client.frameworks.trl import PackfeedGRPOTrainer
 
     config = GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=2, use_cpu=True,
                         report_to=[], bf16=False, max_steps=1000, num_train_epochs=1)
@@ -228,8 +228,8 @@ def test_a_model_built_from_a_config_gets_its_reference_model_from_its_own_weigh
     from trl.trainer.utils import create_model_from_path, get_config_model_id
 
     from hf_models import family_dataset, tiny_sizes
-    from packfeed.client.hf import model_config
-    from packfeed.client.trl import reference_of_built_model
+    from packfeed.client.model.hf import model_config
+    from packfeed.client.frameworks.trl import reference_of_built_model
 
     conventions = family_dataset(tmp_path / "data", "qwen2_vl", seed=0, samples=4).conventions
     torch.manual_seed(0)

@@ -308,7 +308,7 @@ def test_a_video_dataset_served_over_grpc_delivers_every_sample_once_and_the_sam
     import torch
 
     from packfeed.client import LocalServer, PackStream
-    from packfeed.client.hf import to_hf_inputs
+    from packfeed.client.model.hf import to_hf_inputs
 
     index, _, _ = internvl_videos
 

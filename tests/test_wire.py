@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from packfeed.client.wire import PackAssembler, WireFormatError, array_of, split_pack
+from packfeed.client.stream.wire import PackAssembler, WireFormatError, array_of, split_pack
 from packfeed.server.serve.packs import Pack
 from packfeed.server.serve.wire import encode_pack, pack_parts
 from packfeed.v1 import packfeed_pb2 as pb

@@ -186,7 +186,7 @@ def hf_step_grads(rank: int, world: int, family: str, data_file: str, init_file:
     """One global step of a Hugging Face model over `world` ranks, sharded with FSDP2 (`wrap="fsdp"`) or
     replicated with DDP (`"ddp"`): rank r trains on its share of the step's packs (to_hf_inputs with dp=world);
     saves the full gradients and the summed loss."""
-    from packfeed.client.hf import to_hf_inputs
+    from packfeed.client.model.hf import to_hf_inputs
     from packfeed.trainer.models.hf.whole import language_layers
     from packfeed.trainer.parallel.mesh import make_mesh  # noqa: F811 (workers run in their own processes)
     from packfeed.trainer.parallel.data_parallel import shard
@@ -221,7 +221,7 @@ def sharded_tower_step(rank: int, world: int, family: str, data_file: str, init_
     """One step of a user's own FSDP2 loop as big runs wrap it: every vision block and every decoder layer a unit
     of its own, then the root; rank r trains on pack r (`ensure`: to_hf_inputs(..., ensure_encoders=True)).
     Saves the loss once the step is done."""
-    from packfeed.client.hf import to_hf_inputs
+    from packfeed.client.model.hf import to_hf_inputs
     from packfeed.trainer.models.hf.whole import language_layers
     from packfeed.trainer.parallel.mesh import make_mesh  # noqa: F811 (workers run in their own processes)
     from packfeed.trainer.parallel.data_parallel import shard
@@ -254,8 +254,8 @@ def hf_pipeline_step(rank: int, world: int, dp: int, pp: int, family: str, data_
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
         from hf_models import tiny_model
-        from packfeed.client.hf import register_varlen_attention
-        from packfeed.client.tensors import Step
+        from packfeed.client.model.hf import register_varlen_attention
+        from packfeed.client.stream.tensors import Step
         from packfeed.trainer.config import load_config
         from packfeed.trainer.models.hf.model import HFLayerModel
         from packfeed.trainer.parallel.stages import RankStages
@@ -296,7 +296,7 @@ def fsdp_output_views(rank: int, world: int, family: str, data_file: str, init_f
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
         from hf_models import tiny_model
-        from packfeed.client.hf import to_hf_inputs
+        from packfeed.client.model.hf import to_hf_inputs
         from packfeed.trainer.models.hf.whole import language_layers, output_views
         from packfeed.trainer.parallel.data_parallel import shard
 

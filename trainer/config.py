@@ -132,7 +132,7 @@ class ParallelConfig:
     cp: int = 1
     # how a CP plan's packs train: split over the GPUs the plan gives each (dp x cp processes), or whole on one GPU
     # per replica (dp processes, each reading its replica's cp shares and joining them:
-    # packfeed.client.context_parallel.JoinedStream), the baseline a CP run is checked against
+    # packfeed.client.model.context_parallel.JoinedStream), the baseline a CP run is checked against
     train_cp_packs: Literal["split", "whole"] = "split"
 
     def __post_init__(self):

@@ -15,7 +15,7 @@ from packfeed.v1 import packfeed_pb2 as pb
 from packfeed.v1.layout import Seat
 
 if TYPE_CHECKING:
-    from packfeed.client.tensors import Step
+    from packfeed.client.stream.tensors import Step
 
 Work = TypeVar("Work")  # what a runner trains on: the client's Step, or a pipeline's padded Microbatches
 
@@ -118,7 +118,7 @@ def _lane_streams(target: str, job: str, seats: list[Seat], options: dict):
     """The stream of this GPU's seat, or (every lane of a replica) their streams joined into steps of whole
     packs."""
     from packfeed.client import PackStream
-    from packfeed.client.context_parallel import JoinedStream
+    from packfeed.client.model.context_parallel import JoinedStream
 
     streams = [PackStream(stream_targets(target), job=job, seat=seat, **options) for seat in seats]
     return streams[0] if len(streams) == 1 else JoinedStream(streams)
@@ -127,7 +127,7 @@ def _lane_streams(target: str, job: str, seats: list[Seat], options: dict):
 def stream_targets(target: str) -> str | list[str]:
     """`host:port`, a comma-separated list (failover in that order), or `redis://...`: every live server."""
     if target.startswith(("redis://", "rediss://")):
-        from packfeed.client.discovery import servers_from_redis
+        from packfeed.client.stream.discovery import servers_from_redis
 
         servers = servers_from_redis(target)
         if not servers:

@@ -3,7 +3,7 @@ batch into equal chunks), balanced on Packfeed's cost of their vision and LLM wo
 prompt kept on one rank where the trainer computes their prompt once (its cost then counted once).
 
 A pure function of the rollouts' sizes, groups and the cost model: the same step partitions the same way on every
-run. RL frameworks call it where they balance a step's batch (`packfeed.server.plan.verl` for verl's).
+run. RL frameworks call it where they balance a step's batch (`packfeed.cli.verl_batches` for verl's).
 """
 
 from __future__ import annotations

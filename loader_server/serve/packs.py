@@ -98,7 +98,7 @@ def assemble_pack(samples: list[SampleTensors], epoch: int, step: int, rank: int
         "visual_kind": np.asarray([kind for s in samples for kind in s.kinds], dtype=np.int32),
         "frame_seconds": np.asarray([seconds for s in samples for seconds in s.frame_seconds], dtype=np.float32),
     }
-    if geometry:  # pixels: encoded: the client decodes these into `pixels` (packfeed.client.decode)
+    if geometry:  # pixels: encoded: the client decodes these into `pixels` (packfeed.client.stream.decode)
         files = [data for s in samples for data in s.encoded]
         tensors["encoded"] = np.frombuffer(b"".join(files), dtype=np.uint8)
         tensors["encoded_sizes"] = np.array([len(data) for data in files], dtype=np.int64)

@@ -11,7 +11,7 @@ import time
 import numpy as np
 import pytest
 
-from packfeed.client.wire import split_pack
+from packfeed.client.stream.wire import split_pack
 from packfeed.server.serve.packs import Pack
 from packfeed.server.serve.wire import ALIGNMENT, encode_pack
 from packfeed.v1 import packfeed_pb2 as pb

@@ -39,8 +39,8 @@ def encoded_messages(index) -> list[bytes]:
 
 def decode_all(messages: list[bytes], options) -> tuple[float, float, int, int]:
     """(wall s, CPU s of this process, images, samples) to decode every pack."""
-    from packfeed.client.decode import PackDecoder
-    from packfeed.client.tensors import pack_of
+    from packfeed.client.stream.decode import PackDecoder
+    from packfeed.client.stream.tensors import pack_of
 
     decoder = PackDecoder(options)
     packs = [pack_of(message) for message in messages]
@@ -58,7 +58,7 @@ def decode_all(messages: list[bytes], options) -> tuple[float, float, int, int]:
 
 @pytest.mark.parametrize("images", ["photographs", "scans"])
 def test_client_decode_throughput(tmp_path, images):
-    from packfeed.client.decode import DecodeOptions
+    from packfeed.client.stream.decode import DecodeOptions
     from packfeed.server.tools.demo import train_tokenizer
 
     if images == "photographs":

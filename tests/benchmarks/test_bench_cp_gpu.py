@@ -263,7 +263,7 @@ def _candidate_attention(original):
     """A candidate CUDA path for `ContextParallelAttention`, measured against the code as it is: the keys each
     span sees picked with `index_select` (its backward an `index_add_`, not the sorting `index_put_` of a
     tensor index), every index and bound moved to the GPU once per share, no host sync for the longest span."""
-    from packfeed.client.attention import _torch_varlen_attn
+    from packfeed.client.model.attention import _torch_varlen_attn
 
     varlen_attn, params = _torch_varlen_attn()
     cache: dict[int, tuple] = {}

@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 import torch
 
-from packfeed.client.dataset_losses import sums_by_dataset, token_losses
-from packfeed.client.tensors import IGNORE_INDEX, PackTensors
+from packfeed.client.model.dataset_losses import sums_by_dataset, token_losses
+from packfeed.client.stream.tensors import IGNORE_INDEX, PackTensors
 
 pytestmark = pytest.mark.benchmark
 VOCAB, LENGTH, SAMPLES, ROUNDS = 151_936, 2_048, 8, 7

@@ -84,7 +84,7 @@ def group_pack(rng, vision: int, prompt_text: int, g: int):
     log-normal, median 600, 100-4,096 tokens), as a server sends it: the prompt's tiles once, siblings naming it."""
     import torch
 
-    from packfeed.client.tensors import PackTensors
+    from packfeed.client.stream.tensors import PackTensors
 
     prompt = np.r_[rng.integers(10, 500, 4), np.full(vision * TOKENS_PER_TILE, CONTEXT), rng.integers(10, 500, prompt_text)]
     responses = np.clip(rng.lognormal(np.log(600), 1.0, g), 100, 4096).astype(int)
@@ -129,7 +129,7 @@ def test_the_trainers_step_on_cpu_shared_vs_each_response_alone():
     (`unshared`), alternating, on the same packs. Median and range of per-step seconds over 3 rounds."""
     import torch
 
-    from packfeed.client.shared_prefix import unshared
+    from packfeed.client.model.shared_prefix import unshared
     from packfeed.trainer.models.reference import VLMConfig, build_layers
 
     torch.manual_seed(0)

@@ -48,7 +48,7 @@ def conventions():
 
 
 def packed_inputs(pack, attention: str, device) -> dict:
-    from packfeed.client.hf import to_hf_inputs
+    from packfeed.client.model.hf import to_hf_inputs
 
     inputs = to_hf_inputs(pack, "qwen2_vl", attention=attention)
     return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
@@ -96,7 +96,7 @@ def timed(model, batches: list[dict], device: torch.device) -> tuple[float, floa
 
 
 def test_packs_against_padded_batches_attention_on_gpu(device: torch.device = torch.device("cuda")):
-    from packfeed.client.hf import register_varlen_attention
+    from packfeed.client.model.hf import register_varlen_attention
     from packfeed.trainer.models.hf.build import build_hf_model
 
     varlen = register_varlen_attention()

@@ -16,8 +16,8 @@ import torch
 
 pytest.importorskip("transformers")
 
-from packfeed.client.hf import register_varlen_attention, to_hf_inputs  # noqa: E402
-from packfeed.client.tensors import pack_of  # noqa: E402
+from packfeed.client.model.hf import register_varlen_attention, to_hf_inputs  # noqa: E402
+from packfeed.client.stream.tensors import pack_of  # noqa: E402
 from packfeed.server.serve.packs import assemble_pack  # noqa: E402
 from packfeed.server.serve.preprocess import SampleTensors  # noqa: E402
 from packfeed.server.serve.wire import encode_pack  # noqa: E402

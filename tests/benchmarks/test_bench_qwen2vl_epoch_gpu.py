@@ -90,7 +90,7 @@ def model(attention: str):
 
 def batches(lengths: np.ndarray) -> dict[str, tuple[str, list[dict], int, int]]:
     """Per way: (attention, its microbatches' inputs on the device, real tokens, slots computed)."""
-    from packfeed.client.hf import to_hf_inputs
+    from packfeed.client.model.hf import to_hf_inputs
 
     def on_device(inputs: dict) -> dict:
         return {k: v.to(DEVICE) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
@@ -126,7 +126,7 @@ def epoch(net, microbatches: list[dict]) -> tuple[float, float]:
 
 
 def test_an_epoch_as_padded_batches_random_packs_and_isf_balance_packs():
-    from packfeed.client.hf import register_varlen_attention
+    from packfeed.client.model.hf import register_varlen_attention
 
     if DEVICE == "cuda":
         torch.backends.cuda.enable_cudnn_sdp(False)

@@ -5,7 +5,7 @@ Run: make verl-env (once: builds verl's environment, minutes), then
 
 verl pins transformers below 5.11, under the project's `hf` extra, so it runs in an environment of its own
 (tests/verl_env.py says what it holds). There tests/benchmarks/verl_balance.py runs verl's own `RayPPOTrainer._balance_batch` on verl
-`DataProto`s (plain, and with `use_prefix_grouper`), and Packfeed's `packfeed.server.plan.verl.balance_batch`
+`DataProto`s (plain, and with `use_prefix_grouper`), and Packfeed's `packfeed.cli.verl_batches.balance_batch`
 (checked there as a DataProto in, DataProto out call).
 
 The mix ([4/6]'s): real prompts of the two InternVL-1.2M length files (their tokens and 448-px tiles, each tile

@@ -158,8 +158,8 @@ def _replay_server(messages_path: str, port_queue, repeats: int) -> None:
 
 
 def test_transport_gigabytes_per_second(demo, tmp_path):
-    from packfeed.client.tensors import pack_of
-    from packfeed.client.wire import PackAssembler
+    from packfeed.client.stream.tensors import pack_of
+    from packfeed.client.stream.wire import PackAssembler
     from packfeed.server.serve.service import SERVICE
     from packfeed.v1 import packfeed_pb2 as pb
 

@@ -1,7 +1,7 @@
 """Run inside verl's own environment (tests/verl_env.py): each step of STEPS.npz
 as a verl `DataProto` (its attention masks, prompts, uids and Qwen-style image grids), balanced by verl's own
 `RayPPOTrainer._balance_batch` (plain, and with `use_prefix_grouper`) and by Packfeed's
-`packfeed.server.plan.verl.balance_batch`, each as its trainer calls it. Writes OUT.json: per step and method, the
+`packfeed.cli.verl_batches.balance_batch`, each as its trainer calls it. Writes OUT.json: per step and method, the
 order the balanced batch holds the rollouts in (the dispatch then hands rank r its r-th equal chunk), and checks
 Packfeed's result as a DataProto: every rollout once, every tensor and non-tensor field reordered together.
 
@@ -26,7 +26,7 @@ from verl.trainer.ppo.ray_trainer import RayPPOTrainer  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the batches as verl holds them
 from verl_batches import data_proto  # noqa: E402
 
-from packfeed.server.plan.verl import balance_batch  # noqa: E402
+from packfeed.cli.verl_batches import balance_batch  # noqa: E402
 
 
 def verl_order(batch: DataProto, dp: int, prefix_grouper: bool) -> tuple[list[int], float]:

@@ -26,8 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from packfeed.client.attention import flash_varlen_attention, segment_attention
-from packfeed.client.shared_prefix import continued_segments
+from packfeed.client.model.attention import flash_varlen_attention, segment_attention
+from packfeed.client.model.shared_prefix import continued_segments
 from packfeed.trainer.models.flavors import REFERENCE_FLAVORS, check_flavor, hf_sizes
 from packfeed.v1 import packfeed_pb2 as pb
 
@@ -66,7 +66,7 @@ class VLMConfig:
     hf: Literal["", "internvl", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava"] = ""
     flavor: str = "tiny"
     hf_config: dict = field(default_factory=dict)
-    # auto: flash_attention_2 on CUDA when installed, else Packfeed's varlen kernel (packfeed.client.hf)
+    # auto: flash_attention_2 on CUDA when installed, else Packfeed's varlen kernel (packfeed.client.model.hf)
     hf_attention: Literal["auto", "varlen", "sdpa", "flash_attention_2"] = "auto"
 
     def __post_init__(self):
@@ -242,7 +242,7 @@ class LLMBlock(nn.Module):
     """Pre-norm decoder block: RMSNorm, RoPE, causal attention within each packed sample, SwiGLU. `attention`
     is the attention function (q, k, v, cu_seqlens) -> out: context parallelism replaces it with one over the
     GPUs a pack is split among (`packfeed.trainer.parallel.context_parallel`). A pack laid out with shared
-    prefixes (`packfeed.client.shared_prefix.shared`) has segments that continue a prefix, read from their
+    prefixes (`packfeed.client.model.shared_prefix.shared`) has segments that continue a prefix, read from their
     positions: each attends to its prefix and itself."""
 
     def __init__(self, c: VLMConfig):

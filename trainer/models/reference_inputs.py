@@ -7,7 +7,7 @@ from collections import Counter
 
 import torch
 
-from packfeed.client.shared_prefix import shared
+from packfeed.client.model.shared_prefix import shared
 from packfeed.trainer.batch import Microbatches, RoutedImages, StepShape, round_up
 from packfeed.trainer.models.reference import IGNORE_INDEX, VLMConfig
 
@@ -85,7 +85,7 @@ def pad_pack(pack, shape: StepShape, config: VLMConfig) -> tuple[torch.Tensor, .
 
 def microbatches_of(step, config: VLMConfig, token_multiple: int = 64) -> Microbatches:
     """`step` is a `packfeed.client.Step` (or anything with `.packs`, `.epoch`, `.step`). Packs whose samples share
-    a prefix are laid out with it once (`packfeed.client.shared_prefix.shared`): the model reads the segments
+    a prefix are laid out with it once (`packfeed.client.model.shared_prefix.shared`): the model reads the segments
     continuing it from their positions."""
     packs = [shared(pack) for pack in step.packs]
     shape = step_shape(packs, token_multiple, step.epoch, step.step, step.last_in_epoch, config)

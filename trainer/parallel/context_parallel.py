@@ -30,9 +30,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from packfeed.client.attention import flash_varlen_attention
-from packfeed.client.context_parallel import share_layout
-from packfeed.client.tensors import Step
+from packfeed.client.model.attention import flash_varlen_attention
+from packfeed.client.model.context_parallel import share_layout
+from packfeed.client.stream.tensors import Step
 from packfeed.trainer.batch import StepShape
 from packfeed.trainer.models.reference import IGNORE_INDEX, LLMBlock, next_token_targets, packed_causal_attention
 from packfeed.trainer.models.reference_inputs import pack_tiles

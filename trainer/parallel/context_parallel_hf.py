@@ -3,7 +3,7 @@ model's own layers (`packfeed.trainer.models.hf.model.HFLayerModel`) and the sam
 the reference model (`packfeed.trainer.parallel.context_parallel`). What differs is the model's side:
 
 - each GPU runs the vision tower on the items its share holds pixels of (their Qwen patches and grids,
-  `packfeed.client.context_parallel.share_qwen_pixels`), and the pack's features are gathered as for the
+  `packfeed.client.model.context_parallel.share_qwen_pixels`), and the pack's features are gathered as for the
   reference model;
 - the decoder layers rotate by M-RoPE positions of the unsplit pack (`share_mrope_positions`: the share
   carries every item's geometry), and their attention is the runner's, registered with `transformers` under
@@ -43,7 +43,7 @@ class HFContextParallelRunner(ContextParallelRunner):
         self.meta = {"context_parallel": mesh.cp, "hf": model.family}
 
     def encode_own(self, pack) -> torch.Tensor:
-        from packfeed.client.context_parallel import share_qwen_pixels
+        from packfeed.client.model.context_parallel import share_qwen_pixels
 
         model, device = self.model, self.mesh.device
         patches, grids, mine = share_qwen_pixels(pack, model.family, model.conventions, device=device)
@@ -78,7 +78,7 @@ class HFContextParallelRunner(ContextParallelRunner):
 
     def _mrope(self, pack) -> torch.Tensor:
         """(3, L) M-RoPE positions of this GPU's tokens, as in the unsplit pack."""
-        from packfeed.client.context_parallel import share_mrope_positions
+        from packfeed.client.model.context_parallel import share_mrope_positions
 
         return share_mrope_positions(pack, self.model.family)
 
@@ -91,7 +91,7 @@ def register_attention(attention: ContextParallelAttention) -> None:
     > 1, Packfeed's varlen kernel otherwise."""
     from transformers import AttentionInterface
 
-    from packfeed.client.attention import varlen_attention
+    from packfeed.client.model.attention import varlen_attention
 
     def attend(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
         layout = attention.layout

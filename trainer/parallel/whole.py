@@ -16,7 +16,7 @@ from typing import Any, Protocol
 
 import torch
 
-from packfeed.client.tensors import Step
+from packfeed.client.stream.tensors import Step
 from packfeed.trainer.batch import StepShape
 from packfeed.trainer.models.layer_model import pack_features
 from packfeed.trainer.parallel.data_parallel import shard

@@ -1,7 +1,7 @@
 """Protocol buffers' wire format, read by hand where protobuf would copy: a message's fields located by the format's
 rules (tag, varint length, payload), so a large bytes field becomes a view of the received bytes instead of two
 copies (`FromString` copies every bytes field into the message, and each read of it copies again). The client reads
-packs this way (`packfeed.client.wire`), the server a producer's put (`packfeed.server.live.put_request`)."""
+packs this way (`packfeed.client.stream.wire`), the server a producer's put (`packfeed.server.live.put_request`)."""
 
 from __future__ import annotations
 

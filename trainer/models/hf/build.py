@@ -1,7 +1,7 @@
 """Real `transformers` VLMs built from a config (no hub download), sized for the dataset they train on.
 
 `build_hf_model(family, conventions, sizes)` makes a randomly initialised model of the family whose config is
-`packfeed.client.hf.model_config`'s: vocabulary, image placeholder id and vision geometry (tile size, patch size,
+`packfeed.client.model.hf.model_config`'s: vocabulary, image placeholder id and vision geometry (tile size, patch size,
 tokens per tile, merge size) those of the dataset's conventions (`JobInfo.conventions`), other sizes from `sizes`:
 
     {"text": {hidden_size: 1024, num_hidden_layers: 12, ...},    # the LLM's config (any of its fields)
@@ -9,7 +9,7 @@ tokens per tile, merge size) those of the dataset's conventions (`JobInfo.conven
      ...}                                                        # any top-level field of the family's config
 
 Defaults are a small model that trains on a CPU in seconds. Loading pretrained weights is the user's
-`from_pretrained`; `packfeed.client.hf.to_hf_inputs` feeds either.
+`from_pretrained`; `packfeed.client.model.hf.to_hf_inputs` feeds either.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from packfeed.client.hf_config import model_config
+from packfeed.client.model.hf_config import model_config
 
 
 def build_hf_model(family: str, conventions: Any, sizes: dict[str, Any] | None = None, attention: str = "sdpa",
@@ -39,7 +39,7 @@ def attention_implementation(choice: str, device: torch.device, packed: bool = F
     otherwise Packfeed's variable-length kernel (sdpa per sample; on CPU 2.5x faster than HF's packed sdpa with
     its dense mask, BENCHMARKS.md). `packed`: for the pipeline's layers, which give attention the packed
     samples' bounds and no mask, so sdpa (which needs HF's mask) would let samples see each other."""
-    from packfeed.client.hf import register_varlen_attention
+    from packfeed.client.model.hf import register_varlen_attention
 
     if choice == "auto" and device.type == "cuda":
         import importlib.util

@@ -1,5 +1,5 @@
 """A step's packs as the first pipeline stage's inputs for a `transformers` VLM: each pack through
-`packfeed.client.hf.to_hf_inputs` (the one owner of the families' conventions: normalisation, Qwen's patch
+`packfeed.client.model.hf.to_hf_inputs` (the one owner of the families' conventions: normalisation, Qwen's patch
 layout and M-RoPE positions, labels masked at every sample start, placeholder checks), then padded to the step's
 shape and concatenated (see `packfeed.trainer.batch`).
 
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from packfeed.client.attention import VARLEN_ATTENTION
+from packfeed.client.model.attention import VARLEN_ATTENTION
 from packfeed.trainer.batch import Microbatches, StepShape, round_up
 
 
@@ -58,7 +58,7 @@ class InputBuilder:
         self.video_token = getattr(config, "video_token_id", None)
 
     def pack(self, pack, dp: int) -> PackInputs:
-        from packfeed.client.hf import to_hf_inputs
+        from packfeed.client.model.hf import to_hf_inputs
 
         tokens_per_second = getattr(self.model.vision_config, "tokens_per_second", None)
         # a group's prompt computed once where the layers' attention reads the segments (Packfeed's kernel)

@@ -22,8 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from packfeed.client.attention import VARLEN_ATTENTION
-from packfeed.client.shared_prefix import continued_segments
+from packfeed.client.model.attention import VARLEN_ATTENTION
+from packfeed.client.model.shared_prefix import continued_segments
 
 IGNORE_INDEX = -100
 
@@ -214,7 +214,7 @@ class DecoderLayer(CarrierLayer):
         position_embeddings = self.rotary(hidden, rope_positions)
         kwargs = varlen_kwargs(c["bounds"][0])
         parents = continued_segments(c["bounds"][0], text_positions[0]) if self._reads_segments() else None
-        if parents is not None:  # a group's responses, each continuing its prompt (packfeed.client.shared_prefix)
+        if parents is not None:  # a group's responses, each continuing its prompt (packfeed.client.model.shared_prefix)
             kwargs["segment_parents"] = parents
         hidden = first(self.block(hidden, attention_mask=None, position_ids=text_positions,
                                   position_embeddings=position_embeddings, **kwargs))

@@ -1,6 +1,6 @@
 """A `transformers` VLM run whole, as its library runs it, one pack at a time (`packfeed train model.hf=FAMILY`
 at parallel.pp=1; `packfeed.trainer.parallel.whole` shards it over the DP ranks): the model, the layers it is
-sharded by, and each pack's inputs through `packfeed.client.hf.to_hf_inputs`."""
+sharded by, and each pack's inputs through `packfeed.client.model.hf.to_hf_inputs`."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from packfeed.client.attention import VARLEN_ATTENTION
+from packfeed.client.model.attention import VARLEN_ATTENTION
 from packfeed.trainer.models.hf.build import attention_implementation, build_hf_model
 
 
@@ -66,7 +66,7 @@ class HFWholeModel:
         return language_layers(self.module)
 
     def pack_inputs(self, pack, dp: int, device: torch.device) -> tuple[dict, int, int]:
-        from packfeed.client.hf import to_hf_inputs
+        from packfeed.client.model.hf import to_hf_inputs
 
         inputs = to_hf_inputs(pack, self.family, dp=dp, conventions=self.conventions, dtype=self.dtype,
                               device=device, attention=self.attention, layout=self.layout,

@@ -10,7 +10,7 @@
             pack.input_ids, pack.labels, pack.cu_seqlens, pack.pixels, ...
         checkpoint["data"] = stream.state_dict()    # resumes at exactly the next step
 
-A background thread (`packfeed.client.receiver`) receives and converts the next `prefetch` steps while the
+A background thread (`packfeed.client.stream.receiver`) receives and converts the next `prefetch` steps while the
 trainer computes. Tensors are built over the message bytes without a copy (read-only: clone before writing
 in place), or copied once into pinned memory with `pin_memory=True` for `.to("cuda", non_blocking=True)`.
 A broken connection is retried with exponential backoff from the first step not yet received, and a server
@@ -29,14 +29,14 @@ from typing import Any
 
 import grpc
 
-from packfeed.client.channel import Connection, PackfeedError, ServerChannel
-from packfeed.client.decode import DecodeOptions, PackDecoder
-from packfeed.client.loss_reports import LossReports
-from packfeed.client.producer import producer_token_of
-from packfeed.client.receiver import Receiver, seat_fields
-from packfeed.client.resume import checked_state, resume_dict, resume_from
-from packfeed.client.stream_keywords import stream_arguments
-from packfeed.client.tensors import Step
+from packfeed.client.stream.channel import Connection, PackfeedError, ServerChannel
+from packfeed.client.stream.decode import DecodeOptions, PackDecoder
+from packfeed.client.stream.loss_reports import LossReports
+from packfeed.client.stream.producer import producer_token_of
+from packfeed.client.stream.receiver import Receiver, seat_fields
+from packfeed.client.stream.resume import checked_state, resume_dict, resume_from
+from packfeed.client.stream.keywords import stream_arguments
+from packfeed.client.stream.tensors import Step
 from packfeed.v1 import packfeed_pb2 as pb
 from packfeed.v1.layout import Seat
 from packfeed.v1.options import PixelMode, PlanConfig
@@ -62,7 +62,7 @@ class PackStream:
     lane 0, replica 0 acknowledges for it (an encoder rank's are reports; the LLM ranks' move the job); every
     seat holds a lease of its own; `seat=rank` is the short form of `Seat(rank)`. The keywords of earlier
     versions (`rank=`, `encoder_rank=`, `replica=` with `replicas=`, `cp_rank=`) still work
-    (`packfeed.client.stream_keywords`). `resume`: the state_dicts of every
+    (`packfeed.client.stream.keywords`). `resume`: the state_dicts of every
     rank of another job of the same dataset and seed, which ran with other plan settings (another DP or M): this
     job then plans what that job left of its epoch with its own settings and starts there (elastic resume; every
     sample still once per epoch). `producer_token`, for a live job: the token its producers must bring
@@ -85,7 +85,7 @@ class PackStream:
         self.prefetch, self.pin_memory, self.acknowledge = max(1, prefetch), pin_memory, acknowledge
         self._local = None
         if index is not None:
-            from packfeed.client.local import LocalServer
+            from packfeed.client.stream.local import LocalServer
 
             self._local = LocalServer(index).start()
             target = self._local.target

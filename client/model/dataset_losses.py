@@ -17,8 +17,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from packfeed.client.shared_prefix import shared
-from packfeed.client.tensors import IGNORE_INDEX, PackTensors, Step
+from packfeed.client.model.shared_prefix import shared
+from packfeed.client.stream.tensors import IGNORE_INDEX, PackTensors, Step
 
 ROWS_AT_ONCE = 512  # target tokens scored together: a chunk's float32 log-softmax is ROWS_AT_ONCE x vocabulary
 

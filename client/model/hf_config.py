@@ -1,4 +1,4 @@
-"""A `transformers` model config that matches a dataset, and the check that a model does (`packfeed.client.hf`
+"""A `transformers` model config that matches a dataset, and the check that a model does (`packfeed.client.model.hf`
 re-exports both: `model_config`, `check_model`).
 
 `model_config(family, conventions, **sizes)` is the family's config whose vocabulary, placeholder ids and
@@ -168,5 +168,5 @@ def check_model(model: Any, conventions: Any) -> None:
     problems = model_mismatches(model, conventions)
     if problems:
         raise ValueError("this model does not fit the dataset: " + "; ".join(problems) + ". Build it with "
-                         "packfeed.client.hf.model_config(family, stream.conventions, ...), or index the data "
+                         "packfeed.client.model.hf.model_config(family, stream.conventions, ...), or index the data "
                          "with the model's own tokenizer and preset")

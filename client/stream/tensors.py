@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from packfeed.client.wire import array_of, split_pack
+from packfeed.client.stream.wire import array_of, split_pack
 
 IGNORE_INDEX = -100  # labels of tokens outside the loss
 

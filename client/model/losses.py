@@ -1,6 +1,6 @@
 """Per-token losses over a pack's own per-token tensors (a live job's `token.NAME`: advantages, old
 log-probabilities, ...), for one packed row, whichever layout it is in (each sample whole, or its shared prefix
-once: `to_hf_inputs(..., shared_prefix=True)`, `packfeed.client.shared_prefix`).
+once: `to_hf_inputs(..., shared_prefix=True)`, `packfeed.client.model.shared_prefix`).
 
     inputs = to_hf_inputs(pack, "qwen2_vl", dp=world, shared_prefix=True)
     tensors = row_tensors(pack, shared_prefix=True)            # the per-token tensors in the row's layout
@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import torch
 
-from packfeed.client.shared_prefix import shared
-from packfeed.client.tensors import IGNORE_INDEX, PackTensors
+from packfeed.client.model.shared_prefix import shared
+from packfeed.client.stream.tensors import IGNORE_INDEX, PackTensors
 
 
 def row_tensors(pack: PackTensors, shared_prefix: bool = False) -> dict[str, torch.Tensor]:

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from packfeed.client.tensors import IGNORE_INDEX, PackTensors, tensor_of
+from packfeed.client.stream.tensors import IGNORE_INDEX, PackTensors, tensor_of
 from packfeed.media.pixels import GEOMETRY_COLUMNS, Geometry, ImageSizeMismatch, decode_tiles, pil_resizer
 
 BACKENDS = ("auto", "pil", "torchvision")

@@ -1,6 +1,6 @@
 """The prompts of a GRPO run: a Packfeed job that gives every rank the same number of prompts a step, balanced on
 their tokens, each as the model generates from it (its tokens before its first loss token, its images' pixel
-values). `packfeed.client.trl` trains on them."""
+values). `packfeed.client.frameworks.trl` trains on them."""
 
 from __future__ import annotations
 
@@ -12,10 +12,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from packfeed.client.channel import Connection, PackfeedError
-from packfeed.client.hf import to_hf_inputs
-from packfeed.client.stream import PackStream
-from packfeed.client.tensors import IGNORE_INDEX, PackTensors, Step
+from packfeed.client.stream.channel import Connection, PackfeedError
+from packfeed.client.model.hf import to_hf_inputs
+from packfeed.client.stream.pack_stream import PackStream
+from packfeed.client.stream.tensors import IGNORE_INDEX, PackTensors, Step
 from packfeed.v1.options import PlanConfig
 
 
@@ -92,7 +92,7 @@ def prompt_stream(target: str | list[str], job: str, args: Any, *, dataset: str 
     """This rank's stream of the run's prompt job (JOB-prompts; `args`: the run's `GRPOConfig`): each rank the same number of prompts a step (its
     generation batch's, per_device_train_batch_size x gradient_accumulation_steps / num_generations), balanced
     over the ranks on their tokens (`length-group`), for num_train_epochs. Its `conventions` size a model built
-    for the dataset (`packfeed.client.hf.model_config`); `PackfeedGRPOTrainer(prompts=...)` takes it. `window`:
+    for the dataset (`packfeed.client.model.hf.model_config`); `PackfeedGRPOTrainer(prompts=...)` takes it. `window`:
     samples planned at a time, which a mixture whose weights move needs (docs/planning.md "Mixtures that move")."""
     per_rank = args.per_device_train_batch_size * args.gradient_accumulation_steps // args.num_generations
     plan = PlanConfig(dp=args.world_size, microbatches=1, strategy="length-group", samples_per_pack=per_rank,

@@ -1,7 +1,7 @@
 """A vision tower that only the guard called keeps its weights (`PackfeedTrainer(..., skip_guard_updates=...)`).
 
 `ensure_encoders` gives every pack a dummy item for each tower it would not call, so sharded ranks stay in step
-(packfeed.client.towers). The dummy's gradients are zeros, not `None`: on a step where no rank held a real image
+(packfeed.client.model.towers). The dummy's gradients are zeros, not `None`: on a step where no rank held a real image
 or video, AdamW would still update the tower (its momentum decays into the weights, weight decay shrinks them),
 which an unguarded run never does. Dropping those zero gradients before the optimizer steps restores the unguarded
 run's trajectory, for optimizers that skip a parameter without a gradient (torch's; DeepSpeed's ZeRO optimizer
@@ -17,8 +17,8 @@ import torch
 import torch.distributed as dist
 import transformers
 
-from packfeed.client.hf_families import visual_kinds
-from packfeed.client.tensors import Step
+from packfeed.client.model.hf_families import visual_kinds
+from packfeed.client.stream.tensors import Step
 
 # what the supported families (Qwen2-VL and later, InternVL, LLaVA) call the modules that only visual items reach
 TOWER_MODULES = ("visual", "vision_tower", "multi_modal_projector")

@@ -45,8 +45,8 @@ from typing import Any
 
 import torch
 
-from packfeed.client.resume import ForwardsStreamState
-from packfeed.client.tensors import IGNORE_INDEX, PackTensors, Step
+from packfeed.client.stream.resume import ForwardsStreamState
+from packfeed.client.stream.tensors import IGNORE_INDEX, PackTensors, Step
 
 
 def megatron_batch(pack: PackTensors, pad_to_multiple: int = 1, device: torch.device | str | None = None,

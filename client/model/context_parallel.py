@@ -14,7 +14,7 @@ from collections.abc import Iterator
 
 import torch
 
-from packfeed.client.tensors import PackTensors, Step
+from packfeed.client.stream.tensors import PackTensors, Step
 
 ITEM_TENSORS = ("image_sample", "image_token_spans", "visual_kind", "frame_seconds")
 
@@ -62,7 +62,7 @@ def share_mrope_positions(share: PackTensors, model_family, tokens_per_second: f
     geometry (`item_geometry`) and placeholder run, so a GPU knows the 3-D positions of image tokens whose
     pixels another GPU encodes. A whole pack (no `cp`) gives its own. `tokens_per_second` as `to_hf_inputs`'s
     (Qwen2.5-VL's video time positions)."""
-    from packfeed.client.hf_families import family_of, mrope_rows, qwen_grid, time_intervals, visual_kinds
+    from packfeed.client.model.hf_families import family_of, mrope_rows, qwen_grid, time_intervals, visual_kinds
 
     family = family_of(model_family)
     if family.image_policy != "qwen2vl":
@@ -94,7 +94,7 @@ def share_qwen_pixels(share: PackTensors, model_family, conventions=None, dtype:
                       device: torch.device | str | None = None) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
     """The Qwen-VL vision tower's input for the items a share's GPU encodes: their patches (concatenated in item
     order, as `to_hf_inputs` lays out a pack's), their (t, h, w) grids and their item numbers in the share."""
-    from packfeed.client.hf_families import family_of, normalisation_of, normalised, qwen_item_patches, visual_kinds
+    from packfeed.client.model.hf_families import family_of, normalisation_of, normalised, qwen_item_patches, visual_kinds
 
     family = family_of(model_family)
     mean, std = normalisation_of(family, conventions)

@@ -4,7 +4,7 @@
     trainer = PackfeedSFTTrainer(model=model, args=config, stream=stream, family="qwen2_vl")
     trainer.train(resume_from_checkpoint=True)
 
-Everything `PackfeedTrainer` does (packfeed.client.hf_trainer), where SFTTrainer differs:
+Everything `PackfeedTrainer` does (packfeed.client.frameworks.hf_trainer), where SFTTrainer differs:
 - It requires a dataset and prepares (tokenizes, truncates, packs) it in its constructor. Packfeed's packs are
   already tokenized and packed with their images, so preparation is skipped (`skip_prepare_dataset`) and the
   dataset is a one-row placeholder the Trainer never reads: the packs come from `get_train_dataloader`.
@@ -24,8 +24,8 @@ import torch
 from datasets import Dataset
 from trl import SFTConfig, SFTTrainer
 
-from packfeed.client.hf_trainer import PackfeedTrainerMixin, packfeed_training_arguments
-from packfeed.client.stream import PackStream
+from packfeed.client.frameworks.hf_trainer import PackfeedTrainerMixin, packfeed_training_arguments
+from packfeed.client.stream.pack_stream import PackStream
 
 
 def packfeed_sft_config(stream: PackStream, **kwargs: Any) -> SFTConfig:

@@ -33,11 +33,11 @@ from typing import Any
 import lightning
 import torch.distributed as dist
 
-from packfeed.client.channel import PackfeedError
-from packfeed.client.hf import check_model, to_hf_inputs
-from packfeed.client.loaders import StatefulPackLoader, job_batches, job_progress, job_steps
-from packfeed.client.stream import PackStream
-from packfeed.client.tensors import Step
+from packfeed.client.stream.channel import PackfeedError
+from packfeed.client.model.hf import check_model, to_hf_inputs
+from packfeed.client.stream.loaders import StatefulPackLoader, job_batches, job_progress, job_steps
+from packfeed.client.stream.pack_stream import PackStream
+from packfeed.client.stream.tensors import Step
 
 
 class PackBatchIterable:

@@ -24,7 +24,7 @@ What it takes care of, each of which a hand-made integration gets silently wrong
   here they load through the model class's `from_pretrained`, strictly.
 
 - On a loss-driven mixture (a mixture file's `rule:`, docs/planning.md "Weights the loss moves") every rank
-  reports each step's loss per dataset by itself, read from the model's outputs (`packfeed.client.dataset_losses`).
+  reports each step's loss per dataset by itself, read from the model's outputs (`packfeed.client.model.dataset_losses`).
 
 - What cannot hold is refused: `num_train_epochs` other than the job's, `max_steps` past its last step, a model
   whose vocabulary or placeholder ids are not the dataset's. Logs speak the job's terms (`epoch`, and
@@ -48,13 +48,13 @@ import transformers
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME
 
-from packfeed.client.channel import PackfeedError
-from packfeed.client.dataset_losses import StepLosses, fused_token_losses, token_losses
-from packfeed.client.guard_updates import SkipGuardOnlyTowerUpdates
-from packfeed.client.hf import check_model, to_hf_inputs
-from packfeed.client.loaders import job_batches, job_progress, job_steps
-from packfeed.client.stream import PackStream
-from packfeed.client.tensors import PackTensors, Step
+from packfeed.client.stream.channel import PackfeedError
+from packfeed.client.model.dataset_losses import StepLosses, fused_token_losses, token_losses
+from packfeed.client.model.guard_updates import SkipGuardOnlyTowerUpdates
+from packfeed.client.model.hf import check_model, to_hf_inputs
+from packfeed.client.stream.loaders import job_batches, job_progress, job_steps
+from packfeed.client.stream.pack_stream import PackStream
+from packfeed.client.stream.tensors import PackTensors, Step
 
 STATE_FILE = "packfeed_stream_rank{rank}.json"
 
@@ -251,7 +251,7 @@ def outputs_token_losses(outputs: list[Any], labels: torch.Tensor | None) -> tup
             return fused_token_losses(out.log_probs[0], out.label_mask[0])
     raise PackfeedError("the job's mixture is loss-driven, and the model's outputs carry neither logits nor a fused "
                         "LM head's log_probs: report the per-dataset losses yourself (PackStream.report, "
-                        "packfeed.client.dataset_losses)")
+                        "packfeed.client.model.dataset_losses)")
 
 
 def saved_state(resume_from_checkpoint: str | bool | None, output_dir: str, state_file: str,

@@ -26,7 +26,7 @@ from dataclasses import replace
 import numpy as np
 import torch
 
-from packfeed.client.tensors import PackTensors
+from packfeed.client.stream.tensors import PackTensors
 
 # Per-token tensors of a pack (L,), gathered token by token into a new layout
 TOKEN_TENSORS = ("input_ids", "labels", "position_ids")

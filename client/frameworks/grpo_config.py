@@ -1,11 +1,11 @@
-"""What of TRL's `GRPOConfig` `PackfeedGRPOTrainer` (packfeed.client.trl) cannot honour: refused before a run starts,
+"""What of TRL's `GRPOConfig` `PackfeedGRPOTrainer` (packfeed.client.frameworks.trl) cannot honour: refused before a run starts,
 each setting named with what to give instead."""
 
 from __future__ import annotations
 
 from trl import GRPOConfig
 
-from packfeed.client.channel import PackfeedError
+from packfeed.client.stream.channel import PackfeedError
 
 LOSS_TYPES = ("dapo", "grpo", "dr_grpo")  # the loss types whose normalisation is over the global step
 

@@ -9,7 +9,7 @@ import warnings
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from packfeed.client.channel import PackfeedError, ServerChannel
+from packfeed.client.stream.channel import PackfeedError, ServerChannel
 from packfeed.v1 import packfeed_pb2 as pb
 
 REPORTS_KEPT = 100_000  # steps of reports a rank keeps: at least the two windows a decision can still read

@@ -38,7 +38,7 @@ from typing import Any
 import grpc
 import numpy as np
 
-from packfeed.client.channel import Connection, PackfeedError, ServerChannel
+from packfeed.client.stream.channel import Connection, PackfeedError, ServerChannel
 from packfeed.v1 import packfeed_pb2 as pb
 from packfeed.v1.options import PlanConfig
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from packfeed.client.channel import PackfeedError
-from packfeed.client.loss_reports import REPORTS_KEPT
+from packfeed.client.stream.channel import PackfeedError
+from packfeed.client.stream.loss_reports import REPORTS_KEPT
 from packfeed.v1 import packfeed_pb2 as pb
 from packfeed.v1.options import MAX_EPOCHS, MAX_NAME, MAX_RESUME_CHAIN, PlanConfig
 

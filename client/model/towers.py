@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from packfeed.client.tensors import IGNORE_INDEX
+from packfeed.client.stream.tensors import IGNORE_INDEX
 
 
 def with_every_encoder(inputs: dict[str, Any], bounds: torch.Tensor, family: Any, conventions: Any,
@@ -19,7 +19,7 @@ def with_every_encoder(inputs: dict[str, Any], bounds: torch.Tensor, family: Any
     labelled IGNORE_INDEX. Earlier tokens never attend to it (causal attention, or its own varlen segment), and
     no loss token reads it, so the loss is unchanged and the tower's gradients from it are zero; only the
     tower's collectives run. Returns the inputs and the row's segment bounds. `family`: a
-    `packfeed.client.hf_families.Family` (its image policy, and Qwen's patch, merge and temporal patch sizes)."""
+    `packfeed.client.model.hf_families.Family` (its image policy, and Qwen's patch, merge and temporal patch sizes)."""
     if conventions is None:
         raise ValueError("ensure_encoders needs the job's conventions (its placeholder ids, tile size and tokens per "
                          "tile): pass conventions=stream.conventions")

@@ -46,17 +46,17 @@ from datasets import Dataset
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from trl import GRPOConfig, GRPOTrainer
 
-from packfeed.client.channel import Connection, PackfeedError
-from packfeed.client.dataset_losses import reward_losses
-from packfeed.client.grpo_config import check_grpo_config
-from packfeed.client.grpo_prompts import Prompt, PromptSteps, prompt_stream
-from packfeed.client.hf import to_hf_inputs
-from packfeed.client.hf_families import family_of
-from packfeed.client.hf_trainer import load_weights_strictly, saved_state, sharded
-from packfeed.client.losses import row_tensors, shifted, token_logprobs
-from packfeed.client.producer import Producer, Sample
-from packfeed.client.stream import PackStream
-from packfeed.client.tensors import PackTensors
+from packfeed.client.stream.channel import Connection, PackfeedError
+from packfeed.client.model.dataset_losses import reward_losses
+from packfeed.client.frameworks.grpo_config import check_grpo_config
+from packfeed.client.frameworks.grpo_prompts import Prompt, PromptSteps, prompt_stream
+from packfeed.client.model.hf import to_hf_inputs
+from packfeed.client.model.hf_families import family_of
+from packfeed.client.frameworks.hf_trainer import load_weights_strictly, saved_state, sharded
+from packfeed.client.model.losses import row_tensors, shifted, token_logprobs
+from packfeed.client.stream.producer import Producer, Sample
+from packfeed.client.stream.pack_stream import PackStream
+from packfeed.client.stream.tensors import PackTensors
 from packfeed.v1.options import PlanConfig
 
 STATE_FILE = "packfeed_grpo_rank{rank}.json"
@@ -79,7 +79,7 @@ class PackfeedGRPOTrainer(GRPOTrainer):
     """TRL's `GRPOTrainer` whose prompts come from a Packfeed job and whose updates train on a live job's
     balanced, group-aware packs (see the module's docstring). `target`: the server ("host:port", or several);
     `job`: the run's name (its jobs are JOB-prompts and JOB-rollouts); `family`: the model's
-    (`packfeed.client.hf_families`); `dataset`: the server's prompt index, when it serves several;
+    (`packfeed.client.model.hf_families`); `dataset`: the server's prompt index, when it serves several;
     `shared_prefix`: each prompt computed once for its responses (default), or each response whole; `prompts`:
     the prompt job's stream when already open (`prompt_stream`); `prompt_window`: the prompt job's window (a
     mixture whose weights move needs one; a loss-driven one is then reported to each step, `mixture_losses`)."""
@@ -338,7 +338,7 @@ class PackfeedGRPOTrainer(GRPOTrainer):
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
         """The weights through the model class's loader: the Trainer's own leaves a transformers 5 VLM's weights at
-        their initial values (packfeed.client.hf_trainer)."""
+        their initial values (packfeed.client.frameworks.hf_trainer)."""
         if not load_weights_strictly(self.model if model is None else model, resume_from_checkpoint):
             super()._load_from_checkpoint(resume_from_checkpoint, model)
 

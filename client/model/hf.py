@@ -10,7 +10,7 @@ each sample alone.
 
 A model that fits the dataset: `model_config(family, stream.conventions, text={...}, vision={...})` is the
 family's `transformers` config with the dataset's vocabulary, placeholder ids and vision geometry
-(`packfeed.client.hf_config`); `check_model(model, conventions)` refuses one that disagrees, naming the field.
+(`packfeed.client.model.hf_config`); `check_model(model, conventions)` refuses one that disagrees, naming the field.
 
 Families (`hf_families.FAMILIES`): internvl (InternVLForConditionalGeneration: InternVL 2.5 / 3 "-hf"), qwen2_vl, qwen2_5_vl,
 qwen3_vl (Qwen*VLForConditionalGeneration), llava (LlavaForConditionalGeneration). The traps it handles, each of
@@ -48,13 +48,13 @@ from typing import Any, Literal
 
 import torch
 
-from packfeed.client.attention import register_varlen_attention  # noqa: F401  (re-exported: HF users import both from here)
-from packfeed.client.hf_config import check_model, model_config  # noqa: F401  (re-exported, as above)
-from packfeed.client.hf_families import (Family, family_of, mrope_positions, normalisation_of, normalised,
+from packfeed.client.model.attention import register_varlen_attention  # noqa: F401  (re-exported: HF users import both from here)
+from packfeed.client.model.hf_config import check_model, model_config  # noqa: F401  (re-exported, as above)
+from packfeed.client.model.hf_families import (Family, family_of, mrope_positions, normalisation_of, normalised,
                                          qwen_grid, qwen_item_patches, time_intervals, visual_kinds)
-from packfeed.client.shared_prefix import shared, unshared
-from packfeed.client.tensors import IGNORE_INDEX, PackTensors
-from packfeed.client.towers import with_every_encoder
+from packfeed.client.model.shared_prefix import shared, unshared
+from packfeed.client.stream.tensors import IGNORE_INDEX, PackTensors
+from packfeed.client.model.towers import with_every_encoder
 from packfeed.v1.options import VisualKind
 
 def to_hf_inputs(pack: PackTensors, model_family: str | Family, dp: int = 1, *,
@@ -73,11 +73,11 @@ def to_hf_inputs(pack: PackTensors, model_family: str | Family, dp: int = 1, *,
     `attention_mask`; sdpa or eager attention), the same loss: what packing saves is measured against it.
     `ensure_encoders`: every pack calls each of the family's vision towers (images, and Qwen's videos) the same
     number of times, whatever it holds: a tower the pack would not call gets one dummy item, a segment of its
-    own at the end of the row whose tokens are outside the loss (`packfeed.client.towers`). Under FSDP or ZeRO-3
+    own at the end of the row whose tokens are outside the loss (`packfeed.client.model.towers`). Under FSDP or ZeRO-3
     with the vision tower wrapped apart, a rank that skips the tower leaves the others waiting in its
     all-gathers forever; this keeps every rank's collectives in step (needs `conventions`). `model`: the model
     these inputs are for, refused (`check_model`) where its vocabulary or placeholder ids are not the dataset's.
-    `shared_prefix`: a pack whose samples share a prefix (a group's members, `packfeed.client.shared_prefix`) is
+    `shared_prefix`: a pack whose samples share a prefix (a group's members, `packfeed.client.model.shared_prefix`) is
     laid out with the prefix once, its images encoded once, each member's response after it with the positions it
     would have after its own copy (M-RoPE rows included), and an `attention_mask` (1, 1, L, L) under which a
     response sees the prefix and itself, never a sibling (sdpa or eager attention; `attention="varlen"` passes
@@ -97,7 +97,7 @@ def to_hf_inputs(pack: PackTensors, model_family: str | Family, dp: int = 1, *,
     if "cp" in pack.tensors:
         raise ValueError("this is one GPU's context-parallel share of a pack (PackStream(seat=Seat(rank, "
                          "lane=...))): a model's forward needs K and V of the whole pack; join a pack's shares with "
-                         "packfeed.client.context_parallel.join_shares and train it whole, or train with "
+                         "packfeed.client.model.context_parallel.join_shares and train it whole, or train with "
                          "packfeed train parallel.cp (the reference model or model.hf=qwen2_vl)")
     if pack.empty:  # a rank with no samples in this microbatch still joins the step's collectives
         return empty_hf_inputs(pack, dp, device, model_family=family if ensure_encoders else None,
@@ -205,7 +205,7 @@ def whole_mrope(pack: PackTensors, family: Family, tokens_per_second: float | No
 
 def segment_mask(bounds: list[int], parents: list[int]) -> torch.Tensor:
     """(1, 1, L, L) bool: token i sees token j of its own segment at or before it, and every token of the segment
-    its own continues (`parents`), as `packfeed.client.attention.segment_attention` computes without a mask."""
+    its own continues (`parents`), as `packfeed.client.model.attention.segment_attention` computes without a mask."""
     length = bounds[-1]
     segment = torch.repeat_interleave(torch.arange(len(parents)), torch.tensor(bounds[1:]) - torch.tensor(bounds[:-1]))
     parent = torch.tensor(parents, dtype=torch.long)[segment]

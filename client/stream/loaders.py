@@ -25,10 +25,10 @@ from typing import Any
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
-from packfeed.client.channel import PackfeedError
-from packfeed.client.resume import ForwardsStreamState
-from packfeed.client.stream import PackStream
-from packfeed.client.tensors import Step
+from packfeed.client.stream.channel import PackfeedError
+from packfeed.client.stream.resume import ForwardsStreamState
+from packfeed.client.stream.pack_stream import PackStream
+from packfeed.client.stream.tensors import Step
 
 
 def job_steps(stream: PackStream) -> int:

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from packfeed.client.tensors import PackTensors
+from packfeed.client.stream.tensors import PackTensors
 from packfeed.v1.options import VisualKind
 
 IMAGENET = ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))

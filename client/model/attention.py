@@ -119,7 +119,7 @@ def flash_varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
 def segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bounds: list[int], parents: list[int],
                       scale: float | None = None) -> torch.Tensor:
     """Causal attention of (L, heads, dim) rows cut into segments at `bounds`, where a segment with a parent
-    (`parents[s]` >= 0, an earlier segment: a shared prefix, `packfeed.client.shared_prefix`) also sees every row
+    (`parents[s]` >= 0, an earlier segment: a shared prefix, `packfeed.client.model.shared_prefix`) also sees every row
     of its parent, as if it followed it. One flash-attention varlen call on CUDA in bf16 / fp16, each segment's
     keys its parent's rows then its own; else sdpa per segment. Rows past the last bound attend among themselves."""
     import torch.nn.functional as F

@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from packfeed.client.channel import Connection
+from packfeed.client.stream.channel import Connection
 from packfeed.v1.layout import Seat
 from packfeed.v1.options import PlanConfig
 

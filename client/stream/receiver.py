@@ -18,10 +18,10 @@ from dataclasses import dataclass
 
 import grpc
 
-from packfeed.client.channel import RETRYABLE, PackfeedError, ServerChannel
-from packfeed.client.decode import PackDecoder
-from packfeed.client.tensors import PackTensors, Step, pack_of
-from packfeed.client.wire import PackAssembler
+from packfeed.client.stream.channel import RETRYABLE, PackfeedError, ServerChannel
+from packfeed.client.stream.decode import PackDecoder
+from packfeed.client.stream.tensors import PackTensors, Step, pack_of
+from packfeed.client.stream.wire import PackAssembler
 from packfeed.v1 import packfeed_pb2 as pb
 from packfeed.v1.layout import Seat
 
