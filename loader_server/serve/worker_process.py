@@ -140,43 +140,14 @@ def _build_rank_step(work: RankStepWork, shared: str | None) -> RankStepResult:
         reader.decode_budget = work.decode_budget
     try:
         pieces, skipped, samples, by_dataset = [], [], 0, collections.Counter()
-        for microbatch, (members, truncate_to, sources) in enumerate(work.packs):
-            if work.routed is not None:
-                encoders, encode = work.routed[microbatch]
-                pack = build_routed_pack(parts, (members, truncate_to, sources), encoders, encode, work.epoch,
-                                         work.step, work.seat.rank, microbatch, work.seed,
-                                         encodes_as=-1 if work.layout.encoder_ranks and not work.seat.encoder else None)
-                pack.encoder = work.seat.encoder
-            else:
-                pack = build_pack(parts, members, truncate_to, sources, work.epoch, work.step, work.seat.rank,
-                                  microbatch, work.seed, work.reads.shared_prefixes)
-            pack.step_loss_tokens = work.step_loss_tokens
-            work.reads.complete(pack)
-            if work.cp_spans is None:
-                pieces.append(pack_pieces(pack, len(work.packs), work.last_in_epoch))
-            else:
-                degree, group = (np.asarray(a)[pack.positions] for a in work.cp_spans[microbatch])
-                pieces.extend(pack_pieces(share, len(work.packs), work.last_in_epoch)
-                              for share in cp_shares(pack, degree, group, work.layout.cp,
-                                                     parts[0][1].policy.temporal_patch))
+        for microbatch in range(len(work.packs)):
+            pack = _microbatch_pack(work, parts, microbatch)
+            pieces.extend(_pack_messages(work, parts, pack, microbatch))
             skipped.extend(pack.skipped)
-            samples += len(encode[0]) if work.seat.encoder else len(members)
+            samples += _prepared_samples(work, microbatch)
             by_dataset.update(pack.sample_sources)
         result = RankStepResult([], samples, skipped, 0.0, dict(by_dataset))
-        if shared is not None:
-            try:
-                result.segments = write_shared(shared, pieces, arena)
-                result.shared = shared
-            except OSError as error:  # no room in shared memory: the bytes travel through the pipe instead
-                if not _WARNED:
-                    _WARNED.append(True)
-                    log.warning("prepared steps go through a pipe (more CPU per sample): no room in shared memory; "
-                                "give the server a larger /dev/shm (docker: shm_size)",
-                                extra={"file": shared, "error": str(error)})
-        if result.shared is None:
-            result.messages = [b"".join(message) for message in pieces]
-            if shared is not None:
-                _empty(shared)  # what a full /dev/shm let through, and the tiles cut into it, freed at once
+        _hand_over(result, pieces, shared, arena)
     finally:
         for _, reader, _ in parts:
             reader.empty = np.empty
@@ -184,6 +155,58 @@ def _build_rank_step(work: RankStepWork, shared: str | None) -> RankStepResult:
             forget_mapping(shared)
     result.seconds = time.perf_counter() - started
     return result
+
+
+def _microbatch_pack(work: RankStepWork, parts: list, microbatch: int):
+    """A microbatch's pack as this seat gets it: whole, or (isf+phases) with the images routed to the ranks
+    that encode them."""
+    members, truncate_to, sources = work.packs[microbatch]
+    if work.routed is None:
+        pack = build_pack(parts, members, truncate_to, sources, work.epoch, work.step, work.seat.rank, microbatch,
+                          work.seed, work.reads.shared_prefixes)
+    else:
+        encoders, encode = work.routed[microbatch]
+        pack = build_routed_pack(parts, (members, truncate_to, sources), encoders, encode, work.epoch, work.step,
+                                 work.seat.rank, microbatch, work.seed,
+                                 encodes_as=-1 if work.layout.encoder_ranks and not work.seat.encoder else None)
+        pack.encoder = work.seat.encoder
+    pack.step_loss_tokens = work.step_loss_tokens
+    work.reads.complete(pack)
+    return pack
+
+
+def _pack_messages(work: RankStepWork, parts: list, pack, microbatch: int) -> list:
+    """A pack's message, or with context parallelism its cp shares' messages, one per GPU of the CP group."""
+    if work.cp_spans is None:
+        return [pack_pieces(pack, len(work.packs), work.last_in_epoch)]
+    degree, group = (np.asarray(a)[pack.positions] for a in work.cp_spans[microbatch])
+    return [pack_pieces(share, len(work.packs), work.last_in_epoch)
+            for share in cp_shares(pack, degree, group, work.layout.cp, parts[0][1].policy.temporal_patch)]
+
+
+def _prepared_samples(work: RankStepWork, microbatch: int) -> int:
+    """The samples this seat prepared in a microbatch: an encoder rank's are those it encodes."""
+    if work.seat.encoder:
+        return len(work.routed[microbatch][1][0])
+    return len(work.packs[microbatch][0])
+
+
+def _hand_over(result: RankStepResult, pieces: list, shared: str | None, arena) -> None:
+    """The messages into the step's shared file, or (none, or no room in shared memory) as bytes."""
+    if shared is not None:
+        try:
+            result.segments = write_shared(shared, pieces, arena)
+            result.shared = shared
+        except OSError as error:  # no room in shared memory: the bytes travel through the pipe instead
+            if not _WARNED:
+                _WARNED.append(True)
+                log.warning("prepared steps go through a pipe (more CPU per sample): no room in shared memory; "
+                            "give the server a larger /dev/shm (docker: shm_size)",
+                            extra={"file": shared, "error": str(error)})
+    if result.shared is None:
+        result.messages = [b"".join(message) for message in pieces]
+        if shared is not None:
+            _empty(shared)  # what a full /dev/shm let through, and the tiles cut into it, freed at once
 
 
 def _tile_bytes(parts: list, work: RankStepWork) -> int:
