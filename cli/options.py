@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 
 from packfeed.media.image_policy import VERIFY_MODES  # light: dataclasses only
-from packfeed.v1.options import CpMode, Oversize, PlanConfig, Strategy
+from packfeed.v1.options import CpMode, Oversize, PlanConfig, Staleness, Strategy
 
 EXIT_OK, EXIT_SKIPPED, EXIT_USAGE, EXIT_EMPTY = 0, 3, 2, 4  # EXIT_EMPTY: nothing to train on
 
@@ -39,8 +39,8 @@ def add_plan_options(parser: argparse.ArgumentParser) -> None:
             parser.add_argument(flag, action=action, default=None, help=help_text)
             continue
         kind = {"int": int, "float": float, "int | None": int}.get(str(spec.type))
-        choices = {"Strategy": [s.value for s in Strategy], "Oversize": [o.value for o in Oversize],
-                   "CpMode": [m.value for m in CpMode]}.get(str(spec.type))
+        choices = {kind.__name__: [member.value for member in kind]
+                   for kind in (Strategy, Oversize, CpMode, Staleness)}.get(str(spec.type))
         shown = f" (default {default})" if default is not None else ""
         parser.add_argument(flag, type=kind, choices=choices, help=help_text + shown)
 

@@ -132,7 +132,8 @@ def test_steps_form_in_arrival_order_every_sample_once(tmp_path):
     assert [steps.record(s)["members"] for s in range(2)] == [[f"s{i}" for i in range(4)],
                                                               [f"s{i}" for i in range(4, 8)]]
     steps.put([sample("s10")], end=True)  # the end: what is pending forms the last step
-    assert steps.ended and steps.record(2) == {"members": ["s8", "s9", "s10"], "dropped": [], "last": True}
+    assert steps.ended and steps.record(2) == {"members": ["s8", "s9", "s10"], "dropped": [], "last": True,
+                                            "version": 2, "ages": {"2": 3}}  # trained by version 2, age 2
     with pytest.raises(LiveClosed, match="ended at step 2"):
         steps.put([sample("late")])
     members = [m for s in range(3) for m in steps.record(s)["members"]]
@@ -148,7 +149,7 @@ def test_a_step_forms_on_tokens_and_the_end_forms_an_empty_last_step_when_nothin
     steps.put([sample("e", 30)], end=False)
     assert steps.formed == 2 and steps.record(1)["members"] == ["d", "e"]
     steps.put([], end=True)
-    assert steps.record(2) == {"members": [], "dropped": [], "last": True} and steps.plan(2) is None
+    assert steps.record(2) == {"members": [], "dropped": [], "last": True, "version": 2, "ages": {}} and steps.plan(2) is None
 
 
 def test_a_job_of_n_steps_ends_at_its_last(tmp_path):
@@ -162,9 +163,11 @@ def test_stale_samples_are_dropped_and_counted_once(tmp_path):
     steps = live(tmp_path, PlanConfig(dp=1, live=True, step_samples=2, max_staleness=1))
     steps.put([sample("a", version=0), sample("b", version=0)])  # step 0
     steps.put([sample("c", version=0), sample("d", version=1), sample("e", version=0), sample("f", version=1)])
-    assert steps.record(1) == {"members": ["c", "d"], "dropped": [], "last": False}  # 1 - 0 <= 1
+    assert steps.record(1) == {"members": ["c", "d"], "dropped": [], "last": False, "version": 1,
+                               "ages": {"0": 1, "1": 1}}  # 1 - 0 <= 1
     steps.put([sample("g", version=2)])  # step 2 takes f (2 - 1 <= 1) and g, e (2 - 0 > 1) is dropped
-    assert steps.record(2) == {"members": ["f", "g"], "dropped": ["e"], "last": False}
+    assert steps.record(2) == {"members": ["f", "g"], "dropped": ["e"], "last": False, "version": 2,
+                               "ages": {"0": 1, "1": 1}}
     assert steps.status()["dropped_stale"] == 1
 
 

@@ -29,7 +29,7 @@ import torch
 from packfeed.client.stream.tensors import PackTensors
 
 # Per-token tensors of a pack (L,), gathered token by token into a new layout
-TOKEN_TENSORS = ("input_ids", "labels", "position_ids")
+TOKEN_TENSORS = ("input_ids", "labels", "position_ids", "token_policy_version")
 # Per visual item, re-laid with the items
 ITEM_TENSORS = ("visual_kind", "frame_seconds")
 

@@ -55,6 +55,12 @@ class PackTensors:
         return {name[len("token."):]: tensor for name, tensor in self.tensors.items() if name.startswith("token.")}
 
     @property
+    def sample_values(self) -> dict[str, torch.Tensor]:
+        """A live job's per-sample values by name (float64, one per sample: a reward, ...), as put. Each token's
+        policy version is `token_policy_version` (int64, beside input_ids), each sample's `policy_version`."""
+        return {name[len("value."):]: tensor for name, tensor in self.tensors.items() if name.startswith("value.")}
+
+    @property
     def routed(self) -> bool:
         """Its images are encoded where the plan routes them (isf+phases), not all by this rank."""
         return "image_encoder" in self.tensors

@@ -7,10 +7,11 @@ would cost the server three times its size before a sample is checked; read this
 
 from __future__ import annotations
 
+import struct
 from dataclasses import dataclass, field
 
 from packfeed.v1 import packfeed_pb2 as pb
-from packfeed.v1.wire_format import LENGTH_DELIMITED, VARINT, WireFormatError, fields, packed_varints, signed64
+from packfeed.v1.wire_format import FIXED64, LENGTH_DELIMITED, VARINT, WireFormatError, fields, packed_varints, signed64
 
 _REQUEST = {f.name: f.number for f in pb.PutSamplesRequest.DESCRIPTOR.fields}
 _SAMPLE = {f.name: f.number for f in pb.LiveSample.DESCRIPTOR.fields}
@@ -38,6 +39,10 @@ class WireSample:
     policy_version: int = 0
     prompt: str = ""
     images: list[memoryview] = field(default_factory=list)
+    values: dict[str, float] = field(default_factory=dict)
+    unfinished: bool = False
+    part: int = 0
+    token_versions: WireTensor | None = None
 
     def HasField(self, name: str) -> bool:  # noqa: N802 - the protobuf method the checks call
         return getattr(self, name) is not None
@@ -53,12 +58,13 @@ class PutRequest:
     end: bool
     size: int  # of the request on the wire
     producer_token: str = ""
+    producer: str = ""
 
     @classmethod
     def parse(cls, raw: bytes) -> PutRequest:
         """The request's fields, its payload in place (WireFormatError: not a well-formed PutSamplesRequest)."""
         view = memoryview(raw)
-        job, samples, end, token = "", [], False, ""
+        job, samples, end, token, producer = "", [], False, "", ""
         for number, wire_type, _, value, value_end in fields(view, 0, len(view)):
             if number == _REQUEST["job"] and wire_type == LENGTH_DELIMITED:
                 job = _text(view, value, value_end, "job")
@@ -68,7 +74,9 @@ class PutRequest:
                 end = bool(value)
             elif number == _REQUEST["producer_token"] and wire_type == LENGTH_DELIMITED:
                 token = _text(view, value, value_end, "producer_token")
-        return cls(job, samples, end, len(raw), token)
+            elif number == _REQUEST["producer"] and wire_type == LENGTH_DELIMITED:
+                producer = _text(view, value, value_end, "producer")
+        return cls(job, samples, end, len(raw), token, producer)
 
     FromString = parse
 
@@ -102,6 +110,20 @@ def _sample(view: memoryview, start: int, end: int) -> WireSample:
             sample.prompt = _text(view, value, value_end, "prompt")
         elif number == _SAMPLE["images"] and delimited:
             sample.images.append(view[value:value_end])
+        elif number == _SAMPLE["values"] and delimited:  # a map entry: key 1 (string), value 2 (double)
+            name, number_value = "", 0.0
+            for entry, entry_type, _, entry_value, entry_end in fields(view, value, value_end):
+                if entry == 1 and entry_type == LENGTH_DELIMITED:
+                    name = _text(view, entry_value, entry_end, "values")
+                elif entry == 2 and entry_type == FIXED64:
+                    number_value = struct.unpack_from("<d", view, entry_value)[0]
+            sample.values[name] = number_value
+        elif number == _SAMPLE["unfinished"] and wire_type == VARINT:
+            sample.unfinished = bool(value)
+        elif number == _SAMPLE["part"] and wire_type == VARINT:
+            sample.part = value & 0xFFFFFFFF
+        elif number == _SAMPLE["token_versions"] and delimited:
+            sample.token_versions = _tensor(view, value, value_end)
     return sample
 
 

@@ -44,6 +44,12 @@ class LiveRow:
     # its prefix with where the step's plan shares prefixes ([share key, prefix tokens])
     tar: str = ""
     prefix_of: tuple[str, int] | None = None
+    # asynchronous RL: its per-sample values, and of a rollout put in parts whether this part is unfinished, its
+    # number and what its continuation must start with (`LiveSample.covers`); token versions are a member
+    values: dict[str, float] = field(default_factory=dict)
+    unfinished: bool = False
+    part: int = 0
+    covers: str = ""
 
     @classmethod
     def spooled(cls, sample: LiveSample, batch: int, file: str, place: int, members: dict[str, Span],
@@ -52,7 +58,8 @@ class LiveRow:
                    sample.loss_tokens, sample.vision, sample.vit_patches, sample.vit_attn_sq,
                    tuple(tuple(size) for size in sample.sizes), tuple(sorted(sample.tensors)), sample.prompt_id,
                    sample.pixel_bytes, sample.prefix, sample.prefix_key, sample.digest, batch, file, place,
-                   {name: tuple(span) for name, span in members.items()}, tuple(tuple(span) for span in images))
+                   {name: tuple(span) for name, span in members.items()}, tuple(tuple(span) for span in images),
+                   values=dict(sample.values), unfinished=sample.unfinished, part=sample.part, covers=sample.covers)
 
     @property
     def key(self) -> str:
@@ -64,6 +71,9 @@ class LiveRow:
         its first version)."""
         out = dataclasses.asdict(self)
         del out["tar"], out["prefix_of"]
+        for name, default in (("values", {}), ("unfinished", False), ("part", 0), ("covers", "")):
+            if out[name] == default:  # rows as spools held them before asynchronous RL
+                del out[name]
         return {**out, "key": self.id, "n_images": len(self.sizes)}
 
     @classmethod

@@ -21,6 +21,8 @@ from packfeed.v1.options import MAX_NAME
 MAX_SAMPLE_TOKENS = 1 << 20  # a live sample longer than this is refused whatever the caps
 MAX_TENSORS = 16  # named per-token tensors a sample may carry
 MAX_IMAGES = 256
+MAX_VALUES = 16  # named per-sample values (a reward, ...)
+SPOOLED_NAMES = ("tokens", "loss_mask", "token_versions")  # a sample's own arrays in the spool, beside its tensors
 
 
 class Refused(Exception):
@@ -76,17 +78,37 @@ class LiveSample:
     prefix_key: str = ""
     members: dict[str, bytes] = field(default_factory=dict)  # filled by the spool
     digest: str = ""  # of everything the producer put ("" : not computed): a retry matches it, another sample not
+    values: dict[str, float] = field(default_factory=dict)  # per-sample values by name (a reward, ...)
+    # a partial rollout: put unfinished (its prefix so far), its part's number, and each token's policy version
+    # (None: policy_version for every token)
+    unfinished: bool = False
+    part: int = 0
+    token_versions: np.ndarray | None = None
+    covers: str = ""  # an unfinished part's `prefix_digest` over all its tokens: what its continuation starts with
 
     def content_digest(self) -> str:
-        """What a put of the same id must match to be a retry: its arrays, tags and image files."""
-        hasher = xxhash.xxh3_128()
-        tensors = [part for name, values in sorted(self.tensors.items()) for part in (name.encode(), values)]
-        for part in (self.tokens, self.loss_mask, self.group.encode(), str(self.policy_version).encode(),
-                     self.prompt.encode(), *tensors, *self.images):
-            view = memoryview(part).cast("B")  # no copy of an array
-            hasher.update(len(view).to_bytes(8, "little"))
-            hasher.update(view)
-        return hasher.hexdigest()
+        """What a put of the same id must match to be a retry: its arrays, tags, image files and (of a rollout put
+        in parts, or with values) those too. A sample of none of them digests as it always did."""
+        extra = [str(self.part).encode(), b"u" if self.unfinished else b"f",
+                 *(part for name, value in sorted(self.values.items()) for part in (name.encode(), repr(value).encode())),
+                 *(() if self.token_versions is None else (self.token_versions,))] \
+            if self.part or self.unfinished or self.values or self.token_versions is not None else []
+        return _digest([self.tokens, self.loss_mask, self.group.encode(), str(self.policy_version).encode(),
+                        self.prompt.encode(), *self._tensor_parts(len(self.tokens)), *self.images, *extra])
+
+    def prefix_digest(self, n: int) -> str:
+        """The digest of its first `n` tokens (their mask, tensors and versions) with its group, prompt and images:
+        a continuation of an unfinished rollout must start with what was put of it (`covers`)."""
+        return _digest([self.tokens[:n], self.loss_mask[:n], self.group.encode(), self.prompt.encode(),
+                        *self._tensor_parts(n), self.versions()[:n], *self.images])
+
+    def _tensor_parts(self, n: int) -> list:
+        return [part for name, values in sorted(self.tensors.items()) for part in (name.encode(), values[:n])]
+
+    def versions(self) -> np.ndarray:
+        """Each token's policy version."""
+        return self.token_versions if self.token_versions is not None else \
+            np.full(len(self.tokens), self.policy_version, np.int64)
 
     @property
     def n_tokens(self) -> int:
@@ -121,6 +143,8 @@ def checked_sample(message: pb.LiveSample, rules: SampleRules) -> LiveSample:
     for name, tensor in sorted(message.tensors.items()):
         if not name or len(name) > 64 or not name.replace("_", "").isalnum():
             raise Refused("tensors", f"tensor name {name[:64]!r}: use 1-64 letters, digits and underscores")
+        if name in SPOOLED_NAMES:
+            raise Refused("tensors", f"tensor name {name!r} is the sample's own field: name it otherwise")
         values = _array(tensor, f"tensors[{name}]", np.float32)
         if len(values) != len(tokens):
             raise Refused(f"tensors[{name}]", f"{len(values)} values for {len(tokens)} tokens: one per token")
@@ -128,14 +152,53 @@ def checked_sample(message: pb.LiveSample, rules: SampleRules) -> LiveSample:
             raise Refused(f"tensors[{name}]", "holds NaN or infinity")
         tensors[name] = values
     sample = LiveSample(sample_id, tokens, mask, tensors, message.group[:MAX_NAME], int(message.policy_version),
-                        message.prompt, list(message.images), [], loss_tokens=int(mask.sum()))
+                        message.prompt, list(message.images), [], loss_tokens=int(mask.sum()),
+                        values=_values(message), unfinished=message.unfinished, part=int(message.part))
+    _check_versions(sample, message)
     _check_images(sample, rules)
     _find_prefix(sample, rules.image_context_id)
     if sample.prefix_key and rules.prefix_refusal:
         raise Refused("group", f"the sample shares its group's prompt, and {rules.prefix_refusal} when the job "
                                "opens (or put it without a group)")
     sample.digest = sample.content_digest()
+    if sample.unfinished:
+        sample.covers = sample.prefix_digest(len(tokens))
     return sample
+
+
+def _values(message: pb.LiveSample) -> dict[str, float]:
+    if len(message.values) > MAX_VALUES:
+        raise Refused("values", f"{len(message.values)} values: at most {MAX_VALUES}")
+    for name, value in message.values.items():
+        if not name or len(name) > 64 or not name.replace("_", "").isalnum():
+            raise Refused("values", f"value name {name[:64]!r}: use 1-64 letters, digits and underscores")
+        if not np.isfinite(value):
+            raise Refused(f"values[{name}]", "is NaN or infinite")
+    return dict(sorted(message.values.items()))
+
+
+def _check_versions(sample: LiveSample, message: pb.LiveSample) -> None:
+    """Per-token policy versions (a rollout continued with newer weights): one per token, and the sample's
+    policy_version the newest of them (0: set so)."""
+    if not message.HasField("token_versions"):
+        return
+    versions = _array(message.token_versions, "token_versions", np.int64)
+    if len(versions) != len(sample.tokens):
+        raise Refused("token_versions", f"{len(versions)} versions for {len(sample.tokens)} tokens: one per token")
+    newest = int(versions.max())
+    if sample.policy_version not in (0, newest) or versions.min() < 0:
+        raise Refused("policy_version", f"{sample.policy_version}: a sample's policy_version is the newest of its "
+                                        f"token_versions ({newest}), which are >= 0")
+    sample.token_versions, sample.policy_version = versions, newest
+
+
+def _digest(parts: list) -> str:
+    hasher = xxhash.xxh3_128()
+    for part in parts:
+        view = memoryview(part).cast("B")  # no copy of an array
+        hasher.update(len(view).to_bytes(8, "little"))
+        hasher.update(view)
+    return hasher.hexdigest()
 
 
 def _find_prefix(sample: LiveSample, context_id: int) -> None:

@@ -6,11 +6,14 @@ A job's folder (ROOT/<job id, made safe>-<its digest>), plain files any tool rea
     job.json           the job's settings, checked when a server opens the job on this spool again
     batches/B.T.tar    one put's accepted samples, a plain tar (T: a token of the write, so a tar a failed put
                        left behind never stands in the way of the next): per sample S (its place in the put, 6
-                       digits) S.tokens.npy, S.loss_mask.npy, S.NAME.npy per tensor and S.K.img per image file
+                       digits) S.tokens.npy, S.loss_mask.npy, S.NAME.npy per tensor, S.token_versions.npy
+                       (each token's policy version, when put with them) and S.K.img per image file
     batches/B.json     their rows: id, group, policy version, loads, their tar's name (`file`), each member's
-                       offset and size in the tar
-    steps/S.json       step S's members (their ids, in the order planned from), the samples it dropped as stale,
-                       and whether it is the job's last
+                       offset and size in the tar; per-sample values; of a rollout put in parts its part, whether
+                       it is unfinished and the digest its continuation starts with
+    steps/S.json       step S's members (their ids, in the order planned from), the samples it dropped as stale
+                       and those filter_groups dropped, whether it is the job's last, the policy version it is
+                       trained by and its members' ages in versions
     released.json      the last step every rank acknowledged (the batches it consumed are gone)
     producer.json      the digest (SHA-256) of the job's producer token, when it was opened with one
 A batch is durable once its rows exist: each file is written whole (a local file under a temporary name, flushed
@@ -41,6 +44,7 @@ from packfeed.server.live.rows import LiveRow
 from packfeed.server.live.samples import LiveSample
 
 BATCH_DIGITS = 12
+TOKEN_VERSIONS = "token_versions"  # a sample's member of each token's policy version, when put with them
 
 
 def job_folder(root: str | Path, job: str) -> str:
@@ -120,6 +124,8 @@ class Spool:
             with tarfile.open(fileobj=out, mode="w", format=tarfile.USTAR_FORMAT) as tar:
                 for place, sample in enumerate(samples):
                     members = {"tokens": sample.tokens, "loss_mask": sample.loss_mask, **sample.tensors}
+                    if sample.token_versions is not None:
+                        members[TOKEN_VERSIONS] = sample.token_versions
                     spans = {member: _add(tar, f"{place:06d}.{member}.npy", _npy(values))
                              for member, values in members.items()}
                     images = [_add(tar, f"{place:06d}.{k}.img", data) for k, data in enumerate(sample.images)]

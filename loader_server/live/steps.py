@@ -9,8 +9,11 @@ Guarantees (docs/live.md):
   or the same one after a restart, streams a resumed trainer the very packs it would have got.
 - A step holds every one of its members: dp ranks x M packs or, when its samples need more packs under the
   caps, dp x M' with the fewest M' >= M that hold them (each pack says its step's M).
-- Staleness: step s is trained by the policy of version s (one update a step; producers tag a sample with the
-  version that generated it); with `max_staleness` k a sample of version v is dropped from any step s > v + k.
+- Staleness: step s is trained by the policy of version t(s) (`versions`: s, one update a step, unless the
+  trainers report their version); with `max_staleness` k a sample of version v is dropped from any step with
+  t(s) > v + k (staleness drop), or never generated too early (staleness wait: `admission`).
+- Asynchronous RL: which samples a step takes (`step_plan.select`: whole groups, filter_groups), rollouts put in parts
+  (`partials`), and the producers heard from (`producers`).
 - The end: `end` (a producer) forms one last step of what is pending, empty when nothing is; with `steps` N the
   job ends at step N - 1. A step once sent as not the last stays so.
 - Faults: a sample leaves the pending queue only once the record of the step that took it is durable, so a step
@@ -24,23 +27,26 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import hmac
 import threading
+import time
 
 import numpy as np
 
+from packfeed.server.live.admission import CLAIM_PREFIX, Admission
+from packfeed.server.live.partials import Partials
+
+from packfeed.server.live.producer_side import SPOOLED_BYTES_PER_TOKEN, ProducerSide
+from packfeed.server.live.producers import Producers
+from packfeed.server.live.recovery import SpoolRecovery
 from packfeed.server.live.rows import LiveRow
 from packfeed.server.live.samples import LiveSample, Refused
-from packfeed.server.live.spool import Spool, SpoolConflict, SpoolError, SpoolFull, token_digest
-from packfeed.server.live.step_plan import step_plan
+from packfeed.server.live.spool import Spool, SpoolConflict, SpoolError
+from packfeed.server.live.step_plan import Selection, select, step_plan
+from packfeed.server.live.versions import PolicyVersions
 from packfeed.server.plan.plan_file import Plan
-from packfeed.v1.options import PlanConfig
+from packfeed.v1.options import PlanConfig, Staleness
 
 PLANS_KEPT = 4  # step plans held (ranks may be a few steps apart); one evicted is planned again, identically
-# What a spooled sample takes at least (its tokens and loss mask: two tar members, a header and a block each), and
-# what a put's token is counted as against the spool's bound (`check_room`)
-SMALLEST_SPOOLED_SAMPLE = 4 * 512
-SPOOLED_BYTES_PER_TOKEN = 5
 
 
 class LiveClosed(Exception):
@@ -51,7 +57,7 @@ class StepNotRecorded(SpoolError):
     """A put's samples are kept (durable and pending), but the step they complete could not be recorded."""
 
 
-class LiveSteps:
+class LiveSteps(SpoolRecovery, ProducerSide):
     """One live job's samples and steps, over its spool. Thread-safe."""
 
     def __init__(self, spool: Spool, config: PlanConfig, seed: int, fingerprint: str, max_bytes: int = 0,
@@ -92,43 +98,29 @@ class LiveSteps:
         self._released = -1  # every step up to this one acknowledged by every rank
         self._plans: collections.OrderedDict[int, Plan | None] = collections.OrderedDict()
         self._next_batch = 1
+        self.value_names: tuple[str, ...] | None = None  # per-sample values, fixed by the job's first sample
+        self.versions = PolicyVersions()
+        self.producers = Producers()  # this server's observations: a server taking the job hears them anew
+        waits = self.config.staleness is Staleness.WAIT
+        self.admission = Admission(self.config.max_staleness or 0, self.config.step_samples) if waits else None
+        self.partials = Partials()
+        self.group_first: dict[str, float] = {}  # a pending group -> when its first sample arrived (its deadline)
+        self.ages: collections.Counter = collections.Counter()  # trained samples by age in versions
+        self.filtered_groups = self.short_groups = 0
 
     # -- state ------------------------------------------------------------------------------------------
-
-    def _recover(self) -> None:
-        """The job as its spool holds it: every durable batch's rows, every recorded step."""
-        taken, released = set(), set()
-        self.steps = self.spool.read_steps()
-        self._released = (self.spool.read_json("released.json") or {"step": -1})["step"]
-        for step, record in enumerate(self.steps):
-            taken.update(record["members"] + record["dropped"])
-            if step <= self._released:
-                released.update(record["members"] + record["dropped"])
-            self.dropped += len(record["dropped"])
-        self.known.update(dict.fromkeys(taken, ""))
-        for number, rows in self.spool.recover():
-            self._next_batch = number + 1
-            self._batch_ids[number] = [row.id for row in rows]
-            self._batch_left[number] = sum(row.id not in released for row in rows)
-            for row in rows:
-                self._register(row)
-                if row.id not in taken:
-                    self.pending.append(row.id)
-            if not self._batch_left[number]:  # released before a crash let it go
-                self._remove_batch(number, rows[0])
-        self.arrived = len(self.known)
-        try:
-            self._form(end=False)  # what a crash (or a failed step record) left pending after a put's batch
-        except SpoolConflict:
-            raise
-        except SpoolError:
-            pass  # they stay pending, durable in their batches: the next put or end forms their steps
 
     def _register(self, row: LiveRow) -> None:
         self.rows[row.id] = row
         self.known[row.id] = row.digest
         if self.tensor_names is None:
             self.tensor_names = row.tensors
+        if self.value_names is None and row.values:
+            self.value_names = tuple(row.values)
+
+    def _pend(self, row: LiveRow) -> None:
+        self.pending.append(row.id)
+        self.group_first.setdefault(row.group, time.monotonic())
 
     @property
     def ended(self) -> bool:
@@ -139,10 +131,14 @@ class LiveSteps:
         return len(self.steps)
 
     def status(self) -> dict:
+        """The job's counts (`LiveStatus` on the wire)."""
         with self._lock:
-            return {"arrived": self.arrived, "pending": len(self.pending), "steps_formed": len(self.steps),
-                    "dropped_stale": self.dropped, "spool_bytes": self.spool.bytes, "ended": self.ended,
-                    "refused": self.refused}
+            status = {"arrived": self.arrived, "pending": len(self.pending), "steps_formed": len(self.steps),
+                      "dropped_stale": self.dropped, "spool_bytes": self.spool.bytes, "ended": self.ended,
+                      "refused": self.refused}
+            if self.config.live and (self.steps or self.producers.seen or self.partials.rows):
+                status.update(self._async_status())
+            return status
 
     def waiter(self, loop: asyncio.AbstractEventLoop) -> asyncio.Future:
         """A future of `loop` resolved when the next step forms (or the job ends)."""
@@ -158,11 +154,11 @@ class LiveSteps:
 
     # -- samples in -------------------------------------------------------------------------------------
 
-    def put(self, samples: list[LiveSample | Refused], end: bool = False) -> list[tuple[str, str]]:
+    def put(self, samples: list[LiveSample | Refused], end: bool = False, producer: str = "") -> list[tuple[str, str]]:
         """Keep the checked samples (durable when this returns) and form the steps they complete; per sample
         ("accepted" | "duplicate" | "refused", reason). Raises LiveClosed after the job's end, SpoolError when
         the spool cannot keep them (nothing of them kept then), StepNotRecorded when it kept them but could not
-        record the step they complete (a retry is answered duplicate and forms it)."""
+        record the step they complete (a retry is answered duplicate and forms it). `producer`: who put them."""
         with self._lock:
             if self.ended:
                 raise LiveClosed(f"the job ended at step {len(self.steps) - 1}: it takes no more samples (running it "
@@ -180,6 +176,7 @@ class LiveSteps:
                 if accepted:
                     self._keep(accepted)
                     kept = True
+                self.producers.put(producer, len(accepted))
                 self._form(end)
             except SpoolConflict:
                 self.stale = True  # another server wrote after this one read: the spool is read again first
@@ -195,45 +192,30 @@ class LiveSteps:
         if isinstance(sample, Refused):
             return "refused", f"{sample.field}: {sample}"
         held = seen.get(sample.id, self.known.get(sample.id))
-        if held is not None:
+        parted = self.partials.admit(sample, held)
+        if parted is not None and parted[0] != "accepted":
+            return parted
+        if parted is None and held is not None:
             if held and sample.digest and held != sample.digest:
                 return "refused", (f"id: {sample.id!r} was accepted before with other content (tokens, mask, "
                                    "tensors, images or tags): a retry sends the same sample; give a new sample "
                                    "an id of its own")
             return "duplicate", "already accepted"
-        names = tuple(sorted(sample.tensors))
+        names, values = tuple(sorted(sample.tensors)), tuple(sample.values)
         if self.tensor_names is not None and names != self.tensor_names:
             return "refused", (f"tensors: the job's samples carry {list(self.tensor_names)} (its first sample's); "
                                f"this one {list(names)}")
+        if self.value_names is not None and values and values != self.value_names:
+            return "refused", (f"values: the job's samples carry {list(self.value_names)} (its first sample's); "
+                               f"this one {list(values)}")
+        wanted = self.config.filter_groups
+        if wanted and not sample.unfinished and wanted not in sample.values:
+            return "refused", f"values: the job filters its groups on {wanted!r} (filter_groups): give it"
         if self.tensor_names is None:
             self.tensor_names = names
+        if self.value_names is None and values:
+            self.value_names = values
         return "accepted", ""
-
-    def claim_producer(self, token: str) -> None:
-        """The job's producer token, as its spool holds it (`token`'s when it has none: `Spool.claim_producer`)."""
-        self.producer = self.spool.claim_producer(token)
-
-    def check_producer(self, token: str) -> bool:
-        """Whether a put bringing `token` may put into (and end) the job."""
-        return not self.producer or hmac.compare_digest(self.producer, token_digest(token))
-
-    def check_room(self, samples: int, nbytes: int) -> None:
-        """SpoolFull unless the job has room for `samples` more of about `nbytes` (checked before a put's samples
-        are even read, so a flooding producer costs the server next to nothing, and again when they are kept)."""
-        if self.max_samples and samples > self.max_samples:
-            raise ValueError(f"a put of {samples:,} samples is more than the job may hold at all "
-                             f"({self.max_samples:,}, --live-max-samples): put fewer samples at once")
-        if self.max_bytes and nbytes > self.max_bytes:
-            raise ValueError(f"a put of {nbytes / 2**20:,.1f} MiB is larger than the job's whole spool may hold "
-                             f"({self.max_bytes / 2**20:,.1f} MiB, --live-spool-max-gb): put fewer samples at once")
-        if self.max_samples and len(self.rows) + samples > self.max_samples:
-            raise SpoolFull(f"the job holds {len(self.rows):,} samples not yet consumed, its bound "
-                            f"{self.max_samples:,} (--live-max-samples) until the trainers acknowledge the steps "
-                            "that took them: retry later (the producer waits and retries by itself)")
-        if self.max_bytes and self.spool.bytes + nbytes > self.max_bytes:
-            raise SpoolFull(f"the live spool holds {self.spool.bytes / 2**20:,.1f} MiB of its "
-                             f"{self.max_bytes / 2**20:,.1f} MiB (--live-spool-max-gb) until the trainers acknowledge "
-                             "the steps that took them: retry later (the producer waits and retries by itself)")
 
     def _keep(self, accepted: list[LiveSample]) -> None:
         self.check_room(len(accepted), sum(s.n_tokens * SPOOLED_BYTES_PER_TOKEN + sum(len(i) for i in s.images)
@@ -244,49 +226,73 @@ class LiveSteps:
         self._batch_ids[number] = [row.id for row in rows]
         self._batch_left[number] = len(rows)
         for row in rows:
+            claimed = self.partials.claims.get(row.id)
+            before = self.partials.kept(row) if row.unfinished or row.part else None
+            if self.admission is not None:  # what it reserved: its group's slot, or the claim that continued it
+                self.admission.arrived(CLAIM_PREFIX + row.id if claimed else row.group)
+            if before is not None:
+                self._supersede(before)
+            if row.unfinished:
+                continue
             self._register(row)
-            self.pending.append(row.id)
-        self.arrived += len(rows)
+            self._pend(row)
+            self.arrived += 1
+
+    def _supersede(self, row: LiveRow) -> None:
+        """An unfinished part a later part of its rollout replaced: consumed, as far as its batch is concerned."""
+        self._batch_left[row.batch] -= 1
+        if not self._batch_left[row.batch]:
+            self._remove_batch(row.batch, row)
 
     # -- steps ------------------------------------------------------------------------------------------
 
     def _form(self, end: bool) -> None:
         """Form every step the pending samples fill, and with `end` one last of what is left. A step's members
         leave the pending queue once its record is durable: a record that cannot be written (SpoolError) leaves
-        every sample pending, as before the call."""
+        every sample pending, as before the call. Under staleness wait a step waits while a reservation whose
+        last chance it is is outstanding (`Admission.due_at`)."""
         while not self.ended:
             step = len(self.steps)
-            full = self.config.steps and step + 1 >= self.config.steps
-            taken = self._fill(step, whole=False)
-            if taken is None and not end:
+            if not end and self.admission is not None and self.admission.due_at(step, self.versions) is not None:
                 return
-            members, dropped = taken if taken is not None else self._fill(step, whole=True)
-            last = bool(full) or (end and taken is None)
-            record = {"members": members, "dropped": dropped, "last": last}
+            full = self.config.steps and step + 1 >= self.config.steps
+            trained_by = self.versions.trained_at(step)
+            pending = [self.rows[sample_id] for sample_id in self.pending]
+            chosen = select(pending, self.config, trained_by, False, self._group_due)
+            if chosen is None and not end:
+                return
+            last = bool(full) or (end and chosen is None)
+            chosen = chosen or select(pending, self.config, trained_by, True)
+            record = self._record_of(chosen, trained_by, last)
             self.spool.write_step(step, record)  # before any of it is sent
-            for _ in range(len(members) + len(dropped)):
-                self.pending.popleft()
+            taken = set(chosen.taken)
+            self.pending = collections.deque(sample_id for sample_id in self.pending if sample_id not in taken)
+            waiting = {self.rows[sample_id].group for sample_id in self.pending}
+            self.group_first = {group: t for group, t in self.group_first.items() if group in waiting}
             self.steps.append(record)
-            self.dropped += len(dropped)
+            self._count_step(record)
             self._wake()
 
-    def _fill(self, step: int, whole: bool) -> tuple[list[str], list[str]] | None:
-        """The next step's members from the pending samples in arrival order, and the stale ones met on the way
-        (dropped), left pending (`_form` takes them); None when they do not fill a step yet (`whole`: take them
-        all, the job's last step)."""
-        limit = self.config.max_staleness
-        members, dropped, tokens = [], [], 0
-        for sample_id in self.pending:
-            row = self.rows[sample_id]
-            if limit is not None and step - row.policy_version > limit:
-                dropped.append(sample_id)
-                continue
-            members.append(sample_id)
-            tokens += row.tokens
-            if not whole and ((self.config.step_samples and len(members) >= self.config.step_samples)
-                              or (self.config.step_tokens and tokens >= self.config.step_tokens)):
-                return members, dropped
-        return (members, dropped) if whole else None
+    def _record_of(self, chosen: Selection, trained_by: int, last: bool) -> dict:
+        """A step's record: its members, the samples it dropped (stale) or filtered, whether it is the job's last,
+        the version it is trained by and its members' ages in versions."""
+        ages = collections.Counter(trained_by - self.rows[sample_id].policy_version for sample_id in chosen.members)
+        record = {"members": chosen.members, "dropped": chosen.dropped, "last": last, "version": trained_by,
+                  "ages": {str(age): n for age, n in sorted(ages.items())}}
+        if chosen.filtered or chosen.short_groups:
+            record.update(filtered=chosen.filtered, filtered_groups=chosen.filtered_groups,
+                          short_groups=chosen.short_groups)
+        return record
+
+    def _count_step(self, record: dict) -> None:
+        self.dropped += len(record["dropped"])
+        self.filtered_groups += record.get("filtered_groups", 0)
+        self.short_groups += record.get("short_groups", 0)
+        self.ages.update({int(age): n for age, n in record.get("ages", {}).items()})
+
+    def _group_due(self, group: str) -> bool:
+        timeout = self.config.group_timeout_s
+        return bool(timeout) and time.monotonic() - self.group_first.get(group, time.monotonic()) >= timeout
 
     # -- steps out --------------------------------------------------------------------------------------
 
@@ -336,7 +342,7 @@ class LiveSteps:
                 record = self.steps[released]
                 self._released = released
                 self._plans.pop(released, None)
-                for sample_id in record["members"] + record["dropped"]:
+                for sample_id in record["members"] + record["dropped"] + record.get("filtered", []):
                     row = self.rows.get(sample_id)
                     if row is None:
                         continue
@@ -344,6 +350,7 @@ class LiveSteps:
                     if not self._batch_left[row.batch]:
                         self._remove_batch(row.batch, row)
             if self._released > before:
+                self.versions.released(self._released)
                 try:
                     self.spool.write_json("released.json", {"step": self._released})
                 except SpoolError:
@@ -351,7 +358,8 @@ class LiveSteps:
 
     def _remove_batch(self, number: int, row: LiveRow) -> None:
         for sample_id in self._batch_ids.pop(number):
-            self.rows.pop(sample_id, None)
+            if sample_id in self.rows and self.rows[sample_id].batch == number:  # not a later part's row
+                self.rows.pop(sample_id)
         del self._batch_left[number]
         try:
             self.spool.remove_batch(number, row)

@@ -65,9 +65,11 @@ def _share(pack: Pack, degree: np.ndarray, group: np.ndarray, lane: int, tempora
                "cp_chunks": np.array([[a0, b0, a1, b1] for (a0, b0), (a1, b1) in chunks], dtype=np.int32)
                .reshape(-1, 4)}
     tensors.update(_items(t, mine, cu, unsplit, d, j, temporal_patch))
-    tensors.update({name: t[name][token_index] for name in t if name.startswith("token.")})  # a live job's
+    tensors.update({name: t[name][token_index] for name in t  # a live job's
+                    if name.startswith("token.") or name == "token_policy_version"})
     if "policy_version" in t:
         tensors["policy_version"] = t["policy_version"][mine]
+    tensors.update({name: t[name][mine] for name in t if name.startswith("value.")})  # per sample
     keys = [pack.sample_keys[k] for k in mine]
     sources = [pack.sample_sources[k] for k in mine] if pack.sample_sources else []
     return Pack(pack.epoch, pack.step, pack.rank, pack.microbatch, keys, tensors,

@@ -29,14 +29,7 @@ REFUSALS = ((LiveClosed, "FAILED_PRECONDITION", ""), (SpoolFull, "RESOURCE_EXHAU
 async def put_samples(job: Job, request: PutRequest, metrics: Metrics,
                       decode_budget: int = 0) -> pb.PutSamplesResponse:
     """`decode_budget`: what a worker may take to decode one image (`MemoryBudget.working_limit`)."""
-    live = job.live
-    if live is None:
-        raise JobError("FAILED_PRECONDITION", f"job {job.spec.job!r} is not live (its plan has live false): its "
-                                              "samples come from its dataset; open a job with live=True")
-    if not live.check_producer(request.producer_token):
-        raise JobError("PERMISSION_DENIED", f"job {job.spec.job!r} takes puts and its end only with its producer "
-                                            "token (the one it was opened with: Producer(producer_token=...), "
-                                            "`packfeed put --producer-token`, or PACKFEED_PRODUCER_TOKEN)")
+    live = live_of(job, request.producer_token)
     if len(request.samples) > MAX_PUT_SAMPLES:
         raise JobError("INVALID_ARGUMENT", f"{len(request.samples)} samples in one put: at most {MAX_PUT_SAMPLES}")
     try:
@@ -47,7 +40,7 @@ async def put_samples(job: Job, request: PutRequest, metrics: Metrics,
     before = live.status()
     checked = await asyncio.to_thread(check_all, request.samples, rules)  # images are decoded: off the event loop
     try:
-        outcomes = await asyncio.to_thread(live.put, checked, request.end)
+        outcomes = await asyncio.to_thread(live.put, checked, request.end, request.producer[:256])
     except (LiveClosed, SpoolError, ValueError) as error:
         log.warning("a put into a live job failed", extra={"job": job.spec.job, "error": str(error),
                                                          "samples": len(request.samples)})
@@ -62,7 +55,21 @@ async def put_samples(job: Job, request: PutRequest, metrics: Metrics,
                              field=field, reason=why)
     response.pending, response.steps_formed, response.ended = status["pending"], status["steps_formed"], \
         status["ended"]
+    response.policy_version = live.versions.current
     return response
+
+
+def live_of(job: Job, producer_token: str):
+    """The job's live steps, for a producer bringing `producer_token` (JobError: not live, or the wrong token)."""
+    live = job.live
+    if live is None:
+        raise JobError("FAILED_PRECONDITION", f"job {job.spec.job!r} is not live (its plan has live false): its "
+                                              "samples come from its dataset; open a job with live=True")
+    if not live.check_producer(producer_token):
+        raise JobError("PERMISSION_DENIED", f"job {job.spec.job!r} takes puts and its end only with its producer "
+                                            "token (the one it was opened with: Producer(producer_token=...), "
+                                            "`packfeed put --producer-token`, or PACKFEED_PRODUCER_TOKEN)")
+    return live
 
 
 def check_all(messages, rules) -> list:

@@ -12,8 +12,10 @@ import numpy as np
 from packfeed.media.chat import IGNORE_INDEX
 from packfeed.server.live.rows import LiveRow
 from packfeed.server.live.samples import placeholder_runs
+from packfeed.server.live.spool import TOKEN_VERSIONS as SPOOLED_VERSIONS
 from packfeed.server.live.spool import read_array, read_member
 from packfeed.server.serve.index_rows import IndexRows
+from packfeed.server.serve.packs import TOKEN_VERSIONS
 from packfeed.server.serve.preprocess import SampleReader, SampleTensors
 from packfeed.server.serve.shard_reader import SampleSkipped
 
@@ -31,6 +33,7 @@ class LiveReads:
     # where each of the dataset's indexes starts in its prompts' numbering (`prompt_id`): a mixture has several
     offsets: tuple[int, ...] = (0,)
     datasets: tuple[str, ...] = ()
+    value_names: tuple[str, ...] = ()  # the job's per-sample values: every pack carries them too
 
     @property
     def sources(self) -> int:
@@ -55,6 +58,9 @@ class LiveReads:
         for name in self.tensor_names:
             pack.tensors.setdefault(f"token.{name}", np.zeros(length, np.float32))
         pack.tensors.setdefault("policy_version", np.zeros(len(pack.sample_keys), np.int64))
+        pack.tensors.setdefault(TOKEN_VERSIONS, np.zeros(length, np.int64))
+        for name in self.value_names:
+            pack.tensors.setdefault(f"value.{name}", np.full(len(pack.sample_keys), np.nan))
 
 
 def prompt_in(offsets: tuple[int, ...], prompt_id: int) -> tuple[int, int]:
@@ -113,6 +119,8 @@ class LiveReader:
             tokens = read_array(tar, row.members["tokens"]).astype(np.int32)
             mask = read_array(tar, row.members["loss_mask"]).astype(bool)
             tensors = {name: read_array(tar, row.members[name]).astype(np.float32) for name in row.tensors}
+            versions = read_array(tar, row.members[SPOOLED_VERSIONS]).astype(np.int64) \
+                if SPOOLED_VERSIONS in row.members else None
             if row.prompt:
                 part, sample_id = self.live.prompt_of(row.prompt_id)
                 rows, reader = self.prompts[part]
@@ -130,4 +138,5 @@ class LiveReader:
                              encoded=[item.encoded for item in items if item.encoded is not None],
                              geometry=[item.geometry for item in items if item.encoded is not None],
                              kinds=[item.kind for item in items], frame_seconds=[item.seconds for item in items],
-                             token_tensors=tensors, group=row.group, policy_version=row.policy_version)
+                             token_tensors=tensors, group=row.group, policy_version=row.policy_version,
+                             token_versions=versions, values=dict(row.values))

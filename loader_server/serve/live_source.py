@@ -160,7 +160,7 @@ class LiveDataset:
             spans = [(np.ones(0, np.int64), np.zeros(0, np.int64))] * len(packs)
         parts = self.prompts.parts  # every index a prompt may be read from; a step's members are all live
         reads = LiveReads(rows, self.conventions.image_context_id, self.steps.tensor_names or (), self.offsets,
-                          tuple(p.name for p in parts))
+                          tuple(p.name for p in parts), self.steps.value_names or ())
         return RankStepWork(reads, 0, step, seat, self.steps.config.layout, packs, step_loss, last, self.steps.seed,
                             decode_budget=decode_budget, cp_spans=spans if cp > 1 else None)
 

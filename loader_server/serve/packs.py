@@ -111,14 +111,23 @@ def assemble_pack(samples: list[SampleTensors], epoch: int, step: int, rank: int
                 sample_groups=[s.group for s in samples] if live else [])
 
 
+TOKEN_VERSIONS = "token_policy_version"  # a live pack's tensor of each token's policy version (int64, L)
+
+
 def _live_tensors(samples: list[SampleTensors], lengths: list[int]) -> dict[str, np.ndarray]:
-    """A live job's per-token tensors ("token.NAME", float32 beside input_ids; 0 where a sample has none) and
-    each sample's policy version."""
+    """A live job's per-token tensors ("token.NAME", float32 beside input_ids; 0 where a sample has none), each
+    sample's policy version, each token's ("token_policy_version", int64) and each sample's values ("value.NAME",
+    float64; NaN where a sample has none)."""
     out = {}
     for name in sorted({name for s in samples for name in s.token_tensors}):
         out[f"token.{name}"] = np.concatenate([s.token_tensors.get(name, np.zeros(n, np.float32))
                                                for s, n in zip(samples, lengths)]).astype(np.float32)
     out["policy_version"] = np.array([s.policy_version or 0 for s in samples], dtype=np.int64)
+    out[TOKEN_VERSIONS] = np.concatenate(
+        [s.token_versions if s.token_versions is not None else np.full(n, s.policy_version or 0, np.int64)
+         for s, n in zip(samples, lengths)] or [np.zeros(0, np.int64)]).astype(np.int64)
+    for name in sorted({name for s in samples for name in s.values}):
+        out[f"value.{name}"] = np.array([s.values.get(name, np.nan) for s in samples], dtype=np.float64)
     return out
 
 
@@ -140,7 +149,8 @@ def truncate_sample(sample: SampleTensors, limit: int) -> SampleTensors:
                          sample.image_starts[:keep_images], sample.source, sample.encoded[:n_encoded],
                          sample.geometry[:n_encoded], sample.kinds[:keep_images], sample.frame_seconds[:keep_images],
                          {name: values[:limit] for name, values in sample.token_tensors.items()}, sample.group,
-                         sample.policy_version)
+                         sample.policy_version, None if sample.token_versions is None else sample.token_versions[:limit],
+                         sample.values)
 
 
 def build_pack(parts: list[tuple[IndexRows, Any, str]], members: np.ndarray, truncate_to: np.ndarray,

@@ -47,6 +47,8 @@ class SampleTensors:
     token_tensors: dict[str, np.ndarray] = field(default_factory=dict)
     group: str = ""
     policy_version: int | None = None  # None: not a live sample
+    token_versions: np.ndarray | None = None  # int64, each token's policy version (None: policy_version's)
+    values: dict[str, float] = field(default_factory=dict)  # per-sample values (a reward, ...)
 
 
 # Bytes the tokenizer holds per token while it encodes a sample (HF tokenizers keeps each token's string and

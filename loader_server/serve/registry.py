@@ -13,7 +13,8 @@ from dataclasses import replace
 
 from packfeed.media.pixel_modes import PIXEL_PATHS
 from packfeed.server.live.spool import Spool, SpoolError
-from packfeed.server.live.steps import SMALLEST_SPOOLED_SAMPLE, SPOOLED_BYTES_PER_TOKEN, LiveSteps
+from packfeed.server.live.producer_side import SMALLEST_SPOOLED_SAMPLE, SPOOLED_BYTES_PER_TOKEN
+from packfeed.server.live.steps import LiveSteps
 from packfeed.server.live.step_plan import live_fingerprint
 from packfeed.server.serve.datasets import Dataset
 from packfeed.server.serve.job_spec import JobError, JobSpec

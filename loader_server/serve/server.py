@@ -40,7 +40,8 @@ async def announce(coordinator: Coordinator, address: str, ttl_s: float) -> None
 
 
 IO_THREADS = 64  # asyncio.to_thread's pool: plan lookups, step preparation hand-offs, coordinator calls
-REASSERT_EVERY_S = 1.0  # how soon a Redis restarted empty learns again the jobs its servers serve
+REASSERT_EVERY_S = 1.0
+LIVE_TICK_S = 1.0  # how soon a Redis restarted empty learns again the jobs its servers serve
 
 
 async def reassert_jobs(service: PackfeedService, every_s: float) -> None:
@@ -80,6 +81,13 @@ async def exit_with_parent(parent: int, stop: asyncio.Event) -> None:
     stop.set()
 
 
+async def tick_live_jobs(service: PackfeedService) -> None:
+    """Live jobs' time-driven part: producers whose lease lapsed, groups past their deadline (`LiveSteps.tick`)."""
+    while True:
+        await asyncio.sleep(LIVE_TICK_S)
+        await asyncio.to_thread(service.tick_live_jobs)
+
+
 async def evict_idle_jobs(service: PackfeedService, idle_s: float) -> None:
     while True:
         await asyncio.sleep(min(60.0, idle_s / 4))
@@ -117,6 +125,7 @@ async def serve(config: ServerConfig, ready: asyncio.Event | None = None, stop: 
     evictor = asyncio.create_task(evict_idle_jobs(service, config.job_idle_s))
     reasserter = asyncio.create_task(reassert_jobs(service, min(REASSERT_EVERY_S, config.lease_ttl_s / 3)))
     watcher = asyncio.create_task(report_health(health_servicer, pool))
+    ticker = asyncio.create_task(tick_live_jobs(service))
     metrics_port = start_metrics(config, metrics.registry, StatusReport(service))
     for name in ("", SERVICE):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
@@ -148,6 +157,7 @@ async def serve(config: ServerConfig, ready: asyncio.Event | None = None, stop: 
     evictor.cancel()
     reasserter.cancel()
     watcher.cancel()
+    ticker.cancel()
     for name in ("", SERVICE):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
     await server.stop(grace=2)

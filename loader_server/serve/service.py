@@ -23,8 +23,11 @@ from packfeed.server.serve.coordination import Coordination
 from packfeed.server.serve.job_spec import JobError, JobSpec
 from packfeed.server.serve.jobs import Job
 from packfeed.server.live.put_request import PutRequest
+from packfeed.server.serve.job_info import job_info
+from packfeed.server.serve.live_control import LIVE_CHECK_S, LiveWait, claim_rollout, reserve
+from packfeed.server.serve.live_control import heartbeat as producer_heartbeat
 from packfeed.server.serve.live_put import put_samples
-from packfeed.server.serve.mixture_weights import (decided_answer, mixture_proto, mixture_status, report_losses,
+from packfeed.server.serve.mixture_weights import (decided_answer, report_losses,
                                                    restore_decided, step_weights)
 from packfeed.server.serve.network import client_host
 from packfeed.server.serve.observe import Metrics, log
@@ -41,8 +44,7 @@ from packfeed.v1.layout import Seat
 from packfeed.v1.options import PlanConfig
 
 SERVICE = pb.DESCRIPTOR.services_by_name["Packfeed"].full_name
-LIVE_HEARTBEAT_S = 10.0  # a live stream waiting for its next step sends an empty PackPart this often
-EMPTY_PART = pb.PackPart().SerializeToString()  # no data, not last: a client's assembler adds nothing
+LIVE_HEARTBEAT_S = 10.0  # a stream waiting for its next step (a loss-driven window) sends an empty PackPart this often
 
 
 class PackfeedService:
@@ -79,7 +81,7 @@ class PackfeedService:
         await asyncio.to_thread(self.coordination.register, job)
         self.metrics.jobs.set(len(self.registry.jobs))
         log.info("job opened", extra={"job": spec.job, "spec": job.spec.describe()})
-        return self.job_info(job)
+        return job_info(job)
 
     async def close_job(self, request: pb.CloseJobRequest, context) -> pb.CloseJobResponse:
         job = self.registry.close(request.job)
@@ -98,11 +100,25 @@ class PackfeedService:
         await self.coordination.hold_live(job)
         return await put_samples(job, request, self.metrics, self.budget.working_limit)
 
+    def producer_call(self, answer):
+        """Heartbeat, Reserve and ClaimRollout (`live_control`): answered by the live job's holder."""
+        async def call(request, context):
+            job = self.registry.get(request.job)
+            await self.coordination.hold_live(job)
+            return await answer(job, request)
+        return call
+
+    def tick_live_jobs(self) -> None:
+        """The time-driven part of every live job this server holds (`LiveSteps.tick`)."""
+        for job in list(self.registry.jobs.values()):
+            if job.live is not None and job.live_hold.renewing:
+                job.live.tick()
+
     async def get_job(self, request: pb.GetJobRequest, context) -> pb.JobInfo:
-        return self.job_info(self.registry.get(request.job))
+        return job_info(self.registry.get(request.job))
 
     async def list_jobs(self, request: pb.ListJobsRequest, context) -> pb.ListJobsResponse:
-        return pb.ListJobsResponse(jobs=[self.job_info(job) for job in list(self.registry.jobs.values())
+        return pb.ListJobsResponse(jobs=[job_info(job) for job in list(self.registry.jobs.values())
                                          if job.ready.is_set() and not job.failure])
 
     async def ack_step(self, request: pb.AckStepRequest, context) -> pb.AckStepResponse:
@@ -132,6 +148,8 @@ class PackfeedService:
             progress.acknowledge(request.epoch, request.step)
             self._record_skipped(job, seat.rank, request.epoch, request.step, skipped, "client")
             return pb.AckStepResponse()
+        if request.HasField("policy_version") and job.live is not None:
+            job.live.report_version(request.step, request.policy_version)
         await asyncio.to_thread(job.ack, seat.rank, request.epoch, request.step)
         if request.closing:  # the trainer stopped here: what it was sent beyond is not its lag
             progress.end_run()
@@ -139,31 +157,6 @@ class PackfeedService:
         self._record_skipped(job, seat.rank, request.epoch, request.step, skipped, "client")
         self.metrics.lag.labels(request.job, str(seat.rank)).set(job.ranks[seat.rank].lag)
         return decided_answer(job) if request.reports_losses else pb.AckStepResponse()
-
-    def job_info(self, job: Job) -> pb.JobInfo:
-        plan = job.epoch_plan(0)
-        counts, estimated = job.step_counts()
-        info = pb.JobInfo(job=job.spec.job, dataset=job.spec.dataset, plan=job.spec.plan_config.to_proto(),
-                          seed=job.spec.seed, epochs=job.spec.epochs, steps_per_epoch=plan.steps_known,
-                          steps=sum(counts), epoch_steps=counts, steps_estimated=estimated,
-                          plan_fingerprint=plan.fingerprint(), index_fingerprint=job.dataset.fingerprint,
-                          skipped_count=job.skipped_count, vision_cap=job.caps.vision_cap if job.caps else 0,
-                          token_cap=job.caps.token_cap if job.caps else 0, conventions=job.dataset.conventions,
-                          pixels=job.dataset.pixels.value,
-                          resume=job.spec.resume.to_proto() if job.spec.resume else None)
-        for listed, states in ((info.ranks, job.ranks), (info.encoder_ranks, job.encoders)):
-            for rank, state in enumerate(states):
-                listed.add(rank=rank, acked_epoch=state.acked[0], acked_step=state.acked[1], queued_steps=state.queued,
-                           streamed_epoch=state.streamed[0], streamed_step=state.streamed[1])
-        for key, reason, epoch, step in list(job.skipped):
-            info.skipped.add(key=key, reason=reason, epoch=epoch, step=step)
-        info.samples_by_dataset.update(job.delivered)
-        if job.live is not None:
-            info.live.CopyFrom(pb.LiveStatus(**job.live.status()))
-        mixture = mixture_status(job)
-        if mixture is not None:
-            info.mixture.CopyFrom(mixture_proto(mixture))
-        return info
 
     # -- the stream -------------------------------------------------------------------------------------
 
@@ -210,11 +203,17 @@ class PackfeedService:
         if seat.primary:
             job.progress(seat).begin_run()
         # a live job waiting for samples, or a loss-driven window for its reports: empty pieces keep the stream alive
-        heartbeat = LIVE_HEARTBEAT_S if (config.live or job.ledger is not None) and part_bytes else None
+        heartbeat = (LIVE_CHECK_S if config.live else LIVE_HEARTBEAT_S) \
+            if (config.live or job.ledger is not None) and part_bytes else None  # a live stream: LiveWait says what
+        waiting = LiveWait(job)
         try:
             while (item := await feed.next(heartbeat)) is not END:
                 if item is HEARTBEAT:  # nothing to send yet: an empty piece keeps the client's stall watch
-                    await context.write(EMPTY_PART)
+                    part = waiting.part()
+                    if part is not None:
+                        await context.write(part)
+                    if waiting.gone:
+                        raise JobError("FAILED_PRECONDITION", f"job {job.spec.job!r}: {waiting.gone}")
                     continue
                 if primary:
                     self.metrics.queue_depth.labels(job.spec.job, str(rank)).set(feed.queue.qsize())
@@ -350,6 +349,9 @@ class PackfeedService:
             "AckStep": unary(self.ack_step, pb.AckStepRequest, pb.AckStepResponse),
             "CloseJob": unary(self.close_job, pb.CloseJobRequest, pb.CloseJobResponse),
             "PutSamples": unary(self.put_samples, PutRequest, pb.PutSamplesResponse),  # its payload read in place
+            "Heartbeat": unary(self.producer_call(producer_heartbeat), pb.ProducerHeartbeat, pb.ProducerState),
+            "Reserve": unary(self.producer_call(reserve), pb.ReserveRequest, pb.ReserveResponse),
+            "ClaimRollout": unary(self.producer_call(claim_rollout), pb.ClaimRolloutRequest, pb.ClaimRolloutResponse),
             "StreamPacks": streaming(0),
             "StreamPackParts": streaming(self.config.pack_part_kb << 10),
         })

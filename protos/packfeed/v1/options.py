@@ -10,79 +10,20 @@ This module is part of the contract (`packfeed.v1`): pure Python, no numpy, impo
 
 from __future__ import annotations
 
-import enum
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
 from packfeed.v1.cost_model import CostModel
 from packfeed.v1.layout import Layout
+from packfeed.v1.plan_features import FEATURES, LIVE_FIELDS, PREFIX_SHARING_REFUSES
+from packfeed.v1.plan_kinds import CpMode, Oversize, PixelMode, Staleness, Strategy, VisualKind
+
+__all__ = ["FEATURES", "LIMITS", "LIVE_FIELDS", "MAX_EPOCHS", "MAX_NAME", "MAX_RESUME_CHAIN", "CostModel", "CpMode",
+           "Oversize", "PixelMode", "PlanConfig", "Staleness", "Strategy", "VisualKind"]  # the kinds' and features' homes: their
+# own modules; here, as plans name them
 
 if TYPE_CHECKING:  # the messages are imported where converted: `packfeed plan` never pays for protobuf
     from packfeed.v1 import packfeed_pb2 as pb
-
-
-class _Named(str, enum.Enum):
-    """An enum whose members are their names on the wire, in files and on the command line."""
-
-    def __str__(self) -> str:
-        return self.value
-
-    @classmethod
-    def parse(cls, value: str | _Named, what: str) -> _Named:
-        try:
-            return cls(value)
-        except ValueError:
-            raise ValueError(f"{what} must be one of {', '.join(m.value for m in cls)}, not {value!r}") from None
-
-
-class Strategy(_Named):
-    """How samples become packs and packs become steps."""
-
-    RANDOM = "random"  # baseline: random fixed-size batches, padded to their longest sample
-    LENGTH_GROUP = "length-group"  # baseline: LLaVA's length-grouped batches, padded
-    ISF = "isf"  # OmniBal's ISF packs, placed in random order (its published step formation)
-    ISF_BALANCE = "isf+balance"  # ISF packs, balanced steps, LPT over ranks, 1F1B microbatch order
-    # isf+balance with the LLM's ranks balanced on its own cost, and each step's encoder work assigned to ranks
-    # apart, balanced on its own, its outputs routed to their packs' ranks (OrchMLLM; plan/phases.py)
-    ISF_PHASES = "isf+phases"
-
-    @property
-    def padded(self) -> bool:
-        """Fixed-size batches padded to their longest sample (no caps, no packing)."""
-        return self in (Strategy.RANDOM, Strategy.LENGTH_GROUP)
-
-
-class PixelMode(_Named):
-    """Where and how a served dataset's images become tiles (its `pixels`; `JobInfo.pixels` on the wire)."""
-
-    EXACT = "exact"  # on the server, Pillow's bicubic byte for byte: what the Hugging Face processors give
-    FAST = "fast"  # on the server, within a stated bound of exact for a fraction of its CPU
-    ENCODED = "encoded"  # the image files travel; the client decodes and cuts them
-
-
-class CpMode(_Named):
-    """How a context-parallel plan gives packs their degree (`context_parallel` > 1)."""
-
-    # each pack over the fewest GPUs of its rank's CP group that hold it within max_tokens_per_gpu; short packs
-    # run side by side on sub-groups (Megatron-Core's dynamic context parallelism, planned ahead)
-    DYNAMIC = "dynamic"
-    STATIC = "static"  # every pack over all C GPUs of the group (the usual CP): the baseline
-
-
-class VisualKind(enum.IntEnum):
-    """What a pack's visual item is (its `visual_kind` tensor on the wire: int32)."""
-
-    IMAGE = 0
-    VIDEO = 1  # its tiles are its sampled frames (or one temporal patch of them)
-
-
-class Oversize(_Named):
-    """What happens to a sample that alone exceeds a pack cap (always reported)."""
-
-    ALONE = "alone"  # it travels as a pack of its own
-    SKIP = "skip"  # it is dropped
-    TRUNCATE = "truncate"  # its tokens are cut to the token cap (too many vision units still travel alone)
 
 
 def _help(text: str) -> dict[str, str]:
@@ -92,14 +33,13 @@ def _help(text: str) -> dict[str, str]:
 # proto3 `optional` where false is a choice, not "unset" (the counts with presence, microbatches,
 # pipeline_stages and isf_iterations, take 0 as the default, as v1 clients sent it before they had presence)
 _WITH_PRESENCE = ("collective_safe", "max_staleness", "shared_prefix")
-LIVE_FIELDS = ("step_samples", "step_tokens", "max_staleness", "steps")  # a live job's (`live`) own settings
 
 # Bounds of every count a request may carry: a server plans and holds state in proportion to them.
 LIMITS = {"dp": 65536, "microbatches": 1024, "ranks_per_node": 65536, "pipeline_stages": 1024, "isf_iterations": 100,
           "samples_per_pack": 1024, "vision_cap": 2**31 - 1, "token_cap": 2**31 - 1, "vision_target": 2**31 - 1,
           "token_target": 2**31 - 1, "window": 2**40, "context_parallel": 1024, "max_tokens_per_gpu": 2**31 - 1,
           "encoder_ranks": 65536, "step_samples": 1 << 20, "step_tokens": 1 << 40, "max_staleness": 2**31 - 1,
-          "steps": 1 << 40}
+          "steps": 1 << 40, "group_size": 65536, "producer_timeout_s": 1e7, "group_timeout_s": 1e7}
 MAX_NAME = 256  # characters of a job id or dataset name
 MAX_EPOCHS = 1_000_000  # of one job
 MAX_RESUME_CHAIN = 16  # a job resuming a job that resumed another ...: each link re-plans an epoch at open
@@ -165,10 +105,25 @@ class PlanConfig:
         "dropped and counted (unset: none is)"))
     steps: int = field(default=0, metadata=_help(
         "live: the job ends after this many steps (0: when a producer ends it)"))
+    staleness: Staleness = field(default=Staleness.DROP, metadata=_help(
+        "live: samples older than max_staleness allows are dropped (drop), or never generated: producers reserve "
+        "before generating and wait for a grant (wait; docs/live.md \"Asynchronous RL\")"))
+    producer_timeout_s: float = field(default=0.0, metadata=_help(
+        "live: a stream waiting for a step fails, naming the job and its producers, once no producer has been alive "
+        "or put a sample for this long (0: it waits)"))
+    group_size: int = field(default=0, metadata=_help(
+        "live: a step takes a group whole, its G samples (or what arrived within group_timeout_s; 0: groups are "
+        "not waited for)"))
+    group_timeout_s: float = field(default=0.0, metadata=_help(
+        "live: a group is taken with what arrived this long after its first sample (0: only whole)"))
+    filter_groups: str = field(default="", metadata=_help(
+        "live: the name of a per-sample value (e.g. reward); a whole group whose values are all equal is dropped "
+        "and counted (DAPO's dynamic sampling)"))
 
     def __post_init__(self):
         problems = []
-        for name, kind in (("strategy", Strategy), ("oversize", Oversize), ("cp_mode", CpMode)):
+        for name, kind in (("strategy", Strategy), ("oversize", Oversize), ("cp_mode", CpMode),
+                           ("staleness", Staleness)):
             try:
                 object.__setattr__(self, name, kind.parse(getattr(self, name), name))
             except ValueError as error:
@@ -228,7 +183,8 @@ class PlanConfig:
     def to_dict(self) -> dict[str, Any]:
         """Plain values (enums as their names): what plan files, fingerprints and job descriptions record."""
         out = asdict(self)
-        out["strategy"], out["oversize"], out["cp_mode"] = self.strategy.value, self.oversize.value, self.cp_mode.value
+        for name in ("strategy", "oversize", "cp_mode", "staleness"):
+            out[name] = getattr(self, name).value
         out["cost_model"] = self.cost_model.to_dict()
         for feature in FEATURES:  # a plan without a feature records what plans did before it existed
             on = feature.recorded(self)
@@ -244,7 +200,8 @@ class PlanConfig:
     def to_proto(self) -> pb.PlanSpec:
         from packfeed.v1 import packfeed_pb2 as pb
 
-        spec = pb.PlanSpec(**{name: value or 0 for name, value in self.to_dict().items() if name != "cost_model"})
+        spec = pb.PlanSpec(**{name: 0 if value is None else value for name, value in self.to_dict().items()
+                              if name != "cost_model"})
         if self.cost_model != CostModel.from_shapes():
             spec.cost_model.CopyFrom(self.cost_model.to_proto())
         return spec
@@ -263,93 +220,3 @@ class PlanConfig:
         if spec.HasField("cost_model"):
             chosen["cost_model"] = CostModel.from_proto(spec.cost_model)
         return cls(**chosen)
-
-
-# The features a plan may have, in one table: the fields each adds (recorded in `to_dict` only while it is on, so
-# a plan without it records, and fingerprints, what plans did before it existed) and its rules (its own settings,
-# and the features it does not combine with). A new feature is a row here, not a branch in `PlanConfig`.
-
-
-def _no_problems(config: PlanConfig) -> list[str]:
-    return []
-
-
-def _window_problems(c: PlanConfig) -> list[str]:
-    return ["window must be >= 0 (0: the whole epoch at once)"] if c.window < 0 else []
-
-
-def _colocate_problems(c: PlanConfig) -> list[str]:
-    if c.colocate_encoder and c.strategy is not Strategy.ISF_PHASES:
-        return ["colocate_encoder applies to strategy isf+phases only (the others always colocate)"]
-    return []
-
-
-def _context_parallel_problems(c: PlanConfig) -> list[str]:
-    if c.context_parallel > 1 and c.strategy not in (Strategy.ISF, Strategy.ISF_BALANCE):
-        return [f"context_parallel plans ISF packs: strategy isf+balance or isf, not {c.strategy.value}"]
-    if c.context_parallel > 1 and c.window:
-        return ["context_parallel plans whole epochs: leave window at 0"]
-    if c.max_tokens_per_gpu is not None and c.max_tokens_per_gpu < 1:
-        return ["max_tokens_per_gpu must be >= 1"]
-    if c.context_parallel == 1 and (c.max_tokens_per_gpu is not None or c.cp_mode is not CpMode.DYNAMIC):
-        return ["max_tokens_per_gpu and cp_mode apply with context_parallel > 1"]
-    return []
-
-
-def _encoder_ranks_problems(c: PlanConfig) -> list[str]:
-    if c.encoder_ranks <= 0:
-        return []
-    if c.strategy not in (Strategy.ISF, Strategy.ISF_BALANCE, Strategy.ISF_PHASES):
-        return [f"encoder_ranks plans ISF packs: strategy isf+balance, isf or isf+phases, not {c.strategy.value}"]
-    if c.colocate_encoder:
-        return ["colocate_encoder encodes on the LLM's ranks: leave encoder_ranks at 0"]
-    return []
-
-
-def _live_problems(c: PlanConfig) -> list[str]:
-    given = [name for name in LIVE_FIELDS if getattr(c, name) not in (None, 0)]
-    if not c.live:
-        return [f"{', '.join(given)} apply to live jobs only: set live"] if given else []
-    problems = []
-    if not (c.step_samples or c.step_tokens):
-        problems.append("a live job needs step_samples or step_tokens (when a step forms)")
-    if min(c.step_samples, c.step_tokens, c.steps, c.max_staleness or 0) < 0:
-        problems.append("step_samples, step_tokens, steps and max_staleness must be >= 0")
-    if c.window:
-        problems.append("a live job plans each step as it forms: leave window at 0")
-    if c.strategy.padded:
-        problems.append(f"a live job plans ISF packs: strategy isf+balance or isf, not {c.strategy.value}")
-    if c.strategy is Strategy.ISF_PHASES or c.encoder_ranks:
-        problems.append("a live job encodes images where they train: strategy isf+balance or isf, encoder_ranks 0")
-    return problems
-
-
-@dataclass(frozen=True)
-class Feature:
-    name: str
-    fields: tuple[str, ...]  # what it adds to PlanConfig
-    recorded: Callable[[PlanConfig], bool]  # whether `to_dict` records its fields
-    problems: Callable[[PlanConfig], list[str]] = _no_problems  # empty: its settings hold, with the others'
-    recorded_when_set: tuple[str, ...] = ()  # of its fields, those recorded (while it is on) only when not None
-
-
-FEATURES: tuple[Feature, ...] = (
-    Feature("windows", ("window",), lambda c: c.window != 0, _window_problems),
-    Feature("isf+phases", ("ranks_per_node",), lambda c: c.strategy is Strategy.ISF_PHASES),
-    Feature("a colocated encoder", ("colocate_encoder",), lambda c: c.colocate_encoder, _colocate_problems),
-    Feature("context parallelism", ("context_parallel", "max_tokens_per_gpu", "cp_mode"),
-            lambda c: c.context_parallel > 1, _context_parallel_problems),
-    Feature("encoder ranks", ("encoder_ranks",), lambda c: c.encoder_ranks > 0, _encoder_ranks_problems),
-    Feature("towers not aligned", ("collective_safe",), lambda c: not c.collective_safe),  # on by default
-    Feature("each sample alone", ("shared_prefix",), lambda c: not c.shared_prefix),  # sharing on by default
-    Feature("live", ("live", *LIVE_FIELDS), lambda c: c.live, _live_problems, recorded_when_set=("max_staleness",)),
-)
-
-# What a plan sharing its groups' prefixes (`PlanConfig.shares_prefixes`) does not combine with, and why: an index
-# with groups is refused when planned, a live sample sharing a prefix when put (the way out, for both: plan each
-# sample alone with shared_prefix false).
-PREFIX_SHARING_REFUSES: tuple[tuple[Callable[[PlanConfig], bool], str], ...] = (
-    (lambda c: c.context_parallel > 1, "context parallelism (a response must see its prefix on its own GPU)"),
-    (lambda c: c.strategy is Strategy.ISF_PHASES or c.encoder_ranks > 0,
-     "strategy isf+phases and encoder ranks (a prefix's images are encoded where it trains)"),
-)
