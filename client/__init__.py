@@ -31,20 +31,22 @@ from packfeed.v1.layout import Layout, Seat
 from packfeed.v1.options import CostModel, Oversize, PlanConfig, Strategy
 
 if TYPE_CHECKING:
-    from packfeed.client.stream.channel import Connection, PackfeedError
+    from packfeed.client.stream.channel import Connection, PackfeedError, ProducersGone
     from packfeed.client.stream.discovery import servers_from_redis
     from packfeed.client.stream.local import LocalServer
     from packfeed.client.stream.pack_stream import PackStream
-    from packfeed.client.stream.producer import Producer, PutResult, Sample, SampleRefused
+    from packfeed.client.stream.producer import Producer, PutResult, Reservation, Rollout, Sample, SampleRefused
     from packfeed.client.stream.tensors import PackTensors, Step
 
-_MODULE_OF = {"Connection": "stream.channel", "PackfeedError": "stream.channel",
+_MODULE_OF = {"Connection": "stream.channel", "PackfeedError": "stream.channel", "ProducersGone": "stream.channel",
+              "Reservation": "stream.producer", "Rollout": "stream.producer",
               "servers_from_redis": "stream.discovery", "LocalServer": "stream.local", "PackStream": "stream.pack_stream",
               "Producer": "stream.producer", "PutResult": "stream.producer", "Sample": "stream.producer",
               "SampleRefused": "stream.producer", "PackTensors": "stream.tensors", "Step": "stream.tensors"}
 
 __all__ = ["Connection", "CostModel", "Layout", "LocalServer", "Oversize", "PackStream", "PackTensors", "PackfeedError",
-           "PlanConfig", "Producer", "PutResult", "Sample", "SampleRefused", "Seat", "Step", "Strategy", "servers_from_redis"]
+           "PlanConfig", "Producer", "ProducersGone", "PutResult", "Reservation", "Rollout", "Sample", "SampleRefused",
+           "Seat", "Step", "Strategy", "servers_from_redis"]
 
 # Where each module stood before the client had rooms -> where it stands now.
 MOVED = {"wire": "stream.wire", "tensors": "stream.tensors", "channel": "stream.channel", "decode": "stream.decode",

@@ -30,6 +30,15 @@ class PackfeedError(RuntimeError):
         self.code = code
 
 
+class ProducersGone(PackfeedError):
+    """A live job's stream waited for a step while no sample was put for its `producer_timeout_s`: its producers
+    are gone (the message names the job and the producers its server heard from). Not retried."""
+
+    def __init__(self, message: str, job: str):
+        super().__init__(message, grpc.StatusCode.FAILED_PRECONDITION)
+        self.job = job
+
+
 @dataclass(frozen=True)
 class Connection:
     """Client-side connection settings. TLS: `tls_ca` (PEM) verifies the server; `tls_cert` + `tls_key` add a

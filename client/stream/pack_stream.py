@@ -66,7 +66,9 @@ class PackStream:
     rank of another job of the same dataset and seed, which ran with other plan settings (another DP or M): this
     job then plans what that job left of its epoch with its own settings and starts there (elastic resume; every
     sample still once per epoch). `producer_token`, for a live job: the token its producers must bring
-    (docs/live.md "Who may put"; PACKFEED_PRODUCER_TOKEN when not given).
+    (docs/live.md "Who may put"; PACKFEED_PRODUCER_TOKEN when not given); `stream.policy_version = v` says
+    which policy version it trains (sent with each acknowledgement), and a stream whose producers are gone raises
+    `ProducersGone` (docs/live.md "Asynchronous RL").
     `connection` holds timeouts, retries, token and TLS. The flat keyword arguments of earlier versions (`dp=`,
     `microbatches=`, `strategy=`, `token=`, `tls_ca=`, `timeout=`, ...) still work: they fill `plan` and
     `connection`.
@@ -110,6 +112,15 @@ class PackStream:
         self._losses = LossReports()  # a loss-driven mixture's reports and decided windows
         self._receiver: Receiver | None = None
         self.wait_seconds = 0.0  # time the trainer spent blocked in next()
+        # a live job: the policy version the trainer holds after its latest update, sent with each acknowledgement
+        # (None: one update a step); the producers generate with it (docs/live.md "Asynchronous RL")
+        self.policy_version: int | None = None
+
+    @property
+    def live_state(self) -> pb.LiveStatus | None:
+        """A live job's state as its server last sent it while this stream waited for a step (its policy version,
+        producers alive, reservations, why no step forms); None before any wait."""
+        return self._receiver.live_state if self._receiver is not None else None
 
     @property
     def rank(self) -> int:
@@ -279,7 +290,7 @@ class PackStream:
         if self.acknowledge:
             self._acked = (epoch, step)
             request = pb.AckStepRequest(job=self.job, epoch=epoch, step=step, data_wait_s=self.wait_seconds,
-                                        closing=closing, **seat_fields(self.seat),
+                                        closing=closing, policy_version=self.policy_version, **seat_fields(self.seat),
                                         skipped=[pb.SkippedSample(key=key, reason=reason, epoch=epoch, step=step)
                                                  for key, reason in skipped])
             self._acks.submit(self.channel.send, "AckStep", request)

@@ -22,6 +22,10 @@ the put to the next.
 
 A job opened with a producer token (`PackStream(..., producer_token=...)`, `Producer(plan=..., producer_token=...)`)
 takes puts and its end only with it: give it as `producer_token=` or in PACKFEED_PRODUCER_TOKEN.
+
+Asynchronous RL (docs/live.md "Asynchronous RL"): a producer says it is alive every `heartbeat_s` (its trainers are
+told when no producer is), `policy_version` is the version the trainers train now (from every answer), `reserve`
+asks before generating under staleness wait, and `claim` takes an unfinished rollout to continue.
 """
 
 from __future__ import annotations
@@ -39,6 +43,8 @@ import grpc
 import numpy as np
 
 from packfeed.client.stream.channel import Connection, PackfeedError, ServerChannel
+from packfeed.client.stream.rollouts import HEARTBEAT_S, LEASE_HEARTBEATS, Heartbeats, Reservation, Rollout, \
+    new_producer_id
 from packfeed.v1 import packfeed_pb2 as pb
 from packfeed.v1.options import PlanConfig
 
@@ -50,7 +56,10 @@ class Sample:
     """One live sample. `tokens`: its LLM token ids, final (never re-tokenised), image placeholders included;
     `loss_mask`: 1 where a token is trained on (default: every token); `tensors`: per-token floats by name;
     `group`: the prompt it answers; `policy_version`: the policy that generated it; its images either
-    `prompt`, the key of the indexed sample whose images it uses, or `images`, image files (bytes or paths)."""
+    `prompt`, the key of the indexed sample whose images it uses, or `images`, image files (bytes or paths);
+    `values`: per-sample numbers by name (a reward: filter_groups judges groups on one). A rollout put in parts:
+    `unfinished` (its prefix so far), `part` (0, 1, ...) and `token_versions` (each token's policy version; made
+    by `Rollout.continued`)."""
 
     tokens: Any
     id: str = ""
@@ -60,6 +69,10 @@ class Sample:
     policy_version: int = 0
     prompt: str = ""
     images: list = field(default_factory=list)
+    values: Mapping[str, float] = field(default_factory=dict)
+    unfinished: bool = False
+    part: int = 0
+    token_versions: Any = None
 
     @classmethod
     def of(cls, value: Sample | Mapping[str, Any], base: Path | None = None) -> Sample:
@@ -78,12 +91,16 @@ class Sample:
 
     def to_proto(self) -> pb.LiveSample:
         message = pb.LiveSample(id=self.id, group=self.group, policy_version=int(self.policy_version),
-                                prompt=self.prompt, images=[_image_bytes(image, None) for image in self.images])
+                                prompt=self.prompt, images=[_image_bytes(image, None) for image in self.images],
+                                values={name: float(value) for name, value in self.values.items()},
+                                unfinished=self.unfinished, part=self.part)
         message.tokens.CopyFrom(_tensor(self.tokens, np.int32))
         if self.loss_mask is not None:
             message.loss_mask.CopyFrom(_tensor(self.loss_mask, np.uint8))
         for name, values in self.tensors.items():
             message.tensors[name].CopyFrom(_tensor(values, np.float32))
+        if self.token_versions is not None:
+            message.token_versions.CopyFrom(_tensor(self.token_versions, np.int64))
         return message
 
 
@@ -112,7 +129,8 @@ class Producer:
     def __init__(self, target: str | list[str], *, job: str, token: str | None = None,
                  connection: Connection | None = None, batch_samples: int = 256, batch_bytes: int = 16 << 20,
                  on_refused: str = "raise", full_wait_s: float = 600.0, plan: PlanConfig | None = None,
-                 dataset: str = "", seed: int = 0, open_wait_s: float = 0.0, producer_token: str | None = None):
+                 dataset: str = "", seed: int = 0, open_wait_s: float = 0.0, producer_token: str | None = None,
+                 name: str = "", heartbeat_s: float = HEARTBEAT_S):
         if on_refused not in ("raise", "return"):
             raise ValueError("on_refused is 'raise' or 'return'")
         if connection is not None and token is not None:
@@ -130,6 +148,50 @@ class Producer:
         self._buffered_bytes = 0
         self.results: list[PutResult] = []  # of what `submit` sent, since the last flush
         self.ended = False
+        self.id, self.name, self.heartbeat_s = new_producer_id(), name, heartbeat_s
+        self.policy_version = 0  # the job's: what its trainers train now (every answer says it)
+        self._heartbeats = Heartbeats(self._beat, heartbeat_s) if heartbeat_s > 0 else None
+
+    def _beat(self, leaving: bool = False) -> None:
+        state = self.channel.ask("Heartbeat", pb.ProducerHeartbeat(
+            job=self.job, producer=self.id, name=self.name, lease_s=self.heartbeat_s * LEASE_HEARTBEATS,
+            leaving=leaving, producer_token=self.producer_token))
+        self.policy_version = state.policy_version
+
+    def reserve(self, group: str, samples: int = 0, policy_version: int | None = None,
+                wait_s: float | None = None) -> Reservation:
+        """Under staleness wait: the right to generate `samples` (0: the job's group_size) samples of `group` with
+        `policy_version` (None: the job's version: load it first), asked before generating. Waits for the grant
+        up to `wait_s` (default `full_wait_s`): the trainers take steps, and room opens. Under staleness drop it is
+        granted at once (nothing is reserved)."""
+        request = pb.ReserveRequest(job=self.job, producer=self.id, group=group, samples=samples,
+                                    policy_version=policy_version, producer_token=self.producer_token)
+        start, limit = time.monotonic(), self.full_wait_s if wait_s is None else wait_s
+        while True:
+            answer = self._call(request, "Reserve")
+            self.policy_version = answer.policy_version_now
+            if answer.granted:
+                return Reservation(group, samples, answer.policy_version)
+            if time.monotonic() - start + answer.retry_s > limit:
+                raise PackfeedError(f"job {self.job!r} granted no reservation of {group!r} within {limit:g} s: "
+                                    f"{answer.reason}")
+            time.sleep(answer.retry_s)
+
+    def claim(self, policy_version: int | None = None, wait_s: float = 0.0) -> Rollout | None:
+        """An unfinished rollout of the job to continue (yours alone while this producer is alive), or None when
+        none is waiting (after trying for `wait_s`). Continue it with newer weights and put
+        `rollout.continued(...)`."""
+        request = pb.ClaimRolloutRequest(job=self.job, producer=self.id, policy_version=policy_version,
+                                         producer_token=self.producer_token)
+        start = time.monotonic()
+        while True:
+            answer = self._call(request, "ClaimRollout")
+            self.policy_version = answer.policy_version_now
+            if answer.claimed:
+                return Rollout.from_proto(answer.rollout)
+            if time.monotonic() - start + answer.retry_s > wait_s:
+                return None
+            time.sleep(answer.retry_s)
 
     def put(self, samples: Sample | Mapping | Iterable[Sample | Mapping]) -> PutResult | list[PutResult]:
         """Put one sample (a PutResult back) or many (a list); returns when they are durable."""
@@ -160,7 +222,7 @@ class Producer:
     def end(self) -> None:
         """Flush, then end the job: what is pending forms its last step, and later puts are refused."""
         self.flush()
-        self._call(pb.PutSamplesRequest(job=self.job, end=True, producer_token=self.producer_token))
+        self._call(pb.PutSamplesRequest(job=self.job, end=True, producer_token=self.producer_token, producer=self.id))
         self.ended = True
 
     def close(self) -> None:
@@ -168,7 +230,19 @@ class Producer:
         try:
             self.flush()
         finally:
+            self._leave()
             self.channel.close()
+
+    def _leave(self) -> None:
+        """Stop the heartbeats and tell the job this producer leaves (what it reserved and claimed goes back)."""
+        if self._heartbeats is None:
+            return
+        self._heartbeats.stop()
+        self._heartbeats = None
+        try:
+            self._beat(leaving=True)
+        except PackfeedError:
+            pass  # its lease lapses instead
 
     def __enter__(self) -> Producer:
         return self
@@ -188,19 +262,22 @@ class Producer:
             self.results += self._send(batch)
 
     def _send(self, messages: list[pb.LiveSample]) -> list[PutResult]:
-        response = self._call(pb.PutSamplesRequest(job=self.job, samples=messages, producer_token=self.producer_token))
+        response = self._call(pb.PutSamplesRequest(job=self.job, samples=messages, producer_token=self.producer_token,
+                                                   producer=self.id))
+        self.policy_version = response.policy_version
         return [PutResult(r.id, r.accepted, r.duplicate, r.field, r.reason) for r in response.results]
 
-    def _call(self, request: pb.PutSamplesRequest) -> pb.PutSamplesResponse:
-        """The put, retried (the same ids: idempotent). A full spool is waited out up to `full_wait_s`; a server
-        that does not know the job sends it to the next one, where `plan` opens it, else up to `open_wait_s`."""
+    def _call(self, request, method: str = "PutSamples"):
+        """The put (or another of a producer's calls), retried (the same ids: idempotent). A full spool is waited
+        out up to `full_wait_s`; a server that does not know the job sends it to the next one, where `plan` opens
+        it, else up to `open_wait_s`."""
         start, pause = time.monotonic(), self.connection.backoff or 0.5
         missing: set[str] = set()  # the servers that did not know the job, in this round
         opened: set[str] = set()  # where this call opened it (once each: a server that forgets it at once is missing)
         while True:
             try:
-                return self.channel.call("PutSamples", request, final=(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                                                       grpc.StatusCode.NOT_FOUND))
+                return self.channel.call(method, request, final=(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                                                 grpc.StatusCode.NOT_FOUND))
             except PackfeedError as error:
                 waited = time.monotonic() - start
                 if error.code is grpc.StatusCode.NOT_FOUND:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from packfeed.client.stream.channel import RETRYABLE, PackfeedError, ServerChannel
+from packfeed.client.stream.channel import RETRYABLE, PackfeedError, ProducersGone, ServerChannel
 from packfeed.client.stream.decode import PackDecoder
 from packfeed.client.stream.tensors import PackTensors, Step, pack_of
 from packfeed.client.stream.wire import PackAssembler
@@ -57,6 +57,7 @@ class Receiver:
         self.cursor, self.failures = start, 0  # the first step not yet received; consecutive failures
         self._heard = time.monotonic()  # last sign of life from the server (or from the trainer taking a step)
         self._stalled = False
+        self.live_state: pb.LiveStatus | None = None  # a live job's state, as its waiting stream last sent it
         self._thread = threading.Thread(target=self._run, name=f"packfeed-{seat.lease_name}", daemon=True)
         self._thread.start()
         threading.Thread(target=self._watch, name=f"packfeed-watch-{seat.lease_name}", daemon=True).start()
@@ -120,6 +121,8 @@ class Receiver:
         for part in self._call:
             self._heard = time.monotonic()
             message = assembler.add(part)
+            if assembler.waiting is not None:
+                self.live_state, assembler.waiting = assembler.waiting, None
             if message is None:
                 continue
             packs.append(pack_of(message, self.pin_memory))
@@ -153,6 +156,9 @@ class Receiver:
                     return
                 code = error.code() if isinstance(error, grpc.RpcError) else grpc.StatusCode.UNAVAILABLE
                 details = error.details() if isinstance(error, grpc.RpcError) else str(error)
+                if self.live_state is not None and self.live_state.producers_gone:  # not retried, nor elsewhere
+                    self._put(ProducersGone(f"{details} ({self.seat.name})", self.job))
+                    return
                 if self._stalled:  # our watchdog cancelled a silent stream: a server problem, retry elsewhere
                     self._stalled = False
                     code, details = grpc.StatusCode.UNAVAILABLE, (f"no data for "

@@ -19,7 +19,8 @@ from packfeed.v1.wire_format import fields as _fields
 
 _TENSORS = pb.Pack.DESCRIPTOR.fields_by_name["tensors"].number
 _DTYPE, _SHAPE, _DATA = (pb.Tensor.DESCRIPTOR.fields_by_name[n].number for n in ("dtype", "shape", "data"))
-_PART_DATA, _PART_LAST = (pb.PackPart.DESCRIPTOR.fields_by_name[n].number for n in ("data", "last"))
+_PART_DATA, _PART_LAST, _PART_WAITING = (pb.PackPart.DESCRIPTOR.fields_by_name[n].number
+                                         for n in ("data", "last", "waiting"))
 
 
 @dataclass(frozen=True)
@@ -81,6 +82,7 @@ class PackAssembler:
 
     def __init__(self) -> None:
         self._pieces: list[memoryview] = []
+        self.waiting: pb.LiveStatus | None = None  # the last live job state a waiting stream sent (PackPart.waiting)
 
     def add(self, part: bytes) -> bytes | None:
         data, last = memoryview(b""), False
@@ -89,6 +91,8 @@ class PackAssembler:
                 data = memoryview(part)[value:value_end]
             elif number == _PART_LAST and wire_type == _VARINT:
                 last = bool(value)
+            elif number == _PART_WAITING and wire_type == _LENGTH_DELIMITED:
+                self.waiting = pb.LiveStatus.FromString(bytes(part[value:value_end]))
         self._pieces.append(data)
         if not last:
             return None

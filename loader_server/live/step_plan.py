@@ -32,6 +32,7 @@ from packfeed.server.plan.costs import SampleLoads
 from packfeed.server.plan.plan_file import Plan
 from packfeed.server.plan.planner import make_plan
 from packfeed.v1.options import LIMITS, LIVE_FIELDS, PlanConfig, Staleness
+from packfeed.v1.plan_features import ASYNC_FIELDS
 
 
 def step_plan(rows: list[LiveRow], config: PlanConfig, seed: int, step: int, fingerprint: str) -> Plan | None:
@@ -49,7 +50,8 @@ def step_plan(rows: list[LiveRow], config: PlanConfig, seed: int, step: int, fin
         loads.group = np.array([numbered.setdefault(prefix_group(r), len(numbered)) if r.prefix_key else -1
                                 for r in rows], np.int64)
         loads.prefix = np.array([r.prefix for r in rows], np.int32)
-    planned = replace(config, live=False, **{name: None if name == "max_staleness" else 0 for name in LIVE_FIELDS})
+    planned = replace(config, live=False, **{name: None if name == "max_staleness" else 0 for name in LIVE_FIELDS},
+                      **{name: PlanConfig.__dataclass_fields__[name].default for name in ASYNC_FIELDS})
     if config.token_cap is None:
         planned = replace(planned, samples_per_pack=max(1.0, len(rows) / config.slots))
     microbatches = config.microbatches
