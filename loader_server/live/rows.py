@@ -50,6 +50,7 @@ class LiveRow:
     unfinished: bool = False
     part: int = 0
     covers: str = ""
+    producer: str = ""  # who put it (`packfeed info` counts a spool's samples by producer)
 
     @classmethod
     def spooled(cls, sample: LiveSample, batch: int, file: str, place: int, members: dict[str, Span],
@@ -59,7 +60,8 @@ class LiveRow:
                    tuple(tuple(size) for size in sample.sizes), tuple(sorted(sample.tensors)), sample.prompt_id,
                    sample.pixel_bytes, sample.prefix, sample.prefix_key, sample.digest, batch, file, place,
                    {name: tuple(span) for name, span in members.items()}, tuple(tuple(span) for span in images),
-                   values=dict(sample.values), unfinished=sample.unfinished, part=sample.part, covers=sample.covers)
+                   values=dict(sample.values), unfinished=sample.unfinished, part=sample.part, covers=sample.covers,
+                   producer=sample.producer)
 
     @property
     def key(self) -> str:
@@ -71,7 +73,7 @@ class LiveRow:
         its first version)."""
         out = dataclasses.asdict(self)
         del out["tar"], out["prefix_of"]
-        for name, default in (("values", {}), ("unfinished", False), ("part", 0), ("covers", "")):
+        for name, default in (("values", {}), ("unfinished", False), ("part", 0), ("covers", ""), ("producer", "")):
             if out[name] == default:  # rows as spools held them before asynchronous RL
                 del out[name]
         return {**out, "key": self.id, "n_images": len(self.sizes)}

@@ -85,6 +85,7 @@ class LiveSample:
     part: int = 0
     token_versions: np.ndarray | None = None
     covers: str = ""  # an unfinished part's `prefix_digest` over all its tokens: what its continuation starts with
+    producer: str = ""  # the producer that put it (its id; "": it named none)
 
     def content_digest(self) -> str:
         """What a put of the same id must match to be a retry: its arrays, tags, image files and (of a rollout put

@@ -169,6 +169,7 @@ class LiveSteps(SpoolRecovery, ProducerSide):
                 outcomes.append(outcome)
                 self.refused += outcome[0] == "refused"
                 if outcome[0] == "accepted":
+                    sample.producer = producer
                     accepted.append(sample)
                     seen[sample.id] = sample.digest
             kept = False

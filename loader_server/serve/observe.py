@@ -80,6 +80,19 @@ class Metrics:
         self.live_pending = Gauge("packfeed_live_pending_samples", "Live samples accepted and in no step yet",
                                   ["job"], registry=r)
         self.live_spool = Gauge("packfeed_live_spool_bytes", "What a live job's spool holds", ["job"], registry=r)
+        self.live_version = Gauge("packfeed_live_policy_version", "A live job's policy version (what its trainers "
+                                  "train now)", ["job"], registry=r)
+        self.live_age = Histogram("packfeed_live_sample_age_versions", "Trained live samples' age in policy versions "
+                                  "(the version their step trains at minus theirs)", ["job"], registry=r,
+                                  buckets=(0, 1, 2, 3, 4, 6, 8, 16, 32))
+        self.live_producers = Gauge("packfeed_live_producers_alive", "A live job's producers alive (heartbeats)",
+                                    ["job"], registry=r)
+        self.live_reservations = Gauge("packfeed_live_reservations", "Reservations granted and not yet put "
+                                       "(staleness wait)", ["job"], registry=r)
+        self.live_partials = Gauge("packfeed_live_partial_rollouts", "Unfinished rollouts waiting to be continued",
+                                   ["job"], registry=r)
+        self.live_groups_filtered = Counter("packfeed_live_filtered_groups", "Whole groups filter_groups dropped",
+                                            ["job"], registry=r)
         self.mixture_weight = Gauge("packfeed_mixture_weight", "A mixture whose weights move: each dataset's weight "
                                     "in the window of the step last sent", ["job", "dataset"], registry=r)
         self.loss_reports = Counter("packfeed_loss_reports", "Loss reports of a loss-driven mixture's trainers, by "
@@ -96,6 +109,16 @@ class Metrics:
             counter.labels(job).inc(now[name] - before[name])
         self.live_pending.labels(job).set(now["pending"])
         self.live_spool.labels(job).set(now["spool_bytes"])
+        if "policy_version" not in now:
+            return
+        self.live_version.labels(job).set(now["policy_version"])
+        for age, count in now["trained_age"].items():
+            for _ in range(count - before.get("trained_age", {}).get(age, 0)):
+                self.live_age.labels(job).observe(age)
+        for gauge, name in ((self.live_producers, "producers_alive"), (self.live_reservations, "reservations"),
+                            (self.live_partials, "partials")):
+            gauge.labels(job).set(now[name])
+        self.live_groups_filtered.labels(job).inc(now["groups_filtered"] - before.get("groups_filtered", 0))
 
     def run_ended(self, job: str, rank: int, lag: int) -> None:
         """A rank's stream ended: nothing of it is queued any more; `lag` steps are in flight (the last steps

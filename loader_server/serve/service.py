@@ -112,7 +112,9 @@ class PackfeedService:
         """The time-driven part of every live job this server holds (`LiveSteps.tick`)."""
         for job in list(self.registry.jobs.values()):
             if job.live is not None and job.live_hold.renewing:
+                before = job.live.status()
                 job.live.tick()
+                self.metrics.live_observe(job.spec.job, job.live.status(), before)
 
     async def get_job(self, request: pb.GetJobRequest, context) -> pb.JobInfo:
         return job_info(self.registry.get(request.job))

@@ -113,7 +113,16 @@ function job(j, window_s) {
     (j.live ? '<p class="live">live: ' + num(j.live.arrived, 0) + " samples arrived, " + num(j.live.pending, 0) +
       " pending, " + num(j.live.steps_formed, 0) + " steps formed, " + num(j.live.dropped_stale, 0) +
       " dropped as stale, " + num(j.live.refused, 0) + " refused; spool " + mib(j.live.spool_bytes) +
-      (j.live.ended ? "; ended" : "") + "</p>" : "") +
+      (j.live.ended ? "; ended" : "") + "</p>" +
+      (j.live.policy_version !== undefined ? '<p class="live-async">policy version ' + num(j.live.policy_version, 0) +
+        "; trained by age in versions " + (Object.entries(j.live.trained_age).map(([a, n]) => a + ": " + num(n, 0))
+        .join(", ") || "none yet") + "; producers alive " + num(j.live.producers_alive, 0) + " of " +
+        num(j.live.producers.length, 0) + ", " + num(j.live.reservations, 0) + " reservations, " +
+        num(j.live.partials, 0) + " unfinished rollouts (" + num(j.live.partials_claimed, 0) + " claimed), " +
+        num(j.live.groups_filtered, 0) + " groups filtered, " + num(j.live.groups_short, 0) + " taken short, " +
+        num(j.live.trained_stale, 0) + " trained beyond max_staleness" +
+        (j.live.waiting_for ? "; " + esc(j.live.waiting_for) : "") +
+        (j.live.producers_gone ? '</p><p class="bad">' + esc(j.live.producers_gone) : "") + "</p>" : "") : "") +
     "<p>" + esc(p.strategy) + ", DP " + p.dp + " x M " + p.microbatches + "; " + esc(balance) + "</p>" +
     '<p class="throughput">' + num(j.throughput.samples_per_s, 1) + " samples/s, " + num(j.throughput.packs_per_s, 1) +
     " packs/s now; " + num(j.throughput.samples, 0) + " samples in " + num(j.throughput.packs, 0) + " packs sent</p>" +

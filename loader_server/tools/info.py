@@ -96,11 +96,19 @@ def spool_info(folder: Path) -> dict[str, Any]:
     import json
 
     settings = json.loads((folder / "job.json").read_text())
-    rows = [row for path in sorted((folder / "batches").glob("*.json")) for row in json.loads(path.read_text())]
+    latest: dict[str, dict] = {}  # a rollout put in parts by its latest part (those before are superseded)
+    for path in sorted((folder / "batches").glob("*.json")):
+        for row in json.loads(path.read_text()):
+            latest[row["id"]] = row
+    rows = [row for row in latest.values() if not row.get("unfinished")]
     steps = [json.loads(path.read_text()) for path in sorted((folder / "steps").glob("*.json"))]
-    taken = {sample_id for record in steps for sample_id in record["members"] + record["dropped"]}
+    taken = {sample_id for record in steps
+             for sample_id in record["members"] + record["dropped"] + record.get("filtered", [])}
     released = json.loads((folder / "released.json").read_text())["step"] if (folder / "released.json").exists() \
         else -1
+    ages: Counter = Counter()
+    for record in steps:
+        ages.update({int(age): n for age, n in record.get("ages", {}).items()})
     return {"kind": "live spool", "path": str(folder), "job": settings["job"], "settings": settings["settings"],
             "batches": len(list((folder / "batches").glob("*.tar"))),
             "spool_bytes": sum(path.stat().st_size for path in (folder / "batches").glob("*.tar")),
@@ -108,6 +116,15 @@ def spool_info(folder: Path) -> dict[str, Any]:
             "steps": len(steps), "released_through": released,
             "dropped_stale": sum(len(record["dropped"]) for record in steps),
             "ended": bool(steps) and steps[-1]["last"],
+            # asynchronous RL: the version the last step trains at, trained samples by age in versions, rollouts
+            # put unfinished and not yet continued, groups filtered or taken short, and who put what is spooled
+            "versions": {"last_step_trained_by": steps[-1].get("version") if steps else None,
+                         "trained_age": dict(sorted(ages.items()))},
+            "partials": {"unfinished": sum(bool(row.get("unfinished")) for row in latest.values()),
+                         "parts_finished": sum(row.get("part", 0) > 0 for row in rows)},
+            "groups": {"filtered": sum(record.get("filtered_groups", 0) for record in steps),
+                       "short": sum(record.get("short_groups", 0) for record in steps)},
+            "producers": dict(Counter(row.get("producer") or "(unnamed)" for row in latest.values())),
             "distributions": {"llm_tokens": describe(np.array([row["tokens"] for row in rows], dtype=np.int64)),
                               "vision_units": describe(np.array([row["vision"] for row in rows], dtype=np.int64))}}
 
@@ -148,6 +165,14 @@ def format_info(data: dict[str, Any], indent: str = "") -> str:
                      f"pending; {data['steps']} steps formed (consumed by every rank through step "
                      f"{data['released_through']}), {data['dropped_stale']:,} samples dropped as stale"
                      + ("; ended" if data["ended"] else ""))
+        versions, partials, groups = data["versions"], data["partials"], data["groups"]
+        ages = ", ".join(f"{age}: {n:,}" for age, n in versions["trained_age"].items()) or "none yet"
+        lines.append(f"{indent}versions: the last step trains version {versions['last_step_trained_by']}; samples "
+                     f"by age in versions {ages}; {partials['unfinished']:,} unfinished rollouts, "
+                     f"{partials['parts_finished']:,} finished from parts; {groups['filtered']:,} groups filtered, "
+                     f"{groups['short']:,} taken short")
+        lines.append(f"{indent}producers: " + ", ".join(f"{name} ({n:,} spooled)"
+                                                        for name, n in data["producers"].items()))
     elif data["kind"] == "shards":
         lines.append(f"{indent}{data['shards']} shards, {data['samples']:,} samples, {data['members']:,} members; "
                      f"{data['without_json']} without json, {data['duplicate_keys']} duplicate keys")
