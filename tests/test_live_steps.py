@@ -589,11 +589,17 @@ def test_a_put_read_in_place_checks_as_protobuf_reads_it():
     tokens = [1, 2] + [CONTEXT] * 16 + list(range(20, 40))
     request = pb.PutSamplesRequest(job="j", end=True, samples=[
         message("a", 12, version=-3, group="grp"), message("b", len(tokens), tokens=tokens, images=[png(112, 112)]),
-        message("c", 8, tensors={"adv": np.ones(8), "logp": np.zeros(8)}), pb.LiveSample(id="bare")])
+        message("c", 8, tensors={"adv": np.ones(8), "logp": np.zeros(8)}), pb.LiveSample(id="bare"),
+        message("d", 6, version=9)], producer="rollout-3")
     request.samples[0].prompt = "prompt-a"
+    partial = request.samples[4]  # a rollout's part, with per-sample values and each token's version
+    partial.unfinished, partial.part = True, 3
+    partial.values.update(reward=0.25, length=-1e300)
+    partial.token_versions.CopyFrom(tensor([7, 8, 9, 9, 9, 9], np.int64))
     raw = request.SerializeToString()
     read = PutRequest.parse(raw)
-    assert (read.job, read.end, read.ByteSize(), len(read.samples)) == ("j", True, len(raw), 4)
+    assert (read.job, read.end, read.ByteSize(), len(read.samples)) == ("j", True, len(raw), 5)
+    assert read.producer == "rollout-3" and read.samples[4].values == {"reward": 0.25, "length": -1e300}
     for mine, theirs in zip(read.samples, request.samples):
         try:
             expected = checked_sample(theirs, rules())
@@ -607,6 +613,9 @@ def test_a_put_read_in_place_checks_as_protobuf_reads_it():
         assert got.tokens.tolist() == expected.tokens.tolist()
         assert {k: v.tolist() for k, v in got.tensors.items()} == {k: v.tolist() for k, v in expected.tensors.items()}
         assert [bytes(i) for i in got.images] == list(expected.images) and got.digest == expected.digest
+        assert (got.unfinished, got.part, got.covers, got.values) == \
+            (expected.unfinished, expected.part, expected.covers, expected.values)
+        assert (got.versions().tolist(), got.policy_version) == (expected.versions().tolist(), expected.policy_version)
     assert read.samples[0].policy_version == -3 and read.samples[3].loss_mask is None
     for bad in (raw[:-5], raw[:7], b"\x12\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff\x01", b"\x0a\x02\xff\xfe"):
         with pytest.raises(WireFormatError):
