@@ -7,7 +7,8 @@ staleness of the steps up to its deadline d(v) (`PolicyVersions.deadline`); ever
 samples due by a deadline d (pending ones, and those reserved and not yet put) must fit in the steps from the
 next one to d: a new reservation is granted only if that still holds for every deadline from its own on. The
 steps form oldest version first (`step_plan.select`), and a step waits while a reservation due at it is outstanding
-(`due_at`): its samples are on their way and that step is their last chance.
+(`due_at`), or a group whose pending samples are due at it is not whole while the rest of it is on its way
+(`group_due_at`: reserved, or an unfinished rollout continued by a claim): that step is their last chance.
 
 A reservation lasts while its producer is alive (`producers`), and ends once its samples arrived, or when they
 arrive as an unfinished rollout, whose continuation is admitted again when a producer claims it.
@@ -86,6 +87,18 @@ class Admission:
         """An outstanding reservation whose last chance is `step`: the step waits for it."""
         return next((r for r in self.held.values()
                      if versions.deadline(r.version, self.max_staleness) == step), None)
+
+    def group_due_at(self, step: int, versions: PolicyVersions, pending: list, group_size: int,
+                     unfinished_groups: set[str]) -> str | None:
+        """A group not yet whole, one of whose pending samples has its last chance at `step`, while the rest of it
+        is on its way (reserved, or an unfinished rollout of it): the step waits for the group ("" : none)."""
+        if not group_size:
+            return None
+        counts: collections.Counter = collections.Counter(row.group for row in pending if row.group)
+        coming = {r.key for r in self.held.values()} | unfinished_groups
+        waiting = {group for group, count in counts.items() if count < group_size and group in coming}
+        return next((row.group for row in pending if row.group in waiting
+                     and versions.deadline(row.policy_version, self.max_staleness) == step), None)
 
     def of(self, producer: str) -> int:
         return sum(r.producer == producer for r in self.held.values())

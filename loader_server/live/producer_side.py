@@ -123,6 +123,15 @@ class ProducerSide:
             except SpoolError:
                 pass  # the next put or tick tries again
 
+    def _waits_for_reserved(self, step: int) -> bool:
+        """Staleness wait: whether step `step` waits for samples on their way that it is the last chance of."""
+        if self.admission is None:
+            return False
+        pending = [self.rows[sample_id] for sample_id in self.pending]
+        unfinished = {row.group for row in self.partials.rows.values()}
+        return self.admission.due_at(step, self.versions) is not None or self.admission.group_due_at(
+            step, self.versions, pending, self.config.group_size, unfinished) is not None
+
     def _give_back(self) -> None:
         alive = set(self.producers.alive())
         if self.admission is not None:
@@ -151,6 +160,12 @@ class ProducerSide:
         due = self.admission.due_at(step, self.versions) if self.admission is not None else None
         if due is not None:
             return f"step {step} waits for {due.samples} sample(s) of {due.key!r} reserved by {due.producer}"
+        pending = [self.rows[sample_id] for sample_id in self.pending]
+        group = self.admission.group_due_at(step, self.versions, pending, self.config.group_size,
+                                            {row.group for row in self.partials.rows.values()}) \
+            if self.admission is not None else None
+        if group is not None:
+            return f"step {step} waits for group {group!r} to be whole (the rest of it is on its way)"
         if not self.producers.alive():
             return "no producer is alive"
         return f"{len(self.pending)} of {self.config.step_samples or '-'} samples pending"

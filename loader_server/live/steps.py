@@ -254,7 +254,7 @@ class LiveSteps(SpoolRecovery, ProducerSide):
         last chance it is is outstanding (`Admission.due_at`)."""
         while not self.ended:
             step = len(self.steps)
-            if not end and self.admission is not None and self.admission.due_at(step, self.versions) is not None:
+            if not end and self._waits_for_reserved(step):
                 return
             full = self.config.steps and step + 1 >= self.config.steps
             trained_by = self.versions.trained_at(step)

@@ -1,0 +1,139 @@
+"""Asynchronous RL on real servers (docs/live.md "Asynchronous RL"): an asynchronous GRPO run on CPU, two trainer
+ranks (torchrun, gloo) training a tiny causal LM on a live job under staleness wait, each version's weights
+published to a folder, and producer processes generating with the newest weights they find there (HF
+`generate`), each group reserved first (tests/async_rl_worker.py). One producer is killed (SIGKILL) halfway
+through a rollout: another claims it, finishes it with newer weights, and it is trained once, its group whole.
+
+And: a job whose producers are all killed tells its trainers' streams, within producer_timeout_s, naming the job
+and its producers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from forked_torchrun import torchrun
+
+from packfeed.client import LocalServer, PackStream, PlanConfig, Producer, ProducersGone
+from packfeed.client.stream.channel import Connection
+from packfeed.v1 import packfeed_pb2 as pb
+
+WORKER = Path(__file__).resolve().parent / "async_rl_worker.py"
+CONNECTION = Connection(token="", retries=8, backoff=0.2)
+
+
+def run_producer(target: str, job: str, weights: Path, out: Path, name: str, groups: int, *extra: str):
+    return subprocess.Popen([sys.executable, str(WORKER), "producer", target, job, str(weights), str(out), name,
+                             str(groups), *extra], env={**os.environ, "PACKFEED_AUTH_TOKEN": ""},
+                            stdout=open(out / f"{name}.log", "wb"), stderr=subprocess.STDOUT)
+
+
+def _get(target: str, job: str) -> pb.LiveStatus:
+    from packfeed.client.stream.channel import ServerChannel
+
+    channel = ServerChannel([target], CONNECTION)
+    try:
+        return channel.call("GetJob", pb.GetJobRequest(job=job)).live
+    finally:
+        channel.close()
+
+
+@pytest.mark.slow
+def test_asynchronous_grpo_trains_every_sample_once_within_its_staleness(small_tile_index, tmp_path):
+    sys.path.insert(0, str(WORKER.parent))
+    from async_rl_worker import model, publish
+
+    weights, out = tmp_path / "weights", tmp_path / "out"
+    weights.mkdir()
+    out.mkdir()
+    publish(weights, model(), 0)
+    with LocalServer(small_tile_index, workers=1, extra_args=["--live-spool", str(tmp_path / "spool")]) as server:
+        trainers = threading.Thread(target=torchrun, args=(WORKER, ["trainer", server.target, "async", weights, out],
+                                                           out / "logs"), daemon=True)
+        trainers.start()
+        killer = run_producer(server.target, "async", weights, out, "killer", 0, "kill")
+        assert killer.wait(120) == -signal.SIGKILL  # killed mid-rollout, its partial put
+        producers = [run_producer(server.target, "async", weights, out, name, groups)
+                     for name, groups in (("steady", 5), ("claimer", 4))]
+        for producer in producers:
+            assert producer.wait(300) == 0, (out / "steady.log").read_text()[-2000:]
+        status = _get(server.target, "async")
+        with Producer(server.target, job="async", connection=CONNECTION, heartbeat_s=0) as ender:
+            ender.end()  # what is pending forms the last step
+        trainers.join(300)
+        assert not trainers.is_alive()
+        final = _get(server.target, "async")
+    put = [group for name in ("killer", "steady", "claimer")
+           for group in json.loads((out / f"producer-{name}.json").read_text())["groups"]]
+    continued = [c for name in ("steady", "claimer")
+                 for c in json.loads((out / f"producer-{name}.json").read_text())["continued"]]
+    trained = {}
+    for rank in range(2):
+        record = json.loads((out / f"trainer-r{rank}.json").read_text())
+        assert record["outcome"] == "ended"
+        for step in record["steps"]:
+            for key, group, version, token_versions in step["samples"]:
+                assert key not in trained, f"{key} trained twice"
+                trained[key] = (group, version, token_versions, step["trained_by"])
+    uniform = [g for g in put if None not in g["rewards"] and len(set(g["rewards"])) == 1]
+    expected = {key for g in put if g not in uniform for key in g["ids"]}
+    assert set(trained) == expected  # every acknowledged sample once; filter_groups dropped exactly the uniform
+    assert final.groups_filtered == len(uniform) and final.dropped_stale == 0 and final.trained_stale == 0
+    assert all(trained_by - version <= 1 for _, version, _, trained_by in trained.values())  # within staleness
+    assert status.producers and {p.name for p in status.producers} >= {"steady", "claimer"}
+    # the rollout the killed producer left half done: claimed, finished with newer weights, trained once
+    assert [c["id"] for c in continued] == ["long-3"]
+    group, version, token_versions, _ = trained["long-3"]
+    first, later = continued[0]["from_version"], continued[0]["with_version"]
+    assert later > first and version == later
+    assert token_versions == sorted(token_versions) and set(token_versions) == {first, later}
+
+
+def test_a_stream_whose_producers_all_died_is_told_within_the_timeout_naming_them(small_tile_index, tmp_path):
+    plan = PlanConfig(dp=2, microbatches=1, live=True, step_samples=64, producer_timeout_s=6)
+    with LocalServer(small_tile_index, workers=1, extra_args=["--live-spool", str(tmp_path / "spool")]) as server:
+        failures: dict[int, tuple[float, BaseException]] = {}
+
+        def train(rank: int) -> None:
+            stream = PackStream(server.target, job="gone", rank=rank, plan=plan, connection=CONNECTION)
+            try:
+                for _ in stream:
+                    pass
+            except Exception as error:  # noqa: BLE001 - the test reads it
+                failures[rank] = (time.monotonic(), error)
+            finally:
+                stream.close()
+
+        ranks = [threading.Thread(target=train, args=(rank,), daemon=True) for rank in range(2)]
+        for thread in ranks:
+            thread.start()
+        script = ("import sys, time; from packfeed.client import Producer; "
+                  "p = Producer(sys.argv[1], job='gone', name=sys.argv[2], heartbeat_s=1, open_wait_s=60); "
+                  "p.put([{'id': sys.argv[2] + str(i), 'tokens': [300 + i] * 8} for i in range(2)]); "
+                  "print('put', flush=True); time.sleep(600)")
+        producers = [subprocess.Popen([sys.executable, "-c", script, server.target, name], stdout=subprocess.PIPE,
+                                      env={**os.environ, "PACKFEED_AUTH_TOKEN": ""}) for name in ("gen-a", "gen-b")]
+        for producer in producers:
+            assert producer.stdout.readline().strip() == b"put"  # its samples are durable
+        killed = time.monotonic()
+        for producer in producers:
+            producer.send_signal(signal.SIGKILL)
+            producer.wait(30)
+        for thread in ranks:
+            thread.join(60)
+        status = _get(server.target, "gone")
+    assert sorted(failures) == [0, 1]
+    for when, error in failures.values():
+        assert isinstance(error, ProducersGone) and error.job == "gone"
+        assert "job 'gone'" in str(error) and "producer_timeout_s 6" in str(error)
+        assert "(gen-a)" in str(error) and "(gen-b)" in str(error)
+        assert when - killed <= 6 + 20  # the timeout counts from the last put, before the kill
+    assert status.arrived == 4 and status.producers_alive == 0 and "producer_timeout_s" in status.producers_gone
