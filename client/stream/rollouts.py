@@ -70,12 +70,10 @@ class Rollout:
 
     def continued(self, tokens: Any, policy_version: int, *, loss_mask: Any = None,
                   tensors: dict[str, Any] | None = None, finished: bool = True,
-                  values: dict[str, float] | None = None):
+                  values: dict[str, float] | None = None) -> dict[str, Any]:
         """The next part: this rollout followed by `tokens` generated with `policy_version` (their loss mask,
         default all 1, and per-token tensors, one value per new token for every tensor the rollout carries),
-        finished (the whole rollout: trained once) or unfinished again. A `Sample` to put."""
-        from packfeed.client.stream.producer import Sample
-
+        finished (the whole rollout: trained once) or unfinished again. A sample's fields, to `Producer.put`."""
         new = np.asarray(tokens, dtype=np.int32).reshape(-1)
         mask = np.ones(len(new), np.uint8) if loss_mask is None else np.asarray(loss_mask, np.uint8).reshape(-1)
         added = dict(tensors or {})
@@ -85,10 +83,11 @@ class Rollout:
         joined = {name: np.concatenate([values_, np.asarray(added[name], np.float32).reshape(-1)])
                   for name, values_ in self.tensors.items()}
         versions = np.concatenate([self.token_versions, np.full(len(new), policy_version, np.int64)])
-        return Sample(np.concatenate([self.tokens, new]), id=self.id, loss_mask=np.concatenate([self.loss_mask, mask]),
-                      tensors=joined, group=self.group, policy_version=int(versions.max(initial=0)),
-                      prompt=self.prompt, images=list(self.images), values=dict(values or self.values),
-                      unfinished=not finished, part=self.part + 1, token_versions=versions)
+        return {"id": self.id, "tokens": np.concatenate([self.tokens, new]),
+                "loss_mask": np.concatenate([self.loss_mask, mask]), "tensors": joined, "group": self.group,
+                "policy_version": int(versions.max(initial=0)), "prompt": self.prompt, "images": list(self.images),
+                "values": dict(values or self.values), "unfinished": not finished, "part": self.part + 1,
+                "token_versions": versions}
 
 
 class Heartbeats:
