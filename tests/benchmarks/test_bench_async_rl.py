@@ -32,6 +32,8 @@ import heapq
 import json
 import shutil
 import tempfile
+import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -277,6 +279,178 @@ def test_asynchronous_rl_simulated_over_live_steps():
     results = {mode: summary([simulate(mode, seed).figures() for seed in range(ROUNDS)]) for mode in MODES}
     show(f"simulated: {SLOTS} slots x {DECODE:g} tokens/s, steps of {STEP}, {STEPS} steps, max_staleness "
          f"{MAX_STALENESS}, {ROUNDS} seeds (median (range))", results)
+    partial, sync = results["async + partial"], results["synchronous"]
+    assert partial["long_dropped"][2] == 0 and results["async + wait"]["long_dropped"][2] == 0
+    assert partial["rollouts_per_s"][0] >= 2 * sync["rollouts_per_s"][0]
+
+
+# -- 2. on CPU, small, through a real server -----------------------------------------------------------------
+
+CPU_SLOTS, CPU_STEP, CPU_STALENESS, TIME_SCALE, CPU_SECONDS = 16, 16, 2, 40.0, 20.0
+
+
+class Served:
+    """One loop through `packfeed serve`: CPU_SLOTS producer threads (each a `Producer`), DP 2 trainer threads (each
+    a `PackStream` rank), for CPU_SECONDS of wall clock; time runs TIME_SCALE times faster than the simulation's."""
+
+    def __init__(self, mode: str, seed: int, target: str, spool: Path):
+        self.mode, self.target, self.spool = mode, target, spool
+        self.job = f"bench-{mode.replace(' ', '').replace('+', '-')}-{seed}"
+        self.plan = PlanConfig(dp=2, microbatches=1, live=True, step_samples=CPU_STEP, token_cap=1 << 20,
+                               vision_cap=1 << 20, max_staleness=None if mode == "synchronous" else CPU_STALENESS,
+                               staleness="wait" if mode in ("async + wait", "async + partial") else "drop")
+        self.lengths, self.next, self.lock = rollout_lengths(seed), 0, threading.Lock()
+        self.length_of: dict[str, int] = {}
+        self.finished: set[str] = set()
+        self.stop = threading.Event()
+        self.version = 0  # the trainers' (the synchronous loop's producers wait for it)
+        self.trained: list[str] = []
+
+    def take(self, within: int | None = None) -> tuple[str, int] | None:
+        """The next rollout (None: `within` given and the next is not below it: the synchronous loop's batch)."""
+        with self.lock:
+            if within is not None and self.next >= within:
+                return None
+            number, self.next = self.next, self.next + 1
+        rollout_id = f"r{number}"
+        self.length_of[rollout_id] = int(self.lengths[number % len(self.lengths)])
+        return rollout_id, self.length_of[rollout_id]
+
+    @staticmethod
+    def sample(rollout_id: str, real: int, version: int, **fields) -> dict:
+        n = max(1, real // SCALE)
+        return {"id": rollout_id, "tokens": np.full(n, 300, np.int32), "group": rollout_id, "policy_version": version,
+                **fields}
+
+    def generate(self, producer, seconds: float, version: int) -> float:
+        """Sleep the decode time; with partial rollouts, stop when the trainers publish new weights: the seconds
+        generated."""
+        started = time.monotonic()
+        while not self.stop.is_set():
+            left = seconds - (time.monotonic() - started)
+            if left <= 0:
+                return seconds
+            if self.mode == "async + partial" and producer.policy_version != version:
+                return time.monotonic() - started
+            time.sleep(min(left, 0.01))
+        return time.monotonic() - started
+
+    def produce(self, slot: int) -> None:
+        from packfeed.client import Producer
+        from packfeed.client.stream.channel import PackfeedError
+
+        decode = DECODE * TIME_SCALE
+        producer = Producer(self.target, job=self.job, name=f"slot-{slot}", heartbeat_s=0.25, open_wait_s=60,
+                            full_wait_s=5)
+        try:
+            while not self.stop.is_set():
+                if self.mode == "synchronous":  # a step's rollouts with policy v, then wait for v + 1
+                    version = self.version
+                    taken = self.take(within=(version + 1) * CPU_STEP)
+                    if taken is None:
+                        time.sleep(0.002)
+                        continue
+                    rollout_id, real = taken
+                    self.generate(producer, real / decode, version)
+                    producer.put(self.sample(rollout_id, real, version))
+                    self.finished.add(rollout_id)
+                    continue
+                rollout = producer.claim(wait_s=0) if self.mode == "async + partial" else None
+                if rollout is None:
+                    rollout_id, real = self.take()
+                    if self.mode != "async + drop":
+                        while not self.stop.is_set():
+                            try:
+                                version = producer.reserve(group=rollout_id, samples=1, wait_s=0.3).policy_version
+                                break
+                            except PackfeedError:
+                                continue
+                    version = producer.policy_version
+                    done_tokens, prefix = 0, None
+                else:
+                    rollout_id, real, version = rollout.id, self.length_of[rollout.id], producer.policy_version
+                    done_tokens, prefix = len(rollout.tokens) * SCALE, rollout
+                spent = self.generate(producer, (real - done_tokens) / decode, version)
+                if self.stop.is_set():
+                    return
+                now_tokens = min(real, done_tokens + int(spent * decode))
+                finished = now_tokens >= real or self.mode != "async + partial"
+                n_new = max(0, max(1, now_tokens // SCALE) - (0 if prefix is None else len(prefix.tokens)))
+                if not finished and n_new == 0:
+                    continue  # nothing new to keep: claimed again and continued
+                if prefix is None:
+                    fields = {"unfinished": True, "token_versions": np.full(max(1, now_tokens // SCALE), version)} \
+                        if not finished else {}
+                    producer.put(self.sample(rollout_id, now_tokens if not finished else real, version, **fields))
+                else:
+                    n_new = max(n_new, 1 if finished else 0)
+                    producer.put(prefix.continued(np.full(n_new, 300), version, finished=finished))
+                if finished:
+                    self.finished.add(rollout_id)
+        except PackfeedError:
+            pass  # the job ended while this producer waited
+        finally:
+            producer.close()
+
+    def train(self, rank: int, out: dict) -> None:
+        from packfeed.client import PackStream
+
+        stream = PackStream(self.target, job=self.job, rank=rank, plan=self.plan)
+        started = time.monotonic()
+        for step in stream:
+            keys = [k for pack in step.packs for k in pack.sample_keys]
+            with self.lock:
+                self.trained += keys
+            time.sleep(train_seconds(np.array([self.length_of[k] for k in keys], np.int64)) / TIME_SCALE)  # its half
+            stream.policy_version = step.step + 1
+            if rank == 0:
+                self.version = step.step + 1
+            if time.monotonic() - started > CPU_SECONDS or self.stop.is_set():
+                break
+        out[rank] = (time.monotonic() - started, stream.wait_seconds)
+        if not self.stop.is_set():
+            self.stop.set()
+            self.end()  # what is pending forms the last step: the other rank's iteration ends there
+        stream.close()
+
+    def end(self) -> None:
+        from packfeed.client import Producer
+        from packfeed.client.stream.channel import PackfeedError
+
+        try:
+            with Producer(self.target, job=self.job, heartbeat_s=0) as ender:
+                ender.end()
+        except PackfeedError:
+            pass  # ended already
+
+    def run(self) -> Outcome:
+        out: dict[int, tuple[float, float]] = {}
+        threads = [threading.Thread(target=self.train, args=(rank, out)) for rank in range(2)]
+        threads += [threading.Thread(target=self.produce, args=(slot,)) for slot in range(CPU_SLOTS)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(CPU_SECONDS * 10)
+        seconds, waited = out[0]
+        long = long_threshold()
+        dropped = [m for path in sorted(self.spool.glob("*/steps/*.json")) if self.job[:20] in str(path)
+                   for m in json.loads(path.read_text())["dropped"]]
+        generated = [r for r in self.finished if self.length_of[r] > long]
+        return Outcome(seconds, waited, len(self.trained), len(generated),
+                       sum(self.length_of[m] > long for m in self.trained),
+                       sum(self.length_of[m] > long for m in dropped))
+
+
+def test_asynchronous_rl_on_cpu_through_a_server(small_tile_index, tmp_path):
+    from packfeed.client import LocalServer
+
+    spool = tmp_path / "spool"
+    with LocalServer(small_tile_index, workers=1, extra_args=["--live-spool", str(spool)]) as server:
+        results = {mode: summary([Served(mode, seed, server.target, spool).run().figures() for seed in range(ROUNDS)])
+                   for mode in MODES}
+    show(f"on CPU through a server: {CPU_SLOTS} producer threads, DP 2 trainer ranks, steps of {CPU_STEP}, "
+         f"{CPU_SECONDS:g} s a loop, time x{TIME_SCALE:g}, max_staleness {CPU_STALENESS}, {ROUNDS} seeds "
+         "(median (range))", results)
     partial, sync = results["async + partial"], results["synchronous"]
     assert partial["long_dropped"][2] == 0 and results["async + wait"]["long_dropped"][2] == 0
     assert partial["rollouts_per_s"][0] >= 2 * sync["rollouts_per_s"][0]
