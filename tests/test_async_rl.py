@@ -137,3 +137,40 @@ def test_a_stream_whose_producers_all_died_is_told_within_the_timeout_naming_the
         assert "(gen-a)" in str(error) and "(gen-b)" in str(error)
         assert when - killed <= 6 + 20  # the timeout counts from the last put, before the kill
     assert status.arrived == 4 and status.producers_alive == 0 and "producer_timeout_s" in status.producers_gone
+
+
+def test_an_unfinished_rollout_outlives_a_kill_9_of_its_server(small_tile_index, tmp_path):
+    """A rollout put unfinished and claimed, then its server killed -9: a server on the same spool has it in its
+    pool again (a claim is a server's memory, the part is the spool's), another producer finishes it, it is trained
+    once with each token's version, and the first claimant's late continuation is refused, never trained twice."""
+    plan = PlanConfig(dp=1, microbatches=1, live=True, step_samples=2)
+    spool = ["--live-spool", str(tmp_path / "spool")]
+    first = LocalServer(small_tile_index, workers=1, extra_args=spool).start()
+    try:
+        producer = Producer(first.target, job="partial", plan=plan, heartbeat_s=0, connection=CONNECTION)
+        producer.put({"id": "r", "tokens": [300] * 4, "unfinished": True, "token_versions": [0] * 4})
+        producer.put({"id": "w", "tokens": [301] * 3})
+        claimed = producer.claim()
+        assert claimed.id == "r" and claimed.tokens.tolist() == [300] * 4
+    finally:
+        first.process.kill()  # kill -9, mid-claim
+        first.process.wait()
+    with LocalServer(small_tile_index, workers=1, extra_args=spool) as second:
+        stream = PackStream(second.target, job="partial", rank=0, plan=plan, connection=CONNECTION)
+        other = Producer(second.target, job="partial", heartbeat_s=0, connection=CONNECTION)
+        rollout = other.claim(wait_s=10)
+        assert rollout is not None and rollout.id == "r" and rollout.token_versions.tolist() == [0] * 4
+        other.put(rollout.continued([302, 303], policy_version=1))
+        late = Producer(second.target, job="partial", heartbeat_s=0, connection=CONNECTION, on_refused="return")
+        refused = late.put(claimed.continued([309], policy_version=1))
+        assert not refused.accepted and "finished by its part 1" in refused.reason
+        other.end()
+        trained = {}
+        for step in stream:
+            for pack in step.packs:
+                cu = pack.cu_seqlens.tolist()
+                for k, key in enumerate(pack.sample_keys):
+                    assert key not in trained
+                    trained[key] = pack.token_policy_version[cu[k]:cu[k + 1]].tolist()
+        stream.close()
+    assert trained == {"r": [0, 0, 0, 0, 1, 1], "w": [0, 0, 0]}

@@ -109,8 +109,8 @@ class PlanConfig:
         "live: samples older than max_staleness allows are dropped (drop), or never generated: producers reserve "
         "before generating and wait for a grant (wait; docs/live.md \"Asynchronous RL\")"))
     producer_timeout_s: float = field(default=0.0, metadata=_help(
-        "live: a stream waiting for a step fails, naming the job and its producers, once no producer has been alive "
-        "or put a sample for this long (0: it waits)"))
+        "live: a stream waiting for a step fails, naming the job and its producers, once no sample was put for this "
+        "long (0: it waits)"))
     group_size: int = field(default=0, metadata=_help(
         "live: a step takes a group whole, its G samples (or what arrived within group_timeout_s; 0: groups are "
         "not waited for)"))
