@@ -35,11 +35,12 @@ if TYPE_CHECKING:
     from packfeed.client.stream.discovery import servers_from_redis
     from packfeed.client.stream.local import LocalServer
     from packfeed.client.stream.pack_stream import PackStream
-    from packfeed.client.stream.producer import Producer, PutResult, Reservation, Rollout, Sample, SampleRefused
+    from packfeed.client.stream.claims import Reservation, Rollout
+    from packfeed.client.stream.producer import Producer, PutResult, Sample, SampleRefused
     from packfeed.client.stream.tensors import PackTensors, Step
 
 _MODULE_OF = {"Connection": "stream.channel", "PackfeedError": "stream.channel", "ProducersGone": "stream.channel",
-              "Reservation": "stream.producer", "Rollout": "stream.producer",
+              "Reservation": "stream.claims", "Rollout": "stream.claims",
               "servers_from_redis": "stream.discovery", "LocalServer": "stream.local", "PackStream": "stream.pack_stream",
               "Producer": "stream.producer", "PutResult": "stream.producer", "Sample": "stream.producer",
               "SampleRefused": "stream.producer", "PackTensors": "stream.tensors", "Step": "stream.tensors"}

@@ -1,6 +1,7 @@
 """The processes of an asynchronous GRPO run on CPU, for tests/test_async_rl.py: trainers that train a tiny causal LM
 on a live job's packs and publish each version's weights to a folder, and producers that generate with the newest
-weights they find there (HF `generate`), each group reserved before it is generated (staleness wait).
+weights they find there (HF `generate`; the folder is a `WeightVersions`), each group reserved before it is
+generated (staleness wait).
 
     python -m torch.distributed.run --nproc-per-node 2 async_rl_worker.py trainer TARGET JOB WEIGHTS OUT
     python async_rl_worker.py producer TARGET JOB WEIGHTS OUT NAME GROUPS [kill]
@@ -27,6 +28,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from packfeed.client import PackStream, PlanConfig, Producer, ProducersGone
 from packfeed.client.model.losses import decoupled_policy_loss, token_logprobs
+from packfeed.client.rollouts.weights import WeightVersions
 from packfeed.client.stream.channel import PackfeedError
 
 VOCAB, OFFSET, PROMPT, NEW = 64, 300, 6, 10
@@ -42,21 +44,9 @@ def model() -> Qwen2ForCausalLM:
     return Qwen2ForCausalLM(config).eval()
 
 
-def latest(weights: Path) -> int:
-    try:
-        return int((weights / "latest").read_text())
-    except (FileNotFoundError, ValueError):
-        return 0
-
-
 def publish(weights: Path, net: torch.nn.Module, version: int) -> None:
-    """Version `version`'s weights, then `latest` naming it (each written whole: a reader never sees half)."""
-    for name, write in ((f"v{version}.pt", lambda f: torch.save(net.state_dict(), f)),
-                        ("latest", lambda f: f.write(str(version).encode()))):
-        temporary = weights / f".{name}.partial"
-        with open(temporary, "wb") as out:
-            write(out)
-        os.replace(temporary, weights / name)
+    """Version `version`'s weights, named the newest once whole (`WeightVersions`)."""
+    WeightVersions(weights, keep=1000).publish(net.state_dict(), version)
 
 
 # -- the trainers --------------------------------------------------------------------------------------------
@@ -68,7 +58,7 @@ def train(target: str, job: str, weights: Path, out: Path) -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     net = model()
-    net.load_state_dict(torch.load(weights / "v0.pt"))
+    net.load_state_dict(WeightVersions(weights).load(0)[1])
     optimizer = torch.optim.SGD(net.parameters(), lr=0.5)
     stream = PackStream(target, job=job, rank=rank, plan=PLAN)
     version, record = 0, []
@@ -116,16 +106,16 @@ class Policy:
     """The newest weights the trainers published, loaded when a newer version appears."""
 
     def __init__(self, weights: Path):
-        self.weights, self.net, self.version = weights, model(), -1
+        self.versions, self.net, self.version = WeightVersions(weights, keep=1000), model(), -1
         self.refresh()
 
     def refresh(self) -> int:
-        return self.load(latest(self.weights))
+        return self.load(self.versions.newest())
 
     def load(self, version: int) -> int:
         """Version `version`'s weights (published before the trainers report holding it)."""
         if version != self.version:
-            self.net.load_state_dict(torch.load(self.weights / f"v{version}.pt"))
+            self.net.load_state_dict(self.versions.wait_for(version, timeout_s=60))
             self.version = version
         return version
 

@@ -249,12 +249,13 @@ def test_the_circle_rule_sees_a_circle():
 FLOORS = {
     "packfeed.trainer": {"batch": 0, "models": 1, "config": 2, "liveness": 2, "parallel": 3, "simulate": 4, "data": 5,
                          "metrics": 5, "checkpoint": 5, "decisions": 5, "loop": 6, "train": 7, "__main__": 8},
-    "packfeed.client": {"stream": 0, "model": 1, "frameworks": 2},
+    "packfeed.client": {"stream": 0, "model": 1, "rollouts": 2, "frameworks": 3},
     "packfeed.client.stream": {"wire": 0, "channel": 0, "local": 0, "discovery": 0, "tensors": 1, "keywords": 1,
-                               "rollouts": 1, "producer": 1, "loss_reports": 1, "decode": 2, "resume": 2, "receiver": 3,
+                               "claims": 1, "producer": 1, "loss_reports": 1, "decode": 2, "resume": 2, "receiver": 3,
                                "pack_stream": 4, "loaders": 5},
     "packfeed.client.model": {"attention": 0, "hf_config": 0, "hf_families": 0, "shared_prefix": 0, "towers": 0,
                               "context_parallel": 1, "dataset_losses": 1, "guard_updates": 1, "losses": 1, "hf": 1},
+    "packfeed.client.rollouts": {"weights": 0},
     "packfeed.client.frameworks": {"grpo_config": 0, "grpo_prompts": 0, "hf_trainer": 0, "lightning": 0,
                                    "megatron": 0, "sft_trainer": 1, "trl": 1},
 }

@@ -43,7 +43,7 @@ import grpc
 import numpy as np
 
 from packfeed.client.stream.channel import Connection, PackfeedError, ServerChannel
-from packfeed.client.stream.rollouts import HEARTBEAT_S, LEASE_HEARTBEATS, Heartbeats, Reservation, Rollout, \
+from packfeed.client.stream.claims import HEARTBEAT_S, LEASE_HEARTBEATS, Heartbeats, Reservation, Rollout, \
     new_producer_id
 from packfeed.v1 import packfeed_pb2 as pb
 from packfeed.v1.options import PlanConfig
