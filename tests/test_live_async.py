@@ -84,7 +84,7 @@ def test_a_step_waits_for_the_reservation_due_at_it_and_takes_the_oldest_version
     steps.put([rollout(f"a{i}", 0, group="a") for i in range(4)])  # step 0: four others (room for two steps)
     assert steps.formed == 1
     steps.put([rollout(f"b{i}", 1, group="b") for i in range(4)])  # step 1 is old's last chance: it waits
-    assert steps.formed == 1 and "waits for 2 sample(s) of 'old'" in steps.status()["waiting_for"]
+    assert steps.formed == 1 and "waits for 2 sample(s) of 'old'" in steps.waiting_for()
     steps.put([rollout("old-0", 0, group="old"), rollout("old-1", 0, group="old")], producer="slow")
     assert steps.formed == 2 and steps.record(1)["members"][:2] == ["old-0", "old-1"]  # oldest version first
     assert steps.status()["trained_stale"] == 0 and steps.status()["dropped_stale"] == 0
@@ -193,6 +193,6 @@ def test_producers_gone_names_the_job_and_its_producers_after_the_timeout(tmp_pa
     time.sleep(0.4)
     gone = steps.producers_gone()
     assert "producer_timeout_s 0.3" in gone and "p1 (rollout host a) last seen" in gone
-    assert steps.status()["producers_alive"] == 0 and steps.status()["waiting_for"] == "no producer is alive"
+    assert steps.status()["producers_alive"] == 0 and steps.waiting_for() == "no producer is alive"
     steps.put([rollout("b")], producer="p1")  # back: the stream would wait on
     assert steps.producers_gone() == ""

@@ -123,14 +123,19 @@ class ProducerSide:
             except SpoolError:
                 pass  # the next put or tick tries again
 
-    def _waits_for_reserved(self, step: int) -> bool:
-        """Staleness wait: whether step `step` waits for samples on their way that it is the last chance of."""
+    def _awaited(self, step: int) -> str:
+        """Staleness wait: what step `step` waits for, samples on their way that it is the last chance of ("":
+        nothing)."""
         if self.admission is None:
-            return False
+            return ""
+        due = self.admission.due_at(step, self.versions)
+        if due is not None:
+            return f"step {step} waits for {due.samples} sample(s) of {due.key!r} reserved by {due.producer}"
         pending = [self.rows[sample_id] for sample_id in self.pending]
-        unfinished = {row.group for row in self.partials.rows.values()}
-        return self.admission.due_at(step, self.versions) is not None or self.admission.group_due_at(
-            step, self.versions, pending, self.config.group_size, unfinished) is not None
+        group = self.admission.group_due_at(step, self.versions, pending, self.config.group_size,
+                                            {row.group for row in self.partials.rows.values()})
+        return "" if group is None else \
+            f"step {step} waits for group {group!r} to be whole (the rest of it is on its way)"
 
     def _give_back(self) -> None:
         alive = set(self.producers.alive())
@@ -152,23 +157,18 @@ class ProducerSide:
                     f"{len(alive)} producer{'s are' if len(alive) != 1 else ' is'} alive; "
                     f"{self.producers.describe()}: restart the producers, or end the job (Producer.end)")
 
-    def _waiting_for(self) -> str:
-        """Why no step forms now, for a person ("" : it forms as samples arrive)."""
-        if self.ended:
-            return ""
-        step = len(self.steps)
-        due = self.admission.due_at(step, self.versions) if self.admission is not None else None
-        if due is not None:
-            return f"step {step} waits for {due.samples} sample(s) of {due.key!r} reserved by {due.producer}"
-        pending = [self.rows[sample_id] for sample_id in self.pending]
-        group = self.admission.group_due_at(step, self.versions, pending, self.config.group_size,
-                                            {row.group for row in self.partials.rows.values()}) \
-            if self.admission is not None else None
-        if group is not None:
-            return f"step {step} waits for group {group!r} to be whole (the rest of it is on its way)"
-        if not self.producers.alive():
-            return "no producer is alive"
-        return f"{len(self.pending)} of {self.config.step_samples or '-'} samples pending"
+    def waiting_for(self) -> str:
+        """Why no step forms now, for a person ("" : the job ended). Asked by GetJob and a waiting stream, not by
+        puts: under staleness wait it looks through the pending samples."""
+        with self._lock:
+            if self.ended:
+                return ""
+            awaited = self._awaited(len(self.steps))
+            if awaited:
+                return awaited
+            if not self.producers.alive():
+                return "no producer is alive"
+            return f"{len(self.pending)} of {self.config.step_samples or '-'} samples pending"
 
     def _async_status(self) -> dict:
         limit = self.config.max_staleness
@@ -177,5 +177,4 @@ class ProducerSide:
                 "reservations": len(self.admission.held) if self.admission is not None else 0,
                 "partials": len(self.partials.rows), "partials_claimed": len(self.partials.claims),
                 "groups_filtered": self.filtered_groups, "groups_short": self.short_groups,
-                "trained_stale": sum(n for age, n in self.ages.items() if limit is not None and age > limit),
-                "waiting_for": self._waiting_for()}
+                "trained_stale": sum(n for age, n in self.ages.items() if limit is not None and age > limit)}

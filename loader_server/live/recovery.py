@@ -18,7 +18,7 @@ class SpoolRecovery:
         self.steps = self.spool.read_steps()
         self._released = (self.spool.read_json("released.json") or {"step": -1})["step"]
         for step, record in enumerate(self.steps):
-            consumed = record["members"] + record["dropped"] + record.get("filtered", [])
+            consumed = self.spool.taken_by(record)
             taken.update(consumed)
             if step <= self._released:
                 released.update(consumed)

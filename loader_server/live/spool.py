@@ -178,6 +178,12 @@ class Spool:
             raise SpoolError(f"the spool {self.dir} misses step records (found {names[:8]}...)")
         return [json.loads(self.store.read(f"steps/{name}")) for name in names]
 
+    @staticmethod
+    def taken_by(record: dict) -> list[str]:
+        """Every sample a step record took off the pending queue: its members, the samples it dropped as stale and
+        those of the groups filter_groups dropped (a record from before filtered groups has none)."""
+        return record["members"] + record["dropped"] + record.get("filtered", [])
+
     def write_json(self, name: str, value) -> None:
         self.store.write(name, json.dumps(value, sort_keys=True).encode())
 

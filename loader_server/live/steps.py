@@ -254,7 +254,7 @@ class LiveSteps(SpoolRecovery, ProducerSide):
         last chance it is is outstanding (`Admission.due_at`)."""
         while not self.ended:
             step = len(self.steps)
-            if not end and self._waits_for_reserved(step):
+            if not end and self._awaited(step):
                 return
             full = self.config.steps and step + 1 >= self.config.steps
             trained_by = self.versions.trained_at(step)
@@ -343,7 +343,7 @@ class LiveSteps(SpoolRecovery, ProducerSide):
                 record = self.steps[released]
                 self._released = released
                 self._plans.pop(released, None)
-                for sample_id in record["members"] + record["dropped"] + record.get("filtered", []):
+                for sample_id in self.spool.taken_by(record):
                     row = self.rows.get(sample_id)
                     if row is None:
                         continue

@@ -36,20 +36,24 @@ class LiveWait:
     def part(self) -> bytes | None:
         if self.live is None:
             return EMPTY_PART
-        status = self.live.status()
+        status, waiting = self.live.status(), self.live.waiting_for()
         self.gone = self.live.producers_gone()
-        shown = (status.get("producers_alive"), status.get("waiting_for"), self.gone)
+        shown = (status.get("producers_alive"), waiting, self.gone)
         if shown == self._shown and time.monotonic() - self._sent < LIVE_STATE_S:
             return None
         self._shown, self._sent = shown, time.monotonic()
-        return pb.PackPart(waiting=live_status(status, self.gone)).SerializeToString()
+        return pb.PackPart(waiting=live_status(self.live, status, waiting, self.gone)).SerializeToString()
 
 
-def live_status(status: dict, gone: str = "") -> pb.LiveStatus:
-    """`LiveSteps.status()` as the wire's LiveStatus."""
+def live_status(live, status: dict | None = None, waiting: str | None = None,
+                gone: str | None = None) -> pb.LiveStatus:
+    """A job's `LiveSteps` as the wire's LiveStatus: its `status()`, `waiting_for()` and `producers_gone()`, each
+    asked unless the caller holds it already."""
+    status = live.status() if status is None else status
     message = pb.LiveStatus(**{name: value for name, value in status.items() if name != "producers"})
     message.producers.extend(pb.ProducerInfo(**seen) for seen in status.get("producers", ()))
-    message.producers_gone = gone
+    message.waiting_for = live.waiting_for() if waiting is None else waiting
+    message.producers_gone = live.producers_gone() if gone is None else gone
     return message
 
 
@@ -64,7 +68,9 @@ async def heartbeat(job: Job, request: pb.ProducerHeartbeat) -> pb.ProducerState
     live = live_of(job, request.producer_token)
     if not math.isfinite(request.lease_s) or request.lease_s < 0:
         raise JobError("INVALID_ARGUMENT", f"lease_s is {request.lease_s}: give seconds >= 0 (0: 15 s)")
-    state = live.heartbeat(producer_id(request.producer), request.name, request.lease_s, request.leaving)
+    # in a thread, as every call that takes the job's lock: a put holds it while its batch is made durable
+    state = await asyncio.to_thread(live.heartbeat, producer_id(request.producer), request.name, request.lease_s,
+                                    request.leaving)
     return pb.ProducerState(**state)
 
 

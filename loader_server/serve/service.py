@@ -151,7 +151,7 @@ class PackfeedService:
             self._record_skipped(job, seat.rank, request.epoch, request.step, skipped, "client")
             return pb.AckStepResponse()
         if request.HasField("policy_version") and job.live is not None:
-            job.live.report_version(request.step, request.policy_version)
+            await asyncio.to_thread(job.live.report_version, request.step, request.policy_version)
         await asyncio.to_thread(job.ack, seat.rank, request.epoch, request.step)
         if request.closing:  # the trainer stopped here: what it was sent beyond is not its lag
             progress.end_run()
@@ -211,7 +211,7 @@ class PackfeedService:
         try:
             while (item := await feed.next(heartbeat)) is not END:
                 if item is HEARTBEAT:  # nothing to send yet: an empty piece keeps the client's stall watch
-                    part = waiting.part()
+                    part = await asyncio.to_thread(waiting.part)  # it takes the live job's lock
                     if part is not None:
                         await context.write(part)
                     if waiting.gone:

@@ -117,7 +117,8 @@ class StatusReport:
             "history": [point[:3] for point in history],
             "samples_by_dataset": dict(job.delivered),
             "skipped": {"count": job.skipped_count, "recent_by_reason": reasons},
-            "live": {**job.live.status(), "producers_gone": job.live.producers_gone()} if job.live is not None else None,
+            "live": {**job.live.status(), "waiting_for": job.live.waiting_for(),
+                     "producers_gone": job.live.producers_gone()} if job.live is not None else None,
             "mixture": mixture_status(job) if job.failure is None else None,
         }
 

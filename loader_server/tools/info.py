@@ -95,6 +95,8 @@ def spool_info(folder: Path) -> dict[str, Any]:
     its samples spooled and pending, its steps, stale drops and whether it ended."""
     import json
 
+    from packfeed.server.live.spool import Spool
+
     settings = json.loads((folder / "job.json").read_text())
     latest: dict[str, dict] = {}  # a rollout put in parts by its latest part (those before are superseded)
     for path in sorted((folder / "batches").glob("*.json")):
@@ -102,8 +104,7 @@ def spool_info(folder: Path) -> dict[str, Any]:
             latest[row["id"]] = row
     rows = [row for row in latest.values() if not row.get("unfinished")]
     steps = [json.loads(path.read_text()) for path in sorted((folder / "steps").glob("*.json"))]
-    taken = {sample_id for record in steps
-             for sample_id in record["members"] + record["dropped"] + record.get("filtered", [])}
+    taken = {sample_id for record in steps for sample_id in Spool.taken_by(record)}
     released = json.loads((folder / "released.json").read_text())["step"] if (folder / "released.json").exists() \
         else -1
     ages: Counter = Counter()
