@@ -166,16 +166,12 @@ class Producer:
         granted at once (nothing is reserved)."""
         request = pb.ReserveRequest(job=self.job, producer=self.id, group=group, samples=samples,
                                     policy_version=policy_version, producer_token=self.producer_token)
-        start, limit = time.monotonic(), self.full_wait_s if wait_s is None else wait_s
-        while True:
-            answer = self._call(request, "Reserve")
-            self.policy_version = answer.policy_version_now
-            if answer.granted:
-                return Reservation(group, samples, answer.policy_version)
-            if time.monotonic() - start + answer.retry_s > limit:
-                raise PackfeedError(f"job {self.job!r} granted no reservation of {group!r} within {limit:g} s: "
-                                    f"{answer.reason}")
-            time.sleep(answer.retry_s)
+        limit = self.full_wait_s if wait_s is None else wait_s
+        answer = self._ask_until("Reserve", request, "granted", limit)
+        if not answer.granted:
+            raise PackfeedError(f"job {self.job!r} granted no reservation of {group!r} within {limit:g} s: "
+                                f"{answer.reason}")
+        return Reservation(group, samples, answer.policy_version)
 
     def claim(self, policy_version: int | None = None, wait_s: float = 0.0) -> Rollout | None:
         """An unfinished rollout of the job to continue (yours alone while this producer is alive), or None when
@@ -183,14 +179,18 @@ class Producer:
         `rollout.continued(...)`."""
         request = pb.ClaimRolloutRequest(job=self.job, producer=self.id, policy_version=policy_version,
                                          producer_token=self.producer_token)
+        answer = self._ask_until("ClaimRollout", request, "claimed", wait_s)
+        return Rollout.from_proto(answer.rollout) if answer.claimed else None
+
+    def _ask_until(self, method: str, request, yes: str, wait_s: float):
+        """`method` asked again after each answer's `retry_s` until its field `yes` is set or `wait_s` would pass;
+        the last answer (each one tells the job's policy version)."""
         start = time.monotonic()
         while True:
-            answer = self._call(request, "ClaimRollout")
+            answer = self._call(request, method)
             self.policy_version = answer.policy_version_now
-            if answer.claimed:
-                return Rollout.from_proto(answer.rollout)
-            if time.monotonic() - start + answer.retry_s > wait_s:
-                return None
+            if getattr(answer, yes) or time.monotonic() - start + answer.retry_s > wait_s:
+                return answer
             time.sleep(answer.retry_s)
 
     def put(self, samples: Sample | Mapping | Iterable[Sample | Mapping]) -> PutResult | list[PutResult]:
