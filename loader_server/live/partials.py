@@ -71,7 +71,3 @@ class Partials:
         """Claims of producers no longer alive return their rollouts to the pool."""
         for sample_id in [s for s, producer in self.claims.items() if producer not in alive]:
             del self.claims[sample_id]
-
-    def forget(self, sample_id: str) -> None:
-        self.rows.pop(sample_id, None)
-        self.claims.pop(sample_id, None)

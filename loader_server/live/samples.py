@@ -142,8 +142,7 @@ def checked_sample(message: pb.LiveSample, rules: SampleRules) -> LiveSample:
         raise Refused("tensors", f"{len(message.tensors)} tensors: at most {MAX_TENSORS}")
     tensors = {}
     for name, tensor in sorted(message.tensors.items()):
-        if not name or len(name) > 64 or not name.replace("_", "").isalnum():
-            raise Refused("tensors", f"tensor name {name[:64]!r}: use 1-64 letters, digits and underscores")
+        _check_name(name, "tensors", "tensor")
         if name in SPOOLED_NAMES:
             raise Refused("tensors", f"tensor name {name!r} is the sample's own field: name it otherwise")
         values = _array(tensor, f"tensors[{name}]", np.float32)
@@ -171,11 +170,16 @@ def _values(message: pb.LiveSample) -> dict[str, float]:
     if len(message.values) > MAX_VALUES:
         raise Refused("values", f"{len(message.values)} values: at most {MAX_VALUES}")
     for name, value in message.values.items():
-        if not name or len(name) > 64 or not name.replace("_", "").isalnum():
-            raise Refused("values", f"value name {name[:64]!r}: use 1-64 letters, digits and underscores")
+        _check_name(name, "values", "value")
         if not np.isfinite(value):
             raise Refused(f"values[{name}]", "is NaN or infinite")
     return dict(sorted(message.values.items()))
+
+
+def _check_name(name: str, field_name: str, what: str) -> None:
+    """A tensor's or value's name: what packs carry it as (`token.NAME`, `value.NAME`)."""
+    if not name or len(name) > 64 or not name.replace("_", "").isalnum():
+        raise Refused(field_name, f"{what} name {name[:64]!r}: use 1-64 letters, digits and underscores")
 
 
 def _check_versions(sample: LiveSample, message: pb.LiveSample) -> None:
