@@ -30,10 +30,11 @@ from packfeed.client import PackStream, PlanConfig, Producer, ProducersGone
 from packfeed.client.model.losses import decoupled_policy_loss, token_logprobs
 from packfeed.client.rollouts.weights import WeightVersions
 from packfeed.client.stream.channel import PackfeedError
+from packfeed.v1 import packfeed_pb2 as pb
 
 VOCAB, OFFSET, PROMPT, NEW = 64, 300, 6, 10
 PLAN = PlanConfig(dp=2, microbatches=1, live=True, step_samples=8, staleness="wait", max_staleness=1,
-                  producer_timeout_s=60, group_size=4, group_timeout_s=20, filter_groups="reward", token_cap=512,
+                  producer_timeout_s=600, group_size=4, filter_groups="reward", token_cap=512,
                   vision_cap=64)
 
 
@@ -115,7 +116,7 @@ class Policy:
     def load(self, version: int) -> int:
         """Version `version`'s weights (published before the trainers report holding it)."""
         if version != self.version:
-            self.net.load_state_dict(self.versions.wait_for(version, timeout_s=60))
+            self.net.load_state_dict(self.versions.wait_for(version, timeout_s=600))
             self.version = version
         return version
 
@@ -148,7 +149,7 @@ def sample(sample_id: str, group: str, prompt: np.ndarray, completion: np.ndarra
 
 def produce(target: str, job: str, weights: Path, out: Path, name: str, groups: int, kill: bool) -> None:
     policy, log = Policy(weights), {"groups": [], "continued": []}
-    producer = Producer(target, job=job, name=name, heartbeat_s=1.0, open_wait_s=60, full_wait_s=120)
+    producer = Producer(target, job=job, name=name, heartbeat_s=1.0, open_wait_s=600, full_wait_s=600)
     rng = np.random.default_rng(abs(hash(name)) % 2**32)
 
     def save() -> None:
@@ -170,8 +171,10 @@ def produce(target: str, job: str, weights: Path, out: Path, name: str, groups: 
         log["groups"].append({"group": group, "ids": [s["id"] for s in put], "version": version,
                               "rewards": [s["values"]["reward"] for s in put]})
         save()
-    while continue_unfinished(producer, policy, log):
-        pass
+    deadline = time.monotonic() + 600  # until no rollout is left unfinished (a claim may wait for a grant)
+    while time.monotonic() < deadline:
+        if not continue_unfinished(producer, policy, log) and not unfinished_left(producer, job):
+            break
     save()
     producer.close()
 
@@ -197,6 +200,11 @@ def kill_mid_rollout(producer: Producer, policy: Policy, rng, log: dict, save) -
     os.kill(os.getpid(), signal.SIGKILL)
 
 
+def unfinished_left(producer: Producer, job: str) -> bool:
+    """Whether the job still holds a rollout put unfinished (GetJob's count)."""
+    return producer.channel.call("GetJob", pb.GetJobRequest(job=job)).live.partials > 0
+
+
 def continue_unfinished(producer: Producer, policy: Policy, log: dict) -> bool:
     """Claim an unfinished rollout (waiting a few seconds for one: its producer's claim lapses, a grant opens),
     once the trainers published weights newer than its newest tokens, and finish it with them; whether one was
@@ -206,7 +214,7 @@ def continue_unfinished(producer: Producer, policy: Policy, log: dict) -> bool:
     if rollout is None:
         return False
     if version <= rollout.policy_version:  # no newer weights yet: continue later (the claim lapses when we leave)
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + 600
         while policy.refresh() <= rollout.policy_version and time.monotonic() < deadline:
             time.sleep(0.2)
         version = policy.version
