@@ -196,3 +196,30 @@ def test_producers_gone_names_the_job_and_its_producers_after_the_timeout(tmp_pa
     assert steps.status()["producers_alive"] == 0 and steps.waiting_for() == "no producer is alive"
     steps.put([rollout("b")], producer="p1")  # back: the stream would wait on
     assert steps.producers_gone() == ""
+
+
+def test_a_part_put_on_a_full_disk_keeps_nothing_and_its_retry_trains_it_once(tmp_path):
+    """The disk fills as a rollout's continuation is put: its rows cannot be written, so nothing of it is kept and
+    the unfinished part stays in the pool, claimed as before; then the step it completes cannot be recorded: it is
+    kept, the retry is a duplicate and forms the step. Trained once, and a re-read of the spool agrees."""
+    from test_live_steps import failing_writes
+
+    from packfeed.server.live.spool import SpoolError
+    from packfeed.server.live.steps import StepNotRecorded
+
+    steps = live(tmp_path, PlanConfig(dp=1, live=True, step_samples=1))
+    steps.put([part("r", 0, [11, 12], [0, 0], unfinished=True)])
+    assert steps.claim_rollout("p1", None)[0].id == "r"
+    done = part("r", 1, [11, 12, 13], [0, 0, 1], unfinished=False)
+    failing_writes(steps, "batches/", ".json")
+    with pytest.raises(SpoolError, match="No space left"):
+        steps.put([done], producer="p1")
+    assert steps.partials.rows["r"].part == 0 and steps.partials.claims == {"r": "p1"} and not steps.pending
+    failing_writes(steps, "steps/")
+    with pytest.raises(StepNotRecorded, match="samples are kept"):
+        steps.put([done], producer="p1")
+    assert steps.formed == 0 and list(steps.pending) == ["r"] and not steps.partials.rows
+    assert steps.put([done], producer="p1")[0][0] == "duplicate"
+    assert steps.formed == 1 and steps.record(0)["members"] == ["r"]
+    again = live(tmp_path, PlanConfig(dp=1, live=True, step_samples=1))
+    assert again.formed == 1 and again.record(0)["members"] == ["r"] and not again.partials.rows
