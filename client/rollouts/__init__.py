@@ -1,2 +1,4 @@
-"""The rollout side of reinforcement learning: what a rollout process needs beside its `Producer` (weights that
-reach it by version, `weights`)."""
+"""The rollout side of reinforcement learning: the run's prompts (`prompts`), what goes into an inference engine and
+what comes out (`engine_io`), vLLM's `LLM` as one (`vllm_engine`), an OpenAI-compatible server as another
+(`openai_engine`), a worker that feeds an engine from the prompt job and puts its scored rollouts into the live job
+(`worker`), and the policy's weights by version (`weights`)."""

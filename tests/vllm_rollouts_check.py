@@ -1,0 +1,153 @@
+"""Run inside vLLM's own environment (tests/vllm_env.py; tests/test_vllm_rollouts.py runs it): real vLLM on the CPU
+fed by a Packfeed prompt job, a tiny Qwen2-VL built from a config, images in the prompts. Each check prints one
+JSON line; the test asserts on them.
+
+1. greedy: vLLM's greedy completion of each prompt (through `VLLMEngine`, images as embeddings of the loader
+   server's pixel values) and transformers' greedy completion of the same prompt on the same pixel values;
+2. logprobs: a `RolloutWorker` generates (temperature 1) and puts into a live job; a trainer-side stream reads the
+   live job's packs, and the trainer's model (transformers, `to_hf_inputs`) gives its log-probabilities of the
+   trained tokens, beside the behaviour log-probabilities the worker put;
+3. weights: the trainer's weights change and are published as version 1 (`WeightVersions`); the worker's next
+   step loads them; greedy completions before and after, vLLM's and transformers'.
+
+    python tests/vllm_rollouts_check.py OUT_DIR
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process: no spawned core
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import torch  # noqa: E402
+
+FAMILY, NEW = "qwen2_vl", 8
+# head dim 64: vLLM's CPU attention takes no smaller one
+TEXT = {"hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 2,
+        "num_key_value_heads": 1}
+
+
+def say(check: str, **fields) -> None:
+    print(json.dumps({"check": check, **fields}), flush=True)
+
+
+def model_folder(data, folder: Path):
+    """The tiny model, saved as vLLM loads one: weights, config, tokenizer and the Qwen2-VL processor's settings
+    (the index's pixel bounds)."""
+    from transformers import (PreTrainedTokenizerFast, Qwen2VLImageProcessor, Qwen2VLProcessor,
+                              Qwen2VLVideoProcessor)
+
+    from packfeed.trainer.models.hf.build import build_hf_model
+
+    model = build_hf_model(FAMILY, data.conventions, {"text": TEXT}).eval()
+    model.save_pretrained(folder)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(data.tokenizer), eos_token="<|im_end|>",
+                                        pad_token="<|im_end|>")
+    policy = json.loads(data.conventions.image_policy.parameters_json)
+    images = Qwen2VLImageProcessor(min_pixels=policy["min_pixels"], max_pixels=policy["max_pixels"])
+    Qwen2VLProcessor(image_processor=images, tokenizer=tokenizer,
+                     video_processor=Qwen2VLVideoProcessor()).save_pretrained(folder)
+    return model
+
+
+def hf_greedy(model, prompt) -> list[int]:
+    ids = torch.tensor([prompt.ids])
+    extra = {}
+    if prompt.fields:
+        extra = {**prompt.fields, "mm_token_type_ids": torch.tensor([prompt.token_types])}
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW, do_sample=False,
+                             pad_token_id=0, **extra)
+    return out[0, len(prompt.ids):].tolist()
+
+
+def greedy_pairs(engine, model, prompts, conventions) -> list[dict]:
+    from packfeed.client.rollouts.engine_io import Sampling, engine_request
+
+    requests = [engine_request(p, conventions) for p in prompts]
+    completions = engine.generate(requests, 1, Sampling(max_tokens=NEW, temperature=0.0))
+    return [{"key": p.key, "images": len(p.fields.get("image_grid_thw", [])), "vllm": c[0].token_ids.tolist(),
+             "transformers": hf_greedy(model, p)} for p, c in zip(prompts, completions)]
+
+
+def trainer_logprobs(model, pack, conventions) -> tuple[list[float], list[float]]:
+    """The trainer's log-probabilities of a live pack's trained tokens, and the behaviour ones the pack carries."""
+    from packfeed.client.model.hf import to_hf_inputs
+    from packfeed.client.model.losses import shifted, token_logprobs
+
+    inputs = to_hf_inputs(pack, FAMILY, conventions=conventions)
+    inputs.pop("num_items_in_batch", None)
+    labels = inputs.pop("labels")[0]
+    with torch.no_grad():
+        logp, mask = token_logprobs(model(**inputs).logits[0].float(), labels)
+    behaviour = shifted(pack.token_tensors["logprobs"].float())  # aligned with the shifted labels
+    kept = mask.bool()
+    return logp[kept].tolist(), behaviour[kept].tolist()
+
+
+def main() -> None:
+    from hf_models import family_dataset
+
+    from packfeed.client import LocalServer, PackStream, PlanConfig, Producer
+    from packfeed.client.rollouts.engine_io import Sampling
+    from packfeed.client.rollouts.prompts import prompt_job_stream, prompts_of
+    from packfeed.client.rollouts.vllm_engine import VLLMEngine
+    from packfeed.client.rollouts.weights import WeightVersions
+    from packfeed.client.rollouts.worker import RolloutWorker
+
+    out = Path(sys.argv[1])
+    data = family_dataset(out / "data", FAMILY, samples=6)
+    model = model_folder(data, out / "model")
+    import vllm
+
+    say("installed", vllm=vllm.__version__, transformers=__import__("transformers").__version__)
+    engine = VLLMEngine.from_pretrained(str(out / "model"), dtype="float32", max_model_len=512, enforce_eager=True,
+                                        limit_mm_per_prompt={"image": 4}, seed=0)
+    with LocalServer(data.index, workers=1, extra_args=["--live-spool", str(out / "spool")]) as server:
+        stream = prompt_job_stream(server.target, "greedy", consumers=1, consumer=1 - 1, per_consumer=6)
+        conventions = stream.conventions
+        prompts = [p for step in stream for pack in step.packs for p in prompts_of(pack, FAMILY, conventions)]
+        stream.close()
+        say("greedy", pairs=greedy_pairs(engine, model, prompts, conventions))
+
+        weights = WeightVersions(out / "weights")
+        weights.publish(model.state_dict(), 0)
+        plan = PlanConfig(dp=1, microbatches=1, live=True, step_samples=12, token_cap=2048, vision_cap=256)
+        producer = Producer(server.target, job="rl-rollouts", plan=plan, name="vllm-0")
+        worker = RolloutWorker(engine, prompt_job_stream(server.target, "rl", consumers=1, consumer=0,
+                                                         per_consumer=3),
+                               producer, [lambda completions, **_: [len(c) / 10 for c in completions]],
+                               family=FAMILY, weights=weights, generations=4,
+                               sampling=Sampling(max_tokens=NEW, temperature=1.0, seed=3))
+        worker.run(steps=1)
+        trainer = PackStream(server.target, job="rl-rollouts", rank=0, plan=plan)
+        step = next(iter(trainer))
+        ours, theirs = [], []
+        for pack in step.packs:
+            mine, put = trainer_logprobs(model, pack, trainer.conventions)
+            ours += mine
+            theirs += put
+        say("logprobs", trainer=ours, behaviour=theirs, versions=sorted(set(pack.policy_version.tolist())),
+            samples=len(step.sample_keys))
+
+        before = greedy_pairs(engine, model, prompts, conventions)
+        torch.manual_seed(5)
+        with torch.no_grad():
+            for parameter in model.parameters():
+                parameter.add_(torch.randn_like(parameter) * 0.05)
+        weights.publish(model.state_dict(), 1)
+        worker.run(steps=1)  # its next prompt step loads version 1, the newest
+        after = greedy_pairs(engine, model, prompts, conventions)
+        say("weights", before=before, after=after, loaded=worker.report.versions)
+        trainer.close()
+        worker.close()
+
+
+if __name__ == "__main__":
+    main()
