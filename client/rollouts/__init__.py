@@ -1,4 +1,3 @@
 """The rollout side of reinforcement learning: the run's prompts (`prompts`), what goes into an inference engine and
-what comes out (`engine_io`), vLLM's `LLM` as one (`vllm_engine`), an OpenAI-compatible server as another
-(`openai_engine`), a worker that feeds an engine from the prompt job and puts its scored rollouts into the live job
-(`worker`), and the policy's weights by version (`weights`)."""
+what comes out (`engine_io`), vLLM's `LLM` as one (`vllm_engine`), a worker that feeds an engine from the prompt
+job and puts its scored rollouts into the live job (`worker`), and the policy's weights by version (`weights`)."""

@@ -41,6 +41,7 @@ class Sampling:
     seed and weights sample the same completions); `stop_token_ids`: besides the model's end of sequence."""
 
     max_tokens: int = 256
+    min_tokens: int = 0  # no end of sequence or stop token before this many
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # 0: no top-k
@@ -48,8 +49,10 @@ class Sampling:
     stop_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self):
-        if self.max_tokens < 1 or self.temperature < 0 or not 0 < self.top_p <= 1 or self.top_k < 0:
-            raise ValueError(f"{self}: max_tokens >= 1, temperature >= 0, 0 < top_p <= 1 and top_k >= 0")
+        if not (0 <= self.min_tokens <= self.max_tokens and self.max_tokens >= 1 and self.temperature >= 0
+                and 0 < self.top_p <= 1 and self.top_k >= 0):
+            raise ValueError(f"{self}: 0 <= min_tokens <= max_tokens, max_tokens >= 1, temperature >= 0, "
+                             "0 < top_p <= 1 and top_k >= 0")
 
     def seed_of(self, key: str) -> int:
         """The seed of a request's completions: the run's seed and the prompt's key."""

@@ -79,9 +79,10 @@ class VLLMEngine:
         from vllm import SamplingParams
 
         prompts = self._prompts(requests)
-        params = [SamplingParams(n=n, max_tokens=sampling.max_tokens, temperature=sampling.temperature,
-                                 top_p=sampling.top_p, top_k=sampling.top_k or -1, logprobs=0,
-                                 seed=sampling.seed_of(request.key), stop_token_ids=list(sampling.stop_token_ids))
+        params = [SamplingParams(n=n, max_tokens=sampling.max_tokens, min_tokens=sampling.min_tokens,
+                                 temperature=sampling.temperature, top_p=sampling.top_p,
+                                 top_k=sampling.top_k or -1, logprobs=0, seed=sampling.seed_of(request.key),
+                                 stop_token_ids=list(sampling.stop_token_ids))
                   for request in requests]
         outputs = self.llm.generate(prompts, params, use_tqdm=False)
         return [[_completion(output) for output in request_output.outputs] for request_output in outputs]
