@@ -256,7 +256,8 @@ FLOORS = {
     "packfeed.client.model": {"attention": 0, "hf_config": 0, "hf_families": 0, "shared_prefix": 0, "towers": 0,
                               "context_parallel": 1, "dataset_losses": 1, "guard_updates": 1, "losses": 1, "hf": 1},
     "packfeed.client.rollouts": {"weights": 0, "prompts": 0, "engine_io": 1, "vllm_engine": 2, "worker": 2},
-    "packfeed.client.frameworks": {"grpo_config": 0, "grpo_prompts": 0, "hf_trainer": 0, "lightning": 0,
+    "packfeed.client.frameworks": {"grpo_config": 0, "grpo_prompts": 0, "grpo_rollouts": 0, "trl_vllm": 0,
+                                   "hf_trainer": 0, "lightning": 0,
                                    "megatron": 0, "sft_trainer": 1, "trl": 1},
 }
 

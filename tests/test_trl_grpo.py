@@ -132,10 +132,17 @@ def test_grpo_settings_the_face_cannot_honour_are_refused_naming_them(tmp_path):
                 report_to=[], bf16=False)
     check_grpo_config(GRPOConfig(**good))
     for field, value in [("loss_type", "bnpo"), ("num_iterations", 2), ("importance_sampling_level", "sequence"),
-                         ("top_entropy_quantile", 0.5), ("entropy_coef", 0.01), ("use_vllm", True), ("steps_per_generation", 2),
+                         ("top_entropy_quantile", 0.5), ("entropy_coef", 0.01), ("steps_per_generation", 2),
                          ("shuffle_dataset", False), ("chat_template_kwargs", {"enable_thinking": False})]:
         with pytest.raises(PackfeedError, match=field):
             check_grpo_config(GRPOConfig(**{**good, field: value}))
+    check_grpo_config(GRPOConfig(**good, use_vllm=True, vllm_mode="colocate"))  # tests/test_vllm_rollouts.py runs it
+    vllm = {**good, "use_vllm": True}
+    for field, value, why in [("vllm_mode", "server", "preprocesses them a second time"),
+                              ("vllm_tensor_parallel_size", 2, "generates that rank's prompts"),
+                              ("vllm_enable_sleep_mode", True, "False")]:
+        with pytest.raises(PackfeedError, match=f"{field}: give .*{why}"):
+            check_grpo_config(GRPOConfig(**{**vllm, field: value}))
 
 
 def test_more_steps_than_the_prompt_job_holds_and_other_families_are_refused(server, grpo_data, tmp_path):

@@ -8,7 +8,9 @@ JSON line; the test asserts on them.
    live job's packs, and the trainer's model (transformers, `to_hf_inputs`) gives its log-probabilities of the
    trained tokens, beside the behaviour log-probabilities the worker put;
 3. weights: the trainer's weights change and are published as version 1 (`WeightVersions`); the worker's next
-   step loads them; greedy completions before and after, vLLM's and transformers'.
+   step loads them; greedy completions before and after, vLLM's and transformers';
+4. trl: `PackfeedGRPOTrainer(use_vllm=True, vllm_mode="colocate")` at DP 2 under torchrun
+   (tests/vllm_grpo_worker.py), each rank's rollouts from its colocated vLLM: what each rank recorded.
 
     python tests/vllm_rollouts_check.py OUT_DIR
 """
@@ -102,7 +104,7 @@ def main() -> None:
     from packfeed.client.rollouts.worker import RolloutWorker
 
     out = Path(sys.argv[1])
-    data = family_dataset(out / "data", FAMILY, samples=6)
+    data = family_dataset(out / "data", FAMILY, samples=8)  # two prompt steps an epoch at DP 2 x 2 prompts
     model = model_folder(data, out / "model")
     import vllm
 
@@ -110,7 +112,7 @@ def main() -> None:
     engine = VLLMEngine.from_pretrained(str(out / "model"), dtype="float32", max_model_len=512, enforce_eager=True,
                                         limit_mm_per_prompt={"image": 4}, seed=0)
     with LocalServer(data.index, workers=1, extra_args=["--live-spool", str(out / "spool")]) as server:
-        stream = prompt_job_stream(server.target, "greedy", consumers=1, consumer=1 - 1, per_consumer=6)
+        stream = prompt_job_stream(server.target, "greedy", consumers=1, consumer=0, per_consumer=8)
         conventions = stream.conventions
         prompts = [p for step in stream for pack in step.packs for p in prompts_of(pack, FAMILY, conventions)]
         stream.close()
@@ -147,6 +149,24 @@ def main() -> None:
         say("weights", before=before, after=after, loaded=worker.report.versions)
         trainer.close()
         worker.close()
+        del engine  # its memory, before the trainers start two more
+        say("trl", ranks=trl_colocated(server.target, data, out))
+
+
+def trl_colocated(target: str, data, out: Path) -> list[dict]:
+    import subprocess
+
+    from ports import free_port
+
+    runs = out / "trl"
+    runs.mkdir()
+    worker = Path(__file__).with_name("vllm_grpo_worker.py")
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                           "--master-port", str(free_port()), str(worker), target, "trl", str(out / "model"),
+                           str(data.tokenizer), str(runs)], capture_output=True, text=True, timeout=480)
+    if done.returncode != 0:
+        raise RuntimeError(done.stdout[-3000:] + done.stderr[-8000:])
+    return [json.loads((runs / f"rank{rank}.json").read_text()) for rank in range(2)]
 
 
 if __name__ == "__main__":

@@ -3,6 +3,8 @@ each setting named with what to give instead."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from trl import GRPOConfig
 
 from packfeed.client.stream.channel import PackfeedError
@@ -18,10 +20,12 @@ def check_grpo_config(args: GRPOConfig) -> None:
                         "depend on which rank trains which rollout)")
     refused = {
         "importance_sampling_level": (args.importance_sampling_level != "token", "'token'"),
-        "num_iterations": (args.num_iterations != 1, "1 (each live step is trained once)"),
+        "num_iterations": (args.num_iterations != 1,
+                           "1: each live step's packs are formed from that step's rollouts and trained once (a "
+                           "generation trained several times, PPO's epochs, would need the step's packs again)"),
         "steps_per_generation": (args.steps_per_generation != args.gradient_accumulation_steps,
-                                 "gradient_accumulation_steps (one generation a step)"),
-        "use_vllm": (args.use_vllm, "False: generation reads the prompts' images as the model's pixel values"),
+                                 "gradient_accumulation_steps: one generation an optimizer step, as a live step "
+                                 "is one optimizer step"),
         "use_transformers_continuous_batching": (args.use_transformers_continuous_batching,
                                                  "False: generate_batch takes no pixel values"),
         "top_entropy_quantile": (args.top_entropy_quantile < 1.0, "1.0"),
@@ -40,6 +44,24 @@ def check_grpo_config(args: GRPOConfig) -> None:
             "a value whose product with gradient_accumulation_steps is a multiple of num_generations (each rank "
             "generates for whole prompts)"),
     }
-    problems += [f"{name}: give {what}" for name, (bad, what) in refused.items() if bad]
+    problems += [f"{name}: give {what}" for name, (bad, what) in refused.items() if bad] + check_vllm_config(args)
     if problems:
         raise PackfeedError("GRPOConfig settings PackfeedGRPOTrainer cannot honour: " + "; ".join(problems))
+
+
+def check_vllm_config(args: Any) -> list[str]:
+    """What of TRL's vLLM settings the colocated engine cannot honour, each with what to give instead."""
+    if not args.use_vllm:
+        return []
+    refused = {
+        "vllm_mode": (args.vllm_mode != "colocate",
+                      "'colocate': TRL's vLLM server takes each prompt's raw images and preprocesses them a second "
+                      "time; to generate on a server, run Packfeed's RolloutWorker beside it (docs/live.md "
+                      "\"Rollouts from inference engines\")"),
+        "vllm_tensor_parallel_size": (args.vllm_tensor_parallel_size != 1,
+                                      "1 (each rank's engine generates that rank's prompts)"),
+        "vllm_enable_sleep_mode": (args.vllm_enable_sleep_mode, "False"),
+        "vllm_structured_outputs_regex": (args.vllm_structured_outputs_regex is not None, "None"),
+        "generation_kwargs": (bool(args.generation_kwargs), "None (the sampling settings are GRPOConfig's own)"),
+    }
+    return [f"{name}: give {what}" for name, (bad, what) in refused.items() if bad]

@@ -8,7 +8,7 @@ import math
 from collections.abc import Iterator
 from typing import Any
 
-from packfeed.client.rollouts.prompts import Prompt, prompt_job_stream, prompts_of  # noqa: F401 (Prompt: said here before)
+from packfeed.client.rollouts.prompts import prompt_job_stream, prompts_of
 from packfeed.client.stream.channel import Connection
 from packfeed.client.stream.pack_stream import PackStream
 from packfeed.client.stream.tensors import Step

@@ -39,7 +39,6 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from accelerate.utils import gather_object
 from datasets import Dataset
@@ -49,11 +48,13 @@ from trl import GRPOConfig, GRPOTrainer
 from packfeed.client.stream.channel import Connection, PackfeedError
 from packfeed.client.model.dataset_losses import reward_losses
 from packfeed.client.frameworks.grpo_config import check_grpo_config
-from packfeed.client.frameworks.grpo_prompts import Prompt, PromptSteps, prompt_stream
+from packfeed.client.frameworks.grpo_prompts import PromptSteps, prompt_stream
+from packfeed.client.frameworks.grpo_rollouts import aligned, scored_rollouts
 from packfeed.client.model.hf import to_hf_inputs
+from packfeed.client.rollouts.prompts import Prompt
 from packfeed.client.model.hf_families import family_of
 from packfeed.client.frameworks.hf_trainer import load_weights_strictly, saved_state, sharded
-from packfeed.client.model.losses import row_tensors, shifted, token_logprobs
+from packfeed.client.model.losses import row_tensors, token_logprobs
 from packfeed.client.stream.producer import Producer, Sample
 from packfeed.client.stream.pack_stream import PackStream
 from packfeed.client.stream.tensors import PackTensors
@@ -120,6 +121,7 @@ class PackfeedGRPOTrainer(GRPOTrainer):
         # the streams resume themselves: the Trainer must not skip batches of a resumed run again
         kwargs["args"] = grpo_args = copy.copy(grpo_args)  # the caller's stays as given (replace would re-derive)
         grpo_args.ignore_data_skip = True
+        wants_vllm, grpo_args.use_vllm = grpo_args.use_vllm, False  # TRL's own engine would take raw images
         grpo_args.max_steps = grpo_args.max_steps if grpo_args.max_steps > 0 else steps
         rollout_plan = PlanConfig(dp=world, microbatches=accumulation, live=True, steps=grpo_args.max_steps,
                                   step_samples=per_rank * generations * world, shared_prefix=shared_prefix)
@@ -143,6 +145,12 @@ class PackfeedGRPOTrainer(GRPOTrainer):
                                 "by the update on packs; set it to 0")
         self.ensure_encoders = sharded(self.args)
         self._suppress_placeholders()
+        self.vllm_completions = 0  # completions vLLM generated (use_vllm)
+        if wants_vllm:
+            from packfeed.client.frameworks.trl_vllm import colocated_vllm
+
+            self.use_vllm, self.vllm_mode, self._last_loaded_step = True, "colocate", -1
+            self.vllm_generation = colocated_vllm(self, grpo_args)
 
     def _suppress_placeholders(self) -> None:
         """Never sample an image or video placeholder: a completion holding one has no features to match it (TRL
@@ -219,35 +227,11 @@ class PackfeedGRPOTrainer(GRPOTrainer):
     # -- the live job --------------------------------------------------------------------------------------------
 
     def _rollouts(self, batch: dict[str, Any]) -> list[dict[str, Any]]:
-        """This rank's scored rollouts as live samples: the prompt's tokens then the completion's, the
-        completion in the loss (where TRL's mask keeps it), per-token advantages and loss weights."""
-        prompt_ids, prompt_mask = batch["prompt_ids"].cpu(), batch["prompt_mask"].cpu().bool()
-        completion_ids, completion_mask = batch["completion_ids"].cpu(), batch["completion_mask"].cpu()
-        mask = completion_mask * batch["tool_mask"].cpu() if "tool_mask" in batch else completion_mask
-        advantages = batch["advantages"].cpu().float()
-        total = int(self.accelerator.gather(torch.tensor([len(prompt_ids)], device=self.accelerator.device))
+        """This rank's scored rollouts as live samples (`grpo_rollouts.scored_rollouts`)."""
+        total = int(self.accelerator.gather(torch.tensor([len(batch["prompt_ids"])], device=self.accelerator.device))
                     .sum().item())
-        items = float(batch["num_items_in_batch"].clamp(min=1.0).item())
-        pad = self._tokenizer.pad_token_id
-        out = []
-        for i, prompt in enumerate(self._prompts):
-            kept = mask[i].bool()
-            length = completion_length(completion_ids[i], kept, pad)
-            response = completion_ids[i][:length]
-            loss = kept[:length].to(torch.uint8)
-            weight = {"dapo": 1.0 / items,
-                      "grpo": 1.0 / (max(int(loss.sum()), 1) * total),
-                      "dr_grpo": 1.0 / (total * self.max_completion_length)}[self.loss_type]
-            tokens = torch.cat([prompt_ids[i][prompt_mask[i]], response])
-            prompt_length = len(tokens) - length
-            per_token = torch.zeros(len(tokens))
-            per_token[prompt_length:] = 1.0
-            out.append({"tokens": tokens.numpy().astype(np.int32),
-                        "loss_mask": np.concatenate([np.zeros(prompt_length, np.uint8), loss.numpy()]),
-                        "group": prompt.key, "prompt": prompt.key,
-                        "tensors": {"advantages": (per_token * advantages[i]).numpy(),
-                                    "loss_weight": (per_token * weight).numpy()}})
-        return out
+        return scored_rollouts(batch, self._prompts, self.loss_type, total, self.max_completion_length,
+                               self._tokenizer.pad_token_id)
 
     def _put_step(self, rollouts: list[dict[str, Any]]) -> None:
         """Rank 0 puts the step's rollouts of every rank, in rank order: a step's members, and so its packs, are
@@ -306,14 +290,16 @@ class PackfeedGRPOTrainer(GRPOTrainer):
         labels = inputs.pop("labels")[0]
         logp, mask = self._logprobs(model, inputs, labels)
         tensors = row_tensors(pack, shared_prefix=share) if not pack.empty else {}
-        advantages = _aligned(tensors.get("advantages"), logp)
-        weights = _aligned(tensors.get("loss_weight"), logp)
+        advantages = aligned(tensors.get("advantages"), logp)
+        weights = aligned(tensors.get("loss_weight"), logp)
         old = logp.detach()  # one update per generation: TRL's old log-probabilities are the current ones
         coef_1 = torch.exp(logp - old)
         coef_2 = torch.clamp(coef_1, 1 - self.epsilon_low, 1 + self.epsilon_high)
         if self.args.delta is not None:
             coef_1 = torch.clamp(coef_1, max=self.args.delta)
         per_token = -torch.minimum(coef_1 * advantages, coef_2 * advantages)
+        if "importance_ratio" in tensors:  # TRL's correction of vLLM's sampling (vllm_importance_sampling_*)
+            per_token = per_token * aligned(tensors["importance_ratio"], logp)
         if self.beta != 0.0:
             with torch.no_grad():
                 ref, _ = self._logprobs(self.ref_model, inputs, labels)
@@ -359,22 +345,3 @@ class PackfeedGRPOTrainer(GRPOTrainer):
         for held in (self.producer, self.prompt_stream, self.rollout_stream):
             if held is not None:
                 held.close()
-
-
-def completion_length(ids: torch.Tensor, kept: torch.Tensor, pad: int | None) -> int:
-    """A completion's tokens in TRL's right-padded row: through its last kept token, or, when TRL masked it whole
-    (a truncated completion under `mask_truncated_completions`), through its last token that is not padding."""
-    if kept.any():
-        return int(kept.nonzero().max()) + 1
-    real = (ids != pad).nonzero() if pad is not None else torch.arange(len(ids)).unsqueeze(1)
-    return int(real.max()) + 1 if len(real) else 0
-
-
-def _aligned(values: torch.Tensor | None, logp: torch.Tensor) -> torch.Tensor:
-    """A per-token tensor at the positions of `token_logprobs`. The row may be longer than the pack's tokens (the
-    dummy items `ensure_encoders` appends, an empty pack's ignored token): those positions get 0."""
-    out = torch.zeros_like(logp)
-    if values is not None:
-        count = min(len(values), len(logp))
-        out[:count] = values[:count].to(device=logp.device, dtype=logp.dtype)
-    return shifted(out)

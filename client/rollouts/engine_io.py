@@ -45,14 +45,17 @@ class Sampling:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # 0: no top-k
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
     seed: int = 0
     stop_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self):
         if not (0 <= self.min_tokens <= self.max_tokens and self.max_tokens >= 1 and self.temperature >= 0
-                and 0 < self.top_p <= 1 and self.top_k >= 0):
+                and 0 < self.top_p <= 1 and self.top_k >= 0 and 0 <= self.min_p <= 1
+                and self.repetition_penalty > 0):
             raise ValueError(f"{self}: 0 <= min_tokens <= max_tokens, max_tokens >= 1, temperature >= 0, "
-                             "0 < top_p <= 1 and top_k >= 0")
+                             "0 < top_p <= 1, top_k >= 0, 0 <= min_p <= 1 and repetition_penalty > 0")
 
     def seed_of(self, key: str) -> int:
         """The seed of a request's completions: the run's seed and the prompt's key."""
@@ -73,6 +76,25 @@ class Completion:
         if len(self.token_ids) != len(self.logprobs):
             raise PackfeedError(f"the engine gave {len(self.token_ids)} tokens and {len(self.logprobs)} "
                                 "log-probabilities: ask it for the sampled token's log-probability (logprobs=0)")
+
+
+def cut_at(completion: Completion, token_ids: set[int]) -> Completion:
+    """The completion up to the first of `token_ids` it holds (the stop it ended on, left out), or whole. A
+    completion must never hold an image placeholder (the trainer would find no image for it), so placeholders are
+    stop tokens and are cut: stopping leaves the sampling distribution, and so the behaviour log-probabilities, as
+    they are, where suppressing the token would change both."""
+    hits = np.flatnonzero(np.isin(completion.token_ids, list(token_ids)))
+    if not len(hits):
+        return completion
+    return Completion(completion.token_ids[:hits[0]], completion.logprobs[:hits[0]], True)
+
+
+def placeholders_of(conventions: Any) -> set[int]:
+    """The dataset's image and video placeholder ids (`ModelConventions`)."""
+    found = {conventions.image_context_id}
+    if conventions.HasField("video_context_id"):
+        found.add(conventions.video_context_id)
+    return found
 
 
 class Engine(Protocol):

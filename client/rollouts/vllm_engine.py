@@ -81,7 +81,9 @@ class VLLMEngine:
         prompts = self._prompts(requests)
         params = [SamplingParams(n=n, max_tokens=sampling.max_tokens, min_tokens=sampling.min_tokens,
                                  temperature=sampling.temperature, top_p=sampling.top_p,
-                                 top_k=sampling.top_k or -1, logprobs=0, seed=sampling.seed_of(request.key),
+                                 top_k=sampling.top_k or -1, min_p=sampling.min_p,
+                                 repetition_penalty=sampling.repetition_penalty, logprobs=0,
+                                 seed=sampling.seed_of(request.key),
                                  stop_token_ids=list(sampling.stop_token_ids))
                   for request in requests]
         outputs = self.llm.generate(prompts, params, use_tqdm=False)

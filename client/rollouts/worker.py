@@ -30,11 +30,12 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, Literal
+from typing import Literal
 
 import numpy as np
 
-from packfeed.client.rollouts.engine_io import Completion, Engine, EngineRequest, Sampling, engine_request
+from packfeed.client.rollouts.engine_io import (Completion, Engine, EngineRequest, Sampling, cut_at, engine_request,
+                                                 placeholders_of)
 from packfeed.client.rollouts.prompts import Prompt, prompts_of
 from packfeed.client.rollouts.weights import WeightVersions
 from packfeed.client.stream.channel import PackfeedError
@@ -78,13 +79,7 @@ class RolloutWorker:
         self.version = policy_version  # of the weights the engine holds
         self.report = RolloutReport()
         self._steps: Iterator[Step] | None = None
-        conventions = prompts.conventions
-        self._placeholders = {conventions.image_context_id}
-        if conventions.HasField("video_context_id"):
-            self._placeholders.add(conventions.video_context_id)
-        # A completion never holds an image placeholder (the trainer would find no image for it): sampling one
-        # ends the completion there, the placeholder left out. Stopping leaves the sampling distribution, and so
-        # the behaviour log-probabilities, as they are; suppressing it would change both.
+        self._placeholders = placeholders_of(prompts.conventions)  # stop tokens, cut (engine_io.cut_at)
         self._sampling = replace(sampling, stop_token_ids=tuple(sorted(set(sampling.stop_token_ids)
                                                                        | self._placeholders)))
 
@@ -114,7 +109,7 @@ class RolloutWorker:
         for version, batch in sorted(by_version.items()):
             self._hold(version)
             requests = [engine_request(prompt, conventions) for prompt in batch]
-            completions = [[_before_placeholder(c, self._placeholders) for c in group]
+            completions = [[cut_at(c, self._placeholders) for c in group]
                            for group in self.engine.generate(requests, self.generations, self._sampling)]
             samples += self._samples(step, batch, requests, completions, version)
         self.producer.put(samples)
@@ -175,14 +170,6 @@ class RolloutWorker:
                                     f"give one finite number per completion ({len(flat)})")
             scores[:, column] = given
         return scores @ self.reward_weights
-
-
-def _before_placeholder(completion: Completion, placeholders: set[int]) -> Completion:
-    """The completion up to its first image placeholder (the stop it ended on), or whole when it holds none."""
-    hits = np.flatnonzero(np.isin(completion.token_ids, list(placeholders)))
-    if not len(hits):
-        return completion
-    return Completion(completion.token_ids[:hits[0]], completion.logprobs[:hits[0]], True)
 
 
 def _sample(sample_id: str, group: str, prompt: Prompt, completion: Completion, reward: float, advantage: float,
