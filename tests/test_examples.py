@@ -66,7 +66,8 @@ def serving(serve: str, folder: Path, env: dict) -> subprocess.Popen:
 
 def test_every_example_says_how_it_runs():
     examples = sorted(p.name for p in EXAMPLES.glob("*.py"))
-    assert examples == ["first_steps.py", "hf_trainer.py", "lightning_fit.py", "stateful_loader.py", "trl_grpo.py"]
+    assert examples == ["first_steps.py", "hf_trainer.py", "lightning_fit.py", "stateful_loader.py", "trl_grpo.py",
+                        "vllm_rollouts.py"]  # the last runs in vLLM's environment: tests/test_vllm_rollouts.py
     assert "python examples/first_steps.py tour/index.parquet" in commands_run_by("tests/test_readme_tour.py")
     for name in ("lightning_fit.py", "stateful_loader.py"):
         assert docstring_commands(EXAMPLES / name)[0] == SERVED

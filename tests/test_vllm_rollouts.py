@@ -18,13 +18,19 @@ SCRIPT = Path(__file__).with_name("vllm_rollouts_check.py")
 
 
 @pytest.fixture(scope="module")
-def checks(tmp_path_factory) -> dict[str, dict]:
+def vllm_python() -> Path:
     python = built_python()
     if python is None:
         message = f"vLLM's environment is not built under {VLLM_ENV}: run `make vllm-env` (minutes, once)"
         if os.environ.get("CI"):
             pytest.fail(message + " (CI builds it before the tests: see .ci/run)")
         pytest.skip(message)
+    return python
+
+
+@pytest.fixture(scope="module")
+def checks(vllm_python, tmp_path_factory) -> dict[str, dict]:
+    python = vllm_python
     out = tmp_path_factory.mktemp("vllm")
     done = subprocess.run([str(python), str(SCRIPT), str(out)], capture_output=True, text=True, timeout=540,
                           cwd=out)
@@ -78,3 +84,53 @@ def test_packfeed_grpo_trainer_with_colocated_vllm_trains_three_steps_at_dp2_on_
             logprobs = np.array(step["vllm_logprobs"])  # TRL's sampling log-probabilities: vLLM's own
             assert logprobs.shape == (4, len(step["completions"][0])) and (logprobs <= 0).all()
     assert ranks[0]["rollouts"] != ranks[1]["rollouts"]  # each rank generated its own prompts
+
+
+@pytest.mark.timeout(600)
+def test_an_asynchronous_run_with_vllm_producers_trains_every_rollout_once_within_its_staleness(checks):
+    line = checks["async"]
+    trained = [(key, version, step["trained_by"]) for step in line["steps"] for key, version in step["samples"]]
+    keys = [key for key, _, _ in trained]
+    # two vLLM producers x 3 prompt steps x 1 prompt x G = 4: every rollout trained, once
+    assert len(keys) == len(set(keys)) == 24 == sum(p["rollouts"] for p in line["producers"])
+    assert all(0 <= trained_by - version <= 1 for _, version, trained_by in trained)  # max_staleness 1, none early
+    groups = {}
+    for key, version, trained_by in trained:
+        groups.setdefault(key.rsplit("-", 1)[0], set()).add((version, trained_by))
+    assert all(len(members) == 1 for members in groups.values())  # a group whole: one version, one step
+    # the producers followed the trainer: version 0's grants cover steps 0 and 1 alone (16 of the 24 rollouts), so
+    # newer versions were loaded into vLLM (which producer loads them depends on timing) and trained
+    assert any(p["loaded"] for p in line["producers"]) and len({version for _, version, _ in trained}) >= 2
+
+
+@pytest.mark.timeout(600)
+def test_the_vllm_rollout_example_runs_as_written(vllm_python, tmp_path):
+    """examples/vllm_rollouts.py's docstring, as written: the dataset and the server from this project's
+    environment, the example itself with vLLM's environment's python first on the PATH."""
+    import shutil
+    import sys
+
+    from test_examples import EXAMPLES, docstring_commands, serving
+
+    commands = docstring_commands(EXAMPLES / "vllm_rollouts.py")
+    (serve,) = [c for c in commands if c.endswith("&")]
+    (example,) = [c for c in commands if c.startswith("python")]
+    assert docstring_commands(EXAMPLES / "trl_grpo.py")[:2] == commands[:2]  # the dataset examples/trl_grpo.py uses
+    shutil.copytree(EXAMPLES, tmp_path / "examples")
+    ours = {**os.environ, "PATH": str(Path(sys.executable).parent) + os.pathsep + os.environ.get("PATH", "")}
+    for command in commands[:commands.index(serve)]:
+        done = subprocess.run(command, shell=True, cwd=tmp_path, env=ours, capture_output=True, text=True,
+                              timeout=600)
+        assert done.returncode in (0, 3), f"{command}\n{done.stderr[-3000:]}"  # 3: some samples skipped, said
+    server = serving(serve, tmp_path, ours)
+    vllm = {**ours, "PATH": str(vllm_python.parent) + os.pathsep + ours["PATH"]}
+    try:
+        done = subprocess.run(example, shell=True, cwd=tmp_path, env=vllm, capture_output=True, text=True,
+                              timeout=540)
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    steps = [json.loads(line) for line in done.stdout.splitlines() if line.startswith('{"step"')]
+    assert [s["step"] for s in steps] == [1, 2] and all(s["rollouts"] == 8 for s in steps)
+    assert all(s["policy_version"] == 0 and 0 <= s["reward"] <= 1 for s in steps)

@@ -10,7 +10,11 @@ JSON line; the test asserts on them.
 3. weights: the trainer's weights change and are published as version 1 (`WeightVersions`); the worker's next
    step loads them; greedy completions before and after, vLLM's and transformers';
 4. trl: `PackfeedGRPOTrainer(use_vllm=True, vllm_mode="colocate")` at DP 2 under torchrun
-   (tests/vllm_grpo_worker.py), each rank's rollouts from its colocated vLLM: what each rank recorded.
+   (tests/vllm_grpo_worker.py), each rank's rollouts from its colocated vLLM: what each rank recorded;
+5. async: an asynchronous GRPO run ([3/6]: staleness wait, max_staleness 1, whole groups of 4) whose producers are
+   two vLLM rollout workers (tests/vllm_producer.py), each group reserved and generated with the version its grant
+   names; this process trains on the live job's packs (the decoupled policy loss on the behaviour log-probabilities
+   the workers put) and publishes each version: what each step trained, and what each producer loaded.
 
     python tests/vllm_rollouts_check.py OUT_DIR
 """
@@ -151,6 +155,79 @@ def main() -> None:
         worker.close()
         del engine  # its memory, before the trainers start two more
         say("trl", ranks=trl_colocated(server.target, data, out))
+        say("async", **asynchronous(server.target, model, out))
+
+
+ASYNC = {"steps": 3, "group": 4}
+
+
+def asynchronous(target: str, model, out: Path) -> dict:
+    """Two vLLM producers (3 prompt steps of 1 prompt each, G = 4) and this process training 3 live steps of 8."""
+    import subprocess
+    import threading
+
+    from packfeed.client import PackStream, PlanConfig, Producer
+    from packfeed.client.model.hf import to_hf_inputs
+    from packfeed.client.model.losses import decoupled_policy_loss, token_logprobs
+    from packfeed.client.rollouts.weights import WeightVersions
+
+    plan = PlanConfig(dp=1, microbatches=1, live=True, step_samples=8, staleness="wait", max_staleness=1,
+                      producer_timeout_s=600, group_size=ASYNC["group"], token_cap=4096, vision_cap=512)
+    weights = WeightVersions(out / "async-weights", keep=100)
+    weights.publish(model.state_dict(), 0)
+    opener = Producer(target, job="async-rollouts", plan=plan, heartbeat_s=0)  # opens the job before anyone
+    record, optimizer = [], torch.optim.SGD(model.parameters(), lr=0.05)
+    stream = PackStream(target, job="async-rollouts", rank=0, plan=plan)
+
+    def train() -> None:
+        try:
+            train_steps()
+        except BaseException as error:  # said by the main thread
+            failed.append(error)
+
+    def train_steps() -> None:
+        version = 0
+        for step in stream:
+            loss, seen = torch.zeros(()), []
+            for pack in step.packs:
+                if pack.empty:  # the job's end: a last step with nothing left
+                    continue
+                inputs = to_hf_inputs(pack, FAMILY, conventions=stream.conventions)
+                inputs.pop("num_items_in_batch", None)
+                labels = inputs.pop("labels")[0]
+                logp, mask = token_logprobs(model(**inputs).logits[0], labels)
+                tensors = pack.token_tensors
+                loss = loss + decoupled_policy_loss(logp, logp.detach(), tensors["logprobs"][:len(logp)],
+                                                    tensors["advantages"][:len(logp)], mask,
+                                                    normalizer=max(1, pack.step_loss_tokens))
+                seen += [[key, int(v)] for key, v in zip(pack.sample_keys, pack.policy_version.tolist())]
+            if not seen:
+                continue
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            record.append({"trained_by": version, "samples": seen})
+            version += 1
+            weights.publish(model.state_dict(), version)  # published before the job hears of it
+            stream.policy_version = version
+
+    failed: list[BaseException] = []
+    trainer = threading.Thread(target=train, daemon=True)
+    trainer.start()
+    producer = Path(__file__).with_name("vllm_producer.py")
+    producers = [subprocess.Popen([sys.executable, str(producer), target, str(out / "model"),
+                                   str(out / "async-weights"), str(out), str(index), str(ASYNC["steps"])],
+                                  stdout=subprocess.DEVNULL, stderr=open(out / f"producer-{index}.log", "w"))
+                 for index in range(2)]
+    for index, process in enumerate(producers):
+        if process.wait(600) != 0:
+            raise RuntimeError((out / f"producer-{index}.log").read_text()[-6000:])
+    opener.end()  # what is pending forms the last step
+    trainer.join(600)
+    stream.close()
+    if failed or trainer.is_alive():
+        raise RuntimeError(f"the trainer failed or hung: {failed}")
+    return {"steps": record, "producers": [json.loads((out / f"producer-{i}.json").read_text()) for i in range(2)]}
 
 
 def trl_colocated(target: str, data, out: Path) -> list[dict]:

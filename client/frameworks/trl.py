@@ -12,7 +12,8 @@ One optimizer step, on every rank at once:
    images included, with their images decoded and laid out as the model's pixel values. A prompt is an indexed
    sample's tokens before its first loss token; the rest (its answer) is given to reward functions as
    `solution`, the sample's key as `key`, the prompt's text as `prompts`.
-2. **TRL generates and scores** as it does (`GRPOTrainer._generate` with its sampling settings, the reward
+2. **TRL generates and scores** as it does (`GRPOTrainer._generate` with its sampling settings, by the model
+   or, with `use_vllm=True, vllm_mode="colocate"`, by each rank's vLLM fed the same pixel values: `trl_vllm`; the reward
    functions, the group-normalised advantages of `scale_rewards` and `multi_objective_aggregation`).
 3. **The scored rollouts go through a live job** (`JOB-rollouts`, docs/live.md): rank 0 puts the whole step's
    rollouts, in rank order, each with its prompt's tokens and its completion's, the completion in the loss, and
