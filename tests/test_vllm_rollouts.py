@@ -15,6 +15,9 @@ import pytest
 from vllm_env import VLLM_ENV, built_python
 
 SCRIPT = Path(__file__).with_name("vllm_rollouts_check.py")
+# vLLM's CPU workers bind an OpenMP thread to every core; beside the suite's other worker, binding and a thread per
+# core starved both (the file took 197 s there, 101 s alone). One unbound thread per process here: tiny models.
+QUIET = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +36,7 @@ def checks(vllm_python, tmp_path_factory) -> dict[str, dict]:
     python = vllm_python
     out = tmp_path_factory.mktemp("vllm")
     done = subprocess.run([str(python), str(SCRIPT), str(out)], capture_output=True, text=True, timeout=540,
-                          cwd=out)
+                          cwd=out, env={**os.environ, **QUIET})
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
     lines = [json.loads(line) for line in done.stdout.splitlines() if line.startswith('{"check"')]
     return {line["check"]: line for line in lines}
@@ -117,7 +120,7 @@ def test_the_vllm_rollout_example_runs_as_written(vllm_python, tmp_path):
     (example,) = [c for c in commands if c.startswith("python")]
     assert docstring_commands(EXAMPLES / "trl_grpo.py")[:2] == commands[:2]  # the dataset examples/trl_grpo.py uses
     shutil.copytree(EXAMPLES, tmp_path / "examples")
-    ours = {**os.environ, "PATH": str(Path(sys.executable).parent) + os.pathsep + os.environ.get("PATH", "")}
+    ours = {**os.environ, **QUIET, "PATH": str(Path(sys.executable).parent) + os.pathsep + os.environ.get("PATH", "")}
     for command in commands[:commands.index(serve)]:
         done = subprocess.run(command, shell=True, cwd=tmp_path, env=ours, capture_output=True, text=True,
                               timeout=600)
