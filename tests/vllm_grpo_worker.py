@@ -21,25 +21,14 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from transformers import PreTrainedTokenizerFast, Qwen2VLForConditionalGeneration, TrainerCallback  # noqa: E402
+from transformers import PreTrainedTokenizerFast, Qwen2VLForConditionalGeneration  # noqa: E402
 from trl import GRPOConfig  # noqa: E402
 
 from packfeed.client.frameworks.trl import PackfeedGRPOTrainer  # noqa: E402
 
+from grpo_worker import Losses, reward  # noqa: E402  (tests/test_trl_grpo.py's: the same reward and log)
+
 STEPS = 3
-
-
-def reward(completions, solution, **kwargs):
-    return [len(set(c) & set(s)) / (1 + len(set(c))) for c, s in zip(completions, solution)]
-
-
-class Losses(TrainerCallback):
-    def __init__(self):
-        self.losses = {}
-
-    def on_log(self, args, state, control, logs=None, **kwargs):
-        if logs and "loss" in logs:
-            self.losses[state.global_step] = logs["loss"]
 
 
 class Recording(PackfeedGRPOTrainer):

@@ -34,7 +34,7 @@ from typing import Literal
 
 import numpy as np
 
-from packfeed.client.rollouts.engine_io import (Completion, Engine, EngineRequest, Sampling, cut_at, engine_request,
+from packfeed.client.rollouts.engine_io import (Completion, Engine, Sampling, cut_at, engine_request,
                                                  placeholders_of)
 from packfeed.client.rollouts.prompts import Prompt, prompts_of
 from packfeed.client.rollouts.weights import WeightVersions
@@ -102,16 +102,19 @@ class RolloutWorker:
         """One prompt step's rollouts, generated, scored and put; returned as put."""
         conventions = self.prompts.conventions
         prompts = [p for pack in step.packs for p in prompts_of(pack, self.family, conventions)]
+        newest = None if self.reserve or self.weights is None else self.weights.newest()  # read once a step
         by_version: dict[int, list[Prompt]] = {}
         for prompt in prompts:
-            by_version.setdefault(self._version_for(self._group(prompt, step)), []).append(prompt)
+            version = self._granted(self._group(prompt, step)) if self.reserve else \
+                (self.version if newest is None else newest)
+            by_version.setdefault(version, []).append(prompt)
         samples: list[Sample] = []
         for version, batch in sorted(by_version.items()):
             self._hold(version)
             requests = [engine_request(prompt, conventions) for prompt in batch]
             completions = [[cut_at(c, self._placeholders) for c in group]
                            for group in self.engine.generate(requests, self.generations, self._sampling)]
-            samples += self._samples(step, batch, requests, completions, version)
+            samples += self._samples(step, batch, completions, version)
         self.producer.put(samples)
         self.report.steps += 1
         self.report.rollouts += len(samples)
@@ -121,11 +124,9 @@ class RolloutWorker:
     def _group(prompt: Prompt, step: Step) -> str:
         return f"{prompt.key}@e{step.epoch}s{step.step}"
 
-    def _version_for(self, group: str) -> int:
-        """The version a group is generated with: its grant's (reserve), else the newest published."""
-        if self.reserve:
-            return self.producer.reserve(group=group, samples=self.generations).policy_version
-        return self.weights.newest() if self.weights is not None else self.version
+    def _granted(self, group: str) -> int:
+        """The version a group's grant names (staleness wait: reserved before it is generated)."""
+        return self.producer.reserve(group=group, samples=self.generations).policy_version
 
     def _hold(self, version: int) -> None:
         """The engine holds `version`'s weights (loaded from `weights` when it holds another)."""
@@ -138,8 +139,8 @@ class RolloutWorker:
         self.version = version
         self.report.versions.append(version)
 
-    def _samples(self, step: Step, prompts: list[Prompt], requests: list[EngineRequest],
-                 completions: list[list[Completion]], version: int) -> list[Sample]:
+    def _samples(self, step: Step, prompts: list[Prompt], completions: list[list[Completion]],
+                 version: int) -> list[Sample]:
         flat = [(prompt, c) for prompt, group in zip(prompts, completions) for c in group]
         rewards = self._rewards(flat)
         out = []
