@@ -9,9 +9,10 @@ Each ``<image>`` tag in a turn becomes ``image_start`` + ``image_context`` x (th
 ``video_context`` token (Qwen-VL), ``image_start`` + ``video_context`` x (the video's LLM tokens) + ``image_end``;
 without one (InternVL), its frames as images, each after ``frame_prompt`` (numbered from 1), joined by newlines:
 ``Frame1: <img>...</img>\nFrame2: <img>...</img>``, as the Hugging Face InternVL processor writes them. With
-``video_timestamps`` (Qwen3-VL), each temporal patch is a run of its own after its time: ``image_start`` +
-(``<0.5 seconds>`` + ``image_start`` + ``video_context`` x n + ``image_end``) per patch + ``image_end``, as
-`transformers` 5's Qwen3-VL processor writes it into its chat template's video placeholder. Labels are -100 everywhere except the content and
+``video_timestamps`` (Qwen3-VL), each temporal patch is a run of its own after its time: ``<0.5 seconds>`` +
+``image_start`` + ``video_context`` x n + ``image_end`` per patch, as the reference Qwen3-VL processor (and
+`transformers` >= 5.25) writes it; ``wrap_video`` adds the outer ``image_start`` ... ``image_end`` that
+`transformers` 5.19-5.24 left around them. Labels are -100 everywhere except the content and
 ``assistant_suffix`` of assistant turns. Presets (`PRESETS`) give InternVL's ChatML, Qwen2-VL, LLaVA-1.5
 (Vicuna v1) and Llama-3; every field can be set on its own.
 
@@ -84,11 +85,18 @@ class ChatTemplate:
     video_timestamps: str = field(default="", metadata=_help(
         "text before each temporal patch of a video, formatted with its time in seconds, e.g. <{:.1f} seconds> "
         "(Qwen3-VL); empty: one run of video_context tokens"))
+    wrap_video: bool = field(default=False, metadata=_help(
+        "with video_timestamps, also put image_start and image_end around a video's whole run of patches, as "
+        "transformers 5.19-5.24's Qwen3-VL processor wrote it (the reference Qwen3-VL and transformers >= 5.25 "
+        "do not)"))
 
     def __post_init__(self):
         for spec in fields(self):
             value = getattr(self, spec.name)
-            if not (isinstance(value, str) or (value is None and spec.name == "system_prompt")):
+            if spec.name == "wrap_video":
+                if not isinstance(value, bool):
+                    raise ValueError(f"chat template field wrap_video must be true or false, not {value!r}")
+            elif not (isinstance(value, str) or (value is None and spec.name == "system_prompt")):
                 raise ValueError(f"chat template field {spec.name} must be a string, not {value!r}")
         if not self.image_context:
             raise ValueError("chat template needs an image_context token (the placeholder vision features replace)")
@@ -125,7 +133,8 @@ class ChatTemplate:
     def from_dict(cls, raw: dict[str, Any] | None) -> "ChatTemplate":
         """The template an index records, or a config file's `chat_template:` section, which may name a
         `preset` and override any field. Indexes written before per-role markers recorded `turn_start` and
-        `turn_end` (ChatML); they read back as the same template."""
+        `turn_end` (ChatML); they read back as the same template. Indexes written before `wrap_video` rendered a
+        timestamped video wrapped; they read back so, their recorded lengths intact."""
         raw = dict(raw or {})
         preset = raw.pop("preset", None)
         if "turn_start" in raw or "turn_end" in raw:
@@ -133,6 +142,8 @@ class ChatTemplate:
             raw = {**{f"{role}_prefix": f"{start}{role}\n" for role in ("system", "user", "assistant")},
                    **{f"{role}_suffix": end for role in ("system", "user", "assistant")}, **raw}
         known = {spec.name for spec in fields(cls)}
+        if raw.get("video_timestamps") and "wrap_video" not in raw and known - {"wrap_video"} <= set(raw):
+            raw["wrap_video"] = True  # recorded whole (as to_dict writes it) before the field existed
         unknown = sorted(set(raw) - known)
         if unknown:
             raise ValueError(f"unknown chat template field(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
@@ -274,11 +285,12 @@ class ChatEncoder:
         if self.template.video_timestamps:
             if len(times) != len(items):
                 raise ValueError(f"a video of {len(items)} temporal patches needs as many times, not {len(times)}")
-            pieces: list[tuple[np.ndarray | str | tuple[int, int], bool]] = [(self.image_start, False)]
+            wrap = self.template.wrap_video
+            pieces: list[tuple[np.ndarray | str | tuple[int, int], bool]] = [(self.image_start, False)] * wrap
             for tokens, seconds in zip(items, times):
                 pieces += [(self.template.video_timestamps.format(seconds), False),
                            ((self.video_context, tokens), False)]
-            return pieces + [(self.image_end, False)]
+            return pieces + [(self.image_end, False)] * wrap
         if self.video_context is not None:
             return [((self.video_context, sum(items)), False)]
         pieces = []

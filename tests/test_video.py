@@ -537,6 +537,35 @@ def test_timestamps_need_frames_known_when_indexing(tmp_path):
         ChatTemplate.from_dict({"preset": "internvl", "video_timestamps": "<{:.1f} s>"})
 
 
+def test_timestamped_videos_render_as_the_reference_and_old_indexes_as_they_were_built(tmp_path):
+    """Qwen3-VL's reference writes each temporal patch as <t seconds><|vision_start|>pads<|vision_end|> with no
+    outer pair; wrap_video adds the pair transformers 5.19-5.24 left, and a template an index recorded whole before
+    the field existed reads back wrapped, so that its recorded lengths still hold. A config section is not a record."""
+    from packfeed.media.chat import ChatEncoder, ChatTemplate, load_tokenizer
+    from packfeed.server.tools.demo import train_tokenizer
+
+    template = ChatTemplate.from_dict({"preset": "qwen2vl", "video_timestamps": "<{:.1f} seconds>"})
+    tokenizer = train_tokenizer(tmp_path / "tokenizer.json", vocab_size=300, special_tokens=template.special_tokens)
+    loaded = load_tokenizer(tokenizer, template)
+    turns = [{"role": "user", "value": "<video>"}]
+
+    def vision_marks(encoder_template):
+        ids, _, starts = ChatEncoder(loaded, encoder_template).encode(turns, [], [[2, 3]], [[0.5, 1.5]])
+        names = [loaded.id_to_token(int(i)) for i in ids]
+        return [n for n in names if n.startswith("<|vision")], [names[s - 1] for s in starts]
+
+    marks, before_runs = vision_marks(template)
+    assert marks == ["<|vision_start|>", "<|vision_end|>"] * 2 and before_runs == ["<|vision_start|>"] * 2
+    wrapped = ChatTemplate.from_dict({**template.to_dict(), "wrap_video": True})
+    assert vision_marks(wrapped)[0] == ["<|vision_start|>"] * 2 + ["<|vision_end|>", "<|vision_start|>"] + \
+        ["<|vision_end|>"] * 2
+    recorded_before = {k: v for k, v in template.to_dict().items() if k != "wrap_video"}
+    assert ChatTemplate.from_dict(recorded_before).wrap_video is True
+    assert ChatTemplate.from_dict({"preset": "qwen2vl", "video_timestamps": "<{:.1f} seconds>"}).wrap_video is False
+    with pytest.raises(ValueError, match="wrap_video must be true or false"):
+        ChatTemplate.from_dict({"preset": "qwen2vl", "wrap_video": "yes"})
+
+
 def test_frames_are_decoded_and_resized_one_at_a_time(qwen_videos):
     """A worker holds one decoded frame, not a video's every sampled frame: frames come from a generator, and the
     decode budget counts one frame's pixels (the resized tiles count in the pack's estimate)."""

@@ -124,7 +124,8 @@ def add_convention_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--chat-template", choices=sorted(PRESETS),
                        help="template preset: internvl (ChatML, the default), qwen2vl, llava (Vicuna v1), llama3")
     for spec in _TEMPLATE_FIELDS:
-        group.add_argument("--" + spec.name.replace("_", "-"), help=spec.metadata["help"])
+        keywords = {"action": argparse.BooleanOptionalAction} if spec.type in (bool, "bool") else {}
+        group.add_argument("--" + spec.name.replace("_", "-"), help=spec.metadata["help"], **keywords)
     for name, (option, help_text, keywords) in _VIDEO_OPTIONS.items():
         group.add_argument("--" + option.replace("_", "-"), help=help_text, **keywords)
     group.add_argument("--extend-tokenizer", action="store_true",
@@ -163,7 +164,7 @@ def conventions_of(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, 
     for spec in _TEMPLATE_FIELDS:
         value = getattr(args, spec.name)
         if value is not None:
-            template[spec.name] = _unescape(value) if spec.name != "system_prompt" else value
+            template[spec.name] = _unescape(value) if isinstance(value, str) and spec.name != "system_prompt" else value
     return policy, ChatTemplate.from_dict(template).to_dict()
 
 

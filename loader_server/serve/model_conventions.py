@@ -22,7 +22,8 @@ def model_conventions(info: IndexInfo, tokenizer_path: str | Path) -> pb.ModelCo
                                   parameters_json=json.dumps(policy.to_dict(), sort_keys=True),
                                   image_mean=policy.image_mean, image_std=policy.image_std,
                                   temporal_patch_size=policy.temporal_patch)
-    chat = pb.ChatTemplate(**{name: value or "" for name, value in template.to_dict().items()},
+    chat = pb.ChatTemplate(**{name: value if isinstance(value, bool) else value or ""
+                              for name, value in template.to_dict().items()},
                            **_chatml_turn_markers(template))
     return pb.ModelConventions(image_policy=image_policy, chat_template=chat,
                                vocab_size=tokenizer.get_vocab_size(),
