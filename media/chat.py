@@ -25,7 +25,6 @@ tokenizer.json that has them, for `packfeed index --extend-tokenizer`.
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import asdict, dataclass, field, fields, replace
 from functools import lru_cache
@@ -34,21 +33,16 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 
+from packfeed.media.conversation import IMAGE_TAG, VIDEO_TAG
+
 if TYPE_CHECKING:  # imported where used: the CLI's parser reads the presets without loading tokenizers
     from tokenizers import Tokenizer
 
 IGNORE_INDEX = -100
-IMAGE_TAG = "<image>"  # the image placeholder of LLaVA/InternVL annotations (the converters write it too)
-VIDEO_TAG = "<video>"  # a video's place in a turn (InternVL and LLaVA-Video annotations)
 _VISUAL_TAGS = re.compile(f"({re.escape(IMAGE_TAG)}|{re.escape(VIDEO_TAG)})")
-ROLE_NAMES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
 _SPECIAL_IN_MARKER = re.compile(r"(<[^<>\s]+>)")
 MARKERS = ("bos", "system_prefix", "system_suffix", "user_prefix", "user_suffix", "assistant_prefix",
            "assistant_suffix", "separator")
-
-
-class ConversationError(ValueError):
-    """A sample's conversation cannot be used; the message is the reason recorded in the index."""
 
 
 class MissingTokensError(ValueError):
@@ -127,7 +121,12 @@ class ChatTemplate:
         return list(dict.fromkeys(token for token in found if token))
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """Every field, but wrap_video only where it means something (with video_timestamps): the templates of
+        indexes without timestamps record, and so fingerprint, as they did before the field existed."""
+        recorded = asdict(self)
+        if not self.video_timestamps:
+            del recorded["wrap_video"]
+        return recorded
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any] | None) -> "ChatTemplate":
@@ -321,68 +320,6 @@ def visual_items(turns: Sequence[dict[str, str]], video_items: Sequence[int]) ->
 @lru_cache(maxsize=8)
 def cached_encoder(path: str, template: ChatTemplate) -> ChatEncoder:
     return ChatEncoder(load_tokenizer(path, template), template)
-
-
-def parse_json(raw: bytes) -> Any:
-    """A sample's JSON member, or raise ConversationError with the reason."""
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as error:
-        raise ConversationError(f"bad utf-8 in json: byte {error.start}") from None
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as error:
-        raise ConversationError(f"invalid json: {error.msg} at line {error.lineno} column {error.colno}") from None
-    except RecursionError:
-        raise ConversationError("invalid json: nested too deeply") from None
-
-
-def parse_conversation(raw: bytes) -> list[dict[str, str]]:
-    """Decode a sample's JSON member into a list of turns, or raise ConversationError with the reason."""
-    doc = parse_json(raw)
-    return conversation_turns(doc.get("conversations") if isinstance(doc, dict) else None)
-
-
-def conversation_turns(turns: Any) -> list[dict[str, str]]:
-    """LLaVA-style `conversations` ([{"from": "human", "value": ...}, ...]) as [{"role", "value"}], or raise
-    ConversationError with what is wrong with their shape."""
-    if not isinstance(turns, list):
-        raise ConversationError("invalid json: no 'conversations' list")
-    if not turns:
-        raise ConversationError("empty conversation")
-    out = []
-    for k, turn in enumerate(turns):
-        if not isinstance(turn, dict) or not isinstance(turn.get("value"), str) or not isinstance(turn.get("from"), str):
-            raise ConversationError(f"invalid json: turn {k} needs a string 'from' and a string 'value'")
-        role = ROLE_NAMES.get(turn["from"])
-        if role is None:
-            raise ConversationError(f"invalid json: turn {k} has unknown role {turn.get('from')!r}")
-        out.append({"role": role, "value": turn["value"]})
-    if not any(t["role"] == "assistant" and t["value"].strip() for t in out):
-        raise ConversationError("empty conversation: no assistant turn to learn from")
-    return out
-
-
-def attach_images(turns: list[dict[str, str]], n_images: int, n_videos: int = 0) -> list[dict[str, str]]:
-    """Check <image> and <video> tags against the images and videos; a kind with no tags goes before the first
-    user turn's text (images first)."""
-    missing = ""
-    for tag, count in ((IMAGE_TAG, n_images), (VIDEO_TAG, n_videos)):
-        tags = sum(t["value"].count(tag) for t in turns)
-        if tags == count:
-            continue
-        if tags:
-            kind = "image" if tag == IMAGE_TAG else "video"
-            raise ConversationError(f"{kind} tag mismatch: {tags} {tag} tags for {count} {kind}s")
-        missing += (tag + "\n") * count
-    if not missing:
-        return turns
-    first_user = next((k for k, t in enumerate(turns) if t["role"] == "user"), None)
-    if first_user is None:
-        raise ConversationError("image tag mismatch: images or videos but no user turn to attach them to")
-    turns = [dict(t) for t in turns]
-    turns[first_user]["value"] = missing + turns[first_user]["value"]
-    return turns
 
 
 def encode_conversation(turns: Sequence[dict[str, str]], image_tokens: Sequence[int], tokenizer: Tokenizer,

@@ -77,10 +77,11 @@ def test_every_template_and_policy_field_has_a_flag(tmp_path):
     assert policy == {"name": "internvl", "image_size": 336, "min_num": 2, "max_num": 6, "use_thumbnail": False,
                       "tokens_per_tile": 144, "patch_size": 16}
     assert template["user_prefix"] == "Human:\n" and template["assistant_suffix"] == "</s>"
-    flags = cli_args(*[arg for spec in dataclasses.fields(ChatTemplate) for arg in
-                       (f"--{spec.name.replace('_', '-')}", f"<t{spec.name}>")])
+    texts = [spec.name for spec in dataclasses.fields(ChatTemplate) if spec.name != "wrap_video"]
+    flags = cli_args("--wrap-video", *[arg for name in texts for arg in (f"--{name.replace('_', '-')}", f"<t{name}>")])
     _, template = conventions_of(flags)
-    assert template == {spec.name: f"<t{spec.name}>" for spec in dataclasses.fields(ChatTemplate)}
+    assert template == {name: f"<t{name}>" for name in texts} | {"wrap_video": True}
+    assert "wrap_video" not in conventions_of(cli_args("--wrap-video", "--video-timestamps", ""))[1]
     policy, _ = conventions_of(cli_args("--image-policy", "qwen2vl", "--resize-factor", "32", "--min-pixels", "1024",
                                         "--max-pixels", "4096", "--patch-size", "16"))
     assert policy == {"name": "qwen2vl", "factor": 32, "min_pixels": 1024, "max_pixels": 4096, "patch_size": 16}

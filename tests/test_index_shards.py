@@ -13,7 +13,8 @@ import pytest
 import webdataset as wds
 from PIL import Image
 
-from packfeed.media.chat import ChatTemplate, attach_images, encode_conversation, load_tokenizer, parse_conversation
+from packfeed.media.chat import ChatTemplate, encode_conversation, load_tokenizer
+from packfeed.media.conversation import attach_images, parse_conversation
 from packfeed.media.image_policy import InternVLTiling
 from packfeed.server.index.config import IndexConfig
 from packfeed.server.index.indexer import build_index

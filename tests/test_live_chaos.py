@@ -160,8 +160,10 @@ def test_a_live_job_under_kills_and_full_disks_delivers_every_acknowledged_sampl
                         ended = True
                         break
                     time.sleep(0.5)
+        ended_at = time.monotonic()
         for thread in ranks:
-            thread.join(180)
+            thread.join(max(1.0, ended_at + 180 - time.monotonic()))
+        still_streaming = [r for r, thread in enumerate(ranks) if thread.is_alive()]
     finally:
         stop.set()
         servers.stop()
@@ -172,6 +174,7 @@ def test_a_live_job_under_kills_and_full_disks_delivers_every_acknowledged_sampl
     put = {s["id"] for p in range(PRODUCERS) for s in rollouts(p)}
     ledger = {"events": dict(events), "acknowledged": len(acknowledged), "delivered": len(counts),
               "lost": len(acknowledged - set(counts)), "repeated": sum(c - 1 for c in counts.values() if c > 1),
-              "never_put": len(set(counts) - put), "stream_reopens": [len(e) for e in errors], "ended": ended}
+              "never_put": len(set(counts) - put), "stream_reopens": [len(e) for e in errors], "ended": ended,
+              "still_streaming": still_streaming, "last_errors": [e[-2:] for e in errors]}
     print("live chaos ledger:", json.dumps(ledger))
     assert ledger["lost"] == ledger["repeated"] == ledger["never_put"] == 0 and ended, ledger

@@ -25,7 +25,7 @@ from typing import Any, Iterable, Iterator, Literal
 from PIL import Image
 from tqdm import tqdm
 
-from packfeed.media.chat import ConversationError, attach_images, conversation_turns
+from packfeed.media.conversation import ConversationError, attach_images, conversation_turns
 from packfeed.media.samples import SampleError, image_size, describe_error, reason_category
 from packfeed.media.video import VIDEO_EXTENSIONS, VideoError, probe_video
 from packfeed.server.convert.shard_writer import SHARD_PATTERN, FileMember, ShardWriter

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from packfeed.media.chat import IMAGE_TAG, VIDEO_TAG, ConversationError
+from packfeed.media.conversation import IMAGE_TAG, VIDEO_TAG, ConversationError
 
 CONVERSATION_COLUMNS = ("conversations", "messages", "texts")
 

@@ -7,8 +7,8 @@ from typing import Any
 
 import numpy as np
 
-from packfeed.media.chat import (IGNORE_INDEX, ConversationError, attach_images, cached_encoder,
-                                 conversation_turns, parse_json)
+from packfeed.media.chat import IGNORE_INDEX, cached_encoder
+from packfeed.media.conversation import ConversationError, attach_images, conversation_turns, parse_json
 from packfeed.media.image_policy import ImagePolicy
 from packfeed.media.prompts import shared_prompt
 from packfeed.media.samples import SampleError, describe_error, image_size

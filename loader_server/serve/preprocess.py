@@ -16,8 +16,8 @@ from typing import Any
 
 import numpy as np
 
-from packfeed.media.chat import (ChatTemplate, ConversationError, attach_images, cached_encoder,
-                                        parse_conversation, visual_items)
+from packfeed.media.chat import ChatTemplate, cached_encoder, visual_items
+from packfeed.media.conversation import ConversationError, attach_images, parse_conversation
 from packfeed.media.image_policy import policy_from_dict
 from packfeed.media.pixel_modes import PIXEL_PATHS, parse_pixels
 from packfeed.media.pixels import Geometry, ImageSizeMismatch
