@@ -114,10 +114,11 @@ def served_steps(small_tile_index):
 # collection order. The longest files go first, so that the short ones fill in at the end and both workers finish
 # together, instead of one starting a minutes-long file when the other is nearly done. Measured with
 # `make test`'s --durations; a file not listed keeps its place after these.
-LONGEST_FILES = ["test_integrations.py", "test_trainer_disaggregated.py", "test_hf_pipeline_train.py",
-                 "test_examples.py", "test_trl_grpo.py", "test_trainer_pipeline.py", "test_cp_trainer.py",
-                 "test_demo_command.py", "test_object_storage.py", "test_warmup.py", "test_loaders.py",
-                 "test_hf_train.py"]
+LONGEST_FILES = ["test_examples.py", "test_vllm_rollouts.py", "test_trainer_disaggregated.py",
+                 "test_hf_pipeline_train.py", "test_trainer_pipeline.py", "test_integrations.py", "test_trl_grpo.py",
+                 "test_moving_mixture.py", "test_demo_command.py", "test_warmup.py", "test_docs_commands.py",
+                 "test_hf_train.py", "test_cp_hf.py", "test_cp_trainer.py", "test_async_rl.py", "test_status_browser.py",
+                 "test_object_storage.py", "test_loaders.py"]
 
 
 def pytest_collection_modifyitems(session, config, items):
