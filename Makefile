@@ -35,7 +35,9 @@ vllm-env:
 demo: $(STAMP)
 	$(VENV)/bin/packfeed demo --out $(DEMO)
 
-# Two pytest workers (pytest-xdist), each test file whole on one of them (its fixtures and caches shared): the
+# Two pytest workers (pytest-xdist), each test file whole on one of them (its fixtures and caches shared), handed
+# out in the order tests/conftest.py sorts them (longest first; xdist's own reorder by test count would put a
+# long file of two tests last, its minutes alone on one worker): the
 # suite's multi-process tests leave cores idle while their processes start and wait. TEST_WORKERS=0: one process.
 # OpenMP's idle threads sleep instead of spinning (every test process and subprocess inherits it): two workers and
 # their subprocesses share the cores, where spinning threads starve the ones holding the work (a 1-process training
@@ -44,7 +46,7 @@ demo: $(STAMP)
 TEST_WORKERS ?= 2
 test: $(STAMP)
 	OMP_WAIT_POLICY=PASSIVE $(PY) -m pytest -q tests --ignore=tests/benchmarks --durations=30 -n $(TEST_WORKERS) \
-		--dist loadfile
+		--dist loadfile --no-loadscope-reorder
 
 # The docker/ integration test needs a daemon and a local base image: install both tools, then run it
 # (tests/test_docker.py starts dockerd without a bridge when none is running).

@@ -113,12 +113,14 @@ def served_steps(small_tile_index):
 # The suite runs on 2 pytest-xdist workers, each test file whole on one (`--dist loadfile`), files handed out in
 # collection order. The longest files go first, so that the short ones fill in at the end and both workers finish
 # together, instead of one starting a minutes-long file when the other is nearly done. Measured with
-# `make test`'s --durations; a file not listed keeps its place after these.
-LONGEST_FILES = ["test_examples.py", "test_vllm_rollouts.py", "test_trainer_disaggregated.py",
-                 "test_hf_pipeline_train.py", "test_trainer_pipeline.py", "test_integrations.py", "test_trl_grpo.py",
-                 "test_moving_mixture.py", "test_demo_command.py", "test_warmup.py", "test_docs_commands.py",
-                 "test_hf_train.py", "test_cp_hf.py", "test_cp_trainer.py", "test_async_rl.py", "test_status_browser.py",
-                 "test_object_storage.py", "test_loaders.py"]
+# `--durations=0` (each file's total, on 2026-12-03); a file not listed keeps its place after these. The Makefile
+# passes --no-loadscope-reorder: xdist otherwise reorders files by their number of tests.
+LONGEST_FILES = ["test_vllm_rollouts.py", "test_examples.py", "test_hf_train.py", "test_hf_pipeline_train.py",
+                 "test_trainer_disaggregated.py", "test_object_storage.py", "test_integrations.py",
+                 "test_trainer_pipeline.py", "test_trl_grpo.py", "test_demo_command.py", "test_trainer_phases.py",
+                 "test_moving_mixture.py", "test_cp_trainer.py", "test_trainer_pinned.py", "test_failover.py",
+                 "test_cloud_storage.py", "test_async_rl.py", "test_warmup.py", "test_elastic.py", "test_mixture.py",
+                 "test_service.py", "test_live.py"]
 
 
 def pytest_collection_modifyitems(session, config, items):

@@ -254,3 +254,55 @@ def test_while_redis_is_down_no_second_stream_of_a_rank_starts(tmp_path, dataset
         a.stop()
         b.stop()
         redis.stop()
+
+
+def test_calls_racing_another_threads_failover_reach_a_server(dataset):
+    """A stream's receiver fails over (closing the old channel) while the trainer's thread acknowledges and a
+    producer's heartbeat calls on the same channel: grpc refuses a call on the closed channel with a ValueError,
+    which reached the caller (a trainer or producer thread died of it). Now the call goes to the server moved to."""
+    from packfeed.client import Connection
+    from packfeed.client.stream.channel import PackfeedError, ServerChannel
+
+    servers = [LocalServer(dataset, workers=1).start() for _ in range(2)]
+    try:
+        # retries enough that only a call cancelled by 50 fail-overs in a row could fail
+        channel = ServerChannel([s.target for s in servers], Connection(token="", retries=50, backoff=0.0))
+        flips, failures, answered = threading.Event(), [], []
+
+        def flip() -> None:
+            while not flips.wait(0.002):
+                channel.fail_over()
+
+        flipper = threading.Thread(target=flip)
+        flipper.start()
+        try:
+            for _ in range(400):
+                try:
+                    answered.append(channel.call("ListJobs", pb.ListJobsRequest()))
+                    channel.send("ListJobs", pb.ListJobsRequest())
+                except Exception as error:  # noqa: BLE001 (what the caller would have died of)
+                    failures.append(repr(error))
+                try:
+                    channel.ask("ListJobs", pb.ListJobsRequest())
+                except PackfeedError as error:  # ask does not retry: a moved channel is UNAVAILABLE, said so
+                    if error.code is not grpc.StatusCode.UNAVAILABLE:
+                        failures.append(repr(error))
+                except Exception as error:  # noqa: BLE001
+                    failures.append(repr(error))
+        finally:
+            flips.set()
+            flipper.join(30)
+        assert not failures and len(answered) == 400, failures[:3]
+    finally:
+        for server in servers:
+            server.stop()
+
+
+def test_retries_back_off_doubling_up_to_max_backoff():
+    from packfeed.client import Connection
+
+    connection = Connection(token="", backoff=0.2, max_backoff=10.0)
+    assert [connection.delay(k) for k in range(8)] == pytest.approx([0.2, 0.4, 0.8, 1.6, 3.2, 6.4, 10.0, 10.0])
+    assert Connection(token="").delay(1000) == 10.0  # 5 retries of 0.5 s doubling by default: 0.5 ... 8 s
+    with pytest.raises(ValueError, match="max_backoff must be >= 0"):
+        Connection(token="", max_backoff=-1)

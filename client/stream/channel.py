@@ -49,6 +49,7 @@ class Connection:
     timeout: float = 60.0  # seconds per unary call
     retries: int = 5  # attempts after the first, with exponential backoff
     backoff: float = 0.5  # seconds before the first retry, doubling
+    max_backoff: float = 10.0  # seconds between two retries at most (where the doubling stops)
     token: str | None = field(default=None, repr=False)  # never in a repr (logs, tracebacks)
     tls_ca: str | None = None
     tls_cert: str | None = None
@@ -61,8 +62,13 @@ class Connection:
             object.__setattr__(self, "token", os.environ.get(TOKEN_VARIABLE) or None)
         if bool(self.tls_cert) != bool(self.tls_key):
             raise ValueError("give both tls_cert and tls_key (mutual TLS), or neither")
-        if self.retries < 0 or self.timeout <= 0 or self.backoff < 0 or self.stall_timeout <= 0:
-            raise ValueError("retries and backoff must be >= 0, timeout and stall_timeout > 0")
+        if min(self.retries, self.backoff, self.max_backoff) < 0 or self.timeout <= 0 or self.stall_timeout <= 0:
+            raise ValueError("retries, backoff and max_backoff must be >= 0, timeout and stall_timeout > 0")
+
+    def delay(self, attempt: int) -> float:
+        """Seconds to wait before retry `attempt` (from 0): `backoff` doubling, never over `max_backoff` (uncapped,
+        12 retries would sleep 7 minutes before the last)."""
+        return min(self.backoff * 2 ** min(attempt, 60), self.max_backoff)
 
     @property
     def metadata(self) -> tuple[tuple[str, str], ...]:
@@ -80,6 +86,18 @@ class Connection:
         credentials = self.credentials()
         return grpc.secure_channel(target, credentials, options=options) if credentials \
             else grpc.insecure_channel(target, options=options)
+
+
+def _moved_on(error: ValueError) -> bool:
+    """grpc's error for a call on a channel that another thread's fail_over() closed between the call reading the
+    stub and starting: not the server's answer, so the call goes again, to the server the channel moved to."""
+    return "closed channel" in str(error)
+
+
+def _closed_under(error: grpc.RpcError, moved: bool) -> bool:
+    """A call cancelled because this client closed its channel (grpc says "Channel closed!"; a server never
+    does), or the channel moved on meanwhile: the call goes again, to the server the channel moved to."""
+    return moved or (error.code() == grpc.StatusCode.CANCELLED and error.details() == "Channel closed!")
 
 
 class ServerChannel:
@@ -118,37 +136,63 @@ class ServerChannel:
     def call(self, name: str, request, final: tuple[grpc.StatusCode, ...] = ()):
         """A unary call by method name, retried with backoff, failing over between known servers; codes in
         `final` are raised at once (the caller waits on them its own way)."""
-        retries, backoff = self.connection.retries, self.connection.backoff
+        retries = self.connection.retries
         for attempt in range(retries + 1):
+            stub = self._stub
             try:
-                return getattr(self._stub, name)(request, timeout=self.connection.timeout,
-                                                 metadata=self.connection.metadata)
+                return self._invoke(stub, name, request)
             except grpc.RpcError as error:
+                if _closed_under(error, stub is not self._stub) and attempt < retries:  # another thread's fail_over()
+                    continue
                 if error.code() not in RETRYABLE or error.code() in final or attempt == retries:
                     raise PackfeedError(f"{error.code().name}: {error.details()}", error.code()) from None
                 self.fail_over()
-                time.sleep(backoff * 2 ** attempt)
+            except ValueError as error:
+                if not _moved_on(error) or attempt == retries:
+                    raise
+                continue
+            time.sleep(self.connection.delay(attempt))
         raise AssertionError("unreachable")
 
     def ask(self, name: str, request):
         """A unary call to the server this channel talks to now, once: no retry and no failover (the stream's
-        receiver owns those), an error raised as PackfeedError."""
+        receiver owns those), an error raised as PackfeedError (UNAVAILABLE when another thread moved the channel
+        on during the call)."""
+        stub = self._stub
         try:
-            return getattr(self._stub, name)(request, timeout=self.connection.timeout,
-                                             metadata=self.connection.metadata)
+            return self._invoke(stub, name, request)
         except grpc.RpcError as error:
+            if _closed_under(error, stub is not self._stub):
+                raise PackfeedError(f"UNAVAILABLE: the channel moved to {self.target} during the call",
+                                    grpc.StatusCode.UNAVAILABLE) from None
             raise PackfeedError(f"{error.code().name}: {error.details()}", error.code()) from None
+        except ValueError as error:
+            if not _moved_on(error):
+                raise
+            raise PackfeedError(f"UNAVAILABLE: the channel moved to {self.target} as the call started",
+                                grpc.StatusCode.UNAVAILABLE) from None
 
     def send(self, name: str, request) -> None:
         """A unary call whose answer nobody waits for (acknowledgements): no retry, errors ignored."""
         try:
-            getattr(self._stub, name)(request, timeout=self.connection.timeout, metadata=self.connection.metadata)
+            self._invoke(self._stub, name, request)
         except grpc.RpcError:
             pass  # the next acknowledgement covers this one: cursors only move forward
+        except ValueError as error:
+            if not _moved_on(error):
+                raise
+
+    def _invoke(self, stub, name: str, request):
+        return getattr(stub, name)(request, timeout=self.connection.timeout, metadata=self.connection.metadata)
 
     def stream_parts(self, request: pb.StreamPacksRequest) -> Iterator[bytes]:
         """StreamPackParts as raw serialized PackPart messages (a call object: `cancel()` ends it)."""
-        return self._parts(request, metadata=self.connection.metadata)
+        try:
+            return self._parts(request, metadata=self.connection.metadata)
+        except ValueError as error:
+            if not _moved_on(error):
+                raise
+            return self._parts(request, metadata=self.connection.metadata)  # the server another thread moved to
 
     def close(self) -> None:
         self._channel.close()

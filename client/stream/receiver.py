@@ -145,7 +145,7 @@ class Receiver:
         raise _Retry("stream ended before the job's last step")
 
     def _run(self) -> None:
-        retries, backoff = self.channel.connection.retries, self.channel.connection.backoff
+        retries = self.channel.connection.retries
         while not self._stopped.is_set():
             try:
                 if self._receive():
@@ -179,7 +179,7 @@ class Receiver:
                                             code))
                     return
                 self.channel.fail_over()  # another server (when several are known) continues from the same step
-                time.sleep(backoff * 2 ** self.failures)
+                time.sleep(self.channel.connection.delay(self.failures))
                 self.failures += 1
             except Exception as error:  # never leave the trainer waiting on a dead thread
                 self._put(PackfeedError(f"receiving packs failed: {error!r}"))
