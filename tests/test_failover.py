@@ -265,12 +265,14 @@ def test_calls_racing_another_threads_failover_reach_a_server(dataset):
 
     servers = [LocalServer(dataset, workers=1).start() for _ in range(2)]
     try:
-        # retries enough that only a call cancelled by 50 fail-overs in a row could fail
-        channel = ServerChannel([s.target for s in servers], Connection(token="", retries=50, backoff=0.0))
+        # 200 fail-overs, and more retries than that: no call can run out of them, however slow the machine
+        channel = ServerChannel([s.target for s in servers], Connection(token="", retries=250, backoff=0.0))
         flips, failures, answered = threading.Event(), [], []
 
         def flip() -> None:
-            while not flips.wait(0.002):
+            for _ in range(200):
+                if flips.wait(0.002):
+                    return
                 channel.fail_over()
 
         flipper = threading.Thread(target=flip)
