@@ -151,7 +151,7 @@ def crossed(records: Path, since: int) -> set[str]:
     return files
 
 
-def wait_for_every_process(records: Path, since: int, server: int, wait_s: float = 120.0) -> None:
+def wait_for_every_process(records: Path, since: int, server: int, wait_s: float = 250.0) -> None:
     """Until this process, the server and each of its descendants has written a record in `records` since
     `since`: that it watches (records/on), or what it crossed."""
     import psutil
