@@ -151,21 +151,36 @@ def crossed(records: Path, since: int) -> set[str]:
     return files
 
 
-def wait_for_every_process(records: Path, since: int, server: int, wait_s: float = 250.0) -> None:
-    """Until this process, the server and each of its descendants has written a record in `records` since
-    `since`: that it watches (records/on), or what it crossed."""
+def records_since(records: Path, since: int) -> set[int]:
+    """The processes that wrote a record (a file named pid-monotonic_ns) in `records` since `since`."""
+    return {int(path.stem.split("-")[0]) for path in records.glob("*") if path.is_file()
+            and int(path.stem.split("-")[1]) >= since}
+
+
+def wait_for(records: Path, since: int, expected: set[int], wait_s: float) -> None:
+    """Until each of `expected` that is still alive has written a record in `records` since `since`."""
+    import psutil
+
+    deadline = time.monotonic() + wait_s
+    while not {pid for pid in expected if psutil.pid_exists(pid)} <= records_since(records, since):
+        if time.monotonic() > deadline:
+            missing = sorted(expected - records_since(records, since))
+            raise TimeoutError(f"processes {missing} wrote no record in {wait_s:g} s")
+        time.sleep(0.05)
+
+
+def wait_until_every_process_watches(records: Path, since: int, server: int, wait_s: float = 250.0) -> None:
+    """Until this process, the server and each of its descendants says it watches (a record in records/on)."""
     import psutil
 
     expected = {os.getpid(), server} | {child.pid for child in psutil.Process(server).children(recursive=True)}
-    deadline = time.monotonic() + wait_s
-    while True:
-        written = {int(path.stem.split("-")[0]) for path in records.glob("*") if path.is_file()
-                   and int(path.stem.split("-")[1]) >= since}
-        if expected <= written:
-            return
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"processes {sorted(expected - written)} wrote no record in {wait_s:g} s")
-        time.sleep(0.05)
+    wait_for(records / "on", since, expected, wait_s)
+
+
+def wait_for_what_the_watchers_crossed(records: Path, since: int, wait_s: float = 250.0) -> None:
+    """Until each process that watched since `since` has said what it crossed. Only those: a process started
+    after the window closed (a worker replaced, a helper started late) never watched and writes nothing."""
+    wait_for(records, since, records_since(records / "on", since), wait_s)
 
 
 def measure(index: Path, work: Path) -> dict[str, list[str]]:
@@ -190,12 +205,12 @@ def measure(index: Path, work: Path) -> dict[str, list[str]]:
             for kind, sample in samples(stream.conventions, rng).items():
                 since = time.monotonic_ns()
                 marker.touch()
-                wait_for_every_process(records / "on", since, server.process.pid)  # all watch before the put
+                wait_until_every_process_watches(records, since, server.process.pid)  # all watch before the put
                 producer.put(sample)
                 step = next(steps)
                 marker.unlink()
                 assert [key for pack in step.packs for key in pack.sample_keys] == [sample["id"]], kind
-                wait_for_every_process(records, since, server.process.pid)
+                wait_for_what_the_watchers_crossed(records, since)
                 found[kind] = sorted(crossed(records, since))
             producer.end()
         stream.close()

@@ -29,7 +29,7 @@ def job_info(job: Job) -> pb.JobInfo:
         info.skipped.add(key=key, reason=reason, epoch=epoch, step=step)
     info.samples_by_dataset.update(job.delivered)
     if job.live is not None:
-        info.live.CopyFrom(live_status(job.live))
+        info.live.CopyFrom(live_status(job))
     mixture = mixture_status(job)
     if mixture is not None:
         info.mixture.CopyFrom(mixture_proto(mixture))

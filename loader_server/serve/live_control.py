@@ -29,26 +29,28 @@ class LiveWait:
     otherwise."""
 
     def __init__(self, job: Job):
-        self.live, self.gone = job.live, ""
+        self.job, self.gone = job, ""  # the job, not its LiveSteps: this looks at the job's state, never a sample
         self._shown: tuple | None = None
         self._sent = time.monotonic()
 
     def part(self) -> bytes | None:
-        if self.live is None:
+        live = self.job.live
+        if live is None:
             return EMPTY_PART
-        status, waiting = self.live.status(), self.live.waiting_for()
-        self.gone = self.live.producers_gone()
+        status, waiting = live.status(), live.waiting_for()
+        self.gone = live.producers_gone()
         shown = (status.get("producers_alive"), waiting, self.gone)
         if shown == self._shown and time.monotonic() - self._sent < LIVE_STATE_S:
             return None
         self._shown, self._sent = shown, time.monotonic()
-        return pb.PackPart(waiting=live_status(self.live, status, waiting, self.gone)).SerializeToString()
+        return pb.PackPart(waiting=live_status(self.job, status, waiting, self.gone)).SerializeToString()
 
 
-def live_status(live, status: dict | None = None, waiting: str | None = None,
+def live_status(job: Job, status: dict | None = None, waiting: str | None = None,
                 gone: str | None = None) -> pb.LiveStatus:
-    """A job's `LiveSteps` as the wire's LiveStatus: its `status()`, `waiting_for()` and `producers_gone()`, each
-    asked unless the caller holds it already."""
+    """A live job's `LiveSteps` as the wire's LiveStatus: its `status()`, `waiting_for()` and `producers_gone()`,
+    each asked unless the caller holds it already."""
+    live = job.live
     status = live.status() if status is None else status
     message = pb.LiveStatus(**{name: value for name, value in status.items() if name != "producers"})
     message.producers.extend(pb.ProducerInfo(**seen) for seen in status.get("producers", ()))
