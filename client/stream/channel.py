@@ -88,16 +88,30 @@ class Connection:
             else grpc.insecure_channel(target, options=options)
 
 
-def _moved_on(error: ValueError) -> bool:
-    """grpc's error for a call on a channel that another thread's fail_over() closed between the call reading the
-    stub and starting: not the server's answer, so the call goes again, to the server the channel moved to."""
-    return "closed channel" in str(error)
+class _MovedOn(Exception):
+    """A call started on a channel another thread's fail_over() closed between the call reading the stub and
+    starting (grpc raises ValueError "closed channel"): not the server's answer, so the call goes again, to the
+    server the channel moved to."""
 
 
 def _closed_under(error: grpc.RpcError, moved: bool) -> bool:
     """A call cancelled because this client closed its channel (grpc says "Channel closed!"; a server never
     does), or the channel moved on meanwhile: the call goes again, to the server the channel moved to."""
     return moved or (error.code() == grpc.StatusCode.CANCELLED and error.details() == "Channel closed!")
+
+
+def _starting(method, request, **options):
+    """`method(request, **options)`, grpc's "closed channel" ValueError raised as _MovedOn."""
+    try:
+        return method(request, **options)
+    except ValueError as error:
+        if "closed channel" not in str(error):
+            raise
+        raise _MovedOn from error
+
+
+def _unavailable(why: str) -> PackfeedError:
+    return PackfeedError(f"UNAVAILABLE: {why}", grpc.StatusCode.UNAVAILABLE)
 
 
 class ServerChannel:
@@ -147,9 +161,9 @@ class ServerChannel:
                 if error.code() not in RETRYABLE or error.code() in final or attempt == retries:
                     raise PackfeedError(f"{error.code().name}: {error.details()}", error.code()) from None
                 self.fail_over()
-            except ValueError as error:
-                if not _moved_on(error) or attempt == retries:
-                    raise
+            except _MovedOn:
+                if attempt == retries:
+                    raise _unavailable(f"the channel moved to {self.target} as the call started") from None
                 continue
             time.sleep(self.connection.delay(attempt))
         raise AssertionError("unreachable")
@@ -163,35 +177,27 @@ class ServerChannel:
             return self._invoke(stub, name, request)
         except grpc.RpcError as error:
             if _closed_under(error, stub is not self._stub):
-                raise PackfeedError(f"UNAVAILABLE: the channel moved to {self.target} during the call",
-                                    grpc.StatusCode.UNAVAILABLE) from None
+                raise _unavailable(f"the channel moved to {self.target} during the call") from None
             raise PackfeedError(f"{error.code().name}: {error.details()}", error.code()) from None
-        except ValueError as error:
-            if not _moved_on(error):
-                raise
-            raise PackfeedError(f"UNAVAILABLE: the channel moved to {self.target} as the call started",
-                                grpc.StatusCode.UNAVAILABLE) from None
+        except _MovedOn:
+            raise _unavailable(f"the channel moved to {self.target} as the call started") from None
 
     def send(self, name: str, request) -> None:
         """A unary call whose answer nobody waits for (acknowledgements): no retry, errors ignored."""
         try:
             self._invoke(self._stub, name, request)
-        except grpc.RpcError:
+        except (grpc.RpcError, _MovedOn):
             pass  # the next acknowledgement covers this one: cursors only move forward
-        except ValueError as error:
-            if not _moved_on(error):
-                raise
 
     def _invoke(self, stub, name: str, request):
-        return getattr(stub, name)(request, timeout=self.connection.timeout, metadata=self.connection.metadata)
+        return _starting(getattr(stub, name), request, timeout=self.connection.timeout,
+                         metadata=self.connection.metadata)
 
     def stream_parts(self, request: pb.StreamPacksRequest) -> Iterator[bytes]:
         """StreamPackParts as raw serialized PackPart messages (a call object: `cancel()` ends it)."""
         try:
-            return self._parts(request, metadata=self.connection.metadata)
-        except ValueError as error:
-            if not _moved_on(error):
-                raise
+            return _starting(self._parts, request, metadata=self.connection.metadata)
+        except _MovedOn:
             return self._parts(request, metadata=self.connection.metadata)  # the server another thread moved to
 
     def close(self) -> None:
