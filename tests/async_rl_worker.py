@@ -20,6 +20,7 @@ import os
 import signal
 import sys
 import time
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -150,7 +151,7 @@ def sample(sample_id: str, group: str, prompt: np.ndarray, completion: np.ndarra
 def produce(target: str, job: str, weights: Path, out: Path, name: str, groups: int, kill: bool) -> None:
     policy, log = Policy(weights), {"groups": [], "continued": []}
     producer = Producer(target, job=job, name=name, heartbeat_s=1.0, open_wait_s=600, full_wait_s=600)
-    rng = np.random.default_rng(abs(hash(name)) % 2**32)
+    rng = np.random.default_rng(zlib.crc32(name.encode()))  # the same prompts every run
 
     def save() -> None:
         (out / f"producer-{name}.json").write_text(json.dumps(log))
@@ -173,8 +174,10 @@ def produce(target: str, job: str, weights: Path, out: Path, name: str, groups: 
         save()
     deadline = time.monotonic() + 600  # until no rollout is left unfinished (a claim may wait for a grant)
     while time.monotonic() < deadline:
-        if not continue_unfinished(producer, policy, log) and not unfinished_left(producer, job):
-            break
+        if not continue_unfinished(producer, policy, log):
+            if not unfinished_left(producer, job):
+                break
+            time.sleep(0.2)  # the rollout held waits for newer weights (or another producer holds it)
     save()
     producer.close()
 
@@ -206,18 +209,15 @@ def unfinished_left(producer: Producer, job: str) -> bool:
 
 
 def continue_unfinished(producer: Producer, policy: Policy, log: dict) -> bool:
-    """Claim an unfinished rollout (waiting a few seconds for one: its producer's claim lapses, a grant opens),
-    once the trainers published weights newer than its newest tokens, and finish it with them; whether one was
+    """Claim an unfinished rollout (waiting a few seconds for one: its producer's claim lapses, a grant opens)
+    and, once the trainers published weights newer than its newest tokens, finish it with them; whether one was
     finished."""
     version = policy.refresh()
-    rollout = producer.claim(policy_version=version, wait_s=2.0)
-    if rollout is None:
+    rollout = producer.claim(policy_version=version, wait_s=2.0)  # (again: the rollout this producer holds)
+    if rollout is None or version <= rollout.policy_version:
+        # No newer weights yet: keep the claim and generate groups meanwhile. Waiting here could wait forever:
+        # the newer weights may need this producer's own groups to fill the step they train on.
         return False
-    if version <= rollout.policy_version:  # no newer weights yet: continue later (the claim lapses when we leave)
-        deadline = time.monotonic() + 600
-        while policy.refresh() <= rollout.policy_version and time.monotonic() < deadline:
-            time.sleep(0.2)
-        version = policy.version
     completion, logp = policy.generate(rollout.tokens, NEW - (len(rollout.tokens) - PROMPT), seed=7)
     finished = rollout.continued(completion, version, tensors={"logprobs": logp, "advantages": np.zeros(len(logp))},
                                  values={"reward": reward(completion)})

@@ -46,6 +46,19 @@ def _get(target: str, job: str) -> pb.LiveStatus:
         channel.close()
 
 
+def _wait(process: subprocess.Popen, deadline: float, target: str, out: Path) -> int:
+    try:
+        return process.wait(max(1.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        raise AssertionError(_stalled(f"producer {process.args[7]}", target, out)) from None
+
+
+def _stalled(what: str, target: str, out: Path) -> str:
+    """What a stalled run was waiting for: the job's status, the producers' and trainers' log tails."""
+    logs = {path.name: path.read_text(errors="replace")[-1500:] for path in sorted(out.rglob("*.log"))}
+    return f"{what} did not finish; the job: {_get(target, 'async')}; logs: {json.dumps(logs, indent=1)}"
+
+
 @pytest.mark.slow
 def test_asynchronous_grpo_trains_every_sample_once_within_its_staleness(small_tile_index, tmp_path):
     sys.path.insert(0, str(WORKER.parent))
@@ -59,17 +72,18 @@ def test_asynchronous_grpo_trains_every_sample_once_within_its_staleness(small_t
         trainers = threading.Thread(target=torchrun, args=(WORKER, ["trainer", server.target, "async", weights, out],
                                                            out / "logs"), daemon=True)
         trainers.start()
+        deadline = time.monotonic() + 480  # inside pytest's 600 s, so that a run that stalls says where
         killer = run_producer(server.target, "async", weights, out, "killer", 0, "kill")
-        assert killer.wait(600) == -signal.SIGKILL  # killed mid-rollout, its partial put
-        producers = [run_producer(server.target, "async", weights, out, name, groups)
-                     for name, groups in (("steady", 5), ("claimer", 4))]
-        for producer in producers:
-            assert producer.wait(900) == 0, (out / "steady.log").read_text()[-2000:]
+        assert _wait(killer, deadline, server.target, out) == -signal.SIGKILL  # killed mid-rollout, partial put
+        producers = {name: run_producer(server.target, "async", weights, out, name, groups)
+                     for name, groups in (("steady", 5), ("claimer", 4))}
+        for name, producer in producers.items():
+            assert _wait(producer, deadline, server.target, out) == 0, (out / f"{name}.log").read_text()[-2000:]
         status = _get(server.target, "async")
         with Producer(server.target, job="async", connection=CONNECTION, heartbeat_s=0) as ender:
             ender.end()  # what is pending forms the last step
-        trainers.join(900)
-        assert not trainers.is_alive()
+        trainers.join(max(1.0, deadline - time.monotonic()))
+        assert not trainers.is_alive(), _stalled("the trainers", server.target, out)
         final = _get(server.target, "async")
     put = [group for name in ("killer", "steady", "claimer")
            for group in json.loads((out / f"producer-{name}.json").read_text())["groups"]]
