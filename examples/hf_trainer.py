@@ -78,6 +78,11 @@ def main() -> None:
             trainer = PackfeedTrainer(model=model, args=packfeed_training_arguments(stream, **settings),
                                       stream=stream, family="qwen2_vl", callbacks=stop)
         trainer.train(resume_from_checkpoint=True if options.resume else None)
+    # the ranks leave together, the process group torn down: a rank whose interpreter exits while gloo's threads
+    # still serve the other can abort at teardown ("terminate called without an active exception")
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

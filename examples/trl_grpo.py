@@ -66,6 +66,11 @@ def main() -> None:
                                   callbacks=[JsonLines()])
     trainer.remove_callback(PrinterCallback)  # stdout: the JSON lines alone
     trainer.train()
+    # the ranks leave together, the process group torn down: a rank whose interpreter exits while gloo's threads
+    # still serve the other can abort at teardown ("terminate called without an active exception")
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
