@@ -47,17 +47,22 @@ def test_vllm_runs_at_the_hf_extras_transformers_floor(checks):
     assert checks["installed"]["vllm"] == "0.32.0" and checks["installed"]["transformers"] == "5.19.0"
 
 
+ENGINES = pytest.mark.parametrize("engine", ["offline", "server"])  # vLLM's LLM here; a vLLM server over HTTP
+
+
 @pytest.mark.timeout(600)
-def test_vllm_greedy_completions_equal_transformers_on_the_trainers_pixels(checks):
-    pairs = checks["greedy"]["pairs"]
+@ENGINES
+def test_vllm_greedy_completions_equal_transformers_on_the_trainers_pixels(checks, engine):
+    pairs = checks[f"{engine}/greedy"]["pairs"]
     assert {pair["images"] for pair in pairs} >= {0, 1, 2}  # text prompts, one image and two
     for pair in pairs:
         assert len(pair["vllm"]) == 8 and pair["vllm"] == pair["transformers"], pair
 
 
 @pytest.mark.timeout(600)
-def test_vllm_behaviour_logprobs_put_equal_the_trainers_logprobs_of_the_same_tokens(checks):
-    line = checks["logprobs"]
+@ENGINES
+def test_vllm_behaviour_logprobs_put_equal_the_trainers_logprobs_of_the_same_tokens(checks, engine):
+    line = checks[f"{engine}/logprobs"]
     trainer, behaviour = np.array(line["trainer"]), np.array(line["behaviour"])
     assert line["samples"] == 12 and len(trainer) >= 12  # 3 prompts x 4 completions, each with tokens trained
     assert np.all(behaviour < 0) and np.abs(trainer - behaviour).max() < 1e-4
@@ -65,8 +70,9 @@ def test_vllm_behaviour_logprobs_put_equal_the_trainers_logprobs_of_the_same_tok
 
 
 @pytest.mark.timeout(600)
-def test_a_vllm_weight_update_changes_generation_and_it_matches_again(checks):
-    line = checks["weights"]
+@ENGINES
+def test_a_vllm_weight_update_changes_generation_and_it_matches_again(checks, engine):
+    line = checks[f"{engine}/weights"]
     assert line["loaded"] == [1]  # the worker's next step loaded the published version 1
     for before, after in zip(line["before"], line["after"]):
         assert before["vllm"] == before["transformers"] and after["vllm"] == after["transformers"]
@@ -96,6 +102,8 @@ def test_an_asynchronous_run_with_vllm_producers_trains_every_rollout_once_withi
     keys = [key for key, _, _ in trained]
     # two vLLM producers x 3 prompt steps x 1 prompt x G = 4: every rollout trained, once
     assert len(keys) == len(set(keys)) == 24 == sum(p["rollouts"] for p in line["producers"])
+    # one producer with vLLM in its process, one on a vLLM server over HTTP: each put its 3 steps x 4
+    assert [(p["engine"], p["rollouts"]) for p in line["producers"]] == [("offline", 12), ("server", 12)]
     assert all(0 <= trained_by - version <= 1 for _, version, trained_by in trained)  # max_staleness 1, none early
     groups = {}
     for key, version, trained_by in trained:

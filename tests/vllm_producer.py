@@ -1,10 +1,11 @@
 """A vLLM producer of an asynchronous GRPO run (tests/vllm_rollouts_check.py starts two, in vLLM's own
 environment): a `RolloutWorker` on the prompt job's share of consumer INDEX of 2, each group reserved first
-(staleness wait) and generated with the version its grant names, loaded from the trainer's `WeightVersions`.
+(staleness wait) and generated with the version its grant names, loaded from the trainer's `WeightVersions`. The
+engine: vLLM's `LLM` in this process, or with SERVER_URL the vLLM server there (`VLLMServerEngine`).
 
-    python vllm_producer.py TARGET MODEL_DIR WEIGHTS OUT INDEX STEPS
+    python vllm_producer.py TARGET MODEL_DIR WEIGHTS OUT INDEX STEPS [SERVER_URL]
 
-Writes OUT/producer-{INDEX}.json: the versions it loaded, and its prompt steps and rollouts put.
+Writes OUT/producer-{INDEX}.json: the engine, the versions it loaded, and its prompt steps and rollouts put.
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 from packfeed.client import Producer  # noqa: E402
 from packfeed.client.rollouts.engine_io import Sampling  # noqa: E402
 from packfeed.client.rollouts.prompts import prompt_job_stream  # noqa: E402
-from packfeed.client.rollouts.vllm_engine import VLLMEngine  # noqa: E402
 from packfeed.client.rollouts.weights import WeightVersions  # noqa: E402
 from packfeed.client.rollouts.worker import RolloutWorker  # noqa: E402
 
@@ -34,8 +34,15 @@ def reward(completions, **_):
 
 def main() -> None:
     target, model_dir, weights, out, index, steps = sys.argv[1:7]
-    engine = VLLMEngine.from_pretrained(model_dir, dtype="float32", max_model_len=512, enforce_eager=True,
-                                        limit_mm_per_prompt={"image": 4}, seed=int(index))
+    if len(sys.argv) > 7:
+        from packfeed.client.rollouts.vllm_server import VLLMServerEngine
+
+        engine, kind = VLLMServerEngine(sys.argv[7], tokenizer=Path(model_dir, "tokenizer.json")), "server"
+    else:
+        from packfeed.client.rollouts.vllm_engine import VLLMEngine
+
+        engine, kind = VLLMEngine.from_pretrained(model_dir, dtype="float32", max_model_len=512, enforce_eager=True,
+                                                  limit_mm_per_prompt={"image": 4}, seed=int(index)), "offline"
     prompts = prompt_job_stream(target, ASYNC_JOB, consumers=2, consumer=int(index), per_consumer=1)
     producer = Producer(target, job=f"{ASYNC_JOB}-rollouts", name=f"vllm-{index}", heartbeat_s=1.0,
                         open_wait_s=600, full_wait_s=600)
@@ -44,8 +51,8 @@ def main() -> None:
                            sampling=Sampling(max_tokens=8, temperature=1.0, seed=int(index)))
     report = worker.run(steps=int(steps))
     worker.close()
-    Path(out, f"producer-{index}.json").write_text(json.dumps({"loaded": report.versions, "steps": report.steps,
-                                                               "rollouts": report.rollouts}))
+    record = {"engine": kind, "loaded": report.versions, "steps": report.steps, "rollouts": report.rollouts}
+    Path(out, f"producer-{index}.json").write_text(json.dumps(record))
 
 
 if __name__ == "__main__":

@@ -1,20 +1,24 @@
 """Run inside vLLM's own environment (tests/vllm_env.py; tests/test_vllm_rollouts.py runs it): real vLLM on the CPU
 fed by a Packfeed prompt job, a tiny Qwen2-VL built from a config, images in the prompts. Each check prints one
-JSON line; the test asserts on them.
+JSON line; the test asserts on them. Checks 1-3 run on two engines, their lines named `offline/...` (vLLM's `LLM`
+in this process, `VLLMEngine`: images as embeddings of the loader server's pixel values) and `server/...` (a
+`vllm serve` process on loopback, tests/vllm_serve.py, through `VLLMServerEngine`: the pixel values themselves over
+HTTP); each engine is first given the model's weights through the worker's path (version 0).
 
-1. greedy: vLLM's greedy completion of each prompt (through `VLLMEngine`, images as embeddings of the loader
-   server's pixel values) and transformers' greedy completion of the same prompt on the same pixel values;
+1. greedy: the engine's greedy completion of each prompt and transformers' greedy completion of the same prompt on
+   the same pixel values;
 2. logprobs: a `RolloutWorker` generates (temperature 1) and puts into a live job; a trainer-side stream reads the
    live job's packs, and the trainer's model (transformers, `to_hf_inputs`) gives its log-probabilities of the
    trained tokens, beside the behaviour log-probabilities the worker put;
 3. weights: the trainer's weights change and are published as version 1 (`WeightVersions`); the worker's next
-   step loads them; greedy completions before and after, vLLM's and transformers';
+   step loads them; greedy completions before and after, the engine's and transformers';
 4. trl: `PackfeedGRPOTrainer(use_vllm=True, vllm_mode="colocate")` at DP 2 under torchrun
    (tests/vllm_grpo_worker.py), each rank's rollouts from its colocated vLLM: what each rank recorded;
 5. async: an asynchronous GRPO run ([3/6]: staleness wait, max_staleness 1, whole groups of 4) whose producers are
-   two vLLM rollout workers (tests/vllm_producer.py), each group reserved and generated with the version its grant
-   names; this process trains on the live job's packs (the decoupled policy loss on the behaviour log-probabilities
-   the workers put) and publishes each version: what each step trained, and what each producer loaded.
+   two rollout workers (tests/vllm_producer.py), one with vLLM in its process, one on the vLLM server, each group
+   reserved and generated with the version its grant names; this process trains on the live job's packs (the
+   decoupled policy loss on the behaviour log-probabilities the workers put) and publishes each version: what each
+   step trained, and what each producer loaded.
 
     python tests/vllm_rollouts_check.py OUT_DIR
 """
@@ -99,70 +103,89 @@ def trainer_logprobs(model, pack, conventions) -> tuple[list[float], list[float]
 
 def main() -> None:
     from hf_models import family_dataset
+    from vllm_serve import VLLMServer
 
-    from packfeed.client import LocalServer, PackStream, PlanConfig, Producer
-    from packfeed.client.rollouts.engine_io import Sampling
+    from packfeed.client import LocalServer
     from packfeed.client.rollouts.prompts import prompt_job_stream, prompts_of
     from packfeed.client.rollouts.vllm_engine import VLLMEngine
-    from packfeed.client.rollouts.weights import WeightVersions
-    from packfeed.client.rollouts.worker import RolloutWorker
+    from packfeed.client.rollouts.vllm_server import VLLMServerEngine
 
     out = Path(sys.argv[1])
     data = family_dataset(out / "data", FAMILY, samples=8)  # two prompt steps an epoch at DP 2 x 2 prompts
     model = model_folder(data, out / "model")
-    import vllm
+    served = VLLMServer(out / "model", out / "vllm-serve.log")  # starts while this process loads its own engine
+    try:
+        import vllm
 
-    say("installed", vllm=vllm.__version__, transformers=__import__("transformers").__version__)
-    engine = VLLMEngine.from_pretrained(str(out / "model"), dtype="float32", max_model_len=512, enforce_eager=True,
-                                        limit_mm_per_prompt={"image": 4}, seed=0)
-    with LocalServer(data.index, workers=1, extra_args=["--live-spool", str(out / "spool")]) as server:
-        stream = prompt_job_stream(server.target, "greedy", consumers=1, consumer=0, per_consumer=8)
-        conventions = stream.conventions
-        prompts = [p for step in stream for pack in step.packs for p in prompts_of(pack, FAMILY, conventions)]
-        stream.close()
-        say("greedy", pairs=greedy_pairs(engine, model, prompts, conventions))
+        say("installed", vllm=vllm.__version__, transformers=__import__("transformers").__version__)
+        engine = VLLMEngine.from_pretrained(str(out / "model"), dtype="float32", max_model_len=512,
+                                            enforce_eager=True, limit_mm_per_prompt={"image": 4}, seed=0)
+        with LocalServer(data.index, workers=1, extra_args=["--live-spool", str(out / "spool")]) as server:
+            stream = prompt_job_stream(server.target, "greedy", consumers=1, consumer=0, per_consumer=8)
+            conventions = stream.conventions
+            prompts = [p for step in stream for pack in step.packs for p in prompts_of(pack, FAMILY, conventions)]
+            stream.close()
+            engine_checks("offline", engine, model, prompts, conventions, server.target, out)
+            del engine  # its memory, before the trainers start two more
+            remote = VLLMServerEngine(served.wait(), tokenizer=data.tokenizer)
+            engine_checks("server", remote, model, prompts, conventions, server.target, out)
+            remote.close()
+            say("trl", ranks=trl_colocated(server.target, data, out))
+            say("async", **asynchronous(server.target, model, out, served.url))
+    finally:
+        served.stop()
 
-        weights = WeightVersions(out / "weights")
-        weights.publish(model.state_dict(), 0)
-        plan = PlanConfig(dp=1, microbatches=1, live=True, step_samples=12, token_cap=2048, vision_cap=256)
-        producer = Producer(server.target, job="rl-rollouts", plan=plan, name="vllm-0")
-        worker = RolloutWorker(engine, prompt_job_stream(server.target, "rl", consumers=1, consumer=0,
-                                                         per_consumer=3),
-                               producer, [lambda completions, **_: [len(c) / 10 for c in completions]],
-                               family=FAMILY, weights=weights, generations=4,
-                               sampling=Sampling(max_tokens=NEW, temperature=1.0, seed=3))
-        worker.run(steps=1)
-        trainer = PackStream(server.target, job="rl-rollouts", rank=0, plan=plan)
-        step = next(iter(trainer))
-        ours, theirs = [], []
-        for pack in step.packs:
-            mine, put = trainer_logprobs(model, pack, trainer.conventions)
-            ours += mine
-            theirs += put
-        say("logprobs", trainer=ours, behaviour=theirs, versions=sorted(set(pack.policy_version.tolist())),
-            samples=len(step.sample_keys))
 
-        before = greedy_pairs(engine, model, prompts, conventions)
-        torch.manual_seed(5)
-        with torch.no_grad():
-            for parameter in model.parameters():
-                parameter.add_(torch.randn_like(parameter) * 0.05)
-        weights.publish(model.state_dict(), 1)
-        worker.run(steps=1)  # its next prompt step loads version 1, the newest
-        after = greedy_pairs(engine, model, prompts, conventions)
-        say("weights", before=before, after=after, loaded=worker.report.versions)
-        trainer.close()
-        worker.close()
-        del engine  # its memory, before the trainers start two more
-        say("trl", ranks=trl_colocated(server.target, data, out))
-        say("async", **asynchronous(server.target, model, out))
+def engine_checks(name: str, engine, model, prompts, conventions, target: str, out: Path) -> None:
+    """Checks 1-3 (greedy, logprobs, weights) on one engine, each line's check named NAME/CHECK. The engine is
+    first given the model's weights as they are now (version 0), through the worker's own path."""
+    from packfeed.client import PackStream, PlanConfig, Producer
+    from packfeed.client.rollouts.engine_io import Sampling
+    from packfeed.client.rollouts.prompts import prompt_job_stream
+    from packfeed.client.rollouts.weights import WeightVersions
+    from packfeed.client.rollouts.worker import RolloutWorker
+
+    weights = WeightVersions(out / f"{name}-weights")
+    weights.publish(model.state_dict(), 0)
+    engine.load_version(weights, 0, 60)
+    say(f"{name}/greedy", pairs=greedy_pairs(engine, model, prompts, conventions))
+
+    plan = PlanConfig(dp=1, microbatches=1, live=True, step_samples=12, token_cap=2048, vision_cap=256)
+    producer = Producer(target, job=f"{name}-rollouts", plan=plan, name=f"{name}-0")
+    worker = RolloutWorker(engine, prompt_job_stream(target, f"{name}-rl", consumers=1, consumer=0, per_consumer=3),
+                           producer, [lambda completions, **_: [len(c) / 10 for c in completions]],
+                           family=FAMILY, weights=weights, generations=4,
+                           sampling=Sampling(max_tokens=NEW, temperature=1.0, seed=3))
+    worker.run(steps=1)
+    trainer = PackStream(target, job=f"{name}-rollouts", rank=0, plan=plan)
+    step = next(iter(trainer))
+    ours, theirs = [], []
+    for pack in step.packs:
+        mine, put = trainer_logprobs(model, pack, trainer.conventions)
+        ours += mine
+        theirs += put
+    say(f"{name}/logprobs", trainer=ours, behaviour=theirs, versions=sorted(set(pack.policy_version.tolist())),
+        samples=len(step.sample_keys))
+
+    before = greedy_pairs(engine, model, prompts, conventions)
+    torch.manual_seed(5)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.add_(torch.randn_like(parameter) * 0.05)
+    weights.publish(model.state_dict(), 1)
+    worker.run(steps=1)  # its next prompt step loads version 1, the newest
+    after = greedy_pairs(engine, model, prompts, conventions)
+    say(f"{name}/weights", before=before, after=after, loaded=worker.report.versions)
+    trainer.close()
+    worker.close()
 
 
 ASYNC = {"steps": 3, "group": 4}
 
 
-def asynchronous(target: str, model, out: Path) -> dict:
-    """Two vLLM producers (3 prompt steps of 1 prompt each, G = 4) and this process training 3 live steps of 8."""
+def asynchronous(target: str, model, out: Path, server_url: str) -> dict:
+    """Two vLLM producers (3 prompt steps of 1 prompt each, G = 4), the first with vLLM in its process, the second
+    generating on the vLLM server at `server_url`, and this process training 3 live steps of 8."""
     import subprocess
     import threading
 
@@ -216,7 +239,8 @@ def asynchronous(target: str, model, out: Path) -> dict:
     trainer.start()
     producer = Path(__file__).with_name("vllm_producer.py")
     producers = [subprocess.Popen([sys.executable, str(producer), target, str(out / "model"),
-                                   str(out / "async-weights"), str(out), str(index), str(ASYNC["steps"])],
+                                   str(out / "async-weights"), str(out), str(index), str(ASYNC["steps"]),
+                                   *([server_url] if index == 1 else [])],
                                   stdout=subprocess.DEVNULL, stderr=open(out / f"producer-{index}.log", "w"))
                  for index in range(2)]
     for index, process in enumerate(producers):

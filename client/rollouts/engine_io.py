@@ -1,10 +1,12 @@
 """What goes into an inference engine and what comes out, whatever the engine (vLLM's `LLM` in the rollout process,
-an OpenAI-compatible server): a prompt exactly as the trainer will see it, and each sampled completion with the
+a vLLM server over HTTP): a prompt exactly as the trainer will see it, and each sampled completion with the
 engine's own log-probability of every token it sampled (the behaviour policy's).
 
-Engines expand each image's placeholder themselves, from its `image_grid_thw`: they take the prompt's tokens with
-one placeholder per image. Given the trainer's expanded tokens they would expand them again and generate from a
-wrong prompt without an error, so `engine_request` collapses each image's run and checks its length."""
+vLLM's `LLM` expands each image's placeholder itself, from its `image_grid_thw`: it takes the prompt's tokens with
+one placeholder per image. Given the trainer's expanded tokens it would expand them again and generate from a
+wrong prompt without an error, so `engine_request` collapses each image's run and checks its length; an engine
+that takes the prompt expanded, with its images' positions (vLLM's tokens-in endpoint), gets the trainer's tokens
+back from `EngineRequest.expanded`."""
 
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ import numpy as np
 import torch
 
 from packfeed.client.rollouts.prompts import Prompt
+from packfeed.client.rollouts.weights import WeightVersions
 from packfeed.client.stream.channel import PackfeedError
 
 
@@ -29,10 +32,25 @@ class EngineRequest:
     token_ids: list[int]
     pixel_values: torch.Tensor | None = None
     image_grid_thw: torch.Tensor | None = None
+    placeholder: int = -1  # the image placeholder's id
+    runs: tuple[int, ...] = ()  # each image's placeholder count, expanded
 
     @property
     def images(self) -> int:
         return 0 if self.image_grid_thw is None else len(self.image_grid_thw)
+
+    def expanded(self) -> tuple[list[int], list[tuple[int, int]]]:
+        """The tokens as the trainer sees them (each image's placeholder expanded to its run) and each image's
+        run as (offset, length): for engines that take a prompt already expanded, with its images' positions."""
+        ids, spans, runs = [], [], iter(self.runs)
+        for token in self.token_ids:
+            if token != self.placeholder:
+                ids.append(token)
+                continue
+            length = next(runs)
+            spans.append((len(ids), length))
+            ids += [token] * length
+        return ids, spans
 
 
 @dataclass(frozen=True)
@@ -98,13 +116,14 @@ def placeholders_of(conventions: Any) -> set[int]:
 
 
 class Engine(Protocol):
-    """An inference engine the rollout worker generates with (`VLLMEngine`, `OpenAIEngine`)."""
+    """An inference engine the rollout worker generates with (`VLLMEngine`, `VLLMServerEngine`)."""
 
     def generate(self, requests: list[EngineRequest], n: int, sampling: Sampling) -> list[list[Completion]]:
         """`n` completions of each request, in order."""
 
-    def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
-        """Replace the model's weights (named as the trainer's `state_dict`) and forget what was cached."""
+    def load_version(self, weights: WeightVersions, version: int, timeout_s: float) -> None:
+        """Replace the model's weights by `version`'s from `weights` (waiting up to `timeout_s` for it to be
+        published) and forget what the old ones computed (prefix and multimodal caches)."""
 
     def decode(self, token_ids: list[int]) -> str:
         """Text of tokens, for reward functions."""
@@ -130,4 +149,4 @@ def engine_request(prompt: Prompt, conventions: Any) -> EngineRequest:
         raise PackfeedError(f"prompt {prompt.key!r}: its image placeholders run {runs} tokens, its images need "
                             f"{needed}: the index's placeholders and the served images disagree (re-index with the "
                             "model's image policy)")
-    return EngineRequest(prompt.key, ids, prompt.fields.get("pixel_values"), grid)
+    return EngineRequest(prompt.key, ids, prompt.fields.get("pixel_values"), grid, placeholder, tuple(runs))

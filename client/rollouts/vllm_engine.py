@@ -2,7 +2,7 @@
 
     engine = VLLMEngine.from_pretrained("/models/qwen2-vl", dtype="bfloat16", max_model_len=4096)
     completions = engine.generate(requests, n=8, sampling=Sampling(max_tokens=512, temperature=1.0))
-    engine.load_weights(WeightVersions(folder).load(version)[1])
+    engine.load_version(WeightVersions(folder), version, timeout_s=600)
 
 **Images.** vLLM takes a Qwen-VL image either raw (which it would preprocess a second time: its own resize and
 normalisation, its own pixel copy and cache) or as embeddings with their `image_grid_thw`; processed pixel values it
@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 from packfeed.client.rollouts.engine_io import Completion, EngineRequest, Sampling
+from packfeed.client.rollouts.weights import WeightVersions
 from packfeed.client.stream.channel import PackfeedError
 
 REQUIRED = {"enable_mm_embeds": True, "mm_device_do_normalize": False}  # see the module's docstring, Images
@@ -107,7 +108,11 @@ class VLLMEngine:
             prompts.append(prompt)
         return prompts
 
+    def load_version(self, weights: WeightVersions, version: int, timeout_s: float) -> None:
+        self.load_weights(weights.wait_for(version, timeout_s=timeout_s))
+
     def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        """Replace the model's weights (named as the trainer's `state_dict`) and forget what was cached."""
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(weights.items())})
         self.llm.reset_prefix_cache()
         self.llm.reset_mm_cache()

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -73,15 +74,42 @@ class WeightVersions:
     def wait_for(self, version: int, timeout_s: float = 600.0, poll_s: float = 0.2) -> dict[str, torch.Tensor]:
         """`version`'s weights once published (a grant names a version the trainers hold: its file is written
         before they say so, unless the writer is behind); TimeoutError after `timeout_s`."""
+        self.wait_published(version, timeout_s, poll_s)
+        return self.load(version)[1]
+
+    def wait_published(self, version: int, timeout_s: float = 600.0, poll_s: float = 0.2) -> None:
+        """Return once `version` (or a newer one) is published; TimeoutError after `timeout_s`."""
         deadline = time.monotonic() + timeout_s
         while True:
             newest = self.newest()
             if newest is not None and newest >= version:
-                return self.load(version)[1]
+                return
             if time.monotonic() > deadline:
                 raise TimeoutError(f"version {version} was not published under {self.root} within {timeout_s:g} s "
                                    f"(the newest: {newest})")
             time.sleep(poll_s)
+
+    def place(self, version: int, path: Path) -> None:
+        """`version`'s file at `path` (for an engine that reads weights from its own disk): linked from a local
+        folder where it can be, else copied or downloaded. FileNotFoundError when it is not there."""
+        name = self.file_of(version)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.unlink(missing_ok=True)
+        if is_object_url(self.root):
+            try:
+                filesystem(self.root).get_file(f"{self.root}/{name}", str(path))
+                return
+            except FileNotFoundError:
+                raise FileNotFoundError(f"no weights of version {version} under {self.root} (the newest "
+                                        f"{self.keep} are kept)") from None
+        source = Path(self.root) / name
+        try:
+            os.link(source, path)  # the version's file itself: no copy, and pruning it leaves this name whole
+        except FileNotFoundError:
+            raise FileNotFoundError(f"no weights of version {version} under {self.root} (the newest {self.keep} "
+                                    "are kept)") from None
+        except OSError:  # another filesystem
+            shutil.copyfile(source, path)
 
     def _write(self, name: str, data: bytes) -> None:
         if is_object_url(self.root):

@@ -135,7 +135,7 @@ class RolloutWorker:
         if self.weights is None:
             raise PackfeedError(f"the job's grant names policy version {version}, and this worker holds "
                                 f"{self.version} with nowhere to load others from: give weights=WeightVersions(...)")
-        self.engine.load_weights(self.weights.wait_for(version, timeout_s=self.weights_timeout_s))
+        self.engine.load_version(self.weights, version, self.weights_timeout_s)
         self.version = version
         self.report.versions.append(version)
 
