@@ -56,8 +56,9 @@ def check_vllm_config(args: Any) -> list[str]:
     refused = {
         "vllm_mode": (args.vllm_mode != "colocate",
                       "'colocate': TRL's vLLM server takes each prompt's raw images and preprocesses them a second "
-                      "time; to generate on a server, run Packfeed's RolloutWorker beside it (docs/live.md, "
-                      "Rollouts from inference engines)"),
+                      "time; to generate on a vLLM server, run Packfeed's RolloutWorker with VLLMServerEngine, "
+                      "which sends it the loader server's pixel values (docs/live.md, Rollouts from inference "
+                      "engines)"),
         "vllm_tensor_parallel_size": (args.vllm_tensor_parallel_size != 1,
                                       "1 (each rank's engine generates that rank's prompts)"),
         "vllm_enable_sleep_mode": (args.vllm_enable_sleep_mode, "False"),

@@ -11,8 +11,8 @@ TRL's sync cannot.
   On a CPU, vLLM repacks linear weights for oneDNN and that load fails: the parameters, gathered the same way, go
   through vLLM's in-place `reload_weights` (`VLLMEngine.load_weights`).
 - **What it refuses** (`check_vllm_config`): server mode (TRL's vLLM server takes raw images and preprocesses them
-  itself: run `packfeed.client.rollouts.worker.RolloutWorker` beside the server instead, docs/live.md "Rollouts
-  from inference engines"), tensor-parallel vLLM (each rank's engine generates its own prompts), sleep mode and
+  itself: run `packfeed.client.rollouts.worker.RolloutWorker` with `VLLMServerEngine` instead, docs/live.md
+  "Rollouts from inference engines"), tensor-parallel vLLM (each rank's engine generates its own prompts), sleep mode and
   structured outputs.
 """
 
