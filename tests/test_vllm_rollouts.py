@@ -145,3 +145,16 @@ def test_the_vllm_rollout_example_runs_as_written(vllm_python, tmp_path):
     steps = [json.loads(line) for line in done.stdout.splitlines() if line.startswith('{"step"')]
     assert [s["step"] for s in steps] == [1, 2] and all(s["rollouts"] == 8 for s in steps)
     assert all(s["policy_version"] == 0 and 0 <= s["reward"] <= 1 for s in steps)
+
+
+@pytest.mark.timeout(600)
+@ENGINES
+def test_a_vllm_rollout_interrupted_by_a_weight_update_goes_on_with_the_new_weights(checks, engine):
+    line = checks[f"{engine}/partial"]
+    trainer, behaviour, versions = np.array(line["trainer"]), np.array(line["behaviour"]), line["versions"]
+    # version 2 was published after the first chunk of 3 tokens: loaded, and the completions still running went on
+    assert line["loaded"] == [2] and line["continued"] >= 1 and 2 in line["policy_versions"]
+    assert set(versions) == {1, 2} and len(trainer) == len(behaviour) == len(versions)
+    # each token's behaviour log-probability is the one the trainer's model gives it under the version that
+    # sampled it (a token put with the wrong version would be scored under weights 0.05 apart)
+    assert np.all(behaviour < 0) and np.abs(trainer - behaviour).max() < 1e-4

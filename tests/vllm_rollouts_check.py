@@ -86,8 +86,9 @@ def greedy_pairs(engine, model, prompts, conventions) -> list[dict]:
              "transformers": hf_greedy(model, p)} for p, c in zip(prompts, completions)]
 
 
-def trainer_logprobs(model, pack, conventions) -> tuple[list[float], list[float]]:
-    """The trainer's log-probabilities of a live pack's trained tokens, and the behaviour ones the pack carries."""
+def trainer_logprobs(model, pack, conventions) -> tuple[list[float], list[float], list[int]]:
+    """The trainer's log-probabilities of a live pack's trained tokens, the behaviour ones the pack carries, and
+    each token's policy version."""
     from packfeed.client.model.hf import to_hf_inputs
     from packfeed.client.model.losses import shifted, token_logprobs
 
@@ -98,7 +99,8 @@ def trainer_logprobs(model, pack, conventions) -> tuple[list[float], list[float]
         logp, mask = token_logprobs(model(**inputs).logits[0].float(), labels)
     behaviour = shifted(pack.token_tensors["logprobs"].float())  # aligned with the shifted labels
     kept = mask.bool()
-    return logp[kept].tolist(), behaviour[kept].tolist()
+    versions = shifted(pack.tensors["token_policy_version"].float())[kept].long()
+    return logp[kept].tolist(), behaviour[kept].tolist(), versions.tolist()
 
 
 def main() -> None:
@@ -161,7 +163,7 @@ def engine_checks(name: str, engine, model, prompts, conventions, target: str, o
     step = next(iter(trainer))
     ours, theirs = [], []
     for pack in step.packs:
-        mine, put = trainer_logprobs(model, pack, trainer.conventions)
+        mine, put, _ = trainer_logprobs(model, pack, trainer.conventions)
         ours += mine
         theirs += put
     say(f"{name}/logprobs", trainer=ours, behaviour=theirs, versions=sorted(set(pack.policy_version.tolist())),
@@ -178,6 +180,70 @@ def engine_checks(name: str, engine, model, prompts, conventions, target: str, o
     say(f"{name}/weights", before=before, after=after, loaded=worker.report.versions)
     trainer.close()
     worker.close()
+    say(f"{name}/partial", **partial_rollouts(name, engine, model, weights, target))
+
+
+class PublishingAfterFirst:
+    """The engine, and the trainer publishing version 2 (the model's weights changed again) once the engine's
+    first generate call returned: a weight update in the middle of the worker's generation, at a known point."""
+
+    def __init__(self, engine, publish):
+        self.engine, self.publish, self.calls = engine, publish, 0
+
+    def generate(self, requests, n, sampling):
+        out = self.engine.generate(requests, n, sampling)
+        self.calls += 1
+        if self.calls == 1:
+            self.publish()
+        return out
+
+    def __getattr__(self, name):  # load_version, decode: the engine's own
+        return getattr(self.engine, name)
+
+
+def partial_rollouts(name: str, engine, model, weights, target: str) -> dict:
+    """A worker generating 3 tokens at a time (partial_tokens) while version 2 is published after its first chunk:
+    the completions still running go on with version 2. The trainer's log-probability of each trained token under
+    the version that generated it (the model's weights at version 1 or 2, the pack's token_policy_version), beside
+    the behaviour log-probabilities put."""
+    from packfeed.client import PackStream, PlanConfig, Producer
+    from packfeed.client.rollouts.engine_io import Sampling
+    from packfeed.client.rollouts.prompts import prompt_job_stream
+    from packfeed.client.rollouts.worker import RolloutWorker
+
+    states = {1: {k: v.clone() for k, v in model.state_dict().items()}}  # what the engine holds (version 1)
+
+    def publish() -> None:
+        torch.manual_seed(6)
+        with torch.no_grad():
+            for parameter in model.parameters():
+                parameter.add_(torch.randn_like(parameter) * 0.05)
+        states[2] = {k: v.clone() for k, v in model.state_dict().items()}
+        weights.publish(model.state_dict(), 2)
+
+    plan = PlanConfig(dp=1, microbatches=1, live=True, step_samples=4, token_cap=2048, vision_cap=256)
+    producer = Producer(target, job=f"{name}-partial-rollouts", plan=plan, name=f"{name}-partial")
+    worker = RolloutWorker(PublishingAfterFirst(engine, publish),
+                           prompt_job_stream(target, f"{name}-partial", consumers=1, consumer=0, per_consumer=2),
+                           producer, [lambda completions, **_: [len(c) / 10 for c in completions]],
+                           family=FAMILY, weights=weights, generations=2, policy_version=1, partial_tokens=3,
+                           sampling=Sampling(max_tokens=NEW, temperature=1.0, seed=4))
+    worker.run(steps=1)
+    trainer = PackStream(target, job=f"{name}-partial-rollouts", rank=0, plan=plan)
+    step = next(iter(trainer))
+    ours, theirs, versions = [], [], []
+    for pack in step.packs:
+        by_version = {}
+        for version, state in states.items():
+            model.load_state_dict(state)
+            by_version[version], put, token_versions = trainer_logprobs(model, pack, trainer.conventions)
+        ours += [by_version[v][i] for i, v in enumerate(token_versions)]
+        theirs += put
+        versions += token_versions
+    trainer.close()
+    worker.close()
+    return {"trainer": ours, "behaviour": theirs, "versions": versions, "continued": worker.report.continued,
+            "loaded": worker.report.versions, "policy_versions": sorted(set(pack.policy_version.tolist()))}
 
 
 ASYNC = {"steps": 3, "group": 4}

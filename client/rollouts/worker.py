@@ -14,7 +14,10 @@ Per prompt step (this worker's share of the prompt job's step, balanced on token
    and its grant names the version to generate with; otherwise the newest published version. A version other than
    the engine's is loaded from `weights` (`WeightVersions`) before generating.
 2. **Generation.** Each prompt goes to the engine exactly as the trainer will see it (`engine_io.engine_request`:
-   the index's tokens, the loader server's pixel values), `generations` completions each.
+   the index's tokens, the loader server's pixel values), `generations` completions each. With `partial_tokens`
+   N, they are generated N tokens at a time, and a weight version the trainer publishes meanwhile is loaded
+   between chunks: the completions still running go on with it, each token keeping the version and the
+   log-probability it was sampled with (`interruptible`: partial rollouts, continued in this process).
 3. **Scores.** Each reward function is called as TRL calls one, with lists over the step's completions:
    `reward(prompts=..., completions=..., completion_ids=..., solution=..., key=...)` (texts decoded by the engine's
    tokenizer, `solution` the prompt's indexed answer); their weighted sum is a completion's reward, and its
@@ -22,7 +25,8 @@ Per prompt step (this worker's share of the prompt job's step, balanced on token
 4. **Put.** Each completion becomes a live sample: the prompt's tokens then the completion's, the completion in
    the loss, per-token `logprobs` (the engine's, behaviour) and `advantages`, its reward as value `reward`, its
    group the prompt's key at this step, its images its prompt's by reference, its `policy_version` the version it
-   was generated with. Ids say the step, so a step put again after a restart is stored once.
+   was generated with (continued with newer weights: the newest, and each token's in `token_versions`). Ids say
+   the step, so a step put again after a restart is stored once.
 """
 
 from __future__ import annotations
@@ -34,8 +38,8 @@ from typing import Literal
 
 import numpy as np
 
-from packfeed.client.rollouts.engine_io import (Completion, Engine, Sampling, cut_at, engine_request,
-                                                 placeholders_of)
+from packfeed.client.rollouts.engine_io import Engine, Sampling, cut_at, engine_request, placeholders_of
+from packfeed.client.rollouts.interruptible import Generated, generate_following
 from packfeed.client.rollouts.prompts import Prompt, prompts_of
 from packfeed.client.rollouts.weights import WeightVersions
 from packfeed.client.stream.channel import PackfeedError
@@ -48,22 +52,25 @@ RewardFunction = Callable[..., Sequence[float]]
 
 @dataclass
 class RolloutReport:
-    """What a worker did: prompt steps, rollouts put, and the versions it generated with."""
+    """What a worker did: prompt steps, rollouts put, the versions it loaded, and the rollouts it continued with
+    newer weights than they started with (partial_tokens)."""
 
     steps: int = 0
     rollouts: int = 0
     versions: list[int] = field(default_factory=list)
+    continued: int = 0
 
 
 class RolloutWorker:
     """See the module's docstring. `weights`: where the trainer publishes its versions (None: the engine's weights
-    stay, version `policy_version`); `reward_weights`: one per reward function (default 1 each)."""
+    stay, version `policy_version`); `reward_weights`: one per reward function (default 1 each); `partial_tokens`:
+    generate that many tokens at a time, following newer weights between chunks (0: each completion whole)."""
 
     def __init__(self, engine: Engine, prompts: PackStream, producer: Producer, rewards: Sequence[RewardFunction], *,
                  family: str, weights: WeightVersions | None = None, generations: int = 4,
                  sampling: Sampling = Sampling(), reward_weights: Sequence[float] | None = None,
                  scale_rewards: Literal["group", "none"] = "group", reserve: bool = False, policy_version: int = 0,
-                 weights_timeout_s: float = 600.0):
+                 weights_timeout_s: float = 600.0, partial_tokens: int = 0):
         if generations < 2 and scale_rewards == "group":
             raise PackfeedError("generations >= 2: a group's advantages are its rewards less their mean")
         if not rewards:
@@ -72,11 +79,15 @@ class RolloutWorker:
             raise PackfeedError(f"{len(reward_weights)} reward_weights for {len(rewards)} reward functions")
         if scale_rewards not in ("group", "none"):
             raise PackfeedError(f"scale_rewards={scale_rewards!r}: give 'group' or 'none'")
+        if partial_tokens < 0 or (partial_tokens and weights is None):
+            raise PackfeedError(f"partial_tokens={partial_tokens}: give 0 (whole completions) or a chunk of tokens, "
+                                "with weights=WeightVersions(...) to follow")
         self.engine, self.prompts, self.producer, self.rewards = engine, prompts, producer, list(rewards)
         self.family, self.weights, self.generations, self.sampling = family, weights, generations, sampling
         self.reward_weights = np.asarray(reward_weights if reward_weights is not None else [1.0] * len(rewards))
         self.scale_rewards, self.reserve, self.weights_timeout_s = scale_rewards, reserve, weights_timeout_s
         self.version = policy_version  # of the weights the engine holds
+        self.partial_tokens = partial_tokens
         self.report = RolloutReport()
         self._steps: Iterator[Step] | None = None
         self._placeholders = placeholders_of(prompts.conventions)  # stop tokens, cut (engine_io.cut_at)
@@ -112,9 +123,13 @@ class RolloutWorker:
         for version, batch in sorted(by_version.items()):
             self._hold(version)
             requests = [engine_request(prompt, conventions) for prompt in batch]
-            completions = [[cut_at(c, self._placeholders) for c in group]
-                           for group in self.engine.generate(requests, self.generations, self._sampling)]
-            samples += self._samples(step, batch, completions, version)
+            if self.partial_tokens:
+                completions = generate_following(self.engine, requests, self.generations, self._sampling,
+                                                 self.partial_tokens, self._follow, self._placeholders)
+            else:
+                completions = [[Generated.of(cut_at(c, self._placeholders), version) for c in group]
+                               for group in self.engine.generate(requests, self.generations, self._sampling)]
+            samples += self._samples(step, batch, completions)
         self.producer.put(samples)
         self.report.steps += 1
         self.report.rollouts += len(samples)
@@ -128,6 +143,13 @@ class RolloutWorker:
         """The version a group's grant names (staleness wait: reserved before it is generated)."""
         return self.producer.reserve(group=group, samples=self.generations).policy_version
 
+    def _follow(self) -> int:
+        """Between chunks: the newest published version loaded when it is newer than the engine's; the engine's."""
+        newest = self.weights.newest()
+        if newest is not None and newest > self.version:
+            self._hold(newest)
+        return self.version
+
     def _hold(self, version: int) -> None:
         """The engine holds `version`'s weights (loaded from `weights` when it holds another)."""
         if version == self.version:
@@ -139,8 +161,7 @@ class RolloutWorker:
         self.version = version
         self.report.versions.append(version)
 
-    def _samples(self, step: Step, prompts: list[Prompt], completions: list[list[Completion]],
-                 version: int) -> list[Sample]:
+    def _samples(self, step: Step, prompts: list[Prompt], completions: list[list[Generated]]) -> list[Sample]:
         flat = [(prompt, c) for prompt, group in zip(prompts, completions) for c in group]
         rewards = self._rewards(flat)
         out = []
@@ -152,11 +173,11 @@ class RolloutWorker:
             name = self._group(prompt, step)
             for member, (completion, reward, advantage) in enumerate(zip(completions[index], group_rewards,
                                                                           advantages)):
-                out.append(_sample(f"{name}-{member}", name, prompt, completion, float(reward), float(advantage),
-                                   version))
+                out.append(_sample(f"{name}-{member}", name, prompt, completion, float(reward), float(advantage)))
+                self.report.continued += completion.continued
         return out
 
-    def _rewards(self, flat: list[tuple[Prompt, Completion]]) -> np.ndarray:
+    def _rewards(self, flat: list[tuple[Prompt, Generated]]) -> np.ndarray:
         """Each completion's reward: the reward functions' outputs, weighted and summed."""
         decode = self.engine.decode
         columns = {"prompts": [decode(p.ids) for p, _ in flat], "completions": [decode(c.token_ids.tolist())
@@ -173,13 +194,16 @@ class RolloutWorker:
         return scores @ self.reward_weights
 
 
-def _sample(sample_id: str, group: str, prompt: Prompt, completion: Completion, reward: float, advantage: float,
-            version: int) -> Sample:
-    """A scored completion as a live sample: the prompt's tokens (as the trainer sees them) then the completion's."""
-    length = len(prompt.ids)
+def _sample(sample_id: str, group: str, prompt: Prompt, completion: Generated, reward: float,
+            advantage: float) -> Sample:
+    """A scored completion as a live sample: the prompt's tokens (as the trainer sees them) then the completion's;
+    each token's version where it was generated with more than one (the prompt's: the first)."""
+    length, version = len(prompt.ids), completion.version
+    token_versions = np.r_[np.full(length, completion.started), completion.versions].astype(np.int64) \
+        if completion.continued else None
     tokens = np.concatenate([np.asarray(prompt.ids, np.int64), completion.token_ids]).astype(np.int32)
     mask = np.r_[np.zeros(length), np.ones(len(completion.token_ids))].astype(np.uint8)
     behaviour = np.r_[np.zeros(length), completion.logprobs].astype(np.float32)
     return Sample(tokens=tokens, id=sample_id, loss_mask=mask, group=group, policy_version=version,
-                  prompt=prompt.key, values={"reward": reward},
+                  prompt=prompt.key, values={"reward": reward}, token_versions=token_versions,
                   tensors={"logprobs": behaviour, "advantages": (mask * advantage).astype(np.float32)})

@@ -1,6 +1,7 @@
-"""Rollouts per second and CPU per rollout, HF `generate` against vLLM (`VLLMEngine`), on one tiny Qwen2-VL, the
-same prompts (a Packfeed prompt job, images included) and machine, in one run; and the host memory of one prompt's
-images, shared preprocessing against each side keeping its own (tests/benchmarks/vllm_rollouts_bench.py says how
+"""Rollouts per second and CPU per rollout, HF `generate` against vLLM (`VLLMEngine` in the process, and a vLLM
+server through `VLLMServerEngine`), on one tiny Qwen2-VL, the same prompts (a Packfeed prompt job, images included)
+and machine, in one run; and the host memory of one prompt's images, shared preprocessing against each side keeping
+its own (tests/benchmarks/vllm_rollouts_bench.py says how
 each is run and counted).
 
 Run: make vllm-env (once: builds vLLM's environment, minutes), then
@@ -31,7 +32,7 @@ def test_vllm_rollouts_against_hf_generate(tmp_path):
     assert done.returncode == 0, done.stderr[-4000:]
     lines = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
     rounds = [line for line in lines if "method" in line]
-    for method in ("hf_generate", "vllm"):
+    for method in ("hf_generate", "vllm", "vllm_server"):
         mine = [r for r in rounds if r["method"] == method]
         rates = [r["completions"] / r["seconds"] for r in mine]
         cpu = [1000 * r["cpu_seconds"] / r["completions"] for r in mine]
@@ -43,4 +44,5 @@ def test_vllm_rollouts_against_hf_generate(tmp_path):
     print(f"one image (448 x 448, {memory['tokens']} tokens): shared {mib['shared']:.2f} MiB (pixels "
           f"{mib['pixel_bytes']:.2f} + embeddings {mib['embedding_bytes']:.2f}), each its own {mib['own']:.2f} MiB "
           f"(pixels twice + decoded {mib['decoded_bytes']:.2f})")
-    assert {r["method"] for r in rounds} == {"hf_generate", "vllm"} and memory["shared"] < memory["own"]
+    assert {r["method"] for r in rounds} == {"hf_generate", "vllm", "vllm_server"}
+    assert memory["shared"] < memory["own"]

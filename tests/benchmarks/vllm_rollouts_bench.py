@@ -1,8 +1,10 @@
 """Run inside vLLM's own environment (tests/vllm_env.py; tests/benchmarks/test_bench_vllm_rollouts.py runs it):
 rollouts of one tiny Qwen2-VL on the same prompts (a Packfeed prompt job, images included) and machine, by HF
 `generate` (as TRL's own generation runs it: the step's prompts in one left-padded batch, G sequences each,
-sampling) and by vLLM through `VLLMEngine` (each image embedded from the loader server's pixel values), rounds
-alternating. Prints one JSON line per round and method: seconds, process CPU seconds, completions.
+sampling), by vLLM in this process through `VLLMEngine` (each image embedded from the loader server's pixel
+values) and by a vLLM server on loopback through `VLLMServerEngine` (the pixel values over HTTP; tests/vllm_serve.py
+starts it), rounds alternating. Prints one JSON line per round and method: seconds, CPU seconds (this process's;
+for the server, this process's and the server's processes' together), completions.
 
 Then the host memory one prompt's images cost, at Qwen2-VL's own image policy on a real 448 x 448 photograph:
 shared (the loader server's pixel values, which the trainer reads, and the embeddings the engine takes of them)
@@ -87,17 +89,35 @@ def image_memory(image_path: Path) -> dict:
             "own": 2 * pixels.numel() * pixels.element_size() + decoded}
 
 
+def server_cpu_seconds(process) -> float:
+    """The server's processes' CPU time (its API process and the engine core it started)."""
+    import psutil
+
+    root = psutil.Process(process.pid)
+    return sum(sum(p.cpu_times()[:2]) for p in [root, *root.children(recursive=True)])
+
+
 def main() -> None:
     from hf_models import family_dataset
-
-    from packfeed.client import LocalServer
-    from packfeed.client.rollouts.engine_io import engine_request
-    from packfeed.client.rollouts.prompts import prompt_job_stream, prompts_of
-    from packfeed.client.rollouts.vllm_engine import VLLMEngine
+    from vllm_serve import VLLMServer
 
     out = Path(sys.argv[1])
     data = family_dataset(out / "data", check.FAMILY, samples=PROMPTS)
     model = check.model_folder(data, out / "model")
+    served = VLLMServer(out / "model", out / "vllm-serve.log")
+    try:
+        measure(out, data, model, served)
+    finally:
+        served.stop()
+
+
+def measure(out: Path, data, model, served) -> None:
+    from packfeed.client import LocalServer
+    from packfeed.client.rollouts.engine_io import engine_request
+    from packfeed.client.rollouts.prompts import prompt_job_stream, prompts_of
+    from packfeed.client.rollouts.vllm_engine import VLLMEngine
+    from packfeed.client.rollouts.vllm_server import VLLMServerEngine
+
     engine = VLLMEngine.from_pretrained(str(out / "model"), dtype="float32", max_model_len=512, enforce_eager=True,
                                         limit_mm_per_prompt={"image": 4}, seed=0)
     with LocalServer(data.index, workers=1) as server:
@@ -106,15 +126,22 @@ def main() -> None:
                                                                                     stream.conventions)]
         requests = [engine_request(p, stream.conventions) for p in prompts]
         stream.close()
-    vllm_rollouts(engine, requests, 99)  # warm both once
+    remote = VLLMServerEngine(served.wait(), tokenizer=data.tokenizer)
+    vllm_rollouts(engine, requests, 99)  # warm each once
+    vllm_rollouts(remote, requests, 99)
     hf_rollouts(model, prompts, 99)
+    methods = (("hf_generate", lambda: hf_rollouts(model, prompts, round_), lambda: 0.0),
+               ("vllm", lambda: vllm_rollouts(engine, requests, round_), lambda: 0.0),
+               ("vllm_server", lambda: vllm_rollouts(remote, requests, round_),
+                lambda: server_cpu_seconds(served.process)))
     for round_ in range(ROUNDS):
-        for name, run in (("hf_generate", lambda: hf_rollouts(model, prompts, round_)),
-                          ("vllm", lambda: vllm_rollouts(engine, requests, round_))):
-            wall, cpu = time.perf_counter(), cpu_seconds()
+        for name, run, elsewhere in methods:
+            wall, cpu = time.perf_counter(), cpu_seconds() + elsewhere()
             completions = run()
             print(json.dumps({"round": round_, "method": name, "seconds": time.perf_counter() - wall,
-                              "cpu_seconds": cpu_seconds() - cpu, "completions": completions}), flush=True)
+                              "cpu_seconds": cpu_seconds() + elsewhere() - cpu, "completions": completions}),
+                  flush=True)
+    remote.close()
     photo = next((out / "data" / "images").glob("*.jpg"))
     print(json.dumps({"memory": image_memory(photo)}), flush=True)
 
