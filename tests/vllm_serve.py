@@ -30,7 +30,8 @@ class VLLMServer:
                    "--host", "127.0.0.1", "--port", str(self.port), "--enable-scale-out",
                    "--no-mm-device-do-normalize", "--logprobs-mode", "processed_logprobs", "--dtype", "float32",
                    "--max-model-len", "512", "--enforce-eager", "--limit-mm-per-prompt", json.dumps({"image": 4}),
-                   "--seed", "0", "--distributed-executor-backend", "uni"]  # no worker process of its own
+                   "--seed", "0", "--distributed-executor-backend", "uni",  # no worker process of its own
+                   "--max-num-batched-tokens", "8192"]  # the offline LLM's default: docs/live.md, on a CPU
         self.log = log
         self.process = subprocess.Popen(command, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT)
 
