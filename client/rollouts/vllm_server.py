@@ -29,7 +29,9 @@ WeightVersions folder; with weights in an object store, give one. Older staged v
 
 **Checks.** On connecting, the engine reads the server's configuration (`GET /server_info`) and refuses a server
 whose settings would give wrong rollouts without an error: pixel values normalised again, or log-probabilities
-before temperature. A failed request raises, naming the server's answer.
+before temperature. A failed request raises, naming the server's answer. On a CPU server, give it
+`--max-num-batched-tokens` at least a batch's prompt tokens: vLLM's CPU random generators cannot rewind, so seeded
+sampling fails once it splits a prefill (docs/live.md).
 """
 
 from __future__ import annotations
