@@ -269,7 +269,7 @@ def test_a_spool_in_an_object_store(tmp_path):
     from s3_server import S3Server, running
     from packfeed.media.storage import filesystem
 
-    with running(S3Server().start()):
+    with running(S3Server()):
         filesystem("s3://live").mkdir("live")
         config = PlanConfig(dp=1, live=True, step_samples=2)
 
