@@ -67,8 +67,7 @@ class WeightVersions:
         version = self.newest() if version is None else version
         data = None if version is None else self._read(self.file_of(version))
         if data is None:
-            raise FileNotFoundError(f"no weights of version {version} under {self.root} (published: "
-                                    f"{self.newest()}; the newest {self.keep} are kept)")
+            raise self._missing(version)
         return version, load(data)
 
     def wait_for(self, version: int, timeout_s: float = 600.0, poll_s: float = 0.2) -> dict[str, torch.Tensor]:
@@ -100,16 +99,18 @@ class WeightVersions:
                 filesystem(self.root).get_file(f"{self.root}/{name}", str(path))
                 return
             except FileNotFoundError:
-                raise FileNotFoundError(f"no weights of version {version} under {self.root} (the newest "
-                                        f"{self.keep} are kept)") from None
+                raise self._missing(version) from None
         source = Path(self.root) / name
         try:
             os.link(source, path)  # the version's file itself: no copy, and pruning it leaves this name whole
         except FileNotFoundError:
-            raise FileNotFoundError(f"no weights of version {version} under {self.root} (the newest {self.keep} "
-                                    "are kept)") from None
+            raise self._missing(version) from None
         except OSError:  # another filesystem
             shutil.copyfile(source, path)
+
+    def _missing(self, version: int | None) -> FileNotFoundError:
+        return FileNotFoundError(f"no weights of version {version} under {self.root} (published: "
+                                 f"{self.newest()}; the newest {self.keep} are kept)")
 
     def _write(self, name: str, data: bytes) -> None:
         if is_object_url(self.root):
