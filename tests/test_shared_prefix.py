@@ -253,8 +253,9 @@ def test_reference_vlm_control_a_response_seeing_a_sibling_differs(internvl):
     layers = build_layers(config)
     wire, singles = group_packs(internvl, 3, seed=5)
     laid = shared(wire)
-    bounds = laid.cu_seqlens.tolist()  # prefix, 3 responses, the other sample: the responses joined
-    joined = replace(laid, tensors={**laid.tensors, "cu_seqlens": torch.tensor([bounds[0], bounds[1], bounds[4], bounds[5]],
+    bounds = laid.cu_seqlens.tolist()  # the owner whole, 2 responses, the other sample: the responses joined
+    assert len(bounds) == 5
+    joined = replace(laid, tensors={**laid.tensors, "cu_seqlens": torch.tensor([bounds[0], bounds[3], bounds[4]],
                                                                                dtype=torch.int32)})
     joined.tensors.pop("shared_prefix", None)
     logits, _, _ = reference_run(layers, config, joined)

@@ -55,7 +55,7 @@ from packfeed.client.model.hf import to_hf_inputs
 from packfeed.client.rollouts.prompts import Prompt
 from packfeed.client.model.hf_families import family_of
 from packfeed.client.frameworks.hf_trainer import load_weights_strictly, saved_state, sharded
-from packfeed.client.model.losses import row_tensors, token_logprobs
+from packfeed.client.model.losses import sample_logprobs, token_logprobs
 from packfeed.client.stream.producer import Producer, Sample
 from packfeed.client.stream.pack_stream import PackStream
 from packfeed.client.stream.tensors import PackTensors
@@ -289,8 +289,8 @@ class PackfeedGRPOTrainer(GRPOTrainer):
                               dtype=next(model.parameters()).dtype)
         inputs.pop("num_items_in_batch", None)
         labels = inputs.pop("labels")[0]
-        logp, mask = self._logprobs(model, inputs, labels)
-        tensors = row_tensors(pack, shared_prefix=share) if not pack.empty else {}
+        logp, mask = self._logprobs(model, inputs, labels, pack, share)
+        tensors = pack.token_tensors if not pack.empty else {}  # logp is per token of the pack as sent
         advantages = aligned(tensors.get("advantages"), logp)
         weights = aligned(tensors.get("loss_weight"), logp)
         old = logp.detach()  # one update per generation: TRL's old log-probabilities are the current ones
@@ -303,17 +303,20 @@ class PackfeedGRPOTrainer(GRPOTrainer):
             per_token = per_token * aligned(tensors["importance_ratio"], logp)
         if self.beta != 0.0:
             with torch.no_grad():
-                ref, _ = self._logprobs(self.ref_model, inputs, labels)
+                ref, _ = self._logprobs(self.ref_model, inputs, labels, pack, share)
             kl = torch.exp(ref - logp) - (ref - logp) - 1
             if self.args.use_bias_correction_kl:
                 kl = kl * coef_1
             per_token = per_token + self.beta * kl
         return (per_token * weights * mask).sum() * self.world
 
-    def _logprobs(self, model, inputs: dict[str, Any], labels: torch.Tensor):
+    def _logprobs(self, model, inputs: dict[str, Any], labels: torch.Tensor, pack: PackTensors, share: bool):
+        """Per token of the pack as sent (a tree's shared turns computed once, trained in each trajectory)."""
         with self.accelerator.autocast():  # as TRL's own forward runs (bf16, TRL's default, autocasts)
             logits = model(**inputs).logits[0]
-        return token_logprobs(logits / self.temperature, labels.to(logits.device))
+        if pack.empty:
+            return token_logprobs(logits / self.temperature, labels.to(logits.device))
+        return sample_logprobs(logits / self.temperature, pack, share)
 
     # -- checkpoints ---------------------------------------------------------------------------------------------
 

@@ -40,8 +40,9 @@ def varlen_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
     parents = kwargs.get("segment_parents")
     if parents is not None and causal and bounds is not None and int(bounds[-1]) == length and query.shape[0] == 1:
         # a shared prefix's segments (to_hf_inputs(..., shared_prefix=True)): they say all a mask would
+        starts = kwargs.get("segment_starts")
         out = segment_attention(*(t[0].transpose(0, 1) for t in (query, key, value)), bounds.tolist(),
-                                list(parents), scaling)
+                                list(parents), scaling, None if starts is None else list(starts))
         return out.unsqueeze(0), None
     with _fixed_plan_backends(query):
         if bounds is None or int(bounds[-1]) != length or attention_mask is not None:
@@ -116,40 +117,73 @@ def flash_varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
     return varlen_attn(q.contiguous(), k.contiguous(), v.contiguous(), cu_q, cu_k, longest_q, longest_k, **options)
 
 
+def segment_context(bounds: list[int], parents: list[int], starts: list[int] | None = None) -> list[torch.Tensor]:
+    """Per segment of rows cut at `bounds`, the rows it sees before its own (int64): its parent's context before
+    its first position and its parent's rows up to it, recursively (`packfeed.client.model.shared_prefix`).
+    `starts`: each segment's first position in its sample (None: right after its parent's whole context, a
+    group's responses after their prompt)."""
+    return list(_context(tuple(bounds), tuple(parents), None if starts is None else tuple(starts)))
+
+
+@functools.lru_cache(maxsize=16)
+def _context(bounds: tuple[int, ...], parents: tuple[int, ...], starts: tuple[int, ...] | None
+             ) -> tuple[torch.Tensor, ...]:
+    """`segment_context`, computed once per layout rather than once per layer."""
+    spans = list(zip(bounds[:-1], bounds[1:]))
+    if starts is None:
+        first: list[int] = []
+        for p, (a, b) in zip(parents, spans):
+            first.append(first[p] + spans[p][1] - spans[p][0] if p >= 0 else 0)
+        starts = tuple(first)
+    out = []
+    for s, p in enumerate(parents):
+        pieces, seen = [], starts[s]
+        while p >= 0 and seen > 0:
+            own = min(seen, starts[p] + spans[p][1] - spans[p][0]) - starts[p]
+            if own > 0:
+                pieces.append(torch.arange(spans[p][0], spans[p][0] + own))
+            seen, p = min(seen, starts[p]), parents[p]
+        out.append(torch.cat(pieces[::-1]) if pieces else torch.zeros(0, dtype=torch.long))
+    return tuple(out)
+
+
 def segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bounds: list[int], parents: list[int],
-                      scale: float | None = None) -> torch.Tensor:
+                      scale: float | None = None, starts: list[int] | None = None) -> torch.Tensor:
     """Causal attention of (L, heads, dim) rows cut into segments at `bounds`, where a segment with a parent
-    (`parents[s]` >= 0, an earlier segment: a shared prefix, `packfeed.client.model.shared_prefix`) also sees every row
-    of its parent, as if it followed it. One flash-attention varlen call on CUDA in bf16 / fp16, each segment's
-    keys its parent's rows then its own; else sdpa per segment. Rows past the last bound attend among themselves."""
+    (`parents[s]` >= 0, an earlier segment: a shared prefix or a tree's turns, `packfeed.client.model.
+    shared_prefix`) also sees its ancestors' rows before its first position (`segment_context`; `starts`: each
+    segment's first position in its sample), as if it followed them. One flash-attention varlen call on CUDA in
+    bf16 / fp16, each segment's keys its context's rows then its own; else sdpa per segment. Rows past the last
+    bound attend among themselves."""
     import torch.nn.functional as F
 
     if bounds[-1] < q.shape[0]:
         bounds, parents = [*bounds, q.shape[0]], [*parents, -1]
+        starts = None if starts is None else [*starts, 0]
     spans = list(zip(bounds[:-1], bounds[1:]))
-    keys = [torch.cat([torch.arange(spans[p][0], spans[p][1]) if p >= 0 else torch.zeros(0, dtype=torch.long),
-                       torch.arange(a, b)]) for p, (a, b) in zip(parents, spans)]
+    keys = [torch.cat([context, torch.arange(a, b)])
+            for context, (a, b) in zip(segment_context(bounds, parents, starts), spans)]
     cu_k = torch.tensor([0] + [len(x) for x in keys]).cumsum(0)
     gathered = torch.cat(keys).to(q.device)
     flash = flash_varlen_attention(q, k[gathered], v[gathered], torch.tensor(bounds), cu_k, True, scale)
     if flash is not None:
         return flash
     out = torch.empty_like(q)
-    for (a, b), p, key in zip(spans, parents, keys):
+    for (a, b), key in zip(spans, keys):
         if b <= a:
             continue
         parent, key = len(key) - (b - a), key.to(q.device)
         if parent and parent <= b - a:
-            # a prefix no longer than the segment: causal attention of the prefix's rows and the segment's, the
-            # prefix's outputs thrown away (no gradient reaches them). Causal kernels skip what the mask hides;
-            # a masked call would compute the segment's whole rectangle, twice the attention of a long response.
-            rows = torch.cat([key[:parent], torch.arange(a, b, device=q.device)])
-            out[a:b] = F.scaled_dot_product_attention(q[rows].transpose(0, 1), k[rows].transpose(0, 1),
-                                                      v[rows].transpose(0, 1), is_causal=True,
+            # a context no longer than the segment: causal attention of the context's rows and the segment's,
+            # the context's outputs thrown away (no gradient reaches them). Causal kernels skip what the mask
+            # hides; a masked call would compute the segment's whole rectangle, twice the attention of a long
+            # response.
+            out[a:b] = F.scaled_dot_product_attention(q[key].transpose(0, 1), k[key].transpose(0, 1),
+                                                      v[key].transpose(0, 1), is_causal=True,
                                                       scale=scale).transpose(0, 1)[parent:]
             continue
         mask = None
-        if parent:  # every parent row, then causal within the segment
+        if parent:  # every context row, then causal within the segment
             mask = torch.ones(b - a, len(key), dtype=torch.bool, device=q.device).tril(parent)
         out[a:b] = F.scaled_dot_product_attention(q[a:b].transpose(0, 1), k[key].transpose(0, 1),
                                                   v[key].transpose(0, 1), attn_mask=mask, is_causal=mask is None,

@@ -49,6 +49,7 @@ from typing import Any, Literal
 import torch
 
 from packfeed.client.model.attention import register_varlen_attention  # noqa: F401  (re-exported: HF users import both from here)
+from packfeed.client.model.attention import segment_context
 from packfeed.client.model.hf_config import check_model, model_config  # noqa: F401  (re-exported, as above)
 from packfeed.client.model.hf_families import (Family, family_of, mrope_positions, normalisation_of, normalised,
                                          qwen_grid, qwen_item_patches, time_intervals, visual_kinds)
@@ -118,6 +119,7 @@ def _inputs(pack: PackTensors, whole: PackTensors, family: Family, dp: int, conv
     """`to_hf_inputs` of `pack` (laid out as it is: `whole` when no prefix is shared, else its shared layout, whose
     M-RoPE positions are those of `whole`'s tokens)."""
     parents = pack.segment_parents.tolist() if "segment_parents" in pack.tensors else None
+    starts = pack.segment_starts.tolist() if "segment_starts" in pack.tensors else None
     mean, std = normalisation_of(family, conventions)
     if conventions is not None:
         image_token_id = conventions.image_context_id
@@ -178,11 +180,15 @@ def _inputs(pack: PackTensors, whole: PackTensors, family: Family, dp: int, conv
             raise ValueError("ensure_encoders adds a segment to a packed row: use layout='packed'")
         inputs, bounds = with_every_encoder(inputs, bounds, family, conventions, dtype)
     if parents is not None:
-        parents = parents + [-1] * (len(bounds) - 1 - len(parents))  # ensure_encoders' segment continues nothing
+        extra = len(bounds) - 1 - len(parents)  # ensure_encoders' segment continues nothing
+        parents = parents + [-1] * extra
+        starts = None if starts is None else starts + [0] * extra
         if attention == "sdpa":
-            inputs["attention_mask"] = segment_mask(bounds.tolist(), parents)
+            inputs["attention_mask"] = segment_mask(bounds.tolist(), parents, starts)
         else:
             inputs["segment_parents"] = parents
+            if starts is not None:
+                inputs["segment_starts"] = starts
     if attention == "varlen":
         longest = int((bounds[1:] - bounds[:-1]).max()) if len(bounds) > 1 else 0
         inputs.update(cu_seq_lens_q=bounds, cu_seq_lens_k=bounds, max_length_q=longest, max_length_k=longest)
@@ -203,14 +209,15 @@ def whole_mrope(pack: PackTensors, family: Family, tokens_per_second: float | No
     return mrope_positions(pack, grids, family.merge_size, time_intervals(pack, kinds, family, tokens_per_second))
 
 
-def segment_mask(bounds: list[int], parents: list[int]) -> torch.Tensor:
-    """(1, 1, L, L) bool: token i sees token j of its own segment at or before it, and every token of the segment
-    its own continues (`parents`), as `packfeed.client.model.attention.segment_attention` computes without a mask."""
+def segment_mask(bounds: list[int], parents: list[int], starts: list[int] | None = None) -> torch.Tensor:
+    """(1, 1, L, L) bool: token i sees token j of its own segment at or before it, and every row of its segment's
+    context (`segment_context`: its ancestors' rows before it, `parents` and `starts`), as
+    `packfeed.client.model.attention.segment_attention` computes without a mask."""
     length = bounds[-1]
-    segment = torch.repeat_interleave(torch.arange(len(parents)), torch.tensor(bounds[1:]) - torch.tensor(bounds[:-1]))
-    parent = torch.tensor(parents, dtype=torch.long)[segment]
-    causal = torch.ones(length, length, dtype=torch.bool).tril()
-    mask = (causal & (segment[:, None] == segment[None, :])) | (parent[:, None] == segment[None, :])
+    mask = torch.zeros(length, length, dtype=torch.bool)
+    for (a, b), context in zip(zip(bounds[:-1], bounds[1:]), segment_context(bounds, parents, starts)):
+        mask[a:b, a:b] = torch.ones(b - a, b - a, dtype=torch.bool).tril()
+        mask[a:b, context] = True
     return mask[None, None]
 
 

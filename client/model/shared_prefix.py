@@ -1,27 +1,34 @@
-"""Packs whose samples share a prefix (a group's members: GRPO's responses to one prompt), in the two layouts a
-trainer can train them in, with the same loss and gradients.
+"""Packs whose samples share prefixes, in the two layouts a trainer can train them in, with the same
+log-probabilities, loss and gradients: a group's members sharing one prompt (GRPO's responses), or a tree of
+trajectories (a conversation's turns, forked at several depths: docs/live.md "Trajectories").
 
 On the wire (docs/wire.md "Shared prefixes") a pack's tensor `shared_prefix` (samples x 2, int32) gives, per
-sample, the pack index of the sample that owns its prefix and the prefix's tokens S (0: it shares nothing). An
-owner names itself. A sibling (another owner, S > 0) holds the same first S tokens as its owner, none of them in
-the loss, and carries no images there: those are its owner's images in its first S tokens.
+sample, its parent (the pack index of an earlier sample whose first S tokens it holds too) and those tokens S. A
+sample sharing nothing, and a tree's root, names itself (its S then the most tokens a sample shares with it, 0
+none). A group sharing one prompt is a tree of one level: every member names the first (its owner) with the
+prompt's S. A sample carries no image in its first S tokens: they are its parent's (its ancestors'). Labels and
+per-token tensors are each sample's own everywhere: a shared turn trained in three trajectories is trained three
+times, with each one's advantages.
 
-- `unshared(pack)`: each sample whole, after its own copy of the prefix's images: the layout every trainer
+- `unshared(pack)`: each sample whole, after its own copy of its ancestors' images: the layout every trainer
   already trains (`to_hf_inputs(..., shared_prefix=False)`, the default).
-- `shared(pack)`: the prefix once. Its first S - 1 tokens are one segment; each member follows as a segment
-  [its token S - 1, its response], whose positions continue from the prefix's (`source` maps every token to the
-  token of the unshared pack it stands for: positions, M-RoPE rows included, are that token's). A member's
-  segment attends to the prefix segment and to itself, never to a sibling; its first token, a copy of the
-  prefix's last, predicts the response's first token as it would after its own prefix. The images of the prefix
-  are encoded once. `segment_parents` says which segment a segment continues (-1: none).
+- `shared(pack)`: every shared token once. A tree's root is one segment; each other sample follows as a segment
+  [its token S - 1, its end], which attends to its ancestors' rows before that token and to itself, never to a
+  sibling; its first token, a copy of its parent's token S - 1, predicts its token S as it would after its own
+  prefix. Segments are in pre-order, a sample's children by decreasing S. Positions, M-RoPE rows included, are
+  those each token has in its own sample (`source` maps a row to the unshared token it stands for), the images
+  of a shared turn are encoded once, and `placement` maps every unshared token to the row that predicts what it
+  predicts: log-probabilities of the row, gathered by it, are each sample's (`packfeed.client.model.losses.
+  sample_logprobs`).
 
 The rule a model reads from positions alone (the reference model, `continued_segments`): a segment whose first
-position p is above 0 continues the latest earlier segment that starts at position 0 and holds p tokens.
+position p is above 0 continues the latest earlier segment holding position p - 1 (one starting at position s
+with n tokens holds s to s + n - 1), and sees that segment's context before p - 1 and its rows up to p - 1.
 """
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -35,7 +42,7 @@ ITEM_TENSORS = ("visual_kind", "frame_seconds")
 
 
 def prefix_rows(pack: PackTensors) -> np.ndarray | None:
-    """(samples, 2): each sample's prefix owner (its index in the pack) and shared tokens S; None when the pack
+    """(samples, 2): each sample's parent (its index in the pack) and shared tokens S; None when the pack
     shares nothing."""
     if "shared_prefix" not in pack.tensors:
         return None
@@ -43,17 +50,63 @@ def prefix_rows(pack: PackTensors) -> np.ndarray | None:
     return rows if bool((rows[:, 1] > 0).any()) else None
 
 
-def _checked(pack: PackTensors, rows: np.ndarray) -> None:
+@dataclass(frozen=True)
+class Tree:
+    """A pack's samples as a forest: per sample its parent (-1: a root, or alone), the tokens S it shares with
+    that parent (normalised to the deepest ancestor holding its token S - 2 in its own segment) and where its own
+    segment starts in it (0 for a root, S - 1 else), with its token bounds in the wire pack."""
+
+    parent: np.ndarray
+    shares: np.ndarray
+    first: np.ndarray
+    bounds: np.ndarray
+
+    def order(self) -> list[int]:
+        """The samples in pre-order, roots in pack order, a sample's children by decreasing S (ties by index)."""
+        children: dict[int, list[int]] = {}
+        for k in np.flatnonzero(self.parent >= 0).tolist():
+            children.setdefault(int(self.parent[k]), []).append(k)
+        out, stack = [], [int(k) for k in np.flatnonzero(self.parent < 0)][::-1]
+        while stack:
+            k = stack.pop()
+            out.append(k)
+            stack += sorted(children.get(k, []), key=lambda c: (-self.shares[c], c))[::-1]
+        return out
+
+
+def tree_of(pack: PackTensors, rows: np.ndarray) -> Tree:
+    """The pack's forest, its rows checked: a parent earlier in the pack, S of 0 or at least 2 and within both
+    samples, the shared tokens equal, no image of a sample in its first S tokens."""
     samples = int(pack.cu_seqlens.numel()) - 1
     bounds = pack.cu_seqlens.numpy().astype(np.int64)
-    owner, size = rows[:, 0], rows[:, 1]
-    if len(rows) != samples or (owner < 0).any() or (owner >= samples).any() or (size < 0).any() or (size == 1).any() or \
-            (size > np.diff(bounds)).any() or (size[owner] != size).any() or (owner[owner] != owner).any():
-        raise ValueError(f"pack {pack.sample_keys}: its shared_prefix rows {rows.tolist()} are not (owner, tokens) "
-                         "per sample with each owner naming itself, every member within its tokens and tokens 0 or "
-                         "at least 2")
+    lengths = np.diff(bounds)
+    index = np.arange(len(rows))
+    parent, size = rows[:, 0], rows[:, 1]
+    child = (parent != index) & (size > 0)
+    if len(rows) != samples or (parent < 0).any() or (parent > index).any() or (size < 0).any() or \
+            (size == 1).any() or (size > lengths).any() or (size[child] > lengths[parent[child]]).any():
+        raise ValueError(f"pack {pack.sample_keys}: its shared_prefix rows {rows.tolist()} are not (parent, tokens) "
+                         "per sample with each parent earlier in the pack (a root naming itself), every sample "
+                         "within its own and its parent's tokens and tokens 0 or at least 2")
     if pack.routed or "cp" in pack.tensors:
         raise ValueError(f"pack {pack.sample_keys}: a routed or context-parallel pack shares no prefix")
+    ids = pack.input_ids
+    starts = pack.image_token_spans.view(-1, 2)[:, 0].numpy().astype(np.int64)
+    of_sample = pack.image_sample.numpy().astype(np.int64)
+    shares = np.where(child, size, 0)
+    normal = np.where(child, parent, -1)
+    for k in np.flatnonzero(child).tolist():
+        p, s = int(normal[k]), int(shares[k])
+        if not torch.equal(ids[bounds[k]:bounds[k] + s], ids[bounds[p]:bounds[p] + s]):
+            raise ValueError(f"pack {pack.sample_keys}: sample {k} does not start with the {s} tokens of sample {p} "
+                             "it names as its parent")
+        if ((of_sample == k) & (starts < bounds[k] + s)).any():
+            raise ValueError(f"pack {pack.sample_keys}: sample {k} carries an image in its first {s} tokens, which "
+                             f"are its parent's (sample {p}): its images there are its parent's, sent once")
+        while normal[p] >= 0 and s <= shares[p]:  # forks within its parent's own shared tokens: a grandparent's
+            p = int(normal[p])
+        normal[k] = p
+    return Tree(normal, shares, np.where(normal >= 0, shares - 1, 0), bounds)
 
 
 def _items(pack: PackTensors) -> tuple[list[list[int]], list[list[torch.Tensor]]]:
@@ -85,89 +138,92 @@ def _with_items(pack: PackTensors, tensors: dict, order: list[tuple[int, int, in
     return tensors
 
 
+def _whole_items(pack: PackTensors, tree: Tree) -> list[tuple[int, int, int, int]]:
+    """Every sample's visual items as if it were alone, [(start in the wire pack, length, sample, wire item)]: its
+    ancestors' within its first S tokens (an item straddling S refused), then its own."""
+    items, _ = _items(pack)
+    bounds = tree.bounds
+    whole: dict[int, list[tuple[int, int, int]]] = {}  # sample -> [(offset in it, length, wire item)]
+    for k in range(len(bounds) - 1):
+        inherited = []
+        if tree.parent[k] >= 0:
+            s = int(tree.shares[k])
+            for offset, n, item in whole[int(tree.parent[k])]:
+                if offset < s < offset + n:
+                    raise ValueError(f"pack {pack.sample_keys}: sample {k} shares {s} tokens with its parent, "
+                                     f"within image {item}'s placeholders: a sample forks after an image, not in it")
+                if offset + n <= s:
+                    inherited.append((offset, n, item))
+        whole[k] = inherited + [(s - int(bounds[k]), n, j) for j, (s, n, owner) in enumerate(items) if owner == k]
+    return [(int(bounds[k]) + offset, n, k, item) for k, found in whole.items() for offset, n, item in found]
+
+
 def unshared(pack: PackTensors, pixels: bool = True) -> PackTensors:
-    """The pack with every sibling's prefix images copied from its owner: each sample as if alone (the same
-    tokens; the shared_prefix tensor dropped). `pixels` false: the images' geometry only (no tile is copied; what
+    """The pack with every sample's ancestors' images copied into it: each sample as if alone (the same tokens;
+    the shared_prefix tensor dropped). `pixels` false: the images' geometry only (no tile is copied; what
     positions need)."""
     rows = prefix_rows(pack)
     if rows is None:
         return pack
-    _checked(pack, rows)
-    bounds = pack.cu_seqlens.tolist()
-    items, per_item = _items(pack)
-    order = []
-    for sample in range(len(rows)):
-        owner, size = rows[sample]
-        if owner != sample and size > 0:  # the owner's images within its first S tokens, moved to this sample
-            shift = bounds[sample] - bounds[owner]
-            order += [(s + shift, n, sample, j) for j, (s, n, k) in enumerate(items)
-                      if k == owner and s < bounds[owner] + size]
-        order += [(s, n, k, j) for j, (s, n, k) in enumerate(items) if k == sample]
-    order.sort(key=lambda item: item[0])
+    tree = tree_of(pack, rows)
+    _, per_item = _items(pack)
+    order = sorted(_whole_items(pack, tree), key=lambda item: item[0])
     tensors = {name: t for name, t in pack.tensors.items() if name != "shared_prefix"}
     return replace(pack, tensors=_with_items(pack, tensors, order, per_item, pixels))
 
 
 def shared(pack: PackTensors) -> PackTensors:
-    """The pack laid out with each prefix once (the module's doc): new `cu_seqlens` (segments), tokens and
-    per-token tensors gathered by `source` (int64, the unshared pack's token each one stands for), the prefix's
-    images once, and `segment_parents` (int32 per segment: the segment it continues, -1 none). A pack sharing
-    nothing comes back as it is."""
+    """The pack laid out with every shared token once (the module's doc): new `cu_seqlens` (segments), tokens and
+    per-token tensors gathered by `source` (int64, the unshared token each row stands for), each image once,
+    `segment_parents` (int32 per segment: the segment it continues, -1 none), `segment_starts` (int32: where in its
+    sample each segment starts) and `placement` (int64 per unshared token: the row predicting its next token). A
+    pack sharing nothing comes back as it is."""
     rows = prefix_rows(pack)
     if rows is None:
         return pack
-    _checked(pack, rows)
-    bounds = pack.cu_seqlens.tolist()
-    source, segments, parents, segment_of_sample, prefix_segment_of = [], [0], [], {}, {}
-    for sample in range(len(rows)):
-        owner, size = rows[sample]
-        if size < 2 or owner != sample:  # alone, or placed with its owner
-            if size < 2:
-                source.append(np.arange(bounds[sample], bounds[sample + 1]))
-                segments.append(segments[-1] + len(source[-1]))
-                parents.append(-1)
-                segment_of_sample[sample] = len(parents) - 1
-            continue
-        source.append(np.arange(bounds[sample], bounds[sample] + size - 1))  # the prefix, but its last token
-        segments.append(segments[-1] + size - 1)
-        parents.append(-1)
-        prefix_segment = prefix_segment_of[sample] = len(parents) - 1
-        for member in np.flatnonzero((rows[:, 0] == sample) & (rows[:, 1] >= 2)):
-            source.append(np.arange(bounds[member] + size - 1, bounds[member + 1]))
-            segments.append(segments[-1] + len(source[-1]))
-            parents.append(prefix_segment)
-            segment_of_sample[int(member)] = len(parents) - 1
+    tree = tree_of(pack, rows)
+    bounds = tree.bounds
+    order = tree.order()
+    segment_of = {k: s for s, k in enumerate(order)}
+    source = [np.arange(bounds[k] + tree.first[k], bounds[k + 1]) for k in order]
     index = np.concatenate(source) if source else np.zeros(0, np.int64)
     new_of_old = np.full(bounds[-1], -1, np.int64)
     new_of_old[index] = np.arange(len(index))
+    placement = new_of_old.copy()
+    for k in range(len(bounds) - 1):  # a parent is earlier in the pack: its tokens are placed before its child's
+        if tree.parent[k] >= 0:
+            p, head = int(tree.parent[k]), int(tree.first[k])  # its tokens before S - 1 predict what its parent's do
+            placement[bounds[k]:bounds[k] + head] = placement[bounds[p]:bounds[p] + head]
     source_t = torch.from_numpy(index)
     tensors = {name: t for name, t in pack.tensors.items() if name != "shared_prefix"}
-    length = bounds[-1]
     for name, tensor in pack.tensors.items():
-        if tensor.dim() >= 1 and tensor.shape[0] == length and (name in TOKEN_TENSORS or name.startswith("token.")):
+        if tensor.dim() >= 1 and tensor.shape[0] == bounds[-1] and (name in TOKEN_TENSORS or name.startswith("token.")):
             tensors[name] = tensor[source_t]
-    items, per_item = _items(pack)
-    order = []
-    for j, (s, n, k) in enumerate(items):
-        owner, size = rows[k]
-        if owner != k and size >= 2 and s < bounds[k] + size:
-            continue  # a sibling's prefix image: its owner's, encoded once
-        if new_of_old[s] < 0 or new_of_old[s + n - 1] - new_of_old[s] != n - 1:
-            raise ValueError(f"pack {pack.sample_keys}: image {j} of sample {k} straddles its prefix's last token; "
-                             "a shared prefix ends after its images")
-        in_prefix = k in prefix_segment_of and s < bounds[k] + size - 1
-        order.append((int(new_of_old[s]), n, prefix_segment_of[k] if in_prefix else segment_of_sample[k], j))
-    order.sort(key=lambda item: item[0])
-    tensors = _with_items(pack, tensors, order, per_item)
-    tensors["cu_seqlens"] = torch.tensor(segments, dtype=torch.int32)
-    tensors["segment_parents"] = torch.tensor(parents, dtype=torch.int32)
+    _, per_item = _items(pack)
+    items = []
+    for start, n, k, item in _whole_items(pack, tree):
+        first = bounds[k] + tree.first[k]
+        if start + n <= first:
+            continue  # an ancestor's image, encoded once where its own segment holds it
+        if start < first:
+            raise ValueError(f"pack {pack.sample_keys}: sample {k}'s image {item} ends at its token S - 1, which its "
+                             "segment repeats: a sample forks after a text token")
+        items.append((int(new_of_old[start]), n, segment_of[k], item))
+    tensors = _with_items(pack, tensors, sorted(items), per_item)
+    lengths = [len(s) for s in source]
+    tensors["cu_seqlens"] = torch.tensor(np.r_[0, np.cumsum(lengths)], dtype=torch.int32)
+    tensors["segment_parents"] = torch.tensor([segment_of[int(tree.parent[k])] if tree.parent[k] >= 0 else -1
+                                               for k in order], dtype=torch.int32)
+    tensors["segment_starts"] = torch.tensor([int(tree.first[k]) for k in order], dtype=torch.int32)
     tensors["source"] = source_t
+    tensors["placement"] = torch.from_numpy(placement)
     return replace(pack, tensors=tensors)
 
 
-def continued_segments(cu_seqlens: torch.Tensor, position_ids: torch.Tensor) -> list[int] | None:
-    """Per segment of `cu_seqlens`, the segment it continues (-1: none), read from positions alone (the module's
-    rule); None when no segment continues another (every segment starts at position 0)."""
+def continued_segments(cu_seqlens: torch.Tensor, position_ids: torch.Tensor) -> tuple[list[int], list[int]] | None:
+    """Per segment of `cu_seqlens`, (the segment it continues (-1: none), its first position), read from
+    positions alone (the module's rule); None when no segment continues another (every segment starts at
+    position 0)."""
     length = position_ids.shape[-1]
     first = cu_seqlens[:-1].long()
     # each segment's first position, in one gather (one device sync, not one a segment); 0 past the row's end
@@ -175,14 +231,15 @@ def continued_segments(cu_seqlens: torch.Tensor, position_ids: torch.Tensor) -> 
     if not any(starts):
         return None
     bounds = cu_seqlens.tolist()
-    parents, latest = [], {}
+    parents: list[int] = []
     for k, (a, b) in enumerate(zip(bounds[:-1], bounds[1:])):
-        if starts[k] == 0:
-            latest = {"segment": k, "length": b - a}
+        if starts[k] == 0 or b <= a:
             parents.append(-1)
-        elif latest and latest["length"] == starts[k] and b > a:
-            parents.append(latest["segment"])
-        else:
-            raise ValueError(f"segment {k} starts at position {starts[k]} but no earlier segment of that many tokens "
-                             "starts at position 0: a continued segment follows its prefix")
-    return parents
+            continue
+        held = next((s for s in range(k - 1, -1, -1)
+                     if starts[s] <= starts[k] - 1 < starts[s] + bounds[s + 1] - bounds[s]), None)
+        if held is None:
+            raise ValueError(f"segment {k} starts at position {starts[k]} but no earlier segment holds position "
+                             f"{starts[k] - 1}: a continued segment follows its prefix")
+        parents.append(held)
+    return parents, [int(s) if p >= 0 else 0 for s, p in zip(starts, parents)]

@@ -258,9 +258,9 @@ class LLMBlock(nn.Module):
         length, d = hidden.shape
         q, k, v = self.qkv(self.norm1(hidden)).view(length, 3, self.heads, d // self.heads).unbind(1)
         q, k = rope(q, position_ids, self.theta), rope(k, position_ids, self.theta)
-        parents = continued_segments(cu_seqlens, position_ids) if self.attention is packed_causal_attention else None
-        attended = self.attention(q, k, v, cu_seqlens) if parents is None else \
-            segment_attention(q, k, v, cu_seqlens.tolist(), parents)  # a shared prefix's responses see it
+        tree = continued_segments(cu_seqlens, position_ids) if self.attention is packed_causal_attention else None
+        attended = self.attention(q, k, v, cu_seqlens) if tree is None else \
+            segment_attention(q, k, v, cu_seqlens.tolist(), tree[0], starts=tree[1])  # a prefix's turns see it
         hidden = hidden + self.proj(attended.reshape(length, d))
         hidden = hidden + self.mlp(self.norm2(hidden))
         return hidden, position_ids, cu_seqlens, labels
@@ -278,9 +278,18 @@ class LMHead(nn.Module):
         return (self.loss(hidden, next_token_targets(labels, cu_seqlens)),)
 
     def loss(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """The summed cross-entropy of `hidden`'s predictions of `targets` (IGNORE_INDEX: none), shape (1,)."""
+        """The summed cross-entropy of `hidden`'s predictions of `targets` (IGNORE_INDEX: none), shape (1,). A
+        target of vocab_size x r + token is a tree's shared token trained in r + 1 samples: counted r + 1 times
+        (`reference_inputs.with_repeated_targets`)."""
         logits = self.out(self.norm(hidden)).float()
-        return F.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX, reduction="sum").reshape(1)
+        vocab = self.out.out_features
+        if not bool((targets >= vocab).any()):
+            return F.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX, reduction="sum").reshape(1)
+        kept = targets >= 0
+        repeats = torch.where(kept, targets // vocab + 1, 0).to(logits.dtype)
+        losses = F.cross_entropy(logits, torch.where(kept, targets % vocab, targets), ignore_index=IGNORE_INDEX,
+                                 reduction="none")
+        return (losses * repeats).sum().reshape(1)
 
 
 def next_token_targets(labels: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:

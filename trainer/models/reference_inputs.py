@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import replace
 
 import torch
 
@@ -87,7 +88,7 @@ def microbatches_of(step, config: VLMConfig, token_multiple: int = 64) -> Microb
     """`step` is a `packfeed.client.Step` (or anything with `.packs`, `.epoch`, `.step`). Packs whose samples share
     a prefix are laid out with it once (`packfeed.client.model.shared_prefix.shared`): the model reads the segments
     continuing it from their positions."""
-    packs = [shared(pack) for pack in step.packs]
+    packs = [with_repeated_targets(pack, shared(pack), config.vocab_size) for pack in step.packs]
     shape = step_shape(packs, token_multiple, step.epoch, step.step, step.last_in_epoch, config)
     padded = [pad_pack(pack, shape, config) for pack in packs]
     args = tuple(torch.cat(parts) for parts in zip(*padded))
@@ -96,6 +97,24 @@ def microbatches_of(step, config: VLMConfig, token_multiple: int = 64) -> Microb
     return Microbatches(shape, args, sum(int(p.input_ids.numel()) for p in packs),
                         sum(int(p.tile_shapes.view(-1, 3).shape[0]) for p in packs),
                         dict(Counter(step.sample_sources)), routed)
+
+
+def with_repeated_targets(wire, laid, vocab_size: int):
+    """`laid` (a pack's shared layout) with each label that is a trained target of several samples (a tree's
+    shared turn: each trajectory alone would learn it) as label + vocab_size x (repeats - 1), which the head
+    weighs back (`LMHead.loss`): the summed loss of each sample alone. A layout whose shared tokens are not
+    trained (a group's prompt) comes back as it is."""
+    if "placement" not in laid.tensors:
+        return laid
+    labels = wire.labels.long()
+    trained = torch.nonzero(labels != IGNORE_INDEX).flatten()
+    trained = trained[~torch.isin(trained, wire.cu_seqlens[:-1].long())]  # a sample's first token: no predictor
+    rows = laid.placement[trained - 1] + 1  # the row whose label each trained token's prediction targets
+    repeats = torch.bincount(rows, minlength=int(laid.input_ids.numel()))
+    if not len(repeats) or int(repeats.max()) <= 1:
+        return laid
+    out = laid.labels.long() + vocab_size * (repeats - 1).clamp(min=0)
+    return replace(laid, tensors={**laid.tensors, "labels": out})
 
 
 def routed_images(pack, config: VLMConfig) -> RoutedImages:

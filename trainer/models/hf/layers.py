@@ -213,9 +213,9 @@ class DecoderLayer(CarrierLayer):
         rope_positions = positions[0, 1:, None, :] if self.mrope else text_positions
         position_embeddings = self.rotary(hidden, rope_positions)
         kwargs = varlen_kwargs(c["bounds"][0])
-        parents = continued_segments(c["bounds"][0], text_positions[0]) if self._reads_segments() else None
-        if parents is not None:  # a group's responses, each continuing its prompt (packfeed.client.model.shared_prefix)
-            kwargs["segment_parents"] = parents
+        tree = continued_segments(c["bounds"][0], text_positions[0]) if self._reads_segments() else None
+        if tree is not None:  # a group's responses or a tree's turns, each continuing its prefix (shared_prefix)
+            kwargs["segment_parents"], kwargs["segment_starts"] = tree
         hidden = first(self.block(hidden, attention_mask=None, position_ids=text_positions,
                                   position_embeddings=position_embeddings, **kwargs))
         out = {**c, "hidden": hidden}
