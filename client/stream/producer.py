@@ -59,7 +59,10 @@ class Sample:
     `prompt`, the key of the indexed sample whose images it uses, or `images`, image files (bytes or paths);
     `values`: per-sample numbers by name (a reward: filter_groups judges groups on one). A rollout put in parts:
     `unfinished` (its prefix so far), `part` (0, 1, ...) and `token_versions` (each token's policy version; made
-    by `Rollout.continued`)."""
+    by `Rollout.continued`). A multi-turn trajectory (docs/live.md "Trajectories"): `turns`, each {"role",
+    "tokens", "images"} (who produced it, its tokens, the images it brings), and a fork `parent` (the id of the
+    trajectory of its group it continues) with `fork_turn` (the turns it shares with it; its images are then
+    those of its own turns only)."""
 
     tokens: Any
     id: str = ""
@@ -73,6 +76,9 @@ class Sample:
     unfinished: bool = False
     part: int = 0
     token_versions: Any = None
+    turns: list = field(default_factory=list)
+    parent: str = ""
+    fork_turn: int = 0
 
     @classmethod
     def of(cls, value: Sample | Mapping[str, Any], base: Path | None = None) -> Sample:
@@ -101,7 +107,23 @@ class Sample:
             message.tensors[name].CopyFrom(_tensor(values, np.float32))
         if self.token_versions is not None:
             message.token_versions.CopyFrom(_tensor(self.token_versions, np.int64))
+        message.turns.extend(_turn(turn) for turn in self.turns)
+        message.parent, message.fork_turn = self.parent, int(self.fork_turn)
         return message
+
+
+TURN_ROLES = {"policy": pb.TURN_ROLE_POLICY, "environment": pb.TURN_ROLE_ENVIRONMENT, "tool": pb.TURN_ROLE_TOOL,
+              "user": pb.TURN_ROLE_USER, "system": pb.TURN_ROLE_SYSTEM}
+
+
+def _turn(turn: Mapping[str, Any] | tuple) -> pb.Turn:
+    """A turn from {"role": "policy" | "environment" | "tool" | "user" | "system", "tokens": n, "images": k} or
+    (role, tokens, images)."""
+    role, tokens, images = (turn.get("role", ""), turn.get("tokens", 0), turn.get("images", 0)) \
+        if isinstance(turn, Mapping) else tuple(turn)
+    if role not in TURN_ROLES:
+        raise ValueError(f"turn role {role!r}: give one of {sorted(TURN_ROLES)}")
+    return pb.Turn(role=TURN_ROLES[role], tokens=int(tokens), images=int(images))
 
 
 @dataclass(frozen=True)

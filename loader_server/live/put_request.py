@@ -16,6 +16,7 @@ from packfeed.v1.wire_format import FIXED64, LENGTH_DELIMITED, VARINT, WireForma
 _REQUEST = {f.name: f.number for f in pb.PutSamplesRequest.DESCRIPTOR.fields}
 _SAMPLE = {f.name: f.number for f in pb.LiveSample.DESCRIPTOR.fields}
 _TENSOR = {f.name: f.number for f in pb.Tensor.DESCRIPTOR.fields}
+_TURN = {f.name: f.number for f in pb.Turn.DESCRIPTOR.fields}
 
 
 @dataclass
@@ -25,6 +26,15 @@ class WireTensor:
     dtype: str = ""
     shape: list[int] = field(default_factory=list)
     data: memoryview = memoryview(b"")
+
+
+@dataclass
+class WireTurn:
+    """A `Turn`'s fields."""
+
+    role: int = 0
+    tokens: int = 0
+    images: int = 0
 
 
 @dataclass
@@ -43,6 +53,9 @@ class WireSample:
     unfinished: bool = False
     part: int = 0
     token_versions: WireTensor | None = None
+    turns: list[WireTurn] = field(default_factory=list)
+    parent: str = ""
+    fork_turn: int = 0
 
     def HasField(self, name: str) -> bool:  # noqa: N802 - the protobuf method the checks call
         return getattr(self, name) is not None
@@ -124,7 +137,27 @@ def _sample(view: memoryview, start: int, end: int) -> WireSample:
             sample.part = value & 0xFFFFFFFF
         elif number == _SAMPLE["token_versions"] and delimited:
             sample.token_versions = _tensor(view, value, value_end)
+        elif number == _SAMPLE["turns"] and delimited:
+            sample.turns.append(_turn(view, value, value_end))
+        elif number == _SAMPLE["parent"] and delimited:
+            sample.parent = _text(view, value, value_end, "parent")
+        elif number == _SAMPLE["fork_turn"] and wire_type == VARINT:
+            sample.fork_turn = value & 0xFFFFFFFF
     return sample
+
+
+def _turn(view: memoryview, start: int, end: int) -> WireTurn:
+    turn = WireTurn()
+    for number, wire_type, _, value, _ in fields(view, start, end):
+        if wire_type != VARINT:
+            continue
+        if number == _TURN["role"]:
+            turn.role = signed64(value)
+        elif number == _TURN["tokens"]:
+            turn.tokens = value & 0xFFFFFFFF
+        elif number == _TURN["images"]:
+            turn.images = value & 0xFFFFFFFF
+    return turn
 
 
 def _tensor(view: memoryview, start: int, end: int) -> WireTensor:

@@ -13,6 +13,8 @@ if TYPE_CHECKING:
     from packfeed.server.live.samples import LiveSample
 
 Span = tuple[int, int]  # [offset, size] of a member in its batch's tar
+# a trajectory's fields: left out of a row that is none (rows as spools held them before trajectories)
+TRAJECTORY_FIELDS = ("turns", "turn_digests", "parent", "fork_turn", "fork_tokens", "inherited_vision", "inherited")
 
 
 @dataclass(frozen=True)
@@ -44,6 +46,7 @@ class LiveRow:
     # its prefix with where the step's plan shares prefixes ([share key, prefix tokens])
     tar: str = ""
     prefix_of: tuple[str, int] | None = None
+    fork_of: tuple[str, int] | None = None  # a fork's [parent's id, shared tokens] where the plan shares them
     # asynchronous RL: its per-sample values, and of a rollout put in parts whether this part is unfinished, its
     # number and what its continuation must start with (`LiveSample.covers`); token versions are a member
     values: dict[str, float] = field(default_factory=dict)
@@ -51,17 +54,38 @@ class LiveRow:
     part: int = 0
     covers: str = ""
     producer: str = ""  # who put it (`packfeed info` counts a spool's samples by producer)
+    # a trajectory (docs/live.md "Trajectories"): its turns (role, tokens, images) and the digest of its tokens up
+    # to each turn's end; of a fork its parent's id, the turns, tokens and vision units it shares with it, and
+    # where the images it inherits there lie: (batch, tar, offset, size) each, in an ancestor's batch (`sizes`
+    # are its whole trajectory's images: those, then its own files)
+    turns: tuple[tuple[int, int, int], ...] = ()
+    turn_digests: tuple[str, ...] = ()
+    parent: str = ""
+    fork_turn: int = 0
+    fork_tokens: int = 0
+    inherited_vision: int = 0
+    inherited: tuple[tuple[int, str, int, int], ...] = ()
 
     @classmethod
     def spooled(cls, sample: LiveSample, batch: int, file: str, place: int, members: dict[str, Span],
-                images: list[Span]) -> LiveRow:
+                images: list[Span], inherited: list[tuple[int, str, int, int]] = ()) -> LiveRow:
         return cls(sample.id, sample.group, sample.policy_version, sample.prompt, sample.n_tokens,
                    sample.loss_tokens, sample.vision, sample.vit_patches, sample.vit_attn_sq,
                    tuple(tuple(size) for size in sample.sizes), tuple(sorted(sample.tensors)), sample.prompt_id,
                    sample.pixel_bytes, sample.prefix, sample.prefix_key, sample.digest, batch, file, place,
                    {name: tuple(span) for name, span in members.items()}, tuple(tuple(span) for span in images),
                    values=dict(sample.values), unfinished=sample.unfinished, part=sample.part, covers=sample.covers,
-                   producer=sample.producer)
+                   producer=sample.producer, turns=tuple(sample.turns), turn_digests=tuple(sample.turn_digests),
+                   parent=sample.parent, fork_turn=sample.fork_turn, fork_tokens=sample.fork_tokens,
+                   inherited_vision=sample.inherited_vision, inherited=tuple(inherited))
+
+    def image_refs(self) -> list[tuple[int, str, int, int]]:
+        """Where every image of its whole trajectory lies, in order: (batch, tar, offset, size)."""
+        return [*self.inherited, *((self.batch, self.file, offset, size) for offset, size in self.images)]
+
+    def inherited_batches(self) -> set[int]:
+        """The batches besides its own holding images it reads: they stay until it is consumed."""
+        return {batch for batch, *_ in self.inherited} - {self.batch}
 
     @property
     def key(self) -> str:
@@ -72,18 +96,22 @@ class LiveRow:
         """Its entry in its batch's rows file (`key` and `n_images` beside the fields: the spool's keys since
         its first version)."""
         out = dataclasses.asdict(self)
-        del out["tar"], out["prefix_of"]
-        for name, default in (("values", {}), ("unfinished", False), ("part", 0), ("covers", ""), ("producer", "")):
+        del out["tar"], out["prefix_of"], out["fork_of"]
+        for name, default in (("values", {}), ("unfinished", False), ("part", 0), ("covers", ""), ("producer", ""),
+                              *((name, self.__dataclass_fields__[name].default) for name in TRAJECTORY_FIELDS)):
             if out[name] == default:  # rows as spools held them before asynchronous RL
                 del out[name]
         return {**out, "key": self.id, "n_images": len(self.sizes)}
 
     @classmethod
     def from_json(cls, raw: dict[str, Any]) -> LiveRow:
-        known = {f.name for f in dataclasses.fields(cls)} - {"tar", "prefix_of"}
+        known = {f.name for f in dataclasses.fields(cls)} - {"tar", "prefix_of", "fork_of"}
         values = {name: value for name, value in raw.items() if name in known}
         values["sizes"] = tuple(tuple(size) for size in values["sizes"])
         values["tensors"] = tuple(values["tensors"])
         values["images"] = tuple(tuple(span) for span in values.get("images", ()))
         values["members"] = {name: tuple(span) for name, span in values.get("members", {}).items()}
+        for name in ("turns", "inherited"):
+            values[name] = tuple(tuple(item) for item in values.get(name, ()))
+        values["turn_digests"] = tuple(values.get("turn_digests", ()))
         return cls(**values)

@@ -15,6 +15,7 @@ from packfeed.media.image_policy import ImagePolicy
 from packfeed.media.prompts import shared_prompt
 from packfeed.media.samples import SampleError, image_size
 from packfeed.server.index.table import member_checksum
+from packfeed.server.live.trajectories import check_placeholders, checked_turns, inherit, turn_digests
 from packfeed.v1 import packfeed_pb2 as pb
 from packfeed.v1.options import MAX_NAME
 
@@ -86,6 +87,16 @@ class LiveSample:
     token_versions: np.ndarray | None = None
     covers: str = ""  # an unfinished part's `prefix_digest` over all its tokens: what its continuation starts with
     producer: str = ""  # the producer that put it (its id; "": it named none)
+    # a trajectory (`packfeed.server.live.trajectories`): its turns (role, tokens, images), the digest of its tokens
+    # up to each turn's end, and of a fork its parent's id, the turns and tokens it shares with it and the spool
+    # places of the images it inherits there (set when spooled); `sizes` are then its whole trajectory's images
+    turns: tuple = ()
+    turn_digests: tuple = ()
+    parent: str = ""
+    fork_turn: int = 0
+    fork_tokens: int = 0
+    inherited_images: int = 0
+    inherited_vision: int = 0
 
     def content_digest(self) -> str:
         """What a put of the same id must match to be a retry: its arrays, tags, image files and (of a rollout put
@@ -94,6 +105,8 @@ class LiveSample:
                  *(part for name, value in sorted(self.values.items()) for part in (name.encode(), repr(value).encode())),
                  *(() if self.token_versions is None else (self.token_versions,))] \
             if self.part or self.unfinished or self.values or self.token_versions is not None else []
+        if self.turns:  # a trajectory's turns and fork are what it is too
+            extra += [repr(self.turns).encode(), self.parent.encode(), str(self.fork_turn).encode()]
         return _digest([self.tokens, self.loss_mask, self.group.encode(), str(self.policy_version).encode(),
                         self.prompt.encode(), *self._tensor_parts(len(self.tokens)), *self.images, *extra])
 
@@ -155,8 +168,18 @@ def checked_sample(message: pb.LiveSample, rules: SampleRules) -> LiveSample:
                         message.prompt, list(message.images), [], loss_tokens=int(mask.sum()),
                         values=_values(message), unfinished=message.unfinished, part=int(message.part))
     _check_versions(sample, message)
-    _check_images(sample, rules)
-    _find_prefix(sample, rules.image_context_id)
+    sample.turns = checked_turns(message, sample)
+    sample.parent, sample.fork_turn = message.parent[:MAX_NAME], int(message.fork_turn)
+    if sample.turns:
+        sample.turn_digests = turn_digests(sample.tokens, sample.turns)
+    if sample.parent:  # its images are costed once its parent is found (`finish_fork`): their sizes now
+        if sample.prompt:
+            raise Refused("prompt", "a fork carries its own turns' images as files (its earlier turns' are its "
+                                    "parent's): give images, not a prompt")
+        sample.sizes = [_image_size(data, k, rules) for k, data in enumerate(sample.images)]
+    else:
+        _check_images(sample, rules)
+        _find_prefix(sample, rules.image_context_id)
     if sample.prefix_key and rules.prefix_refusal:
         raise Refused("group", f"the sample shares its group's prompt, and {rules.prefix_refusal} when the job "
                                "opens (or put it without a group)")
@@ -229,6 +252,16 @@ def _array(tensor: pb.Tensor, what: str, dtype) -> np.ndarray:
     return np.frombuffer(data, dtype=dtype.newbyteorder("<")).astype(dtype, copy=False)  # read-only, no copy
 
 
+def finish_fork(sample: LiveSample, parent, rules: SampleRules) -> None:
+    """A fork whose parent (a row of its job, or a sample earlier in its put) was found: its inherited turns and
+    images checked and its whole trajectory's images costed (Refused as a put's checks refuse)."""
+    inherited = inherit(sample, parent)
+    sample.sizes = inherited + list(sample.sizes)
+    _cost_images(sample, sample.sizes, rules)
+    sample.inherited_vision = sum(rules.policy.cost(w, h, len(sample.sizes)).units for w, h in inherited)
+    sample.digest = sample.content_digest()
+
+
 def _check_images(sample: LiveSample, rules: SampleRules) -> None:
     """Its images' sizes and costs, and their placeholder runs in its tokens: one run of image_context_id per
     image, in order, each exactly as long as that image's placeholder tokens."""
@@ -245,9 +278,17 @@ def _check_images(sample: LiveSample, rules: SampleRules) -> None:
         if len(sample.images) > MAX_IMAGES:
             raise Refused("images", f"{len(sample.images)} images: at most {MAX_IMAGES}")
         sizes = [_image_size(data, k, rules) for k, data in enumerate(sample.images)]
+    _cost_images(sample, sizes, rules)
+
+
+def _cost_images(sample: LiveSample, sizes: list[tuple[int, int]], rules: SampleRules) -> None:
+    """The costs of its images (`sizes`, its whole trajectory's), checked against its placeholder runs (turn by
+    turn for a trajectory)."""
     costs = [rules.policy.cost(width, height, len(sizes)) for width, height in sizes]
     runs = placeholder_runs(sample.tokens, rules.image_context_id)[1].tolist()
     expected = [cost.llm_tokens for cost in costs]
+    if sample.turns:
+        check_placeholders(sample, runs, expected, rules)
     if runs != expected:
         raise Refused("tokens", f"its image placeholders (runs of token {rules.image_context_id}) are {runs}; its "
                                 f"{len(sizes)} images need runs of {expected} under the dataset's image policy")

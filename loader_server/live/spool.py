@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 import numpy as np
+import xxhash
 
 from packfeed.media.storage import ObjectError, ObjectNotFound, filesystem, is_object_url, read_range, retried
 from packfeed.server.live.rows import LiveRow
@@ -113,23 +114,38 @@ class Spool:
         self.bytes = sum(self.store.size(f"batches/{name}") for name in named)
         return batches
 
-    def write_batch(self, number: int, samples: list[LiveSample]) -> list[LiveRow]:
-        """The samples as batch `number` (durable when this returns); their rows, as `recover` gives them.
+    def write_batch(self, number: int, samples: list[LiveSample],
+                    row_of: Callable[[str], LiveRow | None] = lambda sample_id: None) -> list[LiveRow]:
+        """The samples as batch `number` (durable when this returns); their rows, as `recover` gives them. An
+        image file is stored once per batch however many samples or turns carry it (by its content's digest); a
+        fork's inherited images are its parent's (`row_of`: a spooled row by id, or one earlier in the batch).
         SpoolConflict when another server wrote batch `number`; SpoolError when the spool cannot keep them:
         nothing of them is kept then, and nothing stands in the way of writing the batch again."""
         name = f"{number:0{BATCH_DIGITS}d}.{secrets.token_hex(4)}.tar"
-        rows = []
+        rows: list[LiveRow] = []
 
         def tar_of(out) -> None:  # written straight to the file: a put never holds a second copy of its samples
+            stored: dict[tuple[int, int], list[int]] = {}  # an image's (digest, size) -> its span in this tar
             with tarfile.open(fileobj=out, mode="w", format=tarfile.USTAR_FORMAT) as tar:
+                by_id: dict[str, LiveRow] = {}
                 for place, sample in enumerate(samples):
                     members = {"tokens": sample.tokens, "loss_mask": sample.loss_mask, **sample.tensors}
                     if sample.token_versions is not None:
                         members[TOKEN_VERSIONS] = sample.token_versions
                     spans = {member: _add(tar, f"{place:06d}.{member}.npy", _npy(values))
                              for member, values in members.items()}
-                    images = [_add(tar, f"{place:06d}.{k}.img", data) for k, data in enumerate(sample.images)]
-                    rows.append(LiveRow.spooled(sample, number, name, place, spans, images))
+                    images = []
+                    for k, data in enumerate(sample.images):
+                        key = (xxhash.xxh3_64_intdigest(data), len(data))
+                        if key not in stored:
+                            stored[key] = _add(tar, f"{place:06d}.{k}.img", data)
+                        images.append(stored[key])
+                    inherited = []
+                    if sample.parent:
+                        parent = by_id.get(sample.parent) or row_of(sample.parent)
+                        inherited = parent.image_refs()[:sample.inherited_images]
+                    rows.append(LiveRow.spooled(sample, number, name, place, spans, images, inherited))
+                    by_id[sample.id] = rows[-1]
 
         size = self.store.write(f"batches/{name}", tar_of, exclusive=True)  # the tar before its rows (rows: durable)
         try:  # never over rows another server wrote (`exclusive`)

@@ -45,7 +45,9 @@ def step_plan(rows: list[LiveRow], config: PlanConfig, seed: int, step: int, fin
                         np.array([r.tokens for r in rows], np.int32),
                         np.array([r.vit_patches for r in rows], np.float32),
                         np.array([r.vit_attn_sq for r in rows], np.float32))
-    if config.shares_prefixes(any(r.prefix_key for r in rows)):  # one group per (group, prefix)
+    if any(r.parent for r in rows) and config.shares_prefixes(True):  # trees of trajectories
+        loads.group, loads.prefix, loads.parent, loads.shared_vision = tree_columns(rows)
+    elif config.shares_prefixes(any(r.prefix_key for r in rows)):  # one group per (group, prefix)
         numbered: dict[tuple[str, str], int] = {}
         loads.group = np.array([numbered.setdefault(prefix_group(r), len(numbered)) if r.prefix_key else -1
                                 for r in rows], np.int64)
@@ -63,6 +65,31 @@ def step_plan(rows: list[LiveRow], config: PlanConfig, seed: int, step: int, fin
             raise ValueError(f"step {step}'s {len(rows)} samples need over {LIMITS['microbatches']} packs per rank "
                              "under the caps: raise token_cap and vision_cap, or lower step_samples")
         microbatches = min(LIMITS["microbatches"], math.ceil(microbatches * plan.n_steps))
+
+
+def tree_columns(rows: list[LiveRow]) -> tuple[np.ndarray, ...]:
+    """(group, shared tokens, parent, shared vision) per row of a step holding forks (`packfeed.server.plan.trees`):
+    a group with forks is one tree, each fork continuing its parent (where the step holds it); samples sharing a
+    prompt (a group's, or a tree's roots) continue the first of them, with the prompt's tokens and every image."""
+    place = {row.id: k for k, row in enumerate(rows)}
+    trees = {row.group for row in rows if row.parent}
+    numbered: dict[tuple[str, str], int] = {}
+    group = np.full(len(rows), -1, np.int64)
+    shares, parent, vision = (np.zeros(len(rows), np.int64) for _ in range(3))
+    parent -= 1
+    first: dict[tuple[str, str], int] = {}
+    for k, row in enumerate(rows):
+        if row.group in trees:
+            group[k] = numbered.setdefault((row.group, "\0tree"), len(numbered))
+        elif row.prefix_key:
+            group[k] = numbered.setdefault(prefix_group(row), len(numbered))
+        if row.parent and row.parent in place:
+            parent[k], shares[k], vision[k] = place[row.parent], row.fork_tokens, row.inherited_vision
+        elif row.prefix_key and not row.parent:
+            owner = first.setdefault(prefix_group(row), k)
+            if owner != k:
+                parent[k], shares[k], vision[k] = owner, row.prefix, row.vision
+    return group, shares.astype(np.int32), parent, vision.astype(np.int32)
 
 
 def prefix_group(row: LiveRow) -> tuple[str, str]:

@@ -39,7 +39,7 @@ from packfeed.server.live.producer_side import SPOOLED_BYTES_PER_TOKEN, Producer
 from packfeed.server.live.producers import Producers
 from packfeed.server.live.recovery import SpoolRecovery
 from packfeed.server.live.rows import LiveRow
-from packfeed.server.live.samples import LiveSample, Refused
+from packfeed.server.live.samples import LiveSample, Refused, SampleRules, finish_fork
 from packfeed.server.live.spool import Spool, SpoolConflict, SpoolError
 from packfeed.server.live.step_plan import Selection, select, step_plan
 from packfeed.server.live.versions import PolicyVersions
@@ -154,24 +154,29 @@ class LiveSteps(SpoolRecovery, ProducerSide):
 
     # -- samples in -------------------------------------------------------------------------------------
 
-    def put(self, samples: list[LiveSample | Refused], end: bool = False, producer: str = "") -> list[tuple[str, str]]:
+    def put(self, samples: list[LiveSample | Refused], end: bool = False, producer: str = "",
+            rules: SampleRules | None = None) -> list[tuple[str, str]]:
         """Keep the checked samples (durable when this returns) and form the steps they complete; per sample
         ("accepted" | "duplicate" | "refused", reason). Raises LiveClosed after the job's end, SpoolError when
         the spool cannot keep them (nothing of them kept then), StepNotRecorded when it kept them but could not
-        record the step they complete (a retry is answered duplicate and forms it). `producer`: who put them."""
+        record the step they complete (a retry is answered duplicate and forms it). `producer`: who put them;
+        `rules`: the job's (a fork's inherited images are costed by them once its parent is found)."""
         with self._lock:
             if self.ended:
                 raise LiveClosed(f"the job ended at step {len(self.steps) - 1}: it takes no more samples (running it "
                                  "again? a live job id is used once: give a new job id, or a fresh --live-spool)")
-            outcomes, accepted, seen = [], [], {}
+            outcomes, accepted, seen, earlier = [], [], {}, {}
             for sample in samples:
                 outcome = self._admit(sample, seen)
+                if outcome[0] == "accepted" and sample.parent:
+                    outcome = self._fork(sample, earlier, rules)
                 outcomes.append(outcome)
                 self.refused += outcome[0] == "refused"
                 if outcome[0] == "accepted":
                     sample.producer = producer
                     accepted.append(sample)
                     seen[sample.id] = sample.digest
+                    earlier[sample.id] = sample
             kept = False
             try:
                 if accepted:
@@ -218,15 +223,36 @@ class LiveSteps(SpoolRecovery, ProducerSide):
             self.value_names = values
         return "accepted", ""
 
+    def _fork(self, sample: LiveSample, earlier: dict[str, LiveSample], rules: SampleRules | None) -> tuple[str, str]:
+        """A fork's parent: pending in the job, or accepted earlier in this put (not in a step yet: a tree is
+        planned and trained whole, one group); its inherited turns and images checked (`finish_fork`)."""
+        parent = earlier.get(sample.parent)
+        if parent is None and sample.parent in self.pending:
+            parent = self.rows.get(sample.parent)
+        if parent is None:
+            where = "taken by a step already" if sample.parent in self.known else "not accepted"
+            return "refused", (f"parent: trajectory {sample.parent!r} is {where}: put a tree's trajectories before "
+                               "its group forms a step, each after its parent (earlier in the put, or in an "
+                               "earlier one)")
+        if rules is None:
+            raise ValueError("a fork is costed by the job's sample rules: give put(..., rules=)")
+        try:
+            finish_fork(sample, parent, rules)
+        except Refused as refused:
+            return "refused", f"{refused.field}: {refused}"
+        return "accepted", ""
+
     def _keep(self, accepted: list[LiveSample]) -> None:
         self.check_room(len(accepted), sum(s.n_tokens * SPOOLED_BYTES_PER_TOKEN + sum(len(i) for i in s.images)
                                            + 4 * s.n_tokens * len(s.tensors) for s in accepted))
         number = self._next_batch
-        rows = self.spool.write_batch(number, accepted)  # durable before anything counts it
+        rows = self.spool.write_batch(number, accepted, self.rows.get)  # durable before anything counts it
         self._next_batch += 1
         self._batch_ids[number] = [row.id for row in rows]
         self._batch_left[number] = len(rows)
         for row in rows:
+            for batch in row.inherited_batches():  # its parent's images stay until it is consumed too
+                self._batch_left[batch] += 1
             claimed = self.partials.claims.get(row.id)
             before = self.partials.kept(row) if row.unfinished or row.part else None
             if self.admission is not None:  # what it reserved: its group's slot, or the claim that continued it
@@ -347,15 +373,24 @@ class LiveSteps(SpoolRecovery, ProducerSide):
                     row = self.rows.get(sample_id)
                     if row is None:
                         continue
-                    self._batch_left[row.batch] -= 1
-                    if not self._batch_left[row.batch]:
-                        self._remove_batch(row.batch, row)
+                    for batch in (*row.inherited_batches(), row.batch):
+                        self._consumed(batch, row)
             if self._released > before:
                 self.versions.released(self._released)
                 try:
                     self.spool.write_json("released.json", {"step": self._released})
                 except SpoolError:
                     pass  # a server re-opening the spool releases those steps again as their ranks acknowledge
+
+    def _consumed(self, batch: int, row: LiveRow) -> None:
+        """One reader of `batch` consumed (`row`, a sample of it or a fork reading its images)."""
+        if batch not in self._batch_left:
+            return
+        self._batch_left[batch] -= 1
+        if not self._batch_left[batch]:
+            if batch != row.batch:  # a parent's batch: named by one of its own rows
+                row = next(self.rows[i] for i in self._batch_ids[batch] if i in self.rows and self.rows[i].batch == batch)
+            self._remove_batch(batch, row)
 
     def _remove_batch(self, number: int, row: LiveRow) -> None:
         for sample_id in self._batch_ids.pop(number):

@@ -94,6 +94,10 @@ class SampleLoads:
     prefix: np.ndarray | None = None
     # float32 per sample: the LLM's attention squares where they are not tokens^2 (NaN: tokens^2); None: all are
     llm_attn_sq: np.ndarray | None = None
+    # Trees (`packfeed.server.plan.trees`): per sample, the sample it continues (-1: none; `prefix` then the
+    # tokens it shares with it) and the vision units of the images it inherits there; None: no trees
+    parent: np.ndarray | None = None
+    shared_vision: np.ndarray | None = None
 
     def __post_init__(self):
         if self.towers is None:
@@ -108,10 +112,17 @@ class SampleLoads:
 
     def subset(self, ids: np.ndarray) -> "SampleLoads":
         """The loads of samples `ids`, in that order."""
-        optional = tuple(name for name in ("group", "prefix", "llm_attn_sq") if getattr(self, name) is not None)
-        return SampleLoads(**self.gather(ids, ("valid", "vision", "tokens", "vit_patches", "vit_attn_sq", "towers")
-                                         + optional),
-                           encoders={name: e.subset(ids) for name, e in self.encoders.items()})
+        optional = tuple(name for name in ("group", "prefix", "llm_attn_sq", "shared_vision")
+                         if getattr(self, name) is not None)
+        out = SampleLoads(**self.gather(ids, ("valid", "vision", "tokens", "vit_patches", "vit_attn_sq", "towers")
+                                        + optional),
+                          encoders={name: e.subset(ids) for name, e in self.encoders.items()})
+        if self.parent is not None:  # a parent by its place among `ids` (-1: not among them)
+            place = np.full(len(self.valid), -1, np.int64)
+            place[np.asarray(ids)] = np.arange(len(ids))
+            parent = np.asarray(self.parent, np.int64)[ids]
+            out.parent = np.where(parent >= 0, place[np.maximum(parent, 0)], -1)
+        return out
 
     @classmethod
     def from_arrays(cls, vision, tokens, valid=None, patches_per_unit: int = DEFAULT_PATCHES_PER_UNIT) -> "SampleLoads":

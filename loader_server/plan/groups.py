@@ -25,6 +25,7 @@ from packfeed.server.plan.caps import resolve_caps
 from packfeed.server.plan.collective import sample_towers, unaligned_towers
 from packfeed.server.plan.costs import SampleLoads
 from packfeed.server.plan.isf import Caps
+from packfeed.server.plan.trees import is_tree, tree_keys, tree_savings, tree_unit_loads
 from packfeed.v1.options import PlanConfig
 
 
@@ -74,12 +75,16 @@ def group_units(loads: SampleLoads, caps: Caps | None, halvings: int = 0) -> Uni
     vision, tokens = np.asarray(loads.vision, np.int64), np.asarray(loads.tokens, np.int64)
     ids = np.flatnonzero(valid & (group >= 0))
     ids = ids[np.lexsort((ids, group[ids]))]  # by group, then id
-    check_groups(np.where(valid, group, -1), prefix, vision, tokens)
+    tree = is_tree(loads)
+    if not tree:
+        check_groups(np.where(valid, group, -1), prefix, vision, tokens)
     fits = np.ones(len(ids), bool) if caps is None else \
         (vision[ids] <= caps.vision_cap) & (tokens[ids] <= caps.token_cap)
     key = ids.copy()  # a member's unit is named by its first sample id
     together = ids[fits]
-    if len(together):
+    if tree:
+        key[fits] = tree_keys(loads, together, caps)
+    elif len(together):
         run = np.flatnonzero(np.r_[True, group[together][1:] != group[together][:-1]])
         sizes = np.diff(np.r_[run, len(together)])
         key[fits] = np.repeat(together[run], sizes)
@@ -98,7 +103,9 @@ def group_units(loads: SampleLoads, caps: Caps | None, halvings: int = 0) -> Uni
     members, keys, shared = members[order], keys[order], shared[order]
     unit_starts = np.flatnonzero(np.r_[True, keys[1:] != keys[:-1]]) if len(keys) else np.zeros(0, np.int64)
     offsets = np.r_[unit_starts, len(members)].astype(np.int64)
-    return Units(members, offsets, _unit_loads(loads, members, unit_starts, shared, prefix, tokens))
+    unit_loads = tree_unit_loads(loads, members, unit_starts, keys) if tree else \
+        _unit_loads(loads, members, unit_starts, shared, prefix, tokens)
+    return Units(members, offsets, unit_loads)
 
 
 def _halve(key: np.ndarray, shared_ids: np.ndarray, at: np.ndarray, towers: np.ndarray, halvings: int) -> None:
@@ -211,6 +218,8 @@ def prefix_savings(members: np.ndarray, offsets: np.ndarray, loads: Any) -> dict
     n_packs = len(offsets) - 1
     group = np.asarray(loads.group)[members]
     pack = np.repeat(np.arange(n_packs), np.diff(offsets))
+    if is_tree(loads):
+        return _tree_savings(members, offsets, loads, group, pack)
     chosen = np.flatnonzero(group >= 0)
     order = chosen[np.lexsort((group[chosen], pack[chosen]))]
     g, p = group[order], pack[order]
@@ -225,6 +234,18 @@ def prefix_savings(members: np.ndarray, offsets: np.ndarray, loads: Any) -> dict
     return {"vision": saved_vision, "tokens": saved_tokens, "squares": saved_squares, "groups": int(len(groups)),
             "split_groups": int((packs_per_group > 1).sum()),
             "prefix_tokens_saved": int(saved_tokens.sum()), "vision_units_saved": int(saved_vision.sum())}
+
+
+def _tree_savings(members, offsets, loads, group, pack) -> dict[str, Any]:
+    """`prefix_savings` of a plan of trees: what each fork whose parent is in its pack does not compute again."""
+    saved = tree_savings(members, offsets, loads)
+    chosen = group >= 0
+    pairs = np.unique(np.stack([group[chosen], pack[chosen]]), axis=1) if chosen.any() else np.zeros((2, 0), int)
+    groups, per_group = np.unique(pairs[0], return_counts=True)
+    tokens = saved["tokens"]
+    return {"vision": saved["vision"], "tokens": tokens, "squares": tokens.astype(np.float64) ** 2,
+            "groups": int(len(groups)), "split_groups": int((per_group > 1).sum()),
+            "prefix_tokens_saved": int(tokens.sum()), "vision_units_saved": int(saved["vision"].sum())}
 
 
 def group_summary(saved: dict[str, Any], shared: bool) -> dict[str, Any]:

@@ -40,7 +40,7 @@ async def put_samples(job: Job, request: PutRequest, metrics: Metrics,
     before = live.status()
     checked = await asyncio.to_thread(check_all, request.samples, rules)  # images are decoded: off the event loop
     try:
-        outcomes = await asyncio.to_thread(live.put, checked, request.end, request.producer[:256])
+        outcomes = await asyncio.to_thread(live.put, checked, request.end, request.producer[:256], rules)
     except (LiveClosed, SpoolError, ValueError) as error:
         log.warning("a put into a live job failed", extra={"job": job.spec.job, "error": str(error),
                                                          "samples": len(request.samples)})

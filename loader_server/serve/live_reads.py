@@ -89,6 +89,10 @@ class LiveRows:
         step's plan shares prefixes)."""
         return self.live.rows[int(position)].prefix_of
 
+    def fork_of(self, position: int) -> tuple[str, int] | None:
+        """A fork's (parent's key, tokens it shares with it) where the step's plan shares prefixes, else None."""
+        return self.live.rows[int(position)].fork_of
+
     def pixel_bytes(self, positions) -> int:
         return sum(self.live.rows[int(p)].pixel_bytes for p in np.asarray(positions).tolist())
 
@@ -100,6 +104,10 @@ class LiveReader:
     def __init__(self, prompts: list[tuple[IndexRows, SampleReader]], live: LiveReads):
         self.prompts, self.live = prompts, live
         self.policy, self.path = prompts[0][1].policy, prompts[0][1].path
+        # an image file decoded once however many turns or trajectories of the step carry it (by where it is
+        # spooled: one place per file and batch) and how many images its sample has (its tiling depends on it)
+        self._decoded: dict[tuple, object] = {}
+        self.decoded = 0  # image files decoded
 
     # what a worker sets on every reader of a step, passed to the ones that decode
     def _set(self, name: str, value) -> None:
@@ -113,7 +121,10 @@ class LiveReader:
     def prefetch(self, rows: list[LiveRow]) -> None:
         pass
 
-    def load(self, row: LiveRow, seed: int = 0, epoch: int = 0, pixels: bool = True) -> SampleTensors:
+    def load(self, row: LiveRow, seed: int = 0, epoch: int = 0, pixels: bool = True,
+             own_only: bool = False) -> SampleTensors:
+        """The sample as spooled; a fork with `own_only` without the images it inherits (its parent's, in the same
+        pack), else its whole trajectory's."""
         tar = row.tar
         try:
             tokens = read_array(tar, row.members["tokens"]).astype(np.int32)
@@ -126,12 +137,16 @@ class LiveReader:
                 rows, reader = self.prompts[part]
                 items = reader.indexed_images(rows.row(sample_id), pixels)
             else:
-                items = [self.prompts[0][1].file_image(read_member(tar, span), width, height, len(row.sizes),
-                                                       f"{row.id}.image{k}")
-                         for k, (span, (width, height)) in enumerate(zip(row.images, row.sizes))]
+                folder = tar.rsplit("/", 1)[0]
+                first = len(row.inherited) if own_only else 0
+                items = [self._file_image(f"{folder}/{file}", [offset, size], width, height, len(row.sizes),
+                                          f"{row.id}.image{k}")
+                         for k, ((_, file, offset, size), (width, height)) in
+                         enumerate(zip(row.image_refs(), row.sizes)) if k >= first]
         except (OSError, ValueError) as error:
             raise SampleSkipped(f"live spool unreadable: {row.id}: {error}") from None
         starts = placeholder_runs(tokens, self.live.image_context_id)[0].tolist()
+        starts = starts[len(starts) - len(items):]  # a fork's own images are its last
         labels = np.where(mask, tokens, IGNORE_INDEX).astype(np.int32)
         return SampleTensors(row.id, tokens, labels, [tile for item in items for tile in item.tiles],
                              [item.n_tiles for item in items], [item.tokens for item in items], starts,
@@ -140,3 +155,10 @@ class LiveReader:
                              kinds=[item.kind for item in items], frame_seconds=[item.seconds for item in items],
                              token_tensors=tensors, group=row.group, policy_version=row.policy_version,
                              token_versions=versions, values=dict(row.values))
+
+    def _file_image(self, path: str, span: list[int], width: int, height: int, n_images: int, what: str):
+        key = (path, span[0], span[1], n_images)
+        if key not in self._decoded:
+            self._decoded[key] = self.prompts[0][1].file_image(read_member(path, span), width, height, n_images, what)
+            self.decoded += 1
+        return self._decoded[key]

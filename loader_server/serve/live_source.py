@@ -150,7 +150,8 @@ class LiveDataset:
         sharing, rows = step_plan.groups is not None, {}
         for position, row in zip(positions, self.steps.member_rows(step, positions)):
             prefix_of = ("\0".join(prefix_group(row)), row.prefix) if sharing and row.prefix_key else None
-            rows[position] = replace(row, tar=self.steps.spool.tar_path(row), prefix_of=prefix_of)
+            fork_of = (row.parent, row.fork_tokens) if sharing and row.parent else None
+            rows[position] = replace(row, tar=self.steps.spool.tar_path(row), prefix_of=prefix_of, fork_of=fork_of)
         step_loss = sum(row.loss_tokens for row in self.steps.member_rows(step, step_plan.step_members(0)))
         return self._work(step, seat, decode_budget, packs, rows, step_loss, plan.is_last_step(step), spans)
 

@@ -161,11 +161,13 @@ def build_pack(parts: list[tuple[IndexRows, Any, str]], members: np.ndarray, tru
     time is left out and reported in the pack's `skipped`; the pack still goes out, flagged empty if nothing is
     left. `shared_prefixes`: the job plans groups with their prefix shared (docs/wire.md "Shared prefixes");
     each member's rows then say what it shares its prefix with (`prefix_of`)."""
-    prefixes = [parts[source][0].prefix_of(sample_id) if shared_prefixes else None
-              for sample_id, source in zip(np.asarray(members).tolist(), np.asarray(sources).tolist())]
+    chosen = list(zip(np.asarray(members).tolist(), np.asarray(sources).tolist()))
+    prefixes = [parts[source][0].prefix_of(sample_id) if shared_prefixes else None for sample_id, source in chosen]
     owners = _prefix_owners(prefixes)
+    forks = _fork_parents(parts, chosen) if shared_prefixes else [None] * len(chosen)
     reads = [owner == k for k, owner in enumerate(owners)]  # a sibling's images are its owner's: not read
-    loaded, skipped = load_members(parts, members, truncate_to, sources, epoch, seed, pixels=reads)
+    own_only = [fork is not None for fork in forks]  # a fork's inherited images are its parent's, in the pack
+    loaded, skipped = load_members(parts, members, truncate_to, sources, epoch, seed, pixels=reads, own_only=own_only)
 
     def reload(position: int) -> list[tuple[int, SampleTensors]]:  # a sibling standing alone: with its images
         again, failed = load_members(parts, members[position:position + 1], truncate_to[position:position + 1],
@@ -173,7 +175,7 @@ def build_pack(parts: list[tuple[IndexRows, Any, str]], members: np.ndarray, tru
         skipped.extend(failed)
         return [(position, sample) for _, sample in again]
 
-    loaded, rows = _shared(loaded, prefixes, owners, reload)
+    loaded, rows = _shared(loaded, prefixes, owners, reload, forks)
     pack = assemble_pack([sample for _, sample in loaded], epoch, step, rank, microbatch, skipped)
     if rows is not None:
         pack.tensors["shared_prefix"] = rows
@@ -187,17 +189,38 @@ def _prefix_owners(prefixes: list) -> list[int]:
     return [first.setdefault(prefix[0], k) if prefix else k for k, prefix in enumerate(prefixes)]
 
 
-def _shared(loaded, prefixes, owners, reload) -> tuple[list, np.ndarray | None]:
+def _fork_parents(parts, chosen: list[tuple[int, int]]) -> list[tuple[int, int] | None]:
+    """Per member, a fork's (parent's position in the pack, tokens it shares with it) where its parent is in the
+    pack before it, else None (it is then read whole, its inherited images too)."""
+    keys = [parts[source][0].key_of(parts[source][0].row(sample_id)) for sample_id, source in chosen]
+    position_of = {key: k for k, key in enumerate(keys)}
+    out = []
+    for k, (sample_id, source) in enumerate(chosen):
+        fork = getattr(parts[source][0], "fork_of", lambda _: None)(sample_id)
+        parent = position_of.get(fork[0], k) if fork else k
+        out.append((parent, int(fork[1])) if parent < k else None)
+    return out
+
+
+def _shared(loaded, prefixes, owners, reload, forks) -> tuple[list, np.ndarray | None]:
     """The loaded members and their `shared_prefix` rows (docs/wire.md "Shared prefixes"; None when nothing is
     shared). A sibling whose owner loaded with its whole prefix shares it and carries no images (every image of a
     grouped sample is in its prefix); one whose owner did not (it failed to load, or was cut short) is read again
-    with its images (`reload`) and shares nothing."""
+    with its images (`reload`) and shares nothing. A fork (`forks`: its parent's position and shared tokens) was
+    read without its inherited images: it shares them with its parent where that one loaded with them, else it
+    is read again whole."""
     by_position = dict(loaded)
     kept = []  # (position, sample, its owner's position or None, shared tokens)
     for position, sample in loaded:
         owner = owners[position]
         size = int(prefixes[position][1]) if prefixes[position] else 0
-        if owner == position:
+        if forks[position] is not None:
+            parent, size = forks[position]
+            if parent in by_position and min(len(by_position[parent].input_ids), len(sample.input_ids)) >= size:
+                kept.append((position, sample, parent, size))
+            else:
+                kept += [(p, again, None, 0) for p, again in reload(position)]
+        elif owner == position:
             kept.append((position, sample, None, 0))
         elif size >= 2 and owner in by_position and len(by_position[owner].input_ids) >= size \
                 and len(sample.input_ids) >= size:
@@ -205,7 +228,10 @@ def _shared(loaded, prefixes, owners, reload) -> tuple[list, np.ndarray | None]:
         else:
             kept += [(p, again, None, 0) for p, again in reload(position)]
     index = {position: k for k, (position, *_) in enumerate(kept)}
-    owning = {owner: size for *_, owner, size in kept if owner is not None}
+    owning: dict[int, int] = {}
+    for *_, owner, size in kept:  # a root's S: the most tokens a sample shares with it
+        if owner is not None:
+            owning[owner] = max(owning.get(owner, 0), size)
     rows = [[index[owner], size] if owner is not None else [k, owning.get(position, 0)]
             for k, (position, _, owner, size) in enumerate(kept)]
     table = np.array(rows, dtype=np.int32).reshape(-1, 2)
@@ -220,10 +246,11 @@ def _without_images(sample: SampleTensors) -> SampleTensors:
 
 
 def load_members(parts: list[tuple[IndexRows, Any, str]], members: np.ndarray, truncate_to: np.ndarray,
-                 sources: np.ndarray, epoch: int, seed: int = 0, pixels: np.ndarray | None = None
-                 ) -> tuple[list[tuple[int, SampleTensors]], list[tuple[str, str]]]:
+                 sources: np.ndarray, epoch: int, seed: int = 0, pixels: np.ndarray | None = None,
+                 own_only: list[bool] | None = None) -> tuple[list[tuple[int, SampleTensors]], list[tuple[str, str]]]:
     """(position, sample) of every member that loads, and (key, reason) of those that do not. `pixels`: per
-    member, whether to read its images (False: text and placeholder counts only); all when None."""
+    member, whether to read its images (False: text and placeholder counts only); all when None. `own_only`: per
+    member, a live fork read without the images it inherits."""
     from packfeed.server.serve.shard_reader import SampleSkipped
 
     loaded, skipped = [], []
@@ -234,7 +261,8 @@ def load_members(parts: list[tuple[IndexRows, Any, str]], members: np.ndarray, t
         part[1].prefetch([row for (other, row, _), read in zip(chosen, with_pixels) if other is part and read])
     for position, ((rows, reader, label), row, limit) in enumerate(chosen):
         try:
-            sample = replace(reader.load(row, seed, epoch, pixels=bool(with_pixels[position])), source=label)
+            options = {"own_only": True} if own_only is not None and own_only[position] else {}
+            sample = replace(reader.load(row, seed, epoch, pixels=bool(with_pixels[position]), **options), source=label)
         except SampleSkipped as error:
             skipped.append((rows.key_of(row), str(error)))
             continue
