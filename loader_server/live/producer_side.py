@@ -1,6 +1,6 @@
 """What a live job's producers ask of it besides their puts (`LiveSteps` has this face): who may put and how much
 (the producer token, the spool's bounds), their liveness (`Heartbeat`), reservations under staleness wait
-(`Reserve`), claims of unfinished rollouts (`ClaimRollout`), the trainers' version reports, and the time-driven
+(`Reserve`), claims of unfinished rollouts (`ClaimRollout`), a fork's parent found at its put, the trainers' version reports, and the time-driven
 part of the job (`tick`: producers whose lease lapsed give back what they held; groups past their deadline and
 steps no longer waiting for a reservation form).
 """
@@ -13,6 +13,7 @@ import numpy as np
 
 from packfeed.server.live.admission import CLAIM_PREFIX
 from packfeed.server.live.rows import LiveRow
+from packfeed.server.live.samples import LiveSample, Refused, SampleRules, finish_fork
 from packfeed.server.live.spool import TOKEN_VERSIONS, SpoolConflict, SpoolError, SpoolFull, read_array, read_member, \
     token_digest
 
@@ -24,6 +25,25 @@ SPOOLED_BYTES_PER_TOKEN = 5
 
 class ProducerSide:
     """Mixed into `LiveSteps`: uses its lock, state and `_form`."""
+
+    def _fork(self, sample: LiveSample, earlier: dict[str, LiveSample], rules: SampleRules | None) -> tuple[str, str]:
+        """A fork's parent: pending in the job, or accepted earlier in this put (not in a step yet: a tree is
+        planned and trained whole, one group); its inherited turns and images checked (`finish_fork`)."""
+        parent = earlier.get(sample.parent)
+        if parent is None and sample.parent in self.pending:
+            parent = self.rows.get(sample.parent)
+        if parent is None:
+            where = "taken by a step already" if sample.parent in self.known else "not accepted"
+            return "refused", (f"parent: trajectory {sample.parent!r} is {where}: put a tree's trajectories before "
+                               "its group forms a step, each after its parent (earlier in the put, or in an "
+                               "earlier one)")
+        if rules is None:
+            raise ValueError("a fork is costed by the job's sample rules: give put(..., rules=)")
+        try:
+            finish_fork(sample, parent, rules)
+        except Refused as refused:
+            return "refused", f"{refused.field}: {refused}"
+        return "accepted", ""
 
     def claim_producer(self, token: str) -> None:
         """The job's producer token, as its spool holds it (`token`'s when it has none: `Spool.claim_producer`)."""

@@ -15,6 +15,7 @@ from packfeed.media.image_policy import ImagePolicy
 from packfeed.media.prompts import shared_prompt
 from packfeed.media.samples import SampleError, image_size
 from packfeed.server.index.table import member_checksum
+from packfeed.server.live.refused import Refused  # noqa: F401  (re-exported: the put's callers catch it here)
 from packfeed.server.live.trajectories import check_placeholders, checked_turns, inherit, turn_digests
 from packfeed.v1 import packfeed_pb2 as pb
 from packfeed.v1.options import MAX_NAME
@@ -24,14 +25,6 @@ MAX_TENSORS = 16  # named per-token tensors a sample may carry
 MAX_IMAGES = 256
 MAX_VALUES = 16  # named per-sample values (a reward, ...)
 SPOOLED_NAMES = ("tokens", "loss_mask", "token_versions")  # a sample's own arrays in the spool, beside its tensors
-
-
-class Refused(Exception):
-    """A sample the job cannot take: `field` names what is wrong, the message why."""
-
-    def __init__(self, field_name: str, reason: str):
-        super().__init__(reason)
-        self.field = field_name
 
 
 @dataclass(frozen=True)
@@ -285,10 +278,11 @@ def _cost_images(sample: LiveSample, sizes: list[tuple[int, int]], rules: Sample
     """The costs of its images (`sizes`, its whole trajectory's), checked against its placeholder runs (turn by
     turn for a trajectory)."""
     costs = [rules.policy.cost(width, height, len(sizes)) for width, height in sizes]
-    runs = placeholder_runs(sample.tokens, rules.image_context_id)[1].tolist()
+    starts, lengths = placeholder_runs(sample.tokens, rules.image_context_id)
+    runs = lengths.tolist()
     expected = [cost.llm_tokens for cost in costs]
     if sample.turns:
-        check_placeholders(sample, runs, expected, rules)
+        check_placeholders(sample.turns, starts, lengths, expected, rules.image_context_id)
     if runs != expected:
         raise Refused("tokens", f"its image placeholders (runs of token {rules.image_context_id}) are {runs}; its "
                                 f"{len(sizes)} images need runs of {expected} under the dataset's image policy")

@@ -39,7 +39,7 @@ from packfeed.server.live.producer_side import SPOOLED_BYTES_PER_TOKEN, Producer
 from packfeed.server.live.producers import Producers
 from packfeed.server.live.recovery import SpoolRecovery
 from packfeed.server.live.rows import LiveRow
-from packfeed.server.live.samples import LiveSample, Refused, SampleRules, finish_fork
+from packfeed.server.live.samples import LiveSample, Refused, SampleRules
 from packfeed.server.live.spool import Spool, SpoolConflict, SpoolError
 from packfeed.server.live.step_plan import Selection, select, step_plan
 from packfeed.server.live.versions import PolicyVersions
@@ -223,25 +223,6 @@ class LiveSteps(SpoolRecovery, ProducerSide):
             self.value_names = values
         return "accepted", ""
 
-    def _fork(self, sample: LiveSample, earlier: dict[str, LiveSample], rules: SampleRules | None) -> tuple[str, str]:
-        """A fork's parent: pending in the job, or accepted earlier in this put (not in a step yet: a tree is
-        planned and trained whole, one group); its inherited turns and images checked (`finish_fork`)."""
-        parent = earlier.get(sample.parent)
-        if parent is None and sample.parent in self.pending:
-            parent = self.rows.get(sample.parent)
-        if parent is None:
-            where = "taken by a step already" if sample.parent in self.known else "not accepted"
-            return "refused", (f"parent: trajectory {sample.parent!r} is {where}: put a tree's trajectories before "
-                               "its group forms a step, each after its parent (earlier in the put, or in an "
-                               "earlier one)")
-        if rules is None:
-            raise ValueError("a fork is costed by the job's sample rules: give put(..., rules=)")
-        try:
-            finish_fork(sample, parent, rules)
-        except Refused as refused:
-            return "refused", f"{refused.field}: {refused}"
-        return "accepted", ""
-
     def _keep(self, accepted: list[LiveSample]) -> None:
         self.check_room(len(accepted), sum(s.n_tokens * SPOOLED_BYTES_PER_TOKEN + sum(len(i) for i in s.images)
                                            + 4 * s.n_tokens * len(s.tensors) for s in accepted))
@@ -381,26 +362,6 @@ class LiveSteps(SpoolRecovery, ProducerSide):
                     self.spool.write_json("released.json", {"step": self._released})
                 except SpoolError:
                     pass  # a server re-opening the spool releases those steps again as their ranks acknowledge
-
-    def _consumed(self, batch: int, row: LiveRow) -> None:
-        """One reader of `batch` consumed (`row`, a sample of it or a fork reading its images)."""
-        if batch not in self._batch_left:
-            return
-        self._batch_left[batch] -= 1
-        if not self._batch_left[batch]:
-            if batch != row.batch:  # a parent's batch: named by one of its own rows
-                row = next(self.rows[i] for i in self._batch_ids[batch] if i in self.rows and self.rows[i].batch == batch)
-            self._remove_batch(batch, row)
-
-    def _remove_batch(self, number: int, row: LiveRow) -> None:
-        for sample_id in self._batch_ids.pop(number):
-            if sample_id in self.rows and self.rows[sample_id].batch == number:  # not a later part's row
-                self.rows.pop(sample_id)
-        del self._batch_left[number]
-        try:
-            self.spool.remove_batch(number, row)
-        except (SpoolError, OSError):
-            pass  # its files stay: every step that took its samples is acknowledged, so nothing reads them again
 
 
 def _resolve(future: asyncio.Future) -> None:

@@ -7,16 +7,13 @@ inherits its parent's images there, costed as it would be alone."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any
 
 import numpy as np
 import xxhash
 
+from packfeed.server.live.refused import Refused
 from packfeed.v1 import packfeed_pb2 as pb
-
-if TYPE_CHECKING:
-    from packfeed.server.live.rows import LiveRow
-    from packfeed.server.live.samples import LiveSample, SampleRules
 
 ROLES = {pb.TURN_ROLE_POLICY: "policy", pb.TURN_ROLE_ENVIRONMENT: "environment", pb.TURN_ROLE_TOOL: "tool",
          pb.TURN_ROLE_USER: "user", pb.TURN_ROLE_SYSTEM: "system"}
@@ -25,13 +22,10 @@ MAX_TURNS = 1024
 Turn = tuple[int, int, int]  # (role, tokens, images)
 
 
-def refused(field_name: str, reason: str) -> Exception:
-    from packfeed.server.live.samples import Refused
-
-    return Refused(field_name, reason)
+refused = Refused
 
 
-def checked_turns(message, sample: LiveSample) -> tuple[Turn, ...]:
+def checked_turns(message, sample: Any) -> tuple[Turn, ...]:
     """The sample's turns as (role, tokens, images), checked: they cover its tokens, each turn has a role, only the
     policy's turns hold loss tokens, and its image files are those of its own turns (from `fork_turn` on)."""
     turns = tuple((int(t.role), int(t.tokens), int(t.images)) for t in message.turns)
@@ -65,22 +59,21 @@ def checked_turns(message, sample: LiveSample) -> tuple[Turn, ...]:
     return turns
 
 
-def check_placeholders(sample: LiveSample, runs: list[int], costs: list[int], rules: SampleRules) -> None:
-    """Each turn's placeholder runs (of the whole trajectory: `runs` and the placeholders `costs` its images need,
-    in order) lie in it and match the images it brings; a refusal names the first turn that does not."""
-    from packfeed.server.live.samples import placeholder_runs
-
-    starts, lengths = placeholder_runs(sample.tokens, rules.image_context_id)
-    bounds = np.r_[0, np.cumsum([tokens for _, tokens, _ in sample.turns])]
+def check_placeholders(turns: tuple[Turn, ...], starts: np.ndarray, lengths: np.ndarray, costs: list[int],
+                       context_id: int) -> None:
+    """Each turn's placeholder runs (of the whole trajectory, `starts` and `lengths`; `costs`: the placeholders its
+    images need, in order) lie in it and match the images it brings; a refusal names the first turn that does
+    not."""
+    bounds = np.r_[0, np.cumsum([tokens for _, tokens, _ in turns])]
     taken = 0
-    for k, (_, _, images) in enumerate(sample.turns):
+    for k, (_, _, images) in enumerate(turns):
         inside = (starts >= bounds[k]) & (starts < bounds[k + 1])
         found = lengths[inside].tolist()
         crossing = bool(((starts[inside] + lengths[inside]) > bounds[k + 1]).any())
         wanted = costs[taken:taken + images]
         if crossing or found != wanted:
             raise refused(f"turns[{k}]", f"turn {k} brings {images} images, which need placeholder runs (of token "
-                                         f"{rules.image_context_id}) {wanted}; it holds {found}"
+                                         f"{context_id}) {wanted}; it holds {found}"
                                          + (" and one runs past its end" if crossing else ""))
         taken += images
 
@@ -97,7 +90,7 @@ def turn_digests(tokens: np.ndarray, turns: tuple[Turn, ...]) -> tuple[str, ...]
     return tuple(out)
 
 
-def inherit(sample: LiveSample, parent: LiveRow | LiveSample) -> list[tuple[int, int]]:
+def inherit(sample: Any, parent: Any) -> list[tuple[int, int]]:
     """A fork's parent found in its group: its first turns are the parent's (the same tokens and turns; Refused
     where they are not, or where the parent is not of its group). Sets the tokens and images it shares; returns
     the sizes of the images it inherits (its parent's first ones)."""

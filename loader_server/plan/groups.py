@@ -243,7 +243,7 @@ def _tree_savings(members, offsets, loads, group, pack) -> dict[str, Any]:
     pairs = np.unique(np.stack([group[chosen], pack[chosen]]), axis=1) if chosen.any() else np.zeros((2, 0), int)
     groups, per_group = np.unique(pairs[0], return_counts=True)
     tokens = saved["tokens"]
-    return {"vision": saved["vision"], "tokens": tokens, "squares": tokens.astype(np.float64) ** 2,
+    return {"vision": saved["vision"], "tokens": tokens, "squares": saved["squares"],
             "groups": int(len(groups)), "split_groups": int((per_group > 1).sum()),
             "prefix_tokens_saved": int(tokens.sum()), "vision_units_saved": int(saved["vision"].sum())}
 

@@ -106,8 +106,8 @@ def tree_unit_loads(loads: SampleLoads, members: np.ndarray, starts: np.ndarray,
 
 
 def tree_savings(members: np.ndarray, offsets: np.ndarray, loads: Any) -> dict[str, np.ndarray]:
-    """Per pack of a plan, the tokens and vision units every fork whose parent is in its pack does not compute
-    again (its shared turns and their images)."""
+    """Per pack of a plan, the tokens, vision units and attention squares (S^2) every fork whose parent is in its
+    pack does not compute again (its shared turns and their images)."""
     n_packs = len(offsets) - 1
     pack = np.repeat(np.arange(n_packs), np.diff(offsets))
     parent = np.asarray(loads.parent, np.int64)
@@ -116,4 +116,5 @@ def tree_savings(members: np.ndarray, offsets: np.ndarray, loads: Any) -> dict[s
                       bool)
     tokens = np.bincount(pack[inside], np.asarray(loads.prefix)[members[inside]], n_packs).astype(np.int64)
     vision = np.bincount(pack[inside], np.asarray(loads.shared_vision)[members[inside]], n_packs).astype(np.int64)
-    return {"tokens": tokens, "vision": vision}
+    shares = np.asarray(loads.prefix, np.float64)[members[inside]]
+    return {"tokens": tokens, "vision": vision, "squares": np.bincount(pack[inside], shares * shares, n_packs)}
