@@ -193,6 +193,12 @@ def group_comparison(args, table_, shape, cluster: Cluster, settings: Settings, 
     unshared = simulate_plan(alone, table_, cluster, settings, None)
     out.update(totals(alone, unshared, "unshared"))
     out["epoch_speedup"] = round(unshared.epoch_s / prediction.epoch_s, 4) if prediction.epoch_s else None
+    from packfeed.server.plan.trees import is_tree, one_level
+
+    if is_tree(samples) and samples.prompt is not None:  # trees: against one-level prefix sharing, too
+        level = make_workload(one_level(samples), args.strategy, args.dp, args.microbatches, args.pp, patches,
+                              planner_cost_model(table_, patches), args.seed, args.epoch, args.samples_per_pack)
+        out.update(totals(level, simulate_plan(level, table_, cluster, settings, None), "one_level"))
     return out
 
 
@@ -202,6 +208,8 @@ def groups_line(groups: dict) -> str:
     if "epoch_s_unshared" in groups:
         line += (f"; epoch {groups['epoch_s_shared']:.1f} s shared vs {groups['epoch_s_unshared']:.1f} s each sample "
                  f"alone ({groups['epoch_speedup']:.2f}x)")
+    if "epoch_s_one_level" in groups:
+        line += f", {groups['epoch_s_one_level']:.1f} s with one-level prefix sharing"
     return line
 
 

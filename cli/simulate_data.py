@@ -125,7 +125,7 @@ def random_packs(samples: SampleLoads, config: PlanConfig, seed: int, epoch: int
 
 
 def samples_of(args: argparse.Namespace):
-    """The samples `--lengths` or `--index` give (with their groups, where length records name them)."""
+    """The samples `--lengths` or `--index` give (with their groups and trees, where length records name them)."""
     from packfeed.server.plan.costs import SampleLoads, load_sample_loads
 
     if bool(args.lengths) == bool(args.index):
@@ -136,16 +136,20 @@ def samples_of(args: argparse.Namespace):
 
     from packfeed.server.index.lengths import length_records, record_groups
 
-    parts, groups, labels = [], [], {}
+    from packfeed.server.index.trajectory_lengths import joined_trees, record_trees, with_trees
+
+    parts, groups, labels, trees = [], [], {}, []
     for f in args.lengths:
         records = length_records(Path(f))
         parts.append(read_length_file(Path(f), records=records))
         found = record_groups(Path(f), records, labels)
+        trees.append(record_trees(Path(f), records, found[0]) if found else None)
         groups.append(found or (np.full(len(records), -1, np.int64), np.zeros(len(records), np.int64)))
     vit = np.concatenate([p[0] for p in parts])
     tokens = np.concatenate([p[1] for p in parts])
     samples = SampleLoads.from_arrays(np.maximum(vit, 0), np.maximum(tokens, 0), valid=(vit >= 0) & (tokens > 0))
-    if labels:  # length records naming groups (docs/planning.md "Groups")
+    if labels:  # length records naming groups (docs/planning.md "Groups"), or trees ("Trees")
         samples.group = np.concatenate([g for g, _ in groups])
         samples.prefix = np.concatenate([p for _, p in groups]).astype(np.int32)
+        with_trees(samples, joined_trees(trees, [len(p[0]) for p in parts]), samples.prefix)
     return samples

@@ -604,6 +604,57 @@ def test_a_groups_responses_come_with_their_prompt_once(server, prompts):
     assert sorted(seen) == sorted(keys + ["files"])
 
 
+def test_a_tree_of_trajectories_comes_with_each_shared_turn_and_screenshot_once(server, prompts):
+    """Trajectories put over gRPC (turns, a fork's parent and fork_turn): the tree comes as one pack naming each
+    fork's parent, its screenshots sent once; the client's unshared view gives every trajectory its turns' images,
+    and a fork whose turn brings no image for its placeholders is refused naming the turn."""
+    from packfeed.client.model.shared_prefix import unshared
+
+    conventions = prompts[1]
+    rng = np.random.default_rng(21)
+    placeholders = policy_from_dict(json.loads(conventions.image_policy.parameters_json)).cost(224, 112, 2).llm_tokens
+
+    def observation():
+        tokens = np.concatenate([response(rng, conventions, 4), np.full(placeholders, conventions.image_context_id,
+                                                                         np.int32), response(rng, conventions, 3)])
+        return tokens, {"role": "environment", "tokens": len(tokens), "images": 1}
+
+    def action():
+        tokens = response(rng, conventions, int(rng.integers(4, 12)))
+        return tokens, {"role": "policy", "tokens": len(tokens)}
+
+    def trajectory(sample_id, turns, images, parent="", fork=0):
+        tokens = np.concatenate([t for t, _ in turns])
+        mask = np.concatenate([np.full(len(t), int(m["role"] == "policy"), np.uint8) for t, m in turns])
+        return {"id": sample_id, "group": "episode", "tokens": tokens, "loss_mask": mask, "images": images,
+                "turns": [m for _, m in turns], "parent": parent, "fork_turn": fork,
+                "tensors": {"advantages": rng.normal(size=len(tokens))}}
+
+    root = [observation(), action(), observation(), action()]
+    fork = root[:2] + [observation(), action()]
+    screens = [png(224, 112, 30 + k) for k in range(3)]
+    samples = [trajectory("root", root, screens[:2]), trajectory("fork", fork, [screens[2]], "root", 2)]
+    bad = trajectory("bad", fork, [], "root", 2)  # its turn 2 brings an image it does not carry
+    plan = PlanConfig(dp=1, microbatches=1, live=True, step_samples=2, token_cap=4096, vision_cap=64)
+    with Producer(server.target, job="trajectories", connection=CONNECTION, plan=plan, on_refused="return") as producer:
+        refused = producer.put(bad)
+        assert not refused.accepted and refused.field == "images" and "turn 2 on bring 1 images" in refused.reason
+        producer.put(samples)
+        producer.end()
+    stream = PackStream(server.target, job="trajectories", rank=0, plan=plan, connection=CONNECTION)
+    packs = [pack for step in stream for pack in step.packs if not pack.empty]
+    stream.close()
+    (pack,) = packs
+    assert pack.sample_keys == ["root", "fork"]
+    assert pack.shared_prefix.view(-1, 2).tolist() == [[0, len(fork[0][0]) + len(fork[1][0])]] * 2
+    assert int(pack.image_sample.numel()) == 3  # the root's two screenshots and the fork's own one
+    whole = unshared(pack)
+    bounds = whole.cu_seqlens.tolist()
+    for k, sample in enumerate(samples):
+        assert np.array_equal(whole.input_ids[bounds[k]:bounds[k + 1]].numpy(), sample["tokens"])
+        assert int((whole.image_sample == k).sum()) == 2
+
+
 def test_a_producer_fails_over_to_the_next_server_on_not_found(server, small_tile_index, prompts, tmp_path):
     """Producer([A, B]) where A does not know the job (restarted, or never opened it) and B serves it: the put
     goes on to B at once, instead of waiting on A's NOT_FOUND."""

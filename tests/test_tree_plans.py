@@ -6,6 +6,7 @@ once per pack, a tree that fits in one pack, collective safety, and the summary'
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -120,3 +121,81 @@ def test_a_tree_costs_its_unique_tokens_not_each_trajectory_whole():
     assert plan.summary(loads)["groups"]["prefix_tokens_saved"] == int(loads.tokens.sum()) - unique > 0
     tight = make_plan(loads, PlanConfig(dp=1, token_cap=unique - 1, vision_cap=int(loads.vision.sum()) + 1), 0, 0)
     assert len([p for p in packs_of(tight) if len(p)]) > 1  # cut into subtrees, each with its root path
+
+
+def trajectory_records(n_trees: int, size: int, seed: int) -> list[dict]:
+    """Length records of trees of trajectories: a prompt (its tokens and screenshot), forks at random points of
+    an earlier trajectory of the tree, each fork's own turns after it (tokens and images)."""
+    rng = np.random.default_rng(seed)
+    records: list[dict] = []
+    for tree in range(n_trees):
+        first, prompt = len(records), int(rng.integers(300, 900))
+        records.append({"id": f"{tree}-0", "group": f"task-{tree}", "prefix_tokens": prompt, "prompt_vit_num": 2,
+                        "vit_num": 5, "token_num": prompt + int(rng.integers(500, 3000))})
+        for k in range(1, size):
+            parent = records[first + int(rng.integers(0, k))]
+            fork = int(rng.integers(prompt, parent["token_num"]))
+            shared_vision = min(parent["vit_num"], 2 + (fork - prompt) // 800)
+            own = int(rng.integers(0, 4))
+            records.append({"id": f"{tree}-{k}", "group": f"task-{tree}", "prefix_tokens": prompt,
+                            "prompt_vit_num": 2, "parent": parent["id"], "fork_tokens": fork,
+                            "fork_vit_num": shared_vision, "vit_num": shared_vision + own,
+                            "token_num": fork + 256 * own + int(rng.integers(100, 1500))})
+    return records
+
+
+def unique_tokens(records: list[dict]) -> int:
+    """The test's own count: each trajectory's tokens after its fork, a root's whole."""
+    return sum(r["token_num"] - r.get("fork_tokens", 0) for r in records)
+
+
+def test_simulate_and_stats_report_a_trajectory_mix_tree_one_level_and_alone(tmp_path):
+    """A length file of trees (`id`, `parent`, `fork_tokens`, ...): `packfeed simulate --json` reports LLM tokens,
+    vision units and step and epoch time as trees, with one-level prefix sharing and each trajectory alone;
+    `packfeed index --from-lengths` then `packfeed stats` compares the balanced plan the three ways."""
+    import json
+    import subprocess
+    import sys
+
+    from packfeed.server.index.lengths import index_from_lengths
+
+    records = trajectory_records(40, 8, 5)
+    (tmp_path / "trees.json").write_text(json.dumps(records))
+    run = subprocess.run([sys.executable, "-m", "packfeed.cli", "simulate", "--lengths", str(tmp_path / "trees.json"),
+                          "--dp", "8", "--microbatches", "2", "--json"], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    groups = json.loads(run.stdout)["groups"]
+    assert groups["llm_tokens_unshared"] == sum(r["token_num"] for r in records)
+    assert groups["llm_tokens_shared"] >= unique_tokens(records)  # a tree cut over packs carries its root path
+    assert groups["llm_tokens_shared"] < groups["llm_tokens_one_level"] < groups["llm_tokens_unshared"]
+    assert groups["epoch_s_shared"] < groups["epoch_s_one_level"] and "one-level prefix sharing" in run.stderr
+
+    info = index_from_lengths([tmp_path / "trees.json"], tmp_path / "i.parquet")
+    assert info.groups and info.trees
+    stats = subprocess.run([sys.executable, "-m", "packfeed.cli", "stats", "--index", str(tmp_path / "i.parquet"),
+                            "--out", str(tmp_path / "report"), "--dp", "8"], capture_output=True, text=True)
+    assert stats.returncode == 0, stats.stderr
+    report = json.loads((tmp_path / "report" / "report.json").read_text())
+    rows = {row["strategy"]: row for row in report["comparison"]}
+    tree, one, alone = (rows["isf+balance" + suffix]["llm_tokens"]
+                        for suffix in ("", ", one-level prefix sharing", ", each sample alone"))
+    assert unique_tokens(records) <= tree < one < alone == sum(r["token_num"] for r in records)
+    assert "40 trees of trajectories" in report["groups_note"]
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"parent": "nowhere"}, "no earlier record of its group"),
+    ({"fork_tokens": 1}, "'fork_tokens' is 1"),
+    ({"fork_vit_num": 99}, "'fork_vit_num' is 99"),
+    ({"id": "0-0"}, "id of its own"),
+])
+def test_length_files_with_bad_trees_are_refused_naming_the_record(tmp_path, change, message):
+    import json
+
+    from packfeed.server.index.lengths import index_from_lengths
+
+    records = trajectory_records(1, 3, 0)
+    records[2].update(change)
+    (tmp_path / "l.json").write_text(json.dumps(records))
+    with pytest.raises(ValueError, match=f"record 2: .*{message}"):
+        index_from_lengths([tmp_path / "l.json"], tmp_path / "i.parquet")

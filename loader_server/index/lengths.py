@@ -20,9 +20,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from packfeed.media.image_policy import DEFAULT_PATCHES_PER_UNIT
-from packfeed.server.index.table import (IndexInfo, check_encoder_name, check_groups, empty_rows, encoder_columns,
-                                         fingerprint_table, index_schema,
-                                         write_index)
+from packfeed.server.index.table import (TREE_COLUMNS, IndexInfo, check_encoder_name, check_groups, empty_rows,
+                                         encoder_columns, fingerprint_table, index_schema, write_index)
+from packfeed.server.index.trajectory_lengths import joined_trees, record_trees
 
 TOKENS_PER_TILE = 256
 KEY_CHUNK = 1 << 25  # InternVL: pixel-shuffled 448 px tile -> 256 LLM tokens
@@ -119,16 +119,18 @@ def index_from_lengths(files: list[str | Path], out: str | Path, encoders: dict[
     """An index of the length files; `encoders`: further encoders ({name: padded}) their records describe.
     Records naming a `group` make a grouped index (`record_groups`)."""
     encoders = {check_encoder_name(name): padded for name, padded in (encoders or {}).items()}
-    parts, grouping, labels = [], [], {}
+    parts, grouping, labels, found = [], [], {}, []
     for f in files:
         records = length_records(Path(f))
         parts.append(read_length_file(Path(f), encoders, records))
         grouping.append(record_groups(Path(f), records, labels))
+        found.append(record_trees(Path(f), records, grouping[-1][0]) if grouping[-1] is not None else None)
         del records
     groups = None
     if any(g is not None for g in grouping):
         groups = tuple(np.concatenate([g[k] if g is not None else np.full(len(p[0]), -1 if k == 0 else 0, np.int64)
                                        for g, p in zip(grouping, parts)]) for k in (0, 1))
+    trees = joined_trees(found, [len(p[0]) for p in parts])
     names = [Path(f).name for f in files]
     source = np.concatenate([np.full(len(p[0]), k, dtype=np.int32) for k, p in enumerate(parts)]) \
         if parts else np.zeros(0, np.int32)
@@ -136,16 +138,19 @@ def index_from_lengths(files: list[str | Path], out: str | Path, encoders: dict[
                for k in range(3 + 2 * len(encoders))]
     extra = {name: (columns[3 + 2 * k], columns[4 + 2 * k]) for k, name in enumerate(sorted(encoders))}
     return write_lengths_index(*columns[:3], out, names, source, inputs=[str(f) for f in files],
-                               encoders={name: (*extra[name], encoders[name]) for name in encoders}, groups=groups)
+                               encoders={name: (*extra[name], encoders[name]) for name in encoders}, groups=groups,
+                               trees=trees)
 
 
 def write_lengths_index(vit: np.ndarray, tok: np.ndarray, flags: np.ndarray, out: str | Path,
                         source_names: list[str], source: np.ndarray, inputs: list[str] | None = None,
                         encoders: dict[str, tuple[np.ndarray, np.ndarray, bool]] | None = None,
-                        groups: tuple[np.ndarray, np.ndarray] | None = None) -> IndexInfo:
+                        groups: tuple[np.ndarray, np.ndarray] | None = None,
+                        trees: tuple[np.ndarray, ...] | None = None) -> IndexInfo:
     """An index from per-sample (vit_num, token_num, image_flags); `source[i]` names row i's file; `encoders`:
     {name: (tokens, attention squares, padded)} of further encoders; `groups`: (group, prefix tokens) per sample,
-    a grouped index (each group's members checked to share one prefix)."""
+    a grouped index (each group's members checked to share one prefix); `trees`: (parent, fork tokens, fork vision,
+    prompt vision) per sample, its groups trees of trajectories (`trajectory_lengths`)."""
     n = len(vit)
     bad = (vit < 0) | (tok <= 0)
     reason = "bad length record (vit_num < 0 or token_num <= 0)"
@@ -175,15 +180,18 @@ def write_lengths_index(vit: np.ndarray, tok: np.ndarray, flags: np.ndarray, out
             columns[column] = pa.array(np.asarray(values, dtype=np.int64))
     if groups is not None:
         group, prefix = (np.asarray(g, np.int64) for g in groups)
-        check_groups(group, prefix, vit, tok)
+        if trees is None:  # a tree's trajectories share their prompt, not every image in it
+            check_groups(group, prefix, vit, tok)
         columns["group"], columns["prefix_tokens"] = pa.array(group), pa.array(prefix.astype(np.int32))
+    for (name, kind), values in zip(TREE_COLUMNS.items(), trees or ()):
+        columns[name] = pa.array(np.asarray(values, np.int64)).cast(kind)
     info = IndexInfo(fingerprint="", source="lengths", inputs=inputs or source_names,
                      invalid_by_reason={}, skipped_shards=[], encoders=described or None,
-                     groups=True if groups is not None else None)
+                     groups=True if groups is not None else None, trees=True if trees is not None else None)
     table = pa.table(columns, schema=index_schema(info))
     invalid = int(bad.sum())
     config = {"source": "lengths", "files": source_names, **({"encoders": described} if described else {}),
-              **({"groups": True} if groups is not None else {})}
+              **({"groups": True} if groups is not None else {}), **({"trees": True} if trees is not None else {})}
     info.fingerprint = fingerprint_table(table, config)
     info.invalid_by_reason = {reason: invalid} if invalid else {}
     write_index(table, out, info)

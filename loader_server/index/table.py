@@ -89,6 +89,7 @@ class IndexInfo:
     # samples come in groups sharing a prefix (GRPO's responses to one prompt, preference pairs): the index has
     # GROUP_COLUMNS
     groups: bool | None = None
+    trees: bool | None = None  # its groups are trees of trajectories: the index has TREE_COLUMNS too
     format_version: int = INDEX_FORMAT_VERSION
     packfeed_version: str = __version__
 
@@ -118,6 +119,10 @@ def encoder_columns(name: str) -> tuple[str, str]:
 # A grouped index's columns: each sample's group (-1: none; groups numbered 0.. in order of first appearance) and
 # the LLM tokens of the prefix it shares with the group's other members (the prompt; its images are among them)
 GROUP_COLUMNS = {"group": pa.int64(), "prefix_tokens": pa.int32()}
+# A grouped index of trajectories (length records naming a parent: `trajectory_lengths`): per sample, the sample it
+# continues (-1: none), the tokens and vision units it shares with it, and its prompt's vision units
+TREE_COLUMNS = {"parent": pa.int64(), "fork_tokens": pa.int32(), "fork_vision": pa.int32(),
+                "prompt_vision": pa.int32()}
 
 
 def check_groups(group: np.ndarray, prefix: np.ndarray, vision: np.ndarray, tokens: np.ndarray) -> None:
@@ -138,10 +143,12 @@ def check_groups(group: np.ndarray, prefix: np.ndarray, vision: np.ndarray, toke
 
 
 def index_schema(info: IndexInfo) -> pa.Schema:
-    """SCHEMA, then the columns of the index's further encoders, then a grouped index's GROUP_COLUMNS."""
+    """SCHEMA, then the columns of the index's further encoders, then a grouped index's GROUP_COLUMNS (and an
+    index of trees' TREE_COLUMNS)."""
     extra = [pa.field(column, pa.int64()) for name in sorted(info.encoders or {}) for column in encoder_columns(name)]
     groups = [pa.field(name, kind) for name, kind in GROUP_COLUMNS.items()] if info.groups else []
-    return pa.schema(list(SCHEMA) + extra + groups)
+    trees = [pa.field(name, kind) for name, kind in TREE_COLUMNS.items()] if info.trees else []
+    return pa.schema(list(SCHEMA) + extra + groups + trees)
 
 
 def member_checksum(data: bytes) -> int:

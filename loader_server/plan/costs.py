@@ -98,6 +98,10 @@ class SampleLoads:
     # tokens it shares with it) and the vision units of the images it inherits there; None: no trees
     parent: np.ndarray | None = None
     shared_vision: np.ndarray | None = None
+    # ... and of a tree's trajectories their prompt's tokens and vision units (what one-level sharing would share:
+    # `packfeed.server.plan.trees.one_level`); None: not known
+    prompt: np.ndarray | None = None
+    prompt_vision: np.ndarray | None = None
 
     def __post_init__(self):
         if self.towers is None:
@@ -175,6 +179,11 @@ def load_sample_loads(index_path: str | Path) -> tuple[SampleLoads, IndexInfo]:
     loads = SampleLoads(valid=column("valid", bool), vision=vision,
                         tokens=column("llm_tokens", np.int32), vit_patches=column("vit_patches", np.float32),
                         vit_attn_sq=column("vit_attn_sq", np.float32), encoders=encoders, towers=towers, **groups)
+    if info.trees:  # each fork continuing its parent (`packfeed.server.plan.trees`)
+        from packfeed.server.index.trajectory_lengths import with_trees
+
+        with_trees(loads, tuple(column(name, np.int64) for name in ("parent", "fork_tokens", "fork_vision",
+                                                                     "prompt_vision")), loads.prefix)
     return loads, info
 
 

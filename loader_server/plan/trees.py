@@ -25,6 +25,22 @@ def is_tree(loads: Any) -> bool:
     return getattr(loads, "parent", None) is not None
 
 
+def one_level(loads: SampleLoads) -> SampleLoads:
+    """The trees' trajectories with one-level sharing only: each continuing its tree's first trajectory for its
+    prompt (`loads.prompt` tokens and `loads.prompt_vision` units: what a group sharing one prompt shares)."""
+    from dataclasses import replace
+
+    group = np.asarray(loads.group, np.int64)
+    ids = np.arange(len(group))
+    first = np.full(int(group.max(initial=-1)) + 1, len(group), np.int64)
+    np.minimum.at(first, group[group >= 0], ids[group >= 0])
+    parent = np.where(group >= 0, first[np.maximum(group, 0)], -1)
+    parent = np.where(parent == ids, -1, parent)
+    shares = np.where(parent >= 0, np.asarray(loads.prompt, np.int64), 0)
+    vision = np.where(parent >= 0, np.asarray(loads.prompt_vision, np.int64), 0)
+    return replace(loads, parent=parent, prefix=shares.astype(np.int32), shared_vision=vision.astype(np.int32))
+
+
 def tree_keys(loads: SampleLoads, ids: np.ndarray, caps: Caps | None) -> np.ndarray:
     """Per member of `ids` (every one fits the caps alone, sorted by group then id), its unit's name: the first
     sample id of the subtree it is planned in."""

@@ -25,6 +25,7 @@ from packfeed.server.index.table import read_index  # noqa: E402
 from packfeed.server.plan.caps import resolve_caps  # noqa: E402
 from packfeed.server.plan.costs import SampleLoads, load_sample_loads  # noqa: E402
 from packfeed.server.plan.groups import group_summary, grouped, prefix_savings  # noqa: E402
+from packfeed.server.plan.trees import is_tree, one_level  # noqa: E402
 from packfeed.server.plan.isf import Caps  # noqa: E402
 from packfeed.server.plan.plan_file import Plan  # noqa: E402
 from packfeed.server.plan.planner import make_plan  # noqa: E402
@@ -32,6 +33,7 @@ from packfeed.server.tools.info import describe  # noqa: E402
 from packfeed.server.tools.stats_render import report_html, report_markdown  # noqa: E402
 from packfeed.v1.options import PlanConfig, Strategy  # noqa: E402
 
+ONE = "one-level"  # a comparison plan of trees sharing only their prompts (`one_level`)
 REPORT_COLUMNS = ["valid", "reason", "n_images", "n_videos", "vision_units", "vision_tokens", "llm_tokens", "text_tokens",
                   "loss_tokens", "shard"]
 
@@ -47,13 +49,16 @@ def compare_strategies(loads, config: PlanConfig, seed: int, fingerprint: str,
         variants.insert(variants.index((Strategy.ISF_BALANCE, True, shared)) + 1, (Strategy.ISF_BALANCE, False, shared))
     if grouped(loads) and shared:  # what sharing the groups' prefixes saves the balanced plan
         variants.insert(variants.index((Strategy.ISF_BALANCE, safe, True)) + 1, (Strategy.ISF_BALANCE, safe, False))
+        if is_tree(loads) and loads.prompt is not None:  # trees: against their prompts shared alone, too
+            variants.insert(variants.index((Strategy.ISF_BALANCE, safe, True)) + 1, (Strategy.ISF_BALANCE, safe, ONE))
     for strategy, collective_safe, shares in variants:  # ISF_PHASES: its encoder phase has Dist figures of its own
-        plan = make_plan(loads, replace(config, strategy=strategy, collective_safe=collective_safe,
-                                        shared_prefix=shares), seed, 0, fingerprint, caps=caps)
-        summary = plan.summary(loads)
-        vision, llm = plan.pack_loads(loads)
+        planned = one_level(loads) if shares is ONE else loads
+        plan = make_plan(planned, replace(config, strategy=strategy, collective_safe=collective_safe,
+                                          shared_prefix=bool(shares)), seed, 0, fingerprint, caps=caps)
+        summary = plan.summary(planned)
+        vision, llm = plan.pack_loads(planned)
         label = strategy.value + ("" if collective_safe == safe else ", not collective-safe") + \
-            ("" if shares == shared else ", each sample alone")
+            ("" if shares == shared else ", each sample alone" if not shares else ", one-level prefix sharing")
         rows.append({"strategy": label, "collective_safe": collective_safe, "samples_per_pack": summary["samples_per_pack"],
                      "max_pack_tokens": int(llm.max()) if len(llm) else 0, "pad_ratio": summary["pad_ratio"],
                      "vit_dist": summary["vit_dist"], "llm_dist": summary["llm_dist"], "packs": summary["packs"],
@@ -66,15 +71,20 @@ def compare_strategies(loads, config: PlanConfig, seed: int, fingerprint: str,
 
 
 def groups_note(rows: list[dict], groups: dict) -> str:
-    """What sharing the groups' prefixes saves ISF+balance: LLM tokens, vision units and steps."""
+    """What sharing the groups' prefixes saves ISF+balance: LLM tokens, vision units and steps (of trees: against
+    one-level prefix sharing too)."""
     shared = next((r for r in rows if r["strategy"] == Strategy.ISF_BALANCE.value), None)
     alone = next((r for r in rows if r["strategy"].endswith("each sample alone")), None)
+    one = next((r for r in rows if r["strategy"].endswith("one-level prefix sharing")), None)
     if shared is None or alone is None:
         return ""
-    return (f"{groups['groups']:,} groups share their prefix ({groups['split_groups']:,} over more than one pack): "
+    what = "trees of trajectories compute every shared turn once" if one else "groups share their prefix"
+    level = f", {one['llm_tokens']:,}, {one['vision_units']:,} and {one['steps']:,} with one-level prefix sharing" \
+        if one else ""
+    return (f"{groups['groups']:,} {what} ({groups['split_groups']:,} over more than one pack): "
             f"ISF+balance computes {shared['llm_tokens']:,} LLM tokens and {shared['vision_units']:,} vision units in "
             f"{shared['steps']:,} steps, against {alone['llm_tokens']:,}, {alone['vision_units']:,} and "
-            f"{alone['steps']:,} with each sample alone (packfeed simulate gives the step time of both).")
+            f"{alone['steps']:,} with each sample alone{level} (packfeed simulate gives the step time of each).")
 
 
 def collective_safe_note(rows: list[dict], config: PlanConfig) -> str:
