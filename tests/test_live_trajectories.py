@@ -151,7 +151,7 @@ def test_a_tree_put_in_two_puts_comes_as_one_pack_with_its_images_once(job, tmp_
     assert [outcome for outcome, _ in put(live, later, end=True)] == ["accepted"]
     tars = sorted((tmp_path).rglob("*.tar"))
     images_in = [sum(name.endswith(".img") for name in tarfile.open(tar).getnames()) for tar in tars]
-    assert images_in == [3, 1]  # A, B and C once in the first put's tar (A carried three times), A again later
+    assert images_in == [3, 0]  # A, B and C once in the first put's tar (A carried three times), A not again
     packs, reader = built_packs(live)
     (pack,) = [p for p in packs if not p.empty]
     keys = pack.sample_keys
@@ -163,7 +163,8 @@ def test_a_tree_put_in_two_puts_comes_as_one_pack_with_its_images_once(job, tmp_
 
     assert rows["t1"] == ("t0", shares("t1", 2)) and rows["t2"] == ("t1", shares("t2", 4))
     assert rows["t3"] == ("t0", shares("t3", 4)) and rows["t0"][0] == "t0"
-    assert reader.decoded == 4  # A (at three turns of t0, inherited by every fork; and t3's own file), B, C
+    assert reader.decoded == 3  # A (at three turns of t0, inherited by every fork, and t3's own file), B, C
+    assert live.steps.rows["t3"].media[0][1] == live.steps.rows["t0"].batch  # t3's file A is t0's, stored once
     # each trajectory whole: its tokens as put, every image of its turns (inherited ones copied from its parents)
     whole = unshared(pack)
     bounds = whole.cu_seqlens.tolist()
@@ -183,13 +184,17 @@ def test_a_tree_put_in_two_puts_comes_as_one_pack_with_its_images_once(job, tmp_
 
 
 def test_a_fork_keeps_its_parents_batch_across_a_restart(job, tmp_path):
-    """A server restarted on the spool: the fork's row still names its parent's images, which it reads."""
+    """A server restarted on the spool between two puts: a fork put after it finds its parent, inherits its
+    images, and its own copy of a screenshot spooled before is not stored again; after the step, nothing is
+    left."""
     live = new_live(job, tmp_path)
     first, later = a_tree(job)
     put(live, first)
-    put(live, later, end=True)
     again = new_live(job, tmp_path)
-    assert again.steps.rows["t3"].inherited == live.steps.rows["t3"].inherited != ()
+    assert [outcome for outcome, _ in put(again, later, end=True)] == ["accepted"]
+    row = again.steps.rows["t3"]
+    assert row.inherited and row.media and row.images == ()
+    assert {batch for batch, *_ in row.image_refs()} == {again.steps.rows["t0"].batch}
     packs, _ = built_packs(again)
     assert sum(len(p.sample_keys) for p in packs) == 4 and not any(p.skipped for p in packs)
     again.steps.release(0)

@@ -119,7 +119,9 @@ class ProducerSide:
         """A spooled part's arrays and image files, as its producer put them."""
         tar = self.spool.tar_path(row)
         arrays = {name: read_array(tar, span) for name, span in row.members.items()}
-        arrays["images"] = [read_member(tar, span) for span in row.images]
+        folder = tar.rsplit("/", 1)[0]
+        arrays["images"] = [read_member(f"{folder}/{file}", [offset, size])
+                            for _, file, offset, size in row.own_image_refs()]
         if TOKEN_VERSIONS not in arrays:
             arrays[TOKEN_VERSIONS] = np.full(row.tokens, row.policy_version, np.int64)
         return arrays

@@ -13,8 +13,9 @@ if TYPE_CHECKING:
     from packfeed.server.live.samples import LiveSample
 
 Span = tuple[int, int]  # [offset, size] of a member in its batch's tar
-# a trajectory's fields: left out of a row that is none (rows as spools held them before trajectories)
-TRAJECTORY_FIELDS = ("turns", "turn_digests", "parent", "fork_turn", "fork_tokens", "inherited_vision", "inherited")
+# a trajectory's fields and its media's: left out where empty (rows as spools held them before trajectories)
+TRAJECTORY_FIELDS = ("turns", "turn_digests", "parent", "fork_turn", "fork_tokens", "inherited_vision", "inherited",
+                     "image_digests", "media")
 
 
 @dataclass(frozen=True)
@@ -65,10 +66,15 @@ class LiveRow:
     fork_tokens: int = 0
     inherited_vision: int = 0
     inherited: tuple[tuple[int, str, int, int], ...] = ()
+    # media stored once per job: each of its own image files' content digest, and those found spooled already in
+    # another batch, (their number among its images, batch, tar, offset, size): `images` holds the others' spans
+    image_digests: tuple[str, ...] = ()
+    media: tuple[tuple[int, int, str, int, int], ...] = ()
 
     @classmethod
     def spooled(cls, sample: LiveSample, batch: int, file: str, place: int, members: dict[str, Span],
-                images: list[Span], inherited: list[tuple[int, str, int, int]] = ()) -> LiveRow:
+                images: list[Span], inherited: list[tuple[int, str, int, int]] = (), digests: list[str] = (),
+                media: list[tuple[int, int, str, int, int]] = ()) -> LiveRow:
         return cls(sample.id, sample.group, sample.policy_version, sample.prompt, sample.n_tokens,
                    sample.loss_tokens, sample.vision, sample.vit_patches, sample.vit_attn_sq,
                    tuple(tuple(size) for size in sample.sizes), tuple(sorted(sample.tensors)), sample.prompt_id,
@@ -77,15 +83,23 @@ class LiveRow:
                    values=dict(sample.values), unfinished=sample.unfinished, part=sample.part, covers=sample.covers,
                    producer=sample.producer, turns=tuple(sample.turns), turn_digests=tuple(sample.turn_digests),
                    parent=sample.parent, fork_turn=sample.fork_turn, fork_tokens=sample.fork_tokens,
-                   inherited_vision=sample.inherited_vision, inherited=tuple(inherited))
+                   inherited_vision=sample.inherited_vision, inherited=tuple(inherited), image_digests=tuple(digests),
+                   media=tuple(media))
+
+    def own_image_refs(self) -> list[tuple[int, str, int, int]]:
+        """Where each of its own image files lies, in order: (batch, tar, offset, size)."""
+        elsewhere = {k: tuple(ref) for k, *ref in self.media}
+        here = iter(self.images)
+        return [elsewhere[k] if k in elsewhere else (self.batch, self.file, *next(here))
+                for k in range(len(self.images) + len(self.media))]
 
     def image_refs(self) -> list[tuple[int, str, int, int]]:
         """Where every image of its whole trajectory lies, in order: (batch, tar, offset, size)."""
-        return [*self.inherited, *((self.batch, self.file, offset, size) for offset, size in self.images)]
+        return [*self.inherited, *self.own_image_refs()]
 
     def inherited_batches(self) -> set[int]:
         """The batches besides its own holding images it reads: they stay until it is consumed."""
-        return {batch for batch, *_ in self.inherited} - {self.batch}
+        return {batch for batch, *_ in self.inherited} | {batch for _, batch, *_ in self.media} - {self.batch}
 
     @property
     def key(self) -> str:
@@ -111,7 +125,8 @@ class LiveRow:
         values["tensors"] = tuple(values["tensors"])
         values["images"] = tuple(tuple(span) for span in values.get("images", ()))
         values["members"] = {name: tuple(span) for name, span in values.get("members", {}).items()}
-        for name in ("turns", "inherited"):
+        for name in ("turns", "inherited", "media"):
             values[name] = tuple(tuple(item) for item in values.get(name, ()))
-        values["turn_digests"] = tuple(values.get("turn_digests", ()))
+        for name in ("turn_digests", "image_digests"):
+            values[name] = tuple(values.get(name, ()))
         return cls(**values)

@@ -73,6 +73,9 @@ class Spool:
         self.dir = job_folder(root, job)
         self.store = ObjectFolder(self.dir) if is_object_url(self.dir) else LocalFolder(self.dir)
         self.bytes = 0  # of the batches `recover` found and this server wrote since
+        # media stored once per job: an image file's (content digest, size) -> where a held batch has it
+        # (batch, tar, offset, size)
+        self.media: dict[tuple[str, int], tuple[int, str, int, int]] = {}
         recorded = self.read_json("job.json")
         if recorded is None:
             self.write_json("job.json", {"job": job, "settings": json.loads(described)})
@@ -112,20 +115,25 @@ class Spool:
         for orphan in set(self.store.list("batches", ".tar")) - named:
             self.store.delete(f"batches/{orphan}")
         self.bytes = sum(self.store.size(f"batches/{name}") for name in named)
+        self.media = {(digest, ref[3]): ref for _, rows in batches for row in rows
+                      for digest, ref in zip(row.image_digests, row.own_image_refs()) if ref[0] == row.batch}
         return batches
 
     def write_batch(self, number: int, samples: list[LiveSample],
                     row_of: Callable[[str], LiveRow | None] = lambda sample_id: None) -> list[LiveRow]:
         """The samples as batch `number` (durable when this returns); their rows, as `recover` gives them. An
-        image file is stored once per batch however many samples or turns carry it (by its content's digest); a
-        fork's inherited images are its parent's (`row_of`: a spooled row by id, or one earlier in the batch).
+        image file is stored once per job however many samples or turns carry it (by its content's digest: one a
+        batch still held has is read there, `media`); a fork's inherited images are its parent's (`row_of`: a
+        spooled row by id, or one earlier in the batch).
         SpoolConflict when another server wrote batch `number`; SpoolError when the spool cannot keep them:
         nothing of them is kept then, and nothing stands in the way of writing the batch again."""
         name = f"{number:0{BATCH_DIGITS}d}.{secrets.token_hex(4)}.tar"
         rows: list[LiveRow] = []
+        stored: dict[tuple[str, int], list[int]] = {}  # an image's (digest, size) -> its span in this tar
 
         def tar_of(out) -> None:  # written straight to the file: a put never holds a second copy of its samples
-            stored: dict[tuple[int, int], list[int]] = {}  # an image's (digest, size) -> its span in this tar
+            stored.clear()  # (a retried write starts again)
+            rows.clear()
             with tarfile.open(fileobj=out, mode="w", format=tarfile.USTAR_FORMAT) as tar:
                 by_id: dict[str, LiveRow] = {}
                 for place, sample in enumerate(samples):
@@ -134,9 +142,13 @@ class Spool:
                         members[TOKEN_VERSIONS] = sample.token_versions
                     spans = {member: _add(tar, f"{place:06d}.{member}.npy", _npy(values))
                              for member, values in members.items()}
-                    images = []
+                    images, digests, media = [], [], []
                     for k, data in enumerate(sample.images):
-                        key = (xxhash.xxh3_64_intdigest(data), len(data))
+                        key = (xxhash.xxh3_128_hexdigest(data), len(data))
+                        digests.append(key[0])
+                        if key in self.media:  # spooled already, in a batch still held: read there
+                            media.append((k, *self.media[key]))
+                            continue
                         if key not in stored:
                             stored[key] = _add(tar, f"{place:06d}.{k}.img", data)
                         images.append(stored[key])
@@ -144,7 +156,7 @@ class Spool:
                     if sample.parent:
                         parent = by_id.get(sample.parent) or row_of(sample.parent)
                         inherited = parent.image_refs()[:sample.inherited_images]
-                    rows.append(LiveRow.spooled(sample, number, name, place, spans, images, inherited))
+                    rows.append(LiveRow.spooled(sample, number, name, place, spans, images, inherited, digests, media))
                     by_id[sample.id] = rows[-1]
 
         size = self.store.write(f"batches/{name}", tar_of, exclusive=True)  # the tar before its rows (rows: durable)
@@ -154,6 +166,7 @@ class Spool:
             self._forget_tar(name)
             raise
         self.bytes += size
+        self.media.update({key: (number, name, *span) for key, span in stored.items()})
         return rows
 
     def _forget_tar(self, name: str) -> None:
@@ -167,6 +180,7 @@ class Spool:
     def remove_batch(self, number: int, row: LiveRow) -> None:
         """A batch every rank has consumed (`row`: one of its rows): its files go (the tar first: rows without a
         tar are never read again, a tar without rows is a failed put's, removed by `recover`)."""
+        self.media = {key: ref for key, ref in self.media.items() if ref[0] != number}
         tar = f"batches/{_tar_name(number, row)}"
         size = self.store.size(tar)
         self.store.delete(tar)
