@@ -1,12 +1,10 @@
 """A live job read back from its spool (`LiveSteps` has this face): every durable batch's rows, every recorded
 step, the counts the steps recorded and the versions they were planned for. A server reads it whenever it takes
-the job's lease, and after a write found another server's file (`LiveSteps.reload`); and a batch leaving it once
-every sample of it, and every fork reading its images, is consumed.
+the job's lease, and after a write found another server's file (`LiveSteps.reload`).
 """
 
 from __future__ import annotations
 
-from packfeed.server.live.rows import LiveRow
 from packfeed.server.live.spool import SpoolConflict, SpoolError
 
 
@@ -50,7 +48,7 @@ class SpoolRecovery:
                         self._batch_left[batch] += 1
         for number, rows in batches:
             if not self._batch_left[number]:  # released (or superseded) before a crash let it go
-                self._remove_batch(number, rows[0])
+                self._remove_batch(number, rows[0].file)
         self.arrived = len(self.known)
         try:
             self._form(end=False)  # what a crash (or a failed step record) left pending after a put's batch
@@ -58,24 +56,3 @@ class SpoolRecovery:
             raise
         except SpoolError:
             pass  # they stay pending, durable in their batches: the next put or end forms their steps
-
-    def _consumed(self, batch: int, row: LiveRow) -> None:
-        """One reader of `batch` consumed (`row`, a sample of it or a fork reading its images)."""
-        if batch not in self._batch_left:
-            return
-        self._batch_left[batch] -= 1
-        if not self._batch_left[batch]:
-            if batch != row.batch:  # a parent's batch: named by one of its own rows
-                row = next((self.rows[i] for i in self._batch_ids[batch] if i in self.rows and self.rows[i].batch == batch),
-                           row)
-            self._remove_batch(batch, row)
-
-    def _remove_batch(self, number: int, row: LiveRow) -> None:
-        for sample_id in self._batch_ids.pop(number):
-            if sample_id in self.rows and self.rows[sample_id].batch == number:  # not a later part's row
-                self.rows.pop(sample_id)
-        del self._batch_left[number]
-        try:
-            self.spool.remove_batch(number, row)
-        except (SpoolError, OSError):
-            pass  # its files stay: every step that took its samples is acknowledged, so nothing reads them again

@@ -161,9 +161,9 @@ def checked_sample(message: pb.LiveSample, rules: SampleRules) -> LiveSample:
                         message.prompt, list(message.images), [], loss_tokens=int(mask.sum()),
                         values=_values(message), unfinished=message.unfinished, part=int(message.part))
     _check_versions(sample, message)
-    sample.turns = checked_turns(message, sample)
-    sample.parent, sample.fork_turn = message.parent[:MAX_NAME], int(message.fork_turn)
-    if sample.turns:
+    if message.turns or message.parent or message.fork_turn:  # a trajectory (`trajectories`)
+        sample.turns = checked_turns(message, sample)
+        sample.parent, sample.fork_turn = message.parent[:MAX_NAME], int(message.fork_turn)
         sample.turn_digests = turn_digests(sample.tokens, sample.turns)
     if sample.parent:  # its images are costed once its parent is found (`finish_fork`): their sizes now
         if sample.prompt:

@@ -42,6 +42,7 @@ import xxhash
 
 from packfeed.media.storage import ObjectError, ObjectNotFound, filesystem, is_object_url, read_range, retried
 from packfeed.server.live.rows import LiveRow
+from packfeed.server.live.spool_errors import SpoolConflict, SpoolError, SpoolFull  # noqa: F401  (its callers catch them here)
 from packfeed.server.live.samples import LiveSample
 
 BATCH_DIGITS = 12
@@ -52,20 +53,6 @@ def job_folder(root: str | Path, job: str) -> str:
     """The job's folder under `root` (a path, or an object-store URL prefix)."""
     safe = re.sub(r"[^A-Za-z0-9_.-]", "_", job)[:64]
     return f"{str(root).rstrip('/')}/{safe}-{hashlib.sha256(job.encode()).hexdigest()[:12]}"
-
-
-class SpoolError(Exception):
-    """The spool cannot hold or give back what the job needs (a full disk, a folder of another job)."""
-
-
-class SpoolFull(SpoolError):
-    """The spool holds its bound (`--live-spool-max-gb`): producers wait until trainers acknowledge steps."""
-
-
-class SpoolConflict(SpoolError):
-    """A batch or step record of that number exists already: another server wrote to the job's spool after this
-    one read it (this one lost the job's lease, or took it while the other still wrote). Nothing was written; the
-    job's state must be read from the spool again before this server serves it on."""
 
 
 class Spool:
@@ -111,7 +98,7 @@ class Spool:
         answered) are removed. Only for the job's lease holder: another server's put in flight would lose its tar."""
         batches = [(int(name[:-len(".json")]), [LiveRow.from_json(raw) for raw in json.loads(self.store.read(
             f"batches/{name}"))]) for name in self.store.list("batches", ".json")]
-        named = {_tar_name(number, rows[0]) for number, rows in batches if rows}
+        named = {_tar_name(number, rows[0].file) for number, rows in batches if rows}
         for orphan in set(self.store.list("batches", ".tar")) - named:
             self.store.delete(f"batches/{orphan}")
         self.bytes = sum(self.store.size(f"batches/{name}") for name in named)
@@ -177,11 +164,11 @@ class Spool:
         except (OSError, ObjectError):
             pass
 
-    def remove_batch(self, number: int, row: LiveRow) -> None:
-        """A batch every rank has consumed (`row`: one of its rows): its files go (the tar first: rows without a
-        tar are never read again, a tar without rows is a failed put's, removed by `recover`)."""
+    def remove_batch(self, number: int, file: str) -> None:
+        """A batch every rank has consumed (`file`: its tar's name, its rows' `file`): its files go (the tar first:
+        rows without a tar are never read again, a tar without rows is a failed put's, removed by `recover`)."""
         self.media = {key: ref for key, ref in self.media.items() if ref[0] != number}
-        tar = f"batches/{_tar_name(number, row)}"
+        tar = f"batches/{_tar_name(number, file)}"
         size = self.store.size(tar)
         self.store.delete(tar)
         self.store.delete(self._rows(number))
@@ -189,7 +176,7 @@ class Spool:
 
     def tar_path(self, row: LiveRow) -> str:
         """Where a worker reads a row's members (a path, or an object URL)."""
-        return f"{self.dir}/batches/{_tar_name(row.batch, row)}"
+        return f"{self.dir}/batches/{_tar_name(row.batch, row.file)}"
 
     @staticmethod
     def _rows(number: int) -> str:
@@ -343,9 +330,9 @@ def token_digest(token: str) -> str:
     return hashlib.sha256(token.encode()).hexdigest()
 
 
-def _tar_name(number: int, row: LiveRow) -> str:
+def _tar_name(number: int, file: str) -> str:
     """The name of a batch's tar (`file` in its rows; a spool written before tars had a token: B.tar)."""
-    return row.file or f"{number:0{BATCH_DIGITS}d}.tar"
+    return file or f"{number:0{BATCH_DIGITS}d}.tar"
 
 
 def _npy(values: np.ndarray) -> bytes:

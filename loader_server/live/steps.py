@@ -20,8 +20,12 @@ Guarantees (docs/live.md):
   record that cannot be written (a full disk) loses nothing: the put fails, its samples stay pending (durable in
   their batch: a retry is answered duplicate, and forms the step). A server serves a live job only from state it
   read while holding the job's lease (`reload`, at every takeover), and a write that finds another server's file
-  in its place (SpoolConflict) marks the state `stale`, read again before the job is served on.
+  in its place (SpoolConflict) marks the state `stale`, read again before the job is served on. A batch stays
+  until every sample of it, and every later one reading its images (a fork, a file stored once per job), is
+  consumed.
 """
+# Near the line limit: one concern, a live job's samples in and steps out, every method of which meets a sample;
+# a split would lengthen each sample's path through the server (tests/test_live.py counts the files it crosses).
 
 from __future__ import annotations
 
@@ -248,9 +252,7 @@ class LiveSteps(SpoolRecovery, ProducerSide):
 
     def _supersede(self, row: LiveRow) -> None:
         """An unfinished part a later part of its rollout replaced: consumed, as far as its batch is concerned."""
-        self._batch_left[row.batch] -= 1
-        if not self._batch_left[row.batch]:
-            self._remove_batch(row.batch, row)
+        self._consumed(row.batch)
 
     # -- steps ------------------------------------------------------------------------------------------
 
@@ -355,13 +357,35 @@ class LiveSteps(SpoolRecovery, ProducerSide):
                     if row is None:
                         continue
                     for batch in (*row.inherited_batches(), row.batch):
-                        self._consumed(batch, row)
+                        self._consumed(batch)
             if self._released > before:
                 self.versions.released(self._released)
                 try:
                     self.spool.write_json("released.json", {"step": self._released})
                 except SpoolError:
                     pass  # a server re-opening the spool releases those steps again as their ranks acknowledge
+
+    def _consumed(self, batch: int) -> None:
+        """One reader of `batch` consumed (a sample of it, or one reading its images)."""
+        if batch not in self._batch_left:
+            return
+        self._batch_left[batch] -= 1
+        if not self._batch_left[batch]:
+            self._remove_batch(batch)
+
+    def _remove_batch(self, number: int, file: str | None = None) -> None:
+        """Batch `number`'s files go (`file`: its tar's name, else read from one of its rows)."""
+        ids = self._batch_ids.pop(number)
+        if file is None:
+            file = next((self.rows[i].file for i in ids if i in self.rows and self.rows[i].batch == number), "")
+        for sample_id in ids:
+            if sample_id in self.rows and self.rows[sample_id].batch == number:  # not a later part's row
+                self.rows.pop(sample_id)
+        del self._batch_left[number]
+        try:
+            self.spool.remove_batch(number, file)
+        except (SpoolError, OSError):
+            pass  # its files stay: every step that took its samples is acknowledged, so nothing reads them again
 
 
 def _resolve(future: asyncio.Future) -> None:
