@@ -222,3 +222,28 @@ def test_a_trajectory_whose_media_do_not_match_its_turns_is_refused_naming_the_t
     assert reasons[4].startswith("parent: trajectory 'nobody' is not accepted"), reasons[4]
     assert reasons[5].startswith("parent: its first 2 turns are not those of 't0'"), reasons[5]
     assert all(outcome == "refused" for outcome, _ in outcomes[1:])
+
+
+def test_a_superseded_part_gives_back_the_batch_whose_image_it_read(job, tmp_path):
+    """A rollout put in parts whose image file was spooled before (read where it lies): once its finished part
+    supersedes the first and the step is released, every batch is gone (the first part's hold on the image's
+    batch went with it)."""
+    _, conventions, policy = job
+    build = Turns(conventions, policy, seed=4)
+    image = png(7)
+    tokens, _ = build.observation(1, 1)
+
+    def one(sample_id, ids, **fields):
+        mask = np.r_[np.zeros(len(tokens), np.uint8), np.ones(len(ids) - len(tokens), np.uint8)]
+        return {"id": sample_id, "group": "", "tokens": ids, "loss_mask": mask, "images": [image],
+                "tensors": {"advantages": np.zeros(len(ids))}, **fields}
+
+    live = new_live(job, tmp_path)
+    first = np.r_[tokens, build.text(5)]
+    assert put(live, [one("x", first)])[0][0] == "accepted"
+    started = np.r_[tokens, build.text(4)]
+    assert put(live, [one("u", started, unfinished=True)])[0][0] == "accepted"
+    assert live.steps.partials.rows["u"].media  # its image is x's, stored once
+    assert put(live, [one("u", np.r_[started, build.text(6)], part=1)], end=True)[0][0] == "accepted"
+    live.steps.release(0)
+    assert not list(tmp_path.rglob("*.tar"))

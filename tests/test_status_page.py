@@ -43,7 +43,13 @@ def test_the_status_shows_jobs_ranks_and_progress(small_tile_index):
             steps = iter(stream)
             next(steps)
             next(steps)  # the first step acknowledged, with the trainer's data wait
-            first = json.loads(get(f"{base}/status.json")[1])
+            deadline = time.monotonic() + 20  # the acknowledgement travels on its own: read once it has arrived
+            while True:
+                first = json.loads(get(f"{base}/status.json")[1])
+                (watched,) = [j for j in first["jobs"] if j["job"] == "watched"]
+                if watched["ranks"][1]["acked"] is not None or time.monotonic() > deadline:
+                    break
+                time.sleep(0.1)
             next(steps)
             next(steps)
             deadline = time.monotonic() + 20  # the history's points come every 2 s, from the server's own clock

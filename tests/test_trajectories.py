@@ -284,3 +284,31 @@ def test_packfeed_train_reference_loss_on_a_tree_is_each_trajectory_alone(intern
     for name in summed:
         torch.testing.assert_close(grads[name], summed[name], rtol=0,
                                    atol=1e-5 * max(1.0, float(summed[name].abs().max())), msg=name)
+
+
+@pytest.mark.parametrize("masked", [1, 0])
+def test_the_reference_loss_follows_each_trajectorys_own_mask_on_a_shared_turn(internvl, masked):
+    """A shared action turn trained by one trajectory and not by another (trajectory `masked` leaves turn 1 out of
+    its loss, on the wire and alone): the reference trainer's loss on the tree is still each trajectory's alone."""
+    from types import SimpleNamespace
+
+    from packfeed.trainer.models.reference import VLMConfig, build_layers, run_layers, sized_model
+    from packfeed.trainer.models.reference_inputs import microbatches_of
+
+    config = sized_model(VLMConfig(patch_size=14), internvl.conventions)
+    layers = build_layers(config)
+    trajectories = tree_of_turns(internvl, seed=9)
+    wire, singles = tree_packs(trajectories)
+    turn0, turn1 = (len(t.ids) for t in trajectories[masked].turns[:2])
+    start = int(wire.cu_seqlens[masked])
+    wire.tensors["labels"] = wire.labels.clone()
+    wire.labels[start + turn0:start + turn0 + turn1] = IGNORE_INDEX
+    singles[masked].tensors["labels"] = singles[masked].labels.clone()
+    singles[masked].labels[turn0:turn0 + turn1] = IGNORE_INDEX
+
+    def loss_of(pack) -> float:
+        step = SimpleNamespace(packs=[pack], epoch=0, step=0, last_in_epoch=False, sample_sources=[])
+        with torch.no_grad():
+            return float(layers[-1](*run_layers(layers[:-1], microbatches_of(step, config, token_multiple=1).args))[0])
+
+    assert loss_of(wire) == pytest.approx(sum(loss_of(single) for single in singles), rel=1e-6)

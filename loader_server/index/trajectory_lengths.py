@@ -1,4 +1,4 @@
-"""Trees of trajectories in length files (docs/datasets.md "Length files"): a grouped record (`group`,
+"""Trees of trajectories in length files (docs/planning.md "Trees"): a grouped record (`group`,
 `prefix_tokens`: its prompt, what one-level sharing shares) may give an `id` and name the record of its group it
 continues (`parent`, an earlier record of the same file) with `fork_tokens`, the tokens it shares with it, and
 `fork_vit_num`, the vision units of those tokens' images; `prompt_vit_num` is its prompt's vision units (default

@@ -44,7 +44,7 @@ class SpoolRecovery:
         for number, rows in batches:  # a fork not yet released keeps its parent's batch (its images are there)
             for row in rows:
                 if row.id not in released and latest[row.id] == (number, row.part):
-                    for batch in row.inherited_batches() & self._batch_left.keys():
+                    for batch in row.inherited_batches().keys() & self._batch_left.keys():
                         self._batch_left[batch] += 1
         for number, rows in batches:
             if not self._batch_left[number]:  # released (or superseded) before a crash let it go

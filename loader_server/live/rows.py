@@ -97,9 +97,16 @@ class LiveRow:
         """Where every image of its whole trajectory lies, in order: (batch, tar, offset, size)."""
         return [*self.inherited, *self.own_image_refs()]
 
-    def inherited_batches(self) -> set[int]:
-        """The batches besides its own holding images it reads: they stay until it is consumed."""
-        return {batch for batch, *_ in self.inherited} | {batch for _, batch, *_ in self.media} - {self.batch}
+    def inherited_batches(self) -> dict[int, str]:
+        """The batches besides its own holding images it reads, with their tars' names: they stay until it is
+        consumed."""
+        held = {batch: file for batch, file, *_ in self.inherited} | {batch: file for _, batch, file, *_ in self.media}
+        held.pop(self.batch, None)
+        return held
+
+    def batches(self) -> dict[int, str]:
+        """Every batch it reads (its own and `inherited_batches`), with their tars' names."""
+        return {**self.inherited_batches(), self.batch: self.file}
 
     @property
     def key(self) -> str:

@@ -251,8 +251,10 @@ class LiveSteps(SpoolRecovery, ProducerSide):
             self.arrived += 1
 
     def _supersede(self, row: LiveRow) -> None:
-        """An unfinished part a later part of its rollout replaced: consumed, as far as its batch is concerned."""
-        self._consumed(row.batch)
+        """An unfinished part a later part of its rollout replaced: consumed, as far as its batch (and the batches
+        whose images it reads) are concerned."""
+        for batch, file in row.batches().items():
+            self._consumed(batch, file)
 
     # -- steps ------------------------------------------------------------------------------------------
 
@@ -356,8 +358,8 @@ class LiveSteps(SpoolRecovery, ProducerSide):
                     row = self.rows.get(sample_id)
                     if row is None:
                         continue
-                    for batch in (*row.inherited_batches(), row.batch):
-                        self._consumed(batch)
+                    for batch, file in row.batches().items():
+                        self._consumed(batch, file)
             if self._released > before:
                 self.versions.released(self._released)
                 try:
@@ -365,19 +367,17 @@ class LiveSteps(SpoolRecovery, ProducerSide):
                 except SpoolError:
                     pass  # a server re-opening the spool releases those steps again as their ranks acknowledge
 
-    def _consumed(self, batch: int) -> None:
-        """One reader of `batch` consumed (a sample of it, or one reading its images)."""
+    def _consumed(self, batch: int, file: str) -> None:
+        """One reader of `batch` (its tar `file`) consumed: a sample of it, or one reading its images."""
         if batch not in self._batch_left:
             return
         self._batch_left[batch] -= 1
         if not self._batch_left[batch]:
-            self._remove_batch(batch)
+            self._remove_batch(batch, file)
 
-    def _remove_batch(self, number: int, file: str | None = None) -> None:
-        """Batch `number`'s files go (`file`: its tar's name, else read from one of its rows)."""
+    def _remove_batch(self, number: int, file: str) -> None:
+        """Batch `number`'s files go (`file`: its tar's name, as its rows give it)."""
         ids = self._batch_ids.pop(number)
-        if file is None:
-            file = next((self.rows[i].file for i in ids if i in self.rows and self.rows[i].batch == number), "")
         for sample_id in ids:
             if sample_id in self.rows and self.rows[sample_id].batch == number:  # not a later part's row
                 self.rows.pop(sample_id)

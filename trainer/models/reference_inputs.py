@@ -102,8 +102,9 @@ def microbatches_of(step, config: VLMConfig, token_multiple: int = 64) -> Microb
 def with_repeated_targets(wire, laid, vocab_size: int):
     """`laid` (a pack's shared layout) with each label that is a trained target of several samples (a tree's
     shared turn: each trajectory alone would learn it) as label + vocab_size x (repeats - 1), which the head
-    weighs back (`LMHead.loss`): the summed loss of each sample alone. A layout whose shared tokens are not
-    trained (a group's prompt) comes back as it is."""
+    weighs back (`LMHead.loss`), and a row trained by some sample but not the one whose copy it holds trained:
+    the summed loss of each sample alone. A layout whose shared tokens are not trained (a group's prompt) comes
+    back as it is."""
     if "placement" not in laid.tensors:
         return laid
     labels = wire.labels.long()
@@ -111,10 +112,15 @@ def with_repeated_targets(wire, laid, vocab_size: int):
     trained = trained[~torch.isin(trained, wire.cu_seqlens[:-1].long())]  # a sample's first token: no predictor
     rows = laid.placement[trained - 1] + 1  # the row whose label each trained token's prediction targets
     repeats = torch.bincount(rows, minlength=int(laid.input_ids.numel()))
-    if not len(repeats) or int(repeats.max()) <= 1:
+    # each row's label: the token it is, where some sample trains it (label + vocab_size x (repeats - 1)), else
+    # none: a trajectory's mask, not the row's copy of one of them, says what is trained
+    wanted = torch.where(repeats > 0, laid.input_ids.long() + vocab_size * (repeats - 1).clamp(min=0), IGNORE_INDEX)
+    trained_rows = repeats > 0
+    if not bool((repeats > 1).any()) and torch.equal(laid.labels.long()[trained_rows], wanted[trained_rows]) \
+            and not bool(((laid.labels.long() != IGNORE_INDEX) & ~trained_rows
+                          & ~torch.isin(torch.arange(len(repeats)), laid.cu_seqlens[:-1].long())).any()):
         return laid
-    out = laid.labels.long() + vocab_size * (repeats - 1).clamp(min=0)
-    return replace(laid, tensors={**laid.tensors, "labels": out})
+    return replace(laid, tensors={**laid.tensors, "labels": wanted})
 
 
 def routed_images(pack, config: VLMConfig) -> RoutedImages:
