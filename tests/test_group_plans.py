@@ -128,12 +128,16 @@ def test_group_plans_keep_members_together_and_count_each_prefix_once(n_groups, 
 @given(n_groups=st.integers(1, 50), g=st.sampled_from([2, 3, 8]), seed=st.integers(0, 2**31),
        dp=st.integers(2, 5), m=st.integers(1, 3))
 def test_group_plans_stay_collective_safe(n_groups, g, seed, dp, m):
-    loads = grpo_loads(n_groups, g, seed, alone=20)
+    assert_collective_safe(grpo_loads(n_groups, g, seed, alone=20), dp, m, seed)
+
+
+def assert_collective_safe(loads: SampleLoads, dp: int, m: int, seed: int) -> None:
+    """The loads' plan at dp x m: within a step and microbatch index the ranks call the image tower all or none,
+    but in the leftover columns (fewer than one per class) and the last step, whose packs are split to give every
+    rank work; as its summary says; every sample once."""
     plan = make_plan(loads, PlanConfig(dp=dp, microbatches=m), seed, 0)
     calls = np.asarray([int(np.bitwise_or.reduce(loads.towers[p])) if len(p) else 0 for p in packs_of(plan)])
     columns = calls.reshape(-1, dp, m)
-    # within a step and microbatch index the ranks call the image tower all or none, but in the leftover columns
-    # (fewer than one per class) and the last step, whose packs are split to give every rank work
     bad = (columns.min(axis=1) == 0) & (columns.max(axis=1) > 0)
     assert bad[:-1].sum() <= 1
     assert int(bad.sum()) == plan.summary(loads)["collective_safe"]["unaligned_microbatches"]

@@ -314,8 +314,11 @@ def test_segment_attention_equals_the_dense_mask(lengths):
     parents = [-1] + [0] * (len(lengths) - 1) + [-1]
     torch.manual_seed(len(lengths))
     q, k, v = (torch.randn(bounds[-1], 2, 8, requires_grad=True) for _ in range(3))
-    got = segment_attention(q, k, v, bounds, parents)
-    mask = segment_mask(bounds, parents)[0, 0]
+    assert_masked_attention(q, k, v, segment_attention(q, k, v, bounds, parents), segment_mask(bounds, parents)[0, 0])
+
+
+def assert_masked_attention(q, k, v, got: torch.Tensor, mask: torch.Tensor) -> None:
+    """`got` (rows x heads x dim) is attention of q, k, v under the dense `mask`: its outputs and gradients."""
     expected = torch.nn.functional.scaled_dot_product_attention(
         q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask).transpose(0, 1)
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-6)

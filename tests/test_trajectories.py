@@ -206,6 +206,7 @@ def test_segment_attention_on_a_tree_equals_the_dense_mask():
     """`segment_attention` over a tree's segments (contexts shorter and longer than their segment, three
     depths) gives the outputs and gradients of attention under the dense mask `segment_mask` builds."""
     from packfeed.client.model.attention import segment_attention
+    from test_shared_prefix import assert_masked_attention
 
     lengths = [30, 12, 40, 6, 9, 20]
     bounds = [0, *np.cumsum(lengths).tolist()]
@@ -217,13 +218,7 @@ def test_segment_attention_on_a_tree_equals_the_dense_mask():
     mask = segment_mask(bounds, parents, starts)[0, 0]
     assert bool(mask[bounds[2], bounds[1]]) and not bool(mask[bounds[2], bounds[1] + 6])  # its parent up to 15 - 10
     assert not bool(mask[bounds[3], bounds[2]])  # never a sibling
-    expected = torch.nn.functional.scaled_dot_product_attention(
-        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask).transpose(0, 1)
-    torch.testing.assert_close(got, expected, rtol=0, atol=1e-6)
-    weights = torch.randn_like(got)
-    for a, b in zip(torch.autograd.grad((got * weights).sum(), (q, k, v)),
-                    torch.autograd.grad((expected * weights).sum(), (q, k, v))):
-        torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+    assert_masked_attention(q, k, v, got, mask)
 
 
 def test_a_malformed_tree_is_refused_naming_what_is_wrong(qwen):

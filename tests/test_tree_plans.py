@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from packfeed.server.plan.costs import SampleLoads
 from packfeed.server.plan.planner import make_plan
 from packfeed.v1.options import Oversize, PlanConfig, Strategy
+from test_group_plans import assert_collective_safe
 
 
 def forest_loads(n_trees: int, size: int, seed: int, alone: int = 0) -> SampleLoads:
@@ -100,14 +101,7 @@ def test_tree_plans_take_each_trajectory_once_within_the_caps_counting_shared_tu
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(n_trees=st.integers(1, 30), seed=st.integers(0, 2**31), dp=st.integers(2, 5), m=st.integers(1, 3))
 def test_tree_plans_stay_collective_safe(n_trees, seed, dp, m):
-    loads = forest_loads(n_trees, 8, seed, alone=20)
-    plan = make_plan(loads, PlanConfig(dp=dp, microbatches=m), seed, 0)
-    calls = np.asarray([int(np.bitwise_or.reduce(loads.towers[p])) if len(p) else 0 for p in packs_of(plan)])
-    columns = calls.reshape(-1, dp, m)
-    bad = (columns.min(axis=1) == 0) & (columns.max(axis=1) > 0)
-    assert bad[:-1].sum() <= 1
-    assert int(bad.sum()) == plan.summary(loads)["collective_safe"]["unaligned_microbatches"]
-    assert np.array_equal(np.sort(plan.members), np.arange(len(loads)))
+    assert_collective_safe(forest_loads(n_trees, 8, seed, alone=20), dp, m, seed)
 
 
 def test_a_tree_costs_its_unique_tokens_not_each_trajectory_whole():

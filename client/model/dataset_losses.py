@@ -17,7 +17,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from packfeed.client.model.shared_prefix import shared
+from packfeed.client.model.shared_prefix import shared_tokens
 from packfeed.client.stream.tensors import IGNORE_INDEX, PackTensors, Step
 
 ROWS_AT_ONCE = 512  # target tokens scored together: a chunk's float32 log-softmax is ROWS_AT_ONCE x vocabulary
@@ -60,9 +60,9 @@ def sums_by_dataset(pack: PackTensors, losses: torch.Tensor, mask: torch.Tensor,
     bounds = pack.cu_seqlens.numpy().astype(np.int64)  # each sample whole: the wire's own bounds
     positions = np.flatnonzero(mask.numpy())
     targets = positions + 1
-    if shared_prefix:  # a shared row's token stands for the unshared token `source` names
-        source = shared(pack).tensors.get("source")
-        targets = source.numpy()[targets] if source is not None else targets
+    layout = shared_tokens(pack) if shared_prefix else None
+    if layout is not None:  # a shared row's token stands for the unshared token `source` names
+        targets = layout.source[targets]
     if len(targets) and targets.max() >= bounds[-1]:
         raise ValueError(f"pack {pack.sample_keys}: a target past its samples' {bounds[-1]} tokens; give the losses "
                          "of its own row (to_hf_inputs of this pack)")

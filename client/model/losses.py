@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import torch
 
-from packfeed.client.model.shared_prefix import shared
+from packfeed.client.model.shared_prefix import shared, shared_tokens
 from packfeed.client.stream.tensors import IGNORE_INDEX, PackTensors
 
 
@@ -51,14 +51,14 @@ def sample_logprobs(logits: torch.Tensor, pack: PackTensors, shared_prefix: bool
     targets = torch.roll(pack.labels.long(), -1).to(logits.device)
     targets[pack.cu_seqlens[1:].long() - 1] = IGNORE_INDEX  # a sample's last token predicts nothing
     mask = targets != IGNORE_INDEX
-    if not shared_prefix or "shared_prefix" not in pack.tensors:
+    layout = shared_tokens(pack) if shared_prefix else None
+    if layout is None:
         logp, _ = token_logprobs(logits[:len(targets)], pack.labels.to(logits.device))
         return torch.where(mask, logp, torch.zeros_like(logp)), mask
-    laid = shared(pack)
-    following = laid.input_ids.long().clone()  # each row's next token within its segment
-    following[laid.cu_seqlens[:-1].long()] = IGNORE_INDEX
+    following = pack.input_ids.long()[torch.from_numpy(layout.source)]  # each row's next token in its segment
+    following[torch.from_numpy(layout.bounds[:-1])] = IGNORE_INDEX
     row_logp, _ = token_logprobs(logits[:len(following)], following.to(logits.device))
-    picked = row_logp[laid.placement.to(logits.device)]
+    picked = row_logp[torch.from_numpy(layout.placement).to(logits.device)]
     return torch.where(mask, picked, torch.zeros_like(picked)), mask
 
 

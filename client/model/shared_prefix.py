@@ -182,18 +182,11 @@ def shared(pack: PackTensors) -> PackTensors:
     if rows is None:
         return pack
     tree = tree_of(pack, rows)
-    bounds = tree.bounds
-    order = tree.order()
+    layout = token_layout(tree)
+    bounds, order, index = tree.bounds, layout.order, layout.source
     segment_of = {k: s for s, k in enumerate(order)}
-    source = [np.arange(bounds[k] + tree.first[k], bounds[k + 1]) for k in order]
-    index = np.concatenate(source) if source else np.zeros(0, np.int64)
     new_of_old = np.full(bounds[-1], -1, np.int64)
     new_of_old[index] = np.arange(len(index))
-    placement = new_of_old.copy()
-    for k in range(len(bounds) - 1):  # a parent is earlier in the pack: its tokens are placed before its child's
-        if tree.parent[k] >= 0:
-            p, head = int(tree.parent[k]), int(tree.first[k])  # its tokens before S - 1 predict what its parent's do
-            placement[bounds[k]:bounds[k] + head] = placement[bounds[p]:bounds[p] + head]
     source_t = torch.from_numpy(index)
     tensors = {name: t for name, t in pack.tensors.items() if name != "shared_prefix"}
     for name, tensor in pack.tensors.items():
@@ -210,14 +203,44 @@ def shared(pack: PackTensors) -> PackTensors:
                              "segment repeats: a sample forks after a text token")
         items.append((int(new_of_old[start]), n, segment_of[k], item))
     tensors = _with_items(pack, tensors, sorted(items), per_item)
-    lengths = [len(s) for s in source]
-    tensors["cu_seqlens"] = torch.tensor(np.r_[0, np.cumsum(lengths)], dtype=torch.int32)
+    tensors["cu_seqlens"] = torch.from_numpy(layout.bounds.astype(np.int32))
     tensors["segment_parents"] = torch.tensor([segment_of[int(tree.parent[k])] if tree.parent[k] >= 0 else -1
                                                for k in order], dtype=torch.int32)
     tensors["segment_starts"] = torch.tensor([int(tree.first[k]) for k in order], dtype=torch.int32)
     tensors["source"] = source_t
-    tensors["placement"] = torch.from_numpy(placement)
+    tensors["placement"] = torch.from_numpy(layout.placement)
     return replace(pack, tensors=tensors)
+
+
+@dataclass(frozen=True)
+class TokenLayout:
+    """The rows of a pack's shared layout, without its images: the samples in segment order, each row's unshared
+    token (`source`), the segments' bounds, and each unshared token's predicting row (`placement`)."""
+
+    order: list[int]
+    source: np.ndarray
+    bounds: np.ndarray
+    placement: np.ndarray
+
+
+def token_layout(tree: Tree) -> TokenLayout:
+    """`shared`'s rows for a pack's forest (`tree_of`), computed from token counts alone."""
+    bounds, order = tree.bounds, tree.order()
+    source = [np.arange(bounds[k] + tree.first[k], bounds[k + 1]) for k in order]
+    index = np.concatenate(source) if source else np.zeros(0, np.int64)
+    placement = np.full(bounds[-1], -1, np.int64)
+    placement[index] = np.arange(len(index))
+    for k in range(len(bounds) - 1):  # a parent is earlier in the pack: its tokens are placed before its child's
+        if tree.parent[k] >= 0:
+            p, head = int(tree.parent[k]), int(tree.first[k])  # its tokens before S - 1 predict what its parent's do
+            placement[bounds[k]:bounds[k] + head] = placement[bounds[p]:bounds[p] + head]
+    return TokenLayout(order, index, np.r_[0, np.cumsum([len(x) for x in source])].astype(np.int64), placement)
+
+
+def shared_tokens(pack: PackTensors) -> TokenLayout | None:
+    """The token rows `shared(pack)` lays out (no image is copied), or None for a pack sharing nothing."""
+    rows = prefix_rows(pack)
+    return None if rows is None else token_layout(tree_of(pack, rows))
 
 
 def continued_segments(cu_seqlens: torch.Tensor, position_ids: torch.Tensor) -> tuple[list[int], list[int]] | None:

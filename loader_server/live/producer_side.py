@@ -1,8 +1,8 @@
 """What a live job's producers ask of it besides their puts (`LiveSteps` has this face): who may put and how much
 (the producer token, the spool's bounds), their liveness (`Heartbeat`), reservations under staleness wait
-(`Reserve`), claims of unfinished rollouts (`ClaimRollout`), a fork's parent found at its put, the trainers' version reports, and the time-driven
-part of the job (`tick`: producers whose lease lapsed give back what they held; groups past their deadline and
-steps no longer waiting for a reservation form).
+(`Reserve`), claims of unfinished rollouts (`ClaimRollout`), a fork's parent found at its put, the trainers' version
+reports, and the time-driven part of the job (`tick`: producers whose lease lapsed give back what they held; groups
+past their deadline and steps no longer waiting for a reservation form).
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import numpy as np
 from packfeed.server.live.admission import CLAIM_PREFIX
 from packfeed.server.live.rows import LiveRow
 from packfeed.server.live.samples import LiveSample, Refused, SampleRules, finish_fork
-from packfeed.server.live.spool import TOKEN_VERSIONS, SpoolConflict, SpoolError, SpoolFull, read_array, read_member, \
-    token_digest
+from packfeed.server.live.spool import TOKEN_VERSIONS, SpoolConflict, SpoolError, SpoolFull, beside, read_array, \
+    read_member, token_digest
 
 # What a spooled sample takes at least (its tokens and loss mask: two tar members, a header and a block each), and
 # what a put's token is counted as against the spool's bound (`check_room`)
@@ -119,8 +119,7 @@ class ProducerSide:
         """A spooled part's arrays and image files, as its producer put them."""
         tar = self.spool.tar_path(row)
         arrays = {name: read_array(tar, span) for name, span in row.members.items()}
-        folder = tar.rsplit("/", 1)[0]
-        arrays["images"] = [read_member(f"{folder}/{file}", [offset, size])
+        arrays["images"] = [read_member(beside(tar, file), [offset, size])
                             for _, file, offset, size in row.own_image_refs()]
         if TOKEN_VERSIONS not in arrays:
             arrays[TOKEN_VERSIONS] = np.full(row.tokens, row.policy_version, np.int64)

@@ -33,6 +33,9 @@ class SpoolRecovery:
             current = [row for row in rows if latest[row.id] == (number, row.part)]
             self._batch_left[number] = sum(row.id not in released for row in current)
             for row in current:
+                if row.id not in released:  # what it reads in earlier batches stays until it is consumed
+                    for batch in row.inherited_batches().keys() & self._batch_left.keys():
+                        self._batch_left[batch] += 1
                 if row.unfinished:
                     self.partials.rows[row.id] = row
                     continue
@@ -41,11 +44,6 @@ class SpoolRecovery:
                     self.partials.finished_part[row.id] = row.part
                 if row.id not in taken:
                     self._pend(row)
-        for number, rows in batches:  # a fork not yet released keeps its parent's batch (its images are there)
-            for row in rows:
-                if row.id not in released and latest[row.id] == (number, row.part):
-                    for batch in row.inherited_batches().keys() & self._batch_left.keys():
-                        self._batch_left[batch] += 1
         for number, rows in batches:
             if not self._batch_left[number]:  # released (or superseded) before a crash let it go
                 self._remove_batch(number, rows[0].file)

@@ -252,7 +252,6 @@ def finish_fork(sample: LiveSample, parent, rules: SampleRules) -> None:
     sample.sizes = inherited + list(sample.sizes)
     _cost_images(sample, sample.sizes, rules)
     sample.inherited_vision = sum(rules.policy.cost(w, h, len(sample.sizes)).units for w, h in inherited)
-    sample.digest = sample.content_digest()
 
 
 def _check_images(sample: LiveSample, rules: SampleRules) -> None:

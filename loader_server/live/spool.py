@@ -330,6 +330,11 @@ def token_digest(token: str) -> str:
     return hashlib.sha256(token.encode()).hexdigest()
 
 
+def beside(tar: str, file: str) -> str:
+    """Where batch tar `file` lies, in the folder of the batch tar `tar` (a path or an object URL)."""
+    return f"{tar.rsplit('/', 1)[0]}/{file}"
+
+
 def _tar_name(number: int, file: str) -> str:
     """The name of a batch's tar (`file` in its rows; a spool written before tars had a token: B.tar)."""
     return file or f"{number:0{BATCH_DIGITS}d}.tar"

@@ -75,15 +75,15 @@ def tree_columns(rows: list[LiveRow]) -> tuple[np.ndarray, ...]:
     trees = {row.group for row in rows if row.parent}
     numbered: dict[tuple[str, str], int] = {}
     group = np.full(len(rows), -1, np.int64)
-    shares, parent, vision = (np.zeros(len(rows), np.int64) for _ in range(3))
-    parent -= 1
+    shares, vision = np.zeros(len(rows), np.int64), np.zeros(len(rows), np.int64)
+    parent = np.full(len(rows), -1, np.int64)
     first: dict[tuple[str, str], int] = {}
     for k, row in enumerate(rows):
         if row.group in trees:
             group[k] = numbered.setdefault((row.group, "\0tree"), len(numbered))
         elif row.prefix_key:
             group[k] = numbered.setdefault(prefix_group(row), len(numbered))
-        if row.parent and row.parent in place:
+        if row.parent and row.parent in place and row.fork_tokens >= 2:  # (a pack shares 2 tokens or more)
             parent[k], shares[k], vision[k] = place[row.parent], row.fork_tokens, row.inherited_vision
         elif row.prefix_key and not row.parent:
             owner = first.setdefault(prefix_group(row), k)

@@ -22,38 +22,35 @@ MAX_TURNS = 1024
 Turn = tuple[int, int, int]  # (role, tokens, images)
 
 
-refused = Refused
-
-
 def checked_turns(message, sample: Any) -> tuple[Turn, ...]:
     """The sample's turns as (role, tokens, images), checked: they cover its tokens, each turn has a role, only the
     policy's turns hold loss tokens, and its image files are those of its own turns (from `fork_turn` on)."""
     turns = tuple((int(t.role), int(t.tokens), int(t.images)) for t in message.turns)
     if not turns:
         if message.parent or message.fork_turn:
-            raise refused("turns", "a trajectory continuing another (parent, fork_turn) gives its turns")
+            raise Refused("turns", "a trajectory continuing another (parent, fork_turn) gives its turns")
         return ()
     if len(turns) > MAX_TURNS:
-        raise refused("turns", f"{len(turns)} turns: at most {MAX_TURNS}")
+        raise Refused("turns", f"{len(turns)} turns: at most {MAX_TURNS}")
     ends = np.cumsum([tokens for _, tokens, _ in turns])
     if int(ends[-1]) != len(sample.tokens) or any(tokens == 0 for _, tokens, _ in turns):
-        raise refused("turns", f"its turns hold {int(ends[-1])} tokens, each at least 1; the sample has "
+        raise Refused("turns", f"its turns hold {int(ends[-1])} tokens, each at least 1; the sample has "
                                f"{len(sample.tokens)}: the turns cover its tokens exactly, in order")
     for k, (role, _, _) in enumerate(turns):
         if role not in ROLES:
-            raise refused(f"turns[{k}]", f"role {role}: give who produced the turn ({', '.join(ROLES.values())})")
+            raise Refused(f"turns[{k}]", f"role {role}: give who produced the turn ({', '.join(ROLES.values())})")
         if role != pb.TURN_ROLE_POLICY and sample.loss_mask[ends[k] - turns[k][1]:ends[k]].any():
-            raise refused(f"turns[{k}]", f"a {ROLES[role]} turn holds loss tokens: only the policy's turns are "
+            raise Refused(f"turns[{k}]", f"a {ROLES[role]} turn holds loss tokens: only the policy's turns are "
                                          "trained (loss_mask 0 on every other turn)")
     fork = int(message.fork_turn)
     if message.parent and not 1 <= fork < len(turns):
-        raise refused("fork_turn", f"{fork}: a trajectory continuing another shares its first 1 to "
+        raise Refused("fork_turn", f"{fork}: a trajectory continuing another shares its first 1 to "
                                    f"{len(turns) - 1} turns (it has {len(turns)}) and has turns of its own")
     if not message.parent and fork:
-        raise refused("fork_turn", "give the parent it forks from, or no fork_turn")
+        raise Refused("fork_turn", "give the parent it forks from, or no fork_turn")
     own = sum(images for _, _, images in turns[fork:])
     if own != len(sample.images) and not sample.prompt:
-        raise refused("images", f"its turns from turn {fork} on bring {own} images and it carries "
+        raise Refused("images", f"its turns from turn {fork} on bring {own} images and it carries "
                                 f"{len(sample.images)} image files: give one file per image of its own turns "
                                 "(a fork's earlier turns' images are its parent's)")
     return turns
@@ -72,7 +69,7 @@ def check_placeholders(turns: tuple[Turn, ...], starts: np.ndarray, lengths: np.
         crossing = bool(((starts[inside] + lengths[inside]) > bounds[k + 1]).any())
         wanted = costs[taken:taken + images]
         if crossing or found != wanted:
-            raise refused(f"turns[{k}]", f"turn {k} brings {images} images, which need placeholder runs (of token "
+            raise Refused(f"turns[{k}]", f"turn {k} brings {images} images, which need placeholder runs (of token "
                                          f"{context_id}) {wanted}; it holds {found}"
                                          + (" and one runs past its end" if crossing else ""))
         taken += images
@@ -96,10 +93,10 @@ def inherit(sample: Any, parent: Any) -> list[tuple[int, int]]:
     the sizes of the images it inherits (its parent's first ones)."""
     fork = sample.fork_turn
     if parent.group != sample.group:
-        raise refused("parent", f"{sample.parent!r} answers group {parent.group!r}, this trajectory {sample.group!r}: "
+        raise Refused("parent", f"{sample.parent!r} answers group {parent.group!r}, this trajectory {sample.group!r}: "
                                 "a tree of trajectories is one group")
     if len(parent.turns) < fork + 1 or parent.turn_digests[fork - 1] != sample.turn_digests[fork - 1]:
-        raise refused("parent", f"its first {fork} turns are not those of {sample.parent!r} (tokens and turns): a "
+        raise Refused("parent", f"its first {fork} turns are not those of {sample.parent!r} (tokens and turns): a "
                                 "fork starts with exactly its parent's turns")
     inherited = sum(images for _, _, images in sample.turns[:fork])
     sample.fork_tokens = sum(tokens for _, tokens, _ in sample.turns[:fork])

@@ -215,11 +215,11 @@ def prefix_savings(members: np.ndarray, offsets: np.ndarray, loads: Any) -> dict
     attention squares of every prefix counted once instead of once per member ("vision", "tokens", "squares");
     and in all, the groups planned, those split over more than one pack, the prefix tokens and vision units
     saved."""
+    if is_tree(loads):
+        return tree_savings(members, offsets, loads)
     n_packs = len(offsets) - 1
     group = np.asarray(loads.group)[members]
     pack = np.repeat(np.arange(n_packs), np.diff(offsets))
-    if is_tree(loads):
-        return _tree_savings(members, offsets, loads, group, pack)
     chosen = np.flatnonzero(group >= 0)
     order = chosen[np.lexsort((group[chosen], pack[chosen]))]
     g, p = group[order], pack[order]
@@ -234,18 +234,6 @@ def prefix_savings(members: np.ndarray, offsets: np.ndarray, loads: Any) -> dict
     return {"vision": saved_vision, "tokens": saved_tokens, "squares": saved_squares, "groups": int(len(groups)),
             "split_groups": int((packs_per_group > 1).sum()),
             "prefix_tokens_saved": int(saved_tokens.sum()), "vision_units_saved": int(saved_vision.sum())}
-
-
-def _tree_savings(members, offsets, loads, group, pack) -> dict[str, Any]:
-    """`prefix_savings` of a plan of trees: what each fork whose parent is in its pack does not compute again."""
-    saved = tree_savings(members, offsets, loads)
-    chosen = group >= 0
-    pairs = np.unique(np.stack([group[chosen], pack[chosen]]), axis=1) if chosen.any() else np.zeros((2, 0), int)
-    groups, per_group = np.unique(pairs[0], return_counts=True)
-    tokens = saved["tokens"]
-    return {"vision": saved["vision"], "tokens": tokens, "squares": saved["squares"],
-            "groups": int(len(groups)), "split_groups": int((per_group > 1).sum()),
-            "prefix_tokens_saved": int(tokens.sum()), "vision_units_saved": int(saved["vision"].sum())}
 
 
 def group_summary(saved: dict[str, Any], shared: bool) -> dict[str, Any]:

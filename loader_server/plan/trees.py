@@ -98,9 +98,7 @@ def tree_unit_loads(loads: SampleLoads, members: np.ndarray, starts: np.ndarray,
     """One row per unit (members[starts[u]:starts[u + 1]], named by `keys`): a member whose parent is in its unit
     counts its tokens after S, its own images and the attention squares of its rows over its context; any other
     its whole trajectory. ViT work of inherited images is taken in proportion to their vision units."""
-    parent = np.asarray(loads.parent, np.int64)[members]
-    unit_of = dict(zip(members.tolist(), keys.tolist()))
-    inside = np.array([p >= 0 and unit_of.get(int(p)) == key for p, key in zip(parent.tolist(), keys.tolist())], bool)
+    inside = _with_parent(np.asarray(loads.parent, np.int64), members, keys)
     t = np.asarray(loads.tokens, np.int64)[members]
     v = np.asarray(loads.vision, np.int64)[members]
     s = np.where(inside, np.asarray(loads.prefix, np.int64)[members], 0)
@@ -121,16 +119,29 @@ def tree_unit_loads(loads: SampleLoads, members: np.ndarray, starts: np.ndarray,
                        llm_attn_sq=np.where(sizes > 1, squares, np.nan).astype(np.float32))
 
 
-def tree_savings(members: np.ndarray, offsets: np.ndarray, loads: Any) -> dict[str, np.ndarray]:
-    """Per pack of a plan, the tokens, vision units and attention squares (S^2) every fork whose parent is in its
-    pack does not compute again (its shared turns and their images)."""
+def tree_savings(members: np.ndarray, offsets: np.ndarray, loads: Any) -> dict[str, Any]:
+    """`packfeed.server.plan.groups.prefix_savings` of a plan of trees: per pack, the tokens, vision units and
+    attention squares (S^2) every fork whose parent is in its pack does not compute again (its shared turns and
+    their images); in all, the trees planned, those over more than one pack and what they save."""
     n_packs = len(offsets) - 1
     pack = np.repeat(np.arange(n_packs), np.diff(offsets))
-    parent = np.asarray(loads.parent, np.int64)
-    where = dict(zip(members.tolist(), pack.tolist()))
-    inside = np.array([parent[k] >= 0 and where.get(int(parent[k])) == p for k, p in zip(members.tolist(), pack.tolist())],
-                      bool)
-    tokens = np.bincount(pack[inside], np.asarray(loads.prefix)[members[inside]], n_packs).astype(np.int64)
-    vision = np.bincount(pack[inside], np.asarray(loads.shared_vision)[members[inside]], n_packs).astype(np.int64)
+    inside = _with_parent(np.asarray(loads.parent, np.int64), members, pack)
     shares = np.asarray(loads.prefix, np.float64)[members[inside]]
-    return {"tokens": tokens, "vision": vision, "squares": np.bincount(pack[inside], shares * shares, n_packs)}
+    tokens = np.bincount(pack[inside], shares, n_packs).astype(np.int64)
+    vision = np.bincount(pack[inside], np.asarray(loads.shared_vision)[members[inside]], n_packs).astype(np.int64)
+    group = np.asarray(loads.group)[members]
+    chosen = group >= 0
+    pairs = np.unique(np.stack([group[chosen], pack[chosen]]), axis=1) if chosen.any() else np.zeros((2, 0), int)
+    _, per_tree = np.unique(pairs[0], return_counts=True)
+    return {"vision": vision, "tokens": tokens, "squares": np.bincount(pack[inside], shares * shares, n_packs),
+            "groups": int(len(per_tree)), "split_groups": int((per_tree > 1).sum()),
+            "prefix_tokens_saved": int(tokens.sum()), "vision_units_saved": int(vision.sum())}
+
+
+def _with_parent(parent: np.ndarray, members: np.ndarray, where: np.ndarray) -> np.ndarray:
+    """Per member, whether its parent is a member too and in the same place (`where`: each member's unit or
+    pack)."""
+    place = np.full(len(parent), -1, np.int64)
+    place[members] = where
+    theirs = parent[members]
+    return (theirs >= 0) & (place[np.maximum(theirs, 0)] == where)  # a non-member's place is -1: no unit or pack

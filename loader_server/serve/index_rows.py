@@ -70,6 +70,10 @@ class IndexRows:
         group = self.table.column("group")[int(sample_id)].as_py()
         return [str(group), self.table.column("prefix_tokens")[int(sample_id)].as_py()] if group >= 0 else None
 
+    def fork_of(self, sample_id: int) -> None:
+        """What a fork continues (a live job's trajectories): an index's samples are served whole."""
+        return None
+
     def _take(self, name: str, sample_ids) -> pa.Array:
         """Column `name` at `sample_ids`, read from the mapped file: per step, never a whole column in memory
         (a per-sample array in each process would be 4-8 bytes a sample, 400-800 MB at 100M samples)."""

@@ -13,7 +13,7 @@ from packfeed.media.chat import IGNORE_INDEX
 from packfeed.server.live.rows import LiveRow
 from packfeed.server.live.samples import placeholder_runs
 from packfeed.server.live.spool import TOKEN_VERSIONS as SPOOLED_VERSIONS
-from packfeed.server.live.spool import read_array, read_member
+from packfeed.server.live.spool import beside, read_array, read_member
 from packfeed.server.serve.index_rows import IndexRows
 from packfeed.server.serve.packs import TOKEN_VERSIONS
 from packfeed.server.serve.preprocess import SampleReader, SampleTensors
@@ -137,9 +137,8 @@ class LiveReader:
                 rows, reader = self.prompts[part]
                 items = reader.indexed_images(rows.row(sample_id), pixels)
             else:
-                folder = tar.rsplit("/", 1)[0]
                 first = len(row.inherited) if own_only else 0
-                items = [self._file_image(f"{folder}/{file}", [offset, size], width, height, len(row.sizes),
+                items = [self._file_image(beside(tar, file), [offset, size], width, height, len(row.sizes),
                                           f"{row.id}.image{k}")
                          for k, ((_, file, offset, size), (width, height)) in
                          enumerate(zip(row.image_refs(), row.sizes)) if k >= first]

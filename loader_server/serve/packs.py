@@ -192,11 +192,13 @@ def _prefix_owners(prefixes: list) -> list[int]:
 def _fork_parents(parts, chosen: list[tuple[int, int]]) -> list[tuple[int, int] | None]:
     """Per member, a fork's (parent's position in the pack, tokens it shares with it) where its parent is in the
     pack before it, else None (it is then read whole, its inherited images too)."""
-    keys = [parts[source][0].key_of(parts[source][0].row(sample_id)) for sample_id, source in chosen]
-    position_of = {key: k for k, key in enumerate(keys)}
+    forks = [parts[source][0].fork_of(sample_id) for sample_id, source in chosen]
+    if not any(forks):
+        return forks
+    position_of = {parts[source][0].key_of(parts[source][0].row(sample_id)): k
+                   for k, (sample_id, source) in enumerate(chosen)}
     out = []
-    for k, (sample_id, source) in enumerate(chosen):
-        fork = getattr(parts[source][0], "fork_of", lambda _: None)(sample_id)
+    for k, fork in enumerate(forks):
         parent = position_of.get(fork[0], k) if fork else k
         out.append((parent, int(fork[1])) if parent < k else None)
     return out
@@ -210,21 +212,21 @@ def _shared(loaded, prefixes, owners, reload, forks) -> tuple[list, np.ndarray |
     read without its inherited images: it shares them with its parent where that one loaded with them, else it
     is read again whole."""
     by_position = dict(loaded)
+
+    def holds(parent: int, size: int, sample: SampleTensors) -> bool:  # both loaded with the shared tokens
+        return size >= 2 and parent in by_position and min(len(by_position[parent].input_ids),
+                                                           len(sample.input_ids)) >= size
+
     kept = []  # (position, sample, its owner's position or None, shared tokens)
     for position, sample in loaded:
         owner = owners[position]
         size = int(prefixes[position][1]) if prefixes[position] else 0
         if forks[position] is not None:
-            parent, size = forks[position]
-            if parent in by_position and min(len(by_position[parent].input_ids), len(sample.input_ids)) >= size:
-                kept.append((position, sample, parent, size))
-            else:
-                kept += [(p, again, None, 0) for p, again in reload(position)]
-        elif owner == position:
+            owner, size = forks[position]
+        if owner == position:
             kept.append((position, sample, None, 0))
-        elif size >= 2 and owner in by_position and len(by_position[owner].input_ids) >= size \
-                and len(sample.input_ids) >= size:
-            kept.append((position, _without_images(sample), owner, size))
+        elif holds(owner, size, sample):  # a sibling's images are its owner's; a fork was read without its own
+            kept.append((position, sample if forks[position] is not None else _without_images(sample), owner, size))
         else:
             kept += [(p, again, None, 0) for p, again in reload(position)]
     index = {position: k for k, (position, *_) in enumerate(kept)}
