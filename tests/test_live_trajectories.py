@@ -247,3 +247,31 @@ def test_a_superseded_part_gives_back_the_batch_whose_image_it_read(job, tmp_pat
     assert put(live, [one("u", np.r_[started, build.text(6)], part=1)], end=True)[0][0] == "accepted"
     live.steps.release(0)
     assert not list(tmp_path.rglob("*.tar"))
+
+
+@pytest.mark.parametrize("failing", [".tar", ".json"])
+def test_a_put_whose_batch_fails_to_write_leaves_the_job_media_as_it_was(job, tmp_path, failing):
+    """A put reading a screenshot spooled before, whose own batch (its tar, or its rows after the tar) cannot be
+    written: nothing of it is kept and the job's media index names no file of it; its retry reads the screenshot
+    where it was spooled, a server restarted after it too, and the step releases every batch."""
+    from test_live_steps import failing_writes
+
+    from packfeed.server.live.spool import SpoolError
+
+    live = new_live(job, tmp_path)
+    first, later = a_tree(job)
+    put(live, first)
+    media = dict(live.steps.spool.media)
+    failed = failing_writes(live.steps, "batches/", failing)
+    with pytest.raises(SpoolError):
+        put(live, later)
+    assert failed and live.steps.spool.media == media and "t3" not in live.steps.rows
+    assert [outcome for outcome, _ in put(live, later)] == ["accepted"]
+    again = new_live(job, tmp_path)
+    assert again.steps.spool.media == live.steps.spool.media
+    assert again.steps.rows["t3"].media == live.steps.rows["t3"].media != ()
+    put(again, [], end=True)
+    packs, _ = built_packs(again)
+    assert sum(len(p.sample_keys) for p in packs) == 4 and not any(p.skipped for p in packs)
+    again.steps.release(0)
+    assert not list(tmp_path.rglob("*.tar"))
