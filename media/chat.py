@@ -234,18 +234,23 @@ class ChatEncoder:
         return np.asarray(ids, dtype=np.int32)
 
     def encode(self, turns: Sequence[dict[str, str]], image_tokens: Sequence[int],
-               video_tokens: Sequence[Sequence[int]] = (),
-               video_times: Sequence[Sequence[float]] = ()) -> tuple[np.ndarray, np.ndarray, list[int]]:
+               video_tokens: Sequence[Sequence[int]] = (), video_times: Sequence[Sequence[float]] = (),
+               turn_ends: list[int] | None = None) -> tuple[np.ndarray, np.ndarray, list[int]]:
         """Token ids and labels (int32) for one sample, and where each visual item's run of placeholder tokens
         starts in the ids, in the order they occur (`visual_items` says which items those are).
         `image_tokens[i]`: LLM tokens of the i-th image; `video_tokens[j]`: of each of the j-th video's items (one
         with a `video_context` token, one per temporal patch with `video_timestamps`, whose seconds
-        `video_times[j]` gives, one per frame otherwise)."""
+        `video_times[j]` gives, one per frame otherwise). `turn_ends`, when given, gets each of `turns`' end in
+        the ids (after its separator; a system prompt the template adds counts in the first turn). Each turn's
+        ids depend on that turn alone, so two samples whose first k turns are equal share their first
+        `turn_ends[k - 1]` ids."""
         template, markers = self.template, self.markers
+        added = 0
         if template.system_prompt and not any(t["role"] == "system" for t in turns):
-            turns = [{"role": "system", "value": template.system_prompt}, *turns]
+            turns, added = [{"role": "system", "value": template.system_prompt}, *turns], 1
         # (ids, text, or a (placeholder id, count) run; learn)
         pieces: list[tuple[np.ndarray | str | tuple[int, int], bool]] = [(markers["bos"], False)]
+        ends: list[int] = []  # per turn, the pieces up to its end
         images, videos, times = iter(image_tokens), iter(video_tokens), iter(video_times)
         for turn in turns:
             role, learn = turn["role"], turn["role"] == "assistant"
@@ -258,6 +263,7 @@ class ChatEncoder:
                 elif chunk:
                     pieces.append((chunk, learn))
             pieces += [(markers[f"{role}_suffix"], learn), (markers["separator"], False)]
+            ends.append(len(pieces))
 
         encoded = iter(self.tokenizer.encode_batch([p for p, _ in pieces if isinstance(p, str)],
                                                    add_special_tokens=False))
@@ -265,7 +271,9 @@ class ChatEncoder:
         labels: list[np.ndarray] = []
         starts: list[int] = []
         length = 0
+        lengths: list[int] = []  # ids before each piece
         for piece, learn in pieces:
+            lengths.append(length)
             if isinstance(piece, np.ndarray):
                 piece_ids = piece
             elif isinstance(piece, tuple):
@@ -277,6 +285,9 @@ class ChatEncoder:
             ids.append(piece_ids)
             labels.append(piece_ids if learn else np.full(len(piece_ids), IGNORE_INDEX, dtype=np.int32))
             length += len(piece_ids)
+        if turn_ends is not None:
+            lengths.append(length)
+            turn_ends += [lengths[end] for end in ends[added:]]
         return np.concatenate(ids).astype(np.int32), np.concatenate(labels).astype(np.int32), starts
 
     def _video_pieces(self, items: Sequence[int],

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from packfeed.server.plan.costs import SampleLoads
@@ -71,6 +71,8 @@ def computed(pack: np.ndarray, loads: SampleLoads) -> tuple[int, int, int]:
 @given(n_trees=st.integers(1, 30), size=st.sampled_from([1, 3, 8, 16]), alone=st.integers(0, 30),
        seed=st.integers(0, 2**31), dp=st.integers(1, 5), m=st.integers(1, 3),
        strategy=st.sampled_from([Strategy.ISF_BALANCE, Strategy.ISF]))
+# a tree cut for collective safety whose piece, its forks' parents in the other piece, exceeded the vision cap
+@example(n_trees=3, size=16, alone=3, seed=16, dp=3, m=3, strategy=Strategy.ISF_BALANCE)
 def test_tree_plans_take_each_trajectory_once_within_the_caps_counting_shared_turns_once(n_trees, size, alone, seed,
                                                                                         dp, m, strategy):
     loads = forest_loads(n_trees, size, seed, alone)

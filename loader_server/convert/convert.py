@@ -155,6 +155,7 @@ def prepare_row(row: SourceRow, rules: FileRules) -> Prepared:
             doc["source_videos"] = [video.path for video in row.videos]
         if row.group is not None:
             doc["group"] = row.group
+        doc.update(row.fork)  # the indexer checks a fork against its parent
         prepared.members = [("json", json.dumps(doc, ensure_ascii=False).encode()), *members]
     except ConversationError as error:
         prepared.reason = f"bad conversation: {error}"

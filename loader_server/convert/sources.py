@@ -11,7 +11,9 @@
 
 An entry's `group` (the JSON formats; a string or an integer) names the samples that share a prompt (preference
 pairs, the branches of a conversation, a prompt's responses): it goes into the sample's JSON, which the indexer
-reads (docs/planning.md "Groups").
+reads (docs/planning.md "Groups"). An entry's `parent` (the `id` of an earlier entry) and `fork_turn` (k) make it a
+trajectory continuing that one from its turn k on: it still holds its whole conversation and every image (its
+first k turns are its parent's), and the index plans and serves those turns once (docs/planning.md "Trees").
 
 A row that cannot be read at all (a line that is not JSON, an entry that is not an object) still becomes a
 SourceRow, with its `error`, so the report lists it and the position stays stable.
@@ -46,6 +48,7 @@ class SourceRow:
     videos: list[SourceImage] = field(default_factory=list)  # video files, by path
     error: str | None = None
     group: Any = None  # the annotation's `group`: samples sharing a prompt (docs/planning.md "Groups")
+    fork: dict[str, Any] = field(default_factory=dict)  # its `parent` and `fork_turn` (docs/planning.md "Trees")
 
 
 def normalize_turns(raw: Any) -> list[dict[str, str]]:
@@ -100,7 +103,8 @@ def _annotation_row(position: int, entry: Any, turns_keys: tuple[str, ...]) -> S
         return SourceRow(position, None, error=f"entry is a {type(entry).__name__}, not an object")
     raw_id = entry.get("id")
     turns = next((entry[key] for key in turns_keys if key in entry), None)
-    row = SourceRow(position, None if raw_id is None else str(raw_id), turns=turns, group=entry.get("group"))
+    row = SourceRow(position, None if raw_id is None else str(raw_id), turns=turns, group=entry.get("group"),
+                    fork={name: entry[name] for name in ("parent", "fork_turn") if name in entry})
     images, videos = _path_list(entry, "image"), _path_list(entry, "video")
     for found in (images, videos):
         if isinstance(found, str):

@@ -27,7 +27,8 @@ from packfeed.server.index.parts import (ShardResult, config_digest, load_part, 
                                          save_part, shard_version)
 from packfeed.server.index.sample_costs import cost_sample
 from packfeed.server.index.shards import ShardError, expand_shards, is_compressed, iter_samples
-from packfeed.server.index.table import SCHEMA, IndexInfo, fingerprint_table, index_schema, write_index
+from packfeed.server.index.table import SCHEMA, TREE_COLUMNS, IndexInfo, fingerprint_table, index_schema, write_index
+from packfeed.server.index.trajectories import link_trees
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -85,6 +86,7 @@ class IndexResult:
         return {"index": self.out, "fingerprint": self.info.fingerprint, "rows": self.rows, "valid": self.valid,
                 "invalid": self.rows - self.valid, "invalid_by_reason": self.info.invalid_by_reason,
                 "shard_errors": self.info.skipped_shards, "shards_reused": self.reused,
+                **({"forks_alone": self.info.forks_alone} if self.info.forks_alone else {}),
                 "seconds": round(self.seconds, 3),
                 "rows_per_second": round(self.rows / max(self.seconds, 1e-9), 1),
                 "rows_per_second_per_core": round(self.rows / max(self.core_seconds, 1e-9), 1)}
@@ -116,7 +118,8 @@ def build_index(specs: list[str], out: str | Path, config: IndexConfig, workers:
     results = [kept[url] or fresh[url] for url in urls]
 
     _mark_duplicates_across_shards(results)
-    table = _rows_to_table(results)
+    trees, forks_alone = link_trees([row for result in results for row in result.rows])
+    table = _rows_to_table(results, trees)
     invalid = Counter(reason_category(r) for r in table.column("reason").to_pylist() if r is not None)
     config_fp = config.to_fingerprint_dict()
     info = IndexInfo(
@@ -126,7 +129,8 @@ def build_index(specs: list[str], out: str | Path, config: IndexConfig, workers:
         skipped_shards=[{"shard": r.url, "error": r.error, "samples_read": len(r.rows)} for r in results if r.error],
         invalid_by_reason=dict(sorted(invalid.items())),
         objects={r.url: r.stamp.to_dict() for r in results if r.stamp} or None,
-        groups=True if "group" in table.column_names else None,
+        groups=True if "group" in table.column_names else None, trees=True if trees else None,
+        forks_alone=dict(sorted(forks_alone.items())) or None,
     )
     seconds = time.perf_counter() - started
     core_seconds = sum(r.seconds for r in fresh.values())
@@ -198,7 +202,7 @@ def _mark_duplicates_across_shards(results: list[ShardResult]) -> None:
                 row.update(valid=False, reason=f"duplicate key: the key appears earlier in shard {earlier}")
 
 
-def _rows_to_table(results: list[ShardResult]) -> pa.Table:
+def _rows_to_table(results: list[ShardResult], trees: dict[str, np.ndarray] | None = None) -> pa.Table:
     rows = [row for result in results for row in result.rows]
     shard_index = np.concatenate([np.full(len(r.rows), k, dtype=np.int32) for k, r in enumerate(results)]) \
         if results else np.zeros(0, np.int32)
@@ -216,5 +220,7 @@ def _rows_to_table(results: list[ShardResult]) -> pa.Table:
                                     type=pa.int64())
         columns["prefix_tokens"] = pa.array([row.get("prefix_tokens") or 0 if key else 0
                                              for row, key in zip(rows, keys)], type=pa.int32())
-        schema = index_schema(IndexInfo("", "shards", [], groups=True))
+        schema = index_schema(IndexInfo("", "shards", [], groups=True, trees=True if trees else None))
+    for name, kind in TREE_COLUMNS.items() if trees else ():
+        columns[name] = pa.array(trees[name]).cast(kind)
     return pa.table(columns, schema=schema)

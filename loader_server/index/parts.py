@@ -22,12 +22,14 @@ import pyarrow.parquet as pq
 
 from packfeed.media.storage import ObjectError, Stamp, is_object_url, stamp
 from packfeed.server.index.table import SCHEMA
+from packfeed.server.index.trajectories import TURN_FIELDS
 
-# every index column of a sample but its id and shard, and what names its group (`sample_costs._group_of`)
+# every index column of a sample but its id and shard, what names its group (`sample_costs._group_of`) and its
+# turns (`trajectories.turn_record`)
 _PART_SCHEMA = pa.schema([field for field in SCHEMA if field.name not in ("sample_id", "shard")]
-                         + [("group_key", pa.string()), ("prefix_tokens", pa.int32())])
+                         + [("group_key", pa.string()), ("prefix_tokens", pa.int32()), *TURN_FIELDS.items()])
 _PART_KEY = b"packfeed.part"
-_PART_FORMAT = 2  # 2: groups; a part of another format is indexed again
+_PART_FORMAT = 3  # 2: groups, 3: turns; a part of another format is indexed again
 
 
 @dataclass

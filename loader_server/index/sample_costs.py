@@ -16,6 +16,7 @@ from packfeed.media.video import VideoError, VideoInfo, frames_fps, probe_video,
 from packfeed.server.index.config import IndexConfig
 from packfeed.server.index.shards import Member, RawSample
 from packfeed.server.index.table import member_checksum
+from packfeed.server.index.trajectories import fork_request, turn_record
 
 
 def _video_infos(images: list[Member], videos: list[Member], doc: Any,
@@ -64,6 +65,7 @@ def cost_sample(raw: RawSample, config: IndexConfig) -> dict[str, Any]:
         if doc is None:
             raise SampleError("missing json")
         document = parse_json(doc.data)
+        row.update(fork_request(document))
         turns = conversation_turns(document.get("conversations") if isinstance(document, dict) else None)
         policy = config.policy
         infos, sequence_rate = _video_infos(images, videos, document, config.verify_images, policy)
@@ -73,14 +75,16 @@ def cost_sample(raw: RawSample, config: IndexConfig) -> dict[str, Any]:
             row["image_widths"], row["image_heights"] = [infos[0].width] * len(images), [infos[0].height] * len(images)
             images = []
         turns = attach_images(turns, len(images), len(infos))
-        costs = []
+        costs, shapes = [], []
         for member in images:
             width, height = image_size(member.data, config.verify_images, policy)
             row["image_widths"].append(width)
             row["image_heights"].append(height)
             try:
                 costs.append(policy.cost(width, height, len(images)))
-                row["pixel_bytes"] += _tile_bytes(policy.geometry(width, height, len(images)))
+                geometry = policy.geometry(width, height, len(images))
+                shapes.append(geometry.tile_shapes())
+                row["pixel_bytes"] += _tile_bytes(geometry)
             except ValueError as error:
                 raise SampleError(f"image rejected by policy: {error}") from None
         video_items, video_times = [], []
@@ -104,8 +108,9 @@ def cost_sample(raw: RawSample, config: IndexConfig) -> dict[str, Any]:
                 row[f"video_{name}"].append(value)
         encoder = cached_encoder(config.tokenizer, config.template)
         check_text_length(turns, config.max_sample_tokens, encoder.tokenizer)
+        ends: list[int] = []
         ids, labels, starts = encoder.encode(
-            turns, [c.llm_tokens for c in costs[:len(images)]], video_items, video_times)
+            turns, [c.llm_tokens for c in costs[:len(images)]], video_items, video_times, turn_ends=ends)
         if len(ids) > config.max_sample_tokens:
             raise SampleError(f"too long: {len(ids):,} tokens, over max_sample_tokens {config.max_sample_tokens:,}; "
                               "raise it with --max-sample-tokens")
@@ -120,6 +125,8 @@ def cost_sample(raw: RawSample, config: IndexConfig) -> dict[str, Any]:
                vit_patches=sum(c.vit_patches for c in costs), vit_attn_sq=sum(c.vit_attn_sq for c in costs),
                text_tokens=len(ids) - vision_tokens, llm_tokens=len(ids),
                loss_tokens=int((labels != IGNORE_INDEX).sum()))
+    if not videos and sequence_rate is None:  # where each turn ends: what a fork shares (`index.trajectories`)
+        row.update(turn_record(turns, ends, ids, [c.units for c in costs], shapes, row["image_checksums"]))
     if isinstance(document, dict) and "group" in document:
         row.update(_group_of(document["group"], ids, labels, starts, costs, row["image_checksums"], videos))
     return row

@@ -90,6 +90,8 @@ class IndexInfo:
     # GROUP_COLUMNS
     groups: bool | None = None
     trees: bool | None = None  # its groups are trees of trajectories: the index has TREE_COLUMNS too
+    # samples naming a parent that are planned and served whole instead, by reason (`index.trajectories`)
+    forks_alone: dict[str, int] | None = None
     format_version: int = INDEX_FORMAT_VERSION
     packfeed_version: str = __version__
 
@@ -167,7 +169,7 @@ def fingerprint_table(table: pa.Table, config: dict[str, Any]) -> str:
     digest = hashlib.sha256()
     digest.update(json.dumps(config, sort_keys=True).encode())
     encoders = [column for column in table.column_names if column.startswith("encoder_")]
-    groups = [column for column in GROUP_COLUMNS if column in table.column_names]
+    groups = [column for column in (*GROUP_COLUMNS, *TREE_COLUMNS) if column in table.column_names]
     for name in ("sample_id", "valid", "vision_units", "vision_tokens", "llm_tokens", "vit_patches", "vit_attn_sq",
                  *encoders, *groups):
         column = table.column(name).combine_chunks()

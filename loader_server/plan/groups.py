@@ -95,6 +95,10 @@ def group_units(loads: SampleLoads, caps: Caps | None, halvings: int = 0) -> Uni
                 key[np.flatnonzero(fits)[piece]] = _pieces(together[piece], tokens, prefix, caps.token_cap)
     if halvings:
         _halve(key, ids[fits], np.flatnonzero(fits), np.asarray(loads.towers), halvings)
+        if tree and caps is not None:  # a piece whose forks lost their parents may exceed the caps: cut it again
+            at = np.flatnonzero(fits)
+            at = at[np.lexsort((ids[at], key[at]))]
+            key[at] = tree_keys(loads, ids[at], caps, by=key[at])
     alone = np.flatnonzero(valid & (group < 0))
     members = np.concatenate([ids, alone])
     keys = np.concatenate([key, alone])

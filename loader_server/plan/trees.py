@@ -7,7 +7,8 @@ A tree that fits the caps is one unit; a larger one is cut, in pre-order (a pare
 by id), into as few consecutive subtrees as first-fit finds, each carrying its root path once. A member over a
 cap alone is a unit of its own (the oversize policy's). Units feed the planner as a group's do
 (`packfeed.server.plan.groups`), with every guarantee it gives samples; a unit's loads are exact for any
-membership (`tree_unit_loads`), so cutting units further (collective safety) keeps the caps.
+membership (`tree_unit_loads`); a piece of a tree cut further for collective safety, whose forks' parents went
+to another piece (they count whole there), is cut again where it exceeds the caps.
 """
 
 from __future__ import annotations
@@ -41,16 +42,19 @@ def one_level(loads: SampleLoads) -> SampleLoads:
     return replace(loads, parent=parent, prefix=shares.astype(np.int32), shared_vision=vision.astype(np.int32))
 
 
-def tree_keys(loads: SampleLoads, ids: np.ndarray, caps: Caps | None) -> np.ndarray:
+def tree_keys(loads: SampleLoads, ids: np.ndarray, caps: Caps | None, by: np.ndarray | None = None) -> np.ndarray:
     """Per member of `ids` (every one fits the caps alone, sorted by group then id), its unit's name: the first
-    sample id of the subtree it is planned in."""
-    group, parent = np.asarray(loads.group, np.int64), np.asarray(loads.parent, np.int64)
+    sample id of the subtree it is planned in. `by`: per member, the part of a tree it is in (sorted by it, then
+    id), each part cut again only where it exceeds the caps (a piece of a tree cut for collective safety: its forks
+    whose parents went to another piece count whole there); default each member's tree."""
+    group = np.asarray(loads.group, np.int64)[ids] if by is None else np.asarray(by, np.int64)
+    parent = np.asarray(loads.parent, np.int64)
     tokens, vision = np.asarray(loads.tokens, np.int64), np.asarray(loads.vision, np.int64)
     shares, shared_vision = np.asarray(loads.prefix, np.int64), np.asarray(loads.shared_vision, np.int64)
     key = ids.copy()
     if not len(ids):
         return key
-    starts = np.flatnonzero(np.r_[True, group[ids][1:] != group[ids][:-1]])
+    starts = np.flatnonzero(np.r_[True, group[1:] != group[:-1]])
     for a, b in zip(starts, np.r_[starts[1:], len(ids)]):
         members = ids[a:b]
         inside = np.isin(parent[members], members)

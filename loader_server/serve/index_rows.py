@@ -20,7 +20,8 @@ def _mapped_columns(index: Path, fingerprint: str) -> pa.Table:
     if not mapped.exists():
         from packfeed.server.index.table import GROUP_COLUMNS, read_index_info
 
-        grouped = list(GROUP_COLUMNS) if read_index_info(index).groups else []
+        info = read_index_info(index)
+        grouped = (list(GROUP_COLUMNS) if info.groups else []) + (TREE_SERVE_COLUMNS if info.trees else [])
         table = read_index(index, columns=SERVE_COLUMNS + grouped)[0].combine_chunks()
         partial = mapped.with_name(f"{mapped.name}.{os.getpid()}.partial")
         try:
@@ -38,6 +39,7 @@ SERVE_COLUMNS = ["key", "shard", "valid", "reason", "json_offset", "json_size", 
                  "llm_tokens", "loss_tokens", "n_videos", "video_names", "video_offsets", "video_sizes",
                  "video_checksums", "video_widths", "video_heights", "video_frames", "video_rates", "video_sampled",
                  "frames_fps", "pixel_bytes"]
+TREE_SERVE_COLUMNS = ["parent", "fork_tokens"]  # an index of trees: what each fork continues
 
 
 class IndexRows:
@@ -65,14 +67,20 @@ class IndexRows:
     def prefix_of(self, sample_id: int) -> list | None:
         """[what the sample shares its prefix with, the prefix's tokens] (a grouped index: each group one prompt,
         `packfeed.server.index.sample_costs`), or None."""
-        if not self.info.groups:
+        if not self.info.groups or self.info.trees:  # in an index of trees, a sample shares only as a fork
             return None
         group = self.table.column("group")[int(sample_id)].as_py()
         return [str(group), self.table.column("prefix_tokens")[int(sample_id)].as_py()] if group >= 0 else None
 
-    def fork_of(self, sample_id: int) -> None:
-        """What a fork continues (a live job's trajectories): an index's samples are served whole."""
-        return None
+    def fork_of(self, sample_id: int) -> tuple[str, int] | None:
+        """What a fork continues in an index of trees (`packfeed.server.index.trajectories`; a group sharing one
+        prompt is one there): its parent's key and the tokens it shares with it; None for any other sample."""
+        if not self.info.trees:
+            return None
+        parent = self.table.column("parent")[int(sample_id)].as_py()
+        if parent < 0:
+            return None
+        return self.table.column("key")[parent].as_py(), self.table.column("fork_tokens")[int(sample_id)].as_py()
 
     def _take(self, name: str, sample_ids) -> pa.Array:
         """Column `name` at `sample_ids`, read from the mapped file: per step, never a whole column in memory

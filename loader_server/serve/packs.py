@@ -195,11 +195,11 @@ def _fork_parents(parts, chosen: list[tuple[int, int]]) -> list[tuple[int, int] 
     forks = [parts[source][0].fork_of(sample_id) for sample_id, source in chosen]
     if not any(forks):
         return forks
-    position_of = {parts[source][0].key_of(parts[source][0].row(sample_id)): k
+    position_of = {(source, parts[source][0].key_of(parts[source][0].row(sample_id))): k
                    for k, (sample_id, source) in enumerate(chosen)}
     out = []
     for k, fork in enumerate(forks):
-        parent = position_of.get(fork[0], k) if fork else k
+        parent = position_of.get((chosen[k][1], fork[0]), k) if fork else k
         out.append((parent, int(fork[1])) if parent < k else None)
     return out
 
@@ -252,7 +252,7 @@ def load_members(parts: list[tuple[IndexRows, Any, str]], members: np.ndarray, t
                  own_only: list[bool] | None = None) -> tuple[list[tuple[int, SampleTensors]], list[tuple[str, str]]]:
     """(position, sample) of every member that loads, and (key, reason) of those that do not. `pixels`: per
     member, whether to read its images (False: text and placeholder counts only); all when None. `own_only`: per
-    member, a live fork read without the images it inherits."""
+    member, a fork read without the images it inherits."""
     from packfeed.server.serve.shard_reader import SampleSkipped
 
     loaded, skipped = [], []

@@ -97,10 +97,13 @@ class SampleReader:
         """Read ahead the members of these samples that lie in an object store (`ShardReader.prefetch`)."""
         self.shards.prefetch(rows)
 
-    def load(self, row: dict[str, Any], seed: int = 0, epoch: int = 0, pixels: bool = True) -> SampleTensors:
+    def load(self, row: dict[str, Any], seed: int = 0, epoch: int = 0, pixels: bool = True,
+             own_only: bool = False) -> SampleTensors:
         """Pre-process one index row (as a dict of its columns); `seed` and `epoch` draw a random video policy's
         frames; `pixels` False: its images are not read (no tiles; their placeholders and tile counts as the
-        index recorded them: another rank encodes them). Raises SampleSkipped with the reason."""
+        index recorded them: another rank encodes them). `own_only`: a fork of an index of trees without the
+        images of the turns it shares (its parent's, in the same pack): its tokens whole, its own images only.
+        Raises SampleSkipped with the reason."""
         if not row["valid"]:
             raise SampleSkipped(f"invalid in the index: {row['reason']}")
         need = row["llm_tokens"] * TOKENIZE_BYTES_PER_TOKEN
@@ -115,7 +118,7 @@ class SampleReader:
             turns = attach_images(parse_conversation(raw), row["n_images"], row["n_videos"] or 0)
         except ConversationError as error:
             raise SampleSkipped(f"shard changed: {error}") from None
-        images = [] if row["frames_fps"] is not None else [self._image(read, row, k, pixels)
+        images = [] if row["frames_fps"] is not None else [self._image(read, row, k, pixels and not own_only)
                                                             for k in range(row["n_images"])]
         videos = [self._video(read, row, k, seed, epoch) for k in range(row["n_videos"] or 0)]
         input_ids, labels, starts = cached_encoder(self.tokenizer_path, self.template).encode(
@@ -125,6 +128,9 @@ class SampleReader:
                  for kind, number in visual_items(turns, [len(video) for video in videos])]
         if len(input_ids) != row["llm_tokens"]:
             raise SampleSkipped(f"token count differs: {len(input_ids)} tokens, the index's {row['llm_tokens']}")
+        if own_only:  # (a fork holds images only: `index.trajectories`) those past the tokens it shares
+            first = int(np.searchsorted(starts, row["fork_tokens"]))
+            items, starts = [self._image(read, row, k, pixels) for k in range(first, len(items))], starts[first:]
         return SampleTensors(key, input_ids, labels, [tile for item in items for tile in item.tiles],
                              [item.n_tiles for item in items], [item.tokens for item in items], starts,
                              encoded=[item.encoded for item in items if item.encoded is not None],

@@ -44,10 +44,21 @@ def index_info(path: str | Path) -> dict[str, Any]:
     return {"kind": "index", "path": str(path), "fingerprint": info.fingerprint, "source": info.source,
             "samples": int(len(valid)), "valid": int(valid.sum()), "invalid": int((~valid).sum()),
             "invalid_by_reason": dict(sorted(reasons.items())), "shards": len(info.inputs),
-            "shard_errors": info.skipped_shards or [], "distributions": distributions,
+            "shard_errors": info.skipped_shards or [], "distributions": distributions, "trees": _trees(path, info),
             "conventions": {"image_policy": info.image_policy, "video_policy": info.video_policy,
                             "chat_template": info.chat_template,
                             "tokenizer": (info.tokenizer or {}).get("path")}}
+
+
+def _trees(path: str | Path, info) -> dict[str, Any] | None:
+    """An index of trees: its forks (samples continuing another), the trees they make, and the samples naming a
+    parent that are served whole, by reason (`packfeed.server.index.trajectories`)."""
+    if not info.trees:
+        return None
+    table, _ = read_index(path, columns=["parent", "group"])
+    parent, group = (table.column(name).to_numpy(zero_copy_only=False) for name in ("parent", "group"))
+    return {"forks": int((parent >= 0).sum()), "trees": int(len(np.unique(group[parent >= 0]))),
+            "forks_alone": info.forks_alone or {}}
 
 
 def mixture_info(path: str | Path) -> dict[str, Any]:
@@ -182,6 +193,12 @@ def format_info(data: dict[str, Any], indent: str = "") -> str:
                      f"{data['fingerprint']}")
         lines.append(f"{indent}{data['samples']:,} samples: {data['valid']:,} valid, {data['invalid']:,} invalid")
         lines += [f"{indent}  {count:,} {reason}" for reason, count in data["invalid_by_reason"].items()]
+        if data.get("trees"):
+            trees = data["trees"]
+            lines.append(f"{indent}{trees['forks']:,} samples continue another, in {trees['trees']:,} trees (each "
+                         f"shared turn planned and served once); "
+                         f"{sum(trees['forks_alone'].values()):,} naming a parent are served whole")
+            lines += [f"{indent}  {count:,} {reason}" for reason, count in trees["forks_alone"].items()]
     for name, stats in data["distributions"].items():
         if stats:
             lines.append(f"{indent}{name}: min {stats['min']:g}, p50 {stats['p50']:g}, p90 {stats['p90']:g}, "
