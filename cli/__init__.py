@@ -1,4 +1,5 @@
-"""`packfeed`, the command line: index, convert, plan, stats, info, serve, health, train, simulate, warmup, demo.
+"""`packfeed`, the command line: index, convert, plan, stats, info, serve, health, train, simulate, warmup,
+calibrate, demo.
 The parser is built here; each command runs in `commands` (or `convert`), importing its stage only when run."""
 
 from __future__ import annotations
@@ -8,11 +9,12 @@ import os
 import sys
 from pathlib import Path
 
-from packfeed.cli.commands import (cmd_demo, cmd_health, cmd_index, cmd_info, cmd_plan, cmd_serve,
+from packfeed.cli.commands import (cmd_calibrate, cmd_demo, cmd_health, cmd_index, cmd_info, cmd_plan, cmd_serve,
                                    cmd_simulate, cmd_stats, cmd_train, cmd_warmup)
 from packfeed.cli.put import cmd_put
 from packfeed.cli.convert import add_arguments as add_convert_arguments, cmd_convert
 from packfeed.cli.options import EXIT_USAGE, add_index_options, add_plan_options
+from packfeed.v1.options import PixelMode
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -54,6 +56,10 @@ def build_parser() -> argparse.ArgumentParser:
     stats.add_argument("--mixture", metavar="MIXTURE.yaml", help="report on a mixture's first epoch, per dataset")
     stats.add_argument("--out", required=True, help="report directory")
     stats.add_argument("--seed", type=int, default=0)
+    stats.add_argument("--gpus", type=int, help="with --step-seconds: the loader cores and memory per GPU the "
+                                                "dataset needs, per pixel mode (DP ranks x pipeline stages; DP "
+                                                "defaults to GPUs / stages)")
+    stats.add_argument("--step-seconds", type=float, help="the training step's seconds the loaders must keep up with")
     add_plan_options(stats)
     stats.set_defaults(func=cmd_stats)
 
@@ -128,6 +134,13 @@ def build_parser() -> argparse.ArgumentParser:
     warmup = sub.add_parser("warmup", help="compile and cache the planner's kernels (run where an image is built or "
                                            "a venv installed, so a fresh server plans at once)")
     warmup.set_defaults(func=cmd_warmup)
+
+    calibrate = sub.add_parser("calibrate", help="measure what preparing images and text costs a core of this "
+                                                 "machine, per pixel mode, and keep it for info, stats and serve")
+    calibrate.add_argument("--pixels", nargs="+", choices=[mode.value for mode in PixelMode],
+                           default=[mode.value for mode in PixelMode], help="pixel modes to measure (default all)")
+    calibrate.add_argument("--rounds", type=int, default=5, help="rounds per item; the median counts (default 5)")
+    calibrate.set_defaults(func=cmd_calibrate)
 
     demo = sub.add_parser("demo", help="build a demo dataset, index it, report and plan")
     demo.add_argument("--out", default="demo-out")

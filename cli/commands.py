@@ -157,9 +157,19 @@ def cmd_stats(args: argparse.Namespace) -> int:
         raise ValueError("the report compares strategies without context parallelism; for a CP plan's degrees, "
                          "per-GPU Dist and peak tokens run `packfeed plan --context-parallel C`, and "
                          "`packfeed simulate --context-parallel C` for its time")
+    sizing = None
+    if args.gpus is not None or args.step_seconds is not None:
+        if args.gpus is None or args.step_seconds is None or args.mixture:
+            raise ValueError("loader sizing takes --index with both --gpus N and --step-seconds S")
+        if args.dp is None:
+            config = dataclasses.replace(config, dp=max(1, args.gpus // config.pipeline_stages))
+        sizing = (args.gpus, args.step_seconds)
     source = mixture_input(args.mixture, config, args.seed) if args.mixture else args.index
-    paths = write_report(source, args.out, dataclasses.replace(config, window=0), seed=args.seed)
-    print(json.dumps({k: str(v) for k, v in paths.items()}))
+    paths = write_report(source, args.out, dataclasses.replace(config, window=0), seed=args.seed, sizing=sizing)
+    summary = {k: str(v) for k, v in paths.items()}
+    if sizing:
+        summary["cores_per_gpu"] = json.loads(paths["json"].read_text())["loader_cores"]["cores_per_gpu"]
+    print(json.dumps(summary))
     return EXIT_OK
 
 
@@ -190,6 +200,16 @@ def cmd_warmup(args: argparse.Namespace) -> int:
     from packfeed.server.plan.warmup import warm_up
 
     print(json.dumps({"warmup_seconds": round(warm_up(), 2)}))
+    return 0
+
+
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    from packfeed.server.tools.calibrate import calibrate, calibration_path
+    from packfeed.v1.options import PixelMode
+
+    models = calibrate([PixelMode(mode) for mode in args.pixels], rounds=max(1, args.rounds))
+    print(json.dumps({"calibration": str(calibration_path()), **{name: model.to_dict() for name, model in
+                                                                  models.items()}}))
     return 0
 
 

@@ -45,9 +45,18 @@ def index_info(path: str | Path) -> dict[str, Any]:
             "samples": int(len(valid)), "valid": int(valid.sum()), "invalid": int((~valid).sum()),
             "invalid_by_reason": dict(sorted(reasons.items())), "shards": len(info.inputs),
             "shard_errors": info.skipped_shards or [], "distributions": distributions, "trees": _trees(path, info),
+            "preprocessing_ms": _preprocessing(path) if info.has_shards else {},
             "conventions": {"image_policy": info.image_policy, "video_policy": info.video_policy,
                             "chat_template": info.chat_template,
                             "tokenizer": (info.tokenizer or {}).get("path")}}
+
+
+def _preprocessing(path: str | Path) -> dict[str, Any]:
+    """Per pixel mode this machine has a calibration of (`packfeed calibrate`), the samples' predicted ms."""
+    from packfeed.server.tools.loader_cores import preprocessing_ms
+    from packfeed.v1.options import PixelMode
+
+    return {mode: found["ms_per_sample"] for mode, found in preprocessing_ms(path, list(PixelMode), False).items()}
 
 
 def _trees(path: str | Path, info) -> dict[str, Any] | None:
@@ -203,6 +212,12 @@ def format_info(data: dict[str, Any], indent: str = "") -> str:
         if stats:
             lines.append(f"{indent}{name}: min {stats['min']:g}, p50 {stats['p50']:g}, p90 {stats['p90']:g}, "
                          f"p99 {stats['p99']:g}, max {stats['max']:g} (mean {stats['mean']:g})")
+    if data["kind"] == "index" and data.get("preprocessing_ms") is not None and "samples" in data:
+        found = data["preprocessing_ms"]
+        lines += [f"{indent}preprocessing ms per sample ({mode}, this machine): p50 {ms['p50']:g}, p99 {ms['p99']:g}, "
+                  f"max {ms['max']:g} (mean {ms['mean']:g})" for mode, ms in found.items() if ms]
+        if not found and data["source"] == "shards":
+            lines.append(f"{indent}preprocessing cost: run `packfeed calibrate` to see it for this machine")
     for problem in data.get("problems", []) + data.get("shard_errors", []):
         lines.append(f"{indent}problem: {problem}")
     if data["kind"] == "index" and data["conventions"]["image_policy"]:

@@ -265,6 +265,7 @@ def build_report(source: str | Path | ReportInput, config: PlanConfig,
         "plan_config": {"dp": config.dp, "microbatches": config.microbatches,
                         "pipeline_stages": config.pipeline_stages, "seed": seed},
         "caps": asdict(balanced.caps) if balanced is not None and balanced.caps else None,
+        "balanced_steps": int(balanced.n_steps) if balanced is not None else None,
         "comparison": rows,
         "collective_safe_note": collective_safe_note(rows, config) if rows else "",
     }
@@ -310,10 +311,17 @@ def _schedule(windows: list[dict]):
 
 
 def write_report(source: str | Path | ReportInput, out_dir: str | Path, config: PlanConfig,
-                 seed: int = 0) -> dict[str, Path]:
+                 seed: int = 0, sizing: tuple[int, float] | None = None) -> dict[str, Path]:
+    """The report's HTML, Markdown and JSON under `out_dir`; `sizing` (GPUs, step seconds): with the loader cores
+    and memory an index needs per GPU (`loader_cores`)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     data, figures = build_report(source, config, seed)
+    if sizing is not None:
+        from packfeed.server.tools.loader_cores import loader_cores
+
+        steps = max(1, int(data["balanced_steps"] or 1))
+        data["loader_cores"] = loader_cores(source, *sizing, data["valid"] / (steps * config.dp))
     for name, png in figures.items():
         (out / f"{name}.png").write_bytes(png)
     paths = {"html": out / "report.html", "markdown": out / "report.md", "json": out / "report.json"}

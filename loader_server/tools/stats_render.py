@@ -78,8 +78,21 @@ def report_markdown(data: dict[str, Any], figures: dict[str, bytes]) -> str:
         lines += [data["collective_safe_note"], ""]
     if data.get("groups_note"):
         lines += [data["groups_note"], ""]
+    if data.get("loader_cores"):
+        cores = data["loader_cores"]
+        lines += [f"## Loader cores per GPU ({cores['gpus']} GPUs, a step every {cores['step_seconds']:g} s, "
+                  f"{cores['samples_per_gpu_step']:g} samples per GPU-step)", "",
+                  "| pixels | ms per sample (mean) | p99 | cores per GPU | memory per GPU (MB) |", "|---|---|---|---|---|"]
+        lines += [f"| {row[0]} | {row[1]} | {row[2]} | {row[3]} | {row[4]} |" for row in _cores_rows(cores)]
+        lines += ["", f"Measured on this machine ({cores['calibration']}; `packfeed calibrate`); the server's main "
+                      "process (gRPC copies) runs beside these cores.", ""]
     lines += ["## Figures", ""] + [f"![{name}]({name}.png)\n\n{CAPTIONS.get(name, '')}\n" for name in figures]
     return "\n".join(lines) + "\n"
+
+
+def _cores_rows(cores: dict[str, Any]) -> list[tuple]:
+    return [(mode, f"{row['ms_per_sample'].get('mean', 0):.2f}", f"{row['ms_per_sample'].get('p99', 0):.2f}",
+             f"{row['cores_per_gpu']:.2f}", f"{row['memory_per_gpu_mb']:.0f}") for mode, row in cores["by_pixels"].items()]
 
 
 def _per_dataset(values: dict, spec: str) -> str:
@@ -131,6 +144,13 @@ def report_html(markdown_data: dict[str, Any], figures: dict[str, bytes]) -> str
         parts.append(f"<p class=note>{esc(d['collective_safe_note'])}</p>")
     if d.get("groups_note"):
         parts.append(f"<p class=note>{esc(d['groups_note'])}</p>")
+    if d.get("loader_cores"):
+        cores = d["loader_cores"]
+        parts.append(f"<h2>Loader cores per GPU</h2><p>{cores['gpus']} GPUs, a step every {cores['step_seconds']:g} s, "
+                     f"{cores['samples_per_gpu_step']:g} samples per GPU-step; measured on this machine "
+                     f"(<code>{esc(cores['calibration'])}</code>)</p>" + table(
+                         ["pixels", "ms per sample (mean)", "p99", "cores per GPU", "memory per GPU (MB)"],
+                         _cores_rows(cores)))
     parts.append("<h2>Figures</h2><div class=figs>" + "".join(
         f'<figure data-figure="{name}"><img alt="{esc(CAPTIONS.get(name, name))}" '
         f'src="data:image/png;base64,{base64.b64encode(png).decode()}"><figcaption>{esc(CAPTIONS.get(name, name))}'
