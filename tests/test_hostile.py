@@ -144,7 +144,8 @@ def test_jobs_are_closed_bounded_and_forgotten_when_idle(small_tile_index):
         # 1,000 epochs: the stream cannot reach its end behind the client's back (one epoch of this small data
         # fits in gRPC's flow-control window, and a finished stream no longer holds the job)
         stub.OpenJob(pb.OpenJobRequest(job="c", plan=PLAN, epochs=1000))
-        assert sorted(job.job for job in stub.ListJobs(pb.ListJobsRequest()).jobs) == ["b", "c"]
+        listed = {job.job for job in stub.ListJobs(pb.ListJobsRequest()).jobs}  # (b idle 2 s on a loaded machine:
+        assert "c" in listed and listed <= {"b", "c"}, listed                  # it may be forgotten already)
         parts = stub.StreamPackParts(pb.StreamPacksRequest(job="c", rank=0))
         next(parts)  # a rank streams from c: it cannot be closed under it, nor forgotten
         code, message = code_and_message(lambda: stub.CloseJob(pb.CloseJobRequest(job="c")))
