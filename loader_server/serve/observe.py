@@ -101,6 +101,18 @@ class Metrics:
         self.preprocess = Histogram("packfeed_preprocess_seconds_per_sample",
                                     "Worker time per sample (read, decode, tile, tokenize, assemble)",
                                     registry=r, buckets=(.001, .003, .01, .03, .1, .3, 1, 3))
+        self.cores_used = Gauge("packfeed_loader_cores_used", "Worker CPU seconds of the rank-steps sent in the last "
+                                "minute, per second", registry=r)
+        self.cores_per_gpu = Gauge("packfeed_loader_cores_per_gpu", "Loader cores used per GPU fed (seats streamed "
+                                   "in the last minute)", registry=r)
+        self.step_tail = Histogram("packfeed_step_preprocessing_tail", "Per step, its slowest rank-step's worker CPU "
+                                   "over the mean of its ranks served here", ["job"], registry=r,
+                                   buckets=(1.05, 1.1, 1.2, 1.5, 2, 3, 5))
+
+    def watch_loader(self, use) -> None:
+        """The loader gauges read `use` (`loader_use.LoaderUse`) when scraped."""
+        self.cores_used.set_function(lambda: use.snapshot()["cores_used"])
+        self.cores_per_gpu.set_function(lambda: use.snapshot()["cores_per_gpu"] or 0.0)
 
     def live_observe(self, job: str, now: dict, before: dict) -> None:
         """A live job's counts after a put (`LiveSteps.status()`, and as it was before)."""

@@ -30,6 +30,7 @@ from packfeed.server.serve.live_put import put_samples
 from packfeed.server.serve.mixture_weights import (decided_answer, report_losses,
                                                    restore_decided, step_weights)
 from packfeed.server.serve.network import client_host
+from packfeed.server.serve.loader_use import LoaderUse
 from packfeed.server.serve.observe import Metrics, log
 from packfeed.server.serve.feed import RankFeed
 from packfeed.server.serve.feed import HEARTBEAT
@@ -53,6 +54,8 @@ class PackfeedService:
         self.config, self.registry, self.pool, self.metrics = config, registry, pool, metrics
         self.coordination = Coordination(config, registry, metrics, coordinator, server_id)
         self.budget = MemoryBudget(config.memory_budget_mb << 20, metrics.held.set)
+        self.loader_use = LoaderUse()  # the worker CPU the sent steps took (/status, Prometheus)
+        metrics.watch_loader(self.loader_use)
         self.streams_per_client: collections.Counter = collections.Counter()
         # Planning runs here, off the event loop and off the default executor (which shutdown waits for)
         self.planning = ThreadPoolExecutor(max_workers=4, thread_name_prefix="packfeed-plan")
@@ -85,6 +88,7 @@ class PackfeedService:
 
     async def close_job(self, request: pb.CloseJobRequest, context) -> pb.CloseJobResponse:
         job = self.registry.close(request.job)
+        self.loader_use.forget(job.spec.job)
         self.metrics.jobs.set(len(self.registry.jobs))
         log.info("job closed", extra={"job": job.spec.job})
         return pb.CloseJobResponse()
@@ -92,6 +96,7 @@ class PackfeedService:
     def evict_idle_jobs(self) -> None:
         for name in self.registry.evict_idle():
             self.metrics.evicted.inc()
+            self.loader_use.forget(name)
             log.info("idle job forgotten", extra={"job": name, "idle_s": self.config.job_idle_s})
         self.metrics.jobs.set(len(self.registry.jobs))
 
@@ -196,6 +201,9 @@ class PackfeedService:
         await self._take_lease(job, seat)
         lost = asyncio.Event()
         job.stream_opened()
+        use_key = -1 - rank if encoder else rank
+        if seat.primary:
+            self.loader_use.streaming(job.spec.job, use_key, +1)
         keeper = asyncio.create_task(self.coordination.keep_lease(job, None if encoder else rank, seat.lease_name,
                                                                   lost))
         feed = RankFeed(job, seat, start, self.pool, self.budget, self.config, self.metrics)
@@ -244,6 +252,7 @@ class PackfeedService:
         finally:
             job.stream_closed()
             if seat.primary:
+                self.loader_use.streaming(job.spec.job, use_key, -1)
                 job.progress(seat).end_run(complete)
             if primary:
                 self.metrics.run_ended(job.spec.job, rank, job.ranks[rank].lag)
@@ -284,6 +293,10 @@ class PackfeedService:
         counts packs and bytes only (its samples are the rank's); an encoder rank's first its skips and position
         too."""
         name, rank = job.spec.job, seat.rank
+        tail = self.loader_use.sent(name, seat.name, -1 - rank if seat.encoder else rank, (epoch, step),
+                                    result.cpu_seconds, seat.primary)
+        if tail is not None:
+            self.metrics.step_tail.labels(name).observe(tail)
         job.count_sent(len(result.messages))
         self.metrics.packs.labels(name).inc(len(result.messages))
         self.metrics.bytes.labels(name).inc(result.nbytes)

@@ -82,6 +82,7 @@ class StatusReport:
                   for entry in list(service.registry.closed)]
         return {"server": service.server_id, "uptime_s": round(time.time() - self.started, 1),
                 "memory": {"held_bytes": budget.held, "budget_bytes": budget.limit},
+                "loader": service.loader_use.snapshot(),
                 "refresh_s": REFRESH_S, "history_s": HISTORY_S, "jobs": [self._job(job) for job in held],
                 "closed_jobs": closed}
 

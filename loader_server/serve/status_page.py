@@ -137,7 +137,9 @@ function job(j, window_s) {
 function render(s) {
   document.getElementById("server").textContent = s.server;
   document.getElementById("summary").textContent = s.jobs.length + " job(s); memory held " +
-    mib(s.memory.held_bytes) + " of " + mib(s.memory.budget_bytes) + "; up " + Math.round(s.uptime_s) + " s; " +
+    mib(s.memory.held_bytes) + " of " + mib(s.memory.budget_bytes) + "; loader cores used " +
+    s.loader.cores_used.toFixed(2) + " (" + (s.loader.cores_per_gpu === null ? "-" : s.loader.cores_per_gpu.toFixed(2)) +
+    " per GPU, " + s.loader.gpus_fed + " GPUs fed in the last minute); up " + Math.round(s.uptime_s) + " s; " +
     "updated " + new Date().toLocaleTimeString();
   document.getElementById("jobs").innerHTML = s.jobs.map(j => job(j, s.history_s)).join("");
   document.getElementById("closed").innerHTML = s.closed_jobs.length ? "<h2>Closed recently</h2>" +

@@ -119,6 +119,7 @@ class RankStepResult:
     shared: str | None = None  # the file holding the messages, until attached
     segments: list[list[tuple[int, int]]] = field(default_factory=list)  # per message: (offset, bytes) in order
     files: "SharedFiles | None" = field(default=None, repr=False)  # the server's pool the file comes from
+    cpu_seconds: float = 0.0  # the worker's CPU time preparing it (`loader_use`)
 
     def __getstate__(self) -> dict:
         return {**self.__dict__, "files": None}  # the server's pool never travels to or from a worker

@@ -132,7 +132,7 @@ def build_rank_step(work: RankStepWork, shared: str | None = None) -> RankStepRe
 
 
 def _build_rank_step(work: RankStepWork, shared: str | None) -> RankStepResult:
-    started = time.perf_counter()
+    started, cpu_started = time.perf_counter(), time.process_time()
     parts = work.reads.parts(_dataset)
     arena = TileArena.open(shared, _tile_bytes(parts, work)) if shared is not None else None
     for _, reader, _ in parts:
@@ -154,6 +154,7 @@ def _build_rank_step(work: RankStepWork, shared: str | None) -> RankStepResult:
         if shared is not None:  # unmapped once this step's tiles are dropped: see _writable_mapping
             forget_mapping(shared)
     result.seconds = time.perf_counter() - started
+    result.cpu_seconds = time.process_time() - cpu_started
     return result
 
 
