@@ -101,6 +101,8 @@ class Metrics:
         self.preprocess = Histogram("packfeed_preprocess_seconds_per_sample",
                                     "Worker time per sample (read, decode, tile, tokenize, assemble)",
                                     registry=r, buckets=(.001, .003, .01, .03, .1, .3, 1, 3))
+        self.loader_cpu = Counter("packfeed_loader_cpu_seconds", "Worker CPU seconds of the rank-steps sent",
+                                  ["job"], registry=r)
         self.cores_used = Gauge("packfeed_loader_cores_used", "Worker CPU seconds of the rank-steps sent in the last "
                                 "minute, per second", registry=r)
         self.cores_per_gpu = Gauge("packfeed_loader_cores_per_gpu", "Loader cores used per GPU fed (seats streamed "

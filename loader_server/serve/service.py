@@ -307,6 +307,7 @@ class PackfeedService:
             job.encoders[rank].sent(epoch, step)
             return
         self.metrics.samples.labels(name).inc(result.samples)
+        self.metrics.loader_cpu.labels(name).inc(result.cpu_seconds)
         for dataset, count in result.by_dataset.items():
             self.metrics.dataset_samples.labels(name, dataset).inc(count)
         job.delivered.update(result.by_dataset)

@@ -4,7 +4,9 @@ moves it).
 
 It prepares a fixed set of images made here (photograph-like and document-like, JPEG and PNG, 256 to 3,000 px on
 the long side, tiled by InternVL's and Qwen2-VL's policies) the way a worker does, reading each file's checksum
-too, and tokenises text with a BPE tokenizer trained on the spot; each item's CPU time (the median of several
+too, tokenises text with a BPE tokenizer trained on the spot, and serves each image (and texts alone) as a
+sample of a small indexed tar through the worker's own path (read, decode, tokenise through the chat template,
+assemble, serialise: the worker's per-sample work beyond an image's); each item's CPU time (the median of several
 rounds, this thread's CPU clock, so a loaded machine slows the wall clock but less the figure) is fitted by
 non-negative least squares on its features. The fit's R^2 and Spearman rank correlation come with the model.
 Videos are not measured yet: a video's frame pixel is taken at a PNG pixel's decode rate (said in the fit).
@@ -116,7 +118,63 @@ def measure(mode: PixelMode, rounds: int = 3, sides: tuple[int, ...] = SIDES) ->
     for features, run in _token_items():
         rows.append(features)
         seconds.append(_cpu_seconds(run, rounds))
-    return np.array(rows), np.array(seconds)
+    served, served_seconds = served_items(mode, rounds, sides)
+    return np.vstack([np.array(rows), served]), np.concatenate([np.array(seconds), served_seconds])
+
+
+def served_items(mode: PixelMode, rounds: int, sides: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
+    """(features, CPU seconds) of samples prepared the way a worker prepares them, each alone in a pack: read at its
+    offsets, checked, decoded and tiled, tokenised through the chat template, assembled and serialised. The set:
+    every calibration image in a conversation of its own, and text-only conversations, in a tar indexed here with
+    a tokenizer trained on the spot. This is where the worker's own per-sample work (beyond an image's) is
+    measured."""
+    import tarfile
+    import tempfile
+
+    from packfeed.media.chat import PRESETS
+    from packfeed.server.index.config import IndexConfig
+    from packfeed.server.index.cpu_features import sample_features
+    from packfeed.server.index.indexer import build_index
+    from packfeed.server.index.table import read_index_info
+    from packfeed.server.serve.index_rows import IndexRows
+    from packfeed.server.serve.packs import build_pack
+    from packfeed.server.serve.preprocess import SampleReader
+    from packfeed.server.serve.wire import encode_pack
+    from packfeed.server.tools.demo import corpus_lines, train_tokenizer
+
+    template = PRESETS["internvl"]
+    with tempfile.TemporaryDirectory() as folder:
+        root = Path(folder)
+        tokenizer = train_tokenizer(root / "tokenizer.json", vocab_size=2000, special_tokens=template.special_tokens)
+        lines = corpus_lines()
+        with tarfile.open(root / "calibration.tar", "w") as tar:
+            samples = [(data, fmt) for data, fmt in calibration_images(sides)] + [(None, None)] * 8
+            for k, (data, fmt) in enumerate(samples):
+                answer = " ".join(lines[(k * 7 + j) % len(lines)] for j in range(1 + k % 5 * 8))
+                doc = {"conversations": [{"from": "human", "value": ("<image>\n" if data else "") + lines[k % len(lines)]},
+                                         {"from": "gpt", "value": answer}]}
+                members = [(f"s{k:03d}.json", json.dumps(doc).encode())] + ([(f"s{k:03d}.{fmt[:3]}", data)] if data else [])
+                for name, payload in members:
+                    info = tarfile.TarInfo(name)
+                    info.size = len(payload)
+                    tar.addfile(info, io.BytesIO(payload))
+        index = root / "index.parquet"
+        build_index([str(root / "calibration.tar")], index,
+                    IndexConfig(str(tokenizer), {"name": "internvl"}, template.to_dict()), workers=1, progress=False)
+        rows = IndexRows(index)
+        reader = SampleReader(read_index_info(index), tokenizer, pixels=mode)
+        parts = [(rows, reader, "calibration")]
+        features = sample_features(index, mode)
+        one = np.zeros(1, np.int64)
+
+        def prepare(sample_id: int):
+            pack = build_pack(parts, np.array([sample_id]), one, one.astype(np.int32), 0, 0, 0, 0)
+            encode_pack(pack, 1, False)
+
+        valid = np.flatnonzero(features[:, 0] > 0)
+        seconds = np.array([_cpu_seconds(lambda k=k: prepare(int(k)), rounds) for k in valid])
+        reader.close()
+        return features[valid], seconds
 
 
 def _token_items():
