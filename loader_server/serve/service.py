@@ -5,6 +5,8 @@ the worker pool within the stream's account of the shared memory budget; the str
 touches pixels. A rank is streamed by one server at a time: the stream holds the rank's lease in the
 coordinator and renews it; acknowledgements go to the job's `RankState` and on to the coordinator.
 """
+# Near the line limit: one concern, the RPCs and what each sent step counts; what they lean on (coordination,
+# feeds, status, loader use, memory budget) lives in modules of its own already.
 
 from __future__ import annotations
 
