@@ -10,7 +10,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 
 import numpy as np
 import pytest
@@ -20,6 +19,7 @@ from scipy.stats import spearmanr
 from packfeed.media.cpu_cost import image_features
 from packfeed.media.image_policy import policy_from_dict
 from packfeed.media.pixel_modes import PIXEL_PATHS
+from packfeed.server.tools.calibrate import cpu_seconds
 from packfeed.v1.options import PixelMode
 
 pytestmark = pytest.mark.slow
@@ -59,16 +59,6 @@ def real_images() -> list[tuple[bytes, str]]:
             picture.save(buffer, format=fmt, **({"quality": 88} if fmt == "JPEG" else {}))
             out.append((buffer.getvalue(), "jpeg" if fmt == "JPEG" else "png"))
     return out
-
-
-def cpu_seconds(run, rounds: int = 3) -> float:
-    run()
-    times = []
-    for _ in range(rounds):
-        started = time.thread_time()
-        run()
-        times.append(time.thread_time() - started)
-    return float(np.median(times))
 
 
 @pytest.mark.parametrize("mode", [PixelMode.EXACT, PixelMode.FAST])

@@ -17,8 +17,9 @@ COLUMNS = ["valid", "n_images", "image_names", "image_sizes", "image_widths", "i
            "video_heights", "video_sampled", "frames_fps", "text_tokens"]
 
 
-def sample_features(index: str | Path, mode: PixelMode) -> np.ndarray:
-    """(samples x FEATURES) of every row of the index (invalid ones: zeros), in `mode`."""
+def sample_features(index: str | Path, modes: list[PixelMode]) -> dict[PixelMode, np.ndarray]:
+    """Per mode of `modes`, (samples x FEATURES) of every row of the index (invalid ones: zeros); the index read
+    and each image's geometry computed once for all of them."""
     from packfeed.server.index.table import read_index
 
     table, info = read_index(index, columns=COLUMNS)
@@ -26,7 +27,7 @@ def sample_features(index: str | Path, mode: PixelMode) -> np.ndarray:
         raise ValueError(f"{index} was imported from length files: it has no images to cost; index the shards")
     policy = policy_from_dict(info.image_policy)
     rows = table.to_pydict()
-    out = np.zeros((table.num_rows, len(FEATURES)))
+    out = {mode: np.zeros((table.num_rows, len(FEATURES))) for mode in modes}
     geometries: dict[tuple, object] = {}  # a dataset repeats few (width, height, images) triples
 
     def geometry(width: int, height: int, n: int, frame: bool = False):
@@ -38,17 +39,22 @@ def sample_features(index: str | Path, mode: PixelMode) -> np.ndarray:
     for k in range(table.num_rows):
         if not rows["valid"][k]:
             continue
-        features = out[k]
-        features[0], features[-1] = 1, rows["text_tokens"][k]
+        shared = np.zeros(len(FEATURES))  # what is the same in every mode: the sample, its text, its videos
+        shared[0], shared[-1] = 1, rows["text_tokens"][k]
         widths, heights = rows["image_widths"][k], rows["image_heights"][k]
+        images = []
         if rows["frames_fps"][k] is not None:  # one video given as its frames: each sampled one decoded
             sampled = rows["video_sampled"][k][0] if rows["video_sampled"][k] else len(widths)
-            features += video_features(widths[0], heights[0], sampled, geometry(widths[0], heights[0], 1, True))
-            continue
-        n = rows["n_images"][k]
-        for name, size, width, height in zip(rows["image_names"][k], rows["image_sizes"][k], widths, heights):
-            features += image_features(image_format(name), size, geometry(width, height, n), mode)
-        for width, height, sampled in zip(rows["video_widths"][k], rows["video_heights"][k],
-                                          rows["video_sampled"][k]):
-            features += video_features(width, height, sampled, geometry(width, height, 1, True))
+            shared += video_features(widths[0], heights[0], sampled, geometry(widths[0], heights[0], 1, True))
+        else:
+            n = rows["n_images"][k]
+            images = [(image_format(name), size, geometry(width, height, n)) for name, size, width, height in
+                      zip(rows["image_names"][k], rows["image_sizes"][k], widths, heights)]
+            for width, height, sampled in zip(rows["video_widths"][k], rows["video_heights"][k],
+                                              rows["video_sampled"][k]):
+                shared += video_features(width, height, sampled, geometry(width, height, 1, True))
+        for mode, features in out.items():
+            features[k] = shared
+            for fmt, size, shape in images:
+                features[k] += image_features(fmt, size, shape, mode)
     return out

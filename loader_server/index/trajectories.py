@@ -48,16 +48,16 @@ def turn_record(turns: list[dict[str, str]], ends: list[int], ids: np.ndarray, i
     there, and a digest of the ids, images (content and tiles) and turns up to there."""
     if len(turns) < 2:
         return {}
-    hasher, taken, start = xxhash.xxh3_64(), 0, 0
+    hasher, taken, start, units = xxhash.xxh3_64(), 0, 0, 0
     vision, digests = [], []
     for turn, end in zip(turns, ends):
         count = turn["value"].count(IMAGE_TAG)
         hasher.update(np.ascontiguousarray(ids[start:end], dtype="<i4").tobytes())
         hasher.update(repr((turn["role"], image_checksums[taken:taken + count],
                             image_shapes[taken:taken + count])).encode())
-        taken += count
-        start = end
-        vision.append(int(sum(image_units[:taken])))
+        units += int(sum(image_units[taken:taken + count]))
+        taken, start = taken + count, end
+        vision.append(units)
         digests.append(hasher.intdigest())
     return {"turn_ends": list(ends), "turn_vision": vision, "turn_digests": digests}
 

@@ -94,7 +94,6 @@ def _document(rng, width: int, height: int) -> Image.Image:
 def measure(mode: PixelMode, rounds: int = 3, sides: tuple[int, ...] = SIDES) -> tuple[np.ndarray, np.ndarray]:
     """(features, CPU seconds) of each calibration item in `mode`: every image under every policy, and texts of
     several lengths tokenised."""
-    from packfeed.media.pixels import Geometry  # noqa: F401  (the geometry's type)
     from packfeed.server.index.table import member_checksum
 
     path = PIXEL_PATHS[mode]
@@ -114,10 +113,10 @@ def measure(mode: PixelMode, rounds: int = 3, sides: tuple[int, ...] = SIDES) ->
             features = image_features(fmt, len(data), geometry, mode)
             features[0] = 1
             rows.append(features)
-            seconds.append(_cpu_seconds(prepare, rounds))
+            seconds.append(cpu_seconds(prepare, rounds))
     for features, run in _token_items():
         rows.append(features)
-        seconds.append(_cpu_seconds(run, rounds))
+        seconds.append(cpu_seconds(run, rounds))
     served, served_seconds = served_items(mode, rounds, sides)
     return np.vstack([np.array(rows), served]), np.concatenate([np.array(seconds), served_seconds])
 
@@ -164,7 +163,7 @@ def served_items(mode: PixelMode, rounds: int, sides: tuple[int, ...]) -> tuple[
         rows = IndexRows(index)
         reader = SampleReader(read_index_info(index), tokenizer, pixels=mode)
         parts = [(rows, reader, "calibration")]
-        features = sample_features(index, mode)
+        features = sample_features(index, [mode])[mode]
         one = np.zeros(1, np.int64)
 
         def prepare(sample_id: int):
@@ -172,7 +171,7 @@ def served_items(mode: PixelMode, rounds: int, sides: tuple[int, ...]) -> tuple[
             encode_pack(pack, 1, False)
 
         valid = np.flatnonzero(features[:, 0] > 0)
-        seconds = np.array([_cpu_seconds(lambda k=k: prepare(int(k)), rounds) for k in valid])
+        seconds = np.array([cpu_seconds(lambda k=k: prepare(int(k)), rounds) for k in valid])
         reader.close()
         return features[valid], seconds
 
@@ -195,7 +194,8 @@ def _token_items():
         yield features, (lambda text=text: tokenizer.encode_batch([text], add_special_tokens=False))
 
 
-def _cpu_seconds(run, rounds: int) -> float:
+def cpu_seconds(run, rounds: int = 3) -> float:
+    """This thread's CPU seconds of `run()`, the median of `rounds` after one warm-up call."""
     run()  # warm: first-call imports and caches are not the steady cost
     times = []
     for _ in range(rounds):

@@ -34,13 +34,11 @@ def preprocessing_ms(index: str | Path, modes: list[PixelMode], measure: bool) -
     from packfeed.server.index.cpu_features import sample_features
     from packfeed.server.tools.calibrate import cost_model
 
+    models = {mode: cost_model(mode, measure_if_missing=measure) for mode in modes}
+    models = {mode: model for mode, model in models.items() if model is not None}
     out = {}
-    for mode in modes:
-        model = cost_model(mode, measure_if_missing=measure)
-        if model is None:
-            continue
-        features = sample_features(index, mode)
-        seconds = model.seconds_of(features[features[:, 0] > 0])
+    for mode, features in (sample_features(index, list(models)) if models else {}).items():
+        seconds = models[mode].seconds_of(features[features[:, 0] > 0])
         out[mode.value] = {"ms_per_sample": describe_ms(seconds), "seconds": seconds}
     return out
 
